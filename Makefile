@@ -1,0 +1,53 @@
+# renderfleet: `make run` renders the bundled example; `make test` runs the suite.
+# Both create the virtual environment and install everything on a fresh machine.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch is pinned exactly: a looser range makes pip pull a multi-GB CUDA build
+# on a machine that has none. On a GPU node, PyPI's 2.13.0 build carries CUDA.
+TORCH  := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-unit test-integration chaos bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[worker,dev]'
+	touch $@
+
+# The bundled example on the embedded default (private Redis, ./renderfleet-output),
+# with the built-in random-weight `tiny` model: a smoke test of the whole path.
+run: install
+	$(BIN)/renderfleet run examples/prompts.txt --workers 2 --model tiny --steps 4 --size 64x64 \
+		--shard-size 4 --batch-size 4
+
+test: install lint
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-unit: install
+	$(BIN)/pytest -q tests/unit
+
+test-integration: install
+	$(BIN)/pytest -q tests/integration
+
+# The long chaos run: 300+ prompts, 3 workers, random SIGKILLs, a spot notice, a Redis restart.
+chaos: install
+	RENDERFLEET_CHAOS_PROMPTS=400 RENDERFLEET_CHAOS_KILLS=12 $(BIN)/python -m bench.chaos
+
+bench: install
+	$(BIN)/python bench/submit_bench.py
+	$(BIN)/python bench/render_bench.py
+	$(BIN)/python bench/reclaim_bench.py
+
+lint: install
+	$(BIN)/ruff check renderfleet tests bench
+	$(BIN)/mypy renderfleet
+	$(BIN)/hadolint docker/Dockerfile.worker docker/Dockerfile.dispatcher
+
+clean:
+	rm -rf $(VENV) renderfleet-output .pytest_cache .mypy_cache .ruff_cache

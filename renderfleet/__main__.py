@@ -1,0 +1,3 @@
+from renderfleet.cli import main
+
+main()

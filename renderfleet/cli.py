@@ -1,0 +1,317 @@
+"""The ``renderfleet`` command line.
+
+Every command builds one :class:`~renderfleet.core.settings.Settings` from its
+flags and the environment.  User mistakes (bad files, bad flags, unknown jobs)
+end with a message and a non-zero exit status, never a traceback: exit 2 for
+bad input, 1 for anything else that went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from renderfleet.core.errors import ConfigError, InputError, JobNotFound, RenderfleetError
+from renderfleet.core.settings import Settings, load_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Render one image per prompt on a fleet of GPU workers, each exactly once.")
+
+EXIT_INPUT = 2
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Known failures become a message and an exit status."""
+    import redis
+
+    try:
+        yield
+    except InputError as exc:
+        for line in exc.problems:
+            _err(line)
+        raise typer.Exit(EXIT_INPUT) from None
+    except ConfigError as exc:
+        _err(f"renderfleet: {exc}")
+        raise typer.Exit(EXIT_INPUT) from None
+    except JobNotFound as exc:
+        _err(f"renderfleet: {exc}")
+        raise typer.Exit(1) from None
+    except RenderfleetError as exc:
+        _err(f"renderfleet: {exc}")
+        raise typer.Exit(1) from None
+    except redis.RedisError as exc:
+        _err(f"renderfleet: Redis: {exc}")
+        raise typer.Exit(1) from None
+
+
+def _settings(**overrides: Any) -> Settings:
+    with _user_errors():
+        return load_settings(**overrides)
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _connect(settings: Settings) -> tuple[Any, Any, str]:
+    """(celery app, redis client, broker url), starting the embedded server if needed."""
+    import redis
+
+    from renderfleet.core.celery_app import make_app
+    from renderfleet.core.embedded import broker_url
+
+    url = broker_url(settings.redis_url, settings.home)
+    return make_app(url), redis.Redis.from_url(url), url
+
+
+def _parse_size(size: str) -> tuple[int, int]:
+    try:
+        w, _, h = size.lower().partition("x")
+        return int(w), int(h)
+    except ValueError:
+        raise InputError([f"--size: expected WIDTHxHEIGHT such as 1024x1024, got {size!r}"]) from None
+
+
+# ---- submit ------------------------------------------------------------------
+
+Model = Annotated[str | None, typer.Option(help="diffusers model id, local folder, s3:// URI, or 'tiny'")]
+Steps = Annotated[int, typer.Option(help="denoising steps")]
+Size = Annotated[str, typer.Option(help="WIDTHxHEIGHT, multiples of 8")]
+Guidance = Annotated[float, typer.Option(help="classifier-free guidance scale")]
+Negative = Annotated[str, typer.Option(help="negative prompt for every prompt without one")]
+Seed = Annotated[int, typer.Option(help="job seed; a prompt's seed is derived from it and its index")]
+ShardSize = Annotated[int, typer.Option("--shard-size", help="prompts per shard (one task)")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="prompts per pipeline call and checkpoint")]
+Pool = Annotated[str | None, typer.Option(help="pool whose queue gets the work")]
+JobOpt = Annotated[str | None, typer.Option("--job", help="job id (default: derived from content and settings)")]
+
+
+def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
+                    negative: str, seed: int, shard_size: int, batch_size: int, pool: str | None,
+                    settings: Settings) -> Any:
+    from renderfleet.core.spec import RenderParams
+    from renderfleet.dispatcher.submit import SubmitOptions
+
+    width, height = _parse_size(size)
+    params = RenderParams(model=model or settings.model, steps=steps, width=width, height=height,
+                          guidance=guidance, negative_prompt=negative, seed=seed)
+    return SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size,
+                         pool=pool or "default", job=job)
+
+
+def _do_submit(file: Path, opts: Any, settings: Settings) -> Any:
+    from renderfleet.core.celery_app import queue_name
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.submit import check_options, submit
+
+    check_options(opts)
+    from renderfleet.core import prompts
+
+    prompts.validate_file(str(file))  # fail on bad input before any server starts
+    celery, client, _ = _connect(settings)
+    return submit(str(file), opts, store=open_store(settings.store_url), app=celery, client=client,
+                  queue=queue_name(opts.pool))
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz")],
+    job: JobOpt = None, model: Model = None, steps: Steps = 30, size: Size = "512x512",
+    guidance: Guidance = 7.5, negative: Negative = "", seed: Seed = 0, shard_size: ShardSize = 64,
+    batch_size: BatchSize = 4, pool: Pool = None,
+) -> None:
+    """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
+    _logging()
+    settings = _settings()
+    with _user_errors():
+        opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
+                               batch_size, pool, settings)
+        result = _do_submit(file, opts, settings)
+    verb = "submitted" if result.new else "resubmitted"
+    _err(f"{verb} {result.total} prompts as job {result.job}: {result.shards_enqueued} shards enqueued "
+         f"in {result.seconds:.2f} s")
+    print(result.job)
+
+
+# ---- worker ------------------------------------------------------------------
+
+
+@app.command()
+def worker(
+    pool: Annotated[str | None, typer.Option(help="pool this worker belongs to (baseline, spot, ...)")] = None,
+    model: Model = None,
+    queue: Annotated[list[str] | None, typer.Option(help="pool queues to serve (default: its own and 'default')")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
+    _logging(verbose=True)
+    settings = _settings(pool=pool, model=model)
+    from renderfleet.worker.main import run_worker
+
+    with _user_errors():
+        code = run_worker(settings, model=model, queues=queue, loglevel="INFO" if verbose else "WARNING")
+    raise typer.Exit(code)
+
+
+# ---- status, results, resume ---------------------------------------------------
+
+
+@app.command()
+def status(
+    job: Annotated[str | None, typer.Argument(help="a job id; all jobs when left out")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
+) -> None:
+    """Progress of a job (or every job), queue depths and workers."""
+    settings = _settings()
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.status import fleet_status
+
+    with _user_errors():
+        _, client, _ = _connect(settings)
+        fleet = fleet_status(client, [job] if job else None, store=open_store(settings.store_url))
+    if as_json:
+        data: dict[str, Any] = fleet.to_dict()
+        if job:
+            data = {**data.pop("jobs")[0], **data}
+        print(json.dumps(data))
+        return
+    from renderfleet.dispatcher.show import print_status
+
+    print_status(fleet)
+
+
+@app.command()
+def results(
+    job: Annotated[str, typer.Argument(help="the job id")],
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
+) -> None:
+    """Where each prompt's image is, and which are missing or quarantined."""
+    settings = _settings()
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.status import results as job_results
+
+    with _user_errors():
+        res = job_results(open_store(settings.store_url), job)
+    if as_json:
+        print(json.dumps(res.to_dict()))
+        return
+    for name, where in res.images.items():
+        print(f"{name}\t{where}")
+    for name, error in res.quarantined.items():
+        print(f"{name}\tQUARANTINED\t{error}")
+    for name in res.missing:
+        print(f"{name}\tMISSING")
+    _err(f"{len(res.images)} images, {len(res.missing)} missing, {len(res.quarantined)} quarantined")
+
+
+@app.command()
+def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
+    """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
+    settings = _settings()
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.resume import resume as do_resume
+
+    with _user_errors():
+        celery, client, _ = _connect(settings)
+        report = do_resume(job, store=open_store(settings.store_url), app=celery, client=client)
+    _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
+         f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else ""))
+    print(job)
+
+
+@app.command()
+def monitor(
+    once: Annotated[bool, typer.Option(help="one pass, then exit")] = False,
+) -> None:
+    """Reap expired leases and resume jobs that Redis lost, until Ctrl-C."""
+    _logging(verbose=True)
+    settings = _settings()
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.monitor import Monitor
+
+    with _user_errors():
+        celery, client, _ = _connect(settings)
+        mon = Monitor(settings, celery, client, open_store(settings.store_url))
+        if once:
+            mon.tick()
+        else:
+            mon.run_forever()
+
+
+# ---- run: the all-in-one ------------------------------------------------------------
+
+
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz")],
+    workers: Annotated[int, typer.Option(help="local workers to start")] = 1,
+    job: JobOpt = None, model: Model = None, steps: Steps = 30, size: Size = "512x512",
+    guidance: Guidance = 7.5, negative: Negative = "", seed: Seed = 0, shard_size: ShardSize = 64,
+    batch_size: BatchSize = 4, pool: Pool = None,
+    timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 0,
+) -> None:
+    """Everything on this machine: server, N workers, submit, progress, summary."""
+    _logging()
+    settings = _settings()
+    from renderfleet.dispatcher.localrun import run_local
+
+    with _user_errors():
+        opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
+                               batch_size, pool, settings)
+        code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
+    raise typer.Exit(code)
+
+
+# ---- small tools ---------------------------------------------------------------
+
+
+@app.command("save-model")
+def save_model(
+    model: Annotated[str, typer.Argument(help="model to load ('tiny', id, folder, s3://)")],
+    dest: Annotated[Path, typer.Argument(help="folder to save the diffusers pipeline into")],
+) -> None:
+    """Save a pipeline with save_pretrained (e.g. 'tiny', to test the real loading path)."""
+    _logging()
+    settings = _settings()
+    from renderfleet.worker.main import load_renderer
+    from renderfleet.worker.models import save_pipeline
+
+    with _user_errors():
+        _, loaded = load_renderer(model, settings)
+        save_pipeline(loaded, dest)
+    print(dest)
+
+
+@app.command()
+def server(
+    action: Annotated[str, typer.Argument(help="start, stop or url")] = "url",
+) -> None:
+    """The embedded local Redis server: start it, stop it, or print its URL."""
+    settings = _settings()
+    from renderfleet.core.embedded import ensure_embedded, stop_embedded
+
+    with _user_errors():
+        if action in ("start", "url"):
+            print(settings.redis_url or ensure_embedded(settings.home))
+        elif action == "stop":
+            print("stopped" if stop_embedded(settings.home) else "not running")
+        else:
+            raise InputError([f"server: unknown action {action!r} (start, stop or url)"])
+
+
+def main() -> None:
+    app()
+

@@ -1,0 +1,75 @@
+"""Every error renderfleet raises on purpose, and what the system does with it.
+
+Three classes of trouble, each with its own budget:
+
+* **transient** (:class:`TransientError`): S3 throttling or a 5xx, a Redis
+  reconnect, a network blip.  Retried with exponential backoff and jitter;
+  never counted against a prompt.
+* **permanent** (:class:`PermanentError`): a prompt that makes the pipeline
+  fail the same way again and again.  Counted per prompt; at the third
+  failure the prompt is quarantined and the rest of the job goes on.
+* **reclaim** (:class:`Reclaimed`): the node is being taken away (spot
+  notice, SIGTERM) or this worker lost its lease.  Not a failure at all: the
+  work is handed back and nothing is counted.  It derives from
+  ``BaseException`` on purpose, so that no ``except Exception`` between the
+  denoising loop and the task can swallow it (the same reason rq's shutdown
+  signal does).
+
+:class:`InputError` is the user's: a bad prompt file or flag, reported as
+``FILE:LINE: reason`` lines, exit status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class RenderfleetError(Exception):
+    """Base of every ordinary renderfleet error."""
+
+
+class InputError(RenderfleetError):
+    """Bad user input; ``problems`` holds one ``FILE:LINE: reason`` per issue."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class ConfigError(RenderfleetError):
+    """A setting or flag with a bad value; the message names the setting."""
+
+
+class TransientError(RenderfleetError):
+    """Worth retrying with backoff; never counted against a prompt."""
+
+
+class StoreError(TransientError):
+    """The store could not be reached or refused past its retries."""
+
+
+class PermanentError(RenderfleetError):
+    """Fails the same way every time; counted towards quarantine."""
+
+
+class OutOfMemory(RenderfleetError):
+    """The accelerator ran out of memory for this batch; halve it and retry."""
+
+
+class JobNotFound(RenderfleetError):
+    """No job with that id in the store."""
+
+
+class Reclaimed(BaseException):  # noqa: N818 - a signal, not an error
+    """This worker must stop and hand its shard back: not a failure.
+
+    Raised when a reclaim notice arrives (AWS/GCP metadata, SIGTERM) and the
+    batch in flight cannot finish in time, or when the shard's lease was taken
+    over by a newer attempt (``fenced``), in which case nothing more of ours
+    may be written or counted.
+    """
+
+    def __init__(self, reason: str, *, fenced: bool = False):
+        self.reason = reason
+        self.fenced = fenced
+        super().__init__(reason)

@@ -1,0 +1,71 @@
+"""Every Redis key renderfleet uses, in one place.
+
+Redis holds the fleet's live state (what is queued, leased, counted); the
+store holds the truth (images and checkpoints).  All of this can be rebuilt
+from the store by ``renderfleet resume`` if Redis is lost.
+"""
+
+from __future__ import annotations
+
+JOBS = "rf:jobs"  # set of job ids known to this Redis
+INFLIGHT = "rf:inflight"  # zset "<job>:<shard>" -> lease expiry (ms, Redis clock)
+WORKERS = "rf:workers"  # hash worker id -> JSON registration
+EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
+REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
+
+
+def job(job_id: str) -> str:
+    """hash: spec (JSON), total, queue, done, failed counters."""
+    return f"rf:job:{job_id}"
+
+
+def done_bits(job_id: str) -> str:
+    """bitmap: bit i set when prompt i is committed (makes counting idempotent)."""
+    return f"rf:job:{job_id}:done"
+
+
+def failed_bits(job_id: str) -> str:
+    """bitmap: bit i set when prompt i is quarantined."""
+    return f"rf:job:{job_id}:failed"
+
+
+def shards(job_id: str) -> str:
+    """hash shard -> 'q' (queued) or 'r' (running); absent once finished."""
+    return f"rf:job:{job_id}:shards"
+
+
+def left(job_id: str) -> str:
+    """hash shard -> prompts of that shard neither done nor quarantined."""
+    return f"rf:job:{job_id}:left"
+
+
+def attempts(job_id: str) -> str:
+    """hash shard -> the last attempt number handed out (the fencing token)."""
+    return f"rf:job:{job_id}:attempts"
+
+
+def fails(job_id: str) -> str:
+    """hash prompt index -> failures so far."""
+    return f"rf:job:{job_id}:fails"
+
+
+def lease(job_id: str, shard: int) -> str:
+    """hash: worker, attempt, queue, tag, requeue (the kombu payload to re-push)."""
+    return f"rf:lease:{job_id}:{shard}"
+
+
+def member(job_id: str, shard: int) -> str:
+    return f"{job_id}:{shard}"
+
+
+def worker_stats(worker_id: str) -> str:
+    """hash of counters for one worker: loads, batches, images, render_ms, ..."""
+    return f"rf:worker:{worker_id}"
+
+
+POOL_STATS_PREFIX = "rf:pool:"
+
+
+def pool_stats(pool: str) -> str:
+    """hash of counters for one pool: images, batches, render_ms, reclaims, lost_batches."""
+    return f"{POOL_STATS_PREFIX}{pool}"

@@ -1,0 +1,1 @@
+"""What runs near the user: submit, resume, status, results, monitor."""

@@ -1,0 +1,101 @@
+"""``renderfleet run``: the whole product on one machine, in one command.
+
+Starts what is missing (the embedded server, N local worker processes),
+submits, shows a progress bar, waits, stops the workers it started, and
+prints a summary and where the images are.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from renderfleet.core import spec as layout
+from renderfleet.core.embedded import broker_url
+from renderfleet.core.settings import Settings
+from renderfleet.core.store import open_store
+from renderfleet.dispatcher.monitor import Monitor
+from renderfleet.dispatcher.status import job_status
+
+
+def start_workers(n: int, *, env: dict[str, str], pool: str, model: str, log_dir: Path) -> list[subprocess.Popen[bytes]]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(n):
+        log = open(log_dir / f"worker-{i}.log", "ab")  # noqa: SIM115 - lives as long as the worker
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "worker", "--pool", pool, "--model", model],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeout: float,
+              submit: Callable[[Path, Any, Settings], Any]) -> int:
+    console = Console(stderr=True)
+    from renderfleet.core import prompts
+
+    prompts.validate_file(str(file))
+    url = broker_url(settings.redis_url, settings.home)
+    settings = settings.model_copy(update={"redis_url": url, "store": settings.store_url})
+    env = {**os.environ, "RENDERFLEET_REDIS_URL": url, "RENDERFLEET_STORE": settings.store_url}
+    if opts.params.model == "tiny":
+        console.print("[yellow]model 'tiny' is a random-weight smoke-test model: its images are noise[/]")
+    started = time.monotonic()
+    procs = start_workers(workers, env=env, pool=opts.pool, model=opts.params.model,
+                          log_dir=settings.home / "logs")
+    try:
+        result = submit(file, opts, settings)
+        import redis
+
+        from renderfleet.core.celery_app import make_app
+
+        client = redis.Redis.from_url(url)
+        store = open_store(settings.store_url)
+        monitor = Monitor(settings, make_app(url), client, store)
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task(f"job {result.job}", total=result.total)
+            while True:
+                st = job_status(client, result.job, store=store)
+                bar.update(task, completed=st.done + st.failed)
+                if st.finished:
+                    break
+                if all(p.poll() is not None for p in procs):
+                    console.print(f"[red]all workers exited; see {settings.home / 'logs'}[/]")
+                    return 1
+                if timeout and time.monotonic() - started > timeout:
+                    console.print(f"[red]timed out after {timeout:.0f} s; `renderfleet resume {result.job}` goes on[/]")
+                    return 1
+                monitor.tick()
+                time.sleep(0.3)
+    finally:
+        stop_workers(procs)
+    elapsed = time.monotonic() - started
+    where = store.locate(f"{layout.job_prefix(result.job)}images")
+    console.print(f"job {result.job}: {st.done} images, {st.failed} quarantined, {elapsed:.1f} s "
+                  f"({st.done / elapsed:.2f} images/s with {workers} worker(s), model loads included)")
+    console.print(f"images: {where}")
+    print(where)
+    return 0 if st.failed == 0 else 1

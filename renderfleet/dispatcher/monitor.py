@@ -1,0 +1,71 @@
+"""The dispatcher's monitor: reaps expired leases and heals a Redis that lost its memory.
+
+It runs the same reaper as the workers (one acts at a time), and if Redis
+restarted empty (its epoch marker is gone) it resumes from the store every job
+that still has work left, and any job that has work left but nothing queued
+or running.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+import redis
+from celery import Celery
+
+from renderfleet.core import celery_app, keys
+from renderfleet.core.leases import Leases
+from renderfleet.core.reaper import reap_once
+from renderfleet.core.settings import Settings
+from renderfleet.core.store import Store
+from renderfleet.dispatcher.resume import resume
+from renderfleet.dispatcher.status import job_status
+
+log = logging.getLogger("renderfleet.monitor")
+
+
+class Monitor:
+    def __init__(self, settings: Settings, app: Celery, client: redis.Redis, store: Store):
+        self.settings = settings
+        self.app = app
+        self.client = client
+        self.store = store
+        self.leases = Leases(client, settings.lease_seconds)
+        self.owner = uuid.uuid4().hex
+        self.known_jobs: set[str] = set()
+
+    def _publish(self, message: str) -> None:
+        queue = json.loads(message)["queue"]
+        self.app.send_task(celery_app.TASK_NAME, args=[message], queue=queue)
+
+    def tick(self) -> list[str]:
+        """One pass; returns the jobs it resumed."""
+        reap_once(self.leases, self._publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
+        resumed = []
+        self.known_jobs |= {j.decode() for j in self.client.smembers(keys.JOBS)}
+        lost = not self.client.exists(keys.EPOCH)
+        for job in sorted(self.known_jobs):
+            try:
+                st = job_status(self.client, job, store=self.store)
+            except Exception as exc:  # a job deleted from the store: forget it
+                log.warning("job %s: %s", job, exc)
+                continue
+            stalled = not st.finished and st.queued == 0 and st.in_flight == 0
+            if (lost or not st.known_to_redis or stalled) and not st.finished:
+                report = resume(job, store=self.store, app=self.app, client=self.client)
+                log.warning("job %s resumed from the store: %d shards enqueued", job, report.shards_enqueued)
+                resumed.append(job)
+        if lost:
+            self.client.setnx(keys.EPOCH, "1")
+        return resumed
+
+    def run_forever(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("monitor: Redis unavailable: %s", exc)
+            time.sleep(self.settings.reap_seconds)

@@ -1,0 +1,158 @@
+"""``renderfleet status`` and ``results``: cheap counters from Redis, truth from the store.
+
+``status`` reads a handful of Redis keys per job (a hash, two small hashes of
+shard states) and the length of every queue, so a dashboard can poll it.
+``results`` walks the store: where each image is, which are missing, which
+were quarantined and why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from renderfleet.core import keys
+from renderfleet.core import spec as layout
+from renderfleet.core.celery_app import QUEUE_PREFIX
+from renderfleet.core.spec import index_name
+from renderfleet.core.store import Store
+from renderfleet.dispatcher.resume import load_spec, stored_names
+
+
+@dataclass
+class JobStatus:
+    job: str
+    total: int
+    done: int
+    failed: int
+    queued: int
+    in_flight: int
+    shards: int
+    shards_queued: int
+    shards_running: int
+    known_to_redis: bool
+
+    @property
+    def finished(self) -> bool:
+        return self.done + self.failed >= self.total
+
+
+@dataclass
+class FleetStatus:
+    queues: dict[str, int] = field(default_factory=dict)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    pools: dict[str, dict[str, int]] = field(default_factory=dict)
+    jobs: list[JobStatus] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"queues": self.queues, "workers": self.workers, "pools": self.pools,
+                "jobs": [asdict(j) for j in self.jobs]}
+
+
+def _int(value: Any) -> int:
+    return int(value) if value is not None else 0
+
+
+def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> JobStatus:
+    """One job's counters; falls back to the store when Redis does not know it."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.job(job), "total", "done", "failed", "spec")
+    pipe.hgetall(keys.shards(job))
+    pipe.hgetall(keys.left(job))
+    (total, done, failed, spec_json), states, left = pipe.execute()
+    if total is None:
+        if store is None:
+            from renderfleet.core.errors import JobNotFound
+
+            raise JobNotFound(f"no job {job} in Redis")
+        spec = load_spec(store, job)
+        images = len(stored_names(store, job, "images"))
+        quarantined = len(stored_names(store, job, "quarantine"))
+        return JobStatus(job, spec.total, images, quarantined, 0, 0, spec.shards, 0, 0, False)
+    queued = running = sq = sr = 0
+    for shard, state in states.items():
+        n = _int(left.get(shard))
+        if state == b"q":
+            queued += n
+            sq += 1
+        else:
+            running += n
+            sr += 1
+    spec = json.loads(spec_json) if spec_json else {}
+    shards = -(-int(spec.get("total", 0)) // int(spec.get("shard_size", 1)))
+    return JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True)
+
+
+def queue_depths(client: redis.Redis) -> dict[str, int]:
+    """Every renderfleet queue and its length (a queue that drained still shows, at 0, while known)."""
+    names = {k.decode() for k in client.scan_iter(match=f"{QUEUE_PREFIX}*", count=1000)}
+    for raw in client.hvals(keys.WORKERS):
+        info = json.loads(raw)
+        names.add(f"{QUEUE_PREFIX}{info.get('pool', 'default')}")
+    for job in client.smembers(keys.JOBS):
+        q = client.hget(keys.job(job.decode()), "queue")
+        if q:
+            names.add(q.decode())
+    names.add(f"{QUEUE_PREFIX}default")
+    pipe = client.pipeline(transaction=False)
+    ordered = sorted(names)
+    for name in ordered:
+        pipe.llen(name)
+    return dict(zip(ordered, (int(n) for n in pipe.execute()), strict=True))
+
+
+def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None) -> FleetStatus:
+    status = FleetStatus(queues=queue_depths(client))
+    for worker_id, raw in sorted(client.hgetall(keys.WORKERS).items()):
+        info = json.loads(raw)
+        stats = {k.decode(): v.decode() for k, v in client.hgetall(keys.worker_stats(worker_id.decode())).items()}
+        info.update(stats)
+        status.workers.append(info)
+    for key in client.scan_iter(match=f"{keys.POOL_STATS_PREFIX}*", count=1000):
+        pool = key.decode()[len(keys.POOL_STATS_PREFIX):]
+        status.pools[pool] = {k.decode(): int(v) for k, v in client.hgetall(key).items()}
+    for job in jobs if jobs is not None else sorted(j.decode() for j in client.smembers(keys.JOBS)):
+        status.jobs.append(job_status(client, job, store=store))
+    return status
+
+
+# ---- results ---------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    job: str
+    images: dict[str, str]  # name -> location
+    missing: list[str]
+    quarantined: dict[str, str]  # name -> error
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _names(store: Store, job: str) -> Iterator[str]:
+    from renderfleet.dispatcher.submit import read_wire_prompts
+
+    for i, line in enumerate(read_wire_prompts(store, job)):
+        yield json.loads(line).get("n") or index_name(i)
+
+
+def results(store: Store, job: str) -> Results:
+    """Where each prompt's image is, and which are missing or quarantined."""
+    load_spec(store, job)
+    images = stored_names(store, job, "images")
+    quarantined = stored_names(store, job, "quarantine")
+    out = Results(job, {}, [], {})
+    for name in _names(store, job):
+        if name in images:
+            out.images[name] = store.locate(layout.image_key(job, name))
+        elif name in quarantined:
+            record = store.get(layout.quarantine_key(job, name))
+            out.quarantined[name] = json.loads(record)["error"] if record else "quarantined"
+        else:
+            out.missing.append(name)
+    return out

@@ -1,0 +1,149 @@
+"""``renderfleet submit``: prompt file → validated job → spec in the store → shards on the queue.
+
+1. validate the whole file (pass 1: streamed, every problem as ``FILE:LINE``);
+   on any problem nothing is written and nothing is enqueued;
+2. derive the job id from the file's content and the render settings, so a
+   second submit of the same file is the same job;
+3. a new job: stream the file again (pass 2), writing the normalised prompts
+   to the store and publishing shard messages as they fill, then write the
+   spec (last: a spec in the store means the job is whole);
+4. a known job: enqueue only what the store does not hold yet (``resume``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from renderfleet.core import prompts as prompt_files
+from renderfleet.core import spec as layout
+from renderfleet.core.errors import InputError
+from renderfleet.core.spec import JobSpec, RenderParams
+from renderfleet.core.store import Store
+from renderfleet.dispatcher import enqueue
+from renderfleet.dispatcher.enqueue import WireShard
+
+_JOB_ID_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+@dataclass(frozen=True)
+class SubmitOptions:
+    params: RenderParams
+    shard_size: int = 64
+    batch_size: int = 4
+    pool: str = "default"
+    job: str | None = None
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    job: str
+    total: int
+    shards_enqueued: int
+    new: bool
+    seconds: float
+
+
+def check_options(opts: SubmitOptions) -> None:
+    """Flag values, reported like file problems: ``--flag: reason``."""
+    problems = []
+    p = opts.params
+    if p.steps <= 0 or p.steps > 1000:
+        problems.append(f"--steps: must be between 1 and 1000, got {p.steps}")
+    for name, value in (("width", p.width), ("height", p.height)):
+        if value <= 0 or value % 8 or value > 4096:
+            problems.append(f"--size: {name} must be a positive multiple of 8 up to 4096, got {value}")
+    if p.guidance < 0:
+        problems.append(f"--guidance: must not be negative, got {p.guidance}")
+    if not 0 <= p.seed < 2**63:
+        problems.append(f"--seed: must be between 0 and 2**63-1, got {p.seed}")
+    if opts.shard_size <= 0:
+        problems.append(f"--shard-size: must be positive, got {opts.shard_size}")
+    if opts.batch_size <= 0:
+        problems.append(f"--batch-size: must be positive, got {opts.batch_size}")
+    if opts.job is not None and (not opts.job or set(opts.job) - _JOB_ID_OK or opts.job.startswith(".")
+                                 or len(opts.job) > 100):
+        problems.append(f"--job: use letters, digits, '-', '_' and '.', got {opts.job!r}")
+    if problems:
+        raise InputError(problems)
+
+
+def job_id(digest: str, opts: SubmitOptions) -> str:
+    """Content plus settings: the same file with the same settings is the same job."""
+    ident = json.dumps({"content": digest, "params": opts.params.to_dict(),
+                        "shard_size": opts.shard_size, "batch_size": opts.batch_size}, sort_keys=True)
+    return "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client: redis.Redis,
+           queue: str) -> SubmitResult:
+    """Validate, write and enqueue a prompt file; see the module docstring."""
+    started = time.perf_counter()
+    check_options(opts)
+    summary = prompt_files.validate_file(path)
+    job = opts.job or job_id(summary.digest, opts)
+
+    existing = store.get(layout.spec_key(job))
+    if existing is not None:
+        from renderfleet.dispatcher.resume import resume
+
+        known = JobSpec.from_json(existing)
+        if known.total != summary.total or known.params != opts.params:
+            raise InputError([f"{path}: job {job} exists with other prompts or settings; "
+                              "choose another --job or leave it out"])
+        report = resume(job, store=store, app=app, client=client, queue=queue)
+        return SubmitResult(job, summary.total, report.shards_enqueued, False,
+                            time.perf_counter() - started)
+
+    spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
+                   batch_size=opts.batch_size, pool=opts.pool, source=os.path.basename(path),
+                   created=time.time())
+    enqueue.register_job(client, spec, queue)
+    with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
+        local = Path(tmp) / "prompts.jsonl.gz"
+        with gzip.open(local, "wt", encoding="utf-8", compresslevel=1) as out:
+            shards = _wire_shards(path, spec, out)
+            sent = enqueue.publish_shards(app, client, spec, queue, shards)
+        store.put_file(layout.prompts_key(job), local)
+    store.put(layout.spec_key(job), spec.to_json().encode(), content_type="application/json")
+    return SubmitResult(job, spec.total, sent, True, time.perf_counter() - started)
+
+
+def _wire_shards(path: str, spec: JobSpec, out: object) -> Iterator[WireShard]:
+    """Pass 2: each prompt's wire JSON goes to the prompts file and into its shard."""
+    write = out.write  # type: ignore[attr-defined]
+    params = spec.params
+    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    current: list[str] = []
+    shard = 0
+    for prompt in prompt_files.iter_prompts(path, params):
+        line = dumps(prompt.to_wire(params))
+        write(line)
+        write("\n")
+        current.append(line)
+        if len(current) == spec.shard_size:
+            yield WireShard(shard, len(current), current)
+            shard += 1
+            current = []
+    if current:
+        yield WireShard(shard, len(current), current)
+
+
+def read_wire_prompts(store: Store, job: str) -> Iterator[str]:
+    """The job's prompts as stored: one wire JSON line each, in file order."""
+    with tempfile.TemporaryDirectory(prefix="rf-prompts-") as tmp:
+        local = Path(tmp) / "prompts.jsonl.gz"
+        store.download(layout.prompts_key(job), local)
+        with gzip.open(local, "rt", encoding="utf-8") as f:
+            for line in f:
+                yield line.rstrip("\n")

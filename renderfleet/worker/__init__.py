@@ -1,0 +1,1 @@
+"""What runs on the GPU node: model loading, rendering, the shard runner."""

@@ -1,0 +1,94 @@
+"""A running shard's account in Redis, and the heartbeat that keeps its lease.
+
+:class:`RedisLedger` is the runner's :class:`~renderfleet.worker.runner.Ledger`
+for one attempt of one shard.  Counters that ``status`` (and later the
+metrics exporter and ``bench``) read cheaply are bumped here: per worker and
+per pool, images, batches, render milliseconds, wasted renders.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from renderfleet.core import keys
+from renderfleet.core.errors import Reclaimed
+from renderfleet.core.leases import Lease, Leases
+from renderfleet.core.spec import Prompt
+from renderfleet.worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.ledger")
+
+
+class RedisLedger:
+    """Commits, failure counts and stats for one lease."""
+
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str):
+        self.leases = leases
+        self.lease = lease
+        self.stop = stop
+        self.pool = pool
+        self.client = leases.client
+
+    def check(self) -> None:
+        if self.stop.fenced:
+            raise Reclaimed(f"shard {self.lease.member} attempt {self.lease.attempt} fenced", fenced=True)
+
+    def commit(self, done: list[int], failed: list[int]) -> None:
+        self.leases.commit(self.lease, done, failed)
+
+    def record_failure(self, prompt: Prompt, error: str) -> int:
+        pipe = self.client.pipeline()
+        pipe.hincrby(keys.fails(self.lease.job), str(prompt.index), 1)
+        pipe.hset(keys.fails(self.lease.job), f"{prompt.index}:error", error[:500])
+        count, _ = pipe.execute()
+        return int(count)
+
+    def _bump(self, **fields: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool)):
+            for name, value in fields.items():
+                pipe.hincrby(key, name, value)
+        pipe.execute()
+
+    def record_start(self, images: int) -> None:
+        self._bump(started_images=images, started_batches=1)
+
+    def record_batch(self, images: int, seconds: float) -> None:
+        self._bump(images=images, batches=1, render_ms=int(seconds * 1000))
+
+    def record_waste(self, images: int) -> None:
+        self._bump(wasted_batches=1, wasted_images=images)
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews a lease every ``interval`` seconds until stopped.
+
+    A failed renewal because a newer attempt holds the shard sets the stop
+    signal's fence: the runner stops before writing anything more.  A Redis
+    outage is only logged: the lease is re-created when Redis answers again.
+    """
+
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float):
+        super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
+        self.leases = leases
+        self.lease = lease
+        self.signal = stop
+        self.interval = interval
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                if not self.leases.heartbeat(self.lease):
+                    log.warning("lease %s attempt %d taken over: stopping", self.lease.member, self.lease.attempt)
+                    self.signal.request(f"fenced: {self.lease.member}", fenced=True)
+                    return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("lease heartbeat failed, will retry: %s", exc)
+
+    def close(self) -> None:
+        self._done.set()
+        self.join(timeout=5)

@@ -1,0 +1,119 @@
+"""``renderfleet worker``: load the model once, then serve shards until told to stop.
+
+Start-up order matters for cost: the pipeline is loaded *before* the worker
+consumes, so no message waits on a model load, and it stays warm for every
+shard this process takes (one load per process, counted in Redis).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from renderfleet.core import celery_app
+from renderfleet.core.embedded import broker_url
+from renderfleet.core.reaper import ReaperThread
+from renderfleet.core.settings import Settings
+from renderfleet.core.store import open_store
+from renderfleet.worker import tasks
+from renderfleet.worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+from renderfleet.worker.service import WorkerService, new_worker_id
+from renderfleet.worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.worker")
+
+EXIT_BREAKER = 3
+
+
+def fetch_from_store(uri: str, dest: Path) -> None:
+    """Download a saved pipeline from ``s3://bucket/prefix`` into ``dest``."""
+    store = open_store(uri)
+    dest.mkdir(parents=True, exist_ok=True)
+    for key in store.list(""):
+        target = dest / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        store.download(key, target)
+
+
+def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
+    """(renderer, loaded model) for ``model``, on the best device."""
+    from renderfleet.worker.models import load_pipeline
+    from renderfleet.worker.render import Renderer
+
+    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models",
+                           fetch=fetch_from_store)
+    return Renderer(loaded), loaded
+
+
+def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,
+               loglevel: str = "INFO") -> int:
+    """Run a worker in this process until shutdown; returns the exit status."""
+    url = broker_url(settings.redis_url, settings.home)
+    model = model or settings.model
+    worker_id = new_worker_id(settings.pool)
+    log.info("worker %s: pool %s, loading model %s", worker_id, settings.pool, model)
+    renderer, loaded = load_renderer(model, settings)
+    log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
+
+    app = celery_app.make_app(url)
+    client = redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10)
+    stop = StopSignal()
+
+    def publish(message: str) -> None:
+        app.send_task(celery_app.TASK_NAME, args=[message], queue=str(json.loads(message)["queue"]))
+
+    service = WorkerService(
+        settings=settings, client=client, store=open_store(settings.store_url), renderer=renderer,
+        model=model, stop=stop, publish=publish, worker_id=worker_id,
+        load_model=lambda m: load_renderer(m, settings)[0],
+    )
+    service.register(device=loaded.device, load_seconds=loaded.load_seconds)
+    tasks.register(app, service)
+    tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
+
+    def on_tick() -> None:
+        service.touch()
+        if service.tripped:
+            tasks.request_warm_shutdown()
+
+    reaper = ReaperThread(service.leases, publish, settings.reap_seconds, on_tick=on_tick)
+    reaper.start()
+    watcher = None
+    if settings.watch_reclaim:
+        watcher = ReclaimWatcher(
+            stop, [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
+            settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown)
+        watcher.start()
+
+    queue_names = [celery_app.queue_name(q) for q in (queues or _default_queues(settings.pool))]
+    worker = app.Worker(
+        hostname=f"{worker_id}@{socket.gethostname()}",
+        queues=queue_names,
+        pool_cls="solo",
+        concurrency=1,
+        loglevel=loglevel,
+        without_heartbeat=True,
+        without_mingle=True,
+        without_gossip=True,
+        optimization="fair",
+    )
+    try:
+        worker.start()
+    finally:
+        reaper.close()
+        if watcher:
+            watcher.close()
+        service.close()
+    if service.tripped:
+        return EXIT_BREAKER
+    return int(worker.exitcode or 0)
+
+
+def _default_queues(pool: str) -> list[str]:
+    """A pool serves its own queue and the shared default one."""
+    return [pool] if pool == "default" else [pool, "default"]

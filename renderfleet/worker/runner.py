@@ -1,0 +1,276 @@
+"""The shard runner: a shard's batches rendered, stored and checkpointed.
+
+Knows nothing of Celery (rule 1): it takes a :class:`ShardMessage`, a store,
+a renderer and a ledger, and is tested with plain objects.  Every batch is
+safe to run twice (rule 2):
+
+1. read the shard's checkpoints and skip every prompt already committed;
+2. before each batch, stop if a reclaim notice leaves no time for it;
+3. render the batch (OOM halves it; a failing batch is split to find the
+   prompt at fault);
+4. write the images, then the batch's checkpoint, then count them in Redis:
+   nothing is counted done unless its image is in the store.
+
+Positions of batches are fixed by the message (``ShardMessage.batches``), so
+batch *k* means the same prompts on every delivery and its checkpoint key is
+stable.  Images are deterministic, so a stale write is byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from renderfleet.core import spec
+from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed
+from renderfleet.core.spec import Prompt, ShardMessage
+from renderfleet.core.store import Store
+from renderfleet.worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.runner")
+
+
+class Renderer(Protocol):
+    last_batch_seconds: float | None
+
+    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = ...) -> list[bytes]: ...
+
+
+class Ledger(Protocol):
+    """The shard's account in Redis: fenced by attempt, idempotent counts."""
+
+    def check(self) -> None:
+        """Raise Reclaimed(fenced=True) if a newer attempt took the shard."""
+
+    def commit(self, done: list[int], failed: list[int]) -> None: ...
+
+    def record_failure(self, prompt: Prompt, error: str) -> int:
+        """Count one more failure of this prompt; returns the total so far."""
+
+    def record_start(self, images: int) -> None:
+        """A batch is about to render (started minus rendered = work lost to kills)."""
+
+    def record_batch(self, images: int, seconds: float) -> None: ...
+
+    def record_waste(self, images: int) -> None:
+        """Renders thrown away (abandoned or fenced batches)."""
+
+
+@dataclass
+class ShardResult:
+    """What one delivery of a shard achieved."""
+
+    rendered: int = 0
+    skipped: int = 0
+    quarantined: int = 0
+    failed: list[int] = field(default_factory=list)  # failed but not yet quarantined
+    batches: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
+
+    @property
+    def all_failed(self) -> bool:
+        return bool(self.failed or self.quarantined) and self.rendered == 0
+
+
+@dataclass
+class _Checkpoint:
+    done: set[str] = field(default_factory=set)
+    quarantined: set[str] = field(default_factory=set)
+
+
+class ShardRunner:
+    """Renders shards; one per worker process, reused across shards."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        renderer: Renderer,
+        stop: StopSignal,
+        max_failures: int = 3,
+        upload_threads: int = 8,
+        worker_id: str = "",
+    ):
+        self.store = store
+        self.renderer = renderer
+        self.stop = stop
+        self.max_failures = max_failures
+        self.worker_id = worker_id
+        self._uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="rf-upload")
+        # OOM halving sticks per (width, height): the next batch starts at the size that fit.
+        self._fit: dict[tuple[int, int], int] = {}
+        self._batch_seconds: float | None = None
+
+    # ---- the shard ---------------------------------------------------------------
+
+    def run(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0) -> ShardResult:
+        """Render every prompt of the shard not yet in the store."""
+        result = ShardResult()
+        checkpoints = self._read_checkpoints(msg)
+        for number, batch in msg.batches():
+            cp = checkpoints.get(number, _Checkpoint())
+            pending = [p for p in batch if p.name not in cp.done and p.name not in cp.quarantined]
+            result.skipped += len(batch) - len(pending)
+            if not pending:
+                continue
+            if self.stop.requested:
+                # A notice means no new work: hand the rest of the shard back now.
+                raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
+            self._run_batch(msg, number, pending, cp, ledger, result, attempt)
+        return result
+
+    def _run_batch(
+        self,
+        msg: ShardMessage,
+        number: int,
+        pending: list[Prompt],
+        cp: _Checkpoint,
+        ledger: Ledger,
+        result: ShardResult,
+        attempt: int,
+    ) -> None:
+        started = time.monotonic()
+        images: dict[str, bytes] = {}
+        failures: list[tuple[Prompt, str]] = []
+        groups: dict[tuple[int, float, int, int], list[Prompt]] = defaultdict(list)
+        for p in pending:
+            groups[p.render_key].append(p)
+
+        def should_stop() -> bool:
+            return self.stop.requested and not self.stop.can_finish(started, self._batch_seconds)
+
+        ledger.record_start(len(pending))
+        try:
+            for group in groups.values():
+                self._render_group(group, images, failures, should_stop)
+        except Reclaimed:
+            ledger.record_waste(len(images))
+            raise
+        elapsed = time.monotonic() - started
+        if images:
+            self._batch_seconds = elapsed
+            ledger.record_batch(len(images), elapsed)
+
+        ledger.check()  # a fenced worker writes nothing more
+        quarantined: list[Prompt] = []
+        for prompt, error in failures:
+            count = ledger.record_failure(prompt, error)
+            if count >= self.max_failures:
+                quarantined.append(prompt)
+                self._quarantine(msg, prompt, error, count)
+            else:
+                result.failed.append(prompt.index)
+                log.warning("prompt %s of job %s failed (%d/%d): %s",
+                            prompt.name, msg.job, count, self.max_failures, error)
+
+        by_name = {p.name: p for p in pending}
+        self._put_images(msg.job, images)
+        cp.done.update(images)
+        cp.quarantined.update(p.name for p in quarantined)
+        self._write_checkpoint(msg, number, cp, attempt)
+        ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
+        result.rendered += len(images)
+        result.quarantined += len(quarantined)
+        result.batches += 1
+
+    def _render_group(
+        self,
+        group: list[Prompt],
+        images: dict[str, bytes],
+        failures: list[tuple[Prompt, str]],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        """Render prompts that share a render key, halving on OOM, isolating failures."""
+        w, h = group[0].width, group[0].height
+        size = min(len(group), self._fit.get((w, h), len(group)))
+        start = 0
+        while start < len(group):
+            chunk = group[start : start + size]
+            try:
+                pngs = self.renderer.render(chunk, should_stop=should_stop)
+            except OutOfMemory:
+                if size > 1:
+                    size = max(1, size // 2)
+                    self._fit[(w, h)] = size
+                    log.warning("out of memory at %dx%d: batch size now %d", w, h, size)
+                    continue
+                failures.append((chunk[0], "out of memory at batch size 1"))
+                start += 1
+                continue
+            except PermanentError as exc:
+                if len(chunk) > 1:
+                    # Find the prompt at fault: render the chunk one by one.
+                    for p in chunk:
+                        self._render_group_single(p, images, failures, should_stop)
+                else:
+                    failures.append((chunk[0], str(exc)))
+                start += len(chunk)
+                continue
+            for p, png in zip(chunk, pngs, strict=True):
+                images[p.name] = png
+            start += len(chunk)
+
+    def _render_group_single(
+        self,
+        prompt: Prompt,
+        images: dict[str, bytes],
+        failures: list[tuple[Prompt, str]],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        try:
+            images[prompt.name] = self.renderer.render([prompt], should_stop=should_stop)[0]
+        except (PermanentError, OutOfMemory) as exc:
+            failures.append((prompt, str(exc) or type(exc).__name__))
+
+    # ---- the store -----------------------------------------------------------
+
+    def _read_checkpoints(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
+        out: dict[int, _Checkpoint] = {}
+        for key in self.store.list(spec.checkpoint_prefix(msg.job, msg.shard)):
+            data = self.store.get(key)
+            if not data:
+                continue
+            record = json.loads(data)
+            out[int(record["batch"])] = _Checkpoint(set(record["done"]), set(record.get("quarantined", [])))
+        return out
+
+    def _put_images(self, job: str, images: dict[str, bytes]) -> None:
+        futures = [
+            self._uploads.submit(self.store.put, spec.image_key(job, name), png, content_type="image/png")
+            for name, png in images.items()
+        ]
+        for f in futures:
+            f.result()  # re-raises StoreError: the batch stays uncommitted
+
+    def _write_checkpoint(self, msg: ShardMessage, number: int, cp: _Checkpoint, attempt: int) -> None:
+        record = {
+            "job": msg.job,
+            "shard": msg.shard,
+            "batch": number,
+            "done": sorted(cp.done),
+            "quarantined": sorted(cp.quarantined),
+            "attempt": attempt,
+            "worker": self.worker_id,
+            "at": time.time(),
+        }
+        self.store.put(spec.checkpoint_key(msg.job, msg.shard, number), json.dumps(record).encode(),
+                       content_type="application/json")
+
+    def _quarantine(self, msg: ShardMessage, prompt: Prompt, error: str, count: int) -> None:
+        record = {"index": prompt.index, "name": prompt.name, "prompt": prompt.prompt,
+                  "seed": prompt.seed, "error": error, "failures": count, "worker": self.worker_id}
+        self.store.put(spec.quarantine_key(msg.job, prompt.name), json.dumps(record).encode(),
+                       content_type="application/json")
+        log.error("prompt %s of job %s quarantined after %d failures: %s", prompt.name, msg.job, count, error)
+
+    def close(self) -> None:
+        self._uploads.shutdown(wait=True)

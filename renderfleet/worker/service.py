@@ -1,0 +1,189 @@
+"""One worker process: a warm pipeline, a shard runner, leases, counters.
+
+:class:`WorkerService` is everything a worker does with a shard message, with
+no Celery in it; :mod:`renderfleet.worker.tasks` wraps it in a task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from renderfleet.core import keys
+from renderfleet.core.errors import PermanentError, Reclaimed, TransientError
+from renderfleet.core.leases import Leases
+from renderfleet.core.settings import Settings
+from renderfleet.core.spec import ShardMessage
+from renderfleet.core.store import Store
+from renderfleet.worker.ledger import LeaseKeeper, RedisLedger
+from renderfleet.worker.runner import ShardRunner
+from renderfleet.worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.worker")
+
+Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
+
+
+def new_worker_id(pool: str) -> str:
+    return f"{pool}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Outcome:
+    """What became of one delivery (for logs and tests)."""
+
+    status: str  # done | partial | busy | finished-before | handed-back | fenced | error
+    rendered: int = 0
+
+
+class WorkerService:
+    """Handles shard messages for one worker process."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        client: redis.Redis,
+        store: Store,
+        renderer: Any,
+        model: str,
+        stop: StopSignal,
+        publish: Publisher,
+        worker_id: str,
+        load_model: Callable[[str], Any] | None = None,
+    ):
+        self.settings = settings
+        self.client = client
+        self.store = store
+        self.model = model
+        self.stop = stop
+        self.publish = publish
+        self.worker_id = worker_id
+        self.load_model = load_model
+        self.leases = Leases(client, settings.lease_seconds)
+        self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
+                                  max_failures=settings.max_prompt_failures, worker_id=worker_id)
+        self.failed_streak = 0
+        self.tripped = False
+
+    # ---- registration and counters ------------------------------------------------
+
+    def register(self, *, device: str, load_seconds: float) -> None:
+        info = {"worker": self.worker_id, "pool": self.settings.pool, "model": self.model,
+                "device": device, "host": socket.gethostname(), "pid": os.getpid(),
+                "started": time.time()}
+        pipe = self.client.pipeline()
+        pipe.hset(keys.WORKERS, self.worker_id, json.dumps(info))
+        pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
+        pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
+        pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+        pipe.execute()
+
+    def touch(self) -> None:
+        self.client.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+
+    def unregister(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.client.hdel(keys.WORKERS, self.worker_id)
+
+    def _pool_bump(self, **fields: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name, value in fields.items():
+            pipe.hincrby(keys.pool_stats(self.settings.pool), name, value)
+            pipe.hincrby(keys.worker_stats(self.worker_id), name, value)
+        pipe.execute()
+
+    # ---- one delivery -----------------------------------------------------------
+
+    def handle(self, message: str | dict[str, Any], tag: str) -> Outcome:
+        """Claim the shard, render what is missing, release or hand it back."""
+        raw = message if isinstance(message, str) else json.dumps(message)
+        msg = ShardMessage.from_dict(json.loads(raw))
+        if msg.params.model != self.model:
+            self._switch_model(msg.params.model)
+        status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
+                                          tag=tag, message=raw)
+        if lease is None:
+            log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
+            return Outcome("busy" if status == "busy" else "finished-before")
+        log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
+        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds)
+        keeper.start()
+        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool)
+        try:
+            result = self.runner.run(msg, ledger, attempt=lease.attempt)
+        except Reclaimed as exc:
+            keeper.close()
+            if exc.fenced or self.stop.fenced:
+                self.stop.clear_fence()
+                self._pool_bump(fenced=1)
+                log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
+                return Outcome("fenced")
+            self._hand_back(lease, "front")
+            noticed = self.stop.noticed_at or time.monotonic()
+            self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
+            log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
+            return Outcome("handed-back")
+        except (TransientError, redis.RedisError) as exc:
+            keeper.close()
+            log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
+            self._safe_hand_back(lease, "back")
+            time.sleep(1.0)  # do not spin on a store outage
+            return Outcome("error")
+        except Exception:
+            keeper.close()
+            log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
+            self._safe_hand_back(lease, "back")
+            self._count_failure(True)
+            return Outcome("error")
+        keeper.close()
+        self._count_failure(result.all_failed)
+        if result.complete:
+            self.leases.release(lease, "done")
+            log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
+                     msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
+            return Outcome("done", result.rendered)
+        # Some prompts failed but are not yet quarantined: back of the queue, try again later.
+        self._hand_back(lease, "back")
+        return Outcome("partial", result.rendered)
+
+    def _hand_back(self, lease: Any, where: str) -> None:
+        message = self.leases.release(lease, where)
+        if message is not None:
+            self.publish(message)
+
+    def _safe_hand_back(self, lease: Any, where: str) -> None:
+        try:
+            self._hand_back(lease, where)
+        except redis.RedisError as exc:
+            # The lease will expire and the reaper will re-queue the shard.
+            log.warning("could not hand back %s: %s", lease.member, exc)
+
+    def _count_failure(self, all_failed: bool) -> None:
+        self.failed_streak = self.failed_streak + 1 if all_failed else 0
+        if self.failed_streak >= self.settings.breaker_shards and not self.tripped:
+            self.tripped = True
+            log.error("the last %d shards all failed on this worker: it stops taking work", self.failed_streak)
+            self.stop.request("circuit breaker: every shard fails here")
+
+    def _switch_model(self, model: str) -> None:
+        if self.load_model is None:
+            raise PermanentError(f"worker has model {self.model!r}, shard wants {model!r}")
+        log.warning("shard wants model %r, this worker had %r: loading it", model, self.model)
+        self.runner.renderer = self.load_model(model)
+        self.model = model
+        self.client.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.unregister()

@@ -1,0 +1,73 @@
+"""The stop signal a reclaim notice raises, and when a batch can still finish.
+
+One object per worker process, set by the reclaim watcher (cloud metadata),
+by Celery's warm shutdown (SIGTERM, Ctrl-C), or by the lease keeper when a
+newer attempt fenced this worker off.  The shard runner and the denoising
+loop only ever read it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class StopSignal:
+    """Set once; read from the denoising loop after every step."""
+
+    # Headroom kept before a notice's deadline for the checkpoint and hand-back.
+    MARGIN_SECONDS = 3.0
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.reason = ""
+        self.deadline: float | None = None  # time.monotonic() by which we must be gone
+        self.fenced = False
+        self.noticed_at: float | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def request(self, reason: str, *, seconds_left: float | None = None, fenced: bool = False) -> None:
+        """Ask the worker to stop; the earliest deadline wins."""
+        with self._lock:
+            now = time.monotonic()
+            deadline = None if seconds_left is None else now + seconds_left
+            if not self._event.is_set():
+                self.reason = reason
+                self.noticed_at = now
+                self.deadline = deadline
+            elif deadline is not None and (self.deadline is None or deadline < self.deadline):
+                self.deadline = deadline
+            self.fenced = self.fenced or fenced
+            self._event.set()
+
+    def clear_fence(self) -> None:
+        """A fence ends with its shard; a reclaim never clears."""
+        with self._lock:
+            if self.fenced and self.reason.startswith("fenced"):
+                self.fenced = False
+                self.reason = ""
+                self._event.clear()
+
+    def can_finish(self, started_at: float, expected_seconds: float | None) -> bool:
+        """Whether a batch begun at ``started_at`` fits before the deadline.
+
+        No deadline (SIGTERM without a grace figure) or no measurement yet:
+        finish when there is no deadline, abandon when the estimate is unknown.
+        """
+        if not self.requested:
+            return True
+        if self.fenced:
+            return False
+        if self.deadline is None:
+            return True
+        if expected_seconds is None:
+            return False
+        finish = started_at + expected_seconds
+        return finish <= self.deadline - self.MARGIN_SECONDS
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)

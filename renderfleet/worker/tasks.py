@@ -1,0 +1,68 @@
+"""The Celery side of a worker: a thin task over :class:`WorkerService`.
+
+The task decodes the message, passes it and kombu's delivery tag to the
+service, and lets Celery ack it (``acks_late``).  Hand-backs and retries are
+not Celery retries: the lease protocol puts the very same message back on the
+queue, so a reclaim never burns a retry budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+from celery import Celery, Task
+from celery import signals as celery_signals
+from celery.worker.request import Request
+
+from renderfleet.core.celery_app import TASK_NAME
+from renderfleet.worker.service import WorkerService
+from renderfleet.worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.tasks")
+
+
+class ShardRequest(Request):
+    """Passes kombu's delivery tag to the task: the lease needs it to re-queue."""
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        self._request_dict["rf_delivery_tag"] = message.delivery_tag or ""
+
+
+class ShardTask(Task):  # type: ignore[misc]
+    Request = ShardRequest
+    service: WorkerService | None = None
+
+
+def register(app: Celery, service: WorkerService) -> Task:
+    """Bind the render task to this process's service."""
+
+    @app.task(name=TASK_NAME, bind=True, base=ShardTask, acks_late=True, ignore_result=True)
+    def render_shard(self: ShardTask, message: str | dict[str, Any]) -> str:
+        tag = str(getattr(self.request, "rf_delivery_tag", "") or "")
+        return service.handle(message, tag).status
+
+    return render_shard  # type: ignore[no-any-return]
+
+
+def install_shutdown_hooks(stop: StopSignal, grace_seconds: float) -> None:
+    """Celery's warm shutdown (SIGTERM, Ctrl-C) becomes our stop signal.
+
+    Celery stops taking messages; the shard in flight sees the signal after
+    the current denoising step, finishes its batch if it fits in
+    ``grace_seconds`` (Kubernetes gives 30 by default), and hands back the rest.
+    """
+
+    def on_shutdown(sig: str = "", how: str = "", **_: Any) -> None:
+        if not stop.requested:
+            stop.request(f"{sig or 'signal'} ({how} shutdown)", seconds_left=grace_seconds)
+
+    celery_signals.worker_shutting_down.connect(on_shutdown, weak=False)
+
+
+def request_warm_shutdown() -> None:
+    """What a reclaim notice does: the same path as SIGTERM."""
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,35 @@
+"""Shared fixtures: real servers, started once per session."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import boto3
+import pytest
+
+from tests.servers import MotoServer, s3_env
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    """moto's S3 in server mode on a free port, for the whole session."""
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh, empty bucket on the moto server; the AWS env points at it.
+
+    Returns the store URL ``s3://<bucket>/rf-test``.
+    """
+    bucket = f"rf-{uuid.uuid4().hex[:20]}"
+    # These would win over (or add to) the test keys and endpoint below.
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_env(moto_server.endpoint_url, bucket).items():
+        monkeypatch.setenv(name, value)
+    client = boto3.session.Session().client("s3", endpoint_url=moto_server.endpoint_url, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/rf-test"

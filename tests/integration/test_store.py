@@ -1,0 +1,375 @@
+"""The store's behaviour, the same for a local folder and for S3 over real HTTP (moto server).
+
+Retry tests put a small fault-injecting HTTP proxy (or a closed port) between
+the store and moto: no boto3 mocks anywhere.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, cast
+
+import botocore.exceptions
+import pytest
+from boto3.s3.transfer import TransferConfig
+
+from renderfleet.core.errors import ConfigError, StoreError
+from renderfleet.core.store import TEMP_MARK, LocalStore, S3Store, Store, open_store
+from tests.servers import free_port
+
+pytestmark = pytest.mark.integration
+
+MB = 1 << 20
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """A fresh, empty store of each kind."""
+    if request.param == "local":
+        return open_store(str(tmp_path / "store"))
+    url = request.getfixturevalue("s3_bucket")
+    s3 = open_store(url)  # endpoint from AWS_ENDPOINT_URL, set by the fixture
+    assert isinstance(s3, S3Store)
+    # S3's smallest part is 5 MB: a 12 MB upload goes up in 3 parts.
+    s3.transfer_config = TransferConfig(multipart_threshold=5 * MB, multipart_chunksize=5 * MB)
+    return s3
+
+
+# ---- the shared behaviour ----
+
+
+def test_put_then_get_returns_the_same_bytes(store: Store) -> None:
+    store.put("jobs/j1/spec.json", b'{"a": 1}', content_type="application/json")
+    assert store.get("jobs/j1/spec.json") == b'{"a": 1}'
+
+
+def test_put_replaces_an_existing_object(store: Store) -> None:
+    store.put("a/b", b"old")
+    store.put("a/b", b"new")
+    assert store.get("a/b") == b"new"
+
+
+def test_get_of_a_missing_key_returns_none(store: Store) -> None:
+    assert store.get("jobs/nope/spec.json") is None
+
+
+def test_exists_only_after_put(store: Store) -> None:
+    assert not store.exists("jobs/j1/images/000001.png")
+    store.put("jobs/j1/images/000001.png", b"png")
+    assert store.exists("jobs/j1/images/000001.png")
+    assert not store.exists("jobs/j1/images")  # a "folder" is not an object
+
+
+def test_list_returns_sorted_keys_under_a_prefix_even_one_ending_mid_name(store: Store) -> None:
+    keys = [
+        "jobs/a/checkpoints/000002/0.json",
+        "jobs/a/checkpoints/000001/1.json",
+        "jobs/a/checkpoints/000001/0.json",
+        "jobs/ab/x",
+        "jobs/b/y",
+        "top",
+    ]
+    for key in keys:
+        store.put(key, b"x")
+    assert list(store.list("jobs/a/checkpoints/000001/")) == [
+        "jobs/a/checkpoints/000001/0.json",
+        "jobs/a/checkpoints/000001/1.json",
+    ]
+    assert list(store.list("jobs/a")) == sorted(k for k in keys if k.startswith("jobs/a"))
+    assert list(store.list("jobs/a/checkpoints/00000")) == sorted(k for k in keys if "checkpoints" in k)
+    assert list(store.list("")) == sorted(keys)
+    assert list(store.list("nothing/here/")) == []
+
+
+def test_list_returns_every_key_past_one_page_of_1000(store: Store) -> None:
+    keys = [f"many/{i:05d}" for i in range(1100)]
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(lambda k: store.put(k, b"."), keys))
+    store.put("other/0", b".")
+    assert list(store.list("many/")) == keys
+
+
+def test_put_file_and_download_roundtrip_a_12mb_file(store: Store, tmp_path: Path) -> None:
+    data = os.urandom(12 * MB)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    store.put_file("jobs/j1/prompts.jsonl.gz", src)
+    dest = tmp_path / "out" / "deeper" / "big.bin"  # parents do not exist yet
+    store.download("jobs/j1/prompts.jsonl.gz", dest)
+    assert dest.read_bytes() == data
+    assert os.listdir(dest.parent) == ["big.bin"]  # no temp file left beside it
+    if isinstance(store, S3Store):
+        head = store.client.head_object(Bucket=store.bucket, Key=f"{store.prefix}/jobs/j1/prompts.jsonl.gz")
+        assert head["ETag"].strip('"').endswith("-3")  # went up as a 3-part multipart upload
+
+
+def test_download_of_a_missing_key_raises_store_error(store: Store, tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="jobs/none/x"):
+        store.download("jobs/none/x", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_locate_gives_a_user_facing_location(store: Store, tmp_path: Path) -> None:
+    if isinstance(store, S3Store):
+        assert store.locate("jobs/j1/images/a.png") == f"s3://{store.bucket}/rf-test/jobs/j1/images/a.png"
+        assert store.url == f"s3://{store.bucket}/rf-test"
+    else:
+        assert store.locate("jobs/j1/images/a.png") == str(tmp_path / "store" / "jobs" / "j1" / "images" / "a.png")
+        assert store.url == str(tmp_path / "store")
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "../escape", "a/../b", "a//b", "a/./b", "a\\b"])
+def test_a_key_that_could_escape_the_root_is_refused(store: Store, key: str) -> None:
+    with pytest.raises(ValueError, match="bad store key"):
+        store.put(key, b"x")
+
+
+# ---- local: atomic writes, nothing at open ----
+
+
+def test_local_store_creates_its_folder_on_first_write_not_at_open(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "later"))
+    assert not (tmp_path / "later").exists()
+    assert list(store.list("")) == []
+    store.put("a/b/c", b"x")
+    assert (tmp_path / "later" / "a" / "b" / "c").read_bytes() == b"x"
+
+
+def test_local_put_leaves_no_temp_file_and_list_skips_one_left_by_a_crash(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put("jobs/j1/images/a.png", b"png")
+    store.put_file("jobs/j1/images/b.png", tmp_path / "jobs" / "j1" / "images" / "a.png")
+    assert sorted(os.listdir(tmp_path / "jobs" / "j1" / "images")) == ["a.png", "b.png"]
+    (tmp_path / "jobs" / "j1" / "images" / f".c.png{TEMP_MARK}abc123").write_bytes(b"half")  # a crashed writer's
+    assert list(store.list("jobs/")) == ["jobs/j1/images/a.png", "jobs/j1/images/b.png"]
+
+
+def test_local_reader_never_sees_a_half_written_object(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    payloads = [b"A" * (2 * MB), b"B" * (2 * MB)]
+    store.put("obj", payloads[0])
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            store.put("obj", payloads[n % 2])
+            n += 1
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        seen = {store.get("obj") for _ in range(300)}
+    finally:
+        stop.set()
+        writer.join()
+    assert seen <= set(payloads)
+    assert [k for k in store.list("") if k != "obj"] == []
+
+
+# ---- open_store ----
+
+
+def test_open_store_parses_s3_urls_without_touching_the_network() -> None:
+    plain = open_store("s3://bucket")
+    assert isinstance(plain, S3Store)
+    assert (plain.bucket, plain.prefix, plain.url) == ("bucket", "", "s3://bucket")
+    assert plain.locate("a/b") == "s3://bucket/a/b"
+    nested = open_store("s3://bucket/some/prefix/")
+    assert isinstance(nested, S3Store)
+    assert (nested.bucket, nested.prefix, nested.url) == ("bucket", "some/prefix", "s3://bucket/some/prefix")
+    assert nested._client_obj is None  # made on first use, not at open
+
+
+def test_open_store_takes_anything_else_as_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rel = open_store("out/here")
+    assert isinstance(rel, LocalStore)
+    assert rel.url == str(tmp_path / "out" / "here")
+    fileurl = open_store(f"file://{tmp_path}/x")
+    assert isinstance(fileurl, LocalStore) and fileurl.url == str(tmp_path / "x")
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///prefix", "gs://bucket/x", ""])
+def test_open_store_refuses_a_bad_url_naming_it(url: str) -> None:
+    with pytest.raises(ConfigError, match="store URL"):
+        open_store(url)
+
+
+# ---- retries over real HTTP faults ----
+
+
+class FlakyS3Proxy:
+    """An HTTP proxy to moto that answers the first ``fail_first`` requests with an S3 error.
+
+    ``fail_first=-1`` fails every request.  ``hits`` counts requests seen.
+    """
+
+    def __init__(self, upstream: str, *, fail_first: int, status: int = 503, code: str = "SlowDown"):
+        self.upstream = upstream.removeprefix("http://")
+        self.fail_first, self.status, self.code = fail_first, status, code
+        self.hits = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # answers botocore's "Expect: 100-continue"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    proxy.hits += 1
+                    fail = proxy.fail_first < 0 or proxy.hits <= proxy.fail_first
+                if fail:
+                    self._error()
+                else:
+                    self._forward(body)
+
+            def _error(self) -> None:
+                xml = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{proxy.code}</Code>"
+                       "<Message>injected by the test</Message><RequestId>t</RequestId></Error>").encode()
+                self.send_response(proxy.status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(xml)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(xml)
+
+            def _forward(self, body: bytes) -> None:
+                skip = {"connection", "expect", "transfer-encoding", "content-length", "date", "server"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for name, value in resp.getheaders():
+                    if name.lower() not in skip:
+                        self.send_header(name, value)
+                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle  # noqa: N815 - http.server names them
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FlakyS3Proxy:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def bucket_url(s3_bucket: str, moto_server: Any) -> Iterator[tuple[str, str]]:
+    """(bucket, moto endpoint) for a fresh bucket."""
+    yield s3_bucket.removeprefix("s3://").split("/")[0], moto_server.endpoint_url
+
+
+def _fast_s3(bucket: str, *, max_attempts: int) -> S3Store:
+    """An S3 store with a tiny backoff, so retry tests take milliseconds."""
+    return S3Store(bucket, "rf-test", max_attempts=max_attempts, wait_multiplier=0.001, wait_max=0.01)
+
+
+def _retry_warnings(caplog: pytest.LogCaptureFixture) -> int:
+    return sum(1 for r in caplog.records if r.name == "renderfleet.store" and r.levelno == logging.WARNING)
+
+
+@pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (500, "InternalError"), (400, "RequestTimeout")])
+def test_a_transient_failure_is_retried_then_succeeds(
+    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    status: int, code: str,
+) -> None:
+    bucket, moto = bucket_url
+    with FlakyS3Proxy(moto, fail_first=2, status=status, code=code) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = _fast_s3(bucket, max_attempts=4)
+        store.put("a/b", b"hello")
+        assert proxy.hits == 3
+        assert store.get("a/b") == b"hello"
+    assert _retry_warnings(caplog) == 2
+
+
+def test_put_file_is_retried_after_a_throttled_upload(
+    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    bucket, moto = bucket_url
+    src = tmp_path / "f"
+    src.write_bytes(b"file body")
+    with FlakyS3Proxy(moto, fail_first=1) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = _fast_s3(bucket, max_attempts=3)
+        store.put_file("f", src)  # boto3 wraps the ClientError in S3UploadFailedError
+        assert store.get("f") == b"file body"
+
+
+def test_exhausted_retries_raise_store_error_naming_operation_and_key(
+    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    bucket, moto = bucket_url
+    with FlakyS3Proxy(moto, fail_first=-1) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = _fast_s3(bucket, max_attempts=3)
+        with pytest.raises(StoreError, match=rf"S3 get s3://{bucket}/rf-test/jobs/x failed after 3 attempt") as info:
+            store.get("jobs/x")
+        assert proxy.hits == 3
+    assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
+    assert _retry_warnings(caplog) == 2
+
+
+def test_access_denied_raises_store_error_at_once(
+    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket, moto = bucket_url
+    with FlakyS3Proxy(moto, fail_first=-1, status=403, code="AccessDenied") as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = _fast_s3(bucket, max_attempts=5)
+        with pytest.raises(StoreError, match="AccessDenied"):
+            store.put("a", b"x")
+        with pytest.raises(StoreError, match="exists"):
+            store.exists("a")
+        assert proxy.hits == 2  # one each: no retries
+
+
+def test_a_refused_connection_is_retried_then_raises_store_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    store = _fast_s3("bucket", max_attempts=3)
+    with pytest.raises(StoreError, match="S3 list s3://bucket/rf-test/jobs/") as info:
+        list(store.list("jobs/"))
+    assert isinstance(info.value.__cause__, botocore.exceptions.EndpointConnectionError)
+    assert _retry_warnings(caplog) == 2
+
+
+def test_one_client_is_shared_by_many_threads(s3_bucket: str) -> None:
+    store = cast(S3Store, open_store(s3_bucket))
+    with ThreadPoolExecutor(16) as pool:
+        clients = list(pool.map(lambda _: store.client, range(64)))
+    assert all(c is clients[0] for c in clients)

@@ -1,0 +1,110 @@
+"""Real servers for integration tests, each run as a subprocess on 127.0.0.1."""
+
+from __future__ import annotations
+
+# ---- S3 (moto server mode) ----
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class MotoServer:
+    """moto's S3 (and friends) in server mode, spoken to over real HTTP.
+
+    ``with MotoServer() as moto: moto.endpoint_url`` starts it on a free port,
+    waits until it answers and kills it on exit.  Its output goes to a log
+    file whose tail is shown if it fails to start.
+    """
+
+    def __init__(self, *, port: int | None = None, start_timeout: float = 30.0):
+        self.port = port or free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._logdir = tempfile.TemporaryDirectory(prefix="rf-moto-")
+        self.log_path = Path(self._logdir.name) / "moto.log"
+
+    def start(self) -> MotoServer:
+        """Start the server and wait until it answers HTTP."""
+        # ``python -m moto.server`` from this interpreter: the venv's moto, wherever the venv is.
+        cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._fail(f"moto server exited with status {self.proc.returncode}")
+            if self._answers():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        self._fail(f"moto server did not answer on {self.endpoint_url} within {self.start_timeout} s")
+        raise AssertionError("unreachable")
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=1):
+                return True
+        except urllib.error.HTTPError:
+            return True  # any HTTP answer means it is up
+        except OSError:
+            return False
+
+    def _fail(self, why: str) -> None:
+        tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+        raise RuntimeError(f"{why}; log tail:\n{tail}")
+
+    def stop(self) -> None:
+        """Kill the server (terminate, then kill if it lingers)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def reset(self) -> None:
+        """Forget every bucket and object (moto's reset API)."""
+        req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
+        with urllib.request.urlopen(req, timeout=10):
+            pass
+
+    def __enter__(self) -> MotoServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+        self._logdir.cleanup()
+
+
+def s3_env(endpoint: str, bucket: str) -> dict[str, str]:
+    """Environment for a process that talks to ``endpoint`` as S3 with moto's test keys.
+
+    botocore reads ``AWS_ENDPOINT_URL`` itself, so a store opened in that
+    process needs nothing more.  ``bucket`` sets no variable (the store URL,
+    ``s3://{bucket}/...``, is the caller's to pass); it is in the signature so
+    call sites read as "this endpoint, this bucket".
+    """
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }

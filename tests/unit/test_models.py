@@ -1,0 +1,199 @@
+"""Loading pipelines: the built-in tiny model, saved folders, s3:// and hub ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+from renderfleet.core.errors import PermanentError  # noqa: E402
+from renderfleet.core.spec import Prompt  # noqa: E402
+from renderfleet.worker.models import (  # noqa: E402
+    TINY_WARNING,
+    LoadedModel,
+    build_tiny_pipeline,
+    cache_path,
+    dtype_for,
+    load_pipeline,
+    save_pipeline,
+)
+from renderfleet.worker.render import Renderer  # noqa: E402
+
+
+def checksum(pipe: Any) -> str:
+    """A digest of every weight of the pipeline's models, in name order."""
+    digest = hashlib.sha256()
+    for part in ("unet", "vae", "text_encoder"):
+        for name, tensor in sorted(getattr(pipe, part).state_dict().items()):
+            digest.update(f"{part}.{name}".encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def prompt(seed: int = 7) -> Prompt:
+    return Prompt(
+        index=0,
+        name="000000",
+        prompt="a lighthouse at dusk",
+        negative_prompt="blurry",
+        seed=seed,
+        steps=2,
+        guidance=7.5,
+        width=32,
+        height=32,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_pipeline("tiny", device="cpu", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_pipeline(tiny, tmp_path_factory.mktemp("saved") / "tiny")
+
+
+def test_tiny_is_a_cpu_float32_smoke_test_model(tiny: LoadedModel) -> None:
+    assert tiny.model == "tiny"
+    assert tiny.device == "cpu"
+    assert tiny.dtype == torch.float32
+    assert tiny.is_smoke_test
+    assert tiny.load_seconds > 0
+    assert type(tiny.pipe).__name__ == "StableDiffusionPipeline"
+
+
+def test_tiny_builds_bit_identical_twice_and_warns(
+    tiny: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="renderfleet.worker.models"):
+        again = build_tiny_pipeline()
+    assert checksum(again) == checksum(tiny.pipe)
+    assert TINY_WARNING in caplog.text
+
+
+def test_building_tiny_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny_pipeline()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_tiny_tokenizer_ids_fit_the_text_encoder(tiny: LoadedModel) -> None:
+    tokenizer, config = tiny.pipe.tokenizer, tiny.pipe.text_encoder.config
+    ids = tokenizer(["héllo 世界, a cat!"], padding="max_length", max_length=77).input_ids[0]
+    assert max(ids) < config.vocab_size
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+        config.bos_token_id,
+        config.eos_token_id,
+        config.pad_token_id,
+    )
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 77
+
+
+def test_saved_tiny_loads_from_folder_and_renders_the_same_bytes(
+    tiny: LoadedModel, saved_tiny: Path, tmp_path: Path
+) -> None:
+    assert (saved_tiny / "model_index.json").exists()
+    assert list(saved_tiny.glob("unet/*.safetensors"))
+
+    loaded = load_pipeline(str(saved_tiny), device="cpu", cache_dir=tmp_path)
+
+    assert not loaded.is_smoke_test
+    assert checksum(loaded.pipe) == checksum(tiny.pipe)
+    # Same model name in the PNG text, so whole files can be compared.
+    from_disk = Renderer(dataclasses.replace(loaded, model="tiny")).render([prompt()])
+    in_memory = Renderer(tiny).render([prompt()])
+    assert from_disk == in_memory
+
+
+def test_s3_model_is_fetched_once_then_read_from_the_cache(
+    saved_tiny: Path, tmp_path: Path
+) -> None:
+    uri = "s3://models/tiny-v1"
+    fetched: list[tuple[str, Path]] = []
+
+    def fetch(src: str, dest: Path) -> None:
+        fetched.append((src, dest))
+        shutil.copytree(saved_tiny, dest, dirs_exist_ok=True)
+
+    first = load_pipeline(uri, device="cpu", cache_dir=tmp_path, fetch=fetch)
+    second = load_pipeline(uri, device="cpu", cache_dir=tmp_path, fetch=fetch)
+
+    assert len(fetched) == 1 and fetched[0][0] == uri
+    assert fetched[0][1] != cache_path(uri, tmp_path)  # fetched beside, then renamed
+    assert (cache_path(uri, tmp_path) / "model_index.json").exists()
+    assert first.model == second.model == uri
+    assert checksum(first.pipe) == checksum(second.pipe)
+    assert [p.name for p in tmp_path.iterdir()] == [cache_path(uri, tmp_path).name]
+
+
+def test_a_fetch_cut_short_leaves_no_cache_behind(saved_tiny: Path, tmp_path: Path) -> None:
+    uri = "s3://models/tiny-v2"
+
+    def broken_fetch(src: str, dest: Path) -> None:
+        shutil.copy(saved_tiny / "model_index.json", dest / "model_index.json")
+        raise ConnectionError("connection reset")
+
+    with pytest.raises(ConnectionError):
+        load_pipeline(uri, device="cpu", cache_dir=tmp_path, fetch=broken_fetch)
+    assert list(tmp_path.iterdir()) == []
+
+    def fetch(src: str, dest: Path) -> None:
+        shutil.copytree(saved_tiny, dest, dirs_exist_ok=True)
+
+    assert load_pipeline(uri, device="cpu", cache_dir=tmp_path, fetch=fetch).pipe is not None
+
+
+def test_s3_model_without_fetch_is_permanent(tmp_path: Path) -> None:
+    with pytest.raises(PermanentError, match="s3://models/x"):
+        load_pipeline("s3://models/x", device="cpu", cache_dir=tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore:The `local_dir_use_symlinks`:UserWarning")
+def test_unknown_hub_id_is_permanent_and_fast(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable at import; tell the loaded module too.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+    with pytest.raises(PermanentError, match="someorg/no-such-model") as info:
+        load_pipeline("someorg/no-such-model", device="cpu", cache_dir=tmp_path)
+    assert "Traceback" not in str(info.value)
+
+
+def test_cuda_gets_half_precision_and_cpu_full() -> None:
+    assert dtype_for("cuda") == torch.float16
+    assert dtype_for("cuda:1") == torch.float16
+    assert dtype_for("cpu") == torch.float32
+
+
+def test_importing_the_worker_modules_builds_nothing() -> None:
+    code = (
+        "import sys, renderfleet.worker.models, renderfleet.worker.render;"
+        "heavy = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules];"
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,211 @@
+"""Rendering a batch with the tiny model on the CPU: bytes, metadata, stops, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from renderfleet import __version__  # noqa: E402
+from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed  # noqa: E402
+from renderfleet.core.spec import Prompt  # noqa: E402
+from renderfleet.worker.models import LoadedModel, load_pipeline  # noqa: E402
+from renderfleet.worker.render import Renderer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXTS = ["a red fox", "a lighthouse at dusk, oil painting", "x", "héllo 世界, a long prompt"]
+
+
+def make_prompt(index: int, seed: int | None = None, **changes: Any) -> Prompt:
+    base = Prompt(
+        index=index,
+        name=f"{index:06d}",
+        prompt=TEXTS[index % len(TEXTS)],
+        negative_prompt="blurry",
+        seed=100 + index if seed is None else seed,
+        steps=2,
+        guidance=7.5,
+        width=32,
+        height=32,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_pipeline("tiny", device="cpu", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def renderer(tiny: LoadedModel) -> Renderer:
+    return Renderer(tiny)
+
+
+@pytest.fixture
+def unet_calls(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts denoising steps: one UNet call per step (CFG runs in one call)."""
+    calls: list[int] = []
+    forward = tiny.pipe.unet.forward
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.pipe.unet, "forward", counting)
+    yield calls
+
+
+def test_png_is_32x32_with_the_prompt_settings_as_text(renderer: Renderer) -> None:
+    p = make_prompt(3)
+    [png] = renderer.render([p])
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.size == (32, 32) and image.mode == "RGB"
+    assert image.text == {  # type: ignore[attr-defined]
+        "prompt": p.prompt,
+        "negative_prompt": "blurry",
+        "seed": str(p.seed),
+        "steps": "2",
+        "guidance": "7.5",
+        "width": "32",
+        "height": "32",
+        "model": "tiny",
+        "renderfleet": __version__,
+    }
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(renderer: Renderer) -> None:
+    first = renderer.render([make_prompt(0, seed=1)])
+    again = renderer.render([make_prompt(0, seed=1)])
+    other = renderer.render([make_prompt(0, seed=2)])
+    assert first == again
+    assert first != other
+
+
+def test_an_image_has_the_same_bytes_alone_or_at_any_place_in_a_batch(
+    renderer: Renderer,
+) -> None:
+    prompts = [make_prompt(i) for i in range(4)]
+    alone = [renderer.render([p])[0] for p in prompts]
+    batch_of_4 = renderer.render(prompts)
+    batch_of_2 = renderer.render([prompts[3], prompts[1]])
+    assert batch_of_4 == alone
+    assert batch_of_2 == [alone[3], alone[1]]
+
+
+def test_one_call_per_batch_is_within_a_pixel_level_of_per_prompt(tiny: LoadedModel) -> None:
+    # Batched GEMMs/convolutions round differently by batch size, so the
+    # single-call mode is close but not bit-exact; this pins down how close.
+    prompts = [make_prompt(i) for i in range(4)]
+    exact = Renderer(tiny).render(prompts)
+    batched = Renderer(tiny, batch_invariant=False).render(prompts)
+    for a, b in zip(exact, batched, strict=True):
+        pa = np.asarray(Image.open(io.BytesIO(a)), dtype=np.int16)
+        pb = np.asarray(Image.open(io.BytesIO(b)), dtype=np.int16)
+        assert np.abs(pa - pb).max() <= 2
+
+
+def test_the_same_bytes_come_out_of_another_process(renderer: Renderer) -> None:
+    p = make_prompt(1)
+    code = (
+        "import logging, sys, tempfile; from pathlib import Path;"
+        "logging.disable(logging.WARNING);"
+        "from renderfleet.core.spec import Prompt;"
+        "from renderfleet.worker.models import load_pipeline;"
+        "from renderfleet.worker.render import Renderer;"
+        f"p = Prompt(**{dataclasses.asdict(p)!r});"
+        "m = load_pipeline('tiny', device='cpu', cache_dir=Path(tempfile.mkdtemp()));"
+        "sys.stdout.write(Renderer(m).render([p])[0].hex())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert bytes.fromhex(result.stdout) == renderer.render([p])[0]
+
+
+def test_stop_after_the_first_step_reclaims_and_skips_the_rest(
+    renderer: Renderer, unet_calls: list[int]
+) -> None:
+    prompts = [make_prompt(i, steps=4) for i in range(2)]
+    with pytest.raises(Reclaimed, match="mid-batch"):
+        renderer.render(prompts, should_stop=lambda: len(unet_calls) >= 1)
+    assert len(unet_calls) == 1  # of the 8 steps the batch needs
+    assert renderer.last_steps_run == 1
+
+
+def test_stop_flag_already_set_renders_nothing(
+    renderer: Renderer, unet_calls: list[int]
+) -> None:
+    with pytest.raises(Reclaimed):
+        renderer.render([make_prompt(0)], should_stop=lambda: True)
+    assert unet_calls == []
+
+
+def test_a_stop_in_single_call_mode_interrupts_the_pipeline(
+    tiny: LoadedModel, unet_calls: list[int]
+) -> None:
+    prompts = [make_prompt(i, steps=4) for i in range(2)]
+    with pytest.raises(Reclaimed, match="mid-batch"):
+        Renderer(tiny, batch_invariant=False).render(
+            prompts, should_stop=lambda: len(unet_calls) >= 1
+        )
+    assert len(unet_calls) == 1
+
+
+def test_a_stop_after_the_last_step_keeps_the_finished_batch(
+    renderer: Renderer, unet_calls: list[int]
+) -> None:
+    prompts = [make_prompt(i) for i in range(2)]
+    images = renderer.render(prompts, should_stop=lambda: len(unet_calls) >= 4)
+    assert images == renderer.render(prompts)
+
+
+def test_prompts_with_different_render_keys_are_refused(renderer: Renderer) -> None:
+    with pytest.raises(ValueError, match="000001"):
+        renderer.render([make_prompt(0), make_prompt(1, steps=3)])
+    with pytest.raises(ValueError, match="empty"):
+        renderer.render([])
+    with pytest.raises(ValueError, match="multiples of 8"):
+        renderer.render([make_prompt(0, width=30)])
+
+
+def test_out_of_memory_is_reported_as_such(
+    renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(tiny.pipe.unet, "forward", oom)
+    with pytest.raises(OutOfMemory):
+        renderer.render([make_prompt(0)])
+
+
+def test_any_other_failure_is_permanent_and_chained(
+    renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise IndexError("index 99 is out of bounds")
+
+    monkeypatch.setattr(tiny.pipe.unet, "forward", broken)
+    with pytest.raises(PermanentError, match="index 99") as info:
+        renderer.render([make_prompt(0)])
+    assert isinstance(info.value.__cause__, IndexError)
+
+
+def test_timings_are_measured(renderer: Renderer) -> None:
+    renderer.render([make_prompt(i) for i in range(2)])
+    assert renderer.last_batch_seconds > 0
+    assert 0 < renderer.last_step_seconds <= renderer.last_batch_seconds
+    assert renderer.last_steps_run == 4

@@ -1,0 +1,199 @@
+"""The shard runner with plain objects: a fake renderer, a folder store, a ledger in memory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from renderfleet.core import spec
+from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed
+from renderfleet.core.spec import Prompt, RenderParams, ShardMessage
+from renderfleet.core.store import LocalStore
+from renderfleet.worker.runner import ShardRunner
+from renderfleet.worker.stop import StopSignal
+
+PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
+
+
+def make_msg(n: int = 10, batch: int = 4, shard: int = 0) -> ShardMessage:
+    prompts = tuple(
+        Prompt(index=i, name=spec.index_name(i), prompt=f"p{i}", negative_prompt="", seed=spec.derive_seed(0, i),
+               steps=2, guidance=7.5, width=32, height=32)
+        for i in range(n)
+    )
+    return ShardMessage(job="j", shard=shard, params=PARAMS, batch_size=batch, queue="q", prompts=prompts)
+
+
+class FakeRenderer:
+    """Deterministic bytes per prompt; can fail, OOM above a size, or trip a stop flag."""
+
+    def __init__(self, *, bad: set[str] | None = None, oom_above: int | None = None,
+                 on_call: Callable[[int], None] | None = None):
+        self.calls: list[list[str]] = []
+        self.bad = bad or set()
+        self.oom_above = oom_above
+        self.on_call = on_call
+        self.last_batch_seconds: float | None = None
+
+    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+        self.calls.append([p.name for p in prompts])
+        if self.on_call:
+            self.on_call(len(self.calls))
+        if should_stop():
+            raise Reclaimed("stopped mid-batch")
+        if self.oom_above is not None and len(prompts) > self.oom_above:
+            raise OutOfMemory("CUDA out of memory")
+        if any(p.name in self.bad for p in prompts):
+            raise PermanentError("bad prompt")
+        return [f"png:{p.name}:{p.seed}".encode() for p in prompts]
+
+
+class MemLedger:
+    def __init__(self, fenced_after: int | None = None):
+        self.done: list[int] = []
+        self.failed: list[int] = []
+        self.failures: dict[int, int] = {}
+        self.commits = 0
+        self.fenced_after = fenced_after
+        self.wasted = 0
+
+    def check(self) -> None:
+        if self.fenced_after is not None and self.commits >= self.fenced_after:
+            raise Reclaimed("fenced", fenced=True)
+
+    def commit(self, done: list[int], failed: list[int]) -> None:
+        self.commits += 1
+        self.done += done
+        self.failed += failed
+
+    def record_failure(self, prompt: Prompt, error: str) -> int:
+        self.failures[prompt.index] = self.failures.get(prompt.index, 0) + 1
+        return self.failures[prompt.index]
+
+    def record_start(self, images: int) -> None:
+        pass
+
+    def record_batch(self, images: int, seconds: float) -> None:
+        pass
+
+    def record_waste(self, images: int) -> None:
+        self.wasted += 1
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+def runner(store: LocalStore, renderer: FakeRenderer, stop: StopSignal | None = None) -> ShardRunner:
+    return ShardRunner(store=store, renderer=renderer, stop=stop or StopSignal(), upload_threads=2)
+
+
+def test_every_batch_writes_images_then_a_checkpoint(store: LocalStore) -> None:
+    r = FakeRenderer()
+    ledger = MemLedger()
+    result = runner(store, r).run(make_msg(10, 4), ledger)
+    assert result.rendered == 10 and result.complete
+    assert r.calls == [["000000", "000001", "000002", "000003"], ["000004", "000005", "000006", "000007"],
+                       ["000008", "000009"]]
+    assert sorted(ledger.done) == list(range(10)) and ledger.commits == 3
+    for i in range(10):
+        assert store.get(spec.image_key("j", spec.index_name(i))) is not None
+    cp = json.loads(store.get(spec.checkpoint_key("j", 0, 1)) or b"{}")
+    assert cp["done"] == ["000004", "000005", "000006", "000007"]
+
+
+def test_redelivered_shard_skips_checkpointed_batches(store: LocalStore) -> None:
+    msg = make_msg(10, 4)
+    stop = StopSignal()
+    calls = {"n": 0}
+
+    def stop_after_first(n: int) -> None:
+        calls["n"] = n
+        if n == 2:
+            stop.request("spot notice", seconds_left=0)
+
+    first = FakeRenderer(on_call=stop_after_first)
+    with pytest.raises(Reclaimed):
+        runner(store, first, stop).run(msg, MemLedger())
+    # batch 0 committed, batch 1 abandoned mid-render
+    assert store.get(spec.checkpoint_key("j", 0, 0)) is not None
+    assert store.get(spec.checkpoint_key("j", 0, 1)) is None
+    second = FakeRenderer()
+    ledger = MemLedger()
+    result = runner(store, second).run(msg, ledger)
+    assert result.skipped == 4 and result.rendered == 6
+    assert second.calls == [["000004", "000005", "000006", "000007"], ["000008", "000009"]]
+
+
+def test_running_a_shard_twice_renders_nothing_the_second_time(store: LocalStore) -> None:
+    msg = make_msg(6, 2)
+    runner(store, FakeRenderer()).run(msg, MemLedger())
+    again = FakeRenderer()
+    result = runner(store, again).run(msg, MemLedger())
+    assert again.calls == [] and result.skipped == 6
+
+
+def test_out_of_memory_halves_the_batch_and_remembers(store: LocalStore) -> None:
+    r = FakeRenderer(oom_above=1)
+    result = runner(store, r).run(make_msg(4, 4), MemLedger())
+    assert result.rendered == 4
+    assert [len(c) for c in r.calls] == [4, 2, 1, 1, 1, 1]
+
+
+def test_failing_prompt_is_isolated_then_quarantined_on_third_failure(store: LocalStore) -> None:
+    msg = make_msg(4, 4)
+    ledger = MemLedger()
+    for attempt in range(1, 4):
+        result = runner(store, FakeRenderer(bad={"000002"})).run(msg, ledger)
+        if attempt < 3:
+            assert result.failed == [2] and not result.complete
+        else:
+            assert result.complete and result.quarantined == 1
+    assert ledger.failed == [2]
+    assert sorted(set(ledger.done)) == [0, 1, 3]
+    record = json.loads(store.get(spec.quarantine_key("j", "000002")) or b"{}")
+    assert record["error"] == "bad prompt" and record["failures"] == 3
+    # and a fourth delivery has nothing left to do
+    r = FakeRenderer(bad={"000002"})
+    assert runner(store, r).run(msg, ledger).rendered == 0 and r.calls == []
+
+
+def test_fenced_worker_writes_nothing(store: LocalStore) -> None:
+    ledger = MemLedger(fenced_after=0)
+    with pytest.raises(Reclaimed) as exc:
+        runner(store, FakeRenderer()).run(make_msg(4, 4), ledger)
+    assert exc.value.fenced
+    assert list(store.list("jobs/")) == []
+
+
+def test_notice_with_time_left_finishes_the_batch_in_flight(store: LocalStore) -> None:
+    stop = StopSignal()
+
+    def notice(n: int) -> None:
+        if n == 1:
+            stop.request("aws spot terminate", seconds_left=120)
+
+    r = FakeRenderer(on_call=notice)
+    ru = runner(store, r, stop)
+    ru._batch_seconds = 0.01  # measured on an earlier batch
+    with pytest.raises(Reclaimed):
+        ru.run(make_msg(8, 4), MemLedger())
+    # batch 0 finished and committed; batch 1 never started
+    assert store.get(spec.checkpoint_key("j", 0, 0)) is not None
+    assert len(r.calls) == 1
+
+
+def test_stop_signal_deadline_arithmetic() -> None:
+    stop = StopSignal()
+    assert stop.can_finish(0.0, None)
+    stop.request("notice", seconds_left=10)
+    now = stop.noticed_at or 0.0
+    assert stop.can_finish(now, 5.0)
+    assert not stop.can_finish(now, 9.0)  # 3 s margin for checkpoint and hand-back
+    assert not stop.can_finish(now, None)  # unknown batch time: do not gamble
+    stop.request("sigterm", seconds_left=60)
+    assert not stop.can_finish(now, 9.0)  # the earlier deadline stands
