@@ -113,17 +113,16 @@ def _submit_options(job: str | None, model: str | None, steps: int, size: str, g
 
 
 def _do_submit(file: Path, opts: Any, settings: Settings) -> Any:
+    from renderfleet.core import prompts
     from renderfleet.core.celery_app import queue_name
     from renderfleet.core.store import open_store
     from renderfleet.dispatcher.submit import check_options, submit
 
     check_options(opts)
-    from renderfleet.core import prompts
-
-    prompts.validate_file(str(file))  # fail on bad input before any server starts
+    summary = prompts.validate_file(str(file))  # bad input fails before any server starts
     celery, client, _ = _connect(settings)
     return submit(str(file), opts, store=open_store(settings.store_url), app=celery, client=client,
-                  queue=queue_name(opts.pool))
+                  queue=queue_name(opts.pool), summary=summary)
 
 
 @app.command()
@@ -157,7 +156,7 @@ def worker(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
-    _logging(verbose=True)
+    _logging(verbose=True)  # until Celery takes over logging with its own level
     settings = _settings(pool=pool, model=model)
     from renderfleet.worker.main import run_worker
 

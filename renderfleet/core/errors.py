@@ -60,7 +60,7 @@ class JobNotFound(RenderfleetError):
     """No job with that id in the store."""
 
 
-class Reclaimed(BaseException):  # noqa: N818 - a signal, not an error
+class Reclaimed(BaseException):
     """This worker must stop and hand its shard back: not a failure.
 
     Raised when a reclaim notice arrives (AWS/GCP metadata, SIGTERM) and the

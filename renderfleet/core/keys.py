@@ -15,7 +15,7 @@ REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
 
 
 def job(job_id: str) -> str:
-    """hash: spec (JSON), total, queue, done, failed counters."""
+    """hash: spec (JSON), total, queue."""
     return f"rf:job:{job_id}"
 
 
@@ -69,3 +69,10 @@ POOL_STATS_PREFIX = "rf:pool:"
 def pool_stats(pool: str) -> str:
     """hash of counters for one pool: images, batches, render_ms, reclaims, lost_batches."""
     return f"{POOL_STATS_PREFIX}{pool}"
+
+
+def text(value: object) -> str:
+    """A Redis reply as text (our clients return bytes)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return "" if value is None else str(value)

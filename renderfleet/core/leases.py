@@ -86,7 +86,7 @@ redis.call('HSET', KEYS[4], 'worker', ARGV[3], 'attempt', ARGV[4], 'queue', ARGV
 return 2
 """
 
-# KEYS: attempts, done bits, failed bits, left, job hash
+# KEYS: attempts, done bits, failed bits, left
 # ARGV: shard, attempt, n_done, done indices..., failed indices...
 # Returns {newly done, newly failed}, or {-1, -1} when fenced.
 _COMMIT = """
@@ -102,10 +102,8 @@ end
 for i = 4 + n, #ARGV do
   if redis.call('SETBIT', KEYS[3], ARGV[i], 1) == 0 then newfail = newfail + 1 end
 end
-if newly + newfail > 0 then
+if newly + newfail > 0 and redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[4], ARGV[1], -(newly + newfail))
-  redis.call('HINCRBY', KEYS[5], 'done', newly)
-  redis.call('HINCRBY', KEYS[5], 'failed', newfail)
 end
 return {newly, newfail}
 """
@@ -241,7 +239,7 @@ class Leases:
             ],
             args=[shard, keys.member(job, shard), worker, queue, tag, requeue, message, self.lease_ms],
         )
-        status = status.decode() if isinstance(status, bytes) else str(status)
+        status = keys.text(status)
         if status != "ok":
             return status, None
         return status, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message)
@@ -261,7 +259,7 @@ class Leases:
         """Count prompts as done/quarantined, once each; raises Reclaimed if fenced."""
         newly, newfail = self._commit(
             keys=[keys.attempts(lease.job), keys.done_bits(lease.job), keys.failed_bits(lease.job),
-                  keys.left(lease.job), keys.job(lease.job)],
+                  keys.left(lease.job)],
             args=[lease.shard, lease.attempt, len(done), *done, *failed],
         )
         if int(newly) < 0:
@@ -281,8 +279,7 @@ class Leases:
             args=[lease.shard, lease.member, lease.attempt, outcome],
         )
         if isinstance(result, list) and result and int(result[0]) == 2:
-            raw = result[1]
-            return (raw.decode() if isinstance(raw, bytes) else str(raw)) or None
+            return keys.text(result[1]) or None
         return None
 
     def reap(self, limit: int = 100) -> list[Reaped]:
@@ -290,8 +287,8 @@ class Leases:
         flat = self._reap(keys=[keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY], args=[limit])
         out: list[Reaped] = []
         for i in range(0, len(flat), 2):
-            member = flat[i].decode()
-            how = flat[i + 1].decode() if isinstance(flat[i + 1], bytes) else str(flat[i + 1])
+            member = keys.text(flat[i])
+            how = keys.text(flat[i + 1])
             job, _, shard = member.rpartition(":")
             message = None if how == "pushed" or not how else how
             out.append(Reaped(job, int(shard), message))
@@ -299,9 +296,9 @@ class Leases:
 
     def in_flight(self) -> list[tuple[str, int, float]]:
         """(job, shard, lease expiry in Redis ms) for every live lease."""
-        rows = self.client.zrange(keys.INFLIGHT, 0, -1, withscores=True)
+        rows: list[tuple[bytes, float]] = self.client.zrange(keys.INFLIGHT, 0, -1, withscores=True)  # type: ignore[assignment]
         out = []
         for member, score in rows:
-            job, _, shard = member.decode().rpartition(":")
+            job, _, shard = keys.text(member).rpartition(":")
             out.append((job, int(shard), float(score)))
         return out

@@ -194,6 +194,40 @@ def iter_prompts(path: str, params: RenderParams) -> Iterator[Prompt]:
         raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
 
 
+def iter_wire(path: str, params: RenderParams) -> Iterator[str]:
+    """Pass 2 for the dispatcher: each prompt as its wire JSON (``Prompt.to_wire``).
+
+    The same prompts as :func:`iter_prompts`, already serialised for the shard
+    messages and the stored prompt list.  For ``.txt`` (the million-line case)
+    no :class:`Prompt` is built and no seed hashed: a txt prompt has only its
+    text, and its seed is derived from the index on the worker.
+    """
+    fmt, gzipped = detect_format(path)
+    if fmt != "txt":
+        dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+        for prompt in iter_prompts(path, params):
+            yield dumps(prompt.to_wire(params))
+        return
+
+    def report(lineno: int, reason: str) -> None:
+        raise InputError([f"{path}:{lineno}: {reason} (file changed after validation?)"])
+
+    quote = json.encoder.encode_basestring  # the C escaper; non-ASCII kept as is
+    try:
+        with _open_lines(path, gzipped, None) as stream:
+            index = 0
+            for text in _read_lines(stream, report):
+                if text is None:
+                    raise AssertionError("unreachable: report() raised")
+                text = text.strip()
+                if not text or text[0] == "#":
+                    continue
+                yield '{"i":%d,"p":%s}' % (index, quote(text))  # noqa: UP031 - the hot loop
+                index += 1
+    except (OSError, EOFError, zlib.error) as exc:
+        raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
+
+
 # ---- reading lines ----------------------------------------------------------
 
 

@@ -80,7 +80,9 @@ class Prompt:
 
     def to_wire(self, params: RenderParams) -> dict[str, Any]:
         """A compact dict: only the fields that differ from the job's."""
-        out: dict[str, Any] = {"i": self.index, "p": self.prompt, "s": self.seed}
+        out: dict[str, Any] = {"i": self.index, "p": self.prompt}
+        if self.seed != derive_seed(params.seed, self.index):
+            out["s"] = self.seed
         if self.name != index_name(self.index):
             out["n"] = self.name
         if self.negative_prompt != params.negative_prompt:
@@ -103,7 +105,7 @@ class Prompt:
             name=data.get("n", index_name(index)),
             prompt=data["p"],
             negative_prompt=data.get("neg", params.negative_prompt),
-            seed=int(data["s"]),
+            seed=int(data["s"]) if "s" in data else derive_seed(params.seed, index),
             steps=int(data.get("steps", params.steps)),
             guidance=float(data.get("g", params.guidance)),
             width=int(data.get("w", params.width)),

@@ -17,51 +17,32 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-import boto3
-import boto3.exceptions
 import botocore.exceptions
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-from s3transfer.exceptions import RetriesExceededError
-from tenacity import (
-    Retrying,
-    before_sleep_log,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_random_exponential,
-)
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
 
 from renderfleet.core.errors import ConfigError, StoreError
+
+if TYPE_CHECKING:  # boto3 itself is imported on first use: it takes ~0.5 s
+    from boto3.s3.transfer import TransferConfig
 
 log = logging.getLogger("renderfleet.store")
 
 T = TypeVar("T")
 
 # Error codes S3 (and S3-alikes) use to say "slow down", whatever the status.
-THROTTLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-     "TooManyRequestsException", "RequestTimeout"}
-)
-CONNECTION_ERRORS = (
-    botocore.exceptions.EndpointConnectionError,
-    botocore.exceptions.ConnectionClosedError,
-    botocore.exceptions.ReadTimeoutError,
-    botocore.exceptions.ConnectTimeoutError,
-    botocore.exceptions.ConnectionError,
-    RetriesExceededError,  # s3transfer gave up re-reading a download stream
-)
-# What a boto3 call may raise on purpose; anything else is a bug and propagates.
-S3_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
-             boto3.exceptions.Boto3Error, RetriesExceededError)
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "TooManyRequestsException", "RequestTimeout"})
+_bx = botocore.exceptions
+CONNECTION_ERRORS = (_bx.EndpointConnectionError, _bx.ConnectionClosedError, _bx.ReadTimeoutError,
+                     _bx.ConnectTimeoutError, _bx.ConnectionError)
 TEMP_MARK = ".rf-tmp-"  # LocalStore temp files: ".<name>.rf-tmp-<random>"
 
 
@@ -126,30 +107,35 @@ class LocalStore:
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*_check_key(key).split("/"))
 
-    def _write_atomically(self, dest: Path, write: Callable[[int], None]) -> None:
-        # Temp file beside the target, then rename: os.replace is atomic on one filesystem.
+    @staticmethod
+    def _write_atomically(dest: Path, source: bytes | Path) -> None:
+        # Temp file beside the target, fsync, then rename: os.replace is atomic on one
+        # filesystem, and the fsync keeps a crash from leaving an empty file under the name.
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}{TEMP_MARK}")
+        tmp = dest.parent / f".{dest.name}{TEMP_MARK}{secrets.token_hex(6)}"
+        # os.open with 0o666, not mkstemp: the file gets the umask's mode, not 0600.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            write(fd)
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(source, bytes):
+                    f.write(source)
+                else:
+                    with open(source, "rb") as src:
+                        shutil.copyfileobj(src, f, 1 << 20)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, dest)
         except BaseException:
-            os.unlink(tmp)
+            tmp.unlink(missing_ok=True)
             raise
 
     def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
         """Write ``data`` at ``key`` atomically; ``content_type`` is ignored on disk."""
-        def write(fd: int) -> None:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        self._write_atomically(self._path(key), write)
+        self._write_atomically(self._path(key), data)
 
     def put_file(self, key: str, path: Path) -> None:
         """Copy a local file to ``key`` atomically."""
-        def write(fd: int) -> None:
-            with os.fdopen(fd, "wb") as f, open(path, "rb") as src:
-                shutil.copyfileobj(src, f, 1 << 20)
-        self._write_atomically(self._path(key), write)
+        self._write_atomically(self._path(key), Path(path))
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None."""
@@ -181,10 +167,7 @@ class LocalStore:
         src = self._path(key)
         if not src.is_file():
             raise StoreError(f"download {src}: no such object")
-        def write(fd: int) -> None:
-            with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
-                shutil.copyfileobj(s, f, 1 << 20)
-        self._write_atomically(Path(path), write)
+        self._write_atomically(Path(path), src)
 
     def locate(self, key: str) -> str:
         """The absolute path of ``key`` (not checked: a folder-like prefix is fine)."""
@@ -193,9 +176,12 @@ class LocalStore:
 
 def _is_transient(exc: BaseException) -> bool:
     """Throttling, a 5xx or a broken connection, possibly wrapped by boto3's transfer layer."""
+    from s3transfer.exceptions import RetriesExceededError  # cheap: boto3 is loaded by now
+
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, CONNECTION_ERRORS):
+        # RetriesExceededError: s3transfer gave up re-reading a download stream.
+        if isinstance(seen, (*CONNECTION_ERRORS, RetriesExceededError)):
             return True
         if isinstance(seen, botocore.exceptions.ClientError):
             code = seen.response.get("Error", {}).get("Code", "")
@@ -240,7 +226,7 @@ class S3Store:
         self.max_delay = max_delay
         self.wait_multiplier = wait_multiplier
         self.wait_max = wait_max
-        self.transfer_config = transfer_config or TransferConfig()
+        self.transfer_config = transfer_config  # None: boto3's defaults (multipart above 8 MB)
         self._client_obj = client
         self._lock = threading.Lock()
 
@@ -250,6 +236,9 @@ class S3Store:
         if self._client_obj is None:
             with self._lock:
                 if self._client_obj is None:
+                    import boto3
+                    from botocore.config import Config
+
                     # A session of our own: boto3's default session is not thread-safe.
                     session = boto3.session.Session()
                     self._client_obj = session.client(
@@ -262,6 +251,11 @@ class S3Store:
                     )
         return self._client_obj
 
+    def _transfer(self) -> TransferConfig:
+        from boto3.s3.transfer import TransferConfig
+
+        return self.transfer_config or TransferConfig()
+
     def _key(self, key: str) -> str:
         _check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -272,12 +266,20 @@ class S3Store:
             retry=retry_if_exception(_is_transient),
             stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.max_delay),
             wait=wait_random_exponential(multiplier=self.wait_multiplier, max=self.wait_max),
-            before_sleep=before_sleep_log(log, logging.WARNING),
+            before_sleep=lambda state: log.warning(
+                "S3 %s s3://%s/%s: attempt %d failed (%s); retrying in %.2f s", op, self.bucket, full,
+                state.attempt_number, state.outcome.exception() if state.outcome else "?",
+                state.next_action.sleep if state.next_action else 0.0),
             reraise=True,
         )
+        from boto3.exceptions import Boto3Error
+        from s3transfer.exceptions import RetriesExceededError
+
         try:
             return retrying(fn)
-        except S3_ERRORS as exc:
+        # What boto3 raises on purpose; anything else is a bug and propagates as it is.
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, Boto3Error,
+                RetriesExceededError) as exc:
             attempts = retrying.statistics.get("attempt_number", 1)
             raise StoreError(
                 f"S3 {op} s3://{self.bucket}/{full} failed after {attempts} attempt(s): {exc}"
@@ -293,7 +295,7 @@ class S3Store:
         """Upload a file, multipart above the transfer threshold; visible only once complete."""
         full = self._key(key)
         self._call("put_file", full, lambda: self.client.upload_file(
-            str(path), self.bucket, full, Config=self.transfer_config))
+            str(path), self.bucket, full, Config=self._transfer()))
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None on a 404."""
@@ -345,7 +347,7 @@ class S3Store:
         full = self._key(key)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._call("download", full, lambda: self.client.download_file(
-            self.bucket, full, str(path), Config=self.transfer_config))
+            self.bucket, full, str(path), Config=self._transfer()))
 
     def locate(self, key: str) -> str:
         """The ``s3://bucket/prefix/key`` URL of ``key`` (not checked: a folder-like prefix is fine)."""

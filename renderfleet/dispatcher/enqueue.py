@@ -1,16 +1,22 @@
 """Shards onto the queue, fast: pipelined, one small JSON message per shard.
 
-A shard's message is built as a JSON string from the prompts' compact wire
-form (``Prompt.to_wire``), so a prompt is serialised once on its way from the
-file to Redis.  Messages go out through kombu's producer batch (one Redis
-pipeline per ``BATCH`` messages) rather than one round trip each; Redis's own
-bookkeeping for the shards (state and prompts left) rides the same cadence.
+A shard's message is a JSON string built from the prompts' compact wire form
+(``Prompt.to_wire``), so a prompt is serialised once on its way from the file
+to Redis.  Publishing a million prompts means ~10,000 Celery messages; one
+``send_task`` each costs about half a millisecond in kombu's publish path, so
+instead Celery builds the protocol-2 headers once (``app.amqp.as_task_v2``)
+and each shard's envelope is that template with its own ids and body, pushed
+to the queue in pipelined batches exactly as kombu's Redis transport would
+(``LPUSH`` of the JSON envelope).  The workers cannot tell the difference
+(the integration tests consume nothing else).
 """
 
 from __future__ import annotations
 
+import base64
 import json
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import redis
@@ -33,19 +39,55 @@ class WireShard:
 
 def message_json(spec: JobSpec, queue: str, shard: WireShard) -> str:
     """The task argument for one shard (decoded by ``ShardMessage.from_dict``)."""
+    return message_builder(spec, queue)(shard)
+
+
+def message_builder(spec: JobSpec, queue: str) -> Callable[[WireShard], str]:
+    """``message_json`` for one job, with everything but the shard serialised once."""
     head = json.dumps(
-        {"job": spec.job, "shard": shard.shard, "params": spec.params.to_dict(),
-         "batch_size": spec.batch_size, "queue": queue},
+        {"job": spec.job, "params": spec.params.to_dict(), "batch_size": spec.batch_size, "queue": queue},
         separators=(",", ":"),
-    )
-    return f'{head[:-1]},"prompts":[{",".join(shard.prompts_json)}]}}'
+    )[:-1]
+
+    def build(shard: WireShard) -> str:
+        return f'{head},"shard":{shard.shard},"prompts":[{",".join(shard.prompts_json)}]}}'
+
+    return build
+
+
+def envelope_factory(app: Celery, queue: str) -> Callable[[str, str], str]:
+    """A function (message JSON, short description) -> the kombu envelope to LPUSH."""
+    template = app.amqp.as_task_v2(str(uuid.uuid4()), celery_app.TASK_NAME, args=[""], kwargs={},
+                                   argsrepr="", kwargsrepr="{}")
+    headers = dict(template.headers)
+    embed = json.dumps(template.body[2])
+    dumps = json.dumps
+    b64 = base64.b64encode
+
+    def build(message: str, argsrepr: str) -> str:
+        task_id = str(uuid.uuid4())
+        body = f"[[{dumps(message)}],{{}},{embed}]".encode()
+        return dumps({
+            "body": b64(body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
+            "properties": {
+                "correlation_id": task_id,
+                "delivery_mode": 2,
+                "delivery_info": {"exchange": "", "routing_key": queue},
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_tag": str(uuid.uuid4()),
+            },
+        })
+
+    return build
 
 
 def register_job(client: redis.Redis, spec: JobSpec, queue: str) -> None:
     """Make the job known to this Redis (idempotent)."""
     pipe = client.pipeline()
-    pipe.hsetnx(keys.job(spec.job), "done", 0)
-    pipe.hsetnx(keys.job(spec.job), "failed", 0)
     pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue})
     pipe.sadd(keys.JOBS, spec.job)
     pipe.setnx(keys.EPOCH, "1")
@@ -54,34 +96,30 @@ def register_job(client: redis.Redis, spec: JobSpec, queue: str) -> None:
 
 def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
                    shards: Iterable[WireShard]) -> int:
-    """Publish every shard given; returns how many.  The job must be registered."""
+    """Publish every shard given, in pipelined batches; returns how many.
+
+    Each shard's state goes in before its message, in the same pipeline: a
+    worker that claims the shard must find it queued.
+    """
+    envelope = envelope_factory(app, queue)
+    message = message_builder(spec, queue)
     count = 0
-    pending: list[WireShard] = []
+    batch: list[WireShard] = []
 
-    def mark(batch: list[WireShard]) -> None:
-        # State first: a worker that claims the shard must find it queued.
+    def flush() -> None:
+        if not batch:
+            return
         pipe = client.pipeline(transaction=False)
-        for ws in batch:
-            pipe.hset(keys.shards(spec.job), str(ws.shard), "q")
-            pipe.hset(keys.left(spec.job), str(ws.shard), ws.count)
+        pipe.hset(keys.shards(spec.job), mapping={str(ws.shard): "q" for ws in batch})
+        pipe.hset(keys.left(spec.job), mapping={str(ws.shard): ws.count for ws in batch})
+        pipe.lpush(queue, *(envelope(message(ws), f"{spec.job}:{ws.shard}") for ws in batch))
         pipe.execute()
+        batch.clear()
 
-    with app.producer_or_acquire() as producer, producer.batch(max_size=BATCH):
-        for ws in shards:
-            pending.append(ws)
-            if len(pending) >= BATCH:
-                mark(pending)
-                for p in pending:
-                    _send(app, producer, message_json(spec, queue, p), queue)
-                count += len(pending)
-                pending = []
-        if pending:
-            mark(pending)
-            for p in pending:
-                _send(app, producer, message_json(spec, queue, p), queue)
-            count += len(pending)
+    for ws in shards:
+        batch.append(ws)
+        count += 1
+        if len(batch) >= BATCH:
+            flush()
+    flush()
     return count
-
-
-def _send(app: Celery, producer: object, message: str, queue: str) -> None:
-    app.send_task(celery_app.TASK_NAME, args=[message], queue=queue, producer=producer)

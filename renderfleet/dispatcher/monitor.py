@@ -45,7 +45,7 @@ class Monitor:
         """One pass; returns the jobs it resumed."""
         reap_once(self.leases, self._publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
         resumed = []
-        self.known_jobs |= {j.decode() for j in self.client.smembers(keys.JOBS)}
+        self.known_jobs |= {keys.text(j) for j in self.client.smembers(keys.JOBS)}
         lost = not self.client.exists(keys.EPOCH)
         for job in sorted(self.known_jobs):
             try:

@@ -17,6 +17,7 @@ from celery import Celery
 
 from renderfleet.core import keys
 from renderfleet.core import spec as layout
+from renderfleet.core.celery_app import queue_name
 from renderfleet.core.errors import JobNotFound
 from renderfleet.core.spec import JobSpec, index_name
 from renderfleet.core.store import Store
@@ -51,14 +52,9 @@ def stored_names(store: Store, job: str, what: str) -> set[str]:
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None) -> ResumeReport:
     """Enqueue whatever of ``job`` is not yet in the store."""
     spec = load_spec(store, job)
-    queue = queue or client.hget(keys.job(job), "queue") or None
-    if isinstance(queue, bytes):
-        queue = queue.decode()
-    from renderfleet.core.celery_app import queue_name
-
-    queue = queue or queue_name(spec.pool)
+    queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(spec.pool)
     known = bool(client.exists(keys.job(job)))
-    states = {k.decode(): v.decode() for k, v in client.hgetall(keys.shards(job)).items()} if known else {}
+    states = {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.shards(job)).items()} if known else {}
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     enqueue.register_job(client, spec, queue)
@@ -95,17 +91,14 @@ def _rebuild_counters(client: redis.Redis, spec: JobSpec, store: Store, images: 
     """Redis lost the job: count what the store holds (bit per prompt, as workers do)."""
     from renderfleet.dispatcher.submit import read_wire_prompts
 
+    # Setting a bit is idempotent, so workers committing meanwhile are not double counted.
     pipe = client.pipeline(transaction=False)
-    done = failed = 0
     for i, line in enumerate(read_wire_prompts(store, spec.job)):
         name = json.loads(line).get("n") or index_name(i)
         if name in images:
             pipe.setbit(keys.done_bits(spec.job), i, 1)
-            done += 1
         elif name in quarantined:
             pipe.setbit(keys.failed_bits(spec.job), i, 1)
-            failed += 1
         if len(pipe) >= 5000:
             pipe.execute()
-    pipe.hset(keys.job(spec.job), mapping={"done": done, "failed": failed})
     pipe.execute()

@@ -60,10 +60,14 @@ def _int(value: Any) -> int:
 def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> JobStatus:
     """One job's counters; falls back to the store when Redis does not know it."""
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.job(job), "total", "done", "failed", "spec")
+    pipe.hmget(keys.job(job), "total", "spec")
+    # Bits, not counters: a bit per prompt is set once whoever commits it, and
+    # BITCOUNT of a million-prompt job reads 125 kB.
+    pipe.bitcount(keys.done_bits(job))
+    pipe.bitcount(keys.failed_bits(job))
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
-    (total, done, failed, spec_json), states, left = pipe.execute()
+    (total, spec_json), done, failed, states, left = pipe.execute()
     if total is None:
         if store is None:
             from renderfleet.core.errors import JobNotFound
@@ -89,14 +93,14 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
 
 def queue_depths(client: redis.Redis) -> dict[str, int]:
     """Every renderfleet queue and its length (a queue that drained still shows, at 0, while known)."""
-    names = {k.decode() for k in client.scan_iter(match=f"{QUEUE_PREFIX}*", count=1000)}
+    names = {keys.text(k) for k in client.scan_iter(match=f"{QUEUE_PREFIX}*", count=1000)}
     for raw in client.hvals(keys.WORKERS):
         info = json.loads(raw)
         names.add(f"{QUEUE_PREFIX}{info.get('pool', 'default')}")
     for job in client.smembers(keys.JOBS):
-        q = client.hget(keys.job(job.decode()), "queue")
+        q = keys.text(client.hget(keys.job(keys.text(job)), "queue"))
         if q:
-            names.add(q.decode())
+            names.add(q)
     names.add(f"{QUEUE_PREFIX}default")
     pipe = client.pipeline(transaction=False)
     ordered = sorted(names)
@@ -109,13 +113,14 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     status = FleetStatus(queues=queue_depths(client))
     for worker_id, raw in sorted(client.hgetall(keys.WORKERS).items()):
         info = json.loads(raw)
-        stats = {k.decode(): v.decode() for k, v in client.hgetall(keys.worker_stats(worker_id.decode())).items()}
+        stats = {keys.text(k): keys.text(v)
+                 for k, v in client.hgetall(keys.worker_stats(keys.text(worker_id))).items()}
         info.update(stats)
         status.workers.append(info)
     for key in client.scan_iter(match=f"{keys.POOL_STATS_PREFIX}*", count=1000):
-        pool = key.decode()[len(keys.POOL_STATS_PREFIX):]
-        status.pools[pool] = {k.decode(): int(v) for k, v in client.hgetall(key).items()}
-    for job in jobs if jobs is not None else sorted(j.decode() for j in client.smembers(keys.JOBS)):
+        pool = keys.text(key)[len(keys.POOL_STATS_PREFIX):]
+        status.pools[pool] = {keys.text(k): int(v) for k, v in client.hgetall(key).items()}
+    for job in jobs if jobs is not None else sorted(keys.text(j) for j in client.smembers(keys.JOBS)):
         status.jobs.append(job_status(client, job, store=store))
     return status
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
@@ -86,11 +87,15 @@ def job_id(digest: str, opts: SubmitOptions) -> str:
 
 
 def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client: redis.Redis,
-           queue: str) -> SubmitResult:
-    """Validate, write and enqueue a prompt file; see the module docstring."""
+           queue: str, summary: prompt_files.FileSummary | None = None) -> SubmitResult:
+    """Validate, write and enqueue a prompt file; see the module docstring.
+
+    ``summary`` is pass 1's result when the caller already validated the file.
+    """
     started = time.perf_counter()
     check_options(opts)
-    summary = prompt_files.validate_file(path)
+    if summary is None:
+        summary = prompt_files.validate_file(path)
     job = opts.job or job_id(summary.digest, opts)
 
     existing = store.get(layout.spec_key(job))
@@ -119,23 +124,22 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     return SubmitResult(job, spec.total, sent, True, time.perf_counter() - started)
 
 
-def _wire_shards(path: str, spec: JobSpec, out: object) -> Iterator[WireShard]:
+def _wire_shards(path: str, spec: JobSpec, out: Any) -> Iterator[WireShard]:
     """Pass 2: each prompt's wire JSON goes to the prompts file and into its shard."""
-    write = out.write  # type: ignore[attr-defined]
-    params = spec.params
-    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    write = out.write
     current: list[str] = []
     shard = 0
-    for prompt in prompt_files.iter_prompts(path, params):
-        line = dumps(prompt.to_wire(params))
-        write(line)
-        write("\n")
+    for line in prompt_files.iter_wire(path, spec.params):
         current.append(line)
         if len(current) == spec.shard_size:
+            write("\n".join(current))
+            write("\n")
             yield WireShard(shard, len(current), current)
             shard += 1
             current = []
     if current:
+        write("\n".join(current))
+        write("\n")
         yield WireShard(shard, len(current), current)
 
 

@@ -101,6 +101,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         without_mingle=True,
         without_gossip=True,
         optimization="fair",
+        # Our handler writes to stderr; redirected, every line would be logged twice.
+        redirect_stdouts=False,
     )
     try:
         worker.start()

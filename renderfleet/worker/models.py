@@ -247,7 +247,7 @@ def build_tiny_pipeline() -> Any:
         )
         text_encoder = CLIPTextModel(text_config)
 
-    pipe = StableDiffusionPipeline(
+    pipe: Any = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -285,9 +285,7 @@ def _tiny_tokenizer() -> Any:
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP's map from bytes to printable characters (their BPE alphabet)."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     codes = printable[:]
     extra = 0
@@ -303,7 +301,7 @@ def _from_pretrained(folder: str, model: str, dtype: torch.dtype) -> Any:
     from diffusers import AutoPipelineForText2Image
 
     try:
-        return AutoPipelineForText2Image.from_pretrained(folder, torch_dtype=dtype)
+        return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype))
     except (OSError, ValueError, KeyError) as exc:
         raise PermanentError(f"model {model!r}: not a loadable pipeline: {exc}") from exc
 
@@ -314,9 +312,7 @@ def _from_hub(model_id: str, dtype: torch.dtype) -> Any:
     try:
         # safetensors only: a hub id is someone else's files, and pickled
         # weights can run code when loaded.
-        return AutoPipelineForText2Image.from_pretrained(
-            model_id, torch_dtype=dtype, use_safetensors=True
-        )
+        return AutoPipelineForText2Image.from_pretrained(model_id, **_dtype_kwarg(dtype), use_safetensors=True)
     except (OSError, ValueError) as exc:
         # OSError covers "not found", "offline" and "cannot connect" alike;
         # none of them gets better by retrying this shard.
@@ -327,19 +323,30 @@ def _from_hub(model_id: str, dtype: torch.dtype) -> Any:
         ) from None
 
 
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
+    """``from_pretrained``'s dtype argument: ``dtype`` where diffusers has
+    renamed it (``torch_dtype`` warns there), ``torch_dtype`` before that."""
+    try:
+        from diffusers.utils.deprecation_utils import _TORCH_DTYPE_DEPRECATION_MESSAGE  # noqa: F401
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype}
+
+
 def _use_sdpa(pipe: Any) -> None:
-    """Make sure attention uses torch's fused scaled_dot_product_attention.
+    """Make sure a UNet's attention uses torch's fused scaled_dot_product_attention.
 
-    diffusers picks it by default on torch 2; a saved pipeline or a model
-    with custom processors may not, and on a GPU it is the fast path.
+    diffusers picks it by default on torch 2, but a pipeline can come back
+    with the plain (slower, hungrier) processor.  Only the stock processors are
+    swapped: custom ones (IP-Adapter, LoRA variants) and transformer models'
+    own processors are theirs to keep.
     """
-    from diffusers.models.attention_processor import AttnProcessor2_0
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    for name in ("unet", "transformer"):
-        module = getattr(pipe, name, None)
-        if module is not None and hasattr(module, "set_attn_processor"):
-            try:
-                module.set_attn_processor(AttnProcessor2_0())
-            except (ValueError, TypeError):
-                # Some architectures need their own processors; keep theirs.
-                log.debug("kept default attention processors on %s", name)
+    unet: Any = getattr(pipe, "unet", None)
+    processors = getattr(unet, "attn_processors", None)
+    if not processors:
+        return
+    stock = all(type(p) in (AttnProcessor, AttnProcessor2_0) for p in processors.values())
+    if stock and not all(type(p) is AttnProcessor2_0 for p in processors.values()):
+        unet.set_attn_processor(AttnProcessor2_0())

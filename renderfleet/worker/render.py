@@ -106,9 +106,7 @@ class Renderer:
         steps, guidance, width, height = prompts[0].render_key
         interrupted = False
 
-        def on_step_end(
-            pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]
-        ) -> dict[str, Any]:
+        def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             nonlocal interrupted
             step_times.append(time.perf_counter())
             if step < steps - 1 and should_stop():
@@ -135,9 +133,7 @@ class Renderer:
             if _is_out_of_memory(exc):
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                raise OutOfMemory(
-                    f"out of memory rendering {len(prompts)} prompts at {width}x{height}"
-                ) from exc
+                raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}") from exc
             raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
 
         # The decoded images of an interrupted call are half-denoised: drop them.
@@ -168,9 +164,7 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
     if steps < 1:
         raise ValueError(f"`steps` has to be a positive integer but is {steps}")
     if width % 8 != 0 or height % 8 != 0 or width <= 0 or height <= 0:
-        raise ValueError(
-            f"`width` and `height` have to be positive multiples of 8 but are {width} and {height}"
-        )
+        raise ValueError(f"`width` and `height` have to be positive multiples of 8 but are {width} and {height}")
 
 
 def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:

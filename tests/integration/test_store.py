@@ -152,6 +152,15 @@ def test_local_put_leaves_no_temp_file_and_list_skips_one_left_by_a_crash(tmp_pa
     assert list(store.list("jobs/")) == ["jobs/j1/images/a.png", "jobs/j1/images/b.png"]
 
 
+def test_local_put_gives_the_file_the_umask_mode_not_0600(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        LocalStore(tmp_path).put("a.png", b"png")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.png").stat().st_mode & 0o777 == 0o644
+
+
 def test_local_reader_never_sees_a_half_written_object(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     payloads = [b"A" * (2 * MB), b"B" * (2 * MB)]

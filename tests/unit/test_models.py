@@ -73,9 +73,7 @@ def test_tiny_is_a_cpu_float32_smoke_test_model(tiny: LoadedModel) -> None:
     assert type(tiny.pipe).__name__ == "StableDiffusionPipeline"
 
 
-def test_tiny_builds_bit_identical_twice_and_warns(
-    tiny: LoadedModel, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_tiny_builds_bit_identical_twice_and_warns(tiny: LoadedModel, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="renderfleet.worker.models"):
         again = build_tiny_pipeline()
     assert checksum(again) == checksum(tiny.pipe)
@@ -118,9 +116,7 @@ def test_saved_tiny_loads_from_folder_and_renders_the_same_bytes(
     assert from_disk == in_memory
 
 
-def test_s3_model_is_fetched_once_then_read_from_the_cache(
-    saved_tiny: Path, tmp_path: Path
-) -> None:
+def test_s3_model_is_fetched_once_then_read_from_the_cache(saved_tiny: Path, tmp_path: Path) -> None:
     uri = "s3://models/tiny-v1"
     fetched: list[tuple[str, Path]] = []
 
@@ -162,9 +158,7 @@ def test_s3_model_without_fetch_is_permanent(tmp_path: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:The `local_dir_use_symlinks`:UserWarning")
-def test_unknown_hub_id_is_permanent_and_fast(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_unknown_hub_id_is_permanent_and_fast(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import huggingface_hub.constants
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -197,3 +191,14 @@ def test_importing_the_worker_modules_builds_nothing() -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_unet_on_the_plain_attention_processor_is_moved_to_sdpa(tiny: LoadedModel) -> None:
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    from renderfleet.worker.models import _use_sdpa
+
+    unet = tiny.pipe.unet
+    unet.set_attn_processor(AttnProcessor())
+    _use_sdpa(tiny.pipe)
+    assert {type(p) for p in unet.attn_processors.values()} == {AttnProcessor2_0}

@@ -128,16 +128,12 @@ def test_the_same_bytes_come_out_of_another_process(renderer: Renderer) -> None:
         "m = load_pipeline('tiny', device='cpu', cache_dir=Path(tempfile.mkdtemp()));"
         "sys.stdout.write(Renderer(m).render([p])[0].hex())"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     assert bytes.fromhex(result.stdout) == renderer.render([p])[0]
 
 
-def test_stop_after_the_first_step_reclaims_and_skips_the_rest(
-    renderer: Renderer, unet_calls: list[int]
-) -> None:
+def test_stop_after_the_first_step_reclaims_and_skips_the_rest(renderer: Renderer, unet_calls: list[int]) -> None:
     prompts = [make_prompt(i, steps=4) for i in range(2)]
     with pytest.raises(Reclaimed, match="mid-batch"):
         renderer.render(prompts, should_stop=lambda: len(unet_calls) >= 1)
@@ -145,28 +141,20 @@ def test_stop_after_the_first_step_reclaims_and_skips_the_rest(
     assert renderer.last_steps_run == 1
 
 
-def test_stop_flag_already_set_renders_nothing(
-    renderer: Renderer, unet_calls: list[int]
-) -> None:
+def test_stop_flag_already_set_renders_nothing(renderer: Renderer, unet_calls: list[int]) -> None:
     with pytest.raises(Reclaimed):
         renderer.render([make_prompt(0)], should_stop=lambda: True)
     assert unet_calls == []
 
 
-def test_a_stop_in_single_call_mode_interrupts_the_pipeline(
-    tiny: LoadedModel, unet_calls: list[int]
-) -> None:
+def test_a_stop_in_single_call_mode_interrupts_the_pipeline(tiny: LoadedModel, unet_calls: list[int]) -> None:
     prompts = [make_prompt(i, steps=4) for i in range(2)]
     with pytest.raises(Reclaimed, match="mid-batch"):
-        Renderer(tiny, batch_invariant=False).render(
-            prompts, should_stop=lambda: len(unet_calls) >= 1
-        )
+        Renderer(tiny, batch_invariant=False).render(prompts, should_stop=lambda: len(unet_calls) >= 1)
     assert len(unet_calls) == 1
 
 
-def test_a_stop_after_the_last_step_keeps_the_finished_batch(
-    renderer: Renderer, unet_calls: list[int]
-) -> None:
+def test_a_stop_after_the_last_step_keeps_the_finished_batch(renderer: Renderer, unet_calls: list[int]) -> None:
     prompts = [make_prompt(i) for i in range(2)]
     images = renderer.render(prompts, should_stop=lambda: len(unet_calls) >= 4)
     assert images == renderer.render(prompts)
