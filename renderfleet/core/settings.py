@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     max_prompt_failures: int = 3
     # A worker whose last this-many shards all failed stops taking work.
     breaker_shards: int = 2
+    # One pipeline call per prompt instead of per batch: identical bytes across
+    # batch sizes, at a large cost in throughput (see worker/render.py).
+    batch_invariant: bool = False
     # Device override for workers (cuda, cpu, mps); None: best available.
     device: str | None = None
 

@@ -47,7 +47,7 @@ def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
 
     loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models",
                            fetch=fetch_from_store)
-    return Renderer(loaded), loaded
+    return Renderer(loaded, batch_invariant=settings.batch_invariant), loaded
 
 
 def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,

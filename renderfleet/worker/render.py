@@ -29,14 +29,17 @@ PNG_COMPRESS_LEVEL = 6
 class Renderer:
     """Renders batches of prompts that share a render key.
 
-    ``batch_invariant`` (the default) renders each prompt of a batch with its
-    own pipeline call.  Batching is not bit-exact: GEMM and convolution
-    kernels block their work by batch size, so the same row comes out a few
-    ULPs apart in a batch of 1, 2 or 4, and after rounding to 8 bits some
-    pixels differ.  One call per prompt makes an image's bytes depend on its
-    prompt alone, so a redelivered or split batch re-renders the same bytes.
-    ``batch_invariant=False`` makes one pipeline call for the whole batch:
-    more throughput on a GPU, images equal only to within a pixel level.
+    By default one pipeline call renders the whole batch: batch size is the
+    biggest lever on cost per image.  Batching is not bit-exact across batch
+    *compositions*: GEMM and convolution kernels block their work by batch
+    size, so the same row comes out a few ULPs apart in a batch of 1, 2 or 4,
+    and after rounding to 8 bits some pixels differ.  The shard runner makes
+    that harmless by fixing each batch's members by position in the shard
+    (``ShardMessage.batches``), so a redelivered batch has the same
+    composition and re-renders the same bytes.  ``batch_invariant=True``
+    renders each prompt with its own call instead, so an image's bytes depend
+    on its prompt alone (half the throughput on CPU, more lost on a GPU): for
+    users who need identical images across batch sizes or after OOM halving.
 
     After each call, ``last_batch_seconds`` is its wall time and
     ``last_step_seconds`` the time of one denoising step of the whole batch
@@ -44,7 +47,7 @@ class Renderer:
     asks whether ``steps * last_step_seconds`` fits in a reclaim window).
     """
 
-    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False) -> None:
         self.loaded = loaded
         self.batch_invariant = batch_invariant
         self.last_batch_seconds = 0.0

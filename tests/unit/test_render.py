@@ -50,7 +50,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 @pytest.fixture
 def renderer(tiny: LoadedModel) -> Renderer:
-    return Renderer(tiny)
+    return Renderer(tiny, batch_invariant=True)
 
 
 @pytest.fixture
@@ -102,6 +102,13 @@ def test_an_image_has_the_same_bytes_alone_or_at_any_place_in_a_batch(
     batch_of_2 = renderer.render([prompts[3], prompts[1]])
     assert batch_of_4 == alone
     assert batch_of_2 == [alone[3], alone[1]]
+
+
+def test_a_batch_of_the_same_prompts_renders_the_same_bytes_every_time(tiny: LoadedModel) -> None:
+    # What the shard runner relies on in the default (batched) mode: a
+    # redelivered batch has the same members in the same order.
+    prompts = [make_prompt(i) for i in range(4)]
+    assert Renderer(tiny).render(prompts) == Renderer(tiny).render(prompts)
 
 
 def test_one_call_per_batch_is_within_a_pixel_level_of_per_prompt(tiny: LoadedModel) -> None:

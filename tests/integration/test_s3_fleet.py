@@ -1,0 +1,85 @@
+"""The fleet on S3 over HTTP (moto's server mode): images, and the model itself, from S3."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from renderfleet.core.embedded import RedisServerProcess
+from renderfleet.core.spec import RenderParams, ShardMessage
+from renderfleet.core.store import open_store
+from tests.fleet import WorkerProc, base_env, cli, job_status, start_redis, wait_for, write_prompts
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
+    server = start_redis(tmp_path / "redis")
+    yield server
+    server.stop()
+
+
+def upload_folder(folder: Path, url: str) -> None:
+    store = open_store(url)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            store.put_file(path.relative_to(folder).as_posix(), path)
+
+
+def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
+    tmp_path: Path, s3_bucket: str, redis_server: RedisServerProcess
+) -> None:
+    env = base_env(tmp_path, redis_server.url, s3_bucket)
+    assert env["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1")
+    # the real loading path: tiny saved with save_pretrained, uploaded, fetched by the worker
+    saved = tmp_path / "tiny-saved"
+    cli(env, "save-model", "tiny", str(saved))
+    bucket = s3_bucket.split("/")[2]
+    model_uri = f"s3://{bucket}/models/tiny"
+    upload_folder(saved, model_uri)
+
+    prompts = write_prompts(tmp_path / "p.txt", 10)
+    worker = WorkerProc(env, tmp_path / "worker.log", "--model", model_uri)
+    try:
+        job = cli(env, "submit", str(prompts), "--model", model_uri, "--steps", "2", "--size", "32x32",
+                  "--shard-size", "5", "--batch-size", "2").stdout.split()[-1]
+        st = wait_for(lambda: (s := job_status(env, job))["done"] == 10 and s, 180, what="job on S3")
+        assert [int(w["loads"]) for w in st["workers"]] == [1]
+    finally:
+        worker.kill()
+
+    s3 = boto3.client("s3")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"rf-test/jobs/{job}/images/")["Contents"]]
+    assert len(keys) == 10
+    res = json.loads(cli(env, "results", job, "--json").stdout)
+    assert res["images"]["000000"] == f"{s3_bucket}/jobs/{job}/images/000000.png"
+
+    # The same batches rendered here from the in-memory tiny: the same bytes.
+    import torch
+
+    from renderfleet.worker.models import load_pipeline
+    from renderfleet.worker.render import Renderer
+
+    # The workers run with OMP_NUM_THREADS=1; CPU kernels split work by thread count too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    loaded = load_pipeline("tiny", device="cpu", cache_dir=tmp_path / "cache")
+    renderer = Renderer(dataclasses.replace(loaded, model=model_uri))  # the PNG text names the model
+    store = open_store(s3_bucket)
+    params = RenderParams(model=model_uri, steps=2, width=32, height=32)
+    for shard in range(2):
+        wire = [{"i": i, "p": f"prompt number {i}"} for i in range(shard * 5, shard * 5 + 5)]
+        msg = ShardMessage.from_dict({"job": job, "shard": shard, "params": params.to_dict(), "batch_size": 2,
+                                      "queue": "q", "prompts": wire})
+        for _, batch in msg.batches():
+            for prompt, png in zip(batch, renderer.render(list(batch)), strict=True):
+                assert store.get(f"jobs/{job}/images/{prompt.name}.png") == png, prompt.name
+    torch.set_num_threads(threads)
+    assert os.environ.get("AWS_ENDPOINT_URL")
