@@ -47,6 +47,8 @@ from tests.servers import MotoServer, s3_env  # noqa: E402
 
 SHARD_SIZE = 6
 BATCH_SIZE = 2
+# More steps than the other tests: batches long enough that kills land mid-batch.
+STEPS = 6
 
 
 @dataclass
@@ -111,7 +113,7 @@ class ChaosReport:
         ])
 
 
-def reference_images(n: int, cache: Path) -> dict[str, bytes]:
+def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
     """The job's images rendered here, batch by batch as the workers do, with no failure."""
     import torch
 
@@ -120,7 +122,7 @@ def reference_images(n: int, cache: Path) -> dict[str, bytes]:
 
     torch.set_num_threads(1)  # as the workers (OMP_NUM_THREADS=1): kernels split work by thread count
     renderer = Renderer(load_pipeline("tiny", device="cpu", cache_dir=cache))
-    params = RenderParams(model="tiny", steps=2, width=32, height=32)
+    params = RenderParams(model="tiny", steps=steps, width=32, height=32)
     out: dict[str, bytes] = {}
     for start in range(0, n, SHARD_SIZE):
         wire = [{"i": i, "p": f"chaos prompt {i}"} for i in range(start, min(n, start + SHARD_SIZE))]
@@ -199,7 +201,7 @@ def pool_stats(client: redis.Redis) -> dict[str, int]:
         return {}
 
 
-def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, kill_gap: tuple[float, float] = (3.0, 6.0),
+def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: float = 2.0, steps: int = STEPS,
               timeout: float = 600.0, seed: int = 7, workdir: Path | None = None) -> ChaosReport:
     rng = random.Random(seed)
     report = ChaosReport(prompts=prompts)
@@ -207,7 +209,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, kill_gap:
     logs = tmp / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"chaos: workdir {tmp}; rendering the reference images", flush=True)
-    reference = reference_images(prompts, tmp / "cache")
+    reference = reference_images(prompts, tmp / "cache", steps)
 
     server = start_redis(tmp / "redis")
     client = redis.Redis.from_url(server.url, socket_timeout=5)
@@ -233,7 +235,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, kill_gap:
         for _ in range(workers):
             fleet.start()
         wait_for(lambda: client.hlen(keys.WORKERS) >= workers, 120, what="workers to load the model")
-        job = cli(env, "submit", str(prompt_file), "--model", "tiny", "--steps", "2", "--size", "32x32",
+        job = cli(env, "submit", str(prompt_file), "--model", "tiny", "--steps", str(steps), "--size", "32x32",
                   "--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE)).stdout.split()[-1]
 
         def done() -> int:
@@ -242,20 +244,27 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, kill_gap:
             except redis.RedisError:
                 return -1
 
-        # kills throughout, the notice early, the Redis restart in the middle of the job
+        # kills throughout, the notice early, the Redis restart in the middle of the job;
+        # each event fires once the job has reached its share of progress (and a worker is busy)
         plan = ["kill"] * kills
         plan.insert(min(1, len(plan)), "notice")
         plan.insert(len(plan) // 2 + 1, "restart")
+        marks = [0.05 + 0.8 * i / len(plan) for i in range(len(plan))]
         stats_before_restart: dict[str, int] = {}
+        last = 0.0
         while plan and time.monotonic() - started < timeout:
-            time.sleep(rng.uniform(*kill_gap))
-            if done() >= prompts:
+            time.sleep(0.1)
+            progress = done()
+            if progress >= prompts:
                 break
-            event = plan.pop(0)
-            busy = fleet.busy_nodes()
-            if event in ("kill", "notice") and not busy:
-                plan.append(event)
+            if progress < marks[0] * prompts or time.monotonic() - last < min_gap:
                 continue
+            busy = fleet.busy_nodes()
+            if plan[0] in ("kill", "notice") and not busy:
+                continue
+            event = plan.pop(0)
+            marks.pop(0)
+            last = time.monotonic()
             if event == "kill":
                 node = rng.choice(busy)
                 held = fleet.held_shard(node)

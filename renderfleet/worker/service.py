@@ -75,6 +75,7 @@ class WorkerService:
                                   max_failures=settings.max_prompt_failures, worker_id=worker_id)
         self.failed_streak = 0
         self.tripped = False
+        self._registration = ""
 
     # ---- registration and counters ------------------------------------------------
 
@@ -82,15 +83,20 @@ class WorkerService:
         info = {"worker": self.worker_id, "pool": self.settings.pool, "model": self.model,
                 "device": device, "host": socket.gethostname(), "pid": os.getpid(),
                 "started": time.time()}
+        self._registration = json.dumps(info)
         pipe = self.client.pipeline()
-        pipe.hset(keys.WORKERS, self.worker_id, json.dumps(info))
+        pipe.hset(keys.WORKERS, self.worker_id, self._registration)
         pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
         pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
         pipe.execute()
 
     def touch(self) -> None:
-        self.client.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+        """Liveness for status; re-registers if Redis lost its memory."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+        pipe.hsetnx(keys.WORKERS, self.worker_id, self._registration)
+        pipe.execute()
 
     def unregister(self) -> None:
         with contextlib.suppress(redis.RedisError):
