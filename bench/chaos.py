@@ -32,18 +32,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import boto3
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from renderfleet.core import keys  # noqa: E402
-from renderfleet.core.spec import RenderParams, ShardMessage  # noqa: E402
-from tests.fleet import WorkerProc, base_env, cli, start_redis, wait_for  # noqa: E402
-from tests.metadata import FakeMetadata  # noqa: E402
-from tests.servers import MotoServer, s3_env  # noqa: E402
+import contextlib
+
+from renderfleet.core import keys
+from renderfleet.core.spec import RenderParams, ShardMessage
+from tests.fleet import WorkerProc, base_env, cli, start_redis, wait_for
+from tests.metadata import FakeMetadata
+from tests.servers import MotoServer, s3_env
 
 SHARD_SIZE = 6
 BATCH_SIZE = 2
@@ -120,6 +121,7 @@ def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
     from renderfleet.worker.models import load_pipeline
     from renderfleet.worker.render import Renderer
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers (OMP_NUM_THREADS=1): kernels split work by thread count
     renderer = Renderer(load_pipeline("tiny", device="cpu", cache_dir=cache))
     params = RenderParams(model="tiny", steps=steps, width=32, height=32)
@@ -131,6 +133,7 @@ def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
         for _, batch in msg.batches():
             for p, png in zip(batch, renderer.render(list(batch)), strict=True):
                 out[p.name] = png
+    torch.set_num_threads(threads)
     return out
 
 
@@ -338,10 +341,8 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
                 report.mismatched.append(name)
     finally:
         fleet.stop_all()
-        try:
+        with contextlib.suppress(NameError, ProcessLookupError, PermissionError):
             os.killpg(monitor_proc.pid, 9)
-        except (NameError, ProcessLookupError, PermissionError):
-            pass
         md.__exit__(None, None, None)
         moto.stop()
         server.stop()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import random
@@ -147,17 +148,15 @@ class Started:
         for s in servers:
             try:
                 s.stop()
-            except Exception as exc:  # noqa: BLE001 - best effort at exit
+            except Exception as exc:  # best effort at exit
                 print(f"warning: could not stop redis on {s.port}: {exc}", file=sys.stderr)
 
 
 def killpg(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL a process group we started (start_new_session), and reap it."""
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
@@ -192,7 +191,12 @@ def submit(env: dict[str, str], tmp: Path, n: int, prefix: str, *extra: str) -> 
     return out.stdout.split()[-1]
 
 
-def registered_pids(c: redis.Redis) -> dict[int, str]:
+def connect(url: str) -> Any:
+    """A client answering str (typed Any: redis-py's stubs type replies as bytes | str)."""
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+def registered_pids(c: Any) -> dict[int, str]:
     """pid -> worker id, from every registration in rf:workers."""
     out = {}
     for wid, raw in c.hgetall("rf:workers").items():
@@ -200,11 +204,16 @@ def registered_pids(c: redis.Redis) -> dict[int, str]:
     return out
 
 
-def worker_stats(c: redis.Redis, wid: str) -> dict[str, int]:
+def registered(c: Any, pid: int) -> Callable[[], str | None]:
+    """A predicate: the worker id of process ``pid`` once it has registered (its model is loaded)."""
+    return lambda: registered_pids(c).get(pid)
+
+
+def worker_stats(c: Any, wid: str) -> dict[str, int]:
     return {k: int(v) for k, v in c.hgetall(f"rf:worker:{wid}").items() if v.lstrip("-").isdigit()}
 
 
-def leases(c: redis.Redis) -> list[dict[str, str]]:
+def leases(c: Any) -> list[dict[str, str]]:
     """Every live lease hash (job, shard, worker, attempt, ...)."""
     out = []
     for member in c.zrange("rf:inflight", 0, -1):
@@ -219,12 +228,12 @@ def leases(c: redis.Redis) -> list[dict[str, str]]:
 
 
 def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str, str], workers: int,
-                  rng: random.Random, quiet: threading.Event) -> dict[str, Any]:
+                  rng: random.Random, quiet: threading.Event, budget: float) -> dict[str, Any]:
     tmp = root / "sigkill"
     tmp.mkdir()
     server = started.redis(tmp / "redis")
     env = base_env(tmp, server.url, str(tmp / "store"), **lease_env)
-    c = redis.Redis.from_url(server.url, decode_responses=True)
+    c = connect(server.url)
     procs: dict[int, WorkerProc] = {}
 
     def spawn() -> WorkerProc:
@@ -242,6 +251,9 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
 
     samples: list[dict[str, Any]] = []
     for k in range(kills):
+        if time.monotonic() - t0 > budget:
+            print(f"  stopping after {k} kills: part 1 is over its {budget:.0f} s budget (a busy machine?)", flush=True)
+            break
         if int(c.llen("renderfleet.default")) < 3:
             jobs.append(submit(env, tmp, 1000, f"kill{len(jobs)}"))
 
@@ -308,11 +320,11 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
                   f"{sample['by']}); lost {lost_batches} batch(es)", flush=True)
         # Keep the fleet at full size, then let the next victim be at a random point of its shard.
         try:
-            wait_until(lambda: replacement.pid in registered_pids(c), 90, "the replacement worker", 0.1)
+            wait_until(registered(c, replacement.pid), 90, "the replacement worker", 0.1)
             sample["replacement_up"] = time.monotonic() - t_kill
         except TimeoutError as exc:
             print(f"  {exc}", flush=True)
-        time.sleep(rng.uniform(0.3, 2.0))
+        time.sleep(rng.uniform(0.2, 1.2))
 
     pool = {k: v for k, v in c.hgetall("rf:pool:default").items()}
     done = sum(int(c.bitcount(f"rf:job:{j}:done")) for j in jobs)
@@ -338,10 +350,12 @@ def celery_case(root: Path, started: Started, name: str, visibility_timeout: flo
     env.update({"PYTHONPATH": str(tmp), "BENCH_BROKER": server.url, "PYTHONUNBUFFERED": "1"})
     if visibility_timeout is not None:
         env["BENCH_VISIBILITY_TIMEOUT"] = str(visibility_timeout)
-    c = redis.Redis.from_url(server.url, decode_responses=True)
+    c = connect(server.url)
     result: dict[str, Any] = {"name": name, "visibility_timeout": visibility_timeout, "cap": cap, "logs": tmp}
+    mine: list[subprocess.Popen[bytes]] = []
     try:
         first = started.celery_worker(env, tmp, tmp / "worker-0.log", f"{name}-0")
+        mine.append(first)
         wait_until(lambda: " ready." in (tmp / "worker-0.log").read_text(errors="replace"), 90,
                    f"{name}: celery worker to be ready", 0.1)
         sender = Celery("sender", broker=server.url, set_as_current=False)
@@ -353,6 +367,7 @@ def celery_case(root: Path, started: Started, name: str, visibility_timeout: flo
         t_kill = time.monotonic()
         killpg(first)
         second = started.celery_worker(env, tmp, tmp / "worker-1.log", f"{name}-1")
+        mine.append(second)
         t_ready = t_again = None
         while time.monotonic() < t_kill + cap:
             now = time.monotonic()
@@ -370,10 +385,12 @@ def celery_case(root: Path, started: Started, name: str, visibility_timeout: flo
         result.update({"ready": None if t_ready is None else t_ready - t_kill,
                        "again": None if t_again is None else t_again - t_kill,
                        "unacked": int(c.hlen("unacked")), "queued": int(c.llen("celery"))})
-    except Exception as exc:  # noqa: BLE001 - reported in the table, the others go on
+    except Exception as exc:  # reported in the table, the others go on
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         up.set()
+        for proc in mine:  # before its Redis goes: no reconnect loops eating the CPU
+            killpg(proc)
         server.stop()
     return result
 
@@ -408,7 +425,7 @@ def bench_celery(root: Path, started: Started, cap: float, vt: float, vt_kills: 
 # ---- 3. reclaim notice -> the shard back on the queue ------------------------------------
 
 
-def queue_front(c: redis.Redis, queue: str) -> tuple[str, int] | None:
+def queue_front(c: Any, queue: str) -> tuple[str, int] | None:
     """(job, shard) of the message a worker would take next (BRPOP takes the right end)."""
     raw = c.lindex(queue, -1)
     if not raw:
@@ -427,7 +444,7 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
     server = started.redis(tmp / "redis")
     env = base_env(tmp, server.url, str(tmp / "store"), **lease_env,
                    RENDERFLEET_RECLAIM_WATCH="on", RENDERFLEET_RECLAIM_POLL_SECONDS="0.2")
-    c = redis.Redis.from_url(server.url, decode_responses=True)
+    c = connect(server.url)
     submit(env, tmp, 400, "notice", "--pool", "spot")
     queue = "renderfleet.spot"
     out: list[dict[str, Any]] = []
@@ -439,11 +456,11 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                            tmp / f"worker-{i}-{how}.log", "--pool", "spot")
         res: dict[str, Any] = {"how": how, "log": tmp / f"worker-{i}-{how}.log"}
         try:
-            wid = wait_until(lambda: registered_pids(c).get(w.pid), 120, "the spot worker", 0.2)
+            wid = wait_until(registered(c, w.pid), 120, "the spot worker", 0.2)
             if i == 0:
                 celery_up.wait(120)  # the parallel Celery workers' start-ups are over: quiet CPU
 
-            def mid_shard() -> dict[str, str] | None:
+            def mid_shard(wid: str = wid) -> dict[str, str] | None:
                 for lease in leases(c):
                     if lease["worker"] != wid:
                         continue
@@ -585,6 +602,8 @@ def report(kill: dict[str, Any] | None, celery: list[dict[str, Any]] | None, not
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=10, help="SIGKILLs of renderfleet workers")
+    ap.add_argument("--kill-budget", type=float, default=280,
+                    help="stop killing (even short of --kills) once part 1 has run this long (s)")
     ap.add_argument("--workers", type=int, default=3, help="renderfleet workers in the SIGKILL fleet")
     ap.add_argument("--leases", choices=["product", "test"], default="product",
                     help="lease settings: the product defaults (6/1.5/1 s) or tests.fleet's (3/0.5/0.5 s)")
@@ -607,7 +626,10 @@ def main() -> int:
     # A SIGTERM to the bench must still reach the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
-    kill = celery = notice = None
+    load0 = os.getloadavg()
+    kill: dict[str, Any] | None = None
+    celery: list[dict[str, Any]] | None = None
+    notice: list[dict[str, Any]] | None = None
     lines: list[str] = []
     try:
         celery_up = threading.Event()
@@ -627,7 +649,8 @@ def main() -> int:
             celery_up.set()
         if "kill" in parts:
             print(f"1. SIGKILL -> shard running again ({args.workers} workers, {args.kills} kills)", flush=True)
-            kill = bench_sigkill(root, started, args.kills, lease_env, args.workers, rng, celery_up)
+            kill = bench_sigkill(root, started, args.kills, lease_env, args.workers, rng, celery_up,
+                                 args.kill_budget)
         if "notice" in parts:
             print(f"3. reclaim notice -> shard back on the queue ({args.notices} notices + 1 SIGTERM)", flush=True)
             with FakeMetadata() as md:
@@ -635,7 +658,7 @@ def main() -> int:
         if celery_thread is not None:
             print("2. (waiting for the Celery cases to end)", flush=True)
             celery_thread.join(max(args.celery_cap, args.vt_cap) + 400)
-            celery = celery_box[0] if celery_box else [{"name": "celery", "error": "did not finish", "logs": root}]
+            celery = celery_box[0] if celery_box else [{"name": "celery", "error": "did not finish", "logs": str(root)}]
             for r in celery:
                 print(f"  {r.get('name')}: new worker ready {fmt(r.get('ready'))} s, task started again "
                       f"{fmt(r.get('again'))} s after the kill" + (f"  ERROR: {r['error']}" if r.get("error") else ""),
@@ -643,7 +666,9 @@ def main() -> int:
         lines = report(kill, celery, notice, lease_env, args.celery_cap, args.vt)
     finally:
         started.kill_all()
-    print(f"\n(total {time.monotonic() - t0:.0f} s)")
+    load1 = os.getloadavg()
+    print(f"\n(total {time.monotonic() - t0:.0f} s on {os.cpu_count()} cores; load average {load0[0]:.1f} "
+          f"before, {load1[0]:.1f} at the end, {load1[2]:.1f} over 15 min: other processes share the CPU)")
     print("\n".join(lines))
     odd = any(line.startswith("ODD") for line in lines)
     if args.keep or odd:

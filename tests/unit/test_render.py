@@ -126,6 +126,8 @@ def test_one_call_per_batch_is_within_a_pixel_level_of_per_prompt(tiny: LoadedMo
 def test_the_same_bytes_come_out_of_another_process(renderer: Renderer) -> None:
     p = make_prompt(1)
     code = (
+        # CPU kernels split work by thread count: the other process uses ours.
+        f"import torch; torch.set_num_threads({torch.get_num_threads()});"
         "import logging, sys, tempfile; from pathlib import Path;"
         "logging.disable(logging.WARNING);"
         "from renderfleet.core.spec import Prompt;"

@@ -1,0 +1,71 @@
+"""The reclaim watcher against a fake metadata service on loopback."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from renderfleet.worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+from renderfleet.worker.stop import StopSignal
+from tests.metadata import FakeMetadata
+
+
+def watch(stop: StopSignal, base: str, notices: list[str]) -> ReclaimWatcher:
+    w = ReclaimWatcher(stop, [AwsProbe(base), GcpProbe(base)], 0.05, on_notice=lambda: notices.append("x"))
+    w.start()
+    return w
+
+
+def test_aws_spot_notice_sets_the_deadline_from_the_termination_time() -> None:
+    with FakeMetadata() as md:
+        stop, notices = StopSignal(), []
+        w = watch(stop, md.url("n1"), notices)
+        time.sleep(0.3)
+        assert not stop.requested
+        md.aws_notice("n1", seconds=120)
+        assert stop.wait(5)
+        w.close()
+        assert notices == ["x"] and "aws spot terminate" in stop.reason
+        assert stop.deadline is not None and 100 < stop.deadline - time.monotonic() <= 121
+        assert md.tokens_issued >= 1  # IMDSv2: a token first
+
+
+def test_other_nodes_notice_is_not_ours() -> None:
+    with FakeMetadata() as md:
+        stop, notices = StopSignal(), []
+        w = watch(stop, md.url("n1"), notices)
+        md.aws_notice("n2")
+        time.sleep(0.5)
+        w.close()
+        assert not stop.requested and notices == []
+
+
+def test_gcp_preemption_gives_thirty_seconds() -> None:
+    with FakeMetadata() as md:
+        stop, notices = StopSignal(), []
+        w = watch(stop, md.url("n1"), notices)
+        md.gcp_preempt("n1")
+        assert stop.wait(5)
+        w.close()
+        assert stop.reason == "gcp preemption"
+        assert stop.deadline is not None and 25 < stop.deadline - time.monotonic() <= 30
+
+
+def test_rebalance_recommendation_stops_without_a_deadline() -> None:
+    with FakeMetadata() as md:
+        stop, notices = StopSignal(), []
+        w = watch(stop, md.url("n1"), notices)
+        md.aws_rebalance("n1")
+        assert stop.wait(5)
+        w.close()
+        assert stop.reason == "aws rebalance recommendation" and stop.deadline is None
+
+
+def test_off_the_cloud_the_watcher_goes_quiet_quickly() -> None:
+    with socket.socket() as s:  # a port nobody listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        base = f"http://127.0.0.1:{s.getsockname()[1]}"
+    stop, notices = StopSignal(), []
+    w = watch(stop, base, notices)
+    w.join(timeout=5)
+    assert not w.is_alive() and not stop.requested and notices == []
