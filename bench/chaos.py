@@ -264,6 +264,10 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
                 continue
             busy = fleet.busy_nodes()
             if plan[0] in ("kill", "notice") and not busy:
+                if len(marks) > 1 and progress >= marks[1] * prompts:
+                    print(f"chaos: no busy worker for the {plan[0]}: skipped", flush=True)
+                    plan.pop(0)
+                    marks.pop(0)
                 continue
             event = plan.pop(0)
             marks.pop(0)

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 import redis  # noqa: E402
 
 from renderfleet.core.embedded import RedisServerProcess  # noqa: E402
-from tests.fleet import WorkerProc, base_env, cli, start_redis, write_prompts  # noqa: E402
+from tests.fleet import WorkerProc, base_env, cli, start_redis, wait_for, write_prompts  # noqa: E402
 from tests.metadata import FakeMetadata  # noqa: E402
 
 # The product defaults (renderfleet.core.settings), over tests.fleet's FAST_LEASES.
@@ -164,17 +164,11 @@ def killpg(proc: subprocess.Popen[bytes]) -> None:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll until ``predicate`` is truthy; raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except (redis.ConnectionError, redis.TimeoutError):
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    """tests.fleet.wait_for, raising TimeoutError (which this bench catches) instead."""
+    try:
+        return wait_for(predicate, timeout, interval=interval, what=what)
+    except AssertionError as exc:
+        raise TimeoutError(str(exc)) from None
 
 
 def med(values: list[float]) -> float:

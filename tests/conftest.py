@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import boto3
 import pytest
 
+from renderfleet.core.embedded import RedisServerProcess
+from tests.fleet import start_redis
 from tests.servers import MotoServer, s3_env
 
 
@@ -33,3 +36,11 @@ def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> str:
     client = boto3.session.Session().client("s3", endpoint_url=moto_server.endpoint_url, region_name="us-east-1")
     client.create_bucket(Bucket=bucket)
     return f"s3://{bucket}/rf-test"
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
+    """A private Redis server on a free port; tests may kill and restart it."""
+    server = start_redis(tmp_path / "redis")
+    yield server
+    server.stop()

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
         scheme = urlparse(value).scheme
         if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"must start with redis://, rediss:// or unix://, got {value!r}")
+        if scheme == "rediss" and "ssl_cert_reqs" not in value:
+            # kombu refuses rediss:// without it; verifying the server is the safe default.
+            value += ("&" if "?" in value else "?") + "ssl_cert_reqs=required"
         return value
 
     @field_validator("store")

@@ -36,6 +36,9 @@ class Monitor:
         self.leases = Leases(client, settings.lease_seconds)
         self.owner = uuid.uuid4().hex
         self.known_jobs: set[str] = set()
+        # A job looks stalled (work left, nothing queued or running) for an instant
+        # while submit registers it: act only on a job seen stalled twice in a row.
+        self.stalled: set[str] = set()
 
     def _publish(self, message: str) -> None:
         queue = json.loads(message)["queue"]
@@ -54,7 +57,10 @@ class Monitor:
                 log.warning("job %s: %s", job, exc)
                 continue
             stalled = not st.finished and st.queued == 0 and st.in_flight == 0
-            if (lost or not st.known_to_redis or stalled) and not st.finished:
+            confirmed = stalled and job in self.stalled
+            self.stalled = (self.stalled | {job}) if stalled else (self.stalled - {job})
+            if (lost or not st.known_to_redis or confirmed) and not st.finished:
+                self.stalled.discard(job)
                 report = resume(job, store=self.store, app=self.app, client=self.client)
                 log.warning("job %s resumed from the store: %d shards enqueued", job, report.shards_enqueued)
                 resumed.append(job)

@@ -12,16 +12,10 @@ import pytest
 import redis
 
 from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, start_redis, wait_for, worker_ready, write_prompts
+from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
-    server = start_redis(tmp_path / "redis")
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, start_redis, wait_for, write_prompts
+from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
-    server = start_redis(tmp_path / "redis")
-    yield server
-    server.stop()
 
 
 def test_a_worker_that_fails_every_shard_stops_taking_work_and_quarantines_nothing(

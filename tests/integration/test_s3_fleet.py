@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -14,16 +13,10 @@ import pytest
 from renderfleet.core.embedded import RedisServerProcess
 from renderfleet.core.spec import RenderParams, ShardMessage
 from renderfleet.core.store import open_store
-from tests.fleet import WorkerProc, base_env, cli, job_status, start_redis, wait_for, write_prompts
+from tests.fleet import WorkerProc, base_env, cli, job_status, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
-    server = start_redis(tmp_path / "redis")
-    yield server
-    server.stop()
 
 
 def upload_folder(folder: Path, url: str) -> None:

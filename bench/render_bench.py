@@ -1,0 +1,62 @@
+"""Images per second of a worker's renderer, and the model load time.
+
+The built-in ``tiny`` model on whatever device this machine has (CPU here), at
+the test settings (32x32, 2 steps) by default.  For each batch size: the
+median over several timed runs after a warm-up, batched (one pipeline call per
+batch, the default) and batch-invariant (one call per prompt).
+
+    python bench/render_bench.py [--model tiny] [--size 32x32] [--steps 2] [--batches 1,4,8] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from renderfleet.core.spec import Prompt, derive_seed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--size", default="32x32")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+    width, height = (int(x) for x in args.size.split("x"))
+
+    t = time.perf_counter()
+    import torch
+
+    from renderfleet.worker.models import load_pipeline
+    from renderfleet.worker.render import Renderer
+
+    loaded = load_pipeline(args.model, device=args.device, cache_dir=Path(tempfile.mkdtemp()))
+    print(f"model {args.model} on {loaded.device} ({loaded.dtype}), torch threads {torch.get_num_threads()}: "
+          f"load {loaded.load_seconds:.2f} s ({time.perf_counter() - t:.2f} s with imports)")
+    for invariant in (False, True):
+        renderer = Renderer(loaded, batch_invariant=invariant)
+        for batch in (int(b) for b in args.batches.split(",")):
+            prompts = [Prompt(i, f"{i:06d}", f"bench prompt {i}", "", derive_seed(0, i), args.steps, 7.5, width, height)
+                       for i in range(batch)]
+            renderer.render(prompts)  # warm-up
+            rates = []
+            for _ in range(args.runs):
+                t = time.perf_counter()
+                renderer.render(prompts)
+                rates.append(batch / (time.perf_counter() - t))
+            mode = "per-prompt calls" if invariant else "one call per batch"
+            print(f"{args.size} {args.steps} steps, batch {batch:2d}, {mode:18s}: "
+                  f"median {statistics.median(rates):6.1f} images/s (min {min(rates):.1f}, max {max(rates):.1f})")
+
+
+if __name__ == "__main__":
+    main()

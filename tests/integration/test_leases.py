@@ -1,0 +1,106 @@
+"""The lease protocol on a real Redis: claim, duplicate delivery, expiry, reap to the front, fencing."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from renderfleet.core import keys
+from renderfleet.core.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.core.errors import Reclaimed
+from renderfleet.core.leases import Leases
+from tests.fleet import start_redis
+
+pytestmark = pytest.mark.integration
+
+QUEUE = "renderfleet.default"
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[redis.Redis]:
+    server = start_redis(tmp_path / "redis")
+    yield redis.Redis.from_url(server.url)
+    server.stop()
+
+
+def deliver(client: redis.Redis, tag: str, body: str) -> None:
+    """What kombu does when a worker takes a message with acks_late: keep it in 'unacked'."""
+    payload = {"body": body, "headers": {}, "properties": {"delivery_tag": tag, "delivery_info": {}}}
+    client.hset(UNACKED_KEY, tag, json.dumps([payload, "", QUEUE]))
+    client.zadd(UNACKED_INDEX_KEY, {tag: time.time()})
+
+
+def register(client: redis.Redis, job: str, shards: int) -> None:
+    client.hset(keys.job(job), mapping={"total": shards * 4, "queue": QUEUE})
+    client.hset(keys.shards(job), mapping={str(s): "q" for s in range(shards)})
+    client.hset(keys.left(job), mapping={str(s): 4 for s in range(shards)})
+
+
+def test_a_duplicate_delivery_of_a_running_shard_is_dropped(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)
+    deliver(client, "t1", "m")
+    status, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert status == "ok" and lease and lease.attempt == 1
+    deliver(client, "t2", "m")  # e.g. kombu's visibility timeout restored it while it still runs
+    status, dup = leases.claim("j", 0, worker="w2", queue=QUEUE, tag="t2", message="{}")
+    assert status == "busy" and dup is None
+
+
+def test_an_expired_lease_is_reaped_to_the_front_of_the_queue_once(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=0.3)
+    register(client, "j", 2)
+    client.lpush(QUEUE, "other-shard")
+    deliver(client, "t1", "shard-0-body")
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert lease is not None
+    assert leases.reap() == []  # still live
+    time.sleep(0.4)
+    reaped = leases.reap()
+    assert [(r.job, r.shard, r.message) for r in reaped] == [("j", 0, None)]
+    assert leases.reap() == []  # only once
+    # RPUSH: the next BRPOP takes it before the shard that was waiting
+    front = json.loads(client.rpop(QUEUE) or b"{}")
+    assert front["body"] == "shard-0-body" and front["headers"]["redelivered"] is True
+    assert not client.hexists(UNACKED_KEY, "t1")  # kombu will not deliver it a second time
+    assert client.hget(keys.shards("j"), "0") == b"q"
+
+
+def test_a_stale_worker_is_fenced_and_cannot_count(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=0.3)
+    register(client, "j", 1)
+    deliver(client, "t1", "m")
+    _, old = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    time.sleep(0.4)
+    leases.reap()
+    deliver(client, "t2", "m")
+    _, new = leases.claim("j", 0, worker="w2", queue=QUEUE, tag="t2", message="{}")
+    assert old and new and new.attempt == old.attempt + 1
+    assert not leases.heartbeat(old)  # the old worker learns it was fenced
+    with pytest.raises(Reclaimed) as exc:
+        leases.commit(old, [0, 1], [])
+    assert exc.value.fenced
+    assert leases.commit(new, [0, 1], []) == (2, 0)
+    assert leases.commit(new, [0, 1, 2], []) == (1, 0)  # counted once each, whoever commits
+    assert client.bitcount(keys.done_bits("j")) == 3
+    assert leases.release(old, "done") is None and client.hget(keys.shards("j"), "0") == b"r"
+    leases.release(new, "done")
+    assert client.hget(keys.shards("j"), "0") is None
+    status, _ = leases.claim("j", 0, worker="w3", queue=QUEUE, tag="t3", message="{}")
+    assert status == "done"
+
+
+def test_a_lease_lost_with_redis_is_recreated_by_its_heartbeat(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="", message='{"shard": 0}')
+    assert lease is not None
+    client.flushall()  # Redis restarted empty
+    assert leases.heartbeat(lease)
+    assert client.zscore(keys.INFLIGHT, lease.member) is not None
+    assert client.hget(keys.attempts("j"), "0") == b"1"

@@ -1,0 +1,36 @@
+"""One settings object, validated at start-up, errors naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from renderfleet.core.errors import ConfigError
+from renderfleet.core.settings import load_settings
+
+
+def test_environment_is_read_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RENDERFLEET_POOL", "spot")
+    monkeypatch.setenv("RENDERFLEET_REDIS_URL", "redis://:secret@10.0.0.5:6380/2")
+    s = load_settings()
+    assert s.pool == "spot" and s.redis_url == "redis://:secret@10.0.0.5:6380/2" and s.watch_reclaim
+    assert load_settings(pool="baseline").pool == "baseline"
+    assert not load_settings(pool="baseline").watch_reclaim
+
+
+def test_tls_url_verifies_the_server_by_default() -> None:
+    assert load_settings(redis_url="rediss://:pw@host:6380/0").redis_url == "rediss://:pw@host:6380/0?ssl_cert_reqs=required"
+    assert load_settings(redis_url="rediss://h/0?ssl_cert_reqs=none").redis_url == "rediss://h/0?ssl_cert_reqs=none"
+
+
+@pytest.mark.parametrize(("env", "value", "needle"), [
+    ("RENDERFLEET_REDIS_URL", "http://localhost", "RENDERFLEET_REDIS_URL"),
+    ("RENDERFLEET_STORE", "s3://", "RENDERFLEET_STORE"),
+    ("RENDERFLEET_POOL", "Spot Pool", "RENDERFLEET_POOL"),
+    ("RENDERFLEET_LEASE_SECONDS", "-1", "RENDERFLEET_LEASE_SECONDS"),
+    ("RENDERFLEET_RECLAIM_WATCH", "maybe", "RENDERFLEET_RECLAIM_WATCH"),
+    ("RENDERFLEET_HEARTBEAT_SECONDS", "5", "RENDERFLEET_HEARTBEAT_SECONDS"),
+])
+def test_a_bad_value_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, env: str, value: str, needle: str) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError, match=needle):
+        load_settings()
