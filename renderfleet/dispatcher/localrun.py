@@ -29,6 +29,10 @@ from renderfleet.dispatcher.status import job_status
 
 def start_workers(n: int, *, env: dict[str, str], pool: str, model: str, log_dir: Path) -> list[subprocess.Popen[bytes]]:
     log_dir.mkdir(parents=True, exist_ok=True)
+    # Workers sharing one machine's CPU: split the cores instead of each torch
+    # taking all of them (oversubscribed, N workers render slower than one).
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, n)))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env}
     procs = []
     for i in range(n):
         log = open(log_dir / f"worker-{i}.log", "ab")  # noqa: SIM115 - lives as long as the worker

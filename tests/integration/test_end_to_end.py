@@ -45,7 +45,7 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
     start_workers(2, env, tmp_path, workers)
     out = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4", "--batch-size", "2")
     job = out.stdout.strip().splitlines()[-1]
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 24 and s, 120, what="job to finish")
+    st = wait_for(lambda: (s := job_status(env, job))["done"] == 24 and s, 120, interval=1.0, what="job to finish")
     assert st["total"] == 24 and st["failed"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
     assert "renderfleet.default" in st["queues"]
     images = sorted((tmp_path / "store" / "jobs" / job / "images").iterdir())
@@ -65,7 +65,7 @@ def test_resubmitting_the_same_file_renders_nothing_again(
     prompts = write_prompts(tmp_path / "p.txt", 8)
     start_workers(1, env, tmp_path, workers)
     job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 8, 120, what="job to finish")
+    wait_for(lambda: job_status(env, job)["done"] == 8, 120, interval=1.0, what="job to finish")
     before = {p.name: p.read_bytes() for p in (tmp_path / "store" / "jobs" / job / "images").iterdir()}
     again = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4")
     assert again.stdout.split()[-1] == job
@@ -114,7 +114,7 @@ def test_a_pickled_message_is_rejected_never_executed(
     # a good job after it still renders: the worker survived and went on
     prompts = write_prompts(tmp_path / "p.txt", 2)
     job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 2, 60, what="job after the pickle")
+    wait_for(lambda: job_status(env, job)["done"] == 2, 60, interval=1.0, what="job after the pickle")
     assert not marker.exists()
     assert workers[0].alive()
     assert "ContentDisallowed" in workers[0].output() or "disallowed" in workers[0].output().lower()
@@ -146,11 +146,12 @@ def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     prompts = write_prompts(tmp_path / "p.txt", 12)
     job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
     start_workers(1, env, tmp_path, workers)
-    wait_for(lambda: job_status(env, job)["done"] >= 4, 120, what="first shard")
+    wait_for(lambda: job_status(env, job)["done"] >= 4, 120, interval=1.0, what="first shard")
     redis_server.kill()
     redis_server.start()  # same port, empty: no persistence
     cli(env, "resume", job)
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, what="job to finish after resume")
+    st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, interval=1.0,
+                  what="job to finish after resume")
     assert st["failed"] == 0
     images = list((tmp_path / "store" / "jobs" / job / "images").iterdir())
     assert len(images) == 12

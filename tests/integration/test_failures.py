@@ -33,7 +33,7 @@ def test_a_worker_that_fails_every_shard_stops_taking_work_and_quarantines_nothi
 
     healthy = WorkerProc(env, tmp_path / "healthy.log")
     try:
-        st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, what="healthy worker")
+        st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, interval=1.0, what="healthy worker")
     finally:
         healthy.kill()
     assert st["failed"] == 0

@@ -43,7 +43,7 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     try:
         job = cli(env, "submit", str(prompts), "--model", model_uri, "--steps", "2", "--size", "32x32",
                   "--shard-size", "5", "--batch-size", "2").stdout.split()[-1]
-        st = wait_for(lambda: (s := job_status(env, job))["done"] == 10 and s, 180, what="job on S3")
+        st = wait_for(lambda: (s := job_status(env, job))["done"] == 10 and s, 180, interval=1.0, what="job on S3")
         assert [int(w["loads"]) for w in st["workers"]] == [1]
     finally:
         worker.kill()
