@@ -197,3 +197,25 @@ def test_stop_signal_deadline_arithmetic() -> None:
     assert not stop.can_finish(now, None)  # unknown batch time: do not gamble
     stop.request("sigterm", seconds_left=60)
     assert not stop.can_finish(now, 9.0)  # the earlier deadline stands
+
+
+class FlakyStore(LocalStore):
+    """A store whose image writes fail (S3 down past its retries)."""
+
+    def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+        if key.endswith(".png"):
+            from renderfleet.core.errors import StoreError
+
+            raise StoreError(f"S3 put {key} failed after 6 attempt(s)")
+        super().put(key, data, content_type=content_type)
+
+
+def test_a_store_outage_leaves_the_batch_uncommitted(tmp_path: Path) -> None:
+    from renderfleet.core.errors import StoreError
+
+    store = FlakyStore(tmp_path / "store")
+    ledger = MemLedger()
+    with pytest.raises(StoreError):
+        runner(store, FakeRenderer()).run(make_msg(4, 2), ledger)
+    assert ledger.done == [] and ledger.commits == 0  # nothing counted done
+    assert list(store.list("jobs/")) == []  # and no checkpoint claims it

@@ -1,0 +1,49 @@
+"""A quarantined prompt shows in `status` and `results`, and the job still counts as finished."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+
+from renderfleet.core import spec
+from renderfleet.core.embedded import RedisServerProcess
+from renderfleet.core.leases import Leases
+from renderfleet.core.spec import JobSpec, RenderParams
+from renderfleet.core.store import LocalStore
+from renderfleet.dispatcher.enqueue import register_job
+from renderfleet.dispatcher.status import job_status, results
+
+pytestmark = pytest.mark.integration
+
+
+def test_quarantined_prompt_is_reported_by_status_and_results(tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    import gzip
+
+    client = redis.Redis.from_url(redis_server.url)
+    store = LocalStore(tmp_path / "store")
+    job = JobSpec(job="j-q", params=RenderParams(model="tiny"), total=3, shard_size=3, batch_size=3)
+    with gzip.open(tmp_path / "p.gz", "wt") as f:
+        f.write("".join(json.dumps({"i": i, "p": f"p{i}"}) + "\n" for i in range(3)))
+    store.put_file(spec.prompts_key(job.job), tmp_path / "p.gz")
+    store.put(spec.spec_key(job.job), job.to_json().encode())
+    register_job(client, job, "renderfleet.default")
+    client.hset(f"rf:job:{job.job}:shards", "0", "q")
+    client.hset(f"rf:job:{job.job}:left", "0", 3)
+
+    leases = Leases(client, 5)
+    _, lease = leases.claim(job.job, 0, worker="w", queue="renderfleet.default", tag="", message="{}")
+    assert lease is not None
+    store.put(spec.image_key(job.job, "000000"), b"png0")
+    store.put(spec.image_key(job.job, "000002"), b"png2")
+    store.put(spec.quarantine_key(job.job, "000001"), json.dumps({"error": "NaN in latents", "failures": 3}).encode())
+    leases.commit(lease, [0, 2], [1])
+    leases.release(lease, "done")
+
+    st = job_status(client, job.job)
+    assert (st.total, st.done, st.failed, st.queued, st.in_flight, st.finished) == (3, 2, 1, 0, 0, True)
+    res = results(store, job.job)
+    assert sorted(res.images) == ["000000", "000002"] and res.missing == []
+    assert res.quarantined == {"000001": "NaN in latents"}
