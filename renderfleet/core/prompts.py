@@ -194,6 +194,34 @@ def iter_prompts(path: str, params: RenderParams) -> Iterator[Prompt]:
         raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
 
 
+def iter_texts(path: str) -> Iterator[str]:
+    """Pass 2 of a ``.txt`` file for the dispatcher: each prompt's text, in order.
+
+    A txt prompt is nothing but its text: its index is its position, its name
+    and seed follow from it, so a shard of them travels as a list of strings.
+    """
+    fmt, gzipped = detect_format(path)
+    if fmt != "txt":
+        raise ValueError(f"iter_texts reads .txt files, not {path!r}")
+
+    def report(lineno: int, reason: str) -> None:
+        raise InputError([f"{path}:{lineno}: {reason} (file changed after validation?)"])
+
+    try:
+        with _open_lines(path, gzipped, None) as stream:
+            for text in _read_lines(stream, report):
+                text = text.strip()  # type: ignore[union-attr]  # report() raised for None
+                if text and text[0] != "#":
+                    yield text
+    except (OSError, EOFError, zlib.error) as exc:
+        raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
+
+
+# A row's field -> its key in the wire form (spec.Prompt.to_wire / from_wire).
+_WIRE_KEYS = {"prompt": "p", "id": "n", "negative_prompt": "neg", "seed": "s", "steps": "steps",
+              "guidance": "g", "width": "w", "height": "h"}
+
+
 def iter_wire(path: str, params: RenderParams) -> Iterator[str]:
     """Pass 2 for the dispatcher: each prompt as its wire JSON (``Prompt.to_wire``).
 
@@ -203,14 +231,32 @@ def iter_wire(path: str, params: RenderParams) -> Iterator[str]:
     text, and its seed is derived from the index on the worker.
     """
     fmt, gzipped = detect_format(path)
-    if fmt != "txt":
-        dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-        for prompt in iter_prompts(path, params):
-            yield dumps(prompt.to_wire(params))
-        return
 
     def report(lineno: int, reason: str) -> None:
         raise InputError([f"{path}:{lineno}: {reason} (file changed after validation?)"])
+
+    if fmt != "txt":
+        # A checked row holds only the fields the file gives: rename them to the
+        # wire's keys; whatever is absent is the job's (the seed: derived).
+        quote = json.encoder.encode_basestring
+        try:
+            with _open_lines(path, gzipped, None) as stream:
+                lines = _read_lines(stream, report)
+                rows = _jsonl_rows(lines, report) if fmt == "jsonl" else _csv_rows(lines, report)
+                for index, (_, row) in enumerate(rows):
+                    assert row is not None  # report() raised for any bad row
+                    # Formatted by hand: JSONEncoder.encode costs more than all the rest here.
+                    parts = ['{"i":%d' % index]  # noqa: UP031
+                    for key, value in row.items():
+                        if key == "id" or isinstance(value, str):
+                            parts.append(f',"{_WIRE_KEYS[key]}":{quote(str(value))}')
+                        else:  # checked finite numbers: repr is their JSON
+                            parts.append(f',"{_WIRE_KEYS[key]}":{value!r}')
+                    parts.append("}")
+                    yield "".join(parts)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
+        return
 
     quote = json.encoder.encode_basestring  # the C escaper; non-ASCII kept as is
     try:

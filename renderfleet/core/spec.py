@@ -5,7 +5,7 @@ dicts (rule 3: ids, prompts and settings, never images).  The store layout of
 a job lives here too, so a reader finds every key in one place::
 
     jobs/<job>/spec.json                    the job: settings, totals (written last at submit)
-    jobs/<job>/prompts.jsonl.gz             every prompt, normalised, in file order
+    jobs/<job>/source/prompts.<fmt>[.gz]    the prompt file as submitted (read again by resume)
     jobs/<job>/images/<name>.png            one image per prompt
     jobs/<job>/checkpoints/<shard>/<batch>.json   what a batch committed
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
@@ -123,7 +123,8 @@ class JobSpec:
     shard_size: int
     batch_size: int
     pool: str = "default"
-    source: str = ""
+    source: str = ""  # the file's name as the user gave it
+    prompts_key: str = ""  # where the store keeps that file (spec.source_key)
     created: float = 0.0
     version: int = SPEC_VERSION
 
@@ -174,14 +175,26 @@ class ShardMessage:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardMessage:
+        """Prompts come as wire dicts (``prompts``), or as bare texts numbered
+        from ``first`` (``texts``: a .txt file's prompts, all job defaults)."""
         params = RenderParams.from_dict(data["params"])
+        if "texts" in data:
+            first = int(data["first"])
+            prompts = tuple(
+                Prompt(index=i, name=index_name(i), prompt=text, negative_prompt=params.negative_prompt,
+                       seed=derive_seed(params.seed, i), steps=params.steps, guidance=params.guidance,
+                       width=params.width, height=params.height)
+                for i, text in enumerate(data["texts"], first)
+            )
+        else:
+            prompts = tuple(Prompt.from_wire(p, params) for p in data["prompts"])
         return cls(
             job=str(data["job"]),
             shard=int(data["shard"]),
             params=params,
             batch_size=int(data["batch_size"]),
             queue=str(data["queue"]),
-            prompts=tuple(Prompt.from_wire(p, params) for p in data["prompts"]),
+            prompts=prompts,
         )
 
     def batches(self) -> list[tuple[int, tuple[Prompt, ...]]]:
@@ -211,8 +224,9 @@ def spec_key(job: str) -> str:
     return f"jobs/{job}/spec.json"
 
 
-def prompts_key(job: str) -> str:
-    return f"jobs/{job}/prompts.jsonl.gz"
+def source_key(job: str, fmt: str, gzipped: bool) -> str:
+    """The submitted prompt file; its suffix keeps its format."""
+    return f"jobs/{job}/source/prompts.{fmt}{'.gz' if gzipped else ''}"
 
 
 def image_key(job: str, name: str) -> str:

@@ -30,11 +30,15 @@ BATCH = 500
 
 @dataclass(frozen=True)
 class WireShard:
-    """A shard ready to publish: its number, how many prompts, their wire JSON."""
+    """A shard ready to publish: its number, how many prompts are left to do in
+    it, and its prompts as wire JSON objects, or (a .txt file's) as one JSON
+    list of texts numbered from ``first``."""
 
     shard: int
     count: int
-    prompts_json: list[str]
+    prompts_json: list[str] | None = None
+    texts_json: str | None = None
+    first: int = 0
 
 
 def message_json(spec: JobSpec, queue: str, shard: WireShard) -> str:
@@ -50,7 +54,9 @@ def message_builder(spec: JobSpec, queue: str) -> Callable[[WireShard], str]:
     )[:-1]
 
     def build(shard: WireShard) -> str:
-        return f'{head},"shard":{shard.shard},"prompts":[{",".join(shard.prompts_json)}]}}'
+        if shard.texts_json is not None:
+            return f'{head},"shard":{shard.shard},"first":{shard.first},"texts":{shard.texts_json}}}'
+        return f'{head},"shard":{shard.shard},"prompts":[{",".join(shard.prompts_json or [])}]}}'
 
     return build
 

@@ -70,14 +70,14 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
         current: list[str] = []
         todo = 0
         shard = 0
-        for i, line in enumerate(read_wire_prompts(store, job)):
+        for i, line in enumerate(read_wire_prompts(store, spec)):
             current.append(line)
             name = json.loads(line).get("n") or index_name(i)
             if name not in images and name not in quarantined:
                 todo += 1
             if len(current) == spec.shard_size or i == spec.total - 1:
                 if todo and str(shard) not in states:
-                    yield WireShard(shard, todo, current)
+                    yield WireShard(shard, todo, prompts_json=current)
                 shard += 1
                 current, todo = [], 0
 
@@ -93,7 +93,7 @@ def _rebuild_counters(client: redis.Redis, spec: JobSpec, store: Store, images: 
 
     # Setting a bit is idempotent, so workers committing meanwhile are not double counted.
     pipe = client.pipeline(transaction=False)
-    for i, line in enumerate(read_wire_prompts(store, spec.job)):
+    for i, line in enumerate(read_wire_prompts(store, spec)):
         name = json.loads(line).get("n") or index_name(i)
         if name in images:
             pipe.setbit(keys.done_bits(spec.job), i, 1)

@@ -18,7 +18,7 @@ import redis
 from renderfleet.core import keys
 from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import QUEUE_PREFIX
-from renderfleet.core.spec import index_name
+from renderfleet.core.spec import JobSpec, index_name
 from renderfleet.core.store import Store
 from renderfleet.dispatcher.resume import load_spec, stored_names
 
@@ -139,20 +139,20 @@ class Results:
         return asdict(self)
 
 
-def _names(store: Store, job: str) -> Iterator[str]:
+def _names(store: Store, spec: JobSpec) -> Iterator[str]:
     from renderfleet.dispatcher.submit import read_wire_prompts
 
-    for i, line in enumerate(read_wire_prompts(store, job)):
+    for i, line in enumerate(read_wire_prompts(store, spec)):
         yield json.loads(line).get("n") or index_name(i)
 
 
 def results(store: Store, job: str) -> Results:
     """Where each prompt's image is, and which are missing or quarantined."""
-    load_spec(store, job)
+    spec = load_spec(store, job)
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     out = Results(job, {}, [], {})
-    for name in _names(store, job):
+    for name in _names(store, spec):
         if name in images:
             out.images[name] = store.locate(layout.image_key(job, name))
         elif name in quarantined:

@@ -4,24 +4,23 @@
    on any problem nothing is written and nothing is enqueued;
 2. derive the job id from the file's content and the render settings, so a
    second submit of the same file is the same job;
-3. a new job: stream the file again (pass 2), writing the normalised prompts
-   to the store and publishing shard messages as they fill, then write the
-   spec (last: a spec in the store means the job is whole);
+3. a new job: copy the file to the store (in a thread, beside the rest),
+   stream it again (pass 2) publishing shard messages as they fill, then
+   write the spec (last: a spec in the store means the job is whole);
 4. a known job: enqueue only what the store does not hold yet (``resume``).
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import redis
 from celery import Celery
@@ -110,44 +109,51 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         return SubmitResult(job, summary.total, report.shards_enqueued, False,
                             time.perf_counter() - started)
 
+    fmt, gzipped = prompt_files.detect_format(path)
     spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
                    batch_size=opts.batch_size, pool=opts.pool, source=os.path.basename(path),
-                   created=time.time())
+                   prompts_key=layout.source_key(job, fmt, gzipped), created=time.time())
     enqueue.register_job(client, spec, queue)
-    with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
-        local = Path(tmp) / "prompts.jsonl.gz"
-        with gzip.open(local, "wt", encoding="utf-8", compresslevel=1) as out:
-            shards = _wire_shards(path, spec, out)
-            sent = enqueue.publish_shards(app, client, spec, queue, shards)
-        store.put_file(layout.prompts_key(job), local)
+    # The upload (network or disk, the GIL released) overlaps the publishing.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-upload") as pool:
+        upload = pool.submit(store.put_file, spec.prompts_key, Path(path))
+        sent = enqueue.publish_shards(app, client, spec, queue, _wire_shards(path, spec))
+        upload.result()
     store.put(layout.spec_key(job), spec.to_json().encode(), content_type="application/json")
     return SubmitResult(job, spec.total, sent, True, time.perf_counter() - started)
 
 
-def _wire_shards(path: str, spec: JobSpec, out: Any) -> Iterator[WireShard]:
-    """Pass 2: each prompt's wire JSON goes to the prompts file and into its shard."""
-    write = out.write
+def _wire_shards(path: str, spec: JobSpec) -> Iterator[WireShard]:
+    """Pass 2: the prompts' wire JSON, a shard at a time."""
+    if prompt_files.detect_format(path)[0] == "txt":
+        # The million-line case: a shard is a JSON list of texts, one C call.
+        dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+        texts: list[str] = []
+        shard = 0
+        for text in prompt_files.iter_texts(path):
+            texts.append(text)
+            if len(texts) == spec.shard_size:
+                yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * spec.shard_size)
+                shard += 1
+                texts = []
+        if texts:
+            yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * spec.shard_size)
+        return
     current: list[str] = []
     shard = 0
     for line in prompt_files.iter_wire(path, spec.params):
         current.append(line)
         if len(current) == spec.shard_size:
-            write("\n".join(current))
-            write("\n")
-            yield WireShard(shard, len(current), current)
+            yield WireShard(shard, len(current), prompts_json=current)
             shard += 1
             current = []
     if current:
-        write("\n".join(current))
-        write("\n")
-        yield WireShard(shard, len(current), current)
+        yield WireShard(shard, len(current), prompts_json=current)
 
 
-def read_wire_prompts(store: Store, job: str) -> Iterator[str]:
-    """The job's prompts as stored: one wire JSON line each, in file order."""
+def read_wire_prompts(store: Store, spec: JobSpec) -> Iterator[str]:
+    """The job's prompts, read again from the stored file: one wire JSON line each, in order."""
     with tempfile.TemporaryDirectory(prefix="rf-prompts-") as tmp:
-        local = Path(tmp) / "prompts.jsonl.gz"
-        store.download(layout.prompts_key(job), local)
-        with gzip.open(local, "rt", encoding="utf-8") as f:
-            for line in f:
-                yield line.rstrip("\n")
+        local = Path(tmp) / spec.prompts_key.rpartition("/")[2]
+        store.download(spec.prompts_key, local)
+        yield from prompt_files.iter_wire(str(local), spec.params)

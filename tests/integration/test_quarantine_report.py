@@ -20,14 +20,12 @@ pytestmark = pytest.mark.integration
 
 
 def test_quarantined_prompt_is_reported_by_status_and_results(tmp_path: Path, redis_server: RedisServerProcess) -> None:
-    import gzip
-
     client = redis.Redis.from_url(redis_server.url)
     store = LocalStore(tmp_path / "store")
-    job = JobSpec(job="j-q", params=RenderParams(model="tiny"), total=3, shard_size=3, batch_size=3)
-    with gzip.open(tmp_path / "p.gz", "wt") as f:
-        f.write("".join(json.dumps({"i": i, "p": f"p{i}"}) + "\n" for i in range(3)))
-    store.put_file(spec.prompts_key(job.job), tmp_path / "p.gz")
+    job = JobSpec(job="j-q", params=RenderParams(model="tiny"), total=3, shard_size=3, batch_size=3,
+                  prompts_key=spec.source_key("j-q", "txt", False))
+    (tmp_path / "p.txt").write_text("p0\np1\np2\n")
+    store.put_file(job.prompts_key, tmp_path / "p.txt")
     store.put(spec.spec_key(job.job), job.to_json().encode())
     register_job(client, job, "renderfleet.default")
     client.hset(f"rf:job:{job.job}:shards", "0", "q")

@@ -460,3 +460,24 @@ def test_default_cap_is_50(tmp_path: Path) -> None:
 def test_max_problems_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_problems"):
         validate_file(write(tmp_path, "p.txt", "a\n"), max_problems=0)
+
+
+@pytest.mark.parametrize("suffix", ["txt", "jsonl", "csv"])
+def test_wire_lines_decode_to_the_same_prompts_as_iter_prompts(tmp_path: Path, suffix: str) -> None:
+    import json as _json
+
+    from renderfleet.core.prompts import iter_wire
+    from renderfleet.core.spec import Prompt, RenderParams
+
+    params = RenderParams(model="tiny", steps=2, width=32, height=32, negative_prompt="blur", seed=3)
+    path = tmp_path / f"p.{suffix}"
+    if suffix == "txt":
+        path.write_text("a cat\n# skip\n\n  a dog  \n")
+    elif suffix == "jsonl":
+        path.write_text('{"prompt": "a cat", "id": 7, "seed": 5}\n{"prompt": "a dog", "steps": 4, "guidance": 3, '
+                        '"width": 64, "height": 48, "negative_prompt": ""}\n')
+    else:
+        path.write_text("prompt,id,seed,steps\na cat,x1,,3\na dog,,9,\n")
+    validate_file(str(path))
+    via_wire = [Prompt.from_wire(_json.loads(line), params) for line in iter_wire(str(path), params)]
+    assert via_wire == list(iter_prompts(str(path), params))

@@ -36,7 +36,7 @@ def test_wire_form_is_compact_and_round_trips() -> None:
 def test_shard_message_built_by_the_dispatcher_decodes_on_the_worker() -> None:
     job = JobSpec(job="j-1", params=PARAMS, total=5, shard_size=5, batch_size=2)
     wire = [json.dumps({"i": i, "p": f"p{i}"}) for i in range(5)]
-    msg = ShardMessage.from_dict(json.loads(message_json(job, "renderfleet.default", WireShard(0, 5, wire))))
+    msg = ShardMessage.from_dict(json.loads(message_json(job, "renderfleet.default", WireShard(0, 5, prompts_json=wire))))
     assert msg.job == "j-1" and msg.shard == 0 and msg.batch_size == 2 and msg.params == PARAMS
     assert [p.name for p in msg.prompts] == [f"{i:06d}" for i in range(5)]
     # batches sit at fixed positions, whatever is already done
@@ -69,3 +69,12 @@ def test_spec_round_trips_through_json() -> None:
     job = JobSpec(job="j", params=PARAMS, total=130, shard_size=64, batch_size=4, pool="spot", source="p.txt")
     assert JobSpec.from_json(job.to_json()) == job
     assert job.shards == 3 and list(job.shard_range(2)) == [128, 129]
+
+
+def test_a_txt_shard_travels_as_bare_texts_and_decodes_to_the_same_prompts() -> None:
+    job = JobSpec(job="j-1", params=PARAMS, total=8, shard_size=4, batch_size=2)
+    texts = WireShard(1, 4, texts_json=json.dumps(["p4", "p5", "p6", "p7"]), first=4)
+    wire = WireShard(1, 4, prompts_json=[json.dumps({"i": i, "p": f"p{i}"}) for i in range(4, 8)])
+    a = ShardMessage.from_dict(json.loads(message_json(job, "q", texts)))
+    b = ShardMessage.from_dict(json.loads(message_json(job, "q", wire)))
+    assert a == b and a.prompts[0].name == "000004" and a.prompts[0].seed == spec.derive_seed(9, 4)
