@@ -9,6 +9,11 @@ queue when the worker vanishes (see :mod:`renderfleet.core.leases`).
 
 from __future__ import annotations
 
+import base64
+import json
+import uuid
+from collections.abc import Callable
+
 from celery import Celery
 
 TASK_NAME = "renderfleet.render_shard"
@@ -50,3 +55,43 @@ def make_app(redis_url: str) -> Celery:
         broker_pool_limit=4,
     )
     return app
+
+
+Envelope = Callable[[str, str, str], str]
+
+
+def envelope_factory(app: Celery) -> Envelope:
+    """A function (message JSON, queue, short description) -> the kombu envelope.
+
+    What kombu's Redis transport pushes onto a queue for one task message:
+    Celery builds the protocol-2 headers once (``app.amqp.as_task_v2``) and
+    each envelope is that template with its own ids and body.  Used to publish
+    shards in pipelined batches, and to re-queue a shard whose kombu copy is
+    gone (Redis lost it) without a Python round trip in the reaper.
+    """
+    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={},
+                                   argsrepr="", kwargsrepr="{}")
+    headers = dict(template.headers)
+    embed = json.dumps(template.body[2])
+    dumps = json.dumps
+    b64 = base64.b64encode
+
+    def build(message: str, queue: str, argsrepr: str) -> str:
+        task_id = str(uuid.uuid4())
+        body = f"[[{dumps(message)}],{{}},{embed}]".encode()
+        return dumps({
+            "body": b64(body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
+            "properties": {
+                "correlation_id": task_id,
+                "delivery_mode": 2,
+                "delivery_info": {"exchange": "", "routing_key": queue},
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_tag": str(uuid.uuid4()),
+            },
+        })
+
+    return build

@@ -12,6 +12,9 @@ INFLIGHT = "rf:inflight"  # zset "<job>:<shard>" -> lease expiry (ms, Redis cloc
 WORKERS = "rf:workers"  # hash worker id -> JSON registration
 EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
 REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
+LEASE_PREFIX = "rf:lease:"
+JOB_PREFIX = "rf:job:"
+SHARDS_SUFFIX = ":shards"
 
 
 def job(job_id: str) -> str:
@@ -31,7 +34,7 @@ def failed_bits(job_id: str) -> str:
 
 def shards(job_id: str) -> str:
     """hash shard -> 'q' (queued) or 'r' (running); absent once finished."""
-    return f"rf:job:{job_id}:shards"
+    return f"{JOB_PREFIX}{job_id}{SHARDS_SUFFIX}"
 
 
 def left(job_id: str) -> str:
@@ -51,7 +54,7 @@ def fails(job_id: str) -> str:
 
 def lease(job_id: str, shard: int) -> str:
     """hash: worker, attempt, queue, tag, requeue (the kombu payload to re-push)."""
-    return f"rf:lease:{job_id}:{shard}"
+    return f"{LEASE_PREFIX}{job_id}:{shard}"
 
 
 def member(job_id: str, shard: int) -> str:

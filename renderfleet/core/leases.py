@@ -24,12 +24,13 @@ prompt is counted once.  All times are Redis's clock, never the workers'.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 
 import redis
 
 from renderfleet.core import keys
-from renderfleet.core.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.core.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope
 from renderfleet.core.errors import Reclaimed
 
 _NOW = """
@@ -109,12 +110,16 @@ return {newly, newfail}
 """
 
 # KEYS: attempts, lease, inflight, shards, left, unacked, unacked_index
-# ARGV: shard, member, attempt, outcome ('done' | 'front' | 'back')
+# ARGV: shard, member, attempt, outcome ('done' | 'front' | 'back'), worker
 # Returns 0 fenced (nothing done), 1 ok, or {2, message} when the caller must
 # publish the message itself (kombu's copy of it is gone).
 _RELEASE = """
 local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 if cur > tonumber(ARGV[3]) then
+  return 0
+end
+local holder = redis.call('HGET', KEYS[2], 'worker')
+if holder and holder ~= ARGV[5] then
   return 0
 end
 local lease = redis.call('HMGET', KEYS[2], 'queue', 'tag', 'requeue', 'message')
@@ -142,7 +147,7 @@ return {2, lease[4] or ''}
 """
 
 # KEYS: inflight, unacked, unacked_index
-# ARGV: limit
+# ARGV: limit, lease key prefix, shards key prefix and suffix (see keys.py)
 # Re-queues (at the front) every shard whose lease expired.  Returns a flat
 # list of member, how ('pushed' or the message JSON for the caller to publish).
 _REAP = _NOW + """
@@ -153,10 +158,10 @@ for _, m in ipairs(expired) do
   local sep = string.find(m, ':[^:]*$')
   local job = string.sub(m, 1, sep - 1)
   local shard = string.sub(m, sep + 1)
-  local lkey = 'rf:lease:' .. m
+  local lkey = ARGV[2] .. m
   local lease = redis.call('HMGET', lkey, 'queue', 'tag', 'requeue', 'message')
   redis.call('DEL', lkey)
-  redis.call('HSET', 'rf:job:' .. job .. ':shards', shard, 'q')
+  redis.call('HSET', ARGV[3] .. job .. ARGV[4], shard, 'q')
   if lease[2] then
     redis.call('HDEL', KEYS[2], lease[2])
     redis.call('ZREM', KEYS[3], lease[2])
@@ -204,22 +209,28 @@ def requeue_payload(raw_unacked: bytes | str | None) -> str:
     """The kombu payload to push back onto the queue, from kombu's unacked entry.
 
     kombu stores ``[payload, exchange, routing_key]``; we mark the payload
-    redelivered as kombu's own restore does.  Empty when there is no entry.
+    redelivered as kombu's own restore does, and give it a delivery tag of
+    its own: the old tag is acked by the worker that had it, which must not
+    delete the next holder's unacked entry.  Empty when there is no entry.
     """
     if not raw_unacked:
         return ""
     payload = json.loads(raw_unacked)[0]
     payload.setdefault("headers", {})["redelivered"] = True
-    payload.setdefault("properties", {}).setdefault("delivery_info", {})["redelivered"] = True
+    props = payload.setdefault("properties", {})
+    props.setdefault("delivery_info", {})["redelivered"] = True
+    props["delivery_tag"] = str(uuid.uuid4())
     return json.dumps(payload)
 
 
 class Leases:
     """The lease protocol over one Redis client."""
 
-    def __init__(self, client: redis.Redis, lease_seconds: float):
+    def __init__(self, client: redis.Redis, lease_seconds: float, envelope: Envelope | None = None):
         self.client = client
         self.lease_ms = int(lease_seconds * 1000)
+        # Builds a fresh kombu envelope when kombu's copy of a message is gone.
+        self.envelope = envelope
         self._claim = client.register_script(_CLAIM)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._commit = client.register_script(_COMMIT)
@@ -232,6 +243,8 @@ class Leases:
         """Take a shard: ('ok', lease), ('busy', None) or ('done', None)."""
         raw = self.client.hget(UNACKED_KEY, tag) if tag else None
         requeue = requeue_payload(raw)
+        if not requeue and self.envelope is not None:
+            requeue = self.envelope(message, queue, f"{job}:{shard}")
         status, attempt = self._claim(
             keys=[
                 keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),
@@ -276,7 +289,7 @@ class Leases:
         result = self._release(
             keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
                   keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY],
-            args=[lease.shard, lease.member, lease.attempt, outcome],
+            args=[lease.shard, lease.member, lease.attempt, outcome, lease.worker],
         )
         if isinstance(result, list) and result and int(result[0]) == 2:
             return keys.text(result[1]) or None
@@ -284,7 +297,8 @@ class Leases:
 
     def reap(self, limit: int = 100) -> list[Reaped]:
         """Re-queue every shard whose lease expired; safe to run from many processes."""
-        flat = self._reap(keys=[keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY], args=[limit])
+        flat = self._reap(keys=[keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY],
+                          args=[limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX])
         out: list[Reaped] = []
         for i in range(0, len(flat), 2):
             member = keys.text(flat[i])

@@ -30,8 +30,12 @@ def reap_once(leases: Leases, publish: Publisher, *, owner: str, lock_ms: int) -
     reaped = leases.reap()
     for r in reaped:
         if r.message is not None:
-            # kombu's copy of the message was gone (Redis restarted): publish ours.
-            publish(r.message)
+            # No envelope was stored with the lease: publish the message ourselves.
+            try:
+                publish(r.message)
+            except Exception:  # the others must still go out; resume finds this one
+                log.exception("could not re-publish %s:%d", r.job, r.shard)
+                continue
         log.warning("lease of %s:%d expired: shard re-queued", r.job, r.shard)
     return reaped
 

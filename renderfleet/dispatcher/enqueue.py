@@ -1,21 +1,17 @@
 """Shards onto the queue, fast: pipelined, one small JSON message per shard.
 
 A shard's message is a JSON string built from the prompts' compact wire form
-(``Prompt.to_wire``), so a prompt is serialised once on its way from the file
-to Redis.  Publishing a million prompts means ~10,000 Celery messages; one
-``send_task`` each costs about half a millisecond in kombu's publish path, so
-instead Celery builds the protocol-2 headers once (``app.amqp.as_task_v2``)
-and each shard's envelope is that template with its own ids and body, pushed
-to the queue in pipelined batches exactly as kombu's Redis transport would
-(``LPUSH`` of the JSON envelope).  The workers cannot tell the difference
-(the integration tests consume nothing else).
+(``Prompt.to_wire``, or a .txt file's bare texts), so a prompt is serialised
+once on its way from the file to Redis.  Publishing a million prompts means
+~10,000 Celery messages; one ``send_task`` each costs about half a
+millisecond in kombu's publish path, so instead each shard's kombu envelope
+comes from :func:`renderfleet.core.celery_app.envelope_factory` and they are
+pushed in pipelined batches, as kombu's Redis transport would (``LPUSH``).
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -61,36 +57,6 @@ def message_builder(spec: JobSpec, queue: str) -> Callable[[WireShard], str]:
     return build
 
 
-def envelope_factory(app: Celery, queue: str) -> Callable[[str, str], str]:
-    """A function (message JSON, short description) -> the kombu envelope to LPUSH."""
-    template = app.amqp.as_task_v2(str(uuid.uuid4()), celery_app.TASK_NAME, args=[""], kwargs={},
-                                   argsrepr="", kwargsrepr="{}")
-    headers = dict(template.headers)
-    embed = json.dumps(template.body[2])
-    dumps = json.dumps
-    b64 = base64.b64encode
-
-    def build(message: str, argsrepr: str) -> str:
-        task_id = str(uuid.uuid4())
-        body = f"[[{dumps(message)}],{{}},{embed}]".encode()
-        return dumps({
-            "body": b64(body).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
-            "properties": {
-                "correlation_id": task_id,
-                "delivery_mode": 2,
-                "delivery_info": {"exchange": "", "routing_key": queue},
-                "priority": 0,
-                "body_encoding": "base64",
-                "delivery_tag": str(uuid.uuid4()),
-            },
-        })
-
-    return build
-
-
 def register_job(client: redis.Redis, spec: JobSpec, queue: str) -> None:
     """Make the job known to this Redis (idempotent)."""
     pipe = client.pipeline()
@@ -107,7 +73,7 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
     Each shard's state goes in before its message, in the same pipeline: a
     worker that claims the shard must find it queued.
     """
-    envelope = envelope_factory(app, queue)
+    envelope = celery_app.envelope_factory(app)
     message = message_builder(spec, queue)
     count = 0
     batch: list[WireShard] = []
@@ -118,7 +84,7 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
         pipe = client.pipeline(transaction=False)
         pipe.hset(keys.shards(spec.job), mapping={str(ws.shard): "q" for ws in batch})
         pipe.hset(keys.left(spec.job), mapping={str(ws.shard): ws.count for ws in batch})
-        pipe.lpush(queue, *(envelope(message(ws), f"{spec.job}:{ws.shard}") for ws in batch))
+        pipe.lpush(queue, *(envelope(message(ws), queue, f"{spec.job}:{ws.shard}") for ws in batch))
         pipe.execute()
         batch.clear()
 

@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 
 from renderfleet.core import celery_app, keys
+from renderfleet.core.errors import JobNotFound, StoreError
 from renderfleet.core.leases import Leases
 from renderfleet.core.reaper import reap_once
 from renderfleet.core.settings import Settings
@@ -33,7 +34,7 @@ class Monitor:
         self.app = app
         self.client = client
         self.store = store
-        self.leases = Leases(client, settings.lease_seconds)
+        self.leases = Leases(client, settings.lease_seconds, envelope=celery_app.envelope_factory(app))
         self.owner = uuid.uuid4().hex
         self.known_jobs: set[str] = set()
         # A job looks stalled (work left, nothing queued or running) for an instant
@@ -53,7 +54,7 @@ class Monitor:
         for job in sorted(self.known_jobs):
             try:
                 st = job_status(self.client, job, store=self.store)
-            except Exception as exc:  # a job deleted from the store: forget it
+            except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
                 log.warning("job %s: %s", job, exc)
                 continue
             stalled = not st.finished and st.queued == 0 and st.in_flight == 0
@@ -61,7 +62,13 @@ class Monitor:
             self.stalled = (self.stalled | {job}) if stalled else (self.stalled - {job})
             if (lost or not st.known_to_redis or confirmed) and not st.finished:
                 self.stalled.discard(job)
-                report = resume(job, store=self.store, app=self.app, client=self.client)
+                try:
+                    report = resume(job, store=self.store, app=self.app, client=self.client)
+                except JobNotFound:
+                    continue  # registered by a submit that has not written its spec (yet)
+                except (StoreError, OSError) as exc:
+                    log.warning("job %s: cannot resume now: %s", job, exc)
+                    continue
                 log.warning("job %s resumed from the store: %d shards enqueued", job, report.shards_enqueued)
                 resumed.append(job)
         if lost:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import redis
 
@@ -68,27 +69,42 @@ class LeaseKeeper(threading.Thread):
 
     A failed renewal because a newer attempt holds the shard sets the stop
     signal's fence: the runner stops before writing anything more.  A Redis
-    outage is only logged: the lease is re-created when Redis answers again.
+    outage is retried; but once no renewal has succeeded for a whole lease,
+    a reaper elsewhere may have handed the shard on, so this worker fences
+    itself rather than keep writing as a stale holder.
     """
 
-    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float):
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
         self.leases = leases
         self.lease = lease
         self.signal = stop
         self.interval = interval
+        self.lease_seconds = lease_seconds
         self._done = threading.Event()
 
     def run(self) -> None:
+        renewed = time.monotonic()
         while not self._done.wait(self.interval):
             try:
-                if not self.leases.heartbeat(self.lease):
-                    log.warning("lease %s attempt %d taken over: stopping", self.lease.member, self.lease.attempt)
-                    self.signal.request(f"fenced: {self.lease.member}", fenced=True)
-                    return
+                ok = self.leases.heartbeat(self.lease)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() - renewed > self.lease_seconds and not self._done.is_set():
+                    log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member,
+                                self.lease_seconds)
+                    self.signal.request(f"fenced: {self.lease.member} lost its lease", fenced=True)
+                    return
                 log.warning("lease heartbeat failed, will retry: %s", exc)
+                continue
+            if self._done.is_set():
+                return  # closed while the call was in flight: the shard is over
+            if not ok:
+                log.warning("lease %s attempt %d taken over: stopping", self.lease.member, self.lease.attempt)
+                self.signal.request(f"fenced: {self.lease.member}", fenced=True)
+                return
+            renewed = time.monotonic()
 
     def close(self) -> None:
         self._done.set()
-        self.join(timeout=5)
+        # Long enough for a heartbeat in flight to return (its socket timeout).
+        self.join(timeout=15)

@@ -71,6 +71,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         settings=settings, client=client, store=open_store(settings.store_url), renderer=renderer,
         model=model, stop=stop, publish=publish, worker_id=worker_id,
         load_model=lambda m: load_renderer(m, settings)[0],
+        envelope=celery_app.envelope_factory(app),
     )
     service.register(device=loaded.device, load_seconds=loaded.load_seconds)
     tasks.register(app, service)

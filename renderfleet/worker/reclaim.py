@@ -112,6 +112,7 @@ class ReclaimWatcher(threading.Thread):
         self._reachable: dict[str, bool] = {}
 
     def run(self) -> None:
+        noticed = False
         while self.probes and not self._done.is_set():
             for probe in list(self.probes):
                 try:
@@ -125,11 +126,18 @@ class ReclaimWatcher(threading.Thread):
                     continue
                 if notice is not None:
                     reason, seconds_left = notice
+                    if noticed and seconds_left is None:
+                        continue  # the same early hint again
                     log.warning("reclaim notice: %s (%s s left)", reason,
                                 "?" if seconds_left is None else f"{seconds_left:.0f}")
                     self.signal.request(reason, seconds_left=seconds_left)
-                    self.on_notice()
-                    return
+                    if not noticed:
+                        self.on_notice()
+                    noticed = True
+                    if seconds_left is not None:
+                        return
+                    # A rebalance hint has no deadline: keep watching for the real
+                    # termination notice, which tightens the deadline.
             self._done.wait(self.interval)
 
     def close(self) -> None:

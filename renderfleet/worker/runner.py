@@ -67,6 +67,7 @@ class ShardResult:
     """What one delivery of a shard achieved."""
 
     rendered: int = 0
+    attempted: int = 0  # prompts this delivery tried to render
     skipped: int = 0
     quarantined: int = 0
     failed: list[int] = field(default_factory=list)  # failed but not yet quarantined
@@ -78,7 +79,9 @@ class ShardResult:
 
     @property
     def all_failed(self) -> bool:
-        return bool(self.failed or self.quarantined) and self.rendered == 0
+        """Everything tried failed, and it was more than one prompt: a sign of a
+        broken worker, not of one bad prompt retried at the end of a job."""
+        return bool(self.failed) and self.rendered == 0 and self.attempted > 1
 
 
 @dataclass
@@ -116,6 +119,17 @@ class ShardRunner:
         """Render every prompt of the shard not yet in the store."""
         result = ShardResult()
         checkpoints = self._read_checkpoints(msg)
+        # Count what earlier deliveries checkpointed: a worker killed between its
+        # checkpoint and its count left those prompts stored but uncounted.
+        # Counting is idempotent, so this costs one Redis call per delivery.
+        stored_done, stored_failed = [], []
+        for number, batch in msg.batches():
+            cp = checkpoints.get(number)
+            if cp:
+                stored_done += [p.index for p in batch if p.name in cp.done]
+                stored_failed += [p.index for p in batch if p.name in cp.quarantined]
+        if stored_done or stored_failed:
+            ledger.commit(stored_done, stored_failed)
         for number, batch in msg.batches():
             cp = checkpoints.get(number, _Checkpoint())
             pending = [p for p in batch if p.name not in cp.done and p.name not in cp.quarantined]
@@ -149,6 +163,7 @@ class ShardRunner:
             return self.stop.requested and not self.stop.can_finish(started, self._batch_seconds)
 
         ledger.record_start(len(pending))
+        result.attempted += len(pending)
         try:
             for group in groups.values():
                 self._render_group(group, images, failures, should_stop)

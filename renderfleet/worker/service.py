@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from renderfleet.core import keys
+from renderfleet.core.celery_app import Envelope
 from renderfleet.core.errors import PermanentError, Reclaimed, TransientError
 from renderfleet.core.leases import Leases
 from renderfleet.core.settings import Settings
@@ -61,6 +62,7 @@ class WorkerService:
         publish: Publisher,
         worker_id: str,
         load_model: Callable[[str], Any] | None = None,
+        envelope: Envelope | None = None,
     ):
         self.settings = settings
         self.client = client
@@ -70,7 +72,7 @@ class WorkerService:
         self.publish = publish
         self.worker_id = worker_id
         self.load_model = load_model
-        self.leases = Leases(client, settings.lease_seconds)
+        self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
                                   max_failures=settings.max_prompt_failures, worker_id=worker_id)
         self.failed_streak = 0
@@ -112,21 +114,34 @@ class WorkerService:
     # ---- one delivery -----------------------------------------------------------
 
     def handle(self, message: str | dict[str, Any], tag: str) -> Outcome:
-        """Claim the shard, render what is missing, release or hand it back."""
+        """Claim the shard, render what is missing, release or hand it back.
+
+        Raises :class:`TransientError` only before the shard is claimed (Redis
+        unreachable): the task then gives the message back to the broker.
+        """
         raw = message if isinstance(message, str) else json.dumps(message)
-        msg = ShardMessage.from_dict(json.loads(raw))
-        if msg.params.model != self.model:
-            self._switch_model(msg.params.model)
-        status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
-                                          tag=tag, message=raw)
+        try:
+            msg = ShardMessage.from_dict(json.loads(raw))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("dropping a malformed shard message: %s", exc)
+            return Outcome("malformed")
+        self.stop.clear_fence()  # a fence belongs to the shard before this one
+        try:
+            status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
+                                              tag=tag, message=raw)
+        except redis.RedisError as exc:
+            raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
         if lease is None:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
             return Outcome("busy" if status == "busy" else "finished-before")
         log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
-        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds)
+        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
+                             self.settings.lease_seconds)
         keeper.start()
         ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool)
         try:
+            if msg.params.model != self.model:
+                self._switch_model(msg.params.model)  # after the claim: a duplicate costs no load
             result = self.runner.run(msg, ledger, attempt=lease.attempt)
         except Reclaimed as exc:
             keeper.close()
@@ -147,6 +162,7 @@ class WorkerService:
             time.sleep(1.0)  # do not spin on a store outage
             return Outcome("error")
         except Exception:
+            # A model that will not load, a bug: this worker's fault until proven otherwise.
             keeper.close()
             log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
             self._safe_hand_back(lease, "back")
@@ -186,6 +202,7 @@ class WorkerService:
         if self.load_model is None:
             raise PermanentError(f"worker has model {self.model!r}, shard wants {model!r}")
         log.warning("shard wants model %r, this worker had %r: loading it", model, self.model)
+        self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
         self.runner.renderer = self.load_model(model)
         self.model = model
         self.client.hincrby(keys.worker_stats(self.worker_id), "loads", 1)

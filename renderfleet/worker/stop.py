@@ -20,7 +20,8 @@ class StopSignal:
 
     def __init__(self) -> None:
         self._event = threading.Event()
-        self._lock = threading.Lock()
+        # Re-entrant: request() also runs from a signal handler on the main thread.
+        self._lock = threading.RLock()
         self.reason = ""
         self.deadline: float | None = None  # time.monotonic() by which we must be gone
         self.fenced = False

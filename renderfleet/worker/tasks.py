@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 from celery import Celery, Task
 from celery import signals as celery_signals
+from celery.exceptions import Reject
 from celery.worker.request import Request
 
 from renderfleet.core.celery_app import TASK_NAME
+from renderfleet.core.errors import TransientError
 from renderfleet.worker.service import WorkerService
 from renderfleet.worker.stop import StopSignal
 
@@ -43,7 +46,13 @@ def register(app: Celery, service: WorkerService) -> Task:
     @app.task(name=TASK_NAME, bind=True, base=ShardTask, acks_late=True, ignore_result=True)
     def render_shard(self: ShardTask, message: str | dict[str, Any]) -> str:
         tag = str(getattr(self.request, "rf_delivery_tag", "") or "")
-        return service.handle(message, tag).status
+        try:
+            return service.handle(message, tag).status
+        except TransientError as exc:
+            # Not claimed: give the message back to the broker rather than ack it away.
+            log.warning("%s: message requeued", exc)
+            time.sleep(1.0)
+            raise Reject(str(exc), requeue=True) from exc
 
     return render_shard  # type: ignore[no-any-return]
 

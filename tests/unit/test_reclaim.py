@@ -69,3 +69,18 @@ def test_off_the_cloud_the_watcher_goes_quiet_quickly() -> None:
     w = watch(stop, base, notices)
     w.join(timeout=5)
     assert not w.is_alive() and not stop.requested and notices == []
+
+
+def test_a_termination_notice_after_a_rebalance_hint_sets_the_deadline() -> None:
+    with FakeMetadata() as md:
+        stop, notices = StopSignal(), []
+        w = watch(stop, md.url("n1"), notices)
+        md.aws_rebalance("n1")
+        assert stop.wait(5) and stop.deadline is None
+        md.aws_notice("n1", seconds=60)
+        deadline = time.monotonic() + 5
+        while stop.deadline is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        w.close()
+        assert stop.deadline is not None and 40 < stop.deadline - time.monotonic() <= 61
+        assert notices == ["x"]  # the worker was told to shut down once
