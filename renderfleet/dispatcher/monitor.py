@@ -60,7 +60,9 @@ class Monitor:
             stalled = not st.finished and st.queued == 0 and st.in_flight == 0
             confirmed = stalled and job in self.stalled
             self.stalled = (self.stalled | {job}) if stalled else (self.stalled - {job})
-            if (lost or not st.known_to_redis or confirmed) and not st.finished:
+            # A job Redis forgot is re-registered even when finished: otherwise every
+            # status read of it would list the store.
+            if not st.known_to_redis or ((lost or confirmed) and not st.finished):
                 self.stalled.discard(job)
                 try:
                     report = resume(job, store=self.store, app=self.app, client=self.client)
