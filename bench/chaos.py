@@ -272,35 +272,28 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             event = plan.pop(0)
             marks.pop(0)
             last = time.monotonic()
-            if event == "kill":
+            if event in ("kill", "notice"):
                 node = rng.choice(busy)
                 held = fleet.held_shard(node)
                 victim = fleet.worker_id(node)
-                fleet.workers[node].kill()
+                if event == "kill":
+                    fleet.workers[node].kill()
+                    report.kills += 1
+                    samples = report.kill_to_running
+                else:
+                    md.aws_notice(node, seconds=120)
+                    report.notices += 1
+                    samples = report.notice_to_queue
                 t0 = time.monotonic()
-                report.kills += 1
-                print(f"chaos: SIGKILL {node} holding {held}", flush=True)
+                print(f"chaos: {'SIGKILL' if event == 'kill' else 'spot notice to'} {node} holding {held}",
+                      flush=True)
                 if held:
                     th = threading.Thread(target=running_again, daemon=True, args=(
-                        client, held[0], held[1], victim, t0, 60.0, report.kill_to_running))
+                        client, held[0], held[1], victim, t0, 60.0, samples))
                     th.start()
                     watchers.append(th)
-                fleet.start()
-            elif event == "notice":
-                node = rng.choice(busy)
-                held = fleet.held_shard(node)
-                victim = fleet.worker_id(node)
-                md.aws_notice(node, seconds=120)
-                t0 = time.monotonic()
-                report.notices += 1
-                print(f"chaos: spot notice to {node} holding {held}", flush=True)
-                if held:
-                    th = threading.Thread(target=running_again, daemon=True, args=(
-                        client, held[0], held[1], victim, t0, 60.0, report.notice_to_queue))
-                    th.start()
-                    watchers.append(th)
-                code = fleet.workers[node].proc.wait(130)
-                report.notice_exit_codes.append(code)
+                if event == "notice":
+                    report.notice_exit_codes.append(fleet.workers[node].proc.wait(130))
                 fleet.start()
             else:
                 stats_before_restart = pool_stats(client)
