@@ -1,0 +1,39 @@
+"""GPU tier: runs only where CUDA is (skipped elsewhere, e.g. in CI on this fleet's CPU machines)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_tiny_on_cuda_is_half_precision_and_deterministic(tmp_path: Path) -> None:
+    from renderfleet.core.spec import Prompt, derive_seed
+    from renderfleet.worker.models import load_pipeline
+    from renderfleet.worker.render import Renderer
+
+    loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path)
+    assert loaded.dtype == torch.float16
+    prompts = [Prompt(i, f"{i:06d}", f"p{i}", "", derive_seed(0, i), 2, 7.5, 64, 64) for i in range(4)]
+    renderer = Renderer(loaded)
+    assert renderer.render(prompts) == renderer.render(prompts)
+
+
+def test_out_of_memory_is_reported_as_such(tmp_path: Path) -> None:
+    from renderfleet.core.errors import OutOfMemory
+    from renderfleet.core.spec import Prompt
+    from renderfleet.worker.models import load_pipeline
+    from renderfleet.worker.render import Renderer
+
+    renderer = Renderer(load_pipeline("tiny", device="cuda", cache_dir=tmp_path))
+    hog = torch.empty(int(torch.cuda.mem_get_info()[0] * 0.98), dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(OutOfMemory):
+            renderer.render([Prompt(i, f"{i:06d}", "x", "", i, 2, 7.5, 2048, 2048) for i in range(8)])
+    finally:
+        del hog
+        torch.cuda.empty_cache()
