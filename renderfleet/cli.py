@@ -112,14 +112,14 @@ def _submit_options(job: str | None, model: str | None, steps: int, size: str, g
                          pool=pool or "default", job=job)
 
 
-def _do_submit(file: Path, opts: Any, settings: Settings) -> Any:
+def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None) -> Any:
     from renderfleet.core import prompts
     from renderfleet.core.celery_app import queue_name
     from renderfleet.core.store import open_store
     from renderfleet.dispatcher.submit import check_options, submit
 
     check_options(opts)
-    summary = prompts.validate_file(str(file))  # bad input fails before any server starts
+    summary = summary or prompts.validate_file(str(file))  # bad input fails before any server starts
     celery, client, _ = _connect(settings)
     return submit(str(file), opts, store=open_store(settings.store_url), app=celery, client=client,
                   queue=queue_name(opts.pool), summary=summary)

@@ -57,6 +57,15 @@ def make_app(redis_url: str) -> Celery:
     return app
 
 
+def publisher(app: Celery) -> Callable[[str], None]:
+    """Publishes one shard message (JSON text) to the queue it names, through Celery."""
+
+    def publish(message: str) -> None:
+        app.send_task(TASK_NAME, args=[message], queue=str(json.loads(message)["queue"]))
+
+    return publish
+
+
 Envelope = Callable[[str, str, str], str]
 
 

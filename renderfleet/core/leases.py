@@ -307,12 +307,3 @@ class Leases:
             message = None if how == "pushed" or not how else how
             out.append(Reaped(job, int(shard), message))
         return out
-
-    def in_flight(self) -> list[tuple[str, int, float]]:
-        """(job, shard, lease expiry in Redis ms) for every live lease."""
-        rows: list[tuple[bytes, float]] = self.client.zrange(keys.INFLIGHT, 0, -1, withscores=True)  # type: ignore[assignment]
-        out = []
-        for member, score in rows:
-            job, _, shard = keys.text(member).rpartition(":")
-            out.append((job, int(shard), float(score)))
-        return out

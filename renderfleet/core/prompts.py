@@ -150,8 +150,7 @@ def iter_prompts(path: str, params: RenderParams) -> Iterator[Prompt]:
     """
     fmt, gzipped = detect_format(path)
 
-    def report(lineno: int, reason: str) -> None:
-        raise InputError([f"{path}:{lineno}: {reason} (file changed after validation?)"])
+    report = _changed_since_validation(path)
 
     make = _prompt_factory()
     neg, steps, guidance = params.negative_prompt, params.steps, params.guidance
@@ -204,8 +203,7 @@ def iter_texts(path: str) -> Iterator[str]:
     if fmt != "txt":
         raise ValueError(f"iter_texts reads .txt files, not {path!r}")
 
-    def report(lineno: int, reason: str) -> None:
-        raise InputError([f"{path}:{lineno}: {reason} (file changed after validation?)"])
+    report = _changed_since_validation(path)
 
     try:
         with _open_lines(path, gzipped, None) as stream:
@@ -231,47 +229,40 @@ def iter_wire(path: str, params: RenderParams) -> Iterator[str]:
     text, and its seed is derived from the index on the worker.
     """
     fmt, gzipped = detect_format(path)
+    quote = json.encoder.encode_basestring  # the C escaper; non-ASCII kept as is
+    if fmt == "txt":
+        for index, text in enumerate(iter_texts(path)):
+            yield '{"i":%d,"p":%s}' % (index, quote(text))  # noqa: UP031 - the hot loop
+        return
+    # A checked row holds only the fields the file gives: rename them to the
+    # wire's keys; whatever is absent is the job's (the seed: derived).
+    report = _changed_since_validation(path)
+    try:
+        with _open_lines(path, gzipped, None) as stream:
+            lines = _read_lines(stream, report)
+            rows = _jsonl_rows(lines, report) if fmt == "jsonl" else _csv_rows(lines, report)
+            for index, (_, row) in enumerate(rows):
+                assert row is not None  # report() raised for any bad row
+                # Formatted by hand: JSONEncoder.encode costs more than all the rest here.
+                parts = ['{"i":%d' % index]  # noqa: UP031
+                for key, value in row.items():
+                    if key == "id" or isinstance(value, str):
+                        parts.append(f',"{_WIRE_KEYS[key]}":{quote(str(value))}')
+                    else:  # checked finite numbers: repr is their JSON
+                        parts.append(f',"{_WIRE_KEYS[key]}":{value!r}')
+                parts.append("}")
+                yield "".join(parts)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
+
+
+def _changed_since_validation(path: str) -> _Report:
+    """Pass 2's reaction to a problem: pass 1 passed, so the file changed since."""
 
     def report(lineno: int, reason: str) -> None:
         raise InputError([f"{path}:{lineno}: {reason} (file changed after validation?)"])
 
-    if fmt != "txt":
-        # A checked row holds only the fields the file gives: rename them to the
-        # wire's keys; whatever is absent is the job's (the seed: derived).
-        quote = json.encoder.encode_basestring
-        try:
-            with _open_lines(path, gzipped, None) as stream:
-                lines = _read_lines(stream, report)
-                rows = _jsonl_rows(lines, report) if fmt == "jsonl" else _csv_rows(lines, report)
-                for index, (_, row) in enumerate(rows):
-                    assert row is not None  # report() raised for any bad row
-                    # Formatted by hand: JSONEncoder.encode costs more than all the rest here.
-                    parts = ['{"i":%d' % index]  # noqa: UP031
-                    for key, value in row.items():
-                        if key == "id" or isinstance(value, str):
-                            parts.append(f',"{_WIRE_KEYS[key]}":{quote(str(value))}')
-                        else:  # checked finite numbers: repr is their JSON
-                            parts.append(f',"{_WIRE_KEYS[key]}":{value!r}')
-                    parts.append("}")
-                    yield "".join(parts)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
-        return
-
-    quote = json.encoder.encode_basestring  # the C escaper; non-ASCII kept as is
-    try:
-        with _open_lines(path, gzipped, None) as stream:
-            index = 0
-            for text in _read_lines(stream, report):
-                if text is None:
-                    raise AssertionError("unreachable: report() raised")
-                text = text.strip()
-                if not text or text[0] == "#":
-                    continue
-                yield '{"i":%d,"p":%s}' % (index, quote(text))  # noqa: UP031 - the hot loop
-                index += 1
-    except (OSError, EOFError, zlib.error) as exc:
-        raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
+    return report
 
 
 # ---- reading lines ----------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SPEC_VERSION = 1
@@ -154,6 +154,8 @@ class ShardMessage:
     Carries its prompts so a worker needs no store read to start; carries no
     attempt number: the attempt is taken from Redis when the shard is claimed,
     so a message re-published any number of times stays byte-identical.
+    Encoded by the dispatcher (``dispatcher.enqueue.message_builder``, straight
+    from the prompt file's wire form), decoded here.
     """
 
     job: str
@@ -162,16 +164,6 @@ class ShardMessage:
     batch_size: int
     queue: str
     prompts: tuple[Prompt, ...] = field(default_factory=tuple)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "shard": self.shard,
-            "params": self.params.to_dict(),
-            "batch_size": self.batch_size,
-            "queue": self.queue,
-            "prompts": [p.to_wire(self.params) for p in self.prompts],
-        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardMessage:
@@ -208,9 +200,6 @@ class ShardMessage:
             (n, self.prompts[start : start + size])
             for n, start in enumerate(range(0, len(self.prompts), size))
         ]
-
-    def with_prompts(self, prompts: tuple[Prompt, ...]) -> ShardMessage:
-        return replace(self, prompts=prompts)
 
 
 # ---- store layout -----------------------------------------------------------

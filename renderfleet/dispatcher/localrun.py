@@ -56,11 +56,11 @@ def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) ->
 
 
 def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeout: float,
-              submit: Callable[[Path, Any, Settings], Any]) -> int:
+              submit: Callable[[Path, Any, Settings, Any], Any]) -> int:
     console = Console(stderr=True)
     from renderfleet.core import prompts
 
-    prompts.validate_file(str(file))
+    summary = prompts.validate_file(str(file))  # before any worker starts
     url = broker_url(settings.redis_url, settings.home)
     settings = settings.model_copy(update={"redis_url": url, "store": settings.store_url})
     env = {**os.environ, "RENDERFLEET_REDIS_URL": url, "RENDERFLEET_STORE": settings.store_url}
@@ -70,7 +70,7 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
     procs = start_workers(workers, env=env, pool=opts.pool, model=opts.params.model,
                           log_dir=settings.home / "logs")
     try:
-        result = submit(file, opts, settings)
+        result = submit(file, opts, settings, summary)
         import redis
 
         from renderfleet.core.celery_app import make_app

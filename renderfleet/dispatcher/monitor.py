@@ -8,7 +8,6 @@ or running.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -35,19 +34,16 @@ class Monitor:
         self.client = client
         self.store = store
         self.leases = Leases(client, settings.lease_seconds, envelope=celery_app.envelope_factory(app))
+        self.publish = celery_app.publisher(app)
         self.owner = uuid.uuid4().hex
         self.known_jobs: set[str] = set()
         # A job looks stalled (work left, nothing queued or running) for an instant
         # while submit registers it: act only on a job seen stalled twice in a row.
         self.stalled: set[str] = set()
 
-    def _publish(self, message: str) -> None:
-        queue = json.loads(message)["queue"]
-        self.app.send_task(celery_app.TASK_NAME, args=[message], queue=queue)
-
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
-        reap_once(self.leases, self._publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
+        reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
         resumed = []
         self.known_jobs |= {keys.text(j) for j in self.client.smembers(keys.JOBS)}
         lost = not self.client.exists(keys.EPOCH)
@@ -59,11 +55,13 @@ class Monitor:
                 continue
             stalled = not st.finished and st.queued == 0 and st.in_flight == 0
             confirmed = stalled and job in self.stalled
-            self.stalled = (self.stalled | {job}) if stalled else (self.stalled - {job})
+            if stalled and not confirmed:
+                self.stalled.add(job)
+            else:
+                self.stalled.discard(job)
             # A job Redis forgot is re-registered even when finished: otherwise every
             # status read of it would list the store.
             if not st.known_to_redis or ((lost or confirmed) and not st.finished):
-                self.stalled.discard(job)
                 try:
                     report = resume(job, store=self.store, app=self.app, client=self.client)
                 except JobNotFound:

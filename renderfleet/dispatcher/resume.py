@@ -9,13 +9,16 @@ no record of the job at all, its counters are rebuilt from the store too.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 from celery import Celery
 
 from renderfleet.core import keys
+from renderfleet.core import prompts as prompt_files
 from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import queue_name
 from renderfleet.core.errors import JobNotFound
@@ -49,8 +52,23 @@ def stored_names(store: Store, job: str, what: str) -> set[str]:
     return {key[len(prefix) : -len(suffix)] for key in store.list(prefix) if key.endswith(suffix)}
 
 
+def stored_prompts(store: Store, spec: JobSpec) -> Iterator[tuple[str, str]]:
+    """(image name, wire JSON) of each of the job's prompts, read again from the stored file."""
+    with tempfile.TemporaryDirectory(prefix="rf-prompts-") as tmp:
+        local = Path(tmp) / spec.prompts_key.rpartition("/")[2]
+        store.download(spec.prompts_key, local)
+        for i, line in enumerate(prompt_files.iter_wire(str(local), spec.params)):
+            # Only a prompt with an id carries "n"; the rest are named by index.
+            yield json.loads(line).get("n") or index_name(i), line
+
+
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None) -> ResumeReport:
-    """Enqueue whatever of ``job`` is not yet in the store."""
+    """Enqueue whatever of ``job`` is not yet in the store.
+
+    One read of the stored prompt file: it finds the shards with work left
+    and, when Redis has no record of the job, sets its bits again (setting a
+    bit is idempotent, so workers committing meanwhile are not double counted).
+    """
     spec = load_spec(store, job)
     queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(spec.pool)
     known = bool(client.exists(keys.job(job)))
@@ -58,23 +76,20 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     enqueue.register_job(client, spec, queue)
-
-    rebuilt = False
-    if not known:
-        _rebuild_counters(client, spec, store, images, quarantined)
-        rebuilt = True
+    bits = client.pipeline(transaction=False)
 
     def missing_shards() -> Iterator[WireShard]:
-        from renderfleet.dispatcher.submit import read_wire_prompts
-
         current: list[str] = []
         todo = 0
         shard = 0
-        for i, line in enumerate(read_wire_prompts(store, spec)):
+        for i, (name, line) in enumerate(stored_prompts(store, spec)):
             current.append(line)
-            name = json.loads(line).get("n") or index_name(i)
-            if name not in images and name not in quarantined:
-                todo += 1
+            stored = name in images or name in quarantined
+            todo += not stored
+            if stored and not known:
+                bits.setbit(keys.done_bits(job) if name in images else keys.failed_bits(job), i, 1)
+                if len(bits) >= 5000:
+                    bits.execute()
             if len(current) == spec.shard_size or i == spec.total - 1:
                 if todo and str(shard) not in states:
                     yield WireShard(shard, todo, prompts_json=current)
@@ -82,23 +97,5 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 current, todo = [], 0
 
     sent = enqueue.publish_shards(app, client, spec, queue, missing_shards())
-    done = len(images)
-    return ResumeReport(job, spec.total, done, len(quarantined), sent, rebuilt)
-
-
-def _rebuild_counters(client: redis.Redis, spec: JobSpec, store: Store, images: set[str],
-                      quarantined: set[str]) -> None:
-    """Redis lost the job: count what the store holds (bit per prompt, as workers do)."""
-    from renderfleet.dispatcher.submit import read_wire_prompts
-
-    # Setting a bit is idempotent, so workers committing meanwhile are not double counted.
-    pipe = client.pipeline(transaction=False)
-    for i, line in enumerate(read_wire_prompts(store, spec)):
-        name = json.loads(line).get("n") or index_name(i)
-        if name in images:
-            pipe.setbit(keys.done_bits(spec.job), i, 1)
-        elif name in quarantined:
-            pipe.setbit(keys.failed_bits(spec.job), i, 1)
-        if len(pipe) >= 5000:
-            pipe.execute()
-    pipe.execute()
+    bits.execute()
+    return ResumeReport(job, spec.total, len(images), len(quarantined), sent, not known)

@@ -9,7 +9,6 @@ were quarantined and why.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,9 +17,8 @@ import redis
 from renderfleet.core import keys
 from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import QUEUE_PREFIX
-from renderfleet.core.spec import JobSpec, index_name
 from renderfleet.core.store import Store
-from renderfleet.dispatcher.resume import load_spec, stored_names
+from renderfleet.dispatcher.resume import load_spec, stored_names, stored_prompts
 
 
 @dataclass
@@ -139,20 +137,13 @@ class Results:
         return asdict(self)
 
 
-def _names(store: Store, spec: JobSpec) -> Iterator[str]:
-    from renderfleet.dispatcher.submit import read_wire_prompts
-
-    for i, line in enumerate(read_wire_prompts(store, spec)):
-        yield json.loads(line).get("n") or index_name(i)
-
-
 def results(store: Store, job: str) -> Results:
     """Where each prompt's image is, and which are missing or quarantined."""
     spec = load_spec(store, job)
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     out = Results(job, {}, [], {})
-    for name in _names(store, spec):
+    for name, _ in stored_prompts(store, spec):
         if name in images:
             out.images[name] = store.locate(layout.image_key(job, name))
         elif name in quarantined:

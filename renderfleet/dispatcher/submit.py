@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -149,11 +148,3 @@ def _wire_shards(path: str, spec: JobSpec) -> Iterator[WireShard]:
             current = []
     if current:
         yield WireShard(shard, len(current), prompts_json=current)
-
-
-def read_wire_prompts(store: Store, spec: JobSpec) -> Iterator[str]:
-    """The job's prompts, read again from the stored file: one wire JSON line each, in order."""
-    with tempfile.TemporaryDirectory(prefix="rf-prompts-") as tmp:
-        local = Path(tmp) / spec.prompts_key.rpartition("/")[2]
-        store.download(spec.prompts_key, local)
-        yield from prompt_files.iter_wire(str(local), spec.params)

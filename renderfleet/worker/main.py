@@ -7,7 +7,6 @@ shard this process takes (one load per process, counted in Redis).
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 from pathlib import Path
@@ -64,8 +63,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     client = redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10)
     stop = StopSignal()
 
-    def publish(message: str) -> None:
-        app.send_task(celery_app.TASK_NAME, args=[message], queue=str(json.loads(message)["queue"]))
+    publish = celery_app.publisher(app)
 
     service = WorkerService(
         settings=settings, client=client, store=open_store(settings.store_url), renderer=renderer,

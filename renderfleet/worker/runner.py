@@ -119,23 +119,23 @@ class ShardRunner:
         """Render every prompt of the shard not yet in the store."""
         result = ShardResult()
         checkpoints = self._read_checkpoints(msg)
-        # Count what earlier deliveries checkpointed: a worker killed between its
-        # checkpoint and its count left those prompts stored but uncounted.
-        # Counting is idempotent, so this costs one Redis call per delivery.
-        stored_done, stored_failed = [], []
-        for number, batch in msg.batches():
-            cp = checkpoints.get(number)
-            if cp:
-                stored_done += [p.index for p in batch if p.name in cp.done]
-                stored_failed += [p.index for p in batch if p.name in cp.quarantined]
-        if stored_done or stored_failed:
-            ledger.commit(stored_done, stored_failed)
+        # What earlier deliveries checkpointed is counted again: a worker killed
+        # between its checkpoint and its count left those prompts stored but
+        # uncounted.  Counting is idempotent: one Redis call per delivery.
+        stored_done: list[int] = []
+        stored_failed: list[int] = []
+        todo: list[tuple[int, list[Prompt], _Checkpoint]] = []
         for number, batch in msg.batches():
             cp = checkpoints.get(number, _Checkpoint())
+            stored_done += [p.index for p in batch if p.name in cp.done]
+            stored_failed += [p.index for p in batch if p.name in cp.quarantined]
             pending = [p for p in batch if p.name not in cp.done and p.name not in cp.quarantined]
             result.skipped += len(batch) - len(pending)
-            if not pending:
-                continue
+            if pending:
+                todo.append((number, pending, cp))
+        if stored_done or stored_failed:
+            ledger.commit(stored_done, stored_failed)
+        for number, pending, cp in todo:
             if self.stop.requested:
                 # A notice means no new work: hand the rest of the shard back now.
                 raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
