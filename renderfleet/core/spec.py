@@ -23,6 +23,16 @@ SPEC_VERSION = 1
 # A name is a prompt's key segment under images/: its id, or its index.
 MAX_NAME_LEN = 200
 
+_JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+MAX_JOB_ID_LEN = 100
+
+
+def job_id_problem(job: str) -> str | None:
+    """Why ``job`` cannot be a job id (it becomes a store prefix and Redis keys), or None."""
+    if not job or set(job) - _JOB_ID_CHARS or job.startswith(".") or len(job) > MAX_JOB_ID_LEN:
+        return f"a job id is 1 to {MAX_JOB_ID_LEN} letters, digits, '-', '_' and '.', not starting with '.'; got {job!r}"
+    return None
+
 
 def index_name(index: int) -> str:
     """The image name of a prompt without an id: its index, 6+ digits."""
@@ -155,7 +165,9 @@ class ShardMessage:
     attempt number: the attempt is taken from Redis when the shard is claimed,
     so a message re-published any number of times stays byte-identical.
     Encoded by the dispatcher (``dispatcher.enqueue.message_builder``, straight
-    from the prompt file's wire form), decoded here.
+    from the prompt file's wire form), decoded here.  ``store`` names the store
+    the job belongs to (:func:`store_identity`): a worker writing to another
+    store must not take it, or the job would be counted done where it is not.
     """
 
     job: str
@@ -164,6 +176,7 @@ class ShardMessage:
     batch_size: int
     queue: str
     prompts: tuple[Prompt, ...] = field(default_factory=tuple)
+    store: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardMessage:
@@ -187,6 +200,7 @@ class ShardMessage:
             batch_size=int(data["batch_size"]),
             queue=str(data["queue"]),
             prompts=prompts,
+            store=str(data.get("store", "")),
         )
 
     def batches(self) -> list[tuple[int, tuple[Prompt, ...]]]:
@@ -203,6 +217,13 @@ class ShardMessage:
 
 
 # ---- store layout -----------------------------------------------------------
+
+
+def store_identity(url: str) -> str:
+    """The name of a store as jobs and messages record it: its URL, without a
+    trailing slash.  A job belongs to one store: its id is derived from this
+    too, so the same prompts sent to two stores are two jobs."""
+    return url.rstrip("/") or url
 
 
 def job_prefix(job: str) -> str:

@@ -19,6 +19,7 @@ import redis
 from celery import Celery
 
 from renderfleet.core import celery_app, keys
+from renderfleet.core.errors import InputError
 from renderfleet.core.spec import JobSpec
 
 BATCH = 500
@@ -37,15 +38,20 @@ class WireShard:
     first: int = 0
 
 
-def message_json(spec: JobSpec, queue: str, shard: WireShard) -> str:
+def message_json(spec: JobSpec, queue: str, shard: WireShard, store: str = "") -> str:
     """The task argument for one shard (decoded by ``ShardMessage.from_dict``)."""
-    return message_builder(spec, queue)(shard)
+    return message_builder(spec, queue, store)(shard)
 
 
-def message_builder(spec: JobSpec, queue: str) -> Callable[[WireShard], str]:
-    """``message_json`` for one job, with everything but the shard serialised once."""
+def message_builder(spec: JobSpec, queue: str, store: str = "") -> Callable[[WireShard], str]:
+    """``message_json`` for one job, with everything but the shard serialised once.
+
+    ``store`` is the job's store (``spec.store_identity``): only a worker
+    writing to that store takes the shard.
+    """
     head = json.dumps(
-        {"job": spec.job, "params": spec.params.to_dict(), "batch_size": spec.batch_size, "queue": queue},
+        {"job": spec.job, "params": spec.params.to_dict(), "batch_size": spec.batch_size, "queue": queue,
+         "store": store},
         separators=(",", ":"),
     )[:-1]
 
@@ -57,24 +63,55 @@ def message_builder(spec: JobSpec, queue: str) -> Callable[[WireShard], str]:
     return build
 
 
-def register_job(client: redis.Redis, spec: JobSpec, queue: str) -> None:
-    """Make the job known to this Redis (idempotent)."""
+def job_store(client: redis.Redis, job: str) -> str:
+    """The store a job known to this Redis belongs to ('' if unknown or recorded before stores were)."""
+    return keys.text(client.hget(keys.job(job), "store"))
+
+
+def check_owner(client: redis.Redis, job: str, store: str) -> None:
+    """Refuse a job id this Redis already holds for another store.
+
+    One Redis may serve several stores (a test folder and the real bucket, two
+    fleets): merging their jobs would let one store's counters report images
+    done that the other does not hold.
+    """
+    owner = job_store(client, job)
+    if owner and owner != store:
+        raise InputError([f"job {job}: this Redis already holds a job of that id for store {owner}, "
+                          f"not {store}; give another --job"])
+
+
+def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str) -> None:
+    """Make the job known to this Redis (idempotent), as a job of ``store``."""
+    check_owner(client, spec.job, store)
     pipe = client.pipeline()
-    pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue})
+    pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue,
+                                           "store": store})
     pipe.sadd(keys.JOBS, spec.job)
     pipe.setnx(keys.EPOCH, "1")
     pipe.execute()
 
 
+def forget_counts(client: redis.Redis, job: str) -> None:
+    """Drop what this Redis counted of a job whose store holds none of it.
+
+    Redis remembers a job the store no longer has (the folder or bucket was
+    emptied, or a submit died before writing the spec): its bits would report
+    images done that are not there.  Attempt numbers stay: they fence
+    workers that may still hold an old lease.
+    """
+    client.delete(keys.done_bits(job), keys.failed_bits(job), keys.shards(job), keys.left(job), keys.fails(job))
+
+
 def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
-                   shards: Iterable[WireShard]) -> int:
+                   shards: Iterable[WireShard], *, store: str) -> int:
     """Publish every shard given, in pipelined batches; returns how many.
 
     Each shard's state goes in before its message, in the same pipeline: a
     worker that claims the shard must find it queued.
     """
     envelope = celery_app.envelope_factory(app)
-    message = message_builder(spec, queue)
+    message = message_builder(spec, queue, store)
     count = 0
     batch: list[WireShard] = []
 

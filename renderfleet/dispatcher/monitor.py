@@ -22,7 +22,7 @@ from renderfleet.core.reaper import reap_once
 from renderfleet.core.settings import Settings
 from renderfleet.core.store import Store
 from renderfleet.dispatcher.resume import resume
-from renderfleet.dispatcher.status import job_status
+from renderfleet.dispatcher.status import job_status, jobs_of_store
 
 log = logging.getLogger("renderfleet.monitor")
 
@@ -45,7 +45,7 @@ class Monitor:
         """One pass; returns the jobs it resumed."""
         reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
         resumed = []
-        self.known_jobs |= {keys.text(j) for j in self.client.smembers(keys.JOBS)}
+        self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
         lost = not self.client.exists(keys.EPOCH)
         for job in sorted(self.known_jobs):
             try:

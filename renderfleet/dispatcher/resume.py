@@ -21,8 +21,8 @@ from renderfleet.core import keys
 from renderfleet.core import prompts as prompt_files
 from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import queue_name
-from renderfleet.core.errors import JobNotFound
-from renderfleet.core.spec import JobSpec, index_name
+from renderfleet.core.errors import InputError, JobNotFound
+from renderfleet.core.spec import JobSpec, index_name, job_id_problem, store_identity
 from renderfleet.core.store import Store
 from renderfleet.dispatcher import enqueue
 from renderfleet.dispatcher.enqueue import WireShard
@@ -39,6 +39,9 @@ class ResumeReport:
 
 
 def load_spec(store: Store, job: str) -> JobSpec:
+    """The job's spec from the store; JobNotFound when the store does not hold the job."""
+    if why := job_id_problem(job):
+        raise InputError([f"JOB: {why}"])
     data = store.get(layout.spec_key(job))
     if data is None:
         raise JobNotFound(f"no job {job} in store {store.url}")
@@ -70,12 +73,14 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     bit is idempotent, so workers committing meanwhile are not double counted).
     """
     spec = load_spec(store, job)
+    owner = store_identity(store.url)
+    enqueue.check_owner(client, job, owner)
     queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(spec.pool)
     known = bool(client.exists(keys.job(job)))
     states = {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.shards(job)).items()} if known else {}
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
-    enqueue.register_job(client, spec, queue)
+    enqueue.register_job(client, spec, queue, owner)
     bits = client.pipeline(transaction=False)
 
     def missing_shards() -> Iterator[WireShard]:
@@ -96,6 +101,6 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 shard += 1
                 current, todo = [], 0
 
-    sent = enqueue.publish_shards(app, client, spec, queue, missing_shards())
+    sent = enqueue.publish_shards(app, client, spec, queue, missing_shards(), store=owner)
     bits.execute()
     return ResumeReport(job, spec.total, len(images), len(quarantined), sent, not known)

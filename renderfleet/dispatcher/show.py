@@ -18,6 +18,11 @@ def print_status(fleet: FleetStatus, console: Console | None = None) -> None:
             jobs.add_row(j.job, str(j.total), str(j.done), str(j.failed), str(j.queued), str(j.in_flight),
                          f"{j.shards_queued}/{j.shards_running}")
         console.print(jobs)
+    else:
+        console.print("no jobs")
+    if fleet.other_stores:
+        console.print(f"({fleet.other_stores} job(s) of other stores on this Redis not shown: "
+                      "set RENDERFLEET_STORE to see them)")
     queues = Table(title="queues")
     queues.add_column("queue")
     queues.add_column("depth (shards)", justify="right")

@@ -17,6 +17,8 @@ import redis
 from renderfleet.core import keys
 from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import QUEUE_PREFIX
+from renderfleet.core.errors import InputError, JobNotFound
+from renderfleet.core.spec import job_id_problem, store_identity
 from renderfleet.core.store import Store
 from renderfleet.dispatcher.resume import load_spec, stored_names, stored_prompts
 
@@ -45,10 +47,11 @@ class FleetStatus:
     workers: list[dict[str, Any]] = field(default_factory=list)
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
     jobs: list[JobStatus] = field(default_factory=list)
+    other_stores: int = 0  # jobs this Redis counts for stores other than the one read
 
     def to_dict(self) -> dict[str, Any]:
         return {"queues": self.queues, "workers": self.workers, "pools": self.pools,
-                "jobs": [asdict(j) for j in self.jobs]}
+                "jobs": [asdict(j) for j in self.jobs], "jobs_of_other_stores": self.other_stores}
 
 
 def _int(value: Any) -> int:
@@ -56,20 +59,25 @@ def _int(value: Any) -> int:
 
 
 def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> JobStatus:
-    """One job's counters; falls back to the store when Redis does not know it."""
+    """One job's counters; falls back to the store when Redis does not know it.
+
+    With a ``store``, a job this Redis counts for another store is
+    :class:`JobNotFound`: its counters say nothing of this store.
+    """
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.job(job), "total", "spec")
+    pipe.hmget(keys.job(job), "total", "spec", "store")
     # Bits, not counters: a bit per prompt is set once whoever commits it, and
     # BITCOUNT of a million-prompt job reads 125 kB.
     pipe.bitcount(keys.done_bits(job))
     pipe.bitcount(keys.failed_bits(job))
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
-    (total, spec_json), done, failed, states, left = pipe.execute()
+    (total, spec_json, owner), done, failed, states, left = pipe.execute()
+    if total is not None and store is not None and owner and keys.text(owner) != store_identity(store.url):
+        raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store "
+                          f"{keys.text(owner)})")
     if total is None:
         if store is None:
-            from renderfleet.core.errors import JobNotFound
-
             raise JobNotFound(f"no job {job} in Redis")
         spec = load_spec(store, job)
         images = len(stored_names(store, job, "images"))
@@ -107,7 +115,36 @@ def queue_depths(client: redis.Redis) -> dict[str, int]:
     return dict(zip(ordered, (int(n) for n in pipe.execute()), strict=True))
 
 
+def jobs_of_store(client: redis.Redis, store: Store | None) -> tuple[list[str], int]:
+    """(the jobs this Redis counts for ``store``, sorted; how many it counts for other stores).
+
+    A job registered before jobs recorded their store counts as this store's.
+    """
+    jobs = sorted(keys.text(j) for j in client.smembers(keys.JOBS))
+    if store is None or not jobs:
+        return jobs, 0
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.hget(keys.job(job), "store")
+    me = store_identity(store.url)
+    mine = [job for job, owner in zip(jobs, pipe.execute(), strict=True) if keys.text(owner) in ("", me)]
+    return mine, len(jobs) - len(mine)
+
+
+def check_in_store(store: Store, job: str) -> None:
+    """JobNotFound unless ``store`` holds the job's spec: the store is the truth."""
+    if why := job_id_problem(job):
+        raise InputError([f"JOB: {why}"])
+    if not store.exists(layout.spec_key(job)):
+        raise JobNotFound(f"no job {job} in store {store.url} (no {layout.spec_key(job)}: the store was "
+                          "emptied, or the job is still being submitted)")
+
+
 def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None) -> FleetStatus:
+    """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store``.
+
+    A job named explicitly must be in ``store`` (one existence check each).
+    """
     status = FleetStatus(queues=queue_depths(client))
     for worker_id, raw in sorted(client.hgetall(keys.WORKERS).items()):
         info = json.loads(raw)
@@ -118,7 +155,12 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     for key in client.scan_iter(match=f"{keys.POOL_STATS_PREFIX}*", count=1000):
         pool = keys.text(key)[len(keys.POOL_STATS_PREFIX):]
         status.pools[pool] = {keys.text(k): int(v) for k, v in client.hgetall(key).items()}
-    for job in jobs if jobs is not None else sorted(keys.text(j) for j in client.smembers(keys.JOBS)):
+    if jobs is None:
+        jobs, status.other_stores = jobs_of_store(client, store)
+    elif store is not None:
+        for job in jobs:
+            check_in_store(store, job)
+    for job in jobs:
         status.jobs.append(job_status(client, job, store=store))
     return status
 

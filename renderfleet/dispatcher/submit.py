@@ -2,12 +2,16 @@
 
 1. validate the whole file (pass 1: streamed, every problem as ``FILE:LINE``);
    on any problem nothing is written and nothing is enqueued;
-2. derive the job id from the file's content and the render settings, so a
-   second submit of the same file is the same job;
+2. derive the job id from the file's content, the render settings and the
+   store, so a second submit of the same file to the same store is the same
+   job, and the same file sent to another store is another job;
 3. a new job: copy the file to the store (in a thread, beside the rest),
    stream it again (pass 2) publishing shard messages as they fill, then
    write the spec (last: a spec in the store means the job is whole);
 4. a known job: enqueue only what the store does not hold yet (``resume``).
+
+The store is the truth: Redis's counters of a job whose spec the store does
+not hold are dropped before the job is written again.
 """
 
 from __future__ import annotations
@@ -27,12 +31,10 @@ from celery import Celery
 from renderfleet.core import prompts as prompt_files
 from renderfleet.core import spec as layout
 from renderfleet.core.errors import InputError
-from renderfleet.core.spec import JobSpec, RenderParams
+from renderfleet.core.spec import JobSpec, RenderParams, job_id_problem, store_identity
 from renderfleet.core.store import Store
 from renderfleet.dispatcher import enqueue
 from renderfleet.dispatcher.enqueue import WireShard
-
-_JOB_ID_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
 @dataclass(frozen=True)
@@ -70,17 +72,22 @@ def check_options(opts: SubmitOptions) -> None:
         problems.append(f"--shard-size: must be positive, got {opts.shard_size}")
     if opts.batch_size <= 0:
         problems.append(f"--batch-size: must be positive, got {opts.batch_size}")
-    if opts.job is not None and (not opts.job or set(opts.job) - _JOB_ID_OK or opts.job.startswith(".")
-                                 or len(opts.job) > 100):
-        problems.append(f"--job: use letters, digits, '-', '_' and '.', got {opts.job!r}")
+    if opts.job is not None and (why := job_id_problem(opts.job)):
+        problems.append(f"--job: {why}")
     if problems:
         raise InputError(problems)
 
 
-def job_id(digest: str, opts: SubmitOptions) -> str:
-    """Content plus settings: the same file with the same settings is the same job."""
-    ident = json.dumps({"content": digest, "params": opts.params.to_dict(),
-                        "shard_size": opts.shard_size, "batch_size": opts.batch_size}, sort_keys=True)
+def job_id(digest: str, params: RenderParams, store: str) -> str:
+    """What the images are and where they go: the prompt file's content, the
+    render settings and the store (``spec.store_identity``).
+
+    Not the shard or batch size: they are how the work is cut, not what it
+    is, so a resubmit with another ``--batch-size`` is the same job (it keeps
+    the cut it was submitted with).
+    """
+    ident = json.dumps({"content": digest, "params": params.to_dict(), "store": store_identity(store)},
+                       sort_keys=True)
     return "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -94,7 +101,8 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     check_options(opts)
     if summary is None:
         summary = prompt_files.validate_file(path)
-    job = opts.job or job_id(summary.digest, opts)
+    owner = store_identity(store.url)
+    job = opts.job or job_id(summary.digest, opts.params, owner)
 
     existing = store.get(layout.spec_key(job))
     if existing is not None:
@@ -108,15 +116,18 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         return SubmitResult(job, summary.total, report.shards_enqueued, False,
                             time.perf_counter() - started)
 
+    enqueue.check_owner(client, job, owner)
+    # Whatever this Redis counted of the job is not in this store: forget it.
+    enqueue.forget_counts(client, job)
     fmt, gzipped = prompt_files.detect_format(path)
     spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
                    batch_size=opts.batch_size, pool=opts.pool, source=os.path.basename(path),
                    prompts_key=layout.source_key(job, fmt, gzipped), created=time.time())
-    enqueue.register_job(client, spec, queue)
+    enqueue.register_job(client, spec, queue, owner)
     # The upload (network or disk, the GIL released) overlaps the publishing.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-upload") as pool:
         upload = pool.submit(store.put_file, spec.prompts_key, Path(path))
-        sent = enqueue.publish_shards(app, client, spec, queue, _wire_shards(path, spec))
+        sent = enqueue.publish_shards(app, client, spec, queue, _wire_shards(path, spec), store=owner)
         upload.result()
     store.put(layout.spec_key(job), spec.to_json().encode(), content_type="application/json")
     return SubmitResult(job, spec.total, sent, True, time.perf_counter() - started)

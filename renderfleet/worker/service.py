@@ -24,7 +24,7 @@ from renderfleet.core.celery_app import Envelope
 from renderfleet.core.errors import PermanentError, Reclaimed, TransientError
 from renderfleet.core.leases import Leases
 from renderfleet.core.settings import Settings
-from renderfleet.core.spec import ShardMessage
+from renderfleet.core.spec import ShardMessage, store_identity
 from renderfleet.core.store import Store
 from renderfleet.worker.ledger import LeaseKeeper, RedisLedger
 from renderfleet.worker.runner import ShardRunner
@@ -125,6 +125,11 @@ class WorkerService:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("dropping a malformed shard message: %s", exc)
             return Outcome("malformed")
+        if msg.store and msg.store != store_identity(self.store.url):
+            # Another fleet's job on a shared Redis: rendered here, it would be counted
+            # done with its images in the wrong store.  Not claimed; back to the broker.
+            raise TransientError(f"shard {msg.job}:{msg.shard} belongs to store {msg.store}, "
+                                 f"this worker writes to {self.store.url}")
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,

@@ -27,7 +27,7 @@ def test_quarantined_prompt_is_reported_by_status_and_results(tmp_path: Path, re
     (tmp_path / "p.txt").write_text("p0\np1\np2\n")
     store.put_file(job.prompts_key, tmp_path / "p.txt")
     store.put(spec.spec_key(job.job), job.to_json().encode())
-    register_job(client, job, "renderfleet.default")
+    register_job(client, job, "renderfleet.default", store.url)
     client.hset(f"rf:job:{job.job}:shards", "0", "q")
     client.hset(f"rf:job:{job.job}:left", "0", 3)
 

@@ -43,12 +43,29 @@ def test_shard_message_built_by_the_dispatcher_decodes_on_the_worker() -> None:
     assert [(n, [p.index for p in b]) for n, b in msg.batches()] == [(0, [0, 1]), (1, [2, 3]), (2, [4])]
 
 
-def test_job_id_follows_content_and_settings() -> None:
-    opts = SubmitOptions(params=PARAMS, shard_size=64, batch_size=4)
-    assert job_id("abc", opts) == job_id("abc", opts)
-    assert job_id("abc", opts) != job_id("abd", opts)
-    assert job_id("abc", opts) != job_id("abc", SubmitOptions(params=PARAMS, shard_size=64, batch_size=8))
-    assert job_id("abc", opts).startswith("j-")
+def test_job_id_follows_content_settings_and_store_not_how_the_work_is_cut() -> None:
+    one = job_id("abc", PARAMS, "/data/a")
+    assert one == job_id("abc", PARAMS, "/data/a") and one.startswith("j-")
+    assert one != job_id("abd", PARAMS, "/data/a")
+    assert one != job_id("abc", RenderParams(model="tiny", steps=3, width=32, height=32, seed=9), "/data/a")
+    # a job belongs to one store: the same prompts sent to another store are another job
+    assert one != job_id("abc", PARAMS, "/data/b")
+    assert job_id("abc", PARAMS, "s3://bucket/renders/") == job_id("abc", PARAMS, "s3://bucket/renders")
+
+
+def test_shard_message_names_its_store_and_older_messages_name_none() -> None:
+    job = JobSpec(job="j-1", params=PARAMS, total=1, shard_size=1, batch_size=1)
+    wire = WireShard(0, 1, prompts_json=[json.dumps({"i": 0, "p": "p"})])
+    assert ShardMessage.from_dict(json.loads(message_json(job, "q", wire, "s3://b/p"))).store == "s3://b/p"
+    data = json.loads(message_json(job, "q", wire))
+    del data["store"]
+    assert ShardMessage.from_dict(data).store == ""
+
+
+@pytest.mark.parametrize("bad", ["", "../etc", ".hidden", "a/b", "x" * 101, "東京"])
+def test_a_job_id_that_could_leave_its_prefix_is_refused(bad: str) -> None:
+    assert spec.job_id_problem(bad) is not None
+    assert spec.job_id_problem("j-0123abcd_v2.1") is None
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
