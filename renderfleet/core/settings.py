@@ -15,12 +15,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from kombu.utils.url import maybe_sanitize_url
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from renderfleet.core.errors import ConfigError
 
 _POOL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+
+
+def redact(url: str) -> str:
+    """``url`` with any password shown as ``***``: for every message and log line."""
+    return str(maybe_sanitize_url(url, mask="***"))
 
 
 def _default_home() -> Path:
@@ -74,7 +80,7 @@ class Settings(BaseSettings):
             return None
         scheme = urlparse(value).scheme
         if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"must start with redis://, rediss:// or unix://, got {value!r}")
+            raise ValueError(f"must start with redis://, rediss:// or unix://, got {redact(value)!r}")
         if scheme == "rediss" and "ssl_cert_reqs" not in value:
             # kombu refuses rediss:// without it; verifying the server is the safe default.
             value += ("&" if "?" in value else "?") + "ssl_cert_reqs=required"

@@ -25,6 +25,9 @@ log = logging.getLogger("renderfleet.reclaim")
 
 GCP_WINDOW_SECONDS = 30.0
 _TIMEOUT = 0.5
+# Metadata addresses are always direct: never hand the IMDSv2 token (or a
+# notice) to whatever HTTP(S)_PROXY the node's environment names.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _seconds_until(stamp: str) -> float | None:
@@ -51,11 +54,11 @@ class AwsProbe:
             req = urllib.request.Request(
                 f"{self.base}/latest/api/token", method="PUT",
                 headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
-            with urllib.request.urlopen(req, timeout=_TIMEOUT) as resp:
+            with _DIRECT.open(req, timeout=_TIMEOUT) as resp:
                 self._token = resp.read().decode()
         req = urllib.request.Request(f"{self.base}{path}", headers={"X-aws-ec2-metadata-token": self._token})
         try:
-            with urllib.request.urlopen(req, timeout=_TIMEOUT) as resp:
+            with _DIRECT.open(req, timeout=_TIMEOUT) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             if exc.code == 401:
@@ -89,7 +92,7 @@ class GcpProbe:
         req = urllib.request.Request(f"{self.base}/computeMetadata/v1/instance/preempted",
                                      headers={"Metadata-Flavor": "Google"})
         try:
-            with urllib.request.urlopen(req, timeout=_TIMEOUT) as resp:
+            with _DIRECT.open(req, timeout=_TIMEOUT) as resp:
                 body = resp.read().decode().strip()
         except urllib.error.HTTPError:
             return None

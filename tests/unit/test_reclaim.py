@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from renderfleet.worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from renderfleet.worker.stop import StopSignal
 from tests.metadata import FakeMetadata
@@ -84,3 +86,32 @@ def test_a_termination_notice_after_a_rebalance_hint_sets_the_deadline() -> None
         w.close()
         assert stop.deadline is not None and 40 < stop.deadline - time.monotonic() <= 61
         assert notices == ["x"]  # the worker was told to shut down once
+
+
+def test_metadata_calls_never_go_through_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HTTP(S)_PROXY in the environment must not see the IMDSv2 token."""
+    seen: list[bytes] = []
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen(8)
+    proxy.settimeout(0.05)
+    url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.setenv(name, url)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with FakeMetadata() as md:
+        stop, notices = StopSignal(), []
+        w = watch(stop, md.url("n1"), notices)
+        md.aws_notice("n1", seconds=120)
+        assert stop.wait(5)
+        w.close()
+        assert md.tokens_issued >= 1
+    try:
+        conn, _ = proxy.accept()
+        seen.append(conn.recv(4096))
+        conn.close()
+    except TimeoutError:
+        pass
+    proxy.close()
+    assert seen == []

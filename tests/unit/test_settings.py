@@ -34,3 +34,13 @@ def test_a_bad_value_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, env: s
     monkeypatch.setenv(env, value)
     with pytest.raises(ConfigError, match=needle):
         load_settings()
+
+
+def test_a_password_in_the_redis_url_never_appears_in_an_error() -> None:
+    from renderfleet.core.settings import redact
+
+    assert redact("rediss://:s3cret@redis.internal:6379/0") == "rediss://:***@redis.internal:6379/0"
+    assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    with pytest.raises(ConfigError) as err:
+        load_settings(redis_url="http://:s3cret@redis.internal:6379/0")
+    assert "s3cret" not in str(err.value) and "RENDERFLEET_REDIS_URL" in str(err.value)

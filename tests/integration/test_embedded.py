@@ -1,0 +1,64 @@
+"""The embedded server: a password, private files, and no trust in a server we did not start."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+import redis
+
+from renderfleet.core.embedded import ensure_embedded, ping, stop_embedded, trusted_server
+from tests.fleet import start_redis
+
+pytestmark = pytest.mark.integration
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_embedded_server_has_a_password_kept_in_private_files(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    url = ensure_embedded(home)
+    try:
+        password = redis.Redis.from_url(url).connection_pool.connection_kwargs["password"]
+        assert password and len(password) >= 24
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        anonymous = redis.Redis(host="127.0.0.1", port=int(port))
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        assert redis.Redis.from_url(url).ping()
+        # every later command finds the same server
+        assert ensure_embedded(home) == url
+        assert mode(home) == 0o700 and mode(home / "server.json") == 0o600
+        assert mode(home / "redis") == 0o700 and mode(home / "redis" / "server.conf") == 0o600
+        # not on the command line, where any local user could read it
+        pid = json.loads((home / "server.json").read_text())["pid"]
+        assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    finally:
+        assert stop_embedded(home)
+    assert not ping(url)
+
+
+def test_a_state_file_naming_someone_elses_server_is_never_adopted_nor_stopped(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    foreign = start_redis(tmp_path / "foreign")  # a real redis-server, alive, not ours
+    try:
+        pid = foreign.proc.pid if foreign.proc else 0
+        for url in (foreign.url, foreign.url.replace("redis://", "redis://:guessed@")):
+            (home / "server.json").write_text(json.dumps({"url": url, "pid": pid}))
+            assert trusted_server(home) is None
+            assert stop_embedded(home) is False
+            assert ping(foreign.url)
+        (home / "server.json").write_text(json.dumps({"url": foreign.url, "pid": pid}))
+        mine = ensure_embedded(home)
+        try:
+            assert mine != foreign.url and ping(mine) and ping(foreign.url)
+        finally:
+            assert stop_embedded(home)
+        assert ping(foreign.url)
+    finally:
+        foreign.stop()
