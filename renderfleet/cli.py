@@ -121,7 +121,7 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None) -
     check_options(opts)
     summary = summary or prompts.validate_file(str(file))  # bad input fails before any server starts
     celery, client, _ = _connect(settings)
-    return submit(str(file), opts, store=open_store(settings.store_url), app=celery, client=client,
+    return submit(str(file), opts, store=open_store(settings.store_url, settings.s3_options), app=celery, client=client,
                   queue=queue_name(opts.pool), summary=summary)
 
 
@@ -180,7 +180,7 @@ def status(
 
     with _user_errors():
         _, client, _ = _connect(settings)
-        fleet = fleet_status(client, [job] if job else None, store=open_store(settings.store_url))
+        fleet = fleet_status(client, [job] if job else None, store=open_store(settings.store_url, settings.s3_options))
     if as_json:
         data: dict[str, Any] = fleet.to_dict()
         if job:
@@ -203,7 +203,7 @@ def results(
     from renderfleet.dispatcher.status import results as job_results
 
     with _user_errors():
-        res = job_results(open_store(settings.store_url), job)
+        res = job_results(open_store(settings.store_url, settings.s3_options), job)
     if as_json:
         print(json.dumps(res.to_dict()))
         return
@@ -225,7 +225,7 @@ def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
 
     with _user_errors():
         celery, client, _ = _connect(settings)
-        report = do_resume(job, store=open_store(settings.store_url), app=celery, client=client)
+        report = do_resume(job, store=open_store(settings.store_url, settings.s3_options), app=celery, client=client)
     _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
          f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else ""))
     print(job)
@@ -243,7 +243,7 @@ def monitor(
 
     with _user_errors():
         celery, client, _ = _connect(settings)
-        mon = Monitor(settings, celery, client, open_store(settings.store_url))
+        mon = Monitor(settings, celery, client, open_store(settings.store_url, settings.s3_options))
         if once:
             mon.tick()
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from kombu.utils.url import maybe_sanitize_url
@@ -20,6 +20,9 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from renderfleet.core.errors import ConfigError
+
+if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
+    from renderfleet.core.store import S3Options
 
 _POOL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 
@@ -72,6 +75,14 @@ class Settings(BaseSettings):
     batch_invariant: bool = False
     # Device override for workers (cuda, cpu, mps); None: best available.
     device: str | None = None
+    # S3 server-side encryption of every object written: AES256 (SSE-S3) or aws:kms (SSE-KMS).
+    s3_sse: str | None = None
+    # The KMS key for aws:kms (id, ARN or alias); None: the bucket's default key.
+    s3_kms_key_id: str | None = None
+    # Storage class of every object written (STANDARD, INTELLIGENT_TIERING, ...); None: the bucket's default.
+    s3_storage_class: str | None = None
+    # Bucket addressing: auto, path (MinIO and other S3-compatible stores) or virtual.
+    s3_addressing: str = "auto"
 
     @field_validator("redis_url")
     @classmethod
@@ -93,6 +104,22 @@ class Settings(BaseSettings):
             return None
         if value.startswith("s3://") and not value[5:].split("/", 1)[0]:
             raise ValueError(f"s3 URL needs a bucket: {value!r}")
+        return value
+
+    @field_validator("s3_sse")
+    @classmethod
+    def _check_sse(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        if value not in ("AES256", "aws:kms", "aws:kms:dsse"):
+            raise ValueError(f"must be AES256, aws:kms or aws:kms:dsse, got {value!r}")
+        return value
+
+    @field_validator("s3_addressing")
+    @classmethod
+    def _check_addressing(cls, value: str) -> str:
+        if value not in ("auto", "path", "virtual"):
+            raise ValueError(f"must be auto, path or virtual, got {value!r}")
         return value
 
     @field_validator("pool")
@@ -119,6 +146,14 @@ class Settings(BaseSettings):
     @property
     def store_url(self) -> str:
         return self.store or str(Path("renderfleet-output").resolve())
+
+    @property
+    def s3_options(self) -> S3Options:
+        """How every S3 object is written (encryption, storage class, addressing)."""
+        from renderfleet.core.store import S3Options
+
+        return S3Options(sse=self.s3_sse, kms_key_id=self.s3_kms_key_id or None,
+                         storage_class=self.s3_storage_class or None, addressing=self.s3_addressing)
 
     @property
     def watch_reclaim(self) -> bool:

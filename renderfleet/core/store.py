@@ -21,6 +21,7 @@ import secrets
 import shutil
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -66,6 +67,10 @@ class Store(Protocol):
     def list(self, prefix: str) -> Iterator[str]:
         """Every key starting with ``prefix`` (a plain string prefix), sorted."""
 
+    def folders(self, prefix: str) -> Iterator[str]:
+        """The names one level below ``prefix`` (a folder, ending in ``/``), sorted:
+        one delimited listing, not a walk of everything under it."""
+
     def download(self, key: str, path: Path) -> None:
         """Stream the object at ``key`` to a local file; StoreError if missing."""
 
@@ -73,13 +78,41 @@ class Store(Protocol):
         """Where a user finds ``key``: an ``s3://`` URL or an absolute path."""
 
 
-def open_store(url: str) -> Store:
+@dataclass(frozen=True)
+class S3Options:
+    """What every object written to S3 carries, and how the bucket is addressed.
+
+    ``sse``: server-side encryption, ``AES256`` (SSE-S3) or ``aws:kms``
+    (SSE-KMS, with ``kms_key_id`` or the bucket's default key);
+    ``storage_class``: e.g. ``INTELLIGENT_TIERING``; ``addressing``: ``path``
+    for S3-compatible stores that need it (MinIO, some R2 setups), ``virtual``
+    or ``auto`` (botocore's choice).
+    """
+
+    sse: str | None = None
+    kms_key_id: str | None = None
+    storage_class: str | None = None
+    addressing: str = "auto"
+
+    def put_args(self) -> dict[str, str]:
+        """The extra PutObject / upload_file arguments these options mean."""
+        args: dict[str, str] = {}
+        if self.sse:
+            args["ServerSideEncryption"] = self.sse
+        if self.kms_key_id:
+            args["SSEKMSKeyId"] = self.kms_key_id
+        if self.storage_class:
+            args["StorageClass"] = self.storage_class
+        return args
+
+
+def open_store(url: str, s3: S3Options | None = None) -> Store:
     """The store at ``url``: ``s3://bucket[/prefix]``, ``file://path`` or a folder path."""
     if url.startswith("s3://"):
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
             raise ConfigError(f"store URL {url!r} names no bucket; expected s3://bucket[/prefix]")
-        return S3Store(bucket, prefix)
+        return S3Store(bucket, prefix, options=s3 or S3Options())
     if url.startswith("file://"):
         url = url[len("file://"):]
     elif "://" in url:
@@ -147,6 +180,15 @@ class LocalStore:
     def exists(self, key: str) -> bool:
         """Whether a file is at ``key``."""
         return self._path(key).is_file()
+
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Sub-folders of the folder ``prefix`` names, sorted."""
+        start = self.root.joinpath(*_check_key(prefix.rstrip("/")).split("/")) if prefix.strip("/") else self.root
+        try:
+            names = sorted(entry.name for entry in os.scandir(start) if entry.is_dir())
+        except FileNotFoundError:
+            return iter(())
+        return iter(names)
 
     def list(self, prefix: str) -> Iterator[str]:
         """Keys starting with ``prefix``, sorted; temp files of writes in flight are skipped."""
@@ -218,8 +260,11 @@ class S3Store:
         wait_multiplier: float = 0.5,
         wait_max: float = 8.0,
         transfer_config: TransferConfig | None = None,
+        options: S3Options | None = None,
     ):
         self.bucket = bucket
+        self.options = options or S3Options()
+        self._put_args = self.options.put_args()
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.max_attempts = max_attempts
@@ -247,7 +292,8 @@ class S3Store:
                         # One attempt per call: tenacity retries.  Not max_attempts=1, which
                         # botocore counts as retries *after* the first try (two calls in all).
                         config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
-                                      max_pool_connections=32),
+                                      max_pool_connections=32,
+                                      s3={"addressing_style": self.options.addressing}),
                     )
         return self._client_obj
 
@@ -289,13 +335,13 @@ class S3Store:
         """Write ``data`` at ``key`` (one PutObject: atomic in S3)."""
         full = self._key(key)
         self._call("put", full, lambda: self.client.put_object(
-            Bucket=self.bucket, Key=full, Body=data, ContentType=content_type))
+            Bucket=self.bucket, Key=full, Body=data, ContentType=content_type, **self._put_args))
 
     def put_file(self, key: str, path: Path) -> None:
         """Upload a file, multipart above the transfer threshold; visible only once complete."""
         full = self._key(key)
         self._call("put_file", full, lambda: self.client.upload_file(
-            str(path), self.bucket, full, Config=self._transfer()))
+            str(path), self.bucket, full, ExtraArgs=self._put_args or None, Config=self._transfer()))
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None on a 404."""
@@ -338,6 +384,21 @@ class S3Store:
             page = self._call("list", full, partial(self.client.list_objects_v2, **args))
             for item in page.get("Contents", []):
                 yield cast(str, item["Key"])[strip:]
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return
+
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Common prefixes one level below ``prefix`` (ListObjectsV2 with a ``/`` delimiter)."""
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full, "Delimiter": "/"}
+            if token:
+                args["ContinuationToken"] = token
+            page = self._call("list", full, partial(self.client.list_objects_v2, **args))
+            for item in page.get("CommonPrefixes", []):
+                yield cast(str, item["Prefix"])[len(full):].rstrip("/")
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
                 return

@@ -76,7 +76,7 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
         from renderfleet.core.celery_app import make_app
 
         client = redis.Redis.from_url(url)
-        store = open_store(settings.store_url)
+        store = open_store(settings.store_url, settings.s3_options)
         monitor = Monitor(settings, make_app(url), client, store)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as bar:

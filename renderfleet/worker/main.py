@@ -66,7 +66,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     publish = celery_app.publisher(app)
 
     service = WorkerService(
-        settings=settings, client=client, store=open_store(settings.store_url), renderer=renderer,
+        settings=settings, client=client, store=open_store(settings.store_url, settings.s3_options), renderer=renderer,
         model=model, stop=stop, publish=publish, worker_id=worker_id,
         load_model=lambda m: load_renderer(m, settings)[0],
         envelope=celery_app.envelope_factory(app),

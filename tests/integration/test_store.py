@@ -382,3 +382,55 @@ def test_one_client_is_shared_by_many_threads(s3_bucket: str) -> None:
     with ThreadPoolExecutor(16) as pool:
         clients = list(pool.map(lambda _: store.client, range(64)))
     assert all(c is clients[0] for c in clients)
+
+
+@pytest.mark.parametrize("sse", ["AES256", "aws:kms"])
+def test_objects_carry_the_encryption_and_storage_class_the_settings_ask_for(
+    s3_bucket: str, sse: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from renderfleet.core.settings import load_settings
+
+    store0 = cast(S3Store, open_store(s3_bucket))
+    key_id = None
+    if sse == "aws:kms":
+        import boto3
+
+        kms = boto3.session.Session().client("kms", endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                                             region_name="us-east-1")
+        key_id = kms.create_key()["KeyMetadata"]["KeyId"]
+        monkeypatch.setenv("RENDERFLEET_S3_KMS_KEY_ID", key_id)
+    monkeypatch.setenv("RENDERFLEET_S3_SSE", sse)
+    monkeypatch.setenv("RENDERFLEET_S3_STORAGE_CLASS", "STANDARD_IA")
+    monkeypatch.setenv("RENDERFLEET_S3_ADDRESSING", "path")
+    settings = load_settings()
+    store = cast(S3Store, open_store(s3_bucket, settings.s3_options))
+    assert store.client.meta.config.s3 == {"addressing_style": "path"}
+    big = tmp_path / "source.txt"
+    big.write_bytes(b"x" * 1024)
+    store.put("jobs/j/images/a.png", b"png")
+    store.put_file("jobs/j/source/prompts.txt", big)
+    for key in ("rf-test/jobs/j/images/a.png", "rf-test/jobs/j/source/prompts.txt"):
+        head = store0.client.head_object(Bucket=store.bucket, Key=key)
+        assert head["ServerSideEncryption"] == sse
+        assert head.get("StorageClass") == "STANDARD_IA"
+        if key_id:
+            assert key_id in head["SSEKMSKeyId"]
+    assert store.get("jobs/j/images/a.png") == b"png"
+
+
+def test_a_bad_s3_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from renderfleet.core.settings import load_settings
+
+    monkeypatch.setenv("RENDERFLEET_S3_SSE", "rot13")
+    with pytest.raises(ConfigError, match="RENDERFLEET_S3_SSE: must be AES256"):
+        load_settings()
+
+
+def test_folders_lists_one_level_with_one_delimited_listing(store: Store) -> None:
+    for job in ("j-b", "j-a", "j-c"):
+        store.put(f"jobs/{job}/spec.json", b"{}")
+        store.put(f"jobs/{job}/images/000001.png", b"png")
+    store.put("jobs/loose.json", b"{}")
+    assert list(store.folders("jobs/")) == ["j-a", "j-b", "j-c"]
+    assert list(store.folders("jobs/j-a/")) == ["images"]
+    assert list(store.folders("nothing/")) == []
