@@ -68,13 +68,11 @@ def _logging(verbose: bool = False) -> None:
 
 def _connect(settings: Settings) -> tuple[Any, Any, str]:
     """(celery app, redis client, broker url), starting the embedded server if needed."""
-    import redis
-
     from renderfleet.core.celery_app import make_app
-    from renderfleet.core.embedded import broker_url
+    from renderfleet.core.embedded import broker_url, connect
 
     url = broker_url(settings.redis_url, settings.home)
-    return make_app(url), redis.Redis.from_url(url), url
+    return make_app(url), connect(url), url
 
 
 def _parse_size(size: str) -> tuple[int, int]:

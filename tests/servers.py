@@ -108,3 +108,71 @@ def s3_env(endpoint: str, bucket: str) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+# ---- Redis with TLS and a password ----
+
+
+class TlsRedis:
+    """A real ``redis-server`` serving only TLS, with ``requirepass``, on a free port.
+
+    Certificates are made for the test with the ``openssl`` command: a CA of
+    our own and a server certificate for 127.0.0.1 signed by it.  ``url`` trusts
+    that CA; ``untrusted_url`` relies on the system's CAs, which do not.
+    """
+
+    def __init__(self, workdir: Path, password: str):
+        self.workdir = workdir
+        self.password = password
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ca = workdir / "ca.crt"
+
+    def _certs(self) -> None:
+        d = self.workdir
+        run = lambda *args: subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)  # noqa: E731
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+            "-subj", "/CN=renderfleet test CA")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=127.0.0.1")
+        (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf")
+
+    def start(self) -> TlsRedis:
+        import redis
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._certs()
+        conf = self.workdir / "redis.conf"
+        conf.write_text(f"requirepass {self.password}\n")
+        d = self.workdir
+        self.proc = subprocess.Popen(
+            ["redis-server", str(conf), "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
+             "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
+             "--tls-ca-cert-file", str(self.ca), "--tls-auth-clients", "no", "--save", "",
+             "--appendonly", "no", "--dir", str(d), "--logfile", str(d / "server.log")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis.from_url(self.url, socket_timeout=0.5).ping():
+                    return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"TLS redis did not start: {(d / 'server.log').read_text(errors='replace')[-1000:]}")
+
+    def url_with(self, password: str, *, trusted: bool = True) -> str:
+        query = f"?ssl_ca_certs={self.ca}&ssl_cert_reqs=required" if trusted else "?ssl_cert_reqs=required"
+        return f"rediss://:{password}@127.0.0.1:{self.port}/0{query}"
+
+    @property
+    def url(self) -> str:
+        return self.url_with(self.password)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None

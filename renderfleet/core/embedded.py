@@ -33,7 +33,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from renderfleet.core.errors import ConfigError
+from renderfleet.core.errors import BrokerUnavailable, ConfigError
 
 
 def server_binary() -> str:
@@ -236,6 +236,25 @@ def stop_embedded(home: Path) -> bool:
         stopped = True
     state.unlink(missing_ok=True)
     return stopped
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for ``url`` that has answered once: a wrong password, an
+    untrusted certificate or a server that is not there is one clear
+    :class:`BrokerUnavailable` naming the URL with its password as ``***``."""
+    from renderfleet.core.settings import redact
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise BrokerUnavailable(f"Redis at {redact(url)} refused the password: {exc}") from None
+    except redis.ConnectionError as exc:
+        reason = str(exc)
+        if "CERTIFICATE_VERIFY_FAILED" in reason or "certificate verify failed" in reason:
+            reason = f"its TLS certificate is not trusted ({reason}); give the CA with ?ssl_ca_certs=PATH"
+        raise BrokerUnavailable(f"cannot reach Redis at {redact(url)}: {reason}") from None
+    return client
 
 
 def broker_url(redis_url: str | None, home: Path) -> str:

@@ -56,6 +56,10 @@ class OutOfMemory(RenderfleetError):
     """The accelerator ran out of memory for this batch; halve it and retry."""
 
 
+class BrokerUnavailable(RenderfleetError):
+    """Redis refused us (password, certificate) or cannot be reached; names the URL, never its password."""
+
+
 class JobNotFound(RenderfleetError):
     """No job with that id in the store."""
 
