@@ -1,7 +1,18 @@
 """renderfleet: a queue-based, spot-tolerant GPU render fleet.
 
+The Python API (see :mod:`renderfleet.api`)::
+
+    from renderfleet import Client
+
+    job = Client().submit(["a red fox", "a blue bird"], model="tiny", size="64x64")
+    job.wait(progress=True)
+
 Importing this package does nothing but define names: no connection, no
-model load, no thread (see tests/unit/test_imports.py).
+model load, no thread, no torch (see tests/unit/test_imports.py).
 """
+
+from renderfleet.api import Client, Job, PromptRequest
+
+__all__ = ["Client", "Job", "PromptRequest", "__version__"]
 
 __version__ = "0.1.0"

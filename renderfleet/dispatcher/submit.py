@@ -92,10 +92,11 @@ def job_id(digest: str, params: RenderParams, store: str) -> str:
 
 
 def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client: redis.Redis,
-           queue: str, summary: prompt_files.FileSummary | None = None) -> SubmitResult:
+           queue: str, summary: prompt_files.FileSummary | None = None, source: str | None = None) -> SubmitResult:
     """Validate, write and enqueue a prompt file; see the module docstring.
 
-    ``summary`` is pass 1's result when the caller already validated the file.
+    ``summary`` is pass 1's result when the caller already validated the file;
+    ``source`` is the name the spec records for it (default: the file's name).
     """
     started = time.perf_counter()
     check_options(opts)
@@ -121,7 +122,7 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     enqueue.forget_counts(client, job)
     fmt, gzipped = prompt_files.detect_format(path)
     spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
-                   batch_size=opts.batch_size, pool=opts.pool, source=os.path.basename(path),
+                   batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
                    prompts_key=layout.source_key(job, fmt, gzipped), created=time.time())
     enqueue.register_job(client, spec, queue, owner)
     # The upload (network or disk, the GIL released) overlaps the publishing.

@@ -7,6 +7,7 @@ import sys
 
 DISPATCHER_MODULES = [
     "renderfleet",
+    "renderfleet.api",
     "renderfleet.cli",
     "renderfleet.core.settings",
     "renderfleet.core.prompts",

@@ -1,0 +1,291 @@
+"""The Python API: submit prompts from code, wait on a job, read its results.
+
+::
+
+    from renderfleet import Client
+
+    client = Client()  # the CLI's settings: RENDERFLEET_REDIS_URL, RENDERFLEET_STORE, ...
+    job = client.submit(["a red fox", {"prompt": "a blue bird", "id": "bird"}], model="tiny", size="64x64")
+    job.wait(progress=True)
+    print(job.results().images)
+
+A :class:`Client` is made from the same settings as the CLI (with neither a
+Redis URL nor a store set, the embedded local server and ``./renderfleet-output``).
+:meth:`Client.submit` takes a prompt file's path or any iterable of prompts:
+strings, dicts with the jsonl fields, or :class:`PromptRequest` objects.  An
+iterable is streamed to a jsonl file and goes through exactly the path a file
+does: the same validation (every bad item named by its position, nothing
+enqueued when any is bad), the same job-id rule (the same prompts, settings
+and store are the same job), and the file is stored as the job's source, so
+``resume`` works for it too.
+
+Nothing happens at import: no server, no connection, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from renderfleet.core.errors import InputError
+from renderfleet.core.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    import redis
+    from celery import Celery
+
+    from renderfleet.core.store import Store
+    from renderfleet.dispatcher.resume import ResumeReport
+    from renderfleet.dispatcher.status import JobStatus, Results
+
+__all__ = ["Client", "Job", "PromptRequest"]
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One prompt with optional overrides of the job's settings (the jsonl fields)."""
+
+    prompt: str
+    id: str | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    width: int | None = None
+    height: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The jsonl object: only the fields that are set."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+PromptLike = str | Mapping[str, Any] | PromptRequest
+
+
+class Client:
+    """A handle on one fleet: its Redis and its store, from the CLI's settings.
+
+    ``Client()`` reads the environment like the CLI; ``redis_url`` and
+    ``store`` override it; or pass a whole :class:`Settings`.  Connections
+    are opened on first use.
+    """
+
+    def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None,
+                 store: str | None = None):
+        self.settings = settings or load_settings(redis_url=redis_url, store=store)
+        self._app: Celery | None = None
+        self._redis: redis.Redis | None = None
+        self._store: Store | None = None
+
+    # ---- connections, on first use ---------------------------------------------------
+
+    @property
+    def redis(self) -> redis.Redis:
+        """The Redis client (starting the embedded server when no URL is set)."""
+        if self._redis is None:
+            from renderfleet.core.celery_app import make_app
+            from renderfleet.core.embedded import broker_url, connect
+
+            url = broker_url(self.settings.redis_url, self.settings.home)
+            self._redis = connect(url)
+            self._app = make_app(url)
+        return self._redis
+
+    @property
+    def app(self) -> Celery:
+        """The Celery app that publishes shards."""
+        self.redis  # noqa: B018 - opens both
+        assert self._app is not None
+        return self._app
+
+    @property
+    def store(self) -> Store:
+        """Where the images go."""
+        if self._store is None:
+            from renderfleet.core.store import open_store
+
+            self._store = open_store(self.settings.store_url, self.settings.s3_options)
+        return self._store
+
+    # ---- jobs ------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompts: str | os.PathLike[str] | Iterable[PromptLike],
+        *,
+        model: str | None = None,
+        steps: int = 30,
+        size: str | tuple[int, int] = "512x512",
+        guidance: float = 7.5,
+        negative: str = "",
+        seed: int = 0,
+        shard_size: int = 64,
+        batch_size: int = 4,
+        pool: str = "default",
+        job: str | None = None,
+    ) -> Job:
+        """Validate, store and enqueue prompts; returns the job.
+
+        ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz) or an
+        iterable of prompts, streamed (a generator of millions is fine).  Raises
+        :class:`~renderfleet.core.errors.InputError` listing every problem
+        (``FILE:LINE: reason``, or ``prompts[i]: reason`` for an iterable)
+        with nothing enqueued.  Submitting the same prompts and settings to
+        the same store again is the same job: only what is missing is enqueued.
+        """
+        from renderfleet.core.spec import RenderParams
+        from renderfleet.dispatcher.submit import SubmitOptions, check_options
+
+        width, height = parse_size(size)
+        params = RenderParams(model=model or self.settings.model, steps=steps, width=width, height=height,
+                              guidance=guidance, negative_prompt=negative, seed=seed)
+        opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
+        check_options(opts)
+        if isinstance(prompts, str | os.PathLike):
+            path = os.fspath(prompts)
+            result = self._submit_file(path, opts, source=None)
+        else:
+            with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
+                path = str(Path(tmp) / "prompts.jsonl")
+                write_jsonl(prompts, path)
+                result = self._submit_file(path, opts, source="<python>", label="prompts")
+        return Job(self, result.job, result.total)
+
+    def _submit_file(self, path: str, opts: Any, *, source: str | None, label: str | None = None) -> Any:
+        from renderfleet.core import prompts as prompt_files
+        from renderfleet.core.celery_app import queue_name
+        from renderfleet.dispatcher.submit import submit
+
+        try:
+            summary = prompt_files.validate_file(path)  # before any connection
+        except InputError as exc:
+            raise _renamed(exc, path, label) if label else exc from None
+        return submit(path, opts, store=self.store, app=self.app, client=self.redis, queue=queue_name(opts.pool),
+                      summary=summary, source=source)
+
+    def job(self, job_id: str) -> Job:
+        """A handle on a job submitted earlier (from code or the CLI)."""
+        from renderfleet.dispatcher.status import job_status
+
+        return Job(self, job_id, job_status(self.redis, job_id, store=self.store).total)
+
+
+@dataclass
+class Job:
+    """A submitted job: its id, and what can be asked of it."""
+
+    client: Client
+    id: str
+    total: int
+
+    def status(self) -> JobStatus:
+        """Its counters now (a few Redis reads; the store when Redis forgot the job)."""
+        from renderfleet.dispatcher.status import job_status
+
+        return job_status(self.client.redis, self.id, store=self.client.store)
+
+    def wait(self, timeout: float | None = None, *, progress: bool = False, poll: float = 1.0) -> JobStatus:
+        """Poll until every prompt is rendered or quarantined; returns the last status.
+
+        ``progress`` draws a rich progress bar on stderr.  Raises
+        :class:`TimeoutError` after ``timeout`` seconds (the job goes on).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        bar = task = None
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn())
+            task = bar.add_task(f"job {self.id}", total=self.total)
+            bar.start()
+        try:
+            while True:
+                st = self.status()
+                if bar is not None and task is not None:
+                    bar.update(task, completed=st.done + st.failed)
+                if st.finished:
+                    return st
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {self.id}: {st.done + st.failed}/{st.total} after {timeout} s")
+                time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
+        finally:
+            if bar is not None:
+                bar.stop()
+
+    def results(self) -> Results:
+        """Where each image is, and which are missing or quarantined (reads the store)."""
+        from renderfleet.dispatcher.status import results
+
+        return results(self.client.store, self.id)
+
+    def resume(self) -> ResumeReport:
+        """Enqueue whatever of the job is not in the store yet."""
+        from renderfleet.dispatcher.resume import resume
+
+        return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis)
+
+
+# ---- iterables as a jsonl file --------------------------------------------------------
+
+
+def write_jsonl(items: Iterable[PromptLike], path: str, *, max_problems: int = 50) -> int:
+    """Stream ``items`` to ``path`` as jsonl, one line per item; returns how many.
+
+    An item of the wrong type is reported as ``prompts[i]: reason`` (every
+    such problem, up to ``max_problems``) and nothing is submitted.
+    """
+    problems: list[str] = []
+    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    count = 0
+    with open(path, "w", encoding="utf-8", newline="\n") as out:
+        for i, item in enumerate(items):
+            count += 1
+            if isinstance(item, str):
+                obj: Mapping[str, Any] = {"prompt": item}
+            elif isinstance(item, PromptRequest):
+                obj = item.to_dict()
+            elif isinstance(item, Mapping):
+                obj = item
+            else:
+                if len(problems) < max_problems:
+                    problems.append(f"prompts[{i}]: expected a string, a dict or a PromptRequest, "
+                                    f"got {type(item).__name__}")
+                obj = {"prompt": ""}
+            try:
+                out.write(dumps(obj) + "\n")
+            except (TypeError, ValueError) as exc:
+                if len(problems) < max_problems:
+                    problems.append(f"prompts[{i}]: not JSON-serialisable: {exc}")
+                out.write("{}\n")
+    if problems:
+        raise InputError(problems)
+    if count == 0:
+        raise InputError(["prompts: no prompts"])
+    return count
+
+
+def _renamed(exc: InputError, path: str, label: str) -> InputError:
+    """``PATH:LINE: reason`` as ``label[LINE-1]: reason``: the item's position in the iterable."""
+    line = re.compile(rf"^{re.escape(path)}:(\d+): ")
+    problems = [line.sub(lambda m: f"{label}[{int(m.group(1)) - 1}]: ", p).replace(path, label)
+                for p in exc.problems]
+    return InputError(problems)
+
+
+def parse_size(size: str | tuple[int, int]) -> tuple[int, int]:
+    """``"1024x768"`` (or a tuple) as (width, height); InputError naming ``--size`` otherwise."""
+    if isinstance(size, tuple):
+        return size
+    w, _, h = size.lower().partition("x")
+    try:
+        return int(w), int(h)
+    except ValueError:
+        raise InputError([f"--size: expected WIDTHxHEIGHT such as 1024x1024, got {size!r}"]) from None

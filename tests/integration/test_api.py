@@ -1,0 +1,109 @@
+"""The Python API against real servers: submit from code, wait, read results."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from renderfleet import Client, PromptRequest
+from renderfleet.core.embedded import RedisServerProcess
+from renderfleet.core.errors import InputError
+from tests.fleet import REPO, WorkerProc, base_env, wait_for, worker_ready
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
+    return base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+
+
+@pytest.fixture
+def client(env: dict[str, str]) -> Client:
+    return Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
+
+
+@pytest.fixture
+def worker(tmp_path: Path, env: dict[str, str]) -> Iterator[WorkerProc]:
+    proc = WorkerProc(env, tmp_path / "worker.log")
+    wait_for(lambda: worker_ready(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), 1), 90,
+             what="worker to load the model")
+    yield proc
+    proc.kill()
+
+
+TINY = {"model": "tiny", "steps": 2, "size": "32x32"}
+
+
+def test_submit_a_list_wait_and_read_results_and_resubmit_idempotently(
+    client: Client, worker: WorkerProc, tmp_path: Path
+) -> None:
+    items = ["a red fox", {"prompt": "a blue bird", "id": "bird", "seed": 3}, PromptRequest("a cat", id="cat")]
+    job = client.submit(items, shard_size=2, batch_size=2, **TINY)
+    st = job.wait(timeout=120, poll=0.5)
+    assert st.finished and st.done == 3 and st.failed == 0
+    res = job.results()
+    assert sorted(res.images) == ["000000", "bird", "cat"] and res.missing == []
+    before = (tmp_path / "store" / "jobs" / job.id / "images" / "bird.png").read_bytes()
+    # the same prompts and settings from code are the same job: nothing rendered again
+    again = client.submit(iter(items), shard_size=2, batch_size=2, **TINY)
+    assert again.id == job.id and again.status().done == 3
+    assert (tmp_path / "store" / "jobs" / job.id / "images" / "bird.png").read_bytes() == before
+    # the prompts were stored as the job's source: resume reads them back
+    assert job.resume().shards_enqueued == 0
+    assert client.job(job.id).status().done == 3
+
+
+def test_a_generator_of_a_hundred_thousand_prompts_streams_in_flat_memory(client: Client) -> None:
+    def prompts(n: int, seed: int) -> Iterator[str]:
+        for i in range(n):
+            yield f"prompt number {i}, a landscape in the style of a {i % 97} century painter ({seed})"
+
+    def peak_of(n: int, seed: int) -> tuple[int, int]:
+        tracemalloc.start()
+        job = client.submit(prompts(n, seed), pool="nobody", **TINY)  # no worker serves this pool
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return job.status().queued, peak
+
+    peak_of(1_000, 0)  # imports and connections, once
+    # Both past one pipelined batch of shards (500 shards of 64), the one thing held at once.
+    small = peak_of(40_000, 1)
+    large = peak_of(100_000, 2)
+    assert small[0] == 40_000 and large[0] == 100_000
+    # 60,000 more prompts (~6 MB as Python strings) cost next to nothing more: they stream
+    assert large[1] < small[1] + 2 * 2**20, f"peak {small[1] / 2**20:.1f} MiB -> {large[1] / 2**20:.1f} MiB"
+
+
+def test_a_bad_item_is_named_by_position_and_nothing_is_enqueued(client: Client, env: dict[str, str]) -> None:
+    items: list[object] = ["fine", 5, {"prompt": ""}, {"prompt": "x", "steps": -1}, "also fine"]
+    with pytest.raises(InputError) as err:
+        client.submit(items, **TINY)  # type: ignore[arg-type]
+    problems = err.value.problems
+    assert any(p.startswith("prompts[1]: ") and "int" in p for p in problems), problems
+    with pytest.raises(InputError) as err:
+        client.submit(["fine", {"prompt": ""}, {"prompt": "x", "steps": -1}], **TINY)
+    problems = err.value.problems
+    assert [p.split(":")[0] for p in problems] == ["prompts[1]", "prompts[2]"], problems
+    r = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    assert r.scard("rf:jobs") == 0 and r.llen("renderfleet.default") == 0
+    assert not (Path(env["RENDERFLEET_STORE"]) / "jobs").exists()
+
+
+def test_the_readme_example_runs(env: dict[str, str], worker: WorkerProc, tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    example = re.search(r"### From Python\n.*?```python\n(.*?)```", readme, re.S)
+    assert example, "the README's Python example is gone"
+    script = tmp_path / "example.py"
+    script.write_text(example.group(1))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert ": 9 images, 0 quarantined" in out.stdout and "fox " in out.stdout
