@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
 
 from kombu.utils.url import maybe_sanitize_url
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from renderfleet.core.errors import ConfigError
 
@@ -36,10 +37,56 @@ def _default_home() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "renderfleet"
 
 
+class PoolConfig(BaseModel):
+    """One worker pool (a ``[pools.NAME]`` table of the config file)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # on-demand: the warm floor, always up; spot: overflow, sized by the backlog.
+    kind: Literal["on-demand", "spot"] = "on-demand"
+    # Price of one worker (one GPU) per hour, in the user's currency.
+    price_per_hour: float = Field(default=0.0, ge=0)
+    min: int = Field(default=0, ge=0)
+    max: int = Field(default=1, ge=0)
+    # Who starts and stops its workers: processes here, a Deployment, an Auto Scaling group.
+    backend: Literal["local", "kubernetes", "aws"] = "local"
+    # kubernetes: the Deployment of this pool's workers.
+    namespace: str = "renderfleet"
+    deployment: str | None = None
+    # aws: the pool's EC2 Auto Scaling group.
+    autoscaling_group: str | None = None
+    region: str | None = None
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> PoolConfig:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+
+class AutoscaleConfig(BaseModel):
+    """The ``[autoscale]`` table: how the policy sizes the pools."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The backlog should be cleared within this long; more wakes spot workers.
+    drain_seconds: float = Field(default=600.0, gt=0)
+    # A pool that changed size waits this long before it may shrink.
+    cooldown_seconds: float = Field(default=300.0, ge=0)
+    # A worker's cold start (boot, pull, model load) until one has been measured.
+    cold_start_seconds: float = Field(default=180.0, gt=0)
+    # Shrink only when one worker fewer would still clear the backlog within
+    # this fraction of drain_seconds (hysteresis: no flapping).
+    scale_in_margin: float = Field(default=0.7, gt=0, le=1)
+    # How often `renderfleet autoscale` decides.
+    interval_seconds: float = Field(default=15.0, gt=0)
+
+
 class Settings(BaseSettings):
     """Everything a renderfleet process can be told."""
 
-    model_config = SettingsConfigDict(env_prefix="RENDERFLEET_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="RENDERFLEET_", extra="ignore", frozen=True,
+                                      env_nested_delimiter="__")
 
     # Broker and fleet state.  None: use (or start) the embedded local server.
     redis_url: str | None = None
@@ -83,6 +130,11 @@ class Settings(BaseSettings):
     s3_storage_class: str | None = None
     # Bucket addressing: auto, path (MinIO and other S3-compatible stores) or virtual.
     s3_addressing: str = "auto"
+    # The TOML file the pools (and any setting above) came from; None: no file.
+    config: Path | None = None
+    # Worker pools by name; empty: no scaling, a pool is just a queue.
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
 
     @field_validator("redis_url")
     @classmethod
@@ -129,6 +181,14 @@ class Settings(BaseSettings):
             raise ValueError(f"pool names are lowercase letters, digits, - and _: {value!r}")
         return value
 
+    @field_validator("pools")
+    @classmethod
+    def _check_pool_names(cls, value: dict[str, PoolConfig]) -> dict[str, PoolConfig]:
+        for name in value:
+            if not _POOL_RE.match(name):
+                raise ValueError(f"pool names are lowercase letters, digits, - and _: {name!r}")
+        return value
+
     @field_validator("reclaim_watch")
     @classmethod
     def _check_watch(cls, value: str) -> str:
@@ -162,21 +222,76 @@ class Settings(BaseSettings):
         return self.reclaim_watch == "on"
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The config file's tables; ConfigError naming the file when it cannot be used."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(Settings.model_fields) - {"config"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (known: pools, autoscale, "
+                          "and the settings of RENDERFLEET_* in lowercase)")
+    return data
+
+
+def _with_file(path: Path) -> type[Settings]:
+    """Settings read from ``path`` too, below flags and the environment."""
+
+    class FileSettings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=path))
+
+    return FileSettings
+
+
+def _from_file(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
+    node: Any = data
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Build and validate the process's settings; flags win over the environment.
+    """Build and validate the process's settings; flags win over the environment,
+    which wins over the config file (``config=`` or ``RENDERFLEET_CONFIG``).
 
     A bad value raises :class:`ConfigError` naming the variable, e.g.
-    ``RENDERFLEET_REDIS_URL: must start with redis://...``.
+    ``RENDERFLEET_REDIS_URL: must start with redis://...``, or the file, key
+    and value: ``fleet.toml: pools.spot.max = -1: ...``.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
+    path = given.get("config") or os.environ.get("RENDERFLEET_CONFIG") or None
+    data: dict[str, Any] = {}
+    cls = Settings
+    if path:
+        path = Path(path)
+        given["config"] = path
+        data = _read_toml(path)
+        cls = _with_file(path)
     try:
-        settings = Settings(**given)
+        settings = cls(**given)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else "settings"
+            loc = tuple(err["loc"])
             msg = str(err["msg"]).removeprefix("Value error, ")
-            lines.append(f"RENDERFLEET_{name.upper()}: {msg}")
+            if data and _from_file(data, loc[:1]) and loc[0] not in given:
+                key = ".".join(str(p) for p in loc)
+                value = f" = {err['input']!r}" if not isinstance(err["input"], dict) else ""
+                lines.append(f"{path}: {key}{value}: {msg}")
+            else:
+                name = str(loc[0]) if loc else "settings"
+                lines.append(f"RENDERFLEET_{name.upper()}: {msg}")
         raise ConfigError("; ".join(lines)) from None
     if settings.heartbeat_seconds * 2 > settings.lease_seconds:
         raise ConfigError(

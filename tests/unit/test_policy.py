@@ -1,0 +1,105 @@
+"""The pool-sizing policy, rule by rule (see renderfleet/dispatcher/policy.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from renderfleet.core.settings import AutoscaleConfig, PoolConfig
+from renderfleet.dispatcher.policy import Decision, PoolState, decide
+
+CFG = AutoscaleConfig(drain_seconds=600, cooldown_seconds=120, cold_start_seconds=60, scale_in_margin=0.7)
+BASE = PoolState("baseline", PoolConfig(kind="on-demand", price_per_hour=2.0, min=1, max=4), current=1, ready=1)
+SPOT = PoolState("spot", PoolConfig(kind="spot", price_per_hour=0.8, min=0, max=8), current=0, ready=0)
+NOW = 10_000.0
+
+
+def sizes(decisions: list[Decision]) -> dict[str, int]:
+    return {d.pool: d.desired for d in decisions}
+
+
+def test_rule_1_the_baseline_stays_at_its_floor_with_no_backlog() -> None:
+    out = decide(0, [BASE, SPOT], CFG, NOW)
+    assert sizes(out) == {"baseline": 1, "spot": 0}
+    grown = replace(BASE, current=0, ready=0)
+    assert sizes(decide(0, [grown, SPOT], CFG, NOW))["baseline"] == 1  # brought back up to its min
+
+
+def test_rule_2_the_overflow_goes_to_spot_sized_by_work_seconds() -> None:
+    # 1 baseline worker clears 600 s of work per 600 s: 3,000 s needs 5 workers' worth, 4 more from spot.
+    out = sizes(decide(3_000, [BASE, SPOT], CFG, NOW))
+    assert out == {"baseline": 1, "spot": 4}
+    # capped at the pool's max
+    assert sizes(decide(60_000, [BASE, SPOT], CFG, NOW))["spot"] == 8
+
+
+def test_rule_2_the_cheapest_spot_pool_per_image_fills_first() -> None:
+    pricey_fast = PoolState("spot-h100", PoolConfig(kind="spot", price_per_hour=3.0, max=4), 0, 0, speed=2.0)
+    cheap_slow = PoolState("spot-l4", PoolConfig(kind="spot", price_per_hour=0.5, max=2), 0, 0, speed=0.5)
+    # per work-second: l4 costs 1.0/h-equivalent, h100 1.5: l4 first, h100 takes the rest
+    out = sizes(decide(6_000, [BASE, pricey_fast, cheap_slow], CFG, NOW))
+    assert out["spot-l4"] == 2
+    assert out["spot-h100"] == 4  # 10 needed - 1 base - 1 (two l4 at 0.5) = 8 -> 4 at speed 2
+
+
+def test_rule_3_a_backlog_the_warm_workers_clear_within_two_cold_starts_wakes_nothing() -> None:
+    # 100 s of work, 1 warm worker: done in 100 s, under 2 x 60 s of cold start
+    out = decide(100, [BASE, SPOT], CFG, NOW)
+    assert sizes(out) == {"baseline": 1, "spot": 0}
+    assert "nothing new woken" in out[1].reason
+    # beyond two cold starts but within drain: still nothing to wake (the floor clears it in time)
+    assert sizes(decide(500, [BASE, SPOT], CFG, NOW))["spot"] == 0
+
+
+def test_rule_4_a_recently_reclaimed_spot_pool_counts_for_less() -> None:
+    healthy = sizes(decide(3_000, [BASE, SPOT], CFG, NOW))["spot"]
+    reclaimed = sizes(decide(3_000, [BASE, replace(SPOT, lost_fraction=0.5)], CFG, NOW))["spot"]
+    assert (healthy, reclaimed) == (4, 8)
+
+
+def test_rule_5_no_spot_capacity_grows_the_baseline_up_to_its_max() -> None:
+    starving = replace(SPOT, current=4, ready=0, pending_since=NOW - 61)  # asked 61 s ago, nothing came
+    out = decide(3_000, [BASE, starving], CFG, NOW)
+    assert sizes(out)["baseline"] == 4 and "spot cannot" in out[0].reason
+    said_no = replace(SPOT, no_capacity=True)
+    assert sizes(decide(3_000, [BASE, said_no], CFG, NOW))["baseline"] == 4
+    # still waiting within a cold start: no fallback yet
+    waiting = replace(SPOT, current=4, ready=0, pending_since=NOW - 30)
+    assert sizes(decide(3_000, [BASE, waiting], CFG, NOW)) == {"baseline": 1, "spot": 4}
+
+
+def test_rule_6_scale_in_waits_out_the_cool_down_and_goes_one_step_at_a_time() -> None:
+    big = replace(SPOT, current=4, ready=4, last_change=NOW - 30)
+    assert sizes(decide(0, [BASE, big], CFG, NOW))["spot"] == 4  # cooling down
+    cooled = replace(big, last_change=NOW - 121)
+    out = decide(0, [BASE, cooled], CFG, NOW)
+    assert sizes(out)["spot"] == 3 and out[1].change == -1
+
+
+def test_rule_6_spot_shrinks_before_the_baseline_and_nothing_goes_below_min() -> None:
+    base = replace(BASE, current=3, ready=3, last_change=NOW - 500)
+    spot = replace(SPOT, current=2, ready=2, last_change=NOW - 500)
+    out = sizes(decide(0, [base, spot], CFG, NOW))
+    assert out == {"baseline": 3, "spot": 1}
+    out = sizes(decide(0, [base, replace(spot, current=0, ready=0)], CFG, NOW))
+    assert out == {"baseline": 2, "spot": 0}
+    at_min = sizes(decide(0, [replace(BASE, last_change=NOW - 500), replace(spot, current=0)], CFG, NOW))
+    assert at_min == {"baseline": 1, "spot": 0}
+
+
+def test_rule_6_no_flapping_a_worker_stays_while_one_fewer_would_not_clear_the_backlog_well_in_time() -> None:
+    # 4 spot + 1 base = 5 workers' worth: 2,400 s is 480 s of work each, within 600 s.
+    # Grown for 3,000 s; now 2,400 s left: the target is 3 spot, but 4 workers would
+    # take 600 s > 0.7 x 600: keep 4.
+    spot = replace(SPOT, current=4, ready=4, last_change=NOW - 500)
+    assert sizes(decide(2_400, [BASE, spot], CFG, NOW))["spot"] == 4
+    # 1,200 s left: 4 workers take 300 s (< 420): one step in
+    assert sizes(decide(1_200, [BASE, spot], CFG, NOW))["spot"] == 3
+    # and the same backlog a moment later does not grow it back
+    after = replace(spot, current=3, ready=3, last_change=NOW)
+    assert sizes(decide(1_200, [BASE, after], CFG, NOW + 1))["spot"] == 3
+
+
+def test_every_decision_says_why_in_words() -> None:
+    for backlog in (0, 100, 3_000, 60_000):
+        for d in decide(backlog, [BASE, SPOT], CFG, NOW):
+            assert len(d.reason.split()) >= 3, d
