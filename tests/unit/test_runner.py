@@ -59,15 +59,17 @@ class MemLedger:
         self.commits = 0
         self.fenced_after = fenced_after
         self.wasted = 0
+        self.undone: list[int] = []
 
     def check(self) -> None:
         if self.fenced_after is not None and self.commits >= self.fenced_after:
             raise Reclaimed("fenced", fenced=True)
 
-    def commit(self, done: list[int], failed: list[int]) -> None:
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         self.commits += 1
-        self.done += done
+        self.done = [i for i in self.done if i not in undone] + done
         self.failed += failed
+        self.undone += undone
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
         self.failures[prompt.index] = self.failures.get(prompt.index, 0) + 1
