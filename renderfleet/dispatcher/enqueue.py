@@ -79,13 +79,14 @@ def register_job(client: redis.Redis, spec: JobSpec, queue: str) -> None:
 
 
 def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
-                   shards: Iterable[WireShard]) -> int:
+                   shards: Iterable[WireShard], *, front: bool = False) -> int:
     """Publish every shard given, in pipelined batches; returns how many.
 
     Each shard's state goes in with its message, in one script: a worker that
     claims the shard must find it queued, and the monitor's audit finds the
     push recorded (``core/lua/publish.lua``).  Returns the messages pushed:
     a resumed shard claimed meanwhile, or with nothing left, is not.
+    ``front``: next in line (shards whose turn has passed), not at the back.
     """
     envelope = celery_app.envelope_factory(app)
     message = message_builder(spec, queue)
@@ -100,7 +101,7 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
     def flush() -> int:
         if not args:
             return 0
-        sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, *args]))
+        sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, "f" if front else "b", *args]))
         args.clear()
         return sent
 

@@ -92,10 +92,11 @@ class Monitor:
         message (SIGKILL, OOM, a cut network) but before claiming it leaves it
         in none of these.  :meth:`Leases.suspects` finds such shards from the
         enqueue records, in a few commands per queue; one found by two audits in
-        a row, unmoved, is lost: it is published again from the store
-        (``resume(only=...)``, which skips it if it was claimed meanwhile).  A
-        lost message comes back within two audits once the queue has moved past
-        it (at once when the queue is empty).
+        a row, unmoved, is lost: it is published again from the store, at the
+        front of its queue (``resume(only=..., front=True)``, which skips it if
+        it was claimed meanwhile).  Bound: a lost message is back within two
+        audits (``2 * audit_seconds``) of the queue serving any message pushed
+        after it, i.e. of its turn; when the queue is empty, within two audits.
         """
         found = {(s.job, s.shard): s.seq for s in self.leases.suspects()}
         lost: dict[str, set[int]] = {}
@@ -106,7 +107,8 @@ class Monitor:
         requeued: dict[str, int] = {}
         for job, shards in sorted(lost.items()):
             try:
-                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards)
+                # At the front: their turn has come and gone.
+                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True)
             except (JobNotFound, StoreError, OSError) as exc:
                 log.warning("job %s: cannot re-queue lost shards %s now: %s", job, sorted(shards), exc)
                 continue

@@ -67,8 +67,9 @@ def stored_prompts(store: Store, spec: JobSpec) -> Iterator[tuple[str, str]]:
 
 
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
-           only: set[int] | None = None) -> ResumeReport:
-    """Enqueue whatever of ``job`` (or of its shards ``only``) is not yet in the store.
+           only: set[int] | None = None, front: bool = False) -> ResumeReport:
+    """Enqueue whatever of ``job`` (or of its shards ``only``) is not yet in the store;
+    ``front``: at the front of the queue (for shards whose turn has passed).
 
     One read of the stored prompt file.  Commits racing this are safe: each
     shard's attempt and lease are read *before* the store is listed, and the
@@ -103,5 +104,5 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 shard += 1
                 current, marks = [], []
 
-    sent = enqueue.publish_shards(app, client, spec, queue, shards())
+    sent = enqueue.publish_shards(app, client, spec, queue, shards(), front=front)
     return ResumeReport(job, spec.total, len(images), len(quarantined - images), sent, not known)

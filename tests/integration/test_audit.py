@@ -213,3 +213,33 @@ def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_render
     wait_for(lambda: "dropping this delivery" in stuck.output(), 30, what="the stale delivery to be dropped")
     assert images_rendered(env, job) == 4
     assert stuck.alive()
+
+
+def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_past_it(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    from renderfleet.core.settings import load_settings
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.monitor import Monitor
+
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    queue = "renderfleet.hold"
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 6)), *TINY, "--shard-size", "2",
+              "--pool", "hold").stdout.split()[-1]
+    client = redis.Redis.from_url(redis_server.url)
+    settings = load_settings(redis_url=redis_server.url, store=str(tmp_path / "store"))
+    monitor = Monitor(settings, make_app(redis_server.url), client, open_store(settings.store_url))
+
+    def take_from_hold() -> tuple[int, str]:
+        client.rpoplpush(queue, QUEUE)
+        return take(client)
+
+    assert take_from_hold()[0] == 0  # taken by a worker that is gone
+    assert monitor.audit() == {} and monitor.audit() == {}  # nothing passed it: it may be mid-claim
+    shard, tag = take_from_hold()
+    assert monitor.leases.claim(job, shard, worker="w", queue=queue, tag=tag, message="{}")[0] == "ok"
+    assert monitor.audit() == {}  # a suspect now; confirmed only if the next audit finds it unmoved
+    assert monitor.audit() == {job: 1}
+    assert client.llen(queue) == 2
+    assert take_from_hold()[0] == 0  # back at the front, ahead of shard 2
+    assert monitor.audit() == {} and monitor.audit() == {}  # and no second copy

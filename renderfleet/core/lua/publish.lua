@@ -6,18 +6,20 @@
 -- Then, when `marks` is given, rebuild the shard's bits from the store, one
 -- character per prompt from index `first`: 'd' image stored, 'f' quarantined,
 -- '-' to do; its left count is the number of '-'.  A shard with nothing left
--- is finished; any other is queued and its message pushed at the back.
+-- is finished; any other is queued and its message pushed at the back (or,
+-- for shards whose turn has passed, such as lost ones, at the front).
 --
 -- KEYS[1] queue, KEYS[2] shards, KEYS[3] left, KEYS[4] attempts, KEYS[5] inflight,
 -- KEYS[6] done bits, KEYS[7] failed bits, KEYS[8] enqueued, KEYS[9] seq,
 -- KEYS[10] queues, KEYS[11] unacked, KEYS[12] unacked_idx
--- ARGV[1] job, ARGV[2] queued prefix, ARGV[3] lease key prefix, then per shard
--- 7 values: shard, count, expect, first, marks, envelope, envelope's tag
+-- ARGV[1] job, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] side
+-- ('b' back, 'f' front), then per shard 7 values: shard, count, expect, first,
+-- marks, envelope, envelope's tag
 -- Returns the number of messages pushed.
 local queue, shards, left, attempts, inflight = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local done_bits, failed_bits, enqueued, seq_key, queues = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local unacked, unacked_idx = KEYS[11], KEYS[12]
-local job, queued_prefix, lease_prefix = ARGV[1], ARGV[2], ARGV[3]
+local job, queued_prefix, lease_prefix, side = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local now = now_ms()
 local D, F = string.byte('d'), string.byte('f')
 local sent = 0
@@ -29,7 +31,7 @@ local function drop_unacked(tag)
   end
 end
 
-for g = 4, #ARGV, 7 do
+for g = 5, #ARGV, 7 do
   local shard, count, expect, first = ARGV[g], tonumber(ARGV[g + 1]), ARGV[g + 2], tonumber(ARGV[g + 3])
   local marks, envelope, tag = ARGV[g + 4], ARGV[g + 5], ARGV[g + 6]
   local member = job .. ':' .. shard
@@ -78,8 +80,8 @@ for g = 4, #ARGV, 7 do
     else
       redis.call('HSET', shards, shard, 'q')
       redis.call('HSET', left, shard, n)
-      redis.call('LPUSH', queue, envelope)
-      record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, 'b', tag)
+      redis.call(side == 'f' and 'RPUSH' or 'LPUSH', queue, envelope)
+      record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, side, tag)
       sent = sent + 1
     end
   end
