@@ -243,3 +243,21 @@ def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_pas
     assert client.llen(queue) == 2
     assert take_from_hold()[0] == 0  # back at the front, ahead of shard 2
     assert monitor.audit() == {} and monitor.audit() == {}  # and no second copy
+
+
+def test_a_duplicate_dropped_at_claim_leaves_no_record_behind(redis_server: RedisServerProcess) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    leases = Leases(client, lease_seconds=0.3)
+    publish(client, redis_server.url, "j", 1)
+    shard, tag = take(client)
+    client.hset(UNACKED_KEY, tag, json.dumps([{"body": "b", "headers": {}, "properties": {"delivery_tag": tag}}, "", QUEUE]))
+    _, lease = leases.claim("j", shard, worker="w1", queue=QUEUE, tag=tag, message="{}")
+    assert lease is not None
+    time.sleep(0.4)
+    leases.reap()  # the worker was merely slow: its shard goes back to the front...
+    assert leases.heartbeat(lease)  # ...and its next heartbeat takes the lease back
+    copy = json.loads(client.rpop(QUEUE) or b"{}")["properties"]["delivery_tag"]
+    assert client.hexists(keys.ENQUEUED, "j:0")
+    assert leases.claim("j", 0, worker="w2", queue=QUEUE, tag=copy, message="{}")[0] == "busy"
+    # That copy is gone: no record left to make the audit re-publish a running shard forever.
+    assert not client.hexists(keys.ENQUEUED, "j:0") and leases.suspects() == []

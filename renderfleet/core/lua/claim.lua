@@ -26,6 +26,11 @@ if redis.call('EXISTS', job) == 1 and not redis.call('HGET', shards, shard) then
 end
 local exp = redis.call('ZSCORE', inflight, member)
 if exp and tonumber(exp) > now then
+  -- A duplicate, dropped: if it is the copy the record describes, that copy is gone.
+  local rec = redis.call('HGET', enqueued, member)
+  if tag ~= '' and rec and string.match(rec, '^%d+|%a|([^|]*)|') == tag then
+    forget_enqueue(enqueued, queued_prefix, member)
+  end
   return {'busy', 0}
 end
 local old_tag = redis.call('HGET', lease, 'tag')
