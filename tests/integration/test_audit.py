@@ -12,10 +12,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -26,7 +26,21 @@ from renderfleet.core.embedded import RedisServerProcess
 from renderfleet.core.leases import Leases
 from renderfleet.core.spec import JobSpec, RenderParams
 from renderfleet.dispatcher.enqueue import WireShard, publish_shards, register_job
-from tests.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from tests.fleet import (
+    PAUSE_AT,
+    TINY,
+    WorkerProc,
+    base_env,
+    cli,
+    images_rendered,
+    job_status,
+    lose_a_message_in_brpop,
+    start_monitor,
+    stopped,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +57,7 @@ def publish(client: redis.Redis, url: str, job: str, shards: int, **ws: object) 
 
 def take(client: redis.Redis) -> tuple[int, str]:
     """What kombu's BRPOP does: the next message off the queue; (shard, delivery tag)."""
-    envelope = json.loads(client.rpop(QUEUE) or b"{}")
+    envelope = json.loads(cast(bytes, client.rpop(QUEUE)) or b"{}")
     import base64
 
     body = json.loads(base64.b64decode(envelope["body"]))
@@ -119,44 +133,6 @@ def procs() -> Iterator[list[subprocess.Popen[bytes] | WorkerProc]]:
             p.wait(10)
 
 
-def start_monitor(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
-
-
-def stopped(pid: int) -> bool:
-    """Whether the process is stopped (SIGSTOP): state T in /proc."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rpartition(")")[2].split()[0] in ("T", "t")
-
-
-def blocked_in_brpop(client: redis.Redis) -> list[dict[str, str]]:
-    return [c for c in client.client_list() if c.get("cmd") == "brpop" and "b" in c.get("flags", "")]
-
-
-def lose_a_message_in_brpop(client: redis.Redis, worker: WorkerProc, source: str, dest: str) -> None:
-    """Stop ``worker`` while it waits in BRPOP on ``dest``, then move the message there: Redis
-    hands it to the stopped worker's connection, and it is in no queue and not in ``unacked``."""
-    for _ in range(20):
-        os.kill(worker.pid, signal.SIGCONT)
-        wait_for(lambda: blocked_in_brpop(client), 30, interval=0.02, what="the worker to wait in BRPOP")
-        os.kill(worker.pid, signal.SIGSTOP)
-        wait_for(lambda: stopped(worker.pid), 10, interval=0.01, what="SIGSTOP")
-        if not blocked_in_brpop(client):
-            continue  # its BRPOP timed out just now: try again
-        client.rpoplpush(source, dest)
-        time.sleep(1.5)
-        if client.llen(dest) == 0 and client.hlen(UNACKED_KEY) == 0:
-            return
-        client.rpoplpush(dest, source)  # not taken after all: put it back and try again
-    raise AssertionError("could not lose the message in BRPOP")
-
-
-def images_rendered(env: dict[str, str], job: str) -> int:
-    return sum(int(w.get("images", 0)) for w in job_status(env, job)["workers"])
-
-
 @pytest.mark.parametrize("recover", ["monitor", "resume"])
 def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recovered(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc], recover: str
@@ -194,7 +170,7 @@ def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_render
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1")
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    stuck = WorkerProc({**env, "RENDERFLEET_TEST_PAUSE_AT": "before-claim"}, tmp_path / "stuck.log", "-v")
+    stuck = WorkerProc({**env, PAUSE_AT: "before-claim"}, tmp_path / "stuck.log", "-v")
     procs.append(stuck)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY, "--shard-size", "4",
@@ -256,7 +232,7 @@ def test_a_duplicate_dropped_at_claim_leaves_no_record_behind(redis_server: Redi
     time.sleep(0.4)
     leases.reap()  # the worker was merely slow: its shard goes back to the front...
     assert leases.heartbeat(lease)  # ...and its next heartbeat takes the lease back
-    copy = json.loads(client.rpop(QUEUE) or b"{}")["properties"]["delivery_tag"]
+    copy = json.loads(cast(bytes, client.rpop(QUEUE)) or b"{}")["properties"]["delivery_tag"]
     assert client.hexists(keys.ENQUEUED, "j:0")
     assert leases.claim("j", 0, worker="w2", queue=QUEUE, tag=copy, message="{}")[0] == "busy"
     # That copy is gone: no record left to make the audit re-publish a running shard forever.

@@ -14,13 +14,26 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from renderfleet.core import keys
 from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from tests.fleet import (
+    PAUSE_AT,
+    TINY,
+    WorkerProc,
+    base_env,
+    cli,
+    images_rendered,
+    job_status,
+    stopped,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,21 +46,12 @@ def workers() -> Iterator[list[WorkerProc]]:
         p.kill()
 
 
-def stopped(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rpartition(")")[2].split()[0] in ("T", "t")
-
-
-def images_rendered(env: dict[str, str], job: str) -> int:
-    return sum(int(w.get("images", 0)) for w in job_status(env, job)["workers"])
-
-
 def test_a_worker_paused_between_its_images_and_its_checkpoint_is_fenced_and_writes_nothing(
     tmp_path: Path, redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    paused = WorkerProc({**env, "RENDERFLEET_TEST_PAUSE_AT": "before-checkpoint"}, tmp_path / "paused.log")
+    paused = WorkerProc({**env, PAUSE_AT: "before-checkpoint"}, tmp_path / "paused.log")
     workers.append(paused)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY, "--shard-size", "4",
@@ -87,12 +91,12 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     images = tmp_path / "store" / "jobs" / job / "images"
     original = {p.name: p.read_bytes() for p in images.iterdir()}
 
-    def results() -> dict[str, object]:
+    def results() -> dict[str, Any]:
         return dict(json.loads(cli(env, "results", job, "--json", check=False).stdout))
 
     (images / "000001.png").unlink()
     (images / "000006.png").unlink()
-    assert sorted(results()["missing"]) == ["000001", "000006"]  # type: ignore[arg-type]
+    assert sorted(results()["missing"]) == ["000001", "000006"]
     again = cli(env, "submit", *submit)
     assert "2 shards enqueued" in again.stderr
     wait_for(lambda: job_status(env, job)["done"] == 8, 120, interval=0.5, what="the resubmitted images")
@@ -105,5 +109,5 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     assert images_rendered(env, job) == 8 + 2 + 1
     assert (st["failed"], st["queued"], st["in_flight"]) == (0, 0, 0)
     res = results()
-    assert res["missing"] == [] and len(res["images"]) == 8  # type: ignore[arg-type]
+    assert res["missing"] == [] and len(res["images"]) == 8
     assert {p.name: p.read_bytes() for p in images.iterdir()} == original  # byte-identical
