@@ -129,7 +129,7 @@ def write_prompts(path: Path, n: int, prefix: str = "prompt") -> Path:
 
 # ---- windows of milliseconds, made deterministic (tests and the chaos run) ----------
 #
-# A worker started with {PAUSE_AT: "before-claim"} (or "before-checkpoint") SIGSTOPs
+# A worker started with {PAUSE_AT: "before-claim"} ("after-render", "before-checkpoint") SIGSTOPs
 # itself there (renderfleet.core.testhooks): wait for stopped(pid), then SIGKILL it
 # (a kill inside the fetch-to-claim window) or SIGCONT it later (a pause past its lease).
 

@@ -8,7 +8,9 @@ time this process reaches one, it sends itself SIGSTOP, as a GC pause or a
 stalled node would, and the test decides what happens next (SIGCONT, SIGKILL).
 
 Points: ``before-claim`` (the message taken, in kombu's ``unacked``, no lease
-yet) and ``before-checkpoint`` (a batch's images written, its checkpoint not).
+yet), ``after-render`` (a batch rendered, nothing of it written: no failure
+count, no quarantine record, no image) and ``before-checkpoint`` (a batch's
+images written, its checkpoint not).
 Unset, this costs one environment lookup per call.
 """
 

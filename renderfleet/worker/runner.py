@@ -194,7 +194,8 @@ class ShardRunner:
             self._batch_seconds = elapsed
             ledger.record_batch(len(images), elapsed)
 
-        ledger.check()  # a fenced worker writes nothing more
+        testhooks.pause_at("after-render")
+        ledger.check()  # asks Redis: a fenced worker writes nothing more
         quarantined: list[Prompt] = []
         for prompt, error in failures:
             count = ledger.record_failure(prompt, error)  # fenced: raises Reclaimed
@@ -209,7 +210,7 @@ class ShardRunner:
         by_name = {p.name: p for p in pending}
         self._put_images(msg.job, images)
         testhooks.pause_at("before-checkpoint")
-        ledger.check()  # asks Redis: a worker paused past its lease learns it here
+        ledger.check()  # again: a worker paused past its lease learns it here
         cp.done.update(images)
         cp.quarantined.update(p.name for p in quarantined)
         self._write_checkpoint(msg, number, cp, attempt)

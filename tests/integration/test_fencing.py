@@ -111,3 +111,30 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     res = results()
     assert res["missing"] == [] and len(res["images"]) == 8
     assert {p.name: p.read_bytes() for p in images.iterdir()} == original  # byte-identical
+
+
+def test_a_worker_paused_with_failures_in_hand_quarantines_nothing_once_fenced(
+    tmp_path: Path, redis_server: RedisServerProcess, workers: list[WorkerProc]
+) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 2)), *TINY, "--shard-size", "2",
+              "--batch-size", "2").stdout.split()[-1]
+    # Both prompts failed twice before: one more failure quarantines them.
+    client.hset(keys.fails(job), mapping={"0": 2, "1": 2})
+    # A broken accelerator ('meta': every render fails), paused after its renders failed.
+    broken = WorkerProc({**env, "RENDERFLEET_DEVICE": "meta", PAUSE_AT: "after-render"}, tmp_path / "broken.log")
+    workers.append(broken)
+    wait_for(lambda: stopped(broken.pid), 90, interval=0.1, what="the broken worker to pause with its failures")
+
+    workers.append(WorkerProc(env, tmp_path / "healthy.log"))
+    wait_for(lambda: job_status(env, job)["done"] == 2, 120, interval=0.5, what="the healthy worker")
+    os.kill(broken.pid, signal.SIGCONT)
+    wait_for(lambda: "fenced" in broken.output(), 30, what="the broken worker to find itself fenced")
+    assert not (tmp_path / "store" / "jobs" / job / "quarantine").exists()  # no stale quarantine record
+    assert client.hget(keys.fails(job), "0") == "2"  # nor a failure counted by a stale attempt
+    st = job_status(env, job)
+    assert (st["done"], st["failed"]) == (2, 0)
+    assert client.bitcount(keys.failed_bits(job)) == 0
+    res = json.loads(cli(env, "results", job, "--json").stdout)
+    assert res["quarantined"] == {} and res["missing"] == []
