@@ -125,3 +125,56 @@ def worker_ready(client: redis.Redis, n: int) -> bool:
 def write_prompts(path: Path, n: int, prefix: str = "prompt") -> Path:
     path.write_text("".join(f"{prefix} number {i}\n" for i in range(n)))
     return path
+
+
+# ---- windows of milliseconds, made deterministic (tests and the chaos run) ----------
+#
+# A worker started with {PAUSE_AT: "before-claim"} ("after-render", "before-checkpoint") SIGSTOPs
+# itself there (renderfleet.core.testhooks): wait for stopped(pid), then SIGKILL it
+# (a kill inside the fetch-to-claim window) or SIGCONT it later (a pause past its lease).
+
+PAUSE_AT = "RENDERFLEET_TEST_PAUSE_AT"
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): state T in /proc."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+
+def blocked_in_brpop(client: redis.Redis) -> list[dict[str, str]]:
+    """Clients waiting in BRPOP (an idle Celery worker on the Redis transport)."""
+    return [c for c in client.client_list() if c.get("cmd") == "brpop" and "b" in c.get("flags", "")]
+
+
+def lose_a_message_in_brpop(client: redis.Redis, worker: WorkerProc, source: str, dest: str) -> None:
+    """Stop ``worker`` (the only consumer of ``dest``) while it waits in BRPOP, then move a
+    message from ``source`` to ``dest``: Redis hands it to the stopped worker's connection, so
+    it is in no queue and not in kombu's ``unacked``.  The worker stays stopped."""
+    from renderfleet.core.celery_app import UNACKED_KEY
+
+    for _ in range(20):
+        os.kill(worker.pid, signal.SIGCONT)
+        wait_for(lambda: blocked_in_brpop(client), 30, interval=0.02, what="the worker to wait in BRPOP")
+        os.kill(worker.pid, signal.SIGSTOP)
+        wait_for(lambda: stopped(worker.pid), 10, interval=0.01, what="SIGSTOP")
+        if not blocked_in_brpop(client):
+            continue  # its BRPOP timed out just now: try again
+        client.rpoplpush(source, dest)
+        time.sleep(1.5)
+        if client.llen(dest) == 0 and client.hlen(UNACKED_KEY) == 0:
+            return
+        client.rpoplpush(dest, source)  # not taken after all: put it back and try again
+    raise AssertionError("could not lose a message in BRPOP")
+
+
+def start_monitor(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``renderfleet monitor`` in its own process group (kill it with os.killpg)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+
+
+def images_rendered(env: dict[str, str], job: str) -> int:
+    """Images the workers say they rendered (all jobs): more than a job's total means renders twice."""
+    return sum(int(w.get("images", 0)) for w in job_status(env, job)["workers"])

@@ -17,6 +17,15 @@ LEASE_PREFIX = "rf:lease:"
 JOB_PREFIX = "rf:job:"
 SHARDS_SUFFIX = ":shards"
 
+# The enqueue record, read by the monitor's audit (dispatcher/monitor.py) to find a
+# shard whose message was lost between a queue and its claim.  Written by the Lua
+# scripts that push a shard's message (core/lua/common.lua), dropped at its claim.
+SEQ = "rf:seq"  # counter: orders every push of a shard message, on every queue
+ENQUEUED = "rf:enqueued"  # hash "<job>:<shard>" -> "<seq>|<side b|f>|<kombu tag>|<queue>"
+QUEUES = "rf:queues"  # set of queues that shard messages were pushed to
+QUEUED_PREFIX = "rf:queued:"  # + queue: zset "<job>:<shard>" -> seq of its pending push
+CONSUMED = "rf:consumed"  # hash queue -> highest seq of a back-of-queue push claimed from it
+
 
 def job(job_id: str) -> str:
     """hash: spec (JSON), total, queue."""
@@ -53,8 +62,13 @@ def fails(job_id: str) -> str:
     return f"rf:job:{job_id}:fails"
 
 
+def queued(queue: str) -> str:
+    """zset "<job>:<shard>" -> seq: shards whose message was pushed to ``queue`` and not claimed since."""
+    return f"{QUEUED_PREFIX}{queue}"
+
+
 def lease(job_id: str, shard: int) -> str:
-    """hash: worker, attempt, queue, tag, requeue (the kombu payload to re-push)."""
+    """hash: worker, attempt, queue, tag, requeue (the kombu payload to re-push), rtag (its tag), message."""
     return f"{LEASE_PREFIX}{job_id}:{shard}"
 
 

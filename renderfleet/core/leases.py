@@ -17,165 +17,47 @@ runs longer than that is delivered twice while still running.  Instead:
   it writes or counts anything (:class:`~renderfleet.core.errors.Reclaimed`
   with ``fenced=True``).
 
+Every write that changes what a shard or a prompt is carries the attempt and
+is refused inside its script when a newer attempt exists: the count
+(:meth:`Leases.commit`), a prompt's failure count (:meth:`Leases.record_failure`);
+store writes are preceded by :meth:`Leases.current` and checkpoints carry the
+attempt in their key (see :mod:`renderfleet.worker.runner`).
+
 Counting is idempotent (a bitmap per job), so whatever the redeliveries each
-prompt is counted once.  All times are Redis's clock, never the workers'.
+prompt is counted once, and never both done and failed: done wins.
+
+A message can also be lost *before* any claim: kombu takes it with BRPOP and
+records it in ``unacked`` a step later, and a worker that stops in between (or
+after, but before its claim) takes it along, with no lease for a reaper to
+find.  Every push of a shard message therefore leaves an enqueue record
+(``keys.ENQUEUED``), dropped at the claim; :meth:`Leases.suspects` finds the
+records that every later message overtook, which the monitor re-publishes.
+
+All times are Redis's clock, never the workers'.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 
 import redis
 
-from renderfleet.core import keys
+from renderfleet.core import keys, testhooks
 from renderfleet.core.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope
 from renderfleet.core.errors import Reclaimed
 
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
+# The scripts live in core/lua/, each with a header naming its KEYS and ARGV;
+# common.lua (Redis's clock, the enqueue record) is prepended to each.
+_LUA = resources.files("renderfleet.core") / "lua"
 
-# KEYS: job hash, shards, inflight, attempts, lease, unacked, unacked_index
-# ARGV: shard, member, worker, queue, tag, requeue, message, lease_ms
-_CLAIM = _NOW + """
-if redis.call('EXISTS', KEYS[1]) == 1 and not redis.call('HGET', KEYS[2], ARGV[1]) then
-  return {'done', 0}
-end
-local exp = redis.call('ZSCORE', KEYS[3], ARGV[2])
-if exp and tonumber(exp) > now then
-  return {'busy', 0}
-end
-local old_tag = redis.call('HGET', KEYS[5], 'tag')
-if old_tag and old_tag ~= ARGV[5] then
-  redis.call('HDEL', KEYS[6], old_tag)
-  redis.call('ZREM', KEYS[7], old_tag)
-end
-local attempt = redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
-redis.call('HSET', KEYS[2], ARGV[1], 'r')
-redis.call('ZADD', KEYS[3], now + tonumber(ARGV[8]), ARGV[2])
-redis.call('DEL', KEYS[5])
-redis.call('HSET', KEYS[5], 'worker', ARGV[3], 'attempt', attempt, 'queue', ARGV[4],
-           'tag', ARGV[5], 'requeue', ARGV[6], 'message', ARGV[7], 'shard', ARGV[1])
-return {'ok', attempt}
-"""
 
-# KEYS: shards, inflight, attempts, lease
-# ARGV: shard, member, worker, attempt, lease_ms, queue, tag, requeue, message
-# Returns 1 renewed, 2 re-created (Redis lost it, or a reaper took it while we
-# were merely slow and nobody has claimed it since), 0 fenced: stop.
-_HEARTBEAT = _NOW + """
-local a = redis.call('HGET', KEYS[4], 'attempt')
-if a then
-  if tonumber(a) ~= tonumber(ARGV[4]) or redis.call('HGET', KEYS[4], 'worker') ~= ARGV[3] then
-    return 0
-  end
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[2])
-  return 1
-end
-local cur = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
-if cur > tonumber(ARGV[4]) then
-  return 0
-end
-redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
-redis.call('HSET', KEYS[1], ARGV[1], 'r')
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[5]), ARGV[2])
-redis.call('HSET', KEYS[4], 'worker', ARGV[3], 'attempt', ARGV[4], 'queue', ARGV[6],
-           'tag', ARGV[7], 'requeue', ARGV[8], 'message', ARGV[9], 'shard', ARGV[1])
-return 2
-"""
-
-# KEYS: attempts, done bits, failed bits, left
-# ARGV: shard, attempt, n_done, done indices..., failed indices...
-# Returns {newly done, newly failed}, or {-1, -1} when fenced.
-_COMMIT = """
-local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if cur > tonumber(ARGV[2]) then
-  return {-1, -1}
-end
-local n = tonumber(ARGV[3])
-local newly, newfail = 0, 0
-for i = 4, 3 + n do
-  if redis.call('SETBIT', KEYS[2], ARGV[i], 1) == 0 then newly = newly + 1 end
-end
-for i = 4 + n, #ARGV do
-  if redis.call('SETBIT', KEYS[3], ARGV[i], 1) == 0 then newfail = newfail + 1 end
-end
-if newly + newfail > 0 and redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
-  redis.call('HINCRBY', KEYS[4], ARGV[1], -(newly + newfail))
-end
-return {newly, newfail}
-"""
-
-# KEYS: attempts, lease, inflight, shards, left, unacked, unacked_index
-# ARGV: shard, member, attempt, outcome ('done' | 'front' | 'back'), worker
-# Returns 0 fenced (nothing done), 1 ok, or {2, message} when the caller must
-# publish the message itself (kombu's copy of it is gone).
-_RELEASE = """
-local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if cur > tonumber(ARGV[3]) then
-  return 0
-end
-local holder = redis.call('HGET', KEYS[2], 'worker')
-if holder and holder ~= ARGV[5] then
-  return 0
-end
-local lease = redis.call('HMGET', KEYS[2], 'queue', 'tag', 'requeue', 'message')
-redis.call('ZREM', KEYS[3], ARGV[2])
-redis.call('DEL', KEYS[2])
-if ARGV[4] == 'done' then
-  redis.call('HDEL', KEYS[4], ARGV[1])
-  redis.call('HDEL', KEYS[5], ARGV[1])
-  return 1
-end
-redis.call('HSET', KEYS[4], ARGV[1], 'q')
-if lease[2] then
-  redis.call('HDEL', KEYS[6], lease[2])
-  redis.call('ZREM', KEYS[7], lease[2])
-end
-if lease[3] and lease[3] ~= '' then
-  if ARGV[4] == 'front' then
-    redis.call('RPUSH', lease[1], lease[3])
-  else
-    redis.call('LPUSH', lease[1], lease[3])
-  end
-  return 1
-end
-return {2, lease[4] or ''}
-"""
-
-# KEYS: inflight, unacked, unacked_index
-# ARGV: limit, lease key prefix, shards key prefix and suffix (see keys.py)
-# Re-queues (at the front) every shard whose lease expired.  Returns a flat
-# list of member, how ('pushed' or the message JSON for the caller to publish).
-_REAP = _NOW + """
-local expired = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[1]))
-local out = {}
-for _, m in ipairs(expired) do
-  redis.call('ZREM', KEYS[1], m)
-  local sep = string.find(m, ':[^:]*$')
-  local job = string.sub(m, 1, sep - 1)
-  local shard = string.sub(m, sep + 1)
-  local lkey = ARGV[2] .. m
-  local lease = redis.call('HMGET', lkey, 'queue', 'tag', 'requeue', 'message')
-  redis.call('DEL', lkey)
-  redis.call('HSET', ARGV[3] .. job .. ARGV[4], shard, 'q')
-  if lease[2] then
-    redis.call('HDEL', KEYS[2], lease[2])
-    redis.call('ZREM', KEYS[3], lease[2])
-  end
-  table.insert(out, m)
-  if lease[3] and lease[3] ~= '' then
-    redis.call('RPUSH', lease[1], lease[3])
-    table.insert(out, 'pushed')
-  else
-    table.insert(out, lease[4] or '')
-  end
-end
-return out
-"""
+def lua_script(name: str) -> str:
+    """The source of ``core/lua/<name>.lua``, with ``common.lua`` in front."""
+    return (_LUA / "common.lua").read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
 
 
 @dataclass(frozen=True)
@@ -190,10 +72,20 @@ class Lease:
     tag: str
     requeue: str
     message: str
+    requeue_tag: str = ""  # the delivery tag inside ``requeue``
 
     @property
     def member(self) -> str:
         return keys.member(self.job, self.shard)
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A queued shard whose message the audit cannot place: see :meth:`Leases.suspects`."""
+
+    job: str
+    shard: int
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -223,6 +115,28 @@ def requeue_payload(raw_unacked: bytes | str | None) -> str:
     return json.dumps(payload)
 
 
+_TAG_MARK = '"delivery_tag": "'
+
+
+def envelope_tag(envelope: str) -> str:
+    """The kombu delivery tag of an envelope (JSON text); '' when it has none.
+
+    Our envelopes end with their properties, so the tag is found from the end
+    without parsing 10 kB of body; anything else is parsed.
+    """
+    if not envelope:
+        return ""
+    at = envelope.rfind(_TAG_MARK)
+    if at >= 0:
+        end = envelope.find('"', at + len(_TAG_MARK))
+        if end > 0:
+            return envelope[at + len(_TAG_MARK) : end]
+    try:
+        return str(json.loads(envelope).get("properties", {}).get("delivery_tag") or "")
+    except (ValueError, AttributeError):
+        return ""
+
+
 class Leases:
     """The lease protocol over one Redis client."""
 
@@ -231,11 +145,12 @@ class Leases:
         self.lease_ms = int(lease_seconds * 1000)
         # Builds a fresh kombu envelope when kombu's copy of a message is gone.
         self.envelope = envelope
-        self._claim = client.register_script(_CLAIM)
-        self._heartbeat = client.register_script(_HEARTBEAT)
-        self._commit = client.register_script(_COMMIT)
-        self._release = client.register_script(_RELEASE)
-        self._reap = client.register_script(_REAP)
+        self._claim = client.register_script(lua_script("claim"))
+        self._heartbeat = client.register_script(lua_script("heartbeat"))
+        self._commit = client.register_script(lua_script("commit"))
+        self._record_failure = client.register_script(lua_script("record_failure"))
+        self._release = client.register_script(lua_script("release"))
+        self._reap = client.register_script(lua_script("reap"))
 
     def claim(
         self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str
@@ -245,39 +160,60 @@ class Leases:
         requeue = requeue_payload(raw)
         if not requeue and self.envelope is not None:
             requeue = self.envelope(message, queue, f"{job}:{shard}")
+        requeue_tag = envelope_tag(requeue)
+        testhooks.pause_at("before-claim")
         status, attempt = self._claim(
             keys=[
                 keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),
-                keys.lease(job, shard), UNACKED_KEY, UNACKED_INDEX_KEY,
+                keys.lease(job, shard), UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.CONSUMED,
             ],
-            args=[shard, keys.member(job, shard), worker, queue, tag, requeue, message, self.lease_ms],
+            args=[shard, keys.member(job, shard), worker, queue, tag, requeue, message, self.lease_ms,
+                  keys.QUEUED_PREFIX, requeue_tag],
         )
         status = keys.text(status)
         if status != "ok":
             return status, None
-        return status, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message)
+        return status, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, requeue_tag)
 
     def heartbeat(self, lease: Lease) -> bool:
         """Renew (or re-create) the lease; False means fenced: stop now."""
         result = self._heartbeat(
-            keys=[keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job), keys.lease(lease.job, lease.shard)],
+            keys=[keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
+                  keys.lease(lease.job, lease.shard)],
             args=[
                 lease.shard, lease.member, lease.worker, lease.attempt, self.lease_ms,
-                lease.queue, lease.tag, lease.requeue, lease.message,
+                lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag,
             ],
         )
         return int(result) != 0
 
-    def commit(self, lease: Lease, done: list[int], failed: list[int]) -> tuple[int, int]:
-        """Count prompts as done/quarantined, once each; raises Reclaimed if fenced."""
+    def current(self, lease: Lease) -> bool:
+        """Whether no newer attempt has claimed the shard (one read, for a fence check before a store write)."""
+        latest = self.client.hget(keys.attempts(lease.job), str(lease.shard))
+        return latest is None or int(latest) <= lease.attempt
+
+    def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int],
+               undone: Sequence[int] = ()) -> tuple[int, int]:
+        """Count prompts as done/quarantined, once each (done wins over failed);
+        ``undone`` prompts lost their image and count as left again.  Raises Reclaimed if fenced."""
         newly, newfail = self._commit(
             keys=[keys.attempts(lease.job), keys.done_bits(lease.job), keys.failed_bits(lease.job),
                   keys.left(lease.job)],
-            args=[lease.shard, lease.attempt, len(done), *done, *failed],
+            args=[lease.shard, lease.attempt, len(done), len(failed), *done, *failed, *undone],
         )
         if int(newly) < 0:
             raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
         return int(newly), int(newfail)
+
+    def record_failure(self, lease: Lease, index: int, error: str) -> int:
+        """One more failure of prompt ``index``: the total so far (0 if it is done); raises Reclaimed if fenced."""
+        count = int(self._record_failure(
+            keys=[keys.attempts(lease.job), keys.fails(lease.job), keys.done_bits(lease.job)],
+            args=[lease.shard, lease.attempt, index, error[:500]],
+        ))
+        if count < 0:
+            raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
+        return count
 
     def release(self, lease: Lease, outcome: str) -> str | None:
         """Finish ('done') or hand the shard back ('front' of the queue, or 'back').
@@ -288,8 +224,9 @@ class Leases:
             raise ValueError(f"outcome must be done, front or back, got {outcome!r}")
         result = self._release(
             keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
-                  keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY],
-            args=[lease.shard, lease.member, lease.attempt, outcome, lease.worker],
+                  keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
+                  keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+            args=[lease.shard, lease.member, lease.attempt, outcome, lease.worker, keys.QUEUED_PREFIX],
         )
         if isinstance(result, list) and result and int(result[0]) == 2:
             return keys.text(result[1]) or None
@@ -297,8 +234,8 @@ class Leases:
 
     def reap(self, limit: int = 100) -> list[Reaped]:
         """Re-queue every shard whose lease expired; safe to run from many processes."""
-        flat = self._reap(keys=[keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY],
-                          args=[limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX])
+        flat = self._reap(keys=[keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+                          args=[limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX])
         out: list[Reaped] = []
         for i in range(0, len(flat), 2):
             member = keys.text(flat[i])
@@ -306,4 +243,40 @@ class Leases:
             job, _, shard = member.rpartition(":")
             message = None if how == "pushed" or not how else how
             out.append(Reaped(job, int(shard), message))
+        return out
+
+    # ---- the audit: messages lost between a queue and a claim ---------------------
+
+    def suspects(self) -> list[Suspect]:
+        """Queued shards whose message is in no queue, as far as the enqueue records tell.
+
+        A message pushed at the back of a queue is taken after every message
+        pushed there before it, and one pushed at the front before them all; so
+        once a worker has claimed a message pushed at the back as number *n*,
+        any shard still recorded as pushed there before *n* has been taken by
+        someone who never claimed it, or is being claimed right now.  When the
+        queue is empty, every shard recorded in it is such a case.  Cost: a few
+        commands per queue, and a reply as long as the answer (normally empty).
+        The caller confirms a suspect on a later pass (a claim in flight ends in
+        milliseconds) and then publishes it again (``dispatcher.resume`` with
+        ``only``), which also drops kombu's unclaimed copy of it, if any.
+        """
+        queues = sorted(keys.text(q) for q in self.client.smembers(keys.QUEUES))
+        if not queues:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for q in queues:
+            pipe.llen(q)
+            pipe.hget(keys.CONSUMED, q)
+        heads = pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for i, q in enumerate(queues):
+            length, consumed = int(heads[2 * i]), int(heads[2 * i + 1] or 0)
+            upper = "+inf" if length == 0 else f"({consumed}"
+            pipe.zrangebyscore(keys.queued(q), "-inf", upper, start=0, num=1000, withscores=True)
+        out: list[Suspect] = []
+        for found in pipe.execute():
+            for member, seq in found:
+                job, _, shard = keys.text(member).rpartition(":")
+                out.append(Suspect(job, int(shard), int(seq)))
         return out

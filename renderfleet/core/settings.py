@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = 1.5
     # How often every worker (and the monitor) looks for expired leases.
     reap_seconds: float = 1.0
+    # How often the monitor audits queued shards for a message lost between a queue and
+    # a claim (a worker gone after taking it); one lost is re-queued within two audits.
+    audit_seconds: float = 30.0
     # A prompt that fails this many times is quarantined.
     max_prompt_failures: int = 3
     # A worker whose last this-many shards all failed stops taking work.
@@ -196,7 +199,7 @@ class Settings(BaseSettings):
             raise ValueError(f"must be auto, on or off: {value!r}")
         return value
 
-    @field_validator("lease_seconds", "heartbeat_seconds", "reap_seconds", "reclaim_poll_seconds")
+    @field_validator("lease_seconds", "heartbeat_seconds", "reap_seconds", "reclaim_poll_seconds", "audit_seconds")
     @classmethod
     def _check_positive(cls, value: float) -> float:
         if value <= 0:

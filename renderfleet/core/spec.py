@@ -7,7 +7,7 @@ a job lives here too, so a reader finds every key in one place::
     jobs/<job>/spec.json                    the job: settings, totals (written last at submit)
     jobs/<job>/source/prompts.<fmt>[.gz]    the prompt file as submitted (read again by resume)
     jobs/<job>/images/<name>.png            one image per prompt
-    jobs/<job>/checkpoints/<shard>/<batch>.json   what a batch committed
+    jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed, per attempt
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
 """
 
@@ -247,8 +247,14 @@ def checkpoint_prefix(job: str, shard: int) -> str:
     return f"jobs/{job}/checkpoints/{shard:06d}/"
 
 
-def checkpoint_key(job: str, shard: int, batch: int) -> str:
-    return f"{checkpoint_prefix(job, shard)}{batch:05d}.json"
+def checkpoint_key(job: str, shard: int, batch: int, attempt: int = 0) -> str:
+    """A batch's checkpoint as one attempt wrote it: attempts never overwrite each other's."""
+    return f"{checkpoint_prefix(job, shard)}{batch:05d}-a{attempt}.json"
+
+
+def images_prefix(job: str, start: str = "") -> str:
+    """The key prefix of the job's images whose name starts with ``start``."""
+    return f"jobs/{job}/images/{start}"
 
 
 def quarantine_key(job: str, name: str) -> str:

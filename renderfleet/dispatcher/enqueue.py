@@ -19,7 +19,9 @@ import redis
 from celery import Celery
 
 from renderfleet.core import celery_app, keys
+from renderfleet.core.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
 from renderfleet.core.errors import InputError
+from renderfleet.core.leases import envelope_tag, lua_script
 from renderfleet.core.spec import JobSpec
 
 BATCH = 500
@@ -29,13 +31,23 @@ BATCH = 500
 class WireShard:
     """A shard ready to publish: its number, how many prompts are left to do in
     it, and its prompts as wire JSON objects, or (a .txt file's) as one JSON
-    list of texts numbered from ``first``."""
+    list of texts numbered from ``first``.
+
+    ``resume`` also gives ``expect`` (the shard's attempt when it read the
+    store: the shard is skipped if claimed since, or leased) and ``marks`` (one
+    character per prompt from ``start``: 'd' stored, 'f' quarantined, '-' to
+    do), from which the shard's bits and count are rebuilt; see
+    ``core/lua/publish.lua``.
+    """
 
     shard: int
     count: int
     prompts_json: list[str] | None = None
     texts_json: str | None = None
     first: int = 0
+    expect: int | None = None
+    marks: str = ""
+    start: int = 0
 
 
 def message_json(spec: JobSpec, queue: str, shard: WireShard, store: str = "") -> str:
@@ -104,31 +116,38 @@ def forget_counts(client: redis.Redis, job: str) -> None:
 
 
 def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
-                   shards: Iterable[WireShard], *, store: str) -> int:
+                   shards: Iterable[WireShard], *, store: str, front: bool = False) -> int:
     """Publish every shard given, in pipelined batches; returns how many.
 
-    Each shard's state goes in before its message, in the same pipeline: a
-    worker that claims the shard must find it queued.
+    Each shard's state goes in with its message, in one script: a worker that
+    claims the shard must find it queued, and the monitor's audit finds the
+    push recorded (``core/lua/publish.lua``).  Returns the messages pushed:
+    a resumed shard claimed meanwhile, or with nothing left, is not.
+    ``front``: next in line (shards whose turn has passed), not at the back.
     """
     envelope = celery_app.envelope_factory(app)
     message = message_builder(spec, queue, store)
+    script = client.register_script(lua_script("publish"))
+    job = spec.job
+    script_keys = [queue, keys.shards(job), keys.left(job), keys.attempts(job), keys.INFLIGHT,
+                   keys.done_bits(job), keys.failed_bits(job), keys.ENQUEUED, keys.SEQ, keys.QUEUES,
+                   UNACKED_KEY, UNACKED_INDEX_KEY]
     count = 0
-    batch: list[WireShard] = []
+    args: list[str | int] = []
 
-    def flush() -> None:
-        if not batch:
-            return
-        pipe = client.pipeline(transaction=False)
-        pipe.hset(keys.shards(spec.job), mapping={str(ws.shard): "q" for ws in batch})
-        pipe.hset(keys.left(spec.job), mapping={str(ws.shard): ws.count for ws in batch})
-        pipe.lpush(queue, *(envelope(message(ws), queue, f"{spec.job}:{ws.shard}") for ws in batch))
-        pipe.execute()
-        batch.clear()
+    def flush() -> int:
+        if not args:
+            return 0
+        sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, "f" if front else "b", *args]))
+        args.clear()
+        return sent
 
     for ws in shards:
-        batch.append(ws)
-        count += 1
-        if len(batch) >= BATCH:
-            flush()
-    flush()
+        # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
+        env = envelope(message(ws), queue, f"{job}:{ws.shard}") if ws.count or not ws.marks else ""
+        args.extend((ws.shard, ws.count, "" if ws.expect is None else ws.expect, ws.start, ws.marks, env,
+                     envelope_tag(env)))
+        if len(args) >= BATCH * 7:
+            count += flush()
+    count += flush()
     return count

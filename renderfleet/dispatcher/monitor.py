@@ -1,9 +1,10 @@
-"""The dispatcher's monitor: reaps expired leases and heals a Redis that lost its memory.
+"""The dispatcher's monitor: reaps expired leases, finds lost messages, heals a Redis that lost its memory.
 
-It runs the same reaper as the workers (one acts at a time), and if Redis
-restarted empty (its epoch marker is gone) it resumes from the store every job
-that still has work left, and any job that has work left but nothing queued
-or running.
+It runs the same reaper as the workers (one acts at a time); every
+``audit_seconds`` it audits the queued shards for messages lost between a
+queue and a claim (:meth:`Monitor.audit`); and if Redis restarted empty (its
+epoch marker is gone) it resumes from the store every job that still has work
+left, and any job that has work left but nothing queued or running.
 """
 
 from __future__ import annotations
@@ -40,10 +41,17 @@ class Monitor:
         # A job looks stalled (work left, nothing queued or running) for an instant
         # while submit registers it: act only on a job seen stalled twice in a row.
         self.stalled: set[str] = set()
+        # The last audit's suspects, (job, shard) -> seq: a suspect is re-queued only
+        # when the next audit finds it again, unmoved (a claim in flight is not lost).
+        self.suspects: dict[tuple[str, int], int] = {}
+        self.audited_at = 0.0
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
         reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
+        if time.monotonic() - self.audited_at >= self.settings.audit_seconds:
+            self.audited_at = time.monotonic()
+            self.audit()
         resumed = []
         self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
         lost = not self.client.exists(keys.EPOCH)
@@ -74,6 +82,40 @@ class Monitor:
         if lost:
             self.client.setnx(keys.EPOCH, "1")
         return resumed
+
+    def audit(self) -> dict[str, int]:
+        """Re-queue shards whose message was lost between a queue and a claim; returns
+        {job: shards re-queued}.
+
+        Every shard not done must be in a queue, in kombu's ``unacked`` for a
+        moment, or under a live lease.  A worker that stops after taking a
+        message (SIGKILL, OOM, a cut network) but before claiming it leaves it
+        in none of these.  :meth:`Leases.suspects` finds such shards from the
+        enqueue records, in a few commands per queue; one found by two audits in
+        a row, unmoved, is lost: it is published again from the store, at the
+        front of its queue (``resume(only=..., front=True)``, which skips it if
+        it was claimed meanwhile).  Bound: a lost message is back within two
+        audits (``2 * audit_seconds``) of the queue serving any message pushed
+        after it, i.e. of its turn; when the queue is empty, within two audits.
+        """
+        found = {(s.job, s.shard): s.seq for s in self.leases.suspects()}
+        lost: dict[str, set[int]] = {}
+        for (job, shard), seq in found.items():
+            if self.suspects.get((job, shard)) == seq:
+                lost.setdefault(job, set()).add(shard)
+        self.suspects = {k: v for k, v in found.items() if k[0] not in lost or k[1] not in lost[k[0]]}
+        requeued: dict[str, int] = {}
+        for job, shards in sorted(lost.items()):
+            try:
+                # At the front: their turn has come and gone.
+                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True)
+            except (JobNotFound, StoreError, OSError) as exc:
+                log.warning("job %s: cannot re-queue lost shards %s now: %s", job, sorted(shards), exc)
+                continue
+            requeued[job] = report.shards_enqueued
+            log.warning("job %s: shards %s were lost between a queue and a claim: %d re-queued",
+                        job, sorted(shards), report.shards_enqueued)
+        return requeued
 
     def run_forever(self) -> None:
         while True:

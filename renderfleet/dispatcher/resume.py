@@ -2,8 +2,12 @@
 
 The store is the source of truth and Redis may have been lost: every shard
 with a prompt that has neither an image nor a quarantine record is enqueued
-again, unless Redis says it is queued or running right now.  When Redis has
-no record of the job at all, its counters are rebuilt from the store too.
+again, whatever Redis records of it, unless it is under a live lease (its
+runner knows better).  A shard queued in Redis whose message was lost comes
+back this way; one whose message is still queued gets a second copy, which
+its claim drops (a shard runs under one lease at a time).  Each shard's bits
+and count are rebuilt from the store in the same script that queues it, so a
+deleted image is counted as missing again and rendered again.
 """
 
 from __future__ import annotations
@@ -65,42 +69,45 @@ def stored_prompts(store: Store, spec: JobSpec) -> Iterator[tuple[str, str]]:
             yield json.loads(line).get("n") or index_name(i), line
 
 
-def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None) -> ResumeReport:
-    """Enqueue whatever of ``job`` is not yet in the store.
+def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
+           only: set[int] | None = None, front: bool = False) -> ResumeReport:
+    """Enqueue whatever of ``job`` (or of its shards ``only``) is not yet in the store;
+    ``front``: at the front of the queue (for shards whose turn has passed).
 
-    One read of the stored prompt file: it finds the shards with work left
-    and, when Redis has no record of the job, sets its bits again (setting a
-    bit is idempotent, so workers committing meanwhile are not double counted).
+    One read of the stored prompt file.  Commits racing this are safe: each
+    shard's attempt and lease are read *before* the store is listed, and the
+    script that rebuilds a shard's bits and count from that listing skips it
+    if it was leased then or has been claimed since (``core/lua/publish.lua``).
     """
     spec = load_spec(store, job)
     owner = store_identity(store.url)
     enqueue.check_owner(client, job, owner)
     queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(spec.pool)
     known = bool(client.exists(keys.job(job)))
-    states = {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.shards(job)).items()} if known else {}
+    attempts = {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
+    seconds, micros = client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    prefix = f"{job}:"
+    leased = {int(keys.text(m)[len(prefix):]) for m in client.zrangebyscore(keys.INFLIGHT, now_ms, "+inf")
+              if keys.text(m).startswith(prefix)}
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     enqueue.register_job(client, spec, queue, owner)
-    bits = client.pipeline(transaction=False)
 
-    def missing_shards() -> Iterator[WireShard]:
+    def shards() -> Iterator[WireShard]:
         current: list[str] = []
-        todo = 0
+        marks: list[str] = []
         shard = 0
         for i, (name, line) in enumerate(stored_prompts(store, spec)):
             current.append(line)
-            stored = name in images or name in quarantined
-            todo += not stored
-            if stored and not known:
-                bits.setbit(keys.done_bits(job) if name in images else keys.failed_bits(job), i, 1)
-                if len(bits) >= 5000:
-                    bits.execute()
+            marks.append("d" if name in images else "f" if name in quarantined else "-")
             if len(current) == spec.shard_size or i == spec.total - 1:
-                if todo and str(shard) not in states:
-                    yield WireShard(shard, todo, prompts_json=current)
+                if shard not in leased and (only is None or shard in only):
+                    text = "".join(marks)
+                    yield WireShard(shard, text.count("-"), prompts_json=current, expect=attempts.get(shard, 0),
+                                    marks=text, start=shard * spec.shard_size)
                 shard += 1
-                current, todo = [], 0
+                current, marks = [], []
 
-    sent = enqueue.publish_shards(app, client, spec, queue, missing_shards(), store=owner)
-    bits.execute()
-    return ResumeReport(job, spec.total, len(images), len(quarantined), sent, not known)
+    sent = enqueue.publish_shards(app, client, spec, queue, shards(), store=owner, front=front)
+    return ResumeReport(job, spec.total, len(images), len(quarantined - images), sent, not known)

@@ -80,9 +80,10 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         if store is None:
             raise JobNotFound(f"no job {job} in Redis")
         spec = load_spec(store, job)
-        images = len(stored_names(store, job, "images"))
-        quarantined = len(stored_names(store, job, "quarantine"))
-        return JobStatus(job, spec.total, images, quarantined, 0, 0, spec.shards, 0, 0, False)
+        images = stored_names(store, job, "images")
+        # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
+        quarantined = stored_names(store, job, "quarantine") - images
+        return JobStatus(job, spec.total, len(images), len(quarantined), 0, 0, spec.shards, 0, 0, False)
     queued = running = sq = sr = 0
     for shard, state in states.items():
         n = _int(left.get(shard))

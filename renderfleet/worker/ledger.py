@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import redis
 
@@ -34,18 +35,22 @@ class RedisLedger:
         self.client = leases.client
 
     def check(self) -> None:
+        """Raise Reclaimed(fenced=True) if a newer attempt holds the shard.
+
+        Asks Redis, not only the flag the heartbeat sets: a worker that wakes
+        from a pause longer than its lease must learn it was fenced *before* its
+        next store write, not at its next heartbeat.
+        """
+        if not self.stop.fenced and not self.leases.current(self.lease):
+            self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded", fenced=True)
         if self.stop.fenced:
             raise Reclaimed(f"shard {self.lease.member} attempt {self.lease.attempt} fenced", fenced=True)
 
-    def commit(self, done: list[int], failed: list[int]) -> None:
-        self.leases.commit(self.lease, done, failed)
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
+        self.leases.commit(self.lease, done, failed, undone)
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
-        pipe = self.client.pipeline()
-        pipe.hincrby(keys.fails(self.lease.job), str(prompt.index), 1)
-        pipe.hset(keys.fails(self.lease.job), f"{prompt.index}:error", error[:500])
-        count, _ = pipe.execute()
-        return int(count)
+        return self.leases.record_failure(self.lease, prompt.index, error)
 
     def _bump(self, **fields: int) -> None:
         pipe = self.client.pipeline(transaction=False)

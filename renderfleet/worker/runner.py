@@ -4,7 +4,10 @@ Knows nothing of Celery (rule 1): it takes a :class:`ShardMessage`, a store,
 a renderer and a ledger, and is tested with plain objects.  Every batch is
 safe to run twice (rule 2):
 
-1. read the shard's checkpoints and skip every prompt already committed;
+1. read the shard's checkpoints (every attempt's) and one listing of the
+   images they name: the store decides, so a prompt is skipped only if a
+   checkpoint names it *and* its image is listed (an image deleted since is
+   rendered again, and its count taken back);
 2. before each batch, stop if a reclaim notice leaves no time for it;
 3. render the batch (OOM halves it; a failing batch is split to find the
    prompt at fault);
@@ -12,8 +15,13 @@ safe to run twice (rule 2):
    nothing is counted done unless its image is in the store.
 
 Positions of batches are fixed by the message (``ShardMessage.batches``), so
-batch *k* means the same prompts on every delivery and its checkpoint key is
-stable.  Images are deterministic, so a stale write is byte-identical.
+batch *k* means the same prompts on every delivery.  Images are
+deterministic, so a stale write is byte-identical; every other write is
+fenced by the attempt: failure counts and counts inside their Redis script,
+quarantine records after a fenced failure count, checkpoints after a fence
+check in Redis and under a key of their own attempt (a stale one can never
+overwrite a newer attempt's; they are read as a union, checked against the
+store).  A prompt is never both done and quarantined: an image wins.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from renderfleet.core import spec
+from renderfleet.core import spec, testhooks
 from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed
 from renderfleet.core.spec import Prompt, ShardMessage
 from renderfleet.core.store import Store
@@ -48,7 +56,8 @@ class Ledger(Protocol):
     def check(self) -> None:
         """Raise Reclaimed(fenced=True) if a newer attempt took the shard."""
 
-    def commit(self, done: list[int], failed: list[int]) -> None: ...
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
+        """Count prompts done/quarantined; ``undone`` ones lost their image (fenced, idempotent)."""
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
         """Count one more failure of this prompt; returns the total so far."""
@@ -119,22 +128,32 @@ class ShardRunner:
         """Render every prompt of the shard not yet in the store."""
         result = ShardResult()
         checkpoints = self._read_checkpoints(msg)
+        stored = self._stored_images(msg, checkpoints)
         # What earlier deliveries checkpointed is counted again: a worker killed
         # between its checkpoint and its count left those prompts stored but
-        # uncounted.  Counting is idempotent: one Redis call per delivery.
+        # uncounted; and what they checkpointed but the store lost is uncounted.
+        # Counting is idempotent: one Redis call per delivery.
         stored_done: list[int] = []
         stored_failed: list[int] = []
+        undone: list[int] = []
         todo: list[tuple[int, list[Prompt], _Checkpoint]] = []
         for number, batch in msg.batches():
             cp = checkpoints.get(number, _Checkpoint())
-            stored_done += [p.index for p in batch if p.name in cp.done]
-            stored_failed += [p.index for p in batch if p.name in cp.quarantined]
-            pending = [p for p in batch if p.name not in cp.done and p.name not in cp.quarantined]
+            named = cp.done | cp.quarantined
+            verified = _Checkpoint({n for n in named if n in stored}, cp.quarantined - stored - cp.done)
+            for p in batch:
+                if p.name in verified.done:
+                    stored_done.append(p.index)
+                elif p.name in verified.quarantined:
+                    stored_failed.append(p.index)
+                elif p.name in cp.done:
+                    undone.append(p.index)
+            pending = [p for p in batch if p.name not in verified.done and p.name not in verified.quarantined]
             result.skipped += len(batch) - len(pending)
             if pending:
-                todo.append((number, pending, cp))
-        if stored_done or stored_failed:
-            ledger.commit(stored_done, stored_failed)
+                todo.append((number, pending, verified))
+        if stored_done or stored_failed or undone:
+            ledger.commit(stored_done, stored_failed, undone)
         for number, pending, cp in todo:
             if self.stop.requested:
                 # A notice means no new work: hand the rest of the shard back now.
@@ -175,10 +194,11 @@ class ShardRunner:
             self._batch_seconds = elapsed
             ledger.record_batch(len(images), elapsed)
 
-        ledger.check()  # a fenced worker writes nothing more
+        testhooks.pause_at("after-render")
+        ledger.check()  # asks Redis: a fenced worker writes nothing more
         quarantined: list[Prompt] = []
         for prompt, error in failures:
-            count = ledger.record_failure(prompt, error)
+            count = ledger.record_failure(prompt, error)  # fenced: raises Reclaimed
             if count >= self.max_failures:
                 quarantined.append(prompt)
                 self._quarantine(msg, prompt, error, count)
@@ -189,6 +209,8 @@ class ShardRunner:
 
         by_name = {p.name: p for p in pending}
         self._put_images(msg.job, images)
+        testhooks.pause_at("before-checkpoint")
+        ledger.check()  # again: a worker paused past its lease learns it here
         cp.done.update(images)
         cp.quarantined.update(p.name for p in quarantined)
         self._write_checkpoint(msg, number, cp, attempt)
@@ -249,14 +271,33 @@ class ShardRunner:
     # ---- the store -----------------------------------------------------------
 
     def _read_checkpoints(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
+        """Each batch's checkpoints, the union over the attempts that wrote one."""
         out: dict[int, _Checkpoint] = {}
         for key in self.store.list(spec.checkpoint_prefix(msg.job, msg.shard)):
             data = self.store.get(key)
             if not data:
                 continue
             record = json.loads(data)
-            out[int(record["batch"])] = _Checkpoint(set(record["done"]), set(record.get("quarantined", [])))
+            cp = out.setdefault(int(record["batch"]), _Checkpoint())
+            cp.done.update(record["done"])
+            cp.quarantined.update(record.get("quarantined", []))
         return out
+
+    def _stored_images(self, msg: ShardMessage, checkpoints: dict[int, _Checkpoint]) -> set[str]:
+        """Which of the names the checkpoints give are in the store: one listing, not a HEAD each.
+
+        The listing is narrowed to the names' common prefix: a shard of
+        index-named prompts (``000640`` to ``000703``) lists about a hundred keys.
+        """
+        names = sorted(set().union(*(cp.done | cp.quarantined for cp in checkpoints.values())))
+        if not names:
+            return set()
+        base = spec.images_prefix(msg.job)
+        first, last = names[0], names[-1]  # sorted: their common prefix is everyone's
+        common = next((first[:i] for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b),
+                      first[: len(last)])
+        keys = self.store.list(spec.images_prefix(msg.job, common))
+        return {key[len(base) : -len(".png")] for key in keys if key.endswith(".png")}
 
     def _put_images(self, job: str, images: dict[str, bytes]) -> None:
         futures = [
@@ -277,7 +318,7 @@ class ShardRunner:
             "worker": self.worker_id,
             "at": time.time(),
         }
-        self.store.put(spec.checkpoint_key(msg.job, msg.shard, number), json.dumps(record).encode(),
+        self.store.put(spec.checkpoint_key(msg.job, msg.shard, number, attempt), json.dumps(record).encode(),
                        content_type="application/json")
 
     def _quarantine(self, msg: ShardMessage, prompt: Prompt, error: str, count: int) -> None:

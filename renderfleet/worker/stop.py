@@ -26,6 +26,9 @@ class StopSignal:
         self.deadline: float | None = None  # time.monotonic() by which we must be gone
         self.fenced = False
         self.noticed_at: float | None = None
+        # A notice (reclaim, shutdown, breaker) is kept apart from a fence: a fence
+        # ends with its shard, a notice never; one arriving during a fence stays.
+        self._notice: tuple[str, float] | None = None
 
     @property
     def requested(self) -> bool:
@@ -35,22 +38,30 @@ class StopSignal:
         """Ask the worker to stop; the earliest deadline wins."""
         with self._lock:
             now = time.monotonic()
-            deadline = None if seconds_left is None else now + seconds_left
             if not self._event.is_set():
                 self.reason = reason
                 self.noticed_at = now
-                self.deadline = deadline
-            elif deadline is not None and (self.deadline is None or deadline < self.deadline):
-                self.deadline = deadline
-            self.fenced = self.fenced or fenced
+            if fenced:
+                self.fenced = True
+            else:
+                if self._notice is None:
+                    self._notice = (reason, now)
+                deadline = None if seconds_left is None else now + seconds_left
+                if deadline is not None and (self.deadline is None or deadline < self.deadline):
+                    self.deadline = deadline
             self._event.set()
 
     def clear_fence(self) -> None:
-        """A fence ends with its shard; a reclaim never clears."""
+        """A fence ends with its shard; a notice, even one that came during the fence, stays."""
         with self._lock:
-            if self.fenced and self.reason.startswith("fenced"):
-                self.fenced = False
+            if not self.fenced:
+                return
+            self.fenced = False
+            if self._notice is not None:
+                self.reason, self.noticed_at = self._notice
+            else:
                 self.reason = ""
+                self.noticed_at = None
                 self._event.clear()
 
     def can_finish(self, started_at: float, expected_seconds: float | None) -> bool:

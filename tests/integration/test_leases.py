@@ -104,3 +104,60 @@ def test_a_lease_lost_with_redis_is_recreated_by_its_heartbeat(client: redis.Red
     assert leases.heartbeat(lease)
     assert client.zscore(keys.INFLIGHT, lease.member) is not None
     assert client.hget(keys.attempts("j"), "0") == b"1"
+
+
+def test_a_heartbeat_never_resurrects_the_lease_of_a_finished_shard(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert lease is not None
+    leases.release(lease, "done")
+    # The keeper's last heartbeat, in flight while the shard was released, lands now.
+    assert not leases.heartbeat(lease)
+    assert client.zscore(keys.INFLIGHT, lease.member) is None
+    assert not client.exists(keys.lease("j", 0)) and client.hget(keys.shards("j"), "0") is None
+    assert leases.reap() == []
+
+
+def test_a_fenced_worker_cannot_count_a_failure_and_a_check_sees_the_fence(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=0.3)
+    register(client, "j", 1)
+    _, old = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert old is not None and leases.current(old)
+    assert leases.record_failure(old, 2, "boom") == 1
+    time.sleep(0.4)
+    leases.reap()
+    _, new = leases.claim("j", 0, worker="w2", queue=QUEUE, tag="t2", message="{}")
+    assert new is not None
+    assert not leases.current(old) and leases.current(new)
+    with pytest.raises(Reclaimed) as exc:
+        leases.record_failure(old, 2, "boom")
+    assert exc.value.fenced
+    assert client.hget(keys.fails("j"), "2") == b"1"
+    assert leases.record_failure(new, 2, "boom") == 2
+
+
+def test_a_prompt_is_never_both_done_and_failed(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)  # 4 prompts left
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert lease is not None
+    assert leases.commit(lease, [], [1]) == (0, 1)  # quarantined by a stale view...
+    assert leases.commit(lease, [1, 2], []) == (2, 0)  # ...then its image is stored: done wins
+    assert client.getbit(keys.failed_bits("j"), 1) == 0 and client.getbit(keys.done_bits("j"), 1) == 1
+    assert leases.commit(lease, [], [2]) == (0, 0)  # a failure of a done prompt is not counted
+    assert client.getbit(keys.failed_bits("j"), 2) == 0
+    assert client.bitcount(keys.done_bits("j")) + client.bitcount(keys.failed_bits("j")) == 2
+    assert client.hget(keys.left("j"), "0") == b"2"
+    assert leases.record_failure(lease, 2, "late failure of a stored prompt") == 0
+
+
+def test_a_prompt_whose_image_was_lost_counts_as_left_again(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert lease is not None
+    leases.commit(lease, [0, 1, 2, 3], [])
+    assert client.hget(keys.left("j"), "0") == b"0"
+    leases.commit(lease, [0], [], [2, 3])
+    assert client.bitcount(keys.done_bits("j")) == 2 and client.hget(keys.left("j"), "0") == b"2"

@@ -59,15 +59,17 @@ class MemLedger:
         self.commits = 0
         self.fenced_after = fenced_after
         self.wasted = 0
+        self.undone: list[int] = []
 
     def check(self) -> None:
         if self.fenced_after is not None and self.commits >= self.fenced_after:
             raise Reclaimed("fenced", fenced=True)
 
-    def commit(self, done: list[int], failed: list[int]) -> None:
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         self.commits += 1
-        self.done += done
+        self.done = [i for i in self.done if i not in undone] + done
         self.failed += failed
+        self.undone += undone
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
         self.failures[prompt.index] = self.failures.get(prompt.index, 0) + 1
@@ -219,3 +221,92 @@ def test_a_store_outage_leaves_the_batch_uncommitted(tmp_path: Path) -> None:
         runner(store, FakeRenderer()).run(make_msg(4, 2), ledger)
     assert ledger.done == [] and ledger.commits == 0  # nothing counted done
     assert list(store.list("jobs/")) == []  # and no checkpoint claims it
+
+
+def test_a_notice_that_arrives_during_a_fence_is_not_forgotten() -> None:
+    stop = StopSignal()
+    stop.request("fenced: j:0", fenced=True)
+    stop.request("aws spot terminate", seconds_left=120)
+    stop.clear_fence()  # the fenced shard is over...
+    assert stop.requested and not stop.fenced  # ...the notice is not
+    assert stop.reason == "aws spot terminate" and stop.deadline is not None
+    plain = StopSignal()
+    plain.request("fenced: j:0", fenced=True)
+    plain.clear_fence()
+    assert not plain.requested and plain.reason == ""
+
+
+class CountingStore(LocalStore):
+    """Counts listings of the images folder and HEADs."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.image_listings = 0
+        self.heads = 0
+
+    def list(self, prefix: str):  # type: ignore[no-untyped-def]
+        if "/images/" in prefix:
+            self.image_listings += 1
+        return super().list(prefix)
+
+    def exists(self, key: str) -> bool:
+        self.heads += 1
+        return super().exists(key)
+
+
+def test_a_checkpointed_image_deleted_from_the_store_is_rendered_again_and_uncounted(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "store")
+    msg = make_msg(8, 4)
+    runner(store, FakeRenderer()).run(msg, MemLedger())
+    for name in ("000001", "000006"):
+        (tmp_path / "store" / spec.image_key("j", name)).unlink()
+    store.image_listings = 0
+    again = FakeRenderer()
+    ledger = MemLedger()
+    result = runner(store, again).run(msg, ledger)
+    assert again.calls == [["000001"], ["000006"]] and result.rendered == 2 and result.skipped == 6
+    assert sorted(ledger.undone) == [1, 6]  # their counts are taken back first...
+    assert sorted(ledger.done) == list(range(8))  # ...and given again once stored
+    assert store.image_listings == 1 and store.heads == 0  # one listing per delivery, no HEAD per image
+    assert store.get(spec.image_key("j", "000006")) is not None
+
+
+def test_checkpoints_of_every_attempt_are_read_together_and_an_image_beats_a_stale_quarantine(store: LocalStore) -> None:
+    msg = make_msg(4, 4)
+
+    def checkpoint(attempt: int, done: list[str], quarantined: list[str]) -> None:
+        record = {"job": "j", "shard": 0, "batch": 0, "done": done, "quarantined": quarantined, "attempt": attempt}
+        store.put(spec.checkpoint_key("j", 0, 0, attempt), json.dumps(record).encode())
+
+    # Attempt 2 stored every prompt; a stale attempt 1 wrote its older view afterwards,
+    # quarantining prompt 2.  Neither hides the other, and the image wins.
+    for i in range(4):
+        store.put(spec.image_key("j", spec.index_name(i)), b"png")
+    checkpoint(2, ["000000", "000001", "000002", "000003"], [])
+    checkpoint(1, ["000000"], ["000002"])
+    r = FakeRenderer()
+    ledger = MemLedger()
+    result = runner(store, r).run(msg, ledger, attempt=3)
+    assert r.calls == [] and result.skipped == 4
+    assert sorted(ledger.done) == [0, 1, 2, 3] and ledger.failed == []
+
+
+def test_a_quarantine_without_an_image_still_counts_as_failed(store: LocalStore) -> None:
+    msg = make_msg(2, 2)
+    store.put(spec.image_key("j", "000000"), b"png")
+    record = {"job": "j", "shard": 0, "batch": 0, "done": ["000000"], "quarantined": ["000001"], "attempt": 1}
+    store.put(spec.checkpoint_key("j", 0, 0, 1), json.dumps(record).encode())
+    ledger = MemLedger()
+    r = FakeRenderer()
+    runner(store, r).run(msg, ledger)
+    assert r.calls == [] and ledger.done == [0] and ledger.failed == [1]
+
+
+def test_the_delivery_tag_is_read_from_an_envelope() -> None:
+    from renderfleet.core.celery_app import envelope_factory, make_app
+    from renderfleet.core.leases import envelope_tag
+
+    envelope = envelope_factory(make_app("redis://127.0.0.1:1/0"))('{"job": "j"}', "renderfleet.default", "j:0")
+    assert envelope_tag(envelope) == json.loads(envelope)["properties"]["delivery_tag"]
+    assert envelope_tag(json.dumps({"properties": {"delivery_tag": "t"}}, separators=(",", ":"))) == "t"
+    assert envelope_tag("") == ""

@@ -1,0 +1,55 @@
+-- Claim a shard for one attempt: hand out the next attempt number (the
+-- fencing token) and record a lease that expires unless renewed.
+--
+-- KEYS[1] job          hash: the job (exists while Redis knows the job)
+-- KEYS[2] shards       hash shard -> 'q' | 'r'; absent once finished
+-- KEYS[3] inflight     zset member -> lease expiry (ms)
+-- KEYS[4] attempts     hash shard -> last attempt handed out
+-- KEYS[5] lease        hash: this shard's lease
+-- KEYS[6] unacked      kombu's hash tag -> message
+-- KEYS[7] unacked_idx  kombu's zset tag -> time
+-- KEYS[8] enqueued     hash member -> enqueue record (common.lua)
+-- KEYS[9] consumed     hash queue -> highest back-of-queue seq claimed from it
+-- ARGV[1] shard, ARGV[2] member, ARGV[3] worker, ARGV[4] queue, ARGV[5] tag
+-- (this delivery's kombu tag), ARGV[6] requeue (payload to re-push),
+-- ARGV[7] message, ARGV[8] lease_ms, ARGV[9] queued prefix, ARGV[10] requeue's tag
+-- Returns {'ok', attempt}, {'busy', 0} or {'done', 0}.
+local job, shards, inflight, attempts, lease = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local unacked, unacked_idx, enqueued, consumed = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local shard, member, worker, queue, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local requeue, message, lease_ms, queued_prefix, requeue_tag = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local now = now_ms()
+
+if redis.call('EXISTS', job) == 1 and not redis.call('HGET', shards, shard) then
+  forget_enqueue(enqueued, queued_prefix, member)
+  return {'done', 0}
+end
+local exp = redis.call('ZSCORE', inflight, member)
+if exp and tonumber(exp) > now then
+  -- A duplicate, dropped: if it is the copy the record describes, that copy is gone.
+  local rec = redis.call('HGET', enqueued, member)
+  if tag ~= '' and rec and string.match(rec, '^%d+|%a|([^|]*)|') == tag then
+    forget_enqueue(enqueued, queued_prefix, member)
+  end
+  return {'busy', 0}
+end
+local old_tag = redis.call('HGET', lease, 'tag')
+if old_tag and old_tag ~= tag then
+  redis.call('HDEL', unacked, old_tag)
+  redis.call('ZREM', unacked_idx, old_tag)
+end
+-- The audit's progress mark: this very copy was pushed at the back of its
+-- queue as number `seq`, so every message pushed there before it has been taken.
+local seq, side, rec_tag, rec_queue = forget_enqueue(enqueued, queued_prefix, member)
+if seq and side == 'b' and tag ~= '' and rec_tag == tag then
+  if seq > tonumber(redis.call('HGET', consumed, rec_queue) or '0') then
+    redis.call('HSET', consumed, rec_queue, seq)
+  end
+end
+local attempt = redis.call('HINCRBY', attempts, shard, 1)
+redis.call('HSET', shards, shard, 'r')
+redis.call('ZADD', inflight, now + tonumber(lease_ms), member)
+redis.call('DEL', lease)
+redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', queue, 'tag', tag,
+           'requeue', requeue, 'rtag', requeue_tag, 'message', message, 'shard', shard)
+return {'ok', attempt}

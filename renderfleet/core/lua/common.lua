@@ -1,0 +1,36 @@
+-- Prepended to every script in this folder when it is loaded (see leases.py).
+--
+-- Redis's clock, and the enqueue record that the monitor's audit reads: for
+-- each shard whose message sits in a queue, ENQUEUED holds
+-- "<seq>|<side>|<tag>|<queue>" and the zset QUEUED_PREFIX..queue scores the
+-- shard by <seq>, a counter that orders every push (side 'b': LPUSH, the back
+-- of the queue; 'f': RPUSH, the front).  keys.py documents each key.
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Drops a shard's enqueue record; returns seq, side, tag, queue (or nil).
+local function forget_enqueue(enqueued_key, queued_prefix, member)
+  local rec = redis.call('HGET', enqueued_key, member)
+  if not rec then
+    return nil
+  end
+  local seq, side, tag, queue = string.match(rec, '^(%d+)|(%a)|([^|]*)|(.*)$')
+  redis.call('HDEL', enqueued_key, member)
+  if queue then
+    redis.call('ZREM', queued_prefix .. queue, member)
+  end
+  return tonumber(seq), side, tag, queue
+end
+
+-- Records that the shard's message was just pushed to `queue`.
+local function record_enqueue(enqueued_key, seq_key, queues_key, queued_prefix, member, queue, side, tag)
+  forget_enqueue(enqueued_key, queued_prefix, member)
+  local seq = redis.call('INCR', seq_key)
+  redis.call('HSET', enqueued_key, member, seq .. '|' .. side .. '|' .. (tag or '') .. '|' .. queue)
+  redis.call('ZADD', queued_prefix .. queue, seq, member)
+  redis.call('SADD', queues_key, queue)
+  return seq
+end

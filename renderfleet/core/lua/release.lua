@@ -1,0 +1,49 @@
+-- Finish a shard ('done') or hand it back to the 'front' or 'back' of its queue.
+--
+-- KEYS[1] attempts, KEYS[2] lease, KEYS[3] inflight, KEYS[4] shards, KEYS[5] left,
+-- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] enqueued, KEYS[9] seq, KEYS[10] queues
+-- ARGV[1] shard, ARGV[2] member, ARGV[3] attempt, ARGV[4] outcome, ARGV[5] worker,
+-- ARGV[6] queued prefix
+-- Returns 0 fenced (nothing done), 1 ok, or {2, message} when the caller must
+-- publish the message itself (kombu's copy of it is gone).
+local attempts, lease, inflight, shards, left = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local unacked, unacked_idx, enqueued, seq_key, queues = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local shard, member, attempt, outcome, worker, queued_prefix = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
+
+if tonumber(redis.call('HGET', attempts, shard) or '0') > attempt then
+  return 0
+end
+local holder = redis.call('HGET', lease, 'worker')
+if holder and holder ~= worker then
+  return 0
+end
+local l = redis.call('HMGET', lease, 'queue', 'tag', 'requeue', 'message', 'rtag')
+local queue, tag, requeue, message, rtag = l[1], l[2], l[3], l[4], l[5]
+redis.call('ZREM', inflight, member)
+redis.call('DEL', lease)
+if outcome == 'done' then
+  redis.call('HDEL', shards, shard)
+  redis.call('HDEL', left, shard)
+  forget_enqueue(enqueued, queued_prefix, member)
+  return 1
+end
+redis.call('HSET', shards, shard, 'q')
+if tag then
+  redis.call('HDEL', unacked, tag)
+  redis.call('ZREM', unacked_idx, tag)
+end
+if requeue and requeue ~= '' then
+  if outcome == 'front' then
+    redis.call('RPUSH', queue, requeue)
+    record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, 'f', rtag)
+  else
+    redis.call('LPUSH', queue, requeue)
+    record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, 'b', rtag)
+  end
+  return 1
+end
+if queue then
+  -- Published by the caller (LPUSH through Celery), with a tag we do not know.
+  record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, 'b', '')
+end
+return {2, message or ''}

@@ -1,0 +1,239 @@
+"""Messages lost between a queue and a claim: the enqueue records, the audit, resume.
+
+First on a bare Redis (the records and the audit's query), then with real
+worker processes: a worker stopped after kombu's BRPOP took its message, or
+after kombu recorded it in ``unacked`` but before the claim, and the monitor
+(or ``resume``) bringing the shard back, rendered once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import redis
+
+from renderfleet.core import keys
+from renderfleet.core.celery_app import UNACKED_KEY, make_app
+from renderfleet.core.embedded import RedisServerProcess
+from renderfleet.core.leases import Leases
+from renderfleet.core.spec import JobSpec, RenderParams
+from renderfleet.dispatcher.enqueue import WireShard, publish_shards, register_job
+from tests.fleet import (
+    PAUSE_AT,
+    TINY,
+    WorkerProc,
+    base_env,
+    cli,
+    images_rendered,
+    job_status,
+    lose_a_message_in_brpop,
+    start_monitor,
+    stopped,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
+
+pytestmark = pytest.mark.integration
+
+QUEUE = "renderfleet.default"
+
+
+def publish(client: redis.Redis, url: str, job: str, shards: int, **ws: object) -> int:
+    spec = JobSpec(job=job, params=RenderParams(), total=shards * 2, shard_size=2, batch_size=2)
+    register_job(client, spec, QUEUE, "/tmp/rf-audit-store")
+    wire = [WireShard(s, 2, prompts_json=[f'{{"i":{2 * s},"p":"a"}}', f'{{"i":{2 * s + 1},"p":"b"}}'], **ws)  # type: ignore[arg-type]
+            for s in range(shards)]
+    return publish_shards(make_app(url), client, spec, QUEUE, wire, store="/tmp/rf-audit-store")
+
+
+def take(client: redis.Redis) -> tuple[int, str]:
+    """What kombu's BRPOP does: the next message off the queue; (shard, delivery tag)."""
+    envelope = json.loads(cast(bytes, client.rpop(QUEUE)) or b"{}")
+    import base64
+
+    body = json.loads(base64.b64decode(envelope["body"]))
+    return int(json.loads(body[0][0])["shard"]), envelope["properties"]["delivery_tag"]
+
+
+def test_a_message_taken_but_never_claimed_is_a_suspect_once_the_queue_moves_past_it(
+    redis_server: RedisServerProcess,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    leases = Leases(client, lease_seconds=5)
+    assert publish(client, redis_server.url, "j", 3) == 3
+    assert leases.suspects() == []  # all three queued, nothing taken
+    lost, _ = take(client)  # a worker takes shard 0 and vanishes
+    assert lost == 0
+    assert leases.suspects() == []  # nothing taken after it yet: it may be mid-claim
+    shard, tag = take(client)  # the next worker takes shard 1 and claims it
+    status, lease = leases.claim("j", shard, worker="w", queue=QUEUE, tag=tag, message="{}")
+    assert status == "ok" and lease is not None
+    # Shard 1 was pushed after shard 0 and has been taken: shard 0 was taken too.
+    assert [(s.job, s.shard) for s in leases.suspects()] == [("j", 0)]
+    # Shard 2 still waits in the queue and is no suspect; with the queue empty it would be.
+    take(client)
+    assert sorted(s.shard for s in leases.suspects()) == [0, 2]
+
+
+def test_a_hand_back_and_a_reap_are_recorded_and_a_claim_clears_the_record(redis_server: RedisServerProcess) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    leases = Leases(client, lease_seconds=0.3)
+    publish(client, redis_server.url, "j", 1)
+    shard, tag = take(client)
+    client.hset(UNACKED_KEY, tag, json.dumps([{"body": "b", "headers": {}, "properties": {"delivery_tag": tag}}, "", QUEUE]))
+    _, lease = leases.claim("j", shard, worker="w", queue=QUEUE, tag=tag, message="{}")
+    assert lease is not None and not client.hexists(keys.ENQUEUED, "j:0")
+    time.sleep(0.4)
+    assert [r.shard for r in leases.reap()] == [0]
+    record = keys.text(client.hget(keys.ENQUEUED, "j:0"))
+    assert record.split("|")[1] == "f" and record.endswith(f"|{QUEUE}")  # pushed at the front
+    assert leases.suspects() == []  # it is in the queue
+
+
+def test_resume_skips_a_shard_claimed_after_it_read_the_store(redis_server: RedisServerProcess) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    leases = Leases(client, lease_seconds=5)
+    publish(client, redis_server.url, "j", 1)
+    shard, tag = take(client)
+    _, lease = leases.claim("j", shard, worker="w", queue=QUEUE, tag=tag, message="{}")
+    assert lease is not None
+    leases.commit(lease, [0], [])
+    assert leases.release(lease, "back") is not None  # no kombu copy: the caller would publish it
+    # resume read attempt 1 and listed the store (no image of prompt 0 yet); then a
+    # worker claimed attempt 2 and stored prompt 0.  resume's rebuild must not undo it.
+    _, again = leases.claim("j", 0, worker="w2", queue=QUEUE, tag="", message="{}")
+    assert again is not None and again.attempt == 2
+    leases.commit(again, [1], [])
+    assert publish(client, redis_server.url, "j", 1, expect=1, marks="--") == 0
+    assert client.bitcount(keys.done_bits("j")) == 2 and client.hget(keys.left("j"), "0") == b"0"
+    assert client.llen(QUEUE) == 0
+
+
+# ---- with real workers ------------------------------------------------------------
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes] | WorkerProc]]:
+    started: list[subprocess.Popen[bytes] | WorkerProc] = []
+    yield started
+    for p in started:
+        if isinstance(p, WorkerProc):
+            p.kill()
+        elif p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+@pytest.mark.parametrize("recover", ["monitor", "resume"])
+def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recovered(
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc], recover: str
+) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1")
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    prompts = write_prompts(tmp_path / "p.txt", 8)
+    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "8", "--batch-size", "4",
+              "--pool", "hold").stdout.split()[-1]
+    idle = WorkerProc(env, tmp_path / "idle.log")  # serves only the default queue
+    procs.append(idle)
+    wait_for(lambda: worker_ready(client, 1), 90, what="the idle worker")
+    lose_a_message_in_brpop(client, idle, "renderfleet.hold", "renderfleet.default")
+    idle.kill()
+    assert client.hget(keys.shards(job), "0") == "q" and not client.zcard(keys.INFLIGHT)
+    assert client.llen("renderfleet.hold") == 0 and client.llen("renderfleet.default") == 0
+
+    procs.append(WorkerProc(env, tmp_path / "worker.log", "--pool", "hold"))
+    if recover == "resume":
+        assert "1 shards enqueued" in cli(env, "resume", job).stderr
+    else:
+        started = time.monotonic()
+        procs.append(start_monitor(env, tmp_path / "monitor.log"))
+    st = wait_for(lambda: (s := job_status(env, job))["done"] == 8 and s, 120, interval=0.5,
+                  what="the lost shard to be rendered")
+    if recover == "monitor":
+        assert time.monotonic() - started < 60
+        assert "lost between a queue and a claim" in (tmp_path / "monitor.log").read_text()
+    assert st["failed"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
+    assert images_rendered(env, job) == 8
+
+
+def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_renders_nothing_twice(
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc]
+) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1")
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    stuck = WorkerProc({**env, PAUSE_AT: "before-claim"}, tmp_path / "stuck.log", "-v")
+    procs.append(stuck)
+    wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY, "--shard-size", "4",
+              "--batch-size", "2").stdout.split()[-1]
+    wait_for(lambda: stopped(stuck.pid), 60, interval=0.1, what="the worker to stop before its claim")
+    assert client.hlen(UNACKED_KEY) == 1 and not client.zcard(keys.INFLIGHT)  # kombu holds it; no lease
+
+    procs.append(start_monitor(env, tmp_path / "monitor.log"))
+    procs.append(WorkerProc(env, tmp_path / "healthy.log"))
+    st = wait_for(lambda: (s := job_status(env, job))["done"] == 4 and s, 120, interval=0.5,
+                  what="the shard held by the stopped worker to be rendered")
+    assert st["failed"] == 0 and st["queued"] == 0
+    assert client.hlen(UNACKED_KEY) == 0  # kombu will not restore the stale copy in an hour
+
+    os.kill(stuck.pid, signal.SIGCONT)  # it wakes and claims a finished shard: dropped
+    wait_for(lambda: "dropping this delivery" in stuck.output(), 30, what="the stale delivery to be dropped")
+    assert images_rendered(env, job) == 4
+    assert stuck.alive()
+
+
+def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_past_it(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    from renderfleet.core.settings import load_settings
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.monitor import Monitor
+
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    queue = "renderfleet.hold"
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 6)), *TINY, "--shard-size", "2",
+              "--pool", "hold").stdout.split()[-1]
+    client = redis.Redis.from_url(redis_server.url)
+    settings = load_settings(redis_url=redis_server.url, store=str(tmp_path / "store"))
+    monitor = Monitor(settings, make_app(redis_server.url), client, open_store(settings.store_url))
+
+    def take_from_hold() -> tuple[int, str]:
+        client.rpoplpush(queue, QUEUE)
+        return take(client)
+
+    assert take_from_hold()[0] == 0  # taken by a worker that is gone
+    assert monitor.audit() == {} and monitor.audit() == {}  # nothing passed it: it may be mid-claim
+    shard, tag = take_from_hold()
+    assert monitor.leases.claim(job, shard, worker="w", queue=queue, tag=tag, message="{}")[0] == "ok"
+    assert monitor.audit() == {}  # a suspect now; confirmed only if the next audit finds it unmoved
+    assert monitor.audit() == {job: 1}
+    assert client.llen(queue) == 2
+    assert take_from_hold()[0] == 0  # back at the front, ahead of shard 2
+    assert monitor.audit() == {} and monitor.audit() == {}  # and no second copy
+
+
+def test_a_duplicate_dropped_at_claim_leaves_no_record_behind(redis_server: RedisServerProcess) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    leases = Leases(client, lease_seconds=0.3)
+    publish(client, redis_server.url, "j", 1)
+    shard, tag = take(client)
+    client.hset(UNACKED_KEY, tag, json.dumps([{"body": "b", "headers": {}, "properties": {"delivery_tag": tag}}, "", QUEUE]))
+    _, lease = leases.claim("j", shard, worker="w1", queue=QUEUE, tag=tag, message="{}")
+    assert lease is not None
+    time.sleep(0.4)
+    leases.reap()  # the worker was merely slow: its shard goes back to the front...
+    assert leases.heartbeat(lease)  # ...and its next heartbeat takes the lease back
+    copy = json.loads(cast(bytes, client.rpop(QUEUE)) or b"{}")["properties"]["delivery_tag"]
+    assert client.hexists(keys.ENQUEUED, "j:0")
+    assert leases.claim("j", 0, worker="w2", queue=QUEUE, tag=copy, message="{}")[0] == "busy"
+    # That copy is gone: no record left to make the audit re-publish a running shard forever.
+    assert not client.hexists(keys.ENQUEUED, "j:0") and leases.suspects() == []
