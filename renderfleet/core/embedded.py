@@ -117,8 +117,8 @@ class RedisServerProcess:
                 self.kill()
 
 
-def ensure_embedded(home: Path) -> str:
-    """The URL of the embedded server, starting it if it is not running."""
+def running_embedded(home: Path) -> str | None:
+    """The URL of the embedded server if it is running; starts nothing."""
     state = home / "server.json"
     if state.exists():
         try:
@@ -127,6 +127,15 @@ def ensure_embedded(home: Path) -> str:
             url = None
         if url and ping(url):
             return str(url)
+    return None
+
+
+def ensure_embedded(home: Path) -> str:
+    """The URL of the embedded server, starting it if it is not running."""
+    running = running_embedded(home)
+    if running:
+        return running
+    state = home / "server.json"
     server = RedisServerProcess(workdir=home / "redis", persist=True)
     server.start(detach=True)
     home.mkdir(parents=True, exist_ok=True)

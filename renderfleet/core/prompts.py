@@ -80,6 +80,7 @@ class FileSummary:
     total: int  # number of prompts
     digest: str  # hex sha256 of the decompressed content bytes (job identity)
     has_ids: bool
+    warnings: tuple[str, ...] = ()  # ``FILE:LINE: note`` lines worth showing, not errors
 
 
 def detect_format(path: str) -> tuple[str, bool]:
@@ -116,6 +117,11 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
             raise _ProblemLimitError
         problems.append(f"{path}:{lineno}: {reason}")
 
+    notes: list[str] = []
+
+    def warn(lineno: int, note: str) -> None:
+        notes.append(f"{path}:{lineno}: {note}")
+
     digest = hashlib.sha256()
     total = 0
     has_ids = False
@@ -130,7 +136,7 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
                         if text is not None and "\x00" in text:
                             report(lineno, _NUL_PROBLEM)
             else:
-                rows = _jsonl_rows(lines, report) if fmt == "jsonl" else _csv_rows(lines, report)
+                rows = _jsonl_rows(lines, report) if fmt == "jsonl" else _csv_rows(lines, report, warn)
                 total, has_ids = _check_names(rows, report)
     except _ProblemLimitError:
         problems.append(f"{path}: ... and more problems not shown")
@@ -140,7 +146,8 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
         problems.append(f"{path}: no prompts")
     if problems:
         raise InputError(problems)
-    return FileSummary(path=path, format=fmt, total=total, digest=digest.hexdigest(), has_ids=has_ids)
+    return FileSummary(path=path, format=fmt, total=total, digest=digest.hexdigest(), has_ids=has_ids,
+                       warnings=tuple(notes))
 
 
 def iter_prompts(path: str, params: RenderParams) -> Iterator[Prompt]:
@@ -516,11 +523,13 @@ def _json_type(value: object) -> str:
 # ---- .csv -------------------------------------------------------------------
 
 
-def _csv_rows(lines: Iterator[str | None], report: _Report) -> Iterator[_Row]:
+def _csv_rows(lines: Iterator[str | None], report: _Report, warn: _Report | None = None) -> Iterator[_Row]:
     """One checked dict per record of a .csv file, at the record's first line.
 
-    The header names the columns: ``prompt`` is required, the others come from
-    the optional fields, and an empty cell means "not given".  A quoted cell
+    The header names the columns, in any case: ``prompt`` is required, the
+    others come from the optional fields, any other column is ignored (and
+    reported to ``warn``, as most CSV consumers do: a spreadsheet keeps notes
+    beside its prompts), and an empty cell means "not given".  A quoted cell
     may span lines; the csv module sees our bounded, decoded lines.
     """
     at = [0]  # the physical line the csv reader has consumed up to
@@ -531,17 +540,18 @@ def _csv_rows(lines: Iterator[str | None], report: _Report) -> Iterator[_Row]:
             yield "\n" if text is None else text  # a bad line: already reported
 
     reader = csv.reader(feed())
-    columns: list[str] = []
-    while not columns:  # the header: the first non-blank record
+    header: list[str] = []
+    while not header:  # the header: the first non-blank record
         try:
-            columns = [c.strip() for c in next(reader)]
+            header = [c.strip() for c in next(reader)]
         except StopIteration:
             return
         except csv.Error as exc:
             report(at[0], f"bad CSV: {exc}")
             return
     header_line = at[0]
-    if _check_header(columns, header_line, report):
+    columns = _check_header(header, header_line, report, warn)
+    if columns is None:
         return
     width = len(columns)
     while True:
@@ -566,29 +576,40 @@ def _csv_rows(lines: Iterator[str | None], report: _Report) -> Iterator[_Row]:
         yield start, (_id_only(row) if reasons else row)
 
 
-def _check_header(columns: list[str], lineno: int, report: _Report) -> bool:
-    """Report what is wrong with a .csv header; True if anything was."""
+def _check_header(header: list[str], lineno: int, report: _Report,
+                  warn: _Report | None) -> list[str | None] | None:
+    """The columns a .csv header names (None: ignored), or None if it is bad (reported)."""
     bad = False
     seen: set[str] = set()
-    for name in columns:
+    columns: list[str | None] = []
+    ignored: list[str] = []
+    for cell in header:
+        name = cell.lower()
         if name not in _KNOWN_FIELDS:
-            report(lineno, f"unknown column {name!r}")
-            bad = True
-        elif name in seen:
+            ignored.append(cell)
+            columns.append(None)
+            continue
+        if name in seen:
             report(lineno, f"duplicate column {name!r}")
             bad = True
         seen.add(name)
+        columns.append(name)
     if "prompt" not in seen:
         report(lineno, "no 'prompt' column in the header")
         bad = True
-    return bad
+    if ignored and warn is not None and not bad:
+        known = ", ".join(("prompt", *OPTIONAL_FIELDS))
+        warn(lineno, f"ignoring column(s) {', '.join(map(repr, ignored))} (known: {known})")
+    return None if bad else columns
 
 
-def _parse_csv_cells(columns: list[str], cells: list[str]) -> tuple[dict[str, Any], list[str]]:
+def _parse_csv_cells(columns: list[str | None], cells: list[str]) -> tuple[dict[str, Any], list[str]]:
     """A .csv record as typed fields, and every problem with it."""
     row: dict[str, Any] = {}
     reasons: list[str] = []
     for name, cell in zip(columns, cells, strict=True):
+        if name is None:
+            continue  # a column we ignore
         if name == "prompt":
             if not cell or cell.isspace():
                 reasons.append("empty prompt")

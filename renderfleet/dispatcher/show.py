@@ -18,6 +18,8 @@ def print_status(fleet: FleetStatus, console: Console | None = None) -> None:
             jobs.add_row(j.job, str(j.total), str(j.done), str(j.failed), str(j.queued), str(j.in_flight),
                          f"{j.shards_queued}/{j.shards_running}")
         console.print(jobs)
+    else:
+        console.print("no jobs")
     queues = Table(title="queues")
     queues.add_column("queue")
     queues.add_column("depth (shards)", justify="right")

@@ -393,10 +393,10 @@ def test_iter_prompts_on_a_file_changed_after_validation(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("header", "reason"),
     [
-        ("prompt,colour", "unknown column 'colour'"),
-        ("prompt,", "unknown column ''"),
         ("id,seed", "no 'prompt' column"),
+        ("id,colour", "no 'prompt' column"),
         ("prompt,seed,seed", "duplicate column 'seed'"),
+        ("Prompt,SEED,seed", "duplicate column 'seed'"),
     ],
 )
 def test_csv_bad_header_reported_at_line_1(tmp_path: Path, header: str, reason: str) -> None:
@@ -539,3 +539,14 @@ def test_jsonl_from_pandas_null_means_not_given_and_integral_floats_are_integers
     assert first == default_prompt(0, "a").__class__(**{**default_prompt(0, "a").__dict__, "seed": 3})
     assert second.name == "x" and second.seed == derive_seed(42, 1) and second.width == 64
     assert type(first.seed) is int and type(second.width) is int
+
+
+def test_csv_headers_are_case_insensitive_and_unknown_columns_ignored_with_a_warning(tmp_path: Path) -> None:
+    path = write(tmp_path, "p.csv", "Prompt,Seed,Notes,\na cat,5,keep this,\na dog,,,\n")
+    summary = validate_file(path)
+    assert summary.total == 2
+    assert summary.warnings == (f"{path}:1: ignoring column(s) 'Notes', '' (known: prompt, id, negative_prompt, "
+                                "seed, steps, guidance, width, height)",)
+    first, second = iter_prompts(path, PARAMS)
+    assert (first.prompt, first.seed) == ("a cat", 5) and (second.prompt, second.seed) == ("a dog", derive_seed(42, 1))
+    assert validate_file(write(tmp_path, "q.csv", "prompt\nx\n")).warnings == ()
