@@ -190,15 +190,31 @@ def status(
     with _user_errors():
         _, client, _ = _connect(settings)
         fleet = fleet_status(client, [_job_id(job)] if job else None, store=open_store(settings.store_url))
+        reasons = _failure_reasons(client, job) if job else {}
     if as_json:
         data: dict[str, Any] = fleet.to_dict()
         if job:
-            data = {**data.pop("jobs")[0], **data}
+            data = {**data.pop("jobs")[0], "failure_reasons": reasons, **data}
         print(json.dumps(data))
         return
     from renderfleet.dispatcher.show import print_status
 
     print_status(fleet)
+    for reason, count in reasons.items():
+        print(f"{count} prompt(s) failed: {reason}")
+
+
+def _failure_reasons(client: Any, job: str, limit: int = 5) -> dict[str, int]:
+    """The job's most common failure reasons (the last error of each failing
+    prompt, kept by the workers), most frequent first: why a job fails shows
+    in `status`, not only in `results` once its prompts are quarantined."""
+    from collections import Counter
+
+    from renderfleet.core import keys
+
+    errors = Counter(keys.text(value) for field, value in client.hgetall(keys.fails(job)).items()
+                     if keys.text(field).endswith(":error"))
+    return dict(errors.most_common(limit))
 
 
 @app.command()

@@ -103,6 +103,9 @@ def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_
     st = wait_for(lambda: (s := job_status(env, bad))["failed"] == 8 and s, 120, interval=1.0,
                   what="the bad job's prompts to be quarantined")
     assert st["done"] == 0
+    (reason, count), = st["failure_reasons"].items()
+    assert count == 8 and "nonexistent" in reason and "could not be loaded" in reason
+    assert "nonexistent" in cli(env, "status", bad).stdout
     assert worker.alive(), worker.output()[-3000:]
     assert "circuit breaker" not in worker.output() and "AttributeError" not in worker.output()
     res = json.loads(cli(env, "results", bad, "--json", check=False).stdout)
