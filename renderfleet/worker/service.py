@@ -248,9 +248,10 @@ class WorkerService:
         try:
             self.runner.renderer = self._load(model)
             self.model = model
-        except ModelLoadError as exc:
-            self._failed_loads[model] = (time.monotonic(), exc)
-            log.warning("model %r will not load; loading %r again", model, old)
+        except Exception as exc:  # a store outage while fetching it too: ours must come back
+            if isinstance(exc, ModelLoadError):
+                self._failed_loads[model] = (time.monotonic(), exc)
+            log.warning("model %r did not load; loading %r again", model, old)
             try:
                 self.runner.renderer = self._load(old)
             except Exception as again:
@@ -260,12 +261,12 @@ class WorkerService:
                 raise RuntimeError(f"cannot load model {old!r} again: {again}") from again
             raise
         finally:
-            self._registration = self._registration and json.dumps(
-                {**json.loads(self._registration), "model": self.model})
             with contextlib.suppress(redis.RedisError):
                 pipe = self.client.pipeline(transaction=False)
                 pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
-                pipe.hset(keys.WORKERS, self.worker_id, self._registration)
+                if self._registration:  # status shows the model we hold now
+                    self._registration = json.dumps({**json.loads(self._registration), "model": self.model})
+                    pipe.hset(keys.WORKERS, self.worker_id, self._registration)
                 pipe.execute()
 
     def _load(self, model: str) -> Any:

@@ -67,8 +67,8 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     assert len(list((tmp_path / "store" / "jobs" / job / "images").iterdir())) == 40
     # the consumer saw the lost connection and came back, in the same process, model loaded once
     assert "Connection to broker lost" in worker.output()
-    assert [int(w["loads"]) for w in st["workers"]] == [1]
-    assert sum(int(w.get("images", 0)) for w in st["workers"]) >= 40 - 8
+    assert worker.output().count("model tiny loaded on") == 1  # (Redis forgot the worker's counters)
+    assert len(st["workers"]) == 1  # it registered again by itself
 
 
 def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(

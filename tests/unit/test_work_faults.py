@@ -215,6 +215,20 @@ def test_a_model_that_will_not_load_leaves_the_worker_its_own_and_is_remembered(
     svc.runner.close()
 
 
+def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_back(tmp_path: Path) -> None:
+    def load(model: str) -> Renderer:
+        if model == "s3://models/sdxl":
+            raise StoreError("S3 503 while fetching")
+        return Renderer()
+
+    svc = service(tmp_path, load)
+    with pytest.raises(StoreError):
+        svc._switch_model("s3://models/sdxl")  # transient: the shard is handed back, not failed
+    assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
+    assert "s3://models/sdxl" not in svc._failed_loads  # a later try may load it
+    svc.runner.close()
+
+
 def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> None:
     def load(model: str) -> Renderer:
         raise RuntimeError("CUDA error: device lost")
