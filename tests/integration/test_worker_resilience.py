@@ -71,6 +71,18 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     assert len(st["workers"]) == 1  # it registered again by itself
 
 
+def test_an_idle_worker_takes_work_again_after_redis_restarts(
+    tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
+) -> None:
+    worker = start_worker(env, tmp_path, workers)
+    redis_server.stop()  # SIGTERM this time
+    time.sleep(3)
+    redis_server.start()
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY).stdout.split()[-1]
+    wait_for(lambda: job_status(env, job)["done"] == 4, 60, interval=1.0, what="the idle worker after the restart")
+    assert worker.alive() and worker.output().count("model tiny loaded on") == 1
+
+
 def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
     tmp_path: Path, workers: list[WorkerProc]
 ) -> None:
