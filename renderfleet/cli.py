@@ -75,6 +75,13 @@ def _connect(settings: Settings) -> tuple[Any, Any, str]:
     return make_app(url), connect(url), url
 
 
+def _job_id(job: str) -> str:
+    """``job`` if it can name a job; a path or a control character is a user error."""
+    if not job or job[0] == "." or "/" in job or "\\" in job or not job.isprintable():
+        raise InputError([f"not a job id: {job!r} (job ids are what `submit` printed)"])
+    return job
+
+
 def _parse_size(size: str) -> tuple[int, int]:
     try:
         w, _, h = size.lower().partition("x")
@@ -118,6 +125,8 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None) -
 
     check_options(opts)
     summary = summary or prompts.validate_file(str(file))  # bad input fails before any server starts
+    for note in summary.warnings:
+        _err(note)
     celery, client, _ = _connect(settings)
     return submit(str(file), opts, store=open_store(settings.store_url, settings.s3_options), app=celery, client=client,
                   queue=queue_name(opts.pool), summary=summary)
@@ -178,16 +187,33 @@ def status(
 
     with _user_errors():
         _, client, _ = _connect(settings)
-        fleet = fleet_status(client, [job] if job else None, store=open_store(settings.store_url, settings.s3_options))
+        fleet = fleet_status(client, [_job_id(job)] if job else None,
+                             store=open_store(settings.store_url, settings.s3_options))
+        reasons = _failure_reasons(client, job) if job else {}
     if as_json:
         data: dict[str, Any] = fleet.to_dict()
         if job:
-            data = {**data.pop("jobs")[0], **data}
+            data = {**data.pop("jobs")[0], "failure_reasons": reasons, **data}
         print(json.dumps(data))
         return
     from renderfleet.dispatcher.show import print_status
 
     print_status(fleet)
+    for reason, count in reasons.items():
+        print(f"{count} prompt(s) failed: {reason}")
+
+
+def _failure_reasons(client: Any, job: str, limit: int = 5) -> dict[str, int]:
+    """The job's most common failure reasons (the last error of each failing
+    prompt, kept by the workers), most frequent first: why a job fails shows
+    in `status`, not only in `results` once its prompts are quarantined."""
+    from collections import Counter
+
+    from renderfleet.core import keys
+
+    errors = Counter(keys.text(value) for field, value in client.hgetall(keys.fails(job)).items()
+                     if keys.text(field).endswith(":error"))
+    return dict(errors.most_common(limit))
 
 
 @app.command()
@@ -201,17 +227,19 @@ def results(
     from renderfleet.dispatcher.status import results as job_results
 
     with _user_errors():
-        res = job_results(open_store(settings.store_url, settings.s3_options), job)
+        res = job_results(open_store(settings.store_url, settings.s3_options), _job_id(job))
     if as_json:
         print(json.dumps(res.to_dict()))
-        return
-    for name, where in res.images.items():
-        print(f"{name}\t{where}")
-    for name, error in res.quarantined.items():
-        print(f"{name}\tQUARANTINED\t{error}")
-    for name in res.missing:
-        print(f"{name}\tMISSING")
-    _err(f"{len(res.images)} images, {len(res.missing)} missing, {len(res.quarantined)} quarantined")
+    else:
+        for name, where in res.images.items():
+            print(f"{name}\t{where}")
+        for name, error in res.quarantined.items():
+            print(f"{name}\tQUARANTINED\t{error}")
+        for name in res.missing:
+            print(f"{name}\tMISSING")
+        _err(f"{len(res.images)} images, {len(res.missing)} missing, {len(res.quarantined)} quarantined")
+    if res.missing:
+        raise typer.Exit(1)  # a script can tell an unfinished job from a finished one
 
 
 @app.command()
@@ -223,7 +251,8 @@ def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
 
     with _user_errors():
         celery, client, _ = _connect(settings)
-        report = do_resume(job, store=open_store(settings.store_url, settings.s3_options), app=celery, client=client)
+        report = do_resume(_job_id(job), store=open_store(settings.store_url, settings.s3_options), app=celery,
+                           client=client)
     _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
          f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else ""))
     print(job)
@@ -254,11 +283,11 @@ def monitor(
 @app.command()
 def run(
     file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz")],
-    workers: Annotated[int, typer.Option(help="local workers to start")] = 1,
+    workers: Annotated[int, typer.Option(min=1, help="local workers to start")] = 1,
     job: JobOpt = None, model: Model = None, steps: Steps = 30, size: Size = "512x512",
     guidance: Guidance = 7.5, negative: Negative = "", seed: Seed = 0, shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
-    timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 0,
+    timeout: Annotated[float, typer.Option(min=0, help="give up after this many seconds (0: never)")] = 0,
 ) -> None:
     """Everything on this machine: server, N workers, submit, progress, summary."""
     _logging()
@@ -298,11 +327,20 @@ def server(
 ) -> None:
     """The embedded local Redis server: start it, stop it, or print its URL."""
     settings = _settings()
-    from renderfleet.core.embedded import ensure_embedded, stop_embedded
+    from renderfleet.core.embedded import ensure_embedded, running_embedded, stop_embedded
+    from renderfleet.core.settings import redact
 
+    # The password is never printed: every renderfleet command finds the server
+    # (password included) in RENDERFLEET_HOME/server.json by itself.
     with _user_errors():
-        if action in ("start", "url"):
-            print(settings.redis_url or ensure_embedded(settings.home))
+        if action == "start":
+            print(redact(settings.redis_url or ensure_embedded(settings.home)))
+        elif action == "url":
+            url = settings.redis_url or running_embedded(settings.home)
+            if not url:
+                _err("renderfleet: no server running (`renderfleet server start` starts one)")
+                raise typer.Exit(1)
+            print(redact(url))
         elif action == "stop":
             print("stopped" if stop_embedded(settings.home) else "not running")
         else:

@@ -47,8 +47,15 @@ def make_app(redis_url: str) -> Celery:
         task_default_queue=queue_name("default"),
         task_create_missing_queues=True,
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
+        # A worker never gives up on Redis: at start-up and after losing it
+        # (a restart, a failover) it retries for ever, backing off to 30 s.
         broker_connection_retry_on_startup=True,
+        broker_connection_retry=True,
         broker_connection_max_retries=None,
+        # On a lost connection Celery cancels acks_late tasks still running:
+        # our shard is then handed on by its lease, which is what we want (and
+        # with the solo pool no task runs while the consumer reconnects).
+        worker_cancel_long_running_tasks_on_connection_loss=True,
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
         worker_enable_remote_control=False,

@@ -207,12 +207,18 @@ def trusted_server(home: Path) -> dict[str, Any] | None:
         anonymous.close()
 
 
+def running_embedded(home: Path) -> str | None:
+    """The URL of our embedded server if it is running; starts nothing."""
+    known = trusted_server(home)
+    return str(known["url"]) if known else None
+
+
 def ensure_embedded(home: Path) -> str:
     """The URL of the embedded server, starting one if ours is not running."""
     private_dir(home)
-    known = trusted_server(home)
-    if known:
-        return str(known["url"])
+    running = running_embedded(home)
+    if running:
+        return running
     server = RedisServerProcess(workdir=home / "redis", persist=True, password=secrets.token_urlsafe(24))
     server.start(detach=True)
     pid = server.proc.pid if server.proc else 0

@@ -7,7 +7,18 @@ Three classes of trouble, each with its own budget:
   never counted against a prompt.
 * **permanent** (:class:`PermanentError`): a prompt that makes the pipeline
   fail the same way again and again.  Counted per prompt; at the third
-  failure the prompt is quarantined and the rest of the job goes on.
+  failure the prompt is quarantined and the rest of the job goes on.  A
+  plain ``PermanentError`` that fails every prompt a worker tries is taken
+  for a fault of the node (a broken device or install): after a few such
+  shards the worker's breaker stops it (exit 3) rather than drain the queue
+  into quarantine.
+* **the work's fault** (:class:`JobError`, :class:`PromptError`): permanent
+  too, counted and quarantined the same way, with the reason, but never
+  counted against the worker: a model that will not load
+  (:class:`ModelLoadError`) or settings the model rejects fail that job's
+  prompts on every worker alike, and a prompt whose image cannot be encoded
+  or written under its name fails alone.  The worker keeps its model and
+  goes on with other work.
 * **reclaim** (:class:`Reclaimed`): the node is being taken away (spot
   notice, SIGTERM) or this worker lost its lease.  Not a failure at all: the
   work is handed back and nothing is counted.  It derives from
@@ -50,6 +61,18 @@ class StoreError(TransientError):
 
 class PermanentError(RenderfleetError):
     """Fails the same way every time; counted towards quarantine."""
+
+
+class JobError(PermanentError):
+    """The job's fault, not the node's: its prompts fail on any worker alike."""
+
+
+class ModelLoadError(JobError):
+    """The model a job names cannot be loaded (not found, not a pipeline)."""
+
+
+class PromptError(PermanentError):
+    """One prompt's fault: its image cannot be encoded or stored under its name."""
 
 
 class OutOfMemory(RenderfleetError):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from renderfleet.core.errors import InputError
-from renderfleet.core.spec import MAX_NAME_LEN, Prompt, RenderParams, index_name
+from renderfleet.core.spec import MAX_NAME_BYTES, MAX_NAME_LEN, Prompt, RenderParams, index_name
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -60,6 +60,8 @@ _DECODER = json.JSONDecoder()
 # Slashes split a key; control characters (Unicode Cc) break logs and URLs.
 _BAD_ID_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
+# PNG text chunks, where a prompt is recorded, cannot hold a NUL.
+_NUL_PROBLEM = "prompt contains a NUL character (\\x00), which a PNG text chunk cannot hold"
 
 # A problem at a line: called with (line number, reason).
 _Report = Callable[[int, str], None]
@@ -78,6 +80,7 @@ class FileSummary:
     total: int  # number of prompts
     digest: str  # hex sha256 of the decompressed content bytes (job identity)
     has_ids: bool
+    warnings: tuple[str, ...] = ()  # ``FILE:LINE: note`` lines worth showing, not errors
 
 
 def detect_format(path: str) -> tuple[str, bool]:
@@ -114,6 +117,11 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
             raise _ProblemLimitError
         problems.append(f"{path}:{lineno}: {reason}")
 
+    notes: list[str] = []
+
+    def warn(lineno: int, note: str) -> None:
+        notes.append(f"{path}:{lineno}: {note}")
+
     digest = hashlib.sha256()
     total = 0
     has_ids = False
@@ -121,12 +129,14 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
         with _open_lines(path, gzipped, digest) as stream:
             lines = _read_lines(stream, report)
             if fmt == "txt":
-                for text in lines:
+                for lineno, text in enumerate(lines, 1):
                     # A bad line (None, already reported) counts as a prompt.
                     if text is None or _txt_prompt(text):
                         total += 1
+                        if text is not None and "\x00" in text:
+                            report(lineno, _NUL_PROBLEM)
             else:
-                rows = _jsonl_rows(lines, report) if fmt == "jsonl" else _csv_rows(lines, report)
+                rows = _jsonl_rows(lines, report) if fmt == "jsonl" else _csv_rows(lines, report, warn)
                 total, has_ids = _check_names(rows, report)
     except _ProblemLimitError:
         problems.append(f"{path}: ... and more problems not shown")
@@ -136,7 +146,8 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
         problems.append(f"{path}: no prompts")
     if problems:
         raise InputError(problems)
-    return FileSummary(path=path, format=fmt, total=total, digest=digest.hexdigest(), has_ids=has_ids)
+    return FileSummary(path=path, format=fmt, total=total, digest=digest.hexdigest(), has_ids=has_ids,
+                       warnings=tuple(notes))
 
 
 def iter_prompts(path: str, params: RenderParams) -> Iterator[Prompt]:
@@ -318,8 +329,12 @@ def _read_lines(stream: io.BufferedReader, report: _Report) -> Iterator[str | No
     So a consumer numbers lines with ``enumerate(lines, 1)``.  A line over
     :data:`MAX_LINE_BYTES` or not valid UTF-8 is reported and yielded as None.
     """
-    if stream.peek(3)[:3] == b"\xef\xbb\xbf":  # a UTF-8 BOM from an editor
+    head = stream.peek(3)[:3]
+    if head == b"\xef\xbb\xbf":  # a UTF-8 BOM from an editor
         stream.read(3)
+    elif head[:2] in (b"\xff\xfe", b"\xfe\xff"):  # Windows' "Unicode" text
+        report(1, "the file is UTF-16 (it starts with a UTF-16 byte order mark): save it as UTF-8")
+        return
     readline = stream.readline
     limit = MAX_LINE_BYTES + 1  # room for the "\n"
     lineno = 0
@@ -342,6 +357,12 @@ def _read_lines(stream: io.BufferedReader, report: _Report) -> Iterator[str | No
             text = raw.decode()
         except UnicodeDecodeError as exc:
             report(lineno, f"invalid UTF-8 at byte {exc.start + 1}")
+            yield None
+            continue
+        if "\r" in text and "\r" in text.rstrip("\r\n"):
+            # Old Mac line endings: the whole file would read as one line.
+            report(lineno, "carriage return (CR) inside a line: the file seems to have old Mac "
+                           "(CR-only) line endings; save it with LF or CRLF line endings")
             yield None
             continue
         yield text
@@ -386,7 +407,7 @@ def _jsonl_rows(lines: Iterator[str | None], report: _Report) -> Iterator[_Row]:
             yield lineno, None
             continue
         prompt = obj.get("prompt")
-        if len(obj) == 1 and type(prompt) is str and prompt and not prompt.isspace():
+        if len(obj) == 1 and type(prompt) is str and prompt and not prompt.isspace() and "\x00" not in prompt:
             yield lineno, obj  # the common case, checked in full
             continue
         reasons = _check_json_object(obj)
@@ -428,9 +449,15 @@ def _check_json_object(obj: dict[str, Any]) -> list[str]:
     per line of a file whose prompts carry ids or settings.
     """
     reasons: list[str] = []
-    for key, value in obj.items():
+    absent: list[str] = []
+    for key, value in list(obj.items()):
+        if value is None and key != "prompt":
+            absent.append(key)  # pandas writes a missing value as null: not given
+            continue
         limits = _INT_RANGES.get(key)
         if limits is not None:
+            if type(value) is float and value.is_integer():
+                value = obj[key] = int(value)  # pandas writes an int column with gaps as 3.0
             if type(value) is int:
                 if limits[0] <= value <= limits[1] and not (value % 8 and key in _MULTIPLE_OF_8):
                     continue
@@ -442,6 +469,8 @@ def _check_json_object(obj: dict[str, Any]) -> list[str]:
                 reasons.append(f"field 'prompt' must be a string, got {_json_type(value)}")
             elif not value or value.isspace():
                 reasons.append("empty prompt")
+            elif "\x00" in value:
+                reasons.append(_NUL_PROBLEM)
         elif key == "id":
             if type(value) is int:
                 value = str(value)
@@ -463,8 +492,12 @@ def _check_json_object(obj: dict[str, Any]) -> list[str]:
             if type(value) is not str:
                 got = _json_type(value)
                 reasons.append(f"field 'negative_prompt' must be a string, got {got}")
+            elif "\x00" in value:
+                reasons.append(_NUL_PROBLEM.replace("prompt", "negative_prompt", 1))
         else:
             reasons.append(f"unknown field {key!r}")
+    for key in absent:
+        del obj[key]
     if "prompt" not in obj:
         reasons.append("missing field 'prompt'")
     if type(obj.get("id")) is int:
@@ -490,11 +523,13 @@ def _json_type(value: object) -> str:
 # ---- .csv -------------------------------------------------------------------
 
 
-def _csv_rows(lines: Iterator[str | None], report: _Report) -> Iterator[_Row]:
+def _csv_rows(lines: Iterator[str | None], report: _Report, warn: _Report | None = None) -> Iterator[_Row]:
     """One checked dict per record of a .csv file, at the record's first line.
 
-    The header names the columns: ``prompt`` is required, the others come from
-    the optional fields, and an empty cell means "not given".  A quoted cell
+    The header names the columns, in any case: ``prompt`` is required, the
+    others come from the optional fields, any other column is ignored (and
+    reported to ``warn``, as most CSV consumers do: a spreadsheet keeps notes
+    beside its prompts), and an empty cell means "not given".  A quoted cell
     may span lines; the csv module sees our bounded, decoded lines.
     """
     at = [0]  # the physical line the csv reader has consumed up to
@@ -505,17 +540,18 @@ def _csv_rows(lines: Iterator[str | None], report: _Report) -> Iterator[_Row]:
             yield "\n" if text is None else text  # a bad line: already reported
 
     reader = csv.reader(feed())
-    columns: list[str] = []
-    while not columns:  # the header: the first non-blank record
+    header: list[str] = []
+    while not header:  # the header: the first non-blank record
         try:
-            columns = [c.strip() for c in next(reader)]
+            header = [c.strip() for c in next(reader)]
         except StopIteration:
             return
         except csv.Error as exc:
             report(at[0], f"bad CSV: {exc}")
             return
     header_line = at[0]
-    if _check_header(columns, header_line, report):
+    columns = _check_header(header, header_line, report, warn)
+    if columns is None:
         return
     width = len(columns)
     while True:
@@ -540,32 +576,45 @@ def _csv_rows(lines: Iterator[str | None], report: _Report) -> Iterator[_Row]:
         yield start, (_id_only(row) if reasons else row)
 
 
-def _check_header(columns: list[str], lineno: int, report: _Report) -> bool:
-    """Report what is wrong with a .csv header; True if anything was."""
+def _check_header(header: list[str], lineno: int, report: _Report,
+                  warn: _Report | None) -> list[str | None] | None:
+    """The columns a .csv header names (None: ignored), or None if it is bad (reported)."""
     bad = False
     seen: set[str] = set()
-    for name in columns:
+    columns: list[str | None] = []
+    ignored: list[str] = []
+    for cell in header:
+        name = cell.lower()
         if name not in _KNOWN_FIELDS:
-            report(lineno, f"unknown column {name!r}")
-            bad = True
-        elif name in seen:
+            ignored.append(cell)
+            columns.append(None)
+            continue
+        if name in seen:
             report(lineno, f"duplicate column {name!r}")
             bad = True
         seen.add(name)
+        columns.append(name)
     if "prompt" not in seen:
         report(lineno, "no 'prompt' column in the header")
         bad = True
-    return bad
+    if ignored and warn is not None and not bad:
+        known = ", ".join(("prompt", *OPTIONAL_FIELDS))
+        warn(lineno, f"ignoring column(s) {', '.join(map(repr, ignored))} (known: {known})")
+    return None if bad else columns
 
 
-def _parse_csv_cells(columns: list[str], cells: list[str]) -> tuple[dict[str, Any], list[str]]:
+def _parse_csv_cells(columns: list[str | None], cells: list[str]) -> tuple[dict[str, Any], list[str]]:
     """A .csv record as typed fields, and every problem with it."""
     row: dict[str, Any] = {}
     reasons: list[str] = []
     for name, cell in zip(columns, cells, strict=True):
+        if name is None:
+            continue  # a column we ignore
         if name == "prompt":
             if not cell or cell.isspace():
                 reasons.append("empty prompt")
+            elif "\x00" in cell:
+                reasons.append(_NUL_PROBLEM)
             row["prompt"] = cell
         elif cell == "" or cell.isspace():
             continue  # not given: the job's value applies
@@ -575,6 +624,8 @@ def _parse_csv_cells(columns: list[str], cells: list[str]) -> tuple[dict[str, An
                 reasons.append(bad)
             row["id"] = cell
         elif name == "negative_prompt":
+            if "\x00" in cell:
+                reasons.append(_NUL_PROBLEM.replace("prompt", "negative_prompt", 1))
             row[name] = cell
         elif name == "guidance":
             try:
@@ -618,6 +669,10 @@ def _id_problem(ident: str) -> str | None:
         return "empty id"
     if len(ident) > MAX_NAME_LEN:
         return f"id too long ({len(ident)} characters, limit {MAX_NAME_LEN})"
+    size = len(ident.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        # File systems and S3 count bytes: 80 CJK characters are 240 of them.
+        return f"id too long ({size} bytes in UTF-8, limit {MAX_NAME_BYTES})"
     if ident[0] == ".":
         return f"id {ident!r} must not start with '.'"
     match = _BAD_ID_CHAR.search(ident)

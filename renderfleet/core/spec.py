@@ -22,6 +22,10 @@ SPEC_VERSION = 1
 
 # A name is a prompt's key segment under images/: its id, or its index.
 MAX_NAME_LEN = 200
+# ...and in bytes (UTF-8), which is what filesystems and S3 count: a local
+# store's file name must fit 255 bytes with ".png" or ".json" and its
+# temporary-file marks (26 bytes), and an S3 key 1024 bytes with the prefix.
+MAX_NAME_BYTES = 200
 
 _JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 MAX_JOB_ID_LEN = 100

@@ -28,14 +28,14 @@ from renderfleet.dispatcher.status import job_status
 
 
 def start_workers(n: int, *, env: dict[str, str], pool: str, model: str, log_dir: Path) -> list[subprocess.Popen[bytes]]:
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)  # one folder per run: two runs never share a log
     # Workers sharing one machine's CPU: split the cores instead of each torch
     # taking all of them (oversubscribed, N workers render slower than one).
     threads = str(max(1, (os.cpu_count() or 1) // max(1, n)))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **env}
     procs = []
     for i in range(n):
-        log = open(log_dir / f"worker-{i}.log", "ab")  # noqa: SIM115 - lives as long as the worker
+        log = open(log_dir / f"worker-{i}.log", "wb")  # noqa: SIM115 - lives as long as the worker
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "renderfleet", "worker", "--pool", pool, "--model", model],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
@@ -67,8 +67,8 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
     if opts.params.model == "tiny":
         console.print("[yellow]model 'tiny' is a random-weight smoke-test model: its images are noise[/]")
     started = time.monotonic()
-    procs = start_workers(workers, env=env, pool=opts.pool, model=opts.params.model,
-                          log_dir=settings.home / "logs")
+    log_dir = settings.home / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    procs = start_workers(workers, env=env, pool=opts.pool, model=opts.params.model, log_dir=log_dir)
     try:
         result = submit(file, opts, settings, summary)
         import redis
@@ -78,6 +78,8 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
         client = redis.Redis.from_url(url)
         store = open_store(settings.store_url, settings.s3_options)
         monitor = Monitor(settings, make_app(url), client, store)
+        # What was done before this run (a resubmitted job) is not this run's speed.
+        done_before = job_status(client, result.job, store=store).done
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task(f"job {result.job}", total=result.total)
@@ -87,19 +89,23 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
                 if st.finished:
                     break
                 if all(p.poll() is not None for p in procs):
-                    console.print(f"[red]all workers exited; see {settings.home / 'logs'}[/]")
+                    console.print(f"[red]all workers exited; see {log_dir}[/]")
                     return 1
                 if timeout and time.monotonic() - started > timeout:
                     console.print(f"[red]timed out after {timeout:.0f} s; `renderfleet resume {result.job}` goes on[/]")
                     return 1
                 monitor.tick()
                 time.sleep(0.3)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: run the same command again: only the missing images render[/]")
+        return 130
     finally:
         stop_workers(procs)
     elapsed = time.monotonic() - started
     where = store.locate(f"{layout.job_prefix(result.job)}images")
-    console.print(f"job {result.job}: {st.done} images, {st.failed} quarantined, {elapsed:.1f} s "
-                  f"({st.done / elapsed:.2f} images/s with {workers} worker(s), model loads included)")
+    rendered = max(0, st.done - done_before)
+    console.print(f"job {result.job}: {st.done} images ({rendered} rendered by this run), {st.failed} quarantined, "
+                  f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)")
     console.print(f"images: {where}")
     print(where)
     return 0 if st.failed == 0 else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from renderfleet.worker.stop import StopSignal
 log = logging.getLogger("renderfleet.worker")
 
 EXIT_BREAKER = 3
+# While Redis cannot be reached at start-up: one attempt a second, one log line this often.
+WAIT_LOG_SECONDS = 5.0
 
 
 def fetch_from_store(uri: str, dest: Path) -> None:
@@ -71,7 +74,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         load_model=lambda m: load_renderer(m, settings)[0],
         envelope=celery_app.envelope_factory(app),
     )
-    service.register(device=loaded.device, load_seconds=loaded.load_seconds)
+    _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
     tasks.register(app, service)
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
 
@@ -113,6 +116,31 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)
+
+
+def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> None:
+    """Register with Redis, waiting for it as long as it takes.
+
+    A worker started before Redis (a node booting faster than the Redis pod,
+    a Redis restarting) waits with its model loaded instead of exiting into a
+    crash loop that loads the model again on every restart.  SIGTERM ends
+    the wait (Python's default handler: nothing is held yet).
+    """
+    from kombu.utils.url import maybe_sanitize_url
+
+    said = 0.0
+    while True:
+        try:
+            service.register(**info)
+            if said:
+                log.warning("Redis at %s is reachable: starting", maybe_sanitize_url(url))
+            return
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            now = time.monotonic()
+            if now - said >= WAIT_LOG_SECONDS:
+                log.warning("Redis at %s is not reachable (%s): waiting for it", maybe_sanitize_url(url), exc)
+                said = now
+            time.sleep(1.0)
 
 
 def _default_queues(pool: str) -> list[str]:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from renderfleet.core.errors import PermanentError
+from renderfleet.core.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def load_pipeline(
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
-    Raises :class:`PermanentError` when the model cannot be found: an unknown
+    Raises :class:`ModelLoadError` when the model cannot be found: an unknown
     hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
     Each call loads afresh; the caller keeps the result and counts loads.
     """
@@ -156,14 +156,14 @@ def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
     if dest.is_dir():
         return dest
     if fetch is None:
-        raise PermanentError(f"model {uri!r}: an s3:// model needs a fetch function")
+        raise ModelLoadError(f"model {uri!r}: an s3:// model needs a fetch function")
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.partial"
     partial.mkdir()
     try:
         fetch(uri, partial)
         if not any(partial.iterdir()):
-            raise PermanentError(f"model {uri!r}: nothing found under that prefix")
+            raise ModelLoadError(f"model {uri!r}: nothing found under that prefix")
         try:
             os.rename(partial, dest)
         except OSError:
@@ -303,7 +303,7 @@ def _from_pretrained(folder: str, model: str, dtype: torch.dtype) -> Any:
     try:
         return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype))
     except (OSError, ValueError, KeyError) as exc:
-        raise PermanentError(f"model {model!r}: not a loadable pipeline: {exc}") from exc
+        raise ModelLoadError(f"model {model!r}: not a loadable pipeline: {exc}") from exc
 
 
 def _from_hub(model_id: str, dtype: torch.dtype) -> Any:
@@ -317,7 +317,7 @@ def _from_hub(model_id: str, dtype: torch.dtype) -> Any:
         # OSError covers "not found", "offline" and "cannot connect" alike;
         # none of them gets better by retrying this shard.
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise PermanentError(
+        raise ModelLoadError(
             f"model {model_id!r} is not a built-in model, a local folder or an s3:// URI, "
             f"and could not be loaded from the Hugging Face hub: {reason}"
         ) from None

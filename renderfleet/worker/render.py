@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from renderfleet import __version__
-from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed
+from renderfleet.core.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.core.spec import Prompt
 from renderfleet.worker.models import LoadedModel
 
@@ -69,7 +69,9 @@ class Renderer:
 
         Raises ``ValueError`` for prompts that cannot share a call,
         :class:`OutOfMemory` when the accelerator runs out of memory (halve
-        the batch and retry), :class:`PermanentError` for any other failure.
+        the batch and retry), :class:`JobError` when the pipeline refuses the
+        settings, :class:`PromptError` when a prompt's image cannot be encoded,
+        :class:`PermanentError` for any other failure.
         """
         # 1. Check the inputs.
         check_inputs(prompts)
@@ -95,7 +97,13 @@ class Renderer:
         if len(images) != len(prompts):
             raise PermanentError(f"pipeline returned {len(images)} images for {len(prompts)} prompts")
         model = self.loaded.model
-        return [encode_png(image, p, model) for image, p in zip(images, prompts, strict=True)]
+        pngs = []
+        for image, p in zip(images, prompts, strict=True):
+            try:
+                pngs.append(encode_png(image, p, model))
+            except Exception as exc:  # text PNG cannot carry: the prompt's fault
+                raise PromptError(f"cannot encode the image of {p.name!r}: {type(exc).__name__}: {exc}") from exc
+        return pngs
 
     def _call(
         self,
@@ -137,6 +145,10 @@ class Renderer:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}") from exc
+            if isinstance(exc, ValueError):
+                # diffusers' check_inputs: the model refuses the job's settings
+                # (a size or step count it cannot do), on any worker alike.
+                raise JobError(f"the model rejects these settings: {exc}") from exc
             raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
 
         # The decoded images of an interrupted call are half-denoised: drop them.

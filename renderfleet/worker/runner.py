@@ -26,6 +26,7 @@ store).  A prompt is never both done and quarantined: an image wins.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
@@ -36,12 +37,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from renderfleet.core import spec, testhooks
-from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed
+from renderfleet.core.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.core.spec import Prompt, ShardMessage
 from renderfleet.core.store import Store
 from renderfleet.worker.stop import StopSignal
 
 log = logging.getLogger("renderfleet.runner")
+
+# A write failing with these is the node's disk, not the prompt's name.
+_NODE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
 
 class Renderer(Protocol):
@@ -80,6 +84,7 @@ class ShardResult:
     skipped: int = 0
     quarantined: int = 0
     failed: list[int] = field(default_factory=list)  # failed but not yet quarantined
+    excused: int = 0  # failures that were the work's fault (JobError, PromptError)
     batches: int = 0
 
     @property
@@ -89,8 +94,10 @@ class ShardResult:
     @property
     def all_failed(self) -> bool:
         """Everything tried failed, and it was more than one prompt: a sign of a
-        broken worker, not of one bad prompt retried at the end of a job."""
-        return bool(self.failed) and self.rendered == 0 and self.attempted > 1
+        broken worker, not of one bad prompt retried at the end of a job.
+        Failures that were the work's fault (a job whose model will not load,
+        a prompt whose name the store refuses) say nothing about the worker."""
+        return bool(self.failed) and self.rendered == 0 and self.attempted - self.excused > 1
 
 
 @dataclass
@@ -173,7 +180,7 @@ class ShardRunner:
     ) -> None:
         started = time.monotonic()
         images: dict[str, bytes] = {}
-        failures: list[tuple[Prompt, str]] = []
+        failures: list[tuple[Prompt, str, bool]] = []  # (prompt, reason, the node's fault?)
         groups: dict[tuple[int, float, int, int], list[Prompt]] = defaultdict(list)
         for p in pending:
             groups[p.render_key].append(p)
@@ -196,8 +203,15 @@ class ShardRunner:
 
         testhooks.pause_at("after-render")
         ledger.check()  # asks Redis: a fenced worker writes nothing more
+        by_name = {p.name: p for p in pending}
+        # Images first: one that cannot be stored is its prompt's failure.
+        for name, error in self._put_images(msg.job, images).items():
+            del images[name]
+            failures.append((by_name[name], error, False))
         quarantined: list[Prompt] = []
-        for prompt, error in failures:
+        for prompt, error, blames_node in failures:
+            if not blames_node:
+                result.excused += 1
             count = ledger.record_failure(prompt, error)  # fenced: raises Reclaimed
             if count >= self.max_failures:
                 quarantined.append(prompt)
@@ -207,8 +221,6 @@ class ShardRunner:
                 log.warning("prompt %s of job %s failed (%d/%d): %s",
                             prompt.name, msg.job, count, self.max_failures, error)
 
-        by_name = {p.name: p for p in pending}
-        self._put_images(msg.job, images)
         testhooks.pause_at("before-checkpoint")
         ledger.check()  # again: a worker paused past its lease learns it here
         cp.done.update(images)
@@ -223,7 +235,7 @@ class ShardRunner:
         self,
         group: list[Prompt],
         images: dict[str, bytes],
-        failures: list[tuple[Prompt, str]],
+        failures: list[tuple[Prompt, str, bool]],
         should_stop: Callable[[], bool],
     ) -> None:
         """Render prompts that share a render key, halving on OOM, isolating failures."""
@@ -240,8 +252,13 @@ class ShardRunner:
                     self._fit[(w, h)] = size
                     log.warning("out of memory at %dx%d: batch size now %d", w, h, size)
                     continue
-                failures.append((chunk[0], "out of memory at batch size 1"))
+                failures.append((chunk[0], "out of memory at batch size 1", True))
                 start += 1
+                continue
+            except JobError as exc:
+                # The job's model or settings: every prompt of the chunk alike.
+                failures.extend((p, str(exc), False) for p in chunk)
+                start += len(chunk)
                 continue
             except PermanentError as exc:
                 if len(chunk) > 1:
@@ -249,7 +266,7 @@ class ShardRunner:
                     for p in chunk:
                         self._render_group_single(p, images, failures, should_stop)
                 else:
-                    failures.append((chunk[0], str(exc)))
+                    failures.append((chunk[0], str(exc), not isinstance(exc, PromptError)))
                 start += len(chunk)
                 continue
             for p, png in zip(chunk, pngs, strict=True):
@@ -260,13 +277,14 @@ class ShardRunner:
         self,
         prompt: Prompt,
         images: dict[str, bytes],
-        failures: list[tuple[Prompt, str]],
+        failures: list[tuple[Prompt, str, bool]],
         should_stop: Callable[[], bool],
     ) -> None:
         try:
             images[prompt.name] = self.renderer.render([prompt], should_stop=should_stop)[0]
         except (PermanentError, OutOfMemory) as exc:
-            failures.append((prompt, str(exc) or type(exc).__name__))
+            excused = isinstance(exc, (JobError, PromptError))
+            failures.append((prompt, str(exc) or type(exc).__name__, not excused))
 
     # ---- the store -----------------------------------------------------------
 
@@ -299,13 +317,30 @@ class ShardRunner:
         keys = self.store.list(spec.images_prefix(msg.job, common))
         return {key[len(base) : -len(".png")] for key in keys if key.endswith(".png")}
 
-    def _put_images(self, job: str, images: dict[str, bytes]) -> None:
-        futures = [
-            self._uploads.submit(self.store.put, spec.image_key(job, name), png, content_type="image/png")
+    def _put_images(self, job: str, images: dict[str, bytes]) -> dict[str, str]:
+        """Store the images; returns {name: reason} for those the store refused.
+
+        A store that cannot be reached (:class:`StoreError`) or a full or
+        broken disk raises: the batch stays uncommitted.  Any other refusal is
+        the prompt's (a name the filesystem or S3 rejects): it fails alone.
+        """
+        futures = {
+            name: self._uploads.submit(self.store.put, spec.image_key(job, name), png, content_type="image/png")
             for name, png in images.items()
-        ]
-        for f in futures:
-            f.result()  # re-raises StoreError: the batch stays uncommitted
+        }
+        refused: dict[str, str] = {}
+        for name, f in futures.items():
+            try:
+                f.result()
+            except StoreError:
+                raise
+            except OSError as exc:
+                if exc.errno in _NODE_ERRNOS:
+                    raise
+                refused[name] = f"cannot store image {name!r}: {exc.strerror or exc}"
+            except Exception as exc:
+                refused[name] = f"cannot store image {name!r}: {type(exc).__name__}: {exc}"
+        return refused
 
     def _write_checkpoint(self, msg: ShardMessage, number: int, cp: _Checkpoint, attempt: int) -> None:
         record = {
@@ -324,8 +359,15 @@ class ShardRunner:
     def _quarantine(self, msg: ShardMessage, prompt: Prompt, error: str, count: int) -> None:
         record = {"index": prompt.index, "name": prompt.name, "prompt": prompt.prompt,
                   "seed": prompt.seed, "error": error, "failures": count, "worker": self.worker_id}
-        self.store.put(spec.quarantine_key(msg.job, prompt.name), json.dumps(record).encode(),
-                       content_type="application/json")
+        try:
+            self.store.put(spec.quarantine_key(msg.job, prompt.name), json.dumps(record).encode(),
+                           content_type="application/json")
+        except StoreError:
+            raise
+        except Exception as exc:
+            # The record's key is the prompt's name, which may be what failed:
+            # the prompt is still counted failed, `results` shows it missing.
+            log.error("could not write the quarantine record of %s: %s", prompt.name, exc)
         log.error("prompt %s of job %s quarantined after %d failures: %s", prompt.name, msg.job, count, error)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import redis
 
 from renderfleet.core import keys
 from renderfleet.core.celery_app import Envelope
-from renderfleet.core.errors import PermanentError, Reclaimed, TransientError
+from renderfleet.core.errors import JobError, ModelLoadError, Reclaimed, TransientError
 from renderfleet.core.leases import Leases
 from renderfleet.core.settings import Settings
 from renderfleet.core.spec import ShardMessage, store_identity
@@ -33,6 +33,27 @@ from renderfleet.worker.stop import StopSignal
 log = logging.getLogger("renderfleet.worker")
 
 Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
+
+# How long a worker remembers that a model would not load: the job's other
+# shards fail at once instead of each paying a load (and a reload of ours).
+FAILED_LOAD_MEMORY_SECONDS = 300.0
+
+
+class Unloadable:
+    """The renderer of a job whose model will not load: every prompt fails with why.
+
+    Run through the shard runner like any renderer, so the job's prompts are
+    counted, and quarantined with the reason at the bound, exactly as any
+    other permanent failure, on whichever workers try them.
+    """
+
+    last_batch_seconds: float | None = None
+
+    def __init__(self, error: JobError):
+        self.error = error
+
+    def render(self, prompts: Any, *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+        raise self.error
 
 
 def new_worker_id(pool: str) -> str:
@@ -78,6 +99,7 @@ class WorkerService:
         self.failed_streak = 0
         self.tripped = False
         self._registration = ""
+        self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
 
     # ---- registration and counters ------------------------------------------------
 
@@ -144,9 +166,15 @@ class WorkerService:
                              self.settings.lease_seconds)
         keeper.start()
         ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool)
+        ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         try:
             if msg.params.model != self.model:
-                self._switch_model(msg.params.model)  # after the claim: a duplicate costs no load
+                try:
+                    self._switch_model(msg.params.model)  # after the claim: a duplicate costs no load
+                except ModelLoadError as exc:
+                    # The job's fault: its prompts fail with the reason, this worker goes on.
+                    log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
+                    ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
             result = self.runner.run(msg, ledger, attempt=lease.attempt)
         except Reclaimed as exc:
             keeper.close()
@@ -173,6 +201,9 @@ class WorkerService:
             self._safe_hand_back(lease, "back")
             self._count_failure(True)
             return Outcome("error")
+        finally:
+            if ours is not None:
+                self.runner.renderer = ours
         keeper.close()
         self._count_failure(result.all_failed)
         if result.complete:
@@ -204,13 +235,54 @@ class WorkerService:
             self.stop.request("circuit breaker: every shard fails here")
 
     def _switch_model(self, model: str) -> None:
+        """Load ``model`` in place of ours; if it will not load, keep ours.
+
+        The old pipeline is freed first (two big pipelines may not fit one
+        GPU), and loaded again if the new one fails: a job naming a model
+        that does not exist must not leave this worker without one.  Raises
+        :class:`ModelLoadError` (the job's fault) when ``model`` will not load.
+        """
         if self.load_model is None:
-            raise PermanentError(f"worker has model {self.model!r}, shard wants {model!r}")
+            raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")
+        remembered = self._failed_loads.get(model)
+        if remembered and time.monotonic() - remembered[0] < FAILED_LOAD_MEMORY_SECONDS:
+            raise remembered[1]
         log.warning("shard wants model %r, this worker had %r: loading it", model, self.model)
+        old = self.model
         self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
-        self.runner.renderer = self.load_model(model)
-        self.model = model
-        self.client.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
+        try:
+            self.runner.renderer = self._load(model)
+            self.model = model
+        except Exception as exc:  # a store outage while fetching it too: ours must come back
+            if isinstance(exc, ModelLoadError):
+                self._failed_loads[model] = (time.monotonic(), exc)
+            log.warning("model %r did not load; loading %r again", model, old)
+            try:
+                self.runner.renderer = self._load(old)
+            except Exception as again:
+                # Our own model loaded once and not now: the node's fault.
+                self.tripped = True
+                self.stop.request(f"cannot load model {old!r} again: {again}")
+                raise RuntimeError(f"cannot load model {old!r} again: {again}") from again
+            raise
+        finally:
+            with contextlib.suppress(redis.RedisError):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
+                if self._registration:  # status shows the model we hold now
+                    self._registration = json.dumps({**json.loads(self._registration), "model": self.model})
+                    pipe.hset(keys.WORKERS, self.worker_id, self._registration)
+                pipe.execute()
+
+    def _load(self, model: str) -> Any:
+        """A renderer for ``model``; any failure to load it is a :class:`ModelLoadError`."""
+        assert self.load_model is not None
+        try:
+            return self.load_model(model)
+        except (ModelLoadError, TransientError):
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         self.runner.close()

@@ -28,11 +28,40 @@ log = logging.getLogger("renderfleet.tasks")
 
 
 class ShardRequest(Request):
-    """Passes kombu's delivery tag to the task: the lease needs it to re-queue."""
+    """Passes kombu's delivery tag to the task, and lets a failed ack restart the consumer.
+
+    Why the ack matters (issue 14, bug 1): kombu's Redis QoS counts a message
+    as in flight until ``QoS.ack`` has removed it from the ``unacked`` index,
+    and with one message prefetched the consumer stops polling its BRPOP
+    socket while one is in flight.  If Redis goes away while a shard renders
+    (the solo pool runs it inside the event loop, so nothing else notices),
+    the ack after it fails *before* kombu forgets the message: the channel
+    never has credit again and never reads the dead socket, so the worker
+    lives on taking nothing.  Celery's own ack swallows that connection error
+    (it logs "Couldn't ack" and goes on).  Ours lets it reach the event loop,
+    where Celery treats it as the broker connection loss it is: the channel
+    and its stale count are dropped, the connection is re-established with
+    retries (``broker_connection_retry``), and consuming resumes.  The shard
+    itself is safe: its lease expires and the reaper, or ``resume`` after a
+    Redis that lost its memory, hands it on.
+    """
+
+    acknowledged: bool
 
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(message, *args, **kwargs)
         self._request_dict["rf_delivery_tag"] = message.delivery_tag or ""
+
+    def acknowledge(self) -> None:
+        if not self.acknowledged:
+            self._on_ack(log, ())  # no errors swallowed: see the class docstring
+            self.acknowledged = True
+
+    def reject(self, requeue: bool = False) -> None:
+        if not self.acknowledged:
+            self._on_reject(log, (), requeue)  # a failed requeue leaves the same stale count
+            self.acknowledged = True
+            self.send_event("task-rejected", requeue=requeue)
 
 
 class ShardTask(Task):  # type: ignore[misc]

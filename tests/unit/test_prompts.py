@@ -225,12 +225,16 @@ def test_digest_covers_a_file_bigger_than_the_read_buffer(tmp_path: Path) -> Non
         ('{"prompt": "   "}', "empty prompt"),
         ('{"prompt": 5}', "field 'prompt' must be a string, got number"),
         ('{"prompt": "x", "steps": "10"}', "field 'steps' must be an integer, got string"),
-        ('{"prompt": "x", "steps": 10.0}', "field 'steps' must be an integer, got number"),
+        ('{"prompt": "x", "steps": 10.5}', "field 'steps' must be an integer, got number"),
         ('{"prompt": "x", "seed": true}', "field 'seed' must be an integer, got boolean"),
         ('{"prompt": "x", "guidance": "high"}', "field 'guidance' must be a number, got string"),
         ('{"prompt": "x", "guidance": -1}', "guidance must be >= 0"),
         ('{"prompt": "x", "guidance": NaN}', "guidance must be a finite number"),
-        ('{"prompt": "x", "negative_prompt": null}', "field 'negative_prompt' must be a string, got null"),
+        ('{"prompt": null}', "field 'prompt' must be a string, got null"),
+        ('{"prompt": "x", "negative_prompt": 3}', "field 'negative_prompt' must be a string, got number"),
+        ('{"prompt": "a\\u0000b"}', "NUL character"),
+        ('{"prompt": "x", "negative_prompt": "a\\u0000b"}', "negative_prompt contains a NUL"),
+        ('{"prompt": "x", "id": "' + "東京" * 40 + '"}', "id too long (240 bytes in UTF-8, limit 200)"),
         ('{"prompt": "x", "id": 1.5}', "field 'id' must be a string or integer, got number"),
         ('{"prompt": "x", "colour": "red"}', "unknown field 'colour'"),
         ('{"prompt": "x", "width": 500}', "width must be a multiple of 8, got 500"),
@@ -389,10 +393,10 @@ def test_iter_prompts_on_a_file_changed_after_validation(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("header", "reason"),
     [
-        ("prompt,colour", "unknown column 'colour'"),
-        ("prompt,", "unknown column ''"),
         ("id,seed", "no 'prompt' column"),
+        ("id,colour", "no 'prompt' column"),
         ("prompt,seed,seed", "duplicate column 'seed'"),
+        ("Prompt,SEED,seed", "duplicate column 'seed'"),
     ],
 )
 def test_csv_bad_header_reported_at_line_1(tmp_path: Path, header: str, reason: str) -> None:
@@ -481,3 +485,68 @@ def test_wire_lines_decode_to_the_same_prompts_as_iter_prompts(tmp_path: Path, s
     validate_file(str(path))
     via_wire = [Prompt.from_wire(_json.loads(line), params) for line in iter_wire(str(path), params)]
     assert via_wire == list(iter_prompts(str(path), params))
+
+
+# ---- issue 14: names in bytes, NUL, CR-only files, UTF-16, pandas jsonl ------------------
+
+
+def test_a_long_non_ascii_id_is_refused_by_its_bytes_not_only_its_characters(tmp_path: Path) -> None:
+    # 80 characters pass the character limit, but 240 bytes make a file name too long.
+    path = write(tmp_path, "p.jsonl", jsonl({"prompt": "a", "id": "東京" * 33}, {"prompt": "b", "id": "東京" * 40}))
+    assert_problem(path, 2, "id too long (240 bytes in UTF-8, limit 200)")
+    assert len(problems_of(path)) == 1  # 198 bytes are fine
+    csv_path = write(tmp_path, "p.csv", "prompt,id\nx," + "é" * 101 + "\n")
+    assert_problem(csv_path, 2, "id too long (202 bytes in UTF-8")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "line"),
+    [
+        ("p.txt", "fine\nbad\x00prompt\n", 2),
+        ("p.csv", "prompt,negative_prompt\nok,\nx,bad\x00\n", 3),
+    ],
+)
+def test_a_nul_in_a_prompt_is_refused_at_its_line(tmp_path: Path, name: str, content: str, line: int) -> None:
+    assert_problem(write(tmp_path, name, content), line, "NUL character")
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl", "p.csv"])
+def test_old_mac_cr_only_line_endings_are_reported_not_read_as_one_prompt(tmp_path: Path, name: str) -> None:
+    rows = {"p.txt": ["a cat", "a dog"], "p.jsonl": ['{"prompt": "a"}', '{"prompt": "b"}'],
+            "p.csv": ["prompt", "a", "b"]}[name]
+    path = write(tmp_path, name, "\r".join(rows) + "\r")
+    assert_problem(path, 1, "CR-only")
+
+
+def test_crlf_line_endings_are_fine(tmp_path: Path) -> None:
+    assert validate_file(write(tmp_path, "p.txt", "a cat\r\na dog\r\n")).total == 2
+
+
+@pytest.mark.parametrize("bom", ["utf-16-le", "utf-16-be"])
+def test_a_utf16_file_is_named_as_utf16(tmp_path: Path, bom: str) -> None:
+    data = ("\ufeff" + "a cat\n").encode(bom)
+    found = problems_of(write(tmp_path, "p.txt", data))
+    assert len(found) == 1 and "UTF-16" in found[0] and "save it as UTF-8" in found[0]
+
+
+def test_jsonl_from_pandas_null_means_not_given_and_integral_floats_are_integers(tmp_path: Path) -> None:
+    path = write(tmp_path, "p.jsonl", jsonl(
+        {"prompt": "a", "id": None, "seed": 3.0, "steps": None, "negative_prompt": None, "guidance": None},
+        {"prompt": "b", "id": "x", "seed": None, "width": 64.0},
+    ))
+    assert validate_file(path).total == 2
+    first, second = iter_prompts(path, PARAMS)
+    assert first == default_prompt(0, "a").__class__(**{**default_prompt(0, "a").__dict__, "seed": 3})
+    assert second.name == "x" and second.seed == derive_seed(42, 1) and second.width == 64
+    assert type(first.seed) is int and type(second.width) is int
+
+
+def test_csv_headers_are_case_insensitive_and_unknown_columns_ignored_with_a_warning(tmp_path: Path) -> None:
+    path = write(tmp_path, "p.csv", "Prompt,Seed,Notes,\na cat,5,keep this,\na dog,,,\n")
+    summary = validate_file(path)
+    assert summary.total == 2
+    assert summary.warnings == (f"{path}:1: ignoring column(s) 'Notes', '' (known: prompt, id, negative_prompt, "
+                                "seed, steps, guidance, width, height)",)
+    first, second = iter_prompts(path, PARAMS)
+    assert (first.prompt, first.seed) == ("a cat", 5) and (second.prompt, second.seed) == ("a dog", derive_seed(42, 1))
+    assert validate_file(write(tmp_path, "q.csv", "prompt\nx\n")).warnings == ()

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from renderfleet import __version__  # noqa: E402
-from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed  # noqa: E402
+from renderfleet.core.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed  # noqa: E402
 from renderfleet.core.spec import Prompt  # noqa: E402
 from renderfleet.worker.models import LoadedModel, load_pipeline  # noqa: E402
 from renderfleet.worker.render import Renderer  # noqa: E402
@@ -199,6 +199,7 @@ def test_any_other_failure_is_permanent_and_chained(
     with pytest.raises(PermanentError, match="index 99") as info:
         renderer.render([make_prompt(0)])
     assert isinstance(info.value.__cause__, IndexError)
+    assert not isinstance(info.value, (JobError, PromptError))  # the node's fault until proven otherwise
 
 
 def test_timings_are_measured(renderer: Renderer) -> None:
@@ -206,3 +207,32 @@ def test_timings_are_measured(renderer: Renderer) -> None:
     assert renderer.last_batch_seconds > 0
     assert 0 < renderer.last_step_seconds <= renderer.last_batch_seconds
     assert renderer.last_steps_run == 4
+
+
+def test_settings_the_pipeline_rejects_are_the_jobs_fault(
+    renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuses(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("`height` and `width` have to be divisible by 64")
+
+    monkeypatch.setattr(tiny.pipe.unet, "forward", refuses)
+    with pytest.raises(JobError, match="the model rejects these settings: `height`"):
+        renderer.render([make_prompt(0)])
+
+
+def test_a_prompt_whose_image_cannot_be_encoded_is_that_prompts_fault(
+    renderer: Renderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from renderfleet.worker import render
+
+    real = render.encode_png
+
+    def encode(image: Any, prompt: Any, model: str) -> bytes:
+        if prompt.index == 1:
+            raise ValueError("embedded null byte")
+        return real(image, prompt, model)
+
+    monkeypatch.setattr(render, "encode_png", encode)
+    with pytest.raises(PromptError, match="'000001'") as info:
+        renderer.render([make_prompt(0), make_prompt(1)])
+    assert not isinstance(info.value, JobError)

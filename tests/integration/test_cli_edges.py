@@ -1,0 +1,88 @@
+"""Rough edges of the CLI, as a user meets them: a message and an exit status, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from renderfleet.core.embedded import RedisServerProcess
+from tests.fleet import REPO, TINY, base_env, cli, wait_for, worker_ready, write_prompts
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
+    return base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+
+
+def test_a_path_is_not_a_job_id(env: dict[str, str]) -> None:
+    for command in ("status", "results", "resume"):
+        proc = cli(env, command, "../etc", check=False)
+        assert proc.returncode == 2 and "not a job id: '../etc'" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_status_with_no_jobs_says_so(env: dict[str, str]) -> None:
+    proc = cli(env, "status")
+    assert "no jobs" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--workers", "0"], ["--workers", "-1"], ["--timeout", "-5"]])
+def test_run_refuses_impossible_flags_before_starting_anything(
+    tmp_path: Path, env: dict[str, str], args: list[str]
+) -> None:
+    proc = cli(env, "run", str(write_prompts(tmp_path / "p.txt", 2)), *TINY, *args, check=False)
+    assert proc.returncode == 2 and args[0] in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "home" / "logs").exists()
+
+
+def test_server_url_starts_no_server(tmp_path: Path) -> None:
+    env = base_env(tmp_path, "", str(tmp_path / "store"))
+    del env["RENDERFLEET_REDIS_URL"]
+    proc = cli(env, "server", "url", check=False)
+    assert proc.returncode == 1 and "no server running" in proc.stderr
+    assert not (tmp_path / "home" / "server.json").exists()
+
+
+def test_results_exits_1_while_images_are_missing(tmp_path: Path, env: dict[str, str]) -> None:
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 3)), *TINY).stdout.split()[-1]
+    proc = cli(env, "results", job, "--json", check=False)
+    assert proc.returncode == 1 and len(json.loads(proc.stdout)["missing"]) == 3
+    assert cli(env, "results", job, check=False).returncode == 1
+
+
+def test_run_again_counts_only_its_own_images_and_keeps_its_own_log(tmp_path: Path, env: dict[str, str]) -> None:
+    prompts = write_prompts(tmp_path / "p.txt", 2)
+    first = cli(env, "run", str(prompts), *TINY, timeout=180)
+    assert "(2 rendered by this run)" in first.stderr
+    second = cli(env, "run", str(prompts), *TINY, timeout=180)
+    assert "(0 rendered by this run)" in second.stderr and "0.00 images/s" in second.stderr
+    runs = sorted((tmp_path / "home" / "logs").iterdir())
+    assert len(runs) == 2 and all((r / "worker-0.log").exists() for r in runs)
+
+
+def test_ctrl_c_in_run_says_how_to_go_on(tmp_path: Path, env: dict[str, str]) -> None:
+    prompts = write_prompts(tmp_path / "p.txt", 40)
+    proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "run", str(prompts), "--model", "tiny",
+                             "--steps", "20", "--size", "64x64"], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+        wait_for(lambda: worker_ready(client, 1), 90, what="the run's worker")
+        time.sleep(2)  # rendering
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "run the same command again: only the missing images render" in err
+    assert "Traceback" not in err

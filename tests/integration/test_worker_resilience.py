@@ -1,0 +1,159 @@
+"""A worker outlives what is not its fault: a Redis restart, a poison job, an odd prompt.
+
+Real Redis servers (stopped and restarted mid-batch), real ``renderfleet
+worker`` processes, the CLI as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from renderfleet.core.embedded import RedisServerProcess, free_port
+from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+
+pytestmark = pytest.mark.integration
+
+# Slow enough that a Redis restart lands in the middle of a batch.
+SLOW = ["--model", "tiny", "--steps", "12", "--size", "64x64"]
+
+
+@pytest.fixture
+def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
+    return base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerProc]]:
+    procs: list[WorkerProc] = []
+    yield procs
+    for p in procs:
+        p.kill()
+
+
+def start_worker(env: dict[str, str], tmp_path: Path, procs: list[WorkerProc], *args: str,
+                 wait: bool = True) -> WorkerProc:
+    proc = WorkerProc(env, tmp_path / f"worker-{len(procs)}.log", "--verbose", *args)
+    procs.append(proc)
+    if wait:
+        client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+        wait_for(lambda: worker_ready(client, len(procs)), 90, what="workers to load the model")
+    return proc
+
+
+def test_a_worker_rendering_when_redis_restarts_takes_work_again(
+    tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
+) -> None:
+    worker = start_worker(env, tmp_path, workers)
+    prompts = write_prompts(tmp_path / "p.txt", 40)
+    job = cli(env, "submit", str(prompts), *SLOW, "--shard-size", "8", "--batch-size", "2").stdout.split()[-1]
+    client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    wait_for(lambda: client.zcard("rf:inflight") and job_status(env, job)["done"] >= 2, 60,
+             what="a shard in flight")
+    time.sleep(0.5)  # mid-batch
+    redis_server.kill()
+    time.sleep(4)
+    redis_server.start()  # same port, empty
+    cli(env, "resume", job)
+    st = wait_for(lambda: (s := job_status(env, job))["done"] == 40 and s, 120, interval=1.0,
+                  what="the same worker to finish the job after the restart")
+    assert st["failed"] == 0
+    assert worker.alive(), worker.output()[-3000:]
+    assert len(list((tmp_path / "store" / "jobs" / job / "images").iterdir())) == 40
+    # the consumer saw the lost connection and came back, in the same process, model loaded once
+    assert "Connection to broker lost" in worker.output()
+    assert worker.output().count("model tiny loaded on") == 1  # (Redis forgot the worker's counters)
+    assert len(st["workers"]) == 1  # it registered again by itself
+
+
+def test_an_idle_worker_takes_work_again_after_redis_restarts(
+    tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
+) -> None:
+    worker = start_worker(env, tmp_path, workers)
+    redis_server.stop()  # SIGTERM this time
+    time.sleep(3)
+    redis_server.start()
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY).stdout.split()[-1]
+    wait_for(lambda: job_status(env, job)["done"] == 4, 60, interval=1.0, what="the idle worker after the restart")
+    assert worker.alive() and worker.output().count("model tiny loaded on") == 1
+
+
+def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
+    tmp_path: Path, workers: list[WorkerProc]
+) -> None:
+    server = RedisServerProcess(free_port(), workdir=tmp_path / "late-redis")
+    env = base_env(tmp_path, server.url, str(tmp_path / "store"))
+    worker = start_worker(env, tmp_path, workers, wait=False)
+    try:
+        wait_for(lambda: worker.output().count("waiting for it") >= 2 or not worker.alive(), 90,
+                 what="the worker to say twice that it waits for Redis")
+        assert worker.alive(), worker.output()[-3000:]
+        server.start()
+        prompts = write_prompts(tmp_path / "p.txt", 2)
+        job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
+        st = wait_for(lambda: (s := job_status(env, job))["done"] == 2 and s, 60, interval=1.0,
+                      what="the late worker to render")
+        assert [int(w["loads"]) for w in st["workers"]] == [1]
+    finally:
+        server.stop()
+
+
+def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_good_one(
+    tmp_path: Path, env: dict[str, str], workers: list[WorkerProc]
+) -> None:
+    bad = cli(env, "submit", str(write_prompts(tmp_path / "bad.txt", 8, "bad")), *TINY[2:], "--model",
+              str(tmp_path / "nonexistent"), "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+    good = cli(env, "submit", str(write_prompts(tmp_path / "good.txt", 8, "good")), *TINY,
+               "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+    worker = start_worker(env, tmp_path, workers)
+    wait_for(lambda: job_status(env, good)["done"] == 8, 120, interval=1.0, what="the good job")
+    st = wait_for(lambda: (s := job_status(env, bad))["failed"] == 8 and s, 120, interval=1.0,
+                  what="the bad job's prompts to be quarantined")
+    assert st["done"] == 0
+    (reason, count), = st["failure_reasons"].items()
+    assert count == 8 and "nonexistent" in reason and "could not be loaded" in reason
+    assert "nonexistent" in cli(env, "status", bad).stdout
+    assert worker.alive(), worker.output()[-3000:]
+    assert "circuit breaker" not in worker.output() and "AttributeError" not in worker.output()
+    res = json.loads(cli(env, "results", bad, "--json", check=False).stdout)
+    assert len(res["quarantined"]) == 8 and res["images"] == {}
+    assert all("nonexistent" in reason for reason in res["quarantined"].values())
+    # still serving: the worker kept its own model for the next job
+    again = cli(env, "submit", str(write_prompts(tmp_path / "more.txt", 2, "more")), *TINY).stdout.split()[-1]
+    wait_for(lambda: job_status(env, again)["done"] == 2, 60, interval=1.0, what="a job after the bad one")
+    assert worker.alive()
+
+
+def test_a_long_non_ascii_id_is_refused_at_submit_with_its_line(tmp_path: Path, env: dict[str, str]) -> None:
+    path = tmp_path / "ids.jsonl"
+    path.write_text(json.dumps({"prompt": "fine", "id": "東京"}) + "\n"
+                    + json.dumps({"prompt": "long", "id": "東京" * 40}, ensure_ascii=False) + "\n", encoding="utf-8")
+    proc = cli(env, "submit", str(path), *TINY, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{path}:2: id too long (240 bytes" in proc.stderr and "Traceback" not in proc.stderr
+    assert redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]).llen("renderfleet.default") == 0
+
+
+def test_images_the_store_refuses_are_quarantined_and_the_worker_goes_on(
+    tmp_path: Path, env: dict[str, str], workers: list[WorkerProc]
+) -> None:
+    prompts = write_prompts(tmp_path / "p.txt", 6)
+    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+    # Both images of shard 0 cannot be written: a folder stands where each file goes.
+    images = tmp_path / "store" / "jobs" / job / "images"
+    for name in ("000000.png", "000001.png"):
+        (images / name).mkdir(parents=True)
+    worker = start_worker(env, tmp_path, workers)
+    st = wait_for(lambda: (s := job_status(env, job))["done"] + s["failed"] == 6 and s, 120, interval=1.0,
+                  what="the job to finish")
+    assert (st["done"], st["failed"]) == (4, 2)
+    assert worker.alive(), worker.output()[-3000:]  # every try of shard 0 failed: still not the worker's fault
+    assert "circuit breaker" not in worker.output()
+    res = json.loads(cli(env, "results", job, "--json", check=False).stdout)
+    assert sorted(res["quarantined"]) == ["000000", "000001"]
+    assert all("cannot store image" in reason for reason in res["quarantined"].values())

@@ -1,0 +1,240 @@
+"""Whose fault a failure is: the work's (job, prompt) never counts against the worker.
+
+Plain objects only: a fake renderer, a folder store, a ledger in memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from renderfleet.core import spec
+from renderfleet.core.embedded import free_port
+from renderfleet.core.errors import JobError, ModelLoadError, PermanentError, PromptError, StoreError
+from renderfleet.core.settings import Settings
+from renderfleet.core.spec import Prompt, RenderParams, ShardMessage
+from renderfleet.core.store import LocalStore
+from renderfleet.worker.runner import ShardRunner
+from renderfleet.worker.service import Unloadable, WorkerService
+from renderfleet.worker.stop import StopSignal
+
+PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
+
+
+def make_msg(n: int = 4, batch: int = 2) -> ShardMessage:
+    prompts = tuple(
+        Prompt(index=i, name=spec.index_name(i), prompt=f"p{i}", negative_prompt="", seed=i,
+               steps=2, guidance=7.5, width=32, height=32)
+        for i in range(n)
+    )
+    return ShardMessage(job="j", shard=0, params=PARAMS, batch_size=batch, queue="q", prompts=prompts)
+
+
+class Renderer:
+    """Renders bytes, or raises ``error`` for every call."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+        self.calls = 0
+        self.last_batch_seconds: float | None = None
+
+    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+        self.calls += 1
+        if self.error:
+            raise self.error
+        return [f"png:{p.name}".encode() for p in prompts]
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self.done: list[int] = []
+        self.failed: list[int] = []
+        self.failures: dict[int, int] = {}
+        self.errors: dict[int, str] = {}
+
+    def check(self) -> None:
+        pass
+
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
+        self.done = [i for i in self.done if i not in undone] + done
+        self.failed += failed
+
+    def record_failure(self, prompt: Prompt, error: str) -> int:
+        self.failures[prompt.index] = self.failures.get(prompt.index, 0) + 1
+        self.errors[prompt.index] = error
+        return self.failures[prompt.index]
+
+    def record_start(self, images: int) -> None:
+        pass
+
+    def record_batch(self, images: int, seconds: float) -> None:
+        pass
+
+    def record_waste(self, images: int) -> None:
+        pass
+
+
+class RefusingStore(LocalStore):
+    """A folder store that refuses some keys with an OSError."""
+
+    def __init__(self, root: Path, refuse: dict[str, int]):
+        super().__init__(root)
+        self.refuse = refuse
+
+    def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+        for fragment, code in self.refuse.items():
+            if fragment in key:
+                raise OSError(code, "refused")
+        super().put(key, data, content_type=content_type)
+
+
+def runner(store: LocalStore, renderer: Renderer) -> ShardRunner:
+    return ShardRunner(store=store, renderer=renderer, stop=StopSignal(), max_failures=3)
+
+
+def test_a_job_error_fails_the_whole_batch_at_once_and_is_not_the_workers_fault(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    r = Renderer(JobError("the model rejects these settings: height must be divisible by 64"))
+    result = runner(store, r).run(make_msg(), Ledger())
+    assert r.calls == 2  # one per batch: a job's fault is not searched for prompt by prompt
+    assert sorted(result.failed) == [0, 1, 2, 3] and result.excused == 4
+    assert not result.all_failed
+
+
+def test_the_same_failure_of_every_prompt_is_the_nodes_fault() -> None:
+    from renderfleet.worker.runner import ShardResult
+
+    assert ShardResult(failed=[0, 1], attempted=2).all_failed
+    assert not ShardResult(failed=[0, 1], attempted=2, excused=2).all_failed
+    assert ShardResult(failed=[0, 1, 2], attempted=3, excused=1).all_failed
+    assert not ShardResult(failed=[0], attempted=1).all_failed
+
+
+def test_a_model_that_will_not_load_quarantines_the_jobs_prompts_with_the_reason(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    ledger = Ledger()
+    shard = runner(store, Unloadable(ModelLoadError("model './nope' could not be loaded")))  # type: ignore[arg-type]
+    for _ in range(3):
+        result = shard.run(make_msg(), ledger)
+        assert not result.all_failed
+    assert result.quarantined == 4 and sorted(ledger.failed) == [0, 1, 2, 3]
+    record = json.loads(store.get(spec.quarantine_key("j", "000002")) or b"{}")
+    assert "./nope" in record["error"] and record["failures"] == 3
+
+
+def test_an_image_the_store_refuses_fails_that_prompt_alone(tmp_path: Path) -> None:
+    store = RefusingStore(tmp_path / "store", {"images/000001.png": errno.ENAMETOOLONG})
+    ledger = Ledger()
+    shard = runner(store, Renderer())
+    result = shard.run(make_msg(), ledger)
+    assert sorted(ledger.done) == [0, 2, 3] and result.failed == [1] and result.excused == 1
+    assert "cannot store image '000001'" in ledger.errors[1]
+    assert store.exists(spec.image_key("j", "000000")) and not store.exists(spec.image_key("j", "000001"))
+    shard.run(make_msg(), ledger)
+    result = shard.run(make_msg(), ledger)
+    assert result.complete and result.quarantined == 1 and ledger.failed == [1]
+
+
+def test_every_image_of_a_shard_refused_is_still_not_the_workers_fault(tmp_path: Path) -> None:
+    store = RefusingStore(tmp_path / "store", {"images/": errno.EISDIR})
+    result = runner(store, Renderer()).run(make_msg(), Ledger())
+    assert sorted(result.failed) == [0, 1, 2, 3] and not result.all_failed
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_is_the_nodes_fault_and_commits_nothing(tmp_path: Path, code: int) -> None:
+    store = RefusingStore(tmp_path / "store", {"images/": code})
+    ledger = Ledger()
+    with pytest.raises(OSError):
+        runner(store, Renderer()).run(make_msg(), ledger)
+    assert ledger.done == [] and ledger.failures == {}
+
+
+def test_a_store_outage_is_raised_not_blamed_on_a_prompt(tmp_path: Path) -> None:
+    class Down(LocalStore):
+        def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+            raise StoreError("S3 503")
+
+    ledger = Ledger()
+    with pytest.raises(StoreError):
+        runner(Down(tmp_path / "store"), Renderer()).run(make_msg(), ledger)
+    assert ledger.failures == {}
+
+
+def test_a_prompt_error_from_the_renderer_is_excused_and_isolated(tmp_path: Path) -> None:
+    class OneBad(Renderer):
+        def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+            if any(p.name == "000000" for p in prompts):
+                raise PromptError("cannot encode the image of '000000'")
+            return super().render(prompts)
+
+    result = runner(LocalStore(tmp_path / "store"), OneBad()).run(make_msg(n=2), Ledger())
+    assert result.failed == [0] and result.rendered == 1 and result.excused == 1
+
+
+def test_a_plain_render_failure_still_counts_against_the_worker(tmp_path: Path) -> None:
+    result = runner(LocalStore(tmp_path / "store"), Renderer(PermanentError("device lost"))).run(make_msg(), Ledger())
+    assert result.all_failed and result.excused == 0
+
+
+# ---- the service keeps its model ----------------------------------------------------
+
+
+def service(tmp_path: Path, load: Callable[[str], Any]) -> WorkerService:
+    # Nothing listens on this port: the service's counters are best effort here.
+    client = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
+    return WorkerService(settings=Settings(home=tmp_path), client=client, store=LocalStore(tmp_path / "store"),
+                         renderer=Renderer(), model="tiny", stop=StopSignal(), publish=lambda m: None,
+                         worker_id="w", load_model=load)
+
+
+def test_a_model_that_will_not_load_leaves_the_worker_its_own_and_is_remembered(tmp_path: Path) -> None:
+    loads: list[str] = []
+
+    def load(model: str) -> Renderer:
+        loads.append(model)
+        if model == "./nope":
+            raise FileNotFoundError("no such folder")  # any failure to load is the job's
+        return Renderer()
+
+    svc = service(tmp_path, load)
+    with pytest.raises(ModelLoadError, match=r"\./nope"):
+        svc._switch_model("./nope")
+    assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
+    assert loads == ["./nope", "tiny"]
+    with pytest.raises(ModelLoadError):
+        svc._switch_model("./nope")  # remembered: no second load, no second reload
+    assert loads == ["./nope", "tiny"]
+    assert not svc.tripped
+    svc.runner.close()
+
+
+def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_back(tmp_path: Path) -> None:
+    def load(model: str) -> Renderer:
+        if model == "s3://models/sdxl":
+            raise StoreError("S3 503 while fetching")
+        return Renderer()
+
+    svc = service(tmp_path, load)
+    with pytest.raises(StoreError):
+        svc._switch_model("s3://models/sdxl")  # transient: the shard is handed back, not failed
+    assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
+    assert "s3://models/sdxl" not in svc._failed_loads  # a later try may load it
+    svc.runner.close()
+
+
+def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> None:
+    def load(model: str) -> Renderer:
+        raise RuntimeError("CUDA error: device lost")
+
+    svc = service(tmp_path, load)
+    with pytest.raises(RuntimeError, match="cannot load model 'tiny' again"):
+        svc._switch_model("other")
+    assert svc.tripped and svc.stop.requested
+    svc.runner.close()
