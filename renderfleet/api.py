@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from io import IOBase
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from renderfleet.core.errors import InputError
 from renderfleet.core.settings import Settings, load_settings
@@ -41,9 +43,11 @@ if TYPE_CHECKING:
     import redis
     from celery import Celery
 
+    from renderfleet.core.prompts import FileSummary
     from renderfleet.core.store import Store
     from renderfleet.dispatcher.resume import ResumeReport
     from renderfleet.dispatcher.status import JobStatus, Results
+    from renderfleet.dispatcher.submit import SubmitOptions
 
 __all__ = ["Client", "Job", "PromptRequest"]
 
@@ -118,8 +122,9 @@ class Client:
 
     def submit(
         self,
-        prompts: str | os.PathLike[str] | Iterable[PromptLike],
+        prompts: str | os.PathLike[str] | IO[bytes] | Iterable[PromptLike],
         *,
+        format: str | None = None,
         model: str | None = None,
         steps: int = 30,
         size: str | tuple[int, int] = "512x512",
@@ -133,13 +138,35 @@ class Client:
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
 
-        ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz) or an
-        iterable of prompts, streamed (a generator of millions is fine).  Raises
-        :class:`~renderfleet.core.errors.InputError` listing every problem
-        (``FILE:LINE: reason``, or ``prompts[i]: reason`` for an iterable)
-        with nothing enqueued.  Submitting the same prompts and settings to
-        the same store again is the same job: only what is missing is enqueued.
+        ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz), a binary
+        stream of such a file (``format`` names it: txt, jsonl or csv), or an
+        iterable of prompts, streamed (a generator of millions is fine).
+        Raises :class:`~renderfleet.core.errors.InputError` listing every
+        problem (``FILE:LINE: reason``, ``<stdin>:LINE: reason``, or
+        ``prompts[i]: reason`` for an iterable) with nothing enqueued.
+        Submitting the same prompts and settings to the same store again is
+        the same job: only what is missing is enqueued.
         """
+        opts = self.options(model=model, steps=steps, size=size, guidance=guidance, negative=negative, seed=seed,
+                            shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
+        if isinstance(prompts, str | os.PathLike):
+            return self.submit_file(os.fspath(prompts), opts)
+        with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
+            if isinstance(prompts, IOBase) or hasattr(prompts, "read"):
+                if format not in ("txt", "jsonl", "csv"):
+                    raise InputError([f"--format: give txt, jsonl or csv for a prompt stream, got {format!r}"])
+                path = str(Path(tmp) / f"prompts.{format}")
+                with open(path, "wb") as out:
+                    shutil.copyfileobj(cast(IO[bytes], prompts), out, 1 << 20)
+                return self.submit_file(path, opts, source="<stdin>", label="<stdin>")
+            path = str(Path(tmp) / "prompts.jsonl")
+            write_jsonl(prompts, path)  # type: ignore[arg-type]
+            return self.submit_file(path, opts, source="<python>", label="prompts", by_item=True)
+
+    def options(self, *, model: str | None = None, steps: int = 30, size: str | tuple[int, int] = "512x512",
+                guidance: float = 7.5, negative: str = "", seed: int = 0, shard_size: int = 64, batch_size: int = 4,
+                pool: str = "default", job: str | None = None) -> SubmitOptions:
+        """The render options of a submit, checked (InputError naming each bad one)."""
         from renderfleet.core.spec import RenderParams
         from renderfleet.dispatcher.submit import SubmitOptions, check_options
 
@@ -148,27 +175,24 @@ class Client:
                               guidance=guidance, negative_prompt=negative, seed=seed)
         opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
         check_options(opts)
-        if isinstance(prompts, str | os.PathLike):
-            path = os.fspath(prompts)
-            result = self._submit_file(path, opts, source=None)
-        else:
-            with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
-                path = str(Path(tmp) / "prompts.jsonl")
-                write_jsonl(prompts, path)
-                result = self._submit_file(path, opts, source="<python>", label="prompts")
-        return Job(self, result.job, result.total)
+        return opts
 
-    def _submit_file(self, path: str, opts: Any, *, source: str | None, label: str | None = None) -> Any:
+    def submit_file(self, path: str, opts: SubmitOptions, *, summary: FileSummary | None = None,
+                    source: str | None = None, label: str | None = None, by_item: bool = False) -> Job:
+        """Submit the prompt file at ``path`` (validated first, before any connection)."""
         from renderfleet.core import prompts as prompt_files
         from renderfleet.core.celery_app import queue_name
         from renderfleet.dispatcher.submit import submit
 
         try:
-            summary = prompt_files.validate_file(path)  # before any connection
+            summary = summary or prompt_files.validate_file(path)
         except InputError as exc:
-            raise _renamed(exc, path, label) if label else exc from None
-        return submit(path, opts, store=self.store, app=self.app, client=self.redis, queue=queue_name(opts.pool),
-                      summary=summary, source=source)
+            raise (_renamed(exc, path, label, by_item) if label else exc) from None
+        warnings = [_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings]
+        result = submit(path, opts, store=self.store, app=self.app, client=self.redis, queue=queue_name(opts.pool),
+                        summary=summary, source=source)
+        return Job(self, result.job, result.total, new=result.new, shards_enqueued=result.shards_enqueued,
+                   seconds=result.seconds, warnings=warnings)
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (from code or the CLI)."""
@@ -179,11 +203,20 @@ class Client:
 
 @dataclass
 class Job:
-    """A submitted job: its id, and what can be asked of it."""
+    """A submitted job: its id, and what can be asked of it.
+
+    From :meth:`Client.submit`, also what that submit did: whether the job
+    was ``new``, how many shards it enqueued, in how many ``seconds``, and
+    the ``warnings`` about its prompts (lines worth showing, not errors).
+    """
 
     client: Client
     id: str
     total: int
+    new: bool = False
+    shards_enqueued: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
     def status(self) -> JobStatus:
         """Its counters now (a few Redis reads; the store when Redis forgot the job)."""
@@ -272,12 +305,15 @@ def write_jsonl(items: Iterable[PromptLike], path: str, *, max_problems: int = 5
     return count
 
 
-def _renamed(exc: InputError, path: str, label: str) -> InputError:
-    """``PATH:LINE: reason`` as ``label[LINE-1]: reason``: the item's position in the iterable."""
-    line = re.compile(rf"^{re.escape(path)}:(\d+): ")
-    problems = [line.sub(lambda m: f"{label}[{int(m.group(1)) - 1}]: ", p).replace(path, label)
-                for p in exc.problems]
-    return InputError(problems)
+def _renamed_line(problem: str, path: str, label: str, by_item: bool) -> str:
+    """``PATH:LINE: reason`` as ``label[LINE-1]: reason`` (an iterable's item) or ``label:LINE: reason``."""
+    if by_item:
+        problem = re.sub(rf"^{re.escape(path)}:(\d+): ", lambda m: f"{label}[{int(m.group(1)) - 1}]: ", problem)
+    return problem.replace(path, label)
+
+
+def _renamed(exc: InputError, path: str, label: str, by_item: bool) -> InputError:
+    return InputError([_renamed_line(p, path, label, by_item) for p in exc.problems])
 
 
 def parse_size(size: str | tuple[int, int]) -> tuple[int, int]:

@@ -82,14 +82,6 @@ def _job_id(job: str) -> str:
     return job
 
 
-def _parse_size(size: str) -> tuple[int, int]:
-    try:
-        w, _, h = size.lower().partition("x")
-        return int(w), int(h)
-    except ValueError:
-        raise InputError([f"--size: expected WIDTHxHEIGHT such as 1024x1024, got {size!r}"]) from None
-
-
 # ---- submit ------------------------------------------------------------------
 
 Model = Annotated[str | None, typer.Option(help="diffusers model id, local folder, s3:// URI, or 'tiny'")]
@@ -107,37 +99,38 @@ JobOpt = Annotated[str | None, typer.Option("--job", help="job id (default: deri
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
                     negative: str, seed: int, shard_size: int, batch_size: int, pool: str | None,
                     settings: Settings) -> Any:
-    from renderfleet.core.spec import RenderParams
-    from renderfleet.dispatcher.submit import SubmitOptions
+    from renderfleet.api import Client
 
-    width, height = _parse_size(size)
-    params = RenderParams(model=model or settings.model, steps=steps, width=width, height=height,
-                          guidance=guidance, negative_prompt=negative, seed=seed)
-    return SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size,
-                         pool=pool or "default", job=job)
+    return Client(settings).options(model=model, steps=steps, size=size, guidance=guidance, negative=negative,
+                                    seed=seed, shard_size=shard_size, batch_size=batch_size, pool=pool or "default",
+                                    job=job)
 
 
-def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None) -> Any:
-    from renderfleet.core import prompts
-    from renderfleet.core.celery_app import queue_name
-    from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.submit import check_options, submit
+def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, stream: Any = None,
+               fmt: str | None = None) -> Any:
+    """Submit through the Python API (:class:`renderfleet.api.Client`): the CLI is a thin layer over it."""
+    from renderfleet.api import Client
 
-    check_options(opts)
-    summary = summary or prompts.validate_file(str(file))  # bad input fails before any server starts
-    for note in summary.warnings:
+    client = Client(settings)
+    if stream is not None:
+        job = client.submit(stream, format=fmt, model=opts.params.model, steps=opts.params.steps,
+                            size=(opts.params.width, opts.params.height), guidance=opts.params.guidance,
+                            negative=opts.params.negative_prompt, seed=opts.params.seed, shard_size=opts.shard_size,
+                            batch_size=opts.batch_size, pool=opts.pool, job=opts.job)
+    else:
+        job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
+    for note in job.warnings:
         _err(note)
-    celery, client, _ = _connect(settings)
-    return submit(str(file), opts, store=open_store(settings.store_url, settings.s3_options), app=celery, client=client,
-                  queue=queue_name(opts.pool), summary=summary)
+    return job
 
 
 @app.command()
 def submit(
-    file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz")],
+    file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")],
     job: JobOpt = None, model: Model = None, steps: Steps = 30, size: Size = "512x512",
     guidance: Guidance = 7.5, negative: Negative = "", seed: Seed = 0, shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
+    fmt: Annotated[str | None, typer.Option("--format", help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
     _logging()
@@ -145,11 +138,18 @@ def submit(
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
                                batch_size, pool, settings)
-        result = _do_submit(file, opts, settings)
+        if str(file) == "-":
+            if fmt is None:
+                raise InputError(["--format: required with - (txt, jsonl or csv)"])
+            result = _do_submit(file, opts, settings, stream=sys.stdin.buffer, fmt=fmt)
+        else:
+            if fmt is not None:
+                raise InputError(["--format: only with - (a file's format is its suffix)"])
+            result = _do_submit(file, opts, settings)
     verb = "submitted" if result.new else "resubmitted"
-    _err(f"{verb} {result.total} prompts as job {result.job}: {result.shards_enqueued} shards enqueued "
+    _err(f"{verb} {result.total} prompts as job {result.id}: {result.shards_enqueued} shards enqueued "
          f"in {result.seconds:.2f} s")
-    print(result.job)
+    print(result.id)
 
 
 # ---- worker ------------------------------------------------------------------

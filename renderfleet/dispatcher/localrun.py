@@ -79,12 +79,12 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
         store = open_store(settings.store_url, settings.s3_options)
         monitor = Monitor(settings, make_app(url), client, store)
         # What was done before this run (a resubmitted job) is not this run's speed.
-        done_before = job_status(client, result.job, store=store).done
+        done_before = job_status(client, result.id, store=store).done
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task(f"job {result.job}", total=result.total)
+            task = bar.add_task(f"job {result.id}", total=result.total)
             while True:
-                st = job_status(client, result.job, store=store)
+                st = job_status(client, result.id, store=store)
                 bar.update(task, completed=st.done + st.failed)
                 if st.finished:
                     break
@@ -92,7 +92,7 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
                     console.print(f"[red]all workers exited; see {log_dir}[/]")
                     return 1
                 if timeout and time.monotonic() - started > timeout:
-                    console.print(f"[red]timed out after {timeout:.0f} s; `renderfleet resume {result.job}` goes on[/]")
+                    console.print(f"[red]timed out after {timeout:.0f} s; `renderfleet resume {result.id}` goes on[/]")
                     return 1
                 monitor.tick()
                 time.sleep(0.3)
@@ -102,9 +102,9 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
     finally:
         stop_workers(procs)
     elapsed = time.monotonic() - started
-    where = store.locate(f"{layout.job_prefix(result.job)}images")
+    where = store.locate(f"{layout.job_prefix(result.id)}images")
     rendered = max(0, st.done - done_before)
-    console.print(f"job {result.job}: {st.done} images ({rendered} rendered by this run), {st.failed} quarantined, "
+    console.print(f"job {result.id}: {st.done} images ({rendered} rendered by this run), {st.failed} quarantined, "
                   f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)")
     console.print(f"images: {where}")
     print(where)

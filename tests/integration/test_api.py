@@ -107,3 +107,26 @@ def test_the_readme_example_runs(env: dict[str, str], worker: WorkerProc, tmp_pa
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert ": 9 images, 0 quarantined" in out.stdout and "fox " in out.stdout
+
+
+def test_submit_reads_prompts_from_stdin_with_their_format(env: dict[str, str], worker: WorkerProc) -> None:
+    def submit(data: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "renderfleet", "submit", "-", "--model", "tiny", "--steps", "2",
+                               "--size", "32x32", *args], input=data, env=env, capture_output=True, text=True,
+                              timeout=120, cwd=REPO)
+
+    lines = '{"prompt": "a fox", "id": "fox"}\n{"prompt": "a hen"}\n'
+    out = submit(lines, "--format", "jsonl")
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.split()[-1]
+    client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
+    assert client.job(job).wait(timeout=120, poll=0.5).done == 2
+    assert sorted(client.job(job).results().images) == ["000001", "fox"]
+    # the same stdin again is the same job
+    again = submit(lines, "--format", "jsonl")
+    assert again.stdout.split()[-1] == job and "0 shards enqueued" in again.stderr
+    # problems are named by stdin's line; - needs --format
+    bad = submit('{"prompt": "ok"}\n{"prompt": ""}\n', "--format", "jsonl")
+    assert bad.returncode == 2 and bad.stderr.startswith("<stdin>:2: ") and "Traceback" not in bad.stderr
+    missing = submit(lines)
+    assert missing.returncode == 2 and "--format" in missing.stderr
