@@ -277,6 +277,77 @@ def monitor(
             mon.run_forever()
 
 
+# ---- pools: scale and autoscale ---------------------------------------------------------
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file with [pools.NAME] and [autoscale]")]
+
+
+def _autoscaler(settings: Settings) -> Any:
+    import os
+
+    from renderfleet.core.store import open_store
+    from renderfleet.dispatcher.autoscale import Autoscaler, LocalBackend
+
+    if not settings.pools:
+        raise ConfigError("no pools configured: give --config FILE (or RENDERFLEET_CONFIG) with [pools.NAME] tables")
+    for name, pool in settings.pools.items():
+        if pool.backend != "local":
+            raise ConfigError(f"pools.{name}.backend = {pool.backend!r}: only the local backend is built so far "
+                              "(kubernetes and aws are not)")
+    _, client, url = _connect(settings)
+    env = {**os.environ, "RENDERFLEET_REDIS_URL": url, "RENDERFLEET_STORE": settings.store_url}
+    local = LocalBackend(client, env=env, log_dir=settings.home / "logs" / "autoscale")
+    return Autoscaler(settings, client, open_store(settings.store_url, settings.s3_options),
+                      dict.fromkeys(settings.pools, local))
+
+
+@app.command()
+def scale(
+    pool: Annotated[str, typer.Argument(help="a pool of the config file")],
+    size: Annotated[int, typer.Argument(help="workers wanted")],
+    config: ConfigOpt = None,
+) -> None:
+    """Set one pool's size now, through its backend (local: worker processes on this machine)."""
+    _logging()
+    settings = _settings(config=config)
+    with _user_errors():
+        scaler = _autoscaler(settings)
+        if pool not in settings.pools:
+            raise InputError([f"POOL: no pool {pool!r} in {settings.config} (pools: {', '.join(settings.pools)})"])
+        if size < 0:
+            raise InputError([f"N: must not be negative, got {size}"])
+        backend = scaler.backends[pool]
+        before = backend.size(pool)
+        backend.set_size(pool, size)
+    _err(f"pool {pool}: {before} -> {size} workers (idle ones stop first, by the hand-off)")
+
+
+@app.command()
+def autoscale(
+    config: ConfigOpt = None,
+    once: Annotated[bool, typer.Option(help="one decision, then exit")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, change nothing")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print each decision as JSON")] = False,
+) -> None:
+    """Size every pool of the config file to the backlog, in seconds of work, until Ctrl-C."""
+    _logging(verbose=True)
+    settings = _settings(config=config)
+    import time
+
+    with _user_errors():
+        scaler = _autoscaler(settings)
+        while True:
+            tick = scaler.tick(dry_run=dry_run)
+            if as_json:
+                print(json.dumps(tick.to_dict()), flush=True)
+            else:
+                for d in tick.decisions:
+                    _err(f"{d['pool']}: {d['current']} -> {d['desired']}: {d['reason']}")
+            if once or dry_run:
+                return
+            time.sleep(settings.autoscale.interval_seconds)
+
+
 # ---- run: the all-in-one ------------------------------------------------------------
 
 

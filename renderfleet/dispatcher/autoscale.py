@@ -29,70 +29,14 @@ import redis
 from renderfleet.core import keys
 from renderfleet.core.embedded import private_dir
 from renderfleet.core.settings import PoolConfig, Settings
+from renderfleet.core.store import Store
 from renderfleet.dispatcher.policy import Decision, PoolState, decide
+from renderfleet.dispatcher.status import FleetStatus, fleet_status
 
 log = logging.getLogger("renderfleet.autoscale")
 
-# Seconds one reference worker takes per megapixel and denoising step, until
-# workers have measured it (an SD1.5-class model on a mid-range GPU).
-DEFAULT_SECONDS_PER_MPSTEP = 0.15
-
-
-# ---- measuring the backlog --------------------------------------------------------
-
-
 def _ratio(stats: dict[str, int], num: str, den: str) -> float | None:
     return stats[num] / stats[den] if stats.get(num) and stats.get(den) else None
-
-
-def pool_stats(client: redis.Redis) -> dict[str, dict[str, int]]:
-    """Every pool's counters (images, render_ms, mps_milli, started/wasted images, reclaims, ...)."""
-    out = {}
-    for key in client.scan_iter(match=f"{keys.POOL_STATS_PREFIX}*", count=1000):
-        pool = keys.text(key)[len(keys.POOL_STATS_PREFIX):]
-        out[pool] = {keys.text(k): int(v) for k, v in client.hgetall(key).items()}
-    return out
-
-
-def seconds_per_mpstep(stats: dict[str, dict[str, int]]) -> float:
-    """The fleet's measured seconds per megapixel-step (the reference worker's speed)."""
-    ms = sum(s.get("render_ms", 0) for s in stats.values())
-    mps = sum(s.get("mps_milli", 0) for s in stats.values())
-    return ms / mps if ms and mps else DEFAULT_SECONDS_PER_MPSTEP
-
-
-@dataclass(frozen=True)
-class JobBacklog:
-    job: str
-    left: int  # prompts neither done nor quarantined, queued or in flight
-    seconds: float  # of work, on a reference worker
-
-
-def backlog_seconds(client: redis.Redis, spmps: float) -> tuple[float, list[JobBacklog]]:
-    """The fleet's backlog in seconds of work, queued and in flight, and per job.
-
-    A prompt costs its megapixels times its steps times the measured seconds
-    per megapixel-step (a job's own per-prompt sizes average out at its
-    spec's; a shard of 1024x1024 costs four of 512x512).
-    """
-    jobs = sorted(keys.text(j) for j in client.smembers(keys.JOBS))
-    pipe = client.pipeline(transaction=False)
-    for job in jobs:
-        pipe.hget(keys.job(job), "spec")
-        pipe.bitcount(keys.done_bits(job))
-        pipe.bitcount(keys.failed_bits(job))
-    replies = pipe.execute()
-    out = []
-    for i, job in enumerate(jobs):
-        raw, done, failed = replies[3 * i: 3 * i + 3]
-        if not raw:
-            continue
-        spec = json.loads(raw)
-        left = max(0, int(spec["total"]) - int(done) - int(failed))
-        p = spec["params"]
-        per_image = p["width"] * p["height"] / 1e6 * p["steps"] * spmps
-        out.append(JobBacklog(job, left, left * per_image))
-    return sum(b.seconds for b in out), out
 
 
 # ---- backends ------------------------------------------------------------------------
@@ -222,24 +166,28 @@ class Tick:
         return asdict(self)
 
 
+# Starting a worker process before its model loads (interpreter, imports, Redis).
+PROCESS_START_SECONDS = 5.0
+
+
 class Autoscaler:
     """Applies the policy to every configured pool through its backend."""
 
-    def __init__(self, settings: Settings, client: redis.Redis, backends: dict[str, Backend],
+    def __init__(self, settings: Settings, client: redis.Redis, store: Store, backends: dict[str, Backend],
                  clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.client = client
+        self.store = store
         self.backends = backends
         self.clock = clock
         self.last_change: dict[str, float] = {}
         self.pending_since: dict[str, float] = {}
 
     def _state(self, name: str, cfg: PoolConfig, stats: dict[str, dict[str, int]], spmps: float,
-               now: float) -> PoolState:
+               now: float, fleet: FleetStatus) -> PoolState:
         backend = self.backends[name]
         current = backend.size(name)
-        ready_of = getattr(backend, "ready", None)
-        ready = ready_of(name) if ready_of else len(registered_workers(self.client, name))
+        ready = fleet.pool_sizes().get(name, 0)
         if ready < current:
             self.pending_since.setdefault(name, now)
         else:
@@ -247,19 +195,18 @@ class Autoscaler:
         mine = stats.get(name, {})
         own = _ratio(mine, "render_ms", "mps_milli")
         lost = _ratio(mine, "wasted_images", "started_images") or 0.0
-        loads = [w for w in registered_workers(self.client, name)]
-        load_ms = [int(self.client.hget(keys.worker_stats(w["worker"]), "load_ms") or 0) for w in loads]
-        cold = (sum(load_ms) / len(load_ms) / 1000 + 10.0) if load_ms and any(load_ms) else None
+        # A worker's cold start: its model load (measured) plus starting the process.
+        load_ms = [int(w.get("load_ms", 0)) for w in fleet.workers if w.get("pool") == name]
+        cold = (sum(load_ms) / len(load_ms) / 1000 + PROCESS_START_SECONDS) if any(load_ms) else None
         return PoolState(name, cfg, current=current, ready=ready, speed=spmps / own if own else 1.0,
                          lost_fraction=lost, cold_start_seconds=cold, last_change=self.last_change.get(name),
                          pending_since=self.pending_since.get(name))
 
     def tick(self, *, dry_run: bool = False) -> Tick:
         now = self.clock()
-        stats = pool_stats(self.client)
-        spmps = seconds_per_mpstep(stats)
-        backlog, jobs = backlog_seconds(self.client, spmps)
-        states = [self._state(n, c, stats, spmps, now) for n, c in self.settings.pools.items()]
+        fleet = fleet_status(self.client, store=self.store)
+        stats, spmps, backlog = fleet.pools, fleet.seconds_per_mpstep, fleet.backlog_seconds
+        states = [self._state(n, c, stats, spmps, now, fleet) for n, c in self.settings.pools.items()]
         decisions = decide(backlog, states, self.settings.autoscale, now)
         if not dry_run:
             for d in decisions:
@@ -268,7 +215,8 @@ class Autoscaler:
                     self.last_change[d.pool] = now
                     log.warning("pool %s: %d -> %d: %s", d.pool, d.current, d.desired, d.reason)
             self._publish(decisions)
-        return Tick(time.time(), backlog, spmps, [asdict(j) for j in jobs], [_decision(d) for d in decisions])
+        jobs = [{"job": j.job, "left": j.left, "backlog_seconds": round(j.backlog_seconds, 3)} for j in fleet.jobs]
+        return Tick(time.time(), backlog, spmps, jobs, [_decision(d) for d in decisions])
 
     def _publish(self, decisions: list[Decision]) -> None:
         """What was decided, for status and the metrics endpoint."""

@@ -23,6 +23,13 @@ def print_status(fleet: FleetStatus, console: Console | None = None) -> None:
     if fleet.other_stores:
         console.print(f"({fleet.other_stores} job(s) of other stores on this Redis not shown: "
                       "set RENDERFLEET_STORE to see them)")
+    sizes = fleet.pool_sizes()
+    if fleet.backlog_seconds or fleet.desired:
+        console.print(f"backlog: {fleet.backlog_seconds:,.0f} s of work (queued and in flight), "
+                      f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step")
+    if fleet.desired:
+        console.print("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted" for p, n in
+                                            sorted(fleet.desired.items())))
     queues = Table(title="queues")
     queues.add_column("queue")
     queues.add_column("depth (shards)", justify="right")

@@ -35,10 +35,16 @@ class JobStatus:
     shards_queued: int
     shards_running: int
     known_to_redis: bool
+    megapixel_steps: float = 0.0  # one image's work at the job's settings: width x height x steps / 1e6
+    backlog_seconds: float = 0.0  # seconds of work left (queued and in flight), on a reference worker
 
     @property
     def finished(self) -> bool:
         return self.done + self.failed >= self.total
+
+    @property
+    def left(self) -> int:
+        return max(0, self.total - self.done - self.failed)
 
 
 @dataclass
@@ -48,10 +54,38 @@ class FleetStatus:
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
     jobs: list[JobStatus] = field(default_factory=list)
     other_stores: int = 0  # jobs this Redis counts for stores other than the one read
+    backlog_seconds: float = 0.0  # of the jobs shown
+    seconds_per_mpstep: float = 0.0  # the fleet's measured speed (or the default estimate)
+    desired: dict[str, int] = field(default_factory=dict)  # pool -> size the autoscaler last decided
 
     def to_dict(self) -> dict[str, Any]:
         return {"queues": self.queues, "workers": self.workers, "pools": self.pools,
-                "jobs": [asdict(j) for j in self.jobs], "jobs_of_other_stores": self.other_stores}
+                "jobs": [asdict(j) for j in self.jobs], "jobs_of_other_stores": self.other_stores,
+                "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
+                "pool_sizes": self.pool_sizes(), "desired": self.desired}
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Workers up, by pool."""
+        sizes: dict[str, int] = {}
+        for w in self.workers:
+            sizes[str(w.get("pool"))] = sizes.get(str(w.get("pool")), 0) + 1
+        return sizes
+
+
+# Seconds one reference worker takes per megapixel and denoising step, until
+# workers have measured it (an SD1.5-class model on a mid-range GPU).
+DEFAULT_SECONDS_PER_MPSTEP = 0.15
+
+
+def seconds_per_mpstep(pools: dict[str, dict[str, int]]) -> float:
+    """The fleet's measured seconds per megapixel-step, from the pools' counters."""
+    ms = sum(p.get("render_ms", 0) for p in pools.values())
+    mps = sum(p.get("mps_milli", 0) for p in pools.values())
+    return ms / mps if ms and mps else DEFAULT_SECONDS_PER_MPSTEP
+
+
+def _megapixel_steps(params: dict[str, Any]) -> float:
+    return float(params.get("width", 0)) * float(params.get("height", 0)) * float(params.get("steps", 0)) / 1e6
 
 
 def _int(value: Any) -> int:
@@ -83,7 +117,8 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         images = stored_names(store, job, "images")
         # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
         quarantined = stored_names(store, job, "quarantine") - images
-        return JobStatus(job, spec.total, len(images), len(quarantined), 0, 0, spec.shards, 0, 0, False)
+        return JobStatus(job, spec.total, len(images), len(quarantined), 0, 0, spec.shards, 0, 0, False,
+                         _megapixel_steps(spec.params.to_dict()))
     queued = running = sq = sr = 0
     for shard, state in states.items():
         n = _int(left.get(shard))
@@ -95,7 +130,8 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
             sr += 1
     spec = json.loads(spec_json) if spec_json else {}
     shards = -(-int(spec.get("total", 0)) // int(spec.get("shard_size", 1)))
-    return JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True)
+    return JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True,
+                     _megapixel_steps(spec.get("params", {})))
 
 
 def queue_depths(client: redis.Redis) -> dict[str, int]:
@@ -161,8 +197,13 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     elif store is not None:
         for job in jobs:
             check_in_store(store, job)
+    status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
     for job in jobs:
-        status.jobs.append(job_status(client, job, store=store))
+        st = job_status(client, job, store=store)
+        st.backlog_seconds = st.left * st.megapixel_steps * status.seconds_per_mpstep
+        status.backlog_seconds += st.backlog_seconds
+        status.jobs.append(st)
+    status.desired = {keys.text(k): int(v) for k, v in client.hgetall(keys.DESIRED).items() if k}
     return status
 
 

@@ -62,8 +62,10 @@ class RedisLedger:
     def record_start(self, images: int) -> None:
         self._bump(started_images=images, started_batches=1)
 
-    def record_batch(self, images: int, seconds: float) -> None:
-        self._bump(images=images, batches=1, render_ms=int(seconds * 1000))
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
+        # mps_milli: the work those milliseconds bought, so the autoscaler can turn a
+        # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
+        self._bump(images=images, batches=1, render_ms=int(seconds * 1000), mps_milli=int(megapixel_steps * 1000))
 
     def record_waste(self, images: int) -> None:
         self._bump(wasted_batches=1, wasted_images=images)

@@ -69,7 +69,8 @@ class Ledger(Protocol):
     def record_start(self, images: int) -> None:
         """A batch is about to render (started minus rendered = work lost to kills)."""
 
-    def record_batch(self, images: int, seconds: float) -> None: ...
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
+        """A batch rendered: ``megapixel_steps`` (pixels x steps / 1e6, summed) sizes its work."""
 
     def record_waste(self, images: int) -> None:
         """Renders thrown away (abandoned or fenced batches)."""
@@ -199,7 +200,8 @@ class ShardRunner:
         elapsed = time.monotonic() - started
         if images:
             self._batch_seconds = elapsed
-            ledger.record_batch(len(images), elapsed)
+            work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
+            ledger.record_batch(len(images), elapsed, work)
 
         testhooks.pause_at("after-render")
         ledger.check()  # asks Redis: a fenced worker writes nothing more
