@@ -94,6 +94,7 @@ ShardSize = Annotated[int, typer.Option("--shard-size", help="prompts per shard 
 BatchSize = Annotated[int, typer.Option("--batch-size", help="prompts per pipeline call and checkpoint")]
 Pool = Annotated[str | None, typer.Option(help="pool whose queue gets the work")]
 JobOpt = Annotated[str | None, typer.Option("--job", help="job id (default: derived from content and settings)")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file with [pools.NAME] and [autoscale]")]
 
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
@@ -179,17 +180,35 @@ def worker(
 def status(
     job: Annotated[str | None, typer.Argument(help="a job id; all jobs when left out")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="redraw every 2 s until Ctrl-C")] = False,
+    config: ConfigOpt = None,
 ) -> None:
-    """Progress of a job (or every job), queue depths and workers."""
-    settings = _settings()
+    """Progress of a job (or every job): rate, ETA, cost; backlog, queues and workers."""
+    settings = _settings(config=config)
     from renderfleet.core.store import open_store
     from renderfleet.dispatcher.status import fleet_status
 
+    prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
     with _user_errors():
         _, client, _ = _connect(settings)
-        fleet = fleet_status(client, [_job_id(job)] if job else None,
-                             store=open_store(settings.store_url, settings.s3_options))
+        store = open_store(settings.store_url, settings.s3_options)
+        jobs = [_job_id(job)] if job else None
+        fleet = fleet_status(client, jobs, store=store, prices=prices)
         reasons = _failure_reasons(client, job) if job else {}
+        if watch and not as_json:
+            import time
+
+            from rich.live import Live
+
+            from renderfleet.dispatcher.show import render_status
+
+            try:
+                with Live(render_status(fleet), refresh_per_second=1, screen=False) as live:
+                    while True:
+                        time.sleep(2)
+                        live.update(render_status(fleet_status(client, jobs, store=store, prices=prices)))
+            except KeyboardInterrupt:
+                return
     if as_json:
         data: dict[str, Any] = fleet.to_dict()
         if job:
@@ -278,9 +297,6 @@ def monitor(
 
 
 # ---- pools: scale and autoscale ---------------------------------------------------------
-
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file with [pools.NAME] and [autoscale]")]
-
 
 def _autoscaler(settings: Settings) -> Any:
     import os

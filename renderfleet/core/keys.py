@@ -57,6 +57,19 @@ def attempts(job_id: str) -> str:
     return f"rf:job:{job_id}:attempts"
 
 
+def job_stats(job_id: str) -> str:
+    """hash of one job's counters: images.<pool>, render_ms.<pool> (GPU-ms), started_images, wasted_images."""
+    return f"rf:job:{job_id}:stats"
+
+
+def progress(job_id: str) -> str:
+    """list, newest first, capped: "<unix time> <images>" per committed batch (rate and ETA)."""
+    return f"rf:job:{job_id}:progress"
+
+
+PROGRESS_KEEP = 4096  # batches kept in a job's progress list
+
+
 def fails(job_id: str) -> str:
     """hash prompt index -> failures so far."""
     return f"rf:job:{job_id}:fails"

@@ -9,6 +9,7 @@ were quarantined and why.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +38,13 @@ class JobStatus:
     known_to_redis: bool
     megapixel_steps: float = 0.0  # one image's work at the job's settings: width x height x steps / 1e6
     backlog_seconds: float = 0.0  # seconds of work left (queued and in flight), on a reference worker
+    images_per_minute: float = 0.0  # over the last few minutes
+    eta_seconds: float | None = None  # at that rate; None while nothing is being rendered
+    gpu_seconds: dict[str, float] = field(default_factory=dict)  # render time spent, by pool
+    redeliveries: int = 0  # shard deliveries beyond the first: preemptions, kills, hand-backs survived
+    wasted_images: int = 0  # renders thrown away by them (work lost)
+    cost: float | None = None  # gpu_seconds x each pool's price per hour; None without prices
+    cost_per_image: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -106,7 +114,10 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     pipe.bitcount(keys.failed_bits(job))
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
-    (total, spec_json, owner), done, failed, states, left = pipe.execute()
+    pipe.hgetall(keys.job_stats(job))
+    pipe.lrange(keys.progress(job), 0, keys.PROGRESS_KEEP - 1)
+    pipe.hvals(keys.attempts(job))
+    (total, spec_json, owner), done, failed, states, left, stats, progress, attempts = pipe.execute()
     if total is not None and store is not None and owner and keys.text(owner) != store_identity(store.url):
         raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store "
                           f"{keys.text(owner)})")
@@ -130,8 +141,37 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
             sr += 1
     spec = json.loads(spec_json) if spec_json else {}
     shards = -(-int(spec.get("total", 0)) // int(spec.get("shard_size", 1)))
-    return JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True,
-                     _megapixel_steps(spec.get("params", {})))
+    st = JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True,
+                   _megapixel_steps(spec.get("params", {})))
+    _add_progress(st, {keys.text(k): int(v) for k, v in stats.items()}, [keys.text(p) for p in progress],
+                  [int(a) for a in attempts])
+    return st
+
+
+RATE_WINDOW_SECONDS = 300.0
+
+
+def _add_progress(st: JobStatus, stats: dict[str, int], progress: list[str], attempts: list[int],
+                  now: float | None = None) -> None:
+    """Rate, ETA, GPU time by pool, redeliveries and work lost, from the workers' counters."""
+    now = time.time() if now is None else now
+    stamps = [(float(t), int(n)) for t, _, n in (p.partition(" ") for p in progress)]
+    recent = [(t, n) for t, n in stamps if t >= now - RATE_WINDOW_SECONDS]
+    if recent:
+        span = max(30.0, min(RATE_WINDOW_SECONDS, now - min(t for t, _ in stamps)))
+        st.images_per_minute = sum(n for _, n in recent) / span * 60
+        st.eta_seconds = st.left / st.images_per_minute * 60 if st.left else 0.0
+    st.gpu_seconds = {k.removeprefix("render_ms."): v / 1000 for k, v in stats.items() if k.startswith("render_ms.")}
+    st.redeliveries = sum(a - 1 for a in attempts if a > 1)
+    st.wasted_images = stats.get("wasted_images", 0)
+
+
+def price(st: JobStatus, prices: dict[str, float]) -> None:
+    """Cost so far and per image: GPU time by pool times that pool's price per hour."""
+    if not prices:
+        return
+    st.cost = sum(seconds * prices.get(pool, 0.0) / 3600 for pool, seconds in st.gpu_seconds.items())
+    st.cost_per_image = st.cost / st.done if st.done else None
 
 
 def queue_depths(client: redis.Redis) -> dict[str, int]:
@@ -177,7 +217,8 @@ def check_in_store(store: Store, job: str) -> None:
                           "emptied, or the job is still being submitted)")
 
 
-def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None) -> FleetStatus:
+def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None,
+                 prices: dict[str, float] | None = None) -> FleetStatus:
     """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store``.
 
     A job named explicitly must be in ``store`` (one existence check each).
@@ -201,6 +242,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     for job in jobs:
         st = job_status(client, job, store=store)
         st.backlog_seconds = st.left * st.megapixel_steps * status.seconds_per_mpstep
+        price(st, prices or {})
         status.backlog_seconds += st.backlog_seconds
         status.jobs.append(st)
     status.desired = {keys.text(k): int(v) for k, v in client.hgetall(keys.DESIRED).items() if k}

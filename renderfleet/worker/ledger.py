@@ -52,11 +52,18 @@ class RedisLedger:
     def record_failure(self, prompt: Prompt, error: str) -> int:
         return self.leases.record_failure(self.lease, prompt.index, error)
 
-    def _bump(self, **fields: int) -> None:
+    def _bump(self, *, progress: int = 0, **fields: int) -> None:
         pipe = self.client.pipeline(transaction=False)
         for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool)):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
+        # The job's own account: GPU time and images by pool (its cost), work lost.
+        job = keys.job_stats(self.lease.job)
+        for name, value in fields.items():
+            pipe.hincrby(job, f"{name}.{self.pool}" if name in ("images", "render_ms") else name, value)
+        if progress:
+            pipe.lpush(keys.progress(self.lease.job), f"{time.time():.3f} {progress}")
+            pipe.ltrim(keys.progress(self.lease.job), 0, keys.PROGRESS_KEEP - 1)
         pipe.execute()
 
     def record_start(self, images: int) -> None:
@@ -65,7 +72,8 @@ class RedisLedger:
     def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
         # mps_milli: the work those milliseconds bought, so the autoscaler can turn a
         # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
-        self._bump(images=images, batches=1, render_ms=int(seconds * 1000), mps_milli=int(megapixel_steps * 1000))
+        self._bump(images=images, batches=1, render_ms=int(seconds * 1000), mps_milli=int(megapixel_steps * 1000),
+                   progress=images)
 
     def record_waste(self, images: int) -> None:
         self._bump(wasted_batches=1, wasted_images=images)

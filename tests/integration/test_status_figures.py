@@ -1,0 +1,58 @@
+"""status's figures against a job with a SIGKILL and a quarantined prompt: exact counts, cost, a falling ETA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from renderfleet.core.embedded import RedisServerProcess
+from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for
+
+pytestmark = pytest.mark.integration
+
+PRICE = 3.6  # per hour: a GPU-second costs 0.001
+
+
+def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'[pools.default]\nkind = "on-demand"\nprice_per_hour = {PRICE}\nmin = 0\nmax = 2\n')
+    store = tmp_path / "store"
+    env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config))
+    lines = [json.dumps({"prompt": f"prompt {i}", **({"id": "bad"} if i == 17 else {})}) for i in range(48)]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    job = cli(env, "submit", str(tmp_path / "p.jsonl"), *TINY, "--shard-size", "4", "--batch-size", "2").stdout.split()[-1]
+    # The store refuses this one image (a folder where its file goes): quarantined after 3 tries.
+    (store / "jobs" / job / "images" / "bad.png").mkdir(parents=True)
+
+    first = WorkerProc(env, tmp_path / "w1.log")
+    second: WorkerProc | None = None
+    try:
+        early = wait_for(lambda: (s := job_status(env, job))["done"] >= 8 and s["in_flight"] and s, 120, interval=0.3,
+                         what="the job under way")
+        first.kill()  # SIGKILL mid-shard: its lease expires and the shard is handed on
+        second = WorkerProc(env, tmp_path / "w2.log")
+        later = wait_for(lambda: (s := job_status(env, job))["done"] >= 32 and s, 120, interval=0.5, what="progress")
+        final = wait_for(lambda: (s := job_status(env, job))["done"] + s["failed"] == 48 and s, 180, interval=1.0,
+                         what="the job to finish")
+    finally:
+        first.kill()
+        if second:
+            second.kill()
+
+    assert (final["done"], final["failed"], final["queued"], final["in_flight"]) == (47, 1, 0, 0)
+    assert final["redeliveries"] >= 1  # the killed worker's shard, delivered again
+    # ETA: finite while running, falling as the job goes on, zero at the end
+    assert early["eta_seconds"] is not None and later["eta_seconds"] is not None
+    assert later["eta_seconds"] < early["eta_seconds"] and final["eta_seconds"] == 0
+    assert early["images_per_minute"] > 0
+    # cost: GPU-seconds by pool times the pool's price, and per image
+    gpu = sum(final["gpu_seconds"].values())
+    assert set(final["gpu_seconds"]) == {"default"} and gpu > 0
+    assert final["cost"] == pytest.approx(gpu * PRICE / 3600)
+    assert final["cost_per_image"] == pytest.approx(final["cost"] / 47)
+    res = json.loads(cli(env, "results", job, "--json", check=False).stdout)
+    assert len(res["images"]) == 47 and list(res["quarantined"]) == ["bad"]
+    text = cli({**env, "COLUMNS": "200"}, "status", job).stdout
+    assert "img/min" in text and "per image" in text
