@@ -280,16 +280,29 @@ def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
 @app.command()
 def monitor(
     once: Annotated[bool, typer.Option(help="one pass, then exit")] = False,
+    http: Annotated[str | None, typer.Option("--http", help="serve /metrics and /api/ on HOST:PORT "
+                                             "(off loopback only with RENDERFLEET_HTTP_TOKEN)")] = None,
+    config: ConfigOpt = None,
 ) -> None:
-    """Reap expired leases and resume jobs that Redis lost, until Ctrl-C."""
+    """Reap expired leases, recover lost shards, resume jobs that Redis lost; serve metrics. Until Ctrl-C."""
     _logging(verbose=True)
-    settings = _settings()
+    settings = _settings(config=config)
     from renderfleet.core.store import open_store
     from renderfleet.dispatcher.monitor import Monitor
 
     with _user_errors():
         celery, client, _ = _connect(settings)
-        mon = Monitor(settings, celery, client, open_store(settings.store_url, settings.s3_options))
+        store = open_store(settings.store_url, settings.s3_options)
+        mon = Monitor(settings, celery, client, store)
+        if http:
+            from renderfleet.dispatcher.http import serve
+            from renderfleet.dispatcher.status import fleet_status
+
+            prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
+            server = serve(http, lambda: fleet_status(client, store=store, prices=prices), prices,
+                           settings.http_token)
+            _err(f"monitor: serving /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
+                 f"{server.server_port}/")
         if once:
             mon.tick()
         else:

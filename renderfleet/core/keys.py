@@ -12,6 +12,7 @@ INFLIGHT = "rf:inflight"  # zset "<job>:<shard>" -> lease expiry (ms, Redis cloc
 WORKERS = "rf:workers"  # hash worker id -> JSON registration
 EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
 REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
+FLEET_STATS = "rf:fleet"  # hash of fleet-wide counters: reaped (expired leases re-queued)
 DESIRED = "rf:desired"  # hash pool -> the size the autoscaler last decided
 LEASE_PREFIX = "rf:lease:"
 JOB_PREFIX = "rf:job:"

@@ -28,6 +28,8 @@ def reap_once(leases: Leases, publish: Publisher, *, owner: str, lock_ms: int) -
     if not leases.client.set(keys.REAPER_LOCK, owner, nx=True, px=lock_ms):
         return []
     reaped = leases.reap()
+    if reaped:
+        leases.client.hincrby(keys.FLEET_STATS, "reaped", len(reaped))
     for r in reaped:
         if r.message is not None:
             # No envelope was stored with the lease: publish the message ourselves.

@@ -133,6 +133,8 @@ class Settings(BaseSettings):
     s3_storage_class: str | None = None
     # Bucket addressing: auto, path (MinIO and other S3-compatible stores) or virtual.
     s3_addressing: str = "auto"
+    # Required on every request to the monitor's HTTP endpoint when it listens off loopback.
+    http_token: str | None = None
     # The TOML file the pools (and any setting above) came from; None: no file.
     config: Path | None = None
     # Worker pools by name; empty: no scaling, a pool is just a queue.

@@ -65,12 +65,13 @@ class FleetStatus:
     backlog_seconds: float = 0.0  # of the jobs shown
     seconds_per_mpstep: float = 0.0  # the fleet's measured speed (or the default estimate)
     desired: dict[str, int] = field(default_factory=dict)  # pool -> size the autoscaler last decided
+    reaped: int = 0  # expired leases whose shard was re-queued, ever
 
     def to_dict(self) -> dict[str, Any]:
         return {"queues": self.queues, "workers": self.workers, "pools": self.pools,
                 "jobs": [asdict(j) for j in self.jobs], "jobs_of_other_stores": self.other_stores,
                 "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
-                "pool_sizes": self.pool_sizes(), "desired": self.desired}
+                "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped}
 
     def pool_sizes(self) -> dict[str, int]:
         """Workers up, by pool."""
@@ -246,6 +247,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         status.backlog_seconds += st.backlog_seconds
         status.jobs.append(st)
     status.desired = {keys.text(k): int(v) for k, v in client.hgetall(keys.DESIRED).items() if k}
+    status.reaped = int(client.hget(keys.FLEET_STATS, "reaped") or 0)
     return status
 
 

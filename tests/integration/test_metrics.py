@@ -1,0 +1,91 @@
+"""The monitor's metrics and status JSON, scraped over HTTP and parsed with prometheus_client's parser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from renderfleet.core.embedded import RedisServerProcess
+from tests.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from tests.servers import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError:
+        return 0, b""  # not listening (yet)
+
+
+def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor", "--http", address], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('[pools.default]\nprice_per_hour = 3.6\nmax = 1\n')
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config))
+    worker = WorkerProc(env, tmp_path / "worker.log")
+    port = free_port()
+    monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor.log")
+    try:
+        wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
+        job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 12)), *TINY, "--shard-size", "4").stdout.split()[-1]
+        wait_for(lambda: job_status(env, job)["done"] == 12, 120, interval=0.5, what="the job")
+        # a restart of the monitor loses nothing: every figure is read from Redis at scrape time
+        monitor.terminate()
+        monitor.wait(10)
+        monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor2.log")
+        status, body = wait_for(lambda: (r := get(f"http://127.0.0.1:{port}/metrics"))[0] == 200 and r, 30,
+                                what="metrics")
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+        assert samples[("renderfleet_images_rendered_total", (("pool", "default"),))] == 12
+        assert samples[("renderfleet_workers_up", (("pool", "default"),))] == 1
+        assert samples[("renderfleet_backlog_images", ())] == 0
+        assert samples[("renderfleet_jobs", (("state", "finished"),))] == 1
+        gpu = samples[("renderfleet_render_seconds_total", (("pool", "default"),))]
+        assert gpu > 0 and samples[("renderfleet_cost_total", (("pool", "default"),))] == pytest.approx(gpu * 3.6 / 3600)
+        status, body = get(f"http://127.0.0.1:{port}/api/status")
+        data = json.loads(body)
+        assert status == 200 and [j["job"] for j in data["jobs"]] == [job] and data["jobs"][0]["done"] == 12
+    finally:
+        monitor.terminate()
+        monitor.wait(10)
+        worker.kill()
+
+
+def test_off_loopback_the_endpoint_needs_a_token_and_enforces_it(tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    port = free_port()
+    refused = subprocess.run([sys.executable, "-m", "renderfleet", "monitor", "--once", "--http", f"0.0.0.0:{port}"],
+                             env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert refused.returncode == 2 and "RENDERFLEET_HTTP_TOKEN" in refused.stderr and "Traceback" not in refused.stderr
+    monitor = start_monitor({**env, "RENDERFLEET_HTTP_TOKEN": "s3cret-token"}, f"0.0.0.0:{port}", tmp_path / "m.log")
+    try:
+        wait_for(lambda: get(f"http://127.0.0.1:{port}/metrics")[0] in (200, 401), 30, what="the endpoint")
+        assert get(f"http://127.0.0.1:{port}/metrics")[0] == 401
+        assert get(f"http://127.0.0.1:{port}/api/status", token="wrong")[0] == 401
+        assert get(f"http://127.0.0.1:{port}/metrics", token="s3cret-token")[0] == 200
+        assert get(f"http://127.0.0.1:{port}/api/status?token=s3cret-token")[0] == 200
+    finally:
+        monitor.terminate()
+        monitor.wait(10)
