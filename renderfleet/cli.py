@@ -239,6 +239,10 @@ def _failure_reasons(client: Any, job: str, limit: int = 5) -> dict[str, int]:
 def results(
     job: Annotated[str, typer.Argument(help="the job id")],
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
+    manifest: Annotated[Path | None, typer.Option("--manifest", help="write one row per prompt to a "
+                                                  ".parquet, .jsonl or .csv file")] = None,
+    sheet: Annotated[Path | None, typer.Option("--contact-sheet", help="write a PNG grid of the first images")] = None,
+    first: Annotated[int, typer.Option("--first", help="images on the contact sheet")] = 100,
 ) -> None:
     """Where each prompt's image is, and which are missing or quarantined."""
     settings = _settings()
@@ -246,7 +250,17 @@ def results(
     from renderfleet.dispatcher.status import results as job_results
 
     with _user_errors():
-        res = job_results(open_store(settings.store_url, settings.s3_options), _job_id(job))
+        store = open_store(settings.store_url, settings.s3_options)
+        if manifest or sheet:
+            from renderfleet.dispatcher.manifest import contact_sheet, manifest_rows, write_manifest
+
+            if manifest:
+                n = write_manifest(manifest_rows(store, _job_id(job), _attempts(settings, job)), manifest)
+                _err(f"{manifest}: {n} rows")
+            if sheet:
+                _err(f"{sheet}: {contact_sheet(store, _job_id(job), sheet, limit=first)} images")
+            return
+        res = job_results(store, _job_id(job))
     if as_json:
         print(json.dumps(res.to_dict()))
     else:
@@ -259,6 +273,16 @@ def results(
         _err(f"{len(res.images)} images, {len(res.missing)} missing, {len(res.quarantined)} quarantined")
     if res.missing:
         raise typer.Exit(1)  # a script can tell an unfinished job from a finished one
+
+
+def _attempts(settings: Settings, job: str) -> dict[int, int]:
+    """Deliveries per shard, when Redis knows the job (the manifest's attempts column)."""
+    if not settings.redis_url:
+        return {}  # no broker configured: do not start the embedded one just for this
+    from renderfleet.core import keys
+
+    _, client, _ = _connect(settings)
+    return {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
 
 
 @app.command()

@@ -1,0 +1,76 @@
+"""results --manifest (Parquet, JSON Lines, CSV, streamed) and --contact-sheet."""
+
+from __future__ import annotations
+
+import csv
+import json
+import tracemalloc
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import redis
+from PIL import Image
+
+from renderfleet.core import spec
+from renderfleet.core.embedded import RedisServerProcess
+from renderfleet.core.spec import JobSpec, RenderParams
+from renderfleet.core.store import LocalStore
+from renderfleet.dispatcher.manifest import manifest_rows, write_manifest
+from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready
+
+pytestmark = pytest.mark.integration
+
+
+def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    lines = [json.dumps({"prompt": f"a fox, take {i}", **({"id": "hero", "seed": 7} if i == 2 else {})})
+             for i in range(6)]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    worker = WorkerProc(env, tmp_path / "worker.log")
+    try:
+        wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
+        job = cli(env, "submit", str(tmp_path / "p.jsonl"), *TINY, "--shard-size", "3").stdout.split()[-1]
+        wait_for(lambda: job_status(env, job)["done"] == 6, 120, interval=0.5, what="the job")
+    finally:
+        worker.kill()
+    (tmp_path / "store" / "jobs" / job / "images" / "000004.png").unlink()  # one gone missing
+
+    for name in ("m.parquet", "m.jsonl", "m.csv"):
+        out = cli(env, "results", job, "--manifest", str(tmp_path / name))
+        assert "6 rows" in out.stderr
+    rows = pq.read_table(tmp_path / "m.parquet").to_pylist()
+    assert rows == [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    with open(tmp_path / "m.csv", newline="") as f:
+        assert [r["id"] for r in csv.DictReader(f)] == [r["id"] for r in rows]
+    assert [r["id"] for r in rows] == ["000000", "000001", "hero", "000003", "000004", "000005"]
+    hero = rows[2]
+    assert hero["seed"] == 7 and hero["steps"] == 2 and hero["width"] == 32 and hero["model"] == "tiny"
+    assert hero["status"] == "done" and hero["image"].endswith(f"jobs/{job}/images/hero.png")
+    assert rows[4]["status"] == "missing" and rows[4]["image"] == ""
+    assert all(r["attempts"] >= 1 for r in rows)
+
+    cli(env, "results", job, "--contact-sheet", str(tmp_path / "sheet.png"))
+    with Image.open(tmp_path / "sheet.png") as img:
+        assert img.format == "PNG" and img.width == 5 * 128  # five images, one row
+
+    bad = cli(env, "results", job, "--manifest", str(tmp_path / "m.xlsx"), check=False)
+    assert bad.returncode == 2 and "--manifest" in bad.stderr and not (tmp_path / "m.xlsx").exists()
+
+
+def test_a_manifest_of_a_hundred_thousand_prompts_streams(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    n = 100_000
+    job = JobSpec(job="j-big", params=RenderParams(model="tiny"), total=n, shard_size=64, batch_size=4,
+                  prompts_key=spec.source_key("j-big", "txt", False))
+    source = tmp_path / "p.txt"
+    source.write_text("".join(f"prompt number {i}, in a long and winding sentence\n" for i in range(n)))
+    store.put_file(job.prompts_key, source)
+    store.put(spec.spec_key(job.job), job.to_json().encode())
+    tracemalloc.start()
+    count = write_manifest(manifest_rows(store, job.job), tmp_path / "big.parquet")
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert count == n and pq.read_metadata(tmp_path / "big.parquet").num_rows == n
+    # 100,000 rows held at once would be ~60 MB of Python objects; a batch is 10,000
+    assert peak < 30 * 2**20, f"peak {peak / 2**20:.1f} MiB"
