@@ -1,6 +1,6 @@
 """The Celery application both sides share: broker, serializer, queues.
 
-Built by a factory, never at import (rule 6).  JSON only: a pickled message
+Built by a factory, never at import (docs/design.md, rule 6).  JSON only: a pickled message
 is refused by kombu before anything is deserialised.  ``acks_late`` with one
 message prefetched: the message stays in kombu's ``unacked`` hash while its
 shard renders, which is what lets a reaper hand it back to the front of the

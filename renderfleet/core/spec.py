@@ -1,7 +1,7 @@
 """The job, its prompts and its shards: the data both sides agree on.
 
 Everything here is a frozen dataclass that round-trips through small JSON
-dicts (rule 3: ids, prompts and settings, never images).  The store layout of
+dicts (docs/design.md, rule 3: ids, prompts and settings, never images).  The store layout of
 a job lives here too, so a reader finds every key in one place::
 
     jobs/<job>/spec.json                    the job: settings, totals (written last at submit)

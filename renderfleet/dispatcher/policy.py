@@ -57,7 +57,7 @@ class PoolState:
 
     @property
     def rate(self) -> float:
-        """Work-seconds per second one worker of this pool clears, reclaims discounted (rule 4)."""
+        """Work-seconds per second one worker of this pool clears, reclaims discounted (policy rule 4)."""
         lost = min(max(self.lost_fraction, 0.0), 0.95) if self.is_spot else 0.0
         return max(self.speed, 1e-6) * (1.0 - lost)
 
@@ -124,7 +124,7 @@ def _targets(backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig,
             break
         cap = p.config.max
         if _starved(p, cfg, now):
-            cap = max(p.config.min, min(p.ready, cap))  # rule 5: no more from here
+            cap = max(p.config.min, min(p.ready, cap))  # policy rule 5: no more from here
         n = max(p.config.min, min(cap, math.ceil(missing / p.rate - 1e-9)))
         targets[p.name] = n
         missing -= (n - p.config.min) * p.rate

@@ -1,8 +1,8 @@
 """The shard runner: a shard's batches rendered, stored and checkpointed.
 
-Knows nothing of Celery (rule 1): it takes a :class:`ShardMessage`, a store,
+Knows nothing of Celery (docs/design.md, rule 1): it takes a :class:`ShardMessage`, a store,
 a renderer and a ledger, and is tested with plain objects.  Every batch is
-safe to run twice (rule 2):
+safe to run twice (docs/design.md, rule 2):
 
 1. read the shard's checkpoints (every attempt's) and one listing of the
    images they name: the store decides, so a prompt is skipped only if a
