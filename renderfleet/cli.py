@@ -339,19 +339,22 @@ def _autoscaler(settings: Settings) -> Any:
     import os
 
     from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.autoscale import Autoscaler, LocalBackend
+    from renderfleet.dispatcher.autoscale import Autoscaler, AwsBackend, Backend, LocalBackend, PublishedBackend
 
     if not settings.pools:
         raise ConfigError("no pools configured: give --config FILE (or RENDERFLEET_CONFIG) with [pools.NAME] tables")
     for name, pool in settings.pools.items():
-        if pool.backend != "local":
-            raise ConfigError(f"pools.{name}.backend = {pool.backend!r}: only the local backend is built so far "
-                              "(kubernetes and aws are not)")
+        if pool.backend == "aws" and not pool.autoscaling_group:
+            raise ConfigError(f"{settings.config}: pools.{name}: backend 'aws' needs autoscaling_group")
     _, client, url = _connect(settings)
     env = {**os.environ, "RENDERFLEET_REDIS_URL": url, "RENDERFLEET_STORE": settings.store_url}
-    local = LocalBackend(client, env=env, log_dir=settings.home / "logs" / "autoscale")
+    kinds: dict[str, Backend] = {
+        "local": LocalBackend(client, env=env, log_dir=settings.home / "logs" / "autoscale"),
+        "aws": AwsBackend(settings.pools),
+        "kubernetes": PublishedBackend(client),
+    }
     return Autoscaler(settings, client, open_store(settings.store_url, settings.s3_options),
-                      dict.fromkeys(settings.pools, local))
+                      {name: kinds[pool.backend] for name, pool in settings.pools.items()})
 
 
 @app.command()

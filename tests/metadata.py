@@ -27,6 +27,7 @@ class FakeMetadata:
         self.requests: list[tuple[str, str]] = []
         self.tokens_issued = 0
         self.noticed_at: dict[str, float] = {}
+        self.instance_ids: dict[str, str] = {}  # node -> its EC2 instance id
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -69,6 +70,8 @@ class FakeMetadata:
                     self._send(401)
                 elif path == "/latest/meta-data/spot/instance-action" and node in outer.aws:
                     self._send(200, json.dumps(outer.aws[node]), "application/json")
+                elif path == "/latest/meta-data/instance-id" and node in outer.instance_ids:
+                    self._send(200, outer.instance_ids[node])
                 elif path == "/latest/meta-data/events/recommendations/rebalance" and node in outer.rebalance:
                     self._send(200, json.dumps({"noticeTime": _stamp(0)}), "application/json")
                 else:

@@ -28,6 +28,7 @@ import redis
 
 from renderfleet.core import keys
 from renderfleet.core.embedded import private_dir
+from renderfleet.core.errors import ConfigError
 from renderfleet.core.settings import PoolConfig, Settings
 from renderfleet.core.store import Store
 from renderfleet.dispatcher.policy import Decision, PoolState, decide
@@ -147,6 +148,59 @@ class LocalBackend:
         for procs in self._starting.values():
             for p in procs:
                 p.poll()
+
+
+class AwsBackend:
+    """Each pool is an EC2 Auto Scaling group; the autoscaler sets its desired capacity.
+
+    AWS chooses which instance goes on scale-in: busy workers protect their
+    instance (``worker/protection.py``), so the choice falls on idle ones.
+    """
+
+    def __init__(self, pools: dict[str, PoolConfig], client: Any = None):
+        self.pools = pools
+        self._clients: dict[str | None, Any] = {None: client} if client is not None else {}
+
+    def _client(self, pool: str) -> Any:
+        region = self.pools[pool].region
+        if region not in self._clients and None not in self._clients:
+            import boto3
+
+            session = boto3.session.Session()
+            self._clients[region] = session.client("autoscaling", region_name=region or session.region_name or
+                                                   "us-east-1")
+        return self._clients.get(region) or self._clients[None]
+
+    def _group(self, pool: str) -> dict[str, Any]:
+        name = self.pools[pool].autoscaling_group
+        found = self._client(pool).describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"]
+        if not found:
+            raise ConfigError(f"pools.{pool}.autoscaling_group = {name!r}: no such Auto Scaling group")
+        return dict(found[0])
+
+    def size(self, pool: str) -> int:
+        return int(self._group(pool)["DesiredCapacity"])
+
+    def set_size(self, pool: str, n: int) -> None:
+        group = self._group(pool)
+        n = max(int(group["MinSize"]), min(int(group["MaxSize"]), n))
+        self._client(pool).set_desired_capacity(AutoScalingGroupName=group["AutoScalingGroupName"],
+                                                DesiredCapacity=n, HonorCooldown=False)
+        log.warning("pool %s: Auto Scaling group %s desired capacity %d", pool, group["AutoScalingGroupName"], n)
+
+
+class PublishedBackend:
+    """Kubernetes: the decision is published (Redis, then the monitor's ``/api/autoscale``)
+    and KEDA sets the Deployment's replicas to it; the size is the workers up."""
+
+    def __init__(self, client: redis.Redis):
+        self.client = client
+
+    def size(self, pool: str) -> int:
+        return len(registered_workers(self.client, pool))
+
+    def set_size(self, pool: str, n: int) -> None:
+        self.client.hset(keys.DESIRED, pool, n)
 
 
 # ---- the loop ---------------------------------------------------------------------

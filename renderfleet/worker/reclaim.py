@@ -49,6 +49,10 @@ class AwsProbe:
         self.base = base_url.rstrip("/")
         self._token: str | None = None
 
+    def get(self, path: str) -> tuple[int, str]:
+        """(status, body) of an IMDSv2 GET, e.g. ``/latest/meta-data/instance-id``."""
+        return self._get(path)
+
     def _get(self, path: str) -> tuple[int, str]:
         if self._token is None:
             req = urllib.request.Request(
