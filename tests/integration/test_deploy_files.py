@@ -60,3 +60,19 @@ def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: Redis
             assert value == 3 + i
     finally:
         server.shutdown()
+
+
+def test_the_compose_file_parses_and_runs_the_images_the_dockerfiles_build() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    built = {"renderfleet-worker": "Dockerfile.worker", "renderfleet-dispatcher": "Dockerfile.dispatcher"}
+    readme = (REPO / "docker" / "README.md").read_text()
+    for image, dockerfile in built.items():
+        assert (REPO / "docker" / dockerfile).exists() and f"-f docker/{dockerfile}" in readme and f"-t {image}" in readme
+    ours = {name: s for name, s in services.items() if str(s["image"]).startswith("renderfleet-")}
+    assert {s["image"] for s in ours.values()} == set(built)
+    assert {"monitor", "worker-baseline", "worker-spot", "redis", "minio"} <= set(services)
+    for s in ours.values():
+        assert "${RENDERFLEET_REDIS_PASSWORD" in s["environment"]["RENDERFLEET_REDIS_URL"]
+    assert "ports" not in services["redis"]  # Redis is reachable only on the compose network
+    assert "--requirepass" in " ".join(services["redis"]["command"])
