@@ -428,6 +428,49 @@ def run(
     raise typer.Exit(code)
 
 
+# ---- bench: cost per image at your settings ---------------------------------------------
+
+
+@app.command()
+def bench(
+    model: Model = None, steps: Steps = 30, size: Size = "512x512", guidance: Guidance = 7.5,
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="e.g. 1,2,4,8, or auto")] = "auto",
+    price_per_hour: Annotated[float | None, typer.Option("--price-per-hour", help="this card's price")] = None,
+    runs: Annotated[int, typer.Option(help="timed batches per batch size (median)")] = 3,
+    out: Annotated[Path, typer.Option(help="folder for bench.json, bench.md, bench.png")] = Path("bench-out"),
+    compare: Annotated[list[Path] | None, typer.Option("--compare", help="bench.json files to compare")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
+    _logging()
+    settings = _settings(config=config)
+    from renderfleet.worker.bench import compare as compare_runs
+
+    with _user_errors():
+        if compare:
+            print(compare_runs(compare), end="")
+            return
+        from renderfleet.api import parse_size
+        from renderfleet.worker.bench import run_bench, write_outputs
+
+        width, height = parse_size(size)
+        try:
+            sizes = None if batch_sizes == "auto" else [int(b) for b in batch_sizes.split(",")]
+        except ValueError:
+            raise InputError([f"--batch-sizes: a list such as 1,2,4,8 or auto, got {batch_sizes!r}"]) from None
+        if sizes is not None and any(b < 1 for b in sizes):
+            raise InputError([f"--batch-sizes: each must be at least 1, got {batch_sizes!r}"])
+        prices = {f"{price_per_hour:g}/h": price_per_hour} if price_per_hour is not None else {
+            f"{name} ({pool.kind}, {pool.price_per_hour:g}/h)": pool.price_per_hour
+            for name, pool in settings.pools.items()}
+        result = run_bench(model or settings.model, width=width, height=height, steps=steps, guidance=guidance,
+                           batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
+                           cache_dir=settings.home / "models")
+        for path in write_outputs(result, out):
+            _err(f"wrote {path}")
+        print((out / "bench.md").read_text(), end="")
+
+
 # ---- small tools ---------------------------------------------------------------
 
 

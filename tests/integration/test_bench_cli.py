@@ -1,0 +1,57 @@
+"""renderfleet bench on the tiny model on the CPU: JSON, table, plot; --compare names the cheaper card."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from renderfleet.core.errors import OutOfMemory
+from renderfleet.worker import bench, render
+from tests.fleet import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "renderfleet", "bench", *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env)
+
+
+def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_path: Path) -> None:
+    common = ("--model", "tiny", "--size", "32x32", "--steps", "2", "--batch-sizes", "1,2", "--runs", "1")
+    a = run(*common, "--price-per-hour", "1.0", "--out", str(tmp_path / "a"))
+    assert a.returncode == 0, a.stderr
+    for name in ("bench.json", "bench.md", "bench.png"):
+        assert (tmp_path / "a" / name).stat().st_size > 0
+    data = json.loads((tmp_path / "a" / "bench.json").read_text())
+    assert [p["batch_size"] for p in data["points"]] == [1, 2]
+    p = data["points"][0]
+    assert p["cost_per_image"]["1/h"] == pytest.approx(p["seconds_per_image"] / 3600)
+    assert "| batch | images/min |" in a.stdout
+    # the same card at three times the price: the first run is the cheaper per image
+    other = json.loads((tmp_path / "a" / "bench.json").read_text())
+    other["card"] = "pricier card"
+    for point in other["points"]:
+        point["cost_per_image"] = {"3/h": point["cost_per_image"]["1/h"] * 3}
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    cmp = run("--compare", str(tmp_path / "a" / "bench.json"), "--compare", str(tmp_path / "b.json"))
+    assert cmp.returncode == 0, cmp.stderr
+    assert f"Cheapest per image: {tmp_path / 'a' / 'bench.json'}" in cmp.stdout
+
+
+def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = render.Renderer.render
+
+    def capped(self: render.Renderer, prompts: list[object], **kw: object) -> list[bytes]:
+        if len(prompts) > 4:
+            raise OutOfMemory("fake: only 4 fit")
+        return real(self, prompts, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(render.Renderer, "render", capped)
+    result = bench.run_bench("tiny", width=32, height=32, steps=1, guidance=7.5, batch_sizes=None, prices={},
+                             runs=1, device="cpu", cache_dir=tmp_path)
+    assert [p.batch_size for p in result.points] == [1, 2, 4] and result.oom_at == 8
