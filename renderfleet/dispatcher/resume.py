@@ -92,7 +92,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
               if keys.text(m).startswith(prefix)}
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
-    enqueue.register_job(client, spec, queue, owner)
+    enqueue.register_job(client, spec, queue, owner, stored=True)
 
     def shards() -> Iterator[WireShard]:
         current: list[str] = []
