@@ -52,6 +52,21 @@ def load_spec(store: Store, job: str) -> JobSpec:
     return JobSpec.from_json(data)
 
 
+def store_jobs(store: Store) -> list[str]:
+    """Every job folder in the store, sorted: one listing of ``jobs/`` with a delimiter
+    (a folder per job, never a walk of their images).  A folder may still lack its
+    spec (a submit in progress, a job half deleted)."""
+    return [job for job in store.folders("jobs/") if job_id_problem(job) is None]
+
+
+def jobs_redis_forgot(client: redis.Redis, store: Store) -> list[str]:
+    """The jobs whose spec ``store`` holds but that this Redis does not know at all:
+    what a Redis that lost its memory leaves for the monitor to resume.  One
+    listing, then one existence check per job Redis does not know."""
+    known = {keys.text(j) for j in client.smembers(keys.JOBS)}
+    return [job for job in store_jobs(store) if job not in known and store.exists(layout.spec_key(job))]
+
+
 def stored_names(store: Store, job: str, what: str) -> set[str]:
     """Names of the job's images (``what='images'``) or quarantined prompts."""
     prefix = f"{layout.job_prefix(job)}{what}/"

@@ -81,6 +81,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     )
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
     tasks.register(app, service)
+    tasks.install_queue_guard()
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
 
     def on_tick() -> None:
