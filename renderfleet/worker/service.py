@@ -150,11 +150,6 @@ class WorkerService:
         msg = self._accept(raw)
         if msg is None:
             return Outcome("rejected")
-        if msg.store and msg.store != store_identity(self.store.url):
-            # Another fleet's job on a shared Redis: rendered here, it would be counted
-            # done with its images in the wrong store.  Not claimed; back to the broker.
-            raise TransientError(f"shard {msg.job}:{msg.shard} belongs to store {msg.store}, "
-                                 f"this worker writes to {self.store.url}")
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
@@ -247,6 +242,11 @@ class WorkerService:
             log.error("rejecting a shard message: %s", "; ".join(problems[:5]))
             return None
         msg = ShardMessage.from_dict(data)
+        if msg.store and msg.store != store_identity(self.store.url):
+            # Another fleet's job on a shared Redis: rendered here, it would be counted
+            # done with its images in the wrong store.  Not claimed; back to the broker.
+            raise TransientError(f"shard {msg.job}:{msg.shard} belongs to store {msg.store}, "
+                                 f"this worker writes to {self.store.url}")
         where = f"rejecting shard {msg.job}:{msg.shard}"
         try:
             registered, stored = self.client.hmget(keys.job(msg.job), "spec", "stored")
