@@ -13,6 +13,7 @@ deleted image is counted as missing again and rendered again.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,11 +26,13 @@ from renderfleet.core import keys
 from renderfleet.core import prompts as prompt_files
 from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import queue_name
-from renderfleet.core.errors import InputError, JobNotFound
+from renderfleet.core.errors import InputError, JobNotFound, StoreError
 from renderfleet.core.spec import JobSpec, index_name, job_id_problem, store_identity
 from renderfleet.core.store import Store
 from renderfleet.dispatcher import enqueue
 from renderfleet.dispatcher.enqueue import WireShard
+
+log = logging.getLogger("renderfleet.resume")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,16 @@ def jobs_redis_forgot(client: redis.Redis, store: Store) -> list[str]:
     listing, then one existence check per job Redis does not know."""
     known = {keys.text(j) for j in client.smembers(keys.JOBS)}
     return [job for job in store_jobs(store) if job not in known and store.exists(layout.spec_key(job))]
+
+
+def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
+    """:func:`jobs_redis_forgot` for a reader (``status``): a store that cannot be
+    listed now leaves the jobs Redis knows to report, with a warning."""
+    try:
+        return jobs_redis_forgot(client, store)
+    except StoreError as exc:
+        log.warning("cannot list the jobs of store %s: %s", store.url, exc)
+        return []
 
 
 def stored_names(store: Store, job: str, what: str) -> set[str]:

@@ -20,7 +20,7 @@ from renderfleet.core.celery_app import QUEUE_PREFIX
 from renderfleet.core.errors import InputError, JobNotFound
 from renderfleet.core.spec import job_id_problem, store_identity
 from renderfleet.core.store import Store
-from renderfleet.dispatcher.resume import jobs_redis_forgot, load_spec, stored_names, stored_prompts
+from renderfleet.dispatcher.resume import jobs_only_in_store, load_spec, stored_names, stored_prompts
 
 
 @dataclass
@@ -160,7 +160,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     if jobs is None:
         jobs, status.other_stores = jobs_of_store(client, store)
         # ...and those the store holds that this Redis forgot (counted from the store).
-        jobs += jobs_redis_forgot(client, store) if store is not None else []
+        jobs += jobs_only_in_store(client, store) if store is not None else []
     elif store is not None:
         for job in jobs:
             check_in_store(store, job)
