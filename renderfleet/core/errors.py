@@ -19,6 +19,11 @@ Three classes of trouble, each with its own budget:
   prompts on every worker alike, and a prompt whose image cannot be encoded
   or written under its name fails alone.  The worker keeps its model and
   goes on with other work.
+* **the node's device** (:class:`DeviceError`): the accelerator itself failed
+  (a CUDA error other than out-of-memory: the device lost, an illegal memory
+  access).  Nothing of the batch is counted against its prompts: the shard is
+  handed back to the front of the queue and the worker stops taking work and
+  exits with its own status (4), so that the node is replaced.
 * **reclaim** (:class:`Reclaimed`): the node is being taken away (spot
   notice, SIGTERM) or this worker lost its lease.  Not a failure at all: the
   work is handed back and nothing is counted.  It derives from
@@ -77,6 +82,10 @@ class PromptError(PermanentError):
 
 class OutOfMemory(RenderfleetError):
     """The accelerator ran out of memory for this batch; halve it and retry."""
+
+
+class DeviceError(RenderfleetError):
+    """The accelerator failed (not out of memory): the node's fault, never a prompt's."""
 
 
 class BrokerUnavailable(RenderfleetError):

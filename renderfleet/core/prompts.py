@@ -23,7 +23,6 @@ import gzip
 import hashlib
 import io
 import json
-import math
 import os
 import re
 import zlib
@@ -32,7 +31,10 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from renderfleet.core.errors import InputError
-from renderfleet.core.spec import MAX_NAME_BYTES, MAX_NAME_LEN, Prompt, RenderParams, index_name
+from renderfleet.core.spec import INT_LIMITS, MULTIPLE_OF_8, Prompt, RenderParams, index_name
+from renderfleet.core.spec import guidance_problem as _guidance_problem
+from renderfleet.core.spec import int_problem as _int_problem
+from renderfleet.core.spec import name_problem as _id_problem
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -50,15 +52,13 @@ FORMATS = ("txt", "jsonl", "csv")
 OPTIONAL_FIELDS = ("id", "negative_prompt", "seed", "steps", "guidance", "width", "height")
 _KNOWN_FIELDS = frozenset(("prompt", *OPTIONAL_FIELDS))
 
-# (lowest, highest) accepted for each integer field.
-_INT_RANGES = {"seed": (0, 2**63 - 1), "steps": (1, 1000), "width": (1, 4096), "height": (1, 4096)}
-_MULTIPLE_OF_8 = frozenset(("width", "height"))
+# (lowest, highest) accepted for each integer field: the one table in core/spec.py.
+_INT_RANGES = {name: INT_LIMITS[name] for name in ("seed", "steps", "width", "height")}
+_MULTIPLE_OF_8 = MULTIPLE_OF_8
 
 _READ_BUFFER = 1 << 20
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 _DECODER = json.JSONDecoder()
-# Slashes split a key; control characters (Unicode Cc) break logs and URLs.
-_BAD_ID_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
 # PNG text chunks, where a prompt is recorded, cannot hold a NUL.
 _NUL_PROBLEM = "prompt contains a NUL character (\\x00), which a PNG text chunk cannot hold"
@@ -653,33 +653,6 @@ def _parse_csv_cells(columns: list[str | None], cells: list[str]) -> tuple[dict[
 # ---- checks shared by .jsonl and .csv -----------------------------------------
 
 
-def _id_problem(ident: str) -> str | None:
-    """Why ``ident`` is not safe as a key segment under images/, if it is not."""
-    if (  # the usual id: plain printable ASCII, tested without a regex
-        ident
-        and ident.isascii()
-        and ident.isprintable()
-        and len(ident) <= MAX_NAME_LEN
-        and ident[0] != "."
-        and "/" not in ident
-        and "\\" not in ident
-    ):
-        return None
-    if not ident:
-        return "empty id"
-    if len(ident) > MAX_NAME_LEN:
-        return f"id too long ({len(ident)} characters, limit {MAX_NAME_LEN})"
-    size = len(ident.encode("utf-8", "surrogatepass"))
-    if size > MAX_NAME_BYTES:
-        # File systems and S3 count bytes: 80 CJK characters are 240 of them.
-        return f"id too long ({size} bytes in UTF-8, limit {MAX_NAME_BYTES})"
-    if ident[0] == ".":
-        return f"id {ident!r} must not start with '.'"
-    match = _BAD_ID_CHAR.search(ident)
-    if match:
-        what = "a slash" if match.group() in "/\\" else "a control character"
-        return f"id {ident!r} contains {what}"
-    return None
 
 
 def _id_only(row: dict[str, Any]) -> dict[str, Any] | None:
@@ -690,25 +663,8 @@ def _id_only(row: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _int_problem(name: str, value: int) -> str | None:
-    """Why integer field ``name`` cannot be ``value``, if it cannot."""
-    low, high = _INT_RANGES[name]
-    if name == "steps" and value <= 0:
-        return f"steps must be positive, got {value}"
-    if not low <= value <= high:
-        return f"{name} must be between {low} and {high}, got {value}"
-    if name in _MULTIPLE_OF_8 and value % 8:
-        return f"{name} must be a multiple of 8, got {value}"
-    return None
 
 
-def _guidance_problem(value: float) -> str | None:
-    """Why ``value`` is not a usable guidance scale, if it is not."""
-    if not math.isfinite(value):
-        return f"guidance must be a finite number, got {value}"
-    if value < 0:
-        return f"guidance must be >= 0, got {value}"
-    return None
 
 
 def _check_names(rows: Iterator[_Row], report: _Report) -> tuple[int, bool]:

@@ -123,6 +123,12 @@ class Settings(BaseSettings):
     # One pipeline call per prompt instead of per batch: identical bytes across
     # batch sizes, at a large cost in throughput (see worker/render.py).
     batch_invariant: bool = False
+    # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``),
+    # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
+    # prefix and below).  None: any model.  A job naming another fails, not the worker.
+    allowed_models: str | None = None
+    # The largest total size of an s3:// model's files a worker will fetch, in bytes.
+    model_max_bytes: int = Field(default=20 * 10**9, gt=0)
     # Device override for workers (cuda, cpu, mps); None: best available.
     device: str | None = None
     # S3 server-side encryption of every object written: AES256 (SSE-S3) or aws:kms (SSE-KMS).
@@ -219,6 +225,13 @@ class Settings(BaseSettings):
 
         return S3Options(sse=self.s3_sse, kms_key_id=self.s3_kms_key_id or None,
                          storage_class=self.s3_storage_class or None, addressing=self.s3_addressing)
+
+    @property
+    def allowed_model_list(self) -> tuple[str, ...] | None:
+        """The allow-list of models, or None when any model may be loaded."""
+        if self.allowed_models is None or not self.allowed_models.strip():
+            return None
+        return tuple(entry.strip() for entry in self.allowed_models.split(",") if entry.strip())
 
     @property
     def watch_reclaim(self) -> bool:

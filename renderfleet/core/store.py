@@ -374,6 +374,11 @@ class S3Store:
 
     def list(self, prefix: str) -> Iterator[str]:
         """Keys starting with ``prefix``, sorted (S3's order), one retried page at a time."""
+        for key, _ in self.sized(prefix):
+            yield key
+
+    def sized(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) of every key starting with ``prefix``, as :meth:`list`."""
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
         token: str | None = None
@@ -383,7 +388,7 @@ class S3Store:
                 args["ContinuationToken"] = token
             page = self._call("list", full, partial(self.client.list_objects_v2, **args))
             for item in page.get("Contents", []):
-                yield cast(str, item["Key"])[strip:]
+                yield cast(str, item["Key"])[strip:], int(item.get("Size", 0))
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
                 return

@@ -12,6 +12,13 @@ yet), ``after-render`` (a batch rendered, nothing of it written: no failure
 count, no quarantine record, no image) and ``before-checkpoint`` (a batch's
 images written, its checkpoint not).
 Unset, this costs one environment lookup per call.
+
+Faults: ``RENDERFLEET_TEST_FAULT`` is ``POINT:TYPE:TEXT`` (e.g.
+``render:RuntimeError:CUDA error: an illegal memory access was encountered``):
+every time the process reaches ``POINT`` it raises ``TYPE(TEXT)``, as the
+library under it would.  Points: ``render`` (inside the pipeline call).
+Types: ``RuntimeError``, ``ValueError`` and, where torch has it,
+``AcceleratorError``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import os
 import signal
 
 PAUSE_AT = "RENDERFLEET_TEST_PAUSE_AT"
+FAULT = "RENDERFLEET_TEST_FAULT"
 
 _fired: set[str] = set()
 
@@ -31,3 +39,22 @@ def pause_at(point: str) -> None:
         return
     _fired.add(point)
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def injected_fault(point: str) -> str | None:
+    """``TYPE:TEXT`` of the fault the environment injects at ``point``, or None."""
+    wanted = os.environ.get(FAULT)
+    if not wanted:
+        return None
+    where, _, fault = wanted.partition(":")
+    return fault if where == point and fault else None
+
+
+def make_fault(fault: str) -> BaseException:
+    """The exception ``TYPE:TEXT`` names (see :data:`FAULT`)."""
+    kind, _, text = fault.partition(":")
+    if kind == "AcceleratorError":
+        import torch  # only a worker injects this one, and it has torch loaded
+
+        return getattr(torch, "AcceleratorError", RuntimeError)(text)
+    return {"RuntimeError": RuntimeError, "ValueError": ValueError}.get(kind, RuntimeError)(text)

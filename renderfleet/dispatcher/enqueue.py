@@ -93,15 +93,25 @@ def check_owner(client: redis.Redis, job: str, store: str) -> None:
                           f"not {store}; give another --job"])
 
 
-def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str) -> None:
-    """Make the job known to this Redis (idempotent), as a job of ``store``."""
+def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, stored: bool = False) -> None:
+    """Make the job known to this Redis (idempotent), as a job of ``store``;
+    ``stored``: the store holds its spec already (see :func:`mark_stored`)."""
     check_owner(client, spec.job, store)
     pipe = client.pipeline()
     pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue,
                                            "store": store})
+    if stored:
+        pipe.hset(keys.job(spec.job), "stored", "1")
     pipe.sadd(keys.JOBS, spec.job)
     pipe.setnx(keys.EPOCH, "1")
     pipe.execute()
+
+
+def mark_stored(client: redis.Redis, job: str) -> None:
+    """The store holds the job's spec now: from here on, a worker that finds it
+    missing takes the job for deleted and refuses its shards (until then the
+    job is being submitted, and its first shards may arrive before its spec)."""
+    client.hset(keys.job(job), "stored", "1")
 
 
 def forget_counts(client: redis.Redis, job: str) -> None:

@@ -5,6 +5,13 @@ It runs the same reaper as the workers (one acts at a time); every
 queue and a claim (:meth:`Monitor.audit`); and if Redis restarted empty (its
 epoch marker is gone) it resumes from the store every job that still has work
 left, and any job that has work left but nothing queued or running.
+
+Which jobs exist is read from the store too, not from Redis alone: at start,
+whenever Redis lost its memory, and at every audit, one delimited listing of
+the store's ``jobs/`` finds the jobs this Redis does not know (a monitor
+restarted while Redis was empty has no other way to learn of them), and each
+is resumed (:meth:`Monitor.adopt`).  Only this monitor's store is listed, so
+only its jobs are resumed.
 """
 
 from __future__ import annotations
@@ -17,12 +24,12 @@ import redis
 from celery import Celery
 
 from renderfleet.core import celery_app, keys
-from renderfleet.core.errors import JobNotFound, StoreError
+from renderfleet.core.errors import InputError, JobNotFound, StoreError
 from renderfleet.core.leases import Leases
 from renderfleet.core.reaper import reap_once
 from renderfleet.core.settings import Settings
 from renderfleet.core.store import Store
-from renderfleet.dispatcher.resume import resume
+from renderfleet.dispatcher.resume import jobs_redis_forgot, resume
 from renderfleet.dispatcher.status import job_status, jobs_of_store
 
 log = logging.getLogger("renderfleet.monitor")
@@ -45,6 +52,7 @@ class Monitor:
         # when the next audit finds it again, unmoved (a claim in flight is not lost).
         self.suspects: dict[tuple[str, int], int] = {}
         self.audited_at = 0.0
+        self.adopted_at: float | None = None  # None: the store's jobs not listed yet
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
@@ -53,9 +61,11 @@ class Monitor:
             self.audited_at = time.monotonic()
             self.audit()
         resumed = []
-        self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
         lost = not self.client.exists(keys.EPOCH)
-        for job in sorted(self.known_jobs):
+        if lost or self.adopted_at is None or time.monotonic() - self.adopted_at >= self.settings.audit_seconds:
+            resumed += self.adopt()
+        self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
+        for job in sorted(self.known_jobs - set(resumed)):
             try:
                 st = job_status(self.client, job, store=self.store)
             except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
@@ -82,6 +92,36 @@ class Monitor:
         if lost:
             self.client.setnx(keys.EPOCH, "1")
         return resumed
+
+    def adopt(self) -> list[str]:
+        """Resume every job of the store that this Redis does not know; returns them.
+
+        One delimited listing of ``jobs/`` (:func:`jobs_redis_forgot`) and one
+        existence check per job Redis lacks; each such job is resumed once,
+        which registers it, so the next pass reads its counters from Redis.
+        A finished job is registered with nothing enqueued.
+        """
+        self.adopted_at = time.monotonic()
+        try:
+            forgotten = jobs_redis_forgot(self.client, self.store)
+        except (StoreError, OSError) as exc:
+            self.adopted_at = None  # try again next pass
+            log.warning("cannot list the jobs of store %s now: %s", self.store.url, exc)
+            return []
+        adopted = []
+        for job in forgotten:
+            try:
+                report = resume(job, store=self.store, app=self.app, client=self.client)
+            except (JobNotFound, InputError) as exc:  # its spec gone since, or another store's id here
+                log.warning("job %s in the store: not resumed: %s", job, exc)
+                continue
+            except (StoreError, OSError) as exc:
+                log.warning("job %s: cannot resume now: %s", job, exc)
+                continue
+            log.warning("job %s found in the store, unknown to Redis: resumed, %d/%d done, %d shards enqueued",
+                        job, report.done, report.total, report.shards_enqueued)
+            adopted.append(job)
+        return adopted
 
     def audit(self) -> dict[str, int]:
         """Re-queue shards whose message was lost between a queue and a claim; returns

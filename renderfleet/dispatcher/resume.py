@@ -13,6 +13,7 @@ deleted image is counted as missing again and rendered again.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,11 +26,13 @@ from renderfleet.core import keys
 from renderfleet.core import prompts as prompt_files
 from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import queue_name
-from renderfleet.core.errors import InputError, JobNotFound
+from renderfleet.core.errors import InputError, JobNotFound, StoreError
 from renderfleet.core.spec import JobSpec, index_name, job_id_problem, store_identity
 from renderfleet.core.store import Store
 from renderfleet.dispatcher import enqueue
 from renderfleet.dispatcher.enqueue import WireShard
+
+log = logging.getLogger("renderfleet.resume")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,31 @@ def load_spec(store: Store, job: str) -> JobSpec:
     if data is None:
         raise JobNotFound(f"no job {job} in store {store.url}")
     return JobSpec.from_json(data)
+
+
+def store_jobs(store: Store) -> list[str]:
+    """Every job folder in the store, sorted: one listing of ``jobs/`` with a delimiter
+    (a folder per job, never a walk of their images).  A folder may still lack its
+    spec (a submit in progress, a job half deleted)."""
+    return [job for job in store.folders("jobs/") if job_id_problem(job) is None]
+
+
+def jobs_redis_forgot(client: redis.Redis, store: Store) -> list[str]:
+    """The jobs whose spec ``store`` holds but that this Redis does not know at all:
+    what a Redis that lost its memory leaves for the monitor to resume.  One
+    listing, then one existence check per job Redis does not know."""
+    known = {keys.text(j) for j in client.smembers(keys.JOBS)}
+    return [job for job in store_jobs(store) if job not in known and store.exists(layout.spec_key(job))]
+
+
+def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
+    """:func:`jobs_redis_forgot` for a reader (``status``): a store that cannot be
+    listed now leaves the jobs Redis knows to report, with a warning."""
+    try:
+        return jobs_redis_forgot(client, store)
+    except StoreError as exc:
+        log.warning("cannot list the jobs of store %s: %s", store.url, exc)
+        return []
 
 
 def stored_names(store: Store, job: str, what: str) -> set[str]:
@@ -92,7 +120,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
               if keys.text(m).startswith(prefix)}
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
-    enqueue.register_job(client, spec, queue, owner)
+    enqueue.register_job(client, spec, queue, owner, stored=True)
 
     def shards() -> Iterator[WireShard]:
         current: list[str] = []

@@ -21,7 +21,7 @@ from renderfleet.core.celery_app import QUEUE_PREFIX
 from renderfleet.core.errors import InputError, JobNotFound
 from renderfleet.core.spec import job_id_problem, store_identity
 from renderfleet.core.store import Store
-from renderfleet.dispatcher.resume import load_spec, stored_names, stored_prompts
+from renderfleet.dispatcher.resume import jobs_only_in_store, load_spec, stored_names, stored_prompts
 
 
 @dataclass
@@ -220,7 +220,8 @@ def check_in_store(store: Store, job: str) -> None:
 
 def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None,
                  prices: dict[str, float] | None = None) -> FleetStatus:
-    """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store``.
+    """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store``
+    (those Redis knows, and those only the store's listing of ``jobs/`` shows).
 
     A job named explicitly must be in ``store`` (one existence check each).
     """
@@ -236,6 +237,8 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         status.pools[pool] = {keys.text(k): int(v) for k, v in client.hgetall(key).items()}
     if jobs is None:
         jobs, status.other_stores = jobs_of_store(client, store)
+        # ...and those the store holds that this Redis forgot (counted from the store).
+        jobs += jobs_only_in_store(client, store) if store is not None else []
     elif store is not None:
         for job in jobs:
             check_in_store(store, job)

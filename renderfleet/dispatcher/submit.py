@@ -56,22 +56,18 @@ class SubmitResult:
 
 
 def check_options(opts: SubmitOptions) -> None:
-    """Flag values, reported like file problems: ``--flag: reason``."""
+    """Flag values, reported like file problems: ``--flag: reason``; the limits are
+    ``spec.INT_LIMITS``, the table a worker checks every message against too."""
     problems = []
     p = opts.params
-    if p.steps <= 0 or p.steps > 1000:
-        problems.append(f"--steps: must be between 1 and 1000, got {p.steps}")
-    for name, value in (("width", p.width), ("height", p.height)):
-        if value <= 0 or value % 8 or value > 4096:
-            problems.append(f"--size: {name} must be a positive multiple of 8 up to 4096, got {value}")
-    if p.guidance < 0:
-        problems.append(f"--guidance: must not be negative, got {p.guidance}")
-    if not 0 <= p.seed < 2**63:
-        problems.append(f"--seed: must be between 0 and 2**63-1, got {p.seed}")
-    if opts.shard_size <= 0:
-        problems.append(f"--shard-size: must be positive, got {opts.shard_size}")
-    if opts.batch_size <= 0:
-        problems.append(f"--batch-size: must be positive, got {opts.batch_size}")
+    for flag, name, value in (("--steps", "steps", p.steps), ("--size", "width", p.width),
+                              ("--size", "height", p.height), ("--seed", "seed", p.seed),
+                              ("--shard-size", "shard_size", opts.shard_size),
+                              ("--batch-size", "batch_size", opts.batch_size)):
+        if why := layout.int_problem(name, value):
+            problems.append(f"{flag}: {why}")
+    if why := layout.guidance_problem(p.guidance):
+        problems.append(f"--guidance: {why}")
     if opts.job is not None and (why := job_id_problem(opts.job)):
         problems.append(f"--job: {why}")
     if problems:
@@ -131,6 +127,7 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         sent = enqueue.publish_shards(app, client, spec, queue, _wire_shards(path, spec), store=owner)
         upload.result()
     store.put(layout.spec_key(job), spec.to_json().encode(), content_type="application/json")
+    enqueue.mark_stored(client, job)
     return SubmitResult(job, spec.total, sent, True, time.perf_counter() - started)
 
 

@@ -17,38 +17,35 @@ import redis
 
 from renderfleet.core import celery_app
 from renderfleet.core.embedded import broker_url
+from renderfleet.core.errors import ConfigError
 from renderfleet.core.reaper import ReaperThread
 from renderfleet.core.settings import Settings
 from renderfleet.core.store import open_store
 from renderfleet.worker import tasks
+from renderfleet.worker.models import model_allowed
 from renderfleet.worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+from renderfleet.worker.render import is_device_error
 from renderfleet.worker.service import WorkerService, new_worker_id
 from renderfleet.worker.stop import StopSignal
 
 log = logging.getLogger("renderfleet.worker")
 
-EXIT_BREAKER = 3
+# Exit statuses of a worker that stopped itself, so that whatever runs it can tell why.
+EXIT_BREAKER = 3  # its last shards all failed here: a node to look at
+EXIT_DEVICE = 4  # its accelerator failed (a CUDA error, not out of memory): replace the node
 # While Redis cannot be reached at start-up: one attempt a second, one log line this often.
 WAIT_LOG_SECONDS = 5.0
 
 
-def fetch_from_store(uri: str, dest: Path) -> None:
-    """Download a saved pipeline from ``s3://bucket/prefix`` into ``dest``."""
-    store = open_store(uri)
-    dest.mkdir(parents=True, exist_ok=True)
-    for key in store.list(""):
-        target = dest / key
-        target.parent.mkdir(parents=True, exist_ok=True)
-        store.download(key, target)
-
-
 def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
     """(renderer, loaded model) for ``model``, on the best device."""
-    from renderfleet.worker.models import load_pipeline
+    from renderfleet.worker.models import fetch_s3_model, load_pipeline
     from renderfleet.worker.render import Renderer
 
-    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models",
-                           fetch=fetch_from_store)
+    def fetch(uri: str, dest: Path) -> None:
+        fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
+
+    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch)
     return Renderer(loaded, batch_invariant=settings.batch_invariant), loaded
 
 
@@ -58,8 +55,16 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     url = broker_url(settings.redis_url, settings.home)
     model = model or settings.model
     worker_id = new_worker_id(settings.pool)
+    if not model_allowed(model, settings.allowed_model_list):
+        raise ConfigError(f"RENDERFLEET_MODEL: {model!r} is not in RENDERFLEET_ALLOWED_MODELS")
     log.info("worker %s: pool %s, loading model %s", worker_id, settings.pool, model)
-    renderer, loaded = load_renderer(model, settings)
+    try:
+        renderer, loaded = load_renderer(model, settings)
+    except Exception as exc:
+        if is_device_error(exc):
+            log.error("the device failed while loading model %s: %s", model, exc)
+            return EXIT_DEVICE
+        raise
     log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
 
     app = celery_app.make_app(url)
@@ -76,6 +81,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     )
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
     tasks.register(app, service)
+    tasks.install_queue_guard()
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
 
     def on_tick() -> None:
@@ -113,6 +119,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         if watcher:
             watcher.close()
         service.close()
+    if service.device_failed:
+        return EXIT_DEVICE
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)

@@ -7,7 +7,8 @@ One public way in, :func:`load_pipeline`, for four kinds of model name:
   model: bit-identical everywhere, renders noise, needs no download.
 * a local folder holding a saved pipeline (``save_pretrained`` layout).
 * ``s3://bucket/prefix``: a saved pipeline in object storage, fetched once into
-  ``cache_dir`` by a caller-supplied ``fetch`` function, then loaded as a folder.
+  ``cache_dir`` (:func:`fetch_s3_model`: every key checked, the total size
+  capped, before anything is written), then loaded as a folder.
 * anything else: a Hugging Face hub id.
 
 Nothing here runs at import; torch and diffusers are imported by the functions
@@ -24,7 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,6 +177,86 @@ def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
     return dest
 
 
+# ---- which models, and fetching one from S3 ----------------------------------------
+
+
+def model_allowed(model: str, allowed: Sequence[str] | None) -> bool:
+    """Whether ``model`` is on the allow-list (None: no list, any model).
+
+    An entry is a model id (equal), a folder (the folder and anything below
+    it, compared resolved, so ``..`` and links cannot leave it) or an
+    ``s3://bucket/prefix`` (that prefix as a whole path segment and below).
+    """
+    if allowed is None:
+        return True
+    for entry in allowed:
+        if model == entry:
+            return True
+        if entry.startswith("s3://"):
+            base = entry.rstrip("/")
+            if model.startswith(base + "/") and ".." not in model[len(base):].split("/"):
+                return True
+        elif model != TINY and "://" not in model and (entry.startswith(("/", ".", "~")) or Path(entry).is_dir()):
+            try:
+                if Path(model).expanduser().resolve().is_relative_to(Path(entry).expanduser().resolve()):
+                    return True
+            except (OSError, RuntimeError):
+                continue
+    return False
+
+
+def split_s3_model(uri: str) -> tuple[str, str]:
+    """(bucket, prefix) of an ``s3://`` model; ModelLoadError for a bucket with no prefix."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not prefix:
+        raise ModelLoadError(f"model {uri!r}: an s3:// model is a prefix in a bucket (s3://bucket/prefix), "
+                             "never a whole bucket")
+    return bucket, prefix
+
+
+def check_model_keys(uri: str, entries: Iterable[tuple[str, int]], dest: Path, max_bytes: int) -> list[tuple[str, Path]]:
+    """(key, local path) of each file of an ``s3://`` model, every one checked first.
+
+    ``entries`` are (key relative to the model's prefix, size).  A key that is
+    empty, absolute, holds ``.``/``..`` segments, a backslash or a control
+    character, or would land outside ``dest``, refuses the whole model, as
+    does a total above ``max_bytes``: nothing is written before all pass.
+    Folder markers (a zero-byte key ending in ``/``) are skipped.
+    """
+    root = Path(dest).resolve()
+    files: list[tuple[str, Path]] = []
+    total = 0
+    for key, size in entries:
+        if key.endswith("/") and size == 0:
+            continue  # a console-made "folder"
+        parts = key.split("/")
+        if (not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts)
+                or any(ord(c) < 32 or ord(c) == 127 for c in key)):
+            raise ModelLoadError(f"model {uri!r}: refusing key {key[:200]!r}: not a plain relative path")
+        target = root.joinpath(*parts)
+        if not target.resolve().is_relative_to(root):
+            raise ModelLoadError(f"model {uri!r}: refusing key {key[:200]!r}: it would land outside the model cache")
+        total += size
+        if total > max_bytes:
+            raise ModelLoadError(f"model {uri!r}: more than {max_bytes} bytes (RENDERFLEET_MODEL_MAX_BYTES); "
+                                 "not fetched")
+        files.append((key, target))
+    return files
+
+
+def fetch_s3_model(uri: str, dest: Path, *, max_bytes: int, s3: Any = None) -> None:
+    """Download the saved pipeline at ``s3://bucket/prefix`` into ``dest``, the
+    keys checked first (:func:`check_model_keys`); ``s3``: the store's S3Options."""
+    from renderfleet.core.store import S3Store
+
+    bucket, prefix = split_s3_model(uri)
+    store = S3Store(bucket, prefix, options=s3)
+    for key, target in check_model_keys(uri, store.sized(""), dest, max_bytes):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        store.download(key, target)
+
+
 def build_tiny_pipeline() -> Any:
     """The built-in ``tiny`` model: a random-weight Stable Diffusion pipeline.
 
@@ -301,7 +382,9 @@ def _from_pretrained(folder: str, model: str, dtype: torch.dtype) -> Any:
     from diffusers import AutoPipelineForText2Image
 
     try:
-        return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype))
+        # safetensors only, as from the hub: a folder or bucket may hold pickled
+        # weights too, and loading those can run code.
+        return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype), use_safetensors=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"model {model!r}: not a loadable pipeline: {exc}") from exc
 

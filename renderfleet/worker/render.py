@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from renderfleet import __version__
-from renderfleet.core.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
+from renderfleet.core import testhooks
+from renderfleet.core.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.core.spec import Prompt
 from renderfleet.worker.models import LoadedModel
 
@@ -69,7 +70,8 @@ class Renderer:
 
         Raises ``ValueError`` for prompts that cannot share a call,
         :class:`OutOfMemory` when the accelerator runs out of memory (halve
-        the batch and retry), :class:`JobError` when the pipeline refuses the
+        the batch and retry), :class:`DeviceError` when the accelerator itself
+        failed (:func:`is_device_error`), :class:`JobError` when the pipeline refuses the
         settings, :class:`PromptError` when a prompt's image cannot be encoded,
         :class:`PermanentError` for any other failure.
         """
@@ -127,6 +129,8 @@ class Renderer:
             return callback_kwargs
 
         try:
+            if fault := testhooks.injected_fault("render"):
+                raise testhooks.make_fault(fault)
             with torch.inference_mode():
                 output = self.loaded.pipe(
                     prompt=[p.prompt for p in prompts],
@@ -145,6 +149,9 @@ class Renderer:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}") from exc
+            if is_device_error(exc):
+                # The node's accelerator, not these prompts: never counted against them.
+                raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
             if isinstance(exc, ValueError):
                 # diffusers' check_inputs: the model refuses the job's settings
                 # (a size or step count it cannot do), on any worker alike.
@@ -211,6 +218,36 @@ def png_metadata(prompt: Prompt, model: str) -> dict[str, str]:
         "model": model,
         "renderfleet": __version__,
     }
+
+
+# What torch and the CUDA libraries say when the device itself failed.  Matched
+# only in a RuntimeError (torch's type for them) or torch.AcceleratorError:
+# a ValueError that quotes one of these is about an input, not the device.
+_DEVICE_ERROR_TEXTS = ("cuda error", "cuda driver error", "cublas_status_", "cudnn_status_", "cudnn error",
+                       "device-side assert", "illegal memory access", "unspecified launch failure",
+                       "nccl error", "hip error", "device lost", "ecc error")
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the accelerator failed (not out of memory, not an input).
+
+    torch raises ``torch.AcceleratorError`` (a RuntimeError) for a failed CUDA
+    call in recent releases, a plain RuntimeError with a "CUDA error: ..."
+    text before that; cuBLAS and cuDNN failures are RuntimeErrors naming their
+    status.  Out of memory is its own case (:class:`OutOfMemory`: halve the
+    batch), and any other type (ValueError above all) is never taken for one.
+    """
+    import torch
+
+    if _is_out_of_memory(exc):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    if type(exc) is not RuntimeError:
+        return False
+    text = str(exc).lower()
+    return any(t in text for t in _DEVICE_ERROR_TEXTS)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

@@ -20,13 +20,16 @@ from typing import Any
 import redis
 
 from renderfleet.core import keys
+from renderfleet.core import spec as layout
 from renderfleet.core.celery_app import Envelope
-from renderfleet.core.errors import JobError, ModelLoadError, Reclaimed, TransientError
+from renderfleet.core.errors import DeviceError, JobError, ModelLoadError, Reclaimed, TransientError
 from renderfleet.core.leases import Leases
 from renderfleet.core.settings import Settings
-from renderfleet.core.spec import ShardMessage, store_identity
+from renderfleet.core.spec import JobSpec, ShardMessage, message_problems, store_identity
 from renderfleet.core.store import Store
 from renderfleet.worker.ledger import LeaseKeeper, RedisLedger
+from renderfleet.worker.models import model_allowed
+from renderfleet.worker.render import is_device_error
 from renderfleet.worker.runner import ShardRunner
 from renderfleet.worker.stop import StopSignal
 
@@ -64,7 +67,8 @@ def new_worker_id(pool: str) -> str:
 class Outcome:
     """What became of one delivery (for logs and tests)."""
 
-    status: str  # done | partial | busy | finished-before | handed-back | fenced | error
+    # done | partial | busy | finished-before | handed-back | fenced | error | rejected | device-error
+    status: str
     rendered: int = 0
 
 
@@ -98,6 +102,7 @@ class WorkerService:
                                   max_failures=settings.max_prompt_failures, worker_id=worker_id)
         self.failed_streak = 0
         self.tripped = False
+        self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
         self._registration = ""
         self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
 
@@ -142,16 +147,9 @@ class WorkerService:
         unreachable): the task then gives the message back to the broker.
         """
         raw = message if isinstance(message, str) else json.dumps(message)
-        try:
-            msg = ShardMessage.from_dict(json.loads(raw))
-        except (ValueError, KeyError, TypeError) as exc:
-            log.error("dropping a malformed shard message: %s", exc)
-            return Outcome("malformed")
-        if msg.store and msg.store != store_identity(self.store.url):
-            # Another fleet's job on a shared Redis: rendered here, it would be counted
-            # done with its images in the wrong store.  Not claimed; back to the broker.
-            raise TransientError(f"shard {msg.job}:{msg.shard} belongs to store {msg.store}, "
-                                 f"this worker writes to {self.store.url}")
+        msg = self._accept(raw)
+        if msg is None:
+            return Outcome("rejected")
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
@@ -188,6 +186,16 @@ class WorkerService:
             self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
             log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
             return Outcome("handed-back")
+        except DeviceError as exc:
+            # The node's accelerator, not the prompts: nothing counted, the shard to the
+            # front of the queue for another node, and this worker stops (EXIT_DEVICE).
+            keeper.close()
+            self.device_failed = self.tripped = True
+            self.stop.request(f"device error: {exc}")
+            log.error("shard %s:%d handed back: device error, this worker stops taking work: %s",
+                      msg.job, msg.shard, exc)
+            self._safe_hand_back(lease, "front")
+            return Outcome("device-error")
         except (TransientError, redis.RedisError) as exc:
             keeper.close()
             log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
@@ -214,6 +222,53 @@ class WorkerService:
         # Some prompts failed but are not yet quarantined: back of the queue, try again later.
         self._hand_back(lease, "back")
         return Outcome("partial", result.rendered)
+
+    def _accept(self, raw: str) -> ShardMessage | None:
+        """The message, if it may be rendered here; None (and one log line) if not.
+
+        Checked by submit's rules (``spec.message_problems``), then against the
+        job as submitted: known to this Redis, with the same settings and cut,
+        and not deleted from the store.  A rejected message is acked and gone:
+        retrying it would fail the same way for ever.  Raises
+        :class:`TransientError` when Redis or the store cannot answer now.
+        """
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError is one too
+            log.error("rejecting a shard message: not JSON (%s): %.80r", exc, raw)
+            return None
+        problems = message_problems(data)
+        if problems:
+            log.error("rejecting a shard message: %s", "; ".join(problems[:5]))
+            return None
+        msg = ShardMessage.from_dict(data)
+        if msg.store and msg.store != store_identity(self.store.url):
+            # Another fleet's job on a shared Redis: rendered here, it would be counted
+            # done with its images in the wrong store.  Not claimed; back to the broker.
+            raise TransientError(f"shard {msg.job}:{msg.shard} belongs to store {msg.store}, "
+                                 f"this worker writes to {self.store.url}")
+        where = f"rejecting shard {msg.job}:{msg.shard}"
+        try:
+            registered, stored = self.client.hmget(keys.job(msg.job), "spec", "stored")
+        except redis.RedisError as exc:
+            raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
+        if registered is None:
+            log.error("%s: no such job in this Redis (never submitted, or Redis lost it)", where)
+            return None
+        try:
+            job = JobSpec.from_json(registered)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("%s: the job's registration in Redis is unreadable: %s", where, exc)
+            return None
+        span = job.shard_range(msg.shard)
+        if (msg.params, msg.batch_size) != (job.params, job.batch_size) or msg.shard >= job.shards \
+                or any(p.index not in span for p in msg.prompts):
+            log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
+            return None
+        if not self.store.exists(layout.spec_key(msg.job)) and stored:  # StoreError: transient
+            log.error("%s: the job was deleted from the store %s", where, self.store.url)
+            return None
+        return msg
 
     def _hand_back(self, lease: Any, where: str) -> None:
         message = self.leases.release(lease, where)
@@ -242,6 +297,8 @@ class WorkerService:
         that does not exist must not leave this worker without one.  Raises
         :class:`ModelLoadError` (the job's fault) when ``model`` will not load.
         """
+        if not model_allowed(model, self.settings.allowed_model_list):
+            raise ModelLoadError(f"model {model!r} is not in this worker's allow-list (RENDERFLEET_ALLOWED_MODELS)")
         if self.load_model is None:
             raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")
         remembered = self._failed_loads.get(model)
@@ -254,6 +311,8 @@ class WorkerService:
             self.runner.renderer = self._load(model)
             self.model = model
         except Exception as exc:  # a store outage while fetching it too: ours must come back
+            if isinstance(exc, DeviceError):
+                raise  # the device is gone: nothing will load on it again
             if isinstance(exc, ModelLoadError):
                 self._failed_loads[model] = (time.monotonic(), exc)
             log.warning("model %r did not load; loading %r again", model, old)
@@ -279,9 +338,11 @@ class WorkerService:
         assert self.load_model is not None
         try:
             return self.load_model(model)
-        except (ModelLoadError, TransientError):
+        except (ModelLoadError, TransientError, DeviceError):
             raise
         except Exception as exc:
+            if is_device_error(exc):
+                raise DeviceError(f"loading model {model!r}: {type(exc).__name__}: {exc}") from exc
             raise ModelLoadError(f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:

@@ -231,10 +231,97 @@ def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_ba
 
 def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> None:
     def load(model: str) -> Renderer:
-        raise RuntimeError("CUDA error: device lost")
+        raise RuntimeError("the model cache's disk went away")
 
     svc = service(tmp_path, load)
     with pytest.raises(RuntimeError, match="cannot load model 'tiny' again"):
         svc._switch_model("other")
     assert svc.tripped and svc.stop.requested
+    svc.runner.close()
+
+
+# ---- the device's fault: the node's, never a prompt's ---------------------------------
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("CUDA error: an illegal memory access was encountered"),
+    RuntimeError("CUDA error: device-side assert triggered"),
+    RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, opa, ...)`"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
+])
+def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
+    from renderfleet.worker.render import is_device_error
+
+    assert is_device_error(exc)
+
+
+def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
+    import torch
+
+    from renderfleet.worker.render import is_device_error
+
+    assert is_device_error(torch.AcceleratorError("unspecified launch failure"))
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),  # halve the batch instead
+    RuntimeError("CUDA error: out of memory"),
+    ValueError("CUDA error: the input mentions it, but it is the input's fault"),
+    RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),
+    NotImplementedError("CUDA error: not a device fault either"),
+])
+def test_out_of_memory_an_input_or_a_cpu_side_error_is_not_a_device_error(exc: Exception) -> None:
+    from renderfleet.worker.render import is_device_error
+
+    assert not is_device_error(exc)
+
+
+def test_a_device_error_while_rendering_reaches_the_caller_with_nothing_counted(tmp_path: Path) -> None:
+    from renderfleet.core.errors import DeviceError
+
+    store = LocalStore(tmp_path / "store")
+    ledger = Ledger()
+    r = Renderer(DeviceError("RuntimeError: CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(DeviceError):
+        runner(store, r).run(make_msg(), ledger)
+    assert r.calls == 1  # not searched for the prompt at fault: it is none of them
+    assert ledger.failures == {} and ledger.done == [] and ledger.failed == []
+    assert not list(store.list("jobs/"))  # no checkpoint, no quarantine record
+
+
+def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_into_a_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from renderfleet.core import testhooks
+    from renderfleet.core.errors import DeviceError
+    from renderfleet.worker.render import Renderer as PipelineRenderer
+
+    class Loaded:
+        model = "tiny"
+        pipe = None
+
+    prompts = list(make_msg(n=1).prompts)
+    renderer = PipelineRenderer(Loaded())  # type: ignore[arg-type]
+    monkeypatch.setenv(testhooks.FAULT, "render:AcceleratorError:CUDA error: an illegal memory access was encountered")
+    with pytest.raises(DeviceError, match="illegal memory access"):
+        renderer.render(prompts)
+    monkeypatch.setenv(testhooks.FAULT, "render:ValueError:CUDA error in a CPU-side check")
+    with pytest.raises(JobError):
+        renderer.render(prompts)
+
+
+def test_a_device_error_while_switching_models_is_the_nodes_not_the_jobs(tmp_path: Path) -> None:
+    from renderfleet.core.errors import DeviceError
+
+    loads: list[str] = []
+
+    def load(model: str) -> Renderer:
+        loads.append(model)
+        raise RuntimeError("CUDA error: device lost")
+
+    svc = service(tmp_path, load)
+    with pytest.raises(DeviceError):
+        svc._switch_model("other")
+    assert loads == ["other"]  # no reload of ours on a device that is gone
+    assert "other" not in svc._failed_loads  # never remembered as the job's model's fault
     svc.runner.close()

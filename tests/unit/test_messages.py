@@ -1,0 +1,155 @@
+"""A worker checks what it is told: every shard message by the rules submit applies.
+
+One table (``spec.INT_LIMITS``) drives submit's flags, prompt files and the
+worker's check; these tests prove a message straight into Redis gets no more.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from renderfleet.core import spec
+from renderfleet.core.errors import InputError
+from renderfleet.core.settings import Settings
+from renderfleet.core.spec import JobSpec, RenderParams, message_problems
+from renderfleet.core.store import LocalStore
+from renderfleet.dispatcher.enqueue import WireShard, message_json
+from renderfleet.dispatcher.submit import SubmitOptions, check_options
+from renderfleet.worker.service import WorkerService
+from renderfleet.worker.stop import StopSignal
+
+PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
+JOB = JobSpec(job="j-0123456789abcdef", params=PARAMS, total=10, shard_size=4, batch_size=2)
+
+
+def good(**changes: Any) -> dict[str, Any]:
+    text = message_json(JOB, "renderfleet.default", WireShard(1, 2, prompts_json=['{"i":4,"p":"a"}',
+                                                                                  '{"i":5,"p":"b","n":"fox"}']))
+    data: dict[str, Any] = json.loads(text)
+    data.update(changes)
+    return data
+
+
+def test_a_message_as_submit_writes_it_passes() -> None:
+    assert message_problems(good()) == []
+    texts = json.loads(message_json(JOB, "renderfleet.spot", WireShard(0, 2, texts_json='["a","b"]')))
+    assert message_problems(texts) == []
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"params": {**PARAMS.to_dict(), "steps": 10**9}}, "steps must be between 1 and 1000"),
+    ({"params": {**PARAMS.to_dict(), "width": 100000}}, "width must be between"),
+    ({"params": {**PARAMS.to_dict(), "height": 36}}, "height must be a multiple of 8"),
+    ({"params": {**PARAMS.to_dict(), "guidance": float("nan")}}, "guidance must be a finite number"),
+    ({"params": {**PARAMS.to_dict(), "seed": -1}}, "seed must be between 0"),
+    ({"params": {**PARAMS.to_dict(), "steps": "30"}}, "steps must be an integer"),
+    ({"params": {**PARAMS.to_dict(), "evil": 1}}, "params: must be an object"),
+    ({"batch_size": 257}, "batch_size must be between 1 and 256"),
+    ({"batch_size": True}, "batch_size must be an integer"),
+    ({"job": "../other-job"}, "job: a job id is"),
+    ({"shard": -1}, "shard: must be a whole number"),
+    ({"queue": "rf:workers"}, "queue: not a renderfleet queue"),
+    ({"prompts": [{"i": 0, "p": "x"}] * 10_001}, "prompts: must be a list of 1 to 10000"),
+    ({"prompts": []}, "prompts: must be a list of 1 to 10000"),
+    ({"prompts": [{"i": 0, "p": "x", "n": "a/../../etc"}]}, "contains a slash"),
+    ({"prompts": [{"i": 0, "p": "x", "steps": 5000}]}, "steps must be between"),
+    ({"prompts": [{"i": 0, "p": 7}]}, "prompt must be a string"),
+    ({"prompts": ["just text"]}, "must be an object with 'i' and 'p'"),
+    ({"extra": 1}, "unknown field 'extra'"),
+])
+def test_a_message_outside_submits_rules_is_refused_naming_why(change: dict[str, Any], reason: str) -> None:
+    problems = message_problems(good(**change))
+    assert any(reason in p for p in problems), problems
+
+
+@pytest.mark.parametrize("data", [[1, 2], "text", 7, None, {"job": "j"}])
+def test_json_of_the_wrong_shape_is_refused(data: Any) -> None:
+    assert message_problems(data)
+
+
+def test_submit_bounds_shard_and_batch_size_by_the_same_table() -> None:
+    with pytest.raises(InputError) as err:
+        check_options(SubmitOptions(params=PARAMS, shard_size=10_001, batch_size=257))
+    assert err.value.problems == [f"--shard-size: {spec.int_problem('shard_size', 10_001)}",
+                                  f"--batch-size: {spec.int_problem('batch_size', 257)}"]
+    check_options(SubmitOptions(params=PARAMS, shard_size=10_000, batch_size=256))
+
+
+# ---- against the job as submitted ---------------------------------------------
+
+
+class FakeRedis:
+    """hmget of a job hash, nothing else."""
+
+    def __init__(self, jobs: dict[str, dict[str, bytes]]):
+        self.jobs = jobs
+
+    def hmget(self, key: str, *fields: str) -> list[bytes | None]:
+        return [self.jobs.get(key, {}).get(f) for f in fields]
+
+    def register_script(self, script: str) -> None:
+        return None
+
+
+def service(tmp_path: Path, jobs: dict[str, dict[str, bytes]]) -> WorkerService:
+    return WorkerService(settings=Settings(home=tmp_path), client=FakeRedis(jobs),  # type: ignore[arg-type]
+                         store=LocalStore(tmp_path / "store"), renderer=None, model="tiny", stop=StopSignal(),
+                         publish=lambda m: None, worker_id="w")
+
+
+def registered(stored: bool = True) -> dict[str, dict[str, bytes]]:
+    fields = {"spec": JOB.to_json().encode()}
+    if stored:
+        fields["stored"] = b"1"
+    return {f"rf:job:{JOB.job}": fields}
+
+
+def test_a_shard_of_the_job_as_submitted_is_accepted(tmp_path: Path) -> None:
+    svc = service(tmp_path, registered())
+    svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
+    msg = svc._accept(json.dumps(good()))
+    assert msg is not None and msg.shard == 1
+    svc.runner.close()
+
+
+@pytest.mark.parametrize(("raw", "log"), [
+    ("{not json", "not JSON"),
+    ('["a list"]', "a shard message is a JSON object"),
+    (json.dumps(good(job="j-unknown")), "no such job"),
+    (json.dumps(good(params={**PARAMS.to_dict(), "steps": 3})), "does not match the job"),
+    (json.dumps(good(shard=7)), "does not match the job"),
+    (json.dumps(good(prompts=[{"i": 0, "p": "x"}])), "does not match the job"),  # shard 1 is prompts 4-7
+    (json.dumps(good()), "deleted from the store"),  # registered as stored, no spec in the store
+])
+def test_a_message_the_worker_cannot_trust_is_rejected_with_one_line(
+    tmp_path: Path, raw: str, log: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc = service(tmp_path, registered())
+    assert svc._accept(raw) is None
+    assert len(caplog.records) == 1 and log in caplog.records[0].getMessage()
+    svc.runner.close()
+
+
+def test_a_shard_that_comes_before_its_jobs_spec_is_written_is_taken(tmp_path: Path) -> None:
+    # submit publishes before it writes the spec: no spec yet is not a deleted job
+    svc = service(tmp_path, registered(stored=False))
+    assert svc._accept(json.dumps(good())) is not None
+    svc.runner.close()
+
+
+# ---- below Celery: a queue item that is no task message ------------------------------
+
+
+def test_a_queue_item_that_is_no_kombu_message_is_told_apart_from_one_that_is() -> None:
+    from renderfleet.core.celery_app import envelope_factory, make_app
+    from renderfleet.worker.tasks import NotAMessage, _check_envelope
+
+    _check_envelope(json.loads(envelope_factory(make_app("redis://localhost:1/0"))("{}", "renderfleet.default", "x")))
+    for item in ({"json": "but no envelope"}, [1, 2], "text",
+                 {"body": "!!!", "properties": {"delivery_tag": "t", "body_encoding": "base64"}}):
+        with pytest.raises(NotAMessage):
+            _check_envelope(item)
