@@ -556,8 +556,11 @@ def stall_past_lease(fleet: Fleet, client: redis.Redis, node: str, report: Chaos
     job, shard = held
     attempt = int(lease[b"attempt"])
     frozen = fleet.stats(node)
-    # A worker that lost nothing before: what it began and has not finished is its batch in flight.
-    in_flight = frozen.get("started_images", 0) - frozen.get("images", 0)
+    # What it began and has not finished is its batch in flight, less the poison job's tries
+    # (begun, never finished, by design); at most a batch (a worker that lived through the
+    # Redis restart finished a batch whose start the new Redis never saw).
+    poison_tries = len(re.findall(r"of job \S+ (?:failed \(|quarantined after)", worker.output()))
+    in_flight = min(BATCH_SIZE, max(0, frozen.get("started_images", 0) - frozen.get("images", 0) - poison_tries))
     report.stalls += 1
     print(f"chaos: SIGSTOP {node} holding {held} attempt {attempt}", flush=True)
 
@@ -587,7 +590,7 @@ def stall_past_lease(fleet: Fleet, client: redis.Redis, node: str, report: Chaos
     result = wait_for(outcome, 60, interval=0.05, what="the stale worker to be fenced")
     report.stall_outcomes.append(result)
     report.stall_to_fenced.append(time.monotonic() - t1)
-    report.stall_lost += max(0, in_flight)
+    report.stall_lost += in_flight
     report.stale_alive = report.stale_alive and worker.alive()
     print(f"chaos: SIGCONT {node} after {t1 - t0:.1f} s: {result}", flush=True)
     return True
