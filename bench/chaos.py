@@ -162,7 +162,8 @@ class ChaosReport:
             f"  status: done {self.status_done}, failed {self.status_failed}; "
             f"prompts both done and failed: {self.both_done_and_failed}",
             f"  SIGKILL -> shard running again: {fig(self.kill_to_running)}",
-            f"  batches lost per kill: {lost_batches:.2f} (renders begun and never finished: {self.lost_renders})",
+            f"  batches lost per kill: {lost_batches:.2f} (renders begun and never finished, kills and pauses: "
+            f"{self.lost_renders})",
             f"  notice -> shard back on the queue: {fig(self.notice_to_queue)}; worker exit codes "
             f"{self.notice_exit_codes}; notice -> release inside the worker {self.handback_ms} ms",
             f"  SIGSTOP past the lease -> shard claimed by another worker: {fig(self.stall_to_claimed)}; "
