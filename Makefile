@@ -34,9 +34,12 @@ test-unit: install
 test-integration: install
 	$(BIN)/pytest -q tests/integration
 
-# The long chaos run: 300+ prompts, 3 workers, random SIGKILLs, a spot notice, a Redis restart.
+# The long chaos run: 400 prompts, 3 workers, random SIGKILLs, a spot notice, workers SIGSTOPped past
+# their lease, a kill between a message's fetch and its claim, a Redis restart with every worker
+# mid-shard, and a poison job (a model that will not load) on the same queue.
 chaos: install
-	RENDERFLEET_CHAOS_PROMPTS=400 RENDERFLEET_CHAOS_KILLS=12 $(BIN)/python -m bench.chaos
+	RENDERFLEET_CHAOS_PROMPTS=400 RENDERFLEET_CHAOS_KILLS=12 RENDERFLEET_CHAOS_STALLS=2 RENDERFLEET_CHAOS_POISON=6 \
+	  $(BIN)/python -m bench.chaos
 
 bench: install
 	$(BIN)/python bench/submit_bench.py

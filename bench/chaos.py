@@ -1,20 +1,29 @@
-"""The chaos harness: a real job through kills, a spot notice and a Redis restart.
+"""The chaos harness: a real job through kills, pauses, lost messages, a Redis restart and a poison job.
 
 A job of N prompts with the ``tiny`` model, W workers (``--pool spot``, each
 watching its own fake metadata node), S3 through moto's server over HTTP, a
-real Redis with no persistence, and ``renderfleet monitor`` running.  While
-the job renders:
+real Redis with no persistence, and ``renderfleet monitor`` running (auditing
+every second).  Beside it, a poison job on the same queue: its model is a
+folder that does not exist.  While the job renders, each event fired once the
+job has reached its share of progress:
 
-* every few seconds a random worker's whole process group is SIGKILLed and a
-  replacement started (a spot node lost without a word);
+* a worker's whole process group is SIGKILLed and a replacement started (a
+  spot node lost without a word), several times;
 * one worker gets an AWS spot interruption notice (two minutes ahead);
-* Redis is killed and restarted empty once, mid-job.
+* one worker is SIGSTOPped past its lease: its shard is reaped and claimed by
+  another worker, then it is SIGCONTed and must find itself fenced;
+* one extra worker, started with ``RENDERFLEET_TEST_PAUSE_AT=before-claim``,
+  stops itself between taking a message and claiming it and is SIGKILLed
+  there: the monitor's audit must bring the shard back;
+* once every worker holds a lease, Redis is killed and restarted empty:
+  every worker must take new work again.
 
-At the end every prompt must have exactly one image in the bucket, byte-
-identical to a reference render of the same batches made here without any
-failure, nothing quarantined, and ``status`` counting each prompt once.  It
-prints the figures: kill → shard running again, batches lost per kill, notice
-→ shard back on the queue, renders thrown away.
+At the end every prompt of the good job must have exactly one image in the
+bucket, byte-identical to a reference render of the same batches made here
+without any failure, nothing quarantined, ``status`` counting each prompt
+once and none both done and failed; every prompt of the poison job
+quarantined with its reason, and no worker stopped by it.  It prints the
+figures of each event: time to recover, work lost.
 
     python -m bench.chaos                       # the long run (make chaos)
     RENDERFLEET_CHAOS_PROMPTS=120 python -m bench.chaos
@@ -22,14 +31,20 @@ prints the figures: kill → shard running again, batches lost per kill, notice
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
 import random
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,11 +53,11 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import contextlib
-
 from renderfleet.core import keys
+from renderfleet.core.celery_app import UNACKED_KEY
+from renderfleet.core.embedded import RedisServerProcess
 from renderfleet.core.spec import RenderParams, ShardMessage
-from tests.fleet import WorkerProc, base_env, cli, start_redis, wait_for
+from tests.fleet import FAST_LEASES, PAUSE_AT, WorkerProc, base_env, cli, start_monitor, start_redis, stopped, wait_for
 from tests.metadata import FakeMetadata
 from tests.servers import MotoServer, s3_env
 
@@ -50,6 +65,16 @@ SHARD_SIZE = 6
 BATCH_SIZE = 2
 # More steps than the other tests: batches long enough that kills land mid-batch.
 STEPS = 6
+LEASE_SECONDS = float(FAST_LEASES["RENDERFLEET_LEASE_SECONDS"])
+# The monitor's audit in the chaos run: a message lost before its claim is back in seconds.
+AUDIT_SECONDS = "1"
+POISON_MODEL = "nonexistent-model-folder"
+
+
+def fig(xs: list[float]) -> str:
+    if not xs:
+        return "n/a"
+    return f"median {statistics.median(xs):.2f} s, max {max(xs):.2f} s over {len(xs)}"
 
 
 @dataclass
@@ -62,22 +87,51 @@ class ChaosReport:
     quarantined: int = 0
     status_done: int = 0
     status_failed: int = 0
+    both_done_and_failed: int = 0  # prompts of either job counted both done and failed
     kills: int = 0
     kill_to_running: list[float] = field(default_factory=list)
     notices: int = 0
     notice_to_queue: list[float] = field(default_factory=list)
     notice_exit_codes: list[int] = field(default_factory=list)
     handback_ms: int = 0
+    # SIGSTOP past the lease
+    stalls: int = 0
+    stall_to_claimed: list[float] = field(default_factory=list)  # SIGSTOP -> another worker holds the shard
+    stall_paused: list[float] = field(default_factory=list)  # how long the worker was stopped
+    stall_to_fenced: list[float] = field(default_factory=list)  # SIGCONT -> the stale worker fenced
+    stall_outcomes: list[str] = field(default_factory=list)
+    stall_lost: int = 0  # renders the stale worker had in flight when stopped: thrown away
+    stale_alive: bool = True
+    # SIGKILL between taking a message and claiming it
+    claim_kills: int = 0
+    claim_kill_to_running: list[float] = field(default_factory=list)
+    claim_kill_audited: bool = False  # the monitor's log says the audit re-queued it
+    claim_kill_started: int = 0  # renders the killed worker had begun (none: it never claimed)
+    # Redis restart
     redis_restarts: int = 0
-    restart_to_progress: list[float] = field(default_factory=list)
+    busy_at_restart: list[str] = field(default_factory=list)  # "3/3": workers holding a lease
+    restart_to_resumed: list[float] = field(default_factory=list)  # the monitor resumed the job
+    restart_to_progress: list[float] = field(default_factory=list)  # a batch rendered after it
+    restart_to_all_working: list[float] = field(default_factory=list)  # every worker on a new shard
+    restart_waste: int = 0  # renders finished after the restart (until all moved on) beyond the images stored
+    # the poison job
+    poison_prompts: int = 0
+    poison_done: int = 0
+    poison_failed: int = 0
+    poison_reasons: dict[str, int] = field(default_factory=dict)
+    poison_quarantine_ok: bool = True  # every prompt quarantined in results with the model's name
+    poison_attempts: int = 0  # failed tries of its prompts (worker logs)
+    poison_seconds: float = 0.0  # submit -> every prompt quarantined
+    breaker_exits: int = 0  # workers that stopped on their own (circuit breaker, exit 3)
     started_images: int = 0
     rendered_images: int = 0
     wall_seconds: float = 0.0
 
     @property
     def lost_renders(self) -> int:
-        """Renders begun but never finished (killed or abandoned mid-batch)."""
-        return max(0, self.started_images - self.rendered_images)
+        """Renders begun but never finished (killed or abandoned mid-batch); the poison's
+        tries are begun and never finish, by design: not counted."""
+        return max(0, self.started_images - self.rendered_images - self.poison_attempts)
 
     @property
     def duplicate_renders(self) -> int:
@@ -86,32 +140,51 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        return (not self.mismatched and not self.missing and not self.extra and self.quarantined == 0
+        good = (not self.mismatched and not self.missing and not self.extra and self.quarantined == 0
                 and self.images == self.prompts and self.status_done == self.prompts and self.status_failed == 0
-                and all(code == 0 for code in self.notice_exit_codes))
+                and self.both_done_and_failed == 0 and all(code == 0 for code in self.notice_exit_codes))
+        stale = self.stale_alive and all(o in ("fenced", "finished") for o in self.stall_outcomes)
+        lost_message = self.claim_kills == 0 or (self.claim_kill_audited and self.claim_kill_started == 0)
+        poison = self.poison_prompts == 0 or (self.poison_done == 0 and self.poison_failed == self.poison_prompts
+                                              and self.poison_quarantine_ok)
+        return good and stale and lost_message and poison and self.breaker_exits == 0
 
     def summary(self) -> str:
-        def fig(xs: list[float]) -> str:
-            if not xs:
-                return "n/a"
-            return f"median {statistics.median(xs):.2f} s, max {max(xs):.2f} s over {len(xs)}"
-
         lost_batches = self.lost_renders / BATCH_SIZE / self.kills if self.kills else 0.0
-        return "\n".join([
+        lines = [
             f"chaos: {self.prompts} prompts, {self.kills} SIGKILLs, {self.notices} spot notice(s), "
-            f"{self.redis_restarts} Redis restart(s), {self.wall_seconds:.0f} s",
+            f"{self.stalls} SIGSTOP(s) past the lease, {self.claim_kills} SIGKILL(s) before a claim, "
+            f"{self.redis_restarts} Redis restart(s), a poison job of {self.poison_prompts} prompts, "
+            f"{self.wall_seconds:.0f} s",
             f"  images in the bucket: {self.images}/{self.prompts}, byte-identical to the reference: "
             f"{self.images - len(self.mismatched)}, missing {len(self.missing)}, extra {len(self.extra)}, "
             f"quarantined {self.quarantined}",
-            f"  status: done {self.status_done}, failed {self.status_failed}",
+            f"  status: done {self.status_done}, failed {self.status_failed}; "
+            f"prompts both done and failed: {self.both_done_and_failed}",
             f"  SIGKILL -> shard running again: {fig(self.kill_to_running)}",
-            f"  batches lost per kill: {lost_batches:.2f} (renders begun and never finished: {self.lost_renders})",
+            f"  batches lost per kill: {lost_batches:.2f} (renders begun and never finished, kills and pauses: "
+            f"{self.lost_renders})",
             f"  notice -> shard back on the queue: {fig(self.notice_to_queue)}; worker exit codes "
             f"{self.notice_exit_codes}; notice -> release inside the worker {self.handback_ms} ms",
-            f"  Redis restart -> rendering again: {fig(self.restart_to_progress)}",
+            f"  SIGSTOP past the lease -> shard claimed by another worker: {fig(self.stall_to_claimed)}; "
+            f"stopped for {fig(self.stall_paused)}",
+            f"    SIGCONT -> stale worker fenced: {fig(self.stall_to_fenced)}; outcome {self.stall_outcomes}, "
+            f"still serving: {self.stale_alive}; renders of the stale attempt thrown away: {self.stall_lost}",
+            f"  SIGKILL between fetch and claim -> shard running again: {fig(self.claim_kill_to_running)}; "
+            f"brought back by the audit: {self.claim_kill_audited}; renders lost: {self.claim_kill_started}",
+            f"  Redis restart with workers holding a lease {self.busy_at_restart} -> job resumed by the monitor: "
+            f"{fig(self.restart_to_resumed)}; a batch rendered: {fig(self.restart_to_progress)}",
+            f"    -> every worker on a new shard: {fig(self.restart_to_all_working)}; "
+            f"renders finished twice since: {self.restart_waste}",
+            f"  poison job: done {self.poison_done}, quarantined {self.poison_failed}/{self.poison_prompts} "
+            f"in {self.poison_seconds:.1f} s after {self.poison_attempts} failed tries, reasons "
+            f"{ {r[:90] + ('...' if len(r) > 90 else ''): n for r, n in self.poison_reasons.items()} }; "
+            f"every quarantine record names the model: {self.poison_quarantine_ok}; "
+            f"workers stopped on their own: {self.breaker_exits}",
             f"  duplicate renders (finished, thrown away): {self.duplicate_renders}",
             f"  verdict: {'OK' if self.ok else 'FAILED'}",
-        ])
+        ]
+        return "\n".join(lines)
 
 
 def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
@@ -146,38 +219,67 @@ class Fleet:
         self.logs = logs
         self.client = client
         self.workers: dict[str, WorkerProc] = {}  # node -> process
+        self.ended: set[str] = set()  # nodes the harness killed or sent a notice
+        self.extra: list[WorkerProc] = []  # workers outside the fleet (the one stopped before its claim)
+        self._ids: dict[int, str] = {}  # pid -> worker id (kept: Redis may forget the registration)
         self.count = 0
+
+    def node_env(self, node: str) -> dict[str, str]:
+        return {**self.env, "RENDERFLEET_AWS_METADATA_URL": self.md.url(node),
+                "RENDERFLEET_GCP_METADATA_URL": self.md.url(node)}
 
     def start(self) -> str:
         node = f"node-{self.count}"
         self.count += 1
-        env = {**self.env, "RENDERFLEET_AWS_METADATA_URL": self.md.url(node),
-               "RENDERFLEET_GCP_METADATA_URL": self.md.url(node)}
-        self.workers[node] = WorkerProc(env, self.logs / f"{node}.log", "--pool", "spot", "--verbose")
+        self.workers[node] = WorkerProc(self.node_env(node), self.logs / f"{node}.log", "--pool", "spot", "--verbose")
         return node
 
+    def pid_id(self, pid: int) -> str | None:
+        if pid not in self._ids:
+            for wid, raw in self.client.hgetall(keys.WORKERS).items():
+                if json.loads(raw).get("pid") == pid:
+                    self._ids[pid] = keys.text(wid)
+        return self._ids.get(pid)
+
     def worker_id(self, node: str) -> str | None:
-        pid = self.workers[node].pid
-        for wid, raw in self.client.hgetall(keys.WORKERS).items():
-            if json.loads(raw).get("pid") == pid:
-                return keys.text(wid)
-        return None
+        return self.pid_id(self.workers[node].pid)
+
+    def holdings(self) -> dict[str, tuple[str, int] | None]:
+        """What each live worker holds a lease on, read in one pass over the leases."""
+        by_worker: dict[str, tuple[str, int]] = {}
+        for key in self.client.scan_iter(match=f"{keys.LEASE_PREFIX}*", count=1000):
+            wid = keys.text(self.client.hget(key, "worker"))
+            job, _, shard = keys.text(key)[len(keys.LEASE_PREFIX):].rpartition(":")
+            if wid:
+                by_worker[wid] = (job, int(shard))
+        out: dict[str, tuple[str, int] | None] = {}
+        for n in self.alive():
+            wid = self.worker_id(n)
+            out[n] = by_worker.get(wid) if wid else None
+        return out
 
     def held_shard(self, node: str) -> tuple[str, int] | None:
+        return self.holdings().get(node)
+
+    def alive(self) -> list[str]:
+        return [n for n, w in self.workers.items() if w.alive()]
+
+    def busy_nodes(self, job: str | None = None) -> list[str]:
+        """Live workers holding a lease (on ``job``, if given)."""
+        return [n for n, held in self.holdings().items() if held and (job is None or held[0] == job)]
+
+    def stats(self, node: str) -> dict[str, int]:
         wid = self.worker_id(node)
         if wid is None:
-            return None
-        for key in self.client.scan_iter(match="rf:lease:*", count=1000):
-            if keys.text(self.client.hget(key, "worker")) == wid:
-                job, _, shard = keys.text(key)[len("rf:lease:"):].rpartition(":")
-                return job, int(shard)
-        return None
-
-    def busy_nodes(self) -> list[str]:
-        return [n for n, w in self.workers.items() if w.alive() and self.held_shard(n)]
+            return {}
+        raw = {keys.text(k): keys.text(v) for k, v in self.client.hgetall(keys.worker_stats(wid)).items()}
+        return {k: int(v) for k, v in raw.items() if v.lstrip("-").isdigit()}  # counters, not last_seen
 
     def stop_all(self) -> None:
-        for w in self.workers.values():
+        for w in [*self.workers.values(), *self.extra]:
+            if w.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(w.pid, signal.SIGCONT)
             w.kill()
 
 
@@ -204,10 +306,35 @@ def pool_stats(client: redis.Redis) -> dict[str, int]:
         return {}
 
 
+def unclaimed_deliveries(client: redis.Redis) -> list[tuple[str, int]]:
+    """Shards whose message is in kombu's ``unacked`` with no lease: taken by a worker, not claimed."""
+    out = []
+    for raw in client.hvals(UNACKED_KEY):
+        try:
+            payload = json.loads(raw)[0]
+            body = json.loads(base64.b64decode(payload["body"]))
+            msg = json.loads(body[0][0]) if isinstance(body[0][0], str) else body[0][0]
+            job, shard = msg["job"], int(msg["shard"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+        if not client.exists(keys.lease(job, shard)):
+            out.append((job, shard))
+    return out
+
+
+def log_count(logs: Path, pattern: str) -> int:
+    rx = re.compile(pattern)
+    return sum(len(rx.findall(p.read_text(errors="replace"))) for p in logs.glob("*.log"))
+
+
 def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: float = 2.0, steps: int = STEPS,
+              stalls: int = 1, claim_kill: bool = True, poison: int = 4,
               timeout: float = 600.0, seed: int = 7, workdir: Path | None = None) -> ChaosReport:
+    """The chaos run; ``stalls`` workers SIGSTOPped past their lease, ``claim_kill`` a worker
+    killed between taking a message and claiming it, ``poison`` prompts in a job whose model
+    will not load (0: none)."""
     rng = random.Random(seed)
-    report = ChaosReport(prompts=prompts)
+    report = ChaosReport(prompts=prompts, poison_prompts=poison)
     tmp = workdir or Path(tempfile.mkdtemp(prefix="rf-chaos-"))
     logs = tmp / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -227,19 +354,49 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
     fleet = Fleet(env, md, logs, client)
     watchers: list[threading.Thread] = []
     started = time.monotonic()
+    monitor_proc: subprocess.Popen[bytes] | None = None
     try:
-        import subprocess
-
-        mon_log = open(logs / "monitor.log", "ab")  # noqa: SIM115
-        monitor_proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor"], env=env, stdout=mon_log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        monitor_proc = start_monitor({**env, "RENDERFLEET_AUDIT_SECONDS": AUDIT_SECONDS}, logs / "monitor.log")
         prompt_file = tmp / "prompts.txt"
         prompt_file.write_text("".join(f"chaos prompt {i}\n" for i in range(prompts)))
+        trap = None
+        if claim_kill:
+            # A spare worker that will stop itself between taking a message and claiming it:
+            # started now (a model load takes a while on a busy machine) and parked by SIGSTOP
+            # once its model is loaded, before any message exists.
+            trap = WorkerProc({**fleet.node_env("trap"), PAUSE_AT: "before-claim"}, logs / "trap.log",
+                              "--pool", "spot", "--verbose")
+            fleet.extra.append(trap)
         for _ in range(workers):
             fleet.start()
-        wait_for(lambda: client.hlen(keys.WORKERS) >= workers, 120, what="workers to load the model")
+        if trap is not None:
+            wait_for(lambda: fleet.pid_id(trap.pid), 180, what="the spare worker to load the model")
+            os.killpg(trap.pid, signal.SIGSTOP)
+            parked = time.monotonic()
+        wait_for(lambda: client.hlen(keys.WORKERS) >= workers + (trap is not None), 180,
+                 what="workers to load the model")
+        if trap is not None:
+            # Its BRPOP, if it had sent one, times out on the server within kombu's brpop_timeout
+            # (1 s): no message pushed after that can be handed to it while it is parked.
+            time.sleep(max(0.0, parked + 2.5 - time.monotonic()))
         job = cli(env, "submit", str(prompt_file), "--model", "tiny", "--steps", str(steps), "--size", "32x32",
                   "--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE)).stdout.split()[-1]
+        bad = ""
+        if poison:
+            # On the same queue, behind the good job: a model that is not there.
+            poison_file = tmp / "poison.txt"
+            poison_file.write_text("".join(f"poison prompt {i}\n" for i in range(poison)))
+            bad = cli(env, "submit", str(poison_file), "--model", str(tmp / POISON_MODEL), "--steps", str(steps),
+                      "--size", "32x32", "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+            poison_submitted = time.monotonic()
+
+        s3 = boto3.client("s3", endpoint_url=moto.endpoint_url, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        prefix = f"chaos/jobs/{job}/images/"
+
+        def stored() -> int:
+            pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            return sum(len(page.get("Contents", [])) for page in pages)
 
         def done() -> int:
             try:
@@ -247,13 +404,34 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             except redis.RedisError:
                 return -1
 
-        # kills throughout, the notice early, the Redis restart in the middle of the job;
-        # each event fires once the job has reached its share of progress (and a worker is busy)
-        plan = ["kill"] * kills
-        plan.insert(min(1, len(plan)), "notice")
-        plan.insert(len(plan) // 2 + 1, "restart")
+        def poison_over() -> bool:
+            pipe = client.pipeline()
+            pipe.bitcount(keys.done_bits(bad))
+            pipe.bitcount(keys.failed_bits(bad))
+            return sum(pipe.execute()) >= poison
+
+        poison_watch: threading.Thread | None = None
+        if poison:
+            def watch_poison() -> None:
+                with contextlib.suppress(AssertionError):
+                    wait_for(poison_over, timeout, interval=0.2, what="the poison job")
+                    report.poison_seconds = time.monotonic() - poison_submitted
+            poison_watch = threading.Thread(target=watch_poison, daemon=True)
+            poison_watch.start()
+
+        # Each event fires once the job has reached its share of progress (and a worker is busy):
+        # first the kill before a claim (its worker needs a while to load), the pause past a lease,
+        # and the Redis restart while the fleet is whole and busy (no replacement still loading);
+        # then the notice and the kills, with any further pauses among them.
+        plan = ["claim-kill"] if claim_kill else []
+        plan += ["stall"] * min(1, stalls) + ["restart", "notice"]
+        rest = ["kill"] * kills
+        for i in range(1, stalls):
+            rest.insert(min(len(rest), i * len(rest) // stalls), "stall")
+        plan += rest
         marks = [0.05 + 0.8 * i / len(plan) for i in range(len(plan))]
         stats_before_restart: dict[str, int] = {}
+        claim_thread: threading.Thread | None = None
         last = 0.0
         while plan and time.monotonic() - started < timeout:
             time.sleep(0.1)
@@ -262,13 +440,15 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
                 break
             if progress < marks[0] * prompts or time.monotonic() - last < min_gap:
                 continue
-            busy = fleet.busy_nodes()
-            if plan[0] in ("kill", "notice") and not busy:
+            busy = fleet.busy_nodes(job)
+            if plan[0] in ("kill", "notice", "stall") and not busy:
                 if len(marks) > 1 and progress >= marks[1] * prompts:
                     print(f"chaos: no busy worker for the {plan[0]}: skipped", flush=True)
                     plan.pop(0)
                     marks.pop(0)
                 continue
+            if plan[0] == "stall" and not stall_past_lease(fleet, client, rng.choice(busy), report):
+                continue  # it held nothing once stopped: again on the next pass
             event = plan.pop(0)
             marks.pop(0)
             last = time.monotonic()
@@ -276,6 +456,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
                 node = rng.choice(busy)
                 held = fleet.held_shard(node)
                 victim = fleet.worker_id(node)
+                fleet.ended.add(node)
                 if event == "kill":
                     fleet.workers[node].kill()
                     report.kills += 1
@@ -295,20 +476,21 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
                 if event == "notice":
                     report.notice_exit_codes.append(fleet.workers[node].proc.wait(130))
                 fleet.start()
-            else:
-                stats_before_restart = pool_stats(client)
-                before = done()
-                print(f"chaos: Redis restart (empty) at {before} done", flush=True)
-                server.kill()
-                server.start()
-                t0 = time.monotonic()
-                report.redis_restarts += 1
-                # rendering again: a worker holds a lease on the (resumed) job again
-                wait_for(lambda: client.zcard(keys.INFLIGHT) > 0 or done() >= prompts, 120,
-                         what="rendering after the restart")
-                report.restart_to_progress.append(time.monotonic() - t0)
+            elif event == "claim-kill":
+                assert trap is not None
+                claim_thread = threading.Thread(target=kill_before_claim, daemon=True,
+                                                args=(fleet, client, report, logs, trap))
+                claim_thread.start()
+            elif event == "restart":
+                if claim_thread is not None:
+                    claim_thread.join(180)  # its shard is to come back by the audit, not by a resume
+                stats_before_restart = restart_redis(fleet, server, client, report, job, done, stored)
 
         wait_for(lambda: done() >= prompts, timeout, interval=0.5, what="the job to finish")
+        if poison_watch is not None:
+            poison_watch.join(timeout)
+        if claim_thread is not None:
+            claim_thread.join(60)
         for th in watchers:
             th.join(timeout=60)
         report.wall_seconds = time.monotonic() - started
@@ -323,9 +505,20 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
         report.status_done, report.status_failed = st["done"], st["failed"]
         res = json.loads(cli(env, "results", job, "--json", check=False).stdout)  # exit 1 when images are missing
         report.quarantined = len(res["quarantined"])
-        s3 = boto3.client("s3", endpoint_url=moto.endpoint_url, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
-        prefix = f"chaos/jobs/{job}/images/"
+        for j in filter(None, (job, bad)):
+            client.bitop("AND", "rf:chaos:both", keys.done_bits(j), keys.failed_bits(j))
+            report.both_done_and_failed += int(client.bitcount("rf:chaos:both"))
+        if poison:
+            st = json.loads(cli(env, "status", bad, "--json").stdout)
+            report.poison_done, report.poison_failed = st["done"], st["failed"]
+            report.poison_reasons = dict(st["failure_reasons"])
+            res = json.loads(cli(env, "results", bad, "--json", check=False).stdout)
+            report.poison_quarantine_ok = (len(res["quarantined"]) == poison and not res["images"] and all(
+                POISON_MODEL in reason for reason in res["quarantined"].values()))
+            report.poison_attempts = log_count(logs, rf"of job {bad} (?:failed \(|quarantined after)")
+        # No worker left on its own: every one still running is one the harness did not stop.
+        report.breaker_exits = sum(1 for n, w in fleet.workers.items() if n not in fleet.ended and not w.alive())
+        report.breaker_exits += log_count(logs, "circuit breaker|stops taking work")
         names = []
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             names += [o["Key"][len(prefix):-len(".png")] for o in page.get("Contents", [])]
@@ -338,12 +531,151 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
                 report.mismatched.append(name)
     finally:
         fleet.stop_all()
-        with contextlib.suppress(NameError, ProcessLookupError, PermissionError):
-            os.killpg(monitor_proc.pid, 9)
+        if monitor_proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(monitor_proc.pid, signal.SIGKILL)
         md.__exit__(None, None, None)
         moto.stop()
         server.stop()
     return report
+
+
+def stall_past_lease(fleet: Fleet, client: redis.Redis, node: str, report: ChaosReport) -> bool:
+    """SIGSTOP ``node`` until its shard is reaped and claimed by another worker, then SIGCONT it:
+    it must be fenced (or have had nothing left to write) and go on serving.  False when it held
+    no lease once stopped (resumed at once; the caller tries again)."""
+    worker = fleet.workers[node]
+    wid = fleet.worker_id(node)
+    os.killpg(worker.pid, signal.SIGSTOP)
+    wait_for(lambda: stopped(worker.pid), 10, interval=0.01, what="SIGSTOP")
+    t0 = time.monotonic()
+    held = fleet.held_shard(node)
+    lease = client.hgetall(keys.lease(*held)) if held else {}
+    if not held or not lease:
+        os.killpg(worker.pid, signal.SIGCONT)
+        return False
+    job, shard = held
+    attempt = int(lease[b"attempt"])
+    frozen = fleet.stats(node)
+    # What it began and has not finished is its batch in flight, less the poison job's tries
+    # (begun, never finished, by design); at most a batch (a worker that lived through the
+    # Redis restart finished a batch whose start the new Redis never saw).
+    poison_tries = len(re.findall(r"of job \S+ (?:failed \(|quarantined after)", worker.output()))
+    in_flight = min(BATCH_SIZE, max(0, frozen.get("started_images", 0) - frozen.get("images", 0) - poison_tries))
+    report.stalls += 1
+    print(f"chaos: SIGSTOP {node} holding {held} attempt {attempt}", flush=True)
+
+    def taken_over() -> bool:
+        if time.monotonic() - t0 <= LEASE_SECONDS:
+            return False
+        now = client.hgetall(keys.lease(job, shard))
+        if now and keys.text(now.get(b"worker")) != wid and int(now.get(b"attempt", 0)) > attempt:
+            return True
+        return bool(client.exists(keys.job(job))) and not client.hexists(keys.shards(job), str(shard))
+
+    wait_for(taken_over, 90, interval=0.05, what="the stopped worker's shard to be claimed by another")
+    report.stall_to_claimed.append(time.monotonic() - t0)
+    fenced_before = frozen.get("fenced", 0)
+    os.killpg(worker.pid, signal.SIGCONT)
+    t1 = time.monotonic()
+    report.stall_paused.append(t1 - t0)
+
+    def outcome() -> str | None:
+        if fleet.stats(node).get("fenced", 0) > fenced_before:
+            return "fenced"
+        now = fleet.held_shard(node)
+        if now is not None and now != held:
+            return "finished"  # stopped after its last count: its release was refused, it took new work
+        return None
+
+    result = wait_for(outcome, 60, interval=0.05, what="the stale worker to be fenced")
+    report.stall_outcomes.append(result)
+    report.stall_to_fenced.append(time.monotonic() - t1)
+    report.stall_lost += in_flight
+    report.stale_alive = report.stale_alive and worker.alive()
+    print(f"chaos: SIGCONT {node} after {t1 - t0:.1f} s: {result}", flush=True)
+    return True
+
+
+def kill_before_claim(fleet: Fleet, client: redis.Redis, report: ChaosReport, logs: Path, trap: WorkerProc) -> None:
+    """Let the parked spare worker go: it takes the next message and stops itself before its
+    claim; SIGKILL it there, and wait for the monitor's audit to bring the shard back and
+    another worker to claim it."""
+    os.killpg(trap.pid, signal.SIGCONT)  # synchronous: a stop seen from now on is its own
+    print("chaos: the spare worker that stops before its claim is let go", flush=True)
+    wait_for(lambda: not trap.alive() or stopped(trap.pid), 120, interval=0.005,
+             what="the spare worker to stop before its claim")
+    if not trap.alive():
+        print(f"chaos: the worker meant to stop before its claim exited {trap.proc.returncode}", flush=True)
+        return
+    trap_id = fleet.pid_id(trap.pid)
+    trap.kill()
+    t0 = time.monotonic()
+    report.claim_kills += 1
+    if trap_id:
+        report.claim_kill_started = int(client.hget(keys.worker_stats(trap_id), "started_images") or 0)
+    # Its message is in kombu's unacked with no lease; another worker may be in that state for
+    # a millisecond too: the one that stays is the trap's.
+    lost = set(unclaimed_deliveries(client))
+    for _ in range(5):
+        time.sleep(0.05)
+        lost &= set(unclaimed_deliveries(client))
+    print(f"chaos: SIGKILL the worker stopped before its claim: {sorted(lost)} taken, never claimed", flush=True)
+    if len(lost) != 1:
+        return
+    job, shard = lost.pop()
+    running_again(client, job, shard, trap_id, t0, 120.0, report.claim_kill_to_running)
+    mon = logs / "monitor.log"
+    report.claim_kill_audited = bool(wait_for(
+        lambda: re.search(rf"job {job}: shards \[[^]]*\b{shard}\b[^]]*\] were lost between a queue and a claim",
+                          mon.read_text(errors="replace")), 30, interval=0.2, what="the audit's log line"))
+
+
+def restart_redis(fleet: Fleet, server: RedisServerProcess, client: redis.Redis, report: ChaosReport, job: str,
+                  done: Callable[[], int], stored: Callable[[], int]) -> dict[str, int]:
+    """Once every worker holds a lease, kill Redis and start it empty; wait until every worker
+    has taken a new shard.  Returns the pool counters from before (Redis forgets them).
+    ``stored()`` counts the job's images in the store: renders finished after the restart
+    beyond the images it gained were thrown away."""
+    at_restart: dict[str, tuple[str, int] | None] = {}
+    stats: dict[str, int] = {}
+    before = stored_before = 0
+
+    def all_busy() -> bool:
+        nonlocal at_restart, stats, before, stored_before
+        stored_before = stored()
+        stats, before = pool_stats(client), done()
+        at_restart = fleet.holdings()  # the restart follows this very reading
+        return before >= report.prompts or (bool(at_restart) and all(at_restart.values()))
+
+    with contextlib.suppress(AssertionError):
+        wait_for(all_busy, 120, interval=0.05, what="every worker to hold a lease")
+    server.kill()
+    server.start()
+    report.busy_at_restart.append(f"{sum(1 for h in at_restart.values() if h)}/{len(at_restart)}")
+    print(f"chaos: Redis restart (empty) at {before} done, workers holding {at_restart}", flush=True)
+    t0 = time.monotonic()
+    report.redis_restarts += 1
+    # the monitor finds Redis empty and resumes the job from the store
+    wait_for(lambda: client.exists(keys.job(job)), 120, interval=0.02, what="the job resumed after the restart")
+    report.restart_to_resumed.append(time.monotonic() - t0)
+    # rendering again: a batch rendered and recorded in the new Redis
+    wait_for(lambda: pool_stats(client).get("batches", 0) > 0 or done() >= report.prompts, 120, interval=0.02,
+             what="rendering after the restart")
+    report.restart_to_progress.append(time.monotonic() - t0)
+
+    def all_moved_on() -> bool:
+        if done() >= report.prompts:
+            return True
+        return all(not fleet.workers[n].alive() or fleet.held_shard(n) not in (None, held)
+                   for n, held in at_restart.items())
+
+    wait_for(all_moved_on, 120, interval=0.05, what="every worker to take a new shard after the restart")
+    report.restart_to_all_working.append(time.monotonic() - t0)
+    # The counters start again from nothing in the new Redis; the store keeps its images.
+    rendered_since = pool_stats(client).get("images", 0)
+    report.restart_waste = max(0, rendered_since - (stored() - stored_before))
+    return stats
 
 
 def main() -> None:
@@ -351,6 +683,8 @@ def main() -> None:
         prompts=int(os.environ.get("RENDERFLEET_CHAOS_PROMPTS", "300")),
         workers=int(os.environ.get("RENDERFLEET_CHAOS_WORKERS", "3")),
         kills=int(os.environ.get("RENDERFLEET_CHAOS_KILLS", "10")),
+        stalls=int(os.environ.get("RENDERFLEET_CHAOS_STALLS", "2")),
+        poison=int(os.environ.get("RENDERFLEET_CHAOS_POISON", "6")),
     )
     print(report.summary())
     raise SystemExit(0 if report.ok else 1)
