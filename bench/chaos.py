@@ -422,10 +422,11 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
         # Each event fires once the job has reached its share of progress (and a worker is busy):
         # first the kill before a claim (its worker needs a while to load), the pause past a lease,
         # and the Redis restart while the fleet is whole and busy (no replacement still loading);
-        # then the notice and the kills, with any further pauses among them.
+        # then a kill while the fleet is still whole (so a fast machine that finishes early
+        # still sees one), the notice, and the other kills, with any further pauses among them.
         plan = ["claim-kill"] if claim_kill else []
-        plan += ["stall"] * min(1, stalls) + ["restart", "notice"]
-        rest = ["kill"] * kills
+        plan += ["stall"] * min(1, stalls) + ["restart"] + ["kill"] * min(1, kills) + ["notice"]
+        rest = ["kill"] * max(0, kills - 1)
         for i in range(1, stalls):
             rest.insert(min(len(rest), i * len(rest) // stalls), "stall")
         plan += rest

@@ -12,7 +12,7 @@ from bench.chaos import BATCH_SIZE, run_chaos
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
-PROMPTS = 240
+PROMPTS = 320
 WORKERS = 3
 POISON = 4
 
