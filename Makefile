@@ -42,13 +42,13 @@ chaos: install
 	  $(BIN)/python -m bench.chaos
 
 bench: install
-	$(BIN)/python bench/submit_bench.py
-	$(BIN)/python bench/render_bench.py
-	$(BIN)/python bench/reclaim_bench.py
+	$(BIN)/python -m bench.submit_bench
+	$(BIN)/python -m bench.render_bench
+	$(BIN)/python -m bench.reclaim_bench
 
 lint: install
-	$(BIN)/ruff check renderfleet tests bench
-	$(BIN)/mypy renderfleet
+	$(BIN)/ruff check renderfleet worker dispatcher testing tests bench
+	$(BIN)/mypy renderfleet worker dispatcher
 	$(BIN)/hadolint docker/Dockerfile.worker docker/Dockerfile.dispatcher
 	$(BIN)/kubernetes-validate --strict --quiet infra/k8s/*.yaml
 

@@ -40,7 +40,6 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -51,15 +50,13 @@ from pathlib import Path
 import boto3
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from renderfleet.core import keys
-from renderfleet.core.celery_app import UNACKED_KEY
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.spec import RenderParams, ShardMessage
-from tests.fleet import FAST_LEASES, PAUSE_AT, WorkerProc, base_env, cli, start_monitor, start_redis, stopped, wait_for
-from tests.metadata import FakeMetadata
-from tests.servers import MotoServer, s3_env
+from renderfleet import keys
+from renderfleet.celery_app import UNACKED_KEY
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import RenderParams, ShardMessage
+from testing.fleet import FAST_LEASES, PAUSE_AT, WorkerProc, base_env, cli, start_monitor, start_redis, stopped, wait_for
+from testing.metadata import FakeMetadata
+from testing.servers import MotoServer, s3_env
 
 SHARD_SIZE = 6
 BATCH_SIZE = 2
@@ -191,8 +188,8 @@ def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
     """The job's images rendered here, batch by batch as the workers do, with no failure."""
     import torch
 
-    from renderfleet.worker.models import load_pipeline
-    from renderfleet.worker.render import Renderer
+    from worker.models import load_pipeline
+    from worker.render import Renderer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers (OMP_NUM_THREADS=1): kernels split work by thread count
@@ -507,8 +504,8 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
         res = json.loads(cli(env, "results", job, "--json", check=False).stdout)  # exit 1 when images are missing
         report.quarantined = len(res["quarantined"])
         for j in filter(None, (job, bad)):
-            client.bitop("AND", "rf:chaos:both", keys.done_bits(j), keys.failed_bits(j))
-            report.both_done_and_failed += int(client.bitcount("rf:chaos:both"))
+            client.bitop("AND", keys.SCRATCH, keys.done_bits(j), keys.failed_bits(j))
+            report.both_done_and_failed += int(client.bitcount(keys.SCRATCH))
         if poison:
             st = json.loads(cli(env, "status", bad, "--json").stdout)
             report.poison_done, report.poison_failed = st["done"], st["failed"]

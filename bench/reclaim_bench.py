@@ -1,7 +1,7 @@
 """Spot tolerance: how fast lost or handed-back work runs again, renderfleet vs plain Celery.
 
 Three measurements, each on private Redis servers and a local store in a temp
-dir, with real ``renderfleet worker`` processes (tests.fleet helpers):
+dir, with real ``renderfleet worker`` processes (testing.fleet helpers):
 
 1. **SIGKILL**: 3 workers render a job with the product's lease settings
    (lease 6 s, heartbeat 1.5 s, reap 1 s); again and again a worker that holds
@@ -47,16 +47,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import redis
+
+from renderfleet import keys
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import WorkerProc, base_env, cli, start_redis, wait_for, write_prompts
+from testing.metadata import FakeMetadata
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-import redis  # noqa: E402
-
-from renderfleet.core.embedded import RedisServerProcess  # noqa: E402
-from tests.fleet import WorkerProc, base_env, cli, start_redis, wait_for, write_prompts  # noqa: E402
-from tests.metadata import FakeMetadata  # noqa: E402
-
-# The product defaults (renderfleet.core.settings), over tests.fleet's FAST_LEASES.
+# The product defaults (renderfleet.settings), over testing.fleet's FAST_LEASES.
 PRODUCT_LEASES = {
     "RENDERFLEET_LEASE_SECONDS": "6",
     "RENDERFLEET_HEARTBEAT_SECONDS": "1.5",
@@ -164,7 +164,7 @@ def killpg(proc: subprocess.Popen[bytes]) -> None:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """tests.fleet.wait_for, raising TimeoutError (which this bench catches) instead."""
+    """testing.fleet.wait_for, raising TimeoutError (which this bench catches) instead."""
     try:
         return wait_for(predicate, timeout, interval=interval, what=what)
     except AssertionError as exc:
@@ -193,7 +193,7 @@ def connect(url: str) -> Any:
 def registered_pids(c: Any) -> dict[int, str]:
     """pid -> worker id, from every registration in rf:workers."""
     out = {}
-    for wid, raw in c.hgetall("rf:workers").items():
+    for wid, raw in c.hgetall(keys.WORKERS).items():
         out[int(json.loads(raw)["pid"])] = wid
     return out
 
@@ -204,15 +204,15 @@ def registered(c: Any, pid: int) -> Callable[[], str | None]:
 
 
 def worker_stats(c: Any, wid: str) -> dict[str, int]:
-    return {k: int(v) for k, v in c.hgetall(f"rf:worker:{wid}").items() if v.lstrip("-").isdigit()}
+    return {k: int(v) for k, v in c.hgetall(keys.worker_stats(wid)).items() if v.lstrip("-").isdigit()}
 
 
 def leases(c: Any) -> list[dict[str, str]]:
     """Every live lease hash (job, shard, worker, attempt, ...)."""
     out = []
-    for member in c.zrange("rf:inflight", 0, -1):
+    for member in c.zrange(keys.INFLIGHT, 0, -1):
         job, _, shard = member.rpartition(":")
-        lease = c.hgetall(f"rf:lease:{job}:{shard}")
+        lease = c.hgetall(keys.lease(job, int(shard)))
         if lease.get("worker"):
             out.append({**lease, "job": job, "shard": shard})
     return out
@@ -260,7 +260,7 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
                 if wid not in by_wid:
                     continue
                 st = worker_stats(c, wid)
-                left = int(c.hget(f"rf:job:{lease['job']}:left", lease["shard"]) or 0)
+                left = int(c.hget(keys.left(lease["job"]), lease["shard"]) or 0)
                 # a batch in flight, and the shard not on its last batch
                 if st.get("started_batches", 0) > st.get("batches", 0) and left > 2 * BATCH_SIZE:
                     mid.append((lease, wid, by_wid[wid]))
@@ -273,7 +273,7 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
             samples.append({"error": str(exc)})
             break
         job, shard = lease["job"], lease["shard"]
-        lkey, skey = f"rf:lease:{job}:{shard}", f"rf:job:{job}:shards"
+        lkey, skey = keys.lease(job, int(shard)), keys.shards(job)
         t_kill = time.monotonic()
         procs[pid].kill()
         t_killed = time.monotonic()
@@ -320,8 +320,8 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
             print(f"  {exc}", flush=True)
         time.sleep(rng.uniform(0.2, 1.2))
 
-    pool = {k: v for k, v in c.hgetall("rf:pool:default").items()}
-    done = sum(int(c.bitcount(f"rf:job:{j}:done")) for j in jobs)
+    pool = {k: v for k, v in c.hgetall(keys.pool_stats("default")).items()}
+    done = sum(int(c.bitcount(keys.done_bits(j))) for j in jobs)
     for w in list(procs.values()):
         w.kill()
     server.stop()
@@ -459,7 +459,7 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                     if lease["worker"] != wid:
                         continue
                     st = worker_stats(c, wid)
-                    left = int(c.hget(f"rf:job:{lease['job']}:left", lease["shard"]) or 0)
+                    left = int(c.hget(keys.left(lease["job"]), lease["shard"]) or 0)
                     if st.get("batches", 0) >= 1 and st.get("started_batches", 0) > st.get("batches", 0) \
                             and left > 3 * BATCH_SIZE:
                         return lease
@@ -467,8 +467,8 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
 
             lease = wait_until(mid_shard, 60, "the spot worker mid-shard", 0.02)
             job, shard = lease["job"], int(lease["shard"])
-            lkey, skey = f"rf:lease:{job}:{shard}", f"rf:job:{job}:shards"
-            handback0 = int(c.hget("rf:pool:spot", "handback_ms") or 0)
+            lkey, skey = keys.lease(job, int(shard)), keys.shards(job)
+            handback0 = int(c.hget(keys.pool_stats("spot"), "handback_ms") or 0)
             batches = worker_stats(c, wid).get("batches", 0)
             batch_ends: list[float] = []
             t_notice = time.monotonic()
@@ -490,7 +490,7 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                 if t_exit is None and w.proc.poll() is not None:
                     t_exit = now
                 time.sleep(0.005)  # fine-grained: the hand-back follows the batch's end by milliseconds
-            handback_ms = int(c.hget("rf:pool:spot", "handback_ms") or 0) - handback0
+            handback_ms = int(c.hget(keys.pool_stats("spot"), "handback_ms") or 0) - handback0
             ended = [t for t in batch_ends if t_back is None or t <= t_back]
             res.update({
                 "shard": f"{job}:{shard}",
@@ -600,7 +600,7 @@ def main() -> int:
                     help="stop killing (even short of --kills) once part 1 has run this long (s)")
     ap.add_argument("--workers", type=int, default=3, help="renderfleet workers in the SIGKILL fleet")
     ap.add_argument("--leases", choices=["product", "test"], default="product",
-                    help="lease settings: the product defaults (6/1.5/1 s) or tests.fleet's (3/0.5/0.5 s)")
+                    help="lease settings: the product defaults (6/1.5/1 s) or testing.fleet's (3/0.5/0.5 s)")
     ap.add_argument("--celery-cap", type=float, default=60, help="wait for the default-visibility Celery case (s)")
     ap.add_argument("--vt", type=float, default=20, help="the short visibility_timeout to try (s)")
     ap.add_argument("--vt-kills", type=int, default=3, help="kills with the short visibility_timeout")

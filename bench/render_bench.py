@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from renderfleet.core.spec import Prompt, derive_seed
+from renderfleet.spec import Prompt, derive_seed
 
 
 def main() -> None:
@@ -36,8 +33,8 @@ def main() -> None:
     t = time.perf_counter()
     import torch
 
-    from renderfleet.worker.models import load_pipeline
-    from renderfleet.worker.render import Renderer
+    from worker.models import load_pipeline
+    from worker.render import Renderer
 
     loaded = load_pipeline(args.model, device=args.device, cache_dir=Path(tempfile.mkdtemp()))
     print(f"model {args.model} on {loaded.device} ({loaded.dtype}), torch threads {torch.get_num_threads()}: "

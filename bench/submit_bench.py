@@ -21,11 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import redis
 
-from renderfleet.core.embedded import RedisServerProcess
+from renderfleet.embedded import RedisServerProcess
 
 
 def make_file(path: Path, lines: int, fmt: str) -> None:

@@ -36,18 +36,18 @@ from io import IOBase
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from renderfleet.core.errors import InputError
-from renderfleet.core.settings import Settings, load_settings
+from renderfleet.errors import InputError
+from renderfleet.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     import redis
     from celery import Celery
 
-    from renderfleet.core.prompts import FileSummary
-    from renderfleet.core.store import Store
-    from renderfleet.dispatcher.resume import ResumeReport
-    from renderfleet.dispatcher.status import JobStatus, Results
-    from renderfleet.dispatcher.submit import SubmitOptions
+    from dispatcher.resume import ResumeReport
+    from dispatcher.status import JobStatus, Results
+    from dispatcher.submit import SubmitOptions
+    from renderfleet.prompts import FileSummary
+    from renderfleet.store import Store
 
 __all__ = ["Client", "Job", "PromptRequest"]
 
@@ -94,8 +94,8 @@ class Client:
     def redis(self) -> redis.Redis:
         """The Redis client (starting the embedded server when no URL is set)."""
         if self._redis is None:
-            from renderfleet.core.celery_app import make_app
-            from renderfleet.core.embedded import broker_url, connect
+            from renderfleet.celery_app import make_app
+            from renderfleet.embedded import broker_url, connect
 
             url = broker_url(self.settings.redis_url, self.settings.home)
             self._redis = connect(url)
@@ -113,7 +113,7 @@ class Client:
     def store(self) -> Store:
         """Where the images go."""
         if self._store is None:
-            from renderfleet.core.store import open_store
+            from renderfleet.store import open_store
 
             self._store = open_store(self.settings.store_url, self.settings.s3_options)
         return self._store
@@ -141,7 +141,7 @@ class Client:
         ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz), a binary
         stream of such a file (``format`` names it: txt, jsonl or csv), or an
         iterable of prompts, streamed (a generator of millions is fine).
-        Raises :class:`~renderfleet.core.errors.InputError` listing every
+        Raises :class:`~renderfleet.errors.InputError` listing every
         problem (``FILE:LINE: reason``, ``<stdin>:LINE: reason``, or
         ``prompts[i]: reason`` for an iterable) with nothing enqueued.
         Submitting the same prompts and settings to the same store again is
@@ -167,8 +167,8 @@ class Client:
                 guidance: float = 7.5, negative: str = "", seed: int = 0, shard_size: int = 64, batch_size: int = 4,
                 pool: str = "default", job: str | None = None) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one)."""
-        from renderfleet.core.spec import RenderParams
-        from renderfleet.dispatcher.submit import SubmitOptions, check_options
+        from dispatcher.submit import SubmitOptions, check_options
+        from renderfleet.spec import RenderParams
 
         width, height = parse_size(size)
         params = RenderParams(model=model or self.settings.model, steps=steps, width=width, height=height,
@@ -180,9 +180,9 @@ class Client:
     def submit_file(self, path: str, opts: SubmitOptions, *, summary: FileSummary | None = None,
                     source: str | None = None, label: str | None = None, by_item: bool = False) -> Job:
         """Submit the prompt file at ``path`` (validated first, before any connection)."""
-        from renderfleet.core import prompts as prompt_files
-        from renderfleet.core.celery_app import queue_name
-        from renderfleet.dispatcher.submit import submit
+        from dispatcher.submit import submit
+        from renderfleet import prompts as prompt_files
+        from renderfleet.celery_app import queue_name
 
         try:
             summary = summary or prompt_files.validate_file(path)
@@ -196,7 +196,7 @@ class Client:
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (from code or the CLI)."""
-        from renderfleet.dispatcher.status import job_status
+        from dispatcher.status import job_status
 
         return Job(self, job_id, job_status(self.redis, job_id, store=self.store).total)
 
@@ -220,7 +220,7 @@ class Job:
 
     def status(self) -> JobStatus:
         """Its counters now (a few Redis reads; the store when Redis forgot the job)."""
-        from renderfleet.dispatcher.status import job_status
+        from dispatcher.status import job_status
 
         return job_status(self.client.redis, self.id, store=self.client.store)
 
@@ -255,13 +255,13 @@ class Job:
 
     def results(self) -> Results:
         """Where each image is, and which are missing or quarantined (reads the store)."""
-        from renderfleet.dispatcher.status import results
+        from dispatcher.status import results
 
         return results(self.client.store, self.id)
 
     def resume(self) -> ResumeReport:
         """Enqueue whatever of the job is not in the store yet."""
-        from renderfleet.dispatcher.resume import resume
+        from dispatcher.resume import resume
 
         return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis)
 

@@ -1,6 +1,6 @@
 """The ``renderfleet`` command line.
 
-Every command builds one :class:`~renderfleet.core.settings.Settings` from its
+Every command builds one :class:`~renderfleet.settings.Settings` from its
 flags and the environment.  User mistakes (bad files, bad flags, unknown jobs)
 end with a message and a non-zero exit status, never a traceback: exit 2 for
 bad input, 1 for anything else that went wrong.
@@ -18,8 +18,8 @@ from typing import Annotated, Any
 
 import typer
 
-from renderfleet.core.errors import ConfigError, InputError, JobNotFound, RenderfleetError
-from renderfleet.core.settings import Settings, load_settings
+from renderfleet.errors import ConfigError, InputError, JobNotFound, RenderfleetError
+from renderfleet.settings import Settings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Render one image per prompt on a fleet of GPU workers, each exactly once.")
@@ -68,8 +68,8 @@ def _logging(verbose: bool = False) -> None:
 
 def _connect(settings: Settings) -> tuple[Any, Any, str]:
     """(celery app, redis client, broker url), starting the embedded server if needed."""
-    from renderfleet.core.celery_app import make_app
-    from renderfleet.core.embedded import broker_url, connect
+    from renderfleet.celery_app import make_app
+    from renderfleet.embedded import broker_url, connect
 
     url = broker_url(settings.redis_url, settings.home)
     return make_app(url), connect(url), url
@@ -166,7 +166,7 @@ def worker(
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
     _logging(verbose=True)  # until Celery takes over logging with its own level
     settings = _settings(pool=pool, model=model)
-    from renderfleet.worker.main import run_worker
+    from worker.main import run_worker
 
     with _user_errors():
         code = run_worker(settings, model=model, queues=queue, loglevel="INFO" if verbose else "WARNING")
@@ -185,8 +185,8 @@ def status(
 ) -> None:
     """Progress of a job (or every job): rate, ETA, cost; backlog, queues and workers."""
     settings = _settings(config=config)
-    from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.status import fleet_status
+    from dispatcher.status import fleet_status
+    from renderfleet.store import open_store
 
     prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
     with _user_errors():
@@ -200,7 +200,7 @@ def status(
 
             from rich.live import Live
 
-            from renderfleet.dispatcher.show import render_status
+            from dispatcher.show import render_status
 
             try:
                 with Live(render_status(fleet), refresh_per_second=1, screen=False) as live:
@@ -215,7 +215,7 @@ def status(
             data = {**data.pop("jobs")[0], "failure_reasons": reasons, **data}
         print(json.dumps(data))
         return
-    from renderfleet.dispatcher.show import print_status
+    from dispatcher.show import print_status
 
     print_status(fleet)
     for reason, count in reasons.items():
@@ -228,7 +228,7 @@ def _failure_reasons(client: Any, job: str, limit: int = 5) -> dict[str, int]:
     in `status`, not only in `results` once its prompts are quarantined."""
     from collections import Counter
 
-    from renderfleet.core import keys
+    from renderfleet import keys
 
     errors = Counter(keys.text(value) for field, value in client.hgetall(keys.fails(job)).items()
                      if keys.text(field).endswith(":error"))
@@ -246,13 +246,13 @@ def results(
 ) -> None:
     """Where each prompt's image is, and which are missing or quarantined."""
     settings = _settings()
-    from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.status import results as job_results
+    from dispatcher.status import results as job_results
+    from renderfleet.store import open_store
 
     with _user_errors():
         store = open_store(settings.store_url, settings.s3_options)
         if manifest or sheet:
-            from renderfleet.dispatcher.manifest import contact_sheet, manifest_rows, write_manifest
+            from dispatcher.manifest import contact_sheet, manifest_rows, write_manifest
 
             if manifest:
                 n = write_manifest(manifest_rows(store, _job_id(job), _attempts(settings, job)), manifest)
@@ -279,7 +279,7 @@ def _attempts(settings: Settings, job: str) -> dict[int, int]:
     """Deliveries per shard, when Redis knows the job (the manifest's attempts column)."""
     if not settings.redis_url:
         return {}  # no broker configured: do not start the embedded one just for this
-    from renderfleet.core import keys
+    from renderfleet import keys
 
     _, client, _ = _connect(settings)
     return {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
@@ -289,8 +289,8 @@ def _attempts(settings: Settings, job: str) -> dict[int, int]:
 def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
     settings = _settings()
-    from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.resume import resume as do_resume
+    from dispatcher.resume import resume as do_resume
+    from renderfleet.store import open_store
 
     with _user_errors():
         celery, client, _ = _connect(settings)
@@ -311,16 +311,16 @@ def monitor(
     """Reap expired leases, recover lost shards, resume jobs that Redis lost; serve metrics. Until Ctrl-C."""
     _logging(verbose=True)
     settings = _settings(config=config)
-    from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.monitor import Monitor
+    from dispatcher.monitor import Monitor
+    from renderfleet.store import open_store
 
     with _user_errors():
         celery, client, _ = _connect(settings)
         store = open_store(settings.store_url, settings.s3_options)
         mon = Monitor(settings, celery, client, store)
         if http:
-            from renderfleet.dispatcher.http import serve
-            from renderfleet.dispatcher.status import fleet_status
+            from dispatcher.http import serve
+            from dispatcher.status import fleet_status
 
             prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
             server = serve(http, lambda: fleet_status(client, store=store, prices=prices), prices,
@@ -338,8 +338,8 @@ def monitor(
 def _autoscaler(settings: Settings) -> Any:
     import os
 
-    from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.autoscale import Autoscaler, AwsBackend, Backend, LocalBackend, PublishedBackend
+    from dispatcher.autoscale import Autoscaler, AwsBackend, Backend, LocalBackend, PublishedBackend
+    from renderfleet.store import open_store
 
     if not settings.pools:
         raise ConfigError("no pools configured: give --config FILE (or RENDERFLEET_CONFIG) with [pools.NAME] tables")
@@ -419,7 +419,7 @@ def run(
     """Everything on this machine: server, N workers, submit, progress, summary."""
     _logging()
     settings = _settings()
-    from renderfleet.dispatcher.localrun import run_local
+    from dispatcher.localrun import run_local
 
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
@@ -444,14 +444,14 @@ def bench(
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
     _logging()
     settings = _settings(config=config)
-    from renderfleet.worker.bench import compare as compare_runs
+    from worker.bench import compare as compare_runs
 
     with _user_errors():
         if compare:
             print(compare_runs(compare), end="")
             return
         from renderfleet.api import parse_size
-        from renderfleet.worker.bench import run_bench, write_outputs
+        from worker.bench import run_bench, write_outputs
 
         width, height = parse_size(size)
         try:
@@ -482,8 +482,8 @@ def save_model(
     """Save a pipeline with save_pretrained (e.g. 'tiny', to test the real loading path)."""
     _logging()
     settings = _settings()
-    from renderfleet.worker.main import load_renderer
-    from renderfleet.worker.models import save_pipeline
+    from worker.main import load_renderer
+    from worker.models import save_pipeline
 
     with _user_errors():
         _, loaded = load_renderer(model, settings)
@@ -497,8 +497,8 @@ def server(
 ) -> None:
     """The embedded local Redis server: start it, stop it, or print its URL."""
     settings = _settings()
-    from renderfleet.core.embedded import ensure_embedded, running_embedded, stop_embedded
-    from renderfleet.core.settings import redact
+    from renderfleet.embedded import ensure_embedded, running_embedded, stop_embedded
+    from renderfleet.settings import redact
 
     # The password is never printed: every renderfleet command finds the server
     # (password included) in RENDERFLEET_HOME/server.json by itself.

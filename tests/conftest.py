@@ -9,9 +9,9 @@ from pathlib import Path
 import boto3
 import pytest
 
-from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import start_redis
-from tests.servers import MotoServer, s3_env
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import start_redis
+from testing.servers import MotoServer, s3_env
 
 
 @pytest.fixture(scope="session")

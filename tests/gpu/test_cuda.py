@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_tiny_on_cuda_is_half_precision_and_deterministic(tmp_path: Path) -> None:
-    from renderfleet.core.spec import Prompt, derive_seed
-    from renderfleet.worker.models import load_pipeline
-    from renderfleet.worker.render import Renderer
+    from renderfleet.spec import Prompt, derive_seed
+    from worker.models import load_pipeline
+    from worker.render import Renderer
 
     loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path)
     assert loaded.dtype == torch.float16
@@ -24,10 +24,10 @@ def test_tiny_on_cuda_is_half_precision_and_deterministic(tmp_path: Path) -> Non
 
 
 def test_out_of_memory_is_reported_as_such(tmp_path: Path) -> None:
-    from renderfleet.core.errors import OutOfMemory
-    from renderfleet.core.spec import Prompt
-    from renderfleet.worker.models import load_pipeline
-    from renderfleet.worker.render import Renderer
+    from renderfleet.errors import OutOfMemory
+    from renderfleet.spec import Prompt
+    from worker.models import load_pipeline
+    from worker.render import Renderer
 
     renderer = Renderer(load_pipeline("tiny", device="cuda", cache_dir=tmp_path))
     hog = torch.empty(int(torch.cuda.mem_get_info()[0] * 0.98), dtype=torch.uint8, device="cuda")

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from renderfleet import Client, PromptRequest
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.errors import InputError
-from tests.fleet import REPO, WorkerProc, base_env, wait_for, worker_ready
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.errors import InputError
+from testing.fleet import REPO, WorkerProc, base_env, wait_for, worker_ready
 
 pytestmark = pytest.mark.integration
 

@@ -20,13 +20,13 @@ from typing import cast
 import pytest
 import redis
 
-from renderfleet.core import keys
-from renderfleet.core.celery_app import UNACKED_KEY, make_app
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.leases import Leases
-from renderfleet.core.spec import JobSpec, RenderParams
-from renderfleet.dispatcher.enqueue import WireShard, publish_shards, register_job
-from tests.fleet import (
+from dispatcher.enqueue import WireShard, publish_shards, register_job
+from renderfleet import keys
+from renderfleet.celery_app import UNACKED_KEY, make_app
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.leases import Leases
+from renderfleet.spec import JobSpec, RenderParams
+from testing.fleet import (
     PAUSE_AT,
     TINY,
     WorkerProc,
@@ -194,9 +194,9 @@ def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_render
 def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_past_it(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
-    from renderfleet.core.settings import load_settings
-    from renderfleet.core.store import open_store
-    from renderfleet.dispatcher.monitor import Monitor
+    from dispatcher.monitor import Monitor
+    from renderfleet.settings import load_settings
+    from renderfleet.store import open_store
 
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     queue = "renderfleet.hold"

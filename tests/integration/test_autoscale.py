@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import REPO, base_env, cli, job_status, wait_for, write_prompts
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import REPO, base_env, cli, job_status, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 

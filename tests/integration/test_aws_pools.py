@@ -7,11 +7,11 @@ import uuid
 import boto3
 import pytest
 
-from renderfleet.core.settings import PoolConfig
-from renderfleet.dispatcher.autoscale import AwsBackend
-from renderfleet.worker.protection import InstanceProtection
-from tests.metadata import FakeMetadata
-from tests.servers import MotoServer
+from dispatcher.autoscale import AwsBackend
+from renderfleet.settings import PoolConfig
+from testing.metadata import FakeMetadata
+from testing.servers import MotoServer
+from worker.protection import InstanceProtection
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet.core.errors import OutOfMemory
-from renderfleet.worker import bench, render
-from tests.fleet import REPO
+from renderfleet.errors import OutOfMemory
+from testing.fleet import REPO
+from worker import bench, render
 
 pytestmark = pytest.mark.integration
 

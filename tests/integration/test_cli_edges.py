@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import REPO, TINY, base_env, cli, wait_for, worker_ready, write_prompts
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import REPO, TINY, base_env, cli, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 

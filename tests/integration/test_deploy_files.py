@@ -11,12 +11,12 @@ import pytest
 import redis
 import yaml
 
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.settings import load_settings
-from renderfleet.dispatcher.autoscale import PublishedBackend
-from renderfleet.dispatcher.http import serve
-from renderfleet.dispatcher.status import fleet_status
-from tests.fleet import REPO
+from dispatcher.autoscale import PublishedBackend
+from dispatcher.http import serve
+from dispatcher.status import fleet_status
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.settings import load_settings
+from testing.fleet import REPO
 
 pytestmark = pytest.mark.integration
 K8S = REPO / "infra" / "k8s"

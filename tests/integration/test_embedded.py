@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core.embedded import ensure_embedded, ping, stop_embedded, trusted_server
-from tests.fleet import start_redis
+from renderfleet.embedded import ensure_embedded, ping, stop_embedded, trusted_server
+from testing.fleet import start_redis
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 

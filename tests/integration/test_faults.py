@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core import testhooks
-from renderfleet.core.celery_app import envelope_factory, make_app
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.spec import RenderParams
-from renderfleet.worker.main import EXIT_DEVICE
-from tests.fleet import (
+from renderfleet import testhooks
+from renderfleet.celery_app import envelope_factory, make_app
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import RenderParams
+from testing.fleet import (
     TINY,
     WorkerProc,
     base_env,
@@ -35,6 +34,7 @@ from tests.fleet import (
     worker_ready,
     write_prompts,
 )
+from worker.main import EXIT_DEVICE
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import redis
 
-from renderfleet.core import keys
-from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import (
+from renderfleet import keys
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import (
     PAUSE_AT,
     TINY,
     WorkerProc,

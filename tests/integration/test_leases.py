@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core import keys
-from renderfleet.core.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
-from renderfleet.core.errors import Reclaimed
-from renderfleet.core.leases import Leases
-from tests.fleet import start_redis
+from renderfleet import keys
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.errors import Reclaimed
+from renderfleet.leases import Leases
+from testing.fleet import start_redis
 
 pytestmark = pytest.mark.integration
 

@@ -12,12 +12,12 @@ import pytest
 import redis
 from PIL import Image
 
-from renderfleet.core import spec
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.spec import JobSpec, RenderParams
-from renderfleet.core.store import LocalStore
-from renderfleet.dispatcher.manifest import manifest_rows, write_manifest
-from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready
+from dispatcher.manifest import manifest_rows, write_manifest
+from renderfleet import spec
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import JobSpec, RenderParams
+from renderfleet.store import LocalStore
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready
 
 pytestmark = pytest.mark.integration
 

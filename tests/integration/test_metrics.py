@@ -13,9 +13,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
-from tests.servers import free_port
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from testing.servers import free_port
 
 pytestmark = pytest.mark.integration
 

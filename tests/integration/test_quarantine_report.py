@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core import spec
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.leases import Leases
-from renderfleet.core.spec import JobSpec, RenderParams
-from renderfleet.core.store import LocalStore
-from renderfleet.dispatcher.enqueue import register_job
-from renderfleet.dispatcher.status import job_status, results
+from dispatcher.enqueue import register_job
+from dispatcher.status import job_status, results
+from renderfleet import spec
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.leases import Leases
+from renderfleet.spec import JobSpec, RenderParams
+from renderfleet.store import LocalStore
 
 pytestmark = pytest.mark.integration
 

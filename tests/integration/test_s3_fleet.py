@@ -10,10 +10,10 @@ from pathlib import Path
 import boto3
 import pytest
 
-from renderfleet.core.embedded import RedisServerProcess
-from renderfleet.core.spec import RenderParams, ShardMessage
-from renderfleet.core.store import open_store
-from tests.fleet import WorkerProc, base_env, cli, job_status, wait_for, write_prompts
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import RenderParams, ShardMessage
+from renderfleet.store import open_store
+from testing.fleet import WorkerProc, base_env, cli, job_status, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -57,8 +57,8 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     # The same batches rendered here from the in-memory tiny: the same bytes.
     import torch
 
-    from renderfleet.worker.models import load_pipeline
-    from renderfleet.worker.render import Renderer
+    from worker.models import load_pipeline
+    from worker.render import Renderer
 
     # The workers run with OMP_NUM_THREADS=1; CPU kernels split work by thread count too.
     threads = torch.get_num_threads()

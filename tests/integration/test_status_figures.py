@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet.core.embedded import RedisServerProcess
-from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for
+from renderfleet.embedded import RedisServerProcess
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for
 
 pytestmark = pytest.mark.integration
 

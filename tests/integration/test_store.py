@@ -21,9 +21,9 @@ import botocore.exceptions
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-from renderfleet.core.errors import ConfigError, StoreError
-from renderfleet.core.store import TEMP_MARK, LocalStore, S3Store, Store, open_store
-from tests.servers import free_port
+from renderfleet.errors import ConfigError, StoreError
+from renderfleet.store import TEMP_MARK, LocalStore, S3Store, Store, open_store
+from testing.servers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -388,7 +388,7 @@ def test_one_client_is_shared_by_many_threads(s3_bucket: str) -> None:
 def test_objects_carry_the_encryption_and_storage_class_the_settings_ask_for(
     s3_bucket: str, sse: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from renderfleet.core.settings import load_settings
+    from renderfleet.settings import load_settings
 
     store0 = cast(S3Store, open_store(s3_bucket))
     key_id = None
@@ -419,7 +419,7 @@ def test_objects_carry_the_encryption_and_storage_class_the_settings_ask_for(
 
 
 def test_a_bad_s3_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    from renderfleet.core.settings import load_settings
+    from renderfleet.settings import load_settings
 
     monkeypatch.setenv("RENDERFLEET_S3_SSE", "rot13")
     with pytest.raises(ConfigError, match="RENDERFLEET_S3_SSE: must be AES256"):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.fleet import TINY, WorkerProc, base_env, cli, wait_for, worker_ready, write_prompts
-from tests.servers import TlsRedis
+from testing.fleet import TINY, WorkerProc, base_env, cli, wait_for, worker_ready, write_prompts
+from testing.servers import TlsRedis
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.core.embedded import RedisServerProcess, free_port
-from tests.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from renderfleet.embedded import RedisServerProcess, free_port
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 

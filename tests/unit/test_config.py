@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet.core.errors import ConfigError
-from renderfleet.core.settings import load_settings
+from renderfleet.errors import ConfigError
+from renderfleet.settings import load_settings
 
 FLEET = """
 store = "s3://bucket/renders"

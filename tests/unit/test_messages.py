@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from renderfleet.core import spec
-from renderfleet.core.errors import InputError
-from renderfleet.core.settings import Settings
-from renderfleet.core.spec import JobSpec, RenderParams, message_problems
-from renderfleet.core.store import LocalStore
-from renderfleet.dispatcher.enqueue import WireShard, message_json
-from renderfleet.dispatcher.submit import SubmitOptions, check_options
-from renderfleet.worker.service import WorkerService
-from renderfleet.worker.stop import StopSignal
+from dispatcher.enqueue import WireShard, message_json
+from dispatcher.submit import SubmitOptions, check_options
+from renderfleet import spec
+from renderfleet.errors import InputError
+from renderfleet.settings import Settings
+from renderfleet.spec import JobSpec, RenderParams, message_problems
+from renderfleet.store import LocalStore
+from worker.service import WorkerService
+from worker.stop import StopSignal
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 JOB = JobSpec(job="j-0123456789abcdef", params=PARAMS, total=10, shard_size=4, batch_size=2)
@@ -145,8 +145,8 @@ def test_a_shard_that_comes_before_its_jobs_spec_is_written_is_taken(tmp_path: P
 
 
 def test_a_queue_item_that_is_no_kombu_message_is_told_apart_from_one_that_is() -> None:
-    from renderfleet.core.celery_app import envelope_factory, make_app
-    from renderfleet.worker.tasks import NotAMessage, _check_envelope
+    from renderfleet.celery_app import envelope_factory, make_app
+    from worker.tasks import NotAMessage, _check_envelope
 
     _check_envelope(json.loads(envelope_factory(make_app("redis://localhost:1/0"))("{}", "renderfleet.default", "x")))
     for item in ({"json": "but no envelope"}, [1, 2], "text",

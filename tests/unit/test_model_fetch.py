@@ -7,9 +7,9 @@ from pathlib import Path
 import boto3
 import pytest
 
-from renderfleet.core.errors import ModelLoadError
-from renderfleet.core.settings import Settings
-from renderfleet.worker.models import check_model_keys, fetch_cached, fetch_s3_model, model_allowed, split_s3_model
+from renderfleet.errors import ModelLoadError
+from renderfleet.settings import Settings
+from worker.models import check_model_keys, fetch_cached, fetch_s3_model, model_allowed, split_s3_model
 
 
 def test_the_allow_list_admits_ids_folders_and_s3_prefixes_and_nothing_else(tmp_path: Path) -> None:

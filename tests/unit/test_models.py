@@ -16,9 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from renderfleet.core.errors import PermanentError  # noqa: E402
-from renderfleet.core.spec import Prompt  # noqa: E402
-from renderfleet.worker.models import (  # noqa: E402
+from renderfleet.errors import PermanentError  # noqa: E402
+from renderfleet.spec import Prompt  # noqa: E402
+from worker.models import (  # noqa: E402
     TINY_WARNING,
     LoadedModel,
     build_tiny_pipeline,
@@ -27,7 +27,7 @@ from renderfleet.worker.models import (  # noqa: E402
     load_pipeline,
     save_pipeline,
 )
-from renderfleet.worker.render import Renderer  # noqa: E402
+from worker.render import Renderer  # noqa: E402
 
 
 def checksum(pipe: Any) -> str:
@@ -74,7 +74,7 @@ def test_tiny_is_a_cpu_float32_smoke_test_model(tiny: LoadedModel) -> None:
 
 
 def test_tiny_builds_bit_identical_twice_and_warns(tiny: LoadedModel, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="renderfleet.worker.models"):
+    with caplog.at_level(logging.WARNING, logger="worker.models"):
         again = build_tiny_pipeline()
     assert checksum(again) == checksum(tiny.pipe)
     assert TINY_WARNING in caplog.text
@@ -179,7 +179,7 @@ def test_cuda_gets_half_precision_and_cpu_full() -> None:
 
 def test_importing_the_worker_modules_builds_nothing() -> None:
     code = (
-        "import sys, renderfleet.worker.models, renderfleet.worker.render;"
+        "import sys, worker.models, worker.render;"
         "heavy = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules];"
         "print(heavy); sys.exit(1 if heavy else 0)"
     )
@@ -196,7 +196,7 @@ def test_importing_the_worker_modules_builds_nothing() -> None:
 def test_a_unet_on_the_plain_attention_processor_is_moved_to_sdpa(tiny: LoadedModel) -> None:
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    from renderfleet.worker.models import _use_sdpa
+    from worker.models import _use_sdpa
 
     unet = tiny.pipe.unet
     unet.set_attn_processor(AttnProcessor())

@@ -1,11 +1,11 @@
-"""The pool-sizing policy, rule by rule (see renderfleet/dispatcher/policy.py)."""
+"""The pool-sizing policy, rule by rule (see dispatcher/policy.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from renderfleet.core.settings import AutoscaleConfig, PoolConfig
-from renderfleet.dispatcher.policy import Decision, PoolState, decide
+from dispatcher.policy import Decision, PoolState, decide
+from renderfleet.settings import AutoscaleConfig, PoolConfig
 
 CFG = AutoscaleConfig(drain_seconds=600, cooldown_seconds=120, cold_start_seconds=60, scale_in_margin=0.7)
 BASE = PoolState("baseline", PoolConfig(kind="on-demand", price_per_hour=2.0, min=1, max=4), current=1, ready=1)

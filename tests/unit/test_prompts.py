@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet.core import prompts
-from renderfleet.core.errors import InputError
-from renderfleet.core.prompts import MAX_LINE_BYTES, FileSummary, detect_format, iter_prompts, validate_file
-from renderfleet.core.spec import MAX_NAME_LEN, Prompt, RenderParams, derive_seed, index_name
+from renderfleet import prompts
+from renderfleet.errors import InputError
+from renderfleet.prompts import MAX_LINE_BYTES, FileSummary, detect_format, iter_prompts, validate_file
+from renderfleet.spec import MAX_NAME_LEN, Prompt, RenderParams, derive_seed, index_name
 
 PARAMS = RenderParams(steps=30, width=512, height=512, guidance=7.5, negative_prompt="blurry", seed=42)
 
@@ -470,8 +470,8 @@ def test_max_problems_must_be_positive(tmp_path: Path) -> None:
 def test_wire_lines_decode_to_the_same_prompts_as_iter_prompts(tmp_path: Path, suffix: str) -> None:
     import json as _json
 
-    from renderfleet.core.prompts import iter_wire
-    from renderfleet.core.spec import Prompt, RenderParams
+    from renderfleet.prompts import iter_wire
+    from renderfleet.spec import Prompt, RenderParams
 
     params = RenderParams(model="tiny", steps=2, width=32, height=32, negative_prompt="blur", seed=3)
     path = tmp_path / f"p.{suffix}"

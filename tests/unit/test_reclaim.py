@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from renderfleet.worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
-from renderfleet.worker.stop import StopSignal
-from tests.metadata import FakeMetadata
+from testing.metadata import FakeMetadata
+from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+from worker.stop import StopSignal
 
 
 def watch(stop: StopSignal, base: str, notices: list[str]) -> ReclaimWatcher:

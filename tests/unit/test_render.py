@@ -19,10 +19,10 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from renderfleet import __version__  # noqa: E402
-from renderfleet.core.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed  # noqa: E402
-from renderfleet.core.spec import Prompt  # noqa: E402
-from renderfleet.worker.models import LoadedModel, load_pipeline  # noqa: E402
-from renderfleet.worker.render import Renderer  # noqa: E402
+from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed  # noqa: E402
+from renderfleet.spec import Prompt  # noqa: E402
+from worker.models import LoadedModel, load_pipeline  # noqa: E402
+from worker.render import Renderer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["a red fox", "a lighthouse at dusk, oil painting", "x", "héllo 世界, a long prompt"]
@@ -130,9 +130,9 @@ def test_the_same_bytes_come_out_of_another_process(renderer: Renderer) -> None:
         f"import torch; torch.set_num_threads({torch.get_num_threads()});"
         "import logging, sys, tempfile; from pathlib import Path;"
         "logging.disable(logging.WARNING);"
-        "from renderfleet.core.spec import Prompt;"
-        "from renderfleet.worker.models import load_pipeline;"
-        "from renderfleet.worker.render import Renderer;"
+        "from renderfleet.spec import Prompt;"
+        "from worker.models import load_pipeline;"
+        "from worker.render import Renderer;"
         f"p = Prompt(**{dataclasses.asdict(p)!r});"
         "m = load_pipeline('tiny', device='cpu', cache_dir=Path(tempfile.mkdtemp()));"
         "sys.stdout.write(Renderer(m).render([p])[0].hex())"
@@ -223,7 +223,7 @@ def test_settings_the_pipeline_rejects_are_the_jobs_fault(
 def test_a_prompt_whose_image_cannot_be_encoded_is_that_prompts_fault(
     renderer: Renderer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from renderfleet.worker import render
+    from worker import render
 
     real = render.encode_png
 

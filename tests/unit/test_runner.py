@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet.core import spec
-from renderfleet.core.errors import OutOfMemory, PermanentError, Reclaimed
-from renderfleet.core.spec import Prompt, RenderParams, ShardMessage
-from renderfleet.core.store import LocalStore
-from renderfleet.worker.runner import ShardRunner
-from renderfleet.worker.stop import StopSignal
+from renderfleet import spec
+from renderfleet.errors import OutOfMemory, PermanentError, Reclaimed
+from renderfleet.spec import Prompt, RenderParams, ShardMessage
+from renderfleet.store import LocalStore
+from worker.runner import ShardRunner
+from worker.stop import StopSignal
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 
@@ -206,14 +206,14 @@ class FlakyStore(LocalStore):
 
     def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
         if key.endswith(".png"):
-            from renderfleet.core.errors import StoreError
+            from renderfleet.errors import StoreError
 
             raise StoreError(f"S3 put {key} failed after 6 attempt(s)")
         super().put(key, data, content_type=content_type)
 
 
 def test_a_store_outage_leaves_the_batch_uncommitted(tmp_path: Path) -> None:
-    from renderfleet.core.errors import StoreError
+    from renderfleet.errors import StoreError
 
     store = FlakyStore(tmp_path / "store")
     ledger = MemLedger()
@@ -303,8 +303,8 @@ def test_a_quarantine_without_an_image_still_counts_as_failed(store: LocalStore)
 
 
 def test_the_delivery_tag_is_read_from_an_envelope() -> None:
-    from renderfleet.core.celery_app import envelope_factory, make_app
-    from renderfleet.core.leases import envelope_tag
+    from renderfleet.celery_app import envelope_factory, make_app
+    from renderfleet.leases import envelope_tag
 
     envelope = envelope_factory(make_app("redis://127.0.0.1:1/0"))('{"job": "j"}', "renderfleet.default", "j:0")
     assert envelope_tag(envelope) == json.loads(envelope)["properties"]["delivery_tag"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from renderfleet.core.errors import ConfigError
-from renderfleet.core.settings import load_settings
+from renderfleet.errors import ConfigError
+from renderfleet.settings import load_settings
 
 
 def test_environment_is_read_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,7 +37,7 @@ def test_a_bad_value_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, env: s
 
 
 def test_a_password_in_the_redis_url_never_appears_in_an_error() -> None:
-    from renderfleet.core.settings import redact
+    from renderfleet.settings import redact
 
     assert redact("rediss://:s3cret@redis.internal:6379/0") == "rediss://:***@redis.internal:6379/0"
     assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"

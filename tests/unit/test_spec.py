@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from renderfleet.core import spec
-from renderfleet.core.errors import InputError
-from renderfleet.core.spec import JobSpec, Prompt, RenderParams, ShardMessage
-from renderfleet.dispatcher.enqueue import WireShard, message_json
-from renderfleet.dispatcher.submit import SubmitOptions, check_options, job_id
+from dispatcher.enqueue import WireShard, message_json
+from dispatcher.submit import SubmitOptions, check_options, job_id
+from renderfleet import spec
+from renderfleet.errors import InputError
+from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32, guidance=7.5, negative_prompt="blur", seed=9)
 

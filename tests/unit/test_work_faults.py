@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import redis
 
-from renderfleet.core import spec
-from renderfleet.core.embedded import free_port
-from renderfleet.core.errors import JobError, ModelLoadError, PermanentError, PromptError, StoreError
-from renderfleet.core.settings import Settings
-from renderfleet.core.spec import Prompt, RenderParams, ShardMessage
-from renderfleet.core.store import LocalStore
-from renderfleet.worker.runner import ShardRunner
-from renderfleet.worker.service import Unloadable, WorkerService
-from renderfleet.worker.stop import StopSignal
+from renderfleet import spec
+from renderfleet.embedded import free_port
+from renderfleet.errors import JobError, ModelLoadError, PermanentError, PromptError, StoreError
+from renderfleet.settings import Settings
+from renderfleet.spec import Prompt, RenderParams, ShardMessage
+from renderfleet.store import LocalStore
+from worker.runner import ShardRunner
+from worker.service import Unloadable, WorkerService
+from worker.stop import StopSignal
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 
@@ -108,7 +108,7 @@ def test_a_job_error_fails_the_whole_batch_at_once_and_is_not_the_workers_fault(
 
 
 def test_the_same_failure_of_every_prompt_is_the_nodes_fault() -> None:
-    from renderfleet.worker.runner import ShardResult
+    from worker.runner import ShardResult
 
     assert ShardResult(failed=[0, 1], attempted=2).all_failed
     assert not ShardResult(failed=[0, 1], attempted=2, excused=2).all_failed
@@ -250,7 +250,7 @@ def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> 
     RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
 ])
 def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
-    from renderfleet.worker.render import is_device_error
+    from worker.render import is_device_error
 
     assert is_device_error(exc)
 
@@ -258,7 +258,7 @@ def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
 def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
     import torch
 
-    from renderfleet.worker.render import is_device_error
+    from worker.render import is_device_error
 
     assert is_device_error(torch.AcceleratorError("unspecified launch failure"))
 
@@ -271,13 +271,13 @@ def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
     NotImplementedError("CUDA error: not a device fault either"),
 ])
 def test_out_of_memory_an_input_or_a_cpu_side_error_is_not_a_device_error(exc: Exception) -> None:
-    from renderfleet.worker.render import is_device_error
+    from worker.render import is_device_error
 
     assert not is_device_error(exc)
 
 
 def test_a_device_error_while_rendering_reaches_the_caller_with_nothing_counted(tmp_path: Path) -> None:
-    from renderfleet.core.errors import DeviceError
+    from renderfleet.errors import DeviceError
 
     store = LocalStore(tmp_path / "store")
     ledger = Ledger()
@@ -292,9 +292,9 @@ def test_a_device_error_while_rendering_reaches_the_caller_with_nothing_counted(
 def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_into_a_jobs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from renderfleet.core import testhooks
-    from renderfleet.core.errors import DeviceError
-    from renderfleet.worker.render import Renderer as PipelineRenderer
+    from renderfleet import testhooks
+    from renderfleet.errors import DeviceError
+    from worker.render import Renderer as PipelineRenderer
 
     class Loaded:
         model = "tiny"
@@ -311,7 +311,7 @@ def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_
 
 
 def test_a_device_error_while_switching_models_is_the_nodes_not_the_jobs(tmp_path: Path) -> None:
-    from renderfleet.core.errors import DeviceError
+    from renderfleet.errors import DeviceError
 
     loads: list[str] = []
 

@@ -1,0 +1,289 @@
+"""``renderfleet autoscale`` and ``scale``: the sizing policy applied to real pools.
+
+Each tick reads the fleet from Redis (jobs, workers, the counters workers
+keep), measures the backlog in seconds of work (:func:`backlog_seconds`),
+asks the pure policy (:mod:`dispatcher.policy`) for each pool's
+size and hands it to the pool's backend.  The ``local`` backend runs
+``renderfleet worker`` processes on this machine; scale-in sends the chosen
+worker SIGTERM, the spot hand-off (finish or abandon the batch in flight,
+hand the shard back, exit 0), choosing idle workers first: never a kill.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis
+
+from dispatcher.policy import Decision, PoolState, decide
+from dispatcher.status import FleetStatus, fleet_status
+from renderfleet import keys
+from renderfleet.embedded import private_dir
+from renderfleet.errors import ConfigError
+from renderfleet.settings import PoolConfig, Settings
+from renderfleet.store import Store
+
+log = logging.getLogger("renderfleet.autoscale")
+
+def _ratio(stats: dict[str, int], num: str, den: str) -> float | None:
+    return stats[num] / stats[den] if stats.get(num) and stats.get(den) else None
+
+
+# ---- backends ------------------------------------------------------------------------
+
+
+class Backend(Protocol):
+    """Who starts and stops one pool's workers."""
+
+    def size(self, pool: str) -> int:
+        """Workers asked for (running or starting)."""
+
+    def set_size(self, pool: str, n: int) -> None: ...
+
+
+def registered_workers(client: redis.Redis, pool: str) -> list[dict[str, Any]]:
+    """The registrations of ``pool``'s live workers."""
+    out = []
+    for raw in client.hvals(keys.WORKERS):
+        info = json.loads(raw)
+        if info.get("pool") == pool:
+            out.append(info)
+    return out
+
+
+def busy_workers(client: redis.Redis) -> set[str]:
+    """Workers holding a lease right now."""
+    members = [keys.text(m) for m in client.zrange(keys.INFLIGHT, 0, -1)]
+    pipe = client.pipeline(transaction=False)
+    for m in members:
+        pipe.hget(f"{keys.LEASE_PREFIX}{m}", "worker")
+    return {keys.text(w) for w in pipe.execute() if w}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+class LocalBackend:
+    """``renderfleet worker`` processes on this machine, one set per pool.
+
+    Workers are found through their registrations in Redis (host and pid), so
+    a ``renderfleet scale`` in one shell and an ``autoscale`` in another agree.
+    """
+
+    def __init__(self, client: redis.Redis, *, env: dict[str, str], log_dir: Path, model: str | None = None):
+        self.client = client
+        self.env = env
+        self.log_dir = log_dir
+        self.model = model
+        self.host = socket.gethostname()
+        self._starting: dict[str, list[subprocess.Popen[bytes]]] = {}
+
+    def _mine(self, pool: str) -> list[dict[str, Any]]:
+        return [w for w in registered_workers(self.client, pool)
+                if w.get("host") == self.host and _alive(int(w.get("pid", 0)))]
+
+    def _pending(self, pool: str) -> list[subprocess.Popen[bytes]]:
+        registered = {int(w["pid"]) for w in registered_workers(self.client, pool)}
+        alive = [p for p in self._starting.get(pool, []) if p.poll() is None and p.pid not in registered]
+        self._starting[pool] = alive
+        return alive
+
+    def size(self, pool: str) -> int:
+        return len(self._mine(pool)) + len(self._pending(pool))
+
+    def ready(self, pool: str) -> int:
+        return len(self._mine(pool))
+
+    def set_size(self, pool: str, n: int) -> None:
+        current = self.size(pool)
+        for _ in range(n - current):
+            self._start(pool)
+        if n < current:
+            self._stop(pool, current - n)
+
+    def _start(self, pool: str) -> None:
+        private_dir(self.log_dir)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        log_file = self.log_dir / f"worker-{pool}-{stamp}-{len(self._starting.get(pool, []))}.log"
+        args = [sys.executable, "-m", "renderfleet", "worker", "--pool", pool]
+        if self.model:
+            args += ["--model", self.model]
+        with open(log_file, "ab") as out:
+            proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self._starting.setdefault(pool, []).append(proc)
+        log.warning("pool %s: started a worker (pid %d)", pool, proc.pid)
+
+    def _stop(self, pool: str, count: int) -> None:
+        """SIGTERM ``count`` workers, idle ones first: the hand-off, never a kill."""
+        busy = busy_workers(self.client)
+        # Not yet registered: no shard yet, nothing to hand back.
+        for proc in self._pending(pool)[:count]:
+            proc.send_signal(signal.SIGTERM)
+            count -= 1
+        ranked = sorted(self._mine(pool), key=lambda w: (w["worker"] in busy, -float(w.get("started", 0))))
+        for w in ranked[:count]:
+            os.kill(int(w["pid"]), signal.SIGTERM)
+            log.warning("pool %s: stopping worker %s (%s)", pool, w["worker"],
+                        "busy: it hands its shard back" if w["worker"] in busy else "idle")
+
+    def close(self) -> None:
+        """Reap children that have exited (they stop on their own after SIGTERM)."""
+        for procs in self._starting.values():
+            for p in procs:
+                p.poll()
+
+
+class AwsBackend:
+    """Each pool is an EC2 Auto Scaling group; the autoscaler sets its desired capacity.
+
+    AWS chooses which instance goes on scale-in: busy workers protect their
+    instance (``worker/protection.py``), so the choice falls on idle ones.
+    """
+
+    def __init__(self, pools: dict[str, PoolConfig], client: Any = None):
+        self.pools = pools
+        self._clients: dict[str | None, Any] = {None: client} if client is not None else {}
+
+    def _client(self, pool: str) -> Any:
+        region = self.pools[pool].region
+        if region not in self._clients and None not in self._clients:
+            import boto3
+
+            session = boto3.session.Session()
+            self._clients[region] = session.client("autoscaling", region_name=region or session.region_name or
+                                                   "us-east-1")
+        return self._clients.get(region) or self._clients[None]
+
+    def _group(self, pool: str) -> dict[str, Any]:
+        name = self.pools[pool].autoscaling_group
+        found = self._client(pool).describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"]
+        if not found:
+            raise ConfigError(f"pools.{pool}.autoscaling_group = {name!r}: no such Auto Scaling group")
+        return dict(found[0])
+
+    def size(self, pool: str) -> int:
+        return int(self._group(pool)["DesiredCapacity"])
+
+    def set_size(self, pool: str, n: int) -> None:
+        group = self._group(pool)
+        n = max(int(group["MinSize"]), min(int(group["MaxSize"]), n))
+        self._client(pool).set_desired_capacity(AutoScalingGroupName=group["AutoScalingGroupName"],
+                                                DesiredCapacity=n, HonorCooldown=False)
+        log.warning("pool %s: Auto Scaling group %s desired capacity %d", pool, group["AutoScalingGroupName"], n)
+
+
+class PublishedBackend:
+    """Kubernetes: the decision is published (Redis, then the monitor's ``/api/autoscale``)
+    and KEDA sets the Deployment's replicas to it; the size is the workers up."""
+
+    def __init__(self, client: redis.Redis):
+        self.client = client
+
+    def size(self, pool: str) -> int:
+        return len(registered_workers(self.client, pool))
+
+    def set_size(self, pool: str, n: int) -> None:
+        self.client.hset(keys.DESIRED, pool, n)
+
+
+# ---- the loop ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One pass of the autoscaler: what it saw and what it decided."""
+
+    at: float
+    backlog_seconds: float
+    seconds_per_mpstep: float
+    jobs: list[dict[str, Any]]
+    decisions: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Starting a worker process before its model loads (interpreter, imports, Redis).
+PROCESS_START_SECONDS = 5.0
+
+
+class Autoscaler:
+    """Applies the policy to every configured pool through its backend."""
+
+    def __init__(self, settings: Settings, client: redis.Redis, store: Store, backends: dict[str, Backend],
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.client = client
+        self.store = store
+        self.backends = backends
+        self.clock = clock
+        self.last_change: dict[str, float] = {}
+        self.pending_since: dict[str, float] = {}
+
+    def _state(self, name: str, cfg: PoolConfig, stats: dict[str, dict[str, int]], spmps: float,
+               now: float, fleet: FleetStatus) -> PoolState:
+        backend = self.backends[name]
+        current = backend.size(name)
+        ready = fleet.pool_sizes().get(name, 0)
+        if ready < current:
+            self.pending_since.setdefault(name, now)
+        else:
+            self.pending_since.pop(name, None)
+        mine = stats.get(name, {})
+        own = _ratio(mine, "render_ms", "mps_milli")
+        lost = _ratio(mine, "wasted_images", "started_images") or 0.0
+        # A worker's cold start: its model load (measured) plus starting the process.
+        load_ms = [int(w.get("load_ms", 0)) for w in fleet.workers if w.get("pool") == name]
+        cold = (sum(load_ms) / len(load_ms) / 1000 + PROCESS_START_SECONDS) if any(load_ms) else None
+        return PoolState(name, cfg, current=current, ready=ready, speed=spmps / own if own else 1.0,
+                         lost_fraction=lost, cold_start_seconds=cold, last_change=self.last_change.get(name),
+                         pending_since=self.pending_since.get(name))
+
+    def tick(self, *, dry_run: bool = False) -> Tick:
+        now = self.clock()
+        fleet = fleet_status(self.client, store=self.store)
+        stats, spmps, backlog = fleet.pools, fleet.seconds_per_mpstep, fleet.backlog_seconds
+        states = [self._state(n, c, stats, spmps, now, fleet) for n, c in self.settings.pools.items()]
+        decisions = decide(backlog, states, self.settings.autoscale, now)
+        if not dry_run:
+            for d in decisions:
+                if d.change:
+                    self.backends[d.pool].set_size(d.pool, d.desired)
+                    self.last_change[d.pool] = now
+                    log.warning("pool %s: %d -> %d: %s", d.pool, d.current, d.desired, d.reason)
+            self._publish(decisions)
+        jobs = [{"job": j.job, "left": j.left, "backlog_seconds": round(j.backlog_seconds, 3)} for j in fleet.jobs]
+        return Tick(time.time(), backlog, spmps, jobs, [_decision(d) for d in decisions])
+
+    def _publish(self, decisions: list[Decision]) -> None:
+        """What was decided, for status and the metrics endpoint."""
+        self.client.hset(keys.DESIRED, mapping={d.pool: d.desired for d in decisions} or {"": 0})
+
+    def run_forever(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("autoscale: Redis unavailable: %s", exc)
+            time.sleep(self.settings.autoscale.interval_seconds)
+
+
+def _decision(d: Decision) -> dict[str, Any]:
+    return {"pool": d.pool, "current": d.current, "desired": d.desired, "reason": d.reason}

@@ -1,0 +1,163 @@
+"""Shards onto the queue, fast: pipelined, one small JSON message per shard.
+
+A shard's message is a JSON string built from the prompts' compact wire form
+(``Prompt.to_wire``, or a .txt file's bare texts), so a prompt is serialised
+once on its way from the file to Redis.  Publishing a million prompts means
+~10,000 Celery messages; one ``send_task`` each costs about half a
+millisecond in kombu's publish path, so instead each shard's kombu envelope
+comes from :func:`renderfleet.celery_app.envelope_factory` and they are
+pushed in pipelined batches, as kombu's Redis transport would (``LPUSH``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+
+from renderfleet import celery_app, keys
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.errors import InputError
+from renderfleet.leases import envelope_tag, lua_script
+from renderfleet.spec import JobSpec
+
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class WireShard:
+    """A shard ready to publish: its number, how many prompts are left to do in
+    it, and its prompts as wire JSON objects, or (a .txt file's) as one JSON
+    list of texts numbered from ``first``.
+
+    ``resume`` also gives ``expect`` (the shard's attempt when it read the
+    store: the shard is skipped if claimed since, or leased) and ``marks`` (one
+    character per prompt from ``start``: 'd' stored, 'f' quarantined, '-' to
+    do), from which the shard's bits and count are rebuilt; see
+    ``core/lua/publish.lua``.
+    """
+
+    shard: int
+    count: int
+    prompts_json: list[str] | None = None
+    texts_json: str | None = None
+    first: int = 0
+    expect: int | None = None
+    marks: str = ""
+    start: int = 0
+
+
+def message_json(spec: JobSpec, queue: str, shard: WireShard, store: str = "") -> str:
+    """The task argument for one shard (decoded by ``ShardMessage.from_dict``)."""
+    return message_builder(spec, queue, store)(shard)
+
+
+def message_builder(spec: JobSpec, queue: str, store: str = "") -> Callable[[WireShard], str]:
+    """``message_json`` for one job, with everything but the shard serialised once.
+
+    ``store`` is the job's store (``spec.store_identity``): only a worker
+    writing to that store takes the shard.
+    """
+    head = json.dumps(
+        {"job": spec.job, "params": spec.params.to_dict(), "batch_size": spec.batch_size, "queue": queue,
+         "store": store},
+        separators=(",", ":"),
+    )[:-1]
+
+    def build(shard: WireShard) -> str:
+        if shard.texts_json is not None:
+            return f'{head},"shard":{shard.shard},"first":{shard.first},"texts":{shard.texts_json}}}'
+        return f'{head},"shard":{shard.shard},"prompts":[{",".join(shard.prompts_json or [])}]}}'
+
+    return build
+
+
+def job_store(client: redis.Redis, job: str) -> str:
+    """The store a job known to this Redis belongs to ('' if unknown or recorded before stores were)."""
+    return keys.text(client.hget(keys.job(job), "store"))
+
+
+def check_owner(client: redis.Redis, job: str, store: str) -> None:
+    """Refuse a job id this Redis already holds for another store.
+
+    One Redis may serve several stores (a test folder and the real bucket, two
+    fleets): merging their jobs would let one store's counters report images
+    done that the other does not hold.
+    """
+    owner = job_store(client, job)
+    if owner and owner != store:
+        raise InputError([f"job {job}: this Redis already holds a job of that id for store {owner}, "
+                          f"not {store}; give another --job"])
+
+
+def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, stored: bool = False) -> None:
+    """Make the job known to this Redis (idempotent), as a job of ``store``;
+    ``stored``: the store holds its spec already (see :func:`mark_stored`)."""
+    check_owner(client, spec.job, store)
+    pipe = client.pipeline()
+    pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue,
+                                           "store": store})
+    if stored:
+        pipe.hset(keys.job(spec.job), "stored", "1")
+    pipe.sadd(keys.JOBS, spec.job)
+    pipe.setnx(keys.EPOCH, "1")
+    pipe.execute()
+
+
+def mark_stored(client: redis.Redis, job: str) -> None:
+    """The store holds the job's spec now: from here on, a worker that finds it
+    missing takes the job for deleted and refuses its shards (until then the
+    job is being submitted, and its first shards may arrive before its spec)."""
+    client.hset(keys.job(job), "stored", "1")
+
+
+def forget_counts(client: redis.Redis, job: str) -> None:
+    """Drop what this Redis counted of a job whose store holds none of it.
+
+    Redis remembers a job the store no longer has (the folder or bucket was
+    emptied, or a submit died before writing the spec): its bits would report
+    images done that are not there.  Attempt numbers stay: they fence
+    workers that may still hold an old lease.
+    """
+    client.delete(keys.done_bits(job), keys.failed_bits(job), keys.shards(job), keys.left(job), keys.fails(job))
+
+
+def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
+                   shards: Iterable[WireShard], *, store: str, front: bool = False) -> int:
+    """Publish every shard given, in pipelined batches; returns how many.
+
+    Each shard's state goes in with its message, in one script: a worker that
+    claims the shard must find it queued, and the monitor's audit finds the
+    push recorded (``core/lua/publish.lua``).  Returns the messages pushed:
+    a resumed shard claimed meanwhile, or with nothing left, is not.
+    ``front``: next in line (shards whose turn has passed), not at the back.
+    """
+    envelope = celery_app.envelope_factory(app)
+    message = message_builder(spec, queue, store)
+    script = client.register_script(lua_script("publish"))
+    job = spec.job
+    script_keys = [queue, keys.shards(job), keys.left(job), keys.attempts(job), keys.INFLIGHT,
+                   keys.done_bits(job), keys.failed_bits(job), keys.ENQUEUED, keys.SEQ, keys.QUEUES,
+                   UNACKED_KEY, UNACKED_INDEX_KEY]
+    count = 0
+    args: list[str | int] = []
+
+    def flush() -> int:
+        if not args:
+            return 0
+        sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, "f" if front else "b", *args]))
+        args.clear()
+        return sent
+
+    for ws in shards:
+        # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
+        env = envelope(message(ws), queue, f"{job}:{ws.shard}") if ws.count or not ws.marks else ""
+        args.extend((ws.shard, ws.count, "" if ws.expect is None else ws.expect, ws.start, ws.marks, env,
+                     envelope_tag(env)))
+        if len(args) >= BATCH * 7:
+            count += flush()
+    count += flush()
+    return count

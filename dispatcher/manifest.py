@@ -1,0 +1,135 @@
+"""``renderfleet results --manifest FILE`` and ``--contact-sheet FILE.png``: results people can use.
+
+The manifest has one row per prompt, in the prompt file's order, written as
+Parquet (pyarrow), JSON Lines or CSV by the file's extension.  It is streamed:
+rows are built from the stored prompt file as it is read and written in
+batches, so a job of a million prompts needs a few megabytes, not gigabytes.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dispatcher.resume import load_spec, stored_names, stored_prompts
+from renderfleet import spec as layout
+from renderfleet.errors import InputError
+from renderfleet.spec import Prompt
+from renderfleet.store import Store
+
+COLUMNS = ("index", "id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model",
+           "image", "status", "error", "attempts", "pool")
+FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
+BATCH_ROWS = 10_000
+
+
+def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None) -> Iterator[dict[str, Any]]:
+    """One dict per prompt (``COLUMNS``): its settings, where its image is, done/quarantined/missing.
+
+    ``attempts`` maps a shard to its deliveries (from Redis, when it knows the job).
+    """
+    spec = load_spec(store, job)
+    images = stored_names(store, job, "images")
+    quarantined = stored_names(store, job, "quarantine") - images
+    for name, line in stored_prompts(store, spec):
+        p = Prompt.from_wire(json.loads(line), spec.params)
+        error = ""
+        if name in images:
+            status, image = "done", store.locate(layout.image_key(job, name))
+        elif name in quarantined:
+            record = store.get(layout.quarantine_key(job, name))
+            status, image, error = "quarantined", "", json.loads(record)["error"] if record else "quarantined"
+        else:
+            status, image = "missing", ""
+        yield {"index": p.index, "id": p.name, "prompt": p.prompt, "negative_prompt": p.negative_prompt,
+               "seed": p.seed, "steps": p.steps, "guidance": p.guidance, "width": p.width, "height": p.height,
+               "model": spec.params.model, "image": image, "status": status, "error": error,
+               "attempts": (attempts or {}).get(p.index // spec.shard_size, 0), "pool": spec.pool}
+
+
+def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:
+    """Write ``rows`` to ``path`` by its extension; returns how many.  Written beside, then renamed."""
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise InputError([f"--manifest {path}: use a .parquet, .jsonl or .csv file"])
+    tmp = path.with_name(f".{path.name}.tmp")
+    count = 0
+    try:
+        if fmt == "parquet":
+            count = _write_parquet(rows, tmp)
+        else:
+            with open(tmp, "w", encoding="utf-8", newline="") as out:
+                if fmt == "csv":
+                    writer = csv.DictWriter(out, fieldnames=COLUMNS)
+                    writer.writeheader()
+                    for row in rows:
+                        writer.writerow(row)
+                        count += 1
+                else:
+                    for row in rows:
+                        out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        count += 1
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return count
+
+
+def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("index", pa.int64()), ("id", pa.string()), ("prompt", pa.string()),
+                        ("negative_prompt", pa.string()), ("seed", pa.int64()), ("steps", pa.int32()),
+                        ("guidance", pa.float64()), ("width", pa.int32()), ("height", pa.int32()),
+                        ("model", pa.string()), ("image", pa.string()), ("status", pa.string()),
+                        ("error", pa.string()), ("attempts", pa.int32()), ("pool", pa.string())])
+    count = 0
+    with pq.ParquetWriter(str(path), schema) as writer:
+        batch: list[dict[str, Any]] = []
+        for row in rows:
+            batch.append(row)
+            if len(batch) >= BATCH_ROWS:
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                count += len(batch)
+                batch.clear()
+        if batch or not count:
+            writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+            count += len(batch)
+    return count
+
+
+def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb: int = 128) -> int:
+    """A grid of the job's first ``limit`` images with their ids, as one PNG; returns how many."""
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        raise InputError(["--contact-sheet: needs Pillow (pip install 'renderfleet[worker]' or pillow)"]) from None
+    names = sorted(stored_names(store, job, "images"))[:limit]
+    if not names:
+        raise InputError([f"--contact-sheet: job {job} has no images yet"])
+    cols = min(10, len(names))
+    rows = math.ceil(len(names) / cols)
+    label = 14
+    sheet = Image.new("RGB", (cols * thumb, rows * (thumb + label)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, name in enumerate(names):
+        data = store.get(layout.image_key(job, name))
+        if data is None:
+            continue
+        with Image.open(io.BytesIO(data)) as img:
+            tile = img.convert("RGB")
+            tile.thumbnail((thumb, thumb))
+        x, y = (i % cols) * thumb, (i // cols) * (thumb + label)
+        sheet.paste(tile, (x + (thumb - tile.width) // 2, y + (thumb - tile.height) // 2))
+        draw.text((x + 2, y + thumb + 1), name[:20], fill="black")
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    sheet.save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return len(names)

@@ -1,0 +1,166 @@
+"""The dispatcher's monitor: reaps expired leases, finds lost messages, heals a Redis that lost its memory.
+
+It runs the same reaper as the workers (one acts at a time); every
+``audit_seconds`` it audits the queued shards for messages lost between a
+queue and a claim (:meth:`Monitor.audit`); and if Redis restarted empty (its
+epoch marker is gone) it resumes from the store every job that still has work
+left, and any job that has work left but nothing queued or running.
+
+Which jobs exist is read from the store too, not from Redis alone: at start,
+whenever Redis lost its memory, and at every audit, one delimited listing of
+the store's ``jobs/`` finds the jobs this Redis does not know (a monitor
+restarted while Redis was empty has no other way to learn of them), and each
+is resumed (:meth:`Monitor.adopt`).  Only this monitor's store is listed, so
+only its jobs are resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import redis
+from celery import Celery
+
+from dispatcher.resume import jobs_redis_forgot, resume
+from dispatcher.status import job_status, jobs_of_store
+from renderfleet import celery_app, keys
+from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.leases import Leases
+from renderfleet.reaper import reap_once
+from renderfleet.settings import Settings
+from renderfleet.store import Store
+
+log = logging.getLogger("renderfleet.monitor")
+
+
+class Monitor:
+    def __init__(self, settings: Settings, app: Celery, client: redis.Redis, store: Store):
+        self.settings = settings
+        self.app = app
+        self.client = client
+        self.store = store
+        self.leases = Leases(client, settings.lease_seconds, envelope=celery_app.envelope_factory(app))
+        self.publish = celery_app.publisher(app)
+        self.owner = uuid.uuid4().hex
+        self.known_jobs: set[str] = set()
+        # A job looks stalled (work left, nothing queued or running) for an instant
+        # while submit registers it: act only on a job seen stalled twice in a row.
+        self.stalled: set[str] = set()
+        # The last audit's suspects, (job, shard) -> seq: a suspect is re-queued only
+        # when the next audit finds it again, unmoved (a claim in flight is not lost).
+        self.suspects: dict[tuple[str, int], int] = {}
+        self.audited_at = 0.0
+        self.adopted_at: float | None = None  # None: the store's jobs not listed yet
+
+    def tick(self) -> list[str]:
+        """One pass; returns the jobs it resumed."""
+        reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
+        if time.monotonic() - self.audited_at >= self.settings.audit_seconds:
+            self.audited_at = time.monotonic()
+            self.audit()
+        resumed = []
+        lost = not self.client.exists(keys.EPOCH)
+        if lost or self.adopted_at is None or time.monotonic() - self.adopted_at >= self.settings.audit_seconds:
+            resumed += self.adopt()
+        self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
+        for job in sorted(self.known_jobs - set(resumed)):
+            try:
+                st = job_status(self.client, job, store=self.store)
+            except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
+                log.warning("job %s: %s", job, exc)
+                continue
+            stalled = not st.finished and st.queued == 0 and st.in_flight == 0
+            confirmed = stalled and job in self.stalled
+            if stalled and not confirmed:
+                self.stalled.add(job)
+            else:
+                self.stalled.discard(job)
+            # A job Redis forgot is re-registered even when finished: otherwise every
+            # status read of it would list the store.
+            if not st.known_to_redis or ((lost or confirmed) and not st.finished):
+                try:
+                    report = resume(job, store=self.store, app=self.app, client=self.client)
+                except JobNotFound:
+                    continue  # registered by a submit that has not written its spec (yet)
+                except (StoreError, OSError) as exc:
+                    log.warning("job %s: cannot resume now: %s", job, exc)
+                    continue
+                log.warning("job %s resumed from the store: %d shards enqueued", job, report.shards_enqueued)
+                resumed.append(job)
+        if lost:
+            self.client.setnx(keys.EPOCH, "1")
+        return resumed
+
+    def adopt(self) -> list[str]:
+        """Resume every job of the store that this Redis does not know; returns them.
+
+        One delimited listing of ``jobs/`` (:func:`jobs_redis_forgot`) and one
+        existence check per job Redis lacks; each such job is resumed once,
+        which registers it, so the next pass reads its counters from Redis.
+        A finished job is registered with nothing enqueued.
+        """
+        self.adopted_at = time.monotonic()
+        try:
+            forgotten = jobs_redis_forgot(self.client, self.store)
+        except (StoreError, OSError) as exc:
+            self.adopted_at = None  # try again next pass
+            log.warning("cannot list the jobs of store %s now: %s", self.store.url, exc)
+            return []
+        adopted = []
+        for job in forgotten:
+            try:
+                report = resume(job, store=self.store, app=self.app, client=self.client)
+            except (JobNotFound, InputError) as exc:  # its spec gone since, or another store's id here
+                log.warning("job %s in the store: not resumed: %s", job, exc)
+                continue
+            except (StoreError, OSError) as exc:
+                log.warning("job %s: cannot resume now: %s", job, exc)
+                continue
+            log.warning("job %s found in the store, unknown to Redis: resumed, %d/%d done, %d shards enqueued",
+                        job, report.done, report.total, report.shards_enqueued)
+            adopted.append(job)
+        return adopted
+
+    def audit(self) -> dict[str, int]:
+        """Re-queue shards whose message was lost between a queue and a claim; returns
+        {job: shards re-queued}.
+
+        Every shard not done must be in a queue, in kombu's ``unacked`` for a
+        moment, or under a live lease.  A worker that stops after taking a
+        message (SIGKILL, OOM, a cut network) but before claiming it leaves it
+        in none of these.  :meth:`Leases.suspects` finds such shards from the
+        enqueue records, in a few commands per queue; one found by two audits in
+        a row, unmoved, is lost: it is published again from the store, at the
+        front of its queue (``resume(only=..., front=True)``, which skips it if
+        it was claimed meanwhile).  Bound: a lost message is back within two
+        audits (``2 * audit_seconds``) of the queue serving any message pushed
+        after it, i.e. of its turn; when the queue is empty, within two audits.
+        """
+        found = {(s.job, s.shard): s.seq for s in self.leases.suspects()}
+        lost: dict[str, set[int]] = {}
+        for (job, shard), seq in found.items():
+            if self.suspects.get((job, shard)) == seq:
+                lost.setdefault(job, set()).add(shard)
+        self.suspects = {k: v for k, v in found.items() if k[0] not in lost or k[1] not in lost[k[0]]}
+        requeued: dict[str, int] = {}
+        for job, shards in sorted(lost.items()):
+            try:
+                # At the front: their turn has come and gone.
+                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True)
+            except (JobNotFound, StoreError, OSError) as exc:
+                log.warning("job %s: cannot re-queue lost shards %s now: %s", job, sorted(shards), exc)
+                continue
+            requeued[job] = report.shards_enqueued
+            log.warning("job %s: shards %s were lost between a queue and a claim: %d re-queued",
+                        job, sorted(shards), report.shards_enqueued)
+        return requeued
+
+    def run_forever(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("monitor: Redis unavailable: %s", exc)
+            time.sleep(self.settings.reap_seconds)

@@ -1,0 +1,175 @@
+"""The pool-sizing policy: a pure function from the backlog and the pools to each pool's size.
+
+Why not KEDA's list-length scaler: a queue's length hides the shards workers
+already hold (a busy fleet looks empty and is scaled in under running work),
+and a shard of 1024x1024 images is far more work than one of 512x512.  Here
+the backlog is **seconds of work**, queued and in flight, measured against
+a reference worker; each pool knows how fast its workers are (``speed``,
+measured, 1.0 until then) and what they cost.
+
+The rules, each with its unit test:
+
+1. the baseline (on-demand) stays at its ``min``: the warm floor;
+2. the overflow beyond what the warm floor clears within ``drain_seconds``
+   goes to spot, the cheapest pool per image first, up to its ``max``;
+3. a backlog the warm workers clear within about two cold starts wakes
+   nothing: a cold node would arrive when the work is done;
+4. a spot pool recently reclaimed has its throughput discounted by the work
+   it lost;
+5. a spot pool that gets no capacity (workers asked for that do not appear
+   within a cold start, or the backend says so) is filled from the baseline,
+   up to the baseline's ``max``;
+6. scaling in waits out the cool-down, goes one worker at a time, spot before
+   baseline, never below ``min``, and only when one worker fewer would still
+   clear the backlog well within ``drain_seconds`` (hysteresis: no flapping).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from renderfleet.settings import AutoscaleConfig, PoolConfig
+
+# Rule 3: "about two cold starts".
+COLD_STARTS_NOT_WORTH_WAKING = 2.0
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What the policy knows of one pool right now."""
+
+    name: str
+    config: PoolConfig
+    current: int  # workers asked for (the backend's size)
+    ready: int  # workers up and taking work
+    speed: float = 1.0  # work-seconds cleared per second by one worker (measured; 1.0 = reference)
+    lost_fraction: float = 0.0  # recent share of its work lost to reclaims (0..1)
+    cold_start_seconds: float | None = None  # measured; None: the config's estimate
+    last_change: float | None = None  # when its size last changed (seconds, the caller's clock)
+    pending_since: float | None = None  # since when it has fewer ready workers than asked for
+    no_capacity: bool = False  # the backend says it cannot get more
+
+    @property
+    def is_spot(self) -> bool:
+        return self.config.kind == "spot"
+
+    @property
+    def rate(self) -> float:
+        """Work-seconds per second one worker of this pool clears, reclaims discounted (policy rule 4)."""
+        lost = min(max(self.lost_fraction, 0.0), 0.95) if self.is_spot else 0.0
+        return max(self.speed, 1e-6) * (1.0 - lost)
+
+    @property
+    def cost_per_work_second(self) -> float:
+        return self.config.price_per_hour / 3600.0 / self.rate
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str
+    current: int
+    desired: int
+    reason: str
+
+    @property
+    def change(self) -> int:
+        return self.desired - self.current
+
+
+def decide(backlog_seconds: float, pools: Sequence[PoolState], cfg: AutoscaleConfig, now: float) -> list[Decision]:
+    """Each pool's desired size, and why (in words); pure, no I/O."""
+    targets, why = _targets(max(backlog_seconds, 0.0), pools, cfg, now)
+    return _apply_scale_in_rules(max(backlog_seconds, 0.0), pools, targets, why, cfg, now)
+
+
+def _cold_start(pool: PoolState, cfg: AutoscaleConfig) -> float:
+    return pool.cold_start_seconds or cfg.cold_start_seconds
+
+
+def _starved(pool: PoolState, cfg: AutoscaleConfig, now: float) -> bool:
+    """Rule 5: asked-for workers that never came, or the backend says no."""
+    waited = pool.pending_since is not None and now - pool.pending_since > _cold_start(pool, cfg)
+    return pool.no_capacity or (waited and pool.ready < pool.current)
+
+
+def _targets(backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig,
+             now: float) -> tuple[dict[str, int], dict[str, str]]:
+    """Sizes the backlog asks for, before the scale-in rules."""
+    targets = {p.name: p.config.min for p in pools}
+    why = {p.name: f"the floor: min {p.config.min}" for p in pools}
+    base = [p for p in pools if not p.is_spot]
+    spot = sorted((p for p in pools if p.is_spot), key=lambda p: p.cost_per_work_second)
+    if backlog <= 0:
+        for p in pools:
+            why[p.name] = f"no backlog: back toward min {p.config.min}"
+        return targets, why
+
+    # Rule 3: what is warm now clears it soon enough: wake nothing new.
+    warm = sum(p.ready * p.rate for p in pools)
+    cold = max((_cold_start(p, cfg) for p in spot), default=cfg.cold_start_seconds)
+    if warm > 0 and backlog / warm <= COLD_STARTS_NOT_WORTH_WAKING * cold:
+        for p in pools:
+            why[p.name] = (f"the {warm:.1f} workers' worth warm in the fleet clear {backlog:.0f} s of work in "
+                           f"{backlog / warm:.0f} s, under {COLD_STARTS_NOT_WORTH_WAKING:.0f} cold starts "
+                           f"({cold:.0f} s each): nothing new woken")
+        return targets, why
+
+    # Rules 1-2: the floor's rate, then the overflow to spot, cheapest per image first.
+    needed = backlog / cfg.drain_seconds  # work-seconds per second to clear it in time
+    missing = needed - sum(p.config.min * p.rate for p in base)
+    for p in spot:
+        if missing <= 0:
+            break
+        cap = p.config.max
+        if _starved(p, cfg, now):
+            cap = max(p.config.min, min(p.ready, cap))  # policy rule 5: no more from here
+        n = max(p.config.min, min(cap, math.ceil(missing / p.rate - 1e-9)))
+        targets[p.name] = n
+        missing -= (n - p.config.min) * p.rate
+        why[p.name] = (f"backlog {backlog:.0f} s of work, to clear in {cfg.drain_seconds:.0f} s needs "
+                       f"{needed:.2f} workers' worth; {n} here at {p.config.price_per_hour:g}/h"
+                       + (" (no capacity: capped at what came up)" if cap < p.config.max else ""))
+    # Rule 5: what spot cannot give, the baseline does, up to its max.
+    for p in sorted(base, key=lambda p: p.cost_per_work_second):
+        if missing <= 0:
+            break
+        n = min(p.config.max, p.config.min + math.ceil(missing / p.rate - 1e-9))
+        missing -= (n - p.config.min) * p.rate
+        targets[p.name] = n
+        why[p.name] = f"spot cannot take the overflow: baseline grows to {n} (max {p.config.max})"
+    return targets, why
+
+
+def _apply_scale_in_rules(backlog: float, pools: Sequence[PoolState], targets: dict[str, int],
+                          why: dict[str, str], cfg: AutoscaleConfig, now: float) -> list[Decision]:
+    rate = sum(p.current * p.rate for p in pools)
+    spot_above_min = any(p.is_spot and p.current > p.config.min for p in pools)
+    out = []
+    for p in pools:
+        target = targets[p.name]
+        if target >= p.current:
+            out.append(Decision(p.name, p.current, target, why[p.name] if target > p.current else
+                                f"keeps {p.current}: " + why[p.name]))
+            continue
+        # Rule 6: one step, after the cool-down, spot first, with hysteresis.
+        if p.current <= p.config.min:
+            out.append(Decision(p.name, p.current, p.config.min, f"at its min {p.config.min}"))
+            continue
+        if p.last_change is not None and now - p.last_change < cfg.cooldown_seconds:
+            left = cfg.cooldown_seconds - (now - p.last_change)
+            out.append(Decision(p.name, p.current, p.current, f"would shrink, but cooling down ({left:.0f} s left)"))
+            continue
+        if not p.is_spot and spot_above_min:
+            out.append(Decision(p.name, p.current, p.current, "would shrink, but spot shrinks first"))
+            continue
+        after = rate - p.rate
+        if backlog > 0 and (after <= 0 or backlog / after > cfg.scale_in_margin * cfg.drain_seconds):
+            out.append(Decision(p.name, p.current, p.current,
+                                f"keeps {p.current}: one fewer would not clear the backlog well within "
+                                f"{cfg.drain_seconds:.0f} s"))
+            continue
+        out.append(Decision(p.name, p.current, p.current - 1, "one step in: " + why[p.name]))
+        rate = after
+    return out

@@ -1,0 +1,141 @@
+"""``renderfleet resume``: rebuild a job's queue from the store.
+
+The store is the source of truth and Redis may have been lost: every shard
+with a prompt that has neither an image nor a quarantine record is enqueued
+again, whatever Redis records of it, unless it is under a live lease (its
+runner knows better).  A shard queued in Redis whose message was lost comes
+back this way; one whose message is still queued gets a second copy, which
+its claim drops (a shard runs under one lease at a time).  Each shard's bits
+and count are rebuilt from the store in the same script that queues it, so a
+deleted image is counted as missing again and rendered again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from dispatcher import enqueue
+from dispatcher.enqueue import WireShard
+from renderfleet import keys
+from renderfleet import prompts as prompt_files
+from renderfleet import spec as layout
+from renderfleet.celery_app import queue_name
+from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.spec import JobSpec, index_name, job_id_problem, store_identity
+from renderfleet.store import Store
+
+log = logging.getLogger("renderfleet.resume")
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    job: str
+    total: int
+    done: int
+    quarantined: int
+    shards_enqueued: int
+    rebuilt_counters: bool
+
+
+def load_spec(store: Store, job: str) -> JobSpec:
+    """The job's spec from the store; JobNotFound when the store does not hold the job."""
+    if why := job_id_problem(job):
+        raise InputError([f"JOB: {why}"])
+    data = store.get(layout.spec_key(job))
+    if data is None:
+        raise JobNotFound(f"no job {job} in store {store.url}")
+    return JobSpec.from_json(data)
+
+
+def store_jobs(store: Store) -> list[str]:
+    """Every job folder in the store, sorted: one listing of ``jobs/`` with a delimiter
+    (a folder per job, never a walk of their images).  A folder may still lack its
+    spec (a submit in progress, a job half deleted)."""
+    return [job for job in store.folders("jobs/") if job_id_problem(job) is None]
+
+
+def jobs_redis_forgot(client: redis.Redis, store: Store) -> list[str]:
+    """The jobs whose spec ``store`` holds but that this Redis does not know at all:
+    what a Redis that lost its memory leaves for the monitor to resume.  One
+    listing, then one existence check per job Redis does not know."""
+    known = {keys.text(j) for j in client.smembers(keys.JOBS)}
+    return [job for job in store_jobs(store) if job not in known and store.exists(layout.spec_key(job))]
+
+
+def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
+    """:func:`jobs_redis_forgot` for a reader (``status``): a store that cannot be
+    listed now leaves the jobs Redis knows to report, with a warning."""
+    try:
+        return jobs_redis_forgot(client, store)
+    except StoreError as exc:
+        log.warning("cannot list the jobs of store %s: %s", store.url, exc)
+        return []
+
+
+def stored_names(store: Store, job: str, what: str) -> set[str]:
+    """Names of the job's images (``what='images'``) or quarantined prompts."""
+    prefix = f"{layout.job_prefix(job)}{what}/"
+    suffix = ".png" if what == "images" else ".json"
+    return {key[len(prefix) : -len(suffix)] for key in store.list(prefix) if key.endswith(suffix)}
+
+
+def stored_prompts(store: Store, spec: JobSpec) -> Iterator[tuple[str, str]]:
+    """(image name, wire JSON) of each of the job's prompts, read again from the stored file."""
+    with tempfile.TemporaryDirectory(prefix="rf-prompts-") as tmp:
+        local = Path(tmp) / spec.prompts_key.rpartition("/")[2]
+        store.download(spec.prompts_key, local)
+        for i, line in enumerate(prompt_files.iter_wire(str(local), spec.params)):
+            # Only a prompt with an id carries "n"; the rest are named by index.
+            yield json.loads(line).get("n") or index_name(i), line
+
+
+def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
+           only: set[int] | None = None, front: bool = False) -> ResumeReport:
+    """Enqueue whatever of ``job`` (or of its shards ``only``) is not yet in the store;
+    ``front``: at the front of the queue (for shards whose turn has passed).
+
+    One read of the stored prompt file.  Commits racing this are safe: each
+    shard's attempt and lease are read *before* the store is listed, and the
+    script that rebuilds a shard's bits and count from that listing skips it
+    if it was leased then or has been claimed since (``core/lua/publish.lua``).
+    """
+    spec = load_spec(store, job)
+    owner = store_identity(store.url)
+    enqueue.check_owner(client, job, owner)
+    queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(spec.pool)
+    known = bool(client.exists(keys.job(job)))
+    attempts = {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
+    seconds, micros = client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    prefix = f"{job}:"
+    leased = {int(keys.text(m)[len(prefix):]) for m in client.zrangebyscore(keys.INFLIGHT, now_ms, "+inf")
+              if keys.text(m).startswith(prefix)}
+    images = stored_names(store, job, "images")
+    quarantined = stored_names(store, job, "quarantine")
+    enqueue.register_job(client, spec, queue, owner, stored=True)
+
+    def shards() -> Iterator[WireShard]:
+        current: list[str] = []
+        marks: list[str] = []
+        shard = 0
+        for i, (name, line) in enumerate(stored_prompts(store, spec)):
+            current.append(line)
+            marks.append("d" if name in images else "f" if name in quarantined else "-")
+            if len(current) == spec.shard_size or i == spec.total - 1:
+                if shard not in leased and (only is None or shard in only):
+                    text = "".join(marks)
+                    yield WireShard(shard, text.count("-"), prompts_json=current, expect=attempts.get(shard, 0),
+                                    marks=text, start=shard * spec.shard_size)
+                shard += 1
+                current, marks = [], []
+
+    sent = enqueue.publish_shards(app, client, spec, queue, shards(), store=owner, front=front)
+    return ResumeReport(job, spec.total, len(images), len(quarantined - images), sent, not known)

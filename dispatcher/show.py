@@ -1,0 +1,72 @@
+"""Human-readable status (rich): one renderable, printed once or redrawn by ``status --watch``."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from dispatcher.status import FleetStatus, JobStatus
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _money(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _job_row(j: JobStatus) -> list[str]:
+    gpu = sum(j.gpu_seconds.values())
+    return [j.job, f"{j.done}/{j.total}", str(j.failed), str(j.queued), str(j.in_flight),
+            f"{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}", _eta(j.eta_seconds),
+            f"{j.redeliveries}/{j.wasted_images}", f"{gpu:,.0f}", _money(j.cost), _money(j.cost_per_image, 5)]
+
+
+def render_status(fleet: FleetStatus) -> RenderableType:
+    """The fleet at a glance: jobs, backlog and pools, queues, workers."""
+    parts: list[RenderableType] = []
+    if fleet.jobs:
+        jobs = Table(title="jobs")
+        for col in ("job", "done", "failed", "queued", "in flight", "shards q/r", "img/min", "ETA",
+                    "redelivered/lost", "GPU s", "cost", "per image"):
+            jobs.add_column(col, justify="left" if col == "job" else "right")
+        for j in fleet.jobs:
+            jobs.add_row(*_job_row(j))
+        parts.append(jobs)
+    else:
+        parts.append(Text("no jobs"))
+    if fleet.other_stores:
+        parts.append(Text(f"({fleet.other_stores} job(s) of other stores on this Redis not shown: "
+                          "set RENDERFLEET_STORE to see them)"))
+    sizes = fleet.pool_sizes()
+    if fleet.backlog_seconds or fleet.desired:
+        parts.append(Text(f"backlog: {fleet.backlog_seconds:,.0f} s of work (queued and in flight), "
+                          f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step"))
+    if fleet.desired:
+        parts.append(Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted"
+                                                for p, n in sorted(fleet.desired.items()))))
+    queues = Table(title="queues")
+    queues.add_column("queue")
+    queues.add_column("depth (shards)", justify="right")
+    for name, depth in fleet.queues.items():
+        queues.add_row(name, str(depth))
+    parts.append(queues)
+    if fleet.workers:
+        workers = Table(title="workers")
+        for col in ("worker", "pool", "model", "device", "images", "batches", "loads"):
+            workers.add_column(col)
+        for w in fleet.workers:
+            workers.add_row(str(w.get("worker")), str(w.get("pool")), str(w.get("model")), str(w.get("device")),
+                            str(w.get("images", 0)), str(w.get("batches", 0)), str(w.get("loads", 0)))
+        parts.append(workers)
+    return Group(*parts)
+
+
+def print_status(fleet: FleetStatus, console: Console | None = None) -> None:
+    (console or Console()).print(render_status(fleet))

@@ -1,0 +1,285 @@
+"""``renderfleet status`` and ``results``: cheap counters from Redis, truth from the store.
+
+``status`` reads a handful of Redis keys per job (a hash, two small hashes of
+shard states) and the length of every queue, so a dashboard can poll it.
+``results`` walks the store: where each image is, which are missing, which
+were quarantined and why.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from dispatcher.resume import jobs_only_in_store, load_spec, stored_names, stored_prompts
+from renderfleet import keys
+from renderfleet import spec as layout
+from renderfleet.celery_app import QUEUE_PREFIX
+from renderfleet.errors import InputError, JobNotFound
+from renderfleet.spec import job_id_problem, store_identity
+from renderfleet.store import Store
+
+
+@dataclass
+class JobStatus:
+    job: str
+    total: int
+    done: int
+    failed: int
+    queued: int
+    in_flight: int
+    shards: int
+    shards_queued: int
+    shards_running: int
+    known_to_redis: bool
+    megapixel_steps: float = 0.0  # one image's work at the job's settings: width x height x steps / 1e6
+    backlog_seconds: float = 0.0  # seconds of work left (queued and in flight), on a reference worker
+    images_per_minute: float = 0.0  # over the last few minutes
+    eta_seconds: float | None = None  # at that rate; None while nothing is being rendered
+    gpu_seconds: dict[str, float] = field(default_factory=dict)  # render time spent, by pool
+    redeliveries: int = 0  # shard deliveries beyond the first: preemptions, kills, hand-backs survived
+    wasted_images: int = 0  # renders thrown away by them (work lost)
+    cost: float | None = None  # gpu_seconds x each pool's price per hour; None without prices
+    cost_per_image: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done + self.failed >= self.total
+
+    @property
+    def left(self) -> int:
+        return max(0, self.total - self.done - self.failed)
+
+
+@dataclass
+class FleetStatus:
+    queues: dict[str, int] = field(default_factory=dict)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    pools: dict[str, dict[str, int]] = field(default_factory=dict)
+    jobs: list[JobStatus] = field(default_factory=list)
+    other_stores: int = 0  # jobs this Redis counts for stores other than the one read
+    backlog_seconds: float = 0.0  # of the jobs shown
+    seconds_per_mpstep: float = 0.0  # the fleet's measured speed (or the default estimate)
+    desired: dict[str, int] = field(default_factory=dict)  # pool -> size the autoscaler last decided
+    reaped: int = 0  # expired leases whose shard was re-queued, ever
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"queues": self.queues, "workers": self.workers, "pools": self.pools,
+                "jobs": [asdict(j) for j in self.jobs], "jobs_of_other_stores": self.other_stores,
+                "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
+                "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped}
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Workers up, by pool."""
+        sizes: dict[str, int] = {}
+        for w in self.workers:
+            sizes[str(w.get("pool"))] = sizes.get(str(w.get("pool")), 0) + 1
+        return sizes
+
+
+# Seconds one reference worker takes per megapixel and denoising step, until
+# workers have measured it (an SD1.5-class model on a mid-range GPU).
+DEFAULT_SECONDS_PER_MPSTEP = 0.15
+
+
+def seconds_per_mpstep(pools: dict[str, dict[str, int]]) -> float:
+    """The fleet's measured seconds per megapixel-step, from the pools' counters."""
+    ms = sum(p.get("render_ms", 0) for p in pools.values())
+    mps = sum(p.get("mps_milli", 0) for p in pools.values())
+    return ms / mps if ms and mps else DEFAULT_SECONDS_PER_MPSTEP
+
+
+def _megapixel_steps(params: dict[str, Any]) -> float:
+    return float(params.get("width", 0)) * float(params.get("height", 0)) * float(params.get("steps", 0)) / 1e6
+
+
+def _int(value: Any) -> int:
+    return int(value) if value is not None else 0
+
+
+def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> JobStatus:
+    """One job's counters; falls back to the store when Redis does not know it.
+
+    With a ``store``, a job this Redis counts for another store is
+    :class:`JobNotFound`: its counters say nothing of this store.
+    """
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.job(job), "total", "spec", "store")
+    # Bits, not counters: a bit per prompt is set once whoever commits it, and
+    # BITCOUNT of a million-prompt job reads 125 kB.
+    pipe.bitcount(keys.done_bits(job))
+    pipe.bitcount(keys.failed_bits(job))
+    pipe.hgetall(keys.shards(job))
+    pipe.hgetall(keys.left(job))
+    pipe.hgetall(keys.job_stats(job))
+    pipe.lrange(keys.progress(job), 0, keys.PROGRESS_KEEP - 1)
+    pipe.hvals(keys.attempts(job))
+    (total, spec_json, owner), done, failed, states, left, stats, progress, attempts = pipe.execute()
+    if total is not None and store is not None and owner and keys.text(owner) != store_identity(store.url):
+        raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store "
+                          f"{keys.text(owner)})")
+    if total is None:
+        if store is None:
+            raise JobNotFound(f"no job {job} in Redis")
+        spec = load_spec(store, job)
+        images = stored_names(store, job, "images")
+        # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
+        quarantined = stored_names(store, job, "quarantine") - images
+        return JobStatus(job, spec.total, len(images), len(quarantined), 0, 0, spec.shards, 0, 0, False,
+                         _megapixel_steps(spec.params.to_dict()))
+    queued = running = sq = sr = 0
+    for shard, state in states.items():
+        n = _int(left.get(shard))
+        if state == b"q":
+            queued += n
+            sq += 1
+        else:
+            running += n
+            sr += 1
+    spec = json.loads(spec_json) if spec_json else {}
+    shards = -(-int(spec.get("total", 0)) // int(spec.get("shard_size", 1)))
+    st = JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True,
+                   _megapixel_steps(spec.get("params", {})))
+    _add_progress(st, {keys.text(k): int(v) for k, v in stats.items()}, [keys.text(p) for p in progress],
+                  [int(a) for a in attempts])
+    return st
+
+
+RATE_WINDOW_SECONDS = 300.0
+
+
+def _add_progress(st: JobStatus, stats: dict[str, int], progress: list[str], attempts: list[int],
+                  now: float | None = None) -> None:
+    """Rate, ETA, GPU time by pool, redeliveries and work lost, from the workers' counters."""
+    now = time.time() if now is None else now
+    stamps = [(float(t), int(n)) for t, _, n in (p.partition(" ") for p in progress)]
+    recent = [(t, n) for t, n in stamps if t >= now - RATE_WINDOW_SECONDS]
+    if recent:
+        span = max(30.0, min(RATE_WINDOW_SECONDS, now - min(t for t, _ in stamps)))
+        st.images_per_minute = sum(n for _, n in recent) / span * 60
+        st.eta_seconds = st.left / st.images_per_minute * 60 if st.left else 0.0
+    st.gpu_seconds = {k.removeprefix("render_ms."): v / 1000 for k, v in stats.items() if k.startswith("render_ms.")}
+    st.redeliveries = sum(a - 1 for a in attempts if a > 1)
+    st.wasted_images = stats.get("wasted_images", 0)
+
+
+def price(st: JobStatus, prices: dict[str, float]) -> None:
+    """Cost so far and per image: GPU time by pool times that pool's price per hour."""
+    if not prices:
+        return
+    st.cost = sum(seconds * prices.get(pool, 0.0) / 3600 for pool, seconds in st.gpu_seconds.items())
+    st.cost_per_image = st.cost / st.done if st.done else None
+
+
+def queue_depths(client: redis.Redis) -> dict[str, int]:
+    """Every renderfleet queue and its length (a queue that drained still shows, at 0, while known)."""
+    names = {keys.text(k) for k in client.scan_iter(match=f"{QUEUE_PREFIX}*", count=1000)}
+    for raw in client.hvals(keys.WORKERS):
+        info = json.loads(raw)
+        names.add(f"{QUEUE_PREFIX}{info.get('pool', 'default')}")
+    for job in client.smembers(keys.JOBS):
+        q = keys.text(client.hget(keys.job(keys.text(job)), "queue"))
+        if q:
+            names.add(q)
+    names.add(f"{QUEUE_PREFIX}default")
+    pipe = client.pipeline(transaction=False)
+    ordered = sorted(names)
+    for name in ordered:
+        pipe.llen(name)
+    return dict(zip(ordered, (int(n) for n in pipe.execute()), strict=True))
+
+
+def jobs_of_store(client: redis.Redis, store: Store | None) -> tuple[list[str], int]:
+    """(the jobs this Redis counts for ``store``, sorted; how many it counts for other stores).
+
+    A job registered before jobs recorded their store counts as this store's.
+    """
+    jobs = sorted(keys.text(j) for j in client.smembers(keys.JOBS))
+    if store is None or not jobs:
+        return jobs, 0
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.hget(keys.job(job), "store")
+    me = store_identity(store.url)
+    mine = [job for job, owner in zip(jobs, pipe.execute(), strict=True) if keys.text(owner) in ("", me)]
+    return mine, len(jobs) - len(mine)
+
+
+def check_in_store(store: Store, job: str) -> None:
+    """JobNotFound unless ``store`` holds the job's spec: the store is the truth."""
+    if why := job_id_problem(job):
+        raise InputError([f"JOB: {why}"])
+    if not store.exists(layout.spec_key(job)):
+        raise JobNotFound(f"no job {job} in store {store.url} (no {layout.spec_key(job)}: the store was "
+                          "emptied, or the job is still being submitted)")
+
+
+def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None,
+                 prices: dict[str, float] | None = None) -> FleetStatus:
+    """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store``
+    (those Redis knows, and those only the store's listing of ``jobs/`` shows).
+
+    A job named explicitly must be in ``store`` (one existence check each).
+    """
+    status = FleetStatus(queues=queue_depths(client))
+    for worker_id, raw in sorted(client.hgetall(keys.WORKERS).items()):
+        info = json.loads(raw)
+        stats = {keys.text(k): keys.text(v)
+                 for k, v in client.hgetall(keys.worker_stats(keys.text(worker_id))).items()}
+        info.update(stats)
+        status.workers.append(info)
+    for key in client.scan_iter(match=f"{keys.POOL_STATS_PREFIX}*", count=1000):
+        pool = keys.text(key)[len(keys.POOL_STATS_PREFIX):]
+        status.pools[pool] = {keys.text(k): int(v) for k, v in client.hgetall(key).items()}
+    if jobs is None:
+        jobs, status.other_stores = jobs_of_store(client, store)
+        # ...and those the store holds that this Redis forgot (counted from the store).
+        jobs += jobs_only_in_store(client, store) if store is not None else []
+    elif store is not None:
+        for job in jobs:
+            check_in_store(store, job)
+    status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
+    for job in jobs:
+        st = job_status(client, job, store=store)
+        st.backlog_seconds = st.left * st.megapixel_steps * status.seconds_per_mpstep
+        price(st, prices or {})
+        status.backlog_seconds += st.backlog_seconds
+        status.jobs.append(st)
+    status.desired = {keys.text(k): int(v) for k, v in client.hgetall(keys.DESIRED).items() if k}
+    status.reaped = int(client.hget(keys.FLEET_STATS, "reaped") or 0)
+    return status
+
+
+# ---- results ---------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    job: str
+    images: dict[str, str]  # name -> location
+    missing: list[str]
+    quarantined: dict[str, str]  # name -> error
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def results(store: Store, job: str) -> Results:
+    """Where each prompt's image is, and which are missing or quarantined."""
+    spec = load_spec(store, job)
+    images = stored_names(store, job, "images")
+    quarantined = stored_names(store, job, "quarantine")
+    out = Results(job, {}, [], {})
+    for name, _ in stored_prompts(store, spec):
+        if name in images:
+            out.images[name] = store.locate(layout.image_key(job, name))
+        elif name in quarantined:
+            record = store.get(layout.quarantine_key(job, name))
+            out.quarantined[name] = json.loads(record)["error"] if record else "quarantined"
+        else:
+            out.missing.append(name)
+    return out

@@ -1,0 +1,159 @@
+"""``renderfleet submit``: prompt file → validated job → spec in the store → shards on the queue.
+
+1. validate the whole file (pass 1: streamed, every problem as ``FILE:LINE``);
+   on any problem nothing is written and nothing is enqueued;
+2. derive the job id from the file's content, the render settings and the
+   store, so a second submit of the same file to the same store is the same
+   job, and the same file sent to another store is another job;
+3. a new job: copy the file to the store (in a thread, beside the rest),
+   stream it again (pass 2) publishing shard messages as they fill, then
+   write the spec (last: a spec in the store means the job is whole);
+4. a known job: enqueue only what the store does not hold yet (``resume``).
+
+The store is the truth: Redis's counters of a job whose spec the store does
+not hold are dropped before the job is written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from dispatcher import enqueue
+from dispatcher.enqueue import WireShard
+from renderfleet import prompts as prompt_files
+from renderfleet import spec as layout
+from renderfleet.errors import InputError
+from renderfleet.spec import JobSpec, RenderParams, job_id_problem, store_identity
+from renderfleet.store import Store
+
+
+@dataclass(frozen=True)
+class SubmitOptions:
+    params: RenderParams
+    shard_size: int = 64
+    batch_size: int = 4
+    pool: str = "default"
+    job: str | None = None
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    job: str
+    total: int
+    shards_enqueued: int
+    new: bool
+    seconds: float
+
+
+def check_options(opts: SubmitOptions) -> None:
+    """Flag values, reported like file problems: ``--flag: reason``; the limits are
+    ``spec.INT_LIMITS``, the table a worker checks every message against too."""
+    problems = []
+    p = opts.params
+    for flag, name, value in (("--steps", "steps", p.steps), ("--size", "width", p.width),
+                              ("--size", "height", p.height), ("--seed", "seed", p.seed),
+                              ("--shard-size", "shard_size", opts.shard_size),
+                              ("--batch-size", "batch_size", opts.batch_size)):
+        if why := layout.int_problem(name, value):
+            problems.append(f"{flag}: {why}")
+    if why := layout.guidance_problem(p.guidance):
+        problems.append(f"--guidance: {why}")
+    if opts.job is not None and (why := job_id_problem(opts.job)):
+        problems.append(f"--job: {why}")
+    if problems:
+        raise InputError(problems)
+
+
+def job_id(digest: str, params: RenderParams, store: str) -> str:
+    """What the images are and where they go: the prompt file's content, the
+    render settings and the store (``spec.store_identity``).
+
+    Not the shard or batch size: they are how the work is cut, not what it
+    is, so a resubmit with another ``--batch-size`` is the same job (it keeps
+    the cut it was submitted with).
+    """
+    ident = json.dumps({"content": digest, "params": params.to_dict(), "store": store_identity(store)},
+                       sort_keys=True)
+    return "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client: redis.Redis,
+           queue: str, summary: prompt_files.FileSummary | None = None, source: str | None = None) -> SubmitResult:
+    """Validate, write and enqueue a prompt file; see the module docstring.
+
+    ``summary`` is pass 1's result when the caller already validated the file;
+    ``source`` is the name the spec records for it (default: the file's name).
+    """
+    started = time.perf_counter()
+    check_options(opts)
+    if summary is None:
+        summary = prompt_files.validate_file(path)
+    owner = store_identity(store.url)
+    job = opts.job or job_id(summary.digest, opts.params, owner)
+
+    existing = store.get(layout.spec_key(job))
+    if existing is not None:
+        from dispatcher.resume import resume
+
+        known = JobSpec.from_json(existing)
+        if known.total != summary.total or known.params != opts.params:
+            raise InputError([f"{path}: job {job} exists with other prompts or settings; "
+                              "choose another --job or leave it out"])
+        report = resume(job, store=store, app=app, client=client, queue=queue)
+        return SubmitResult(job, summary.total, report.shards_enqueued, False,
+                            time.perf_counter() - started)
+
+    enqueue.check_owner(client, job, owner)
+    # Whatever this Redis counted of the job is not in this store: forget it.
+    enqueue.forget_counts(client, job)
+    fmt, gzipped = prompt_files.detect_format(path)
+    spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
+                   batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
+                   prompts_key=layout.source_key(job, fmt, gzipped), created=time.time())
+    enqueue.register_job(client, spec, queue, owner)
+    # The upload (network or disk, the GIL released) overlaps the publishing.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-upload") as pool:
+        upload = pool.submit(store.put_file, spec.prompts_key, Path(path))
+        sent = enqueue.publish_shards(app, client, spec, queue, _wire_shards(path, spec), store=owner)
+        upload.result()
+    store.put(layout.spec_key(job), spec.to_json().encode(), content_type="application/json")
+    enqueue.mark_stored(client, job)
+    return SubmitResult(job, spec.total, sent, True, time.perf_counter() - started)
+
+
+def _wire_shards(path: str, spec: JobSpec) -> Iterator[WireShard]:
+    """Pass 2: the prompts' wire JSON, a shard at a time."""
+    if prompt_files.detect_format(path)[0] == "txt":
+        # The million-line case: a shard is a JSON list of texts, one C call.
+        dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+        texts: list[str] = []
+        shard = 0
+        for text in prompt_files.iter_texts(path):
+            texts.append(text)
+            if len(texts) == spec.shard_size:
+                yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * spec.shard_size)
+                shard += 1
+                texts = []
+        if texts:
+            yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * spec.shard_size)
+        return
+    current: list[str] = []
+    shard = 0
+    for line in prompt_files.iter_wire(path, spec.params):
+        current.append(line)
+        if len(current) == spec.shard_size:
+            yield WireShard(shard, len(current), prompts_json=current)
+            shard += 1
+            current = []
+    if current:
+        yield WireShard(shard, len(current), prompts_json=current)

@@ -1,0 +1,113 @@
+"""The Celery application both sides share: broker, serializer, queues.
+
+Built by a factory, never at import (docs/design.md, rule 6).  JSON only: a pickled message
+is refused by kombu before anything is deserialised.  ``acks_late`` with one
+message prefetched: the message stays in kombu's ``unacked`` hash while its
+shard renders, which is what lets a reaper hand it back to the front of the
+queue when the worker vanishes (see :mod:`renderfleet.leases`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import Callable
+
+from celery import Celery
+
+TASK_NAME = "renderfleet.render_shard"
+QUEUE_PREFIX = "renderfleet."
+# kombu's Redis transport keeps delivered-but-unacked messages here.
+UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"
+# kombu's own redelivery of an unacked message is only a backstop for the few
+# milliseconds between a worker taking a message and claiming its lease; the
+# lease reaper does the real work in seconds.  A duplicate delivery of a shard
+# that is still running is dropped at claim, so this cannot make work run twice.
+VISIBILITY_TIMEOUT = 3600
+
+
+def queue_name(pool: str) -> str:
+    """The Redis list (Celery queue) that feeds a pool."""
+    return f"{QUEUE_PREFIX}{pool}"
+
+
+def make_app(redis_url: str) -> Celery:
+    """A Celery app on ``redis_url``; tasks are registered by the worker."""
+    app = Celery("renderfleet", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=queue_name("default"),
+        task_create_missing_queues=True,
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
+        # A worker never gives up on Redis: at start-up and after losing it
+        # (a restart, a failover) it retries for ever, backing off to 30 s.
+        broker_connection_retry_on_startup=True,
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
+        # On a lost connection Celery cancels acks_late tasks still running:
+        # our shard is then handed on by its lease, which is what we want (and
+        # with the solo pool no task runs while the consumer reconnects).
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        worker_enable_remote_control=False,
+        broker_pool_limit=4,
+    )
+    return app
+
+
+def publisher(app: Celery) -> Callable[[str], None]:
+    """Publishes one shard message (JSON text) to the queue it names, through Celery."""
+
+    def publish(message: str) -> None:
+        app.send_task(TASK_NAME, args=[message], queue=str(json.loads(message)["queue"]))
+
+    return publish
+
+
+Envelope = Callable[[str, str, str], str]
+
+
+def envelope_factory(app: Celery) -> Envelope:
+    """A function (message JSON, queue, short description) -> the kombu envelope.
+
+    What kombu's Redis transport pushes onto a queue for one task message:
+    Celery builds the protocol-2 headers once (``app.amqp.as_task_v2``) and
+    each envelope is that template with its own ids and body.  Used to publish
+    shards in pipelined batches, and to re-queue a shard whose kombu copy is
+    gone (Redis lost it) without a Python round trip in the reaper.
+    """
+    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={},
+                                   argsrepr="", kwargsrepr="{}")
+    headers = dict(template.headers)
+    embed = json.dumps(template.body[2])
+    dumps = json.dumps
+    b64 = base64.b64encode
+
+    def build(message: str, queue: str, argsrepr: str) -> str:
+        task_id = str(uuid.uuid4())
+        body = f"[[{dumps(message)}],{{}},{embed}]".encode()
+        return dumps({
+            "body": b64(body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
+            "properties": {
+                "correlation_id": task_id,
+                "delivery_mode": 2,
+                "delivery_info": {"exchange": "", "routing_key": queue},
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_tag": str(uuid.uuid4()),
+            },
+        })
+
+    return build

@@ -1,0 +1,112 @@
+"""Every Redis key renderfleet uses, in one place.
+
+Redis holds the fleet's live state (what is queued, leased, counted); the
+store holds the truth (images and checkpoints).  All of this can be rebuilt
+from the store by ``renderfleet resume`` if Redis is lost.
+"""
+
+from __future__ import annotations
+
+JOBS = "rf:jobs"  # set of job ids known to this Redis
+INFLIGHT = "rf:inflight"  # zset "<job>:<shard>" -> lease expiry (ms, Redis clock)
+WORKERS = "rf:workers"  # hash worker id -> JSON registration
+EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
+REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
+FLEET_STATS = "rf:fleet"  # hash of fleet-wide counters: reaped (expired leases re-queued)
+SCRATCH = "rf:scratch"  # a throwaway result key for checks (bench/chaos.py: BITOP AND of done and failed)
+DESIRED = "rf:desired"  # hash pool -> the size the autoscaler last decided
+LEASE_PREFIX = "rf:lease:"
+JOB_PREFIX = "rf:job:"
+SHARDS_SUFFIX = ":shards"
+
+# The enqueue record, read by the monitor's audit (dispatcher/monitor.py) to find a
+# shard whose message was lost between a queue and its claim.  Written by the Lua
+# scripts that push a shard's message (core/lua/common.lua), dropped at its claim.
+SEQ = "rf:seq"  # counter: orders every push of a shard message, on every queue
+ENQUEUED = "rf:enqueued"  # hash "<job>:<shard>" -> "<seq>|<side b|f>|<kombu tag>|<queue>"
+QUEUES = "rf:queues"  # set of queues that shard messages were pushed to
+QUEUED_PREFIX = "rf:queued:"  # + queue: zset "<job>:<shard>" -> seq of its pending push
+CONSUMED = "rf:consumed"  # hash queue -> highest seq of a back-of-queue push claimed from it
+
+
+def job(job_id: str) -> str:
+    """hash: spec (JSON), total, queue, store (whose job it is), stored ("1" once the
+    store holds the spec: a worker then takes the spec's absence for a deleted job)."""
+    return f"rf:job:{job_id}"
+
+
+def done_bits(job_id: str) -> str:
+    """bitmap: bit i set when prompt i is committed (makes counting idempotent)."""
+    return f"rf:job:{job_id}:done"
+
+
+def failed_bits(job_id: str) -> str:
+    """bitmap: bit i set when prompt i is quarantined."""
+    return f"rf:job:{job_id}:failed"
+
+
+def shards(job_id: str) -> str:
+    """hash shard -> 'q' (queued) or 'r' (running); absent once finished."""
+    return f"{JOB_PREFIX}{job_id}{SHARDS_SUFFIX}"
+
+
+def left(job_id: str) -> str:
+    """hash shard -> prompts of that shard neither done nor quarantined."""
+    return f"rf:job:{job_id}:left"
+
+
+def attempts(job_id: str) -> str:
+    """hash shard -> the last attempt number handed out (the fencing token)."""
+    return f"rf:job:{job_id}:attempts"
+
+
+def job_stats(job_id: str) -> str:
+    """hash of one job's counters: images.<pool>, render_ms.<pool> (GPU-ms), started_images, wasted_images."""
+    return f"rf:job:{job_id}:stats"
+
+
+def progress(job_id: str) -> str:
+    """list, newest first, capped: "<unix time> <images>" per committed batch (rate and ETA)."""
+    return f"rf:job:{job_id}:progress"
+
+
+PROGRESS_KEEP = 4096  # batches kept in a job's progress list
+
+
+def fails(job_id: str) -> str:
+    """hash prompt index -> failures so far."""
+    return f"rf:job:{job_id}:fails"
+
+
+def queued(queue: str) -> str:
+    """zset "<job>:<shard>" -> seq: shards whose message was pushed to ``queue`` and not claimed since."""
+    return f"{QUEUED_PREFIX}{queue}"
+
+
+def lease(job_id: str, shard: int) -> str:
+    """hash: worker, attempt, queue, tag, requeue (the kombu payload to re-push), rtag (its tag), message."""
+    return f"{LEASE_PREFIX}{job_id}:{shard}"
+
+
+def member(job_id: str, shard: int) -> str:
+    return f"{job_id}:{shard}"
+
+
+def worker_stats(worker_id: str) -> str:
+    """hash of counters for one worker: loads, batches, images, render_ms, ..."""
+    return f"rf:worker:{worker_id}"
+
+
+POOL_STATS_PREFIX = "rf:pool:"
+
+
+def pool_stats(pool: str) -> str:
+    """hash of counters for one pool: images, batches, render_ms, reclaims, lost_batches."""
+    return f"{POOL_STATS_PREFIX}{pool}"
+
+
+def text(value: object) -> str:
+    """A Redis reply as text (our clients return bytes)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return "" if value is None else str(value)

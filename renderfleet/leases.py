@@ -1,0 +1,282 @@
+"""Shard leases: who runs what, fenced by attempt numbers, reaped in seconds.
+
+Why not Celery's own redelivery: on the Redis broker an unacked message comes
+back only after ``visibility_timeout`` (an hour by default), and a task that
+runs longer than that is delivered twice while still running.  Instead:
+
+* a worker **claims** a shard when its message arrives: Redis hands out the
+  next attempt number (the fencing token) and records a lease that expires
+  ``lease_seconds`` later unless renewed;
+* a heartbeat thread **renews** the lease while the shard runs;
+* any worker's **reaper** (and the dispatcher's monitor) finds leases that
+  expired and puts the shard's original kombu message back at the *front* of
+  its queue, atomically, in one Lua script; the dead worker's ``unacked``
+  entry goes with it so kombu never redelivers it a second time;
+* a duplicate delivery of a shard whose lease is live is dropped at claim, and
+  a stale worker that wakes up later finds a newer attempt and stops before
+  it writes or counts anything (:class:`~renderfleet.errors.Reclaimed`
+  with ``fenced=True``).
+
+Every write that changes what a shard or a prompt is carries the attempt and
+is refused inside its script when a newer attempt exists: the count
+(:meth:`Leases.commit`), a prompt's failure count (:meth:`Leases.record_failure`);
+store writes are preceded by :meth:`Leases.current` and checkpoints carry the
+attempt in their key (see :mod:`worker.runner`).
+
+Counting is idempotent (a bitmap per job), so whatever the redeliveries each
+prompt is counted once, and never both done and failed: done wins.
+
+A message can also be lost *before* any claim: kombu takes it with BRPOP and
+records it in ``unacked`` a step later, and a worker that stops in between (or
+after, but before its claim) takes it along, with no lease for a reaper to
+find.  Every push of a shard message therefore leaves an enqueue record
+(``keys.ENQUEUED``), dropped at the claim; :meth:`Leases.suspects` finds the
+records that every later message overtook, which the monitor re-publishes.
+
+All times are Redis's clock, never the workers'.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+import redis
+
+from renderfleet import keys, testhooks
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope
+from renderfleet.errors import Reclaimed
+
+# The scripts live in renderfleet/lua/, each with a header naming its KEYS and ARGV;
+# common.lua (Redis's clock, the enqueue record) is prepended to each.
+_LUA = resources.files("renderfleet") / "lua"
+
+
+def lua_script(name: str) -> str:
+    """The source of ``core/lua/<name>.lua``, with ``common.lua`` in front."""
+    return (_LUA / "common.lua").read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A worker's hold on one shard for one attempt."""
+
+    job: str
+    shard: int
+    worker: str
+    attempt: int
+    queue: str
+    tag: str
+    requeue: str
+    message: str
+    requeue_tag: str = ""  # the delivery tag inside ``requeue``
+
+    @property
+    def member(self) -> str:
+        return keys.member(self.job, self.shard)
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A queued shard whose message the audit cannot place: see :meth:`Leases.suspects`."""
+
+    job: str
+    shard: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """A shard the reaper re-queued; ``message`` is set when the caller must publish it."""
+
+    job: str
+    shard: int
+    message: str | None
+
+
+def requeue_payload(raw_unacked: bytes | str | None) -> str:
+    """The kombu payload to push back onto the queue, from kombu's unacked entry.
+
+    kombu stores ``[payload, exchange, routing_key]``; we mark the payload
+    redelivered as kombu's own restore does, and give it a delivery tag of
+    its own: the old tag is acked by the worker that had it, which must not
+    delete the next holder's unacked entry.  Empty when there is no entry.
+    """
+    if not raw_unacked:
+        return ""
+    payload = json.loads(raw_unacked)[0]
+    payload.setdefault("headers", {})["redelivered"] = True
+    props = payload.setdefault("properties", {})
+    props.setdefault("delivery_info", {})["redelivered"] = True
+    props["delivery_tag"] = str(uuid.uuid4())
+    return json.dumps(payload)
+
+
+_TAG_MARK = '"delivery_tag": "'
+
+
+def envelope_tag(envelope: str) -> str:
+    """The kombu delivery tag of an envelope (JSON text); '' when it has none.
+
+    Our envelopes end with their properties, so the tag is found from the end
+    without parsing 10 kB of body; anything else is parsed.
+    """
+    if not envelope:
+        return ""
+    at = envelope.rfind(_TAG_MARK)
+    if at >= 0:
+        end = envelope.find('"', at + len(_TAG_MARK))
+        if end > 0:
+            return envelope[at + len(_TAG_MARK) : end]
+    try:
+        return str(json.loads(envelope).get("properties", {}).get("delivery_tag") or "")
+    except (ValueError, AttributeError):
+        return ""
+
+
+class Leases:
+    """The lease protocol over one Redis client."""
+
+    def __init__(self, client: redis.Redis, lease_seconds: float, envelope: Envelope | None = None):
+        self.client = client
+        self.lease_ms = int(lease_seconds * 1000)
+        # Builds a fresh kombu envelope when kombu's copy of a message is gone.
+        self.envelope = envelope
+        self._claim = client.register_script(lua_script("claim"))
+        self._heartbeat = client.register_script(lua_script("heartbeat"))
+        self._commit = client.register_script(lua_script("commit"))
+        self._record_failure = client.register_script(lua_script("record_failure"))
+        self._release = client.register_script(lua_script("release"))
+        self._reap = client.register_script(lua_script("reap"))
+
+    def claim(
+        self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str
+    ) -> tuple[str, Lease | None]:
+        """Take a shard: ('ok', lease), ('busy', None) or ('done', None)."""
+        raw = self.client.hget(UNACKED_KEY, tag) if tag else None
+        requeue = requeue_payload(raw)
+        if not requeue and self.envelope is not None:
+            requeue = self.envelope(message, queue, f"{job}:{shard}")
+        requeue_tag = envelope_tag(requeue)
+        testhooks.pause_at("before-claim")
+        status, attempt = self._claim(
+            keys=[
+                keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),
+                keys.lease(job, shard), UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.CONSUMED,
+            ],
+            args=[shard, keys.member(job, shard), worker, queue, tag, requeue, message, self.lease_ms,
+                  keys.QUEUED_PREFIX, requeue_tag],
+        )
+        status = keys.text(status)
+        if status != "ok":
+            return status, None
+        return status, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, requeue_tag)
+
+    def heartbeat(self, lease: Lease) -> bool:
+        """Renew (or re-create) the lease; False means fenced: stop now."""
+        result = self._heartbeat(
+            keys=[keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
+                  keys.lease(lease.job, lease.shard)],
+            args=[
+                lease.shard, lease.member, lease.worker, lease.attempt, self.lease_ms,
+                lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag,
+            ],
+        )
+        return int(result) != 0
+
+    def current(self, lease: Lease) -> bool:
+        """Whether no newer attempt has claimed the shard (one read, for a fence check before a store write)."""
+        latest = self.client.hget(keys.attempts(lease.job), str(lease.shard))
+        return latest is None or int(latest) <= lease.attempt
+
+    def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int],
+               undone: Sequence[int] = ()) -> tuple[int, int]:
+        """Count prompts as done/quarantined, once each (done wins over failed);
+        ``undone`` prompts lost their image and count as left again.  Raises Reclaimed if fenced."""
+        newly, newfail = self._commit(
+            keys=[keys.attempts(lease.job), keys.done_bits(lease.job), keys.failed_bits(lease.job),
+                  keys.left(lease.job)],
+            args=[lease.shard, lease.attempt, len(done), len(failed), *done, *failed, *undone],
+        )
+        if int(newly) < 0:
+            raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
+        return int(newly), int(newfail)
+
+    def record_failure(self, lease: Lease, index: int, error: str) -> int:
+        """One more failure of prompt ``index``: the total so far (0 if it is done); raises Reclaimed if fenced."""
+        count = int(self._record_failure(
+            keys=[keys.attempts(lease.job), keys.fails(lease.job), keys.done_bits(lease.job)],
+            args=[lease.shard, lease.attempt, index, error[:500]],
+        ))
+        if count < 0:
+            raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
+        return count
+
+    def release(self, lease: Lease, outcome: str) -> str | None:
+        """Finish ('done') or hand the shard back ('front' of the queue, or 'back').
+
+        Returns the shard message when the caller must publish it itself.
+        """
+        if outcome not in ("done", "front", "back"):
+            raise ValueError(f"outcome must be done, front or back, got {outcome!r}")
+        result = self._release(
+            keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
+                  keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
+                  keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+            args=[lease.shard, lease.member, lease.attempt, outcome, lease.worker, keys.QUEUED_PREFIX],
+        )
+        if isinstance(result, list) and result and int(result[0]) == 2:
+            return keys.text(result[1]) or None
+        return None
+
+    def reap(self, limit: int = 100) -> list[Reaped]:
+        """Re-queue every shard whose lease expired; safe to run from many processes."""
+        flat = self._reap(keys=[keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+                          args=[limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX])
+        out: list[Reaped] = []
+        for i in range(0, len(flat), 2):
+            member = keys.text(flat[i])
+            how = keys.text(flat[i + 1])
+            job, _, shard = member.rpartition(":")
+            message = None if how == "pushed" or not how else how
+            out.append(Reaped(job, int(shard), message))
+        return out
+
+    # ---- the audit: messages lost between a queue and a claim ---------------------
+
+    def suspects(self) -> list[Suspect]:
+        """Queued shards whose message is in no queue, as far as the enqueue records tell.
+
+        A message pushed at the back of a queue is taken after every message
+        pushed there before it, and one pushed at the front before them all; so
+        once a worker has claimed a message pushed at the back as number *n*,
+        any shard still recorded as pushed there before *n* has been taken by
+        someone who never claimed it, or is being claimed right now.  When the
+        queue is empty, every shard recorded in it is such a case.  Cost: a few
+        commands per queue, and a reply as long as the answer (normally empty).
+        The caller confirms a suspect on a later pass (a claim in flight ends in
+        milliseconds) and then publishes it again (``dispatcher.resume`` with
+        ``only``), which also drops kombu's unclaimed copy of it, if any.
+        """
+        queues = sorted(keys.text(q) for q in self.client.smembers(keys.QUEUES))
+        if not queues:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for q in queues:
+            pipe.llen(q)
+            pipe.hget(keys.CONSUMED, q)
+        heads = pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for i, q in enumerate(queues):
+            length, consumed = int(heads[2 * i]), int(heads[2 * i + 1] or 0)
+            upper = "+inf" if length == 0 else f"({consumed}"
+            pipe.zrangebyscore(keys.queued(q), "-inf", upper, start=0, num=1000, withscores=True)
+        out: list[Suspect] = []
+        for found in pipe.execute():
+            for member, seq in found:
+                job, _, shard = keys.text(member).rpartition(":")
+                out.append(Suspect(job, int(shard), int(seq)))
+        return out

@@ -1,0 +1,319 @@
+"""One settings object per process, from flags and the environment.
+
+Few settings, lowercase, each commented (Celery's ~200 settings with two
+naming schemes is the cautionary tale).  Every environment variable is
+``RENDERFLEET_<NAME>``; the standard ``AWS_*`` variables (``AWS_ENDPOINT_URL``
+included) are read by boto3 itself.  Validation happens once, at start-up,
+and a bad value is reported by name (:func:`load_settings`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlparse
+
+from kombu.utils.url import maybe_sanitize_url
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from renderfleet.errors import ConfigError
+
+if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
+    from renderfleet.store import S3Options
+
+_POOL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+
+
+def redact(url: str) -> str:
+    """``url`` with any password shown as ``***``: for every message and log line."""
+    return str(maybe_sanitize_url(url, mask="***"))
+
+
+def _default_home() -> Path:
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "renderfleet"
+
+
+class PoolConfig(BaseModel):
+    """One worker pool (a ``[pools.NAME]`` table of the config file)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # on-demand: the warm floor, always up; spot: overflow, sized by the backlog.
+    kind: Literal["on-demand", "spot"] = "on-demand"
+    # Price of one worker (one GPU) per hour, in the user's currency.
+    price_per_hour: float = Field(default=0.0, ge=0)
+    min: int = Field(default=0, ge=0)
+    max: int = Field(default=1, ge=0)
+    # Who starts and stops its workers: processes here, a Deployment, an Auto Scaling group.
+    backend: Literal["local", "kubernetes", "aws"] = "local"
+    # kubernetes: the Deployment of this pool's workers.
+    namespace: str = "renderfleet"
+    deployment: str | None = None
+    # aws: the pool's EC2 Auto Scaling group.
+    autoscaling_group: str | None = None
+    region: str | None = None
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> PoolConfig:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+
+class AutoscaleConfig(BaseModel):
+    """The ``[autoscale]`` table: how the policy sizes the pools."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The backlog should be cleared within this long; more wakes spot workers.
+    drain_seconds: float = Field(default=600.0, gt=0)
+    # A pool that changed size waits this long before it may shrink.
+    cooldown_seconds: float = Field(default=300.0, ge=0)
+    # A worker's cold start (boot, pull, model load) until one has been measured.
+    cold_start_seconds: float = Field(default=180.0, gt=0)
+    # Shrink only when one worker fewer would still clear the backlog within
+    # this fraction of drain_seconds (hysteresis: no flapping).
+    scale_in_margin: float = Field(default=0.7, gt=0, le=1)
+    # How often `renderfleet autoscale` decides.
+    interval_seconds: float = Field(default=15.0, gt=0)
+
+
+class Settings(BaseSettings):
+    """Everything a renderfleet process can be told."""
+
+    model_config = SettingsConfigDict(env_prefix="RENDERFLEET_", extra="ignore", frozen=True,
+                                      env_nested_delimiter="__")
+
+    # Broker and fleet state.  None: use (or start) the embedded local server.
+    redis_url: str | None = None
+    # Where images, checkpoints and specs go: s3://bucket/prefix or a folder.
+    # None: the folder ./renderfleet-output.
+    store: str | None = None
+    # The model a worker loads at start-up and submit's default.
+    model: str = "tiny"
+    # Where the embedded server, the model cache and local state live.
+    home: Path = Field(default_factory=_default_home)
+    # Which pool this worker belongs to (baseline, spot, ...): its queue and its metrics label.
+    pool: str = "default"
+    # Poll cloud metadata for reclaim notices: auto = when the pool name contains "spot".
+    reclaim_watch: str = "auto"
+    aws_metadata_url: str = "http://169.254.169.254"
+    gcp_metadata_url: str = "http://metadata.google.internal"
+    # How often the watcher polls the metadata services, in seconds.
+    reclaim_poll_seconds: float = 1.0
+    # After SIGTERM, how long a batch in flight may take to finish (Kubernetes gives 30 s).
+    sigterm_grace_seconds: float = 25.0
+    # A shard whose lease is older than this is taken to be lost and re-queued.
+    lease_seconds: float = 6.0
+    # How often a running shard renews its lease (must be well under lease_seconds).
+    heartbeat_seconds: float = 1.5
+    # How often every worker (and the monitor) looks for expired leases.
+    reap_seconds: float = 1.0
+    # How often the monitor audits queued shards for a message lost between a queue and
+    # a claim (a worker gone after taking it); one lost is re-queued within two audits.
+    audit_seconds: float = 30.0
+    # A prompt that fails this many times is quarantined.
+    max_prompt_failures: int = 3
+    # A worker whose last this-many shards all failed stops taking work.
+    breaker_shards: int = 2
+    # One pipeline call per prompt instead of per batch: identical bytes across
+    # batch sizes, at a large cost in throughput (see worker/render.py).
+    batch_invariant: bool = False
+    # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``),
+    # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
+    # prefix and below).  None: any model.  A job naming another fails, not the worker.
+    allowed_models: str | None = None
+    # The largest total size of an s3:// model's files a worker will fetch, in bytes.
+    model_max_bytes: int = Field(default=20 * 10**9, gt=0)
+    # Device override for workers (cuda, cpu, mps); None: best available.
+    device: str | None = None
+    # S3 server-side encryption of every object written: AES256 (SSE-S3) or aws:kms (SSE-KMS).
+    s3_sse: str | None = None
+    # The KMS key for aws:kms (id, ARN or alias); None: the bucket's default key.
+    s3_kms_key_id: str | None = None
+    # Storage class of every object written (STANDARD, INTELLIGENT_TIERING, ...); None: the bucket's default.
+    s3_storage_class: str | None = None
+    # Bucket addressing: auto, path (MinIO and other S3-compatible stores) or virtual.
+    s3_addressing: str = "auto"
+    # Required on every request to the monitor's HTTP endpoint when it listens off loopback.
+    http_token: str | None = None
+    # The TOML file the pools (and any setting above) came from; None: no file.
+    config: Path | None = None
+    # Worker pools by name; empty: no scaling, a pool is just a queue.
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        scheme = urlparse(value).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"must start with redis://, rediss:// or unix://, got {redact(value)!r}")
+        if scheme == "rediss" and "ssl_cert_reqs" not in value:
+            # kombu refuses rediss:// without it; verifying the server is the safe default.
+            value += ("&" if "?" in value else "?") + "ssl_cert_reqs=required"
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if value.startswith("s3://") and not value[5:].split("/", 1)[0]:
+            raise ValueError(f"s3 URL needs a bucket: {value!r}")
+        return value
+
+    @field_validator("s3_sse")
+    @classmethod
+    def _check_sse(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        if value not in ("AES256", "aws:kms", "aws:kms:dsse"):
+            raise ValueError(f"must be AES256, aws:kms or aws:kms:dsse, got {value!r}")
+        return value
+
+    @field_validator("s3_addressing")
+    @classmethod
+    def _check_addressing(cls, value: str) -> str:
+        if value not in ("auto", "path", "virtual"):
+            raise ValueError(f"must be auto, path or virtual, got {value!r}")
+        return value
+
+    @field_validator("pool")
+    @classmethod
+    def _check_pool(cls, value: str) -> str:
+        if not _POOL_RE.match(value):
+            raise ValueError(f"pool names are lowercase letters, digits, - and _: {value!r}")
+        return value
+
+    @field_validator("pools")
+    @classmethod
+    def _check_pool_names(cls, value: dict[str, PoolConfig]) -> dict[str, PoolConfig]:
+        for name in value:
+            if not _POOL_RE.match(name):
+                raise ValueError(f"pool names are lowercase letters, digits, - and _: {name!r}")
+        return value
+
+    @field_validator("reclaim_watch")
+    @classmethod
+    def _check_watch(cls, value: str) -> str:
+        if value not in ("auto", "on", "off"):
+            raise ValueError(f"must be auto, on or off: {value!r}")
+        return value
+
+    @field_validator("lease_seconds", "heartbeat_seconds", "reap_seconds", "reclaim_poll_seconds", "audit_seconds")
+    @classmethod
+    def _check_positive(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be positive: {value}")
+        return value
+
+    @property
+    def store_url(self) -> str:
+        return self.store or str(Path("renderfleet-output").resolve())
+
+    @property
+    def s3_options(self) -> S3Options:
+        """How every S3 object is written (encryption, storage class, addressing)."""
+        from renderfleet.store import S3Options
+
+        return S3Options(sse=self.s3_sse, kms_key_id=self.s3_kms_key_id or None,
+                         storage_class=self.s3_storage_class or None, addressing=self.s3_addressing)
+
+    @property
+    def allowed_model_list(self) -> tuple[str, ...] | None:
+        """The allow-list of models, or None when any model may be loaded."""
+        if self.allowed_models is None or not self.allowed_models.strip():
+            return None
+        return tuple(entry.strip() for entry in self.allowed_models.split(",") if entry.strip())
+
+    @property
+    def watch_reclaim(self) -> bool:
+        if self.reclaim_watch == "auto":
+            return "spot" in self.pool
+        return self.reclaim_watch == "on"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The config file's tables; ConfigError naming the file when it cannot be used."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(Settings.model_fields) - {"config"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (known: pools, autoscale, "
+                          "and the settings of RENDERFLEET_* in lowercase)")
+    return data
+
+
+def _with_file(path: Path) -> type[Settings]:
+    """Settings read from ``path`` too, below flags and the environment."""
+
+    class FileSettings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=path))
+
+    return FileSettings
+
+
+def _from_file(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
+    node: Any = data
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build and validate the process's settings; flags win over the environment,
+    which wins over the config file (``config=`` or ``RENDERFLEET_CONFIG``).
+
+    A bad value raises :class:`ConfigError` naming the variable, e.g.
+    ``RENDERFLEET_REDIS_URL: must start with redis://...``, or the file, key
+    and value: ``fleet.toml: pools.spot.max = -1: ...``.
+    """
+    given = {k: v for k, v in overrides.items() if v is not None}
+    path = given.get("config") or os.environ.get("RENDERFLEET_CONFIG") or None
+    data: dict[str, Any] = {}
+    cls = Settings
+    if path:
+        path = Path(path)
+        given["config"] = path
+        data = _read_toml(path)
+        cls = _with_file(path)
+    try:
+        settings = cls(**given)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            if data and _from_file(data, loc[:1]) and loc[0] not in given:
+                key = ".".join(str(p) for p in loc)
+                value = f" = {err['input']!r}" if not isinstance(err["input"], dict) else ""
+                lines.append(f"{path}: {key}{value}: {msg}")
+            else:
+                name = str(loc[0]) if loc else "settings"
+                lines.append(f"RENDERFLEET_{name.upper()}: {msg}")
+        raise ConfigError("; ".join(lines)) from None
+    if settings.heartbeat_seconds * 2 > settings.lease_seconds:
+        raise ConfigError(
+            "RENDERFLEET_HEARTBEAT_SECONDS must be at most half of RENDERFLEET_LEASE_SECONDS "
+            f"({settings.heartbeat_seconds} vs {settings.lease_seconds})"
+        )
+    return settings

@@ -1,0 +1,420 @@
+"""The store: where images, checkpoints and job specs live; the source of truth.
+
+One small interface (:class:`Store`), two implementations: :class:`LocalStore`
+(a folder) and :class:`S3Store` (a bucket and prefix).  Keys always use ``/``
+and are relative to the store's root.  Every write is atomic: a reader sees
+the old object or the new one, never half of one.
+
+:func:`open_store` builds one from a URL: ``s3://bucket[/prefix]`` or a folder
+path.  Nothing touches the network or the disk until the first call.
+
+S3 calls are retried with tenacity (botocore's own retries are off so there is
+one retry policy, in one place); after the last attempt they raise
+:class:`~renderfleet.errors.StoreError`, a transient error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+
+import botocore.exceptions
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
+
+from renderfleet.errors import ConfigError, StoreError
+
+if TYPE_CHECKING:  # boto3 itself is imported on first use: it takes ~0.5 s
+    from boto3.s3.transfer import TransferConfig
+
+log = logging.getLogger("renderfleet.store")
+
+T = TypeVar("T")
+
+# Error codes S3 (and S3-alikes) use to say "slow down", whatever the status.
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "TooManyRequestsException", "RequestTimeout"})
+_bx = botocore.exceptions
+CONNECTION_ERRORS = (_bx.EndpointConnectionError, _bx.ConnectionClosedError, _bx.ReadTimeoutError,
+                     _bx.ConnectTimeoutError, _bx.ConnectionError)
+TEMP_MARK = ".rf-tmp-"  # LocalStore temp files: ".<name>.rf-tmp-<random>"
+
+
+class Store(Protocol):
+    """Where a job's objects live; every write is atomic."""
+
+    url: str
+
+    def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+        """Write ``data`` at ``key``, replacing any object there."""
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a (large) local file to ``key``."""
+
+    def get(self, key: str) -> bytes | None:
+        """The object at ``key``, or None if there is none."""
+
+    def exists(self, key: str) -> bool:
+        """Whether an object is at ``key``."""
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Every key starting with ``prefix`` (a plain string prefix), sorted."""
+
+    def folders(self, prefix: str) -> Iterator[str]:
+        """The names one level below ``prefix`` (a folder, ending in ``/``), sorted:
+        one delimited listing, not a walk of everything under it."""
+
+    def download(self, key: str, path: Path) -> None:
+        """Stream the object at ``key`` to a local file; StoreError if missing."""
+
+    def locate(self, key: str) -> str:
+        """Where a user finds ``key``: an ``s3://`` URL or an absolute path."""
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """What every object written to S3 carries, and how the bucket is addressed.
+
+    ``sse``: server-side encryption, ``AES256`` (SSE-S3) or ``aws:kms``
+    (SSE-KMS, with ``kms_key_id`` or the bucket's default key);
+    ``storage_class``: e.g. ``INTELLIGENT_TIERING``; ``addressing``: ``path``
+    for S3-compatible stores that need it (MinIO, some R2 setups), ``virtual``
+    or ``auto`` (botocore's choice).
+    """
+
+    sse: str | None = None
+    kms_key_id: str | None = None
+    storage_class: str | None = None
+    addressing: str = "auto"
+
+    def put_args(self) -> dict[str, str]:
+        """The extra PutObject / upload_file arguments these options mean."""
+        args: dict[str, str] = {}
+        if self.sse:
+            args["ServerSideEncryption"] = self.sse
+        if self.kms_key_id:
+            args["SSEKMSKeyId"] = self.kms_key_id
+        if self.storage_class:
+            args["StorageClass"] = self.storage_class
+        return args
+
+
+def open_store(url: str, s3: S3Options | None = None) -> Store:
+    """The store at ``url``: ``s3://bucket[/prefix]``, ``file://path`` or a folder path."""
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise ConfigError(f"store URL {url!r} names no bucket; expected s3://bucket[/prefix]")
+        return S3Store(bucket, prefix, options=s3 or S3Options())
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    elif "://" in url:
+        raise ConfigError(f"store URL {url!r}: only s3:// URLs and folder paths are supported")
+    if not url:
+        raise ConfigError("store URL is empty; give s3://bucket[/prefix] or a folder path")
+    return LocalStore(Path(url))
+
+
+def _check_key(key: str) -> str:
+    # A key must stay inside the store's root, on disk as in a bucket.
+    parts = key.split("/")
+    if not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"bad store key {key!r}: want non-empty 'a/b/c' segments, no '.' or '..'")
+    return key
+
+
+class LocalStore:
+    """A store in a local folder, created on the first write."""
+
+    def __init__(self, root: Path):
+        self.root = root.expanduser().absolute()
+        self.url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*_check_key(key).split("/"))
+
+    @staticmethod
+    def _write_atomically(dest: Path, source: bytes | Path) -> None:
+        # Temp file beside the target, fsync, then rename: os.replace is atomic on one
+        # filesystem, and the fsync keeps a crash from leaving an empty file under the name.
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}{TEMP_MARK}{secrets.token_hex(6)}"
+        # os.open with 0o666, not mkstemp: the file gets the umask's mode, not 0600.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(source, bytes):
+                    f.write(source)
+                else:
+                    with open(source, "rb") as src:
+                        shutil.copyfileobj(src, f, 1 << 20)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+        """Write ``data`` at ``key`` atomically; ``content_type`` is ignored on disk."""
+        self._write_atomically(self._path(key), data)
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Copy a local file to ``key`` atomically."""
+        self._write_atomically(self._path(key), Path(path))
+
+    def get(self, key: str) -> bytes | None:
+        """The bytes at ``key``, or None."""
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def exists(self, key: str) -> bool:
+        """Whether a file is at ``key``."""
+        return self._path(key).is_file()
+
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Sub-folders of the folder ``prefix`` names, sorted."""
+        start = self.root.joinpath(*_check_key(prefix.rstrip("/")).split("/")) if prefix.strip("/") else self.root
+        try:
+            names = sorted(entry.name for entry in os.scandir(start) if entry.is_dir())
+        except FileNotFoundError:
+            return iter(())
+        return iter(names)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys starting with ``prefix``, sorted; temp files of writes in flight are skipped."""
+        # Walk only the deepest folder the prefix names, not the whole store.
+        folder = prefix.rpartition("/")[0]
+        start = self.root.joinpath(*_check_key(folder).split("/")) if folder else self.root
+        keys = []
+        for dirpath, _, filenames in os.walk(start):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for name in filenames:
+                key = name if rel == "." else f"{rel}/{name}"
+                if TEMP_MARK not in name and key.startswith(prefix):
+                    keys.append(key)
+        yield from sorted(keys)
+
+    def download(self, key: str, path: Path) -> None:
+        """Copy ``key`` to a local file atomically; StoreError if missing."""
+        src = self._path(key)
+        if not src.is_file():
+            raise StoreError(f"download {src}: no such object")
+        self._write_atomically(Path(path), src)
+
+    def locate(self, key: str) -> str:
+        """The absolute path of ``key`` (not checked: a folder-like prefix is fine)."""
+        return str(self.root.joinpath(*[part for part in key.split("/") if part]))
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Throttling, a 5xx or a broken connection, possibly wrapped by boto3's transfer layer."""
+    from s3transfer.exceptions import RetriesExceededError  # cheap: boto3 is loaded by now
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        # RetriesExceededError: s3transfer gave up re-reading a download stream.
+        if isinstance(seen, (*CONNECTION_ERRORS, RetriesExceededError)):
+            return True
+        if isinstance(seen, botocore.exceptions.ClientError):
+            code = seen.response.get("Error", {}).get("Code", "")
+            status = seen.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return code in THROTTLE_CODES or int(status) >= 500
+        # boto3 wraps without ``from``: S3UploadFailedError leaves the ClientError only in
+        # __context__, RetriesExceededError in .last_exception.
+        seen = getattr(seen, "last_exception", None) or seen.__cause__ or seen.__context__
+    return False
+
+
+def _is_not_found(exc: botocore.exceptions.ClientError) -> bool:
+    code = exc.response.get("Error", {}).get("Code", "")
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+class S3Store:
+    """A store in an S3 bucket under a prefix.
+
+    The client is made on first use (endpoint from ``AWS_ENDPOINT_URL``, which
+    botocore reads itself; region from the environment or ``us-east-1``) and
+    shared by all threads.  ``max_attempts``/``max_delay`` bound the retries;
+    ``wait_multiplier``/``wait_max`` shape the jittered backoff (seconds).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        max_attempts: int = 6,
+        max_delay: float = 30.0,
+        wait_multiplier: float = 0.5,
+        wait_max: float = 8.0,
+        transfer_config: TransferConfig | None = None,
+        options: S3Options | None = None,
+    ):
+        self.bucket = bucket
+        self.options = options or S3Options()
+        self._put_args = self.options.put_args()
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.max_attempts = max_attempts
+        self.max_delay = max_delay
+        self.wait_multiplier = wait_multiplier
+        self.wait_max = wait_max
+        self.transfer_config = transfer_config  # None: boto3's defaults (multipart above 8 MB)
+        self._client_obj = client
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client, made once, on first use."""
+        if self._client_obj is None:
+            with self._lock:
+                if self._client_obj is None:
+                    import boto3
+                    from botocore.config import Config
+
+                    # A session of our own: boto3's default session is not thread-safe.
+                    session = boto3.session.Session()
+                    self._client_obj = session.client(
+                        "s3",
+                        region_name=session.region_name or "us-east-1",
+                        # One attempt per call: tenacity retries.  Not max_attempts=1, which
+                        # botocore counts as retries *after* the first try (two calls in all).
+                        config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
+                                      max_pool_connections=32,
+                                      s3={"addressing_style": self.options.addressing}),
+                    )
+        return self._client_obj
+
+    def _transfer(self) -> TransferConfig:
+        from boto3.s3.transfer import TransferConfig
+
+        return self.transfer_config or TransferConfig()
+
+    def _key(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, op: str, full: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with retries; StoreError naming ``op`` and the full key when it gives up."""
+        retrying = Retrying(
+            retry=retry_if_exception(_is_transient),
+            stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.max_delay),
+            wait=wait_random_exponential(multiplier=self.wait_multiplier, max=self.wait_max),
+            before_sleep=lambda state: log.warning(
+                "S3 %s s3://%s/%s: attempt %d failed (%s); retrying in %.2f s", op, self.bucket, full,
+                state.attempt_number, state.outcome.exception() if state.outcome else "?",
+                state.next_action.sleep if state.next_action else 0.0),
+            reraise=True,
+        )
+        from boto3.exceptions import Boto3Error
+        from s3transfer.exceptions import RetriesExceededError
+
+        try:
+            return retrying(fn)
+        # What boto3 raises on purpose; anything else is a bug and propagates as it is.
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, Boto3Error,
+                RetriesExceededError) as exc:
+            attempts = retrying.statistics.get("attempt_number", 1)
+            raise StoreError(
+                f"S3 {op} s3://{self.bucket}/{full} failed after {attempts} attempt(s): {exc}"
+            ) from exc
+
+    def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+        """Write ``data`` at ``key`` (one PutObject: atomic in S3)."""
+        full = self._key(key)
+        self._call("put", full, lambda: self.client.put_object(
+            Bucket=self.bucket, Key=full, Body=data, ContentType=content_type, **self._put_args))
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a file, multipart above the transfer threshold; visible only once complete."""
+        full = self._key(key)
+        self._call("put_file", full, lambda: self.client.upload_file(
+            str(path), self.bucket, full, ExtraArgs=self._put_args or None, Config=self._transfer()))
+
+    def get(self, key: str) -> bytes | None:
+        """The bytes at ``key``, or None on a 404."""
+        full = self._key(key)
+
+        def fetch() -> bytes | None:
+            try:
+                body = self.client.get_object(Bucket=self.bucket, Key=full)["Body"]
+            except botocore.exceptions.ClientError as exc:
+                if _is_not_found(exc):
+                    return None
+                raise
+            with body:
+                return cast(bytes, body.read())
+        return self._call("get", full, fetch)
+
+    def exists(self, key: str) -> bool:
+        """Whether an object is at ``key`` (a HEAD request)."""
+        full = self._key(key)
+
+        def head() -> bool:
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=full)
+            except botocore.exceptions.ClientError as exc:
+                if _is_not_found(exc):
+                    return False
+                raise
+            return True
+        return self._call("exists", full, head)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys starting with ``prefix``, sorted (S3's order), one retried page at a time."""
+        for key, _ in self.sized(prefix):
+            yield key
+
+    def sized(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) of every key starting with ``prefix``, as :meth:`list`."""
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+            if token:
+                args["ContinuationToken"] = token
+            page = self._call("list", full, partial(self.client.list_objects_v2, **args))
+            for item in page.get("Contents", []):
+                yield cast(str, item["Key"])[strip:], int(item.get("Size", 0))
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return
+
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Common prefixes one level below ``prefix`` (ListObjectsV2 with a ``/`` delimiter)."""
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full, "Delimiter": "/"}
+            if token:
+                args["ContinuationToken"] = token
+            page = self._call("list", full, partial(self.client.list_objects_v2, **args))
+            for item in page.get("CommonPrefixes", []):
+                yield cast(str, item["Prefix"])[len(full):].rstrip("/")
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return
+
+    def download(self, key: str, path: Path) -> None:
+        """Stream ``key`` to ``path``; s3transfer writes a temp file and renames it (atomic)."""
+        full = self._key(key)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._call("download", full, lambda: self.client.download_file(
+            self.bucket, full, str(path), Config=self._transfer()))
+
+    def locate(self, key: str) -> str:
+        """The ``s3://bucket/prefix/key`` URL of ``key`` (not checked: a folder-like prefix is fine)."""
+        return f"s3://{self.bucket}/{self.prefix}/{key}" if self.prefix else f"s3://{self.bucket}/{key}"

@@ -1,0 +1,11 @@
+"""Test support shipped beside the code, not inside tests: real servers and fleet helpers.
+
+Used by the tests (``tests/``) and the benchmarks (``bench/``) alike; neither
+imports the other.  Not installed with the package (``pyproject.toml``
+installs ``renderfleet``, ``worker`` and ``dispatcher`` only): run from the
+repository root, as ``make test`` and ``make bench`` do.
+
+- :mod:`testing.fleet`: a Redis server we can kill, worker processes, the CLI as a user runs it;
+- :mod:`testing.servers`: moto's S3 in server mode, a Redis with TLS and a password;
+- :mod:`testing.metadata`: a fake cloud metadata service (AWS IMDSv2, GCP) on loopback.
+"""

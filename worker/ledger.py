@@ -1,0 +1,125 @@
+"""A running shard's account in Redis, and the heartbeat that keeps its lease.
+
+:class:`RedisLedger` is the runner's :class:`~worker.runner.Ledger`
+for one attempt of one shard.  Counters that ``status`` (and later the
+metrics exporter and ``bench``) read cheaply are bumped here: per worker and
+per pool, images, batches, render milliseconds, wasted renders.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+
+from renderfleet import keys
+from renderfleet.errors import Reclaimed
+from renderfleet.leases import Lease, Leases
+from renderfleet.spec import Prompt
+from worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.ledger")
+
+
+class RedisLedger:
+    """Commits, failure counts and stats for one lease."""
+
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str):
+        self.leases = leases
+        self.lease = lease
+        self.stop = stop
+        self.pool = pool
+        self.client = leases.client
+
+    def check(self) -> None:
+        """Raise Reclaimed(fenced=True) if a newer attempt holds the shard.
+
+        Asks Redis, not only the flag the heartbeat sets: a worker that wakes
+        from a pause longer than its lease must learn it was fenced *before* its
+        next store write, not at its next heartbeat.
+        """
+        if not self.stop.fenced and not self.leases.current(self.lease):
+            self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded", fenced=True)
+        if self.stop.fenced:
+            raise Reclaimed(f"shard {self.lease.member} attempt {self.lease.attempt} fenced", fenced=True)
+
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
+        self.leases.commit(self.lease, done, failed, undone)
+
+    def record_failure(self, prompt: Prompt, error: str) -> int:
+        return self.leases.record_failure(self.lease, prompt.index, error)
+
+    def _bump(self, *, progress: int = 0, **fields: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool)):
+            for name, value in fields.items():
+                pipe.hincrby(key, name, value)
+        # The job's own account: GPU time and images by pool (its cost), work lost.
+        job = keys.job_stats(self.lease.job)
+        for name, value in fields.items():
+            pipe.hincrby(job, f"{name}.{self.pool}" if name in ("images", "render_ms") else name, value)
+        if progress:
+            pipe.lpush(keys.progress(self.lease.job), f"{time.time():.3f} {progress}")
+            pipe.ltrim(keys.progress(self.lease.job), 0, keys.PROGRESS_KEEP - 1)
+        pipe.execute()
+
+    def record_start(self, images: int) -> None:
+        self._bump(started_images=images, started_batches=1)
+
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
+        # mps_milli: the work those milliseconds bought, so the autoscaler can turn a
+        # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
+        self._bump(images=images, batches=1, render_ms=int(seconds * 1000), mps_milli=int(megapixel_steps * 1000),
+                   progress=images)
+
+    def record_waste(self, images: int) -> None:
+        self._bump(wasted_batches=1, wasted_images=images)
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews a lease every ``interval`` seconds until stopped.
+
+    A failed renewal because a newer attempt holds the shard sets the stop
+    signal's fence: the runner stops before writing anything more.  A Redis
+    outage is retried; but once no renewal has succeeded for a whole lease,
+    a reaper elsewhere may have handed the shard on, so this worker fences
+    itself rather than keep writing as a stale holder.
+    """
+
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float):
+        super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
+        self.leases = leases
+        self.lease = lease
+        self.signal = stop
+        self.interval = interval
+        self.lease_seconds = lease_seconds
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        renewed = time.monotonic()
+        while not self._done.wait(self.interval):
+            try:
+                ok = self.leases.heartbeat(self.lease)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() - renewed > self.lease_seconds and not self._done.is_set():
+                    log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member,
+                                self.lease_seconds)
+                    self.signal.request(f"fenced: {self.lease.member} lost its lease", fenced=True)
+                    return
+                log.warning("lease heartbeat failed, will retry: %s", exc)
+                continue
+            if self._done.is_set():
+                return  # closed while the call was in flight: the shard is over
+            if not ok:
+                log.warning("lease %s attempt %d taken over: stopping", self.lease.member, self.lease.attempt)
+                self.signal.request(f"fenced: {self.lease.member}", fenced=True)
+                return
+            renewed = time.monotonic()
+
+    def close(self) -> None:
+        self._done.set()
+        # Long enough for a heartbeat in flight to return (its socket timeout).
+        self.join(timeout=15)

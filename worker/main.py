@@ -1,0 +1,156 @@
+"""``renderfleet worker``: load the model once, then serve shards until told to stop.
+
+Start-up order matters for cost: the pipeline is loaded *before* the worker
+consumes, so no message waits on a model load, and it stays warm for every
+shard this process takes (one load per process, counted in Redis).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from renderfleet import celery_app
+from renderfleet.embedded import broker_url
+from renderfleet.errors import ConfigError
+from renderfleet.reaper import ReaperThread
+from renderfleet.settings import Settings
+from renderfleet.store import open_store
+from worker import tasks
+from worker.models import model_allowed
+from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+from worker.render import is_device_error
+from worker.service import WorkerService, new_worker_id
+from worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.worker")
+
+# Exit statuses of a worker that stopped itself, so that whatever runs it can tell why.
+EXIT_BREAKER = 3  # its last shards all failed here: a node to look at
+EXIT_DEVICE = 4  # its accelerator failed (a CUDA error, not out of memory): replace the node
+# While Redis cannot be reached at start-up: one attempt a second, one log line this often.
+WAIT_LOG_SECONDS = 5.0
+
+
+def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
+    """(renderer, loaded model) for ``model``, on the best device."""
+    from worker.models import fetch_s3_model, load_pipeline
+    from worker.render import Renderer
+
+    def fetch(uri: str, dest: Path) -> None:
+        fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
+
+    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch)
+    return Renderer(loaded, batch_invariant=settings.batch_invariant), loaded
+
+
+def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,
+               loglevel: str = "INFO") -> int:
+    """Run a worker in this process until shutdown; returns the exit status."""
+    url = broker_url(settings.redis_url, settings.home)
+    model = model or settings.model
+    worker_id = new_worker_id(settings.pool)
+    if not model_allowed(model, settings.allowed_model_list):
+        raise ConfigError(f"RENDERFLEET_MODEL: {model!r} is not in RENDERFLEET_ALLOWED_MODELS")
+    log.info("worker %s: pool %s, loading model %s", worker_id, settings.pool, model)
+    try:
+        renderer, loaded = load_renderer(model, settings)
+    except Exception as exc:
+        if is_device_error(exc):
+            log.error("the device failed while loading model %s: %s", model, exc)
+            return EXIT_DEVICE
+        raise
+    log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
+
+    app = celery_app.make_app(url)
+    client = redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10)
+    stop = StopSignal()
+
+    publish = celery_app.publisher(app)
+
+    service = WorkerService(
+        settings=settings, client=client, store=open_store(settings.store_url, settings.s3_options), renderer=renderer,
+        model=model, stop=stop, publish=publish, worker_id=worker_id,
+        load_model=lambda m: load_renderer(m, settings)[0],
+        envelope=celery_app.envelope_factory(app),
+    )
+    _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
+    tasks.register(app, service)
+    tasks.install_queue_guard()
+    tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
+
+    def on_tick() -> None:
+        service.touch()
+        if service.tripped:
+            tasks.request_warm_shutdown()
+
+    reaper = ReaperThread(service.leases, publish, settings.reap_seconds, on_tick=on_tick)
+    reaper.start()
+    watcher = None
+    if settings.watch_reclaim:
+        watcher = ReclaimWatcher(
+            stop, [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
+            settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown)
+        watcher.start()
+
+    queue_names = [celery_app.queue_name(q) for q in (queues or _default_queues(settings.pool))]
+    worker = app.Worker(
+        hostname=f"{worker_id}@{socket.gethostname()}",
+        queues=queue_names,
+        pool_cls="solo",
+        concurrency=1,
+        loglevel=loglevel,
+        without_heartbeat=True,
+        without_mingle=True,
+        without_gossip=True,
+        optimization="fair",
+        # Our handler writes to stderr; redirected, every line would be logged twice.
+        redirect_stdouts=False,
+    )
+    try:
+        worker.start()
+    finally:
+        reaper.close()
+        if watcher:
+            watcher.close()
+        service.close()
+    if service.device_failed:
+        return EXIT_DEVICE
+    if service.tripped:
+        return EXIT_BREAKER
+    return int(worker.exitcode or 0)
+
+
+def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> None:
+    """Register with Redis, waiting for it as long as it takes.
+
+    A worker started before Redis (a node booting faster than the Redis pod,
+    a Redis restarting) waits with its model loaded instead of exiting into a
+    crash loop that loads the model again on every restart.  SIGTERM ends
+    the wait (Python's default handler: nothing is held yet).
+    """
+    from kombu.utils.url import maybe_sanitize_url
+
+    said = 0.0
+    while True:
+        try:
+            service.register(**info)
+            if said:
+                log.warning("Redis at %s is reachable: starting", maybe_sanitize_url(url))
+            return
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            now = time.monotonic()
+            if now - said >= WAIT_LOG_SECONDS:
+                log.warning("Redis at %s is not reachable (%s): waiting for it", maybe_sanitize_url(url), exc)
+                said = now
+            time.sleep(1.0)
+
+
+def _default_queues(pool: str) -> list[str]:
+    """A pool serves its own queue and the shared default one."""
+    return [pool] if pool == "default" else [pool, "default"]

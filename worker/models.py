@@ -1,0 +1,435 @@
+"""Loading a text-to-image pipeline onto this node's accelerator.
+
+One public way in, :func:`load_pipeline`, for four kinds of model name:
+
+* ``tiny``: a built-in Stable Diffusion pipeline with random weights, built
+  from config with a fixed seed (:func:`build_tiny_pipeline`).  A smoke-test
+  model: bit-identical everywhere, renders noise, needs no download.
+* a local folder holding a saved pipeline (``save_pretrained`` layout).
+* ``s3://bucket/prefix``: a saved pipeline in object storage, fetched once into
+  ``cache_dir`` (:func:`fetch_s3_model`: every key checked, the total size
+  capped, before anything is written), then loaded as a folder.
+* anything else: a Hugging Face hub id.
+
+Nothing here runs at import; torch and diffusers are imported by the functions
+that need them, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+from renderfleet.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+TINY = "tiny"
+TINY_WARNING = "model 'tiny' is a random-weight smoke-test model; images are noise"
+
+# The tiny model's tokenizer: 2 special tokens, then every byte-level
+# character alone and with CLIP's end-of-word suffix (2 + 2 * 256 = 514 ids),
+# which fits the text encoder's vocab_size below.
+_TINY_VOCAB_SIZE = 1000
+_BOS = "<|startoftext|>"
+_EOS = "<|endoftext|>"
+_MAX_TOKENS = 77
+
+Fetch = Callable[[str, Path], None]
+
+
+@dataclass
+class LoadedModel:
+    """A pipeline on its device, and what the caller needs to know about it."""
+
+    pipe: Any
+    model: str
+    device: str
+    dtype: torch.dtype
+    load_seconds: float
+    is_smoke_test: bool
+
+
+def default_device() -> str:
+    """The best accelerator here: cuda, then mps, then cpu."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def dtype_for(device: str) -> torch.dtype:
+    """Half precision on CUDA (the speed and memory we pay GPUs for), else float32.
+
+    MPS stays float32 too: fp16 there is still prone to NaNs in SD's VAE.
+    """
+    import torch
+
+    return torch.float16 if device.startswith("cuda") else torch.float32
+
+
+def load_pipeline(
+    model: str,
+    *,
+    device: str | None = None,
+    cache_dir: Path,
+    fetch: Fetch | None = None,
+) -> LoadedModel:
+    """Load ``model`` onto ``device`` (default: :func:`default_device`).
+
+    Raises :class:`ModelLoadError` when the model cannot be found: an unknown
+    hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
+    Each call loads afresh; the caller keeps the result and counts loads.
+    """
+    started = time.perf_counter()
+    device = device or default_device()
+    dtype = dtype_for(device)
+
+    # 1. Build or read the pipeline, on the CPU.
+    is_smoke_test = model == TINY
+    if is_smoke_test:
+        pipe = build_tiny_pipeline()
+        pipe = pipe.to(dtype=dtype)
+    elif model.startswith("s3://"):
+        folder = fetch_cached(model, cache_dir=cache_dir, fetch=fetch)
+        pipe = _from_pretrained(str(folder), model, dtype)
+    elif Path(model).is_dir():
+        pipe = _from_pretrained(model, model, dtype)
+    else:
+        pipe = _from_hub(model, dtype)
+
+    # 2. Prepare it for serving: quiet, SDPA attention, on the device.
+    pipe.set_progress_bar_config(disable=True)
+    if device.startswith("cuda"):
+        _use_sdpa(pipe)
+    pipe = pipe.to(device)
+
+    return LoadedModel(
+        pipe=pipe,
+        model=model,
+        device=device,
+        dtype=dtype,
+        load_seconds=time.perf_counter() - started,
+        is_smoke_test=is_smoke_test,
+    )
+
+
+def save_pipeline(loaded_or_pipe: LoadedModel | Any, dest: Path) -> Path:
+    """Save a pipeline (or a :class:`LoadedModel`'s) to ``dest`` as safetensors."""
+    pipe = loaded_or_pipe.pipe if isinstance(loaded_or_pipe, LoadedModel) else loaded_or_pipe
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(dest, safe_serialization=True)
+    return dest
+
+
+def cache_path(uri: str, cache_dir: Path) -> Path:
+    """Where ``uri``'s pipeline lives once fetched: one folder per URI."""
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:32]
+    return Path(cache_dir) / digest
+
+
+def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
+    """The local folder holding ``uri``'s files, fetching them on first use.
+
+    Files go to a temporary sibling folder first and are renamed into place
+    only when ``fetch`` returns, so a fetch cut short (a reclaimed node, a
+    crash) leaves no folder that a later load would trust.
+    """
+    dest = cache_path(uri, cache_dir)
+    if dest.is_dir():
+        return dest
+    if fetch is None:
+        raise ModelLoadError(f"model {uri!r}: an s3:// model needs a fetch function")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.partial"
+    partial.mkdir()
+    try:
+        fetch(uri, partial)
+        if not any(partial.iterdir()):
+            raise ModelLoadError(f"model {uri!r}: nothing found under that prefix")
+        try:
+            os.rename(partial, dest)
+        except OSError:
+            # Another process on this node won the race; its copy is complete.
+            if not dest.is_dir():
+                raise
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+    return dest
+
+
+# ---- which models, and fetching one from S3 ----------------------------------------
+
+
+def model_allowed(model: str, allowed: Sequence[str] | None) -> bool:
+    """Whether ``model`` is on the allow-list (None: no list, any model).
+
+    An entry is a model id (equal), a folder (the folder and anything below
+    it, compared resolved, so ``..`` and links cannot leave it) or an
+    ``s3://bucket/prefix`` (that prefix as a whole path segment and below).
+    """
+    if allowed is None:
+        return True
+    for entry in allowed:
+        if model == entry:
+            return True
+        if entry.startswith("s3://"):
+            base = entry.rstrip("/")
+            if model.startswith(base + "/") and ".." not in model[len(base):].split("/"):
+                return True
+        elif model != TINY and "://" not in model and (entry.startswith(("/", ".", "~")) or Path(entry).is_dir()):
+            try:
+                if Path(model).expanduser().resolve().is_relative_to(Path(entry).expanduser().resolve()):
+                    return True
+            except (OSError, RuntimeError):
+                continue
+    return False
+
+
+def split_s3_model(uri: str) -> tuple[str, str]:
+    """(bucket, prefix) of an ``s3://`` model; ModelLoadError for a bucket with no prefix."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not prefix:
+        raise ModelLoadError(f"model {uri!r}: an s3:// model is a prefix in a bucket (s3://bucket/prefix), "
+                             "never a whole bucket")
+    return bucket, prefix
+
+
+def check_model_keys(uri: str, entries: Iterable[tuple[str, int]], dest: Path, max_bytes: int) -> list[tuple[str, Path]]:
+    """(key, local path) of each file of an ``s3://`` model, every one checked first.
+
+    ``entries`` are (key relative to the model's prefix, size).  A key that is
+    empty, absolute, holds ``.``/``..`` segments, a backslash or a control
+    character, or would land outside ``dest``, refuses the whole model, as
+    does a total above ``max_bytes``: nothing is written before all pass.
+    Folder markers (a zero-byte key ending in ``/``) are skipped.
+    """
+    root = Path(dest).resolve()
+    files: list[tuple[str, Path]] = []
+    total = 0
+    for key, size in entries:
+        if key.endswith("/") and size == 0:
+            continue  # a console-made "folder"
+        parts = key.split("/")
+        if (not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts)
+                or any(ord(c) < 32 or ord(c) == 127 for c in key)):
+            raise ModelLoadError(f"model {uri!r}: refusing key {key[:200]!r}: not a plain relative path")
+        target = root.joinpath(*parts)
+        if not target.resolve().is_relative_to(root):
+            raise ModelLoadError(f"model {uri!r}: refusing key {key[:200]!r}: it would land outside the model cache")
+        total += size
+        if total > max_bytes:
+            raise ModelLoadError(f"model {uri!r}: more than {max_bytes} bytes (RENDERFLEET_MODEL_MAX_BYTES); "
+                                 "not fetched")
+        files.append((key, target))
+    return files
+
+
+def fetch_s3_model(uri: str, dest: Path, *, max_bytes: int, s3: Any = None) -> None:
+    """Download the saved pipeline at ``s3://bucket/prefix`` into ``dest``, the
+    keys checked first (:func:`check_model_keys`); ``s3``: the store's S3Options."""
+    from renderfleet.store import S3Store
+
+    bucket, prefix = split_s3_model(uri)
+    store = S3Store(bucket, prefix, options=s3)
+    for key, target in check_model_keys(uri, store.sized(""), dest, max_bytes):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        store.download(key, target)
+
+
+def build_tiny_pipeline() -> Any:
+    """The built-in ``tiny`` model: a random-weight Stable Diffusion pipeline.
+
+    A smoke-test model, not a real one: its images are noise.  Its weights
+    come from ``torch.manual_seed(0)`` before each component, on the CPU, so
+    every machine builds the same bits (diffusers' own test models are made
+    the same way).  The configs follow diffusers' SD pipeline tests; the
+    tokenizer is a byte-level CLIP BPE with no merges, written to a temporary
+    folder because nothing may be downloaded.  The global RNG is left as it
+    was found.
+    """
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    log.warning(TINY_WARNING)
+    tokenizer = _tiny_tokenizer()
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = UNet2DConditionModel(
+            block_out_channels=(32, 64),
+            layers_per_block=2,
+            sample_size=32,
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32,
+        )
+        # SD 1.x's scheduler settings; DDIM with eta=0 draws no noise while
+        # stepping, so the image depends on the starting latents alone.
+        scheduler = DDIMScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
+        )
+        torch.manual_seed(0)
+        vae = AutoencoderKL(
+            block_out_channels=[32, 64],
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+            up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
+            latent_channels=4,
+        )
+        torch.manual_seed(0)
+        text_config = CLIPTextConfig(
+            # The special ids are the tokenizer's, so the encoder pools at
+            # the right place and pads with the token the tokenizer pads with.
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            hidden_size=32,
+            intermediate_size=37,
+            layer_norm_eps=1e-05,
+            num_attention_heads=4,
+            num_hidden_layers=5,
+            vocab_size=_TINY_VOCAB_SIZE,
+            max_position_embeddings=_MAX_TOKENS,
+        )
+        text_encoder = CLIPTextModel(text_config)
+
+    pipe: Any = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# ---- helpers ----------------------------------------------------------------
+
+
+def _tiny_tokenizer() -> Any:
+    """A CLIP tokenizer from files written here: every byte, no merges."""
+    from transformers import CLIPTokenizer
+
+    chars = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {_BOS: 0, _EOS: 1}
+    for token in chars + [c + "</w>" for c in chars]:
+        vocab[token] = len(vocab)
+    assert len(vocab) <= _TINY_VOCAB_SIZE
+
+    with tempfile.TemporaryDirectory(prefix="renderfleet-tiny-tok-") as tmp:
+        folder = Path(tmp)
+        (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+        (folder / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+        tokenizer = CLIPTokenizer.from_pretrained(folder, model_max_length=_MAX_TOKENS)
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's map from bytes to printable characters (their BPE alphabet)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in codes), strict=True))
+
+
+def _from_pretrained(folder: str, model: str, dtype: torch.dtype) -> Any:
+    from diffusers import AutoPipelineForText2Image
+
+    try:
+        # safetensors only, as from the hub: a folder or bucket may hold pickled
+        # weights too, and loading those can run code.
+        return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype), use_safetensors=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"model {model!r}: not a loadable pipeline: {exc}") from exc
+
+
+def _from_hub(model_id: str, dtype: torch.dtype) -> Any:
+    from diffusers import AutoPipelineForText2Image
+
+    try:
+        # safetensors only: a hub id is someone else's files, and pickled
+        # weights can run code when loaded.
+        return AutoPipelineForText2Image.from_pretrained(model_id, **_dtype_kwarg(dtype), use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        # OSError covers "not found", "offline" and "cannot connect" alike;
+        # none of them gets better by retrying this shard.
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ModelLoadError(
+            f"model {model_id!r} is not a built-in model, a local folder or an s3:// URI, "
+            f"and could not be loaded from the Hugging Face hub: {reason}"
+        ) from None
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
+    """``from_pretrained``'s dtype argument: ``dtype`` where diffusers has
+    renamed it (``torch_dtype`` warns there), ``torch_dtype`` before that."""
+    try:
+        from diffusers.utils.deprecation_utils import _TORCH_DTYPE_DEPRECATION_MESSAGE  # noqa: F401
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype}
+
+
+def _use_sdpa(pipe: Any) -> None:
+    """Make sure a UNet's attention uses torch's fused scaled_dot_product_attention.
+
+    diffusers picks it by default on torch 2, but a pipeline can come back
+    with the plain (slower, hungrier) processor.  Only the stock processors are
+    swapped: custom ones (IP-Adapter, LoRA variants) and transformer models'
+    own processors are theirs to keep.
+    """
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    unet: Any = getattr(pipe, "unet", None)
+    processors = getattr(unet, "attn_processors", None)
+    if not processors:
+        return
+    stock = all(type(p) in (AttnProcessor, AttnProcessor2_0) for p in processors.values())
+    if stock and not all(type(p) is AttnProcessor2_0 for p in processors.values()):
+        unet.set_attn_processor(AttnProcessor2_0())

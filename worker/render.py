@@ -1,0 +1,258 @@
+"""Rendering one batch of prompts into PNG bytes.
+
+:class:`Renderer` wraps a loaded pipeline and knows nothing of queues or
+stores: prompts in, one PNG per prompt out, in order.  It is the part of the
+path that turns a batch into images (shard -> batch -> **render** -> store).
+
+Every image depends on its prompt's fields and seed alone: each prompt gets
+its own CPU generator, so its starting latents are the same on every device
+and at every position in a batch, and the PNG encoding carries no clock.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from renderfleet import __version__, testhooks
+from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
+from renderfleet.spec import Prompt
+from worker.models import LoadedModel
+
+# zlib at a fixed level: the same pixels always give the same bytes, whatever
+# Pillow's default is next year.
+PNG_COMPRESS_LEVEL = 6
+
+
+class Renderer:
+    """Renders batches of prompts that share a render key.
+
+    By default one pipeline call renders the whole batch: batch size is the
+    biggest lever on cost per image.  Batching is not bit-exact across batch
+    *compositions*: GEMM and convolution kernels block their work by batch
+    size, so the same row comes out a few ULPs apart in a batch of 1, 2 or 4,
+    and after rounding to 8 bits some pixels differ.  The shard runner makes
+    that harmless by fixing each batch's members by position in the shard
+    (``ShardMessage.batches``), so a redelivered batch has the same
+    composition and re-renders the same bytes.  ``batch_invariant=True``
+    renders each prompt with its own call instead, so an image's bytes depend
+    on its prompt alone (half the throughput on CPU, more lost on a GPU): for
+    users who need identical images across batch sizes or after OOM halving.
+
+    After each call, ``last_batch_seconds`` is its wall time and
+    ``last_step_seconds`` the time of one denoising step of the whole batch
+    (text encoding included, so slightly high: the safe side when the caller
+    asks whether ``steps * last_step_seconds`` fits in a reclaim window).
+    """
+
+    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False) -> None:
+        self.loaded = loaded
+        self.batch_invariant = batch_invariant
+        self.last_batch_seconds = 0.0
+        self.last_step_seconds = 0.0
+        self.last_steps_run = 0  # denoising steps run, summed over calls
+
+    def render(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[bytes]:
+        """One PNG per prompt, in order.
+
+        ``should_stop`` is asked before starting and after every denoising
+        step; once it says yes, the remaining steps are skipped and
+        :class:`Reclaimed` is raised instead of returning images.  A stop that
+        comes after the batch's last step lets the batch finish: it is complete.
+
+        Raises ``ValueError`` for prompts that cannot share a call,
+        :class:`OutOfMemory` when the accelerator runs out of memory (halve
+        the batch and retry), :class:`DeviceError` when the accelerator itself
+        failed (:func:`is_device_error`), :class:`JobError` when the pipeline refuses the
+        settings, :class:`PromptError` when a prompt's image cannot be encoded,
+        :class:`PermanentError` for any other failure.
+        """
+        # 1. Check the inputs.
+        check_inputs(prompts)
+
+        # 2. Stop before starting if asked to.
+        if should_stop():
+            raise Reclaimed("stopped before the batch started")
+
+        # 3. Denoise and decode: per prompt, or the batch in one call.
+        groups = [[p] for p in prompts] if self.batch_invariant else [list(prompts)]
+        started = time.perf_counter()
+        step_times: list[float] = []
+        images: list[Any] = []
+        try:
+            for n, group in enumerate(groups):
+                if n > 0 and should_stop():
+                    raise Reclaimed("stopped mid-batch")
+                images.extend(self._call(group, should_stop, step_times))
+        finally:
+            self._measure(started, step_times, steps_per_batch_step=len(groups))
+
+        # 4. Encode, each image with what made it.
+        if len(images) != len(prompts):
+            raise PermanentError(f"pipeline returned {len(images)} images for {len(prompts)} prompts")
+        model = self.loaded.model
+        pngs = []
+        for image, p in zip(images, prompts, strict=True):
+            try:
+                pngs.append(encode_png(image, p, model))
+            except Exception as exc:  # text PNG cannot carry: the prompt's fault
+                raise PromptError(f"cannot encode the image of {p.name!r}: {type(exc).__name__}: {exc}") from exc
+        return pngs
+
+    def _call(
+        self,
+        prompts: list[Prompt],
+        should_stop: Callable[[], bool],
+        step_times: list[float],
+    ) -> list[Any]:
+        """One pipeline call: PIL images, or :class:`Reclaimed` if stopped."""
+        import torch
+
+        steps, guidance, width, height = prompts[0].render_key
+        interrupted = False
+
+        def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            nonlocal interrupted
+            step_times.append(time.perf_counter())
+            if step < steps - 1 and should_stop():
+                # diffusers' own interrupt: the loop skips its remaining steps.
+                pipeline._interrupt = True
+                interrupted = True
+            return callback_kwargs
+
+        try:
+            if fault := testhooks.injected_fault("render"):
+                raise testhooks.make_fault(fault)
+            with torch.inference_mode():
+                output = self.loaded.pipe(
+                    prompt=[p.prompt for p in prompts],
+                    negative_prompt=[p.negative_prompt for p in prompts],
+                    num_inference_steps=steps,
+                    guidance_scale=guidance,
+                    width=width,
+                    height=height,
+                    # CPU generators: the same starting latents on every device.
+                    generator=[torch.Generator("cpu").manual_seed(p.seed) for p in prompts],
+                    output_type="pil",
+                    callback_on_step_end=on_step_end,
+                )
+        except Exception as exc:
+            if _is_out_of_memory(exc):
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}") from exc
+            if is_device_error(exc):
+                # The node's accelerator, not these prompts: never counted against them.
+                raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, ValueError):
+                # diffusers' check_inputs: the model refuses the job's settings
+                # (a size or step count it cannot do), on any worker alike.
+                raise JobError(f"the model rejects these settings: {exc}") from exc
+            raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
+
+        # The decoded images of an interrupted call are half-denoised: drop them.
+        if interrupted:
+            raise Reclaimed("stopped mid-batch")
+        return list(output.images)
+
+    def _measure(self, started: float, step_times: list[float], steps_per_batch_step: int) -> None:
+        self.last_batch_seconds = time.perf_counter() - started
+        self.last_steps_run = len(step_times)
+        if step_times:
+            batch_steps = len(step_times) / steps_per_batch_step
+            self.last_step_seconds = (step_times[-1] - started) / batch_steps
+
+
+def check_inputs(prompts: Sequence[Prompt]) -> None:
+    """Raise ``ValueError`` naming the bad value if ``prompts`` cannot share a call."""
+    if not prompts:
+        raise ValueError("`prompts` must hold at least one prompt, but it is empty")
+    key = prompts[0].render_key
+    for p in prompts[1:]:
+        if p.render_key != key:
+            raise ValueError(
+                f"all prompts in a batch must share (steps, guidance, width, height); "
+                f"prompt {p.name!r} has {p.render_key} but prompt {prompts[0].name!r} has {key}"
+            )
+    steps, _guidance, width, height = key
+    if steps < 1:
+        raise ValueError(f"`steps` has to be a positive integer but is {steps}")
+    if width % 8 != 0 or height % 8 != 0 or width <= 0 or height <= 0:
+        raise ValueError(f"`width` and `height` have to be positive multiples of 8 but are {width} and {height}")
+
+
+def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:
+    """A PIL image as PNG bytes, with the prompt's settings as text chunks.
+
+    Deterministic: no time chunk, fixed compression, fixed chunk order.
+    """
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in png_metadata(prompt, model).items():
+        # add_text switches to an iTXt (UTF-8) chunk for non-Latin-1 text.
+        info.add_text(key, value)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL, optimize=False)
+    return buf.getvalue()
+
+
+def png_metadata(prompt: Prompt, model: str) -> dict[str, str]:
+    """The text chunks written into every PNG, in a fixed order."""
+    return {
+        "prompt": prompt.prompt,
+        "negative_prompt": prompt.negative_prompt,
+        "seed": str(prompt.seed),
+        "steps": str(prompt.steps),
+        "guidance": repr(float(prompt.guidance)),
+        "width": str(prompt.width),
+        "height": str(prompt.height),
+        "model": model,
+        "renderfleet": __version__,
+    }
+
+
+# What torch and the CUDA libraries say when the device itself failed.  Matched
+# only in a RuntimeError (torch's type for them) or torch.AcceleratorError:
+# a ValueError that quotes one of these is about an input, not the device.
+_DEVICE_ERROR_TEXTS = ("cuda error", "cuda driver error", "cublas_status_", "cudnn_status_", "cudnn error",
+                       "device-side assert", "illegal memory access", "unspecified launch failure",
+                       "nccl error", "hip error", "device lost", "ecc error")
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the accelerator failed (not out of memory, not an input).
+
+    torch raises ``torch.AcceleratorError`` (a RuntimeError) for a failed CUDA
+    call in recent releases, a plain RuntimeError with a "CUDA error: ..."
+    text before that; cuBLAS and cuDNN failures are RuntimeErrors naming their
+    status.  Out of memory is its own case (:class:`OutOfMemory`: halve the
+    batch), and any other type (ValueError above all) is never taken for one.
+    """
+    import torch
+
+    if _is_out_of_memory(exc):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    if type(exc) is not RuntimeError:
+        return False
+    text = str(exc).lower()
+    return any(t in text for t in _DEVICE_ERROR_TEXTS)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()

@@ -1,0 +1,376 @@
+"""The shard runner: a shard's batches rendered, stored and checkpointed.
+
+Knows nothing of Celery (docs/design.md, rule 1): it takes a :class:`ShardMessage`, a store,
+a renderer and a ledger, and is tested with plain objects.  Every batch is
+safe to run twice (docs/design.md, rule 2):
+
+1. read the shard's checkpoints (every attempt's) and one listing of the
+   images they name: the store decides, so a prompt is skipped only if a
+   checkpoint names it *and* its image is listed (an image deleted since is
+   rendered again, and its count taken back);
+2. before each batch, stop if a reclaim notice leaves no time for it;
+3. render the batch (OOM halves it; a failing batch is split to find the
+   prompt at fault);
+4. write the images, then the batch's checkpoint, then count them in Redis:
+   nothing is counted done unless its image is in the store.
+
+Positions of batches are fixed by the message (``ShardMessage.batches``), so
+batch *k* means the same prompts on every delivery.  Images are
+deterministic, so a stale write is byte-identical; every other write is
+fenced by the attempt: failure counts and counts inside their Redis script,
+quarantine records after a fenced failure count, checkpoints after a fence
+check in Redis and under a key of their own attempt (a stale one can never
+overwrite a newer attempt's; they are read as a union, checked against the
+store).  A prompt is never both done and quarantined: an image wins.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from renderfleet import spec, testhooks
+from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
+from renderfleet.spec import Prompt, ShardMessage
+from renderfleet.store import Store
+from worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.runner")
+
+# A write failing with these is the node's disk, not the prompt's name.
+_NODE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+class Renderer(Protocol):
+    last_batch_seconds: float | None
+
+    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = ...) -> list[bytes]: ...
+
+
+class Ledger(Protocol):
+    """The shard's account in Redis: fenced by attempt, idempotent counts."""
+
+    def check(self) -> None:
+        """Raise Reclaimed(fenced=True) if a newer attempt took the shard."""
+
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
+        """Count prompts done/quarantined; ``undone`` ones lost their image (fenced, idempotent)."""
+
+    def record_failure(self, prompt: Prompt, error: str) -> int:
+        """Count one more failure of this prompt; returns the total so far."""
+
+    def record_start(self, images: int) -> None:
+        """A batch is about to render (started minus rendered = work lost to kills)."""
+
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
+        """A batch rendered: ``megapixel_steps`` (pixels x steps / 1e6, summed) sizes its work."""
+
+    def record_waste(self, images: int) -> None:
+        """Renders thrown away (abandoned or fenced batches)."""
+
+
+@dataclass
+class ShardResult:
+    """What one delivery of a shard achieved."""
+
+    rendered: int = 0
+    attempted: int = 0  # prompts this delivery tried to render
+    skipped: int = 0
+    quarantined: int = 0
+    failed: list[int] = field(default_factory=list)  # failed but not yet quarantined
+    excused: int = 0  # failures that were the work's fault (JobError, PromptError)
+    batches: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
+
+    @property
+    def all_failed(self) -> bool:
+        """Everything tried failed, and it was more than one prompt: a sign of a
+        broken worker, not of one bad prompt retried at the end of a job.
+        Failures that were the work's fault (a job whose model will not load,
+        a prompt whose name the store refuses) say nothing about the worker."""
+        return bool(self.failed) and self.rendered == 0 and self.attempted - self.excused > 1
+
+
+@dataclass
+class _Checkpoint:
+    done: set[str] = field(default_factory=set)
+    quarantined: set[str] = field(default_factory=set)
+
+
+class ShardRunner:
+    """Renders shards; one per worker process, reused across shards."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        renderer: Renderer,
+        stop: StopSignal,
+        max_failures: int = 3,
+        upload_threads: int = 8,
+        worker_id: str = "",
+    ):
+        self.store = store
+        self.renderer = renderer
+        self.stop = stop
+        self.max_failures = max_failures
+        self.worker_id = worker_id
+        self._uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="rf-upload")
+        # OOM halving sticks per (width, height): the next batch starts at the size that fit.
+        self._fit: dict[tuple[int, int], int] = {}
+        self._batch_seconds: float | None = None
+
+    # ---- the shard ---------------------------------------------------------------
+
+    def run(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0) -> ShardResult:
+        """Render every prompt of the shard not yet in the store."""
+        result = ShardResult()
+        checkpoints = self._read_checkpoints(msg)
+        stored = self._stored_images(msg, checkpoints)
+        # What earlier deliveries checkpointed is counted again: a worker killed
+        # between its checkpoint and its count left those prompts stored but
+        # uncounted; and what they checkpointed but the store lost is uncounted.
+        # Counting is idempotent: one Redis call per delivery.
+        stored_done: list[int] = []
+        stored_failed: list[int] = []
+        undone: list[int] = []
+        todo: list[tuple[int, list[Prompt], _Checkpoint]] = []
+        for number, batch in msg.batches():
+            cp = checkpoints.get(number, _Checkpoint())
+            named = cp.done | cp.quarantined
+            verified = _Checkpoint({n for n in named if n in stored}, cp.quarantined - stored - cp.done)
+            for p in batch:
+                if p.name in verified.done:
+                    stored_done.append(p.index)
+                elif p.name in verified.quarantined:
+                    stored_failed.append(p.index)
+                elif p.name in cp.done:
+                    undone.append(p.index)
+            pending = [p for p in batch if p.name not in verified.done and p.name not in verified.quarantined]
+            result.skipped += len(batch) - len(pending)
+            if pending:
+                todo.append((number, pending, verified))
+        if stored_done or stored_failed or undone:
+            ledger.commit(stored_done, stored_failed, undone)
+        for number, pending, cp in todo:
+            if self.stop.requested:
+                # A notice means no new work: hand the rest of the shard back now.
+                raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
+            self._run_batch(msg, number, pending, cp, ledger, result, attempt)
+        return result
+
+    def _run_batch(
+        self,
+        msg: ShardMessage,
+        number: int,
+        pending: list[Prompt],
+        cp: _Checkpoint,
+        ledger: Ledger,
+        result: ShardResult,
+        attempt: int,
+    ) -> None:
+        started = time.monotonic()
+        images: dict[str, bytes] = {}
+        failures: list[tuple[Prompt, str, bool]] = []  # (prompt, reason, the node's fault?)
+        groups: dict[tuple[int, float, int, int], list[Prompt]] = defaultdict(list)
+        for p in pending:
+            groups[p.render_key].append(p)
+
+        def should_stop() -> bool:
+            return self.stop.requested and not self.stop.can_finish(started, self._batch_seconds)
+
+        ledger.record_start(len(pending))
+        result.attempted += len(pending)
+        try:
+            for group in groups.values():
+                self._render_group(group, images, failures, should_stop)
+        except Reclaimed:
+            ledger.record_waste(len(images))
+            raise
+        elapsed = time.monotonic() - started
+        if images:
+            self._batch_seconds = elapsed
+            work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
+            ledger.record_batch(len(images), elapsed, work)
+
+        testhooks.pause_at("after-render")
+        ledger.check()  # asks Redis: a fenced worker writes nothing more
+        by_name = {p.name: p for p in pending}
+        # Images first: one that cannot be stored is its prompt's failure.
+        for name, error in self._put_images(msg.job, images).items():
+            del images[name]
+            failures.append((by_name[name], error, False))
+        quarantined: list[Prompt] = []
+        for prompt, error, blames_node in failures:
+            if not blames_node:
+                result.excused += 1
+            count = ledger.record_failure(prompt, error)  # fenced: raises Reclaimed
+            if count >= self.max_failures:
+                quarantined.append(prompt)
+                self._quarantine(msg, prompt, error, count)
+            else:
+                result.failed.append(prompt.index)
+                log.warning("prompt %s of job %s failed (%d/%d): %s",
+                            prompt.name, msg.job, count, self.max_failures, error)
+
+        testhooks.pause_at("before-checkpoint")
+        ledger.check()  # again: a worker paused past its lease learns it here
+        cp.done.update(images)
+        cp.quarantined.update(p.name for p in quarantined)
+        self._write_checkpoint(msg, number, cp, attempt)
+        ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
+        result.rendered += len(images)
+        result.quarantined += len(quarantined)
+        result.batches += 1
+
+    def _render_group(
+        self,
+        group: list[Prompt],
+        images: dict[str, bytes],
+        failures: list[tuple[Prompt, str, bool]],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        """Render prompts that share a render key, halving on OOM, isolating failures."""
+        w, h = group[0].width, group[0].height
+        size = min(len(group), self._fit.get((w, h), len(group)))
+        start = 0
+        while start < len(group):
+            chunk = group[start : start + size]
+            try:
+                pngs = self.renderer.render(chunk, should_stop=should_stop)
+            except OutOfMemory:
+                if size > 1:
+                    size = max(1, size // 2)
+                    self._fit[(w, h)] = size
+                    log.warning("out of memory at %dx%d: batch size now %d", w, h, size)
+                    continue
+                failures.append((chunk[0], "out of memory at batch size 1", True))
+                start += 1
+                continue
+            except JobError as exc:
+                # The job's model or settings: every prompt of the chunk alike.
+                failures.extend((p, str(exc), False) for p in chunk)
+                start += len(chunk)
+                continue
+            except PermanentError as exc:
+                if len(chunk) > 1:
+                    # Find the prompt at fault: render the chunk one by one.
+                    for p in chunk:
+                        self._render_group_single(p, images, failures, should_stop)
+                else:
+                    failures.append((chunk[0], str(exc), not isinstance(exc, PromptError)))
+                start += len(chunk)
+                continue
+            for p, png in zip(chunk, pngs, strict=True):
+                images[p.name] = png
+            start += len(chunk)
+
+    def _render_group_single(
+        self,
+        prompt: Prompt,
+        images: dict[str, bytes],
+        failures: list[tuple[Prompt, str, bool]],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        try:
+            images[prompt.name] = self.renderer.render([prompt], should_stop=should_stop)[0]
+        except (PermanentError, OutOfMemory) as exc:
+            excused = isinstance(exc, (JobError, PromptError))
+            failures.append((prompt, str(exc) or type(exc).__name__, not excused))
+
+    # ---- the store -----------------------------------------------------------
+
+    def _read_checkpoints(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
+        """Each batch's checkpoints, the union over the attempts that wrote one."""
+        out: dict[int, _Checkpoint] = {}
+        for key in self.store.list(spec.checkpoint_prefix(msg.job, msg.shard)):
+            data = self.store.get(key)
+            if not data:
+                continue
+            record = json.loads(data)
+            cp = out.setdefault(int(record["batch"]), _Checkpoint())
+            cp.done.update(record["done"])
+            cp.quarantined.update(record.get("quarantined", []))
+        return out
+
+    def _stored_images(self, msg: ShardMessage, checkpoints: dict[int, _Checkpoint]) -> set[str]:
+        """Which of the names the checkpoints give are in the store: one listing, not a HEAD each.
+
+        The listing is narrowed to the names' common prefix: a shard of
+        index-named prompts (``000640`` to ``000703``) lists about a hundred keys.
+        """
+        names = sorted(set().union(*(cp.done | cp.quarantined for cp in checkpoints.values())))
+        if not names:
+            return set()
+        base = spec.images_prefix(msg.job)
+        first, last = names[0], names[-1]  # sorted: their common prefix is everyone's
+        common = next((first[:i] for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b),
+                      first[: len(last)])
+        keys = self.store.list(spec.images_prefix(msg.job, common))
+        return {key[len(base) : -len(".png")] for key in keys if key.endswith(".png")}
+
+    def _put_images(self, job: str, images: dict[str, bytes]) -> dict[str, str]:
+        """Store the images; returns {name: reason} for those the store refused.
+
+        A store that cannot be reached (:class:`StoreError`) or a full or
+        broken disk raises: the batch stays uncommitted.  Any other refusal is
+        the prompt's (a name the filesystem or S3 rejects): it fails alone.
+        """
+        futures = {
+            name: self._uploads.submit(self.store.put, spec.image_key(job, name), png, content_type="image/png")
+            for name, png in images.items()
+        }
+        refused: dict[str, str] = {}
+        for name, f in futures.items():
+            try:
+                f.result()
+            except StoreError:
+                raise
+            except OSError as exc:
+                if exc.errno in _NODE_ERRNOS:
+                    raise
+                refused[name] = f"cannot store image {name!r}: {exc.strerror or exc}"
+            except Exception as exc:
+                refused[name] = f"cannot store image {name!r}: {type(exc).__name__}: {exc}"
+        return refused
+
+    def _write_checkpoint(self, msg: ShardMessage, number: int, cp: _Checkpoint, attempt: int) -> None:
+        record = {
+            "job": msg.job,
+            "shard": msg.shard,
+            "batch": number,
+            "done": sorted(cp.done),
+            "quarantined": sorted(cp.quarantined),
+            "attempt": attempt,
+            "worker": self.worker_id,
+            "at": time.time(),
+        }
+        self.store.put(spec.checkpoint_key(msg.job, msg.shard, number, attempt), json.dumps(record).encode(),
+                       content_type="application/json")
+
+    def _quarantine(self, msg: ShardMessage, prompt: Prompt, error: str, count: int) -> None:
+        record = {"index": prompt.index, "name": prompt.name, "prompt": prompt.prompt,
+                  "seed": prompt.seed, "error": error, "failures": count, "worker": self.worker_id}
+        try:
+            self.store.put(spec.quarantine_key(msg.job, prompt.name), json.dumps(record).encode(),
+                           content_type="application/json")
+        except StoreError:
+            raise
+        except Exception as exc:
+            # The record's key is the prompt's name, which may be what failed:
+            # the prompt is still counted failed, `results` shows it missing.
+            log.error("could not write the quarantine record of %s: %s", prompt.name, exc)
+        log.error("prompt %s of job %s quarantined after %d failures: %s", prompt.name, msg.job, count, error)
+
+    def close(self) -> None:
+        self._uploads.shutdown(wait=True)

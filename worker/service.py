@@ -1,0 +1,350 @@
+"""One worker process: a warm pipeline, a shard runner, leases, counters.
+
+:class:`WorkerService` is everything a worker does with a shard message, with
+no Celery in it; :mod:`worker.tasks` wraps it in a task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from renderfleet import keys
+from renderfleet import spec as layout
+from renderfleet.celery_app import Envelope
+from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, TransientError
+from renderfleet.leases import Leases
+from renderfleet.settings import Settings
+from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity
+from renderfleet.store import Store
+from worker.ledger import LeaseKeeper, RedisLedger
+from worker.models import model_allowed
+from worker.render import is_device_error
+from worker.runner import ShardRunner
+from worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.worker")
+
+Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
+
+# How long a worker remembers that a model would not load: the job's other
+# shards fail at once instead of each paying a load (and a reload of ours).
+FAILED_LOAD_MEMORY_SECONDS = 300.0
+
+
+class Unloadable:
+    """The renderer of a job whose model will not load: every prompt fails with why.
+
+    Run through the shard runner like any renderer, so the job's prompts are
+    counted, and quarantined with the reason at the bound, exactly as any
+    other permanent failure, on whichever workers try them.
+    """
+
+    last_batch_seconds: float | None = None
+
+    def __init__(self, error: JobError):
+        self.error = error
+
+    def render(self, prompts: Any, *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+        raise self.error
+
+
+def new_worker_id(pool: str) -> str:
+    return f"{pool}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Outcome:
+    """What became of one delivery (for logs and tests)."""
+
+    # done | partial | busy | finished-before | handed-back | fenced | error | rejected | device-error
+    status: str
+    rendered: int = 0
+
+
+class WorkerService:
+    """Handles shard messages for one worker process."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        client: redis.Redis,
+        store: Store,
+        renderer: Any,
+        model: str,
+        stop: StopSignal,
+        publish: Publisher,
+        worker_id: str,
+        load_model: Callable[[str], Any] | None = None,
+        envelope: Envelope | None = None,
+    ):
+        self.settings = settings
+        self.client = client
+        self.store = store
+        self.model = model
+        self.stop = stop
+        self.publish = publish
+        self.worker_id = worker_id
+        self.load_model = load_model
+        self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
+        self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
+                                  max_failures=settings.max_prompt_failures, worker_id=worker_id)
+        self.failed_streak = 0
+        self.tripped = False
+        self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
+        self._registration = ""
+        self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
+
+    # ---- registration and counters ------------------------------------------------
+
+    def register(self, *, device: str, load_seconds: float) -> None:
+        info = {"worker": self.worker_id, "pool": self.settings.pool, "model": self.model,
+                "device": device, "host": socket.gethostname(), "pid": os.getpid(),
+                "started": time.time()}
+        self._registration = json.dumps(info)
+        pipe = self.client.pipeline()
+        pipe.hset(keys.WORKERS, self.worker_id, self._registration)
+        pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
+        pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
+        pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+        pipe.execute()
+
+    def touch(self) -> None:
+        """Liveness for status; re-registers if Redis lost its memory."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+        pipe.hsetnx(keys.WORKERS, self.worker_id, self._registration)
+        pipe.execute()
+
+    def unregister(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.client.hdel(keys.WORKERS, self.worker_id)
+
+    def _pool_bump(self, **fields: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name, value in fields.items():
+            pipe.hincrby(keys.pool_stats(self.settings.pool), name, value)
+            pipe.hincrby(keys.worker_stats(self.worker_id), name, value)
+        pipe.execute()
+
+    # ---- one delivery -----------------------------------------------------------
+
+    def handle(self, message: str | dict[str, Any], tag: str) -> Outcome:
+        """Claim the shard, render what is missing, release or hand it back.
+
+        Raises :class:`TransientError` only before the shard is claimed (Redis
+        unreachable): the task then gives the message back to the broker.
+        """
+        raw = message if isinstance(message, str) else json.dumps(message)
+        msg = self._accept(raw)
+        if msg is None:
+            return Outcome("rejected")
+        self.stop.clear_fence()  # a fence belongs to the shard before this one
+        try:
+            status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
+                                              tag=tag, message=raw)
+        except redis.RedisError as exc:
+            raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
+        if lease is None:
+            log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
+            return Outcome("busy" if status == "busy" else "finished-before")
+        log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
+        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
+                             self.settings.lease_seconds)
+        keeper.start()
+        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool)
+        ours = None  # our renderer, set aside while an Unloadable stands in for one shard
+        try:
+            if msg.params.model != self.model:
+                try:
+                    self._switch_model(msg.params.model)  # after the claim: a duplicate costs no load
+                except ModelLoadError as exc:
+                    # The job's fault: its prompts fail with the reason, this worker goes on.
+                    log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
+                    ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
+            result = self.runner.run(msg, ledger, attempt=lease.attempt)
+        except Reclaimed as exc:
+            keeper.close()
+            if exc.fenced or self.stop.fenced:
+                self.stop.clear_fence()
+                self._pool_bump(fenced=1)
+                log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
+                return Outcome("fenced")
+            self._hand_back(lease, "front")
+            noticed = self.stop.noticed_at or time.monotonic()
+            self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
+            log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
+            return Outcome("handed-back")
+        except DeviceError as exc:
+            # The node's accelerator, not the prompts: nothing counted, the shard to the
+            # front of the queue for another node, and this worker stops (EXIT_DEVICE).
+            keeper.close()
+            self.device_failed = self.tripped = True
+            self.stop.request(f"device error: {exc}")
+            log.error("shard %s:%d handed back: device error, this worker stops taking work: %s",
+                      msg.job, msg.shard, exc)
+            self._safe_hand_back(lease, "front")
+            return Outcome("device-error")
+        except (TransientError, redis.RedisError) as exc:
+            keeper.close()
+            log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
+            self._safe_hand_back(lease, "back")
+            time.sleep(1.0)  # do not spin on a store outage
+            return Outcome("error")
+        except Exception:
+            # A model that will not load, a bug: this worker's fault until proven otherwise.
+            keeper.close()
+            log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
+            self._safe_hand_back(lease, "back")
+            self._count_failure(True)
+            return Outcome("error")
+        finally:
+            if ours is not None:
+                self.runner.renderer = ours
+        keeper.close()
+        self._count_failure(result.all_failed)
+        if result.complete:
+            self.leases.release(lease, "done")
+            log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
+                     msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
+            return Outcome("done", result.rendered)
+        # Some prompts failed but are not yet quarantined: back of the queue, try again later.
+        self._hand_back(lease, "back")
+        return Outcome("partial", result.rendered)
+
+    def _accept(self, raw: str) -> ShardMessage | None:
+        """The message, if it may be rendered here; None (and one log line) if not.
+
+        Checked by submit's rules (``spec.message_problems``), then against the
+        job as submitted: known to this Redis, with the same settings and cut,
+        and not deleted from the store.  A rejected message is acked and gone:
+        retrying it would fail the same way for ever.  Raises
+        :class:`TransientError` when Redis or the store cannot answer now.
+        """
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError is one too
+            log.error("rejecting a shard message: not JSON (%s): %.80r", exc, raw)
+            return None
+        problems = message_problems(data)
+        if problems:
+            log.error("rejecting a shard message: %s", "; ".join(problems[:5]))
+            return None
+        msg = ShardMessage.from_dict(data)
+        if msg.store and msg.store != store_identity(self.store.url):
+            # Another fleet's job on a shared Redis: rendered here, it would be counted
+            # done with its images in the wrong store.  Not claimed; back to the broker.
+            raise TransientError(f"shard {msg.job}:{msg.shard} belongs to store {msg.store}, "
+                                 f"this worker writes to {self.store.url}")
+        where = f"rejecting shard {msg.job}:{msg.shard}"
+        try:
+            registered, stored = self.client.hmget(keys.job(msg.job), "spec", "stored")
+        except redis.RedisError as exc:
+            raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
+        if registered is None:
+            log.error("%s: no such job in this Redis (never submitted, or Redis lost it)", where)
+            return None
+        try:
+            job = JobSpec.from_json(registered)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("%s: the job's registration in Redis is unreadable: %s", where, exc)
+            return None
+        span = job.shard_range(msg.shard)
+        if (msg.params, msg.batch_size) != (job.params, job.batch_size) or msg.shard >= job.shards \
+                or any(p.index not in span for p in msg.prompts):
+            log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
+            return None
+        if not self.store.exists(layout.spec_key(msg.job)) and stored:  # StoreError: transient
+            log.error("%s: the job was deleted from the store %s", where, self.store.url)
+            return None
+        return msg
+
+    def _hand_back(self, lease: Any, where: str) -> None:
+        message = self.leases.release(lease, where)
+        if message is not None:
+            self.publish(message)
+
+    def _safe_hand_back(self, lease: Any, where: str) -> None:
+        try:
+            self._hand_back(lease, where)
+        except redis.RedisError as exc:
+            # The lease will expire and the reaper will re-queue the shard.
+            log.warning("could not hand back %s: %s", lease.member, exc)
+
+    def _count_failure(self, all_failed: bool) -> None:
+        self.failed_streak = self.failed_streak + 1 if all_failed else 0
+        if self.failed_streak >= self.settings.breaker_shards and not self.tripped:
+            self.tripped = True
+            log.error("the last %d shards all failed on this worker: it stops taking work", self.failed_streak)
+            self.stop.request("circuit breaker: every shard fails here")
+
+    def _switch_model(self, model: str) -> None:
+        """Load ``model`` in place of ours; if it will not load, keep ours.
+
+        The old pipeline is freed first (two big pipelines may not fit one
+        GPU), and loaded again if the new one fails: a job naming a model
+        that does not exist must not leave this worker without one.  Raises
+        :class:`ModelLoadError` (the job's fault) when ``model`` will not load.
+        """
+        if not model_allowed(model, self.settings.allowed_model_list):
+            raise ModelLoadError(f"model {model!r} is not in this worker's allow-list (RENDERFLEET_ALLOWED_MODELS)")
+        if self.load_model is None:
+            raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")
+        remembered = self._failed_loads.get(model)
+        if remembered and time.monotonic() - remembered[0] < FAILED_LOAD_MEMORY_SECONDS:
+            raise remembered[1]
+        log.warning("shard wants model %r, this worker had %r: loading it", model, self.model)
+        old = self.model
+        self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
+        try:
+            self.runner.renderer = self._load(model)
+            self.model = model
+        except Exception as exc:  # a store outage while fetching it too: ours must come back
+            if isinstance(exc, DeviceError):
+                raise  # the device is gone: nothing will load on it again
+            if isinstance(exc, ModelLoadError):
+                self._failed_loads[model] = (time.monotonic(), exc)
+            log.warning("model %r did not load; loading %r again", model, old)
+            try:
+                self.runner.renderer = self._load(old)
+            except Exception as again:
+                # Our own model loaded once and not now: the node's fault.
+                self.tripped = True
+                self.stop.request(f"cannot load model {old!r} again: {again}")
+                raise RuntimeError(f"cannot load model {old!r} again: {again}") from again
+            raise
+        finally:
+            with contextlib.suppress(redis.RedisError):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
+                if self._registration:  # status shows the model we hold now
+                    self._registration = json.dumps({**json.loads(self._registration), "model": self.model})
+                    pipe.hset(keys.WORKERS, self.worker_id, self._registration)
+                pipe.execute()
+
+    def _load(self, model: str) -> Any:
+        """A renderer for ``model``; any failure to load it is a :class:`ModelLoadError`."""
+        assert self.load_model is not None
+        try:
+            return self.load_model(model)
+        except (ModelLoadError, TransientError, DeviceError):
+            raise
+        except Exception as exc:
+            if is_device_error(exc):
+                raise DeviceError(f"loading model {model!r}: {type(exc).__name__}: {exc}") from exc
+            raise ModelLoadError(f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        self.runner.close()
+        self.unregister()

@@ -1,0 +1,178 @@
+"""The Celery side of a worker: a thin task over :class:`WorkerService`.
+
+The task decodes the message, passes it and kombu's delivery tag to the
+service, and lets Celery ack it (``acks_late``).  Hand-backs and retries are
+not Celery retries: the lease protocol puts the very same message back on the
+queue, so a reclaim never burns a retry budget.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from celery import Celery, Task
+from celery import signals as celery_signals
+from celery.exceptions import Reject
+from celery.worker.request import Request
+
+from renderfleet.celery_app import TASK_NAME
+from renderfleet.errors import TransientError
+from worker.service import WorkerService
+from worker.stop import StopSignal
+
+log = logging.getLogger("renderfleet.tasks")
+
+
+class ShardRequest(Request):
+    """Passes kombu's delivery tag to the task, and lets a failed ack restart the consumer.
+
+    Why the ack matters (issue 14, bug 1): kombu's Redis QoS counts a message
+    as in flight until ``QoS.ack`` has removed it from the ``unacked`` index,
+    and with one message prefetched the consumer stops polling its BRPOP
+    socket while one is in flight.  If Redis goes away while a shard renders
+    (the solo pool runs it inside the event loop, so nothing else notices),
+    the ack after it fails *before* kombu forgets the message: the channel
+    never has credit again and never reads the dead socket, so the worker
+    lives on taking nothing.  Celery's own ack swallows that connection error
+    (it logs "Couldn't ack" and goes on).  Ours lets it reach the event loop,
+    where Celery treats it as the broker connection loss it is: the channel
+    and its stale count are dropped, the connection is re-established with
+    retries (``broker_connection_retry``), and consuming resumes.  The shard
+    itself is safe: its lease expires and the reaper, or ``resume`` after a
+    Redis that lost its memory, hands it on.
+    """
+
+    acknowledged: bool
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        self._request_dict["rf_delivery_tag"] = message.delivery_tag or ""
+
+    def acknowledge(self) -> None:
+        if not self.acknowledged:
+            self._on_ack(log, ())  # no errors swallowed: see the class docstring
+            self.acknowledged = True
+
+    def reject(self, requeue: bool = False) -> None:
+        if not self.acknowledged:
+            self._on_reject(log, (), requeue)  # a failed requeue leaves the same stale count
+            self.acknowledged = True
+            self.send_event("task-rejected", requeue=requeue)
+
+
+class ShardTask(Task):  # type: ignore[misc]
+    Request = ShardRequest
+    service: WorkerService | None = None
+
+
+def register(app: Celery, service: WorkerService) -> Task:
+    """Bind the render task to this process's service."""
+
+    @app.task(name=TASK_NAME, bind=True, base=ShardTask, acks_late=True, ignore_result=True)
+    def render_shard(self: ShardTask, message: str | dict[str, Any]) -> str:
+        tag = str(getattr(self.request, "rf_delivery_tag", "") or "")
+        try:
+            return service.handle(message, tag).status
+        except TransientError as exc:
+            # Not claimed: give the message back to the broker rather than ack it away.
+            log.warning("%s: message requeued", exc)
+            time.sleep(1.0)
+            raise Reject(str(exc), requeue=True) from exc
+
+    return render_shard  # type: ignore[no-any-return]
+
+
+def install_shutdown_hooks(stop: StopSignal, grace_seconds: float) -> None:
+    """Celery's warm shutdown (SIGTERM, Ctrl-C) becomes our stop signal.
+
+    Celery stops taking messages; the shard in flight sees the signal after
+    the current denoising step, finishes its batch if it fits in
+    ``grace_seconds`` (Kubernetes gives 30 by default), and hands back the rest.
+    """
+
+    def on_shutdown(sig: str = "", how: str = "", **_: Any) -> None:
+        if not stop.requested:
+            stop.request(f"{sig or 'signal'} ({how} shutdown)", seconds_left=grace_seconds)
+
+    celery_signals.worker_shutting_down.connect(on_shutdown, weak=False)
+
+
+def request_warm_shutdown() -> None:
+    """What a reclaim notice does: the same path as SIGTERM."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ---- an item on the queue that is not a task message at all ----------------------
+
+
+class NotAMessage(ValueError):
+    """An item popped from a queue that is no kombu message (not JSON, or not its shape)."""
+
+
+_guard = threading.local()
+
+
+def install_queue_guard() -> None:
+    """Make an item on a queue that is not a kombu message cost one log line, not the worker.
+
+    kombu's Redis transport decodes each item it pops (``_brpop_read``) inside
+    the event loop, so a list item that is not JSON, or JSON that is not an
+    envelope, raises there and takes the whole consumer down: anyone who can
+    push to the queue could stop every worker.  Celery already drops a real
+    envelope with a body it may not decode (pickle, garbage) or an unknown
+    task, with one log line; this closes the gap below it.  The first decode
+    of each ``_brpop_read`` (the item just popped, already gone from the list)
+    is checked; kombu's other decodes (of its ``unacked`` records) are not
+    touched.  Idempotent; for worker processes only.
+    """
+    from kombu.transport import redis as kombu_redis
+
+    if getattr(kombu_redis.Channel._brpop_read, "renderfleet_guard", False):
+        return
+    kombu_loads = kombu_redis.loads
+    brpop_read = kombu_redis.Channel._brpop_read
+
+    def loads(text: Any, *args: Any, **kwargs: Any) -> Any:
+        envelope, _guard.envelope = getattr(_guard, "envelope", False), False
+        if not envelope:
+            return kombu_loads(text, *args, **kwargs)
+        try:
+            data = kombu_loads(text, *args, **kwargs)
+        except ValueError as exc:
+            raise NotAMessage(f"not JSON ({exc}): {str(text)[:80]!r}") from None
+        _check_envelope(data)
+        return data
+
+    def guarded_brpop_read(self: Any, **options: Any) -> Any:
+        _guard.envelope = True
+        try:
+            return brpop_read(self, **options)
+        except NotAMessage as exc:
+            log.error("dropping an item of a queue that is not a task message: %s", exc)
+            return None
+        finally:
+            _guard.envelope = False
+
+    guarded_brpop_read.renderfleet_guard = True  # type: ignore[attr-defined]
+    kombu_redis.loads = loads  # type: ignore[assignment]
+    kombu_redis.Channel._brpop_read = guarded_brpop_read  # type: ignore[method-assign]
+
+
+def _check_envelope(data: Any) -> None:
+    """NotAMessage unless ``data`` has what kombu reads of an envelope before Celery takes over."""
+    props = data.get("properties") if isinstance(data, dict) else None
+    if not isinstance(props, dict) or "delivery_tag" not in props or not isinstance(data.get("body", ""), str) \
+            or not isinstance(data.get("headers") or {}, dict) or not isinstance(props.get("delivery_info") or {}, dict):
+        raise NotAMessage(f"JSON, but not a kombu message: {str(data)[:80]!r}")
+    if props.get("body_encoding") == "base64":
+        try:
+            base64.b64decode(data.get("body", ""), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise NotAMessage(f"a kombu message whose body is not base64: {exc}") from None
