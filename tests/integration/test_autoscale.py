@@ -65,12 +65,12 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
         wait_for(lambda: len(workers_of(client, "baseline")) == 1, 90, what="the baseline's warm worker")
         assert workers_of(client, "spot") == []  # nothing to do: spot stays at 0
 
-        prompts = write_prompts(tmp_path / "p.txt", 600)
+        prompts = write_prompts(tmp_path / "p.txt", 400)
         submitted = time.monotonic()
         job = cli(env, "submit", str(prompts), "--model", "tiny", "--steps", "4", "--size", "64x64",
                   "--shard-size", "8", "--batch-size", "4").stdout.split()[-1]
         first_spot_image = peak = 0.0
-        while job_status(env, job)["done"] != 600:
+        while job_status(env, job)["done"] != 400:
             spot = workers_of(client, "spot")
             pids |= {int(str(w["pid"])) for w in spot}
             peak = max(peak, len(spot))
@@ -86,16 +86,16 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
 
         assert peak >= 1 and first_spot_image > 0
         st = job_status(env, job)
-        assert st["done"] == 600 and st["failed"] == 0
+        assert st["done"] == 400 and st["failed"] == 0
         images = list((tmp_path / "store" / "jobs" / job / "images").iterdir())
-        assert len(images) == 600
+        assert len(images) == 400
         spot_stats = {k.decode(): int(v) for k, v in client.hgetall("rf:pool:spot").items()}
         # stopped by the hand-off, never mid-batch: nothing rendered was thrown away
         assert spot_stats.get("wasted_images", 0) == 0, spot_stats
         assert len(workers_of(client, "baseline")) == 1  # the warm floor stays
         print(f"\nautoscale figures: first spot image {first_spot_image:.1f} s after submit; "
               f"spot workers at the peak {peak:.0f}; spot at 0 {to_zero:.1f} s after the job's end "
-              f"(cool-down 4 s, one step at a time); spot images {spot_stats.get('images', 0)} of 600")
+              f"(cool-down 4 s, one step at a time); spot images {spot_stats.get('images', 0)} of 400")
     finally:
         scaler.send_signal(signal.SIGTERM)
         scaler.wait(10)
