@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
+from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, wait_for
 from testing.servers import free_port
@@ -91,7 +94,8 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
     config = tmp_path / "fleet.toml"
     config.write_text('[pools.default]\nkind = "spot"\nprice_per_hour = 1.2\nmin = 0\nmax = 2\n')
     store = tmp_path / "store"
-    env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config))
+    # Leases long enough that the worker's pause below (a few seconds) hands nothing back.
+    env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config), RENDERFLEET_LEASE_SECONDS="30")
     lines = [json.dumps({"prompt": f"a lighthouse at dusk, study {i}", **({"id": "bad"} if i == 17 else {})})
              for i in range(PROMPTS)]
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
@@ -109,18 +113,26 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         row = page.locator(f'tr[data-job="{job}"]')
         assert row.locator(".f-done").inner_text() == "0"
 
-        # A worker starts; the open page (never reloaded) follows the job to its end.
+        # A worker starts; the open page (never reloaded) follows the job to its end.  The worker is
+        # stopped (SIGSTOP) as soon as Redis counts its first images, so however fast the machine,
+        # the page must show a value part-way, then the end.
+        client = redis.Redis.from_url(redis_server.url)
         worker = WorkerProc(env, tmp_path / "worker.log")
-        seen: list[int] = []
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            done, failed = int(row.locator(".f-done").inner_text()), int(row.locator(".f-failed").inner_text())
-            if not seen or done != seen[-1]:
-                seen.append(done)
-            if done + failed == PROMPTS:
-                break
+        wait_for(lambda: client.bitcount(keys.done_bits(job)) >= 1, 120, interval=0.02, what="the first images")
+        os.killpg(worker.pid, signal.SIGSTOP)
+        try:
             time.sleep(0.3)
-        assert seen == sorted(seen) and len(seen) >= 3 and seen[-1] == PROMPTS - 1, seen
+            paused = int(client.bitcount(keys.done_bits(job)))
+            assert 0 < paused < PROMPTS - 1
+            page.wait_for_function(f"() => document.querySelector('tr[data-job=\"{job}\"] .f-done')"
+                                   f".textContent === '{paused}'", timeout=15_000)
+            assert row.locator(".fill").evaluate("el => parseFloat(el.style.width)") < 100
+        finally:
+            os.killpg(worker.pid, signal.SIGCONT)
+        page.wait_for_function(f"() => {{ const r = document.querySelector('tr[data-job=\"{job}\"]'); "
+                               "return +r.querySelector('.f-done').textContent + +r.querySelector('.f-failed').textContent"
+                               f" === {PROMPTS}; }}", timeout=240_000)
+        assert row.locator(".f-done").inner_text() == str(PROMPTS - 1)
         assert row.locator(".f-failed").inner_text() == "1"
         assert row.locator(".f-eta").inner_text() == "done"
         assert row.locator(".f-cost").inner_text().startswith("$")
