@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from dispatcher.status import FleetStatus
+from dispatcher.web import charts, read_history, record
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, wait_for
@@ -38,14 +40,13 @@ pytestmark = pytest.mark.integration
 CHROMIUM = "/usr/bin/chromium"
 PROMPTS = 72  # more than one gallery page (60)
 
-playwright_api = pytest.importorskip("playwright.sync_api")
-if not Path(CHROMIUM).exists():  # `make test` installs Debian's chromium; say so rather than fail obscurely
-    pytest.skip(f"{CHROMIUM} is missing: `apt-get install chromium` (the Makefile's install step does)",
-                allow_module_level=True)
 
 
 @pytest.fixture
 def browser() -> Iterator[object]:
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():  # `make test` installs Debian's chromium; say so rather than fail obscurely
+        pytest.skip(f"{CHROMIUM} is missing: `apt-get install chromium` (the Makefile's install step does)")
     with playwright_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         try:
@@ -238,3 +239,19 @@ def test_off_loopback_the_page_needs_the_token_and_a_browser_gets_an_httponly_co
         assert get(f"{base}/jobs/x", token=token)[0] == 404
     finally:
         stop(monitor)
+
+
+def test_the_charts_history_lives_in_redis_capped(redis_server: RedisServerProcess) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    fleet = FleetStatus(queues={"renderfleet.default": 4}, workers=[{"pool": "default"}], desired={"default": 2})
+    now = time.time()
+    for i in range(keys.HISTORY_KEEP + 10):
+        fleet.queues["renderfleet.default"] = i
+        record(client, fleet, now=now - (keys.HISTORY_KEEP + 10 - i))
+    hist = read_history(client, ["queue_shards", "workers.default", "desired.default"], now=now)
+    assert len(hist["queue_shards"]) == keys.HISTORY_KEEP  # capped, the oldest dropped
+    assert hist["queue_shards"][-1][1] == keys.HISTORY_KEEP + 9 and hist["desired.default"][0][1] == 2
+    drawn = [str(c) for c in charts(client, now=now)]
+    assert len(drawn) == 4 and all("<polyline" in c for c in drawn)  # queue, backlog x2, the pool
+    # samples older than the hour are not drawn
+    assert read_history(client, ["queue_shards"], now=now + 2 * 3600) == {"queue_shards": []}
