@@ -13,7 +13,12 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
+# The web page's browser test drives Debian's chromium through Playwright (Playwright's own
+# browser download is never used): installed once here when /usr/bin/chromium is missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(VENV)/.installed: pyproject.toml Makefile
+	[ -x /usr/bin/chromium ] || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e '.[worker,dev]'

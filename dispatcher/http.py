@@ -1,32 +1,29 @@
-"""The monitor's HTTP endpoint: Prometheus metrics and the status JSON, read from Redis at request time.
+"""The monitor's HTTP endpoint: the web page, Prometheus metrics and the status JSON, read at request time.
 
 Unlike Flower, nothing is kept in this process: every scrape reads the
 fleet's counters from Redis (and the store when Redis forgot a job), so a
 restart of the monitor, or of Redis, loses no history that matters.
 
+``/``             the web page (dispatcher.web): the fleet, each job at ``/jobs/JOB``, its gallery
 ``/metrics``      Prometheus text format (a custom collector, no job or prompt labels: bounded)
 ``/api/status``   what ``renderfleet status --json`` prints
 ``/api/autoscale`` each pool's size and the size the autoscaler last decided (what KEDA would read)
 
 Bound to 127.0.0.1 by default; on any other address it refuses to start
 without ``RENDERFLEET_HTTP_TOKEN``, and then every request must carry it
-(``Authorization: Bearer TOKEN`` or ``?token=TOKEN``).
+(``Authorization: Bearer TOKEN``, ``?token=TOKEN``, or the HttpOnly cookie
+a page opened once with ``?token=`` sets).  Served by uvicorn in a thread.
 """
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
-import json
+import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dispatcher.status import FleetStatus
 from renderfleet.errors import ConfigError
@@ -105,53 +102,53 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+class Endpoint:
+    """The running endpoint: uvicorn in a daemon thread, on a socket bound before it starts."""
+
+    def __init__(self, server: Any, sock: socket.socket, sampler: Any):
+        self.server, self.sock, self.sampler = server, sock, sampler
+        self.server_port: int = sock.getsockname()[1]
+        self.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rf-http", daemon=True)
+
+    def shutdown(self) -> None:
+        """Stop serving and wait for the thread (a few seconds at most)."""
+        if self.sampler is not None:
+            self.sampler.stopped.set()
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
 
 
-def make_app(source: StatusSource, prices: dict[str, float], token: str | None) -> Callable[..., Iterable[bytes]]:
-    """The WSGI application: /metrics, /api/status, /api/autoscale; the token checked when given."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(source, prices))  # type: ignore[arg-type]
+def serve(address: str, source: StatusSource, prices: dict[str, float], token: str | None, *,
+          client: Any = None, store: Any = None) -> Endpoint:
+    """Start serving in a daemon thread; returns the endpoint (``server_port`` is the bound port).
 
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if token is not None:
-            given = environ.get("HTTP_AUTHORIZATION", "").removeprefix("Bearer ").strip()
-            given = given or parse_qs(environ.get("QUERY_STRING", "")).get("token", [""])[0]
-            if not hmac.compare_digest(given.encode(), token.encode()):
-                start_response("401 Unauthorized", [("Content-Type", "text/plain"),
-                                                     ("WWW-Authenticate", "Bearer")])
-                return [b"a token is required: Authorization: Bearer RENDERFLEET_HTTP_TOKEN\n"]
-        path = environ.get("PATH_INFO", "/")
-        if path == "/metrics":
-            body = generate_latest(registry)
-            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
-            return [body]
-        if path in ("/api/status", "/api/autoscale"):
-            fleet = source()
-            data = fleet.to_dict() if path == "/api/status" else {
-                "pools": {p: {"workers": fleet.pool_sizes().get(p, 0), "desired": n} for p, n in fleet.desired.items()},
-                "backlog_seconds": fleet.backlog_seconds}
-            start_response("200 OK", [("Content-Type", "application/json")])
-            return [json.dumps(data).encode()]
-        start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found: /metrics, /api/status, /api/autoscale\n"]
-
-    return app
-
-
-def serve(address: str, source: StatusSource, prices: dict[str, float], token: str | None) -> WSGIServer:
-    """Start serving in a daemon thread; returns the server (``server_port`` is the bound port).
-
-    ``address`` is ``HOST:PORT``; a host off loopback needs a token.
+    ``address`` is ``HOST:PORT``; a host off loopback needs a token.  With a
+    Redis ``client`` the page charts the last hour (a sampler thread records
+    the fleet's figures there); with a ``store`` it shows each job and its gallery.
     """
+    import uvicorn
+
+    from dispatcher.web import Sampler, make_app
+
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"--http: expected HOST:PORT such as 127.0.0.1:9464, got {address!r}")
     host = host.strip("[]") or "127.0.0.1"
     if not _loopback(host) and not token:
         raise ConfigError(f"--http {address}: off loopback the endpoint needs RENDERFLEET_HTTP_TOKEN set")
-    server = make_server(host, int(port), make_app(source, prices, token), handler_class=_Quiet)
-    threading.Thread(target=server.serve_forever, name="rf-http", daemon=True).start()
-    return server
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--http {address}: cannot listen there: {exc}") from exc
+    sock.listen(128)
+    app = make_app(source, prices, token, client=client, store=store)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    sampler = Sampler(client, source).start() if client is not None else None
+    endpoint = Endpoint(uvicorn.Server(config), sock, sampler)
+    endpoint.thread.start()
+    return endpoint

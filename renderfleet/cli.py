@@ -304,7 +304,7 @@ def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
 @app.command()
 def monitor(
     once: Annotated[bool, typer.Option(help="one pass, then exit")] = False,
-    http: Annotated[str | None, typer.Option("--http", help="serve /metrics and /api/ on HOST:PORT "
+    http: Annotated[str | None, typer.Option("--http", help="serve the web page, /metrics and /api/ on HOST:PORT "
                                              "(off loopback only with RENDERFLEET_HTTP_TOKEN)")] = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -324,8 +324,8 @@ def monitor(
 
             prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
             server = serve(http, lambda: fleet_status(client, store=store, prices=prices), prices,
-                           settings.http_token)
-            _err(f"monitor: serving /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
+                           settings.http_token, client=client, store=store)
+            _err(f"monitor: serving the page, /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
                  f"{server.server_port}/")
         if once:
             mon.tick()

@@ -105,6 +105,15 @@ def pool_stats(pool: str) -> str:
     return f"{POOL_STATS_PREFIX}{pool}"
 
 
+HISTORY_PREFIX = "rf:history:"
+HISTORY_KEEP = 720  # samples per metric: an hour at one every 5 s
+
+
+def history(metric: str) -> str:
+    """list of "<unix time> <value>" samples of one fleet metric, newest first, capped (the web page's charts)."""
+    return f"{HISTORY_PREFIX}{metric}"
+
+
 def text(value: object) -> str:
     """A Redis reply as text (our clients return bytes)."""
     if isinstance(value, bytes):

@@ -1,0 +1,99 @@
+// renderfleet monitor: keep the figures live by polling /api/status (plain JS, no build step, nothing from a CDN).
+"use strict";
+(function () {
+  function fmtDuration(s) {
+    if (s === null || s === undefined) return "-";
+    s = Math.round(s);
+    if (s >= 3600) return Math.floor(s / 3600) + "h" + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + "m";
+    if (s >= 60) return Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
+    return s + "s";
+  }
+  function seen(t) {
+    if (!t) return "-";
+    var age = Date.now() / 1000 - parseFloat(t);
+    return age < 30 ? "up" : "silent " + fmtDuration(age);
+  }
+  function money(v, d) { return v === null || v === undefined ? "-" : "$" + v.toFixed(d); }
+  function set(row, cls, text) { var el = row.querySelector("." + cls); if (el) el.textContent = text; }
+
+  function update(data) {
+    var left = 0;
+    data.jobs.forEach(function (j) {
+      var jl = Math.max(0, j.total - j.done - j.failed);
+      left += jl;
+      document.querySelectorAll('tr[data-job="' + CSS.escape(j.job) + '"]').forEach(function (row) {
+        var pct = j.total ? 100 * (j.done + j.failed) / j.total : 100;
+        row.querySelector(".fill").style.width = pct.toFixed(1) + "%";
+        set(row, "f-done", j.done);
+        set(row, "f-failed", j.failed);
+        set(row, "f-rate", j.images_per_minute.toFixed(1));
+        set(row, "f-eta", jl === 0 ? "done" : fmtDuration(j.eta_seconds));
+        set(row, "f-redeliveries", j.redeliveries + " / " + j.wasted_images);
+        var gpu = Object.values(j.gpu_seconds).reduce(function (a, b) { return a + b; }, 0);
+        set(row, "f-gpu", gpu.toFixed(1));
+        set(row, "f-cost", money(j.cost, 4));
+        set(row, "f-cpi", money(j.cost_per_image, 5));
+      });
+    });
+    var el = document.getElementById("backlog-images");
+    if (el) el.textContent = left;
+    el = document.getElementById("backlog-seconds");
+    if (el) el.textContent = Math.round(data.backlog_seconds);
+    document.querySelectorAll(".queue[data-queue]").forEach(function (q) {
+      var n = data.queues[q.dataset.queue];
+      if (n !== undefined) q.textContent = n;
+    });
+    el = document.getElementById("worker-count");
+    if (el) el.textContent = data.workers.length;
+    el = document.getElementById("workers");
+    if (el) {
+      el.textContent = "";
+      data.workers.forEach(function (w) {
+        var tr = document.createElement("tr");
+        [w.worker, w.pool, w.model, w.device, seen(w.last_seen), w.images || 0, w.batches || 0].forEach(function (v) {
+          var td = document.createElement("td"); td.textContent = v; tr.appendChild(td);
+        });
+        el.appendChild(tr);
+      });
+    }
+  }
+
+  function poll() {
+    fetch("/api/status", { credentials: "same-origin" })
+      .then(function (r) { if (!r.ok) throw new Error(r.status); return r.json(); })
+      .then(function (data) { update(data); document.getElementById("live-state").textContent = ""; })
+      .catch(function (e) { document.getElementById("live-state").textContent = "(not updating: " + e.message + ")"; })
+      .finally(function () { setTimeout(poll, 2000); });
+  }
+
+  // The gallery: prompt, seed and size on hover (title) and on click (the detail panel).
+  function meta(fig) {
+    if (!fig._meta) fig._meta = fetch(fig.dataset.meta, { credentials: "same-origin" }).then(function (r) { return r.json(); });
+    return fig._meta;
+  }
+  function describe(m) { return m.prompt + "\nseed " + m.seed + " \u00b7 " + m.size + (m.steps ? " \u00b7 " + m.steps + " steps" : ""); }
+  document.addEventListener("DOMContentLoaded", function () {
+    setTimeout(poll, 2000);
+    var detail = document.getElementById("detail");
+    document.querySelectorAll("figure.thumb").forEach(function (fig) {
+      fig.addEventListener("mouseenter", function () {
+        meta(fig).then(function (m) { fig.querySelector("img").title = describe(m); });
+      });
+      fig.querySelector("a").addEventListener("click", function (ev) {
+        if (ev.ctrlKey || ev.metaKey || ev.shiftKey) return;
+        ev.preventDefault();
+        meta(fig).then(function (m) {
+          detail.hidden = false;
+          detail.textContent = "";
+          var img = document.createElement("img");
+          img.src = fig.querySelector("a").href;
+          var p = document.createElement("pre");
+          p.textContent = m.name + "\n" + describe(m) + (m.negative_prompt ? "\nnegative: " + m.negative_prompt : "") +
+            (m.model ? "\nmodel " + m.model : "");
+          var a = document.createElement("a"); a.href = img.src; a.textContent = "full size"; a.target = "_blank";
+          detail.append(img, p, a);
+        });
+      });
+    });
+  });
+})();

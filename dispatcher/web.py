@@ -1,0 +1,498 @@
+"""The monitor's web page: the fleet at a glance, each job, its quarantine and a paged gallery.
+
+A Starlette app with Jinja2 templates rendered on the server; a few lines of
+plain JavaScript (``static/live.js``, no build step, nothing from a CDN) poll
+``/api/status`` to keep the figures live.  Everything is read from Redis and
+the store at request time; the charts come from samples the HTTP endpoint's
+sampler writes to capped Redis lists (``rf:history:<metric>``), so a restart
+of the monitor keeps the last hour.
+
+Every job id and image name taken from a URL is checked (the job id's shape,
+then the job's spec in the store; an image name's shape, then the image in the
+store) before it becomes a store key: no URL reaches outside a job's prefix.
+
+Nothing happens at import: :func:`make_app` builds the application.
+"""
+
+from __future__ import annotations
+
+import hmac
+import io
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from itertools import islice
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import redis
+from markupsafe import Markup, escape
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dispatcher.status import FleetStatus, JobStatus, fleet_status
+from renderfleet import keys
+from renderfleet import spec as layout
+from renderfleet.errors import JobNotFound, StoreError
+from renderfleet.spec import job_id_problem, name_problem
+from renderfleet.store import Store
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+PAGE_SIZE = 60  # images per gallery page
+QUARANTINE_SHOWN = 100  # quarantined prompts listed on a job's page
+THUMB_SIZE = 192  # pixels, the longer side
+HISTORY_WINDOW = 3600.0  # seconds the charts cover
+SAMPLE_SECONDS = 5.0  # how often the sampler records the fleet's figures
+COOKIE = "renderfleet_token"
+
+StatusSource = Callable[[], FleetStatus]
+
+
+# ---- history: capped Redis lists, one per metric ------------------------------------
+
+
+def samples(fleet: FleetStatus) -> dict[str, float]:
+    """The figures charted, from one status read: queue depth, backlog, pool sizes (bounded: one per pool)."""
+    out = {
+        "queue_shards": float(sum(fleet.queues.values())),
+        "backlog_images": float(sum(j.left for j in fleet.jobs)),
+        "backlog_seconds": float(fleet.backlog_seconds),
+    }
+    sizes = fleet.pool_sizes()
+    for pool in sorted(set(sizes) | set(fleet.desired)):
+        out[f"workers.{pool}"] = float(sizes.get(pool, 0))
+    for pool, n in fleet.desired.items():  # only where an autoscaler decided
+        out[f"desired.{pool}"] = float(n)
+    return out
+
+
+def record(client: redis.Redis, fleet: FleetStatus, now: float | None = None) -> None:
+    """Append one sample per metric to its capped list (newest first)."""
+    now = time.time() if now is None else now
+    pipe = client.pipeline(transaction=False)
+    for metric, value in samples(fleet).items():
+        pipe.lpush(keys.history(metric), f"{now:.3f} {value:g}")
+        pipe.ltrim(keys.history(metric), 0, keys.HISTORY_KEEP - 1)
+        pipe.expire(keys.history(metric), int(HISTORY_WINDOW * 24))
+    pipe.execute()
+
+
+def read_history(client: redis.Redis, metrics: list[str], now: float | None = None) -> dict[str, list[tuple[float, float]]]:
+    """Each metric's samples of the last hour, oldest first."""
+    now = time.time() if now is None else now
+    pipe = client.pipeline(transaction=False)
+    for metric in metrics:
+        pipe.lrange(keys.history(metric), 0, keys.HISTORY_KEEP - 1)
+    out: dict[str, list[tuple[float, float]]] = {}
+    for metric, raw in zip(metrics, pipe.execute(), strict=True):
+        points = []
+        for item in raw:
+            t, _, v = keys.text(item).partition(" ")
+            try:
+                point = (float(t), float(v))
+            except ValueError:
+                continue
+            if point[0] >= now - HISTORY_WINDOW:
+                points.append(point)
+        out[metric] = sorted(points)
+    return out
+
+
+def history_metrics(client: redis.Redis) -> list[str]:
+    """The metrics with samples (pools come and go): one SCAN of the history prefix."""
+    found = {keys.text(k)[len(keys.HISTORY_PREFIX):] for k in client.scan_iter(match=f"{keys.HISTORY_PREFIX}*", count=1000)}
+    return sorted(found)
+
+
+class Sampler:
+    """Records the fleet's figures every ``SAMPLE_SECONDS`` in a daemon thread (started by :meth:`start`)."""
+
+    def __init__(self, client: redis.Redis, source: StatusSource, every: float = SAMPLE_SECONDS):
+        self.client, self.source, self.every = client, source, every
+        self.stopped = threading.Event()
+
+    def start(self) -> Sampler:
+        threading.Thread(target=self.run, name="rf-http-sampler", daemon=True).start()
+        return self
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                record(self.client, self.source())
+            except (redis.RedisError, StoreError, OSError) as exc:
+                log.warning("monitor: cannot record the fleet's history now: %s", exc)
+            self.stopped.wait(self.every)
+
+
+# ---- inline SVG charts, drawn here --------------------------------------------------
+
+COLOURS = ("#2f6fdf", "#e07b00", "#2a9d55", "#b03ab0")
+
+
+def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], now: float | None = None,
+              width: int = 360, height: int = 120, since: float | None = None) -> Markup:
+    """A line chart of the last hour as inline SVG: one polyline per series, the y axis from 0 to the top value."""
+    now = time.time() if now is None else now
+    # The last hour, or less while the history is younger: a fresh monitor's few minutes fill the width.
+    first = since if since is not None else min((t for pts in series.values() for t, _ in pts),
+                                                default=now - HISTORY_WINDOW)
+    span = max(60.0, min(HISTORY_WINDOW, now - first))
+    pad_l, pad_r, pad_t, pad_b = 44, 8, 18, 16
+    w, h = width - pad_l - pad_r, height - pad_t - pad_b
+    top = max([v for pts in series.values() for _, v in pts] + [1.0])
+    top = _nice(top)
+
+    def x(t: float) -> float:
+        return pad_l + w * max(0.0, min(1.0, 1 - (now - t) / span))
+
+    def y(v: float) -> float:
+        return pad_t + h * (1 - v / top)
+
+    parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+             f'aria-label="{escape(title)}">',
+             f'<text x="{pad_l}" y="12" class="chart-title">{escape(title)}</text>',
+             f'<rect x="{pad_l}" y="{pad_t}" width="{w}" height="{h}" class="chart-bg"/>']
+    for frac in (0.0, 0.5, 1.0):
+        yy = pad_t + h * (1 - frac)
+        parts.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{yy:.1f}" y2="{yy:.1f}" class="grid"/>')
+        parts.append(f'<text x="{pad_l - 4}" y="{yy + 4:.1f}" class="axis" text-anchor="end">{_short(top * frac)}</text>')
+    parts.append(f'<text x="{pad_l}" y="{height - 3}" class="axis">-{_duration(span)}</text>')
+    parts.append(f'<text x="{pad_l + w}" y="{height - 3}" class="axis" text-anchor="end">now</text>')
+    for i, (name, pts) in enumerate(series.items()):
+        colour = COLOURS[i % len(COLOURS)]
+        if len(pts) == 1:
+            parts.append(f'<circle cx="{x(pts[0][0]):.1f}" cy="{y(pts[0][1]):.1f}" r="2" fill="{colour}"/>')
+        elif pts:
+            line = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in pts)
+            parts.append(f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        if len(series) > 1:
+            parts.append(f'<text x="{pad_l + w - 4}" y="{pad_t + 12 + 12 * i}" class="legend" text-anchor="end" '
+                         f'fill="{colour}">{escape(name)}</text>')
+    if not any(series.values()):
+        parts.append(f'<text x="{pad_l + w / 2}" y="{pad_t + h / 2}" class="axis" text-anchor="middle">'
+                     'no samples yet</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def _nice(v: float) -> float:
+    mag = 10 ** math.floor(math.log10(v))
+    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= v)
+
+
+def _short(v: float) -> str:
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if v >= size:
+            return f"{v / size:g}{unit}"
+    return f"{v:g}"
+
+
+def charts(client: redis.Redis, now: float | None = None) -> list[Markup]:
+    """Queue depth, backlog in images and in seconds of work, and each pool's size against its desired size."""
+    now = time.time() if now is None else now
+    metrics = history_metrics(client)
+    hist = read_history(client, metrics, now)
+    since = min((pts[0][0] for pts in hist.values() if pts), default=None)  # one time axis for every chart
+    out = [svg_chart("queue depth (shards)", {"shards": hist.get("queue_shards", [])}, now, since=since),
+           svg_chart("backlog (images)", {"images": hist.get("backlog_images", [])}, now, since=since),
+           svg_chart("backlog (seconds of work)", {"seconds": hist.get("backlog_seconds", [])}, now, since=since)]
+    pools = sorted({m.partition(".")[2] for m in metrics if m.startswith(("workers.", "desired."))})
+    for pool in pools:
+        series = {"up": hist.get(f"workers.{pool}", [])}
+        if hist.get(f"desired.{pool}"):
+            series["desired"] = hist[f"desired.{pool}"]
+        out.append(svg_chart(f"pool {pool}: workers", series, now, since=since))
+    return out
+
+
+# ---- the job: checked ids, gallery pages, thumbnails --------------------------------
+
+
+class NotHere(Exception):
+    """A URL that names no job, or no image of the job: 404."""
+
+
+def checked_job(store: Store, job: str) -> str:
+    """``job`` when it is a job id the store holds; NotHere otherwise."""
+    if job_id_problem(job) or not store.exists(layout.spec_key(job)):
+        raise NotHere(f"no job {job!r}")
+    return job
+
+
+def checked_image(store: Store, job: str, name: str) -> str:
+    """``name`` when it is an image the job has; NotHere otherwise."""
+    if name_problem(name) or not store.exists(layout.image_key(job, name)):
+        raise NotHere(f"job {job} has no image {name!r}")
+    return name
+
+
+def thumb_key(job: str, name: str) -> str:
+    return f"{layout.job_prefix(job)}thumbs/{name}.webp"
+
+
+def meta_key(job: str, name: str) -> str:
+    return f"{layout.job_prefix(job)}thumbs/{name}.json"
+
+
+def _names(store: Store, prefix: str, suffix: str) -> Iterator[str]:
+    for key in store.list(prefix):
+        if key.endswith(suffix):
+            yield key[len(prefix):-len(suffix)]
+
+
+def gallery_page(store: Store, job: str, page: int) -> tuple[list[str], bool]:
+    """One page of the job's image names, in the store's sorted order, and whether a next page exists.
+
+    The listing is a lazy iterator: a page reads only as far as its last name
+    (on S3, a 1000-key listing page at a time), never the whole job.
+    """
+    start = (page - 1) * PAGE_SIZE
+    names = list(islice(_names(store, layout.images_prefix(job), ".png"), start, start + PAGE_SIZE + 1))
+    return names[:PAGE_SIZE], len(names) > PAGE_SIZE
+
+
+def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[dict[str, Any]]:
+    """The first ``limit`` quarantined prompts of the job, each with its error."""
+    prefix = f"{layout.job_prefix(job)}quarantine/"
+    out = []
+    for name in islice(_names(store, prefix, ".json"), limit):
+        raw = store.get(layout.quarantine_key(job, name))
+        try:
+            record = json.loads(raw) if raw else {}
+        except ValueError:
+            record = {}
+        out.append({"name": name, "prompt": record.get("prompt", ""), "seed": record.get("seed"),
+                    "error": record.get("error", "quarantined"), "failures": record.get("failures")})
+    return out
+
+
+def image_meta(store: Store, job: str, name: str) -> dict[str, Any]:
+    """The prompt, seed and size of one image: from its cached record, else the PNG's text chunks."""
+    cached = store.get(meta_key(job, name))
+    if cached:
+        return dict(json.loads(cached))
+    thumbnail(store, job, name)
+    cached = store.get(meta_key(job, name))
+    return dict(json.loads(cached)) if cached else {"name": name}
+
+
+def thumbnail(store: Store, job: str, name: str) -> bytes:
+    """The image's thumbnail (WebP), made once and kept in the store beside the job's images,
+    with a small JSON record of its prompt, seed and size for the gallery's captions."""
+    cached = store.get(thumb_key(job, name))
+    if cached:
+        return cached
+    from PIL import Image
+
+    data = store.get(layout.image_key(job, name))
+    if data is None:
+        raise NotHere(f"job {job} has no image {name!r}")
+    with Image.open(io.BytesIO(data)) as image:
+        text = dict(getattr(image, "text", {}) or {})
+        meta = {"name": name, "prompt": text.get("prompt", ""), "negative_prompt": text.get("negative_prompt", ""),
+                "seed": text.get("seed", ""), "steps": text.get("steps", ""), "model": text.get("model", ""),
+                "size": f"{image.width}x{image.height}"}
+        small = image.convert("RGB")
+        small.thumbnail((THUMB_SIZE, THUMB_SIZE))
+        buf = io.BytesIO()
+        small.save(buf, format="WEBP", quality=80)
+    thumb = buf.getvalue()
+    store.put(meta_key(job, name), json.dumps(meta).encode(), content_type="application/json")
+    store.put(thumb_key(job, name), thumb, content_type="image/webp")
+    return thumb
+
+
+# ---- the token: a header, a cookie, or ?token= once ---------------------------------
+
+
+class TokenGate:
+    """Every request needs the token: ``Authorization: Bearer``, the cookie, or ``?token=``.
+
+    A page opened with a good ``?token=`` sets an HttpOnly cookie and redirects
+    to the same URL without it, so the token leaves the address bar and history.
+    """
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app, self.token = app, token.encode()
+
+    def good(self, given: str) -> bool:
+        return bool(given) and hmac.compare_digest(given.encode(), self.token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        header = request.headers.get("authorization", "")
+        bearer = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
+        query = request.query_params.get("token", "")
+        response: Response | None = None
+        if self.good(query) and request.method == "GET" and not scope["path"].startswith(("/api/", "/metrics")):
+            rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+            response = RedirectResponse(scope["path"] + (f"?{rest}" if rest else ""), status_code=303)
+            response.set_cookie(COOKIE, query, httponly=True, samesite="strict", path="/",
+                                secure=request.url.scheme == "https")
+        elif not (self.good(bearer) or self.good(query) or self.good(request.cookies.get(COOKIE, ""))):
+            response = PlainTextResponse("a token is required: Authorization: Bearer RENDERFLEET_HTTP_TOKEN, "
+                                         "or open the page once with ?token=\n", status_code=401,
+                                         headers={"WWW-Authenticate": "Bearer"})
+        if response is not None:
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# ---- the application ----------------------------------------------------------------
+
+
+def _job_view(st: JobStatus) -> dict[str, Any]:
+    out = asdict(st)
+    out["left"] = st.left
+    out["finished"] = st.finished
+    out["percent"] = round(100 * (st.done + st.failed) / st.total, 1) if st.total else 100.0
+    return out
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = round(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def _seen(last_seen: Any) -> str:
+    """A worker's state from its heartbeat: up, or silent for how long."""
+    try:
+        age = time.time() - float(last_seen)
+    except (TypeError, ValueError):
+        return "-"
+    return "up" if age < 30 else f"silent {_duration(age)}"
+
+
+def _money(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"${value:.{digits}f}"
+
+
+def make_app(source: StatusSource, prices: dict[str, float], token: str | None, *,
+             client: redis.Redis | None = None, store: Store | None = None,
+             registry: CollectorRegistry | None = None) -> ASGIApp:
+    """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when given."""
+    from dispatcher.http import FleetCollector
+
+    if registry is None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(FleetCollector(source, prices))  # type: ignore[arg-type]
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.filters["duration"] = _duration
+    templates.env.filters["money"] = _money
+    templates.env.filters["seen"] = _seen
+
+    def need_store() -> Store:
+        if store is None:
+            raise NotHere("this endpoint serves no store")
+        return store
+
+    def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    def api_status(request: Request) -> Response:
+        return JSONResponse(source().to_dict())
+
+    def api_autoscale(request: Request) -> Response:
+        fleet = source()
+        return JSONResponse({"pools": {p: {"workers": fleet.pool_sizes().get(p, 0), "desired": n}
+                                       for p, n in fleet.desired.items()},
+                             "backlog_seconds": fleet.backlog_seconds})
+
+    def index(request: Request) -> Response:
+        fleet = source()
+        return templates.TemplateResponse(request, "index.html", {
+            "fleet": fleet, "jobs": [_job_view(j) for j in fleet.jobs], "pool_sizes": fleet.pool_sizes(),
+            "charts": charts(client) if client is not None else [], "priced": bool(prices)})
+
+    def job_data(request: Request) -> dict[str, Any]:
+        st = need_store()
+        job = checked_job(st, request.path_params["job"])
+        try:
+            page = max(1, int(request.query_params.get("page", "1")))
+        except ValueError:
+            page = 1
+        if client is None:
+            raise NotHere("this endpoint serves no job pages")
+        try:
+            fleet = fleet_status(client, [job], store=st, prices=prices)
+        except JobNotFound as exc:
+            raise NotHere(str(exc)) from exc
+        status = fleet.jobs[0]
+        names, more = gallery_page(st, job, page)
+        pages = max(1, -(-status.done // PAGE_SIZE))
+        return {"job": _job_view(status), "page": page, "pages": max(pages, page + 1 if more else page),
+                "page_size": PAGE_SIZE, "images": names, "more": more, "quarantined": quarantined(st, job)}
+
+    def job_page(request: Request) -> Response:
+        data = job_data(request)
+        return templates.TemplateResponse(request, "job.html", {**data, "priced": bool(prices)})
+
+    def api_job(request: Request) -> Response:
+        return JSONResponse(job_data(request))
+
+    def image_parts(request: Request) -> tuple[Store, str, str]:
+        st = need_store()
+        job = checked_job(st, request.path_params["job"])
+        return st, job, checked_image(st, job, request.path_params["name"])
+
+    def thumb(request: Request) -> Response:
+        st, job, name = image_parts(request)
+        return Response(thumbnail(st, job, name), media_type="image/webp",
+                        headers={"Cache-Control": "private, max-age=86400"})
+
+    def image(request: Request) -> Response:
+        st, job, name = image_parts(request)
+        data = st.get(layout.image_key(job, name))
+        if data is None:
+            raise NotHere(f"job {job} has no image {name!r}")
+        return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400"})
+
+    def api_image(request: Request) -> Response:
+        st, job, name = image_parts(request)
+        return JSONResponse(image_meta(st, job, name))
+
+    async def not_here(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(f"not found: {exc}\n", status_code=404)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse("not found: /, /jobs/JOB, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n",
+                                 status_code=404)
+
+    routes = [
+        Route("/", index),
+        Route("/metrics", metrics),
+        Route("/api/status", api_status),
+        Route("/api/autoscale", api_autoscale),
+        Route("/api/jobs/{job}", api_job),
+        Route("/api/jobs/{job}/images/{name}", api_image),
+        Route("/jobs/{job}", job_page),
+        Route("/jobs/{job}/thumbs/{name}", thumb),
+        Route("/jobs/{job}/images/{name}", image),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, 404: not_found})
+    return TokenGate(app, token) if token is not None else app
