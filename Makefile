@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-unit test-integration chaos bench lint clean
+.PHONY: install browser run test test-unit test-integration chaos bench lint clean
 
 install: $(VENV)/.installed
 
@@ -18,7 +18,6 @@ install: $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(VENV)/.installed: pyproject.toml Makefile
-	[ -x /usr/bin/chromium ] || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e '.[worker,dev]'
@@ -30,7 +29,11 @@ run: install
 	$(BIN)/renderfleet run examples/prompts.txt --workers 2 --model tiny --steps 4 --size 64x64 \
 		--shard-size 4 --batch-size 4
 
-test: install lint
+# Only the tests need a browser: `make run` and `make install` never install one.
+browser:
+	[ -x /usr/bin/chromium ] || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+
+test: install browser lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 test-unit: install
