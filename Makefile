@@ -39,7 +39,7 @@ test: install browser lint
 test-unit: install
 	$(BIN)/pytest -q tests/unit
 
-test-integration: install
+test-integration: install browser
 	$(BIN)/pytest -q tests/integration
 
 # The long chaos run: 400 prompts, 3 workers, random SIGKILLs, a spot notice, workers SIGSTOPped past
