@@ -21,6 +21,7 @@ from renderfleet import spec as layout
 from renderfleet.celery_app import QUEUE_PREFIX
 from renderfleet.errors import InputError, JobNotFound
 from renderfleet.spec import job_id_problem, store_identity
+from renderfleet.states import ShardState
 from renderfleet.store import Store
 
 
@@ -134,7 +135,7 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     queued = running = sq = sr = 0
     for shard, state in states.items():
         n = _int(left.get(shard))
-        if state == b"q":
+        if keys.text(state) == ShardState.QUEUED:
             queued += n
             sq += 1
         else:

@@ -26,6 +26,7 @@ from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed,
 from renderfleet.leases import Leases
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity
+from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.ledger import LeaseKeeper, RedisLedger
 from worker.models import model_allowed
@@ -67,8 +68,7 @@ def new_worker_id(pool: str) -> str:
 class Outcome:
     """What became of one delivery (for logs and tests)."""
 
-    # done | partial | busy | finished-before | handed-back | fenced | error | rejected | device-error
-    status: str
+    status: TaskOutcome
     rendered: int = 0
 
 
@@ -149,7 +149,7 @@ class WorkerService:
         raw = message if isinstance(message, str) else json.dumps(message)
         msg = self._accept(raw)
         if msg is None:
-            return Outcome("rejected")
+            return Outcome(TaskOutcome.REJECTED)
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
@@ -158,7 +158,7 @@ class WorkerService:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
         if lease is None:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
-            return Outcome("busy" if status == "busy" else "finished-before")
+            return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
         log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
         keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
                              self.settings.lease_seconds)
@@ -180,12 +180,12 @@ class WorkerService:
                 self.stop.clear_fence()
                 self._pool_bump(fenced=1)
                 log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
-                return Outcome("fenced")
-            self._hand_back(lease, "front")
+                return Outcome(TaskOutcome.FENCED)
+            self._hand_back(lease, Release.FRONT)
             noticed = self.stop.noticed_at or time.monotonic()
             self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
             log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
-            return Outcome("handed-back")
+            return Outcome(TaskOutcome.HANDED_BACK)
         except DeviceError as exc:
             # The node's accelerator, not the prompts: nothing counted, the shard to the
             # front of the queue for another node, and this worker stops (EXIT_DEVICE).
@@ -194,34 +194,34 @@ class WorkerService:
             self.stop.request(f"device error: {exc}")
             log.error("shard %s:%d handed back: device error, this worker stops taking work: %s",
                       msg.job, msg.shard, exc)
-            self._safe_hand_back(lease, "front")
-            return Outcome("device-error")
+            self._safe_hand_back(lease, Release.FRONT)
+            return Outcome(TaskOutcome.DEVICE_ERROR)
         except (TransientError, redis.RedisError) as exc:
             keeper.close()
             log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
-            self._safe_hand_back(lease, "back")
+            self._safe_hand_back(lease, Release.BACK)
             time.sleep(1.0)  # do not spin on a store outage
-            return Outcome("error")
+            return Outcome(TaskOutcome.ERROR)
         except Exception:
             # A model that will not load, a bug: this worker's fault until proven otherwise.
             keeper.close()
             log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
-            self._safe_hand_back(lease, "back")
+            self._safe_hand_back(lease, Release.BACK)
             self._count_failure(True)
-            return Outcome("error")
+            return Outcome(TaskOutcome.ERROR)
         finally:
             if ours is not None:
                 self.runner.renderer = ours
         keeper.close()
         self._count_failure(result.all_failed)
         if result.complete:
-            self.leases.release(lease, "done")
+            self.leases.release(lease, Release.DONE)
             log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
                      msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
-            return Outcome("done", result.rendered)
+            return Outcome(TaskOutcome.DONE, result.rendered)
         # Some prompts failed but are not yet quarantined: back of the queue, try again later.
-        self._hand_back(lease, "back")
-        return Outcome("partial", result.rendered)
+        self._hand_back(lease, Release.BACK)
+        return Outcome(TaskOutcome.PARTIAL, result.rendered)
 
     def _accept(self, raw: str) -> ShardMessage | None:
         """The message, if it may be rendered here; None (and one log line) if not.
@@ -270,12 +270,12 @@ class WorkerService:
             return None
         return msg
 
-    def _hand_back(self, lease: Any, where: str) -> None:
+    def _hand_back(self, lease: Any, where: Release) -> None:
         message = self.leases.release(lease, where)
         if message is not None:
             self.publish(message)
 
-    def _safe_hand_back(self, lease: Any, where: str) -> None:
+    def _safe_hand_back(self, lease: Any, where: Release) -> None:
         try:
             self._hand_back(lease, where)
         except redis.RedisError as exc:
