@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -23,7 +23,7 @@ from renderfleet import keys
 from renderfleet import spec as layout
 from renderfleet.celery_app import Envelope
 from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, TransientError
-from renderfleet.leases import Leases
+from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
@@ -31,8 +31,11 @@ from renderfleet.store import Store
 from worker.ledger import LeaseKeeper, RedisLedger
 from worker.models import model_allowed
 from worker.render import is_device_error
-from worker.runner import ShardRunner
+from worker.runner import ShardResult, ShardRunner
 from worker.stop import StopSignal
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -106,6 +109,39 @@ class WorkerService:
         self._registration = ""
         self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
 
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        app: Celery,
+        url: str,
+        worker_id: str,
+        model: str,
+        renderer: Any,
+        load_model: Callable[[str], Any] | None = None,
+    ) -> WorkerService:
+        """The service of a worker process: its Redis client, store, stop signal and publisher from ``settings``.
+
+        ``app`` is the worker's Celery app (it publishes hand-backs and builds
+        fresh envelopes); ``url`` its Redis.  Opens no connection yet.
+        """
+        from renderfleet import celery_app
+        from renderfleet.store import open_store
+
+        return cls(
+            settings=settings,
+            client=redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10),
+            store=open_store(settings.store_url, settings.s3_options),
+            renderer=renderer,
+            model=model,
+            stop=StopSignal(),
+            publish=celery_app.publisher(app),
+            worker_id=worker_id,
+            load_model=load_model,
+            envelope=celery_app.envelope_factory(app),
+        )
+
     # ---- registration and counters ------------------------------------------------
 
     def register(self, *, device: str, load_seconds: float) -> None:
@@ -160,22 +196,9 @@ class WorkerService:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
             return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
         log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
-        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
-                             self.settings.lease_seconds)
-        keeper.start()
-        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool)
-        ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         try:
-            if msg.params.model != self.model:
-                try:
-                    self._switch_model(msg.params.model)  # after the claim: a duplicate costs no load
-                except ModelLoadError as exc:
-                    # The job's fault: its prompts fail with the reason, this worker goes on.
-                    log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
-                    ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
-            result = self.runner.run(msg, ledger, attempt=lease.attempt)
+            result = self._run_claimed(msg, lease)
         except Reclaimed as exc:
-            keeper.close()
             if exc.fenced or self.stop.fenced:
                 self.stop.clear_fence()
                 self._pool_bump(fenced=1)
@@ -189,7 +212,6 @@ class WorkerService:
         except DeviceError as exc:
             # The node's accelerator, not the prompts: nothing counted, the shard to the
             # front of the queue for another node, and this worker stops (EXIT_DEVICE).
-            keeper.close()
             self.device_failed = self.tripped = True
             self.stop.request(f"device error: {exc}")
             log.error("shard %s:%d handed back: device error, this worker stops taking work: %s",
@@ -197,22 +219,16 @@ class WorkerService:
             self._safe_hand_back(lease, Release.FRONT)
             return Outcome(TaskOutcome.DEVICE_ERROR)
         except (TransientError, redis.RedisError) as exc:
-            keeper.close()
             log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
             self._safe_hand_back(lease, Release.BACK)
             time.sleep(1.0)  # do not spin on a store outage
             return Outcome(TaskOutcome.ERROR)
         except Exception:
             # A model that will not load, a bug: this worker's fault until proven otherwise.
-            keeper.close()
             log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
             self._safe_hand_back(lease, Release.BACK)
             self._count_failure(True)
             return Outcome(TaskOutcome.ERROR)
-        finally:
-            if ours is not None:
-                self.runner.renderer = ours
-        keeper.close()
         self._count_failure(result.all_failed)
         if result.complete:
             self.leases.release(lease, Release.DONE)
@@ -222,6 +238,32 @@ class WorkerService:
         # Some prompts failed but are not yet quarantined: back of the queue, try again later.
         self._hand_back(lease, Release.BACK)
         return Outcome(TaskOutcome.PARTIAL, result.rendered)
+
+    def _run_claimed(self, msg: ShardMessage, lease: Lease) -> ShardResult:
+        """Render a claimed shard while a keeper renews its lease.
+
+        The keeper is closed once, in ``finally``, before the caller releases
+        or hands back the shard: a renewal after a hand-back would bring the
+        lease back and make the next claim of the shard look like a duplicate.
+        """
+        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
+                             self.settings.lease_seconds)
+        keeper.start()
+        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool)
+        ours = None  # our renderer, set aside while an Unloadable stands in for one shard
+        try:
+            if msg.params.model != self.model:
+                try:
+                    self._switch_model(msg.params.model)  # after the claim: a duplicate costs no load
+                except ModelLoadError as exc:
+                    # The job's fault: its prompts fail with the reason, this worker goes on.
+                    log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
+                    ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
+            return self.runner.run(msg, ledger, attempt=lease.attempt)
+        finally:
+            keeper.close()
+            if ours is not None:
+                self.runner.renderer = ours
 
     def _accept(self, raw: str) -> ShardMessage | None:
         """The message, if it may be rendered here; None (and one log line) if not.
