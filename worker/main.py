@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings
 from worker import tasks
 from worker.models import model_allowed
+from worker.protection import InstanceProtection, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from worker.render import is_device_error
 from worker.service import WorkerService, new_worker_id
@@ -74,12 +76,11 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     tasks.install_queue_guard()
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
 
-    def on_tick() -> None:
-        service.touch()
-        if service.tripped:
-            tasks.request_warm_shutdown()
-
-    reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds, on_tick=on_tick)
+    protection = None
+    if settings.aws_autoscaling_group:
+        protection = InstanceProtection(settings.aws_autoscaling_group, metadata_url=settings.aws_metadata_url)
+    reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
+                          on_tick=worker_tick(service, protection))
     reaper.start()
     watcher = None
     if settings.watch_reclaim:
@@ -114,6 +115,19 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)
+
+
+def worker_tick(service: WorkerService, protection: InstanceProtection | None = None) -> Callable[[], None]:
+    """What the worker does at every reaper tick: liveness, scale-in protection, the breaker."""
+
+    def on_tick() -> None:
+        service.touch()
+        if protection is not None:
+            update_protection(protection, service.busy)
+        if service.tripped:
+            tasks.request_warm_shutdown()
+
+    return on_tick
 
 
 def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> None:

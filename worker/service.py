@@ -107,6 +107,7 @@ class WorkerService:
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
         self._registration = ""
+        self._lease: Lease | None = None  # the shard being handled, if any
         self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
 
     @classmethod
@@ -196,6 +197,19 @@ class WorkerService:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
             return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
         log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
+        self._lease = lease
+        try:
+            return self._handle_claimed(msg, lease)
+        finally:
+            self._lease = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether this worker holds a shard's lease right now (scale-in protection asks)."""
+        return self._lease is not None
+
+    def _handle_claimed(self, msg: ShardMessage, lease: Lease) -> Outcome:
+        """Render a claimed shard, then release it or hand it back: one ``except`` per outcome."""
         try:
             result = self._run_claimed(msg, lease)
         except Reclaimed as exc:
