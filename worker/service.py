@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import keys
-from renderfleet import spec as layout
+from renderfleet import keys, spec
 from renderfleet.celery_app import Envelope
 from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, TransientError
 from renderfleet.leases import Lease, Leases
@@ -321,7 +320,7 @@ class WorkerService:
                 or any(p.index not in span for p in msg.prompts):
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             return None
-        if not self.store.exists(layout.spec_key(msg.job)) and stored:  # StoreError: transient
+        if not self.store.exists(spec.spec_key(msg.job)) and stored:  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
         return msg
