@@ -1,7 +1,7 @@
 """Shards onto the queue, fast: pipelined, one small JSON message per shard.
 
 A shard's message is a JSON string built from the prompts' compact wire form
-(``Prompt.to_wire``, or a .txt file's bare texts), so a prompt is serialised
+(``prompts.iter_wire``, or a .txt file's bare texts), so a prompt is serialised
 once on its way from the file to Redis.  Publishing a million prompts means
 ~10,000 Celery messages; one ``send_task`` each costs about half a
 millisecond in kombu's publish path, so instead each shard's kombu envelope
@@ -50,13 +50,10 @@ class WireShard:
     start: int = 0
 
 
-def message_json(spec: JobSpec, queue: str, shard: WireShard, store: str = "") -> str:
-    """The task argument for one shard (decoded by ``ShardMessage.from_dict``)."""
-    return message_builder(spec, queue, store)(shard)
-
-
 def message_builder(spec: JobSpec, queue: str, store: str = "") -> Callable[[WireShard], str]:
-    """``message_json`` for one job, with everything but the shard serialised once.
+    """The task argument of each shard of one job (decoded by ``ShardMessage.from_dict``).
+
+    Everything but the shard is serialised once.
 
     ``store`` is the job's store (``spec.store_identity``): only a worker
     writing to that store takes the shard.

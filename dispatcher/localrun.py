@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dispatcher.monitor import Monitor
 from dispatcher.status import job_status
-from renderfleet import spec as layout
+from renderfleet import spec
 from renderfleet.embedded import broker_url
 from renderfleet.settings import Settings
 from renderfleet.store import open_store
@@ -102,7 +102,7 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
     finally:
         stop_workers(procs)
     elapsed = time.monotonic() - started
-    where = store.locate(f"{layout.job_prefix(result.id)}images")
+    where = store.locate(f"{spec.job_prefix(result.id)}images")
     rendered = max(0, st.done - done_before)
     console.print(f"job {result.id}: {st.done} images ({rendered} rendered by this run), {st.failed} quarantined, "
                   f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.resume import load_spec, stored_names, stored_prompts
-from renderfleet import spec as layout
+from renderfleet import spec
 from renderfleet.errors import InputError
 from renderfleet.spec import Prompt
 from renderfleet.store import Store
@@ -34,23 +34,23 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
 
     ``attempts`` maps a shard to its deliveries (from Redis, when it knows the job).
     """
-    spec = load_spec(store, job)
+    job_spec = load_spec(store, job)
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine") - images
-    for name, line in stored_prompts(store, spec):
-        p = Prompt.from_wire(json.loads(line), spec.params)
+    for name, line in stored_prompts(store, job_spec):
+        p = Prompt.from_wire(json.loads(line), job_spec.params)
         error = ""
         if name in images:
-            status, image = "done", store.locate(layout.image_key(job, name))
+            status, image = "done", store.locate(spec.image_key(job, name))
         elif name in quarantined:
-            record = store.get(layout.quarantine_key(job, name))
+            record = store.get(spec.quarantine_key(job, name))
             status, image, error = "quarantined", "", json.loads(record)["error"] if record else "quarantined"
         else:
             status, image = "missing", ""
         yield {"index": p.index, "id": p.name, "prompt": p.prompt, "negative_prompt": p.negative_prompt,
                "seed": p.seed, "steps": p.steps, "guidance": p.guidance, "width": p.width, "height": p.height,
-               "model": spec.params.model, "image": image, "status": status, "error": error,
-               "attempts": (attempts or {}).get(p.index // spec.shard_size, 0), "pool": spec.pool}
+               "model": job_spec.params.model, "image": image, "status": status, "error": error,
+               "attempts": (attempts or {}).get(p.index // job_spec.shard_size, 0), "pool": job_spec.pool}
 
 
 def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:
@@ -120,7 +120,7 @@ def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb
     sheet = Image.new("RGB", (cols * thumb, rows * (thumb + label)), "white")
     draw = ImageDraw.Draw(sheet)
     for i, name in enumerate(names):
-        data = store.get(layout.image_key(job, name))
+        data = store.get(spec.image_key(job, name))
         if data is None:
             continue
         with Image.open(io.BytesIO(data)) as img:

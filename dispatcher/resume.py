@@ -24,9 +24,7 @@ from celery import Celery
 
 from dispatcher import enqueue
 from dispatcher.enqueue import WireShard
-from renderfleet import keys
-from renderfleet import prompts as prompt_files
-from renderfleet import spec as layout
+from renderfleet import keys, prompts, spec
 from renderfleet.celery_app import queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.spec import JobSpec, index_name, job_id_problem, store_identity
@@ -49,7 +47,7 @@ def load_spec(store: Store, job: str) -> JobSpec:
     """The job's spec from the store; JobNotFound when the store does not hold the job."""
     if why := job_id_problem(job):
         raise InputError([f"JOB: {why}"])
-    data = store.get(layout.spec_key(job))
+    data = store.get(spec.spec_key(job))
     if data is None:
         raise JobNotFound(f"no job {job} in store {store.url}")
     return JobSpec.from_json(data)
@@ -67,7 +65,7 @@ def jobs_redis_forgot(client: redis.Redis, store: Store) -> list[str]:
     what a Redis that lost its memory leaves for the monitor to resume.  One
     listing, then one existence check per job Redis does not know."""
     known = {keys.text(j) for j in client.smembers(keys.JOBS)}
-    return [job for job in store_jobs(store) if job not in known and store.exists(layout.spec_key(job))]
+    return [job for job in store_jobs(store) if job not in known and store.exists(spec.spec_key(job))]
 
 
 def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
@@ -82,17 +80,17 @@ def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
 
 def stored_names(store: Store, job: str, what: str) -> set[str]:
     """Names of the job's images (``what='images'``) or quarantined prompts."""
-    prefix = f"{layout.job_prefix(job)}{what}/"
+    prefix = f"{spec.job_prefix(job)}{what}/"
     suffix = ".png" if what == "images" else ".json"
     return {key[len(prefix) : -len(suffix)] for key in store.list(prefix) if key.endswith(suffix)}
 
 
-def stored_prompts(store: Store, spec: JobSpec) -> Iterator[tuple[str, str]]:
+def stored_prompts(store: Store, job_spec: JobSpec) -> Iterator[tuple[str, str]]:
     """(image name, wire JSON) of each of the job's prompts, read again from the stored file."""
     with tempfile.TemporaryDirectory(prefix="rf-prompts-") as tmp:
-        local = Path(tmp) / spec.prompts_key.rpartition("/")[2]
-        store.download(spec.prompts_key, local)
-        for i, line in enumerate(prompt_files.iter_wire(str(local), spec.params)):
+        local = Path(tmp) / job_spec.prompts_key.rpartition("/")[2]
+        store.download(job_spec.prompts_key, local)
+        for i, line in enumerate(prompts.iter_wire(str(local), job_spec.params)):
             # Only a prompt with an id carries "n"; the rest are named by index.
             yield json.loads(line).get("n") or index_name(i), line
 
@@ -107,10 +105,10 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     script that rebuilds a shard's bits and count from that listing skips it
     if it was leased then or has been claimed since (``core/lua/publish.lua``).
     """
-    spec = load_spec(store, job)
+    job_spec = load_spec(store, job)
     owner = store_identity(store.url)
     enqueue.check_owner(client, job, owner)
-    queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(spec.pool)
+    queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(job_spec.pool)
     known = bool(client.exists(keys.job(job)))
     attempts = {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
     seconds, micros = client.time()
@@ -120,22 +118,22 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
               if keys.text(m).startswith(prefix)}
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
-    enqueue.register_job(client, spec, queue, owner, stored=True)
+    enqueue.register_job(client, job_spec, queue, owner, stored=True)
 
     def shards() -> Iterator[WireShard]:
         current: list[str] = []
         marks: list[str] = []
         shard = 0
-        for i, (name, line) in enumerate(stored_prompts(store, spec)):
+        for i, (name, line) in enumerate(stored_prompts(store, job_spec)):
             current.append(line)
             marks.append("d" if name in images else "f" if name in quarantined else "-")
-            if len(current) == spec.shard_size or i == spec.total - 1:
+            if len(current) == job_spec.shard_size or i == job_spec.total - 1:
                 if shard not in leased and (only is None or shard in only):
                     text = "".join(marks)
                     yield WireShard(shard, text.count("-"), prompts_json=current, expect=attempts.get(shard, 0),
-                                    marks=text, start=shard * spec.shard_size)
+                                    marks=text, start=shard * job_spec.shard_size)
                 shard += 1
                 current, marks = [], []
 
-    sent = enqueue.publish_shards(app, client, spec, queue, shards(), store=owner, front=front)
-    return ResumeReport(job, spec.total, len(images), len(quarantined - images), sent, not known)
+    sent = enqueue.publish_shards(app, client, job_spec, queue, shards(), store=owner, front=front)
+    return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known)

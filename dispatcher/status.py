@@ -16,11 +16,11 @@ from typing import Any
 import redis
 
 from dispatcher.resume import jobs_only_in_store, load_spec, stored_names, stored_prompts
-from renderfleet import keys
-from renderfleet import spec as layout
+from renderfleet import keys, spec
 from renderfleet.celery_app import QUEUE_PREFIX
 from renderfleet.errors import InputError, JobNotFound
 from renderfleet.spec import job_id_problem, store_identity
+from renderfleet.states import ShardState
 from renderfleet.store import Store
 
 
@@ -125,25 +125,25 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     if total is None:
         if store is None:
             raise JobNotFound(f"no job {job} in Redis")
-        spec = load_spec(store, job)
+        job_spec = load_spec(store, job)
         images = stored_names(store, job, "images")
         # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
         quarantined = stored_names(store, job, "quarantine") - images
-        return JobStatus(job, spec.total, len(images), len(quarantined), 0, 0, spec.shards, 0, 0, False,
-                         _megapixel_steps(spec.params.to_dict()))
+        return JobStatus(job, job_spec.total, len(images), len(quarantined), 0, 0, job_spec.shards, 0, 0, False,
+                         _megapixel_steps(job_spec.params.to_dict()))
     queued = running = sq = sr = 0
     for shard, state in states.items():
         n = _int(left.get(shard))
-        if state == b"q":
+        if keys.text(state) == ShardState.QUEUED:
             queued += n
             sq += 1
         else:
             running += n
             sr += 1
-    spec = json.loads(spec_json) if spec_json else {}
-    shards = -(-int(spec.get("total", 0)) // int(spec.get("shard_size", 1)))
+    registered = json.loads(spec_json) if spec_json else {}
+    shards = -(-int(registered.get("total", 0)) // int(registered.get("shard_size", 1)))
     st = JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True,
-                   _megapixel_steps(spec.get("params", {})))
+                   _megapixel_steps(registered.get("params", {})))
     _add_progress(st, {keys.text(k): int(v) for k, v in stats.items()}, [keys.text(p) for p in progress],
                   [int(a) for a in attempts])
     return st
@@ -213,8 +213,8 @@ def check_in_store(store: Store, job: str) -> None:
     """JobNotFound unless ``store`` holds the job's spec: the store is the truth."""
     if why := job_id_problem(job):
         raise InputError([f"JOB: {why}"])
-    if not store.exists(layout.spec_key(job)):
-        raise JobNotFound(f"no job {job} in store {store.url} (no {layout.spec_key(job)}: the store was "
+    if not store.exists(spec.spec_key(job)):
+        raise JobNotFound(f"no job {job} in store {store.url} (no {spec.spec_key(job)}: the store was "
                           "emptied, or the job is still being submitted)")
 
 
@@ -270,15 +270,15 @@ class Results:
 
 def results(store: Store, job: str) -> Results:
     """Where each prompt's image is, and which are missing or quarantined."""
-    spec = load_spec(store, job)
+    job_spec = load_spec(store, job)
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     out = Results(job, {}, [], {})
-    for name, _ in stored_prompts(store, spec):
+    for name, _ in stored_prompts(store, job_spec):
         if name in images:
-            out.images[name] = store.locate(layout.image_key(job, name))
+            out.images[name] = store.locate(spec.image_key(job, name))
         elif name in quarantined:
-            record = store.get(layout.quarantine_key(job, name))
+            record = store.get(spec.quarantine_key(job, name))
             out.quarantined[name] = json.loads(record)["error"] if record else "quarantined"
         else:
             out.missing.append(name)

@@ -30,8 +30,7 @@ from celery import Celery
 
 from dispatcher import enqueue
 from dispatcher.enqueue import WireShard
-from renderfleet import prompts as prompt_files
-from renderfleet import spec as layout
+from renderfleet import prompts, spec
 from renderfleet.errors import InputError
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, store_identity
 from renderfleet.store import Store
@@ -64,9 +63,9 @@ def check_options(opts: SubmitOptions) -> None:
                               ("--size", "height", p.height), ("--seed", "seed", p.seed),
                               ("--shard-size", "shard_size", opts.shard_size),
                               ("--batch-size", "batch_size", opts.batch_size)):
-        if why := layout.int_problem(name, value):
+        if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
-    if why := layout.guidance_problem(p.guidance):
+    if why := spec.guidance_problem(p.guidance):
         problems.append(f"--guidance: {why}")
     if opts.job is not None and (why := job_id_problem(opts.job)):
         problems.append(f"--job: {why}")
@@ -88,7 +87,7 @@ def job_id(digest: str, params: RenderParams, store: str) -> str:
 
 
 def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client: redis.Redis,
-           queue: str, summary: prompt_files.FileSummary | None = None, source: str | None = None) -> SubmitResult:
+           queue: str, summary: prompts.FileSummary | None = None, source: str | None = None) -> SubmitResult:
     """Validate, write and enqueue a prompt file; see the module docstring.
 
     ``summary`` is pass 1's result when the caller already validated the file;
@@ -97,11 +96,11 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     started = time.perf_counter()
     check_options(opts)
     if summary is None:
-        summary = prompt_files.validate_file(path)
+        summary = prompts.validate_file(path)
     owner = store_identity(store.url)
     job = opts.job or job_id(summary.digest, opts.params, owner)
 
-    existing = store.get(layout.spec_key(job))
+    existing = store.get(spec.spec_key(job))
     if existing is not None:
         from dispatcher.resume import resume
 
@@ -116,42 +115,42 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     enqueue.check_owner(client, job, owner)
     # Whatever this Redis counted of the job is not in this store: forget it.
     enqueue.forget_counts(client, job)
-    fmt, gzipped = prompt_files.detect_format(path)
-    spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
-                   batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
-                   prompts_key=layout.source_key(job, fmt, gzipped), created=time.time())
-    enqueue.register_job(client, spec, queue, owner)
+    fmt, gzipped = prompts.detect_format(path)
+    job_spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
+                       batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
+                       prompts_key=spec.source_key(job, fmt, gzipped), created=time.time())
+    enqueue.register_job(client, job_spec, queue, owner)
     # The upload (network or disk, the GIL released) overlaps the publishing.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-upload") as pool:
-        upload = pool.submit(store.put_file, spec.prompts_key, Path(path))
-        sent = enqueue.publish_shards(app, client, spec, queue, _wire_shards(path, spec), store=owner)
+        upload = pool.submit(store.put_file, job_spec.prompts_key, Path(path))
+        sent = enqueue.publish_shards(app, client, job_spec, queue, _wire_shards(path, job_spec), store=owner)
         upload.result()
-    store.put(layout.spec_key(job), spec.to_json().encode(), content_type="application/json")
+    store.put(spec.spec_key(job), job_spec.to_json().encode(), content_type="application/json")
     enqueue.mark_stored(client, job)
-    return SubmitResult(job, spec.total, sent, True, time.perf_counter() - started)
+    return SubmitResult(job, job_spec.total, sent, True, time.perf_counter() - started)
 
 
-def _wire_shards(path: str, spec: JobSpec) -> Iterator[WireShard]:
+def _wire_shards(path: str, job_spec: JobSpec) -> Iterator[WireShard]:
     """Pass 2: the prompts' wire JSON, a shard at a time."""
-    if prompt_files.detect_format(path)[0] == "txt":
+    if prompts.detect_format(path)[0] == "txt":
         # The million-line case: a shard is a JSON list of texts, one C call.
         dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
         texts: list[str] = []
         shard = 0
-        for text in prompt_files.iter_texts(path):
+        for text in prompts.iter_texts(path):
             texts.append(text)
-            if len(texts) == spec.shard_size:
-                yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * spec.shard_size)
+            if len(texts) == job_spec.shard_size:
+                yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * job_spec.shard_size)
                 shard += 1
                 texts = []
         if texts:
-            yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * spec.shard_size)
+            yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * job_spec.shard_size)
         return
     current: list[str] = []
     shard = 0
-    for line in prompt_files.iter_wire(path, spec.params):
+    for line in prompts.iter_wire(path, job_spec.params):
         current.append(line)
-        if len(current) == spec.shard_size:
+        if len(current) == job_spec.shard_size:
             yield WireShard(shard, len(current), prompts_json=current)
             shard += 1
             current = []

@@ -181,11 +181,11 @@ class Client:
                     source: str | None = None, label: str | None = None, by_item: bool = False) -> Job:
         """Submit the prompt file at ``path`` (validated first, before any connection)."""
         from dispatcher.submit import submit
-        from renderfleet import prompts as prompt_files
+        from renderfleet import prompts
         from renderfleet.celery_app import queue_name
 
         try:
-            summary = summary or prompt_files.validate_file(path)
+            summary = summary or prompts.validate_file(path)
         except InputError as exc:
             raise (_renamed(exc, path, label, by_item) if label else exc) from None
         warnings = [_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings]

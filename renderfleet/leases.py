@@ -49,6 +49,7 @@ import redis
 from renderfleet import keys, testhooks
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope
 from renderfleet.errors import Reclaimed
+from renderfleet.states import ClaimAnswer, Release
 
 # The scripts live in renderfleet/lua/, each with a header naming its KEYS and ARGV;
 # common.lua (Redis's clock, the enqueue record) is prepended to each.
@@ -154,8 +155,8 @@ class Leases:
 
     def claim(
         self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str
-    ) -> tuple[str, Lease | None]:
-        """Take a shard: ('ok', lease), ('busy', None) or ('done', None)."""
+    ) -> tuple[ClaimAnswer, Lease | None]:
+        """Take a shard: (OK, lease), (BUSY, None) or (DONE, None)."""
         raw = self.client.hget(UNACKED_KEY, tag) if tag else None
         requeue = requeue_payload(raw)
         if not requeue and self.envelope is not None:
@@ -170,10 +171,10 @@ class Leases:
             args=[shard, keys.member(job, shard), worker, queue, tag, requeue, message, self.lease_ms,
                   keys.QUEUED_PREFIX, requeue_tag],
         )
-        status = keys.text(status)
-        if status != "ok":
-            return status, None
-        return status, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, requeue_tag)
+        answer = ClaimAnswer(keys.text(status))
+        if answer is not ClaimAnswer.OK:
+            return answer, None
+        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, requeue_tag)
 
     def heartbeat(self, lease: Lease) -> bool:
         """Renew (or re-create) the lease; False means fenced: stop now."""
@@ -215,18 +216,20 @@ class Leases:
             raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
         return count
 
-    def release(self, lease: Lease, outcome: str) -> str | None:
-        """Finish ('done') or hand the shard back ('front' of the queue, or 'back').
+    def release(self, lease: Lease, outcome: Release | str) -> str | None:
+        """Finish (DONE) or hand the shard back (to the FRONT of the queue, or the BACK).
 
         Returns the shard message when the caller must publish it itself.
         """
-        if outcome not in ("done", "front", "back"):
-            raise ValueError(f"outcome must be done, front or back, got {outcome!r}")
+        try:
+            outcome = Release(outcome)
+        except ValueError:
+            raise ValueError(f"outcome must be done, front or back, got {outcome!r}") from None
         result = self._release(
             keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
                   keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
                   keys.ENQUEUED, keys.SEQ, keys.QUEUES],
-            args=[lease.shard, lease.member, lease.attempt, outcome, lease.worker, keys.QUEUED_PREFIX],
+            args=[lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX],
         )
         if isinstance(result, list) and result and int(result[0]) == 2:
             return keys.text(result[1]) or None

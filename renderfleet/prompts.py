@@ -226,13 +226,13 @@ def iter_texts(path: str) -> Iterator[str]:
         raise InputError([f"{path}: cannot read: {_os_reason(exc)}"]) from exc
 
 
-# A row's field -> its key in the wire form (spec.Prompt.to_wire / from_wire).
+# A row's field -> its key in the wire form (read by spec.Prompt.from_wire).
 _WIRE_KEYS = {"prompt": "p", "id": "n", "negative_prompt": "neg", "seed": "s", "steps": "steps",
               "guidance": "g", "width": "w", "height": "h"}
 
 
 def iter_wire(path: str, params: RenderParams) -> Iterator[str]:
-    """Pass 2 for the dispatcher: each prompt as its wire JSON (``Prompt.to_wire``).
+    """Pass 2 for the dispatcher: each prompt as its wire JSON (``Prompt.from_wire`` reads it).
 
     The same prompts as :func:`iter_prompts`, already serialised for the shard
     messages and the stored prompt list.  For ``.txt`` (the million-line case)

@@ -103,6 +103,9 @@ class Settings(BaseSettings):
     reclaim_watch: str = "auto"
     aws_metadata_url: str = "http://169.254.169.254"
     gcp_metadata_url: str = "http://metadata.google.internal"
+    # The EC2 Auto Scaling group this worker's instance belongs to: the worker protects
+    # its instance from scale-in while it holds a shard (worker/protection.py).  None: off.
+    aws_autoscaling_group: str | None = None
     # How often the watcher polls the metadata services, in seconds.
     reclaim_poll_seconds: float = 1.0
     # After SIGTERM, how long a batch in flight may take to finish (Kubernetes gives 30 s).

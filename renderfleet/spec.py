@@ -166,25 +166,6 @@ class Prompt:
         """Prompts that share this key can share one pipeline call."""
         return (self.steps, self.guidance, self.width, self.height)
 
-    def to_wire(self, params: RenderParams) -> dict[str, Any]:
-        """A compact dict: only the fields that differ from the job's."""
-        out: dict[str, Any] = {"i": self.index, "p": self.prompt}
-        if self.seed != derive_seed(params.seed, self.index):
-            out["s"] = self.seed
-        if self.name != index_name(self.index):
-            out["n"] = self.name
-        if self.negative_prompt != params.negative_prompt:
-            out["neg"] = self.negative_prompt
-        if self.steps != params.steps:
-            out["steps"] = self.steps
-        if self.guidance != params.guidance:
-            out["g"] = self.guidance
-        if self.width != params.width:
-            out["w"] = self.width
-        if self.height != params.height:
-            out["h"] = self.height
-        return out
-
     @classmethod
     def from_wire(cls, data: dict[str, Any], params: RenderParams) -> Prompt:
         index = int(data["i"])

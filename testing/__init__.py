@@ -7,5 +7,6 @@ repository root, as ``make test`` and ``make bench`` do.
 
 - :mod:`testing.fleet`: a Redis server we can kill, worker processes, the CLI as a user runs it;
 - :mod:`testing.servers`: moto's S3 in server mode, a Redis with TLS and a password;
-- :mod:`testing.metadata`: a fake cloud metadata service (AWS IMDSv2, GCP) on loopback.
+- :mod:`testing.metadata`: a fake cloud metadata service (AWS IMDSv2, GCP) on loopback;
+- :mod:`testing.messages`: a prompt's wire dict and a shard's message, built for tests.
 """

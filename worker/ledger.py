@@ -93,7 +93,7 @@ class LeaseKeeper(threading.Thread):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
         self.leases = leases
         self.lease = lease
-        self.signal = stop
+        self.stop = stop
         self.interval = interval
         self.lease_seconds = lease_seconds
         self._done = threading.Event()
@@ -107,7 +107,7 @@ class LeaseKeeper(threading.Thread):
                 if time.monotonic() - renewed > self.lease_seconds and not self._done.is_set():
                     log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member,
                                 self.lease_seconds)
-                    self.signal.request(f"fenced: {self.lease.member} lost its lease", fenced=True)
+                    self.stop.request(f"fenced: {self.lease.member} lost its lease", fenced=True)
                     return
                 log.warning("lease heartbeat failed, will retry: %s", exc)
                 continue
@@ -115,7 +115,7 @@ class LeaseKeeper(threading.Thread):
                 return  # closed while the call was in flight: the shard is over
             if not ok:
                 log.warning("lease %s attempt %d taken over: stopping", self.lease.member, self.lease.attempt)
-                self.signal.request(f"fenced: {self.lease.member}", fenced=True)
+                self.stop.request(f"fenced: {self.lease.member}", fenced=True)
                 return
             renewed = time.monotonic()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,12 @@ from renderfleet.embedded import broker_url
 from renderfleet.errors import ConfigError
 from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings
-from renderfleet.store import open_store
 from worker import tasks
 from worker.models import model_allowed
+from worker.protection import InstanceProtection, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from worker.render import is_device_error
 from worker.service import WorkerService, new_worker_id
-from worker.stop import StopSignal
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -68,28 +68,19 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
 
     app = celery_app.make_app(url)
-    client = redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10)
-    stop = StopSignal()
-
-    publish = celery_app.publisher(app)
-
-    service = WorkerService(
-        settings=settings, client=client, store=open_store(settings.store_url, settings.s3_options), renderer=renderer,
-        model=model, stop=stop, publish=publish, worker_id=worker_id,
-        load_model=lambda m: load_renderer(m, settings)[0],
-        envelope=celery_app.envelope_factory(app),
-    )
+    service = WorkerService.from_settings(settings, app=app, url=url, worker_id=worker_id, model=model,
+                                          renderer=renderer, load_model=lambda name: load_renderer(name, settings)[0])
+    stop = service.stop
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
     tasks.register(app, service)
     tasks.install_queue_guard()
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
 
-    def on_tick() -> None:
-        service.touch()
-        if service.tripped:
-            tasks.request_warm_shutdown()
-
-    reaper = ReaperThread(service.leases, publish, settings.reap_seconds, on_tick=on_tick)
+    protection = None
+    if settings.aws_autoscaling_group:
+        protection = InstanceProtection(settings.aws_autoscaling_group, metadata_url=settings.aws_metadata_url)
+    reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
+                          on_tick=worker_tick(service, protection))
     reaper.start()
     watcher = None
     if settings.watch_reclaim:
@@ -124,6 +115,19 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)
+
+
+def worker_tick(service: WorkerService, protection: InstanceProtection | None = None) -> Callable[[], None]:
+    """What the worker does at every reaper tick: liveness, scale-in protection, the breaker."""
+
+    def on_tick() -> None:
+        service.touch()
+        if protection is not None:
+            update_protection(protection, service.busy)
+        if service.tripped:
+            tasks.request_warm_shutdown()
+
+    return on_tick
 
 
 def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> None:

@@ -59,3 +59,15 @@ class InstanceProtection:
                                             ProtectedFromScaleIn=busy)
         self._protected = busy
         log.info("instance %s %s from scale-in", instance, "protected" if busy else "no longer protected")
+
+
+def update_protection(protection: InstanceProtection, busy: bool) -> None:
+    """``protection.update(busy)``, logging any failure: AWS is never fatal to a worker.
+
+    A failed change is tried again at the next tick (``update`` records a state
+    only once AWS accepted it).
+    """
+    try:
+        protection.update(busy)
+    except Exception as exc:  # botocore's errors, a network cut, throttling
+        log.warning("could not %s scale-in protection: %s", "set" if busy else "lift", exc)

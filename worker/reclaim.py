@@ -111,7 +111,7 @@ class ReclaimWatcher(threading.Thread):
     def __init__(self, stop: StopSignal, probes: list[AwsProbe | GcpProbe], interval: float,
                  on_notice: Callable[[], None]):
         super().__init__(name="rf-reclaim", daemon=True)
-        self.signal = stop
+        self.stop = stop
         self.probes = list(probes)
         self.interval = interval
         self.on_notice = on_notice
@@ -137,7 +137,7 @@ class ReclaimWatcher(threading.Thread):
                         continue  # the same early hint again
                     log.warning("reclaim notice: %s (%s s left)", reason,
                                 "?" if seconds_left is None else f"{seconds_left:.0f}")
-                    self.signal.request(reason, seconds_left=seconds_left)
+                    self.stop.request(reason, seconds_left=seconds_left)
                     if not noticed:
                         self.on_notice()
                     noticed = True

@@ -15,23 +15,26 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import keys
-from renderfleet import spec as layout
+from renderfleet import keys, spec
 from renderfleet.celery_app import Envelope
 from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, TransientError
-from renderfleet.leases import Leases
+from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity
+from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.ledger import LeaseKeeper, RedisLedger
 from worker.models import model_allowed
 from worker.render import is_device_error
-from worker.runner import ShardRunner
+from worker.runner import ShardResult, ShardRunner
 from worker.stop import StopSignal
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -67,8 +70,7 @@ def new_worker_id(pool: str) -> str:
 class Outcome:
     """What became of one delivery (for logs and tests)."""
 
-    # done | partial | busy | finished-before | handed-back | fenced | error | rejected | device-error
-    status: str
+    status: TaskOutcome
     rendered: int = 0
 
 
@@ -104,7 +106,41 @@ class WorkerService:
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
         self._registration = ""
+        self._lease: Lease | None = None  # the shard being handled, if any
         self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        app: Celery,
+        url: str,
+        worker_id: str,
+        model: str,
+        renderer: Any,
+        load_model: Callable[[str], Any] | None = None,
+    ) -> WorkerService:
+        """The service of a worker process: its Redis client, store, stop signal and publisher from ``settings``.
+
+        ``app`` is the worker's Celery app (it publishes hand-backs and builds
+        fresh envelopes); ``url`` its Redis.  Opens no connection yet.
+        """
+        from renderfleet import celery_app
+        from renderfleet.store import open_store
+
+        return cls(
+            settings=settings,
+            client=redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10),
+            store=open_store(settings.store_url, settings.s3_options),
+            renderer=renderer,
+            model=model,
+            stop=StopSignal(),
+            publish=celery_app.publisher(app),
+            worker_id=worker_id,
+            load_model=load_model,
+            envelope=celery_app.envelope_factory(app),
+        )
 
     # ---- registration and counters ------------------------------------------------
 
@@ -149,7 +185,7 @@ class WorkerService:
         raw = message if isinstance(message, str) else json.dumps(message)
         msg = self._accept(raw)
         if msg is None:
-            return Outcome("rejected")
+            return Outcome(TaskOutcome.REJECTED)
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
@@ -158,8 +194,71 @@ class WorkerService:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
         if lease is None:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
-            return Outcome("busy" if status == "busy" else "finished-before")
+            return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
         log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
+        self._lease = lease
+        try:
+            return self._handle_claimed(msg, lease)
+        finally:
+            self._lease = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether this worker holds a shard's lease right now (scale-in protection asks)."""
+        return self._lease is not None
+
+    def _handle_claimed(self, msg: ShardMessage, lease: Lease) -> Outcome:
+        """Render a claimed shard, then release it or hand it back: one ``except`` per outcome."""
+        try:
+            result = self._run_claimed(msg, lease)
+        except Reclaimed as exc:
+            if exc.fenced or self.stop.fenced:
+                self.stop.clear_fence()
+                self._pool_bump(fenced=1)
+                log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
+                return Outcome(TaskOutcome.FENCED)
+            self._hand_back(lease, Release.FRONT)
+            noticed = self.stop.noticed_at or time.monotonic()
+            self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
+            log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
+            return Outcome(TaskOutcome.HANDED_BACK)
+        except DeviceError as exc:
+            # The node's accelerator, not the prompts: nothing counted, the shard to the
+            # front of the queue for another node, and this worker stops (EXIT_DEVICE).
+            self.device_failed = self.tripped = True
+            self.stop.request(f"device error: {exc}")
+            log.error("shard %s:%d handed back: device error, this worker stops taking work: %s",
+                      msg.job, msg.shard, exc)
+            self._safe_hand_back(lease, Release.FRONT)
+            return Outcome(TaskOutcome.DEVICE_ERROR)
+        except (TransientError, redis.RedisError) as exc:
+            log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
+            self._safe_hand_back(lease, Release.BACK)
+            time.sleep(1.0)  # do not spin on a store outage
+            return Outcome(TaskOutcome.ERROR)
+        except Exception:
+            # A model that will not load, a bug: this worker's fault until proven otherwise.
+            log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
+            self._safe_hand_back(lease, Release.BACK)
+            self._count_failure(True)
+            return Outcome(TaskOutcome.ERROR)
+        self._count_failure(result.all_failed)
+        if result.complete:
+            self.leases.release(lease, Release.DONE)
+            log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
+                     msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
+            return Outcome(TaskOutcome.DONE, result.rendered)
+        # Some prompts failed but are not yet quarantined: back of the queue, try again later.
+        self._hand_back(lease, Release.BACK)
+        return Outcome(TaskOutcome.PARTIAL, result.rendered)
+
+    def _run_claimed(self, msg: ShardMessage, lease: Lease) -> ShardResult:
+        """Render a claimed shard while a keeper renews its lease.
+
+        The keeper is closed once, in ``finally``, before the caller releases
+        or hands back the shard: a renewal after a hand-back would bring the
+        lease back and make the next claim of the shard look like a duplicate.
+        """
         keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
                              self.settings.lease_seconds)
         keeper.start()
@@ -173,55 +272,11 @@ class WorkerService:
                     # The job's fault: its prompts fail with the reason, this worker goes on.
                     log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
                     ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
-            result = self.runner.run(msg, ledger, attempt=lease.attempt)
-        except Reclaimed as exc:
-            keeper.close()
-            if exc.fenced or self.stop.fenced:
-                self.stop.clear_fence()
-                self._pool_bump(fenced=1)
-                log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
-                return Outcome("fenced")
-            self._hand_back(lease, "front")
-            noticed = self.stop.noticed_at or time.monotonic()
-            self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
-            log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
-            return Outcome("handed-back")
-        except DeviceError as exc:
-            # The node's accelerator, not the prompts: nothing counted, the shard to the
-            # front of the queue for another node, and this worker stops (EXIT_DEVICE).
-            keeper.close()
-            self.device_failed = self.tripped = True
-            self.stop.request(f"device error: {exc}")
-            log.error("shard %s:%d handed back: device error, this worker stops taking work: %s",
-                      msg.job, msg.shard, exc)
-            self._safe_hand_back(lease, "front")
-            return Outcome("device-error")
-        except (TransientError, redis.RedisError) as exc:
-            keeper.close()
-            log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
-            self._safe_hand_back(lease, "back")
-            time.sleep(1.0)  # do not spin on a store outage
-            return Outcome("error")
-        except Exception:
-            # A model that will not load, a bug: this worker's fault until proven otherwise.
-            keeper.close()
-            log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
-            self._safe_hand_back(lease, "back")
-            self._count_failure(True)
-            return Outcome("error")
+            return self.runner.run(msg, ledger, attempt=lease.attempt)
         finally:
+            keeper.close()
             if ours is not None:
                 self.runner.renderer = ours
-        keeper.close()
-        self._count_failure(result.all_failed)
-        if result.complete:
-            self.leases.release(lease, "done")
-            log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
-                     msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
-            return Outcome("done", result.rendered)
-        # Some prompts failed but are not yet quarantined: back of the queue, try again later.
-        self._hand_back(lease, "back")
-        return Outcome("partial", result.rendered)
 
     def _accept(self, raw: str) -> ShardMessage | None:
         """The message, if it may be rendered here; None (and one log line) if not.
@@ -265,17 +320,17 @@ class WorkerService:
                 or any(p.index not in span for p in msg.prompts):
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             return None
-        if not self.store.exists(layout.spec_key(msg.job)) and stored:  # StoreError: transient
+        if not self.store.exists(spec.spec_key(msg.job)) and stored:  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
         return msg
 
-    def _hand_back(self, lease: Any, where: str) -> None:
+    def _hand_back(self, lease: Any, where: Release) -> None:
         message = self.leases.release(lease, where)
         if message is not None:
             self.publish(message)
 
-    def _safe_hand_back(self, lease: Any, where: str) -> None:
+    def _safe_hand_back(self, lease: Any, where: Release) -> None:
         try:
             self._hand_back(lease, where)
         except redis.RedisError as exc:

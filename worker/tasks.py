@@ -69,7 +69,6 @@ class ShardRequest(Request):
 
 class ShardTask(Task):  # type: ignore[misc]
     Request = ShardRequest
-    service: WorkerService | None = None
 
 
 def register(app: Celery, service: WorkerService) -> Task:

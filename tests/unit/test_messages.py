@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from dispatcher.enqueue import WireShard, message_json
+from dispatcher.enqueue import WireShard
 from dispatcher.submit import SubmitOptions, check_options
 from renderfleet import spec
 from renderfleet.errors import InputError
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams, message_problems
 from renderfleet.store import LocalStore
+from testing.messages import message_json
 from worker.service import WorkerService
 from worker.stop import StopSignal
 

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from dispatcher.enqueue import WireShard, message_json
+from dispatcher.enqueue import WireShard
 from dispatcher.submit import SubmitOptions, check_options, job_id
 from renderfleet import spec
 from renderfleet.errors import InputError
 from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage
+from testing.messages import message_json, to_wire
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32, guidance=7.5, negative_prompt="blur", seed=9)
 
@@ -25,12 +26,12 @@ def test_derived_seed_is_stable_and_depends_on_job_seed_and_index() -> None:
 
 def test_wire_form_is_compact_and_round_trips() -> None:
     plain = Prompt(3, "000003", "a cat", "blur", spec.derive_seed(9, 3), 2, 7.5, 32, 32)
-    assert plain.to_wire(PARAMS) == {"i": 3, "p": "a cat"}
+    assert to_wire(plain, PARAMS) == {"i": 3, "p": "a cat"}
     custom = Prompt(4, "hero", "a dog", "", 42, 10, 3.0, 64, 48)
-    wire = custom.to_wire(PARAMS)
+    wire = to_wire(custom, PARAMS)
     assert wire == {"i": 4, "p": "a dog", "s": 42, "n": "hero", "neg": "", "steps": 10, "g": 3.0, "w": 64, "h": 48}
     assert Prompt.from_wire(wire, PARAMS) == custom
-    assert Prompt.from_wire(plain.to_wire(PARAMS), PARAMS) == plain
+    assert Prompt.from_wire(to_wire(plain, PARAMS), PARAMS) == plain
 
 
 def test_shard_message_built_by_the_dispatcher_decodes_on_the_worker() -> None:

@@ -1,0 +1,47 @@
+"""Named states shared by Python and the Lua scripts in ``renderfleet/lua/``.
+
+The scripts spell these values as literals (Lua has no import);
+``tests/unit/test_states.py`` reads every script and checks that the literals
+are exactly these values, so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ShardState(StrEnum):
+    """A shard's entry in ``keys.shards(job)``; absent once the shard is finished."""
+
+    QUEUED = "q"
+    RUNNING = "r"
+
+
+class ClaimAnswer(StrEnum):
+    """What ``claim.lua`` answers a worker that asks for a shard."""
+
+    OK = "ok"  # claimed: the lease and its attempt number are ours
+    BUSY = "busy"  # another worker holds a live lease: drop this duplicate delivery
+    DONE = "done"  # the shard is finished: drop this delivery
+
+
+class Release(StrEnum):
+    """How ``release.lua`` lets go of a shard."""
+
+    DONE = "done"  # finished: forget it
+    FRONT = "front"  # hand it back at the front of its queue (a reclaim)
+    BACK = "back"  # hand it back at the back (try again later)
+
+
+class TaskOutcome(StrEnum):
+    """What became of one delivery of a shard message (the task's result, for logs and tests)."""
+
+    DONE = "done"
+    PARTIAL = "partial"  # some prompts failed, not yet quarantined: handed back at the back
+    BUSY = "busy"
+    FINISHED_BEFORE = "finished-before"
+    HANDED_BACK = "handed-back"
+    FENCED = "fenced"
+    ERROR = "error"
+    REJECTED = "rejected"
+    DEVICE_ERROR = "device-error"
