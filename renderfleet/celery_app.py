@@ -33,8 +33,12 @@ def queue_name(pool: str) -> str:
     return f"{QUEUE_PREFIX}{pool}"
 
 
-def make_app(redis_url: str) -> Celery:
-    """A Celery app on ``redis_url``; tasks are registered by the worker."""
+def make_app(redis_url: str, *, task_events: bool = False) -> Celery:
+    """A Celery app on ``redis_url``; tasks are registered by the worker.
+
+    ``task_events``: send Celery's task events, for an existing Flower or
+    celery-exporter beside the fleet (off by default: nothing of ours needs them).
+    """
     app = Celery("renderfleet", broker=redis_url, set_as_current=False)
     app.conf.update(
         task_serializer="json",
@@ -57,7 +61,8 @@ def make_app(redis_url: str) -> Celery:
         # with the solo pool no task runs while the consumer reconnects).
         worker_cancel_long_running_tasks_on_connection_loss=True,
         worker_hijack_root_logger=False,
-        worker_send_task_events=False,
+        worker_send_task_events=task_events,
+        task_send_sent_event=task_events,
         worker_enable_remote_control=False,
         broker_pool_limit=4,
     )

@@ -142,6 +142,8 @@ class Settings(BaseSettings):
     s3_storage_class: str | None = None
     # Bucket addressing: auto, path (MinIO and other S3-compatible stores) or virtual.
     s3_addressing: str = "auto"
+    # Send Celery's task events (for Flower or celery-exporter beside the fleet).
+    task_events: bool = False
     # Required on every request to the monitor's HTTP endpoint when it listens off loopback.
     http_token: str | None = None
     # The TOML file the pools (and any setting above) came from; None: no file.

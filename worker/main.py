@@ -67,7 +67,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         raise
     log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
 
-    app = celery_app.make_app(url)
+    app = celery_app.make_app(url, task_events=settings.task_events)
     service = WorkerService.from_settings(settings, app=app, url=url, worker_id=worker_id, model=model,
                                           renderer=renderer, load_model=lambda name: load_renderer(name, settings)[0])
     stop = service.stop

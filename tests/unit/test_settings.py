@@ -44,3 +44,14 @@ def test_a_password_in_the_redis_url_never_appears_in_an_error() -> None:
     with pytest.raises(ConfigError) as err:
         load_settings(redis_url="http://:s3cret@redis.internal:6379/0")
     assert "s3cret" not in str(err.value) and "RENDERFLEET_REDIS_URL" in str(err.value)
+
+
+def test_celery_task_events_are_off_unless_asked_for_flower(monkeypatch: pytest.MonkeyPatch) -> None:
+    from renderfleet.celery_app import make_app
+
+    assert not load_settings().task_events
+    assert make_app("redis://127.0.0.1:1/0").conf.worker_send_task_events is False
+    monkeypatch.setenv("RENDERFLEET_TASK_EVENTS", "1")
+    assert load_settings().task_events
+    app = make_app("redis://127.0.0.1:1/0", task_events=True)
+    assert app.conf.worker_send_task_events is True and app.conf.task_send_sent_event is True
