@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -26,6 +28,16 @@ def _job_row(j: JobStatus) -> list[str]:
     return [j.job, f"{j.done}/{j.total}", str(j.failed), str(j.queued), str(j.in_flight),
             f"{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}", _eta(j.eta_seconds),
             f"{j.redeliveries}/{j.wasted_images}", f"{gpu:,.0f}", _money(j.cost), _money(j.cost_per_image, 5)]
+
+
+def _doing(worker: dict[str, object]) -> str:
+    """``shard JOB:N for 12s`` or ``idle 40s`` (from what the worker records at claim and release)."""
+    since = worker.get("since")
+    if not since:
+        return "-"
+    age = max(0.0, time.time() - float(str(since)))
+    shard = str(worker.get("doing") or "")
+    return f"shard {shard} for {age:.0f}s" if shard else f"idle {age:.0f}s"
 
 
 def render_status(fleet: FleetStatus) -> RenderableType:
@@ -59,11 +71,11 @@ def render_status(fleet: FleetStatus) -> RenderableType:
     parts.append(queues)
     if fleet.workers:
         workers = Table(title="workers")
-        for col in ("worker", "pool", "model", "device", "images", "batches", "loads"):
+        for col in ("worker", "pool", "model", "device", "doing", "images", "batches", "loads"):
             workers.add_column(col)
         for w in fleet.workers:
             workers.add_row(str(w.get("worker")), str(w.get("pool")), str(w.get("model")), str(w.get("device")),
-                            str(w.get("images", 0)), str(w.get("batches", 0)), str(w.get("loads", 0)))
+                            _doing(w), str(w.get("images", 0)), str(w.get("batches", 0)), str(w.get("loads", 0)))
         parts.append(workers)
     return Group(*parts)
 

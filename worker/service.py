@@ -197,10 +197,18 @@ class WorkerService:
             return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
         log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
         self._lease = lease
+        self._doing(f"{msg.job}:{msg.shard}")
         try:
             return self._handle_claimed(msg, lease)
         finally:
             self._lease = None
+            self._doing("")
+
+    def _doing(self, shard: str) -> None:
+        """What this worker is doing, for status: its shard and since when, or idle since when."""
+        with contextlib.suppress(redis.RedisError):  # status's view: never worth failing a shard for
+            self.client.hset(keys.worker_stats(self.worker_id),
+                             mapping={"doing": shard, "since": f"{time.time():.3f}"})
 
     @property
     def busy(self) -> bool:

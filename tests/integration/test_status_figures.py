@@ -29,13 +29,22 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     first = WorkerProc(env, tmp_path / "w1.log")
     second: WorkerProc | None = None
     try:
-        early = wait_for(lambda: (s := job_status(env, job))["done"] >= 8 and s["in_flight"] and s, 120, interval=0.3,
+        early = wait_for(lambda: (s := job_status(env, job))["done"] >= 8 and s["in_flight"]
+                         and any(w.get("doing") for w in s["workers"]) and s, 120, interval=0.3,
                          what="the job under way")
         first.kill()  # SIGKILL mid-shard: its lease expires and the shard is handed on
         second = WorkerProc(env, tmp_path / "w2.log")
         later = wait_for(lambda: (s := job_status(env, job))["done"] >= 32 and s, 120, interval=0.5, what="progress")
         final = wait_for(lambda: (s := job_status(env, job))["done"] + s["failed"] == 48 and s, 180, interval=1.0,
                          what="the job to finish")
+        # what each worker is doing: a shard while it holds one, then idle since when
+        live = second.pid
+
+        def second_worker() -> dict[str, object]:
+            return next(w for w in job_status(env, job)["workers"] if int(w["pid"]) == live)
+
+        idle = wait_for(lambda: (w := second_worker()) and not w.get("doing") and w, 30, interval=0.5,
+                        what="the live worker idle")
     finally:
         first.kill()
         if second:
@@ -54,5 +63,7 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     assert final["cost_per_image"] == pytest.approx(final["cost"] / 47)
     res = json.loads(cli(env, "results", job, "--json", check=False).stdout)
     assert len(res["images"]) == 47 and list(res["quarantined"]) == ["bad"]
+    doing = next(w["doing"] for w in early["workers"] if w.get("doing"))
+    assert doing.startswith(f"{job}:") and idle["since"]
     text = cli({**env, "COLUMNS": "200"}, "status", job).stdout
     assert "img/min" in text and "per image" in text
