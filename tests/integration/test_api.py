@@ -61,7 +61,7 @@ def test_submit_a_list_wait_and_read_results_and_resubmit_idempotently(
     assert client.job(job.id).status().done == 3
 
 
-def test_a_generator_of_a_hundred_thousand_prompts_streams_in_flat_memory(client: Client) -> None:
+def test_a_generator_of_over_a_hundred_thousand_prompts_streams_in_flat_memory(client: Client) -> None:
     def prompts(n: int, seed: int) -> Iterator[str]:
         for i in range(n):
             yield f"prompt number {i}, a landscape in the style of a {i % 97} century painter ({seed})"
@@ -76,10 +76,11 @@ def test_a_generator_of_a_hundred_thousand_prompts_streams_in_flat_memory(client
     peak_of(1_000, 0)  # imports and connections, once
     # Both past one pipelined batch of shards (500 shards of 64), the one thing held at once.
     small = peak_of(40_000, 1)
-    large = peak_of(100_000, 2)
-    assert small[0] == 40_000 and large[0] == 100_000
-    # 60,000 more prompts (~6 MB as Python strings) cost next to nothing more: they stream
-    assert large[1] < small[1] + 2 * 2**20, f"peak {small[1] / 2**20:.1f} MiB -> {large[1] / 2**20:.1f} MiB"
+    large = peak_of(160_000, 2)
+    assert small[0] == 40_000 and large[0] == 160_000
+    # Held in memory, 120,000 more prompts would cost ~15 MiB as Python strings; streamed,
+    # the peak moves by allocator noise only (seen: 0.5 to 2.1 MiB).
+    assert large[1] < small[1] + 5 * 2**20, f"peak {small[1] / 2**20:.1f} MiB -> {large[1] / 2**20:.1f} MiB"
 
 
 def test_a_bad_item_is_named_by_position_and_nothing_is_enqueued(client: Client, env: dict[str, str]) -> None:
