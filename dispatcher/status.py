@@ -219,9 +219,12 @@ def check_in_store(store: Store, job: str) -> None:
 
 
 def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None,
-                 prices: dict[str, float] | None = None) -> FleetStatus:
-    """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store``
-    (those Redis knows, and those only the store's listing of ``jobs/`` shows).
+                 prices: dict[str, float] | None = None, with_store_only: bool = False) -> FleetStatus:
+    """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store`` that
+    Redis knows, and with ``with_store_only`` also those only the store's listing of
+    ``jobs/`` shows (a listing, and each such job counted from the store: ``status``
+    asks for it; the autoscaler's ticks and metrics scrapes do not, the monitor
+    adopts those jobs back into Redis instead).
 
     A job named explicitly must be in ``store`` (one existence check each).
     """
@@ -238,7 +241,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     if jobs is None:
         jobs, status.other_stores = jobs_of_store(client, store)
         # ...and those the store holds that this Redis forgot (counted from the store).
-        jobs += jobs_only_in_store(client, store) if store is not None else []
+        jobs += jobs_only_in_store(client, store) if store is not None and with_store_only else []
     elif store is not None:
         for job in jobs:
             check_in_store(store, job)

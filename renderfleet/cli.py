@@ -76,8 +76,10 @@ def _connect(settings: Settings) -> tuple[Any, Any, str]:
 
 
 def _job_id(job: str) -> str:
-    """``job`` if it can name a job; a path or a control character is a user error."""
-    if not job or job[0] == "." or "/" in job or "\\" in job or not job.isprintable():
+    """``job`` if it can name a job (``spec.job_id_problem``); a path is a user error."""
+    from renderfleet.spec import job_id_problem
+
+    if job_id_problem(job):
         raise InputError([f"not a job id: {job!r} (job ids are what `submit` printed)"])
     return job
 
@@ -193,7 +195,7 @@ def status(
         _, client, _ = _connect(settings)
         store = open_store(settings.store_url, settings.s3_options)
         jobs = [_job_id(job)] if job else None
-        fleet = fleet_status(client, jobs, store=store, prices=prices)
+        fleet = fleet_status(client, jobs, store=store, prices=prices, with_store_only=True)
         reasons = _failure_reasons(client, job) if job else {}
         if watch and not as_json:
             import time
@@ -206,7 +208,8 @@ def status(
                 with Live(render_status(fleet), refresh_per_second=1, screen=False) as live:
                     while True:
                         time.sleep(2)
-                        live.update(render_status(fleet_status(client, jobs, store=store, prices=prices)))
+                        live.update(render_status(fleet_status(client, jobs, store=store, prices=prices,
+                                                                         with_store_only=True)))
             except KeyboardInterrupt:
                 return
     if as_json:

@@ -176,3 +176,15 @@ class TlsRedis:
             self.proc.terminate()
             self.proc.wait(10)
         self.proc = None
+
+
+def http_get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    """(status, body) of a GET, with ``Authorization: Bearer TOKEN`` when given; (0, b"") when nothing listens."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except urllib.error.URLError:
+        return 0, b""

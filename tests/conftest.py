@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +13,7 @@ import boto3
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import start_redis
+from testing.fleet import WorkerProc, start_redis
 from testing.servers import MotoServer, s3_env
 
 
@@ -44,3 +47,16 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
     server = start_redis(tmp_path / "redis")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes] | WorkerProc]]:
+    """Processes a test starts (workers, monitors): killed, process group and all, at the end."""
+    started: list[subprocess.Popen[bytes] | WorkerProc] = []
+    yield started
+    for p in started:
+        if isinstance(p, WorkerProc):
+            p.kill()
+        elif p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)

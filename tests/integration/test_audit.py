@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -119,18 +118,6 @@ def test_resume_skips_a_shard_claimed_after_it_read_the_store(redis_server: Redi
 
 
 # ---- with real workers ------------------------------------------------------------
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes] | WorkerProc]]:
-    started: list[subprocess.Popen[bytes] | WorkerProc] = []
-    yield started
-    for p in started:
-        if isinstance(p, WorkerProc):
-            p.kill()
-        elif p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
 
 
 @pytest.mark.parametrize("recover", ["monitor", "resume"])

@@ -11,9 +11,7 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,18 +43,6 @@ QUEUE = "renderfleet.default"
 @pytest.fixture
 def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
     return base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="2")
-
-
-@pytest.fixture
-def procs() -> Iterator[list[WorkerProc | subprocess.Popen[bytes]]]:
-    started: list[WorkerProc | subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if isinstance(p, WorkerProc):
-            p.kill()
-        elif p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
 
 
 def start_worker(env: dict[str, str], tmp_path: Path, procs: list, name: str, wait: bool = True) -> WorkerProc:

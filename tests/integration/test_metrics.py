@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,19 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
 from testing.servers import free_port
+from testing.servers import http_get as get
 
 pytestmark = pytest.mark.integration
-
-
-def get(url: str, token: str | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except urllib.error.URLError:
-        return 0, b""  # not listening (yet)
 
 
 def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:

@@ -20,8 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, wait_for
 from testing.servers import free_port
+from testing.servers import http_get as get
 
 pytestmark = pytest.mark.integration
 
@@ -53,17 +52,6 @@ def browser() -> Iterator[object]:
             yield b
         finally:
             b.close()
-
-
-def get(url: str, token: str | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except urllib.error.URLError:
-        return 0, b""
 
 
 def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:
