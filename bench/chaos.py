@@ -197,9 +197,10 @@ def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
     params = RenderParams(model="tiny", steps=steps, width=32, height=32)
     out: dict[str, bytes] = {}
     for start in range(0, n, SHARD_SIZE):
-        wire = [{"i": i, "p": f"chaos prompt {i}"} for i in range(start, min(n, start + SHARD_SIZE))]
+        wire = [f"chaos prompt {i}" for i in range(start, min(n, start + SHARD_SIZE))]
         msg = ShardMessage.from_dict({"job": "ref", "shard": 0, "params": params.to_dict(),
-                                      "batch_size": BATCH_SIZE, "queue": "q", "prompts": wire})
+                                      "batch_size": BATCH_SIZE, "queue": "q", "first": start,
+                                      "prompts": wire})
         for _, batch in msg.batches():
             for p, png in zip(batch, renderer.render(list(batch)), strict=True):
                 out[p.name] = png

@@ -1,7 +1,7 @@
 """Shards onto the queue, fast: pipelined, one small JSON message per shard.
 
 A shard's message is a JSON string built from the prompts' compact wire form
-(``prompts.iter_wire``, or a .txt file's bare texts), so a prompt is serialised
+(``prompts.iter_wire``) by ``spec.message_encoder``, so a prompt is serialised
 once on its way from the file to Redis.  Publishing a million prompts means
 ~10,000 Celery messages; one ``send_task`` each costs about half a
 millisecond in kombu's publish path, so instead each shard's kombu envelope
@@ -11,8 +11,7 @@ pushed in pipelined batches, as kombu's Redis transport would (``LPUSH``).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -22,7 +21,7 @@ from renderfleet import celery_app, keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
 from renderfleet.errors import InputError
 from renderfleet.leases import envelope_tag, lua_script
-from renderfleet.spec import JobSpec
+from renderfleet.spec import JobSpec, message_encoder
 
 BATCH = 500
 
@@ -30,46 +29,22 @@ BATCH = 500
 @dataclass(frozen=True)
 class WireShard:
     """A shard ready to publish: its number, how many prompts are left to do in
-    it, and its prompts as wire JSON objects, or (a .txt file's) as one JSON
-    list of texts numbered from ``first``.
+    it, its prompts in their wire form (``spec.prompt_json``) and the index of
+    its first prompt (``start``).
 
     ``resume`` also gives ``expect`` (the shard's attempt when it read the
     store: the shard is skipped if claimed since, or leased) and ``marks`` (one
     character per prompt from ``start``: 'd' stored, 'f' quarantined, '-' to
     do), from which the shard's bits and count are rebuilt; see
-    ``core/lua/publish.lua``.
+    ``renderfleet/lua/publish.lua``.
     """
 
     shard: int
     count: int
-    prompts_json: list[str] | None = None
-    texts_json: str | None = None
-    first: int = 0
+    prompts_json: Sequence[str]
     expect: int | None = None
     marks: str = ""
     start: int = 0
-
-
-def message_builder(spec: JobSpec, queue: str, store: str = "") -> Callable[[WireShard], str]:
-    """The task argument of each shard of one job (decoded by ``ShardMessage.from_dict``).
-
-    Everything but the shard is serialised once.
-
-    ``store`` is the job's store (``spec.store_identity``): only a worker
-    writing to that store takes the shard.
-    """
-    head = json.dumps(
-        {"job": spec.job, "params": spec.params.to_dict(), "batch_size": spec.batch_size, "queue": queue,
-         "store": store},
-        separators=(",", ":"),
-    )[:-1]
-
-    def build(shard: WireShard) -> str:
-        if shard.texts_json is not None:
-            return f'{head},"shard":{shard.shard},"first":{shard.first},"texts":{shard.texts_json}}}'
-        return f'{head},"shard":{shard.shard},"prompts":[{",".join(shard.prompts_json or [])}]}}'
-
-    return build
 
 
 def job_store(client: redis.Redis, job: str) -> str:
@@ -128,12 +103,12 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
 
     Each shard's state goes in with its message, in one script: a worker that
     claims the shard must find it queued, and the monitor's audit finds the
-    push recorded (``core/lua/publish.lua``).  Returns the messages pushed:
+    push recorded (``renderfleet/lua/publish.lua``).  Returns the messages pushed:
     a resumed shard claimed meanwhile, or with nothing left, is not.
     ``front``: next in line (shards whose turn has passed), not at the back.
     """
     envelope = celery_app.envelope_factory(app)
-    message = message_builder(spec, queue, store)
+    message = message_encoder(spec, queue, store)
     script = client.register_script(lua_script("publish"))
     job = spec.job
     script_keys = [queue, keys.shards(job), keys.left(job), keys.attempts(job), keys.INFLIGHT,
@@ -149,11 +124,13 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
         args.clear()
         return sent
 
-    for ws in shards:
+    for shard in shards:
         # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
-        env = envelope(message(ws), queue, f"{job}:{ws.shard}") if ws.count or not ws.marks else ""
-        args.extend((ws.shard, ws.count, "" if ws.expect is None else ws.expect, ws.start, ws.marks, env,
-                     envelope_tag(env)))
+        pushed = shard.count or not shard.marks
+        body = message(shard.shard, shard.start, shard.prompts_json) if pushed else ""
+        env = envelope(body, queue, f"{job}:{shard.shard}") if pushed else ""
+        args.extend((shard.shard, shard.count, "" if shard.expect is None else shard.expect, shard.start, shard.marks,
+                     env, envelope_tag(env)))
         if len(args) >= BATCH * 7:
             count += flush()
     count += flush()

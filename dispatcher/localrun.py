@@ -84,9 +84,9 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
                       TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task(f"job {result.id}", total=result.total)
             while True:
-                st = job_status(client, result.id, store=store)
-                bar.update(task, completed=st.done + st.failed)
-                if st.finished:
+                job_state = job_status(client, result.id, store=store)
+                bar.update(task, completed=job_state.done + job_state.failed)
+                if job_state.finished:
                     break
                 if all(p.poll() is not None for p in procs):
                     console.print(f"[red]all workers exited; see {log_dir}[/]")
@@ -103,9 +103,10 @@ def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeou
         stop_workers(procs)
     elapsed = time.monotonic() - started
     where = store.locate(f"{spec.job_prefix(result.id)}images")
-    rendered = max(0, st.done - done_before)
-    console.print(f"job {result.id}: {st.done} images ({rendered} rendered by this run), {st.failed} quarantined, "
+    rendered = max(0, job_state.done - done_before)
+    console.print(f"job {result.id}: {job_state.done} images ({rendered} rendered by this run), "
+                  f"{job_state.failed} quarantined, "
                   f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)")
     console.print(f"images: {where}")
     print(where)
-    return 0 if st.failed == 0 else 1
+    return 0 if job_state.failed == 0 else 1

@@ -37,8 +37,8 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
     job_spec = load_spec(store, job)
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine") - images
-    for name, line in stored_prompts(store, job_spec):
-        p = Prompt.from_wire(json.loads(line), job_spec.params)
+    for index, (name, line) in enumerate(stored_prompts(store, job_spec)):
+        p = Prompt.from_wire(index, json.loads(line), job_spec.params)
         error = ""
         if name in images:
             status, image = "done", store.locate(spec.image_key(job, name))

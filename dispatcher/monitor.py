@@ -67,11 +67,11 @@ class Monitor:
         self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
         for job in sorted(self.known_jobs - set(resumed)):
             try:
-                st = job_status(self.client, job, store=self.store)
+                job_state = job_status(self.client, job, store=self.store)
             except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
                 log.warning("job %s: %s", job, exc)
                 continue
-            stalled = not st.finished and st.queued == 0 and st.in_flight == 0
+            stalled = not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0
             confirmed = stalled and job in self.stalled
             if stalled and not confirmed:
                 self.stalled.add(job)
@@ -79,7 +79,7 @@ class Monitor:
                 self.stalled.discard(job)
             # A job Redis forgot is re-registered even when finished: otherwise every
             # status read of it would list the store.
-            if not st.known_to_redis or ((lost or confirmed) and not st.finished):
+            if not job_state.known_to_redis or ((lost or confirmed) and not job_state.finished):
                 try:
                     report = resume(job, store=self.store, app=self.app, client=self.client)
                 except JobNotFound:

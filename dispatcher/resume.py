@@ -12,7 +12,6 @@ deleted image is counted as missing again and rendered again.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from dispatcher.enqueue import WireShard
 from renderfleet import keys, prompts, spec
 from renderfleet.celery_app import queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
-from renderfleet.spec import JobSpec, index_name, job_id_problem, store_identity
+from renderfleet.spec import JobSpec, job_id_problem, store_identity, wire_name
 from renderfleet.store import Store
 
 log = logging.getLogger("renderfleet.resume")
@@ -90,9 +89,8 @@ def stored_prompts(store: Store, job_spec: JobSpec) -> Iterator[tuple[str, str]]
     with tempfile.TemporaryDirectory(prefix="rf-prompts-") as tmp:
         local = Path(tmp) / job_spec.prompts_key.rpartition("/")[2]
         store.download(job_spec.prompts_key, local)
-        for i, line in enumerate(prompts.iter_wire(str(local), job_spec.params)):
-            # Only a prompt with an id carries "n"; the rest are named by index.
-            yield json.loads(line).get("n") or index_name(i), line
+        for i, line in enumerate(prompts.iter_wire(str(local))):
+            yield wire_name(i, line), line
 
 
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
@@ -103,7 +101,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     One read of the stored prompt file.  Commits racing this are safe: each
     shard's attempt and lease are read *before* the store is listed, and the
     script that rebuilds a shard's bits and count from that listing skips it
-    if it was leased then or has been claimed since (``core/lua/publish.lua``).
+    if it was leased then or has been claimed since (``renderfleet/lua/publish.lua``).
     """
     job_spec = load_spec(store, job)
     owner = store_identity(store.url)
@@ -130,7 +128,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
             if len(current) == job_spec.shard_size or i == job_spec.total - 1:
                 if shard not in leased and (only is None or shard in only):
                     text = "".join(marks)
-                    yield WireShard(shard, text.count("-"), prompts_json=current, expect=attempts.get(shard, 0),
+                    yield WireShard(shard, text.count("-"), current, expect=attempts.get(shard, 0),
                                     marks=text, start=shard * job_spec.shard_size)
                 shard += 1
                 current, marks = [], []

@@ -88,9 +88,9 @@ DEFAULT_SECONDS_PER_MPSTEP = 0.15
 
 def seconds_per_mpstep(pools: dict[str, dict[str, int]]) -> float:
     """The fleet's measured seconds per megapixel-step, from the pools' counters."""
-    ms = sum(p.get("render_ms", 0) for p in pools.values())
+    render_ms = sum(p.get("render_ms", 0) for p in pools.values())
     mps = sum(p.get("mps_milli", 0) for p in pools.values())
-    return ms / mps if ms and mps else DEFAULT_SECONDS_PER_MPSTEP
+    return render_ms / mps if render_ms and mps else DEFAULT_SECONDS_PER_MPSTEP
 
 
 def _megapixel_steps(params: dict[str, Any]) -> float:
@@ -131,28 +131,28 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         quarantined = stored_names(store, job, "quarantine") - images
         return JobStatus(job, job_spec.total, len(images), len(quarantined), 0, 0, job_spec.shards, 0, 0, False,
                          _megapixel_steps(job_spec.params.to_dict()))
-    queued = running = sq = sr = 0
+    queued = running = shards_queued = shards_running = 0
     for shard, state in states.items():
         n = _int(left.get(shard))
         if keys.text(state) == ShardState.QUEUED:
             queued += n
-            sq += 1
+            shards_queued += 1
         else:
             running += n
-            sr += 1
+            shards_running += 1
     registered = json.loads(spec_json) if spec_json else {}
     shards = -(-int(registered.get("total", 0)) // int(registered.get("shard_size", 1)))
-    st = JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, sq, sr, True,
-                   _megapixel_steps(registered.get("params", {})))
-    _add_progress(st, {keys.text(k): int(v) for k, v in stats.items()}, [keys.text(p) for p in progress],
+    result = JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, shards_queued,
+                       shards_running, True, _megapixel_steps(registered.get("params", {})))
+    _add_progress(result, {keys.text(k): int(v) for k, v in stats.items()}, [keys.text(p) for p in progress],
                   [int(a) for a in attempts])
-    return st
+    return result
 
 
 RATE_WINDOW_SECONDS = 300.0
 
 
-def _add_progress(st: JobStatus, stats: dict[str, int], progress: list[str], attempts: list[int],
+def _add_progress(job_state: JobStatus, stats: dict[str, int], progress: list[str], attempts: list[int],
                   now: float | None = None) -> None:
     """Rate, ETA, GPU time by pool, redeliveries and work lost, from the workers' counters."""
     now = time.time() if now is None else now
@@ -160,19 +160,19 @@ def _add_progress(st: JobStatus, stats: dict[str, int], progress: list[str], att
     recent = [(t, n) for t, n in stamps if t >= now - RATE_WINDOW_SECONDS]
     if recent:
         span = max(30.0, min(RATE_WINDOW_SECONDS, now - min(t for t, _ in stamps)))
-        st.images_per_minute = sum(n for _, n in recent) / span * 60
-        st.eta_seconds = st.left / st.images_per_minute * 60 if st.left else 0.0
-    st.gpu_seconds = {k.removeprefix("render_ms."): v / 1000 for k, v in stats.items() if k.startswith("render_ms.")}
-    st.redeliveries = sum(a - 1 for a in attempts if a > 1)
-    st.wasted_images = stats.get("wasted_images", 0)
+        job_state.images_per_minute = sum(n for _, n in recent) / span * 60
+        job_state.eta_seconds = job_state.left / job_state.images_per_minute * 60 if job_state.left else 0.0
+    job_state.gpu_seconds = {k.removeprefix("render_ms."): v / 1000 for k, v in stats.items() if k.startswith("render_ms.")}
+    job_state.redeliveries = sum(a - 1 for a in attempts if a > 1)
+    job_state.wasted_images = stats.get("wasted_images", 0)
 
 
-def price(st: JobStatus, prices: dict[str, float]) -> None:
+def price(job_state: JobStatus, prices: dict[str, float]) -> None:
     """Cost so far and per image: GPU time by pool times that pool's price per hour."""
     if not prices:
         return
-    st.cost = sum(seconds * prices.get(pool, 0.0) / 3600 for pool, seconds in st.gpu_seconds.items())
-    st.cost_per_image = st.cost / st.done if st.done else None
+    job_state.cost = sum(seconds * prices.get(pool, 0.0) / 3600 for pool, seconds in job_state.gpu_seconds.items())
+    job_state.cost_per_image = job_state.cost / job_state.done if job_state.done else None
 
 
 def queue_depths(client: redis.Redis) -> dict[str, int]:
@@ -204,8 +204,8 @@ def jobs_of_store(client: redis.Redis, store: Store | None) -> tuple[list[str], 
     pipe = client.pipeline(transaction=False)
     for job in jobs:
         pipe.hget(keys.job(job), "store")
-    me = store_identity(store.url)
-    mine = [job for job, owner in zip(jobs, pipe.execute(), strict=True) if keys.text(owner) in ("", me)]
+    ours = store_identity(store.url)
+    mine = [job for job, owner in zip(jobs, pipe.execute(), strict=True) if keys.text(owner) in ("", ours)]
     return mine, len(jobs) - len(mine)
 
 
@@ -247,11 +247,11 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
             check_in_store(store, job)
     status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
     for job in jobs:
-        st = job_status(client, job, store=store)
-        st.backlog_seconds = st.left * st.megapixel_steps * status.seconds_per_mpstep
-        price(st, prices or {})
-        status.backlog_seconds += st.backlog_seconds
-        status.jobs.append(st)
+        job_state = job_status(client, job, store=store)
+        job_state.backlog_seconds = job_state.left * job_state.megapixel_steps * status.seconds_per_mpstep
+        price(job_state, prices or {})
+        status.backlog_seconds += job_state.backlog_seconds
+        status.jobs.append(job_state)
     status.desired = {keys.text(k): int(v) for k, v in client.hgetall(keys.DESIRED).items() if k}
     status.reaped = int(client.hget(keys.FLEET_STATS, "reaped") or 0)
     return status

@@ -17,6 +17,7 @@ not hold are dropped before the job is written again.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -54,19 +55,23 @@ class SubmitResult:
     seconds: float
 
 
+# Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
+_FIELD_FLAGS = (("--steps", "steps"), ("--size", "width"), ("--size", "height"), ("--seed", "seed"),
+                ("--guidance", "guidance"))
+
+
 def check_options(opts: SubmitOptions) -> None:
     """Flag values, reported like file problems: ``--flag: reason``; the limits are
-    ``spec.INT_LIMITS``, the table a worker checks every message against too."""
+    ``spec.FIELDS`` and ``spec.INT_LIMITS``, the table a worker checks every message against too."""
     problems = []
     p = opts.params
-    for flag, name, value in (("--steps", "steps", p.steps), ("--size", "width", p.width),
-                              ("--size", "height", p.height), ("--seed", "seed", p.seed),
-                              ("--shard-size", "shard_size", opts.shard_size),
+    for flag, name in _FIELD_FLAGS:
+        if why := spec.field_problem(spec.FIELD[name], getattr(p, name)):
+            problems.append(f"{flag}: {why}")
+    for flag, name, value in (("--shard-size", "shard_size", opts.shard_size),
                               ("--batch-size", "batch_size", opts.batch_size)):
         if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
-    if why := spec.guidance_problem(p.guidance):
-        problems.append(f"--guidance: {why}")
     if opts.job is not None and (why := job_id_problem(opts.job)):
         problems.append(f"--job: {why}")
     if problems:
@@ -123,36 +128,19 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     # The upload (network or disk, the GIL released) overlaps the publishing.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-upload") as pool:
         upload = pool.submit(store.put_file, job_spec.prompts_key, Path(path))
-        sent = enqueue.publish_shards(app, client, job_spec, queue, _wire_shards(path, job_spec), store=owner)
+        sent = enqueue.publish_shards(app, client, job_spec, queue, wire_shards(path, job_spec), store=owner)
         upload.result()
     store.put(spec.spec_key(job), job_spec.to_json().encode(), content_type="application/json")
     enqueue.mark_stored(client, job)
     return SubmitResult(job, job_spec.total, sent, True, time.perf_counter() - started)
 
 
-def _wire_shards(path: str, job_spec: JobSpec) -> Iterator[WireShard]:
+def wire_shards(path: str, job_spec: JobSpec) -> Iterator[WireShard]:
     """Pass 2: the prompts' wire JSON, a shard at a time."""
-    if prompts.detect_format(path)[0] == "txt":
-        # The million-line case: a shard is a JSON list of texts, one C call.
-        dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-        texts: list[str] = []
-        shard = 0
-        for text in prompts.iter_texts(path):
-            texts.append(text)
-            if len(texts) == job_spec.shard_size:
-                yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * job_spec.shard_size)
-                shard += 1
-                texts = []
-        if texts:
-            yield WireShard(shard, len(texts), texts_json=dumps(texts), first=shard * job_spec.shard_size)
-        return
-    current: list[str] = []
-    shard = 0
-    for line in prompts.iter_wire(path, job_spec.params):
-        current.append(line)
-        if len(current) == job_spec.shard_size:
-            yield WireShard(shard, len(current), prompts_json=current)
-            shard += 1
-            current = []
-    if current:
-        yield WireShard(shard, len(current), prompts_json=current)
+    lines = prompts.iter_wire(path)
+    size = job_spec.shard_size
+    for shard in itertools.count():
+        chunk = list(itertools.islice(lines, size))
+        if not chunk:
+            return
+        yield WireShard(shard, len(chunk), chunk, start=shard * size)

@@ -167,9 +167,10 @@ def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], now: flo
              f'<text x="{pad_l}" y="12" class="chart-title">{escape(title)}</text>',
              f'<rect x="{pad_l}" y="{pad_t}" width="{w}" height="{h}" class="chart-bg"/>']
     for frac in (0.0, 0.5, 1.0):
-        yy = pad_t + h * (1 - frac)
-        parts.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{yy:.1f}" y2="{yy:.1f}" class="grid"/>')
-        parts.append(f'<text x="{pad_l - 4}" y="{yy + 4:.1f}" class="axis" text-anchor="end">{_short(top * frac)}</text>')
+        line_y = pad_t + h * (1 - frac)
+        parts.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{line_y:.1f}" y2="{line_y:.1f}" class="grid"/>')
+        parts.append(f'<text x="{pad_l - 4}" y="{line_y + 4:.1f}" class="axis" text-anchor="end">'
+                     f'{_short(top * frac)}</text>')
     parts.append(f'<text x="{pad_l}" y="{height - 3}" class="axis">-{_duration(span)}</text>')
     parts.append(f'<text x="{pad_l + w}" y="{height - 3}" class="axis" text-anchor="end">now</text>')
     for i, (name, pts) in enumerate(series.items()):
@@ -359,11 +360,11 @@ class TokenGate:
 # ---- the application ----------------------------------------------------------------
 
 
-def _job_view(st: JobStatus) -> dict[str, Any]:
-    out = asdict(st)
-    out["left"] = st.left
-    out["finished"] = st.finished
-    out["percent"] = round(100 * (st.done + st.failed) / st.total, 1) if st.total else 100.0
+def _job_view(job_state: JobStatus) -> dict[str, Any]:
+    out = asdict(job_state)
+    out["left"] = job_state.left
+    out["finished"] = job_state.finished
+    out["percent"] = round(100 * (job_state.done + job_state.failed) / job_state.total, 1) if job_state.total else 100.0
     return out
 
 
@@ -429,8 +430,8 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
             "charts": charts(client) if client is not None else [], "priced": bool(prices)})
 
     def job_data(request: Request) -> dict[str, Any]:
-        st = need_store()
-        job = checked_job(st, request.path_params["job"])
+        store = need_store()
+        job = checked_job(store, request.path_params["job"])
         try:
             page = max(1, int(request.query_params.get("page", "1")))
         except ValueError:
@@ -438,14 +439,14 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         if client is None:
             raise NotHere("this endpoint serves no job pages")
         try:
-            fleet = fleet_status(client, [job], store=st, prices=prices)
+            fleet = fleet_status(client, [job], store=store, prices=prices)
         except JobNotFound as exc:
             raise NotHere(str(exc)) from exc
         status = fleet.jobs[0]
-        names, more = gallery_page(st, job, page)
+        names, more = gallery_page(store, job, page)
         pages = max(1, -(-status.done // PAGE_SIZE))
         return {"job": _job_view(status), "page": page, "pages": max(pages, page + 1 if more else page),
-                "page_size": PAGE_SIZE, "images": names, "more": more, "quarantined": quarantined(st, job)}
+                "page_size": PAGE_SIZE, "images": names, "more": more, "quarantined": quarantined(store, job)}
 
     def job_page(request: Request) -> Response:
         data = job_data(request)
@@ -455,25 +456,25 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         return JSONResponse(job_data(request))
 
     def image_parts(request: Request) -> tuple[Store, str, str]:
-        st = need_store()
-        job = checked_job(st, request.path_params["job"])
-        return st, job, checked_image(st, job, request.path_params["name"])
+        store = need_store()
+        job = checked_job(store, request.path_params["job"])
+        return store, job, checked_image(store, job, request.path_params["name"])
 
     def thumb(request: Request) -> Response:
-        st, job, name = image_parts(request)
-        return Response(thumbnail(st, job, name), media_type="image/webp",
+        store, job, name = image_parts(request)
+        return Response(thumbnail(store, job, name), media_type="image/webp",
                         headers={"Cache-Control": "private, max-age=86400"})
 
     def image(request: Request) -> Response:
-        st, job, name = image_parts(request)
-        data = st.get(layout.image_key(job, name))
+        store, job, name = image_parts(request)
+        data = store.get(layout.image_key(job, name))
         if data is None:
             raise NotHere(f"job {job} has no image {name!r}")
         return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400"})
 
     def api_image(request: Request) -> Response:
-        st, job, name = image_parts(request)
-        return JSONResponse(image_meta(st, job, name))
+        store, job, name = image_parts(request)
+        return JSONResponse(image_meta(store, job, name))
 
     async def not_here(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(f"not found: {exc}\n", status_code=404)

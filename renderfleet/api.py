@@ -38,6 +38,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 from renderfleet.errors import InputError
 from renderfleet.settings import Settings, load_settings
+from renderfleet.spec import DEFAULT
 
 if TYPE_CHECKING:
     import redis
@@ -126,11 +127,11 @@ class Client:
         *,
         format: str | None = None,
         model: str | None = None,
-        steps: int = 30,
-        size: str | tuple[int, int] = "512x512",
-        guidance: float = 7.5,
-        negative: str = "",
-        seed: int = 0,
+        steps: int = DEFAULT["steps"],
+        size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
+        guidance: float = DEFAULT["guidance"],
+        negative: str = DEFAULT["negative_prompt"],
+        seed: int = DEFAULT["seed"],
         shard_size: int = 64,
         batch_size: int = 4,
         pool: str = "default",
@@ -163,8 +164,10 @@ class Client:
             write_jsonl(prompts, path)  # type: ignore[arg-type]
             return self.submit_file(path, opts, source="<python>", label="prompts", by_item=True)
 
-    def options(self, *, model: str | None = None, steps: int = 30, size: str | tuple[int, int] = "512x512",
-                guidance: float = 7.5, negative: str = "", seed: int = 0, shard_size: int = 64, batch_size: int = 4,
+    def options(self, *, model: str | None = None, steps: int = DEFAULT["steps"],
+                size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
+                guidance: float = DEFAULT["guidance"], negative: str = DEFAULT["negative_prompt"],
+                seed: int = DEFAULT["seed"], shard_size: int = 64, batch_size: int = 4,
                 pool: str = "default", job: str | None = None) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one)."""
         from dispatcher.submit import SubmitOptions, check_options
@@ -241,13 +244,13 @@ class Job:
             bar.start()
         try:
             while True:
-                st = self.status()
+                now = self.status()
                 if bar is not None and task is not None:
-                    bar.update(task, completed=st.done + st.failed)
-                if st.finished:
-                    return st
+                    bar.update(task, completed=now.done + now.failed)
+                if now.finished:
+                    return now
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id}: {st.done + st.failed}/{st.total} after {timeout} s")
+                    raise TimeoutError(f"job {self.id}: {now.done + now.failed}/{now.total} after {timeout} s")
                 time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
         finally:
             if bar is not None:

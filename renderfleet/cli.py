@@ -20,6 +20,7 @@ import typer
 
 from renderfleet.errors import ConfigError, InputError, JobNotFound, RenderfleetError
 from renderfleet.settings import Settings, load_settings
+from renderfleet.spec import DEFAULT
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Render one image per prompt on a fleet of GPU workers, each exactly once.")
@@ -94,6 +95,7 @@ Negative = Annotated[str, typer.Option(help="negative prompt for every prompt wi
 Seed = Annotated[int, typer.Option(help="job seed; a prompt's seed is derived from it and its index")]
 ShardSize = Annotated[int, typer.Option("--shard-size", help="prompts per shard (one task)")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="prompts per pipeline call and checkpoint")]
+_SIZE = f"{DEFAULT['width']}x{DEFAULT['height']}"  # the defaults: one table, spec.FIELDS
 Pool = Annotated[str | None, typer.Option(help="pool whose queue gets the work")]
 JobOpt = Annotated[str | None, typer.Option("--job", help="job id (default: derived from content and settings)")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file with [pools.NAME] and [autoscale]")]
@@ -130,8 +132,9 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
 @app.command()
 def submit(
     file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")],
-    job: JobOpt = None, model: Model = None, steps: Steps = 30, size: Size = "512x512",
-    guidance: Guidance = 7.5, negative: Negative = "", seed: Seed = 0, shard_size: ShardSize = 64,
+    job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
+    guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
+    seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
     fmt: Annotated[str | None, typer.Option("--format", help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
@@ -414,8 +417,9 @@ def autoscale(
 def run(
     file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz")],
     workers: Annotated[int, typer.Option(min=1, help="local workers to start")] = 1,
-    job: JobOpt = None, model: Model = None, steps: Steps = 30, size: Size = "512x512",
-    guidance: Guidance = 7.5, negative: Negative = "", seed: Seed = 0, shard_size: ShardSize = 64,
+    job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
+    guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
+    seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
     timeout: Annotated[float, typer.Option(min=0, help="give up after this many seconds (0: never)")] = 0,
 ) -> None:
@@ -436,7 +440,7 @@ def run(
 
 @app.command()
 def bench(
-    model: Model = None, steps: Steps = 30, size: Size = "512x512", guidance: Guidance = 7.5,
+    model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE, guidance: Guidance = DEFAULT["guidance"],
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="e.g. 1,2,4,8, or auto")] = "auto",
     price_per_hour: Annotated[float | None, typer.Option("--price-per-hour", help="this card's price")] = None,
     runs: Annotated[int, typer.Option(help="timed batches per batch size (median)")] = 3,

@@ -21,7 +21,7 @@ SHARDS_SUFFIX = ":shards"
 
 # The enqueue record, read by the monitor's audit (dispatcher/monitor.py) to find a
 # shard whose message was lost between a queue and its claim.  Written by the Lua
-# scripts that push a shard's message (core/lua/common.lua), dropped at its claim.
+# scripts that push a shard's message (renderfleet/lua/common.lua), dropped at its claim.
 SEQ = "rf:seq"  # counter: orders every push of a shard message, on every queue
 ENQUEUED = "rf:enqueued"  # hash "<job>:<shard>" -> "<seq>|<side b|f>|<kombu tag>|<queue>"
 QUEUES = "rf:queues"  # set of queues that shard messages were pushed to

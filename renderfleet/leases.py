@@ -57,7 +57,7 @@ _LUA = resources.files("renderfleet") / "lua"
 
 
 def lua_script(name: str) -> str:
-    """The source of ``core/lua/<name>.lua``, with ``common.lua`` in front."""
+    """The source of ``renderfleet/lua/<name>.lua``, with ``common.lua`` in front."""
     return (_LUA / "common.lua").read_text() + "\n" + (_LUA / f"{name}.lua").read_text()
 
 

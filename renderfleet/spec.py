@@ -1,8 +1,11 @@
 """The job, its prompts and its shards: the data both sides agree on.
 
 Everything here is a frozen dataclass that round-trips through small JSON
-dicts (docs/design.md, rule 3: ids, prompts and settings, never images).  The store layout of
-a job lives here too, so a reader finds every key in one place::
+dicts (docs/design.md, rule 3: ids, prompts and settings, never images).  Here
+are the one table of a prompt's fields (:data:`FIELDS`: names, type, range,
+default) and the one module that encodes and decodes a shard message
+(:func:`message_encoder`, :meth:`ShardMessage.from_dict`, :func:`message_problems`).
+The store layout of a job lives here too, so a reader finds every key in one place::
 
     jobs/<job>/spec.json                    the job: settings, totals (written last at submit)
     jobs/<job>/source/prompts.<fmt>[.gz]    the prompt file as submitted (read again by resume)
@@ -17,6 +20,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,23 +44,52 @@ def job_id_problem(job: str) -> str | None:
     return None
 
 
-# ---- the limits of every render setting: one table, checked everywhere ---------
+# ---- the fields of a prompt and the limits of every setting: one table ---------
 #
-# Submit's flags (``dispatcher.submit.check_options``), each row of a prompt
-# file (``renderfleet.prompts``) and every shard message a worker takes
-# (:func:`message_problems`) are checked against this table, so a message
-# written straight into Redis can ask for nothing submit would refuse.
+# A prompt file's columns (``renderfleet.prompts.checks``), submit's flags
+# (``dispatcher.submit.check_options``), the wire form of a shard message
+# (:func:`prompt_json`, :meth:`Prompt.from_wire`), the worker's check of every
+# message it takes (:func:`message_problems`) and the renderer's
+# (``worker.render.check_inputs``) all read this table, so a field added here
+# is parsed, checked and carried everywhere, and a message written straight
+# into Redis can ask for nothing submit would refuse.
 
-# (lowest, highest) of each integer setting.
+
+@dataclass(frozen=True)
+class Field:
+    """One field a prompt may carry: its names, type, range and default."""
+
+    name: str  # in a .jsonl object, a .csv header and RenderParams
+    attr: str  # the Prompt attribute it fills
+    wire: str  # its key in a shard message's prompt
+    kind: str  # "text", "name" (a key segment), "int" or "number"
+    types: tuple[type, ...]  # what a .jsonl value may be (exactly: a bool is no int)
+    what: str  # the expected type, in words, for "must be ..." problems
+    limits: tuple[int, int] | None = None  # (lowest, highest) of an "int"
+    multiple_of: int = 1
+    default: Any = None  # the job's value (RenderParams); None: the prompt's own (text, name, derived seed)
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("prompt", "prompt", "p", "text", (str,), "a string"),
+    Field("id", "name", "n", "name", (str, int), "a string or integer"),
+    Field("negative_prompt", "negative_prompt", "neg", "text", (str,), "a string", default=""),
+    Field("seed", "seed", "s", "int", (int,), "an integer", (0, 2**63 - 1), default=0),
+    Field("steps", "steps", "steps", "int", (int,), "an integer", (1, 1000), default=30),
+    Field("guidance", "guidance", "g", "number", (int, float), "a number", default=7.5),
+    # latents are 1/8 of the image
+    Field("width", "width", "w", "int", (int,), "an integer", (1, 4096), 8, default=512),
+    Field("height", "height", "h", "int", (int,), "an integer", (1, 4096), 8, default=512),
+)
+FIELD = {f.name: f for f in FIELDS}
+DEFAULT = {f.name: f.default for f in FIELDS if f.default is not None}
+
+# (lowest, highest) of each integer setting: the prompt's, and how a job is cut.
 INT_LIMITS: dict[str, tuple[int, int]] = {
-    "seed": (0, 2**63 - 1),
-    "steps": (1, 1000),
-    "width": (1, 4096),
-    "height": (1, 4096),
+    **{f.name: f.limits for f in FIELDS if f.limits is not None},
     "shard_size": (1, 10_000),  # prompts per shard (one message)
     "batch_size": (1, 256),  # prompts per pipeline call
 }
-MULTIPLE_OF_8 = frozenset(("width", "height"))  # latents are 1/8 of the image
 
 # Slashes split a key; control characters (Unicode Cc) break logs and URLs.
 _BAD_NAME_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
@@ -69,8 +102,9 @@ def int_problem(name: str, value: int) -> str | None:
         return f"steps must be positive, got {value}"
     if not low <= value <= high:
         return f"{name} must be between {low} and {high}, got {value}"
-    if name in MULTIPLE_OF_8 and value % 8:
-        return f"{name} must be a multiple of 8, got {value}"
+    step = FIELD[name].multiple_of if name in FIELD else 1
+    if value % step:
+        return f"{name} must be a multiple of {step}, got {value}"
     return None
 
 
@@ -80,6 +114,21 @@ def guidance_problem(value: float) -> str | None:
         return f"guidance must be a finite number, got {value}"
     if value < 0:
         return f"guidance must be >= 0, got {value}"
+    return None
+
+
+def field_problem(field: Field, value: Any) -> str | None:
+    """Why ``value``, of one of ``field.types``, is outside ``field``'s range, if it is.
+
+    A text's rules (empty, NUL) are worded by each reader: a file line and a
+    message name them differently.
+    """
+    if field.kind == "int":
+        return int_problem(field.name, value)
+    if field.kind == "number":
+        return guidance_problem(value)
+    if field.kind == "name":
+        return name_problem(value)
     return None
 
 
@@ -128,12 +177,12 @@ class RenderParams:
     """Job-wide render settings; a prompt may override some of them."""
 
     model: str = "tiny"
-    steps: int = 30
-    width: int = 512
-    height: int = 512
-    guidance: float = 7.5
-    negative_prompt: str = ""
-    seed: int = 0
+    steps: int = FIELD["steps"].default
+    width: int = FIELD["width"].default
+    height: int = FIELD["height"].default
+    guidance: float = FIELD["guidance"].default
+    negative_prompt: str = FIELD["negative_prompt"].default
+    seed: int = FIELD["seed"].default
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,20 +216,26 @@ class Prompt:
         return (self.steps, self.guidance, self.width, self.height)
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any], params: RenderParams) -> Prompt:
-        index = int(data["i"])
-        return cls(
-            index=index,
-            name=data.get("n", index_name(index)),
-            prompt=data["p"],
-            negative_prompt=data.get("neg", params.negative_prompt),
-            seed=int(data["s"]) if "s" in data else derive_seed(params.seed, index),
-            steps=int(data.get("steps", params.steps)),
-            guidance=float(data.get("g", params.guidance)),
-            width=int(data.get("w", params.width)),
-            height=int(data.get("h", params.height)),
-        )
+    def from_wire(cls, index: int, data: str | dict[str, Any], params: RenderParams) -> Prompt:
+        """Decode prompt ``index`` of a shard message (:func:`prompt_json`): its text
+        alone, or its fields; what it does not carry is the job's (the name follows
+        from the index, the seed is derived from it)."""
+        if type(data) is str:
+            data = {"p": data}
+        values: dict[str, Any] = {"index": index}
+        for f in FIELDS:
+            if f.wire in data:
+                values[f.attr] = _FROM_WIRE[f.kind](data[f.wire])  # type: ignore[index]
+            elif f.name == "id":
+                values[f.attr] = index_name(index)
+            elif f.name == "seed":
+                values[f.attr] = derive_seed(params.seed, index)
+            else:
+                values[f.attr] = getattr(params, f.name)  # the prompt's text is never absent: KeyError
+        return cls(**values)
 
+
+_FROM_WIRE: dict[str, Callable[[Any], Any]] = {"text": str, "name": str, "int": int, "number": float}
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -223,10 +278,15 @@ class ShardMessage:
     Carries its prompts so a worker needs no store read to start; carries no
     attempt number: the attempt is taken from Redis when the shard is claimed,
     so a message re-published any number of times stays byte-identical.
-    Encoded by the dispatcher (``dispatcher.enqueue.message_builder``, straight
-    from the prompt file's wire form), decoded here.  ``store`` names the store
-    the job belongs to (:func:`store_identity`): a worker writing to another
-    store must not take it, or the job would be counted done where it is not.
+    ``store`` names the store the job belongs to (:func:`store_identity`): a
+    worker writing to another store must not take it, or the job would be
+    counted done where it is not.
+
+    On the wire (one form, whatever the prompts came from: a .txt, .jsonl or
+    .csv file at submit, the stored file at resume) it is a JSON object whose
+    ``prompts`` are the shard's prompts in order, numbered from ``first``, each
+    in its compact form (:func:`prompt_json`); encoded by
+    :func:`message_encoder`, decoded by :meth:`from_dict`.
     """
 
     job: str
@@ -239,26 +299,15 @@ class ShardMessage:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardMessage:
-        """Prompts come as wire dicts (``prompts``), or as bare texts numbered
-        from ``first`` (``texts``: a .txt file's prompts, all job defaults)."""
+        """Decode a message (checked first by :func:`message_problems`)."""
         params = RenderParams.from_dict(data["params"])
-        if "texts" in data:
-            first = int(data["first"])
-            prompts = tuple(
-                Prompt(index=i, name=index_name(i), prompt=text, negative_prompt=params.negative_prompt,
-                       seed=derive_seed(params.seed, i), steps=params.steps, guidance=params.guidance,
-                       width=params.width, height=params.height)
-                for i, text in enumerate(data["texts"], first)
-            )
-        else:
-            prompts = tuple(Prompt.from_wire(p, params) for p in data["prompts"])
         return cls(
             job=str(data["job"]),
             shard=int(data["shard"]),
             params=params,
             batch_size=int(data["batch_size"]),
             queue=str(data["queue"]),
-            prompts=prompts,
+            prompts=tuple(Prompt.from_wire(i, p, params) for i, p in enumerate(data["prompts"], int(data["first"]))),
             store=str(data.get("store", "")),
         )
 
@@ -275,14 +324,80 @@ class ShardMessage:
         ]
 
 
+# ---- encoding a shard message: the dispatcher's fast path ----------------------------
+#
+# A million prompts go from a file to Redis at submit: each is serialised once,
+# formatted by hand (``JSONEncoder.encode`` would cost more than all the rest),
+# and a shard's message is its prompts spliced into the job's common head.
+# tests/unit/test_spec.py holds these equal to ``json.dumps`` of the same data.
+
+_QUOTE = json.encoder.encode_basestring  # type: ignore[attr-defined]  # the C escaper; non-ASCII kept as is
+_WIRE_TEXT = {f.name: f'"{f.wire}":' for f in FIELDS if f.kind in ("text", "name")}
+_WIRE_NUMBER = {f.name: f'"{f.wire}":' for f in FIELDS if f.kind in ("int", "number")}
+
+
+def prompt_json(row: dict[str, Any]) -> str:
+    """A prompt on the wire from its checked fields, keyed by :data:`FIELDS` names.
+
+    A prompt with nothing but its text is that text, a JSON string (most
+    prompts: a .txt line always); any other is an object of the fields the
+    file gives, by their wire names.  Whatever is absent is the job's (the
+    seed: derived from the index).  The index is the prompt's place in its
+    shard, from the message's ``first``.
+    """
+    if len(row) == 1 and "prompt" in row:
+        return _QUOTE(row["prompt"])  # type: ignore[no-any-return]
+    parts = []
+    for key, value in row.items():
+        head = _WIRE_TEXT.get(key)
+        if head is not None:
+            parts.append(head + _QUOTE(str(value)))
+        else:  # checked finite numbers: repr is their JSON
+            parts.append(f"{_WIRE_NUMBER[key]}{value!r}")
+    return "{" + ",".join(parts) + "}"
+
+
+def texts_json(texts: Iterable[str]) -> Iterator[str]:
+    """:func:`prompt_json` of prompts that are nothing but their text (.txt lines).
+
+    One C call per prompt, no Python frame: this is most of a million-line submit.
+    """
+    return map(_QUOTE, texts)
+
+
+def wire_name(index: int, prompt_json: str) -> str:
+    """The image name of prompt ``index`` from its wire form, decoding only a prompt with fields."""
+    if prompt_json[0] == "{":
+        return str(json.loads(prompt_json).get("n", index_name(index)))
+    return index_name(index)
+
+
+def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int, int, Sequence[str]], str]:
+    """``encode(shard, first, prompts_json)``: the task argument of each shard of
+    ``job``, its prompts (numbered from ``first``) already on the wire (:func:`prompt_json`).
+
+    Everything but the shard is serialised once.  ``store`` is the job's store
+    (:func:`store_identity`): only a worker writing to that store takes the shard.
+    """
+    head = json.dumps(
+        {"job": job.job, "params": job.params.to_dict(), "batch_size": job.batch_size, "queue": queue,
+         "store": store},
+        separators=(",", ":"),
+    )[:-1]
+
+    def encode(shard: int, first: int, prompts_json: Sequence[str]) -> str:
+        return f'{head},"shard":{shard},"first":{first},"prompts":[{",".join(prompts_json)}]}}'
+
+    return encode
+
+
 # ---- checking a message a worker is told to render --------------------------------
 
 # A message's queue: kombu's list of one pool (``renderfleet.celery_app.queue_name``).
 _QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}")
-_MESSAGE_KEYS = frozenset(("job", "shard", "params", "batch_size", "queue", "store", "prompts", "texts", "first"))
-_WIRE_KEYS = frozenset(("i", "p", "s", "n", "neg", "steps", "g", "w", "h"))
-_WIRE_INTS = {"s": "seed", "steps": "steps", "w": "width", "h": "height"}
-_PARAM_INTS = ("steps", "width", "height", "seed")
+_MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "prompts")  # and "store", optional
+_WIRE_FIELDS = {f.wire: f for f in FIELDS}  # the keys of a prompt with fields on the wire
+_PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number")}  # the job's numbers
 MAX_MODEL_LEN = 1024
 
 
@@ -300,41 +415,44 @@ def _text_problem(what: str, value: Any, *, empty: bool = True) -> str | None:
     return None
 
 
-def _setting_problems(where: str, values: dict[str, Any], ints: dict[str, str], guidance: str | None) -> list[str]:
-    problems = []
-    for key, name in ints.items():
-        if key in values:
-            value = values[key]
-            why = int_problem(name, value) if _is_int(value) else f"{name} must be an integer"
-            if why:
-                problems.append(f"{where}: {why}")
-    if guidance is not None and guidance in values:
-        value = values[guidance]
-        why = guidance_problem(value) if type(value) in (int, float) else "guidance must be a number"
-        if why:
-            problems.append(f"{where}: {why}")
-    return problems
+def _value_problem(f: Field, value: Any) -> str | None:
+    """Why a message's ``value`` of field ``f`` cannot be rendered, if it cannot."""
+    if f.kind == "text":
+        return _text_problem(f.name, value, empty=f.name != "prompt")
+    if f.kind == "name":
+        return field_problem(f, value) if type(value) is str else "id must be a string"
+    if f.kind == "int":
+        return field_problem(f, value) if _is_int(value) else f"{f.name} must be an integer"
+    return field_problem(f, value) if type(value) in (int, float) else f"{f.name} must be a number"
+
+
+def _field_problems(where: str, values: dict[str, Any], fields: dict[str, Field]) -> list[str]:
+    """``where: reason`` for each of ``fields`` (by key) that ``values`` gives badly."""
+    return [f"{where}: {why}" for key, f in fields.items()
+            if key in values and (why := _value_problem(f, values[key]))]
 
 
 def message_problems(data: Any) -> list[str]:
     """Why a decoded shard message cannot be rendered, by the rules submit applies
-    (:data:`INT_LIMITS`, :func:`guidance_problem`, :func:`name_problem`,
-    :func:`job_id_problem`); empty when it can.  Checked on the worker before
-    anything is claimed or written: Redis is the trust boundary, and a message
-    written straight into it must not ask for 10**9 steps or another job's keys.
+    (:data:`FIELDS`, :data:`INT_LIMITS`, :func:`job_id_problem`); empty when it can.
+    Checked on the worker before anything is claimed or written: Redis is the
+    trust boundary, and a message written straight into it must not ask for
+    10**9 steps or another job's keys.
     """
     if not isinstance(data, dict):
         return [f"a shard message is a JSON object, not {type(data).__name__}"]
-    problems = [f"unknown field {key!r}" for key in sorted(set(data) - _MESSAGE_KEYS)]
-    missing = [key for key in ("job", "shard", "params", "batch_size", "queue") if key not in data]
-    if missing or ("prompts" in data) == ("texts" in data):
-        return [*problems, f"missing field(s) {', '.join(missing) or 'prompts or texts (one of them)'}"]
+    problems = [f"unknown field {key!r}" for key in sorted(set(data) - {*_MESSAGE_KEYS, "store"})]
+    missing = [key for key in _MESSAGE_KEYS if key not in data]
+    if missing:
+        return [*problems, f"missing field(s) {', '.join(missing)}"]
     job = data["job"]
     if why := job_id_problem(job) if type(job) is str else "must be a string":
         problems.append(f"job: {why}")
     if not _is_int(data["shard"]) or data["shard"] < 0:
         problems.append("shard: must be a whole number >= 0")
-    problems += _setting_problems("batch_size", data, {"batch_size": "batch_size"}, None)
+    batch = data["batch_size"]
+    if why := int_problem("batch_size", batch) if _is_int(batch) else "batch_size must be an integer":
+        problems.append(f"batch_size: {why}")
     if type(data["queue"]) is not str or not _QUEUE_RE.fullmatch(data["queue"]):
         problems.append(f"queue: not a renderfleet queue: {str(data['queue'])[:60]!r}")
     if type(data.get("store", "")) is not str:
@@ -347,33 +465,21 @@ def message_problems(data: Any) -> list[str]:
         problems.append(why or f"params.model: longer than {MAX_MODEL_LEN} characters")
     if why := _text_problem("params.negative_prompt", params.get("negative_prompt", "")):
         problems.append(why)
-    problems += _setting_problems("params", params, {k: k for k in _PARAM_INTS}, "guidance")
+    problems += _field_problems("params", params, _PARAM_FIELDS)
     high = INT_LIMITS["shard_size"][1]
-    if "texts" in data:
-        texts, first = data["texts"], data.get("first")
-        if not isinstance(texts, list) or not 1 <= len(texts) <= high:
-            problems.append(f"texts: must be a list of 1 to {high} prompts")
-        elif why := next((w for t in texts if (w := _text_problem("a prompt", t, empty=False))), None):
-            problems.append(f"texts: {why}")
-        if type(first) is not int or first < 0:
-            problems.append("first: must be a whole number >= 0")
-        return problems
     prompts = data["prompts"]
     if not isinstance(prompts, list) or not 1 <= len(prompts) <= high:
         return [*problems, f"prompts: must be a list of 1 to {high} prompts"]
+    if not _is_int(data["first"]) or data["first"] < 0:
+        problems.append("first: must be a whole number >= 0")
     for n, wire in enumerate(prompts):
         where = f"prompts[{n}]"
-        if not isinstance(wire, dict) or set(wire) - _WIRE_KEYS or "i" not in wire or "p" not in wire:
-            problems.append(f"{where}: must be an object with 'i' and 'p' (and only wire fields)")
+        if type(wire) is str:
+            wire = {"p": wire}
+        if not isinstance(wire, dict) or set(wire) - set(_WIRE_FIELDS) or "p" not in wire:
+            problems.append(f"{where}: must be a string or an object with 'p' (and only wire fields)")
             continue
-        if not _is_int(wire["i"]) or wire["i"] < 0:
-            problems.append(f"{where}: i must be a whole number >= 0")
-        for key, what in (("p", "prompt"), ("neg", "negative_prompt")):
-            if key in wire and (why := _text_problem(what, wire[key], empty=key == "neg")):
-                problems.append(f"{where}: {why}")
-        if "n" in wire and (why := (name_problem(wire["n"]) if type(wire["n"]) is str else "id must be a string")):
-            problems.append(f"{where}: {why}")
-        problems += _setting_problems(where, wire, _WIRE_INTS, "g")
+        problems += _field_problems(where, wire, _WIRE_FIELDS)
         if len(problems) >= 5:
             break  # one log line: the first few reasons are enough
     return problems

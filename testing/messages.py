@@ -1,20 +1,24 @@
-"""Prompts and shard messages on the wire, built for tests: the product never builds them this way.
+"""Prompts and shard messages on the wire, built the slow, obvious way: the
+reference the product's fast encoding (``spec.message_encoder``,
+``spec.prompt_json``) is tested against; the product never builds them so.
 
 - :func:`to_wire`: one prompt's compact wire dict (the inverse of ``Prompt.from_wire``);
-- :func:`message_json`: one shard's task argument, by the dispatcher's message builder.
+- :func:`message_dict`: a whole shard message as ``json.loads`` of its wire form would give;
+- :func:`message_json`: one shard's task argument, by the product's encoder.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
-from dispatcher.enqueue import WireShard, message_builder
-from renderfleet.spec import JobSpec, Prompt, RenderParams, derive_seed, index_name
+from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage, derive_seed, index_name, message_encoder
 
 
-def to_wire(prompt: Prompt, params: RenderParams) -> dict[str, Any]:
-    """A compact dict: only the fields that differ from the job's."""
-    out: dict[str, Any] = {"i": prompt.index, "p": prompt.prompt}
+def to_wire(prompt: Prompt, params: RenderParams) -> str | dict[str, Any]:
+    """Only the fields that differ from the job's: the text alone if nothing does."""
+    out: dict[str, Any] = {"p": prompt.prompt}
     if prompt.seed != derive_seed(params.seed, prompt.index):
         out["s"] = prompt.seed
     if prompt.name != index_name(prompt.index):
@@ -29,9 +33,17 @@ def to_wire(prompt: Prompt, params: RenderParams) -> dict[str, Any]:
         out["w"] = prompt.width
     if prompt.height != params.height:
         out["h"] = prompt.height
-    return out
+    return prompt.prompt if len(out) == 1 else out
 
 
-def message_json(spec: JobSpec, queue: str, shard: WireShard, store: str = "") -> str:
-    """The task argument for one shard (decoded by ``ShardMessage.from_dict``)."""
-    return message_builder(spec, queue, store)(shard)
+def message_dict(msg: ShardMessage) -> dict[str, Any]:
+    """``msg`` as a decoded shard message, every value written by ``json.dumps``'s rules."""
+    data = {"job": msg.job, "params": msg.params.to_dict(), "batch_size": msg.batch_size, "queue": msg.queue,
+            "store": msg.store, "shard": msg.shard, "first": msg.prompts[0].index if msg.prompts else 0,
+            "prompts": [to_wire(p, msg.params) for p in msg.prompts]}
+    return dict(json.loads(json.dumps(data)))
+
+
+def message_json(spec: JobSpec, queue: str, shard: int, prompts_json: Sequence[str], store: str = "") -> str:
+    """The task argument for one shard (decoded by ``ShardMessage.from_dict``), numbered as the job's cut puts it."""
+    return message_encoder(spec, queue, store)(shard, shard * spec.shard_size, prompts_json)

@@ -144,17 +144,17 @@ def _plot(run: BenchRun, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    xs = [p.batch_size for p in run.points]
+    sizes = [p.batch_size for p in run.points]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(xs, [p.images_per_minute for p in run.points], "o-", color="tab:blue", label="images/min")
+    ax.plot(sizes, [p.images_per_minute for p in run.points], "o-", color="tab:blue", label="images/min")
     ax.set_xlabel("batch size")
     ax.set_ylabel("images per minute", color="tab:blue")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xticks(sizes, [str(x) for x in sizes])
     if run.prices:
         label = next(iter(run.prices))
         ax2 = ax.twinx()
-        ax2.plot(xs, [p.cost_per_image[label] for p in run.points], "s--", color="tab:red",
+        ax2.plot(sizes, [p.cost_per_image[label] for p in run.points], "s--", color="tab:red",
                  label=f"cost per image ({label})")
         ax2.set_ylabel(f"cost per image at {run.prices[label]:g}/h", color="tab:red")
     ax.set_title(f"{run.model} {run.width}x{run.height} {run.steps} steps on {run.card}", fontsize=9)

@@ -60,7 +60,6 @@ class LoadedModel:
     device: str
     dtype: torch.dtype
     load_seconds: float
-    is_smoke_test: bool
 
 
 def default_device() -> str:
@@ -103,8 +102,7 @@ def load_pipeline(
     dtype = dtype_for(device)
 
     # 1. Build or read the pipeline, on the CPU.
-    is_smoke_test = model == TINY
-    if is_smoke_test:
+    if model == TINY:
         pipe = build_tiny_pipeline()
         pipe = pipe.to(dtype=dtype)
     elif model.startswith("s3://"):
@@ -127,7 +125,6 @@ def load_pipeline(
         device=device,
         dtype=dtype,
         load_seconds=time.perf_counter() - started,
-        is_smoke_test=is_smoke_test,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from renderfleet import __version__, testhooks
 from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
-from renderfleet.spec import Prompt
+from renderfleet.spec import FIELD, INT_LIMITS, Prompt, field_problem
 from worker.models import LoadedModel
 
 # zlib at a fixed level: the same pixels always give the same bytes, whatever
@@ -41,18 +41,13 @@ class Renderer:
     on its prompt alone (half the throughput on CPU, more lost on a GPU): for
     users who need identical images across batch sizes or after OOM halving.
 
-    After each call, ``last_batch_seconds`` is its wall time and
-    ``last_step_seconds`` the time of one denoising step of the whole batch
-    (text encoding included, so slightly high: the safe side when the caller
-    asks whether ``steps * last_step_seconds`` fits in a reclaim window).
+    After each call, ``last_batch_seconds`` is its wall time.
     """
 
     def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False) -> None:
         self.loaded = loaded
         self.batch_invariant = batch_invariant
         self.last_batch_seconds = 0.0
-        self.last_step_seconds = 0.0
-        self.last_steps_run = 0  # denoising steps run, summed over calls
 
     def render(
         self,
@@ -84,15 +79,14 @@ class Renderer:
         # 3. Denoise and decode: per prompt, or the batch in one call.
         groups = [[p] for p in prompts] if self.batch_invariant else [list(prompts)]
         started = time.perf_counter()
-        step_times: list[float] = []
         images: list[Any] = []
         try:
             for n, group in enumerate(groups):
                 if n > 0 and should_stop():
                     raise Reclaimed("stopped mid-batch")
-                images.extend(self._call(group, should_stop, step_times))
+                images.extend(self._call(group, should_stop))
         finally:
-            self._measure(started, step_times, steps_per_batch_step=len(groups))
+            self.last_batch_seconds = time.perf_counter() - started
 
         # 4. Encode, each image with what made it.
         if len(images) != len(prompts):
@@ -110,7 +104,6 @@ class Renderer:
         self,
         prompts: list[Prompt],
         should_stop: Callable[[], bool],
-        step_times: list[float],
     ) -> list[Any]:
         """One pipeline call: PIL images, or :class:`Reclaimed` if stopped."""
         import torch
@@ -120,7 +113,6 @@ class Renderer:
 
         def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
             nonlocal interrupted
-            step_times.append(time.perf_counter())
             if step < steps - 1 and should_stop():
                 # diffusers' own interrupt: the loop skips its remaining steps.
                 pipeline._interrupt = True
@@ -162,13 +154,6 @@ class Renderer:
             raise Reclaimed("stopped mid-batch")
         return list(output.images)
 
-    def _measure(self, started: float, step_times: list[float], steps_per_batch_step: int) -> None:
-        self.last_batch_seconds = time.perf_counter() - started
-        self.last_steps_run = len(step_times)
-        if step_times:
-            batch_steps = len(step_times) / steps_per_batch_step
-            self.last_step_seconds = (step_times[-1] - started) / batch_steps
-
 
 def check_inputs(prompts: Sequence[Prompt]) -> None:
     """Raise ``ValueError`` naming the bad value if ``prompts`` cannot share a call."""
@@ -181,11 +166,15 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
                 f"all prompts in a batch must share (steps, guidance, width, height); "
                 f"prompt {p.name!r} has {p.render_key} but prompt {prompts[0].name!r} has {key}"
             )
-    steps, _guidance, width, height = key
-    if steps < 1:
-        raise ValueError(f"`steps` has to be a positive integer but is {steps}")
-    if width % 8 != 0 or height % 8 != 0 or width <= 0 or height <= 0:
-        raise ValueError(f"`width` and `height` have to be positive multiples of 8 but are {width} and {height}")
+    # The ranges are the table submit checks (spec.FIELDS); the words are diffusers'.
+    steps, guidance, width, height = key
+    if field_problem(FIELD["steps"], steps):
+        raise ValueError(f"`steps` has to be a positive integer up to {INT_LIMITS['steps'][1]} but is {steps}")
+    if field_problem(FIELD["width"], width) or field_problem(FIELD["height"], height):
+        raise ValueError(f"`width` and `height` have to be positive multiples of 8 up to {INT_LIMITS['width'][1]} "
+                         f"but are {width} and {height}")
+    if why := field_problem(FIELD["guidance"], guidance):
+        raise ValueError(f"`guidance_scale`: {why}")
 
 
 def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:

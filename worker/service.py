@@ -183,7 +183,7 @@ class WorkerService:
         unreachable): the task then gives the message back to the broker.
         """
         raw = message if isinstance(message, str) else json.dumps(message)
-        msg = self._accept(raw)
+        msg = self.accept(raw)
         if msg is None:
             return Outcome(TaskOutcome.REJECTED)
         self.stop.clear_fence()  # a fence belongs to the shard before this one
@@ -275,7 +275,7 @@ class WorkerService:
         try:
             if msg.params.model != self.model:
                 try:
-                    self._switch_model(msg.params.model)  # after the claim: a duplicate costs no load
+                    self.switch_model(msg.params.model)  # after the claim: a duplicate costs no load
                 except ModelLoadError as exc:
                     # The job's fault: its prompts fail with the reason, this worker goes on.
                     log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
@@ -286,7 +286,7 @@ class WorkerService:
             if ours is not None:
                 self.runner.renderer = ours
 
-    def _accept(self, raw: str) -> ShardMessage | None:
+    def accept(self, raw: str) -> ShardMessage | None:
         """The message, if it may be rendered here; None (and one log line) if not.
 
         Checked by submit's rules (``spec.message_problems``), then against the
@@ -352,7 +352,7 @@ class WorkerService:
             log.error("the last %d shards all failed on this worker: it stops taking work", self.failed_streak)
             self.stop.request("circuit breaker: every shard fails here")
 
-    def _switch_model(self, model: str) -> None:
+    def switch_model(self, model: str) -> None:
         """Load ``model`` in place of ours; if it will not load, keep ours.
 
         The old pipeline is freed first (two big pipelines may not fit one

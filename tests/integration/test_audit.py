@@ -49,7 +49,7 @@ QUEUE = "renderfleet.default"
 def publish(client: redis.Redis, url: str, job: str, shards: int, **ws: object) -> int:
     spec = JobSpec(job=job, params=RenderParams(), total=shards * 2, shard_size=2, batch_size=2)
     register_job(client, spec, QUEUE, "/tmp/rf-audit-store")
-    wire = [WireShard(s, 2, prompts_json=[f'{{"i":{2 * s},"p":"a"}}', f'{{"i":{2 * s + 1},"p":"b"}}'], **ws)  # type: ignore[arg-type]
+    wire = [WireShard(s, 2, prompts_json=['"a"', '"b"'], start=2 * s, **ws)  # type: ignore[arg-type]
             for s in range(shards)]
     return publish_shards(make_app(url), client, spec, QUEUE, wire, store="/tmp/rf-audit-store")
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from dispatcher.enqueue import WireShard
 from dispatcher.submit import SubmitOptions, check_options
 from renderfleet import spec
 from renderfleet.errors import InputError
@@ -28,8 +27,7 @@ JOB = JobSpec(job="j-0123456789abcdef", params=PARAMS, total=10, shard_size=4, b
 
 
 def good(**changes: Any) -> dict[str, Any]:
-    text = message_json(JOB, "renderfleet.default", WireShard(1, 2, prompts_json=['{"i":4,"p":"a"}',
-                                                                                  '{"i":5,"p":"b","n":"fox"}']))
+    text = message_json(JOB, "renderfleet.default", 1, ['"a"', '{"p":"b","n":"fox"}'])
     data: dict[str, Any] = json.loads(text)
     data.update(changes)
     return data
@@ -37,7 +35,7 @@ def good(**changes: Any) -> dict[str, Any]:
 
 def test_a_message_as_submit_writes_it_passes() -> None:
     assert message_problems(good()) == []
-    texts = json.loads(message_json(JOB, "renderfleet.spot", WireShard(0, 2, texts_json='["a","b"]')))
+    texts = json.loads(message_json(JOB, "renderfleet.spot", 0, list(spec.texts_json(["a", "b"]))))
     assert message_problems(texts) == []
 
 
@@ -56,10 +54,13 @@ def test_a_message_as_submit_writes_it_passes() -> None:
     ({"queue": "rf:workers"}, "queue: not a renderfleet queue"),
     ({"prompts": [{"i": 0, "p": "x"}] * 10_001}, "prompts: must be a list of 1 to 10000"),
     ({"prompts": []}, "prompts: must be a list of 1 to 10000"),
-    ({"prompts": [{"i": 0, "p": "x", "n": "a/../../etc"}]}, "contains a slash"),
-    ({"prompts": [{"i": 0, "p": "x", "steps": 5000}]}, "steps must be between"),
-    ({"prompts": [{"i": 0, "p": 7}]}, "prompt must be a string"),
-    ({"prompts": ["just text"]}, "must be an object with 'i' and 'p'"),
+    ({"prompts": [{"p": "x", "n": "a/../../etc"}]}, "contains a slash"),
+    ({"prompts": [{"p": "x", "steps": 5000}]}, "steps must be between"),
+    ({"prompts": [{"p": 7}]}, "prompt must be a string"),
+    ({"prompts": [{"i": 0, "p": "x"}]}, "must be a string or an object with 'p'"),
+    ({"prompts": [["just text"]]}, "must be a string or an object with 'p'"),
+    ({"prompts": [" "]}, "prompt is empty"),
+    ({"first": -1}, "first: must be a whole number >= 0"),
     ({"extra": 1}, "unknown field 'extra'"),
 ])
 def test_a_message_outside_submits_rules_is_refused_naming_why(change: dict[str, Any], reason: str) -> None:
@@ -112,7 +113,7 @@ def registered(stored: bool = True) -> dict[str, dict[str, bytes]]:
 def test_a_shard_of_the_job_as_submitted_is_accepted(tmp_path: Path) -> None:
     svc = service(tmp_path, registered())
     svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
-    msg = svc._accept(json.dumps(good()))
+    msg = svc.accept(json.dumps(good()))
     assert msg is not None and msg.shard == 1
     svc.runner.close()
 
@@ -123,14 +124,14 @@ def test_a_shard_of_the_job_as_submitted_is_accepted(tmp_path: Path) -> None:
     (json.dumps(good(job="j-unknown")), "no such job"),
     (json.dumps(good(params={**PARAMS.to_dict(), "steps": 3})), "does not match the job"),
     (json.dumps(good(shard=7)), "does not match the job"),
-    (json.dumps(good(prompts=[{"i": 0, "p": "x"}])), "does not match the job"),  # shard 1 is prompts 4-7
+    (json.dumps(good(first=0)), "does not match the job"),  # shard 1 is prompts 4-7
     (json.dumps(good()), "deleted from the store"),  # registered as stored, no spec in the store
 ])
 def test_a_message_the_worker_cannot_trust_is_rejected_with_one_line(
     tmp_path: Path, raw: str, log: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     svc = service(tmp_path, registered())
-    assert svc._accept(raw) is None
+    assert svc.accept(raw) is None
     assert len(caplog.records) == 1 and log in caplog.records[0].getMessage()
     svc.runner.close()
 
@@ -138,7 +139,7 @@ def test_a_message_the_worker_cannot_trust_is_rejected_with_one_line(
 def test_a_shard_that_comes_before_its_jobs_spec_is_written_is_taken(tmp_path: Path) -> None:
     # submit publishes before it writes the spec: no spec yet is not a deleted job
     svc = service(tmp_path, registered(stored=False))
-    assert svc._accept(json.dumps(good())) is not None
+    assert svc.accept(json.dumps(good())) is not None
     svc.runner.close()
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet import prompts
 from renderfleet.errors import InputError
-from renderfleet.prompts import MAX_LINE_BYTES, FileSummary, detect_format, iter_prompts, validate_file
+from renderfleet.prompts import MAX_LINE_BYTES, FileSummary, detect_format, validate_file
 from renderfleet.spec import MAX_NAME_LEN, Prompt, RenderParams, derive_seed, index_name
+from testing.prompts import iter_prompts
 
 PARAMS = RenderParams(steps=30, width=512, height=512, guidance=7.5, negative_prompt="blurry", seed=42)
 
@@ -167,21 +167,6 @@ def test_utf8_bom_is_ignored(tmp_path: Path) -> None:
 def test_unicode_prompts_survive(tmp_path: Path) -> None:
     path = write(tmp_path, "p.txt", "café ☕ 猫\n")
     assert [p.prompt for p in iter_prompts(path, PARAMS)] == ["café ☕ 猫"]
-
-
-def test_seed_derivation_matches_spec(tmp_path: Path) -> None:
-    derive = prompts._seed_deriver(-3)
-    assert all(derive(i) == derive_seed(-3, i) for i in [0, 1, 999_999, 10**12])
-
-
-def test_fast_prompt_construction_equals_the_real_one() -> None:
-    fields = (3, "n", "p", "neg", 5, 10, 1.5, 64, 72)
-    built = prompts._prompt_factory()(*fields)
-    assert built == Prompt(*fields)
-    assert type(built) is Prompt
-    assert hash(built) == hash(Prompt(*fields))
-    with pytest.raises(AttributeError):
-        built.seed = 1  # type: ignore[misc]
 
 
 # ---- digest ---------------------------------------------------------------------
@@ -464,27 +449,6 @@ def test_default_cap_is_50(tmp_path: Path) -> None:
 def test_max_problems_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_problems"):
         validate_file(write(tmp_path, "p.txt", "a\n"), max_problems=0)
-
-
-@pytest.mark.parametrize("suffix", ["txt", "jsonl", "csv"])
-def test_wire_lines_decode_to_the_same_prompts_as_iter_prompts(tmp_path: Path, suffix: str) -> None:
-    import json as _json
-
-    from renderfleet.prompts import iter_wire
-    from renderfleet.spec import Prompt, RenderParams
-
-    params = RenderParams(model="tiny", steps=2, width=32, height=32, negative_prompt="blur", seed=3)
-    path = tmp_path / f"p.{suffix}"
-    if suffix == "txt":
-        path.write_text("a cat\n# skip\n\n  a dog  \n")
-    elif suffix == "jsonl":
-        path.write_text('{"prompt": "a cat", "id": 7, "seed": 5}\n{"prompt": "a dog", "steps": 4, "guidance": 3, '
-                        '"width": 64, "height": 48, "negative_prompt": ""}\n')
-    else:
-        path.write_text("prompt,id,seed,steps\na cat,x1,,3\na dog,,9,\n")
-    validate_file(str(path))
-    via_wire = [Prompt.from_wire(_json.loads(line), params) for line in iter_wire(str(path), params)]
-    assert via_wire == list(iter_prompts(str(path), params))
 
 
 # ---- issue 14: names in bytes, NUL, CR-only files, UTF-16, pandas jsonl ------------------

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from dispatcher.enqueue import WireShard
-from dispatcher.submit import SubmitOptions, check_options, job_id
+from dispatcher.resume import stored_prompts
+from dispatcher.submit import SubmitOptions, check_options, job_id, wire_shards
 from renderfleet import spec
 from renderfleet.errors import InputError
-from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage
-from testing.messages import message_json, to_wire
+from renderfleet.prompts import detect_format, validate_file
+from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage, message_problems
+from renderfleet.store import LocalStore
+from testing.messages import message_dict, message_json, to_wire
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32, guidance=7.5, negative_prompt="blur", seed=9)
 
@@ -26,18 +29,18 @@ def test_derived_seed_is_stable_and_depends_on_job_seed_and_index() -> None:
 
 def test_wire_form_is_compact_and_round_trips() -> None:
     plain = Prompt(3, "000003", "a cat", "blur", spec.derive_seed(9, 3), 2, 7.5, 32, 32)
-    assert to_wire(plain, PARAMS) == {"i": 3, "p": "a cat"}
+    assert to_wire(plain, PARAMS) == "a cat"
     custom = Prompt(4, "hero", "a dog", "", 42, 10, 3.0, 64, 48)
     wire = to_wire(custom, PARAMS)
-    assert wire == {"i": 4, "p": "a dog", "s": 42, "n": "hero", "neg": "", "steps": 10, "g": 3.0, "w": 64, "h": 48}
-    assert Prompt.from_wire(wire, PARAMS) == custom
-    assert Prompt.from_wire(to_wire(plain, PARAMS), PARAMS) == plain
+    assert wire == {"p": "a dog", "s": 42, "n": "hero", "neg": "", "steps": 10, "g": 3.0, "w": 64, "h": 48}
+    assert Prompt.from_wire(4, wire, PARAMS) == custom
+    assert Prompt.from_wire(3, to_wire(plain, PARAMS), PARAMS) == plain
 
 
 def test_shard_message_built_by_the_dispatcher_decodes_on_the_worker() -> None:
     job = JobSpec(job="j-1", params=PARAMS, total=5, shard_size=5, batch_size=2)
-    wire = [json.dumps({"i": i, "p": f"p{i}"}) for i in range(5)]
-    msg = ShardMessage.from_dict(json.loads(message_json(job, "renderfleet.default", WireShard(0, 5, prompts_json=wire))))
+    wire = [json.dumps(f"p{i}") for i in range(5)]
+    msg = ShardMessage.from_dict(json.loads(message_json(job, "renderfleet.default", 0, wire)))
     assert msg.job == "j-1" and msg.shard == 0 and msg.batch_size == 2 and msg.params == PARAMS
     assert [p.name for p in msg.prompts] == [f"{i:06d}" for i in range(5)]
     # batches sit at fixed positions, whatever is already done
@@ -56,9 +59,9 @@ def test_job_id_follows_content_settings_and_store_not_how_the_work_is_cut() -> 
 
 def test_shard_message_names_its_store_and_older_messages_name_none() -> None:
     job = JobSpec(job="j-1", params=PARAMS, total=1, shard_size=1, batch_size=1)
-    wire = WireShard(0, 1, prompts_json=[json.dumps({"i": 0, "p": "p"})])
-    assert ShardMessage.from_dict(json.loads(message_json(job, "q", wire, "s3://b/p"))).store == "s3://b/p"
-    data = json.loads(message_json(job, "q", wire))
+    wire = [json.dumps("p")]
+    assert ShardMessage.from_dict(json.loads(message_json(job, "q", 0, wire, "s3://b/p"))).store == "s3://b/p"
+    data = json.loads(message_json(job, "q", 0, wire))
     del data["store"]
     assert ShardMessage.from_dict(data).store == ""
 
@@ -89,10 +92,50 @@ def test_spec_round_trips_through_json() -> None:
     assert job.shards == 3 and list(job.shard_range(2)) == [128, 129]
 
 
-def test_a_txt_shard_travels_as_bare_texts_and_decodes_to_the_same_prompts() -> None:
-    job = JobSpec(job="j-1", params=PARAMS, total=8, shard_size=4, batch_size=2)
-    texts = WireShard(1, 4, texts_json=json.dumps(["p4", "p5", "p6", "p7"]), first=4)
-    wire = WireShard(1, 4, prompts_json=[json.dumps({"i": i, "p": f"p{i}"}) for i in range(4, 8)])
-    a = ShardMessage.from_dict(json.loads(message_json(job, "q", texts)))
-    b = ShardMessage.from_dict(json.loads(message_json(job, "q", wire)))
-    assert a == b and a.prompts[0].name == "000004" and a.prompts[0].seed == spec.derive_seed(9, 4)
+def plain(index: int, text: str, **changes: object) -> Prompt:
+    """Prompt ``index`` of a file under PARAMS, with ``changes`` to the job's values."""
+    fields = {"index": index, "name": spec.index_name(index), "prompt": text, "negative_prompt": "blur",
+              "seed": spec.derive_seed(9, index), "steps": 2, "guidance": 7.5, "width": 32, "height": 32}
+    return Prompt(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+# Every origin of a shard, with the prompts it must decode to.  Quotes,
+# backslashes and non-ASCII text test the hand-made escaping.
+ORIGINS: dict[str, tuple[str, list[Prompt]]] = {
+    "p.txt": ('a cat\n# skip\n\n  a "dög" \\ ☕  \n', [plain(0, "a cat"), plain(1, 'a "dög" \\ ☕')]),
+    "p.jsonl": ('{"prompt": "a cat", "id": 7, "seed": 5}\n'
+                '{"prompt": "a \\"dög\\"", "steps": 4, "guidance": 3, "width": 64, "height": 48, '
+                '"negative_prompt": "", "id": "héro"}\n',
+                [plain(0, "a cat", name="7", seed=5),
+                 plain(1, 'a "dög"', name="héro", steps=4, guidance=3.0, width=64, height=48, negative_prompt="")]),
+    "p.csv": ('prompt,id,seed,steps,guidance,negative_prompt\na cat,x1,,3,,\n"a, ""dog""",,9,,0.5,sharp\n',
+              [plain(0, "a cat", name="x1", steps=3), plain(1, 'a, "dog"', seed=9, guidance=0.5,
+                                                           negative_prompt="sharp")]),
+}
+
+
+@pytest.mark.parametrize("name", ORIGINS)
+def test_a_shard_has_one_wire_form_from_submit_or_resume_that_round_trips_with_the_slow_encoding(
+        tmp_path: Path, name: str) -> None:
+    content, expected = ORIGINS[name]
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    total = validate_file(str(path)).total
+    job = JobSpec(job="j-1", params=PARAMS, total=total, shard_size=total, batch_size=1,
+                  prompts_key=spec.source_key("j-1", *detect_format(str(path))))
+    store = LocalStore(tmp_path / "store")
+    store.put_file(job.prompts_key, path)
+    encode = spec.message_encoder(job, "renderfleet.default", store.url)
+
+    # 1. The fast path: submit's shards of the file, resume's of the stored copy: the same bytes.
+    submitted = [encode(ws.shard, ws.start, ws.prompts_json) for ws in wire_shards(str(path), job)]
+    resumed = encode(0, 0, [line for _, line in stored_prompts(store, job)])
+    assert submitted == [resumed]
+
+    # 2. It is what json.dumps writes of the same prompts, and decodes to them.
+    fast = json.loads(resumed)
+    msg = ShardMessage.from_dict(fast)
+    assert msg.prompts == tuple(expected)
+    assert fast == message_dict(msg)
+    assert ShardMessage.from_dict(message_dict(msg)) == msg
+    assert message_problems(fast) == []

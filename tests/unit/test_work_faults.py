@@ -205,11 +205,11 @@ def test_a_model_that_will_not_load_leaves_the_worker_its_own_and_is_remembered(
 
     svc = service(tmp_path, load)
     with pytest.raises(ModelLoadError, match=r"\./nope"):
-        svc._switch_model("./nope")
+        svc.switch_model("./nope")
     assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
     assert loads == ["./nope", "tiny"]
     with pytest.raises(ModelLoadError):
-        svc._switch_model("./nope")  # remembered: no second load, no second reload
+        svc.switch_model("./nope")  # remembered: no second load, no second reload
     assert loads == ["./nope", "tiny"]
     assert not svc.tripped
     svc.runner.close()
@@ -223,7 +223,7 @@ def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_ba
 
     svc = service(tmp_path, load)
     with pytest.raises(StoreError):
-        svc._switch_model("s3://models/sdxl")  # transient: the shard is handed back, not failed
+        svc.switch_model("s3://models/sdxl")  # transient: the shard is handed back, not failed
     assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
     assert "s3://models/sdxl" not in svc._failed_loads  # a later try may load it
     svc.runner.close()
@@ -235,7 +235,7 @@ def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> 
 
     svc = service(tmp_path, load)
     with pytest.raises(RuntimeError, match="cannot load model 'tiny' again"):
-        svc._switch_model("other")
+        svc.switch_model("other")
     assert svc.tripped and svc.stop.requested
     svc.runner.close()
 
@@ -321,7 +321,7 @@ def test_a_device_error_while_switching_models_is_the_nodes_not_the_jobs(tmp_pat
 
     svc = service(tmp_path, load)
     with pytest.raises(DeviceError):
-        svc._switch_model("other")
+        svc.switch_model("other")
     assert loads == ["other"]  # no reload of ours on a device that is gone
     assert "other" not in svc._failed_loads  # never remembered as the job's model's fault
     svc.runner.close()

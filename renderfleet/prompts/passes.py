@@ -1,0 +1,119 @@
+"""The two passes over a prompt file: validate it whole, then stream its prompts.
+
+1. :func:`validate_file` checks every line and reports each problem as
+   ``FILE:LINE: reason`` in one :class:`~renderfleet.errors.InputError`;
+   it returns a :class:`FileSummary` whose digest names the content.
+2. :func:`iter_wire` reads the file again and yields each prompt in file
+   order, already in its wire form (``spec.prompt_json``).
+
+Memory is bounded by the read buffer, the explicit ids (kept to find
+duplicates) and one bit per prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from renderfleet.errors import InputError
+from renderfleet.prompts import csvfile, jsonl, txt
+from renderfleet.prompts.checks import check_names
+from renderfleet.prompts.lines import Report, detect_format, open_lines, os_reason, read_lines
+from renderfleet.spec import prompt_json, texts_json
+
+
+@dataclass(frozen=True)
+class FileSummary:
+    """What pass 1 learnt about a valid prompt file."""
+
+    path: str
+    format: str  # "txt" | "jsonl" | "csv"
+    total: int  # number of prompts
+    digest: str  # hex sha256 of the decompressed content bytes (job identity)
+    has_ids: bool
+    warnings: tuple[str, ...] = ()  # ``FILE:LINE: note`` lines worth showing, not errors
+
+
+class _ProblemLimitError(Exception):
+    """Raised by pass 1's report() to stop reading once the list is full."""
+
+
+def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
+    """Pass 1: check every line of ``path`` and summarise it.
+
+    Raises :class:`InputError` holding up to ``max_problems`` lines of
+    ``FILE:LINE: reason`` (then ``FILE: ... and more problems not shown`` if
+    reading stopped early), or ``FILE: cannot read: reason`` when the file
+    cannot be opened or decompressed.
+    """
+    if max_problems < 1:
+        raise ValueError(f"max_problems must be at least 1, got {max_problems}")
+    fmt, gzipped = detect_format(path)
+    problems: list[str] = []
+
+    def report(lineno: int, reason: str) -> None:
+        if len(problems) >= max_problems:
+            raise _ProblemLimitError
+        problems.append(f"{path}:{lineno}: {reason}")
+
+    notes: list[str] = []
+
+    def warn(lineno: int, note: str) -> None:
+        notes.append(f"{path}:{lineno}: {note}")
+
+    digest = hashlib.sha256()
+    total = 0
+    has_ids = False
+    try:
+        with open_lines(path, gzipped, digest) as stream:
+            lines = read_lines(stream, report)
+            if fmt == "txt":
+                total = txt.count(lines, report)
+            else:
+                rows = jsonl.rows(lines, report) if fmt == "jsonl" else csvfile.rows(lines, report, warn)
+                total, has_ids = check_names(rows, report)
+    except _ProblemLimitError:
+        problems.append(f"{path}: ... and more problems not shown")
+    except (OSError, EOFError, zlib.error) as exc:
+        problems.append(f"{path}: cannot read: {os_reason(exc)}")
+    if total == 0 and not problems:
+        problems.append(f"{path}: no prompts")
+    if problems:
+        raise InputError(problems)
+    return FileSummary(path=path, format=fmt, total=total, digest=digest.hexdigest(), has_ids=has_ids,
+                       warnings=tuple(notes))
+
+
+def iter_wire(path: str) -> Iterator[str]:
+    """Pass 2: each prompt of ``path`` as its wire JSON (``spec.Prompt.from_wire`` reads it).
+
+    Call after :func:`validate_file` accepted the file.  A prompt carries only
+    what the file gives (a .txt line: its text); the rest is the job's.  A file
+    that changed since it was validated raises :class:`InputError` at the first
+    bad line.
+    """
+    fmt, gzipped = detect_format(path)
+    report = _changed_since_validation(path)
+    try:
+        with open_lines(path, gzipped, None) as stream:
+            lines = read_lines(stream, report)
+            if fmt == "txt":
+                yield from texts_json(txt.texts(lines))  # the million-line case: nothing but text
+                return
+            rows = jsonl.rows(lines, report) if fmt == "jsonl" else csvfile.rows(lines, report)
+            for _, row in rows:
+                assert row is not None  # report() raised for any bad row
+                yield prompt_json(row)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise InputError([f"{path}: cannot read: {os_reason(exc)}"]) from exc
+
+
+def _changed_since_validation(path: str) -> Report:
+    """Pass 2's reaction to a problem: pass 1 passed, so the file changed since."""
+
+    def report(lineno: int, reason: str) -> None:
+        raise InputError([f"{path}:{lineno}: {reason} (file changed after validation?)"])
+
+    return report

@@ -1,0 +1,33 @@
+"""The .txt parser: one prompt a line; blank lines and ``#`` comments skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from renderfleet.prompts.checks import NUL_PROBLEM
+from renderfleet.prompts.lines import Report
+
+_NUL = NUL_PROBLEM.format("prompt")
+
+
+def count(lines: Iterator[str | None], report: Report) -> int:
+    """Pass 1: the number of prompts, each NUL reported (a bad line, None, counts as one)."""
+    total = 0
+    for lineno, line in enumerate(lines, 1):
+        if line is None:
+            total += 1
+            continue
+        text = line.strip()
+        if text and text[0] != "#":
+            total += 1
+            if "\x00" in text:
+                report(lineno, _NUL)
+    return total
+
+
+def texts(lines: Iterator[str | None]) -> Iterator[str]:
+    """Pass 2: each prompt's text, in order (the lines were checked: none is None)."""
+    for line in lines:
+        text = line.strip()  # type: ignore[union-attr]  # report() raised for None
+        if text and text[0] != "#":
+            yield text
