@@ -36,6 +36,8 @@ from renderfleet.endpoint import Endpoint, guard, listen
 if TYPE_CHECKING:
     from renderfleet.settings import Settings
 
+# Exported on a CUDA device only (nothing to say elsewhere).
+GPU_PEAK = "renderfleet_worker_gpu_memory_peak_bytes"
 # Batch render time: a tiny test model takes tenths of a second, SDXL at 30 steps a batch of 8 about a minute.
 BATCH_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 # Model load: seconds from a warm cache, many minutes for a first download of a large model.
@@ -121,7 +123,7 @@ class WorkerMetrics:
             return
         import torch
 
-        self._gpu_peak = Gauge("renderfleet_worker_gpu_memory_peak_bytes", "Peak GPU memory allocated by torch "
+        self._gpu_peak = Gauge(GPU_PEAK, "Peak GPU memory allocated by torch "
                                "in this process (torch.cuda.max_memory_allocated)", ["pool"], registry=self.registry)
         self._gpu_peak.labels(self.pool).set_function(lambda: float(torch.cuda.max_memory_allocated(device)))
 
