@@ -114,6 +114,21 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
     assert value(metrics, "renderfleet_worker_batch_seconds_count") == 1
 
 
+def test_a_signal_first_is_a_notice_but_the_sigterm_a_cloud_notice_sends_is_not_counted_again() -> None:
+    from celery import signals
+
+    from worker import tasks
+
+    for first_came in ("signal", "cloud"):
+        stop, heard = StopSignal(), []
+        tasks.install_shutdown_hooks(stop, 25.0, on_signal=heard.append)
+        if first_came == "cloud":
+            stop.request("aws spot terminate", seconds_left=120)  # the watcher, then its SIGTERM to this process
+        signals.worker_shutting_down.send(sender="w", sig="SIGTERM", how="Warm", exitcode=0)
+        assert heard == (["sigterm"] if first_came == "signal" else []), first_came
+        assert stop.requested
+
+
 # ---- what the ledger counts, under the real shard runner ---------------------------
 
 
