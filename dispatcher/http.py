@@ -12,20 +12,19 @@ restart of the monitor, or of Redis, loses no history that matters.
 Bound to 127.0.0.1 by default; on any other address it refuses to start
 without ``RENDERFLEET_HTTP_TOKEN``, and then every request must carry it
 (``Authorization: Bearer TOKEN``, ``?token=TOKEN``, or the HttpOnly cookie
-a page opened once with ``?token=`` sets).  Served by uvicorn in a thread.
+a page opened once with ``?token=`` sets): the rule of ``renderfleet/endpoint.py``,
+which each worker's own ``/metrics`` follows too.  Served by uvicorn in a thread.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dispatcher.status import FleetStatus
+from renderfleet.endpoint import Endpoint, listen
 from renderfleet.errors import ConfigError
 
 StatusSource = Callable[[], FleetStatus]
@@ -95,30 +94,6 @@ class FleetCollector:
             yield c
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-class Endpoint:
-    """The running endpoint: uvicorn in a daemon thread, on a socket bound before it starts."""
-
-    def __init__(self, server: Any, sock: socket.socket, sampler: Any):
-        self.server, self.sock, self.sampler = server, sock, sampler
-        self.server_port: int = sock.getsockname()[1]
-        self.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rf-http", daemon=True)
-
-    def shutdown(self) -> None:
-        """Stop serving and wait for the thread (a few seconds at most)."""
-        if self.sampler is not None:
-            self.sampler.stopped.set()
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-
 def serve(address: str, source: StatusSource, prices: dict[str, float], token: str | None, *,
           client: Any = None, store: Any = None) -> Endpoint:
     """Start serving in a daemon thread; returns the endpoint (``server_port`` is the bound port).
@@ -127,28 +102,12 @@ def serve(address: str, source: StatusSource, prices: dict[str, float], token: s
     Redis ``client`` the page charts the last hour (a sampler thread records
     the fleet's figures there); with a ``store`` it shows each job and its gallery.
     """
-    import uvicorn
-
     from dispatcher.web import Sampler, make_app
 
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"--http: expected HOST:PORT such as 127.0.0.1:9464, got {address!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    if not _loopback(host) and not token:
-        raise ConfigError(f"--http {address}: off loopback the endpoint needs RENDERFLEET_HTTP_TOKEN set")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, int(port)))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--http {address}: cannot listen there: {exc}") from exc
-    sock.listen(128)
+    sock = listen(host, int(port), token, what=f"--http {address}")
     app = make_app(source, prices, token, client=client, store=store)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     sampler = Sampler(client, source).start() if client is not None else None
-    endpoint = Endpoint(uvicorn.Server(config), sock, sampler)
-    endpoint.thread.start()
-    return endpoint
+    return Endpoint(app, sock, on_shutdown=sampler.stopped.set if sampler is not None else None).start()

@@ -16,7 +16,6 @@ Nothing happens at import: :func:`make_app` builds the application.
 
 from __future__ import annotations
 
-import hmac
 import io
 import json
 import logging
@@ -28,7 +27,6 @@ from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
 
 import redis
 from markupsafe import Markup, escape
@@ -36,15 +34,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from dispatcher.status import FleetStatus, JobStatus, fleet_status
 from renderfleet import keys
 from renderfleet import spec as layout
+from renderfleet.endpoint import guard
 from renderfleet.errors import JobNotFound, StoreError
 from renderfleet.spec import job_id_problem, name_problem
 from renderfleet.store import Store
@@ -57,7 +56,6 @@ QUARANTINE_SHOWN = 100  # quarantined prompts listed on a job's page
 THUMB_SIZE = 192  # pixels, the longer side
 HISTORY_WINDOW = 3600.0  # seconds the charts cover
 SAMPLE_SECONDS = 5.0  # how often the sampler records the fleet's figures
-COOKIE = "renderfleet_token"
 
 StatusSource = Callable[[], FleetStatus]
 
@@ -317,46 +315,6 @@ def thumbnail(store: Store, job: str, name: str) -> bytes:
     return thumb
 
 
-# ---- the token: a header, a cookie, or ?token= once ---------------------------------
-
-
-class TokenGate:
-    """Every request needs the token: ``Authorization: Bearer``, the cookie, or ``?token=``.
-
-    A page opened with a good ``?token=`` sets an HttpOnly cookie and redirects
-    to the same URL without it, so the token leaves the address bar and history.
-    """
-
-    def __init__(self, app: ASGIApp, token: str):
-        self.app, self.token = app, token.encode()
-
-    def good(self, given: str) -> bool:
-        return bool(given) and hmac.compare_digest(given.encode(), self.token)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request = Request(scope)
-        header = request.headers.get("authorization", "")
-        bearer = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
-        query = request.query_params.get("token", "")
-        response: Response | None = None
-        if self.good(query) and request.method == "GET" and not scope["path"].startswith(("/api/", "/metrics")):
-            rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
-            response = RedirectResponse(scope["path"] + (f"?{rest}" if rest else ""), status_code=303)
-            response.set_cookie(COOKIE, query, httponly=True, samesite="strict", path="/",
-                                secure=request.url.scheme == "https")
-        elif not (self.good(bearer) or self.good(query) or self.good(request.cookies.get(COOKIE, ""))):
-            response = PlainTextResponse("a token is required: Authorization: Bearer RENDERFLEET_HTTP_TOKEN, "
-                                         "or open the page once with ?token=\n", status_code=401,
-                                         headers={"WWW-Authenticate": "Bearer"})
-        if response is not None:
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
 # ---- the application ----------------------------------------------------------------
 
 
@@ -496,4 +454,4 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
     app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, 404: not_found})
-    return TokenGate(app, token) if token is not None else app
+    return guard(app, token)

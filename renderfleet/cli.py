@@ -166,11 +166,15 @@ def worker(
     pool: Annotated[str | None, typer.Option(help="pool this worker belongs to (baseline, spot, ...)")] = None,
     model: Model = None,
     queue: Annotated[list[str] | None, typer.Option(help="pool queues to serve (default: its own and 'default')")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="serve this worker's Prometheus /metrics on this port "
+                                                     "(0: off; RENDERFLEET_METRICS_PORT)")] = None,
+    metrics_host: Annotated[str | None, typer.Option(help="address of /metrics (127.0.0.1; off loopback only "
+                                                     "with RENDERFLEET_HTTP_TOKEN)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
     _logging(verbose=True)  # until Celery takes over logging with its own level
-    settings = _settings(pool=pool, model=model)
+    settings = _settings(pool=pool, model=model, metrics_port=metrics_port, metrics_host=metrics_host)
     from worker.main import run_worker
 
     with _user_errors():

@@ -144,8 +144,13 @@ class Settings(BaseSettings):
     s3_addressing: str = "auto"
     # Send Celery's task events (for Flower or celery-exporter beside the fleet).
     task_events: bool = False
-    # Required on every request to the monitor's HTTP endpoint when it listens off loopback.
+    # Required on every request to the monitor's HTTP endpoint and a worker's metrics
+    # when they listen off loopback (and then on every request, wherever they listen).
     http_token: str | None = None
+    # A worker's own Prometheus metrics (``/metrics``) on this port; 0: none.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    # The address a worker's metrics listen on; off loopback only with http_token.
+    metrics_host: str = "127.0.0.1"
     # The TOML file the pools (and any setting above) came from; None: no file.
     config: Path | None = None
     # Worker pools by name; empty: no scaling, a pool is just a queue.

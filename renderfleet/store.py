@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import botocore.exceptions
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from renderfleet.errors import ConfigError, StoreError
 
@@ -45,6 +52,9 @@ _bx = botocore.exceptions
 CONNECTION_ERRORS = (_bx.EndpointConnectionError, _bx.ConnectionClosedError, _bx.ReadTimeoutError,
                      _bx.ConnectTimeoutError, _bx.ConnectionError)
 TEMP_MARK = ".rf-tmp-"  # LocalStore temp files: ".<name>.rf-tmp-<random>"
+# Told of each retried call: (what was retried, why: see transient_kind).  A plain
+# callable, so that the store needs no metrics library: a worker's metrics count them.
+RetryHook = Callable[[str, str], None]
 
 
 class Store(Protocol):
@@ -106,13 +116,15 @@ class S3Options:
         return args
 
 
-def open_store(url: str, s3: S3Options | None = None) -> Store:
-    """The store at ``url``: ``s3://bucket[/prefix]``, ``file://path`` or a folder path."""
+def open_store(url: str, s3: S3Options | None = None, *, on_retry: RetryHook | None = None) -> Store:
+    """The store at ``url``: ``s3://bucket[/prefix]``, ``file://path`` or a folder path.
+
+    ``on_retry`` is told of each retried S3 call (a folder has no retries)."""
     if url.startswith("s3://"):
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
             raise ConfigError(f"store URL {url!r} names no bucket; expected s3://bucket[/prefix]")
-        return S3Store(bucket, prefix, options=s3 or S3Options())
+        return S3Store(bucket, prefix, options=s3 or S3Options(), on_retry=on_retry)
     if url.startswith("file://"):
         url = url[len("file://"):]
     elif "://" in url:
@@ -216,23 +228,30 @@ class LocalStore:
         return str(self.root.joinpath(*[part for part in key.split("/") if part]))
 
 
-def _is_transient(exc: BaseException) -> bool:
-    """Throttling, a 5xx or a broken connection, possibly wrapped by boto3's transfer layer."""
+def transient_kind(exc: BaseException) -> str | None:
+    """Why ``exc`` is worth retrying: ``throttled``, ``server`` (a 5xx) or ``connection``
+    (a broken connection or timeout), possibly wrapped by boto3's transfer layer; None if it is not."""
     from s3transfer.exceptions import RetriesExceededError  # cheap: boto3 is loaded by now
 
     seen: BaseException | None = exc
     while seen is not None:
         # RetriesExceededError: s3transfer gave up re-reading a download stream.
         if isinstance(seen, (*CONNECTION_ERRORS, RetriesExceededError)):
-            return True
+            return "connection"
         if isinstance(seen, botocore.exceptions.ClientError):
             code = seen.response.get("Error", {}).get("Code", "")
             status = seen.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            return code in THROTTLE_CODES or int(status) >= 500
+            if code in THROTTLE_CODES:
+                return "throttled"
+            return "server" if int(status) >= 500 else None
         # boto3 wraps without ``from``: S3UploadFailedError leaves the ClientError only in
         # __context__, RetriesExceededError in .last_exception.
         seen = getattr(seen, "last_exception", None) or seen.__cause__ or seen.__context__
-    return False
+    return None
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return transient_kind(exc) is not None
 
 
 def _is_not_found(exc: botocore.exceptions.ClientError) -> bool:
@@ -246,7 +265,8 @@ class S3Store:
     The client is made on first use (endpoint from ``AWS_ENDPOINT_URL``, which
     botocore reads itself; region from the environment or ``us-east-1``) and
     shared by all threads.  ``max_attempts``/``max_delay`` bound the retries;
-    ``wait_multiplier``/``wait_max`` shape the jittered backoff (seconds).
+    ``wait_multiplier``/``wait_max`` shape the jittered backoff (seconds);
+    ``on_retry`` hears of each retry (a worker's metrics count them).
     """
 
     def __init__(
@@ -261,6 +281,7 @@ class S3Store:
         wait_max: float = 8.0,
         transfer_config: TransferConfig | None = None,
         options: S3Options | None = None,
+        on_retry: RetryHook | None = None,
     ):
         self.bucket = bucket
         self.options = options or S3Options()
@@ -274,6 +295,7 @@ class S3Store:
         self.transfer_config = transfer_config  # None: boto3's defaults (multipart above 8 MB)
         self._client_obj = client
         self._lock = threading.Lock()
+        self.on_retry = on_retry
 
     @property
     def client(self) -> Any:
@@ -312,10 +334,7 @@ class S3Store:
             retry=retry_if_exception(_is_transient),
             stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.max_delay),
             wait=wait_random_exponential(multiplier=self.wait_multiplier, max=self.wait_max),
-            before_sleep=lambda state: log.warning(
-                "S3 %s s3://%s/%s: attempt %d failed (%s); retrying in %.2f s", op, self.bucket, full,
-                state.attempt_number, state.outcome.exception() if state.outcome else "?",
-                state.next_action.sleep if state.next_action else 0.0),
+            before_sleep=partial(self._retrying, op, full),
             reraise=True,
         )
         from boto3.exceptions import Boto3Error
@@ -330,6 +349,13 @@ class S3Store:
             raise StoreError(
                 f"S3 {op} s3://{self.bucket}/{full} failed after {attempts} attempt(s): {exc}"
             ) from exc
+
+    def _retrying(self, op: str, full: str, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.warning("S3 %s s3://%s/%s: attempt %d failed (%s); retrying in %.2f s", op, self.bucket, full,
+                    state.attempt_number, exc or "?", state.next_action.sleep if state.next_action else 0.0)
+        if self.on_retry is not None and exc is not None:
+            self.on_retry("s3", transient_kind(exc) or "other")
 
     def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
         """Write ``data`` at ``key`` (one PutObject: atomic in S3)."""

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 # ---- S3 (moto server mode) ----
+import http.client
+import http.server
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 
 def free_port() -> int:
@@ -108,6 +112,83 @@ def s3_env(endpoint: str, bucket: str) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+class FlakyS3Proxy:
+    """An HTTP proxy to moto that answers the first ``fail_first`` requests with an S3 error.
+
+    ``fail_first=-1`` fails every request.  ``hits`` counts requests seen.
+    """
+
+    def __init__(self, upstream: str, *, fail_first: int, status: int = 503, code: str = "SlowDown"):
+        self.upstream = upstream.removeprefix("http://")
+        self.fail_first, self.status, self.code = fail_first, status, code
+        self.hits = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # answers botocore's "Expect: 100-continue"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    proxy.hits += 1
+                    fail = proxy.fail_first < 0 or proxy.hits <= proxy.fail_first
+                if fail:
+                    self._error()
+                else:
+                    self._forward(body)
+
+            def _error(self) -> None:
+                xml = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{proxy.code}</Code>"
+                       "<Message>injected by the test</Message><RequestId>t</RequestId></Error>").encode()
+                self.send_response(proxy.status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(xml)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(xml)
+
+            def _forward(self, body: bytes) -> None:
+                skip = {"connection", "expect", "transfer-encoding", "content-length", "date", "server"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for name, value in resp.getheaders():
+                    if name.lower() not in skip:
+                        self.send_header(name, value)
+                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle  # noqa: N815 - http.server names them
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FlakyS3Proxy:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # ---- Redis with TLS and a password ----

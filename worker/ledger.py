@@ -3,7 +3,9 @@
 :class:`RedisLedger` is the runner's :class:`~worker.runner.Ledger`
 for one attempt of one shard.  Counters that ``status`` (and later the
 metrics exporter and ``bench``) read cheaply are bumped here: per worker and
-per pool, images, batches, render milliseconds, wasted renders.
+per pool, images, batches, render milliseconds, wasted renders.  The same
+calls feed the worker's own Prometheus metrics (``worker/metrics.py``) when it
+has them: the runner reports each batch here, so it holds no metric itself.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -19,7 +22,12 @@ from renderfleet import keys
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
 from renderfleet.spec import Prompt
+from worker.metrics import ImageOutcome, LostReason
 from worker.stop import StopSignal
+
+if TYPE_CHECKING:
+    from renderfleet.store import RetryHook
+    from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("renderfleet.ledger")
 
@@ -27,12 +35,16 @@ log = logging.getLogger("renderfleet.ledger")
 class RedisLedger:
     """Commits, failure counts and stats for one lease."""
 
-    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str):
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str,
+                 metrics: WorkerMetrics | None = None):
         self.leases = leases
         self.lease = lease
         self.stop = stop
         self.pool = pool
         self.client = leases.client
+        self.metrics = metrics
+        self._batches_started = False  # a commit before the first batch recounts what is stored: skipped
+        self._rendered_uncommitted = False  # a batch rendered and not yet committed: lost if fenced now
 
     def check(self) -> None:
         """Raise Reclaimed(fenced=True) if a newer attempt holds the shard.
@@ -44,13 +56,26 @@ class RedisLedger:
         if not self.stop.fenced and not self.leases.current(self.lease):
             self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded", fenced=True)
         if self.stop.fenced:
+            if self.metrics and self._rendered_uncommitted:
+                self._rendered_uncommitted = False
+                self.metrics.lost_batch(LostReason.FENCED)
             raise Reclaimed(f"shard {self.lease.member} attempt {self.lease.attempt} fenced", fenced=True)
 
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         self.leases.commit(self.lease, done, failed, undone)
+        if self.metrics:
+            if self._batches_started:
+                self._rendered_uncommitted = False
+                self.metrics.images(ImageOutcome.RENDERED, len(done))
+                self.metrics.images(ImageOutcome.QUARANTINED, len(failed))
+            else:
+                self.metrics.images(ImageOutcome.SKIPPED, len(done) + len(failed))
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
-        return self.leases.record_failure(self.lease, prompt.index, error)
+        count = self.leases.record_failure(self.lease, prompt.index, error)
+        if self.metrics:
+            self.metrics.images(ImageOutcome.FAILED)
+        return count
 
     def _bump(self, *, progress: int = 0, **fields: int) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -67,6 +92,7 @@ class RedisLedger:
         pipe.execute()
 
     def record_start(self, images: int) -> None:
+        self._batches_started = True
         self._bump(started_images=images, started_batches=1)
 
     def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
@@ -74,9 +100,14 @@ class RedisLedger:
         # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
         self._bump(images=images, batches=1, render_ms=int(seconds * 1000), mps_milli=int(megapixel_steps * 1000),
                    progress=images)
+        if self.metrics:
+            self._rendered_uncommitted = True
+            self.metrics.batch(seconds)
 
     def record_waste(self, images: int) -> None:
         self._bump(wasted_batches=1, wasted_images=images)
+        if self.metrics:
+            self.metrics.lost_batch(LostReason.FENCED if self.stop.fenced else LostReason.ABANDONED)
 
 
 class LeaseKeeper(threading.Thread):
@@ -89,13 +120,15 @@ class LeaseKeeper(threading.Thread):
     itself rather than keep writing as a stale holder.
     """
 
-    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float):
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float, *,
+                 on_retry: RetryHook | None = None):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
         self.leases = leases
         self.lease = lease
         self.stop = stop
         self.interval = interval
         self.lease_seconds = lease_seconds
+        self.on_retry = on_retry
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -110,6 +143,8 @@ class LeaseKeeper(threading.Thread):
                     self.stop.request(f"fenced: {self.lease.member} lost its lease", fenced=True)
                     return
                 log.warning("lease heartbeat failed, will retry: %s", exc)
+                if self.on_retry is not None:
+                    self.on_retry("heartbeat", "timeout" if isinstance(exc, redis.TimeoutError) else "connection")
                 continue
             if self._done.is_set():
                 return  # closed while the call was in flight: the shard is over

@@ -22,6 +22,7 @@ from renderfleet.errors import ConfigError
 from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings
 from worker import tasks
+from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_allowed
 from worker.protection import InstanceProtection, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
@@ -57,6 +58,10 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     worker_id = new_worker_id(settings.pool)
     if not model_allowed(model, settings.allowed_model_list):
         raise ConfigError(f"RENDERFLEET_MODEL: {model!r} is not in RENDERFLEET_ALLOWED_MODELS")
+    metrics = WorkerMetrics(settings.pool)
+    endpoint = serve_metrics(metrics, settings)  # before the load: a bad address fails in a second, not minutes
+    if endpoint is not None:
+        log.info("worker %s: metrics on http://%s:%d/metrics", worker_id, settings.metrics_host, endpoint.server_port)
     log.info("worker %s: pool %s, loading model %s", worker_id, settings.pool, model)
     try:
         renderer, loaded = load_renderer(model, settings)
@@ -66,15 +71,24 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
             return EXIT_DEVICE
         raise
     log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
+    metrics.model_loaded(loaded.load_seconds)
+    metrics.watch_gpu_memory(loaded.device)
+
+    def load_model(name: str) -> Any:
+        """Another job's model in place of ours (a model switch), its load timed."""
+        switched, again = load_renderer(name, settings)
+        metrics.model_loaded(again.load_seconds)
+        return switched
 
     app = celery_app.make_app(url, task_events=settings.task_events)
     service = WorkerService.from_settings(settings, app=app, url=url, worker_id=worker_id, model=model,
-                                          renderer=renderer, load_model=lambda name: load_renderer(name, settings)[0])
+                                          renderer=renderer, load_model=load_model, metrics=metrics)
     stop = service.stop
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
     tasks.register(app, service)
     tasks.install_queue_guard()
-    tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
+    tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds,
+                                 on_signal=lambda kind: metrics.notice("none", kind))
 
     protection = None
     if settings.aws_autoscaling_group:
@@ -86,7 +100,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if settings.watch_reclaim:
         watcher = ReclaimWatcher(
             stop, [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
-            settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown)
+            settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown, on_heard=metrics.notice)
         watcher.start()
 
     queue_names = [celery_app.queue_name(q) for q in (queues or _default_queues(settings.pool))]
@@ -110,6 +124,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         if watcher:
             watcher.close()
         service.close()
+        if endpoint is not None:
+            endpoint.shutdown()
     if service.device_failed:
         return EXIT_DEVICE
     if service.tripped:

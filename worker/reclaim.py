@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from worker.stop import StopSignal
 
@@ -28,6 +29,14 @@ _TIMEOUT = 0.5
 # Metadata addresses are always direct: never hand the IMDSv2 token (or a
 # notice) to whatever HTTP(S)_PROXY the node's environment names.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class Notice(NamedTuple):
+    """A reclaim notice from a probe: its kind (bounded: a metrics label), what it said, the time left."""
+
+    kind: str  # aws: instance-action or rebalance; gcp: preemption
+    reason: str
+    seconds_left: float | None  # None: a hint with no deadline
 
 
 def _seconds_until(stamp: str) -> float | None:
@@ -69,7 +78,7 @@ class AwsProbe:
                 self._token = None  # expired token: fetch a new one next time
             return exc.code, ""
 
-    def poll(self) -> tuple[str, float | None] | None:
+    def poll(self) -> Notice | None:
         status, body = self._get("/latest/meta-data/spot/instance-action")
         if status == 200:
             try:
@@ -77,10 +86,11 @@ class AwsProbe:
             except ValueError:
                 data = {}
             left = _seconds_until(str(data.get("time", "")))
-            return f"aws spot {data.get('action', 'interruption')}", 120.0 if left is None else max(0.0, left)
+            return Notice("instance-action", f"aws spot {data.get('action', 'interruption')}",
+                          120.0 if left is None else max(0.0, left))
         status, body = self._get("/latest/meta-data/events/recommendations/rebalance")
         if status == 200:
-            return "aws rebalance recommendation", None
+            return Notice("rebalance", "aws rebalance recommendation", None)
         return None
 
 
@@ -92,7 +102,7 @@ class GcpProbe:
     def __init__(self, base_url: str):
         self.base = base_url.rstrip("/")
 
-    def poll(self) -> tuple[str, float | None] | None:
+    def poll(self) -> Notice | None:
         req = urllib.request.Request(f"{self.base}/computeMetadata/v1/instance/preempted",
                                      headers={"Metadata-Flavor": "Google"})
         try:
@@ -101,20 +111,25 @@ class GcpProbe:
         except urllib.error.HTTPError:
             return None
         if body.upper() == "TRUE":
-            return "gcp preemption", GCP_WINDOW_SECONDS
+            return Notice("preemption", "gcp preemption", GCP_WINDOW_SECONDS)
         return None
 
 
 class ReclaimWatcher(threading.Thread):
-    """Polls each provider; on a notice sets the stop signal and calls ``on_notice``."""
+    """Polls each provider; on a notice sets the stop signal and calls ``on_notice``.
+
+    ``on_heard(cloud, kind)`` is told of every notice acted on (a rebalance
+    hint, then the termination notice: two), for the worker's metrics.
+    """
 
     def __init__(self, stop: StopSignal, probes: list[AwsProbe | GcpProbe], interval: float,
-                 on_notice: Callable[[], None]):
+                 on_notice: Callable[[], None], on_heard: Callable[[str, str], None] | None = None):
         super().__init__(name="rf-reclaim", daemon=True)
         self.stop = stop
         self.probes = list(probes)
         self.interval = interval
         self.on_notice = on_notice
+        self.on_heard = on_heard
         self._done = threading.Event()
         self._reachable: dict[str, bool] = {}
 
@@ -132,9 +147,11 @@ class ReclaimWatcher(threading.Thread):
                         self.probes.remove(probe)
                     continue
                 if notice is not None:
-                    reason, seconds_left = notice
+                    _, reason, seconds_left = notice
                     if noticed and seconds_left is None:
                         continue  # the same early hint again
+                    if self.on_heard is not None:
+                        self.on_heard(probe.name, notice.kind)
                     log.warning("reclaim notice: %s (%s s left)", reason,
                                 "?" if seconds_left is None else f"{seconds_left:.0f}")
                     self.stop.request(reason, seconds_left=seconds_left)

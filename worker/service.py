@@ -21,7 +21,7 @@ import redis
 
 from renderfleet import keys, spec
 from renderfleet.celery_app import Envelope
-from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, TransientError
+from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, StoreError, TransientError
 from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity
@@ -35,6 +35,8 @@ from worker.stop import StopSignal
 
 if TYPE_CHECKING:
     from celery import Celery
+
+    from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -90,6 +92,7 @@ class WorkerService:
         worker_id: str,
         load_model: Callable[[str], Any] | None = None,
         envelope: Envelope | None = None,
+        metrics: WorkerMetrics | None = None,
     ):
         self.settings = settings
         self.client = client
@@ -99,6 +102,7 @@ class WorkerService:
         self.publish = publish
         self.worker_id = worker_id
         self.load_model = load_model
+        self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
                                   max_failures=settings.max_prompt_failures, worker_id=worker_id)
@@ -120,11 +124,13 @@ class WorkerService:
         model: str,
         renderer: Any,
         load_model: Callable[[str], Any] | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> WorkerService:
         """The service of a worker process: its Redis client, store, stop signal and publisher from ``settings``.
 
         ``app`` is the worker's Celery app (it publishes hand-backs and builds
-        fresh envelopes); ``url`` its Redis.  Opens no connection yet.
+        fresh envelopes); ``url`` its Redis; ``metrics`` its Prometheus metrics,
+        if it serves them.  Opens no connection yet.
         """
         from renderfleet import celery_app
         from renderfleet.store import open_store
@@ -132,7 +138,7 @@ class WorkerService:
         return cls(
             settings=settings,
             client=redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10),
-            store=open_store(settings.store_url, settings.s3_options),
+            store=open_store(settings.store_url, settings.s3_options, on_retry=metrics.retry if metrics else None),
             renderer=renderer,
             model=model,
             stop=StopSignal(),
@@ -140,6 +146,7 @@ class WorkerService:
             worker_id=worker_id,
             load_model=load_model,
             envelope=celery_app.envelope_factory(app),
+            metrics=metrics,
         )
 
     # ---- registration and counters ------------------------------------------------
@@ -241,6 +248,9 @@ class WorkerService:
             return Outcome(TaskOutcome.DEVICE_ERROR)
         except (TransientError, redis.RedisError) as exc:
             log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
+            if self.metrics:
+                kind = "redis" if isinstance(exc, redis.RedisError) else "store" if isinstance(exc, StoreError) else "other"
+                self.metrics.retry("shard", kind)  # handed back: another delivery retries it
             self._safe_hand_back(lease, Release.BACK)
             time.sleep(1.0)  # do not spin on a store outage
             return Outcome(TaskOutcome.ERROR)
@@ -268,9 +278,9 @@ class WorkerService:
         lease back and make the next claim of the shard look like a duplicate.
         """
         keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
-                             self.settings.lease_seconds)
+                             self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None)
         keeper.start()
-        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool)
+        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, metrics=self.metrics)
         ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         try:
             if msg.params.model != self.model:

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, Task
@@ -88,17 +89,22 @@ def register(app: Celery, service: WorkerService) -> Task:
     return render_shard  # type: ignore[no-any-return]
 
 
-def install_shutdown_hooks(stop: StopSignal, grace_seconds: float) -> None:
+def install_shutdown_hooks(stop: StopSignal, grace_seconds: float,
+                           on_signal: Callable[[str], None] | None = None) -> None:
     """Celery's warm shutdown (SIGTERM, Ctrl-C) becomes our stop signal.
 
     Celery stops taking messages; the shard in flight sees the signal after
     the current denoising step, finishes its batch if it fits in
     ``grace_seconds`` (Kubernetes gives 30 by default), and hands back the rest.
+    ``on_signal`` hears of a signal that came first (not the SIGTERM a cloud
+    notice sends this process), named in lowercase: ``sigterm``, ``sigint``.
     """
 
     def on_shutdown(sig: str = "", how: str = "", **_: Any) -> None:
         if not stop.requested:
             stop.request(f"{sig or 'signal'} ({how} shutdown)", seconds_left=grace_seconds)
+            if on_signal is not None:
+                on_signal(sig.lower() if sig in ("SIGTERM", "SIGINT", "SIGQUIT") else "signal")
 
     celery_signals.worker_shutting_down.connect(on_shutdown, weak=False)
 

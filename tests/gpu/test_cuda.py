@@ -37,3 +37,20 @@ def test_out_of_memory_is_reported_as_such(tmp_path: Path) -> None:
     finally:
         del hog
         torch.cuda.empty_cache()
+
+
+def test_a_worker_on_cuda_exports_its_gpu_memory_peak() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker.metrics import GPU_PEAK, WorkerMetrics
+
+    metrics = WorkerMetrics("gpu")
+    metrics.watch_gpu_memory("cuda")
+    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB: the peak is at least that
+    try:
+        text = generate_latest(metrics.registry).decode()
+    finally:
+        del block
+    peak = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}[GPU_PEAK]
+    assert peak >= 64 << 20

@@ -1,4 +1,4 @@
-"""The monitor's metrics and status JSON, scraped over HTTP and parsed with prometheus_client's parser."""
+"""The monitor's metrics, a worker's own and the status JSON, scraped over HTTP and parsed by prometheus_client."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
-from testing.servers import free_port
+from testing.servers import FlakyS3Proxy, MotoServer, free_port
 from testing.servers import http_get as get
 
 pytestmark = pytest.mark.integration
@@ -23,6 +23,13 @@ def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Po
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor", "--http", address], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics page, by (name, sorted labels), parsed by prometheus_client."""
+    _, body = wait_for(lambda: (r := get(url))[0] == 200 and r, 30, what=url)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
 
 
 def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
@@ -42,10 +49,7 @@ def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
         monitor.terminate()
         monitor.wait(10)
         monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor2.log")
-        status, body = wait_for(lambda: (r := get(f"http://127.0.0.1:{port}/metrics"))[0] == 200 and r, 30,
-                                what="metrics")
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+        samples = scrape(f"http://127.0.0.1:{port}/metrics")
         assert samples[("renderfleet_images_rendered_total", (("pool", "default"),))] == 12
         assert samples[("renderfleet_workers_up", (("pool", "default"),))] == 1
         assert samples[("renderfleet_backlog_images", ())] == 0
@@ -77,3 +81,42 @@ def test_off_loopback_the_endpoint_needs_a_token_and_enforces_it(tmp_path: Path,
     finally:
         monitor.terminate()
         monitor.wait(10)
+
+
+def test_a_worker_serves_its_own_metrics_and_they_agree_with_the_job_and_the_monitor(
+    tmp_path: Path, redis_server: RedisServerProcess, s3_bucket: str, moto_server: MotoServer
+) -> None:
+    env = base_env(tmp_path, redis_server.url, s3_bucket)
+    worker_port, monitor_port = free_port(), free_port()
+    # The worker reaches S3 through a proxy that throttles its first two requests: two retries to count.
+    with FlakyS3Proxy(moto_server.endpoint_url, fail_first=2) as proxy:
+        worker = WorkerProc({**env, "AWS_ENDPOINT_URL": proxy.url}, tmp_path / "worker.log",
+                            "--metrics-port", str(worker_port))
+        monitor = start_monitor(env, f"127.0.0.1:{monitor_port}", tmp_path / "monitor.log")
+        try:
+            wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
+            job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 10)), *TINY, "--shard-size", "4",
+                      "--batch-size", "2").stdout.split()[-1]
+            wait_for(lambda: job_status(env, job)["done"] == 10, 120, interval=0.5, what="the job")
+            ours = scrape(f"http://127.0.0.1:{worker_port}/metrics")
+            fleet = scrape(f"http://127.0.0.1:{monitor_port}/metrics")
+        finally:
+            monitor.terminate()
+            monitor.wait(10)
+            worker.kill()
+    pool = ("pool", "default")
+
+    def images(outcome: str) -> float:
+        return ours[("renderfleet_worker_images_total", (("outcome", outcome), pool))]
+
+    assert images("rendered") == 10 == fleet[("renderfleet_images_rendered_total", (pool,))]
+    assert images("failed") == images("quarantined") == images("skipped") == 0
+    # shards of 4, 4 and 2 prompts in batches of 2: five batches, their GPU time the monitor's too (kept in ms)
+    assert ours[("renderfleet_worker_batch_seconds_count", (pool,))] == 5
+    gpu = ours[("renderfleet_worker_render_seconds_total", (pool,))]
+    assert gpu > 0 and fleet[("renderfleet_render_seconds_total", (pool,))] == pytest.approx(gpu, abs=0.01)
+    assert ours[("renderfleet_worker_model_load_seconds_count", (pool,))] == 1
+    # the first S3 call is a HEAD: its 503 has no body to say SlowDown, so the class is the status's
+    assert ours[("renderfleet_worker_retries_total", (("error", "server"), pool, ("what", "s3")))] == 2
+    assert ours[("renderfleet_worker_lost_batches_total", (pool, ("reason", "fenced")))] == 0
+    assert not any(name.startswith("renderfleet_worker_") for name, _ in fleet)  # the monitor keeps to its own

@@ -6,15 +6,12 @@ the store and moto: no boto3 mocks anywhere.
 
 from __future__ import annotations
 
-import http.client
-import http.server
 import logging
 import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import Any, cast
 
 import botocore.exceptions
@@ -22,8 +19,8 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 
 from renderfleet.errors import ConfigError, StoreError
-from renderfleet.store import TEMP_MARK, LocalStore, S3Store, Store, open_store
-from testing.servers import free_port
+from renderfleet.store import TEMP_MARK, LocalStore, RetryHook, S3Store, Store, open_store
+from testing.servers import FlakyS3Proxy, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -216,111 +213,39 @@ def test_open_store_refuses_a_bad_url_naming_it(url: str) -> None:
 # ---- retries over real HTTP faults ----
 
 
-class FlakyS3Proxy:
-    """An HTTP proxy to moto that answers the first ``fail_first`` requests with an S3 error.
-
-    ``fail_first=-1`` fails every request.  ``hits`` counts requests seen.
-    """
-
-    def __init__(self, upstream: str, *, fail_first: int, status: int = 503, code: str = "SlowDown"):
-        self.upstream = upstream.removeprefix("http://")
-        self.fail_first, self.status, self.code = fail_first, status, code
-        self.hits = 0
-        self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # answers botocore's "Expect: 100-continue"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def _handle(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with proxy._lock:
-                    proxy.hits += 1
-                    fail = proxy.fail_first < 0 or proxy.hits <= proxy.fail_first
-                if fail:
-                    self._error()
-                else:
-                    self._forward(body)
-
-            def _error(self) -> None:
-                xml = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{proxy.code}</Code>"
-                       "<Message>injected by the test</Message><RequestId>t</RequestId></Error>").encode()
-                self.send_response(proxy.status)
-                self.send_header("Content-Type", "application/xml")
-                self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(xml)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(xml)
-
-            def _forward(self, body: bytes) -> None:
-                skip = {"connection", "expect", "transfer-encoding", "content-length", "date", "server"}
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-                conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
-                try:
-                    conn.request(self.command, self.path, body=body or None, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
-                self.send_response(resp.status)
-                for name, value in resp.getheaders():
-                    if name.lower() not in skip:
-                        self.send_header(name, value)
-                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle  # noqa: N815 - http.server names them
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FlakyS3Proxy:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def bucket_url(s3_bucket: str, moto_server: Any) -> Iterator[tuple[str, str]]:
     """(bucket, moto endpoint) for a fresh bucket."""
     yield s3_bucket.removeprefix("s3://").split("/")[0], moto_server.endpoint_url
 
 
-def _fast_s3(bucket: str, *, max_attempts: int) -> S3Store:
+def _fast_s3(bucket: str, *, max_attempts: int, on_retry: RetryHook | None = None) -> S3Store:
     """An S3 store with a tiny backoff, so retry tests take milliseconds."""
-    return S3Store(bucket, "rf-test", max_attempts=max_attempts, wait_multiplier=0.001, wait_max=0.01)
+    return S3Store(bucket, "rf-test", max_attempts=max_attempts, wait_multiplier=0.001, wait_max=0.01,
+                   on_retry=on_retry)
 
 
 def _retry_warnings(caplog: pytest.LogCaptureFixture) -> int:
     return sum(1 for r in caplog.records if r.name == "renderfleet.store" and r.levelno == logging.WARNING)
 
 
-@pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (500, "InternalError"), (400, "RequestTimeout")])
-def test_a_transient_failure_is_retried_then_succeeds(
+@pytest.mark.parametrize(("status", "code", "kind"),
+                         [(503, "SlowDown", "throttled"), (500, "InternalError", "server"),
+                          (400, "RequestTimeout", "throttled")])
+def test_a_transient_failure_is_retried_then_succeeds_and_each_retry_is_told_with_its_class(
     bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    status: int, code: str,
+    status: int, code: str, kind: str,
 ) -> None:
     bucket, moto = bucket_url
+    retries: list[tuple[str, str]] = []
     with FlakyS3Proxy(moto, fail_first=2, status=status, code=code) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        store = _fast_s3(bucket, max_attempts=4)
+        store = _fast_s3(bucket, max_attempts=4, on_retry=lambda what, why: retries.append((what, why)))
         store.put("a/b", b"hello")
         assert proxy.hits == 3
         assert store.get("a/b") == b"hello"
     assert _retry_warnings(caplog) == 2
+    assert retries == [("s3", kind)] * 2
 
 
 def test_put_file_is_retried_after_a_throttled_upload(
@@ -370,11 +295,13 @@ def test_a_refused_connection_is_retried_then_raises_store_error(
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    store = _fast_s3("bucket", max_attempts=3)
+    retries: list[tuple[str, str]] = []
+    store = _fast_s3("bucket", max_attempts=3, on_retry=lambda what, why: retries.append((what, why)))
     with pytest.raises(StoreError, match="S3 list s3://bucket/rf-test/jobs/") as info:
         list(store.list("jobs/"))
     assert isinstance(info.value.__cause__, botocore.exceptions.EndpointConnectionError)
     assert _retry_warnings(caplog) == 2
+    assert retries == [("s3", "connection")] * 2
 
 
 def test_one_client_is_shared_by_many_threads(s3_bucket: str) -> None:

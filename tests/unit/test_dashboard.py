@@ -1,4 +1,4 @@
-"""The Grafana dashboard plots only metrics the monitor really exports."""
+"""The Grafana dashboard plots only metrics the monitor and the workers really export."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.http import FleetCollector
 from dispatcher.status import FleetStatus, JobStatus
+from worker.metrics import GPU_PEAK, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,14 @@ def exported_names() -> set[str]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(lambda: fleet, {"spot": 0.9}))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
-    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    # A worker's own, every one of them touched; the GPU memory peak exists on CUDA only.
+    worker = WorkerMetrics("spot")
+    worker.batch(1.0)
+    worker.model_loaded(2.0)
+    worker.notice("aws", "rebalance")
+    worker.retry("s3", "throttled")
+    text += generate_latest(worker.registry).decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples} | {GPU_PEAK}
 
 
 def test_every_metric_the_dashboard_plots_is_exported() -> None:

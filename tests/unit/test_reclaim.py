@@ -12,8 +12,9 @@ from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from worker.stop import StopSignal
 
 
-def watch(stop: StopSignal, base: str, notices: list[str]) -> ReclaimWatcher:
-    w = ReclaimWatcher(stop, [AwsProbe(base), GcpProbe(base)], 0.05, on_notice=lambda: notices.append("x"))
+def watch(stop: StopSignal, base: str, notices: list[str], heard: list[tuple[str, str]] | None = None) -> ReclaimWatcher:
+    w = ReclaimWatcher(stop, [AwsProbe(base), GcpProbe(base)], 0.05, on_notice=lambda: notices.append("x"),
+                       on_heard=None if heard is None else lambda cloud, kind: heard.append((cloud, kind)))
     w.start()
     return w
 
@@ -44,12 +45,12 @@ def test_other_nodes_notice_is_not_ours() -> None:
 
 def test_gcp_preemption_gives_thirty_seconds() -> None:
     with FakeMetadata() as md:
-        stop, notices = StopSignal(), []
-        w = watch(stop, md.url("n1"), notices)
+        stop, notices, heard = StopSignal(), [], []
+        w = watch(stop, md.url("n1"), notices, heard)
         md.gcp_preempt("n1")
         assert stop.wait(5)
         w.close()
-        assert stop.reason == "gcp preemption"
+        assert stop.reason == "gcp preemption" and heard == [("gcp", "preemption")]
         assert stop.deadline is not None and 25 < stop.deadline - time.monotonic() <= 30
 
 
@@ -75,8 +76,8 @@ def test_off_the_cloud_the_watcher_goes_quiet_quickly() -> None:
 
 def test_a_termination_notice_after_a_rebalance_hint_sets_the_deadline() -> None:
     with FakeMetadata() as md:
-        stop, notices = StopSignal(), []
-        w = watch(stop, md.url("n1"), notices)
+        stop, notices, heard = StopSignal(), [], []
+        w = watch(stop, md.url("n1"), notices, heard)
         md.aws_rebalance("n1")
         assert stop.wait(5) and stop.deadline is None
         md.aws_notice("n1", seconds=60)
@@ -86,6 +87,7 @@ def test_a_termination_notice_after_a_rebalance_hint_sets_the_deadline() -> None
         w.close()
         assert stop.deadline is not None and 40 < stop.deadline - time.monotonic() <= 61
         assert notices == ["x"]  # the worker was told to shut down once
+        assert heard == [("aws", "rebalance"), ("aws", "instance-action")]  # its metrics count both
 
 
 def test_metadata_calls_never_go_through_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
