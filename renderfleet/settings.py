@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     # The EC2 Auto Scaling group this worker's instance belongs to: the worker protects
     # its instance from scale-in while it holds a shard (worker/protection.py).  None: off.
     aws_autoscaling_group: str | None = None
+    # This worker's pod and namespace, from the downward API (infra/k8s): the worker
+    # marks its pod with a pod-deletion-cost, busy high, idle low, so a scale-in of
+    # its Deployment picks idle pods (worker/protection.py).  None: not in a pod, off.
+    pod_name: str | None = None
+    pod_namespace: str | None = None
     # How often the watcher polls the metadata services, in seconds.
     reclaim_poll_seconds: float = 1.0
     # After SIGTERM, how long a batch in flight may take to finish (Kubernetes gives 30 s).

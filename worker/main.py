@@ -23,7 +23,7 @@ from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings
 from worker import tasks
 from worker.models import model_allowed
-from worker.protection import InstanceProtection, update_protection
+from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from worker.render import is_device_error
 from worker.service import WorkerService, new_worker_id
@@ -76,11 +76,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     tasks.install_queue_guard()
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
 
-    protection = None
-    if settings.aws_autoscaling_group:
-        protection = InstanceProtection(settings.aws_autoscaling_group, metadata_url=settings.aws_metadata_url)
     reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
-                          on_tick=worker_tick(service, protection))
+                          on_tick=worker_tick(service, *scale_in_marks(settings)))
     reaper.start()
     watcher = None
     if settings.watch_reclaim:
@@ -117,13 +114,26 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     return int(worker.exitcode or 0)
 
 
-def worker_tick(service: WorkerService, protection: InstanceProtection | None = None) -> Callable[[], None]:
-    """What the worker does at every reaper tick: liveness, scale-in protection, the breaker."""
+def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
+    """How this worker tells a scale-in to spare it while busy: its EC2 instance's
+    protection, its pod's deletion cost, both or neither (worker/protection.py)."""
+    marks: list[ScaleInMark] = []
+    if settings.aws_autoscaling_group:
+        marks.append(InstanceProtection(settings.aws_autoscaling_group, metadata_url=settings.aws_metadata_url))
+    pod = PodDeletionCost.in_cluster(settings.pod_name, settings.pod_namespace)
+    if pod is not None:
+        marks.append(pod)
+    return marks
+
+
+def worker_tick(service: WorkerService, *marks: ScaleInMark | None) -> Callable[[], None]:
+    """What the worker does at every reaper tick: liveness, scale-in marks, the breaker."""
 
     def on_tick() -> None:
         service.touch()
-        if protection is not None:
-            update_protection(protection, service.busy)
+        for mark in marks:
+            if mark is not None:
+                update_protection(mark, service.busy)
         if service.tripped:
             tasks.request_warm_shutdown()
 
