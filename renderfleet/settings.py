@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     # its Deployment picks idle pods (worker/protection.py).  None: not in a pod, off.
     pod_name: str | None = None
     pod_namespace: str | None = None
+    # A file the worker touches at every reaper tick once its model is loaded and it is
+    # registered: a probe reads its age (infra/k8s/overlays/spot).  None: no file.
+    health_file: Path | None = None
     # How often the watcher polls the metadata services, in seconds.
     reclaim_poll_seconds: float = 1.0
     # After SIGTERM, how long a batch in flight may take to finish (Kubernetes gives 30 s).

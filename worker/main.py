@@ -77,7 +77,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds)
 
     reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
-                          on_tick=worker_tick(service, *scale_in_marks(settings)))
+                          on_tick=worker_tick(service, *scale_in_marks(settings), health_file=settings.health_file))
     reaper.start()
     watcher = None
     if settings.watch_reclaim:
@@ -126,10 +126,13 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
     return marks
 
 
-def worker_tick(service: WorkerService, *marks: ScaleInMark | None) -> Callable[[], None]:
+def worker_tick(service: WorkerService, *marks: ScaleInMark | None,
+                health_file: Path | None = None) -> Callable[[], None]:
     """What the worker does at every reaper tick: liveness, scale-in marks, the breaker."""
 
     def on_tick() -> None:
+        if health_file is not None:
+            health_file.touch()  # first: the probes' view must not wait on Redis
         service.touch()
         for mark in marks:
             if mark is not None:

@@ -3,6 +3,8 @@ API errors never stop a worker."""
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 from renderfleet.settings import Settings
@@ -124,3 +126,34 @@ def test_outside_a_pod_there_is_no_pod_marker(monkeypatch: Any) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # named, but no API server: off, logged
     assert PodDeletionCost.in_cluster("w", "rf") is None
     assert scale_in_marks(Settings(pod_name="w", pod_namespace="rf", aws_autoscaling_group=None)) == []
+
+
+def test_every_tick_touches_the_health_file_the_probes_read(tmp_path: Any) -> None:
+    alive = tmp_path / "alive"
+    service = FakeService()
+    tick = worker_tick(service, None, health_file=alive)  # type: ignore[arg-type]
+    tick()
+    first = alive.stat().st_mtime_ns
+    os.utime(alive, ns=(first - 10**10, first - 10**10))  # as if 10 s old
+    tick()
+    assert alive.stat().st_mtime_ns > first - 10**10 and service.touched == 2
+
+
+def test_the_reaper_thread_ticks_while_redis_is_unreachable() -> None:
+    import redis
+
+    from renderfleet.embedded import free_port
+    from renderfleet.leases import Leases
+    from renderfleet.reaper import ReaperThread
+
+    ticked = threading.Event()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))  # nothing listens
+    reaper = ReaperThread(Leases(client, 6.0), lambda m: None, 0.05, on_tick=ticked.set)
+    reaper.start()
+    try:
+        assert ticked.wait(5), "no tick while Redis was away: the health file would go stale"
+    finally:
+        reaper.close()
