@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from renderfleet.errors import ConfigError
+from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
 
 if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
     from renderfleet.store import S3Options
@@ -80,6 +81,9 @@ class AutoscaleConfig(BaseModel):
     scale_in_margin: float = Field(default=0.7, gt=0, le=1)
     # How often `renderfleet autoscale` decides.
     interval_seconds: float = Field(default=15.0, gt=0)
+    # A spot pool's throughput is discounted by the share of the work it started in
+    # this long that reclaims threw away: recent, not since the pool began.
+    reclaim_window_seconds: float = Field(default=900.0, ge=RECENT_BUCKET_SECONDS, le=RECENT_KEEP_SECONDS)
 
 
 class Settings(BaseSettings):
