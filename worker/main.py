@@ -35,6 +35,8 @@ EXIT_BREAKER = 3  # its last shards all failed here: a node to look at
 EXIT_DEVICE = 4  # its accelerator failed (a CUDA error, not out of memory): replace the node
 # While Redis cannot be reached at start-up: one attempt a second, one log line this often.
 WAIT_LOG_SECONDS = 5.0
+# A scale-in mark (EC2 protection, pod-deletion-cost) the API refused is tried again after this long.
+MARK_RETRY_SECONDS = 15.0
 
 
 def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
@@ -126,17 +128,22 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
     return marks
 
 
-def worker_tick(service: WorkerService, *marks: ScaleInMark | None,
-                health_file: Path | None = None) -> Callable[[], None]:
-    """What the worker does at every reaper tick: liveness, scale-in marks, the breaker."""
+def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file: Path | None = None,
+                retry_seconds: float = MARK_RETRY_SECONDS) -> Callable[[], None]:
+    """What the worker does at every reaper tick: liveness, scale-in marks, the breaker.
+
+    A mark the API refused is tried again ``retry_seconds`` later, not at every
+    tick: a missing permission must not become a call and a warning a second.
+    """
+    retry_at = [0.0] * len(marks)
 
     def on_tick() -> None:
         if health_file is not None:
             health_file.touch()  # first: the probes' view must not wait on Redis
         service.touch()
-        for mark in marks:
-            if mark is not None:
-                update_protection(mark, service.busy)
+        for i, mark in enumerate(marks):
+            if mark is not None and time.monotonic() >= retry_at[i] and not update_protection(mark, service.busy):
+                retry_at[i] = time.monotonic() + retry_seconds
         if service.tripped:
             tasks.request_warm_shutdown()
 

@@ -14,7 +14,7 @@ idle workers:
   ``kubernetes`` client.
 
 Changes only: one API call per busy/idle transition.  A mark that fails is
-logged and tried again at the next tick (:func:`update_protection`); it
+logged and tried again later (:func:`update_protection`, ``worker_tick``); it
 never stops the work.
 """
 
@@ -126,16 +126,18 @@ class ScaleInMark(Protocol):
     def update(self, busy: bool) -> None: ...
 
 
-def update_protection(mark: ScaleInMark, busy: bool) -> None:
+def update_protection(mark: ScaleInMark, busy: bool) -> bool:
     """``mark.update(busy)``, logging any failure: the cloud's or the cluster's API
-    is never fatal to a worker.
+    is never fatal to a worker.  False when it failed.
 
-    A failed change is tried again at the next tick (``update`` records a state
+    A failed change is tried again at a later tick (``update`` records a state
     only once the API accepted it).
     """
     try:
         mark.update(busy)
+        return True
     except Exception as exc:  # botocore's or the kubernetes client's errors, a network cut, throttling
         # The kubernetes client's errors run on with the response's headers and body: the status line is enough.
         reason = " ".join(str(exc).splitlines()[:2])
         log.warning("could not %s the scale-in mark (%s): %s", "set" if busy else "lift", type(mark).__name__, reason)
+        return False

@@ -45,7 +45,8 @@ def test_an_api_server_error_is_logged_and_the_next_tick_sets_the_cost(caplog: A
         api.fail_next = 1
         service = Service()
         service.busy = True
-        tick = worker_tick(service, PodDeletionCost("w", "renderfleet", api.client()))  # type: ignore[arg-type]
+        tick = worker_tick(service, PodDeletionCost("w", "renderfleet", api.client()),  # type: ignore[arg-type]
+                           retry_seconds=0)
         tick()
         assert POD_DELETION_COST not in api.annotations("renderfleet", "w")
         assert "could not set the scale-in mark" in caplog.text and "500" in caplog.text
@@ -58,5 +59,5 @@ def test_a_pod_the_api_server_does_not_know_never_stops_the_worker(caplog: Any) 
         service = Service()
         tick = worker_tick(service, PodDeletionCost("gone", "renderfleet", api.client()))  # type: ignore[arg-type]
         tick()
-        tick()
-        assert len(api.requests) == 2 and "404" in caplog.text
+        tick()  # within MARK_RETRY_SECONDS of the refusal: not asked again
+        assert len(api.requests) == 1 and "404" in caplog.text

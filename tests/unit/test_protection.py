@@ -38,7 +38,7 @@ class FakeProtection:
 
 
 def ticks(service: FakeService, protection: Any, states: list[bool]) -> None:
-    tick = worker_tick(service, protection)  # type: ignore[arg-type]
+    tick = worker_tick(service, protection, retry_seconds=0)  # type: ignore[arg-type]
     for busy in states:
         service.busy = busy
         tick()
@@ -114,7 +114,7 @@ def test_a_refused_patch_is_logged_and_tried_again_at_the_next_tick(caplog: Any)
 
 def test_both_marks_follow_the_same_ticks() -> None:
     service, api, protection = FakeService(), FakeCoreV1(), FakeProtection()
-    tick = worker_tick(service, protection, PodDeletionCost("w", "rf", api))  # type: ignore[arg-type]
+    tick = worker_tick(service, protection, PodDeletionCost("w", "rf", api), retry_seconds=0)  # type: ignore[arg-type]
     for busy in (True, False):
         service.busy = busy
         tick()
@@ -157,3 +157,13 @@ def test_the_reaper_thread_ticks_while_redis_is_unreachable() -> None:
         assert ticked.wait(5), "no tick while Redis was away: the health file would go stale"
     finally:
         reaper.close()
+
+
+def test_a_refused_mark_waits_before_it_is_tried_again_while_the_others_go_on() -> None:
+    service, refused, fine = FakeService(), FakeProtection(fail={1, 2, 3}), FakeProtection()
+    tick = worker_tick(service, refused, fine, retry_seconds=60)  # type: ignore[arg-type]
+    for busy in (True, False, True):
+        service.busy = busy
+        tick()
+    assert refused.calls == [True]  # once, then not again within the minute
+    assert fine.calls == [True, False, True] and service.touched == 3
