@@ -1,8 +1,8 @@
 """Renders the subset of Kustomize that ``infra/k8s`` uses, so tests can check what ``kubectl apply -k`` applies.
 
-There is no kustomize binary here (nor a Python package that ships one), so
-this is the subset our own files use, and anything else is refused rather
-than ignored: a ``kustomization.yaml`` with ``resources`` (files, or folders
+No kustomize binary comes with the project (nor a Python package that ships
+one for every platform), so this is the subset our own files use, and
+anything else is refused rather than ignored: a ``kustomization.yaml`` with ``resources`` (files, or folders
 holding a kustomization) and ``patches`` of ``path:`` only, each a
 strategic-merge patch (one or more objects) in the kustomization's own folder,
 as kustomize's default load restrictor requires.  A patch whose target is not
@@ -11,7 +11,9 @@ among the resources is an error, as in kustomize.
 Strategic merge, as the API server does it for the fields we patch: maps
 merge key by key, ``null`` deletes, ``$patch: delete`` removes the object,
 the lists below merge item by item on their merge key, and every other list
-(tolerations, nodeSelectorTerms, args) is replaced whole.
+(tolerations, nodeSelectorTerms, args) is replaced whole.  Where kubectl is
+installed, tests/integration/test_deploy_files.py checks that ``kubectl
+kustomize`` (the real one) renders exactly the same objects.
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
     key = MERGE_KEYS.get(field)
     if key and isinstance(base, list) and isinstance(patch, list):
         out_list = list(base)
+        added = []
         for item in patch:
             at = next((i for i, old in enumerate(out_list) if old.get(key) == item.get(key)), None)
             if at is None:
-                out_list.append(item)
+                added.append(item)
             else:
                 out_list[at] = strategic_merge(out_list[at], item)
-        return out_list
+        return added + out_list  # new items first, as kustomize (kyaml) orders them
     return patch
 
 

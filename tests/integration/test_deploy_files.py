@@ -4,6 +4,8 @@ its pools need, and KEDA reads an endpoint and a field the monitor really serves
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,15 @@ def test_a_patch_of_an_object_the_base_lacks_is_refused(tmp_path: Path) -> None:
                                      "metadata: {name: worker-gpu, namespace: renderfleet}\n")
     with pytest.raises(KustomizeError, match="worker-gpu"):
         build(tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (and its kustomize) not installed")
+@pytest.mark.parametrize("overlay", ["baseline", "spot"])
+def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    real = {object_id(d): d for d in yaml.safe_load_all(out) if d}
+    assert real == {object_id(d): d for d in documents(overlay)}
 
 
 def _affinity_terms(deployment: dict[str, Any]) -> list[dict[str, Any]]:
