@@ -72,9 +72,9 @@ class InstanceProtection:
         log.info("instance %s %s from scale-in", instance, "protected" if busy else "no longer protected")
 
 
-# The pod-deletion-cost of a worker holding a shard and of an idle one.  A pod
-# without the annotation counts 0, so an idle worker goes before one still
-# starting whose readiness is the same; any busy one goes last.
+# The pod-deletion-cost of a worker holding a shard and of an idle one.  Among
+# pods alike otherwise (ready, as old), the ReplicaSet deletes the lowest first:
+# idle workers (-1000), then any not yet marked (0), busy ones (1000) last.
 BUSY_COST = 1000
 IDLE_COST = -1000
 POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
