@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import redis
 
-from dispatcher.policy import Decision, PoolState, decide
+from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
 from dispatcher.status import FleetStatus, fleet_status
 from renderfleet import keys
 from renderfleet.embedded import private_dir
@@ -50,6 +50,17 @@ class Backend(Protocol):
         """Workers asked for (running or starting)."""
 
     def set_size(self, pool: str, n: int) -> None: ...
+
+
+def recent_counters(client: redis.Redis, pool: str, now: float, window_seconds: float) -> dict[int, dict[str, int]]:
+    """``pool``'s per-minute counters (keys.pool_recent) covering the last ``window_seconds``, by minute."""
+    step = keys.RECENT_BUCKET_SECONDS
+    minutes = range(int((now - window_seconds) // step), int(now // step) + 1)
+    pipe = client.pipeline(transaction=False)
+    for minute in minutes:
+        pipe.hgetall(keys.pool_recent(pool, minute))
+    return {minute: {keys.text(k): int(v) for k, v in counts.items()}
+            for minute, counts in zip(minutes, pipe.execute(), strict=True) if counts}
 
 
 def registered_workers(client: redis.Redis, pool: str) -> list[dict[str, Any]]:
@@ -215,6 +226,8 @@ class Tick:
     seconds_per_mpstep: float
     jobs: list[dict[str, Any]]
     decisions: list[dict[str, Any]]
+    # What the policy was told of each pool: sizes, measured speed, recent reclaim loss, cold start.
+    pools: list[dict[str, Any]]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,12 +241,13 @@ class Autoscaler:
     """Applies the policy to every configured pool through its backend."""
 
     def __init__(self, settings: Settings, client: redis.Redis, store: Store, backends: dict[str, Backend],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.settings = settings
         self.client = client
         self.store = store
         self.backends = backends
         self.clock = clock
+        self.wall_clock = wall_clock  # the workers' minutes of recent counters are unix time
         self.last_change: dict[str, float] = {}
         self.pending_since: dict[str, float] = {}
 
@@ -248,7 +262,10 @@ class Autoscaler:
             self.pending_since.pop(name, None)
         mine = stats.get(name, {})
         own = _ratio(mine, "render_ms", "mps_milli")
-        lost = _ratio(mine, "wasted_images", "started_images") or 0.0
+        window = self.settings.autoscale.reclaim_window_seconds
+        wall = self.wall_clock()
+        lost = recent_lost_fraction(recent_counters(self.client, name, wall, window), wall, window,
+                                    keys.RECENT_BUCKET_SECONDS)
         # A worker's cold start: its model load (measured) plus starting the process.
         load_ms = [int(w.get("load_ms", 0)) for w in fleet.workers if w.get("pool") == name]
         cold = (sum(load_ms) / len(load_ms) / 1000 + PROCESS_START_SECONDS) if any(load_ms) else None
@@ -270,7 +287,8 @@ class Autoscaler:
                     log.warning("pool %s: %d -> %d: %s", d.pool, d.current, d.desired, d.reason)
             self._publish(decisions)
         jobs = [{"job": j.job, "left": j.left, "backlog_seconds": round(j.backlog_seconds, 3)} for j in fleet.jobs]
-        return Tick(time.time(), backlog, spmps, jobs, [_decision(d) for d in decisions])
+        return Tick(time.time(), backlog, spmps, jobs, [_decision(d) for d in decisions],
+                    [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states])
 
     def _publish(self, decisions: list[Decision]) -> None:
         """What was decided, for status and the metrics endpoint."""
@@ -283,6 +301,13 @@ class Autoscaler:
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("autoscale: Redis unavailable: %s", exc)
             time.sleep(self.settings.autoscale.interval_seconds)
+
+
+def _inputs(p: PoolState, default_cold_start: float) -> dict[str, Any]:
+    return {"pool": p.name, "current": p.current, "ready": p.ready, "speed": round(p.speed, 3),
+            "lost_fraction": round(p.lost_fraction, 3),
+            "cold_start_seconds": round(p.cold_start_seconds or default_cold_start, 1),
+            "cold_start_measured": p.cold_start_seconds is not None}
 
 
 def _decision(d: Decision) -> dict[str, Any]:

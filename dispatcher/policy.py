@@ -15,7 +15,8 @@ The rules, each with its unit test:
 3. a backlog the warm workers clear within about two cold starts wakes
    nothing: a cold node would arrive when the work is done;
 4. a spot pool recently reclaimed has its throughput discounted by the work
-   it lost;
+   it lost (:func:`recent_lost_fraction`: the last ``reclaim_window_seconds``,
+   not since the pool began, so a pool whose reclaims are over is trusted again);
 5. a spot pool that gets no capacity (workers asked for that do not appear
    within a cold start, or the backend says so) is filled from the baseline,
    up to the baseline's ``max``;
@@ -27,7 +28,7 @@ The rules, each with its unit test:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from renderfleet.settings import AutoscaleConfig, PoolConfig
@@ -64,6 +65,25 @@ class PoolState:
     @property
     def cost_per_work_second(self) -> float:
         return self.config.price_per_hour / 3600.0 / self.rate
+
+
+def recent_lost_fraction(buckets: Mapping[int, Mapping[str, int]], now: float, window_seconds: float,
+                         bucket_seconds: float) -> float:
+    """The share (0..1) of the images a pool started in the last ``window_seconds``
+    that were thrown away (batches abandoned at a reclaim, or fenced); 0 when it
+    started none.
+
+    ``buckets`` maps a bucket number (unix time // ``bucket_seconds``) to that
+    interval's ``started_images`` and ``wasted_images``; a bucket counts when
+    any of it lies inside the window, so the window is read to the bucket.
+    """
+    first = math.floor((now - window_seconds) / bucket_seconds)
+    last = math.floor(now / bucket_seconds)
+    inside = [counts for bucket, counts in buckets.items() if first <= bucket <= last]
+    started = sum(c.get("started_images", 0) for c in inside)
+    wasted = sum(c.get("wasted_images", 0) for c in inside)
+    # A batch started just before the window and abandoned inside it: never above all.
+    return min(1.0, wasted / started) if started > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +150,8 @@ def _targets(backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig,
         missing -= (n - p.config.min) * p.rate
         why[p.name] = (f"backlog {backlog:.0f} s of work, to clear in {cfg.drain_seconds:.0f} s needs "
                        f"{needed:.2f} workers' worth; {n} here at {p.config.price_per_hour:g}/h"
+                       + (f" (each counted at {p.rate / max(p.speed, 1e-6):.0%}: recent reclaims threw away "
+                          f"{p.lost_fraction:.0%} of its work)" if p.lost_fraction > 0 else "")
                        + (" (no capacity: capped at what came up)" if cap < p.config.max else ""))
     # Rule 5: what spot cannot give, the baseline does, up to its max.
     for p in sorted(base, key=lambda p: p.cost_per_work_second):

@@ -105,6 +105,20 @@ def pool_stats(pool: str) -> str:
     return f"{POOL_STATS_PREFIX}{pool}"
 
 
+# A pool's recent counters, by minute, so the autoscaler reads a recent reclaim
+# rate (work lost in the last minutes) rather than one since the pool began.
+RECENT_PREFIX = "rf:recent:"
+RECENT_BUCKET_SECONDS = 60
+RECENT_KEEP_SECONDS = 3600  # each minute's hash expires after this: the longest window one can read
+RECENT_FIELDS = ("started_images", "wasted_images")
+
+
+def pool_recent(pool: str, bucket: int) -> str:
+    """hash of ``pool``'s RECENT_FIELDS counted in one minute (``bucket`` = unix time // 60);
+    expires RECENT_KEEP_SECONDS after its last write."""
+    return f"{RECENT_PREFIX}{pool}:{bucket}"
+
+
 HISTORY_PREFIX = "rf:history:"
 HISTORY_KEEP = 720  # samples per metric: an hour at one every 5 s
 

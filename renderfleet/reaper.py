@@ -57,15 +57,21 @@ class ReaperThread(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(self.interval):
-            try:
-                reap_once(self.leases, self.publish, owner=self.owner,
-                          lock_ms=max(100, int(self.interval * 900)))
-                if self.on_tick:
-                    self.on_tick()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.debug("reaper: Redis unavailable: %s", exc)
-            except Exception:  # a reaper bug must not kill the worker's render loop
-                log.exception("reaper pass failed")
+            self._guarded(lambda: reap_once(self.leases, self.publish, owner=self.owner,
+                                            lock_ms=max(100, int(self.interval * 900))))
+            # Ticks even while Redis is away: a worker's liveness file must not go
+            # stale (and the pod restart) over an outage a restart cannot cure.
+            if self.on_tick:
+                self._guarded(self.on_tick)
+
+    @staticmethod
+    def _guarded(step: Callable[[], object]) -> None:
+        try:
+            step()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.debug("reaper: Redis unavailable: %s", exc)
+        except Exception:  # a reaper bug must not kill the worker's render loop
+            log.exception("reaper pass failed")
 
     def close(self) -> None:
         self._done.set()

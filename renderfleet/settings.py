@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from renderfleet.errors import ConfigError
+from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
 
 if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
     from renderfleet.store import S3Options
@@ -80,6 +81,9 @@ class AutoscaleConfig(BaseModel):
     scale_in_margin: float = Field(default=0.7, gt=0, le=1)
     # How often `renderfleet autoscale` decides.
     interval_seconds: float = Field(default=15.0, gt=0)
+    # A spot pool's throughput is discounted by the share of the work it started in
+    # this long that reclaims threw away: recent, not since the pool began.
+    reclaim_window_seconds: float = Field(default=900.0, ge=RECENT_BUCKET_SECONDS, le=RECENT_KEEP_SECONDS)
 
 
 class Settings(BaseSettings):
@@ -106,6 +110,14 @@ class Settings(BaseSettings):
     # The EC2 Auto Scaling group this worker's instance belongs to: the worker protects
     # its instance from scale-in while it holds a shard (worker/protection.py).  None: off.
     aws_autoscaling_group: str | None = None
+    # This worker's pod and namespace, from the downward API (infra/k8s): the worker
+    # marks its pod with a pod-deletion-cost, busy high, idle low, so a scale-in of
+    # its Deployment picks idle pods (worker/protection.py).  None: not in a pod, off.
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    # A file the worker touches at every reaper tick once its model is loaded and it is
+    # registered: a probe reads its age (infra/k8s/overlays/spot).  None: no file.
+    health_file: Path | None = None
     # How often the watcher polls the metadata services, in seconds.
     reclaim_poll_seconds: float = 1.0
     # After SIGTERM, how long a batch in flight may take to finish (Kubernetes gives 30 s).

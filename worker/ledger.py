@@ -86,6 +86,13 @@ class RedisLedger:
         job = keys.job_stats(self.lease.job)
         for name, value in fields.items():
             pipe.hincrby(job, f"{name}.{self.pool}" if name in ("images", "render_ms") else name, value)
+        # The pool's minute, for a recent reclaim rate (dispatcher/autoscale.py).
+        recent = {name: value for name, value in fields.items() if name in keys.RECENT_FIELDS}
+        if recent:
+            minute = keys.pool_recent(self.pool, int(time.time() // keys.RECENT_BUCKET_SECONDS))
+            for name, value in recent.items():
+                pipe.hincrby(minute, name, value)
+            pipe.expire(minute, keys.RECENT_KEEP_SECONDS)
         if progress:
             pipe.lpush(keys.progress(self.lease.job), f"{time.time():.3f} {progress}")
             pipe.ltrim(keys.progress(self.lease.job), 0, keys.PROGRESS_KEEP - 1)

@@ -24,7 +24,7 @@ from renderfleet.settings import Settings
 from worker import tasks
 from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_allowed
-from worker.protection import InstanceProtection, update_protection
+from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from worker.render import is_device_error
 from worker.service import WorkerService, new_worker_id
@@ -36,6 +36,8 @@ EXIT_BREAKER = 3  # its last shards all failed here: a node to look at
 EXIT_DEVICE = 4  # its accelerator failed (a CUDA error, not out of memory): replace the node
 # While Redis cannot be reached at start-up: one attempt a second, one log line this often.
 WAIT_LOG_SECONDS = 5.0
+# A scale-in mark (EC2 protection, pod-deletion-cost) the API refused is tried again after this long.
+MARK_RETRY_SECONDS = 15.0
 
 
 def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
@@ -90,11 +92,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds,
                                  on_signal=lambda kind: metrics.notice("none", kind))
 
-    protection = None
-    if settings.aws_autoscaling_group:
-        protection = InstanceProtection(settings.aws_autoscaling_group, metadata_url=settings.aws_metadata_url)
     reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
-                          on_tick=worker_tick(service, protection))
+                          on_tick=worker_tick(service, *scale_in_marks(settings), health_file=settings.health_file))
     reaper.start()
     watcher = None
     if settings.watch_reclaim:
@@ -133,13 +132,34 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     return int(worker.exitcode or 0)
 
 
-def worker_tick(service: WorkerService, protection: InstanceProtection | None = None) -> Callable[[], None]:
-    """What the worker does at every reaper tick: liveness, scale-in protection, the breaker."""
+def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
+    """How this worker tells a scale-in to spare it while busy: its EC2 instance's
+    protection, its pod's deletion cost, both or neither (worker/protection.py)."""
+    marks: list[ScaleInMark] = []
+    if settings.aws_autoscaling_group:
+        marks.append(InstanceProtection(settings.aws_autoscaling_group, metadata_url=settings.aws_metadata_url))
+    pod = PodDeletionCost.in_cluster(settings.pod_name, settings.pod_namespace)
+    if pod is not None:
+        marks.append(pod)
+    return marks
+
+
+def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file: Path | None = None,
+                retry_seconds: float = MARK_RETRY_SECONDS) -> Callable[[], None]:
+    """What the worker does at every reaper tick: liveness, scale-in marks, the breaker.
+
+    A mark the API refused is tried again ``retry_seconds`` later, not at every
+    tick: a missing permission must not become a call and a warning a second.
+    """
+    retry_at = [0.0] * len(marks)
 
     def on_tick() -> None:
+        if health_file is not None:
+            health_file.touch()  # first: the probes' view must not wait on Redis
         service.touch()
-        if protection is not None:
-            update_protection(protection, service.busy)
+        for i, mark in enumerate(marks):
+            if mark is not None and time.monotonic() >= retry_at[i] and not update_protection(mark, service.busy):
+                retry_at[i] = time.monotonic() + retry_seconds
         if service.tripped:
             tasks.request_warm_shutdown()
 

@@ -1,12 +1,16 @@
-"""The deployment files match the code: KEDA reads an endpoint and a field the monitor really serves."""
+"""The deployment files match the code: every manifest validates, each overlay renders to what
+its pools need, and KEDA reads an endpoint and a field the monitor really serves."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import redis
 import yaml
@@ -17,20 +21,135 @@ from dispatcher.status import fleet_status
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.settings import load_settings
 from testing.fleet import REPO
+from testing.kustomize import KustomizeError, build, object_id
 
 pytestmark = pytest.mark.integration
 K8S = REPO / "infra" / "k8s"
+OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+K8S_VERSION = "1.30"  # the oldest Kubernetes the manifests are meant for (KEDA 2.13+ needs 1.27+)
 
 
-def documents() -> list[dict[str, Any]]:
-    return [d for path in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+def documents(overlay: str = "spot") -> list[dict[str, Any]]:
+    """What ``kubectl apply -k infra/k8s/overlays/OVERLAY`` applies."""
+    return build(K8S / "overlays" / overlay)
 
 
-def test_the_pools_configmap_is_a_valid_pools_file(tmp_path: Path) -> None:
-    cm = next(d for d in documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "renderfleet-pools")
+def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def validate(doc: dict[str, Any]) -> None:
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        assert doc["apiVersion"].startswith("keda.sh/"), f"no schema for {object_id(doc)}"  # KEDA's CRDs only
+
+
+def test_the_overlays_are_baseline_and_spot() -> None:
+    assert OVERLAYS == ["baseline", "spot"]
+
+
+def test_every_base_file_and_every_rendered_overlay_validates_against_the_kubernetes_schemas() -> None:
+    for path in sorted((K8S / "base").glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            for doc in yaml.safe_load_all(path.read_text()):
+                validate(doc)
+    for overlay in OVERLAYS:
+        for doc in documents(overlay):
+            validate(doc)
+
+
+def test_every_file_in_infra_k8s_is_a_resource_or_a_patch_of_a_kustomization() -> None:
+    used = set()
+    for kz in K8S.rglob("kustomization.yaml"):
+        spec = yaml.safe_load(kz.read_text())
+        used |= {(kz.parent / e).resolve() for e in spec.get("resources", []) if not (kz.parent / e).is_dir()}
+        used |= {(kz.parent / e["path"]).resolve() for e in spec.get("patches", [])}
+    files = {p.resolve() for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"}
+    assert files == used, sorted(str(p.relative_to(K8S.resolve())) for p in files ^ used)
+
+
+def test_a_patch_of_an_object_the_base_lacks_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [{K8S / 'base'}]\npatches:\n  - path: p.yaml\n")
+    (tmp_path / "p.yaml").write_text("apiVersion: apps/v1\nkind: Deployment\n"
+                                     "metadata: {name: worker-gpu, namespace: renderfleet}\n")
+    with pytest.raises(KustomizeError, match="worker-gpu"):
+        build(tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (and its kustomize) not installed")
+@pytest.mark.parametrize("overlay", ["baseline", "spot"])
+def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    real = {object_id(d): d for d in yaml.safe_load_all(out) if d}
+    assert real == {object_id(d): d for d in documents(overlay)}
+
+
+def _affinity_terms(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    aff = deployment["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+    return aff["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_the_spot_overlay_puts_spot_workers_on_spot_nodes_with_time_to_hand_back_and_probes() -> None:
+    docs = documents("spot")
+    spot = find(docs, "Deployment", "worker-spot")["spec"]["template"]["spec"]
+    terms = _affinity_terms(find(docs, "Deployment", "worker-spot"))
+    assert all(e["operator"] == "In" for t in terms for e in t["matchExpressions"])  # spot capacity only
+    assert {"key": "eks.amazonaws.com/capacityType", "operator": "In", "values": ["SPOT"]} in \
+        [e for t in terms for e in t["matchExpressions"]]
+    assert {"cloud.google.com/gke-spot", "nvidia.com/gpu"} <= {t["key"] for t in spot["tolerations"]}
+    worker = spot["containers"][0]
+    grace = float(_env(worker)["RENDERFLEET_SIGTERM_GRACE_SECONDS"])
+    assert spot["terminationGracePeriodSeconds"] >= 120 and grace + 20 <= spot["terminationGracePeriodSeconds"]
+    health = _env(worker)["RENDERFLEET_HEALTH_FILE"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert health in " ".join(worker[probe]["exec"]["command"]), probe
+    # The base's settings survive the patch (lists of containers and env merge by name).
+    assert worker["args"] == ["--pool", "spot"] and {"RENDERFLEET_POD_NAME", "RENDERFLEET_RECLAIM_WATCH"} <= \
+        set(_env(worker))
+    base = find(docs, "Deployment", "worker-baseline")
+    assert all(e["operator"] in ("NotIn", "DoesNotExist") for t in _affinity_terms(base) for e in t["matchExpressions"])
+
+
+def test_the_baseline_overlay_keeps_every_worker_off_spot_nodes() -> None:
+    docs = documents("baseline")
+    for name in ("worker-baseline", "worker-spot"):
+        deployment = find(docs, "Deployment", name)
+        assert all(e["operator"] in ("NotIn", "DoesNotExist")
+                   for t in _affinity_terms(deployment) for e in t["matchExpressions"])
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+
+
+def test_workers_may_patch_their_pods_and_know_their_pod_name() -> None:
+    docs = documents("spot")
+    role = find(docs, "Role", "renderfleet-worker")
+    assert any("pods" in r["resources"] and "patch" in r["verbs"] for r in role["rules"])
+    binding = find(docs, "RoleBinding", "renderfleet-worker")
+    assert binding["roleRef"]["name"] == "renderfleet-worker"
+    for name in ("worker-baseline", "worker-spot"):
+        pod = find(docs, "Deployment", name)["spec"]["template"]["spec"]
+        assert {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "renderfleet"} in \
+            binding["subjects"]
+        env = _env(pod["containers"][0])
+        assert env["RENDERFLEET_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["RENDERFLEET_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        # The model cache is the node's: a worker rescheduled there loads it without S3.
+        assert any(v["name"] == "cache" and "hostPath" in v for v in pod["volumes"])
+
+
+@pytest.mark.parametrize("overlay", ["baseline", "spot"])
+def test_the_pools_configmap_is_a_valid_pools_file(tmp_path: Path, overlay: str) -> None:
+    docs = documents(overlay)
+    cm = find(docs, "ConfigMap", "renderfleet-pools")
     (tmp_path / "fleet.toml").write_text(cm["data"]["fleet.toml"])
     pools = load_settings(config=str(tmp_path / "fleet.toml")).pools
-    deployments = {d["metadata"]["name"] for d in documents() if d["kind"] == "Deployment"}
+    deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
     assert pools and all(p.backend == "kubernetes" and p.deployment in deployments for p in pools.values())
 
 

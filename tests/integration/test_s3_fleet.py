@@ -45,10 +45,23 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
                   "--shard-size", "5", "--batch-size", "2").stdout.split()[-1]
         st = wait_for(lambda: (s := job_status(env, job))["done"] == 10 and s, 180, interval=1.0, what="job on S3")
         assert [int(w["loads"]) for w in st["workers"]] == [1]
+        assert int(st["workers"][0]["load_ms"]) > 0  # the cold start, measured (the autoscaler reads it)
+        first = st["workers"][0]["worker"]
     finally:
         worker.kill()
 
+    # Restarted on the same node (same RENDERFLEET_HOME), a worker loads the model from its disk
+    # cache: with the model gone from S3 it still comes up, and fetched nothing.
     s3 = boto3.client("s3")
+    for obj in s3.list_objects_v2(Bucket=bucket, Prefix="models/tiny/")["Contents"]:
+        s3.delete_object(Bucket=bucket, Key=obj["Key"])
+    again = WorkerProc(env, tmp_path / "worker-again.log", "--model", model_uri)
+    try:
+        wait_for(lambda: any(w["worker"] != first for w in job_status(env, job)["workers"]), 120, interval=1.0,
+                 what="the restarted worker registered")
+    finally:
+        again.kill()
+
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"rf-test/jobs/{job}/images/")["Contents"]]
     assert len(keys) == 10
     res = json.loads(cli(env, "results", job, "--json").stdout)

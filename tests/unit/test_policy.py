@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dispatcher.policy import Decision, PoolState, decide
+from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
 from renderfleet.settings import AutoscaleConfig, PoolConfig
 
 CFG = AutoscaleConfig(drain_seconds=600, cooldown_seconds=120, cold_start_seconds=60, scale_in_margin=0.7)
@@ -54,6 +54,42 @@ def test_rule_4_a_recently_reclaimed_spot_pool_counts_for_less() -> None:
     healthy = sizes(decide(3_000, [BASE, SPOT], CFG, NOW))["spot"]
     reclaimed = sizes(decide(3_000, [BASE, replace(SPOT, lost_fraction=0.5)], CFG, NOW))["spot"]
     assert (healthy, reclaimed) == (4, 8)
+
+
+MINUTE = 60.0
+WALL = 1_800_000_000.0  # a unix time on a minute's boundary
+M = int(WALL // MINUTE)  # its minute
+
+
+def test_rule_4_the_reclaim_rate_is_recent_work_lost_over_work_started_in_the_window() -> None:
+    buckets = {M - 20: {"started_images": 100, "wasted_images": 100},  # a bad hour, 20 minutes ago
+               M - 10: {"started_images": 40, "wasted_images": 8},
+               M: {"started_images": 40, "wasted_images": 2}}
+    assert recent_lost_fraction(buckets, WALL + 30, 15 * MINUTE, MINUTE) == 10 / 80
+    # The same counters, read over an hour: the old reclaims count again.
+    assert recent_lost_fraction(buckets, WALL + 30, 60 * MINUTE, MINUTE) == 110 / 180
+
+
+def test_rule_4_a_pool_whose_reclaims_are_over_is_trusted_again() -> None:
+    buckets = {M: {"started_images": 64, "wasted_images": 32}}
+    assert recent_lost_fraction(buckets, WALL + 30, 15 * MINUTE, MINUTE) == 0.5
+    assert recent_lost_fraction(buckets, WALL + 14 * MINUTE, 15 * MINUTE, MINUTE) == 0.5  # still inside
+    later = WALL + 16 * MINUTE + 1
+    assert recent_lost_fraction(buckets, later, 15 * MINUTE, MINUTE) == 0.0  # out of the window
+    lost = recent_lost_fraction(buckets, later, 15 * MINUTE, MINUTE)
+    assert sizes(decide(3_000, [BASE, replace(SPOT, lost_fraction=lost)], CFG, NOW))["spot"] == 4  # undiscounted
+
+
+def test_rule_4_nothing_started_is_nothing_lost_and_never_more_than_all() -> None:
+    assert recent_lost_fraction({}, WALL, 15 * MINUTE, MINUTE) == 0.0
+    # A batch started before the window and abandoned inside it.
+    assert recent_lost_fraction({M: {"started_images": 4, "wasted_images": 8}}, WALL, 15 * MINUTE, MINUTE) == 1.0
+
+
+def test_rule_4_the_reason_says_how_much_a_reclaimed_pool_counts_for() -> None:
+    out = decide(3_000, [BASE, replace(SPOT, lost_fraction=0.25)], CFG, NOW)
+    spot = next(d for d in out if d.pool == "spot")
+    assert "counted at 75%" in spot.reason and "25% of its work" in spot.reason
 
 
 def test_rule_5_no_spot_capacity_grows_the_baseline_up_to_its_max() -> None:

@@ -1,0 +1,75 @@
+"""What the autoscaler tells the policy of each pool, read from what real workers write to Redis:
+the recent reclaim loss (a sliding window of per-minute counters) and the measured cold start."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from dispatcher.autoscale import PROCESS_START_SECONDS
+from renderfleet import keys
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.leases import Lease, Leases
+from renderfleet.settings import Settings
+from renderfleet.store import LocalStore
+from testing.fleet import base_env, cli
+from worker.ledger import RedisLedger
+from worker.service import WorkerService
+from worker.stop import StopSignal
+
+pytestmark = pytest.mark.integration
+
+FLEET = """
+[pools.baseline]
+kind = "on-demand"
+min = 1
+max = 1
+
+[pools.spot]
+kind = "spot"
+min = 0
+max = 4
+
+[autoscale]
+cold_start_seconds = 300
+reclaim_window_seconds = 900
+"""
+
+
+def test_the_policy_sees_recent_reclaim_loss_and_the_measured_cold_start(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    # A spot worker registers with its measured model load (worker/main.py does this at start-up).
+    service = WorkerService(settings=Settings(home=tmp_path, pool="spot"), client=client,
+                            store=LocalStore(tmp_path / "store"), renderer=None, model="tiny", stop=StopSignal(),
+                            publish=lambda m: None, worker_id="spot-test-1")
+    service.register(device="cpu", load_seconds=42.0)
+    service.runner.close()
+    # It starts 16 images and a reclaim throws 4 away; an hour ago its pool lost everything it started.
+    lease = Lease("job", 0, "spot-test-1", 1, "rf.default", "", "", "")
+    ledger = RedisLedger(Leases(client, 6.0), lease, StopSignal(), pool="spot")
+    ledger.record_start(16)
+    ledger.record_waste(4)
+    old = keys.pool_recent("spot", int(time.time() // keys.RECENT_BUCKET_SECONDS) - 59)
+    client.hset(old, mapping={"started_images": 100, "wasted_images": 100})
+    now = keys.pool_recent("spot", int(time.time() // keys.RECENT_BUCKET_SECONDS))
+    assert 0 < client.ttl(now) <= keys.RECENT_KEEP_SECONDS  # the minutes expire on their own
+
+    config = tmp_path / "fleet.toml"
+    config.write_text(FLEET)
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config))
+    out = cli(env, "autoscale", "--once", "--dry-run", "--json").stdout
+    tick = json.loads(out.strip().splitlines()[-1])
+    pools = {p["pool"]: p for p in tick["pools"]}
+    assert pools["spot"]["lost_fraction"] == 0.25  # 4 of 16 in the window; the old hour is out of it
+    assert pools["spot"]["cold_start_seconds"] == 42.0 + PROCESS_START_SECONDS and pools["spot"]["cold_start_measured"]
+    assert pools["baseline"]["cold_start_seconds"] == 300 and not pools["baseline"]["cold_start_measured"]
+    # Read over the hour, the old reclaims count again.
+    env["RENDERFLEET_AUTOSCALE__RECLAIM_WINDOW_SECONDS"] = "3600"
+    tick = json.loads(cli(env, "autoscale", "--once", "--dry-run", "--json").stdout.strip().splitlines()[-1])
+    assert {p["pool"]: p for p in tick["pools"]}["spot"]["lost_fraction"] == round(104 / 116, 3)
