@@ -53,7 +53,7 @@ chaos: install
 bench: install
 	$(BIN)/python -m bench.submit_bench
 	$(BIN)/python -m bench.render_bench
-	$(BIN)/python -m bench.fleet_bench
+	$(BIN)/python -m bench.fleet_bench --no-before
 	$(BIN)/python -m bench.reclaim_bench
 
 lint: install

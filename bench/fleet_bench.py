@@ -14,7 +14,8 @@ small job first, untimed (a worker's first S3 request builds its client).
    97% of the time).  Twice in each run: with the commit queue (the default,
    ``RENDERFLEET_PIPELINE_DEPTH=2``) and without it (``0``: each batch stored
    before the next renders), by two idle workers on pools of their own, taking
-   turns, so both see the same machine.
+   turns, so both see the same machine (``--no-before``: with it only, as
+   ``make bench`` runs it, to stay within about 15 minutes).
 2. **The real tiny model**: the same path with ``tiny`` on the CPU, one torch
    thread; fleet images per second over the in-process renderer's (render and
    PNG encode, no store) at the same settings, taking turns in each run.
@@ -25,7 +26,9 @@ small job first, untimed (a worker's first S3 request builds its client).
 Each figure is the median over ``--runs`` runs.  Writes its section of
 ``bench/RESULTS.md``.
 
-    python -m bench.fleet_bench [--runs 3] [--only overhead|tiny|scale] [--no-write]
+    python -m bench.fleet_bench [--runs 3] [--only overhead|tiny|scale] [--no-before] [--no-write]
+
+About 13 minutes on 2 busy cores (7 without the runs before the queue).
 """
 
 from __future__ import annotations
@@ -141,16 +144,18 @@ def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     """2,000 prompts through one fixed-time worker, with and without the commit queue, taking turns."""
     spi = args.seconds_per_image
     renderer = {"RENDERFLEET_TEST_RENDER_SECONDS": str(spi)}
+    pools = ("piped", "inline") if args.before else ("piped",)
     f.start("piped", 1, **renderer)
-    f.start("inline", 1, RENDERFLEET_PIPELINE_DEPTH="0", **renderer)
+    if args.before:
+        f.start("inline", 1, RENDERFLEET_PIPELINE_DEPTH="0", **renderer)
     f.ready()
-    f.warm({"piped": 1, "inline": 1}, steps=args.steps, size=args.size, batch_size=args.batch_size,
+    f.warm(dict.fromkeys(pools, 1), steps=args.steps, size=args.size, batch_size=args.batch_size,
            shard_size=args.shard_size)
     path = write_prompts(f.root / "overhead.txt", args.prompts, "overhead")
     pure = args.prompts * spi
-    ratios: dict[str, list[float]] = {"piped": [], "inline": []}
+    ratios: dict[str, list[float]] = {pool: [] for pool in pools}
     for run in range(args.runs):
-        for turn, pool in enumerate(("piped", "inline")):
+        for turn, pool in enumerate(pools):
             # A seed of its own: the same prompts and settings would be the same job, already done.
             wall = f.job(path, pool=pool, seed=2 * run + turn, steps=args.steps, size=args.size, batch_size=args.batch_size,
                          shard_size=args.shard_size)
@@ -158,12 +163,15 @@ def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
             print(f"  run {run} {pool:6s}: {wall:.2f} s wall for {pure:.1f} s of render: {wall / pure:.4f}",
                   flush=True)
     f.stop()
-    gain = [i / p for p, i in zip(ratios["piped"], ratios["inline"], strict=True)]
     settings = (f"{args.prompts} prompts, {spi * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
                 f"shard {args.shard_size}, {args.size}, 1 worker, S3 on moto")
+    rows = [[f"orchestration overhead, commit queue on (default): wall / pure render ({settings})",
+             spread(ratios["piped"], ".4f"), "at most 1.03", f"{COMMAND} --only overhead"]]
+    if not args.before:
+        return rows
+    gain = [i / p for p, i in zip(ratios["piped"], ratios["inline"], strict=True)]
     return [
-        [f"orchestration overhead, commit queue on (default): wall / pure render ({settings})",
-         spread(ratios["piped"], ".4f"), "at most 1.03", f"{COMMAND} --only overhead"],
+        *rows,
         ["the same, commit queue off (`RENDERFLEET_PIPELINE_DEPTH=0`: the code before it), same runs",
          spread(ratios["inline"], ".4f"), "(before: for comparison)", f"{COMMAND} --only overhead"],
         ["wall time without the queue over with it, same runs", spread(gain, ".3f"), "above 1",
@@ -270,6 +278,8 @@ def main() -> int:
     ap.add_argument("--tiny-steps", type=int, default=4)
     ap.add_argument("--workers", default="1,4,8", help="scale-out: worker counts, the first the base")
     ap.add_argument("--scale-prompts", type=int, default=384, help="scale-out: prompts per worker")
+    ap.add_argument("--no-before", dest="before", action="store_false",
+                    help="overhead: skip the runs without the commit queue (halves the part's time)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args()
     rows: list[list[str]] = []
