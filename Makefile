@@ -49,9 +49,11 @@ chaos: install
 	RENDERFLEET_CHAOS_PROMPTS=400 RENDERFLEET_CHAOS_KILLS=12 RENDERFLEET_CHAOS_STALLS=2 RENDERFLEET_CHAOS_POISON=6 \
 	  $(BIN)/python -m bench.chaos
 
+# Each writes its own section of bench/RESULTS.md (between markers; rows outside them are kept).
 bench: install
 	$(BIN)/python -m bench.submit_bench
 	$(BIN)/python -m bench.render_bench
+	$(BIN)/python -m bench.fleet_bench --no-before
 	$(BIN)/python -m bench.reclaim_bench
 
 lint: install

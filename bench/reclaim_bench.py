@@ -49,6 +49,7 @@ from typing import Any
 
 import redis
 
+from bench.results import write_section
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import WorkerProc, base_env, cli, start_redis, wait_for, write_prompts
@@ -611,6 +612,7 @@ def main() -> int:
                     help="run only these parts (repeatable)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs) even when all went well")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args()
     parts = set(args.only or ["kill", "celery", "notice"])
     lease_env = PRODUCT_LEASES if args.leases == "product" else TEST_LEASES
@@ -665,6 +667,12 @@ def main() -> int:
           f"before, {load1[0]:.1f} at the end, {load1[2]:.1f} over 15 min: other processes share the CPU)")
     print("\n".join(lines))
     odd = any(line.startswith("ODD") for line in lines)
+    if not args.no_write and lines:
+        write_section("recovery", "Recovery: lost and handed-back work, renderfleet against Celery's redelivery",
+                      "Goal: work lost to a kill runs again within seconds (a lease of "
+                      f"{lease_env['RENDERFLEET_LEASE_SECONDS']} s), a notice hands the shard back at once, "
+                      "where Celery's redelivery waits on its visibility timeout.  `python -m bench.reclaim_bench`, "
+                      "all parts in the same run.\n\n```\n" + "\n".join(lines) + "\n```")
     if args.keep or odd:
         print(f"logs kept in {root}")
     else:

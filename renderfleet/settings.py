@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     # One pipeline call per prompt instead of per batch: identical bytes across
     # batch sizes, at a large cost in throughput (see worker/render.py).
     batch_invariant: bool = False
+    # Rendered batches whose upload, checkpoint and count may still run while the next
+    # batch renders (worker/commits.py); 0: store each batch before rendering the next.
+    pipeline_depth: int = Field(default=2, ge=0, le=8)
     # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``),
     # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
     # prefix and below).  None: any model.  A job naming another fails, not the worker.

@@ -19,15 +19,22 @@ every time the process reaches ``POINT`` it raises ``TYPE(TEXT)``, as the
 library under it would.  Points: ``render`` (inside the pipeline call).
 Types: ``RuntimeError``, ``ValueError`` and, where torch has it,
 ``AcceleratorError``.
+
+Fixed-time rendering: a worker started with ``RENDERFLEET_TEST_RENDER_SECONDS``
+(seconds per image, e.g. ``0.025``: 200 ms for a batch of 8) loads no model
+and sleeps that long per image instead (:mod:`worker.benchrender`), for the
+fleet benchmarks' orchestration overhead and scale-out.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 PAUSE_AT = "RENDERFLEET_TEST_PAUSE_AT"
 FAULT = "RENDERFLEET_TEST_FAULT"
+RENDER_SECONDS = "RENDERFLEET_TEST_RENDER_SECONDS"
 
 _fired: set[str] = set()
 
@@ -38,7 +45,11 @@ def pause_at(point: str) -> None:
     if not wanted or point in _fired or point not in wanted.split(","):
         return
     _fired.add(point)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    # To this thread: it stops before its next instruction, whichever thread it is (the
+    # whole process stops with it).  Sent to the process, the kernel may hand the stop to
+    # the main thread first, and a background thread (the runner's commits) runs on for a
+    # moment: long enough to pass the fence check the pause is there to outlive.
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def injected_fault(point: str) -> str | None:
@@ -58,3 +69,14 @@ def make_fault(fault: str) -> BaseException:
 
         return getattr(torch, "AcceleratorError", RuntimeError)(text)
     return {"RuntimeError": RuntimeError, "ValueError": ValueError}.get(kind, RuntimeError)(text)
+
+
+def fixed_render_seconds() -> float | None:
+    """Seconds per image of the benchmark-only fixed-time renderer, if the environment asks for it."""
+    value = os.environ.get(RENDER_SECONDS)
+    if not value:
+        return None
+    seconds = float(value)
+    if not seconds > 0:
+        raise ValueError(f"{RENDER_SECONDS} must be a positive number of seconds per image, not {value!r}")
+    return seconds

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import celery_app
+from renderfleet import celery_app, testhooks
 from renderfleet.embedded import broker_url
 from renderfleet.errors import ConfigError
 from renderfleet.reaper import ReaperThread
@@ -42,6 +42,11 @@ MARK_RETRY_SECONDS = 15.0
 
 def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
     """(renderer, loaded model) for ``model``, on the best device."""
+    if (seconds := testhooks.fixed_render_seconds()) is not None:
+        from worker.benchrender import FixedLoad, FixedTimeRenderer
+
+        log.warning("%s is set: a fixed-time bench renderer, not model %s", testhooks.RENDER_SECONDS, model)
+        return FixedTimeRenderer(seconds, model), FixedLoad(model)
     from worker.models import fetch_s3_model, load_pipeline
     from worker.render import Renderer
 

@@ -1,7 +1,8 @@
 """Rendering one batch of prompts into PNG bytes.
 
 :class:`Renderer` wraps a loaded pipeline and knows nothing of queues or
-stores: prompts in, one PNG per prompt out, in order.  It is the part of the
+stores: prompts in, one image per prompt out, in order, and each encoded as a
+PNG apart (the runner encodes while the next batch renders).  It is the part of the
 path that turns a batch into images (shard -> batch -> **render** -> store).
 
 Every image depends on its prompt's fields and seed alone: each prompt gets
@@ -55,7 +56,17 @@ class Renderer:
         *,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> list[bytes]:
-        """One PNG per prompt, in order.
+        """One PNG per prompt, in order: :meth:`render_images`, then :meth:`encode` each."""
+        images = self.render_images(prompts, should_stop=should_stop)
+        return [self.encode(image, p) for image, p in zip(images, prompts, strict=True)]
+
+    def render_images(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[Any]:
+        """One PIL image per prompt, in order (the shard runner encodes them while the next batch renders).
 
         ``should_stop`` is asked before starting and after every denoising
         step; once it says yes, the remaining steps are skipped and
@@ -66,8 +77,7 @@ class Renderer:
         :class:`OutOfMemory` when the accelerator runs out of memory (halve
         the batch and retry), :class:`DeviceError` when the accelerator itself
         failed (:func:`is_device_error`), :class:`JobError` when the pipeline refuses the
-        settings, :class:`PromptError` when a prompt's image cannot be encoded,
-        :class:`PermanentError` for any other failure.
+        settings, :class:`PermanentError` for any other failure.
         """
         # 1. Check the inputs.
         check_inputs(prompts)
@@ -88,17 +98,17 @@ class Renderer:
         finally:
             self.last_batch_seconds = time.perf_counter() - started
 
-        # 4. Encode, each image with what made it.
+        # 4. One image per prompt.
         if len(images) != len(prompts):
             raise PermanentError(f"pipeline returned {len(images)} images for {len(prompts)} prompts")
-        model = self.loaded.model
-        pngs = []
-        for image, p in zip(images, prompts, strict=True):
-            try:
-                pngs.append(encode_png(image, p, model))
-            except Exception as exc:  # text PNG cannot carry: the prompt's fault
-                raise PromptError(f"cannot encode the image of {p.name!r}: {type(exc).__name__}: {exc}") from exc
-        return pngs
+        return images
+
+    def encode(self, image: Any, prompt: Prompt) -> bytes:
+        """The image's PNG, with what made it; :class:`PromptError` if its text cannot be carried."""
+        try:
+            return encode_png(image, prompt, self.loaded.model)
+        except Exception as exc:  # text PNG cannot carry: the prompt's fault
+            raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
 
     def _call(
         self,

@@ -11,8 +11,11 @@ safe to run twice (docs/design.md, rule 2):
 2. before each batch, stop if a reclaim notice leaves no time for it;
 3. render the batch (OOM halves it; a failing batch is split to find the
    prompt at fault);
-4. write the images, then the batch's checkpoint, then count them in Redis:
-   nothing is counted done unless its image is in the store.
+4. hand its commit to the shard's :class:`~worker.commits.CommitQueue` and
+   render the next batch while it runs: encode the PNGs, write the images,
+   then the batch's checkpoint, then count them in Redis (nothing is counted
+   done unless its image is in the store); the queue is drained before the
+   shard ends or is handed back, and a commit's error is raised here.
 
 Positions of batches are fixed by the message (``ShardMessage.batches``), so
 batch *k* means the same prompts on every delivery.  Images are
@@ -34,12 +37,14 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 from renderfleet import spec, testhooks
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
+from worker.commits import CommitQueue
 from worker.stop import StopSignal
 
 log = logging.getLogger("renderfleet.runner")
@@ -49,9 +54,14 @@ _NODE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
 
 class Renderer(Protocol):
+    """Images from prompts (the accelerator's half), and each image's PNG (the I/O half)."""
+
     last_batch_seconds: float | None
 
-    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = ...) -> list[bytes]: ...
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = ...) -> list[Any]: ...
+
+    def encode(self, image: Any, prompt: Prompt) -> bytes:
+        """The image's PNG bytes; raises :class:`PromptError` if this prompt's image cannot be encoded."""
 
 
 class Ledger(Protocol):
@@ -118,6 +128,7 @@ class ShardRunner:
         stop: StopSignal,
         max_failures: int = 3,
         upload_threads: int = 8,
+        pipeline_depth: int = 2,
         worker_id: str = "",
     ):
         self.store = store
@@ -125,7 +136,11 @@ class ShardRunner:
         self.stop = stop
         self.max_failures = max_failures
         self.worker_id = worker_id
+        # Batches rendered whose commit may still run while the next renders (0: none, commit in line).
+        self.pipeline_depth = pipeline_depth
         self._uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="rf-upload")
+        # One thread: commits run in batch order (worker/commits.py).  Started on first use.
+        self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-commit")
         # OOM halving sticks per (width, height): the next batch starts at the size that fit.
         self._fit: dict[tuple[int, int], int] = {}
         self._batch_seconds: float | None = None
@@ -162,31 +177,43 @@ class ShardRunner:
                 todo.append((number, pending, verified))
         if stored_done or stored_failed or undone:
             ledger.commit(stored_done, stored_failed, undone)
-        for number, pending, cp in todo:
-            if self.stop.requested:
-                # A notice means no new work: hand the rest of the shard back now.
-                raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
-            self._run_batch(msg, number, pending, cp, ledger, result, attempt)
+        commits = CommitQueue(self._commits, self.pipeline_depth, on_skip=ledger.record_waste)
+        try:
+            for number, pending, cp in todo:
+                if self.stop.requested:
+                    # A notice means no new work: commit what is rendered, hand the rest back now.
+                    commits.drain()
+                    raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
+                images, failures = self._render_batch(pending, ledger, result, commits)
+                commits.put(partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger,
+                                    result, attempt), len(images))
+        except BaseException:
+            # Whatever ends the shard early, a commit queued before it is finished first (nothing
+            # rendered is lost, nothing is written after the hand-back), and its error, which the
+            # synchronous path would have raised before this batch began, is the one raised.
+            commits.drain()
+            raise
+        commits.drain()
         return result
 
-    def _run_batch(
+    def _render_batch(
         self,
-        msg: ShardMessage,
-        number: int,
         pending: list[Prompt],
-        cp: _Checkpoint,
         ledger: Ledger,
         result: ShardResult,
-        attempt: int,
-    ) -> None:
+        commits: CommitQueue,
+    ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]]]:
+        """Render one batch: its images by name and its failures (prompt, reason, the node's fault?)."""
         started = time.monotonic()
-        images: dict[str, bytes] = {}
-        failures: list[tuple[Prompt, str, bool]] = []  # (prompt, reason, the node's fault?)
+        images: dict[str, Any] = {}
+        failures: list[tuple[Prompt, str, bool]] = []
         groups: dict[tuple[int, float, int, int], list[Prompt]] = defaultdict(list)
         for p in pending:
             groups[p.render_key].append(p)
 
         def should_stop() -> bool:
+            if commits.failed.is_set():
+                return True  # an earlier batch cannot be committed: this one would be thrown away
             return self.stop.requested and not self.stop.can_finish(started, self._batch_seconds)
 
         ledger.record_start(len(pending))
@@ -202,12 +229,26 @@ class ShardRunner:
             self._batch_seconds = elapsed
             work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
             ledger.record_batch(len(images), elapsed, work)
+        return images, failures
 
+    def _commit_batch(
+        self,
+        msg: ShardMessage,
+        number: int,
+        pending: list[Prompt],
+        cp: _Checkpoint,
+        images: dict[str, Any],
+        failures: list[tuple[Prompt, str, bool]],
+        ledger: Ledger,
+        result: ShardResult,
+        attempt: int,
+    ) -> None:
+        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the commit thread)."""
         testhooks.pause_at("after-render")
         ledger.check()  # asks Redis: a fenced worker writes nothing more
         by_name = {p.name: p for p in pending}
-        # Images first: one that cannot be stored is its prompt's failure.
-        for name, error in self._put_images(msg.job, images).items():
+        # Images first: one that cannot be encoded or stored is its prompt's failure.
+        for name, error in self._put_images(msg.job, images, by_name).items():
             del images[name]
             failures.append((by_name[name], error, False))
         quarantined: list[Prompt] = []
@@ -236,7 +277,7 @@ class ShardRunner:
     def _render_group(
         self,
         group: list[Prompt],
-        images: dict[str, bytes],
+        images: dict[str, Any],
         failures: list[tuple[Prompt, str, bool]],
         should_stop: Callable[[], bool],
     ) -> None:
@@ -247,7 +288,7 @@ class ShardRunner:
         while start < len(group):
             chunk = group[start : start + size]
             try:
-                pngs = self.renderer.render(chunk, should_stop=should_stop)
+                rendered = self.renderer.render_images(chunk, should_stop=should_stop)
             except OutOfMemory:
                 if size > 1:
                     size = max(1, size // 2)
@@ -271,19 +312,19 @@ class ShardRunner:
                     failures.append((chunk[0], str(exc), not isinstance(exc, PromptError)))
                 start += len(chunk)
                 continue
-            for p, png in zip(chunk, pngs, strict=True):
-                images[p.name] = png
+            for p, image in zip(chunk, rendered, strict=True):
+                images[p.name] = image
             start += len(chunk)
 
     def _render_group_single(
         self,
         prompt: Prompt,
-        images: dict[str, bytes],
+        images: dict[str, Any],
         failures: list[tuple[Prompt, str, bool]],
         should_stop: Callable[[], bool],
     ) -> None:
         try:
-            images[prompt.name] = self.renderer.render([prompt], should_stop=should_stop)[0]
+            images[prompt.name] = self.renderer.render_images([prompt], should_stop=should_stop)[0]
         except (PermanentError, OutOfMemory) as exc:
             excused = isinstance(exc, (JobError, PromptError))
             failures.append((prompt, str(exc) or type(exc).__name__, not excused))
@@ -319,21 +360,22 @@ class ShardRunner:
         keys = self.store.list(spec.images_prefix(msg.job, common))
         return {key[len(base) : -len(".png")] for key in keys if key.endswith(".png")}
 
-    def _put_images(self, job: str, images: dict[str, bytes]) -> dict[str, str]:
-        """Store the images; returns {name: reason} for those the store refused.
+    def _put_images(self, job: str, images: dict[str, Any], prompts: dict[str, Prompt]) -> dict[str, str]:
+        """Encode and store the images, in parallel; returns {name: reason} for those refused.
 
         A store that cannot be reached (:class:`StoreError`) or a full or
         broken disk raises: the batch stays uncommitted.  Any other refusal is
-        the prompt's (a name the filesystem or S3 rejects): it fails alone.
+        the prompt's (text its PNG cannot carry, a name the filesystem or S3
+        rejects): it fails alone.
         """
-        futures = {
-            name: self._uploads.submit(self.store.put, spec.image_key(job, name), png, content_type="image/png")
-            for name, png in images.items()
-        }
+        futures = {name: self._uploads.submit(self._put_image, job, image, prompts[name])
+                   for name, image in images.items()}
         refused: dict[str, str] = {}
         for name, f in futures.items():
             try:
                 f.result()
+            except PromptError as exc:
+                refused[name] = str(exc)
             except StoreError:
                 raise
             except OSError as exc:
@@ -343,6 +385,10 @@ class ShardRunner:
             except Exception as exc:
                 refused[name] = f"cannot store image {name!r}: {type(exc).__name__}: {exc}"
         return refused
+
+    def _put_image(self, job: str, image: Any, prompt: Prompt) -> None:
+        png = self.renderer.encode(image, prompt)
+        self.store.put(spec.image_key(job, prompt.name), png, content_type="image/png")
 
     def _write_checkpoint(self, msg: ShardMessage, number: int, cp: _Checkpoint, attempt: int) -> None:
         record = {
@@ -373,4 +419,5 @@ class ShardRunner:
         log.error("prompt %s of job %s quarantined after %d failures: %s", prompt.name, msg.job, count, error)
 
     def close(self) -> None:
+        self._commits.shutdown(wait=True)
         self._uploads.shutdown(wait=True)

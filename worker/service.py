@@ -60,8 +60,11 @@ class Unloadable:
     def __init__(self, error: JobError):
         self.error = error
 
-    def render(self, prompts: Any, *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+    def render_images(self, prompts: Any, *, should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
         raise self.error
+
+    def encode(self, image: Any, prompt: Any) -> bytes:
+        raise self.error  # never reached: it renders nothing
 
 
 def new_worker_id(pool: str) -> str:
@@ -105,7 +108,8 @@ class WorkerService:
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
-                                  max_failures=settings.max_prompt_failures, worker_id=worker_id)
+                                  max_failures=settings.max_prompt_failures,
+                                  pipeline_depth=settings.pipeline_depth, worker_id=worker_id)
         self.failed_streak = 0
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from renderfleet import spec
-from renderfleet.errors import OutOfMemory, PermanentError, Reclaimed
+from renderfleet.errors import OutOfMemory, PermanentError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.store import LocalStore
 from worker.runner import ShardRunner
@@ -38,7 +42,8 @@ class FakeRenderer:
         self.on_call = on_call
         self.last_batch_seconds: float | None = None
 
-    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
+                      ) -> list[Any]:
         self.calls.append([p.name for p in prompts])
         if self.on_call:
             self.on_call(len(self.calls))
@@ -49,6 +54,9 @@ class FakeRenderer:
         if any(p.name in self.bad for p in prompts):
             raise PermanentError("bad prompt")
         return [f"png:{p.name}:{p.seed}".encode() for p in prompts]
+
+    def encode(self, image: Any, prompt: Prompt) -> bytes:
+        return bytes(image)
 
 
 class MemLedger:
@@ -310,3 +318,237 @@ def test_the_delivery_tag_is_read_from_an_envelope() -> None:
     assert envelope_tag(envelope) == json.loads(envelope)["properties"]["delivery_tag"]
     assert envelope_tag(json.dumps({"properties": {"delivery_tag": "t"}}, separators=(",", ":"))) == "t"
     assert envelope_tag("") == ""
+
+
+# ---- the commit queue: a batch stored, checkpointed and counted while the next renders ----
+#
+# Stores that record, slow down, block or fail their writes.  Overlap is proven by a
+# write that waits for the next render to start, never by a timing.
+
+
+class Events:
+    """One ordered log of what the renderer, the store and the ledger did, from any thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.log: list[tuple[str, str]] = []
+
+    def add(self, what: str, name: str) -> None:
+        with self.lock:
+            self.log.append((what, name))
+
+    def index(self, what: str, name: str) -> int:
+        return self.log.index((what, name))
+
+
+class RecordingStore(LocalStore):
+    """Logs each write; ``before_put(key)`` runs first (to slow, block or fail it)."""
+
+    def __init__(self, root: Path, events: Events, before_put: Callable[[str], None] = lambda key: None):
+        super().__init__(root)
+        self.events = events
+        self.before_put = before_put
+
+    def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+        self.before_put(key)
+        super().put(key, data, content_type=content_type)
+        kind = "image" if key.endswith(".png") else "checkpoint" if "/checkpoints/" in key else "other"
+        self.events.add(kind, key.rsplit("/", 1)[-1].split(".")[0] if kind == "image" else key)
+
+
+class RecordingLedger(MemLedger):
+    def __init__(self, events: Events, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.events = events
+
+    def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
+        super().commit(done, failed, undone)
+        for i in done:
+            self.events.add("count", spec.index_name(i))
+
+
+class RecordingRenderer(FakeRenderer):
+    def __init__(self, events: Events, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.events = events
+
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
+                      ) -> list[Any]:
+        self.events.add("render", prompts[0].name)
+        return super().render_images(prompts, should_stop=should_stop)
+
+
+def piped(store: LocalStore, renderer: FakeRenderer, *, depth: int = 2, stop: StopSignal | None = None) -> ShardRunner:
+    return ShardRunner(store=store, renderer=renderer, stop=stop or StopSignal(), upload_threads=4,
+                       pipeline_depth=depth)
+
+
+def checkpoint_key(batch: int) -> str:
+    return spec.checkpoint_key("j", 0, batch, 0)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_no_checkpoint_before_its_images_and_no_count_before_its_checkpoint(tmp_path: Path, depth: int) -> None:
+    events = Events()
+    store = RecordingStore(tmp_path / "store", events)
+    ledger = RecordingLedger(events)
+    msg = make_msg(10, 4)
+    result = piped(store, RecordingRenderer(events), depth=depth).run(msg, ledger)
+    assert result.rendered == 10 and result.batches == 3 and sorted(ledger.done) == list(range(10))
+    for number, batch in msg.batches():
+        checkpoint = events.index("checkpoint", checkpoint_key(number))
+        for p in batch:
+            assert events.index("image", p.name) < checkpoint < events.index("count", p.name)
+    # and the checkpoints in batch order
+    order = [key for what, key in events.log if what == "checkpoint"]
+    assert order == [checkpoint_key(n) for n in range(3)]
+
+
+def test_the_next_batch_renders_while_the_last_one_uploads(tmp_path: Path) -> None:
+    # Batch 0's first image write waits for batch 1's render to begin: if rendering
+    # waited on the upload, this would time out instead.
+    events = Events()
+    batch_1_started = threading.Event()
+    overlapped: list[bool] = []
+
+    def before_put(key: str) -> None:
+        if key.endswith("000000.png"):
+            overlapped.append(batch_1_started.wait(timeout=10))
+
+    def on_call(n: int) -> None:
+        if n == 2:
+            batch_1_started.set()
+
+    store = RecordingStore(tmp_path / "store", events, before_put)
+    result = piped(store, RecordingRenderer(events, on_call=on_call)).run(make_msg(8, 4), MemLedger())
+    assert overlapped == [True] and result.rendered == 8
+    assert events.index("render", "000004") < events.index("image", "000000")
+
+
+def test_the_synchronous_path_stores_each_batch_before_rendering_the_next(tmp_path: Path) -> None:
+    events = Events()
+    store = RecordingStore(tmp_path / "store", events)
+    piped(store, RecordingRenderer(events), depth=0).run(make_msg(8, 4), RecordingLedger(events))
+    assert events.index("count", "000003") < events.index("render", "000004")
+
+
+def test_the_queue_is_bounded_a_slow_store_holds_the_renderer_back(tmp_path: Path) -> None:
+    # Every write blocks until batch 2 has rendered: with depth 2, batches 1 and 2 queue
+    # behind batch 0's commit, and batch 3 cannot start before that commit is done.
+    events = Events()
+    release = threading.Event()
+    store = RecordingStore(tmp_path / "store", events, lambda key: release.wait(timeout=10) and None)
+
+    def on_call(n: int) -> None:
+        if n == 3:
+            release.set()
+
+    result = piped(store, RecordingRenderer(events, on_call=on_call), depth=2).run(make_msg(24, 4), MemLedger())
+    assert result.rendered == 24
+    first_write = next(i for i, (what, _) in enumerate(events.log) if what == "image")
+    assert events.index("render", "000008") < first_write < events.index("render", "000012")
+
+
+def test_a_stop_request_commits_every_rendered_batch_before_the_shard_goes_back(tmp_path: Path) -> None:
+    # A notice with time left arrives while batch 1 renders and batch 0's upload is slow:
+    # batch 1 finishes, and both are stored, checkpointed and counted before Reclaimed.
+    events = Events()
+    stop = StopSignal()
+    store = RecordingStore(tmp_path / "store", events, lambda key: time.sleep(0.3))
+
+    def notice(n: int) -> None:
+        if n == 2:
+            stop.request("aws spot terminate", seconds_left=120)
+
+    ru = piped(store, RecordingRenderer(events, on_call=notice), stop=stop)
+    ru._batch_seconds = 0.01  # measured on an earlier shard: batch 1 fits the window
+    ledger = RecordingLedger(events)
+    with pytest.raises(Reclaimed) as exc:
+        ru.run(make_msg(12, 4), ledger)
+    assert not exc.value.fenced
+    assert sorted(ledger.done) == list(range(8))  # nothing rendered is lost
+    assert store.get(checkpoint_key(0)) and store.get(checkpoint_key(1)) and not store.get(checkpoint_key(2))
+
+
+def test_a_stop_mid_batch_still_commits_the_batches_before_it(tmp_path: Path) -> None:
+    events = Events()
+    stop = StopSignal()
+    store = RecordingStore(tmp_path / "store", events, lambda key: time.sleep(0.2))
+
+    def notice(n: int) -> None:
+        if n == 3:
+            stop.request("sigterm", seconds_left=0)  # no time: batch 2 is abandoned
+
+    ledger = RecordingLedger(events)
+    with pytest.raises(Reclaimed):
+        piped(store, RecordingRenderer(events, on_call=notice), stop=stop).run(make_msg(12, 4), ledger)
+    assert sorted(ledger.done) == list(range(8)) and ledger.wasted == 1
+    assert not store.get(checkpoint_key(2))
+
+
+class FailingStore(RecordingStore):
+    """Image writes of batch 0 fail with ``error``; everything else is stored."""
+
+    def __init__(self, root: Path, events: Events, error: BaseException):
+        super().__init__(root, events)
+        self.error = error
+
+    def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+        if key.endswith(("000000.png", "000001.png")):
+            raise self.error
+        super().put(key, data, content_type=content_type)
+
+
+@pytest.mark.parametrize("error", [StoreError("S3 put failed after 6 attempt(s)"),
+                                   OSError(errno.ENOSPC, "No space left on device")],
+                         ids=["store-outage", "disk-full"])
+def test_an_upload_error_surfaces_in_the_shard_and_nothing_after_it_is_committed(
+        tmp_path: Path, error: BaseException) -> None:
+    events = Events()
+    store = FailingStore(tmp_path / "store", events, error)
+    ledger = RecordingLedger(events)
+    with pytest.raises(type(error)) as raised:
+        piped(store, RecordingRenderer(events)).run(make_msg(12, 4), ledger)
+    assert raised.value is error  # the very exception, in the shard's thread
+    assert ledger.commits == 0 and ledger.done == []
+    assert not [key for what, key in events.log if what == "checkpoint"]
+
+
+def test_a_fence_found_by_a_commit_surfaces_as_a_fenced_reclaim(tmp_path: Path) -> None:
+    events = Events()
+    ledger = RecordingLedger(events, fenced_after=1)  # batch 0 commits, then a newer attempt holds the shard
+    store = RecordingStore(tmp_path / "store", events)
+    with pytest.raises(Reclaimed) as exc:
+        piped(store, RecordingRenderer(events)).run(make_msg(12, 4), ledger)
+    assert exc.value.fenced
+    assert sorted(ledger.done) == [0, 1, 2, 3]
+    assert [key for what, key in events.log if what == "checkpoint"] == [checkpoint_key(0)]
+
+
+def test_a_failed_commit_abandons_the_batch_rendering_beside_it(tmp_path: Path) -> None:
+    # Batch 0's upload fails while batch 1 renders: batch 1 stops at its next step.
+    events = Events()
+    failing = threading.Event()
+
+    def fail(key: str) -> None:
+        failing.set()
+        raise StoreError("S3 503")
+
+    asked: list[int] = []
+
+    class Steps(RecordingRenderer):
+        def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
+                          ) -> list[Any]:
+            if prompts[0].name == "000004":
+                failing.wait(timeout=10)
+                for step in range(500):  # denoising steps, asking after each
+                    if should_stop():
+                        asked.append(step)
+                        raise Reclaimed("stopped mid-batch")
+                    time.sleep(0.01)
+            return super().render_images(prompts, should_stop=should_stop)
+
+    ledger = RecordingLedger(events)
+    with pytest.raises(StoreError):
+        piped(RecordingStore(tmp_path / "store", events, fail), Steps(events)).run(make_msg(12, 4), ledger)
+    assert len(asked) == 1 and ledger.commits == 0 and ledger.wasted >= 1

@@ -44,11 +44,14 @@ class Renderer:
         self.calls = 0
         self.last_batch_seconds: float | None = None
 
-    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
         self.calls += 1
         if self.error:
             raise self.error
         return [f"png:{p.name}".encode() for p in prompts]
+
+    def encode(self, image: Any, prompt: Prompt) -> bytes:
+        return bytes(image)
 
 
 class Ledger:
@@ -169,13 +172,28 @@ def test_a_store_outage_is_raised_not_blamed_on_a_prompt(tmp_path: Path) -> None
 
 def test_a_prompt_error_from_the_renderer_is_excused_and_isolated(tmp_path: Path) -> None:
     class OneBad(Renderer):
-        def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+        def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
+                          ) -> list[Any]:
             if any(p.name == "000000" for p in prompts):
-                raise PromptError("cannot encode the image of '000000'")
-            return super().render(prompts)
+                raise PromptError("the pipeline refuses prompt '000000'")
+            return super().render_images(prompts)
 
     result = runner(LocalStore(tmp_path / "store"), OneBad()).run(make_msg(n=2), Ledger())
     assert result.failed == [0] and result.rendered == 1 and result.excused == 1
+
+
+def test_an_image_that_cannot_be_encoded_fails_its_prompt_alone_without_a_render_again(tmp_path: Path) -> None:
+    class BadText(Renderer):
+        def encode(self, image: Any, prompt: Prompt) -> bytes:
+            if prompt.name == "000000":
+                raise PromptError("cannot encode the image of '000000': text PNG cannot carry")
+            return super().encode(image, prompt)
+
+    renderer = BadText()
+    ledger = Ledger()
+    result = runner(LocalStore(tmp_path / "store"), renderer).run(make_msg(n=2), ledger)
+    assert result.failed == [0] and result.rendered == 1 and result.excused == 1
+    assert renderer.calls == 1 and ledger.done == [1] and "text PNG" in ledger.errors[0]
 
 
 def test_a_plain_render_failure_still_counts_against_the_worker(tmp_path: Path) -> None:

@@ -1,0 +1,307 @@
+"""The fleet itself: orchestration overhead, the real ``tiny`` model, scale-out.
+
+Real parts only: a private Redis server, moto's S3 server over HTTP, real
+``renderfleet worker`` processes (Celery's real worker), jobs submitted
+through the Python API (in this process, so no CLI start-up is timed) and
+waited for by counting its done bits every 20 ms.  A job's wall time runs
+from the submit call to its last prompt counted done; each pool runs one
+small job first, untimed (a worker's first S3 request builds its client).
+
+1. **Orchestration overhead**: workers with the benchmark-only fixed-time
+   renderer (``RENDERFLEET_TEST_RENDER_SECONDS``: sleeps, no CPU burnt, real
+   PNGs), 2,000 prompts through one worker; wall time over pure render time
+   (prompts x seconds per image).  Goal: at most 1.03 (the GPU busy at least
+   97% of the time).  Twice in each run: with the commit queue (the default,
+   ``RENDERFLEET_PIPELINE_DEPTH=2``) and without it (``0``: each batch stored
+   before the next renders), by two idle workers on pools of their own, taking
+   turns, so both see the same machine (``--no-before``: with it only, as
+   ``make bench`` runs it, to stay within about 15 minutes).
+2. **The real tiny model**: the same path with ``tiny`` on the CPU, one torch
+   thread; fleet images per second over the in-process renderer's (render and
+   PNG encode, no store) at the same settings, taking turns in each run.
+3. **Scale-out**: the fixed-time renderer with 1, 4 and 8 workers (pools of
+   their own, all started first), the same prompts per worker; images per
+   second over N times one worker's, in the same run.  Goal: at least 0.9.
+
+Each figure is the median over ``--runs`` runs.  Writes its section of
+``bench/RESULTS.md``.
+
+    python -m bench.fleet_bench [--runs 3] [--only overhead|tiny|scale] [--no-before] [--no-write]
+
+About 13 minutes on 2 busy cores (7 without the runs before the queue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import boto3
+import redis
+
+from bench.results import table, write_section
+from renderfleet import keys
+from renderfleet.api import Client
+from testing.fleet import WorkerProc, base_env, start_redis, wait_for, worker_ready, write_prompts
+from testing.servers import MotoServer, s3_env
+
+# The product's lease settings (renderfleet.settings), not the tests' short ones.
+PRODUCT_LEASES = {"RENDERFLEET_LEASE_SECONDS": "6", "RENDERFLEET_HEARTBEAT_SECONDS": "1.5",
+                  "RENDERFLEET_REAP_SECONDS": "1"}
+COMMAND = "python -m bench.fleet_bench"
+
+
+class Fleet:
+    """A Redis, a bucket on moto, the workers started on it and a client that submits and waits."""
+
+    def __init__(self, root: Path, redis_url: str, store: str, s3: dict[str, str]):
+        self.root = root
+        self.env = base_env(root, redis_url, store, **s3, **PRODUCT_LEASES)
+        self.client = Client(redis_url=redis_url, store=store)
+        self.workers: list[WorkerProc] = []
+
+    def start(self, pool: str, n: int, **env: str) -> list[WorkerProc]:
+        started = [WorkerProc({**self.env, **env}, self.root / f"{pool}-{i}.log", "--pool", pool, "--model", "tiny")
+                   for i in range(n)]
+        self.workers += started
+        return started
+
+    def ready(self, timeout: float = 240) -> None:
+        """Wait until every started worker has registered (its model loaded)."""
+        def up() -> bool:
+            for w in self.workers:
+                if not w.alive():
+                    raise RuntimeError(f"a worker exited at start:\n{w.output()[-2000:]}")
+            return worker_ready(self.client.redis, len(self.workers))
+
+        wait_for(up, timeout, what=f"{len(self.workers)} workers to register")
+
+    def stop(self) -> None:
+        """SIGTERM every worker and forget their registrations (the next ready() counts new ones only)."""
+        for w in self.workers:
+            w.terminate(30)
+        self.workers = []
+        self.client.redis.delete(keys.WORKERS)
+
+    def warm(self, pools: dict[str, int], *, shard_size: int, **settings: Any) -> None:
+        """A shard per worker of each pool, untimed: a worker's first shard pays for its S3 client
+        (about 1 s here), this process's first submit for its imports; a fleet is past both."""
+        for pool, workers in pools.items():
+            path = write_prompts(self.root / f"warm-{pool}.txt", shard_size * workers, f"warm-up {pool}")
+            self.job(path, pool=pool, seed=10**6, shard_size=shard_size, **settings)
+
+    def job(self, path: Path, *, pool: str, seed: int, steps: int, size: str, batch_size: int,
+            shard_size: int) -> float:
+        """Submit ``path`` to ``pool`` and wait for it: wall seconds from the submit call to the last count."""
+        t = time.perf_counter()
+        job = self.client.submit(path, model="tiny", steps=steps, size=size, seed=seed, shard_size=shard_size,
+                                 batch_size=batch_size, pool=pool)
+        done = keys.done_bits(job.id)
+        deadline = time.monotonic() + 1800
+        while self.client.redis.bitcount(done) < job.total:  # one command a poll: the CPU is shared
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {job.id}: not done after 1800 s: {job.status()}")
+            time.sleep(0.02)
+        return time.perf_counter() - t
+
+
+@contextmanager
+def fleet(root: Path) -> Iterator[Fleet]:
+    server = start_redis(root / "redis")
+    try:
+        with MotoServer() as moto:
+            bucket = "fleet-bench"
+            s3 = s3_env(moto.endpoint_url, bucket)
+            os.environ.update(s3)  # this process's store (the client) talks to moto too
+            boto3.session.Session().client("s3", endpoint_url=moto.endpoint_url,
+                                           region_name="us-east-1").create_bucket(Bucket=bucket)
+            f = Fleet(root, server.url, f"s3://{bucket}/bench", s3)
+            try:
+                yield f
+            finally:
+                f.stop()
+    finally:
+        server.stop()
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values: list[float], fmt: str = ".3f") -> str:
+    return f"median {med(values):{fmt}} (min {min(values):{fmt}}, max {max(values):{fmt}}, {len(values)} runs)"
+
+
+def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
+    """2,000 prompts through one fixed-time worker, with and without the commit queue, taking turns."""
+    spi = args.seconds_per_image
+    renderer = {"RENDERFLEET_TEST_RENDER_SECONDS": str(spi)}
+    pools = ("piped", "inline") if args.before else ("piped",)
+    f.start("piped", 1, **renderer)
+    if args.before:
+        f.start("inline", 1, RENDERFLEET_PIPELINE_DEPTH="0", **renderer)
+    f.ready()
+    f.warm(dict.fromkeys(pools, 1), steps=args.steps, size=args.size, batch_size=args.batch_size,
+           shard_size=args.shard_size)
+    path = write_prompts(f.root / "overhead.txt", args.prompts, "overhead")
+    pure = args.prompts * spi
+    ratios: dict[str, list[float]] = {pool: [] for pool in pools}
+    for run in range(args.runs):
+        for turn, pool in enumerate(pools):
+            # A seed of its own: the same prompts and settings would be the same job, already done.
+            wall = f.job(path, pool=pool, seed=2 * run + turn, steps=args.steps, size=args.size, batch_size=args.batch_size,
+                         shard_size=args.shard_size)
+            ratios[pool].append(wall / pure)
+            print(f"  run {run} {pool:6s}: {wall:.2f} s wall for {pure:.1f} s of render: {wall / pure:.4f}",
+                  flush=True)
+    f.stop()
+    settings = (f"{args.prompts} prompts, {spi * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
+                f"shard {args.shard_size}, {args.size}, 1 worker, S3 on moto")
+    rows = [[f"orchestration overhead, commit queue on (default): wall / pure render ({settings})",
+             spread(ratios["piped"], ".4f"), "at most 1.03", f"{COMMAND} --only overhead"]]
+    if not args.before:
+        return rows
+    gain = [i / p for p, i in zip(ratios["piped"], ratios["inline"], strict=True)]
+    return [
+        *rows,
+        ["the same, commit queue off (`RENDERFLEET_PIPELINE_DEPTH=0`: the code before it), same runs",
+         spread(ratios["inline"], ".4f"), "(before: for comparison)", f"{COMMAND} --only overhead"],
+        ["wall time without the queue over with it, same runs", spread(gain, ".3f"), "above 1",
+         f"{COMMAND} --only overhead"],
+    ]
+
+
+def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
+    """The real tiny model: fleet images/s over the in-process renderer's, taking turns."""
+    import torch
+
+    from renderfleet.spec import Prompt, derive_seed
+    from worker.models import load_pipeline
+    from worker.render import Renderer
+
+    f.start("tiny", 1)
+    torch.set_num_threads(1)  # as each worker (OMP_NUM_THREADS=1)
+    width, height = (int(x) for x in args.tiny_size.split("x"))
+    loaded = load_pipeline("tiny", device="cpu", cache_dir=f.root / "models")
+    renderer = Renderer(loaded)
+    f.ready()
+    n = args.tiny_prompts
+    path = write_prompts(f.root / "tiny.txt", n, "tiny")
+
+    def in_process(seed: int) -> float:
+        prompts = [Prompt(i, f"{i:06d}", f"tiny number {i}", "", derive_seed(seed, i), args.tiny_steps, 7.5, width,
+                          height) for i in range(n)]
+        t = time.perf_counter()
+        for start in range(0, n, args.batch_size):
+            renderer.render(prompts[start : start + args.batch_size])
+        return n / (time.perf_counter() - t)
+
+    in_process(99)  # warm-up
+    f.warm({"tiny": 1}, steps=args.tiny_steps, size=args.tiny_size, batch_size=args.batch_size,
+           shard_size=args.shard_size)
+    fleet_rate: list[float] = []
+    local_rate: list[float] = []
+    for run in range(args.runs):
+        local_rate.append(in_process(run))
+        wall = f.job(path, pool="tiny", seed=run, steps=args.tiny_steps, size=args.tiny_size,
+                     batch_size=args.batch_size, shard_size=args.shard_size)
+        fleet_rate.append(n / wall)
+        print(f"  run {run}: fleet {fleet_rate[-1]:.2f} images/s, in-process {local_rate[-1]:.2f} images/s",
+              flush=True)
+    f.stop()
+    ratio = [a / b for a, b in zip(fleet_rate, local_rate, strict=True)]
+    settings = f"tiny, {n} prompts, {args.tiny_size}, {args.tiny_steps} steps, batch {args.batch_size}, 1 torch thread"
+    return [
+        [f"real model: fleet images/s over the in-process renderer's ({settings})", spread(ratio, ".3f"),
+         "at least 0.97 (same as the overhead goal)", f"{COMMAND} --only tiny"],
+        ["  fleet (1 worker, S3 on moto) / in-process (render + PNG encode, no store), images/s",
+         f"{med(fleet_rate):.2f} / {med(local_rate):.2f}", "", f"{COMMAND} --only tiny"],
+    ]
+
+
+def scale(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
+    """1, 4 and 8 fixed-time workers on pools of their own; images/s over N x one worker's, same run."""
+    counts = [int(x) for x in args.workers.split(",")]
+    renderer = {"RENDERFLEET_TEST_RENDER_SECONDS": str(args.seconds_per_image)}
+    for n in counts:
+        f.start(f"scale{n}", n, **renderer)
+    f.ready()
+    f.warm({f"scale{n}": n for n in counts}, steps=args.steps, size=args.size, batch_size=args.batch_size,
+           shard_size=args.shard_size)
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    for run in range(args.runs):
+        for n in counts:
+            prompts = args.scale_prompts * n
+            path = write_prompts(f.root / f"scale{n}.txt", prompts, f"scale {n}")
+            wall = f.job(path, pool=f"scale{n}", seed=run, steps=args.steps, size=args.size,
+                         batch_size=args.batch_size, shard_size=args.shard_size)
+            rates[n].append(prompts / wall)
+            print(f"  run {run}: {n} worker(s): {prompts / wall:.1f} images/s", flush=True)
+    f.stop()
+    one = counts[0]
+    rows = []
+    for n in counts[1:]:
+        eff = [rates[n][r] / (n / one * rates[one][r]) for r in range(args.runs)]
+        rows.append([f"scale-out: {n} workers' images/s over {n} x 1 worker's ({args.scale_prompts} prompts per worker, "
+                     f"{args.seconds_per_image * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
+                     f"shard {args.shard_size}, S3 on moto)", spread(eff, ".3f"), "at least 0.9",
+                     f"{COMMAND} --only scale"])
+    rows.append(["  images/s by workers: " + ", ".join(f"{n}: {med(rates[n]):.1f}" for n in counts),
+                 f"ideal {1 / args.seconds_per_image:.0f} per worker", "", f"{COMMAND} --only scale"])
+    return rows
+
+
+PARTS: dict[str, Callable[[Fleet, argparse.Namespace], list[list[str]]]] = {
+    "overhead": overhead, "tiny": tiny, "scale": scale}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", choices=list(PARTS), action="append", help="run only these parts (repeatable)")
+    ap.add_argument("--prompts", type=int, default=2000, help="prompts of the overhead job")
+    ap.add_argument("--seconds-per-image", type=float, default=0.025, help="fixed-time renderer (0.025: 200 ms per 8)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--shard-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=10, help="the fixed-time renderer's steps (stop checks)")
+    ap.add_argument("--size", default="64x64", help="the fixed-time renderer's image size (its PNGs)")
+    ap.add_argument("--tiny-prompts", type=int, default=128)
+    ap.add_argument("--tiny-size", default="32x32")
+    ap.add_argument("--tiny-steps", type=int, default=4)
+    ap.add_argument("--workers", default="1,4,8", help="scale-out: worker counts, the first the base")
+    ap.add_argument("--scale-prompts", type=int, default=384, help="scale-out: prompts per worker")
+    ap.add_argument("--no-before", dest="before", action="store_false",
+                    help="overhead: skip the runs without the commit queue (halves the part's time)")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    args = ap.parse_args()
+    rows: list[list[str]] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp, fleet(Path(tmp)) as f:
+        for name in args.only or list(PARTS):
+            print(f"{name}:", flush=True)
+            t = time.monotonic()
+            rows += PARTS[name](f, args)
+            print(f"  ({time.monotonic() - t:.0f} s)", flush=True)
+    text = table(rows)
+    print(text)
+    print(f"(total {time.monotonic() - t0:.0f} s)")
+    if not args.no_write:
+        write_section("fleet", "The fleet: orchestration overhead, the real tiny model, scale-out",
+                      "Every figure: the median over the runs shown, ratios from the same run.  "
+                      "Other processes shared the CPU.\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except redis.RedisError as exc:
+        sys.exit(f"fleet bench: {exc}")

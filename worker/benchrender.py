@@ -1,0 +1,80 @@
+"""A renderer for benchmarks and tests only: a fixed time per image, sleeping, no model.
+
+``bench/fleet_bench.py`` measures what the fleet itself costs (queues,
+leases, encode, uploads, checkpoints, counts) against pure render time, and
+how it scales out: it needs a renderer whose time is known exactly and that
+burns no CPU, so that on a small machine eight workers do not compete for
+cores the way eight real pipelines would.  A worker started with
+``RENDERFLEET_TEST_RENDER_SECONDS`` (seconds per image, see
+:mod:`renderfleet.testhooks`) loads this instead of its model.  Never set it
+on a real worker: its images are flat colours.
+
+Like the real renderer it sleeps in denoising "steps" and asks ``should_stop``
+after each, so a reclaim notice abandons a batch within one step, and it
+encodes real PNGs (:func:`worker.render.encode_png`) in :meth:`encode`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from renderfleet.errors import PromptError, Reclaimed
+from renderfleet.spec import Prompt
+
+
+@dataclass(frozen=True)
+class FixedLoad:
+    """What ``run_worker`` reports of a loaded model, for the fixed-time renderer."""
+
+    model: str
+    device: str = "none (fixed-time bench renderer)"
+    load_seconds: float = 0.0
+
+
+class FixedTimeRenderer:
+    """Sleeps ``seconds_per_image`` times the batch's size per call; images are flat colours from the seed."""
+
+    def __init__(self, seconds_per_image: float, model: str = "fixed") -> None:
+        self.seconds_per_image = seconds_per_image
+        self.model = model
+        self.last_batch_seconds: float | None = None
+        self.last_step_seconds = 0.0
+
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
+                      ) -> list[Any]:
+        """Sleep the batch's time in ``steps`` slices, asking ``should_stop`` before each but the first."""
+        from PIL import Image
+
+        if should_stop():
+            raise Reclaimed("stopped before the batch started")
+        started = time.perf_counter()
+        steps = max(1, prompts[0].steps)
+        end = started + self.seconds_per_image * len(prompts)
+        for step in range(steps):
+            if step and should_stop():
+                raise Reclaimed("stopped mid-batch")
+            # Sleep until this step's share of the batch's time: oversleeping does not add up.
+            time.sleep(max(0.0, started + (end - started) * (step + 1) / steps - time.perf_counter()))
+        self.last_batch_seconds = time.perf_counter() - started
+        self.last_step_seconds = self.last_batch_seconds / steps
+        return [Image.new("RGB", (p.width, p.height), _colour(p.seed)) for p in prompts]
+
+    def encode(self, image: Any, prompt: Prompt) -> bytes:
+        from worker.render import encode_png
+
+        try:
+            return encode_png(image, prompt, self.model)
+        except Exception as exc:
+            raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
+
+    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+        """PNGs, as :meth:`worker.render.Renderer.render`."""
+        return [self.encode(i, p) for i, p in zip(self.render_images(prompts, should_stop=should_stop), prompts,
+                                                   strict=True)]
+
+
+def _colour(seed: int) -> tuple[int, int, int]:
+    return seed & 0xFF, (seed >> 8) & 0xFF, (seed >> 16) & 0xFF
