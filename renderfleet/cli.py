@@ -163,11 +163,16 @@ def worker(
     pool: Annotated[str | None, typer.Option(help="pool this worker belongs to (baseline, spot, ...)")] = None,
     model: Model = None,
     queue: Annotated[list[str] | None, typer.Option(help="pool queues to serve (default: its own and 'default')")] = None,
+    batch_size: Annotated[str | None, typer.Option(
+        "--batch-size", help="prompts per pipeline call: auto (the most that fit; on a CPU the fastest) or N, "
+        "never above the job's batch")] = None,
+    compile: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile", help="compile the UNet's repeated blocks (CUDA only)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
     _logging(verbose=True)  # until Celery takes over logging with its own level
-    settings = _settings(pool=pool, model=model)
+    settings = _settings(pool=pool, model=model, render_batch=batch_size, compile=compile)
     from worker.main import run_worker
 
     with _user_errors():
@@ -442,6 +447,7 @@ def bench(
     runs: Annotated[int, typer.Option(help="timed batches per batch size (median)")] = 3,
     out: Annotated[Path, typer.Option(help="folder for bench.json, bench.md, bench.png")] = Path("bench-out"),
     compare: Annotated[list[Path] | None, typer.Option("--compare", help="bench.json files to compare")] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="compile the UNet's repeated blocks (CUDA only)")] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
@@ -468,7 +474,7 @@ def bench(
             for name, pool in settings.pools.items()}
         result = run_bench(model or settings.model, width=width, height=height, steps=steps, guidance=guidance,
                            batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
-                           cache_dir=settings.home / "models")
+                           cache_dir=settings.home / "models", compile=compile)
         for path in write_outputs(result, out):
             _err(f"wrote {path}")
         print((out / "bench.md").read_text(), end="")

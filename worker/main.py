@@ -38,15 +38,24 @@ WAIT_LOG_SECONDS = 5.0
 
 
 def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
-    """(renderer, loaded model) for ``model``, on the best device."""
+    """(renderer, loaded model) for ``model``, on the best device; with ``compile``,
+    a renderer that shares its compile cache through the store."""
+    from renderfleet.store import open_store
+    from worker.batchsize import card_name
+    from worker.compiled import CompileCache
     from worker.models import fetch_s3_model, load_pipeline
     from worker.render import Renderer
 
     def fetch(uri: str, dest: Path) -> None:
         fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
 
-    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch)
-    return Renderer(loaded, batch_invariant=settings.batch_invariant), loaded
+    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch,
+                           compile=settings.compile)
+    cache = None
+    if loaded.compiled:
+        cache = CompileCache(open_store(settings.store_url, settings.s3_options), model=model,
+                             card=card_name(str(loaded.device)))
+    return Renderer(loaded, batch_invariant=settings.batch_invariant, compile_cache=cache), loaded
 
 
 def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,

@@ -14,12 +14,15 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from renderfleet import __version__, testhooks
 from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.spec import Prompt
-from worker.models import LoadedModel
+from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
+
+if TYPE_CHECKING:
+    from worker.compiled import CompileCache
 
 # zlib at a fixed level: the same pixels always give the same bytes, whatever
 # Pillow's default is next year.
@@ -45,11 +48,18 @@ class Renderer:
     ``last_step_seconds`` the time of one denoising step of the whole batch
     (text encoding included, so slightly high: the safe side when the caller
     asks whether ``steps * last_step_seconds`` fits in a reclaim window).
+
+    On CUDA each call switches the VAE's slicing and tiling to what its size
+    and batch need (``worker.models.vae_memory_modes``); with a compiled UNet,
+    ``compile_cache`` loads the fleet's compile cache before the first call at
+    a size and saves this worker's after it.
     """
 
-    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False,
+                 compile_cache: CompileCache | None = None) -> None:
         self.loaded = loaded
         self.batch_invariant = batch_invariant
+        self.compile_cache = compile_cache
         self.last_batch_seconds = 0.0
         self.last_step_seconds = 0.0
         self.last_steps_run = 0  # denoising steps run, summed over calls
@@ -106,16 +116,34 @@ class Renderer:
                 raise PromptError(f"cannot encode the image of {p.name!r}: {type(exc).__name__}: {exc}") from exc
         return pngs
 
+    def generate(self, prompts: Sequence[Prompt], *, output_type: str = "pil",
+                 should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
+        """One pipeline call's images, not encoded: what a probe of the accelerator's
+        memory or a benchmark of its speed renders (``output_type="pt"``: tensors, no PIL)."""
+        check_inputs(prompts)
+        step_times: list[float] = []
+        started = time.perf_counter()
+        try:
+            return self._call(list(prompts), should_stop, step_times, output_type=output_type)
+        finally:
+            self._measure(started, step_times, steps_per_batch_step=1)
+
     def _call(
         self,
         prompts: list[Prompt],
         should_stop: Callable[[], bool],
         step_times: list[float],
+        output_type: str = "pil",
     ) -> list[Any]:
         """One pipeline call: PIL images, or :class:`Reclaimed` if stopped."""
         import torch
 
         steps, guidance, width, height = prompts[0].render_key
+        device = str(getattr(self.loaded, "device", "cpu"))
+        if device.startswith("cuda"):  # the CPU path stays as it was
+            set_vae_memory_modes(self.loaded.pipe, *vae_memory_modes(device, width, height, len(prompts)))
+        if self.compile_cache is not None:
+            self.compile_cache.before(width, height)
         interrupted = False
 
         def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +168,7 @@ class Renderer:
                     height=height,
                     # CPU generators: the same starting latents on every device.
                     generator=[torch.Generator("cpu").manual_seed(p.seed) for p in prompts],
-                    output_type="pil",
+                    output_type=output_type,
                     callback_on_step_end=on_step_end,
                 )
         except Exception as exc:
@@ -160,6 +188,8 @@ class Renderer:
         # The decoded images of an interrupted call are half-denoised: drop them.
         if interrupted:
             raise Reclaimed("stopped mid-batch")
+        if self.compile_cache is not None:
+            self.compile_cache.after(width, height)
         return list(output.images)
 
     def _measure(self, started: float, step_times: list[float], steps_per_batch_step: int) -> None:

@@ -17,7 +17,9 @@ def test_tiny_on_cuda_is_half_precision_and_deterministic(tmp_path: Path) -> Non
     from worker.render import Renderer
 
     loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path)
-    assert loaded.dtype == torch.float16
+    assert loaded.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+    assert loaded.pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert torch.backends.cuda.matmul.allow_tf32
     prompts = [Prompt(i, f"{i:06d}", f"p{i}", "", derive_seed(0, i), 2, 7.5, 64, 64) for i in range(4)]
     renderer = Renderer(loaded)
     assert renderer.render(prompts) == renderer.render(prompts)
@@ -37,3 +39,38 @@ def test_out_of_memory_is_reported_as_such(tmp_path: Path) -> None:
     finally:
         del hog
         torch.cuda.empty_cache()
+
+
+def test_auto_batch_size_finds_a_fit_under_a_memory_hog_and_it_renders(tmp_path: Path) -> None:
+    from renderfleet.spec import Prompt
+    from renderfleet.store import LocalStore
+    from worker.batchsize import BatchSizes
+    from worker.models import load_pipeline
+    from worker.render import Renderer
+
+    renderer = Renderer(load_pipeline("tiny", device="cuda", cache_dir=tmp_path))
+    like = Prompt(0, "000000", "x", "", 0, 2, 7.5, 1024, 1024)
+    free = torch.cuda.mem_get_info()[0]
+    hog = torch.empty(int(free * 0.9), dtype=torch.uint8, device="cuda")  # leave ~10 %: a few images fit
+    try:
+        size = BatchSizes(LocalStore(tmp_path / "store"), fixed=None).size_for(renderer, like, 256)
+        assert 1 <= size < 256
+        renderer.render([Prompt(i, f"{i:06d}", "x", "", i, 2, 7.5, 1024, 1024) for i in range(size)])
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+
+
+def test_compile_renders_and_leaves_a_cache_for_the_next_worker(tmp_path: Path) -> None:
+    from renderfleet.spec import Prompt
+    from renderfleet.store import LocalStore
+    from worker.compiled import CompileCache
+    from worker.models import load_pipeline
+    from worker.render import Renderer
+
+    store = LocalStore(tmp_path / "store")
+    loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path, compile=True)
+    renderer = Renderer(loaded, compile_cache=CompileCache(store, model="tiny", card="test"))
+    prompts = [Prompt(i, f"{i:06d}", "x", "", i, 2, 7.5, 64, 64) for i in range(2)]
+    assert len(renderer.render(prompts)) == 2
+    assert [k for k in store.list("fleet/compile-cache/")]  # save_cache_artifacts gave bytes
