@@ -410,7 +410,7 @@ def build_tiny_pipeline() -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     log.warning(TINY_WARNING)
-    tokenizer = _tiny_tokenizer()
+    tokenizer = tiny_tokenizer()
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -477,7 +477,7 @@ def build_tiny_pipeline() -> Any:
 # ---- helpers ----------------------------------------------------------------
 
 
-def _tiny_tokenizer() -> Any:
+def tiny_tokenizer() -> Any:
     """A CLIP tokenizer from files written here: every byte, no merges."""
     from transformers import CLIPTokenizer
 
