@@ -61,6 +61,10 @@ def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
 def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,
                loglevel: str = "INFO") -> int:
     """Run a worker in this process until shutdown; returns the exit status."""
+    if settings.compile:  # refused off CUDA before anything starts (ConfigError, exit 2)
+        from worker.models import check_compile, default_device
+
+        check_compile(True, settings.device or default_device())
     url = broker_url(settings.redis_url, settings.home)
     model = model or settings.model
     worker_id = new_worker_id(settings.pool)

@@ -86,9 +86,10 @@ def default_device() -> str:
 def dtype_for(device: str, *, bf16: bool | None = None) -> torch.dtype:
     """Half precision on CUDA (the speed and memory we pay GPUs for), else float32.
 
-    On CUDA: bfloat16 where the card supports it (Ampere and later: fp32's
-    range, so no overflow anywhere), float16 otherwise (T4, V100).  ``bf16``
-    says whether it does; None asks the card (``torch.cuda.is_bf16_supported``).
+    On CUDA: bfloat16 where the card supports it natively (Ampere and later:
+    fp32's range, so no overflow anywhere), float16 otherwise (T4, V100: torch
+    would emulate bf16 there, slowly, so emulation does not count).  ``bf16``
+    says whether it does; None asks the card.
     MPS stays float32 too: fp16 there is still prone to NaNs in SD's VAE.
     """
     import torch
@@ -96,7 +97,7 @@ def dtype_for(device: str, *, bf16: bool | None = None) -> torch.dtype:
     if not device.startswith("cuda"):
         return torch.float32
     if bf16 is None:
-        bf16 = bool(torch.cuda.is_bf16_supported())
+        bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
     return torch.bfloat16 if bf16 else torch.float16
 
 

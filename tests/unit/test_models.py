@@ -184,6 +184,18 @@ def test_cuda_gets_bf16_where_the_card_has_it_fp16_elsewhere_and_cpu_full() -> N
     assert dtype_for("mps") == torch.float32
 
 
+def test_a_card_that_would_only_emulate_bf16_gets_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[dict[str, Any]] = []
+
+    def is_bf16_supported(**kwargs: Any) -> bool:
+        asked.append(kwargs)
+        return bool(kwargs.get("including_emulation", True))  # a T4: bf16 by emulation only
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    assert dtype_for("cuda") == torch.float16
+    assert asked == [{"including_emulation": False}]
+
+
 def test_only_fp16_with_a_vae_that_overflows_there_decodes_in_float32() -> None:
     sdxl, fixed = SimpleNamespace(force_upcast=True), SimpleNamespace(force_upcast=False)
     assert vae_needs_float32(torch.float16, sdxl)
