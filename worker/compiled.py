@@ -6,7 +6,7 @@ compile takes seconds where compiling the whole UNet takes minutes, for the
 same speed once warm.  diffusers' ``compile_repeated_blocks`` does it where
 the installed release has it; before that, the same blocks are compiled here.
 
-The compiled kernels are worth keeping: after the first render at a size, the
+The compiled kernels are worth keeping: after its first renders at a size, the
 worker saves PyTorch's compile cache (``torch.compiler.save_cache_artifacts``:
 FX graphs, inductor and Triton kernels, autotuning) to the store under a key
 per (model, card, size, torch version), and a worker of the same kind loads
@@ -35,6 +35,8 @@ REPEATED_BLOCKS = ("BasicTransformerBlock",)
 # guard failure, then one dynamic graph; dynamo's default limit (8) would drop
 # later ones to eager without a word.
 RECOMPILE_LIMIT = 64
+# Saves of the cache per size by the worker that compiles: after each new batch size, this many at most.
+MAX_SAVES = 4
 
 
 def compile_unet(pipe: Any, **options: Any) -> str:
@@ -70,7 +72,13 @@ def cache_key(model: str, card: str, width: int, height: int, torch_version: str
 class CompileCache:
     """Loads the fleet's compile cache before the first render at a size, saves it after.
 
-    ``save`` and ``load`` default to ``torch.compiler``'s; tests give their own.
+    A size is compiled more than once: for the first batch size seen, then
+    (dynamo's automatic dynamic shapes) once more with the batch dimension
+    symbolic.  So the worker that compiles saves after each of the first
+    :data:`MAX_SAVES` batch sizes it renders at a size (every save holds
+    everything compiled so far, the dynamic-shape decisions included), and a
+    worker that loaded the cache saves nothing.  ``save`` and ``load``
+    default to ``torch.compiler``'s; tests give their own.
     """
 
     def __init__(self, store: Store, *, model: str, card: str, save: Callable[[], Any] | None = None,
@@ -81,7 +89,8 @@ class CompileCache:
         self._save = save
         self._load = load
         self._torch_version = torch_version
-        self._seen: dict[tuple[int, int], bool] = {}  # size -> loaded from the store
+        self._loaded: dict[tuple[int, int], bool] = {}  # size -> its cache came from the store
+        self._saved: dict[tuple[int, int], set[int]] = {}  # size -> batch sizes saved after
 
     def _key(self, width: int, height: int) -> str:
         if self._torch_version is None:
@@ -92,7 +101,7 @@ class CompileCache:
 
     def before(self, width: int, height: int) -> None:
         """Before a render: the first time at this size, load the fleet's cache if it has one."""
-        if (width, height) in self._seen:
+        if (width, height) in self._loaded:
             return
         loaded = False
         try:
@@ -105,20 +114,21 @@ class CompileCache:
                          self.model, width, height, len(data))
         except Exception as exc:  # a cache is an optimisation: compile instead
             log.warning("compile cache for %dx%d not loaded: %s: %s", width, height, type(exc).__name__, exc)
-        self._seen[(width, height)] = loaded
+        self._loaded[(width, height)] = loaded
 
-    def after(self, width: int, height: int) -> None:
-        """After a render: the first time at a size this worker compiled itself, save the cache."""
-        if self._seen.get((width, height), True):
-            return  # loaded from the store, or already saved
-        self._seen[(width, height)] = True
+    def after(self, width: int, height: int, batch: int) -> None:
+        """After a render of ``batch`` images: save the cache if this worker compiled a new shape."""
+        saved = self._saved.setdefault((width, height), set())
+        if self._loaded.get((width, height), True) or batch in saved or len(saved) >= MAX_SAVES:
+            return
+        saved.add(batch)
         try:
             save = self._save or _torch_save
             data = save()
             if data:
                 self.store.put(self._key(width, height), data)
-                log.info("compile cache for %s at %dx%d saved to the store (%d bytes)",
-                         self.model, width, height, len(data))
+                log.info("compile cache for %s at %dx%d saved to the store (%d bytes, after batch %d)",
+                         self.model, width, height, len(data), batch)
         except Exception as exc:
             log.warning("compile cache for %dx%d not saved: %s: %s", width, height, type(exc).__name__, exc)
 

@@ -189,7 +189,7 @@ class Renderer:
         if interrupted:
             raise Reclaimed("stopped mid-batch")
         if self.compile_cache is not None:
-            self.compile_cache.after(width, height)
+            self.compile_cache.after(width, height, len(prompts))
         return list(output.images)
 
     def _measure(self, started: float, step_times: list[float], steps_per_batch_step: int) -> None:

@@ -69,21 +69,26 @@ def test_the_compile_cache_key_is_per_model_card_size_and_torch_version() -> Non
 def test_the_first_worker_saves_its_cache_and_the_next_loads_it_before_rendering(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     saved: list[int] = []
-    first = CompileCache(store, model="sdxl", card="H200", torch_version="2.13.0",
-                         save=lambda: saved.append(1) or b"kernels", load=lambda data: pytest.fail("nothing to load"))
-    first.before(1024, 1024)
-    first.after(1024, 1024)
-    first.before(1024, 1024)
-    first.after(1024, 1024)  # saved once per size
-    assert saved == [1]
-    assert store.get(cache_key("sdxl", "H200", 1024, 1024, "2.13.0")) == b"kernels"
+
+    def save() -> bytes:
+        saved.append(1)
+        return f"kernels after {len(saved)} compiles".encode()
+
+    first = CompileCache(store, model="sdxl", card="H200", torch_version="2.13.0", save=save,
+                         load=lambda data: pytest.fail("nothing to load"))
+    for batch in (1, 1, 2, 2, 3, 4, 5, 6):  # a new batch size may compile (dynamic shapes): save again
+        first.before(1024, 1024)
+        first.after(1024, 1024, batch)
+    assert len(saved) == 4  # batch sizes 1, 2, 3 and 4; then no more
+    assert store.get(cache_key("sdxl", "H200", 1024, 1024, "2.13.0")) == b"kernels after 4 compiles"
 
     loads: list[bytes] = []
     second = CompileCache(LocalStore(tmp_path / "store"), model="sdxl", card="H200", torch_version="2.13.0",
                           save=lambda: pytest.fail("loaded: nothing to save"), load=loads.append)
-    second.before(1024, 1024)
-    second.after(1024, 1024)
-    assert loads == [b"kernels"]
+    for batch in (8, 16):
+        second.before(1024, 1024)
+        second.after(1024, 1024, batch)
+    assert loads == [b"kernels after 4 compiles"]
 
 
 def test_a_cache_that_cannot_be_loaded_or_saved_costs_only_the_compile(tmp_path: Path) -> None:
@@ -98,5 +103,5 @@ def test_a_cache_that_cannot_be_loaded_or_saved_costs_only_the_compile(tmp_path:
 
     cache = CompileCache(store, model="m", card="H200", torch_version="2.13.0", save=bad_save, load=bad_load)
     cache.before(64, 64)  # logged, not raised
-    cache.after(64, 64)  # not loaded, so saved: that fails too, logged
+    cache.after(64, 64, 1)  # not loaded, so saved: that fails too, logged
     assert store.get(cache_key("m", "H200", 64, 64, "2.13.0")) == b"stale"
