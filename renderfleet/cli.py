@@ -170,11 +170,17 @@ def worker(
                                                      "(0: off; RENDERFLEET_METRICS_PORT)")] = None,
     metrics_host: Annotated[str | None, typer.Option(help="address of /metrics (127.0.0.1; off loopback only "
                                                      "with RENDERFLEET_HTTP_TOKEN)")] = None,
+    batch_size: Annotated[str | None, typer.Option(
+        "--batch-size", help="prompts per pipeline call: auto (the most that fit; on a CPU the fastest) or N, "
+        "never above the job's batch")] = None,
+    compile: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile", help="compile the UNet's repeated blocks (CUDA only)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
     _logging(verbose=True)  # until Celery takes over logging with its own level
-    settings = _settings(pool=pool, model=model, metrics_port=metrics_port, metrics_host=metrics_host)
+    settings = _settings(pool=pool, model=model, metrics_port=metrics_port, metrics_host=metrics_host,
+                         render_batch=batch_size, compile=compile)
     from worker.main import run_worker
 
     with _user_errors():
@@ -450,6 +456,7 @@ def bench(
     runs: Annotated[int, typer.Option(help="timed batches per batch size (median)")] = 3,
     out: Annotated[Path, typer.Option(help="folder for bench.json, bench.md, bench.png")] = Path("bench-out"),
     compare: Annotated[list[Path] | None, typer.Option("--compare", help="bench.json files to compare")] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="compile the UNet's repeated blocks (CUDA only)")] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
@@ -476,7 +483,7 @@ def bench(
             for name, pool in settings.pools.items()}
         result = run_bench(model or settings.model, width=width, height=height, steps=steps, guidance=guidance,
                            batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
-                           cache_dir=settings.home / "models")
+                           cache_dir=settings.home / "models", compile=compile)
         for path in write_outputs(result, out):
             _err(f"wrote {path}")
         print((out / "bench.md").read_text(), end="")

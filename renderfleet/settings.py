@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from renderfleet.errors import ConfigError
 from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
+from renderfleet.spec import INT_LIMITS
 
 if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
     from renderfleet.store import S3Options
@@ -141,6 +142,12 @@ class Settings(BaseSettings):
     # Rendered batches whose upload, checkpoint and count may still run while the next
     # batch renders (worker/commits.py); 0: store each batch before rendering the next.
     pipeline_depth: int = Field(default=2, ge=0, le=8)
+    # Prompts a worker renders per pipeline call: "auto" (the most that fit on a GPU, the
+    # fastest on a CPU, found once per card, model and resolution and remembered in the
+    # store) or a number; never more than the job's batch (worker/batchsize.py).
+    render_batch: str = "auto"
+    # Compile the UNet's repeated blocks (CUDA only); the compile cache is shared through the store.
+    compile: bool = False
     # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``),
     # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
     # prefix and below).  None: any model.  A job naming another fails, not the worker.
@@ -203,6 +210,15 @@ class Settings(BaseSettings):
             raise ValueError(f"must be AES256, aws:kms or aws:kms:dsse, got {value!r}")
         return value
 
+    @field_validator("render_batch")
+    @classmethod
+    def _check_render_batch(cls, value: str) -> str:
+        value = value.strip().lower()
+        low, high = INT_LIMITS["batch_size"]
+        if value != "auto" and not (value.isdigit() and low <= int(value) <= high):
+            raise ValueError(f"must be auto or a whole number from {low} to {high}, got {value!r}")
+        return value
+
     @field_validator("s3_addressing")
     @classmethod
     def _check_addressing(cls, value: str) -> str:
@@ -250,6 +266,11 @@ class Settings(BaseSettings):
 
         return S3Options(sse=self.s3_sse, kms_key_id=self.s3_kms_key_id or None,
                          storage_class=self.s3_storage_class or None, addressing=self.s3_addressing)
+
+    @property
+    def fixed_render_batch(self) -> int | None:
+        """The worker's render size when fixed; None for auto."""
+        return None if self.render_batch == "auto" else int(self.render_batch)
 
     @property
     def allowed_model_list(self) -> tuple[str, ...] | None:

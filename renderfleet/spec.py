@@ -12,6 +12,12 @@ The store layout of a job lives here too, so a reader finds every key in one pla
     jobs/<job>/images/<name>.png            one image per prompt
     jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed, per attempt
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
+
+Beside the jobs, what workers learn once for the whole fleet (keys built by
+the worker modules named)::
+
+    fleet/batch-sizes/<digest>.json         render size per (card, model, resolution) (worker/batchsize.py)
+    fleet/compile-cache/<digest>.bin        torch's compile cache per (model, card, size, torch) (worker/compiled.py)
 """
 
 from __future__ import annotations

@@ -5,16 +5,17 @@ the biggest lever: this loads the model once (its cold start measured), then
 for each batch size renders a warm-up batch and times repeated batches
 (median), recording images per minute, seconds per image, peak accelerator
 memory and the cost per image at each price given.  A batch size that runs
-out of memory ends the sweep (``auto``: powers of two up to the first that
-does not fit).  It writes ``bench.json``, ``bench.md`` and ``bench.png`` into
-``--out``; ``--compare a.json b.json`` puts runs from different cards side by
-side and names the cheapest per image and the fastest.
+out of memory ends the sweep (``auto``: the sizes :func:`worker.batchsize.search`
+finds, as a worker's ``--batch-size auto`` does: powers of two up to the
+first that does not fit; on a CPU, as many as its time budget allows).  It
+writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``;
+``--compare a.json b.json`` puts runs from different cards side by side and
+names the cheapest per image and the fastest.
 """
 
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,7 @@ from renderfleet.errors import InputError, OutOfMemory
 from renderfleet.spec import Prompt, derive_seed
 
 AUTO_LIMIT = 64
+CPU_SWEEP_SECONDS = 20.0  # auto on a CPU: the sizes whose probes fit in this
 
 
 @dataclass
@@ -51,37 +53,43 @@ class BenchRun:
     points: list[Point]
     oom_at: int | None = None
     when: str = ""
+    compiled: bool = False
+    first_batch_seconds: float | None = None  # the cold first render: with --compile, the compile too
 
     def best(self) -> Point:
         return max(self.points, key=lambda p: p.images_per_minute)
 
 
-def _card(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        return str(torch.cuda.get_device_name(0))
-    return f"{platform.processor() or platform.machine()} CPU"
-
-
 def run_bench(model: str, *, width: int, height: int, steps: int, guidance: float, batch_sizes: list[int] | None,
-              prices: dict[str, float], runs: int, device: str | None, cache_dir: Path) -> BenchRun:
-    """Measure; ``batch_sizes`` None means auto (1, 2, 4, ... until out of memory or ``AUTO_LIMIT``)."""
+              prices: dict[str, float], runs: int, device: str | None, cache_dir: Path,
+              compile: bool = False) -> BenchRun:
+    """Measure; ``batch_sizes`` None means auto (:func:`worker.batchsize.search` up to ``AUTO_LIMIT``)."""
     import torch
 
+    from worker.batchsize import card_name
     from worker.models import load_pipeline
     from worker.render import Renderer
 
-    loaded = load_pipeline(model, device=device, cache_dir=cache_dir)
+    loaded = load_pipeline(model, device=device, cache_dir=cache_dir, compile=compile)
     renderer = Renderer(loaded)
     cuda = str(loaded.device).startswith("cuda")
-    sizes = batch_sizes or [2**i for i in range(AUTO_LIMIT.bit_length()) if 2**i <= AUTO_LIMIT]
-    result = BenchRun(model, width, height, steps, guidance, str(loaded.device), _card(str(loaded.device)),
+
+    def prompts_of(size: int) -> list[Prompt]:
+        return [Prompt(i, f"{i:06d}", f"benchmark prompt {i}", "", derive_seed(0, i), steps, guidance, width,
+                       height) for i in range(size)]
+
+    result = BenchRun(model, width, height, steps, guidance, str(loaded.device), card_name(str(loaded.device)),
                       torch.get_num_threads(), loaded.load_seconds, prices, [],
-                      when=time.strftime("%Y-%m-%d %H:%M:%S"))
+                      when=time.strftime("%Y-%m-%d %H:%M:%S"), compiled=compile)
+    started = time.perf_counter()
+    try:
+        renderer.render(prompts_of(1))
+    except OutOfMemory:
+        raise InputError([f"bench: batch size 1 does not fit on {result.card}"]) from None
+    result.first_batch_seconds = time.perf_counter() - started
+    sizes = batch_sizes or _auto_sizes(renderer, prompts_of, cuda, result)
     for size in sizes:
-        prompts = [Prompt(i, f"{i:06d}", f"benchmark prompt {i}", "", derive_seed(0, i), steps, guidance, width,
-                          height) for i in range(size)]
+        prompts = prompts_of(size)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
@@ -103,6 +111,16 @@ def run_bench(model: str, *, width: int, height: int, steps: int, guidance: floa
     return result
 
 
+def _auto_sizes(renderer: Any, prompts_of: Any, cuda: bool, result: BenchRun) -> list[int]:
+    """The sizes to measure under ``auto``: those the worker's search finds fit."""
+    from worker.batchsize import search
+
+    found = search(lambda n: renderer.render(prompts_of(n)), limit=AUTO_LIMIT,
+                   budget_seconds=None if cuda else CPU_SWEEP_SECONDS)
+    result.oom_at = found.first_oom
+    return sorted(found.per_image)
+
+
 def write_outputs(run: BenchRun, out: Path) -> list[Path]:
     """bench.json, bench.md and bench.png in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +138,7 @@ def markdown(run: BenchRun) -> str:
     head = ["batch", "images/min", "s/image", "peak MB", *[f"cost/image ({lbl})" for lbl in labels]]
     lines = [f"# {run.model} at {run.width}x{run.height}, {run.steps} steps, guidance {run.guidance:g}",
              "", f"{run.card} ({run.device}, {run.torch_threads} threads), model load {run.load_seconds:.2f} s, "
+             f"first batch {run.first_batch_seconds or 0:.2f} s{' (compile included)' if run.compiled else ''}, "
              f"{run.when}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in run.points:
         row = [str(p.batch_size), f"{p.images_per_minute:,.1f}", f"{p.seconds_per_image:.4f}",

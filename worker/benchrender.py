@@ -41,7 +41,6 @@ class FixedTimeRenderer:
         self.seconds_per_image = seconds_per_image
         self.model = model
         self.last_batch_seconds: float | None = None
-        self.last_step_seconds = 0.0
 
     def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
                       ) -> list[Any]:
@@ -59,7 +58,6 @@ class FixedTimeRenderer:
             # Sleep until this step's share of the batch's time: oversleeping does not add up.
             time.sleep(max(0.0, started + (end - started) * (step + 1) / steps - time.perf_counter()))
         self.last_batch_seconds = time.perf_counter() - started
-        self.last_step_seconds = self.last_batch_seconds / steps
         return [Image.new("RGB", (p.width, p.height), _colour(p.seed)) for p in prompts]
 
     def encode(self, image: Any, prompt: Prompt) -> bytes:

@@ -41,25 +41,38 @@ MARK_RETRY_SECONDS = 15.0
 
 
 def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
-    """(renderer, loaded model) for ``model``, on the best device."""
+    """(renderer, loaded model) for ``model``, on the best device; with ``compile``,
+    a renderer that shares its compile cache through the store."""
     if (seconds := testhooks.fixed_render_seconds()) is not None:
         from worker.benchrender import FixedLoad, FixedTimeRenderer
 
         log.warning("%s is set: a fixed-time bench renderer, not model %s", testhooks.RENDER_SECONDS, model)
         return FixedTimeRenderer(seconds, model), FixedLoad(model)
+    from renderfleet.store import open_store
+    from worker.batchsize import card_name
+    from worker.compiled import CompileCache
     from worker.models import fetch_s3_model, load_pipeline
     from worker.render import Renderer
 
     def fetch(uri: str, dest: Path) -> None:
         fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
 
-    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch)
-    return Renderer(loaded, batch_invariant=settings.batch_invariant), loaded
+    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch,
+                           compile=settings.compile)
+    cache = None
+    if loaded.compiled:
+        cache = CompileCache(open_store(settings.store_url, settings.s3_options), model=model,
+                             card=card_name(str(loaded.device)))
+    return Renderer(loaded, batch_invariant=settings.batch_invariant, compile_cache=cache), loaded
 
 
 def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,
                loglevel: str = "INFO") -> int:
     """Run a worker in this process until shutdown; returns the exit status."""
+    if settings.compile:  # refused off CUDA before anything starts (ConfigError, exit 2)
+        from worker.models import check_compile, default_device
+
+        check_compile(True, settings.device or default_device())
     url = broker_url(settings.redis_url, settings.home)
     model = model or settings.model
     worker_id = new_worker_id(settings.pool)

@@ -11,6 +11,13 @@ One public way in, :func:`load_pipeline`, for four kinds of model name:
   capped, before anything is written), then loaded as a folder.
 * anything else: a Hugging Face hub id.
 
+On CUDA the pipeline is prepared for speed (:func:`prepare_for_cuda`): bf16
+where the card has it (fp16 otherwise, the VAE decoding in float32 where its
+config says fp16 overflows, as SDXL's does), SDPA attention, channels_last,
+TF32 matmuls, and with ``compile`` the UNet's repeated blocks compiled
+(:mod:`worker.compiled`).  The CPU path is left exactly as it was: float32,
+no memory-format change, nothing compiled, so its images keep their bytes.
+
 Nothing here runs at import; torch and diffusers are imported by the functions
 that need them, so importing this module is cheap.
 """
@@ -33,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from renderfleet.errors import ModelLoadError
+from renderfleet.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,7 @@ class LoadedModel:
     device: str
     dtype: torch.dtype
     load_seconds: float
+    compiled: bool = False  # the UNet's repeated blocks go through torch.compile
 
 
 def default_device() -> str:
@@ -74,14 +82,22 @@ def default_device() -> str:
     return "cpu"
 
 
-def dtype_for(device: str) -> torch.dtype:
+def dtype_for(device: str, *, bf16: bool | None = None) -> torch.dtype:
     """Half precision on CUDA (the speed and memory we pay GPUs for), else float32.
 
+    On CUDA: bfloat16 where the card supports it natively (Ampere and later:
+    fp32's range, so no overflow anywhere), float16 otherwise (T4, V100: torch
+    would emulate bf16 there, slowly, so emulation does not count).  ``bf16``
+    says whether it does; None asks the card.
     MPS stays float32 too: fp16 there is still prone to NaNs in SD's VAE.
     """
     import torch
 
-    return torch.float16 if device.startswith("cuda") else torch.float32
+    if not device.startswith("cuda"):
+        return torch.float32
+    if bf16 is None:
+        bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return torch.bfloat16 if bf16 else torch.float16
 
 
 def load_pipeline(
@@ -90,15 +106,19 @@ def load_pipeline(
     device: str | None = None,
     cache_dir: Path,
     fetch: Fetch | None = None,
+    compile: bool = False,
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
+    ``compile`` (CUDA only: :class:`ConfigError` elsewhere) compiles the
+    UNet's repeated blocks; the compile itself happens at the first render.
     Raises :class:`ModelLoadError` when the model cannot be found: an unknown
     hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
     Each call loads afresh; the caller keeps the result and counts loads.
     """
     started = time.perf_counter()
     device = device or default_device()
+    check_compile(compile, device)
     dtype = dtype_for(device)
 
     # 1. Build or read the pipeline, on the CPU.
@@ -113,10 +133,10 @@ def load_pipeline(
     else:
         pipe = _from_hub(model, dtype)
 
-    # 2. Prepare it for serving: quiet, SDPA attention, on the device.
+    # 2. Prepare it for serving: quiet, on the device; on CUDA made fast.
     pipe.set_progress_bar_config(disable=True)
     if device.startswith("cuda"):
-        _use_sdpa(pipe)
+        prepare_for_cuda(pipe, dtype, compile=compile)
     pipe = pipe.to(device)
 
     return LoadedModel(
@@ -125,7 +145,120 @@ def load_pipeline(
         device=device,
         dtype=dtype,
         load_seconds=time.perf_counter() - started,
+        compiled=compile,
     )
+
+
+# ---- the CUDA path ------------------------------------------------------------------
+
+
+def check_compile(compile: bool, device: str) -> None:
+    """Refuse ``--compile`` off CUDA, saying why.
+
+    On a CPU, inductor's C++ compile of even the tiny model takes longer
+    than the renders it would speed up on a small node, and its fused kernels
+    round differently, so the CPU path's images would change bytes.
+    """
+    if compile and not device.startswith("cuda"):
+        raise ConfigError(f"RENDERFLEET_COMPILE (--compile) needs a CUDA device; this worker renders on {device!r}. "
+                          "On a CPU the compile costs more than it saves and would change the images' bytes.")
+
+
+def vae_needs_float32(dtype: torch.dtype, vae_config: Any) -> bool:
+    """Whether the VAE must decode in float32: in fp16 when its config says it
+    overflows there (``force_upcast``: SDXL's VAE makes NaN/black images in
+    fp16).  bf16 has fp32's range and never needs it."""
+    import torch
+
+    return dtype == torch.float16 and bool(getattr(vae_config, "force_upcast", False))
+
+
+def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) -> list[str]:
+    """Make a pipeline fast on CUDA; returns what was done (for logs and tests).
+
+    TF32 for the float32 matmuls left (the text encoders' projections, a
+    float32 VAE), SDPA attention, channels_last for the UNet's and VAE's
+    convolutions, a float32 VAE where fp16 would overflow, and the UNet's
+    repeated blocks compiled when asked.  Process-wide switches (TF32) are set
+    here, when a CUDA model is loaded, never at import.
+    """
+    import torch
+
+    enable_tf32()
+    done = ["tf32"]
+    _use_sdpa(pipe)
+    done.append("sdpa")
+    for part in ("unet", "vae"):
+        module = getattr(pipe, part, None)
+        if module is not None:
+            module.to(memory_format=torch.channels_last)
+            done.append(f"channels_last:{part}")
+    vae = getattr(pipe, "vae", None)
+    if vae is not None and vae_needs_float32(dtype, vae.config):
+        _decode_in_float32(vae)
+        done.append("vae:float32")
+    if compile:
+        from worker.compiled import compile_unet
+
+        done.append(f"compile:{compile_unet(pipe)}")
+    return done
+
+
+def enable_tf32() -> None:
+    """TF32 tensor cores for float32 matmuls and convolutions: process-wide,
+    so only ever called when a CUDA model is loaded."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+
+
+def _decode_in_float32(vae: Any) -> None:
+    """Keep the VAE in float32 for good, casting latents on the way in.
+
+    Diffusers' SDXL pipeline would upcast the VAE around every decode and
+    cast it back (a copy of its weights per call), and the plain SD pipeline
+    not at all; this does it once, for every pipeline alike.
+    """
+    import torch
+
+    vae.to(dtype=torch.float32)
+    decode = vae.decode
+
+    def decode_float32(z: Any, *args: Any, **kwargs: Any) -> Any:
+        return decode(z.to(torch.float32), *args, **kwargs)
+
+    vae.decode = decode_float32
+
+
+# Above this many pixels an image's decode is tiled; above this many pixels in a
+# call the decode goes one image at a time.  1 MP decodes whole on any card we
+# serve (about 4 GB in bf16); 4 MP at once is 4 x 1024^2 or 16 x 512^2.
+TILE_ABOVE_PIXELS = 1024 * 1024
+SLICE_FROM_PIXELS = 4 * 1024 * 1024
+
+
+def vae_memory_modes(device: str, width: int, height: int, batch: int) -> tuple[bool, bool]:
+    """(slicing, tiling) of the VAE decode for a call of ``batch`` images.
+
+    On CUDA only: slicing (one image at a time) from 4 MP a call, tiling
+    above 1 MP an image, where the decode's activations would otherwise be
+    the peak of the whole render and cap the batch.  Never on the CPU: its
+    decode stays as it was, byte for byte.
+    """
+    if not device.startswith("cuda"):
+        return False, False
+    return width * height * batch >= SLICE_FROM_PIXELS, width * height > TILE_ABOVE_PIXELS
+
+
+def set_vae_memory_modes(pipe: Any, slicing: bool, tiling: bool) -> None:
+    """Switch the VAE's slicing and tiling to what this call needs."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not hasattr(vae, "enable_slicing"):
+        return
+    vae.enable_slicing() if slicing else vae.disable_slicing()
+    vae.enable_tiling() if tiling else vae.disable_tiling()
 
 
 def save_pipeline(loaded_or_pipe: LoadedModel | Any, dest: Path) -> Path:
@@ -275,7 +408,7 @@ def build_tiny_pipeline() -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     log.warning(TINY_WARNING)
-    tokenizer = _tiny_tokenizer()
+    tokenizer = tiny_tokenizer()
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -342,7 +475,7 @@ def build_tiny_pipeline() -> Any:
 # ---- helpers ----------------------------------------------------------------
 
 
-def _tiny_tokenizer() -> Any:
+def tiny_tokenizer() -> Any:
     """A CLIP tokenizer from files written here: every byte, no merges."""
     from transformers import CLIPTokenizer
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from renderfleet import __version__, testhooks
 from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.spec import FIELD, INT_LIMITS, Prompt, field_problem
-from worker.models import LoadedModel
+from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
+
+if TYPE_CHECKING:
+    from worker.compiled import CompileCache
 
 # zlib at a fixed level: the same pixels always give the same bytes, whatever
 # Pillow's default is next year.
@@ -43,11 +46,18 @@ class Renderer:
     users who need identical images across batch sizes or after OOM halving.
 
     After each call, ``last_batch_seconds`` is its wall time.
+
+    On CUDA each call switches the VAE's slicing and tiling to what its size
+    and batch need (``worker.models.vae_memory_modes``); with a compiled UNet,
+    ``compile_cache`` loads the fleet's compile cache before the first call at
+    a size and saves this worker's after it.
     """
 
-    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False,
+                 compile_cache: CompileCache | None = None) -> None:
         self.loaded = loaded
         self.batch_invariant = batch_invariant
+        self.compile_cache = compile_cache
         self.last_batch_seconds = 0.0
 
     def render(
@@ -110,15 +120,32 @@ class Renderer:
         except Exception as exc:  # text PNG cannot carry: the prompt's fault
             raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
 
+    def generate(self, prompts: Sequence[Prompt], *, output_type: str = "pil",
+                 should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
+        """One pipeline call's images, not encoded: what a probe of the accelerator's
+        memory or a benchmark of its speed renders (``output_type="pt"``: tensors, no PIL)."""
+        check_inputs(prompts)
+        started = time.perf_counter()
+        try:
+            return self._call(list(prompts), should_stop, output_type=output_type)
+        finally:
+            self.last_batch_seconds = time.perf_counter() - started
+
     def _call(
         self,
         prompts: list[Prompt],
         should_stop: Callable[[], bool],
+        output_type: str = "pil",
     ) -> list[Any]:
         """One pipeline call: PIL images, or :class:`Reclaimed` if stopped."""
         import torch
 
         steps, guidance, width, height = prompts[0].render_key
+        device = str(getattr(self.loaded, "device", "cpu"))
+        if device.startswith("cuda"):  # the CPU path stays as it was
+            set_vae_memory_modes(self.loaded.pipe, *vae_memory_modes(device, width, height, len(prompts)))
+        if self.compile_cache is not None:
+            self.compile_cache.before(width, height)
         interrupted = False
 
         def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +169,7 @@ class Renderer:
                     height=height,
                     # CPU generators: the same starting latents on every device.
                     generator=[torch.Generator("cpu").manual_seed(p.seed) for p in prompts],
-                    output_type="pil",
+                    output_type=output_type,
                     callback_on_step_end=on_step_end,
                 )
         except Exception as exc:
@@ -162,6 +189,8 @@ class Renderer:
         # The decoded images of an interrupted call are half-denoised: drop them.
         if interrupted:
             raise Reclaimed("stopped mid-batch")
+        if self.compile_cache is not None:
+            self.compile_cache.after(width, height, len(prompts))
         return list(output.images)
 
 

@@ -44,6 +44,7 @@ from renderfleet import spec, testhooks
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
+from worker.batchsize import WHOLE_BATCH, BatchSizes
 from worker.commits import CommitQueue
 from worker.stop import StopSignal
 
@@ -130,6 +131,7 @@ class ShardRunner:
         upload_threads: int = 8,
         pipeline_depth: int = 2,
         worker_id: str = "",
+        batch_sizes: BatchSizes | None = None,
     ):
         self.store = store
         self.renderer = renderer
@@ -141,8 +143,8 @@ class ShardRunner:
         self._uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="rf-upload")
         # One thread: commits run in batch order (worker/commits.py).  Started on first use.
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-commit")
-        # OOM halving sticks per (width, height): the next batch starts at the size that fit.
-        self._fit: dict[tuple[int, int], int] = {}
+        # Prompts per pipeline call (worker/batchsize.py): whole batches unless told; OOM halving sticks.
+        self.batch_sizes = batch_sizes or BatchSizes(None, fixed=WHOLE_BATCH)
         self._batch_seconds: float | None = None
 
     # ---- the shard ---------------------------------------------------------------
@@ -282,8 +284,7 @@ class ShardRunner:
         should_stop: Callable[[], bool],
     ) -> None:
         """Render prompts that share a render key, halving on OOM, isolating failures."""
-        w, h = group[0].width, group[0].height
-        size = min(len(group), self._fit.get((w, h), len(group)))
+        size = self.batch_sizes.size_for(self.renderer, group[0], len(group), should_stop)
         start = 0
         while start < len(group):
             chunk = group[start : start + size]
@@ -291,9 +292,7 @@ class ShardRunner:
                 rendered = self.renderer.render_images(chunk, should_stop=should_stop)
             except OutOfMemory:
                 if size > 1:
-                    size = max(1, size // 2)
-                    self._fit[(w, h)] = size
-                    log.warning("out of memory at %dx%d: batch size now %d", w, h, size)
+                    size = self.batch_sizes.out_of_memory(self.renderer, group[0], size)
                     continue
                 failures.append((chunk[0], "out of memory at batch size 1", True))
                 start += 1

@@ -27,6 +27,7 @@ from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
+from worker.batchsize import BatchSizes
 from worker.ledger import LeaseKeeper, RedisLedger
 from worker.models import model_allowed
 from worker.render import is_device_error
@@ -109,7 +110,8 @@ class WorkerService:
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
                                   max_failures=settings.max_prompt_failures,
-                                  pipeline_depth=settings.pipeline_depth, worker_id=worker_id)
+                                  pipeline_depth=settings.pipeline_depth, worker_id=worker_id,
+                                  batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch))
         self.failed_streak = 0
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE

@@ -57,6 +57,10 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
     res = json.loads(cli(env, "results", job, "--json").stdout)
     assert len(res["images"]) == 24 and res["missing"] == [] and res["quarantined"] == {}
     assert res["images"]["000003"].endswith(f"jobs/{job}/images/000003.png")
+    # --batch-size auto (the default) on a CPU: the sweep's answer is in the store for the next worker, and
+    # it kept the job's batches whole (a smaller call must win every round), so the bytes are the CPU path's
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "store" / "fleet" / "batch-sizes").iterdir()]
+    assert (record["how"], record["size"], record["model"]) == ("sweep", 2, "tiny")
 
 
 def test_resubmitting_the_same_file_renders_nothing_again(

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,16 +17,20 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from renderfleet.errors import PermanentError  # noqa: E402
+from renderfleet.errors import ConfigError, PermanentError  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
 from worker.models import (  # noqa: E402
     TINY_WARNING,
     LoadedModel,
     build_tiny_pipeline,
     cache_path,
+    check_compile,
     dtype_for,
     load_pipeline,
+    prepare_for_cuda,
     save_pipeline,
+    vae_memory_modes,
+    vae_needs_float32,
 )
 from worker.render import Renderer  # noqa: E402
 
@@ -170,10 +175,81 @@ def test_unknown_hub_id_is_permanent_and_fast(monkeypatch: pytest.MonkeyPatch, t
     assert "Traceback" not in str(info.value)
 
 
-def test_cuda_gets_half_precision_and_cpu_full() -> None:
+def test_cuda_gets_bf16_where_the_card_has_it_fp16_elsewhere_and_cpu_full() -> None:
+    assert dtype_for("cuda", bf16=True) == torch.bfloat16
+    assert dtype_for("cuda:1", bf16=True) == torch.bfloat16
+    assert dtype_for("cuda", bf16=False) == torch.float16
+    assert dtype_for("cpu") == dtype_for("cpu", bf16=True) == torch.float32
+    assert dtype_for("mps") == torch.float32
+
+
+def test_a_card_that_would_only_emulate_bf16_gets_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[dict[str, Any]] = []
+
+    def is_bf16_supported(**kwargs: Any) -> bool:
+        asked.append(kwargs)
+        return bool(kwargs.get("including_emulation", True))  # a T4: bf16 by emulation only
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
     assert dtype_for("cuda") == torch.float16
-    assert dtype_for("cuda:1") == torch.float16
-    assert dtype_for("cpu") == torch.float32
+    assert asked == [{"including_emulation": False}]
+
+
+def test_only_fp16_with_a_vae_that_overflows_there_decodes_in_float32() -> None:
+    sdxl, fixed = SimpleNamespace(force_upcast=True), SimpleNamespace(force_upcast=False)
+    assert vae_needs_float32(torch.float16, sdxl)
+    assert not vae_needs_float32(torch.bfloat16, sdxl)  # fp32's range: no overflow
+    assert not vae_needs_float32(torch.float16, fixed)  # an fp16-fixed VAE
+    assert not vae_needs_float32(torch.float32, sdxl)
+
+
+def test_vae_slicing_and_tiling_switch_on_by_size_and_batch_on_cuda_only() -> None:
+    assert vae_memory_modes("cuda", 512, 512, 4) == (False, False)
+    assert vae_memory_modes("cuda", 512, 512, 16) == (True, False)  # 4 MP in one call
+    assert vae_memory_modes("cuda", 1024, 1024, 1) == (False, False)
+    assert vae_memory_modes("cuda", 1024, 1024, 4) == (True, False)
+    assert vae_memory_modes("cuda", 1536, 1536, 1) == (False, True)  # above 1 MP an image
+    assert vae_memory_modes("cuda:0", 2048, 2048, 1) == (True, True)
+    assert vae_memory_modes("cpu", 2048, 2048, 64) == (False, False)  # the CPU path stays as it was
+
+
+def test_compile_is_refused_off_cuda_with_the_reason() -> None:
+    check_compile(False, "cpu")
+    check_compile(True, "cuda:0")
+    with pytest.raises(ConfigError, match=r"RENDERFLEET_COMPILE.*CUDA device.*'cpu'"):
+        check_compile(True, "cpu")
+    with pytest.raises(ConfigError, match="CUDA"):
+        load_pipeline("tiny", device="cpu", cache_dir=Path("/nonexistent"), compile=True)
+
+
+def test_preparing_for_cuda_sets_sdpa_channels_last_and_a_float32_vae_for_fp16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    import worker.models
+
+    tf32: list[bool] = []
+    monkeypatch.setattr(worker.models, "enable_tf32", lambda: tf32.append(True))  # process-wide: not here
+    pipe = build_tiny_pipeline().to(dtype=torch.float16)
+    pipe.unet.set_attn_processor(AttnProcessor())
+    done = prepare_for_cuda(pipe, torch.float16)
+    assert done == ["tf32", "sdpa", "channels_last:unet", "channels_last:vae", "vae:float32"] and tf32 == [True]
+    assert {type(p) for p in pipe.unet.attn_processors.values()} == {AttnProcessor2_0}
+    assert pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert pipe.vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert pipe.vae.dtype == torch.float32 and pipe.unet.dtype == torch.float16
+    # fp16 latents decode in float32
+    image = pipe.vae.decode(torch.zeros(1, 4, 4, 4, dtype=torch.float16), return_dict=False)[0]
+    assert image.dtype == torch.float32 and image.shape == (1, 3, 8, 8)
+    # bf16 keeps the VAE in bf16
+    assert "vae:float32" not in prepare_for_cuda(build_tiny_pipeline().to(dtype=torch.bfloat16), torch.bfloat16)
+
+
+def test_the_cpu_path_is_left_as_it_was(tiny: LoadedModel) -> None:
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert not tiny.pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert tiny.pipe.vae.dtype == torch.float32 and not tiny.compiled
+    assert not tiny.pipe.vae.use_slicing and not tiny.pipe.vae.use_tiling
 
 
 def test_importing_the_worker_modules_builds_nothing() -> None:

@@ -233,3 +233,20 @@ def test_a_prompt_whose_image_cannot_be_encoded_is_that_prompts_fault(
     with pytest.raises(PromptError, match="'000001'") as info:
         renderer.render([make_prompt(0), make_prompt(1)])
     assert not isinstance(info.value, JobError)
+
+
+def test_the_vae_memory_modes_are_set_per_call_on_cuda_and_never_on_the_cpu(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker import render
+
+    calls: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(render, "set_vae_memory_modes", lambda pipe, slicing, tiling: calls.append((slicing, tiling)))
+    Renderer(tiny).render([make_prompt(0)])
+    assert calls == []  # the CPU path: the VAE as it was
+    # the same pipeline labelled as on a card: its decisions, taken per call (the pipeline still runs here)
+    monkeypatch.setattr(render, "vae_memory_modes", lambda device, w, h, n: (n >= 2, w > 16))
+    on_card = Renderer(dataclasses.replace(tiny, device="cuda"))
+    on_card.render([make_prompt(0)])
+    on_card.render([make_prompt(0), make_prompt(1)])
+    assert calls == [(False, True), (True, True)]

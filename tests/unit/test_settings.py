@@ -17,6 +17,13 @@ def test_environment_is_read_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> N
     assert not load_settings(pool="baseline").watch_reclaim
 
 
+def test_a_worker_renders_auto_batches_by_default_or_a_fixed_number() -> None:
+    assert load_settings().render_batch == "auto" and load_settings().fixed_render_batch is None
+    assert load_settings(render_batch=" AUTO ").fixed_render_batch is None
+    assert load_settings(render_batch="16").fixed_render_batch == 16
+    assert not load_settings().compile and load_settings(compile=True).compile
+
+
 def test_tls_url_verifies_the_server_by_default() -> None:
     assert load_settings(redis_url="rediss://:pw@host:6380/0").redis_url == "rediss://:pw@host:6380/0?ssl_cert_reqs=required"
     assert load_settings(redis_url="rediss://h/0?ssl_cert_reqs=none").redis_url == "rediss://h/0?ssl_cert_reqs=none"
@@ -29,6 +36,8 @@ def test_tls_url_verifies_the_server_by_default() -> None:
     ("RENDERFLEET_LEASE_SECONDS", "-1", "RENDERFLEET_LEASE_SECONDS"),
     ("RENDERFLEET_RECLAIM_WATCH", "maybe", "RENDERFLEET_RECLAIM_WATCH"),
     ("RENDERFLEET_HEARTBEAT_SECONDS", "5", "RENDERFLEET_HEARTBEAT_SECONDS"),
+    ("RENDERFLEET_RENDER_BATCH", "0", "RENDERFLEET_RENDER_BATCH: must be auto or a whole number from 1 to 256"),
+    ("RENDERFLEET_RENDER_BATCH", "many", "RENDERFLEET_RENDER_BATCH"),
 ])
 def test_a_bad_value_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, env: str, value: str, needle: str) -> None:
     monkeypatch.setenv(env, value)

@@ -1,0 +1,37 @@
+"""bench/gpu.sh --tiny on the CPU: the GPU benchmark's code runs end to end (its figures mean nothing here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testing.fleet import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def test_gpu_sh_tiny_renders_both_architectures_and_reports_images_per_second_and_mfu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(["bench/gpu.sh", "--tiny", "--runs", "1", "--peak-tflops", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["tiny"] and data["peak_flops"] == 1e12
+    models = {m["model"]: m for m in data["models"]}
+    assert set(models) == {"sd15-tiny", "sdxl-tiny"}
+    for name, info in models.items():
+        rows = [r for r in data["rows"] if r["model"] == name]
+        eager = [r for r in rows if r["mode"] == "eager"]
+        assert [r["batch"] for r in eager] == [1, 2]
+        for r in eager:
+            assert r["images_per_second"] > 0 and r["seconds_per_batch"] > 0
+            assert r["mfu"] == pytest.approx(r["images_per_second"] * info["tflop_per_image"])  # peak: 1 TFLOP/s
+        [compiled] = [r for r in rows if r["mode"] == "compile"]
+        assert compiled["note"] == "skipped: --compile needs CUDA"
+    assert "| sd15-tiny | eager | 1 |" in proc.stdout and "best sdxl-tiny:" in proc.stdout

@@ -1,0 +1,335 @@
+"""``--batch-size auto``: how many prompts a worker renders in one pipeline call.
+
+Two sizes are at play, and they are not the same thing:
+
+* the **job's batch** (``ShardMessage.batch_size``, chosen at submit): the
+  unit of commit.  A shard's batches have fixed members (``ShardMessage.batches``),
+  each is checkpointed alone, and it is the most prompts one call may render;
+* the **worker's render size**: how many of a batch's prompts go into one
+  pipeline call, consecutive from the batch's first (``ShardRunner._render_group``).
+  ``--batch-size N`` fixes it (never above the job's batch); ``auto`` finds it
+  here, per (card, model, resolution).
+
+Images depend on the call they were rendered in (GEMM and convolution kernels
+block their work by batch size: a few ULPs, then a pixel level after rounding;
+see ``worker.render.Renderer``), so a redelivered batch renders the same bytes
+only if it is cut into the same calls.  That is why the size is *remembered in
+the store*, per (card, model, resolution), and read by every worker of that
+kind before it renders: the same hardware cuts the same batch the same way.
+A search's answer is kept: searched again only for a job batch bigger than
+any it covered, lowered (halved) on a later out-of-memory; and ``RENDERFLEET_BATCH_INVARIANT`` removes the dependence
+altogether for users who need it.
+
+How ``auto`` finds the size:
+
+* on an accelerator, the largest that fits: probe renders of 1, 2, 4, ...
+  prompts (2 steps, guidance on: the memory worst case; memory does not grow
+  with steps), up to the job's batch or the first out-of-memory, then a
+  bisection between the last fit and that out-of-memory, then a safety margin
+  (:data:`SAFETY`) against fragmentation.  A later out-of-memory halves it,
+  here and in the store, instead of failing the prompts;
+* on a CPU, with no out-of-memory to find, the fastest per image of a short
+  sweep (:func:`sweep`: 1, 2, 4, ... up to the job's batch, round-robin,
+  :data:`SWEEP_SECONDS` at most).  The whole batch stays unless a smaller call
+  is clearly faster in every round: on a shared 2-core machine a single
+  timing once made batch 1 look three times faster per image than batch 4,
+  and a cut chosen by noise would change the CPU path's bytes.
+
+``renderfleet bench --batch-sizes auto`` uses the same :func:`search`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from renderfleet.errors import OutOfMemory, PermanentError
+from renderfleet.spec import INT_LIMITS, Prompt
+from renderfleet.store import Store
+
+log = logging.getLogger("renderfleet.batchsize")
+
+KEY_PREFIX = "fleet/batch-sizes/"
+PROBE_STEPS = 2  # a probe's denoising steps: memory peaks at one step and the decode
+PROBE_GUIDANCE = 2.0  # classifier-free guidance on: twice the UNet's batch, the worst case
+SAFETY = 0.9  # of the largest that fit, when an out-of-memory bounded the search (from 4 up)
+SWEEP_SECONDS = 5.0  # the CPU sweep's time, at most
+SMALLER_MUST_WIN_BY = 0.25  # per image, in every round, for a smaller call to beat the whole batch on a CPU
+SWEEP_ROUNDS = 3
+WHOLE_BATCH = INT_LIMITS["batch_size"][1]  # as a fixed size: every batch whole, as the job cut it
+
+
+def card_name(device: str) -> str:
+    """The accelerator's model name ("NVIDIA H200"), or the CPU's."""
+    if device.startswith("cuda"):
+        import torch
+
+        return str(torch.cuda.get_device_name(torch.device(device)))
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+@dataclass
+class Search:
+    """What a search measured: seconds per image of each size that fit."""
+
+    per_image: dict[int, float] = field(default_factory=dict)
+    oom_at: int | None = None  # the smallest size that ran out of memory
+    first_oom: int | None = None  # the first size of the doubling that did
+
+    @property
+    def fit(self) -> int:
+        """The largest size that rendered (0: none did)."""
+        return max(self.per_image, default=0)
+
+
+def doubling(start: int, limit: int) -> list[int]:
+    """start, 2 start, 4 start, ... and ``limit`` itself last."""
+    sizes, n = [], max(1, start)
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, limit]
+
+
+def search(render: Callable[[int], Any], *, limit: int, start: int = 1, bisect: bool = False,
+           budget_seconds: float | None = None, clock: Callable[[], float] = time.perf_counter) -> Search:
+    """Render batches of :func:`doubling` sizes until ``limit``, an out-of-memory or the budget.
+
+    ``render(n)`` renders ``n`` prompts (raising :class:`OutOfMemory` when they
+    do not fit).  With ``bisect``, the sizes between the last fit and the
+    first out-of-memory are bisected, so ``fit`` is the largest that fits.
+    """
+    found = Search()
+    began = clock()
+
+    def attempt(n: int) -> bool:
+        t0 = clock()
+        try:
+            render(n)
+        except OutOfMemory:
+            found.oom_at = n if found.oom_at is None else min(found.oom_at, n)
+            return False
+        found.per_image[n] = (clock() - t0) / n
+        return True
+
+    for n in doubling(start, limit):
+        if not attempt(n):
+            found.first_oom = n
+            break
+        if budget_seconds is not None and clock() - began > budget_seconds:
+            break
+    if bisect and found.oom_at is not None:
+        lo, hi = found.fit, found.oom_at
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if attempt(mid):
+                lo = mid
+            else:
+                hi = mid
+    return found
+
+
+def choose(found: Search) -> int:
+    """An accelerator's render size: the largest that fit, less :data:`SAFETY`
+    when an out-of-memory bounded it (from 4 up: below, a step is too much)."""
+    fit = found.fit
+    if fit == 0:
+        return 1
+    return max(1, int(fit * SAFETY)) if found.oom_at is not None and fit >= 4 else fit
+
+
+def sweep(render: Callable[[int], Any], *, batch: int, budget_seconds: float, rounds: int = SWEEP_ROUNDS,
+          clock: Callable[[], float] = time.perf_counter) -> tuple[int, list[dict[int, float]]]:
+    """A CPU's render size: (size, seconds per image of each size in each round).
+
+    Round-robin over :func:`doubling` sizes up to ``batch``, ``rounds`` times or
+    until ``budget_seconds`` is spent.  The whole batch stays unless a smaller
+    size was faster per image by :data:`SMALLER_MUST_WIN_BY` in *every* round,
+    over at least two: a shared CPU's timings are noisy (a first call, a
+    neighbour's burst), and a cut picked by noise would change images' bytes.
+    """
+    sizes = doubling(1, batch)
+    began = clock()
+    table: list[dict[int, float]] = []
+    for _ in range(rounds):
+        row: dict[int, float] = {}
+        for n in sizes:
+            t0 = clock()
+            render(n)
+            row[n] = (clock() - t0) / n
+        table.append(row)
+        if clock() - began > budget_seconds:
+            break
+    if len(table) < 2:
+        return batch, table
+    best = batch
+    for n in sizes:
+        if all(row[n] * (1 + SMALLER_MUST_WIN_BY) < row[best] for row in table):
+            best = n
+            break  # the smallest that wins every round: fewer prompts per call lost to a fault
+    return best, table
+
+
+@dataclass
+class Remembered:
+    """A render size as the store keeps it, per (card, model, resolution)."""
+
+    size: int
+    limit: int  # the largest size the search was allowed: a bigger job batch searches again
+    oom: bool  # an out-of-memory bounded it: no bigger batch fits, whatever the job's
+    how: str  # "probe", "sweep" or "halved"
+    card: str = ""
+    model: str = ""
+    width: int = 0
+    height: int = 0
+
+    def covers(self, batch: int) -> bool:
+        return self.oom or batch <= self.limit
+
+
+def probe_prompts(like: Prompt, n: int, *, accelerator: bool) -> list[Prompt]:
+    """``n`` throw-away prompts at ``like``'s size: few steps; on an accelerator, guidance on."""
+    guidance = max(like.guidance, PROBE_GUIDANCE) if accelerator else like.guidance
+    return [Prompt(index=i, name=f"probe-{i}", prompt=like.prompt, negative_prompt=like.negative_prompt, seed=i,
+                   steps=min(like.steps, PROBE_STEPS), guidance=guidance, width=like.width, height=like.height)
+            for i in range(n)]
+
+
+class BatchSizes:
+    """The worker's render size for each batch: fixed, or found and remembered (``auto``).
+
+    ``fixed`` None is ``auto``.  A renderer with no loaded model to key on
+    (a stand-in such as ``Unloadable``, a test's fake without ``loaded``)
+    renders whole batches, halved in this process on out-of-memory, as does
+    a fixed size.
+    """
+
+    def __init__(self, store: Store | None, *, fixed: int | None = None,
+                 card: Callable[[str], str] = card_name, sweep_seconds: float = SWEEP_SECONDS,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.store = store
+        self.fixed = fixed
+        self.card = card
+        self.sweep_seconds = sweep_seconds
+        self.clock = clock
+        self._known: dict[tuple[str, str, int, int], Remembered] = {}
+        self._halved: dict[tuple[int, int], int] = {}  # fixed size or no key: (width, height) -> size
+
+    # ---- what the runner asks ----------------------------------------------------
+
+    def size_for(self, renderer: Any, prompt: Prompt, batch: int,
+                 should_stop: Callable[[], bool] = lambda: False) -> int:
+        """How many of a batch of ``batch`` prompts like ``prompt`` to render per call."""
+        key = self._key(renderer, prompt)
+        if key is None or self.fixed is not None:
+            return min(batch, self._halved.get((prompt.width, prompt.height), self.fixed or batch))
+        known = self._known.get(key) or self._read(key)
+        if known is None or not known.covers(batch):
+            found = self._search(renderer, prompt, batch, known, should_stop, key)
+            if found is None:
+                return batch  # the probe failed: let the real render say why
+            known = found
+            self._write(key, known)
+        self._known[key] = known
+        return max(1, min(batch, known.size))
+
+    def out_of_memory(self, renderer: Any, prompt: Prompt, size: int) -> int:
+        """A call of ``size`` ran out of memory: the halved size, remembered (in the store under ``auto``)."""
+        new = max(1, size // 2)
+        log.warning("out of memory at %dx%d: batch size now %d", prompt.width, prompt.height, new)
+        key = self._key(renderer, prompt)
+        if key is None or self.fixed is not None:
+            self._halved[(prompt.width, prompt.height)] = new
+            return new
+        old = self._known.get(key)
+        known = Remembered(new, limit=max(size, old.limit if old else size), oom=True, how="halved",
+                           card=key[0], model=key[1], width=key[2], height=key[3])
+        self._known[key] = known
+        self._write(key, known)
+        return new
+
+    # ---- finding a size -------------------------------------------------------------
+
+    def _search(self, renderer: Any, prompt: Prompt, batch: int, known: Remembered | None,
+                should_stop: Callable[[], bool], key: tuple[str, str, int, int]) -> Remembered | None:
+        device = str(renderer.loaded.device)
+        accelerator = not device.startswith("cpu")
+        generate = getattr(renderer, "generate", None)
+
+        def render(n: int) -> None:
+            prompts = probe_prompts(prompt, n, accelerator=accelerator)
+            if accelerator and generate is not None:
+                generate(prompts, output_type="pt", should_stop=should_stop)  # no PNG: memory is the question
+            else:
+                renderer.render(prompts, should_stop=should_stop)
+
+        started = self.clock()
+        try:
+            if accelerator:
+                found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)
+                size, how, oom = choose(found), "probe", found.oom_at is not None
+                measured = ", ".join(f"{n}: {s:.3f} s/image" for n, s in sorted(found.per_image.items()))
+                measured += f"; out of memory at {found.oom_at}" if found.oom_at else ""
+            else:
+                render(1)  # warm-up: the first call pays one-time costs
+                size, table = sweep(render, batch=batch, budget_seconds=self.sweep_seconds, clock=self.clock)
+                how, oom, measured = "sweep", False, "; ".join(
+                    ", ".join(f"{n}: {s:.3f}" for n, s in row.items()) for row in table) + " s/image"
+        except PermanentError as exc:
+            log.warning("batch size search at %dx%d failed (%s): rendering whole batches", prompt.width,
+                        prompt.height, exc)
+            return None
+        log.info("batch size for %s at %dx%d on %s: %d (%s in %.1f s: %s)", key[1], key[2], key[3], key[0], size,
+                 how, self.clock() - started, measured)
+        return Remembered(size, limit=batch, oom=oom, how=how,
+                          card=key[0], model=key[1], width=key[2], height=key[3])
+
+    # ---- the store -------------------------------------------------------------------
+
+    def _key(self, renderer: Any, prompt: Prompt) -> tuple[str, str, int, int] | None:
+        loaded = getattr(renderer, "loaded", None)
+        if loaded is None:
+            return None
+        device = str(loaded.device)
+        card = self.card(device)
+        if device.startswith("cpu"):
+            import torch
+
+            card += f" x{torch.get_num_threads()} threads"  # a CPU's speed is its threads'
+        return card, str(loaded.model), prompt.width, prompt.height
+
+    @staticmethod
+    def store_key(key: tuple[str, str, int, int]) -> str:
+        """Where the store keeps the size for (card, model, width, height)."""
+        return f"{KEY_PREFIX}{hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:32]}.json"
+
+    def _read(self, key: tuple[str, str, int, int]) -> Remembered | None:
+        if self.store is None:
+            return None
+        try:
+            data = self.store.get(self.store_key(key))
+            if not data:
+                return None
+            record = json.loads(data)
+            known = Remembered(**{k: v for k, v in record.items() if k in Remembered.__dataclass_fields__})
+        except Exception as exc:  # unreadable: search again and write it anew
+            log.warning("batch size for %s not read from the store: %s: %s", key, type(exc).__name__, exc)
+            return None
+        log.info("batch size for %s at %dx%d on %s: %d, as the store remembers it", key[1], key[2], key[3], key[0],
+                 known.size)
+        return known
+
+    def _write(self, key: tuple[str, str, int, int], known: Remembered) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.put(self.store_key(key), json.dumps({**asdict(known), "at": time.time()}).encode(),
+                           content_type="application/json")
+        except Exception as exc:  # a lost memory costs the next worker a search, nothing more
+            log.warning("batch size for %s not written to the store: %s: %s", key, type(exc).__name__, exc)
