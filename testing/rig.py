@@ -195,12 +195,18 @@ class Rig:
         except redis.RedisError:
             return -1
 
-    def image_names(self, job: str) -> list[str]:
+    def image_times(self, job: str) -> dict[str, float]:
+        """The job's images in the bucket: name -> when it was last written (epoch seconds; S3
+        gives whole seconds)."""
         prefix = f"chaos/jobs/{job}/images/"
-        names = []
+        out: dict[str, float] = {}
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            names += [o["Key"][len(prefix):-len(".png")] for o in page.get("Contents", [])]
-        return names
+            out.update((o["Key"][len(prefix):-len(".png")], o["LastModified"].timestamp())
+                       for o in page.get("Contents", []))
+        return out
+
+    def image_names(self, job: str) -> list[str]:
+        return list(self.image_times(job))
 
     def image(self, job: str, name: str) -> bytes:
         return bytes(self.s3.get_object(Bucket=self.bucket, Key=f"chaos/jobs/{job}/images/{name}.png")["Body"].read())
