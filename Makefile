@@ -49,7 +49,8 @@ chaos: install
 	RENDERFLEET_CHAOS_PROMPTS=400 RENDERFLEET_CHAOS_KILLS=12 RENDERFLEET_CHAOS_STALLS=2 RENDERFLEET_CHAOS_POISON=6 \
 	  $(BIN)/python -m bench.chaos
 
-# The soak (not part of `make test`): 5,000 prompts through 3 workers for about 20 minutes on 2 cores,
+# The soak (not part of `make test`): 5,000 prompts through 3 workers (9-10 minutes on 2 shared cores,
+# after 8-13 minutes of rendering the reference here),
 # a SIGKILL every 30 s, a spot notice every 2 minutes, one Redis restart and one S3 pause; prints the
 # images, duplicates, work lost per kill, worker and Redis memory, the longest wait, and writes its
 # section of bench/RESULTS.md.  A short one: python -m bench.soak --prompts 300 --kill-every 10 ...

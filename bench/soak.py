@@ -24,7 +24,7 @@ and the longest time a prompt waited from submit to its image (a prompt's done b
 set, polled every 0.5 s).  ``--results FILE`` writes the figures as the soak section of
 ``bench/RESULTS.md``.
 
-    make soak                                                # the full soak, ~20 minutes
+    make soak                                    # the full soak, 20-25 minutes with the reference
     python -m bench.soak --prompts 300 --kill-every 10 --notice-every 40 --s3-pause 20   # a short one
 """
 
@@ -444,8 +444,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--restart-at", type=float, default=float(env_default("RESTART_AT", "0.35")), help="share of the job")
     arg("--s3-pause-at", type=float, default=float(env_default("S3_PAUSE_AT", "0.65")), help="share of the job")
     arg("--s3-pause", type=float, default=float(env_default("S3_PAUSE", "70")), help="seconds moto is stopped")
-    # The chaos run's cut, 3 steps: on 2 shared cores 5,000 prompts take about 20 minutes, most of it
-    # the fleet's own work per batch and per shard (the reference render here takes a third of that).
+    # The chaos run's cut, 3 steps: on 2 shared cores 5,000 prompts took 9-10 minutes (two full runs),
+    # most of it the fleet's own work per batch and per shard, and the reference render 8-13 minutes.
     arg("--steps", type=int, default=int(env_default("STEPS", "3")))
     arg("--size", type=int, default=int(env_default("SIZE", "32")), help="width and height")
     arg("--shard-size", type=int, default=int(env_default("SHARD_SIZE", "6")))
