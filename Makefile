@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install browser run test test-unit test-integration chaos bench lint clean
+.PHONY: install browser run test test-unit test-integration chaos soak bench lint clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,14 @@ test-integration: install browser
 chaos: install
 	RENDERFLEET_CHAOS_PROMPTS=400 RENDERFLEET_CHAOS_KILLS=12 RENDERFLEET_CHAOS_STALLS=2 RENDERFLEET_CHAOS_POISON=6 \
 	  $(BIN)/python -m bench.chaos
+
+# The soak (not part of `make test`): 5,000 prompts through 3 workers (9-10 minutes on 2 shared cores,
+# after 8-13 minutes of rendering the reference here),
+# a SIGKILL every 30 s, a spot notice every 2 minutes, one Redis restart and one S3 pause; prints the
+# images, duplicates, work lost per kill, worker and Redis memory, the longest wait, and writes its
+# section of bench/RESULTS.md.  A short one: python -m bench.soak --prompts 300 --kill-every 10 ...
+soak: install
+	$(BIN)/python -m bench.soak --results bench/RESULTS.md
 
 # Each writes its own section of bench/RESULTS.md (between markers; rows outside them are kept).
 bench: install

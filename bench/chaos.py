@@ -31,7 +31,6 @@ figures of each event: time to recover, work lost.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -39,7 +38,6 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -47,24 +45,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import boto3
 import redis
 
 from renderfleet import keys
-from renderfleet.celery_app import UNACKED_KEY
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import RenderParams, ShardMessage
-from testing.fleet import FAST_LEASES, PAUSE_AT, WorkerProc, base_env, cli, start_monitor, start_redis, stopped, wait_for
-from testing.metadata import FakeMetadata
-from testing.servers import MotoServer, s3_env
+from testing.fleet import FAST_LEASES, PAUSE_AT, WorkerProc, cli, stopped, wait_for
+from testing.rig import Fleet, Rig, log_count, pool_stats, running_again, unclaimed_deliveries
 
 SHARD_SIZE = 6
 BATCH_SIZE = 2
 # More steps than the other tests: batches long enough that kills land mid-batch.
 STEPS = 6
 LEASE_SECONDS = float(FAST_LEASES["RENDERFLEET_LEASE_SECONDS"])
-# The monitor's audit in the chaos run: a message lost before its claim is back in seconds.
-AUDIT_SECONDS = "1"
 POISON_MODEL = "nonexistent-model-folder"
 
 
@@ -184,8 +177,11 @@ class ChaosReport:
         return "\n".join(lines)
 
 
-def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
-    """The job's images rendered here, batch by batch as the workers do, with no failure."""
+def reference_images(n: int, cache: Path, steps: int, *, prefix: str = "chaos prompt", size: int = 32,
+                     shard_size: int = SHARD_SIZE, batch_size: int = BATCH_SIZE,
+                     shards: range | None = None) -> dict[str, bytes]:
+    """The job's images rendered here, batch by batch as the workers do, with no failure
+    (only the shards in ``shards``, when given: a caller may split the work over processes)."""
     import torch
 
     from worker.models import load_pipeline
@@ -194,12 +190,13 @@ def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers (OMP_NUM_THREADS=1): kernels split work by thread count
     renderer = Renderer(load_pipeline("tiny", device="cpu", cache_dir=cache))
-    params = RenderParams(model="tiny", steps=steps, width=32, height=32)
+    params = RenderParams(model="tiny", steps=steps, width=size, height=size)
     out: dict[str, bytes] = {}
-    for start in range(0, n, SHARD_SIZE):
-        wire = [f"chaos prompt {i}" for i in range(start, min(n, start + SHARD_SIZE))]
+    for shard in shards if shards is not None else range(-(-n // shard_size)):
+        start = shard * shard_size
+        wire = [f"{prefix} {i}" for i in range(start, min(n, start + shard_size))]
         msg = ShardMessage.from_dict({"job": "ref", "shard": 0, "params": params.to_dict(),
-                                      "batch_size": BATCH_SIZE, "queue": "q", "first": start,
+                                      "batch_size": batch_size, "queue": "q", "first": start,
                                       "prompts": wire})
         for _, batch in msg.batches():
             for p, png in zip(batch, renderer.render(list(batch)), strict=True):
@@ -208,121 +205,56 @@ def reference_images(n: int, cache: Path, steps: int) -> dict[str, bytes]:
     return out
 
 
-class Fleet:
-    """The workers, their metadata nodes, and what the harness knows of them."""
-
-    def __init__(self, env: dict[str, str], md: FakeMetadata, logs: Path, client: redis.Redis):
-        self.env = env
-        self.md = md
-        self.logs = logs
-        self.client = client
-        self.workers: dict[str, WorkerProc] = {}  # node -> process
-        self.ended: set[str] = set()  # nodes the harness killed or sent a notice
-        self.extra: list[WorkerProc] = []  # workers outside the fleet (the one stopped before its claim)
-        self._ids: dict[int, str] = {}  # pid -> worker id (kept: Redis may forget the registration)
-        self.count = 0
-
-    def node_env(self, node: str) -> dict[str, str]:
-        return {**self.env, "RENDERFLEET_AWS_METADATA_URL": self.md.url(node),
-                "RENDERFLEET_GCP_METADATA_URL": self.md.url(node)}
-
-    def start(self) -> str:
-        node = f"node-{self.count}"
-        self.count += 1
-        self.workers[node] = WorkerProc(self.node_env(node), self.logs / f"{node}.log", "--pool", "spot", "--verbose")
-        return node
-
-    def pid_id(self, pid: int) -> str | None:
-        if pid not in self._ids:
-            for wid, raw in self.client.hgetall(keys.WORKERS).items():
-                if json.loads(raw).get("pid") == pid:
-                    self._ids[pid] = keys.text(wid)
-        return self._ids.get(pid)
-
-    def worker_id(self, node: str) -> str | None:
-        return self.pid_id(self.workers[node].pid)
-
-    def holdings(self) -> dict[str, tuple[str, int] | None]:
-        """What each live worker holds a lease on, read in one pass over the leases."""
-        by_worker: dict[str, tuple[str, int]] = {}
-        for key in self.client.scan_iter(match=f"{keys.LEASE_PREFIX}*", count=1000):
-            wid = keys.text(self.client.hget(key, "worker"))
-            job, _, shard = keys.text(key)[len(keys.LEASE_PREFIX):].rpartition(":")
-            if wid:
-                by_worker[wid] = (job, int(shard))
-        out: dict[str, tuple[str, int] | None] = {}
-        for n in self.alive():
-            wid = self.worker_id(n)
-            out[n] = by_worker.get(wid) if wid else None
-        return out
-
-    def held_shard(self, node: str) -> tuple[str, int] | None:
-        return self.holdings().get(node)
-
-    def alive(self) -> list[str]:
-        return [n for n, w in self.workers.items() if w.alive()]
-
-    def busy_nodes(self, job: str | None = None) -> list[str]:
-        """Live workers holding a lease (on ``job``, if given)."""
-        return [n for n, held in self.holdings().items() if held and (job is None or held[0] == job)]
-
-    def stats(self, node: str) -> dict[str, int]:
-        wid = self.worker_id(node)
-        if wid is None:
-            return {}
-        raw = {keys.text(k): keys.text(v) for k, v in self.client.hgetall(keys.worker_stats(wid)).items()}
-        return {k: int(v) for k, v in raw.items() if v.lstrip("-").isdigit()}  # counters, not last_seen
-
-    def stop_all(self) -> None:
-        for w in [*self.workers.values(), *self.extra]:
-            if w.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(w.pid, signal.SIGCONT)
-            w.kill()
+def end_node(fleet: Fleet, report: ChaosReport, node: str, event: str, watchers: list[threading.Thread],
+             *, replace_after_exit: bool = True) -> None:
+    """SIGKILL ``node`` (``event`` "kill") or send it an AWS spot notice ("notice"), time its shard
+    until another worker runs it, and start a replacement: after the noticed worker exits (its
+    exit code recorded), or at once and the exit recorded by a watcher."""
+    held = fleet.held_shard(node)
+    victim = fleet.worker_id(node)
+    fleet.ended.add(node)
+    if event == "kill":
+        fleet.workers[node].kill()
+        report.kills += 1
+        samples = report.kill_to_running
+    else:
+        fleet.md.aws_notice(node, seconds=120)
+        report.notices += 1
+        samples = report.notice_to_queue
+    t0 = time.monotonic()
+    print(f"chaos: {'SIGKILL' if event == 'kill' else 'spot notice to'} {node} holding {held}", flush=True)
+    if held:
+        th = threading.Thread(target=running_again, daemon=True, args=(
+            fleet.client, held[0], held[1], victim, t0, 60.0, samples))
+        th.start()
+        watchers.append(th)
+    if event == "notice":
+        proc = fleet.workers[node].proc
+        if replace_after_exit:
+            report.notice_exit_codes.append(proc.wait(130))
+        else:
+            th = threading.Thread(target=lambda: report.notice_exit_codes.append(proc.wait(130)), daemon=True)
+            th.start()
+            watchers.append(th)
+    fleet.start()
 
 
-def running_again(client: redis.Redis, job: str, shard: int, victim: str | None, t0: float,
-                  timeout: float, out: list[float]) -> None:
-    """Wait until another worker holds (or finished) the shard; append the delay."""
-    deadline = t0 + timeout
-    while time.monotonic() < deadline:
-        try:
-            holder = keys.text(client.hget(keys.lease(job, shard), "worker"))
-            state = keys.text(client.hget(keys.shards(job), str(shard)))
-            if (holder and holder != victim) or (client.exists(keys.job(job)) and not state):
-                out.append(time.monotonic() - t0)
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.05)
-
-
-def pool_stats(client: redis.Redis) -> dict[str, int]:
-    try:
-        return {keys.text(k): int(v) for k, v in client.hgetall(keys.pool_stats("spot")).items()}
-    except redis.RedisError:
-        return {}
-
-
-def unclaimed_deliveries(client: redis.Redis) -> list[tuple[str, int]]:
-    """Shards whose message is in kombu's ``unacked`` with no lease: taken by a worker, not claimed."""
-    out = []
-    for raw in client.hvals(UNACKED_KEY):
-        try:
-            payload = json.loads(raw)[0]
-            body = json.loads(base64.b64decode(payload["body"]))
-            msg = json.loads(body[0][0]) if isinstance(body[0][0], str) else body[0][0]
-            job, shard = msg["job"], int(msg["shard"])
-        except (ValueError, KeyError, IndexError, TypeError):
-            continue
-        if not client.exists(keys.lease(job, shard)):
-            out.append((job, shard))
-    return out
-
-
-def log_count(logs: Path, pattern: str) -> int:
-    rx = re.compile(pattern)
-    return sum(len(rx.findall(p.read_text(errors="replace"))) for p in logs.glob("*.log"))
+def check_job(report: ChaosReport, rig: Rig, job: str, reference: dict[str, bytes]) -> None:
+    """The end of a run: ``status`` and ``results`` of the job, no prompt both done and failed, and
+    every image in the bucket compared with the reference, byte for byte."""
+    st = json.loads(cli(rig.env, "status", job, "--json").stdout)
+    report.status_done, report.status_failed = st["done"], st["failed"]
+    res = json.loads(cli(rig.env, "results", job, "--json", check=False).stdout)  # exit 1 when images are missing
+    report.quarantined = len(res["quarantined"])
+    rig.client.bitop("AND", keys.SCRATCH, keys.done_bits(job), keys.failed_bits(job))
+    report.both_done_and_failed += int(rig.client.bitcount(keys.SCRATCH))
+    names = rig.image_names(job)
+    report.images = len(names)
+    report.extra = sorted(set(names) - set(reference))
+    report.missing = sorted(set(reference) - set(names))
+    for name in sorted(set(names) & set(reference)):
+        if rig.image(job, name) != reference[name]:
+            report.mismatched.append(name)
 
 
 def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: float = 2.0, steps: int = STEPS,
@@ -334,27 +266,16 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
     rng = random.Random(seed)
     report = ChaosReport(prompts=prompts, poison_prompts=poison)
     tmp = workdir or Path(tempfile.mkdtemp(prefix="rf-chaos-"))
-    logs = tmp / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     print(f"chaos: workdir {tmp}; rendering the reference images", flush=True)
     reference = reference_images(prompts, tmp / "cache", steps)
 
-    server = start_redis(tmp / "redis")
-    client = redis.Redis.from_url(server.url, socket_timeout=5)
-    moto = MotoServer().start()
-    md = FakeMetadata().__enter__()
-    bucket = "chaos"
-    aws = s3_env(moto.endpoint_url, bucket)
-    boto3.client("s3", endpoint_url=moto.endpoint_url, region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=bucket)
-    env = base_env(tmp, server.url, f"s3://{bucket}/chaos", **aws, RENDERFLEET_RECLAIM_WATCH="on",
-                   RENDERFLEET_RECLAIM_POLL_SECONDS="0.25")
-    fleet = Fleet(env, md, logs, client)
+    rig = Rig(tmp)
     watchers: list[threading.Thread] = []
-    started = time.monotonic()
-    monitor_proc: subprocess.Popen[bytes] | None = None
     try:
-        monitor_proc = start_monitor({**env, "RENDERFLEET_AUDIT_SECONDS": AUDIT_SECONDS}, logs / "monitor.log")
+        rig.start()
+        started = time.monotonic()
+        assert rig.server is not None and rig.fleet is not None
+        fleet, client, env, logs, server = rig.fleet, rig.client, rig.env, rig.logs, rig.server
         prompt_file = tmp / "prompts.txt"
         prompt_file.write_text("".join(f"chaos prompt {i}\n" for i in range(prompts)))
         trap = None
@@ -377,30 +298,22 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             # Its BRPOP, if it had sent one, times out on the server within kombu's brpop_timeout
             # (1 s): no message pushed after that can be handed to it while it is parked.
             time.sleep(max(0.0, parked + 2.5 - time.monotonic()))
-        job = cli(env, "submit", str(prompt_file), "--model", "tiny", "--steps", str(steps), "--size", "32x32",
-                  "--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE)).stdout.split()[-1]
+        job = rig.submit(prompt_file, "--model", "tiny", "--steps", str(steps), "--size", "32x32",
+                         "--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE))
         bad = ""
         if poison:
             # On the same queue, behind the good job: a model that is not there.
             poison_file = tmp / "poison.txt"
             poison_file.write_text("".join(f"poison prompt {i}\n" for i in range(poison)))
-            bad = cli(env, "submit", str(poison_file), "--model", str(tmp / POISON_MODEL), "--steps", str(steps),
-                      "--size", "32x32", "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+            bad = rig.submit(poison_file, "--model", str(tmp / POISON_MODEL), "--steps", str(steps),
+                             "--size", "32x32", "--shard-size", "2", "--batch-size", "2")
             poison_submitted = time.monotonic()
 
-        s3 = boto3.client("s3", endpoint_url=moto.endpoint_url, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
-        prefix = f"chaos/jobs/{job}/images/"
-
         def stored() -> int:
-            pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-            return sum(len(page.get("Contents", [])) for page in pages)
+            return len(rig.image_names(job))
 
         def done() -> int:
-            try:
-                return int(client.bitcount(keys.done_bits(job)))
-            except redis.RedisError:
-                return -1
+            return rig.done(job)
 
         def poison_over() -> bool:
             pipe = client.pipeline()
@@ -452,29 +365,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             marks.pop(0)
             last = time.monotonic()
             if event in ("kill", "notice"):
-                node = rng.choice(busy)
-                held = fleet.held_shard(node)
-                victim = fleet.worker_id(node)
-                fleet.ended.add(node)
-                if event == "kill":
-                    fleet.workers[node].kill()
-                    report.kills += 1
-                    samples = report.kill_to_running
-                else:
-                    md.aws_notice(node, seconds=120)
-                    report.notices += 1
-                    samples = report.notice_to_queue
-                t0 = time.monotonic()
-                print(f"chaos: {'SIGKILL' if event == 'kill' else 'spot notice to'} {node} holding {held}",
-                      flush=True)
-                if held:
-                    th = threading.Thread(target=running_again, daemon=True, args=(
-                        client, held[0], held[1], victim, t0, 60.0, samples))
-                    th.start()
-                    watchers.append(th)
-                if event == "notice":
-                    report.notice_exit_codes.append(fleet.workers[node].proc.wait(130))
-                fleet.start()
+                end_node(fleet, report, rng.choice(busy), event, watchers)
             elif event == "claim-kill":
                 assert trap is not None
                 claim_thread = threading.Thread(target=kill_before_claim, daemon=True,
@@ -500,13 +391,10 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
         report.rendered_images = stats.get("images", 0)
         report.handback_ms = stats.get("handback_ms", 0)
 
-        st = json.loads(cli(env, "status", job, "--json").stdout)
-        report.status_done, report.status_failed = st["done"], st["failed"]
-        res = json.loads(cli(env, "results", job, "--json", check=False).stdout)  # exit 1 when images are missing
-        report.quarantined = len(res["quarantined"])
-        for j in filter(None, (job, bad)):
-            client.bitop("AND", keys.SCRATCH, keys.done_bits(j), keys.failed_bits(j))
-            report.both_done_and_failed += int(client.bitcount(keys.SCRATCH))
+        check_job(report, rig, job, reference)
+        if bad:
+            rig.client.bitop("AND", keys.SCRATCH, keys.done_bits(bad), keys.failed_bits(bad))
+            report.both_done_and_failed += int(rig.client.bitcount(keys.SCRATCH))
         if poison:
             st = json.loads(cli(env, "status", bad, "--json").stdout)
             report.poison_done, report.poison_failed = st["done"], st["failed"]
@@ -518,24 +406,8 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
         # No worker left on its own: every one still running is one the harness did not stop.
         report.breaker_exits = sum(1 for n, w in fleet.workers.items() if n not in fleet.ended and not w.alive())
         report.breaker_exits += log_count(logs, "circuit breaker|stops taking work")
-        names = []
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            names += [o["Key"][len(prefix):-len(".png")] for o in page.get("Contents", [])]
-        report.images = len(names)
-        report.extra = sorted(set(names) - set(reference))
-        report.missing = sorted(set(reference) - set(names))
-        for name in sorted(set(names) & set(reference)):
-            body = s3.get_object(Bucket=bucket, Key=f"{prefix}{name}.png")["Body"].read()
-            if body != reference[name]:
-                report.mismatched.append(name)
     finally:
-        fleet.stop_all()
-        if monitor_proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(monitor_proc.pid, signal.SIGKILL)
-        md.__exit__(None, None, None)
-        moto.stop()
-        server.stop()
+        rig.close()
     return report
 
 
