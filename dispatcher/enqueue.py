@@ -35,8 +35,8 @@ class WireShard:
     ``resume`` also gives ``expect`` (the shard's attempt when it read the
     store: the shard is skipped if claimed since, or leased) and ``marks`` (one
     character per prompt from ``start``: 'd' stored, 'f' quarantined, '-' to
-    do), from which the shard's bits and count are rebuilt; see
-    ``renderfleet/lua/publish.lua``.
+    do, '?' to do unless counted since the bits were read), from which the
+    shard's bits and count are rebuilt; see ``renderfleet/lua/publish.lua``.
     """
 
     shard: int

@@ -7,7 +7,9 @@ runner knows better).  A shard queued in Redis whose message was lost comes
 back this way; one whose message is still queued gets a second copy, which
 its claim drops (a shard runs under one lease at a time).  Each shard's bits
 and count are rebuilt from the store in the same script that queues it, so a
-deleted image is counted as missing again and rendered again.
+deleted image is counted as missing again and rendered again; a prompt
+counted after resume read the bits, whose image the listing may have missed,
+keeps its count.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ def stored_prompts(store: Store, job_spec: JobSpec) -> Iterator[tuple[str, str]]
             yield wire_name(i, line), line
 
 
+def _bit(bitmap: bytes, i: int) -> bool:
+    """Bit ``i`` of a Redis bitmap (SETBIT's order: bit 0 is the first byte's highest)."""
+    return i >> 3 < len(bitmap) and bool(bitmap[i >> 3] >> (7 - (i & 7)) & 1)
+
+
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
            only: set[int] | None = None, front: bool = False) -> ResumeReport:
     """Enqueue whatever of ``job`` (or of its shards ``only``) is not yet in the store;
@@ -102,6 +109,10 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     shard's attempt and lease are read *before* the store is listed, and the
     script that rebuilds a shard's bits and count from that listing skips it
     if it was leased then or has been claimed since (``renderfleet/lua/publish.lua``).
+    The bits are read before the listing too: a runner whose lease and attempt
+    Redis lost (a restart, empty) passes both checks and may store and count a
+    prompt after the listing; the rebuild clears only what was counted before
+    it (an image gone since) and leaves what was counted after.
     """
     job_spec = load_spec(store, job)
     owner = store_identity(store.url)
@@ -114,6 +125,12 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     prefix = f"{job}:"
     leased = {int(keys.text(m)[len(prefix):]) for m in client.zrangebyscore(keys.INFLIGHT, now_ms, "+inf")
               if keys.text(m).startswith(prefix)}
+    # The counts before the listing: one it does not explain (an image gone since) is
+    # cleared, one set after it is kept (publish.lua's marks '-' and '?').
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.done_bits(job))
+    pipe.get(keys.failed_bits(job))
+    done_bits, failed_bits = (bytes(b or b"") for b in pipe.execute())
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     enqueue.register_job(client, job_spec, queue, owner, stored=True)
@@ -124,12 +141,15 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
         shard = 0
         for i, (name, line) in enumerate(stored_prompts(store, job_spec)):
             current.append(line)
-            marks.append("d" if name in images else "f" if name in quarantined else "-")
+            if name in images or name in quarantined:
+                marks.append("d" if name in images else "f")
+            else:
+                marks.append("-" if _bit(done_bits, i) or _bit(failed_bits, i) else "?")
             if len(current) == job_spec.shard_size or i == job_spec.total - 1:
                 if shard not in leased and (only is None or shard in only):
                     text = "".join(marks)
-                    yield WireShard(shard, text.count("-"), current, expect=attempts.get(shard, 0),
-                                    marks=text, start=shard * job_spec.shard_size)
+                    yield WireShard(shard, text.count("-") + text.count("?"), current,
+                                    expect=attempts.get(shard, 0), marks=text, start=shard * job_spec.shard_size)
                 shard += 1
                 current, marks = [], []
 

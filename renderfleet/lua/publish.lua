@@ -5,7 +5,11 @@
 -- no longer `expect`): that attempt's runner knows better than our listing.
 -- Then, when `marks` is given, rebuild the shard's bits from the store, one
 -- character per prompt from index `first`: 'd' image stored, 'f' quarantined,
--- '-' to do; its left count is the number of '-'.  A shard with nothing left
+-- '-' to do (counted before the listing, its image gone since: its bits are
+-- cleared), '?' to do unless counted now (not counted before the listing: a
+-- count set since is kept, for its image was stored first, after the listing
+-- began, by a runner whose lease Redis lost with its memory, say); its left
+-- count is the number of '-' and uncounted '?'.  A shard with nothing left
 -- is finished; any other is queued and its message pushed at the back (or,
 -- for shards whose turn has passed, such as lost ones, at the front).
 --
@@ -21,7 +25,7 @@ local done_bits, failed_bits, enqueued, seq_key, queues = KEYS[6], KEYS[7], KEYS
 local unacked, unacked_idx = KEYS[11], KEYS[12]
 local job, queued_prefix, lease_prefix, side = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local now = now_ms()
-local D, F = string.byte('d'), string.byte('f')
+local D, F, U = string.byte('d'), string.byte('f'), string.byte('?')
 local sent = 0
 
 local function drop_unacked(tag)
@@ -62,6 +66,10 @@ for g = 5, #ARGV, 7 do
         elseif c == F then
           redis.call('SETBIT', done_bits, i, 0)
           redis.call('SETBIT', failed_bits, i, 1)
+        elseif c == U then
+          if redis.call('GETBIT', done_bits, i) == 0 and redis.call('GETBIT', failed_bits, i) == 0 then
+            n = n + 1
+          end
         else
           redis.call('SETBIT', done_bits, i, 0)
           redis.call('SETBIT', failed_bits, i, 0)

@@ -13,18 +13,23 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import redis
 
+from dispatcher import status
 from dispatcher.enqueue import WireShard, publish_shards, register_job
+from dispatcher.resume import load_spec, resume, stored_prompts
+from dispatcher.submit import SubmitOptions, submit
 from renderfleet import keys
 from renderfleet.celery_app import UNACKED_KEY, make_app
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import Leases
-from renderfleet.spec import JobSpec, RenderParams
+from renderfleet.spec import JobSpec, RenderParams, job_prefix
+from renderfleet.store import Store, open_store
 from testing.fleet import (
     PAUSE_AT,
     TINY,
@@ -115,6 +120,66 @@ def test_resume_skips_a_shard_claimed_after_it_read_the_store(redis_server: Redi
     assert publish(client, redis_server.url, "j", 1, expect=1, marks="--") == 0
     assert client.bitcount(keys.done_bits("j")) == 2 and client.hget(keys.left("j"), "0") == b"0"
     assert client.llen(QUEUE) == 0
+
+
+class ListingThen:
+    """The job's store, where ``then`` runs the moment a listing of images ends: the window
+    between resume's listing and its rebuild, made deterministic."""
+
+    def __init__(self, store: Store, then: Callable[[], None]):
+        self.store, self.then = store, then
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        yield from self.store.list(prefix)
+        if prefix.endswith("/images/"):
+            self.then()
+
+
+def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_lease_redis_lost(
+    tmp_path: Path, redis_server: RedisServerProcess,
+) -> None:
+    # The soak's lost count: a worker claims the shard, stores and counts prompt 0;
+    # Redis restarts empty (its lease and attempt gone, no heartbeat yet); the monitor's
+    # resume reads no attempt and no lease and lists the store (prompt 1 not there);
+    # the worker stores and counts prompt 1 on the new Redis; resume rebuilds the
+    # shard's bits from its listing; the worker releases the shard done.
+    store = open_store(str(tmp_path / "store"))
+    prompts = write_prompts(tmp_path / "p.txt", 2)
+    job = submit(str(prompts), SubmitOptions(RenderParams(), shard_size=2, batch_size=1), store=store,
+                 app=make_app(redis_server.url), client=redis.Redis.from_url(redis_server.url), queue=QUEUE).job
+    names = [name for name, _ in stored_prompts(store, load_spec(store, job))]
+    client = redis.Redis.from_url(redis_server.url)
+    leases = Leases(client, lease_seconds=30)
+    shard, tag = take(client)
+    _, lease = leases.claim(job, shard, worker="w", queue=QUEUE, tag=tag, message="{}")
+    assert lease is not None
+    store.put(f"{job_prefix(job)}images/{names[0]}.png", b"png 0")
+    leases.commit(lease, [0], [])
+
+    redis_server.kill()
+    redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    leases = Leases(client, lease_seconds=30)
+
+    def next_batch() -> None:
+        store.put(f"{job_prefix(job)}images/{names[1]}.png", b"png 1")
+        leases.commit(lease, [1], [])
+
+    report = resume(job, store=ListingThen(store, next_batch), app=make_app(redis_server.url), client=client)
+    leases.release(lease, "done")
+    assert report.done == 1  # what the listing saw
+    st = status.job_status(client, job, store=store)
+    assert (st.done, st.failed, st.finished) == (2, 0, True)
+    assert report.shards_enqueued == 0 and client.llen(QUEUE) == 0  # both counted: nothing to queue
+
+    # An image deleted after it was counted is still counted missing by the next resume.
+    (tmp_path / "store" / job_prefix(job) / "images" / f"{names[0]}.png").unlink()
+    assert resume(job, store=store, app=make_app(redis_server.url), client=client).shards_enqueued == 1
+    st = status.job_status(client, job, store=store)
+    assert (st.done, st.queued, st.finished) == (1, 1, False)
 
 
 # ---- with real workers ------------------------------------------------------------
