@@ -267,7 +267,7 @@ class BatchSizes:
             if accelerator and generate is not None:
                 generate(prompts, output_type="pt", should_stop=should_stop)  # no PNG: memory is the question
             else:
-                renderer.render(prompts, should_stop=should_stop)
+                renderer.render_images(prompts, should_stop=should_stop)  # the render, not the PNGs
 
         started = self.clock()
         try:

@@ -111,8 +111,8 @@ def test_the_spot_overlay_puts_spot_workers_on_spot_nodes_with_time_to_hand_back
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert health in " ".join(worker[probe]["exec"]["command"]), probe
     # The base's settings survive the patch (lists of containers and env merge by name).
-    assert worker["args"] == ["--pool", "spot"] and {"RENDERFLEET_POD_NAME", "RENDERFLEET_RECLAIM_WATCH"} <= \
-        set(_env(worker))
+    assert worker["args"][:2] == ["--pool", "spot"] and "--metrics-port" in worker["args"]
+    assert {"RENDERFLEET_POD_NAME", "RENDERFLEET_RECLAIM_WATCH"} <= set(_env(worker))
     base = find(docs, "Deployment", "worker-baseline")
     assert all(e["operator"] in ("NotIn", "DoesNotExist") for t in _affinity_terms(base) for e in t["matchExpressions"])
 

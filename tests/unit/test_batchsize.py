@@ -35,11 +35,15 @@ class GpuRenderer:
         self.calls: list[list[str]] = []  # real renders (names), probes included
         self.last_batch_seconds: float | None = None
 
-    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+    def render_images(self, prompts: Sequence[Prompt], *,
+                      should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
         self.calls.append([p.name for p in prompts])
         if len(prompts) > self.fits:
             raise OutOfMemory(f"fake: {len(prompts)} > {self.fits}")
         return [f"png:{p.name}".encode() for p in prompts]
+
+    def encode(self, image: bytes, prompt: Prompt) -> bytes:
+        return image
 
 
 def card(device: str) -> str:
@@ -227,7 +231,7 @@ def test_a_renderer_with_no_model_renders_whole_batches() -> None:
 def test_a_probe_that_fails_for_another_reason_leaves_the_batch_whole_and_remembers_nothing(
         tmp_path: Path) -> None:
     class Refuses(GpuRenderer):
-        def render(self, prompts: Sequence[Prompt], **kw: Any) -> list[bytes]:
+        def render_images(self, prompts: Sequence[Prompt], **kw: Any) -> list[bytes]:
             raise JobError("the model rejects these settings")
 
     store = LocalStore(tmp_path / "store")
@@ -241,10 +245,10 @@ def test_on_a_cpu_auto_remembers_its_sweep_for_the_next_worker(tmp_path: Path) -
     class Cpu(GpuRenderer):
         """One second per call plus 0.1 s per image: bigger calls are cheaper per image."""
 
-        def render(self, prompts: Sequence[Prompt], **kw: Any) -> list[bytes]:
+        def render_images(self, prompts: Sequence[Prompt], **kw: Any) -> list[bytes]:
             assert all(p.steps == 2 and p.guidance == 7.5 for p in prompts)  # short probes, the job's guidance
             now[0] += 1.0 + 0.1 * len(prompts)
-            return super().render(prompts, **kw)
+            return super().render_images(prompts, **kw)
 
     cpu = Cpu(fits=10**6, device="cpu")
     store = LocalStore(tmp_path / "store")

@@ -149,13 +149,17 @@ class BytesRenderer:
     def __init__(self, bad: frozenset[str] = frozenset(), before: Callable[[], None] = lambda: None):
         self.bad, self.before = bad, before
 
-    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+    def render_images(self, prompts: Sequence[Prompt], *,
+                      should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
         self.before()
         if should_stop():
             raise Reclaimed("stopped mid-batch")
         if any(p.name in self.bad for p in prompts):
             raise PromptError("this prompt fails")
         return [p.name.encode() for p in prompts]
+
+    def encode(self, image: bytes, prompt: Prompt) -> bytes:
+        return image
 
 
 class PlainLeases:
@@ -183,7 +187,7 @@ class PlainLeases:
     def hincrby(self, *args: Any) -> None:
         pass
 
-    lpush = ltrim = hincrby
+    lpush = ltrim = expire = hincrby
 
     def execute(self) -> list[Any]:
         return []
