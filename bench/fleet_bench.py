@@ -296,7 +296,7 @@ def main() -> int:
     if not args.no_write:
         write_section("fleet", "The fleet: orchestration overhead, the real tiny model, scale-out",
                       "Every figure: the median over the runs shown, ratios from the same run.  "
-                      "Other processes shared the CPU.\n\n" + text)
+                      "The load average above says how busy the 2 cores were.\n\n" + text)
     return 0
 
 

@@ -45,3 +45,4 @@ class TaskOutcome(StrEnum):
     ERROR = "error"
     REJECTED = "rejected"
     DEVICE_ERROR = "device-error"
+    ENDING = "ending"  # rendered; its last commits and its release run in the commit thread

@@ -35,7 +35,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -112,6 +112,29 @@ class ShardResult:
         return bool(self.failed) and self.rendered == 0 and self.attempted - self.excused > 1
 
 
+class PendingShard:
+    """A shard whose batches are all rendered and whose last commits may still run (docs/design.md, "Invariants").
+
+    The worker service ends the shard in the commit thread, after them
+    (:meth:`then`), and takes the next shard meanwhile: the GPU does not wait
+    for the last batch's upload, checkpoint and count, nor for the release.
+    """
+
+    def __init__(self, executor: ThreadPoolExecutor, commits: CommitQueue, result: ShardResult):
+        self._executor = executor
+        self._commits = commits
+        self._result = result
+
+    def wait(self) -> ShardResult:
+        """The shard's result once every commit is done; raises the first commit's error."""
+        self._commits.drain()
+        return self._result
+
+    def then(self, finish: Callable[[PendingShard], Any]) -> Future[Any]:
+        """Run ``finish(self)`` in the commit thread, after this shard's commits (one thread: in order)."""
+        return self._executor.submit(finish, self)
+
+
 @dataclass
 class _Checkpoint:
     done: set[str] = field(default_factory=set)
@@ -146,13 +169,26 @@ class ShardRunner:
         # Prompts per pipeline call (worker/batchsize.py): whole batches unless told; OOM halving sticks.
         self.batch_sizes = batch_sizes or BatchSizes(None, fixed=WHOLE_BATCH)
         self._batch_seconds: float | None = None
+        # The checkpoints of the next shard, read while the service checks its message (prefetch).
+        self._prefetched: tuple[tuple[str, int], Future[dict[int, _Checkpoint]]] | None = None
 
     # ---- the shard ---------------------------------------------------------------
 
     def run(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0) -> ShardResult:
-        """Render every prompt of the shard not yet in the store."""
+        """Render every prompt of the shard not yet in the store, and wait for its commits."""
+        return self.render(msg, ledger, attempt=attempt).wait()
+
+    def render(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0) -> PendingShard:
+        """Render every prompt of the shard not yet in the store; its last commits may still run.
+
+        Returns as soon as the last batch is rendered: :meth:`PendingShard.wait`
+        (or :meth:`PendingShard.then`, in the commit thread) waits for the
+        commits queued behind it and gives the shard's result, or raises the
+        first commit's error.  Whatever ends the shard early (a stop request,
+        a fence, a failing commit) is raised here, after every commit is done.
+        """
         result = ShardResult()
-        checkpoints = self._read_checkpoints(msg)
+        checkpoints = self._checkpoints_of(msg)
         stored = self._stored_images(msg, checkpoints)
         # What earlier deliveries checkpointed is counted again: a worker killed
         # between its checkpoint and its count left those prompts stored but
@@ -195,8 +231,7 @@ class ShardRunner:
             # synchronous path would have raised before this batch began, is the one raised.
             commits.drain()
             raise
-        commits.drain()
-        return result
+        return PendingShard(self._commits, commits, result)
 
     def _render_batch(
         self,
@@ -329,6 +364,24 @@ class ShardRunner:
             failures.append((prompt, str(exc) or type(exc).__name__, not excused))
 
     # ---- the store -----------------------------------------------------------
+
+    def prefetch(self, msg: ShardMessage) -> None:
+        """Start reading ``msg``'s checkpoints in the background; :meth:`render` of it takes the answer.
+
+        The worker service calls it before its own store check of a message,
+        so the two requests overlap (each one round trip to S3 per shard).
+        Reading before the claim misses nothing the store decides: a stale
+        attempt could write a checkpoint after a read made after the claim
+        just as well, and a batch it names is only rendered again, to the
+        same bytes.
+        """
+        self._prefetched = ((msg.job, msg.shard), self._uploads.submit(self._read_checkpoints, msg))
+
+    def _checkpoints_of(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == (msg.job, msg.shard):
+            return prefetched[1].result()
+        return self._read_checkpoints(msg)
 
     def _read_checkpoints(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
         """Each batch's checkpoints, the union over the attempts that wrote one."""

@@ -14,7 +14,9 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -31,7 +33,7 @@ from worker.batchsize import BatchSizes
 from worker.ledger import LeaseKeeper, RedisLedger
 from worker.models import model_allowed
 from worker.render import is_device_error
-from worker.runner import ShardResult, ShardRunner
+from worker.runner import PendingShard, ShardRunner
 from worker.stop import StopSignal
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
 # How long a worker remembers that a model would not load: the job's other
 # shards fail at once instead of each paying a load (and a reload of ours).
 FAILED_LOAD_MEMORY_SECONDS = 300.0
+
+# How long a worker trusts that a job it found in the store is still there (accept's check).
+SPEC_CHECK_SECONDS = 10.0
 
 
 class Unloadable:
@@ -117,7 +122,9 @@ class WorkerService:
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
         self._registration = ""
         self._lease: Lease | None = None  # the shard being handled, if any
+        self._ending: Future[Outcome] | None = None  # the shard before, ending in the commit thread
         self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
+        self._jobs_seen: dict[str, float] = {}  # job -> when its spec was last found in the store
 
     @classmethod
     def from_settings(
@@ -189,9 +196,13 @@ class WorkerService:
 
     # ---- one delivery -----------------------------------------------------------
 
-    def handle(self, message: str | dict[str, Any], tag: str) -> Outcome:
+    def handle(self, message: str | dict[str, Any], tag: str, *, detach: bool = False) -> Outcome:
         """Claim the shard, render what is missing, release or hand it back.
 
+        ``detach`` (the Celery task's way): return as soon as the last batch is
+        rendered (:attr:`TaskOutcome.ENDING`) and end the shard, its last
+        commits and then its release or hand-back, in the commit thread while
+        the caller takes the next message (docs/design.md, "Invariants").
         Raises :class:`TransientError` only before the shard is claimed (Redis
         unreachable): the task then gives the message back to the broker.
         """
@@ -212,7 +223,7 @@ class WorkerService:
         self._lease = lease
         self._doing(f"{msg.job}:{msg.shard}")
         try:
-            return self._handle_claimed(msg, lease)
+            return self._handle_claimed(msg, lease, detach=detach)
         finally:
             self._lease = None
             self._doing("")
@@ -226,18 +237,64 @@ class WorkerService:
     @property
     def busy(self) -> bool:
         """Whether this worker holds a shard's lease right now (scale-in protection asks)."""
-        return self._lease is not None
+        return self._lease is not None or (self._ending is not None and not self._ending.done())
 
-    def _handle_claimed(self, msg: ShardMessage, lease: Lease) -> Outcome:
-        """Render a claimed shard, then release it or hand it back: one ``except`` per outcome."""
+    def _handle_claimed(self, msg: ShardMessage, lease: Lease, *, detach: bool) -> Outcome:
+        """Render a claimed shard while a keeper renews its lease, then end it (:meth:`_end`)."""
+        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
+                             self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None)
+        keeper.start()
+        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, metrics=self.metrics)
+        ours = None  # our renderer, set aside while an Unloadable stands in for one shard
+        pending: PendingShard | BaseException
         try:
-            result = self._run_claimed(msg, lease)
+            if msg.params.model != self.model:
+                self.wait_ending()  # the shard before encodes its last images with our renderer
+                try:
+                    self.switch_model(msg.params.model)  # after the claim: a duplicate costs no load
+                except ModelLoadError as exc:
+                    # The job's fault: its prompts fail with the reason, this worker goes on.
+                    log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
+                    ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
+            pending = self.runner.render(msg, ledger, attempt=lease.attempt)
+        except BaseException as exc:  # ended below, with the keeper closed first
+            pending = exc
+        if detach and ours is None and isinstance(pending, PendingShard):
+            self._ending = pending.then(partial(self._end, msg, lease, keeper))
+            return Outcome(TaskOutcome.ENDING)
+        try:
+            return self._end(msg, lease, keeper, pending)
+        finally:
+            if ours is not None:
+                self.runner.renderer = ours
+
+    def wait_ending(self) -> None:
+        """Wait until the shard before, if it is still ending in the commit thread, is released or handed back."""
+        if self._ending is not None:
+            wait([self._ending])
+
+    def _end(self, msg: ShardMessage, lease: Lease, keeper: LeaseKeeper,
+             pending: PendingShard | BaseException) -> Outcome:
+        """Wait for the shard's commits, close its keeper, then release it or hand it back: one ``except`` per outcome.
+
+        The keeper is closed once, before any release or hand-back: a renewal
+        after a hand-back would bring the lease back and make the next claim
+        of the shard look like a duplicate.
+        """
+        try:
+            try:
+                if isinstance(pending, BaseException):
+                    raise pending
+                result = pending.wait()
+            finally:
+                keeper.close()
         except Reclaimed as exc:
-            if exc.fenced or self.stop.fenced:
+            if (exc.fenced or self.stop.fenced) and not self._still_ours(lease):
                 self.stop.clear_fence()
                 self._pool_bump(fenced=1)
                 log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
                 return Outcome(TaskOutcome.FENCED)
+            # A notice, or a fence that was another shard's (one ending beside this one): hand it back.
             self._hand_back(lease, Release.FRONT)
             noticed = self.stop.noticed_at or time.monotonic()
             self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
@@ -276,31 +333,12 @@ class WorkerService:
         self._hand_back(lease, Release.BACK)
         return Outcome(TaskOutcome.PARTIAL, result.rendered)
 
-    def _run_claimed(self, msg: ShardMessage, lease: Lease) -> ShardResult:
-        """Render a claimed shard while a keeper renews its lease.
-
-        The keeper is closed once, in ``finally``, before the caller releases
-        or hands back the shard: a renewal after a hand-back would bring the
-        lease back and make the next claim of the shard look like a duplicate.
-        """
-        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
-                             self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None)
-        keeper.start()
-        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, metrics=self.metrics)
-        ours = None  # our renderer, set aside while an Unloadable stands in for one shard
+    def _still_ours(self, lease: Lease) -> bool:
+        """Whether Redis says ``lease`` is still the shard's current attempt (False if it cannot say)."""
         try:
-            if msg.params.model != self.model:
-                try:
-                    self.switch_model(msg.params.model)  # after the claim: a duplicate costs no load
-                except ModelLoadError as exc:
-                    # The job's fault: its prompts fail with the reason, this worker goes on.
-                    log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
-                    ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
-            return self.runner.run(msg, ledger, attempt=lease.attempt)
-        finally:
-            keeper.close()
-            if ours is not None:
-                self.runner.renderer = ours
+            return bool(self.leases.current(lease))
+        except redis.RedisError:
+            return False
 
     def accept(self, raw: str) -> ShardMessage | None:
         """The message, if it may be rendered here; None (and one log line) if not.
@@ -344,10 +382,29 @@ class WorkerService:
                 or any(p.index not in span for p in msg.prompts):
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             return None
-        if not self.store.exists(spec.spec_key(msg.job)) and stored:  # StoreError: transient
+        self.runner.prefetch(msg)  # its checkpoints are read while the store is asked about the job
+        if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
         return msg
+
+    def _job_in_store(self, job: str) -> bool:
+        """Whether the job's spec is in the store: asked at most every ``SPEC_CHECK_SECONDS`` per job.
+
+        One request per shard is, for a fast render, a good part of what a
+        shard costs beyond its batches; a job deleted from the store is still
+        rendered here for at most that long after this worker last saw it.
+        """
+        now = time.monotonic()
+        seen = self._jobs_seen.get(job)
+        if seen is not None and now - seen < SPEC_CHECK_SECONDS:
+            return True
+        if not self.store.exists(spec.spec_key(job)):
+            self._jobs_seen.pop(job, None)
+            return False
+        self._jobs_seen = {j: t for j, t in self._jobs_seen.items() if now - t < SPEC_CHECK_SECONDS}
+        self._jobs_seen[job] = now
+        return True
 
     def _hand_back(self, lease: Any, where: Release) -> None:
         message = self.leases.release(lease, where)

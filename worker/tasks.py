@@ -1,7 +1,9 @@
 """The Celery side of a worker: a thin task over :class:`WorkerService`.
 
 The task decodes the message, passes it and kombu's delivery tag to the
-service, and lets Celery ack it (``acks_late``).  Hand-backs and retries are
+service, and lets Celery ack it (``acks_late``) once the shard's last batch
+is rendered: the shard ends (last commits, release) in the commit thread
+while the next message is taken, under the shard's lease (``detach``).  Hand-backs and retries are
 not Celery retries: the lease protocol puts the very same message back on the
 queue, so a reclaim never burns a retry budget.
 """
@@ -79,7 +81,7 @@ def register(app: Celery, service: WorkerService) -> Task:
     def render_shard(self: ShardTask, message: str | dict[str, Any]) -> str:
         tag = str(getattr(self.request, "rf_delivery_tag", "") or "")
         try:
-            return service.handle(message, tag).status
+            return service.handle(message, tag, detach=True).status
         except TransientError as exc:
             # Not claimed: give the message back to the broker rather than ack it away.
             log.warning("%s: message requeued", exc)

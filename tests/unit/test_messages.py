@@ -19,7 +19,7 @@ from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams, message_problems
 from renderfleet.store import LocalStore
 from testing.messages import message_json
-from worker.service import WorkerService
+from worker.service import SPEC_CHECK_SECONDS, WorkerService
 from worker.stop import StopSignal
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
@@ -115,6 +115,29 @@ def test_a_shard_of_the_job_as_submitted_is_accepted(tmp_path: Path) -> None:
     svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
     msg = svc.accept(json.dumps(good()))
     assert msg is not None and msg.shard == 1
+    svc.runner.close()
+
+
+def test_the_store_is_asked_about_a_job_once_in_a_while_not_for_every_shard(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    svc = service(tmp_path, registered())
+    svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
+    asked: list[str] = []
+    exists = svc.store.exists
+    monkeypatch.setattr(svc.store, "exists", lambda key: asked.append(key) or exists(key))
+    clock = [1000.0]
+    monkeypatch.setattr("worker.service.time.monotonic", lambda: clock[0])
+    assert svc.accept(json.dumps(good())) is not None
+    assert svc.accept(json.dumps(good())) is not None
+    assert len(asked) == 1
+    # Deleted: trusted until the check is due again, then refused (and asked again every time).
+    (tmp_path / "store" / spec.spec_key(JOB.job)).unlink()
+    clock[0] += SPEC_CHECK_SECONDS - 1
+    assert svc.accept(json.dumps(good())) is not None and len(asked) == 1
+    clock[0] += 2
+    assert svc.accept(json.dumps(good())) is None
+    assert svc.accept(json.dumps(good())) is None
+    assert len(asked) == 3
     svc.runner.close()
 
 

@@ -139,3 +139,14 @@ def test_a_shard_has_one_wire_form_from_submit_or_resume_that_round_trips_with_t
     assert fast == message_dict(msg)
     assert ShardMessage.from_dict(message_dict(msg)) == msg
     assert message_problems(fast) == []
+
+
+def test_the_apis_prompt_request_names_exactly_the_fields_of_the_one_table() -> None:
+    """PromptRequest spells its fields out for users' type checkers; the table stays the one definition."""
+    from dataclasses import fields
+
+    from renderfleet.api import PromptRequest
+
+    assert [f.name for f in fields(PromptRequest)] == [f.name for f in spec.FIELDS]
+    every = PromptRequest("a cat", id="c", negative_prompt="n", seed=1, steps=2, guidance=3.0, width=8, height=16)
+    assert set(every.to_dict()) == set(spec.FIELD)
