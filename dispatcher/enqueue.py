@@ -65,15 +65,21 @@ def check_owner(client: redis.Redis, job: str, store: str) -> None:
                           f"not {store}; give another --job"])
 
 
-def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, stored: bool = False) -> None:
+def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, stored: bool = False,
+                 fresh: bool = False) -> None:
     """Make the job known to this Redis (idempotent), as a job of ``store``;
-    ``stored``: the store holds its spec already (see :func:`mark_stored`)."""
+    ``stored``: the store holds its spec already (see :func:`mark_stored`);
+    ``fresh``: a new job, its spec not in the store: a shard's first claim in
+    this Redis then finds no checkpoint to read (the flag goes with a Redis
+    that loses its memory, and ``resume`` never sets it)."""
     check_owner(client, spec.job, store)
     pipe = client.pipeline()
     pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue,
                                            "store": store})
     if stored:
         pipe.hset(keys.job(spec.job), "stored", "1")
+    if fresh:
+        pipe.hset(keys.job(spec.job), "fresh", "1")
     pipe.sadd(keys.JOBS, spec.job)
     pipe.setnx(keys.EPOCH, "1")
     pipe.execute()

@@ -124,7 +124,7 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     job_spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
                        batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
                        prompts_key=spec.source_key(job, fmt, gzipped), created=time.time())
-    enqueue.register_job(client, job_spec, queue, owner)
+    enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     # The upload (network or disk, the GIL released) overlaps the publishing.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-upload") as pool:
         upload = pool.submit(store.put_file, job_spec.prompts_key, Path(path))

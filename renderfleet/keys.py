@@ -31,7 +31,9 @@ CONSUMED = "rf:consumed"  # hash queue -> highest seq of a back-of-queue push cl
 
 def job(job_id: str) -> str:
     """hash: spec (JSON), total, queue, store (whose job it is), stored ("1" once the
-    store holds the spec: a worker then takes the spec's absence for a deleted job)."""
+    store holds the spec: a worker then takes the spec's absence for a deleted job),
+    fresh ("1": submitted to this Redis as a new job; a shard's first claim skips the
+    checkpoint read)."""
     return f"rf:job:{job_id}"
 
 

@@ -174,11 +174,12 @@ class ShardRunner:
 
     # ---- the shard ---------------------------------------------------------------
 
-    def run(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0) -> ShardResult:
+    def run(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0, first_delivery: bool = False) -> ShardResult:
         """Render every prompt of the shard not yet in the store, and wait for its commits."""
-        return self.render(msg, ledger, attempt=attempt).wait()
+        return self.render(msg, ledger, attempt=attempt, first_delivery=first_delivery).wait()
 
-    def render(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0) -> PendingShard:
+    def render(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0,
+               first_delivery: bool = False) -> PendingShard:
         """Render every prompt of the shard not yet in the store; its last commits may still run.
 
         Returns as soon as the last batch is rendered: :meth:`PendingShard.wait`
@@ -186,9 +187,16 @@ class ShardRunner:
         commits queued behind it and gives the shard's result, or raises the
         first commit's error.  Whatever ends the shard early (a stop request,
         a fence, a failing commit) is raised here, after every commit is done.
+
+        ``first_delivery``: the caller knows no earlier attempt can have
+        written a checkpoint of this shard (its first claim, of a job
+        submitted to this Redis as new): the read of its checkpoints, one
+        listing per shard, is skipped.  Were it wrong (a Redis rolled back to
+        a snapshot), its stored batches would only be rendered again, to the
+        same bytes, and counted once.
         """
         result = ShardResult()
-        checkpoints = self._checkpoints_of(msg)
+        checkpoints = {} if first_delivery else self._checkpoints_of(msg)
         stored = self._stored_images(msg, checkpoints)
         # What earlier deliveries checkpointed is counted again: a worker killed
         # between its checkpoint and its count left those prompts stored but

@@ -125,6 +125,9 @@ class WorkerService:
         self._ending: Future[Outcome] | None = None  # the shard before, ending in the commit thread
         self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
         self._jobs_seen: dict[str, float] = {}  # job -> when its spec was last found in the store
+        # Whether the message accept() let through last is of a job submitted to this Redis as new
+        # (dispatcher.enqueue.register_job's "fresh"): its shards' first claims skip the checkpoint read.
+        self.fresh = False
 
     @classmethod
     def from_settings(
@@ -207,6 +210,7 @@ class WorkerService:
         unreachable): the task then gives the message back to the broker.
         """
         raw = message if isinstance(message, str) else json.dumps(message)
+        self.fresh = False
         msg = self.accept(raw)
         if msg is None:
             return Outcome(TaskOutcome.REJECTED)
@@ -256,7 +260,9 @@ class WorkerService:
                     # The job's fault: its prompts fail with the reason, this worker goes on.
                     log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
                     ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
-            pending = self.runner.render(msg, ledger, attempt=lease.attempt)
+            # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
+            first = self.fresh and lease.attempt == 1
+            pending = self.runner.render(msg, ledger, attempt=lease.attempt, first_delivery=first)
         except BaseException as exc:  # ended below, with the keeper closed first
             pending = exc
         if detach and ours is None and isinstance(pending, PendingShard):
@@ -366,7 +372,7 @@ class WorkerService:
                                  f"this worker writes to {self.store.url}")
         where = f"rejecting shard {msg.job}:{msg.shard}"
         try:
-            registered, stored = self.client.hmget(keys.job(msg.job), "spec", "stored")
+            registered, stored, fresh = self.client.hmget(keys.job(msg.job), "spec", "stored", "fresh")
         except redis.RedisError as exc:
             raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
         if registered is None:
@@ -382,7 +388,9 @@ class WorkerService:
                 or any(p.index not in span for p in msg.prompts):
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             return None
-        self.runner.prefetch(msg)  # its checkpoints are read while the store is asked about the job
+        self.fresh = bool(fresh)
+        if not self.fresh:
+            self.runner.prefetch(msg)  # its checkpoints are read while the store is asked about the job
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
