@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # restarts and workers starting, so two keep the 2 cores busy (13 minutes of tests become about 9).
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser run test test-unit test-integration chaos soak bench lint clean
+.PHONY: install browser kubectl run test test-unit test-integration chaos soak bench lint clean
 
 install: $(VENV)/.installed
 
@@ -36,13 +36,22 @@ run: install
 browser:
 	[ -x /usr/bin/chromium ] || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
 
-test: install browser lint
+# tests/integration/test_deploy_files.py checks our Kustomize renderer (testing/kustomize.py) against
+# `kubectl kustomize` (kustomize v5: `patches:`, folders as resources). kubectl comes from the
+# Kubernetes (or Google Cloud) apt repository where the machine has one, as this project's machines
+# do. Debian's own kubernetes-client is kubectl 1.20 with kustomize v2, which cannot load a folder as
+# a resource: it is not used. With neither, that one test skips and says why.
+kubectl:
+	command -v kubectl >/dev/null || $(SUDO) apt-get install -y kubectl \
+		|| echo "make: no kubectl package here: test_the_renderer_agrees_with_kubectl_kustomize will skip"
+
+test: install browser kubectl lint
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/pytest -q tests/unit
 
-test-integration: install browser
+test-integration: install browser kubectl
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/integration
 
 # The long chaos run: 400 prompts, 3 workers, random SIGKILLs, a spot notice, workers SIGSTOPped past

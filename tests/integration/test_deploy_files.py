@@ -78,7 +78,7 @@ def test_a_patch_of_an_object_the_base_lacks_is_refused(tmp_path: Path) -> None:
         build(tmp_path)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (and its kustomize) not installed")
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (and its kustomize) not installed: see `make kubectl`")
 @pytest.mark.parametrize("overlay", ["baseline", "spot"])
 def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
     out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
