@@ -534,3 +534,8 @@ def images_prefix(job: str, start: str = "") -> str:
 
 def quarantine_key(job: str, name: str) -> str:
     return f"jobs/{job}/quarantine/{name}.json"
+
+
+def fleet_key(kind: str, parts: Sequence[Any], ext: str) -> str:
+    """``fleet/KIND/<digest>.EXT``: what workers share across jobs, per ``parts`` (e.g. card, model, size)."""
+    return f"fleet/{kind}/{hashlib.sha256(json.dumps(list(parts)).encode()).hexdigest()[:32]}.{ext}"

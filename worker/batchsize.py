@@ -40,7 +40,6 @@ How ``auto`` finds the size:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import platform
@@ -49,13 +48,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from renderfleet import spec
 from renderfleet.errors import OutOfMemory, PermanentError
 from renderfleet.spec import INT_LIMITS, Prompt
 from renderfleet.store import Store
 
 log = logging.getLogger("renderfleet.batchsize")
 
-KEY_PREFIX = "fleet/batch-sizes/"
+KIND = "batch-sizes"
+KEY_PREFIX = f"fleet/{KIND}/"
 PROBE_STEPS = 2  # a probe's denoising steps: memory peaks at one step and the decode
 PROBE_GUIDANCE = 2.0  # classifier-free guidance on: twice the UNet's batch, the worst case
 SAFETY = 0.9  # of the largest that fit, when an out-of-memory bounded the search (from 4 up)
@@ -220,6 +221,7 @@ class BatchSizes:
         self.clock = clock
         self._known: dict[tuple[str, str, int, int], Remembered] = {}
         self._halved: dict[tuple[int, int], int] = {}  # fixed size or no key: (width, height) -> size
+        self._unprobed: set[tuple[tuple[str, str, int, int], Any]] = set()  # (key, render key) whose probe failed
 
     # ---- what the runner asks ----------------------------------------------------
 
@@ -229,11 +231,16 @@ class BatchSizes:
         key = self._key(renderer, prompt)
         if key is None or self.fixed is not None:
             return min(batch, self._halved.get((prompt.width, prompt.height), self.fixed or batch))
+        if (key, prompt.render_key) in self._unprobed:
+            return batch  # its probe failed once: not again for every batch
         known = self._known.get(key) or self._read(key)
         if known is None or not known.covers(batch):
             found = self._search(renderer, prompt, batch, known, should_stop, key)
             if found is None:
-                return batch  # the probe failed: let the real render say why
+                # The probe failed (the job's settings, say): let the real render say why, this
+                # batch and every later one like it, without a store read and a probe each time.
+                self._unprobed.add((key, prompt.render_key))
+                return batch
             known = found
             self._write(key, known)
         self._known[key] = known
@@ -307,7 +314,7 @@ class BatchSizes:
     @staticmethod
     def store_key(key: tuple[str, str, int, int]) -> str:
         """Where the store keeps the size for (card, model, width, height)."""
-        return f"{KEY_PREFIX}{hashlib.sha256(json.dumps(list(key)).encode()).hexdigest()[:32]}.json"
+        return spec.fleet_key(KIND, key, "json")
 
     def _read(self, key: tuple[str, str, int, int]) -> Remembered | None:
         if self.store is None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from renderfleet.errors import PromptError, Reclaimed
+from renderfleet.errors import Reclaimed
 from renderfleet.spec import Prompt
 
 
@@ -61,17 +61,9 @@ class FixedTimeRenderer:
         return [Image.new("RGB", (p.width, p.height), _colour(p.seed)) for p in prompts]
 
     def encode(self, image: Any, prompt: Prompt) -> bytes:
-        from worker.render import encode_png
+        from worker.render import encode_image
 
-        try:
-            return encode_png(image, prompt, self.model)
-        except Exception as exc:
-            raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
-
-    def render(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
-        """PNGs, as :meth:`worker.render.Renderer.render`."""
-        return [self.encode(i, p) for i, p in zip(self.render_images(prompts, should_stop=should_stop), prompts,
-                                                   strict=True)]
+        return encode_image(image, prompt, self.model)
 
 
 def _colour(seed: int) -> tuple[int, int, int]:

@@ -19,12 +19,11 @@ CUDA only (``worker.models.check_compile``).  Nothing here runs at import.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from renderfleet import spec
 from renderfleet.store import Store
 
 log = logging.getLogger("renderfleet.compile")
@@ -65,8 +64,7 @@ def compile_unet(pipe: Any, **options: Any) -> str:
 
 def cache_key(model: str, card: str, width: int, height: int, torch_version: str) -> str:
     """The store key of the compile cache for this (model, card, size, torch version)."""
-    what = json.dumps([model, card, width, height, torch_version])
-    return f"fleet/compile-cache/{hashlib.sha256(what.encode()).hexdigest()[:32]}.bin"
+    return spec.fleet_key("compile-cache", [model, card, width, height, torch_version], "bin")
 
 
 class CompileCache:

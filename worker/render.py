@@ -115,10 +115,7 @@ class Renderer:
 
     def encode(self, image: Any, prompt: Prompt) -> bytes:
         """The image's PNG, with what made it; :class:`PromptError` if its text cannot be carried."""
-        try:
-            return encode_png(image, prompt, self.loaded.model)
-        except Exception as exc:  # text PNG cannot carry: the prompt's fault
-            raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
+        return encode_image(image, prompt, self.loaded.model)
 
     def generate(self, prompts: Sequence[Prompt], *, output_type: str = "pil",
                  should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
@@ -214,6 +211,14 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
                          f"but are {width} and {height}")
     if why := field_problem(FIELD["guidance"], guidance):
         raise ValueError(f"`guidance_scale`: {why}")
+
+
+def encode_image(image: Any, prompt: Prompt, model: str) -> bytes:
+    """:func:`encode_png`, any failure the prompt's (:class:`PromptError`): text a PNG cannot carry."""
+    try:
+        return encode_png(image, prompt, model)
+    except Exception as exc:
+        raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
 
 
 def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:

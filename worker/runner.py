@@ -169,8 +169,6 @@ class ShardRunner:
         # Prompts per pipeline call (worker/batchsize.py): whole batches unless told; OOM halving sticks.
         self.batch_sizes = batch_sizes or BatchSizes(None, fixed=WHOLE_BATCH)
         self._batch_seconds: float | None = None
-        # The checkpoints of the next shard, read while the service checks its message (prefetch).
-        self._prefetched: tuple[tuple[str, int], Future[dict[int, _Checkpoint]]] | None = None
 
     # ---- the shard ---------------------------------------------------------------
 
@@ -196,7 +194,7 @@ class ShardRunner:
         same bytes, and counted once.
         """
         result = ShardResult()
-        checkpoints = {} if first_delivery else self._checkpoints_of(msg)
+        checkpoints = {} if first_delivery else self._read_checkpoints(msg)
         stored = self._stored_images(msg, checkpoints)
         # What earlier deliveries checkpointed is counted again: a worker killed
         # between its checkpoint and its count left those prompts stored but
@@ -372,24 +370,6 @@ class ShardRunner:
             failures.append((prompt, str(exc) or type(exc).__name__, not excused))
 
     # ---- the store -----------------------------------------------------------
-
-    def prefetch(self, msg: ShardMessage) -> None:
-        """Start reading ``msg``'s checkpoints in the background; :meth:`render` of it takes the answer.
-
-        The worker service calls it before its own store check of a message,
-        so the two requests overlap (each one round trip to S3 per shard).
-        Reading before the claim misses nothing the store decides: a stale
-        attempt could write a checkpoint after a read made after the claim
-        just as well, and a batch it names is only rendered again, to the
-        same bytes.
-        """
-        self._prefetched = ((msg.job, msg.shard), self._uploads.submit(self._read_checkpoints, msg))
-
-    def _checkpoints_of(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] == (msg.job, msg.shard):
-            return prefetched[1].result()
-        return self._read_checkpoints(msg)
 
     def _read_checkpoints(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
         """Each batch's checkpoints, the union over the attempts that wrote one."""

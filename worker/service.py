@@ -210,7 +210,6 @@ class WorkerService:
         unreachable): the task then gives the message back to the broker.
         """
         raw = message if isinstance(message, str) else json.dumps(message)
-        self.fresh = False
         msg = self.accept(raw)
         if msg is None:
             return Outcome(TaskOutcome.REJECTED)
@@ -389,8 +388,6 @@ class WorkerService:
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             return None
         self.fresh = bool(fresh)
-        if not self.fresh:
-            self.runner.prefetch(msg)  # its checkpoints are read while the store is asked about the job
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None

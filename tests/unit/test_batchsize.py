@@ -239,6 +239,20 @@ def test_a_probe_that_fails_for_another_reason_leaves_the_batch_whole_and_rememb
     assert list(store.list("")) == []
 
 
+def test_a_failed_probe_is_not_repeated_for_every_later_batch_like_it(tmp_path: Path) -> None:
+    probes: list[int] = []
+
+    class Refuses(GpuRenderer):
+        def generate(self, prompts: Sequence[Prompt], **kw: Any) -> list[Any]:
+            probes.append(len(prompts))
+            raise JobError("the model rejects these settings")
+
+    sizes = BatchSizes(LocalStore(tmp_path / "store"), card=card)
+    renderer = Refuses(fits=8)
+    assert [sizes.size_for(renderer, prompt(), 8) for _ in range(3)] == [8, 8, 8]
+    assert len(probes) == 1
+
+
 def test_on_a_cpu_auto_remembers_its_sweep_for_the_next_worker(tmp_path: Path) -> None:
     now = [0.0]
 
