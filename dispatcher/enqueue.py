@@ -32,17 +32,15 @@ class WireShard:
     it, its prompts in their wire form (``spec.prompt_json``) and the index of
     its first prompt (``start``).
 
-    ``resume`` also gives ``expect`` (the shard's attempt when it read the
-    store: the shard is skipped if claimed since, or leased) and ``marks`` (one
-    character per prompt from ``start``: 'd' stored, 'f' quarantined, '-' to
-    do, '?' to do unless counted since the bits were read), from which the
-    shard's bits and count are rebuilt; see ``renderfleet/lua/publish.lua``.
+    ``resume`` also gives ``marks`` (one character per prompt from ``start``:
+    'd' stored, 'f' quarantined, '-' to do, '?' to do unless counted since the
+    bits were read), from which the shard's bits and count are rebuilt,
+    whoever holds it; see ``renderfleet/lua/publish.lua``.
     """
 
     shard: int
     count: int
     prompts_json: Sequence[str]
-    expect: int | None = None
     marks: str = ""
     start: int = 0
 
@@ -104,40 +102,44 @@ def forget_counts(client: redis.Redis, job: str) -> None:
 
 
 def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
-                   shards: Iterable[WireShard], *, store: str, front: bool = False) -> int:
+                   shards: Iterable[WireShard], *, store: str, front: bool = False, force: bool = False,
+                   push: bool = True) -> int:
     """Publish every shard given, in pipelined batches; returns how many.
 
     Each shard's state goes in with its message, in one script: a worker that
     claims the shard must find it queued, and the monitor's audit finds the
     push recorded (``renderfleet/lua/publish.lua``).  Returns the messages pushed:
-    a resumed shard claimed meanwhile, or with nothing left, is not.
-    ``front``: next in line (shards whose turn has passed), not at the back.
+    a shard that is leased, whose push is recorded already, or with nothing
+    left, is not.  ``front``: next in line (shards whose turn has passed), not
+    at the back; ``force``: push even a shard whose push is recorded (one the
+    audit found lost); ``push=False``: rebuild the counts from ``marks`` only.
     """
     envelope = celery_app.envelope_factory(app)
     message = message_encoder(spec, queue, store)
     script = client.register_script(lua_script("publish"))
     job = spec.job
-    script_keys = [queue, keys.shards(job), keys.left(job), keys.attempts(job), keys.INFLIGHT,
+    script_keys = [queue, keys.shards(job), keys.left(job), keys.INFLIGHT,
                    keys.done_bits(job), keys.failed_bits(job), keys.ENQUEUED, keys.SEQ, keys.QUEUES,
-                   UNACKED_KEY, UNACKED_INDEX_KEY]
+                   UNACKED_KEY, UNACKED_INDEX_KEY, keys.CONSUMED]
+    side = "n" if not push else "f" if front else "b"
     count = 0
     args: list[str | int] = []
 
     def flush() -> int:
         if not args:
             return 0
-        sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, "f" if front else "b", *args]))
+        sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, side,
+                                                  "1" if force else "", *args]))
         args.clear()
         return sent
 
     for shard in shards:
         # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
-        pushed = shard.count or not shard.marks
+        pushed = push and (shard.count or not shard.marks)
         body = message(shard.shard, shard.start, shard.prompts_json) if pushed else ""
         env = envelope(body, queue, f"{job}:{shard.shard}") if pushed else ""
-        args.extend((shard.shard, shard.count, "" if shard.expect is None else shard.expect, shard.start, shard.marks,
-                     env, envelope_tag(env)))
-        if len(args) >= BATCH * 7:
+        args.extend((shard.shard, shard.count, shard.start, shard.marks, env, envelope_tag(env)))
+        if len(args) >= BATCH * 6:
             count += flush()
     count += flush()
     return count

@@ -4,7 +4,10 @@ It runs the same reaper as the workers (one acts at a time); every
 ``audit_seconds`` it audits the queued shards for messages lost between a
 queue and a claim (:meth:`Monitor.audit`); and if Redis restarted empty (its
 epoch marker is gone) it resumes from the store every job that still has work
-left, and any job that has work left but nothing queued or running.
+left, and any job that has work left but nothing queued or running.  Each
+audit also checks one finished job against the store, in turn (the slow
+audit, :meth:`Monitor.audit_finished`): a job whose images were deleted after
+it finished is counted again and rendered again.
 
 Which jobs exist is read from the store too, not from Redis alone: at start,
 whenever Redis lost its memory, and at every audit, one delimited listing of
@@ -23,7 +26,7 @@ import uuid
 import redis
 from celery import Celery
 
-from dispatcher.resume import jobs_redis_forgot, resume
+from dispatcher.resume import jobs_redis_forgot, resume, stored_names
 from dispatcher.status import job_status, jobs_of_store
 from renderfleet import celery_app, keys
 from renderfleet.errors import InputError, JobNotFound, StoreError
@@ -53,11 +56,13 @@ class Monitor:
         self.suspects: dict[tuple[str, int], int] = {}
         self.audited_at = 0.0
         self.adopted_at: float | None = None  # None: the store's jobs not listed yet
+        self.finished_turn = -1  # the finished job the slow audit checked last, by its place in the list
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
         reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
-        if time.monotonic() - self.audited_at >= self.settings.audit_seconds:
+        audit_due = time.monotonic() - self.audited_at >= self.settings.audit_seconds
+        if audit_due:
             self.audited_at = time.monotonic()
             self.audit()
         resumed = []
@@ -65,12 +70,15 @@ class Monitor:
         if lost or self.adopted_at is None or time.monotonic() - self.adopted_at >= self.settings.audit_seconds:
             resumed += self.adopt()
         self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
+        finished: list[tuple[str, int]] = []
         for job in sorted(self.known_jobs - set(resumed)):
             try:
                 job_state = job_status(self.client, job, store=self.store)
             except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
                 log.warning("job %s: %s", job, exc)
                 continue
+            if job_state.finished and job_state.known_to_redis:
+                finished.append((job, job_state.done))
             stalled = not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0
             confirmed = stalled and job in self.stalled
             if stalled and not confirmed:
@@ -89,9 +97,29 @@ class Monitor:
                     continue
                 log.warning("job %s resumed from the store: %d shards enqueued", job, report.shards_enqueued)
                 resumed.append(job)
+        if audit_due and finished:
+            resumed += self.audit_finished(finished)
         if lost:
             self.client.setnx(keys.EPOCH, "1")
         return resumed
+
+    def audit_finished(self, finished: list[tuple[str, int]]) -> list[str]:
+        """The slow audit: one finished job per audit, in turn, is checked against the store
+        (one listing of its images); one whose images are fewer than Redis counts done
+        (some deleted since) is resumed, which takes those counts back and renders them again.
+        Returns the job if it was resumed."""
+        self.finished_turn = (self.finished_turn + 1) % len(finished)
+        job, done = finished[self.finished_turn]
+        try:
+            if len(stored_names(self.store, job, "images")) >= done:
+                return []
+            report = resume(job, store=self.store, app=self.app, client=self.client)
+        except (JobNotFound, InputError, StoreError, OSError) as exc:
+            log.warning("job %s: cannot check it against the store now: %s", job, exc)
+            return []
+        log.warning("job %s: %d counted images are gone from the store: %d shards enqueued to render them again",
+                    job, report.uncounted, report.shards_enqueued)
+        return [job]
 
     def adopt(self) -> list[str]:
         """Resume every job of the store that this Redis does not know; returns them.
@@ -133,7 +161,7 @@ class Monitor:
         in none of these.  :meth:`Leases.suspects` finds such shards from the
         enqueue records, in a few commands per queue; one found by two audits in
         a row, unmoved, is lost: it is published again from the store, at the
-        front of its queue (``resume(only=..., front=True)``, which skips it if
+        front of its queue (``resume(only=..., front=True, lost=True)``, which skips it if
         it was claimed meanwhile).  Bound: a lost message is back within two
         audits (``2 * audit_seconds``) of the queue serving any message pushed
         after it, i.e. of its turn; when the queue is empty, within two audits.
@@ -148,7 +176,8 @@ class Monitor:
         for job, shards in sorted(lost.items()):
             try:
                 # At the front: their turn has come and gone.
-                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True)
+                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True,
+                                lost=True)
             except (JobNotFound, StoreError, OSError) as exc:
                 log.warning("job %s: cannot re-queue lost shards %s now: %s", job, sorted(shards), exc)
                 continue

@@ -1,15 +1,15 @@
 """``renderfleet resume``: rebuild a job's queue from the store.
 
-The store is the source of truth and Redis may have been lost: every shard
-with a prompt that has neither an image nor a quarantine record is enqueued
-again, whatever Redis records of it, unless it is under a live lease (its
-runner knows better).  A shard queued in Redis whose message was lost comes
-back this way; one whose message is still queued gets a second copy, which
-its claim drops (a shard runs under one lease at a time).  Each shard's bits
-and count are rebuilt from the store in the same script that queues it, so a
-deleted image is counted as missing again and rendered again; a prompt
-counted after resume read the bits, whose image the listing may have missed,
-keeps its count.
+The store is the source of truth and Redis may have been lost: every shard's
+bits and count are rebuilt from the store, whoever holds it, in the same
+script that queues it, so a deleted image is counted as missing again and
+rendered again; a prompt counted after resume read the bits, whose image the
+listing may have missed, keeps its count.  Every shard with a prompt that has
+neither an image nor a quarantine record is then enqueued again unless it is
+under a live lease (its runner's release checks the bits and hands it back
+if it must), or its message is already in a queue (a resubmit never adds a
+second copy).  A shard whose message was lost between a queue and a claim is
+pushed again by the monitor's audit (``lost``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ResumeReport:
     quarantined: int
     shards_enqueued: int
     rebuilt_counters: bool
+    uncounted: int = 0  # prompts Redis counted whose image (or quarantine record) the store no longer holds
 
 
 def load_spec(store: Store, job: str) -> JobSpec:
@@ -101,30 +102,29 @@ def _bit(bitmap: bytes, i: int) -> bool:
 
 
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
-           only: set[int] | None = None, front: bool = False) -> ResumeReport:
-    """Enqueue whatever of ``job`` (or of its shards ``only``) is not yet in the store;
-    ``front``: at the front of the queue (for shards whose turn has passed).
+           only: set[int] | None = None, front: bool = False, lost: bool = False,
+           push: bool = True) -> ResumeReport:
+    """Correct Redis's counts of ``job`` (or of its shards ``only``) to the store, and
+    enqueue every shard with a prompt the store does not hold that is in no queue,
+    not leased and not finished.
 
-    One read of the stored prompt file.  Commits racing this are safe: each
-    shard's attempt and lease are read *before* the store is listed, and the
-    script that rebuilds a shard's bits and count from that listing skips it
-    if it was leased then or has been claimed since (``renderfleet/lua/publish.lua``).
-    The bits are read before the listing too: a runner whose lease and attempt
-    Redis lost (a restart, empty) passes both checks and may store and count a
-    prompt after the listing; the rebuild clears only what was counted before
-    it (an image gone since) and leaves what was counted after.
+    ``front``: at the front of the queue (for shards whose turn has passed);
+    ``lost``: push even shards whose push is recorded (the audit's lost messages);
+    ``push=False``: correct the counts only (``results``).
+
+    One read of the stored prompt file.  Commits racing this are safe: the bits
+    are read *before* the store is listed, so a count the listing does not
+    explain (an image gone since) is cleared, and one set after the listing
+    began (its image stored first) is kept.  Both hold whoever holds a shard:
+    a leased shard's counts are corrected too, and its runner's release, which
+    checks every prompt's bit, hands it back if one lacks its image
+    (``renderfleet/lua/publish.lua``, ``release.lua``).
     """
     job_spec = load_spec(store, job)
     owner = store_identity(store.url)
     enqueue.check_owner(client, job, owner)
     queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(job_spec.pool)
     known = bool(client.exists(keys.job(job)))
-    attempts = {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
-    seconds, micros = client.time()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    prefix = f"{job}:"
-    leased = {int(keys.text(m)[len(prefix):]) for m in client.zrangebyscore(keys.INFLIGHT, now_ms, "+inf")
-              if keys.text(m).startswith(prefix)}
     # The counts before the listing: one it does not explain (an image gone since) is
     # cleared, one set after it is kept (publish.lua's marks '-' and '?').
     pipe = client.pipeline(transaction=False)
@@ -134,8 +134,10 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
     enqueue.register_job(client, job_spec, queue, owner, stored=True)
+    missing = 0
 
     def shards() -> Iterator[WireShard]:
+        nonlocal missing
         current: list[str] = []
         marks: list[str] = []
         shard = 0
@@ -146,12 +148,14 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
             else:
                 marks.append("-" if _bit(done_bits, i) or _bit(failed_bits, i) else "?")
             if len(current) == job_spec.shard_size or i == job_spec.total - 1:
-                if shard not in leased and (only is None or shard in only):
+                if only is None or shard in only:
                     text = "".join(marks)
-                    yield WireShard(shard, text.count("-") + text.count("?"), current,
-                                    expect=attempts.get(shard, 0), marks=text, start=shard * job_spec.shard_size)
+                    missing += text.count("-")
+                    yield WireShard(shard, text.count("-") + text.count("?"), current, marks=text,
+                                    start=shard * job_spec.shard_size)
                 shard += 1
                 current, marks = [], []
 
-    sent = enqueue.publish_shards(app, client, job_spec, queue, shards(), store=owner, front=front)
-    return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known)
+    sent = enqueue.publish_shards(app, client, job_spec, queue, shards(), store=owner, front=front, force=lost,
+                                  push=push)
+    return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known, missing)

@@ -36,6 +36,7 @@ from io import IOBase
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
+from renderfleet import keys
 from renderfleet.errors import InputError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
@@ -257,9 +258,13 @@ class Job:
                 bar.stop()
 
     def results(self) -> Results:
-        """Where each image is, and which are missing or quarantined (reads the store)."""
+        """Where each image is, and which are missing or quarantined (reads the store); Redis's
+        counts are corrected to it (a count whose image is gone is taken back)."""
+        from dispatcher.resume import resume
         from dispatcher.status import results
 
+        if self.client.redis.exists(keys.job(self.id)):
+            resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False)
         return results(self.client.store, self.id)
 
     def resume(self) -> ResumeReport:

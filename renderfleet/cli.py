@@ -276,7 +276,11 @@ def results(
             if sheet:
                 _err(f"{sheet}: {contact_sheet(store, _job_id(job), sheet, limit=first)} images")
             return
+        corrected = _correct_counts(settings, store, _job_id(job))
         res = job_results(store, _job_id(job))
+    if corrected is not None and corrected.uncounted:
+        _err(f"job {job}: {corrected.uncounted} prompts counted done have no image in the store: "
+             "their counts are taken back")
     if as_json:
         print(json.dumps(res.to_dict()))
     else:
@@ -288,7 +292,30 @@ def results(
             print(f"{name}\tMISSING")
         _err(f"{len(res.images)} images, {len(res.missing)} missing, {len(res.quarantined)} quarantined")
     if res.missing:
+        _err(f"renderfleet resume {job}: renders the missing ones (a running monitor does it by itself)")
         raise typer.Exit(1)  # a script can tell an unfinished job from a finished one
+
+
+def _running_redis(settings: Settings) -> tuple[Any, Any] | None:
+    """(celery app, redis client) of the configured Redis, or of the embedded one if it runs:
+    never started just for a reader."""
+    from renderfleet.celery_app import make_app
+    from renderfleet.embedded import connect, running_embedded
+
+    url = settings.redis_url or running_embedded(settings.home)
+    return (make_app(url), connect(url)) if url else None
+
+
+def _correct_counts(settings: Settings, store: Any, job: str) -> Any:
+    """Redis's counts of ``job`` corrected to the store (a count whose image is gone is taken
+    back), when Redis knows the job: ``status`` then agrees with ``results``.  The report, or None."""
+    from dispatcher.resume import resume as do_resume
+    from renderfleet import keys
+
+    found = _running_redis(settings)
+    if found is None or not found[1].exists(keys.job(job)):
+        return None
+    return do_resume(job, store=store, app=found[0], client=found[1], push=False)
 
 
 def _attempts(settings: Settings, job: str) -> dict[int, int]:
@@ -313,7 +340,9 @@ def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
         report = do_resume(_job_id(job), store=open_store(settings.store_url, settings.s3_options), app=celery,
                            client=client)
     _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
-         f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else ""))
+         f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else "")
+         + (f"; {report.uncounted} counted prompts had no image: counted again once rendered"
+            if report.uncounted else ""))
     print(job)
 
 

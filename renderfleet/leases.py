@@ -81,6 +81,17 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Finished:
+    """What letting go of a shard did: ``done`` (finished), or handed back with ``missing``
+    prompts not counted (a finish refused); ``message`` when the caller must publish it."""
+
+    done: bool
+    missing: int = 0
+    message: str | None = None
+    fenced: bool = False
+
+
+@dataclass(frozen=True)
 class Suspect:
     """A queued shard whose message the audit cannot place: see :meth:`Leases.suspects`."""
 
@@ -217,10 +228,19 @@ class Leases:
         return count
 
     def release(self, lease: Lease, outcome: Release | str) -> str | None:
-        """Finish (DONE) or hand the shard back (to the FRONT of the queue, or the BACK).
+        """Finish (DONE, unchecked: see :meth:`finish`) or hand the shard back (to the FRONT of the
+        queue, or the BACK).
 
         Returns the shard message when the caller must publish it itself.
         """
+        return self._let_go(lease, outcome).message
+
+    def finish(self, lease: Lease, first: int, count: int) -> Finished:
+        """Finish the shard of prompts ``first`` to ``first + count - 1`` if every one is counted
+        done or quarantined; else hand it back to the front (see ``release.lua``)."""
+        return self._let_go(lease, Release.DONE, first, count)
+
+    def _let_go(self, lease: Lease, outcome: Release | str, first: int = 0, count: int = 0) -> Finished:
         try:
             outcome = Release(outcome)
         except ValueError:
@@ -228,12 +248,19 @@ class Leases:
         result = self._release(
             keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
                   keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
-                  keys.ENQUEUED, keys.SEQ, keys.QUEUES],
-            args=[lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX],
+                  keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.done_bits(lease.job), keys.failed_bits(lease.job)],
+            args=[lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX,
+                  first, count],
         )
-        if isinstance(result, list) and result and int(result[0]) == 2:
-            return keys.text(result[1]) or None
-        return None
+        if not isinstance(result, list):
+            fenced = int(result) == 0
+            return Finished(not fenced and outcome is Release.DONE, 0, None, fenced)
+        code = int(result[0])
+        if code == 2:
+            return Finished(False, 0, keys.text(result[1]) or None)
+        if code == 3:
+            return Finished(False, int(result[1]), None)
+        return Finished(False, int(result[1]), keys.text(result[2]) or None)
 
     def reap(self, limit: int = 100) -> list[Reaped]:
         """Re-queue every shard whose lease expired; safe to run from many processes."""

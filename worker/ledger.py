@@ -71,6 +71,9 @@ class RedisLedger:
             else:
                 self.metrics.images(ImageOutcome.SKIPPED, len(done) + len(failed))
 
+    def recount(self, done: list[int], failed: list[int], undone: list[int]) -> None:
+        self.leases.commit(self.lease, done, failed, undone)  # what was stored is in the metrics already
+
     def record_failure(self, prompt: Prompt, error: str) -> int:
         count = self.leases.record_failure(self.lease, prompt.index, error)
         if self.metrics:

@@ -15,7 +15,13 @@ safe to run twice (docs/design.md, rule 2):
    render the next batch while it runs: encode the PNGs, write the images,
    then the batch's checkpoint, then count them in Redis (nothing is counted
    done unless its image is in the store); the queue is drained before the
-   shard ends or is handed back, and a commit's error is raised here.
+   shard ends or is handed back, and a commit's error is raised here;
+5. the shard's last commit lists its images once more and counts what the
+   store holds, prompt by prompt: a count Redis lost (a restart) is set
+   again, one whose image was deleted since is taken back, so the release,
+   which finishes a shard only when every prompt is counted, hands back a
+   shard the store does not prove done (docs/design.md, "Counts the store
+   can prove").
 
 Positions of batches are fixed by the message (``ShardMessage.batches``), so
 batch *k* means the same prompts on every delivery.  Images are
@@ -34,7 +40,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -73,6 +79,9 @@ class Ledger(Protocol):
 
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         """Count prompts done/quarantined; ``undone`` ones lost their image (fenced, idempotent)."""
+
+    def recount(self, done: list[int], failed: list[int], undone: list[int]) -> None:
+        """The same count, of what the store holds at the shard's end: nothing newly rendered."""
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
         """Count one more failure of this prompt; returns the total so far."""
@@ -204,10 +213,11 @@ class ShardRunner:
         stored_failed: list[int] = []
         undone: list[int] = []
         todo: list[tuple[int, list[Prompt], _Checkpoint]] = []
+        kept: dict[int, _Checkpoint] = {}  # each batch's checkpoint as this delivery leaves it
         for number, batch in msg.batches():
             cp = checkpoints.get(number, _Checkpoint())
             named = cp.done | cp.quarantined
-            verified = _Checkpoint({n for n in named if n in stored}, cp.quarantined - stored - cp.done)
+            verified = kept[number] = _Checkpoint({n for n in named if n in stored}, cp.quarantined - stored - cp.done)
             for p in batch:
                 if p.name in verified.done:
                     stored_done.append(p.index)
@@ -231,6 +241,7 @@ class ShardRunner:
                 images, failures = self._render_batch(pending, ledger, result, commits)
                 commits.put(partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger,
                                     result, attempt), len(images))
+            commits.put(partial(self._count_stored, msg, kept, ledger))
         except BaseException:
             # Whatever ends the shard early, a commit queued before it is finished first (nothing
             # rendered is lost, nothing is written after the hand-back), and its error, which the
@@ -317,6 +328,24 @@ class ShardRunner:
         result.quarantined += len(quarantined)
         result.batches += 1
 
+    def _count_stored(self, msg: ShardMessage, kept: dict[int, _Checkpoint], ledger: Ledger) -> None:
+        """The shard's last commit: count each prompt as the store holds it now (step 5).
+
+        One listing: a prompt whose image is listed is counted done (again:
+        idempotent); one quarantined by a checkpoint is counted failed; any
+        other is counted neither, which takes back a count whose image was
+        deleted after it was made.  Fenced like every count.
+        """
+        testhooks.pause_at("before-count-stored")
+        listed = self._listed_images(msg.job, [p.name for p in msg.prompts])
+        quarantined = set().union(*(cp.quarantined for cp in kept.values()))
+        done: list[int] = []
+        failed: list[int] = []
+        undone: list[int] = []
+        for p in msg.prompts:
+            (done if p.name in listed else failed if p.name in quarantined else undone).append(p.index)
+        ledger.recount(done, failed, undone)
+
     def _render_group(
         self,
         group: list[Prompt],
@@ -390,14 +419,18 @@ class ShardRunner:
         The listing is narrowed to the names' common prefix: a shard of
         index-named prompts (``000640`` to ``000703``) lists about a hundred keys.
         """
-        names = sorted(set().union(*(cp.done | cp.quarantined for cp in checkpoints.values())))
+        return self._listed_images(msg.job, set().union(*(cp.done | cp.quarantined for cp in checkpoints.values())))
+
+    def _listed_images(self, job: str, wanted: Iterable[str]) -> set[str]:
+        """The names of the job's stored images, listed under the common prefix of ``wanted``."""
+        names = sorted(wanted)
         if not names:
             return set()
-        base = spec.images_prefix(msg.job)
+        base = spec.images_prefix(job)
         first, last = names[0], names[-1]  # sorted: their common prefix is everyone's
         common = next((first[:i] for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b),
                       first[: len(last)])
-        keys = self.store.list(spec.images_prefix(msg.job, common))
+        keys = self.store.list(spec.images_prefix(job, common))
         return {key[len(base) : -len(".png")] for key in keys if key.endswith(".png")}
 
     def _put_images(self, job: str, images: dict[str, Any], prompts: dict[str, Prompt]) -> dict[str, str]:

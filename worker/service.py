@@ -330,10 +330,21 @@ class WorkerService:
             return Outcome(TaskOutcome.ERROR)
         self._count_failure(result.all_failed)
         if result.complete:
-            self.leases.release(lease, Release.DONE)
-            log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
-                     msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
-            return Outcome(TaskOutcome.DONE, result.rendered)
+            first = msg.prompts[0].index if msg.prompts else 0
+            finished = self.leases.finish(lease, first, len(msg.prompts))
+            if finished.done:
+                log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
+                         msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
+                return Outcome(TaskOutcome.DONE, result.rendered)
+            if finished.missing:
+                # Counted, then taken back while it ran (its images deleted, `resume` saw it):
+                # the store does not prove it done, so it goes round again (release.lua).
+                if finished.message is not None:
+                    self.publish(finished.message)
+                log.warning("shard %s:%d: %d prompts have no image in the store: handed back to render them",
+                            msg.job, msg.shard, finished.missing)
+                return Outcome(TaskOutcome.PARTIAL, result.rendered)
+            return Outcome(TaskOutcome.FENCED, result.rendered)
         # Some prompts failed but are not yet quarantined: back of the queue, try again later.
         self._hand_back(lease, Release.BACK)
         return Outcome(TaskOutcome.PARTIAL, result.rendered)

@@ -103,23 +103,46 @@ def test_a_hand_back_and_a_reap_are_recorded_and_a_claim_clears_the_record(redis
     assert leases.suspects() == []  # it is in the queue
 
 
-def test_resume_skips_a_shard_claimed_after_it_read_the_store(redis_server: RedisServerProcess) -> None:
+def test_resume_corrects_a_leased_shards_counts_and_its_release_hands_it_back(
+    redis_server: RedisServerProcess,
+) -> None:
     client = redis.Redis.from_url(redis_server.url)
-    leases = Leases(client, lease_seconds=5)
+    leases = Leases(client, lease_seconds=30)
     publish(client, redis_server.url, "j", 1)
     shard, tag = take(client)
     _, lease = leases.claim("j", shard, worker="w", queue=QUEUE, tag=tag, message="{}")
     assert lease is not None
     leases.commit(lease, [0], [])
-    assert leases.release(lease, "back") is not None  # no kombu copy: the caller would publish it
-    # resume read attempt 1 and listed the store (no image of prompt 0 yet); then a
-    # worker claimed attempt 2 and stored prompt 0.  resume's rebuild must not undo it.
+    # resume read the bits (prompt 0 counted) and listed the store: prompt 0's image was
+    # deleted ('-'); prompt 1 was neither counted nor stored then ('?'), and is counted since.
+    leases.commit(lease, [1], [])
+    assert publish(client, redis_server.url, "j", 1, marks="-?") == 0  # leased: its runner ends it
+    assert client.getbit(keys.done_bits("j"), 0) == 0 and client.getbit(keys.done_bits("j"), 1) == 1
+    assert client.hget(keys.left("j"), "0") == b"1" and client.llen(QUEUE) == 0
+    # The runner believes the shard done; its release checks every prompt's bit and
+    # hands it back to the front instead (no kombu copy here: the caller publishes it).
+    finished = leases.finish(lease, 0, 2)
+    assert not finished.done and finished.missing == 1 and finished.message == "{}"
+    assert client.hget(keys.shards("j"), "0") == b"q"
+    # Once every prompt is counted, the shard finishes.
     _, again = leases.claim("j", 0, worker="w2", queue=QUEUE, tag="", message="{}")
-    assert again is not None and again.attempt == 2
-    leases.commit(again, [1], [])
-    assert publish(client, redis_server.url, "j", 1, expect=1, marks="--") == 0
-    assert client.bitcount(keys.done_bits("j")) == 2 and client.hget(keys.left("j"), "0") == b"0"
-    assert client.llen(QUEUE) == 0
+    assert again is not None
+    leases.commit(again, [0], [])
+    assert leases.finish(again, 0, 2).done and client.hget(keys.shards("j"), "0") is None
+
+
+def test_a_resubmit_never_pushes_a_second_copy_of_a_queued_shard(redis_server: RedisServerProcess) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    assert publish(client, redis_server.url, "j", 3) == 3
+    take(client)  # shard 0 taken (its push still recorded until its claim)
+    assert publish(client, redis_server.url, "j", 3, marks="??") == 0
+    assert client.llen(QUEUE) == 2
+    # The audit's lost message is pushed again (lost=True), once.
+    assert publish_shards(make_app(redis_server.url), client,
+                          JobSpec(job="j", params=RenderParams(), total=6, shard_size=2, batch_size=2), QUEUE,
+                          [WireShard(0, 2, ['"a"', '"b"'], marks="??")], store="/tmp/rf-audit-store",
+                          force=True) == 1
+    assert client.llen(QUEUE) == 3
 
 
 class ListingThen:

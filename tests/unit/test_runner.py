@@ -68,6 +68,7 @@ class MemLedger:
         self.fenced_after = fenced_after
         self.wasted = 0
         self.undone: list[int] = []
+        self.recounts: list[tuple[list[int], list[int], list[int]]] = []
 
     def check(self) -> None:
         if self.fenced_after is not None and self.commits >= self.fenced_after:
@@ -78,6 +79,11 @@ class MemLedger:
         self.done = [i for i in self.done if i not in undone] + done
         self.failed += failed
         self.undone += undone
+
+    def recount(self, done: list[int], failed: list[int], undone: list[int]) -> None:
+        self.recounts.append((done, failed, undone))
+        self.done = [i for i in self.done if i not in undone] + [i for i in done if i not in self.done]
+        self.failed = [i for i in self.failed if i not in undone] + [i for i in failed if i not in self.failed]
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
         self.failures[prompt.index] = self.failures.get(prompt.index, 0) + 1
@@ -275,7 +281,8 @@ def test_a_checkpointed_image_deleted_from_the_store_is_rendered_again_and_uncou
     assert again.calls == [["000001"], ["000006"]] and result.rendered == 2 and result.skipped == 6
     assert sorted(ledger.undone) == [1, 6]  # their counts are taken back first...
     assert sorted(ledger.done) == list(range(8))  # ...and given again once stored
-    assert store.image_listings == 1 and store.heads == 0  # one listing per delivery, no HEAD per image
+    # One listing at the start, one at the shard's end (what the store proves), no HEAD per image.
+    assert store.image_listings == 2 and store.heads == 0
     assert store.get(spec.image_key("j", "000006")) is not None
 
 

@@ -68,6 +68,10 @@ class Ledger:
         self.done = [i for i in self.done if i not in undone] + done
         self.failed += failed
 
+    def recount(self, done: list[int], failed: list[int], undone: list[int]) -> None:
+        self.done = [i for i in self.done if i not in undone] + [i for i in done if i not in self.done]
+        self.failed = [i for i in self.failed if i not in undone] + [i for i in failed if i not in self.failed]
+
     def record_failure(self, prompt: Prompt, error: str) -> int:
         self.failures[prompt.index] = self.failures.get(prompt.index, 0) + 1
         self.errors[prompt.index] = error
