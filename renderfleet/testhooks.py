@@ -9,8 +9,10 @@ stalled node would, and the test decides what happens next (SIGCONT, SIGKILL).
 
 Points: ``before-claim`` (the message taken, in kombu's ``unacked``, no lease
 yet), ``after-render`` (a batch rendered, nothing of it written: no failure
-count, no quarantine record, no image) and ``before-checkpoint`` (a batch's
-images written, its checkpoint not).
+count, no quarantine record, no image), ``before-checkpoint`` (a batch's
+images written, its checkpoint not) and ``before-count-stored`` (every batch
+of the shard committed, its last listing and recount not done).  ``POINT#N``
+stops at the N-th time the process reaches it.
 Unset, this costs one environment lookup per call.
 
 Faults: ``RENDERFLEET_TEST_FAULT`` is ``POINT:TYPE:TEXT`` (e.g.
@@ -37,12 +39,23 @@ FAULT = "RENDERFLEET_TEST_FAULT"
 RENDER_SECONDS = "RENDERFLEET_TEST_RENDER_SECONDS"
 
 _fired: set[str] = set()
+_reached: dict[str, int] = {}
 
 
 def pause_at(point: str) -> None:
-    """SIGSTOP this process the first time it reaches ``point``, if the environment names it."""
+    """SIGSTOP this process the first time it reaches ``point`` (the n-th time, for ``point#n``),
+    if the environment names it."""
     wanted = os.environ.get(PAUSE_AT)
-    if not wanted or point in _fired or point not in wanted.split(","):
+    if not wanted or point in _fired:
+        return
+    for name in wanted.split(","):
+        where, _, nth = name.partition("#")
+        if where == point:
+            break
+    else:
+        return
+    _reached[point] = _reached.get(point, 0) + 1
+    if _reached[point] < int(nth or 1):
         return
     _fired.add(point)
     # To this thread: it stops before its next instruction, whichever thread it is (the
