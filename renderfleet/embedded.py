@@ -8,10 +8,12 @@ commands find it there.  A newcomer sets up no server by hand.
 Whoever reaches Redis controls the fleet, so the embedded server listens on
 loopback only and has a random password, given to it in a config file and
 kept with its URL in ``server.json``; both files are readable by their owner
-only, in a home folder that is too.  A ``server.json`` is believed only when
-its process is alive, is a Redis server binary, is the process answering at
-that URL, and accepts the password written there: a state file pointing at
-someone else's server is never adopted and never shut down.
+only, in a home folder no one else may write to (made 0700 when renderfleet
+creates it; one it did not create is refused, never chmodded).  A
+``server.json`` is believed only when its process is alive, is a Redis server
+binary, is the process answering at that URL, accepts the password written
+there and reports that it was started from this home's config file: a state
+file pointing at someone else's server is never adopted and never shut down.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -51,11 +54,47 @@ def server_binary() -> str:
 _SERVER_NAMES = ("redis-server", "valkey-server")
 
 
-def private_dir(path: Path) -> Path:
-    """``path`` as a folder only its owner can read (0700), created if missing."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
+def private_dir(path: Path, setting: str = "") -> Path:
+    """``path`` as a folder no one but its owner may write to; ``setting`` names
+    where it came from in the error (``RENDERFLEET_HOME``).
+
+    One this call creates is made 0700.  One that was there already is used
+    only if it is the user's own and neither group- nor world-writable, and is
+    never chmodded: it may be a shared folder (``RENDERFLEET_HOME=/tmp`` must
+    not take /tmp from 1777 to 0700), and one others can write to cannot keep
+    a password (they could replace the files in it).  Anything else is a
+    :class:`ConfigError` naming the folder and why.
+    """
+    where = f"{setting}: {path}" if setting else str(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        problem = _not_private(path)
+        if problem:
+            raise ConfigError(f"{where} {problem}: renderfleet keeps its server's password there, so it uses "
+                              "a folder it creates itself or one of yours that no one else can write to, and "
+                              "never changes the mode of a folder it did not create; choose another") from None
+        return path
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create the folder: {exc.strerror or exc}") from None
+    os.chmod(path, 0o700)  # mkdir's mode is cut by the umask: exactly 0700 for a folder we made
     return path
+
+
+def _not_private(path: Path) -> str | None:
+    """Why the existing ``path`` is not a folder that only its user may write to, if it is not."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"is not owned by you (its owner is uid {st.st_uid}, you are {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def write_private(path: Path, text: str) -> None:
@@ -174,27 +213,63 @@ def _is_server_process(pid: int) -> bool:
     return name in _SERVER_NAMES or name == os.path.basename(os.path.realpath(server_binary()))
 
 
+def _config_file(home: Path) -> Path:
+    """The config file the embedded server under ``home`` is started from."""
+    return home / "redis" / "server.conf"
+
+
+def _recorded(home: Path) -> tuple[str, int, int] | None:
+    """(url, pid, port) from ``home/server.json``, or None if it holds no such thing."""
+    try:
+        data = json.loads((home / "server.json").read_text())
+        url, pid = str(data["url"]), int(data["pid"])
+        return url, pid, urlparse(url).port or 6379  # .port raises ValueError on a mangled URL
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
 def trusted_server(home: Path) -> dict[str, Any] | None:
     """The embedded server recorded under ``home``, if it is ours and running.
 
     Ours: a loopback URL with a password, a live process running a server
-    binary, and the server answering at that URL accepts the password and
-    reports that very process id.
+    binary, and the server answering at that URL accepts the password,
+    refuses a client without it, reports that very process id, and reports
+    that it was started from this home's own config file.
+
+    The last check is the proof; the others only make sure it is asked of the
+    right process.  A server.json can be written by hand, and one naming a
+    server the user started (its real password and pid included) passes every
+    other check.  But ``config_file`` comes from the server itself (INFO), a
+    server is started from ``home/redis/server.conf`` only by
+    :meth:`RedisServerProcess.start`, and that file is trusted only while it
+    and the home folder are the user's alone (no one else could have started
+    a server from a file they wrote there).  Nothing is kept in Redis for this
+    (a FLUSHALL would lose it), and a server an older renderfleet started
+    passes too: it was started from the same file.
     """
-    try:
-        data = json.loads((home / "server.json").read_text())
-        url, pid = str(data["url"]), int(data["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    recorded = _recorded(home)
+    if recorded is None:
         return None
+    url, pid, port = recorded
     parsed = urlparse(url)
     if parsed.hostname != "127.0.0.1" or not parsed.password or not _is_server_process(pid):
         return None
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    anonymous = redis.Redis(host="127.0.0.1", port=parsed.port or 6379, socket_connect_timeout=0.5,
+    config = _config_file(home)
+    if _not_private(home) or not _private_file(config):
+        return None
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    except ValueError:
+        return None
+    anonymous = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5,
                             socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
     try:
-        if int(client.info("server").get("process_id", -1)) != pid:
+        info = client.info("server")
+        if int(info.get("process_id", -1)) != pid:
             return None
+        started_from = str(info.get("config_file", ""))
+        if not started_from or os.path.realpath(started_from) != os.path.realpath(config):
+            return None  # a server someone else started, whatever server.json says
         try:
             anonymous.ping()
         except redis.AuthenticationError:
@@ -207,6 +282,16 @@ def trusted_server(home: Path) -> dict[str, Any] | None:
         anonymous.close()
 
 
+def _private_file(path: Path) -> bool:
+    """Whether ``path`` is a file of the user's that no one else may read or write."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+    return stat.S_ISREG(st.st_mode) and mine and not st.st_mode & 0o077
+
+
 def running_embedded(home: Path) -> str | None:
     """The URL of our embedded server if it is running; starts nothing."""
     known = trusted_server(home)
@@ -215,7 +300,7 @@ def running_embedded(home: Path) -> str | None:
 
 def ensure_embedded(home: Path) -> str:
     """The URL of the embedded server, starting one if ours is not running."""
-    private_dir(home)
+    private_dir(home, "RENDERFLEET_HOME")
     running = running_embedded(home)
     if running:
         return running
@@ -227,21 +312,40 @@ def ensure_embedded(home: Path) -> str:
 
 
 def stop_embedded(home: Path) -> bool:
-    """Stop the embedded server if ours runs; True if one was stopped.
+    """Stop the embedded server if ours runs; True if one was stopped, False if
+    none was running (a stale ``server.json`` is removed).
 
-    A ``server.json`` naming a server we cannot prove is ours is removed, and
-    that server is left running.
+    A ``server.json`` naming a live server we cannot prove is ours
+    (:func:`trusted_server`) is a :class:`ConfigError`: that server is left
+    running and the file is left for the user to look at.
     """
     state = home / "server.json"
     known = trusted_server(home)
-    stopped = False
     if known:
         client = redis.Redis.from_url(known["url"])
         with contextlib.suppress(redis.ConnectionError, redis.ResponseError):
             client.shutdown(nosave=False)
-        stopped = True
+        state.unlink(missing_ok=True)
+        return True
+    recorded = _recorded(home)
+    if recorded and (_is_server_process(recorded[1]) or _listening(recorded[2])):
+        from renderfleet.settings import redact
+
+        raise ConfigError(
+            f"RENDERFLEET_HOME: {state} names a Redis server renderfleet did not start here "
+            f"({redact(recorded[0])}, pid {recorded[1]}): not stopped, left running (renderfleet stops only "
+            f"a server it started); remove {state} if it is not yours to keep")
     state.unlink(missing_ok=True)
-    return stopped
+    return False
+
+
+def _listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except (OSError, OverflowError, ValueError):
+        return False
 
 
 def connect(url: str) -> redis.Redis:

@@ -14,9 +14,8 @@ import re
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
-from kombu.utils.url import maybe_sanitize_url
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
@@ -30,9 +29,75 @@ if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
 _POOL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 
 
+# Query parameters that may carry a credential (redis-py reads ?password= and ?username=).
+_SECRET_PARAM = re.compile(r"pass|secret|token|auth|user|cred|key", re.IGNORECASE)
+
+
 def redact(url: str) -> str:
-    """``url`` with any password shown as ``***``: for every message and log line."""
-    return str(maybe_sanitize_url(url, mask="***"))
+    """``url`` fit for a message or a log line: its user name and password (the
+    whole userinfo) and any credential in its query shown as ``***``.
+
+    Total: whatever the text, it returns and never raises, and it shows none of
+    the userinfo even when a password holds an unencoded ``/``, ``?``, ``#`` or
+    ``@`` (a parser such as urllib's would then read part of the password as the
+    host, the port or the path).  So it parses nothing: the userinfo is what
+    comes before an ``@``, and when an ``@`` comes after where the host seems
+    to end, everything up to the last ``@`` is taken as userinfo (more hidden,
+    never less).  Characters that could break or reorder a line are escaped.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    if "@" in rest[end:]:  # an unencoded / ? or # in the userinfo
+        rest = "***" + rest[rest.rindex("@"):]
+    elif "@" in rest[:end]:
+        rest = "***" + rest[rest.rindex("@", 0, end):]
+    head, hash_mark, _ = rest.partition("#")
+    base, question, query = head.partition("?")
+    if query:
+        query = "&".join(_redact_param(param) for param in query.split("&"))
+    shown = f"{scheme}{sep}{base}{question}{query}" + ("#***" if hash_mark else "")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in shown)
+
+
+def _redact_param(param: str) -> str:
+    name, equals, _ = param.partition("=")
+    return f"{name}=***" if equals and _SECRET_PARAM.search(name) else param
+
+
+# Why a Redis URL cannot be used, quoting it only redacted: a URL that does not
+# parse as meant is one whose password may show up as its host, port or path.
+_UNPARSABLE = ("cannot be parsed as redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (got {}); a '/', '?', '#' "
+               "or '@' in a user name or password must be percent-encoded as %2F, %3F, %23 or %40")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a Redis URL, if it cannot; never quoting the URL but
+    through :func:`redact`, whose output holds no user name or password."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        return f"must start with redis://, rediss:// or unix://, got {redact(url)!r}"
+    if not url.isprintable():
+        return "contains a control or other unprintable character"
+    unparsable = _UNPARSABLE.format(repr(redact(url)))
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError when the "port" is not a number (part of a password)
+    except ValueError:
+        return unparsable
+    if "#" in url or "@" in parts.path + parts.query:
+        return unparsable  # the netloc ended early: at a / ? or # in the password
+    if parts.username and parts.password is None:
+        # redis://secret@host: redis-py would send it as a user name, and logs show user names.
+        return "names a user but no password; a password alone is written redis://:PASSWORD@HOST"
+    if scheme == "unix":
+        return None if parts.path.strip("/") else "unix:// needs the socket's path: unix:///path/to/redis.sock"
+    if not parts.hostname:
+        return unparsable if parts.netloc else "names no host: redis://HOST[:PORT][/DB]"
+    if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        return "the path after the host must be a database number (redis://HOST:PORT/0)"
+    return None
 
 
 def _default_home() -> Path:
@@ -184,10 +249,10 @@ class Settings(BaseSettings):
     def _check_redis_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        scheme = urlparse(value).scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"must start with redis://, rediss:// or unix://, got {redact(value)!r}")
-        if scheme == "rediss" and "ssl_cert_reqs" not in value:
+        problem = redis_url_problem(value)
+        if problem:
+            raise ValueError(problem)
+        if value.lower().startswith("rediss://") and "ssl_cert_reqs" not in value:
             # kombu refuses rediss:// without it; verifying the server is the safe default.
             value += ("&" if "?" in value else "?") + "ssl_cert_reqs=required"
         return value
@@ -351,7 +416,9 @@ def load_settings(**overrides: Any) -> Settings:
             msg = str(err["msg"]).removeprefix("Value error, ")
             if data and _from_file(data, loc[:1]) and loc[0] not in given:
                 key = ".".join(str(p) for p in loc)
-                value = f" = {err['input']!r}" if not isinstance(err["input"], dict) else ""
+                shown = redact(err["input"]) if loc[0] == "redis_url" and isinstance(err["input"], str) \
+                    else err["input"]
+                value = f" = {shown!r}" if not isinstance(shown, dict) else ""
                 lines.append(f"{path}: {key}{value}: {msg}")
             else:
                 name = str(loc[0]) if loc else "settings"

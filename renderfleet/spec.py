@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -97,8 +98,19 @@ INT_LIMITS: dict[str, tuple[int, int]] = {
     "batch_size": (1, 256),  # prompts per pipeline call
 }
 
-# Slashes split a key; control characters (Unicode Cc) break logs and URLs.
-_BAD_NAME_CHAR = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
+# Slashes split a key.  The rest of an id is free text, but an id becomes a file
+# name that people read (the web page, `results`, a file manager), so it may hold
+# nothing that breaks a log line or a URL (control characters, line separators,
+# lone surrogates) or that is invisible or reorders what is shown: ``a\u202egnp.exe``
+# reads as ``aexe.png`` (bidi controls; zero-width and other format characters).
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_HIDDEN_CATEGORIES = {
+    "Cc": "a control character",
+    "Cf": "an invisible format character",
+    "Cs": "a lone surrogate",
+    "Zl": "a line separator",
+    "Zp": "a paragraph separator",
+}
 
 
 def int_problem(name: str, value: int) -> str | None:
@@ -160,11 +172,22 @@ def name_problem(ident: str) -> str | None:
         return f"id too long ({size} bytes in UTF-8, limit {MAX_NAME_BYTES})"
     if ident[0] == ".":
         return f"id {ident!r} must not start with '.'"
-    match = _BAD_NAME_CHAR.search(ident)
-    if match:
-        what = "a slash" if match.group() in "/\\" else "a control character"
-        return f"id {ident!r} contains {what}"
+    if "/" in ident or "\\" in ident:
+        return f"id {ident!r} contains a slash"
+    for char in ident:
+        what = _hidden_char(char)
+        if what:
+            # repr escapes the character itself; U+XXXX and its name say which it is.
+            label = unicodedata.name(char, "")
+            return f"id {ident!r} contains {what}: U+{ord(char):04X}{' ' + label if label else ''}"
     return None
+
+
+def _hidden_char(char: str) -> str | None:
+    """What ``char`` is, in words, if an id must not hold it (``_HIDDEN_CATEGORIES``)."""
+    if char in _BIDI_CONTROLS:
+        return "a bidi control character, which reorders how the name is shown"
+    return _HIDDEN_CATEGORIES.get(unicodedata.category(char))
 
 
 def index_name(index: int) -> str:

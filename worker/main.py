@@ -20,7 +20,7 @@ from renderfleet import celery_app, testhooks
 from renderfleet.embedded import broker_url
 from renderfleet.errors import ConfigError
 from renderfleet.reaper import ReaperThread
-from renderfleet.settings import Settings
+from renderfleet.settings import Settings, redact
 from worker import tasks
 from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_allowed
@@ -192,19 +192,17 @@ def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> N
     crash loop that loads the model again on every restart.  SIGTERM ends
     the wait (Python's default handler: nothing is held yet).
     """
-    from kombu.utils.url import maybe_sanitize_url
-
     said = 0.0
     while True:
         try:
             service.register(**info)
             if said:
-                log.warning("Redis at %s is reachable: starting", maybe_sanitize_url(url))
+                log.warning("Redis at %s is reachable: starting", redact(url))
             return
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             now = time.monotonic()
             if now - said >= WAIT_LOG_SECONDS:
-                log.warning("Redis at %s is not reachable (%s): waiting for it", maybe_sanitize_url(url), exc)
+                log.warning("Redis at %s is not reachable (%s): waiting for it", redact(url), exc)
                 said = now
             time.sleep(1.0)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.embedded import ensure_embedded, ping, stop_embedded, trusted_server
+from renderfleet.embedded import RedisServerProcess, ensure_embedded, ping, stop_embedded, trusted_server
+from renderfleet.errors import ConfigError
 from testing.fleet import start_redis
 
 pytestmark = pytest.mark.integration
@@ -51,8 +52,9 @@ def test_a_state_file_naming_someone_elses_server_is_never_adopted_nor_stopped(t
         for url in (foreign.url, foreign.url.replace("redis://", "redis://:guessed@")):
             (home / "server.json").write_text(json.dumps({"url": url, "pid": pid}))
             assert trusted_server(home) is None
-            assert stop_embedded(home) is False
-            assert ping(foreign.url)
+            with pytest.raises(ConfigError, match="did not start"):
+                stop_embedded(home)
+            assert ping(foreign.url) and (home / "server.json").exists()
         (home / "server.json").write_text(json.dumps({"url": foreign.url, "pid": pid}))
         mine = ensure_embedded(home)
         try:
@@ -62,3 +64,30 @@ def test_a_state_file_naming_someone_elses_server_is_never_adopted_nor_stopped(t
         assert ping(foreign.url)
     finally:
         foreign.stop()
+
+
+def test_a_state_file_naming_a_password_protected_server_we_did_not_start_is_never_adopted(tmp_path: Path) -> None:
+    # Everything a state file can say is true here (loopback, the real password, the
+    # real pid of a redis-server that refuses clients without it); only where the
+    # server was started from tells it apart from ours.
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    foreign = RedisServerProcess(workdir=tmp_path / "elsewhere" / "redis", password="their-Pa55word")
+    foreign.start()
+    try:
+        pid = foreign.proc.pid if foreign.proc else 0
+        (home / "server.json").write_text(json.dumps({"url": foreign.url, "pid": pid}))
+        assert trusted_server(home) is None
+        with pytest.raises(ConfigError) as err:
+            stop_embedded(home)
+        assert f"pid {pid}" in str(err.value) and "their-Pa55word" not in str(err.value)
+        assert ping(foreign.url) and (home / "server.json").exists()
+        # The same server named from a home whose redis/server.conf it was not started from:
+        (home / "redis").mkdir(mode=0o700)
+        (home / "redis" / "server.conf").write_text("requirepass their-Pa55word\n")
+        (home / "redis" / "server.conf").chmod(0o600)
+        assert trusted_server(home) is None
+    finally:
+        foreign.stop()
+    # A state file whose server is gone is stale: removed, nothing to stop.
+    assert stop_embedded(home) is False and not (home / "server.json").exists()

@@ -69,6 +69,6 @@ def test_a_wrong_password_or_an_untrusted_certificate_is_one_clear_line(
         assert out.returncode == 1, out.stderr
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in out.stderr
-        assert f"127.0.0.1:{tls_redis.port}" in lines[0] and ":***@" in lines[0]
+        assert f"127.0.0.1:{tls_redis.port}" in lines[0] and "://***@127.0.0.1" in lines[0]
         assert tls_redis.password not in out.stderr and "not-the-password" not in out.stderr
     assert not (tmp_path / "store").exists()

@@ -73,6 +73,19 @@ def test_json_of_the_wrong_shape_is_refused(data: Any) -> None:
     assert message_problems(data)
 
 
+@pytest.mark.parametrize(("ident", "named"), [
+    ("a\u202egnp.exe", "U+202E RIGHT-TO-LEFT OVERRIDE"),
+    ("c\u200bat", "U+200B ZERO WIDTH SPACE"),
+    ("a\u2066b", "U+2066 LEFT-TO-RIGHT ISOLATE"),
+    ("x\ud800", "U+D800"),  # JSON may carry a lone surrogate: no file name can
+    ("a\x1bb", "U+001B"),
+])
+def test_a_message_naming_an_image_with_a_hidden_character_is_refused_as_a_file_would_be(
+        ident: str, named: str) -> None:
+    problems = message_problems(good(prompts=[{"p": "x", "n": ident}]))
+    assert problems == [f"prompts[0]: {spec.name_problem(ident)}"] and problems[0].endswith(named)
+
+
 def test_submit_bounds_shard_and_batch_size_by_the_same_table() -> None:
     with pytest.raises(InputError) as err:
         check_options(SubmitOptions(params=PARAMS, shard_size=10_001, batch_size=257))

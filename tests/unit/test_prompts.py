@@ -514,3 +514,48 @@ def test_csv_headers_are_case_insensitive_and_unknown_columns_ignored_with_a_war
     first, second = iter_prompts(path, PARAMS)
     assert (first.prompt, first.seed) == ("a cat", 5) and (second.prompt, second.seed) == ("a dog", derive_seed(42, 1))
     assert validate_file(write(tmp_path, "q.csv", "prompt\nx\n")).warnings == ()
+
+
+# ---- issue 21: ids that hide or reorder what they show --------------------------------------
+
+# (id, the character named): bidi controls, zero-width and other format characters (Cf),
+# controls (Cc), line separators and a lone surrogate (from a message; a file's is refused earlier).
+HIDDEN_IDS = [
+    ("a\u202egnp.exe", "U+202E RIGHT-TO-LEFT OVERRIDE"),  # shows as "aexe.png"
+    ("a\u202ab", "U+202A LEFT-TO-RIGHT EMBEDDING"),
+    ("a\u202db", "U+202D LEFT-TO-RIGHT OVERRIDE"),
+    ("a\u2066b\u2069", "U+2066 LEFT-TO-RIGHT ISOLATE"),
+    ("a\u2069", "U+2069 POP DIRECTIONAL ISOLATE"),
+    ("a\u200eb", "U+200E LEFT-TO-RIGHT MARK"),
+    ("a\u200fb", "U+200F RIGHT-TO-LEFT MARK"),
+    ("a\u061cb", "U+061C ARABIC LETTER MARK"),
+    ("cat\u200b", "U+200B ZERO WIDTH SPACE"),
+    ("c\u200cat", "U+200C ZERO WIDTH NON-JOINER"),
+    ("c\u200dat", "U+200D ZERO WIDTH JOINER"),
+    ("c\u2060at", "U+2060 WORD JOINER"),
+    ("c\ufeffat", "U+FEFF ZERO WIDTH NO-BREAK SPACE"),
+    ("c\u00adat", "U+00AD SOFT HYPHEN"),
+    ("a\tb", "U+0009"),
+    ("a\x1bb", "U+001B"),
+    ("café\x85", "U+0085"),
+    ("a\u2028b", "U+2028 LINE SEPARATOR"),
+]
+
+
+@pytest.mark.parametrize(("ident", "named"), HIDDEN_IDS)
+def test_an_id_with_an_invisible_or_reordering_character_is_refused_naming_it(
+        tmp_path: Path, ident: str, named: str) -> None:
+    path = write(tmp_path, "p.jsonl", jsonl({"prompt": "fine"}, {"prompt": "x", "id": ident}))
+    [problem] = problems_of(path)
+    assert problem.startswith(f"{path}:2: id ") and problem.endswith(named), problem
+    assert ident not in problem  # shown escaped: the message itself cannot be reordered
+    if "\t" not in ident and "\x85" not in ident:  # csv: a cell of its own (a tab or NEL is a csv matter)
+        csv_path = write(tmp_path, "p.csv", f"prompt,id\nfine,\nx,{ident}\n")
+        assert problems_of(csv_path) == [problem.replace(f"{path}:2:", f"{csv_path}:3:", 1)]
+
+
+def test_visible_non_ascii_ids_are_still_fine(tmp_path: Path) -> None:
+    ids = ["café", "東京-1", "שלום", "مرحبا", "a\u00a0b", "x\u0301"]  # RTL letters are text, not controls
+    path = write(tmp_path, "p.jsonl", jsonl(*({"prompt": "x", "id": i} for i in ids)))
+    assert validate_file(path).total == len(ids)
+    assert [p.name for p in iter_prompts(path, PARAMS)] == ids

@@ -48,7 +48,7 @@ def test_a_bad_value_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, env: s
 def test_a_password_in_the_redis_url_never_appears_in_an_error() -> None:
     from renderfleet.settings import redact
 
-    assert redact("rediss://:s3cret@redis.internal:6379/0") == "rediss://:***@redis.internal:6379/0"
+    assert redact("rediss://:s3cret@redis.internal:6379/0") == "rediss://***@redis.internal:6379/0"
     assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     with pytest.raises(ConfigError) as err:
         load_settings(redis_url="http://:s3cret@redis.internal:6379/0")
