@@ -31,19 +31,20 @@ end
 local l = redis.call('HMGET', lease, 'queue', 'tag', 'requeue', 'message', 'rtag')
 local queue, tag, requeue, message, rtag = l[1], l[2], l[3], l[4], l[5]
 local missing = 0
-if outcome == 'done' then
+local finish = outcome == 'done'
+if finish then
   for i = first, first + count - 1 do
     if redis.call('GETBIT', done_bits, i) == 0 and redis.call('GETBIT', failed_bits, i) == 0 then
       missing = missing + 1
     end
   end
   if missing > 0 then
-    outcome = 'front'
+    finish, outcome = false, 'front'
   end
 end
 redis.call('ZREM', inflight, member)
 redis.call('DEL', lease)
-if outcome == 'done' then
+if finish then
   redis.call('HDEL', shards, shard)
   redis.call('HDEL', left, shard)
   forget_enqueue(enqueued, queued_prefix, member)
