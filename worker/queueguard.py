@@ -96,9 +96,9 @@ def _flag(v: Any) -> bool:
 # required but those in the part's optional set; any other key is refused.
 Rule = tuple[Callable[[Any], bool], str]
 _ENVELOPE: dict[str, Rule] = {
-    "body": (lambda v: type(v) is str, "a string"),
-    "content-type": (lambda v: v == "application/json", "'application/json' (JSON only; never pickle)"),
+    "content-type": (lambda v: v == "application/json", "'application/json' (pickle and the rest are disallowed)"),
     "content-encoding": (lambda v: v == "utf-8", "'utf-8'"),
+    "body": (lambda v: type(v) is str, "a string"),
     "headers": (lambda v: type(v) is dict, "an object"),
     "properties": (lambda v: type(v) is dict, "an object"),
 }
@@ -156,10 +156,9 @@ def _check_part(where: str, part: dict[str, Any], rules: dict[str, Rule]) -> Non
     missing = sorted(set(rules) - set(part) - _OPTIONAL.get(where, set()))
     if missing:
         raise NotAMessage(f"{where or 'envelope'} without {', '.join(missing)}")
-    for key, value in part.items():
-        check, what = rules[key]
-        if not check(value):
-            raise NotAMessage(f"{prefix}{key} is {_short.repr(value)}, must be {what}")
+    for key, (check, what) in rules.items():  # in the rules' order: the content type first
+        if key in part and not check(part[key]):
+            raise NotAMessage(f"{prefix}{key} is {_short.repr(part[key])}, must be {what}")
 
 
 def check_item(text: str, *, max_chars: int = MAX_ITEM_CHARS) -> dict[str, Any]:
