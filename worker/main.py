@@ -21,7 +21,7 @@ from renderfleet.embedded import broker_url
 from renderfleet.errors import ConfigError
 from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings, redact
-from worker import tasks
+from worker import queueguard, tasks
 from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_allowed
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
@@ -106,7 +106,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     stop = service.stop
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
     tasks.register(app, service)
-    tasks.install_queue_guard()
+    queueguard.install()
     tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds,
                                  on_signal=lambda kind: metrics.notice("none", kind))
 

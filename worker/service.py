@@ -367,7 +367,7 @@ class WorkerService:
         """
         try:
             data = json.loads(raw)
-        except ValueError as exc:  # UnicodeDecodeError is one too
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; nesting 1,000 deep
             log.error("rejecting a shard message: not JSON (%s): %.80r", exc, raw)
             return None
         problems = message_problems(data)

@@ -10,12 +10,9 @@ queue, so a reclaim never burns a retry budget.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,72 +111,3 @@ def install_shutdown_hooks(stop: StopSignal, grace_seconds: float,
 def request_warm_shutdown() -> None:
     """What a reclaim notice does: the same path as SIGTERM."""
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-# ---- an item on the queue that is not a task message at all ----------------------
-
-
-class NotAMessage(ValueError):
-    """An item popped from a queue that is no kombu message (not JSON, or not its shape)."""
-
-
-_guard = threading.local()
-
-
-def install_queue_guard() -> None:
-    """Make an item on a queue that is not a kombu message cost one log line, not the worker.
-
-    kombu's Redis transport decodes each item it pops (``_brpop_read``) inside
-    the event loop, so a list item that is not JSON, or JSON that is not an
-    envelope, raises there and takes the whole consumer down: anyone who can
-    push to the queue could stop every worker.  Celery already drops a real
-    envelope with a body it may not decode (pickle, garbage) or an unknown
-    task, with one log line; this closes the gap below it.  The first decode
-    of each ``_brpop_read`` (the item just popped, already gone from the list)
-    is checked; kombu's other decodes (of its ``unacked`` records) are not
-    touched.  Idempotent; for worker processes only.
-    """
-    from kombu.transport import redis as kombu_redis
-
-    if getattr(kombu_redis.Channel._brpop_read, "renderfleet_guard", False):
-        return
-    kombu_loads = kombu_redis.loads
-    brpop_read = kombu_redis.Channel._brpop_read
-
-    def loads(text: Any, *args: Any, **kwargs: Any) -> Any:
-        envelope, _guard.envelope = getattr(_guard, "envelope", False), False
-        if not envelope:
-            return kombu_loads(text, *args, **kwargs)
-        try:
-            data = kombu_loads(text, *args, **kwargs)
-        except ValueError as exc:
-            raise NotAMessage(f"not JSON ({exc}): {str(text)[:80]!r}") from None
-        _check_envelope(data)
-        return data
-
-    def guarded_brpop_read(self: Any, **options: Any) -> Any:
-        _guard.envelope = True
-        try:
-            return brpop_read(self, **options)
-        except NotAMessage as exc:
-            log.error("dropping an item of a queue that is not a task message: %s", exc)
-            return None
-        finally:
-            _guard.envelope = False
-
-    guarded_brpop_read.renderfleet_guard = True  # type: ignore[attr-defined]
-    kombu_redis.loads = loads  # type: ignore[assignment]
-    kombu_redis.Channel._brpop_read = guarded_brpop_read  # type: ignore[method-assign]
-
-
-def _check_envelope(data: Any) -> None:
-    """NotAMessage unless ``data`` has what kombu reads of an envelope before Celery takes over."""
-    props = data.get("properties") if isinstance(data, dict) else None
-    if not isinstance(props, dict) or "delivery_tag" not in props or not isinstance(data.get("body", ""), str) \
-            or not isinstance(data.get("headers") or {}, dict) or not isinstance(props.get("delivery_info") or {}, dict):
-        raise NotAMessage(f"JSON, but not a kombu message: {str(data)[:80]!r}")
-    if props.get("body_encoding") == "base64":
-        try:
-            base64.b64decode(data.get("body", ""), validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise NotAMessage(f"a kombu message whose body is not base64: {exc}") from None

@@ -156,6 +156,7 @@ def test_the_store_is_asked_about_a_job_once_in_a_while_not_for_every_shard(
 
 @pytest.mark.parametrize(("raw", "log"), [
     ("{not json", "not JSON"),
+    ("[" * 100_000, "not JSON (maximum recursion depth"),  # a RecursionError, not a ValueError
     ('["a list"]', "a shard message is a JSON object"),
     (json.dumps(good(job="j-unknown")), "no such job"),
     (json.dumps(good(params={**PARAMS.to_dict(), "steps": 3})), "does not match the job"),
@@ -177,17 +178,3 @@ def test_a_shard_that_comes_before_its_jobs_spec_is_written_is_taken(tmp_path: P
     svc = service(tmp_path, registered(stored=False))
     assert svc.accept(json.dumps(good())) is not None
     svc.runner.close()
-
-
-# ---- below Celery: a queue item that is no task message ------------------------------
-
-
-def test_a_queue_item_that_is_no_kombu_message_is_told_apart_from_one_that_is() -> None:
-    from renderfleet.celery_app import envelope_factory, make_app
-    from worker.tasks import NotAMessage, _check_envelope
-
-    _check_envelope(json.loads(envelope_factory(make_app("redis://localhost:1/0"))("{}", "renderfleet.default", "x")))
-    for item in ({"json": "but no envelope"}, [1, 2], "text",
-                 {"body": "!!!", "properties": {"delivery_tag": "t", "body_encoding": "base64"}}):
-        with pytest.raises(NotAMessage):
-            _check_envelope(item)
