@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from jinja2.exceptions import UndefinedError
 from markupsafe import Markup, escape
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -99,12 +100,12 @@ def read_history(client: redis.Redis, metrics: list[str], now: float | None = No
     for metric, raw in zip(metrics, pipe.execute(), strict=True):
         points = []
         for item in raw:
-            t, _, v = keys.text(item).partition(" ")
-            try:
+            try:  # a sample written by anyone but the sampler is skipped: not text, numbers, or finite
+                t, _, v = keys.text(item).partition(" ")
                 point = (float(t), float(v))
             except ValueError:
                 continue
-            if point[0] >= now - HISTORY_WINDOW:
+            if math.isfinite(point[0]) and math.isfinite(point[1]) and point[0] >= now - HISTORY_WINDOW:
                 points.append(point)
         out[metric] = sorted(points)
     return out
@@ -112,7 +113,12 @@ def read_history(client: redis.Redis, metrics: list[str], now: float | None = No
 
 def history_metrics(client: redis.Redis) -> list[str]:
     """The metrics with samples (pools come and go): one SCAN of the history prefix."""
-    found = {keys.text(k)[len(keys.HISTORY_PREFIX):] for k in client.scan_iter(match=f"{keys.HISTORY_PREFIX}*", count=1000)}
+    found = set()
+    for key in client.scan_iter(match=f"{keys.HISTORY_PREFIX}*", count=1000):
+        try:
+            found.add(keys.text(key)[len(keys.HISTORY_PREFIX):])
+        except UnicodeDecodeError:  # not UTF-8: no metric the sampler wrote
+            continue
     return sorted(found)
 
 
@@ -341,7 +347,7 @@ def _seen(last_seen: Any) -> str:
     """A worker's state from its heartbeat: up, or silent for how long."""
     try:
         age = time.time() - float(last_seen)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, UndefinedError):  # a registration without one (Jinja's Undefined), or not a time
         return "-"
     return "up" if age < 30 else f"silent {_duration(age)}"
 
