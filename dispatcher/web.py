@@ -16,7 +16,6 @@ Nothing happens at import: :func:`make_app` builds the application.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -42,6 +41,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp
 
 from dispatcher.status import FleetStatus, JobStatus, fleet_status
+from dispatcher.thumbs import NoImage, Thumbnails
 from renderfleet import keys
 from renderfleet import spec as layout
 from renderfleet.endpoint import guard
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 PAGE_SIZE = 60  # images per gallery page
 QUARANTINE_SHOWN = 100  # quarantined prompts listed on a job's page
-THUMB_SIZE = 192  # pixels, the longer side
 HISTORY_WINDOW = 3600.0  # seconds the charts cover
 SAMPLE_SECONDS = 5.0  # how often the sampler records the fleet's figures
 
@@ -224,7 +223,7 @@ def charts(client: redis.Redis, now: float | None = None) -> list[Markup]:
     return out
 
 
-# ---- the job: checked ids, gallery pages, thumbnails --------------------------------
+# ---- the job: checked ids, gallery pages (thumbnails: dispatcher/thumbs.py) ----------
 
 
 class NotHere(Exception):
@@ -243,14 +242,6 @@ def checked_image(store: Store, job: str, name: str) -> str:
     if name_problem(name) or not store.exists(layout.image_key(job, name)):
         raise NotHere(f"job {job} has no image {name!r}")
     return name
-
-
-def thumb_key(job: str, name: str) -> str:
-    return f"{layout.job_prefix(job)}thumbs/{name}.webp"
-
-
-def meta_key(job: str, name: str) -> str:
-    return f"{layout.job_prefix(job)}thumbs/{name}.json"
 
 
 def _names(store: Store, prefix: str, suffix: str) -> Iterator[str]:
@@ -283,42 +274,6 @@ def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[d
         out.append({"name": name, "prompt": record.get("prompt", ""), "seed": record.get("seed"),
                     "error": record.get("error", "quarantined"), "failures": record.get("failures")})
     return out
-
-
-def image_meta(store: Store, job: str, name: str) -> dict[str, Any]:
-    """The prompt, seed and size of one image: from its cached record, else the PNG's text chunks."""
-    cached = store.get(meta_key(job, name))
-    if cached:
-        return dict(json.loads(cached))
-    thumbnail(store, job, name)
-    cached = store.get(meta_key(job, name))
-    return dict(json.loads(cached)) if cached else {"name": name}
-
-
-def thumbnail(store: Store, job: str, name: str) -> bytes:
-    """The image's thumbnail (WebP), made once and kept in the store beside the job's images,
-    with a small JSON record of its prompt, seed and size for the gallery's captions."""
-    cached = store.get(thumb_key(job, name))
-    if cached:
-        return cached
-    from PIL import Image
-
-    data = store.get(layout.image_key(job, name))
-    if data is None:
-        raise NotHere(f"job {job} has no image {name!r}")
-    with Image.open(io.BytesIO(data)) as image:
-        text = dict(getattr(image, "text", {}) or {})
-        meta = {"name": name, "prompt": text.get("prompt", ""), "negative_prompt": text.get("negative_prompt", ""),
-                "seed": text.get("seed", ""), "steps": text.get("steps", ""), "model": text.get("model", ""),
-                "size": f"{image.width}x{image.height}"}
-        small = image.convert("RGB")
-        small.thumbnail((THUMB_SIZE, THUMB_SIZE))
-        buf = io.BytesIO()
-        small.save(buf, format="WEBP", quality=80)
-    thumb = buf.getvalue()
-    store.put(meta_key(job, name), json.dumps(meta).encode(), content_type="application/json")
-    store.put(thumb_key(job, name), thumb, content_type="image/webp")
-    return thumb
 
 
 # ---- the application ----------------------------------------------------------------
@@ -369,6 +324,8 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
     templates.env.filters["duration"] = _duration
     templates.env.filters["money"] = _money
     templates.env.filters["seen"] = _seen
+
+    thumbs = Thumbnails(store) if store is not None else None
 
     def need_store() -> Store:
         if store is None:
@@ -424,9 +381,14 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         job = checked_job(store, request.path_params["job"])
         return store, job, checked_image(store, job, request.path_params["name"])
 
+    def need_thumbs() -> Thumbnails:
+        if thumbs is None:
+            raise NotHere("this endpoint serves no store")
+        return thumbs
+
     def thumb(request: Request) -> Response:
-        store, job, name = image_parts(request)
-        return Response(thumbnail(store, job, name), media_type="image/webp",
+        _, job, name = image_parts(request)
+        return Response(need_thumbs().thumbnail(job, name), media_type="image/webp",
                         headers={"Cache-Control": "private, max-age=86400"})
 
     def image(request: Request) -> Response:
@@ -437,8 +399,8 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400"})
 
     def api_image(request: Request) -> Response:
-        store, job, name = image_parts(request)
-        return JSONResponse(image_meta(store, job, name))
+        _, job, name = image_parts(request)
+        return JSONResponse(need_thumbs().meta(job, name))
 
     async def not_here(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(f"not found: {exc}\n", status_code=404)
@@ -459,5 +421,6 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         Route("/jobs/{job}/images/{name}", image),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
-    app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, 404: not_found})
+    app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, NoImage: not_here,
+                                                                404: not_found})
     return guard(app, token)

@@ -1,26 +1,36 @@
 """The monitor's web server under hostile or heavy use: the real ``renderfleet monitor --http`` in a subprocess.
 
+- A burst of first views of the largest images a job may ask for, and one far
+  larger, keeps the server's peak memory (``VmHWM``) under 500 MB.
 - A malformed value in any Redis key the page reads is skipped with one
   warning; every page, ``/metrics`` and ``renderfleet status`` still answer.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import struct
 import subprocess
 import sys
+import threading
+import zlib
 from pathlib import Path
 
 import pytest
 import redis
 
 from renderfleet import keys
+from renderfleet import spec as layout
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, base_env, cli, wait_for
 from testing.servers import free_port
 from testing.servers import http_get as get
 
 pytestmark = pytest.mark.integration
+
+PEAK_LIMIT = 500 * 2**20  # bytes: the monitor's resident peak during the burst
+VIEWS = 45  # concurrent first views
 
 
 def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:
@@ -38,10 +48,90 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
+def request(port: int, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+    """One GET with exactly these headers (http.client sends Host itself unless given); redirects not followed."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.putrequest("GET", path, skip_host="Host" in (headers or {}))
+    for name, value in (headers or {}).items():
+        conn.putheader(name, value)
+    conn.endheaders()
+    resp = conn.getresponse()
+    resp.body = resp.read()  # type: ignore[attr-defined]
+    conn.close()
+    return resp
+
+
+def solid_png(width: int, height: int, prompt: str) -> bytes:
+    """A PNG of one colour, written row by row: a 9000x9000 image costs a few hundred kB and no 243 MB buffer."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    deflate = zlib.compressobj(9)
+    row = b"\x00" + bytes((40, 90, 160)) * width  # filter byte 0, then RGB
+    body = b"".join(deflate.compress(row) for _ in range(height)) + deflate.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"tEXt", b"prompt\x00" + prompt.encode()) + chunk(b"IDAT", body) + chunk(b"IEND", b""))
+
+
+def peak_rss(pid: int) -> int:
+    """The process's resident peak (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
 def submit(env: dict[str, str], tmp: Path, n: int, size: str = "32x32") -> str:
     (tmp / "p.txt").write_text("".join(f"a lighthouse, study {i}\n" for i in range(n)))
     return cli(env, "submit", str(tmp / "p.txt"), "--model", "tiny", "--steps", "2", "--size", size,
                "--shard-size", "4").stdout.split()[-1]
+
+
+def test_a_burst_of_first_views_of_large_images_keeps_the_monitor_under_500_mb(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    store = tmp_path / "store"
+    env = base_env(tmp_path, redis_server.url, str(store))
+    job = submit(env, tmp_path, 11, "4096x4096")
+    # Ten images of the largest size a job may ask for (48 MiB each decoded), and one of 9000x9000
+    # (232 MiB decoded: over the cap, so its header alone is read).
+    images = store / "jobs" / job / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    big = solid_png(4096, 4096, "large")
+    names = [layout.index_name(i) for i in range(11)]
+    for name in names[:10]:
+        (images / f"{name}.png").write_bytes(big)
+    (images / f"{names[10]}.png").write_bytes(solid_png(9000, 9000, "huge"))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor.log")
+    try:
+        wait_for(lambda: get(f"{base}/api/status")[0] == 200, 60, what="the endpoint")
+        before = peak_rss(monitor.pid)
+        results: list[tuple[str, int, bytes]] = []
+        start = threading.Barrier(VIEWS)
+
+        def view(name: str) -> None:
+            start.wait()
+            resp = request(port, f"/jobs/{job}/thumbs/{name}")
+            results.append((name, resp.status, resp.body))  # type: ignore[attr-defined]
+
+        threads = [threading.Thread(target=view, args=(names[i % len(names)],)) for i in range(VIEWS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        peak = peak_rss(monitor.pid)
+        assert len(results) == VIEWS and all(status == 200 and body[8:12] == b"WEBP" for _, status, body in results)
+        assert peak < PEAK_LIMIT, f"peak {peak / 2**20:.0f} MiB (from {before / 2**20:.0f} MiB at start)"
+        assert len(list((store / "jobs" / job / "thumbs").glob("*.webp"))) == len(names)
+        # the image over the cap has a placeholder, and its caption says why
+        status, body = get(f"{base}/api/jobs/{job}/images/{names[10]}")
+        meta = json.loads(body)
+        assert status == 200 and meta["size"] == "9000x9000" and "megapixels" in meta["preview"]
+        assert json.loads(get(f"{base}/api/jobs/{job}/images/{names[0]}")[1])["prompt"] == "large"
+    finally:
+        stop(monitor)
 
 
 def test_a_malformed_redis_value_is_skipped_once_and_every_page_and_status_still_answer(
