@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from dispatcher.status import FleetStatus, JobStatus, fleet_status
 from dispatcher.thumbs import NoImage, Thumbnails
 from renderfleet import keys
 from renderfleet import spec as layout
-from renderfleet.endpoint import guard
+from renderfleet.endpoint import IMAGE_CSP, guard
 from renderfleet.errors import JobNotFound, StoreError
 from renderfleet.spec import job_id_problem, name_problem
 from renderfleet.store import Store
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 PAGE_SIZE = 60  # images per gallery page
 QUARANTINE_SHOWN = 100  # quarantined prompts listed on a job's page
+IMAGE_HEADERS = {"Cache-Control": "private, max-age=86400", "Content-Security-Policy": IMAGE_CSP}
+MAX_PAGE = 10**8  # a gallery page number from a URL: 6e9 images before it, more than any job holds
 HISTORY_WINDOW = 3600.0  # seconds the charts cover
 SAMPLE_SECONDS = 5.0  # how often the sampler records the fleet's figures
 
@@ -230,6 +233,19 @@ class NotHere(Exception):
     """A URL that names no job, or no image of the job: 404."""
 
 
+class BadQuery(Exception):
+    """A query parameter that is not what the page takes: 400."""
+
+
+def page_number(raw: str | None) -> int:
+    """The gallery page asked for: a whole number from 1 to ``MAX_PAGE`` (1 when not given); BadQuery otherwise."""
+    if raw is None:
+        return 1
+    if not re.fullmatch(r"[0-9]{1,9}", raw) or not 1 <= int(raw) <= MAX_PAGE:
+        raise BadQuery(f"page: a whole number from 1 to {MAX_PAGE}, got {raw[:20]!r}")
+    return int(raw)
+
+
 def checked_job(store: Store, job: str) -> str:
     """``job`` when it is a job id the store holds; NotHere otherwise."""
     if job_id_problem(job) or not store.exists(layout.spec_key(job)):
@@ -313,8 +329,10 @@ def _money(value: float | None, digits: int = 4) -> str:
 
 def make_app(source: StatusSource, prices: dict[str, float], token: str | None, *,
              client: redis.Redis | None = None, store: Store | None = None,
-             registry: CollectorRegistry | None = None) -> ASGIApp:
-    """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when given."""
+             registry: CollectorRegistry | None = None, hosts: tuple[str, ...] = (),
+             tls_proxy: bool = False) -> ASGIApp:
+    """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when
+    given, else answering only a loopback Host or one of ``hosts`` (:func:`renderfleet.endpoint.guard`)."""
     from dispatcher.http import FleetCollector
 
     if registry is None:
@@ -353,10 +371,7 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
     def job_data(request: Request) -> dict[str, Any]:
         store = need_store()
         job = checked_job(store, request.path_params["job"])
-        try:
-            page = max(1, int(request.query_params.get("page", "1")))
-        except ValueError:
-            page = 1
+        page = page_number(request.query_params.get("page"))
         if client is None:
             raise NotHere("this endpoint serves no job pages")
         try:
@@ -388,15 +403,14 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
 
     def thumb(request: Request) -> Response:
         _, job, name = image_parts(request)
-        return Response(need_thumbs().thumbnail(job, name), media_type="image/webp",
-                        headers={"Cache-Control": "private, max-age=86400"})
+        return Response(need_thumbs().thumbnail(job, name), media_type="image/webp", headers=IMAGE_HEADERS)
 
     def image(request: Request) -> Response:
         store, job, name = image_parts(request)
         data = store.get(layout.image_key(job, name))
         if data is None:
             raise NotHere(f"job {job} has no image {name!r}")
-        return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400"})
+        return Response(data, media_type="image/png", headers=IMAGE_HEADERS)
 
     def api_image(request: Request) -> Response:
         _, job, name = image_parts(request)
@@ -404,6 +418,9 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
 
     async def not_here(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(f"not found: {exc}\n", status_code=404)
+
+    async def bad_query(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(f"bad request: {exc}\n", status_code=400)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return PlainTextResponse("not found: /, /jobs/JOB, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n",
@@ -422,5 +439,5 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
     app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, NoImage: not_here,
-                                                                404: not_found})
-    return guard(app, token)
+                                                                BadQuery: bad_query, 404: not_found})
+    return guard(app, token, hosts=hosts, tls_proxy=tls_proxy)

@@ -76,6 +76,8 @@
       (m.preview ? "\n" + m.preview : "");
   }
   document.addEventListener("DOMContentLoaded", function () {
+    // The bars' widths from the page (the Content-Security-Policy admits no inline style attribute).
+    document.querySelectorAll(".fill[data-percent]").forEach(function (el) { el.style.width = el.dataset.percent + "%"; });
     setTimeout(poll, 2000);
     var detail = document.getElementById("detail");
     document.querySelectorAll("figure.thumb").forEach(function (fig) {

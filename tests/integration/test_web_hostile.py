@@ -4,6 +4,9 @@
   larger, keeps the server's peak memory (``VmHWM``) under 500 MB.
 - A malformed value in any Redis key the page reads is skipped with one
   warning; every page, ``/metrics`` and ``renderfleet status`` still answer.
+- Without a token only a loopback ``Host`` is answered (DNS rebinding);
+  a hostile query is a 400, never a 500; every answer carries the security
+  headers; a weak token is refused at start-up, naming the setting.
 """
 
 from __future__ import annotations
@@ -178,5 +181,72 @@ def test_a_malformed_redis_value_is_skipped_once_and_every_page_and_status_still
         assert text.count("skipping a malformed value in Redis at rf:workers b'w-text'") == 1
         assert text.count(f"at {keys.pool_stats('default')} images: not a 64-bit integer") == 1
         assert f"at {keys.job(job)} spec" in text and f"at {keys.progress(job)}" in text
+    finally:
+        stop(monitor)
+
+
+def test_the_tokenless_monitor_answers_only_loopback_hosts_and_hostile_queries_with_400(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_HTTP_HOSTS="monitor.lan")
+    job = submit(env, tmp_path, 4)
+    port = free_port()
+    monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor.log")
+    try:
+        wait_for(lambda: get(f"http://127.0.0.1:{port}/api/status")[0] == 200, 60, what="the endpoint")
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", "monitor.lan", "monitor.lan:81"):
+            assert request(port, "/api/status", {"Host": host}).status == 200, host
+        # a page on another name that DNS-rebinds to 127.0.0.1 reads nothing; nor another port's name
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1:{port + 1}", "localhost", "", "monitor.lan.x"):
+            resp = request(port, "/api/status", {"Host": host})
+            assert resp.status == 400 and b"RENDERFLEET_HTTP_HOSTS" in resp.body, host  # type: ignore[attr-defined]
+        for page in ("9223372036854775807", "0", "-1", "abc", "1e3", "", "%EF%BC%91", "1%00"):
+            assert request(port, f"/jobs/{job}?page={page}").status == 400, page
+            assert request(port, f"/api/jobs/{job}?page={page}").status == 400, page
+        assert request(port, f"/jobs/{job}?page=100000000").status == 200
+        # every answer, a refusal included, carries the security headers
+        for path, host in (("/", f"127.0.0.1:{port}"), ("/static/live.js", f"127.0.0.1:{port}"),
+                           ("/api/status", "evil.example"), ("/nowhere", f"127.0.0.1:{port}")):
+            resp = request(port, path, {"Host": host})
+            assert "frame-ancestors 'none'" in (resp.getheader("Content-Security-Policy") or ""), path
+            assert resp.getheader("X-Content-Type-Options") == "nosniff" and resp.getheader("X-Frame-Options") == "DENY"
+            assert resp.getheader("Referrer-Policy") == "no-referrer"
+    finally:
+        stop(monitor)
+
+
+@pytest.mark.parametrize("token", ["x", " " * 20, "short-token", "sixteen chars ok", "a\tb" * 8])
+def test_a_weak_token_is_refused_at_start_up_naming_the_setting(
+    tmp_path: Path, redis_server: RedisServerProcess, token: str
+) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_HTTP_TOKEN=token)
+    done = cli(env, "monitor", "--once", "--http", f"0.0.0.0:{free_port()}", check=False, timeout=60)
+    assert done.returncode == 2 and "RENDERFLEET_HTTP_TOKEN" in done.stderr and "16 characters" in done.stderr
+    assert "Traceback" not in done.stderr
+    if len(token.strip()) > 2:
+        assert token not in done.stderr  # what is wrong with it, never the token itself
+
+
+def test_behind_the_token_the_login_redirect_stays_on_the_site_and_the_cookie_is_secure_behind_tls(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    token = "a-token-of-32-characters-or-so-1"
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_HTTP_TOKEN=token,
+                   RENDERFLEET_HTTP_TLS_PROXY="1")
+    port = free_port()
+    monitor = start_monitor(env, f"0.0.0.0:{port}", tmp_path / "monitor.log")
+    try:
+        wait_for(lambda: get(f"http://127.0.0.1:{port}/metrics")[0] == 401, 60, what="the endpoint")
+        for path, where in ((f"//evil.example/?token={token}", "/evil.example/"),
+                            (f"/\\evil.example/?token={token}", "/evil.example/"),
+                            (f"///evil.example/?token={token}&page=2", "/evil.example/?page=2")):
+            resp = request(port, path)
+            assert resp.status == 303 and resp.getheader("Location") == where, path
+        plain = request(port, f"/?token={token}").getheader("Set-Cookie") or ""
+        behind = request(port, f"/?token={token}", {"X-Forwarded-Proto": "https"}).getheader("Set-Cookie") or ""
+        assert "HttpOnly" in plain and "Secure" not in plain and "Secure" in behind
+        # with a token the Host is not checked: a proxy's name reaches it; the token is what guards it
+        assert request(port, "/api/status", {"Host": "monitor.example.org",
+                                             "Authorization": f"Bearer {token}"}).status == 200
     finally:
         stop(monitor)

@@ -17,7 +17,18 @@ from PIL.PngImagePlugin import PngInfo
 
 from dispatcher.status import FleetStatus, JobStatus
 from dispatcher.thumbs import THUMB_MAX_PIXELS, THUMBS_AT_ONCE, Thumbnails, make_thumbnail, placeholder, thumb_key
-from dispatcher.web import PAGE_SIZE, NotHere, checked_image, checked_job, gallery_page, samples, svg_chart
+from dispatcher.web import (
+    MAX_PAGE,
+    PAGE_SIZE,
+    BadQuery,
+    NotHere,
+    checked_image,
+    checked_job,
+    gallery_page,
+    page_number,
+    samples,
+    svg_chart,
+)
 from renderfleet import spec as layout
 from renderfleet.store import LocalStore
 
@@ -185,3 +196,15 @@ def test_a_jpeg_is_decoded_reduced_and_thumbnailed() -> None:
     thumb, meta = make_thumbnail(buf.getvalue(), "photo")
     with Image.open(io.BytesIO(thumb)) as im:
         assert im.size == (192, 96) and meta["size"] == "4096x2048" and "preview" not in meta
+
+
+@pytest.mark.parametrize(("raw", "page"), [(None, 1), ("1", 1), ("2", 2), (str(MAX_PAGE), MAX_PAGE)])
+def test_a_gallery_page_number_is_a_whole_number_in_range(raw: str | None, page: int) -> None:
+    assert page_number(raw) == page
+
+
+@pytest.mark.parametrize("raw", ["", "0", "-1", "abc", "1e3", " 1", "1.0", "9223372036854775807",
+                                 str(MAX_PAGE + 1), "\uff11", "1\x00"])
+def test_any_other_page_is_a_bad_query(raw: str) -> None:
+    with pytest.raises(BadQuery, match="page: a whole number"):
+        page_number(raw)
