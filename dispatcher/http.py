@@ -13,7 +13,10 @@ Bound to 127.0.0.1 by default; on any other address it refuses to start
 without ``RENDERFLEET_HTTP_TOKEN``, and then every request must carry it
 (``Authorization: Bearer TOKEN``, ``?token=TOKEN``, or the HttpOnly cookie
 a page opened once with ``?token=`` sets): the rule of ``renderfleet/endpoint.py``,
-which each worker's own ``/metrics`` follows too.  Served by uvicorn in a thread.
+which each worker's own ``/metrics`` follows too.  Without a token only a
+loopback ``Host`` (or one of RENDERFLEET_HTTP_HOSTS) is answered; every answer
+carries a Content-Security-Policy and the other security headers.  Served by
+uvicorn in a thread.
 """
 
 from __future__ import annotations
@@ -95,12 +98,14 @@ class FleetCollector:
 
 
 def serve(address: str, source: StatusSource, prices: dict[str, float], token: str | None, *,
-          client: Any = None, store: Any = None) -> Endpoint:
+          client: Any = None, store: Any = None, hosts: tuple[str, ...] = (), tls_proxy: bool = False) -> Endpoint:
     """Start serving in a daemon thread; returns the endpoint (``server_port`` is the bound port).
 
     ``address`` is ``HOST:PORT``; a host off loopback needs a token.  With a
     Redis ``client`` the page charts the last hour (a sampler thread records
     the fleet's figures there); with a ``store`` it shows each job and its gallery.
+    ``hosts`` and ``tls_proxy`` are RENDERFLEET_HTTP_HOSTS and _HTTP_TLS_PROXY
+    (:func:`renderfleet.endpoint.guard`).
     """
     from dispatcher.web import Sampler, make_app
 
@@ -108,6 +113,6 @@ def serve(address: str, source: StatusSource, prices: dict[str, float], token: s
     if not sep or not port.isdigit():
         raise ConfigError(f"--http: expected HOST:PORT such as 127.0.0.1:9464, got {address!r}")
     sock = listen(host, int(port), token, what=f"--http {address}")
-    app = make_app(source, prices, token, client=client, store=store)
+    app = make_app(source, prices, token, client=client, store=store, hosts=hosts, tls_proxy=tls_proxy)
     sampler = Sampler(client, source).start() if client is not None else None
     return Endpoint(app, sock, on_shutdown=sampler.stopped.set if sampler is not None else None).start()

@@ -35,7 +35,10 @@ def _doing(worker: dict[str, object]) -> str:
     since = worker.get("since")
     if not since:
         return "-"
-    age = max(0.0, time.time() - float(str(since)))
+    try:
+        age = max(0.0, time.time() - float(str(since)))
+    except ValueError:  # not a time: a hand-written value
+        return "-"
     shard = str(worker.get("doing") or "")
     return f"shard {shard} for {age:.0f}s" if shard else f"idle {age:.0f}s"
 

@@ -9,6 +9,8 @@ were quarantined and why.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,6 +24,8 @@ from renderfleet.errors import InputError, JobNotFound
 from renderfleet.spec import job_id_problem, store_identity
 from renderfleet.states import ShardState
 from renderfleet.store import Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,8 +101,73 @@ def _megapixel_steps(params: dict[str, Any]) -> float:
     return float(params.get("width", 0)) * float(params.get("height", 0)) * float(params.get("steps", 0)) / 1e6
 
 
-def _int(value: Any) -> int:
-    return int(value) if value is not None else 0
+def _int(value: Any, where: str = "") -> int:
+    return 0 if value is None else _count(value, where) or 0
+
+
+# ---- values read from Redis: one malformed (written by hand, a bug, an attacker) is skipped ----
+
+_WARNED: set[str] = set()  # places already logged: the page polls every 2 s
+_WARN_PLACES = 1000  # and at most this many, however many bad fields are written
+_INT64 = 2**63  # Redis counters (HINCRBY, BITCOUNT) are signed 64-bit
+
+
+def _malformed(where: str, raw: Any, why: str) -> None:
+    """Log, once per place, that a value read from Redis was skipped."""
+    if where in _WARNED or len(_WARNED) >= _WARN_PLACES:
+        return
+    _WARNED.add(where)
+    log.warning("status: skipping a malformed value in Redis at %s: %s: %.80r", where, why, raw)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text}")
+    return value
+
+
+def _reject(constant: str) -> Any:
+    raise ValueError(f"not a finite number: {constant}")
+
+
+def _json_object(raw: Any, where: str) -> dict[str, Any] | None:
+    """``raw`` as a JSON object (no NaN or Infinity: they are not JSON); None, logged once, when it is not one."""
+    try:
+        value = json.loads(raw, parse_float=_finite, parse_constant=_reject)
+    except (ValueError, TypeError, RecursionError):  # not UTF-8 (a ValueError too), not JSON, nested too deep
+        _malformed(where, raw, "not JSON")
+        return None
+    if not isinstance(value, dict):
+        _malformed(where, raw, "not a JSON object")
+        return None
+    return value
+
+
+def _count(raw: Any, where: str) -> int | None:
+    """``raw`` as a 64-bit integer (what a Redis counter holds); None, logged once, when it is not one."""
+    try:
+        value = int(raw)
+    except (ValueError, TypeError):
+        value = _INT64
+    if not -_INT64 <= value < _INT64:
+        _malformed(where, raw, "not a 64-bit integer")
+        return None
+    return value
+
+
+def _counts(raw: dict[Any, Any], where: str) -> dict[str, int]:
+    """A hash of counters, each field that is not text or its value not an integer skipped (logged once)."""
+    out = {}
+    for k, v in raw.items():
+        try:
+            field_name = keys.text(k)
+        except UnicodeDecodeError:
+            _malformed(where, k, "a field name not in UTF-8")
+            continue
+        if (n := _count(v, f"{where} {field_name}")) is not None:
+            out[field_name] = n
+    return out
 
 
 def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> JobStatus:
@@ -133,30 +202,48 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
                          _megapixel_steps(job_spec.params.to_dict()))
     queued = running = shards_queued = shards_running = 0
     for shard, state in states.items():
-        n = _int(left.get(shard))
+        n = _int(left.get(shard), keys.left(job))
         if keys.text(state) == ShardState.QUEUED:
             queued += n
             shards_queued += 1
         else:
             running += n
             shards_running += 1
-    registered = json.loads(spec_json) if spec_json else {}
-    shards = -(-int(registered.get("total", 0)) // int(registered.get("shard_size", 1)))
-    result = JobStatus(job, _int(total), _int(done), _int(failed), queued, running, shards, shards_queued,
-                       shards_running, True, _megapixel_steps(registered.get("params", {})))
-    _add_progress(result, {keys.text(k): int(v) for k, v in stats.items()}, [keys.text(p) for p in progress],
-                  [int(a) for a in attempts])
+    registered = (_json_object(spec_json, f"{keys.job(job)} spec") if spec_json else None) or {}
+    try:
+        shards = -(-int(registered.get("total", 0)) // int(registered.get("shard_size", 1)))
+        mpsteps = _megapixel_steps(registered.get("params", {}))
+        if not math.isfinite(mpsteps):
+            raise ValueError(mpsteps)
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError):
+        _malformed(f"{keys.job(job)} spec", spec_json, "not a job's spec")
+        shards, mpsteps = 0, 0.0
+    result = JobStatus(job, _int(total, f"{keys.job(job)} total"), _int(done), _int(failed), queued, running, shards,
+                       shards_queued, shards_running, True, mpsteps)
+    where = keys.attempts(job)
+    numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
+    _add_progress(result, _counts(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
     return result
 
 
 RATE_WINDOW_SECONDS = 300.0
 
 
-def _add_progress(job_state: JobStatus, stats: dict[str, int], progress: list[str], attempts: list[int],
-                  now: float | None = None) -> None:
+def _add_progress(job_state: JobStatus, stats: dict[str, int], progress: list[Any], attempts: list[int],
+                  now: float | None = None, where: str = "") -> None:
     """Rate, ETA, GPU time by pool, redeliveries and work lost, from the workers' counters."""
     now = time.time() if now is None else now
-    stamps = [(float(t), int(n)) for t, _, n in (p.partition(" ") for p in progress)]
+    stamps = []
+    for item in progress:  # "<unix time> <images>", images from 1 (a batch's)
+        try:
+            t, _, n = keys.text(item).partition(" ")
+            stamp: tuple[float, int] | None = (_finite(t), int(n))
+        except ValueError:
+            stamp = None
+        if stamp is None or not 0 < stamp[1] < _INT64:
+            _malformed(where, item, "not a progress sample")
+            continue
+        stamps.append(stamp)
     recent = [(t, n) for t, n in stamps if t >= now - RATE_WINDOW_SECONDS]
     if recent:
         span = max(30.0, min(RATE_WINDOW_SECONDS, now - min(t for t, _ in stamps)))
@@ -179,8 +266,8 @@ def queue_depths(client: redis.Redis) -> dict[str, int]:
     """Every renderfleet queue and its length (a queue that drained still shows, at 0, while known)."""
     names = {keys.text(k) for k in client.scan_iter(match=f"{QUEUE_PREFIX}*", count=1000)}
     for raw in client.hvals(keys.WORKERS):
-        info = json.loads(raw)
-        names.add(f"{QUEUE_PREFIX}{info.get('pool', 'default')}")
+        if (info := _json_object(raw, f"{keys.WORKERS} (a worker)")) is not None:
+            names.add(f"{QUEUE_PREFIX}{info.get('pool', 'default')}")
     for job in client.smembers(keys.JOBS):
         q = keys.text(client.hget(keys.job(keys.text(job)), "queue"))
         if q:
@@ -230,14 +317,20 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     """
     status = FleetStatus(queues=queue_depths(client))
     for worker_id, raw in sorted(client.hgetall(keys.WORKERS).items()):
-        info = json.loads(raw)
-        stats = {keys.text(k): keys.text(v)
-                 for k, v in client.hgetall(keys.worker_stats(keys.text(worker_id))).items()}
+        where = f"{keys.WORKERS} {worker_id!r}"
+        if (info := _json_object(raw, where)) is None:
+            continue
+        try:
+            stats = {keys.text(k): keys.text(v)
+                     for k, v in client.hgetall(keys.worker_stats(keys.text(worker_id))).items()}
+        except UnicodeDecodeError:
+            _malformed(where, worker_id, "its id or counters not in UTF-8")
+            continue
         info.update(stats)
         status.workers.append(info)
     for key in client.scan_iter(match=f"{keys.POOL_STATS_PREFIX}*", count=1000):
-        pool = keys.text(key)[len(keys.POOL_STATS_PREFIX):]
-        status.pools[pool] = {keys.text(k): int(v) for k, v in client.hgetall(key).items()}
+        name = key.decode(errors="replace") if isinstance(key, bytes) else key  # a pool's name is shown as it is
+        status.pools[name[len(keys.POOL_STATS_PREFIX):]] = _counts(client.hgetall(key), name)
     if jobs is None:
         jobs, status.other_stores = jobs_of_store(client, store)
         # ...and those the store holds that this Redis forgot (counted from the store).
@@ -252,8 +345,8 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         price(job_state, prices or {})
         status.backlog_seconds += job_state.backlog_seconds
         status.jobs.append(job_state)
-    status.desired = {keys.text(k): int(v) for k, v in client.hgetall(keys.DESIRED).items() if k}
-    status.reaped = int(client.hget(keys.FLEET_STATS, "reaped") or 0)
+    status.desired = {k: v for k, v in _counts(client.hgetall(keys.DESIRED), keys.DESIRED).items() if k}
+    status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     return status
 
 

@@ -16,10 +16,10 @@ Nothing happens at import: :func:`make_app` builds the application.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from jinja2.exceptions import UndefinedError
 from markupsafe import Markup, escape
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -41,9 +42,10 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp
 
 from dispatcher.status import FleetStatus, JobStatus, fleet_status
+from dispatcher.thumbs import NoImage, Thumbnails
 from renderfleet import keys
 from renderfleet import spec as layout
-from renderfleet.endpoint import guard
+from renderfleet.endpoint import IMAGE_CSP, guard
 from renderfleet.errors import JobNotFound, StoreError
 from renderfleet.spec import job_id_problem, name_problem
 from renderfleet.store import Store
@@ -53,7 +55,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 PAGE_SIZE = 60  # images per gallery page
 QUARANTINE_SHOWN = 100  # quarantined prompts listed on a job's page
-THUMB_SIZE = 192  # pixels, the longer side
+IMAGE_HEADERS = {"Cache-Control": "private, max-age=86400", "Content-Security-Policy": IMAGE_CSP}
+MAX_PAGE = 10**8  # a gallery page number from a URL: 6e9 images before it, more than any job holds
 HISTORY_WINDOW = 3600.0  # seconds the charts cover
 SAMPLE_SECONDS = 5.0  # how often the sampler records the fleet's figures
 
@@ -99,12 +102,12 @@ def read_history(client: redis.Redis, metrics: list[str], now: float | None = No
     for metric, raw in zip(metrics, pipe.execute(), strict=True):
         points = []
         for item in raw:
-            t, _, v = keys.text(item).partition(" ")
-            try:
+            try:  # a sample written by anyone but the sampler is skipped: not text, numbers, or finite
+                t, _, v = keys.text(item).partition(" ")
                 point = (float(t), float(v))
             except ValueError:
                 continue
-            if point[0] >= now - HISTORY_WINDOW:
+            if math.isfinite(point[0]) and math.isfinite(point[1]) and point[0] >= now - HISTORY_WINDOW:
                 points.append(point)
         out[metric] = sorted(points)
     return out
@@ -112,7 +115,12 @@ def read_history(client: redis.Redis, metrics: list[str], now: float | None = No
 
 def history_metrics(client: redis.Redis) -> list[str]:
     """The metrics with samples (pools come and go): one SCAN of the history prefix."""
-    found = {keys.text(k)[len(keys.HISTORY_PREFIX):] for k in client.scan_iter(match=f"{keys.HISTORY_PREFIX}*", count=1000)}
+    found = set()
+    for key in client.scan_iter(match=f"{keys.HISTORY_PREFIX}*", count=1000):
+        try:
+            found.add(keys.text(key)[len(keys.HISTORY_PREFIX):])
+        except UnicodeDecodeError:  # not UTF-8: no metric the sampler wrote
+            continue
     return sorted(found)
 
 
@@ -218,11 +226,24 @@ def charts(client: redis.Redis, now: float | None = None) -> list[Markup]:
     return out
 
 
-# ---- the job: checked ids, gallery pages, thumbnails --------------------------------
+# ---- the job: checked ids, gallery pages (thumbnails: dispatcher/thumbs.py) ----------
 
 
 class NotHere(Exception):
     """A URL that names no job, or no image of the job: 404."""
+
+
+class BadQuery(Exception):
+    """A query parameter that is not what the page takes: 400."""
+
+
+def page_number(raw: str | None) -> int:
+    """The gallery page asked for: a whole number from 1 to ``MAX_PAGE`` (1 when not given); BadQuery otherwise."""
+    if raw is None:
+        return 1
+    if not re.fullmatch(r"[0-9]{1,9}", raw) or not 1 <= int(raw) <= MAX_PAGE:
+        raise BadQuery(f"page: a whole number from 1 to {MAX_PAGE}, got {raw[:20]!r}")
+    return int(raw)
 
 
 def checked_job(store: Store, job: str) -> str:
@@ -237,14 +258,6 @@ def checked_image(store: Store, job: str, name: str) -> str:
     if name_problem(name) or not store.exists(layout.image_key(job, name)):
         raise NotHere(f"job {job} has no image {name!r}")
     return name
-
-
-def thumb_key(job: str, name: str) -> str:
-    return f"{layout.job_prefix(job)}thumbs/{name}.webp"
-
-
-def meta_key(job: str, name: str) -> str:
-    return f"{layout.job_prefix(job)}thumbs/{name}.json"
 
 
 def _names(store: Store, prefix: str, suffix: str) -> Iterator[str]:
@@ -279,42 +292,6 @@ def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[d
     return out
 
 
-def image_meta(store: Store, job: str, name: str) -> dict[str, Any]:
-    """The prompt, seed and size of one image: from its cached record, else the PNG's text chunks."""
-    cached = store.get(meta_key(job, name))
-    if cached:
-        return dict(json.loads(cached))
-    thumbnail(store, job, name)
-    cached = store.get(meta_key(job, name))
-    return dict(json.loads(cached)) if cached else {"name": name}
-
-
-def thumbnail(store: Store, job: str, name: str) -> bytes:
-    """The image's thumbnail (WebP), made once and kept in the store beside the job's images,
-    with a small JSON record of its prompt, seed and size for the gallery's captions."""
-    cached = store.get(thumb_key(job, name))
-    if cached:
-        return cached
-    from PIL import Image
-
-    data = store.get(layout.image_key(job, name))
-    if data is None:
-        raise NotHere(f"job {job} has no image {name!r}")
-    with Image.open(io.BytesIO(data)) as image:
-        text = dict(getattr(image, "text", {}) or {})
-        meta = {"name": name, "prompt": text.get("prompt", ""), "negative_prompt": text.get("negative_prompt", ""),
-                "seed": text.get("seed", ""), "steps": text.get("steps", ""), "model": text.get("model", ""),
-                "size": f"{image.width}x{image.height}"}
-        small = image.convert("RGB")
-        small.thumbnail((THUMB_SIZE, THUMB_SIZE))
-        buf = io.BytesIO()
-        small.save(buf, format="WEBP", quality=80)
-    thumb = buf.getvalue()
-    store.put(meta_key(job, name), json.dumps(meta).encode(), content_type="application/json")
-    store.put(thumb_key(job, name), thumb, content_type="image/webp")
-    return thumb
-
-
 # ---- the application ----------------------------------------------------------------
 
 
@@ -341,7 +318,7 @@ def _seen(last_seen: Any) -> str:
     """A worker's state from its heartbeat: up, or silent for how long."""
     try:
         age = time.time() - float(last_seen)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, UndefinedError):  # a registration without one (Jinja's Undefined), or not a time
         return "-"
     return "up" if age < 30 else f"silent {_duration(age)}"
 
@@ -352,8 +329,10 @@ def _money(value: float | None, digits: int = 4) -> str:
 
 def make_app(source: StatusSource, prices: dict[str, float], token: str | None, *,
              client: redis.Redis | None = None, store: Store | None = None,
-             registry: CollectorRegistry | None = None) -> ASGIApp:
-    """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when given."""
+             registry: CollectorRegistry | None = None, hosts: tuple[str, ...] = (),
+             tls_proxy: bool = False) -> ASGIApp:
+    """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when
+    given, else answering only a loopback Host or one of ``hosts`` (:func:`renderfleet.endpoint.guard`)."""
     from dispatcher.http import FleetCollector
 
     if registry is None:
@@ -363,6 +342,8 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
     templates.env.filters["duration"] = _duration
     templates.env.filters["money"] = _money
     templates.env.filters["seen"] = _seen
+
+    thumbs = Thumbnails(store) if store is not None else None
 
     def need_store() -> Store:
         if store is None:
@@ -390,10 +371,7 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
     def job_data(request: Request) -> dict[str, Any]:
         store = need_store()
         job = checked_job(store, request.path_params["job"])
-        try:
-            page = max(1, int(request.query_params.get("page", "1")))
-        except ValueError:
-            page = 1
+        page = page_number(request.query_params.get("page"))
         if client is None:
             raise NotHere("this endpoint serves no job pages")
         try:
@@ -418,24 +396,31 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         job = checked_job(store, request.path_params["job"])
         return store, job, checked_image(store, job, request.path_params["name"])
 
+    def need_thumbs() -> Thumbnails:
+        if thumbs is None:
+            raise NotHere("this endpoint serves no store")
+        return thumbs
+
     def thumb(request: Request) -> Response:
-        store, job, name = image_parts(request)
-        return Response(thumbnail(store, job, name), media_type="image/webp",
-                        headers={"Cache-Control": "private, max-age=86400"})
+        _, job, name = image_parts(request)
+        return Response(need_thumbs().thumbnail(job, name), media_type="image/webp", headers=IMAGE_HEADERS)
 
     def image(request: Request) -> Response:
         store, job, name = image_parts(request)
         data = store.get(layout.image_key(job, name))
         if data is None:
             raise NotHere(f"job {job} has no image {name!r}")
-        return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400"})
+        return Response(data, media_type="image/png", headers=IMAGE_HEADERS)
 
     def api_image(request: Request) -> Response:
-        store, job, name = image_parts(request)
-        return JSONResponse(image_meta(store, job, name))
+        _, job, name = image_parts(request)
+        return JSONResponse(need_thumbs().meta(job, name))
 
     async def not_here(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(f"not found: {exc}\n", status_code=404)
+
+    async def bad_query(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(f"bad request: {exc}\n", status_code=400)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return PlainTextResponse("not found: /, /jobs/JOB, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n",
@@ -453,5 +438,6 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         Route("/jobs/{job}/images/{name}", image),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
-    app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, 404: not_found})
-    return guard(app, token)
+    app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, NoImage: not_here,
+                                                                BadQuery: bad_query, 404: not_found})
+    return guard(app, token, hosts=hosts, tls_proxy=tls_proxy)

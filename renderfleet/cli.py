@@ -369,7 +369,8 @@ def monitor(
 
             prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
             server = serve(http, lambda: fleet_status(client, store=store, prices=prices), prices,
-                           settings.http_token, client=client, store=store)
+                           settings.http_token, client=client, store=store, hosts=settings.http_host_list,
+                           tls_proxy=settings.http_tls_proxy)
             _err(f"monitor: serving the page, /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
                  f"{server.server_port}/")
         if once:

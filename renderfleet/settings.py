@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
     from renderfleet.store import S3Options
 
 _POOL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+# A Host header entry of RENDERFLEET_HTTP_HOSTS: a DNS name or an address, with an optional port.
+_HOST_RE = re.compile(r"^([a-z0-9][a-z0-9.-]*|\[[0-9a-f:.]+\])(:[0-9]{1,5})?$")
+MIN_TOKEN_LENGTH = 16  # characters: a guessable token on a network is none
 
 
 # Query parameters that may carry a credential (redis-py reads ?password= and ?username=).
@@ -233,7 +236,16 @@ class Settings(BaseSettings):
     task_events: bool = False
     # Required on every request to the monitor's HTTP endpoint and a worker's metrics
     # when they listen off loopback (and then on every request, wherever they listen).
+    # At least MIN_TOKEN_LENGTH characters, no whitespace: `openssl rand -hex 32`.
     http_token: str | None = None
+    # Without a token the monitor answers only requests whose Host is localhost,
+    # 127.0.0.1 or [::1] with its port (a DNS-rebinding page reads nothing); these
+    # names too, comma-separated: `name` for any port, `name:port` for that one.
+    http_hosts: str | None = None
+    # The monitor is reached through a reverse proxy that terminates TLS: its
+    # X-Forwarded-Proto: https marks the login cookie Secure.  Only set it when
+    # the proxy is the sole way in (a client could send the header itself).
+    http_tls_proxy: bool = False
     # A worker's own Prometheus metrics (``/metrics``) on this port; 0: none.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # The address a worker's metrics listen on; off loopback only with http_token.
@@ -264,6 +276,28 @@ class Settings(BaseSettings):
             return None
         if value.startswith("s3://") and not value[5:].split("/", 1)[0]:
             raise ValueError(f"s3 URL needs a bucket: {value!r}")
+        return value
+
+    @field_validator("http_token")
+    @classmethod
+    def _check_token(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        # The token itself is never shown: only what is wrong with it.
+        if len(value) < MIN_TOKEN_LENGTH or not value.isprintable() or any(c.isspace() for c in value):
+            raise ValueError(f"must be at least {MIN_TOKEN_LENGTH} characters with no whitespace "
+                             f"(e.g. `openssl rand -hex 32`), got {len(value)} characters")
+        return value
+
+    @field_validator("http_hosts")
+    @classmethod
+    def _check_hosts(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        for entry in value.split(","):
+            if not _HOST_RE.match(entry.strip().lower()):
+                raise ValueError(f"expected host names such as monitor.internal or monitor.internal:8080, "
+                                 f"comma-separated; got {entry.strip()!r}")
         return value
 
     @field_validator("s3_sse")
@@ -331,6 +365,11 @@ class Settings(BaseSettings):
 
         return S3Options(sse=self.s3_sse, kms_key_id=self.s3_kms_key_id or None,
                          storage_class=self.s3_storage_class or None, addressing=self.s3_addressing)
+
+    @property
+    def http_host_list(self) -> tuple[str, ...]:
+        """The Host header values the tokenless monitor answers beside loopback's."""
+        return tuple(h.strip().lower() for h in (self.http_hosts or "").split(",") if h.strip())
 
     @property
     def fixed_render_batch(self) -> int | None:

@@ -71,8 +71,13 @@
     if (!fig._meta) fig._meta = fetch(fig.dataset.meta, { credentials: "same-origin" }).then(function (r) { return r.json(); });
     return fig._meta;
   }
-  function describe(m) { return m.prompt + "\nseed " + m.seed + " \u00b7 " + m.size + (m.steps ? " \u00b7 " + m.steps + " steps" : ""); }
+  function describe(m) {
+    return m.prompt + "\nseed " + m.seed + " \u00b7 " + m.size + (m.steps ? " \u00b7 " + m.steps + " steps" : "") +
+      (m.preview ? "\n" + m.preview : "");
+  }
   document.addEventListener("DOMContentLoaded", function () {
+    // The bars' widths from the page (the Content-Security-Policy admits no inline style attribute).
+    document.querySelectorAll(".fill[data-percent]").forEach(function (el) { el.style.width = el.dataset.percent + "%"; });
     setTimeout(poll, 2000);
     var detail = document.getElementById("detail");
     document.querySelectorAll("figure.thumb").forEach(function (fig) {

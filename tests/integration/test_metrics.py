@@ -71,13 +71,13 @@ def test_off_loopback_the_endpoint_needs_a_token_and_enforces_it(tmp_path: Path,
     refused = subprocess.run([sys.executable, "-m", "renderfleet", "monitor", "--once", "--http", f"0.0.0.0:{port}"],
                              env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert refused.returncode == 2 and "RENDERFLEET_HTTP_TOKEN" in refused.stderr and "Traceback" not in refused.stderr
-    monitor = start_monitor({**env, "RENDERFLEET_HTTP_TOKEN": "s3cret-token"}, f"0.0.0.0:{port}", tmp_path / "m.log")
+    monitor = start_monitor({**env, "RENDERFLEET_HTTP_TOKEN": "s3cret-monitor-token"}, f"0.0.0.0:{port}", tmp_path / "m.log")
     try:
         wait_for(lambda: get(f"http://127.0.0.1:{port}/metrics")[0] in (200, 401), 30, what="the endpoint")
         assert get(f"http://127.0.0.1:{port}/metrics")[0] == 401
         assert get(f"http://127.0.0.1:{port}/api/status", token="wrong")[0] == 401
-        assert get(f"http://127.0.0.1:{port}/metrics", token="s3cret-token")[0] == 200
-        assert get(f"http://127.0.0.1:{port}/api/status?token=s3cret-token")[0] == 200
+        assert get(f"http://127.0.0.1:{port}/metrics", token="s3cret-monitor-token")[0] == 200
+        assert get(f"http://127.0.0.1:{port}/api/status?token=s3cret-monitor-token")[0] == 200
     finally:
         monitor.terminate()
         monitor.wait(10)

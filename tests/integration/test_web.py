@@ -69,6 +69,14 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
+def watch_csp(page: object) -> list[str]:
+    """What the page's Content-Security-Policy refused (Chromium reports each on the console), and script errors."""
+    refused: list[str] = []
+    page.on("console", lambda m: refused.append(f"{page.url}: {m.text}") if "Content Security Policy" in m.text else None)  # type: ignore[attr-defined]
+    page.on("pageerror", lambda e: refused.append(str(e)))  # type: ignore[attr-defined]
+    return refused
+
+
 def keep(page: object, name: str, tmp: Path) -> None:
     path = tmp / name
     page.screenshot(path=str(path), full_page=True)  # type: ignore[attr-defined]
@@ -98,7 +106,9 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
     try:
         wait_for(lambda: get(f"{base}/api/status")[0] == 200, 30, what="the endpoint")
         page = browser.new_page(viewport={"width": 1280, "height": 1400})  # type: ignore[attr-defined]
-        page.goto(f"{base}/")
+        refused = watch_csp(page)
+        response = page.goto(f"{base}/")
+        assert "script-src 'self'" in response.headers["content-security-policy"]
         row = page.locator(f'tr[data-job="{job}"]')
         assert row.locator(".f-done").inner_text() == "0"
 
@@ -137,6 +147,8 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         # The job's page: the quarantined prompt with its error, then the gallery.
         page.locator(f'a[href="/jobs/{job}"]').first.click()
         page.wait_for_url(f"{base}/jobs/{job}")
+        # the bar drawn from the page itself (no inline style: the script sets it), before any poll
+        assert page.locator(f'tr[data-job="{job}"] .fill').evaluate("el => el.style.width") in ("100%", "100.0%")
         quarantine = page.locator("table.quarantine")
         assert "bad" in quarantine.inner_text() and "study 17" in quarantine.inner_text()
         assert quarantine.locator("td.error").inner_text().strip()
@@ -168,6 +180,9 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         page.locator("#prev").click()
         page.wait_for_url(f"{base}/jobs/{job}?page=1#gallery")
         assert page.locator("figure.thumb").count() == 60
+        # the full image opened on its own, then: the policy refused nothing the page does
+        page.goto(f"{base}/jobs/{job}/images/000000")
+        assert refused == []
 
         # Thumbnails were made once and kept in the store, under the job's prefix.
         thumbs_dir = store / "jobs" / job / "thumbs"

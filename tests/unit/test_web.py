@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import struct
+import threading
+import time
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,17 +16,18 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from dispatcher.status import FleetStatus, JobStatus
+from dispatcher.thumbs import THUMB_MAX_PIXELS, THUMBS_AT_ONCE, Thumbnails, make_thumbnail, placeholder, thumb_key
 from dispatcher.web import (
+    MAX_PAGE,
     PAGE_SIZE,
+    BadQuery,
     NotHere,
     checked_image,
     checked_job,
     gallery_page,
-    image_meta,
+    page_number,
     samples,
     svg_chart,
-    thumb_key,
-    thumbnail,
 )
 from renderfleet import spec as layout
 from renderfleet.store import LocalStore
@@ -68,14 +74,16 @@ def test_an_image_name_from_a_url_must_be_an_image_the_job_has(store: LocalStore
 
 def test_a_thumbnail_is_made_once_and_kept_under_the_jobs_prefix(store: LocalStore) -> None:
     name = checked_image(store, "j-1", "000003")
-    thumb = thumbnail(store, "j-1", name)
+    thumbs = Thumbnails(store)
+    thumb = thumbs.thumbnail("j-1", name)
     assert store.get(thumb_key("j-1", name)) == thumb and thumb_key("j-1", name).startswith("jobs/j-1/thumbs/")
     with Image.open(io.BytesIO(thumb)) as im:
         assert im.format == "WEBP" and max(im.size) <= 192
-    meta = image_meta(store, "j-1", name)
+    meta = thumbs.meta("j-1", name)
     assert meta["prompt"] == "a <b>fox</b> 3" and meta["seed"] == "3" and meta["size"] == "64x32"
+    assert "preview" not in meta
     store.put(thumb_key("j-1", name), b"kept")
-    assert thumbnail(store, "j-1", name) == b"kept"  # never made again
+    assert thumbs.thumbnail("j-1", name) == b"kept"  # never made again
 
 
 def test_charts_are_inline_svg_with_text_escaped() -> None:
@@ -91,3 +99,112 @@ def test_samples_are_bounded_one_per_pool() -> None:
     assert samples(fleet) == {"queue_shards": 2.0, "backlog_images": 5.0, "backlog_seconds": 7.5,
                               "workers.spot": 2.0, "desired.spot": 3.0}
     json.dumps(samples(fleet))
+
+
+# ---- thumbnails: a pixel cap, a few at a time, once per image ----------------------------
+
+
+class CountingStore(LocalStore):
+    """A folder store that counts the image reads and how many run at once (each takes a little while)."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.reads: Counter[str] = Counter()
+        self.running = self.most = 0
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> bytes | None:
+        if "/images/" not in key:
+            return super().get(key)
+        with self.lock:
+            self.reads[key] += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            time.sleep(0.05)
+            return super().get(key)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def views(thumbs: Thumbnails, names: list[str]) -> list[bytes]:
+    """One thread per name, all asking at once."""
+    start = threading.Barrier(len(names))
+    out: dict[int, bytes] = {}
+
+    def view(i: int, name: str) -> None:
+        start.wait()
+        out[i] = thumbs.thumbnail("j-1", name)
+
+    threads = [threading.Thread(target=view, args=(i, name)) for i, name in enumerate(names)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [out[i] for i in range(len(names))]
+
+
+def test_concurrent_first_views_of_one_image_wait_for_one_computation(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "store")
+    store.put(layout.image_key("j-1", "000000"), png(0))
+    made = views(Thumbnails(store), ["000000"] * 8)
+    assert store.reads == {layout.image_key("j-1", "000000"): 1} and len(set(made)) == 1
+
+
+def test_at_most_a_few_images_are_read_and_decoded_at_once(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "store")
+    names = [layout.index_name(i) for i in range(12)]
+    for i, name in enumerate(names):
+        store.put(layout.image_key("j-1", name), png(i))
+    made = views(Thumbnails(store), names)
+    assert all(made) and len(store.reads) == 12 and 1 <= store.most <= THUMBS_AT_ONCE
+
+
+def huge_png_header(width: int, height: int) -> bytes:
+    """A PNG that says it is ``width`` x ``height`` but holds one row of pixels (a few hundred bytes)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = zlib.compress(b"\x00" + b"\x00\x00\x00" * width)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"tEXt", b"prompt\x00a huge one") + chunk(b"IDAT", row) + chunk(b"IEND", b""))
+
+
+def test_an_image_over_the_pixel_cap_gets_a_placeholder_from_its_header_alone() -> None:
+    thumb, meta = make_thumbnail(huge_png_header(9000, 9000), "huge")
+    assert thumb == placeholder() and meta["size"] == "9000x9000" and meta["prompt"] == "a huge one"
+    assert "81.0 megapixels" in meta["preview"]  # refused before its pixels were read
+    assert THUMB_MAX_PIXELS == 4096 * 4096  # the largest image a job may ask for passes
+    assert "preview" in make_thumbnail(png(1), "small", max_pixels=64 * 32 - 1)[1]
+    assert "preview" not in make_thumbnail(png(1), "small", max_pixels=64 * 32)[1]
+
+
+@pytest.mark.parametrize("data", [b"", b"not an image", png(1)[:100], b"GIF89a" + b"\x00" * 20,
+                                  b"\x89PNG\r\n\x1a\n" + b"\x00" * 40])
+def test_bytes_that_are_no_readable_png_jpeg_or_webp_get_a_placeholder(data: bytes) -> None:
+    thumb, meta = make_thumbnail(data, "bad")
+    assert thumb == placeholder() and "not a readable" in meta["preview"]
+
+
+def test_a_jpeg_is_decoded_reduced_and_thumbnailed() -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (4096, 2048), (10, 200, 30)).save(buf, format="JPEG")
+    with Image.open(io.BytesIO(buf.getvalue())) as image:
+        image.draft("RGB", (384, 384))  # what make_thumbnail asks of the decoder
+        assert image.size == (1024, 512)  # decoded at a quarter of the size: 1/16 of the memory
+    thumb, meta = make_thumbnail(buf.getvalue(), "photo")
+    with Image.open(io.BytesIO(thumb)) as im:
+        assert im.size == (192, 96) and meta["size"] == "4096x2048" and "preview" not in meta
+
+
+@pytest.mark.parametrize(("raw", "page"), [(None, 1), ("1", 1), ("2", 2), (str(MAX_PAGE), MAX_PAGE)])
+def test_a_gallery_page_number_is_a_whole_number_in_range(raw: str | None, page: int) -> None:
+    assert page_number(raw) == page
+
+
+@pytest.mark.parametrize("raw", ["", "0", "-1", "abc", "1e3", " 1", "1.0", "9223372036854775807",
+                                 str(MAX_PAGE + 1), "\uff11", "1\x00"])
+def test_any_other_page_is_a_bad_query(raw: str) -> None:
+    with pytest.raises(BadQuery, match="page: a whole number"):
+        page_number(raw)

@@ -72,17 +72,17 @@ def test_off_loopback_the_worker_metrics_refuse_to_start_without_the_token_and_t
         serve_metrics(WorkerMetrics("spot"), Settings(metrics_host="0.0.0.0", metrics_port=free_port()))
     assert "RENDERFLEET_METRICS_HOST" in str(info.value)
     endpoint = serve_metrics(WorkerMetrics("spot"), Settings(metrics_host="0.0.0.0", metrics_port=free_port(),
-                                                             http_token="s3cret"))
+                                                             http_token="s3cret-metrics-token"))
     assert endpoint is not None
     endpoints.append(endpoint)
     url = f"http://127.0.0.1:{endpoint.server_port}/metrics"
     assert http_get(url)[0] == 401
     assert http_get(url, token="wrong")[0] == 401
-    assert http_get(url, token="s3cret")[0] == 200
+    assert http_get(url, token="s3cret-metrics-token")[0] == 200
 
 
 def test_a_token_set_is_needed_on_loopback_too(endpoints: list[Any]) -> None:
-    endpoint = serve_metrics(WorkerMetrics("spot"), Settings(metrics_port=free_port(), http_token="s3cret"))
+    endpoint = serve_metrics(WorkerMetrics("spot"), Settings(metrics_port=free_port(), http_token="s3cret-metrics-token"))
     assert endpoint is not None
     endpoints.append(endpoint)
     assert http_get(f"http://127.0.0.1:{endpoint.server_port}/metrics")[0] == 401
