@@ -60,7 +60,7 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     time.sleep(4)
     redis_server.start()  # same port, empty
     cli(env, "resume", job)
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 40 and s, 120, interval=1.0,
+    st = wait_for(lambda: (s := job_status(env, job))["done"] == 40 and s, 240, interval=1.0,
                   what="the same worker to finish the job after the restart")
     assert st["failed"] == 0
     assert worker.alive(), worker.output()[-3000:]
