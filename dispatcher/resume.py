@@ -23,7 +23,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from dispatcher import enqueue
+from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
 from renderfleet import keys, prompts, spec
 from renderfleet.celery_app import queue_name
@@ -101,9 +101,13 @@ def _bit(bitmap: bytes, i: int) -> bool:
 
 
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
-           only: set[int] | None = None, front: bool = False) -> ResumeReport:
+           only: set[int] | None = None, front: bool = False, uncancel: bool = False) -> ResumeReport:
     """Enqueue whatever of ``job`` (or of its shards ``only``) is not yet in the store;
     ``front``: at the front of the queue (for shards whose turn has passed).
+
+    ``uncancel``: the user's own ``resume`` or ``submit``, which continues a cancelled job.
+    Without it (the monitor) a cancelled job stays cancelled: registered, its counts
+    rebuilt, nothing left queued (``dispatcher/lifecycle.py``).
 
     One read of the stored prompt file.  Commits racing this are safe: each
     shard's attempt and lease are read *before* the store is listed, and the
@@ -119,6 +123,8 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     enqueue.check_owner(client, job, owner)
     queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(job_spec.pool)
     known = bool(client.exists(keys.job(job)))
+    # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
+    held = lifecycle.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
     attempts = {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
     seconds, micros = client.time()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
@@ -154,4 +160,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 current, marks = [], []
 
     sent = enqueue.publish_shards(app, client, job_spec, queue, shards(), store=owner, front=front)
+    if held is not None:
+        lifecycle.hold(client, job, held)  # cancelled again, what was pushed taken out
+        sent = 0
     return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known)

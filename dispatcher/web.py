@@ -67,7 +67,7 @@ def samples(fleet: FleetStatus) -> dict[str, float]:
     """The figures charted, from one status read: queue depth, backlog, pool sizes (bounded: one per pool)."""
     out = {
         "queue_shards": float(sum(fleet.queues.values())),
-        "backlog_images": float(sum(j.left for j in fleet.jobs)),
+        "backlog_images": float(sum(j.to_render for j in fleet.jobs)),
         "backlog_seconds": float(fleet.backlog_seconds),
     }
     sizes = fleet.pool_sizes()
@@ -321,6 +321,7 @@ def thumbnail(store: Store, job: str, name: str) -> bytes:
 def _job_view(job_state: JobStatus) -> dict[str, Any]:
     out = asdict(job_state)
     out["left"] = job_state.left
+    out["to_render"] = job_state.to_render
     out["finished"] = job_state.finished
     out["percent"] = round(100 * (job_state.done + job_state.failed) / job_state.total, 1) if job_state.total else 100.0
     return out

@@ -49,7 +49,7 @@ import redis
 from renderfleet import keys, testhooks
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope
 from renderfleet.errors import Reclaimed
-from renderfleet.states import ClaimAnswer, Release
+from renderfleet.states import Beat, ClaimAnswer, Release
 
 # The scripts live in renderfleet/lua/, each with a header naming its KEYS and ARGV;
 # common.lua (Redis's clock, the enqueue record) is prepended to each.
@@ -91,11 +91,13 @@ class Suspect:
 
 @dataclass(frozen=True)
 class Reaped:
-    """A shard the reaper re-queued; ``message`` is set when the caller must publish it."""
+    """A shard the reaper re-queued (or parked: ``cancelled``, its job is); ``message`` is set when
+    the caller must publish it."""
 
     job: str
     shard: int
     message: str | None
+    cancelled: bool = False
 
 
 def requeue_payload(raw_unacked: bytes | str | None) -> str:
@@ -156,7 +158,7 @@ class Leases:
     def claim(
         self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str
     ) -> tuple[ClaimAnswer, Lease | None]:
-        """Take a shard: (OK, lease), (BUSY, None) or (DONE, None)."""
+        """Take a shard: (OK, lease), or (BUSY / DONE / CANCELLED, None): drop this delivery."""
         raw = self.client.hget(UNACKED_KEY, tag) if tag else None
         requeue = requeue_payload(raw)
         if not requeue and self.envelope is not None:
@@ -176,8 +178,8 @@ class Leases:
             return answer, None
         return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, requeue_tag)
 
-    def heartbeat(self, lease: Lease) -> bool:
-        """Renew (or re-create) the lease; False means fenced: stop now."""
+    def heartbeat(self, lease: Lease) -> Beat:
+        """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch."""
         result = self._heartbeat(
             keys=[keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
                   keys.lease(lease.job, lease.shard)],
@@ -186,7 +188,7 @@ class Leases:
                 lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag,
             ],
         )
-        return int(result) != 0
+        return Beat(int(result))
 
     def current(self, lease: Lease) -> bool:
         """Whether no newer attempt has claimed the shard (one read, for a fence check before a store write)."""
@@ -217,18 +219,20 @@ class Leases:
         return count
 
     def release(self, lease: Lease, outcome: Release | str) -> str | None:
-        """Finish (DONE) or hand the shard back (to the FRONT of the queue, or the BACK).
+        """Finish (DONE) or hand the shard back (to the FRONT of the queue, or the BACK); CANCEL
+        parks it (its job is cancelled).  A shard of a cancelled job is parked whatever the outcome
+        but DONE; CANCEL is FRONT when the job was resumed meanwhile.
 
         Returns the shard message when the caller must publish it itself.
         """
         try:
             outcome = Release(outcome)
         except ValueError:
-            raise ValueError(f"outcome must be done, front or back, got {outcome!r}") from None
+            raise ValueError(f"outcome must be one of {', '.join(Release)}, got {outcome!r}") from None
         result = self._release(
             keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
                   keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
-                  keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+                  keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.job(lease.job)],
             args=[lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX],
         )
         if isinstance(result, list) and result and int(result[0]) == 2:
@@ -244,8 +248,8 @@ class Leases:
             member = keys.text(flat[i])
             how = keys.text(flat[i + 1])
             job, _, shard = member.rpartition(":")
-            message = None if how == "pushed" or not how else how
-            out.append(Reaped(job, int(shard), message))
+            message = None if how in ("pushed", "cancelled") or not how else how
+            out.append(Reaped(job, int(shard), message, cancelled=how == "cancelled"))
         return out
 
     # ---- the audit: messages lost between a queue and a claim ---------------------

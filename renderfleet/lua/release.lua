@@ -1,13 +1,18 @@
 -- Finish a shard ('done') or hand it back to the 'front' or 'back' of its queue.
+-- A shard of a cancelled job is not handed back but parked ('c', in no queue)
+-- until the job is resumed; 'cancel' (a runner that stopped for the cancel) is
+-- 'front' when the job was resumed meanwhile.
 --
 -- KEYS[1] attempts, KEYS[2] lease, KEYS[3] inflight, KEYS[4] shards, KEYS[5] left,
--- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] enqueued, KEYS[9] seq, KEYS[10] queues
+-- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] enqueued, KEYS[9] seq, KEYS[10] queues,
+-- KEYS[11] job
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] attempt, ARGV[4] outcome, ARGV[5] worker,
 -- ARGV[6] queued prefix
 -- Returns 0 fenced (nothing done), 1 ok, or {2, message} when the caller must
 -- publish the message itself (kombu's copy of it is gone).
 local attempts, lease, inflight, shards, left = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local unacked, unacked_idx, enqueued, seq_key, queues = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local job = KEYS[11]
 local shard, member, attempt, outcome, worker, queued_prefix = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 
 if tonumber(redis.call('HGET', attempts, shard) or '0') > attempt then
@@ -32,8 +37,12 @@ if tag then
   redis.call('HDEL', unacked, tag)
   redis.call('ZREM', unacked_idx, tag)
 end
+if redis.call('HEXISTS', job, 'cancelled') == 1 then
+  redis.call('HSET', shards, shard, 'c')  -- parked: nothing pushed
+  return 1
+end
 if requeue and requeue ~= '' then
-  if outcome == 'front' then
+  if outcome == 'front' or outcome == 'cancel' then
     redis.call('RPUSH', queue, requeue)
     record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, 'f', rtag)
   else

@@ -63,6 +63,8 @@ def make_msg(n: int, batch: int, shard: int = 0) -> ShardMessage:
 
 class Ledger:
     def check(self) -> None: ...
+    def cancelled(self) -> bool:
+        return False
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None: ...
     def record_failure(self, prompt: Prompt, error: str) -> int:
         return 1
