@@ -310,11 +310,14 @@ def _attempts(settings: Settings, job: str) -> dict[int, int]:
 def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
     settings = _settings()
+    from dispatcher.lifecycle import deleted
     from dispatcher.resume import resume as do_resume
     from renderfleet.store import open_store
 
     with _user_errors():
         celery, client, _ = _connect(settings)
+        if (gone := deleted(client, _job_id(job))) is not None:
+            raise gone
         report = do_resume(_job_id(job), store=open_store(settings.store_url, settings.s3_options), app=celery,
                            client=client, uncancel=True)
     _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "

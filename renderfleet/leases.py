@@ -33,6 +33,12 @@ find.  Every push of a shard message therefore leaves an enqueue record
 (``keys.ENQUEUED``), dropped at the claim; :meth:`Leases.suspects` finds the
 records that every later message overtook, which the monitor re-publishes.
 
+A cancelled job (``cancelled`` in ``keys.job``: ``dispatcher/lifecycle.py``)
+has its shards parked ('c') instead of re-queued, by the release and the
+reaper alike; its leased shards hear of it from their heartbeat
+(:class:`~renderfleet.states.Beat`) and stop at their next batch boundary;
+a claim of one of its shards is refused.
+
 All times are Redis's clock, never the workers'.
 """
 

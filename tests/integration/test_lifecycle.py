@@ -27,10 +27,10 @@ from dispatcher import lifecycle
 from dispatcher.http import FleetCollector
 from dispatcher.status import fleet_status, job_status
 from renderfleet import Client, keys, spec
-from renderfleet.celery_app import UNACKED_KEY, publisher, queue_name
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, publisher, queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import JobDeleted
-from renderfleet.leases import Leases
+from renderfleet.leases import Leases, envelope_tag
 from renderfleet.states import ClaimAnswer
 from renderfleet.store import Store, open_store
 from testing.fleet import (
@@ -163,12 +163,17 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
         r.lmove(QUEUE, QUEUE, "RIGHT", "LEFT")
     publisher(client.app)(message)
     r.rpush(QUEUE, first_b)
-    before = queued_jobs(r)
-    assert sorted(before) == sorted([a.id] * 4 + [b.id] * 2)
+    # And one a worker took (kombu's unacked) and never claimed.
+    taken = next(env for env in r.lrange(QUEUE, 0, -1) if f'"argsrepr": "{a.id}:2"'.encode() in env)
+    r.lrem(QUEUE, 1, taken)
+    tag = envelope_tag(keys.text(taken))
+    r.hset(UNACKED_KEY, tag, json.dumps([json.loads(taken), "", QUEUE]))
+    r.zadd(UNACKED_INDEX_KEY, {tag: time.time()})
+    assert sorted(queued_jobs(r)) == sorted([a.id] * 3 + [b.id] * 2)
 
     done = a.cancel()
-    assert (done.removed, done.parked, done.leased) == (4, 3, 0)
-    assert queued_jobs(r) == [b.id, b.id]
+    assert (done.removed, done.parked, done.leased) == (3, 3, 0)
+    assert queued_jobs(r) == [b.id, b.id] and not r.hexists(UNACKED_KEY, tag) and not r.zscore(UNACKED_INDEX_KEY, tag)
     assert states(r, a.id) == {0: "c", 1: "c", 2: "c"}
     assert not any(keys.text(m).startswith(f"{a.id}:") for m in r.hkeys(keys.ENQUEUED))
     st = a.status()
@@ -192,6 +197,13 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     again = client.submit([f"a {i}" for i in range(6)], shard_size=2, batch_size=2, model="tiny", steps=2,
                           size="32x32")
     assert again.id == a.id and not again.new and again.shards_enqueued == 3 and again.status().cancelled is None
+
+    # Cancelled while Redis has forgotten the job: registered again from the store, nothing queued.
+    r.flushall()
+    assert a.cancel().removed == 0  # what the registration pushed was taken out again
+    st = a.status()
+    assert st.known_to_redis and st.cancelled is not None and (st.total, st.queued) == (6, 0)
+    assert queued_jobs(r) == [] and states(r, a.id) == {0: "c", 1: "c", 2: "c"}
 
 
 # ---- cancel with workers, a monitor, and a Redis that loses its memory ------------------------------
@@ -258,7 +270,8 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
     procs.append(worker)
     job = submit(env, tmp_path / "a.txt", 8, 2, 2)
     wait_for(lambda: stopped(worker.pid), 90, interval=0.05, what="the worker to pause in shard 0's end")
-    Client(redis_url=redis_server.url, store=str(tmp_path / "store")).job(job).cancel()
+    out = cli(env, "cancel", job)
+    assert f"job {job} cancelled: 0/8 rendered" in out.stderr and out.stdout.strip() == job
     os.kill(worker.pid, signal.SIGCONT)
 
     wait_for(lambda: at_rest(r, job), 60, what="the cancel to take hold")
