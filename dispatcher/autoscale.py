@@ -286,7 +286,7 @@ class Autoscaler:
                     self.last_change[d.pool] = now
                     log.warning("pool %s: %d -> %d: %s", d.pool, d.current, d.desired, d.reason)
             self._publish(decisions)
-        jobs = [{"job": j.job, "left": j.left, "backlog_seconds": round(j.backlog_seconds, 3)} for j in fleet.jobs]
+        jobs = [{"job": j.job, "left": j.to_render, "backlog_seconds": round(j.backlog_seconds, 3)} for j in fleet.jobs]
         return Tick(time.time(), backlog, spmps, jobs, [_decision(d) for d in decisions],
                     [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states])
 

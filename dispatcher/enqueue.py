@@ -72,6 +72,10 @@ def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, 
     that loses its memory, and ``resume`` never sets it)."""
     check_owner(client, spec.job, store)
     pipe = client.pipeline()
+    # A job submitted again after it was deleted: its tombstone (keys.job) is a job again, for good.
+    pipe.hdel(keys.job(spec.job), "deleted", "reason")
+    pipe.persist(keys.job(spec.job))
+    pipe.persist(keys.attempts(spec.job))
     pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue,
                                            "store": store})
     if stored:

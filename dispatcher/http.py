@@ -42,7 +42,7 @@ class FleetCollector:
 
     def collect(self) -> Iterator[Metric]:
         fleet = self.source()
-        left = sum(j.left for j in fleet.jobs)
+        left = sum(j.to_render for j in fleet.jobs)  # a cancelled job's prompts wait for no worker
         g = GaugeMetricFamily("renderfleet_backlog_images", "Prompts neither rendered nor quarantined, queued or in flight")
         g.add_metric([], left)
         yield g
@@ -59,7 +59,8 @@ class FleetCollector:
         g.add_metric(["running"], sum(j.shards_running for j in fleet.jobs))
         yield g
         g = GaugeMetricFamily("renderfleet_jobs", "Jobs by state", labels=["state"])
-        g.add_metric(["running"], sum(not j.finished for j in fleet.jobs))
+        g.add_metric(["running"], sum(not j.finished and j.cancelled is None for j in fleet.jobs))
+        g.add_metric(["cancelled"], sum(not j.finished and j.cancelled is not None for j in fleet.jobs))
         g.add_metric(["finished"], sum(j.finished for j in fleet.jobs))
         yield g
         g = GaugeMetricFamily("renderfleet_quarantined_prompts", "Prompts quarantined, over the jobs shown")

@@ -9,6 +9,12 @@ audit also checks one finished job against the store, in turn (the slow
 audit, :meth:`Monitor.audit_finished`): a job whose images were deleted after
 it finished is counted again and rendered again.
 
+A cancelled job is never resumed for having nothing queued or running, and a
+Redis that lost its memory gets it back cancelled (its marker in the store).
+A job whose spec is gone from the store while Redis holds it as stored (its
+folder emptied behind the fleet's back) is retired at the next audit
+(:meth:`Monitor.retire`).
+
 Which jobs exist is read from the store too, not from Redis alone: at start,
 whenever Redis lost its memory, and at every audit, one delimited listing of
 the store's ``jobs/`` finds the jobs this Redis does not know (a monitor
@@ -26,10 +32,11 @@ import uuid
 import redis
 from celery import Celery
 
+from dispatcher import lifecycle
 from dispatcher.resume import jobs_redis_forgot, resume, stored_names
 from dispatcher.status import job_status, jobs_of_store
 from renderfleet import celery_app, keys
-from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
 from renderfleet.leases import Leases
 from renderfleet.reaper import reap_once
 from renderfleet.settings import Settings
@@ -65,6 +72,7 @@ class Monitor:
         if audit_due:
             self.audited_at = time.monotonic()
             self.audit()
+            self.retire()
         resumed = []
         lost = not self.client.exists(keys.EPOCH)
         if lost or self.adopted_at is None or time.monotonic() - self.adopted_at >= self.settings.audit_seconds:
@@ -74,12 +82,17 @@ class Monitor:
         for job in sorted(self.known_jobs - set(resumed)):
             try:
                 job_state = job_status(self.client, job, store=self.store)
+            except JobDeleted:
+                self.known_jobs.discard(job)  # deleted or retired: nothing to watch
+                continue
             except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
                 log.warning("job %s: %s", job, exc)
                 continue
             if job_state.finished and job_state.known_to_redis:
                 finished.append((job, job_state.done))
-            stalled = not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0
+            # A cancelled job has nothing queued or running on purpose: never resumed for that.
+            stalled = not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 \
+                and job_state.cancelled is None
             confirmed = stalled and job in self.stalled
             if stalled and not confirmed:
                 self.stalled.add(job)
@@ -120,6 +133,14 @@ class Monitor:
         log.warning("job %s: %d counted images are gone from the store: %d shards enqueued to render them again",
                     job, report.uncounted, report.shards_enqueued)
         return [job]
+
+    def retire(self) -> list[str]:
+        """Retire every job of this store whose spec is gone from it (its folder emptied behind
+        the fleet's back): its messages dropped, its keys gone but for a tombstone that
+        ``status`` reports (``dispatcher/lifecycle.py``).  One HEAD per job Redis holds as stored."""
+        retired = lifecycle.retire_gone(self.client, self.store, jobs_of_store(self.client, self.store)[0])
+        self.known_jobs -= set(retired)
+        return retired
 
     def adopt(self) -> list[str]:
         """Resume every job of the store that this Redis does not know; returns them.

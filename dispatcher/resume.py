@@ -23,7 +23,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from dispatcher import enqueue
+from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
 from renderfleet import keys, prompts, spec
 from renderfleet.celery_app import queue_name
@@ -103,14 +103,17 @@ def _bit(bitmap: bytes, i: int) -> bool:
 
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
            only: set[int] | None = None, front: bool = False, lost: bool = False,
-           push: bool = True) -> ResumeReport:
+           push: bool = True, uncancel: bool = False) -> ResumeReport:
     """Correct Redis's counts of ``job`` (or of its shards ``only``) to the store, and
     enqueue every shard with a prompt the store does not hold that is in no queue,
     not leased and not finished.
 
     ``front``: at the front of the queue (for shards whose turn has passed);
     ``lost``: push even shards whose push is recorded (the audit's lost messages);
-    ``push=False``: correct the counts only (``results``).
+    ``push=False``: correct the counts only (``results``);
+    ``uncancel``: the user's own ``resume`` or ``submit``, which continues a cancelled job.
+    Without it (the monitor) a cancelled job stays cancelled: registered, its counts
+    corrected, nothing pushed (``dispatcher/lifecycle.py``).
 
     One read of the stored prompt file.  Commits racing this are safe: the bits
     are read *before* the store is listed, so a count the listing does not
@@ -125,6 +128,8 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     enqueue.check_owner(client, job, owner)
     queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(job_spec.pool)
     known = bool(client.exists(keys.job(job)))
+    # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
+    held = lifecycle.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
     # The counts before the listing: one it does not explain (an image gone since) is
     # cleared, one set after it is kept (publish.lua's marks '-' and '?').
     pipe = client.pipeline(transaction=False)
@@ -157,5 +162,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 current, marks = [], []
 
     sent = enqueue.publish_shards(app, client, job_spec, queue, shards(), store=owner, front=front, force=lost,
-                                  push=push)
+                                  push=push and held is None)
+    if held is not None:
+        lifecycle.hold(client, job, held)  # cancelled again: its shards parked
     return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known, missing)

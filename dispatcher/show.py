@@ -26,7 +26,8 @@ def _money(value: float | None, digits: int = 2) -> str:
 def _job_row(j: JobStatus) -> list[str]:
     gpu = sum(j.gpu_seconds.values())
     return [j.job, f"{j.done}/{j.total}", str(j.failed), str(j.queued), str(j.in_flight),
-            f"{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}", _eta(j.eta_seconds),
+            f"{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}",
+            "cancelled" if j.cancelled is not None else _eta(j.eta_seconds),
             f"{j.redeliveries}/{j.wasted_images}", f"{gpu:,.0f}", _money(j.cost), _money(j.cost_per_image, 5)]
 
 

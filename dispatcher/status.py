@@ -17,10 +17,11 @@ from typing import Any
 
 import redis
 
+from dispatcher import lifecycle
 from dispatcher.resume import jobs_only_in_store, load_spec, stored_names, stored_prompts
 from renderfleet import keys, spec
 from renderfleet.celery_app import QUEUE_PREFIX
-from renderfleet.errors import InputError, JobNotFound
+from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.spec import job_id_problem, store_identity
 from renderfleet.states import ShardState
 from renderfleet.store import Store
@@ -49,6 +50,7 @@ class JobStatus:
     wasted_images: int = 0  # renders thrown away by them (work lost)
     cost: float | None = None  # gpu_seconds x each pool's price per hour; None without prices
     cost_per_image: float | None = None
+    cancelled: float | None = None  # when it was cancelled (unix time); None unless it is
 
     @property
     def finished(self) -> bool:
@@ -57,6 +59,11 @@ class JobStatus:
     @property
     def left(self) -> int:
         return max(0, self.total - self.done - self.failed)
+
+    @property
+    def to_render(self) -> int:
+        """Prompts the fleet is to render: none of a cancelled job (the backlog, the autoscaler, metrics)."""
+        return 0 if self.cancelled is not None else self.left
 
 
 @dataclass
@@ -177,7 +184,7 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     :class:`JobNotFound`: its counters say nothing of this store.
     """
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.job(job), "total", "spec", "store")
+    pipe.hmget(keys.job(job), "total", "spec", "store", "cancelled", "deleted", "reason")
     # Bits, not counters: a bit per prompt is set once whoever commits it, and
     # BITCOUNT of a million-prompt job reads 125 kB.
     pipe.bitcount(keys.done_bits(job))
@@ -187,11 +194,15 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     pipe.hgetall(keys.job_stats(job))
     pipe.lrange(keys.progress(job), 0, keys.PROGRESS_KEEP - 1)
     pipe.hvals(keys.attempts(job))
-    (total, spec_json, owner), done, failed, states, left, stats, progress, attempts = pipe.execute()
-    if total is not None and store is not None and owner and keys.text(owner) != store_identity(store.url):
+    (total, spec_json, owner, cancelled, deleted, reason), done, failed, states, left, stats, progress, attempts = \
+        pipe.execute()
+    if (total is not None or deleted is not None) and store is not None and owner \
+            and keys.text(owner) != store_identity(store.url):
         raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store "
                           f"{keys.text(owner)})")
     if total is None:
+        if deleted is not None:
+            raise JobDeleted(job, float(deleted), keys.text(reason))
         if store is None:
             raise JobNotFound(f"no job {job} in Redis")
         job_spec = load_spec(store, job)
@@ -199,9 +210,12 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
         quarantined = stored_names(store, job, "quarantine") - images
         return JobStatus(job, job_spec.total, len(images), len(quarantined), 0, 0, job_spec.shards, 0, 0, False,
-                         _megapixel_steps(job_spec.params.to_dict()))
+                         _megapixel_steps(job_spec.params.to_dict()),
+                         cancelled=lifecycle.cancelled_at(client, store, job))
     queued = running = shards_queued = shards_running = 0
     for shard, state in states.items():
+        if keys.text(state) == ShardState.CANCELLED:
+            continue  # parked: in no queue and not leased, until the job is resumed
         n = _int(left.get(shard), keys.left(job))
         if keys.text(state) == ShardState.QUEUED:
             queued += n
@@ -223,6 +237,8 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
     _add_progress(result, _counts(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
+    if cancelled is not None:
+        result.cancelled, result.eta_seconds = float(cancelled), None
     return result
 
 
@@ -337,11 +353,13 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         jobs += jobs_only_in_store(client, store) if store is not None and with_store_only else []
     elif store is not None:
         for job in jobs:
+            if (gone := lifecycle.deleted(client, job)) is not None:
+                raise gone
             check_in_store(store, job)
     status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
     for job in jobs:
         job_state = job_status(client, job, store=store)
-        job_state.backlog_seconds = job_state.left * job_state.megapixel_steps * status.seconds_per_mpstep
+        job_state.backlog_seconds = job_state.to_render * job_state.megapixel_steps * status.seconds_per_mpstep
         price(job_state, prices or {})
         status.backlog_seconds += job_state.backlog_seconds
         status.jobs.append(job_state)

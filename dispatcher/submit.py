@@ -8,7 +8,8 @@
 3. a new job: copy the file to the store (in a thread, beside the rest),
    stream it again (pass 2) publishing shard messages as they fill, then
    write the spec (last: a spec in the store means the job is whole);
-4. a known job: enqueue only what the store does not hold yet (``resume``).
+4. a known job: enqueue only what the store does not hold yet (``resume``); a
+   cancelled one is continued.
 
 The store is the truth: Redis's counters of a job whose spec the store does
 not hold are dropped before the job is written again.
@@ -113,7 +114,7 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         if known.total != summary.total or known.params != opts.params:
             raise InputError([f"{path}: job {job} exists with other prompts or settings; "
                               "choose another --job or leave it out"])
-        report = resume(job, store=store, app=app, client=client, queue=queue)
+        report = resume(job, store=store, app=app, client=client, queue=queue, uncancel=True)
         return SubmitResult(job, summary.total, report.shards_enqueued, False,
                             time.perf_counter() - started)
 

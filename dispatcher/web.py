@@ -70,7 +70,7 @@ def samples(fleet: FleetStatus) -> dict[str, float]:
     """The figures charted, from one status read: queue depth, backlog, pool sizes (bounded: one per pool)."""
     out = {
         "queue_shards": float(sum(fleet.queues.values())),
-        "backlog_images": float(sum(j.left for j in fleet.jobs)),
+        "backlog_images": float(sum(j.to_render for j in fleet.jobs)),
         "backlog_seconds": float(fleet.backlog_seconds),
     }
     sizes = fleet.pool_sizes()
@@ -298,6 +298,7 @@ def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[d
 def _job_view(job_state: JobStatus) -> dict[str, Any]:
     out = asdict(job_state)
     out["left"] = job_state.left
+    out["to_render"] = job_state.to_render
     out["finished"] = job_state.finished
     out["percent"] = round(100 * (job_state.done + job_state.failed) / job_state.total, 1) if job_state.total else 100.0
     return out

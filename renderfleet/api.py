@@ -30,7 +30,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from io import IOBase
 from pathlib import Path
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import redis
     from celery import Celery
 
+    from dispatcher.lifecycle import Cancelled, DeleteReport
     from dispatcher.resume import ResumeReport
     from dispatcher.status import JobStatus, Results
     from dispatcher.submit import SubmitOptions
@@ -268,10 +269,29 @@ class Job:
         return results(self.client.store, self.id)
 
     def resume(self) -> ResumeReport:
-        """Enqueue whatever of the job is not in the store yet."""
+        """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""
         from dispatcher.resume import resume
 
-        return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis)
+        return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis,
+                      uncancel=True)
+
+    def cancel(self) -> Cancelled:
+        """Stop the job: its queued shards leave the queue, its running ones stop at their next
+        batch boundary (what they committed is kept); no worker is stopped.  :meth:`resume`
+        (or submitting it again) continues it."""
+        from dispatcher.lifecycle import cancel
+
+        return cancel(self.id, store=self.client.store, client=self.client.redis, app=self.client.app)
+
+    def delete(self, *, on_wait: Callable[[int, float], None] | None = None) -> DeleteReport:
+        """Cancel the job and remove it: everything under its folder in the store (images, spec,
+        prompt file, checkpoints, thumbnails) and every Redis key of it, but a tombstone that
+        ``status`` reports for a day.  No confirmation asked.  Waits up to a lease for its
+        running shards' holders to let go (``on_wait(leases, seconds)`` is told)."""
+        from dispatcher.lifecycle import delete
+
+        return delete(self.id, store=self.client.store, client=self.client.redis,
+                      lease_seconds=self.client.settings.lease_seconds, on_wait=on_wait)
 
 
 # ---- iterables as a jsonl file --------------------------------------------------------

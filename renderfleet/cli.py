@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from renderfleet.errors import ConfigError, InputError, JobNotFound, RenderfleetError
+from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
 
@@ -208,7 +208,12 @@ def status(
         _, client, _ = _connect(settings)
         store = open_store(settings.store_url, settings.s3_options)
         jobs = [_job_id(job)] if job else None
-        fleet = fleet_status(client, jobs, store=store, prices=prices, with_store_only=True)
+        try:
+            fleet = fleet_status(client, jobs, store=store, prices=prices, with_store_only=True)
+        except JobDeleted as gone:
+            if as_json:
+                print(json.dumps({"job": gone.job, "state": "deleted", "deleted": gone.at, "reason": gone.reason}))
+            raise
         reasons = _failure_reasons(client, job) if job else {}
         if watch and not as_json:
             import time
@@ -332,17 +337,69 @@ def _attempts(settings: Settings, job: str) -> dict[int, int]:
 def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
     settings = _settings()
+    from dispatcher.lifecycle import deleted
     from dispatcher.resume import resume as do_resume
     from renderfleet.store import open_store
 
     with _user_errors():
         celery, client, _ = _connect(settings)
+        if (gone := deleted(client, _job_id(job))) is not None:
+            raise gone
         report = do_resume(_job_id(job), store=open_store(settings.store_url, settings.s3_options), app=celery,
-                           client=client)
+                           client=client, uncancel=True)
     _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
          f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else "")
          + (f"; {report.uncounted} counted prompts had no image: counted again once rendered"
             if report.uncounted else ""))
+    print(job)
+
+
+@app.command()
+def cancel(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
+    """Stop a job: its queued shards leave the queue, running ones stop at their next batch. `resume` continues it."""
+    settings = _settings()
+    from renderfleet.api import Client
+
+    with _user_errors():
+        handle = Client(settings).job(_job_id(job))
+        done = handle.cancel()
+        st = handle.status()
+    _err(f"job {job} cancelled: {st.done}/{st.total} rendered; {done.removed} queued message(s) removed, "
+         f"{done.parked} shard(s) parked" + (f", {done.leased} running shard(s) stop at their next batch"
+                                             if done.leased else "") + f"; `renderfleet resume {job}` continues it")
+    print(job)
+
+
+@app.command()
+def delete(
+    job: Annotated[str, typer.Argument(help="the job id")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask (needed without a terminal)")] = False,
+) -> None:
+    """Cancel a job, then remove it: its images, checkpoints and every file of it in the store, and its Redis keys."""
+    settings = _settings()
+    from dispatcher.lifecycle import delete as do_delete
+    from renderfleet.api import Client
+    from renderfleet.spec import job_prefix
+
+    with _user_errors():
+        client = Client(settings)
+        where = client.store.locate(job_prefix(_job_id(job)))
+        if not yes:
+            if not sys.stdin.isatty():
+                raise InputError([f"delete {job}: would remove {where}; refusing without --yes "
+                                  "(no terminal to ask on)"])
+            if not typer.confirm(f"Delete job {job}: everything under {where}, and its records in Redis?"):
+                _err("nothing deleted")
+                raise typer.Exit(1)
+
+        def waiting(leases: int, seconds: float) -> None:
+            _err(f"waiting for {leases} running shard(s), fenced, to let go of their leases (at most {seconds:.0f} s)")
+
+        report = do_delete(job, store=client.store, client=client.redis, lease_seconds=settings.lease_seconds,
+                           on_wait=waiting)
+    _err(f"job {job} deleted: {report.objects} object(s) removed from {where}"
+         + (f" ({report.stragglers} written after the first pass)" if report.stragglers else "")
+         + "; its Redis keys are gone (a tombstone says so for a day)")
     print(job)
 
 

@@ -37,6 +37,7 @@ Three classes of trouble, each with its own budget:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 
@@ -96,16 +97,31 @@ class JobNotFound(RenderfleetError):
     """No job with that id in the store."""
 
 
+class JobDeleted(JobNotFound):
+    """The job was deleted (``renderfleet delete``) or retired (gone from the store): Redis keeps
+    its tombstone for a day, which says when (``at``, unix time) and why."""
+
+    def __init__(self, job: str, at: float, reason: str):
+        self.job = job
+        self.at = at
+        self.reason = reason
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+        super().__init__(f"job {job} was deleted at {when} ({reason})")
+
+
 class Reclaimed(BaseException):
     """This worker must stop and hand its shard back: not a failure.
 
     Raised when a reclaim notice arrives (AWS/GCP metadata, SIGTERM) and the
     batch in flight cannot finish in time, or when the shard's lease was taken
     over by a newer attempt (``fenced``), in which case nothing more of ours
-    may be written or counted.
+    may be written or counted, or when the shard's job was cancelled
+    (``cancelled``: the shard stops at a batch boundary, its commits kept, and
+    is parked until the job is resumed; the worker goes on with other work).
     """
 
-    def __init__(self, reason: str, *, fenced: bool = False):
+    def __init__(self, reason: str, *, fenced: bool = False, cancelled: bool = False):
         self.reason = reason
         self.fenced = fenced
+        self.cancelled = cancelled
         super().__init__(reason)

@@ -33,8 +33,17 @@ def job(job_id: str) -> str:
     """hash: spec (JSON), total, queue, store (whose job it is), stored ("1" once the
     store holds the spec: a worker then takes the spec's absence for a deleted job),
     fresh ("1": submitted to this Redis as a new job; a shard's first claim skips the
-    checkpoint read)."""
+    checkpoint read), cancelled (unix time of ``renderfleet cancel``; cleared by a
+    resume or submit; the store's ``spec.cancelled_key`` marker outlives a Redis that
+    loses its memory).
+
+    Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
+    store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;
+    its ``attempts`` hash is kept as long, so that a stale worker stays fenced."""
     return f"rf:job:{job_id}"
+
+
+TOMBSTONE_SECONDS = 86400  # how long a deleted job's hash and attempts hash outlive it
 
 
 def done_bits(job_id: str) -> str:
@@ -48,7 +57,8 @@ def failed_bits(job_id: str) -> str:
 
 
 def shards(job_id: str) -> str:
-    """hash shard -> 'q' (queued) or 'r' (running); absent once finished."""
+    """hash shard -> 'q' (queued), 'r' (running) or 'c' (its job cancelled: in no queue,
+    not leased); absent once finished (``renderfleet.states.ShardState``)."""
     return f"{JOB_PREFIX}{job_id}{SHARDS_SUFFIX}"
 
 

@@ -33,6 +33,12 @@ find.  Every push of a shard message therefore leaves an enqueue record
 (``keys.ENQUEUED``), dropped at the claim; :meth:`Leases.suspects` finds the
 records that every later message overtook, which the monitor re-publishes.
 
+A cancelled job (``cancelled`` in ``keys.job``: ``dispatcher/lifecycle.py``)
+has its shards parked ('c') instead of re-queued, by the release and the
+reaper alike; its leased shards hear of it from their heartbeat
+(:class:`~renderfleet.states.Beat`) and stop at their next batch boundary;
+a claim of one of its shards is refused.
+
 All times are Redis's clock, never the workers'.
 """
 
@@ -49,7 +55,7 @@ import redis
 from renderfleet import keys, testhooks
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope
 from renderfleet.errors import Reclaimed
-from renderfleet.states import ClaimAnswer, Release
+from renderfleet.states import Beat, ClaimAnswer, Release
 
 # The scripts live in renderfleet/lua/, each with a header naming its KEYS and ARGV;
 # common.lua (Redis's clock, the enqueue record) is prepended to each.
@@ -102,11 +108,13 @@ class Suspect:
 
 @dataclass(frozen=True)
 class Reaped:
-    """A shard the reaper re-queued; ``message`` is set when the caller must publish it."""
+    """A shard the reaper re-queued (or parked: ``cancelled``, its job is); ``message`` is set when
+    the caller must publish it."""
 
     job: str
     shard: int
     message: str | None
+    cancelled: bool = False
 
 
 def requeue_payload(raw_unacked: bytes | str | None) -> str:
@@ -167,7 +175,7 @@ class Leases:
     def claim(
         self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str
     ) -> tuple[ClaimAnswer, Lease | None]:
-        """Take a shard: (OK, lease), (BUSY, None) or (DONE, None)."""
+        """Take a shard: (OK, lease), or (BUSY / DONE / CANCELLED, None): drop this delivery."""
         raw = self.client.hget(UNACKED_KEY, tag) if tag else None
         requeue = requeue_payload(raw)
         if not requeue and self.envelope is not None:
@@ -187,8 +195,8 @@ class Leases:
             return answer, None
         return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, requeue_tag)
 
-    def heartbeat(self, lease: Lease) -> bool:
-        """Renew (or re-create) the lease; False means fenced: stop now."""
+    def heartbeat(self, lease: Lease) -> Beat:
+        """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch."""
         result = self._heartbeat(
             keys=[keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
                   keys.lease(lease.job, lease.shard)],
@@ -197,7 +205,7 @@ class Leases:
                 lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag,
             ],
         )
-        return int(result) != 0
+        return Beat(int(result))
 
     def current(self, lease: Lease) -> bool:
         """Whether no newer attempt has claimed the shard (one read, for a fence check before a store write)."""
@@ -229,7 +237,8 @@ class Leases:
 
     def release(self, lease: Lease, outcome: Release | str) -> str | None:
         """Finish (DONE, unchecked: see :meth:`finish`) or hand the shard back (to the FRONT of the
-        queue, or the BACK).
+        queue, or the BACK); CANCEL parks it (its job is cancelled).  A shard of a cancelled job is
+        parked whatever the outcome but DONE; CANCEL is FRONT when the job was resumed meanwhile.
 
         Returns the shard message when the caller must publish it itself.
         """
@@ -244,11 +253,12 @@ class Leases:
         try:
             outcome = Release(outcome)
         except ValueError:
-            raise ValueError(f"outcome must be done, front or back, got {outcome!r}") from None
+            raise ValueError(f"outcome must be one of {', '.join(Release)}, got {outcome!r}") from None
         result = self._release(
             keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
                   keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
-                  keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.done_bits(lease.job), keys.failed_bits(lease.job)],
+                  keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.job(lease.job), keys.done_bits(lease.job),
+                  keys.failed_bits(lease.job)],
             args=[lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX,
                   first, count],
         )
@@ -271,8 +281,8 @@ class Leases:
             member = keys.text(flat[i])
             how = keys.text(flat[i + 1])
             job, _, shard = member.rpartition(":")
-            message = None if how == "pushed" or not how else how
-            out.append(Reaped(job, int(shard), message))
+            message = None if how in ("pushed", "cancelled") or not how else how
+            out.append(Reaped(job, int(shard), message, cancelled=how == "cancelled"))
         return out
 
     # ---- the audit: messages lost between a queue and a claim ---------------------

@@ -38,7 +38,8 @@ def reap_once(leases: Leases, publish: Publisher, *, owner: str, lock_ms: int) -
             except Exception:  # the others must still go out; resume finds this one
                 log.exception("could not re-publish %s:%d", r.job, r.shard)
                 continue
-        log.warning("lease of %s:%d expired: shard re-queued", r.job, r.shard)
+        log.warning("lease of %s:%d expired: %s", r.job, r.shard,
+                    "its job is cancelled: shard parked" if r.cancelled else "shard re-queued")
     return reaped
 
 

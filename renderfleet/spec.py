@@ -12,6 +12,8 @@ The store layout of a job lives here too, so a reader finds every key in one pla
     jobs/<job>/images/<name>.png            one image per prompt
     jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed, per attempt
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
+    jobs/<job>/thumbs/<name>.webp|.json     the web page's thumbnails and captions (dispatcher/web.py)
+    jobs/<job>/cancelled.json               the job is cancelled (``renderfleet cancel``) until resumed
 
 Beside the jobs, what workers learn once for the whole fleet (keys built by
 the worker modules named)::
@@ -557,6 +559,12 @@ def images_prefix(job: str, start: str = "") -> str:
 
 def quarantine_key(job: str, name: str) -> str:
     return f"jobs/{job}/quarantine/{name}.json"
+
+
+def cancelled_key(job: str) -> str:
+    """The cancel marker: a Redis that lost its memory, and the monitor's adopt and
+    resume, read it and leave the job cancelled (dispatcher/lifecycle.py)."""
+    return f"jobs/{job}/cancelled.json"
 
 
 def fleet_key(kind: str, parts: Sequence[Any], ext: str) -> str:

@@ -7,7 +7,7 @@ are exactly these values, so the two sides cannot drift apart.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 
 class ShardState(StrEnum):
@@ -15,6 +15,7 @@ class ShardState(StrEnum):
 
     QUEUED = "q"
     RUNNING = "r"
+    CANCELLED = "c"  # its job is cancelled: in no queue, not leased, until the job is resumed
 
 
 class ClaimAnswer(StrEnum):
@@ -23,6 +24,7 @@ class ClaimAnswer(StrEnum):
     OK = "ok"  # claimed: the lease and its attempt number are ours
     BUSY = "busy"  # another worker holds a live lease: drop this duplicate delivery
     DONE = "done"  # the shard is finished: drop this delivery
+    CANCELLED = "cancelled"  # its job is cancelled: drop this delivery (a straggler the cancel missed)
 
 
 class Release(StrEnum):
@@ -31,6 +33,16 @@ class Release(StrEnum):
     DONE = "done"  # finished: forget it
     FRONT = "front"  # hand it back at the front of its queue (a reclaim)
     BACK = "back"  # hand it back at the back (try again later)
+    CANCEL = "cancel"  # its job was cancelled: park it ('c'), push nothing; the front if resumed since
+
+
+class Beat(IntEnum):
+    """What ``heartbeat.lua`` answers a lease's keeper."""
+
+    FENCED = 0  # a newer attempt holds the shard, or it is finished: stop now, write nothing more
+    RENEWED = 1
+    RECREATED = 2  # Redis had lost the lease (a restart): made again
+    CANCELLED = 3  # renewed, but the job is cancelled: stop at the next batch boundary
 
 
 class TaskOutcome(StrEnum):
@@ -46,3 +58,4 @@ class TaskOutcome(StrEnum):
     REJECTED = "rejected"
     DEVICE_ERROR = "device-error"
     ENDING = "ending"  # rendered; its last commits and its release run in the commit thread
+    CANCELLED = "cancelled"  # its job is cancelled: dropped at claim, or stopped at a batch boundary

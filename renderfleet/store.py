@@ -15,12 +15,13 @@ one retry policy, in one place); after the last attempt they raise
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -86,6 +87,20 @@ class Store(Protocol):
 
     def locate(self, key: str) -> str:
         """Where a user finds ``key``: an ``s3://`` URL or an absolute path."""
+
+    def delete(self, key: str) -> None:
+        """Remove the object at ``key``; nothing to do if there is none."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every object under the folder ``prefix`` (ending in ``/``); returns how many."""
+
+
+def _check_folder(prefix: str) -> str:
+    # A folder of the store, never its root nor a partial name: "jobs/j-1" would take "jobs/j-10/" too.
+    if not prefix.endswith("/"):
+        raise ValueError(f"bad store folder {prefix!r}: want 'a/b/', ending in '/'")
+    _check_key(prefix[:-1])
+    return prefix
 
 
 @dataclass(frozen=True)
@@ -226,6 +241,27 @@ class LocalStore:
     def locate(self, key: str) -> str:
         """The absolute path of ``key`` (not checked: a folder-like prefix is fine)."""
         return str(self.root.joinpath(*[part for part in key.split("/") if part]))
+
+    def delete(self, key: str) -> None:
+        """Remove the file at ``key``, if any."""
+        self._path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove the folder ``prefix`` names: its files (temp files of writes in flight too),
+        then its folders, deepest first; returns the files removed (temp files not counted)."""
+        top = self.root.joinpath(*_check_folder(prefix)[:-1].split("/"))
+        removed = 0
+        for dirpath, _, filenames in os.walk(top, topdown=False):
+            for name in filenames:
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue  # a write in flight renamed or dropped it
+                removed += TEMP_MARK not in name
+            # A writer may have made it again meanwhile: its files go on the caller's next pass.
+            with contextlib.suppress(OSError):  # not empty, or gone
+                os.rmdir(dirpath)
+        return removed
 
 
 def transient_kind(exc: BaseException) -> str | None:
@@ -444,3 +480,34 @@ class S3Store:
     def locate(self, key: str) -> str:
         """The ``s3://bucket/prefix/key`` URL of ``key`` (not checked: a folder-like prefix is fine)."""
         return f"s3://{self.bucket}/{self.prefix}/{key}" if self.prefix else f"s3://{self.bucket}/{key}"
+
+    def delete(self, key: str) -> None:
+        """Remove the object at ``key`` (DeleteObject: no error if there is none)."""
+        full = self._key(key)
+        self._call("delete", full, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every object under the folder ``prefix``: a listing, then DeleteObjects of up
+        to 1000 keys a request, each retried; returns how many."""
+        _check_folder(prefix)
+        batch: MutableSequence[str] = []  # ("list" is our method here)
+        removed = 0
+        for key in self.list(prefix):
+            batch.append(self._key(key))
+            if len(batch) == 1000:
+                removed += self._delete_batch(batch)
+                batch = []
+        if batch:
+            removed += self._delete_batch(batch)
+        return removed
+
+    def _delete_batch(self, full_keys: Sequence[str]) -> int:
+        request = {"Objects": [{"Key": k} for k in full_keys], "Quiet": True}
+        answer = self._call("delete", full_keys[0], lambda: self.client.delete_objects(
+            Bucket=self.bucket, Delete=request))
+        errors = answer.get("Errors") or []
+        if errors:
+            first = errors[0]
+            raise StoreError(f"S3 delete s3://{self.bucket}/{first.get('Key')} refused: "
+                             f"{first.get('Code')} {first.get('Message')} ({len(errors)} of {len(full_keys)} keys)")
+        return len(full_keys)

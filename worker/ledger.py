@@ -22,6 +22,7 @@ from renderfleet import keys
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
 from renderfleet.spec import Prompt
+from renderfleet.states import Beat
 from worker.metrics import ImageOutcome, LostReason
 from worker.stop import StopSignal
 
@@ -36,10 +37,12 @@ class RedisLedger:
     """Commits, failure counts and stats for one lease."""
 
     def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str,
-                 metrics: WorkerMetrics | None = None):
+                 metrics: WorkerMetrics | None = None, cancel: threading.Event | None = None):
         self.leases = leases
         self.lease = lease
         self.stop = stop
+        # Set by the shard's LeaseKeeper when its job is cancelled: this shard only, not the worker.
+        self.cancel = cancel or threading.Event()
         self.pool = pool
         self.client = leases.client
         self.metrics = metrics
@@ -60,6 +63,10 @@ class RedisLedger:
                 self._rendered_uncommitted = False
                 self.metrics.lost_batch(LostReason.FENCED)
             raise Reclaimed(f"shard {self.lease.member} attempt {self.lease.attempt} fenced", fenced=True)
+
+    def cancelled(self) -> bool:
+        """Whether the shard's job was cancelled (its heartbeat said so): stop before the next batch."""
+        return self.cancel.is_set()
 
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         self.leases.commit(self.lease, done, failed, undone)
@@ -127,15 +134,18 @@ class LeaseKeeper(threading.Thread):
     signal's fence: the runner stops before writing anything more.  A Redis
     outage is retried; but once no renewal has succeeded for a whole lease,
     a reaper elsewhere may have handed the shard on, so this worker fences
-    itself rather than keep writing as a stale holder.
+    itself rather than keep writing as a stale holder.  A renewal that says
+    the job is cancelled sets ``cancel``, this shard's own flag: the runner
+    stops at the next batch boundary and the worker goes on with other work.
     """
 
     def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float, *,
-                 on_retry: RetryHook | None = None):
+                 on_retry: RetryHook | None = None, cancel: threading.Event | None = None):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
         self.leases = leases
         self.lease = lease
         self.stop = stop
+        self.cancel = cancel or threading.Event()
         self.interval = interval
         self.lease_seconds = lease_seconds
         self.on_retry = on_retry
@@ -162,6 +172,9 @@ class LeaseKeeper(threading.Thread):
                 log.warning("lease %s attempt %d taken over: stopping", self.lease.member, self.lease.attempt)
                 self.stop.request(f"fenced: {self.lease.member}", fenced=True)
                 return
+            if ok is Beat.CANCELLED and not self.cancel.is_set():
+                log.warning("shard %s: its job was cancelled: stopping at the next batch", self.lease.member)
+                self.cancel.set()
             renewed = time.monotonic()
 
     def close(self) -> None:

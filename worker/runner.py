@@ -77,6 +77,9 @@ class Ledger(Protocol):
     def check(self) -> None:
         """Raise Reclaimed(fenced=True) if a newer attempt took the shard."""
 
+    def cancelled(self) -> bool:
+        """Whether the shard's job was cancelled: no new batch begins."""
+
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         """Count prompts done/quarantined; ``undone`` ones lost their image (fenced, idempotent)."""
 
@@ -238,6 +241,10 @@ class ShardRunner:
                     # A notice means no new work: commit what is rendered, hand the rest back now.
                     commits.drain()
                     raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
+                if ledger.cancelled():
+                    # The job's, not the worker's: what is rendered is committed, the shard parked.
+                    commits.drain()
+                    raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
                 images, failures = self._render_batch(pending, ledger, result, commits)
                 commits.put(partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger,
                                     result, attempt), len(images))

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -221,6 +222,8 @@ class WorkerService:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
         if lease is None:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
+            if status is ClaimAnswer.CANCELLED:
+                return Outcome(TaskOutcome.CANCELLED)
             return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
         log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
         self._lease = lease
@@ -244,10 +247,13 @@ class WorkerService:
 
     def _handle_claimed(self, msg: ShardMessage, lease: Lease, *, detach: bool) -> Outcome:
         """Render a claimed shard while a keeper renews its lease, then end it (:meth:`_end`)."""
+        cancel = threading.Event()  # this shard's job was cancelled (the keeper hears it, the runner stops)
         keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
-                             self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None)
+                             self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None,
+                             cancel=cancel)
         keeper.start()
-        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, metrics=self.metrics)
+        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, metrics=self.metrics,
+                             cancel=cancel)
         ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         pending: PendingShard | BaseException
         try:
@@ -299,6 +305,11 @@ class WorkerService:
                 self._pool_bump(fenced=1)
                 log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
                 return Outcome(TaskOutcome.FENCED)
+            if exc.cancelled:
+                # Not a reclaim: its committed batches stay, the shard waits for a resume.
+                self._hand_back(lease, Release.CANCEL)
+                log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
+                return Outcome(TaskOutcome.CANCELLED)
             # A notice, or a fence that was another shard's (one ending beside this one): hand it back.
             self._hand_back(lease, Release.FRONT)
             noticed = self.stop.noticed_at or time.monotonic()

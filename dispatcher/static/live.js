@@ -20,14 +20,14 @@
     var left = 0;
     data.jobs.forEach(function (j) {
       var jl = Math.max(0, j.total - j.done - j.failed);
-      left += jl;
+      left += j.cancelled == null ? jl : 0;  // a cancelled job waits for no worker
       document.querySelectorAll('tr[data-job="' + CSS.escape(j.job) + '"]').forEach(function (row) {
         var pct = j.total ? 100 * (j.done + j.failed) / j.total : 100;
         row.querySelector(".fill").style.width = pct.toFixed(1) + "%";
         set(row, "f-done", j.done);
         set(row, "f-failed", j.failed);
         set(row, "f-rate", j.images_per_minute.toFixed(1));
-        set(row, "f-eta", jl === 0 ? "done" : fmtDuration(j.eta_seconds));
+        set(row, "f-eta", jl === 0 ? "done" : j.cancelled != null ? "cancelled" : fmtDuration(j.eta_seconds));
         set(row, "f-redeliveries", j.redeliveries + " / " + j.wasted_images);
         var gpu = Object.values(j.gpu_seconds).reduce(function (a, b) { return a + b; }, 0);
         set(row, "f-gpu", gpu.toFixed(1));

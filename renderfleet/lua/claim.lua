@@ -1,8 +1,8 @@
 -- Claim a shard for one attempt: hand out the next attempt number (the
 -- fencing token) and record a lease that expires unless renewed.
 --
--- KEYS[1] job          hash: the job (exists while Redis knows the job)
--- KEYS[2] shards       hash shard -> 'q' | 'r'; absent once finished
+-- KEYS[1] job          hash: the job (exists while Redis knows the job; `cancelled` once cancelled)
+-- KEYS[2] shards       hash shard -> 'q' | 'r' | 'c'; absent once finished
 -- KEYS[3] inflight     zset member -> lease expiry (ms)
 -- KEYS[4] attempts     hash shard -> last attempt handed out
 -- KEYS[5] lease        hash: this shard's lease
@@ -13,7 +13,7 @@
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] worker, ARGV[4] queue, ARGV[5] tag
 -- (this delivery's kombu tag), ARGV[6] requeue (payload to re-push),
 -- ARGV[7] message, ARGV[8] lease_ms, ARGV[9] queued prefix, ARGV[10] requeue's tag
--- Returns {'ok', attempt}, {'busy', 0} or {'done', 0}.
+-- Returns {'ok', attempt}, {'busy', 0}, {'done', 0} or {'cancelled', 0}.
 local job, shards, inflight, attempts, lease = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local unacked, unacked_idx, enqueued, consumed = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local shard, member, worker, queue, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -23,6 +23,15 @@ local now = now_ms()
 if redis.call('EXISTS', job) == 1 and not redis.call('HGET', shards, shard) then
   forget_enqueue(enqueued, queued_prefix, member)
   return {'done', 0}
+end
+if redis.call('HEXISTS', job, 'cancelled') == 1 then
+  -- A copy the cancel did not take out of its queue (one pushed through Celery): dropped.
+  -- The shard, unless leased, waits in no queue for a resume.
+  forget_enqueue(enqueued, queued_prefix, member)
+  if redis.call('HGET', shards, shard) == 'q' then
+    redis.call('HSET', shards, shard, 'c')
+  end
+  return {'cancelled', 0}
 end
 local exp = redis.call('ZSCORE', inflight, member)
 if exp and tonumber(exp) > now then

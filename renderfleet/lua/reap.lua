@@ -1,10 +1,11 @@
--- Re-queue, at the front, every shard whose lease expired.
+-- Re-queue, at the front, every shard whose lease expired; park ('c') one of a
+-- cancelled job instead.
 --
 -- KEYS[1] inflight, KEYS[2] unacked, KEYS[3] unacked_idx, KEYS[4] enqueued, KEYS[5] seq, KEYS[6] queues
 -- ARGV[1] limit, ARGV[2] lease key prefix, ARGV[3] and ARGV[4] shards key prefix
 -- and suffix (see keys.py), ARGV[5] queued prefix
--- Returns a flat list of member, how ('pushed', or the message JSON for the
--- caller to publish).
+-- Returns a flat list of member, how ('pushed', 'cancelled': parked, or the
+-- message JSON for the caller to publish).
 local inflight, unacked, unacked_idx, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local limit, lease_prefix, job_prefix, shards_suffix, queued_prefix = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now = now_ms()
@@ -20,13 +21,20 @@ for _, m in ipairs(expired) do
   local l = redis.call('HMGET', lkey, 'queue', 'tag', 'requeue', 'message', 'rtag')
   local queue, tag, requeue, message, rtag = l[1], l[2], l[3], l[4], l[5]
   redis.call('DEL', lkey)
-  redis.call('HSET', job_prefix .. job .. shards_suffix, shard, 'q')
+  local cancelled = redis.call('HEXISTS', job_prefix .. job, 'cancelled') == 1
+  if cancelled then
+    redis.call('HSET', job_prefix .. job .. shards_suffix, shard, 'c')
+  else
+    redis.call('HSET', job_prefix .. job .. shards_suffix, shard, 'q')
+  end
   if tag then
     redis.call('HDEL', unacked, tag)
     redis.call('ZREM', unacked_idx, tag)
   end
   table.insert(out, m)
-  if requeue and requeue ~= '' then
+  if cancelled then
+    table.insert(out, 'cancelled')
+  elseif requeue and requeue ~= '' then
     redis.call('RPUSH', queue, requeue)
     record_enqueue(enqueued, seq_key, queues, queued_prefix, m, queue, 'f', rtag)
     table.insert(out, 'pushed')

@@ -1,4 +1,7 @@
 -- Finish a shard ('done') or hand it back to the 'front' or 'back' of its queue.
+-- A shard of a cancelled job is not handed back but parked ('c', in no queue)
+-- until the job is resumed; 'cancel' (a runner that stopped for the cancel) is
+-- 'front' when the job was resumed meanwhile.
 --
 -- A shard is finished only if every one of its prompts is counted done or
 -- quarantined: given its span (`count` prompts from `first`), 'done' checks
@@ -9,7 +12,7 @@
 --
 -- KEYS[1] attempts, KEYS[2] lease, KEYS[3] inflight, KEYS[4] shards, KEYS[5] left,
 -- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] enqueued, KEYS[9] seq, KEYS[10] queues,
--- KEYS[11] done bits, KEYS[12] failed bits
+-- KEYS[11] job, KEYS[12] done bits, KEYS[13] failed bits
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] attempt, ARGV[4] outcome, ARGV[5] worker,
 -- ARGV[6] queued prefix, ARGV[7] first, ARGV[8] count (0: no check)
 -- Returns 0 fenced (nothing done), 1 ok, {2, message} when the caller must
@@ -17,7 +20,7 @@
 -- with prompts missing, {3, missing} (handed back) or {4, missing, message}.
 local attempts, lease, inflight, shards, left = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local unacked, unacked_idx, enqueued, seq_key, queues = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local done_bits, failed_bits = KEYS[11], KEYS[12]
+local job, done_bits, failed_bits = KEYS[11], KEYS[12], KEYS[13]
 local shard, member, attempt, outcome, worker, queued_prefix = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 local first, count = tonumber(ARGV[7] or '0'), tonumber(ARGV[8] or '0')
 
@@ -58,8 +61,15 @@ if tag then
   redis.call('HDEL', unacked, tag)
   redis.call('ZREM', unacked_idx, tag)
 end
+if redis.call('HEXISTS', job, 'cancelled') == 1 then
+  redis.call('HSET', shards, shard, 'c')  -- parked: nothing pushed
+  if missing > 0 then
+    return {3, missing}
+  end
+  return 1
+end
 if requeue and requeue ~= '' then
-  if outcome == 'front' then
+  if outcome == 'front' or outcome == 'cancel' then
     redis.call('RPUSH', queue, requeue)
     record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, 'f', rtag)
   else

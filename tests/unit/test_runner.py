@@ -60,12 +60,13 @@ class FakeRenderer:
 
 
 class MemLedger:
-    def __init__(self, fenced_after: int | None = None):
+    def __init__(self, fenced_after: int | None = None, cancelled_after: int | None = None):
         self.done: list[int] = []
         self.failed: list[int] = []
         self.failures: dict[int, int] = {}
         self.commits = 0
         self.fenced_after = fenced_after
+        self.cancelled_after = cancelled_after  # the job is cancelled once this many batches are committed
         self.wasted = 0
         self.undone: list[int] = []
         self.recounts: list[tuple[list[int], list[int], list[int]]] = []
@@ -73,6 +74,9 @@ class MemLedger:
     def check(self) -> None:
         if self.fenced_after is not None and self.commits >= self.fenced_after:
             raise Reclaimed("fenced", fenced=True)
+
+    def cancelled(self) -> bool:
+        return self.cancelled_after is not None and self.commits >= self.cancelled_after
 
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         self.commits += 1
@@ -559,3 +563,17 @@ def test_a_failed_commit_abandons_the_batch_rendering_beside_it(tmp_path: Path) 
     with pytest.raises(StoreError):
         piped(RecordingStore(tmp_path / "store", events, fail), Steps(events)).run(make_msg(12, 4), ledger)
     assert len(asked) == 1 and ledger.commits == 0 and ledger.wasted >= 1
+
+
+def test_a_cancelled_job_stops_its_shard_at_the_next_batch_boundary_with_its_commits_kept(tmp_path: Path) -> None:
+    # Cancelled once batch 0 is committed (in line: depth 0): batch 1 never begins, and the
+    # worker's own stop signal is untouched (it goes on with other work).
+    store = LocalStore(tmp_path / "store")
+    r = FakeRenderer()
+    stop = StopSignal()
+    ledger = MemLedger(cancelled_after=1)
+    with pytest.raises(Reclaimed) as exc:
+        piped(store, r, depth=0, stop=stop).run(make_msg(12, 4), ledger)
+    assert exc.value.cancelled and not exc.value.fenced and not stop.requested
+    assert r.calls == [["000000", "000001", "000002", "000003"]]
+    assert sorted(ledger.done) == [0, 1, 2, 3] and store.get(checkpoint_key(0)) and not store.get(checkpoint_key(1))

@@ -64,6 +64,9 @@ class Ledger:
     def check(self) -> None:
         pass
 
+    def cancelled(self) -> bool:
+        return False
+
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
         self.done = [i for i in self.done if i not in undone] + done
         self.failed += failed

@@ -1,0 +1,271 @@
+"""A job's end: ``renderfleet cancel``, ``renderfleet delete``, and the retirement of a job
+deleted from the store behind the fleet's back.  Shared by the CLI, the Python API and
+the monitor.
+
+**Cancel.**  The job is marked in two places: the store (``spec.cancelled_key``, a small
+JSON marker) and Redis (``cancelled`` in ``keys.job``), so that neither a Redis that lost
+its memory nor the monitor's adopt and resume bring it back.  One script
+(``renderfleet/lua/cancel.lua``) takes its messages out of their queues and parks every
+shard not under a live lease ('c'); a leased shard stops at its next batch boundary, its
+committed batches kept (its heartbeat says the job is cancelled: ``worker/ledger.py``), and
+is parked by its release.  No worker is stopped.  A copy the script missed is dropped at
+its claim.  The user's ``resume`` or ``submit`` continues the job (:func:`check_cancelled`
+with ``uncancel``); the monitor's resume keeps it cancelled: its counts rebuilt from the
+store, nothing left queued (:func:`hold`).
+
+**Delete.**  Cancel, with every leased shard fenced (its attempt bumped: the holder's next
+check, commit or heartbeat finds itself superseded and writes nothing more); wait until no
+lease of the job is live (a lease and a margin at most); remove everything under the job's
+folder in the store, then again after a pause (an image upload in flight when the fence
+came); then every Redis key of the job (:func:`forget`) but a tombstone: the job's hash
+reduced to when, whose and why, and its attempts hash, for a day (a stale worker stays
+fenced, ``status`` says the job was deleted).
+
+**Retire.**  A job this Redis holds as stored whose spec the store no longer holds (its
+folder emptied by hand) is cancelled with its leases fenced and forgotten as by a delete,
+at once, by the monitor's audit (:func:`retire_gone`); what is left of its folder is the user's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+
+from dispatcher import enqueue
+from renderfleet import keys, spec
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
+from renderfleet.leases import lua_script
+from renderfleet.spec import job_id_problem, store_identity
+from renderfleet.store import Store
+
+log = logging.getLogger("renderfleet.lifecycle")
+
+# How long past a lease delete waits for a fenced holder's lease to lapse (its last renewal, a heartbeat late).
+LEASE_MARGIN_SECONDS = 5.0
+# How long delete waits before listing the job's folder again: an upload in flight when the fence came lands.
+SETTLE_SECONDS = 2.0
+DELETED = "renderfleet delete"
+GONE = "gone from the store: its spec was removed behind the fleet's back; retired by the monitor"
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """What one pass of ``cancel.lua`` did: messages taken out of queues, shards parked, shards
+    still under a live lease (they stop at their next batch boundary, or, fenced, at once)."""
+
+    removed: int = 0
+    parked: int = 0
+    leased: int = 0
+
+
+@dataclass(frozen=True)
+class DeleteReport:
+    job: str
+    objects: int  # removed from the store, stragglers included
+    stragglers: int  # found by the second listing: written after the first
+    leases_left: int  # still live when the wait gave up (their holders are fenced)
+    cancelled: Cancelled
+
+
+def _now_text() -> str:
+    return str(int(time.time()))
+
+
+def _check_id(job: str) -> None:
+    # The id becomes a store folder that delete empties: never one outside the job's.
+    if why := job_id_problem(job):
+        raise InputError([f"JOB: {why}"])
+
+
+def deleted(client: redis.Redis, job: str) -> JobDeleted | None:
+    """The job's tombstone as an error to raise (``status``, ``cancel``...), or None if it has none."""
+    at, reason = client.hmget(keys.job(job), "deleted", "reason")
+    if at is None:
+        return None
+    return JobDeleted(job, float(at), keys.text(reason))
+
+
+def cancelled_at(client: redis.Redis, store: Store | None, job: str) -> float | None:
+    """When the job was cancelled (Redis's field, else the store's marker when a store is given), or None."""
+    field = client.hget(keys.job(job), "cancelled")
+    if field is not None:
+        return float(field)
+    if store is None:
+        return None
+    return _marker_time(store, job)
+
+
+def _marker_time(store: Store, job: str) -> float | None:
+    data = store.get(spec.cancelled_key(job))
+    if data is None:
+        return None
+    try:
+        return float(json.loads(data)["cancelled"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # a marker we cannot read still says cancelled
+
+
+# ---- the scripts ---------------------------------------------------------------------
+
+
+def _cancel(client: redis.Redis, job: str, *, fence: bool, when: str = "") -> Cancelled:
+    removed, parked, leased = client.register_script(lua_script("cancel"))(
+        keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
+              UNACKED_KEY, UNACKED_INDEX_KEY],
+        args=[job, keys.QUEUED_PREFIX, "1" if fence else "", when],
+    )
+    return Cancelled(int(removed), int(parked), int(leased))
+
+
+def forget(client: redis.Redis, job: str, store: str, reason: str) -> int:
+    """Every Redis key of the job, its leases and enqueue records, and its membership of
+    ``keys.JOBS``, gone; a tombstone kept (``keys.job``).  Returns the leases dropped."""
+    return int(client.register_script(lua_script("forget"))(
+        keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
+              UNACKED_KEY, UNACKED_INDEX_KEY, keys.JOBS, keys.done_bits(job), keys.failed_bits(job),
+              keys.left(job), keys.job_stats(job), keys.progress(job), keys.fails(job)],
+        args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, store, reason, keys.TOMBSTONE_SECONDS],
+    ))
+
+
+def live_leases(client: redis.Redis, job: str) -> list[str]:
+    """Members ``<job>:<shard>`` of the job under a live lease (by Redis's clock)."""
+    seconds, micros = client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    prefix = f"{job}:"
+    return [m for m in (keys.text(x) for x in client.zrangebyscore(keys.INFLIGHT, f"({now_ms}", "+inf"))
+            if m.startswith(prefix)]
+
+
+# ---- for resume --------------------------------------------------------------------------
+
+
+def check_cancelled(store: Store, client: redis.Redis, job: str, *, uncancel: bool) -> str | None:
+    """Before ``resume`` publishes: the cancel time to keep (the job stays cancelled: see
+    :func:`hold`), or None.  A job that stays cancelled has its field set at once: a worker
+    that takes a message resume pushes before :func:`hold` takes it out drops it at its claim.
+    ``uncancel`` (the user's own resume or submit) continues a cancelled job: its marker goes
+    first, then its field (a Redis lost in between does not bring the cancel back)."""
+    if uncancel:
+        store.delete(spec.cancelled_key(job))
+        client.hdel(keys.job(job), "cancelled")
+        return None
+    at = cancelled_at(client, store, job)
+    if at is None:
+        return None
+    client.hset(keys.job(job), "cancelled", str(int(at)))
+    return str(int(at))
+
+
+def hold(client: redis.Redis, job: str, at: str) -> Cancelled:
+    """After ``resume`` published a job that stays cancelled (the monitor's adopt, a Redis
+    that lost its memory): its field set again and whatever was pushed taken out."""
+    return _cancel(client, job, fence=False, when=at)
+
+
+# ---- the commands --------------------------------------------------------------------------
+
+
+def cancel(job: str, *, store: Store, client: redis.Redis, app: Celery) -> Cancelled:
+    """Cancel a job of ``store``: marked in the store, then in Redis; its queued shards
+    leave their queues, its leased shards stop at their next batch boundary."""
+    _check_id(job)
+    enqueue.check_owner(client, job, store_identity(store.url))
+    if (gone := deleted(client, job)) is not None:
+        raise gone
+    if not store.exists(spec.spec_key(job)):
+        raise JobNotFound(f"no job {job} in store {store.url}")
+    at = _now_text()
+    store.put(spec.cancelled_key(job), json.dumps({"job": job, "cancelled": int(at)}).encode(),
+              content_type="application/json")
+    if not client.exists(keys.job(job)):
+        # Redis forgot it: registered again, its counts rebuilt from the store, nothing queued.
+        from dispatcher.resume import resume  # resume reads the marker through this module
+
+        resume(job, store=store, app=app, client=client)
+    return _cancel(client, job, fence=False, when=at)
+
+
+def delete(job: str, *, store: Store, client: redis.Redis, lease_seconds: float,
+           on_wait: Callable[[int, float], None] | None = None, settle_seconds: float = SETTLE_SECONDS,
+           ) -> DeleteReport:
+    """Cancel the job, fence its leased shards, wait for their leases to lapse, empty its
+    folder in the store (twice), then forget it in Redis but for a tombstone.
+
+    ``on_wait(leases, seconds)`` is told when it waits for live leases, and for how long at most.
+    """
+    _check_id(job)
+    owner = store_identity(store.url)
+    enqueue.check_owner(client, job, owner)
+    tombstone = deleted(client, job)
+    folder = spec.job_prefix(job)
+    has_spec = store.exists(spec.spec_key(job))
+    known = tombstone is None and bool(client.exists(keys.job(job)))
+    if not known and not has_spec and next(iter(store.list(folder)), None) is None:
+        raise tombstone or JobNotFound(f"no job {job} in store {store.url} nor in Redis")
+    if has_spec:
+        # Should the delete stop half-way, what is left stays cancelled.
+        store.put(spec.cancelled_key(job), json.dumps({"job": job, "cancelled": int(time.time())}).encode(),
+                  content_type="application/json")
+    # 1. Cancel, every leased shard fenced: its holder writes nothing more once it knows.
+    counts = _cancel(client, job, fence=True) if known else Cancelled()
+    # 2. Until no lease of the job is live: a fenced holder's next heartbeat stops its renewals.
+    bound = lease_seconds + LEASE_MARGIN_SECONDS
+    deadline = time.monotonic() + bound
+    live = live_leases(client, job)
+    if live and on_wait is not None:
+        on_wait(len(live), bound)
+    while live and time.monotonic() < deadline:
+        time.sleep(0.2)
+        live = live_leases(client, job)
+    if live:
+        log.warning("job %s: %d lease(s) still live after %.0f s; their holders are fenced", job, len(live), bound)
+    # 3. The store, twice: an image upload in flight when the fence came lands after the first pass.
+    objects = store.delete_prefix(folder)
+    time.sleep(settle_seconds)
+    stragglers = store.delete_prefix(folder)
+    # 4. Redis: every key of the job, but the tombstone.
+    forget(client, job, owner, DELETED)
+    return DeleteReport(job, objects + stragglers, stragglers, len(live), counts)
+
+
+def retire(client: redis.Redis, job: str, store: str, reason: str = GONE) -> Cancelled:
+    """Forget a job whose spec is gone from its store, at once: its messages out of their queues,
+    its leased shards fenced, its keys gone but for the tombstone (``status`` says why)."""
+    counts = _cancel(client, job, fence=True)
+    forget(client, job, store, reason)
+    return counts
+
+
+def retire_gone(client: redis.Redis, store: Store, jobs: list[str]) -> list[str]:
+    """Retire each of ``jobs`` (this store's, as Redis counts them) that Redis holds as stored
+    (submit finished writing it) but whose spec ``store`` no longer holds; returns them.
+    One HEAD per stored job; a store that cannot answer retires nothing now."""
+    if not jobs:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.hget(keys.job(job), "stored")
+    owner = store_identity(store.url)
+    retired: list[str] = []
+    for job, stored in zip(jobs, pipe.execute(), strict=True):
+        if not stored:
+            continue  # being submitted: its spec comes last
+        try:
+            if store.exists(spec.spec_key(job)):
+                continue
+        except (StoreError, OSError) as exc:
+            log.warning("cannot check the jobs of store %s now: %s", store.url, exc)
+            return retired
+        counts = retire(client, job, owner)
+        log.warning("job %s: its spec is gone from store %s: retired (%d queued messages dropped, "
+                    "%d leased shards fenced)", job, store.url, counts.removed, counts.leased)
+        retired.append(job)
+    return retired
