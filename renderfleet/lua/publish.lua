@@ -40,8 +40,8 @@ local sent = 0
 -- Whether a recorded push can no longer be served from its queue (see above).
 local function overtaken(rec)
   local seq, _, _, q = string.match(rec, '^(%d+)|(%a)|([^|]*)|(.*)$')
-  if not q then
-    return true
+  if not q or q ~= queue then
+    return true  -- recorded in another queue (an older name, another pool): not this one's to serve
   end
   return redis.call('LLEN', q) == 0 or tonumber(seq) < tonumber(redis.call('HGET', consumed, q) or '0')
 end
