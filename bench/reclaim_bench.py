@@ -52,7 +52,8 @@ import redis
 from bench.results import write_section
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import WorkerProc, base_env, cli, start_redis, wait_for, write_prompts
+from renderfleet.spec import store_tag
+from testing.fleet import WorkerProc, base_env, cli, start_redis, store_queue, wait_for, write_prompts
 from testing.metadata import FakeMetadata
 
 REPO = Path(__file__).resolve().parent.parent
@@ -249,7 +250,7 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
         if time.monotonic() - t0 > budget:
             print(f"  stopping after {k} kills: part 1 is over its {budget:.0f} s budget (a busy machine?)", flush=True)
             break
-        if int(c.llen("renderfleet.default")) < 3:
+        if int(c.llen(store_queue(env))) < 3:
             jobs.append(submit(env, tmp, 1000, f"kill{len(jobs)}"))
 
         def victim() -> tuple[dict[str, str], str, int] | None:
@@ -321,7 +322,7 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
             print(f"  {exc}", flush=True)
         time.sleep(rng.uniform(0.2, 1.2))
 
-    pool = {k: v for k, v in c.hgetall(keys.pool_stats("default")).items()}
+    pool = {k: v for k, v in c.hgetall(keys.pool_stats("default", store_tag(env["RENDERFLEET_STORE"]))).items()}
     done = sum(int(c.bitcount(keys.done_bits(j))) for j in jobs)
     for w in list(procs.values()):
         w.kill()
@@ -441,7 +442,8 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                    RENDERFLEET_RECLAIM_WATCH="on", RENDERFLEET_RECLAIM_POLL_SECONDS="0.2")
     c = connect(server.url)
     submit(env, tmp, 400, "notice", "--pool", "spot")
-    queue = "renderfleet.spot"
+    queue = store_queue(env, "spot")
+    spot_stats = keys.pool_stats("spot", store_tag(env["RENDERFLEET_STORE"]))
     out: list[dict[str, Any]] = []
     plan = ["notice"] * runs + ["sigterm"]
     for i, how in enumerate(plan):
@@ -469,7 +471,7 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
             lease = wait_until(mid_shard, 60, "the spot worker mid-shard", 0.02)
             job, shard = lease["job"], int(lease["shard"])
             lkey, skey = keys.lease(job, int(shard)), keys.shards(job)
-            handback0 = int(c.hget(keys.pool_stats("spot"), "handback_ms") or 0)
+            handback0 = int(c.hget(spot_stats, "handback_ms") or 0)
             batches = worker_stats(c, wid).get("batches", 0)
             batch_ends: list[float] = []
             t_notice = time.monotonic()
@@ -491,7 +493,7 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                 if t_exit is None and w.proc.poll() is not None:
                     t_exit = now
                 time.sleep(0.005)  # fine-grained: the hand-back follows the batch's end by milliseconds
-            handback_ms = int(c.hget(keys.pool_stats("spot"), "handback_ms") or 0) - handback0
+            handback_ms = int(c.hget(spot_stats, "handback_ms") or 0) - handback0
             ended = [t for t in batch_ends if t_back is None or t <= t_back]
             res.update({
                 "shard": f"{job}:{shard}",

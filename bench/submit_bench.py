@@ -113,7 +113,7 @@ def main() -> None:
                 wall, peak_mb, said = run_submit(env, path, f"bench-{run}")
                 walls.append(wall)
                 peak = max(peak, peak_mb)
-                depth = client.llen(queue_name("default"))
+                depth = client.llen(queue_name("default", env["RENDERFLEET_STORE"]))
                 client.flushall()
                 c_wall, c_peak = run_celery(server.url, path, SHARD_SIZE)
                 celery_walls.append(c_wall)

@@ -32,6 +32,7 @@ from renderfleet import keys
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
 from renderfleet.settings import PoolConfig, Settings
+from renderfleet.spec import store_identity, store_tag
 from renderfleet.store import Store
 
 log = logging.getLogger("renderfleet.autoscale")
@@ -52,23 +53,28 @@ class Backend(Protocol):
     def set_size(self, pool: str, n: int) -> None: ...
 
 
-def recent_counters(client: redis.Redis, pool: str, now: float, window_seconds: float) -> dict[int, dict[str, int]]:
-    """``pool``'s per-minute counters (keys.pool_recent) covering the last ``window_seconds``, by minute."""
+def recent_counters(client: redis.Redis, pool: str, store: str, now: float,
+                    window_seconds: float) -> dict[int, dict[str, int]]:
+    """``pool``'s per-minute counters (keys.pool_recent) of ``store`` (a URL) covering the
+    last ``window_seconds``, by minute."""
     step = keys.RECENT_BUCKET_SECONDS
     minutes = range(int((now - window_seconds) // step), int(now // step) + 1)
+    tag = store_tag(store)
     pipe = client.pipeline(transaction=False)
     for minute in minutes:
-        pipe.hgetall(keys.pool_recent(pool, minute))
+        pipe.hgetall(keys.pool_recent(pool, minute, tag))
     return {minute: {keys.text(k): int(v) for k, v in counts.items()}
             for minute, counts in zip(minutes, pipe.execute(), strict=True) if counts}
 
 
-def registered_workers(client: redis.Redis, pool: str) -> list[dict[str, Any]]:
-    """The registrations of ``pool``'s live workers."""
+def registered_workers(client: redis.Redis, pool: str, store: str) -> list[dict[str, Any]]:
+    """The registrations of ``pool``'s live workers that write to ``store`` (a URL): another
+    store's pool of the same name on a shared Redis is another pool."""
+    ours = store_identity(store)
     out = []
     for raw in client.hvals(keys.WORKERS):
         info = json.loads(raw)
-        if info.get("pool") == pool:
+        if info.get("pool") == pool and info.get("store") == ours:
             out.append(info)
     return out
 
@@ -94,23 +100,26 @@ class LocalBackend:
     """``renderfleet worker`` processes on this machine, one set per pool.
 
     Workers are found through their registrations in Redis (host and pid), so
-    a ``renderfleet scale`` in one shell and an ``autoscale`` in another agree.
+    a ``renderfleet scale`` in one shell and an ``autoscale`` in another agree;
+    only those of ``store`` (the URL its workers are started with, in ``env``).
     """
 
-    def __init__(self, client: redis.Redis, *, env: dict[str, str], log_dir: Path, model: str | None = None):
+    def __init__(self, client: redis.Redis, *, store: str, env: dict[str, str], log_dir: Path,
+                 model: str | None = None):
         self.client = client
-        self.env = env
+        self.store = store
+        self.env = {**env, "RENDERFLEET_STORE": store}
         self.log_dir = log_dir
         self.model = model
         self.host = socket.gethostname()
         self._starting: dict[str, list[subprocess.Popen[bytes]]] = {}
 
     def _mine(self, pool: str) -> list[dict[str, Any]]:
-        return [w for w in registered_workers(self.client, pool)
+        return [w for w in registered_workers(self.client, pool, self.store)
                 if w.get("host") == self.host and _alive(int(w.get("pid", 0)))]
 
     def _pending(self, pool: str) -> list[subprocess.Popen[bytes]]:
-        registered = {int(w["pid"]) for w in registered_workers(self.client, pool)}
+        registered = {int(w["pid"]) for w in registered_workers(self.client, pool, self.store)}
         alive = [p for p in self._starting.get(pool, []) if p.poll() is None and p.pid not in registered]
         self._starting[pool] = alive
         return alive
@@ -202,16 +211,18 @@ class AwsBackend:
 
 class PublishedBackend:
     """Kubernetes: the decision is published (Redis, then the monitor's ``/api/autoscale``)
-    and KEDA sets the Deployment's replicas to it; the size is the workers up."""
+    and KEDA sets the Deployment's replicas to it; the size is the workers up.  Both are
+    ``store``'s: another store's pool of the same name on a shared Redis is another pool."""
 
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, store: str):
         self.client = client
+        self.store = store
 
     def size(self, pool: str) -> int:
-        return len(registered_workers(self.client, pool))
+        return len(registered_workers(self.client, pool, self.store))
 
     def set_size(self, pool: str, n: int) -> None:
-        self.client.hset(keys.DESIRED, pool, n)
+        self.client.hset(keys.desired(store_tag(self.store)), pool, n)
 
 
 # ---- the loop ---------------------------------------------------------------------
@@ -264,7 +275,7 @@ class Autoscaler:
         own = _ratio(mine, "render_ms", "mps_milli")
         window = self.settings.autoscale.reclaim_window_seconds
         wall = self.wall_clock()
-        lost = recent_lost_fraction(recent_counters(self.client, name, wall, window), wall, window,
+        lost = recent_lost_fraction(recent_counters(self.client, name, self.store.url, wall, window), wall, window,
                                     keys.RECENT_BUCKET_SECONDS)
         # A worker's cold start: its model load (measured) plus starting the process.
         load_ms = [int(w.get("load_ms", 0)) for w in fleet.workers if w.get("pool") == name]
@@ -292,7 +303,8 @@ class Autoscaler:
 
     def _publish(self, decisions: list[Decision]) -> None:
         """What was decided, for status and the metrics endpoint."""
-        self.client.hset(keys.DESIRED, mapping={d.pool: d.desired for d in decisions} or {"": 0})
+        self.client.hset(keys.desired(store_tag(self.store.url)),
+                         mapping={d.pool: d.desired for d in decisions} or {"": 0})
 
     def run_forever(self) -> None:
         while True:

@@ -187,7 +187,7 @@ class Monitor:
         audits (``2 * audit_seconds``) of the queue serving any message pushed
         after it, i.e. of its turn; when the queue is empty, within two audits.
         """
-        found = {(s.job, s.shard): s.seq for s in self.leases.suspects()}
+        found = {(s.job, s.shard): s.seq for s in self.leases.suspects(self.store.url)}  # its store's queues
         lost: dict[str, set[int]] = {}
         for (job, shard), seq in found.items():
             if self.suspects.get((job, shard)) == seq:

@@ -26,7 +26,7 @@ from celery import Celery
 from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
 from renderfleet import keys, prompts, spec
-from renderfleet.celery_app import queue_name
+from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.spec import JobSpec, job_id_problem, store_identity, wire_name
 from renderfleet.store import Store
@@ -126,7 +126,8 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     job_spec = load_spec(store, job)
     owner = store_identity(store.url)
     enqueue.check_owner(client, job, owner)
-    queue = queue or keys.text(client.hget(keys.job(job), "queue")) or queue_name(job_spec.pool)
+    recorded = keys.text(client.hget(keys.job(job), "queue"))  # not one of this store's: an older version's name
+    queue = queue or (recorded if is_store_queue(recorded, owner) else queue_name(job_spec.pool, owner))
     known = bool(client.exists(keys.job(job)))
     # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
     held = lifecycle.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None

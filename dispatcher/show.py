@@ -67,7 +67,7 @@ def render_status(fleet: FleetStatus) -> RenderableType:
     if fleet.desired:
         parts.append(Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted"
                                                 for p, n in sorted(fleet.desired.items()))))
-    queues = Table(title="queues")
+    queues = Table(title=f"queues of store {fleet.store}" if fleet.store else "queues")
     queues.add_column("queue")
     queues.add_column("depth (shards)", justify="right")
     for name, depth in fleet.queues.items():

@@ -20,9 +20,9 @@ import redis
 from dispatcher import lifecycle
 from dispatcher.resume import jobs_only_in_store, load_spec, stored_names, stored_prompts
 from renderfleet import keys, spec
-from renderfleet.celery_app import QUEUE_PREFIX
+from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
-from renderfleet.spec import job_id_problem, store_identity
+from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store
 
@@ -68,6 +68,8 @@ class JobStatus:
 
 @dataclass
 class FleetStatus:
+    """One store's fleet: its queues, workers, pools and jobs (a Redis may serve several stores)."""
+
     queues: dict[str, int] = field(default_factory=dict)
     workers: list[dict[str, Any]] = field(default_factory=list)
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -76,10 +78,11 @@ class FleetStatus:
     backlog_seconds: float = 0.0  # of the jobs shown
     seconds_per_mpstep: float = 0.0  # the fleet's measured speed (or the default estimate)
     desired: dict[str, int] = field(default_factory=dict)  # pool -> size the autoscaler last decided
-    reaped: int = 0  # expired leases whose shard was re-queued, ever
+    reaped: int = 0  # expired leases whose shard was re-queued, ever (every store's)
+    store: str = ""  # the store shown (spec.store_identity)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"queues": self.queues, "workers": self.workers, "pools": self.pools,
+        return {"store": self.store, "queues": self.queues, "workers": self.workers, "pools": self.pools,
                 "jobs": [asdict(j) for j in self.jobs], "jobs_of_other_stores": self.other_stores,
                 "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
                 "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped}
@@ -278,17 +281,36 @@ def price(job_state: JobStatus, prices: dict[str, float]) -> None:
     job_state.cost_per_image = job_state.cost / job_state.done if job_state.done else None
 
 
-def queue_depths(client: redis.Redis) -> dict[str, int]:
-    """Every renderfleet queue and its length (a queue that drained still shows, at 0, while known)."""
-    names = {keys.text(k) for k in client.scan_iter(match=f"{QUEUE_PREFIX}*", count=1000)}
-    for raw in client.hvals(keys.WORKERS):
-        if (info := _json_object(raw, f"{keys.WORKERS} (a worker)")) is not None:
-            names.add(f"{QUEUE_PREFIX}{info.get('pool', 'default')}")
-    for job in client.smembers(keys.JOBS):
-        q = keys.text(client.hget(keys.job(keys.text(job)), "queue"))
-        if q:
-            names.add(q)
-    names.add(f"{QUEUE_PREFIX}default")
+def store_workers(client: redis.Redis, store: Store) -> dict[str, dict[str, Any]]:
+    """The registrations of the workers that write to ``store``, by worker id (another
+    store's, one registered by a version that did not record its store, or one whose
+    registration is not a JSON object (skipped with a warning) are not)."""
+    ours = store_identity(store.url)
+    out = {}
+    for worker_id, raw in client.hgetall(keys.WORKERS).items():
+        info = _json_object(raw, f"{keys.WORKERS} {worker_id!r}")
+        if info is not None and info.get("store") == ours:
+            try:
+                out[keys.text(worker_id)] = info
+            except UnicodeDecodeError:
+                _malformed(f"{keys.WORKERS} {worker_id!r}", worker_id, "its id not in UTF-8")
+    return out
+
+
+def queue_depths(client: redis.Redis, store: Store, jobs: list[str] | None = None,
+                 workers: dict[str, dict[str, Any]] | None = None) -> dict[str, int]:
+    """Every queue of ``store`` and its length (a queue that drained still shows, at 0, while
+    known): those in Redis, its workers' pools' (``workers``, default: read) and its ``jobs``'
+    (default: every job of the store)."""
+    names = {q for q in map(keys.text, client.scan_iter(match=store_queues_pattern(store.url), count=1000))
+             if is_store_queue(q, store.url)}
+    for info in (store_workers(client, store) if workers is None else workers).values():
+        names.add(queue_name(str(info.get("pool", "default")), store.url))
+    pipe = client.pipeline(transaction=False)
+    for job in jobs_of_store(client, store)[0] if jobs is None else jobs:
+        pipe.hget(keys.job(job), "queue")
+    names.update(q for q in map(keys.text, pipe.execute()) if is_store_queue(q, store.url))
+    names.add(queue_name("default", store.url))
     pipe = client.pipeline(transaction=False)
     ordered = sorted(names)
     for name in ordered:
@@ -321,37 +343,39 @@ def check_in_store(store: Store, job: str) -> None:
                           "emptied, or the job is still being submitted)")
 
 
-def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store | None = None,
+def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store,
                  prices: dict[str, float] | None = None, with_store_only: bool = False) -> FleetStatus:
-    """Queues, workers, pools and jobs: the named ``jobs``, or every job of ``store`` that
-    Redis knows, and with ``with_store_only`` also those only the store's listing of
-    ``jobs/`` shows (a listing, and each such job counted from the store: ``status``
-    asks for it; the autoscaler's ticks and metrics scrapes do not, the monitor
-    adopts those jobs back into Redis instead).
+    """``store``'s queues, workers, pools and jobs: the named ``jobs``, or every job of
+    ``store`` that Redis knows, and with ``with_store_only`` also those only the store's
+    listing of ``jobs/`` shows (a listing, and each such job counted from the store:
+    ``status`` asks for it; the autoscaler's ticks and metrics scrapes do not, the
+    monitor adopts those jobs back into Redis instead).
 
-    A job named explicitly must be in ``store`` (one existence check each).
+    A job named explicitly must be in ``store`` (one existence check each).  What a
+    Redis holds for another store (its queues, workers, pools' counters, decided
+    sizes and jobs) is not shown: two fleets sharing a Redis do not see each other.
     """
-    status = FleetStatus(queues=queue_depths(client))
-    for worker_id, raw in sorted(client.hgetall(keys.WORKERS).items()):
-        where = f"{keys.WORKERS} {worker_id!r}"
-        if (info := _json_object(raw, where)) is None:
-            continue
+    tag = store_tag(store.url)
+    workers = store_workers(client, store)
+    status = FleetStatus(store=store_identity(store.url))
+    for worker_id, info in sorted(workers.items()):
         try:
-            stats = {keys.text(k): keys.text(v)
-                     for k, v in client.hgetall(keys.worker_stats(keys.text(worker_id))).items()}
+            stats = {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.worker_stats(worker_id)).items()}
         except UnicodeDecodeError:
-            _malformed(where, worker_id, "its id or counters not in UTF-8")
+            _malformed(f"{keys.worker_stats(worker_id)}", worker_id, "its counters not in UTF-8")
             continue
-        info.update(stats)
-        status.workers.append(info)
-    for key in client.scan_iter(match=f"{keys.POOL_STATS_PREFIX}*", count=1000):
+        status.workers.append({**info, **stats})
+    prefix = keys.pool_stats_prefix(tag)
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
         name = key.decode(errors="replace") if isinstance(key, bytes) else key  # a pool's name is shown as it is
-        status.pools[name[len(keys.POOL_STATS_PREFIX):]] = _counts(client.hgetall(key), name)
+        status.pools[name[len(prefix):]] = _counts(client.hgetall(key), name)
+    mine = jobs_of_store(client, store)
+    status.queues = queue_depths(client, store, mine[0], workers)
     if jobs is None:
-        jobs, status.other_stores = jobs_of_store(client, store)
+        jobs, status.other_stores = list(mine[0]), mine[1]
         # ...and those the store holds that this Redis forgot (counted from the store).
-        jobs += jobs_only_in_store(client, store) if store is not None and with_store_only else []
-    elif store is not None:
+        jobs += jobs_only_in_store(client, store) if with_store_only else []
+    else:
         for job in jobs:
             if (gone := lifecycle.deleted(client, job)) is not None:
                 raise gone
@@ -363,7 +387,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         price(job_state, prices or {})
         status.backlog_seconds += job_state.backlog_seconds
         status.jobs.append(job_state)
-    status.desired = {k: v for k, v in _counts(client.hgetall(keys.DESIRED), keys.DESIRED).items() if k}
+    status.desired = {k: v for k, v in _counts(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     return status
 

@@ -4,8 +4,8 @@ A Starlette app with Jinja2 templates rendered on the server; a few lines of
 plain JavaScript (``static/live.js``, no build step, nothing from a CDN) poll
 ``/api/status`` to keep the figures live.  Everything is read from Redis and
 the store at request time; the charts come from samples the HTTP endpoint's
-sampler writes to capped Redis lists (``rf:history:<metric>``), so a restart
-of the monitor keeps the last hour.
+sampler writes to capped Redis lists (``rf:history:<store tag>:<metric>``), so a
+restart of the monitor keeps the last hour.  Everything shown is one store's.
 
 Every job id and image name taken from a URL is checked (the job id's shape,
 then the job's spec in the store; an image name's shape, then the image in the
@@ -47,7 +47,7 @@ from renderfleet import keys
 from renderfleet import spec as layout
 from renderfleet.endpoint import IMAGE_CSP, guard
 from renderfleet.errors import JobNotFound, StoreError
-from renderfleet.spec import job_id_problem, name_problem
+from renderfleet.spec import job_id_problem, name_problem, store_tag
 from renderfleet.store import Store
 
 log = logging.getLogger(__name__)
@@ -82,22 +82,25 @@ def samples(fleet: FleetStatus) -> dict[str, float]:
 
 
 def record(client: redis.Redis, fleet: FleetStatus, now: float | None = None) -> None:
-    """Append one sample per metric to its capped list (newest first)."""
+    """Append one sample per metric to its capped list (newest first), under the fleet's store."""
     now = time.time() if now is None else now
+    tag = store_tag(fleet.store)
     pipe = client.pipeline(transaction=False)
     for metric, value in samples(fleet).items():
-        pipe.lpush(keys.history(metric), f"{now:.3f} {value:g}")
-        pipe.ltrim(keys.history(metric), 0, keys.HISTORY_KEEP - 1)
-        pipe.expire(keys.history(metric), int(HISTORY_WINDOW * 24))
+        pipe.lpush(keys.history(metric, tag), f"{now:.3f} {value:g}")
+        pipe.ltrim(keys.history(metric, tag), 0, keys.HISTORY_KEEP - 1)
+        pipe.expire(keys.history(metric, tag), int(HISTORY_WINDOW * 24))
     pipe.execute()
 
 
-def read_history(client: redis.Redis, metrics: list[str], now: float | None = None) -> dict[str, list[tuple[float, float]]]:
-    """Each metric's samples of the last hour, oldest first."""
+def read_history(client: redis.Redis, metrics: list[str], store: str,
+                 now: float | None = None) -> dict[str, list[tuple[float, float]]]:
+    """Each metric's samples of the last hour for ``store`` (a URL), oldest first."""
     now = time.time() if now is None else now
+    tag = store_tag(store)
     pipe = client.pipeline(transaction=False)
     for metric in metrics:
-        pipe.lrange(keys.history(metric), 0, keys.HISTORY_KEEP - 1)
+        pipe.lrange(keys.history(metric, tag), 0, keys.HISTORY_KEEP - 1)
     out: dict[str, list[tuple[float, float]]] = {}
     for metric, raw in zip(metrics, pipe.execute(), strict=True):
         points = []
@@ -113,12 +116,13 @@ def read_history(client: redis.Redis, metrics: list[str], now: float | None = No
     return out
 
 
-def history_metrics(client: redis.Redis) -> list[str]:
-    """The metrics with samples (pools come and go): one SCAN of the history prefix."""
+def history_metrics(client: redis.Redis, store: str) -> list[str]:
+    """``store``'s metrics with samples (pools come and go): one SCAN of its history prefix."""
+    prefix = keys.history_prefix(store_tag(store))
     found = set()
-    for key in client.scan_iter(match=f"{keys.HISTORY_PREFIX}*", count=1000):
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
         try:
-            found.add(keys.text(key)[len(keys.HISTORY_PREFIX):])
+            found.add(keys.text(key)[len(prefix):])
         except UnicodeDecodeError:  # not UTF-8: no metric the sampler wrote
             continue
     return sorted(found)
@@ -208,11 +212,12 @@ def _short(v: float) -> str:
     return f"{v:g}"
 
 
-def charts(client: redis.Redis, now: float | None = None) -> list[Markup]:
-    """Queue depth, backlog in images and in seconds of work, and each pool's size against its desired size."""
+def charts(client: redis.Redis, store: str, now: float | None = None) -> list[Markup]:
+    """``store``'s queue depth, backlog in images and in seconds of work, and each pool's size
+    against its desired size."""
     now = time.time() if now is None else now
-    metrics = history_metrics(client)
-    hist = read_history(client, metrics, now)
+    metrics = history_metrics(client, store)
+    hist = read_history(client, metrics, store, now)
     since = min((pts[0][0] for pts in hist.values() if pts), default=None)  # one time axis for every chart
     out = [svg_chart("queue depth (shards)", {"shards": hist.get("queue_shards", [])}, now, since=since),
            svg_chart("backlog (images)", {"images": hist.get("backlog_images", [])}, now, since=since),
@@ -367,7 +372,7 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         fleet = source()
         return templates.TemplateResponse(request, "index.html", {
             "fleet": fleet, "jobs": [_job_view(j) for j in fleet.jobs], "pool_sizes": fleet.pool_sizes(),
-            "charts": charts(client) if client is not None else [], "priced": bool(prices)})
+            "charts": charts(client, fleet.store) if client is not None else [], "priced": bool(prices)})
 
     def job_data(request: Request) -> dict[str, Any]:
         store = need_store()

@@ -194,8 +194,8 @@ class Client:
         except InputError as exc:
             raise (_renamed(exc, path, label, by_item) if label else exc) from None
         warnings = [_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings]
-        result = submit(path, opts, store=self.store, app=self.app, client=self.redis, queue=queue_name(opts.pool),
-                        summary=summary, source=source)
+        result = submit(path, opts, store=self.store, app=self.app, client=self.redis,
+                        queue=queue_name(opts.pool, self.store.url), summary=summary, source=source)
         return Job(self, result.job, result.total, new=result.new, shards_enqueued=result.shards_enqueued,
                    seconds=result.seconds, warnings=warnings)
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 from celery import Celery
 
+from renderfleet.spec import store_tag
+
 TASK_NAME = "renderfleet.render_shard"
 QUEUE_PREFIX = "renderfleet."
 # kombu's Redis transport keeps delivered-but-unacked messages here.
@@ -28,9 +30,31 @@ UNACKED_INDEX_KEY = "unacked_index"
 VISIBILITY_TIMEOUT = 3600
 
 
-def queue_name(pool: str) -> str:
-    """The Redis list (Celery queue) that feeds a pool."""
-    return f"{QUEUE_PREFIX}{pool}"
+# Where a message published without a queue would go: no worker serves it (every
+# shard message names its queue, per pool and store).
+UNROUTED_QUEUE = f"{QUEUE_PREFIX}unrouted"
+
+
+def queue_name(pool: str, store: str) -> str:
+    """The Redis list (Celery queue) that feeds ``pool``'s workers of ``store`` (a store URL).
+
+    ``renderfleet.<pool>.<store tag>`` (``spec.store_tag``): one queue per pool
+    and store, so that on a Redis shared by two fleets a shard only ever reaches
+    a worker that writes to its job's store.  The one place a queue is named:
+    submit, resume and the worker all call this.
+    """
+    return f"{QUEUE_PREFIX}{pool}.{store_tag(store)}"
+
+
+def store_queues_pattern(store: str) -> str:
+    """A SCAN pattern matching every queue of ``store`` (pool names hold no dot)."""
+    return f"{QUEUE_PREFIX}*.{store_tag(store)}"
+
+
+def is_store_queue(queue: str, store: str) -> bool:
+    """Whether ``queue`` is one of ``store``'s (False for another store's, or an older version's)."""
+    pool, _, tag = queue.removeprefix(QUEUE_PREFIX).rpartition(".")
+    return queue.startswith(QUEUE_PREFIX) and bool(pool) and "." not in pool and tag == store_tag(store)
 
 
 def make_app(redis_url: str, *, task_events: bool = False) -> Celery:
@@ -48,7 +72,7 @@ def make_app(redis_url: str, *, task_events: bool = False) -> Celery:
         task_acks_late=True,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
-        task_default_queue=queue_name("default"),
+        task_default_queue=UNROUTED_QUEUE,
         task_create_missing_queues=True,
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
         # A worker never gives up on Redis: at start-up and after losing it

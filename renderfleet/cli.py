@@ -165,7 +165,8 @@ def submit(
 def worker(
     pool: Annotated[str | None, typer.Option(help="pool this worker belongs to (baseline, spot, ...)")] = None,
     model: Model = None,
-    queue: Annotated[list[str] | None, typer.Option(help="pool queues to serve (default: its own and 'default')")] = None,
+    queue: Annotated[list[str] | None, typer.Option(
+        help="pools whose queues (of this worker's store) it serves (default: its own and 'default')")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="serve this worker's Prometheus /metrics on this port "
                                                      "(0: off; RENDERFLEET_METRICS_PORT)")] = None,
     metrics_host: Annotated[str | None, typer.Option(help="address of /metrics (127.0.0.1; off loopback only "
@@ -450,14 +451,14 @@ def _autoscaler(settings: Settings) -> Any:
         if pool.backend == "aws" and not pool.autoscaling_group:
             raise ConfigError(f"{settings.config}: pools.{name}: backend 'aws' needs autoscaling_group")
     _, client, url = _connect(settings)
-    env = {**os.environ, "RENDERFLEET_REDIS_URL": url, "RENDERFLEET_STORE": settings.store_url}
-    kinds: dict[str, Backend] = {
-        "local": LocalBackend(client, env=env, log_dir=settings.home / "logs" / "autoscale"),
+    store = open_store(settings.store_url, settings.s3_options)
+    env = {**os.environ, "RENDERFLEET_REDIS_URL": url}
+    kinds: dict[str, Backend] = {  # each sizes this store's pools only
+        "local": LocalBackend(client, store=store.url, env=env, log_dir=settings.home / "logs" / "autoscale"),
         "aws": AwsBackend(settings.pools),
-        "kubernetes": PublishedBackend(client),
+        "kubernetes": PublishedBackend(client, store.url),
     }
-    return Autoscaler(settings, client, open_store(settings.store_url, settings.s3_options),
-                      {name: kinds[pool.backend] for name, pool in settings.pools.items()})
+    return Autoscaler(settings, client, store, {name: kinds[pool.backend] for name, pool in settings.pools.items()})
 
 
 @app.command()

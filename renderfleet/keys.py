@@ -3,18 +3,24 @@
 Redis holds the fleet's live state (what is queued, leased, counted); the
 store holds the truth (images and checkpoints).  All of this can be rebuilt
 from the store by ``renderfleet resume`` if Redis is lost.
+
+One Redis may serve several stores (two fleets, a test folder beside the real
+bucket): what belongs to a pool is kept per store, under the store's tag
+(``spec.store_tag``, 12 hex digits), so two stores' pools of one name never
+merge: their queues (``celery_app.queue_name``), counters, recent minutes,
+decided sizes and charts.  Jobs are per store by their id and ``store`` field;
+workers by the ``store`` of their registration.
 """
 
 from __future__ import annotations
 
 JOBS = "rf:jobs"  # set of job ids known to this Redis
 INFLIGHT = "rf:inflight"  # zset "<job>:<shard>" -> lease expiry (ms, Redis clock)
-WORKERS = "rf:workers"  # hash worker id -> JSON registration
+WORKERS = "rf:workers"  # hash worker id -> JSON registration (pool, store: the store_identity it writes to, ...)
 EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
 REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
-FLEET_STATS = "rf:fleet"  # hash of fleet-wide counters: reaped (expired leases re-queued)
+FLEET_STATS = "rf:fleet"  # hash of counters of the whole Redis, every store's: reaped (expired leases re-queued)
 SCRATCH = "rf:scratch"  # a throwaway result key for checks (bench/chaos.py: BITOP AND of done and failed)
-DESIRED = "rf:desired"  # hash pool -> the size the autoscaler last decided
 LEASE_PREFIX = "rf:lease:"
 JOB_PREFIX = "rf:job:"
 SHARDS_SUFFIX = ":shards"
@@ -109,12 +115,22 @@ def worker_stats(worker_id: str) -> str:
     return f"rf:worker:{worker_id}"
 
 
+def desired(store_tag: str) -> str:
+    """hash pool -> the size the autoscaler of the store tagged ``store_tag`` last decided."""
+    return f"rf:desired:{store_tag}"
+
+
 POOL_STATS_PREFIX = "rf:pool:"
 
 
-def pool_stats(pool: str) -> str:
-    """hash of counters for one pool: images, batches, render_ms, reclaims, lost_batches."""
-    return f"{POOL_STATS_PREFIX}{pool}"
+def pool_stats_prefix(store_tag: str) -> str:
+    """What every :func:`pool_stats` key of one store starts with (a SCAN finds its pools)."""
+    return f"{POOL_STATS_PREFIX}{store_tag}:"
+
+
+def pool_stats(pool: str, store_tag: str) -> str:
+    """hash of counters for one pool of one store: images, batches, render_ms, reclaims, lost_batches."""
+    return f"{pool_stats_prefix(store_tag)}{pool}"
 
 
 # A pool's recent counters, by minute, so the autoscaler reads a recent reclaim
@@ -125,19 +141,25 @@ RECENT_KEEP_SECONDS = 3600  # each minute's hash expires after this: the longest
 RECENT_FIELDS = ("started_images", "wasted_images")
 
 
-def pool_recent(pool: str, bucket: int) -> str:
-    """hash of ``pool``'s RECENT_FIELDS counted in one minute (``bucket`` = unix time // 60);
-    expires RECENT_KEEP_SECONDS after its last write."""
-    return f"{RECENT_PREFIX}{pool}:{bucket}"
+def pool_recent(pool: str, bucket: int, store_tag: str) -> str:
+    """hash of ``pool``'s RECENT_FIELDS (of one store) counted in one minute (``bucket`` = unix
+    time // 60); expires RECENT_KEEP_SECONDS after its last write."""
+    return f"{RECENT_PREFIX}{store_tag}:{pool}:{bucket}"
 
 
 HISTORY_PREFIX = "rf:history:"
 HISTORY_KEEP = 720  # samples per metric: an hour at one every 5 s
 
 
-def history(metric: str) -> str:
-    """list of "<unix time> <value>" samples of one fleet metric, newest first, capped (the web page's charts)."""
-    return f"{HISTORY_PREFIX}{metric}"
+def history_prefix(store_tag: str) -> str:
+    """What every :func:`history` key of one store starts with (a SCAN finds its metrics)."""
+    return f"{HISTORY_PREFIX}{store_tag}:"
+
+
+def history(metric: str, store_tag: str) -> str:
+    """list of "<unix time> <value>" samples of one store's fleet metric, newest first, capped
+    (the web page's charts)."""
+    return f"{history_prefix(store_tag)}{metric}"
 
 
 def text(value: object) -> str:

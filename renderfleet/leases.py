@@ -53,7 +53,7 @@ from importlib import resources
 import redis
 
 from renderfleet import keys, testhooks
-from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope, is_store_queue
 from renderfleet.errors import Reclaimed
 from renderfleet.states import Beat, ClaimAnswer, Release
 
@@ -287,8 +287,9 @@ class Leases:
 
     # ---- the audit: messages lost between a queue and a claim ---------------------
 
-    def suspects(self) -> list[Suspect]:
-        """Queued shards whose message is in no queue, as far as the enqueue records tell.
+    def suspects(self, store: str | None = None) -> list[Suspect]:
+        """Queued shards whose message is in no queue, as far as the enqueue records tell;
+        with ``store`` (a URL), of that store's queues only.
 
         A message pushed at the back of a queue is taken after every message
         pushed there before it, and one pushed at the front before them all; so
@@ -301,7 +302,8 @@ class Leases:
         milliseconds) and then publishes it again (``dispatcher.resume`` with
         ``only``), which also drops kombu's unclaimed copy of it, if any.
         """
-        queues = sorted(keys.text(q) for q in self.client.smembers(keys.QUEUES))
+        queues = sorted(q for q in map(keys.text, self.client.smembers(keys.QUEUES))
+                        if store is None or is_store_queue(q, store))
         if not queues:
             return []
         pipe = self.client.pipeline(transaction=False)

@@ -424,8 +424,9 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int,
 
 # ---- checking a message a worker is told to render --------------------------------
 
-# A message's queue: kombu's list of one pool (``renderfleet.celery_app.queue_name``).
-_QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}")
+# A message's queue: kombu's list of one pool of one store (``renderfleet.celery_app.queue_name``:
+# ``renderfleet.<pool>.<store_tag>``).  A queue named by an older version (no store tag) is refused.
+_QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{12}")
 _MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "prompts")  # and "store", optional
 _WIRE_FIELDS = {f.wire: f for f in FIELDS}  # the keys of a prompt with fields on the wire
 _PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number")}  # the job's numbers
@@ -524,6 +525,16 @@ def store_identity(url: str) -> str:
     trailing slash.  A job belongs to one store: its id is derived from this
     too, so the same prompts sent to two stores are two jobs."""
     return url.rstrip("/") or url
+
+
+STORE_TAG_LENGTH = 12  # hex digits: 48 bits, two stores of one Redis never alike in practice
+
+
+def store_tag(url: str) -> str:
+    """A store's short name in Redis (its queues, its pools' counters): 12 hex digits of
+    the SHA-256 of :func:`store_identity`, stable, and safe in a key or a queue name
+    whatever the URL holds (a bucket, a path, a password)."""
+    return hashlib.sha256(store_identity(url).encode()).hexdigest()[:STORE_TAG_LENGTH]
 
 
 def job_prefix(job: str) -> str:

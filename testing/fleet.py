@@ -122,6 +122,14 @@ def worker_ready(client: redis.Redis, n: int) -> bool:
     return int(client.hlen("rf:workers")) >= n
 
 
+def store_queue(env: dict[str, str], pool: str = "default") -> str:
+    """The queue that feeds ``pool``'s workers of the store ``env`` names (one queue per pool and store)."""
+    from renderfleet.celery_app import queue_name
+    from renderfleet.store import open_store
+
+    return queue_name(pool, open_store(env["RENDERFLEET_STORE"]).url)
+
+
 def write_prompts(path: Path, n: int, prefix: str = "prompt") -> Path:
     path.write_text("".join(f"{prefix} number {i}\n" for i in range(n)))
     return path

@@ -25,6 +25,7 @@ import redis
 from renderfleet import keys
 from renderfleet.celery_app import UNACKED_KEY
 from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import store_tag
 from testing.fleet import WorkerProc, base_env, cli, start_monitor, start_redis
 from testing.metadata import FakeMetadata
 from testing.servers import MotoServer, s3_env
@@ -122,9 +123,11 @@ def running_again(client: redis.Redis, job: str, shard: int, victim: str | None,
         time.sleep(0.05)
 
 
-def pool_stats(client: redis.Redis) -> dict[str, int]:
+def pool_stats(client: redis.Redis, store: str | None = None) -> dict[str, int]:
+    """The spot pool's counters, of ``store`` (a URL; default: the rig's bucket)."""
+    tag = store_tag(store or Rig.store)
     try:
-        return {keys.text(k): int(v) for k, v in client.hgetall(keys.pool_stats("spot")).items()}
+        return {keys.text(k): int(v) for k, v in client.hgetall(keys.pool_stats("spot", tag)).items()}
     except redis.RedisError:
         return {}
 
@@ -156,6 +159,7 @@ class Rig:
     Started by :meth:`start`, stopped, whatever happened, by :meth:`close`."""
 
     bucket = "chaos"
+    store = f"s3://{bucket}/chaos"  # RENDERFLEET_STORE of everything the rig runs
 
     def __init__(self, tmp: Path, audit_seconds: str = AUDIT_SECONDS):
         self.tmp = tmp
@@ -176,7 +180,7 @@ class Rig:
         self.s3 = boto3.client("s3", endpoint_url=self.moto.endpoint_url, region_name="us-east-1",
                                aws_access_key_id="testing", aws_secret_access_key="testing")
         self.s3.create_bucket(Bucket=self.bucket)
-        self.env = base_env(self.tmp, server.url, f"s3://{self.bucket}/chaos",
+        self.env = base_env(self.tmp, server.url, self.store,
                             **s3_env(self.moto.endpoint_url, self.bucket),
                             RENDERFLEET_RECLAIM_WATCH="on", RENDERFLEET_RECLAIM_POLL_SECONDS="0.25")
         self.fleet = Fleet(self.env, self.md, self.logs, self.client)

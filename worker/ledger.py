@@ -36,7 +36,7 @@ log = logging.getLogger("renderfleet.ledger")
 class RedisLedger:
     """Commits, failure counts and stats for one lease."""
 
-    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str,
+    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str, store_tag: str,
                  metrics: WorkerMetrics | None = None, cancel: threading.Event | None = None):
         self.leases = leases
         self.lease = lease
@@ -44,6 +44,7 @@ class RedisLedger:
         # Set by the shard's LeaseKeeper when its job is cancelled: this shard only, not the worker.
         self.cancel = cancel or threading.Event()
         self.pool = pool
+        self.store_tag = store_tag  # the pool's counters are its store's (spec.store_tag)
         self.client = leases.client
         self.metrics = metrics
         self._batches_started = False  # a commit before the first batch recounts what is stored: skipped
@@ -89,7 +90,7 @@ class RedisLedger:
 
     def _bump(self, *, progress: int = 0, **fields: int) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool)):
+        for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool, self.store_tag)):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
         # The job's own account: GPU time and images by pool (its cost), work lost.
@@ -99,7 +100,7 @@ class RedisLedger:
         # The pool's minute, for a recent reclaim rate (dispatcher/autoscale.py).
         recent = {name: value for name, value in fields.items() if name in keys.RECENT_FIELDS}
         if recent:
-            minute = keys.pool_recent(self.pool, int(time.time() // keys.RECENT_BUCKET_SECONDS))
+            minute = keys.pool_recent(self.pool, int(time.time() // keys.RECENT_BUCKET_SECONDS), self.store_tag)
             for name, value in recent.items():
                 pipe.hincrby(minute, name, value)
             pipe.expire(minute, keys.RECENT_KEEP_SECONDS)

@@ -120,7 +120,10 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
             settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown, on_heard=metrics.notice)
         watcher.start()
 
-    queue_names = [celery_app.queue_name(q) for q in (queues or _default_queues(settings.pool))]
+    # Its pools' queues of its own store only (named by the store as opened, as submit names it):
+    # another store's shard never reaches it.
+    queue_names = [celery_app.queue_name(q, service.store.url) for q in (queues or _default_queues(settings.pool))]
+    log.info("worker %s: serving %s", worker_id, ", ".join(queue_names))
     worker = app.Worker(
         hostname=f"{worker_id}@{socket.gethostname()}",
         queues=queue_names,

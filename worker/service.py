@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from renderfleet import keys, spec
-from renderfleet.celery_app import Envelope
+from renderfleet.celery_app import Envelope, is_store_queue
 from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, StoreError, TransientError
 from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
-from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity
+from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity, store_tag
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
@@ -111,6 +111,7 @@ class WorkerService:
         self.stop = stop
         self.publish = publish
         self.worker_id = worker_id
+        self.store_tag = store_tag(store.url)  # its pool's counters are this store's (keys.pool_stats)
         self.load_model = load_model
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
@@ -169,8 +170,9 @@ class WorkerService:
     # ---- registration and counters ------------------------------------------------
 
     def register(self, *, device: str, load_seconds: float) -> None:
-        info = {"worker": self.worker_id, "pool": self.settings.pool, "model": self.model,
-                "device": device, "host": socket.gethostname(), "pid": os.getpid(),
+        # The store it writes to: status, the autoscaler and the web page count a worker for its store only.
+        info = {"worker": self.worker_id, "pool": self.settings.pool, "store": store_identity(self.store.url),
+                "model": self.model, "device": device, "host": socket.gethostname(), "pid": os.getpid(),
                 "started": time.time()}
         self._registration = json.dumps(info)
         pipe = self.client.pipeline()
@@ -194,7 +196,7 @@ class WorkerService:
     def _pool_bump(self, **fields: int) -> None:
         pipe = self.client.pipeline(transaction=False)
         for name, value in fields.items():
-            pipe.hincrby(keys.pool_stats(self.settings.pool), name, value)
+            pipe.hincrby(keys.pool_stats(self.settings.pool, self.store_tag), name, value)
             pipe.hincrby(keys.worker_stats(self.worker_id), name, value)
         pipe.execute()
 
@@ -252,8 +254,8 @@ class WorkerService:
                              self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None,
                              cancel=cancel)
         keeper.start()
-        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, metrics=self.metrics,
-                             cancel=cancel)
+        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, store_tag=self.store_tag,
+                             metrics=self.metrics, cancel=cancel)
         ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         pending: PendingShard | BaseException
         try:
@@ -370,7 +372,8 @@ class WorkerService:
     def accept(self, raw: str) -> ShardMessage | None:
         """The message, if it may be rendered here; None (and one log line) if not.
 
-        Checked by submit's rules (``spec.message_problems``), then against the
+        Checked by submit's rules (``spec.message_problems``), then that it is
+        of this worker's store (the store it names, and its queue), then against the
         job as submitted: known to this Redis, with the same settings and cut,
         and not deleted from the store.  A rejected message is acked and gone:
         retrying it would fail the same way for ever.  Raises
@@ -386,12 +389,14 @@ class WorkerService:
             log.error("rejecting a shard message: %s", "; ".join(problems[:5]))
             return None
         msg = ShardMessage.from_dict(data)
-        if msg.store and msg.store != store_identity(self.store.url):
-            # Another fleet's job on a shared Redis: rendered here, it would be counted
-            # done with its images in the wrong store.  Not claimed; back to the broker.
-            raise TransientError(f"shard {msg.job}:{msg.shard} belongs to store {msg.store}, "
-                                 f"this worker writes to {self.store.url}")
         where = f"rejecting shard {msg.job}:{msg.shard}"
+        if (msg.store and msg.store != store_identity(self.store.url)) or not is_store_queue(msg.queue, self.store.url):
+            # Another store's job: rendered here, it would be counted done with its images in
+            # the wrong store.  Each store has its own queues, so no true message of another
+            # store's job comes here (a crafted one, or one moved between queues): not requeued.
+            log.error("%s: it belongs to store %s (queue %s), this worker writes to %s", where,
+                      msg.store or "(not named)", msg.queue, self.store.url)
+            return None
         try:
             registered, stored, fresh = self.client.hmget(keys.job(msg.job), "spec", "stored", "fresh")
         except redis.RedisError as exc:

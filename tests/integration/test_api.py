@@ -94,7 +94,7 @@ def test_a_bad_item_is_named_by_position_and_nothing_is_enqueued(client: Client,
     problems = err.value.problems
     assert [p.split(":")[0] for p in problems] == ["prompts[1]", "prompts[2]"], problems
     r = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
-    assert r.scard("rf:jobs") == 0 and r.llen("renderfleet.default") == 0
+    assert r.scard("rf:jobs") == 0 and r.keys("renderfleet.*") == []
     assert not (Path(env["RENDERFLEET_STORE"]) / "jobs").exists()
 
 

@@ -25,7 +25,7 @@ from dispatcher.enqueue import WireShard, publish_shards, register_job
 from dispatcher.resume import load_spec, resume, stored_prompts
 from dispatcher.submit import SubmitOptions, submit
 from renderfleet import keys
-from renderfleet.celery_app import UNACKED_KEY, make_app
+from renderfleet.celery_app import UNACKED_KEY, make_app, queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import Leases
 from renderfleet.spec import JobSpec, RenderParams, job_prefix
@@ -48,20 +48,27 @@ from testing.fleet import (
 
 pytestmark = pytest.mark.integration
 
-QUEUE = "renderfleet.default"
+STORE = "/tmp/rf-audit-store"
+QUEUE = queue_name("default", STORE)
+
+
+def queues(store: Path) -> tuple[str, str]:
+    """The queues of pools 'hold' and 'default' of the folder store at ``store``."""
+    url = open_store(str(store)).url
+    return queue_name("hold", url), queue_name("default", url)
 
 
 def publish(client: redis.Redis, url: str, job: str, shards: int, **ws: object) -> int:
     spec = JobSpec(job=job, params=RenderParams(), total=shards * 2, shard_size=2, batch_size=2)
-    register_job(client, spec, QUEUE, "/tmp/rf-audit-store")
+    register_job(client, spec, QUEUE, STORE)
     wire = [WireShard(s, 2, prompts_json=['"a"', '"b"'], start=2 * s, **ws)  # type: ignore[arg-type]
             for s in range(shards)]
-    return publish_shards(make_app(url), client, spec, QUEUE, wire, store="/tmp/rf-audit-store")
+    return publish_shards(make_app(url), client, spec, QUEUE, wire, store=STORE)
 
 
-def take(client: redis.Redis) -> tuple[int, str]:
+def take(client: redis.Redis, queue: str = QUEUE) -> tuple[int, str]:
     """What kombu's BRPOP does: the next message off the queue; (shard, delivery tag)."""
-    envelope = json.loads(cast(bytes, client.rpop(QUEUE)) or b"{}")
+    envelope = json.loads(cast(bytes, client.rpop(queue)) or b"{}")
     import base64
 
     body = json.loads(base64.b64decode(envelope["body"]))
@@ -170,14 +177,15 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
     # the worker stores and counts prompt 1 on the new Redis; resume rebuilds the
     # shard's bits from its listing; the worker releases the shard done.
     store = open_store(str(tmp_path / "store"))
+    queue = queue_name("default", store.url)
     prompts = write_prompts(tmp_path / "p.txt", 2)
     job = submit(str(prompts), SubmitOptions(RenderParams(), shard_size=2, batch_size=1), store=store,
-                 app=make_app(redis_server.url), client=redis.Redis.from_url(redis_server.url), queue=QUEUE).job
+                 app=make_app(redis_server.url), client=redis.Redis.from_url(redis_server.url), queue=queue).job
     names = [name for name, _ in stored_prompts(store, load_spec(store, job))]
     client = redis.Redis.from_url(redis_server.url)
     leases = Leases(client, lease_seconds=30)
-    shard, tag = take(client)
-    _, lease = leases.claim(job, shard, worker="w", queue=QUEUE, tag=tag, message="{}")
+    shard, tag = take(client, queue)
+    _, lease = leases.claim(job, shard, worker="w", queue=queue, tag=tag, message="{}")
     assert lease is not None
     store.put(f"{job_prefix(job)}images/{names[0]}.png", b"png 0")
     leases.commit(lease, [0], [])
@@ -196,13 +204,13 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
     assert report.done == 1  # what the listing saw
     st = status.job_status(client, job, store=store)
     assert (st.done, st.failed, st.finished) == (2, 0, True)
-    assert report.shards_enqueued == 0 and client.llen(QUEUE) == 0  # both counted: nothing to queue
+    assert report.shards_enqueued == 0 and client.llen(queue) == 0  # both counted: nothing to queue
 
     # An image deleted after it was counted is still counted missing by the next resume.
     (tmp_path / "store" / job_prefix(job) / "images" / f"{names[0]}.png").unlink()
     assert resume(job, store=store, app=make_app(redis_server.url), client=client).shards_enqueued == 1
     st = status.job_status(client, job, store=store)
-    assert (st.done, st.queued, st.finished) == (1, 1, False)
+    assert (st.done, st.queued, st.finished) == (1, 1, False) and client.llen(queue) == 1
 
 
 # ---- with real workers ------------------------------------------------------------
@@ -220,10 +228,11 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
     idle = WorkerProc(env, tmp_path / "idle.log")  # serves only the default queue
     procs.append(idle)
     wait_for(lambda: worker_ready(client, 1), 90, what="the idle worker")
-    lose_a_message_in_brpop(client, idle, "renderfleet.hold", "renderfleet.default")
+    hold, default = queues(tmp_path / "store")
+    lose_a_message_in_brpop(client, idle, hold, default)
     idle.kill()
     assert client.hget(keys.shards(job), "0") == "q" and not client.zcard(keys.INFLIGHT)
-    assert client.llen("renderfleet.hold") == 0 and client.llen("renderfleet.default") == 0
+    assert client.llen(hold) == 0 and client.llen(default) == 0
 
     procs.append(WorkerProc(env, tmp_path / "worker.log", "--pool", "hold"))
     if recover == "resume":
@@ -274,7 +283,7 @@ def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_pas
     from renderfleet.store import open_store
 
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
-    queue = "renderfleet.hold"
+    queue = queues(tmp_path / "store")[0]
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 6)), *TINY, "--shard-size", "2",
               "--pool", "hold").stdout.split()[-1]
     client = redis.Redis.from_url(redis_server.url)
@@ -282,8 +291,7 @@ def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_pas
     monitor = Monitor(settings, make_app(redis_server.url), client, open_store(settings.store_url))
 
     def take_from_hold() -> tuple[int, str]:
-        client.rpoplpush(queue, QUEUE)
-        return take(client)
+        return take(client, queue)
 
     assert take_from_hold()[0] == 0  # taken by a worker that is gone
     assert monitor.audit() == {} and monitor.audit() == {}  # nothing passed it: it may be mid-claim

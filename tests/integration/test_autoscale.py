@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import store_tag
 from testing.fleet import REPO, base_env, cli, job_status, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
@@ -57,6 +59,7 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
     config.write_text(FLEET)
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config))
     client = redis.Redis.from_url(redis_server.url)
+    spot_key = keys.pool_stats("spot", store_tag(str(tmp_path / "store")))  # the store's spot pool
     log = open(tmp_path / "autoscale.log", "wb")  # noqa: SIM115
     scaler = subprocess.Popen([sys.executable, "-m", "renderfleet", "autoscale", "--json"], env=env, stdout=log,
                               stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -74,7 +77,7 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
             spot = workers_of(client, "spot")
             pids |= {int(str(w["pid"])) for w in spot}
             peak = max(peak, len(spot))
-            if not first_spot_image and int(client.hget("rf:pool:spot", "images") or 0) > 0:
+            if not first_spot_image and int(client.hget(spot_key, "images") or 0) > 0:
                 first_spot_image = time.monotonic() - submitted
             assert scaler.poll() is None, (tmp_path / "autoscale.log").read_text()
             assert time.monotonic() - submitted < 240, "the job did not finish"
@@ -89,7 +92,7 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
         assert st["done"] == 400 and st["failed"] == 0
         images = list((tmp_path / "store" / "jobs" / job / "images").iterdir())
         assert len(images) == 400
-        spot_stats = {k.decode(): int(v) for k, v in client.hgetall("rf:pool:spot").items()}
+        spot_stats = {k.decode(): int(v) for k, v in client.hgetall(spot_key).items()}
         # stopped by the hand-off, never mid-batch: nothing rendered was thrown away
         assert spot_stats.get("wasted_images", 0) == 0, spot_stats
         assert len(workers_of(client, "baseline")) == 1  # the warm floor stays

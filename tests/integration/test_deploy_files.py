@@ -20,6 +20,7 @@ from dispatcher.http import serve
 from dispatcher.status import fleet_status
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.settings import load_settings
+from renderfleet.store import open_store
 from testing.fleet import REPO
 from testing.kustomize import KustomizeError, build, object_id
 
@@ -153,14 +154,16 @@ def test_the_pools_configmap_is_a_valid_pools_file(tmp_path: Path, overlay: str)
     assert pools and all(p.backend == "kubernetes" and p.deployment in deployments for p in pools.values())
 
 
-def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: RedisServerProcess) -> None:
+def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: RedisServerProcess, tmp_path: Path) -> None:
     docs = documents()
     scaled = [d for d in docs if d["kind"] == "ScaledObject"]
     deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
     assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == {"worker-spot", "worker-baseline"} <= deployments
     client = redis.Redis.from_url(redis_server.url)
-    backend = PublishedBackend(client)
-    server = serve("127.0.0.1:0", lambda: fleet_status(client), {}, "tok")
+    store = open_store(str(tmp_path / "store"))
+    backend = PublishedBackend(client, store.url)
+    other = PublishedBackend(client, "s3://another-fleet")  # another store's pools on the same Redis
+    server = serve("127.0.0.1:0", lambda: fleet_status(client, store=store), {}, "tok")
     try:
         for i, so in enumerate(scaled):
             trigger = so["spec"]["triggers"][0]
@@ -169,6 +172,7 @@ def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: Redis
             assert meta["targetValue"] == "1" and meta["authMode"] == "bearer"
             pool = meta["valueLocation"].split(".")[1]
             backend.set_size(pool, 3 + i)
+            other.set_size(pool, 99)  # a pool of the same name of another store: not served here
             path = meta["url"].split(":9464", 1)[1]
             req = urllib.request.Request(f"http://127.0.0.1:{server.server_port}{path}",
                                          headers={"Authorization": "Bearer tok"})

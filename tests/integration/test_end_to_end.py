@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, store_queue, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
     job = out.stdout.strip().splitlines()[-1]
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 24 and s, 120, interval=1.0, what="job to finish")
     assert st["total"] == 24 and st["failed"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
-    assert "renderfleet.default" in st["queues"]
+    assert list(st["queues"]) == [store_queue(env)] and st["store"] == str(tmp_path / "store")
     images = sorted((tmp_path / "store" / "jobs" / job / "images").iterdir())
     assert [p.name for p in images] == [f"{i:06d}.png" for i in range(24)]
     # the pipeline was loaded once per worker process, for 6 shards between 2 workers
@@ -109,12 +109,12 @@ def test_a_pickled_message_is_rejected_never_executed(
                     "parent_id": None, "group": None, "retries": 0, "eta": None, "expires": None,
                     "timelimit": [None, None], "argsrepr": "", "kwargsrepr": "", "origin": "test"},
         "properties": {"correlation_id": tag, "delivery_mode": 2, "priority": 0, "body_encoding": "base64",
-                       "delivery_info": {"exchange": "", "routing_key": "renderfleet.default"},
+                       "delivery_info": {"exchange": "", "routing_key": store_queue(env)},
                        "delivery_tag": tag},
     }
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
-    client.lpush("renderfleet.default", json.dumps(envelope))
-    wait_for(lambda: client.llen("renderfleet.default") == 0, 30, what="the worker to take the message")
+    client.lpush(store_queue(env), json.dumps(envelope))
+    wait_for(lambda: client.llen(store_queue(env)) == 0, 30, what="the worker to take the message")
     # a good job after it still renders: the worker survived and went on
     prompts = write_prompts(tmp_path / "p.txt", 2)
     job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
@@ -132,7 +132,7 @@ def test_bad_file_exits_2_names_the_line_and_enqueues_nothing(tmp_path: Path, en
     assert f"{bad}:2:" in proc.stderr and f"{bad}:3:" in proc.stderr and f"{bad}:4:" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
-    assert client.llen("renderfleet.default") == 0 and not client.exists("rf:jobs")
+    assert client.keys("renderfleet.*") == [] and not client.exists("rf:jobs")
     assert not (tmp_path / "store").exists()
 
 

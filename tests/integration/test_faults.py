@@ -28,6 +28,7 @@ from testing.fleet import (
     cli,
     job_status,
     start_monitor,
+    store_queue,
     wait_for,
     worker_ready,
     write_prompts,
@@ -37,7 +38,6 @@ from worker.main import EXIT_DEVICE
 pytestmark = pytest.mark.integration
 
 SLOW = ["--model", "tiny", "--steps", "12", "--size", "64x64"]
-QUEUE = "renderfleet.default"
 
 
 @pytest.fixture
@@ -93,13 +93,14 @@ def test_a_monitor_resumes_only_its_own_stores_jobs(
 ) -> None:
     job = submit(env, write_prompts(tmp_path / "p.txt", 3), *TINY)
     other = {**env, "RENDERFLEET_STORE": str(tmp_path / "other-store")}
+    queue = store_queue(env)
     redis_server.kill()
     redis_server.start()
     cli(other, "monitor", "--once")  # another store's monitor: nothing of ours is its business
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
-    assert client.scard("rf:jobs") == 0 and client.llen(QUEUE) == 0
+    assert client.scard("rf:jobs") == 0 and client.llen(queue) == 0
     cli(env, "monitor", "--once")
-    assert {j.decode() for j in client.smembers("rf:jobs")} == {job} and client.llen(QUEUE) == 1
+    assert {j.decode() for j in client.smembers("rf:jobs")} == {job} and client.llen(queue) == 1
 
 
 # ---- 2. a device error is the node's ----------------------------------------------------
@@ -131,14 +132,15 @@ def test_bad_messages_published_straight_to_the_queue_are_rejected_and_the_worke
     tmp_path: Path, env: dict[str, str], procs: list
 ) -> None:
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    queue = store_queue(env)
     envelope = envelope_factory(make_app(env["RENDERFLEET_REDIS_URL"]))
     deleted = submit(env, write_prompts(tmp_path / "gone.txt", 2, "gone"), *TINY)
-    real = json.loads(envelope_body(client.lrange(QUEUE, 0, 0)[0]))
-    client.delete(QUEUE)
+    real = json.loads(envelope_body(client.lrange(queue, 0, 0)[0]))
+    client.delete(queue)
     shutil.rmtree(tmp_path / "store" / "jobs" / deleted)
     store = str(tmp_path / "store")
     params = RenderParams(model="tiny", steps=2, width=32, height=32).to_dict()
-    base = {"job": deleted, "shard": 0, "params": params, "batch_size": 4, "queue": QUEUE, "store": store,
+    base = {"job": deleted, "shard": 0, "params": params, "batch_size": 4, "queue": queue, "store": store,
             "first": 0, "prompts": ["x"]}
     bad = {
         "not JSON": "{this is not json",
@@ -148,27 +150,28 @@ def test_bad_messages_published_straight_to_the_queue_are_rejected_and_the_worke
         "10**9 steps": json.dumps({**base, "params": {**params, "steps": 10**9}}),
         "another job's keys": json.dumps({**base, "job": "../j-other"}),
         "huge batch": json.dumps({**base, "batch_size": 100_000}),
+        "another store's job": json.dumps({**base, "store": "s3://another-fleet/renders"}),
     }
     for text in bad.values():
-        client.lpush(QUEUE, envelope(text, QUEUE, "bad"))
-    client.lpush(QUEUE, "this is not even a kombu envelope")
-    client.lpush(QUEUE, json.dumps({"json": "but no envelope"}))
+        client.lpush(queue, envelope(text, queue, "bad"))
+    client.lpush(queue, "this is not even a kombu envelope")
+    client.lpush(queue, json.dumps({"json": "but no envelope"}))
     worker = start_worker(env, tmp_path, procs, "worker")
-    wait_for(lambda: client.llen(QUEUE) == 0, 60, what="the bad messages to be taken")
+    wait_for(lambda: client.llen(queue) == 0, 60, what="the bad messages to be taken")
     good = submit(env, write_prompts(tmp_path / "good.txt", 4, "good"), *TINY)
     wait_for(lambda: job_status(env, good)["done"] == 4, 90, interval=1.0, what="a good job after the bad messages")
     out = worker.output()
     assert worker.alive(), out[-3000:]
     assert out.count("rejecting a shard message") + out.count("rejecting shard") == len(bad), out[-5000:]
-    assert out.count("dropping an item of a queue that is not a task message") == 2
+    assert out.count("dropping an item of a queue that is not a task message") == 2 and "Traceback" not in out
     for reason in ("not JSON", "a shard message is a JSON object", "no such job in this Redis",
                    "deleted from the store", "steps must be between 1 and 1000", "job: a job id is",
-                   "batch_size must be between 1 and 256"):
+                   "batch_size must be between 1 and 256", "belongs to store s3://another-fleet/renders"):
         assert reason in out, reason
     assert not (tmp_path / "store" / "jobs" / deleted).exists()  # nothing rendered for the deleted job
     # none of them came back: each was rejected once, never retried
     time.sleep(2)
-    assert client.llen(QUEUE) == 0 and client.hlen("unacked") == 0
+    assert client.llen(queue) == 0 and client.hlen("unacked") == 0
     assert out.count("steps must be between 1 and 1000") == 1
 
 

@@ -11,14 +11,14 @@ import pytest
 import redis
 
 from renderfleet import keys
-from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, queue_name
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Leases
 from testing.fleet import start_redis
 
 pytestmark = pytest.mark.integration
 
-QUEUE = "renderfleet.default"
+QUEUE = queue_name("default", "/tmp/rf-leases-store")
 
 
 @pytest.fixture

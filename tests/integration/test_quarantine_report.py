@@ -11,6 +11,7 @@ import redis
 from dispatcher.enqueue import register_job
 from dispatcher.status import job_status, results
 from renderfleet import spec
+from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import Leases
 from renderfleet.spec import JobSpec, RenderParams
@@ -27,12 +28,12 @@ def test_quarantined_prompt_is_reported_by_status_and_results(tmp_path: Path, re
     (tmp_path / "p.txt").write_text("p0\np1\np2\n")
     store.put_file(job.prompts_key, tmp_path / "p.txt")
     store.put(spec.spec_key(job.job), job.to_json().encode())
-    register_job(client, job, "renderfleet.default", store.url)
+    register_job(client, job, queue_name("default", store.url), store.url)
     client.hset(f"rf:job:{job.job}:shards", "0", "q")
     client.hset(f"rf:job:{job.job}:left", "0", 3)
 
     leases = Leases(client, 5)
-    _, lease = leases.claim(job.job, 0, worker="w", queue="renderfleet.default", tag="", message="{}")
+    _, lease = leases.claim(job.job, 0, worker="w", queue=queue_name("default", store.url), tag="", message="{}")
     assert lease is not None
     store.put(spec.image_key(job.job, "000000"), b"png0")
     store.put(spec.image_key(job.job, "000002"), b"png2")

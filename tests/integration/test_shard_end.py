@@ -87,7 +87,7 @@ def submitted(tmp_path: Path, url: str) -> tuple[Job, redis.Redis, SlowCheckpoin
     store = SlowCheckpoints(tmp_path / "store",
                             lambda key: bool(raw.exists(keys.lease(job.id, int(key.rsplit("/", 2)[-2])))))
     messages = []
-    while (item := raw.rpop(queue_name("default"))) is not None:
+    while (item := raw.rpop(queue_name("default", store.url))) is not None:
         body = json.loads(base64.b64decode(json.loads(cast(bytes, item))["body"]))
         messages.append(body[0][0])
     assert [json.loads(m)["shard"] for m in messages] == [0, 1]

@@ -29,6 +29,7 @@ import redis
 from dispatcher.status import FleetStatus
 from dispatcher.web import charts, read_history, record
 from renderfleet import keys
+from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, wait_for
 from testing.servers import free_port
@@ -246,15 +247,21 @@ def test_off_loopback_the_page_needs_the_token_and_a_browser_gets_an_httponly_co
 
 def test_the_charts_history_lives_in_redis_capped(redis_server: RedisServerProcess) -> None:
     client = redis.Redis.from_url(redis_server.url)
-    fleet = FleetStatus(queues={"renderfleet.default": 4}, workers=[{"pool": "default"}], desired={"default": 2})
+    store = "s3://bucket/renders"
+    queue = queue_name("default", store)
+    fleet = FleetStatus(queues={queue: 4}, workers=[{"pool": "default"}], desired={"default": 2}, store=store)
+    # Another store's monitor on the same Redis, with a pool of the same name: its own charts.
+    other = FleetStatus(queues={queue_name("default", "/other"): 50}, workers=[], desired={"spot": 7}, store="/other")
     now = time.time()
     for i in range(keys.HISTORY_KEEP + 10):
-        fleet.queues["renderfleet.default"] = i
+        fleet.queues[queue] = i
         record(client, fleet, now=now - (keys.HISTORY_KEEP + 10 - i))
-    hist = read_history(client, ["queue_shards", "workers.default", "desired.default"], now=now)
+        record(client, other, now=now - (keys.HISTORY_KEEP + 10 - i))
+    hist = read_history(client, ["queue_shards", "workers.default", "desired.default"], store, now=now)
     assert len(hist["queue_shards"]) == keys.HISTORY_KEEP  # capped, the oldest dropped
     assert hist["queue_shards"][-1][1] == keys.HISTORY_KEEP + 9 and hist["desired.default"][0][1] == 2
-    drawn = [str(c) for c in charts(client, now=now)]
-    assert len(drawn) == 4 and all("<polyline" in c for c in drawn)  # queue, backlog x2, the pool
+    drawn = [str(c) for c in charts(client, store, now=now)]
+    assert len(drawn) == 4 and all("<polyline" in c for c in drawn)  # queue, backlog x2, the pool: not spot
+    assert {v for _, v in read_history(client, ["queue_shards"], "/other", now=now)["queue_shards"]} == {50}
     # samples older than the hour are not drawn
-    assert read_history(client, ["queue_shards"], now=now + 2 * 3600) == {"queue_shards": []}
+    assert read_history(client, ["queue_shards"], store, now=now + 2 * 3600) == {"queue_shards": []}

@@ -14,6 +14,7 @@ import pytest
 
 from dispatcher.submit import SubmitOptions, check_options
 from renderfleet import spec
+from renderfleet.celery_app import queue_name
 from renderfleet.errors import InputError
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams, message_problems
@@ -24,10 +25,12 @@ from worker.stop import StopSignal
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 JOB = JobSpec(job="j-0123456789abcdef", params=PARAMS, total=10, shard_size=4, batch_size=2)
+STORE = "/data/renders"  # the store of a message that names none (good(store=...) for another)
 
 
-def good(**changes: Any) -> dict[str, Any]:
-    text = message_json(JOB, "renderfleet.default", 1, ['"a"', '{"p":"b","n":"fox"}'])
+def good(at: str = STORE, **changes: Any) -> dict[str, Any]:
+    """Shard 1 of JOB as submit writes it for store ``at`` (a URL), with ``changes``."""
+    text = message_json(JOB, queue_name("default", at), 1, ['"a"', '{"p":"b","n":"fox"}'], at)
     data: dict[str, Any] = json.loads(text)
     data.update(changes)
     return data
@@ -35,7 +38,7 @@ def good(**changes: Any) -> dict[str, Any]:
 
 def test_a_message_as_submit_writes_it_passes() -> None:
     assert message_problems(good()) == []
-    texts = json.loads(message_json(JOB, "renderfleet.spot", 0, list(spec.texts_json(["a", "b"]))))
+    texts = json.loads(message_json(JOB, queue_name("spot", STORE), 0, list(spec.texts_json(["a", "b"]))))
     assert message_problems(texts) == []
 
 
@@ -52,6 +55,7 @@ def test_a_message_as_submit_writes_it_passes() -> None:
     ({"job": "../other-job"}, "job: a job id is"),
     ({"shard": -1}, "shard: must be a whole number"),
     ({"queue": "rf:workers"}, "queue: not a renderfleet queue"),
+    ({"queue": "renderfleet.default"}, "queue: not a renderfleet queue"),  # an older version's: no store
     ({"prompts": [{"i": 0, "p": "x"}] * 10_001}, "prompts: must be a list of 1 to 10000"),
     ({"prompts": []}, "prompts: must be a list of 1 to 10000"),
     ({"prompts": [{"p": "x", "n": "a/../../etc"}]}, "contains a slash"),
@@ -126,7 +130,7 @@ def registered(stored: bool = True) -> dict[str, dict[str, bytes]]:
 def test_a_shard_of_the_job_as_submitted_is_accepted(tmp_path: Path) -> None:
     svc = service(tmp_path, registered())
     svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
-    msg = svc.accept(json.dumps(good()))
+    msg = svc.accept(json.dumps(good(svc.store.url)))
     assert msg is not None and msg.shard == 1
     svc.runner.close()
 
@@ -140,41 +144,52 @@ def test_the_store_is_asked_about_a_job_once_in_a_while_not_for_every_shard(
     monkeypatch.setattr(svc.store, "exists", lambda key: asked.append(key) or exists(key))
     clock = [1000.0]
     monkeypatch.setattr("worker.service.time.monotonic", lambda: clock[0])
-    assert svc.accept(json.dumps(good())) is not None
-    assert svc.accept(json.dumps(good())) is not None
+    raw = json.dumps(good(svc.store.url))
+    assert svc.accept(raw) is not None
+    assert svc.accept(raw) is not None
     assert len(asked) == 1
     # Deleted: trusted until the check is due again, then refused (and asked again every time).
     (tmp_path / "store" / spec.spec_key(JOB.job)).unlink()
     clock[0] += SPEC_CHECK_SECONDS - 1
-    assert svc.accept(json.dumps(good())) is not None and len(asked) == 1
+    assert svc.accept(raw) is not None and len(asked) == 1
     clock[0] += 2
-    assert svc.accept(json.dumps(good())) is None
-    assert svc.accept(json.dumps(good())) is None
+    assert svc.accept(raw) is None
+    assert svc.accept(raw) is None
     assert len(asked) == 3
     svc.runner.close()
+
+
+OTHER_STORE = "s3://another-fleet/renders"
 
 
 @pytest.mark.parametrize(("raw", "log"), [
     ("{not json", "not JSON"),
     ("[" * 100_000, "not JSON (maximum recursion depth"),  # a RecursionError, not a ValueError
     ('["a list"]', "a shard message is a JSON object"),
-    (json.dumps(good(job="j-unknown")), "no such job"),
-    (json.dumps(good(params={**PARAMS.to_dict(), "steps": 3})), "does not match the job"),
-    (json.dumps(good(shard=7)), "does not match the job"),
-    (json.dumps(good(first=0)), "does not match the job"),  # shard 1 is prompts 4-7
-    (json.dumps(good()), "deleted from the store"),  # registered as stored, no spec in the store
+    ({"job": "j-unknown"}, "no such job"),
+    ({"params": {**PARAMS.to_dict(), "steps": 3}}, "does not match the job"),
+    ({"shard": 7}, "does not match the job"),
+    ({"first": 0}, "does not match the job"),  # shard 1 is prompts 4-7
+    ({}, "deleted from the store"),  # registered as stored, no spec in the store
+    # Another store's job (a shared Redis): each store has its own queues, so only a message
+    # crafted or moved between queues comes here; dropped, never requeued to bounce for ever.
+    ({"at": OTHER_STORE}, f"belongs to store {OTHER_STORE}"),
+    ({"store": OTHER_STORE}, f"belongs to store {OTHER_STORE}"),  # on our queue, naming another store
+    ({"queue": queue_name("default", OTHER_STORE)}, "belongs to store"),  # naming our store, another's queue
 ])
 def test_a_message_the_worker_cannot_trust_is_rejected_with_one_line(
-    tmp_path: Path, raw: str, log: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, raw: str | dict[str, Any], log: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     svc = service(tmp_path, registered())
-    assert svc.accept(raw) is None
+    text = raw if isinstance(raw, str) else json.dumps(good(**{"at": svc.store.url, **raw}))
+    assert svc.accept(text) is None  # None: acked away (TransientError would requeue it)
     assert len(caplog.records) == 1 and log in caplog.records[0].getMessage()
+    assert caplog.records[0].exc_info is None
     svc.runner.close()
 
 
 def test_a_shard_that_comes_before_its_jobs_spec_is_written_is_taken(tmp_path: Path) -> None:
     # submit publishes before it writes the spec: no spec yet is not a deleted job
     svc = service(tmp_path, registered(stored=False))
-    assert svc.accept(json.dumps(good())) is not None
+    assert svc.accept(json.dumps(good(svc.store.url))) is not None
     svc.runner.close()

@@ -10,6 +10,7 @@ import pytest
 from dispatcher.resume import stored_prompts
 from dispatcher.submit import SubmitOptions, check_options, job_id, wire_shards
 from renderfleet import spec
+from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError
 from renderfleet.prompts import detect_format, validate_file
 from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage, message_problems
@@ -40,7 +41,7 @@ def test_wire_form_is_compact_and_round_trips() -> None:
 def test_shard_message_built_by_the_dispatcher_decodes_on_the_worker() -> None:
     job = JobSpec(job="j-1", params=PARAMS, total=5, shard_size=5, batch_size=2)
     wire = [json.dumps(f"p{i}") for i in range(5)]
-    msg = ShardMessage.from_dict(json.loads(message_json(job, "renderfleet.default", 0, wire)))
+    msg = ShardMessage.from_dict(json.loads(message_json(job, queue_name("default", "/data/a"), 0, wire)))
     assert msg.job == "j-1" and msg.shard == 0 and msg.batch_size == 2 and msg.params == PARAMS
     assert [p.name for p in msg.prompts] == [f"{i:06d}" for i in range(5)]
     # batches sit at fixed positions, whatever is already done
@@ -64,6 +65,21 @@ def test_shard_message_names_its_store_and_older_messages_name_none() -> None:
     data = json.loads(message_json(job, "q", 0, wire))
     del data["store"]
     assert ShardMessage.from_dict(data).store == ""
+
+
+def test_a_queue_is_named_by_pool_and_store_stably_and_safely() -> None:
+    a = queue_name("spot", "s3://bucket/renders")
+    # 12 hex digits of the store's identity: the same for the same store however written, never the URL itself
+    assert a == queue_name("spot", "s3://bucket/renders/") == f"renderfleet.spot.{spec.store_tag('s3://bucket/renders')}"
+    assert a == "renderfleet.spot.c1df3521d878"  # stable across versions: a fleet's workers and dispatcher agree
+    assert queue_name("spot", "s3://bucket/other") != a and queue_name("default", "s3://bucket/renders") != a
+    assert queue_name("spot", "s3://user:secret@host/b").count("secret") == 0
+    job = JobSpec(job="j-1", params=PARAMS, total=1, shard_size=1, batch_size=1)
+    assert message_problems(json.loads(message_json(job, a, 0, [json.dumps("p")]))) == []
+    # the store's own queues only; an older version's queue (no store) is no store's
+    assert is_store_queue(a, "s3://bucket/renders/") and not is_store_queue(a, "s3://bucket/other")
+    for other in ("renderfleet.spot", f"renderfleet.{spec.store_tag('s3://bucket/renders')}", "rf:queues", ""):
+        assert not is_store_queue(other, "s3://bucket/renders")
 
 
 @pytest.mark.parametrize("bad", ["", "../etc", ".hidden", "a/b", "x" * 101, "東京"])
@@ -125,7 +141,7 @@ def test_a_shard_has_one_wire_form_from_submit_or_resume_that_round_trips_with_t
                   prompts_key=spec.source_key("j-1", *detect_format(str(path))))
     store = LocalStore(tmp_path / "store")
     store.put_file(job.prompts_key, path)
-    encode = spec.message_encoder(job, "renderfleet.default", store.url)
+    encode = spec.message_encoder(job, queue_name("default", store.url), store.url)
 
     # 1. The fast path: submit's shards of the file, resume's of the stored copy: the same bytes.
     submitted = [encode(ws.shard, ws.start, ws.prompts_json) for ws in wire_shards(str(path), job)]

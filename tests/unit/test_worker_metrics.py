@@ -19,7 +19,7 @@ from renderfleet import spec
 from renderfleet.errors import ConfigError, PromptError, Reclaimed
 from renderfleet.leases import Lease
 from renderfleet.settings import Settings
-from renderfleet.spec import Prompt, RenderParams, ShardMessage
+from renderfleet.spec import Prompt, RenderParams, ShardMessage, store_tag
 from renderfleet.store import LocalStore
 from testing.servers import free_port, http_get
 from worker.ledger import RedisLedger
@@ -197,7 +197,8 @@ def deliver(store: LocalStore, renderer: BytesRenderer, metrics: WorkerMetrics, 
             leases: PlainLeases | None = None, stop: StopSignal | None = None) -> None:
     stop = stop or StopSignal()
     lease = Lease(job="j", shard=0, worker="w", attempt=1, queue="q", tag="t", requeue="", message="")
-    ledger = RedisLedger(leases or PlainLeases(), lease, stop, pool="spot", metrics=metrics)  # type: ignore[arg-type]
+    ledger = RedisLedger(leases or PlainLeases(), lease, stop, pool="spot", store_tag=store_tag(store.url),  # type: ignore[arg-type]
+                         metrics=metrics)
     runner = ShardRunner(store=store, renderer=renderer, stop=stop, max_failures=1, upload_threads=2)
     try:
         runner.run(msg, ledger, attempt=1)
