@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from renderfleet.celery_app import QUEUE_PREFIX, TASK_NAME
+from renderfleet.spec import STORE_TAG_LENGTH
 
 log = logging.getLogger("renderfleet.queueguard")
 
@@ -58,7 +59,8 @@ MAX_BODY_TAIL = 1_000
 MAX_HEADER_TEXT = 4_096
 
 _ID = re.compile(r"[A-Za-z0-9_.:@+-]{1,200}")  # task ids and delivery tags: uuids, printed in logs
-_QUEUE = re.compile(re.escape(QUEUE_PREFIX) + r"[a-z0-9][a-z0-9_-]{0,39}")  # celery_app.queue_name of a pool
+# celery_app.queue_name of a pool and store: renderfleet.<pool>.<store tag>.
+_QUEUE = re.compile(re.escape(QUEUE_PREFIX) + r"[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{" + str(STORE_TAG_LENGTH) + "}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # would split or forge a log line
 _BODY_START = re.compile(r'[ \t\n\r]*\[[ \t\n\r]*\[[ \t\n\r]*"')  # [[" and JSON's own spaces: the one argument
 _EMBED_KEYS = frozenset({"callbacks", "errbacks", "chain", "chord"})

@@ -18,6 +18,9 @@ import base64
 import copy
 import json
 import random
+import shutil
+import tempfile
+import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any
 import pytest
 import redis
 
-from renderfleet.celery_app import UNACKED_KEY, envelope_factory, make_app, publisher
+from renderfleet.celery_app import UNACKED_KEY, envelope_factory, make_app, publisher, queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import requeue_payload
 from testing.fleet import (
@@ -44,7 +47,9 @@ from worker.queueguard import MAX_ITEM_CHARS, NotAMessage, check_item
 
 pytestmark = pytest.mark.integration
 
-QUEUE = "renderfleet.default"
+# The worker's store, fixed at import so the forged messages can name its queue (one per pool and store).
+STORE = str(Path(tempfile.gettempdir()) / f"rf-hostile-{uuid.uuid4().hex[:12]}")
+QUEUE = queue_name("default", STORE)
 DROPPED = "dropping an item of a queue that is not a task message"
 REJECTED = ("rejecting a shard message", "rejecting shard ")  # passed the guard; the service refused it
 # A shard message of a job this Redis never heard of: what a forged envelope of ours carries.
@@ -60,8 +65,9 @@ BUILTINS = ["celery.chunks", "celery.backend_cleanup", "celery.map", "celery.sta
 
 
 @pytest.fixture
-def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
-    return base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+def env(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[dict[str, str]]:
+    yield base_env(tmp_path, redis_server.url, STORE)
+    shutil.rmtree(STORE, ignore_errors=True)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from renderfleet.celery_app import envelope_factory, make_app
 from renderfleet.leases import requeue_payload
 from worker.queueguard import MAX_BODY_TAIL, NotAMessage, check_item
 
-QUEUE = "renderfleet.default"
+QUEUE = "renderfleet.default.0123456789ab"
 MESSAGE = json.dumps({"job": "j-1", "shard": 0, "prompts": ["a cat"]})
 EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
