@@ -81,13 +81,16 @@ def test_auto_batch_size_finds_a_fit_under_a_memory_hog_and_it_renders(tmp_path:
         torch.cuda.empty_cache()
 
 
-def test_compile_renders_and_leaves_a_signed_cache_the_next_worker_loads(tmp_path: Path) -> None:
+def test_compile_renders_and_leaves_a_signed_cache_the_next_worker_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from renderfleet.spec import Prompt
     from renderfleet.store import LocalStore
     from worker.compiled import CompileCache, verify
     from worker.models import load_pipeline
     from worker.render import Renderer
 
+    # A node-local cache of an earlier run would turn the compile into hits, which are not saved again.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     store = LocalStore(tmp_path / "store")
     key = b"k" * 32
     loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path, compile=True)
