@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # restarts and workers starting, so two keep the 2 cores busy (13 minutes of tests become about 9).
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser kubectl run test test-unit test-integration chaos soak bench lint clean
+.PHONY: install browser kubectl run test test-unit test-integration chaos soak bench gpu-check lint clean
 
 install: $(VENV)/.installed
 
@@ -75,6 +75,13 @@ bench: install
 	$(BIN)/python -m bench.render_bench
 	$(BIN)/python -m bench.fleet_bench --no-before
 	$(BIN)/python -m bench.reclaim_bench
+
+# The one short run a lent GPU allows: the GPU test tier and bench/gpu.sh, under 8 minutes on one H200, the
+# figures into bench/RESULTS.md (section gpu). Without CUDA, a dry run with the tiny sizes that writes nothing
+# and names each step only a card can run. No `install` here: a GPU node has no PyPI; it uses .venv where there
+# is one, else python3 (bench/gpu_check.sh says in one line which packages are missing).
+gpu-check:
+	bench/gpu_check.sh
 
 lint: install
 	$(BIN)/ruff check renderfleet worker dispatcher testing tests bench

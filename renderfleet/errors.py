@@ -89,6 +89,13 @@ class DeviceError(RenderfleetError):
     """The accelerator failed (not out of memory): the node's fault, never a prompt's."""
 
 
+class MixedFleet(DeviceError):
+    """This worker renders a (card, model, size) another way than the fleet does there (compiled
+    where the fleet renders eager, or the reverse), so its images would differ in bytes.  Handled
+    as a device error: the shard goes back to the front and the worker stops; the node's
+    configuration, not the work, is at fault."""
+
+
 class BrokerUnavailable(RenderfleetError):
     """Redis refused us (password, certificate) or cannot be reached; names the URL, never its password."""
 

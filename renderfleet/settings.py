@@ -214,8 +214,12 @@ class Settings(BaseSettings):
     # fastest on a CPU, found once per card, model and resolution and remembered in the
     # store) or a number; never more than the job's batch (worker/batchsize.py).
     render_batch: str = "auto"
-    # Compile the UNet's repeated blocks (CUDA only); the compile cache is shared through the store.
+    # Compile the UNet's repeated blocks (CUDA only).
     compile: bool = False
+    # A file holding the fleet's key (32 bytes or more) for the compile cache: with it, compiled
+    # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
+    # None: not shared, each node compiles for itself (worker/compiled.py).
+    compile_cache_key_file: Path | None = None
     # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``),
     # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
     # prefix and below).  None: any model.  A job naming another fails, not the worker.

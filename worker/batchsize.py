@@ -16,6 +16,10 @@ see ``worker.render.Renderer``), so a redelivered batch renders the same bytes
 only if it is cut into the same calls.  That is why the size is *remembered in
 the store*, per (card, model, resolution), and read by every worker of that
 kind before it renders: the same hardware cuts the same batch the same way.
+The record also says whether the UNet was compiled (``--compile``): compiled
+kernels round differently from eager ones, so a worker of the other kind
+refuses to render there (:class:`~renderfleet.errors.MixedFleet`) rather than
+re-render a redelivered batch to other bytes.
 A search's answer is kept: searched again only for a job batch bigger than
 any it covered, lowered (halved) on a later out-of-memory; and ``RENDERFLEET_BATCH_INVARIANT`` removes the dependence
 altogether for users who need it.
@@ -49,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from renderfleet import spec
-from renderfleet.errors import OutOfMemory, PermanentError
+from renderfleet.errors import MixedFleet, OutOfMemory, PermanentError
 from renderfleet.spec import INT_LIMITS, Prompt
 from renderfleet.store import Store
 
@@ -189,6 +193,7 @@ class Remembered:
     model: str = ""
     width: int = 0
     height: int = 0
+    compiled: bool = False  # rendered with --compile; a record from before the field was eager
 
     def covers(self, batch: int) -> bool:
         return self.oom or batch <= self.limit
@@ -234,6 +239,8 @@ class BatchSizes:
         if (key, prompt.render_key) in self._unprobed:
             return batch  # its probe failed once: not again for every batch
         known = self._known.get(key) or self._read(key)
+        if known is not None:
+            check_same_kind(known, compiled=_compiled(renderer), where=self.store_key(key))
         if known is None or not known.covers(batch):
             found = self._search(renderer, prompt, batch, known, should_stop, key)
             if found is None:
@@ -256,7 +263,7 @@ class BatchSizes:
             return new
         old = self._known.get(key)
         known = Remembered(new, limit=max(size, old.limit if old else size), oom=True, how="halved",
-                           card=key[0], model=key[1], width=key[2], height=key[3])
+                           card=key[0], model=key[1], width=key[2], height=key[3], compiled=_compiled(renderer))
         self._known[key] = known
         self._write(key, known)
         return new
@@ -295,7 +302,7 @@ class BatchSizes:
         log.info("batch size for %s at %dx%d on %s: %d (%s in %.1f s: %s)", key[1], key[2], key[3], key[0], size,
                  how, self.clock() - started, measured)
         return Remembered(size, limit=batch, oom=oom, how=how,
-                          card=key[0], model=key[1], width=key[2], height=key[3])
+                          card=key[0], model=key[1], width=key[2], height=key[3], compiled=_compiled(renderer))
 
     # ---- the store -------------------------------------------------------------------
 
@@ -340,3 +347,28 @@ class BatchSizes:
                            content_type="application/json")
         except Exception as exc:  # a lost memory costs the next worker a search, nothing more
             log.warning("batch size for %s not written to the store: %s: %s", key, type(exc).__name__, exc)
+
+
+def _compiled(renderer: Any) -> bool:
+    """Whether ``renderer``'s UNet goes through torch.compile (``LoadedModel.compiled``)."""
+    return bool(getattr(getattr(renderer, "loaded", None), "compiled", False))
+
+
+def check_same_kind(known: Remembered, *, compiled: bool, where: str) -> None:
+    """Refuse (:class:`MixedFleet`) to render where the fleet's record says the other kind renders.
+
+    A fleet must not mix compiled and eager workers on one (card, model,
+    size): their kernels round differently, so a batch redelivered from one
+    kind to the other would come back with other bytes (docs/design.md, "Same
+    hardware, same cut, same bytes").  The first worker to render there
+    decides, in the record; switching the fleet is deliberate: stop its
+    workers and delete the record.
+    """
+    if known.compiled == compiled:
+        return
+    mine, theirs = ("compiled", "eager") if compiled else ("eager", "compiled")
+    raise MixedFleet(f"RENDERFLEET_COMPILE: this worker renders {known.model} at {known.width}x{known.height} on "
+                     f"{known.card} {mine}, but the fleet renders it {theirs} (store key {where}); their images "
+                     f"differ in bytes and a fleet must not mix them: start this worker "
+                     f"{'without' if compiled else 'with'} --compile, or stop the fleet's workers and delete "
+                     f"that key to switch")

@@ -48,9 +48,8 @@ def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
 
         log.warning("%s is set: a fixed-time bench renderer, not model %s", testhooks.RENDER_SECONDS, model)
         return FixedTimeRenderer(seconds, model), FixedLoad(model)
-    from renderfleet.store import open_store
     from worker.batchsize import card_name
-    from worker.compiled import CompileCache
+    from worker.compiled import open_compile_cache
     from worker.models import fetch_s3_model, load_pipeline
     from worker.render import Renderer
 
@@ -61,8 +60,7 @@ def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
                            compile=settings.compile)
     cache = None
     if loaded.compiled:
-        cache = CompileCache(open_store(settings.store_url, settings.s3_options), model=model,
-                             card=card_name(str(loaded.device)))
+        cache = open_compile_cache(settings, model=model, card=card_name(str(loaded.device)))
     return Renderer(loaded, batch_invariant=settings.batch_invariant, compile_cache=cache), loaded
 
 
@@ -73,6 +71,10 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         from worker.models import check_compile, default_device
 
         check_compile(True, settings.device or default_device())
+        if settings.compile_cache_key_file is not None:
+            from worker.compiled import read_fleet_key
+
+            read_fleet_key(settings.compile_cache_key_file)  # a key that will not do: refused before the load
     url = broker_url(settings.redis_url, settings.home)
     model = model or settings.model
     worker_id = new_worker_id(settings.pool)

@@ -3,7 +3,7 @@
 The monitor's ``/metrics`` (``dispatcher/http.py``) is the fleet seen from
 Redis; these are what only the worker sees: each prompt's outcome here, how
 long its batches and model loads take, the reclaim notices it heard, the
-batches it lost, the calls it retried and its GPU's memory peak.  Cost per
+batches it lost, the calls it retried and its GPU's memory peak per batch.  Cost per
 image is then one PromQL division (README, "Watching it").
 
 One process, one registry: a worker runs Celery's solo pool (``worker/main.py``),
@@ -118,13 +118,22 @@ class WorkerMetrics:
         self._retries.labels(self.pool, what, error).inc()
 
     def watch_gpu_memory(self, device: str) -> None:
-        """On a CUDA device, export the peak of GPU memory allocated (read at scrape time); elsewhere nothing."""
+        """On a CUDA device, export the peak of GPU memory allocated (read at scrape time); elsewhere nothing.
+
+        The peak is the batch's, not the process's: the renderer resets torch's
+        peak as each batch starts (``worker.render.reset_peak_memory``), so the
+        gauge reads the peak since the batch in flight began (the last batch's,
+        while idle).  A process-long peak would read the card's capacity for
+        good after the first batch-size probe, which runs it out of memory on
+        purpose; ``max_over_time`` of this gauge gives the longer peak.
+        """
         if not device.startswith("cuda") or self._gpu_peak is not None:
             return
         import torch
 
-        self._gpu_peak = Gauge(GPU_PEAK, "Peak GPU memory allocated by torch "
-                               "in this process (torch.cuda.max_memory_allocated)", ["pool"], registry=self.registry)
+        self._gpu_peak = Gauge(GPU_PEAK, "Peak GPU memory allocated by torch since the batch in flight (or the "
+                               "last one) began (torch.cuda.max_memory_allocated, reset per batch)", ["pool"],
+                               registry=self.registry)
         self._gpu_peak.labels(self.pool).set_function(lambda: float(torch.cuda.max_memory_allocated(device)))
 
 

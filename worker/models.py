@@ -12,8 +12,8 @@ One public way in, :func:`load_pipeline`, for four kinds of model name:
 * anything else: a Hugging Face hub id.
 
 On CUDA the pipeline is prepared for speed (:func:`prepare_for_cuda`): bf16
-where the card has it (fp16 otherwise, the VAE decoding in float32 where its
-config says fp16 overflows, as SDXL's does), SDPA attention, channels_last,
+where the card has it (fp16 otherwise, the VAE decoding in float32 where
+diffusers' own pipeline would upcast it, as SDXL's does), SDPA attention, channels_last,
 TF32 matmuls, and with ``compile`` the UNet's repeated blocks compiled
 (:mod:`worker.compiled`).  The CPU path is left exactly as it was: float32,
 no memory-format change, nothing compiled, so its images keep their bytes.
@@ -120,6 +120,7 @@ def load_pipeline(
     device = device or default_device()
     check_compile(compile, device)
     dtype = dtype_for(device)
+    quiet_empty_float32_warning()
 
     # 1. Build or read the pipeline, on the CPU.
     if model == TINY:
@@ -164,13 +165,34 @@ def check_compile(compile: bool, device: str) -> None:
                           "On a CPU the compile costs more than it saves and would change the images' bytes.")
 
 
-def vae_needs_float32(dtype: torch.dtype, vae_config: Any) -> bool:
-    """Whether the VAE must decode in float32: in fp16 when its config says it
-    overflows there (``force_upcast``: SDXL's VAE makes NaN/black images in
-    fp16).  bf16 has fp32's range and never needs it."""
+def vae_needs_float32(dtype: torch.dtype, vae_config: Any, *, pipeline_upcasts: bool = False) -> bool:
+    """Whether the VAE must decode in float32: in fp16, where diffusers' own
+    pipeline would upcast it.  bf16 has fp32's range and never needs it.
+
+    A config that sets ``force_upcast`` decides (SDXL's VAE: true, it makes
+    NaN/black images in fp16; an fp16-fixed VAE: false).  A config that lacks
+    the key (SD 1.5's) gets AutoencoderKL's default, true, but diffusers lists
+    the key in ``_use_default_values`` and its SD 1.x/2.x pipeline never
+    upcasts: there the pipeline decides (``pipeline_upcasts``: whether it reads
+    ``force_upcast`` at all, as the SDXL pipelines do).  Taking the default as
+    an answer decoded SD 1.5 in float32 on every fp16 card, for nothing.
+    """
     import torch
 
-    return dtype == torch.float16 and bool(getattr(vae_config, "force_upcast", False))
+    if dtype != torch.float16:
+        return False
+    defaulted = "force_upcast" in (_config_value(vae_config, "_use_default_values") or ())
+    explicit = _config_value(vae_config, "force_upcast")
+    if explicit is not None and not defaulted:
+        return bool(explicit)
+    return pipeline_upcasts
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """A key of a diffusers config (a dict with attribute access) or an attribute of any object."""
+    if isinstance(config, dict):
+        return config.get(name)
+    return getattr(config, name, None)
 
 
 def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) -> list[str]:
@@ -184,6 +206,7 @@ def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) ->
     """
     import torch
 
+    quiet_empty_float32_warning()  # the float32 VAE below is a cast with a dtype
     enable_tf32()
     done = ["tf32"]
     _use_sdpa(pipe)
@@ -194,7 +217,8 @@ def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) ->
             module.to(memory_format=torch.channels_last)
             done.append(f"channels_last:{part}")
     vae = getattr(pipe, "vae", None)
-    if vae is not None and vae_needs_float32(dtype, vae.config):
+    # The SDXL pipelines read force_upcast (and have upcast_vae); SD 1.x/2.x's never upcasts.
+    if vae is not None and vae_needs_float32(dtype, vae.config, pipeline_upcasts=hasattr(pipe, "upcast_vae")):
         _decode_in_float32(vae)
         done.append("vae:float32")
     if compile:
@@ -212,6 +236,31 @@ def enable_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.set_float32_matmul_precision("high")
+
+
+class _EmptyFloat32ListFilter(logging.Filter):
+    """Drops diffusers' "should be kept in float32: []" warning when the list is empty.
+
+    ``ModelMixin.to`` warns on every cast with a dtype that some modules
+    "should be kept in float32", even when there are none (the list it prints
+    is empty): a line per model per cast, on every load and every model
+    switch.  With an empty list there is nothing to keep, so nothing to say;
+    a non-empty list is a real warning and passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("should be kept in float32: []" in message and message.startswith("There are modules in"))
+
+
+_EMPTY_FLOAT32_FILTER = _EmptyFloat32ListFilter()
+
+
+def quiet_empty_float32_warning() -> None:
+    """Install :class:`_EmptyFloat32ListFilter` on diffusers' model logger (once; at load, never at import)."""
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    if _EMPTY_FLOAT32_FILTER not in logger.filters:
+        logger.addFilter(_EMPTY_FLOAT32_FILTER)
 
 
 def _decode_in_float32(vae: Any) -> None:

@@ -48,9 +48,11 @@ class Renderer:
     After each call, ``last_batch_seconds`` is its wall time.
 
     On CUDA each call switches the VAE's slicing and tiling to what its size
-    and batch need (``worker.models.vae_memory_modes``); with a compiled UNet,
-    ``compile_cache`` loads the fleet's compile cache before the first call at
-    a size and saves this worker's after it.
+    and batch need (``worker.models.vae_memory_modes``) and each batch starts
+    the card's memory peak afresh (:func:`reset_peak_memory`); with a compiled
+    UNet, ``compile_cache`` loads the fleet's signed compile cache before the
+    first call at a size and, after a call that compiled something, hands what
+    this worker compiled to its background uploader.
     """
 
     def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False,
@@ -98,6 +100,7 @@ class Renderer:
 
         # 3. Denoise and decode: per prompt, or the batch in one call.
         groups = [[p] for p in prompts] if self.batch_invariant else [list(prompts)]
+        reset_peak_memory(str(getattr(self.loaded, "device", "cpu")))
         started = time.perf_counter()
         images: list[Any] = []
         try:
@@ -153,6 +156,7 @@ class Renderer:
                 interrupted = True
             return callback_kwargs
 
+        out_of_memory = ""
         try:
             if fault := testhooks.injected_fault("render"):
                 raise testhooks.make_fault(fault)
@@ -170,18 +174,23 @@ class Renderer:
                     callback_on_step_end=on_step_end,
                 )
         except Exception as exc:
-            if _is_out_of_memory(exc):
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}") from exc
-            if is_device_error(exc):
+            if is_out_of_memory(exc):
+                # Only its text leaves this block: the exception's traceback holds the failed
+                # call's frames, and they its activations, until the block ends.
+                out_of_memory = _first_line(exc)
+            elif is_device_error(exc):
                 # The node's accelerator, not these prompts: never counted against them.
                 raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
-            if isinstance(exc, ValueError):
+            elif isinstance(exc, ValueError):
                 # diffusers' check_inputs: the model refuses the job's settings
                 # (a size or step count it cannot do), on any worker alike.
                 raise JobError(f"the model rejects these settings: {exc}") from exc
-            raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
+            else:
+                raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
+        if out_of_memory:
+            # The exception and its frames are gone now, so what they held is free to hand back.
+            release_cached_memory(device)
+            raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}: {out_of_memory}")
 
         # The decoded images of an interrupted call are half-denoised: drop them.
         if interrupted:
@@ -260,6 +269,13 @@ _DEVICE_ERROR_TEXTS = ("cuda error", "cuda driver error", "cublas_status_", "cud
                        "nccl error", "hip error", "device lost", "ecc error")
 
 
+# What the CUDA libraries say when they could not allocate their workspace: out of
+# memory (halve the batch), not a broken device, though the text names a library status.
+_ALLOC_FAILED_TEXTS = ("cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+# How deep a chain of causes is followed (a cycle or a pathological chain ends there).
+_MAX_CAUSES = 16
+
+
 def is_device_error(exc: BaseException) -> bool:
     """Whether ``exc`` says the accelerator failed (not out of memory, not an input).
 
@@ -267,12 +283,40 @@ def is_device_error(exc: BaseException) -> bool:
     call in recent releases, a plain RuntimeError with a "CUDA error: ..."
     text before that; cuBLAS and cuDNN failures are RuntimeErrors naming their
     status.  Out of memory is its own case (:class:`OutOfMemory`: halve the
-    batch), and any other type (ValueError above all) is never taken for one.
+    batch; an ``*_ALLOC_FAILED`` status is one), and any other type (ValueError
+    above all) is never taken for one.  The chain of causes is followed: a CUDA
+    error raised while ``torch.compile`` compiled reaches us wrapped in
+    dynamo's ``BackendCompilerFailed``, and is still the device's.
     """
+    if is_out_of_memory(exc):
+        return False
+    return any(_says_device_failed(link) for link in _causes(exc))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it wraps, says the accelerator ran out of memory."""
+    return any(_says_out_of_memory(link) for link in _causes(exc))
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps: its ``__cause__``, its ``__context__`` (unless suppressed)
+    and dynamo's ``inner_exception``, breadth first, each once."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo and len(seen) < _MAX_CAUSES:
+        link = todo.pop(0)
+        if any(link is s for s in seen):
+            continue
+        seen.append(link)
+        inner = getattr(link, "inner_exception", None)
+        context = None if link.__suppress_context__ else link.__context__
+        todo.extend(e for e in (link.__cause__, inner, context) if isinstance(e, BaseException))
+    return seen
+
+
+def _says_device_failed(exc: BaseException) -> bool:
     import torch
 
-    if _is_out_of_memory(exc):
-        return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
@@ -282,10 +326,41 @@ def is_device_error(exc: BaseException) -> bool:
     return any(t in text for t in _DEVICE_ERROR_TEXTS)
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
+def _says_out_of_memory(exc: BaseException) -> bool:
     import torch
 
     oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
     if oom_type is not None and isinstance(exc, oom_type):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    if not isinstance(exc, RuntimeError):  # torch.AcceleratorError is one
+        return False
+    text = str(exc).lower()
+    return "out of memory" in text or any(t in text for t in _ALLOC_FAILED_TEXTS)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def release_cached_memory(device: str) -> None:
+    """After an out-of-memory: collect what the failed call left (its frames may sit in
+    reference cycles), then hand torch's cached blocks back to the driver, so the halved
+    batch starts from a clean card.  The caller must hold no reference to the exception."""
+    import gc
+
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def reset_peak_memory(device: str) -> None:
+    """Start the card's memory peak afresh: the worker's peak gauge
+    (``worker.metrics.GPU_PEAK``) reads the peak since the batch in flight began,
+    not since the process began (a batch-size probe runs the card to its
+    capacity on purpose, and that peak would stick for good)."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)

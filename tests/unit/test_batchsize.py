@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from renderfleet import spec
-from renderfleet.errors import JobError, OutOfMemory
+from renderfleet.errors import DeviceError, JobError, MixedFleet, OutOfMemory
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.store import LocalStore
 from worker.batchsize import KEY_PREFIX, BatchSizes, Search, choose, doubling, search, sweep
@@ -24,13 +24,14 @@ from worker.stop import StopSignal
 class Loaded:
     model: str
     device: str
+    compiled: bool = False
 
 
 class GpuRenderer:
     """A fake renderer on a fake card: calls of more than ``fits`` prompts run out of memory."""
 
-    def __init__(self, fits: int, device: str = "cuda", model: str = "m"):
-        self.loaded = Loaded(model, device)
+    def __init__(self, fits: int, device: str = "cuda", model: str = "m", compiled: bool = False):
+        self.loaded = Loaded(model, device, compiled)
         self.fits = fits
         self.calls: list[list[str]] = []  # real renders (names), probes included
         self.last_batch_seconds: float | None = None
@@ -275,3 +276,51 @@ def test_on_a_cpu_auto_remembers_its_sweep_for_the_next_worker(tmp_path: Path) -
     assert BatchSizes(store, card=card).size_for(again, prompt(), 4) == 4 and again.calls == []
     [key] = store.list(KEY_PREFIX)
     assert json.loads(store.get(key) or b"")["how"] == "sweep"
+
+
+# ---- compiled and eager workers never share a (card, model, size) ----------------------------------------------------
+
+
+def test_the_record_says_whether_the_unet_was_compiled_and_the_other_kind_refuses_to_render_there(
+        tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    compiled = GpuRenderer(fits=8, compiled=True)
+    assert BatchSizes(store, card=card).size_for(compiled, prompt(), 8) == 8
+    (key,) = store.list(KEY_PREFIX)
+    assert json.loads(store.get(key) or b"")["compiled"] is True
+    assert BatchSizes(store, card=card).size_for(GpuRenderer(fits=8, compiled=True), prompt(), 8) == 8  # same kind
+
+    eager = GpuRenderer(fits=8)
+    with pytest.raises(MixedFleet, match=rf"renders m at 64x64 on Fake H200 eager, but the fleet renders it "
+                                         rf"compiled \(store key {key}\).*must not mix") as info:
+        BatchSizes(store, card=card).size_for(eager, prompt(), 8)
+    assert isinstance(info.value, DeviceError)  # the shard goes back, this worker stops
+    assert eager.calls == []  # not even a probe
+    # elsewhere the eager worker is the first, and decides there
+    assert BatchSizes(store, card=card).size_for(eager, prompt(128, 64), 8) == 8
+    with pytest.raises(MixedFleet, match="start this worker without --compile"):
+        BatchSizes(store, card=card).size_for(compiled, prompt(128, 64), 8)
+
+
+def test_a_record_from_before_the_compile_flag_is_an_eager_one(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    key = BatchSizes.store_key(("Fake H200", "m", 64, 64))
+    store.put(key, json.dumps({"size": 4, "limit": 8, "oom": True, "how": "probe", "card": "Fake H200", "model": "m",
+                               "width": 64, "height": 64}).encode())
+    assert BatchSizes(store, card=card).size_for(GpuRenderer(fits=8), prompt(), 8) == 4
+    with pytest.raises(MixedFleet):
+        BatchSizes(store, card=card).size_for(GpuRenderer(fits=8, compiled=True), prompt(), 8)
+
+
+def test_a_worker_of_the_other_kind_hands_the_shard_back_with_nothing_rendered(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    BatchSizes(store, card=card).size_for(GpuRenderer(fits=8, compiled=True), prompt(), 8)
+    eager = GpuRenderer(fits=8)
+    runner = ShardRunner(store=store, renderer=eager, stop=StopSignal(), upload_threads=2,
+                         batch_sizes=BatchSizes(store, card=card))
+    try:
+        with pytest.raises(MixedFleet):
+            runner.run(make_msg(8, batch=8), Ledger())
+    finally:
+        runner.close()
+    assert eager.calls == [] and not list(store.list(spec.images_prefix("j")))

@@ -7,6 +7,9 @@ dynamo's ``eager`` backend, which traces them as inductor would and runs the gra
 from __future__ import annotations
 
 import io
+import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,9 +20,19 @@ pytest.importorskip("diffusers")
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from renderfleet.errors import ConfigError  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
 from renderfleet.store import LocalStore  # noqa: E402
-from worker.compiled import CompileCache, cache_key, compile_unet  # noqa: E402
+from worker.compiled import (  # noqa: E402
+    MAX_SAVES,
+    CompileCache,
+    cache_key,
+    compile_config,
+    compile_unet,
+    read_fleet_key,
+    sign,
+    verify,
+)
 from worker.models import LoadedModel, build_tiny_pipeline  # noqa: E402
 from worker.render import Renderer  # noqa: E402
 
@@ -56,51 +69,165 @@ def test_without_compile_repeated_blocks_the_same_blocks_are_compiled_one_by_one
     assert compiled_blocks(pipe) == ["BasicTransformerBlock"]
 
 
-def test_the_compile_cache_key_is_per_model_card_size_and_torch_version() -> None:
-    base = cache_key("sdxl", "NVIDIA H200", 1024, 1024, "2.13.0")
+KEY = b"k" * 32
+CONFIG = "torch 2.13.0, diffusers 0.42.1, deterministic True"
+
+
+def key_of(model: str = "sdxl", card: str = "H200", size: int = 1024) -> str:
+    return cache_key(model, card, size, size, "2.13.0", CONFIG)
+
+
+def cache(store: LocalStore, *, save: Callable[[], bytes | None] | None = None,
+          load: Callable[[bytes], object] | None = None, changed: Callable[[], bool] = lambda: True,
+          key: bytes = KEY, model: str = "sdxl") -> CompileCache:
+    return CompileCache(store, model=model, card="H200", key=key, torch_version="2.13.0", config=CONFIG,
+                        save=save or (lambda: pytest.fail("nothing to save")),
+                        load=load or (lambda data: pytest.fail("nothing to load")), changed=changed)
+
+
+def test_compiling_turns_on_inductors_deterministic_mode_which_the_cache_key_records() -> None:
+    pipe = build_tiny_pipeline()
+    before = torch._inductor.config.deterministic
+    try:
+        torch._inductor.config.deterministic = False
+        eager_config = compile_config()
+        compile_unet(pipe, backend="eager")
+        assert torch._inductor.config.deterministic is True  # no on-card timing picks the kernels
+        assert "deterministic True" in compile_config() and "deterministic False" in eager_config
+    finally:
+        torch._inductor.config.deterministic = before
+        torch._dynamo.reset()
+
+
+def test_the_compile_cache_key_is_per_model_card_size_torch_version_and_compile_configuration() -> None:
+    base = key_of()
     assert base.startswith("fleet/compile-cache/") and base.endswith(".bin")
-    others = {cache_key("sd15", "NVIDIA H200", 1024, 1024, "2.13.0"), cache_key("sdxl", "NVIDIA L4", 1024, 1024,
-              "2.13.0"), cache_key("sdxl", "NVIDIA H200", 768, 1024, "2.13.0"),
-              cache_key("sdxl", "NVIDIA H200", 1024, 1024, "2.14.0")}
-    assert base not in others and len(others) == 4
+    others = {key_of(model="sd15"), key_of(card="NVIDIA L4"), key_of(size=768),
+              cache_key("sdxl", "H200", 1024, 1024, "2.14.0", CONFIG),
+              cache_key("sdxl", "H200", 1024, 1024, "2.13.0", CONFIG.replace("True", "False"))}
+    assert base not in others and len(others) == 5
 
 
-def test_the_first_worker_saves_its_cache_and_the_next_loads_it_before_rendering(tmp_path: Path) -> None:
+def test_a_signature_holds_only_for_its_key_its_store_key_and_its_bytes() -> None:
+    blob = sign(KEY, key_of(), b"kernels")
+    assert verify(KEY, key_of(), blob) == b"kernels"
+    assert verify(b"x" * 32, key_of(), blob) is None  # another fleet's key
+    assert verify(KEY, key_of(size=768), blob) is None  # moved to another size's key
+    assert verify(KEY, key_of(), blob[:-1] + b"X") is None  # a byte changed
+    assert verify(KEY, key_of(), b"kernels") is None  # never signed
+    assert verify(KEY, key_of(), b"") is None
+
+
+def test_the_first_worker_saves_in_the_background_and_the_next_loads_it_before_rendering(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
+    compiles = iter([True, False, True, False, False])  # a new shape at batch 1 and at batch 2 (dynamic)
     saved: list[int] = []
 
     def save() -> bytes:
         saved.append(1)
         return f"kernels after {len(saved)} compiles".encode()
 
-    first = CompileCache(store, model="sdxl", card="H200", torch_version="2.13.0", save=save,
-                         load=lambda data: pytest.fail("nothing to load"))
-    for batch in (1, 1, 2, 2, 3, 4, 5, 6):  # a new batch size may compile (dynamic shapes): save again
+    first = cache(store, save=save, changed=lambda: next(compiles))
+    for batch in (1, 1, 2, 2, 3):
         first.before(1024, 1024)
         first.after(1024, 1024, batch)
-    assert len(saved) == 4  # batch sizes 1, 2, 3 and 4; then no more
-    assert store.get(cache_key("sdxl", "H200", 1024, 1024, "2.13.0")) == b"kernels after 4 compiles"
+    assert first.flush(timeout=30)
+    assert len(saved) == 2  # only after a call that compiled something
+    blob = store.get(key_of())
+    assert blob is not None and verify(KEY, key_of(), blob) == b"kernels after 2 compiles"
 
     loads: list[bytes] = []
-    second = CompileCache(LocalStore(tmp_path / "store"), model="sdxl", card="H200", torch_version="2.13.0",
-                          save=lambda: pytest.fail("loaded: nothing to save"), load=loads.append)
+    second = cache(LocalStore(tmp_path / "store"), load=loads.append, changed=lambda: False)
     for batch in (8, 16):
         second.before(1024, 1024)
         second.after(1024, 1024, batch)
-    assert loads == [b"kernels after 4 compiles"]
+    assert loads == [b"kernels after 2 compiles"]  # once, before the first render
+
+
+def test_a_graph_compiled_later_is_saved_too_by_a_worker_that_loaded_and_saves_are_bounded(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    store.put(key_of(), sign(KEY, key_of(), b"from the fleet"))
+    payloads = iter(f"save {n}".encode() for n in range(100))
+    loads: list[bytes] = []
+    worker = cache(store, load=loads.append, save=lambda: next(payloads), changed=lambda: True)
+    for batch in range(1, 3 * MAX_SAVES):
+        worker.before(1024, 1024)
+        worker.after(1024, 1024, batch)
+    assert worker.flush(timeout=30)
+    assert loads == [b"from the fleet"]
+    assert verify(KEY, key_of(), store.get(key_of()) or b"") == f"save {MAX_SAVES - 1}".encode()  # then no more
+
+
+def test_the_upload_runs_off_the_render_thread(tmp_path: Path) -> None:
+    release = threading.Event()
+    uploading: list[str] = []
+
+    class SlowStore(LocalStore):
+        def put(self, key: str, data: bytes, **kwargs: object) -> None:
+            uploading.append(threading.current_thread().name)
+            assert release.wait(30)
+            super().put(key, data, **kwargs)  # type: ignore[arg-type]
+
+    store = SlowStore(tmp_path / "store")
+    worker = cache(store, save=lambda: b"kernels")
+    worker.before(64, 64)
+    worker.after(64, 64, 1)  # returns while the upload waits
+    assert not worker.flush(timeout=0.05)
+    release.set()
+    assert worker.flush(timeout=30)
+    assert uploading == ["rf-compile-cache"] and store.get(cache_key("sdxl", "H200", 64, 64, "2.13.0", CONFIG))
+
+
+def test_an_unsigned_or_forged_cache_is_never_loaded_and_says_so_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = LocalStore(tmp_path / "store")
+    store.put(key_of(), b"a pickle someone with write access to the store put there")
+    store.put(key_of(size=768), sign(b"not the fleet's key, 32 bytes...", key_of(size=768), b"pickle"))
+    worker = cache(store, changed=lambda: False)  # load: pytest.fail
+    with caplog.at_level(logging.WARNING, logger="renderfleet.compile"):
+        for _ in range(2):
+            worker.before(1024, 1024)
+            worker.before(768, 768)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("not signed with this fleet's key" in line for line in lines)
 
 
 def test_a_cache_that_cannot_be_loaded_or_saved_costs_only_the_compile(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
-    store.put(cache_key("m", "H200", 64, 64, "2.13.0"), b"stale")
+    store.put(key_of(), sign(KEY, key_of(), b"stale"))
 
     def bad_load(data: bytes) -> None:
         raise RuntimeError("artifacts from another torch")
 
     def bad_save() -> bytes:
-        raise RuntimeError("disk full")
+        raise RuntimeError("pickling failed")
 
-    cache = CompileCache(store, model="m", card="H200", torch_version="2.13.0", save=bad_save, load=bad_load)
-    cache.before(64, 64)  # logged, not raised
-    cache.after(64, 64, 1)  # not loaded, so saved: that fails too, logged
-    assert store.get(cache_key("m", "H200", 64, 64, "2.13.0")) == b"stale"
+    worker = cache(store, save=bad_save, load=bad_load)
+    worker.before(1024, 1024)  # logged, not raised
+    worker.after(1024, 1024, 1)  # a compile, so a save: that fails too, logged
+    assert worker.flush(timeout=30)
+    assert verify(KEY, key_of(), store.get(key_of()) or b"") == b"stale"
+
+
+def test_the_fleet_key_comes_from_a_file_and_a_short_or_missing_one_is_refused(tmp_path: Path) -> None:
+    good = tmp_path / "key"
+    good.write_text("ab" * 32 + "\n")
+    assert read_fleet_key(good) == b"ab" * 32
+    short = tmp_path / "short"
+    short.write_text("secret\n")
+    with pytest.raises(ConfigError, match=r"RENDERFLEET_COMPILE_CACHE_KEY_FILE: .*6 bytes"):
+        read_fleet_key(short)
+    with pytest.raises(ConfigError, match=r"RENDERFLEET_COMPILE_CACHE_KEY_FILE: cannot read"):
+        read_fleet_key(tmp_path / "missing")
+
+
+def test_without_a_fleet_key_nothing_is_shared_through_the_store(tmp_path: Path) -> None:
+    from renderfleet.settings import Settings
+    from worker.compiled import open_compile_cache
+
+    settings = Settings(store=str(tmp_path / "store"), home=tmp_path / "home")
+    assert open_compile_cache(settings, model="tiny", card="H200") is None
+    (tmp_path / "key").write_bytes(KEY)
+    keyed = Settings(store=str(tmp_path / "store"), home=tmp_path / "home", compile_cache_key_file=tmp_path / "key")
+    opened = open_compile_cache(keyed, model="tiny", card="H200")
+    assert opened is not None and opened._fleet_key == KEY

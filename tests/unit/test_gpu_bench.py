@@ -1,6 +1,10 @@
-"""bench/gpu_bench.py's arithmetic: FLOPs counted on the meta device, the card's peak, MFU."""
+"""bench/gpu_bench.py and make gpu-check: FLOPs counted on the meta device, the card's peak, MFU, the dry run's steps."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,11 +14,15 @@ pytest.importorskip("diffusers")
 from bench.gpu_bench import (
     SD15,
     SDXL,
+    STEPS,
+    Steps,
     count_flops,
     flops_per_image,
+    main,
     peak_flops,
     tiny,
 )
+from bench.gpu_check import CHECK_STEPS, report
 
 
 def test_sd15_flops_counted_at_512_match_the_published_figures() -> None:
@@ -42,8 +50,104 @@ def test_the_tiny_variants_keep_their_family_and_are_cheap() -> None:
 
 
 def test_the_peak_is_the_cards_bf16_dense_figure_by_name() -> None:
-    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989e12  # torch's name for the SXM
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM's
+    assert peak_flops("NVIDIA H100 NVL") == peak_flops("NVIDIA H200 NVL") == 835e12
+    assert peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == peak_flops("NVIDIA A100 80GB PCIe") == 312e12  # not the A10's
     assert peak_flops("NVIDIA L40S") == 362e12  # not the L4's
+    assert peak_flops("NVIDIA L40") == 181e12
     assert peak_flops("NVIDIA L4") == 121e12
+    assert peak_flops("NVIDIA A10G") == 70e12 and peak_flops("NVIDIA A10") == 125e12
+    assert peak_flops("Tesla T4") is None
     assert peak_flops("x86_64 CPU") is None
     assert peak_flops("x86_64 CPU", 2.0) == 2e12
+
+
+# ---- the dry run: every step a CPU can take, and the rest named ------------------------------------------------------
+
+BENCH_GPU_ONLY = {"native dtype", "triton kernels", "synchronised timing", "peak memory", "mfu"}
+CHECK_GPU_ONLY = {"card", "gpu tests", "results"}
+
+
+def test_the_dry_runs_step_list_names_every_gpu_only_step() -> None:
+    assert {s.name for s in STEPS if s.gpu_only} == BENCH_GPU_ONLY
+    assert {s.name for s in CHECK_STEPS if s.gpu_only} == CHECK_GPU_ONLY
+    bench = Steps()
+    for step in STEPS:
+        if not step.gpu_only:
+            bench.done(step.name)
+    ran = {s.name for s in CHECK_STEPS if not s.gpu_only}
+    for bench_lines in (bench.report(cuda=False), []):  # as the benchmark reports it, or when it said nothing
+        lines = report(ran, cuda=False, bench_lines=bench_lines)
+        skipped = {line.split("skipped on CPU: ")[1].split(" (")[0] for line in lines if "skipped on CPU: " in line}
+        assert skipped == BENCH_GPU_ONLY | CHECK_GPU_ONLY
+    assert all(line.startswith(("ran: ", "skipped on CPU: ")) for line in report(ran, False, bench.report(False))
+               if not line.startswith("benchmark, ")) and len(lines) == len(STEPS) + len(CHECK_STEPS)
+    # on a card nothing is "skipped on CPU": what did not run is "not reached"
+    assert not [line for line in report(set(), True, Steps().report(cuda=True)) if "skipped on CPU" in line]
+    with pytest.raises(KeyError):
+        bench.done("a step nobody listed")
+
+
+def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    # SDXL's family: fp16 on the CPU, so its VAE (force_upcast) decodes in float32; dynamo's trace for the compile
+    assert main(["--tiny", "--models", "sdxl", "--runs", "1", "--batches", "1", "--compile-backend", "eager",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (model,) = result["models"]
+    assert (model["dtype"], model["vae_dtype"]) == ("float16", "float32") and model["compile"] == "regional"
+    assert set(model["vae_modes_seconds"]) == {"tiling", "slicing"}
+    assert [(r["mode"], r["batch"], r["images_per_second"] is not None) for r in result["rows"]] == [
+        ("eager", 1, True), ("compile", 1, True)]
+    steps = result["steps"]
+    assert {line.split(": ")[1].split(" (")[0] for line in steps if line.startswith("skipped on CPU: ")} == \
+        BENCH_GPU_ONLY
+    # every other step ran, but the compile cache: the eager backend makes no inductor artifacts to share
+    assert {line.removeprefix("ran: ") for line in steps if line.startswith("ran: ")} == \
+        {s.name for s in STEPS if not s.gpu_only} - {"compile cache"}
+
+
+def fake_bench(cuda: bool) -> dict[str, Any]:
+    steps = Steps()
+    for step in STEPS:
+        if cuda or not step.gpu_only:
+            steps.done(step.name)
+    row = {"model": "sd15", "mode": "compile", "batch": 32, "images_per_second": 20.5, "seconds_per_batch": 1.56,
+           "first_call_seconds": 40.0, "peak_memory_gb": 30.2, "mfu": 0.88, "note": ""}
+    return {"card": "NVIDIA H200", "models": [{"model": "sd15", "size": "512x512", "steps": 25, "guidance": 7.5,
+                                               "dtype": "bfloat16"}],
+            "rows": [row, {**row, "batch": 64, "images_per_second": None, "note": "out of memory"}],
+            "steps": steps.report(cuda)}
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_gpu_check_writes_results_from_a_card_only_mocked_device(
+        cuda: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from bench import gpu_check
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n<!-- bench:gpu -->\nthe last card's figures\n<!-- /bench:gpu -->\n")
+    asked: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(gpu_check, "run_tests", lambda out, env, timeout: {
+        "exit": 0, "seconds": 61.0, "tests": 8, "failures": 0, "errors": 0, "skipped": 0 if cuda else 8,
+        "passed": 8 if cuda else 0})
+    monkeypatch.setattr(gpu_check, "run_bench", lambda out, env, **kw: asked.append(kw["tiny"]) or fake_bench(cuda))
+    assert gpu_check.main(["--out", str(tmp_path / "out"), "--results", str(results)]) == 0
+    printed = capsys.readouterr().out
+    assert asked == [not cuda]  # --tiny without a card
+    if not cuda:
+        assert "the last card's figures" in results.read_text()  # a dry run writes nothing
+        for name in BENCH_GPU_ONLY | CHECK_GPU_ONLY:
+            assert f"skipped on CPU: {name} (" in printed
+    else:
+        text = results.read_text()
+        assert "the last card's figures" not in text and "<!-- bench:gpu -->" in text
+        assert "| GPU test tier (tests/gpu) | 8 passed, 0 failures, 0 errors, 0 skipped in 61 s (exit 0) |" in text
+        assert "20.50 (compile, batch 32, MFU 88%; peak 30.2 GB)" in text and "| out of memory |" in text
+        assert "On NVIDIA H200" in text and "skipped on CPU" not in printed

@@ -200,7 +200,58 @@ def test_only_fp16_with_a_vae_that_overflows_there_decodes_in_float32() -> None:
     assert vae_needs_float32(torch.float16, sdxl)
     assert not vae_needs_float32(torch.bfloat16, sdxl)  # fp32's range: no overflow
     assert not vae_needs_float32(torch.float16, fixed)  # an fp16-fixed VAE
+    assert not vae_needs_float32(torch.float16, fixed, pipeline_upcasts=True)  # the config says so: it decides
     assert not vae_needs_float32(torch.float32, sdxl)
+
+
+def test_a_vae_config_without_force_upcast_decodes_in_fp16_unless_the_pipeline_upcasts_as_diffusers_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from diffusers import AutoencoderKL
+
+    import worker.models
+
+    monkeypatch.setattr(worker.models, "enable_tf32", lambda: None)  # process-wide: not here
+
+    # SD 1.5's VAE config has no force_upcast: AutoencoderKL's default (True) fills it, marked as a default
+    AutoencoderKL(block_out_channels=[32], down_block_types=["DownEncoderBlock2D"],
+                  up_block_types=["UpDecoderBlock2D"]).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["force_upcast"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sd15 = AutoencoderKL.from_pretrained(tmp_path).config
+    assert sd15.force_upcast is True  # the default, which is not an answer
+    assert not vae_needs_float32(torch.float16, sd15)  # StableDiffusionPipeline never upcasts
+    assert vae_needs_float32(torch.float16, sd15, pipeline_upcasts=True)  # the SDXL pipelines do, by that default
+    assert not vae_needs_float32(torch.bfloat16, sd15, pipeline_upcasts=True)
+
+    # the tiny model is an SD pipeline with such a VAE: fp16 on a card keeps it in fp16
+    pipe = build_tiny_pipeline().to(dtype=torch.float16)
+    assert "vae:float32" not in prepare_for_cuda(pipe, torch.float16) and pipe.vae.dtype == torch.float16
+
+
+def test_the_empty_float32_list_warning_of_every_cast_is_silenced_and_a_real_one_kept(tiny: LoadedModel) -> None:
+    from worker.models import quiet_empty_float32_warning
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("diffusers.models.modeling_utils")  # diffusers' loggers do not propagate
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        quiet_empty_float32_warning()
+        quiet_empty_float32_warning()  # once is enough, twice changes nothing
+        tiny.pipe.vae.to(dtype=torch.float32)  # diffusers warns on every cast with a dtype
+        assert records == []
+        logger.warning("There are modules in UNet2DConditionModel that should be kept in float32: ['norm']. ...")
+        assert [r.getMessage()[:41] for r in records] == ["There are modules in UNet2DConditionModel"]
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_vae_slicing_and_tiling_switch_on_by_size_and_batch_on_cuda_only() -> None:
@@ -224,13 +275,18 @@ def test_compile_is_refused_off_cuda_with_the_reason() -> None:
 
 def test_preparing_for_cuda_sets_sdpa_channels_last_and_a_float32_vae_for_fp16(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers import AutoencoderKL
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
     import worker.models
 
     tf32: list[bool] = []
     monkeypatch.setattr(worker.models, "enable_tf32", lambda: tf32.append(True))  # process-wide: not here
-    pipe = build_tiny_pipeline().to(dtype=torch.float16)
+    pipe = build_tiny_pipeline()
+    # a VAE whose config says fp16 overflows (as SDXL's does), every key given
+    config = {k: v for k, v in pipe.vae.config.items() if k != "_use_default_values"}
+    pipe.vae = AutoencoderKL.from_config({**config, "force_upcast": True})
+    pipe = pipe.to(dtype=torch.float16)
     pipe.unet.set_attn_processor(AttnProcessor())
     done = prepare_for_cuda(pipe, torch.float16)
     assert done == ["tf32", "sdpa", "channels_last:unet", "channels_last:vae", "vae:float32"] and tf32 == [True]

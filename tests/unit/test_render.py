@@ -6,7 +6,7 @@ import dataclasses
 import io
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +250,140 @@ def test_the_vae_memory_modes_are_set_per_call_on_cuda_and_never_on_the_cpu(
     on_card.render([make_prompt(0)])
     on_card.render([make_prompt(0), make_prompt(1)])
     assert calls == [(False, True), (True, True)]
+
+
+# ---- errors classed by what they say about the device, and memory handed back ---------------------------------------
+
+
+class FakePipe:
+    """A pipeline stand-in for a card the CPU does not have: returns blank images, or raises ``fail``."""
+
+    def __init__(self, fail: Callable[[], BaseException] | None = None) -> None:
+        self.fail = fail
+
+    def __call__(self, prompt: list[str], **kwargs: Any) -> Any:
+        activations = {"tensors": Activations()}
+        activations["cycle"] = activations  # frames and tensors in a cycle: freed by the collector only
+        if self.fail is not None:
+            raise self.fail()
+        return type("Output", (), {"images": [Image.new("RGB", (8, 8)) for _ in prompt]})()
+
+
+class Activations:
+    """What a failed call's frames hold on to: on a card, gigabytes."""
+
+
+def on_card(pipe: Any) -> Renderer:
+    return Renderer(LoadedModel(pipe=pipe, model="fake", device="cuda", dtype=torch.float16, load_seconds=0.0))
+
+
+@pytest.fixture
+def mocked_card(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """torch.cuda's memory calls, recorded: this CPU build has no card."""
+    import gc
+    import weakref
+
+    calls: list[str] = []
+    live: list[weakref.ref[Activations]] = []
+    original = Activations.__init__
+
+    def track(self: Activations) -> None:
+        original(self)
+        live.append(weakref.ref(self))
+
+    def empty_cache() -> None:
+        alive = [r for r in live if r() is not None]
+        calls.append(f"empty_cache with {len(alive)} failed call's activations alive")
+
+    monkeypatch.setattr(Activations, "__init__", track)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset_peak"))
+    gc.collect()
+    return calls
+
+
+@pytest.mark.parametrize("text", [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    "CUDA out of memory. Tried to allocate 2.00 GiB",
+])
+def test_a_library_that_could_not_allocate_is_out_of_memory_so_the_batch_is_halved(
+        text: str, renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.render import is_device_error, is_out_of_memory
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(text)
+
+    assert is_out_of_memory(RuntimeError(text)) and not is_device_error(RuntimeError(text))
+    monkeypatch.setattr(tiny.pipe.unet, "forward", fails)
+    with pytest.raises(OutOfMemory, match="out of memory rendering 1 prompts at 32x32"):
+        renderer.render([make_prompt(0)])
+
+
+def test_other_cublas_and_cuda_failures_stay_device_errors() -> None:
+    from worker.render import is_device_error, is_out_of_memory
+
+    for text in ("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`",
+                 "CUDA error: an illegal memory access was encountered"):
+        assert is_device_error(RuntimeError(text)) and not is_out_of_memory(RuntimeError(text))
+    assert not is_device_error(ValueError("CUDA error: quoted in an input"))  # an input's text, not the device
+
+
+def test_a_device_error_raised_while_compiling_is_the_devices_not_the_prompts(
+        renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from renderfleet.errors import DeviceError
+    from worker.render import is_device_error, is_out_of_memory
+
+    def compile_failed(inner: Exception) -> BackendCompilerFailed:
+        try:  # as dynamo raises it: the backend's error inside, and chained
+            raise inner
+        except Exception as exc:
+            try:
+                raise BackendCompilerFailed(lambda: None, exc, None) from exc
+            except BackendCompilerFailed as wrapped:
+                return wrapped
+
+    lost = compile_failed(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert is_device_error(lost)
+    assert is_out_of_memory(compile_failed(torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    assert not is_device_error(compile_failed(IndexError("a bug in a lowering")))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise lost
+
+    monkeypatch.setattr(tiny.pipe.unet, "forward", forward)
+    with pytest.raises(DeviceError):
+        renderer.render([make_prompt(0)])
+
+
+def test_a_cause_chain_that_loops_is_followed_once() -> None:
+    from worker.render import is_device_error
+
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__cause__, b.__cause__ = b, a
+    assert not is_device_error(a)
+
+
+def test_after_an_out_of_memory_the_cache_is_emptied_only_once_the_failed_call_is_released_mocked_device(
+        mocked_card: list[str]) -> None:
+    renderer = on_card(FakePipe(fail=lambda: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate")))
+    with pytest.raises(OutOfMemory) as info:
+        renderer.render_images([make_prompt(0), make_prompt(1)])
+    assert mocked_card == ["reset_peak", "empty_cache with 0 failed call's activations alive"]
+    assert info.value.__cause__ is None and info.value.__context__ is None  # nothing holds the frames
+    assert "Tried to allocate" in str(info.value)
+
+
+def test_each_batch_starts_the_cards_memory_peak_afresh_but_a_probe_does_not_mocked_device(
+        mocked_card: list[str]) -> None:
+    renderer = on_card(FakePipe())
+    renderer.generate([make_prompt(0)], output_type="pt")  # a batch-size probe or a benchmark's call
+    assert mocked_card == []
+    renderer.render_images([make_prompt(0)])
+    renderer.render([make_prompt(0), make_prompt(1)])
+    assert mocked_card == ["reset_peak", "reset_peak"]
+    Renderer(dataclasses.replace(on_card(FakePipe()).loaded, device="cpu")).render_images([make_prompt(0)])
+    assert mocked_card == ["reset_peak", "reset_peak"]  # the CPU has no card peak

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# `make gpu-check` (bench/gpu_check.py): the GPU test tier (pytest tests/gpu) and the GPU benchmark
+# (bench/gpu.sh) in one run, under 8 minutes on one H200, the figures written into bench/RESULTS.md
+# (section gpu, through bench/results.py). Without CUDA it is a dry run: the tier collected (each
+# test skips), the benchmark with --tiny taking every step a CPU can, one "skipped on CPU: <step>"
+# line for each step only a card can run, and nothing written.
+#   bench/gpu_check.sh                          # on the GPU node, from the repository root
+#   bench/gpu_check.sh --out "$OUT"             # keep the reports (gpu.json, gpu-tests.xml) there
+#   bench/gpu_check.sh --compile-backend eager  # a quicker dry run: dynamo's trace, no inductor kernels
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" -m bench.gpu_check "$@"
