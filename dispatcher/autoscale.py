@@ -11,7 +11,6 @@ hand the shard back, exit 0), choosing idle workers first: never a kill.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -27,7 +26,7 @@ from typing import Any, Protocol
 import redis
 
 from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
-from dispatcher.status import FleetStatus, fleet_status
+from dispatcher.status import FleetStatus, _counts, _json_object, _malformed, fleet_status
 from renderfleet import keys
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
@@ -63,7 +62,7 @@ def recent_counters(client: redis.Redis, pool: str, store: str, now: float,
     pipe = client.pipeline(transaction=False)
     for minute in minutes:
         pipe.hgetall(keys.pool_recent(pool, minute, tag))
-    return {minute: {keys.text(k): int(v) for k, v in counts.items()}
+    return {minute: _counts(counts, keys.pool_recent(pool, minute, tag))
             for minute, counts in zip(minutes, pipe.execute(), strict=True) if counts}
 
 
@@ -72,10 +71,17 @@ def registered_workers(client: redis.Redis, pool: str, store: str) -> list[dict[
     store's pool of the same name on a shared Redis is another pool."""
     ours = store_identity(store)
     out = []
-    for raw in client.hvals(keys.WORKERS):
-        info = json.loads(raw)
-        if info.get("pool") == pool and info.get("store") == ours:
-            out.append(info)
+    for worker_id, raw in client.hgetall(keys.WORKERS).items():
+        # A registration that is not JSON, or whose pid is no number, is skipped (logged once): one
+        # bad value in Redis must not stop the autoscaler.
+        where = f"{keys.WORKERS} {worker_id!r}"
+        info = _json_object(raw, where)
+        if info is None or info.get("pool") != pool or info.get("store") != ours:
+            continue
+        if "pid" in info and (type(info["pid"]) is not int or info["pid"] < 0):
+            _malformed(where, raw, "its pid is not a process id")
+            continue
+        out.append(info)
     return out
 
 
