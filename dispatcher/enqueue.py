@@ -107,7 +107,7 @@ def forget_counts(client: redis.Redis, job: str) -> None:
 
 def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
                    shards: Iterable[WireShard], *, store: str, front: bool = False, force: bool = False,
-                   push: bool = True) -> int:
+                   push: bool = True, park: bool = False) -> int:
     """Publish every shard given, in pipelined batches; returns how many.
 
     Each shard's state goes in with its message, in one script: a worker that
@@ -116,7 +116,8 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
     a shard that is leased, whose push is recorded already, or with nothing
     left, is not.  ``front``: next in line (shards whose turn has passed), not
     at the back; ``force``: push even a shard whose push is recorded (one the
-    audit found lost); ``push=False``: rebuild the counts from ``marks`` only.
+    audit found lost); ``push=False``: rebuild the counts from ``marks`` only; ``park``:
+    rebuild them and park each shard with work left instead of pushing it (a cancelled job).
     """
     envelope = celery_app.envelope_factory(app)
     message = message_encoder(spec, queue, store)
@@ -125,7 +126,7 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
     script_keys = [queue, keys.shards(job), keys.left(job), keys.INFLIGHT,
                    keys.done_bits(job), keys.failed_bits(job), keys.ENQUEUED, keys.SEQ, keys.QUEUES,
                    UNACKED_KEY, UNACKED_INDEX_KEY, keys.CONSUMED]
-    side = "n" if not push else "f" if front else "b"
+    side = "n" if not push else "c" if park else "f" if front else "b"
     count = 0
     args: list[str | int] = []
 
@@ -139,7 +140,7 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
 
     for shard in shards:
         # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
-        pushed = push and (shard.count or not shard.marks)
+        pushed = push and not park and (shard.count or not shard.marks)
         body = message(shard.shard, shard.start, shard.prompts_json) if pushed else ""
         env = envelope(body, queue, f"{job}:{shard.shard}") if pushed else ""
         args.extend((shard.shard, shard.count, shard.start, shard.marks, env, envelope_tag(env)))

@@ -163,7 +163,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 current, marks = [], []
 
     sent = enqueue.publish_shards(app, client, job_spec, queue, shards(), store=owner, front=front, force=lost,
-                                  push=push and held is None)
+                                  push=push, park=held is not None)
     if held is not None:
-        lifecycle.hold(client, job, held)  # cancelled again: its shards parked
+        lifecycle.hold(client, job, held)  # cancelled again: its field, and anything pushed meanwhile out
     return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known, missing)

@@ -20,13 +20,14 @@
 --    (Leases.suspects): it is pushed again, and so is every recorded one with
 --    `force` (the audit's lost messages, confirmed), dropping kombu's
 --    unclaimed copy.  `side` 'n' pushes nothing and leaves each shard's state
---    as it was (counts only: `results`).
+--    as it was (counts only: `results`); 'c' pushes nothing and parks each
+--    shard with work left (a cancelled job registered again: 'c', see cancel.lua).
 --
 -- KEYS[1] queue, KEYS[2] shards, KEYS[3] left, KEYS[4] inflight, KEYS[5] done bits,
 -- KEYS[6] failed bits, KEYS[7] enqueued, KEYS[8] seq, KEYS[9] queues,
 -- KEYS[10] unacked, KEYS[11] unacked_idx, KEYS[12] consumed (hash queue -> highest seq claimed)
 -- ARGV[1] job, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] side
--- ('b' back, 'f' front, 'n' none), ARGV[5] force ('1' or ''), then per shard 6
+-- ('b' back, 'f' front, 'n' none, 'c' parked), ARGV[5] force ('1' or ''), then per shard 6
 -- values: shard, count, first, marks, envelope, envelope's tag
 -- Returns the number of messages pushed.
 local queue, shards, left, inflight = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -100,6 +101,9 @@ for g = 6, #ARGV, 6 do
     redis.call('HDEL', shards, shard)
     redis.call('HDEL', left, shard)
     forget_enqueue(enqueued, queued_prefix, member)  -- a copy still queued is dropped at its claim
+  elseif side == 'c' then
+    redis.call('HSET', shards, shard, 'c')
+    redis.call('HSET', left, shard, n)
   else
     redis.call('HSET', shards, shard, 'q')
     redis.call('HSET', left, shard, n)

@@ -51,7 +51,6 @@ from testing.fleet import job_status as cli_status
 pytestmark = pytest.mark.integration
 
 RENDER = "RENDERFLEET_TEST_RENDER_SECONDS"
-QUEUE = queue_name("default")
 
 
 @pytest.fixture
@@ -75,7 +74,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("s3_bucket"))
 
 
-def queued_jobs(client: redis.Redis, queue: str = QUEUE) -> list[str]:
+def queued_jobs(client: redis.Redis, queue: str) -> list[str]:
     """The job of each message in ``queue``, in order (whether pushed by us or sent through Celery)."""
     out = []
     for raw in client.lrange(queue, 0, -1):
@@ -151,6 +150,7 @@ def test_a_folder_of_the_store_is_deleted_whole_and_nothing_beside_it(store_url:
 def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_submit_continues_it(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
+    QUEUE = queue_name("default", str(tmp_path / "store"))  # noqa: N806  (one queue per pool and store)
     client = Client(redis_url=redis_server.url, store=str(tmp_path / "store"))
     r = client.redis
     a = client.submit([f"a {i}" for i in range(6)], shard_size=2, batch_size=2, **{"model": "tiny", "steps": 2,
@@ -169,11 +169,11 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     tag = envelope_tag(keys.text(taken))
     r.hset(UNACKED_KEY, tag, json.dumps([json.loads(taken), "", QUEUE]))
     r.zadd(UNACKED_INDEX_KEY, {tag: time.time()})
-    assert sorted(queued_jobs(r)) == sorted([a.id] * 3 + [b.id] * 2)
+    assert sorted(queued_jobs(r, QUEUE)) == sorted([a.id] * 3 + [b.id] * 2)
 
     done = a.cancel()
     assert (done.removed, done.parked, done.leased) == (3, 3, 0)
-    assert queued_jobs(r) == [b.id, b.id] and not r.hexists(UNACKED_KEY, tag) and not r.zscore(UNACKED_INDEX_KEY, tag)
+    assert queued_jobs(r, QUEUE) == [b.id, b.id] and not r.hexists(UNACKED_KEY, tag) and not r.zscore(UNACKED_INDEX_KEY, tag)
     assert states(r, a.id) == {0: "c", 1: "c", 2: "c"}
     assert not any(keys.text(m).startswith(f"{a.id}:") for m in r.hkeys(keys.ENQUEUED))
     st = a.status()
@@ -190,7 +190,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
 
     assert a.resume().shards_enqueued == 3
     assert a.status().cancelled is None and not client.store.exists(spec.cancelled_key(a.id))
-    assert sorted(queued_jobs(r)) == sorted([a.id] * 3 + [b.id] * 2)
+    assert sorted(queued_jobs(r, QUEUE)) == sorted([a.id] * 3 + [b.id] * 2)
     assert states(r, a.id) == {0: "q", 1: "q", 2: "q"}
     # Cancelled again, then the same prompts submitted again: continued too.
     a.cancel()
@@ -203,7 +203,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     assert a.cancel().removed == 0  # what the registration pushed was taken out again
     st = a.status()
     assert st.known_to_redis and st.cancelled is not None and (st.total, st.queued) == (6, 0)
-    assert queued_jobs(r) == [] and states(r, a.id) == {0: "c", 1: "c", 2: "c"}
+    assert queued_jobs(r, QUEUE) == [] and states(r, a.id) == {0: "c", 1: "c", 2: "c"}
 
 
 # ---- cancel with workers, a monitor, and a Redis that loses its memory ------------------------------
@@ -212,6 +212,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
 def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_finishes_the_job(
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]
 ) -> None:
+    QUEUE = queue_name("default", store_url)  # noqa: N806  (one queue per pool and store)
     env = base_env(tmp_path, redis_server.url, store_url)
     r = redis.Redis.from_url(redis_server.url)
     store = open_store(store_url)
@@ -225,7 +226,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
 
     done = Client(redis_url=redis_server.url, store=store_url).job(job).cancel()
     assert (done.removed, done.parked, done.leased) == (2, 2, 1)  # shards 1 and 2 queued, 0 running
-    assert queued_jobs(r) == []
+    assert queued_jobs(r, QUEUE) == []
     wait_for(lambda: at_rest(r, job), 60, what="the running shard to stop at a batch boundary")
     st = cli_status(env, job)
     assert st["cancelled"] and (st["queued"], st["in_flight"]) == (0, 0)
@@ -244,7 +245,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
     tick_twice(r)
     st = cli_status(env, job)
     assert st["cancelled"] and (st["done"], st["queued"], st["in_flight"]) == (rendered, 0, 0)
-    assert queued_jobs(r) == [] and set(states(r, job).values()) == {"c"}
+    assert queued_jobs(r, QUEUE) == [] and set(states(r, job).values()) == {"c"}
     assert image_count(store, job) == rendered
 
     # The worker goes on with other work...
@@ -261,6 +262,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
 def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
 ) -> None:
+    QUEUE = queue_name("default", str(tmp_path / "store"))  # noqa: N806  (one queue per pool and store)
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     r = redis.Redis.from_url(redis_server.url)
     store = open_store(str(tmp_path / "store"))
@@ -278,7 +280,7 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
     st = cli_status(env, job)
     assert st["cancelled"] and 0 not in states(r, job)  # shard 0 finished: its end was not undone
     assert st["done"] >= 2 and image_count(store, job) == st["done"] and st["done"] % 2 == 0
-    assert set(states(r, job).values()) == {"c"} and queued_jobs(r) == []
+    assert set(states(r, job).values()) == {"c"} and queued_jobs(r, QUEUE) == []
     assert worker.alive()
     cli(env, "resume", job)
     wait_for(lambda: cli_status(env, job)["done"] == 8, 60, interval=0.5, what="the resumed job")
@@ -291,7 +293,8 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
 def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
 ) -> None:
-    from dispatcher.web import thumbnail
+    QUEUE = queue_name("default", str(tmp_path / "store"))  # noqa: N806  (one queue per pool and store)
+    from dispatcher.thumbs import Thumbnails
 
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     r = redis.Redis.from_url(redis_server.url)
@@ -303,7 +306,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     job = submit(env, tmp_path / "a.txt", 40, 16, 2)
     wait_for(lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2, 60, interval=0.05,
              what="shard 0 to commit a batch")
-    thumbnail(store, job, "000000")  # the web page's cache, beside the images
+    Thumbnails(store).thumbnail(job, "000000")  # the web page's cache, beside the images
     assert (folder / job / "thumbs").is_dir()
 
     # Without a terminal and without --yes: refused, nothing touched.
@@ -327,7 +330,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     assert not r.sismember(keys.JOBS, job) and r.zcard(keys.INFLIGHT) == 0
     assert not any(keys.text(m).startswith(f"{job}:") for m in r.hkeys(keys.ENQUEUED))
     assert not any(keys.text(k).startswith(keys.lease(job, 0).rpartition(":")[0]) for k in r.scan_iter("rf:lease:*"))
-    assert queued_jobs(r) == []
+    assert queued_jobs(r, QUEUE) == []
     wait_for(lambda: job not in unacked_jobs(r), 30, what="the worker to let go of its delivery")
 
     # status says so; the fenced worker lives on and serves another job.
@@ -380,6 +383,7 @@ def test_job_cancel_resume_and_delete_from_the_python_api(
 def test_a_job_emptied_from_the_store_is_retired_by_the_monitor_within_an_audit(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
 ) -> None:
+    QUEUE = queue_name("default", str(tmp_path / "store"))  # noqa: N806  (one queue per pool and store)
     import shutil
 
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
@@ -399,7 +403,7 @@ def test_a_job_emptied_from_the_store_is_retired_by_the_monitor_within_an_audit(
     shown = cli(env, "status", gone.id, check=False)
     assert shown.returncode == 1 and "gone from the store" in shown.stderr
     # Nothing of it is counted anywhere: queue depth, backlog, autoscaler, metrics, the web page's list.
-    assert queued_jobs(r) == [kept.id, kept.id]
+    assert queued_jobs(r, QUEUE) == [kept.id, kept.id]
     after = fleet_status(r, store=client.store, with_store_only=True)
     assert [j.job for j in after.jobs] == [kept.id] and after.queues[QUEUE] == 2
     assert after.backlog_seconds == after.jobs[0].backlog_seconds > 0
