@@ -7,10 +7,14 @@ size and hands it to the pool's backend.  The ``local`` backend runs
 ``renderfleet worker`` processes on this machine; scale-in sends the chosen
 worker SIGTERM, the spot hand-off (finish or abandon the batch in flight,
 hand the shard back, exit 0), choosing idle workers first: never a kill.
+When ``autoscale`` itself is stopped (Ctrl-C, SIGTERM, SIGHUP), the local
+pools' workers on this machine are stopped the same way (:meth:`LocalBackend.stop_all`)
+unless it was told to leave them (``--leave-workers``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -99,7 +103,22 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    return True
+    try:  # a child that exited and was not reaped yet answers kill 0: it is gone all the same
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): kill 0 must do
+
+
+def _is_worker(pid: int) -> bool:
+    """Whether ``pid`` runs ``renderfleet worker`` (where /proc can say): a registration's pid may
+    have been reused by another process since, and that one must never be killed."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()
+    except OSError:
+        return False
+    return any(a == b"renderfleet" or a.endswith(b"/renderfleet") for a in argv) and b"worker" in argv
 
 
 class LocalBackend:
@@ -119,6 +138,7 @@ class LocalBackend:
         self.model = model
         self.host = socket.gethostname()
         self._starting: dict[str, list[subprocess.Popen[bytes]]] = {}
+        self._children: dict[int, subprocess.Popen[bytes]] = {}  # every worker this backend started, by pid
 
     def _mine(self, pool: str) -> list[dict[str, Any]]:
         return [w for w in registered_workers(self.client, pool, self.store)
@@ -154,6 +174,7 @@ class LocalBackend:
             proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self._starting.setdefault(pool, []).append(proc)
+        self._children[proc.pid] = proc
         log.warning("pool %s: started a worker (pid %d)", pool, proc.pid)
 
     def _stop(self, pool: str, count: int) -> None:
@@ -169,11 +190,46 @@ class LocalBackend:
             log.warning("pool %s: stopping worker %s (%s)", pool, w["worker"],
                         "busy: it hands its shard back" if w["worker"] in busy else "idle")
 
+    def stop_all(self, pools: list[str], timeout: float) -> tuple[int, int]:
+        """Stop every worker of ``pools`` on this machine: SIGTERM (the hand-off), up to ``timeout``
+        for all to leave, then SIGKILL what is left; (workers stopped, of which killed).
+
+        Those started here and not registered yet, and those registered from this
+        host (started by this backend, by ``scale`` in another shell, or by hand).
+        """
+        pids = {p.pid for pool in pools for p in self._pending(pool)}
+        pids |= {int(w["pid"]) for pool in pools for w in self._mine(pool)}
+        pids = {pid for pid in pids if pid in self._children or _is_worker(pid)}
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        left = set(pids)
+        while left and time.monotonic() < deadline:
+            left = {pid for pid in left if self._running(pid)}
+            time.sleep(0.2)
+        left = {pid for pid in left if self._running(pid)}
+        for pid in left:
+            log.warning("worker pid %d still there %.0f s after SIGTERM: killed (its lease expires, "
+                        "the reaper re-queues its shard)", pid, timeout)
+            with contextlib.suppress(ProcessLookupError):
+                # Started here in a session of its own: the group is the worker and nothing else.
+                if pid in self._children:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+        for pid in left & self._children.keys():
+            self._children[pid].wait(10)
+        return len(pids), len(left)
+
+    def _running(self, pid: int) -> bool:
+        child = self._children.get(pid)
+        return child.poll() is None if child is not None else _alive(pid)
+
     def close(self) -> None:
         """Reap children that have exited (they stop on their own after SIGTERM)."""
-        for procs in self._starting.values():
-            for p in procs:
-                p.poll()
+        for p in self._children.values():
+            p.poll()
 
 
 class AwsBackend:

@@ -485,27 +485,54 @@ def scale(
 @app.command()
 def autoscale(
     config: ConfigOpt = None,
-    once: Annotated[bool, typer.Option(help="one decision, then exit")] = False,
+    once: Annotated[bool, typer.Option(help="one decision, then exit (the workers it starts keep running)")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, change nothing")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print each decision as JSON")] = False,
+    leave_workers: Annotated[bool, typer.Option(
+        "--leave-workers", help="when stopped, leave the local pools' workers running")] = False,
 ) -> None:
-    """Size every pool of the config file to the backlog, in seconds of work, until Ctrl-C."""
+    """Size every pool of the config file to the backlog, in seconds of work, until stopped.
+
+    Stopped by Ctrl-C, SIGTERM or SIGHUP, it stops the workers of its local
+    pools on this machine as a scale-in does: SIGTERM (each hands its shard
+    back within its grace), killed if still there after it; with
+    --leave-workers they keep running.  Exit status 128 + the signal's number.
+    """
     _logging(verbose=True)
     settings = _settings(config=config)
+    import signal
     import time
 
-    with _user_errors():
+    from dispatcher.localrun import LEAVE_SECONDS, Interrupted, StopSignals
+
+    with _user_errors(), StopSignals() as signals:
         scaler = _autoscaler(settings)
-        while True:
-            tick = scaler.tick(dry_run=dry_run)
-            if as_json:
-                print(json.dumps(tick.to_dict()), flush=True)
+        try:
+            while True:
+                with signals.held():  # a decision is applied whole: no worker started and forgotten
+                    tick = scaler.tick(dry_run=dry_run)
+                if as_json:
+                    print(json.dumps(tick.to_dict()), flush=True)
+                else:
+                    for d in tick.decisions:
+                        _err(f"{d['pool']}: {d['current']} -> {d['desired']}: {d['reason']}")
+                if once or dry_run:
+                    return
+                time.sleep(settings.autoscale.interval_seconds)
+        except KeyboardInterrupt as exc:
+            signals.quiet()
+            signo = exc.signo if isinstance(exc, Interrupted) else signal.SIGINT
+            local = [name for name, pool in settings.pools.items() if pool.backend == "local"]
+            if leave_workers or not local:
+                what = "its local pools' workers keep running" if local else "no local pool to stop"
             else:
-                for d in tick.decisions:
-                    _err(f"{d['pool']}: {d['current']} -> {d['desired']}: {d['reason']}")
-            if once or dry_run:
-                return
-            time.sleep(settings.autoscale.interval_seconds)
+                backend = scaler.backends[local[0]]
+                stopped, killed = backend.stop_all(local, settings.sigterm_grace_seconds + LEAVE_SECONDS)
+                what = f"{stopped} local worker(s) stopped, their shards handed back" + (
+                    f" ({killed} killed after their grace: their shards come back when their leases expire)"
+                    if killed else "")
+            _err(f"autoscale: interrupted by {signal.Signals(signo).name}: {what}")
+            raise typer.Exit(128 + signo) from None
 
 
 # ---- run: the all-in-one ------------------------------------------------------------
@@ -521,7 +548,12 @@ def run(
     batch_size: BatchSize = 4, pool: Pool = None,
     timeout: Annotated[float, typer.Option(min=0, help="give up after this many seconds (0: never)")] = 0,
 ) -> None:
-    """Everything on this machine: server, N workers, submit, progress, summary."""
+    """Everything on this machine: server, N workers, submit, progress, summary.
+
+    Ctrl-C, SIGTERM or SIGHUP: the workers hand their shards back and stop
+    (killed only if still there after their grace); exit 128 + the signal's
+    number (130, 143, 129).  The embedded server stays up for status and resume.
+    """
     _logging()
     settings = _settings()
     from dispatcher.localrun import run_local

@@ -52,7 +52,11 @@ THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Re
 _bx = botocore.exceptions
 CONNECTION_ERRORS = (_bx.EndpointConnectionError, _bx.ConnectionClosedError, _bx.ReadTimeoutError,
                      _bx.ConnectTimeoutError, _bx.ConnectionError)
-TEMP_MARK = ".rf-tmp-"  # LocalStore temp files: ".<name>.rf-tmp-<random>"
+# LocalStore writes each object to a temporary file in this folder of its root, then renames it into
+# place.  It is outside the key space (no key may start with it): a listing skips one folder, so no
+# key, whatever its name, is ever taken for a write in flight and hidden.
+TEMP_DIR = ".rf-tmp"
+TEMP_MARK = ".rf-tmp-"  # a download's temporary file, beside its local target: ".<name>.rf-tmp-<random>"
 # Told of each retried call: (what was retried, why: see transient_kind).  A plain
 # callable, so that the store needs no metrics library: a worker's metrics count them.
 RetryHook = Callable[[str, str], None]
@@ -165,37 +169,22 @@ class LocalStore:
         self.url = str(self.root)
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*_check_key(key).split("/"))
+        parts = _check_key(key).split("/")
+        if parts[0] == TEMP_DIR:
+            raise ValueError(f"bad store key {key!r}: {TEMP_DIR}/ holds the folder store's writes in flight")
+        return self.root.joinpath(*parts)
 
-    @staticmethod
-    def _write_atomically(dest: Path, source: bytes | Path) -> None:
-        # Temp file beside the target, fsync, then rename: os.replace is atomic on one
-        # filesystem, and the fsync keeps a crash from leaving an empty file under the name.
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f".{dest.name}{TEMP_MARK}{secrets.token_hex(6)}"
-        # os.open with 0o666, not mkstemp: the file gets the umask's mode, not 0600.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                if isinstance(source, bytes):
-                    f.write(source)
-                else:
-                    with open(source, "rb") as src:
-                        shutil.copyfileobj(src, f, 1 << 20)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+    def _write(self, dest: Path, source: bytes | Path) -> None:
+        """Write a key's file through a temporary file in :data:`TEMP_DIR` (same filesystem: the rename is atomic)."""
+        _write_atomically(dest, source, self.root / TEMP_DIR / f"{secrets.token_hex(8)}.tmp")
 
     def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
         """Write ``data`` at ``key`` atomically; ``content_type`` is ignored on disk."""
-        self._write_atomically(self._path(key), data)
+        self._write(self._path(key), data)
 
     def put_file(self, key: str, path: Path) -> None:
         """Copy a local file to ``key`` atomically."""
-        self._write_atomically(self._path(key), Path(path))
+        self._write(self._path(key), Path(path))
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None."""
@@ -210,24 +199,27 @@ class LocalStore:
 
     def folders(self, prefix: str) -> Iterator[str]:
         """Sub-folders of the folder ``prefix`` names, sorted."""
-        start = self.root.joinpath(*_check_key(prefix.rstrip("/")).split("/")) if prefix.strip("/") else self.root
+        start = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
         try:
-            names = sorted(entry.name for entry in os.scandir(start) if entry.is_dir())
+            names = sorted(entry.name for entry in os.scandir(start)
+                           if entry.is_dir() and not (start == self.root and entry.name == TEMP_DIR))
         except FileNotFoundError:
             return iter(())
         return iter(names)
 
     def list(self, prefix: str) -> Iterator[str]:
-        """Keys starting with ``prefix``, sorted; temp files of writes in flight are skipped."""
+        """Keys starting with ``prefix``, sorted; writes in flight (:data:`TEMP_DIR`) are not keys."""
         # Walk only the deepest folder the prefix names, not the whole store.
         folder = prefix.rpartition("/")[0]
-        start = self.root.joinpath(*_check_key(folder).split("/")) if folder else self.root
+        start = self._path(folder) if folder else self.root
         keys = []
-        for dirpath, _, filenames in os.walk(start):
+        for dirpath, dirnames, filenames in os.walk(start):
             rel = Path(dirpath).relative_to(self.root).as_posix()
+            if rel == "." and TEMP_DIR in dirnames:
+                dirnames.remove(TEMP_DIR)  # pruned: os.walk never enters it
             for name in filenames:
                 key = name if rel == "." else f"{rel}/{name}"
-                if TEMP_MARK not in name and key.startswith(prefix):
+                if key.startswith(prefix):
                     keys.append(key)
         yield from sorted(keys)
 
@@ -236,7 +228,8 @@ class LocalStore:
         src = self._path(key)
         if not src.is_file():
             raise StoreError(f"download {src}: no such object")
-        self._write_atomically(Path(path), src)
+        dest = Path(path)
+        _write_atomically(dest, src, dest.parent / f".{dest.name}{TEMP_MARK}{secrets.token_hex(6)}")
 
     def locate(self, key: str) -> str:
         """The absolute path of ``key`` (not checked: a folder-like prefix is fine)."""
@@ -262,6 +255,31 @@ class LocalStore:
             with contextlib.suppress(OSError):  # not empty, or gone
                 os.rmdir(dirpath)
         return removed
+
+
+def _write_atomically(dest: Path, source: bytes | Path, tmp: Path) -> None:
+    """Write ``source`` (bytes, or a file to copy) to ``tmp``, fsync it, then rename it to ``dest``.
+
+    os.replace is atomic on one filesystem, and the fsync keeps a crash from
+    leaving an empty file under the name.  Folders are made as needed.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    # os.open with 0o666, not mkstemp: the file gets the umask's mode, not 0600.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(source, bytes):
+                f.write(source)
+            else:
+                with open(source, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 20)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def transient_kind(exc: BaseException) -> str | None:

@@ -284,6 +284,9 @@ class BatchSizes:
                 renderer.render_images(prompts, should_stop=should_stop)  # the render, not the PNGs
 
         started = self.clock()
+        # Said before it starts: on a CPU at a large size the search takes minutes.
+        log.info("batch size for %s at %dx%d on %s: searching (%s)", key[1], key[2], key[3], key[0],
+                 "probe" if accelerator else "sweep")
         try:
             if accelerator:
                 found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)

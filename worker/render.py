@@ -81,9 +81,11 @@ class Renderer:
         """One PIL image per prompt, in order (the shard runner encodes them while the next batch renders).
 
         ``should_stop`` is asked before starting and after every denoising
-        step; once it says yes, the remaining steps are skipped and
-        :class:`Reclaimed` is raised instead of returning images.  A stop that
-        comes after the batch's last step lets the batch finish: it is complete.
+        step, the last one included; once it says yes, the remaining steps and
+        the decode are skipped and :class:`Reclaimed` is raised instead of
+        returning images.  It says yes only when the batch cannot finish in
+        time (``worker.stop.StopSignal.can_finish``), and the decode is part of
+        finishing: at a large size on a CPU it can take longer than many steps.
 
         Raises ``ValueError`` for prompts that cannot share a call,
         :class:`OutOfMemory` when the accelerator runs out of memory (halve
@@ -146,14 +148,14 @@ class Renderer:
             set_vae_memory_modes(self.loaded.pipe, *vae_memory_modes(device, width, height, len(prompts)))
         if self.compile_cache is not None:
             self.compile_cache.before(width, height)
-        interrupted = False
 
         def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-            nonlocal interrupted
-            if step < steps - 1 and should_stop():
-                # diffusers' own interrupt: the loop skips its remaining steps.
-                pipeline._interrupt = True
-                interrupted = True
+            if should_stop():
+                # Raised, not diffusers' interrupt flag: with the flag the loop skips its remaining
+                # steps but still decodes the half-denoised latents we would throw away, and at a
+                # large size on a CPU a decode costs more than a step: a worker told to stop overran
+                # its grace.  Reclaimed is a BaseException: the except below lets it through.
+                raise Reclaimed("stopped mid-batch")
             return callback_kwargs
 
         out_of_memory = ""
@@ -192,9 +194,6 @@ class Renderer:
             release_cached_memory(device)
             raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}: {out_of_memory}")
 
-        # The decoded images of an interrupted call are half-denoised: drop them.
-        if interrupted:
-            raise Reclaimed("stopped mid-batch")
         if self.compile_cache is not None:
             self.compile_cache.after(width, height, len(prompts))
         return list(output.images)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 
 class StopSignal:
@@ -18,12 +19,13 @@ class StopSignal:
     # Headroom kept before a notice's deadline for the checkpoint and hand-back.
     MARGIN_SECONDS = 3.0
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._event = threading.Event()
         # Re-entrant: request() also runs from a signal handler on the main thread.
         self._lock = threading.RLock()
         self.reason = ""
-        self.deadline: float | None = None  # time.monotonic() by which we must be gone
+        self.deadline: float | None = None  # clock() (time.monotonic()) by which we must be gone
         self.fenced = False
         self.noticed_at: float | None = None
         # A notice (reclaim, shutdown, breaker) is kept apart from a fence: a fence
@@ -37,7 +39,7 @@ class StopSignal:
     def request(self, reason: str, *, seconds_left: float | None = None, fenced: bool = False) -> None:
         """Ask the worker to stop; the earliest deadline wins."""
         with self._lock:
-            now = time.monotonic()
+            now = self.clock()
             if not self._event.is_set():
                 self.reason = reason
                 self.noticed_at = now
@@ -69,6 +71,10 @@ class StopSignal:
 
         No deadline (SIGTERM without a grace figure) or no measurement yet:
         finish when there is no deadline, abandon when the estimate is unknown.
+        The estimate is the last batch's time, perhaps at another size or
+        before a batch-size search: once the margin before the deadline is
+        reached, no estimate keeps a batch going (a worker leaves within its
+        grace plus the step in progress).
         """
         if not self.requested:
             return True
@@ -78,8 +84,8 @@ class StopSignal:
             return True
         if expected_seconds is None:
             return False
-        finish = started_at + expected_seconds
-        return finish <= self.deadline - self.MARGIN_SECONDS
+        latest = self.deadline - self.MARGIN_SECONDS
+        return started_at + expected_seconds <= latest and self.clock() < latest
 
     def wait(self, timeout: float) -> bool:
         return self._event.wait(timeout)

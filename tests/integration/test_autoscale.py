@@ -100,8 +100,8 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
               f"spot workers at the peak {peak:.0f}; spot at 0 {to_zero:.1f} s after the job's end "
               f"(cool-down 4 s, one step at a time); spot images {spot_stats.get('images', 0)} of 400")
     finally:
-        scaler.send_signal(signal.SIGTERM)
-        scaler.wait(10)
+        scaler.send_signal(signal.SIGTERM)  # it stops its local workers too, each within its grace
+        scaler.wait(60)
         for w in (json.loads(v) for v in client.hvals("rf:workers")):
             pids.add(int(w["pid"]))
         for pid in pids:

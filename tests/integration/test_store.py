@@ -19,7 +19,7 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 
 from renderfleet.errors import ConfigError, StoreError
-from renderfleet.store import TEMP_MARK, LocalStore, RetryHook, S3Store, Store, open_store
+from renderfleet.store import TEMP_DIR, TEMP_MARK, LocalStore, RetryHook, S3Store, Store, open_store
 from testing.servers import FlakyS3Proxy, free_port
 
 pytestmark = pytest.mark.integration
@@ -52,6 +52,13 @@ def test_put_replaces_an_existing_object(store: Store) -> None:
     store.put("a/b", b"old")
     store.put("a/b", b"new")
     assert store.get("a/b") == b"new"
+
+
+def test_a_key_holding_the_folder_stores_old_temp_mark_round_trips(store: Store) -> None:
+    key = f"jobs/j1/images/p{TEMP_MARK}1.png"
+    store.put(key, b"png", content_type="image/png")
+    assert store.exists(key) and store.get(key) == b"png"
+    assert list(store.list("jobs/j1/images/")) == [key]
 
 
 def test_get_of_a_missing_key_returns_none(store: Store) -> None:
@@ -145,8 +152,30 @@ def test_local_put_leaves_no_temp_file_and_list_skips_one_left_by_a_crash(tmp_pa
     store.put("jobs/j1/images/a.png", b"png")
     store.put_file("jobs/j1/images/b.png", tmp_path / "jobs" / "j1" / "images" / "a.png")
     assert sorted(os.listdir(tmp_path / "jobs" / "j1" / "images")) == ["a.png", "b.png"]
-    (tmp_path / "jobs" / "j1" / "images" / f".c.png{TEMP_MARK}abc123").write_bytes(b"half")  # a crashed writer's
+    assert os.listdir(tmp_path / TEMP_DIR) == []
+    (tmp_path / TEMP_DIR / "abc123.tmp").write_bytes(b"half")  # a crashed writer's
+    assert list(store.list("")) == ["jobs/j1/images/a.png", "jobs/j1/images/b.png"]
     assert list(store.list("jobs/")) == ["jobs/j1/images/a.png", "jobs/j1/images/b.png"]
+    assert list(store.folders("")) == ["jobs"]
+
+
+def test_local_keys_that_hold_the_old_temp_mark_are_listed_like_any_other(tmp_path: Path) -> None:
+    # The folder store once wrote ".<name>.rf-tmp-<random>" beside the target and hid every name holding
+    # ".rf-tmp-": a prompt id holding it was never listed (results: missing; resume: rendered again).
+    store = LocalStore(tmp_path)
+    names = [f"a{TEMP_MARK}b", f"x{TEMP_MARK}", "plain"]
+    for name in names:
+        store.put(f"jobs/j1/images/{name}.png", b"png")
+    assert list(store.list("jobs/j1/images/")) == sorted(f"jobs/j1/images/{n}.png" for n in names)
+    assert all(store.exists(f"jobs/j1/images/{n}.png") for n in names)
+
+
+def test_local_keys_may_not_reach_into_the_temp_folder(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    for call in (lambda: store.put(f"{TEMP_DIR}/x", b"x"), lambda: store.get(f"{TEMP_DIR}/x"),
+                 lambda: list(store.list(f"{TEMP_DIR}/"))):
+        with pytest.raises(ValueError, match="writes in flight"):
+            call()
 
 
 def test_local_put_gives_the_file_the_umask_mode_not_0600(tmp_path: Path) -> None:

@@ -162,10 +162,27 @@ def test_a_stop_in_single_call_mode_interrupts_the_pipeline(tiny: LoadedModel, u
     assert len(unet_calls) == 1
 
 
-def test_a_stop_after_the_last_step_keeps_the_finished_batch(renderer: Renderer, unet_calls: list[int]) -> None:
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_a_stop_after_the_last_step_skips_the_decode(
+    tiny: LoadedModel, unet_calls: list[int], monkeypatch: pytest.MonkeyPatch, batch_invariant: bool
+) -> None:
+    # The decode is part of finishing a batch (at a large size on a CPU it costs more than a step):
+    # a stop that says the batch cannot finish in time, seen after its last step, skips it.
+    decodes: list[int] = []
+    decode = tiny.pipe.vae.decode
+    monkeypatch.setattr(tiny.pipe.vae, "decode", lambda *a, **k: decodes.append(1) or decode(*a, **k))
+    prompts = [make_prompt(i) for i in range(2)]  # 2 steps each
+    steps = 4 if batch_invariant else 2
+    with pytest.raises(Reclaimed, match="mid-batch"):
+        Renderer(tiny, batch_invariant=batch_invariant).render(prompts, should_stop=lambda: len(unet_calls) >= steps)
+    assert len(unet_calls) == steps and len(decodes) == (1 if batch_invariant else 0)
+
+
+def test_a_stop_asked_only_after_the_call_keeps_the_finished_batch(renderer: Renderer) -> None:
     prompts = [make_prompt(i) for i in range(2)]
-    images = renderer.render(prompts, should_stop=lambda: len(unet_calls) >= 4)
-    assert images == renderer.render(prompts)
+    asked: list[int] = []
+    images = renderer.render(prompts, should_stop=lambda: bool(asked.append(1)))
+    assert images == renderer.render(prompts) and len(asked) == 1 + 2 * 2 + 1  # start, every step, between prompts
 
 
 def test_prompts_with_different_render_keys_are_refused(renderer: Renderer) -> None:

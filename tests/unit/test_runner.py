@@ -219,6 +219,19 @@ def test_stop_signal_deadline_arithmetic() -> None:
     assert not stop.can_finish(now, 9.0)  # the earlier deadline stands
 
 
+def test_a_batch_whose_estimate_was_wrong_stops_at_the_deadline_margin() -> None:
+    # The estimate is the last batch's (another size, or before a batch-size search): a batch that
+    # runs past it must not run past the grace too.
+    clock = [100.0]
+    stop = StopSignal(clock=lambda: clock[0])
+    stop.request("sigterm", seconds_left=25)  # deadline 125, margin 3
+    assert stop.can_finish(90.0, 5.0)  # the estimate says it ended at 95: let it go on...
+    clock[0] = 121.9
+    assert stop.can_finish(90.0, 5.0)
+    clock[0] = 122.0
+    assert not stop.can_finish(90.0, 5.0)  # ...but never past the deadline less the margin
+
+
 class FlakyStore(LocalStore):
     """A store whose image writes fail (S3 down past its retries)."""
 
