@@ -8,6 +8,7 @@ shard this process takes (one load per process, counted in Redis).
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -107,43 +108,53 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
                                           renderer=renderer, load_model=load_model, metrics=metrics)
     stop = service.stop
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
-    tasks.register(app, service)
-    queueguard.install()
-    tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds,
-                                 on_signal=lambda kind: metrics.notice("none", kind))
-
-    reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
-                          on_tick=worker_tick(service, *scale_in_marks(settings), health_file=settings.health_file))
-    reaper.start()
-    watcher = None
-    if settings.watch_reclaim:
-        watcher = ReclaimWatcher(
-            stop, [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
-            settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown, on_heard=metrics.notice)
-        watcher.start()
-
-    # Its pools' queues of its own store only (named by the store as opened, as submit names it):
-    # another store's shard never reaches it.
-    queue_names = [celery_app.queue_name(q, service.store.url) for q in (queues or _default_queues(settings.pool))]
-    log.info("worker %s: serving %s", worker_id, ", ".join(queue_names))
-    worker = app.Worker(
-        hostname=f"{worker_id}@{socket.gethostname()}",
-        queues=queue_names,
-        pool_cls="solo",
-        concurrency=1,
-        loglevel=loglevel,
-        without_heartbeat=True,
-        without_mingle=True,
-        without_gossip=True,
-        optimization="fair",
-        # Our handler writes to stderr; redirected, every line would be logged twice.
-        redirect_stdouts=False,
-    )
+    # Registered: from here a SIGTERM must not kill the process with its registration left behind
+    # (a worker stopped right after it came up, by an autoscaler going down, say).  Until Celery's
+    # own handlers take over in worker.start(), a signal ends the start-up cleanly, below.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stopped_while_starting)
+    reaper: ReaperThread | None = None
+    watcher: ReclaimWatcher | None = None
     try:
-        worker.start()
+        tasks.register(app, service)
+        queueguard.install()
+        tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds,
+                                     on_signal=lambda kind: metrics.notice("none", kind))
+
+        reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
+                              on_tick=worker_tick(service, *scale_in_marks(settings), health_file=settings.health_file))
+        reaper.start()
+        if settings.watch_reclaim:
+            watcher = ReclaimWatcher(
+                stop, [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
+                settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown, on_heard=metrics.notice)
+            watcher.start()
+
+        # Its pools' queues of its own store only (named by the store as opened, as submit names it):
+        # another store's shard never reaches it.
+        queue_names = [celery_app.queue_name(q, service.store.url) for q in (queues or _default_queues(settings.pool))]
+        log.info("worker %s: serving %s", worker_id, ", ".join(queue_names))
+        worker = app.Worker(
+            hostname=f"{worker_id}@{socket.gethostname()}",
+            queues=queue_names,
+            pool_cls="solo",
+            concurrency=1,
+            loglevel=loglevel,
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+            optimization="fair",
+            # Our handler writes to stderr; redirected, every line would be logged twice.
+            redirect_stdouts=False,
+        )
+        worker.start()  # Celery installs its own SIGTERM and SIGINT handlers as it starts
+    except StoppedWhileStarting:
+        log.warning("worker %s: stopped before it took any work", worker_id)
+        return 0
     finally:
-        reaper.close()
-        if watcher:
+        if reaper is not None:
+            reaper.close()
+        if watcher is not None:
             watcher.close()
         service.close()
         if endpoint is not None:
@@ -153,6 +164,17 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)
+
+
+class StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT between the worker's registration and Celery's start: it leaves cleanly.
+
+    A BaseException so that no ``except Exception`` on the way swallows it.
+    """
+
+
+def _stopped_while_starting(signum: int, frame: Any) -> None:
+    raise StoppedWhileStarting(signal.Signals(signum).name)
 
 
 def scale_in_marks(settings: Settings) -> list[ScaleInMark]:

@@ -26,6 +26,7 @@ import redis
 from renderfleet import keys
 from renderfleet import spec as layout
 from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import store_identity, store_tag
 from testing.fleet import REPO, base_env, cli, wait_for
 from testing.servers import free_port
 from testing.servers import http_get as get
@@ -143,17 +144,19 @@ def test_a_malformed_redis_value_is_skipped_once_and_every_page_and_status_still
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     job = submit(env, tmp_path, 8)
     client = redis.Redis.from_url(redis_server.url)
+    store = str(tmp_path / "store")
+    tag = store_tag(store)
     client.hset(keys.WORKERS, mapping={
-        "w-good": json.dumps({"worker": "w-good", "pool": "default", "model": "tiny"}),
+        "w-good": json.dumps({"worker": "w-good", "pool": "default", "model": "tiny", "store": store_identity(store)}),
         "w-text": "not json", "w-list": "[1, 2]", "w-nan": '{"pool": NaN}', "w-huge": '{"pool": 1e999}',
         "w-deep": "[" * 100_000 + "]" * 100_000, "w-bytes": b"\xff\xfe",
     })
     client.hset(keys.worker_stats("w-good"), mapping={"since": "soon", "images": "many"})
-    client.hset(keys.pool_stats("default"), mapping={"images": "many", "render_ms": "1e3", "batches": "12",
+    client.hset(keys.pool_stats("default", tag), mapping={"images": "many", "render_ms": "1e3", "batches": "12",
                                                      "mps_milli": str(2**70)})
-    client.hset(keys.DESIRED, mapping={"default": "two", "spot": "1"})
+    client.hset(keys.desired(tag), mapping={"default": "two", "spot": "1"})
     client.hset(keys.FLEET_STATS, "reaped", "x")
-    client.lpush(keys.history("queue_shards"), "nan nan", "1 inf", "garbage", b"\xff 1")
+    client.lpush(keys.history("queue_shards", tag), "nan nan", "1 inf", "garbage", b"\xff 1")
     client.hset(keys.job(job), mapping={"spec": "{not json", "total": "lots"})
     client.hset(keys.job_stats(job), mapping={"render_ms.default": "x", "wasted_images": "1.5"})
     client.lpush(keys.progress(job), "abc", "1 0", "nan 3", f"1 {'9' * 30}")
@@ -179,7 +182,7 @@ def test_a_malformed_redis_value_is_skipped_once_and_every_page_and_status_still
         text = log.read_text()
         assert "Traceback" not in text
         assert text.count("skipping a malformed value in Redis at rf:workers b'w-text'") == 1
-        assert text.count(f"at {keys.pool_stats('default')} images: not a 64-bit integer") == 1
+        assert text.count(f"at {keys.pool_stats('default', tag)} images: not a 64-bit integer") == 1
         assert f"at {keys.job(job)} spec" in text and f"at {keys.progress(job)}" in text
     finally:
         stop(monitor)
