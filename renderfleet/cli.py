@@ -543,9 +543,13 @@ def bench(
     price_per_hour: Annotated[float | None, typer.Option("--price-per-hour", help="this card's price")] = None,
     runs: Annotated[int, typer.Option(help="timed batches per batch size (median)")] = 3,
     out: Annotated[Path, typer.Option(help="folder for bench.json, bench.md, bench.png")] = Path("bench-out"),
-    compare: Annotated[list[Path] | None, typer.Option("--compare", help="bench.json files to compare")] = None,
+    compare: Annotated[bool, typer.Option("--compare", help="compare the bench.json FILES of earlier runs "
+                                          "instead of running one")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="compile the UNet's repeated blocks (CUDA only)")] = False,
     config: ConfigOpt = None,
+    # Files are arguments, not --compare's values: a click option takes one value per flag, so
+    # `--compare a.json b.json` (the documented form) needs them positional; `--compare a --compare b` works too.
+    files: Annotated[list[Path] | None, typer.Argument(help="with --compare: bench.json files", show_default=False)] = None,
 ) -> None:
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
     _logging()
@@ -553,8 +557,13 @@ def bench(
     from worker.bench import compare as compare_runs
 
     with _user_errors():
+        if files and not compare:
+            raise InputError([f"bench: unexpected argument {str(files[0])!r} (to compare bench.json files: "
+                              "bench --compare A.json B.json)"])
         if compare:
-            print(compare_runs(compare), end="")
+            if not files:
+                raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
+            print(compare_runs(files), end="")
             return
         from renderfleet.api import parse_size
         from worker.bench import run_bench, write_outputs
