@@ -629,23 +629,32 @@ def save_model(
 @app.command()
 def server(
     action: Annotated[str, typer.Argument(metavar="ACTION", help="start, stop or url")] = "url",
+    show_password: Annotated[bool, typer.Option(
+        "--show-password", metavar=FLAG,
+        help="print the URL with its password, for Flower or redis-cli (it lands in your shell's history)")] = False,
 ) -> None:
     """The embedded local Redis server: start it, stop it, or print its URL."""
     settings = _settings()
     from renderfleet.embedded import ensure_embedded, running_embedded, stop_embedded
     from renderfleet.settings import redact
 
-    # The password is never printed: every renderfleet command finds the server
-    # (password included) in RENDERFLEET_HOME/server.json by itself.
+    # The password is printed only when asked for by name: every renderfleet command finds
+    # the server (password included) in RENDERFLEET_HOME/server.json by itself, but other
+    # tools (Flower, redis-cli) need the whole URL.
+    def shown(url: str) -> str:
+        return url if show_password else redact(url)
+
     with _user_errors():
+        if show_password and action not in ("start", "url"):
+            raise InputError([f"--show-password: only with start or url, not {action!r}"])
         if action == "start":
-            print(redact(settings.redis_url or ensure_embedded(settings.home)))
+            print(shown(settings.redis_url or ensure_embedded(settings.home)))
         elif action == "url":
             url = settings.redis_url or running_embedded(settings.home)
             if not url:
                 _err("renderfleet: no server running (`renderfleet server start` starts one)")
                 raise typer.Exit(1)
-            print(redact(url))
+            print(shown(url))
         elif action == "stop":
             print("stopped" if stop_embedded(settings.home) else "not running")
         else:
