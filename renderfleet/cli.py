@@ -340,14 +340,15 @@ def _correct_counts(settings: Settings, store: Any, job: str) -> Any:
     return do_resume(job, store=store, app=found[0], client=found[1], push=False)
 
 
-def _attempts(settings: Settings, job: str) -> dict[int, int]:
-    """Deliveries per shard, when Redis knows the job (the manifest's attempts column)."""
-    if not settings.redis_url:
-        return {}  # no broker configured: do not start the embedded one just for this
+def _attempts(settings: Settings, job: str) -> dict[int, int] | None:
+    """Attempts per shard (the manifest's shard_attempts column), from the configured Redis or
+    the embedded one if it runs (never started for this); None when no Redis knows the job."""
     from renderfleet import keys
 
-    _, client, _ = _connect(settings)
-    return {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
+    found = _running_redis(settings)
+    if found is None or not found[1].exists(keys.job(job)):
+        return None
+    return {int(k): int(v) for k, v in found[1].hgetall(keys.attempts(job)).items()}
 
 
 @app.command()
