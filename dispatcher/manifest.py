@@ -24,7 +24,7 @@ from renderfleet.spec import Prompt
 from renderfleet.store import Store
 
 COLUMNS = ("index", "id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model",
-           "image", "status", "error", "attempts", "pool")
+           "image", "status", "error", "shard_attempts", "pool")
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 BATCH_ROWS = 10_000
 
@@ -32,7 +32,10 @@ BATCH_ROWS = 10_000
 def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None) -> Iterator[dict[str, Any]]:
     """One dict per prompt (``COLUMNS``): its settings, where its image is, done/quarantined/missing.
 
-    ``attempts`` maps a shard to its deliveries (from Redis, when it knows the job).
+    ``attempts`` maps a shard to the times it was handed to a worker (Redis's
+    ``keys.attempts``: each claim takes the next attempt number); a shard it
+    lacks was never claimed.  None when Redis does not know the job: the
+    column is then empty (unknown), never a 0 that reads as "never tried".
     """
     job_spec = load_spec(store, job)
     images = stored_names(store, job, "images")
@@ -50,7 +53,8 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
         yield {"index": p.index, "id": p.name, "prompt": p.prompt, "negative_prompt": p.negative_prompt,
                "seed": p.seed, "steps": p.steps, "guidance": p.guidance, "width": p.width, "height": p.height,
                "model": job_spec.params.model, "image": image, "status": status, "error": error,
-               "attempts": (attempts or {}).get(p.index // job_spec.shard_size, 0), "pool": job_spec.pool}
+               "shard_attempts": None if attempts is None else attempts.get(p.index // job_spec.shard_size, 0),
+               "pool": job_spec.pool}
 
 
 def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:
@@ -89,7 +93,7 @@ def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
                         ("negative_prompt", pa.string()), ("seed", pa.int64()), ("steps", pa.int32()),
                         ("guidance", pa.float64()), ("width", pa.int32()), ("height", pa.int32()),
                         ("model", pa.string()), ("image", pa.string()), ("status", pa.string()),
-                        ("error", pa.string()), ("attempts", pa.int32()), ("pool", pa.string())])
+                        ("error", pa.string()), ("shard_attempts", pa.int32()), ("pool", pa.string())])
     count = 0
     with pq.ParquetWriter(str(path), schema) as writer:
         batch: list[dict[str, Any]] = []

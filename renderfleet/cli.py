@@ -22,7 +22,7 @@ from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound,
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="Render one image per prompt on a fleet of GPU workers, each exactly once.")
 
 EXIT_INPUT = 2
@@ -87,18 +87,27 @@ def _job_id(job: str) -> str:
 
 # ---- submit ------------------------------------------------------------------
 
-Model = Annotated[str | None, typer.Option(help="diffusers model id, local folder, s3:// URI, or 'tiny'")]
-Steps = Annotated[int, typer.Option(help="denoising steps")]
-Size = Annotated[str, typer.Option(help="WIDTHxHEIGHT, multiples of 8")]
-Guidance = Annotated[float, typer.Option(help="classifier-free guidance scale")]
-Negative = Annotated[str, typer.Option(help="negative prompt for every prompt without one")]
-Seed = Annotated[int, typer.Option(help="job seed; a prompt's seed is derived from it and its index")]
-ShardSize = Annotated[int, typer.Option("--shard-size", help="prompts per shard (one task)")]
-BatchSize = Annotated[int, typer.Option("--batch-size", help="prompts per pipeline call and checkpoint")]
+# Help text is rich markup (rich_markup_mode above): a literal [ is written \[, or rich takes
+# "[pools.NAME]" for a style and prints nothing.  Each option names its value (metavar), as
+# argparse does; a flag has metavar "", since it takes none (typer would print <bool> after it).
+FLAG = ""
+Model = Annotated[str | None, typer.Option(
+    metavar="MODEL", help="diffusers model id, local folder, s3:// URI, or 'tiny' "
+    f"(default: RENDERFLEET_MODEL, else {Settings.model_fields['model'].default})")]
+Steps = Annotated[int, typer.Option(metavar="N", help="denoising steps")]
+Size = Annotated[str, typer.Option(metavar="WxH", help="WIDTHxHEIGHT, multiples of 8")]
+Guidance = Annotated[float, typer.Option(metavar="SCALE", help="classifier-free guidance scale")]
+Negative = Annotated[str, typer.Option(metavar="TEXT", help="negative prompt for every prompt without one")]
+Seed = Annotated[int, typer.Option(metavar="N", help="job seed; a prompt's seed is derived from it and its index")]
+ShardSize = Annotated[int, typer.Option("--shard-size", metavar="N", help="prompts per shard (one task)")]
+BatchSize = Annotated[int, typer.Option("--batch-size", metavar="N", help="prompts per pipeline call and checkpoint")]
 _SIZE = f"{DEFAULT['width']}x{DEFAULT['height']}"  # the defaults: one table, spec.FIELDS
-Pool = Annotated[str | None, typer.Option(help="pool whose queue gets the work")]
-JobOpt = Annotated[str | None, typer.Option("--job", help="job id (default: derived from content and settings)")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML file with [pools.NAME] and [autoscale]")]
+Pool = Annotated[str | None, typer.Option(metavar="NAME", help="pool whose queue gets the work (default: default)")]
+JobOpt = Annotated[str | None, typer.Option("--job", metavar="ID",
+                                            help="job id (default: derived from content and settings)")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="FILE",
+                                                help="TOML file with \\[pools.NAME] and \\[autoscale] tables")]
+JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id")]
 
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
@@ -131,12 +140,14 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
 
 @app.command()
 def submit(
-    file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")],
+    file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; "
+                                         "- for stdin")],
     job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
-    fmt: Annotated[str | None, typer.Option("--format", help="txt, jsonl or csv: the format of stdin (with -)")] = None,
+    fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
+                                            help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
     _logging()
@@ -163,20 +174,24 @@ def submit(
 
 @app.command()
 def worker(
-    pool: Annotated[str | None, typer.Option(help="pool this worker belongs to (baseline, spot, ...)")] = None,
+    pool: Annotated[str | None, typer.Option(metavar="NAME", help="pool this worker belongs to (baseline, spot, ...; "
+                                             "default: RENDERFLEET_POOL, else default)")] = None,
     model: Model = None,
     queue: Annotated[list[str] | None, typer.Option(
+        metavar="POOL",
         help="pools whose queues (of this worker's store) it serves (default: its own and 'default')")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="serve this worker's Prometheus /metrics on this port "
-                                                     "(0: off; RENDERFLEET_METRICS_PORT)")] = None,
-    metrics_host: Annotated[str | None, typer.Option(help="address of /metrics (127.0.0.1; off loopback only "
-                                                     "with RENDERFLEET_HTTP_TOKEN)")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        metavar="PORT", help="serve this worker's Prometheus /metrics on this port "
+        "(0: off; RENDERFLEET_METRICS_PORT)")] = None,
+    metrics_host: Annotated[str | None, typer.Option(
+        metavar="HOST", help="address of /metrics (127.0.0.1; off loopback only with RENDERFLEET_HTTP_TOKEN)")] = None,
     batch_size: Annotated[str | None, typer.Option(
-        "--batch-size", help="prompts per pipeline call: auto (the most that fit; on a CPU the fastest) or N, "
+        "--batch-size", metavar="auto|N",
+        help="prompts per pipeline call: auto (the most that fit; on a CPU the fastest) or N, "
         "never above the job's batch")] = None,
     compile: Annotated[bool | None, typer.Option(
-        "--compile/--no-compile", help="compile the UNet's repeated blocks (CUDA only)")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+        "--compile/--no-compile", metavar=FLAG, help="compile the UNet's repeated blocks (CUDA only)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
     _logging(verbose=True)  # until Celery takes over logging with its own level
@@ -194,9 +209,9 @@ def worker(
 
 @app.command()
 def status(
-    job: Annotated[str | None, typer.Argument(help="a job id; all jobs when left out")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="redraw every 2 s until Ctrl-C")] = False,
+    job: Annotated[str | None, typer.Argument(metavar="JOB", help="a job id; all jobs when left out")] = None,
+    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout")] = False,
+    watch: Annotated[bool, typer.Option("--watch", metavar=FLAG, help="redraw every 2 s until Ctrl-C")] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Progress of a job (or every job): rate, ETA, cost; backlog, queues and workers."""
@@ -259,12 +274,13 @@ def _failure_reasons(client: Any, job: str, limit: int = 5) -> dict[str, int]:
 
 @app.command()
 def results(
-    job: Annotated[str, typer.Argument(help="the job id")],
-    as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
-    manifest: Annotated[Path | None, typer.Option("--manifest", help="write one row per prompt to a "
+    job: JobArg,
+    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout")] = False,
+    manifest: Annotated[Path | None, typer.Option("--manifest", metavar="FILE", help="write one row per prompt to a "
                                                   ".parquet, .jsonl or .csv file")] = None,
-    sheet: Annotated[Path | None, typer.Option("--contact-sheet", help="write a PNG grid of the first images")] = None,
-    first: Annotated[int, typer.Option("--first", help="images on the contact sheet")] = 100,
+    sheet: Annotated[Path | None, typer.Option("--contact-sheet", metavar="FILE",
+                                               help="write a PNG grid of the first images")] = None,
+    first: Annotated[int, typer.Option("--first", metavar="N", help="images on the contact sheet")] = 100,
 ) -> None:
     """Where each prompt's image is, and which are missing or quarantined."""
     settings = _settings()
@@ -324,18 +340,19 @@ def _correct_counts(settings: Settings, store: Any, job: str) -> Any:
     return do_resume(job, store=store, app=found[0], client=found[1], push=False)
 
 
-def _attempts(settings: Settings, job: str) -> dict[int, int]:
-    """Deliveries per shard, when Redis knows the job (the manifest's attempts column)."""
-    if not settings.redis_url:
-        return {}  # no broker configured: do not start the embedded one just for this
+def _attempts(settings: Settings, job: str) -> dict[int, int] | None:
+    """Attempts per shard (the manifest's shard_attempts column), from the configured Redis or
+    the embedded one if it runs (never started for this); None when no Redis knows the job."""
     from renderfleet import keys
 
-    _, client, _ = _connect(settings)
-    return {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
+    found = _running_redis(settings)
+    if found is None or not found[1].exists(keys.job(job)):
+        return None
+    return {int(k): int(v) for k, v in found[1].hgetall(keys.attempts(job)).items()}
 
 
 @app.command()
-def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
+def resume(job: JobArg) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
     settings = _settings()
     from dispatcher.lifecycle import deleted
@@ -356,7 +373,7 @@ def resume(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
 
 
 @app.command()
-def cancel(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
+def cancel(job: JobArg) -> None:
     """Stop a job: its queued shards leave the queue, running ones stop at their next batch. `resume` continues it."""
     settings = _settings()
     from renderfleet.api import Client
@@ -373,8 +390,8 @@ def cancel(job: Annotated[str, typer.Argument(help="the job id")]) -> None:
 
 @app.command()
 def delete(
-    job: Annotated[str, typer.Argument(help="the job id")],
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask (needed without a terminal)")] = False,
+    job: JobArg,
+    yes: Annotated[bool, typer.Option("--yes", "-y", metavar=FLAG, help="do not ask (needed without a terminal)")] = False,
 ) -> None:
     """Cancel a job, then remove it: its images, checkpoints and every file of it in the store, and its Redis keys."""
     settings = _settings()
@@ -406,9 +423,10 @@ def delete(
 
 @app.command()
 def monitor(
-    once: Annotated[bool, typer.Option(help="one pass, then exit")] = False,
-    http: Annotated[str | None, typer.Option("--http", help="serve the web page, /metrics and /api/ on HOST:PORT "
-                                             "(off loopback only with RENDERFLEET_HTTP_TOKEN)")] = None,
+    once: Annotated[bool, typer.Option(metavar=FLAG, help="one pass, then exit")] = False,
+    http: Annotated[str | None, typer.Option(
+        "--http", metavar="HOST:PORT", help="serve the web page, /metrics and /api/ on HOST:PORT "
+        "(off loopback only with RENDERFLEET_HTTP_TOKEN)")] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Reap expired leases, recover lost shards, resume jobs that Redis lost; serve metrics. Until Ctrl-C."""
@@ -463,8 +481,8 @@ def _autoscaler(settings: Settings) -> Any:
 
 @app.command()
 def scale(
-    pool: Annotated[str, typer.Argument(help="a pool of the config file")],
-    size: Annotated[int, typer.Argument(help="workers wanted")],
+    pool: Annotated[str, typer.Argument(metavar="POOL", help="a pool of the config file")],
+    size: Annotated[int, typer.Argument(metavar="N", help="workers wanted")],
     config: ConfigOpt = None,
 ) -> None:
     """Set one pool's size now, through its backend (local: worker processes on this machine)."""
@@ -485,11 +503,12 @@ def scale(
 @app.command()
 def autoscale(
     config: ConfigOpt = None,
-    once: Annotated[bool, typer.Option(help="one decision, then exit (the workers it starts keep running)")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="decide, change nothing")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print each decision as JSON")] = False,
+    once: Annotated[bool, typer.Option(
+        metavar=FLAG, help="one decision, then exit (the workers it starts keep running)")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar=FLAG, help="decide, change nothing")] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="print each decision as JSON")] = False,
     leave_workers: Annotated[bool, typer.Option(
-        "--leave-workers", help="when stopped, leave the local pools' workers running")] = False,
+        "--leave-workers", metavar=FLAG, help="when stopped, leave the local pools' workers running")] = False,
 ) -> None:
     """Size every pool of the config file to the backlog, in seconds of work, until stopped.
 
@@ -540,13 +559,13 @@ def autoscale(
 
 @app.command()
 def run(
-    file: Annotated[Path, typer.Argument(help=".txt, .jsonl or .csv prompt file, optionally .gz")],
-    workers: Annotated[int, typer.Option(min=1, help="local workers to start")] = 1,
+    file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz")],
+    workers: Annotated[int, typer.Option(min=1, metavar="N", help="local workers to start")] = 1,
     job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
-    timeout: Annotated[float, typer.Option(min=0, help="give up after this many seconds (0: never)")] = 0,
+    timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
 ) -> None:
     """Everything on this machine: server, N workers, submit, progress, summary.
 
@@ -571,13 +590,20 @@ def run(
 @app.command()
 def bench(
     model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE, guidance: Guidance = DEFAULT["guidance"],
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="e.g. 1,2,4,8, or auto")] = "auto",
-    price_per_hour: Annotated[float | None, typer.Option("--price-per-hour", help="this card's price")] = None,
-    runs: Annotated[int, typer.Option(help="timed batches per batch size (median)")] = 3,
-    out: Annotated[Path, typer.Option(help="folder for bench.json, bench.md, bench.png")] = Path("bench-out"),
-    compare: Annotated[list[Path] | None, typer.Option("--compare", help="bench.json files to compare")] = None,
-    compile: Annotated[bool, typer.Option("--compile", help="compile the UNet's repeated blocks (CUDA only)")] = False,
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST", help="e.g. 1,2,4,8, or auto")] = "auto",
+    price_per_hour: Annotated[float | None, typer.Option("--price-per-hour", metavar="PRICE",
+                                                         help="this card's price")] = None,
+    runs: Annotated[int, typer.Option(metavar="N", help="timed batches per batch size (median)")] = 3,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="folder for bench.json, bench.md, bench.png")] = Path("bench-out"),
+    compare: Annotated[bool, typer.Option("--compare", metavar=FLAG, help="compare the bench.json FILES of earlier runs "
+                                          "instead of running one")] = False,
+    compile: Annotated[bool, typer.Option("--compile", metavar=FLAG,
+                                          help="compile the UNet's repeated blocks (CUDA only)")] = False,
     config: ConfigOpt = None,
+    # Files are arguments, not --compare's values: a click option takes one value per flag, so
+    # `--compare a.json b.json` (the documented form) needs them positional; `--compare a --compare b` works too.
+    files: Annotated[list[Path] | None, typer.Argument(metavar="FILES", help="with --compare: bench.json files",
+                                                     show_default=False)] = None,
 ) -> None:
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
     _logging()
@@ -585,8 +611,13 @@ def bench(
     from worker.bench import compare as compare_runs
 
     with _user_errors():
+        if files and not compare:
+            raise InputError([f"bench: unexpected argument {str(files[0])!r} (to compare bench.json files: "
+                              "bench --compare A.json B.json)"])
         if compare:
-            print(compare_runs(compare), end="")
+            if not files:
+                raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
+            print(compare_runs(files), end="")
             return
         from renderfleet.api import parse_size
         from worker.bench import run_bench, write_outputs
@@ -614,8 +645,8 @@ def bench(
 
 @app.command("save-model")
 def save_model(
-    model: Annotated[str, typer.Argument(help="model to load ('tiny', id, folder, s3://)")],
-    dest: Annotated[Path, typer.Argument(help="folder to save the diffusers pipeline into")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="model to load ('tiny', id, folder, s3://)")],
+    dest: Annotated[Path, typer.Argument(metavar="DIR", help="folder to save the diffusers pipeline into")],
 ) -> None:
     """Save a pipeline with save_pretrained (e.g. 'tiny', to test the real loading path)."""
     _logging()
@@ -631,24 +662,33 @@ def save_model(
 
 @app.command()
 def server(
-    action: Annotated[str, typer.Argument(help="start, stop or url")] = "url",
+    action: Annotated[str, typer.Argument(metavar="ACTION", help="start, stop or url")] = "url",
+    show_password: Annotated[bool, typer.Option(
+        "--show-password", metavar=FLAG,
+        help="print the URL with its password, for Flower or redis-cli (it lands in your shell's history)")] = False,
 ) -> None:
     """The embedded local Redis server: start it, stop it, or print its URL."""
     settings = _settings()
     from renderfleet.embedded import ensure_embedded, running_embedded, stop_embedded
     from renderfleet.settings import redact
 
-    # The password is never printed: every renderfleet command finds the server
-    # (password included) in RENDERFLEET_HOME/server.json by itself.
+    # The password is printed only when asked for by name: every renderfleet command finds
+    # the server (password included) in RENDERFLEET_HOME/server.json by itself, but other
+    # tools (Flower, redis-cli) need the whole URL.
+    def shown(url: str) -> str:
+        return url if show_password else redact(url)
+
     with _user_errors():
+        if show_password and action not in ("start", "url"):
+            raise InputError([f"--show-password: only with start or url, not {action!r}"])
         if action == "start":
-            print(redact(settings.redis_url or ensure_embedded(settings.home)))
+            print(shown(settings.redis_url or ensure_embedded(settings.home)))
         elif action == "url":
             url = settings.redis_url or running_embedded(settings.home)
             if not url:
                 _err("renderfleet: no server running (`renderfleet server start` starts one)")
                 raise typer.Exit(1)
-            print(redact(url))
+            print(shown(url))
         elif action == "stop":
             print("stopped" if stop_embedded(settings.home) else "not running")
         else:

@@ -21,7 +21,7 @@ shared only **signed** (HMAC-SHA256 with a fleet key that workers read from
 ``RENDERFLEET_COMPILE_CACHE_KEY_FILE`` and the store never holds), and a blob
 whose signature is missing or wrong is never loaded (one log line).  Without a
 key nothing is shared: each node keeps torch's own local cache, and whoever
-can write the store still cannot run code on the fleet (README, "Security").
+can write the store still cannot run code on the fleet (docs/security.md).
 
 Saves stay off the render path: the render thread only takes the bytes (after
 a call that compiled something: cheap, and safe from a compile racing it), and

@@ -4,7 +4,7 @@ The monitor's ``/metrics`` (``dispatcher/http.py``) is the fleet seen from
 Redis; these are what only the worker sees: each prompt's outcome here, how
 long its batches and model loads take, the reclaim notices it heard, the
 batches it lost, the calls it retried and its GPU's memory peak per batch.  Cost per
-image is then one PromQL division (README, "Watching it").
+image is then one PromQL division (docs/monitoring.md, "Each worker's own metrics").
 
 One process, one registry: a worker runs Celery's solo pool (``worker/main.py``),
 so every shard renders in the process that serves ``/metrics`` and

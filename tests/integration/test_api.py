@@ -98,10 +98,10 @@ def test_a_bad_item_is_named_by_position_and_nothing_is_enqueued(client: Client,
     assert not (Path(env["RENDERFLEET_STORE"]) / "jobs").exists()
 
 
-def test_the_readme_example_runs(env: dict[str, str], worker: WorkerProc, tmp_path: Path) -> None:
-    readme = (REPO / "README.md").read_text()
-    example = re.search(r"### From Python\n.*?```python\n(.*?)```", readme, re.S)
-    assert example, "the README's Python example is gone"
+def test_the_guides_python_example_runs(env: dict[str, str], worker: WorkerProc, tmp_path: Path) -> None:
+    guide = (REPO / "docs" / "guide.md").read_text()
+    example = re.search(r"## The Python API\n.*?```python\n(.*?)```", guide, re.S)
+    assert example, "the Python example of docs/guide.md is gone"
     script = tmp_path / "example.py"
     script.write_text(example.group(1))
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,

@@ -38,9 +38,17 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
     for point in other["points"]:
         point["cost_per_image"] = {"3/h": point["cost_per_image"]["1/h"] * 3}
     (tmp_path / "b.json").write_text(json.dumps(other))
-    cmp = run("--compare", str(tmp_path / "a" / "bench.json"), "--compare", str(tmp_path / "b.json"))
-    assert cmp.returncode == 0, cmp.stderr
-    assert f"Cheapest per image: {tmp_path / 'a' / 'bench.json'}" in cmp.stdout
+    # the documented form (docs/pools.md), and --compare repeated before each file
+    for form in (("--compare", str(tmp_path / "a" / "bench.json"), str(tmp_path / "b.json")),
+                 ("--compare", str(tmp_path / "a" / "bench.json"), "--compare", str(tmp_path / "b.json"))):
+        cmp = run(*form)
+        assert cmp.returncode == 0, cmp.stderr
+        assert f"Cheapest per image: {tmp_path / 'a' / 'bench.json'}" in cmp.stdout
+        assert str(tmp_path / "b.json") in cmp.stdout
+    # files without --compare, or --compare without files: one line, exit 2, nothing run
+    for bad, says in ((str(tmp_path / "b.json"),), "bench --compare A.json B.json"), (("--compare",), "--compare:"):
+        out = run(*bad)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -119,7 +119,7 @@ def test_redis_restarted_empty_mid_shard_then_resume_ends_proven_without_a_monit
     redis_server.kill()
     redis_server.start()
     client = redis.Redis.from_url(redis_server.url)
-    cli(env, "resume", job)  # the README's recovery step
+    cli(env, "resume", job)  # the recovery step of the README and docs/failures.md
     os.kill(worker.pid, signal.SIGCONT)
     wait_for(lambda: proven(env, store_url, job), 180, interval=1, what="done = images = total")
     st = job_status(env, job)

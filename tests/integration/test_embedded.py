@@ -11,7 +11,7 @@ import redis
 
 from renderfleet.embedded import RedisServerProcess, ensure_embedded, ping, stop_embedded, trusted_server
 from renderfleet.errors import ConfigError
-from testing.fleet import start_redis
+from testing.fleet import base_env, cli, start_redis
 
 pytestmark = pytest.mark.integration
 
@@ -41,6 +41,26 @@ def test_embedded_server_has_a_password_kept_in_private_files(tmp_path: Path) ->
     finally:
         assert stop_embedded(home)
     assert not ping(url)
+
+
+def test_server_url_shows_the_password_only_when_asked(tmp_path: Path) -> None:
+    env = base_env(tmp_path, "", str(tmp_path / "store"))
+    del env["RENDERFLEET_REDIS_URL"]  # the embedded server, under tmp_path/home
+    try:
+        started = cli(env, "server", "start", timeout=60).stdout.strip()
+        masked = cli(env, "server", "url").stdout.strip()
+        assert "***" in started and masked == started
+        full = cli(env, "server", "url", "--show-password").stdout.strip()
+        # the URL a user hands to Flower or redis-cli: it opens the server renderfleet uses
+        assert full == json.loads((tmp_path / "home" / "server.json").read_text())["url"]
+        assert "***" not in full and redis.Redis.from_url(full).ping()
+        password = redis.Redis.from_url(full).connection_pool.connection_kwargs["password"]
+        assert password and password not in masked
+        bad = cli(env, "server", "stop", "--show-password", check=False)
+        assert bad.returncode == 2 and "--show-password" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        cli(env, "server", "stop")
+    assert not ping(full)
 
 
 def test_a_state_file_naming_someone_elses_server_is_never_adopted_nor_stopped(tmp_path: Path) -> None:

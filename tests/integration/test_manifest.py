@@ -13,7 +13,7 @@ import redis
 from PIL import Image
 
 from dispatcher.manifest import manifest_rows, write_manifest
-from renderfleet import spec
+from renderfleet import keys, spec
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.store import LocalStore
@@ -48,7 +48,7 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
     assert hero["seed"] == 7 and hero["steps"] == 2 and hero["width"] == 32 and hero["model"] == "tiny"
     assert hero["status"] == "done" and hero["image"].endswith(f"jobs/{job}/images/hero.png")
     assert rows[4]["status"] == "missing" and rows[4]["image"] == ""
-    assert all(r["attempts"] >= 1 for r in rows)
+    assert all(r["shard_attempts"] >= 1 for r in rows)  # every shard was handed to a worker
 
     cli(env, "results", job, "--contact-sheet", str(tmp_path / "sheet.png"))
     with Image.open(tmp_path / "sheet.png") as img:
@@ -56,6 +56,34 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
 
     bad = cli(env, "results", job, "--manifest", str(tmp_path / "m.xlsx"), check=False)
     assert bad.returncode == 2 and "--manifest" in bad.stderr and not (tmp_path / "m.xlsx").exists()
+
+
+def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_forgot(tmp_path: Path) -> None:
+    # the `make run` path: no RENDERFLEET_REDIS_URL, the embedded server under RENDERFLEET_HOME
+    env = base_env(tmp_path, "", str(tmp_path / "store"))
+    del env["RENDERFLEET_REDIS_URL"]
+    (tmp_path / "p.txt").write_text("".join(f"a heron, take {i}\n" for i in range(4)))
+    cli(env, "server", "start", timeout=60)
+    try:
+        client = redis.Redis.from_url(cli(env, "server", "url", "--show-password").stdout.strip())
+        worker = WorkerProc(env, tmp_path / "worker.log")
+        try:
+            wait_for(lambda: worker_ready(client, 1), 90, what="worker")
+            job = cli(env, "submit", str(tmp_path / "p.txt"), *TINY, "--shard-size", "2").stdout.split()[-1]
+            wait_for(lambda: job_status(env, job)["done"] == 4, 120, interval=0.5, what="the job")
+        finally:
+            worker.kill()
+        cli(env, "results", job, "--manifest", str(tmp_path / "m.jsonl"))
+        rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert [r["status"] for r in rows] == ["done"] * 4
+        claims = {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
+        assert [r["shard_attempts"] for r in rows] == [claims[i // 2] for i in range(4)]
+        assert all(r["shard_attempts"] >= 1 for r in rows), rows
+        client.flushall()  # a Redis that lost its memory: attempts unknown, not "never tried"
+        cli(env, "results", job, "--manifest", str(tmp_path / "lost.parquet"))
+        assert [r["shard_attempts"] for r in pq.read_table(tmp_path / "lost.parquet").to_pylist()] == [None] * 4
+    finally:
+        cli(env, "server", "stop")
 
 
 def test_a_manifest_of_a_hundred_thousand_prompts_streams(tmp_path: Path) -> None:

@@ -1,0 +1,66 @@
+"""The README and docs/ agree with the code and with each other: every link
+resolves, the configuration reference names every setting and config-file key,
+and the defaults the README states are submit's own."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from dispatcher.submit import SubmitOptions
+from renderfleet.settings import AutoscaleConfig, PoolConfig, Settings
+from renderfleet.spec import DEFAULT
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "infra").rglob("README.md")),
+         REPO / "docker" / "README.md"]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lowercase, punctuation dropped, spaces as hyphens."""
+    found = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if m := re.match(r"#{1,6} (.*)", line):
+            found.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_finds_its_file_and_heading(page: Path) -> None:
+    broken = []
+    for target in LINK.findall(page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(REPO)}")
+    assert not broken, broken
+
+
+def test_the_configuration_reference_names_every_setting_and_key() -> None:
+    text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    missing = [f"RENDERFLEET_{name.upper()}" for name in Settings.model_fields
+               if name not in ("pools", "autoscale") and f"`RENDERFLEET_{name.upper()}`" not in text]
+    for table, model in (("pools.NAME", PoolConfig), ("autoscale", AutoscaleConfig)):
+        section = text.split(f"### `[{table}]`", 1)[-1].split("\n### ", 1)[0]
+        missing += [f"[{table}] {key}" for key in model.model_fields if f"| `{key}` |" not in section]
+    assert not missing, f"docs/configuration.md does not describe {missing}"
+
+
+def test_the_readme_states_submits_real_defaults() -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    cut = {f.name: f.default for f in fields(SubmitOptions)}
+    stated = {"--steps": DEFAULT["steps"], "--size": f"{DEFAULT['width']}x{DEFAULT['height']}",
+              "--guidance": DEFAULT["guidance"], "--seed": DEFAULT["seed"], "--shard-size": cut["shard_size"],
+              "--batch-size": cut["batch_size"], "--pool": f"`{cut['pool']}`",
+              "--model": f"`{Settings.model_fields['model'].default}`"}
+    for flag, value in stated.items():
+        assert re.search(rf"^\| `{flag}` \| {re.escape(str(value))}( |$)", text, re.M), f"README: {flag} {value}"
+    assert "make run" in text and "make test" in text  # .ci/run runs what the README says
