@@ -12,7 +12,7 @@ job has reached its share of progress:
 * one worker gets an AWS spot interruption notice (two minutes ahead);
 * one worker is SIGSTOPped past its lease: its shard is reaped and claimed by
   another worker, then it is SIGCONTed and must find itself fenced;
-* one extra worker, started with ``RENDERFLEET_TEST_PAUSE_AT=before-claim``,
+* one extra worker, started with the failpoint ``before-claim=pause``,
   stops itself between taking a message and claiming it and is SIGKILLed
   there: the monitor's audit must bring the shard back;
 * once every worker holds a lease, Redis is killed and restarted empty:
@@ -50,7 +50,7 @@ import redis
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import RenderParams, ShardMessage
-from testing.fleet import FAST_LEASES, PAUSE_AT, WorkerProc, cli, stopped, wait_for
+from testing.fleet import FAST_LEASES, WorkerProc, cli, pause_at, stopped, wait_for
 from testing.rig import Fleet, Rig, log_count, pool_stats, running_again, unclaimed_deliveries
 
 SHARD_SIZE = 6
@@ -283,7 +283,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             # A spare worker that will stop itself between taking a message and claiming it:
             # started now (a model load takes a while on a busy machine) and parked by SIGSTOP
             # once its model is loaded, before any message exists.
-            trap = WorkerProc({**fleet.node_env("trap"), PAUSE_AT: "before-claim"}, logs / "trap.log",
+            trap = WorkerProc({**fleet.node_env("trap"), **pause_at("before-claim")}, logs / "trap.log",
                               "--pool", "spot", "--verbose")
             fleet.extra.append(trap)
         for _ in range(workers):

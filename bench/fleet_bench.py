@@ -7,9 +7,10 @@ waited for by counting its done bits every 20 ms.  A job's wall time runs
 from the submit call to its last prompt counted done; each pool runs one
 small job first, untimed (a worker's first S3 request builds its client).
 
-1. **Orchestration overhead**: workers with the benchmark-only fixed-time
-   renderer (``RENDERFLEET_TEST_RENDER_SECONDS``: sleeps, no CPU burnt, real
-   PNGs), 2,000 prompts through one worker; wall time over pure render time
+1. **Orchestration overhead**: jobs naming the bench model
+   ``bench:fixed?seconds=S`` (the fixed-time renderer: sleeps, no CPU burnt,
+   real PNGs marked as fake), on workers allowed it
+   (``RENDERFLEET_ALLOW_BENCH_MODELS=1``), 2,000 prompts through one worker; wall time over pure render time
    (prompts x seconds per image).  Goal: at most 1.03 (the GPU busy at least
    97% of the time).  Twice in each run: with the commit queue (the default,
    ``RENDERFLEET_PIPELINE_DEPTH=2``) and without it (``0``: each batch stored
@@ -19,7 +20,7 @@ small job first, untimed (a worker's first S3 request builds its client).
 2. **The real tiny model**: the same path with ``tiny`` on the CPU, one torch
    thread; fleet images per second over the in-process renderer's (render and
    PNG encode, no store) at the same settings, taking turns in each run.
-3. **Scale-out**: the fixed-time renderer with 1, 4 and 8 workers (pools of
+3. **Scale-out**: the bench model with 1, 4 and 8 workers (pools of
    their own, all started first), the same prompts per worker; images per
    second over N times one worker's, in the same run.  Goal: at least 0.9.
 
@@ -50,7 +51,8 @@ import redis
 from bench.results import table, write_section
 from renderfleet import keys
 from renderfleet.api import Client
-from testing.fleet import WorkerProc, base_env, start_redis, wait_for, worker_ready, write_prompts
+from renderfleet.spec import bench_model
+from testing.fleet import ALLOW_BENCH, WorkerProc, base_env, start_redis, wait_for, worker_ready, write_prompts
 from testing.servers import MotoServer, s3_env
 
 # The product's lease settings (renderfleet.settings), not the tests' short ones.
@@ -68,8 +70,8 @@ class Fleet:
         self.client = Client(redis_url=redis_url, store=store)
         self.workers: list[WorkerProc] = []
 
-    def start(self, pool: str, n: int, **env: str) -> list[WorkerProc]:
-        started = [WorkerProc({**self.env, **env}, self.root / f"{pool}-{i}.log", "--pool", pool, "--model", "tiny")
+    def start(self, pool: str, n: int, model: str, **env: str) -> list[WorkerProc]:
+        started = [WorkerProc({**self.env, **env}, self.root / f"{pool}-{i}.log", "--pool", pool, "--model", model)
                    for i in range(n)]
         self.workers += started
         return started
@@ -98,11 +100,11 @@ class Fleet:
             path = write_prompts(self.root / f"warm-{pool}.txt", shard_size * workers, f"warm-up {pool}")
             self.job(path, pool=pool, seed=10**6, shard_size=shard_size, **settings)
 
-    def job(self, path: Path, *, pool: str, seed: int, steps: int, size: str, batch_size: int,
+    def job(self, path: Path, *, model: str, pool: str, seed: int, steps: int, size: str, batch_size: int,
             shard_size: int) -> float:
         """Submit ``path`` to ``pool`` and wait for it: wall seconds from the submit call to the last count."""
         t = time.perf_counter()
-        job = self.client.submit(path, model="tiny", steps=steps, size=size, seed=seed, shard_size=shard_size,
+        job = self.client.submit(path, model=model, steps=steps, size=size, seed=seed, shard_size=shard_size,
                                  batch_size=batch_size, pool=pool)
         done = keys.done_bits(job.id)
         deadline = time.monotonic() + 1800
@@ -143,13 +145,13 @@ def spread(values: list[float], fmt: str = ".3f") -> str:
 def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     """2,000 prompts through one fixed-time worker, with and without the commit queue, taking turns."""
     spi = args.seconds_per_image
-    renderer = {"RENDERFLEET_TEST_RENDER_SECONDS": str(spi)}
+    model = bench_model(spi)
     pools = ("piped", "inline") if args.before else ("piped",)
-    f.start("piped", 1, **renderer)
+    f.start("piped", 1, model, **ALLOW_BENCH)
     if args.before:
-        f.start("inline", 1, RENDERFLEET_PIPELINE_DEPTH="0", **renderer)
+        f.start("inline", 1, model, RENDERFLEET_PIPELINE_DEPTH="0", **ALLOW_BENCH)
     f.ready()
-    f.warm(dict.fromkeys(pools, 1), steps=args.steps, size=args.size, batch_size=args.batch_size,
+    f.warm(dict.fromkeys(pools, 1), model=model, steps=args.steps, size=args.size, batch_size=args.batch_size,
            shard_size=args.shard_size)
     path = write_prompts(f.root / "overhead.txt", args.prompts, "overhead")
     pure = args.prompts * spi
@@ -157,8 +159,8 @@ def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     for run in range(args.runs):
         for turn, pool in enumerate(pools):
             # A seed of its own: the same prompts and settings would be the same job, already done.
-            wall = f.job(path, pool=pool, seed=2 * run + turn, steps=args.steps, size=args.size, batch_size=args.batch_size,
-                         shard_size=args.shard_size)
+            wall = f.job(path, model=model, pool=pool, seed=2 * run + turn, steps=args.steps, size=args.size,
+                         batch_size=args.batch_size, shard_size=args.shard_size)
             ratios[pool].append(wall / pure)
             print(f"  run {run} {pool:6s}: {wall:.2f} s wall for {pure:.1f} s of render: {wall / pure:.4f}",
                   flush=True)
@@ -187,7 +189,7 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     from worker.models import load_pipeline
     from worker.render import Renderer
 
-    f.start("tiny", 1)
+    f.start("tiny", 1, "tiny")
     torch.set_num_threads(1)  # as each worker (OMP_NUM_THREADS=1)
     width, height = (int(x) for x in args.tiny_size.split("x"))
     loaded = load_pipeline("tiny", device="cpu", cache_dir=f.root / "models")
@@ -205,13 +207,13 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
         return n / (time.perf_counter() - t)
 
     in_process(99)  # warm-up
-    f.warm({"tiny": 1}, steps=args.tiny_steps, size=args.tiny_size, batch_size=args.batch_size,
+    f.warm({"tiny": 1}, model="tiny", steps=args.tiny_steps, size=args.tiny_size, batch_size=args.batch_size,
            shard_size=args.shard_size)
     fleet_rate: list[float] = []
     local_rate: list[float] = []
     for run in range(args.runs):
         local_rate.append(in_process(run))
-        wall = f.job(path, pool="tiny", seed=run, steps=args.tiny_steps, size=args.tiny_size,
+        wall = f.job(path, model="tiny", pool="tiny", seed=run, steps=args.tiny_steps, size=args.tiny_size,
                      batch_size=args.batch_size, shard_size=args.shard_size)
         fleet_rate.append(n / wall)
         print(f"  run {run}: fleet {fleet_rate[-1]:.2f} images/s, in-process {local_rate[-1]:.2f} images/s",
@@ -230,18 +232,18 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
 def scale(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     """1, 4 and 8 fixed-time workers on pools of their own; images/s over N x one worker's, same run."""
     counts = [int(x) for x in args.workers.split(",")]
-    renderer = {"RENDERFLEET_TEST_RENDER_SECONDS": str(args.seconds_per_image)}
+    model = bench_model(args.seconds_per_image)
     for n in counts:
-        f.start(f"scale{n}", n, **renderer)
+        f.start(f"scale{n}", n, model, **ALLOW_BENCH)
     f.ready()
-    f.warm({f"scale{n}": n for n in counts}, steps=args.steps, size=args.size, batch_size=args.batch_size,
+    f.warm({f"scale{n}": n for n in counts}, model=model, steps=args.steps, size=args.size, batch_size=args.batch_size,
            shard_size=args.shard_size)
     rates: dict[int, list[float]] = {n: [] for n in counts}
     for run in range(args.runs):
         for n in counts:
             prompts = args.scale_prompts * n
             path = write_prompts(f.root / f"scale{n}.txt", prompts, f"scale {n}")
-            wall = f.job(path, pool=f"scale{n}", seed=run, steps=args.steps, size=args.size,
+            wall = f.job(path, model=model, pool=f"scale{n}", seed=run, steps=args.steps, size=args.size,
                          batch_size=args.batch_size, shard_size=args.shard_size)
             rates[n].append(prompts / wall)
             print(f"  run {run}: {n} worker(s): {prompts / wall:.1f} images/s", flush=True)
@@ -268,7 +270,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", choices=list(PARTS), action="append", help="run only these parts (repeatable)")
     ap.add_argument("--prompts", type=int, default=2000, help="prompts of the overhead job")
-    ap.add_argument("--seconds-per-image", type=float, default=0.025, help="fixed-time renderer (0.025: 200 ms per 8)")
+    ap.add_argument("--seconds-per-image", type=float, default=0.025,
+                    help="S of the bench model bench:fixed?seconds=S (0.025: 200 ms per 8)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--shard-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10, help="the fixed-time renderer's steps (stop checks)")

@@ -73,6 +73,8 @@ def check_options(opts: SubmitOptions) -> None:
                               ("--batch-size", "batch_size", opts.batch_size)):
         if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
+    if why := spec.model_problem(p.model, "--model"):
+        problems.append(why)
     if opts.job is not None and (why := job_id_problem(opts.job)):
         problems.append(f"--job: {why}")
     if problems:

@@ -52,7 +52,7 @@ from importlib import resources
 
 import redis
 
-from renderfleet import keys, testhooks
+from renderfleet import failpoints, keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope, is_store_queue
 from renderfleet.errors import Reclaimed
 from renderfleet.states import Beat, ClaimAnswer, Release
@@ -181,7 +181,7 @@ class Leases:
         if not requeue and self.envelope is not None:
             requeue = self.envelope(message, queue, f"{job}:{shard}")
         requeue_tag = envelope_tag(requeue)
-        testhooks.pause_at("before-claim")
+        failpoints.reach("before-claim")
         status, attempt = self._claim(
             keys=[
                 keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),

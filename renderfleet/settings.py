@@ -224,6 +224,10 @@ class Settings(BaseSettings):
     # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
     # prefix and below).  None: any model.  A job naming another fails, not the worker.
     allowed_models: str | None = None
+    # Serve the reserved ``bench:fixed?seconds=S`` models (renderfleet.spec.bench_seconds): no
+    # model, a fixed time per image, flat-colour PNGs marked as fake.  Off: a job naming one
+    # fails with the reason, as for any model that will not load.  For benchmarks and tests only.
+    allow_bench_models: bool = False
     # The largest total size of an s3:// model's files a worker will fetch, in bytes.
     model_max_bytes: int = Field(default=20 * 10**9, gt=0)
     # Device override for workers (cuda, cpu, mps); None: best available.

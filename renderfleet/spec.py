@@ -432,6 +432,45 @@ _WIRE_FIELDS = {f.wire: f for f in FIELDS}  # the keys of a prompt with fields o
 _PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number")}  # the job's numbers
 MAX_MODEL_LEN = 1024
 
+# The reserved model ids of the fixed-time bench renderer (worker/benchrender.py): no model,
+# a fixed time per image, flat-colour PNGs that say so.  A job must name one to get it, and a
+# worker serves it only when allowed (RENDERFLEET_ALLOW_BENCH_MODELS): never by accident.
+BENCH_PREFIX = "bench:"
+BENCH_FORM = "bench:fixed?seconds=S"
+MAX_BENCH_SECONDS = 60.0
+_BENCH_RE = re.compile(r"bench:fixed\?seconds=(?P<seconds>[0-9]+(?:\.[0-9]+)?)")
+
+
+def bench_seconds(model: str) -> float | None:
+    """Seconds per image of a bench model (``bench:fixed?seconds=0.025``), None for any other
+    model; ValueError saying why for a ``bench:`` id that is not one."""
+    if not model.startswith(BENCH_PREFIX):
+        return None
+    m = _BENCH_RE.fullmatch(model)
+    seconds = float(m["seconds"]) if m else 0.0
+    if not 0 < seconds <= MAX_BENCH_SECONDS:
+        raise ValueError(f"{model[:100]!r}: a bench model is {BENCH_FORM}, S seconds per image "
+                         f"(above 0, at most {MAX_BENCH_SECONDS:g}), e.g. bench:fixed?seconds=0.025")
+    return seconds
+
+
+def bench_model(seconds: float) -> str:
+    """The bench model's id for ``seconds`` per image: ``bench:fixed?seconds=0.025``."""
+    return f"bench:fixed?seconds={seconds:.6f}".rstrip("0").rstrip(".")
+
+
+def model_problem(model: Any, what: str = "model") -> str | None:
+    """Why ``model`` cannot be a job's model, if it cannot, naming it ``what`` (submit's check and the worker's)."""
+    if why := _text_problem(what, model, empty=False):
+        return why
+    if len(model) > MAX_MODEL_LEN:
+        return f"{what}: longer than {MAX_MODEL_LEN} characters"
+    try:
+        bench_seconds(model)
+    except ValueError as exc:
+        return f"{what}: {exc}"
+    return None
+
 
 def _is_int(value: Any) -> bool:
     return type(value) is int  # not bool, not a float that happens to be whole
@@ -492,9 +531,8 @@ def message_problems(data: Any) -> list[str]:
     params = data["params"]
     if not isinstance(params, dict) or set(params) - set(RenderParams.__dataclass_fields__):
         return [*problems, "params: must be an object of the render settings (model, steps, width, ...)"]
-    if (why := _text_problem("params.model", params.get("model", "tiny"), empty=False)) or \
-            len(params.get("model", "")) > MAX_MODEL_LEN:
-        problems.append(why or f"params.model: longer than {MAX_MODEL_LEN} characters")
+    if why := model_problem(params.get("model", "tiny"), "params.model"):
+        problems.append(why)
     if why := _text_problem("params.negative_prompt", params.get("negative_prompt", "")):
         problems.append(why)
     problems += _field_problems("params", params, _PARAM_FIELDS)

@@ -19,7 +19,9 @@ from typing import Any
 
 import redis
 
+from renderfleet import failpoints
 from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import bench_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,6 +34,15 @@ FAST_LEASES = {
 
 # The test render settings: tiny at 32x32, 2 steps.
 TINY = ["--model", "tiny", "--steps", "2", "--size", "32x32"]
+
+# A worker that serves the bench models (renderfleet.spec.bench_model: a fixed time per image, no
+# model, no CPU burnt), for a shard that lasts long enough to act in its middle.
+ALLOW_BENCH = {"RENDERFLEET_ALLOW_BENCH_MODELS": "1"}
+
+
+def bench(seconds_per_image: float) -> list[str]:
+    """Submit's (or a worker's) flags for the bench model at ``seconds_per_image``, 32x32, 2 steps."""
+    return ["--model", bench_model(seconds_per_image), "--steps", "2", "--size", "32x32"]
 
 
 def start_redis(workdir: Path, port: int | None = None) -> RedisServerProcess:
@@ -137,11 +148,19 @@ def write_prompts(path: Path, n: int, prefix: str = "prompt") -> Path:
 
 # ---- windows of milliseconds, made deterministic (tests and the chaos run) ----------
 #
-# A worker started with {PAUSE_AT: "before-claim"} ("after-render", "before-checkpoint") SIGSTOPs
-# itself there (renderfleet.testhooks): wait for stopped(pid), then SIGKILL it
+# A worker started with pause_at("before-claim") ("after-render", "before-checkpoint", ...) SIGSTOPs
+# itself there (renderfleet.failpoints): wait for stopped(pid), then SIGKILL it
 # (a kill inside the fetch-to-claim window) or SIGCONT it later (a pause past its lease).
 
-PAUSE_AT = "RENDERFLEET_TEST_PAUSE_AT"
+
+def pause_at(point: str) -> dict[str, str]:
+    """The environment of a process that SIGSTOPs itself at failpoint ``point`` (``point#n``: the n-th time)."""
+    return {failpoints.VARIABLE: f"{point}=pause"}
+
+
+def raise_at(point: str, error: str, text: str) -> dict[str, str]:
+    """The environment of a process that raises ``error(text)`` every time it reaches failpoint ``point``."""
+    return {failpoints.VARIABLE: f"{point}=raise({error}: {text})"}
 
 
 def stopped(pid: int) -> bool:

@@ -1,17 +1,21 @@
-"""A renderer for benchmarks and tests only: a fixed time per image, sleeping, no model.
+"""The bench models: a fixed time per image, sleeping, no model; for benchmarks and tests only.
 
 ``bench/fleet_bench.py`` measures what the fleet itself costs (queues,
 leases, encode, uploads, checkpoints, counts) against pure render time, and
 how it scales out: it needs a renderer whose time is known exactly and that
 burns no CPU, so that on a small machine eight workers do not compete for
-cores the way eight real pipelines would.  A worker started with
-``RENDERFLEET_TEST_RENDER_SECONDS`` (seconds per image, see
-:mod:`renderfleet.testhooks`) loads this instead of its model.  Never set it
-on a real worker: its images are flat colours.
+cores the way eight real pipelines would.  It is a model a job must name,
+``bench:fixed?seconds=S`` (S seconds per image, :func:`renderfleet.spec.bench_seconds`),
+and a worker serves it only with ``RENDERFLEET_ALLOW_BENCH_MODELS=1``
+(:func:`worker.models.model_refusal`): no setting turns a real model's job
+into flat colours.
 
 Like the real renderer it sleeps in denoising "steps" and asks ``should_stop``
 after each, so a reclaim notice abandons a batch within one step, and it
-encodes real PNGs (:func:`worker.render.encode_png`) in :meth:`encode`.
+encodes real PNGs (:func:`worker.render.encode_png`) in :meth:`encode`, their
+``model`` chunk the bench model's id and a ``renderfleet:fake`` chunk saying
+what they are (:func:`worker.render.png_metadata`), so that no one takes one
+for a render.
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ class FixedLoad:
     """What ``run_worker`` reports of a loaded model, for the fixed-time renderer."""
 
     model: str
-    device: str = "none (fixed-time bench renderer)"
+    device: str = "none (bench model)"
     load_seconds: float = 0.0
 
 
 class FixedTimeRenderer:
     """Sleeps ``seconds_per_image`` times the batch's size per call; images are flat colours from the seed."""
 
-    def __init__(self, seconds_per_image: float, model: str = "fixed") -> None:
+    def __init__(self, seconds_per_image: float, model: str) -> None:
         self.seconds_per_image = seconds_per_image
         self.model = model
         self.last_batch_seconds: float | None = None
@@ -63,7 +67,7 @@ class FixedTimeRenderer:
     def encode(self, image: Any, prompt: Prompt) -> bytes:
         from worker.render import encode_image
 
-        return encode_image(image, prompt, self.model)
+        return encode_image(image, prompt, self.model)  # a bench model's id: marked as fake (png_metadata)
 
 
 def _colour(seed: int) -> tuple[int, int, int]:

@@ -17,14 +17,15 @@ from typing import Any
 
 import redis
 
-from renderfleet import celery_app, testhooks
+from renderfleet import celery_app, failpoints
 from renderfleet.embedded import broker_url
-from renderfleet.errors import ConfigError
+from renderfleet.errors import ConfigError, ModelLoadError
 from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings, redact
+from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
 from worker.metrics import WorkerMetrics, serve_metrics
-from worker.models import model_allowed
+from worker.models import model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from worker.render import is_device_error
@@ -43,12 +44,15 @@ MARK_RETRY_SECONDS = 15.0
 
 def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
     """(renderer, loaded model) for ``model``, on the best device; with ``compile``,
-    a renderer that shares its compile cache through the store."""
-    if (seconds := testhooks.fixed_render_seconds()) is not None:
+    a renderer that shares its compile cache through the store.  A ``bench:`` model is the
+    fixed-time renderer, only where ``allow_bench_models`` is set (else :class:`ModelLoadError`)."""
+    if model.startswith(BENCH_PREFIX):
+        if why := model_refusal(model, None, bench=settings.allow_bench_models):
+            raise ModelLoadError(why)
         from worker.benchrender import FixedLoad, FixedTimeRenderer
 
-        log.warning("%s is set: a fixed-time bench renderer, not model %s", testhooks.RENDER_SECONDS, model)
-        return FixedTimeRenderer(seconds, model), FixedLoad(model)
+        log.warning("model %s: the fixed-time bench renderer: no model, flat-colour images marked as fake", model)
+        return FixedTimeRenderer(bench_seconds(model) or 0.0, model), FixedLoad(model)
     from worker.batchsize import card_name
     from worker.compiled import open_compile_cache
     from worker.models import fetch_s3_model, load_pipeline
@@ -76,11 +80,17 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
             from worker.compiled import read_fleet_key
 
             read_fleet_key(settings.compile_cache_key_file)  # a key that will not do: refused before the load
-    url = broker_url(settings.redis_url, settings.home)
     model = model or settings.model
+    if why := model_refusal(model, settings.allowed_model_list, bench=settings.allow_bench_models):
+        raise ConfigError(f"RENDERFLEET_MODEL (--model): {why}")
+    # Test switches left on in a deployment must show: one line each, at start.
+    if failpoints.active():  # a value that will not parse: ConfigError, here
+        log.warning("failpoints active (%s): %s", failpoints.VARIABLE, failpoints.describe())
+    if settings.allow_bench_models:
+        log.warning("RENDERFLEET_ALLOW_BENCH_MODELS is on: a job naming a bench: model gets flat-colour "
+                    "images from the fixed-time renderer")
+    url = broker_url(settings.redis_url, settings.home)
     worker_id = new_worker_id(settings.pool)
-    if not model_allowed(model, settings.allowed_model_list):
-        raise ConfigError(f"RENDERFLEET_MODEL: {model!r} is not in RENDERFLEET_ALLOWED_MODELS")
     metrics = WorkerMetrics(settings.pool)
     endpoint = serve_metrics(metrics, settings)  # before the load: a bad address fails in a second, not minutes
     if endpoint is not None:

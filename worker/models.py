@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
 from renderfleet.errors import ConfigError, ModelLoadError
+from renderfleet.spec import BENCH_PREFIX, bench_seconds
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ def load_pipeline(
     hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
     Each call loads afresh; the caller keeps the result and counts loads.
     """
+    if model.startswith(BENCH_PREFIX):  # not a pipeline: worker.main.load_renderer serves these, when allowed
+        raise ModelLoadError(f"model {model!r} is a bench model (the fixed-time renderer), not a pipeline")
     started = time.perf_counter()
     device = device or default_device()
     check_compile(compile, device)
@@ -359,6 +362,26 @@ def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
 # ---- which models, and fetching one from S3 ----------------------------------------
 
 
+def model_refusal(model: str, allowed: Sequence[str] | None, *, bench: bool = False) -> str | None:
+    """Why this worker may not load ``model``, or None.
+
+    A ``bench:`` model (the fixed-time renderer: flat-colour images, no
+    model) only with ``bench`` (RENDERFLEET_ALLOW_BENCH_MODELS), and then on
+    the allow-list, when there is one, like any model.
+    """
+    if model.startswith(BENCH_PREFIX):
+        try:
+            bench_seconds(model)
+        except ValueError as exc:
+            return f"model {exc}"
+        if not bench:
+            return (f"model {model!r} is the fixed-time bench renderer (flat-colour images, no model); this worker "
+                    "serves no bench models (RENDERFLEET_ALLOW_BENCH_MODELS is off)")
+    if not model_allowed(model, allowed):
+        return f"model {model!r} is not in this worker's allow-list (RENDERFLEET_ALLOWED_MODELS)"
+    return None
+
+
 def model_allowed(model: str, allowed: Sequence[str] | None) -> bool:
     """Whether ``model`` is on the allow-list (None: no list, any model).
 
@@ -375,7 +398,8 @@ def model_allowed(model: str, allowed: Sequence[str] | None) -> bool:
             base = entry.rstrip("/")
             if model.startswith(base + "/") and ".." not in model[len(base):].split("/"):
                 return True
-        elif model != TINY and "://" not in model and (entry.startswith(("/", ".", "~")) or Path(entry).is_dir()):
+        elif (model != TINY and "://" not in model and not model.startswith(BENCH_PREFIX)
+              and (entry.startswith(("/", ".", "~")) or Path(entry).is_dir())):
             try:
                 if Path(model).expanduser().resolve().is_relative_to(Path(entry).expanduser().resolve()):
                     return True

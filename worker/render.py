@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from renderfleet import __version__, testhooks
+from renderfleet import __version__, failpoints
 from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
-from renderfleet.spec import FIELD, INT_LIMITS, Prompt, field_problem
+from renderfleet.spec import BENCH_PREFIX, FIELD, INT_LIMITS, Prompt, field_problem
 from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
 
 if TYPE_CHECKING:
@@ -160,8 +160,7 @@ class Renderer:
 
         out_of_memory = ""
         try:
-            if fault := testhooks.injected_fault("render"):
-                raise testhooks.make_fault(fault)
+            failpoints.reach("render")
             with torch.inference_mode():
                 output = self.loaded.pipe(
                     prompt=[p.prompt for p in prompts],
@@ -245,9 +244,13 @@ def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:
     return buf.getvalue()
 
 
+# The text chunk that marks every image of a bench model (worker/benchrender.py), beside its id in ``model``.
+FAKE_CHUNK = {"renderfleet:fake": "fixed-time benchmark renderer, not a render"}
+
+
 def png_metadata(prompt: Prompt, model: str) -> dict[str, str]:
-    """The text chunks written into every PNG, in a fixed order."""
-    return {
+    """The text chunks written into every PNG, in a fixed order; a bench model's marked as fake."""
+    chunks = {
         "prompt": prompt.prompt,
         "negative_prompt": prompt.negative_prompt,
         "seed": str(prompt.seed),
@@ -258,6 +261,7 @@ def png_metadata(prompt: Prompt, model: str) -> dict[str, str]:
         "model": model,
         "renderfleet": __version__,
     }
+    return {**chunks, **FAKE_CHUNK} if model.startswith(BENCH_PREFIX) else chunks
 
 
 # What torch and the CUDA libraries say when the device itself failed.  Matched

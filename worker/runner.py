@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from renderfleet import spec, testhooks
+from renderfleet import failpoints, spec
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
@@ -305,7 +305,7 @@ class ShardRunner:
         attempt: int,
     ) -> None:
         """Encode and store a rendered batch's images, then its checkpoint, then count it (in the commit thread)."""
-        testhooks.pause_at("after-render")
+        failpoints.reach("after-render")
         ledger.check()  # asks Redis: a fenced worker writes nothing more
         by_name = {p.name: p for p in pending}
         # Images first: one that cannot be encoded or stored is its prompt's failure.
@@ -325,7 +325,7 @@ class ShardRunner:
                 log.warning("prompt %s of job %s failed (%d/%d): %s",
                             prompt.name, msg.job, count, self.max_failures, error)
 
-        testhooks.pause_at("before-checkpoint")
+        failpoints.reach("before-checkpoint")
         ledger.check()  # again: a worker paused past its lease learns it here
         cp.done.update(images)
         cp.quarantined.update(p.name for p in quarantined)
@@ -343,7 +343,7 @@ class ShardRunner:
         other is counted neither, which takes back a count whose image was
         deleted after it was made.  Fenced like every count.
         """
-        testhooks.pause_at("before-count-stored")
+        failpoints.reach("before-count-stored")
         listed = self._listed_images(msg.job, [p.name for p in msg.prompts])
         quarantined = set().union(*(cp.quarantined for cp in kept.values()))
         done: list[int] = []

@@ -32,7 +32,7 @@ from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
 from worker.ledger import LeaseKeeper, RedisLedger
-from worker.models import model_allowed
+from worker.models import model_refusal
 from worker.render import is_device_error
 from worker.runner import PendingShard, ShardRunner
 from worker.stop import StopSignal
@@ -465,8 +465,8 @@ class WorkerService:
         that does not exist must not leave this worker without one.  Raises
         :class:`ModelLoadError` (the job's fault) when ``model`` will not load.
         """
-        if not model_allowed(model, self.settings.allowed_model_list):
-            raise ModelLoadError(f"model {model!r} is not in this worker's allow-list (RENDERFLEET_ALLOWED_MODELS)")
+        if why := model_refusal(model, self.settings.allowed_model_list, bench=self.settings.allow_bench_models):
+            raise ModelLoadError(why)
         if self.load_model is None:
             raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")
         remembered = self._failed_loads.get(model)

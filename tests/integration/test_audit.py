@@ -31,7 +31,6 @@ from renderfleet.leases import Leases
 from renderfleet.spec import JobSpec, RenderParams, job_prefix
 from renderfleet.store import Store, open_store
 from testing.fleet import (
-    PAUSE_AT,
     TINY,
     WorkerProc,
     base_env,
@@ -39,6 +38,7 @@ from testing.fleet import (
     images_rendered,
     job_status,
     lose_a_message_in_brpop,
+    pause_at,
     start_monitor,
     stopped,
     wait_for,
@@ -254,7 +254,7 @@ def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_render
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1")
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    stuck = WorkerProc({**env, PAUSE_AT: "before-claim"}, tmp_path / "stuck.log", "-v")
+    stuck = WorkerProc({**env, **pause_at("before-claim")}, tmp_path / "stuck.log", "-v")
     procs.append(stuck)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY, "--shard-size", "4",

@@ -4,7 +4,7 @@ leased, in a shard's end or finished, the job ends with done = images in the sto
 with or without a monitor.
 
 Real Redis, real worker processes, a folder store and S3 (moto); a worker stops itself at a
-named point of the shard (``RENDERFLEET_TEST_PAUSE_AT``) so each sequence happens in the
+named point of the shard (a failpoint, :mod:`renderfleet.failpoints`) so each sequence happens in the
 window the review found, not by luck.
 """
 
@@ -24,12 +24,12 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import image_key, images_prefix
 from renderfleet.store import open_store
 from testing.fleet import (
-    PAUSE_AT,
     TINY,
     WorkerProc,
     base_env,
     cli,
     job_status,
+    pause_at,
     start_monitor,
     stopped,
     wait_for,
@@ -78,7 +78,7 @@ def proven(env: dict[str, str], url: str, job: str) -> bool:
 
 
 def paused_worker(tmp_path: Path, env: dict[str, str], client: redis.Redis, point: str) -> WorkerProc:
-    worker = WorkerProc({**env, PAUSE_AT: point}, tmp_path / "worker.log")
+    worker = WorkerProc({**env, **pause_at(point)}, tmp_path / "worker.log")
     wait_for(lambda: worker_ready(client, 1), 120, what="the worker")
     return worker
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet import testhooks
 from renderfleet.celery_app import envelope_factory, make_app
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import RenderParams
@@ -27,6 +26,7 @@ from testing.fleet import (
     base_env,
     cli,
     job_status,
+    raise_at,
     start_monitor,
     store_queue,
     wait_for,
@@ -109,9 +109,9 @@ def test_a_monitor_resumes_only_its_own_stores_jobs(
 def test_a_device_error_hands_the_shard_back_and_stops_the_worker_with_its_own_status(
     tmp_path: Path, env: dict[str, str], procs: list
 ) -> None:
-    fault = "render:AcceleratorError:CUDA error: an illegal memory access was encountered"
+    fault = raise_at("render", "AcceleratorError", "CUDA error: an illegal memory access was encountered")
     job = submit(env, write_prompts(tmp_path / "p.txt", 8), *TINY, "--shard-size", "4", "--batch-size", "2")
-    broken = start_worker({**env, testhooks.FAULT: fault}, tmp_path, procs, "broken", wait=False)
+    broken = start_worker({**env, **fault}, tmp_path, procs, "broken", wait=False)
     assert broken.proc.wait(120) == EXIT_DEVICE, broken.output()[-3000:]
     out = broken.output()
     assert "device error, this worker stops taking work" in out and "illegal memory access" in out

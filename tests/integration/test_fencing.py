@@ -1,7 +1,7 @@
 """A worker paused past its lease writes nothing once it wakes; deleted images come back.
 
 Real Redis, real worker processes, a folder store.  The pause is the test hook
-``RENDERFLEET_TEST_PAUSE_AT=before-checkpoint``: the worker SIGSTOPs itself
+the failpoint ``before-checkpoint=pause``: the worker SIGSTOPs itself
 after writing a batch's images and before its checkpoint, as a GC pause or a
 stalled node would, and the test lets it go on when another worker has
 finished the shard.
@@ -22,13 +22,13 @@ import redis
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import (
-    PAUSE_AT,
     TINY,
     WorkerProc,
     base_env,
     cli,
     images_rendered,
     job_status,
+    pause_at,
     stopped,
     wait_for,
     worker_ready,
@@ -51,7 +51,7 @@ def test_a_worker_paused_between_its_images_and_its_checkpoint_is_fenced_and_wri
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    paused = WorkerProc({**env, PAUSE_AT: "before-checkpoint"}, tmp_path / "paused.log")
+    paused = WorkerProc({**env, **pause_at("before-checkpoint")}, tmp_path / "paused.log")
     workers.append(paused)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY, "--shard-size", "4",
@@ -123,7 +123,7 @@ def test_a_worker_paused_with_failures_in_hand_quarantines_nothing_once_fenced(
     # Both prompts failed twice before: one more failure quarantines them.
     client.hset(keys.fails(job), mapping={"0": 2, "1": 2})
     # A broken accelerator ('meta': every render fails), paused after its renders failed.
-    broken = WorkerProc({**env, "RENDERFLEET_DEVICE": "meta", PAUSE_AT: "after-render"}, tmp_path / "broken.log")
+    broken = WorkerProc({**env, "RENDERFLEET_DEVICE": "meta", **pause_at("after-render")}, tmp_path / "broken.log")
     workers.append(broken)
     wait_for(lambda: stopped(broken.pid), 90, interval=0.1, what="the broken worker to pause with its failures")
 

@@ -1,9 +1,9 @@
 """A job's end: ``cancel`` (and ``resume`` after it), ``delete``, and a job deleted from the store
 behind the fleet's back, retired by the monitor.
 
-Real Redis, real worker processes (the fixed-time renderer: ``RENDERFLEET_TEST_RENDER_SECONDS``,
-real PNGs, no model, no CPU burnt, so that a shard lasts long enough to be cancelled in its
-middle), a folder store and moto's S3 where it matters, ``renderfleet monitor`` where it matters.
+Real Redis, real worker processes (a bench model, ``bench:fixed?seconds=S``: the fixed-time
+renderer, real PNGs, no model, no CPU burnt, so that a shard lasts long enough to be cancelled in
+its middle), a folder store and moto's S3 where it matters, ``renderfleet monitor`` where it matters.
 """
 
 from __future__ import annotations
@@ -31,15 +31,17 @@ from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, publisher, qu
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import JobDeleted
 from renderfleet.leases import Leases, envelope_tag
+from renderfleet.spec import bench_model
 from renderfleet.states import ClaimAnswer
 from renderfleet.store import Store, open_store
 from testing.fleet import (
-    PAUSE_AT,
+    ALLOW_BENCH,
     REPO,
-    TINY,
     WorkerProc,
     base_env,
+    bench,
     cli,
+    pause_at,
     start_monitor,
     stopped,
     wait_for,
@@ -50,7 +52,6 @@ from testing.fleet import job_status as cli_status
 
 pytestmark = pytest.mark.integration
 
-RENDER = "RENDERFLEET_TEST_RENDER_SECONDS"
 
 
 @pytest.fixture
@@ -112,12 +113,15 @@ def tick_twice(client: redis.Redis) -> None:
 
 
 def fixed_worker(env: dict[str, str], log: Path, seconds_per_image: float, **extra: str) -> WorkerProc:
-    return WorkerProc({**env, RENDER: str(seconds_per_image), **extra}, log, "--verbose")
+    """A worker allowed the bench models, holding the one of ``seconds_per_image``."""
+    return WorkerProc({**env, **ALLOW_BENCH, **extra}, log, "--verbose", *bench(seconds_per_image)[:2])
 
 
-def submit(env: dict[str, str], path: Path, n: int, shard: int, batch: int, prefix: str = "prompt") -> str:
+def submit(env: dict[str, str], path: Path, n: int, shard: int, batch: int, seconds_per_image: float,
+           prefix: str = "prompt") -> str:
+    """A job of ``n`` prompts naming the bench model of ``seconds_per_image``."""
     prompts = write_prompts(path, n, prefix)
-    return cli(env, "submit", str(prompts), *TINY, "--shard-size", str(shard),
+    return cli(env, "submit", str(prompts), *bench(seconds_per_image), "--shard-size", str(shard),
                "--batch-size", str(batch)).stdout.split()[-1]
 
 
@@ -220,7 +224,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
     procs.append(worker)
     procs.append(start_monitor({**env, "RENDERFLEET_AUDIT_SECONDS": "1"}, tmp_path / "monitor.log"))
     wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
-    job = submit(env, tmp_path / "a.txt", 48, 16, 2)
+    job = submit(env, tmp_path / "a.txt", 48, 16, 2, 0.25)
     wait_for(lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2, 60, interval=0.05,
              what="shard 0 to commit a batch")
 
@@ -250,7 +254,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
 
     # The worker goes on with other work...
     wait_for(lambda: worker_ready(r, 1), 30, what="the worker to register again")
-    other = submit(env, tmp_path / "b.txt", 4, 4, 2, prefix="other")
+    other = submit(env, tmp_path / "b.txt", 4, 4, 2, 0.25, prefix="other")
     wait_for(lambda: cli_status(env, other)["done"] == 4, 60, interval=0.5, what="another job")
     # ...and resume continues the cancelled job to its end.
     assert "shards enqueued" in cli(env, "resume", job).stderr
@@ -268,9 +272,9 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
     store = open_store(str(tmp_path / "store"))
     # Shards of one batch: the worker stops itself in the commit thread, its shard 0 rendered and
     # its end (commit, release) to come, while it may already hold the next shard.
-    worker = fixed_worker(env, tmp_path / "worker.log", 0.05, **{PAUSE_AT: "after-render"})
+    worker = fixed_worker(env, tmp_path / "worker.log", 0.05, **pause_at("after-render"))
     procs.append(worker)
-    job = submit(env, tmp_path / "a.txt", 8, 2, 2)
+    job = submit(env, tmp_path / "a.txt", 8, 2, 2, 0.05)
     wait_for(lambda: stopped(worker.pid), 90, interval=0.05, what="the worker to pause in shard 0's end")
     out = cli(env, "cancel", job)
     assert f"job {job} cancelled: 0/8 rendered" in out.stderr and out.stdout.strip() == job
@@ -303,7 +307,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     worker = fixed_worker(env, tmp_path / "worker.log", 0.25)
     procs.append(worker)
     wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
-    job = submit(env, tmp_path / "a.txt", 40, 16, 2)
+    job = submit(env, tmp_path / "a.txt", 40, 16, 2, 0.25)
     wait_for(lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2, 60, interval=0.05,
              what="shard 0 to commit a batch")
     Thumbnails(store).thumbnail(job, "000000")  # the web page's cache, beside the images
@@ -339,7 +343,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     as_json = json.loads(cli(env, "status", job, "--json", check=False).stdout)
     assert as_json["state"] == "deleted" and as_json["reason"] == lifecycle.DELETED
     assert worker.alive() and "fenced" in worker.output()
-    other = submit(env, tmp_path / "b.txt", 4, 4, 2, prefix="other")
+    other = submit(env, tmp_path / "b.txt", 4, 4, 2, 0.25, prefix="other")
     wait_for(lambda: cli_status(env, other)["done"] == 4, 60, interval=0.5, what="another job")
     assert not (folder / job).exists()
     assert sorted(keys.text(k) for k in r.scan_iter(match=f"rf:job:{job}*")) == left
@@ -355,8 +359,8 @@ def test_job_cancel_resume_and_delete_from_the_python_api(
     client = Client(redis_url=redis_server.url, store=str(tmp_path / "store"))
     procs.append(fixed_worker(env, tmp_path / "worker.log", 0.1))
     wait_for(lambda: worker_ready(client.redis, 1), 90, what="the worker")
-    job = client.submit([f"prompt {i}" for i in range(24)], shard_size=8, batch_size=2, model="tiny", steps=2,
-                        size="32x32")
+    job = client.submit([f"prompt {i}" for i in range(24)], shard_size=8, batch_size=2, model=bench_model(0.1),
+                        steps=2, size="32x32")
     wait_for(lambda: client.redis.bitcount(keys.done_bits(job.id)) >= 2, 60, interval=0.05, what="a batch")
 
     job.cancel()

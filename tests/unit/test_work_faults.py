@@ -317,7 +317,7 @@ def test_a_device_error_while_rendering_reaches_the_caller_with_nothing_counted(
 def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_into_a_jobs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from renderfleet import testhooks
+    from renderfleet import failpoints
     from renderfleet.errors import DeviceError
     from worker.render import Renderer as PipelineRenderer
 
@@ -327,10 +327,11 @@ def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_
 
     prompts = list(make_msg(n=1).prompts)
     renderer = PipelineRenderer(Loaded())  # type: ignore[arg-type]
-    monkeypatch.setenv(testhooks.FAULT, "render:AcceleratorError:CUDA error: an illegal memory access was encountered")
+    monkeypatch.setenv(failpoints.VARIABLE,
+                       "render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)")
     with pytest.raises(DeviceError, match="illegal memory access"):
         renderer.render(prompts)
-    monkeypatch.setenv(testhooks.FAULT, "render:ValueError:CUDA error in a CPU-side check")
+    monkeypatch.setenv(failpoints.VARIABLE, "render=raise(ValueError: CUDA error in a CPU-side check)")
     with pytest.raises(JobError):
         renderer.render(prompts)
 

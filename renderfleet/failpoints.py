@@ -1,0 +1,149 @@
+"""Failpoints: named places in the shard protocol where a test makes a process pause or fail.
+
+Some failures live in a window of milliseconds (a worker that stops between
+taking a message and claiming it, or between writing a batch's images and its
+checkpoint), and some come from below us (a CUDA error in the pipeline call).
+Tests and the chaos run reproduce them deterministically by naming a failpoint
+and what happens there, as etcd's gofail and TiKV's fail-rs do.  The product
+calls :func:`reach` at each point in :data:`POINTS`; nothing happens there
+unless :data:`VARIABLE` names the point (docs/design.md, "Failpoints").
+
+``RENDERFLEET_FAILPOINTS`` is a ``;``-separated list of ``POINT[#N]=ACTION``:
+
+* ``pause``: the process sends itself SIGSTOP the first time it reaches the
+  point (the N-th time, with ``#N``), as a GC pause or a stalled node would,
+  and the test decides what happens next (SIGCONT, SIGKILL);
+* ``raise(TYPE: TEXT)``: every time it reaches the point (from the N-th time
+  on, with ``#N``) it raises ``TYPE(TEXT)``, as the library under it would.
+  Types: ``RuntimeError``, ``ValueError`` and, where torch has it,
+  ``AcceleratorError``.  TEXT may hold anything but ``;``.
+
+For example ``before-claim=pause`` or
+``render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)``.
+
+Unset, :func:`reach` costs one environment lookup.  A value that does not
+parse, or names a point that does not exist, is a :class:`ConfigError`: a
+worker checks it at start (:func:`active`) and logs one WARNING line listing
+the failpoints it has, so a failpoint left set in a deployment cannot go
+unseen.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from dataclasses import dataclass
+
+from renderfleet.errors import ConfigError
+
+VARIABLE = "RENDERFLEET_FAILPOINTS"
+
+# Every failpoint the product reaches, and where.
+POINTS = {
+    "before-claim": "a shard's message taken (in kombu's unacked), its lease not yet claimed (renderfleet/leases.py)",
+    "render": "inside the pipeline call, before the pipeline runs (worker/render.py)",
+    "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "
+                    "(worker/runner.py)",
+    "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
+    "before-count-stored": "every batch of the shard committed, its last listing and recount not done "
+                           "(worker/runner.py)",
+}
+ERRORS = ("RuntimeError", "ValueError", "AcceleratorError")
+
+_ENTRY = re.compile(r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?="
+                    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\))")
+
+
+@dataclass(frozen=True)
+class Failpoint:
+    """What happens at one point: a pause at the ``nth`` time, or a raise from the ``nth`` time on."""
+
+    point: str
+    action: str  # "pause" or "raise"
+    nth: int = 1
+    error: str = ""  # raise: the exception's type, one of ERRORS
+    text: str = ""  # raise: its message
+
+    def __str__(self) -> str:
+        where = self.point if self.nth == 1 else f"{self.point}#{self.nth}"
+        return f"{where}=pause" if self.action == "pause" else f"{where}=raise({self.error}: {self.text})"
+
+
+def parse(value: str) -> dict[str, Failpoint]:
+    """The failpoints ``value`` names, by point; :class:`ConfigError` naming the entry that will not do."""
+    points: dict[str, Failpoint] = {}
+    for entry in (e.strip() for e in value.split(";")):
+        if not entry:
+            continue
+        m = _ENTRY.fullmatch(entry)
+        if m is None:
+            raise ConfigError(f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)")
+        point = m["point"]
+        if point not in POINTS:
+            raise ConfigError(f"{VARIABLE}: no failpoint {point!r}; the points are {', '.join(POINTS)}")
+        if point in points:
+            raise ConfigError(f"{VARIABLE}: failpoint {point!r} is named twice")
+        if m["pause"]:
+            points[point] = Failpoint(point, "pause", int(m["nth"] or 1))
+            continue
+        if m["error"] not in ERRORS:
+            raise ConfigError(f"{VARIABLE}: {point}: cannot raise {m['error']!r}; the types are {', '.join(ERRORS)}")
+        points[point] = Failpoint(point, "raise", int(m["nth"] or 1), m["error"], m["text"].strip())
+    return points
+
+
+# The last value parsed and its failpoints (a test may change the variable in-process), and
+# how many times this process reached each active point, and which pauses have fired.
+_parsed: tuple[str, dict[str, Failpoint]] = ("", {})
+_reached: dict[str, int] = {}
+_paused: set[str] = set()
+_lock = threading.Lock()
+
+
+def active() -> dict[str, Failpoint]:
+    """The failpoints the environment sets for this process (none when :data:`VARIABLE` is unset or empty)."""
+    global _parsed
+    value = os.environ.get(VARIABLE, "")
+    if not value:
+        return {}
+    if _parsed[0] != value:
+        _parsed = (value, parse(value))
+    return _parsed[1]
+
+
+def describe() -> str:
+    """The active failpoints, for a log line: ``before-claim=pause; ...``, or ``none``."""
+    return "; ".join(map(str, active().values())) or "none"
+
+
+def reach(point: str) -> None:
+    """This process is at ``point``: pause or raise there if the environment says so; else nothing."""
+    if not os.environ.get(VARIABLE):
+        return
+    fp = active().get(point)
+    if fp is None:
+        return
+    with _lock:  # the commit thread and the render thread reach points concurrently
+        _reached[point] = count = _reached.get(point, 0) + 1
+        if count < fp.nth or (fp.action == "pause" and point in _paused):
+            return
+        if fp.action == "pause":
+            _paused.add(point)
+    if fp.action == "raise":
+        raise make_error(fp.error, fp.text)
+    # To this thread: it stops before its next instruction, whichever thread it is (the
+    # whole process stops with it).  Sent to the process, the kernel may hand the stop to
+    # the main thread first, and a background thread (the runner's commits) runs on for a
+    # moment: long enough to pass the fence check the pause is there to outlive.
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
+def make_error(kind: str, text: str) -> BaseException:
+    """The exception ``raise(KIND: TEXT)`` names."""
+    if kind == "AcceleratorError":
+        import torch  # only a worker's render raises this one, and it has torch loaded
+
+        return getattr(torch, "AcceleratorError", RuntimeError)(text)
+    return {"RuntimeError": RuntimeError, "ValueError": ValueError}.get(kind, RuntimeError)(text)
