@@ -340,9 +340,16 @@ def main() -> int:
     print(text)
     print(f"(total {time.monotonic() - t0:.0f} s)")
     if not args.no_write:
+        # A shorter or otherwise changed run says so beside its figures.
+        changed = [f"`{a.option_strings[0]}`" if a.nargs == 0 else
+                   f"`{a.option_strings[0]} {','.join(map(str, v)) if isinstance(v, list) else v}` (default {a.default})"
+                   for a in ap._actions if a.option_strings and a.dest not in ("help", "no_write")
+                   and (v := getattr(args, a.dest)) != a.default]
         write_section("fleet", "The fleet: orchestration overhead, the real tiny model, scale-out",
                       "Every figure: the median over the runs shown, ratios from the same run.  "
-                      "The load average above says how busy the cores were.\n\n" + text, started=started)
+                      "The load average above says how busy the cores were."
+                      + (f"  Settings changed from the defaults: {', '.join(changed)}." if changed else "")
+                      + "\n\n" + text, started=started)
     return 0
 
 
