@@ -69,7 +69,7 @@ chaos: install
 soak: install
 	$(BIN)/python -m bench.soak --results bench/RESULTS.md
 
-# Each writes its own section of bench/RESULTS.md (between markers; rows outside them are kept).
+# Each writes its own section of bench/RESULTS.md (between its markers, with the command, date, machine and load).
 bench: install
 	$(BIN)/python -m bench.submit_bench
 	$(BIN)/python -m bench.render_bench

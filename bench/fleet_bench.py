@@ -17,9 +17,13 @@ small job first, untimed (a worker's first S3 request builds its client).
    before the next renders), by two idle workers on pools of their own, taking
    turns, so both see the same machine (``--no-before``: with it only, as
    ``make bench`` runs it, to stay within about 15 minutes).
-2. **The real tiny model**: the same path with ``tiny`` on the CPU, one torch
-   thread; fleet images per second over the in-process renderer's (render and
-   PNG encode, no store) at the same settings, taking turns in each run.
+2. **The real tiny model**: the same path with ``tiny`` on the CPU; fleet
+   images per second over the in-process renderer's (render and PNG encode, no
+   store), taking turns in each run.  Both sides make the same pipeline calls
+   (``--batch-size`` prompts each: the worker's render batch is pinned, not
+   left to ``auto``) on the same threads (``--tiny-threads`` torch threads, the
+   encode in a commit thread beside the render as a worker's, ``--tiny-depth``
+   batches in flight; 0: both encode in line).
 3. **Scale-out**: the bench model with 1, 4 and 8 workers (pools of
    their own, all started first), the same prompts per worker; images per
    second over N times one worker's, in the same run.  Goal: at least 0.9.
@@ -28,6 +32,7 @@ Each figure is the median over ``--runs`` runs.  Writes its section of
 ``bench/RESULTS.md``.
 
     python -m bench.fleet_bench [--runs 3] [--only overhead|tiny|scale] [--no-before] [--no-write]
+    python -m bench.fleet_bench --no-before --runs 2   # a shorter run (about two thirds of the time)
 
 About 13 minutes on 2 busy cores (7 without the runs before the queue).
 """
@@ -35,30 +40,39 @@ About 13 minutes on 2 busy cores (7 without the runs before the queue).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import boto3
 import redis
 
-from bench.results import table, write_section
+from bench.results import start, table, write_section
 from renderfleet import keys
 from renderfleet.api import Client
+from renderfleet.settings import Settings
 from renderfleet.spec import bench_model
 from testing.fleet import ALLOW_BENCH, WorkerProc, base_env, start_redis, wait_for, worker_ready, write_prompts
 from testing.servers import MotoServer, s3_env
+from worker.runner import ShardRunner
 
 # The product's lease settings (renderfleet.settings), not the tests' short ones.
 PRODUCT_LEASES = {"RENDERFLEET_LEASE_SECONDS": "6", "RENDERFLEET_HEARTBEAT_SECONDS": "1.5",
                   "RENDERFLEET_REAP_SECONDS": "1"}
 COMMAND = "python -m bench.fleet_bench"
+# The threads a worker encodes and uploads a batch's images on (worker/runner.py, ShardRunner's default).
+UPLOAD_THREADS = int(inspect.signature(ShardRunner).parameters["upload_threads"].default)
+# A worker's commit queue depth by default (renderfleet/settings.py, RENDERFLEET_PIPELINE_DEPTH).
+PIPELINE_DEPTH = int(Settings.model_fields["pipeline_depth"].default)
 
 
 class Fleet:
@@ -174,36 +188,57 @@ def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     gain = [i / p for p, i in zip(ratios["piped"], ratios["inline"], strict=True)]
     return [
         *rows,
-        ["the same, commit queue off (`RENDERFLEET_PIPELINE_DEPTH=0`: the code before it), same runs",
-         spread(ratios["inline"], ".4f"), "(before: for comparison)", f"{COMMAND} --only overhead"],
+        ["the same, commit queue off (`RENDERFLEET_PIPELINE_DEPTH=0`: each batch committed in line before the "
+         "next renders), same runs", spread(ratios["inline"], ".4f"), "(for comparison)", f"{COMMAND} --only overhead"],
         ["wall time without the queue over with it, same runs", spread(gain, ".3f"), "above 1",
          f"{COMMAND} --only overhead"],
     ]
 
 
 def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
-    """The real tiny model: fleet images/s over the in-process renderer's, taking turns."""
+    """The real tiny model: fleet images/s over the in-process renderer's, taking turns.
+
+    Both sides do the same work on the same threads: pipeline calls of
+    ``--batch-size`` prompts (the worker's render batch pinned to it, not left
+    to ``auto``), ``--tiny-threads`` torch threads, and each batch's PNG encode
+    handed to a commit thread (``--tiny-depth`` batches in flight, the worker's
+    ``RENDERFLEET_PIPELINE_DEPTH``; 0: encoded in line before the next renders)
+    that encodes its images over as many threads as a worker's uploads.  What
+    the fleet adds is the store (S3 on moto), Redis and the queue.
+    """
     import torch
 
     from renderfleet.spec import Prompt, derive_seed
+    from worker.commits import CommitQueue
     from worker.models import load_pipeline
     from worker.render import Renderer
 
-    f.start("tiny", 1, "tiny")
-    torch.set_num_threads(1)  # as each worker (OMP_NUM_THREADS=1)
+    threads, depth = args.tiny_threads, args.tiny_depth
+    f.start("tiny", 1, "tiny", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+            RENDERFLEET_RENDER_BATCH=str(args.batch_size), RENDERFLEET_PIPELINE_DEPTH=str(depth))
+    torch.set_num_threads(threads)  # as each worker (OMP_NUM_THREADS)
     width, height = (int(x) for x in args.tiny_size.split("x"))
     loaded = load_pipeline("tiny", device="cpu", cache_dir=f.root / "models")
     renderer = Renderer(loaded)
     f.ready()
     n = args.tiny_prompts
     path = write_prompts(f.root / "tiny.txt", n, "tiny")
+    commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-commit")  # as ShardRunner's
+    encoders = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="bench-encode")
+
+    def encode(images: list[Any], batch: list[Prompt]) -> None:
+        for done in [encoders.submit(renderer.encode, image, p) for image, p in zip(images, batch, strict=True)]:
+            done.result()
 
     def in_process(seed: int) -> float:
         prompts = [Prompt(i, f"{i:06d}", f"tiny number {i}", "", derive_seed(seed, i), args.tiny_steps, 7.5, width,
                           height) for i in range(n)]
         t = time.perf_counter()
-        for start in range(0, n, args.batch_size):
-            renderer.render(prompts[start : start + args.batch_size])
+        commits = CommitQueue(commit_thread, depth)
+        for first in range(0, n, args.batch_size):
+            batch = prompts[first : first + args.batch_size]
+            commits.put(partial(encode, renderer.render_images(batch), batch))
+        commits.drain()
         return n / (time.perf_counter() - t)
 
     in_process(99)  # warm-up
@@ -219,13 +254,20 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
         print(f"  run {run}: fleet {fleet_rate[-1]:.2f} images/s, in-process {local_rate[-1]:.2f} images/s",
               flush=True)
     f.stop()
+    commit_thread.shutdown()
+    encoders.shutdown()
     ratio = [a / b for a, b in zip(fleet_rate, local_rate, strict=True)]
-    settings = f"tiny, {n} prompts, {args.tiny_size}, {args.tiny_steps} steps, batch {args.batch_size}, 1 torch thread"
+    encoding = (f"PNG encode in a commit thread ({depth} batches in flight) over {UPLOAD_THREADS} threads, beside "
+                "the render" if depth else f"PNG encode in line over {UPLOAD_THREADS} threads, before the next render")
+    settings = (f"tiny, {n} prompts, {args.tiny_size}, {args.tiny_steps} steps; both sides: calls of "
+                f"{args.batch_size} prompts (the worker's `RENDERFLEET_RENDER_BATCH={args.batch_size}`), "
+                f"{threads} torch thread{'s' if threads > 1 else ''}, {encoding}")
+    command = f"{COMMAND} --only tiny"
     return [
         [f"real model: fleet images/s over the in-process renderer's ({settings})", spread(ratio, ".3f"),
-         "at least 0.97 (same as the overhead goal)", f"{COMMAND} --only tiny"],
+         "at least 0.97 (same as the overhead goal)", command],
         ["  fleet (1 worker, S3 on moto) / in-process (render + PNG encode, no store), images/s",
-         f"{med(fleet_rate):.2f} / {med(local_rate):.2f}", "", f"{COMMAND} --only tiny"],
+         f"{med(fleet_rate):.2f} / {med(local_rate):.2f}", "", command],
     ]
 
 
@@ -279,12 +321,16 @@ def main() -> int:
     ap.add_argument("--tiny-prompts", type=int, default=128)
     ap.add_argument("--tiny-size", default="32x32")
     ap.add_argument("--tiny-steps", type=int, default=4)
+    ap.add_argument("--tiny-threads", type=int, default=1, help="torch threads, the worker's and in-process")
+    ap.add_argument("--tiny-depth", type=int, default=PIPELINE_DEPTH,
+                    help="batches whose encode runs beside the next render, both sides (0: encoded in line)")
     ap.add_argument("--workers", default="1,4,8", help="scale-out: worker counts, the first the base")
     ap.add_argument("--scale-prompts", type=int, default=384, help="scale-out: prompts per worker")
     ap.add_argument("--no-before", dest="before", action="store_false",
                     help="overhead: skip the runs without the commit queue (halves the part's time)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args()
+    started = start()
     rows: list[list[str]] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp, fleet(Path(tmp)) as f:
@@ -297,9 +343,16 @@ def main() -> int:
     print(text)
     print(f"(total {time.monotonic() - t0:.0f} s)")
     if not args.no_write:
+        # A shorter or otherwise changed run says so beside its figures.
+        changed = [f"`{a.option_strings[0]}`" if a.nargs == 0 else
+                   f"`{a.option_strings[0]} {','.join(map(str, v)) if isinstance(v, list) else v}` (default {a.default})"
+                   for a in ap._actions if a.option_strings and a.dest not in ("help", "no_write")
+                   and (v := getattr(args, a.dest)) != a.default]
         write_section("fleet", "The fleet: orchestration overhead, the real tiny model, scale-out",
                       "Every figure: the median over the runs shown, ratios from the same run.  "
-                      "The load average above says how busy the 2 cores were.\n\n" + text)
+                      "The load average above says how busy the cores were."
+                      + (f"  Settings changed from the defaults: {', '.join(changed)}." if changed else "")
+                      + "\n\n" + text, started=started)
     return 0
 
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.results import table, write_section
+from bench.results import start, table, write_section
 from renderfleet.spec import Prompt, derive_seed
 
 
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args()
+    started = start()
     width, height = (int(x) for x in args.size.split("x"))
 
     t = time.perf_counter()
@@ -64,7 +65,8 @@ def main() -> None:
                          f"median {statistics.median(rates):.1f} images/s ({args.runs} runs)",
                          "(cost per image decides: `renderfleet bench`)", command])
     if not args.no_write:
-        write_section("render", "Render: images per second of a worker's renderer, in-process", table(rows))
+        write_section("render", "Render: images per second of a worker's renderer, in-process", table(rows),
+                      started=started)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
-"""Submit a 1,000,000-line prompt file: wall time and peak memory of `renderfleet submit`.
+"""Submit a 1,000,000-line prompt file: wall time and peak memory of `renderfleet submit`, then `status`.
 
 Target (issue #2): under 5 s and under 300 MB peak on a 2-core machine, with
 the spec written and every shard enqueued; issue 10: under 2 s.  Runs the
 real CLI in a subprocess against a private Redis server and a local store,
-three times, and prints the median; beside it, in the same runs, taking
-turns, a plain Celery script that reads the same file and calls ``.delay()``
-once per shard of the same size (its own interpreter too, start-up counted
-alike).  Writes its section of ``bench/RESULTS.md``.
+three times, and prints the median; after each submit, ``renderfleet status
+JOB --json`` of the job just submitted (issue 8: a million-prompt job's
+status in well under a second); beside them, in the same runs, taking turns,
+a plain Celery script that reads the same file and calls ``.delay()`` once
+per shard of the same size (its own interpreter too, start-up counted
+alike).  Every command runs in a child process of its own, and its peak RSS
+is that child's own (its VmHWM at exit), reported run by run.  Writes its section
+of ``bench/RESULTS.md``.
 
     python -m bench.submit_bench [--lines 1000000] [--runs 3] [--format txt] [--no-write]
+
+About a minute on 2 cores (``--lines 100000 --runs 1`` for a quick look).
 """
 
 from __future__ import annotations
@@ -16,17 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
-from bench.results import table, write_section
+from bench.results import start, table, write_section
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
 
@@ -40,23 +46,75 @@ def make_file(path: Path, lines: int, fmt: str) -> None:
             f.write(json.dumps({"prompt": text}) + "\n" if fmt == "jsonl" else text + "\n")
 
 
+# Runs ``-m MODULE ARGS`` or ``-c SCRIPT ARGS`` in this interpreter as Python would, and at its exit
+# writes its own peak RSS (VmHWM, KiB) into the file BENCH_PEAK_FILE names.  Not ru_maxrss: a spawned
+# child's starts at the RSS of the process it was spawned from (exec keeps the high-water mark of the
+# memory it replaces: here this bench's), and RUSAGE_CHILDREN is the largest child's so far.
+PEAK_WRAPPER = """
+import atexit, os, runpy, sys
+def peak():
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    with open(os.environ["BENCH_PEAK_FILE"], "w") as out:
+        out.write(str(kib))
+atexit.register(peak)
+mode, target = sys.argv[1], sys.argv[2]
+sys.argv = [target if mode == "-m" else "-c", *sys.argv[3:]]
+if mode == "-m":
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+"""
+
+
+def run_child(mode: str, target: str, args: list[str], env: dict[str, str] | None = None
+              ) -> tuple[float, float, str, str]:
+    """``python -m target args`` (mode ``-m``) or ``python -c target args`` (``-c``) in a child of its
+    own: (wall seconds, that child's own peak RSS in MB, stdout, stderr)."""
+    with tempfile.TemporaryDirectory(prefix="submit-bench-peak-") as tmp:
+        peak_file = Path(tmp) / "peak"
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, mode, target, *args],
+                              env={**(os.environ if env is None else env), "BENCH_PEAK_FILE": str(peak_file)},
+                              capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if proc.returncode:
+            raise SystemExit(f"submit bench: {mode} {target[:40]!r} exited {proc.returncode}:\n{proc.stderr}")
+        return wall, int(peak_file.read_text()) / 1024, proc.stdout, proc.stderr
+
+
 def run_submit(env: dict[str, str], path: Path, job: str) -> tuple[float, float, str]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "renderfleet", "submit", str(path), "--job", job, "--shard-size", str(SHARD_SIZE)],
-        env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if proc.returncode:
-        raise SystemExit(proc.stderr)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss of children is the max over all children so far: runs are ordered by size anyway
-    return wall, max(peak, before) / 1024, proc.stderr.strip()
+    """(wall seconds, peak RSS MB, what it said) of ``renderfleet submit``."""
+    wall, peak, _, said = run_child("-m", "renderfleet",
+                                    ["submit", str(path), "--job", job, "--shard-size", str(SHARD_SIZE)], env)
+    return wall, peak, said.strip()
+
+
+def run_status(env: dict[str, str], job: str) -> tuple[float, float, dict[str, Any]]:
+    """(wall seconds, peak RSS MB, the JSON) of ``renderfleet status JOB --json``."""
+    wall, peak, out, _ = run_child("-m", "renderfleet", ["status", job, "--json"], env)
+    return wall, peak, json.loads(out)
+
+
+def status_in_process(url: str, store_url: str, job: str, calls: int = 5) -> list[float]:
+    """Seconds of each of ``calls`` calls of what ``status`` runs (``fleet_status``), no CLI start-up."""
+    from dispatcher.status import fleet_status
+    from renderfleet.store import open_store
+
+    client = redis.Redis.from_url(url)
+    store = open_store(store_url)
+    seconds = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fleet_status(client, [job], store=store, with_store_only=True)
+        seconds.append(time.perf_counter() - t)
+    client.close()
+    return seconds
 
 
 # Celery's own way: one .delay() per shard of the file (100 prompts), each a JSON message.
 CELERY_SCRIPT = """
-import resource, sys
+import sys
 from celery import Celery
 app = Celery("submitbench", broker=sys.argv[1])
 app.conf.task_serializer = "json"
@@ -72,28 +130,28 @@ with open(sys.argv[2]) as f:
             batch = []
 if batch:
     shard.delay(batch)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 
 def run_celery(url: str, path: Path, shard_size: int) -> tuple[float, float]:
     """(wall seconds, peak RSS MB) of the plain Celery script."""
-    t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CELERY_SCRIPT, url, str(path), str(shard_size)],
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if proc.returncode:
-        raise SystemExit(proc.stderr)
-    return wall, float(proc.stdout.split()[-1])
+    wall, peak, _, _ = run_child("-c", CELERY_SCRIPT, [url, str(path), str(shard_size)])
+    return wall, peak
+
+
+def mb(values: list[float]) -> str:
+    """Each run's peak, in order: ``66, 65, 66 MB``."""
+    return ", ".join(f"{v:.0f}" for v in values) + " MB"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lines", type=int, default=1_000_000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--format", choices=["txt", "jsonl"], default="txt")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args()
+    started = start()
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         server = RedisServerProcess(workdir=tmp / "redis")
@@ -104,44 +162,66 @@ def main() -> None:
             env = {**os.environ, "RENDERFLEET_REDIS_URL": server.url, "RENDERFLEET_STORE": str(tmp / "store"),
                    "RENDERFLEET_HOME": str(tmp / "home")}
             client = redis.Redis.from_url(server.url)
-            walls = []
+            walls: list[float] = []
+            peaks: list[float] = []
+            status_walls: list[float] = []
+            status_peaks: list[float] = []
+            status_calls: list[float] = []
             celery_walls: list[float] = []
-            celery_peak = 0.0
-            peak = 0.0
+            celery_peaks: list[float] = []
+            shards = 0
             for run in range(args.runs):
                 client.flushall()
-                wall, peak_mb, said = run_submit(env, path, f"bench-{run}")
+                wall, peak, said = run_submit(env, path, f"bench-{run}")
                 walls.append(wall)
-                peak = max(peak, peak_mb)
+                peaks.append(peak)
                 depth = client.llen(queue_name("default", env["RENDERFLEET_STORE"]))
+                s_wall, s_peak, status = run_status(env, f"bench-{run}")
+                status_walls.append(s_wall)
+                status_peaks.append(s_peak)
+                status_calls += status_in_process(server.url, env["RENDERFLEET_STORE"], f"bench-{run}")
+                shards = int(depth)
+                if status.get("total") != args.lines:
+                    raise SystemExit(f"submit bench: status of bench-{run} says {status.get('total')} prompts, "
+                                     f"not {args.lines}")
                 client.flushall()
                 c_wall, c_peak = run_celery(server.url, path, SHARD_SIZE)
                 celery_walls.append(c_wall)
-                celery_peak = max(celery_peak, c_peak)
-                print(f"run {run}: {wall:.2f} s wall, queue depth {depth} shards; {said.splitlines()[-1]}; "
+                celery_peaks.append(c_peak)
+                print(f"run {run}: submit {wall:.2f} s, peak RSS {peak:.0f} MB, queue depth {depth} shards; "
+                      f"{said.splitlines()[-1]}; status {s_wall:.2f} s, peak RSS {s_peak:.0f} MB "
+                      f"(in-process {statistics.median(status_calls[-5:]) * 1000:.0f} ms); "
                       f"Celery .delay() per shard: {c_wall:.2f} s, peak RSS {c_peak:.0f} MB", flush=True)
             size_mb = path.stat().st_size / 1e6
             med = statistics.median(walls)
-            print(f"submit {args.lines:,} lines ({args.format}, {size_mb:.0f} MB): median {med:.2f} s "
-                  f"(min {min(walls):.2f}, max {max(walls):.2f}), peak RSS {peak:.0f} MB, "
-                  f"{args.lines / med:,.0f} prompts/s")
             ratio = [c / w for c, w in zip(celery_walls, walls, strict=True)]
-            print(f"Celery .delay() per shard of {SHARD_SIZE}: median {statistics.median(celery_walls):.2f} s, "
-                  f"peak RSS {celery_peak:.0f} MB; Celery's time over submit's, same runs: median "
-                  f"{statistics.median(ratio):.1f}")
+            command = f"python -m bench.submit_bench --lines {args.lines} --runs {args.runs}"
+            rows = [
+                [f"`renderfleet submit` of {args.lines:,} prompts ({args.format}, {size_mb:.0f} MB, shards of "
+                 f"{SHARD_SIZE}), the CLI with its start-up", f"{spread(walls)}; peak RSS by run {mb(peaks)}",
+                 "under 2 s (issue 10); under 300 MB (issue 2)", command],
+                [f"`renderfleet status JOB --json` of that job ({shards:,} shards queued), the CLI with its "
+                 "start-up, after each submit", f"{spread(status_walls)}; peak RSS by run {mb(status_peaks)}",
+                 "well under 1 s (issue 8)", command],
+                ["  the same, in-process (`fleet_status`, no start-up), 5 calls a run",
+                 f"median {statistics.median(status_calls) * 1000:.0f} ms (min {min(status_calls) * 1000:.0f}, "
+                 f"max {max(status_calls) * 1000:.0f}, {len(status_calls)} calls)", "", command],
+                ["Celery's own `.delay()` per shard of the same file, its own interpreter, same runs",
+                 f"{spread(celery_walls)}; peak RSS by run {mb(celery_peaks)}", "(for comparison)", command],
+                ["Celery's time over submit's, same runs", f"median {statistics.median(ratio):.1f}", "above 1",
+                 command]]
+            print(table(rows))
+            print(f"({args.lines / med:,.0f} prompts/s submitted)")
             if not args.no_write:
-                command = f"python -m bench.submit_bench --lines {args.lines} --runs {args.runs}"
-                write_section("submit", "Submit", table([
-                    [f"`renderfleet submit` of {args.lines:,} prompts ({args.format}, {size_mb:.0f} MB, shards of "
-                     f"{SHARD_SIZE}), the CLI with its start-up", f"median {med:.2f} s (min {min(walls):.2f}, max "
-                     f"{max(walls):.2f}, {args.runs} runs), peak RSS {peak:.0f} MB", "under 2 s (issue 10)", command],
-                    ["Celery's own `.delay()` per shard of the same file, its own interpreter, same runs",
-                     f"median {statistics.median(celery_walls):.2f} s, peak RSS {celery_peak:.0f} MB",
-                     "(for comparison)", command],
-                    ["Celery's time over submit's, same runs", f"median {statistics.median(ratio):.1f}", "above 1",
-                     command]]))
+                write_section("submit", "Submit and status", "Each peak RSS is that run's own: one child process "
+                              "per command, its VmHWM (`/proc/self/status`) at its exit.\n\n" + table(rows), started=started)
         finally:
             server.stop()
+
+
+def spread(values: list[float]) -> str:
+    return (f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f}, "
+            f"{len(values)} runs)")
 
 
 if __name__ == "__main__":
