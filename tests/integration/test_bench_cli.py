@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet.errors import OutOfMemory
 from testing.fleet import REPO
-from worker import bench, render
 
 pytestmark = pytest.mark.integration
 
@@ -41,17 +39,3 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
     cmp = run("--compare", str(tmp_path / "a" / "bench.json"), "--compare", str(tmp_path / "b.json"))
     assert cmp.returncode == 0, cmp.stderr
     assert f"Cheapest per image: {tmp_path / 'a' / 'bench.json'}" in cmp.stdout
-
-
-def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = render.Renderer.render
-
-    def capped(self: render.Renderer, prompts: list[object], **kw: object) -> list[bytes]:
-        if len(prompts) > 4:
-            raise OutOfMemory("fake: only 4 fit")
-        return real(self, prompts, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(render.Renderer, "render", capped)
-    result = bench.run_bench("tiny", width=32, height=32, steps=1, guidance=7.5, batch_sizes=None, prices={},
-                             runs=1, device="cpu", cache_dir=tmp_path)
-    assert [p.batch_size for p in result.points] == [1, 2, 4] and result.oom_at == 8
