@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from testing.fleet import (
     cli,
     start_monitor,
     stopped,
+    store_queue,
     wait_for,
     worker_ready,
     write_prompts,
@@ -51,7 +53,6 @@ from testing.fleet import job_status as cli_status
 pytestmark = pytest.mark.integration
 
 RENDER = "RENDERFLEET_TEST_RENDER_SECONDS"
-QUEUE = queue_name("default")
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def procs() -> Iterator[list[WorkerProc | subprocess.Popen[bytes]]]:
             p.wait(10)
 
 
-def queued_jobs(client: redis.Redis, queue: str = QUEUE) -> list[str]:
+def queued_jobs(client: redis.Redis, queue: str) -> list[str]:
     """The job of each message in ``queue``, in order (whether pushed by us or sent through Celery)."""
     out = []
     for raw in client.lrange(queue, 0, -1):
@@ -146,27 +147,28 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
 ) -> None:
     client = Client(redis_url=redis_server.url, store=str(tmp_path / "store"))
     r = client.redis
+    queue = queue_name("default", client.store.url)
     a = client.submit([f"a {i}" for i in range(6)], shard_size=2, batch_size=2, **{"model": "tiny", "steps": 2,
                                                                                    "size": "32x32"})
     b = client.submit([f"b {i}" for i in range(4)], shard_size=2, batch_size=2, model="tiny", steps=2, size="32x32")
     # A copy sent through Celery (a hand-back whose kombu copy was gone), between B's two messages.
-    message = json.dumps({"job": a.id, "shard": 1, "queue": QUEUE}, separators=(",", ":"))
-    first_b = r.rpop(QUEUE)
-    while r.llen(QUEUE) > 4:  # A's three, then B's first again at the head
-        r.lmove(QUEUE, QUEUE, "RIGHT", "LEFT")
+    message = json.dumps({"job": a.id, "shard": 1, "queue": queue}, separators=(",", ":"))
+    first_b = r.rpop(queue)
+    while r.llen(queue) > 4:  # A's three, then B's first again at the head
+        r.lmove(queue, queue, "RIGHT", "LEFT")
     publisher(client.app)(message)
-    r.rpush(QUEUE, first_b)
+    r.rpush(queue, first_b)
     # And one a worker took (kombu's unacked) and never claimed.
-    taken = next(env for env in r.lrange(QUEUE, 0, -1) if f'"argsrepr": "{a.id}:2"'.encode() in env)
-    r.lrem(QUEUE, 1, taken)
+    taken = next(env for env in r.lrange(queue, 0, -1) if f'"argsrepr": "{a.id}:2"'.encode() in env)
+    r.lrem(queue, 1, taken)
     tag = envelope_tag(keys.text(taken))
-    r.hset(UNACKED_KEY, tag, json.dumps([json.loads(taken), "", QUEUE]))
+    r.hset(UNACKED_KEY, tag, json.dumps([json.loads(taken), "", queue]))
     r.zadd(UNACKED_INDEX_KEY, {tag: time.time()})
-    assert sorted(queued_jobs(r)) == sorted([a.id] * 3 + [b.id] * 2)
+    assert sorted(queued_jobs(r, queue)) == sorted([a.id] * 3 + [b.id] * 2)
 
     done = a.cancel()
     assert (done.removed, done.parked, done.leased) == (3, 3, 0)
-    assert queued_jobs(r) == [b.id, b.id] and not r.hexists(UNACKED_KEY, tag) and not r.zscore(UNACKED_INDEX_KEY, tag)
+    assert queued_jobs(r, queue) == [b.id, b.id] and not r.hexists(UNACKED_KEY, tag) and not r.zscore(UNACKED_INDEX_KEY, tag)
     assert states(r, a.id) == {0: "c", 1: "c", 2: "c"}
     assert not any(keys.text(m).startswith(f"{a.id}:") for m in r.hkeys(keys.ENQUEUED))
     st = a.status()
@@ -175,7 +177,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     assert fleet.backlog_seconds == next(j for j in fleet.jobs if j.job == b.id).backlog_seconds > 0
     assert client.store.exists(spec.cancelled_key(a.id))
     # A straggler the cancel missed is dropped at its claim; its shard stays parked.
-    answer, lease = Leases(r, 3).claim(a.id, 1, worker="w", queue=QUEUE, tag="", message=message)
+    answer, lease = Leases(r, 3).claim(a.id, 1, worker="w", queue=queue, tag="", message=message)
     assert (answer, lease) == (ClaimAnswer.CANCELLED, None) and states(r, a.id)[1] == "c"
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     shown = cli_status(env, a.id)
@@ -183,7 +185,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
 
     assert a.resume().shards_enqueued == 3
     assert a.status().cancelled is None and not client.store.exists(spec.cancelled_key(a.id))
-    assert sorted(queued_jobs(r)) == sorted([a.id] * 3 + [b.id] * 2)
+    assert sorted(queued_jobs(r, queue)) == sorted([a.id] * 3 + [b.id] * 2)
     assert states(r, a.id) == {0: "q", 1: "q", 2: "q"}
     # Cancelled again, then the same prompts submitted again: continued too.
     a.cancel()
@@ -196,7 +198,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     assert a.cancel().removed == 0  # what the registration pushed was taken out again
     st = a.status()
     assert st.known_to_redis and st.cancelled is not None and (st.total, st.queued) == (6, 0)
-    assert queued_jobs(r) == [] and states(r, a.id) == {0: "c", 1: "c", 2: "c"}
+    assert queued_jobs(r, queue) == [] and states(r, a.id) == {0: "c", 1: "c", 2: "c"}
 
 
 # ---- cancel with workers, a monitor, and a Redis that loses its memory ------------------------------
@@ -207,6 +209,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
 ) -> None:
     env = base_env(tmp_path, redis_server.url, store_url)
     r = redis.Redis.from_url(redis_server.url)
+    queue = store_queue(env)
     store = open_store(store_url)
     worker = fixed_worker(env, tmp_path / "worker.log", 0.25)  # a batch of 2: 0.5 s; a shard of 8 batches: 4 s
     procs.append(worker)
@@ -218,7 +221,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
 
     done = Client(redis_url=redis_server.url, store=store_url).job(job).cancel()
     assert (done.removed, done.parked, done.leased) == (2, 2, 1)  # shards 1 and 2 queued, 0 running
-    assert queued_jobs(r) == []
+    assert queued_jobs(r, queue) == []
     wait_for(lambda: at_rest(r, job), 60, what="the running shard to stop at a batch boundary")
     st = cli_status(env, job)
     assert st["cancelled"] and (st["queued"], st["in_flight"]) == (0, 0)
@@ -237,7 +240,7 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
     tick_twice(r)
     st = cli_status(env, job)
     assert st["cancelled"] and (st["done"], st["queued"], st["in_flight"]) == (rendered, 0, 0)
-    assert queued_jobs(r) == [] and set(states(r, job).values()) == {"c"}
+    assert queued_jobs(r, queue) == [] and set(states(r, job).values()) == {"c"}
     assert image_count(store, job) == rendered
 
     # The worker goes on with other work...
@@ -256,6 +259,7 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     r = redis.Redis.from_url(redis_server.url)
+    queue = store_queue(env)
     store = open_store(str(tmp_path / "store"))
     # Shards of one batch: the worker stops itself in the commit thread, its shard 0 rendered and
     # its end (commit, release) to come, while it may already hold the next shard.
@@ -271,7 +275,7 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
     st = cli_status(env, job)
     assert st["cancelled"] and 0 not in states(r, job)  # shard 0 finished: its end was not undone
     assert st["done"] >= 2 and image_count(store, job) == st["done"] and st["done"] % 2 == 0
-    assert set(states(r, job).values()) == {"c"} and queued_jobs(r) == []
+    assert set(states(r, job).values()) == {"c"} and queued_jobs(r, queue) == []
     assert worker.alive()
     cli(env, "resume", job)
     wait_for(lambda: cli_status(env, job)["done"] == 8, 60, interval=0.5, what="the resumed job")
@@ -284,19 +288,23 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
 def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
 ) -> None:
-    from dispatcher.web import thumbnail
+    from dispatcher.thumbs import Thumbnails
 
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     r = redis.Redis.from_url(redis_server.url)
+    queue = store_queue(env)
     store = open_store(str(tmp_path / "store"))
     folder = tmp_path / "store" / "jobs"
-    worker = fixed_worker(env, tmp_path / "worker.log", 0.25)
+    # The worker stops itself with shard 0's second batch rendered and nothing of it written (its
+    # first committed); a lease long enough to outlast the stop, so it holds shard 0 throughout.
+    worker = WorkerProc({**env, PAUSE_AT: "after-render#2", "RENDERFLEET_LEASE_SECONDS": "60"},
+                        tmp_path / "worker.log", "--verbose")
     procs.append(worker)
     wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
     job = submit(env, tmp_path / "a.txt", 40, 16, 2)
-    wait_for(lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2, 60, interval=0.05,
-             what="shard 0 to commit a batch")
-    thumbnail(store, job, "000000")  # the web page's cache, beside the images
+    wait_for(lambda: stopped(worker.pid), 90, interval=0.05, what="the worker to stop in shard 0")
+    assert r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) == 2
+    Thumbnails(store).thumbnail(job, "000000")  # the web page's cache, beside the images
     assert (folder / job / "thumbs").is_dir()
 
     # Without a terminal and without --yes: refused, nothing touched.
@@ -308,7 +316,11 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     out = cli(env, "delete", job, "--yes")
     assert f"job {job} deleted" in out.stderr and out.stdout.strip() == job
     assert not (folder / job).exists()
-    time.sleep(3)  # a straggler would have landed by now: listed again, still nothing
+    os.killpg(worker.pid, signal.SIGCONT)  # it goes on with the batch it rendered
+    # The worker ends its shard only once the shard's commits are done (fenced by the delete):
+    # a straggler it wrote would have landed by then.  Listed again, still nothing.
+    ended = re.compile(rf"shard {job}:0(: | handed back| done)")
+    wait_for(lambda: ended.search(worker.output()), 60, what="the worker to end its shard of the deleted job")
     assert not (folder / job).exists() and list(store.list(spec.job_prefix(job))) == []
 
     # Redis: the tombstone only, for a day.
@@ -320,7 +332,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     assert not r.sismember(keys.JOBS, job) and r.zcard(keys.INFLIGHT) == 0
     assert not any(keys.text(m).startswith(f"{job}:") for m in r.hkeys(keys.ENQUEUED))
     assert not any(keys.text(k).startswith(keys.lease(job, 0).rpartition(":")[0]) for k in r.scan_iter("rf:lease:*"))
-    assert queued_jobs(r) == []
+    assert queued_jobs(r, queue) == []
     wait_for(lambda: job not in unacked_jobs(r), 30, what="the worker to let go of its delivery")
 
     # status says so; the fenced worker lives on and serves another job.
@@ -378,11 +390,12 @@ def test_a_job_emptied_from_the_store_is_retired_by_the_monitor_within_an_audit(
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     client = Client(redis_url=redis_server.url, store=str(tmp_path / "store"))
     r = client.redis
+    queue = queue_name("default", client.store.url)
     opts: dict[str, Any] = {"shard_size": 2, "batch_size": 2, "model": "tiny", "steps": 2, "size": "32x32"}
     gone = client.submit([f"gone {i}" for i in range(6)], **opts)
     kept = client.submit([f"kept {i}" for i in range(4)], **opts)
     before = fleet_status(r, store=client.store)  # no worker: every shard waits in the queue
-    assert sorted(j.job for j in before.jobs) == sorted([gone.id, kept.id]) and before.queues[QUEUE] == 5
+    assert sorted(j.job for j in before.jobs) == sorted([gone.id, kept.id]) and before.queues[queue] == 5
     procs.append(start_monitor({**env, "RENDERFLEET_AUDIT_SECONDS": "1"}, tmp_path / "monitor.log"))
 
     shutil.rmtree(tmp_path / "store" / "jobs" / gone.id)
@@ -392,9 +405,9 @@ def test_a_job_emptied_from_the_store_is_retired_by_the_monitor_within_an_audit(
     shown = cli(env, "status", gone.id, check=False)
     assert shown.returncode == 1 and "gone from the store" in shown.stderr
     # Nothing of it is counted anywhere: queue depth, backlog, autoscaler, metrics, the web page's list.
-    assert queued_jobs(r) == [kept.id, kept.id]
+    assert queued_jobs(r, queue) == [kept.id, kept.id]
     after = fleet_status(r, store=client.store, with_store_only=True)
-    assert [j.job for j in after.jobs] == [kept.id] and after.queues[QUEUE] == 2
+    assert [j.job for j in after.jobs] == [kept.id] and after.queues[queue] == 2
     assert after.backlog_seconds == after.jobs[0].backlog_seconds > 0
     metrics = {m.name: m for m in FleetCollector(lambda: fleet_status(r, store=client.store), {}).collect()}
     assert metrics["renderfleet_backlog_images"].samples[0].value == 4
