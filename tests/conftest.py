@@ -41,6 +41,18 @@ def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> str:
     return f"s3://{bucket}/rf-test"
 
 
+@pytest.fixture(params=["folder", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A test that takes it runs twice: on a folder store, and on a fresh S3 bucket on the moto server.
+
+    For the tests whose outcome depends on the store (writes, listings, deletions); the rest
+    use the folder store only, to keep the suite's time down.
+    """
+    if request.param == "folder":
+        return str(tmp_path / "store")
+    return str(request.getfixturevalue("s3_bucket"))
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
     """A private Redis server on a free port; tests may kill and restart it."""

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -103,8 +102,8 @@ def test_a_hand_back_and_a_reap_are_recorded_and_a_claim_clears_the_record(redis
     client.hset(UNACKED_KEY, tag, json.dumps([{"body": "b", "headers": {}, "properties": {"delivery_tag": tag}}, "", QUEUE]))
     _, lease = leases.claim("j", shard, worker="w", queue=QUEUE, tag=tag, message="{}")
     assert lease is not None and not client.hexists(keys.ENQUEUED, "j:0")
-    time.sleep(0.4)
-    assert [r.shard for r in leases.reap()] == [0]
+    reaped = wait_for(leases.reap, 30, interval=0.05, what="the lease to expire and be reaped")
+    assert [r.shard for r in reaped] == [0]
     record = keys.text(client.hget(keys.ENQUEUED, "j:0"))
     assert record.split("|")[1] == "f" and record.endswith(f"|{QUEUE}")  # pushed at the front
     assert leases.suspects() == []  # it is in the queue
@@ -238,12 +237,11 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
     if recover == "resume":
         assert "1 shards enqueued" in cli(env, "resume", job).stderr
     else:
-        started = time.monotonic()
         procs.append(start_monitor(env, tmp_path / "monitor.log"))
+    # (kombu alone would restore the message after its visibility timeout: an hour, not this deadline)
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 8 and s, 120, interval=0.5,
                   what="the lost shard to be rendered")
     if recover == "monitor":
-        assert time.monotonic() - started < 60
         assert "lost between a queue and a claim" in (tmp_path / "monitor.log").read_text()
     assert st["failed"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
     assert images_rendered(env, job) == 8
@@ -312,8 +310,8 @@ def test_a_duplicate_dropped_at_claim_leaves_no_record_behind(redis_server: Redi
     client.hset(UNACKED_KEY, tag, json.dumps([{"body": "b", "headers": {}, "properties": {"delivery_tag": tag}}, "", QUEUE]))
     _, lease = leases.claim("j", shard, worker="w1", queue=QUEUE, tag=tag, message="{}")
     assert lease is not None
-    time.sleep(0.4)
-    leases.reap()  # the worker was merely slow: its shard goes back to the front...
+    # the worker was merely slow: its shard goes back to the front...
+    assert [r.shard for r in wait_for(leases.reap, 30, interval=0.05, what="the lease to expire")] == [0]
     assert leases.heartbeat(lease)  # ...and its next heartbeat takes the lease back
     copy = json.loads(cast(bytes, client.rpop(QUEUE)) or b"{}")["properties"]["delivery_tag"]
     assert client.hexists(keys.ENQUEUED, "j:0")

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from renderfleet.errors import OutOfMemory
 from testing.fleet import REPO
-from worker import bench, render
 
 pytestmark = pytest.mark.integration
 
@@ -50,16 +48,3 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
         out = run(*bad)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
-
-def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = render.Renderer.render
-
-    def capped(self: render.Renderer, prompts: list[object], **kw: object) -> list[bytes]:
-        if len(prompts) > 4:
-            raise OutOfMemory("fake: only 4 fit")
-        return real(self, prompts, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(render.Renderer, "render", capped)
-    result = bench.run_bench("tiny", width=32, height=32, steps=1, guidance=7.5, batch_sizes=None, prices={},
-                             runs=1, device="cpu", cache_dir=tmp_path)
-    assert [p.batch_size for p in result.points] == [1, 2, 4] and result.oom_at == 8

@@ -6,12 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import REPO, TINY, base_env, cli, wait_for, worker_ready, write_prompts
 
@@ -77,8 +77,8 @@ def test_ctrl_c_in_run_says_how_to_go_on(tmp_path: Path, env: dict[str, str]) ->
     try:
         client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
         wait_for(lambda: worker_ready(client, 1), 90, what="the run's worker")
-        time.sleep(2)  # rendering
-        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: client.zcard(keys.INFLIGHT), 90, interval=0.1, what="the run's worker to hold a shard")
+        proc.send_signal(signal.SIGINT)  # mid-shard: 40 prompts at 64x64, 20 steps are far from done
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

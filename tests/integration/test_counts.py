@@ -46,13 +46,6 @@ CUT = ["--shard-size", "16", "--batch-size", "4"]
 SLOW_LEASES = {"RENDERFLEET_LEASE_SECONDS": "30", "RENDERFLEET_HEARTBEAT_SECONDS": "1"}
 
 
-@pytest.fixture(params=["folder", "s3"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "folder":
-        return str(tmp_path / "store")
-    return str(request.getfixturevalue("s3_bucket"))
-
-
 def stored_images(url: str, job: str) -> list[str]:
     prefix = images_prefix(job)
     return sorted(k[len(prefix):-len(".png")] for k in open_store(url).list(prefix) if k.endswith(".png"))

@@ -12,6 +12,8 @@ import pytest
 import redis
 
 from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import images_prefix
+from renderfleet.store import open_store
 from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, store_queue, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
@@ -21,6 +23,18 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
     return base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+
+
+@pytest.fixture
+def store_env(tmp_path: Path, redis_server: RedisServerProcess, store_url: str) -> dict[str, str]:
+    """``env`` on the folder store, then on S3 (moto): for the cases whose outcome the store decides."""
+    return base_env(tmp_path, redis_server.url, store_url)
+
+
+def stored_images(env: dict[str, str], job: str) -> dict[str, bytes | None]:
+    """The job's images in the store ``env`` names (a folder or a bucket): key -> bytes."""
+    store = open_store(env["RENDERFLEET_STORE"])
+    return {key: store.get(key) for key in store.list(images_prefix(job)) if key.endswith(".png")}
 
 
 @pytest.fixture
@@ -64,20 +78,21 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
 
 
 def test_resubmitting_the_same_file_renders_nothing_again(
-    tmp_path: Path, env: dict[str, str], workers: list[WorkerProc]
+    tmp_path: Path, store_env: dict[str, str], workers: list[WorkerProc]
 ) -> None:
+    env = store_env
     prompts = write_prompts(tmp_path / "p.txt", 8)
     start_workers(1, env, tmp_path, workers)
     job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
     wait_for(lambda: job_status(env, job)["done"] == 8, 120, interval=1.0, what="job to finish")
-    before = {p.name: p.read_bytes() for p in (tmp_path / "store" / "jobs" / job / "images").iterdir()}
+    before = stored_images(env, job)
+    assert len(before) == 8
     again = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4")
     assert again.stdout.split()[-1] == job
     assert "0 shards enqueued" in again.stderr
     st = job_status(env, job)
     assert st["done"] == 8 and sum(int(w.get("images", 0)) for w in st["workers"]) == 8
-    after = {p.name: p.read_bytes() for p in (tmp_path / "store" / "jobs" / job / "images").iterdir()}
-    assert after == before
+    assert stored_images(env, job) == before
 
 
 class _Boom:
@@ -145,8 +160,9 @@ def test_bad_flag_exits_2_without_traceback(tmp_path: Path, env: dict[str, str])
 
 
 def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
-    tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
+    tmp_path: Path, store_env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
+    env = store_env
     prompts = write_prompts(tmp_path / "p.txt", 12)
     job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
     start_workers(1, env, tmp_path, workers)
@@ -157,5 +173,4 @@ def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, interval=1.0,
                   what="job to finish after resume")
     assert st["failed"] == 0
-    images = list((tmp_path / "store" / "jobs" / job / "images").iterdir())
-    assert len(images) == 12
+    assert len(stored_images(env, job)) == 12

@@ -13,8 +13,8 @@ import redis
 from renderfleet import keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, queue_name
 from renderfleet.errors import Reclaimed
-from renderfleet.leases import Leases
-from testing.fleet import start_redis
+from renderfleet.leases import Lease, Leases, Reaped
+from testing.fleet import start_redis, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +35,16 @@ def deliver(client: redis.Redis, tag: str, body: str) -> None:
     client.zadd(UNACKED_INDEX_KEY, {tag: time.time()})
 
 
+def expired_and_reaped(leases: Leases) -> list[Reaped]:
+    """Reap until a lease has expired (by Redis's clock) and is reaped: no sleep to guess at."""
+    return list(wait_for(leases.reap, 30, interval=0.05, what="a lease to expire and be reaped"))
+
+
+def lapse(client: redis.Redis, lease: Lease) -> None:
+    """The worker's last heartbeat renews ``lease`` for 1 ms only: as if it stopped renewing it."""
+    assert Leases(client, lease_seconds=0.001).heartbeat(lease)
+
+
 def register(client: redis.Redis, job: str, shards: int) -> None:
     client.hset(keys.job(job), mapping={"total": shards * 4, "queue": QUEUE})
     client.hset(keys.shards(job), mapping={str(s): "q" for s in range(shards)})
@@ -53,15 +63,15 @@ def test_a_duplicate_delivery_of_a_running_shard_is_dropped(client: redis.Redis)
 
 
 def test_an_expired_lease_is_reaped_to_the_front_of_the_queue_once(client: redis.Redis) -> None:
-    leases = Leases(client, lease_seconds=0.3)
+    leases = Leases(client, lease_seconds=60)  # live for as long as the test could take to look
     register(client, "j", 2)
     client.lpush(QUEUE, "other-shard")
     deliver(client, "t1", "shard-0-body")
     _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
     assert lease is not None
     assert leases.reap() == []  # still live
-    time.sleep(0.4)
-    reaped = leases.reap()
+    lapse(client, lease)
+    reaped = expired_and_reaped(leases)
     assert [(r.job, r.shard, r.message) for r in reaped] == [("j", 0, None)]
     assert leases.reap() == []  # only once
     # RPUSH: the next BRPOP takes it before the shard that was waiting
@@ -76,8 +86,7 @@ def test_a_stale_worker_is_fenced_and_cannot_count(client: redis.Redis) -> None:
     register(client, "j", 1)
     deliver(client, "t1", "m")
     _, old = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
-    time.sleep(0.4)
-    leases.reap()
+    assert [r.shard for r in expired_and_reaped(leases)] == [0]
     deliver(client, "t2", "m")
     _, new = leases.claim("j", 0, worker="w2", queue=QUEUE, tag="t2", message="{}")
     assert old and new and new.attempt == old.attempt + 1
@@ -125,8 +134,7 @@ def test_a_fenced_worker_cannot_count_a_failure_and_a_check_sees_the_fence(clien
     _, old = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
     assert old is not None and leases.current(old)
     assert leases.record_failure(old, 2, "boom") == 1
-    time.sleep(0.4)
-    leases.reap()
+    assert [r.shard for r in expired_and_reaped(leases)] == [0]
     _, new = leases.claim("j", 0, worker="w2", queue=QUEUE, tag="t2", message="{}")
     assert new is not None
     assert not leases.current(old) and leases.current(new)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, pause_at, stopped, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,12 +26,13 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     # The store refuses this one image (a folder where its file goes): quarantined after 3 tries.
     (store / "jobs" / job / "images" / "bad.png").mkdir(parents=True)
 
-    first = WorkerProc(env, tmp_path / "w1.log")
+    # The first worker stops itself with its fifth batch rendered (shard 2's first), four committed.
+    first = WorkerProc({**env, **pause_at("after-render#5")}, tmp_path / "w1.log")
     second: WorkerProc | None = None
     try:
-        early = wait_for(lambda: (s := job_status(env, job))["done"] >= 8 and s["in_flight"]
-                         and any(w.get("doing") for w in s["workers"]) and s, 120, interval=0.3,
-                         what="the job under way")
+        wait_for(lambda: stopped(first.pid), 120, interval=0.05, what="the first worker to stop mid-shard")
+        early = job_status(env, job)
+        assert early["done"] == 8 and early["in_flight"] and any(w.get("doing") for w in early["workers"])
         first.kill()  # SIGKILL mid-shard: its lease expires and the shard is handed on
         second = WorkerProc(env, tmp_path / "w2.log")
         later = wait_for(lambda: (s := job_status(env, job))["done"] >= 32 and s, 120, interval=0.5, what="progress")

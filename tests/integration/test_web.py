@@ -31,7 +31,7 @@ from dispatcher.web import charts, read_history, record
 from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, wait_for
+from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, pause_at, stopped, wait_for
 from testing.servers import free_port
 from testing.servers import http_get as get
 
@@ -92,7 +92,7 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
     config = tmp_path / "fleet.toml"
     config.write_text('[pools.default]\nkind = "spot"\nprice_per_hour = 1.2\nmin = 0\nmax = 2\n')
     store = tmp_path / "store"
-    # Leases long enough that the worker's pause below (a few seconds) hands nothing back.
+    # Leases long enough that the worker's pause below (seconds) hands nothing back.
     env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config), RENDERFLEET_LEASE_SECONDS="30")
     lines = [json.dumps({"prompt": f"a lighthouse at dusk, study {i}", **({"id": "bad"} if i == 17 else {})})
              for i in range(PROMPTS)]
@@ -113,17 +113,16 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         row = page.locator(f'tr[data-job="{job}"]')
         assert row.locator(".f-done").inner_text() == "0"
 
-        # A worker starts; the open page (never reloaded) follows the job to its end.  The worker is
-        # stopped (SIGSTOP) as soon as Redis counts its first images, so however fast the machine,
-        # the page must show a value part-way, then the end.
+        # A worker starts; the open page (never reloaded) follows the job to its end.  The worker
+        # stops itself (SIGSTOP) before it writes its second batch, its first one counted and
+        # nothing in flight, so however fast the machine, the page must show a value part-way
+        # (that one), then the end.
         client = redis.Redis.from_url(redis_server.url)
-        worker = WorkerProc(env, tmp_path / "worker.log")
-        wait_for(lambda: client.bitcount(keys.done_bits(job)) >= 1, 120, interval=0.02, what="the first images")
-        os.killpg(worker.pid, signal.SIGSTOP)
+        worker = WorkerProc({**env, **pause_at("after-render#2")}, tmp_path / "worker.log")
+        wait_for(lambda: stopped(worker.pid), 120, interval=0.05, what="the worker to stop after its first batch")
         try:
-            time.sleep(0.3)
             paused = int(client.bitcount(keys.done_bits(job)))
-            assert 0 < paused < PROMPTS - 1
+            assert paused == 2  # the first batch (prompts 0 and 1), and no more
             page.wait_for_function(f"() => document.querySelector('tr[data-job=\"{job}\"] .f-done')"
                                    f".textContent === '{paused}'", timeout=15_000)
             assert row.locator(".fill").evaluate("el => parseFloat(el.style.width)") < 100
@@ -233,7 +232,13 @@ def test_off_loopback_the_page_needs_the_token_and_a_browser_gets_an_httponly_co
         # with the cookie, every request passes, the page's own polling included
         assert page.goto(f"{base}/api/status").status == 200
         page.goto(f"{base}/")
-        time.sleep(2.5)
+        # The page polls every 2 s: its first poll is let in, and by the time it sends the next one
+        # (scheduled once the answer is handled) it has said nothing about not updating.
+        with page.expect_response(lambda r: r.url.endswith("/api/status"), timeout=30_000) as first_poll:
+            pass
+        assert first_poll.value.status == 200
+        with page.expect_request(lambda r: r.url.endswith("/api/status"), timeout=30_000):
+            pass
         assert page.locator("#live-state").inner_text() == ""
         # a fresh browser without it is refused again; scripts use the header
         other = browser.new_context().new_page()  # type: ignore[attr-defined]

@@ -1,26 +1,36 @@
 """A worker outlives what is not its fault: a Redis restart, a poison job, an odd prompt.
 
-Real Redis servers (stopped and restarted mid-batch), real ``renderfleet
-worker`` processes, the CLI as a user runs it.
+Real Redis servers (stopped and restarted mid-batch: the worker stops itself at a failpoint
+there), real ``renderfleet worker`` processes, the CLI as a user runs it.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess, free_port
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from testing.fleet import (
+    TINY,
+    WorkerProc,
+    base_env,
+    cli,
+    job_status,
+    pause_at,
+    stopped,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.integration
-
-# Slow enough that a Redis restart lands in the middle of a batch.
-SLOW = ["--model", "tiny", "--steps", "12", "--size", "64x64"]
 
 
 @pytest.fixture
@@ -49,15 +59,18 @@ def start_worker(env: dict[str, str], tmp_path: Path, procs: list[WorkerProc], *
 def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
-    worker = start_worker(env, tmp_path, workers)
+    # It stops itself mid-shard: its second batch rendered, nothing of it written, its first counted.
+    worker = start_worker({**env, **pause_at("after-render#2")}, tmp_path, workers)
     prompts = write_prompts(tmp_path / "p.txt", 40)
-    job = cli(env, "submit", str(prompts), *SLOW, "--shard-size", "8", "--batch-size", "2").stdout.split()[-1]
+    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "8", "--batch-size", "2").stdout.split()[-1]
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
-    wait_for(lambda: client.zcard("rf:inflight") and job_status(env, job)["done"] >= 2, 60,
-             what="a shard in flight")
-    time.sleep(0.5)  # mid-batch
+    wait_for(lambda: stopped(worker.pid), 120, interval=0.05, what="the worker to stop mid-shard")
+    assert client.zcard(keys.INFLIGHT) == 1 and client.bitcount(keys.done_bits(job)) == 2
     redis_server.kill()
-    time.sleep(4)
+    os.kill(worker.pid, signal.SIGCONT)  # it goes on with its batch, and Redis is gone
+    # Its shard fails for want of Redis (transient: handed back, if it can be), then its consumer finds the broker gone.
+    wait_for(lambda: "Connection to broker lost" in worker.output(), 60,
+             what="the worker to find Redis gone while it held its shard")
     redis_server.start()  # same port, empty
     cli(env, "resume", job)
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 40 and s, 240, interval=1.0,
@@ -76,7 +89,7 @@ def test_an_idle_worker_takes_work_again_after_redis_restarts(
 ) -> None:
     worker = start_worker(env, tmp_path, workers)
     redis_server.stop()  # SIGTERM this time
-    time.sleep(3)
+    wait_for(lambda: "Connection to broker lost" in worker.output(), 60, what="the idle worker to find Redis gone")
     redis_server.start()
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY).stdout.split()[-1]
     wait_for(lambda: job_status(env, job)["done"] == 4, 60, interval=1.0, what="the idle worker after the restart")

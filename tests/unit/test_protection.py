@@ -64,22 +64,6 @@ def test_without_a_group_the_tick_only_touches() -> None:
     assert service.touched == 2
 
 
-def test_a_fresh_service_holds_no_lease(tmp_path: Any) -> None:
-    import redis
-
-    from renderfleet.embedded import free_port
-    from renderfleet.settings import Settings
-    from renderfleet.store import LocalStore
-    from worker.service import WorkerService
-    from worker.stop import StopSignal
-
-    service = WorkerService(settings=Settings(home=tmp_path), client=redis.Redis(port=free_port()),
-                            store=LocalStore(tmp_path / "store"), renderer=None, model="tiny", stop=StopSignal(),
-                            publish=lambda m: None, worker_id="w")
-    assert service.busy is False
-    service.runner.close()
-
-
 class FakeCoreV1:
     """A plain object with CoreV1Api's one method the pod marker calls."""
 

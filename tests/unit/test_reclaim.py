@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from testing.fleet import wait_for
 from testing.metadata import FakeMetadata
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
 from worker.stop import StopSignal
@@ -19,11 +20,19 @@ def watch(stop: StopSignal, base: str, notices: list[str], heard: list[tuple[str
     return w
 
 
+def polled(md: FakeMetadata, node: str, times: int, since: int = 0) -> None:
+    """Wait until the watcher has asked for ``node``'s spot notice ``times`` times after request
+    number ``since``: its one thread asks again only once the answer before was acted on."""
+    path = f"/{node}/latest/meta-data/spot/instance-action"
+    wait_for(lambda: sum(1 for _, p in md.requests[since:] if p == path) >= times, 10, interval=0.01,
+             what=f"{times} polls of {path}")
+
+
 def test_aws_spot_notice_sets_the_deadline_from_the_termination_time() -> None:
     with FakeMetadata() as md:
         stop, notices = StopSignal(), []
         w = watch(stop, md.url("n1"), notices)
-        time.sleep(0.3)
+        polled(md, "n1", 2)  # no notice yet: the first answer (404) handled, and nothing requested
         assert not stop.requested
         md.aws_notice("n1", seconds=120)
         assert stop.wait(5)
@@ -38,7 +47,7 @@ def test_other_nodes_notice_is_not_ours() -> None:
         stop, notices = StopSignal(), []
         w = watch(stop, md.url("n1"), notices)
         md.aws_notice("n2")
-        time.sleep(0.5)
+        polled(md, "n1", 2, since=len(md.requests))  # n1 asked twice since n2's notice: the first answer acted on
         w.close()
         assert not stop.requested and notices == []
 
@@ -81,9 +90,7 @@ def test_a_termination_notice_after_a_rebalance_hint_sets_the_deadline() -> None
         md.aws_rebalance("n1")
         assert stop.wait(5) and stop.deadline is None
         md.aws_notice("n1", seconds=60)
-        deadline = time.monotonic() + 5
-        while stop.deadline is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: stop.deadline is not None, 10, interval=0.01, what="the deadline")
         w.close()
         assert stop.deadline is not None and 40 < stop.deadline - time.monotonic() <= 61
         assert notices == ["x"]  # the worker was told to shut down once

@@ -474,15 +474,18 @@ def test_the_queue_is_bounded_a_slow_store_holds_the_renderer_back(tmp_path: Pat
 
 
 def test_a_stop_request_commits_every_rendered_batch_before_the_shard_goes_back(tmp_path: Path) -> None:
-    # A notice with time left arrives while batch 1 renders and batch 0's upload is slow:
-    # batch 1 finishes, and both are stored, checkpointed and counted before Reclaimed.
+    # A notice with time left arrives while batch 1 renders and batch 0's upload is still
+    # under way (every write waits for the notice): batch 1 finishes, and both are stored,
+    # checkpointed and counted before Reclaimed.
     events = Events()
     stop = StopSignal()
-    store = RecordingStore(tmp_path / "store", events, lambda key: time.sleep(0.3))
+    noticed = threading.Event()
+    store = RecordingStore(tmp_path / "store", events, lambda key: noticed.wait(timeout=10) and None)
 
     def notice(n: int) -> None:
         if n == 2:
             stop.request("aws spot terminate", seconds_left=120)
+            noticed.set()
 
     ru = piped(store, RecordingRenderer(events, on_call=notice), stop=stop)
     ru._batch_seconds = 0.01  # measured on an earlier shard: batch 1 fits the window
@@ -495,13 +498,16 @@ def test_a_stop_request_commits_every_rendered_batch_before_the_shard_goes_back(
 
 
 def test_a_stop_mid_batch_still_commits_the_batches_before_it(tmp_path: Path) -> None:
+    # Batches 0 and 1 are still being written when the stop comes (every write waits for it).
     events = Events()
     stop = StopSignal()
-    store = RecordingStore(tmp_path / "store", events, lambda key: time.sleep(0.2))
+    stopped = threading.Event()
+    store = RecordingStore(tmp_path / "store", events, lambda key: stopped.wait(timeout=10) and None)
 
     def notice(n: int) -> None:
         if n == 3:
             stop.request("sigterm", seconds_left=0)  # no time: batch 2 is abandoned
+            stopped.set()
 
     ledger = RecordingLedger(events)
     with pytest.raises(Reclaimed):

@@ -17,11 +17,22 @@ def test_environment_is_read_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> N
     assert not load_settings(pool="baseline").watch_reclaim
 
 
-def test_a_worker_renders_auto_batches_by_default_or_a_fixed_number() -> None:
+def test_a_worker_renders_auto_batches_by_default_or_a_fixed_number(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings().render_batch == "auto" and load_settings().fixed_render_batch is None
     assert load_settings(render_batch=" AUTO ").fixed_render_batch is None
     assert load_settings(render_batch="16").fixed_render_batch == 16
-    assert not load_settings().compile and load_settings(compile=True).compile
+    monkeypatch.setenv("RENDERFLEET_RENDER_BATCH", "8")  # the variable the README documents; a flag wins
+    assert load_settings().fixed_render_batch == 8 and load_settings(render_batch="auto").fixed_render_batch is None
+
+
+def test_compile_is_off_unless_the_flag_or_its_variable_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not load_settings().compile
+    for value, on in (("1", True), ("true", True), ("0", False), ("false", False)):
+        monkeypatch.setenv("RENDERFLEET_COMPILE", value)
+        assert load_settings().compile is on, value
+    with pytest.raises(ConfigError, match="RENDERFLEET_COMPILE"):
+        monkeypatch.setenv("RENDERFLEET_COMPILE", "sometimes")
+        load_settings()
 
 
 def test_tls_url_verifies_the_server_by_default() -> None:

@@ -1,22 +1,24 @@
-"""A shard ends in the commit thread while the next one renders, and the order of its writes holds;
-a new job's first claims read no checkpoints, a second delivery reads the first's.
+"""The worker service's shard end, in this process: a shard ends in the commit thread while
+the next one renders, and the order of its writes holds; a new job's first claims read no
+checkpoints, a second delivery reads the first's.
 
-Real Redis and a folder store, the worker service in this process (as the
-Celery task calls it, with ``detach``), a renderer that records when each
-batch starts and a store whose checkpoint writes are slow, so the overlap is
-seen, not timed.
+Not a fleet test: the service (``worker/service.py``) runs in the test process, called as the
+Celery task calls it (with ``detach``), with a fake renderer that returns bytes and records
+each batch it begins, and a folder store whose last checkpoint write of shard 0 waits until
+shard 1's first batch has begun, so the overlap is proven, not timed.  Redis is a real server.
+Real worker processes and their shard ends are in tests/integration (test_counts.py pauses
+one inside a shard's end).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import time
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-import pytest
 import redis
 
 from renderfleet import Client, keys
@@ -31,26 +33,25 @@ from renderfleet.store import LocalStore
 from worker.service import WorkerService
 from worker.stop import StopSignal
 
-pytestmark = pytest.mark.integration
 
-CHECKPOINT_SECONDS = 0.4
-
-
-class SlowCheckpoints(LocalStore):
-    """A folder store whose checkpoint writes take a while, each recorded with when it ended."""
+class GatedCheckpoints(LocalStore):
+    """A folder store that records its checkpoint writes (and whether the shard was still leased);
+    with a ``gate``, shard 0's last checkpoint (its batch 1) waits for it first, and records whether it opened."""
 
     def __init__(self, root: Path, leased: Callable[[str], bool]):
         super().__init__(root)
         self.leased = leased  # whether the checkpoint's shard is still under its lease
-        self.checkpoints: list[tuple[str, float, bool]] = []
+        self.gate: threading.Event | None = None
+        self.waited: list[bool] = []
+        self.checkpoints: list[tuple[str, bool]] = []
         self.listed: list[str] = []
 
     def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
-        if "/checkpoints/" in key:
-            time.sleep(CHECKPOINT_SECONDS)
+        if "/checkpoints/000000/00001-" in key and self.gate is not None:
+            self.waited.append(self.gate.wait(timeout=30))
         super().put(key, data, content_type=content_type)
         if "/checkpoints/" in key:
-            self.checkpoints.append((key, time.monotonic(), self.leased(key)))
+            self.checkpoints.append((key, self.leased(key)))
 
     def list(self, prefix: str) -> Iterator[str]:
         self.listed.append(prefix)
@@ -58,17 +59,20 @@ class SlowCheckpoints(LocalStore):
 
 
 class Recorder:
-    """Flat bytes per prompt; records each batch's first prompt and when it began."""
+    """Flat bytes per prompt; records each batch's first prompt, and sets ``shard_1_began`` at prompt 4's."""
 
     last_batch_seconds: float | None = None
 
     def __init__(self, reclaimed_at: str = "") -> None:
-        self.began: list[tuple[str, float]] = []
+        self.began: list[str] = []
+        self.shard_1_began = threading.Event()
         self.reclaimed_at = reclaimed_at  # the first batch starting with this prompt is lost to a notice, once
 
     def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
                       ) -> list[Any]:
-        self.began.append((prompts[0].name, time.monotonic()))
+        self.began.append(prompts[0].name)
+        if prompts[0].name == "000004":
+            self.shard_1_began.set()
         if prompts[0].name == self.reclaimed_at:
             self.reclaimed_at = ""
             raise Reclaimed("a spot notice mid-batch")
@@ -78,13 +82,13 @@ class Recorder:
         return bytes(image)
 
 
-def submitted(tmp_path: Path, url: str) -> tuple[Job, redis.Redis, SlowCheckpoints, list[str]]:
+def submitted(tmp_path: Path, url: str) -> tuple[Job, redis.Redis, GatedCheckpoints, list[str]]:
     """A new job of 8 prompts in shards of 4, batches of 2: its store, as workers see it, and its messages."""
     client = Client(redis_url=url, store=str(tmp_path / "store"))
     job = client.submit([f"prompt {i}" for i in range(8)], model="tiny", steps=2, size="32x32",
                         shard_size=4, batch_size=2)
     raw = redis.Redis.from_url(url)
-    store = SlowCheckpoints(tmp_path / "store",
+    store = GatedCheckpoints(tmp_path / "store",
                             lambda key: bool(raw.exists(keys.lease(job.id, int(key.rsplit("/", 2)[-2])))))
     messages = []
     while (item := raw.rpop(queue_name("default", store.url))) is not None:
@@ -94,7 +98,7 @@ def submitted(tmp_path: Path, url: str) -> tuple[Job, redis.Redis, SlowCheckpoin
     return job, raw, store, messages
 
 
-def worker_service(tmp_path: Path, raw: redis.Redis, store: SlowCheckpoints, renderer: Recorder,
+def worker_service(tmp_path: Path, raw: redis.Redis, store: GatedCheckpoints, renderer: Recorder,
                    published: list[str]) -> WorkerService:
     return WorkerService(settings=Settings(home=tmp_path / "home"), client=raw, store=store, renderer=renderer,
                          model="tiny", stop=StopSignal(), publish=published.append, worker_id="w-1")
@@ -105,6 +109,7 @@ def test_the_next_shard_renders_while_the_last_one_is_checkpointed_counted_and_r
 ) -> None:
     job, raw, store, messages = submitted(tmp_path, redis_server.url)
     renderer = Recorder()
+    store.gate = renderer.shard_1_began  # shard 0's last checkpoint waits for shard 1 to begin rendering
     published: list[str] = []
     service = worker_service(tmp_path, raw, store, renderer, published)
     try:
@@ -120,11 +125,12 @@ def test_the_next_shard_renders_while_the_last_one_is_checkpointed_counted_and_r
     finally:
         service.close()
 
-    began = dict(renderer.began)
-    last_checkpoint_of_0 = max(t for key, t, _ in store.checkpoints if "/000000/" in key)
-    assert began["000004"] < last_checkpoint_of_0  # shard 1's first batch began before shard 0 was checkpointed
+    # Shard 0's last checkpoint was written once shard 1 had begun rendering: had the service
+    # waited for shard 0's end before rendering shard 1, the wait would have run out (False).
+    assert store.waited == [True]
+    assert renderer.began == ["000000", "000002", "000004", "000006"]
     # Each shard's writes in their order: its checkpoints while it is leased, then its count and release.
-    assert [(key.rsplit("/", 2)[-2], leased) for key, _, leased in store.checkpoints] == \
+    assert [(key.rsplit("/", 2)[-2], leased) for key, leased in store.checkpoints] == \
         [("000000", True)] * 2 + [("000001", True)] * 2
     assert raw.bitcount(keys.done_bits(job.id)) == 8
     assert not raw.exists(keys.lease(job.id, 0)) and not raw.exists(keys.lease(job.id, 1))
@@ -150,6 +156,6 @@ def test_a_shard_handed_back_reads_what_its_first_delivery_checkpointed_and_rend
         assert service.handle(published[0], "").status is TaskOutcome.DONE
     finally:
         service.close()
-    assert [name for name, _ in renderer.began] == ["000000", "000002", "000002"]
+    assert renderer.began == ["000000", "000002", "000002"]
     assert any("/checkpoints/000000" in prefix for prefix in store.listed)
     assert raw.bitcount(keys.done_bits(job.id)) == 4

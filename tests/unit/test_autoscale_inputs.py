@@ -1,5 +1,11 @@
-"""What the autoscaler tells the policy of each pool, read from what real workers write to Redis:
-the recent reclaim loss (a sliding window of per-minute counters) and the measured cold start."""
+"""What the autoscaler tells the policy of each pool: the recent reclaim loss (a sliding window of
+per-minute counters) and the measured cold start, read from Redis.
+
+Not written by worker processes: the worker's own writers (``WorkerService.register``,
+``RedisLedger.record_start`` and ``record_waste``) are called in this process with chosen
+figures, and one minute an hour old is written by hand (no test waits an hour).  Redis is a
+real server and the autoscaler the real CLI (``renderfleet autoscale --once --dry-run``).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,6 @@ import json
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from dispatcher.autoscale import PROCESS_START_SECONDS
@@ -21,8 +26,6 @@ from testing.fleet import base_env, cli
 from worker.ledger import RedisLedger
 from worker.service import WorkerService
 from worker.stop import StopSignal
-
-pytestmark = pytest.mark.integration
 
 FLEET = """
 [pools.baseline]
