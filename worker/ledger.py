@@ -93,10 +93,13 @@ class RedisLedger:
         for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool, self.store_tag)):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
-        # The job's own account: GPU time and images by pool (its cost), work lost.
+        # The job's own account: GPU time and images by pool (its cost), work lost.  Not from a
+        # fenced attempt: a delete fences its job's leases, and a write here would bring back a key
+        # of a job that is gone (the pool's and worker's counters above still count the waste).
         job = keys.job_stats(self.lease.job)
         for name, value in fields.items():
-            pipe.hincrby(job, f"{name}.{self.pool}" if name in ("images", "render_ms") else name, value)
+            if not self.stop.fenced:
+                pipe.hincrby(job, f"{name}.{self.pool}" if name in ("images", "render_ms") else name, value)
         # The pool's minute, for a recent reclaim rate (dispatcher/autoscale.py).
         recent = {name: value for name, value in fields.items() if name in keys.RECENT_FIELDS}
         if recent:
@@ -104,7 +107,7 @@ class RedisLedger:
             for name, value in recent.items():
                 pipe.hincrby(minute, name, value)
             pipe.expire(minute, keys.RECENT_KEEP_SECONDS)
-        if progress:
+        if progress and not self.stop.fenced:
             pipe.lpush(keys.progress(self.lease.job), f"{time.time():.3f} {progress}")
             pipe.ltrim(keys.progress(self.lease.job), 0, keys.PROGRESS_KEEP - 1)
         pipe.execute()
