@@ -32,6 +32,9 @@ def test_gpu_sh_tiny_renders_both_architectures_and_reports_images_per_second_an
         for r in eager:
             assert r["images_per_second"] > 0 and r["seconds_per_batch"] > 0
             assert r["mfu"] == pytest.approx(r["images_per_second"] * info["tflop_per_image"])  # peak: 1 TFLOP/s
-        [compiled] = [r for r in rows if r["mode"] == "compile"]
-        assert compiled["note"] == "skipped: --compile needs CUDA"
+        # On a CPU the dry run compiles too (inductor), so the script the first GPU session runs has
+        # run that step: each compiled row is measured, or says why not (the time budget).
+        compiled = [r for r in rows if r["mode"] == "compile"]
+        assert compiled and all(r.get("images_per_second", 0) > 0 or r.get("note", "").startswith("skipped")
+                                for r in compiled), compiled
     assert "| sd15-tiny | eager | 1 |" in proc.stdout and "best sdxl-tiny:" in proc.stdout
