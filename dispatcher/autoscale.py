@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import redis
 
 from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
-from dispatcher.status import FleetStatus, _counts, _json_object, _malformed, fleet_status
+from dispatcher.status import FleetStatus, counter_hash, fleet_status, json_object, malformed
 from renderfleet import keys
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
@@ -66,7 +66,7 @@ def recent_counters(client: redis.Redis, pool: str, store: str, now: float,
     pipe = client.pipeline(transaction=False)
     for minute in minutes:
         pipe.hgetall(keys.pool_recent(pool, minute, tag))
-    return {minute: _counts(counts, keys.pool_recent(pool, minute, tag))
+    return {minute: counter_hash(counts, keys.pool_recent(pool, minute, tag))
             for minute, counts in zip(minutes, pipe.execute(), strict=True) if counts}
 
 
@@ -79,11 +79,11 @@ def registered_workers(client: redis.Redis, pool: str, store: str) -> list[dict[
         # A registration that is not JSON, or whose pid is no number, is skipped (logged once): one
         # bad value in Redis must not stop the autoscaler.
         where = f"{keys.WORKERS} {worker_id!r}"
-        info = _json_object(raw, where)
+        info = json_object(raw, where)
         if info is None or info.get("pool") != pool or info.get("store") != ours:
             continue
         if "pid" in info and (type(info["pid"]) is not int or info["pid"] < 0):
-            _malformed(where, raw, "its pid is not a process id")
+            malformed(where, raw, "its pid is not a process id")
             continue
         out.append(info)
     return out

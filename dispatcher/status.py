@@ -122,7 +122,7 @@ _WARN_PLACES = 1000  # and at most this many, however many bad fields are writte
 _INT64 = 2**63  # Redis counters (HINCRBY, BITCOUNT) are signed 64-bit
 
 
-def _malformed(where: str, raw: Any, why: str) -> None:
+def malformed(where: str, raw: Any, why: str) -> None:
     """Log, once per place, that a value read from Redis was skipped."""
     if where in _WARNED or len(_WARNED) >= _WARN_PLACES:
         return
@@ -141,15 +141,15 @@ def _reject(constant: str) -> Any:
     raise ValueError(f"not a finite number: {constant}")
 
 
-def _json_object(raw: Any, where: str) -> dict[str, Any] | None:
+def json_object(raw: Any, where: str) -> dict[str, Any] | None:
     """``raw`` as a JSON object (no NaN or Infinity: they are not JSON); None, logged once, when it is not one."""
     try:
         value = json.loads(raw, parse_float=_finite, parse_constant=_reject)
     except (ValueError, TypeError, RecursionError):  # not UTF-8 (a ValueError too), not JSON, nested too deep
-        _malformed(where, raw, "not JSON")
+        malformed(where, raw, "not JSON")
         return None
     if not isinstance(value, dict):
-        _malformed(where, raw, "not a JSON object")
+        malformed(where, raw, "not a JSON object")
         return None
     return value
 
@@ -161,19 +161,19 @@ def _count(raw: Any, where: str) -> int | None:
     except (ValueError, TypeError):
         value = _INT64
     if not -_INT64 <= value < _INT64:
-        _malformed(where, raw, "not a 64-bit integer")
+        malformed(where, raw, "not a 64-bit integer")
         return None
     return value
 
 
-def _counts(raw: dict[Any, Any], where: str) -> dict[str, int]:
+def counter_hash(raw: dict[Any, Any], where: str) -> dict[str, int]:
     """A hash of counters, each field that is not text or its value not an integer skipped (logged once)."""
     out = {}
     for k, v in raw.items():
         try:
             field_name = keys.text(k)
         except UnicodeDecodeError:
-            _malformed(where, k, "a field name not in UTF-8")
+            malformed(where, k, "a field name not in UTF-8")
             continue
         if (n := _count(v, f"{where} {field_name}")) is not None:
             out[field_name] = n
@@ -226,20 +226,20 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         else:
             running += n
             shards_running += 1
-    registered = (_json_object(spec_json, f"{keys.job(job)} spec") if spec_json else None) or {}
+    registered = (json_object(spec_json, f"{keys.job(job)} spec") if spec_json else None) or {}
     try:
         shards = -(-int(registered.get("total", 0)) // int(registered.get("shard_size", 1)))
         mpsteps = _megapixel_steps(registered.get("params", {}))
         if not math.isfinite(mpsteps):
             raise ValueError(mpsteps)
     except (ValueError, TypeError, AttributeError, ZeroDivisionError):
-        _malformed(f"{keys.job(job)} spec", spec_json, "not a job's spec")
+        malformed(f"{keys.job(job)} spec", spec_json, "not a job's spec")
         shards, mpsteps = 0, 0.0
     result = JobStatus(job, _int(total, f"{keys.job(job)} total"), _int(done), _int(failed), queued, running, shards,
                        shards_queued, shards_running, True, mpsteps)
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
-    _add_progress(result, _counts(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
+    _add_progress(result, counter_hash(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
     if cancelled is not None:
         result.cancelled, result.eta_seconds = float(cancelled), None
     return result
@@ -260,7 +260,7 @@ def _add_progress(job_state: JobStatus, stats: dict[str, int], progress: list[An
         except ValueError:
             stamp = None
         if stamp is None or not 0 < stamp[1] < _INT64:
-            _malformed(where, item, "not a progress sample")
+            malformed(where, item, "not a progress sample")
             continue
         stamps.append(stamp)
     recent = [(t, n) for t, n in stamps if t >= now - RATE_WINDOW_SECONDS]
@@ -288,12 +288,12 @@ def store_workers(client: redis.Redis, store: Store) -> dict[str, dict[str, Any]
     ours = store_identity(store.url)
     out = {}
     for worker_id, raw in client.hgetall(keys.WORKERS).items():
-        info = _json_object(raw, f"{keys.WORKERS} {worker_id!r}")
+        info = json_object(raw, f"{keys.WORKERS} {worker_id!r}")
         if info is not None and info.get("store") == ours:
             try:
                 out[keys.text(worker_id)] = info
             except UnicodeDecodeError:
-                _malformed(f"{keys.WORKERS} {worker_id!r}", worker_id, "its id not in UTF-8")
+                malformed(f"{keys.WORKERS} {worker_id!r}", worker_id, "its id not in UTF-8")
     return out
 
 
@@ -362,13 +362,13 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         try:
             stats = {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.worker_stats(worker_id)).items()}
         except UnicodeDecodeError:
-            _malformed(f"{keys.worker_stats(worker_id)}", worker_id, "its counters not in UTF-8")
+            malformed(f"{keys.worker_stats(worker_id)}", worker_id, "its counters not in UTF-8")
             continue
         status.workers.append({**info, **stats})
     prefix = keys.pool_stats_prefix(tag)
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         name = key.decode(errors="replace") if isinstance(key, bytes) else key  # a pool's name is shown as it is
-        status.pools[name[len(prefix):]] = _counts(client.hgetall(key), name)
+        status.pools[name[len(prefix):]] = counter_hash(client.hgetall(key), name)
     mine = jobs_of_store(client, store)
     status.queues = queue_depths(client, store, mine[0], workers)
     if jobs is None:
@@ -387,7 +387,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         price(job_state, prices or {})
         status.backlog_seconds += job_state.backlog_seconds
         status.jobs.append(job_state)
-    status.desired = {k: v for k, v in _counts(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
+    status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     return status
 

@@ -68,13 +68,6 @@ def procs() -> Iterator[list[WorkerProc | subprocess.Popen[bytes]]]:
             p.wait(10)
 
 
-@pytest.fixture(params=["folder", "s3"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "folder":
-        return str(tmp_path / "store")
-    return str(request.getfixturevalue("s3_bucket"))
-
-
 def queued_jobs(client: redis.Redis, queue: str) -> list[str]:
     """The job of each message in ``queue``, in order (whether pushed by us or sent through Celery)."""
     out = []
