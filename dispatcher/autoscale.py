@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import redis
 
 from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
-from dispatcher.status import FleetStatus, counter_hash, fleet_status, json_object, malformed
+from dispatcher.status import FleetStatus, counter_hash, fleet_status, json_object, malformed, publish_prices
 from renderfleet import keys
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
@@ -364,9 +364,10 @@ class Autoscaler:
                     [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states])
 
     def _publish(self, decisions: list[Decision]) -> None:
-        """What was decided, for status and the metrics endpoint."""
+        """What was decided, and each pool's price, for status and the metrics endpoint."""
         self.client.hset(keys.desired(store_tag(self.store.url)),
                          mapping={d.pool: d.desired for d in decisions} or {"": 0})
+        publish_prices(self.client, self.store.url, {n: p.price_per_hour for n, p in self.settings.pools.items()})
 
     def run_forever(self) -> None:
         while True:

@@ -64,7 +64,7 @@ class FleetCollector:
         g.add_metric(["finished"], sum(j.finished for j in fleet.jobs))
         yield g
         g = GaugeMetricFamily("renderfleet_quarantined_prompts", "Prompts quarantined, over the jobs shown")
-        g.add_metric([], sum(j.failed for j in fleet.jobs))
+        g.add_metric([], sum(j.quarantined for j in fleet.jobs))
         yield g
         sizes = fleet.pool_sizes()
         g = GaugeMetricFamily("renderfleet_workers_up", "Workers registered, by pool", labels=["pool"])
@@ -91,10 +91,13 @@ class FleetCollector:
         c = CounterMetricFamily("renderfleet_leases_reaped", "Expired leases whose shard was re-queued")
         c.add_metric([], fleet.reaped)
         yield c
-        if self.prices:
+        # the prices the fleet published, or the monitor's config: a pool without one has no cost series
+        prices = {pool: p for pool, p in {**fleet.prices, **self.prices}.items() if p > 0}
+        if prices:
             c = CounterMetricFamily("renderfleet_cost", "Render time times the pool's price per hour", labels=["pool"])
             for pool, stats in sorted(fleet.pools.items()):
-                c.add_metric([pool], stats.get("render_ms", 0) / 1000 * self.prices.get(pool, 0.0) / 3600)
+                if pool in prices:
+                    c.add_metric([pool], stats.get("render_ms", 0) / 1000 * prices[pool] / 3600)
             yield c
 
 

@@ -27,9 +27,10 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from dispatcher.monitor import Monitor
+from dispatcher.show import JobBar, JobCounts
 from dispatcher.status import job_status
 from renderfleet import spec
 from renderfleet.embedded import broker_url
@@ -174,12 +175,13 @@ def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeo
         monitor = Monitor(settings, make_app(url), client, store)
         # What was done before this run (a resubmitted job) is not this run's speed.
         done_before = job_status(client, result.id, store=store).done
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        with Progress(TextColumn("[bold]{task.description}"), JobBar(), JobCounts(),
                       TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task(f"job {result.id}", total=result.total)
+            task = bar.add_task(f"job {result.id}", total=result.total, done=0, quarantined=0)
             while True:
                 job_state = job_status(client, result.id, store=store)
-                bar.update(task, completed=job_state.done + job_state.failed)
+                bar.update(task, completed=job_state.done + job_state.quarantined, done=job_state.done,
+                           quarantined=job_state.quarantined)
                 if job_state.finished:
                     break
                 if all(p.poll() is not None for p in procs):
@@ -207,8 +209,8 @@ def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeo
     where = store.locate(f"{spec.job_prefix(result.id)}images")
     rendered = max(0, job_state.done - done_before)
     console.print(f"job {result.id}: {job_state.done} images ({rendered} rendered by this run), "
-                  f"{job_state.failed} quarantined, "
+                  f"{job_state.quarantined} quarantined, "
                   f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)")
     console.print(f"images: {where}")
     print(where)
-    return 0 if job_state.failed == 0 else 1
+    return 0 if job_state.quarantined == 0 else 1

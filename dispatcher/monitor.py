@@ -34,7 +34,7 @@ from celery import Celery
 
 from dispatcher import lifecycle
 from dispatcher.resume import jobs_redis_forgot, resume, stored_names
-from dispatcher.status import job_status, jobs_of_store
+from dispatcher.status import job_status, jobs_of_store, publish_prices
 from renderfleet import celery_app, keys
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
 from renderfleet.leases import Leases
@@ -67,6 +67,8 @@ class Monitor:
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
+        # a monitor given the pools' config tells status their prices (so does the autoscaler)
+        publish_prices(self.client, self.store.url, {n: p.price_per_hour for n, p in self.settings.pools.items()})
         reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
         audit_due = time.monotonic() - self.audited_at >= self.settings.audit_seconds
         if audit_due:

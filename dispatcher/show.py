@@ -1,17 +1,30 @@
-"""Human-readable status (rich): one renderable, printed once or redrawn by ``status --watch``."""
+"""Human-readable status (rich): one renderable, printed once or redrawn by ``status --watch``.
+
+Made to be read in the terminal it is printed in, 80 columns included, and
+when piped: no cell is ever cut.  A job shows by its short id (the shortest
+unique prefix, ``dispatcher.jobids``), which every command takes back; columns
+that do not fit are dropped, least important first, and a line says which
+(``--wide`` shows them all, however wide).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from rich.console import Console, Group, RenderableType
+from rich.progress import ProgressColumn, Task
 from rich.table import Table
 from rich.text import Text
 
+from dispatcher.jobids import short_ids
 from dispatcher.status import FleetStatus, JobStatus
 
+BAR_WIDTH = 10
 
-def _eta(seconds: float | None) -> str:
+
+def eta(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     minutes, secs = divmod(int(seconds), 60)
@@ -19,20 +32,137 @@ def _eta(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _money(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+def money(value: float | None, symbol: str = "") -> str:
+    """A cost for people: ``-`` when unknown; never rounded to nothing (three significant
+    digits below 1, cents above, whole units from 1,000)."""
+    if value is None:
+        return "-"
+    if value == 0:
+        return f"{symbol}0"
+    if value >= 1000:
+        return f"{symbol}{value:,.0f}"
+    if value >= 1:
+        return f"{symbol}{value:,.2f}"
+    return f"{symbol}{value:.3g}" if value >= 1e-4 else f"{symbol}{value:.2e}"
 
 
-def _job_row(j: JobStatus) -> list[str]:
-    gpu = sum(j.gpu_seconds.values())
-    return [j.job, f"{j.done}/{j.total}", str(j.failed), str(j.queued), str(j.in_flight),
-            f"{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}",
-            "cancelled" if j.cancelled is not None else _eta(j.eta_seconds),
-            f"{j.redeliveries}/{j.wasted_images}", f"{gpu:,.0f}", _money(j.cost), _money(j.cost_per_image, 5)]
+def bar(done: int, quarantined: int, total: int, width: int = BAR_WIDTH, *, plain: bool = False) -> Text:
+    """Progress in three parts: rendered (green), quarantined (red), left (grey).  A job whose
+    every prompt is quarantined is all red, never a green bar.  ``plain`` (no colours: piped)
+    draws them ``#``, ``x`` and ``-``."""
+    if total <= 0:
+        return Text(("-" if plain else "━") * width, style="bright_black")
+    d = round(width * done / total)
+    q = min(width - d, round(width * (done + quarantined) / total) - d)
+    if quarantined and q == 0 and d < width:  # one quarantined prompt of thousands still shows
+        q = 1
+        d = min(d, width - 1)
+    rest = width - d - q
+    out = Text()
+    out.append(("#" if plain else "━") * d, style="green")
+    out.append(("x" if plain else "━") * q, style="red")
+    out.append(("-" if plain else "━") * rest, style="bright_black")
+    return out
 
 
-def _doing(worker: dict[str, object]) -> str:
-    """``shard JOB:N for 12s`` or ``idle 40s`` (from what the worker records at claim and release)."""
+class JobBar(ProgressColumn):
+    """A rich Progress column: :func:`bar` from the task's ``done`` and ``quarantined`` fields."""
+
+    def __init__(self, width: int = 40):
+        super().__init__()
+        self.width = width
+
+    def render(self, task: Task) -> Text:
+        total = int(task.total or 0)
+        return bar(int(task.fields.get("done", task.completed)), int(task.fields.get("quarantined", 0)), total,
+                   self.width, plain=False)
+
+
+class JobCounts(ProgressColumn):
+    """``12/48 done, 3 quarantined``: the counts beside :class:`JobBar`."""
+
+    def render(self, task: Task) -> Text:
+        done, quarantined = int(task.fields.get("done", task.completed)), int(task.fields.get("quarantined", 0))
+        text = Text(f"{done}/{int(task.total or 0)} done")
+        if quarantined:
+            text.append(f", {quarantined} quarantined", style="red")
+        return text
+
+
+# ---- tables that fit -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    rank: int  # importance: the lowest ranks stay when the terminal is narrow
+    cell: Callable[..., str | Text]
+    justify: str = "right"
+
+
+def _table(title: str, columns: Sequence[Column], rows: list[list[str | Text]]) -> Table:
+    # no lines: columns two spaces apart, as docker ps and kubectl get print them
+    table = Table(title=title, box=None, pad_edge=False, title_justify="left", title_style="bold")
+    for col in columns:
+        # no_wrap and never cut: a column that does not fit is dropped instead (fitted)
+        table.add_column(col.header, justify=col.justify, no_wrap=True, overflow="fold",  # type: ignore[arg-type]
+                         min_width=len(col.header))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _needs(console: Console, renderable: RenderableType) -> int:
+    """The width ``renderable`` takes with nothing cut (console.measure clamps to the console's width)."""
+    return console.measure(renderable, options=console.options.update_width(100_000)).maximum
+
+
+def fitted(console: Console, title: str, columns: Sequence[Column], items: Sequence[object], *,
+           wide: bool = False) -> tuple[Table, list[str]]:
+    """A table of ``items`` with as many ``columns`` as ``console``'s width shows whole, the least
+    important (highest rank) dropped first; with ``wide`` every one.  (table, headers dropped)."""
+    cells = [[col.cell(item) for col in columns] for item in items]
+    by_rank = sorted(range(len(columns)), key=lambda i: columns[i].rank)
+    for n in range(len(columns), 0, -1):
+        keep = sorted(by_rank[:n])
+        table = _table(title, [columns[i] for i in keep], [[row[i] for i in keep] for row in cells])
+        if wide or n == 1 or _needs(console, table) <= console.width:
+            return table, [columns[i].header for i in range(len(columns)) if i not in keep]
+    raise AssertionError("unreachable")
+
+
+def _progress(j: JobStatus, plain: bool) -> Text:
+    return bar(j.done, j.quarantined, j.total, plain=plain)
+
+
+def _state(j: JobStatus) -> str:
+    if j.finished:
+        return "done"
+    return "cancelled" if j.cancelled is not None else eta(j.eta_seconds)
+
+
+def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
+    """The jobs table, in the order shown; ranks say what stays at 80 columns."""
+    return [
+        Column("job", 0, lambda j: ids.get(j.job, j.job), justify="left"),
+        Column("progress", 7, lambda j: _progress(j, plain), justify="left"),
+        Column("done", 1, lambda j: f"{j.done:,}/{j.total:,}"),
+        Column("quarantined", 2, lambda j: Text(f"{j.quarantined:,}", style="red" if j.quarantined else "")),
+        Column("queued", 8, lambda j: f"{j.queued:,}"),
+        Column("running", 9, lambda j: f"{j.in_flight:,}"),
+        Column("shards q/r", 12, lambda j: f"{j.shards_queued}/{j.shards_running}"),
+        Column("img/min", 4, lambda j: f"{j.images_per_minute:,.1f}"),
+        Column("ETA", 3, _state),
+        Column("redelivered/lost", 11, lambda j: f"{j.redeliveries}/{j.wasted_images}"),
+        Column("GPU s", 10, lambda j: f"{sum(j.gpu_seconds.values()):,.0f}"),
+        Column("cost", 5, lambda j: money(j.cost)),
+        Column("per 1k img", 6, lambda j: money(j.cost_per_1000_images)),
+    ]
+
+
+def _doing(worker: dict[str, object], ids: dict[str, str]) -> str:
+    """``JOB:N 12s`` (a shard, by the job's short id) or ``idle 40s`` (from what the worker records at
+    claim and release)."""
     since = worker.get("since")
     if not since:
         return "-"
@@ -41,20 +171,39 @@ def _doing(worker: dict[str, object]) -> str:
     except ValueError:  # not a time: a hand-written value
         return "-"
     shard = str(worker.get("doing") or "")
-    return f"shard {shard} for {age:.0f}s" if shard else f"idle {age:.0f}s"
+    if not shard:
+        return f"idle {age:.0f}s"
+    job, sep, n = shard.rpartition(":")
+    return f"{ids.get(job, job)}{sep}{n} {age:.0f}s"
 
 
-def render_status(fleet: FleetStatus) -> RenderableType:
-    """The fleet at a glance: jobs, backlog and pools, queues, workers."""
+def worker_columns(ids: dict[str, str]) -> list[Column]:
+    return [
+        Column("worker", 0, lambda w: str(w.get("worker")), justify="left"),
+        Column("pool", 2, lambda w: str(w.get("pool")), justify="left"),
+        Column("model", 5, lambda w: str(w.get("model")), justify="left"),
+        Column("device", 6, lambda w: str(w.get("device")), justify="left"),
+        Column("doing", 1, lambda w: _doing(w, ids), justify="left"),
+        Column("images", 3, lambda w: str(w.get("images", 0))),
+        Column("batches", 4, lambda w: str(w.get("batches", 0))),
+        Column("loads", 7, lambda w: str(w.get("loads", 0))),
+    ]
+
+
+def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: bool = False,
+                  ids: dict[str, str] | None = None) -> RenderableType:
+    """The fleet at a glance: jobs, backlog and pools, queues, workers, each table fitted to
+    ``console``'s width (``wide``: every column).  ``ids``: each job's id as shown (default:
+    the shortest unique prefixes among the jobs shown)."""
+    console = console or Console()
+    plain = console.no_color or not console.is_terminal
+    ids = ids if ids is not None else short_ids(j.job for j in fleet.jobs)
     parts: list[RenderableType] = []
+    dropped: list[str] = []
     if fleet.jobs:
-        jobs = Table(title="jobs")
-        for col in ("job", "done", "failed", "queued", "in flight", "shards q/r", "img/min", "ETA",
-                    "redelivered/lost", "GPU s", "cost", "per image"):
-            jobs.add_column(col, justify="left" if col == "job" else "right")
-        for j in fleet.jobs:
-            jobs.add_row(*_job_row(j))
+        jobs, gone = fitted(console, "jobs", job_columns(ids, plain), fleet.jobs, wide=wide)
         parts.append(jobs)
+        dropped += gone
     else:
         parts.append(Text("no jobs"))
     if fleet.other_stores:
@@ -67,22 +216,38 @@ def render_status(fleet: FleetStatus) -> RenderableType:
     if fleet.desired:
         parts.append(Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted"
                                                 for p, n in sorted(fleet.desired.items()))))
-    queues = Table(title=f"queues of store {fleet.store}" if fleet.store else "queues")
-    queues.add_column("queue")
-    queues.add_column("depth (shards)", justify="right")
+    if fleet.jobs and not any(p > 0 for p in fleet.prices.values()):
+        parts.append(Text("cost: no pool prices known yet (docs/pools.md, \"Prices\"), or give --config FILE",
+                          style="dim"))
+    queues = Table(title=f"queues of store {fleet.store}" if fleet.store else "queues", box=None,
+                   pad_edge=False, title_justify="left", title_style="bold")
+    queues.add_column("queue", overflow="fold")
+    queues.add_column("shards", justify="right", no_wrap=True)
     for name, depth in fleet.queues.items():
         queues.add_row(name, str(depth))
-    parts.append(queues)
+    parts += [Text(""), queues]
     if fleet.workers:
-        workers = Table(title="workers")
-        for col in ("worker", "pool", "model", "device", "doing", "images", "batches", "loads"):
-            workers.add_column(col)
-        for w in fleet.workers:
-            workers.add_row(str(w.get("worker")), str(w.get("pool")), str(w.get("model")), str(w.get("device")),
-                            _doing(w), str(w.get("images", 0)), str(w.get("batches", 0)), str(w.get("loads", 0)))
-        parts.append(workers)
+        workers, gone = fitted(console, "workers", worker_columns(ids), fleet.workers, wide=wide)
+        parts += [Text(""), workers]
+        dropped += [g for g in gone if g not in dropped]
+    if dropped:
+        parts.append(Text(f"(not shown at {console.width} columns: {', '.join(dropped)}; --wide shows them)",
+                          style="dim"))
     return Group(*parts)
 
 
-def print_status(fleet: FleetStatus, console: Console | None = None) -> None:
-    (console or Console()).print(render_status(fleet))
+def wide_console(console: Console, renderable: RenderableType) -> Console:
+    """``console`` made as wide as ``renderable`` needs (``--wide``: nothing cut, lines may wrap)."""
+    need = _needs(console, renderable)
+    if need > console.width:
+        console.width = need
+    return console
+
+
+def print_status(fleet: FleetStatus, console: Console | None = None, *, wide: bool = False,
+                 ids: dict[str, str] | None = None) -> None:
+    console = console or Console()
+    shown = render_status(fleet, console, wide=wide, ids=ids)
+    if wide:
+        wide_console(console, shown)
+    console.print(shown)

@@ -31,10 +31,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class JobStatus:
+    """One job's figures; :meth:`to_dict` is its JSON object, the one schema of ``status --json``,
+    ``status JOB --json``, the web page's ``/api/status`` and ``/api/jobs/JOB`` (docs/monitoring.md)."""
+
     job: str
     total: int
     done: int
-    failed: int
+    quarantined: int  # prompts that failed every attempt: set aside with their error, never rendered
     queued: int
     in_flight: int
     shards: int
@@ -48,22 +51,50 @@ class JobStatus:
     gpu_seconds: dict[str, float] = field(default_factory=dict)  # render time spent, by pool
     redeliveries: int = 0  # shard deliveries beyond the first: preemptions, kills, hand-backs survived
     wasted_images: int = 0  # renders thrown away by them (work lost)
-    cost: float | None = None  # gpu_seconds x each pool's price per hour; None without prices
+    cost: float | None = None  # gpu_seconds x each pool's price per hour; None unless every pool used is priced
     cost_per_image: float | None = None
     cancelled: float | None = None  # when it was cancelled (unix time); None unless it is
+    failure_reasons: dict[str, int] | None = None  # most common errors of failing prompts; None when not read
+
+    @property
+    def failed(self) -> int:
+        """The old name of :attr:`quarantined` (the JSON said ``failed`` before 0.5): kept for scripts."""
+        return self.quarantined
 
     @property
     def finished(self) -> bool:
-        return self.done + self.failed >= self.total
+        return self.done + self.quarantined >= self.total
 
     @property
     def left(self) -> int:
-        return max(0, self.total - self.done - self.failed)
+        return max(0, self.total - self.done - self.quarantined)
 
     @property
     def to_render(self) -> int:
         """Prompts the fleet is to render: none of a cancelled job (the backlog, the autoscaler, metrics)."""
         return 0 if self.cancelled is not None else self.left
+
+    @property
+    def state(self) -> str:
+        """``finished`` (every prompt rendered or quarantined), ``cancelled`` or ``running``."""
+        return "finished" if self.finished else "cancelled" if self.cancelled is not None else "running"
+
+    @property
+    def cost_per_1000_images(self) -> float | None:
+        return None if self.cost_per_image is None else self.cost_per_image * 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job's JSON object (docs/monitoring.md, "The job object")."""
+        out = asdict(self)
+        out.update(state=self.state, left=self.left, to_render=self.to_render, finished=self.finished,
+                   cost_per_1000_images=self.cost_per_1000_images,
+                   percent=round(100 * (self.done + self.quarantined) / self.total, 1) if self.total else 100.0)
+        return out
+
+
+def deleted_job(gone: JobDeleted) -> dict[str, Any]:
+    """A deleted (or retired) job's JSON object: its id, ``state`` ``deleted``, when and why."""
+    return {"job": gone.job, "state": "deleted", "deleted": gone.at, "reason": gone.reason}
 
 
 @dataclass
@@ -80,12 +111,14 @@ class FleetStatus:
     desired: dict[str, int] = field(default_factory=dict)  # pool -> size the autoscaler last decided
     reaped: int = 0  # expired leases whose shard was re-queued, ever (every store's)
     store: str = ""  # the store shown (spec.store_identity)
+    prices: dict[str, float] = field(default_factory=dict)  # pool -> price per hour the costs were counted at
 
     def to_dict(self) -> dict[str, Any]:
         return {"store": self.store, "queues": self.queues, "workers": self.workers, "pools": self.pools,
-                "jobs": [asdict(j) for j in self.jobs], "jobs_of_other_stores": self.other_stores,
+                "jobs": [j.to_dict() for j in self.jobs], "jobs_of_other_stores": self.other_stores,
                 "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
-                "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped}
+                "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped,
+                "prices": self.prices}
 
     def pool_sizes(self) -> dict[str, int]:
         """Workers up, by pool."""
@@ -274,11 +307,53 @@ def _add_progress(job_state: JobStatus, stats: dict[str, int], progress: list[An
 
 
 def price(job_state: JobStatus, prices: dict[str, float]) -> None:
-    """Cost so far and per image: GPU time by pool times that pool's price per hour."""
-    if not prices:
+    """Cost so far and per image: GPU time by pool times that pool's price per hour.
+
+    A price of 0 is no price (the config's default): a job that spent GPU time on a pool
+    without one has no cost (None, shown "-"), never a cost that counts that time as free.
+    """
+    priced = {pool: p for pool, p in prices.items() if p > 0}
+    if not priced or any(seconds > 0 and pool not in priced for pool, seconds in job_state.gpu_seconds.items()):
         return
-    job_state.cost = sum(seconds * prices.get(pool, 0.0) / 3600 for pool, seconds in job_state.gpu_seconds.items())
+    job_state.cost = sum(seconds * priced.get(pool, 0.0) / 3600 for pool, seconds in job_state.gpu_seconds.items())
     job_state.cost_per_image = job_state.cost / job_state.done if job_state.done else None
+
+
+def publish_prices(client: redis.Redis, store_url: str, prices: dict[str, float]) -> None:
+    """Tell every reader of ``store_url``'s fleet each pool's price per hour (the pools with one):
+    ``status`` counts costs without ``--config``.  Written by whoever has the pools' config at
+    start and on each tick (the autoscaler, a monitor, a worker for its own pool); the last
+    writer wins, a config given to a reader wins over all."""
+    priced: dict[Any, Any] = {pool: f"{p:g}" for pool, p in prices.items() if p > 0}
+    if priced:
+        client.hset(keys.prices(store_tag(store_url)), mapping=priced)
+
+
+def published_prices(client: redis.Redis, store_url: str) -> dict[str, float]:
+    """The prices :func:`publish_prices` wrote for ``store_url``'s pools (a malformed one skipped)."""
+    where = keys.prices(store_tag(store_url))
+    out = {}
+    for pool, raw in client.hgetall(where).items():
+        try:
+            value = _finite(keys.text(raw))
+            name = keys.text(pool)
+        except (ValueError, UnicodeDecodeError):
+            malformed(where, raw, "not a price")
+            continue
+        if value > 0:
+            out[name] = value
+    return out
+
+
+def failure_reasons(client: redis.Redis, job: str, limit: int = 5) -> dict[str, int]:
+    """The job's most common failure reasons (the last error of each failing prompt, kept by the
+    workers), most frequent first: why a job fails shows in ``status``, not only in ``results``
+    once its prompts are quarantined."""
+    from collections import Counter
+
+    errors = Counter(keys.text(value) for name, value in client.hgetall(keys.fails(job)).items()
+                     if keys.text(name).endswith(":error"))
+    return dict(errors.most_common(limit))
 
 
 def store_workers(client: redis.Redis, store: Store) -> dict[str, dict[str, Any]]:
@@ -344,7 +419,8 @@ def check_in_store(store: Store, job: str) -> None:
 
 
 def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store,
-                 prices: dict[str, float] | None = None, with_store_only: bool = False) -> FleetStatus:
+                 prices: dict[str, float] | None = None, with_store_only: bool = False,
+                 reasons: bool | None = None) -> FleetStatus:
     """``store``'s queues, workers, pools and jobs: the named ``jobs``, or every job of
     ``store`` that Redis knows, and with ``with_store_only`` also those only the store's
     listing of ``jobs/`` shows (a listing, and each such job counted from the store:
@@ -354,6 +430,10 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     A job named explicitly must be in ``store`` (one existence check each).  What a
     Redis holds for another store (its queues, workers, pools' counters, decided
     sizes and jobs) is not shown: two fleets sharing a Redis do not see each other.
+
+    Costs are counted at the prices the fleet published (:func:`publish_prices`), each
+    overridden by ``prices`` (a config given to the reader).  ``reasons`` (default: when
+    ``jobs`` are named) reads each job's ``failure_reasons``; a listing leaves them None.
     """
     tag = store_tag(store.url)
     workers = store_workers(client, store)
@@ -371,6 +451,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         status.pools[name[len(prefix):]] = counter_hash(client.hgetall(key), name)
     mine = jobs_of_store(client, store)
     status.queues = queue_depths(client, store, mine[0], workers)
+    named = jobs is not None
     if jobs is None:
         jobs, status.other_stores = list(mine[0]), mine[1]
         # ...and those the store holds that this Redis forgot (counted from the store).
@@ -381,10 +462,13 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
                 raise gone
             check_in_store(store, job)
     status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
+    status.prices = {**published_prices(client, store.url), **(prices or {})}
     for job in jobs:
         job_state = job_status(client, job, store=store)
         job_state.backlog_seconds = job_state.to_render * job_state.megapixel_steps * status.seconds_per_mpstep
-        price(job_state, prices or {})
+        price(job_state, status.prices)
+        if reasons if reasons is not None else named:
+            job_state.failure_reasons = failure_reasons(client, job)
         status.backlog_seconds += job_state.backlog_seconds
         status.jobs.append(job_state)
     status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}

@@ -23,7 +23,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp
 
+from dispatcher.show import money
 from dispatcher.status import FleetStatus, JobStatus, fleet_status
 from dispatcher.thumbs import NoImage, Thumbnails
 from renderfleet import keys
@@ -301,12 +301,8 @@ def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[d
 
 
 def _job_view(job_state: JobStatus) -> dict[str, Any]:
-    out = asdict(job_state)
-    out["left"] = job_state.left
-    out["to_render"] = job_state.to_render
-    out["finished"] = job_state.finished
-    out["percent"] = round(100 * (job_state.done + job_state.failed) / job_state.total, 1) if job_state.total else 100.0
-    return out
+    """The job's JSON object (``JobStatus.to_dict``): what the page shows and /api/ serves."""
+    return job_state.to_dict()
 
 
 def _duration(seconds: float | None) -> str:
@@ -329,8 +325,8 @@ def _seen(last_seen: Any) -> str:
     return "up" if age < 30 else f"silent {_duration(age)}"
 
 
-def _money(value: float | None, digits: int = 4) -> str:
-    return "-" if value is None else f"${value:.{digits}f}"
+def _money(value: float | None) -> str:
+    return money(value, "$")
 
 
 def make_app(source: StatusSource, prices: dict[str, float], token: str | None, *,
@@ -372,7 +368,8 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         fleet = source()
         return templates.TemplateResponse(request, "index.html", {
             "fleet": fleet, "jobs": [_job_view(j) for j in fleet.jobs], "pool_sizes": fleet.pool_sizes(),
-            "charts": charts(client, fleet.store) if client is not None else [], "priced": bool(prices)})
+            "charts": charts(client, fleet.store) if client is not None else [],
+            "priced": any(p > 0 for p in fleet.prices.values())})
 
     def job_data(request: Request) -> dict[str, Any]:
         store = need_store()
@@ -388,14 +385,17 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         names, more = gallery_page(store, job, page)
         pages = max(1, -(-status.done // PAGE_SIZE))
         return {"job": _job_view(status), "page": page, "pages": max(pages, page + 1 if more else page),
-                "page_size": PAGE_SIZE, "images": names, "more": more, "quarantined": quarantined(store, job)}
+                "page_size": PAGE_SIZE, "images": names, "more": more, "quarantined": quarantined(store, job),
+                "priced": any(p > 0 for p in fleet.prices.values())}
 
     def job_page(request: Request) -> Response:
         data = job_data(request)
-        return templates.TemplateResponse(request, "job.html", {**data, "priced": bool(prices)})
+        return templates.TemplateResponse(request, "job.html", data)
 
     def api_job(request: Request) -> Response:
-        return JSONResponse(job_data(request))
+        data = job_data(request)
+        del data["priced"]
+        return JSONResponse(data)
 
     def image_parts(request: Request) -> tuple[Store, str, str]:
         store = need_store()

@@ -200,9 +200,13 @@ class Client:
                    seconds=result.seconds, warnings=warnings)
 
     def job(self, job_id: str) -> Job:
-        """A handle on a job submitted earlier (from code or the CLI)."""
+        """A handle on a job submitted earlier (from code or the CLI): its id, or a unique prefix of
+        it as ``status`` shows it (:class:`~renderfleet.errors.InputError` naming the candidates when
+        several jobs start with it; :class:`~renderfleet.errors.JobNotFound` when none does)."""
+        from dispatcher.jobids import resolve
         from dispatcher.status import job_status
 
+        job_id = resolve(self.redis, self.store, job_id)
         return Job(self, job_id, job_status(self.redis, job_id, store=self.store).total)
 
 
@@ -224,10 +228,21 @@ class Job:
     warnings: list[str] = field(default_factory=list)
 
     def status(self) -> JobStatus:
-        """Its counters now (a few Redis reads; the store when Redis forgot the job)."""
+        """Its counters now (a few Redis reads; the store when Redis forgot the job).
+        ``status().to_dict()`` is the job's object of ``renderfleet status --json`` (docs/monitoring.md);
+        costs and ``failure_reasons`` are only in :meth:`report`."""
         from dispatcher.status import job_status
 
         return job_status(self.client.redis, self.id, store=self.client.store)
+
+    def report(self) -> JobStatus:
+        """Its status as ``renderfleet status JOB`` shows it: with cost (at the pools' published prices,
+        or the settings' config) and its most common ``failure_reasons``; a few more reads than
+        :meth:`status`."""
+        from dispatcher.status import fleet_status
+
+        prices = {name: pool.price_per_hour for name, pool in self.client.settings.pools.items()}
+        return fleet_status(self.client.redis, [self.id], store=self.client.store, prices=prices).jobs[0]
 
     def wait(self, timeout: float | None = None, *, progress: bool = False, poll: float = 1.0) -> JobStatus:
         """Poll until every prompt is rendered or quarantined; returns the last status.
@@ -238,21 +253,22 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = task = None
         if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-            bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                           TimeElapsedColumn())
-            task = bar.add_task(f"job {self.id}", total=self.total)
+            from dispatcher.show import JobBar, JobCounts
+
+            bar = Progress(TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn())
+            task = bar.add_task(f"job {self.id}", total=self.total, done=0, quarantined=0)
             bar.start()
         try:
             while True:
                 now = self.status()
                 if bar is not None and task is not None:
-                    bar.update(task, completed=now.done + now.failed)
+                    bar.update(task, completed=now.done + now.quarantined, done=now.done, quarantined=now.quarantined)
                 if now.finished:
                     return now
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id}: {now.done + now.failed}/{now.total} after {timeout} s")
+                    raise TimeoutError(f"job {self.id}: {now.done + now.quarantined}/{now.total} after {timeout} s")
                 time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
         finally:
             if bar is not None:

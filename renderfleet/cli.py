@@ -76,13 +76,17 @@ def _connect(settings: Settings) -> tuple[Any, Any, str]:
     return make_app(url), connect(url), url
 
 
-def _job_id(job: str) -> str:
-    """``job`` if it can name a job (``spec.job_id_problem``); a path is a user error."""
-    from renderfleet.spec import job_id_problem
+def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None) -> str:
+    """The job ``job`` names: its id, or a unique prefix of one (as ``status`` shows it; an
+    ambiguous one is an InputError naming the candidates).  ``client``: the Redis to ask (default:
+    the configured one, or the embedded one if it runs; never started for this)."""
+    from dispatcher.jobids import resolve
+    from renderfleet.store import open_store
 
-    if job_id_problem(job):
-        raise InputError([f"not a job id: {job!r} (job ids are what `submit` printed)"])
-    return job
+    if client is None:
+        found = _running_redis(settings)
+        client = found[1] if found else None
+    return resolve(client, store or open_store(settings.store_url, settings.s3_options), job)
 
 
 # ---- submit ------------------------------------------------------------------
@@ -107,7 +111,7 @@ JobOpt = Annotated[str | None, typer.Option("--job", metavar="ID",
                                             help="job id (default: derived from content and settings)")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="FILE",
                                                 help="TOML file with \\[pools.NAME] and \\[autoscale] tables")]
-JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id")]
+JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id, or a unique prefix of it (as status shows)")]
 
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
@@ -209,67 +213,83 @@ def worker(
 
 @app.command()
 def status(
-    job: Annotated[str | None, typer.Argument(metavar="JOB", help="a job id; all jobs when left out")] = None,
-    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout")] = False,
-    watch: Annotated[bool, typer.Option("--watch", metavar=FLAG, help="redraw every 2 s until Ctrl-C")] = False,
+    job: Annotated[str | None, typer.Argument(metavar="JOB", help="a job id or a unique prefix of one; "
+                                              "all jobs when left out")] = None,
+    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout "
+                                          "(docs/monitoring.md)")] = False,
+    watch: Annotated[bool, typer.Option("--watch", metavar=FLAG, help="redraw every 2 s until Ctrl-C "
+                                        "(piped: a frame every 2 s)")] = False,
+    wide: Annotated[bool, typer.Option("--wide", metavar=FLAG, help="every column, however wide the "
+                                       "terminal (lines may wrap)")] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Progress of a job (or every job): rate, ETA, cost; backlog, queues and workers."""
+    """Progress of a job (or every job): rate, ETA, cost; backlog, queues and workers.
+
+    Fits the terminal (80 columns included, and piped): a job shows by the shortest
+    unique prefix of its id, which every command takes back; the least important
+    columns are left out when they do not fit (--wide shows every one).  Costs use the
+    pools' prices the fleet published (the autoscaler, a monitor or a worker with the
+    config); --config gives them instead.
+    """
     settings = _settings(config=config)
-    from dispatcher.status import fleet_status
+    from dispatcher.jobids import known_jobs, short_ids
+    from dispatcher.status import deleted_job, fleet_status
     from renderfleet.store import open_store
 
     prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
     with _user_errors():
         _, client, _ = _connect(settings)
         store = open_store(settings.store_url, settings.s3_options)
-        jobs = [_job_id(job)] if job else None
+        jobs = [_job_id(settings, job, client, store)] if job else None
+
+        def read() -> Any:
+            return fleet_status(client, jobs, store=store, prices=prices, with_store_only=True)
+
         try:
-            fleet = fleet_status(client, jobs, store=store, prices=prices, with_store_only=True)
+            fleet = read()
         except JobDeleted as gone:
             if as_json:
-                print(json.dumps({"job": gone.job, "state": "deleted", "deleted": gone.at, "reason": gone.reason}))
+                data = fleet_status(client, [], store=store, prices=prices).to_dict()
+                print(json.dumps({**data, "jobs": [deleted_job(gone)]}))
             raise
-        reasons = _failure_reasons(client, job) if job else {}
-        if watch and not as_json:
-            import time
-
-            from rich.live import Live
-
-            from dispatcher.show import render_status
-
-            try:
-                with Live(render_status(fleet), refresh_per_second=1, screen=False) as live:
-                    while True:
-                        time.sleep(2)
-                        live.update(render_status(fleet_status(client, jobs, store=store, prices=prices,
-                                                                         with_store_only=True)))
-            except KeyboardInterrupt:
-                return
-    if as_json:
-        data: dict[str, Any] = fleet.to_dict()
-        if job:
-            data = {**data.pop("jobs")[0], "failure_reasons": reasons, **data}
-        print(json.dumps(data))
-        return
+        if as_json:
+            print(json.dumps(fleet.to_dict()))
+            return
+        ids = short_ids(known_jobs(client, store))
+        if watch:
+            _watch(read, ids, wide)
+            return
     from dispatcher.show import print_status
 
-    print_status(fleet)
-    for reason, count in reasons.items():
+    print_status(fleet, wide=wide, ids=ids)
+    for reason, count in (fleet.jobs[0].failure_reasons or {}).items() if job else ():
         print(f"{count} prompt(s) failed: {reason}")
 
 
-def _failure_reasons(client: Any, job: str, limit: int = 5) -> dict[str, int]:
-    """The job's most common failure reasons (the last error of each failing
-    prompt, kept by the workers), most frequent first: why a job fails shows
-    in `status`, not only in `results` once its prompts are quarantined."""
-    from collections import Counter
+def _watch(read: Any, ids: dict[str, str], wide: bool) -> None:
+    """``status --watch``: redrawn in place on a terminal; piped, a frame every 2 s, each at once."""
+    import time
 
-    from renderfleet import keys
+    from rich.console import Console
+    from rich.live import Live
 
-    errors = Counter(keys.text(value) for field, value in client.hgetall(keys.fails(job)).items()
-                     if keys.text(field).endswith(":error"))
-    return dict(errors.most_common(limit))
+    from dispatcher.show import print_status, render_status
+
+    console = Console()
+    try:
+        if console.is_terminal:
+            with Live(render_status(read(), console, wide=wide, ids=ids), console=console, refresh_per_second=1,
+                      screen=False) as live:
+                while True:
+                    time.sleep(2)
+                    live.update(render_status(read(), console, wide=wide, ids=ids))
+        while True:
+            console.print(f"-- status at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", markup=False)
+            print_status(read(), console, wide=wide, ids=ids)
+            console.file.flush()
+            time.sleep(2)
+    except KeyboardInterrupt:
+        return
 
 
 @app.command()
@@ -289,17 +309,18 @@ def results(
 
     with _user_errors():
         store = open_store(settings.store_url, settings.s3_options)
+        job = _job_id(settings, job, store=store)
         if manifest or sheet:
             from dispatcher.manifest import contact_sheet, manifest_rows, write_manifest
 
             if manifest:
-                n = write_manifest(manifest_rows(store, _job_id(job), _attempts(settings, job)), manifest)
+                n = write_manifest(manifest_rows(store, job, _attempts(settings, job)), manifest)
                 _err(f"{manifest}: {n} rows")
             if sheet:
-                _err(f"{sheet}: {contact_sheet(store, _job_id(job), sheet, limit=first)} images")
+                _err(f"{sheet}: {contact_sheet(store, job, sheet, limit=first)} images")
             return
-        corrected = _correct_counts(settings, store, _job_id(job))
-        res = job_results(store, _job_id(job))
+        corrected = _correct_counts(settings, store, job)
+        res = job_results(store, job)
     if corrected is not None and corrected.uncounted:
         _err(f"job {job}: {corrected.uncounted} prompts counted done have no image in the store: "
              "their counts are taken back")
@@ -361,10 +382,11 @@ def resume(job: JobArg) -> None:
 
     with _user_errors():
         celery, client, _ = _connect(settings)
-        if (gone := deleted(client, _job_id(job))) is not None:
+        store = open_store(settings.store_url, settings.s3_options)
+        job = _job_id(settings, job, client, store)
+        if (gone := deleted(client, job)) is not None:
             raise gone
-        report = do_resume(_job_id(job), store=open_store(settings.store_url, settings.s3_options), app=celery,
-                           client=client, uncancel=True)
+        report = do_resume(job, store=store, app=celery, client=client, uncancel=True)
     _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
          f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else "")
          + (f"; {report.uncounted} counted prompts had no image: counted again once rendered"
@@ -379,7 +401,8 @@ def cancel(job: JobArg) -> None:
     from renderfleet.api import Client
 
     with _user_errors():
-        handle = Client(settings).job(_job_id(job))
+        handle = Client(settings).job(job)
+        job = handle.id
         done = handle.cancel()
         st = handle.status()
     _err(f"job {job} cancelled: {st.done}/{st.total} rendered; {done.removed} queued message(s) removed, "
@@ -401,7 +424,8 @@ def delete(
 
     with _user_errors():
         client = Client(settings)
-        where = client.store.locate(job_prefix(_job_id(job)))
+        job = _job_id(settings, job, client.redis, client.store)
+        where = client.store.locate(job_prefix(job))
         if not yes:
             if not sys.stdin.isatty():
                 raise InputError([f"delete {job}: would remove {where}; refusing without --yes "

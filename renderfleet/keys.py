@@ -120,6 +120,12 @@ def desired(store_tag: str) -> str:
     return f"rf:desired:{store_tag}"
 
 
+def prices(store_tag: str) -> str:
+    """hash pool -> price of one worker per hour, as published for the store tagged ``store_tag`` by
+    whoever has the pools' config: the autoscaler, a monitor or a worker (``status`` reads it)."""
+    return f"rf:prices:{store_tag}"
+
+
 POOL_STATS_PREFIX = "rf:pool:"
 
 

@@ -177,6 +177,9 @@ class WorkerService:
         self._registration = json.dumps(info)
         pipe = self.client.pipeline()
         pipe.hset(keys.WORKERS, self.worker_id, self._registration)
+        pool = self.settings.pools.get(self.settings.pool)
+        if pool is not None and pool.price_per_hour > 0:  # its config knows its pool's price: status counts costs
+            pipe.hset(keys.prices(self.store_tag), self.settings.pool, f"{pool.price_per_hour:g}")
         pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
         pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")

@@ -13,26 +13,34 @@
     var age = Date.now() / 1000 - parseFloat(t);
     return age < 30 ? "up" : "silent " + fmtDuration(age);
   }
-  function money(v, d) { return v === null || v === undefined ? "-" : "$" + v.toFixed(d); }
+  // as dispatcher/show.py's money(): never rounded to nothing
+  function money(v) {
+    if (v === null || v === undefined) return "-";
+    if (v === 0) return "$0";
+    if (v >= 1000) return "$" + Math.round(v).toLocaleString("en-US");
+    if (v >= 1) return "$" + v.toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: 2 });
+    return "$" + (v >= 1e-4 ? String(Number(v.toPrecision(3))) : v.toExponential(2));
+  }
   function set(row, cls, text) { var el = row.querySelector("." + cls); if (el) el.textContent = text; }
 
   function update(data) {
     var left = 0;
     data.jobs.forEach(function (j) {
-      var jl = Math.max(0, j.total - j.done - j.failed);
-      left += j.cancelled == null ? jl : 0;  // a cancelled job waits for no worker
+      var jl = j.left;
+      left += j.to_render;  // a cancelled job waits for no worker
       document.querySelectorAll('tr[data-job="' + CSS.escape(j.job) + '"]').forEach(function (row) {
-        var pct = j.total ? 100 * (j.done + j.failed) / j.total : 100;
-        row.querySelector(".fill").style.width = pct.toFixed(1) + "%";
+        // rendered in green, quarantined in red: a job all quarantined is never a green bar
+        row.querySelector(".fill").style.width = (j.total ? 100 * j.done / j.total : 0).toFixed(1) + "%";
+        row.querySelector(".fill-q").style.width = (j.total ? 100 * j.quarantined / j.total : 0).toFixed(1) + "%";
         set(row, "f-done", j.done);
-        set(row, "f-failed", j.failed);
+        set(row, "f-quarantined", j.quarantined);
         set(row, "f-rate", j.images_per_minute.toFixed(1));
         set(row, "f-eta", jl === 0 ? "done" : j.cancelled != null ? "cancelled" : fmtDuration(j.eta_seconds));
         set(row, "f-redeliveries", j.redeliveries + " / " + j.wasted_images);
         var gpu = Object.values(j.gpu_seconds).reduce(function (a, b) { return a + b; }, 0);
         set(row, "f-gpu", gpu.toFixed(1));
-        set(row, "f-cost", money(j.cost, 4));
-        set(row, "f-cpi", money(j.cost_per_image, 5));
+        set(row, "f-cost", money(j.cost));
+        set(row, "f-cpk", money(j.cost_per_1000_images));
       });
     });
     var el = document.getElementById("backlog-images");
@@ -77,7 +85,7 @@
   }
   document.addEventListener("DOMContentLoaded", function () {
     // The bars' widths from the page (the Content-Security-Policy admits no inline style attribute).
-    document.querySelectorAll(".fill[data-percent]").forEach(function (el) { el.style.width = el.dataset.percent + "%"; });
+    document.querySelectorAll(".fill[data-percent], .fill-q[data-percent]").forEach(function (el) { el.style.width = el.dataset.percent + "%"; });
     setTimeout(poll, 2000);
     var detail = document.getElementById("detail");
     document.querySelectorAll("figure.thumb").forEach(function (fig) {
