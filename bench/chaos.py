@@ -242,8 +242,8 @@ def end_node(fleet: Fleet, report: ChaosReport, node: str, event: str, watchers:
 def check_job(report: ChaosReport, rig: Rig, job: str, reference: dict[str, bytes]) -> None:
     """The end of a run: ``status`` and ``results`` of the job, no prompt both done and failed, and
     every image in the bucket compared with the reference, byte for byte."""
-    st = json.loads(cli(rig.env, "status", job, "--json").stdout)
-    report.status_done, report.status_failed = st["done"], st["failed"]
+    [st] = json.loads(cli(rig.env, "status", job, "--json").stdout)["jobs"]
+    report.status_done, report.status_failed = st["done"], st["quarantined"]
     res = json.loads(cli(rig.env, "results", job, "--json", check=False).stdout)  # exit 1 when images are missing
     report.quarantined = len(res["quarantined"])
     rig.client.bitop("AND", keys.SCRATCH, keys.done_bits(job), keys.failed_bits(job))
@@ -396,8 +396,8 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             rig.client.bitop("AND", keys.SCRATCH, keys.done_bits(bad), keys.failed_bits(bad))
             report.both_done_and_failed += int(rig.client.bitcount(keys.SCRATCH))
         if poison:
-            st = json.loads(cli(env, "status", bad, "--json").stdout)
-            report.poison_done, report.poison_failed = st["done"], st["failed"]
+            [st] = json.loads(cli(env, "status", bad, "--json").stdout)["jobs"]
+            report.poison_done, report.poison_failed = st["done"], st["quarantined"]
             report.poison_reasons = dict(st["failure_reasons"])
             res = json.loads(cli(env, "results", bad, "--json", check=False).stdout)
             report.poison_quarantine_ok = (len(res["quarantined"]) == poison and not res["images"] and all(

@@ -93,7 +93,7 @@ def run_submit(env: dict[str, str], path: Path, job: str) -> tuple[float, float,
 def run_status(env: dict[str, str], job: str) -> tuple[float, float, dict[str, Any]]:
     """(wall seconds, peak RSS MB, the JSON) of ``renderfleet status JOB --json``."""
     wall, peak, out, _ = run_child("-m", "renderfleet", ["status", job, "--json"], env)
-    return wall, peak, json.loads(out)
+    return wall, peak, dict(json.loads(out)["jobs"][0])
 
 
 def status_in_process(url: str, store_url: str, job: str, calls: int = 5) -> list[float]:

@@ -202,7 +202,7 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
     dropped: list[str] = []
     if fleet.jobs:
         jobs, gone = fitted(console, "jobs", job_columns(ids, plain), fleet.jobs, wide=wide)
-        parts.append(jobs)
+        parts += [jobs, Text("")]
         dropped += gone
     else:
         parts.append(Text("no jobs"))

@@ -126,7 +126,10 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
 
 
 def job_status(env: dict[str, str], job: str) -> dict[str, Any]:
-    return dict(json.loads(cli(env, "status", job, "--json").stdout))
+    """``status JOB --json``: the job's object, with the fleet's keys (workers, queues...) beside it."""
+    data = json.loads(cli(env, "status", job, "--json").stdout)
+    [job_object] = data.pop("jobs")
+    return {**data, **job_object}
 
 
 def worker_ready(client: redis.Redis, n: int) -> bool:

@@ -202,7 +202,7 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
     leases.release(lease, "done")
     assert report.done == 1  # what the listing saw
     st = status.job_status(client, job, store=store)
-    assert (st.done, st.failed, st.finished) == (2, 0, True)
+    assert (st.done, st.quarantined, st.finished) == (2, 0, True)
     assert report.shards_enqueued == 0 and client.llen(queue) == 0  # both counted: nothing to queue
 
     # An image deleted after it was counted is still counted missing by the next resume.
@@ -243,7 +243,7 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
                   what="the lost shard to be rendered")
     if recover == "monitor":
         assert "lost between a queue and a claim" in (tmp_path / "monitor.log").read_text()
-    assert st["failed"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
+    assert st["quarantined"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
     assert images_rendered(env, job) == 8
 
 
@@ -264,7 +264,7 @@ def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_render
     procs.append(WorkerProc(env, tmp_path / "healthy.log"))
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 4 and s, 120, interval=0.5,
                   what="the shard held by the stopped worker to be rendered")
-    assert st["failed"] == 0 and st["queued"] == 0
+    assert st["quarantined"] == 0 and st["queued"] == 0
     assert client.hlen(UNACKED_KEY) == 0  # kombu will not restore the stale copy in an hour
 
     os.kill(stuck.pid, signal.SIGCONT)  # it wakes and claims a finished shard: dropped

@@ -94,7 +94,7 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
 
         assert peak >= 1 and first_spot_image > 0
         st = job_status(env, job)
-        assert st["done"] == PROMPTS and st["failed"] == 0
+        assert st["done"] == PROMPTS and st["quarantined"] == 0
         images = list((tmp_path / "store" / "jobs" / job / "images").iterdir())
         assert len(images) == PROMPTS
         spot_stats = {k.decode(): int(v) for k, v in client.hgetall(spot_key).items()}

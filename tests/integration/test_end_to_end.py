@@ -60,7 +60,7 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
     out = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4", "--batch-size", "2")
     job = out.stdout.strip().splitlines()[-1]
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 24 and s, 120, interval=1.0, what="job to finish")
-    assert st["total"] == 24 and st["failed"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
+    assert st["total"] == 24 and st["quarantined"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
     assert list(st["queues"]) == [store_queue(env)] and st["store"] == str(tmp_path / "store")
     images = sorted((tmp_path / "store" / "jobs" / job / "images").iterdir())
     assert [p.name for p in images] == [f"{i:06d}.png" for i in range(24)]
@@ -172,5 +172,5 @@ def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     cli(env, "resume", job)
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, interval=1.0,
                   what="job to finish after resume")
-    assert st["failed"] == 0
+    assert st["quarantined"] == 0
     assert len(stored_images(env, job)) == 12

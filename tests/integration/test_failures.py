@@ -28,7 +28,7 @@ def test_a_worker_that_fails_every_shard_stops_taking_work_and_quarantines_nothi
     assert code == 3, broken.output()[-3000:]
     assert "circuit breaker" in broken.output() or "stops taking work" in broken.output()
     st = job_status(env, job)
-    assert st["done"] == 0 and st["failed"] == 0  # nothing quarantined by a broken worker
+    assert st["done"] == 0 and st["quarantined"] == 0  # nothing quarantined by a broken worker
     assert st["queued"] == 12
 
     healthy = WorkerProc(env, tmp_path / "healthy.log")
@@ -36,4 +36,4 @@ def test_a_worker_that_fails_every_shard_stops_taking_work_and_quarantines_nothi
         st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, interval=1.0, what="healthy worker")
     finally:
         healthy.kill()
-    assert st["failed"] == 0
+    assert st["quarantined"] == 0

@@ -94,7 +94,7 @@ def test_a_new_monitor_finishes_a_job_when_the_monitor_and_redis_were_lost_toget
     procs.append(start_monitor(env, tmp_path / "monitor-2.log"))
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 24 and s, 180, interval=1.0,
                   what="the job to finish with no command typed")
-    assert st["failed"] == 0 and worker.alive()
+    assert st["quarantined"] == 0 and worker.alive()
     store = open_store(env["RENDERFLEET_STORE"])
     assert sum(1 for key in store.list(images_prefix(job)) if key.endswith(".png")) == 24
     assert f"job {job} found in the store, unknown to Redis: resumed" in (tmp_path / "monitor-2.log").read_text()
@@ -129,13 +129,13 @@ def test_a_device_error_hands_the_shard_back_and_stops_the_worker_with_its_own_s
     out = broken.output()
     assert "device error, this worker stops taking work" in out and "illegal memory access" in out
     st = job_status(env, job)
-    assert st["failed"] == 0 and st["done"] == 0 and not st.get("failure_reasons")
+    assert st["quarantined"] == 0 and st["done"] == 0 and not st.get("failure_reasons")
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     assert client.hlen(f"rf:job:{job}:fails") == 0  # nothing counted against any prompt
     start_worker(env, tmp_path, procs, "healthy")
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 8 and s, 120, interval=1.0,
                   what="a healthy worker to render the job")
-    assert st["failed"] == 0
+    assert st["quarantined"] == 0
 
 
 # ---- 3. bad messages -------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_a_job_naming_a_model_outside_the_allow_list_fails_and_the_worker_lives_
     bad = submit(env, write_prompts(tmp_path / "bad.txt", 4, "bad"), *TINY[2:], "--model", str(folder),
                  "--shard-size", "2", "--batch-size", "2")
     worker = start_worker(env, tmp_path, procs, "worker")
-    st = wait_for(lambda: (s := job_status(env, bad))["failed"] == 4 and s, 120, interval=1.0,
+    st = wait_for(lambda: (s := job_status(env, bad))["quarantined"] == 4 and s, 120, interval=1.0,
                   what="the job outside the allow-list to fail")
     assert st["done"] == 0
     (reason, count), = st["failure_reasons"].items()

@@ -71,7 +71,7 @@ def test_a_worker_paused_between_its_images_and_its_checkpoint_is_fenced_and_wri
     wait_for(lambda: "fenced" in paused.output(), 30, what="the paused worker to find itself fenced")
     assert {p.name: p.read_bytes() for p in checkpoints.iterdir()} == before  # no stale checkpoint
     st = job_status(env, job)
-    assert (st["done"], st["failed"], st["queued"], st["in_flight"]) == (4, 0, 0, 0)
+    assert (st["done"], st["quarantined"], st["queued"], st["in_flight"]) == (4, 0, 0, 0)
     assert client.zcard(keys.INFLIGHT) == 0 and not client.exists(keys.lease(job, 0))  # no lease came back
     assert client.hget(keys.attempts(job), "0") == "2"
     assert paused.alive()
@@ -107,7 +107,7 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 8 and s, 120, interval=0.5,
                   what="the resumed image")
     assert images_rendered(env, job) == 8 + 2 + 1
-    assert (st["failed"], st["queued"], st["in_flight"]) == (0, 0, 0)
+    assert (st["quarantined"], st["queued"], st["in_flight"]) == (0, 0, 0)
     res = results()
     assert res["missing"] == [] and len(res["images"]) == 8
     assert {p.name: p.read_bytes() for p in images.iterdir()} == original  # byte-identical
@@ -134,7 +134,7 @@ def test_a_worker_paused_with_failures_in_hand_quarantines_nothing_once_fenced(
     assert not (tmp_path / "store" / "jobs" / job / "quarantine").exists()  # no stale quarantine record
     assert client.hget(keys.fails(job), "0") == "2"  # nor a failure counted by a stale attempt
     st = job_status(env, job)
-    assert (st["done"], st["failed"]) == (2, 0)
+    assert (st["done"], st["quarantined"]) == (2, 0)
     assert client.bitcount(keys.failed_bits(job)) == 0
     res = json.loads(cli(env, "results", job, "--json").stdout)
     assert res["quarantined"] == {} and res["missing"] == []

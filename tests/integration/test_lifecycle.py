@@ -333,7 +333,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     # status says so; the fenced worker lives on and serves another job.
     shown = cli(env, "status", job, check=False)
     assert shown.returncode == 1 and "deleted" in shown.stderr and "Traceback" not in shown.stderr
-    as_json = json.loads(cli(env, "status", job, "--json", check=False).stdout)
+    [as_json] = json.loads(cli(env, "status", job, "--json", check=False).stdout)["jobs"]
     assert as_json["state"] == "deleted" and as_json["reason"] == lifecycle.DELETED
     assert worker.alive() and "fenced" in worker.output()
     other = submit(env, tmp_path / "b.txt", 4, 4, 2, 0.25, prefix="other")

@@ -42,7 +42,7 @@ def test_quarantined_prompt_is_reported_by_status_and_results(tmp_path: Path, re
     leases.release(lease, "done")
 
     st = job_status(client, job.job)
-    assert (st.total, st.done, st.failed, st.queued, st.in_flight, st.finished) == (3, 2, 1, 0, 0, True)
+    assert (st.total, st.done, st.quarantined, st.queued, st.in_flight, st.finished) == (3, 2, 1, 0, 0, True)
     res = results(store, job.job)
     assert sorted(res.images) == ["000000", "000002"] and res.missing == []
     assert res.quarantined == {"000001": "NaN in latents"}

@@ -36,7 +36,7 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
         first.kill()  # SIGKILL mid-shard: its lease expires and the shard is handed on
         second = WorkerProc(env, tmp_path / "w2.log")
         later = wait_for(lambda: (s := job_status(env, job))["done"] >= 32 and s, 120, interval=0.5, what="progress")
-        final = wait_for(lambda: (s := job_status(env, job))["done"] + s["failed"] == 48 and s, 180, interval=1.0,
+        final = wait_for(lambda: (s := job_status(env, job))["done"] + s["quarantined"] == 48 and s, 180, interval=1.0,
                          what="the job to finish")
         # what each worker is doing: a shard while it holds one, then idle since when
         live = second.pid
@@ -51,7 +51,7 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
         if second:
             second.kill()
 
-    assert (final["done"], final["failed"], final["queued"], final["in_flight"]) == (47, 1, 0, 0)
+    assert (final["done"], final["quarantined"], final["queued"], final["in_flight"]) == (47, 1, 0, 0)
     assert final["redeliveries"] >= 1  # the killed worker's shard, delivered again
     # ETA: finite while running, falling as the job goes on, zero at the end
     assert early["eta_seconds"] is not None and later["eta_seconds"] is not None
@@ -67,4 +67,4 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     doing = next(w["doing"] for w in early["workers"] if w.get("doing"))
     assert doing.startswith(f"{job}:") and idle["since"]
     text = cli({**env, "COLUMNS": "200"}, "status", job).stdout
-    assert "img/min" in text and "per image" in text
+    assert "img/min" in text and "per 1k img" in text

@@ -62,7 +62,7 @@ def test_a_default_worker_has_no_failpoint_and_fails_a_job_naming_a_bench_model(
 ) -> None:
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.01), *CUT).stdout.split()[-1]
     worker = start(env, tmp_path, procs, "worker")
-    st = wait_for(lambda: (s := job_status(env, job))["failed"] == 4 and s, 120, interval=1.0,
+    st = wait_for(lambda: (s := job_status(env, job))["quarantined"] == 4 and s, 120, interval=1.0,
                   what="the job naming a bench model to fail")
     assert st["done"] == 0 and list(open_store(env["RENDERFLEET_STORE"]).list(images_prefix(job))) == []
     (reason, count), = st["failure_reasons"].items()

@@ -40,7 +40,7 @@ def test_a_job_runs_through_rediss_with_a_password_that_is_never_shown(
         def finished() -> bool:
             st = cli(env, "status", job, "--json")
             outputs.extend([st.stdout, st.stderr])
-            return bool(json.loads(st.stdout)["done"] == 6)
+            return bool(json.loads(st.stdout)["jobs"][0]["done"] == 6)
 
         wait_for(finished, 120, interval=1.0, what="the job to finish over TLS")
         mon = cli(env, "monitor", "--once")

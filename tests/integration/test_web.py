@@ -129,14 +129,16 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         finally:
             os.killpg(worker.pid, signal.SIGCONT)
         page.wait_for_function(f"() => {{ const r = document.querySelector('tr[data-job=\"{job}\"]'); "
-                               "return +r.querySelector('.f-done').textContent + +r.querySelector('.f-failed').textContent"
+                               "return +r.querySelector('.f-done').textContent"
+                               " + +r.querySelector('.f-quarantined').textContent"
                                f" === {PROMPTS}; }}", timeout=240_000)
         assert row.locator(".f-done").inner_text() == str(PROMPTS - 1)
-        assert row.locator(".f-failed").inner_text() == "1"
+        assert row.locator(".f-quarantined").inner_text() == "1"
         assert row.locator(".f-eta").inner_text() == "done"
         assert row.locator(".f-cost").inner_text().startswith("$")
-        width = row.locator(".fill").evaluate("el => el.style.width")
-        assert width in ("100%", "100.0%")
+        # rendered in green, the quarantined prompt in red: together the whole bar
+        widths = [row.locator(part).evaluate("el => parseFloat(el.style.width)") for part in (".fill", ".fill-q")]
+        assert widths[1] > 0 and sum(widths) == pytest.approx(100, abs=0.2)
         # the worker's row and the charts (drawn on the server from the samples in Redis)
         assert page.locator("#workers tr").count() == 1
         page.reload()
@@ -148,7 +150,9 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         page.locator(f'a[href="/jobs/{job}"]').first.click()
         page.wait_for_url(f"{base}/jobs/{job}")
         # the bar drawn from the page itself (no inline style: the script sets it), before any poll
-        assert page.locator(f'tr[data-job="{job}"] .fill').evaluate("el => el.style.width") in ("100%", "100.0%")
+        drawn = [page.locator(f'tr[data-job="{job}"] {part}').evaluate("el => parseFloat(el.style.width)")
+                 for part in (".fill", ".fill-q")]
+        assert drawn[1] > 0 and sum(drawn) == pytest.approx(100, abs=0.2)
         quarantine = page.locator("table.quarantine")
         assert "bad" in quarantine.inner_text() and "study 17" in quarantine.inner_text()
         assert quarantine.locator("td.error").inner_text().strip()

@@ -75,7 +75,7 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     cli(env, "resume", job)
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 40 and s, 240, interval=1.0,
                   what="the same worker to finish the job after the restart")
-    assert st["failed"] == 0
+    assert st["quarantined"] == 0
     assert worker.alive(), worker.output()[-3000:]
     assert len(list((tmp_path / "store" / "jobs" / job / "images").iterdir())) == 40
     # the consumer saw the lost connection and came back, in the same process, model loaded once
@@ -125,7 +125,7 @@ def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_
                "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
     worker = start_worker(env, tmp_path, workers)
     wait_for(lambda: job_status(env, good)["done"] == 8, 120, interval=1.0, what="the good job")
-    st = wait_for(lambda: (s := job_status(env, bad))["failed"] == 8 and s, 120, interval=1.0,
+    st = wait_for(lambda: (s := job_status(env, bad))["quarantined"] == 8 and s, 120, interval=1.0,
                   what="the bad job's prompts to be quarantined")
     assert st["done"] == 0
     (reason, count), = st["failure_reasons"].items()
@@ -162,9 +162,9 @@ def test_images_the_store_refuses_are_quarantined_and_the_worker_goes_on(
     for name in ("000000.png", "000001.png"):
         (images / name).mkdir(parents=True)
     worker = start_worker(env, tmp_path, workers)
-    st = wait_for(lambda: (s := job_status(env, job))["done"] + s["failed"] == 6 and s, 120, interval=1.0,
+    st = wait_for(lambda: (s := job_status(env, job))["done"] + s["quarantined"] == 6 and s, 120, interval=1.0,
                   what="the job to finish")
-    assert (st["done"], st["failed"]) == (4, 2)
+    assert (st["done"], st["quarantined"]) == (4, 2)
     assert worker.alive(), worker.output()[-3000:]  # every try of shard 0 failed: still not the worker's fault
     assert "circuit breaker" not in worker.output()
     res = json.loads(cli(env, "results", job, "--json", check=False).stdout)
