@@ -58,7 +58,7 @@ class JobStatus:
 
     @property
     def failed(self) -> int:
-        """The old name of :attr:`quarantined` (the JSON said ``failed`` before 0.5): kept for scripts."""
+        """The old name of :attr:`quarantined` (the JSON said ``failed`` before issue 25): kept for scripts."""
         return self.quarantined
 
     @property

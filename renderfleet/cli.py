@@ -257,39 +257,15 @@ def status(
             return
         ids = short_ids(known_jobs(client, store))
         if watch:
-            _watch(read, ids, wide)
+            from dispatcher.show import watch as watch_status
+
+            watch_status(read, ids, wide=wide)
             return
     from dispatcher.show import print_status
 
     print_status(fleet, wide=wide, ids=ids)
     for reason, count in (fleet.jobs[0].failure_reasons or {}).items() if job else ():
         print(f"{count} prompt(s) failed: {reason}")
-
-
-def _watch(read: Any, ids: dict[str, str], wide: bool) -> None:
-    """``status --watch``: redrawn in place on a terminal; piped, a frame every 2 s, each at once."""
-    import time
-
-    from rich.console import Console
-    from rich.live import Live
-
-    from dispatcher.show import print_status, render_status
-
-    console = Console()
-    try:
-        if console.is_terminal:
-            with Live(render_status(read(), console, wide=wide, ids=ids), console=console, refresh_per_second=1,
-                      screen=False) as live:
-                while True:
-                    time.sleep(2)
-                    live.update(render_status(read(), console, wide=wide, ids=ids))
-        while True:
-            console.print(f"-- status at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", markup=False)
-            print_status(read(), console, wide=wide, ids=ids)
-            console.file.flush()
-            time.sleep(2)
-    except KeyboardInterrupt:
-        return
 
 
 @app.command()
