@@ -54,7 +54,7 @@ def bar(done: int, quarantined: int, total: int, width: int = BAR_WIDTH, *, plai
         return Text(("-" if plain else "━") * width, style="bright_black")
     d = round(width * done / total)
     q = min(width - d, round(width * (done + quarantined) / total) - d)
-    if quarantined and q == 0 and d < width:  # one quarantined prompt of thousands still shows
+    if quarantined and q == 0:  # one quarantined prompt of thousands still shows
         q = 1
         d = min(d, width - 1)
     rest = width - d - q

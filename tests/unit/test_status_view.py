@@ -1,0 +1,79 @@
+"""What ``status`` draws, without a fleet: short ids, costs never rounded to nothing, the bar, tables that fit."""
+
+from __future__ import annotations
+
+import io
+
+from jinja2 import Environment, FileSystemLoader
+from rich.console import Console
+from rich.progress import Progress
+
+from dispatcher.jobids import short_ids
+from dispatcher.show import JobBar, bar, money, print_status, render_status
+from dispatcher.status import FleetStatus, JobStatus, price
+from dispatcher.web import HERE, _duration, _money
+
+
+def test_short_ids_are_the_shortest_unique_prefixes_seven_hex_digits_at_least() -> None:
+    ids = ["j-3f2a1b9c0d1e2f3a", "j-3f2a1b9d00000000", "j-8e7d6c5b4a392817", "night", "nightly-2"]
+    short = short_ids(ids)
+    assert short == {"j-3f2a1b9c0d1e2f3a": "j-3f2a1b9c", "j-3f2a1b9d00000000": "j-3f2a1b9d",
+                     "j-8e7d6c5b4a392817": "j-8e7d6c5", "night": "night", "nightly-2": "nightly-2"}
+    for job, s in short.items():  # each names one job: itself when typed whole, else the only one it starts
+        assert s == job or [j for j in ids if j.startswith(s)] == [job]
+
+
+def test_costs_are_never_rounded_to_nothing() -> None:
+    assert money(None) == "-" and money(0) == "0"
+    assert money(0.0005) == "0.0005" and money(0.00123456) == "0.00123" and money(3e-6) == "3.00e-06"
+    assert money(1.234) == "1.23" and money(12345.6, "$") == "$12,346"
+
+
+def test_a_pool_without_a_price_leaves_the_cost_unknown_not_zero() -> None:
+    job = JobStatus("j", 10, 4, 0, 6, 0, 1, 1, 0, True, gpu_seconds={"spot": 36.0, "spare": 10.0})
+    price(job, {"spot": 1.0, "spare": 0.0})
+    assert job.cost is None and job.cost_per_image is None
+    price(job, {"spot": 1.0, "spare": 0.36})
+    assert job.cost == 0.011 and job.cost_per_1000_images == 0.011 / 4 * 1000
+
+
+def test_a_job_all_quarantined_is_all_red_and_one_quarantined_prompt_still_shows() -> None:
+    assert bar(0, 12, 12, plain=True).plain == "x" * 10
+    assert bar(12, 0, 12, plain=True).plain == "#" * 10
+    assert bar(9999, 1, 10000, plain=True).plain == "#" * 9 + "x"
+    assert bar(0, 0, 12, plain=True).plain == "-" * 10
+    spans = {span.style for span in bar(0, 12, 12).spans}
+    assert spans == {"red"}
+    progress = Progress(JobBar(10), console=Console(file=io.StringIO(), width=40, force_terminal=True))
+    task = progress.add_task("job", total=12, done=0, quarantined=12)
+    progress.update(task, completed=12)
+    assert {span.style for span in JobBar(10).render(progress.tasks[task]).spans} == {"red"}
+
+
+def test_the_jobs_table_fits_80_columns_and_never_cuts_an_id() -> None:
+    jobs = [JobStatus(f"j-{i:016x}", 1_000_000, 999_999, 1, 0, 0, 1, 0, 0, True, eta_seconds=3600.0 * 99,
+                      images_per_minute=12345.6, gpu_seconds={"default": 1e6}, cost=12345.0, cost_per_image=0.01234)
+            for i in range(3)]
+    fleet = FleetStatus(queues={"renderfleet.default.0123456789ab": 3}, jobs=jobs, store="/x",
+                        workers=[{"worker": "default-host-1234-abcdef", "pool": "default", "model": "stabilityai/"
+                                  "stable-diffusion-xl-base-1.0", "device": "cuda:0", "doing": f"{jobs[0].job}:7",
+                                  "since": "1"}])
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    console.print(render_status(fleet, console))
+    text = out.getvalue()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "…" not in text and text.count("j-000000000") >= 3 and "default-host-1234-abcdef" in text
+    assert "not shown at 80 columns" in text
+    out = io.StringIO()
+    print_status(fleet, Console(file=out, width=80), wide=True)  # every column, whole, however wide
+    text = out.getvalue()
+    assert "redelivered/lost" in text and "shards q/r" in text and "not shown" not in text and "…" not in text
+
+
+def test_the_page_draws_rendered_green_and_quarantined_red() -> None:
+    env = Environment(loader=FileSystemLoader(str(HERE / "templates")), autoescape=True)
+    env.filters.update(money=_money, duration=_duration)
+    row = env.get_template("_jobrow.html").render(j=JobStatus("j", 12, 0, 12, 0, 0, 3, 0, 0, True).to_dict())
+    assert 'class="fill" data-percent="0.0"' in row and 'class="fill-q" data-percent="100.0"' in row
+    assert '<td class="f-quarantined">12</td>' in row and '<td class="f-cpk">-</td>' in row
