@@ -40,13 +40,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp
 
+from dispatcher.jobids import resolve
 from dispatcher.show import money
 from dispatcher.status import FleetStatus, JobStatus, fleet_status
 from dispatcher.thumbs import NoImage, Thumbnails
 from renderfleet import keys
 from renderfleet import spec as layout
 from renderfleet.endpoint import IMAGE_CSP, guard
-from renderfleet.errors import JobNotFound, StoreError
+from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.spec import job_id_problem, name_problem, store_tag
 from renderfleet.store import Store
 
@@ -251,10 +252,19 @@ def page_number(raw: str | None) -> int:
     return int(raw)
 
 
-def checked_job(store: Store, job: str) -> str:
-    """``job`` when it is a job id the store holds; NotHere otherwise."""
-    if job_id_problem(job) or not store.exists(layout.spec_key(job)):
+def checked_job(store: Store, job: str, client: redis.Redis | None = None) -> str:
+    """``job`` when it is a job id the store holds, or the one such job whose id starts with it (a
+    short id as ``status`` shows it, ``dispatcher.jobids``); NotHere otherwise, naming the candidates
+    of an ambiguous prefix."""
+    if job_id_problem(job):
         raise NotHere(f"no job {job!r}")
+    if not store.exists(layout.spec_key(job)):
+        try:
+            job = resolve(client, store, job)
+        except InputError as exc:
+            raise NotHere(str(exc)) from None
+        if not store.exists(layout.spec_key(job)):
+            raise NotHere(f"no job {job!r}")
     return job
 
 
@@ -373,7 +383,7 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
 
     def job_data(request: Request) -> dict[str, Any]:
         store = need_store()
-        job = checked_job(store, request.path_params["job"])
+        job = checked_job(store, request.path_params["job"], client)
         page = page_number(request.query_params.get("page"))
         if client is None:
             raise NotHere("this endpoint serves no job pages")

@@ -136,6 +136,8 @@ def test_one_json_job_object_for_status_status_job_the_api_and_python(tmp_path: 
         assert code == 200 and set(json.loads(body)["jobs"][0]) == set(from_listing)
         code, body = http_get(f"{base}/api/jobs/{job}")
         assert code == 200 and set(json.loads(body)["job"]) == set(from_single)
+        code, body = http_get(f"{base}/api/jobs/{job[:9]}")  # the page takes a short id too
+        assert code == 200 and json.loads(body)["job"]["job"] == job
     finally:
         endpoint.shutdown()
     api = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"]).job(job)
