@@ -68,3 +68,6 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     assert doing.startswith(f"{job}:") and idle["since"]
     text = cli({**env, "COLUMNS": "200"}, "status", job).stdout
     assert "img/min" in text and "per 1k img" in text
+    # the workers, started with the config, published their pool's price: status needs no config for it
+    unconfigured = {k: v for k, v in env.items() if k != "RENDERFLEET_CONFIG"}
+    assert job_status(unconfigured, job)["cost"] == pytest.approx(final["cost"])

@@ -197,6 +197,10 @@ def test_prices_published_by_the_fleet_price_status_without_config_never_rounded
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("j-",))}
     assert rows[cheap[:9]][-2:] == ["0.0005", "0.05"]  # cost, per 1,000 images: never 0.00
     assert rows[unpriced[:9]][-2:] == ["-", "-"]
+    # the autoscaler publishes its pools' prices at each decision (max 0: it starts no worker here)
+    config.write_text('[pools.default]\nprice_per_hour = 0.75\nmax = 0\n')
+    cli({**env, "RENDERFLEET_CONFIG": str(config)}, "autoscale", "--once")
+    assert client.hget(keys.prices(store_tag(env["RENDERFLEET_STORE"])), "default") == b"0.75"
     # --config still overrides what was published
     config.write_text('[pools.default]\nprice_per_hour = 5\nmax = 1\n')
     over = json.loads(cli(env, "status", cheap, "--json", "--config", str(config)).stdout)["jobs"][0]
