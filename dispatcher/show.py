@@ -253,24 +253,29 @@ def print_status(fleet: FleetStatus, console: Console | None = None, *, wide: bo
     console.print(shown)
 
 
-def watch(read: Callable[[], FleetStatus], ids: dict[str, str], *, wide: bool = False,
+def watch(read: Callable[[], tuple[FleetStatus, dict[str, str]]], *, wide: bool = False,
           console: Console | None = None) -> None:
-    """``status --watch`` until Ctrl-C: redrawn in place on a terminal; piped (no terminal to
-    redraw on: rich's Live would print nothing until it stops), a plain frame at once and one
-    every 2 s, each headed by its time."""
+    """``status --watch`` until Ctrl-C, each frame from ``read()`` (the fleet, the jobs' ids as
+    shown): redrawn in place on a terminal; piped (no terminal to redraw on: rich's Live would
+    print nothing until it stops), a plain frame at once and one every 2 s, each headed by its time."""
     from rich.live import Live
 
     console = console or Console()
+
+    def frame() -> RenderableType:
+        fleet, ids = read()
+        return render_status(fleet, console, wide=wide, ids=ids)
+
     try:
         if console.is_terminal:
-            with Live(render_status(read(), console, wide=wide, ids=ids), console=console, refresh_per_second=1,
-                      screen=False) as live:
+            with Live(frame(), console=console, refresh_per_second=1, screen=False) as live:
                 while True:
                     time.sleep(2)
-                    live.update(render_status(read(), console, wide=wide, ids=ids))
+                    live.update(frame())
         while True:
             console.print(f"-- status at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", markup=False)
-            print_status(read(), console, wide=wide, ids=ids)
+            fleet, ids = read()
+            print_status(fleet, console, wide=wide, ids=ids)
             console.file.flush()
             time.sleep(2)
     except KeyboardInterrupt:

@@ -84,7 +84,7 @@ class JobStatus:
         return None if self.cost_per_image is None else self.cost_per_image * 1000
 
     def to_dict(self) -> dict[str, Any]:
-        """The job's JSON object (docs/monitoring.md, "The job object")."""
+        """The job's JSON object (docs/monitoring.md, "The JSON")."""
         out = asdict(self)
         out.update(state=self.state, left=self.left, to_render=self.to_render, finished=self.finished,
                    cost_per_1000_images=self.cost_per_1000_images,

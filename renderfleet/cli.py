@@ -255,12 +255,12 @@ def status(
         if as_json:
             print(json.dumps(fleet.to_dict()))
             return
-        ids = short_ids(known_jobs(client, store))
-        if watch:
+        if watch:  # each frame with the ids of the jobs known then: a new job may lengthen some
             from dispatcher.show import watch as watch_status
 
-            watch_status(read, ids, wide=wide)
+            watch_status(lambda: (read(), short_ids(known_jobs(client, store))), wide=wide)
             return
+        ids = short_ids(known_jobs(client, store))
     from dispatcher.show import print_status
 
     print_status(fleet, wide=wide, ids=ids)
