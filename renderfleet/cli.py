@@ -81,11 +81,12 @@ def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None)
     ambiguous one is an InputError naming the candidates).  ``client``: the Redis to ask (default:
     the configured one, or the embedded one if it runs; never started for this)."""
     from dispatcher.jobids import resolve
+    from renderfleet.embedded import connect, running_embedded
     from renderfleet.store import open_store
 
-    if client is None:
-        found = _running_redis(settings)
-        client = found[1] if found else None
+    if client is None:  # a plain connection: no Celery app is made for this (delete's refusal is quick)
+        url = settings.redis_url or running_embedded(settings.home)
+        client = connect(url) if url else None
     return resolve(client, store or open_store(settings.store_url, settings.s3_options), job)
 
 
@@ -400,7 +401,7 @@ def delete(
 
     with _user_errors():
         client = Client(settings)
-        job = _job_id(settings, job, client.redis, client.store)
+        job = _job_id(settings, job, store=client.store)
         where = client.store.locate(job_prefix(job))
         if not yes:
             if not sys.stdin.isatty():

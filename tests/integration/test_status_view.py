@@ -83,8 +83,8 @@ def test_status_at_80_columns_piped_shows_whole_short_ids_that_every_command_tak
     for short in ids:
         [full] = [job for job in jobs if job.startswith(short)]
         assert json.loads(cli(env, "status", short, "--json").stdout)["jobs"][0]["job"] == full
-        assert shown_ids(cli(env, "status", short).stdout) == [short]
     short, full = next((s, j) for s in ids for j in jobs if j.startswith(s) and s != j)
+    assert shown_ids(cli(env, "status", short).stdout) == [short]
     listed = json.loads(cli(env, "results", short, "--json", check=False).stdout)
     assert listed["job"] == full and len(listed["missing"]) > 0
     assert cli(env, "cancel", short).stdout.strip() == full
