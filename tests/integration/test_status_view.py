@@ -91,6 +91,9 @@ def test_status_at_80_columns_piped_shows_whole_short_ids_that_every_command_tak
     assert json.loads(cli(env, "status", full, "--json").stdout)["jobs"][0]["state"] == "cancelled"
     assert cli(env, "resume", short).stdout.strip() == full
     assert cli(env, "delete", short, "--yes").stdout.strip() == full
+    gone = cli(env, "status", full, "--json", check=False)  # a deleted job: the same layout, its state says so
+    assert gone.returncode == 1 and json.loads(gone.stdout)["jobs"] == [
+        {"job": full, "state": "deleted", "deleted": pytest.approx(time.time(), abs=600), "reason": "renderfleet delete"}]
     client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
     other = next(j for j in jobs if j.startswith("j-") and j != full)
     assert client.job(other[:9]).id == other
