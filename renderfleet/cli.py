@@ -446,7 +446,7 @@ def monitor(
             prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
             server = serve(http, lambda: fleet_status(client, store=store, prices=prices), prices,
                            settings.http_token, client=client, store=store, hosts=settings.http_host_list,
-                           tls_proxy=settings.http_tls_proxy)
+                           tls_proxy=settings.http_tls_proxy, pools=settings.pools)
             _err(f"monitor: serving the page, /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
                  f"{server.server_port}/")
         if once:
@@ -461,20 +461,20 @@ def _autoscaler(settings: Settings) -> Any:
     import os
 
     from dispatcher.autoscale import Autoscaler, AwsBackend, Backend, LocalBackend, PublishedBackend
+    from dispatcher.backends import KubernetesBackend, check_pools
     from renderfleet.store import open_store
 
     if not settings.pools:
         raise ConfigError("no pools configured: give --config FILE (or RENDERFLEET_CONFIG) with [pools.NAME] tables")
-    for name, pool in settings.pools.items():
-        if pool.backend == "aws" and not pool.autoscaling_group:
-            raise ConfigError(f"{settings.config}: pools.{name}: backend 'aws' needs autoscaling_group")
+    check_pools(settings.pools, settings.config)
     _, client, url = _connect(settings)
     store = open_store(settings.store_url, settings.s3_options)
     env = {**os.environ, "RENDERFLEET_REDIS_URL": url}
     kinds: dict[str, Backend] = {  # each sizes this store's pools only
         "local": LocalBackend(client, store=store.url, env=env, log_dir=settings.home / "logs" / "autoscale"),
         "aws": AwsBackend(settings.pools),
-        "kubernetes": PublishedBackend(client, store.url),
+        "kubernetes": KubernetesBackend(settings.pools),
+        "keda": PublishedBackend(client, store.url),
     }
     return Autoscaler(settings, client, store, {name: kinds[pool.backend] for name, pool in settings.pools.items()})
 
