@@ -94,7 +94,10 @@ class FleetCollector:
         c.add_metric([], fleet.reaped)
         yield c
         if self.prices:
-            c = CounterMetricFamily("renderfleet_cost", "Render time times the pool's price per hour", labels=["pool"])
+            # The unit is the pools file's price_per_hour currency (the page shows it as $); the name stays
+            # renderfleet_cost_total, which dashboards and alerts already use (docs/monitoring.md).
+            c = CounterMetricFamily("renderfleet_cost", "Cost of render time, in the currency of the pools file's "
+                                    "price_per_hour: GPU-seconds x price_per_hour / 3600", labels=["pool"])
             for pool, stats in sorted(fleet.pools.items()):
                 c.add_metric([pool], stats.get("render_ms", 0) / 1000 * self.prices.get(pool, 0.0) / 3600)
             yield c
