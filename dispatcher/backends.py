@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.status import FleetStatus
-from renderfleet.errors import ConfigError
+from renderfleet.errors import ConfigError, TransientError
 from renderfleet.settings import PoolConfig
 
 log = logging.getLogger("renderfleet.autoscale")
@@ -83,21 +83,26 @@ class KubernetesBackend:
         return self._api
 
     def _call(self, pool: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One call to the API server; a refusal that will not pass by itself is a ConfigError naming
+        the pool, anything else (5xx, 429, a network cut) a TransientError: `autoscale` tries again."""
         from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         cfg = self.pools[pool]
+        where = f"pools.{pool}.deployment = {cfg.deployment!r} (namespace {cfg.namespace!r})"
         try:
             return getattr(self.api, method)(cfg.deployment, cfg.namespace, *args, _request_timeout=API_TIMEOUT,
                                              **kwargs)
         except ApiException as exc:
-            where = f"pools.{pool}.deployment = {cfg.deployment!r} (namespace {cfg.namespace!r})"
             if exc.status == 404:
                 raise ConfigError(f"{where}: no such Deployment") from None
             if exc.status in (401, 403):
                 raise ConfigError(f"{where}: the API server refused {method} ({exc.status} {exc.reason}): the "
                                   "autoscaler's service account needs get and patch on deployments/scale of "
                                   "this Deployment (infra/k8s/base/rbac.yaml)") from None
-            raise
+            raise TransientError(f"{where}: the API server answered {method} with {exc.status} {exc.reason}") from None
+        except (HTTPError, OSError) as exc:
+            raise TransientError(f"{where}: the API server could not be reached ({exc})") from None
 
     def size(self, pool: str) -> int:
         """The Deployment's replicas: workers asked for, running or starting."""

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError
+from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError, TransientError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
 
@@ -528,8 +528,15 @@ def autoscale(
         scaler = _autoscaler(settings)
         try:
             while True:
-                with signals.held():  # a decision is applied whole: no worker started and forgotten
-                    tick = scaler.tick(dry_run=dry_run)
+                try:
+                    with signals.held():  # a decision is applied whole: no worker started and forgotten
+                        tick = scaler.tick(dry_run=dry_run)
+                except TransientError as exc:  # an API server or cloud API that failed: the next tick decides again
+                    if once or dry_run:
+                        raise
+                    _err(f"autoscale: {exc}; trying again in {settings.autoscale.interval_seconds:g} s")
+                    time.sleep(settings.autoscale.interval_seconds)
+                    continue
                 if as_json:
                     print(json.dumps(tick.to_dict()), flush=True)
                 else:

@@ -45,7 +45,7 @@ class FakeKubeApi:
         self.replicas: dict[tuple[str, str], int] = {}  # (namespace, name) -> a Deployment's spec.replicas
         self.scalable: set[str] | None = None  # the Role's resourceNames on deployments/scale; None: any
         self.requests: list[tuple[str, str, str]] = []  # (method, path, content type)
-        self.fail_next = 0  # answer this many PATCHes with a 500
+        self.fail_next = 0  # answer this many PATCHes of a pod, or calls on a scale, with a 500
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -84,6 +84,9 @@ class FakeKubeApi:
                     self._status(404, "NotFound", f'deployments.apps "{name}" not found')
                 elif method == "PATCH" and self.headers.get("Content-Type", "").split(";")[0].strip() != MERGE_PATCH:
                     self._status(415, "UnsupportedMediaType", f"this fake takes {MERGE_PATCH}")
+                elif outer.fail_next:
+                    outer.fail_next -= 1
+                    self._status(500, "InternalError", "injected failure")
                 else:
                     if method == "PATCH":
                         spec = json.loads(raw).get("spec", {})

@@ -6,21 +6,25 @@ answers a number for every pool before the first decision."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
+import yaml
 
 from dispatcher.autoscale import PublishedBackend
 from dispatcher.backends import KubernetesBackend
 from dispatcher.http import serve
 from dispatcher.status import fleet_status
 from renderfleet.embedded import RedisServerProcess
-from renderfleet.errors import ConfigError
+from renderfleet.errors import ConfigError, TransientError
 from renderfleet.settings import PoolConfig, load_settings
 from renderfleet.store import open_store
-from testing.fleet import REPO, base_env, cli
+from testing.fleet import REPO, base_env, cli, wait_for
 from testing.kubeapi import MERGE_PATCH, FakeKubeApi
 from testing.kustomize import build
 
@@ -78,6 +82,20 @@ def test_a_deployment_the_role_does_not_name_or_that_does_not_exist_is_a_config_
             backend.size("baseline")
 
 
+def test_an_api_server_error_is_transient_and_the_next_call_succeeds() -> None:
+    pools = {"spot": PoolConfig(kind="spot", backend="kubernetes", deployment="worker-spot", max=4)}
+    with FakeKubeApi(token="tok") as api:
+        api.replicas[("renderfleet", "worker-spot")] = 1
+        backend = KubernetesBackend(pools, api.apps())
+        api.fail_next = 1
+        with pytest.raises(TransientError, match=r"pools\.spot\.deployment = 'worker-spot'.*500"):
+            backend.set_size("spot", 3)
+        backend.set_size("spot", 3)  # `autoscale` tries again at its next tick
+        assert api.replicas[("renderfleet", "worker-spot")] == 3
+    with pytest.raises(TransientError, match="could not be reached"):  # the server gone
+        backend.size("spot")
+
+
 @pytest.mark.parametrize(("backend", "key", "value"), [
     ("aws", "autoscaling_group", '"rf-gpu"'),
     ("kubernetes", "deployment", '"worker-gpu"'),
@@ -126,3 +144,36 @@ def test_api_autoscale_answers_every_configured_pool_before_the_first_decision(r
         assert after["baseline"]["decided"] is False
     finally:
         server.shutdown()
+
+
+def test_autoscale_sets_a_deployments_replicas_and_rides_out_an_api_server_error(
+        redis_server: RedisServerProcess, tmp_path: Path) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('[pools.baseline]\nbackend = "kubernetes"\ndeployment = "worker-baseline"\nmin = 1\nmax = 4\n\n'
+                      '[pools.spot]\nkind = "spot"\nbackend = "kubernetes"\ndeployment = "worker-spot"\nmax = 8\n\n'
+                      '[autoscale]\ninterval_seconds = 0.2\ncooldown_seconds = 0\n')
+    with FakeKubeApi(token="tok") as api:
+        api.scalable = scale_names_granted()
+        api.replicas[("renderfleet", "worker-baseline")] = 3  # no backlog: one step in, to 2
+        api.replicas[("renderfleet", "worker-spot")] = 0
+        api.fail_next = 1  # the first call of the first tick gets a 500
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+            "users": [{"name": "fake", "user": {"token": "tok"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}))
+        # Outside a pod: no in-cluster config, so ~/.kube/config (here KUBECONFIG), as an operator's shell.
+        env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), KUBECONFIG=str(kubeconfig))
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "autoscale", "--config", str(config)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            wait_for(lambda: api.replicas[("renderfleet", "worker-baseline")] == 2 or proc.poll() is not None, 120,
+                     what="the baseline Deployment scaled to 2")
+            assert proc.poll() is None  # the 500 did not stop it
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        assert "500" in err and "trying again" in err and "Traceback" not in err, err
+        assert api.replicas[("renderfleet", "worker-spot")] == 0
