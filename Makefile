@@ -88,6 +88,9 @@ lint: install
 	$(BIN)/mypy renderfleet worker dispatcher
 	$(BIN)/hadolint docker/Dockerfile.worker docker/Dockerfile.dispatcher
 	$(BIN)/kubernetes-validate --strict --quiet infra/k8s/base/*.yaml
+	# kubernetes-validate has no schema for KEDA's kinds and no option to be given one: KEDA's own CRD
+	# schema, kept in infra/schemas with its version, checks them (testing/crd.py, strict)
+	$(BIN)/python -m testing.crd infra/k8s/overlays/keda/keda.yaml
 	# the overlays are rendered and validated by tests/integration/test_deploy_files.py (testing/kustomize.py)
 
 clean:

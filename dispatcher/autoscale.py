@@ -272,9 +272,10 @@ class AwsBackend:
 
 
 class PublishedBackend:
-    """Kubernetes: the decision is published (Redis, then the monitor's ``/api/autoscale``)
-    and KEDA sets the Deployment's replicas to it; the size is the workers up.  Both are
-    ``store``'s: another store's pool of the same name on a shared Redis is another pool."""
+    """The ``keda`` backend: the decision is published (Redis, then the monitor's ``/api/autoscale``)
+    and KEDA sets the Deployment's replicas to it (within its HPA's tolerance: docs/pools.md); the
+    size is the workers up.  Both are ``store``'s: another store's pool of the same name on a
+    shared Redis is another pool."""
 
     def __init__(self, client: redis.Redis, store: str):
         self.client = client

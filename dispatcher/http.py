@@ -7,7 +7,8 @@ restart of the monitor, or of Redis, loses no history that matters.
 ``/``             the web page (dispatcher.web): the fleet, each job at ``/jobs/JOB``, its gallery
 ``/metrics``      Prometheus text format (a custom collector, no job or prompt labels: bounded)
 ``/api/status``   what ``renderfleet status --json`` prints
-``/api/autoscale`` each pool's size and the size the autoscaler last decided (what KEDA would read)
+``/api/autoscale`` each pool's size and the size the autoscaler last decided (what KEDA reads): a number
+                  for every configured pool, before the first decision too (dispatcher.backends)
 
 Bound to 127.0.0.1 by default; on any other address it refuses to start
 without ``RENDERFLEET_HTTP_TOKEN``, and then every request must carry it
@@ -21,7 +22,7 @@ uvicorn in a thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from dispatcher.status import FleetStatus
 from renderfleet.endpoint import Endpoint, listen
 from renderfleet.errors import ConfigError
+from renderfleet.settings import PoolConfig
 
 StatusSource = Callable[[], FleetStatus]
 
@@ -94,7 +96,10 @@ class FleetCollector:
         # the prices the fleet published, or the monitor's config: a pool without one has no cost series
         prices = {pool: p for pool, p in {**fleet.prices, **self.prices}.items() if p > 0}
         if prices:
-            c = CounterMetricFamily("renderfleet_cost", "Render time times the pool's price per hour", labels=["pool"])
+            # The unit is the pools file's price_per_hour currency (the page shows it as $); the name stays
+            # renderfleet_cost_total, which dashboards and alerts already use (docs/monitoring.md).
+            c = CounterMetricFamily("renderfleet_cost", "Cost of render time, in the currency of the pools file's "
+                                    "price_per_hour: GPU-seconds x price_per_hour / 3600", labels=["pool"])
             for pool, stats in sorted(fleet.pools.items()):
                 if pool in prices:
                     c.add_metric([pool], stats.get("render_ms", 0) / 1000 * prices[pool] / 3600)
@@ -102,14 +107,16 @@ class FleetCollector:
 
 
 def serve(address: str, source: StatusSource, prices: dict[str, float], token: str | None, *,
-          client: Any = None, store: Any = None, hosts: tuple[str, ...] = (), tls_proxy: bool = False) -> Endpoint:
+          client: Any = None, store: Any = None, hosts: tuple[str, ...] = (), tls_proxy: bool = False,
+          pools: Mapping[str, PoolConfig] | None = None) -> Endpoint:
     """Start serving in a daemon thread; returns the endpoint (``server_port`` is the bound port).
 
     ``address`` is ``HOST:PORT``; a host off loopback needs a token.  With a
     Redis ``client`` the page charts the last hour (a sampler thread records
     the fleet's figures there); with a ``store`` it shows each job and its gallery.
     ``hosts`` and ``tls_proxy`` are RENDERFLEET_HTTP_HOSTS and _HTTP_TLS_PROXY
-    (:func:`renderfleet.endpoint.guard`).
+    (:func:`renderfleet.endpoint.guard`).  ``pools``, the configured ones, each get a number at
+    ``/api/autoscale`` even before the autoscaler's first decision.
     """
     from dispatcher.web import Sampler, make_app
 
@@ -117,6 +124,6 @@ def serve(address: str, source: StatusSource, prices: dict[str, float], token: s
     if not sep or not port.isdigit():
         raise ConfigError(f"--http: expected HOST:PORT such as 127.0.0.1:9464, got {address!r}")
     sock = listen(host, int(port), token, what=f"--http {address}")
-    app = make_app(source, prices, token, client=client, store=store, hosts=hosts, tls_proxy=tls_proxy)
+    app = make_app(source, prices, token, client=client, store=store, hosts=hosts, tls_proxy=tls_proxy, pools=pools)
     sampler = Sampler(client, source).start() if client is not None else None
     return Endpoint(app, sock, on_shutdown=sampler.stopped.set if sampler is not None else None).start()

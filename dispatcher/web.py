@@ -22,7 +22,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from renderfleet import keys
 from renderfleet import spec as layout
 from renderfleet.endpoint import IMAGE_CSP, guard
 from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.settings import PoolConfig
 from renderfleet.spec import job_id_problem, name_problem, store_tag
 from renderfleet.store import Store
 
@@ -342,7 +343,7 @@ def _money(value: float | None) -> str:
 def make_app(source: StatusSource, prices: dict[str, float], token: str | None, *,
              client: redis.Redis | None = None, store: Store | None = None,
              registry: CollectorRegistry | None = None, hosts: tuple[str, ...] = (),
-             tls_proxy: bool = False) -> ASGIApp:
+             tls_proxy: bool = False, pools: Mapping[str, PoolConfig] | None = None) -> ASGIApp:
     """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when
     given, else answering only a loopback Host or one of ``hosts`` (:func:`renderfleet.endpoint.guard`)."""
     from dispatcher.http import FleetCollector
@@ -369,10 +370,9 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         return JSONResponse(source().to_dict())
 
     def api_autoscale(request: Request) -> Response:
-        fleet = source()
-        return JSONResponse({"pools": {p: {"workers": fleet.pool_sizes().get(p, 0), "desired": n}
-                                       for p, n in fleet.desired.items()},
-                             "backlog_seconds": fleet.backlog_seconds})
+        from dispatcher.backends import autoscale_answer
+
+        return JSONResponse(autoscale_answer(source(), pools))
 
     def index(request: Request) -> Response:
         fleet = source()

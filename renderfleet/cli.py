@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError
+from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError, TransientError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
 
@@ -447,7 +447,7 @@ def monitor(
             prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
             server = serve(http, lambda: fleet_status(client, store=store, prices=prices), prices,
                            settings.http_token, client=client, store=store, hosts=settings.http_host_list,
-                           tls_proxy=settings.http_tls_proxy)
+                           tls_proxy=settings.http_tls_proxy, pools=settings.pools)
             _err(f"monitor: serving the page, /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
                  f"{server.server_port}/")
         if once:
@@ -462,20 +462,20 @@ def _autoscaler(settings: Settings) -> Any:
     import os
 
     from dispatcher.autoscale import Autoscaler, AwsBackend, Backend, LocalBackend, PublishedBackend
+    from dispatcher.backends import KubernetesBackend, check_pools
     from renderfleet.store import open_store
 
     if not settings.pools:
         raise ConfigError("no pools configured: give --config FILE (or RENDERFLEET_CONFIG) with [pools.NAME] tables")
-    for name, pool in settings.pools.items():
-        if pool.backend == "aws" and not pool.autoscaling_group:
-            raise ConfigError(f"{settings.config}: pools.{name}: backend 'aws' needs autoscaling_group")
+    check_pools(settings.pools, settings.config)
     _, client, url = _connect(settings)
     store = open_store(settings.store_url, settings.s3_options)
     env = {**os.environ, "RENDERFLEET_REDIS_URL": url}
     kinds: dict[str, Backend] = {  # each sizes this store's pools only
         "local": LocalBackend(client, store=store.url, env=env, log_dir=settings.home / "logs" / "autoscale"),
         "aws": AwsBackend(settings.pools),
-        "kubernetes": PublishedBackend(client, store.url),
+        "kubernetes": KubernetesBackend(settings.pools),
+        "keda": PublishedBackend(client, store.url),
     }
     return Autoscaler(settings, client, store, {name: kinds[pool.backend] for name, pool in settings.pools.items()})
 
@@ -529,8 +529,15 @@ def autoscale(
         scaler = _autoscaler(settings)
         try:
             while True:
-                with signals.held():  # a decision is applied whole: no worker started and forgotten
-                    tick = scaler.tick(dry_run=dry_run)
+                try:
+                    with signals.held():  # a decision is applied whole: no worker started and forgotten
+                        tick = scaler.tick(dry_run=dry_run)
+                except TransientError as exc:  # an API server or cloud API that failed: the next tick decides again
+                    if once or dry_run:
+                        raise
+                    _err(f"autoscale: {exc}; trying again in {settings.autoscale.interval_seconds:g} s")
+                    time.sleep(settings.autoscale.interval_seconds)
+                    continue
                 if as_json:
                     print(json.dumps(tick.to_dict()), flush=True)
                 else:

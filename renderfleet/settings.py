@@ -118,9 +118,10 @@ class PoolConfig(BaseModel):
     price_per_hour: float = Field(default=0.0, ge=0)
     min: int = Field(default=0, ge=0)
     max: int = Field(default=1, ge=0)
-    # Who starts and stops its workers: processes here, a Deployment, an Auto Scaling group.
-    backend: Literal["local", "kubernetes", "aws"] = "local"
-    # kubernetes: the Deployment of this pool's workers.
+    # Who starts and stops its workers: processes here, a Deployment (its replicas set by the
+    # autoscaler, or by KEDA from the published decision), an Auto Scaling group.
+    backend: Literal["local", "kubernetes", "keda", "aws"] = "local"
+    # kubernetes, keda: the Deployment of this pool's workers.
     namespace: str = "renderfleet"
     deployment: str | None = None
     # aws: the pool's EC2 Auto Scaling group.

@@ -28,6 +28,7 @@ class FakeMetadata:
         self.tokens_issued = 0
         self.noticed_at: dict[str, float] = {}
         self.instance_ids: dict[str, str] = {}  # node -> its EC2 instance id
+        self.regions: dict[str, str] = {}  # node -> its EC2 region (placement/region)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -72,6 +73,8 @@ class FakeMetadata:
                     self._send(200, json.dumps(outer.aws[node]), "application/json")
                 elif path == "/latest/meta-data/instance-id" and node in outer.instance_ids:
                     self._send(200, outer.instance_ids[node])
+                elif path == "/latest/meta-data/placement/region" and node in outer.regions:
+                    self._send(200, outer.regions[node])
                 elif path == "/latest/meta-data/events/recommendations/rebalance" and node in outer.rebalance:
                     self._send(200, json.dumps({"noticeTime": _stamp(0)}), "application/json")
                 else:

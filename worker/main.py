@@ -8,6 +8,7 @@ shard this process takes (one load per process, counted in Redis).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import time
@@ -27,7 +28,7 @@ from worker import queueguard, tasks
 from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
-from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, instance_region
 from worker.render import is_device_error
 from worker.service import WorkerService, new_worker_id
 
@@ -89,6 +90,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if settings.allow_bench_models:
         log.warning("RENDERFLEET_ALLOW_BENCH_MODELS is on: a job naming a bench: model gets flat-colour "
                     "images from the fixed-time renderer")
+    use_instance_region(settings)  # before any boto3 client: the store's, the model fetch's, the group's
     url = broker_url(settings.redis_url, settings.home)
     worker_id = new_worker_id(settings.pool)
     metrics = WorkerMetrics(settings.pool)
@@ -185,6 +187,28 @@ class StoppedWhileStarting(BaseException):
 
 def _stopped_while_starting(signum: int, frame: Any) -> None:
     raise StoppedWhileStarting(signal.Signals(signum).name)
+
+
+def use_instance_region(settings: Settings) -> str | None:
+    """Where this worker calls AWS (an s3:// store, or its Auto Scaling group) and no region is
+    configured (AWS_DEFAULT_REGION, AWS_REGION, ~/.aws/config), the EC2 instance's own region
+    from IMDSv2 becomes AWS_DEFAULT_REGION; boto3 would otherwise have none, and the store's
+    fallback, us-east-1, is wrong for a bucket or a group elsewhere.  Set in the environment,
+    before any client is made, so that every boto3 session of the process sees it.  None: left as is.
+    """
+    if not ((settings.store or "").startswith("s3://") or settings.aws_autoscaling_group):
+        return None
+    import boto3
+
+    if boto3.session.Session().region_name:
+        return None
+    region = instance_region(settings.aws_metadata_url)
+    if region is None:
+        log.warning("no AWS region configured and no EC2 metadata service answers: set AWS_DEFAULT_REGION")
+        return None
+    os.environ["AWS_DEFAULT_REGION"] = region
+    log.info("AWS region %s, from the instance's metadata", region)
+    return region
 
 
 def scale_in_marks(settings: Settings) -> list[ScaleInMark]:

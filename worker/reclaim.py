@@ -94,6 +94,17 @@ class AwsProbe:
         return None
 
 
+def instance_region(base_url: str) -> str | None:
+    """This EC2 instance's region (``/latest/meta-data/placement/region``, IMDSv2); None off EC2,
+    or when the metadata service does not answer (a pod with the hop limit at 1)."""
+    try:
+        status, body = AwsProbe(base_url).get("/latest/meta-data/placement/region")
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return None
+    region = body.strip()
+    return region if status == 200 and region else None
+
+
 class GcpProbe:
     """GCE preemption flag."""
 

@@ -1,5 +1,7 @@
-"""The deployment files match the code: every manifest validates, each overlay renders to what
-its pools need, and KEDA reads an endpoint and a field the monitor really serves."""
+"""The deployment files match the code: every manifest validates (KEDA's objects against KEDA's own
+CRD schema, kept in infra/schemas), each overlay renders to what its pools need, no Deployment
+carries the replicas its autoscaler owns, and KEDA reads an endpoint and a field the monitor
+really serves."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dispatcher.status import fleet_status
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.settings import load_settings
 from renderfleet.store import open_store
+from testing import crd
 from testing.fleet import REPO
 from testing.kustomize import KustomizeError, build, object_id
 
@@ -40,24 +43,64 @@ def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 
 def validate(doc: dict[str, Any]) -> None:
-    try:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    except kubernetes_validate.SchemaNotFoundError:
-        assert doc["apiVersion"].startswith("keda.sh/"), f"no schema for {object_id(doc)}"  # KEDA's CRDs only
+    """Against the Kubernetes schemas, or KEDA's CRD schema for KEDA's kinds: nothing is skipped."""
+    if doc["apiVersion"].split("/")[0] in crd.GROUPS:
+        assert crd.problems(doc) == []
+        return
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-def test_the_overlays_are_baseline_and_spot() -> None:
-    assert OVERLAYS == ["baseline", "spot"]
+def test_the_overlays_are_baseline_keda_and_spot() -> None:
+    assert OVERLAYS == ["baseline", "keda", "spot"]
 
 
-def test_every_base_file_and_every_rendered_overlay_validates_against_the_kubernetes_schemas() -> None:
+def test_every_base_file_and_every_rendered_overlay_validates_against_the_kubernetes_and_keda_schemas() -> None:
     for path in sorted((K8S / "base").glob("*.yaml")):
         if path.name != "kustomization.yaml":
             for doc in yaml.safe_load_all(path.read_text()):
                 validate(doc)
+    kinds = set()
     for overlay in OVERLAYS:
         for doc in documents(overlay):
             validate(doc)
+            kinds.add(doc["kind"])
+    assert {"ScaledObject", "TriggerAuthentication"} <= kinds  # KEDA's objects were among them
+
+
+def test_the_keda_schema_refuses_an_unknown_field_a_wrong_type_and_a_missing_target() -> None:
+    good = find(documents("keda"), "ScaledObject", "worker-spot")
+    assert crd.problems(good) == []
+    typo = {**good, "spec": {**good["spec"], "minReplicas": 0}}  # minReplicaCount misspelt
+    assert any("minReplicas" in p for p in crd.problems(typo))
+    wrong = {**good, "spec": {**good["spec"], "pollingInterval": "15s"}}
+    assert any("pollingInterval" in p for p in crd.problems(wrong))
+    untargeted = {**good, "spec": {k: v for k, v in good["spec"].items() if k != "scaleTargetRef"}}
+    assert any("scaleTargetRef" in p for p in crd.problems(untargeted))
+    unknown_version = {**good, "apiVersion": "keda.sh/v2"}
+    assert crd.problems(unknown_version) and "no schema" in crd.problems(unknown_version)[0]
+
+
+@pytest.mark.parametrize("overlay", ["baseline", "keda", "spot"])
+def test_no_deployment_an_autoscaler_sizes_carries_replicas(overlay: str, tmp_path: Path) -> None:
+    docs = documents(overlay)
+    pools = _pools(docs, tmp_path)
+    for pool in pools.values():
+        assert "replicas" not in find(docs, "Deployment", str(pool.deployment))["spec"], pool.deployment
+
+
+def test_each_scaled_object_falls_back_to_the_replicas_there_are() -> None:
+    for so in (d for d in documents("keda") if d["kind"] == "ScaledObject"):
+        assert so["spec"]["fallback"]["behavior"] == "currentReplicas" and so["spec"]["fallback"]["failureThreshold"] > 0
+        behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleUp"]["tolerance"] == behavior["scaleDown"]["tolerance"] == "0"
+
+
+def test_the_keda_overlays_pools_differ_from_the_bases_in_the_backend_only() -> None:
+    base = find(documents("spot"), "ConfigMap", "renderfleet-pools")["data"]["fleet.toml"]
+    keda = find(documents("keda"), "ConfigMap", "renderfleet-pools")["data"]["fleet.toml"]
+    assert keda == base.replace('backend = "kubernetes"', 'backend = "keda"') and keda != base
+    names = {d["metadata"]["name"] for d in documents("keda")}
+    assert "renderfleet-autoscaler" not in names  # KEDA sizes: the autoscaler needs no scale access
 
 
 def test_every_file_in_infra_k8s_is_a_resource_or_a_patch_of_a_kustomization() -> None:
@@ -80,7 +123,7 @@ def test_a_patch_of_an_object_the_base_lacks_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (and its kustomize) not installed: see `make kubectl`")
-@pytest.mark.parametrize("overlay", ["baseline", "spot"])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
     out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
@@ -144,18 +187,29 @@ def test_workers_may_patch_their_pods_and_know_their_pod_name() -> None:
         assert any(v["name"] == "cache" and "hostPath" in v for v in pod["volumes"])
 
 
-@pytest.mark.parametrize("overlay", ["baseline", "spot"])
-def test_the_pools_configmap_is_a_valid_pools_file(tmp_path: Path, overlay: str) -> None:
+def _pools(docs: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
+    """The pools file of the rendered ConfigMap, as the autoscaler reads it."""
+    (tmp_path / "fleet.toml").write_text(find(docs, "ConfigMap", "renderfleet-pools")["data"]["fleet.toml"])
+    return dict(load_settings(config=str(tmp_path / "fleet.toml")).pools)
+
+
+@pytest.mark.parametrize(("overlay", "backend"), [("baseline", "kubernetes"), ("spot", "kubernetes"), ("keda", "keda")])
+def test_the_pools_configmap_is_a_valid_pools_file(tmp_path: Path, overlay: str, backend: str) -> None:
     docs = documents(overlay)
-    cm = find(docs, "ConfigMap", "renderfleet-pools")
-    (tmp_path / "fleet.toml").write_text(cm["data"]["fleet.toml"])
-    pools = load_settings(config=str(tmp_path / "fleet.toml")).pools
+    pools = _pools(docs, tmp_path)
     deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
-    assert pools and all(p.backend == "kubernetes" and p.deployment in deployments for p in pools.values())
+    assert pools and all(p.backend == backend and p.deployment in deployments for p in pools.values())
+    if backend == "kubernetes":  # the autoscaler may scale exactly the pools' Deployments
+        role = find(docs, "Role", "renderfleet-autoscaler")
+        assert [r["resourceNames"] for r in role["rules"]] == [sorted(p.deployment for p in pools.values())]
+        binding = find(docs, "RoleBinding", "renderfleet-autoscaler")
+        monitor = find(docs, "Deployment", "monitor")["spec"]["template"]["spec"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": monitor["serviceAccountName"],
+                                        "namespace": "renderfleet"}]
 
 
 def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: RedisServerProcess, tmp_path: Path) -> None:
-    docs = documents()
+    docs = documents("keda")
     scaled = [d for d in docs if d["kind"] == "ScaledObject"]
     deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
     assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == {"worker-spot", "worker-baseline"} <= deployments
