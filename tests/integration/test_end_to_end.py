@@ -183,7 +183,7 @@ def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     redis_server.start()  # same port, empty: no persistence
     cli(env, "resume", job)
     wait_for(lambda: (s := status_now(env, job))["done"] == 12 and s, 120, interval=0.25,
-                  what="job to finish after resume")
+             what="job to finish after resume")
     st = job_status(env, job)
     assert st["failed"] == 0
     assert len(stored_images(env, job)) == 12

@@ -94,7 +94,7 @@ def test_a_new_monitor_finishes_a_job_when_the_monitor_and_redis_were_lost_toget
     assert job in [j["job"] for j in listed["jobs"]]
     procs.append(start_monitor(env, tmp_path / "monitor-2.log"))
     wait_for(lambda: (s := status_now(env, job))["done"] == 24 and s, 180, interval=0.25,
-                  what="the job to finish with no command typed")
+             what="the job to finish with no command typed")
     st = job_status(env, job)
     assert st["failed"] == 0 and worker.alive()
     store = open_store(env["RENDERFLEET_STORE"])
@@ -136,7 +136,7 @@ def test_a_device_error_hands_the_shard_back_and_stops_the_worker_with_its_own_s
     assert client.hlen(f"rf:job:{job}:fails") == 0  # nothing counted against any prompt
     start_worker(env, tmp_path, procs, "healthy")
     wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
-                  what="a healthy worker to render the job")
+             what="a healthy worker to render the job")
     st = job_status(env, job)
     assert st["failed"] == 0
 
@@ -213,7 +213,7 @@ def test_a_job_naming_a_model_outside_the_allow_list_fails_and_the_worker_lives_
                  "--shard-size", "2", "--batch-size", "2")
     worker = start_worker(env, tmp_path, procs, "worker")
     wait_for(lambda: (s := status_now(env, bad))["failed"] == 4 and s, 120, interval=0.25,
-                  what="the job outside the allow-list to fail")
+             what="the job outside the allow-list to fail")
     st = job_status(env, bad)
     assert st["done"] == 0
     (reason, count), = st["failure_reasons"].items()

@@ -64,7 +64,7 @@ def test_a_worker_paused_between_its_images_and_its_checkpoint_is_fenced_and_wri
     # Its lease expires; another worker's reaper hands the shard on and it runs as attempt 2.
     workers.append(WorkerProc(env, tmp_path / "other.log"))
     wait_for(lambda: (s := status_now(env, job))["done"] == 4 and s, 120, interval=0.25,
-                  what="the other worker to finish the shard")
+             what="the other worker to finish the shard")
     st = job_status(env, job)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["00000-a2.json", "00001-a2.json"]
     before = {p.name: p.read_bytes() for p in checkpoints.iterdir()}
@@ -107,7 +107,7 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     (images / "000003.png").unlink()
     assert "1 shards enqueued" in cli(env, "resume", job).stderr
     wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
-                  what="the resumed image")
+             what="the resumed image")
     st = job_status(env, job)
     assert images_rendered(env, job) == 8 + 2 + 1
     assert (st["failed"], st["queued"], st["in_flight"]) == (0, 0, 0)

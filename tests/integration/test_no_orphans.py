@@ -68,7 +68,7 @@ def processes_of(home: Path) -> list[tuple[int, str]]:
 def no_work_lost(env: dict[str, str], job: str) -> dict[str, object]:
     """The job's status once nothing holds a shard: every prompt not done is back in a queue."""
     wait_for(lambda: (s := status_now(env, job))["in_flight"] == 0 and s, 30, interval=0.25,
-                  what="no shard in flight")
+             what="no shard in flight")
     st = job_status(env, job)
     assert st["done"] + st["queued"] == st["total"] and st["shards_running"] == 0, st
     return st

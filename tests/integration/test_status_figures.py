@@ -38,7 +38,7 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
         wait_for(lambda: (s := status_now(env, job))["done"] >= 32 and s, 120, interval=0.25, what="progress")
         later = job_status(env, job)
         wait_for(lambda: (s := status_now(env, job))["done"] + s["failed"] == 48 and s, 180, interval=0.25,
-                         what="the job to finish")
+                 what="the job to finish")
         final = job_status(env, job)
         # what each worker is doing: a shard while it holds one, then idle since when
         live = second.pid

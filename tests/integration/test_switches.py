@@ -64,7 +64,7 @@ def test_a_default_worker_has_no_failpoint_and_fails_a_job_naming_a_bench_model(
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.01), *CUT).stdout.split()[-1]
     worker = start(env, tmp_path, procs, "worker")
     wait_for(lambda: (s := status_now(env, job))["failed"] == 4 and s, 120, interval=0.25,
-                  what="the job naming a bench model to fail")
+             what="the job naming a bench model to fail")
     st = job_status(env, job)
     assert st["done"] == 0 and list(open_store(env["RENDERFLEET_STORE"]).list(images_prefix(job))) == []
     (reason, count), = st["failure_reasons"].items()

@@ -75,7 +75,7 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     redis_server.start()  # same port, empty
     cli(env, "resume", job)
     wait_for(lambda: (s := status_now(env, job))["done"] == 40 and s, 240, interval=0.25,
-                  what="the same worker to finish the job after the restart")
+             what="the same worker to finish the job after the restart")
     st = job_status(env, job)
     assert st["failed"] == 0
     assert worker.alive(), worker.output()[-3000:]
@@ -112,7 +112,7 @@ def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
         prompts = write_prompts(tmp_path / "p.txt", 2)
         job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
         wait_for(lambda: (s := status_now(env, job))["done"] == 2 and s, 60, interval=0.25,
-                      what="the late worker to render")
+                 what="the late worker to render")
         st = job_status(env, job)
         assert [int(w["loads"]) for w in st["workers"]] == [1]
     finally:
@@ -129,7 +129,7 @@ def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_
     worker = start_worker(env, tmp_path, workers)
     wait_for(lambda: status_now(env, good)["done"] == 8, 120, interval=0.25, what="the good job")
     wait_for(lambda: (s := status_now(env, bad))["failed"] == 8 and s, 120, interval=0.25,
-                  what="the bad job's prompts to be quarantined")
+             what="the bad job's prompts to be quarantined")
     st = job_status(env, bad)
     assert st["done"] == 0
     (reason, count), = st["failure_reasons"].items()
@@ -167,7 +167,7 @@ def test_images_the_store_refuses_are_quarantined_and_the_worker_goes_on(
         (images / name).mkdir(parents=True)
     worker = start_worker(env, tmp_path, workers)
     wait_for(lambda: (s := status_now(env, job))["done"] + s["failed"] == 6 and s, 120, interval=0.25,
-                  what="the job to finish")
+             what="the job to finish")
     st = job_status(env, job)
     assert (st["done"], st["failed"]) == (4, 2)
     assert worker.alive(), worker.output()[-3000:]  # every try of shard 0 failed: still not the worker's fault
