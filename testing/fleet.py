@@ -132,6 +132,27 @@ def job_status(env: dict[str, str], job: str) -> dict[str, Any]:
     return {**data, **job_object}
 
 
+def status_now(env: dict[str, str], job: str) -> dict[str, Any]:
+    """The fields of ``status JOB --json`` (less ``failure_reasons``), read in this process by the
+    code the CLI runs: for the polls of a wait.
+
+    A poll through the CLI starts an interpreter (about a CPU-second) each time, taken from the
+    workers the test waits for on a 2-core machine; a test still asserts on ``job_status``'s figures
+    once the wait is over.  The store's S3 credentials are this process's (the ``s3_bucket`` fixture
+    sets them).
+    """
+    from dispatcher.status import fleet_status
+    from renderfleet.store import open_store
+
+    client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    try:
+        data: dict[str, Any] = fleet_status(client, [job], store=open_store(env["RENDERFLEET_STORE"]),
+                                            with_store_only=True).to_dict()
+    finally:
+        client.close()
+    return {**data.pop("jobs")[0], **data}
+
+
 def worker_ready(client: redis.Redis, n: int) -> bool:
     return int(client.hlen("rf:workers")) >= n
 

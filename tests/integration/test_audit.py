@@ -39,6 +39,7 @@ from testing.fleet import (
     lose_a_message_in_brpop,
     pause_at,
     start_monitor,
+    status_now,
     stopped,
     wait_for,
     worker_ready,
@@ -239,8 +240,9 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
     else:
         procs.append(start_monitor(env, tmp_path / "monitor.log"))
     # (kombu alone would restore the message after its visibility timeout: an hour, not this deadline)
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 8 and s, 120, interval=0.5,
-                  what="the lost shard to be rendered")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
+             what="the lost shard to be rendered")
+    st = job_status(env, job)
     if recover == "monitor":
         assert "lost between a queue and a claim" in (tmp_path / "monitor.log").read_text()
     assert st["quarantined"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
@@ -262,8 +264,9 @@ def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_render
 
     procs.append(start_monitor(env, tmp_path / "monitor.log"))
     procs.append(WorkerProc(env, tmp_path / "healthy.log"))
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 4 and s, 120, interval=0.5,
-                  what="the shard held by the stopped worker to be rendered")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 4 and s, 120, interval=0.25,
+             what="the shard held by the stopped worker to be rendered")
+    st = job_status(env, job)
     assert st["quarantined"] == 0 and st["queued"] == 0
     assert client.hlen(UNACKED_KEY) == 0  # kombu will not restore the stale copy in an hour
 

@@ -23,7 +23,7 @@ import redis
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import store_tag
-from testing.fleet import REPO, base_env, cli, job_status, wait_for, write_prompts
+from testing.fleet import REPO, base_env, cli, job_status, status_now, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,7 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
         job = cli(env, "submit", str(prompts), "--model", "tiny", "--steps", "4", "--size", "64x64",
                   "--shard-size", "8", "--batch-size", "4").stdout.split()[-1]
         first_spot_image = peak = 0.0
-        while (done := job_status(env, job)["done"]) != PROMPTS:
+        while (done := status_now(env, job)["done"]) != PROMPTS:
             spot = workers_of(client, "spot")
             pids |= {int(str(w["pid"])) for w in spot}
             peak = max(peak, len(spot))

@@ -31,6 +31,7 @@ from testing.fleet import (
     job_status,
     pause_at,
     start_monitor,
+    status_now,
     stopped,
     wait_for,
     worker_ready,
@@ -64,10 +65,18 @@ def delete_images(url: str, job: str, names: list[str]) -> None:
 
 
 def proven(env: dict[str, str], url: str, job: str) -> bool:
-    """done = images in the store = total, and ``results`` agrees."""
+    """done = images in the store = total, and ``results`` agrees (the CLI's ``status`` and ``results``)."""
     st = job_status(env, job)
     images = stored_images(url, job)
     return st["done"] == len(images) == TOTAL and cli(env, "results", job, check=False).returncode == 0
+
+
+def wait_proven(env: dict[str, str], url: str, job: str, what: str = "done = images = total") -> None:
+    """Wait for done = images in the store = total (read in this process: no command polled, none of
+    them a repair), then prove it with the CLI's ``status`` and ``results``."""
+    wait_for(lambda: status_now(env, job)["done"] == len(stored_images(url, job)) == TOTAL, 180, interval=0.25,
+             what=what)
+    assert proven(env, url, job)
 
 
 def paused_worker(tmp_path: Path, env: dict[str, str], client: redis.Redis, point: str) -> WorkerProc:
@@ -95,7 +104,7 @@ def test_images_deleted_from_a_running_shard_then_resume_end_proven_with_the_mon
     # but not yet counted, are counted from the store.
     assert [client.getbit(keys.done_bits(job), i) for i in range(12)] == [0] * 4 + [1] * 8
     os.kill(worker.pid, signal.SIGCONT)
-    wait_for(lambda: proven(env, store_url, job), 180, interval=1, what="done = images = total")
+    wait_proven(env, store_url, job)
     assert "Traceback" not in worker.output()
 
 
@@ -114,7 +123,7 @@ def test_redis_restarted_empty_mid_shard_then_resume_ends_proven_without_a_monit
     client = redis.Redis.from_url(redis_server.url)
     cli(env, "resume", job)  # the recovery step of the README and docs/failures.md
     os.kill(worker.pid, signal.SIGCONT)
-    wait_for(lambda: proven(env, store_url, job), 180, interval=1, what="done = images = total")
+    wait_proven(env, store_url, job)
     st = job_status(env, job)
     assert st["queued"] == 0 and st["in_flight"] == 0
 
@@ -134,7 +143,7 @@ def test_images_deleted_in_a_shards_end_are_rendered_again_with_no_command(
     assert int(client.bitcount(keys.done_bits(job))) == TOTAL
     delete_images(store_url, job, ["000003", "000012"])
     os.kill(worker.pid, signal.SIGCONT)
-    wait_for(lambda: proven(env, store_url, job), 180, interval=1, what="done = images = total")
+    wait_proven(env, store_url, job)
     assert "2 prompts have no image in the store" in worker.output()
 
 
@@ -146,7 +155,7 @@ def test_status_and_results_agree_after_images_of_a_finished_job_are_deleted(
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *TINY, *CUT).stdout.split()[-1]
     worker = WorkerProc(env, tmp_path / "worker.log")
     procs.append(worker)
-    wait_for(lambda: proven(env, store_url, job), 180, interval=1, what="the job")
+    wait_proven(env, store_url, job, "the job")
     worker.terminate()
     delete_images(store_url, job, ["000000", "000005", "000006"])
     res = cli(env, "results", job, check=False)
@@ -155,7 +164,7 @@ def test_status_and_results_agree_after_images_of_a_finished_job_are_deleted(
     assert job_status(env, job)["done"] == TOTAL - 3  # status now says what results says
     cli(env, "resume", job)
     procs.append(WorkerProc(env, tmp_path / "worker2.log"))
-    wait_for(lambda: proven(env, store_url, job), 180, interval=1, what="the job rendered again")
+    wait_proven(env, store_url, job, "the job rendered again")
     assert client.llen(keys.text(client.hget(keys.job(job), "queue"))) == 0
 
 

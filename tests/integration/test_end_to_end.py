@@ -14,7 +14,18 @@ import redis
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import images_prefix
 from renderfleet.store import open_store
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, store_queue, wait_for, worker_ready, write_prompts
+from testing.fleet import (
+    TINY,
+    WorkerProc,
+    base_env,
+    cli,
+    job_status,
+    status_now,
+    store_queue,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +70,8 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
     start_workers(2, env, tmp_path, workers)
     out = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4", "--batch-size", "2")
     job = out.stdout.strip().splitlines()[-1]
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 24 and s, 120, interval=1.0, what="job to finish")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 24 and s, 120, interval=0.25, what="job to finish")
+    st = job_status(env, job)
     assert st["total"] == 24 and st["quarantined"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
     assert list(st["queues"]) == [store_queue(env)] and st["store"] == str(tmp_path / "store")
     images = sorted((tmp_path / "store" / "jobs" / job / "images").iterdir())
@@ -84,7 +96,7 @@ def test_resubmitting_the_same_file_renders_nothing_again(
     prompts = write_prompts(tmp_path / "p.txt", 8)
     start_workers(1, env, tmp_path, workers)
     job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 8, 120, interval=1.0, what="job to finish")
+    wait_for(lambda: status_now(env, job)["done"] == 8, 120, interval=0.25, what="job to finish")
     before = stored_images(env, job)
     assert len(before) == 8
     again = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4")
@@ -133,7 +145,7 @@ def test_a_pickled_message_is_rejected_never_executed(
     # a good job after it still renders: the worker survived and went on
     prompts = write_prompts(tmp_path / "p.txt", 2)
     job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 2, 60, interval=1.0, what="job after the pickle")
+    wait_for(lambda: status_now(env, job)["done"] == 2, 60, interval=0.25, what="job after the pickle")
     assert not marker.exists()
     assert workers[0].alive()
     assert "ContentDisallowed" in workers[0].output() or "disallowed" in workers[0].output().lower()
@@ -166,11 +178,12 @@ def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     prompts = write_prompts(tmp_path / "p.txt", 12)
     job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
     start_workers(1, env, tmp_path, workers)
-    wait_for(lambda: job_status(env, job)["done"] >= 4, 120, interval=1.0, what="first shard")
+    wait_for(lambda: status_now(env, job)["done"] >= 4, 120, interval=0.25, what="first shard")
     redis_server.kill()
     redis_server.start()  # same port, empty: no persistence
     cli(env, "resume", job)
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, interval=1.0,
-                  what="job to finish after resume")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 12 and s, 120, interval=0.25,
+             what="job to finish after resume")
+    st = job_status(env, job)
     assert st["quarantined"] == 0
     assert len(stored_images(env, job)) == 12

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, write_prompts
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,8 @@ def test_a_worker_that_fails_every_shard_stops_taking_work_and_quarantines_nothi
 
     healthy = WorkerProc(env, tmp_path / "healthy.log")
     try:
-        st = wait_for(lambda: (s := job_status(env, job))["done"] == 12 and s, 120, interval=1.0, what="healthy worker")
+        wait_for(lambda: (s := status_now(env, job))["done"] == 12 and s, 120, interval=0.25, what="healthy worker")
+        st = job_status(env, job)
     finally:
         healthy.kill()
     assert st["quarantined"] == 0

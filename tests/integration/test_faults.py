@@ -30,6 +30,7 @@ from testing.fleet import (
     pause_at,
     raise_at,
     start_monitor,
+    status_now,
     stopped,
     store_queue,
     wait_for,
@@ -92,8 +93,9 @@ def test_a_new_monitor_finishes_a_job_when_the_monitor_and_redis_were_lost_toget
     listed = json.loads(cli(env, "status", "--json").stdout)
     assert job in [j["job"] for j in listed["jobs"]]
     procs.append(start_monitor(env, tmp_path / "monitor-2.log"))
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 24 and s, 180, interval=1.0,
-                  what="the job to finish with no command typed")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 24 and s, 180, interval=0.25,
+             what="the job to finish with no command typed")
+    st = job_status(env, job)
     assert st["quarantined"] == 0 and worker.alive()
     store = open_store(env["RENDERFLEET_STORE"])
     assert sum(1 for key in store.list(images_prefix(job)) if key.endswith(".png")) == 24
@@ -133,8 +135,9 @@ def test_a_device_error_hands_the_shard_back_and_stops_the_worker_with_its_own_s
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     assert client.hlen(f"rf:job:{job}:fails") == 0  # nothing counted against any prompt
     start_worker(env, tmp_path, procs, "healthy")
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 8 and s, 120, interval=1.0,
-                  what="a healthy worker to render the job")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
+             what="a healthy worker to render the job")
+    st = job_status(env, job)
     assert st["quarantined"] == 0
 
 
@@ -172,7 +175,7 @@ def test_bad_messages_published_straight_to_the_queue_are_rejected_and_the_worke
     worker = start_worker(env, tmp_path, procs, "worker")
     wait_for(lambda: client.llen(queue) == 0, 60, what="the bad messages to be taken")
     good = submit(env, write_prompts(tmp_path / "good.txt", 4, "good"), *TINY)
-    wait_for(lambda: job_status(env, good)["done"] == 4, 90, interval=1.0, what="a good job after the bad messages")
+    wait_for(lambda: status_now(env, good)["done"] == 4, 90, interval=0.25, what="a good job after the bad messages")
     # The good job, queued behind every bad message and any copy of one put back, is done: the
     # worker has taken all it will ever be given of them.  Each was rejected once, never retried.
     out = worker.output()
@@ -209,8 +212,9 @@ def test_a_job_naming_a_model_outside_the_allow_list_fails_and_the_worker_lives_
     bad = submit(env, write_prompts(tmp_path / "bad.txt", 4, "bad"), *TINY[2:], "--model", str(folder),
                  "--shard-size", "2", "--batch-size", "2")
     worker = start_worker(env, tmp_path, procs, "worker")
-    st = wait_for(lambda: (s := job_status(env, bad))["quarantined"] == 4 and s, 120, interval=1.0,
-                  what="the job outside the allow-list to fail")
+    wait_for(lambda: (s := status_now(env, bad))["quarantined"] == 4 and s, 120, interval=0.25,
+             what="the job outside the allow-list to fail")
+    st = job_status(env, bad)
     assert st["done"] == 0
     (reason, count), = st["failure_reasons"].items()
     assert count == 4 and "not in this worker's allow-list" in reason and str(folder) in reason
@@ -218,5 +222,5 @@ def test_a_job_naming_a_model_outside_the_allow_list_fails_and_the_worker_lives_
     assert worker.alive() and "circuit breaker" not in out
     assert out.count("model tiny loaded on") == 1 and "loading it" not in out  # never even tried
     good = submit(env, write_prompts(tmp_path / "good.txt", 2, "good"), *TINY)
-    wait_for(lambda: job_status(env, good)["done"] == 2, 60, interval=1.0, what="a job after the refused one")
+    wait_for(lambda: status_now(env, good)["done"] == 2, 60, interval=0.25, what="a job after the refused one")
     assert worker.alive()

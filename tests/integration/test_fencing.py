@@ -29,6 +29,7 @@ from testing.fleet import (
     images_rendered,
     job_status,
     pause_at,
+    status_now,
     stopped,
     wait_for,
     worker_ready,
@@ -62,8 +63,9 @@ def test_a_worker_paused_between_its_images_and_its_checkpoint_is_fenced_and_wri
 
     # Its lease expires; another worker's reaper hands the shard on and it runs as attempt 2.
     workers.append(WorkerProc(env, tmp_path / "other.log"))
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 4 and s, 120, interval=0.5,
-                  what="the other worker to finish the shard")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 4 and s, 120, interval=0.25,
+             what="the other worker to finish the shard")
+    st = job_status(env, job)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["00000-a2.json", "00001-a2.json"]
     before = {p.name: p.read_bytes() for p in checkpoints.iterdir()}
 
@@ -87,7 +89,7 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     prompts = write_prompts(tmp_path / "p.txt", 8)
     submit = [str(prompts), *TINY, "--shard-size", "4", "--batch-size", "2"]
     job = cli(env, "submit", *submit).stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 8, 120, interval=0.5, what="the job")
+    wait_for(lambda: status_now(env, job)["done"] == 8, 120, interval=0.25, what="the job")
     images = tmp_path / "store" / "jobs" / job / "images"
     original = {p.name: p.read_bytes() for p in images.iterdir()}
 
@@ -99,13 +101,14 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     assert sorted(results()["missing"]) == ["000001", "000006"]
     again = cli(env, "submit", *submit)
     assert "2 shards enqueued" in again.stderr
-    wait_for(lambda: job_status(env, job)["done"] == 8, 120, interval=0.5, what="the resubmitted images")
+    wait_for(lambda: status_now(env, job)["done"] == 8, 120, interval=0.25, what="the resubmitted images")
     assert images_rendered(env, job) == 8 + 2  # exactly the missing ones
 
     (images / "000003.png").unlink()
     assert "1 shards enqueued" in cli(env, "resume", job).stderr
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 8 and s, 120, interval=0.5,
-                  what="the resumed image")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
+             what="the resumed image")
+    st = job_status(env, job)
     assert images_rendered(env, job) == 8 + 2 + 1
     assert (st["quarantined"], st["queued"], st["in_flight"]) == (0, 0, 0)
     res = results()
@@ -128,7 +131,7 @@ def test_a_worker_paused_with_failures_in_hand_quarantines_nothing_once_fenced(
     wait_for(lambda: stopped(broken.pid), 90, interval=0.1, what="the broken worker to pause with its failures")
 
     workers.append(WorkerProc(env, tmp_path / "healthy.log"))
-    wait_for(lambda: job_status(env, job)["done"] == 2, 120, interval=0.5, what="the healthy worker")
+    wait_for(lambda: status_now(env, job)["done"] == 2, 120, interval=0.25, what="the healthy worker")
     os.kill(broken.pid, signal.SIGCONT)
     wait_for(lambda: "fenced" in broken.output(), 30, what="the broken worker to find itself fenced")
     assert not (tmp_path / "store" / "jobs" / job / "quarantine").exists()  # no stale quarantine record

@@ -39,6 +39,7 @@ from testing.fleet import (
     blocked_in_brpop,
     cli,
     job_status,
+    status_now,
     wait_for,
     worker_ready,
     write_prompts,
@@ -238,7 +239,7 @@ def test_a_worker_survives_hundreds_of_hostile_items_and_renders_a_good_job_afte
 
     # The same process renders a good job after them, its model loaded once.
     job = cli(env, "submit", str(write_prompts(tmp_path / "good.txt", 2, "good")), *TINY).stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 2, 90, interval=1.0, what="a good job after the hostile items")
+    wait_for(lambda: status_now(env, job)["done"] == 2, 90, interval=0.25, what="a good job after the hostile items")
     st = job_status(env, job)
     assert worker.alive() and worker.pid == pid and [int(w["loads"]) for w in st["workers"]] == [1]
     wait_for(lambda: client.hlen(UNACKED_KEY) == 0, 30, what="the good job's messages to be acked")

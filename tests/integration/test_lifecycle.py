@@ -43,6 +43,7 @@ from testing.fleet import (
     cli,
     pause_at,
     start_monitor,
+    status_now,
     stopped,
     wait_for,
     worker_ready,
@@ -248,10 +249,11 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
     # The worker goes on with other work...
     wait_for(lambda: worker_ready(r, 1), 30, what="the worker to register again")
     other = submit(env, tmp_path / "b.txt", 4, 4, 2, 0.25, prefix="other")
-    wait_for(lambda: cli_status(env, other)["done"] == 4, 60, interval=0.5, what="another job")
+    wait_for(lambda: status_now(env, other)["done"] == 4, 60, interval=0.25, what="another job")
     # ...and resume continues the cancelled job to its end.
     assert "shards enqueued" in cli(env, "resume", job).stderr
-    st = wait_for(lambda: (s := cli_status(env, job))["done"] == 48 and s, 120, interval=0.5, what="the job")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 48 and s, 120, interval=0.25, what="the job")
+    st = cli_status(env, job)
     assert st["cancelled"] is None and image_count(store, job) == 48
     assert not store.exists(spec.cancelled_key(job))
 
@@ -280,7 +282,7 @@ def test_a_cancel_during_a_shards_end_lets_that_shard_finish(
     assert set(states(r, job).values()) == {"c"} and queued_jobs(r, QUEUE) == []
     assert worker.alive()
     cli(env, "resume", job)
-    wait_for(lambda: cli_status(env, job)["done"] == 8, 60, interval=0.5, what="the resumed job")
+    wait_for(lambda: status_now(env, job)["done"] == 8, 60, interval=0.25, what="the resumed job")
     assert image_count(store, job) == 8
 
 
@@ -315,7 +317,9 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     out = cli(env, "delete", job, "--yes")
     assert f"job {job} deleted" in out.stderr and out.stdout.strip() == job
     assert not (folder / job).exists()
-    time.sleep(3)  # a straggler would have landed by now: listed again, still nothing
+    # The fenced worker logs its fence once its shard's commits are over: a straggler would have
+    # landed by then. Listed again, still nothing.
+    wait_for(lambda: "fenced" in worker.output(), 60, what="the worker's shard to end fenced")
     assert not (folder / job).exists() and list(store.list(spec.job_prefix(job))) == []
 
     # Redis: the tombstone only, for a day.
@@ -337,7 +341,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     assert as_json["state"] == "deleted" and as_json["reason"] == lifecycle.DELETED
     assert worker.alive() and "fenced" in worker.output()
     other = submit(env, tmp_path / "b.txt", 4, 4, 2, 0.25, prefix="other")
-    wait_for(lambda: cli_status(env, other)["done"] == 4, 60, interval=0.5, what="another job")
+    wait_for(lambda: status_now(env, other)["done"] == 4, 60, interval=0.25, what="another job")
     assert not (folder / job).exists()
     assert sorted(keys.text(k) for k in r.scan_iter(match=f"rf:job:{job}*")) == left
 

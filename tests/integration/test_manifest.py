@@ -17,7 +17,7 @@ from renderfleet import keys, spec
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.store import LocalStore
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready
+from testing.fleet import TINY, WorkerProc, base_env, cli, status_now, wait_for, worker_ready
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
     try:
         wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
         job = cli(env, "submit", str(tmp_path / "p.jsonl"), *TINY, "--shard-size", "3").stdout.split()[-1]
-        wait_for(lambda: job_status(env, job)["done"] == 6, 120, interval=0.5, what="the job")
+        wait_for(lambda: status_now(env, job)["done"] == 6, 120, interval=0.25, what="the job")
     finally:
         worker.kill()
     (tmp_path / "store" / "jobs" / job / "images" / "000004.png").unlink()  # one gone missing
@@ -70,7 +70,7 @@ def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_f
         try:
             wait_for(lambda: worker_ready(client, 1), 90, what="worker")
             job = cli(env, "submit", str(tmp_path / "p.txt"), *TINY, "--shard-size", "2").stdout.split()[-1]
-            wait_for(lambda: job_status(env, job)["done"] == 4, 120, interval=0.5, what="the job")
+            wait_for(lambda: status_now(env, job)["done"] == 4, 120, interval=0.25, what="the job")
         finally:
             worker.kill()
         cli(env, "results", job, "--manifest", str(tmp_path / "m.jsonl"))

@@ -12,7 +12,17 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from testing.fleet import (
+    REPO,
+    TINY,
+    WorkerProc,
+    base_env,
+    cli,
+    status_now,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
 from testing.servers import FlakyS3Proxy, MotoServer, free_port
 from testing.servers import http_get as get
 
@@ -44,7 +54,7 @@ def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
     try:
         wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
         job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 12)), *TINY, "--shard-size", "4").stdout.split()[-1]
-        wait_for(lambda: job_status(env, job)["done"] == 12, 120, interval=0.5, what="the job")
+        wait_for(lambda: status_now(env, job)["done"] == 12, 120, interval=0.25, what="the job")
         # a restart of the monitor loses nothing: every figure is read from Redis at scrape time
         monitor.terminate()
         monitor.wait(10)
@@ -97,7 +107,7 @@ def test_a_worker_serves_its_own_metrics_and_they_agree_with_the_job_and_the_mon
             wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
             job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 10)), *TINY, "--shard-size", "4",
                       "--batch-size", "2").stdout.split()[-1]
-            wait_for(lambda: job_status(env, job)["done"] == 10, 120, interval=0.5, what="the job")
+            wait_for(lambda: status_now(env, job)["done"] == 10, 120, interval=0.25, what="the job")
             ours = scrape(f"http://127.0.0.1:{worker_port}/metrics")
             fleet = scrape(f"http://127.0.0.1:{monitor_port}/metrics")
         finally:

@@ -25,7 +25,18 @@ import redis
 
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import REPO, TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from testing.fleet import (
+    REPO,
+    TINY,
+    WorkerProc,
+    base_env,
+    cli,
+    job_status,
+    status_now,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -56,8 +67,9 @@ def processes_of(home: Path) -> list[tuple[int, str]]:
 
 def no_work_lost(env: dict[str, str], job: str) -> dict[str, object]:
     """The job's status once nothing holds a shard: every prompt not done is back in a queue."""
-    st = wait_for(lambda: (s := job_status(env, job))["in_flight"] == 0 and s, 30, interval=0.5,
-                  what="no shard in flight")
+    wait_for(lambda: (s := status_now(env, job))["in_flight"] == 0 and s, 30, interval=0.25,
+             what="no shard in flight")
+    st = job_status(env, job)
     assert st["done"] + st["queued"] == st["total"] and st["shards_running"] == 0, st
     return st
 
@@ -241,7 +253,7 @@ def test_a_worker_told_to_stop_leaves_within_its_grace_plus_a_step_in_every_phas
         if phase == "batch-at-a-new-size":
             # A quick batch first: the next batch's estimate is this one's, from another size.
             first = submit(*TINY, "--shard-size", "4", "--batch-size", "4")
-            wait_for(lambda: job_status(env, first)["done"] == SLOW_BATCH, 120, what="the quick job")
+            wait_for(lambda: status_now(env, first)["done"] == SLOW_BATCH, 120, what="the quick job")
         job = submit(*slow)
         wait_log(worker, "searching (sweep)" if phase == "batch-size-probe" else f"shard {job}:0 attempt 1 claimed",
                  120)

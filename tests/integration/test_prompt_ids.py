@@ -15,7 +15,7 @@ import pytest
 
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.store import TEMP_MARK
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def test_a_prompt_id_holding_the_old_temp_mark_is_rendered_listed_and_not_enqueu
     prompts.write_text("".join(json.dumps({"id": name, "prompt": f"prompt {name}"}) + "\n" for name in IDS))
     job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
     procs.append(WorkerProc(env, tmp_path / "worker.log", "--batch-size", "1"))
-    wait_for(lambda: job_status(env, job)["done"] == len(IDS), 180, interval=1.0, what="the job")
+    wait_for(lambda: status_now(env, job)["done"] == len(IDS), 180, interval=0.25, what="the job")
 
     res = json.loads(cli(env, "results", job, "--json").stdout)
     assert sorted(res["images"]) == sorted(IDS) and res["missing"] == [], res

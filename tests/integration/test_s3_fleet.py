@@ -13,7 +13,7 @@ import pytest
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import RenderParams, ShardMessage
 from renderfleet.store import open_store
-from testing.fleet import WorkerProc, base_env, cli, job_status, wait_for, write_prompts
+from testing.fleet import WorkerProc, base_env, cli, job_status, status_now, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,8 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     try:
         job = cli(env, "submit", str(prompts), "--model", model_uri, "--steps", "2", "--size", "32x32",
                   "--shard-size", "5", "--batch-size", "2").stdout.split()[-1]
-        st = wait_for(lambda: (s := job_status(env, job))["done"] == 10 and s, 180, interval=1.0, what="job on S3")
+        wait_for(lambda: (s := status_now(env, job))["done"] == 10 and s, 180, interval=0.25, what="job on S3")
+        st = job_status(env, job)
         assert [int(w["loads"]) for w in st["workers"]] == [1]
         assert int(st["workers"][0]["load_ms"]) > 0  # the cold start, measured (the autoscaler reads it)
         first = st["workers"][0]["worker"]

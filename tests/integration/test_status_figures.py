@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, pause_at, stopped, wait_for
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, pause_at, status_now, stopped, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -35,9 +35,11 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
         assert early["done"] == 8 and early["in_flight"] and any(w.get("doing") for w in early["workers"])
         first.kill()  # SIGKILL mid-shard: its lease expires and the shard is handed on
         second = WorkerProc(env, tmp_path / "w2.log")
-        later = wait_for(lambda: (s := job_status(env, job))["done"] >= 32 and s, 120, interval=0.5, what="progress")
-        final = wait_for(lambda: (s := job_status(env, job))["done"] + s["quarantined"] == 48 and s, 180, interval=1.0,
-                         what="the job to finish")
+        wait_for(lambda: (s := status_now(env, job))["done"] >= 32 and s, 120, interval=0.25, what="progress")
+        later = job_status(env, job)
+        wait_for(lambda: (s := status_now(env, job))["done"] + s["quarantined"] == 48 and s, 180, interval=0.25,
+                 what="the job to finish")
+        final = job_status(env, job)
         # what each worker is doing: a shard while it holds one, then idle since when
         live = second.pid
 

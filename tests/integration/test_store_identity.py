@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, wait_for, worker_ready, write_prompts
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +67,7 @@ def test_submit_to_a_second_store_renders_there_and_status_refuses_the_other_sto
     workers.append(WorkerProc(env_a, tmp_path / "worker-a.log"))
     wait_for(lambda: worker_ready(client, 1), 90, what="worker A to load the model")
     job_a = cli(env_a, "submit", str(prompts), *TINY, "--shard-size", "6").stdout.split()[-1]
-    wait_for(lambda: job_status(env_a, job_a)["done"] == 12, 120, interval=1.0, what="job A to finish")
+    wait_for(lambda: status_now(env_a, job_a)["done"] == 12, 120, interval=0.25, what="job A to finish")
     assert len(pngs(a)) == 12
     # shard and batch size are how the work is cut, not what it is: the same job
     again = cli(env_a, "submit", str(prompts), *TINY, "--shard-size", "4", "--batch-size", "1")
@@ -79,7 +79,7 @@ def test_submit_to_a_second_store_renders_there_and_status_refuses_the_other_sto
     st = job_status(env_b, job_b)
     assert st["done"] == 0 and st["queued"] == 12
     workers.append(WorkerProc(env_b, tmp_path / "worker-b.log"))
-    wait_for(lambda: job_status(env_b, job_b)["done"] == 12, 120, interval=1.0, what="job B to finish")
+    wait_for(lambda: status_now(env_b, job_b)["done"] == 12, 120, interval=0.25, what="job B to finish")
     assert len(pngs(b)) == 12 and len(pngs(a)) == 12
     assert not (a / "jobs" / job_b).exists()
 
@@ -102,7 +102,7 @@ def test_an_explicit_job_id_is_not_shared_between_stores_and_an_emptied_store_re
     workers.append(WorkerProc(env_a, tmp_path / "worker-a.log"))
     wait_for(lambda: worker_ready(client, 1), 90, what="worker to load the model")
     cli(env_a, "submit", str(prompts), *TINY, "--job", "mine", "--batch-size", "2")
-    wait_for(lambda: job_status(env_a, "mine")["done"] == 4, 120, interval=1.0, what="job to finish")
+    wait_for(lambda: status_now(env_a, "mine")["done"] == 4, 120, interval=0.25, what="job to finish")
 
     clash = cli(env_b, "submit", str(prompts), *TINY, "--job", "mine", check=False)
     assert clash.returncode == 2 and "store" in clash.stderr and "Traceback" not in clash.stderr
@@ -120,5 +120,5 @@ def test_an_explicit_job_id_is_not_shared_between_stores_and_an_emptied_store_re
     st = job_status(env_a, "mine")
     assert st["done"] == 0 and st["queued"] == 4
     workers.append(WorkerProc(env_a, tmp_path / "worker-a2.log"))
-    wait_for(lambda: job_status(env_a, "mine")["done"] == 4, 120, interval=1.0, what="job to render again")
+    wait_for(lambda: status_now(env_a, "mine")["done"] == 4, 120, interval=0.25, what="job to render again")
     assert len(pngs(a)) == 4

@@ -30,6 +30,7 @@ from testing.fleet import (
     bench,
     cli,
     job_status,
+    status_now,
     wait_for,
     worker_ready,
     write_prompts,
@@ -62,8 +63,9 @@ def test_a_default_worker_has_no_failpoint_and_fails_a_job_naming_a_bench_model(
 ) -> None:
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.01), *CUT).stdout.split()[-1]
     worker = start(env, tmp_path, procs, "worker")
-    st = wait_for(lambda: (s := job_status(env, job))["quarantined"] == 4 and s, 120, interval=1.0,
-                  what="the job naming a bench model to fail")
+    wait_for(lambda: (s := status_now(env, job))["quarantined"] == 4 and s, 120, interval=0.25,
+             what="the job naming a bench model to fail")
+    st = job_status(env, job)
     assert st["done"] == 0 and list(open_store(env["RENDERFLEET_STORE"]).list(images_prefix(job))) == []
     (reason, count), = st["failure_reasons"].items()
     assert count == 4 and "the fixed-time bench renderer" in reason and "serves no bench models" in reason
@@ -87,7 +89,7 @@ def test_a_worker_allowed_bench_models_renders_a_job_naming_one_into_images_mark
     assert "RENDERFLEET_ALLOW_BENCH_MODELS is on" in out and f"model {BENCH}: the fixed-time bench renderer" in out
     assert FAILPOINTS_LINE not in out
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.01), *CUT).stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 4, 120, interval=0.5, what="the bench job")
+    wait_for(lambda: status_now(env, job)["done"] == 4, 120, interval=0.25, what="the bench job")
     for name in ("000000", "000001", "000002", "000003"):
         image = png(env, job, name)
         assert image.size == (32, 32) and len(image.getcolors() or []) == 1  # flat
@@ -95,7 +97,7 @@ def test_a_worker_allowed_bench_models_renders_a_job_naming_one_into_images_mark
         assert image.text["renderfleet:fake"] == "fixed-time benchmark renderer, not a render"  # type: ignore[attr-defined]
     # A job naming a real model on the same worker is rendered by that model, not faked.
     real = cli(env, "submit", str(write_prompts(tmp_path / "q.txt", 2, "real")), *TINY, *CUT).stdout.split()[-1]
-    wait_for(lambda: job_status(env, real)["done"] == 2, 180, interval=1.0, what="the tiny job")
+    wait_for(lambda: status_now(env, real)["done"] == 2, 180, interval=0.25, what="the tiny job")
     image = png(env, real, "000000")
     assert image.text["model"] == "tiny" and "renderfleet:fake" not in image.text  # type: ignore[attr-defined]
     assert len(image.getcolors(32 * 32) or []) > 1

@@ -24,7 +24,7 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import Leases
 from renderfleet.spec import JobSpec, RenderParams, store_identity
 from renderfleet.store import open_store
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, store_queue, wait_for, write_prompts
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, store_queue, wait_for, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -64,14 +64,14 @@ def test_two_stores_share_a_redis_and_never_see_each_others_work(
     job_a = cli(env_a, "submit", str(prompts), *args).stdout.split()[-1]
     assert job_a != job_b
     # B's shards were queued before A's: a shared queue would have fed them to worker A first.
-    wait_for(lambda: job_status(env_a, job_a)["done"] == 12, 120, interval=1.0, what="job A to finish")
+    wait_for(lambda: status_now(env_a, job_a)["done"] == 12, 120, interval=0.25, what="job A to finish")
     st_b = job_status(env_b, job_b)
     assert (st_b["done"], st_b["queued"], st_b["in_flight"]) == (0, 12, 0) and client.llen(queue_b) == 3
     assert st_b["queues"] == {queue_b: 3} and st_b["workers"] == []
 
     # Store B's worker comes: it renders its store's job, into its store.
     workers.append(WorkerProc(env_b, tmp_path / "worker-b.log", "--verbose"))
-    wait_for(lambda: job_status(env_b, job_b)["done"] == 12, 180, interval=1.0, what="job B to finish")
+    wait_for(lambda: status_now(env_b, job_b)["done"] == 12, 180, interval=0.25, what="job B to finish")
 
     bucket, _, prefix = s3_bucket[len("s3://"):].partition("/")
     s3 = boto3.client("s3")

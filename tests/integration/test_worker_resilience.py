@@ -24,6 +24,7 @@ from testing.fleet import (
     cli,
     job_status,
     pause_at,
+    status_now,
     stopped,
     wait_for,
     worker_ready,
@@ -73,8 +74,9 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
              what="the worker to find Redis gone while it held its shard")
     redis_server.start()  # same port, empty
     cli(env, "resume", job)
-    st = wait_for(lambda: (s := job_status(env, job))["done"] == 40 and s, 240, interval=1.0,
-                  what="the same worker to finish the job after the restart")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 40 and s, 240, interval=0.25,
+             what="the same worker to finish the job after the restart")
+    st = job_status(env, job)
     assert st["quarantined"] == 0
     assert worker.alive(), worker.output()[-3000:]
     assert len(list((tmp_path / "store" / "jobs" / job / "images").iterdir())) == 40
@@ -92,7 +94,7 @@ def test_an_idle_worker_takes_work_again_after_redis_restarts(
     wait_for(lambda: "Connection to broker lost" in worker.output(), 60, what="the idle worker to find Redis gone")
     redis_server.start()
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY).stdout.split()[-1]
-    wait_for(lambda: job_status(env, job)["done"] == 4, 60, interval=1.0, what="the idle worker after the restart")
+    wait_for(lambda: status_now(env, job)["done"] == 4, 60, interval=0.25, what="the idle worker after the restart")
     assert worker.alive() and worker.output().count("model tiny loaded on") == 1
 
 
@@ -109,8 +111,9 @@ def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
         server.start()
         prompts = write_prompts(tmp_path / "p.txt", 2)
         job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
-        st = wait_for(lambda: (s := job_status(env, job))["done"] == 2 and s, 60, interval=1.0,
-                      what="the late worker to render")
+        wait_for(lambda: (s := status_now(env, job))["done"] == 2 and s, 60, interval=0.25,
+                 what="the late worker to render")
+        st = job_status(env, job)
         assert [int(w["loads"]) for w in st["workers"]] == [1]
     finally:
         server.stop()
@@ -124,9 +127,10 @@ def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_
     good = cli(env, "submit", str(write_prompts(tmp_path / "good.txt", 8, "good")), *TINY,
                "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
     worker = start_worker(env, tmp_path, workers)
-    wait_for(lambda: job_status(env, good)["done"] == 8, 120, interval=1.0, what="the good job")
-    st = wait_for(lambda: (s := job_status(env, bad))["quarantined"] == 8 and s, 120, interval=1.0,
-                  what="the bad job's prompts to be quarantined")
+    wait_for(lambda: status_now(env, good)["done"] == 8, 120, interval=0.25, what="the good job")
+    wait_for(lambda: (s := status_now(env, bad))["quarantined"] == 8 and s, 120, interval=0.25,
+             what="the bad job's prompts to be quarantined")
+    st = job_status(env, bad)
     assert st["done"] == 0
     (reason, count), = st["failure_reasons"].items()
     assert count == 8 and "nonexistent" in reason and "could not be loaded" in reason
@@ -138,7 +142,7 @@ def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_
     assert all("nonexistent" in reason for reason in res["quarantined"].values())
     # still serving: the worker kept its own model for the next job
     again = cli(env, "submit", str(write_prompts(tmp_path / "more.txt", 2, "more")), *TINY).stdout.split()[-1]
-    wait_for(lambda: job_status(env, again)["done"] == 2, 60, interval=1.0, what="a job after the bad one")
+    wait_for(lambda: status_now(env, again)["done"] == 2, 60, interval=0.25, what="a job after the bad one")
     assert worker.alive()
 
 
@@ -162,8 +166,9 @@ def test_images_the_store_refuses_are_quarantined_and_the_worker_goes_on(
     for name in ("000000.png", "000001.png"):
         (images / name).mkdir(parents=True)
     worker = start_worker(env, tmp_path, workers)
-    st = wait_for(lambda: (s := job_status(env, job))["done"] + s["quarantined"] == 6 and s, 120, interval=1.0,
-                  what="the job to finish")
+    wait_for(lambda: (s := status_now(env, job))["done"] + s["quarantined"] == 6 and s, 120, interval=0.25,
+             what="the job to finish")
+    st = job_status(env, job)
     assert (st["done"], st["quarantined"]) == (4, 2)
     assert worker.alive(), worker.output()[-3000:]  # every try of shard 0 failed: still not the worker's fault
     assert "circuit breaker" not in worker.output()
