@@ -91,9 +91,14 @@ def _job_id(job: str) -> str:
 # "[pools.NAME]" for a style and prints nothing.  Each option names its value (metavar), as
 # argparse does; a flag has metavar "", since it takes none (typer would print <bool> after it).
 FLAG = ""
+_MODEL_HELP = "diffusers model id, local folder, s3:// URI, or 'tiny' (random weights: noise, for a smoke test)"
+# A submit (and a bench) must name its model: the random-weight tiny one is no production default.
 Model = Annotated[str | None, typer.Option(
-    metavar="MODEL", help="diffusers model id, local folder, s3:// URI, or 'tiny' "
-    f"(default: RENDERFLEET_MODEL, else {Settings.model_fields['model'].default})")]
+    metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else required)")]
+# The local demo (`run`) and a worker, which loads each job's own model, may start from tiny.
+TINY_MODEL = "tiny"
+ModelOrTiny = Annotated[str | None, typer.Option(
+    metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else {TINY_MODEL})")]
 Steps = Annotated[int, typer.Option(metavar="N", help="denoising steps")]
 Size = Annotated[str, typer.Option(metavar="WxH", help="WIDTHxHEIGHT, multiples of 8")]
 Guidance = Annotated[float, typer.Option(metavar="SCALE", help="classifier-free guidance scale")]
@@ -176,7 +181,7 @@ def submit(
 def worker(
     pool: Annotated[str | None, typer.Option(metavar="NAME", help="pool this worker belongs to (baseline, spot, ...; "
                                              "default: RENDERFLEET_POOL, else default)")] = None,
-    model: Model = None,
+    model: ModelOrTiny = None,
     queue: Annotated[list[str] | None, typer.Option(
         metavar="POOL",
         help="pools whose queues (of this worker's store) it serves (default: its own and 'default')")] = None,
@@ -561,7 +566,7 @@ def autoscale(
 def run(
     file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz")],
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="local workers to start")] = 1,
-    job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
+    job: JobOpt = None, model: ModelOrTiny = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
@@ -578,8 +583,8 @@ def run(
     from dispatcher.localrun import run_local
 
     with _user_errors():
-        opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings)
+        opts = _submit_options(job, model or settings.model or TINY_MODEL, steps, size, guidance, negative, seed,
+                               shard_size, batch_size, pool, settings)
         code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 
@@ -619,6 +624,7 @@ def bench(
                 raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
             print(compare_runs(files), end="")
             return
+        from dispatcher.submit import MODEL_REQUIRED
         from renderfleet.api import parse_size
         from worker.bench import run_bench, write_outputs
 
@@ -632,7 +638,10 @@ def bench(
         prices = {f"{price_per_hour:g}/h": price_per_hour} if price_per_hour is not None else {
             f"{name} ({pool.kind}, {pool.price_per_hour:g}/h)": pool.price_per_hour
             for name, pool in settings.pools.items()}
-        result = run_bench(model or settings.model, width=width, height=height, steps=steps, guidance=guidance,
+        model = model or settings.model
+        if not model:
+            raise InputError([MODEL_REQUIRED])
+        result = run_bench(model, width=width, height=height, steps=steps, guidance=guidance,
                            batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
                            cache_dir=settings.home / "models", compile=compile)
         for path in write_outputs(result, out):

@@ -166,8 +166,10 @@ class Settings(BaseSettings):
     # Where images, checkpoints and specs go: s3://bucket/prefix or a folder.
     # None: the folder ./renderfleet-output.
     store: str | None = None
-    # The model a worker loads at start-up and submit's default.
-    model: str = "tiny"
+    # The model a worker loads at start-up (None: the built-in tiny one, until a job names
+    # another) and submit's when --model is left out (None: submit asks for one; the
+    # random-weight tiny model renders noise, so it is never a production default).
+    model: str | None = None
     # Where the embedded server, the model cache and local state live.
     home: Path = Field(default_factory=_default_home)
     # Which pool this worker belongs to (baseline, spot, ...): its queue and its metrics label.

@@ -80,7 +80,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
             from worker.compiled import read_fleet_key
 
             read_fleet_key(settings.compile_cache_key_file)  # a key that will not do: refused before the load
-    model = model or settings.model
+    model = model or settings.model or "tiny"  # a start: each job's own model is loaded when its shards come
     if why := model_refusal(model, settings.allowed_model_list, bench=settings.allow_bench_models):
         raise ConfigError(f"RENDERFLEET_MODEL (--model): {why}")
     # Test switches left on in a deployment must show: one line each, at start.
@@ -117,7 +117,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     service = WorkerService.from_settings(settings, app=app, url=url, worker_id=worker_id, model=model,
                                           renderer=renderer, load_model=load_model, metrics=metrics)
     stop = service.stop
-    _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
+    pools = queues or _default_queues(settings.pool)
+    _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
     # Registered: from here a SIGTERM must not kill the process with its registration left behind
     # (a worker stopped right after it came up, by an autoscaler going down, say).  Until Celery's
     # own handlers take over in worker.start(), a signal ends the start-up cleanly, below.
@@ -142,7 +143,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
 
         # Its pools' queues of its own store only (named by the store as opened, as submit names it):
         # another store's shard never reaches it.
-        queue_names = [celery_app.queue_name(q, service.store.url) for q in (queues or _default_queues(settings.pool))]
+        queue_names = [celery_app.queue_name(q, service.store.url) for q in pools]
         log.info("worker %s: serving %s", worker_id, ", ".join(queue_names))
         worker = app.Worker(
             hostname=f"{worker_id}@{socket.gethostname()}",

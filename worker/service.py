@@ -169,11 +169,12 @@ class WorkerService:
 
     # ---- registration and counters ------------------------------------------------
 
-    def register(self, *, device: str, load_seconds: float) -> None:
+    def register(self, *, device: str, load_seconds: float, queues: list[str] | None = None) -> None:
         # The store it writes to: status, the autoscaler and the web page count a worker for its store only.
+        # The pools whose queues it serves: a waiter tells a job no live worker serves (dispatcher/serving.py).
         info = {"worker": self.worker_id, "pool": self.settings.pool, "store": store_identity(self.store.url),
                 "model": self.model, "device": device, "host": socket.gethostname(), "pid": os.getpid(),
-                "started": time.time()}
+                "started": time.time(), **({"queues": queues} if queues is not None else {})}
         self._registration = json.dumps(info)
         pipe = self.client.pipeline()
         pipe.hset(keys.WORKERS, self.worker_id, self._registration)
