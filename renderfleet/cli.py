@@ -62,9 +62,11 @@ def _settings(**overrides: Any) -> Settings:
         return load_settings(**overrides)
 
 
-def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+def _logging(settings: Settings, verbose: bool = False) -> None:
+    """One handler on stderr, as text or JSON lines (RENDERFLEET_LOG_FORMAT): renderfleet.logs."""
+    from renderfleet import logs
+
+    logs.setup(logging.INFO if verbose else logging.WARNING, settings.log_format)
 
 
 def _connect(settings: Settings) -> tuple[Any, Any, str]:
@@ -155,8 +157,8 @@ def submit(
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
-    _logging()
     settings = _settings()
+    _logging(settings)
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
                                batch_size, pool, settings)
@@ -199,9 +201,14 @@ def worker(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
-    _logging(verbose=True)  # until Celery takes over logging with its own level
     settings = _settings(pool=pool, model=model, metrics_port=metrics_port, metrics_host=metrics_host,
                          render_batch=batch_size, compile=compile)
+    from renderfleet import logs
+
+    # The worker's own events (start, model loaded, each shard claimed and ended) at INFO; the
+    # libraries' and Celery's lines from WARNING unless --verbose.  Celery keeps this (worker.main).
+    logs.setup(logging.INFO if verbose else logging.WARNING, settings.log_format,
+               levels={"renderfleet": logging.INFO, "worker": logging.INFO})
     from worker.main import run_worker
 
     with _user_errors():
@@ -435,8 +442,8 @@ def monitor(
     config: ConfigOpt = None,
 ) -> None:
     """Reap expired leases, recover lost shards, resume jobs that Redis lost; serve metrics. Until Ctrl-C."""
-    _logging(verbose=True)
     settings = _settings(config=config)
+    _logging(settings, verbose=True)
     from dispatcher.monitor import Monitor
     from renderfleet.store import open_store
 
@@ -491,8 +498,8 @@ def scale(
     config: ConfigOpt = None,
 ) -> None:
     """Set one pool's size now, through its backend (local: worker processes on this machine)."""
-    _logging()
     settings = _settings(config=config)
+    _logging(settings)
     with _user_errors():
         scaler = _autoscaler(settings)
         if pool not in settings.pools:
@@ -522,8 +529,8 @@ def autoscale(
     back within its grace), killed if still there after it; with
     --leave-workers they keep running.  Exit status 128 + the signal's number.
     """
-    _logging(verbose=True)
     settings = _settings(config=config)
+    _logging(settings, verbose=True)
     import signal
     import time
 
@@ -578,8 +585,8 @@ def run(
     (killed only if still there after their grace); exit 128 + the signal's
     number (130, 143, 129).  The embedded server stays up for status and resume.
     """
-    _logging()
     settings = _settings()
+    _logging(settings)
     from dispatcher.localrun import run_local
 
     with _user_errors():
@@ -611,8 +618,8 @@ def bench(
                                                      show_default=False)] = None,
 ) -> None:
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
-    _logging()
     settings = _settings(config=config)
+    _logging(settings)
     from worker.bench import compare as compare_runs
 
     with _user_errors():
@@ -658,8 +665,8 @@ def save_model(
     dest: Annotated[Path, typer.Argument(metavar="DIR", help="folder to save the diffusers pipeline into")],
 ) -> None:
     """Save a pipeline with save_pretrained (e.g. 'tiny', to test the real loading path)."""
-    _logging()
     settings = _settings()
+    _logging(settings)
     from worker.main import load_renderer
     from worker.models import save_pipeline
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import celery_app, failpoints
+from renderfleet import celery_app, failpoints, logs
 from renderfleet.embedded import broker_url
 from renderfleet.errors import ConfigError, ModelLoadError
 from renderfleet.reaper import ReaperThread
@@ -91,6 +91,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
                     "images from the fixed-time renderer")
     url = broker_url(settings.redis_url, settings.home)
     worker_id = new_worker_id(settings.pool)
+    quiet_logs(worker_id)
     metrics = WorkerMetrics(settings.pool)
     endpoint = serve_metrics(metrics, settings)  # before the load: a bad address fails in a second, not minutes
     if endpoint is not None:
@@ -157,6 +158,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
             optimization="fair",
             # Our handler writes to stderr; redirected, every line would be logged twice.
             redirect_stdouts=False,
+            quiet=True,  # no banner: the lines above said which queues, which model
         )
         worker.start()  # Celery installs its own SIGTERM and SIGINT handlers as it starts
     except StoppedWhileStarting:
@@ -175,6 +177,35 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)
+
+
+def quiet_logs(worker_id: str) -> None:
+    """A worker's log: its own lines, the libraries' routed through the same handler
+    (renderfleet.logs: known noise dropped, each other kind once), Celery's logging left as
+    the command set it up, every line carrying the worker's id (in JSON, a field)."""
+    import os
+
+    from celery import signals
+
+    logs.bind(worker=worker_id)
+    # A receiver of setup_logging tells Celery that logging is configured: it adds no handler.
+    signals.setup_logging.connect(_logging_is_set_up, weak=False)
+    # Celery's signal handlers print their notices ("worker: Warm shutdown (MainProcess)") bare:
+    # in our format instead, one line each (a JSON line under RENDERFLEET_LOG_FORMAT=json).
+    import celery.apps.worker
+
+    celery.apps.worker.safe_say = _say  # type: ignore[assignment]
+    if os.geteuid() == 0:  # Celery's multi-line superuser warning is dropped (logs.NOISE); this says it once
+        log.info("worker %s: running as root (uid 0), as in a container; give it a user of its own elsewhere",
+                 worker_id)
+
+
+def _say(message: str, f: Any = None) -> None:
+    logs.say("celery.worker", message)
+
+
+def _logging_is_set_up(**_: Any) -> None:
+    """Celery's setup_logging signal: handled (renderfleet.logs.setup ran in the command)."""
 
 
 class StoppedWhileStarting(BaseException):
