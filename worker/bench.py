@@ -9,9 +9,9 @@ out of memory ends the sweep (``auto``: the sizes :func:`worker.batchsize.search
 finds, as a worker's ``--batch-size auto`` does: powers of two up to the
 first that does not fit; on a CPU, the probes end within ``CPU_SWEEP_SECONDS`` and
 then the sizes whose probes were fastest per image are timed, as many as
-``CPU_TIMING_SECONDS`` allow, each probe serving as its warm-up: a bench on a CPU
-takes about a minute beside the model load and first batch, whatever the
-settings, not minutes per size).  It
+``CPU_TIMING_SECONDS`` allow (always the fastest), each probe serving as its
+warm-up: about a minute beside the model load and first batch where an image
+takes seconds, not minutes per size).  It
 writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``;
 ``--compare a.json b.json`` puts runs from different cards side by side and
 names the cheapest per image and the fastest.
