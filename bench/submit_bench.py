@@ -85,8 +85,8 @@ def run_child(mode: str, target: str, args: list[str], env: dict[str, str] | Non
 
 def run_submit(env: dict[str, str], path: Path, job: str) -> tuple[float, float, str]:
     """(wall seconds, peak RSS MB, what it said) of ``renderfleet submit``."""
-    wall, peak, _, said = run_child("-m", "renderfleet",
-                                    ["submit", str(path), "--job", job, "--shard-size", str(SHARD_SIZE)], env)
+    args = ["submit", str(path), "--job", job, "--model", "tiny", "--shard-size", str(SHARD_SIZE)]
+    wall, peak, _, said = run_child("-m", "renderfleet", args, env)
     return wall, peak, said.strip()
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.resume import load_spec, stored_names, stored_prompts
+from dispatcher.thumbs import FORMATS as THUMB_FORMATS
+from dispatcher.thumbs import THUMB_MAX_PIXELS
 from renderfleet import spec
 from renderfleet.errors import InputError
 from renderfleet.spec import Prompt
@@ -110,7 +112,12 @@ def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
 
 
 def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb: int = 128) -> int:
-    """A grid of the job's first ``limit`` images with their ids, as one PNG; returns how many."""
+    """A grid of the job's first ``limit`` images with their ids, as one PNG; returns how many.
+
+    Every image fills its cell (``thumb`` px on its longer side): a large one is shrunk as the
+    gallery's thumbnails are, a small one (a 64x64 smoke test) is enlarged.  An image too large
+    to decode, or unreadable, gets a grey cell (:func:`fit_cell`).
+    """
     try:
         from PIL import Image, ImageDraw
     except ImportError:
@@ -127,9 +134,7 @@ def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb
         data = store.get(spec.image_key(job, name))
         if data is None:
             continue
-        with Image.open(io.BytesIO(data)) as img:
-            tile = img.convert("RGB")
-            tile.thumbnail((thumb, thumb))
+        tile = fit_cell(data, thumb)
         x, y = (i % cols) * thumb, (i // cols) * (thumb + label)
         sheet.paste(tile, (x + (thumb - tile.width) // 2, y + (thumb - tile.height) // 2))
         draw.text((x + 2, y + thumb + 1), name[:20], fill="black")
@@ -137,3 +142,29 @@ def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb
     sheet.save(tmp, format="PNG")
     os.replace(tmp, path)
     return len(names)
+
+
+def fit_cell(data: bytes, cell: int, max_pixels: int = THUMB_MAX_PIXELS) -> Any:
+    """The image in ``data`` scaled to fill a ``cell`` x ``cell`` square, its aspect kept.
+
+    Decoding is bounded as the gallery's is (dispatcher/thumbs.py): the size is read from the
+    header first and an image over ``max_pixels`` is not decoded; a JPEG decodes reduced; a
+    large image is shrunk by ``thumbnail`` (an integer ``reduce`` first, then Lanczos).  A
+    small one is enlarged with nearest-neighbour: its own pixels, bigger, nothing invented.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data), formats=THUMB_FORMATS) as image:
+            if image.width * image.height > max_pixels:
+                return Image.new("RGB", (cell, cell), (200, 200, 200))
+            image.draft("RGB", (cell, cell))
+            tile = image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError):
+        return Image.new("RGB", (cell, cell), (200, 200, 200))
+    if max(tile.size) > cell:
+        tile.thumbnail((cell, cell), Image.Resampling.LANCZOS)
+        return tile
+    scale = cell / max(tile.size)
+    size = (max(1, round(tile.width * scale)), max(1, round(tile.height * scale)))
+    return tile.resize(size, Image.Resampling.NEAREST)

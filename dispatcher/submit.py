@@ -56,6 +56,11 @@ class SubmitResult:
     seconds: float
 
 
+# A submit names its model: the built-in `tiny` (random weights) renders noise, so it is no default.
+MODEL_REQUIRED = ("--model: no model given (model= in Python; RENDERFLEET_MODEL sets a default): name a diffusers "
+                  "model id, a folder saved with save_pretrained or an s3:// folder; `--model tiny` is the "
+                  "built-in random-weight model, whose images are noise, for a smoke test")
+
 # Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
 _FIELD_FLAGS = (("--steps", "steps"), ("--size", "width"), ("--size", "height"), ("--seed", "seed"),
                 ("--guidance", "guidance"))
@@ -73,7 +78,9 @@ def check_options(opts: SubmitOptions) -> None:
                               ("--batch-size", "batch_size", opts.batch_size)):
         if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
-    if why := spec.model_problem(p.model, "--model"):
+    if not p.model:
+        problems.append(MODEL_REQUIRED)
+    elif why := spec.model_problem(p.model, "--model"):
         problems.append(why)
     if opts.job is not None and (why := job_id_problem(opts.job)):
         problems.append(f"--job: {why}")

@@ -25,6 +25,7 @@ Nothing happens at import: no server, no connection, no torch.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from renderfleet.store import Store
 
 __all__ = ["Client", "Job", "PromptRequest"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,8 @@ class Client:
         ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz), a binary
         stream of such a file (``format`` names it: txt, jsonl or csv), or an
         iterable of prompts, streamed (a generator of millions is fine).
+        ``model`` is required unless ``RENDERFLEET_MODEL`` names one (``"tiny"``,
+        the built-in random-weight model, renders noise: a smoke test only).
         Raises :class:`~renderfleet.errors.InputError` listing every
         problem (``FILE:LINE: reason``, ``<stdin>:LINE: reason``, or
         ``prompts[i]: reason`` for an iterable) with nothing enqueued.
@@ -176,7 +181,8 @@ class Client:
         from renderfleet.spec import RenderParams
 
         width, height = parse_size(size)
-        params = RenderParams(model=model or self.settings.model, steps=steps, width=width, height=height,
+        # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
+        params = RenderParams(model=model or self.settings.model or "", steps=steps, width=width, height=height,
                               guidance=guidance, negative_prompt=negative, seed=seed)
         opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
         check_options(opts)
@@ -244,11 +250,18 @@ class Job:
         prices = {name: pool.price_per_hour for name, pool in self.client.settings.pools.items()}
         return fleet_status(self.client.redis, [self.id], store=self.client.store, prices=prices).jobs[0]
 
-    def wait(self, timeout: float | None = None, *, progress: bool = False, poll: float = 1.0) -> JobStatus:
+    def wait(self, timeout: float | None = None, *, progress: bool = False, poll: float = 1.0,
+             on_no_worker: Callable[[str], None] | None = None) -> JobStatus:
         """Poll until every prompt is rendered or quarantined; returns the last status.
 
         ``progress`` draws a rich progress bar on stderr.  Raises
         :class:`TimeoutError` after ``timeout`` seconds (the job goes on).
+
+        While no live worker serves the job's queue (its pool, of this store:
+        none started, another ``--pool``, workers of another store), it says so
+        within a poll or two, once: ``on_no_worker(message)`` when given, else a
+        WARNING of the ``renderfleet.api`` logger (shown on stderr even with no
+        logging set up).  The :class:`TimeoutError` says so too.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = task = None
@@ -260,6 +273,17 @@ class Job:
             bar = Progress(TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn())
             task = bar.add_task(f"job {self.id}", total=self.total, done=0, quarantined=0)
             bar.start()
+
+        def tell(message: str) -> None:
+            if on_no_worker is not None:
+                on_no_worker(message)
+            elif bar is not None:
+                bar.console.print(f"[yellow]{message}[/]")
+            else:
+                log.warning("%s", message)
+
+        unserved: str | None = None  # the message while no live worker serves the queue
+        told = False
         try:
             while True:
                 now = self.status()
@@ -267,12 +291,29 @@ class Job:
                     bar.update(task, completed=now.done + now.quarantined, done=now.done, quarantined=now.quarantined)
                 if now.finished:
                     return now
+                unserved = self._unserved()
+                if unserved and not told:
+                    tell(unserved)
+                    told = True
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id}: {now.done + now.quarantined}/{now.total} after {timeout} s")
+                    raise TimeoutError(f"job {self.id}: {now.done + now.quarantined}/{now.total} after {timeout} s"
+                                       + (f"; {unserved.removeprefix(f'job {self.id}: ')}" if unserved else ""))
                 time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
         finally:
             if bar is not None:
                 bar.stop()
+
+    def _unserved(self) -> str | None:
+        """Why no worker will take the job's shards, if none will (dispatcher/serving.py)."""
+        from dispatcher.serving import job_queue, live_servers, no_worker_message
+
+        queue = job_queue(self.client.redis, self.id)
+        if queue is None:
+            return None  # Redis does not know the job (lost, or a store-only job): nothing to say
+        max_age = 2 * self.client.settings.lease_seconds
+        if live_servers(self.client.redis, self.client.store, queue, max_age):
+            return None
+        return no_worker_message(self.id, queue)
 
     def results(self) -> Results:
         """Where each image is, and which are missing or quarantined (reads the store); Redis's

@@ -62,9 +62,11 @@ def _settings(**overrides: Any) -> Settings:
         return load_settings(**overrides)
 
 
-def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+def _logging(settings: Settings, verbose: bool = False) -> None:
+    """One handler on stderr, as text or JSON lines (RENDERFLEET_LOG_FORMAT): renderfleet.logs."""
+    from renderfleet import logs
+
+    logs.setup(logging.INFO if verbose else logging.WARNING, settings.log_format)
 
 
 def _connect(settings: Settings) -> tuple[Any, Any, str]:
@@ -96,9 +98,14 @@ def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None)
 # "[pools.NAME]" for a style and prints nothing.  Each option names its value (metavar), as
 # argparse does; a flag has metavar "", since it takes none (typer would print <bool> after it).
 FLAG = ""
+_MODEL_HELP = "diffusers model id, local folder, s3:// URI, or 'tiny' (random weights: noise, for a smoke test)"
+# A submit (and a bench) must name its model: the random-weight tiny one is no production default.
 Model = Annotated[str | None, typer.Option(
-    metavar="MODEL", help="diffusers model id, local folder, s3:// URI, or 'tiny' "
-    f"(default: RENDERFLEET_MODEL, else {Settings.model_fields['model'].default})")]
+    metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else required)")]
+# The local demo (`run`) and a worker, which loads each job's own model, may start from tiny.
+TINY_MODEL = "tiny"
+ModelOrTiny = Annotated[str | None, typer.Option(
+    metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else {TINY_MODEL})")]
 Steps = Annotated[int, typer.Option(metavar="N", help="denoising steps")]
 Size = Annotated[str, typer.Option(metavar="WxH", help="WIDTHxHEIGHT, multiples of 8")]
 Guidance = Annotated[float, typer.Option(metavar="SCALE", help="classifier-free guidance scale")]
@@ -155,8 +162,8 @@ def submit(
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
-    _logging()
     settings = _settings()
+    _logging(settings)
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
                                batch_size, pool, settings)
@@ -181,7 +188,7 @@ def submit(
 def worker(
     pool: Annotated[str | None, typer.Option(metavar="NAME", help="pool this worker belongs to (baseline, spot, ...; "
                                              "default: RENDERFLEET_POOL, else default)")] = None,
-    model: Model = None,
+    model: ModelOrTiny = None,
     queue: Annotated[list[str] | None, typer.Option(
         metavar="POOL",
         help="pools whose queues (of this worker's store) it serves (default: its own and 'default')")] = None,
@@ -199,9 +206,14 @@ def worker(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
-    _logging(verbose=True)  # until Celery takes over logging with its own level
     settings = _settings(pool=pool, model=model, metrics_port=metrics_port, metrics_host=metrics_host,
                          render_batch=batch_size, compile=compile)
+    from renderfleet import logs
+
+    # The worker's own events (start, model loaded, each shard claimed and ended) at INFO; the
+    # libraries' and Celery's lines from WARNING unless --verbose.  Celery keeps this (worker.main).
+    logs.setup(logging.INFO if verbose else logging.WARNING, settings.log_format,
+               levels={"renderfleet": logging.INFO, "worker": logging.INFO})
     from worker.main import run_worker
 
     with _user_errors():
@@ -431,8 +443,8 @@ def monitor(
     config: ConfigOpt = None,
 ) -> None:
     """Reap expired leases, recover lost shards, resume jobs that Redis lost; serve metrics. Until Ctrl-C."""
-    _logging(verbose=True)
     settings = _settings(config=config)
+    _logging(settings, verbose=True)
     from dispatcher.monitor import Monitor
     from renderfleet.store import open_store
 
@@ -487,8 +499,8 @@ def scale(
     config: ConfigOpt = None,
 ) -> None:
     """Set one pool's size now, through its backend (local: worker processes on this machine)."""
-    _logging()
     settings = _settings(config=config)
+    _logging(settings)
     with _user_errors():
         scaler = _autoscaler(settings)
         if pool not in settings.pools:
@@ -518,8 +530,8 @@ def autoscale(
     back within its grace), killed if still there after it; with
     --leave-workers they keep running.  Exit status 128 + the signal's number.
     """
-    _logging(verbose=True)
     settings = _settings(config=config)
+    _logging(settings, verbose=True)
     import signal
     import time
 
@@ -569,7 +581,7 @@ def autoscale(
 def run(
     file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz")],
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="local workers to start")] = 1,
-    job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
+    job: JobOpt = None, model: ModelOrTiny = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
@@ -581,13 +593,13 @@ def run(
     (killed only if still there after their grace); exit 128 + the signal's
     number (130, 143, 129).  The embedded server stays up for status and resume.
     """
-    _logging()
     settings = _settings()
+    _logging(settings)
     from dispatcher.localrun import run_local
 
     with _user_errors():
-        opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings)
+        opts = _submit_options(job, model or settings.model or TINY_MODEL, steps, size, guidance, negative, seed,
+                               shard_size, batch_size, pool, settings)
         code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 
@@ -614,8 +626,8 @@ def bench(
                                                      show_default=False)] = None,
 ) -> None:
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
-    _logging()
     settings = _settings(config=config)
+    _logging(settings)
     from worker.bench import compare as compare_runs
 
     with _user_errors():
@@ -627,6 +639,7 @@ def bench(
                 raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
             print(compare_runs(files), end="")
             return
+        from dispatcher.submit import MODEL_REQUIRED
         from renderfleet.api import parse_size
         from worker.bench import run_bench, write_outputs
 
@@ -640,7 +653,10 @@ def bench(
         prices = {f"{price_per_hour:g}/h": price_per_hour} if price_per_hour is not None else {
             f"{name} ({pool.kind}, {pool.price_per_hour:g}/h)": pool.price_per_hour
             for name, pool in settings.pools.items()}
-        result = run_bench(model or settings.model, width=width, height=height, steps=steps, guidance=guidance,
+        model = model or settings.model
+        if not model:
+            raise InputError([MODEL_REQUIRED])
+        result = run_bench(model, width=width, height=height, steps=steps, guidance=guidance,
                            batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
                            cache_dir=settings.home / "models", compile=compile)
         for path in write_outputs(result, out):
@@ -657,8 +673,8 @@ def save_model(
     dest: Annotated[Path, typer.Argument(metavar="DIR", help="folder to save the diffusers pipeline into")],
 ) -> None:
     """Save a pipeline with save_pretrained (e.g. 'tiny', to test the real loading path)."""
-    _logging()
     settings = _settings()
+    _logging(settings)
     from worker.main import load_renderer
     from worker.models import save_pipeline
 

@@ -167,8 +167,10 @@ class Settings(BaseSettings):
     # Where images, checkpoints and specs go: s3://bucket/prefix or a folder.
     # None: the folder ./renderfleet-output.
     store: str | None = None
-    # The model a worker loads at start-up and submit's default.
-    model: str = "tiny"
+    # The model a worker loads at start-up (None: the built-in tiny one, until a job names
+    # another) and submit's when --model is left out (None: submit asks for one; the
+    # random-weight tiny model renders noise, so it is never a production default).
+    model: str | None = None
     # Where the embedded server, the model cache and local state live.
     home: Path = Field(default_factory=_default_home)
     # Which pool this worker belongs to (baseline, spot, ...): its queue and its metrics label.
@@ -243,6 +245,9 @@ class Settings(BaseSettings):
     s3_addressing: str = "auto"
     # Send Celery's task events (for Flower or celery-exporter beside the fleet).
     task_events: bool = False
+    # Log lines as "text" (one readable line each) or "json" (one JSON object per line, with the
+    # worker, job, shard and attempt where known, for log pipelines): renderfleet/logs.py.
+    log_format: str = "text"
     # Required on every request to the monitor's HTTP endpoint and a worker's metrics
     # when they listen off loopback (and then on every request, wherever they listen).
     # At least MIN_TOKEN_LENGTH characters, no whitespace: `openssl rand -hex 32`.
@@ -325,6 +330,14 @@ class Settings(BaseSettings):
         low, high = INT_LIMITS["batch_size"]
         if value != "auto" and not (value.isdigit() and low <= int(value) <= high):
             raise ValueError(f"must be auto or a whole number from {low} to {high}, got {value!r}")
+        return value
+
+    @field_validator("log_format")
+    @classmethod
+    def _check_log_format(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value not in ("text", "json"):
+            raise ValueError(f"must be text or json, got {value!r}")
         return value
 
     @field_validator("s3_addressing")

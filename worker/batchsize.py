@@ -109,6 +109,10 @@ def search(render: Callable[[int], Any], *, limit: int, start: int = 1, bisect: 
     ``render(n)`` renders ``n`` prompts (raising :class:`OutOfMemory` when they
     do not fit).  With ``bisect``, the sizes between the last fit and the
     first out-of-memory are bisected, so ``fit`` is the largest that fits.
+    With ``budget_seconds``, a size is not tried when the last size's seconds
+    per image say it would end past the budget: the search ends within it
+    (each size costs as much as all before it, so checking only afterwards
+    could spend twice the budget).
     """
     found = Search()
     began = clock()
@@ -124,10 +128,12 @@ def search(render: Callable[[int], Any], *, limit: int, start: int = 1, bisect: 
         return True
 
     for n in doubling(start, limit):
+        if budget_seconds is not None and found.per_image:
+            projected = found.per_image[max(found.per_image)] * n
+            if clock() - began + projected > budget_seconds:
+                break
         if not attempt(n):
             found.first_oom = n
-            break
-        if budget_seconds is not None and clock() - began > budget_seconds:
             break
     if bisect and found.oom_at is not None:
         lo, hi = found.fit, found.oom_at

@@ -7,7 +7,11 @@ for each batch size renders a warm-up batch and times repeated batches
 memory and the cost per image at each price given.  A batch size that runs
 out of memory ends the sweep (``auto``: the sizes :func:`worker.batchsize.search`
 finds, as a worker's ``--batch-size auto`` does: powers of two up to the
-first that does not fit; on a CPU, as many as its time budget allows).  It
+first that does not fit; on a CPU, the probes end within ``CPU_SWEEP_SECONDS`` and
+then the sizes whose probes were fastest per image are timed, as many as
+``CPU_TIMING_SECONDS`` allow (always the fastest), each probe serving as its
+warm-up: about a minute beside the model load and first batch where an image
+takes seconds, not minutes per size).  It
 writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``;
 ``--compare a.json b.json`` puts runs from different cards side by side and
 names the cheapest per image and the fastest.
@@ -26,7 +30,8 @@ from renderfleet.errors import InputError, OutOfMemory
 from renderfleet.spec import Prompt, derive_seed
 
 AUTO_LIMIT = 64
-CPU_SWEEP_SECONDS = 20.0  # auto on a CPU: the sizes whose probes fit in this
+CPU_SWEEP_SECONDS = 20.0  # auto on a CPU: the probes end within this
+CPU_TIMING_SECONDS = 40.0  # auto on a CPU: then the timed runs of the fastest probed sizes, within this
 
 
 @dataclass
@@ -55,6 +60,7 @@ class BenchRun:
     when: str = ""
     compiled: bool = False
     first_batch_seconds: float | None = None  # the cold first render: with --compile, the compile too
+    untimed: list[int] = field(default_factory=list)  # auto on a CPU: sizes probed but left out by its time budget
 
     def best(self) -> Point:
         return max(self.points, key=lambda p: p.images_per_minute)
@@ -87,13 +93,15 @@ def run_bench(model: str, *, width: int, height: int, steps: int, guidance: floa
     except OutOfMemory:
         raise InputError([f"bench: batch size 1 does not fit on {result.card}"]) from None
     result.first_batch_seconds = time.perf_counter() - started
-    sizes = batch_sizes or _auto_sizes(renderer, prompts_of, cuda, result)
+    sizes = batch_sizes or _auto_sizes(renderer, prompts_of, cuda, result, runs)
+    probed = batch_sizes is None and not cuda  # auto on a CPU: each size's probe was its warm-up
     for size in sizes:
         prompts = prompts_of(size)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
-            renderer.render(prompts)  # warm-up
+            if not probed:
+                renderer.render(prompts)  # warm-up
             times = []
             for _ in range(runs):
                 started = time.perf_counter()
@@ -111,14 +119,34 @@ def run_bench(model: str, *, width: int, height: int, steps: int, guidance: floa
     return result
 
 
-def _auto_sizes(renderer: Any, prompts_of: Any, cuda: bool, result: BenchRun) -> list[int]:
-    """The sizes to measure under ``auto``: those the worker's search finds fit."""
+def _auto_sizes(renderer: Any, prompts_of: Any, cuda: bool, result: BenchRun, runs: int) -> list[int]:
+    """The sizes to measure under ``auto``: those the worker's search finds fit (on a CPU,
+    those of them :func:`cpu_timed` picks)."""
     from worker.batchsize import search
 
     found = search(lambda n: renderer.render(prompts_of(n)), limit=AUTO_LIMIT,
                    budget_seconds=None if cuda else CPU_SWEEP_SECONDS)
     result.oom_at = found.first_oom
-    return sorted(found.per_image)
+    if cuda:
+        return sorted(found.per_image)
+    timed = cpu_timed(found.per_image, runs, CPU_TIMING_SECONDS)
+    result.untimed = sorted(set(found.per_image) - set(timed))
+    return timed
+
+
+def cpu_timed(per_image: dict[int, float], runs: int, budget: float) -> list[int]:
+    """The probed sizes to time on a CPU, in order of size: the fastest per image (by its probe)
+    first, as long as ``runs`` batches of each, at its probe's pace, fit in ``budget`` seconds;
+    always the fastest one."""
+    chosen: list[int] = []
+    spent = 0.0
+    for n in sorted(per_image, key=lambda size: per_image[size]):
+        cost = per_image[n] * n * runs
+        if chosen and spent + cost > budget:
+            continue  # a smaller size further down may still fit
+        chosen.append(n)
+        spent += cost
+    return sorted(chosen)
 
 
 def write_outputs(run: BenchRun, out: Path) -> list[Path]:
@@ -152,6 +180,9 @@ def markdown(run: BenchRun) -> str:
                         best.cost_per_image[lbl] > 0)]
     if run.oom_at:
         lines.append(f"Batch {run.oom_at} ran out of memory.")
+    if run.untimed:
+        lines.append(f"Probed but not timed (the CPU's time budget; slower per image in their probe): "
+                     f"{', '.join(map(str, run.untimed))}.")
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import celery_app, failpoints
+from renderfleet import celery_app, failpoints, logs
 from renderfleet.embedded import broker_url
 from renderfleet.errors import ConfigError, ModelLoadError
 from renderfleet.reaper import ReaperThread
@@ -81,7 +81,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
             from worker.compiled import read_fleet_key
 
             read_fleet_key(settings.compile_cache_key_file)  # a key that will not do: refused before the load
-    model = model or settings.model
+    model = model or settings.model or "tiny"  # a start: each job's own model is loaded when its shards come
     if why := model_refusal(model, settings.allowed_model_list, bench=settings.allow_bench_models):
         raise ConfigError(f"RENDERFLEET_MODEL (--model): {why}")
     # Test switches left on in a deployment must show: one line each, at start.
@@ -93,6 +93,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     use_instance_region(settings)  # before any boto3 client: the store's, the model fetch's, the group's
     url = broker_url(settings.redis_url, settings.home)
     worker_id = new_worker_id(settings.pool)
+    quiet_logs(worker_id)
     metrics = WorkerMetrics(settings.pool)
     endpoint = serve_metrics(metrics, settings)  # before the load: a bad address fails in a second, not minutes
     if endpoint is not None:
@@ -119,7 +120,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     service = WorkerService.from_settings(settings, app=app, url=url, worker_id=worker_id, model=model,
                                           renderer=renderer, load_model=load_model, metrics=metrics)
     stop = service.stop
-    _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds)
+    pools = queues or _default_queues(settings.pool)
+    _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
     # Registered: from here a SIGTERM must not kill the process with its registration left behind
     # (a worker stopped right after it came up, by an autoscaler going down, say).  Until Celery's
     # own handlers take over in worker.start(), a signal ends the start-up cleanly, below.
@@ -144,7 +146,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
 
         # Its pools' queues of its own store only (named by the store as opened, as submit names it):
         # another store's shard never reaches it.
-        queue_names = [celery_app.queue_name(q, service.store.url) for q in (queues or _default_queues(settings.pool))]
+        queue_names = [celery_app.queue_name(q, service.store.url) for q in pools]
         log.info("worker %s: serving %s", worker_id, ", ".join(queue_names))
         worker = app.Worker(
             hostname=f"{worker_id}@{socket.gethostname()}",
@@ -158,6 +160,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
             optimization="fair",
             # Our handler writes to stderr; redirected, every line would be logged twice.
             redirect_stdouts=False,
+            quiet=True,  # no banner: the lines above said which queues, which model
         )
         worker.start()  # Celery installs its own SIGTERM and SIGINT handlers as it starts
     except StoppedWhileStarting:
@@ -176,6 +179,35 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)
+
+
+def quiet_logs(worker_id: str) -> None:
+    """A worker's log: its own lines, the libraries' routed through the same handler
+    (renderfleet.logs: known noise dropped, each other kind once), Celery's logging left as
+    the command set it up, every line carrying the worker's id (in JSON, a field)."""
+    import os
+
+    from celery import signals
+
+    logs.bind(worker=worker_id)
+    # A receiver of setup_logging tells Celery that logging is configured: it adds no handler.
+    signals.setup_logging.connect(_logging_is_set_up, weak=False)
+    # Celery's signal handlers print their notices ("worker: Warm shutdown (MainProcess)") bare:
+    # in our format instead, one line each (a JSON line under RENDERFLEET_LOG_FORMAT=json).
+    import celery.apps.worker
+
+    celery.apps.worker.safe_say = _say  # type: ignore[assignment]
+    if os.geteuid() == 0:  # Celery's multi-line superuser warning is dropped (logs.NOISE); this says it once
+        log.info("worker %s: running as root (uid 0), as in a container; give it a user of its own elsewhere",
+                 worker_id)
+
+
+def _say(message: str, f: Any = None) -> None:
+    logs.say("celery.worker", message)
+
+
+def _logging_is_set_up(**_: Any) -> None:
+    """Celery's setup_logging signal: handled (renderfleet.logs.setup ran in the command)."""
 
 
 class StoppedWhileStarting(BaseException):

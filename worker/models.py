@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from renderfleet import logs
 from renderfleet.errors import ConfigError, ModelLoadError
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 
@@ -124,6 +125,7 @@ def load_pipeline(
     check_compile(compile, device)
     dtype = dtype_for(device)
     quiet_empty_float32_warning()
+    logs.route_library_logs()  # their lines through our handler (renderfleet/logs.py): noise dropped
 
     # 1. Build or read the pipeline, on the CPU.
     if model == TINY:

@@ -7,6 +7,7 @@ no Celery in it; :mod:`worker.tasks` wraps it in a task.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -17,12 +18,11 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import keys, spec
+from renderfleet import keys, logs, spec
 from renderfleet.celery_app import Envelope, is_store_queue
 from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, StoreError, TransientError
 from renderfleet.leases import Lease, Leases
@@ -169,11 +169,12 @@ class WorkerService:
 
     # ---- registration and counters ------------------------------------------------
 
-    def register(self, *, device: str, load_seconds: float) -> None:
+    def register(self, *, device: str, load_seconds: float, queues: list[str] | None = None) -> None:
         # The store it writes to: status, the autoscaler and the web page count a worker for its store only.
+        # The pools whose queues it serves: a waiter tells a job no live worker serves (dispatcher/serving.py).
         info = {"worker": self.worker_id, "pool": self.settings.pool, "store": store_identity(self.store.url),
                 "model": self.model, "device": device, "host": socket.gethostname(), "pid": os.getpid(),
-                "started": time.time()}
+                "started": time.time(), **({"queues": queues} if queues is not None else {})}
         self._registration = json.dumps(info)
         pipe = self.client.pipeline()
         pipe.hset(keys.WORKERS, self.worker_id, self._registration)
@@ -219,6 +220,10 @@ class WorkerService:
         msg = self.accept(raw)
         if msg is None:
             return Outcome(TaskOutcome.REJECTED)
+        with logs.shard_context(job=msg.job, shard=msg.shard):  # every line of this shard names it (JSON fields)
+            return self._claim_and_handle(msg, raw, tag, detach=detach)
+
+    def _claim_and_handle(self, msg: ShardMessage, raw: str, tag: str, *, detach: bool) -> Outcome:
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
@@ -230,14 +235,15 @@ class WorkerService:
             if status is ClaimAnswer.CANCELLED:
                 return Outcome(TaskOutcome.CANCELLED)
             return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
-        log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
-        self._lease = lease
-        self._doing(f"{msg.job}:{msg.shard}")
-        try:
-            return self._handle_claimed(msg, lease, detach=detach)
-        finally:
-            self._lease = None
-            self._doing("")
+        with logs.shard_context(attempt=lease.attempt):
+            log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
+            self._lease = lease
+            self._doing(f"{msg.job}:{msg.shard}")
+            try:
+                return self._handle_claimed(msg, lease, detach=detach)
+            finally:
+                self._lease = None
+                self._doing("")
 
     def _doing(self, shard: str) -> None:
         """What this worker is doing, for status: its shard and since when, or idle since when."""
@@ -276,7 +282,13 @@ class WorkerService:
         except BaseException as exc:  # ended below, with the keeper closed first
             pending = exc
         if detach and ours is None and isinstance(pending, PendingShard):
-            self._ending = pending.then(partial(self._end, msg, lease, keeper))
+            # Ended in the commit thread, its lines still naming the shard (logs.shard_context).
+            here = contextvars.copy_context()
+
+            def end_there(ended: PendingShard) -> Outcome:
+                return here.run(self._end, msg, lease, keeper, ended)
+
+            self._ending = pending.then(end_there)
             return Outcome(TaskOutcome.ENDING)
         try:
             return self._end(msg, lease, keeper, pending)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet import Client, PromptRequest
+from renderfleet import Client, PromptRequest, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import InputError
 from testing.fleet import REPO, WorkerProc, base_env, wait_for, worker_ready
@@ -47,7 +47,9 @@ def test_submit_a_list_wait_and_read_results_and_resubmit_idempotently(
 ) -> None:
     items = ["a red fox", {"prompt": "a blue bird", "id": "bird", "seed": 3}, PromptRequest("a cat", id="cat")]
     job = client.submit(items, shard_size=2, batch_size=2, **TINY)
-    st = job.wait(timeout=120, poll=0.5)
+    said: list[str] = []
+    st = job.wait(timeout=120, poll=0.5, on_no_worker=said.append)
+    assert said == []  # a live worker serves the job's queue: nothing to say
     assert st.finished and st.done == 3 and st.quarantined == 0
     res = job.results()
     assert sorted(res.images) == ["000000", "bird", "cat"] and res.missing == []
@@ -131,3 +133,60 @@ def test_submit_reads_prompts_from_stdin_with_their_format(env: dict[str, str], 
     assert bad.returncode == 2 and bad.stderr.startswith("<stdin>:2: ") and "Traceback" not in bad.stderr
     missing = submit(lines)
     assert missing.returncode == 2 and "--format" in missing.stderr
+
+
+def test_a_submit_without_a_model_is_refused_with_a_hint_and_enqueues_nothing(
+    client: Client, env: dict[str, str], tmp_path: Path
+) -> None:
+    # The only model that needs no download renders noise: a production submit must name its model.
+    with pytest.raises(InputError) as err:
+        client.submit(["a red fox"], steps=2, size="32x32")
+    assert [p.split(":")[0] for p in err.value.problems] == ["--model"]
+    assert "--model tiny" in err.value.problems[0]
+    (tmp_path / "p.txt").write_text("a red fox\n")
+    proc = subprocess.run([sys.executable, "-m", "renderfleet", "submit", str(tmp_path / "p.txt"), "--size", "30x32"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert [line.split(":")[0] for line in proc.stderr.splitlines()] == ["--size", "--model"], proc.stderr
+    assert "`--model tiny`" in proc.stderr and "noise" in proc.stderr
+    r = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    assert r.scard("rf:jobs") == 0 and r.keys("renderfleet.*") == []
+    # RENDERFLEET_MODEL names a fleet's model once for every submit
+    named = subprocess.run([sys.executable, "-m", "renderfleet", "submit", str(tmp_path / "p.txt"), "--steps", "2",
+                            "--size", "32x32", "--pool", "nobody"], env={**env, "RENDERFLEET_MODEL": "tiny"},
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert named.returncode == 0, named.stderr
+
+
+def test_wait_says_at_once_that_no_live_worker_serves_the_jobs_queue_and_the_timeout_says_so(
+    client: Client, worker: WorkerProc, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker is up, but for the default pool: nothing serves pool "nobody" of this store.
+    job = client.submit(["a lighthouse"], pool="nobody", **TINY)
+    said: list[str] = []
+    with pytest.raises(TimeoutError) as err:
+        job.wait(timeout=2, poll=0.5, on_no_worker=said.append)
+    assert len(said) == 1 and "no live worker serves its queue renderfleet.nobody." in said[0], said
+    assert "renderfleet worker --pool nobody" in said[0]
+    assert "0/1 after 2 s; no live worker serves its queue renderfleet.nobody." in str(err.value)
+    # Without a callback it is one WARNING of renderfleet.api (stderr even with no logging set up).
+    with caplog.at_level("WARNING", logger="renderfleet.api"), pytest.raises(TimeoutError):
+        job.wait(timeout=1.5, poll=0.5)
+    warned = [r.getMessage() for r in caplog.records if r.name == "renderfleet.api"]
+    assert len(warned) == 1 and "no live worker serves" in warned[0], warned
+    # A worker gone without a word (SIGKILL: its registration stays) is not live once its touch is
+    # older than two leases: the default pool's job is told too.
+    worker.kill()
+    (gone,) = _store_workers(client)
+    client.redis.hset(keys.worker_stats(gone), "last_seen", "1")
+    other = client.submit(["a harbour"], **TINY)
+    said.clear()
+    with pytest.raises(TimeoutError, match=r"no live worker serves its queue renderfleet\.default\."):
+        other.wait(timeout=1, poll=0.5, on_no_worker=said.append)
+    assert len(said) == 1
+
+
+def _store_workers(client: Client) -> dict[str, object]:
+    from dispatcher.status import store_workers
+
+    return store_workers(client.redis, client.store)

@@ -57,7 +57,8 @@ def test_flags_show_no_placeholder_and_values_show_a_name(command: str) -> None:
 
 def test_submit_help_states_every_default() -> None:
     rows = option_rows(help_text("submit"))
-    assert "(default: RENDERFLEET_MODEL, else tiny)" in rows["--model"]
+    assert "(default: RENDERFLEET_MODEL, else required)" in rows["--model"]
+    assert "(default: RENDERFLEET_MODEL, else tiny)" in option_rows(help_text("run"))["--model"]
     assert "MODEL" in rows["--model"] and "WxH" in rows["--size"]
     for flag, default in (("--steps", "30"), ("--size", "512x512"), ("--guidance", "7.5"), ("--seed", "0"),
                           ("--shard-size", "64"), ("--batch-size", "4")):

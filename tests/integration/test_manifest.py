@@ -53,6 +53,10 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
     cli(env, "results", job, "--contact-sheet", str(tmp_path / "sheet.png"))
     with Image.open(tmp_path / "sheet.png") as img:
         assert img.format == "PNG" and img.width == 5 * 128  # five images, one row
+        # a 32x32 render fills its 128 px cell, its own pixels enlarged: no white margin around it
+        with Image.open(tmp_path / "store" / "jobs" / job / "images" / "000000.png") as first:
+            filled = first.convert("RGB").resize((128, 128), Image.Resampling.NEAREST)
+        assert img.convert("RGB").crop((0, 0, 128, 128)).tobytes() == filled.tobytes()
 
     bad = cli(env, "results", job, "--manifest", str(tmp_path / "m.xlsx"), check=False)
     assert bad.returncode == 2 and "--manifest" in bad.stderr and not (tmp_path / "m.xlsx").exists()

@@ -9,10 +9,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import typer
 
 from dispatcher.submit import SubmitOptions
 from renderfleet.settings import AutoscaleConfig, PoolConfig, Settings
 from renderfleet.spec import DEFAULT
+from testing.docs import DocCommand, doc_commands
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "infra").rglob("README.md")),
@@ -60,7 +62,51 @@ def test_the_readme_states_submits_real_defaults() -> None:
     stated = {"--steps": DEFAULT["steps"], "--size": f"{DEFAULT['width']}x{DEFAULT['height']}",
               "--guidance": DEFAULT["guidance"], "--seed": DEFAULT["seed"], "--shard-size": cut["shard_size"],
               "--batch-size": cut["batch_size"], "--pool": f"`{cut['pool']}`",
-              "--model": f"`{Settings.model_fields['model'].default}`"}
+              "--model": "required"}
     for flag, value in stated.items():
         assert re.search(rf"^\| `{flag}` \| {re.escape(str(value))}( |$)", text, re.M), f"README: {flag} {value}"
     assert "make run" in text and "make test" in text  # .ci/run runs what the README says
+
+
+def parse_command(args: tuple[str, ...]) -> None:
+    """Parse ``renderfleet ARGS`` as the CLI would, invoking nothing: a usage error (a command,
+    option or argument that does not exist, a value of the wrong type: a TyperException) when it
+    would fail.  A command named alone (`renderfleet bench` in a sentence) is a mention: only
+    the command must exist."""
+    import typer.main
+
+    from renderfleet.cli import app
+
+    group = typer.main.get_command(app)
+    with group.make_context("renderfleet", list(args)) as ctx:
+        # typer's bundled click keeps the subcommand's words apart, as click before 8.2 did
+        name, command, rest = group.resolve_command(ctx, list(ctx._protected_args) + ctx.args)  # type: ignore[attr-defined]
+        assert command is not None, f"no command {name!r}"
+        if len(args) > 1:
+            command.make_context(name or "", rest, parent=ctx).close()
+
+
+DOC_COMMANDS = doc_commands()
+
+
+def test_the_docs_show_the_commands_users_come_for() -> None:
+    shown = {c.command for c in DOC_COMMANDS}
+    assert {"submit", "worker", "monitor", "status", "results", "resume", "bench", "autoscale"} <= shown, shown
+
+
+@pytest.mark.parametrize("command", DOC_COMMANDS, ids=lambda c: f"{c.where} {' '.join(c.args)}")
+def test_every_command_the_docs_show_parses(command: DocCommand) -> None:
+    try:
+        parse_command(command.args)
+    except typer.TyperException as exc:
+        pytest.fail(f"{command.where}: `{command.text}`: {exc}")
+
+
+def test_a_docs_command_with_a_flag_that_does_not_exist_fails_the_check(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("Run:\n\n```\nrenderfleet status JOB --no-such-flag   # gone\n```\n\nor `renderfleet stauts`.\n")
+    bad = doc_commands([page], root=tmp_path)
+    assert [c.args for c in bad] == [("status", "JOB", "--no-such-flag"), ("stauts",)]
+    for command in bad:
+        with pytest.raises(typer.TyperException, match=r"No such (option|command)"):
+            parse_command(command.args)

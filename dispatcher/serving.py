@@ -1,0 +1,64 @@
+"""Whether any live worker serves a job's queue: what ``Job.wait()`` says when none does.
+
+A job waits silently forever when no worker takes from its queue (a typo in
+``--pool``, workers of another store, none started), so a waiter checks.  A
+worker registers (``keys.WORKERS``) the pools whose queues it serves and the
+store it writes to, and touches ``last_seen`` at every reaper tick; one whose
+last touch is older than ``max_age`` is taken to be gone (the Kelpie rule:
+twice the lease).  A worker still loading its model has not registered yet.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from dispatcher.status import store_workers
+from renderfleet import keys
+from renderfleet.celery_app import queue_name
+from renderfleet.store import Store
+
+
+def served_pools(info: dict[str, Any]) -> list[str]:
+    """The pools whose queues a registered worker serves (a registration from before workers
+    recorded them: its own pool and ``default``, what a worker serves unless told)."""
+    queues = info.get("queues")
+    if isinstance(queues, list) and all(isinstance(q, str) for q in queues):
+        return queues
+    pool = str(info.get("pool", "default"))
+    return [pool] if pool == "default" else [pool, "default"]
+
+
+def live_servers(client: redis.Redis, store: Store, queue: str, max_age: float,
+                 now: float | None = None) -> list[str]:
+    """The ids of the workers of ``store`` serving ``queue`` whose last touch is under ``max_age`` s old."""
+    now = time.time() if now is None else now
+    candidates = [wid for wid, info in store_workers(client, store).items()
+                  if queue in (queue_name(pool, store.url) for pool in served_pools(info))]
+    if not candidates:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for wid in candidates:
+        pipe.hget(keys.worker_stats(wid), "last_seen")
+    live = []
+    for wid, seen in zip(candidates, pipe.execute(), strict=True):
+        try:
+            if now - float(keys.text(seen)) < max_age:
+                live.append(wid)
+        except ValueError:
+            continue  # never touched, or not a number: not known to be alive
+    return live
+
+
+def job_queue(client: redis.Redis, job: str) -> str | None:
+    """The queue the job's shards go to, as Redis records it (None when Redis does not know the job)."""
+    return keys.text(client.hget(keys.job(job), "queue")) or None
+
+
+def no_worker_message(job: str, queue: str) -> str:
+    """What a waiter is told: which queue, and how to serve it."""
+    pool = queue.split(".")[1] if queue.count(".") >= 2 else queue
+    return (f"job {job}: no live worker serves its queue {queue} (pool {pool!r} of this store): start one with "
+            f"`renderfleet worker --pool {pool}` against the same RENDERFLEET_REDIS_URL and RENDERFLEET_STORE")

@@ -1,0 +1,67 @@
+"""The docs' commands, run as a user would: every `renderfleet ...` line of the README and docs/
+that can run on one machine against a real Redis and a folder store runs here, in page order,
+and must not fail (tests/unit/test_docs.py parses every one, those that need a fleet included)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from renderfleet.embedded import RedisServerProcess
+from testing.docs import REPO, DocCommand, doc_commands
+from testing.fleet import base_env
+
+pytestmark = pytest.mark.integration
+
+# What runs without a GPU worker, a cloud or minutes of rendering; the rest is parsed only:
+# worker, monitor, run, bench, scale, save-model, and autoscale without --dry-run.
+RUN_HERE = {"submit", "status", "results", "resume", "server", "cancel", "delete"}
+LAST = {"cancel": 1, "delete": 2}  # a job cancelled, then deleted, only once the rest has run
+
+
+def runnable(command: DocCommand) -> bool:
+    if command.command == "autoscale":
+        return "--dry-run" in command.args and len(command.args) > 1
+    return (command.command in RUN_HERE and len(command.args) > 1) or command.args == ("status",)
+
+
+@pytest.mark.timeout(900)  # some twenty CLI starts, seconds each on a loaded machine
+def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    env["PYTHONPATH"] = str(REPO)
+    # The files the docs' commands name, in the folder they run in.
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"a fox, take {i}"}) + "\n"
+                                                    for i in range(3)))
+    pools = (REPO / "docs" / "pools.md").read_text()
+    toml = re.search(r"```toml\n(.*?)```", pools, re.S)
+    assert toml, "docs/pools.md has no pools file"
+    (tmp_path / "fleet.toml").write_text(toml.group(1))
+
+    distinct = {c.args: c for c in reversed(doc_commands()) if runnable(c)}  # shown twice: run once
+    commands = sorted(reversed(distinct.values()), key=lambda c: (c.command != "submit", LAST.get(c.command, 0)))
+    assert [c.command for c in commands[:1]] == ["submit"], commands
+    job = ""
+    ran = []
+    for command in commands:
+        args = [job if a == "JOB" else a for a in command.args]
+        out = subprocess.run([sys.executable, "-m", "renderfleet", *args], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        said = f"{command.where}: `{command.text}` exited {out.returncode}:\n{out.stderr[-2000:]}"
+        assert "Traceback" not in out.stderr, said
+        if command.command == "results" and "--manifest" not in args:
+            # documented: exit 1 while any image is missing, saying how to render them (no worker here)
+            assert out.returncode in (0, 1), said
+            assert out.returncode == 0 or "renderfleet resume" in out.stderr, said
+        else:
+            assert out.returncode == 0, said
+        if command.command == "submit":
+            job = job or out.stdout.split()[-1]
+        ran.append(" ".join(args))
+        print(f"ran {command.where}: renderfleet {' '.join(args)}", flush=True)
+    assert job and (tmp_path / "out.parquet").exists()  # results JOB --manifest out.parquet wrote it
+    assert any(r.startswith("delete ") for r in ran) and any(r.startswith("autoscale ") for r in ran), ran
