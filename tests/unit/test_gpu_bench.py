@@ -90,7 +90,20 @@ def test_the_dry_runs_step_list_names_every_gpu_only_step() -> None:
         bench.done("a step nobody listed")
 
 
-def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path) -> None:
+@pytest.fixture
+def process_wide_switches() -> Any:
+    """The dry run prepares its model as for CUDA, and TF32 is process-wide: put it back for the
+    tests that run after this one in the same process (test_models checks the CPU path is untouched)."""
+    import torch
+
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32)
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]
+
+
+def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path, process_wide_switches: None) -> None:
     out = tmp_path / "gpu.json"
     # SDXL's family: fp16 on the CPU, so its VAE (force_upcast) decodes in float32; dynamo's trace for the compile
     assert main(["--tiny", "--models", "sdxl", "--runs", "1", "--batches", "1", "--compile-backend", "eager",
