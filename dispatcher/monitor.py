@@ -36,7 +36,9 @@ from dispatcher import lifecycle
 from dispatcher.resume import jobs_redis_forgot, resume, stored_names
 from dispatcher.status import job_status, jobs_of_store
 from renderfleet import celery_app, keys
+from renderfleet.celery_app import is_store_queue
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
+from renderfleet.feeder import Feeder
 from renderfleet.leases import Leases
 from renderfleet.reaper import reap_once
 from renderfleet.settings import Settings
@@ -54,6 +56,7 @@ class Monitor:
         self.leases = Leases(client, settings.lease_seconds, envelope=celery_app.envelope_factory(app))
         self.publish = celery_app.publisher(app)
         self.owner = uuid.uuid4().hex
+        self.feeder = Feeder(self.client)
         self.known_jobs: set[str] = set()
         # A job looks stalled (work left, nothing queued or running) for an instant
         # while submit registers it: act only on a job seen stalled twice in a row.
@@ -68,6 +71,9 @@ class Monitor:
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
         reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
+        for queue in self.feeder.queues():  # as every worker does: the feeding needs neither
+            if is_store_queue(queue, self.store.url):
+                self.feeder.feed(queue)
         audit_due = time.monotonic() - self.audited_at >= self.settings.audit_seconds
         if audit_due:
             self.audited_at = time.monotonic()
@@ -92,7 +98,7 @@ class Monitor:
                 finished.append((job, job_state.done))
             # A cancelled job has nothing queued or running on purpose: never resumed for that.
             stalled = not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 \
-                and job_state.cancelled is None
+                and job_state.pending == 0 and job_state.cancelled is None
             confirmed = stalled and job in self.stalled
             if stalled and not confirmed:
                 self.stalled.add(job)

@@ -25,8 +25,8 @@ def _money(value: float | None, digits: int = 2) -> str:
 
 def _job_row(j: JobStatus) -> list[str]:
     gpu = sum(j.gpu_seconds.values())
-    return [j.job, f"{j.done}/{j.total}", str(j.failed), str(j.queued), str(j.in_flight),
-            f"{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}",
+    return [j.job, f"{j.priority}/{j.share}", f"{j.done}/{j.total}", str(j.failed), str(j.pending + j.queued),
+            str(j.in_flight), f"{j.shards_pending}/{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}",
             "cancelled" if j.cancelled is not None else _eta(j.eta_seconds),
             f"{j.redeliveries}/{j.wasted_images}", f"{gpu:,.0f}", _money(j.cost), _money(j.cost_per_image, 5)]
 
@@ -49,7 +49,7 @@ def render_status(fleet: FleetStatus) -> RenderableType:
     parts: list[RenderableType] = []
     if fleet.jobs:
         jobs = Table(title="jobs")
-        for col in ("job", "done", "failed", "queued", "in flight", "shards q/r", "img/min", "ETA",
+        for col in ("job", "prio/share", "done", "failed", "waiting", "in flight", "shards p/q/r", "img/min", "ETA",
                     "redelivered/lost", "GPU s", "cost", "per image"):
             jobs.add_column(col, justify="left" if col == "job" else "right")
         for j in fleet.jobs:
@@ -62,7 +62,7 @@ def render_status(fleet: FleetStatus) -> RenderableType:
                           "set RENDERFLEET_STORE to see them)"))
     sizes = fleet.pool_sizes()
     if fleet.backlog_seconds or fleet.desired:
-        parts.append(Text(f"backlog: {fleet.backlog_seconds:,.0f} s of work (queued and in flight), "
+        parts.append(Text(f"backlog: {fleet.backlog_seconds:,.0f} s of work (pending, queued and in flight), "
                           f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step"))
     if fleet.desired:
         parts.append(Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted"
@@ -70,8 +70,9 @@ def render_status(fleet: FleetStatus) -> RenderableType:
     queues = Table(title=f"queues of store {fleet.store}" if fleet.store else "queues")
     queues.add_column("queue")
     queues.add_column("depth (shards)", justify="right")
+    queues.add_column("pending (shards)", justify="right")
     for name, depth in fleet.queues.items():
-        queues.add_row(name, str(depth))
+        queues.add_row(name, str(depth), str(fleet.pending.get(name, 0)))
     parts.append(queues)
     if fleet.workers:
         workers = Table(title="workers")

@@ -105,6 +105,30 @@ def publisher(app: Celery) -> Callable[[str], None]:
 Envelope = Callable[[str, str, str], str]
 
 
+def _template(app: Celery) -> tuple[dict[str, object], str]:
+    """Celery's protocol-2 headers for our task (built once) and its body's embed, as JSON."""
+    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={},
+                                   argsrepr="", kwargsrepr="{}")
+    return dict(template.headers), json.dumps(template.body[2])
+
+
+def _envelope(headers: dict[str, object], body: str, queue: str, task_id: str, argsrepr: str, tag: str) -> str:
+    return json.dumps({
+        "body": body,
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
+        "properties": {
+            "correlation_id": task_id,
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": tag,
+        },
+    })
+
+
 def envelope_factory(app: Celery) -> Envelope:
     """A function (message JSON, queue, short description) -> the kombu envelope.
 
@@ -114,29 +138,29 @@ def envelope_factory(app: Celery) -> Envelope:
     shards in pipelined batches, and to re-queue a shard whose kombu copy is
     gone (Redis lost it) without a Python round trip in the reaper.
     """
-    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={},
-                                   argsrepr="", kwargsrepr="{}")
-    headers = dict(template.headers)
-    embed = json.dumps(template.body[2])
+    headers, embed = _template(app)
     dumps = json.dumps
     b64 = base64.b64encode
 
     def build(message: str, queue: str, argsrepr: str) -> str:
         task_id = str(uuid.uuid4())
         body = f"[[{dumps(message)}],{{}},{embed}]".encode()
-        return dumps({
-            "body": b64(body).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
-            "properties": {
-                "correlation_id": task_id,
-                "delivery_mode": 2,
-                "delivery_info": {"exchange": "", "routing_key": queue},
-                "priority": 0,
-                "body_encoding": "base64",
-                "delivery_tag": str(uuid.uuid4()),
-            },
-        })
+        return _envelope(headers, b64(body).decode(), queue, task_id, argsrepr, str(uuid.uuid4()))
 
     return build
+
+
+# The feeder's slots in a job's envelope template (renderfleet/lua/feed.lua fills them).
+FEED_SLOTS = {"body": "@B@", "id": "@I@", "argsrepr": "@A@", "tag": "@T@"}
+
+
+def feed_template(app: Celery, queue: str, head: str) -> dict[str, str]:
+    """What the feeder builds a shard's envelope from, per job (``keys.job``: feed_env, feed_pre,
+    feed_post): :func:`envelope_factory`'s envelope with slots for its body, ids and argsrepr,
+    and the body's text before and after a shard's ``,"shard":N,"first":F,"count":C``
+    (``head`` is ``spec.message_head``).  ``tests/unit/test_feed.py`` holds the two equal."""
+    headers, embed = _template(app)
+    slot = FEED_SLOTS
+    env = _envelope(headers, slot["body"], queue, slot["id"], slot["argsrepr"], slot["tag"])
+    quoted = json.dumps(head)  # the message as a JSON string, its closing quote dropped below
+    return {"feed_env": env, "feed_pre": f"[[{quoted[:-1]}", "feed_post": f'}}"],{{}},{embed}]'}

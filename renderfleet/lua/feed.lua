@@ -1,0 +1,86 @@
+-- The feeder: top a queue up from its jobs' pending shards, highest priority
+-- first and round-robin (weighted by share) among jobs of one priority, until
+-- the queue holds `target` messages.  One script, so any process may run it at
+-- any time (every worker at each claim and reaper tick, the monitor, submit and
+-- resume): nothing depends on one of them (docs/design.md, "Pending work and
+-- the feeder").
+--
+-- A pending shard is its number in the job's pending list ('p' in its shards
+-- hash); its message is built here from the job's template (keys.job: feed_env,
+-- feed_pre, feed_post), pushed as kombu's Redis transport pushes (LPUSH: the
+-- back; consumers BRPOP the right end), and recorded like any push (common.lua),
+-- so the audit, cancel and claim treat it as any other message.  A ref whose
+-- shard is no longer 'p' (cancelled, finished, queued by an audit) is dropped.
+--
+-- KEYS[1] queue, KEYS[2] active (zset job -> feed score, keys.active),
+-- KEYS[3] enqueued, KEYS[4] seq, KEYS[5] queues
+-- ARGV[1] target (messages the queue should hold), ARGV[2] most steps this call,
+-- ARGV[3] job key prefix, ARGV[4] queued prefix
+-- Returns the number of messages pushed.
+local queue, active, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
+
+local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+local function b64(s)
+  local out = {}
+  for i = 1, #s, 3 do
+    local a, b, c = string.byte(s, i, i + 2)
+    local n = a * 65536 + (b or 0) * 256 + (c or 0)
+    local d1, d2 = math.floor(n / 262144) % 64, math.floor(n / 4096) % 64
+    local d3, d4 = math.floor(n / 64) % 64, n % 64
+    out[#out + 1] = string.sub(B64, d1 + 1, d1 + 1) .. string.sub(B64, d2 + 1, d2 + 1)
+      .. (b and string.sub(B64, d3 + 1, d3 + 1) or '=') .. (c and string.sub(B64, d4 + 1, d4 + 1) or '=')
+  end
+  return table.concat(out)
+end
+
+local t = redis.call('TIME')
+local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
+local length = redis.call('LLEN', queue)
+local pushed = 0
+while length < target and steps > 0 do
+  steps = steps - 1
+  local top = redis.call('ZRANGE', active, 0, 0)
+  if #top == 0 then
+    break
+  end
+  local job = top[1]
+  local job_key = job_prefix .. job
+  local pending = job_key .. ':pending'
+  local f = redis.call('HMGET', job_key, 'cancelled', 'feed_env', 'feed_pre', 'feed_post', 'shard_size',
+                       'total', 'stride')
+  local shard = false
+  if not f[1] and f[2] then
+    shard = redis.call('LPOP', pending)
+  end
+  if not shard then
+    -- Nothing pending (or cancelled, deleted): the job leaves the rotation until publish.lua adds it again.
+    redis.call('ZREM', active, job)
+  else
+    local shards = job_key .. ':shards'
+    if redis.call('HGET', shards, shard) == 'p' then
+      local size, total = tonumber(f[5]), tonumber(f[6])
+      local first = tonumber(shard) * size
+      local count = math.min(size, total - first)
+      local body = f[3] .. ',\\"shard\\":' .. shard .. ',\\"first\\":' .. first .. ',\\"count\\":' .. count .. f[4]
+      local n = redis.call('INCR', seq_key)
+      local id = 'rf-' .. stamp .. '-' .. n
+      local tag = 'rft-' .. stamp .. '-' .. n
+      local env = string.gsub(f[2], '@B@', b64(body))
+      env = string.gsub(env, '@I@', id)
+      env = string.gsub(env, '@A@', job .. ':' .. shard)
+      env = string.gsub(env, '@T@', tag)
+      redis.call('LPUSH', queue, env)
+      record_enqueue(enqueued, seq_key, queues, queued_prefix, job .. ':' .. shard, queue, 'b', tag)
+      redis.call('HSET', shards, shard, 'q')
+      pushed = pushed + 1
+      length = length + 1
+    end
+    if redis.call('LLEN', pending) == 0 then
+      redis.call('ZREM', active, job)
+    else
+      redis.call('ZINCRBY', active, tonumber(f[7] or '1') or 1, job)
+    end
+  end
+end
+return pushed
