@@ -20,18 +20,29 @@
 local queue, active, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 
-local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+-- Base64 (Redis's Lua has none): four output bytes per three input bytes, by table lookup.
+local B64 = {}
+for i, c in ipairs({string.byte('ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/', 1, 64)}) do
+  B64[i - 1] = c
+end
+local PAD = string.byte('=')
 local function b64(s)
-  local out = {}
+  local out, parts, k = {}, {}, 0
   for i = 1, #s, 3 do
     local a, b, c = string.byte(s, i, i + 2)
     local n = a * 65536 + (b or 0) * 256 + (c or 0)
-    local d1, d2 = math.floor(n / 262144) % 64, math.floor(n / 4096) % 64
-    local d3, d4 = math.floor(n / 64) % 64, n % 64
-    out[#out + 1] = string.sub(B64, d1 + 1, d1 + 1) .. string.sub(B64, d2 + 1, d2 + 1)
-      .. (b and string.sub(B64, d3 + 1, d3 + 1) or '=') .. (c and string.sub(B64, d4 + 1, d4 + 1) or '=')
+    out[k + 1] = B64[math.floor(n / 262144)]
+    out[k + 2] = B64[math.floor(n / 4096) % 64]
+    out[k + 3] = b and B64[math.floor(n / 64) % 64] or PAD
+    out[k + 4] = c and B64[n % 64] or PAD
+    k = k + 4
+    if k >= 4000 then
+      parts[#parts + 1] = string.char(unpack(out, 1, k))
+      k = 0
+    end
   end
-  return table.concat(out)
+  parts[#parts + 1] = string.char(unpack(out, 1, k))
+  return table.concat(parts)
 end
 
 local t = redis.call('TIME')
