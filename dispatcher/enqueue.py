@@ -110,10 +110,9 @@ def forget_counts(client: redis.Redis, job: str) -> None:
 def _feed_fields(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, store: str,
                  priority: int, share: int) -> None:
     """What the feeder needs of a job (keys.job): its envelope template, cut, priority and share."""
-    fields: dict[str, bytes | str | int | float] = dict(
-        celery_app.feed_template(app, queue, message_head(spec, queue, store)))
-    fields.update(shard_size=spec.shard_size, priority=priority, share=share, stride=feeder.stride(share))
-    client.hset(keys.job(spec.job), mapping=fields)  # type: ignore[arg-type]  # redis-py's Mapping is invariant
+    client.hset(keys.job(spec.job), mapping={
+        "feed": celery_app.feed_template(app, queue, message_head(spec, queue, store)),
+        "shard_size": spec.shard_size, "priority": priority, "share": share, "stride": feeder.stride(share)})
 
 
 def start_feeding(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, *, store: str,

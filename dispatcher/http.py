@@ -61,7 +61,7 @@ class FleetCollector:
         yield g
         g = GaugeMetricFamily("renderfleet_shards", "Shards of unfinished jobs by state", labels=["state"])
         g.add_metric(["pending"], sum(j.shards_pending for j in fleet.jobs if j.cancelled is None))
-        g.add_metric(["queued"], sum(j.shards_queued for j in fleet.jobs))
+        g.add_metric(["queued"], sum(j.shards_queued - j.shards_pending for j in fleet.jobs))
         g.add_metric(["running"], sum(j.shards_running for j in fleet.jobs))
         yield g
         g = GaugeMetricFamily("renderfleet_jobs", "Jobs by state", labels=["state"])

@@ -98,7 +98,7 @@ class Monitor:
                 finished.append((job, job_state.done))
             # A cancelled job has nothing queued or running on purpose: never resumed for that.
             stalled = not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 \
-                and job_state.pending == 0 and job_state.cancelled is None
+                and job_state.cancelled is None
             confirmed = stalled and job in self.stalled
             if stalled and not confirmed:
                 self.stalled.add(job)

@@ -25,8 +25,9 @@ def _money(value: float | None, digits: int = 2) -> str:
 
 def _job_row(j: JobStatus) -> list[str]:
     gpu = sum(j.gpu_seconds.values())
-    return [j.job, f"{j.priority}/{j.share}", f"{j.done}/{j.total}", str(j.failed), str(j.pending + j.queued),
-            str(j.in_flight), f"{j.shards_pending}/{j.shards_queued}/{j.shards_running}", f"{j.images_per_minute:,.1f}",
+    return [j.job, f"{j.priority}/{j.share}", f"{j.done}/{j.total}", str(j.failed), str(j.queued),
+            str(j.in_flight), f"{j.shards_pending}/{j.shards_queued - j.shards_pending}/{j.shards_running}",
+            f"{j.images_per_minute:,.1f}",
             "cancelled" if j.cancelled is not None else _eta(j.eta_seconds),
             f"{j.redeliveries}/{j.wasted_images}", f"{gpu:,.0f}", _money(j.cost), _money(j.cost_per_image, 5)]
 
@@ -49,7 +50,7 @@ def render_status(fleet: FleetStatus) -> RenderableType:
     parts: list[RenderableType] = []
     if fleet.jobs:
         jobs = Table(title="jobs")
-        for col in ("job", "prio/share", "done", "failed", "waiting", "in flight", "shards p/q/r", "img/min", "ETA",
+        for col in ("job", "prio/share", "done", "failed", "queued", "in flight", "shards p/q/r", "img/min", "ETA",
                     "redelivered/lost", "GPU s", "cost", "per image"):
             jobs.add_column(col, justify="left" if col == "job" else "right")
         for j in fleet.jobs:

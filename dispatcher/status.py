@@ -51,8 +51,8 @@ class JobStatus:
     cost: float | None = None  # gpu_seconds x each pool's price per hour; None without prices
     cost_per_image: float | None = None
     cancelled: float | None = None  # when it was cancelled (unix time); None unless it is
-    pending: int = 0  # prompts of shards waiting for the feeder (not yet on a queue)
-    shards_pending: int = 0
+    pending: int = 0  # of the queued prompts, those of shards still pending (the feeder has not queued them)
+    shards_pending: int = 0  # of shards_queued, those still pending
     priority: int = spec.DEFAULT_PRIORITY  # how the feeder ranks it (0 lowest to 9)
     share: int = spec.DEFAULT_SHARE  # its weight among the jobs of its priority
     queue: str = ""  # the queue its shards are fed to
@@ -228,12 +228,12 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         if keys.text(state) == ShardState.CANCELLED:
             continue  # parked: in no queue and not leased, until the job is resumed
         n = _int(left.get(shard), keys.left(job))
-        if keys.text(state) == ShardState.QUEUED:
-            queued += n
+        if keys.text(state) in (ShardState.QUEUED, ShardState.PENDING):
+            queued += n  # waiting for a worker: in a queue, or pending for the feeder
             shards_queued += 1
-        elif keys.text(state) == ShardState.PENDING:
-            pending += n
-            shards_pending += 1
+            if keys.text(state) == ShardState.PENDING:
+                pending += n
+                shards_pending += 1
         else:
             running += n
             shards_running += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 from collections.abc import Callable
 
@@ -152,15 +153,22 @@ def envelope_factory(app: Celery) -> Envelope:
 
 # The feeder's slots in a job's envelope template (renderfleet/lua/feed.lua fills them).
 FEED_SLOTS = {"body": "@B@", "id": "@I@", "argsrepr": "@A@", "tag": "@T@"}
+_SLOT = re.compile("@([BIAT])@")
 
 
-def feed_template(app: Celery, queue: str, head: str) -> dict[str, str]:
-    """What the feeder builds a shard's envelope from, per job (``keys.job``: feed_env, feed_pre,
-    feed_post): :func:`envelope_factory`'s envelope with slots for its body, ids and argsrepr,
-    and the body's text before and after a shard's ``,"shard":N,"first":F,"count":C``
-    (``head`` is ``spec.message_head``).  ``tests/unit/test_feed.py`` holds the two equal."""
+def feed_template(app: Celery, queue: str, head: str) -> str:
+    """What the feeder builds a shard's envelope from, per job (``keys.job`` ``feed``, JSON):
+    ``parts``, :func:`envelope_factory`'s envelope cut at its slots (text, slot letter, text, ...:
+    B body, I task id, A argsrepr, T delivery tag); ``pre``, the base64 of the body up to a
+    shard's ``,"shard":N,"first":F,"count":C`` (``head`` is ``spec.message_head``), padded with
+    JSON's own spaces to a multiple of 3 bytes so that its encoding is a prefix of the whole
+    body's; ``post``, the body after it.  ``tests/integration/test_feed.py`` holds the feeder's
+    envelopes to ``envelope_factory``'s."""
     headers, embed = _template(app)
     slot = FEED_SLOTS
     env = _envelope(headers, slot["body"], queue, slot["id"], slot["argsrepr"], slot["tag"])
     quoted = json.dumps(head)  # the message as a JSON string, its closing quote dropped below
-    return {"feed_env": env, "feed_pre": f"[[{quoted[:-1]}", "feed_post": f'}}"],{{}},{embed}]'}
+    pre = f"[[{quoted[:-1]}"
+    pre = f"[{' ' * (-len(pre) % 3)}{pre[1:]}"  # json.dumps wrote ASCII: a character is a byte
+    return json.dumps({"parts": _SLOT.split(env), "pre": base64.b64encode(pre.encode()).decode(),
+                       "post": f'}}"],{{}},{embed}]'})

@@ -42,9 +42,8 @@ def job(job_id: str) -> str:
     checkpoint read), cancelled (unix time of ``renderfleet cancel``; cleared by a
     resume or submit; the store's ``spec.cancelled_key`` marker outlives a Redis that
     loses its memory), priority and share (how the feeder ranks it), and what the feeder
-    builds its messages from: feed_env (the kombu envelope with @B@ @I@ @A@ @T@ for body,
-    task id, argsrepr and delivery tag), feed_pre and feed_post (the body around a shard's
-    range), shard_size, stride (:data:`FEED_STRIDE` // share).
+    builds its messages from: feed (the job's envelope template, JSON:
+    ``celery_app.feed_template``), shard_size, stride (:data:`FEED_STRIDE` // share).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
     store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;

@@ -6,8 +6,9 @@
 -- the feeder").
 --
 -- A pending shard is its number in the job's pending list ('p' in its shards
--- hash); its message is built here from the job's template (keys.job: feed_env,
--- feed_pre, feed_post), pushed as kombu's Redis transport pushes (LPUSH: the
+-- hash); its message is built here from the job's template (keys.job: feed, from
+-- celery_app.feed_template: the envelope cut at its slots, the body's head already
+-- base64-encoded), pushed as kombu's Redis transport pushes (LPUSH: the
 -- back; consumers BRPOP the right end), and recorded like any push (common.lua),
 -- so the audit, cancel and claim treat it as any other message.  A ref whose
 -- shard is no longer 'p' (cancelled, finished, queued by an audit) is dropped.
@@ -47,6 +48,7 @@ end
 
 local t = redis.call('TIME')
 local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
+local templates = {}  -- job -> its decoded template, once per call
 local length = redis.call('LLEN', queue)
 local pushed = 0
 while length < target and steps > 0 do
@@ -58,8 +60,7 @@ while length < target and steps > 0 do
   local job = top[1]
   local job_key = job_prefix .. job
   local pending = job_key .. ':pending'
-  local f = redis.call('HMGET', job_key, 'cancelled', 'feed_env', 'feed_pre', 'feed_post', 'shard_size',
-                       'total', 'stride')
+  local f = redis.call('HMGET', job_key, 'cancelled', 'feed', 'shard_size', 'total', 'stride')
   local shard = false
   if not f[1] and f[2] then
     shard = redis.call('LPOP', pending)
@@ -70,18 +71,28 @@ while length < target and steps > 0 do
   else
     local shards = job_key .. ':shards'
     if redis.call('HGET', shards, shard) == 'p' then
-      local size, total = tonumber(f[5]), tonumber(f[6])
+      local tmpl = templates[job]
+      if not tmpl then
+        tmpl = cjson.decode(f[2])
+        templates[job] = tmpl
+      end
+      local size, total = tonumber(f[3]), tonumber(f[4])
       local first = tonumber(shard) * size
       local count = math.min(size, total - first)
-      local body = f[3] .. ',\\"shard\\":' .. shard .. ',\\"first\\":' .. first .. ',\\"count\\":' .. count .. f[4]
+      -- The body's head is encoded already (its length a multiple of 3): only the rest is encoded here.
+      local rest = ',\\"shard\\":' .. shard .. ',\\"first\\":' .. first .. ',\\"count\\":' .. count .. tmpl.post
       local n = redis.call('INCR', seq_key)
-      local id = 'rf-' .. stamp .. '-' .. n
-      local tag = 'rft-' .. stamp .. '-' .. n
-      local env = string.gsub(f[2], '@B@', b64(body))
-      env = string.gsub(env, '@I@', id)
-      env = string.gsub(env, '@A@', job .. ':' .. shard)
-      env = string.gsub(env, '@T@', tag)
-      redis.call('LPUSH', queue, env)
+      local values = {B = tmpl.pre .. b64(rest), I = 'rf-' .. stamp .. '-' .. n, A = job .. ':' .. shard,
+                      T = 'rft-' .. stamp .. '-' .. n}
+      local env, parts = {}, tmpl.parts
+      for i = 1, #parts, 2 do
+        env[i] = parts[i]
+        if parts[i + 1] then
+          env[i + 1] = values[parts[i + 1]]
+        end
+      end
+      local tag = values.T
+      redis.call('LPUSH', queue, table.concat(env))
       record_enqueue(enqueued, seq_key, queues, queued_prefix, job .. ':' .. shard, queue, 'b', tag)
       redis.call('HSET', shards, shard, 'q')
       pushed = pushed + 1
@@ -90,7 +101,7 @@ while length < target and steps > 0 do
     if redis.call('LLEN', pending) == 0 then
       redis.call('ZREM', active, job)
     else
-      redis.call('ZINCRBY', active, tonumber(f[7] or '1') or 1, job)
+      redis.call('ZINCRBY', active, tonumber(f[5] or '1') or 1, job)
     end
   end
 end

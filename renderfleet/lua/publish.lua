@@ -30,7 +30,7 @@
 -- KEYS[6] failed bits, KEYS[7] enqueued, KEYS[8] seq, KEYS[9] queues,
 -- KEYS[10] unacked, KEYS[11] unacked_idx, KEYS[12] consumed (hash queue -> highest seq claimed),
 -- KEYS[13] pending (the job's list), KEYS[14] active (zset job -> feed score), KEYS[15] job
--- (its hash: a job joins the rotation once it has its envelope template, feed_env)
+-- (its hash: a job joins the rotation once it has its envelope template, feed)
 -- ARGV[1] job, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] side
 -- ('b' back, 'f' front, 'p' pending, 'n' none, 'c' parked), ARGV[5] force ('1' or ''),
 -- ARGV[6] the job's feed band (keys.FEED_BAND * (9 - priority)), ARGV[7] keys.FEED_BAND,
@@ -143,7 +143,7 @@ end
 
 -- A job with pending shards is in its queue's rotation: at its priority's band, with the
 -- least pass of the jobs there (a newcomer neither waits for nor overtakes the others).
-if side == 'p' and redis.call('LLEN', pending) > 0 and redis.call('HEXISTS', job_key, 'feed_env') == 1 then
+if side == 'p' and redis.call('LLEN', pending) > 0 and redis.call('HEXISTS', job_key, 'feed') == 1 then
   local score = redis.call('ZSCORE', active, job)
   if not score or tonumber(score) < band or tonumber(score) >= band + band_width then
     local low = redis.call('ZRANGEBYSCORE', active, band, '(' .. (band + band_width), 'WITHSCORES', 'LIMIT', 0, 1)

@@ -78,8 +78,8 @@ def test_the_feeders_message_is_the_one_python_builds_and_passes_the_workers_che
         message = json.loads(json.loads(base64.b64decode(fed["body"]))[0][0])
         assert message == json.loads(message_encoder(spec, QUEUE, STORE)(shard)) and message_problems(message) == []
         assert fed["headers"]["argsrepr"] == f"j-feed:{shard}"
-        if shard == 2:  # byte for byte the body Python builds; the rest but its ids
-            assert fed["body"] == python["body"]
+        if shard == 2:  # the body Python builds (but JSON's spaces); the rest but its ids
+            assert json.loads(base64.b64decode(fed["body"])) == json.loads(base64.b64decode(python["body"]))
             ids = ("id", "root_id", "argsrepr")
             assert {k: v for k, v in fed["headers"].items() if k not in ids} == \
                 {k: v for k, v in python["headers"].items() if k not in ids}
@@ -140,7 +140,7 @@ def test_a_cancelled_jobs_pending_shards_are_never_fed_and_resume_pends_them_onc
     pend(client, redis_server.url, job_spec("j-other", 1))
     feeder.feed(QUEUE, target=1)  # j-c:0 on the queue, the rest pending
     counts = lifecycle._cancel(client, spec.job, fence=False)
-    assert (counts.removed, counts.parked) == (1, 4)
+    assert (counts.removed, counts.parked) == (4, 4)  # one message out of the queue, three pending dropped
     assert client.llen(keys.pending(spec.job)) == 0 and client.zscore(keys.active(QUEUE), spec.job) is None
     assert order(client, feeder, 5) == ["j-other:0"]
     # Resumed (its cancel mark cleared, the shards published again): pending, each once, however often.
