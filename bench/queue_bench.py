@@ -153,34 +153,49 @@ def feeder_rows(tmp: Path) -> list[list[str]]:
 
 
 def submit_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
+    """``renderfleet submit`` here and (``--before``) in the checkout before, taking turns, each run on an
+    emptied Redis and a store of its own."""
     path = tmp / "prompts.txt"
     make_file(path, args.submit_lines, "txt")
+    sides = {"this design": Path(__file__).resolve().parent.parent}
+    if args.before:
+        sides["the design before"] = Path(args.before).resolve()
+    walls: dict[str, list[float]] = {side: [] for side in sides}
+    peaks: dict[str, list[float]] = {side: [] for side in sides}
     server = fresh_redis(tmp, "redis-submit")
-    walls, peaks = [], []
     try:
         client = redis.Redis.from_url(server.url)
         for run in range(args.runs):
-            client.flushall()
-            env = {**os.environ, "RENDERFLEET_REDIS_URL": server.url, "RENDERFLEET_STORE": str(tmp / f"store{run}"),
-                   "RENDERFLEET_HOME": str(tmp / "home")}
-            before = used(client)
-            wall, peak, _, said = run_child("-m", "renderfleet", ["submit", str(path), "--job", f"bench-{run}",
-                                                                   "--shard-size", "100"], env)
-            grown = used(client) - before
-            walls.append(wall)
-            peaks.append(peak)
-            print(f"run {run}: submit of {args.submit_lines:,} prompts {wall:.2f} s, peak RSS {peak:.0f} MB, "
-                  f"Redis +{grown / 1e6:.1f} MB; {said.strip().splitlines()[-1]}", flush=True)
+            for side, root in sides.items():
+                client.flushall()
+                env = {**os.environ, "RENDERFLEET_REDIS_URL": server.url, "PYTHONPATH": str(root),
+                       "RENDERFLEET_STORE": str(tmp / f"store-{run}-{len(walls[side])}-{side[:4]}"),
+                       "RENDERFLEET_HOME": str(tmp / "home")}
+                before = used(client)
+                wall, peak, _, said = run_child("-m", "renderfleet", ["submit", str(path), "--job", f"bench-{run}",
+                                                                       "--shard-size", "100"], env)
+                grown = used(client) - before
+                walls[side].append(wall)
+                peaks[side].append(peak)
+                print(f"run {run}, {side}: submit of {args.submit_lines:,} prompts {wall:.2f} s, peak RSS "
+                      f"{peak:.0f} MB, Redis +{grown / 1e6:.1f} MB; {said.strip().splitlines()[-1]}", flush=True)
         client.close()
     finally:
         server.stop()
     size = path.stat().st_size / 1e6
-    spread = f"median {statistics.median(walls):.2f} s (min {min(walls):.2f}, max {max(walls):.2f}, {len(walls)} runs)"
-    return [[f"`renderfleet submit` of {args.submit_lines:,} prompts (txt, {size:.0f} MB, shards of 100; pending by "
-             "reference, its wire file and index written and stored), the CLI with its start-up",
-             f"{spread}; peak RSS by run {', '.join(f'{p:.0f}' for p in peaks)} MB",
-             "under 2 s" if args.submit_lines == 1_000_000 else "",
-             f"python -m bench.queue_bench --submit-lines {args.submit_lines} --runs {args.runs}"]]
+    rows = []
+    for side in sides:
+        w = walls[side]
+        spread = f"median {statistics.median(w):.2f} s (min {min(w):.2f}, max {max(w):.2f}, {len(w)} runs)"
+        rows.append([f"`renderfleet submit` of {args.submit_lines:,} prompts (txt, {size:.0f} MB, shards of 100), "
+                     f"{side}" + ("; pending by reference, its wire file and index written and stored"
+                                  if side == "this design" else "; every shard's message with its prompts queued")
+                     + ", the CLI with its start-up" + (", taking turns" if len(sides) > 1 else ""),
+                     f"{spread}; peak RSS by run {', '.join(f'{p:.0f}' for p in peaks[side])} MB",
+                     "under 2 s" if args.submit_lines == 1_000_000 and side == "this design" else "(for comparison)",
+                     f"python -m bench.queue_bench --submit-lines {args.submit_lines} --runs {args.runs}"
+                     + (" --before PATH" if args.before else "")])
+    return rows
 
 
 RATIO = re.compile(r"run (\d+) piped : .*: (\d+\.\d+)")
