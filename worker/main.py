@@ -214,8 +214,7 @@ def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file:
         if health_file is not None:
             health_file.touch()  # first: the probes' view must not wait on Redis
         service.touch()
-        if not service.tripped and not service.stop.requested:
-            service.feed()
+        service.feed()  # a stopping worker's feed serves the others: harmless, and never skipped by mistake
         for i, mark in enumerate(marks):
             if mark is not None and time.monotonic() >= retry_at[i] and not update_protection(mark, service.busy):
                 retry_at[i] = time.monotonic() + retry_seconds
