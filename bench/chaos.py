@@ -197,7 +197,7 @@ def reference_images(n: int, cache: Path, steps: int, *, prefix: str = "chaos pr
         wire = [f"{prefix} {i}" for i in range(start, min(n, start + shard_size))]
         msg = ShardMessage.from_dict({"job": "ref", "shard": 0, "params": params.to_dict(),
                                       "batch_size": batch_size, "queue": "q", "first": start,
-                                      "prompts": wire})
+                                      "count": len(wire)}).with_prompts(wire)
         for _, batch in msg.batches():
             for p, png in zip(batch, renderer.render(list(batch)), strict=True):
                 out[p.name] = png

@@ -33,6 +33,7 @@ from typing import Any
 import redis
 
 from bench.results import start, table, write_section
+from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
 
@@ -175,7 +176,9 @@ def main() -> None:
                 wall, peak, said = run_submit(env, path, f"bench-{run}")
                 walls.append(wall)
                 peaks.append(peak)
-                depth = client.llen(queue_name("default", env["RENDERFLEET_STORE"]))
+                # Queued or pending for the feeder (issue 23): every shard of the job waits for a worker.
+                depth = client.llen(queue_name("default", env["RENDERFLEET_STORE"])) \
+                    + client.llen(keys.pending(f"bench-{run}"))
                 s_wall, s_peak, status = run_status(env, f"bench-{run}")
                 status_walls.append(s_wall)
                 status_peaks.append(s_peak)

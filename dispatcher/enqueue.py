@@ -1,27 +1,30 @@
-"""Shards onto the queue, fast: pipelined, one small JSON message per shard.
+"""Shards into Redis, fast: pending by reference, pipelined.
 
-A shard's message is a JSON string built from the prompts' compact wire form
-(``prompts.iter_wire``) by ``spec.message_encoder``, so a prompt is serialised
-once on its way from the file to Redis.  Publishing a million prompts means
-~10,000 Celery messages; one ``send_task`` each costs about half a
-millisecond in kombu's publish path, so instead each shard's kombu envelope
-comes from :func:`renderfleet.celery_app.envelope_factory` and they are
-pushed in pipelined batches, as kombu's Redis transport would (``LPUSH``).
+Submit and resume make a job's shards *pending* (``renderfleet/lua/publish.lua``,
+side 'p'): a shard number in the job's pending list, a few bytes each, and the
+job in its queue's rotation; the feeder (``renderfleet/feeder.py``) turns them
+into messages a few at a time.  What this module writes for the feeder, once
+per call: the job's envelope template (``celery_app.feed_template``), its
+priority and share.  A shard pushed straight onto the queue (the audit's lost
+messages, ``front``) gets its kombu envelope from
+:func:`renderfleet.celery_app.envelope_factory`, as kombu's Redis transport
+would push it (``LPUSH``).  Either way a message names its shard's range, never
+a prompt (``spec.message_encoder``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
 from celery import Celery
 
-from renderfleet import celery_app, keys
+from renderfleet import celery_app, feeder, keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
 from renderfleet.errors import InputError
 from renderfleet.leases import envelope_tag, lua_script
-from renderfleet.spec import JobSpec, message_encoder
+from renderfleet.spec import JobSpec, message_encoder, message_head
 
 BATCH = 500
 
@@ -29,8 +32,7 @@ BATCH = 500
 @dataclass(frozen=True)
 class WireShard:
     """A shard ready to publish: its number, how many prompts are left to do in
-    it, its prompts in their wire form (``spec.prompt_json``) and the index of
-    its first prompt (``start``).
+    it and the index of its first prompt (``start``).
 
     ``resume`` also gives ``marks`` (one character per prompt from ``start``:
     'd' stored, 'f' quarantined, '-' to do, '?' to do unless counted since the
@@ -40,7 +42,6 @@ class WireShard:
 
     shard: int
     count: int
-    prompts_json: Sequence[str]
     marks: str = ""
     start: int = 0
 
@@ -102,47 +103,76 @@ def forget_counts(client: redis.Redis, job: str) -> None:
     images done that are not there.  Attempt numbers stay: they fence
     workers that may still hold an old lease.
     """
-    client.delete(keys.done_bits(job), keys.failed_bits(job), keys.shards(job), keys.left(job), keys.fails(job))
+    client.delete(keys.done_bits(job), keys.failed_bits(job), keys.shards(job), keys.left(job), keys.fails(job),
+                  keys.pending(job))
+
+
+def _feed_fields(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, store: str,
+                 priority: int, share: int) -> None:
+    """What the feeder needs of a job (keys.job): its envelope template, cut, priority and share."""
+    client.hset(keys.job(spec.job), mapping={
+        "feed": celery_app.feed_template(app, queue, message_head(spec, queue, store)),
+        "shard_size": spec.shard_size, "priority": priority, "share": share, "stride": feeder.stride(share)})
+
+
+def start_feeding(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, *, store: str,
+                  priority: int | None = None, share: int | None = None) -> None:
+    """Let the feeder take the job's pending shards (published with ``feed=False``), then feed once."""
+    priority = spec.priority if priority is None else priority
+    share = spec.share if share is None else share
+    _feed_fields(app, client, spec, queue, store, priority, share)
+    publish_shards(app, client, spec, queue, [], store=store, priority=priority, share=share, flush_empty=True)
+    feeder.Feeder(client).feed(queue)
 
 
 def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
                    shards: Iterable[WireShard], *, store: str, front: bool = False, force: bool = False,
-                   push: bool = True, park: bool = False) -> int:
-    """Publish every shard given, in pipelined batches; returns how many.
+                   push: bool = True, park: bool = False, pending: bool = True,
+                   priority: int | None = None, share: int | None = None, feed: bool = True,
+                   flush_empty: bool = False) -> int:
+    """Make every shard given pending, in pipelined batches; returns how many.
 
-    Each shard's state goes in with its message, in one script: a worker that
+    Each shard's state goes in with its reference, in one script: a worker that
     claims the shard must find it queued, and the monitor's audit finds the
-    push recorded (``renderfleet/lua/publish.lua``).  Returns the messages pushed:
-    a shard that is leased, whose push is recorded already, or with nothing
-    left, is not.  ``front``: next in line (shards whose turn has passed), not
-    at the back; ``force``: push even a shard whose push is recorded (one the
-    audit found lost); ``push=False``: rebuild the counts from ``marks`` only; ``park``:
-    rebuild them and park each shard with work left instead of pushing it (a cancelled job).
+    push recorded (``renderfleet/lua/publish.lua``).  Returns the shards made
+    pending (or messages pushed): a shard that is leased, pending already,
+    whose push is recorded already, or with nothing left, is not.
+    ``pending=False``: push messages onto the queue itself (the audit's lost
+    messages, ``front``: next in line, not at the back); ``force``: push even a
+    shard whose push is recorded (one the audit found lost); ``push=False``:
+    rebuild the counts from ``marks`` only; ``park``: rebuild them and park each
+    shard with work left instead of pushing it (a cancelled job).  ``priority``
+    and ``share`` (default: the spec's) rank the job for the feeder.
     """
     envelope = celery_app.envelope_factory(app)
     message = message_encoder(spec, queue, store)
     script = client.register_script(lua_script("publish"))
     job = spec.job
+    priority = spec.priority if priority is None else priority
+    share = spec.share if share is None else share
     script_keys = [queue, keys.shards(job), keys.left(job), keys.INFLIGHT,
                    keys.done_bits(job), keys.failed_bits(job), keys.ENQUEUED, keys.SEQ, keys.QUEUES,
-                   UNACKED_KEY, UNACKED_INDEX_KEY, keys.CONSUMED]
-    side = "n" if not push else "c" if park else "f" if front else "b"
+                   UNACKED_KEY, UNACKED_INDEX_KEY, keys.CONSUMED, keys.pending(job), keys.active(queue),
+                   keys.job(job)]
+    side = "n" if not push else "c" if park else "f" if front else "p" if pending and not force else "b"
+    if side == "p" and feed:
+        _feed_fields(app, client, spec, queue, store, priority, share)
     count = 0
     args: list[str | int] = []
 
     def flush() -> int:
-        if not args:
+        if not args and not flush_empty:
             return 0
         sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, side,
-                                                  "1" if force else "", *args]))
+                                                  "1" if force else "", feeder.feed_band(priority),
+                                                  keys.FEED_BAND, *args]))
         args.clear()
         return sent
 
     for shard in shards:
         # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
-        pushed = push and not park and (shard.count or not shard.marks)
-        body = message(shard.shard, shard.start, shard.prompts_json) if pushed else ""
-        env = envelope(body, queue, f"{job}:{shard.shard}") if pushed else ""
+        pushed = side in ("b", "f") and (shard.count or not shard.marks)
+        env = envelope(message(shard.shard), queue, f"{job}:{shard.shard}") if pushed else ""
         args.extend((shard.shard, shard.count, shard.start, shard.marks, env, envelope_tag(env)))
         if len(args) >= BATCH * 6:
             count += flush()

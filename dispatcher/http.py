@@ -56,8 +56,14 @@ class FleetCollector:
         for queue, depth in fleet.queues.items():
             g.add_metric([queue], depth)
         yield g
+        g = GaugeMetricFamily("renderfleet_queue_pending_shards",
+                              "Shards waiting for the feeder to put them on each queue", labels=["queue"])
+        for queue, pending in fleet.pending.items():
+            g.add_metric([queue], pending)
+        yield g
         g = GaugeMetricFamily("renderfleet_shards", "Shards of unfinished jobs by state", labels=["state"])
-        g.add_metric(["queued"], sum(j.shards_queued for j in fleet.jobs))
+        g.add_metric(["pending"], sum(j.shards_pending for j in fleet.jobs if j.cancelled is None))
+        g.add_metric(["queued"], sum(j.shards_queued - j.shards_pending for j in fleet.jobs))
         g.add_metric(["running"], sum(j.shards_running for j in fleet.jobs))
         yield g
         g = GaugeMetricFamily("renderfleet_jobs", "Jobs by state", labels=["state"])

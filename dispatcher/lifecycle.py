@@ -118,8 +118,8 @@ def _marker_time(store: Store, job: str) -> float | None:
 def _cancel(client: redis.Redis, job: str, *, fence: bool, when: str = "") -> Cancelled:
     removed, parked, leased = client.register_script(lua_script("cancel"))(
         keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
-              UNACKED_KEY, UNACKED_INDEX_KEY],
-        args=[job, keys.QUEUED_PREFIX, "1" if fence else "", when],
+              UNACKED_KEY, UNACKED_INDEX_KEY, keys.pending(job)],
+        args=[job, keys.QUEUED_PREFIX, "1" if fence else "", when, keys.ACTIVE_PREFIX],
     )
     return Cancelled(int(removed), int(parked), int(leased))
 
@@ -130,8 +130,9 @@ def forget(client: redis.Redis, job: str, store: str, reason: str) -> int:
     return int(client.register_script(lua_script("forget"))(
         keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
               UNACKED_KEY, UNACKED_INDEX_KEY, keys.JOBS, keys.done_bits(job), keys.failed_bits(job),
-              keys.left(job), keys.job_stats(job), keys.progress(job), keys.fails(job)],
-        args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, store, reason, keys.TOMBSTONE_SECONDS],
+              keys.left(job), keys.job_stats(job), keys.progress(job), keys.fails(job), keys.pending(job)],
+        args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, store, reason, keys.TOMBSTONE_SECONDS,
+              keys.ACTIVE_PREFIX],
     ))
 
 

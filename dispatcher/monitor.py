@@ -36,7 +36,9 @@ from dispatcher import lifecycle
 from dispatcher.resume import jobs_redis_forgot, resume, stored_names
 from dispatcher.status import job_status, jobs_of_store, publish_prices
 from renderfleet import celery_app, keys
+from renderfleet.celery_app import is_store_queue
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
+from renderfleet.feeder import Feeder
 from renderfleet.leases import Leases
 from renderfleet.reaper import reap_once
 from renderfleet.settings import Settings
@@ -54,6 +56,7 @@ class Monitor:
         self.leases = Leases(client, settings.lease_seconds, envelope=celery_app.envelope_factory(app))
         self.publish = celery_app.publisher(app)
         self.owner = uuid.uuid4().hex
+        self.feeder = Feeder(self.client)
         self.known_jobs: set[str] = set()
         # A job looks stalled (work left, nothing queued or running) for an instant
         # while submit registers it: act only on a job seen stalled twice in a row.
@@ -70,6 +73,9 @@ class Monitor:
         # a monitor given the pools' config tells status their prices (so does the autoscaler)
         publish_prices(self.client, self.store.url, {n: p.price_per_hour for n, p in self.settings.pools.items()})
         reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
+        for queue in self.feeder.queues():  # as every worker does: the feeding needs neither
+            if is_store_queue(queue, self.store.url):
+                self.feeder.feed(queue)
         audit_due = time.monotonic() - self.audited_at >= self.settings.audit_seconds
         if audit_due:
             self.audited_at = time.monotonic()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +25,10 @@ from celery import Celery
 
 from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
-from renderfleet import keys, prompts, spec
+from renderfleet import keys, prompts, shardfile, spec
 from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.feeder import Feeder
 from renderfleet.spec import JobSpec, job_id_problem, store_identity, wire_name
 from renderfleet.store import Store
 
@@ -103,7 +104,8 @@ def _bit(bitmap: bytes, i: int) -> bool:
 
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
            only: set[int] | None = None, front: bool = False, lost: bool = False,
-           push: bool = True, uncancel: bool = False) -> ResumeReport:
+           push: bool = True, uncancel: bool = False, priority: int | None = None,
+           share: int | None = None) -> ResumeReport:
     """Correct Redis's counts of ``job`` (or of its shards ``only``) to the store, and
     enqueue every shard with a prompt the store does not hold that is in no queue,
     not leased and not finished.
@@ -113,7 +115,13 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     ``push=False``: correct the counts only (``results``);
     ``uncancel``: the user's own ``resume`` or ``submit``, which continues a cancelled job.
     Without it (the monitor) a cancelled job stays cancelled: registered, its counts
-    corrected, nothing pushed (``dispatcher/lifecycle.py``).
+    corrected, nothing pushed (``dispatcher/lifecycle.py``); ``priority``, ``share``:
+    how the feeder ranks the job from now on (default: as it was, else as submitted).
+
+    Shards go back as pending references for the feeder (a shard pending already is
+    left as it is, so a resume never adds a second copy); ``front`` and ``lost`` push
+    messages onto the queue itself.  A job stored without its wire file (an older
+    version's) gets one, written from the stored prompt file in the same read.
 
     One read of the stored prompt file.  Commits racing this are safe: the bits
     are read *before* the store is listed, so a count the listing does not
@@ -139,8 +147,15 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     done_bits, failed_bits = (bytes(b or b"") for b in pipe.execute())
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
+    was_priority, was_share = client.hmget(keys.job(job), "priority", "share")
+    priority = int(was_priority) if priority is None and was_priority else priority
+    share = int(was_share) if share is None and was_share else share
     enqueue.register_job(client, job_spec, queue, owner, stored=True)
     missing = 0
+    wire_missing = push and not store.exists(spec.wire_index_key(job))
+    tmp = tempfile.TemporaryDirectory(prefix="rf-wire-") if wire_missing else None
+    wire_out = open(Path(tmp.name) / "wire.jsonl", "wb") if tmp else None  # noqa: SIM115  # closed below
+    writer = shardfile.WireWriter(wire_out, job_spec.shard_size) if wire_out else None
 
     def shards() -> Iterator[WireShard]:
         nonlocal missing
@@ -149,6 +164,8 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
         shard = 0
         for i, (name, line) in enumerate(stored_prompts(store, job_spec)):
             current.append(line)
+            if writer is not None and (len(current) == job_spec.shard_size or i == job_spec.total - 1):
+                list(writer.shards(current))  # one shard's lines, its offset kept
             if name in images or name in quarantined:
                 marks.append("d" if name in images else "f")
             else:
@@ -157,13 +174,30 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 if only is None or shard in only:
                     text = "".join(marks)
                     missing += text.count("-")
-                    yield WireShard(shard, text.count("-") + text.count("?"), current, marks=text,
+                    yield WireShard(shard, text.count("-") + text.count("?"), marks=text,
                                     start=shard * job_spec.shard_size)
                 shard += 1
                 current, marks = [], []
 
-    sent = enqueue.publish_shards(app, client, job_spec, queue, shards(), store=owner, front=front, force=lost,
-                                  push=push, park=held is not None)
+    try:
+        if writer is not None and wire_out is not None and tmp is not None:
+            cut = list(shards())  # the whole file read before any shard is fed: it reads the wire file
+            wire_out.close()
+            store.put_file(spec.wire_key(job), Path(tmp.name) / "wire.jsonl")
+            store.put(spec.wire_index_key(job), writer.index())
+            listed: Iterable[WireShard] = cut
+        else:
+            listed = shards()
+        sent = enqueue.publish_shards(app, client, job_spec, queue, listed, store=owner, front=front, force=lost,
+                                      push=push, park=held is not None, pending=not (front or lost),
+                                      priority=priority, share=share)
+    finally:
+        if wire_out is not None:
+            wire_out.close()
+        if tmp is not None:
+            tmp.cleanup()
+    if sent and push and held is None:
+        Feeder(client).feed(queue)
     if held is not None:
         lifecycle.hold(client, job, held)  # cancelled again: its field, and anything pushed meanwhile out
     return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known, missing)

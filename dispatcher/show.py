@@ -150,7 +150,8 @@ def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
         Column("quarantined", 2, lambda j: Text(f"{j.quarantined:,}", style="red" if j.quarantined else "")),
         Column("queued", 8, lambda j: f"{j.queued:,}"),
         Column("running", 9, lambda j: f"{j.in_flight:,}"),
-        Column("shards q/r", 12, lambda j: f"{j.shards_queued}/{j.shards_running}"),
+        Column("prio/share", 13, lambda j: f"{j.priority}/{j.share}"),
+        Column("shards p/q/r", 12, lambda j: f"{j.shards_pending}/{j.shards_queued - j.shards_pending}/{j.shards_running}"),
         Column("img/min", 4, lambda j: f"{j.images_per_minute:,.1f}"),
         Column("ETA", 3, _state),
         Column("redelivered/lost", 11, lambda j: f"{j.redeliveries}/{j.wasted_images}"),
@@ -211,7 +212,7 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
                           "set RENDERFLEET_STORE to see them)"))
     sizes = fleet.pool_sizes()
     if fleet.backlog_seconds or fleet.desired:
-        parts.append(Text(f"backlog: {fleet.backlog_seconds:,.0f} s of work (queued and in flight), "
+        parts.append(Text(f"backlog: {fleet.backlog_seconds:,.0f} s of work (pending, queued and in flight), "
                           f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step"))
     if fleet.desired:
         parts.append(Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted"
@@ -223,8 +224,9 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
                    pad_edge=False, title_justify="left", title_style="bold")
     queues.add_column("queue", overflow="fold")
     queues.add_column("shards", justify="right", no_wrap=True)
+    queues.add_column("pending", justify="right", no_wrap=True)
     for name, depth in fleet.queues.items():
-        queues.add_row(name, str(depth))
+        queues.add_row(name, str(depth), str(fleet.pending.get(name, 0)))
     parts += [Text(""), queues]
     if fleet.workers:
         workers, gone = fitted(console, "workers", worker_columns(ids), fleet.workers, wide=wide)

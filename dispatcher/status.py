@@ -55,6 +55,11 @@ class JobStatus:
     cost_per_image: float | None = None
     cancelled: float | None = None  # when it was cancelled (unix time); None unless it is
     failure_reasons: dict[str, int] | None = None  # most common errors of failing prompts; None when not read
+    pending: int = 0  # of the queued prompts, those of shards still pending (the feeder has not queued them)
+    shards_pending: int = 0  # of shards_queued, those still pending
+    priority: int = spec.DEFAULT_PRIORITY  # how the feeder ranks it (0 lowest to 9)
+    share: int = spec.DEFAULT_SHARE  # its weight among the jobs of its priority
+    queue: str = ""  # the queue its shards are fed to
 
     @property
     def failed(self) -> int:
@@ -102,6 +107,7 @@ class FleetStatus:
     """One store's fleet: its queues, workers, pools and jobs (a Redis may serve several stores)."""
 
     queues: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)  # queue -> shards waiting for the feeder (jobs shown)
     workers: list[dict[str, Any]] = field(default_factory=list)
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
     jobs: list[JobStatus] = field(default_factory=list)
@@ -114,7 +120,8 @@ class FleetStatus:
     prices: dict[str, float] = field(default_factory=dict)  # pool -> price per hour the costs were counted at
 
     def to_dict(self) -> dict[str, Any]:
-        return {"store": self.store, "queues": self.queues, "workers": self.workers, "pools": self.pools,
+        return {"store": self.store, "queues": self.queues, "pending": self.pending, "workers": self.workers,
+                "pools": self.pools,
                 "jobs": [j.to_dict() for j in self.jobs], "jobs_of_other_stores": self.other_stores,
                 "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
                 "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped,
@@ -220,7 +227,7 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     :class:`JobNotFound`: its counters say nothing of this store.
     """
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.job(job), "total", "spec", "store", "cancelled", "deleted", "reason")
+    pipe.hmget(keys.job(job), "total", "spec", "store", "cancelled", "deleted", "reason", "priority", "share", "queue")
     # Bits, not counters: a bit per prompt is set once whoever commits it, and
     # BITCOUNT of a million-prompt job reads 125 kB.
     pipe.bitcount(keys.done_bits(job))
@@ -230,8 +237,8 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     pipe.hgetall(keys.job_stats(job))
     pipe.lrange(keys.progress(job), 0, keys.PROGRESS_KEEP - 1)
     pipe.hvals(keys.attempts(job))
-    (total, spec_json, owner, cancelled, deleted, reason), done, failed, states, left, stats, progress, attempts = \
-        pipe.execute()
+    (total, spec_json, owner, cancelled, deleted, reason, priority, share, queue), done, failed, states, left, stats, \
+        progress, attempts = pipe.execute()
     if (total is not None or deleted is not None) and store is not None and owner \
             and keys.text(owner) != store_identity(store.url):
         raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store "
@@ -247,15 +254,19 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         quarantined = stored_names(store, job, "quarantine") - images
         return JobStatus(job, job_spec.total, len(images), len(quarantined), 0, 0, job_spec.shards, 0, 0, False,
                          _megapixel_steps(job_spec.params.to_dict()),
-                         cancelled=lifecycle.cancelled_at(client, store, job))
-    queued = running = shards_queued = shards_running = 0
+                         cancelled=lifecycle.cancelled_at(client, store, job), priority=job_spec.priority,
+                         share=job_spec.share)
+    queued = running = shards_queued = shards_running = pending = shards_pending = 0
     for shard, state in states.items():
         if keys.text(state) == ShardState.CANCELLED:
             continue  # parked: in no queue and not leased, until the job is resumed
         n = _int(left.get(shard), keys.left(job))
-        if keys.text(state) == ShardState.QUEUED:
-            queued += n
+        if keys.text(state) in (ShardState.QUEUED, ShardState.PENDING):
+            queued += n  # waiting for a worker: in a queue, or pending for the feeder
             shards_queued += 1
+            if keys.text(state) == ShardState.PENDING:
+                pending += n
+                shards_pending += 1
         else:
             running += n
             shards_running += 1
@@ -269,13 +280,27 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         malformed(f"{keys.job(job)} spec", spec_json, "not a job's spec")
         shards, mpsteps = 0, 0.0
     result = JobStatus(job, _int(total, f"{keys.job(job)} total"), _int(done), _int(failed), queued, running, shards,
-                       shards_queued, shards_running, True, mpsteps)
+                       shards_queued, shards_running, True, mpsteps, pending=pending, shards_pending=shards_pending,
+                       priority=_ranked(priority, "priority", registered, keys.job(job)),
+                       share=_ranked(share, "share", registered, keys.job(job)), queue=keys.text(queue))
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
     _add_progress(result, counter_hash(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
     if cancelled is not None:
         result.cancelled, result.eta_seconds = float(cancelled), None
     return result
+
+
+def _ranked(value: Any, name: str, registered: dict[str, Any], where: str) -> int:
+    """The job's priority or share as Redis feeds it, else as submitted; a malformed one is skipped."""
+    low, high = spec.INT_LIMITS[name]
+    for raw in (value, registered.get(name)):
+        if raw is None:
+            continue
+        n = _count(raw, f"{where} {name}")
+        if n is not None and low <= n <= high:
+            return n
+    return spec.DEFAULT_PRIORITY if name == "priority" else spec.DEFAULT_SHARE
 
 
 RATE_WINDOW_SECONDS = 300.0
@@ -470,6 +495,8 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         if reasons if reasons is not None else named:
             job_state.failure_reasons = failure_reasons(client, job)
         status.backlog_seconds += job_state.backlog_seconds
+        if job_state.shards_pending and job_state.cancelled is None:
+            status.pending[job_state.queue] = status.pending.get(job_state.queue, 0) + job_state.shards_pending
         status.jobs.append(job_state)
     status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0

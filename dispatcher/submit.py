@@ -5,8 +5,11 @@
 2. derive the job id from the file's content, the render settings and the
    store, so a second submit of the same file to the same store is the same
    job, and the same file sent to another store is another job;
-3. a new job: copy the file to the store (in a thread, beside the rest),
-   stream it again (pass 2) publishing shard messages as they fill, then
+3. a new job: stream the file again (pass 2) into its wire file (one checked
+   prompt a line) and the index of where each shard begins
+   (``renderfleet/shardfile.py``); copy the three to the store (in threads)
+   while the shards go into Redis as pending references; once the files are
+   stored, let the feeder take the job (``enqueue.start_feeding``); then
    write the spec (last: a spec in the store means the job is whole);
 4. a known job: enqueue only what the store does not hold yet (``resume``); a
    cancelled one is continued.
@@ -18,11 +21,11 @@ not hold are dropped before the job is written again.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ from celery import Celery
 
 from dispatcher import enqueue
 from dispatcher.enqueue import WireShard
-from renderfleet import prompts, spec
+from renderfleet import prompts, shardfile, spec
 from renderfleet.errors import InputError
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, store_identity
 from renderfleet.store import Store
@@ -45,6 +48,8 @@ class SubmitOptions:
     batch_size: int = 4
     pool: str = "default"
     job: str | None = None
+    priority: int = spec.DEFAULT_PRIORITY  # 0 (lowest) to 9: a higher one's shards are fed first
+    share: int = spec.DEFAULT_SHARE  # weight among the active jobs of one priority
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ def check_options(opts: SubmitOptions) -> None:
         if why := spec.field_problem(spec.FIELD[name], getattr(p, name)):
             problems.append(f"{flag}: {why}")
     for flag, name, value in (("--shard-size", "shard_size", opts.shard_size),
-                              ("--batch-size", "batch_size", opts.batch_size)):
+                              ("--batch-size", "batch_size", opts.batch_size),
+                              ("--priority", "priority", opts.priority), ("--share", "share", opts.share)):
         if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
     if not p.model:
@@ -123,7 +129,8 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         if known.total != summary.total or known.params != opts.params:
             raise InputError([f"{path}: job {job} exists with other prompts or settings; "
                               "choose another --job or leave it out"])
-        report = resume(job, store=store, app=app, client=client, queue=queue, uncancel=True)
+        report = resume(job, store=store, app=app, client=client, queue=queue, uncancel=True,
+                        priority=opts.priority, share=opts.share)
         return SubmitResult(job, summary.total, report.shards_enqueued, False,
                             time.perf_counter() - started)
 
@@ -133,24 +140,29 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     fmt, gzipped = prompts.detect_format(path)
     job_spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
                        batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
-                       prompts_key=spec.source_key(job, fmt, gzipped), created=time.time())
+                       prompts_key=spec.source_key(job, fmt, gzipped), created=time.time(),
+                       priority=opts.priority, share=opts.share)
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
-    # The upload (network or disk, the GIL released) overlaps the publishing.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-upload") as pool:
+    # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
+    # feeder takes the job only once its wire file is stored (a worker reads its shards there).
+    with tempfile.TemporaryDirectory(prefix="rf-wire-") as tmp, \
+            ThreadPoolExecutor(max_workers=2, thread_name_prefix="rf-upload") as pool:
         upload = pool.submit(store.put_file, job_spec.prompts_key, Path(path))
-        sent = enqueue.publish_shards(app, client, job_spec, queue, wire_shards(path, job_spec), store=owner)
-        upload.result()
+        wire = Path(tmp) / "wire.jsonl"
+        writer, cut = shardfile.write_files(prompts.iter_wire(path), job_spec.shard_size, wire)
+        uploads = [upload, pool.submit(store.put_file, spec.wire_key(job), wire),
+                   pool.submit(store.put, spec.wire_index_key(job), writer.index())]
+        sent = enqueue.publish_shards(app, client, job_spec, queue, wire_shards(job_spec, cut), store=owner,
+                                      feed=False)
+        for done in uploads:
+            done.result()
+    enqueue.start_feeding(app, client, job_spec, queue, store=owner)
     store.put(spec.spec_key(job), job_spec.to_json().encode(), content_type="application/json")
     enqueue.mark_stored(client, job)
     return SubmitResult(job, job_spec.total, sent, True, time.perf_counter() - started)
 
 
-def wire_shards(path: str, job_spec: JobSpec) -> Iterator[WireShard]:
-    """Pass 2: the prompts' wire JSON, a shard at a time."""
-    lines = prompts.iter_wire(path)
-    size = job_spec.shard_size
-    for shard in itertools.count():
-        chunk = list(itertools.islice(lines, size))
-        if not chunk:
-            return
-        yield WireShard(shard, len(chunk), chunk, start=shard * size)
+def wire_shards(job_spec: JobSpec, cut: Iterable[tuple[int, int]]) -> Iterator[WireShard]:
+    """Each shard of ``cut`` ((shard, prompts), from the wire file's writer) as a reference to publish."""
+    for shard, count in cut:
+        yield WireShard(shard, count, start=shard * job_spec.shard_size)

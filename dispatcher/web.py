@@ -71,7 +71,7 @@ StatusSource = Callable[[], FleetStatus]
 def samples(fleet: FleetStatus) -> dict[str, float]:
     """The figures charted, from one status read: queue depth, backlog, pool sizes (bounded: one per pool)."""
     out = {
-        "queue_shards": float(sum(fleet.queues.values())),
+        "queue_shards": float(sum(fleet.queues.values()) + sum(fleet.pending.values())),
         "backlog_images": float(sum(j.to_render for j in fleet.jobs)),
         "backlog_seconds": float(fleet.backlog_seconds),
     }

@@ -141,6 +141,8 @@ class Client:
         batch_size: int = 4,
         pool: str = "default",
         job: str | None = None,
+        priority: int = 5,
+        share: int = 1,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
 
@@ -153,10 +155,14 @@ class Client:
         problem (``FILE:LINE: reason``, ``<stdin>:LINE: reason``, or
         ``prompts[i]: reason`` for an iterable) with nothing enqueued.
         Submitting the same prompts and settings to the same store again is
-        the same job: only what is missing is enqueued.
+        the same job: only what is missing is enqueued (at the ``priority`` and
+        ``share`` given now).  ``priority``: 0 (lowest) to 9; a higher job's shards
+        are taken before any lower one's.  ``share``: 1 to 100, the job's weight
+        among the jobs of its priority, which take turns.
         """
         opts = self.options(model=model, steps=steps, size=size, guidance=guidance, negative=negative, seed=seed,
-                            shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
+                            shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority,
+                            share=share)
         if isinstance(prompts, str | os.PathLike):
             return self.submit_file(os.fspath(prompts), opts)
         with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
@@ -175,7 +181,8 @@ class Client:
                 size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
                 guidance: float = DEFAULT["guidance"], negative: str = DEFAULT["negative_prompt"],
                 seed: int = DEFAULT["seed"], shard_size: int = 64, batch_size: int = 4,
-                pool: str = "default", job: str | None = None) -> SubmitOptions:
+                pool: str = "default", job: str | None = None, priority: int = 5,
+                share: int = 1) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one)."""
         from dispatcher.submit import SubmitOptions, check_options
         from renderfleet.spec import RenderParams
@@ -184,7 +191,8 @@ class Client:
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
         params = RenderParams(model=model or self.settings.model or "", steps=steps, width=width, height=height,
                               guidance=guidance, negative_prompt=negative, seed=seed)
-        opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
+        opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job,
+                             priority=priority, share=share)
         check_options(opts)
         return opts
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 from collections.abc import Callable
 
@@ -105,6 +106,30 @@ def publisher(app: Celery) -> Callable[[str], None]:
 Envelope = Callable[[str, str, str], str]
 
 
+def _template(app: Celery) -> tuple[dict[str, object], str]:
+    """Celery's protocol-2 headers for our task (built once) and its body's embed, as JSON."""
+    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={},
+                                   argsrepr="", kwargsrepr="{}")
+    return dict(template.headers), json.dumps(template.body[2])
+
+
+def _envelope(headers: dict[str, object], body: str, queue: str, task_id: str, argsrepr: str, tag: str) -> str:
+    return json.dumps({
+        "body": body,
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
+        "properties": {
+            "correlation_id": task_id,
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": tag,
+        },
+    })
+
+
 def envelope_factory(app: Celery) -> Envelope:
     """A function (message JSON, queue, short description) -> the kombu envelope.
 
@@ -114,29 +139,36 @@ def envelope_factory(app: Celery) -> Envelope:
     shards in pipelined batches, and to re-queue a shard whose kombu copy is
     gone (Redis lost it) without a Python round trip in the reaper.
     """
-    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={},
-                                   argsrepr="", kwargsrepr="{}")
-    headers = dict(template.headers)
-    embed = json.dumps(template.body[2])
+    headers, embed = _template(app)
     dumps = json.dumps
     b64 = base64.b64encode
 
     def build(message: str, queue: str, argsrepr: str) -> str:
         task_id = str(uuid.uuid4())
         body = f"[[{dumps(message)}],{{}},{embed}]".encode()
-        return dumps({
-            "body": b64(body).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
-            "properties": {
-                "correlation_id": task_id,
-                "delivery_mode": 2,
-                "delivery_info": {"exchange": "", "routing_key": queue},
-                "priority": 0,
-                "body_encoding": "base64",
-                "delivery_tag": str(uuid.uuid4()),
-            },
-        })
+        return _envelope(headers, b64(body).decode(), queue, task_id, argsrepr, str(uuid.uuid4()))
 
     return build
+
+
+# The feeder's slots in a job's envelope template (renderfleet/lua/feed.lua fills them).
+FEED_SLOTS = {"body": "@B@", "id": "@I@", "argsrepr": "@A@", "tag": "@T@"}
+_SLOT = re.compile("@([BIAT])@")
+
+
+def feed_template(app: Celery, queue: str, head: str) -> str:
+    """What the feeder builds a shard's envelope from, per job (``keys.job`` ``feed``, JSON):
+    ``parts``, :func:`envelope_factory`'s envelope cut at its slots (text, slot letter, text, ...:
+    B body, I task id, A argsrepr, T delivery tag); ``pre``, the base64 of the body up to a
+    shard's ``,"shard":N,"first":F,"count":C`` (``head`` is ``spec.message_head``), padded with
+    JSON's own spaces to a multiple of 3 bytes so that its encoding is a prefix of the whole
+    body's; ``post``, the body after it.  ``tests/integration/test_feed.py`` holds the feeder's
+    envelopes to ``envelope_factory``'s."""
+    headers, embed = _template(app)
+    slot = FEED_SLOTS
+    env = _envelope(headers, slot["body"], queue, slot["id"], slot["argsrepr"], slot["tag"])
+    quoted = json.dumps(head)  # the message as a JSON string, its closing quote dropped below
+    pre = f"[[{quoted[:-1]}"
+    pre = f"[{' ' * (-len(pre) % 3)}{pre[1:]}"  # json.dumps wrote ASCII: a character is a byte
+    return json.dumps({"parts": _SLOT.split(env), "pre": base64.b64encode(pre.encode()).decode(),
+                       "post": f'}}"],{{}},{embed}]'})

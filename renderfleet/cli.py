@@ -115,6 +115,10 @@ ShardSize = Annotated[int, typer.Option("--shard-size", metavar="N", help="promp
 BatchSize = Annotated[int, typer.Option("--batch-size", metavar="N", help="prompts per pipeline call and checkpoint")]
 _SIZE = f"{DEFAULT['width']}x{DEFAULT['height']}"  # the defaults: one table, spec.FIELDS
 Pool = Annotated[str | None, typer.Option(metavar="NAME", help="pool whose queue gets the work (default: default)")]
+Priority = Annotated[int, typer.Option("--priority", metavar="N",
+                                       help="0 (lowest) to 9: a higher job's shards are taken first")]
+Share = Annotated[int, typer.Option("--share", metavar="W",
+                                    help="1 to 100: the job's weight among the jobs of its priority (they take turns)")]
 JobOpt = Annotated[str | None, typer.Option("--job", metavar="ID",
                                             help="job id (default: derived from content and settings)")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="FILE",
@@ -124,12 +128,12 @@ JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id, or a uni
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
                     negative: str, seed: int, shard_size: int, batch_size: int, pool: str | None,
-                    settings: Settings) -> Any:
+                    settings: Settings, priority: int = 5, share: int = 1) -> Any:
     from renderfleet.api import Client
 
     return Client(settings).options(model=model, steps=steps, size=size, guidance=guidance, negative=negative,
                                     seed=seed, shard_size=shard_size, batch_size=batch_size, pool=pool or "default",
-                                    job=job)
+                                    job=job, priority=priority, share=share)
 
 
 def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, stream: Any = None,
@@ -142,7 +146,8 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
         job = client.submit(stream, format=fmt, model=opts.params.model, steps=opts.params.steps,
                             size=(opts.params.width, opts.params.height), guidance=opts.params.guidance,
                             negative=opts.params.negative_prompt, seed=opts.params.seed, shard_size=opts.shard_size,
-                            batch_size=opts.batch_size, pool=opts.pool, job=opts.job)
+                            batch_size=opts.batch_size, pool=opts.pool, job=opts.job, priority=opts.priority,
+                            share=opts.share)
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
     for note in job.warnings:
@@ -157,7 +162,7 @@ def submit(
     job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
-    batch_size: BatchSize = 4, pool: Pool = None,
+    batch_size: BatchSize = 4, pool: Pool = None, priority: Priority = 5, share: Share = 1,
     fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
@@ -166,7 +171,7 @@ def submit(
     _logging(settings)
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings)
+                               batch_size, pool, settings, priority, share)
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])

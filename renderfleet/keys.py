@@ -41,7 +41,9 @@ def job(job_id: str) -> str:
     fresh ("1": submitted to this Redis as a new job; a shard's first claim skips the
     checkpoint read), cancelled (unix time of ``renderfleet cancel``; cleared by a
     resume or submit; the store's ``spec.cancelled_key`` marker outlives a Redis that
-    loses its memory).
+    loses its memory), priority and share (how the feeder ranks it), and what the feeder
+    builds its messages from: feed (the job's envelope template, JSON:
+    ``celery_app.feed_template``), shard_size, stride (:data:`FEED_STRIDE` // share).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
     store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;
@@ -63,9 +65,29 @@ def failed_bits(job_id: str) -> str:
 
 
 def shards(job_id: str) -> str:
-    """hash shard -> 'q' (queued), 'r' (running) or 'c' (its job cancelled: in no queue,
-    not leased); absent once finished (``renderfleet.states.ShardState``)."""
+    """hash shard -> 'p' (pending: in :func:`pending`, not yet on the queue), 'q' (queued),
+    'r' (running) or 'c' (its job cancelled: in no queue, not leased); absent once finished
+    (``renderfleet.states.ShardState``)."""
     return f"{JOB_PREFIX}{job_id}{SHARDS_SUFFIX}"
+
+
+def pending(job_id: str) -> str:
+    """list of shard numbers waiting for the feeder (state 'p' in :func:`shards`), oldest first:
+    the job's pending work, by reference (a few bytes a shard; renderfleet/lua/feed.lua)."""
+    return f"rf:job:{job_id}:pending"
+
+
+ACTIVE_PREFIX = "rf:active:"  # + queue: see active()
+# An active job's score is BAND * (9 - priority) + its pass: the lowest score is fed next, so a
+# higher priority always first, and within one priority the job that has had the least of its
+# share (stride scheduling: a job's pass grows by STRIDE // share per shard fed).
+FEED_BAND = 2**40
+FEED_STRIDE = 2520  # divisible by 1..10, so shares up to 10 are exact
+
+
+def active(queue: str) -> str:
+    """zset job -> feed score (:data:`FEED_BAND`): the jobs with pending shards for ``queue``."""
+    return f"{ACTIVE_PREFIX}{queue}"
 
 
 def left(job_id: str) -> str:

@@ -9,6 +9,8 @@ The store layout of a job lives here too, so a reader finds every key in one pla
 
     jobs/<job>/spec.json                    the job: settings, totals (written last at submit)
     jobs/<job>/source/prompts.<fmt>[.gz]    the prompt file as submitted (read again by resume)
+    jobs/<job>/source/wire.jsonl            its prompts, checked, one wire JSON a line (workers read a shard's range)
+    jobs/<job>/source/wire.index            where each shard's first line begins (8-byte offsets, renderfleet/shardfile.py)
     jobs/<job>/images/<name>.png            one image per prompt
     jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed, per attempt
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
@@ -30,7 +32,7 @@ import math
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 SPEC_VERSION = 1
@@ -98,7 +100,11 @@ INT_LIMITS: dict[str, tuple[int, int]] = {
     **{f.name: f.limits for f in FIELDS if f.limits is not None},
     "shard_size": (1, 10_000),  # prompts per shard (one message)
     "batch_size": (1, 256),  # prompts per pipeline call
+    "priority": (0, 9),  # a job's rank: a higher one's shards are fed to the queue first
+    "share": (1, 100),  # a job's weight among the active jobs of its priority (round-robin)
 }
+DEFAULT_PRIORITY = 5
+DEFAULT_SHARE = 1
 
 # Slashes split a key.  The rest of an id is free text, but an id becomes a file
 # name that people read (the web page, `results`, a file manager), so it may hold
@@ -282,6 +288,8 @@ class JobSpec:
     prompts_key: str = ""  # where the store keeps that file (spec.source_key)
     created: float = 0.0
     version: int = SPEC_VERSION
+    priority: int = DEFAULT_PRIORITY  # as submitted; how Redis feeds it is in keys.job ('priority', 'share')
+    share: int = DEFAULT_SHARE
 
     @property
     def shards(self) -> int:
@@ -304,20 +312,22 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class ShardMessage:
-    """The body of one Celery task: a shard of a job, self-contained.
+    """The body of one Celery task: a shard of a job, by reference.
 
-    Carries its prompts so a worker needs no store read to start; carries no
-    attempt number: the attempt is taken from Redis when the shard is claimed,
-    so a message re-published any number of times stays byte-identical.
-    ``store`` names the store the job belongs to (:func:`store_identity`): a
-    worker writing to another store must not take it, or the job would be
-    counted done where it is not.
+    On the wire it names the job, the shard and its range (``count`` prompts
+    from ``first``) with the job's settings, and no prompt: the worker reads
+    the range's prompts from the job's wire file in the store
+    (``renderfleet/shardfile.py``), which submit wrote from the user's file,
+    so prompt text can only come from a file a user submitted (docs/design.md,
+    "Shards by reference").  ``prompts`` is filled by the worker
+    (:meth:`with_prompts`).  It carries no attempt number: the attempt is taken
+    from Redis when the shard is claimed, so a message re-published any number
+    of times stays byte-identical.  ``store`` names the store the job belongs
+    to (:func:`store_identity`): a worker writing to another store must not
+    take it, or the job would be counted done where it is not.
 
-    On the wire (one form, whatever the prompts came from: a .txt, .jsonl or
-    .csv file at submit, the stored file at resume) it is a JSON object whose
-    ``prompts`` are the shard's prompts in order, numbered from ``first``, each
-    in its compact form (:func:`prompt_json`); encoded by
-    :func:`message_encoder`, decoded by :meth:`from_dict`.
+    Encoded by :func:`message_encoder` (and, byte for byte, by the feeder,
+    ``renderfleet/lua/feed.lua``), decoded by :meth:`from_dict`.
     """
 
     job: str
@@ -327,20 +337,27 @@ class ShardMessage:
     queue: str
     prompts: tuple[Prompt, ...] = field(default_factory=tuple)
     store: str = ""
+    first: int = 0
+    count: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardMessage:
-        """Decode a message (checked first by :func:`message_problems`)."""
-        params = RenderParams.from_dict(data["params"])
+        """Decode a message (checked first by :func:`message_problems`); its prompts are read later."""
         return cls(
             job=str(data["job"]),
             shard=int(data["shard"]),
-            params=params,
+            params=RenderParams.from_dict(data["params"]),
             batch_size=int(data["batch_size"]),
             queue=str(data["queue"]),
-            prompts=tuple(Prompt.from_wire(i, p, params) for i, p in enumerate(data["prompts"], int(data["first"]))),
             store=str(data.get("store", "")),
+            first=int(data["first"]),
+            count=int(data["count"]),
         )
+
+    def with_prompts(self, wire: Sequence[str | dict[str, Any]]) -> ShardMessage:
+        """This shard with its prompts, from their wire form (numbered from ``first``)."""
+        prompts = tuple(Prompt.from_wire(i, p, self.params) for i, p in enumerate(wire, self.first))
+        return replace(self, prompts=prompts, count=len(prompts))
 
     def batches(self) -> list[tuple[int, tuple[Prompt, ...]]]:
         """The shard's batches at fixed positions: (batch number, prompts).
@@ -403,21 +420,27 @@ def wire_name(index: int, prompt_json: str) -> str:
     return index_name(index)
 
 
-def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int, int, Sequence[str]], str]:
-    """``encode(shard, first, prompts_json)``: the task argument of each shard of
-    ``job``, its prompts (numbered from ``first``) already on the wire (:func:`prompt_json`).
-
-    Everything but the shard is serialised once.  ``store`` is the job's store
-    (:func:`store_identity`): only a worker writing to that store takes the shard.
-    """
-    head = json.dumps(
+def message_head(job: JobSpec, queue: str, store: str = "") -> str:
+    """What every shard message of ``job`` on ``queue`` begins with (an object left open);
+    a shard's message adds ``,"shard":N,"first":F,"count":C}``: :func:`message_encoder`, and
+    the feeder (``renderfleet/lua/feed.lua``) from this same text."""
+    return json.dumps(
         {"job": job.job, "params": job.params.to_dict(), "batch_size": job.batch_size, "queue": queue,
          "store": store},
         separators=(",", ":"),
     )[:-1]
 
-    def encode(shard: int, first: int, prompts_json: Sequence[str]) -> str:
-        return f'{head},"shard":{shard},"first":{first},"prompts":[{",".join(prompts_json)}]}}'
+
+def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int], str]:
+    """``encode(shard)``: the task argument of a shard of ``job``: a reference to its range.
+
+    ``store`` is the job's store (:func:`store_identity`): only a worker writing to that store takes the shard.
+    """
+    head = message_head(job, queue, store)
+
+    def encode(shard: int) -> str:
+        span = job.shard_range(shard)
+        return f'{head},"shard":{shard},"first":{span.start},"count":{len(span)}}}'
 
     return encode
 
@@ -427,7 +450,7 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int,
 # A message's queue: kombu's list of one pool of one store (``renderfleet.celery_app.queue_name``:
 # ``renderfleet.<pool>.<store_tag>``).  A queue named by an older version (no store tag) is refused.
 _QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{12}")
-_MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "prompts")  # and "store", optional
+_MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "count")  # and "store", optional
 _WIRE_FIELDS = {f.wire: f for f in FIELDS}  # the keys of a prompt with fields on the wire
 _PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number")}  # the job's numbers
 MAX_MODEL_LEN = 1024
@@ -537,19 +560,26 @@ def message_problems(data: Any) -> list[str]:
         problems.append(why)
     problems += _field_problems("params", params, _PARAM_FIELDS)
     high = INT_LIMITS["shard_size"][1]
-    prompts = data["prompts"]
-    if not isinstance(prompts, list) or not 1 <= len(prompts) <= high:
-        return [*problems, f"prompts: must be a list of 1 to {high} prompts"]
+    if not _is_int(data["count"]) or not 1 <= data["count"] <= high:
+        problems.append(f"count: must be a whole number from 1 to {high}")
     if not _is_int(data["first"]) or data["first"] < 0:
         problems.append("first: must be a whole number >= 0")
-    for n, wire in enumerate(prompts):
-        where = f"prompts[{n}]"
-        if type(wire) is str:
-            wire = {"p": wire}
-        if not isinstance(wire, dict) or set(wire) - set(_WIRE_FIELDS) or "p" not in wire:
+    return problems
+
+
+def wire_problems(first: int, wire: Sequence[Any]) -> list[str]:
+    """Why prompts read from a job's wire file (numbered from ``first``) cannot be rendered;
+    empty when they can.  Submit wrote them checked; this holds a worker to the same rules
+    whatever the store was given since."""
+    problems: list[str] = []
+    for n, prompt in enumerate(wire, first):
+        where = f"prompt {n}"
+        if type(prompt) is str:
+            prompt = {"p": prompt}
+        if not isinstance(prompt, dict) or set(prompt) - set(_WIRE_FIELDS) or "p" not in prompt:
             problems.append(f"{where}: must be a string or an object with 'p' (and only wire fields)")
             continue
-        problems += _field_problems(where, wire, _WIRE_FIELDS)
+        problems += _field_problems(where, prompt, _WIRE_FIELDS)
         if len(problems) >= 5:
             break  # one log line: the first few reasons are enough
     return problems
@@ -604,6 +634,16 @@ def checkpoint_key(job: str, shard: int, batch: int, attempt: int = 0) -> str:
 def images_prefix(job: str, start: str = "") -> str:
     """The key prefix of the job's images whose name starts with ``start``."""
     return f"jobs/{job}/images/{start}"
+
+
+def wire_key(job: str) -> str:
+    """The job's prompts as submit checked them, one wire JSON (:func:`prompt_json`) a line."""
+    return f"jobs/{job}/source/wire.jsonl"
+
+
+def wire_index_key(job: str) -> str:
+    """Where each shard's first line begins in :func:`wire_key` (``renderfleet/shardfile.py``)."""
+    return f"jobs/{job}/source/wire.index"
 
 
 def quarantine_key(job: str, name: str) -> str:

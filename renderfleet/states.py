@@ -13,6 +13,7 @@ from enum import IntEnum, StrEnum
 class ShardState(StrEnum):
     """A shard's entry in ``keys.shards(job)``; absent once the shard is finished."""
 
+    PENDING = "p"  # waiting in its job's pending list for the feeder (renderfleet/lua/feed.lua)
     QUEUED = "q"
     RUNNING = "r"
     CANCELLED = "c"  # its job is cancelled: in no queue, not leased, until the job is resumed

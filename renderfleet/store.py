@@ -79,6 +79,9 @@ class Store(Protocol):
     def exists(self, key: str) -> bool:
         """Whether an object is at ``key``."""
 
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes ``start`` to ``end`` (exclusive) of the object at ``key``, or None if there is none."""
+
     def list(self, prefix: str) -> Iterator[str]:
         """Every key starting with ``prefix`` (a plain string prefix), sorted."""
 
@@ -190,6 +193,15 @@ class LocalStore:
         """The bytes at ``key``, or None."""
         try:
             return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes ``start`` to ``end`` (exclusive) of ``key``'s file (a seek), or None."""
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(max(0, end - start))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
@@ -437,6 +449,23 @@ class S3Store:
             with body:
                 return cast(bytes, body.read())
         return self._call("get", full, fetch)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes ``start`` to ``end`` (exclusive) of ``key`` (a ranged GET), or None on a 404."""
+        if end <= start:
+            return b"" if self.exists(key) else None
+        full = self._key(key)
+
+        def fetch() -> bytes | None:
+            try:
+                body = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}")["Body"]
+            except botocore.exceptions.ClientError as exc:
+                if _is_not_found(exc):
+                    return None
+                raise
+            with body:
+                return cast(bytes, body.read())
+        return self._call("get_range", full, fetch)
 
     def exists(self, key: str) -> bool:
         """Whether an object is at ``key`` (a HEAD request)."""

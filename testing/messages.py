@@ -4,16 +4,29 @@ reference the product's fast encoding (``spec.message_encoder``,
 
 - :func:`to_wire`: one prompt's compact wire dict (the inverse of ``Prompt.from_wire``);
 - :func:`message_dict`: a whole shard message as ``json.loads`` of its wire form would give;
-- :func:`message_json`: one shard's task argument, by the product's encoder.
+- :func:`message_json`: one shard's task argument (a reference to its range), by the product's encoder;
+- :func:`store_wire`: a job's wire file and index in a store, as submit writes them, for a worker to read.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Sequence
 from typing import Any
 
-from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage, derive_seed, index_name, message_encoder
+from renderfleet import shardfile
+from renderfleet.spec import (
+    JobSpec,
+    Prompt,
+    RenderParams,
+    ShardMessage,
+    derive_seed,
+    index_name,
+    message_encoder,
+    wire_index_key,
+    wire_key,
+)
 
 
 def to_wire(prompt: Prompt, params: RenderParams) -> str | dict[str, Any]:
@@ -39,11 +52,19 @@ def to_wire(prompt: Prompt, params: RenderParams) -> str | dict[str, Any]:
 def message_dict(msg: ShardMessage) -> dict[str, Any]:
     """``msg`` as a decoded shard message, every value written by ``json.dumps``'s rules."""
     data = {"job": msg.job, "params": msg.params.to_dict(), "batch_size": msg.batch_size, "queue": msg.queue,
-            "store": msg.store, "shard": msg.shard, "first": msg.prompts[0].index if msg.prompts else 0,
-            "prompts": [to_wire(p, msg.params) for p in msg.prompts]}
+            "store": msg.store, "shard": msg.shard, "first": msg.first, "count": msg.count}
     return dict(json.loads(json.dumps(data)))
 
 
-def message_json(spec: JobSpec, queue: str, shard: int, prompts_json: Sequence[str], store: str = "") -> str:
-    """The task argument for one shard (decoded by ``ShardMessage.from_dict``), numbered as the job's cut puts it."""
-    return message_encoder(spec, queue, store)(shard, shard * spec.shard_size, prompts_json)
+def message_json(spec: JobSpec, queue: str, shard: int, store: str = "") -> str:
+    """The task argument for one shard (decoded by ``ShardMessage.from_dict``), its range as the job's cut puts it."""
+    return message_encoder(spec, queue, store)(shard)
+
+
+def store_wire(store: Any, spec: JobSpec, prompts_json: Sequence[str]) -> None:
+    """Write ``spec``'s wire file and index (every prompt, in order, on the wire) to ``store``, as submit does."""
+    buffer = io.BytesIO()
+    writer = shardfile.WireWriter(buffer, spec.shard_size)
+    list(writer.shards(prompts_json))
+    store.put(wire_key(spec.job), buffer.getvalue())
+    store.put(wire_index_key(spec.job), writer.index())

@@ -148,6 +148,7 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
         # another store's shard never reaches it.
         queue_names = [celery_app.queue_name(q, service.store.url) for q in pools]
         log.info("worker %s: serving %s", worker_id, ", ".join(queue_names))
+        service.queues = queue_names  # the queues it feeds at each reaper tick
         worker = app.Worker(
             hostname=f"{worker_id}@{socket.gethostname()}",
             queues=queue_names,
@@ -257,7 +258,8 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
 
 def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file: Path | None = None,
                 retry_seconds: float = MARK_RETRY_SECONDS) -> Callable[[], None]:
-    """What the worker does at every reaper tick: liveness, scale-in marks, the breaker.
+    """What the worker does at every reaper tick: liveness, its queue topped up from the
+    pending shards (so an idle fleet takes a new job without a monitor), scale-in marks, the breaker.
 
     A mark the API refused is tried again ``retry_seconds`` later, not at every
     tick: a missing permission must not become a call and a warning a second.
@@ -268,6 +270,7 @@ def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file:
         if health_file is not None:
             health_file.touch()  # first: the probes' view must not wait on Redis
         service.touch()
+        service.feed()  # a stopping worker's feed serves the others: harmless, and never skipped by mistake
         for i, mark in enumerate(marks):
             if mark is not None and time.monotonic() >= retry_at[i] and not update_protection(mark, service.busy):
                 retry_at[i] = time.monotonic() + retry_seconds

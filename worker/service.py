@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from renderfleet import keys, logs, spec
-from renderfleet.celery_app import Envelope, is_store_queue
+from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, StoreError, TransientError
+from renderfleet.feeder import Feeder
 from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
-from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity, store_tag
+from renderfleet.shardfile import ShardReader
+from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity, store_tag, wire_problems
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
@@ -115,6 +117,9 @@ class WorkerService:
         self.load_model = load_model
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
+        self.feeder = Feeder(client)
+        self.shard_reader = ShardReader(store)
+        self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
                                   max_failures=settings.max_prompt_failures,
                                   pipeline_depth=settings.pipeline_depth, worker_id=worker_id,
@@ -230,6 +235,7 @@ class WorkerService:
                                               tag=tag, message=raw)
         except redis.RedisError as exc:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
+        self.feed(msg.queue)  # one message taken: the next one in line, by priority and share
         if lease is None:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
             if status is ClaimAnswer.CANCELLED:
@@ -244,6 +250,18 @@ class WorkerService:
             finally:
                 self._lease = None
                 self._doing("")
+
+    def feed(self, queue: str | None = None) -> int:
+        """Top ``queue`` (default: each this worker serves) up from the pending shards
+        (``renderfleet/feeder.py``): every worker does, at each message it takes and each
+        reaper tick, so the feeding needs no monitor."""
+        pushed = 0
+        for name in [queue] if queue else self.queues:
+            try:
+                pushed += self.feeder.feed(name)
+            except redis.RedisError as exc:
+                log.debug("feed: Redis unavailable: %s", exc)  # the next message or tick feeds again
+        return pushed
 
     def _doing(self, shard: str) -> None:
         """What this worker is doing, for status: its shard and since when, or idle since when."""
@@ -426,14 +444,32 @@ class WorkerService:
             return None
         span = job.shard_range(msg.shard)
         if (msg.params, msg.batch_size) != (job.params, job.batch_size) or msg.shard >= job.shards \
-                or any(p.index not in span for p in msg.prompts):
+                or (msg.first, msg.count) != (span.start, len(span)):
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             return None
         self.fresh = bool(fresh)
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
-        return msg
+        return self._with_prompts(msg, where)
+
+    def _with_prompts(self, msg: ShardMessage, where: str) -> ShardMessage | None:
+        """The shard with its prompts, read from the job's wire file in the store (one ranged read;
+        ``renderfleet/shardfile.py``), checked by submit's rules; None (one log line) if it cannot be."""
+        try:
+            wire = self.shard_reader.read(msg.job, msg.shard, msg.count)
+        except StoreError as exc:
+            raise TransientError(f"cannot read the prompts of shard {msg.job}:{msg.shard}: {exc}") from exc
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            log.error("%s: the job's stored prompts do not fit it: %s", where, exc)
+            return None
+        if wire is None:
+            log.error("%s: the store holds no prompts for the job (%s)", where, spec.wire_key(msg.job))
+            return None
+        if problems := wire_problems(msg.first, wire):
+            log.error("%s: its stored prompts cannot be rendered: %s", where, "; ".join(problems[:5]))
+            return None
+        return msg.with_prompts(wire)
 
     def _job_in_store(self, job: str) -> bool:
         """Whether the job's spec is in the store: asked at most every ``SPEC_CHECK_SECONDS`` per job.

@@ -19,12 +19,13 @@
 -- KEYS[5] enqueued     hash member -> enqueue record (common.lua)
 -- KEYS[6] unacked      kombu's hash tag -> message
 -- KEYS[7] unacked_idx  kombu's zset tag -> time
+-- KEYS[8] pending      list: the job's pending shards (emptied: they are parked with the rest)
 -- ARGV[1] job id, ARGV[2] queued prefix, ARGV[3] fence ('1' or ''),
--- ARGV[4] when (unix time to record; '' for now)
--- Returns {messages taken out of queues, shards parked, shards leased}.
+-- ARGV[4] when (unix time to record; '' for now), ARGV[5] active prefix (keys.ACTIVE_PREFIX)
+-- Returns {messages taken out of queues and pending shards dropped, shards parked, shards leased}.
 local job, shards, attempts, inflight, enqueued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local unacked, unacked_idx = KEYS[6], KEYS[7]
-local job_id, queued_prefix, fence, when = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local unacked, unacked_idx, pending = KEYS[6], KEYS[7], KEYS[8]
+local job_id, queued_prefix, fence, when, active_prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now = now_ms()
 if when == '' then
   when = tostring(math.floor(now / 1000))
@@ -64,11 +65,17 @@ local own = redis.call('HGET', job, 'queue')
 if own and not queues[own] then
   table.insert(order, own)
 end
+-- Its pending shards, parked above, leave the feeder's rotation: none is ever fed (counted
+-- with the messages taken out: each was a shard waiting for a worker).
+local removed = redis.call('LLEN', pending)
+redis.call('DEL', pending)
+if own then
+  redis.call('ZREM', active_prefix .. own, job_id)
+end
 
 -- 2. Each queue, filtered in one pass: the job's envelopes out, every other in its order.
 local ours = '"argsrepr": "' .. job_id .. ':'
 local sent = '"argsrepr": "[\'{\\"job\\":\\"' .. job_id .. '\\"'
-local removed = 0
 for _, queue in ipairs(order) do
   local kept, dropped = {}, 0
   local len = redis.call('LLEN', queue)

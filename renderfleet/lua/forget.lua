@@ -8,7 +8,7 @@
 -- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] jobs (the set of job ids),
 -- KEYS[9...] the job's other keys, deleted (bits, counts, stats, progress, fails)
 -- ARGV[1] job id, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] store,
--- ARGV[5] reason, ARGV[6] ttl (seconds)
+-- ARGV[5] reason, ARGV[6] ttl (seconds), ARGV[7] active prefix (keys.ACTIVE_PREFIX)
 -- Returns the number of leases dropped.
 local job, shards, attempts, inflight, enqueued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local unacked, unacked_idx, jobs = KEYS[6], KEYS[7], KEYS[8]
@@ -45,6 +45,10 @@ for _, member in ipairs(members) do
   redis.call('ZREM', inflight, member)
 end
 
+local own = redis.call('HGET', job, 'queue')
+if own then
+  redis.call('ZREM', ARGV[7] .. own, job_id)  -- out of the feeder's rotation (its pending list is in KEYS[9...])
+end
 for i = 9, #KEYS do
   redis.call('DEL', KEYS[i])
 end

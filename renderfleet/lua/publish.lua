@@ -19,21 +19,29 @@
 --    queue overtook, or whose queue is empty, was taken and never claimed
 --    (Leases.suspects): it is pushed again, and so is every recorded one with
 --    `force` (the audit's lost messages, confirmed), dropping kombu's
---    unclaimed copy.  `side` 'n' pushes nothing and leaves each shard's state
+--    unclaimed copy.  `side` 'p' (submit, resume) pushes no message but
+--    makes such a shard pending: 'p', its number at the end of the job's
+--    pending list, the job in its queue's rotation (keys.active) for the
+--    feeder (feed.lua); a shard pending already stays as it is.  `side` 'n' pushes nothing and leaves each shard's state
 --    as it was (counts only: `results`); 'c' pushes nothing and parks each
 --    shard with work left (a cancelled job registered again: 'c', see cancel.lua).
 --
 -- KEYS[1] queue, KEYS[2] shards, KEYS[3] left, KEYS[4] inflight, KEYS[5] done bits,
 -- KEYS[6] failed bits, KEYS[7] enqueued, KEYS[8] seq, KEYS[9] queues,
--- KEYS[10] unacked, KEYS[11] unacked_idx, KEYS[12] consumed (hash queue -> highest seq claimed)
+-- KEYS[10] unacked, KEYS[11] unacked_idx, KEYS[12] consumed (hash queue -> highest seq claimed),
+-- KEYS[13] pending (the job's list), KEYS[14] active (zset job -> feed score), KEYS[15] job
+-- (its hash: a job joins the rotation once it has its envelope template, feed)
 -- ARGV[1] job, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] side
--- ('b' back, 'f' front, 'n' none, 'c' parked), ARGV[5] force ('1' or ''), then per shard 6
--- values: shard, count, first, marks, envelope, envelope's tag
--- Returns the number of messages pushed.
+-- ('b' back, 'f' front, 'p' pending, 'n' none, 'c' parked), ARGV[5] force ('1' or ''),
+-- ARGV[6] the job's feed band (keys.FEED_BAND * (9 - priority)), ARGV[7] keys.FEED_BAND,
+-- then per shard 6 values: shard, count, first, marks, envelope, envelope's tag
+-- Returns the number of messages pushed, or with side 'p' the shards made pending.
 local queue, shards, left, inflight = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local done_bits, failed_bits, enqueued, seq_key, queues = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-local unacked, unacked_idx, consumed = KEYS[10], KEYS[11], KEYS[12]
+local unacked, unacked_idx, consumed, pending, active = KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14]
+local job_key = KEYS[15]
 local job, queued_prefix, lease_prefix, side, force = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1'
+local band, band_width = tonumber(ARGV[6]), tonumber(ARGV[7])
 local now = now_ms()
 local D, F, U = string.byte('d'), string.byte('f'), string.byte('?')
 local sent = 0
@@ -54,7 +62,7 @@ local function drop_unacked(tag)
   end
 end
 
-for g = 6, #ARGV, 6 do
+for g = 8, #ARGV, 6 do
   local shard, count, first = ARGV[g], tonumber(ARGV[g + 1]), tonumber(ARGV[g + 2])
   local marks, envelope, tag = ARGV[g + 3], ARGV[g + 4], ARGV[g + 5]
   local member = job .. ':' .. shard
@@ -104,6 +112,18 @@ for g = 6, #ARGV, 6 do
   elseif side == 'c' then
     redis.call('HSET', shards, shard, 'c')
     redis.call('HSET', left, shard, n)
+  elseif side == 'p' then
+    redis.call('HSET', left, shard, n)
+    local state = redis.call('HGET', shards, shard)
+    local rec = redis.call('HGET', enqueued, member)
+    local on_queue = state == 'q' and rec and not overtaken(rec)
+    if state ~= 'p' and not on_queue then
+      local _, _, old_tag = forget_enqueue(enqueued, queued_prefix, member)
+      drop_unacked(old_tag)
+      redis.call('HSET', shards, shard, 'p')
+      redis.call('RPUSH', pending, shard)
+      sent = sent + 1
+    end
   else
     redis.call('HSET', shards, shard, 'q')
     redis.call('HSET', left, shard, n)
@@ -118,6 +138,16 @@ for g = 6, #ARGV, 6 do
       record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, side, tag)
       sent = sent + 1
     end
+  end
+end
+
+-- A job with pending shards is in its queue's rotation: at its priority's band, with the
+-- least pass of the jobs there (a newcomer neither waits for nor overtakes the others).
+if side == 'p' and redis.call('LLEN', pending) > 0 and redis.call('HEXISTS', job_key, 'feed') == 1 then
+  local score = redis.call('ZSCORE', active, job)
+  if not score or tonumber(score) < band or tonumber(score) >= band + band_width then
+    local low = redis.call('ZRANGEBYSCORE', active, band, '(' .. (band + band_width), 'WITHSCORES', 'LIMIT', 0, 1)
+    redis.call('ZADD', active, #low > 0 and tonumber(low[2]) or band, job)
   end
 end
 return sent

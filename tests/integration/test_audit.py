@@ -61,9 +61,10 @@ def queues(store: Path) -> tuple[str, str]:
 def publish(client: redis.Redis, url: str, job: str, shards: int, **ws: object) -> int:
     spec = JobSpec(job=job, params=RenderParams(), total=shards * 2, shard_size=2, batch_size=2)
     register_job(client, spec, QUEUE, STORE)
-    wire = [WireShard(s, 2, prompts_json=['"a"', '"b"'], start=2 * s, **ws)  # type: ignore[arg-type]
+    wire = [WireShard(s, 2, start=2 * s, **ws)  # type: ignore[arg-type]
             for s in range(shards)]
-    return publish_shards(make_app(url), client, spec, QUEUE, wire, store=STORE)
+    # Straight onto the queue (not pending for the feeder): the audit of messages in queues.
+    return publish_shards(make_app(url), client, spec, QUEUE, wire, store=STORE, pending=False)
 
 
 def take(client: redis.Redis, queue: str = QUEUE) -> tuple[int, str]:
@@ -147,7 +148,7 @@ def test_a_resubmit_never_pushes_a_second_copy_of_a_queued_shard(redis_server: R
     # The audit's lost message is pushed again (lost=True), once.
     assert publish_shards(make_app(redis_server.url), client,
                           JobSpec(job="j", params=RenderParams(), total=6, shard_size=2, batch_size=2), QUEUE,
-                          [WireShard(0, 2, ['"a"', '"b"'], marks="??")], store="/tmp/rf-audit-store",
+                          [WireShard(0, 2, marks="??")], store="/tmp/rf-audit-store",
                           force=True) == 1
     assert client.llen(QUEUE) == 3
 

@@ -157,7 +157,7 @@ def test_bad_messages_published_straight_to_the_queue_are_rejected_and_the_worke
     store = str(tmp_path / "store")
     params = RenderParams(model="tiny", steps=2, width=32, height=32).to_dict()
     base = {"job": deleted, "shard": 0, "params": params, "batch_size": 4, "queue": queue, "store": store,
-            "first": 0, "prompts": ["x"]}
+            "first": 0, "count": 1}
     bad = {
         "not JSON": "{this is not json",
         "wrong shape": json.dumps(["a", "list"]),

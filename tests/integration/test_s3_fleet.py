@@ -84,7 +84,7 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     for shard in range(2):
         wire = [f"prompt number {i}" for i in range(shard * 5, shard * 5 + 5)]
         msg = ShardMessage.from_dict({"job": job, "shard": shard, "params": params.to_dict(), "batch_size": 2,
-                                      "queue": "q", "first": shard * 5, "prompts": wire})
+                                      "queue": "q", "first": shard * 5, "count": 5}).with_prompts(wire)
         for _, batch in msg.batches():
             for prompt, png in zip(batch, renderer.render(list(batch)), strict=True):
                 assert store.get(f"jobs/{job}/images/{prompt.name}.png") == png, prompt.name

@@ -112,8 +112,8 @@ def test_the_audit_of_one_store_sees_its_own_queues_whatever_waits_in_anothers(
     for job, store in (("j-a", "/data/a"), ("j-b", "s3://bucket/b")):
         spec = JobSpec(job=job, params=RenderParams(), total=4, shard_size=2, batch_size=2)
         register_job(client, spec, queue_name("default", store), store)
-        wire = [WireShard(s, 2, prompts_json=['"a"', '"b"'], start=2 * s) for s in range(2)]
-        assert publish_shards(app, client, spec, queue_name("default", store), wire, store=store) == 2
+        wire = [WireShard(s, 2, start=2 * s) for s in range(2)]
+        assert publish_shards(app, client, spec, queue_name("default", store), wire, store=store, pending=False) == 2
     leases = Leases(client, lease_seconds=5)
     assert leases.suspects("/data/a") == [] and leases.suspects("s3://bucket/b") == []
     client.delete(queue_name("default", "/data/a"))  # taken by workers that vanished before their claims

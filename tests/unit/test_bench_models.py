@@ -50,7 +50,7 @@ def test_submit_takes_a_bench_model_and_refuses_a_malformed_one_naming_the_flag(
 def message(model: str) -> dict[str, Any]:
     job = JobSpec(job="j-0123456789abcdef", params=RenderParams(model=model, steps=2, width=32, height=32), total=2,
                   shard_size=2, batch_size=2)
-    data: dict[str, Any] = json.loads(message_json(job, queue_name("default", "/data"), 0, ['"a"', '"b"'], "/data"))
+    data: dict[str, Any] = json.loads(message_json(job, queue_name("default", "/data"), 0, "/data"))
     return data
 
 

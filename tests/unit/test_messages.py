@@ -19,7 +19,7 @@ from renderfleet.errors import InputError
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams, message_problems
 from renderfleet.store import LocalStore
-from testing.messages import message_json
+from testing.messages import message_json, store_wire
 from worker.service import SPEC_CHECK_SECONDS, WorkerService
 from worker.stop import StopSignal
 
@@ -30,7 +30,7 @@ STORE = "/data/renders"  # the store of a message that names none (good(store=..
 
 def good(at: str = STORE, **changes: Any) -> dict[str, Any]:
     """Shard 1 of JOB as submit writes it for store ``at`` (a URL), with ``changes``."""
-    text = message_json(JOB, queue_name("default", at), 1, ['"a"', '{"p":"b","n":"fox"}'], at)
+    text = message_json(JOB, queue_name("default", at), 1, at)
     data: dict[str, Any] = json.loads(text)
     data.update(changes)
     return data
@@ -38,8 +38,8 @@ def good(at: str = STORE, **changes: Any) -> dict[str, Any]:
 
 def test_a_message_as_submit_writes_it_passes() -> None:
     assert message_problems(good()) == []
-    texts = json.loads(message_json(JOB, queue_name("spot", STORE), 0, list(spec.texts_json(["a", "b"]))))
-    assert message_problems(texts) == []
+    assert good()["first"] == 4 and good()["count"] == 4  # shard 1 of 4-prompt shards: a range, no prompt
+    assert message_problems(json.loads(message_json(JOB, queue_name("spot", STORE), 2))) == []
 
 
 @pytest.mark.parametrize(("change", "reason"), [
@@ -56,14 +56,11 @@ def test_a_message_as_submit_writes_it_passes() -> None:
     ({"shard": -1}, "shard: must be a whole number"),
     ({"queue": "rf:workers"}, "queue: not a renderfleet queue"),
     ({"queue": "renderfleet.default"}, "queue: not a renderfleet queue"),  # an older version's: no store
-    ({"prompts": [{"i": 0, "p": "x"}] * 10_001}, "prompts: must be a list of 1 to 10000"),
-    ({"prompts": []}, "prompts: must be a list of 1 to 10000"),
-    ({"prompts": [{"p": "x", "n": "a/../../etc"}]}, "contains a slash"),
-    ({"prompts": [{"p": "x", "steps": 5000}]}, "steps must be between"),
-    ({"prompts": [{"p": 7}]}, "prompt must be a string"),
-    ({"prompts": [{"i": 0, "p": "x"}]}, "must be a string or an object with 'p'"),
-    ({"prompts": [["just text"]]}, "must be a string or an object with 'p'"),
-    ({"prompts": [" "]}, "prompt is empty"),
+    # Prompt text travels in no message: it comes from the job's stored file only.
+    ({"prompts": ["a forged prompt"]}, "unknown field 'prompts'"),
+    ({"count": 10_001}, "count: must be a whole number from 1 to 10000"),
+    ({"count": 0}, "count: must be a whole number from 1 to 10000"),
+    ({"count": "4"}, "count: must be a whole number"),
     ({"first": -1}, "first: must be a whole number >= 0"),
     ({"extra": 1}, "unknown field 'extra'"),
 ])
@@ -77,6 +74,20 @@ def test_json_of_the_wrong_shape_is_refused(data: Any) -> None:
     assert message_problems(data)
 
 
+@pytest.mark.parametrize(("prompts", "reason"), [
+    ([{"p": "x", "n": "a/../../etc"}], "contains a slash"),
+    ([{"p": "x", "steps": 5000}], "steps must be between"),
+    ([{"p": 7}], "prompt must be a string"),
+    ([{"i": 0, "p": "x"}], "must be a string or an object with 'p'"),
+    ([["just text"]], "must be a string or an object with 'p'"),
+    ([" "], "prompt is empty"),
+])
+def test_stored_prompts_outside_submits_rules_are_refused_naming_why(prompts: list[Any], reason: str) -> None:
+    problems = spec.wire_problems(4, prompts)
+    assert any(reason in p for p in problems) and problems[0].startswith("prompt 4: "), problems
+    assert spec.wire_problems(4, ["a", {"p": "b", "n": "fox"}]) == []
+
+
 @pytest.mark.parametrize(("ident", "named"), [
     ("a\u202egnp.exe", "U+202E RIGHT-TO-LEFT OVERRIDE"),
     ("c\u200bat", "U+200B ZERO WIDTH SPACE"),
@@ -86,8 +97,8 @@ def test_json_of_the_wrong_shape_is_refused(data: Any) -> None:
 ])
 def test_a_message_naming_an_image_with_a_hidden_character_is_refused_as_a_file_would_be(
         ident: str, named: str) -> None:
-    problems = message_problems(good(prompts=[{"p": "x", "n": ident}]))
-    assert problems == [f"prompts[0]: {spec.name_problem(ident)}"] and problems[0].endswith(named)
+    problems = spec.wire_problems(0, [{"p": "x", "n": ident}])
+    assert problems == [f"prompt 0: {spec.name_problem(ident)}"] and problems[0].endswith(named)
 
 
 def test_submit_bounds_shard_and_batch_size_by_the_same_table() -> None:
@@ -114,9 +125,16 @@ class FakeRedis:
         return None
 
 
-def service(tmp_path: Path, jobs: dict[str, dict[str, bytes]]) -> WorkerService:
+WIRE = ['"a"', '"b"', '"c"', '"d"', '"e"', '{"p":"f","n":"fox"}', '"g"', '"h"', '"i"', '"j"']
+
+
+def service(tmp_path: Path, jobs: dict[str, dict[str, bytes]], wire: list[str] | None = WIRE) -> WorkerService:
+    """A worker's service over a Redis of ``jobs``, its store holding JOB's prompts (``wire``)."""
+    store = LocalStore(tmp_path / "store")
+    if wire is not None:
+        store_wire(store, JOB, wire)
     return WorkerService(settings=Settings(home=tmp_path), client=FakeRedis(jobs),  # type: ignore[arg-type]
-                         store=LocalStore(tmp_path / "store"), renderer=None, model="tiny", stop=StopSignal(),
+                         store=store, renderer=None, model="tiny", stop=StopSignal(),
                          publish=lambda m: None, worker_id="w")
 
 
@@ -132,6 +150,23 @@ def test_a_shard_of_the_job_as_submitted_is_accepted(tmp_path: Path) -> None:
     svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
     msg = svc.accept(json.dumps(good(svc.store.url)))
     assert msg is not None and msg.shard == 1
+    # Its prompts, read from the stored file's range: 4 to 7, numbered so, with their fields.
+    assert [(p.index, p.prompt, p.name) for p in msg.prompts] == \
+        [(4, "e", "000004"), (5, "f", "fox"), (6, "g", "000006"), (7, "h", "000007")]
+    svc.runner.close()
+
+
+@pytest.mark.parametrize(("wire", "log"), [
+    (None, "the store holds no prompts for the job"),
+    ([*WIRE[:5], '{"p":"f","n":"a/b"}', *WIRE[6:]], "its stored prompts cannot be rendered: prompt 5"),
+    ([*WIRE[:5], '{"p":"f"', *WIRE[6:]], "the job's stored prompts do not fit it"),
+])
+def test_a_shard_whose_stored_prompts_cannot_be_read_is_rejected_with_one_line(
+        tmp_path: Path, wire: list[str] | None, log: str, caplog: pytest.LogCaptureFixture) -> None:
+    svc = service(tmp_path, registered(), wire)
+    svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
+    assert svc.accept(json.dumps(good(svc.store.url))) is None
+    assert len(caplog.records) == 1 and log in caplog.records[0].getMessage()
     svc.runner.close()
 
 
@@ -170,6 +205,7 @@ OTHER_STORE = "s3://another-fleet/renders"
     ({"params": {**PARAMS.to_dict(), "steps": 3}}, "does not match the job"),
     ({"shard": 7}, "does not match the job"),
     ({"first": 0}, "does not match the job"),  # shard 1 is prompts 4-7
+    ({"count": 3}, "does not match the job"),
     ({}, "deleted from the store"),  # registered as stored, no spec in the store
     # Another store's job (a shared Redis): each store has its own queues, so only a message
     # crafted or moved between queues comes here; dropped, never requeued to bounce for ever.

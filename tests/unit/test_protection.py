@@ -17,9 +17,14 @@ class FakeService:
         self.busy = False
         self.tripped = False
         self.touched = 0
+        self.fed = 0
 
     def touch(self) -> None:
         self.touched += 1
+
+    def feed(self) -> int:
+        self.fed += 1
+        return 0
 
 
 class FakeProtection:
@@ -48,7 +53,7 @@ def test_the_worker_asks_for_protection_while_it_holds_a_lease_and_lifts_it_when
     service, protection = FakeService(), FakeProtection()
     ticks(service, protection, [False, True, True, False])
     assert protection.calls == [False, True, True, False] and protection.protected is False
-    assert service.touched == 4
+    assert service.touched == 4 and service.fed == 4  # every tick tops its queues up too
 
 
 def test_an_aws_error_is_logged_and_the_next_tick_tries_again() -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from dispatcher.resume import stored_prompts
-from dispatcher.submit import SubmitOptions, check_options, job_id, wire_shards
-from renderfleet import spec
+from dispatcher.submit import SubmitOptions, check_options, job_id
+from renderfleet import shardfile, spec
 from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError
-from renderfleet.prompts import detect_format, validate_file
+from renderfleet.prompts import detect_format, iter_wire, validate_file
 from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage, message_problems
 from renderfleet.store import LocalStore
 from testing.messages import message_dict, message_json, to_wire
@@ -41,8 +41,10 @@ def test_wire_form_is_compact_and_round_trips() -> None:
 def test_shard_message_built_by_the_dispatcher_decodes_on_the_worker() -> None:
     job = JobSpec(job="j-1", params=PARAMS, total=5, shard_size=5, batch_size=2)
     wire = [json.dumps(f"p{i}") for i in range(5)]
-    msg = ShardMessage.from_dict(json.loads(message_json(job, queue_name("default", "/data/a"), 0, wire)))
+    msg = ShardMessage.from_dict(json.loads(message_json(job, queue_name("default", "/data/a"), 0)))
     assert msg.job == "j-1" and msg.shard == 0 and msg.batch_size == 2 and msg.params == PARAMS
+    assert (msg.first, msg.count, msg.prompts) == (0, 5, ())  # by reference: the worker reads its prompts
+    msg = msg.with_prompts([json.loads(w) for w in wire])
     assert [p.name for p in msg.prompts] == [f"{i:06d}" for i in range(5)]
     # batches sit at fixed positions, whatever is already done
     assert [(n, [p.index for p in b]) for n, b in msg.batches()] == [(0, [0, 1]), (1, [2, 3]), (2, [4])]
@@ -60,9 +62,8 @@ def test_job_id_follows_content_settings_and_store_not_how_the_work_is_cut() -> 
 
 def test_shard_message_names_its_store_and_older_messages_name_none() -> None:
     job = JobSpec(job="j-1", params=PARAMS, total=1, shard_size=1, batch_size=1)
-    wire = [json.dumps("p")]
-    assert ShardMessage.from_dict(json.loads(message_json(job, "q", 0, wire, "s3://b/p"))).store == "s3://b/p"
-    data = json.loads(message_json(job, "q", 0, wire))
+    assert ShardMessage.from_dict(json.loads(message_json(job, "q", 0, "s3://b/p"))).store == "s3://b/p"
+    data = json.loads(message_json(job, "q", 0))
     del data["store"]
     assert ShardMessage.from_dict(data).store == ""
 
@@ -75,7 +76,7 @@ def test_a_queue_is_named_by_pool_and_store_stably_and_safely() -> None:
     assert queue_name("spot", "s3://bucket/other") != a and queue_name("default", "s3://bucket/renders") != a
     assert queue_name("spot", "s3://user:secret@host/b").count("secret") == 0
     job = JobSpec(job="j-1", params=PARAMS, total=1, shard_size=1, batch_size=1)
-    assert message_problems(json.loads(message_json(job, a, 0, [json.dumps("p")]))) == []
+    assert message_problems(json.loads(message_json(job, a, 0, "s3://bucket/renders"))) == []
     # the store's own queues only; an older version's queue (no store) is no store's
     assert is_store_queue(a, "s3://bucket/renders/") and not is_store_queue(a, "s3://bucket/other")
     for other in ("renderfleet.spot", f"renderfleet.{spec.store_tag('s3://bucket/renders')}", "rf:queues", ""):
@@ -143,18 +144,23 @@ def test_a_shard_has_one_wire_form_from_submit_or_resume_that_round_trips_with_t
     store.put_file(job.prompts_key, path)
     encode = spec.message_encoder(job, queue_name("default", store.url), store.url)
 
-    # 1. The fast path: submit's shards of the file, resume's of the stored copy: the same bytes.
-    submitted = [encode(ws.shard, ws.start, ws.prompts_json) for ws in wire_shards(str(path), job)]
-    resumed = encode(0, 0, [line for _, line in stored_prompts(store, job)])
-    assert submitted == [resumed]
+    # 1. Submit's wire file of the file and resume's reading of the stored copy: the same lines,
+    #    and a worker reads the shard's range of it back through the index.
+    writer, cut = shardfile.write_files(iter_wire(str(path)), job.shard_size, tmp_path / "wire.jsonl")
+    assert cut == [(0, total)]
+    lines = (tmp_path / "wire.jsonl").read_text(encoding="utf-8").splitlines()
+    assert lines == [line for _, line in stored_prompts(store, job)]
+    store.put_file(spec.wire_key(job.job), tmp_path / "wire.jsonl")
+    store.put(spec.wire_index_key(job.job), writer.index())
+    read = shardfile.ShardReader(store).read(job.job, 0, total)
 
-    # 2. It is what json.dumps writes of the same prompts, and decodes to them.
-    fast = json.loads(resumed)
+    # 2. The message is what json.dumps writes of the same shard, and decodes to its prompts.
+    fast = json.loads(encode(0))
     msg = ShardMessage.from_dict(fast)
-    assert msg.prompts == tuple(expected)
-    assert fast == message_dict(msg)
+    assert fast == message_dict(msg) and message_problems(fast) == []
     assert ShardMessage.from_dict(message_dict(msg)) == msg
-    assert message_problems(fast) == []
+    assert read is not None and spec.wire_problems(0, read) == []
+    assert msg.with_prompts(read).prompts == tuple(expected)
 
 
 def test_the_apis_prompt_request_names_exactly_the_fields_of_the_one_table() -> None:
