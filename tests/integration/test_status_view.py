@@ -75,7 +75,7 @@ def test_status_at_80_columns_piped_shows_whole_short_ids_that_every_command_tak
     # the columns that do not fit are named, and --wide shows them
     assert "not shown at 80 columns" in text and "--wide" in text
     wide = cli(env, "status", "--wide").stdout
-    for header in ("progress", "running", "shards q/r", "redelivered/lost", "GPU s", "per 1k img"):
+    for header in ("progress", "running", "shards p/q/r", "prio/share", "redelivered/lost", "GPU s", "per 1k img"):
         assert header in wide
     assert "not shown" not in wide and max(len(line) for line in wide.splitlines()) > 80
 
