@@ -83,8 +83,9 @@ def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
 def stored_names(store: Store, job: str, what: str) -> set[str]:
     """Names of the job's images (``what='images'``) or quarantined prompts."""
     prefix = f"{spec.job_prefix(job)}{what}/"
-    suffix = ".png" if what == "images" else ".json"
-    return {key[len(prefix) : -len(suffix)] for key in store.list(prefix) if key.endswith(suffix)}
+    if what == "images":  # any image format's extension (spec.image_name)
+        return {name for key in store.list(prefix) if (name := spec.image_name(key[len(prefix):])) is not None}
+    return {key[len(prefix) : -len(".json")] for key in store.list(prefix) if key.endswith(".json")}
 
 
 def stored_prompts(store: Store, job_spec: JobSpec) -> Iterator[tuple[str, str]]:

@@ -67,6 +67,7 @@ class PromptRequest:
     guidance: float | None = None
     width: int | None = None
     height: int | None = None
+    scheduler: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The jsonl object: only the fields that are set."""
@@ -138,6 +139,7 @@ class Client:
         batch_size: int = 4,
         pool: str = "default",
         job: str | None = None,
+        **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
 
@@ -148,10 +150,12 @@ class Client:
         problem (``FILE:LINE: reason``, ``<stdin>:LINE: reason``, or
         ``prompts[i]: reason`` for an iterable) with nothing enqueued.
         Submitting the same prompts and settings to the same store again is
-        the same job: only what is missing is enqueued.
+        the same job: only what is missing is enqueued.  ``settings`` are the job's other
+        render settings by their names in the one table (``scheduler``, ``long_prompts``,
+        ``image_format``, ``quality``, ``revision``, ``variant``: docs/configuration.md).
         """
         opts = self.options(model=model, steps=steps, size=size, guidance=guidance, negative=negative, seed=seed,
-                            shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
+                            shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, **settings)
         if isinstance(prompts, str | os.PathLike):
             return self.submit_file(os.fspath(prompts), opts)
         with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
@@ -170,14 +174,18 @@ class Client:
                 size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
                 guidance: float = DEFAULT["guidance"], negative: str = DEFAULT["negative_prompt"],
                 seed: int = DEFAULT["seed"], shard_size: int = 64, batch_size: int = 4,
-                pool: str = "default", job: str | None = None) -> SubmitOptions:
-        """The render options of a submit, checked (InputError naming each bad one)."""
-        from dispatcher.submit import SubmitOptions, check_options
+                pool: str = "default", job: str | None = None, **settings: Any) -> SubmitOptions:
+        """The render options of a submit, checked (InputError naming each bad one); ``settings``:
+        the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
+        from dispatcher.submit import SETTING_FLAGS, SubmitOptions, check_options
         from renderfleet.spec import RenderParams
 
+        if unknown := sorted(set(settings) - {name for _, name in SETTING_FLAGS}):
+            raise InputError([f"{name}: not a render setting (known: "
+                              f"{', '.join(name for _, name in SETTING_FLAGS)})" for name in unknown])
         width, height = parse_size(size)
         params = RenderParams(model=model or self.settings.model, steps=steps, width=width, height=height,
-                              guidance=guidance, negative_prompt=negative, seed=seed)
+                              guidance=guidance, negative_prompt=negative, seed=seed, **settings)
         opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job)
         check_options(opts)
         return opts

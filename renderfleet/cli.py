@@ -108,16 +108,35 @@ JobOpt = Annotated[str | None, typer.Option("--job", metavar="ID",
 ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="FILE",
                                                 help="TOML file with \\[pools.NAME] and \\[autoscale] tables")]
 JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id")]
+# The render settings of the one table beyond the basics (docs/configuration.md, "Render settings").
+Scheduler = Annotated[str, typer.Option(
+    metavar="NAME", help="sampler: euler, euler_a, dpmpp_2m, dpmpp_2m_karras, dpmpp_sde, ddim, unipc, lcm, ... "
+    "or a diffusers class name (default: the model's own)")]
+LongPrompts = Annotated[str, typer.Option(
+    "--long-prompts", metavar="chunk|truncate",
+    help="prompts over 77 tokens: embedded in 77-token chunks, or cut at 77")]
+ImageFormat = Annotated[str, typer.Option(
+    "--image-format", metavar="FORMAT", help="png, webp, webp-lossless or jpeg (metadata kept in each)")]
+Quality = Annotated[int, typer.Option(metavar="1-100", help="webp/jpeg quality (lossless WebP: effort)")]
+Revision = Annotated[str, typer.Option(metavar="REV", help="hub model revision: a branch, tag or commit to pin")]
+Variant = Annotated[str, typer.Option(metavar="NAME", help="hub model weights variant, e.g. fp16")]
 
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
                     negative: str, seed: int, shard_size: int, batch_size: int, pool: str | None,
-                    settings: Settings) -> Any:
+                    settings: Settings, render: dict[str, Any]) -> Any:
     from renderfleet.api import Client
 
     return Client(settings).options(model=model, steps=steps, size=size, guidance=guidance, negative=negative,
                                     seed=seed, shard_size=shard_size, batch_size=batch_size, pool=pool or "default",
-                                    job=job)
+                                    job=job, **render)
+
+
+def _render(scheduler: str, long_prompts: str, image_format: str, quality: int, revision: str,
+            variant: str) -> dict[str, Any]:
+    """The render settings of the one table that submit and run take as flags, by their names."""
+    return {"scheduler": scheduler, "long_prompts": long_prompts, "image_format": image_format,
+            "quality": quality, "revision": revision, "variant": variant}
 
 
 def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, stream: Any = None,
@@ -127,10 +146,12 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
 
     client = Client(settings)
     if stream is not None:
-        job = client.submit(stream, format=fmt, model=opts.params.model, steps=opts.params.steps,
-                            size=(opts.params.width, opts.params.height), guidance=opts.params.guidance,
-                            negative=opts.params.negative_prompt, seed=opts.params.seed, shard_size=opts.shard_size,
-                            batch_size=opts.batch_size, pool=opts.pool, job=opts.job)
+        p = opts.params
+        job = client.submit(stream, format=fmt, model=p.model, steps=p.steps, size=(p.width, p.height),
+                            guidance=p.guidance, negative=p.negative_prompt, seed=p.seed, shard_size=opts.shard_size,
+                            batch_size=opts.batch_size, pool=opts.pool, job=opts.job,
+                            **_render(p.scheduler, p.long_prompts, p.image_format, p.quality, p.revision,
+                                      p.variant))
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
     for note in job.warnings:
@@ -146,6 +167,9 @@ def submit(
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
+    scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
+    image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
+    revision: Revision = DEFAULT["revision"], variant: Variant = DEFAULT["variant"],
     fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
@@ -154,7 +178,8 @@ def submit(
     settings = _settings()
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings)
+                               batch_size, pool, settings,
+                               _render(scheduler, long_prompts, image_format, quality, revision, variant))
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
@@ -565,6 +590,9 @@ def run(
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
+    scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
+    image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
+    revision: Revision = DEFAULT["revision"], variant: Variant = DEFAULT["variant"],
     timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
 ) -> None:
     """Everything on this machine: server, N workers, submit, progress, summary.
@@ -579,7 +607,8 @@ def run(
 
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings)
+                               batch_size, pool, settings,
+                               _render(scheduler, long_prompts, image_format, quality, revision, variant))
         code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 

@@ -13,13 +13,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from renderfleet.prompts.lines import Report
-from renderfleet.spec import FIELD, FIELDS, Field, field_problem, index_name, name_problem
+from renderfleet.spec import PROMPT_FIELDS, Field, field_problem, index_name, name_problem
 
 # PNG text chunks, where a prompt is recorded, cannot hold a NUL.
 NUL_PROBLEM = "{} contains a NUL character (\\x00), which a PNG text chunk cannot hold"
 
-# The fields a .jsonl object or .csv header may carry, ``prompt`` first.
-KNOWN_FIELDS = tuple(f.name for f in FIELDS)
+# The fields a .jsonl object or .csv header may carry, ``prompt`` first (a job-wide setting,
+# such as image_format, is a flag of submit's, never a prompt's).
+KNOWN_FIELDS = tuple(f.name for f in PROMPT_FIELDS)
+FIELD = {f.name: f for f in PROMPT_FIELDS}
 
 # What a format's row reader yields: (line, fields).  A bad row (already
 # reported) yields None, or just its id when that is fine, so that a later
