@@ -58,8 +58,7 @@ class SubmitResult:
 
 # The flags of the settings in the one table (spec.FIELDS) that are not a prompt's text or id.
 SETTING_FLAGS = (("--scheduler", "scheduler"), ("--long-prompts", "long_prompts"),
-                 ("--image-format", "image_format"), ("--quality", "quality"), ("--revision", "revision"),
-                 ("--variant", "variant"))
+                 ("--image-format", "image_format"), ("--quality", "quality"))
 # Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
 _FIELD_FLAGS = (("--steps", "steps"), ("--size", "width"), ("--size", "height"), ("--seed", "seed"),
                 ("--guidance", "guidance"), *SETTING_FLAGS)

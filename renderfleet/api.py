@@ -152,7 +152,7 @@ class Client:
         Submitting the same prompts and settings to the same store again is
         the same job: only what is missing is enqueued.  ``settings`` are the job's other
         render settings by their names in the one table (``scheduler``, ``long_prompts``,
-        ``image_format``, ``quality``, ``revision``, ``variant``: docs/configuration.md).
+        ``image_format``, ``quality``: docs/configuration.md, "Render settings").
         """
         opts = self.options(model=model, steps=steps, size=size, guidance=guidance, negative=negative, seed=seed,
                             shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, **settings)
@@ -202,6 +202,8 @@ class Client:
         except InputError as exc:
             raise (_renamed(exc, path, label, by_item) if label else exc) from None
         warnings = [_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings]
+        if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt):
+            warnings.append(note.replace(path, label) if label else note)
         result = submit(path, opts, store=self.store, app=self.app, client=self.redis,
                         queue=queue_name(opts.pool, self.store.url), summary=summary, source=source)
         return Job(self, result.job, result.total, new=result.new, shards_enqueued=result.shards_enqueued,

@@ -118,8 +118,6 @@ LongPrompts = Annotated[str, typer.Option(
 ImageFormat = Annotated[str, typer.Option(
     "--image-format", metavar="FORMAT", help="png, webp, webp-lossless or jpeg (metadata kept in each)")]
 Quality = Annotated[int, typer.Option(metavar="1-100", help="webp/jpeg quality (lossless WebP: effort)")]
-Revision = Annotated[str, typer.Option(metavar="REV", help="hub model revision: a branch, tag or commit to pin")]
-Variant = Annotated[str, typer.Option(metavar="NAME", help="hub model weights variant, e.g. fp16")]
 
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
@@ -132,11 +130,9 @@ def _submit_options(job: str | None, model: str | None, steps: int, size: str, g
                                     job=job, **render)
 
 
-def _render(scheduler: str, long_prompts: str, image_format: str, quality: int, revision: str,
-            variant: str) -> dict[str, Any]:
+def _render(scheduler: str, long_prompts: str, image_format: str, quality: int) -> dict[str, Any]:
     """The render settings of the one table that submit and run take as flags, by their names."""
-    return {"scheduler": scheduler, "long_prompts": long_prompts, "image_format": image_format,
-            "quality": quality, "revision": revision, "variant": variant}
+    return {"scheduler": scheduler, "long_prompts": long_prompts, "image_format": image_format, "quality": quality}
 
 
 def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, stream: Any = None,
@@ -150,8 +146,7 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
         job = client.submit(stream, format=fmt, model=p.model, steps=p.steps, size=(p.width, p.height),
                             guidance=p.guidance, negative=p.negative_prompt, seed=p.seed, shard_size=opts.shard_size,
                             batch_size=opts.batch_size, pool=opts.pool, job=opts.job,
-                            **_render(p.scheduler, p.long_prompts, p.image_format, p.quality, p.revision,
-                                      p.variant))
+                            **_render(p.scheduler, p.long_prompts, p.image_format, p.quality))
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
     for note in job.warnings:
@@ -169,7 +164,6 @@ def submit(
     batch_size: BatchSize = 4, pool: Pool = None,
     scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
     image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
-    revision: Revision = DEFAULT["revision"], variant: Variant = DEFAULT["variant"],
     fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
@@ -179,7 +173,7 @@ def submit(
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
                                batch_size, pool, settings,
-                               _render(scheduler, long_prompts, image_format, quality, revision, variant))
+                               _render(scheduler, long_prompts, image_format, quality))
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
@@ -592,7 +586,6 @@ def run(
     batch_size: BatchSize = 4, pool: Pool = None,
     scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
     image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
-    revision: Revision = DEFAULT["revision"], variant: Variant = DEFAULT["variant"],
     timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
 ) -> None:
     """Everything on this machine: server, N workers, submit, progress, summary.
@@ -608,7 +601,7 @@ def run(
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
                                batch_size, pool, settings,
-                               _render(scheduler, long_prompts, image_format, quality, revision, variant))
+                               _render(scheduler, long_prompts, image_format, quality))
         code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 
@@ -628,6 +621,8 @@ def bench(
                                           "instead of running one")] = False,
     compile: Annotated[bool, typer.Option("--compile", metavar=FLAG,
                                           help="compile the UNet's repeated blocks (CUDA only)")] = False,
+    scheduler: Scheduler = DEFAULT["scheduler"], image_format: ImageFormat = DEFAULT["image_format"],
+    quality: Quality = DEFAULT["quality"],
     config: ConfigOpt = None,
     # Files are arguments, not --compare's values: a click option takes one value per flag, so
     # `--compare a.json b.json` (the documented form) needs them positional; `--compare a --compare b` works too.
@@ -648,10 +643,15 @@ def bench(
                 raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
             print(compare_runs(files), end="")
             return
+        from dispatcher.submit import SubmitOptions, check_options
         from renderfleet.api import parse_size
+        from renderfleet.spec import RenderParams
         from worker.bench import run_bench, write_outputs
 
         width, height = parse_size(size)
+        check_options(SubmitOptions(RenderParams(model=model or settings.model, steps=steps, width=width,
+                                                 height=height, guidance=guidance, scheduler=scheduler,
+                                                 image_format=image_format, quality=quality)))
         try:
             sizes = None if batch_sizes == "auto" else [int(b) for b in batch_sizes.split(",")]
         except ValueError:
@@ -663,7 +663,8 @@ def bench(
             for name, pool in settings.pools.items()}
         result = run_bench(model or settings.model, width=width, height=height, steps=steps, guidance=guidance,
                            batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
-                           cache_dir=settings.home / "models", compile=compile)
+                           cache_dir=settings.home / "models", compile=compile, scheduler=scheduler,
+                           image_format=image_format, quality=quality)
         for path in write_outputs(result, out):
             _err(f"wrote {path}")
         print((out / "bench.md").read_text(), end="")

@@ -94,21 +94,6 @@ def choice(name: str, *choices: str) -> Callable[[str], str | None]:
     return problem
 
 
-_REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}")
-
-
-def ref(name: str, example: str) -> Callable[[str], str | None]:
-    """The check of a "word" setting that names weights on the hub (a revision, a variant): '' or a plain token."""
-
-    def problem(value: str) -> str | None:
-        if value == "" or (_REF_RE.fullmatch(value) and ".." not in value):
-            return None
-        return (f"{name} must be letters, digits, '.', '_', '-' or '/' (at most 100, e.g. {example}), "
-                f"got {value[:60]!r}")
-
-    return problem
-
-
 # The image formats of ``--image-format``: (file extension, content type).  Lossless WebP is
 # a format of its own: it ignores ``--quality``'s trade of bytes for detail.
 IMAGE_FORMATS: dict[str, tuple[str, str]] = {
@@ -117,7 +102,8 @@ IMAGE_FORMATS: dict[str, tuple[str, str]] = {
     "webp-lossless": ("webp", "image/webp"),
     "jpeg": ("jpg", "image/jpeg"),
 }
-IMAGE_EXTENSIONS = tuple(sorted({f".{ext}" for ext, _ in IMAGE_FORMATS.values()}))
+IMAGE_EXTENSIONS = (".png", ".webp", ".jpg")  # every format's, the default's first
+CONTENT_TYPES = {ext: content_type for ext, content_type in IMAGE_FORMATS.values()}  # by extension
 LONG_PROMPTS = ("chunk", "truncate")
 
 FIELDS: tuple[Field, ...] = (
@@ -139,11 +125,6 @@ FIELDS: tuple[Field, ...] = (
           check=choice("image_format", *IMAGE_FORMATS)),
     # lossy WebP's and JPEG's quality; lossless WebP's effort; PNG ignores it
     Field("quality", "quality", "q", "int", (int,), "an integer", (1, 100), default=90, per_prompt=False),
-    # the weights of a hub model: a branch, tag or commit, and a file variant (fp16)
-    Field("revision", "", "rev", "word", (str,), "a string", default="", per_prompt=False,
-          check=ref("revision", "main or a commit hash")),
-    Field("variant", "", "var", "word", (str,), "a string", default="", per_prompt=False,
-          check=ref("variant", "fp16")),
 )
 FIELD = {f.name: f for f in FIELDS}
 DEFAULT = {f.name: f.default for f in FIELDS if f.default is not None}
@@ -276,8 +257,6 @@ class RenderParams:
     long_prompts: str = FIELD["long_prompts"].default
     image_format: str = FIELD["image_format"].default
     quality: int = FIELD["quality"].default
-    revision: str = FIELD["revision"].default
-    variant: str = FIELD["variant"].default
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -297,7 +276,7 @@ class RenderParams:
         return cls(**data)
 
 
-SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality", "revision", "variant")
+SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality")
 
 
 @dataclass(frozen=True)

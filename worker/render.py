@@ -184,7 +184,7 @@ class Renderer:
     def encode(self, image: Any, prompt: Prompt) -> bytes:
         """The image's file in the prompt's format, with what made it; :class:`PromptError` if its
         text cannot be carried."""
-        return encode_image(image, prompt, self.loaded.model, model_metadata(self.loaded))
+        return encode_image(image, prompt, self.loaded.model)
 
     def generate(self, prompts: Sequence[Prompt], *, output_type: str = "pil",
                  should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
@@ -291,11 +291,11 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
         raise ValueError(f"`scheduler`: {why}")
 
 
-def encode_image(image: Any, prompt: Prompt, model: str, extra: dict[str, str] | None = None) -> bytes:
+def encode_image(image: Any, prompt: Prompt, model: str) -> bytes:
     """The image in the prompt's format (``renderfleet.images``), any failure the prompt's
     (:class:`PromptError`): text its format cannot carry."""
     try:
-        return images.encode(image, prompt.image_format, prompt.quality, image_metadata(prompt, model, extra))
+        return images.encode(image, prompt.image_format, prompt.quality, image_metadata(prompt, model))
     except Exception as exc:
         raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
 
@@ -312,13 +312,12 @@ def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:
 FAKE_CHUNK = {"renderfleet:fake": "fixed-time benchmark renderer, not a render"}
 
 
-def image_metadata(prompt: Prompt, model: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+def image_metadata(prompt: Prompt, model: str) -> dict[str, str]:
     """What is written into every image, in a fixed order; a bench model's marked as fake.
 
     The settings added after the first release (scheduler, how long prompts were read, the
-    format's quality) are written where they differ from the default, and ``extra`` (the
-    model's revision, variant, content digest: :func:`model_metadata`) where given, so an
-    image of a job that sets none of them keeps the bytes it always had.
+    format and its quality) are written where they differ from the default, so an image of a
+    job that sets none of them keeps the bytes it always had.
     """
     chunks = {
         "prompt": prompt.prompt,
@@ -335,17 +334,10 @@ def image_metadata(prompt: Prompt, model: str, extra: dict[str, str] | None = No
         value = getattr(prompt, name)
         if value != FIELD[name].default:
             chunks[name] = str(value)
-    chunks.update(extra or {})
     return {**chunks, **FAKE_CHUNK} if model.startswith(BENCH_PREFIX) else chunks
 
 
 png_metadata = image_metadata  # the name the bench renderer and older tests know
-
-
-def model_metadata(loaded: Any) -> dict[str, str]:
-    """The pinned weights of a loaded model, for its images: revision, variant, content digest (where set)."""
-    return {key: value for key in ("revision", "variant", "model_digest")
-            if (value := getattr(loaded, key, ""))}
 
 
 # What torch and the CUDA libraries say when the device itself failed.  Matched

@@ -1,4 +1,4 @@
-"""The render settings users choose: scheduler names, long prompts, image formats, pinned weights.
+"""The render settings users choose: scheduler names, long prompts, image formats.
 
 Through the one table (spec.FIELDS) at submit and on the worker, and rendered with the
 tiny model (random weights, 32x32, 2 steps: fast; its images are noise, but noise that
@@ -86,18 +86,16 @@ def test_a_prompt_file_sets_a_scheduler_per_prompt_and_a_bad_one_is_refused_by_n
 
 
 def test_submit_names_each_bad_setting_and_the_worker_refuses_the_same() -> None:
-    bad = RenderParams(scheduler="warp", long_prompts="drop", image_format="gif", quality=0, revision="../x",
-                       variant="fp 16")
+    bad = RenderParams(scheduler="warp", long_prompts="drop", image_format="gif", quality=0)
     with pytest.raises(InputError) as info:
         check_options(SubmitOptions(params=bad))
     problems = info.value.problems
-    assert [p.split(":")[0] for p in problems] == ["--scheduler", "--long-prompts", "--image-format", "--quality",
-                                                   "--revision", "--variant"]
+    assert [p.split(":")[0] for p in problems] == ["--scheduler", "--long-prompts", "--image-format", "--quality"]
     assert "image_format must be one of png, webp, webp-lossless, jpeg, got 'gif'" in problems[2]
     job = spec.JobSpec(job="j-0123456789abcdef", params=bad, total=1, shard_size=1, batch_size=1)
     msg = spec.ShardMessage(job.job, 0, bad, 1, "renderfleet.default.0123456789ab", (prompt(),))
     found = message_problems(message_dict(msg))
-    assert len(found) == 6 and all(p.startswith("params: ") for p in found)
+    assert len(found) == 4 and all(p.startswith("params: ") for p in found)
     data = message_dict(dataclasses.replace(msg, params=RenderParams()))
     data["prompts"] = [{"p": "x", "sch": "warp"}]
     assert message_problems(data)[0].startswith("prompts[0]: unknown scheduler 'warp'")
@@ -112,8 +110,8 @@ def test_a_job_id_keeps_its_value_unless_a_new_setting_is_set() -> None:
     assert job_id("abc", params, "/data") == "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
     ids = {job_id("abc", dataclasses.replace(params, **{name: value}), "/data")
            for name, value in [("scheduler", "euler"), ("long_prompts", "truncate"), ("image_format", "webp"),
-                               ("quality", 80), ("revision", "main"), ("variant", "fp16")]}
-    assert len(ids | {job_id("abc", params, "/data")}) == 7
+                               ("quality", 80)]}
+    assert len(ids | {job_id("abc", params, "/data")}) == 5
 
 
 def test_every_format_has_its_extension_and_a_listing_recognises_each() -> None:
