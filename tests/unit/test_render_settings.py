@@ -121,6 +121,31 @@ def test_every_format_has_its_extension_and_a_listing_recognises_each() -> None:
         "a", "b", "c", None, None]
 
 
+def test_submit_counts_long_prompts_once_naming_the_first_lines(tmp_path: Any) -> None:
+    from renderfleet.prompts import long_prompts_note, validate_file
+    from renderfleet.prompts.checks import over_clip_limit
+
+    assert not over_clip_limit("x" * 500)  # one word: a tokenizer may make it anything; never warned without proof
+    assert over_clip_limit(" ".join(["word"] * 76)) and not over_clip_limit(" ".join(["word"] * 75))
+    long = ", ".join(["a red fox"] * 30)
+    path = tmp_path / "p.txt"
+    path.write_text("short\n" + f"{long}\n" * 5 + "# a comment\nshort again\n")
+    summary = validate_file(str(path))
+    assert (summary.long, summary.long_lines) == (5, (2, 3, 4))
+    note = long_prompts_note(summary, "truncate")
+    assert note == (f"{path}:2, {path}:3, {path}:4, ...: 5 prompt(s) longer than the text encoder's 77 tokens "
+                    "(counted without the model's tokenizer: at least this many): cut at 77 tokens, the rest "
+                    "ignored (long_prompts=truncate)")
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "a", "negative_prompt": long}) + "\n")
+    assert "embedded in 77-token chunks" in (long_prompts_note(validate_file(str(jsonl)), "chunk") or "")
+    assert long_prompts_note(validate_file(str(tmp_path / "p.jsonl")), "chunk", negative="") is not None
+    short = tmp_path / "s.txt"
+    short.write_text("a red fox\n")
+    assert long_prompts_note(validate_file(str(short)), "chunk") is None
+    assert "--negative: 1 prompt(s)" in (long_prompts_note(validate_file(str(short)), "chunk", negative=long) or "")
+
+
 # ---- rendering: the tiny model -----------------------------------------------------
 
 
