@@ -262,8 +262,10 @@ class RenderParams:
         return asdict(self)
 
     def identity(self) -> dict[str, Any]:
-        """The settings as a job's id counts them: those added after the first release
-        (:data:`SET_ONLY_IDENTITY`) only where set, so a job submitted before them keeps its id."""
+        """The settings as a job's id, its spec.json and its messages carry them: those added
+        after the first release (:data:`SET_ONLY_IDENTITY`) only where set, so a job submitted
+        before them keeps its id, and a job that sets none of them is read by an older worker
+        or dispatcher as before (a rolling upgrade)."""
         return {k: v for k, v in asdict(self).items() if k not in SET_ONLY_IDENTITY or v != FIELD[k].default}
 
     @property
@@ -356,6 +358,7 @@ class JobSpec:
 
     def to_json(self) -> str:
         data = asdict(self)
+        data["params"] = self.params.identity()
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -474,7 +477,7 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int,
     (:func:`store_identity`): only a worker writing to that store takes the shard.
     """
     head = json.dumps(
-        {"job": job.job, "params": job.params.to_dict(), "batch_size": job.batch_size, "queue": queue,
+        {"job": job.job, "params": job.params.identity(), "batch_size": job.batch_size, "queue": queue,
          "store": store},
         separators=(",", ":"),
     )[:-1]

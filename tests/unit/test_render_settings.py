@@ -114,6 +114,17 @@ def test_a_job_id_keeps_its_value_unless_a_new_setting_is_set() -> None:
     assert len(ids | {job_id("abc", params, "/data")}) == 5
 
 
+def test_a_job_without_new_settings_keeps_the_message_and_spec_an_older_worker_reads() -> None:
+    old_keys = {"model", "steps", "width", "height", "guidance", "negative_prompt", "seed"}
+    job = spec.JobSpec(job="j-0123456789abcdef", params=RenderParams(), total=1, shard_size=1, batch_size=1)
+    assert set(json.loads(job.to_json())["params"]) == old_keys
+    head = json.loads(spec.message_encoder(job, "renderfleet.default.0123456789ab")(0, 0, ['"a"']))
+    assert set(head["params"]) == old_keys
+    webp = dataclasses.replace(job, params=RenderParams(image_format="webp"))
+    assert spec.JobSpec.from_json(webp.to_json()) == webp
+    assert json.loads(spec.message_encoder(webp, "q")(0, 0, ['"a"']))["params"]["image_format"] == "webp"
+
+
 def test_every_format_has_its_extension_and_a_listing_recognises_each() -> None:
     assert [spec.image_key("j", "a", RenderParams(image_format=f).image_extension) for f in spec.IMAGE_FORMATS] == [
         "jobs/j/images/a.png", "jobs/j/images/a.webp", "jobs/j/images/a.webp", "jobs/j/images/a.jpg"]
