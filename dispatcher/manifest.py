@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dispatcher.resume import load_spec, stored_names, stored_prompts
+from dispatcher.resume import load_spec, stored_images, stored_names, stored_prompts
 from dispatcher.thumbs import FORMATS as THUMB_FORMATS
 from dispatcher.thumbs import THUMB_MAX_PIXELS
 from renderfleet import spec
@@ -26,7 +26,7 @@ from renderfleet.spec import Prompt
 from renderfleet.store import Store
 
 COLUMNS = ("index", "id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model",
-           "image", "status", "error", "shard_attempts", "pool")
+           "scheduler", "image_format", "image", "status", "error", "shard_attempts", "pool")
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 BATCH_ROWS = 10_000
 
@@ -40,13 +40,13 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
     column is then empty (unknown), never a 0 that reads as "never tried".
     """
     job_spec = load_spec(store, job)
-    images = stored_names(store, job, "images")
-    quarantined = stored_names(store, job, "quarantine") - images
+    images = stored_images(store, job)
+    quarantined = stored_names(store, job, "quarantine") - set(images)
     for index, (name, line) in enumerate(stored_prompts(store, job_spec)):
         p = Prompt.from_wire(index, json.loads(line), job_spec.params)
         error = ""
         if name in images:
-            status, image = "done", store.locate(spec.image_key(job, name))
+            status, image = "done", store.locate(images[name])
         elif name in quarantined:
             record = store.get(spec.quarantine_key(job, name))
             status, image, error = "quarantined", "", json.loads(record)["error"] if record else "quarantined"
@@ -54,7 +54,8 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
             status, image = "missing", ""
         yield {"index": p.index, "id": p.name, "prompt": p.prompt, "negative_prompt": p.negative_prompt,
                "seed": p.seed, "steps": p.steps, "guidance": p.guidance, "width": p.width, "height": p.height,
-               "model": job_spec.params.model, "image": image, "status": status, "error": error,
+               "model": job_spec.params.model, "scheduler": p.scheduler, "image_format": job_spec.params.image_format,
+               "image": image, "status": status, "error": error,
                "shard_attempts": None if attempts is None else attempts.get(p.index // job_spec.shard_size, 0),
                "pool": job_spec.pool}
 
@@ -94,7 +95,8 @@ def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
     schema = pa.schema([("index", pa.int64()), ("id", pa.string()), ("prompt", pa.string()),
                         ("negative_prompt", pa.string()), ("seed", pa.int64()), ("steps", pa.int32()),
                         ("guidance", pa.float64()), ("width", pa.int32()), ("height", pa.int32()),
-                        ("model", pa.string()), ("image", pa.string()), ("status", pa.string()),
+                        ("model", pa.string()), ("scheduler", pa.string()), ("image_format", pa.string()),
+                        ("image", pa.string()), ("status", pa.string()),
                         ("error", pa.string()), ("shard_attempts", pa.int32()), ("pool", pa.string())])
     count = 0
     with pq.ParquetWriter(str(path), schema) as writer:
@@ -122,7 +124,8 @@ def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb
         from PIL import Image, ImageDraw
     except ImportError:
         raise InputError(["--contact-sheet: needs Pillow (pip install 'renderfleet[worker]' or pillow)"]) from None
-    names = sorted(stored_names(store, job, "images"))[:limit]
+    stored = stored_images(store, job)
+    names = sorted(stored)[:limit]
     if not names:
         raise InputError([f"--contact-sheet: job {job} has no images yet"])
     cols = min(10, len(names))
@@ -131,7 +134,7 @@ def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb
     sheet = Image.new("RGB", (cols * thumb, rows * (thumb + label)), "white")
     draw = ImageDraw.Draw(sheet)
     for i, name in enumerate(names):
-        data = store.get(spec.image_key(job, name))
+        data = store.get(stored[name])
         if data is None:
             continue
         tile = fit_cell(data, thumb)

@@ -81,11 +81,29 @@ def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
         return []
 
 
+def stored_images(store: Store, job: str) -> dict[str, str]:
+    """The job's stored images: name -> key, in whichever format each was rendered (one listing)."""
+    prefix = spec.images_prefix(job)
+    return {name: key for key in store.list(prefix) if (name := spec.image_name(key[len(prefix):])) is not None}
+
+
+def image_key_of(store: Store, job: str, name: str) -> str | None:
+    """The key of one stored image of the job, whatever its format; None when there is none.
+
+    Tries each format's extension, the default's first: one request for a PNG job."""
+    for ext in spec.IMAGE_EXTENSIONS:
+        key = spec.image_key(job, name, ext[1:])
+        if store.exists(key):
+            return key
+    return None
+
+
 def stored_names(store: Store, job: str, what: str) -> set[str]:
     """Names of the job's images (``what='images'``) or quarantined prompts."""
     prefix = f"{spec.job_prefix(job)}{what}/"
-    suffix = ".png" if what == "images" else ".json"
-    return {key[len(prefix) : -len(suffix)] for key in store.list(prefix) if key.endswith(suffix)}
+    if what == "images":  # any image format's extension (spec.image_name)
+        return {name for key in store.list(prefix) if (name := spec.image_name(key[len(prefix):])) is not None}
+    return {key[len(prefix) : -len(".json")] for key in store.list(prefix) if key.endswith(".json")}
 
 
 def stored_prompts(store: Store, job_spec: JobSpec) -> Iterator[tuple[str, str]]:

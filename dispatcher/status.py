@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from dispatcher import lifecycle
-from dispatcher.resume import jobs_only_in_store, load_spec, stored_names, stored_prompts
+from dispatcher.resume import jobs_only_in_store, load_spec, stored_images, stored_names, stored_prompts
 from renderfleet import keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
@@ -520,12 +520,12 @@ class Results:
 def results(store: Store, job: str) -> Results:
     """Where each prompt's image is, and which are missing or quarantined."""
     job_spec = load_spec(store, job)
-    images = stored_names(store, job, "images")
+    images = stored_images(store, job)
     quarantined = stored_names(store, job, "quarantine")
     out = Results(job, {}, [], {})
     for name, _ in stored_prompts(store, job_spec):
         if name in images:
-            out.images[name] = store.locate(spec.image_key(job, name))
+            out.images[name] = store.locate(images[name])
         elif name in quarantined:
             record = store.get(spec.quarantine_key(job, name))
             out.quarantined[name] = json.loads(record)["error"] if record else "quarantined"

@@ -66,9 +66,12 @@ MODEL_REQUIRED = ("--model: no model given (model= in Python; RENDERFLEET_MODEL 
                   "model id, a folder saved with save_pretrained or an s3:// folder; `--model tiny` is the "
                   "built-in random-weight model, whose images are noise, for a smoke test")
 
+# The flags of the settings in the one table (spec.FIELDS) that are not a prompt's text or id.
+SETTING_FLAGS = (("--scheduler", "scheduler"), ("--long-prompts", "long_prompts"),
+                 ("--image-format", "image_format"), ("--quality", "quality"))
 # Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
 _FIELD_FLAGS = (("--steps", "steps"), ("--size", "width"), ("--size", "height"), ("--seed", "seed"),
-                ("--guidance", "guidance"))
+                ("--guidance", "guidance"), *SETTING_FLAGS)
 
 
 def check_options(opts: SubmitOptions) -> None:
@@ -77,7 +80,10 @@ def check_options(opts: SubmitOptions) -> None:
     problems = []
     p = opts.params
     for flag, name in _FIELD_FLAGS:
-        if why := spec.field_problem(spec.FIELD[name], getattr(p, name)):
+        field, value = spec.FIELD[name], getattr(p, name)
+        if type(value) not in field.types:
+            problems.append(f"{flag}: must be {field.what}, got {type(value).__name__}")
+        elif why := spec.field_problem(field, value):
             problems.append(f"{flag}: {why}")
     for flag, name, value in (("--shard-size", "shard_size", opts.shard_size),
                               ("--batch-size", "batch_size", opts.batch_size),
@@ -102,7 +108,7 @@ def job_id(digest: str, params: RenderParams, store: str) -> str:
     is, so a resubmit with another ``--batch-size`` is the same job (it keeps
     the cut it was submitted with).
     """
-    ident = json.dumps({"content": digest, "params": params.to_dict(), "store": store_identity(store)},
+    ident = json.dumps({"content": digest, "params": params.identity(), "store": store_identity(store)},
                        sort_keys=True)
     return "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
 

@@ -37,7 +37,9 @@ from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
+from dispatcher.resume import image_key_of
 from renderfleet import spec as layout
+from renderfleet.images import metadata_of
 from renderfleet.spec import INT_LIMITS
 from renderfleet.store import Store
 
@@ -78,8 +80,9 @@ def make_thumbnail(data: bytes, name: str, max_pixels: int = THUMB_MAX_PIXELS) -
     try:
         with Image.open(io.BytesIO(data), formats=FORMATS) as image:
             width, height = image.size  # from the header: nothing decoded yet
-            # Text chunks before the pixels are in .info already (.text would decode the image to find more).
-            meta.update({k: str(v) for k, v in image.info.items() if k in CAPTION_FIELDS and isinstance(v, str)})
+            # PNG text chunks before the pixels, or WebP's and JPEG's XMP, are in .info already
+            # (.text would decode the image to find more).
+            meta.update({k: v for k, v in metadata_of(image).items() if k in CAPTION_FIELDS})
             meta["size"] = f"{width}x{height}"
             if width * height > max_pixels:
                 meta["preview"] = (f"not previewed: {width}x{height} is {width * height / 1e6:.1f} megapixels, "
@@ -149,7 +152,8 @@ class Thumbnails:
 
     def _decode(self, job: str, name: str) -> tuple[bytes, dict[str, Any]]:
         """In the pool: the image's bytes are read and decoded there, a few at a time."""
-        data = self.store.get(layout.image_key(job, name))
+        key = image_key_of(self.store, job, name)
+        data = None if key is None else self.store.get(key)
         if data is None:
             raise NoImage(f"job {job} has no image {name!r}")
         return make_thumbnail(data, name, self.max_pixels)

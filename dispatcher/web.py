@@ -41,6 +41,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp
 
 from dispatcher.jobids import resolve
+from dispatcher.resume import image_key_of
 from dispatcher.show import money
 from dispatcher.status import FleetStatus, JobStatus, fleet_status
 from dispatcher.thumbs import NoImage, Thumbnails
@@ -270,8 +271,8 @@ def checked_job(store: Store, job: str, client: redis.Redis | None = None) -> st
 
 
 def checked_image(store: Store, job: str, name: str) -> str:
-    """``name`` when it is an image the job has; NotHere otherwise."""
-    if name_problem(name) or not store.exists(layout.image_key(job, name)):
+    """``name`` when it is an image the job has (in any format); NotHere otherwise."""
+    if name_problem(name) or image_key_of(store, job, name) is None:
         raise NotHere(f"job {job} has no image {name!r}")
     return name
 
@@ -282,6 +283,12 @@ def _names(store: Store, prefix: str, suffix: str) -> Iterator[str]:
             yield key[len(prefix):-len(suffix)]
 
 
+def _image_names(store: Store, prefix: str) -> Iterator[str]:
+    for key in store.list(prefix):
+        if (name := layout.image_name(key[len(prefix):])) is not None:
+            yield name
+
+
 def gallery_page(store: Store, job: str, page: int) -> tuple[list[str], bool]:
     """One page of the job's image names, in the store's sorted order, and whether a next page exists.
 
@@ -289,7 +296,7 @@ def gallery_page(store: Store, job: str, page: int) -> tuple[list[str], bool]:
     (on S3, a 1000-key listing page at a time), never the whole job.
     """
     start = (page - 1) * PAGE_SIZE
-    names = list(islice(_names(store, layout.images_prefix(job), ".png"), start, start + PAGE_SIZE + 1))
+    names = list(islice(_image_names(store, layout.images_prefix(job)), start, start + PAGE_SIZE + 1))
     return names[:PAGE_SIZE], len(names) > PAGE_SIZE
 
 
@@ -422,11 +429,15 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         return Response(need_thumbs().thumbnail(job, name), media_type="image/webp", headers=IMAGE_HEADERS)
 
     def image(request: Request) -> Response:
-        store, job, name = image_parts(request)
-        data = store.get(layout.image_key(job, name))
-        if data is None:
+        store = need_store()
+        job = checked_job(store, request.path_params["job"])
+        name = request.path_params["name"]
+        key = None if name_problem(name) else image_key_of(store, job, name)
+        data = None if key is None else store.get(key)
+        if key is None or data is None:
             raise NotHere(f"job {job} has no image {name!r}")
-        return Response(data, media_type="image/png", headers=IMAGE_HEADERS)
+        media = layout.CONTENT_TYPES.get(key.rpartition(".")[2], "application/octet-stream")
+        return Response(data, media_type=media, headers=IMAGE_HEADERS)
 
     def api_image(request: Request) -> Response:
         _, job, name = image_parts(request)

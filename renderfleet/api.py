@@ -70,6 +70,7 @@ class PromptRequest:
     guidance: float | None = None
     width: int | None = None
     height: int | None = None
+    scheduler: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The jsonl object: only the fields that are set."""
@@ -143,6 +144,7 @@ class Client:
         job: str | None = None,
         priority: int = 5,
         share: int = 1,
+        **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
 
@@ -159,10 +161,13 @@ class Client:
         ``share`` given now).  ``priority``: 0 (lowest) to 9; a higher job's shards
         are taken before any lower one's.  ``share``: 1 to 100, the job's weight
         among the jobs of its priority, which take turns.
+        ``settings`` are the job's other render settings by their names in the one table
+        (``scheduler``, ``long_prompts``, ``image_format``, ``quality``: docs/configuration.md,
+        "Render settings").
         """
         opts = self.options(model=model, steps=steps, size=size, guidance=guidance, negative=negative, seed=seed,
                             shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority,
-                            share=share)
+                            share=share, **settings)
         if isinstance(prompts, str | os.PathLike):
             return self.submit_file(os.fspath(prompts), opts)
         with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
@@ -182,15 +187,19 @@ class Client:
                 guidance: float = DEFAULT["guidance"], negative: str = DEFAULT["negative_prompt"],
                 seed: int = DEFAULT["seed"], shard_size: int = 64, batch_size: int = 4,
                 pool: str = "default", job: str | None = None, priority: int = 5,
-                share: int = 1) -> SubmitOptions:
-        """The render options of a submit, checked (InputError naming each bad one)."""
-        from dispatcher.submit import SubmitOptions, check_options
+                share: int = 1, **settings: Any) -> SubmitOptions:
+        """The render options of a submit, checked (InputError naming each bad one); ``settings``:
+        the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
+        from dispatcher.submit import SETTING_FLAGS, SubmitOptions, check_options
         from renderfleet.spec import RenderParams
 
+        if unknown := sorted(set(settings) - {name for _, name in SETTING_FLAGS}):
+            raise InputError([f"{name}: not a render setting (known: "
+                              f"{', '.join(name for _, name in SETTING_FLAGS)})" for name in unknown])
         width, height = parse_size(size)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
         params = RenderParams(model=model or self.settings.model or "", steps=steps, width=width, height=height,
-                              guidance=guidance, negative_prompt=negative, seed=seed)
+                              guidance=guidance, negative_prompt=negative, seed=seed, **settings)
         opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job,
                              priority=priority, share=share)
         check_options(opts)
@@ -208,6 +217,8 @@ class Client:
         except InputError as exc:
             raise (_renamed(exc, path, label, by_item) if label else exc) from None
         warnings = [_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings]
+        if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt):
+            warnings.append(note.replace(path, label) if label else note)
         result = submit(path, opts, store=self.store, app=self.app, client=self.redis,
                         queue=queue_name(opts.pool, self.store.url), summary=summary, source=source)
         return Job(self, result.job, result.total, new=result.new, shards_enqueued=result.shards_enqueued,

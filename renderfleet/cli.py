@@ -124,16 +124,32 @@ JobOpt = Annotated[str | None, typer.Option("--job", metavar="ID",
 ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="FILE",
                                                 help="TOML file with \\[pools.NAME] and \\[autoscale] tables")]
 JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id, or a unique prefix of it (as status shows)")]
+# The render settings of the one table beyond the basics (docs/configuration.md, "Render settings").
+Scheduler = Annotated[str, typer.Option(
+    metavar="NAME", help="sampler: euler, euler_a, dpmpp_2m, dpmpp_2m_karras, dpmpp_sde, ddim, unipc, lcm, ... "
+    "or a diffusers class name (default: the model's own)")]
+LongPrompts = Annotated[str, typer.Option(
+    "--long-prompts", metavar="chunk|truncate",
+    help="prompts over 77 tokens: embedded in 77-token chunks, or cut at 77")]
+ImageFormat = Annotated[str, typer.Option(
+    "--image-format", metavar="FORMAT", help="png, webp, webp-lossless or jpeg (metadata kept in each)")]
+Quality = Annotated[int, typer.Option(metavar="1-100", help="webp/jpeg quality (lossless WebP: effort)")]
 
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
                     negative: str, seed: int, shard_size: int, batch_size: int, pool: str | None,
-                    settings: Settings, priority: int = 5, share: int = 1) -> Any:
+                    settings: Settings, priority: int = 5, share: int = 1,
+                    render: dict[str, Any] | None = None) -> Any:
     from renderfleet.api import Client
 
     return Client(settings).options(model=model, steps=steps, size=size, guidance=guidance, negative=negative,
                                     seed=seed, shard_size=shard_size, batch_size=batch_size, pool=pool or "default",
-                                    job=job, priority=priority, share=share)
+                                    job=job, priority=priority, share=share, **(render or {}))
+
+
+def _render(scheduler: str, long_prompts: str, image_format: str, quality: int) -> dict[str, Any]:
+    """The render settings of the one table that submit and run take as flags, by their names."""
+    return {"scheduler": scheduler, "long_prompts": long_prompts, "image_format": image_format, "quality": quality}
 
 
 def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, stream: Any = None,
@@ -147,7 +163,9 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
                             size=(opts.params.width, opts.params.height), guidance=opts.params.guidance,
                             negative=opts.params.negative_prompt, seed=opts.params.seed, shard_size=opts.shard_size,
                             batch_size=opts.batch_size, pool=opts.pool, job=opts.job, priority=opts.priority,
-                            share=opts.share)
+                            share=opts.share,
+                            **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format,
+                                      opts.params.quality))
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
     for note in job.warnings:
@@ -163,6 +181,8 @@ def submit(
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None, priority: Priority = 5, share: Share = 1,
+    scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
+    image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
     fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
@@ -171,7 +191,8 @@ def submit(
     _logging(settings)
     with _user_errors():
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings, priority, share)
+                               batch_size, pool, settings, priority, share,
+                               _render(scheduler, long_prompts, image_format, quality))
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
@@ -590,6 +611,8 @@ def run(
     guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
     seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
     batch_size: BatchSize = 4, pool: Pool = None,
+    scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
+    image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
     timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
 ) -> None:
     """Everything on this machine: server, N workers, submit, progress, summary.
@@ -604,7 +627,8 @@ def run(
 
     with _user_errors():
         opts = _submit_options(job, model or settings.model or TINY_MODEL, steps, size, guidance, negative, seed,
-                               shard_size, batch_size, pool, settings)
+                               shard_size, batch_size, pool, settings,
+                               render=_render(scheduler, long_prompts, image_format, quality))
         code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 
@@ -624,6 +648,8 @@ def bench(
                                           "instead of running one")] = False,
     compile: Annotated[bool, typer.Option("--compile", metavar=FLAG,
                                           help="compile the UNet's repeated blocks (CUDA only)")] = False,
+    scheduler: Scheduler = DEFAULT["scheduler"], image_format: ImageFormat = DEFAULT["image_format"],
+    quality: Quality = DEFAULT["quality"],
     config: ConfigOpt = None,
     # Files are arguments, not --compare's values: a click option takes one value per flag, so
     # `--compare a.json b.json` (the documented form) needs them positional; `--compare a --compare b` works too.
@@ -644,11 +670,16 @@ def bench(
                 raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
             print(compare_runs(files), end="")
             return
-        from dispatcher.submit import MODEL_REQUIRED
+        from dispatcher.submit import MODEL_REQUIRED, SubmitOptions, check_options
         from renderfleet.api import parse_size
+        from renderfleet.spec import RenderParams
         from worker.bench import run_bench, write_outputs
 
         width, height = parse_size(size)
+        # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
+        check_options(SubmitOptions(RenderParams(model=model or settings.model or "", steps=steps, width=width,
+                                                 height=height, guidance=guidance, scheduler=scheduler,
+                                                 image_format=image_format, quality=quality)))
         try:
             sizes = None if batch_sizes == "auto" else [int(b) for b in batch_sizes.split(",")]
         except ValueError:
@@ -663,7 +694,8 @@ def bench(
             raise InputError([MODEL_REQUIRED])
         result = run_bench(model, width=width, height=height, steps=steps, guidance=guidance,
                            batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
-                           cache_dir=settings.home / "models", compile=compile)
+                           cache_dir=settings.home / "models", compile=compile, scheduler=scheduler,
+                           image_format=image_format, quality=quality)
         for path in write_outputs(result, out):
             _err(f"wrote {path}")
         print((out / "bench.md").read_text(), end="")

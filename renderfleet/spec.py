@@ -11,7 +11,7 @@ The store layout of a job lives here too, so a reader finds every key in one pla
     jobs/<job>/source/prompts.<fmt>[.gz]    the prompt file as submitted (read again by resume)
     jobs/<job>/source/wire.jsonl            its prompts, checked, one wire JSON a line (workers read a shard's range)
     jobs/<job>/source/wire.index            where each shard's first line begins (8-byte offsets, renderfleet/shardfile.py)
-    jobs/<job>/images/<name>.png            one image per prompt
+        jobs/<job>/images/<name>.<ext>          one image per prompt (.png, .webp or .jpg: the job's image_format)
     jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed, per attempt
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
     jobs/<job>/thumbs/<name>.webp|.json     the web page's thumbnails and captions (dispatcher/web.py)
@@ -34,6 +34,8 @@ import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from renderfleet.samplers import scheduler_problem
 
 SPEC_VERSION = 1
 
@@ -68,18 +70,43 @@ def job_id_problem(job: str) -> str | None:
 
 @dataclass(frozen=True)
 class Field:
-    """One field a prompt may carry: its names, type, range and default."""
+    """One setting of a job or a prompt: its names, type, range and default."""
 
     name: str  # in a .jsonl object, a .csv header and RenderParams
-    attr: str  # the Prompt attribute it fills
+    attr: str  # the Prompt attribute it fills ("": the job's alone, not on a Prompt)
     wire: str  # its key in a shard message's prompt
-    kind: str  # "text", "name" (a key segment), "int" or "number"
+    kind: str  # "text", "name" (a key segment), "word" (a checked token), "int" or "number"
     types: tuple[type, ...]  # what a .jsonl value may be (exactly: a bool is no int)
     what: str  # the expected type, in words, for "must be ..." problems
     limits: tuple[int, int] | None = None  # (lowest, highest) of an "int"
     multiple_of: int = 1
     default: Any = None  # the job's value (RenderParams); None: the prompt's own (text, name, derived seed)
+    per_prompt: bool = True  # a prompt file may set it per prompt; else the job's flag alone
+    check: Callable[[str], str | None] | None = None  # why a "word" value is refused, if it is
 
+
+def choice(name: str, *choices: str) -> Callable[[str], str | None]:
+    """The check of a "word" setting that is one of ``choices``."""
+
+    def problem(value: str) -> str | None:
+        if value in choices:
+            return None
+        return f"{name} must be one of {', '.join(choices)}, got {value[:60]!r}"
+
+    return problem
+
+
+# The image formats of ``--image-format``: (file extension, content type).  Lossless WebP is
+# a format of its own: it ignores ``--quality``'s trade of bytes for detail.
+IMAGE_FORMATS: dict[str, tuple[str, str]] = {
+    "png": ("png", "image/png"),
+    "webp": ("webp", "image/webp"),
+    "webp-lossless": ("webp", "image/webp"),
+    "jpeg": ("jpg", "image/jpeg"),
+}
+IMAGE_EXTENSIONS = (".png", ".webp", ".jpg")  # every format's, the default's first
+CONTENT_TYPES = {ext: content_type for ext, content_type in IMAGE_FORMATS.values()}  # by extension
+LONG_PROMPTS = ("chunk", "truncate")
 
 FIELDS: tuple[Field, ...] = (
     Field("prompt", "prompt", "p", "text", (str,), "a string"),
@@ -91,9 +118,19 @@ FIELDS: tuple[Field, ...] = (
     # latents are 1/8 of the image
     Field("width", "width", "w", "int", (int,), "an integer", (1, 4096), 8, default=512),
     Field("height", "height", "h", "int", (int,), "an integer", (1, 4096), 8, default=512),
+    # '': the pipeline's own scheduler (renderfleet/samplers.py)
+    Field("scheduler", "scheduler", "sch", "word", (str,), "a string", default="", check=scheduler_problem),
+    # prompts beyond the text encoder's 77 tokens: embedded in 77-token chunks, or cut
+    Field("long_prompts", "long_prompts", "lp", "word", (str,), "a string", default="chunk", per_prompt=False,
+          check=choice("long_prompts", *LONG_PROMPTS)),
+    Field("image_format", "image_format", "fmt", "word", (str,), "a string", default="png", per_prompt=False,
+          check=choice("image_format", *IMAGE_FORMATS)),
+    # lossy WebP's and JPEG's quality; lossless WebP's effort; PNG ignores it
+    Field("quality", "quality", "q", "int", (int,), "an integer", (1, 100), default=90, per_prompt=False),
 )
 FIELD = {f.name: f for f in FIELDS}
 DEFAULT = {f.name: f.default for f in FIELDS if f.default is not None}
+PROMPT_FIELDS = tuple(f for f in FIELDS if f.per_prompt)  # what a prompt file's rows and a message's prompts may set
 
 # (lowest, highest) of each integer setting: the prompt's, and how a job is cut.
 INT_LIMITS: dict[str, tuple[int, int]] = {
@@ -149,6 +186,8 @@ def field_problem(field: Field, value: Any) -> str | None:
     A text's rules (empty, NUL) are worded by each reader: a file line and a
     message name them differently.
     """
+    if field.kind == "word":
+        return field.check(value) if field.check is not None else None
     if field.kind == "int":
         return int_problem(field.name, value)
     if field.kind == "number":
@@ -220,13 +259,32 @@ class RenderParams:
     guidance: float = FIELD["guidance"].default
     negative_prompt: str = FIELD["negative_prompt"].default
     seed: int = FIELD["seed"].default
+    scheduler: str = FIELD["scheduler"].default
+    long_prompts: str = FIELD["long_prompts"].default
+    image_format: str = FIELD["image_format"].default
+    quality: int = FIELD["quality"].default
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def identity(self) -> dict[str, Any]:
+        """The settings as a job's id, its spec.json and its messages carry them: those added
+        after the first release (:data:`SET_ONLY_IDENTITY`) only where set, so a job submitted
+        before them keeps its id, and a job that sets none of them is read by an older worker
+        or dispatcher as before (a rolling upgrade)."""
+        return {k: v for k, v in asdict(self).items() if k not in SET_ONLY_IDENTITY or v != FIELD[k].default}
+
+    @property
+    def image_extension(self) -> str:
+        """The file extension of the job's images (``png``, ``webp``, ``jpg``)."""
+        return IMAGE_FORMATS[self.image_format][0]
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RenderParams:
         return cls(**data)
+
+
+SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality")
 
 
 @dataclass(frozen=True)
@@ -246,11 +304,16 @@ class Prompt:
     guidance: float
     width: int
     height: int
+    # The job's unless a prompt sets its own (the per-prompt fields of FIELDS); the rest are the job's alone.
+    scheduler: str = FIELD["scheduler"].default
+    long_prompts: str = FIELD["long_prompts"].default
+    image_format: str = FIELD["image_format"].default
+    quality: int = FIELD["quality"].default
 
     @property
-    def render_key(self) -> tuple[int, float, int, int]:
+    def render_key(self) -> tuple[int, float, int, int, str]:
         """Prompts that share this key can share one pipeline call."""
-        return (self.steps, self.guidance, self.width, self.height)
+        return (self.steps, self.guidance, self.width, self.height, self.scheduler)
 
     @classmethod
     def from_wire(cls, index: int, data: str | dict[str, Any], params: RenderParams) -> Prompt:
@@ -261,7 +324,9 @@ class Prompt:
             data = {"p": data}
         values: dict[str, Any] = {"index": index}
         for f in FIELDS:
-            if f.wire in data:
+            if not f.attr:
+                continue  # the job's alone: read from its params where used
+            if f.wire in data and f.per_prompt:
                 values[f.attr] = _FROM_WIRE[f.kind](data[f.wire])  # type: ignore[index]
             elif f.name == "id":
                 values[f.attr] = index_name(index)
@@ -272,7 +337,7 @@ class Prompt:
         return cls(**values)
 
 
-_FROM_WIRE: dict[str, Callable[[Any], Any]] = {"text": str, "name": str, "int": int, "number": float}
+_FROM_WIRE: dict[str, Callable[[Any], Any]] = {"text": str, "name": str, "word": str, "int": int, "number": float}
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -301,6 +366,7 @@ class JobSpec:
 
     def to_json(self) -> str:
         data = asdict(self)
+        data["params"] = self.params.identity()
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -380,8 +446,8 @@ class ShardMessage:
 # tests/unit/test_spec.py holds these equal to ``json.dumps`` of the same data.
 
 _QUOTE = json.encoder.encode_basestring  # type: ignore[attr-defined]  # the C escaper; non-ASCII kept as is
-_WIRE_TEXT = {f.name: f'"{f.wire}":' for f in FIELDS if f.kind in ("text", "name")}
-_WIRE_NUMBER = {f.name: f'"{f.wire}":' for f in FIELDS if f.kind in ("int", "number")}
+_WIRE_TEXT = {f.name: f'"{f.wire}":' for f in PROMPT_FIELDS if f.kind in ("text", "name", "word")}
+_WIRE_NUMBER = {f.name: f'"{f.wire}":' for f in PROMPT_FIELDS if f.kind in ("int", "number")}
 
 
 def prompt_json(row: dict[str, Any]) -> str:
@@ -425,7 +491,7 @@ def message_head(job: JobSpec, queue: str, store: str = "") -> str:
     a shard's message adds ``,"shard":N,"first":F,"count":C}``: :func:`message_encoder`, and
     the feeder (``renderfleet/lua/feed.lua``) from this same text."""
     return json.dumps(
-        {"job": job.job, "params": job.params.to_dict(), "batch_size": job.batch_size, "queue": queue,
+        {"job": job.job, "params": job.params.identity(), "batch_size": job.batch_size, "queue": queue,
          "store": store},
         separators=(",", ":"),
     )[:-1]
@@ -451,8 +517,8 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int]
 # ``renderfleet.<pool>.<store_tag>``).  A queue named by an older version (no store tag) is refused.
 _QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{12}")
 _MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "count")  # and "store", optional
-_WIRE_FIELDS = {f.wire: f for f in FIELDS}  # the keys of a prompt with fields on the wire
-_PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number")}  # the job's numbers
+_WIRE_FIELDS = {f.wire: f for f in PROMPT_FIELDS}  # the keys of a prompt with fields on the wire
+_PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number", "word")}  # the job's checked settings
 MAX_MODEL_LEN = 1024
 
 # The reserved model ids of the fixed-time bench renderer (worker/benchrender.py): no model,
@@ -515,6 +581,8 @@ def _value_problem(f: Field, value: Any) -> str | None:
         return _text_problem(f.name, value, empty=f.name != "prompt")
     if f.kind == "name":
         return field_problem(f, value) if type(value) is str else "id must be a string"
+    if f.kind == "word":
+        return field_problem(f, value) if type(value) is str else f"{f.name} must be a string"
     if f.kind == "int":
         return field_problem(f, value) if _is_int(value) else f"{f.name} must be an integer"
     return field_problem(f, value) if type(value) in (int, float) else f"{f.name} must be a number"
@@ -618,8 +686,19 @@ def source_key(job: str, fmt: str, gzipped: bool) -> str:
     return f"jobs/{job}/source/prompts.{fmt}{'.gz' if gzipped else ''}"
 
 
-def image_key(job: str, name: str) -> str:
-    return f"jobs/{job}/images/{name}.png"
+def image_key(job: str, name: str, ext: str = "png") -> str:
+    """Where a prompt's image is stored; ``ext``: the job's (``RenderParams.image_extension``)."""
+    return f"jobs/{job}/images/{name}.{ext}"
+
+
+def image_name(tail: str) -> str | None:
+    """The prompt name of an image's key below ``images/`` (``000007.webp``: ``000007``), None for
+    a key that is no image.  Every format's extension is one: a store listing proves the images
+    of a job whatever format it was rendered in."""
+    for ext in IMAGE_EXTENSIONS:
+        if tail.endswith(ext):
+            return tail[: -len(ext)]
+    return None
 
 
 def checkpoint_prefix(job: str, shard: int) -> str:

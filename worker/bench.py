@@ -61,6 +61,10 @@ class BenchRun:
     compiled: bool = False
     first_batch_seconds: float | None = None  # the cold first render: with --compile, the compile too
     untimed: list[int] = field(default_factory=list)  # auto on a CPU: sizes probed but left out by its time budget
+    scheduler: str = ""  # '': the model's own
+    image_format: str = "png"
+    quality: int = 90
+    bytes_per_image: float | None = None  # the mean file size of the last batch rendered
 
     def best(self) -> Point:
         return max(self.points, key=lambda p: p.images_per_minute)
@@ -68,7 +72,7 @@ class BenchRun:
 
 def run_bench(model: str, *, width: int, height: int, steps: int, guidance: float, batch_sizes: list[int] | None,
               prices: dict[str, float], runs: int, device: str | None, cache_dir: Path,
-              compile: bool = False) -> BenchRun:
+              compile: bool = False, scheduler: str = "", image_format: str = "png", quality: int = 90) -> BenchRun:
     """Measure; ``batch_sizes`` None means auto (:func:`worker.batchsize.search` up to ``AUTO_LIMIT``)."""
     import torch
 
@@ -82,11 +86,12 @@ def run_bench(model: str, *, width: int, height: int, steps: int, guidance: floa
 
     def prompts_of(size: int) -> list[Prompt]:
         return [Prompt(i, f"{i:06d}", f"benchmark prompt {i}", "", derive_seed(0, i), steps, guidance, width,
-                       height) for i in range(size)]
+                       height, scheduler=scheduler, image_format=image_format, quality=quality) for i in range(size)]
 
     result = BenchRun(model, width, height, steps, guidance, str(loaded.device), card_name(str(loaded.device)),
                       torch.get_num_threads(), loaded.load_seconds, prices, [],
-                      when=time.strftime("%Y-%m-%d %H:%M:%S"), compiled=compile)
+                      when=time.strftime("%Y-%m-%d %H:%M:%S"), compiled=compile, scheduler=scheduler,
+                      image_format=image_format, quality=quality)
     started = time.perf_counter()
     try:
         renderer.render(prompts_of(1))
@@ -105,8 +110,9 @@ def run_bench(model: str, *, width: int, height: int, steps: int, guidance: floa
             times = []
             for _ in range(runs):
                 started = time.perf_counter()
-                renderer.render(prompts)
+                files = renderer.render(prompts)
                 times.append(time.perf_counter() - started)
+            result.bytes_per_image = sum(map(len, files)) / len(files)
         except OutOfMemory:
             result.oom_at = size
             break
@@ -164,8 +170,12 @@ def write_outputs(run: BenchRun, out: Path) -> list[Path]:
 def markdown(run: BenchRun) -> str:
     labels = list(run.prices)
     head = ["batch", "images/min", "s/image", "peak MB", *[f"cost/image ({lbl})" for lbl in labels]]
-    lines = [f"# {run.model} at {run.width}x{run.height}, {run.steps} steps, guidance {run.guidance:g}",
-             "", f"{run.card} ({run.device}, {run.torch_threads} threads), model load {run.load_seconds:.2f} s, "
+    files = f"{run.image_format}" + (f" q{run.quality}" if run.image_format in ("webp", "jpeg") else "")
+    size = f", {run.bytes_per_image:,.0f} bytes/image" if run.bytes_per_image else ""
+    lines = [f"# {run.model} at {run.width}x{run.height}, {run.steps} steps, guidance {run.guidance:g}, "
+             f"scheduler {run.scheduler or 'the model default'}",
+             "", f"{files}{size}; {run.card} ({run.device}, {run.torch_threads} threads), "
+             f"model load {run.load_seconds:.2f} s, "
              f"first batch {run.first_batch_seconds or 0:.2f} s{' (compile included)' if run.compiled else ''}, "
              f"{run.when}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in run.points:

@@ -1,4 +1,4 @@
-"""Rendering one batch of prompts into PNG bytes.
+"""Rendering one batch of prompts into image bytes (PNG, WebP or JPEG: the job's format).
 
 :class:`Renderer` wraps a loaded pipeline and knows nothing of queues or
 stores: prompts in, one image per prompt out, in order, and each encoded as a
@@ -7,27 +7,73 @@ path that turns a batch into images (shard -> batch -> **render** -> store).
 
 Every image depends on its prompt's fields and seed alone: each prompt gets
 its own CPU generator, so its starting latents are the same on every device
-and at every position in a batch, and the PNG encoding carries no clock.
+and at every position in a batch, and the encoding carries no clock.
+
+A prompt's scheduler is switched on the loaded pipeline, never by loading the
+model again (:class:`SchedulerCache`); a prompt longer than the text encoder's
+77 tokens is embedded in 77-token chunks (``worker.prompts``) unless its job
+says ``long_prompts=truncate``.
 """
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from renderfleet import __version__, failpoints
+from renderfleet import __version__, failpoints, images, samplers
 from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.spec import BENCH_PREFIX, FIELD, INT_LIMITS, Prompt, field_problem
 from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
+from worker.prompts import LongPrompts
 
 if TYPE_CHECKING:
     from worker.compiled import CompileCache
 
-# zlib at a fixed level: the same pixels always give the same bytes, whatever
-# Pillow's default is next year.
-PNG_COMPRESS_LEVEL = 6
+PNG_COMPRESS_LEVEL = images.PNG_COMPRESS_LEVEL
+
+
+class SchedulerCache:
+    """The schedulers a pipeline's jobs ask for, by name, built once each from the pipeline's own.
+
+    Each is made with ``from_config`` of the scheduler the model came with, so the
+    model's betas, prediction type and timestep spacing stay; only the solver and the
+    options its name implies (``renderfleet.samplers``) change.  Setting
+    ``pipe.scheduler`` is all a switch costs: the model is never loaded again.  The
+    name '' is the pipeline's own scheduler, as loaded.
+    """
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.default: Any = getattr(pipe, "scheduler", None)
+        self._built: dict[str, Any] = {"": self.default}
+
+    def get(self, name: str) -> Any:
+        """The scheduler called ``name``; JobError if this pipeline cannot use it."""
+        if name not in self._built:
+            try:
+                cls_name, options = samplers.resolve(name)
+            except KeyError:
+                raise JobError(samplers.scheduler_problem(name) or f"unknown scheduler {name!r}") from None
+            import diffusers
+
+            cls = getattr(diffusers, cls_name)
+            try:
+                self._built[name] = cls.from_config(self.default.config, **options)
+            except (ImportError, ValueError, TypeError) as exc:
+                raise JobError(f"scheduler {name!r} ({cls_name}) cannot drive this model: {exc}") from exc
+        return self._built[name]
+
+    def use(self, name: str, seeds: Sequence[int]) -> None:
+        """Make ``name`` the pipeline's scheduler for its next call, of prompts with ``seeds``.
+
+        A scheduler that draws noise from a generator of its own (DPM++ SDE's Brownian
+        tree) is seeded with the prompts' seeds, one tree each: left to itself it seeds
+        from the clock, and a redelivered batch would not render the same bytes.
+        """
+        scheduler = self.pipe.scheduler = self.get(name)
+        if hasattr(scheduler, "noise_sampler_seed"):
+            scheduler.noise_sampler_seed = list(seeds)
 
 
 class Renderer:
@@ -61,6 +107,8 @@ class Renderer:
         self.batch_invariant = batch_invariant
         self.compile_cache = compile_cache
         self.last_batch_seconds = 0.0
+        self.schedulers = SchedulerCache(loaded.pipe)
+        self.long_prompts = LongPrompts(loaded.pipe)
 
     def render(
         self,
@@ -68,7 +116,7 @@ class Renderer:
         *,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> list[bytes]:
-        """One PNG per prompt, in order: :meth:`render_images`, then :meth:`encode` each."""
+        """One image file per prompt, in order: :meth:`render_images`, then :meth:`encode` each."""
         images = self.render_images(prompts, should_stop=should_stop)
         return [self.encode(image, p) for image, p in zip(images, prompts, strict=True)]
 
@@ -100,26 +148,42 @@ class Renderer:
         if should_stop():
             raise Reclaimed("stopped before the batch started")
 
-        # 3. Denoise and decode: per prompt, or the batch in one call.
-        groups = [[p] for p in prompts] if self.batch_invariant else [list(prompts)]
+        # 3. Long prompts: embedded in 77-token chunks, a call per chunk count (prompts within
+        #    the limit go as text, as they always did); None: none is long, or cut at 77.
+        embeds = self.long_prompts.embed(prompts) or [None] * len(prompts)
+
+        # 4. Denoise and decode: per prompt, or a call per group of prompts whose text
+        #    has the same length in chunks (the batch in one call, unless long prompts split it).
+        if self.batch_invariant:
+            groups = [[i] for i in range(len(prompts))]
+        else:
+            by_length: dict[int, list[int]] = {}
+            for i in range(len(prompts)):
+                embedded = embeds[i]
+                by_length.setdefault(embedded.chunks if embedded else 0, []).append(i)
+            groups = list(by_length.values())
         reset_peak_memory(str(getattr(self.loaded, "device", "cpu")))
         started = time.perf_counter()
-        images: list[Any] = []
+        out: list[Any] = [None] * len(prompts)
         try:
             for n, group in enumerate(groups):
                 if n > 0 and should_stop():
                     raise Reclaimed("stopped mid-batch")
-                images.extend(self._call(group, should_stop))
+                chunked = [e for i in group if (e := embeds[i]) is not None]
+                rendered = self._call([prompts[i] for i in group], should_stop, embeds=chunked or None)
+                if len(rendered) != len(group):
+                    raise PermanentError(f"pipeline returned {len(rendered)} images for {len(group)} prompts")
+                for i, image in zip(group, rendered, strict=True):
+                    out[i] = image
         finally:
             self.last_batch_seconds = time.perf_counter() - started
 
-        # 4. One image per prompt.
-        if len(images) != len(prompts):
-            raise PermanentError(f"pipeline returned {len(images)} images for {len(prompts)} prompts")
-        return images
+        # 5. One image per prompt.
+        return out
 
     def encode(self, image: Any, prompt: Prompt) -> bytes:
-        """The image's PNG, with what made it; :class:`PromptError` if its text cannot be carried."""
+        """The image's file in the prompt's format, with what made it; :class:`PromptError` if its
+        text cannot be carried."""
         return encode_image(image, prompt, self.loaded.model)
 
     def generate(self, prompts: Sequence[Prompt], *, output_type: str = "pil",
@@ -138,11 +202,17 @@ class Renderer:
         prompts: list[Prompt],
         should_stop: Callable[[], bool],
         output_type: str = "pil",
+        embeds: list[Any] | None = None,
     ) -> list[Any]:
-        """One pipeline call: PIL images, or :class:`Reclaimed` if stopped."""
+        """One pipeline call: PIL images, or :class:`Reclaimed` if stopped.  ``embeds``: the
+        prompts' chunked embeddings (``worker.prompts.Embedded``), in place of their text."""
         import torch
 
-        steps, guidance, width, height = prompts[0].render_key
+        steps, guidance, width, height, scheduler = prompts[0].render_key
+        self.schedulers.use(scheduler, [p.seed for p in prompts])
+        text: dict[str, Any] = ({"prompt": [p.prompt for p in prompts],
+                                 "negative_prompt": [p.negative_prompt for p in prompts]}
+                                if embeds is None else self.long_prompts.call_kwargs(embeds))
         device = str(getattr(self.loaded, "device", "cpu"))
         if device.startswith("cuda"):  # the CPU path stays as it was
             set_vae_memory_modes(self.loaded.pipe, *vae_memory_modes(device, width, height, len(prompts)))
@@ -163,8 +233,7 @@ class Renderer:
             failpoints.reach("render")
             with torch.inference_mode():
                 output = self.loaded.pipe(
-                    prompt=[p.prompt for p in prompts],
-                    negative_prompt=[p.negative_prompt for p in prompts],
+                    **text,
                     num_inference_steps=steps,
                     guidance_scale=guidance,
                     width=width,
@@ -206,11 +275,11 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
     for p in prompts[1:]:
         if p.render_key != key:
             raise ValueError(
-                f"all prompts in a batch must share (steps, guidance, width, height); "
+                f"all prompts in a batch must share (steps, guidance, width, height, scheduler); "
                 f"prompt {p.name!r} has {p.render_key} but prompt {prompts[0].name!r} has {key}"
             )
     # The ranges are the table submit checks (spec.FIELDS); the words are diffusers'.
-    steps, guidance, width, height = key
+    steps, guidance, width, height, scheduler = key
     if field_problem(FIELD["steps"], steps):
         raise ValueError(f"`steps` has to be a positive integer up to {INT_LIMITS['steps'][1]} but is {steps}")
     if field_problem(FIELD["width"], width) or field_problem(FIELD["height"], height):
@@ -218,12 +287,15 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
                          f"but are {width} and {height}")
     if why := field_problem(FIELD["guidance"], guidance):
         raise ValueError(f"`guidance_scale`: {why}")
+    if why := field_problem(FIELD["scheduler"], scheduler):
+        raise ValueError(f"`scheduler`: {why}")
 
 
 def encode_image(image: Any, prompt: Prompt, model: str) -> bytes:
-    """:func:`encode_png`, any failure the prompt's (:class:`PromptError`): text a PNG cannot carry."""
+    """The image in the prompt's format (``renderfleet.images``), any failure the prompt's
+    (:class:`PromptError`): text its format cannot carry."""
     try:
-        return encode_png(image, prompt, model)
+        return images.encode(image, prompt.image_format, prompt.quality, image_metadata(prompt, model))
     except Exception as exc:
         raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
 
@@ -233,23 +305,20 @@ def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:
 
     Deterministic: no time chunk, fixed compression, fixed chunk order.
     """
-    from PIL.PngImagePlugin import PngInfo
-
-    info = PngInfo()
-    for key, value in png_metadata(prompt, model).items():
-        # add_text switches to an iTXt (UTF-8) chunk for non-Latin-1 text.
-        info.add_text(key, value)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL, optimize=False)
-    return buf.getvalue()
+    return images.encode(image, "png", prompt.quality, image_metadata(prompt, model))
 
 
 # The text chunk that marks every image of a bench model (worker/benchrender.py), beside its id in ``model``.
 FAKE_CHUNK = {"renderfleet:fake": "fixed-time benchmark renderer, not a render"}
 
 
-def png_metadata(prompt: Prompt, model: str) -> dict[str, str]:
-    """The text chunks written into every PNG, in a fixed order; a bench model's marked as fake."""
+def image_metadata(prompt: Prompt, model: str) -> dict[str, str]:
+    """What is written into every image, in a fixed order; a bench model's marked as fake.
+
+    The settings added after the first release (scheduler, how long prompts were read, the
+    format and its quality) are written where they differ from the default, so an image of a
+    job that sets none of them keeps the bytes it always had.
+    """
     chunks = {
         "prompt": prompt.prompt,
         "negative_prompt": prompt.negative_prompt,
@@ -261,7 +330,14 @@ def png_metadata(prompt: Prompt, model: str) -> dict[str, str]:
         "model": model,
         "renderfleet": __version__,
     }
+    for name in ("scheduler", "long_prompts", "image_format", "quality"):
+        value = getattr(prompt, name)
+        if value != FIELD[name].default:
+            chunks[name] = str(value)
     return {**chunks, **FAKE_CHUNK} if model.startswith(BENCH_PREFIX) else chunks
+
+
+png_metadata = image_metadata  # the name the bench renderer and older tests know
 
 
 # What torch and the CUDA libraries say when the device itself failed.  Matched

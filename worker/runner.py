@@ -268,7 +268,7 @@ class ShardRunner:
         started = time.monotonic()
         images: dict[str, Any] = {}
         failures: list[tuple[Prompt, str, bool]] = []
-        groups: dict[tuple[int, float, int, int], list[Prompt]] = defaultdict(list)
+        groups: dict[tuple[int, float, int, int, str], list[Prompt]] = defaultdict(list)
         for p in pending:
             groups[p.render_key].append(p)
 
@@ -438,7 +438,8 @@ class ShardRunner:
         common = next((first[:i] for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b),
                       first[: len(last)])
         keys = self.store.list(spec.images_prefix(job, common))
-        return {key[len(base) : -len(".png")] for key in keys if key.endswith(".png")}
+        # Any image format's extension: the store proves an image whatever format made it.
+        return {name for key in keys if (name := spec.image_name(key[len(base):])) is not None}
 
     def _put_images(self, job: str, images: dict[str, Any], prompts: dict[str, Prompt]) -> dict[str, str]:
         """Encode and store the images, in parallel; returns {name: reason} for those refused.
@@ -467,8 +468,9 @@ class ShardRunner:
         return refused
 
     def _put_image(self, job: str, image: Any, prompt: Prompt) -> None:
-        png = self.renderer.encode(image, prompt)
-        self.store.put(spec.image_key(job, prompt.name), png, content_type="image/png")
+        data = self.renderer.encode(image, prompt)
+        ext, content_type = spec.IMAGE_FORMATS[prompt.image_format]
+        self.store.put(spec.image_key(job, prompt.name, ext), data, content_type=content_type)
 
     def _write_checkpoint(self, msg: ShardMessage, number: int, cp: _Checkpoint, attempt: int) -> None:
         record = {

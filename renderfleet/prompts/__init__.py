@@ -13,6 +13,6 @@ Submitting is two passes over the file, never a read of it whole
 """
 
 from renderfleet.prompts.lines import MAX_LINE_BYTES, detect_format
-from renderfleet.prompts.passes import FileSummary, iter_wire, validate_file
+from renderfleet.prompts.passes import FileSummary, iter_wire, long_prompts_note, validate_file
 
-__all__ = ["MAX_LINE_BYTES", "FileSummary", "detect_format", "iter_wire", "validate_file"]
+__all__ = ["MAX_LINE_BYTES", "FileSummary", "detect_format", "iter_wire", "long_prompts_note", "validate_file"]

@@ -9,17 +9,19 @@ is checked here.  Names used twice are found here too, for both formats.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from renderfleet.prompts.lines import Report
-from renderfleet.spec import FIELD, FIELDS, Field, field_problem, index_name, name_problem
+from renderfleet.spec import PROMPT_FIELDS, Field, field_problem, index_name, name_problem
 
 # PNG text chunks, where a prompt is recorded, cannot hold a NUL.
 NUL_PROBLEM = "{} contains a NUL character (\\x00), which a PNG text chunk cannot hold"
 
-# The fields a .jsonl object or .csv header may carry, ``prompt`` first.
-KNOWN_FIELDS = tuple(f.name for f in FIELDS)
+# The fields a .jsonl object or .csv header may carry, ``prompt`` first (a job-wide setting,
+# such as image_format, is a flag of submit's, never a prompt's).
+KNOWN_FIELDS = tuple(f.name for f in PROMPT_FIELDS)
+FIELD = {f.name: f for f in PROMPT_FIELDS}
 
 # What a format's row reader yields: (line, fields).  A bad row (already
 # reported) yields None, or just its id when that is fine, so that a later
@@ -27,6 +29,24 @@ KNOWN_FIELDS = tuple(f.name for f in FIELDS)
 Row = tuple[int, "dict[str, Any] | None"]
 
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
+
+# What a CLIP text encoder reads at once: 77 tokens, less its start and end tokens.
+CLIP_TOKENS = 75
+
+
+def over_clip_limit(text: str) -> bool:
+    """Whether ``text`` is surely longer than :data:`CLIP_TOKENS` tokens, told without a tokenizer.
+
+    A lower bound, cheap enough for a million prompts: CLIP's BPE gives every word one token
+    or more and every comma its own; a text of 75 characters or fewer never exceeds the limit.
+    The worker, which has the model's tokenizer, decides exactly; this only warns at submit.
+    """
+    return len(text) > CLIP_TOKENS and len(text.split()) + text.count(",") > CLIP_TOKENS
+
+
+def row_is_long(row: dict[str, Any] | None) -> bool:
+    """Whether a checked row's prompt or negative prompt is surely over the CLIP limit."""
+    return row is not None and any(over_clip_limit(str(row.get(k, ""))) for k in ("prompt", "negative_prompt"))
 
 
 def value_problem(field: Field, value: Any) -> str | None:
@@ -121,7 +141,7 @@ def id_only(row: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def check_names(rows: Iterator[Row], report: Report) -> tuple[int, bool]:
+def check_names(rows: Iterator[Row], report: Report, long: Callable[[int], None] | None = None) -> tuple[int, bool]:
     """Count rows and report names used twice; returns (total, has_ids).
 
     A name is the explicit id, else the index's name, so an id like
@@ -137,6 +157,8 @@ def check_names(rows: Iterator[Row], report: Report) -> tuple[int, bool]:
     for lineno, row in rows:
         index = total
         total += 1
+        if long is not None and row_is_long(row):
+            long(lineno)
         if not index & 0x7FFF:  # room for the next 32768 bits
             no_id.extend(bytes(4096))
         ident = None if row is None else row.get("id")

@@ -34,6 +34,8 @@ class FileSummary:
     digest: str  # hex sha256 of the decompressed content bytes (job identity)
     has_ids: bool
     warnings: tuple[str, ...] = ()  # ``FILE:LINE: note`` lines worth showing, not errors
+    long: int = 0  # prompts whose text or negative is surely over CLIP's 77 tokens (checks.over_clip_limit)
+    long_lines: tuple[int, ...] = ()  # the first few of their lines
 
 
 class _ProblemLimitError(Exception):
@@ -63,6 +65,11 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
     def warn(lineno: int, note: str) -> None:
         notes.append(f"{path}:{lineno}: {note}")
 
+    long_lines: list[int] = []
+
+    def long(lineno: int) -> None:
+        long_lines.append(lineno)
+
     digest = hashlib.sha256()
     total = 0
     has_ids = False
@@ -70,10 +77,10 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
         with open_lines(path, gzipped, digest) as stream:
             lines = read_lines(stream, report)
             if fmt == "txt":
-                total = txt.count(lines, report)
+                total = txt.count(lines, report, long)
             else:
                 rows = jsonl.rows(lines, report) if fmt == "jsonl" else csvfile.rows(lines, report, warn)
-                total, has_ids = check_names(rows, report)
+                total, has_ids = check_names(rows, report, long)
     except _ProblemLimitError:
         problems.append(f"{path}: ... and more problems not shown")
     except (OSError, EOFError, zlib.error) as exc:
@@ -83,7 +90,28 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
     if problems:
         raise InputError(problems)
     return FileSummary(path=path, format=fmt, total=total, digest=digest.hexdigest(), has_ids=has_ids,
-                       warnings=tuple(notes))
+                       warnings=tuple(notes), long=len(long_lines), long_lines=tuple(long_lines[:LONG_SHOWN]))
+
+
+LONG_SHOWN = 3  # lines named in submit's one warning about long prompts
+
+
+def long_prompts_note(summary: FileSummary, mode: str, negative: str = "") -> str | None:
+    """Submit's one warning about prompts over CLIP's 77 tokens: how many, the first few
+    ``FILE:LINE``s and what ``mode`` (``long_prompts``) will do with them; None if there are none."""
+    from renderfleet.prompts.checks import over_clip_limit
+
+    if over_clip_limit(negative):  # the job's negative prompt is every prompt's
+        where, count = f"{summary.path}: --negative", summary.total
+    elif summary.long:
+        shown = ", ".join(f"{summary.path}:{n}" for n in summary.long_lines)
+        where, count = shown + (", ..." if summary.long > len(summary.long_lines) else ""), summary.long
+    else:
+        return None
+    fate = ("embedded in 77-token chunks (long_prompts=chunk)" if mode == "chunk"
+            else "cut at 77 tokens, the rest ignored (long_prompts=truncate)")
+    return (f"{where}: {count} prompt(s) longer than the text encoder's 77 tokens (counted without the model's "
+            f"tokenizer: at least this many): {fate}")
 
 
 def iter_wire(path: str) -> Iterator[str]:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from renderfleet.prompts.checks import NUL_PROBLEM
+from renderfleet.prompts.checks import NUL_PROBLEM, over_clip_limit
 from renderfleet.prompts.lines import Report
 
 _NUL = NUL_PROBLEM.format("prompt")
 
 
-def count(lines: Iterator[str | None], report: Report) -> int:
-    """Pass 1: the number of prompts, each NUL reported (a bad line, None, counts as one)."""
+def count(lines: Iterator[str | None], report: Report, long: Callable[[int], None] | None = None) -> int:
+    """Pass 1: the number of prompts, each NUL reported (a bad line, None, counts as one);
+    ``long`` is told the line of each prompt surely over CLIP's 77 tokens."""
     total = 0
     for lineno, line in enumerate(lines, 1):
         if line is None:
@@ -22,6 +23,8 @@ def count(lines: Iterator[str | None], report: Report) -> int:
             total += 1
             if "\x00" in text:
                 report(lineno, _NUL)
+            if long is not None and over_clip_limit(text):
+                long(lineno)
     return total
 
 

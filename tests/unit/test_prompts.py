@@ -510,7 +510,7 @@ def test_csv_headers_are_case_insensitive_and_unknown_columns_ignored_with_a_war
     summary = validate_file(path)
     assert summary.total == 2
     assert summary.warnings == (f"{path}:1: ignoring column(s) 'Notes', '' (known: prompt, id, negative_prompt, "
-                                "seed, steps, guidance, width, height)",)
+                                "seed, steps, guidance, width, height, scheduler)",)
     first, second = iter_prompts(path, PARAMS)
     assert (first.prompt, first.seed) == ("a cat", 5) and (second.prompt, second.seed) == ("a dog", derive_seed(42, 1))
     assert validate_file(write(tmp_path, "q.csv", "prompt\nx\n")).warnings == ()

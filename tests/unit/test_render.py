@@ -239,14 +239,14 @@ def test_a_prompt_whose_image_cannot_be_encoded_is_that_prompts_fault(
 ) -> None:
     from worker import render
 
-    real = render.encode_png
+    real = render.images.encode
 
-    def encode(image: Any, prompt: Any, model: str) -> bytes:
-        if prompt.index == 1:
+    def encode(image: Any, fmt: str, quality: int, metadata: dict[str, str]) -> bytes:
+        if metadata["prompt"] == make_prompt(1).prompt:
             raise ValueError("embedded null byte")
-        return real(image, prompt, model)
+        return real(image, fmt, quality, metadata)
 
-    monkeypatch.setattr(render, "encode_png", encode)
+    monkeypatch.setattr(render.images, "encode", encode)
     with pytest.raises(PromptError, match="'000001'") as info:
         renderer.render([make_prompt(0), make_prompt(1)])
     assert not isinstance(info.value, JobError)

@@ -169,6 +169,7 @@ def test_the_apis_prompt_request_names_exactly_the_fields_of_the_one_table() -> 
 
     from renderfleet.api import PromptRequest
 
-    assert [f.name for f in fields(PromptRequest)] == [f.name for f in spec.FIELDS]
-    every = PromptRequest("a cat", id="c", negative_prompt="n", seed=1, steps=2, guidance=3.0, width=8, height=16)
-    assert set(every.to_dict()) == set(spec.FIELD)
+    assert [f.name for f in fields(PromptRequest)] == [f.name for f in spec.PROMPT_FIELDS]
+    every = PromptRequest("a cat", id="c", negative_prompt="n", seed=1, steps=2, guidance=3.0, width=8, height=16,
+                          scheduler="euler")
+    assert set(every.to_dict()) == {f.name for f in spec.PROMPT_FIELDS}

@@ -9,6 +9,7 @@ import errno
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -323,7 +324,7 @@ def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_
 
     class Loaded:
         model = "tiny"
-        pipe = None
+        pipe = SimpleNamespace(scheduler=None)  # the pipeline's own scheduler: the call fails before it is used
 
     prompts = list(make_msg(n=1).prompts)
     renderer = PipelineRenderer(Loaded())  # type: ignore[arg-type]
