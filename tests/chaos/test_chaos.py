@@ -1,6 +1,7 @@
 """The short chaos run in `make test`: kills, a spot notice, a worker paused past its lease, a kill
 between a message's fetch and its claim, a Redis restart with every worker mid-shard, and a poison
-job beside the good one; every image exactly once, byte-identical."""
+job beside the good one, and an urgent job at a higher priority behind it; every image exactly once,
+byte-identical."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 PROMPTS = 320
 WORKERS = 3
 POISON = 4
+URGENT = 8
 
 
 def test_every_prompt_lands_once_byte_identical_through_kills_pauses_lost_messages_a_restart_and_a_poison_job(
     tmp_path: Path,
 ) -> None:
-    report = run_chaos(prompts=PROMPTS, workers=WORKERS, kills=4, stalls=1, claim_kill=True, poison=POISON,
+    report = run_chaos(prompts=PROMPTS, workers=WORKERS, kills=4, stalls=1, claim_kill=True, poison=POISON, urgent=URGENT,
                        timeout=400, workdir=tmp_path)
     print(report.summary())
     assert report.missing == [] and report.extra == [] and report.mismatched == []
@@ -49,4 +51,8 @@ def test_every_prompt_lands_once_byte_identical_through_kills_pauses_lost_messag
     assert (report.poison_done, report.poison_failed) == (0, POISON) and report.poison_quarantine_ok
     assert any("nonexistent-model-folder" in reason for reason in report.poison_reasons), report.poison_reasons
     assert report.breaker_exits == 0
+    # 5. Two priorities on the queue: the urgent job (--priority 9, submitted after the big one) is
+    #    whole and byte-identical, and was done while the big one was still rendering.
+    assert report.urgent_images == report.urgent_status_done == URGENT and report.urgent_bad == []
+    assert report.main_done_when_urgent_done < PROMPTS, report.summary()
     assert report.ok

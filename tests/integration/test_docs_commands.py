@@ -48,7 +48,16 @@ def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_
     job = ""
     ran = []
     for command in commands:
-        args = [job if a == "JOB" else a for a in command.args]
+        # JOB, or a job id shown in an example (j-51fc: a short id): this run's job, as long a prefix
+        args = [job if a == "JOB" else job[:len(a)] if job and re.fullmatch(r"j-[0-9a-f]{4,16}", a) else a
+                for a in command.args]
+        if command.command == "submit":
+            # a prompt file a docs example names (big.txt, urgent.txt, ...): a few prompts of its own
+            named = tmp_path / args[1]
+            if named.suffix == ".txt" and not named.exists():
+                named.write_text("".join(f"{named.stem} prompt {i}\n" for i in range(3)))
+            # the docs' examples without --model follow an `export RENDERFLEET_MODEL=...` line
+            env["RENDERFLEET_MODEL"] = "tiny"
         out = subprocess.run([sys.executable, "-m", "renderfleet", *args], env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
         said = f"{command.where}: `{command.text}` exited {out.returncode}:\n{out.stderr[-2000:]}"

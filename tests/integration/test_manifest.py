@@ -17,7 +17,7 @@ from renderfleet import keys, spec
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.store import LocalStore
-from testing.fleet import TINY, WorkerProc, base_env, cli, status_now, wait_for, worker_ready
+from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_f
         try:
             wait_for(lambda: worker_ready(client, 1), 90, what="worker")
             job = cli(env, "submit", str(tmp_path / "p.txt"), *TINY, "--shard-size", "2").stdout.split()[-1]
-            wait_for(lambda: status_now(env, job)["done"] == 4, 120, interval=0.25, what="the job")
+            wait_for(lambda: job_status(env, job)["done"] == 4, 120, interval=1.0, what="the job")  # no URL: the CLI's
         finally:
             worker.kill()
         cli(env, "results", job, "--manifest", str(tmp_path / "m.jsonl"))

@@ -47,7 +47,7 @@ def test_a_webp_job_with_schedulers_per_prompt_renders_on_one_model_load(tmp_pat
     assert f"{prompts}:3: 1 prompt(s) longer than the text encoder's 77 tokens" in out.stderr
     assert "embedded in 77-token chunks" in out.stderr
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 4 and s, 180, interval=1.0, what="job to finish")
-    assert st["failed"] == 0
+    assert st["quarantined"] == 0
     # three samplers and a long prompt, one model load: schedulers switch on the loaded pipeline
     assert [int(w["loads"]) for w in st["workers"]] == [1]
     folder = tmp_path / "store" / "jobs" / job / "images"
