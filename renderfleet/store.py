@@ -437,35 +437,27 @@ class S3Store:
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None on a 404."""
-        full = self._key(key)
+        return self._get_object("get", self._key(key))
+
+    def _get_object(self, op: str, full: str, **extra: str) -> bytes | None:
+        """``get_object`` of ``full`` (``extra``: its other parameters, e.g. ``Range``), retried; None on a 404."""
 
         def fetch() -> bytes | None:
             try:
-                body = self.client.get_object(Bucket=self.bucket, Key=full)["Body"]
+                body = self.client.get_object(Bucket=self.bucket, Key=full, **extra)["Body"]
             except botocore.exceptions.ClientError as exc:
                 if _is_not_found(exc):
                     return None
                 raise
             with body:
                 return cast(bytes, body.read())
-        return self._call("get", full, fetch)
+        return self._call(op, full, fetch)
 
     def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """Bytes ``start`` to ``end`` (exclusive) of ``key`` (a ranged GET), or None on a 404."""
         if end <= start:
             return b"" if self.exists(key) else None
-        full = self._key(key)
-
-        def fetch() -> bytes | None:
-            try:
-                body = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}")["Body"]
-            except botocore.exceptions.ClientError as exc:
-                if _is_not_found(exc):
-                    return None
-                raise
-            with body:
-                return cast(bytes, body.read())
-        return self._call("get_range", full, fetch)
+        return self._get_object("get_range", self._key(key), Range=f"bytes={start}-{end - 1}")
 
     def exists(self, key: str) -> bool:
         """Whether an object is at ``key`` (a HEAD request)."""
