@@ -46,11 +46,18 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A test that takes it runs twice: on a folder store, and on a fresh S3 bucket on the moto server.
 
     For the tests whose outcome depends on the store (writes, listings, deletions); the rest
-    use the folder store only, to keep the suite's time down.
+    use the folder store only, to keep the suite's time down.  A whole-fleet scenario (workers,
+    a monitor, a restart: 10-30 s each) runs on one of the two, named by :data:`ON_S3` or
+    :data:`ON_FOLDER`: the store's own behaviour is tested on both by test_store.py, and the
+    scenarios are split between the two kinds.
     """
     if request.param == "folder":
         return str(tmp_path / "store")
     return str(request.getfixturevalue("s3_bucket"))
+
+
+ON_S3 = pytest.mark.parametrize("store_url", ["s3"], indirect=True)
+ON_FOLDER = pytest.mark.parametrize("store_url", ["folder"], indirect=True)
 
 
 @pytest.fixture

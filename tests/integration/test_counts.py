@@ -37,6 +37,7 @@ from testing.fleet import (
     worker_ready,
     write_prompts,
 )
+from tests.conftest import ON_FOLDER, ON_S3
 
 pytestmark = pytest.mark.integration
 
@@ -85,6 +86,7 @@ def paused_worker(tmp_path: Path, env: dict[str, str], client: redis.Redis, poin
     return worker
 
 
+@ON_S3
 def test_images_deleted_from_a_running_shard_then_resume_end_proven_with_the_monitor(
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
@@ -108,6 +110,7 @@ def test_images_deleted_from_a_running_shard_then_resume_end_proven_with_the_mon
     assert "Traceback" not in worker.output()
 
 
+@ON_FOLDER
 def test_redis_restarted_empty_mid_shard_then_resume_ends_proven_without_a_monitor(
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
@@ -147,6 +150,7 @@ def test_images_deleted_in_a_shards_end_are_rendered_again_with_no_command(
     assert "2 prompts have no image in the store" in worker.output()
 
 
+@ON_S3
 def test_status_and_results_agree_after_images_of_a_finished_job_are_deleted(
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:

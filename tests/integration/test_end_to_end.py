@@ -26,6 +26,7 @@ from testing.fleet import (
     worker_ready,
     write_prompts,
 )
+from tests.conftest import ON_FOLDER, ON_S3
 
 pytestmark = pytest.mark.integration
 
@@ -89,6 +90,7 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
     assert (record["how"], record["size"], record["model"]) == ("sweep", 2, "tiny")
 
 
+@ON_S3
 def test_resubmitting_the_same_file_renders_nothing_again(
     tmp_path: Path, store_env: dict[str, str], workers: list[WorkerProc]
 ) -> None:
@@ -171,6 +173,7 @@ def test_bad_flag_exits_2_without_traceback(tmp_path: Path, env: dict[str, str])
     assert proc.returncode == 2 and "RENDERFLEET_REDIS_URL" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@ON_FOLDER
 def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     tmp_path: Path, store_env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:

@@ -37,6 +37,7 @@ from testing.fleet import (
     worker_ready,
     write_prompts,
 )
+from tests.conftest import ON_FOLDER
 from worker.main import EXIT_DEVICE
 
 pytestmark = pytest.mark.integration
@@ -70,6 +71,7 @@ def submit(env: dict[str, str], path: Path, *args: str) -> str:
 # ---- 1. the monitor and Redis lost together ----------------------------------------
 
 
+@ON_FOLDER
 def test_a_new_monitor_finishes_a_job_when_the_monitor_and_redis_were_lost_together(
     tmp_path: Path, store_env: dict[str, str], redis_server: RedisServerProcess, procs: list
 ) -> None:

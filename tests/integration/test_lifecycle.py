@@ -51,6 +51,7 @@ from testing.fleet import (
     write_prompts,
 )
 from testing.fleet import job_status as cli_status
+from tests.conftest import ON_S3
 
 pytestmark = pytest.mark.integration
 
@@ -212,6 +213,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
 # ---- cancel with workers, a monitor, and a Redis that loses its memory ------------------------------
 
 
+@ON_S3
 def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_finishes_the_job(
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]
 ) -> None:
