@@ -58,6 +58,7 @@ SHARD_SIZE = 6
 BATCH_SIZE = 2
 # More steps than the other tests: batches long enough that kills land mid-batch.
 STEPS = 6
+URGENT_PREFIX = "urgent prompt"  # the urgent job's prompts: "urgent prompt 0", ...
 LEASE_SECONDS = float(FAST_LEASES["RENDERFLEET_LEASE_SECONDS"])
 POISON_MODEL = "nonexistent-model-folder"
 
@@ -133,8 +134,9 @@ class ChaosReport:
 
     @property
     def duplicate_renders(self) -> int:
-        """Renders finished but thrown away: a prompt rendered more than once."""
-        return max(0, self.rendered_images - self.prompts)
+        """Renders finished but thrown away: a prompt rendered more than once (the pools' counters
+        hold both jobs' renders)."""
+        return max(0, self.rendered_images - self.prompts - self.urgent_prompts)
 
     @property
     def ok(self) -> bool:
@@ -284,7 +286,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
     tmp = workdir or Path(tempfile.mkdtemp(prefix="rf-chaos-"))
     print(f"chaos: workdir {tmp}; rendering the reference images", flush=True)
     reference = reference_images(prompts, tmp / "cache", steps)
-    urgent_reference = reference_images(urgent, tmp / "cache", steps, prefix="urgent prompt") if urgent else {}
+    urgent_reference = reference_images(urgent, tmp / "cache", steps, prefix=URGENT_PREFIX) if urgent else {}
 
     rig = Rig(tmp)
     watchers: list[threading.Thread] = []
@@ -317,23 +319,12 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             time.sleep(max(0.0, parked + 2.5 - time.monotonic()))
         job = rig.submit(prompt_file, "--model", "tiny", "--steps", str(steps), "--size", "32x32",
                          "--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE))
-        urgent_job = ""
+        urgent_job, urgent_watch = "", None
         if urgent:
             # Two priorities on one queue: the big job's shards are pending when this one comes.
-            urgent_file = tmp / "urgent.txt"
-            urgent_file.write_text("".join(f"urgent prompt {i}\n" for i in range(urgent)))
-            urgent_job = rig.submit(urgent_file, "--model", "tiny", "--steps", str(steps), "--size", "32x32",
-                                    "--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE),
-                                    "--priority", "9")
-            urgent_submitted = time.monotonic()
-
-            def watch_urgent() -> None:
-                with contextlib.suppress(AssertionError):
-                    wait_for(lambda: rig.done(urgent_job) >= urgent, timeout, interval=0.2, what="the urgent job")
-                    report.main_done_when_urgent_done = rig.done(job)
-                    report.urgent_seconds = time.monotonic() - urgent_submitted
-            urgent_watch = threading.Thread(target=watch_urgent, daemon=True)
-            urgent_watch.start()
+            urgent_job, urgent_watch = submit_urgent(rig, report, job, urgent, timeout, "--steps", str(steps),
+                                                     "--size", "32x32", "--shard-size", str(SHARD_SIZE),
+                                                     "--batch-size", str(BATCH_SIZE))
         bad = ""
         if poison:
             # On the same queue, behind the good job: a model that is not there.
@@ -413,7 +404,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
         wait_for(lambda: done() >= prompts, timeout, interval=0.5, what="the job to finish")
         if poison_watch is not None:
             poison_watch.join(timeout)
-        if urgent:
+        if urgent_watch is not None:
             urgent_watch.join(timeout)
         if claim_thread is not None:
             claim_thread.join(60)
@@ -429,12 +420,7 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
 
         check_job(report, rig, job, reference)
         if urgent_job:
-            [st] = json.loads(cli(env, "status", urgent_job, "--json").stdout)["jobs"]
-            report.urgent_status_done = st["done"]
-            names = set(rig.image_names(urgent_job))
-            report.urgent_bad = sorted(names ^ set(urgent_reference)) + sorted(
-                n for n in names & set(urgent_reference) if rig.image(urgent_job, n) != urgent_reference[n])
-            report.urgent_images = len(names) - len(set(report.urgent_bad) & names)
+            check_urgent(report, rig, urgent_job, urgent_reference)
         if bad:
             rig.client.bitop("AND", keys.SCRATCH, keys.done_bits(bad), keys.failed_bits(bad))
             report.both_done_and_failed += int(rig.client.bitcount(keys.SCRATCH))
@@ -454,6 +440,36 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
     finally:
         rig.close()
     return report
+
+
+def submit_urgent(rig: Rig, report: ChaosReport, job: str, n: int, timeout: float,
+                  *settings: str) -> tuple[str, threading.Thread]:
+    """Submit ``n`` prompts at ``--priority 9`` behind ``job`` (at the default priority), and watch
+    them in a thread: when all are rendered, how long that took and how far ``job`` had come."""
+    urgent_file = rig.tmp / "urgent.txt"
+    urgent_file.write_text("".join(f"{URGENT_PREFIX} {i}\n" for i in range(n)))
+    urgent_job = rig.submit(urgent_file, "--model", "tiny", *settings, "--priority", "9")
+    submitted = time.monotonic()
+
+    def watch() -> None:
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: rig.done(urgent_job) >= n, timeout, interval=0.2, what="the urgent job")
+            report.main_done_when_urgent_done = rig.done(job)
+            report.urgent_seconds = time.monotonic() - submitted
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return urgent_job, thread
+
+
+def check_urgent(report: ChaosReport, rig: Rig, urgent_job: str, reference: dict[str, bytes]) -> None:
+    """The urgent job's images against their reference, and its count in ``status``."""
+    [st] = json.loads(cli(rig.env, "status", urgent_job, "--json").stdout)["jobs"]
+    report.urgent_status_done = st["done"]
+    names = set(rig.image_names(urgent_job))
+    report.urgent_bad = sorted(names ^ set(reference)) + sorted(
+        n for n in names & set(reference) if rig.image(urgent_job, n) != reference[n])
+    report.urgent_images = len(names) - len(set(report.urgent_bad) & names)
 
 
 def stall_past_lease(fleet: Fleet, client: redis.Redis, node: str, report: ChaosReport) -> bool:

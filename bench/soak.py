@@ -10,7 +10,10 @@ server over HTTP, a real Redis, ``renderfleet monitor``.  While it renders:
 * once, at ``--restart-at`` of the job (35 %), Redis is killed and started empty (the chaos
   run's step: once every worker holds a lease);
 * once, at ``--s3-pause-at`` of the job (65 %), the moto server is SIGSTOPped for
-  ``--s3-pause`` seconds (70: past botocore's 60 s read timeout) and SIGCONTed.
+  ``--s3-pause`` seconds (70: past botocore's 60 s read timeout) and SIGCONTed;
+* once, at ``--urgent-at`` of the job (20 %), a second job of ``--urgent`` prompts (100) is
+  submitted at ``--priority 9`` onto the same queue: it must be whole, byte-identical, and
+  done while the big job still renders.
 
 One worker (the first) is never killed nor sent a notice: a process that lives the whole run,
 whose memory at the start and the end says whether a worker leaks.  The replacements are
@@ -50,7 +53,17 @@ from typing import cast
 
 import redis
 
-from bench.chaos import ChaosReport, check_job, end_node, fig, reference_images, restart_redis
+from bench.chaos import (
+    URGENT_PREFIX,
+    ChaosReport,
+    check_job,
+    check_urgent,
+    end_node,
+    fig,
+    reference_images,
+    restart_redis,
+    submit_urgent,
+)
 from bench.results import table, write_section
 from renderfleet import keys
 from testing.fleet import wait_for
@@ -95,6 +108,8 @@ class SoakReport(ChaosReport):
     survivor_alive: bool = False
     replacements: list[float] = field(default_factory=list)  # RSS MB of each replacement at the same point
     compare_batches: int = 0
+    urgent_job: str = ""
+    urgent_at: float = 0.0  # share of the big job done when the urgent one was submitted
     redis_rss: dict[str, float] = field(default_factory=dict)  # point -> RSS MB
     redis_used: dict[str, float] = field(default_factory=dict)  # point -> INFO used_memory MB
     load: list[str] = field(default_factory=list)  # load averages at the start and the end
@@ -123,7 +138,9 @@ class SoakReport(ChaosReport):
     def figures(self) -> list[tuple[str, str, str]]:
         """(what, figure, goal) rows, for the summary and for RESULTS.md."""
         n = self.prompts
-        beyond = self.rendered_images - n
+        # The pools' counters hold the urgent job's renders too.
+        renders = n + (self.urgent_prompts if self.urgent_job else 0)
+        beyond = self.rendered_images - renders
         lost = self.lost_renders - self.wasted_images
         idx, longest = self.longest(self.image_waits)
         counted_idx, counted = self.longest(self.waits)
@@ -143,7 +160,7 @@ class SoakReport(ChaosReport):
              f"{self.s3_handbacks} shard hand-backs on the S3 outage", "small: a kill's batch at most"),
             ("work lost per kill", f"{lost / max(1, self.kills):.2f} renders begun and never finished "
              f"({lost / max(1, self.kills) / max(1, self.batch_size):.2f} batches); all renders beyond one "
-             f"per prompt per kill: {(self.started_images - n) / max(1, self.kills):.2f}",
+             f"per prompt per kill: {(self.started_images - renders) / max(1, self.kills):.2f}",
              "at most the batch in flight"),
             ("recovery", f"SIGKILL -> shard running again {fig(self.kill_to_running)}; notice -> shard back "
              f"{fig(self.notice_to_queue)}; Redis restart -> job resumed {fig(self.restart_to_resumed)}; "
@@ -161,6 +178,11 @@ class SoakReport(ChaosReport):
              f"used_memory "
              f"{self.redis_used.get('first start', 0):.1f} -> {self.redis_used.get('end', 0):.1f} MB",
              f"growth under {MEMORY_GOAL_MB:.0f} MB"),
+            ("second priority", (f"{self.urgent_prompts} prompts at --priority 9 submitted at "
+             f"{self.urgent_at:.0%} of the job: {self.urgent_images} byte-identical, status done "
+             f"{self.urgent_status_done}, bad {self.urgent_bad[:5]}; all rendered {self.urgent_seconds:.1f} s after "
+             f"its submit, when the big job had {self.main_done_when_urgent_done}/{n}") if self.urgent_prompts
+             else "none", "whole, identical, done before the big job"),
             ("longest wait", f"{longest:.0f} s (prompt {idx}) from submit to its image in the store (its "
              f"LastModified, whole seconds); median {statistics.median(waits) if waits else float('nan'):.0f} s, "
              f"p99 {waits[int(0.99 * (len(waits) - 1))] if waits else float('nan'):.0f} s; to counted done "
@@ -305,11 +327,20 @@ def run_faults(rig: Rig, report: SoakReport, job: str, watch: Watch, args: argpa
     start = time.monotonic()
     next_kill, next_notice = start + args.kill_every, start + args.notice_every
     restarted = False
+    urgent_watch: threading.Thread | None = None
     while True:
         time.sleep(0.2)
         now, progress = time.monotonic(), done()
         if progress >= report.prompts:
             break
+        if args.urgent and not report.urgent_job and progress >= args.urgent_at * report.prompts:
+            report.urgent_at = progress / report.prompts
+            report.urgent_job, urgent_watch = submit_urgent(
+                rig, report, job, args.urgent, args.timeout, "--steps", str(args.steps),
+                "--size", f"{args.size}x{args.size}", "--shard-size", str(args.shard_size),
+                "--batch-size", str(args.batch_size))
+            print(f"soak: urgent job {report.urgent_job} ({args.urgent} prompts, --priority 9) submitted at "
+                  f"{progress}/{report.prompts}", flush=True)
         if now - start > args.timeout:
             raise AssertionError(f"the job did not finish in {args.timeout:.0f} s ({progress} done)")
         if progress >= WARM * report.prompts and "first start" not in report.redis_rss:
@@ -342,6 +373,8 @@ def run_faults(rig: Rig, report: SoakReport, job: str, watch: Watch, args: argpa
             break
     if s3_thread is not None:
         s3_thread.join(args.s3_pause + 320)
+    if urgent_watch is not None:
+        urgent_watch.join(args.timeout)
     for th in watchers:
         th.join(timeout=150)
     return stats_before_restart
@@ -349,7 +382,7 @@ def run_faults(rig: Rig, report: SoakReport, job: str, watch: Watch, args: argpa
 
 def run_soak(args: argparse.Namespace) -> SoakReport:
     size, steps = args.size, args.steps
-    report = SoakReport(prompts=args.prompts, poison_prompts=0, kill_every=args.kill_every,
+    report = SoakReport(prompts=args.prompts, poison_prompts=0, urgent_prompts=args.urgent, kill_every=args.kill_every,
                         notice_every=args.notice_every, batch_size=args.batch_size,
                         compare_batches=args.compare_batches,
                         settings=f"tiny, {size}x{size}, {steps} steps, shards of {args.shard_size}, batches of "
@@ -360,6 +393,8 @@ def run_soak(args: argparse.Namespace) -> SoakReport:
     t = time.monotonic()
     reference = parallel_reference(args.prompts, tmp, steps, size, args.shard_size, args.batch_size,
                                    min(2, os.cpu_count() or 1))
+    urgent_reference = reference_images(args.urgent, tmp / "cache-urgent", steps, prefix=URGENT_PREFIX, size=size,
+                                        shard_size=args.shard_size, batch_size=args.batch_size) if args.urgent else {}
     print(f"soak: {len(reference)} reference images in {time.monotonic() - t:.0f} s", flush=True)
     rig = Rig(tmp, audit_seconds="5")
     try:
@@ -394,6 +429,8 @@ def run_soak(args: argparse.Namespace) -> SoakReport:
         report.s3_handbacks = sum(len(re.findall(r"transient failure, handing back", p.read_text(errors="replace")))
                                   for p in rig.logs.glob("node-*.log"))
         check_job(report, rig, job, reference)
+        if report.urgent_job:
+            check_urgent(report, rig, report.urgent_job, urgent_reference)
         report.image_waits = {int(name): at - submitted for name, at in rig.image_times(job).items()}
     finally:
         rig.close()
@@ -435,6 +472,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--batch-size", type=int, default=int(env_default("BATCH_SIZE", "2")))
     arg("--compare-batches", type=int, default=int(env_default("COMPARE_BATCHES", "5")),
         help="replacement workers' RSS compared once each has rendered this many batches")
+    arg("--urgent", type=int, default=int(env_default("URGENT", "100")),
+        help="prompts of a second job at --priority 9 submitted during the run (0: none)")
+    arg("--urgent-at", type=float, default=float(env_default("URGENT_AT", "0.2")), help="share of the job")
     arg("--timeout", type=float, default=float(env_default("TIMEOUT", "3600")), help="seconds for the job")
     arg("--seed", type=int, default=7)
     arg("--workdir", type=Path, default=None)
