@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -257,6 +258,141 @@ class TlsRedis:
             self.proc.terminate()
             self.proc.wait(10)
         self.proc = None
+
+
+# ---- Redis with Sentinel: a primary, a replica, three sentinels ----
+
+
+class SentinelRedis:
+    """A Sentinel-managed Redis of real processes on free loopback ports: a primary, one replica
+    (``--replicaof``) and three sentinels (``redis-server sentinel.conf --sentinel``, quorum 2),
+    every Redis node with ``requirepass`` (and ``masterauth``, so either can follow the other).
+
+    Fast to fail over: a node is down after ``down_after_ms`` without an answer, a failover
+    may take ``failover_timeout_ms``.  ``url`` is renderfleet's ``redis+sentinel://`` URL.
+    """
+
+    MASTER = "mymaster"
+
+    def __init__(self, workdir: Path, password: str, *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000):
+        self.workdir = workdir
+        self.password = password
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.ports = {"primary": free_port(), "replica": free_port()}
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://:{self.password}@{hosts}/{self.MASTER}/0"
+
+    def node_url(self, port: int) -> str:
+        """A plain URL of one Redis node (to look at it, not to run a fleet on)."""
+        return f"redis://:{self.password}@127.0.0.1:{port}/0"
+
+    def _spawn(self, name: str, conf: str, *args: str) -> None:
+        d = self.workdir / name
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / "redis.conf"
+        path.write_text(conf + f"dir {d}\nlogfile {d / 'server.log'}\nbind 127.0.0.1\n")
+        self.procs[name] = subprocess.Popen(["redis-server", str(path), *args], stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(self, timeout: float = 30.0) -> SentinelRedis:
+        """Start every process; return once the replica is in sync and each sentinel sees
+        the replica and both other sentinels."""
+        auth = f"requirepass {self.password}\nmasterauth {self.password}\n"
+        # repl-diskless-sync-delay 0: the replica's first sync now, not in Redis 7's default 5 s.
+        data = auth + 'save ""\nappendonly no\nrepl-diskless-sync-delay 0\n'
+        self._spawn("primary", data + f"port {self.ports['primary']}\n")
+        self._spawn("replica", data + f"port {self.ports['replica']}\nreplicaof 127.0.0.1 {self.ports['primary']}\n")
+        self._wait(self._replica_in_sync, timeout, "the replica to sync")
+        # Started once the replica is in sync: a sentinel finds it at its first look at the primary.
+        for i, port in enumerate(self.sentinel_ports):
+            self._spawn(f"sentinel-{i}", (
+                f"port {port}\n"
+                f"sentinel monitor {self.MASTER} 127.0.0.1 {self.ports['primary']} 2\n"
+                f"sentinel auth-pass {self.MASTER} {self.password}\n"
+                f"sentinel down-after-milliseconds {self.MASTER} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.MASTER} {self.failover_timeout_ms}\n"), "--sentinel")
+        self._wait(self._sentinels_settled, timeout, "the sentinels to see the replica and each other")
+        return self
+
+    def _wait(self, settled: Callable[[], bool], timeout: float, what: str) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if settled():
+                    return
+            except redis.RedisError:
+                pass
+            if any(proc.poll() is not None for proc in self.procs.values()):
+                break
+            time.sleep(0.05)
+        logs = {name: self.log(name)[-600:] for name in self.procs}
+        self.stop()
+        raise RuntimeError(f"Sentinel-managed Redis: gave up waiting for {what}; logs: {logs}")
+
+    def _replica_in_sync(self) -> bool:
+        import redis
+
+        replica = redis.Redis(port=self.ports["replica"], password=self.password, socket_timeout=1)
+        return bool(replica.info("replication").get("master_link_status") == "up")
+
+    def _sentinels_settled(self) -> bool:
+        import redis
+
+        for port in self.sentinel_ports:
+            state: Any = redis.Redis(port=port, socket_timeout=1).sentinel_master(self.MASTER)
+            if int(state["num-slaves"]) < 1 or int(state["num-other-sentinels"]) < 2:
+                return False
+        return True
+
+    def primary_port(self) -> int | None:
+        """The primary's port as the first sentinel that answers names it."""
+        import redis
+
+        for port in self.sentinel_ports:
+            try:
+                answer: Any = redis.Redis(port=port, socket_timeout=1).sentinel_get_master_addr_by_name(self.MASTER)
+                return int(answer[1])
+            except (redis.RedisError, TypeError):
+                continue
+        return None
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (``primary``, ``replica``, ``sentinel-N``), as a crash would."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def log(self, name: str) -> str:
+        path = self.workdir / name / "server.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    def __enter__(self) -> SentinelRedis:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
 
 
 def http_get(url: str, token: str | None = None) -> tuple[int, bytes]:
