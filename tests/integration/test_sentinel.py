@@ -193,11 +193,13 @@ def test_the_monitor_resumes_a_job_whose_feed_template_the_failover_lost(
     fail_over(cluster)
 
     # What the promoted replica holds: the job, its 4 shards pending, no template, not in the
-    # rotation, nothing queued; no feeder would ever take them.
+    # rotation, nothing queued; no feeder would ever take them.  Nor any of our scripts.
+    assert client.script_exists(monitor.feeder._feed.sha) == [False]
     assert client.llen(keys.pending(job)) == 4 and client.llen(queue) == 0
     assert not client.hexists(keys.job(job), "feed") and client.zscore(keys.active(queue), job) is None
     wait_for(lambda: monitor.tick() is not None and client.llen(queue) == 4, 30, interval=0.2,
              what="the monitor to resume the job and feed its shards")
     assert client.hexists(keys.job(job), "feed") and client.llen(keys.pending(job)) == 0
+    assert client.script_exists(monitor.feeder._feed.sha) == [True]  # NOSCRIPT, loaded, run: redis-py's Script
     monitor.tick()
     assert client.llen(queue) == 4  # each shard once
