@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
 from renderfleet import redisconn
 from renderfleet.spec import RenderParams, ShardMessage, images_prefix
@@ -51,7 +50,7 @@ def sentinel_redis(tmp_path: Path) -> SentinelRedis:
 def cut_off_the_replica(cluster: SentinelRedis) -> None:
     """From now on the primary's writes do not reach the replica: it is stopped (it cannot
     reconnect and catch up) and its replication link closed.  SIGCONT it after the primary's kill."""
-    primary = redis.Redis(port=cluster.ports["primary"], password=cluster.password, socket_timeout=2)
+    primary = cluster.connect(cluster.ports["primary"])
     cluster.procs["replica"].send_signal(signal.SIGSTOP)
     primary.client_kill_filter(_type="replica")
 
@@ -70,7 +69,7 @@ def lose_the_last_writes(cluster: SentinelRedis, seconds: float) -> int:
     """Cut the replica off from the primary for ``seconds`` while the fleet goes on writing to
     the primary, then SIGKILL the primary: the writes of that window are lost with it.  Returns
     the primary's replication offset read just before the kill (a lower bound of what it acknowledged)."""
-    primary = redis.Redis(port=cluster.ports["primary"], password=cluster.password, socket_timeout=2)
+    primary = cluster.connect(cluster.ports["primary"])
     cut_off_the_replica(cluster)
     time.sleep(seconds)
     offset = int(primary.info("replication")["master_repl_offset"])
@@ -102,7 +101,7 @@ def test_a_job_finishes_through_a_sentinel_failover_that_loses_writes_and_a_kill
     acknowledged = lose_the_last_writes(cluster, 0.8)
     doomed.kill()
     fail_over(cluster)
-    promoted = redis.Redis(port=cluster.ports["replica"], password=cluster.password, socket_timeout=2)
+    promoted = cluster.connect(cluster.ports["replica"])
     # The new primary's history forks from the old one where its copy stopped: past that, lost.
     kept = int(promoted.info("replication")["second_repl_offset"]) - 1
     assert kept < acknowledged, f"no write was lost (kept {kept}, acknowledged {acknowledged}): the test proves less"
@@ -203,3 +202,22 @@ def test_the_monitor_resumes_a_job_whose_feed_template_the_failover_lost(
     assert client.script_exists(monitor.feeder._feed.sha) == [True]  # NOSCRIPT, loaded, run: redis-py's Script
     monitor.tick()
     assert client.llen(queue) == 4  # each shard once
+
+
+def test_a_tls_sentinel_url_reaches_the_primary_and_the_new_one_over_tls_for_redis_py_and_celery(
+    tmp_path: Path,
+) -> None:
+    """``rediss+sentinel://``: TLS to the sentinels and the nodes, for our clients and Celery's."""
+    from renderfleet.celery_app import make_app
+
+    with SentinelRedis(tmp_path / "redis", "tls-test-password", tls=True) as cluster:
+        assert cluster.url.startswith("rediss+sentinel://")
+        client = redisconn.client(cluster.url, socket_timeout=5)
+        app = make_app(cluster.url)
+        for _ in range(2):  # on the first primary, then on the one the sentinels promote
+            app.send_task("renderfleet.render_shard", args=["{}"], queue="tls-queue")
+            assert client.register_script("return redis.call('LLEN', KEYS[1])")(keys=["tls-queue"]) >= 1
+            if cluster.procs["primary"].poll() is None:
+                cluster.kill("primary")
+                fail_over(cluster)
+        assert client.llen("tls-queue") == 2 and client.connection_pool.master_address[1] == cluster.ports["replica"]
