@@ -142,8 +142,8 @@ class Monitor:
         seen = raw.decode() if isinstance(raw, bytes) else raw
         if seen is None or seen == replid:
             return False
-        log.warning("Redis is a new primary (replication id %s, was %s): writes the old one acknowledged may "
-                    "be lost; resuming every job with work left from the store", replid, seen)
+        log.warning("Redis is a new primary (replication id %s, was %s: a failover or a restart): writes the "
+                    "old one acknowledged may be lost; resuming every job with work left from the store", replid, seen)
         # What the last passes saw of the old primary is no evidence about this one.
         self.suspects.clear()
         self.stalled.clear()
