@@ -317,7 +317,9 @@ class SentinelRedis:
         d.mkdir(parents=True, exist_ok=True)
         path = d / "redis.conf"
         path.write_text(conf + f"dir {d}\nlogfile {d / 'server.log'}\nbind 127.0.0.1\n")
-        self.procs[name] = subprocess.Popen(["redis-server", str(path), *args], stdin=subprocess.DEVNULL,
+        from renderfleet.embedded import server_binary  # redis-server, else valkey-server: both have --sentinel
+
+        self.procs[name] = subprocess.Popen([server_binary(), str(path), *args], stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def start(self, timeout: float = 30.0) -> SentinelRedis:
