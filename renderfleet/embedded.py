@@ -259,7 +259,7 @@ def trusted_server(home: Path) -> dict[str, Any] | None:
     if _not_private(home) or not _private_file(config):
         return None
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redisconn.client(url, socket_connect_timeout=0.5, socket_timeout=0.5)
     except ValueError:
         return None
     anonymous = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5,
@@ -323,7 +323,7 @@ def stop_embedded(home: Path) -> bool:
     state = home / "server.json"
     known = trusted_server(home)
     if known:
-        client = redis.Redis.from_url(known["url"])
+        client = redisconn.client(known["url"])
         with contextlib.suppress(redis.ConnectionError, redis.ResponseError):
             client.shutdown(nosave=False)
         state.unlink(missing_ok=True)
