@@ -166,11 +166,10 @@ def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeo
         start_workers(workers, env=env, pool=opts.pool, model=opts.params.model, log_dir=log_dir, procs=procs,
                       signals=signals)
         result = submit(file, opts, settings, summary)
-        import redis
-
         from renderfleet.celery_app import make_app
+        from renderfleet.redisconn import client as redis_client
 
-        client = redis.Redis.from_url(url)
+        client = redis_client(url)
         store = open_store(settings.store_url, settings.s3_options)
         monitor = Monitor(settings, make_app(url), client, store)
         # What was done before this run (a resubmitted job) is not this run's speed.

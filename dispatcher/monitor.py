@@ -82,7 +82,8 @@ class Monitor:
             self.audit()
             self.retire()
         resumed = []
-        lost = not self.client.exists(keys.EPOCH)
+        failed_over = self.new_primary()  # asked every pass: it records the primary seen
+        lost = failed_over or not self.client.exists(keys.EPOCH)
         if lost or self.adopted_at is None or time.monotonic() - self.adopted_at >= self.settings.audit_seconds:
             resumed += self.adopt()
         self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
@@ -123,6 +124,30 @@ class Monitor:
         if lost:
             self.client.setnx(keys.EPOCH, "1")
         return resumed
+
+    def new_primary(self) -> bool:
+        """Whether Redis is another primary than the one last seen (by any monitor): a Sentinel
+        failover, or a restart from its append-only file.  Replication is asynchronous, so the
+        new primary may lack writes the old one acknowledged (a claim, a count, a job's feed
+        template): treated as a Redis that lost its memory, every job with work left is resumed
+        from the store (docs/design.md, "Redis failover").  The last primary's id is kept in
+        Redis itself (``keys.PRIMARY``), so a monitor started after the failover sees it too."""
+        try:
+            replid = str(self.client.info("replication").get("master_replid", ""))
+        except redis.ResponseError:  # INFO refused (renamed on some managed Redis): no way to tell
+            return False
+        if not replid:
+            return False
+        raw = self.client.getset(keys.PRIMARY, replid)
+        seen = raw.decode() if isinstance(raw, bytes) else raw
+        if seen is None or seen == replid:
+            return False
+        log.warning("Redis is a new primary (replication id %s, was %s: a failover or a restart): writes the "
+                    "old one acknowledged may be lost; resuming every job with work left from the store", replid, seen)
+        # What the last passes saw of the old primary is no evidence about this one.
+        self.suspects.clear()
+        self.stalled.clear()
+        return True
 
     def audit_finished(self, finished: list[tuple[str, int]]) -> list[str]:
         """The slow audit: one finished job per audit, in turn, is checked against the store

@@ -64,7 +64,11 @@ def make_app(redis_url: str, *, task_events: bool = False) -> Celery:
     ``task_events``: send Celery's task events, for an existing Flower or
     celery-exporter beside the fleet (off by default: nothing of ours needs them).
     """
-    app = Celery("renderfleet", broker=redis_url, set_as_current=False)
+    from renderfleet.redisconn import broker
+
+    # A redis+sentinel:// URL becomes kombu's sentinel:// transport (renderfleet/redisconn.py).
+    url, transport_options, use_ssl = broker(redis_url)
+    app = Celery("renderfleet", broker=url, set_as_current=False)
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],
@@ -75,7 +79,8 @@ def make_app(redis_url: str, *, task_events: bool = False) -> Celery:
         worker_prefetch_multiplier=1,
         task_default_queue=UNROUTED_QUEUE,
         task_create_missing_queues=True,
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT, **transport_options},
+        **({"broker_use_ssl": use_ssl} if use_ssl is not None else {}),
         # A worker never gives up on Redis: at start-up and after losing it
         # (a restart, a failover) it retries for ever, backing off to 30 s.
         broker_connection_retry_on_startup=True,

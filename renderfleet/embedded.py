@@ -36,6 +36,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from renderfleet import redisconn
 from renderfleet.errors import BrokerUnavailable, ConfigError
 
 
@@ -115,7 +116,7 @@ def free_port() -> int:
 
 def ping(url: str, timeout: float = 0.5) -> bool:
     """True if a Redis server answers at ``url``."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    client = redisconn.client(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -258,7 +259,7 @@ def trusted_server(home: Path) -> dict[str, Any] | None:
     if _not_private(home) or not _private_file(config):
         return None
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redisconn.client(url, socket_connect_timeout=0.5, socket_timeout=0.5)
     except ValueError:
         return None
     anonymous = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5,
@@ -322,7 +323,7 @@ def stop_embedded(home: Path) -> bool:
     state = home / "server.json"
     known = trusted_server(home)
     if known:
-        client = redis.Redis.from_url(known["url"])
+        client = redisconn.client(known["url"])
         with contextlib.suppress(redis.ConnectionError, redis.ResponseError):
             client.shutdown(nosave=False)
         state.unlink(missing_ok=True)
@@ -349,12 +350,13 @@ def _listening(port: int) -> bool:
 
 
 def connect(url: str) -> redis.Redis:
-    """A client for ``url`` that has answered once: a wrong password, an
+    """A client for ``url`` (:func:`renderfleet.redisconn.client`: a Sentinel URL's is the
+    master's) that has answered once: a wrong password, an
     untrusted certificate or a server that is not there is one clear
     :class:`BrokerUnavailable` naming the URL with its password as ``***``."""
     from renderfleet.settings import redact
 
-    client = redis.Redis.from_url(url)
+    client = redisconn.client(url)
     try:
         client.ping()
     except redis.AuthenticationError as exc:

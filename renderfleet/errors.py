@@ -3,7 +3,8 @@
 Three classes of trouble, each with its own budget:
 
 * **transient** (:class:`TransientError`): S3 throttling or a 5xx, a Redis
-  reconnect, a network blip.  Retried with exponential backoff and jitter;
+  reconnect or failover (a Sentinel master client raises ``redis.ConnectionError``
+  until the new primary answers), a network blip.  Retried with exponential backoff and jitter;
   never counted against a prompt.
 * **permanent** (:class:`PermanentError`): a prompt that makes the pipeline
   fail the same way again and again.  Counted per prompt; at the third

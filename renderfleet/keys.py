@@ -18,6 +18,9 @@ JOBS = "rf:jobs"  # set of job ids known to this Redis
 INFLIGHT = "rf:inflight"  # zset "<job>:<shard>" -> lease expiry (ms, Redis clock)
 WORKERS = "rf:workers"  # hash worker id -> JSON registration (pool, store: the store_identity it writes to, ...)
 EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
+# The replication id (INFO master_replid) of the primary the monitor last saw: another id here
+# means another primary (a failover, a restart), which may have lost writes (docs/design.md, "Redis failover").
+PRIMARY = "rf:primary"  # string, written by the monitor
 REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
 FLEET_STATS = "rf:fleet"  # hash of counters of the whole Redis, every store's: reaped (expired leases re-queued)
 SCRATCH = "rf:scratch"  # a throwaway result key for checks (bench/chaos.py: BITOP AND of done and failed)

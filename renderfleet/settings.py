@@ -79,8 +79,13 @@ def redis_url_problem(url: str) -> str | None:
     """Why ``url`` cannot be a Redis URL, if it cannot; never quoting the URL but
     through :func:`redact`, whose output holds no user name or password."""
     scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in ("redis+sentinel", "rediss+sentinel"):
+        from renderfleet.redisconn import sentinel_problem
+
+        return sentinel_problem(url)
     if scheme not in ("redis", "rediss", "unix"):
-        return f"must start with redis://, rediss:// or unix://, got {redact(url)!r}"
+        return (f"must start with redis://, rediss://, unix:// or (a Sentinel-managed Redis) "
+                f"redis+sentinel:// or rediss+sentinel://, got {redact(url)!r}")
     if not url.isprintable():
         return "contains a control or other unprintable character"
     unparsable = _UNPARSABLE.format(repr(redact(url)))

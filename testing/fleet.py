@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import failpoints
+from renderfleet import failpoints, redisconn
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import bench_model
 
@@ -144,7 +144,7 @@ def status_now(env: dict[str, str], job: str) -> dict[str, Any]:
     from dispatcher.status import fleet_status
     from renderfleet.store import open_store
 
-    client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    client = redisconn.client(env["RENDERFLEET_REDIS_URL"])
     try:
         data: dict[str, Any] = fleet_status(client, [job], store=open_store(env["RENDERFLEET_STORE"]),
                                             with_store_only=True).to_dict()

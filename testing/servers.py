@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -194,6 +195,19 @@ class FlakyS3Proxy:
 # ---- Redis with TLS and a password ----
 
 
+def make_certs(d: Path) -> None:
+    """With the ``openssl`` command, in ``d``: a CA of our own (``ca.crt``) and a server
+    certificate for 127.0.0.1 signed by it (``server.crt``, ``server.key``)."""
+    run = lambda *args: subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=renderfleet test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf")
+
+
 class TlsRedis:
     """A real ``redis-server`` serving only TLS, with ``requirepass``, on a free port.
 
@@ -209,22 +223,11 @@ class TlsRedis:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ca = workdir / "ca.crt"
 
-    def _certs(self) -> None:
-        d = self.workdir
-        run = lambda *args: subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)  # noqa: E731
-        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-            "-subj", "/CN=renderfleet test CA")
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-            "-subj", "/CN=127.0.0.1")
-        (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf")
-
     def start(self) -> TlsRedis:
         import redis
 
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._certs()
+        make_certs(self.workdir)
         conf = self.workdir / "redis.conf"
         conf.write_text(f"requirepass {self.password}\n")
         d = self.workdir
@@ -257,6 +260,161 @@ class TlsRedis:
             self.proc.terminate()
             self.proc.wait(10)
         self.proc = None
+
+
+# ---- Redis with Sentinel: a primary, a replica, three sentinels ----
+
+
+class SentinelRedis:
+    """A Sentinel-managed Redis of real processes on free loopback ports: a primary, one replica
+    (``--replicaof``) and three sentinels (``redis-server sentinel.conf --sentinel``, quorum 2),
+    every Redis node with ``requirepass`` (and ``masterauth``, so either can follow the other).
+
+    Fast to fail over: a node is down after ``down_after_ms`` without an answer, a failover
+    may take ``failover_timeout_ms``.  ``url`` is renderfleet's ``redis+sentinel://`` URL.
+    ``tls``: every process speaks TLS only (replication and the sentinels' links too), with a
+    certificate from a CA of the test's own (:func:`make_certs`); ``url`` is then
+    ``rediss+sentinel://`` trusting that CA.
+    """
+
+    MASTER = "mymaster"
+
+    def __init__(self, workdir: Path, password: str, *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000,
+                 tls: bool = False):
+        self.workdir = workdir
+        self.password = password
+        self.tls = tls
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.ports = {"primary": free_port(), "replica": free_port()}
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        if self.tls:
+            return f"rediss+sentinel://:{self.password}@{hosts}/{self.MASTER}/0?ssl_ca_certs={self.workdir / 'ca.crt'}"
+        return f"redis+sentinel://:{self.password}@{hosts}/{self.MASTER}/0"
+
+    def connect(self, port: int, *, password: bool = True) -> Any:
+        """A plain redis-py client of one process (a node, with its password; a sentinel, without)."""
+        import redis
+
+        tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(self.workdir / "ca.crt")} if self.tls else {}
+        return redis.Redis(port=port, password=self.password if password else None, socket_timeout=2, **tls)
+
+    def _listen(self, port: int) -> str:
+        """The config lines that make a process listen on ``port`` (TLS only, when ``tls``)."""
+        if not self.tls:
+            return f"port {port}\n"
+        w = self.workdir
+        return (f"port 0\ntls-port {port}\ntls-cert-file {w / 'server.crt'}\ntls-key-file {w / 'server.key'}\n"
+                f"tls-ca-cert-file {w / 'ca.crt'}\ntls-auth-clients no\ntls-replication yes\n")
+
+    def _spawn(self, name: str, conf: str, *args: str) -> None:
+        d = self.workdir / name
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / "redis.conf"
+        path.write_text(conf + f"dir {d}\nlogfile {d / 'server.log'}\nbind 127.0.0.1\n")
+        from renderfleet.embedded import server_binary  # redis-server, else valkey-server: both have --sentinel
+
+        self.procs[name] = subprocess.Popen([server_binary(), str(path), *args], stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(self, timeout: float = 30.0) -> SentinelRedis:
+        """Start every process; return once the replica is in sync and each sentinel sees
+        the replica and both other sentinels."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            make_certs(self.workdir)
+        auth = f"requirepass {self.password}\nmasterauth {self.password}\n"
+        # repl-diskless-sync-delay 0: the replica's first sync now, not in Redis 7's default 5 s.
+        data = auth + 'save ""\nappendonly no\nrepl-diskless-sync-delay 0\n'
+        self._spawn("primary", data + self._listen(self.ports["primary"]))
+        self._spawn("replica", data + self._listen(self.ports["replica"])
+                    + f"replicaof 127.0.0.1 {self.ports['primary']}\n")
+        self._wait(self._replica_in_sync, timeout, "the replica to sync")
+        # Started once the replica is in sync: a sentinel finds it at its first look at the primary.
+        for i, port in enumerate(self.sentinel_ports):
+            self._spawn(f"sentinel-{i}", (
+                self._listen(port) +
+                f"sentinel monitor {self.MASTER} 127.0.0.1 {self.ports['primary']} 2\n"
+                f"sentinel auth-pass {self.MASTER} {self.password}\n"
+                f"sentinel down-after-milliseconds {self.MASTER} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.MASTER} {self.failover_timeout_ms}\n"), "--sentinel")
+        self._wait(self._sentinels_settled, timeout, "the sentinels to see the replica and each other")
+        return self
+
+    def _wait(self, settled: Callable[[], bool], timeout: float, what: str) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if settled():
+                    return
+            except redis.RedisError:
+                pass
+            if any(proc.poll() is not None for proc in self.procs.values()):
+                break
+            time.sleep(0.05)
+        logs = {name: self.log(name)[-600:] for name in self.procs}
+        self.stop()
+        raise RuntimeError(f"Sentinel-managed Redis: gave up waiting for {what}; logs: {logs}")
+
+    def _replica_in_sync(self) -> bool:
+        replica = self.connect(self.ports["replica"])
+        return bool(replica.info("replication").get("master_link_status") == "up")
+
+    def _sentinels_settled(self) -> bool:
+        for port in self.sentinel_ports:
+            state: Any = self.connect(port, password=False).sentinel_master(self.MASTER)
+            if int(state["num-slaves"]) < 1 or int(state["num-other-sentinels"]) < 2:
+                return False
+        return True
+
+    def primary_port(self) -> int | None:
+        """The primary's port as the first sentinel that answers names it."""
+        import redis
+
+        for port in self.sentinel_ports:
+            try:
+                answer: Any = self.connect(port, password=False).sentinel_get_master_addr_by_name(self.MASTER)
+                return int(answer[1])
+            except (redis.RedisError, TypeError):
+                continue
+        return None
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (``primary``, ``replica``, ``sentinel-N``), as a crash would."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def log(self, name: str) -> str:
+        path = self.workdir / name / "server.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    def __enter__(self) -> SentinelRedis:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
 
 
 def http_get(url: str, token: str | None = None) -> tuple[int, bytes]:

@@ -155,12 +155,12 @@ class WorkerService:
         fresh envelopes); ``url`` its Redis; ``metrics`` its Prometheus metrics,
         if it serves them.  Opens no connection yet.
         """
-        from renderfleet import celery_app
+        from renderfleet import celery_app, redisconn
         from renderfleet.store import open_store
 
         return cls(
             settings=settings,
-            client=redis.Redis.from_url(url, socket_timeout=10, health_check_interval=10),
+            client=redisconn.client(url, socket_timeout=10, health_check_interval=10),
             store=open_store(settings.store_url, settings.s3_options, on_retry=metrics.retry if metrics else None),
             renderer=renderer,
             model=model,

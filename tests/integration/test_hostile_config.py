@@ -36,6 +36,7 @@ def one_line(stderr: str) -> str:
 @pytest.mark.parametrize("url", [
     "redis://:Xq7/Zk9@127.0.0.1:6379/0", "redis://:Xq7#Zk9@127.0.0.1:6379/0", "redis://:Xq7?Zk9@127.0.0.1:6379/0",
     "redis://Xq7Zk9@127.0.0.1:6379/0",
+    "redis+sentinel://:Xq7/Zk9@127.0.0.1:26379,127.0.0.1:26380/mymaster",  # a Sentinel URL alike
 ])
 def test_a_redis_url_whose_password_would_be_misread_is_one_line_without_it(tmp_path: Path, url: str) -> None:
     env = base_env(tmp_path, url, str(tmp_path / "store"))
