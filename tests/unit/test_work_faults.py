@@ -251,7 +251,7 @@ def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_ba
     with pytest.raises(StoreError):
         svc.switch_model("s3://models/sdxl")  # transient: the shard is handed back, not failed
     assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
-    assert "s3://models/sdxl" not in svc._failed_loads  # a later try may load it
+    assert ("s3://models/sdxl", "", "") not in svc._failed_loads  # a later try may load it
     svc.runner.close()
 
 
@@ -350,5 +350,5 @@ def test_a_device_error_while_switching_models_is_the_nodes_not_the_jobs(tmp_pat
     with pytest.raises(DeviceError):
         svc.switch_model("other")
     assert loads == ["other"]  # no reload of ours on a device that is gone
-    assert "other" not in svc._failed_loads  # never remembered as the job's model's fault
+    assert ("other", "", "") not in svc._failed_loads  # never remembered as the job's model's fault
     svc.runner.close()
