@@ -55,7 +55,10 @@ class LoraCache:
         self.max_warm = max_warm
         self._warm: OrderedDict[str, str] = OrderedDict()  # source -> adapter name, least recent first
         self.loads = 0  # adapters loaded (a test and a log line read it)
-        self._active = False
+        # What the pipeline's adapters are set to now: only this cache changes them, so a call with
+        # the same LoRAs as the last skips set_adapters (a walk of every layer: tens of ms a call).
+        # None: not known (a load failed half-way), so the next call sets them whatever it asks.
+        self._applied: tuple[tuple[str, float], ...] | None = ()
 
     @property
     def warm(self) -> list[str]:
@@ -65,17 +68,20 @@ class LoraCache:
     def use(self, loras: Sequence[tuple[str, float]]) -> None:
         """Set the pipeline's adapters for its next call to exactly ``loras`` (none: all off).
         :class:`JobError` when a source may not or cannot be loaded."""
-        if not loras:
-            if self._active:
-                self.pipe.disable_lora()
-                self._active = False
+        wanted = tuple((source, float(scale)) for source, scale in loras)
+        if wanted == self._applied:
             return
-        keep = {source for source, _ in loras}
-        names = [self._load(source, keep) for source, _ in loras]
+        if not wanted:
+            self.pipe.disable_lora()
+            self._applied = ()
+            return
+        self._applied = None  # until set: a load or an eviction below may fail half-way
+        keep = {source for source, _ in wanted}
+        names = [self._load(source, keep) for source, _ in wanted]
         self._evict(keep, self.max_warm)  # a call that needed more than the budget leaves it at the budget
         self.pipe.enable_lora()
-        self.pipe.set_adapters(names, adapter_weights=[float(scale) for _, scale in loras])
-        self._active = True
+        self.pipe.set_adapters(names, adapter_weights=[scale for _, scale in wanted])
+        self._applied = wanted
 
     def _evict(self, keep: set[str], limit: int) -> None:
         """Delete the least recently used adapters not in ``keep`` until at most ``limit`` are loaded."""

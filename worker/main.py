@@ -43,12 +43,14 @@ WAIT_LOG_SECONDS = 5.0
 MARK_RETRY_SECONDS = 15.0
 
 
-def load_renderer(model: str, settings: Settings, *, revision: str = "", variant: str = "") -> tuple[Any, Any]:
+def load_renderer(model: str, settings: Settings, *, revision: str = "", variant: str = "",
+                  refresh: bool = False) -> tuple[Any, Any]:
     """(renderer, loaded model) for ``model`` (at ``revision`` and ``variant``), on the best device;
     with ``compile``, a renderer that shares its compile cache through the store.  A ``bench:`` model
     is the fixed-time renderer, only where ``allow_bench_models`` is set (else :class:`ModelLoadError`).
     The renderer switches each job's LoRAs on the loaded pipeline (``worker.loras``), fetching an
-    ``s3://`` one into the worker's cache under the model size cap."""
+    ``s3://`` one into the worker's cache under the model size cap.  ``refresh``: an ``s3://`` model
+    fetched again, not read from the cache."""
     if model.startswith(BENCH_PREFIX):
         if why := model_refusal(model, None, bench=settings.allow_bench_models):
             raise ModelLoadError(why)
@@ -72,7 +74,7 @@ def load_renderer(model: str, settings: Settings, *, revision: str = "", variant
         return fetch_cached(uri, cache_dir=settings.home / "loras", fetch=into) / uri.rsplit("/", 1)[-1]
 
     loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch,
-                           compile=settings.compile, revision=revision, variant=variant)
+                           compile=settings.compile, revision=revision, variant=variant, refresh=refresh)
     cache = None
     if loaded.compiled:
         cache = open_compile_cache(settings, model=model, card=card_name(str(loaded.device)))
@@ -120,9 +122,9 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     metrics.model_loaded(loaded.load_seconds)
     metrics.watch_gpu_memory(loaded.device)
 
-    def load_model(name: str, revision: str = "", variant: str = "") -> Any:
+    def load_model(name: str, revision: str = "", variant: str = "", refresh: bool = False) -> Any:
         """Another job's model (at its revision and variant) in place of ours (a model switch), its load timed."""
-        switched, again = load_renderer(name, settings, revision=revision, variant=variant)
+        switched, again = load_renderer(name, settings, revision=revision, variant=variant, refresh=refresh)
         log.info("model %s loaded on %s in %.1f s (a switch)", model_label(name, revision, variant), again.device,
                  again.load_seconds)
         metrics.model_loaded(again.load_seconds)

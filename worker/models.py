@@ -132,6 +132,7 @@ def load_pipeline(
     compile: bool = False,
     revision: str = "",
     variant: str = "",
+    refresh: bool = False,
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
@@ -142,6 +143,7 @@ def load_pipeline(
     Each call loads afresh; the caller keeps the result and counts loads.
     ``revision`` (hub ids only) and ``variant`` (hub ids, folders, ``s3://``) pin the weights
     read; a folder's or bucket's content digest is recorded (``LoadedModel.digest``).
+    ``refresh``: an ``s3://`` model is fetched again in place of the cached copy.
     """
     if model.startswith(BENCH_PREFIX):  # not a pipeline: worker.main.load_renderer serves these, when allowed
         raise ModelLoadError(f"model {model!r} is a bench model (the fixed-time renderer), not a pipeline")
@@ -162,7 +164,7 @@ def load_pipeline(
         pipe = build_tiny_pipeline()
         pipe = pipe.to(dtype=dtype)
     elif model.startswith("s3://"):
-        folder = fetch_cached(model, cache_dir=cache_dir, fetch=fetch)
+        folder = fetch_cached(model, cache_dir=cache_dir, fetch=fetch, refresh=refresh)
         digest = _read_marker(folder)
         pipe = _from_pretrained(str(folder), model, dtype, variant=variant)
     elif Path(model).is_dir():
@@ -365,15 +367,16 @@ def cache_path(uri: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / digest
 
 
-def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
-    """The local folder holding ``uri``'s files, fetching them on first use.
+def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None, refresh: bool = False) -> Path:
+    """The local folder holding ``uri``'s files, fetching them on first use (``refresh``: again,
+    the new copy replacing the old once it is whole).
 
     Files go to a temporary sibling folder first and are renamed into place
     only when ``fetch`` returns, so a fetch cut short (a reclaimed node, a
     crash) leaves no folder that a later load would trust.
     """
     dest = cache_path(uri, cache_dir)
-    if dest.is_dir():
+    if dest.is_dir() and not refresh:
         return dest
     if fetch is None:
         raise ModelLoadError(f"model {uri!r}: an s3:// model needs a fetch function")
@@ -384,6 +387,10 @@ def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
         fetch(uri, partial)
         if not any(partial.iterdir()):
             raise ModelLoadError(f"model {uri!r}: nothing found under that prefix")
+        if refresh and dest.is_dir():  # the old copy out of the way, then the new one in
+            stale = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.stale"
+            os.rename(dest, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(partial, dest)
         except OSError:

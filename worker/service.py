@@ -29,7 +29,7 @@ from renderfleet.feeder import Feeder
 from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
 from renderfleet.shardfile import ShardReader
-from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity, store_tag, wire_problems
+from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_problems, store_identity, store_tag, wire_problems
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
@@ -132,6 +132,7 @@ class WorkerService:
         self._lease: Lease | None = None  # the shard being handled, if any
         self._ending: Future[Outcome] | None = None  # the shard before, ending in the commit thread
         self._failed_loads: dict[tuple[str, str, str], tuple[float, ModelLoadError]] = {}  # by model key
+        self._refreshed: set[tuple[tuple[str, str, str], str]] = set()  # (model key, digest) loaded afresh for
         self._jobs_seen: dict[str, float] = {}  # job -> when its spec was last found in the store
         # Whether the message accept() let through last is of a job submitted to this Redis as new
         # (dispatcher.enqueue.register_job's "fresh"): its shards' first claims skip the checkpoint read.
@@ -288,12 +289,7 @@ class WorkerService:
         pending: PendingShard | BaseException
         try:
             try:
-                if msg.params.model_key != (self.model, *self.pin):
-                    self.wait_ending()  # the shard before encodes its last images with our renderer
-                    # after the claim: a duplicate costs no load
-                    self.switch_model(msg.params.model, msg.params.revision, msg.params.variant)
-                # A folder or bucket whose files changed since the submit: the job's error, never a mixture.
-                check_digest(getattr(self.runner.renderer, "loaded", None), msg.params.model_digest)
+                self.use_model(msg.params)  # after the claim: a duplicate costs no load
             except ModelLoadError as exc:
                 # The job's fault: its prompts fail with the reason, this worker goes on.
                 log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
@@ -513,8 +509,27 @@ class WorkerService:
             log.error("the last %d shards all failed on this worker: it stops taking work", self.failed_streak)
             self.stop.request("circuit breaker: every shard fails here")
 
-    def switch_model(self, model: str, revision: str = "", variant: str = "") -> None:
+    def use_model(self, params: RenderParams) -> None:
+        """Hold the job's model at its revision and variant (:meth:`switch_model` if we hold another:
+        the same key is never loaded twice), and refuse the job if that model's files are not the ones
+        it recorded (``RenderParams.model_digest``).  :class:`ModelLoadError`: the job's fault."""
+        if params.model_key != (self.model, *self.pin):
+            self.wait_ending()  # the shard before encodes its last images with our renderer
+            self.switch_model(*params.model_key)
+        wanted = params.model_digest
+        if wanted and getattr(getattr(self.runner.renderer, "loaded", None), "digest", "") != wanted \
+                and (params.model_key, wanted) not in self._refreshed:
+            # Our copy may be the older one (the folder or bucket changed after our load): loaded again from
+            # its source once per job digest, an s3:// copy fetched afresh.
+            self._refreshed.add((params.model_key, wanted))
+            self.wait_ending()
+            self.switch_model(*params.model_key, refresh=True)
+        # A folder or bucket whose files are not the job's: the job's error, never a mixture.
+        check_digest(getattr(self.runner.renderer, "loaded", None), wanted)
+
+    def switch_model(self, model: str, revision: str = "", variant: str = "", *, refresh: bool = False) -> None:
         """Load ``model`` (at ``revision`` and ``variant``) in place of ours; if it will not load, keep ours.
+        ``refresh``: load it again even if it is ours, an ``s3://`` copy fetched afresh.
 
         The old pipeline is freed first (two big pipelines may not fit one
         GPU), and loaded again if the new one fails: a job naming a model
@@ -529,12 +544,16 @@ class WorkerService:
         remembered = self._failed_loads.get(key)
         if remembered and time.monotonic() - remembered[0] < FAILED_LOAD_MEMORY_SECONDS:
             raise remembered[1]
-        log.warning("shard wants model %s, this worker had %s: loading it", model_label(*key),
-                    model_label(self.model, *self.pin))
+        if refresh:
+            log.warning("shard's job recorded other files of model %s than this worker loaded: loading it again",
+                        model_label(*key))
+        else:
+            log.warning("shard wants model %s, this worker had %s: loading it", model_label(*key),
+                        model_label(self.model, *self.pin))
         old, old_pin = self.model, self.pin
         self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
         try:
-            self.runner.renderer = self._load(*key)
+            self.runner.renderer = self._load(*key, refresh=refresh)
             self.model, self.pin = model, (revision, variant)
         except Exception as exc:  # a store outage while fetching it too: ours must come back
             if isinstance(exc, DeviceError):
@@ -559,11 +578,11 @@ class WorkerService:
                     pipe.hset(keys.WORKERS, self.worker_id, self._registration)
                 pipe.execute()
 
-    def _load(self, model: str, revision: str = "", variant: str = "") -> Any:
+    def _load(self, model: str, revision: str = "", variant: str = "", *, refresh: bool = False) -> Any:
         """A renderer for ``model``; any failure to load it is a :class:`ModelLoadError`."""
         assert self.load_model is not None
         try:
-            return self.load_model(model, revision, variant) if revision or variant else self.load_model(model)
+            return self.load_model(model, revision, variant, refresh)
         except (ModelLoadError, TransientError, DeviceError):
             raise
         except Exception as exc:

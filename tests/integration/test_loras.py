@@ -21,6 +21,7 @@ from renderfleet.api import Client
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.images import read_metadata
 from testing.fleet import WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready
+from testing.servers import free_port, http_get
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("peft")
@@ -30,7 +31,8 @@ FLAGS = {"model": "tiny", "steps": 2, "size": "64x64", "shard_size": 2, "batch_s
 
 @pytest.fixture
 def fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tuple[dict[str, str], WorkerProc]]:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    port = free_port()
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_METRICS_PORT=str(port))
     proc = WorkerProc(env, tmp_path / "worker.log")
     try:
         wait_for(lambda: worker_ready(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), 1), 90,
@@ -38,6 +40,14 @@ def fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tuple[di
         yield env, proc
     finally:
         proc.kill()
+
+
+def model_loads(env: dict[str, str]) -> float:
+    """The worker's model-load histogram's count, from its /metrics: every load, at start and on a switch."""
+    text = http_get(f"http://127.0.0.1:{env['RENDERFLEET_METRICS_PORT']}/metrics")[1].decode()
+    [count] = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('renderfleet_worker_model_load_seconds_count{pool="default"}')]
+    return count
 
 
 def finished(env: dict[str, str], job: str, timeout: float = 180) -> dict[str, Any]:
@@ -90,7 +100,7 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
 
     # Three adapter sets and a job without, one model load: adapters switch on the loaded pipeline.
     st = job_status(env, both.id)
-    assert [int(w["loads"]) for w in st["workers"]] == [1]
+    assert [int(w["loads"]) for w in st["workers"]] == [1] and model_loads(env) == 1
     sizes = [len(data) for data in rendered[both.id].values()]
     assert st["bytes_per_image"] == sum(sizes) / len(sizes)
     table = cli({**env, "COLUMNS": "200"}, "status", both.id, "--wide").stdout
@@ -107,26 +117,34 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
     assert "Traceback" not in bad.stderr
 
 
-def test_a_folder_models_digest_is_recorded_and_a_worker_refuses_it_once_the_files_change(
+def test_a_folder_models_digest_is_recorded_and_a_worker_holding_other_files_refuses_the_job(
         tmp_path: Path, fleet: tuple[dict[str, str], WorkerProc]) -> None:
     from worker.models import build_tiny_pipeline, save_pipeline
 
     env, worker = fleet
     folder = save_pipeline(build_tiny_pipeline(), tmp_path / "model")
     client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
-    job = client.submit(["a red fox"], **{**FLAGS, "model": str(folder)})
-    assert finished(env, job.id)["done"] == 1
-    digest = read_metadata(images(env, job.id)["000000.png"])["model_digest"]
-    assert digest.startswith("files-sha256:")
-    # The folder changes under the worker that loaded it: a job submitted now records the new files,
-    # and the worker, holding the old ones, refuses it as the job's error, not the node's.
+    first = client.submit(["a red fox"], **{**FLAGS, "model": str(folder)})
+    assert finished(env, first.id)["done"] == 1
+    digest = read_metadata(images(env, first.id)["000000.png"])["model_digest"]
+    assert digest.startswith("files-sha256:") and digest == client.options(model=str(folder)).params.model_digest
+    # The folder changes after the worker loaded it: a job submitted now records the new files, and the
+    # worker, its copy the older, loads the folder again once and renders it.
     (folder / "README.md").write_text("retrained\n")
-    changed = client.submit(["a red fox"], **{**FLAGS, "model": str(folder)})
-    assert changed.id != job.id
-    st = finished(env, changed.id)
+    second = client.submit(["a red fox"], **{**FLAGS, "model": str(folder)})
+    assert second.id != first.id  # other weights: another job
+    assert finished(env, second.id)["done"] == 1
+    assert read_metadata(images(env, second.id)["000000.png"])["model_digest"] not in ("", digest)
+    # The first job again (its image gone, resumed) after the folder changed once more: no files here
+    # are the ones it recorded, so it fails with that reason as the job's error, after one load afresh.
+    (folder / "README.md").write_text("retrained twice\n")
+    shutil.rmtree(Path(env["RENDERFLEET_STORE"]) / "jobs" / first.id / "images")
+    cli(env, "resume", first.id)
+    st = finished(env, first.id)
     assert st["quarantined"] == 1 and st["done"] == 0
-    [reason] = job_status(env, changed.id)["failure_reasons"]
+    [reason] = job_status(env, first.id)["failure_reasons"]
     assert "changed since the job was submitted" in reason and digest in reason
-    assert [int(w["loads"]) for w in st["workers"]] == [2]  # tiny, then the folder once: never reloaded
-    assert f"model {folder} loaded on cpu in" in worker.output()  # the switch is logged with its time
+    # tiny at start, the folder, the folder again for each job that recorded other files: never more
+    assert [int(w["loads"]) for w in st["workers"]] == [4] and model_loads(env) == 4
+    assert f"model {folder} loaded on cpu in" in worker.output()  # a switch is logged with its time
     assert worker.alive()

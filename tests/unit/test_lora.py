@@ -181,6 +181,14 @@ def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(tiny: LoadedMode
     with pytest.raises(JobError, match="could not be loaded"):
         LoraCache(tiny.pipe).use([(str(tmp_path / "none.safetensors"), 1.0)])
     assert tiny.pipe.get_list_adapters() == {}
+    # a job's LoRA that fails to load after another job's was set: the next job without LoRAs gets none
+    renderer = Renderer(tiny)
+    plain = renderer.render([prompt()])[0]
+    assert renderer.render([prompt(loras=((loras[0], 1.0),))])[0] != plain
+    with pytest.raises(JobError, match="could not be loaded"):
+        renderer.render([prompt(loras=((loras[0], 1.0), (str(tmp_path / "none.safetensors"), 1.0)))])
+    assert renderer.render([prompt()])[0] == plain
+    tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
 
 
 @pytest.fixture(scope="module")

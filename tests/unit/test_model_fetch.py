@@ -79,6 +79,14 @@ def test_an_s3_model_is_fetched_into_the_cache_and_a_bad_one_leaves_nothing(s3_b
     listing = list(S3Store(bucket, "models/sd").tagged(""))
     assert (folder / DIGEST_MARKER).read_text() == listing_digest(listing)
     assert listing_digest(listing).startswith("s3-etags-sha256:")
+    # the prefix rewritten: the cached copy stays until a refresh fetches the new one in its place
+    client.put_object(Bucket=bucket, Key="models/sd/unet/config.json", Body=b'{"v": 2}')
+    assert fetch_cached(f"s3://{bucket}/models/sd", cache_dir=cache, fetch=fetch) == folder
+    assert (folder / "unet" / "config.json").read_bytes() == b"{}"
+    assert fetch_cached(f"s3://{bucket}/models/sd", cache_dir=cache, fetch=fetch, refresh=True) == folder
+    assert (folder / "unet" / "config.json").read_bytes() == b'{"v": 2}'
+    assert (folder / DIGEST_MARKER).read_text() == listing_digest(S3Store(bucket, "models/sd").tagged(""))
+    assert (folder / DIGEST_MARKER).read_text() != listing_digest(listing)
     assert folder.parent == cache
     for uri, why in ((f"s3://{bucket}/models/big", "MODEL_MAX_BYTES"), (f"s3://{bucket}/models/evil", "refusing key"),
                      (f"s3://{bucket}", "never a whole bucket")):
