@@ -169,6 +169,17 @@ def test_loras_switch_per_call_on_one_pipeline_and_each_state_renders_the_same_b
     tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))  # the module's pipeline as it was
 
 
+def test_the_pinned_weights_are_written_into_the_image_only_when_set() -> None:
+    from worker.render import image_metadata
+
+    digest = "files-sha256:" + "a" * 64
+    pinned = image_metadata(prompt(revision="v1.0", variant="fp16", model_digest=digest,
+                                   loras=(("owner/l", 0.5),)), "owner/m")
+    assert (pinned["revision"], pinned["variant"], pinned["model_digest"]) == ("v1.0", "fp16", digest)
+    assert json.loads(pinned["loras"]) == [["owner/l", 0.5]]
+    assert not {"revision", "variant", "model_digest", "loras"} & set(image_metadata(prompt(), "owner/m"))
+
+
 def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(tiny: LoadedModel, loras: tuple[str, str],
                                                                tmp_path: Path) -> None:
     cache = LoraCache(tiny.pipe, allowed=["tiny"])
