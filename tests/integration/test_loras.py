@@ -73,7 +73,7 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
         tmp_path: Path, fleet: tuple[dict[str, str], WorkerProc]) -> None:
     from testing.loras import make_tiny_lora
 
-    env, _ = fleet
+    env, worker = fleet
     a = make_tiny_lora(tmp_path / "loras" / "a.safetensors", seed=1)
     b = make_tiny_lora(tmp_path / "loras" / "b" / "pytorch_lora_weights.safetensors", seed=2).parent
     prompts = ["a red fox", "a lighthouse"]
@@ -115,6 +115,10 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
               check=False)
     assert bad.returncode == 2 and "--lora: lora 'owner/style/lora.bin': pickled weights" in bad.stderr
     assert "Traceback" not in bad.stderr
+    # each LoRA's load logged once; the libraries' notes about a UNet-only, second adapter dropped
+    log = worker.output()
+    assert log.count(f"lora {a}: loaded as adapter") == 1 and log.count(f"lora {b}: loaded as adapter") == 1
+    assert "No LoRA keys" not in log and "peft_config" not in log, log
 
 
 def test_a_folder_models_digest_is_recorded_and_a_worker_holding_other_files_refuses_the_job(
