@@ -225,6 +225,26 @@ def test_a_saved_variant_loads_back_by_its_variant(untouched: LoadedModel, tmp_p
         load_pipeline(str(folder), device="cpu", cache_dir=tmp_path / "cache", revision="main")
 
 
+def test_a_hub_id_is_asked_for_at_its_revision_and_variant_in_safetensors(
+        untouched: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import diffusers
+
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    def from_pretrained(name: str, **kwargs: object) -> object:  # the hub, which this machine cannot reach
+        asked.append((name, kwargs))
+        return untouched.pipe
+
+    monkeypatch.setattr(diffusers.AutoPipelineForText2Image, "from_pretrained", from_pretrained)
+    loaded = load_pipeline("owner/model", device="cpu", cache_dir=tmp_path, revision="0123abc", variant="fp16")
+    [(name, kwargs)] = asked
+    assert name == "owner/model" and (kwargs["revision"], kwargs["variant"], kwargs["use_safetensors"]) == (
+        "0123abc", "fp16", True)
+    assert (loaded.revision, loaded.variant, loaded.digest) == ("0123abc", "fp16", "")
+    load_pipeline("owner/model", device="cpu", cache_dir=tmp_path)
+    assert (asked[1][1]["revision"], asked[1][1]["variant"]) == (None, None)  # unpinned: the hub's defaults
+
+
 def test_a_folder_models_digest_is_recorded_and_a_changed_folder_is_refused(untouched: LoadedModel,
                                                                            tmp_path: Path) -> None:
     from renderfleet.api import Client
