@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dispatcher.resume import load_spec, stored_images, stored_names, stored_prompts
+from dispatcher.resume import load_spec, stored_image_sizes, stored_images, stored_names, stored_prompts
 from dispatcher.thumbs import FORMATS as THUMB_FORMATS
 from dispatcher.thumbs import THUMB_MAX_PIXELS
 from renderfleet import spec
@@ -26,7 +26,8 @@ from renderfleet.spec import Prompt
 from renderfleet.store import Store
 
 COLUMNS = ("index", "id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model",
-           "scheduler", "image_format", "image", "status", "error", "shard_attempts", "pool")
+           "scheduler", "image_format", "image", "status", "error", "shard_attempts", "pool", "bytes", "loras",
+           "revision", "variant", "model_digest")
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 BATCH_ROWS = 10_000
 
@@ -41,6 +42,11 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
     """
     job_spec = load_spec(store, job)
     images = stored_images(store, job)
+    sizes = stored_image_sizes(store, job)
+    params = job_spec.params
+    # The job's weights, as its images' metadata records them: LoRAs as JSON [[source, scale], ...].
+    weights = {"loras": json.dumps([list(lora) for lora in params.loras], ensure_ascii=False) if params.loras else "",
+               "revision": params.revision, "variant": params.variant, "model_digest": params.model_digest}
     quarantined = stored_names(store, job, "quarantine") - set(images)
     for index, (name, line) in enumerate(stored_prompts(store, job_spec)):
         p = Prompt.from_wire(index, json.loads(line), job_spec.params)
@@ -57,7 +63,7 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
                "model": job_spec.params.model, "scheduler": p.scheduler, "image_format": job_spec.params.image_format,
                "image": image, "status": status, "error": error,
                "shard_attempts": None if attempts is None else attempts.get(p.index // job_spec.shard_size, 0),
-               "pool": job_spec.pool}
+               "pool": job_spec.pool, "bytes": sizes.get(name) if status == "done" else None, **weights}
 
 
 def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:
@@ -97,7 +103,9 @@ def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
                         ("guidance", pa.float64()), ("width", pa.int32()), ("height", pa.int32()),
                         ("model", pa.string()), ("scheduler", pa.string()), ("image_format", pa.string()),
                         ("image", pa.string()), ("status", pa.string()),
-                        ("error", pa.string()), ("shard_attempts", pa.int32()), ("pool", pa.string())])
+                        ("error", pa.string()), ("shard_attempts", pa.int32()), ("pool", pa.string()),
+                        ("bytes", pa.int64()), ("loras", pa.string()), ("revision", pa.string()),
+                        ("variant", pa.string()), ("model_digest", pa.string())])
     count = 0
     with pq.ParquetWriter(str(path), schema) as writer:
         batch: list[dict[str, Any]] = []

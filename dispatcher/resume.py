@@ -14,6 +14,7 @@ pushed again by the monitor's audit (``lost``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -85,6 +86,19 @@ def stored_images(store: Store, job: str) -> dict[str, str]:
     """The job's stored images: name -> key, in whichever format each was rendered (one listing)."""
     prefix = spec.images_prefix(job)
     return {name: key for key in store.list(prefix) if (name := spec.image_name(key[len(prefix):])) is not None}
+
+
+def stored_image_sizes(store: Store, job: str, limit: int | None = None) -> dict[str, int]:
+    """The job's stored images: name -> size in bytes, as the store lists them (one listing;
+    ``limit``: the first so many keys listed, a page of S3's, for a sample)."""
+    prefix = spec.images_prefix(job)
+    return {name: size for key, size in itertools.islice(store.sized(prefix), limit)
+            if (name := spec.image_name(key[len(prefix):])) is not None}
+
+
+def mean_bytes(sizes: dict[str, int]) -> float | None:
+    """The mean of ``sizes`` (bytes per image), None when there are none."""
+    return sum(sizes.values()) / len(sizes) if sizes else None
 
 
 def image_key_of(store: Store, job: str, name: str) -> str | None:

@@ -161,6 +161,16 @@ def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
     ]
 
 
+def _sized_columns(columns: list[Column], jobs: Sequence[JobStatus]) -> list[Column]:
+    """``columns`` with the images' mean size (KB/img, before the costs) where it was read: a job's
+    own view lists its images (``fleet_status``); a listing of every job does not."""
+    if all(j.bytes_per_image is None for j in jobs):
+        return columns
+    size = Column("KB/img", 14, lambda j: "-" if j.bytes_per_image is None else f"{j.bytes_per_image / 1000:,.1f}")
+    at = next(i for i, col in enumerate(columns) if col.header == "cost")
+    return [*columns[:at], size, *columns[at:]]
+
+
 def _doing(worker: dict[str, object], ids: dict[str, str]) -> str:
     """``JOB:N 12s`` (a shard, by the job's short id) or ``idle 40s`` (from what the worker records at
     claim and release)."""
@@ -202,7 +212,8 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
     parts: list[RenderableType] = []
     dropped: list[str] = []
     if fleet.jobs:
-        jobs, gone = fitted(console, "jobs", job_columns(ids, plain), fleet.jobs, wide=wide)
+        jobs, gone = fitted(console, "jobs", _sized_columns(job_columns(ids, plain), fleet.jobs), fleet.jobs,
+                              wide=wide)
         parts += [jobs, Text("")]
         dropped += gone
     else:

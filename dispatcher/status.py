@@ -18,7 +18,15 @@ from typing import Any
 import redis
 
 from dispatcher import lifecycle
-from dispatcher.resume import jobs_only_in_store, load_spec, stored_images, stored_names, stored_prompts
+from dispatcher.resume import (
+    jobs_only_in_store,
+    load_spec,
+    mean_bytes,
+    stored_image_sizes,
+    stored_images,
+    stored_names,
+    stored_prompts,
+)
 from renderfleet import keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
@@ -27,6 +35,11 @@ from renderfleet.states import ShardState
 from renderfleet.store import Store
 
 log = logging.getLogger(__name__)
+
+
+# The images whose sizes give a job's bytes per image in status: one page of an S3 listing, so that
+# `status JOB --watch` on a job of a million images lists a thousand keys every frame, not a million.
+SIZE_SAMPLE = 1000
 
 
 @dataclass
@@ -60,6 +73,7 @@ class JobStatus:
     priority: int = spec.DEFAULT_PRIORITY  # how the feeder ranks it (0 lowest to 9)
     share: int = spec.DEFAULT_SHARE  # its weight among the jobs of its priority
     queue: str = ""  # the queue its shards are fed to
+    bytes_per_image: float | None = None  # mean size of its stored images (a store listing); None when not read
 
     @property
     def failed(self) -> int:
@@ -494,6 +508,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         price(job_state, status.prices)
         if reasons if reasons is not None else named:
             job_state.failure_reasons = failure_reasons(client, job)
+            job_state.bytes_per_image = mean_bytes(stored_image_sizes(store, job, SIZE_SAMPLE))
         status.backlog_seconds += job_state.backlog_seconds
         if job_state.shards_pending and job_state.cancelled is None:
             status.pending[job_state.queue] = status.pending.get(job_state.queue, 0) + job_state.shards_pending

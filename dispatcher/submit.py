@@ -68,7 +68,10 @@ MODEL_REQUIRED = ("--model: no model given (model= in Python; RENDERFLEET_MODEL 
 
 # The flags of the settings in the one table (spec.FIELDS) that are not a prompt's text or id.
 SETTING_FLAGS = (("--scheduler", "scheduler"), ("--long-prompts", "long_prompts"),
-                 ("--image-format", "image_format"), ("--quality", "quality"))
+                 ("--image-format", "image_format"), ("--quality", "quality"), ("--revision", "revision"),
+                 ("--variant", "variant"))
+# The job's settings a submit takes by name (Client.submit's keywords): the flags' and its LoRAs.
+JOB_SETTINGS = (*(name for _, name in SETTING_FLAGS), "loras")
 # Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
 _FIELD_FLAGS = (("--steps", "steps"), ("--size", "width"), ("--size", "height"), ("--seed", "seed"),
                 ("--guidance", "guidance"), *SETTING_FLAGS)
@@ -90,10 +93,19 @@ def check_options(opts: SubmitOptions) -> None:
                               ("--priority", "priority", opts.priority), ("--share", "share", opts.share)):
         if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
+    if why := spec.loras_problem(p.loras):
+        problems.append(f"--lora: {why}")
     if not p.model:
         problems.append(MODEL_REQUIRED)
     elif why := spec.model_problem(p.model, "--model"):
         problems.append(why)
+    else:
+        kind = spec.model_source(p.model)
+        if p.revision and kind != "hub":
+            problems.append(f"--revision: pins a hub id's weights; --model {p.model[:100]!r} is not one "
+                            "(a folder's or s3:// model's content is recorded as its digest instead)")
+        if p.variant and kind in ("tiny", "bench"):
+            problems.append(f"--variant: the built-in model {p.model[:100]!r} has no weights variants")
     if opts.job is not None and (why := job_id_problem(opts.job)):
         problems.append(f"--job: {why}")
     if problems:

@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from io import IOBase
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
@@ -162,8 +162,9 @@ class Client:
         are taken before any lower one's.  ``share``: 1 to 100, the job's weight
         among the jobs of its priority, which take turns.
         ``settings`` are the job's other render settings by their names in the one table
-        (``scheduler``, ``long_prompts``, ``image_format``, ``quality``: docs/configuration.md,
-        "Render settings").
+        (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
+        and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
+        "Render settings").  A folder or ``s3://`` model's content digest is recorded in the job.
         """
         opts = self.options(model=model, steps=steps, size=size, guidance=guidance, negative=negative, seed=seed,
                             shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority,
@@ -190,12 +191,13 @@ class Client:
                 share: int = 1, **settings: Any) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
         the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
-        from dispatcher.submit import SETTING_FLAGS, SubmitOptions, check_options
+        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options
         from renderfleet.spec import RenderParams
 
-        if unknown := sorted(set(settings) - {name for _, name in SETTING_FLAGS}):
-            raise InputError([f"{name}: not a render setting (known: "
-                              f"{', '.join(name for _, name in SETTING_FLAGS)})" for name in unknown])
+        if unknown := sorted(set(settings) - set(JOB_SETTINGS)):
+            raise InputError([f"{name}: not a render setting (known: {', '.join(JOB_SETTINGS)})" for name in unknown])
+        if "loras" in settings:
+            settings["loras"] = parse_loras(settings["loras"])
         width, height = parse_size(size)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
         params = RenderParams(model=model or self.settings.model or "", steps=steps, width=width, height=height,
@@ -203,7 +205,29 @@ class Client:
         opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job,
                              priority=priority, share=share)
         check_options(opts)
-        return opts
+        # A folder's or bucket's content, as it is now: a worker holding other files refuses the job.
+        return replace(opts, params=replace(params, model_digest=self._model_digest(params.model)))
+
+    def _model_digest(self, model: str) -> str:
+        """The content digest of a folder or ``s3://`` model (``renderfleet.digests``); '' for any other,
+        and for a path that is no folder here (the workers' own, unseen by submit)."""
+        from renderfleet import digests
+        from renderfleet.spec import model_source
+
+        kind = model_source(model)
+        if kind == "folder" and Path(model).expanduser().is_dir():
+            return digests.folder_digest(Path(model).expanduser())
+        if kind != "s3":
+            return ""
+        from renderfleet.store import S3Store
+
+        bucket, _, prefix = model[len("s3://"):].partition("/")
+        if not bucket or not prefix.strip("/"):
+            raise InputError([f"--model {model[:200]!r}: an s3:// model is a prefix in a bucket (s3://bucket/prefix)"])
+        listing = list(S3Store(bucket, prefix.strip("/"), options=self.settings.s3_options).tagged(""))
+        if not listing:
+            raise InputError([f"--model {model[:200]!r}: nothing is stored under that prefix"])
+        return digests.listing_digest(listing)
 
     def submit_file(self, path: str, opts: SubmitOptions, *, summary: FileSummary | None = None,
                     source: str | None = None, label: str | None = None, by_item: bool = False) -> Job:
@@ -233,6 +257,24 @@ class Client:
 
         job_id = resolve(self.redis, self.store, job_id)
         return Job(self, job_id, job_status(self.redis, job_id, store=self.store).total)
+
+
+def parse_loras(loras: Any) -> tuple[tuple[str, float], ...]:
+    """A submit's LoRAs as (source, scale) pairs: each ``"SOURCE[:SCALE]"`` (``spec.parse_lora``)
+    or a (source, scale) pair; checked later (``spec.loras_problem``), with the rest of the options."""
+    from renderfleet.spec import parse_lora
+
+    if isinstance(loras, str):
+        loras = [loras]
+    out = []
+    for item in loras or ():
+        if isinstance(item, str):
+            out.append(parse_lora(item))
+        elif isinstance(item, list | tuple) and len(item) == 2 and type(item[1]) in (int, float):
+            out.append((item[0], float(item[1])))
+        else:
+            raise InputError([f"--lora: {item!r}: give SOURCE[:SCALE] or a (source, scale) pair"])
+    return tuple(out)
 
 
 @dataclass

@@ -134,6 +134,14 @@ LongPrompts = Annotated[str, typer.Option(
 ImageFormat = Annotated[str, typer.Option(
     "--image-format", metavar="FORMAT", help="png, webp, webp-lossless or jpeg (metadata kept in each)")]
 Quality = Annotated[int, typer.Option(metavar="1-100", help="webp/jpeg quality (lossless WebP: effort)")]
+Lora = Annotated[list[str] | None, typer.Option(
+    "--lora", metavar="SOURCE[:SCALE]",
+    help="a LoRA adapter (.safetensors: a hub id, a local folder or file, an s3:// file) at SCALE (default 1); "
+    "repeat for several")]
+Revision = Annotated[str, typer.Option(
+    metavar="REV", help="hub ids: the branch, tag or commit whose weights to load (default: the main branch)")]
+Variant = Annotated[str, typer.Option(
+    metavar="NAME", help="weights variant to load, e.g. fp16 (hub ids, folders, s3://)")]
 
 
 def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
@@ -165,7 +173,8 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
                             batch_size=opts.batch_size, pool=opts.pool, job=opts.job, priority=opts.priority,
                             share=opts.share,
                             **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format,
-                                      opts.params.quality))
+                                      opts.params.quality),
+                            loras=opts.params.loras, revision=opts.params.revision, variant=opts.params.variant)
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
     for note in job.warnings:
@@ -183,6 +192,7 @@ def submit(
     batch_size: BatchSize = 4, pool: Pool = None, priority: Priority = 5, share: Share = 1,
     scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
     image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
+    lora: Lora = None, revision: Revision = DEFAULT["revision"], variant: Variant = DEFAULT["variant"],
     fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
 ) -> None:
@@ -190,9 +200,12 @@ def submit(
     settings = _settings()
     _logging(settings)
     with _user_errors():
+        render = _render(scheduler, long_prompts, image_format, quality)
+        if lora:
+            render["loras"] = lora
+        render.update({k: v for k, v in (("revision", revision), ("variant", variant)) if v})
         opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings, priority, share,
-                               _render(scheduler, long_prompts, image_format, quality))
+                               batch_size, pool, settings, priority, share, render)
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
@@ -329,8 +342,17 @@ def results(
             from dispatcher.manifest import contact_sheet, manifest_rows, write_manifest
 
             if manifest:
-                n = write_manifest(manifest_rows(store, job, _attempts(settings, job)), manifest)
-                _err(f"{manifest}: {n} rows")
+                sizes: list[int] = []
+
+                def sized(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+                    for row in rows:
+                        if row["bytes"] is not None:
+                            sizes.append(row["bytes"])
+                        yield row
+
+                n = write_manifest(sized(manifest_rows(store, job, _attempts(settings, job))), manifest)
+                mean = f", {sum(sizes) / len(sizes):,.0f} bytes per image (mean of {len(sizes)})" if sizes else ""
+                _err(f"{manifest}: {n} rows{mean}")
             if sheet:
                 _err(f"{sheet}: {contact_sheet(store, job, sheet, limit=first)} images")
             return

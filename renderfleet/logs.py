@@ -40,6 +40,10 @@ NOISE = (
     "requires torchvision (not installed)",  # transformers: a PIL image processor is used instead; we use none
     "should be kept in float32: []",  # diffusers: an empty list of modules to keep in float32
     "running the worker with superuser privileges",  # Celery: said once by ours instead (worker.main)
+    # diffusers, at a LoRA's load: the adapter has no text-encoder layers (most train the UNet alone)
+    "No LoRA keys associated to CLIPTextModel found",
+    # PEFT, at a second LoRA's load: several adapters on one model is what worker/loras.py keeps warm
+    "Already found a `peft_config` attribute in the model",
 )
 # How much of a library's message one line keeps.
 LINE_CHARS = 300

@@ -33,6 +33,7 @@ import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from renderfleet.samplers import scheduler_problem
@@ -75,7 +76,7 @@ class Field:
     name: str  # in a .jsonl object, a .csv header and RenderParams
     attr: str  # the Prompt attribute it fills ("": the job's alone, not on a Prompt)
     wire: str  # its key in a shard message's prompt
-    kind: str  # "text", "name" (a key segment), "word" (a checked token), "int" or "number"
+    kind: str  # "text", "name" (a key segment), "word" (a checked token), "int", "number" or "loras"
     types: tuple[type, ...]  # what a .jsonl value may be (exactly: a bool is no int)
     what: str  # the expected type, in words, for "must be ..." problems
     limits: tuple[int, int] | None = None  # (lowest, highest) of an "int"
@@ -108,6 +109,97 @@ IMAGE_EXTENSIONS = (".png", ".webp", ".jpg")  # every format's, the default's fi
 CONTENT_TYPES = {ext: content_type for ext, content_type in IMAGE_FORMATS.values()}  # by extension
 LONG_PROMPTS = ("chunk", "truncate")
 
+# ---- the weights a job pins: LoRA adapters, a hub revision and variant, a folder's digest ----------
+
+MAX_LORAS = 8  # adapters in one job (each is a set of matrices added to the UNet's attention)
+MAX_LORA_SCALE = 10.0  # |scale|: 1 is the adapter as trained; 0 switches it off
+# Pickled weights run code when loaded: a LoRA is a .safetensors file (or a folder or hub repo holding one).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")  # a hub branch, tag or commit
+_VARIANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}")  # fp16, bf16, ema, ...
+# A folder's digest is over its files (paths and bytes); an s3:// model's over its listing (keys,
+# sizes, ETags), so submit can take it without downloading gigabytes (renderfleet/digests.py).
+_DIGEST_RE = re.compile(r"(files|s3-etags)-sha256:[0-9a-f]{64}")
+
+
+def parse_lora(text: str) -> tuple[str, float]:
+    """``SOURCE[:SCALE]`` as (source, scale): the scale is what follows the last colon when that
+    parses as a number (``s3://bucket/a.safetensors:0.8``), else the whole text is the source at 1."""
+    source, colon, tail = text.rpartition(":")
+    if colon and source:
+        try:
+            return source, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def lora_source_problem(source: Any) -> str | None:
+    """Why ``source`` cannot be a LoRA (a hub id, a folder or file, an ``s3://`` file), if it cannot."""
+    if why := _text_problem("lora", source, empty=False):
+        return why
+    if len(source) > MAX_MODEL_LEN:
+        return f"lora: longer than {MAX_MODEL_LEN} characters"
+    name = source.rstrip("/").rsplit("/", 1)[-1].lower()
+    if name.endswith(PICKLE_SUFFIXES):
+        return (f"lora {source[:200]!r}: pickled weights ({name.rsplit('.', 1)[-1]}) can run code when loaded; "
+                "give a .safetensors file")
+    if source.startswith("s3://") and not name.endswith(".safetensors"):
+        return f"lora {source[:200]!r}: an s3:// LoRA is one .safetensors file"
+    if source == "tiny" or source.startswith(BENCH_PREFIX):
+        return f"lora {source!r}: a built-in model, not a LoRA"
+    return None
+
+
+def loras_problem(value: Any) -> str | None:
+    """Why ``value`` is not a job's list of (source, scale) LoRAs, if it is not."""
+    if not isinstance(value, list | tuple) or not all(isinstance(v, list | tuple) and len(v) == 2 for v in value):
+        return "loras must be a list of [source, scale] pairs"
+    if len(value) > MAX_LORAS:
+        return f"loras: at most {MAX_LORAS} adapters in a job, got {len(value)}"
+    seen: set[str] = set()
+    for source, scale in value:
+        if why := lora_source_problem(source):
+            return why
+        if type(scale) not in (int, float) or not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+            return f"lora {source[:200]!r}: the scale must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}"
+        if source in seen:
+            return f"lora {source[:200]!r} given twice"
+        seen.add(source)
+    return None
+
+
+def revision_problem(value: str) -> str | None:
+    if not value or (_REVISION_RE.fullmatch(value) and ".." not in value):
+        return None
+    return f"revision must be a hub branch, tag or commit (letters, digits, . _ / -), got {value[:60]!r}"
+
+
+def variant_problem(value: str) -> str | None:
+    if not value or _VARIANT_RE.fullmatch(value):
+        return None
+    return f"variant must be a weights variant such as fp16 (letters, digits, _ -), got {value[:60]!r}"
+
+
+def digest_problem(value: str) -> str | None:
+    if not value or _DIGEST_RE.fullmatch(value):
+        return None
+    return f"model_digest must be files-sha256:HEX or s3-etags-sha256:HEX, got {value[:80]!r}"
+
+
+def model_source(model: str) -> str:
+    """What kind of model name ``model`` is: ``tiny``, ``bench``, ``s3``, ``folder`` (a path,
+    or a folder here) or ``hub``."""
+    if model == "tiny":
+        return "tiny"
+    if model.startswith(BENCH_PREFIX):
+        return "bench"
+    if model.startswith("s3://"):
+        return "s3"
+    if model.startswith(("/", ".", "~")) or Path(model).expanduser().is_dir():
+        return "folder"
+    return "hub"
+
 FIELDS: tuple[Field, ...] = (
     Field("prompt", "prompt", "p", "text", (str,), "a string"),
     Field("id", "name", "n", "name", (str, int), "a string or integer"),
@@ -127,6 +219,17 @@ FIELDS: tuple[Field, ...] = (
           check=choice("image_format", *IMAGE_FORMATS)),
     # lossy WebP's and JPEG's quality; lossless WebP's effort; PNG ignores it
     Field("quality", "quality", "q", "int", (int,), "an integer", (1, 100), default=90, per_prompt=False),
+    # LoRA adapters on the job's model: (source, scale) pairs, switched per job on a loaded pipeline
+    Field("loras", "loras", "lora", "loras", (tuple, list), "a list of [source, scale] pairs", default=(),
+          per_prompt=False),
+    # the hub revision (branch, tag, commit) and weights variant (fp16, ...) the model is loaded at
+    Field("revision", "revision", "rev", "word", (str,), "a string", default="", per_prompt=False,
+          check=revision_problem),
+    Field("variant", "variant", "var", "word", (str,), "a string", default="", per_prompt=False,
+          check=variant_problem),
+    # a folder's or s3:// model's content as submit found it: a worker holding other files refuses the job
+    Field("model_digest", "model_digest", "md", "word", (str,), "a string", default="", per_prompt=False,
+          check=digest_problem),
 )
 FIELD = {f.name: f for f in FIELDS}
 DEFAULT = {f.name: f.default for f in FIELDS if f.default is not None}
@@ -188,6 +291,8 @@ def field_problem(field: Field, value: Any) -> str | None:
     """
     if field.kind == "word":
         return field.check(value) if field.check is not None else None
+    if field.kind == "loras":
+        return loras_problem(value)
     if field.kind == "int":
         return int_problem(field.name, value)
     if field.kind == "number":
@@ -263,6 +368,10 @@ class RenderParams:
     long_prompts: str = FIELD["long_prompts"].default
     image_format: str = FIELD["image_format"].default
     quality: int = FIELD["quality"].default
+    loras: tuple[tuple[str, float], ...] = ()
+    revision: str = FIELD["revision"].default
+    variant: str = FIELD["variant"].default
+    model_digest: str = FIELD["model_digest"].default
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -275,16 +384,24 @@ class RenderParams:
         return {k: v for k, v in asdict(self).items() if k not in SET_ONLY_IDENTITY or v != FIELD[k].default}
 
     @property
+    def model_key(self) -> tuple[str, str, str]:
+        """What a worker loads: (model, revision, variant); the same key is never loaded twice."""
+        return (self.model, self.revision, self.variant)
+
+    @property
     def image_extension(self) -> str:
         """The file extension of the job's images (``png``, ``webp``, ``jpg``)."""
         return IMAGE_FORMATS[self.image_format][0]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RenderParams:
+        if "loras" in data:  # JSON's lists, as the tuples a frozen (hashable, comparable) value holds
+            data = {**data, "loras": tuple((str(source), float(scale)) for source, scale in data["loras"])}
         return cls(**data)
 
 
-SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality")
+SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality", "loras", "revision", "variant",
+                     "model_digest")
 
 
 @dataclass(frozen=True)
@@ -309,6 +426,10 @@ class Prompt:
     long_prompts: str = FIELD["long_prompts"].default
     image_format: str = FIELD["image_format"].default
     quality: int = FIELD["quality"].default
+    loras: tuple[tuple[str, float], ...] = ()
+    revision: str = FIELD["revision"].default
+    variant: str = FIELD["variant"].default
+    model_digest: str = FIELD["model_digest"].default
 
     @property
     def render_key(self) -> tuple[int, float, int, int, str]:
@@ -518,7 +639,7 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int]
 _QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{12}")
 _MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "count")  # and "store", optional
 _WIRE_FIELDS = {f.wire: f for f in PROMPT_FIELDS}  # the keys of a prompt with fields on the wire
-_PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number", "word")}  # the job's checked settings
+_PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number", "word", "loras")}  # the job's checked settings
 MAX_MODEL_LEN = 1024
 
 # The reserved model ids of the fixed-time bench renderer (worker/benchrender.py): no model,
@@ -583,6 +704,8 @@ def _value_problem(f: Field, value: Any) -> str | None:
         return field_problem(f, value) if type(value) is str else "id must be a string"
     if f.kind == "word":
         return field_problem(f, value) if type(value) is str else f"{f.name} must be a string"
+    if f.kind == "loras":
+        return field_problem(f, value) if type(value) is list else f"{f.name} must be a list"
     if f.kind == "int":
         return field_problem(f, value) if _is_int(value) else f"{f.name} must be an integer"
     return field_problem(f, value) if type(value) in (int, float) else f"{f.name} must be a number"

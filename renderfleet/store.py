@@ -85,6 +85,9 @@ class Store(Protocol):
     def list(self, prefix: str) -> Iterator[str]:
         """Every key starting with ``prefix`` (a plain string prefix), sorted."""
 
+    def sized(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) of every key starting with ``prefix``, as :meth:`list`: one listing."""
+
     def folders(self, prefix: str) -> Iterator[str]:
         """The names one level below ``prefix`` (a folder, ending in ``/``), sorted:
         one delimited listing, not a walk of everything under it."""
@@ -234,6 +237,12 @@ class LocalStore:
                 if key.startswith(prefix):
                     keys.append(key)
         yield from sorted(keys)
+
+    def sized(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) of every key starting with ``prefix``, sorted."""
+        for key in self.list(prefix):
+            with contextlib.suppress(FileNotFoundError):  # deleted since it was listed
+                yield key, self._path(key).stat().st_size
 
     def download(self, key: str, path: Path) -> None:
         """Copy ``key`` to a local file atomically; StoreError if missing."""
@@ -480,6 +489,11 @@ class S3Store:
 
     def sized(self, prefix: str) -> Iterator[tuple[str, int]]:
         """(key, size in bytes) of every key starting with ``prefix``, as :meth:`list`."""
+        for key, size, _ in self.tagged(prefix):
+            yield key, size
+
+    def tagged(self, prefix: str) -> Iterator[tuple[str, int, str]]:
+        """(key, size in bytes, ETag) of every key starting with ``prefix``, as :meth:`list`."""
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
         token: str | None = None
@@ -489,7 +503,7 @@ class S3Store:
                 args["ContinuationToken"] = token
             page = self._call("list", full, partial(self.client.list_objects_v2, **args))
             for item in page.get("Contents", []):
-                yield cast(str, item["Key"])[strip:], int(item.get("Size", 0))
+                yield cast(str, item["Key"])[strip:], int(item.get("Size", 0)), str(item.get("ETag", ""))
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
                 return

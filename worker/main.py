@@ -26,7 +26,7 @@ from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
 from worker.metrics import WorkerMetrics, serve_metrics
-from worker.models import model_refusal
+from worker.models import model_label, model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, instance_region
 from worker.render import is_device_error
@@ -43,10 +43,14 @@ WAIT_LOG_SECONDS = 5.0
 MARK_RETRY_SECONDS = 15.0
 
 
-def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
-    """(renderer, loaded model) for ``model``, on the best device; with ``compile``,
-    a renderer that shares its compile cache through the store.  A ``bench:`` model is the
-    fixed-time renderer, only where ``allow_bench_models`` is set (else :class:`ModelLoadError`)."""
+def load_renderer(model: str, settings: Settings, *, revision: str = "", variant: str = "",
+                  refresh: bool = False) -> tuple[Any, Any]:
+    """(renderer, loaded model) for ``model`` (at ``revision`` and ``variant``), on the best device;
+    with ``compile``, a renderer that shares its compile cache through the store.  A ``bench:`` model
+    is the fixed-time renderer, only where ``allow_bench_models`` is set (else :class:`ModelLoadError`).
+    The renderer switches each job's LoRAs on the loaded pipeline (``worker.loras``), fetching an
+    ``s3://`` one into the worker's cache under the model size cap.  ``refresh``: an ``s3://`` model
+    fetched again, not read from the cache."""
     if model.startswith(BENCH_PREFIX):
         if why := model_refusal(model, None, bench=settings.allow_bench_models):
             raise ModelLoadError(why)
@@ -56,18 +60,26 @@ def load_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
         return FixedTimeRenderer(bench_seconds(model) or 0.0, model), FixedLoad(model)
     from worker.batchsize import card_name
     from worker.compiled import open_compile_cache
-    from worker.models import fetch_s3_model, load_pipeline
+    from worker.loras import LoraCache
+    from worker.models import fetch_cached, fetch_s3_file, fetch_s3_model, load_pipeline
     from worker.render import Renderer
 
     def fetch(uri: str, dest: Path) -> None:
         fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
 
+    def fetch_lora(uri: str) -> Path:
+        def into(source: str, dest: Path) -> None:
+            fetch_s3_file(source, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
+
+        return fetch_cached(uri, cache_dir=settings.home / "loras", fetch=into) / uri.rsplit("/", 1)[-1]
+
     loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch,
-                           compile=settings.compile)
+                           compile=settings.compile, revision=revision, variant=variant, refresh=refresh)
     cache = None
     if loaded.compiled:
         cache = open_compile_cache(settings, model=model, card=card_name(str(loaded.device)))
-    return Renderer(loaded, batch_invariant=settings.batch_invariant, compile_cache=cache), loaded
+    loras = LoraCache(loaded.pipe, fetch=fetch_lora, allowed=settings.allowed_model_list)
+    return Renderer(loaded, batch_invariant=settings.batch_invariant, compile_cache=cache, loras=loras), loaded
 
 
 def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,
@@ -110,9 +122,11 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     metrics.model_loaded(loaded.load_seconds)
     metrics.watch_gpu_memory(loaded.device)
 
-    def load_model(name: str) -> Any:
-        """Another job's model in place of ours (a model switch), its load timed."""
-        switched, again = load_renderer(name, settings)
+    def load_model(name: str, revision: str = "", variant: str = "", refresh: bool = False) -> Any:
+        """Another job's model (at its revision and variant) in place of ours (a model switch), its load timed."""
+        switched, again = load_renderer(name, settings, revision=revision, variant=variant, refresh=refresh)
+        log.info("model %s loaded on %s in %.1f s (a switch)", model_label(name, revision, variant), again.device,
+                 again.load_seconds)
         metrics.model_loaded(again.load_seconds)
         return switched
 

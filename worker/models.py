@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
 from renderfleet import logs
+from renderfleet.digests import folder_digest, listing_digest
 from renderfleet.errors import ConfigError, ModelLoadError
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 
@@ -70,6 +71,26 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     compiled: bool = False  # the UNet's repeated blocks go through torch.compile
+    revision: str = ""  # the hub revision it was loaded at ('': the default branch)
+    variant: str = ""  # the weights variant ('': the plain files)
+    digest: str = ""  # a folder's or s3:// model's content (renderfleet/digests.py); '' for tiny and hub ids
+
+
+def model_label(model: str, revision: str = "", variant: str = "") -> str:
+    """A model as a log line names it: ``owner/name@revision (variant fp16)``."""
+    return model + (f"@{revision}" if revision else "") + (f" (variant {variant})" if variant else "")
+
+
+
+def check_digest(loaded: Any, wanted: str) -> None:
+    """Refuse a job whose recorded model digest is not what this worker loaded
+    (:class:`ModelLoadError`: the job's error, on every worker holding these files)."""
+    have = getattr(loaded, "digest", "")
+    if wanted and wanted != have:
+        model = getattr(loaded, "model", "?")
+        raise ModelLoadError(
+            f"model {model!r} changed since the job was submitted: the job recorded {wanted}, this worker "
+            f"loaded {have or 'files with no digest'}; resubmit the job to render with the files there now")
 
 
 def default_device() -> str:
@@ -109,6 +130,9 @@ def load_pipeline(
     cache_dir: Path,
     fetch: Fetch | None = None,
     compile: bool = False,
+    revision: str = "",
+    variant: str = "",
+    refresh: bool = False,
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
@@ -117,6 +141,9 @@ def load_pipeline(
     Raises :class:`ModelLoadError` when the model cannot be found: an unknown
     hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
     Each call loads afresh; the caller keeps the result and counts loads.
+    ``revision`` (hub ids only) and ``variant`` (hub ids, folders, ``s3://``) pin the weights
+    read; a folder's or bucket's content digest is recorded (``LoadedModel.digest``).
+    ``refresh``: an ``s3://`` model is fetched again in place of the cached copy.
     """
     if model.startswith(BENCH_PREFIX):  # not a pipeline: worker.main.load_renderer serves these, when allowed
         raise ModelLoadError(f"model {model!r} is a bench model (the fixed-time renderer), not a pipeline")
@@ -128,16 +155,23 @@ def load_pipeline(
     logs.route_library_logs()  # their lines through our handler (renderfleet/logs.py): noise dropped
 
     # 1. Build or read the pipeline, on the CPU.
+    digest = ""
+    if revision and (model == TINY or model.startswith("s3://") or Path(model).is_dir()):
+        raise ModelLoadError(f"model {model!r}: a revision pins a hub id's weights; this model is not a hub id")
     if model == TINY:
+        if variant:
+            raise ModelLoadError(f"model {model!r}: the built-in model has no variants")
         pipe = build_tiny_pipeline()
         pipe = pipe.to(dtype=dtype)
     elif model.startswith("s3://"):
-        folder = fetch_cached(model, cache_dir=cache_dir, fetch=fetch)
-        pipe = _from_pretrained(str(folder), model, dtype)
+        folder = fetch_cached(model, cache_dir=cache_dir, fetch=fetch, refresh=refresh)
+        digest = _read_marker(folder)
+        pipe = _from_pretrained(str(folder), model, dtype, variant=variant)
     elif Path(model).is_dir():
-        pipe = _from_pretrained(model, model, dtype)
+        digest = folder_digest(Path(model))
+        pipe = _from_pretrained(model, model, dtype, variant=variant)
     else:
-        pipe = _from_hub(model, dtype)
+        pipe = _from_hub(model, dtype, revision=revision, variant=variant)
 
     # 2. Prepare it for serving: quiet, on the device; on CUDA made fast.
     pipe.set_progress_bar_config(disable=True)
@@ -152,6 +186,9 @@ def load_pipeline(
         dtype=dtype,
         load_seconds=time.perf_counter() - started,
         compiled=compile,
+        revision=revision,
+        variant=variant,
+        digest=digest,
     )
 
 
@@ -330,15 +367,16 @@ def cache_path(uri: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / digest
 
 
-def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
-    """The local folder holding ``uri``'s files, fetching them on first use.
+def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None, refresh: bool = False) -> Path:
+    """The local folder holding ``uri``'s files, fetching them on first use (``refresh``: again,
+    the new copy replacing the old once it is whole).
 
     Files go to a temporary sibling folder first and are renamed into place
     only when ``fetch`` returns, so a fetch cut short (a reclaimed node, a
     crash) leaves no folder that a later load would trust.
     """
     dest = cache_path(uri, cache_dir)
-    if dest.is_dir():
+    if dest.is_dir() and not refresh:
         return dest
     if fetch is None:
         raise ModelLoadError(f"model {uri!r}: an s3:// model needs a fetch function")
@@ -349,6 +387,10 @@ def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None) -> Path:
         fetch(uri, partial)
         if not any(partial.iterdir()):
             raise ModelLoadError(f"model {uri!r}: nothing found under that prefix")
+        if refresh and dest.is_dir():  # the old copy out of the way, then the new one in
+            stale = dest.parent / f".{dest.name}.{uuid.uuid4().hex}.stale"
+            os.rename(dest, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(partial, dest)
         except OSError:
@@ -452,14 +494,46 @@ def check_model_keys(uri: str, entries: Iterable[tuple[str, int]], dest: Path, m
 
 def fetch_s3_model(uri: str, dest: Path, *, max_bytes: int, s3: Any = None) -> None:
     """Download the saved pipeline at ``s3://bucket/prefix`` into ``dest``, the
-    keys checked first (:func:`check_model_keys`); ``s3``: the store's S3Options."""
+    keys checked first (:func:`check_model_keys`); ``s3``: the store's S3Options.
+    The listing's digest (``renderfleet.digests.listing_digest``) is written beside the
+    files (:data:`DIGEST_MARKER`): what this copy is, as submit names it."""
     from renderfleet.store import S3Store
 
     bucket, prefix = split_s3_model(uri)
     store = S3Store(bucket, prefix, options=s3)
-    for key, target in check_model_keys(uri, store.sized(""), dest, max_bytes):
+    listing = list(store.tagged(""))
+    if any(key == DIGEST_MARKER for key, _, _ in listing):
+        raise ModelLoadError(f"model {uri!r}: refusing key {DIGEST_MARKER!r}: the name of the cache's own marker")
+    for key, target in check_model_keys(uri, [(k, size) for k, size, _ in listing], dest, max_bytes):
         target.parent.mkdir(parents=True, exist_ok=True)
         store.download(key, target)
+    (Path(dest) / DIGEST_MARKER).write_text(listing_digest(listing), encoding="utf-8")
+
+
+def fetch_s3_file(uri: str, dest: Path, *, max_bytes: int, s3: Any = None) -> None:
+    """Download one ``s3://bucket/key`` file (a LoRA) into the folder ``dest``, under its own
+    name; refused above ``max_bytes`` before anything is written."""
+    from renderfleet.store import S3Store
+
+    bucket, key = split_s3_model(uri)
+    folder, _, name = key.rpartition("/")
+    store = S3Store(bucket, folder, options=s3)
+    sizes = [size for k, size in store.sized(name) if k == name]
+    if not sizes:
+        raise ModelLoadError(f"{uri!r}: no such object")
+    for key, target in check_model_keys(uri, [(name, sizes[0])], dest, max_bytes):
+        store.download(key, target)
+
+
+# The file a fetched s3:// model's cache folder keeps its listing's digest in (never a key of the model).
+DIGEST_MARKER = ".renderfleet-digest"
+
+
+def _read_marker(folder: Path) -> str:
+    try:
+        return (folder / DIGEST_MARKER).read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""  # a copy fetched before digests were kept: no digest to compare
 
 
 def build_tiny_pipeline() -> Any:
@@ -583,24 +657,27 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in codes), strict=True))
 
 
-def _from_pretrained(folder: str, model: str, dtype: torch.dtype) -> Any:
+def _from_pretrained(folder: str, model: str, dtype: torch.dtype, *, variant: str = "") -> Any:
     from diffusers import AutoPipelineForText2Image
 
     try:
         # safetensors only, as from the hub: a folder or bucket may hold pickled
         # weights too, and loading those can run code.
-        return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype), use_safetensors=True)
+        return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype), use_safetensors=True,
+                                                         variant=variant or None)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"model {model!r}: not a loadable pipeline: {exc}") from exc
+        what = f" (variant {variant!r})" if variant else ""
+        raise ModelLoadError(f"model {model!r}{what}: not a loadable pipeline: {exc}") from exc
 
 
-def _from_hub(model_id: str, dtype: torch.dtype) -> Any:
+def _from_hub(model_id: str, dtype: torch.dtype, *, revision: str = "", variant: str = "") -> Any:
     from diffusers import AutoPipelineForText2Image
 
     try:
         # safetensors only: a hub id is someone else's files, and pickled
         # weights can run code when loaded.
-        return AutoPipelineForText2Image.from_pretrained(model_id, **_dtype_kwarg(dtype), use_safetensors=True)
+        return AutoPipelineForText2Image.from_pretrained(model_id, **_dtype_kwarg(dtype), use_safetensors=True,
+                                                         revision=revision or None, variant=variant or None)
     except (OSError, ValueError) as exc:
         # OSError covers "not found", "offline" and "cannot connect" alike;
         # none of them gets better by retrying this shard.

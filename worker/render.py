@@ -17,6 +17,7 @@ says ``long_prompts=truncate``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from renderfleet import __version__, failpoints, images, samplers
 from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.spec import BENCH_PREFIX, FIELD, INT_LIMITS, Prompt, field_problem
+from worker.loras import LoraCache
 from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
 from worker.prompts import LongPrompts
 
@@ -102,12 +104,13 @@ class Renderer:
     """
 
     def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False,
-                 compile_cache: CompileCache | None = None) -> None:
+                 compile_cache: CompileCache | None = None, loras: LoraCache | None = None) -> None:
         self.loaded = loaded
         self.batch_invariant = batch_invariant
         self.compile_cache = compile_cache
         self.last_batch_seconds = 0.0
         self.schedulers = SchedulerCache(loaded.pipe)
+        self.loras = loras or LoraCache(loaded.pipe)
         self.long_prompts = LongPrompts(loaded.pipe)
 
     def render(
@@ -210,6 +213,8 @@ class Renderer:
 
         steps, guidance, width, height, scheduler = prompts[0].render_key
         self.schedulers.use(scheduler, [p.seed for p in prompts])
+        # The job's adapters, set before every call from its settings: a call never inherits the last job's.
+        self.loras.use(prompts[0].loras)
         text: dict[str, Any] = ({"prompt": [p.prompt for p in prompts],
                                  "negative_prompt": [p.negative_prompt for p in prompts]}
                                 if embeds is None else self.long_prompts.call_kwargs(embeds))
@@ -273,6 +278,9 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
         raise ValueError("`prompts` must hold at least one prompt, but it is empty")
     key = prompts[0].render_key
     for p in prompts[1:]:
+        if p.loras != prompts[0].loras:
+            raise ValueError(f"all prompts in a batch must share their LoRAs; prompt {p.name!r} has {p.loras} "
+                             f"but prompt {prompts[0].name!r} has {prompts[0].loras}")
         if p.render_key != key:
             raise ValueError(
                 f"all prompts in a batch must share (steps, guidance, width, height, scheduler); "
@@ -316,8 +324,9 @@ def image_metadata(prompt: Prompt, model: str) -> dict[str, str]:
     """What is written into every image, in a fixed order; a bench model's marked as fake.
 
     The settings added after the first release (scheduler, how long prompts were read, the
-    format and its quality) are written where they differ from the default, so an image of a
-    job that sets none of them keeps the bytes it always had.
+    format and its quality, the weights pinned: revision, variant, the model's digest and the
+    LoRAs) are written where they differ from the default, so an image of a job that sets none
+    of them keeps the bytes it always had.
     """
     chunks = {
         "prompt": prompt.prompt,
@@ -330,10 +339,12 @@ def image_metadata(prompt: Prompt, model: str) -> dict[str, str]:
         "model": model,
         "renderfleet": __version__,
     }
-    for name in ("scheduler", "long_prompts", "image_format", "quality"):
+    for name in ("scheduler", "long_prompts", "image_format", "quality", "revision", "variant", "model_digest"):
         value = getattr(prompt, name)
         if value != FIELD[name].default:
             chunks[name] = str(value)
+    if prompt.loras:  # [[source, scale], ...]: a source may hold any character but a NUL
+        chunks["loras"] = json.dumps([list(lora) for lora in prompt.loras], ensure_ascii=False)
     return {**chunks, **FAKE_CHUNK} if model.startswith(BENCH_PREFIX) else chunks
 
 

@@ -29,12 +29,12 @@ from renderfleet.feeder import Feeder
 from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
 from renderfleet.shardfile import ShardReader
-from renderfleet.spec import JobSpec, ShardMessage, message_problems, store_identity, store_tag, wire_problems
+from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_problems, store_identity, store_tag, wire_problems
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
 from worker.ledger import LeaseKeeper, RedisLedger
-from worker.models import model_refusal
+from worker.models import check_digest, model_label, model_refusal
 from worker.render import is_device_error
 from worker.runner import PendingShard, ShardRunner
 from worker.stop import StopSignal
@@ -102,7 +102,7 @@ class WorkerService:
         stop: StopSignal,
         publish: Publisher,
         worker_id: str,
-        load_model: Callable[[str], Any] | None = None,
+        load_model: Callable[..., Any] | None = None,
         envelope: Envelope | None = None,
         metrics: WorkerMetrics | None = None,
     ):
@@ -110,6 +110,7 @@ class WorkerService:
         self.client = client
         self.store = store
         self.model = model
+        self.pin = ("", "")  # the (revision, variant) our model was loaded at
         self.stop = stop
         self.publish = publish
         self.worker_id = worker_id
@@ -130,7 +131,8 @@ class WorkerService:
         self._registration = ""
         self._lease: Lease | None = None  # the shard being handled, if any
         self._ending: Future[Outcome] | None = None  # the shard before, ending in the commit thread
-        self._failed_loads: dict[str, tuple[float, ModelLoadError]] = {}
+        self._failed_loads: dict[tuple[str, str, str], tuple[float, ModelLoadError]] = {}  # by model key
+        self._refreshed: set[tuple[tuple[str, str, str], str]] = set()  # (model key, digest) loaded afresh for
         self._jobs_seen: dict[str, float] = {}  # job -> when its spec was last found in the store
         # Whether the message accept() let through last is of a job submitted to this Redis as new
         # (dispatcher.enqueue.register_job's "fresh"): its shards' first claims skip the checkpoint read.
@@ -286,14 +288,13 @@ class WorkerService:
         ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         pending: PendingShard | BaseException
         try:
-            if msg.params.model != self.model:
+            try:
+                self.use_model(msg.params)  # after the claim: a duplicate costs no load
+            except ModelLoadError as exc:
+                # The job's fault: its prompts fail with the reason, this worker goes on.
+                log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
                 self.wait_ending()  # the shard before encodes its last images with our renderer
-                try:
-                    self.switch_model(msg.params.model)  # after the claim: a duplicate costs no load
-                except ModelLoadError as exc:
-                    # The job's fault: its prompts fail with the reason, this worker goes on.
-                    log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
-                    ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
+                ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
             # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
             first = self.fresh and lease.attempt == 1
             pending = self.runner.render(msg, ledger, attempt=lease.attempt, first_delivery=first)
@@ -508,8 +509,27 @@ class WorkerService:
             log.error("the last %d shards all failed on this worker: it stops taking work", self.failed_streak)
             self.stop.request("circuit breaker: every shard fails here")
 
-    def switch_model(self, model: str) -> None:
-        """Load ``model`` in place of ours; if it will not load, keep ours.
+    def use_model(self, params: RenderParams) -> None:
+        """Hold the job's model at its revision and variant (:meth:`switch_model` if we hold another:
+        the same key is never loaded twice), and refuse the job if that model's files are not the ones
+        it recorded (``RenderParams.model_digest``).  :class:`ModelLoadError`: the job's fault."""
+        if params.model_key != (self.model, *self.pin):
+            self.wait_ending()  # the shard before encodes its last images with our renderer
+            self.switch_model(*params.model_key)
+        wanted = params.model_digest
+        if wanted and getattr(getattr(self.runner.renderer, "loaded", None), "digest", "") != wanted \
+                and (params.model_key, wanted) not in self._refreshed:
+            # Our copy may be the older one (the folder or bucket changed after our load): loaded again from
+            # its source once per job digest, an s3:// copy fetched afresh.
+            self._refreshed.add((params.model_key, wanted))
+            self.wait_ending()
+            self.switch_model(*params.model_key, refresh=True)
+        # A folder or bucket whose files are not the job's: the job's error, never a mixture.
+        check_digest(getattr(self.runner.renderer, "loaded", None), wanted)
+
+    def switch_model(self, model: str, revision: str = "", variant: str = "", *, refresh: bool = False) -> None:
+        """Load ``model`` (at ``revision`` and ``variant``) in place of ours; if it will not load, keep ours.
+        ``refresh``: load it again even if it is ours, an ``s3://`` copy fetched afresh.
 
         The old pipeline is freed first (two big pipelines may not fit one
         GPU), and loaded again if the new one fails: a job naming a model
@@ -520,23 +540,29 @@ class WorkerService:
             raise ModelLoadError(why)
         if self.load_model is None:
             raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")
-        remembered = self._failed_loads.get(model)
+        key = (model, revision, variant)
+        remembered = self._failed_loads.get(key)
         if remembered and time.monotonic() - remembered[0] < FAILED_LOAD_MEMORY_SECONDS:
             raise remembered[1]
-        log.warning("shard wants model %r, this worker had %r: loading it", model, self.model)
-        old = self.model
+        if refresh:
+            log.warning("shard's job recorded other files of model %s than this worker loaded: loading it again",
+                        model_label(*key))
+        else:
+            log.warning("shard wants model %s, this worker had %s: loading it", model_label(*key),
+                        model_label(self.model, *self.pin))
+        old, old_pin = self.model, self.pin
         self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
         try:
-            self.runner.renderer = self._load(model)
-            self.model = model
+            self.runner.renderer = self._load(*key, refresh=refresh)
+            self.model, self.pin = model, (revision, variant)
         except Exception as exc:  # a store outage while fetching it too: ours must come back
             if isinstance(exc, DeviceError):
                 raise  # the device is gone: nothing will load on it again
             if isinstance(exc, ModelLoadError):
-                self._failed_loads[model] = (time.monotonic(), exc)
-            log.warning("model %r did not load; loading %r again", model, old)
+                self._failed_loads[key] = (time.monotonic(), exc)
+            log.warning("model %s did not load; loading %s again", model_label(*key), model_label(old, *old_pin))
             try:
-                self.runner.renderer = self._load(old)
+                self.runner.renderer = self._load(old, *old_pin)
             except Exception as again:
                 # Our own model loaded once and not now: the node's fault.
                 self.tripped = True
@@ -552,11 +578,11 @@ class WorkerService:
                     pipe.hset(keys.WORKERS, self.worker_id, self._registration)
                 pipe.execute()
 
-    def _load(self, model: str) -> Any:
+    def _load(self, model: str, revision: str = "", variant: str = "", *, refresh: bool = False) -> Any:
         """A renderer for ``model``; any failure to load it is a :class:`ModelLoadError`."""
         assert self.load_model is not None
         try:
-            return self.load_model(model)
+            return self.load_model(model, revision, variant, refresh)
         except (ModelLoadError, TransientError, DeviceError):
             raise
         except Exception as exc:

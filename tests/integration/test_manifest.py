@@ -39,6 +39,9 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
     for name in ("m.parquet", "m.jsonl", "m.csv"):
         out = cli(env, "results", job, "--manifest", str(tmp_path / name))
         assert "6 rows" in out.stderr
+    folder = tmp_path / "store" / "jobs" / job / "images"
+    sizes = {p.stem: p.stat().st_size for p in folder.iterdir()}
+    assert f", {sum(sizes.values()) / 5:,.0f} bytes per image (mean of 5)" in out.stderr
     rows = pq.read_table(tmp_path / "m.parquet").to_pylist()
     assert rows == [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     with open(tmp_path / "m.csv", newline="") as f:
@@ -47,7 +50,9 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
     hero = rows[2]
     assert hero["seed"] == 7 and hero["steps"] == 2 and hero["width"] == 32 and hero["model"] == "tiny"
     assert hero["status"] == "done" and hero["image"].endswith(f"jobs/{job}/images/hero.png")
-    assert rows[4]["status"] == "missing" and rows[4]["image"] == ""
+    assert rows[4]["status"] == "missing" and rows[4]["image"] == "" and rows[4]["bytes"] is None
+    assert [r["bytes"] for r in rows if r["status"] == "done"] == [sizes[r["id"]] for r in rows if r["id"] in sizes]
+    assert (hero["loras"], hero["revision"], hero["variant"], hero["model_digest"]) == ("", "", "", "")
     assert all(r["shard_attempts"] >= 1 for r in rows)  # every shard was handed to a worker
 
     cli(env, "results", job, "--contact-sheet", str(tmp_path / "sheet.png"))

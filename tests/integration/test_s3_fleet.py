@@ -11,7 +11,7 @@ import boto3
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
-from renderfleet.spec import RenderParams, ShardMessage
+from renderfleet.spec import JobSpec, RenderParams, ShardMessage, spec_key
 from renderfleet.store import open_store
 from testing.fleet import WorkerProc, base_env, cli, job_status, status_now, wait_for, write_prompts
 
@@ -81,6 +81,10 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     renderer = Renderer(dataclasses.replace(loaded, model=model_uri))  # the PNG text names the model
     store = open_store(s3_bucket)
     params = RenderParams(model=model_uri, steps=2, width=32, height=32)
+    # submit recorded what the prefix held (its listing's digest): the worker compared it with its copy's
+    recorded = JobSpec.from_json(store.get(spec_key(job)) or b"").params
+    assert recorded.model_digest.startswith("s3-etags-sha256:")
+    params = dataclasses.replace(params, model_digest=recorded.model_digest)
     for shard in range(2):
         wire = [f"prompt number {i}" for i in range(shard * 5, shard * 5 + 5)]
         msg = ShardMessage.from_dict({"job": job, "shard": shard, "params": params.to_dict(), "batch_size": 2,

@@ -223,7 +223,7 @@ def service(tmp_path: Path, load: Callable[[str], Any]) -> WorkerService:
 def test_a_model_that_will_not_load_leaves_the_worker_its_own_and_is_remembered(tmp_path: Path) -> None:
     loads: list[str] = []
 
-    def load(model: str) -> Renderer:
+    def load(model: str, *_: object) -> Renderer:
         loads.append(model)
         if model == "./nope":
             raise FileNotFoundError("no such folder")  # any failure to load is the job's
@@ -241,8 +241,34 @@ def test_a_model_that_will_not_load_leaves_the_worker_its_own_and_is_remembered(
     svc.runner.close()
 
 
+def test_a_revision_or_variant_is_another_model_and_no_model_key_is_loaded_twice(tmp_path: Path) -> None:
+    loads: list[tuple[str, ...]] = []
+
+    def load(model: str, revision: str, variant: str, refresh: bool) -> Renderer:
+        loads.append((model, revision, variant) if not refresh else (model, revision, variant, "refresh"))
+        return Renderer()
+
+    svc = service(tmp_path, load)
+    svc.use_model(RenderParams(model="tiny", scheduler="euler", loras=(("owner/l", 0.5),)))  # ours: no load
+    svc.use_model(RenderParams(model="owner/m", revision="v1"))
+    svc.use_model(RenderParams(model="owner/m", revision="v1", image_format="webp", loras=(("owner/l", 1.0),)))
+    svc.use_model(RenderParams(model="owner/m", revision="v2"))
+    svc.use_model(RenderParams(model="owner/m", revision="v2", variant="fp16"))
+    svc.use_model(RenderParams(model="owner/m", revision="v2", variant="fp16", steps=3))
+    assert loads == [("owner/m", "v1", ""), ("owner/m", "v2", ""), ("owner/m", "v2", "fp16")]
+    assert (svc.model, svc.pin) == ("owner/m", ("v2", "fp16"))
+    # a job that recorded other files than ours: loaded afresh once (our copy may be the older), then
+    # refused while the files still differ, with no load more for that job's digest
+    other = RenderParams(model="owner/m", revision="v2", variant="fp16", model_digest="files-sha256:" + "0" * 64)
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match="changed since the job was submitted"):
+            svc.use_model(other)
+    assert loads[3:] == [("owner/m", "v2", "fp16", "refresh")]
+    svc.runner.close()
+
+
 def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_back(tmp_path: Path) -> None:
-    def load(model: str) -> Renderer:
+    def load(model: str, *_: object) -> Renderer:
         if model == "s3://models/sdxl":
             raise StoreError("S3 503 while fetching")
         return Renderer()
@@ -251,12 +277,12 @@ def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_ba
     with pytest.raises(StoreError):
         svc.switch_model("s3://models/sdxl")  # transient: the shard is handed back, not failed
     assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
-    assert "s3://models/sdxl" not in svc._failed_loads  # a later try may load it
+    assert ("s3://models/sdxl", "", "") not in svc._failed_loads  # a later try may load it
     svc.runner.close()
 
 
 def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> None:
-    def load(model: str) -> Renderer:
+    def load(model: str, *_: object) -> Renderer:
         raise RuntimeError("the model cache's disk went away")
 
     svc = service(tmp_path, load)
@@ -342,7 +368,7 @@ def test_a_device_error_while_switching_models_is_the_nodes_not_the_jobs(tmp_pat
 
     loads: list[str] = []
 
-    def load(model: str) -> Renderer:
+    def load(model: str, *_: object) -> Renderer:
         loads.append(model)
         raise RuntimeError("CUDA error: device lost")
 
@@ -350,5 +376,5 @@ def test_a_device_error_while_switching_models_is_the_nodes_not_the_jobs(tmp_pat
     with pytest.raises(DeviceError):
         svc.switch_model("other")
     assert loads == ["other"]  # no reload of ours on a device that is gone
-    assert "other" not in svc._failed_loads  # never remembered as the job's model's fault
+    assert ("other", "", "") not in svc._failed_loads  # never remembered as the job's model's fault
     svc.runner.close()

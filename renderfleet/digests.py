@@ -1,0 +1,61 @@
+"""What a job's model folder holds, as one digest: submit records it, a worker compares.
+
+A hub id is pinned by its ``--revision``; a folder or an ``s3://`` prefix has no
+revision, and its files can be replaced between a submit and a render (or
+between two workers' copies).  So submit records a digest of the model in the
+job's settings (``RenderParams.model_digest``), and a worker that loaded other
+files refuses the job (``worker.models.check_digest``) rather than render a
+mixture.
+
+Two kinds, named in the value so they are never compared with each other:
+
+* ``files-sha256:``: a local folder, SHA-256 over each file's relative path
+  and bytes, in sorted order.  Exact: it is what the loader reads.  It costs a
+  read of the folder (about a second per GB), at submit and at each load.
+* ``s3-etags-sha256:``: an ``s3://`` prefix, SHA-256 over each key's relative
+  name, size and ETag, from one listing.  Submit takes it without downloading
+  the weights, and the worker records it when it fetches, beside its cached copy.
+  An ETag changes whenever an object is written again; the same bytes uploaded
+  another way (multipart) may get another ETag, which refuses a job that would have
+  rendered the same: the safe side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+FILES = "files-sha256:"
+S3_ETAGS = "s3-etags-sha256:"
+_CHUNK = 1 << 20
+
+
+def folder_digest(folder: Path, *, skip: Iterable[str] = ()) -> str:
+    """``files-sha256:HEX`` of every regular file below ``folder`` (relative path and bytes).
+
+    ``skip``: relative paths left out (our own marker files in a cached copy)."""
+    skipped = set(skip)
+    root = Path(folder)
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for rel in files:
+        if rel in skipped:
+            continue
+        path = root / rel
+        digest.update(f"{rel}\0{os.path.getsize(path)}\0".encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    return FILES + digest.hexdigest()
+
+
+def listing_digest(entries: Iterable[tuple[str, int, str]]) -> str:
+    """``s3-etags-sha256:HEX`` of an S3 listing: (key relative to the prefix, size, ETag) each."""
+    digest = hashlib.sha256()
+    for key, size, etag in sorted(entries):
+        if key.endswith("/") and size == 0:
+            continue  # a console-made "folder", as the fetch skips it
+        digest.update(f"{key}\0{size}\0{etag.strip(chr(34))}\n".encode())
+    return S3_ETAGS + digest.hexdigest()

@@ -1,0 +1,265 @@
+"""LoRA adapters, hub revisions and variants, and a folder model's digest: the weights a job pins.
+
+Names and checks need no model; the rest renders with the tiny model and a tiny LoRA made here
+(testing/loras.py), with one torch thread, since bytes are compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dispatcher.submit import SubmitOptions, check_options, job_id
+from renderfleet.errors import InputError, JobError, ModelLoadError
+from renderfleet.spec import (
+    Prompt,
+    RenderParams,
+    ShardMessage,
+    lora_source_problem,
+    loras_problem,
+    message_problems,
+    parse_lora,
+)
+from testing.messages import message_dict
+
+# ---- names and checks: no model ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("owner/style-lora", ("owner/style-lora", 1.0)),
+    ("owner/style-lora:0.8", ("owner/style-lora", 0.8)),
+    ("s3://bucket/loras/a.safetensors", ("s3://bucket/loras/a.safetensors", 1.0)),
+    ("s3://bucket/loras/a.safetensors:0.8", ("s3://bucket/loras/a.safetensors", 0.8)),
+    ("s3://bucket/loras/a.safetensors:-1.5", ("s3://bucket/loras/a.safetensors", -1.5)),
+    ("/models/a:b/x.safetensors", ("/models/a:b/x.safetensors", 1.0)),  # a colon inside the path stays
+    ("./style.safetensors:2", ("./style.safetensors", 2.0)),
+    (":0.5", (":0.5", 1.0)),  # no source before the colon: the whole text is the source
+])
+def test_a_lora_scale_is_read_from_the_last_colon_only_when_it_is_a_number(text: str,
+                                                                           parsed: tuple[str, float]) -> None:
+    assert parse_lora(text) == parsed
+
+
+@pytest.mark.parametrize("source", ["owner/lora/model.bin", "./style.pt", "/x/style.ckpt", "s3://b/l/a.pth",
+                                    "owner/repo/weights.PKL"])
+def test_pickled_lora_weights_are_refused_with_the_reason(source: str) -> None:
+    assert "pickled weights" in (lora_source_problem(source) or "")
+    assert "safetensors" in (lora_source_problem(source) or "")
+
+
+def test_lora_lists_are_checked_for_shape_scale_count_and_duplicates() -> None:
+    assert loras_problem([("owner/a", 1.0), ("./b.safetensors", -0.5)]) is None
+    assert "s3:// LoRA is one .safetensors file" in (loras_problem([("s3://b/loras/", 1.0)]) or "")
+    assert "scale" in (loras_problem([("owner/a", float("nan"))]) or "")
+    assert "scale" in (loras_problem([("owner/a", 11)]) or "")
+    assert "given twice" in (loras_problem([("owner/a", 1.0), ("owner/a", 0.5)]) or "")
+    assert "at most 8" in (loras_problem([(f"owner/a{i}", 1.0) for i in range(9)]) or "")
+    assert "pairs" in (loras_problem(["owner/a"]) or "")
+
+
+def test_submit_refuses_bad_loras_revisions_and_variants_naming_the_flag(tmp_path: Path) -> None:
+    def problems(**params: object) -> list[str]:
+        with pytest.raises(InputError) as exc:
+            check_options(SubmitOptions(params=RenderParams(**params)))  # type: ignore[arg-type]
+        return exc.value.problems
+
+    assert problems(model="owner/m", loras=(("owner/l/x.bin", 1.0),))[0].startswith("--lora: lora 'owner/l/x.bin'")
+    assert problems(model="tiny", revision="main")[0].startswith("--revision: pins a hub id's weights")
+    assert problems(model=str(tmp_path), revision="v1")[0].startswith("--revision")
+    assert problems(model="tiny", variant="fp16")[0].startswith("--variant")
+    assert problems(model="owner/m", revision="../x")[0].startswith("--revision: revision must be")
+    assert problems(model="owner/m", variant="fp 16")[0].startswith("--variant: variant must be")
+    check_options(SubmitOptions(params=RenderParams(model="owner/m", revision="v1.0", variant="fp16",
+                                                    loras=(("owner/l", 0.7),))))
+    check_options(SubmitOptions(params=RenderParams(model=str(tmp_path), variant="fp16")))
+
+
+def test_a_job_without_the_new_settings_keeps_its_id_and_its_message() -> None:
+    plain = RenderParams(model="tiny", steps=2)
+    # the identity of a job from before LoRAs, revisions and digests: no new key at all
+    assert set(plain.identity()) == {"model", "steps", "width", "height", "guidance", "negative_prompt", "seed"}
+    assert job_id("d", plain, "/store") == "j-" + __import__("hashlib").sha256(json.dumps(
+        {"content": "d", "params": plain.identity(), "store": "/store"}, sort_keys=True).encode()).hexdigest()[:16]
+    with_lora = dataclasses.replace(plain, loras=(("owner/l", 0.8),))
+    pinned = dataclasses.replace(plain, model="owner/m", revision="abc123", variant="fp16")
+    assert with_lora.identity()["loras"] == (("owner/l", 0.8),)
+    assert len({job_id("d", p, "/store") for p in (plain, with_lora, pinned,
+                                                   dataclasses.replace(with_lora, loras=(("owner/l", 0.9),)))}) == 4
+    # the settings round-trip through JSON (the spec, the message) as equal values
+    assert RenderParams.from_dict(json.loads(json.dumps(with_lora.identity()))) == with_lora
+
+
+def raw_message(params: dict[str, object]) -> dict[str, object]:
+    """A decoded shard message whose params are ``params`` as written into Redis."""
+    msg = ShardMessage("j-0123456789abcdef", 0, RenderParams(), 1, "renderfleet.default.0123456789ab", count=1)
+    return {**message_dict(msg), "params": params}
+
+
+def test_the_worker_checks_a_messages_loras_and_pins_as_submit_does() -> None:
+    good = raw_message({"model": "owner/m", "loras": [["owner/l", 0.5]], "revision": "v1",
+                                "variant": "fp16", "model_digest": "files-sha256:" + "0" * 64})
+    assert message_problems(good) == []
+    assert ShardMessage.from_dict(good).params.loras == (("owner/l", 0.5),)
+    for params, why in (({"loras": [["x.pt", 1.0]]}, "pickled"), ({"loras": "owner/l"}, "loras must be a list"),
+                        ({"loras": [["owner/l", "1"]]}, "scale"), ({"revision": "a b"}, "revision must be"),
+                        ({"model_digest": "md5:00"}, "model_digest must be")):
+        problems = message_problems(raw_message({"model": "owner/m", **params}))
+        assert len(problems) == 1 and why in problems[0], problems
+
+
+# ---- rendering with the tiny model -----------------------------------------------------
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from testing.loras import make_tiny_lora  # noqa: E402
+from worker.loras import LoraCache  # noqa: E402
+from worker.models import LoadedModel, check_digest, load_pipeline, save_pipeline  # noqa: E402
+from worker.render import Renderer  # noqa: E402
+
+
+def prompt(**changes: object) -> Prompt:
+    return dataclasses.replace(Prompt(0, "000000", "a red fox", "", 5, 2, 7.5, 32, 32), **changes)  # type: ignore[arg-type]
+
+
+def pixels(data: bytes) -> bytes:
+    """An image file's pixels, without its metadata (which names the model)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.tobytes()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    torch.set_num_threads(1)  # bytes compared below: the same thread count throughout
+    return load_pipeline("tiny", device="cpu", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    folder = tmp_path_factory.mktemp("loras")
+    return (str(make_tiny_lora(folder / "a.safetensors", seed=1)),
+            str(make_tiny_lora(folder / "b" / "pytorch_lora_weights.safetensors", seed=2).parent))
+
+
+def test_loras_switch_per_call_on_one_pipeline_and_each_state_renders_the_same_bytes(
+        tiny: LoadedModel, loras: tuple[str, str]) -> None:
+    a, b = loras
+    renderer = Renderer(tiny, loras=LoraCache(tiny.pipe, max_warm=1))
+    plain = renderer.render([prompt()])[0]
+    with_a = renderer.render([prompt(loras=((a, 1.0),))])[0]
+    with_b = renderer.render([prompt(loras=((b, 0.8),))])[0]  # a folder: its pytorch_lora_weights.safetensors
+    both = renderer.render([prompt(loras=((a, 1.0), (b, 0.8)))])[0]
+    assert len({plain, with_a, with_b, both}) == 4  # each adapter and scale changes the image
+    assert renderer.loras.warm == [a, b]  # both needed by the last call: kept beyond the budget of 1
+    # back to none, then a alone again: the same bytes as the first time (nothing leaks between jobs)
+    assert renderer.render([prompt()])[0] == plain
+    assert renderer.render([prompt(loras=((a, 1.0),))])[0] == with_a
+    assert renderer.loras.warm == [a]  # b was the least recent beyond the budget: deleted
+    assert renderer.render([prompt(loras=((a, 0.0),))])[0] != with_a  # scale 0: the adapter off
+    assert renderer.loras.loads == 3 and tiny.pipe.get_list_adapters() == {"unet": [renderer.loras._warm[a]]}
+    meta = __import__("renderfleet.images", fromlist=["read_metadata"]).read_metadata(with_a)
+    assert json.loads(meta["loras"]) == [[a, 1.0]]
+    tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))  # the module's pipeline as it was
+
+
+def test_the_pinned_weights_are_written_into_the_image_only_when_set() -> None:
+    from worker.render import image_metadata
+
+    digest = "files-sha256:" + "a" * 64
+    pinned = image_metadata(prompt(revision="v1.0", variant="fp16", model_digest=digest,
+                                   loras=(("owner/l", 0.5),)), "owner/m")
+    assert (pinned["revision"], pinned["variant"], pinned["model_digest"]) == ("v1.0", "fp16", digest)
+    assert json.loads(pinned["loras"]) == [["owner/l", 0.5]]
+    assert not {"revision", "variant", "model_digest", "loras"} & set(image_metadata(prompt(), "owner/m"))
+
+
+def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(tiny: LoadedModel, loras: tuple[str, str],
+                                                               tmp_path: Path) -> None:
+    cache = LoraCache(tiny.pipe, allowed=["tiny"])
+    with pytest.raises(JobError, match="allow-list"):
+        cache.use([(loras[0], 1.0)])
+    allowed = LoraCache(tiny.pipe, allowed=[str(Path(loras[0]).parent)])
+    allowed.use([(loras[0], 1.0)])  # under an allowed folder
+    allowed.use(())
+    tiny.pipe.delete_adapters(list(allowed._warm.values()))
+    with pytest.raises(JobError, match="could not be loaded"):
+        LoraCache(tiny.pipe).use([(str(tmp_path / "none.safetensors"), 1.0)])
+    assert tiny.pipe.get_list_adapters() == {}
+    # a job's LoRA that fails to load after another job's was set: the next job without LoRAs gets none
+    renderer = Renderer(tiny)
+    plain = renderer.render([prompt()])[0]
+    assert renderer.render([prompt(loras=((loras[0], 1.0),))])[0] != plain
+    with pytest.raises(JobError, match="could not be loaded"):
+        renderer.render([prompt(loras=((loras[0], 1.0), (str(tmp_path / "none.safetensors"), 1.0)))])
+    assert renderer.render([prompt()])[0] == plain
+    tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
+
+
+@pytest.fixture(scope="module")
+def untouched(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny pipeline no adapter was ever loaded into (PEFT leaves its wrappers behind: saved, they
+    would be other weights' names)."""
+    torch.set_num_threads(1)
+    return load_pipeline("tiny", device="cpu", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def test_a_saved_variant_loads_back_by_its_variant(untouched: LoadedModel, tmp_path: Path) -> None:
+    tiny = untouched
+    folder = tmp_path / "tiny-fp16"
+    tiny.pipe.save_pretrained(folder, variant="fp16", safe_serialization=True)
+    assert list(folder.glob("unet/*.fp16.safetensors"))
+    loaded = load_pipeline(str(folder), device="cpu", cache_dir=tmp_path / "cache", variant="fp16")
+    assert loaded.variant == "fp16"
+    # the same weights under the variant's names (saved as they were, float32): the same pixels
+    assert pixels(Renderer(loaded).render([prompt()])[0]) == pixels(Renderer(tiny).render([prompt()])[0])
+    with pytest.raises(ModelLoadError, match="variant 'bf16'"):
+        load_pipeline(str(folder), device="cpu", cache_dir=tmp_path / "cache", variant="bf16")
+    with pytest.raises(ModelLoadError, match="a revision pins a hub id"):
+        load_pipeline(str(folder), device="cpu", cache_dir=tmp_path / "cache", revision="main")
+
+
+def test_a_hub_id_is_asked_for_at_its_revision_and_variant_in_safetensors(
+        untouched: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import diffusers
+
+    asked: list[tuple[str, dict[str, object]]] = []
+
+    def from_pretrained(name: str, **kwargs: object) -> object:  # the hub, which this machine cannot reach
+        asked.append((name, kwargs))
+        return untouched.pipe
+
+    monkeypatch.setattr(diffusers.AutoPipelineForText2Image, "from_pretrained", from_pretrained)
+    loaded = load_pipeline("owner/model", device="cpu", cache_dir=tmp_path, revision="0123abc", variant="fp16")
+    [(name, kwargs)] = asked
+    assert name == "owner/model" and (kwargs["revision"], kwargs["variant"], kwargs["use_safetensors"]) == (
+        "0123abc", "fp16", True)
+    assert (loaded.revision, loaded.variant, loaded.digest) == ("0123abc", "fp16", "")
+    load_pipeline("owner/model", device="cpu", cache_dir=tmp_path)
+    assert (asked[1][1]["revision"], asked[1][1]["variant"]) == (None, None)  # unpinned: the hub's defaults
+
+
+def test_a_folder_models_digest_is_recorded_and_a_changed_folder_is_refused(untouched: LoadedModel,
+                                                                           tmp_path: Path) -> None:
+    from renderfleet.api import Client
+    from renderfleet.settings import Settings
+
+    folder = save_pipeline(untouched, tmp_path / "model")
+    opts = Client(Settings(home=tmp_path / "home", store=str(tmp_path / "store"))).options(model=str(folder))
+    assert opts.params.model_digest.startswith("files-sha256:")
+    loaded = load_pipeline(str(folder), device="cpu", cache_dir=tmp_path / "cache")
+    assert loaded.digest == opts.params.model_digest
+    check_digest(loaded, opts.params.model_digest)  # the same files: rendered
+    check_digest(loaded, "")  # a job that recorded none (a hub id, an older submit)
+    config = folder / "scheduler" / "scheduler_config.json"
+    config.write_text(config.read_text().replace("}", ', "x": 1}', 1))
+    changed = Client(Settings(home=tmp_path / "home", store=str(tmp_path / "store"))).options(model=str(folder))
+    assert changed.params.model_digest != opts.params.model_digest
+    with pytest.raises(ModelLoadError, match="changed since the job was submitted"):
+        check_digest(loaded, changed.params.model_digest)
