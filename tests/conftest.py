@@ -17,6 +17,13 @@ from testing.fleet import WorkerProc, start_redis
 from testing.servers import MotoServer, s3_env
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules marked ``slow`` (a minute or more of fleet work) run first: pytest-xdist hands
+    out whole files (``--dist loadfile``) in this order, so a long file started last would keep
+    one process busy while the others have finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
     """moto's S3 in server mode on a free port, for the whole session."""

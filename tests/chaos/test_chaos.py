@@ -11,7 +11,7 @@ import pytest
 
 from bench.chaos import BATCH_SIZE, run_chaos
 
-pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = 320
 WORKERS = 3

@@ -25,7 +25,7 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import store_tag
 from testing.fleet import REPO, base_env, cli, job_status, status_now, wait_for, write_prompts
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FLEET = """
 [pools.baseline]

@@ -17,7 +17,7 @@ import pytest
 
 from testing.fleet import REPO
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_gpu_sh_tiny_renders_eager_and_inductor_compiled_and_reports_images_per_second_and_mfu(tmp_path: Path) -> None:

@@ -309,7 +309,9 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     worker = fixed_worker(env, tmp_path / "worker.log", 0.25)
     procs.append(worker)
     wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
-    job = submit(env, tmp_path / "a.txt", 40, 16, 2, 0.25)
+    # Shards of 20 at 0.25 s an image: shard 0 holds its lease 5 s, past the refused delete's own
+    # start-up on a busy machine, and shards 1 and 2 wait in the queue.
+    job = submit(env, tmp_path / "a.txt", 60, 20, 2, 0.25)
     wait_for(lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2, 60, interval=0.05,
              what="shard 0 to commit a batch")
     Thumbnails(store).thumbnail(job, "000000")  # the web page's cache, beside the images

@@ -19,7 +19,7 @@ import redis
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready, write_prompts
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture
