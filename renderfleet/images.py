@@ -14,7 +14,10 @@ twice stores the same bytes.  Pillow is imported by the functions that need it.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
+import re
 from typing import Any
 from xml.etree import ElementTree
 from xml.sax.saxutils import escape
@@ -59,10 +62,23 @@ def encode(image: Any, fmt: str, quality: int, metadata: dict[str, str]) -> byte
     return buf.getvalue()
 
 
+# What XML 1.0 cannot carry in text, even as a character reference: C0 controls but tab and
+# newline, U+FFFE and U+FFFF, lone surrogates; and a carriage return, which every parser turns
+# into a newline.  A prompt may hold any of them (only NUL is refused at submit).
+_NOT_XML_TEXT = re.compile("[\x00-\x08\x0b\x0c\x0d\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
 def xmp_packet(metadata: dict[str, str]) -> bytes:
-    """An XMP packet of ``metadata``, one ``rf:KEY`` element each, in order."""
-    body = "".join(f"<rf:{key}>{escape(value)}</rf:{key}>" for key, value in metadata.items())
-    return (_XMP_HEAD + body + _XMP_TAIL).encode("utf-8")
+    """An XMP packet of ``metadata``, one ``rf:KEY`` element each, in order.  A value XML cannot
+    carry as it is goes in as a JSON string (ASCII, every such character escaped), marked
+    ``rf:encoding="json"``, so the packet stays well-formed and the value comes back whole."""
+    parts = []
+    for key, value in metadata.items():
+        if _NOT_XML_TEXT.search(value):
+            parts.append(f'<rf:{key} rf:encoding="json">{escape(json.dumps(value))}</rf:{key}>')
+        else:
+            parts.append(f"<rf:{key}>{escape(value)}</rf:{key}>")
+    return (_XMP_HEAD + "".join(parts) + _XMP_TAIL).encode("utf-8")
 
 
 def read_xmp(packet: bytes | str) -> dict[str, str]:
@@ -76,7 +92,15 @@ def read_xmp(packet: bytes | str) -> dict[str, str]:
     except ElementTree.ParseError:
         return {}
     prefix = "{" + XMP_NAMESPACE + "}"
-    return {el.tag[len(prefix):]: el.text or "" for el in root.iter() if el.tag.startswith(prefix)}
+    out = {}
+    for el in root.iter():
+        if el.tag.startswith(prefix):
+            text = el.text or ""
+            if el.get(prefix + "encoding") == "json":
+                with contextlib.suppress(ValueError):  # not ours after all: the text as it is
+                    text = json.loads(text)
+            out[el.tag[len(prefix):]] = text
+    return out
 
 
 def metadata_of(image: Any) -> dict[str, str]:

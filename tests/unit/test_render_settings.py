@@ -242,6 +242,20 @@ def test_each_format_keeps_prompt_seed_settings_and_model(renderer: Renderer, fm
         assert image.size == (32, 32)
 
 
+@pytest.mark.parametrize("text", ["bell\x07 and form feed\x0c", "carriage\r\nreturn", "\ufffe\uffff", "\x1b[31mred"])
+def test_a_prompt_xml_cannot_carry_comes_back_whole_from_webp_and_jpeg(text: str) -> None:
+    """Only NUL is refused at submit; other controls are legal in a prompt but not in XML text:
+    the packet stays well-formed and every key comes back, the prompt exactly."""
+    from PIL import Image
+
+    meta = {"prompt": text, "seed": "5", "model": "tiny", "plain": "a & <b>"}
+    packet = images.xmp_packet(meta)
+    assert images.read_xmp(packet) == meta
+    for fmt in ("webp", "jpeg"):
+        data = images.encode(Image.new("RGB", (8, 8)), fmt, 90, meta)
+        assert images.read_metadata(data) == meta, fmt
+
+
 def test_a_png_of_default_settings_keeps_the_chunks_it_always_had(renderer: Renderer) -> None:
     meta = images.read_metadata(renderer.render([prompt()])[0])
     assert list(meta) == ["prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model",
