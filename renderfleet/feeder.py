@@ -42,6 +42,7 @@ WORKERS_CACHE_SECONDS = 5.0
 # issue 27 every feeder read every registration (HVALS of keys.WORKERS) every 5 s: N reads of N
 # entries, which grew as the square of the fleet (bench/redis_scale.py --before).
 COUNTS_SECONDS = 5.0
+SCAN_SECONDS = 30.0  # how often Feeder.queues scans the keyspace (the monitor's pass)
 
 
 def count_registrations(values: Iterable[bytes | str]) -> dict[str, int]:
@@ -104,6 +105,8 @@ class Feeder:
         self._workers: dict[str, int] = {}
         self._workers_at = float("-inf")
         self.owner = uuid.uuid4().hex
+        self._scanned: set[str] = set()  # queues with a rotation found by the last scan
+        self._scanned_at = float("-inf")
 
     def target(self, queue: str) -> int:
         """How many messages ``queue`` should hold: :data:`FEED_PER_WORKER` per registered
@@ -135,6 +138,20 @@ class Feeder:
         return int(self._feed(keys=call.keys, args=call.args))
 
     def queues(self) -> list[str]:
-        """Every queue with jobs in its rotation (the monitor feeds each)."""
-        found = self.client.scan_iter(match=f"{keys.ACTIVE_PREFIX}*", count=1000)
-        return sorted(keys.text(k)[len(keys.ACTIVE_PREFIX):] for k in found)
+        """Every queue with jobs in its rotation (the monitor feeds each).
+
+        The queues pushed to (keys.QUEUES, a few) are checked at every call; the keyspace is
+        scanned for a rotation of a queue never pushed to only every :data:`SCAN_SECONDS`: a SCAN
+        of every key at every monitor pass grew with the fleet (a worker's keys are most of them).
+        """
+        now = time.monotonic()
+        if now - self._scanned_at >= SCAN_SECONDS:
+            found = self.client.scan_iter(match=f"{keys.ACTIVE_PREFIX}*", count=1000)
+            self._scanned = {keys.text(k)[len(keys.ACTIVE_PREFIX):] for k in found}
+            self._scanned_at = now
+        pushed = sorted(keys.text(q) for q in self.client.smembers(keys.QUEUES))
+        pipe = self.client.pipeline(transaction=False)
+        for q in pushed:
+            pipe.exists(keys.active(q))
+        active = {q for q, there in zip(pushed, pipe.execute(), strict=True) if there}
+        return sorted(active | self._scanned)

@@ -65,6 +65,11 @@ def hold_lock(leases: Leases, owner: str, election: ReaperElection) -> bool:
     return won
 
 
+def give_up_lock(leases: Leases, owner: str) -> bool:
+    """Give the reaper's lock up if ``owner`` holds it (a clean shutdown); whether it did."""
+    return bool(leases.client.eval(lua_script("reaper_lock"), 1, keys.REAPER_LOCK, owner, 0, "release"))
+
+
 def reap_once(leases: Leases, publish: Publisher, *, owner: str, election: ReaperElection) -> list[Reaped]:
     """One pass: if we are the fleet's reaper (:class:`ReaperElection`), re-queue every expired shard."""
     if not hold_lock(leases, owner, election):
@@ -120,7 +125,4 @@ class ReaperThread(threading.Thread):
         self._done.set()
         self.join(timeout=5)
         if self.election.held:  # hand the lock on now rather than after it lapses
-            self._guarded(lambda: self.leases.client.eval(_GIVE_UP, 1, keys.REAPER_LOCK, self.owner))
-
-
-_GIVE_UP = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+            self._guarded(lambda: give_up_lock(self.leases, self.owner))

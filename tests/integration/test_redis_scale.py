@@ -22,7 +22,7 @@ def test_a_tiny_simulated_fleet_runs_the_protocol_and_its_killed_workers_shards_
     assert "Command: `python -m bench.redis_scale --sizes 50 --seconds 5" in text
     row = next(line for line in text.splitlines() if line.startswith("| 50 workers (now)"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert float(cells[1].rstrip(" %")) > 0  # Redis CPU
+    assert float(cells[1].split(" %")[0]) > 0  # Redis CPU
     assert float(cells[2].replace(",", "")) > 0  # ops/s
     assert "heartbeat" in cells[3] and "commit" in cells[3]  # the scripts ran, each with its latency
     lags, kills = cells[6].split(" (")
