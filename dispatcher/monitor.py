@@ -40,7 +40,7 @@ from renderfleet.celery_app import is_store_queue
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
 from renderfleet.feeder import Feeder
 from renderfleet.leases import Leases
-from renderfleet.reaper import reap_once
+from renderfleet.reaper import ReaperElection, reap_once
 from renderfleet.settings import Settings
 from renderfleet.store import Store
 
@@ -56,6 +56,7 @@ class Monitor:
         self.leases = Leases(client, settings.lease_seconds, envelope=celery_app.envelope_factory(app))
         self.publish = celery_app.publisher(app)
         self.owner = uuid.uuid4().hex
+        self.election = ReaperElection(settings.reap_seconds)
         self.feeder = Feeder(self.client)
         self.known_jobs: set[str] = set()
         # A job looks stalled (work left, nothing queued or running) for an instant
@@ -72,7 +73,7 @@ class Monitor:
         """One pass; returns the jobs it resumed."""
         # a monitor given the pools' config tells status their prices (so does the autoscaler)
         publish_prices(self.client, self.store.url, {n: p.price_per_hour for n, p in self.settings.pools.items()})
-        reap_once(self.leases, self.publish, owner=self.owner, lock_ms=int(self.settings.reap_seconds * 900))
+        reap_once(self.leases, self.publish, owner=self.owner, election=self.election)
         for queue in self.feeder.queues():  # as every worker does: the feeding needs neither
             if is_store_queue(queue, self.store.url):
                 self.feeder.feed(queue)

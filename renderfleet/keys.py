@@ -21,7 +21,12 @@ EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
 # The replication id (INFO master_replid) of the primary the monitor last saw: another id here
 # means another primary (a failover, a restart), which may have lost writes (docs/design.md, "Redis failover").
 PRIMARY = "rf:primary"  # string, written by the monitor
-REAPER_LOCK = "rf:reaper"  # short lock: one reaper acts at a time
+REAPER_LOCK = "rf:reaper"  # the fleet's reaper holds it, renewing it at each tick (renderfleet/reaper.py)
+# The live workers per queue, counted from WORKERS by one process every few seconds for every feeder
+# (renderfleet/feeder.py): queue -> workers of its pool and store, and COUNTED_AT -> unix time of the count.
+WORKER_COUNTS = "rf:workercounts"
+WORKER_COUNTS_LOCK = "rf:workercounts:lock"  # the process that counts next (SET NX, expiring)
+COUNTED_AT = "@at"
 FLEET_STATS = "rf:fleet"  # hash of counters of the whole Redis, every store's: reaped (expired leases re-queued)
 SCRATCH = "rf:scratch"  # a throwaway result key for checks (bench/chaos.py: BITOP AND of done and failed)
 LEASE_PREFIX = "rf:lease:"

@@ -49,6 +49,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import redis
 
@@ -157,6 +158,81 @@ def envelope_tag(envelope: str) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class ScriptCall:
+    """One run of a script in renderfleet/lua: its name, KEYS and ARGV.
+
+    Built once, here, for :class:`Leases` and for ``bench/redis_scale.py`` (which runs the
+    same scripts from asyncio): the simulation measures the protocol, not a copy of it.
+    """
+
+    script: str
+    keys: list[str]
+    args: list[str | int]
+
+
+def claim_call(job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, requeue: str,
+               lease_ms: int) -> ScriptCall:
+    return ScriptCall("claim", [
+        keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),
+        keys.lease(job, shard), UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.CONSUMED,
+    ], [shard, keys.member(job, shard), worker, queue, tag, requeue, message, lease_ms,
+        keys.QUEUED_PREFIX, envelope_tag(requeue)])
+
+
+def heartbeat_call(lease: Lease, lease_ms: int) -> ScriptCall:
+    return ScriptCall("heartbeat", [
+        keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
+        keys.lease(lease.job, lease.shard),
+    ], [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms,
+        lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag])
+
+
+def commit_call(lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> ScriptCall:
+    return ScriptCall("commit", [
+        keys.attempts(lease.job), keys.done_bits(lease.job), keys.failed_bits(lease.job), keys.left(lease.job),
+    ], [lease.shard, lease.attempt, len(done), len(failed), *done, *failed, *undone])
+
+
+def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0) -> ScriptCall:
+    return ScriptCall("release", [
+        keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
+        keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
+        keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.job(lease.job), keys.done_bits(lease.job),
+        keys.failed_bits(lease.job),
+    ], [lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX, first, count])
+
+
+def reap_call(limit: int = 100) -> ScriptCall:
+    return ScriptCall("reap", [keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+                      [limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX])
+
+
+def finished_from(result: object, outcome: Release) -> Finished:
+    """What release.lua's reply to ``outcome`` means (see its header)."""
+    if not isinstance(result, list):
+        fenced = int(str(result)) == 0
+        return Finished(not fenced and outcome is Release.DONE, 0, None, fenced)
+    code = int(result[0])
+    if code == 2:
+        return Finished(False, 0, keys.text(result[1]) or None)
+    if code == 3:
+        return Finished(False, int(result[1]), None)
+    return Finished(False, int(result[1]), keys.text(result[2]) or None)
+
+
+def reaped_from(flat: Sequence[object]) -> list[Reaped]:
+    """What reap.lua's reply means: the shards re-queued or parked."""
+    out: list[Reaped] = []
+    for i in range(0, len(flat), 2):
+        member = keys.text(flat[i])
+        how = keys.text(flat[i + 1])
+        job, _, shard = member.rpartition(":")
+        message = None if how in ("pushed", "cancelled") or not how else how
+        out.append(Reaped(job, int(shard), message, cancelled=how == "cancelled"))
+    return out
+
+
 class Leases:
     """The lease protocol over one Redis client."""
 
@@ -165,12 +241,13 @@ class Leases:
         self.lease_ms = int(lease_seconds * 1000)
         # Builds a fresh kombu envelope when kombu's copy of a message is gone.
         self.envelope = envelope
-        self._claim = client.register_script(lua_script("claim"))
-        self._heartbeat = client.register_script(lua_script("heartbeat"))
-        self._commit = client.register_script(lua_script("commit"))
-        self._record_failure = client.register_script(lua_script("record_failure"))
-        self._release = client.register_script(lua_script("release"))
-        self._reap = client.register_script(lua_script("reap"))
+        self._scripts = {name: client.register_script(lua_script(name))
+                         for name in ("claim", "heartbeat", "commit", "record_failure", "release", "reap")}
+        self._record_failure = self._scripts["record_failure"]
+
+    def run(self, call: ScriptCall) -> Any:
+        """Run one script call (built by :func:`claim_call` and its kind)."""
+        return self._scripts[call.script](keys=call.keys, args=call.args)
 
     def claim(
         self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str
@@ -180,31 +257,17 @@ class Leases:
         requeue = requeue_payload(raw)
         if not requeue and self.envelope is not None:
             requeue = self.envelope(message, queue, f"{job}:{shard}")
-        requeue_tag = envelope_tag(requeue)
         failpoints.reach("before-claim")
-        status, attempt = self._claim(
-            keys=[
-                keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),
-                keys.lease(job, shard), UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.CONSUMED,
-            ],
-            args=[shard, keys.member(job, shard), worker, queue, tag, requeue, message, self.lease_ms,
-                  keys.QUEUED_PREFIX, requeue_tag],
-        )
+        status, attempt = self.run(claim_call(job, shard, worker=worker, queue=queue, tag=tag, message=message,
+                                              requeue=requeue, lease_ms=self.lease_ms))
         answer = ClaimAnswer(keys.text(status))
         if answer is not ClaimAnswer.OK:
             return answer, None
-        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, requeue_tag)
+        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue))
 
     def heartbeat(self, lease: Lease) -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch."""
-        result = self._heartbeat(
-            keys=[keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
-                  keys.lease(lease.job, lease.shard)],
-            args=[
-                lease.shard, lease.member, lease.worker, lease.attempt, self.lease_ms,
-                lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag,
-            ],
-        )
+        result = self.run(heartbeat_call(lease, self.lease_ms))
         return Beat(int(result))
 
     def current(self, lease: Lease) -> bool:
@@ -216,11 +279,7 @@ class Leases:
                undone: Sequence[int] = ()) -> tuple[int, int]:
         """Count prompts as done/quarantined, once each (done wins over failed);
         ``undone`` prompts lost their image and count as left again.  Raises Reclaimed if fenced."""
-        newly, newfail = self._commit(
-            keys=[keys.attempts(lease.job), keys.done_bits(lease.job), keys.failed_bits(lease.job),
-                  keys.left(lease.job)],
-            args=[lease.shard, lease.attempt, len(done), len(failed), *done, *failed, *undone],
-        )
+        newly, newfail = self.run(commit_call(lease, done, failed, undone))
         if int(newly) < 0:
             raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
         return int(newly), int(newfail)
@@ -254,36 +313,11 @@ class Leases:
             outcome = Release(outcome)
         except ValueError:
             raise ValueError(f"outcome must be one of {', '.join(Release)}, got {outcome!r}") from None
-        result = self._release(
-            keys=[keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
-                  keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
-                  keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.job(lease.job), keys.done_bits(lease.job),
-                  keys.failed_bits(lease.job)],
-            args=[lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX,
-                  first, count],
-        )
-        if not isinstance(result, list):
-            fenced = int(result) == 0
-            return Finished(not fenced and outcome is Release.DONE, 0, None, fenced)
-        code = int(result[0])
-        if code == 2:
-            return Finished(False, 0, keys.text(result[1]) or None)
-        if code == 3:
-            return Finished(False, int(result[1]), None)
-        return Finished(False, int(result[1]), keys.text(result[2]) or None)
+        return finished_from(self.run(release_call(lease, outcome, first, count)), outcome)
 
     def reap(self, limit: int = 100) -> list[Reaped]:
         """Re-queue every shard whose lease expired; safe to run from many processes."""
-        flat = self._reap(keys=[keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
-                          args=[limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX])
-        out: list[Reaped] = []
-        for i in range(0, len(flat), 2):
-            member = keys.text(flat[i])
-            how = keys.text(flat[i + 1])
-            job, _, shard = member.rpartition(":")
-            message = None if how in ("pushed", "cancelled") or not how else how
-            out.append(Reaped(job, int(shard), message, cancelled=how == "cancelled"))
-        return out
+        return reaped_from(self.run(reap_call(limit)))
 
     # ---- the audit: messages lost between a queue and a claim ---------------------
 

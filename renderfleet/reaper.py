@@ -1,31 +1,78 @@
 """The reaper: puts shards whose lease expired back at the front of their queue.
 
-Every worker runs one in a thread, and so does the dispatcher's monitor; a
-short Redis lock lets one act per interval (the Lua script is atomic anyway,
-the lock only saves round trips).  This is what brings a SIGKILLed worker's
-shard back within seconds instead of Celery's visibility timeout.
+Every worker runs one in a thread, and so does the dispatcher's monitor, but
+one of them reaps: the holder of a lock (``keys.REAPER_LOCK``,
+``renderfleet/lua/reaper_lock.lua``) that it renews at every tick.  The others
+ask for it only every few seconds (:class:`ReaperElection`), so the fleet's
+reaper traffic does not grow with the fleet: before issue 27 every worker
+tried the lock every second (N commands a second, bench/redis_scale.py).  The
+Lua script is atomic anyway: the election only saves round trips.  This is what
+brings a SIGKILLed worker's shard back within seconds instead of Celery's
+visibility timeout; a SIGKILLed reaper is replaced once its lock lapses
+(:data:`LOCK_TICKS` ticks) and a standby asks (within :data:`STANDBY_SECONDS`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
 import redis
 
 from renderfleet import keys
-from renderfleet.leases import Leases, Reaped
+from renderfleet.leases import Leases, Reaped, lua_script
 
 log = logging.getLogger("renderfleet.reaper")
 
 Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
 
 
-def reap_once(leases: Leases, publish: Publisher, *, owner: str, lock_ms: int) -> list[Reaped]:
-    """One pass: if we hold the lock, re-queue every expired shard."""
-    if not leases.client.set(keys.REAPER_LOCK, owner, nx=True, px=lock_ms):
+LOCK_TICKS = 2  # the lock lapses after this many ticks without its holder renewing it
+STANDBY_SECONDS = 3.0  # a process that is not the reaper asks for the lock about this often (0.5x to 1x)
+
+
+class ReaperElection:
+    """When this process asks for the reaper's lock: at every tick while it holds it (a renewal),
+    else after a standby of :data:`STANDBY_SECONDS` (jittered, so a fleet's asks spread out)."""
+
+    def __init__(self, interval: float, standby_seconds: float = STANDBY_SECONDS):
+        self.lock_ms = max(200, int(interval * 1000 * LOCK_TICKS))
+        self.standby = max(interval, standby_seconds)
+        self._next = float("-inf")
+        self.held = False
+
+    def due(self, now: float) -> bool:
+        """Whether to ask for (or renew) the lock at this tick."""
+        return now >= self._next
+
+    def answered(self, won: bool, now: float) -> None:
+        """What the lock said at ``now`` (monotonic seconds)."""
+        self.held = won
+        self._next = float("-inf") if won else now + random.uniform(0.5, 1.0) * self.standby
+
+
+def hold_lock(leases: Leases, owner: str, election: ReaperElection) -> bool:
+    """Ask for (or renew) the reaper's lock if the election says it is time; whether we hold it."""
+    now = time.monotonic()
+    if not election.due(now):
+        return False
+    won = bool(leases.client.eval(lua_script("reaper_lock"), 1, keys.REAPER_LOCK, owner, election.lock_ms))
+    election.answered(won, now)
+    return won
+
+
+def give_up_lock(leases: Leases, owner: str) -> bool:
+    """Give the reaper's lock up if ``owner`` holds it (a clean shutdown); whether it did."""
+    return bool(leases.client.eval(lua_script("reaper_lock"), 1, keys.REAPER_LOCK, owner, 0, "release"))
+
+
+def reap_once(leases: Leases, publish: Publisher, *, owner: str, election: ReaperElection) -> list[Reaped]:
+    """One pass: if we are the fleet's reaper (:class:`ReaperElection`), re-queue every expired shard."""
+    if not hold_lock(leases, owner, election):
         return []
     reaped = leases.reap()
     if reaped:
@@ -54,12 +101,12 @@ class ReaperThread(threading.Thread):
         self.interval = interval
         self.on_tick = on_tick
         self.owner = uuid.uuid4().hex
+        self.election = ReaperElection(interval)
         self._done = threading.Event()
 
     def run(self) -> None:
         while not self._done.wait(self.interval):
-            self._guarded(lambda: reap_once(self.leases, self.publish, owner=self.owner,
-                                            lock_ms=max(100, int(self.interval * 900))))
+            self._guarded(lambda: reap_once(self.leases, self.publish, owner=self.owner, election=self.election))
             # Ticks even while Redis is away: a worker's liveness file must not go
             # stale (and the pod restart) over an outage a restart cannot cure.
             if self.on_tick:
@@ -77,3 +124,5 @@ class ReaperThread(threading.Thread):
     def close(self) -> None:
         self._done.set()
         self.join(timeout=5)
+        if self.election.held:  # hand the lock on now rather than after it lapses
+            self._guarded(lambda: give_up_lock(self.leases, self.owner))

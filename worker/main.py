@@ -40,6 +40,7 @@ EXIT_DEVICE = 4  # its accelerator failed (a CUDA error, not out of memory): rep
 # While Redis cannot be reached at start-up: one attempt a second, one log line this often.
 WAIT_LOG_SECONDS = 5.0
 # A scale-in mark (EC2 protection, pod-deletion-cost) the API refused is tried again after this long.
+TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
 MARK_RETRY_SECONDS = 15.0
 
 
@@ -271,20 +272,32 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
 
 
 def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file: Path | None = None,
-                retry_seconds: float = MARK_RETRY_SECONDS) -> Callable[[], None]:
+                retry_seconds: float = MARK_RETRY_SECONDS, touch_seconds: float = TOUCH_SECONDS) -> Callable[[], None]:
     """What the worker does at every reaper tick: liveness, its queue topped up from the
-    pending shards (so an idle fleet takes a new job without a monitor), scale-in marks, the breaker.
+    pending shards when it is idle (so an idle fleet takes a new job without a monitor), scale-in
+    marks, the breaker.
 
     A mark the API refused is tried again ``retry_seconds`` later, not at every
     tick: a missing permission must not become a call and a warning a second.
+    The registry's liveness (``service.touch``) is written every ``touch_seconds``,
+    not at every tick: a round trip a second per worker was a third of what a
+    fleet asked of Redis (bench/redis_scale.py), and its readers allow twice the
+    lease (dispatcher/serving.py).
     """
     retry_at = [0.0] * len(marks)
+    touched_at = [float("-inf")]
 
     def on_tick() -> None:
         if health_file is not None:
             health_file.touch()  # first: the probes' view must not wait on Redis
-        service.touch()
-        service.feed()  # a stopping worker's feed serves the others: harmless, and never skipped by mistake
+        if time.monotonic() - touched_at[0] >= touch_seconds:
+            service.touch()
+            touched_at[0] = time.monotonic()
+        # An idle worker feeds its queues (a stopping one's feed serves the others): so an idle fleet
+        # takes a new job without a monitor.  A busy one feeds when it takes its next message; feeding
+        # at every tick of every worker was N scripts a second for nothing (bench/redis_scale.py).
+        if not service.busy:
+            service.feed()
         for i, mark in enumerate(marks):
             if mark is not None and time.monotonic() >= retry_at[i] and not update_protection(mark, service.busy):
                 retry_at[i] = time.monotonic() + retry_seconds

@@ -21,6 +21,13 @@
 local queue, active, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 
+-- Most calls find the queue full (every worker feeds at each message it takes): they return
+-- before building anything (the base64 table below costs more than the rest of such a call).
+local length = redis.call('LLEN', queue)
+if length >= target then
+  return 0
+end
+
 -- Base64 (Redis's Lua has none): four output bytes per three input bytes, by table lookup.
 local B64 = {}
 for i, c in ipairs({string.byte('ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/', 1, 64)}) do
@@ -49,7 +56,6 @@ end
 local t = redis.call('TIME')
 local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
 local templates = {}  -- job -> its decoded template, once per call
-local length = redis.call('LLEN', queue)
 local pushed = 0
 while length < target and steps > 0 do
   steps = steps - 1

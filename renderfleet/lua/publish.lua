@@ -144,6 +144,7 @@ end
 -- A job with pending shards is in its queue's rotation: at its priority's band, with the
 -- least pass of the jobs there (a newcomer neither waits for nor overtakes the others).
 if side == 'p' and redis.call('LLEN', pending) > 0 and redis.call('HEXISTS', job_key, 'feed') == 1 then
+  redis.call('SADD', queues, queue)  -- the monitor finds the queues to feed here (Feeder.queues), not by a SCAN
   local score = redis.call('ZSCORE', active, job)
   if not score or tonumber(score) < band or tonumber(score) >= band + band_width then
     local low = redis.call('ZRANGEBYSCORE', active, band, '(' .. (band + band_width), 'WITHSCORES', 'LIMIT', 0, 1)

@@ -14,6 +14,7 @@ from renderfleet import keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, queue_name
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases, Reaped
+from renderfleet.reaper import ReaperElection, give_up_lock, hold_lock, reap_once
 from testing.fleet import start_redis, wait_for
 
 pytestmark = pytest.mark.integration
@@ -169,3 +170,20 @@ def test_a_prompt_whose_image_was_lost_counts_as_left_again(client: redis.Redis)
     assert client.hget(keys.left("j"), "0") == b"0"
     leases.commit(lease, [0], [], [2, 3])
     assert client.bitcount(keys.done_bits("j")) == 2 and client.hget(keys.left("j"), "0") == b"2"
+
+
+def test_one_process_reaps_and_a_standby_takes_over_when_it_gives_up_or_its_lock_lapses(client: redis.Redis) -> None:
+    leases = Leases(client, 6.0)
+    first, second = ReaperElection(1.0, standby_seconds=1.0), ReaperElection(1.0, standby_seconds=1.0)
+    assert hold_lock(leases, "first", first)
+    assert not hold_lock(leases, "second", second)  # one reaper at a time
+    assert not second.due(time.monotonic())  # and the standby does not ask again at its next tick
+    assert hold_lock(leases, "first", first)  # the reaper renews at each of its ticks
+    assert reap_once(leases, lambda _m: None, owner="second", election=second) == []  # not due: no command
+    assert give_up_lock(leases, "first")  # a clean shutdown hands the role on at once...
+    assert wait_for(lambda: hold_lock(leases, "second", second), 5, interval=0.1, what="the standby to take over")
+    # ...and a reaper that dies (no renewals) loses it when its lock lapses: LOCK_TICKS of its ticks.
+    third = ReaperElection(0.1, standby_seconds=0.1)
+    started = time.monotonic()
+    assert wait_for(lambda: hold_lock(leases, "third", third), 10, interval=0.1, what="the lock to lapse")
+    assert time.monotonic() - started <= second.lock_ms / 1000 + 1

@@ -43,7 +43,7 @@ class FakeProtection:
 
 
 def ticks(service: FakeService, protection: Any, states: list[bool]) -> None:
-    tick = worker_tick(service, protection, retry_seconds=0)  # type: ignore[arg-type]
+    tick = worker_tick(service, protection, retry_seconds=0, touch_seconds=0)  # type: ignore[arg-type]
     for busy in states:
         service.busy = busy
         tick()
@@ -53,7 +53,7 @@ def test_the_worker_asks_for_protection_while_it_holds_a_lease_and_lifts_it_when
     service, protection = FakeService(), FakeProtection()
     ticks(service, protection, [False, True, True, False])
     assert protection.calls == [False, True, True, False] and protection.protected is False
-    assert service.touched == 4 and service.fed == 4  # every tick tops its queues up too
+    assert service.touched == 4 and service.fed == 2  # idle ticks top its queues up (a busy one feeds at its next take)
 
 
 def test_an_aws_error_is_logged_and_the_next_tick_tries_again() -> None:
@@ -120,7 +120,7 @@ def test_outside_a_pod_there_is_no_pod_marker(monkeypatch: Any) -> None:
 def test_every_tick_touches_the_health_file_the_probes_read(tmp_path: Any) -> None:
     alive = tmp_path / "alive"
     service = FakeService()
-    tick = worker_tick(service, None, health_file=alive)  # type: ignore[arg-type]
+    tick = worker_tick(service, None, health_file=alive, touch_seconds=0)  # type: ignore[arg-type]
     tick()
     first = alive.stat().st_mtime_ns
     os.utime(alive, ns=(first - 10**10, first - 10**10))  # as if 10 s old
@@ -150,9 +150,19 @@ def test_the_reaper_thread_ticks_while_redis_is_unreachable() -> None:
 
 def test_a_refused_mark_waits_before_it_is_tried_again_while_the_others_go_on() -> None:
     service, refused, fine = FakeService(), FakeProtection(fail={1, 2, 3}), FakeProtection()
-    tick = worker_tick(service, refused, fine, retry_seconds=60)  # type: ignore[arg-type]
+    tick = worker_tick(service, refused, fine, retry_seconds=60, touch_seconds=0)  # type: ignore[arg-type]
     for busy in (True, False, True):
         service.busy = busy
         tick()
     assert refused.calls == [True]  # once, then not again within the minute
     assert fine.calls == [True, False, True] and service.touched == 3
+
+
+def test_an_idle_worker_feeds_at_every_tick_a_busy_one_does_not_and_liveness_is_written_every_few_seconds() -> None:
+    service = FakeService()
+    tick = worker_tick(service, None, touch_seconds=3600)  # type: ignore[arg-type]
+    for busy in (False, True, True, False):
+        service.busy = busy
+        tick()
+    assert service.fed == 2  # the busy worker feeds when it takes its next message
+    assert service.touched == 1  # once, then not again within touch_seconds

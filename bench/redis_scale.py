@@ -1,0 +1,748 @@
+"""How many workers one Redis carries (issue 27): the fleet's protocol, simulated, no rendering.
+
+N simulated workers run the fleet's own Redis traffic at its own rates against one real
+``redis-server`` started here on a free loopback port (never the machine's Redis):
+
+* **take**: kombu's part (RPOP of an envelope the feeder built, then its ``unacked`` entry, as
+  kombu's Redis transport writes it; dropped again at the ack), the claim (``claim.lua``, after
+  the HGET of ``unacked`` that ``Leases.claim`` does), the feed after the take (``feed.lua``);
+* **heartbeat** every ``heartbeat_seconds`` (1.5 s) while a shard runs (``heartbeat.lua``);
+* **a batch** every 2 to 10 s (uniform), ``--batch`` prompts of a shard of 64: the fence check
+  (``Leases.current``), the count (``commit.lua``) and the ledger's counters pipeline
+  (``RedisLedger._bump``: worker, pool, job, minute, progress);
+* **the end** of a shard: ``release.lua`` (done, or a hand-back to the front for ``--handback``
+  of them: a spot reclaim), and the worker's "doing" field;
+* **the worker tick** every ``reap_seconds`` (1 s): the reaper (``reap.lua`` behind its lock),
+  the registry touch (``rf:workers``, ``rf:worker:<id>``) and the feed;
+* **the monitor**: the real ``Monitor`` pieces in a thread of the parent process (``reap_once``,
+  ``Feeder.feed``, the audit ``Leases.suspects``) every second, the audit every ``--audit-seconds``.
+
+Every script is the real text (``renderfleet/lua``, through ``leases.lua_script``) run with the
+KEYS and ARGV built by the same functions ``Leases`` and ``Feeder`` use (``leases.claim_call`` and
+its kind, ``feeder.feed_call``); the key names come from ``renderfleet/keys.py``.  What is copied
+here (marked ``# mirrors``): the order of calls of ``WorkerService`` and ``worker_tick``, and the
+commands of the ledger's counters pipeline, which those sync classes cannot issue from asyncio.
+
+**Why asyncio, in processes**: 1,000 to 50,000 workers spend almost all their time waiting; a
+thread or a process each would not fit in 2 cores, so each of ``--procs`` processes runs N/procs
+workers as asyncio tasks over ``redis.asyncio`` (one connection pool per process, ``--connections``
+connections: Redis sees about procs x connections clients, not N; N real workers' connections
+would cost Redis memory (~20 kB each) and epoll work that this does not measure).  A process is
+one core at most, and the box has 2 shared with Redis: when the generator is saturated (its CPU
+near a core per process, its timers late) the fleet it simulates issues fewer commands than N real
+workers would, and the figures are a **lower bound** on the load N workers put on Redis; the
+table says so for each row (timer lateness p99, and "delivered" = commands issued over the
+commands the schedule called for).  The client-side latency of a saturated generator includes its
+own scheduling: Redis's own time per call (``INFO commandstats``) and its own percentiles
+(``INFO latencystats``, Redis 7) are given beside it.
+
+**Reaper lag**: every ``--kill-every`` seconds a busy simulated worker dies (its tasks stop: no
+heartbeat, no release); a watcher polls its shard until the reaper re-queued it and records the
+time from its lease's expiry (its score in ``rf:inflight``) to then.  The dead worker comes back
+under a new id, as a restarted pod would.
+
+**Before/after** (``--before``): also runs the fleet as it was before issue 27 (every worker tries
+the reaper lock every second; every worker feeds at every tick; every worker reads all of
+``rf:workers`` (HVALS) every 5 s for its feed target) at each size up to ``--before-up-to``.
+
+    python -m bench.redis_scale [--sizes 1000,5000,20000,50000] [--seconds 60] [--before]
+        [--before-up-to 5000] [--procs 2] [--no-write]
+
+Writes its section of ``bench/RESULTS.md`` (``redis-scale``) unless ``--no-write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import faulthandler
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import re
+import resource
+import shlex
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from bench.results import RESULTS, command, start, table, write_section
+from dispatcher.enqueue import WireShard, publish_shards, register_job
+from renderfleet import keys
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, make_app, queue_name
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.feeder import (
+    COUNTS_SECONDS,
+    WORKERS_CACHE_SECONDS,
+    Feeder,
+    count_registrations,
+    counts_stale,
+    feed_call,
+    read_counts,
+)
+from renderfleet.leases import (
+    Lease,
+    Leases,
+    ScriptCall,
+    claim_call,
+    commit_call,
+    envelope_tag,
+    heartbeat_call,
+    lua_script,
+    reap_call,
+    release_call,
+    requeue_payload,
+)
+from renderfleet.reaper import ReaperElection, reap_once
+from renderfleet.settings import Settings
+from renderfleet.spec import JobSpec, RenderParams
+from renderfleet.states import ClaimAnswer, Release
+from worker.main import TOUCH_SECONDS
+
+SHARD_SIZE = 64
+STORE = "/tmp/rf-redis-scale"  # a name only: nothing is written to it
+POOL = "default"
+QUEUE = queue_name(POOL, STORE)
+JOB = "j-scale"
+SCRIPTS = ("claim", "heartbeat", "commit", "release", "reap", "feed")
+GOAL_P99_MS = 50.0
+GOAL_CPU = 0.80
+_ARGSREPR = re.compile(r'"argsrepr": "([^"]*)"')
+
+
+# ---- pure figures (tests/unit/test_redis_scale.py) ------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``samples``; NaN when there are none."""
+    if not samples:
+        return math.nan
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    """One size's figures for the ceiling."""
+
+    workers: int
+    p99_ms: float  # the worst p99 of the scripts, as Redis or the clients saw it (see ceiling)
+    redis_cpu: float  # Redis's CPU over wall time (1.0 = one core)
+
+
+def ceiling(results: Sequence[SizeResult], *, p99_ms: float = GOAL_P99_MS, cpu: float = GOAL_CPU) -> int | None:
+    """The smallest size whose p99 passes ``p99_ms`` or whose Redis CPU passes ``cpu``; None if none does."""
+    for r in sorted(results, key=lambda r: r.workers):
+        if r.p99_ms > p99_ms or r.redis_cpu > cpu:
+            return r.workers
+    return None
+
+
+def extrapolated_ceiling(result: SizeResult, *, cpu: float = GOAL_CPU) -> int | None:
+    """The workers at which Redis's CPU would reach ``cpu``, if it grows linearly from ``result``."""
+    if result.redis_cpu <= 0:
+        return None
+    return int(result.workers * cpu / result.redis_cpu)
+
+
+# ---- one simulated worker -----------------------------------------------------------------
+
+
+_DEFAULT = Settings.model_fields  # the fleet's own defaults: lease, heartbeat, reaper tick
+
+
+@dataclass
+class Config:
+    before: bool
+    lease_ms: int = int(_DEFAULT["lease_seconds"].default * 1000)
+    heartbeat_s: float = _DEFAULT["heartbeat_seconds"].default
+    reap_s: float = _DEFAULT["reap_seconds"].default
+    batch: int = 8
+    batch_min_s: float = 2.0
+    batch_max_s: float = 10.0
+    handback: float = 0.02
+    ramp_s: float = 5.0
+
+
+@dataclass
+class Stats:
+    lat: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SCRIPTS})
+    lateness: list[float] = field(default_factory=list)  # how late a scheduled tick or beat ran (ms)
+    due: int = 0  # scheduled ticks, beats and batches
+    done: int = 0  # of those, run
+    lags: list[float] = field(default_factory=list)  # reaper lag (ms)
+    shards: int = 0
+    reaper_won: int = 0
+
+
+class Sim:
+    """The workers of one process."""
+
+    def __init__(self, client: aredis.Redis, cfg: Config, stats: Stats):
+        self.r = client
+        self.cfg = cfg
+        self.stats = stats
+        self.scripts = {name: client.register_script(lua_script(name)) for name in SCRIPTS}
+        self.lock = client.register_script(lua_script("reaper_lock"))
+        self.measuring = False
+
+    async def run(self, call: ScriptCall) -> Any:
+        t = time.perf_counter()
+        out = await self.scripts[call.script](keys=call.keys, args=call.args)
+        if self.measuring:
+            self.stats.lat[call.script].append((time.perf_counter() - t) * 1000)
+        return out
+
+
+class SimWorker:
+    """One worker: its take loop, its tick, its heartbeat while a shard runs."""
+
+    def __init__(self, sim: Sim, index: int):
+        self.sim = sim
+        self.r = sim.r
+        self.cfg = sim.cfg
+        self.index = index
+        self.new_id()
+        self.lease: Lease | None = None
+        self.dead = False
+        self.election = ReaperElection(self.cfg.reap_s)
+        self.counts: dict[str, int] = {}
+        self.counts_at = float("-inf")
+        self.touched = float("-inf")
+
+    def new_id(self) -> None:
+        self.id = f"sim-{self.index}-{uuid.uuid4().hex[:6]}"
+        self.owner = uuid.uuid4().hex
+        self.registration = json.dumps({"worker": self.id, "pool": POOL, "store": STORE, "model": "tiny",
+                                        "device": "cpu", "host": "sim", "pid": os.getpid(), "started": time.time()})
+
+    async def register(self) -> None:
+        pipe = self.r.pipeline(transaction=False)  # mirrors WorkerService.register
+        pipe.hset(keys.WORKERS, self.id, self.registration)
+        pipe.hincrby(keys.worker_stats(self.id), "loads", 1)
+        pipe.hset(keys.worker_stats(self.id), "last_seen", f"{time.time():.3f}")
+        await pipe.execute()
+
+    async def target(self) -> int:
+        """Feeder.target: the old way reads every registration; the new one the published counts."""
+        now = time.monotonic()
+        if now - self.counts_at > WORKERS_CACHE_SECONDS:
+            if self.cfg.before:
+                counts: dict[str, int] = {}
+                for raw in await self.r.hvals(keys.WORKERS):
+                    info = json.loads(raw)
+                    q = queue_name(str(info["pool"]), str(info["store"]))
+                    counts[q] = counts.get(q, 0) + 1
+            else:
+                counts = await self.worker_counts()
+            self.counts, self.counts_at = counts, now
+        return max(4, 2 * self.counts.get(QUEUE, 0))
+
+    async def worker_counts(self) -> dict[str, int]:
+        # mirrors Feeder.counts
+        counts, at = read_counts(await self.r.hgetall(keys.WORKER_COUNTS))
+        if counts_stale(at, time.time()) and await self.r.set(keys.WORKER_COUNTS_LOCK, self.owner, nx=True,
+                                                               px=int(COUNTS_SECONDS * 1000)):
+            counts = count_registrations(await self.r.hvals(keys.WORKERS))
+            pipe = self.r.pipeline(transaction=True)
+            pipe.delete(keys.WORKER_COUNTS)
+            fields: dict[Any, Any] = {**counts, keys.COUNTED_AT: f"{time.time():.3f}"}
+            pipe.hset(keys.WORKER_COUNTS, mapping=fields)
+            await pipe.execute()
+        return counts
+
+    async def feed(self) -> None:
+        await self.sim.run(feed_call(QUEUE, await self.target()))
+
+    async def every(self, period: float, step: Any) -> None:
+        """Run ``step`` every ``period`` seconds from a random phase, recording how late each ran."""
+        await asyncio.sleep(random.uniform(0, period))
+        due = time.monotonic()
+        while not self.dead:
+            late = time.monotonic() - due
+            if self.sim.measuring:
+                self.sim.stats.lateness.append(late * 1000)
+                self.sim.stats.due += 1 + int(late // period)  # ticks a late loop skipped are due too
+                self.sim.stats.done += 1
+            with contextlib.suppress(redis.RedisError):  # as the worker's threads do: the next tick tries again
+                await step()
+            due = max(due + period, time.monotonic() - period)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+
+    async def tick(self) -> None:
+        # mirrors worker.main.worker_tick and renderfleet.reaper.ReaperThread
+        try:
+            if self.cfg.before:
+                if await self.r.set(keys.REAPER_LOCK, self.owner, nx=True, px=int(self.cfg.reap_s * 900)):
+                    await self.reap()
+            elif self.election.due(time.monotonic()):
+                won = bool(await self.sim.lock(keys=[keys.REAPER_LOCK], args=[self.owner, self.election.lock_ms]))
+                self.election.answered(won, time.monotonic())
+                if won:
+                    await self.reap()
+            if self.cfg.before or time.monotonic() - self.touched >= TOUCH_SECONDS:
+                self.touched = time.monotonic()
+                pipe = self.r.pipeline(transaction=False)  # mirrors WorkerService.touch
+                pipe.hset(keys.worker_stats(self.id), "last_seen", f"{time.time():.3f}")
+                pipe.hsetnx(keys.WORKERS, self.id, self.registration)
+                await pipe.execute()
+            if self.cfg.before or self.lease is None:  # worker_tick: an idle worker feeds (now)
+                await self.feed()
+        except redis.RedisError:
+            pass
+
+    async def reap(self) -> None:
+        self.sim.stats.reaper_won += 1
+        flat = await self.sim.run(reap_call())
+        if flat:
+            await self.r.hincrby(keys.FLEET_STATS, "reaped", len(flat) // 2)
+
+    async def take(self) -> bool:
+        """One message off the queue, claimed (as kombu and WorkerService.handle do); False when none."""
+        raw = await self.r.rpop(QUEUE)
+        if raw is None:
+            await self.feed()
+            return False
+        text = keys.text(raw)
+        tag = envelope_tag(text)
+        pipe = self.r.pipeline(transaction=True)  # kombu's Redis transport: the message is unacked now
+        pipe.zadd(UNACKED_INDEX_KEY, {tag: time.time()})
+        pipe.hset(UNACKED_KEY, tag, json.dumps([json.loads(text), "", QUEUE]))
+        await pipe.execute()
+        job, _, shard = _ARGSREPR.search(text).group(1).rpartition(":")  # type: ignore[union-attr]
+        message = json.loads(base64.b64decode(json.loads(text)["body"]))[0][0]
+        requeue = requeue_payload(await self.r.hget(UNACKED_KEY, tag))
+        status, attempt = await self.sim.run(claim_call(job, int(shard), worker=self.id, queue=QUEUE, tag=tag,
+                                                        message=message, requeue=requeue,
+                                                        lease_ms=self.cfg.lease_ms))
+        await self.feed()  # WorkerService._claim_and_handle: one message taken, the next one fed
+        if keys.text(status) != ClaimAnswer.OK:
+            await self.ack(tag)
+            return True
+        self.lease = Lease(job, int(shard), self.id, int(attempt), QUEUE, tag, requeue, message,
+                           envelope_tag(requeue))
+        await self.r.hset(keys.worker_stats(self.id), mapping={"doing": self.lease.member, "since": time.time()})
+        return True
+
+    async def ack(self, tag: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zrem(UNACKED_INDEX_KEY, tag)
+        pipe.hdel(UNACKED_KEY, tag)
+        await pipe.execute()
+
+    async def beat(self) -> None:
+        lease = self.lease
+        if lease is not None:
+            await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms))
+
+    async def shard(self) -> None:
+        """Batches every 2 to 10 s until the shard's prompts are counted, then its release."""
+        lease = self.lease
+        assert lease is not None
+        beats = asyncio.create_task(self.every(self.cfg.heartbeat_s, self.beat))
+        try:
+            first = lease.shard * SHARD_SIZE
+            handback = random.random() < self.cfg.handback
+            for at in range(first, first + SHARD_SIZE, self.cfg.batch):
+                await asyncio.sleep(random.uniform(self.cfg.batch_min_s, self.cfg.batch_max_s))
+                if self.dead:
+                    return
+                if handback and at > first:
+                    break
+                if self.sim.measuring:
+                    self.sim.stats.due += 1
+                    self.sim.stats.done += 1
+                await self.r.hget(keys.attempts(lease.job), str(lease.shard))  # RedisLedger.check
+                done = list(range(at, min(at + self.cfg.batch, first + SHARD_SIZE)))
+                await self.sim.run(commit_call(lease, done, []))
+                await self.bump(lease, len(done))
+            outcome = Release.FRONT if handback else Release.DONE
+            await self.sim.run(release_call(lease, outcome, first if not handback else 0,
+                                            SHARD_SIZE if not handback else 0))
+            await self.ack(lease.tag)
+            await self.r.hset(keys.worker_stats(self.id), mapping={"doing": "", "since": time.time()})
+            self.sim.stats.shards += 1
+        finally:
+            if not self.dead:
+                self.lease = None
+            beats.cancel()
+
+    async def bump(self, lease: Lease, images: int) -> None:
+        # mirrors worker.ledger.RedisLedger._bump (record_batch)
+        fields = {"images": images, "batches": 1, "render_ms": 5000, "mps_milli": 1000}
+        pipe = self.r.pipeline(transaction=False)
+        for key in (keys.worker_stats(self.id), keys.pool_stats(POOL, "scale")):
+            for name, value in fields.items():
+                pipe.hincrby(key, name, value)
+        for name, value in fields.items():
+            pipe.hincrby(keys.job_stats(lease.job), f"{name}.{POOL}" if name in ("images", "render_ms") else name,
+                         value)
+        pipe.lpush(keys.progress(lease.job), f"{time.time():.3f} {images}")
+        pipe.ltrim(keys.progress(lease.job), 0, keys.PROGRESS_KEEP - 1)
+        await pipe.execute()
+
+    async def live(self, stop: asyncio.Event) -> None:
+        await asyncio.sleep(random.uniform(0, self.cfg.ramp_s))
+        while not stop.is_set():
+            self.dead = False
+            await self.register()
+            ticks = asyncio.create_task(self.every(self.cfg.reap_s, self.tick))
+            try:
+                while not stop.is_set() and not self.dead:
+                    try:
+                        if await self.take():
+                            if self.lease is not None:
+                                await self.shard()
+                        else:
+                            await asyncio.sleep(random.uniform(0.5, 1.0))
+                    except redis.RedisError:
+                        await asyncio.sleep(1.0)
+            finally:
+                ticks.cancel()
+            if self.dead:  # a pod that comes back: a new worker id, registered again
+                self.new_id()
+                self.lease = None
+
+    async def die_and_watch(self) -> None:
+        """Stop dead while holding a shard; record how long after its lease expired the reaper took it."""
+        lease = self.lease
+        if lease is None:
+            return
+        self.dead = True
+        expiry = None
+        while True:
+            await asyncio.sleep(0.05)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.zscore(keys.INFLIGHT, lease.member)
+            pipe.hget(keys.shards(lease.job), str(lease.shard))
+            pipe.hget(keys.lease(lease.job, lease.shard), "worker")
+            score, state, holder = await pipe.execute()
+            if score is not None:
+                expiry = score
+            if keys.text(state) != "r" or (holder and keys.text(holder) != lease.worker) or score is None:
+                break
+        # Re-queued by a reaper ('q', or claimed again since); a release the dead worker had in flight
+        # (finished: no state) or a late heartbeat of its own is no reaping: not counted.
+        requeued = keys.text(state) == "q" or (holder and keys.text(holder) != lease.worker)
+        if expiry is not None and requeued and time.time() * 1000 >= expiry:
+            self.sim.stats.lags.append(time.time() * 1000 - expiry)
+
+
+async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: float, kill_every: float,
+                        connections: int, warm_s: float, out: Any) -> None:
+    pool = aredis.BlockingConnectionPool.from_url(url, max_connections=connections, timeout=60)
+    client = aredis.Redis(connection_pool=pool)
+    stats = Stats()
+    sim = Sim(client, cfg, stats)
+    workers = [SimWorker(sim, first + i) for i in range(count)]
+    stop = asyncio.Event()
+    lives = [asyncio.create_task(w.live(stop)) for w in workers]
+    await asyncio.sleep(warm_s)
+    sim.measuring = True
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.monotonic()
+    watchers = []
+    while time.monotonic() - t0 < seconds:
+        await asyncio.sleep(min(kill_every, seconds - (time.monotonic() - t0)) if kill_every else seconds)
+        if kill_every and time.monotonic() - t0 < seconds - 0.5:
+            busy = [w for w in workers if w.lease is not None and not w.dead]
+            if busy:
+                watchers.append(asyncio.create_task(random.choice(busy).die_and_watch()))
+    wall = time.monotonic() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    sim.measuring = False
+    if watchers:  # the last killed worker's lease expires after the window: its lag is still measured
+        await asyncio.wait(watchers, timeout=cfg.lease_ms / 1000 + 20)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime) / wall
+    out.put({"lat": stats.lat, "lateness": stats.lateness, "due": stats.due, "done": stats.done, "lags": stats.lags,
+             "shards": stats.shards, "cpu": cpu, "reaper_won": stats.reaper_won})
+    # Thousands of tasks mid-command: cancelling them through redis-py's pool can hang (seen with
+    # BlockingConnectionPool); the figures are sent, so the process ends here, its sockets with it.
+    del lives
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def _child(args: tuple[Any, ...], out: Any) -> None:
+    faulthandler.dump_traceback_later(args[4] + args[7] + 90, exit=True)  # a stuck generator says where
+    try:
+        asyncio.run(_process_main(*args, out))
+    except BaseException as exc:  # the parent says what went wrong instead of waiting forever
+        out.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+# ---- the monitor, the real one's pieces, in a thread of the parent -------------------
+
+
+class MonitorThread(threading.Thread):
+    def __init__(self, url: str, audit_seconds: float, before: bool, lease_s: float):
+        super().__init__(daemon=True)
+        self.client = redis.Redis.from_url(url)
+        self.leases = Leases(self.client, lease_s)
+        self.feeder = Feeder(self.client)
+        self.audit_seconds = audit_seconds
+        self.before = before
+        self.owner = uuid.uuid4().hex
+        self.election = ReaperElection(1.0)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        audited = 0.0
+        while not self.done.wait(1.0):
+            try:
+                if self.before:
+                    if self.client.set(keys.REAPER_LOCK, self.owner, nx=True, px=900):
+                        self.leases.reap()
+                else:
+                    reap_once(self.leases, lambda _m: None, owner=self.owner, election=self.election)
+                for queue in self.feeder.queues():
+                    self.feeder.feed(queue)
+                if time.monotonic() - audited >= self.audit_seconds:
+                    audited = time.monotonic()
+                    self.leases.suspects()
+            except redis.RedisError:
+                pass
+
+
+# ---- one size -----------------------------------------------------------------------------
+
+
+def _info(client: redis.Redis) -> dict[str, Any]:
+    return client.info("all")  # type: ignore[no-any-return]
+
+
+def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: int, kill_every: float,
+             audit_seconds: float, workdir: Path, batch: int, lease_s: float = 6.0,
+             warm_s: float | None = None) -> dict[str, Any]:
+    """Start a Redis, make a job of enough shards pending, run ``n`` workers; return the figures."""
+    server = RedisServerProcess(workdir=workdir / f"redis-{n}-{'before' if before else 'after'}")
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.config_set("maxclients", 10000)
+        spec = JobSpec(job=JOB, params=RenderParams(), total=SHARD_SIZE * (n * 2 + 100), shard_size=SHARD_SIZE,
+                       batch_size=batch)
+        register_job(client, spec, QUEUE, STORE, fresh=True)
+        publish_shards(make_app(server.url), client, spec, QUEUE,  # type: ignore[arg-type]
+                       (WireShard(s, SHARD_SIZE, start=s * SHARD_SIZE) for s in range(spec.shards)), store=STORE)
+        monitor = MonitorThread(server.url, audit_seconds, before, lease_s)
+        monitor.start()
+        cfg = Config(before=before, batch=batch, ramp_s=min(10.0, 2.0 + n / 2000), lease_ms=int(lease_s * 1000),
+                     heartbeat_s=min(Config.heartbeat_s, lease_s / 4))
+        # every worker started, its first shard claimed, heartbeats running
+        warm = cfg.ramp_s + 8.0 if warm_s is None else warm_s
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        per = -(-n // procs)
+        children = []
+        for p in range(procs):
+            count = min(per, n - p * per)
+            if count <= 0:
+                continue
+            args = (server.url, cfg, p * per, count, seconds, kill_every if p == 0 else 0.0,
+                    connections, warm)
+            child = ctx.Process(target=_child, args=(args, out))
+            child.start()
+            children.append(child)
+        time.sleep(warm)
+        client.config_resetstat()
+        i0, t0 = _info(client), time.monotonic()
+        time.sleep(seconds)
+        i1, wall = _info(client), time.monotonic() - t0
+        results = [out.get(timeout=seconds + lease_s + 120) for _ in children]
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise RuntimeError(f"a load generator process failed: {errors[0]}")
+        for child in children:
+            child.join(30)
+        monitor.done.set()
+        monitor.join(5)
+        return _figures(n, before, results, i0, i1, wall, procs)
+    finally:
+        server.stop()
+
+
+def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, Any], i1: dict[str, Any],
+             wall: float, procs: int) -> dict[str, Any]:
+    cpu = (i1["used_cpu_sys"] + i1["used_cpu_user"] - i0["used_cpu_sys"] - i0["used_cpu_user"]) / wall
+    ops = (i1["total_commands_processed"] - i0["total_commands_processed"]) / wall
+    lat = {s: [x for r in results for x in r["lat"][s]] for s in SCRIPTS}
+    lateness = [x for r in results for x in r["lateness"]]
+    commands = {}
+    for name, value in i1.items():
+        if name.startswith("cmdstat_") and isinstance(value, dict):
+            commands[name[len("cmdstat_"):]] = (int(value["calls"]), float(value["usec"]), float(value["usec_per_call"]))
+    server_pct = {}
+    for name, value in i1.items():  # Redis 7's INFO latencystats: latency_percentiles_usec_<cmd>
+        if name.startswith("latency_percentiles_usec_") and isinstance(value, dict):
+            server_pct[name[len("latency_percentiles_usec_"):]] = (float(value.get("p50", math.nan)),
+                                                                  float(value.get("p99", math.nan)))
+    due = sum(r["due"] for r in results)
+    return {
+        "workers": n, "before": before, "redis_cpu": cpu, "ops": ops, "wall": wall,
+        "p50": {s: percentile(v, 50) for s, v in lat.items()}, "p99": {s: percentile(v, 99) for s, v in lat.items()},
+        "calls": {s: len(v) for s, v in lat.items()},
+        "server": server_pct, "commands": commands,
+        "lateness_p99": percentile(lateness, 99), "delivered": sum(r["done"] for r in results) / due if due else 1.0,
+        "gen_cpu": [r["cpu"] for r in results], "procs": procs,
+        "lags": sorted(x for r in results for x in r["lags"]),
+        "shards": sum(r["shards"] for r in results), "reaper_won": sum(r["reaper_won"] for r in results),
+        "connected": int(i1.get("connected_clients", 0)),
+    }
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.1f}"
+
+
+def saturated(f: dict[str, Any]) -> bool:
+    """Whether the generator could not keep the schedule: a process near a core, or its timers late."""
+    return max(f["gen_cpu"]) > 0.85 or f["lateness_p99"] > 250 or f["delivered"] < 0.95
+
+
+def worst_p99(f: dict[str, Any]) -> float:
+    """The worst p99 of the scripts as the clients saw them (scripts run at least 20 times)."""
+    return max((f["p99"][s] for s in SCRIPTS if f["calls"][s] >= 20), default=math.nan)
+
+
+def describe(f: dict[str, Any]) -> str:
+    mode = "before" if f["before"] else "after"
+    lines = [f"N={f['workers']:,} ({mode}): Redis CPU {f['redis_cpu'] * 100:.0f} %, {f['ops']:,.0f} ops/s, "
+             f"{f['connected']} clients; generator CPU {', '.join(f'{c * 100:.0f} %' for c in f['gen_cpu'])}, "
+             f"timer lateness p99 {f['lateness_p99']:.0f} ms, delivered {f['delivered'] * 100:.0f} %"
+             f"{' (SATURATED: a lower bound)' if saturated(f) else ''}"]
+    for s in SCRIPTS:
+        lines.append(f"  {s:9s} {f['calls'][s]:7d} calls  p50 {_ms(f['p50'][s])} ms  p99 {_ms(f['p99'][s])} ms")
+    top = sorted(f["commands"].items(), key=lambda kv: -kv[1][1])[:6]
+    total = sum(v[1] for v in f["commands"].values()) or 1
+    lines.append("  Redis time by command: " + ", ".join(
+        f"{name} {usec / total * 100:.0f} % ({calls / f['wall']:,.0f}/s, {per:.1f} us)"
+        for name, (calls, usec, per) in top))
+    lags = f["lags"]
+    lines.append(f"  reaper lag: {len(lags)} kills, median {_ms(percentile(lags, 50))} ms, "
+                 f"max {_ms(max(lags) if lags else math.nan)} ms; shards finished {f['shards']}")
+    return "\n".join(lines)
+
+
+def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
+    out = []
+    for f in figures:
+        mode = "before issue 27" if f["before"] else "now"
+        evalsha = f["server"].get("evalsha", (math.nan, math.nan))
+        total = sum(v[1] for v in f["commands"].values()) or 1
+        top = sorted(f["commands"].items(), key=lambda kv: -kv[1][1])[:3]
+        lags = f["lags"]
+        scripts = "; ".join(f"{s} {_ms(f['p50'][s])}/{_ms(f['p99'][s])}" for s in SCRIPTS if f["calls"][s])
+        gen = ", ".join(f"{c * 100:.0f} %" for c in f["gen_cpu"])
+        out.append([
+            f"{f['workers']:,} workers ({mode})",
+            f"{f['redis_cpu'] * 100:.0f} % ({f['redis_cpu'] * 1e6 / f['workers']:.0f} µs a second per worker)",
+            f"{f['ops']:,.0f}", scripts,
+            f"{_ms(evalsha[0] / 1000)}/{_ms(evalsha[1] / 1000)}",
+            ", ".join(f"{n} {u / total * 100:.0f} %" for n, (_c, u, _p) in top),
+            f"{_ms(percentile(lags, 50))} / {_ms(max(lags) if lags else math.nan)} ({len(lags)})",
+            f"{gen}; late p99 {f['lateness_p99']:.0f} ms; delivered {f['delivered'] * 100:.0f} %"
+            + ("; **saturated: a lower bound**" if saturated(f) else ""),
+        ])
+    return out
+
+
+HEADER = ("fleet", "Redis CPU", "ops/s", "script p50/p99 ms (clients)", "EVALSHA p50/p99 ms (Redis)",
+          "Redis time by command", "reaper lag median / max ms (kills)", "load generator")
+
+
+def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) -> str:
+    now = [f for f in figures if not f["before"]]
+    kept = [f for f in now if not saturated(f)]  # a saturated generator's latencies are its own
+    lines = [table(rows(figures, cmd), HEADER), ""]
+    found = ceiling([SizeResult(f["workers"], worst_p99(f), f["redis_cpu"]) for f in kept])
+    if found is not None:
+        lines.append(f"Ceiling (now): p99 passes {GOAL_P99_MS:.0f} ms or Redis CPU passes {GOAL_CPU * 100:.0f} % "
+                     f"at {found:,} simulated workers.")
+    elif kept:
+        lines.append(f"Ceiling (now): not reached up to {max(f['workers'] for f in kept):,} simulated workers "
+                     f"(p99 under {GOAL_P99_MS:.0f} ms, Redis CPU under {GOAL_CPU * 100:.0f} %).")
+    gave_out = sorted(f["workers"] for f in now if saturated(f))
+    if gave_out:
+        lines.append(f"From {gave_out[0]:,} simulated workers the load generator could not keep the schedule "
+                     "(see its column): those rows are lower bounds on Redis's load, their latencies the "
+                     "generator's own, and they are not used for the ceiling.")
+    if kept:
+        largest = max(kept, key=lambda f: f["workers"])
+        guess = extrapolated_ceiling(SizeResult(largest["workers"], worst_p99(largest), largest["redis_cpu"]))
+        if guess is not None:
+            per = largest["redis_cpu"] * 1e6 / largest["workers"]
+            lines.append(f"Extrapolated from {largest['workers']:,} workers ({per:.0f} "
+                         f"µs of Redis CPU a second per worker), Redis would reach {GOAL_CPU * 100:.0f} % of a core "
+                         f"near {guess:,} workers, if its CPU grows linearly with the fleet.")
+    lines.append(f"Simulation: {args.procs} processes of asyncio tasks, a batch of {args.batch} prompts every 2-10 s, "
+                 f"shards of {SHARD_SIZE}, heartbeat {min(1.5, args.lease / 4):g} s, worker tick 1 s, "
+                 f"lease {args.lease:g} s, {args.seconds:.0f} s measured after the ramp, a worker killed every "
+                 f"{args.kill_every:g} s; script latency is the clients' (it includes the generator's own "
+                 "scheduling), EVALSHA's is Redis's own (`INFO latencystats`, which counts the commands a script "
+                 "calls again under their own names).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.redis_scale", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="1000,5000,20000,50000", help="simulated workers, comma-separated")
+    p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per size, after the ramp")
+    p.add_argument("--procs", type=int, default=2, help="load generator processes")
+    p.add_argument("--connections", type=int, default=400, help="Redis connections per generator process")
+    p.add_argument("--kill-every", type=float, default=5.0, help="a busy worker dies every this many seconds")
+    p.add_argument("--audit-seconds", type=float, default=30.0, help="the monitor's audit interval")
+    p.add_argument("--batch", type=int, default=8, help="prompts per batch (shards of 64)")
+    p.add_argument("--before", action="store_true", help="also run the protocol as it was before issue 27")
+    p.add_argument("--before-up-to", type=int, default=5000, help="the largest size run --before")
+    p.add_argument("--lease", type=float, default=6.0, help="lease seconds (the fleet's default: 6)")
+    p.add_argument("--warm", type=float, default=None, help="seconds before measuring (default: ramp + 8)")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the file whose section is written")
+    p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        if any(s < 1 for s in sizes):
+            raise ValueError
+    except ValueError:
+        p.error(f"--sizes={args.sizes!r}: give positive whole numbers separated by commas")
+    began = start()
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="rf-redis-scale-") as tmp:
+        for n in sizes:
+            for before in ([True, False] if args.before and n <= args.before_up_to else [False]):
+                f = run_size(n, before=before, seconds=args.seconds, procs=min(args.procs, n),
+                             connections=args.connections, kill_every=args.kill_every,
+                             audit_seconds=args.audit_seconds, workdir=Path(tmp), batch=args.batch,
+                             lease_s=args.lease, warm_s=args.warm)
+                print(describe(f), flush=True)
+                figures.append(f)
+    cmd = command() if argv is None else " ".join(["python -m bench.redis_scale", *map(shlex.quote, argv)])
+    text = report(figures, cmd, args)
+    print(text)
+    if not args.no_write:
+        write_section("redis-scale", "How many workers one Redis carries (the protocol, simulated)", text,
+                      args.results, started=began, cmd=cmd)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
