@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # restarts and workers starting, so two keep the 2 cores busy (13 minutes of tests become about 9).
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser kubectl run test test-unit test-integration chaos soak bench gpu-check lint clean
+.PHONY: install browser kubectl run test test-slow test-unit test-integration chaos soak bench gpu-check lint clean
 
 install: $(VENV)/.installed
 
@@ -45,8 +45,15 @@ kubectl:
 	command -v kubectl >/dev/null || $(SUDO) apt-get install -y kubectl \
 		|| echo "make: no kubectl package here: test_the_renderer_agrees_with_kubectl_kustomize will skip"
 
+# Every tier but the long one (tests marked slow: `make test-slow`), to keep CI under 15 minutes on
+# 2 cores: each of them plays a whole scenario whose parts have tests of their own in this tier.
 test: install browser kubectl lint
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+# The long tier (about 8 minutes on 2 cores): the short chaos run, the spot pool grown and shrunk by
+# the autoscaler, bench/gpu.sh's CPU dry run with inductor, `renderfleet run` into two stores.
+test-slow: install kubectl
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m slow $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/pytest -q tests/unit

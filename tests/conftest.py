@@ -18,10 +18,10 @@ from testing.servers import MotoServer, s3_env
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules marked ``slow`` (a minute or more of fleet work) run first: pytest-xdist hands
-    out whole files (``--dist loadfile``) in this order, so a long file started last would keep
-    one process busy while the others have finished."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The tests marked ``slow`` or ``heavy`` (a minute or more of fleet work a file) run first:
+    pytest-xdist hands out whole files (``--dist loadfile``) in this order, so a long file started
+    last would keep one process busy while the others have finished."""
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("heavy")))
 
 
 @pytest.fixture(scope="session")

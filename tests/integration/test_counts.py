@@ -39,7 +39,7 @@ from testing.fleet import (
 )
 from tests.conftest import ON_FOLDER, ON_S3
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 TOTAL = 16
 # One shard of four batches: a pause at the third batch's checkpoint leaves two committed.

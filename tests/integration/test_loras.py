@@ -23,7 +23,7 @@ from renderfleet.images import read_metadata
 from testing.fleet import WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready
 from testing.servers import free_port, http_get
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 pytest.importorskip("peft")
 
 FLAGS = {"model": "tiny", "steps": 2, "size": "64x64", "shard_size": 2, "batch_size": 2}

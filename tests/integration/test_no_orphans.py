@@ -38,7 +38,7 @@ from testing.fleet import (
     write_prompts,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 GRACE = 3.0  # RENDERFLEET_SIGTERM_GRACE_SECONDS of the workers here
 SLOW_SIZE = 64  # the slow jobs' width and height; their steps are set from a measured step

@@ -34,7 +34,7 @@ from testing.fleet import (
 )
 from testing.servers import SentinelRedis
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 PROMPTS, SHARD, BATCH = 32, 4, 2
 RENDER = ["--model", "tiny", "--steps", "2", "--size", "64x64"]
