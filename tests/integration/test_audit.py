@@ -217,7 +217,9 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
 # ---- with real workers ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recover", ["monitor", "resume"])
+# Recovered by the monitor's audit in every run; by the user's resume, which the audit itself calls
+# (dispatcher/monitor.py), in the long tier.
+@pytest.mark.parametrize("recover", ["monitor", pytest.param("resume", marks=pytest.mark.slow)])
 def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recovered(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc], recover: str
 ) -> None:

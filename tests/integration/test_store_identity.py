@@ -19,7 +19,8 @@ import redis
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready, write_prompts
 
-pytestmark = [pytest.mark.integration, pytest.mark.heavy]
+# The long tier: two stores on one Redis are kept apart in every run by test_two_stores.py.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture
@@ -41,7 +42,6 @@ def pngs(store: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in store.glob("jobs/*/images/*.png")}
 
 
-@pytest.mark.slow
 def test_run_renders_the_same_file_into_a_second_store_sharing_one_redis(tmp_path: Path, stores: Any) -> None:
     prompts = write_prompts(tmp_path / "p12.txt", 12)
     a, b, env_a, env_b = stores
