@@ -43,6 +43,7 @@ browser:
 # a resource: it is not used. With neither, that one test skips and says why.
 kubectl:
 	command -v kubectl >/dev/null || $(SUDO) apt-get install -y kubectl \
+		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y kubectl; } \
 		|| echo "make: no kubectl package here: test_the_renderer_agrees_with_kubectl_kustomize will skip"
 
 # Every tier but the long one (tests marked slow: `make test-slow`), to keep CI under 15 minutes on
