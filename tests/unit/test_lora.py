@@ -202,6 +202,39 @@ def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(tiny: LoadedMode
     tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
 
 
+def test_a_lora_with_no_weights_for_this_model_is_the_jobs_error_and_is_not_kept(tiny: LoadedModel,
+                                                                                   tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # Keys of another architecture (a transformer's): diffusers only warns that none fits, and
+    # set_adapters then raised a bare ValueError, which the worker took for its own bug.
+    other = tmp_path / "other-architecture.safetensors"
+    save_file({"transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+               "transformer.blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}, str(other))
+    renderer = Renderer(tiny)
+    plain = renderer.render([prompt()])[0]
+    for _ in range(2):  # not kept warm as if loaded: the second job is refused the same way
+        with pytest.raises(JobError, match="could not be loaded: none of its weights fit"):
+            renderer.render([prompt(loras=((str(other), 1.0),))])
+    assert renderer.loras.warm == [] and tiny.pipe.get_list_adapters() == {}
+    assert renderer.render([prompt()])[0] == plain
+
+
+def test_a_device_failure_while_loading_a_lora_is_the_nodes_not_the_jobs(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from renderfleet.errors import DeviceError
+
+    def load_lora_weights(*_: object, **__: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    lora = tmp_path / "a.safetensors"
+    lora.write_bytes(b"")
+    pipe = SimpleNamespace(load_lora_weights=load_lora_weights, get_list_adapters=dict)
+    with pytest.raises(DeviceError, match="illegal memory access"):
+        LoraCache(pipe).use([(str(lora), 1.0)])
+
+
 @pytest.fixture(scope="module")
 def untouched(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A tiny pipeline no adapter was ever loaded into (PEFT leaves its wrappers behind: saved, they
