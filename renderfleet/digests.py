@@ -10,7 +10,10 @@ mixture.
 Two kinds, named in the value so they are never compared with each other:
 
 * ``files-sha256:``: a local folder, SHA-256 over each file's relative path
-  and bytes, in sorted order.  Exact: it is what the loader reads.  It costs a
+  and bytes, in sorted order, hidden files and folders (a ``.``-name anywhere in
+  the path) left out: the loader never reads them, and they differ between
+  copies of the same weights (``hf download --local-dir`` keeps a download time
+  per file under ``.cache/huggingface``; a clone has its ``.git``).  It costs a
   read of the folder (about a second per GB), at submit and at each load.
 * ``s3-etags-sha256:``: an ``s3://`` prefix, SHA-256 over each key's relative
   name, size and ETag, from one listing.  Submit takes it without downloading
@@ -33,12 +36,14 @@ _CHUNK = 1 << 20
 
 
 def folder_digest(folder: Path, *, skip: Iterable[str] = ()) -> str:
-    """``files-sha256:HEX`` of every regular file below ``folder`` (relative path and bytes).
+    """``files-sha256:HEX`` of every regular file below ``folder`` (relative path and bytes)
+    but hidden ones (a ``.``-name anywhere in the path: bookkeeping, not weights).
 
     ``skip``: relative paths left out (our own marker files in a cached copy)."""
     skipped = set(skip)
     root = Path(folder)
-    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    relative = (p.relative_to(root) for p in root.rglob("*") if p.is_file())
+    files = sorted(rel.as_posix() for rel in relative if not any(part.startswith(".") for part in rel.parts))
     digest = hashlib.sha256()
     for rel in files:
         if rel in skipped:

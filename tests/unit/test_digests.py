@@ -1,0 +1,33 @@
+"""A folder model's digest: what the loader reads, the same on every copy of the same weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from renderfleet.digests import folder_digest
+
+
+def write_model(folder: Path, unet: bytes = b"unet weights") -> Path:
+    (folder / "unet").mkdir(parents=True)
+    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    (folder / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(unet)
+    return folder
+
+
+def test_two_copies_of_the_same_weights_have_one_digest_whatever_their_hidden_bookkeeping(tmp_path: Path) -> None:
+    a = write_model(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    # What `hf download --local-dir` leaves in each copy (a download time per file), a clone's .git,
+    # a desktop's .DS_Store: never read by the loader, and different on every copy.
+    meta = a / ".cache" / "huggingface" / "download" / "unet"
+    meta.mkdir(parents=True)
+    (meta / "diffusion_pytorch_model.safetensors.metadata").write_text("abc123\netag\n1764790000.1\n")
+    (b / ".git").mkdir()
+    (b / ".git" / "index").write_bytes(b"clone-specific")
+    (b / "unet" / ".DS_Store").write_bytes(b"finder")
+    assert folder_digest(a) == folder_digest(b)
+    # the weights themselves still count: another file's bytes, another digest
+    c = write_model(tmp_path / "c", unet=b"other weights")
+    assert folder_digest(c) != folder_digest(a)
