@@ -31,3 +31,16 @@ def test_two_copies_of_the_same_weights_have_one_digest_whatever_their_hidden_bo
     # the weights themselves still count: another file's bytes, another digest
     c = write_model(tmp_path / "c", unet=b"other weights")
     assert folder_digest(c) != folder_digest(a)
+
+
+def test_weights_reached_through_a_linked_folder_count_and_a_link_loop_ends(tmp_path: Path) -> None:
+    # A VAE shared between model folders by a link: the loader reads its weights through it.
+    shared = tmp_path / "shared" / "vae"
+    shared.mkdir(parents=True)
+    (shared / "diffusion_pytorch_model.safetensors").write_bytes(b"vae weights")
+    model = write_model(tmp_path / "model")
+    (model / "vae").symlink_to(shared, target_is_directory=True)
+    (shared / "back").symlink_to(model, target_is_directory=True)  # a loop: must not hang
+    before = folder_digest(model)
+    (shared / "diffusion_pytorch_model.safetensors").write_bytes(b"other vae weights")
+    assert folder_digest(model) != before
