@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from renderfleet.digests import folder_digest
 
 
@@ -44,3 +46,23 @@ def test_weights_reached_through_a_linked_folder_count_and_a_link_loop_ends(tmp_
     before = folder_digest(model)
     (shared / "diffusion_pytorch_model.safetensors").write_bytes(b"other vae weights")
     assert folder_digest(model) != before
+
+
+def test_a_folder_model_submit_cannot_read_is_one_line_naming_the_file(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from renderfleet import digests
+    from renderfleet.api import Client
+    from renderfleet.errors import InputError
+    from renderfleet.settings import Settings
+
+    model = write_model(tmp_path / "model")
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+
+    def unreadable(folder: Path, **_: object) -> str:  # a file the workers' user may read, not the submitter
+        raise PermissionError(13, "Permission denied", str(weights))
+
+    monkeypatch.setattr(digests, "folder_digest", unreadable)
+    with pytest.raises(InputError) as exc:
+        Client(Settings(home=tmp_path / "home", store=str(tmp_path / "store"))).options(model=str(model))
+    assert exc.value.problems == [f"--model {str(model)!r}: cannot read {weights} to record the model's digest: "
+                                  "Permission denied"]
