@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -218,6 +219,31 @@ def test_a_lora_with_no_weights_for_this_model_is_the_jobs_error_and_is_not_kept
             renderer.render([prompt(loras=((str(other), 1.0),))])
     assert renderer.loras.warm == [] and tiny.pipe.get_list_adapters() == {}
     assert renderer.render([prompt()])[0] == plain
+
+
+def test_a_jobs_loras_are_set_before_its_long_prompts_are_embedded(tiny: LoadedModel,
+                                                                     loras: tuple[str, str]) -> None:
+    # A long prompt's embeddings are made by the text encoder before the pipeline call, and a LoRA
+    # may change the text encoder (most of SD's do): made before the job's adapters are set, they
+    # would carry the last job's (or none), and a redelivery elsewhere would render other bytes.
+    renderer = Renderer(tiny)
+    order: list[str] = []
+    embed, use = renderer.long_prompts.embed, renderer.loras.use
+
+    def embedding(prompts: Any) -> Any:
+        order.append("embed")
+        return embed(prompts)
+
+    def using(wanted: Any) -> None:
+        order.append("use")
+        use(wanted)
+
+    renderer.long_prompts.embed = embedding  # type: ignore[method-assign]
+    renderer.loras.use = using  # type: ignore[method-assign,assignment]
+    renderer.render([prompt(prompt="a lighthouse at dusk, oil painting, waves breaking on black rocks. " * 3,
+                            loras=((loras[0], 1.0),))])
+    assert order[:2] == ["use", "embed"]
+    tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
 
 
 def test_a_device_failure_while_loading_a_lora_is_the_nodes_not_the_jobs(tmp_path: Path) -> None:
