@@ -221,6 +221,17 @@ def test_a_lora_with_no_weights_for_this_model_is_the_jobs_error_and_is_not_kept
     assert renderer.render([prompt()])[0] == plain
 
 
+def test_a_lora_file_that_is_no_safetensors_is_the_jobs_error(tiny: LoadedModel, tmp_path: Path) -> None:
+    # A git-lfs pointer committed in place of the weights (or a truncated upload): safetensors raises
+    # its own SafetensorError, no OSError or ValueError; a bare exception loops the shard round the fleet.
+    pointer = tmp_path / "style.safetensors"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 9\n")
+    cache = LoraCache(tiny.pipe)
+    with pytest.raises(JobError, match="could not be loaded"):
+        cache.use([(str(pointer), 1.0)])
+    assert cache.warm == [] and tiny.pipe.get_list_adapters() == {}
+
+
 def test_a_jobs_loras_are_set_before_its_long_prompts_are_embedded(tiny: LoadedModel,
                                                                      loras: tuple[str, str]) -> None:
     # A long prompt's embeddings are made by the text encoder before the pipeline call, and a LoRA
