@@ -301,6 +301,23 @@ def test_a_refresh_cut_short_by_a_store_outage_is_tried_again_not_taken_for_chan
     outage[0] = False
     svc.use_model(job)  # the next delivery fetches afresh and renders: the files are the job's
     assert loads == [True, False, True]
+    # a refresh that fails for good (the prefix emptied) is the job's error, and not tried at each delivery
+    gone = RenderParams(model="tiny", model_digest="s3-etags-sha256:" + "2" * 64)
+    load_error = ModelLoadError("model 'tiny': nothing found under that prefix")
+
+    def failing(model: str, revision: str, variant: str, refresh: bool) -> Renderer:
+        if refresh:
+            loads.append(refresh)
+            raise load_error
+        return load(model, revision, variant, refresh)  # our own model back (recorded there)
+
+    svc.load_model = failing
+    with pytest.raises(ModelLoadError):
+        svc.use_model(gone)
+    svc._failed_loads.clear()  # long after: past the failed loads' memory
+    with pytest.raises(ModelLoadError, match="changed since the job was submitted"):
+        svc.use_model(gone)
+    assert loads[3:] == [True, False]  # one refresh, our model back, then refused without a load
     svc.runner.close()
 
 
