@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dispatcher.resume import load_spec, stored_image_sizes, stored_images, stored_names, stored_prompts
+from dispatcher.resume import load_spec, stored_image_listing, stored_images, stored_names, stored_prompts
 from dispatcher.thumbs import FORMATS as THUMB_FORMATS
 from dispatcher.thumbs import THUMB_MAX_PIXELS
 from renderfleet import spec
@@ -41,8 +41,9 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
     column is then empty (unknown), never a 0 that reads as "never tried".
     """
     job_spec = load_spec(store, job)
-    images = stored_images(store, job)
-    sizes = stored_image_sizes(store, job)
+    listed = stored_image_listing(store, job)  # one listing: where each image is and its size
+    images = {name: key for name, (key, _) in listed.items()}
+    sizes = {name: size for name, (_, size) in listed.items()}
     params = job_spec.params
     # The job's weights, as its images' metadata records them: LoRAs as JSON [[source, scale], ...].
     weights = {"loras": json.dumps([list(lora) for lora in params.loras], ensure_ascii=False) if params.loras else "",

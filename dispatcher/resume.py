@@ -88,12 +88,17 @@ def stored_images(store: Store, job: str) -> dict[str, str]:
     return {name: key for key in store.list(prefix) if (name := spec.image_name(key[len(prefix):])) is not None}
 
 
-def stored_image_sizes(store: Store, job: str, limit: int | None = None) -> dict[str, int]:
-    """The job's stored images: name -> size in bytes, as the store lists them (one listing;
+def stored_image_listing(store: Store, job: str, limit: int | None = None) -> dict[str, tuple[str, int]]:
+    """The job's stored images: name -> (key, size in bytes), as the store lists them (one listing;
     ``limit``: the first so many keys listed, a page of S3's, for a sample)."""
     prefix = spec.images_prefix(job)
-    return {name: size for key, size in itertools.islice(store.sized(prefix), limit)
+    return {name: (key, size) for key, size in itertools.islice(store.sized(prefix), limit)
             if (name := spec.image_name(key[len(prefix):])) is not None}
+
+
+def stored_image_sizes(store: Store, job: str, limit: int | None = None) -> dict[str, int]:
+    """The job's stored images: name -> size in bytes (:func:`stored_image_listing`)."""
+    return {name: size for name, (_, size) in stored_image_listing(store, job, limit).items()}
 
 
 def mean_bytes(sizes: dict[str, int]) -> float | None:

@@ -216,7 +216,11 @@ class Client:
 
         kind = model_source(model)
         if kind == "folder" and Path(model).expanduser().is_dir():
-            return digests.folder_digest(Path(model).expanduser())
+            try:
+                return digests.folder_digest(Path(model).expanduser())
+            except OSError as exc:  # a file the workers' user may read and the submitter not, one removed meanwhile
+                raise InputError([f"--model {model[:200]!r}: cannot read {exc.filename or model} to record the "
+                                  f"model's digest: {exc.strerror or exc}"]) from None
         if kind != "s3":
             return ""
         from renderfleet.store import S3Store

@@ -10,7 +10,11 @@ mixture.
 Two kinds, named in the value so they are never compared with each other:
 
 * ``files-sha256:``: a local folder, SHA-256 over each file's relative path
-  and bytes, in sorted order.  Exact: it is what the loader reads.  It costs a
+  and bytes, in sorted order, hidden files and folders (a ``.``-name anywhere in
+  the path) left out: the loader never reads them, and they differ between
+  copies of the same weights (``hf download --local-dir`` keeps a download time
+  per file under ``.cache/huggingface``; a clone has its ``.git``).  Linked files
+  and folders are followed, as the loader follows them.  It costs a
   read of the folder (about a second per GB), at submit and at each load.
 * ``s3-etags-sha256:``: an ``s3://`` prefix, SHA-256 over each key's relative
   name, size and ETag, from one listing.  Submit takes it without downloading
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 FILES = "files-sha256:"
@@ -33,22 +37,41 @@ _CHUNK = 1 << 20
 
 
 def folder_digest(folder: Path, *, skip: Iterable[str] = ()) -> str:
-    """``files-sha256:HEX`` of every regular file below ``folder`` (relative path and bytes).
+    """``files-sha256:HEX`` of every regular file below ``folder`` (relative path and bytes)
+    but hidden ones (a ``.``-name anywhere in the path: bookkeeping, not weights).
 
     ``skip``: relative paths left out (our own marker files in a cached copy)."""
     skipped = set(skip)
     root = Path(folder)
-    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    files = sorted(rel for rel in _files(root) if rel not in skipped)
     digest = hashlib.sha256()
     for rel in files:
-        if rel in skipped:
-            continue
         path = root / rel
         digest.update(f"{rel}\0{os.path.getsize(path)}\0".encode())
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
     return FILES + digest.hexdigest()
+
+
+def _files(root: Path) -> Iterator[str]:
+    """The relative paths of the regular files below ``root`` but hidden ones, through linked
+    folders as the loader goes (a ``vae`` linked to a shared one), a link back to a folder
+    above it in the same walk (a loop) not followed."""
+    chains = {str(root): {os.path.realpath(root)}}  # each folder walked -> the real folders down to it
+    for top, dirs, names in os.walk(root, followlinks=True):
+        chain = chains.pop(top)
+        kept = []
+        for name in sorted(d for d in dirs if not d.startswith(".")):
+            real = os.path.realpath(os.path.join(top, name))
+            if real not in chain:
+                chains[os.path.join(top, name)] = chain | {real}
+                kept.append(name)
+        dirs[:] = kept
+        base = Path(top).relative_to(root)
+        for name in names:
+            if not name.startswith(".") and os.path.isfile(os.path.join(top, name)):
+                yield (base / name).as_posix()
 
 
 def listing_digest(entries: Iterable[tuple[str, int, str]]) -> str:

@@ -74,8 +74,9 @@ def read_counts(raw: Mapping[bytes | str, bytes | str]) -> tuple[dict[str, int],
 
 
 def counts_stale(at: float, now: float) -> bool:
-    """Whether counts made at ``at`` (unix time) are due to be made again at ``now``."""
-    return now - at >= COUNTS_SECONDS
+    """Whether counts made at ``at`` (unix time, Redis's clock) are due to be made again at ``now``;
+    a stamp from the future (a process that stamped by its own clock, fast) is stale too."""
+    return not 0 <= now - at < COUNTS_SECONDS
 
 
 def feed_band(priority: int) -> int:
@@ -119,14 +120,21 @@ class Feeder:
     def counts(self) -> dict[str, int]:
         """Workers per queue as published (keys.WORKER_COUNTS), counted again here when they are stale
         and no other process is counting (one HVALS of keys.WORKERS per :data:`COUNTS_SECONDS` for the
-        whole fleet, not one per feeder)."""
-        counts, at = read_counts(self.client.hgetall(keys.WORKER_COUNTS))
-        if counts_stale(at, time.time()) and self.client.set(keys.WORKER_COUNTS_LOCK, self.owner, nx=True,
-                                                              px=int(COUNTS_SECONDS * 1000)):
+        whole fleet, not one per feeder).  Aged by Redis's clock (TIME, in the same round trip):
+        the fleet's machines' clocks disagree, and counts stamped by a fast one would stay "fresh"
+        for everyone else as long as it ran ahead."""
+        ask = self.client.pipeline(transaction=False)
+        ask.hgetall(keys.WORKER_COUNTS)
+        ask.time()
+        raw, (seconds, micros) = ask.execute()
+        now = seconds + micros / 1e6
+        counts, at = read_counts(raw)
+        if counts_stale(at, now) and self.client.set(keys.WORKER_COUNTS_LOCK, self.owner, nx=True,
+                                                     px=int(COUNTS_SECONDS * 1000)):
             counts = count_registrations(self.client.hvals(keys.WORKERS))
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(keys.WORKER_COUNTS)
-            fields: dict[Any, Any] = {**counts, keys.COUNTED_AT: f"{time.time():.3f}"}
+            fields: dict[Any, Any] = {**counts, keys.COUNTED_AT: f"{now:.3f}"}
             pipe.hset(keys.WORKER_COUNTS, mapping=fields)
             pipe.execute()
         return counts

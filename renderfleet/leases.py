@@ -242,7 +242,8 @@ class Leases:
         # Builds a fresh kombu envelope when kombu's copy of a message is gone.
         self.envelope = envelope
         self._scripts = {name: client.register_script(lua_script(name))
-                         for name in ("claim", "heartbeat", "commit", "record_failure", "release", "reap")}
+                         for name in ("claim", "heartbeat", "commit", "record_failure", "release", "reap",
+                                      "reaper_lock")}
         self._record_failure = self._scripts["record_failure"]
 
     def run(self, call: ScriptCall) -> Any:

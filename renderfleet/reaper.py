@@ -24,7 +24,7 @@ from collections.abc import Callable
 import redis
 
 from renderfleet import keys
-from renderfleet.leases import Leases, Reaped, lua_script
+from renderfleet.leases import Leases, Reaped, ScriptCall
 
 log = logging.getLogger("renderfleet.reaper")
 
@@ -55,19 +55,25 @@ class ReaperElection:
         self._next = float("-inf") if won else now + random.uniform(0.5, 1.0) * self.standby
 
 
+def lock_call(owner: str, lock_ms: int, *, release: bool = False) -> ScriptCall:
+    """reaper_lock.lua's KEYS and ARGV: take or renew the lock for ``lock_ms``, or give it up.
+    Run as a registered script (EVALSHA): the reaper asks every tick, every standby now and then."""
+    return ScriptCall("reaper_lock", [keys.REAPER_LOCK], [owner, lock_ms, *(["release"] if release else [])])
+
+
 def hold_lock(leases: Leases, owner: str, election: ReaperElection) -> bool:
     """Ask for (or renew) the reaper's lock if the election says it is time; whether we hold it."""
     now = time.monotonic()
     if not election.due(now):
         return False
-    won = bool(leases.client.eval(lua_script("reaper_lock"), 1, keys.REAPER_LOCK, owner, election.lock_ms))
+    won = bool(leases.run(lock_call(owner, election.lock_ms)))
     election.answered(won, now)
     return won
 
 
 def give_up_lock(leases: Leases, owner: str) -> bool:
     """Give the reaper's lock up if ``owner`` holds it (a clean shutdown); whether it did."""
-    return bool(leases.client.eval(lua_script("reaper_lock"), 1, keys.REAPER_LOCK, owner, 0, "release"))
+    return bool(leases.run(lock_call(owner, 0, release=True)))
 
 
 def reap_once(leases: Leases, publish: Publisher, *, owner: str, election: ReaperElection) -> list[Reaped]:

@@ -100,7 +100,7 @@ def parse_sentinel(url: str) -> SentinelURL:
     names = [p for p in path.split("/")]
     if not names or not names[0]:
         raise ValueError(f"names no master: the path after the sentinels is the master's name ({FORM})")
-    if len(names) > 2 or (len(names) == 2 and not names[1].isdigit()):
+    if len(names) > 2 or (len(names) == 2 and not (names[1].isascii() and names[1].isdigit())):
         raise ValueError(f"the path after the sentinels must be MASTER or MASTER/DB, a number ({FORM})")
     options: dict[str, str] = {}
     for name, value in parse_qsl(query, keep_blank_values=True):
@@ -129,7 +129,7 @@ def _host(part: str, unparsable: str) -> tuple[str, int]:
         host, _, port = part.partition(":")
     if not host:
         raise ValueError(f"names an empty sentinel host: {FORM}")
-    if port and not (port.isdigit() and 0 < int(port) < 65536):
+    if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):  # '²' is a digit, not to int()
         raise ValueError(unparsable)  # a "port" that is not one: part of a password, maybe
     return host, int(port) if port else DEFAULT_SENTINEL_PORT
 

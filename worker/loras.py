@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from renderfleet.errors import JobError
+from renderfleet.errors import DeviceError, JobError
 from renderfleet.spec import lora_source_problem
 
 log = logging.getLogger("renderfleet.worker")
@@ -67,7 +67,8 @@ class LoraCache:
 
     def use(self, loras: Sequence[tuple[str, float]]) -> None:
         """Set the pipeline's adapters for its next call to exactly ``loras`` (none: all off).
-        :class:`JobError` when a source may not or cannot be loaded."""
+        :class:`JobError` when a source may not or cannot be loaded; :class:`DeviceError` when the
+        accelerator failed under the load."""
         wanted = tuple((source, float(scale)) for source, scale in loras)
         if wanted == self._applied:
             return
@@ -109,7 +110,20 @@ class LoraCache:
         where, options = self._locate(source)
         try:
             self.pipe.load_lora_weights(where, adapter_name=name, use_safetensors=True, **options)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            if name not in _loaded_adapters(self.pipe):
+                # diffusers only warns when no key fits the UNet or the text encoder (another
+                # architecture's LoRA); set_adapters would then fail every call with a bare ValueError.
+                raise ValueError("none of its weights fit this model's UNet or text encoder "
+                                 "(a LoRA made for another architecture?)")
+        except Exception as exc:  # any failure to load is the job's (as a model's: WorkerService._load), but the device's
+            # A bare exception would hand the shard back for ever, counted against each worker that takes it:
+            # safetensors' SafetensorError (a git-lfs pointer, a truncated file) is no OSError or ValueError,
+            # and a library too old for another (transformers 5 wants peft 0.22 for a text encoder's LoRA)
+            # raises an ImportError.
+            from worker.render import is_device_error  # worker.render imports this module
+
+            if is_device_error(exc):  # the accelerator failed under the load: the node's, not the job's
+                raise DeviceError(f"loading lora {source!r}: {type(exc).__name__}: {exc}") from exc
             # A half-loaded adapter would be in the pipeline under this name: out with it.
             if name in _loaded_adapters(self.pipe):
                 self.pipe.delete_adapters([name])

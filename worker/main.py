@@ -151,7 +151,8 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
                                      on_signal=lambda kind: metrics.notice("none", kind))
 
         reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
-                              on_tick=worker_tick(service, *scale_in_marks(settings), health_file=settings.health_file))
+                              on_tick=worker_tick(service, *scale_in_marks(settings), health_file=settings.health_file,
+                                                  touch_seconds=touch_seconds_for(settings.lease_seconds)))
         reaper.start()
         if settings.watch_reclaim:
             watcher = ReclaimWatcher(
@@ -269,6 +270,12 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
     if pod is not None:
         marks.append(pod)
     return marks
+
+
+def touch_seconds_for(lease_seconds: float) -> float:
+    """How often a worker writes its liveness: :data:`TOUCH_SECONDS`, or half the lease when that is
+    shorter, so a reader allowing twice the lease (dispatcher/serving.py) never takes it for gone."""
+    return min(TOUCH_SECONDS, lease_seconds / 2)
 
 
 def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file: Path | None = None,

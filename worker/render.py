@@ -151,11 +151,14 @@ class Renderer:
         if should_stop():
             raise Reclaimed("stopped before the batch started")
 
-        # 3. Long prompts: embedded in 77-token chunks, a call per chunk count (prompts within
+        # 3. The job's LoRAs, before any text is embedded: a LoRA may change the text encoder.
+        self.loras.use(prompts[0].loras)
+
+        # 4. Long prompts: embedded in 77-token chunks, a call per chunk count (prompts within
         #    the limit go as text, as they always did); None: none is long, or cut at 77.
         embeds = self.long_prompts.embed(prompts) or [None] * len(prompts)
 
-        # 4. Denoise and decode: per prompt, or a call per group of prompts whose text
+        # 5. Denoise and decode: per prompt, or a call per group of prompts whose text
         #    has the same length in chunks (the batch in one call, unless long prompts split it).
         if self.batch_invariant:
             groups = [[i] for i in range(len(prompts))]
@@ -181,7 +184,7 @@ class Renderer:
         finally:
             self.last_batch_seconds = time.perf_counter() - started
 
-        # 5. One image per prompt.
+        # 6. One image per prompt.
         return out
 
     def encode(self, image: Any, prompt: Prompt) -> bytes:
@@ -213,7 +216,8 @@ class Renderer:
 
         steps, guidance, width, height, scheduler = prompts[0].render_key
         self.schedulers.use(scheduler, [p.seed for p in prompts])
-        # The job's adapters, set before every call from its settings: a call never inherits the last job's.
+        # The job's adapters, set before every call from its settings: a call never inherits the last job's
+        # (a no-op after render_images set them, as it must before embedding long prompts).
         self.loras.use(prompts[0].loras)
         text: dict[str, Any] = ({"prompt": [p.prompt for p in prompts],
                                  "negative_prompt": [p.negative_prompt for p in prompts]}

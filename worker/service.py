@@ -520,10 +520,18 @@ class WorkerService:
         if wanted and getattr(getattr(self.runner.renderer, "loaded", None), "digest", "") != wanted \
                 and (params.model_key, wanted) not in self._refreshed:
             # Our copy may be the older one (the folder or bucket changed after our load): loaded again from
-            # its source once per job digest, an s3:// copy fetched afresh.
-            self._refreshed.add((params.model_key, wanted))
+            # its source once per job digest, an s3:// copy fetched afresh.  A refresh cut short (a store
+            # outage: transient) is not one: tried again at the next delivery.
             self.wait_ending()
-            self.switch_model(*params.model_key, refresh=True)
+            cut_short = False
+            try:
+                self.switch_model(*params.model_key, refresh=True)
+            except TransientError:
+                cut_short = True
+                raise
+            finally:
+                if not cut_short:
+                    self._refreshed.add((params.model_key, wanted))
         # A folder or bucket whose files are not the job's: the job's error, never a mixture.
         check_digest(getattr(self.runner.renderer, "loaded", None), wanted)
 

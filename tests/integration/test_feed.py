@@ -161,3 +161,30 @@ def test_a_job_waits_for_the_feeder_until_its_files_are_stored(redis_server: Red
     assert Feeder(client).feed(QUEUE, target=5) == 0 and client.llen(keys.pending(spec.job)) == 2
     start_feeding(make_app(redis_server.url), client, spec, QUEUE, store=STORE)
     assert client.llen(QUEUE) == 2 and client.llen(keys.pending(spec.job)) == 0
+
+
+def test_the_shared_worker_counts_age_by_redis_clock_not_by_the_counters(redis_server: RedisServerProcess,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from renderfleet import feeder
+
+    monkeypatch.setattr(feeder, "COUNTS_SECONDS", 0.2)
+    client = redis.Redis.from_url(redis_server.url)
+
+    def register(n: int) -> None:
+        client.hset(keys.WORKERS, mapping={f"w{i}": json.dumps({"pool": "default", "store": STORE}) for i in range(n)})
+
+    register(1)
+    # A process whose clock runs a minute fast counts, then goes away.
+    fast = SimpleNamespace(time=lambda: time.time() + 60, monotonic=time.monotonic)
+    monkeypatch.setattr(feeder, "time", fast)
+    assert Feeder(client).counts() == {QUEUE: 1}
+    monkeypatch.undo()
+    monkeypatch.setattr(feeder, "COUNTS_SECONDS", 0.2)
+    register(3)
+    time.sleep(0.3)
+    # Another process (a right clock) finds the counts stale and counts again: the fast clock's
+    # stamp must not keep them "fresh" for the minute it ran ahead.
+    assert Feeder(client).counts() == {QUEUE: 3}

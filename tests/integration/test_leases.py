@@ -187,3 +187,16 @@ def test_one_process_reaps_and_a_standby_takes_over_when_it_gives_up_or_its_lock
     started = time.monotonic()
     assert wait_for(lambda: hold_lock(leases, "third", third), 10, interval=0.1, what="the lock to lapse")
     assert time.monotonic() - started <= second.lock_ms / 1000 + 1
+
+
+def test_the_reapers_lock_goes_by_its_sha_not_its_text_at_every_tick(client: redis.Redis) -> None:
+    # Every process asks now and then, the reaper every second: the script's 2.5 KB of text at each
+    # ask would be what bench/redis_scale.py (which runs it by EVALSHA) never measured.
+    leases = Leases(client, 6.0)
+    client.config_resetstat()
+    for owner in ("first", "first", "second", "first"):
+        hold_lock(leases, owner, ReaperElection(1.0))
+    assert give_up_lock(leases, "first")
+    stats = client.info("commandstats")
+    assert "cmdstat_eval" not in stats, stats.get("cmdstat_eval")
+    assert stats["cmdstat_evalsha"]["calls"] >= 5

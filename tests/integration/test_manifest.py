@@ -111,3 +111,26 @@ def test_a_manifest_of_a_hundred_thousand_prompts_streams(tmp_path: Path) -> Non
     assert count == n and pq.read_metadata(tmp_path / "big.parquet").num_rows == n
     # 100,000 rows held at once would be ~60 MB of Python objects; a batch is 10,000
     assert peak < 30 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_a_manifest_lists_the_jobs_images_once(tmp_path: Path) -> None:
+    # A job of a million images is a thousand pages of an S3 listing: one listing gives both
+    # where each image is and its size (the bytes column).
+    listed: list[str] = []
+
+    class CountingStore(LocalStore):
+        def list(self, prefix: str):  # type: ignore[no-untyped-def]
+            listed.append(prefix)
+            return super().list(prefix)
+
+    store = CountingStore(tmp_path / "store")
+    job = JobSpec(job="j-few", params=RenderParams(model="tiny"), total=3, shard_size=2, batch_size=2,
+                  prompts_key=spec.source_key("j-few", "txt", False))
+    source = tmp_path / "p.txt"
+    source.write_text("a\nb\nc\n")
+    store.put_file(job.prompts_key, source)
+    store.put(spec.spec_key(job.job), job.to_json().encode())
+    store.put(spec.images_prefix(job.job) + spec.index_name(0) + ".png", b"png bytes")
+    rows = list(manifest_rows(store, job.job))
+    assert [(r["status"], r["bytes"]) for r in rows] == [("done", 9), ("missing", None), ("missing", None)]
+    assert listed.count(spec.images_prefix(job.job)) == 1, listed

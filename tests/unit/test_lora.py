@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -200,6 +201,75 @@ def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(tiny: LoadedMode
         renderer.render([prompt(loras=((loras[0], 1.0), (str(tmp_path / "none.safetensors"), 1.0)))])
     assert renderer.render([prompt()])[0] == plain
     tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
+
+
+def test_a_lora_with_no_weights_for_this_model_is_the_jobs_error_and_is_not_kept(tiny: LoadedModel,
+                                                                                   tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # Keys of another architecture (a transformer's): diffusers only warns that none fits, and
+    # set_adapters then raised a bare ValueError, which the worker took for its own bug.
+    other = tmp_path / "other-architecture.safetensors"
+    save_file({"transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+               "transformer.blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}, str(other))
+    renderer = Renderer(tiny)
+    plain = renderer.render([prompt()])[0]
+    for _ in range(2):  # not kept warm as if loaded: the second job is refused the same way
+        with pytest.raises(JobError, match="could not be loaded: none of its weights fit"):
+            renderer.render([prompt(loras=((str(other), 1.0),))])
+    assert renderer.loras.warm == [] and tiny.pipe.get_list_adapters() == {}
+    assert renderer.render([prompt()])[0] == plain
+
+
+def test_a_lora_file_that_is_no_safetensors_is_the_jobs_error(tiny: LoadedModel, tmp_path: Path) -> None:
+    # A git-lfs pointer committed in place of the weights (or a truncated upload): safetensors raises
+    # its own SafetensorError, no OSError or ValueError; a bare exception loops the shard round the fleet.
+    pointer = tmp_path / "style.safetensors"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 9\n")
+    cache = LoraCache(tiny.pipe)
+    with pytest.raises(JobError, match="could not be loaded"):
+        cache.use([(str(pointer), 1.0)])
+    assert cache.warm == [] and tiny.pipe.get_list_adapters() == {}
+
+
+def test_a_jobs_loras_are_set_before_its_long_prompts_are_embedded(tiny: LoadedModel,
+                                                                     loras: tuple[str, str]) -> None:
+    # A long prompt's embeddings are made by the text encoder before the pipeline call, and a LoRA
+    # may change the text encoder (most of SD's do): made before the job's adapters are set, they
+    # would carry the last job's (or none), and a redelivery elsewhere would render other bytes.
+    renderer = Renderer(tiny)
+    order: list[str] = []
+    embed, use = renderer.long_prompts.embed, renderer.loras.use
+
+    def embedding(prompts: Any) -> Any:
+        order.append("embed")
+        return embed(prompts)
+
+    def using(wanted: Any) -> None:
+        order.append("use")
+        use(wanted)
+
+    renderer.long_prompts.embed = embedding  # type: ignore[method-assign]
+    renderer.loras.use = using  # type: ignore[method-assign,assignment]
+    renderer.render([prompt(prompt="a lighthouse at dusk, oil painting, waves breaking on black rocks. " * 3,
+                            loras=((loras[0], 1.0),))])
+    assert order[:2] == ["use", "embed"]
+    tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
+
+
+def test_a_device_failure_while_loading_a_lora_is_the_nodes_not_the_jobs(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from renderfleet.errors import DeviceError
+
+    def load_lora_weights(*_: object, **__: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    lora = tmp_path / "a.safetensors"
+    lora.write_bytes(b"")
+    pipe = SimpleNamespace(load_lora_weights=load_lora_weights, get_list_adapters=dict)
+    with pytest.raises(DeviceError, match="illegal memory access"):
+        LoraCache(pipe).use([(str(lora), 1.0)])
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,8 @@ def test_tls_is_rediss_sentinel_and_verifies_the_server_by_default() -> None:
     ("redis+sentinel://s1/m?ssl_ca_certs=/ca", "for rediss+sentinel:// only"),
     ("rediss+sentinel://s1/m?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of"),
     ("redis+sentinel://Xq7Zk9@s1/m", "names a user but no password"),
+    ("redis+sentinel://s1:\u00b2/m", "cannot be parsed"),  # a digit to str.isdigit, not to int()
+    ("redis+sentinel://s1/m/\u00b2", "MASTER or MASTER/DB"),
 ])
 def test_a_bad_sentinel_url_is_refused_saying_why(url: str, why: str) -> None:
     problem = redis_url_problem(url)

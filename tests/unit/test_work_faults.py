@@ -212,7 +212,7 @@ def test_a_plain_render_failure_still_counts_against_the_worker(tmp_path: Path) 
 # ---- the service keeps its model ----------------------------------------------------
 
 
-def service(tmp_path: Path, load: Callable[[str], Any]) -> WorkerService:
+def service(tmp_path: Path, load: Callable[..., Any]) -> WorkerService:
     # Nothing listens on this port: the service's counters are best effort here.
     client = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
     return WorkerService(settings=Settings(home=tmp_path), client=client, store=LocalStore(tmp_path / "store"),
@@ -278,6 +278,46 @@ def test_a_store_outage_while_fetching_a_model_still_gives_the_worker_its_own_ba
         svc.switch_model("s3://models/sdxl")  # transient: the shard is handed back, not failed
     assert svc.model == "tiny" and isinstance(svc.runner.renderer, Renderer)
     assert ("s3://models/sdxl", "", "") not in svc._failed_loads  # a later try may load it
+    svc.runner.close()
+
+
+def test_a_refresh_cut_short_by_a_store_outage_is_tried_again_not_taken_for_changed_files(tmp_path: Path) -> None:
+    digest = "s3-etags-sha256:" + "1" * 64
+    outage = [True]
+    loads: list[bool] = []
+
+    def load(model: str, revision: str, variant: str, refresh: bool) -> Renderer:
+        loads.append(refresh)
+        if refresh and outage[0]:
+            raise StoreError("S3 503 while fetching the model afresh")
+        renderer = Renderer()
+        renderer.loaded = SimpleNamespace(model=model, digest=digest if refresh else "")  # type: ignore[attr-defined]
+        return renderer
+
+    svc = service(tmp_path, load)
+    job = RenderParams(model="tiny", model_digest=digest)
+    with pytest.raises(StoreError):
+        svc.use_model(job)  # transient: the shard is handed back
+    outage[0] = False
+    svc.use_model(job)  # the next delivery fetches afresh and renders: the files are the job's
+    assert loads == [True, False, True]
+    # a refresh that fails for good (the prefix emptied) is the job's error, and not tried at each delivery
+    gone = RenderParams(model="tiny", model_digest="s3-etags-sha256:" + "2" * 64)
+    load_error = ModelLoadError("model 'tiny': nothing found under that prefix")
+
+    def failing(model: str, revision: str, variant: str, refresh: bool) -> Renderer:
+        if refresh:
+            loads.append(refresh)
+            raise load_error
+        return load(model, revision, variant, refresh)  # our own model back (recorded there)
+
+    svc.load_model = failing
+    with pytest.raises(ModelLoadError):
+        svc.use_model(gone)
+    svc._failed_loads.clear()  # long after: past the failed loads' memory
+    with pytest.raises(ModelLoadError, match="changed since the job was submitted"):
+        svc.use_model(gone)
+    assert loads[3:] == [True, False]  # one refresh, our model back, then refused without a load
     svc.runner.close()
 
 
