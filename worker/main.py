@@ -25,6 +25,7 @@ from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
+from worker.ledger import TOUCH_SECONDS
 from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_label, model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
@@ -40,7 +41,6 @@ EXIT_DEVICE = 4  # its accelerator failed (a CUDA error, not out of memory): rep
 # While Redis cannot be reached at start-up: one attempt a second, one log line this often.
 WAIT_LOG_SECONDS = 5.0
 # A scale-in mark (EC2 protection, pod-deletion-cost) the API refused is tried again after this long.
-TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
 MARK_RETRY_SECONDS = 15.0
 
 
@@ -282,7 +282,8 @@ def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file:
     The registry's liveness (``service.touch``) is written every ``touch_seconds``,
     not at every tick: a round trip a second per worker was a third of what a
     fleet asked of Redis (bench/redis_scale.py), and its readers allow twice the
-    lease (dispatcher/serving.py).
+    lease (dispatcher/serving.py); a busy worker's heartbeats carry it, and its
+    touch writes nothing (``worker.ledger.Liveness``).
     """
     retry_at = [0.0] * len(marks)
     touched_at = [float("-inf")]
