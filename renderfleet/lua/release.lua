@@ -36,19 +36,9 @@ local queue, tag, requeue, message, rtag = l[1], l[2], l[3], l[4], l[5]
 local missing = 0
 local finish = outcome == 'done'
 if finish then
-  -- One BITFIELD GET per bitmap and per 256 prompts, not two GETBITs a prompt.
-  for from = first, first + count - 1, 256 do
-    local get = {}
-    for i = from, math.min(first + count - 1, from + 255) do
-      get[#get + 1] = 'GET'
-      get[#get + 1] = 'u1'
-      get[#get + 1] = i
-    end
-    local done, failed = redis.call('BITFIELD', done_bits, unpack(get)), redis.call('BITFIELD', failed_bits, unpack(get))
-    for k = 1, #done do
-      if done[k] == 0 and failed[k] == 0 then
-        missing = missing + 1
-      end
+  for i = first, first + count - 1 do
+    if redis.call('GETBIT', done_bits, i) == 0 and redis.call('GETBIT', failed_bits, i) == 0 then
+      missing = missing + 1
     end
   end
   if missing > 0 then

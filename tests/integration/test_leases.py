@@ -243,8 +243,8 @@ def test_a_beat_can_carry_the_workers_liveness_by_redis_clock(client: redis.Redi
     assert client.hget(keys.WORKERS, "w1") == b"newer"
 
 
-def test_a_commit_counts_each_prompt_once_as_the_bit_by_bit_model_does(client: redis.Redis) -> None:
-    """commit.lua writes each bitmap with BITFIELD: the same bits, counts and left as one SETBIT a prompt."""
+def test_a_commit_counts_each_prompt_once_done_winning_and_release_proves_the_span(client: redis.Redis) -> None:
+    """commit.lua against a model of its rules: each prompt counted once, done wins, undone counts as left again."""
     import random
 
     rng = random.Random(27)
