@@ -6,14 +6,17 @@ N simulated workers run the fleet's own Redis traffic at its own rates against o
 * **take**: kombu's part (RPOP of an envelope the feeder built, then its ``unacked`` entry, as
   kombu's Redis transport writes it; dropped again at the ack), the claim (``claim.lua``, after
   the HGET of ``unacked`` that ``Leases.claim`` does), the feed after the take (``feed.lua``);
-* **heartbeat** every ``heartbeat_seconds`` (1.5 s) while a shard runs (``heartbeat.lua``);
-* **a batch** every 2 to 10 s (uniform), ``--batch`` prompts of a shard of 64: the fence check
-  (``Leases.current``), the count (``commit.lua``) and the ledger's counters pipeline
-  (``RedisLedger._bump``: worker, pool, job, minute, progress);
-* **the end** of a shard: ``release.lua`` (done, or a hand-back to the front for ``--handback``
-  of them: a spot reclaim), and the worker's "doing" field;
-* **the worker tick** every ``reap_seconds`` (1 s): the reaper (``reap.lua`` behind its lock),
-  the registry touch (``rf:workers``, ``rf:worker:<id>``) and the feed;
+* **heartbeat** every ``heartbeat_seconds`` (1.5 s) while a shard runs (``heartbeat.lua``: a small
+  beat, every other one carrying the worker's liveness; the payload only for a lease Redis lost);
+* **a batch** every 2 to 10 s (uniform), ``--batch`` prompts of a shard of 64, as ``ShardRunner``
+  and ``RedisLedger`` make it: ``record_start``'s counters, the fence check carrying the rendered
+  batch's counters (worker, pool, job, minute, progress), a second fence check, the count
+  (``commit.lua``);
+* **the end** of a shard: the recount (``commit.lua``), ``release.lua`` (done, or a hand-back to
+  the front for ``--handback`` of them: a spot reclaim), and the worker's "doing" field;
+* **the worker tick** every ``reap_seconds`` (1 s): the reaper (``reap.lua`` behind its lock, a
+  standby asking now and then), the registry touch (``rf:workers``, ``rf:worker:<id>``, while no
+  heartbeat carries it) and the feed;
 * **the monitor**: the real ``Monitor`` pieces in a thread of the parent process (``reap_once``,
   ``Feeder.feed``, the audit ``Leases.suspects``) every second, the audit every ``--audit-seconds``.
 
@@ -105,10 +108,11 @@ from renderfleet.leases import (
     release_call,
     requeue_payload,
 )
-from renderfleet.reaper import ReaperElection, reap_once
+from renderfleet.reaper import ReaperElection, lock_answer, lock_call, reap_once
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams
-from renderfleet.states import ClaimAnswer, Release
+from renderfleet.states import Beat, ClaimAnswer, Release
+from worker.ledger import Liveness
 from worker.main import TOUCH_SECONDS
 
 SHARD_SIZE = 64
@@ -222,12 +226,15 @@ class SimWorker:
         self.counts: dict[str, int] = {}
         self.counts_at = float("-inf")
         self.touched = float("-inf")
+        self.liveness = Liveness()  # mirrors WorkerService.liveness: a busy worker's beats carry it
 
     def new_id(self) -> None:
         self.id = f"sim-{self.index}-{uuid.uuid4().hex[:6]}"
         self.owner = uuid.uuid4().hex
         self.registration = json.dumps({"worker": self.id, "pool": POOL, "store": STORE, "model": "tiny",
                                         "device": "cpu", "host": "sim", "pid": os.getpid(), "started": time.time()})
+        self.liveness = Liveness()
+        self.liveness.registration = self.registration
 
     async def register(self) -> None:
         pipe = self.r.pipeline(transaction=False)  # mirrors WorkerService.register
@@ -289,13 +296,17 @@ class SimWorker:
                 if await self.r.set(keys.REAPER_LOCK, self.owner, nx=True, px=int(self.cfg.reap_s * 900)):
                     await self.reap()
             elif self.election.due(time.monotonic()):
-                won = bool(await self.sim.lock(keys=[keys.REAPER_LOCK], args=[self.owner, self.election.lock_ms]))
-                self.election.answered(won, time.monotonic())
+                call = lock_call(self.owner, self.election.lock_ms)
+                won, workers = lock_answer(await self.sim.lock(keys=call.keys, args=call.args))
+                self.election.answered(won, time.monotonic(), workers)
                 if won:
                     await self.reap()
-            if self.cfg.before or time.monotonic() - self.touched >= TOUCH_SECONDS:
+            touch = self.cfg.before or time.monotonic() - self.touched >= TOUCH_SECONDS
+            if touch:
                 self.touched = time.monotonic()
-                pipe = self.r.pipeline(transaction=False)  # mirrors WorkerService.touch
+            # mirrors WorkerService.touch: nothing to write while a heartbeat carries the liveness
+            if touch and (self.cfg.before or not self.liveness.fresh()):
+                pipe = self.r.pipeline(transaction=False)
                 pipe.hset(keys.worker_stats(self.id), "last_seen", f"{time.time():.3f}")
                 pipe.hsetnx(keys.WORKERS, self.id, self.registration)
                 await pipe.execute()
@@ -344,9 +355,17 @@ class SimWorker:
         await pipe.execute()
 
     async def beat(self) -> None:
+        # mirrors Leases.heartbeat and LeaseKeeper.run: a small beat, now and then carrying the liveness;
+        # the payload only when Redis answers that the lease is missing
         lease = self.lease
         if lease is not None:
-            await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms))
+            registration = self.liveness.to_carry(self.cfg.heartbeat_s)
+            beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration))
+            if int(beat) == Beat.MISSING:
+                await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration,
+                                                  recreate=True))
+            if registration:
+                self.liveness.carried()
 
     async def shard(self) -> None:
         """Batches every 2 to 10 s until the shard's prompts are counted, then its release."""
@@ -365,10 +384,22 @@ class SimWorker:
                 if self.sim.measuring:
                     self.sim.stats.due += 1
                     self.sim.stats.done += 1
-                await self.r.hget(keys.attempts(lease.job), str(lease.shard))  # RedisLedger.check
                 done = list(range(at, min(at + self.cfg.batch, first + SHARD_SIZE)))
+                # mirrors ShardRunner's batch: record_start (its counters, sent at once)...
+                pipe = self.r.pipeline(transaction=False)
+                self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1})
+                await pipe.execute()
+                # ...(the render)...  _commit_batch: RedisLedger.check, carrying the rendered batch's counters
+                # (record_batch); the images; check again; the checkpoint; the count
+                pipe = self.r.pipeline(transaction=False)
+                self.counters(pipe, lease, {"images": len(done), "batches": 1, "render_ms": 5000, "mps_milli": 1000,
+                                            "progress": len(done)})
+                pipe.hget(keys.attempts(lease.job), str(lease.shard))
+                await pipe.execute()
+                await self.r.hget(keys.attempts(lease.job), str(lease.shard))
                 await self.sim.run(commit_call(lease, done, []))
-                await self.bump(lease, len(done))
+            if not handback:  # ShardRunner._count_stored: the shard's recount, as the store holds it
+                await self.sim.run(commit_call(lease, list(range(first, first + SHARD_SIZE)), []))
             outcome = Release.FRONT if handback else Release.DONE
             await self.sim.run(release_call(lease, outcome, first if not handback else 0,
                                             SHARD_SIZE if not handback else 0))
@@ -380,19 +411,24 @@ class SimWorker:
                 self.lease = None
             beats.cancel()
 
-    async def bump(self, lease: Lease, images: int) -> None:
-        # mirrors worker.ledger.RedisLedger._bump (record_batch)
-        fields = {"images": images, "batches": 1, "render_ms": 5000, "mps_milli": 1000}
-        pipe = self.r.pipeline(transaction=False)
+    def counters(self, pipe: Any, lease: Lease, fields: dict[str, int]) -> None:
+        # mirrors worker.ledger.RedisLedger._add_counters
+        progress = fields.pop("progress", 0)
         for key in (keys.worker_stats(self.id), keys.pool_stats(POOL, "scale")):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
         for name, value in fields.items():
             pipe.hincrby(keys.job_stats(lease.job), f"{name}.{POOL}" if name in ("images", "render_ms") else name,
                          value)
-        pipe.lpush(keys.progress(lease.job), f"{time.time():.3f} {images}")
-        pipe.ltrim(keys.progress(lease.job), 0, keys.PROGRESS_KEEP - 1)
-        await pipe.execute()
+        recent = {name: value for name, value in fields.items() if name in keys.RECENT_FIELDS}
+        if recent:
+            minute = keys.pool_recent(POOL, int(time.time() // keys.RECENT_BUCKET_SECONDS), "scale")
+            for name, value in recent.items():
+                pipe.hincrby(minute, name, value)
+            pipe.expire(minute, keys.RECENT_KEEP_SECONDS)
+        if progress:
+            pipe.lpush(keys.progress(lease.job), f"{time.time():.3f} {progress}")
+            pipe.ltrim(keys.progress(lease.job), 0, keys.PROGRESS_KEEP - 1)
 
     async def live(self, stop: asyncio.Event) -> None:
         await asyncio.sleep(random.uniform(0, self.cfg.ramp_s))
@@ -642,6 +678,21 @@ def describe(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def commandstats(f: dict[str, Any]) -> str:
+    """Every command Redis ran in the window (``INFO commandstats``): calls and µs a second per
+    worker, µs a call, and its share of the commands' time.  A script's own commands are counted
+    again under their own names (Redis 7), so the shares add up to more than 100 % with EVALSHA's."""
+    n, wall = f["workers"], f["wall"]
+    total = sum(v[1] for v in f["commands"].values()) or 1
+    lines = [f"  commandstats (N={n:,}): command, calls a second per worker, µs a second per worker, µs a call, "
+             f"share of command time; commands' time {total / wall / n:.1f} µs a second per worker of "
+             f"{f['redis_cpu'] * 1e6 / n:.1f} µs of CPU"]
+    for name, (calls, usec, per) in sorted(f["commands"].items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"    {name:16s} {calls / wall / n:7.3f}/s {usec / wall / n:7.2f} µs/s {per:6.2f} µs "
+                     f"{usec / total * 100:5.1f} %")
+    return "\n".join(lines)
+
+
 def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
     out = []
     for f in figures:
@@ -717,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm", type=float, default=None, help="seconds before measuring (default: ramp + 8)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the file whose section is written")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    p.add_argument("--commandstats", action="store_true", help="also print every command's calls and time")
     args = p.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -734,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
                              audit_seconds=args.audit_seconds, workdir=Path(tmp), batch=args.batch,
                              lease_s=args.lease, warm_s=args.warm)
                 print(describe(f), flush=True)
+                if args.commandstats:
+                    print(commandstats(f), flush=True)
                 figures.append(f)
     cmd = command() if argv is None else " ".join(["python -m bench.redis_scale", *map(shlex.quote, argv)])
     text = report(figures, cmd, args)

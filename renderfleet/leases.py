@@ -180,12 +180,17 @@ def claim_call(job: str, shard: int, *, worker: str, queue: str, tag: str, messa
         keys.QUEUED_PREFIX, envelope_tag(requeue)])
 
 
-def heartbeat_call(lease: Lease, lease_ms: int) -> ScriptCall:
+def heartbeat_call(lease: Lease, lease_ms: int, *, registration: str = "", recreate: bool = False) -> ScriptCall:
+    """A beat: renew the lease; with ``registration``, also write the worker's liveness (what
+    ``WorkerService.touch`` writes); with ``recreate``, the payload that re-creates a missing lease
+    (kombu's envelope and the message, a kilobyte or more: only after a beat answered MISSING)."""
+    args: list[str | int] = [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms, registration]
+    if recreate:
+        args += [lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag]
     return ScriptCall("heartbeat", [
         keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
-        keys.lease(lease.job, lease.shard),
-    ], [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms,
-        lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag])
+        keys.lease(lease.job, lease.shard), keys.worker_stats(lease.worker), keys.WORKERS,
+    ], args)
 
 
 def commit_call(lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> ScriptCall:
@@ -206,6 +211,11 @@ def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0)
 def reap_call(limit: int = 100) -> ScriptCall:
     return ScriptCall("reap", [keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
                       [limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX])
+
+
+def is_current(lease: Lease, latest: bytes | str | None) -> bool:
+    """Whether ``latest`` (the shard's field of ``keys.attempts``) says no newer attempt than ``lease``'s exists."""
+    return latest is None or int(latest) <= lease.attempt
 
 
 def finished_from(result: object, outcome: Release) -> Finished:
@@ -266,15 +276,25 @@ class Leases:
             return answer, None
         return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue))
 
-    def heartbeat(self, lease: Lease) -> Beat:
-        """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch."""
-        result = self.run(heartbeat_call(lease, self.lease_ms))
-        return Beat(int(result))
+    def heartbeat(self, lease: Lease, registration: str = "") -> Beat:
+        """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.
+        ``registration``: the beat also writes the worker's liveness (see :func:`heartbeat_call`).
 
-    def current(self, lease: Lease) -> bool:
-        """Whether no newer attempt has claimed the shard (one read, for a fence check before a store write)."""
-        latest = self.client.hget(keys.attempts(lease.job), str(lease.shard))
-        return latest is None or int(latest) <= lease.attempt
+        A beat is small; only when Redis answers that the lease is missing (it lost its memory, or a
+        reaper took it) is the call made again with the payload that re-creates it."""
+        beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration))))
+        if beat is Beat.MISSING:
+            beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration,
+                                                    recreate=True))))
+        return beat
+
+    def current(self, lease: Lease, pipe: redis.client.Pipeline | None = None) -> bool:
+        """Whether no newer attempt has claimed the shard (one read, for a fence check before a store write);
+        ``pipe``: commands sent in the same round trip, before the read (a ledger's counters)."""
+        if pipe is None:
+            return is_current(lease, self.client.hget(keys.attempts(lease.job), str(lease.shard)))
+        pipe.hget(keys.attempts(lease.job), str(lease.shard))
+        return is_current(lease, pipe.execute()[-1])
 
     def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int],
                undone: Sequence[int] = ()) -> tuple[int, int]:

@@ -3,13 +3,15 @@
 Every worker runs one in a thread, and so does the dispatcher's monitor, but
 one of them reaps: the holder of a lock (``keys.REAPER_LOCK``,
 ``renderfleet/lua/reaper_lock.lua``) that it renews at every tick.  The others
-ask for it only every few seconds (:class:`ReaperElection`), so the fleet's
-reaper traffic does not grow with the fleet: before issue 27 every worker
-tried the lock every second (N commands a second, bench/redis_scale.py).  The
-Lua script is atomic anyway: the election only saves round trips.  This is what
-brings a SIGKILLed worker's shard back within seconds instead of Celery's
-visibility timeout; a SIGKILLed reaper is replaced once its lock lapses
-(:data:`LOCK_TICKS` ticks) and a standby asks (within :data:`STANDBY_SECONDS`).
+ask for it only every few seconds, less often the larger the fleet
+(:class:`ReaperElection`), so the fleet's reaper traffic does not grow with the
+fleet: before issue 27 every worker tried the lock every second (N commands a
+second, bench/redis_scale.py).  The Lua script is atomic anyway: the election
+only saves round trips.  This is what brings a SIGKILLed worker's shard back
+within seconds instead of Celery's visibility timeout; a SIGKILLed reaper is
+replaced once its lock lapses (:data:`LOCK_TICKS` ticks) and a standby asks:
+one process within :data:`STANDBY_SECONDS`, and in a fleet of N the standbys
+between them about :data:`FLEET_ASKS` times a second or more.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -32,12 +35,19 @@ Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
 
 
 LOCK_TICKS = 2  # the lock lapses after this many ticks without its holder renewing it
-STANDBY_SECONDS = 3.0  # a process that is not the reaper asks for the lock about this often (0.5x to 1x)
+STANDBY_SECONDS = 3.0  # a process that is not the reaper asks for the lock about this often (0.5x to 1x)...
+# ...or, in a larger fleet, so that the fleet's standbys ask about this often a second between them
+# (each every workers / FLEET_ASKS seconds, at most STANDBY_MAX_SECONDS): before, every worker asked
+# every 1.5 to 3 s, a script and a round trip each, a tenth of what a 1,000-worker fleet cost Redis
+# (bench/redis_scale.py).  A lapsed lock is still taken within a second or so, by one of many.
+FLEET_ASKS = 50.0
+STANDBY_MAX_SECONDS = 30.0
 
 
 class ReaperElection:
     """When this process asks for the reaper's lock: at every tick while it holds it (a renewal),
-    else after a standby of :data:`STANDBY_SECONDS` (jittered, so a fleet's asks spread out)."""
+    else after a standby of :data:`STANDBY_SECONDS`, longer in a large fleet (:data:`FLEET_ASKS`),
+    jittered so that a fleet's asks spread out."""
 
     def __init__(self, interval: float, standby_seconds: float = STANDBY_SECONDS):
         self.lock_ms = max(200, int(interval * 1000 * LOCK_TICKS))
@@ -49,16 +59,26 @@ class ReaperElection:
         """Whether to ask for (or renew) the lock at this tick."""
         return now >= self._next
 
-    def answered(self, won: bool, now: float) -> None:
-        """What the lock said at ``now`` (monotonic seconds)."""
+    def standby_for(self, workers: int) -> float:
+        """How long a standby waits between asks (at most) in a fleet of ``workers`` registered workers."""
+        return max(self.standby, min(STANDBY_MAX_SECONDS, workers / FLEET_ASKS))
+
+    def answered(self, won: bool, now: float, workers: int = 0) -> None:
+        """What the lock said at ``now`` (monotonic seconds), and how many workers are registered."""
         self.held = won
-        self._next = float("-inf") if won else now + random.uniform(0.5, 1.0) * self.standby
+        self._next = float("-inf") if won else now + random.uniform(0.5, 1.0) * self.standby_for(workers)
 
 
 def lock_call(owner: str, lock_ms: int, *, release: bool = False) -> ScriptCall:
-    """reaper_lock.lua's KEYS and ARGV: take or renew the lock for ``lock_ms``, or give it up.
-    Run as a registered script (EVALSHA): the reaper asks every tick, every standby now and then."""
-    return ScriptCall("reaper_lock", [keys.REAPER_LOCK], [owner, lock_ms, *(["release"] if release else [])])
+    """reaper_lock.lua's KEYS and ARGV: ask for (or renew) the lock, or give it up (also run by
+    bench/redis_scale.py)."""
+    return ScriptCall("reaper_lock", [keys.REAPER_LOCK, keys.WORKERS],
+                      [owner, 0, "release"] if release else [owner, lock_ms])
+
+
+def lock_answer(reply: Any) -> tuple[bool, int]:
+    """What reaper_lock.lua's answer to an ask means: (held, workers registered)."""
+    return int(reply[0]) == 1, int(reply[1])
 
 
 def hold_lock(leases: Leases, owner: str, election: ReaperElection) -> bool:
@@ -66,8 +86,8 @@ def hold_lock(leases: Leases, owner: str, election: ReaperElection) -> bool:
     now = time.monotonic()
     if not election.due(now):
         return False
-    won = bool(leases.run(lock_call(owner, election.lock_ms)))
-    election.answered(won, now)
+    won, workers = lock_answer(leases.run(lock_call(owner, election.lock_ms)))
+    election.answered(won, now, workers)
     return won
 
 

@@ -44,6 +44,9 @@ class Beat(IntEnum):
     RENEWED = 1
     RECREATED = 2  # Redis had lost the lease (a restart): made again
     CANCELLED = 3  # renewed, but the job is cancelled: stop at the next batch boundary
+    # The lease is missing and the beat did not carry what re-creates it: Leases.heartbeat calls
+    # again with it (never seen by a keeper).
+    MISSING = 4
 
 
 class TaskOutcome(StrEnum):

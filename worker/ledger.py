@@ -6,6 +6,13 @@ metrics exporter and ``bench``) read cheaply are bumped here: per worker and
 per pool, images, batches, render milliseconds, wasted renders.  The same
 calls feed the worker's own Prometheus metrics (``worker/metrics.py``) when it
 has them: the runner reports each batch here, so it holds no metric itself.
+
+Round trips are what a fleet costs Redis (docs/design.md, "How far one Redis
+carries the fleet"), so a rendered batch's counters are not sent on their own:
+they ride on the ledger's next call, the fence check that comes before the
+batch's store writes (or whichever call comes first; :meth:`RedisLedger.flush`
+at the shard's end), and a busy worker's liveness rides on its heartbeat
+(:class:`Liveness`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,42 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("renderfleet.ledger")
 
+TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
+
+
+def touch_seconds_for(lease_seconds: float) -> float:
+    """How often a worker writes its liveness: :data:`TOUCH_SECONDS`, or half the lease when that is
+    shorter, so a reader allowing twice the lease (dispatcher/serving.py) never takes it for gone."""
+    return min(TOUCH_SECONDS, lease_seconds / 2)
+
+
+class Liveness:
+    """A worker's liveness (``last_seen`` in its stats hash, and its registration should Redis
+    have lost it): written by its tick (``WorkerService.touch``) every :data:`TOUCH_SECONDS`,
+    unless a heartbeat carried it meanwhile.  So a busy worker stays listed with no round trip
+    of its own: one every 3 s was a fifth of a busy worker's round trips (bench/redis_scale.py).
+    """
+
+    def __init__(self, every: float = TOUCH_SECONDS):
+        self.every = every
+        self.registration = ""  # the worker's JSON registration (WorkerService.register)
+        self._carried = float("-inf")  # monotonic time of the last heartbeat that carried it
+
+    def to_carry(self, interval: float) -> str:
+        """The registration, for a heartbeat due to carry the liveness (every other beat at the
+        defaults: before the tick would write it), or ''."""
+        if not self.registration or time.monotonic() - self._carried < self.every - interval / 2:
+            return ""
+        return self.registration
+
+    def carried(self) -> None:
+        """A heartbeat wrote the liveness."""
+        self._carried = time.monotonic()
+
+    def fresh(self) -> bool:
+        """Whether a heartbeat wrote it within :data:`TOUCH_SECONDS`: the tick has nothing to write."""
+        return time.monotonic() - self._carried < self.every
+
 
 class RedisLedger:
     """Commits, failure counts and stats for one lease."""
@@ -49,6 +92,10 @@ class RedisLedger:
         self.metrics = metrics
         self._batches_started = False  # a commit before the first batch recounts what is stored: skipped
         self._rendered_uncommitted = False  # a batch rendered and not yet committed: lost if fenced now
+        # Counters of rendered batches not yet sent (record_batch, in the render thread): sent with the
+        # next call (check, in the commit thread; or record_start, record_waste, flush).
+        self._unsent: dict[str, int] = {}
+        self._unsent_lock = threading.Lock()
 
     def check(self) -> None:
         """Raise Reclaimed(fenced=True) if a newer attempt holds the shard.
@@ -57,8 +104,11 @@ class RedisLedger:
         from a pause longer than its lease must learn it was fenced *before* its
         next store write, not at its next heartbeat.
         """
-        if not self.stop.fenced and not self.leases.current(self.lease):
+        unsent = self._carrying()  # the last batch's counters: one round trip with the read
+        if not self.stop.fenced and not self.leases.current(self.lease, unsent):
             self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded", fenced=True)
+        elif self.stop.fenced and unsent is not None:
+            unsent.execute()
         if self.stop.fenced:
             if self.metrics and self._rendered_uncommitted:
                 self._rendered_uncommitted = False
@@ -88,8 +138,32 @@ class RedisLedger:
             self.metrics.images(ImageOutcome.FAILED)
         return count
 
-    def _bump(self, *, progress: int = 0, **fields: int) -> None:
+    def _bump(self, **fields: int) -> None:
+        pipe = self._carrying() or self.client.pipeline(transaction=False)
+        self._add_counters(pipe, fields)
+        pipe.execute()
+
+    def flush(self) -> None:
+        """Send the counters of rendered batches that no call has carried yet (the shard's end)."""
+        pipe = self._carrying()
+        if pipe is not None:
+            pipe.execute()
+
+    def _carrying(self) -> redis.client.Pipeline | None:
+        """A pipeline holding the counters not yet sent (taken: a failed call loses them, as a failed bump
+        did), or None when there are none."""
+        with self._unsent_lock:
+            unsent, self._unsent = self._unsent, {}
+        if not unsent:
+            return None
         pipe = self.client.pipeline(transaction=False)
+        self._add_counters(pipe, unsent)
+        return pipe
+
+    def _add_counters(self, pipe: redis.client.Pipeline, fields: dict[str, int]) -> None:
+        """The counters' commands (``progress``: images for the job's progress list): as before issue 27,
+        when each call had its own round trip."""
+        progress = fields.pop("progress", 0)
         for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool, self.store_tag)):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
@@ -110,7 +184,6 @@ class RedisLedger:
         if progress and not self.stop.fenced:
             pipe.lpush(keys.progress(self.lease.job), f"{time.time():.3f} {progress}")
             pipe.ltrim(keys.progress(self.lease.job), 0, keys.PROGRESS_KEEP - 1)
-        pipe.execute()
 
     def record_start(self, images: int) -> None:
         self._batches_started = True
@@ -119,8 +192,11 @@ class RedisLedger:
     def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
         # mps_milli: the work those milliseconds bought, so the autoscaler can turn a
         # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
-        self._bump(images=images, batches=1, render_ms=int(seconds * 1000), mps_milli=int(megapixel_steps * 1000),
-                   progress=images)
+        fields = {"images": images, "batches": 1, "render_ms": int(seconds * 1000),
+                  "mps_milli": int(megapixel_steps * 1000), "progress": images}
+        with self._unsent_lock:  # sent with the next call: the fence check before its store writes
+            for name, value in fields.items():
+                self._unsent[name] = self._unsent.get(name, 0) + value
         if self.metrics:
             self._rendered_uncommitted = True
             self.metrics.batch(seconds)
@@ -141,10 +217,12 @@ class LeaseKeeper(threading.Thread):
     itself rather than keep writing as a stale holder.  A renewal that says
     the job is cancelled sets ``cancel``, this shard's own flag: the runner
     stops at the next batch boundary and the worker goes on with other work.
+    With ``liveness``, a beat now and then carries the worker's liveness too.
     """
 
     def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float, *,
-                 on_retry: RetryHook | None = None, cancel: threading.Event | None = None):
+                 on_retry: RetryHook | None = None, cancel: threading.Event | None = None,
+                 liveness: Liveness | None = None):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
         self.leases = leases
         self.lease = lease
@@ -153,13 +231,15 @@ class LeaseKeeper(threading.Thread):
         self.interval = interval
         self.lease_seconds = lease_seconds
         self.on_retry = on_retry
+        self.liveness = liveness
         self._done = threading.Event()
 
     def run(self) -> None:
         renewed = time.monotonic()
         while not self._done.wait(self.interval):
+            registration = self.liveness.to_carry(self.interval) if self.liveness else ""
             try:
-                ok = self.leases.heartbeat(self.lease)
+                ok = self.leases.heartbeat(self.lease, registration)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if time.monotonic() - renewed > self.lease_seconds and not self._done.is_set():
                     log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member,
@@ -170,6 +250,8 @@ class LeaseKeeper(threading.Thread):
                 if self.on_retry is not None:
                     self.on_retry("heartbeat", "timeout" if isinstance(exc, redis.TimeoutError) else "connection")
                 continue
+            if registration and self.liveness:
+                self.liveness.carried()
             if self._done.is_set():
                 return  # closed while the call was in flight: the shard is over
             if not ok:

@@ -25,6 +25,7 @@ from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
+from worker.ledger import TOUCH_SECONDS, touch_seconds_for
 from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_label, model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
@@ -40,7 +41,6 @@ EXIT_DEVICE = 4  # its accelerator failed (a CUDA error, not out of memory): rep
 # While Redis cannot be reached at start-up: one attempt a second, one log line this often.
 WAIT_LOG_SECONDS = 5.0
 # A scale-in mark (EC2 protection, pod-deletion-cost) the API refused is tried again after this long.
-TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
 MARK_RETRY_SECONDS = 15.0
 
 
@@ -272,12 +272,6 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
     return marks
 
 
-def touch_seconds_for(lease_seconds: float) -> float:
-    """How often a worker writes its liveness: :data:`TOUCH_SECONDS`, or half the lease when that is
-    shorter, so a reader allowing twice the lease (dispatcher/serving.py) never takes it for gone."""
-    return min(TOUCH_SECONDS, lease_seconds / 2)
-
-
 def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file: Path | None = None,
                 retry_seconds: float = MARK_RETRY_SECONDS, touch_seconds: float = TOUCH_SECONDS) -> Callable[[], None]:
     """What the worker does at every reaper tick: liveness, its queue topped up from the
@@ -289,7 +283,8 @@ def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file:
     The registry's liveness (``service.touch``) is written every ``touch_seconds``,
     not at every tick: a round trip a second per worker was a third of what a
     fleet asked of Redis (bench/redis_scale.py), and its readers allow twice the
-    lease (dispatcher/serving.py).
+    lease (dispatcher/serving.py); a busy worker's heartbeats carry it, and its
+    touch writes nothing (``worker.ledger.Liveness``).
     """
     retry_at = [0.0] * len(marks)
     touched_at = [float("-inf")]

@@ -33,7 +33,7 @@ from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_proble
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
-from worker.ledger import LeaseKeeper, RedisLedger
+from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
 from worker.render import is_device_error
 from worker.runner import PendingShard, ShardRunner
@@ -128,7 +128,8 @@ class WorkerService:
         self.failed_streak = 0
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
-        self._registration = ""
+        # Its registration, and when a busy worker's heartbeat last carried its liveness (its tick's touch skipped).
+        self.liveness = Liveness(touch_seconds_for(settings.lease_seconds))
         self._lease: Lease | None = None  # the shard being handled, if any
         self._ending: Future[Outcome] | None = None  # the shard before, ending in the commit thread
         self._failed_loads: dict[tuple[str, str, str], tuple[float, ModelLoadError]] = {}  # by model key
@@ -182,9 +183,9 @@ class WorkerService:
         info = {"worker": self.worker_id, "pool": self.settings.pool, "store": store_identity(self.store.url),
                 "model": self.model, "device": device, "host": socket.gethostname(), "pid": os.getpid(),
                 "started": time.time(), **({"queues": queues} if queues is not None else {})}
-        self._registration = json.dumps(info)
+        self.liveness.registration = json.dumps(info)
         pipe = self.client.pipeline()
-        pipe.hset(keys.WORKERS, self.worker_id, self._registration)
+        pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
         pool = self.settings.pools.get(self.settings.pool)
         if pool is not None and pool.price_per_hour > 0:  # its config knows its pool's price: status counts costs
             pipe.hset(keys.prices(self.store_tag), self.settings.pool, f"{pool.price_per_hour:g}")
@@ -194,10 +195,13 @@ class WorkerService:
         pipe.execute()
 
     def touch(self) -> None:
-        """Liveness for status; re-registers if Redis lost its memory."""
+        """Liveness for status; re-registers if Redis lost its memory.  Nothing to write while a
+        heartbeat carries it (a busy worker: :class:`~worker.ledger.Liveness`)."""
+        if self.liveness.fresh():
+            return
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
-        pipe.hsetnx(keys.WORKERS, self.worker_id, self._registration)
+        pipe.hsetnx(keys.WORKERS, self.worker_id, self.liveness.registration)
         pipe.execute()
 
     def unregister(self) -> None:
@@ -281,7 +285,7 @@ class WorkerService:
         cancel = threading.Event()  # this shard's job was cancelled (the keeper hears it, the runner stops)
         keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
                              self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None,
-                             cancel=cancel)
+                             cancel=cancel, liveness=self.liveness)
         keeper.start()
         ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, store_tag=self.store_tag,
                              metrics=self.metrics, cancel=cancel)
@@ -305,12 +309,12 @@ class WorkerService:
             here = contextvars.copy_context()
 
             def end_there(ended: PendingShard) -> Outcome:
-                return here.run(self._end, msg, lease, keeper, ended)
+                return here.run(self._end, msg, lease, keeper, ledger, ended)
 
             self._ending = pending.then(end_there)
             return Outcome(TaskOutcome.ENDING)
         try:
-            return self._end(msg, lease, keeper, pending)
+            return self._end(msg, lease, keeper, ledger, pending)
         finally:
             if ours is not None:
                 self.runner.renderer = ours
@@ -320,13 +324,13 @@ class WorkerService:
         if self._ending is not None:
             wait([self._ending])
 
-    def _end(self, msg: ShardMessage, lease: Lease, keeper: LeaseKeeper,
+    def _end(self, msg: ShardMessage, lease: Lease, keeper: LeaseKeeper, ledger: RedisLedger,
              pending: PendingShard | BaseException) -> Outcome:
         """Wait for the shard's commits, close its keeper, then release it or hand it back: one ``except`` per outcome.
 
         The keeper is closed once, before any release or hand-back: a renewal
         after a hand-back would bring the lease back and make the next claim
-        of the shard look like a duplicate.
+        of the shard look like a duplicate.  Counters no call carried are sent then too.
         """
         try:
             try:
@@ -335,6 +339,8 @@ class WorkerService:
                 result = pending.wait()
             finally:
                 keeper.close()
+                with contextlib.suppress(redis.RedisError):  # counters: never worth failing a shard for
+                    ledger.flush()
         except Reclaimed as exc:
             if (exc.fenced or self.stop.fenced) and not self._still_ours(lease):
                 self.stop.clear_fence()
@@ -581,9 +587,10 @@ class WorkerService:
             with contextlib.suppress(redis.RedisError):
                 pipe = self.client.pipeline(transaction=False)
                 pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
-                if self._registration:  # status shows the model we hold now
-                    self._registration = json.dumps({**json.loads(self._registration), "model": self.model})
-                    pipe.hset(keys.WORKERS, self.worker_id, self._registration)
+                if self.liveness.registration:  # status shows the model we hold now
+                    self.liveness.registration = json.dumps({**json.loads(self.liveness.registration),
+                                                             "model": self.model})
+                    pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
                 pipe.execute()
 
     def _load(self, model: str, revision: str = "", variant: str = "", *, refresh: bool = False) -> Any:

@@ -3,19 +3,36 @@
 -- shard that is finished: a heartbeat racing release('done') must not bring
 -- its lease back.
 --
--- KEYS[1] job, KEYS[2] shards, KEYS[3] inflight, KEYS[4] attempts, KEYS[5] lease
+-- Two calls, one script (leases.heartbeat_call): a beat sends ARGV[1..6] only,
+-- and when the lease is missing answers 4; the keeper then calls again with
+-- ARGV[7..11] as well, the payload that re-creates it (kombu's envelope and
+-- the message: a kilobyte or more that every beat carried before issue 27).
+-- A beat may carry the worker's liveness (ARGV[6], its registration): a busy
+-- worker then writes nothing else to stay listed (worker/ledger.py, Liveness).
+--
+-- KEYS[1] job, KEYS[2] shards, KEYS[3] inflight, KEYS[4] attempts, KEYS[5] lease,
+-- KEYS[6] the worker's stats hash (rf:worker:<id>), KEYS[7] the registry (rf:workers)
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] worker, ARGV[4] attempt, ARGV[5] lease_ms,
--- ARGV[6] queue, ARGV[7] tag, ARGV[8] requeue, ARGV[9] message, ARGV[10] requeue's tag
+-- ARGV[6] the worker's registration ('': no liveness on this beat), and only to re-create:
+-- ARGV[7] queue, ARGV[8] tag, ARGV[9] requeue, ARGV[10] message, ARGV[11] requeue's tag
 -- Returns 1 renewed, 2 re-created, 0 fenced or finished: stop; 3 renewed, but
--- the job is cancelled: stop at the next batch boundary (renderfleet.states.Beat).
+-- the job is cancelled: stop at the next batch boundary; 4 the lease is missing
+-- and ARGV[7..11] were not given: call again with them (renderfleet.states.Beat).
 local job, shards, inflight, attempts, lease = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local stats, workers = KEYS[6], KEYS[7]
 local shard, member, worker, attempt, lease_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local registration = ARGV[6]
 local now = now_ms()
-local cancelled = redis.call('HEXISTS', job, 'cancelled') == 1
 
-local a = redis.call('HGET', lease, 'attempt')
-if a then
-  if tonumber(a) ~= attempt or redis.call('HGET', lease, 'worker') ~= worker then
+if registration ~= '' then
+  -- What WorkerService.touch writes, by Redis's clock (unix seconds, as its readers parse it).
+  redis.call('HSET', stats, 'last_seen', string.format('%.3f', now / 1000))
+  redis.call('HSETNX', workers, worker, registration)
+end
+
+local l = redis.call('HMGET', lease, 'attempt', 'worker')
+if l[1] then
+  if tonumber(l[1]) ~= attempt or l[2] ~= worker then
     return 0
   end
   -- Fenced without a newer claim (a delete bumps the attempt): no more renewals.
@@ -23,10 +40,13 @@ if a then
     return 0
   end
   redis.call('ZADD', inflight, now + lease_ms, member)
-  if cancelled then
+  if redis.call('HEXISTS', job, 'cancelled') == 1 then
     return 3
   end
   return 1
+end
+if #ARGV < 11 then
+  return 4  -- the rare path: the caller sends the payload
 end
 if redis.call('EXISTS', job) == 1 and not redis.call('HGET', shards, shard) then
   return 0  -- finished (released 'done'): nothing to renew
@@ -34,12 +54,12 @@ end
 if tonumber(redis.call('HGET', attempts, shard) or '0') > attempt then
   return 0
 end
-if cancelled then
+if redis.call('HEXISTS', job, 'cancelled') == 1 then
   return 3  -- a lease the reaper took: the shard is parked, stop (its release finds no lease)
 end
 redis.call('HSET', attempts, shard, attempt)
 redis.call('HSET', shards, shard, 'r')
 redis.call('ZADD', inflight, now + lease_ms, member)
-redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', ARGV[6], 'tag', ARGV[7],
-           'requeue', ARGV[8], 'rtag', ARGV[10], 'message', ARGV[9], 'shard', shard)
+redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', ARGV[7], 'tag', ARGV[8],
+           'requeue', ARGV[9], 'rtag', ARGV[11], 'message', ARGV[10], 'shard', shard)
 return 2

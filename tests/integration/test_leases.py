@@ -13,8 +13,9 @@ import redis
 from renderfleet import keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, queue_name
 from renderfleet.errors import Reclaimed
-from renderfleet.leases import Lease, Leases, Reaped
+from renderfleet.leases import Lease, Leases, Reaped, heartbeat_call
 from renderfleet.reaper import ReaperElection, give_up_lock, hold_lock, reap_once
+from renderfleet.states import Beat
 from testing.fleet import start_redis, wait_for
 
 pytestmark = pytest.mark.integration
@@ -200,3 +201,101 @@ def test_the_reapers_lock_goes_by_its_sha_not_its_text_at_every_tick(client: red
     stats = client.info("commandstats")
     assert "cmdstat_eval" not in stats, stats.get("cmdstat_eval")
     assert stats["cmdstat_evalsha"]["calls"] >= 5
+
+
+def test_a_beat_carries_no_payload_and_a_lease_redis_lost_is_recreated_with_it(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)
+    deliver(client, "t1", "shard-0-body")
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message='{"shard": 0}')
+    assert lease is not None and lease.requeue
+    beat = heartbeat_call(lease, 5000)
+    assert lease.requeue not in beat.args and lease.message not in beat.args  # a beat is small
+    assert leases.run(beat) == Beat.RENEWED
+    client.delete(keys.lease("j", 0), keys.attempts("j"))
+    client.zrem(keys.INFLIGHT, lease.member)  # Redis lost the lease (a restart, a failover)
+    assert leases.run(beat) == Beat.MISSING and not client.exists(keys.lease("j", 0))  # nothing made of nothing
+    assert leases.heartbeat(lease) == Beat.RECREATED  # asked again, with the payload
+    kept = {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.lease("j", 0)).items()}
+    assert kept["requeue"] == lease.requeue and kept["message"] == '{"shard": 0}'
+    assert kept["tag"] == "t1" and kept["attempt"] == "1" and kept["worker"] == "w1"
+    assert client.zscore(keys.INFLIGHT, lease.member) is not None
+    # ...so the reaper can hand it on, with kombu's envelope, if the worker dies now.
+    lapse(client, lease)
+    assert [r.shard for r in expired_and_reaped(leases)] == [0]
+    assert json.loads(keys.text(client.lindex(QUEUE, -1)))["body"] == "shard-0-body"
+
+
+def test_a_beat_of_a_fenced_or_finished_lease_recreates_nothing(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 2)
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    _, other = leases.claim("j", 1, worker="w1", queue=QUEUE, tag="t2", message="{}")
+    assert lease is not None and other is not None
+    client.hincrby(keys.attempts("j"), "0", 1)  # a cancel or a delete fenced it
+    client.delete(keys.lease("j", 0))
+    assert leases.heartbeat(lease) == Beat.FENCED and not client.exists(keys.lease("j", 0))
+    leases.release(other, "done")
+    assert leases.heartbeat(other) == Beat.FENCED and not client.exists(keys.lease("j", 1))
+
+
+def test_a_beat_can_carry_the_workers_liveness_by_redis_clock(client: redis.Redis) -> None:
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert lease is not None
+    assert leases.heartbeat(lease) == Beat.RENEWED
+    assert not client.exists(keys.worker_stats("w1")) and not client.hexists(keys.WORKERS, "w1")  # none asked for
+    registration = json.dumps({"worker": "w1", "pool": "default"})
+    assert leases.heartbeat(lease, registration) == Beat.RENEWED
+    seen = float(client.hget(keys.worker_stats("w1"), "last_seen") or 0)
+    assert abs(seen - float(client.time()[0])) < 2  # what touch writes: unix seconds, read as a float
+    assert client.hget(keys.WORKERS, "w1") == registration.encode()  # registered again (Redis lost it)
+    client.hset(keys.WORKERS, "w1", "newer")  # a model switch re-registered it: a beat never overwrites it
+    leases.heartbeat(lease, registration)
+    assert client.hget(keys.WORKERS, "w1") == b"newer"
+
+
+def test_a_commit_counts_each_prompt_once_done_winning_and_release_proves_the_span(client: redis.Redis) -> None:
+    """commit.lua against a model of its rules: each prompt counted once, done wins, undone counts as left again."""
+    import random
+
+    rng = random.Random(27)
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 1)
+    client.hset(keys.left("j"), "0", 300)
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    assert lease is not None
+    done_model: set[int] = set()
+    failed_model: set[int] = set()
+    left = 300
+    for _ in range(40):
+        done = [rng.randrange(300) for _ in range(rng.choice([0, 1, 8, 64, 300]))]  # repeats too
+        failed = [rng.randrange(300) for _ in range(rng.choice([0, 0, 1, 3]))]
+        undone = [rng.randrange(300) for _ in range(rng.choice([0, 0, 0, 2, 20]))]
+        newly = newfail = 0
+        for i in done:  # the old script, a prompt at a time
+            if i not in done_model:
+                newly += 1
+                left -= i not in failed_model
+                done_model.add(i)
+            failed_model.discard(i)
+        for i in failed:
+            if i not in done_model and i not in failed_model:
+                newfail += 1
+                left -= 1
+                failed_model.add(i)
+        for i in undone:
+            if i in done_model or i in failed_model:
+                left += 1
+            done_model.discard(i)
+            failed_model.discard(i)
+        assert leases.commit(lease, done, failed, undone) == (newly, newfail)
+        for i in range(300):
+            assert client.getbit(keys.done_bits("j"), i) == (i in done_model), i
+            assert client.getbit(keys.failed_bits("j"), i) == (i in failed_model), i
+        assert int(client.hget(keys.left("j"), "0") or 0) == left
+    # release.lua reads the same bits: done only when every prompt of the span is counted
+    missing = sum(1 for i in range(300) if i not in done_model and i not in failed_model)
+    finished = leases.finish(lease, 0, 300)
+    assert finished.done == (missing == 0) and finished.missing == missing

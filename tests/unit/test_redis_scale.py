@@ -9,7 +9,7 @@ from bench.redis_scale import SizeResult, ceiling, extrapolated_ceiling, percent
 from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.feeder import COUNTS_SECONDS, count_registrations, counts_stale, read_counts
-from renderfleet.reaper import LOCK_TICKS, ReaperElection
+from renderfleet.reaper import FLEET_ASKS, LOCK_TICKS, STANDBY_MAX_SECONDS, STANDBY_SECONDS, ReaperElection
 
 
 def test_percentile_is_nearest_rank_and_nan_when_empty() -> None:
@@ -67,3 +67,12 @@ def test_the_feeders_shared_counts_round_trip_and_go_stale() -> None:
     assert not counts_stale(100.0, 100.0 + COUNTS_SECONDS - 0.1)
     assert counts_stale(100.0, 100.0 + COUNTS_SECONDS)
     assert counts_stale(0.0, 1.0e9)  # never counted
+
+
+def test_a_standby_asks_less_often_the_larger_the_fleet_so_the_fleets_asks_stay_about_the_same() -> None:
+    election = ReaperElection(1.0)
+    assert election.standby_for(0) == election.standby_for(10) == STANDBY_SECONDS
+    assert election.standby_for(1000) == 1000 / FLEET_ASKS
+    assert election.standby_for(100_000) == STANDBY_MAX_SECONDS  # a lapsed lock is never left for long
+    election.answered(False, 0.0, workers=1000)
+    assert not election.due(1000 / FLEET_ASKS / 2 - 0.1) and election.due(1000 / FLEET_ASKS)

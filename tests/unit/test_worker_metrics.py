@@ -170,7 +170,7 @@ class PlainLeases:
         self.fenced = False
         self.failures: dict[int, int] = {}
 
-    def current(self, lease: Lease) -> bool:
+    def current(self, lease: Lease, pipe: Any = None) -> bool:
         return not self.fenced
 
     def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> None:
