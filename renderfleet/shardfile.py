@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -89,30 +90,39 @@ def shard_lines(data: bytes, count: int) -> list[Any]:
 
 
 class ShardReader:
-    """Reads shards' prompts from a store, keeping the indexes of the last few jobs."""
+    """Reads shards' prompts from a store, keeping the indexes of the last few jobs.
+
+    Safe to call from two threads (the worker reads the next shard's prompts ahead:
+    ``worker/prefetch.py``).  An index is kept per job *and* ``version`` (the job's
+    registration as the caller read it from Redis): a job deleted and submitted again
+    under its name, with other prompts, is a new version, whose index is read afresh.
+    """
 
     KEEP = 16  # jobs whose index is kept (a worker serves a few jobs at a time)
 
     def __init__(self, store: RangeReader):
         self.store = store
-        self._indexes: dict[str, list[int]] = {}
+        self._indexes: dict[tuple[str, str], list[int]] = {}
+        self._lock = threading.Lock()
 
-    def index(self, job: str) -> list[int] | None:
-        found = self._indexes.get(job)
+    def index(self, job: str, version: str = "") -> list[int] | None:
+        with self._lock:
+            found = self._indexes.get((job, version))
         if found is None:
             data = self.store.get(wire_index_key(job))
             if data is None:
                 return None
             found = offsets(data)
-            if len(self._indexes) >= self.KEEP:
-                self._indexes.pop(next(iter(self._indexes)))
-            self._indexes[job] = found
+            with self._lock:
+                if len(self._indexes) >= self.KEEP:
+                    self._indexes.pop(next(iter(self._indexes)))
+                self._indexes[job, version] = found
         return found
 
-    def read(self, job: str, shard: int, count: int) -> Sequence[Any] | None:
+    def read(self, job: str, shard: int, count: int, version: str = "") -> Sequence[Any] | None:
         """Shard ``shard``'s prompts in their wire form; None when the store has no wire file
         for the job.  ValueError when what it holds does not fit the message."""
-        index = self.index(job)
+        index = self.index(job, version)
         if index is None:
             return None
         if shard + 1 >= len(index):

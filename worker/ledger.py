@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING
 
 import redis
@@ -80,7 +81,8 @@ class RedisLedger:
     """Commits, failure counts and stats for one lease."""
 
     def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str, store_tag: str,
-                 metrics: WorkerMetrics | None = None, cancel: threading.Event | None = None):
+                 metrics: WorkerMetrics | None = None, cancel: threading.Event | None = None,
+                 aside: Executor | None = None):
         self.leases = leases
         self.lease = lease
         self.stop = stop
@@ -96,6 +98,10 @@ class RedisLedger:
         # next call (check, in the commit thread; or record_start, record_waste, flush).
         self._unsent: dict[str, int] = {}
         self._unsent_lock = threading.Lock()
+        # Where the stats are written (one thread, in order), so that the renderer does not wait two
+        # round trips a batch for them; None: in line.  A count waits for the stats written before it.
+        self.aside = aside
+        self._written: Future[None] | None = None
 
     def check(self) -> None:
         """Raise Reclaimed(fenced=True) if a newer attempt holds the shard.
@@ -120,6 +126,7 @@ class RedisLedger:
         return self.cancel.is_set()
 
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
+        self._stats_written()
         self.leases.commit(self.lease, done, failed, undone)
         if self.metrics:
             if self._batches_started:
@@ -130,6 +137,7 @@ class RedisLedger:
                 self.metrics.images(ImageOutcome.SKIPPED, len(done) + len(failed))
 
     def recount(self, done: list[int], failed: list[int], undone: list[int]) -> None:
+        self._stats_written()
         self.leases.commit(self.lease, done, failed, undone)  # what was stored is in the metrics already
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
@@ -141,7 +149,14 @@ class RedisLedger:
     def _bump(self, **fields: int) -> None:
         pipe = self._carrying() or self.client.pipeline(transaction=False)
         self._add_counters(pipe, fields)
-        pipe.execute()
+        if self.aside is None:
+            pipe.execute()
+        else:
+            self._written = self.aside.submit(_write_stats, pipe)
+
+    def _stats_written(self) -> None:
+        if self._written is not None:
+            self._written.result()
 
     def flush(self) -> None:
         """Send the counters of rendered batches that no call has carried yet (the shard's end)."""
@@ -205,6 +220,15 @@ class RedisLedger:
         self._bump(wasted_batches=1, wasted_images=images)
         if self.metrics:
             self.metrics.lost_batch(LostReason.FENCED if self.stop.fenced else LostReason.ABANDONED)
+
+
+def _write_stats(pipe: redis.client.Pipeline) -> None:
+    try:
+        pipe.execute()
+    except redis.RedisError as exc:
+        # Counters for status and the autoscaler: the shard itself learns of an outage at its
+        # next fence check or count, as it would have here.
+        log.warning("worker stats not written: %s", exc)
 
 
 class LeaseKeeper(threading.Thread):

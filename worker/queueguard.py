@@ -203,8 +203,17 @@ def _check_item(text: str, max_chars: int) -> dict[str, Any]:
     return envelope
 
 
-def _check_body(encoded: str) -> None:
-    """NotAMessage unless ``encoded`` is what Celery's protocol 2 makes of one call with one string."""
+def item_message(text: str, *, max_chars: int = MAX_ITEM_CHARS) -> str:
+    """The shard message (JSON text, not yet checked by ``spec.message_problems``) that ``text``, an
+    item of a queue, carries, if it is a task message renderfleet wrote (:func:`check_item`); else
+    :class:`NotAMessage`.  Raises nothing else, whatever ``text`` holds."""
+    envelope = check_item(text, max_chars=max_chars)
+    return _check_body(envelope["body"])
+
+
+def _check_body(encoded: str) -> str:
+    """The one string argument, if ``encoded`` is what Celery's protocol 2 makes of one call with one
+    string; else NotAMessage."""
     try:
         body = base64.b64decode(encoded, validate=True).decode("utf-8")
     except (binascii.Error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
@@ -238,6 +247,7 @@ def _check_body(encoded: str) -> None:
         message.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate from a \\ud800 escape: Redis could not be sent it
         raise NotAMessage("body's argument is not text (a lone surrogate)") from None
+    return str(message)
 
 
 # ---- where the check sits: in kombu's Redis transport, as an item is popped ----------

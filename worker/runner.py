@@ -127,7 +127,7 @@ class ShardResult:
 class PendingShard:
     """A shard whose batches are all rendered and whose last commits may still run (docs/design.md, "Invariants").
 
-    The worker service ends the shard in the commit thread, after them
+    The worker service ends the shard in its commit lane, after them
     (:meth:`then`), and takes the next shard meanwhile: the GPU does not wait
     for the last batch's upload, checkpoint and count, nor for the release.
     """
@@ -143,7 +143,7 @@ class PendingShard:
         return self._result
 
     def then(self, finish: Callable[[PendingShard], Any]) -> Future[Any]:
-        """Run ``finish(self)`` in the commit thread, after this shard's commits (one thread: in order)."""
+        """Run ``finish(self)`` in the shard's commit lane, after its commits (one thread: in order)."""
         return self._executor.submit(finish, self)
 
 
@@ -176,8 +176,12 @@ class ShardRunner:
         # Batches rendered whose commit may still run while the next renders (0: none, commit in line).
         self.pipeline_depth = pipeline_depth
         self._uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="rf-upload")
-        # One thread: commits run in batch order (worker/commits.py).  Started on first use.
-        self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-commit")
+        # Two commit lanes of one thread each, taken by shards in turn: a shard's commits run in batch
+        # order in its lane (worker/commits.py), then its end; the next shard's first commits run in
+        # the other lane, not behind that end's listing and release (with one lane, the renderer
+        # waited on them at its third batch of every shard).  Started on first use.
+        self._lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rf-commit-{n}") for n in "ab"]
+        self._lane = 0
         # Prompts per pipeline call (worker/batchsize.py): whole batches unless told; OOM halving sticks.
         self.batch_sizes = batch_sizes or BatchSizes(None, fixed=WHOLE_BATCH)
         self._batch_seconds: float | None = None
@@ -188,12 +192,12 @@ class ShardRunner:
         """Render every prompt of the shard not yet in the store, and wait for its commits."""
         return self.render(msg, ledger, attempt=attempt, first_delivery=first_delivery).wait()
 
-    def render(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0,
-               first_delivery: bool = False) -> PendingShard:
+    def render(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0, first_delivery: bool = False,
+               on_last_batch: Callable[[], None] | None = None) -> PendingShard:
         """Render every prompt of the shard not yet in the store; its last commits may still run.
 
         Returns as soon as the last batch is rendered: :meth:`PendingShard.wait`
-        (or :meth:`PendingShard.then`, in the commit thread) waits for the
+        (or :meth:`PendingShard.then`, in its commit lane) waits for the
         commits queued behind it and gives the shard's result, or raises the
         first commit's error.  Whatever ends the shard early (a stop request,
         a fence, a failing commit) is raised here, after every commit is done.
@@ -204,8 +208,12 @@ class ShardRunner:
         listing per shard, is skipped.  Were it wrong (a Redis rolled back to
         a snapshot), its stored batches would only be rendered again, to the
         same bytes, and counted once.
+
+        ``on_last_batch`` is called as the shard's last batch to render begins: the
+        caller prepares its next shard while the accelerator is still busy with this one.
         """
         result = ShardResult()
+        lane, self._lane = self._lanes[self._lane], 1 - self._lane
         checkpoints = {} if first_delivery else self._read_checkpoints(msg)
         stored = self._stored_images(msg, checkpoints)
         # What earlier deliveries checkpointed is counted again: a worker killed
@@ -234,7 +242,7 @@ class ShardRunner:
                 todo.append((number, pending, verified))
         if stored_done or stored_failed or undone:
             ledger.commit(stored_done, stored_failed, undone)
-        commits = CommitQueue(self._commits, self.pipeline_depth, on_skip=ledger.record_waste)
+        commits = CommitQueue(lane, self.pipeline_depth, on_skip=ledger.record_waste)
         try:
             for number, pending, cp in todo:
                 if self.stop.requested:
@@ -245,6 +253,8 @@ class ShardRunner:
                     # The job's, not the worker's: what is rendered is committed, the shard parked.
                     commits.drain()
                     raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
+                if on_last_batch is not None and number == todo[-1][0]:
+                    on_last_batch()
                 images, failures = self._render_batch(pending, ledger, result, commits)
                 commits.put(partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger,
                                     result, attempt), len(images))
@@ -255,7 +265,7 @@ class ShardRunner:
             # synchronous path would have raised before this batch began, is the one raised.
             commits.drain()
             raise
-        return PendingShard(self._commits, commits, result)
+        return PendingShard(lane, commits, result)
 
     def _render_batch(
         self,
@@ -304,7 +314,7 @@ class ShardRunner:
         result: ShardResult,
         attempt: int,
     ) -> None:
-        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the commit thread)."""
+        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit lane)."""
         failpoints.reach("after-render")
         ledger.check()  # asks Redis: a fenced worker writes nothing more
         by_name = {p.name: p for p in pending}
@@ -501,5 +511,6 @@ class ShardRunner:
         log.error("prompt %s of job %s quarantined after %d failures: %s", prompt.name, msg.job, count, error)
 
     def close(self) -> None:
-        self._commits.shutdown(wait=True)
+        for lane in self._lanes:
+            lane.shutdown(wait=True)
         self._uploads.shutdown(wait=True)

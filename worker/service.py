@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from renderfleet.store import Store
 from worker.batchsize import BatchSizes
 from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
+from worker.prefetch import Prefetch
 from worker.render import is_device_error
 from worker.runner import PendingShard, ShardRunner
 from worker.stop import StopSignal
@@ -119,7 +120,6 @@ class WorkerService:
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.feeder = Feeder(client)
-        self.shard_reader = ShardReader(store)
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
                                   max_failures=settings.max_prompt_failures,
@@ -131,10 +131,18 @@ class WorkerService:
         # Its registration, and when a busy worker's heartbeat last carried its liveness (its tick's touch skipped).
         self.liveness = Liveness(touch_seconds_for(settings.lease_seconds))
         self._lease: Lease | None = None  # the shard being handled, if any
-        self._ending: Future[Outcome] | None = None  # the shard before, ending in the commit thread
+        self._ending: list[Future[Outcome]] = []  # the shards before, ending in their commit lanes
         self._failed_loads: dict[tuple[str, str, str], tuple[float, ModelLoadError]] = {}  # by model key
         self._refreshed: set[tuple[tuple[str, str, str], str]] = set()  # (model key, digest) loaded afresh for
         self._jobs_seen: dict[str, float] = {}  # job -> when its spec was last found in the store
+        self._jobs_asked: set[str] = set()  # jobs whose spec the read-ahead thread is looking for
+        self._seen_lock = threading.Lock()
+        # Reads done ahead, in a thread of their own: the next shard's prompts, a job's spec.
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-ahead")
+        # Redis writes that need no answer (a shard's stats, what this worker is doing, the feed after
+        # a claim), in order in one thread of their own: none is worth the accelerator's wait.
+        self._aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rf-aside")
+        self.prompts = Prefetch(client, ShardReader(store), self._ahead)  # the next shard's read ahead
         # Whether the message accept() let through last is of a job submitted to this Redis as new
         # (dispatcher.enqueue.register_job's "fresh"): its shards' first claims skip the checkpoint read.
         self.fresh = False
@@ -222,7 +230,7 @@ class WorkerService:
 
         ``detach`` (the Celery task's way): return as soon as the last batch is
         rendered (:attr:`TaskOutcome.ENDING`) and end the shard, its last
-        commits and then its release or hand-back, in the commit thread while
+        commits and then its release or hand-back, in its commit lane while
         the caller takes the next message (docs/design.md, "Invariants").
         Raises :class:`TransientError` only before the shard is claimed (Redis
         unreachable): the task then gives the message back to the broker.
@@ -241,7 +249,7 @@ class WorkerService:
                                               tag=tag, message=raw)
         except redis.RedisError as exc:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
-        self.feed(msg.queue)  # one message taken: the next one in line, by priority and share
+        self._aside.submit(self.feed, msg.queue)  # one message taken: the next one in line, by priority and share
         if lease is None:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
             if status is ClaimAnswer.CANCELLED:
@@ -271,14 +279,18 @@ class WorkerService:
 
     def _doing(self, shard: str) -> None:
         """What this worker is doing, for status: its shard and since when, or idle since when."""
-        with contextlib.suppress(redis.RedisError):  # status's view: never worth failing a shard for
-            self.client.hset(keys.worker_stats(self.worker_id),
-                             mapping={"doing": shard, "since": f"{time.time():.3f}"})
+        since = f"{time.time():.3f}"
+
+        def write() -> None:
+            with contextlib.suppress(redis.RedisError):  # status's view: never worth failing a shard for
+                self.client.hset(keys.worker_stats(self.worker_id), mapping={"doing": shard, "since": since})
+
+        self._aside.submit(write)
 
     @property
     def busy(self) -> bool:
         """Whether this worker holds a shard's lease right now (scale-in protection asks)."""
-        return self._lease is not None or (self._ending is not None and not self._ending.done())
+        return self._lease is not None or not all(f.done() for f in self._ending)
 
     def _handle_claimed(self, msg: ShardMessage, lease: Lease, *, detach: bool) -> Outcome:
         """Render a claimed shard while a keeper renews its lease, then end it (:meth:`_end`)."""
@@ -288,7 +300,7 @@ class WorkerService:
                              cancel=cancel, liveness=self.liveness)
         keeper.start()
         ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, store_tag=self.store_tag,
-                             metrics=self.metrics, cancel=cancel)
+                             metrics=self.metrics, cancel=cancel, aside=self._aside)
         ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         pending: PendingShard | BaseException
         try:
@@ -301,17 +313,19 @@ class WorkerService:
                 ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
             # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
             first = self.fresh and lease.attempt == 1
-            pending = self.runner.render(msg, ledger, attempt=lease.attempt, first_delivery=first)
+            # The next shard's prompts are read while this one's last batch renders (worker/prefetch.py).
+            pending = self.runner.render(msg, ledger, attempt=lease.attempt, first_delivery=first,
+                                         on_last_batch=lambda: self.prompts.start(msg.queue))
         except BaseException as exc:  # ended below, with the keeper closed first
             pending = exc
         if detach and ours is None and isinstance(pending, PendingShard):
-            # Ended in the commit thread, its lines still naming the shard (logs.shard_context).
+            # Ended in its commit lane, its lines still naming the shard (logs.shard_context).
             here = contextvars.copy_context()
 
             def end_there(ended: PendingShard) -> Outcome:
                 return here.run(self._end, msg, lease, keeper, ledger, ended)
 
-            self._ending = pending.then(end_there)
+            self._ending = [*(f for f in self._ending if not f.done()), pending.then(end_there)]
             return Outcome(TaskOutcome.ENDING)
         try:
             return self._end(msg, lease, keeper, ledger, pending)
@@ -320,9 +334,8 @@ class WorkerService:
                 self.runner.renderer = ours
 
     def wait_ending(self) -> None:
-        """Wait until the shard before, if it is still ending in the commit thread, is released or handed back."""
-        if self._ending is not None:
-            wait([self._ending])
+        """Wait until the shards before, if still ending in their commit lanes, are released or handed back."""
+        wait(self._ending)
 
     def _end(self, msg: ShardMessage, lease: Lease, keeper: LeaseKeeper, ledger: RedisLedger,
              pending: PendingShard | BaseException) -> Outcome:
@@ -458,13 +471,15 @@ class WorkerService:
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
-        return self._with_prompts(msg, where)
+        return self._with_prompts(msg, where, keys.text(registered))
 
-    def _with_prompts(self, msg: ShardMessage, where: str) -> ShardMessage | None:
-        """The shard with its prompts, read from the job's wire file in the store (one ranged read;
-        ``renderfleet/shardfile.py``), checked by submit's rules; None (one log line) if it cannot be."""
+    def _with_prompts(self, msg: ShardMessage, where: str, registration: str) -> ShardMessage | None:
+        """The shard with its prompts, read from the job's wire file in the store (one ranged read,
+        ``renderfleet/shardfile.py``, unless it was read ahead for this shard of the job as
+        ``registration`` registers it: ``worker/prefetch.py``), checked by submit's rules; None (one
+        log line) if it cannot be."""
         try:
-            wire = self.shard_reader.read(msg.job, msg.shard, msg.count)
+            wire = self.prompts.read(msg, registration)
         except StoreError as exc:
             raise TransientError(f"cannot read the prompts of shard {msg.job}:{msg.shard}: {exc}") from exc
         except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -484,17 +499,40 @@ class WorkerService:
         One request per shard is, for a fast render, a good part of what a
         shard costs beyond its batches; a job deleted from the store is still
         rendered here for at most that long after this worker last saw it.
+        Once a sighting is half that old, the store is asked again in the
+        background (the read-ahead thread): a busy worker never waits for it.
         """
         now = time.monotonic()
-        seen = self._jobs_seen.get(job)
-        if seen is not None and now - seen < SPEC_CHECK_SECONDS:
-            return True
-        if not self.store.exists(spec.spec_key(job)):
-            self._jobs_seen.pop(job, None)
-            return False
-        self._jobs_seen = {j: t for j, t in self._jobs_seen.items() if now - t < SPEC_CHECK_SECONDS}
-        self._jobs_seen[job] = now
-        return True
+        with self._seen_lock:
+            seen = self._jobs_seen.get(job)
+            if seen is not None and now - seen < SPEC_CHECK_SECONDS:
+                if now - seen >= SPEC_CHECK_SECONDS / 2 and job not in self._jobs_asked:
+                    self._jobs_asked.add(job)
+                    self._ahead.submit(self._look_again, job)
+                return True
+        return self._look_for_job(job)
+
+    def _look_for_job(self, job: str) -> bool:
+        """Ask the store whether the job's spec is there, and remember when it was (StoreError: transient)."""
+        asked = time.monotonic()
+        there = self.store.exists(spec.spec_key(job))
+        with self._seen_lock:
+            if not there:
+                self._jobs_seen.pop(job, None)
+            elif asked > self._jobs_seen.get(job, float("-inf")):
+                self._jobs_seen = {j: t for j, t in self._jobs_seen.items() if asked - t < SPEC_CHECK_SECONDS}
+                self._jobs_seen[job] = asked
+        return there
+
+    def _look_again(self, job: str) -> None:
+        """:meth:`_look_for_job` in the background: a failure leaves the sighting to age out, and accept to ask."""
+        try:
+            self._look_for_job(job)
+        except StoreError as exc:
+            log.debug("job %s: the store did not say whether its spec is there: %s", job, exc)
+        finally:
+            with self._seen_lock:
+                self._jobs_asked.discard(job)
 
     def _hand_back(self, lease: Any, where: Release) -> None:
         message = self.leases.release(lease, where)
@@ -606,5 +644,7 @@ class WorkerService:
             raise ModelLoadError(f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
+        self._ahead.shutdown(wait=False, cancel_futures=True)
         self.runner.close()
+        self._aside.shutdown(wait=True)
         self.unregister()

@@ -2,7 +2,7 @@
 
 The task decodes the message, passes it and kombu's delivery tag to the
 service, and lets Celery ack it (``acks_late``) once the shard's last batch
-is rendered: the shard ends (last commits, release) in the commit thread
+is rendered: the shard ends (last commits, release) in its commit lane
 while the next message is taken, under the shard's lease (``detach``).  Hand-backs and retries are
 not Celery retries: the lease protocol puts the very same message back on the
 queue, so a reclaim never burns a retry budget.

@@ -7,6 +7,9 @@ worker's check; these tests prove a message straight into Redis gets no more.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,27 +173,62 @@ def test_a_shard_whose_stored_prompts_cannot_be_read_is_rejected_with_one_line(
     svc.runner.close()
 
 
-def test_the_store_is_asked_about_a_job_once_in_a_while_not_for_every_shard(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def settled(predicate: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether ``predicate`` holds within ``seconds`` (a clock of its own: the tests stop time.monotonic)."""
+    deadline = time.perf_counter() + seconds
+    while not predicate():
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def watched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerService, list[str], list[float], str]:
+    """A service whose store records which thread asks whether JOB's spec is there, on a clock the test
+    moves; and a message of JOB."""
     svc = service(tmp_path, registered())
     svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
     asked: list[str] = []
     exists = svc.store.exists
-    monkeypatch.setattr(svc.store, "exists", lambda key: asked.append(key) or exists(key))
+
+    def counted(key: str) -> bool:
+        asked.append(threading.current_thread().name)
+        return exists(key)
+
+    monkeypatch.setattr(svc.store, "exists", counted)
     clock = [1000.0]
     monkeypatch.setattr("worker.service.time.monotonic", lambda: clock[0])
-    raw = json.dumps(good(svc.store.url))
+    return svc, asked, clock, json.dumps(good(svc.store.url))
+
+
+def test_the_store_is_asked_about_a_job_once_in_a_while_not_for_every_shard(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, asked, clock, raw = watched(tmp_path, monkeypatch)
     assert svc.accept(raw) is not None
     assert svc.accept(raw) is not None
     assert len(asked) == 1
-    # Deleted: trusted until the check is due again, then refused (and asked again every time).
+    # Deleted: trusted while the sighting is fresh; once it is half as old as the check allows,
+    # asked again in the background, and refused from its answer on (asked again every time).
     (tmp_path / "store" / spec.spec_key(JOB.job)).unlink()
-    clock[0] += SPEC_CHECK_SECONDS - 1
+    clock[0] += SPEC_CHECK_SECONDS / 2 - 1
     assert svc.accept(raw) is not None and len(asked) == 1
     clock[0] += 2
+    assert svc.accept(raw) is not None  # the answer comes in the background
+    assert settled(lambda: svc.accept(raw) is None)  # the background check found the job deleted
     assert svc.accept(raw) is None
-    assert svc.accept(raw) is None
-    assert len(asked) == 3
+    assert len(asked) >= 4
+    svc.runner.close()
+
+
+def test_a_busy_worker_keeps_its_sighting_of_a_job_fresh_in_the_background(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    svc, asked, clock, raw = watched(tmp_path, monkeypatch)
+    for _ in range(6):  # a shard every 3 s for 15 s: the spec asked for in line once, then only in the background
+        assert svc.accept(raw) is not None
+        assert settled(lambda: not svc._jobs_asked)  # the background check, if one was asked, is done
+        clock[0] += 3
+    assert asked[0] == threading.current_thread().name
+    assert len(asked) >= 2 and all(name.startswith("rf-ahead") for name in asked[1:])
     svc.runner.close()
 
 
