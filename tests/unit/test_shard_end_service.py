@@ -130,8 +130,10 @@ def test_the_next_shard_renders_while_the_last_one_is_checkpointed_counted_and_r
     assert store.waited == [True]
     assert renderer.began == ["000000", "000002", "000004", "000006"]
     # Each shard's writes in their order: its checkpoints while it is leased, then its count and release.
-    assert [(key.rsplit("/", 2)[-2], leased) for key, leased in store.checkpoints] == \
-        [("000000", True)] * 2 + [("000001", True)] * 2
+    # The two shards end in two commit lanes, so their checkpoints may interleave; each shard's are its own.
+    for shard in ("000000", "000001"):
+        assert [leased for key, leased in store.checkpoints if key.rsplit("/", 2)[-2] == shard] == [True] * 2
+    assert len(store.checkpoints) == 4
     assert raw.bitcount(keys.done_bits(job.id)) == 8
     assert not raw.exists(keys.lease(job.id, 0)) and not raw.exists(keys.lease(job.id, 1))
     assert raw.zcard(keys.INFLIGHT) == 0 and published == []
