@@ -118,8 +118,8 @@ class LoraCache:
         except Exception as exc:  # any failure to load is the job's (as a model's: WorkerService._load), but the device's
             # A bare exception would hand the shard back for ever, counted against each worker that takes it:
             # safetensors' SafetensorError (a git-lfs pointer, a truncated file) is no OSError or ValueError,
-            # and a library too old for another (transformers 5 wants peft 0.22 for a text encoder's LoRA)
-            # raises an ImportError.
+            # and a peft below transformers' MIN_PEFT_VERSION (pyproject.toml pins the two together) fails
+            # a text encoder's LoRA with an ImportError.
             from worker.render import is_device_error  # worker.render imports this module
 
             if is_device_error(exc):  # the accelerator failed under the load: the node's, not the job's

@@ -75,7 +75,8 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
 
     env, worker = fleet
     a = make_tiny_lora(tmp_path / "loras" / "a.safetensors", seed=1)
-    b = make_tiny_lora(tmp_path / "loras" / "b" / "pytorch_lora_weights.safetensors", seed=2).parent
+    # b has text-encoder weights too (as most SD LoRAs): loaded through transformers and peft
+    b = make_tiny_lora(tmp_path / "loras" / "b" / "pytorch_lora_weights.safetensors", seed=2, text_encoder=True).parent
     prompts = ["a red fox", "a lighthouse"]
     client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
     plain = client.submit(prompts, **FLAGS)

@@ -170,6 +170,32 @@ def test_loras_switch_per_call_on_one_pipeline_and_each_state_renders_the_same_b
     tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))  # the module's pipeline as it was
 
 
+def test_a_lora_with_text_encoder_weights_loads_changes_the_image_and_leaves_no_trace(
+        tiny: LoadedModel, loras: tuple[str, str], tmp_path: Path) -> None:
+    # Most SD LoRAs carry text-encoder weights, which diffusers hands to transformers' load_adapter:
+    # it refuses a peft below transformers' MIN_PEFT_VERSION (the pins in pyproject.toml). Its keys
+    # named as in the hub's LoRAs (text_model.…, from before transformers 5); the fleet test's use today's.
+    unet_only, other = loras  # unet_only: seed 1, the same UNet weights as the LoRA below
+    both = str(make_tiny_lora(tmp_path / "te.safetensors", seed=1, text_encoder=True, text_model_names=True))
+    renderer = Renderer(tiny, loras=LoraCache(tiny.pipe, max_warm=2))
+    plain = renderer.render([prompt()])[0]
+    with_unet_only = renderer.render([prompt(loras=((unet_only, 1.0),))])[0]
+    with_both = renderer.render([prompt(loras=((both, 1.0),))])[0]
+    assert set(tiny.pipe.get_list_adapters()) == {"unet", "text_encoder"}
+    assert len({plain, with_unet_only, with_both}) == 3  # the text encoder's weights change the image
+    # the next jobs, the text encoder's adapter still loaded: the same bytes as before it
+    assert renderer.render([prompt()])[0] == plain
+    assert renderer.render([prompt(loras=((unet_only, 1.0),))])[0] == with_unet_only
+    assert renderer.render([prompt(loras=((both, 1.0),))])[0] == with_both
+    # deleted (the least recently used past the budget of 2): the same bytes again
+    renderer.render([prompt(loras=((unet_only, 1.0),))])
+    renderer.render([prompt(loras=((other, 1.0),))])
+    assert renderer.loras.warm == [unet_only, other] and set(tiny.pipe.get_list_adapters()) == {"unet"}
+    assert renderer.render([prompt(loras=((unet_only, 1.0),))])[0] == with_unet_only
+    assert renderer.render([prompt()])[0] == plain
+    tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
+
+
 def test_the_pinned_weights_are_written_into_the_image_only_when_set() -> None:
     from worker.render import image_metadata
 
