@@ -549,7 +549,7 @@ async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: 
     simloop.settle()
     # 3. The measured window: the schedule kept or not, CPU, round trips (the watchers' on the client's own).
     sim.measuring = True
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0, wait0 = resource.getrusage(resource.RUSAGE_SELF), cpu_wait()
     trips0 = _round_trips(client, conns)
     t0 = time.monotonic()
     watchers = []
@@ -560,7 +560,7 @@ async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: 
             if busy:
                 watchers.append(asyncio.create_task(random.choice(busy).die_and_watch()))
     wall = time.monotonic() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu1, wait1 = resource.getrusage(resource.RUSAGE_SELF), cpu_wait()
     trips = _round_trips(client, conns) - trips0
     sim.measuring = False
     if watchers:  # the last killed worker's lease expires after the window: its lag is still measured
@@ -568,12 +568,21 @@ async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: 
     cpu = (cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime) / wall
     out.put({"lat": stats.lat, "lateness": stats.lateness, "due": stats.due, "done": stats.done, "lags": stats.lags,
              "shards": stats.shards, "cpu": cpu, "reaper_won": stats.reaper_won, "round_trips": trips / wall,
-             "connections": len(conns)})
+             "connections": len(conns), "wait": (wait1 - wait0) / wall})
     # Thousands of tasks mid-command: the figures are sent, so the process ends here, its sockets with it.
     del lives
     out.close()
     out.join_thread()
     os._exit(0)
+
+
+def cpu_wait(pid: int | str = "self") -> float:
+    """Seconds the process's main thread has waited for a CPU while runnable (Linux's schedstat);
+    NaN where there is none.  On a shared machine, lateness with little CPU used is this."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return math.nan
 
 
 def _round_trips(client: resp.Client, conns: list[resp.Connection]) -> int:
@@ -641,7 +650,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
     server = RedisServerProcess(workdir=workdir / f"redis-{n}-{'before' if before else 'after'}")
     server.start()
     try:
-        client = redis.Redis.from_url(server.url)
+        client = redis.Redis.from_url(server.url, socket_timeout=60)  # Redis may stall seconds in the ramp
         client.config_set("maxclients", total + FD_SPARE // 2)  # the monitor, this client, each process's own
         client.config_set("bind", " ".join(HOSTS))
         spec = JobSpec(job=JOB, params=RenderParams(), total=SHARD_SIZE * (n * 2 + 100), shard_size=SHARD_SIZE,
@@ -674,9 +683,10 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
                 raise RuntimeError(f"a load generator process failed: {started['error']}")
         time.sleep(warm)
         client.config_resetstat()
-        i0, t0 = _info(client), time.monotonic()
+        i0, t0, wait0 = _info(client), time.monotonic(), cpu_wait(server.proc.pid)  # type: ignore[union-attr]
         time.sleep(seconds)
         i1, wall = _info(client), time.monotonic() - t0
+        redis_wait = (cpu_wait(server.proc.pid) - wait0) / wall  # type: ignore[union-attr]
         results = [out.get(timeout=seconds + lease_s + 120) for _ in children]
         errors = [r["error"] for r in results if "error" in r]
         if errors:
@@ -685,7 +695,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             child.join(30)
         monitor.done.set()
         monitor.join(5)
-        return _figures(n, before, results, i0, i1, wall, procs)
+        return {**_figures(n, before, results, i0, i1, wall, procs), "redis_wait": redis_wait}
     finally:
         server.stop()
 
@@ -714,6 +724,7 @@ def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, 
         "server": server_pct, "commands": commands,
         "lateness_p99": percentile(lateness, 99), "delivered": sum(r["done"] for r in results) / due if due else 1.0,
         "gen_cpu": [r["cpu"] for r in results], "procs": procs, "round_trips": trips,
+        "gen_wait": [r["wait"] for r in results],
         "us_per_trip": sum(r["cpu"] for r in results) * 1e6 / trips if trips else math.nan,
         "reads": (i1.get("total_reads_processed", 0) - i0.get("total_reads_processed", 0)) / wall,
         "gen_connections": sum(r["connections"] for r in results),
@@ -728,6 +739,10 @@ def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, 
 
 def _ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.1f}"
+
+
+def _pcts(fractions: list[float]) -> str:
+    return ", ".join("-" if math.isnan(x) else f"{x * 100:.0f} %" for x in fractions)
 
 
 def saturated(f: dict[str, Any]) -> bool:
@@ -746,6 +761,7 @@ def describe(f: dict[str, Any]) -> str:
              f"{f['connected']} clients; generator CPU {', '.join(f'{c * 100:.0f} %' for c in f['gen_cpu'])}, "
              f"{f['round_trips']:,.0f} round trips/s ({f['reads']:,.0f} reads/s at Redis), "
              f"{f['us_per_trip']:.1f} µs a round trip, timer lateness p99 {f['lateness_p99']:.0f} ms, "
+             f"waited for a CPU {_pcts(f['gen_wait'])} (Redis {_pcts([f.get('redis_wait', math.nan)])}), "
              f"delivered {f['delivered'] * 100:.0f} %"
              f"{' (SATURATED: a lower bound)' if saturated(f) else ''}"]
     for s in SCRIPTS:
@@ -793,7 +809,8 @@ def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
             f"{_ms(evalsha[0] / 1000)}/{_ms(evalsha[1] / 1000)}",
             ", ".join(f"{n} {u / total * 100:.0f} %" for n, (_c, u, _p) in top),
             f"{_ms(percentile(lags, 50))} / {_ms(max(lags) if lags else math.nan)} ({len(lags)})",
-            f"{gen}; {f['us_per_trip']:.0f} µs a round trip; late p99 {f['lateness_p99']:.0f} ms; "
+            f"{gen}; {f['us_per_trip']:.0f} µs a round trip; waited for a CPU {_pcts(f['gen_wait'])} "
+            f"(Redis {_pcts([f.get('redis_wait', math.nan)])}); late p99 {f['lateness_p99']:.0f} ms; "
             f"delivered {f['delivered'] * 100:.0f} %"
             + ("; **saturated: a lower bound**" if saturated(f) else ""),
         ])
