@@ -568,7 +568,8 @@ async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: 
     cpu = (cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime) / wall
     out.put({"lat": stats.lat, "lateness": stats.lateness, "due": stats.due, "done": stats.done, "lags": stats.lags,
              "shards": stats.shards, "cpu": cpu, "reaper_won": stats.reaper_won, "round_trips": trips / wall,
-             "connections": len(conns), "wait": (wait1 - wait0) / wall})
+             "connections": len(conns), "wait": (wait1 - wait0) / wall,
+             "sys": (cpu1.ru_stime - cpu0.ru_stime) / wall})
     # Thousands of tasks mid-command: the figures are sent, so the process ends here, its sockets with it.
     del lives
     out.close()
@@ -726,6 +727,7 @@ def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, 
         "gen_cpu": [r["cpu"] for r in results], "procs": procs, "round_trips": trips,
         "gen_wait": [r["wait"] for r in results],
         "us_per_trip": sum(r["cpu"] for r in results) * 1e6 / trips if trips else math.nan,
+        "sys_us_per_trip": sum(r["sys"] for r in results) * 1e6 / trips if trips else math.nan,
         "reads": (i1.get("total_reads_processed", 0) - i0.get("total_reads_processed", 0)) / wall,
         "gen_connections": sum(r["connections"] for r in results),
         "lags": sorted(x for r in results for x in r["lags"]),
@@ -760,7 +762,8 @@ def describe(f: dict[str, Any]) -> str:
     lines = [f"N={f['workers']:,} ({mode}): Redis CPU {f['redis_cpu'] * 100:.0f} %, {f['ops']:,.0f} ops/s, "
              f"{f['connected']} clients; generator CPU {', '.join(f'{c * 100:.0f} %' for c in f['gen_cpu'])}, "
              f"{f['round_trips']:,.0f} round trips/s ({f['reads']:,.0f} reads/s at Redis), "
-             f"{f['us_per_trip']:.1f} µs a round trip, timer lateness p99 {f['lateness_p99']:.0f} ms, "
+             f"{f['us_per_trip']:.1f} µs a round trip ({f['sys_us_per_trip']:.1f} in the kernel), "
+             f"timer lateness p99 {f['lateness_p99']:.0f} ms, "
              f"waited for a CPU {_pcts(f['gen_wait'])} (Redis {_pcts([f.get('redis_wait', math.nan)])}), "
              f"delivered {f['delivered'] * 100:.0f} %"
              f"{' (SATURATED: a lower bound)' if saturated(f) else ''}"]

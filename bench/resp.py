@@ -73,14 +73,30 @@ def head(*tokens: Arg) -> tuple[bytes, int]:
     return b"".join(b"$%d\r\n%s\r\n" % (len(b), b) for b in map(_bytes, tokens)), len(tokens)
 
 
+_STR_BULKS: dict[str, bytes] = {}  # str arguments already encoded: key and field names recur all the time
+_STR_BULKS_MAX = 200_000  # beyond, new strings are encoded each time (unique ids, timestamps)
+
+
+def _bulk(arg: Arg) -> bytes:
+    b = _bytes(arg)
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
 def encode(first: tuple[bytes, int], args: Iterable[Arg] = ()) -> bytes:
     """One command as a RESP array of bulk strings: the pre-encoded ``first`` (from :func:`head`), then ``args``."""
     out = [b"", first[0]]
     count = first[1]
+    cached = _STR_BULKS
     for arg in args:
-        kind = type(arg)  # the common cases first, without _bytes's checks
-        b: bytes = arg.encode() if kind is str else arg if kind is bytes else _bytes(arg)  # type: ignore[assignment,union-attr]
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+        if type(arg) is str:  # only str: 1, 1.0 and True are one dict key, and encode differently
+            piece = cached.get(arg)
+            if piece is None:
+                piece = _bulk(arg)
+                if len(cached) < _STR_BULKS_MAX:
+                    cached[arg] = piece
+        else:
+            piece = _bulk(arg)
+        out.append(piece)
         count += 1
     out[0] = b"*%d\r\n" % count
     return b"".join(out)

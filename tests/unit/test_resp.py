@@ -37,6 +37,10 @@ def test_a_command_is_an_array_of_bulk_strings_with_its_constant_head_encoded_on
     assert resp.encode(evalsha, (1, "key", "é")) == (
         b"*5\r\n$7\r\nEVALSHA\r\n$40\r\n" + b"f" * 40 + b"\r\n$1\r\n1\r\n$3\r\nkey\r\n$2\r\n\xc3\xa9\r\n")
     assert resp.encode(resp.head("PING")) == b"*1\r\n$4\r\nPING\r\n"
+    # str arguments are remembered once encoded; 1 and 1.0 (one dict key) are not mixed up
+    for _ in range(2):
+        assert resp.encode(resp.head("X"), ("k", 1, 1.0, "k")) == b"*5\r\n$1\r\nX\r\n" + b"".join(
+            b"$%d\r\n%s\r\n" % (len(b), b) for b in (b"k", b"1", b"1.0", b"k"))
 
 
 @pytest.mark.parametrize("bad", [True, None, object()])
