@@ -339,6 +339,9 @@ class Commands:
     def exists(self, *names: Arg) -> Any:
         return self._command(_EXISTS, names)
 
+    def expire(self, name: Arg, seconds: int) -> Any:
+        return self._command(_EXPIRE, (name, seconds), bool)
+
     def pexpire(self, name: Arg, ms: int) -> Any:
         return self._command(_PEXPIRE, (name, ms), bool)
 
@@ -424,10 +427,11 @@ class Commands:
         return self._command(_SCRIPT_LOAD, (script,), lambda sha: sha.decode())
 
 
-(_PING, _GET, _SET, _DEL, _EXISTS, _PEXPIRE, _INCRBY, _HGET, _HMGET, _HSET, _HSETNX, _HINCRBY, _HDEL, _HVALS, _HLEN,
- _RPOP, _LPUSH, _RPUSH, _LTRIM, _LLEN, _LRANGE, _ZADD, _ZREM, _ZSCORE, _ZCARD, _EVALSHA) = (head(name) for name in (
-    "PING", "GET", "SET", "DEL", "EXISTS", "PEXPIRE", "INCRBY", "HGET", "HMGET", "HSET", "HSETNX", "HINCRBY", "HDEL",
-    "HVALS", "HLEN", "RPOP", "LPUSH", "RPUSH", "LTRIM", "LLEN", "LRANGE", "ZADD", "ZREM", "ZSCORE", "ZCARD", "EVALSHA"))
+(_PING, _GET, _SET, _DEL, _EXISTS, _EXPIRE, _PEXPIRE, _INCRBY, _HGET, _HMGET, _HSET, _HSETNX, _HINCRBY, _HDEL, _HVALS,
+ _HLEN, _RPOP, _LPUSH, _RPUSH, _LTRIM, _LLEN, _LRANGE, _ZADD, _ZREM, _ZSCORE, _ZCARD, _EVALSHA) = (head(name) for name in (
+    "PING", "GET", "SET", "DEL", "EXISTS", "EXPIRE", "PEXPIRE", "INCRBY", "HGET", "HMGET", "HSET", "HSETNX", "HINCRBY",
+    "HDEL", "HVALS", "HLEN", "RPOP", "LPUSH", "RPUSH", "LTRIM", "LLEN", "LRANGE", "ZADD", "ZREM", "ZSCORE", "ZCARD",
+    "EVALSHA"))
 
 
 def _answer(reply: Any, callback: Callback) -> Any:

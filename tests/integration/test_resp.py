@@ -42,6 +42,8 @@ CALLS: list[tuple[str, Callable[[Any, str], Any]]] = [
     ("zscore", lambda r, k: r.zscore(k + "z", "m")),
     ("zscore missing", lambda r, k: r.zscore(k + "z", "q")),
     ("zrem", lambda r, k: r.zrem(k + "z", "m")),
+    ("expire", lambda r, k: r.expire(k + "h", 60)),
+    ("expire missing", lambda r, k: r.expire(k + "none", 60)),
     ("delete", lambda r, k: r.delete(k + "z", k + "none")),
 ]
 
