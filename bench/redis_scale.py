@@ -47,7 +47,8 @@ addresses (127.0.0.1 to .4) so that 50,000 connections would not run out of ephe
 i+C, i+2C... on connection i): the commands of workers sharing a connection can then reach Redis
 in one read (pipelined by coincidence), which costs it less than separate reads, so its CPU per
 worker is **understated** there.  Each row gives the connections Redis saw ("clients"), the
-round trips the clients made and the reads Redis did (equal when no two requests shared a read),
+round trips the clients made and the reads Redis did (equal when no two requests shared a read;
+compare them only where the generator kept its schedule, as the two windows differ by a moment),
 and the report says how many workers shared; ``--connections`` at a small N measures the
 difference (the report's "Simulation:" line).
 
@@ -70,7 +71,7 @@ the reaper lock every second; every worker feeds at every tick; every worker rea
 ``rf:workers`` (HVALS) every 5 s for its feed target) at each size up to ``--before-up-to``.
 
     python -m bench.redis_scale [--sizes 1000,5000,20000,50000] [--seconds 60] [--before]
-        [--before-up-to 5000] [--procs 2] [--no-write]
+        [--before-up-to 5000] [--procs 2] [--connections 0] [--no-write]
 
 Writes its section of ``bench/RESULTS.md`` (``redis-scale``) unless ``--no-write``.
 """
