@@ -23,7 +23,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[worker,dev]'
+	$(BIN)/pip install --quiet -e '.[worker,dev,bench]'
 	touch $@
 
 # The bundled example on the embedded default (private Redis, ./renderfleet-output),

@@ -26,18 +26,40 @@ its kind, ``feeder.feed_call``); the key names come from ``renderfleet/keys.py``
 here (marked ``# mirrors``): the order of calls of ``WorkerService`` and ``worker_tick``, and the
 commands of the ledger's counters pipeline, which those sync classes cannot issue from asyncio.
 
-**Why asyncio, in processes**: 1,000 to 50,000 workers spend almost all their time waiting; a
-thread or a process each would not fit in 2 cores, so each of ``--procs`` processes runs N/procs
-workers as asyncio tasks over ``redis.asyncio`` (one connection pool per process, ``--connections``
-connections: Redis sees about procs x connections clients, not N; N real workers' connections
-would cost Redis memory (~20 kB each) and epoll work that this does not measure).  A process is
-one core at most, and the box has 2 shared with Redis: when the generator is saturated (its CPU
-near a core per process, its timers late) the fleet it simulates issues fewer commands than N real
-workers would, and the figures are a **lower bound** on the load N workers put on Redis; the
-table says so for each row (timer lateness p99, and "delivered" = commands issued over the
-commands the schedule called for).  The client-side latency of a saturated generator includes its
-own scheduling: Redis's own time per call (``INFO commandstats``) and its own percentiles
-(``INFO latencystats``, Redis 7) are given beside it.
+**Why asyncio, in processes, on a lean client**: 1,000 to 50,000 workers spend almost all their
+time waiting; a thread or a process each would not fit in 2 cores, so each of ``--procs`` processes
+runs N/procs workers as asyncio tasks (on uvloop when installed).  They talk to Redis through
+``bench/resp.py``, a client for this simulation only (RESP encoded directly, replies parsed by
+hiredis when installed, EVALSHA, one write per command or pipeline): redis.asyncio spent about
+100 µs of Python a command, and the generator, not Redis, gave out from 5,000 workers.  The
+``bench`` extra (``pip install -e '.[bench]'``, part of ``make install``) brings uvloop and hiredis.
+
+**Honesty of the load**: a real worker holds its own connection, so each of its commands costs
+Redis a read and a write system call (and its idle connection costs Redis memory, ~20 kB, and
+epoll work).  So each simulated worker has **its own connection** too (``--connections 0``, the
+default): its tasks send only on it, one request at a time, and Redis sees N clients.  For that
+the bench raises the open-file soft limit to the hard one (and the hard one where it may: with
+CAP_SYS_RESOURCE), sets Redis's ``maxclients`` to match, and makes Redis listen on four loopback
+addresses (127.0.0.1 to .4) so that 50,000 connections would not run out of ephemeral ports (about
+28,000 per destination).  Redis, one process, holds at most the hard limit less 64 connections
+(19,936 under a hard limit of 20,000, as in this project's containers).  Beyond that, or with
+``--connections K``, the workers of a process share its connections round robin (workers i,
+i+C, i+2C... on connection i): the commands of workers sharing a connection can then reach Redis
+in one read (pipelined by coincidence), which costs it less than separate reads, so its CPU per
+worker is **understated** there.  Each row gives the connections Redis saw ("clients"), the
+round trips the clients made and the reads Redis did (equal when no two requests shared a read;
+compare them only where the generator kept its schedule, as the two windows differ by a moment),
+and the report says how many workers shared; ``--connections`` at a small N measures the
+difference (the report's "Simulation:" line).
+
+**Saturation**: a process is one core at most, and the box has 2 shared with Redis: when the
+generator is saturated (its CPU near a core per process, its timers late) the fleet it simulates
+issues fewer commands than N real workers would, and the figures are a **lower bound** on the load
+N workers put on Redis; the table says so for each row (timer lateness p99, and "delivered" =
+commands issued over the commands the schedule called for), and gives the generator's own CPU per
+round trip (a request and its reply: a command or a pipeline).  The client-side latency of a
+saturated generator includes its own scheduling: Redis's own time per call (``INFO
+commandstats``) and its own percentiles (``INFO latencystats``, Redis 7) are given beside it.
 
 **Reaper lag**: every ``--kill-every`` seconds a busy simulated worker dies (its tasks stop: no
 heartbeat, no release); a watcher polls its shard until the reaper re-queued it and records the
@@ -49,7 +71,7 @@ the reaper lock every second; every worker feeds at every tick; every worker rea
 ``rf:workers`` (HVALS) every 5 s for its feed target) at each size up to ``--before-up-to``.
 
     python -m bench.redis_scale [--sizes 1000,5000,20000,50000] [--seconds 60] [--before]
-        [--before-up-to 5000] [--procs 2] [--no-write]
+        [--before-up-to 5000] [--procs 2] [--connections 0] [--no-write]
 
 Writes its section of ``bench/RESULTS.md`` (``redis-scale``) unless ``--no-write``.
 """
@@ -79,8 +101,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import redis.asyncio as aredis
 
+from bench import resp, simloop
 from bench.results import RESULTS, command, start, table, write_section
 from dispatcher.enqueue import WireShard, publish_shards, register_job
 from renderfleet import keys
@@ -195,13 +217,18 @@ class Stats:
 class Sim:
     """The workers of one process."""
 
-    def __init__(self, client: aredis.Redis, cfg: Config, stats: Stats):
+    def __init__(self, client: resp.Client, cfg: Config, stats: Stats):
         self.r = client
         self.cfg = cfg
         self.stats = stats
         self.scripts = {name: client.register_script(lua_script(name)) for name in SCRIPTS}
         self.lock = client.register_script(lua_script("reaper_lock"))
         self.measuring = False
+
+    async def load(self) -> None:
+        """SCRIPT LOAD each script once, before the workers run them by EVALSHA."""
+        for script in (*self.scripts.values(), self.lock):
+            await script.load()
 
     async def run(self, call: ScriptCall) -> Any:
         t = time.perf_counter()
@@ -282,7 +309,7 @@ class SimWorker:
             late = time.monotonic() - due
             if self.sim.measuring:
                 self.sim.stats.lateness.append(late * 1000)
-                self.sim.stats.due += 1 + int(late // period)  # ticks a late loop skipped are due too
+                self.sim.stats.due += 1 + int(max(0.0, late) // period)  # ticks a late loop skipped are due too
                 self.sim.stats.done += 1
             with contextlib.suppress(redis.RedisError):  # as the worker's threads do: the next tick tries again
                 await step()
@@ -477,18 +504,54 @@ class SimWorker:
             self.sim.stats.lags.append(time.time() * 1000 - expiry)
 
 
+HOSTS = tuple(f"127.0.0.{i}" for i in range(1, 5))  # Redis listens on each: ~28,000 ephemeral ports apiece
+FD_SPARE = 64  # open files besides the workers' connections: Redis keeps 32 for itself, the rest is clients'
+
+
+def raise_fd_limit(want: int) -> int:
+    """Raise this process's open-file soft limit towards ``want`` (and the hard limit, where allowed:
+    as root); return the soft limit now.  Children and the Redis started after inherit both."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return want
+    for new_hard in (max(hard, want) if hard != resource.RLIM_INFINITY else hard, hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, new_hard) if new_hard != resource.RLIM_INFINITY
+                                                        else want, new_hard))
+            break
+        except (ValueError, OSError):  # not allowed to raise the hard limit: up to it, then
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+async def _connect_all(client: resp.Client, count: int, first: int) -> list[resp.Connection]:
+    """``count`` connections, spread over Redis's addresses, a few hundred opening at a time."""
+    conns: list[resp.Connection] = []
+    for at in range(0, count, 256):
+        conns += await asyncio.gather(*(client.connect(HOSTS[(first + i) % len(HOSTS)])
+                                        for i in range(at, min(count, at + 256))))
+    return conns
+
+
 async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: float, kill_every: float,
-                        connections: int, warm_s: float, out: Any) -> None:
-    pool = aredis.BlockingConnectionPool.from_url(url, max_connections=connections, timeout=60)
-    client = aredis.Redis(connection_pool=pool)
+                        connections: int, warm_s: float, *, out: Any, ready: Any) -> None:
+    client = resp.Client(url)
     stats = Stats()
     sim = Sim(client, cfg, stats)
+    await sim.load()
+    # 1. The connections: one per worker (connections == count), or shared round robin.
+    conns = await _connect_all(client, connections, first)
     workers = [SimWorker(sim, first + i) for i in range(count)]
+    ready.put({"ready": os.getpid()})
+    # 2. The workers, each task in a context bound to its worker's connection (its own tasks inherit it).
     stop = asyncio.Event()
-    lives = [asyncio.create_task(w.live(stop)) for w in workers]
+    lives = [resp.bound(conns[i % len(conns)]).run(asyncio.create_task, w.live(stop)) for i, w in enumerate(workers)]
     await asyncio.sleep(warm_s)
+    simloop.settle()
+    # 3. The measured window: the schedule kept or not, CPU, round trips (the watchers' on the client's own).
     sim.measuring = True
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0, wait0 = resource.getrusage(resource.RUSAGE_SELF), cpu_wait()
+    trips0 = _round_trips(client, conns)
     t0 = time.monotonic()
     watchers = []
     while time.monotonic() - t0 < seconds:
@@ -498,27 +561,43 @@ async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: 
             if busy:
                 watchers.append(asyncio.create_task(random.choice(busy).die_and_watch()))
     wall = time.monotonic() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu1, wait1 = resource.getrusage(resource.RUSAGE_SELF), cpu_wait()
+    trips = _round_trips(client, conns) - trips0
     sim.measuring = False
     if watchers:  # the last killed worker's lease expires after the window: its lag is still measured
         await asyncio.wait(watchers, timeout=cfg.lease_ms / 1000 + 20)
     cpu = (cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime) / wall
     out.put({"lat": stats.lat, "lateness": stats.lateness, "due": stats.due, "done": stats.done, "lags": stats.lags,
-             "shards": stats.shards, "cpu": cpu, "reaper_won": stats.reaper_won})
-    # Thousands of tasks mid-command: cancelling them through redis-py's pool can hang (seen with
-    # BlockingConnectionPool); the figures are sent, so the process ends here, its sockets with it.
+             "shards": stats.shards, "cpu": cpu, "reaper_won": stats.reaper_won, "round_trips": trips / wall,
+             "connections": len(conns), "wait": (wait1 - wait0) / wall,
+             "sys": (cpu1.ru_stime - cpu0.ru_stime) / wall})
+    # Thousands of tasks mid-command: the figures are sent, so the process ends here, its sockets with it.
     del lives
     out.close()
     out.join_thread()
     os._exit(0)
 
 
-def _child(args: tuple[Any, ...], out: Any) -> None:
-    faulthandler.dump_traceback_later(args[4] + args[7] + 90, exit=True)  # a stuck generator says where
+def cpu_wait(pid: int | str = "self") -> float:
+    """Seconds the process's main thread has waited for a CPU while runnable (Linux's schedstat);
+    NaN where there is none.  On a shared machine, lateness with little CPU used is this."""
     try:
-        asyncio.run(_process_main(*args, out))
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return math.nan
+
+
+def _round_trips(client: resp.Client, conns: list[resp.Connection]) -> int:
+    return sum(c.requests for c in conns) + (client.own.requests if client.own else 0)
+
+
+def _child(args: tuple[Any, ...], out: Any, ready: Any) -> None:
+    faulthandler.dump_traceback_later(args[4] + args[7] + 150, exit=True)  # a stuck generator says where
+    try:
+        simloop.run(_process_main(*args, out=out, ready=ready))
     except BaseException as exc:  # the parent says what went wrong instead of waiting forever
         out.put({"error": f"{type(exc).__name__}: {exc}"})
+        ready.put({"error": f"{type(exc).__name__}: {exc}"})
         raise
 
 
@@ -566,11 +645,16 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
              audit_seconds: float, workdir: Path, batch: int, lease_s: float = 6.0,
              warm_s: float | None = None) -> dict[str, Any]:
     """Start a Redis, make a job of enough shards pending, run ``n`` workers; return the figures."""
+    # One connection per simulated worker where the open-file limits allow it (Redis needs as many:
+    # raised here, before it starts, as it inherits them); else fewer, shared (see the docstring).
+    wanted = n if connections == 0 else min(n, procs * connections)
+    total = max(procs, min(wanted, raise_fd_limit(wanted + FD_SPARE) - FD_SPARE))
     server = RedisServerProcess(workdir=workdir / f"redis-{n}-{'before' if before else 'after'}")
     server.start()
     try:
-        client = redis.Redis.from_url(server.url)
-        client.config_set("maxclients", 10000)
+        client = redis.Redis.from_url(server.url, socket_timeout=60)  # Redis may stall seconds in the ramp
+        client.config_set("maxclients", total + FD_SPARE // 2)  # the monitor, this client, each process's own
+        client.config_set("bind", " ".join(HOSTS))
         spec = JobSpec(job=JOB, params=RenderParams(), total=SHARD_SIZE * (n * 2 + 100), shard_size=SHARD_SIZE,
                        batch_size=batch)
         register_job(client, spec, QUEUE, STORE, fresh=True)
@@ -583,7 +667,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
         # every worker started, its first shard claimed, heartbeats running
         warm = cfg.ramp_s + 8.0 if warm_s is None else warm_s
         ctx = mp.get_context("spawn")
-        out = ctx.Queue()
+        out, ready = ctx.Queue(), ctx.Queue()
         per = -(-n // procs)
         children = []
         for p in range(procs):
@@ -591,15 +675,20 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             if count <= 0:
                 continue
             args = (server.url, cfg, p * per, count, seconds, kill_every if p == 0 else 0.0,
-                    connections, warm)
-            child = ctx.Process(target=_child, args=(args, out))
+                    min(count, max(1, total * count // n)), warm)
+            child = ctx.Process(target=_child, args=(args, out, ready))
             child.start()
             children.append(child)
+        for _ in children:  # connected (tens of thousands of connections take seconds): the clocks start
+            started = ready.get(timeout=300)
+            if "error" in started:
+                raise RuntimeError(f"a load generator process failed: {started['error']}")
         time.sleep(warm)
         client.config_resetstat()
-        i0, t0 = _info(client), time.monotonic()
+        i0, t0, wait0 = _info(client), time.monotonic(), cpu_wait(server.proc.pid)  # type: ignore[union-attr]
         time.sleep(seconds)
         i1, wall = _info(client), time.monotonic() - t0
+        redis_wait = (cpu_wait(server.proc.pid) - wait0) / wall  # type: ignore[union-attr]
         results = [out.get(timeout=seconds + lease_s + 120) for _ in children]
         errors = [r["error"] for r in results if "error" in r]
         if errors:
@@ -608,7 +697,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             child.join(30)
         monitor.done.set()
         monitor.join(5)
-        return _figures(n, before, results, i0, i1, wall, procs)
+        return {**_figures(n, before, results, i0, i1, wall, procs), "redis_wait": redis_wait}
     finally:
         server.stop()
 
@@ -629,13 +718,19 @@ def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, 
             server_pct[name[len("latency_percentiles_usec_"):]] = (float(value.get("p50", math.nan)),
                                                                   float(value.get("p99", math.nan)))
     due = sum(r["due"] for r in results)
+    trips = sum(r["round_trips"] for r in results)
     return {
         "workers": n, "before": before, "redis_cpu": cpu, "ops": ops, "wall": wall,
         "p50": {s: percentile(v, 50) for s, v in lat.items()}, "p99": {s: percentile(v, 99) for s, v in lat.items()},
         "calls": {s: len(v) for s, v in lat.items()},
         "server": server_pct, "commands": commands,
         "lateness_p99": percentile(lateness, 99), "delivered": sum(r["done"] for r in results) / due if due else 1.0,
-        "gen_cpu": [r["cpu"] for r in results], "procs": procs,
+        "gen_cpu": [r["cpu"] for r in results], "procs": procs, "round_trips": trips,
+        "gen_wait": [r["wait"] for r in results],
+        "us_per_trip": sum(r["cpu"] for r in results) * 1e6 / trips if trips else math.nan,
+        "sys_us_per_trip": sum(r["sys"] for r in results) * 1e6 / trips if trips else math.nan,
+        "reads": (i1.get("total_reads_processed", 0) - i0.get("total_reads_processed", 0)) / wall,
+        "gen_connections": sum(r["connections"] for r in results),
         "lags": sorted(x for r in results for x in r["lags"]),
         "shards": sum(r["shards"] for r in results), "reaper_won": sum(r["reaper_won"] for r in results),
         "connected": int(i1.get("connected_clients", 0)),
@@ -647,6 +742,10 @@ def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, 
 
 def _ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.1f}"
+
+
+def _pcts(fractions: list[float]) -> str:
+    return ", ".join("-" if math.isnan(x) else f"{x * 100:.0f} %" for x in fractions)
 
 
 def saturated(f: dict[str, Any]) -> bool:
@@ -663,7 +762,11 @@ def describe(f: dict[str, Any]) -> str:
     mode = "before" if f["before"] else "after"
     lines = [f"N={f['workers']:,} ({mode}): Redis CPU {f['redis_cpu'] * 100:.0f} %, {f['ops']:,.0f} ops/s, "
              f"{f['connected']} clients; generator CPU {', '.join(f'{c * 100:.0f} %' for c in f['gen_cpu'])}, "
-             f"timer lateness p99 {f['lateness_p99']:.0f} ms, delivered {f['delivered'] * 100:.0f} %"
+             f"{f['round_trips']:,.0f} round trips/s ({f['reads']:,.0f} reads/s at Redis), "
+             f"{f['us_per_trip']:.1f} µs a round trip ({f['sys_us_per_trip']:.1f} in the kernel), "
+             f"timer lateness p99 {f['lateness_p99']:.0f} ms, "
+             f"waited for a CPU {_pcts(f['gen_wait'])} (Redis {_pcts([f.get('redis_wait', math.nan)])}), "
+             f"delivered {f['delivered'] * 100:.0f} %"
              f"{' (SATURATED: a lower bound)' if saturated(f) else ''}"]
     for s in SCRIPTS:
         lines.append(f"  {s:9s} {f['calls'][s]:7d} calls  p50 {_ms(f['p50'][s])} ms  p99 {_ms(f['p99'][s])} ms")
@@ -710,7 +813,9 @@ def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
             f"{_ms(evalsha[0] / 1000)}/{_ms(evalsha[1] / 1000)}",
             ", ".join(f"{n} {u / total * 100:.0f} %" for n, (_c, u, _p) in top),
             f"{_ms(percentile(lags, 50))} / {_ms(max(lags) if lags else math.nan)} ({len(lags)})",
-            f"{gen}; late p99 {f['lateness_p99']:.0f} ms; delivered {f['delivered'] * 100:.0f} %"
+            f"{gen}; {f['us_per_trip']:.0f} µs a round trip; waited for a CPU {_pcts(f['gen_wait'])} "
+            f"(Redis {_pcts([f.get('redis_wait', math.nan)])}); late p99 {f['lateness_p99']:.0f} ms; "
+            f"delivered {f['delivered'] * 100:.0f} %"
             + ("; **saturated: a lower bound**" if saturated(f) else ""),
         ])
     return out
@@ -744,7 +849,9 @@ def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) ->
             lines.append(f"Extrapolated from {largest['workers']:,} workers ({per:.0f} "
                          f"µs of Redis CPU a second per worker), Redis would reach {GOAL_CPU * 100:.0f} % of a core "
                          f"near {guess:,} workers, if its CPU grows linearly with the fleet.")
-    lines.append(f"Simulation: {args.procs} processes of asyncio tasks, a batch of {args.batch} prompts every 2-10 s, "
+    lines.append(f"Simulation: {args.procs} processes of asyncio tasks ({'uvloop' if simloop.uvloop else 'asyncio loop'}, "
+                 f"bench/resp.py with {'hiredis' if resp.hiredis else 'its pure-Python parser'}), "
+                 f"{connection_note(figures)}, a batch of {args.batch} prompts every 2-10 s, "
                  f"shards of {SHARD_SIZE}, heartbeat {min(1.5, args.lease / 4):g} s, worker tick 1 s, "
                  f"lease {args.lease:g} s, {args.seconds:.0f} s measured after the ramp, a worker killed every "
                  f"{args.kill_every:g} s; script latency is the clients' (it includes the generator's own "
@@ -753,12 +860,23 @@ def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) ->
     return "\n".join(lines)
 
 
+def connection_note(figures: list[dict[str, Any]]) -> str:
+    """How the simulated workers reached Redis: their own connections, or shared ones (the docstring's honesty note)."""
+    shared = [f for f in figures if f["gen_connections"] < f["workers"]]
+    if not shared:
+        return "each simulated worker on its own connection (as real workers: a read and a write per command)"
+    return ("the workers of a process sharing connections round robin ("
+            + ", ".join(f"{f['workers']:,} workers on {f['gen_connections']:,}" for f in shared)
+            + "): their commands can reach Redis pipelined together, so its CPU per command is understated there")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.redis_scale", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1000,5000,20000,50000", help="simulated workers, comma-separated")
     p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per size, after the ramp")
     p.add_argument("--procs", type=int, default=2, help="load generator processes")
-    p.add_argument("--connections", type=int, default=400, help="Redis connections per generator process")
+    p.add_argument("--connections", type=int, default=0,
+                   help="Redis connections per generator process, shared by its workers; 0: one per worker")
     p.add_argument("--kill-every", type=float, default=5.0, help="a busy worker dies every this many seconds")
     p.add_argument("--audit-seconds", type=float, default=30.0, help="the monitor's audit interval")
     p.add_argument("--batch", type=int, default=8, help="prompts per batch (shards of 64)")
