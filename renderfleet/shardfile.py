@@ -19,6 +19,7 @@ import json
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -44,14 +45,9 @@ class WireWriter:
 
     def shards(self, lines: Iterable[str]) -> Iterator[tuple[int, int]]:
         """Write ``lines`` (wire JSON, no newline in any); yield (shard, prompts in it) as each fills."""
-        size, chunk, shard = self.shard_size, [], 0
-        for line in lines:
-            chunk.append(line)
-            if len(chunk) == size:
-                yield shard, self._flush(chunk)
-                shard, chunk = shard + 1, []
-        if chunk:
-            yield shard, self._flush(chunk)
+        it = iter(lines)
+        for shard, chunk in enumerate(iter(lambda: list(islice(it, self.shard_size)), [])):
+            yield shard, self._flush(chunk)  # a shard's lines taken at once: no Python step per line
 
     def _flush(self, chunk: list[str]) -> int:
         data = ("\n".join(chunk) + "\n").encode()

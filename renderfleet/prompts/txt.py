@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from renderfleet.prompts.checks import NUL_PROBLEM, over_clip_limit
+from renderfleet.prompts.checks import CLIP_TOKENS, NUL_PROBLEM, over_clip_limit
 from renderfleet.prompts.lines import Report
 
 _NUL = NUL_PROBLEM.format("prompt")
@@ -14,6 +14,7 @@ def count(lines: Iterator[str | None], report: Report, long: Callable[[int], Non
     """Pass 1: the number of prompts, each NUL reported (a bad line, None, counts as one);
     ``long`` is told the line of each prompt surely over CLIP's 77 tokens."""
     total = 0
+    shortest = CLIP_TOKENS + 1  # over_clip_limit's own first test, here: no call for most lines
     for lineno, line in enumerate(lines, 1):
         if line is None:
             total += 1
@@ -23,7 +24,7 @@ def count(lines: Iterator[str | None], report: Report, long: Callable[[int], Non
             total += 1
             if "\x00" in text:
                 report(lineno, _NUL)
-            if long is not None and over_clip_limit(text):
+            if long is not None and len(text) >= shortest and over_clip_limit(text):
                 long(lineno)
     return total
 
