@@ -173,7 +173,8 @@ def submit_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
                        "RENDERFLEET_HOME": str(tmp / "home")}
                 before = used(client)
                 wall, peak, _, said = run_child("-m", "renderfleet", ["submit", str(path), "--job", f"bench-{run}",
-                                                                       "--model", "tiny", "--shard-size", "100"], env)
+                                                                       "--model", "tiny", "--shard-size", "100"], env,
+                                             cwd=root)
                 grown = used(client) - before
                 walls[side].append(wall)
                 peaks[side].append(peak)

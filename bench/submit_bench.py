@@ -68,16 +68,17 @@ else:
 """
 
 
-def run_child(mode: str, target: str, args: list[str], env: dict[str, str] | None = None
-              ) -> tuple[float, float, str, str]:
+def run_child(mode: str, target: str, args: list[str], env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> tuple[float, float, str, str]:
     """``python -m target args`` (mode ``-m``) or ``python -c target args`` (``-c``) in a child of its
-    own: (wall seconds, that child's own peak RSS in MB, stdout, stderr)."""
+    own: (wall seconds, that child's own peak RSS in MB, stdout, stderr).  ``cwd``: the checkout whose
+    code it runs (the child's first import path is its working folder, ahead of PYTHONPATH)."""
     with tempfile.TemporaryDirectory(prefix="submit-bench-peak-") as tmp:
         peak_file = Path(tmp) / "peak"
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, mode, target, *args],
                               env={**(os.environ if env is None else env), "BENCH_PEAK_FILE": str(peak_file)},
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, cwd=cwd)
         wall = time.perf_counter() - t
         if proc.returncode:
             raise SystemExit(f"submit bench: {mode} {target[:40]!r} exited {proc.returncode}:\n{proc.stderr}")
