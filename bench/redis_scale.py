@@ -201,6 +201,9 @@ class Config:
     batch_max_s: float = 10.0
     handback: float = 0.02
     ramp_s: float = 5.0
+    # --slow K: every period of a worker K times longer (its beats, ticks, batches, lease, liveness, the
+    # counts it reads, its idle polls): N workers ask of Redis what N / K would at the fleet's rates.
+    slow: float = 1.0
 
 
 @dataclass
@@ -238,6 +241,18 @@ class Sim:
         return out
 
 
+class SlowElection(ReaperElection):
+    """The worker's election, its standby K times longer under ``--slow K``: the standbys of N slowed
+    workers ask as often between them as those of N / K workers at the fleet's rates."""
+
+    def __init__(self, interval: float, slow: float):
+        super().__init__(interval)
+        self.slow = slow
+
+    def standby_for(self, workers: int) -> float:
+        return self.slow * super().standby_for(int(workers / self.slow))
+
+
 class SimWorker:
     """One worker: its take loop, its tick, its heartbeat while a shard runs."""
 
@@ -249,18 +264,22 @@ class SimWorker:
         self.new_id()
         self.lease: Lease | None = None
         self.dead = False
-        self.election = ReaperElection(self.cfg.reap_s)
+        self.election = SlowElection(self.cfg.reap_s, self.cfg.slow)
         self.counts: dict[str, int] = {}
         self.counts_at = float("-inf")
         self.touched = float("-inf")
-        self.liveness = Liveness()  # mirrors WorkerService.liveness: a busy worker's beats carry it
+        self.liveness = Liveness(TOUCH_SECONDS * self.cfg.slow)  # mirrors WorkerService.liveness: beats carry it
+        # The fleet in its steady state from the start: a worker's first shard begins at a random batch, so
+        # that shards end (claim, recount, release, ack) at the steady rate from the first minute, not in a
+        # wave a shard's length after the ramp (longer than the measured window when the clocks are slowed).
+        self.midway = True
 
     def new_id(self) -> None:
         self.id = f"sim-{self.index}-{uuid.uuid4().hex[:6]}"
         self.owner = uuid.uuid4().hex
         self.registration = json.dumps({"worker": self.id, "pool": POOL, "store": STORE, "model": "tiny",
                                         "device": "cpu", "host": "sim", "pid": os.getpid(), "started": time.time()})
-        self.liveness = Liveness()
+        self.liveness = Liveness(TOUCH_SECONDS * self.cfg.slow)
         self.liveness.registration = self.registration
 
     async def register(self) -> None:
@@ -273,7 +292,7 @@ class SimWorker:
     async def target(self) -> int:
         """Feeder.target: the old way reads every registration; the new one the published counts."""
         now = time.monotonic()
-        if now - self.counts_at > WORKERS_CACHE_SECONDS:
+        if now - self.counts_at > WORKERS_CACHE_SECONDS * self.cfg.slow:
             if self.cfg.before:
                 counts: dict[str, int] = {}
                 for raw in await self.r.hvals(keys.WORKERS):
@@ -328,7 +347,7 @@ class SimWorker:
                 self.election.answered(won, time.monotonic(), workers)
                 if won:
                     await self.reap()
-            touch = self.cfg.before or time.monotonic() - self.touched >= TOUCH_SECONDS
+            touch = self.cfg.before or time.monotonic() - self.touched >= TOUCH_SECONDS * self.cfg.slow
             if touch:
                 self.touched = time.monotonic()
             # mirrors WorkerService.touch: nothing to write while a heartbeat carries the liveness
@@ -402,11 +421,13 @@ class SimWorker:
         try:
             first = lease.shard * SHARD_SIZE
             handback = random.random() < self.cfg.handback
-            for at in range(first, first + SHARD_SIZE, self.cfg.batch):
+            skip = random.randrange(-(-SHARD_SIZE // self.cfg.batch)) * self.cfg.batch if self.midway else 0
+            self.midway = False
+            for at in range(first + skip, first + SHARD_SIZE, self.cfg.batch):
                 await asyncio.sleep(random.uniform(self.cfg.batch_min_s, self.cfg.batch_max_s))
                 if self.dead:
                     return
-                if handback and at > first:
+                if handback and at > first + skip:
                     break
                 if self.sim.measuring:
                     self.sim.stats.due += 1
@@ -470,7 +491,7 @@ class SimWorker:
                             if self.lease is not None:
                                 await self.shard()
                         else:
-                            await asyncio.sleep(random.uniform(0.5, 1.0))
+                            await asyncio.sleep(random.uniform(0.5, 1.0) * self.cfg.slow)
                     except redis.RedisError:
                         await asyncio.sleep(1.0)
             finally:
@@ -605,20 +626,21 @@ def _child(args: tuple[Any, ...], out: Any, ready: Any) -> None:
 
 
 class MonitorThread(threading.Thread):
-    def __init__(self, url: str, audit_seconds: float, before: bool, lease_s: float):
+    def __init__(self, url: str, audit_seconds: float, before: bool, lease_s: float, period: float = 1.0):
         super().__init__(daemon=True)
+        self.period = period
         self.client = redis.Redis.from_url(url)
         self.leases = Leases(self.client, lease_s)
         self.feeder = Feeder(self.client)
         self.audit_seconds = audit_seconds
         self.before = before
         self.owner = uuid.uuid4().hex
-        self.election = ReaperElection(1.0)
+        self.election = ReaperElection(period, backstop=True)  # mirrors dispatcher.monitor.Monitor
         self.done = threading.Event()
 
     def run(self) -> None:
         audited = 0.0
-        while not self.done.wait(1.0):
+        while not self.done.wait(self.period):
             try:
                 if self.before:
                     if self.client.set(keys.REAPER_LOCK, self.owner, nx=True, px=900):
@@ -643,7 +665,7 @@ def _info(client: redis.Redis) -> dict[str, Any]:
 
 def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: int, kill_every: float,
              audit_seconds: float, workdir: Path, batch: int, lease_s: float = 6.0,
-             warm_s: float | None = None) -> dict[str, Any]:
+             warm_s: float | None = None, slow: float = 1.0) -> dict[str, Any]:
     """Start a Redis, make a job of enough shards pending, run ``n`` workers; return the figures."""
     # One connection per simulated worker where the open-file limits allow it (Redis needs as many:
     # raised here, before it starts, as it inherits them); else fewer, shared (see the docstring).
@@ -660,10 +682,13 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
         register_job(client, spec, QUEUE, STORE, fresh=True)
         publish_shards(make_app(server.url), client, spec, QUEUE,  # type: ignore[arg-type]
                        (WireShard(s, SHARD_SIZE, start=s * SHARD_SIZE) for s in range(spec.shards)), store=STORE)
-        monitor = MonitorThread(server.url, audit_seconds, before, lease_s)
+        # --slow K: every clock of the simulation K times slower (the workers', the monitor's, the kills'):
+        # Redis is asked what it would be at the fleet's rates, divided by K, by N workers' connections.
+        monitor = MonitorThread(server.url, audit_seconds * slow, before, lease_s * slow, period=slow)
         monitor.start()
-        cfg = Config(before=before, batch=batch, ramp_s=min(10.0, 2.0 + n / 2000), lease_ms=int(lease_s * 1000),
-                     heartbeat_s=min(Config.heartbeat_s, lease_s / 4))
+        cfg = Config(before=before, batch=batch, ramp_s=min(10.0, 2.0 + n / 2000), lease_ms=int(lease_s * slow * 1000),
+                     heartbeat_s=min(Config.heartbeat_s, lease_s / 4) * slow, reap_s=Config.reap_s * slow,
+                     batch_min_s=Config.batch_min_s * slow, batch_max_s=Config.batch_max_s * slow, slow=slow)
         # every worker started, its first shard claimed, heartbeats running
         warm = cfg.ramp_s + 8.0 if warm_s is None else warm_s
         ctx = mp.get_context("spawn")
@@ -674,7 +699,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             count = min(per, n - p * per)
             if count <= 0:
                 continue
-            args = (server.url, cfg, p * per, count, seconds, kill_every if p == 0 else 0.0,
+            args = (server.url, cfg, p * per, count, seconds, kill_every * slow if p == 0 else 0.0,
                     min(count, max(1, total * count // n)), warm)
             child = ctx.Process(target=_child, args=(args, out, ready))
             child.start()
@@ -697,7 +722,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             child.join(30)
         monitor.done.set()
         monitor.join(5)
-        return {**_figures(n, before, results, i0, i1, wall, procs), "redis_wait": redis_wait}
+        return {**_figures(n, before, results, i0, i1, wall, procs), "redis_wait": redis_wait, "slow": slow}
     finally:
         server.stop()
 
@@ -796,10 +821,20 @@ def commandstats(f: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def full_rate_cpu(f: dict[str, Any]) -> float:
+    """Redis's CPU at the fleet's rates: as measured, or, for a row whose clocks ran K times slower
+    (``--full-rate-up-to``), K times it (Redis did a K-th of the work a second: its cost per command,
+    if anything, higher at the lower rate, so this is not an underestimate)."""
+    return float(f["redis_cpu"] * f.get("slow", 1.0))
+
+
 def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
     out = []
     for f in figures:
         mode = "before issue 27" if f["before"] else "now"
+        slow = f.get("slow", 1.0)
+        if slow > 1:
+            mode += f", every worker {slow:g} times slower"
         evalsha = f["server"].get("evalsha", (math.nan, math.nan))
         total = sum(v[1] for v in f["commands"].values()) or 1
         top = sorted(f["commands"].items(), key=lambda kv: -kv[1][1])[:3]
@@ -808,7 +843,10 @@ def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
         gen = ", ".join(f"{c * 100:.0f} %" for c in f["gen_cpu"])
         out.append([
             f"{f['workers']:,} workers ({mode})",
-            f"{f['redis_cpu'] * 100:.0f} % ({f['redis_cpu'] * 1e6 / f['workers']:.0f} µs a second per worker)",
+            f"{f['redis_cpu'] * 100:.0f} % ({f['redis_cpu'] * 1e6 / f['workers']:.0f} µs a second per worker)"
+            if slow == 1 else
+            f"{f['redis_cpu'] * 100:.0f} %; at the fleet's rates at most {full_rate_cpu(f) * 100:.0f} % "
+            f"({full_rate_cpu(f) * 1e6 / f['workers']:.0f} µs a second per worker)",
             f"{f['ops']:,.0f}", scripts,
             f"{_ms(evalsha[0] / 1000)}/{_ms(evalsha[1] / 1000)}",
             ", ".join(f"{n} {u / total * 100:.0f} %" for n, (_c, u, _p) in top),
@@ -828,14 +866,23 @@ HEADER = ("fleet", "Redis CPU", "ops/s", "script p50/p99 ms (clients)", "EVALSHA
 def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) -> str:
     now = [f for f in figures if not f["before"]]
     kept = [f for f in now if not saturated(f)]  # a saturated generator's latencies are its own
+    full = [f for f in kept if f.get("slow", 1.0) == 1]  # slowed rows: their CPU projected, their latency not
     lines = [table(rows(figures, cmd), HEADER), ""]
-    found = ceiling([SizeResult(f["workers"], worst_p99(f), f["redis_cpu"]) for f in kept])
+    found = ceiling([SizeResult(f["workers"], worst_p99(f), f["redis_cpu"]) for f in full])
     if found is not None:
         lines.append(f"Ceiling (now): p99 passes {GOAL_P99_MS:.0f} ms or Redis CPU passes {GOAL_CPU * 100:.0f} % "
                      f"at {found:,} simulated workers.")
-    elif kept:
-        lines.append(f"Ceiling (now): not reached up to {max(f['workers'] for f in kept):,} simulated workers "
+    elif full:
+        lines.append(f"Ceiling (now): not reached up to {max(f['workers'] for f in full):,} simulated workers "
                      f"(p99 under {GOAL_P99_MS:.0f} ms, Redis CPU under {GOAL_CPU * 100:.0f} %).")
+    for f in sorted(kept, key=lambda f: f["workers"]):
+        if f.get("slow", 1.0) > 1:
+            lines.append(f"{f['workers']:,} workers, every clock {f['slow']:g} times slower (the load of "
+                         f"{f['workers'] / f['slow']:,.0f} at the fleet's rates, with {f['workers']:,} workers' "
+                         f"connections, leases and registrations): Redis {f['redis_cpu'] * 100:.0f} %, so at most "
+                         f"{full_rate_cpu(f) * 100:.0f} % of a core at the fleet's rates"
+                         f"{' (over ' + format(GOAL_CPU * 100, '.0f') + ' %)' if full_rate_cpu(f) > GOAL_CPU else ''}; "
+                         "its latencies are those of the slower load, not of the fleet's.")
     gave_out = sorted(f["workers"] for f in now if saturated(f))
     if gave_out:
         lines.append(f"From {gave_out[0]:,} simulated workers the load generator could not keep the schedule "
@@ -843,9 +890,9 @@ def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) ->
                      "generator's own, and they are not used for the ceiling.")
     if kept:
         largest = max(kept, key=lambda f: f["workers"])
-        guess = extrapolated_ceiling(SizeResult(largest["workers"], worst_p99(largest), largest["redis_cpu"]))
+        guess = extrapolated_ceiling(SizeResult(largest["workers"], worst_p99(largest), full_rate_cpu(largest)))
         if guess is not None:
-            per = largest["redis_cpu"] * 1e6 / largest["workers"]
+            per = full_rate_cpu(largest) * 1e6 / largest["workers"]
             lines.append(f"Extrapolated from {largest['workers']:,} workers ({per:.0f} "
                          f"µs of Redis CPU a second per worker), Redis would reach {GOAL_CPU * 100:.0f} % of a core "
                          f"near {guess:,} workers, if its CPU grows linearly with the fleet.")
@@ -883,6 +930,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", action="store_true", help="also run the protocol as it was before issue 27")
     p.add_argument("--before-up-to", type=int, default=5000, help="the largest size run --before")
     p.add_argument("--lease", type=float, default=6.0, help="lease seconds (the fleet's default: 6)")
+    p.add_argument("--full-rate-up-to", type=int, default=5000,
+                   help="a larger size runs with every clock N / this times slower (Redis asked a fraction of the "
+                        "fleet's load by all N workers' connections, its CPU scaled back up): what a 2-core machine "
+                        "can generate; 0: every size at the fleet's rates")
     p.add_argument("--warm", type=float, default=None, help="seconds before measuring (default: ramp + 8)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the file whose section is written")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
@@ -902,7 +953,8 @@ def main(argv: list[str] | None = None) -> int:
                 f = run_size(n, before=before, seconds=args.seconds, procs=min(args.procs, n),
                              connections=args.connections, kill_every=args.kill_every,
                              audit_seconds=args.audit_seconds, workdir=Path(tmp), batch=args.batch,
-                             lease_s=args.lease, warm_s=args.warm)
+                             lease_s=args.lease, warm_s=args.warm,
+                             slow=max(1.0, n / args.full_rate_up_to) if args.full_rate_up_to else 1.0)
                 print(describe(f), flush=True)
                 if args.commandstats:
                     print(commandstats(f), flush=True)

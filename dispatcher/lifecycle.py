@@ -138,11 +138,18 @@ def forget(client: redis.Redis, job: str, store: str, reason: str) -> int:
 
 def live_leases(client: redis.Redis, job: str) -> list[str]:
     """Members ``<job>:<shard>`` of the job under a live lease (by Redis's clock)."""
+    return list(lease_expiries(client, job))
+
+
+def lease_expiries(client: redis.Redis, job: str) -> dict[str, float]:
+    """The job's live leases: each member ``<job>:<shard>`` and the seconds until it lapses unless
+    renewed (by Redis's clock; each lease as long as its holder's ``lease_seconds`` made it)."""
     seconds, micros = client.time()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     prefix = f"{job}:"
-    return [m for m in (keys.text(x) for x in client.zrangebyscore(keys.INFLIGHT, f"({now_ms}", "+inf"))
-            if m.startswith(prefix)]
+    live = client.zrangebyscore(keys.INFLIGHT, f"({now_ms}", "+inf", withscores=True)
+    return {m: (float(score) - now_ms) / 1000 for m, score in ((keys.text(x), score) for x, score in live)  # type: ignore[str-unpack]
+            if m.startswith(prefix)}
 
 
 # ---- for resume --------------------------------------------------------------------------
@@ -217,10 +224,13 @@ def delete(job: str, *, store: Store, client: redis.Redis, lease_seconds: float,
                   content_type="application/json")
     # 1. Cancel, every leased shard fenced: its holder writes nothing more once it knows.
     counts = _cancel(client, job, fence=True) if known else Cancelled()
-    # 2. Until no lease of the job is live: a fenced holder's next heartbeat stops its renewals.
-    bound = lease_seconds + LEASE_MARGIN_SECONDS
+    # 2. Until no lease of the job is live: a fenced holder's next heartbeat stops its renewals.  As
+    # long as the longest lease the workers wrote (a fleet may run longer leases than this machine's
+    # settings say: RENDERFLEET_LEASE_SECONDS is the workers'), and this machine's lease at least.
+    expiries = lease_expiries(client, job)
+    bound = max([lease_seconds, *expiries.values()]) + LEASE_MARGIN_SECONDS
     deadline = time.monotonic() + bound
-    live = live_leases(client, job)
+    live = list(expiries)
     if live and on_wait is not None:
         on_wait(len(live), bound)
     while live and time.monotonic() < deadline:

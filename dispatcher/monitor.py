@@ -56,7 +56,7 @@ class Monitor:
         self.leases = Leases(client, settings.lease_seconds, envelope=celery_app.envelope_factory(app))
         self.publish = celery_app.publisher(app)
         self.owner = uuid.uuid4().hex
-        self.election = ReaperElection(settings.reap_seconds)
+        self.election = ReaperElection(settings.reap_seconds, backstop=True)  # asks whatever the fleet's size
         self.feeder = Feeder(self.client)
         self.known_jobs: set[str] = set()
         # A job looks stalled (work left, nothing queued or running) for an instant

@@ -11,7 +11,10 @@ only saves round trips.  This is what brings a SIGKILLed worker's shard back
 within seconds instead of Celery's visibility timeout; a SIGKILLed reaper is
 replaced once its lock lapses (:data:`LOCK_TICKS` ticks) and a standby asks:
 one process within :data:`STANDBY_SECONDS`, and in a fleet of N the standbys
-between them about :data:`FLEET_ASKS` times a second or more.
+between them about :data:`FLEET_ASKS` times a second or more.  The monitor is
+the fleet's backstop: it asks every few seconds whatever the fleet's size, so
+a lapsed lock never waits on the workers' long standbys (a fleet that shrank
+at once, its reaper among the workers gone).
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ STANDBY_SECONDS = 3.0  # a process that is not the reaper asks for the lock abou
 # every 1.5 to 3 s, a script and a round trip each, a tenth of what a 1,000-worker fleet cost Redis
 # (bench/redis_scale.py).  A lapsed lock is still taken within a second or so, by one of many.
 FLEET_ASKS = 50.0
-STANDBY_MAX_SECONDS = 30.0
+# 120 s: 20,000 workers' standbys ask 220 times a second (at 30 s: 890, 4 % of a Redis core there,
+# bench/redis_scale.py).  A lapsed lock waits on them only in a fleet without a monitor (the backstop)
+# that lost its reaper and thousands of workers at once: a clean shutdown hands the lock on.
+STANDBY_MAX_SECONDS = 120.0
 
 
 class ReaperElection:
@@ -49,9 +55,11 @@ class ReaperElection:
     else after a standby of :data:`STANDBY_SECONDS`, longer in a large fleet (:data:`FLEET_ASKS`),
     jittered so that a fleet's asks spread out."""
 
-    def __init__(self, interval: float, standby_seconds: float = STANDBY_SECONDS):
+    def __init__(self, interval: float, standby_seconds: float = STANDBY_SECONDS, *, backstop: bool = False):
         self.lock_ms = max(200, int(interval * 1000 * LOCK_TICKS))
         self.standby = max(interval, standby_seconds)
+        # The monitor's (one a fleet): every standby, whatever the fleet's size.
+        self.backstop = backstop
         self._next = float("-inf")
         self.held = False
 
@@ -61,6 +69,8 @@ class ReaperElection:
 
     def standby_for(self, workers: int) -> float:
         """How long a standby waits between asks (at most) in a fleet of ``workers`` registered workers."""
+        if self.backstop:
+            return self.standby
         return max(self.standby, min(STANDBY_MAX_SECONDS, workers / FLEET_ASKS))
 
     def answered(self, won: bool, now: float, workers: int = 0) -> None:

@@ -355,6 +355,24 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     assert sorted(keys.text(k) for k in r.scan_iter(match=f"rf:job:{job}*")) == left
 
 
+def test_delete_waits_for_a_lease_longer_than_its_own_settings_say(tmp_path: Path,
+                                                                  redis_server: RedisServerProcess) -> None:
+    """A fleet may run longer leases (RENDERFLEET_LEASE_SECONDS is the workers' setting) than the
+    machine that deletes: the wait lasts until the job's last lease lapses, as Redis holds it."""
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    r = redis.Redis.from_url(redis_server.url)
+    job = submit(env, tmp_path / "a.txt", 8, 4, 2, 0.25)
+    seconds, micros = r.time()
+    # A worker with 7.5 s leases renewed shard 0 just now (its holder fenced by the delete: no renewal).
+    r.zadd(keys.INFLIGHT, {f"{job}:0": int(seconds) * 1000 + int(micros) // 1000 + 7500})
+    began = time.monotonic()
+    report = lifecycle.delete(job, store=open_store(str(tmp_path / "store")), client=r, lease_seconds=0.5,
+                              settle_seconds=0)
+    # This machine's own bound would have given up at 0.5 + 5 s with the lease still live.
+    assert report.leases_left == 0 and time.monotonic() - began >= 7.0
+    assert not lifecycle.live_leases(r, job)
+
+
 # ---- the Python API -----------------------------------------------------------------------------
 
 

@@ -76,3 +76,12 @@ def test_a_standby_asks_less_often_the_larger_the_fleet_so_the_fleets_asks_stay_
     assert election.standby_for(100_000) == STANDBY_MAX_SECONDS  # a lapsed lock is never left for long
     election.answered(False, 0.0, workers=1000)
     assert not election.due(1000 / FLEET_ASKS / 2 - 0.1) and election.due(1000 / FLEET_ASKS)
+    # 20,000 workers' standbys ask about 220 times a second between them, not 890 (the cap at 30 s)
+    assert 20_000 / (0.75 * election.standby_for(20_000)) < 250
+
+
+def test_the_monitor_is_a_backstop_that_asks_every_few_seconds_whatever_the_fleets_size() -> None:
+    monitor = ReaperElection(1.0, backstop=True)
+    assert monitor.standby_for(0) == monitor.standby_for(100_000) == STANDBY_SECONDS
+    monitor.answered(False, 0.0, workers=100_000)
+    assert monitor.due(STANDBY_SECONDS)
