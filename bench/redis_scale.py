@@ -84,6 +84,7 @@ import base64
 import contextlib
 import faulthandler
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -188,6 +189,14 @@ def extrapolated_ceiling(result: SizeResult, *, cpu: float = GOAL_CPU) -> int | 
 
 
 _DEFAULT = Settings.model_fields  # the fleet's own defaults: lease, heartbeat, reaper tick
+DEFAULT_LEASE = float(_DEFAULT["lease_seconds"].default)
+
+
+def heartbeat_for(lease_s: float) -> float:
+    """The heartbeat a simulated fleet of ``lease_s`` leases runs: the fleet's default (1.5 s, a quarter
+    of its 6 s lease), a quarter of a shorter lease, or of a longer one (RENDERFLEET_HEARTBEAT_SECONDS
+    set with RENDERFLEET_LEASE_SECONDS, as docs/design.md advises for a large fleet)."""
+    return float(lease_s / 4)
 
 
 @dataclass
@@ -687,7 +696,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
         monitor = MonitorThread(server.url, audit_seconds * slow, before, lease_s * slow, period=slow)
         monitor.start()
         cfg = Config(before=before, batch=batch, ramp_s=min(10.0, 2.0 + n / 2000), lease_ms=int(lease_s * slow * 1000),
-                     heartbeat_s=min(Config.heartbeat_s, lease_s / 4) * slow, reap_s=Config.reap_s * slow,
+                     heartbeat_s=heartbeat_for(lease_s) * slow, reap_s=Config.reap_s * slow,
                      batch_min_s=Config.batch_min_s * slow, batch_max_s=Config.batch_max_s * slow, slow=slow)
         # every worker started, its first shard claimed, heartbeats running
         warm = cfg.ramp_s + 8.0 if warm_s is None else warm_s
@@ -722,7 +731,8 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             child.join(30)
         monitor.done.set()
         monitor.join(5)
-        return {**_figures(n, before, results, i0, i1, wall, procs), "redis_wait": redis_wait, "slow": slow}
+        return {**_figures(n, before, results, i0, i1, wall, procs), "redis_wait": redis_wait, "slow": slow,
+                "lease": lease_s}
     finally:
         server.stop()
 
@@ -833,8 +843,10 @@ def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
     for f in figures:
         mode = "before issue 27" if f["before"] else "now"
         slow = f.get("slow", 1.0)
+        if f.get("lease", DEFAULT_LEASE) != DEFAULT_LEASE:
+            mode += f", lease {f['lease']:g} s, heartbeat {heartbeat_for(f['lease']):g} s"
         if slow > 1:
-            mode += f", every worker {slow:g} times slower"
+            mode += f", every clock {slow:g} times slower"
         evalsha = f["server"].get("evalsha", (math.nan, math.nan))
         total = sum(v[1] for v in f["commands"].values()) or 1
         top = sorted(f["commands"].items(), key=lambda kv: -kv[1][1])[:3]
@@ -899,8 +911,9 @@ def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) ->
     lines.append(f"Simulation: {args.procs} processes of asyncio tasks ({'uvloop' if simloop.uvloop else 'asyncio loop'}, "
                  f"bench/resp.py with {'hiredis' if resp.hiredis else 'its pure-Python parser'}), "
                  f"{connection_note(figures)}, a batch of {args.batch} prompts every 2-10 s, "
-                 f"shards of {SHARD_SIZE}, heartbeat {min(1.5, args.lease / 4):g} s, worker tick 1 s, "
-                 f"lease {args.lease:g} s, {args.seconds:.0f} s measured after the ramp, a worker killed every "
+                 f"shards of {SHARD_SIZE}, lease {args.leases} s (the heartbeat a quarter of it: the fleet's "
+                 f"defaults are 6 and 1.5), worker tick 1 s, "
+                 f"{args.seconds:.0f} s measured after the ramp, a worker killed every "
                  f"{args.kill_every:g} s; script latency is the clients' (it includes the generator's own "
                  "scheduling), EVALSHA's is Redis's own (`INFO latencystats`, which counts the commands a script "
                  "calls again under their own names).")
@@ -929,7 +942,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="prompts per batch (shards of 64)")
     p.add_argument("--before", action="store_true", help="also run the protocol as it was before issue 27")
     p.add_argument("--before-up-to", type=int, default=5000, help="the largest size run --before")
-    p.add_argument("--lease", type=float, default=6.0, help="lease seconds (the fleet's default: 6)")
+    p.add_argument("--leases", default=f"{DEFAULT_LEASE:g}",
+                   help="lease seconds, comma-separated: each size runs at each, its heartbeat a quarter of it "
+                        "(the fleet's defaults: 6 and 1.5)")
     p.add_argument("--full-rate-up-to", type=int, default=5000,
                    help="a larger size runs with every clock N / this times slower (Redis asked a fraction of the "
                         "fleet's load by all N workers' connections, its CPU scaled back up): what a 2-core machine "
@@ -945,15 +960,25 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         p.error(f"--sizes={args.sizes!r}: give positive whole numbers separated by commas")
+    try:
+        leases = [float(s) for s in args.leases.split(",")]
+        if any(not 0 < x < 3600 for x in leases):
+            raise ValueError
+    except ValueError:
+        p.error(f"--leases={args.leases!r}: give lease seconds (over 0) separated by commas")
+    # The monitor's reaper re-queues the leases of the workers each size leaves behind: a line each.
+    logging.getLogger("renderfleet.reaper").setLevel(logging.ERROR)
     began = start()
     figures = []
     with tempfile.TemporaryDirectory(prefix="rf-redis-scale-") as tmp:
         for n in sizes:
-            for before in ([True, False] if args.before and n <= args.before_up_to else [False]):
+            for before, lease in [(b, x) for x in leases
+                                  for b in ([True, False] if args.before and n <= args.before_up_to
+                                            and x == DEFAULT_LEASE else [False])]:
                 f = run_size(n, before=before, seconds=args.seconds, procs=min(args.procs, n),
                              connections=args.connections, kill_every=args.kill_every,
                              audit_seconds=args.audit_seconds, workdir=Path(tmp), batch=args.batch,
-                             lease_s=args.lease, warm_s=args.warm,
+                             lease_s=lease, warm_s=args.warm,
                              slow=max(1.0, n / args.full_rate_up_to) if args.full_rate_up_to else 1.0)
                 print(describe(f), flush=True)
                 if args.commandstats:

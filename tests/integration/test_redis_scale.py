@@ -15,12 +15,12 @@ def test_a_tiny_simulated_fleet_runs_the_protocol_and_its_killed_workers_shards_
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmark results\n")
     # 50 workers, 5 s measured, a 2 s lease so that killed workers' shards come back within the run.
-    assert redis_scale.main(["--sizes", "50", "--seconds", "5", "--procs", "1", "--warm", "3", "--lease", "2",
+    assert redis_scale.main(["--sizes", "50", "--seconds", "5", "--procs", "1", "--warm", "3", "--leases", "2",
                              "--kill-every", "1.5", "--results", str(results)]) == 0
     text = results.read_text()
     assert "<!-- bench:redis-scale -->" in text and "<!-- /bench:redis-scale -->" in text
     assert "Command: `python -m bench.redis_scale --sizes 50 --seconds 5" in text
-    row = next(line for line in text.splitlines() if line.startswith("| 50 workers (now)"))
+    row = next(line for line in text.splitlines() if line.startswith("| 50 workers (now, lease 2 s, heartbeat 0.5 s)"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[1].split(" %")[0]) > 0  # Redis CPU
     assert float(cells[2].replace(",", "")) > 0  # ops/s
