@@ -45,6 +45,17 @@ def bench(seconds_per_image: float) -> list[str]:
     return ["--model", bench_model(seconds_per_image), "--steps", "2", "--size", "32x32"]
 
 
+def bench_worker(seconds_per_image: float) -> dict[str, str]:
+    """A worker's environment for the bench models, starting on the one of ``seconds_per_image``
+    (submit the job with ``bench(seconds_per_image)``: no model switch).
+
+    Such a worker starts in under a CPU-second, where one on ``tiny`` costs 6-7 (importing torch,
+    diffusers and transformers, building the model): on two cores that is most of a fleet test's
+    time.  For the tests that prove nothing of pixels, a real pipeline's loading or the libraries' logs.
+    """
+    return {**ALLOW_BENCH, "RENDERFLEET_MODEL": bench_model(seconds_per_image)}
+
+
 def start_redis(workdir: Path, port: int | None = None) -> RedisServerProcess:
     server = RedisServerProcess(port, workdir=workdir)
     server.start()

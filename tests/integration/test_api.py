@@ -1,4 +1,8 @@
-"""The Python API against real servers: submit from code, wait, read results."""
+"""The Python API against real servers: submit from code, wait, read results.
+
+The worker serves a bench model (``testing.fleet.bench_worker``: no torch, a fixed time per image)
+where the test is about the API, and the tiny model where it runs the guide's example as written.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import redis
 from renderfleet import Client, PromptRequest, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import InputError
-from testing.fleet import REPO, WorkerProc, base_env, wait_for, worker_ready
+from renderfleet.spec import bench_model
+from testing.fleet import REPO, WorkerProc, base_env, bench, bench_worker, wait_for, worker_ready
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +35,7 @@ def client(env: dict[str, str]) -> Client:
     return Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
 
 
-@pytest.fixture
-def worker(tmp_path: Path, env: dict[str, str]) -> Iterator[WorkerProc]:
+def start_worker(tmp_path: Path, env: dict[str, str]) -> Iterator[WorkerProc]:
     proc = WorkerProc(env, tmp_path / "worker.log")
     wait_for(lambda: worker_ready(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), 1), 90,
              what="worker to load the model")
@@ -39,14 +43,28 @@ def worker(tmp_path: Path, env: dict[str, str]) -> Iterator[WorkerProc]:
     proc.kill()
 
 
+@pytest.fixture
+def worker(tmp_path: Path, env: dict[str, str]) -> Iterator[WorkerProc]:
+    """A worker on the tiny model."""
+    yield from start_worker(tmp_path, env)
+
+
+@pytest.fixture
+def bench_worker_proc(tmp_path: Path, env: dict[str, str]) -> Iterator[WorkerProc]:
+    """A worker on the bench model of :data:`BENCH`."""
+    yield from start_worker(tmp_path, {**env, **bench_worker(SECONDS_PER_IMAGE)})
+
+
 TINY = {"model": "tiny", "steps": 2, "size": "32x32"}
+SECONDS_PER_IMAGE = 0.02
+BENCH = {"model": bench_model(SECONDS_PER_IMAGE), "steps": 2, "size": "32x32"}
 
 
 def test_submit_a_list_wait_and_read_results_and_resubmit_idempotently(
-    client: Client, worker: WorkerProc, tmp_path: Path
+    client: Client, bench_worker_proc: WorkerProc, tmp_path: Path
 ) -> None:
     items = ["a red fox", {"prompt": "a blue bird", "id": "bird", "seed": 3}, PromptRequest("a cat", id="cat")]
-    job = client.submit(items, shard_size=2, batch_size=2, **TINY)
+    job = client.submit(items, shard_size=2, batch_size=2, **BENCH)
     said: list[str] = []
     st = job.wait(timeout=120, poll=0.5, on_no_worker=said.append)
     assert said == []  # a live worker serves the job's queue: nothing to say
@@ -55,7 +73,7 @@ def test_submit_a_list_wait_and_read_results_and_resubmit_idempotently(
     assert sorted(res.images) == ["000000", "bird", "cat"] and res.missing == []
     before = (tmp_path / "store" / "jobs" / job.id / "images" / "bird.png").read_bytes()
     # the same prompts and settings from code are the same job: nothing rendered again
-    again = client.submit(iter(items), shard_size=2, batch_size=2, **TINY)
+    again = client.submit(iter(items), shard_size=2, batch_size=2, **BENCH)
     assert again.id == job.id and again.status().done == 3
     assert (tmp_path / "store" / "jobs" / job.id / "images" / "bird.png").read_bytes() == before
     # the prompts were stored as the job's source: resume reads them back
@@ -112,11 +130,10 @@ def test_the_guides_python_example_runs(env: dict[str, str], worker: WorkerProc,
     assert ": 9 images, 0 quarantined" in out.stdout and "fox " in out.stdout
 
 
-def test_submit_reads_prompts_from_stdin_with_their_format(env: dict[str, str], worker: WorkerProc) -> None:
+def test_submit_reads_prompts_from_stdin_with_their_format(env: dict[str, str], bench_worker_proc: WorkerProc) -> None:
     def submit(data: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "renderfleet", "submit", "-", "--model", "tiny", "--steps", "2",
-                               "--size", "32x32", *args], input=data, env=env, capture_output=True, text=True,
-                              timeout=120, cwd=REPO)
+        return subprocess.run([sys.executable, "-m", "renderfleet", "submit", "-", *bench(SECONDS_PER_IMAGE), *args],
+                              input=data, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
 
     lines = '{"prompt": "a fox", "id": "fox"}\n{"prompt": "a hen"}\n'
     out = submit(lines, "--format", "jsonl")
@@ -159,7 +176,7 @@ def test_a_submit_without_a_model_is_refused_with_a_hint_and_enqueues_nothing(
 
 
 def test_wait_says_at_once_that_no_live_worker_serves_the_jobs_queue_and_the_timeout_says_so(
-    client: Client, worker: WorkerProc, caplog: pytest.LogCaptureFixture
+    client: Client, bench_worker_proc: WorkerProc, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A worker is up, but for the default pool: nothing serves pool "nobody" of this store.
     job = client.submit(["a lighthouse"], pool="nobody", **TINY)
@@ -176,7 +193,7 @@ def test_wait_says_at_once_that_no_live_worker_serves_the_jobs_queue_and_the_tim
     assert len(warned) == 1 and "no live worker serves" in warned[0], warned
     # A worker gone without a word (SIGKILL: its registration stays) is not live once its touch is
     # older than two leases: the default pool's job is told too.
-    worker.kill()
+    bench_worker_proc.kill()
     (gone,) = _store_workers(client)
     client.redis.hset(keys.worker_stats(gone), "last_seen", "1")
     other = client.submit(["a harbour"], **TINY)

@@ -3,7 +3,8 @@
 First on a bare Redis (the records and the audit's query), then with real
 worker processes: a worker stopped after kombu's BRPOP took its message, or
 after kombu recorded it in ``unacked`` but before the claim, and the monitor
-(or ``resume``) bringing the shard back, rendered once.
+(or ``resume``) bringing the shard back, rendered once.  Those workers serve a bench model
+(``testing.fleet.bench_worker``): what is proved is where messages and shards go, not pixels.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from testing.fleet import (
     TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     cli,
     images_rendered,
     job_status,
@@ -216,6 +219,8 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
 
 # ---- with real workers ------------------------------------------------------------
 
+SECONDS_PER_IMAGE = 0.02
+
 
 # Recovered by the monitor's audit in every run; by the user's resume, which the audit itself calls
 # (dispatcher/monitor.py), in the long tier.
@@ -223,10 +228,11 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
 def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recovered(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc], recover: str
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1")
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1",
+                   **bench_worker(SECONDS_PER_IMAGE))
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     prompts = write_prompts(tmp_path / "p.txt", 8)
-    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "8", "--batch-size", "4",
+    job = cli(env, "submit", str(prompts), *bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", "4",
               "--pool", "hold").stdout.split()[-1]
     idle = WorkerProc(env, tmp_path / "idle.log")  # serves only the default queue
     procs.append(idle)
@@ -255,12 +261,13 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
 def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_renders_nothing_twice(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc]
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1")
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1",
+                   **bench_worker(SECONDS_PER_IMAGE))
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     stuck = WorkerProc({**env, **pause_at("before-claim")}, tmp_path / "stuck.log", "-v")
     procs.append(stuck)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY, "--shard-size", "4",
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(SECONDS_PER_IMAGE), "--shard-size", "4",
               "--batch-size", "2").stdout.split()[-1]
     wait_for(lambda: stopped(stuck.pid), 60, interval=0.1, what="the worker to stop before its claim")
     assert client.hlen(UNACKED_KEY) == 1 and not client.zcard(keys.INFLIGHT)  # kombu holds it; no lease

@@ -1,4 +1,7 @@
-"""Rough edges of the CLI, as a user meets them: a message and an exit status, never a traceback."""
+"""Rough edges of the CLI, as a user meets them: a message and an exit status, never a traceback.
+
+``run``'s workers serve a bench model (``testing.fleet.bench_worker``): what is proved is the CLI's.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import redis
 
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import REPO, TINY, base_env, cli, wait_for, worker_ready, write_prompts
+from renderfleet.spec import bench_model
+from testing.fleet import REPO, TINY, base_env, bench, bench_worker, cli, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -60,25 +64,27 @@ def test_results_exits_1_while_images_are_missing(tmp_path: Path, env: dict[str,
 
 
 def test_run_again_counts_only_its_own_images_and_keeps_its_own_log(tmp_path: Path, env: dict[str, str]) -> None:
+    env = {**env, **bench_worker(0.02)}
     prompts = write_prompts(tmp_path / "p.txt", 2)
-    first = cli(env, "run", str(prompts), *TINY, timeout=180)
+    first = cli(env, "run", str(prompts), *bench(0.02), timeout=180)
     assert "(2 rendered by this run)" in first.stderr
-    second = cli(env, "run", str(prompts), *TINY, timeout=180)
+    second = cli(env, "run", str(prompts), *bench(0.02), timeout=180)
     assert "(0 rendered by this run)" in second.stderr and "0.00 images/s" in second.stderr
     runs = sorted((tmp_path / "home" / "logs").iterdir())
     assert len(runs) == 2 and all((r / "worker-0.log").exists() for r in runs)
 
 
 def test_ctrl_c_in_run_says_how_to_go_on(tmp_path: Path, env: dict[str, str]) -> None:
+    env = {**env, **bench_worker(0.5)}
     prompts = write_prompts(tmp_path / "p.txt", 40)
-    proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "run", str(prompts), "--model", "tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "run", str(prompts), "--model", bench_model(0.5),
                              "--steps", "20", "--size", "64x64"], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
         wait_for(lambda: worker_ready(client, 1), 90, what="the run's worker")
         wait_for(lambda: client.zcard(keys.INFLIGHT), 90, interval=0.1, what="the run's worker to hold a shard")
-        proc.send_signal(signal.SIGINT)  # mid-shard: 40 prompts at 64x64, 20 steps are far from done
+        proc.send_signal(signal.SIGINT)  # mid-shard: 40 prompts at half a second each are far from done
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -5,7 +5,8 @@ with or without a monitor.
 
 Real Redis, real worker processes, a folder store and S3 (moto); a worker stops itself at a
 named point of the shard (a failpoint, :mod:`renderfleet.failpoints`) so each sequence happens in the
-window the review found, not by luck.
+window the review found, not by luck.  The workers serve a bench model
+(``testing.fleet.bench_worker``): what is proved is counts against the store, not pixels.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import image_key, images_prefix
 from renderfleet.store import open_store
 from testing.fleet import (
-    TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     cli,
     job_status,
     pause_at,
@@ -46,6 +48,9 @@ TOTAL = 16
 CUT = ["--shard-size", "16", "--batch-size", "4"]
 # Leases long enough that a paused worker keeps its lease: the sequences are the user's, not the reaper's.
 SLOW_LEASES = {"RENDERFLEET_LEASE_SECONDS": "30", "RENDERFLEET_HEARTBEAT_SECONDS": "1"}
+SECONDS_PER_IMAGE = 0.02
+MODEL = bench(SECONDS_PER_IMAGE)
+ON_BENCH = bench_worker(SECONDS_PER_IMAGE)
 
 
 def stored_images(url: str, job: str) -> list[str]:
@@ -91,10 +96,10 @@ def test_images_deleted_from_a_running_shard_then_resume_end_proven_with_the_mon
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
     # The review's false 100 %: status said 64/64, the store held 58, nothing looked again.
-    env = base_env(tmp_path, redis_server.url, store_url, RENDERFLEET_AUDIT_SECONDS="2", **SLOW_LEASES)
+    env = base_env(tmp_path, redis_server.url, store_url, RENDERFLEET_AUDIT_SECONDS="2", **SLOW_LEASES, **ON_BENCH)
     client = redis.Redis.from_url(redis_server.url)
     procs.append(start_monitor(env, tmp_path / "monitor.log"))
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *TINY, *CUT).stdout.split()[-1]
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *MODEL, *CUT).stdout.split()[-1]
     worker = paused_worker(tmp_path, env, client, "before-checkpoint#3")
     procs.append(worker)
     wait_for(lambda: stopped(worker.pid), 180, what="the worker paused in its third batch")
@@ -115,9 +120,9 @@ def test_redis_restarted_empty_mid_shard_then_resume_ends_proven_without_a_monit
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
     # The review's stuck job: 46/64 done with 64 images, nothing queued, nothing in flight.
-    env = base_env(tmp_path, redis_server.url, store_url, **SLOW_LEASES)
+    env = base_env(tmp_path, redis_server.url, store_url, **SLOW_LEASES, **ON_BENCH)
     client = redis.Redis.from_url(redis_server.url)
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *TINY, *CUT).stdout.split()[-1]
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *MODEL, *CUT).stdout.split()[-1]
     worker = paused_worker(tmp_path, env, client, "before-checkpoint#3")
     procs.append(worker)
     wait_for(lambda: stopped(worker.pid), 180, what="the worker paused in its third batch")
@@ -137,9 +142,9 @@ def test_images_deleted_in_a_shards_end_are_rendered_again_with_no_command(
     # Nobody runs anything: the shard's last commit lists the store and the release refuses to
     # finish a shard the store does not prove done.
     store_url = str(tmp_path / "store")
-    env = base_env(tmp_path, redis_server.url, store_url, **SLOW_LEASES)
+    env = base_env(tmp_path, redis_server.url, store_url, **SLOW_LEASES, **ON_BENCH)
     client = redis.Redis.from_url(redis_server.url)
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *TINY, *CUT).stdout.split()[-1]
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *MODEL, *CUT).stdout.split()[-1]
     worker = paused_worker(tmp_path, env, client, "before-count-stored")
     procs.append(worker)
     wait_for(lambda: stopped(worker.pid), 180, what="the worker paused in its shard's end")
@@ -154,9 +159,9 @@ def test_images_deleted_in_a_shards_end_are_rendered_again_with_no_command(
 def test_status_and_results_agree_after_images_of_a_finished_job_are_deleted(
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, store_url)
+    env = base_env(tmp_path, redis_server.url, store_url, **ON_BENCH)
     client = redis.Redis.from_url(redis_server.url)
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *TINY, *CUT).stdout.split()[-1]
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", TOTAL)), *MODEL, *CUT).stdout.split()[-1]
     worker = WorkerProc(env, tmp_path / "worker.log")
     procs.append(worker)
     wait_proven(env, store_url, job, "the job")
@@ -173,10 +178,10 @@ def test_status_and_results_agree_after_images_of_a_finished_job_are_deleted(
 
 
 def test_a_resubmit_of_a_queued_job_adds_no_message(tmp_path: Path, redis_server: RedisServerProcess) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **ON_BENCH)
     client = redis.Redis.from_url(redis_server.url)
     prompts = write_prompts(tmp_path / "p.txt", 13)
-    args = ["submit", str(prompts), *TINY, "--shard-size", "1", "--batch-size", "1"]
+    args = ["submit", str(prompts), *MODEL, "--shard-size", "1", "--batch-size", "1"]
     job = cli(env, *args).stdout.split()[-1]
     queue = keys.text(client.hget(keys.job(job), "queue"))
 

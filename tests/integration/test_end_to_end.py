@@ -1,4 +1,8 @@
-"""The main job, for real: CLI submit → Redis → Celery workers → store → status/results."""
+"""The main job, for real: CLI submit → Redis → Celery workers → store → status/results.
+
+The first test renders with the tiny model (its loads and its batch size sweep are the point); the
+others' workers serve a bench model (``testing.fleet.bench_worker``): what they prove is not pixels.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from testing.fleet import (
     TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     cli,
     job_status,
     status_now,
@@ -29,6 +35,10 @@ from testing.fleet import (
 from tests.conftest import ON_FOLDER, ON_S3
 
 pytestmark = pytest.mark.integration
+
+SECONDS_PER_IMAGE = 0.02
+MODEL = bench(SECONDS_PER_IMAGE)
+ON_BENCH = bench_worker(SECONDS_PER_IMAGE)
 
 
 
@@ -94,14 +104,14 @@ def test_local_store_every_prompt_rendered_once_with_one_model_load_per_worker(
 def test_resubmitting_the_same_file_renders_nothing_again(
     tmp_path: Path, store_env: dict[str, str], workers: list[WorkerProc]
 ) -> None:
-    env = store_env
+    env = {**store_env, **ON_BENCH}
     prompts = write_prompts(tmp_path / "p.txt", 8)
     start_workers(1, env, tmp_path, workers)
-    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
+    job = cli(env, "submit", str(prompts), *MODEL, "--shard-size", "4").stdout.split()[-1]
     wait_for(lambda: status_now(env, job)["done"] == 8, 120, interval=0.25, what="job to finish")
     before = stored_images(env, job)
     assert len(before) == 8
-    again = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4")
+    again = cli(env, "submit", str(prompts), *MODEL, "--shard-size", "4")
     assert again.stdout.split()[-1] == job
     assert "0 shards enqueued" in again.stderr
     st = job_status(env, job)
@@ -127,7 +137,7 @@ def test_a_pickled_message_is_rejected_never_executed(
     import base64
 
     marker = tmp_path / "pwned"
-    start_workers(1, env, tmp_path, workers)
+    start_workers(1, {**env, **ON_BENCH}, tmp_path, workers)
     body = pickle.dumps(((_Boom(marker),), {}, {}))
     tag = str(uuid.uuid4())
     envelope = {
@@ -146,7 +156,7 @@ def test_a_pickled_message_is_rejected_never_executed(
     wait_for(lambda: client.llen(store_queue(env)) == 0, 30, what="the worker to take the message")
     # a good job after it still renders: the worker survived and went on
     prompts = write_prompts(tmp_path / "p.txt", 2)
-    job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
+    job = cli(env, "submit", str(prompts), *MODEL).stdout.split()[-1]
     wait_for(lambda: status_now(env, job)["done"] == 2, 60, interval=0.25, what="job after the pickle")
     assert not marker.exists()
     assert workers[0].alive()
@@ -177,9 +187,10 @@ def test_bad_flag_exits_2_without_traceback(tmp_path: Path, env: dict[str, str])
 def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     tmp_path: Path, store_env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
-    env = store_env
+    # A quarter of a second an image (a second a shard): Redis restarts with shards still to render.
+    env = {**store_env, **bench_worker(0.25)}
     prompts = write_prompts(tmp_path / "p.txt", 12)
-    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "4").stdout.split()[-1]
+    job = cli(env, "submit", str(prompts), *bench(0.25), "--shard-size", "4").stdout.split()[-1]
     start_workers(1, env, tmp_path, workers)
     wait_for(lambda: status_now(env, job)["done"] >= 4, 120, interval=0.25, what="first shard")
     redis_server.kill()

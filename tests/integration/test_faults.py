@@ -3,7 +3,9 @@ device that fails, messages nobody should have sent, a model nobody allowed.
 
 Real Redis servers, real ``renderfleet worker`` and ``monitor`` processes, the
 CLI as a user runs it; bad messages are pushed straight onto the queue.  The cases
-that find jobs by listing the store run on a folder store and on S3 (moto).
+that find jobs by listing the store run on a folder store and on S3 (moto).  A worker serves a
+bench model (``testing.fleet.bench_worker``) where what is proved is not the renderer's: the
+device error and the allow-list need the real one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from testing.fleet import (
     TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     cli,
     job_status,
     pause_at,
@@ -41,6 +45,10 @@ from tests.conftest import ON_FOLDER
 from worker.main import EXIT_DEVICE
 
 pytestmark = pytest.mark.integration
+
+SECONDS_PER_IMAGE = 0.02
+MODEL = bench(SECONDS_PER_IMAGE)
+ON_BENCH = bench_worker(SECONDS_PER_IMAGE)
 
 
 @pytest.fixture
@@ -75,12 +83,12 @@ def submit(env: dict[str, str], path: Path, *args: str) -> str:
 def test_a_new_monitor_finishes_a_job_when_the_monitor_and_redis_were_lost_together(
     tmp_path: Path, store_env: dict[str, str], redis_server: RedisServerProcess, procs: list
 ) -> None:
-    env = store_env
+    env = {**store_env, **ON_BENCH}
     # The worker stops itself in the job's second shard: its first shard (4 images) done, the rest to do.
     worker = start_worker({**env, **pause_at("after-render#3")}, tmp_path, procs, "worker")
     monitor = start_monitor(env, tmp_path / "monitor-1.log")
     procs.append(monitor)
-    job = submit(env, write_prompts(tmp_path / "p.txt", 24), *TINY, "--shard-size", "4", "--batch-size", "2")
+    job = submit(env, write_prompts(tmp_path / "p.txt", 24), *MODEL, "--shard-size", "4", "--batch-size", "2")
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     wait_for(lambda: stopped(worker.pid), 90, interval=0.05, what="the worker to stop in the job's second shard")
     assert job_status(env, job)["done"] == 4
@@ -174,9 +182,9 @@ def test_bad_messages_published_straight_to_the_queue_are_rejected_and_the_worke
         client.lpush(queue, envelope(text, queue, "bad"))
     client.lpush(queue, "this is not even a kombu envelope")
     client.lpush(queue, json.dumps({"json": "but no envelope"}))
-    worker = start_worker(env, tmp_path, procs, "worker")
+    worker = start_worker({**env, **ON_BENCH}, tmp_path, procs, "worker")
     wait_for(lambda: client.llen(queue) == 0, 60, what="the bad messages to be taken")
-    good = submit(env, write_prompts(tmp_path / "good.txt", 4, "good"), *TINY)
+    good = submit(env, write_prompts(tmp_path / "good.txt", 4, "good"), *MODEL)
     wait_for(lambda: status_now(env, good)["done"] == 4, 90, interval=0.25, what="a good job after the bad messages")
     # The good job, queued behind every bad message and any copy of one put back, is done: the
     # worker has taken all it will ever be given of them.  Each was rejected once, never retried.

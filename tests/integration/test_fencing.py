@@ -4,7 +4,9 @@ Real Redis, real worker processes, a folder store.  The pause is the test hook
 the failpoint ``before-checkpoint=pause``: the worker SIGSTOPs itself
 after writing a batch's images and before its checkpoint, as a GC pause or a
 stalled node would, and the test lets it go on when another worker has
-finished the shard.
+finished the shard.  The fenced worker's test runs on a bench model (``testing.fleet.bench_worker``):
+what it proves is about leases and checkpoints, not pixels; the others need a real pipeline (a
+re-render byte-identical to the first, in a batch of another size; a device where every render fails).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from testing.fleet import (
     TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     cli,
     images_rendered,
     job_status,
@@ -50,12 +54,12 @@ def workers() -> Iterator[list[WorkerProc]]:
 def test_a_worker_paused_between_its_images_and_its_checkpoint_is_fenced_and_writes_nothing(
     tmp_path: Path, redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **bench_worker(0.02))
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     paused = WorkerProc({**env, **pause_at("before-checkpoint")}, tmp_path / "paused.log")
     workers.append(paused)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY, "--shard-size", "4",
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.02), "--shard-size", "4",
               "--batch-size", "2").stdout.split()[-1]
     wait_for(lambda: stopped(paused.pid), 60, interval=0.1, what="the worker to pause before its checkpoint")
     checkpoints = tmp_path / "store" / "jobs" / job / "checkpoints" / "000000"

@@ -9,7 +9,8 @@ key, bodies other than one call with one string ("[]", kwargs, links,
 chains, chords, compression bombs), Celery's built-in tasks, ETAs a year
 away, and random damage to a good envelope.  Then the same process must
 render a good job, with nothing hostile left in the queue or in kombu's
-``unacked`` (not even after its shutdown, when kombu restores what it holds).
+``unacked`` (not even after its shutdown, when kombu restores what it holds).  The worker serves a
+bench model (``testing.fleet.bench_worker``): what is proved is the queue's guard, not pixels.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from renderfleet.celery_app import UNACKED_KEY, envelope_factory, make_app, publ
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import requeue_payload
 from testing.fleet import (
-    TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     blocked_in_brpop,
     cli,
     job_status,
@@ -49,6 +51,7 @@ from worker.queueguard import MAX_ITEM_CHARS, NotAMessage, check_item
 pytestmark = pytest.mark.integration
 
 # The worker's store, fixed at import so the forged messages can name its queue (one per pool and store).
+SECONDS_PER_IMAGE = 0.02
 STORE = str(Path(tempfile.gettempdir()) / f"rf-hostile-{uuid.uuid4().hex[:12]}")
 QUEUE = queue_name("default", STORE)
 DROPPED = "dropping an item of a queue that is not a task message"
@@ -67,7 +70,7 @@ BUILTINS = ["celery.chunks", "celery.backend_cleanup", "celery.map", "celery.sta
 
 @pytest.fixture
 def env(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[dict[str, str]]:
-    yield base_env(tmp_path, redis_server.url, STORE)
+    yield base_env(tmp_path, redis_server.url, STORE, **bench_worker(SECONDS_PER_IMAGE))
     shutil.rmtree(STORE, ignore_errors=True)
 
 
@@ -213,7 +216,7 @@ def test_a_worker_survives_hundreds_of_hostile_items_and_renders_a_good_job_afte
     assert len(items) >= 300 and dropped >= 0.9 * len(items)
     for name in BUILTINS:  # the named holes of issue 21 are among what the guard refuses
         assert refused(changed(envelope, ("headers", "task"), name))
-    wait_for(lambda: worker_ready(client, 1), 90, what="the worker to load its model")
+    wait_for(lambda: worker_ready(client, 1), 90, what="the worker to register")
     wait_for(lambda: blocked_in_brpop(client), 60, what="the worker to consume")  # Celery's start-up lines said
     pid, before = worker.pid, len(worker.output().splitlines())
 
@@ -238,7 +241,8 @@ def test_a_worker_survives_hundreds_of_hostile_items_and_renders_a_good_job_afte
     assert not any("Traceback" in line or "Unrecoverable" in line for line in worker.output().splitlines())
 
     # The same process renders a good job after them, its model loaded once.
-    job = cli(env, "submit", str(write_prompts(tmp_path / "good.txt", 2, "good")), *TINY).stdout.split()[-1]
+    good = write_prompts(tmp_path / "good.txt", 2, "good")
+    job = cli(env, "submit", str(good), *bench(SECONDS_PER_IMAGE)).stdout.split()[-1]
     wait_for(lambda: status_now(env, job)["done"] == 2, 90, interval=0.25, what="a good job after the hostile items")
     st = job_status(env, job)
     assert worker.alive() and worker.pid == pid and [int(w["loads"]) for w in st["workers"]] == [1]

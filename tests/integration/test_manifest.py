@@ -17,7 +17,18 @@ from renderfleet import keys, spec
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.store import LocalStore
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready
+from testing.fleet import (
+    TINY,
+    WorkerProc,
+    base_env,
+    bench,
+    bench_worker,
+    cli,
+    job_status,
+    status_now,
+    wait_for,
+    worker_ready,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +79,9 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
 
 
 def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_forgot(tmp_path: Path) -> None:
-    # the `make run` path: no RENDERFLEET_REDIS_URL, the embedded server under RENDERFLEET_HOME
-    env = base_env(tmp_path, "", str(tmp_path / "store"))
+    # the `make run` path: no RENDERFLEET_REDIS_URL, the embedded server under RENDERFLEET_HOME; a
+    # worker on a bench model (testing.fleet.bench_worker): the rows' attempts are the point, not pixels
+    env = base_env(tmp_path, "", str(tmp_path / "store"), **bench_worker(0.02))
     del env["RENDERFLEET_REDIS_URL"]
     (tmp_path / "p.txt").write_text("".join(f"a heron, take {i}\n" for i in range(4)))
     cli(env, "server", "start", timeout=60)
@@ -78,7 +90,7 @@ def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_f
         worker = WorkerProc(env, tmp_path / "worker.log")
         try:
             wait_for(lambda: worker_ready(client, 1), 90, what="worker")
-            job = cli(env, "submit", str(tmp_path / "p.txt"), *TINY, "--shard-size", "2").stdout.split()[-1]
+            job = cli(env, "submit", str(tmp_path / "p.txt"), *bench(0.02), "--shard-size", "2").stdout.split()[-1]
             wait_for(lambda: job_status(env, job)["done"] == 4, 120, interval=1.0, what="the job")  # no URL: the CLI's
         finally:
             worker.kill()

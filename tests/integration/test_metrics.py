@@ -1,4 +1,8 @@
-"""The monitor's metrics, a worker's own and the status JSON, scraped over HTTP and parsed by prometheus_client."""
+"""The monitor's metrics, a worker's own and the status JSON, scraped over HTTP and parsed by prometheus_client.
+
+The workers serve a bench model (``testing.fleet.bench_worker``): the figures are the fleet's,
+whatever renders the images.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import (
     REPO,
-    TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     cli,
     status_now,
     wait_for,
@@ -27,6 +32,8 @@ from testing.servers import FlakyS3Proxy, MotoServer, free_port
 from testing.servers import http_get as get
 
 pytestmark = pytest.mark.integration
+
+SECONDS_PER_IMAGE = 0.02
 
 
 def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:
@@ -47,13 +54,15 @@ def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
 ) -> None:
     config = tmp_path / "fleet.toml"
     config.write_text('[pools.default]\nprice_per_hour = 3.6\nmax = 1\n')
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config))
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config),
+                   **bench_worker(SECONDS_PER_IMAGE))
     worker = WorkerProc(env, tmp_path / "worker.log")
     port = free_port()
     monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor.log")
     try:
         wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
-        job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 12)), *TINY, "--shard-size", "4").stdout.split()[-1]
+        job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 12)), *bench(SECONDS_PER_IMAGE),
+                  "--shard-size", "4").stdout.split()[-1]
         wait_for(lambda: status_now(env, job)["done"] == 12, 120, interval=0.25, what="the job")
         # a restart of the monitor loses nothing: every figure is read from Redis at scrape time
         monitor.terminate()
@@ -96,7 +105,7 @@ def test_off_loopback_the_endpoint_needs_a_token_and_enforces_it(tmp_path: Path,
 def test_a_worker_serves_its_own_metrics_and_they_agree_with_the_job_and_the_monitor(
     tmp_path: Path, redis_server: RedisServerProcess, s3_bucket: str, moto_server: MotoServer
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, s3_bucket)
+    env = base_env(tmp_path, redis_server.url, s3_bucket, **bench_worker(SECONDS_PER_IMAGE))
     worker_port, monitor_port = free_port(), free_port()
     # The worker reaches S3 through a proxy that throttles its first two requests: two retries to count.
     with FlakyS3Proxy(moto_server.endpoint_url, fail_first=2) as proxy:
@@ -105,8 +114,8 @@ def test_a_worker_serves_its_own_metrics_and_they_agree_with_the_job_and_the_mon
         monitor = start_monitor(env, f"127.0.0.1:{monitor_port}", tmp_path / "monitor.log")
         try:
             wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
-            job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 10)), *TINY, "--shard-size", "4",
-                      "--batch-size", "2").stdout.split()[-1]
+            job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 10)), *bench(SECONDS_PER_IMAGE),
+                      "--shard-size", "4", "--batch-size", "2").stdout.split()[-1]
             wait_for(lambda: status_now(env, job)["done"] == 10, 120, interval=0.25, what="the job")
             ours = scrape(f"http://127.0.0.1:{worker_port}/metrics")
             fleet = scrape(f"http://127.0.0.1:{monitor_port}/metrics")

@@ -6,7 +6,9 @@ at the default 512x512 on a CPU took about two minutes against a 25 s grace
 (diffusers' interrupt flag skipped the remaining steps but still decoded the
 half-denoised latents, and a batch's estimate from another size kept it
 going).  Here each phase of a worker's life gets SIGTERM: it leaves within its
-grace plus one denoising step, with batches made to take far longer than that.
+grace plus one denoising step, with batches made to take far longer than that.  The workers of
+``run`` and ``autoscale`` serve a bench model (``testing.fleet.bench_worker``: it asks to stop at
+every step too): what is proved there is the process tree's; a worker's phases need the real one.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import redis
 
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
+from renderfleet.spec import bench_model
 from testing.fleet import (
     REPO,
     TINY,
     WorkerProc,
     base_env,
+    bench_worker,
     cli,
     job_status,
     status_now,
@@ -43,6 +47,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 GRACE = 3.0  # RENDERFLEET_SIGTERM_GRACE_SECONDS of the workers here
 SLOW_SIZE = 64  # the slow jobs' width and height; their steps are set from a measured step
 SLOW_BATCH = 4
+# The bench model of run's and autoscale's workers: 40 prompts are 10 s of render for two workers.
+SECONDS_PER_IMAGE = 0.5
 
 
 def processes_of(home: Path) -> list[tuple[int, str]]:
@@ -86,13 +92,14 @@ def test_a_signal_to_run_stops_its_workers_and_hands_their_shards_back(
     tmp_path: Path, redis_server: RedisServerProcess, signo: int, embedded: bool
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"),
-                   RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE))
+                   RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE), **bench_worker(SECONDS_PER_IMAGE))
     if embedded:
         del env["RENDERFLEET_REDIS_URL"]  # run starts its private server under RENDERFLEET_HOME
     home = Path(env["RENDERFLEET_HOME"])
     prompts = write_prompts(tmp_path / "p.txt", 40)
     run = subprocess.Popen([sys.executable, "-m", "renderfleet", "run", str(prompts), "--workers", "2", "--model",
-                            "tiny", "--steps", "20", "--size", "64x64", "--shard-size", "4", "--batch-size", "2"],
+                            bench_model(SECONDS_PER_IMAGE), "--steps", "20", "--size", "64x64", "--shard-size", "4",
+                            "--batch-size", "2"],
                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         state = home / "server.json"  # the embedded server's, once run has started it
@@ -156,7 +163,7 @@ def test_a_signal_to_autoscale_stops_its_local_workers_unless_told_to_leave_them
     config = tmp_path / "fleet.toml"
     config.write_text(POOLS)
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config),
-                   RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE))
+                   RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE), **bench_worker(SECONDS_PER_IMAGE))
     home = Path(env["RENDERFLEET_HOME"])
     client = redis.Redis.from_url(redis_server.url)
     scaler = subprocess.Popen([sys.executable, "-m", "renderfleet", "autoscale", *(["--leave-workers"] * leave)],

@@ -20,7 +20,7 @@ import redis
 
 from dispatcher.status import job_status
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import ALLOW_BENCH, WorkerProc, base_env, bench, cli, wait_for, worker_ready, write_prompts
+from testing.fleet import WorkerProc, base_env, bench, bench_worker, cli, wait_for, worker_ready, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def submit(env: dict[str, str], path: Path, *flags: str) -> str:
 
 def test_an_urgent_job_starts_within_seconds_and_a_small_one_finishes_long_before_a_large_one(
         tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc | subprocess.Popen[bytes]]) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **ALLOW_BENCH)
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **bench_worker(SECONDS_PER_IMAGE))
     client = redis.Redis.from_url(redis_server.url)
     for i in range(2):
         procs.append(WorkerProc(env, tmp_path / f"worker{i}.log"))

@@ -3,7 +3,8 @@
 The folder store once wrote each object through ``.<name>.rf-tmp-<random>``
 beside it and hid every name holding ``.rf-tmp-`` from its listings: a prompt
 whose id held that mark was rendered and stored, yet ``results`` reported it
-missing and every ``resume`` enqueued its shard again.
+missing and every ``resume`` enqueued its shard again.  The worker serves a bench model
+(``testing.fleet.bench_worker``): what is proved is the store's names, not pixels.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.store import TEMP_MARK
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, wait_for
+from testing.fleet import WorkerProc, base_env, bench, bench_worker, cli, job_status, status_now, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -27,10 +28,10 @@ def test_a_prompt_id_holding_the_old_temp_mark_is_rendered_listed_and_not_enqueu
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc], kind: str, request: pytest.FixtureRequest
 ) -> None:
     store = str(tmp_path / "store") if kind == "folder" else request.getfixturevalue("s3_bucket")
-    env = base_env(tmp_path, redis_server.url, store)
+    env = base_env(tmp_path, redis_server.url, store, **bench_worker(0.02))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": name, "prompt": f"prompt {name}"}) + "\n" for name in IDS))
-    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+    job = cli(env, "submit", str(prompts), *bench(0.02), "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
     procs.append(WorkerProc(env, tmp_path / "worker.log", "--batch-size", "1"))
     wait_for(lambda: status_now(env, job)["done"] == len(IDS), 180, interval=0.25, what="the job")
 

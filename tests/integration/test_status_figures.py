@@ -1,4 +1,8 @@
-"""status's figures against a job with a SIGKILL and a quarantined prompt: exact counts, cost, a falling ETA."""
+"""status's figures against a job with a SIGKILL and a quarantined prompt: exact counts, cost, a falling ETA.
+
+The workers serve a bench model (``testing.fleet.bench_worker``: a fixed time per image, no torch):
+the figures are the fleet's, whatever renders the images.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +12,35 @@ from pathlib import Path
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, pause_at, status_now, stopped, wait_for
+from testing.fleet import (
+    WorkerProc,
+    base_env,
+    bench,
+    bench_worker,
+    cli,
+    job_status,
+    pause_at,
+    status_now,
+    stopped,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
 PRICE = 3.6  # per hour: a GPU-second costs 0.001
+SECONDS_PER_IMAGE = 0.05
 
 
 def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, redis_server: RedisServerProcess) -> None:
     config = tmp_path / "fleet.toml"
     config.write_text(f'[pools.default]\nkind = "on-demand"\nprice_per_hour = {PRICE}\nmin = 0\nmax = 2\n')
     store = tmp_path / "store"
-    env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config))
+    env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config),
+                   **bench_worker(SECONDS_PER_IMAGE))
     lines = [json.dumps({"prompt": f"prompt {i}", **({"id": "bad"} if i == 17 else {})}) for i in range(48)]
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
-    job = cli(env, "submit", str(tmp_path / "p.jsonl"), *TINY, "--shard-size", "4", "--batch-size", "2").stdout.split()[-1]
+    job = cli(env, "submit", str(tmp_path / "p.jsonl"), *bench(SECONDS_PER_IMAGE), "--shard-size", "4",
+              "--batch-size", "2").stdout.split()[-1]
     # The store refuses this one image (a folder where its file goes): quarantined after 3 tries.
     (store / "jobs" / job / "images" / "bad.png").mkdir(parents=True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from testing.fleet import TINY, WorkerProc, base_env, cli, wait_for, worker_ready, write_prompts
+from testing.fleet import TINY, WorkerProc, base_env, bench, bench_worker, cli, wait_for, worker_ready, write_prompts
 from testing.servers import TlsRedis
 
 pytestmark = pytest.mark.integration
@@ -26,14 +26,15 @@ def tls_redis(tmp_path: Path) -> Iterator[TlsRedis]:
 def test_a_job_runs_through_rediss_with_a_password_that_is_never_shown(
     tmp_path: Path, tls_redis: TlsRedis
 ) -> None:
-    env = base_env(tmp_path, tls_redis.url, str(tmp_path / "store"))
+    # A worker on a bench model (testing.fleet.bench_worker): what is proved is the connection, not pixels.
+    env = base_env(tmp_path, tls_redis.url, str(tmp_path / "store"), **bench_worker(0.02))
     worker = WorkerProc(env, tmp_path / "worker.log", "--verbose")
     outputs: list[str] = []
     try:
         client = redis.Redis.from_url(tls_redis.url)
-        wait_for(lambda: worker_ready(client, 1), 90, what="worker to load the model over TLS")
+        wait_for(lambda: worker_ready(client, 1), 90, what="the worker to register over TLS")
         prompts = write_prompts(tmp_path / "p.txt", 6)
-        sub = cli(env, "submit", str(prompts), *TINY, "--shard-size", "3")
+        sub = cli(env, "submit", str(prompts), *bench(0.02), "--shard-size", "3")
         job = sub.stdout.split()[-1]
         outputs += [sub.stdout, sub.stderr]
 

@@ -4,7 +4,8 @@
 Each store has its own queues (``renderfleet.<pool>.<store tag>``): a shard of one store never
 reaches a worker that writes to the other, so nothing bounces between them, no worker logs a
 traceback for the other's work, and each store's ``status`` counts its own jobs, queues, workers
-and pools only.
+and pools only.  The workers serve a bench model (``testing.fleet.bench_worker``): what is proved is
+where shards go, not pixels.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import Leases
 from renderfleet.spec import JobSpec, RenderParams, store_identity
 from renderfleet.store import open_store
-from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_now, store_queue, wait_for, write_prompts
+from testing.fleet import (
+    WorkerProc,
+    base_env,
+    bench,
+    bench_worker,
+    cli,
+    job_status,
+    status_now,
+    store_queue,
+    wait_for,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,17 +61,17 @@ def test_two_stores_share_a_redis_and_never_see_each_others_work(
     tmp_path: Path, redis_server: RedisServerProcess, s3_bucket: str, workers: list[WorkerProc]
 ) -> None:
     folder = str(tmp_path / "store")
-    env_a = base_env(tmp_path, redis_server.url, folder)
-    env_b = base_env(tmp_path, redis_server.url, s3_bucket)
+    env_a = base_env(tmp_path, redis_server.url, folder, **bench_worker(0.02))
+    env_b = base_env(tmp_path, redis_server.url, s3_bucket, **bench_worker(0.02))
     queue_a, queue_b = store_queue(env_a), store_queue(env_b)
     assert queue_a != queue_b  # the same pool name, two queues
     client = redis.Redis.from_url(redis_server.url)
     prompts = write_prompts(tmp_path / "p.txt", 12)
-    args = (*TINY, "--shard-size", "4", "--batch-size", "2")
+    args = (*bench(0.02), "--shard-size", "4", "--batch-size", "2")
 
     # Store A's worker is up; a job is submitted to each store.
     workers.append(WorkerProc(env_a, tmp_path / "worker-a.log", "--verbose"))
-    wait_for(lambda: registered(client, folder), 90, what="worker A to load the model")
+    wait_for(lambda: registered(client, folder), 90, what="worker A to register")
     job_b = cli(env_b, "submit", str(prompts), *args).stdout.split()[-1]
     job_a = cli(env_a, "submit", str(prompts), *args).stdout.split()[-1]
     assert job_a != job_b

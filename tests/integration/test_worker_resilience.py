@@ -1,7 +1,8 @@
 """A worker outlives what is not its fault: a Redis restart, a poison job, an odd prompt.
 
 Real Redis servers (stopped and restarted mid-batch: the worker stops itself at a failpoint
-there), real ``renderfleet worker`` processes, the CLI as a user runs it.
+there), real ``renderfleet worker`` processes, the CLI as a user runs it.  A worker serves a bench
+model (``testing.fleet.bench_worker``) unless the test is about loading a real one.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import redis
 
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess, free_port
+from renderfleet.spec import bench_model
 from testing.fleet import (
     TINY,
     WorkerProc,
     base_env,
+    bench,
+    bench_worker,
     cli,
     job_status,
     pause_at,
@@ -32,6 +36,12 @@ from testing.fleet import (
 )
 
 pytestmark = pytest.mark.integration
+
+SECONDS_PER_IMAGE = 0.02
+MODEL = bench(SECONDS_PER_IMAGE)
+ON_BENCH = bench_worker(SECONDS_PER_IMAGE)
+# The worker's log line once it has loaded its model (every load says it, a switch too).
+LOADED = f"model {bench_model(SECONDS_PER_IMAGE)} loaded on"
 
 
 @pytest.fixture
@@ -61,9 +71,9 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
     # It stops itself mid-shard: its second batch rendered, nothing of it written, its first counted.
-    worker = start_worker({**env, **pause_at("after-render#2")}, tmp_path, workers)
+    worker = start_worker({**env, **ON_BENCH, **pause_at("after-render#2")}, tmp_path, workers)
     prompts = write_prompts(tmp_path / "p.txt", 40)
-    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "8", "--batch-size", "2").stdout.split()[-1]
+    job = cli(env, "submit", str(prompts), *MODEL, "--shard-size", "8", "--batch-size", "2").stdout.split()[-1]
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     wait_for(lambda: stopped(worker.pid), 120, interval=0.05, what="the worker to stop mid-shard")
     assert client.zcard(keys.INFLIGHT) == 1 and client.bitcount(keys.done_bits(job)) == 2
@@ -82,27 +92,27 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     assert len(list((tmp_path / "store" / "jobs" / job / "images").iterdir())) == 40
     # the consumer saw the lost connection and came back, in the same process, model loaded once
     assert "Connection to broker lost" in worker.output()
-    assert worker.output().count("model tiny loaded on") == 1  # (Redis forgot the worker's counters)
+    assert worker.output().count(LOADED) == 1  # (Redis forgot the worker's counters)
     assert len(st["workers"]) == 1  # it registered again by itself
 
 
 def test_an_idle_worker_takes_work_again_after_redis_restarts(
     tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
-    worker = start_worker(env, tmp_path, workers)
+    worker = start_worker({**env, **ON_BENCH}, tmp_path, workers)
     redis_server.stop()  # SIGTERM this time
     wait_for(lambda: "Connection to broker lost" in worker.output(), 60, what="the idle worker to find Redis gone")
     redis_server.start()
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *TINY).stdout.split()[-1]
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *MODEL).stdout.split()[-1]
     wait_for(lambda: status_now(env, job)["done"] == 4, 60, interval=0.25, what="the idle worker after the restart")
-    assert worker.alive() and worker.output().count("model tiny loaded on") == 1
+    assert worker.alive() and worker.output().count(LOADED) == 1
 
 
 def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
     tmp_path: Path, workers: list[WorkerProc]
 ) -> None:
     server = RedisServerProcess(free_port(), workdir=tmp_path / "late-redis")
-    env = base_env(tmp_path, server.url, str(tmp_path / "store"))
+    env = base_env(tmp_path, server.url, str(tmp_path / "store"), **ON_BENCH)
     worker = start_worker(env, tmp_path, workers, wait=False)
     try:
         wait_for(lambda: worker.output().count("waiting for it") >= 2 or not worker.alive(), 90,
@@ -110,7 +120,7 @@ def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
         assert worker.alive(), worker.output()[-3000:]
         server.start()
         prompts = write_prompts(tmp_path / "p.txt", 2)
-        job = cli(env, "submit", str(prompts), *TINY).stdout.split()[-1]
+        job = cli(env, "submit", str(prompts), *MODEL).stdout.split()[-1]
         wait_for(lambda: (s := status_now(env, job))["done"] == 2 and s, 60, interval=0.25,
                  what="the late worker to render")
         st = job_status(env, job)
@@ -160,12 +170,12 @@ def test_images_the_store_refuses_are_quarantined_and_the_worker_goes_on(
     tmp_path: Path, env: dict[str, str], workers: list[WorkerProc]
 ) -> None:
     prompts = write_prompts(tmp_path / "p.txt", 6)
-    job = cli(env, "submit", str(prompts), *TINY, "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+    job = cli(env, "submit", str(prompts), *MODEL, "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
     # Both images of shard 0 cannot be written: a folder stands where each file goes.
     images = tmp_path / "store" / "jobs" / job / "images"
     for name in ("000000.png", "000001.png"):
         (images / name).mkdir(parents=True)
-    worker = start_worker(env, tmp_path, workers)
+    worker = start_worker({**env, **ON_BENCH}, tmp_path, workers)
     wait_for(lambda: (s := status_now(env, job))["done"] + s["quarantined"] == 6 and s, 120, interval=0.25,
              what="the job to finish")
     st = job_status(env, job)
