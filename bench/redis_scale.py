@@ -622,7 +622,8 @@ def _round_trips(client: resp.Client, conns: list[resp.Connection]) -> int:
 
 
 def _child(args: tuple[Any, ...], out: Any, ready: Any) -> None:
-    faulthandler.dump_traceback_later(args[4] + args[7] + 150, exit=True)  # a stuck generator says where
+    cfg = args[1]  # a stuck generator says where (the last kill's watch lasts up to a lease more)
+    faulthandler.dump_traceback_later(args[4] + args[7] + cfg.lease_ms / 1000 + 150, exit=True)
     try:
         simloop.run(_process_main(*args, out=out, ready=ready))
     except BaseException as exc:  # the parent says what went wrong instead of waiting forever
@@ -698,8 +699,8 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
         cfg = Config(before=before, batch=batch, ramp_s=min(10.0, 2.0 + n / 2000), lease_ms=int(lease_s * slow * 1000),
                      heartbeat_s=heartbeat_for(lease_s) * slow, reap_s=Config.reap_s * slow,
                      batch_min_s=Config.batch_min_s * slow, batch_max_s=Config.batch_max_s * slow, slow=slow)
-        # every worker started, its first shard claimed, heartbeats running
-        warm = cfg.ramp_s + 8.0 if warm_s is None else warm_s
+        # every worker started, its first shard claimed, heartbeats running (8 s of the simulation's clock)
+        warm = cfg.ramp_s + 8.0 * slow if warm_s is None else warm_s
         ctx = mp.get_context("spawn")
         out, ready = ctx.Queue(), ctx.Queue()
         per = -(-n // procs)
@@ -723,7 +724,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
         time.sleep(seconds)
         i1, wall = _info(client), time.monotonic() - t0
         redis_wait = (cpu_wait(server.proc.pid) - wait0) / wall  # type: ignore[union-attr]
-        results = [out.get(timeout=seconds + lease_s + 120) for _ in children]
+        results = [out.get(timeout=seconds + lease_s * slow + 120) for _ in children]
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             raise RuntimeError(f"a load generator process failed: {errors[0]}")
@@ -949,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a larger size runs with every clock N / this times slower (Redis asked a fraction of the "
                         "fleet's load by all N workers' connections, its CPU scaled back up): what a 2-core machine "
                         "can generate; 0: every size at the fleet's rates")
-    p.add_argument("--warm", type=float, default=None, help="seconds before measuring (default: ramp + 8)")
+    p.add_argument("--warm", type=float, default=None, help="seconds before measuring (default: ramp + 8 simulated s)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the file whose section is written")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     p.add_argument("--commandstats", action="store_true", help="also print every command's calls and time")
