@@ -741,6 +741,7 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
 def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, Any], i1: dict[str, Any],
              wall: float, procs: int) -> dict[str, Any]:
     cpu = (i1["used_cpu_sys"] + i1["used_cpu_user"] - i0["used_cpu_sys"] - i0["used_cpu_user"]) / wall
+    kernel = (i1["used_cpu_sys"] - i0["used_cpu_sys"]) / wall  # the sockets' system calls, mostly
     ops = (i1["total_commands_processed"] - i0["total_commands_processed"]) / wall
     lat = {s: [x for r in results for x in r["lat"][s]] for s in SCRIPTS}
     lateness = [x for r in results for x in r["lateness"]]
@@ -757,6 +758,7 @@ def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, 
     trips = sum(r["round_trips"] for r in results)
     return {
         "workers": n, "before": before, "redis_cpu": cpu, "ops": ops, "wall": wall,
+        "redis_kernel": kernel / cpu if cpu else math.nan,
         "p50": {s: percentile(v, 50) for s, v in lat.items()}, "p99": {s: percentile(v, 99) for s, v in lat.items()},
         "calls": {s: len(v) for s, v in lat.items()},
         "server": server_pct, "commands": commands,
@@ -796,7 +798,8 @@ def worst_p99(f: dict[str, Any]) -> float:
 
 def describe(f: dict[str, Any]) -> str:
     mode = "before" if f["before"] else "after"
-    lines = [f"N={f['workers']:,} ({mode}): Redis CPU {f['redis_cpu'] * 100:.0f} %, {f['ops']:,.0f} ops/s, "
+    lines = [f"N={f['workers']:,} ({mode}): Redis CPU {f['redis_cpu'] * 100:.0f} % "
+             f"({f.get('redis_kernel', math.nan) * 100:.0f} % of it in the kernel), {f['ops']:,.0f} ops/s, "
              f"{f['connected']} clients; generator CPU {', '.join(f'{c * 100:.0f} %' for c in f['gen_cpu'])}, "
              f"{f['round_trips']:,.0f} round trips/s ({f['reads']:,.0f} reads/s at Redis), "
              f"{f['us_per_trip']:.1f} µs a round trip ({f['sys_us_per_trip']:.1f} in the kernel), "
@@ -856,7 +859,8 @@ def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
         gen = ", ".join(f"{c * 100:.0f} %" for c in f["gen_cpu"])
         out.append([
             f"{f['workers']:,} workers ({mode})",
-            f"{f['redis_cpu'] * 100:.0f} % ({f['redis_cpu'] * 1e6 / f['workers']:.0f} µs a second per worker)"
+            f"{f['redis_cpu'] * 100:.0f} % ({f['redis_cpu'] * 1e6 / f['workers']:.0f} µs a second per worker; "
+            f"{f.get('redis_kernel', math.nan) * 100:.0f} % of it in the kernel)"
             if slow == 1 else
             f"{f['redis_cpu'] * 100:.0f} %; at the fleet's rates at most {full_rate_cpu(f) * 100:.0f} % "
             f"({full_rate_cpu(f) * 1e6 / f['workers']:.0f} µs a second per worker)",
@@ -895,7 +899,8 @@ def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) ->
                          f"connections, leases and registrations): Redis {f['redis_cpu'] * 100:.0f} %, so at most "
                          f"{full_rate_cpu(f) * 100:.0f} % of a core at the fleet's rates"
                          f"{' (over ' + format(GOAL_CPU * 100, '.0f') + ' %)' if full_rate_cpu(f) > GOAL_CPU else ''}; "
-                         "its latencies are those of the slower load, not of the fleet's.")
+                         "its latencies are those of the slower load, not of the fleet's, and its reaper lag "
+                         f"is on its own clock ({f['slow']:g} times the fleet's).")
     gave_out = sorted(f["workers"] for f in now if saturated(f))
     if gave_out:
         lines.append(f"From {gave_out[0]:,} simulated workers the load generator could not keep the schedule "
