@@ -948,7 +948,7 @@ def connection_note(figures: list[dict[str, Any]]) -> str:
     if not shared:
         return "each simulated worker on its own connection (as real workers: a read and a write per command)"
     return ("the workers of a process sharing connections round robin ("
-            + ", ".join(f"{f['workers']:,} workers on {f['gen_connections']:,}" for f in shared)
+            + ", ".join(dict.fromkeys(f"{f['workers']:,} workers on {f['gen_connections']:,}" for f in shared))
             + "): their commands can reach Redis pipelined together, so its CPU per command is understated there")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from bench.redis_scale import SizeResult, ceiling, extrapolated_ceiling, percentile, saturated
+from bench.redis_scale import SizeResult, ceiling, connection_note, extrapolated_ceiling, percentile, saturated
 from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.feeder import COUNTS_SECONDS, count_registrations, counts_stale, read_counts
@@ -85,3 +85,13 @@ def test_the_monitor_is_a_backstop_that_asks_every_few_seconds_whatever_the_flee
     assert monitor.standby_for(0) == monitor.standby_for(100_000) == STANDBY_SECONDS
     monitor.answered(False, 0.0, workers=100_000)
     assert monitor.due(STANDBY_SECONDS)
+
+
+def test_the_connection_note_names_each_shared_size_once() -> None:
+    own = {"workers": 1000, "gen_connections": 1000}
+    shared = [{"workers": 20000, "gen_connections": 19936}, {"workers": 50000, "gen_connections": 19936}]
+    assert "its own connection" in connection_note([own])
+    note = connection_note([own, *shared, *shared])  # a size run at two leases is two figures
+    assert note.count("20,000 workers on 19,936") == 1
+    assert note.count("50,000 workers on 19,936") == 1
+    assert "1,000 workers" not in note
