@@ -99,6 +99,7 @@ class FleetCollector:
         c = CounterMetricFamily("renderfleet_leases_reaped", "Expired leases whose shard was re-queued")
         c.add_metric([], fleet.reaped)
         yield c
+        yield from redis_metrics(fleet)
         # the prices the fleet published, or the monitor's config: a pool without one has no cost series
         prices = {pool: p for pool, p in {**fleet.prices, **self.prices}.items() if p > 0}
         if prices:
@@ -110,6 +111,29 @@ class FleetCollector:
                 if pool in prices:
                     c.add_metric([pool], stats.get("render_ms", 0) / 1000 * prices[pool] / 3600)
             yield c
+
+
+def redis_metrics(fleet: FleetStatus) -> Iterator[Metric]:
+    """What the fleet costs its Redis (dispatcher/redisload.py): nothing where Redis refused INFO."""
+    load = fleet.redis
+    if load is None:
+        return
+    c = CounterMetricFamily("renderfleet_redis_cpu_seconds", "CPU time of Redis's main thread (the one that runs "
+                            "every command): its rate is the share of a core, the fleet's first limit")
+    c.add_metric([], load.cpu_seconds)
+    yield c
+    c = CounterMetricFamily("renderfleet_redis_commands", "Commands Redis processed")
+    c.add_metric([], load.commands)
+    yield c
+    for name, doc, value in (
+        ("renderfleet_redis_connected_clients", "Connections to Redis (about five a worker)", load.clients),
+        ("renderfleet_redis_max_clients", "Redis's maxclients: past it a new connection is refused", load.maxclients),
+        ("renderfleet_redis_memory_used_bytes", "Memory Redis counts against maxmemory", load.used_memory),
+        ("renderfleet_redis_memory_max_bytes", "Redis's maxmemory (0: none set)", load.maxmemory),
+    ):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], value)
+        yield g
 
 
 def serve(address: str, source: StatusSource, prices: dict[str, float], token: str | None, *,

@@ -228,6 +228,9 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
     if fleet.desired:
         parts.append(Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted"
                                                 for p, n in sorted(fleet.desired.items()))))
+    if fleet.redis is not None:
+        parts.append(Text(fleet.redis.summary(), style="dim"))
+        parts += [Text(f"warning: {line}", style="bold red") for line in fleet.redis.warnings()]
     if fleet.jobs and not any(p > 0 for p in fleet.prices.values()):
         parts.append(Text("cost: no pool prices known yet (docs/pools.md, \"Prices\"), or give --config FILE",
                           style="dim"))

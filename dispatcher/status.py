@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from dispatcher import lifecycle
+from dispatcher.redisload import RedisLoad, redis_load
 from dispatcher.resume import (
     jobs_only_in_store,
     load_spec,
@@ -132,6 +133,7 @@ class FleetStatus:
     reaped: int = 0  # expired leases whose shard was re-queued, ever (every store's)
     store: str = ""  # the store shown (spec.store_identity)
     prices: dict[str, float] = field(default_factory=dict)  # pool -> price per hour the costs were counted at
+    redis: RedisLoad | None = None  # what the fleet costs its Redis (every store's); None where INFO is refused
 
     def to_dict(self) -> dict[str, Any]:
         return {"store": self.store, "queues": self.queues, "pending": self.pending, "workers": self.workers,
@@ -139,7 +141,7 @@ class FleetStatus:
                 "jobs": [j.to_dict() for j in self.jobs], "jobs_of_other_stores": self.other_stores,
                 "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
                 "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped,
-                "prices": self.prices}
+                "prices": self.prices, "redis": self.redis.to_dict() if self.redis else None}
 
     def pool_sizes(self) -> dict[str, int]:
         """Workers up, by pool."""
@@ -515,6 +517,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         status.jobs.append(job_state)
     status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
+    status.redis = redis_load(client)
     return status
 
 

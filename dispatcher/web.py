@@ -70,7 +70,8 @@ StatusSource = Callable[[], FleetStatus]
 
 
 def samples(fleet: FleetStatus) -> dict[str, float]:
-    """The figures charted, from one status read: queue depth, backlog, pool sizes (bounded: one per pool)."""
+    """The figures charted, from one status read: queue depth, backlog, pool sizes (bounded: one per pool),
+    Redis's CPU (a percentage of a core, once known)."""
     out = {
         "queue_shards": float(sum(fleet.queues.values()) + sum(fleet.pending.values())),
         "backlog_images": float(sum(j.to_render for j in fleet.jobs)),
@@ -81,6 +82,8 @@ def samples(fleet: FleetStatus) -> dict[str, float]:
         out[f"workers.{pool}"] = float(sizes.get(pool, 0))
     for pool, n in fleet.desired.items():  # only where an autoscaler decided
         out[f"desired.{pool}"] = float(n)
+    if fleet.redis is not None and fleet.redis.cpu_share is not None:
+        out["redis_cpu"] = round(100 * fleet.redis.cpu_share, 1)
     return out
 
 
@@ -216,8 +219,8 @@ def _short(v: float) -> str:
 
 
 def charts(client: redis.Redis, store: str, now: float | None = None) -> list[Markup]:
-    """``store``'s queue depth, backlog in images and in seconds of work, and each pool's size
-    against its desired size."""
+    """``store``'s queue depth, backlog in images and in seconds of work, each pool's size
+    against its desired size, and Redis's main thread's share of a core."""
     now = time.time() if now is None else now
     metrics = history_metrics(client, store)
     hist = read_history(client, metrics, store, now)
@@ -231,6 +234,8 @@ def charts(client: redis.Redis, store: str, now: float | None = None) -> list[Ma
         if hist.get(f"desired.{pool}"):
             series["desired"] = hist[f"desired.{pool}"]
         out.append(svg_chart(f"pool {pool}: workers", series, now, since=since))
+    if hist.get("redis_cpu"):
+        out.append(svg_chart("Redis main thread (% of a core)", {"cpu": hist["redis_cpu"]}, now, since=since))
     return out
 
 

@@ -28,6 +28,7 @@ WORKER_COUNTS = "rf:workercounts"
 WORKER_COUNTS_LOCK = "rf:workercounts:lock"  # the process that counts next (SET NX, expiring)
 COUNTED_AT = "@at"
 FLEET_STATS = "rf:fleet"  # hash of counters of the whole Redis, every store's: reaped (expired leases re-queued)
+REDIS_LOAD = "rf:redis-load"  # hash: the last two samples of Redis's own CPU time (dispatcher/status.py, redis_load)
 SCRATCH = "rf:scratch"  # a throwaway result key for checks (bench/chaos.py: BITOP AND of done and failed)
 LEASE_PREFIX = "rf:lease:"
 JOB_PREFIX = "rf:job:"

@@ -75,6 +75,12 @@ def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
         assert samples[("renderfleet_jobs", (("state", "finished"),))] == 1
         gpu = samples[("renderfleet_render_seconds_total", (("pool", "default"),))]
         assert gpu > 0 and samples[("renderfleet_cost_total", (("pool", "default"),))] == pytest.approx(gpu * 3.6 / 3600)
+        # What the fleet costs its Redis: its main thread's CPU, commands, and the worker's and monitor's connections.
+        assert samples[("renderfleet_redis_cpu_seconds_total", ())] > 0
+        assert samples[("renderfleet_redis_commands_total", ())] > 0
+        assert samples[("renderfleet_redis_connected_clients", ())] >= 3
+        assert samples[("renderfleet_redis_max_clients", ())] == 10000
+        assert samples[("renderfleet_redis_memory_max_bytes", ())] == 0
         status, body = get(f"http://127.0.0.1:{port}/api/status")
         data = json.loads(body)
         assert status == 200 and [j["job"] for j in data["jobs"]] == [job] and data["jobs"][0]["done"] == 12

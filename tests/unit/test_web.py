@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
+from dispatcher.redisload import RedisLoad
 from dispatcher.status import FleetStatus, JobStatus
 from dispatcher.thumbs import THUMB_MAX_PIXELS, THUMBS_AT_ONCE, Thumbnails, make_thumbnail, placeholder, thumb_key
 from dispatcher.web import (
@@ -99,6 +100,12 @@ def test_samples_are_bounded_one_per_pool() -> None:
     assert samples(fleet) == {"queue_shards": 2.0, "backlog_images": 5.0, "backlog_seconds": 7.5,
                               "workers.spot": 2.0, "desired.spot": 3.0}
     json.dumps(samples(fleet))
+    # Redis's main thread, as a percentage of a core, once a share is known (two readings apart)
+    fleet.redis = RedisLoad(cpu_seconds=9.0, commands=1, clients=1, maxclients=10, used_memory=1, maxmemory=0,
+                            ops_per_second=1)
+    assert "redis_cpu" not in samples(fleet)
+    fleet.redis.cpu_share, fleet.redis.cpu_window = 0.4167, 5.0
+    assert samples(fleet)["redis_cpu"] == 41.7
 
 
 # ---- thumbnails: a pixel cap, a few at a time, once per image ----------------------------

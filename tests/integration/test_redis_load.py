@@ -1,0 +1,83 @@
+"""What the fleet costs its Redis, read from a real Redis: the share of a core, clients against maxclients,
+in status (its JSON and its text), and on a Redis that lets the reader read only."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from rich.console import Console
+
+from dispatcher.redisload import MIN_WINDOW, redis_load
+from dispatcher.show import render_status
+from dispatcher.status import fleet_status
+from renderfleet import keys
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.store import open_store
+from testing.fleet import base_env, cli
+
+pytestmark = pytest.mark.integration
+
+# Half a second of Redis's main thread spent in one script: what a busy fleet costs it, in one go.
+BURN = "local t = redis.call('TIME'); local start = t[1] * 1e6 + t[2]; local now = start " \
+       "while now - start < 500000 do t = redis.call('TIME'); now = t[1] * 1e6 + t[2] end return 1"
+
+
+def test_the_share_of_a_core_is_measured_between_two_reads(redis_server: RedisServerProcess) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    first = redis_load(r)
+    assert first is not None and first.cpu_share is None  # one reading: nothing to compare yet
+    assert first.clients >= 1 and first.maxclients > 0 and first.used_memory > 0
+    r.eval(BURN, 0)
+    time.sleep(MIN_WINDOW)
+    second = redis_load(r)
+    assert second is not None and second.cpu_share is not None and second.cpu_window is not None
+    # 0.5 s of CPU in the window (a little over 1.5 s): a share of about a third, never over a core
+    assert 0.5 / second.cpu_window * 0.9 <= second.cpu_share <= 1.0
+    assert second.cpu_seconds - first.cpu_seconds >= 0.45 and second.commands > first.commands
+    # A reader a moment later measures against the reading kept before the last one (this one is too fresh).
+    third = redis_load(r)
+    assert third is not None and third.cpu_share is not None and third.cpu_window is not None
+    assert third.cpu_window >= MIN_WINDOW
+
+
+def test_clients_near_maxclients_warn_in_status_and_its_json(tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    store = open_store(str(tmp_path / "store"))
+    others = [redis.Redis.from_url(redis_server.url) for _ in range(3)]
+    for other in others:
+        other.ping()
+    clients = int(r.info("clients")["connected_clients"])
+    r.config_set("maxclients", clients + 1)
+    try:
+        fleet = fleet_status(r, store=store)
+        assert fleet.redis is not None and fleet.redis.maxclients == clients + 1
+        (warning,) = fleet.redis.warnings()
+        assert f"{clients:,} of its {clients + 1:,} clients" in warning
+        assert fleet.to_dict()["redis"]["warnings"] == [warning]
+        console = Console(width=200, record=True, no_color=True)
+        console.print(render_status(fleet, console))
+        text = console.export_text()
+        assert f"of {clients + 1:,} clients" in text and "warning: Redis has" in text
+    finally:
+        r.config_set("maxclients", 10000)
+        for other in others:
+            other.close()
+    # The CLI's JSON carries it too (one process, start to end: no share known from a single read).
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    shown = cli(env, "status", "--json").stdout
+    assert '"redis": {' in shown and '"maxclients": 10000' in shown
+
+
+def test_a_reader_allowed_to_read_only_gets_the_figures_and_keeps_nothing(redis_server: RedisServerProcess) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    r.acl_setuser("viewer", enabled=True, passwords=["+viewerpw"], keys=["*"],
+                  commands=["+@read", "+info", "+time", "+ping", "+client"])
+    url = redis_server.url.replace("redis://", "redis://viewer:viewerpw@", 1) if "@" not in redis_server.url \
+        else "redis://viewer:viewerpw@" + redis_server.url.split("@", 1)[1]
+    viewer = redis.Redis.from_url(url)
+    load = redis_load(viewer)
+    assert load is not None and load.clients >= 2 and load.cpu_share is None
+    assert not r.exists(keys.REDIS_LOAD)  # its HSET was refused (NOPERM), quietly
