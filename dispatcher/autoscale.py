@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import redis
 
 from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
+from dispatcher.redisload import worker_room
 from dispatcher.status import FleetStatus, counter_hash, fleet_status, json_object, malformed, publish_prices
 from renderfleet import keys
 from renderfleet.embedded import private_dir
@@ -352,7 +353,7 @@ class Autoscaler:
         fleet = fleet_status(self.client, store=self.store)
         stats, spmps, backlog = fleet.pools, fleet.seconds_per_mpstep, fleet.backlog_seconds
         states = [self._state(n, c, stats, spmps, now, fleet) for n, c in self.settings.pools.items()]
-        decisions = decide(backlog, states, self.settings.autoscale, now)
+        decisions = decide(backlog, states, self.settings.autoscale, now, redis_room=worker_room(fleet.redis))
         if not dry_run:
             for d in decisions:
                 if d.change:

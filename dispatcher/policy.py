@@ -22,7 +22,11 @@ The rules, each with its unit test:
    up to the baseline's ``max``;
 6. scaling in waits out the cool-down, goes one worker at a time, spot before
    baseline, never below ``min``, and only when one worker fewer would still
-   clear the backlog well within ``drain_seconds`` (hysteresis: no flapping).
+   clear the backlog well within ``drain_seconds`` (hysteresis: no flapping);
+7. the fleet never grows past what its one Redis takes (``redis_room``, from
+   :func:`dispatcher.redisload.worker_room`): a worker Redis refuses, or one
+   that slows every other, is a GPU paid for nothing.  The room goes to the
+   pools that grow, cheapest per image first.
 """
 
 from __future__ import annotations
@@ -98,10 +102,26 @@ class Decision:
         return self.desired - self.current
 
 
-def decide(backlog_seconds: float, pools: Sequence[PoolState], cfg: AutoscaleConfig, now: float) -> list[Decision]:
-    """Each pool's desired size, and why (in words); pure, no I/O."""
+def decide(backlog_seconds: float, pools: Sequence[PoolState], cfg: AutoscaleConfig, now: float,
+           redis_room: tuple[int, str] | None = None) -> list[Decision]:
+    """Each pool's desired size, and why (in words); pure, no I/O.  ``redis_room``: how many workers
+    more the fleet's Redis takes, and why no more (rule 7); None: no limit of Redis is near."""
     targets, why = _targets(max(backlog_seconds, 0.0), pools, cfg, now)
-    return _apply_scale_in_rules(max(backlog_seconds, 0.0), pools, targets, why, cfg, now)
+    decisions = _apply_scale_in_rules(max(backlog_seconds, 0.0), pools, targets, why, cfg, now)
+    return decisions if redis_room is None else _within_room(decisions, pools, *redis_room)
+
+
+def _within_room(decisions: list[Decision], pools: Sequence[PoolState], room: int, limit: str) -> list[Decision]:
+    """Rule 7: the pools' growth together at most ``room`` workers, cheapest per image first."""
+    cost = {p.name: p.cost_per_work_second for p in pools}
+    capped = {}
+    for d in sorted((d for d in decisions if d.change > 0), key=lambda d: cost[d.pool]):
+        allowed = min(d.change, max(room, 0))
+        room -= allowed
+        if allowed < d.change:
+            capped[d.pool] = Decision(d.pool, d.current, d.current + allowed,
+                                      f"{d.current + allowed}, not {d.desired}: {limit} ({d.reason})")
+    return [capped.get(d.pool, d) for d in decisions]
 
 
 def _cold_start(pool: PoolState, cfg: AutoscaleConfig) -> float:

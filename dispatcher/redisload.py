@@ -33,6 +33,8 @@ import redis
 from renderfleet import keys
 
 BUSY = 0.8  # past this share of a core, of maxclients or of maxmemory, status and the page warn
+CONNECTIONS_PER_WORKER = 5  # kombu's two, and redis-py's for the lease keeper, a commit lane, the stats writer
+CONNECTION_BYTES = 32 * 1024  # what Redis 7 counts a connection's buffers as, against maxmemory
 KEEP_SECONDS = 5.0  # a reading is kept when the last kept one is at least this old
 MIN_WINDOW = 1.0  # a share over less than this many seconds is not given (noise)
 MAX_WINDOW = 900.0  # nor over more (an average that old says little of now)
@@ -143,3 +145,27 @@ def redis_load(client: redis.Redis) -> RedisLoad | None:
         used_memory=int(info.get("used_memory", 0)), maxmemory=int(info.get("maxmemory", 0)),
         ops_per_second=int(info.get("instantaneous_ops_per_sec", 0)),
         cpu_share=found[0] if found else None, cpu_window=found[1] if found else None)
+
+
+def worker_room(load: RedisLoad | None) -> tuple[int, str] | None:
+    """How many workers more this Redis takes before one of its limits passes :data:`BUSY`, and which
+    limit (the autoscaler's rule 7, dispatcher/policy.py); None where no limit is known.
+
+    Its main thread past :data:`BUSY`: none (more workers would slow every one).  Clients and memory:
+    what is left under :data:`BUSY` of ``maxclients`` and ``maxmemory``, at :data:`CONNECTIONS_PER_WORKER`
+    connections a worker.  A Redis shared by several stores' autoscalers is counted by each: a bound
+    for each, not shared out."""
+    if load is None:
+        return None
+    limits = []
+    if load.cpu_share is not None and load.cpu_share >= BUSY:
+        limits.append((0, f"Redis's main thread is at {load.cpu_share:.0%} of a core: a worker more slows every one"))
+    if load.maxclients:
+        room = int((BUSY * load.maxclients - load.clients) // CONNECTIONS_PER_WORKER)
+        limits.append((max(0, room), f"Redis has {load.clients:,} of its {load.maxclients:,} clients, "
+                                     f"about {CONNECTIONS_PER_WORKER} a worker"))
+    if load.maxmemory:
+        room = int((BUSY * load.maxmemory - load.used_memory) // (CONNECTIONS_PER_WORKER * CONNECTION_BYTES))
+        limits.append((max(0, room), f"Redis uses {load.used_memory / 2**20:,.0f} MiB of its maxmemory "
+                                     f"{load.maxmemory / 2**20:,.0f} MiB"))
+    return min(limits) if limits else None

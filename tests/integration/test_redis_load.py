@@ -3,6 +3,7 @@ in status (its JSON and its text), and on a Redis that lets the reader read only
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from dispatcher.status import fleet_status
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.store import open_store
-from testing.fleet import base_env, cli
+from testing.fleet import base_env, cli, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +82,29 @@ def test_a_reader_allowed_to_read_only_gets_the_figures_and_keeps_nothing(redis_
     load = redis_load(viewer)
     assert load is not None and load.clients >= 2 and load.cpu_share is None
     assert not r.exists(keys.REDIS_LOAD)  # its HSET was refused (NOPERM), quietly
+
+
+def test_the_autoscaler_grows_the_fleet_no_further_than_redis_takes(tmp_path: Path,
+                                                                  redis_server: RedisServerProcess) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    config = tmp_path / "fleet.toml"
+    config.write_text('[pools.spot]\nkind = "spot"\nmin = 0\nmax = 100\n')
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config))
+    # 2,000 prompts of 512x512 at 30 steps: about 2,400 s of work on a reference worker, 4 workers' worth in 600 s
+    cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 2_000)), "--model", "tiny")
+
+    def tick() -> dict[str, object]:
+        run = cli(env, "autoscale", "--once", "--dry-run", "--json")
+        (decision,) = json.loads(run.stdout.strip().splitlines()[-1])["decisions"]
+        return decision
+
+    free = tick()
+    assert free["desired"] >= 4, free
+    r.config_set("maxclients", 15)  # 80 % of it, 12, less the clients now: room for 2 workers at most, five each
+    try:
+        capped = tick()
+    finally:
+        r.config_set("maxclients", 10000)
+    assert capped["desired"] <= 2 < free["desired"], capped
+    assert f"{capped['desired']}, not {free['desired']}: Redis has" in capped["reason"]
+    assert "of its 15 clients, about 5 a worker" in capped["reason"]

@@ -139,3 +139,18 @@ def test_every_decision_says_why_in_words() -> None:
     for backlog in (0, 100, 3_000, 60_000):
         for d in decide(backlog, [BASE, SPOT], CFG, NOW):
             assert len(d.reason.split()) >= 3, d
+
+
+def test_rule_7_the_fleet_grows_no_further_than_its_redis_takes_cheapest_pool_first() -> None:
+    pricey = PoolState("spot-h100", PoolConfig(kind="spot", price_per_hour=3.0, max=8), 0, 0)
+    cheap = replace(SPOT, config=SPOT.config.model_copy(update={"max": 2}))
+    free = sizes(decide(6_000, [BASE, cheap, pricey], CFG, NOW))
+    assert free == {"baseline": 1, "spot": 2, "spot-h100": 7}
+    out = decide(6_000, [BASE, cheap, pricey], CFG, NOW, redis_room=(4, "Redis has 7,980 of its 10,000 clients"))
+    assert sizes(out) == {"baseline": 1, "spot": 2, "spot-h100": 2}  # 4 more in all: the cheap pool's first
+    (capped,) = [d for d in out if d.pool == "spot-h100"]
+    assert capped.reason.startswith("2, not 7: Redis has 7,980 of its 10,000 clients (")
+    # Room for none: nothing grows; a pool shrinking or holding is left alone, room or not.
+    held = decide(6_000, [replace(BASE, current=2, ready=2), cheap, pricey], CFG, NOW, redis_room=(0, "busy"))
+    assert sizes(held) == {"baseline": 2, "spot": 0, "spot-h100": 0}
+    assert sizes(decide(0, [BASE, SPOT], CFG, NOW, redis_room=(0, "busy"))) == sizes(decide(0, [BASE, SPOT], CFG, NOW))

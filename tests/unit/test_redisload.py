@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher.redisload import BUSY, MAX_WINDOW, RedisLoad, main_thread_cpu, share
+from dispatcher.redisload import BUSY, MAX_WINDOW, RedisLoad, main_thread_cpu, share, worker_room
 
 
 def load(**kw: object) -> RedisLoad:
@@ -58,3 +58,17 @@ def test_the_summary_and_json_say_when_the_share_is_not_known_yet() -> None:
     assert known.summary().startswith("redis: 41% of a core (last 5 s), 10 of 10,000 clients")
     assert "1,024 MiB)" in known.summary()
     assert known.to_dict()["cpu_share"] == 0.4123 and known.to_dict()["warnings"] == []
+
+
+def test_the_room_for_workers_is_the_nearest_limit() -> None:
+    assert worker_room(None) is None
+    assert worker_room(load(maxclients=0)) is None  # an older Redis that does not say: no limit known
+    room, why = worker_room(load(clients=7_000, maxclients=10_000)) or (None, "")
+    assert room == 200 and "7,000 of its 10,000 clients" in why  # 1,000 connections under 80 %, five a worker
+    over = worker_room(load(clients=9_000, maxclients=10_000))
+    assert over is not None and over[0] == 0  # past 80 % already: none, not fewer than none
+    busy = worker_room(load(cpu_share=0.9, cpu_window=5.0))
+    assert busy is not None and busy[0] == 0 and "90% of a core" in busy[1]
+    assert worker_room(load(cpu_share=0.5, cpu_window=5.0))[0] == 1_598  # CPU under 80 %: clients decide
+    memory = worker_room(load(used_memory=79 * 2**20, maxmemory=100 * 2**20))
+    assert memory is not None and memory[0] == 6 and "maxmemory" in memory[1]  # 1 MiB left: 6 workers of 160 KB
