@@ -9,9 +9,11 @@ N simulated workers run the fleet's own Redis traffic at its own rates against o
 * **heartbeat** every ``heartbeat_seconds`` (1.5 s) while a shard runs (``heartbeat.lua``: a small
   beat, every other one carrying the worker's liveness; the payload only for a lease Redis lost);
 * **a batch** every 2 to 10 s (uniform), ``--batch`` prompts of a shard of 64, as ``ShardRunner``
-  and ``RedisLedger`` make it: ``record_start``'s counters, the fence check carrying the rendered
-  batch's counters (worker, pool, job, minute, progress), a second fence check, the count
-  (``commit.lua``);
+  and ``RedisLedger`` make it: the fence check carrying the batch's counters, started and
+  rendered (worker, pool, job, minute, progress), a second fence check before the checkpoint
+  (asked of Redis only when the images' upload, drawn from ``UPLOAD_SECONDS``, outlasts a
+  heartbeat or the last renewal is older than half the lease: ``LeaseClock``), the count
+  (``commit.lua``); ``--before``: the start's counters sent at once, both checks asked;
 * **the end** of a shard: the recount (``commit.lua``), ``release.lua`` (done, or a hand-back to
   the front for ``--handback`` of them: a spot reclaim), and the worker's "doing" field;
 * **the worker tick** every ``reap_seconds`` (1 s): the reaper (``reap.lua`` behind its lock, a
@@ -135,10 +137,13 @@ from renderfleet.reaper import ReaperElection, lock_answer, lock_call, reap_once
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.states import Beat, ClaimAnswer, Release
-from worker.ledger import Liveness
+from worker.ledger import LeaseClock, Liveness
 from worker.main import TOUCH_SECONDS
 
 SHARD_SIZE = 64
+# A batch's image uploads, between its two fence checks: 8 PNGs to S3 at once, 512x512 to 1024x1024 (about
+# 0.4 to 1.5 MB each). Not measured here: a range wide enough that some outlast a heartbeat.
+UPLOAD_SECONDS = (0.2, 2.0)
 STORE = "/tmp/rf-redis-scale"  # a name only: nothing is written to it
 POOL = "default"
 QUEUE = queue_name(POOL, STORE)
@@ -278,6 +283,8 @@ class SimWorker:
         self.counts_at = float("-inf")
         self.touched = float("-inf")
         self.liveness = Liveness(TOUCH_SECONDS * self.cfg.slow)  # mirrors WorkerService.liveness: beats carry it
+        # mirrors worker.ledger.LeaseClock: the send times of the last renewal and the last "current" answer
+        self.clock = LeaseClock(self.cfg.lease_ms / 1000, self.cfg.heartbeat_s)
         # The fleet in its steady state from the start: a worker's first shard begins at a random batch, so
         # that shards end (claim, recount, release, ack) at the steady rate from the first minute, not in a
         # wave a shard's length after the ramp (longer than the measured window when the clocks are slowed).
@@ -415,12 +422,15 @@ class SimWorker:
         lease = self.lease
         if lease is not None:
             registration = self.liveness.to_carry(self.cfg.heartbeat_s)
+            sent = time.monotonic()
             beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration))
             if int(beat) == Beat.MISSING:
-                await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration,
-                                                  recreate=True))
+                beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration,
+                                                         recreate=True))
             if registration:
                 self.liveness.carried()
+            if int(beat) != Beat.FENCED:
+                self.clock.renewed = sent
 
     async def shard(self) -> None:
         """Batches every 2 to 10 s until the shard's prompts are counted, then its release."""
@@ -442,18 +452,34 @@ class SimWorker:
                     self.sim.stats.due += 1
                     self.sim.stats.done += 1
                 done = list(range(at, min(at + self.cfg.batch, first + SHARD_SIZE)))
-                # mirrors ShardRunner's batch: record_start (its counters, sent at once)...
-                pipe = self.r.pipeline(transaction=False)
-                self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1})
-                await pipe.execute()
-                # ...(the render)...  _commit_batch: RedisLedger.check, carrying the rendered batch's counters
-                # (record_batch); the images; check again; the checkpoint; the count
-                pipe = self.r.pipeline(transaction=False)
-                self.counters(pipe, lease, {"images": len(done), "batches": 1, "render_ms": 5000, "mps_milli": 1000,
-                                            "progress": len(done)})
-                pipe.hget(keys.attempts(lease.job), str(lease.shard))
-                await pipe.execute()
-                await self.r.hget(keys.attempts(lease.job), str(lease.shard))
+                rendered = {"images": len(done), "batches": 1, "render_ms": 5000, "mps_milli": 1000,
+                            "progress": len(done)}
+                if self.cfg.before:
+                    # as before: record_start's counters sent at once; two fence checks, each asking Redis
+                    pipe = self.r.pipeline(transaction=False)
+                    self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1})
+                    await pipe.execute()
+                    pipe = self.r.pipeline(transaction=False)
+                    self.counters(pipe, lease, rendered)
+                    pipe.hget(keys.attempts(lease.job), str(lease.shard))
+                    await pipe.execute()
+                    await self.r.hget(keys.attempts(lease.job), str(lease.shard))
+                else:
+                    # mirrors ShardRunner's batch and RedisLedger: (the render); _commit_batch's fence check,
+                    # carrying the batch's start and rendered counters (record_start, record_batch)...
+                    pipe = self.r.pipeline(transaction=False)
+                    self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1, **rendered})
+                    pipe.hget(keys.attempts(lease.job), str(lease.shard))
+                    sent = time.monotonic()
+                    await pipe.execute()
+                    self.clock.confirmed = sent
+                    # ...the images (their upload modelled, not waited for: the commit lane overlaps the next
+                    # render), then the check before the checkpoint: Redis asked unless it said current less
+                    # than a heartbeat ago, with the lease renewed within half its length (LeaseClock)
+                    upload = random.uniform(*UPLOAD_SECONDS) * self.cfg.slow
+                    if not self.clock.still_current(sent + upload):
+                        await self.r.hget(keys.attempts(lease.job), str(lease.shard))
+                # the checkpoint; the count
                 await self.sim.run(commit_call(lease, done, []))
             if not handback:  # ShardRunner._count_stored: the shard's recount, as the store holds it
                 await self.sim.run(commit_call(lease, list(range(first, first + SHARD_SIZE)), []))

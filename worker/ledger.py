@@ -8,11 +8,14 @@ calls feed the worker's own Prometheus metrics (``worker/metrics.py``) when it
 has them: the runner reports each batch here, so it holds no metric itself.
 
 Round trips are what a fleet costs Redis (docs/design.md, "How far one Redis
-carries the fleet"), so a rendered batch's counters are not sent on their own:
-they ride on the ledger's next call, the fence check that comes before the
-batch's store writes (or whichever call comes first; :meth:`RedisLedger.flush`
-at the shard's end), and a busy worker's liveness rides on its heartbeat
-(:class:`Liveness`).
+carries the fleet"), so a batch's counters (started, then rendered) are not
+sent on their own: they ride on the ledger's next call, the fence check that
+comes before the batch's store writes (or whichever call comes first;
+:meth:`RedisLedger.flush` at the shard's end), and a busy worker's liveness
+rides on its heartbeat (:class:`Liveness`).  The fence check before the
+checkpoint, a moment after the one before the images, is answered without a
+round trip when Redis said "current" less than a heartbeat ago and the lease
+was renewed within half its length (:class:`LeaseClock`).
 """
 
 from __future__ import annotations
@@ -77,13 +80,40 @@ class Liveness:
         return time.monotonic() - self._carried < self.every
 
 
+class LeaseClock:
+    """When this worker last knew its lease was live: the send time (monotonic) of the last renewal Redis
+    accepted (:class:`LeaseKeeper`), and of the last fence check Redis answered "current" (the ledger).
+
+    A renewal sent at ``t`` made the lease live until at least ``t`` + the lease in Redis (Redis sets the
+    expiry when it runs the call, after ``t``), and no other worker claims a shard before its lease
+    expires.  So while the last renewal is younger than half the lease, only a fence that does not wait
+    for the lease to expire can supersede this attempt: a delete or a retire (``cancel.lua``), and a
+    delete waits out the longest lease before it empties the store (dispatcher/lifecycle.py).  A check
+    answered "current" less than a heartbeat ago then stands for one now: the delete it misses is heard
+    at the next beat, as a check a heartbeat old would have missed it.
+    """
+
+    def __init__(self, lease_seconds: float, heartbeat_seconds: float):
+        self.lease_seconds = lease_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.renewed: float | None = None
+        self.confirmed: float | None = None
+
+    def still_current(self, now: float) -> bool:
+        """Whether a fence check now may be answered from what Redis said a moment ago."""
+        return (self.renewed is not None and self.confirmed is not None
+                and now - self.renewed < self.lease_seconds / 2 and now - self.confirmed < self.heartbeat_seconds)
+
+
 class RedisLedger:
     """Commits, failure counts and stats for one lease."""
 
     def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str, store_tag: str,
                  metrics: WorkerMetrics | None = None, cancel: threading.Event | None = None,
-                 aside: Executor | None = None):
+                 aside: Executor | None = None, clock: LeaseClock | None = None):
         self.leases = leases
+        # Shared with the shard's LeaseKeeper; None: every fence check asks Redis.
+        self.clock = clock
         self.lease = lease
         self.stop = stop
         # Set by the shard's LeaseKeeper when its job is cancelled: this shard only, not the worker.
@@ -108,13 +138,21 @@ class RedisLedger:
 
         Asks Redis, not only the flag the heartbeat sets: a worker that wakes
         from a pause longer than its lease must learn it was fenced *before* its
-        next store write, not at its next heartbeat.
+        next store write, not at its next heartbeat.  Unless Redis said so a
+        moment ago, with nothing to send (:class:`LeaseClock`): the check before
+        a batch's checkpoint, after the one before its images.
         """
         unsent = self._carrying()  # the last batch's counters: one round trip with the read
-        if not self.stop.fenced and not self.leases.current(self.lease, unsent):
+        sent = time.monotonic()
+        if self.stop.fenced:
+            if unsent is not None:
+                unsent.execute()
+        elif unsent is None and self.clock is not None and self.clock.still_current(sent):
+            pass
+        elif not self.leases.current(self.lease, unsent):
             self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded", fenced=True)
-        elif self.stop.fenced and unsent is not None:
-            unsent.execute()
+        elif self.clock is not None:
+            self.clock.confirmed = sent
         if self.stop.fenced:
             if self.metrics and self._rendered_uncommitted:
                 self._rendered_uncommitted = False
@@ -201,20 +239,25 @@ class RedisLedger:
             pipe.ltrim(keys.progress(self.lease.job), 0, keys.PROGRESS_KEEP - 1)
 
     def record_start(self, images: int) -> None:
+        # Sent with the batch's fence check (the denominator of the reclaim rate: dispatcher/policy.py; a
+        # worker killed mid-render loses them with the batch, whose loss nobody else records either).
         self._batches_started = True
-        self._bump(started_images=images, started_batches=1)
+        self._add_unsent({"started_images": images, "started_batches": 1})
 
     def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
         # mps_milli: the work those milliseconds bought, so the autoscaler can turn a
         # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
-        fields = {"images": images, "batches": 1, "render_ms": int(seconds * 1000),
-                  "mps_milli": int(megapixel_steps * 1000), "progress": images}
-        with self._unsent_lock:  # sent with the next call: the fence check before its store writes
-            for name, value in fields.items():
-                self._unsent[name] = self._unsent.get(name, 0) + value
+        self._add_unsent({"images": images, "batches": 1, "render_ms": int(seconds * 1000),
+                          "mps_milli": int(megapixel_steps * 1000), "progress": images})
         if self.metrics:
             self._rendered_uncommitted = True
             self.metrics.batch(seconds)
+
+    def _add_unsent(self, fields: dict[str, int]) -> None:
+        """Counters sent with the next call: the fence check before the batch's store writes."""
+        with self._unsent_lock:
+            for name, value in fields.items():
+                self._unsent[name] = self._unsent.get(name, 0) + value
 
     def record_waste(self, images: int) -> None:
         self._bump(wasted_batches=1, wasted_images=images)
@@ -246,8 +289,9 @@ class LeaseKeeper(threading.Thread):
 
     def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float, *,
                  on_retry: RetryHook | None = None, cancel: threading.Event | None = None,
-                 liveness: Liveness | None = None):
+                 liveness: Liveness | None = None, clock: LeaseClock | None = None):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
+        self.clock = clock  # told of each renewal Redis accepted (the ledger's fence checks read it)
         self.leases = leases
         self.lease = lease
         self.stop = stop
@@ -262,6 +306,7 @@ class LeaseKeeper(threading.Thread):
         renewed = time.monotonic()
         while not self._done.wait(self.interval):
             registration = self.liveness.to_carry(self.interval) if self.liveness else ""
+            sent = time.monotonic()
             try:
                 ok = self.leases.heartbeat(self.lease, registration)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -286,6 +331,8 @@ class LeaseKeeper(threading.Thread):
                 log.warning("shard %s: its job was cancelled: stopping at the next batch", self.lease.member)
                 self.cancel.set()
             renewed = time.monotonic()
+            if self.clock is not None:
+                self.clock.renewed = sent
 
     def close(self) -> None:
         self._done.set()

@@ -90,7 +90,7 @@ class Ledger(Protocol):
         """Count one more failure of this prompt; returns the total so far."""
 
     def record_start(self, images: int) -> None:
-        """A batch is about to render (started minus rendered = work lost to kills)."""
+        """A batch is about to render (the reclaim rate's denominator; sent with the batch's fence check)."""
 
     def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
         """A batch rendered: ``megapixel_steps`` (pixels x steps / 1e6, summed) sizes its work."""

@@ -16,7 +16,7 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
 from testing.fleet import wait_for
-from worker.ledger import LeaseKeeper, Liveness, RedisLedger
+from worker.ledger import LeaseClock, LeaseKeeper, Liveness, RedisLedger
 from worker.stop import StopSignal
 
 pytestmark = pytest.mark.integration
@@ -48,7 +48,7 @@ def test_a_batchs_counters_ride_on_the_fence_check_with_the_fields_each_had_befo
     ledger = RedisLedger(leases, lease, StopSignal(), pool="spot", store_tag="s1")
     ledger.record_start(8)
     ledger.record_batch(8, 2.5, 1.25)
-    assert "images" not in counters(client, keys.worker_stats("w1"))  # not sent on its own...
+    assert counters(client, keys.worker_stats("w1")) == {}  # neither the start nor the batch sent on its own...
     ledger.check()  # ...but with the check before the batch's store writes: one round trip
     ledger.commit(list(range(8)), [])
     ledger.record_start(8)
@@ -82,9 +82,68 @@ def test_a_fenced_worker_counts_nothing_for_the_job_and_its_commit_counts_nothin
     # The waste is the worker's and the pool's (as before issue 27); the job's account and its bits are untouched.
     assert counters(client, keys.worker_stats("w1"))["images"] == 8
     assert counters(client, keys.pool_stats("spot", "s1"))["render_ms"] == 2000
-    assert counters(client, keys.job_stats("j")) == {"started_images": 8, "started_batches": 1}
+    assert not client.exists(keys.job_stats("j"))  # its start too rode on the check that found it fenced
+    assert counters(client, keys.worker_stats("w1"))["started_images"] == 8
     assert not client.exists(keys.progress("j"))
     assert client.bitcount(keys.done_bits("j")) == 0 and client.hget(keys.left("j"), "0") == b"16"
+
+
+def test_the_check_before_the_checkpoint_stands_on_one_a_moment_old_only_while_the_lease_is_fresh(
+    client: redis.Redis,
+) -> None:
+    leases, lease = claimed(client)
+    clock = LeaseClock(lease_seconds=5.0, heartbeat_seconds=0.5)
+    ledger = RedisLedger(leases, lease, StopSignal(), pool="spot", store_tag="s1", clock=clock)
+    ledger.record_start(8)
+    ledger.record_batch(8, 1.0)
+    ledger.check()  # counters to send: Redis is asked, and says current
+    assert clock.confirmed is not None and clock.renewed is None
+    client.hincrby(keys.attempts("j"), "0", 1)  # a delete's fence, from here on
+    with pytest.raises(Reclaimed):
+        ledger.check()  # no renewal known: Redis is asked again, and the fence is seen
+    client.zrem(keys.INFLIGHT, lease.member)  # the first lease gone (reaped)...
+    leases, lease = claimed(client, "w2")  # ...the next attempt, its lease fresh
+    clock = LeaseClock(lease_seconds=5.0, heartbeat_seconds=0.5)
+    ledger = RedisLedger(leases, lease, StopSignal(), pool="spot", store_tag="s1", clock=clock)
+    clock.renewed = time.monotonic()
+    ledger.record_start(8)
+    ledger.check()
+    client.hincrby(keys.attempts("j"), "0", 1)  # a delete's fence, a moment after Redis said current
+    ledger.check()  # answered without a round trip: the fence is heard at the next beat, or...
+    time.sleep(0.5)
+    with pytest.raises(Reclaimed):
+        ledger.check()  # ...at the next check a heartbeat later, which asks Redis
+
+
+def test_a_stale_renewal_sends_every_check_to_redis(client: redis.Redis) -> None:
+    leases, lease = claimed(client)
+    clock = LeaseClock(lease_seconds=1.0, heartbeat_seconds=5.0)
+    ledger = RedisLedger(leases, lease, StopSignal(), pool="spot", store_tag="s1", clock=clock)
+    clock.renewed = time.monotonic() - 0.6  # more than half the lease ago: a reaper may be near
+    ledger.record_start(8)
+    ledger.check()
+    client.hincrby(keys.attempts("j"), "0", 1)
+    with pytest.raises(Reclaimed):
+        ledger.check()
+
+
+def test_the_keeper_tells_the_clock_of_each_renewal_and_not_of_a_fence(client: redis.Redis) -> None:
+    leases, lease = claimed(client)
+    clock = LeaseClock(lease_seconds=5.0, heartbeat_seconds=0.1)
+    stop = StopSignal()
+    before = time.monotonic()
+    keeper = LeaseKeeper(leases, lease, stop, 0.1, 5.0, clock=clock)
+    keeper.start()
+    try:
+        wait_for(lambda: clock.renewed is not None, 5, interval=0.05, what="a renewal")
+        assert clock.renewed is not None and clock.renewed >= before
+        client.hincrby(keys.attempts("j"), "0", 1)
+        wait_for(lambda: stop.fenced, 5, interval=0.05, what="the fence heard at a beat")
+        last = clock.renewed
+        time.sleep(0.3)
+        assert clock.renewed == last  # a beat that found the fence renewed nothing
+    finally:
+        keeper.close()
 
 
 def test_a_busy_workers_heartbeats_carry_its_liveness_and_re_register_it(client: redis.Redis) -> None:
