@@ -150,25 +150,33 @@ def test_one_json_job_object_for_status_status_job_the_api_and_python(tmp_path: 
 
 def test_status_watch_piped_prints_a_frame_at_once_then_every_two_seconds(tmp_path: Path, env: dict[str, str]) -> None:
     job = submit(env, tmp_path, 3)
-    proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "status", "--watch"], env=env, cwd=REPO,
+    # PYTHONFAULTHANDLER: should it not stop, SIGABRT makes it print where each of its threads is.
+    proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "status", "--watch"],
+                            env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    out = b""
     try:
-        out = b""
         deadline = time.monotonic() + 60  # the CLI's start-up on a loaded machine, not a timing assertion
         while out.count(b"-- status at") < 2 and time.monotonic() < deadline:
             ready, _, _ = select.select([proc.stdout], [], [], 1.0)
             if ready:
                 out += os.read(proc.stdout.fileno(), 65536)  # type: ignore[union-attr]
         text = out.decode()
-        assert text.count("-- status at") >= 2, (text, proc.stderr)
+        assert text.count("-- status at") >= 2, text
         assert job[:9] in text and "\x1b[" not in text  # plain text: no cursor moves or colours
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(90)  # Ctrl-C ends the watch; a loaded machine may take a while to tear down
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError("status --watch did not stop on SIGINT") from None
+            os.kill(proc.pid, signal.SIGABRT)  # its threads' stacks on stderr (faulthandler)
+            try:
+                _, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, err = proc.communicate()
+            raise AssertionError(f"status --watch did not stop on SIGINT; {out.count(b'-- status at')} frame(s) "
+                                 f"seen; its stderr:\n{err.decode(errors='replace')[-6000:]}") from None
 
 
 def count(client: redis.Redis, job: str, done: int, quarantined: int, gpu_ms: dict[str, int]) -> None:
