@@ -137,7 +137,7 @@ from renderfleet.reaper import ReaperElection, lock_answer, lock_call, reap_once
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.states import Beat, ClaimAnswer, Release
-from worker.ledger import LeaseClock, Liveness
+from worker.ledger import LeaseClock, Liveness, lease_now
 from worker.main import TOUCH_SECONDS
 
 SHARD_SIZE = 64
@@ -422,7 +422,7 @@ class SimWorker:
         lease = self.lease
         if lease is not None:
             registration = self.liveness.to_carry(self.cfg.heartbeat_s)
-            sent = time.monotonic()
+            sent = lease_now()
             beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration))
             if int(beat) == Beat.MISSING:
                 beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration,
@@ -470,7 +470,7 @@ class SimWorker:
                     pipe = self.r.pipeline(transaction=False)
                     self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1, **rendered})
                     pipe.hget(keys.attempts(lease.job), str(lease.shard))
-                    sent = time.monotonic()
+                    sent = lease_now()
                     await pipe.execute()
                     self.clock.confirmed = sent
                     # ...the images (their upload modelled, not waited for: the commit lane overlaps the next

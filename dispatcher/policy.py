@@ -25,8 +25,9 @@ The rules, each with its unit test:
    clear the backlog well within ``drain_seconds`` (hysteresis: no flapping);
 7. the fleet never grows past what its one Redis takes (``redis_room``, from
    :func:`dispatcher.redisload.worker_room`): a worker Redis refuses, or one
-   that slows every other, is a GPU paid for nothing.  The room goes to the
-   pools that grow, cheapest per image first.
+   that slows every other, is a GPU paid for nothing.  Workers asked for and
+   not up yet take their share of the room first; what is left goes to the
+   pools that grow, cheapest per image first, a pool below its ``min`` too.
 """
 
 from __future__ import annotations
@@ -112,7 +113,13 @@ def decide(backlog_seconds: float, pools: Sequence[PoolState], cfg: AutoscaleCon
 
 
 def _within_room(decisions: list[Decision], pools: Sequence[PoolState], room: int, limit: str) -> list[Decision]:
-    """Rule 7: the pools' growth together at most ``room`` workers, cheapest per image first."""
+    """Rule 7: the pools' growth together at most ``room`` workers, cheapest per image first.  ``room`` is
+    counted from the workers Redis sees: those asked for and not up yet take their share of it first (a
+    tick every few seconds would grant the same room again while they boot)."""
+    booting = sum(max(0, p.current - p.ready) for p in pools)
+    if booting:
+        room -= booting
+        limit = f"{limit}; {booting} asked for and not up yet"
     cost = {p.name: p.cost_per_work_second for p in pools}
     capped = {}
     for d in sorted((d for d in decisions if d.change > 0), key=lambda d: cost[d.pool]):

@@ -25,12 +25,15 @@ few seconds without keeping anything in its own process.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from renderfleet import keys
+
+log = logging.getLogger(__name__)
 
 BUSY = 0.8  # past this share of a core, of maxclients or of maxmemory, status and the page warn
 CONNECTIONS_PER_WORKER = 5  # kombu's two, and redis-py's for the lease keeper, a commit lane, the stats writer
@@ -125,10 +128,18 @@ def redis_load(client: redis.Redis) -> RedisLoad | None:
     pipe.hgetall(keys.REDIS_LOAD)
     try:
         (secs, micros), info, raw = pipe.execute()
+        now = float(secs) + float(micros) / 1e6
+        cpu = main_thread_cpu(info)
+        load = RedisLoad(
+            cpu_seconds=cpu, commands=int(info.get("total_commands_processed", 0)),
+            clients=int(info.get("connected_clients", 0)), maxclients=_maxclients(client, info),
+            used_memory=int(info.get("used_memory", 0)), maxmemory=int(info.get("maxmemory", 0)),
+            ops_per_second=int(info.get("instantaneous_ops_per_sec", 0)))
     except redis.ResponseError:
         return None
-    now = secs + micros / 1e6
-    cpu = main_thread_cpu(info)
+    except (TypeError, ValueError, AttributeError) as exc:  # a Redis-like server whose INFO says otherwise
+        log.warning("Redis's INFO not understood, its load not shown: %s", exc)
+        return None
     run = str(info.get("run_id", ""))
     last, before = _reading(raw, ""), _reading(raw, "prev_")
     found = share(now, cpu, run, [last, before])
@@ -136,15 +147,23 @@ def redis_load(client: redis.Redis) -> RedisLoad | None:
         mapping: dict[Any, Any] = {"t": f"{now:.6f}", "cpu": f"{cpu:.6f}", "run": run}
         if last is not None and last[2] == run and now > last[0]:
             mapping.update(prev_t=f"{last[0]:.6f}", prev_cpu=f"{last[1]:.6f}", prev_run=last[2])
-        # On a replica, or as a user allowed to read only, nothing is kept: the share waits for a writer.
-        with contextlib.suppress(redis.ResponseError):
+        # On a replica, as a user allowed to read only, or on a primary being demoted (Sentinel's client
+        # reports READONLY as a ConnectionError), nothing is kept: the share waits for the next writer.
+        with contextlib.suppress(redis.RedisError):
             client.hset(keys.REDIS_LOAD, mapping=mapping)
-    return RedisLoad(
-        cpu_seconds=cpu, commands=int(info.get("total_commands_processed", 0)),
-        clients=int(info.get("connected_clients", 0)), maxclients=int(info.get("maxclients", 0)),
-        used_memory=int(info.get("used_memory", 0)), maxmemory=int(info.get("maxmemory", 0)),
-        ops_per_second=int(info.get("instantaneous_ops_per_sec", 0)),
-        cpu_share=found[0] if found else None, cpu_window=found[1] if found else None)
+    if found:
+        load.cpu_share, load.cpu_window = found
+    return load
+
+
+def _maxclients(client: redis.Redis, info: dict[str, Any]) -> int:
+    """``maxclients`` from INFO (Redis 7), else from CONFIG GET (older; 0 where that is refused)."""
+    if "maxclients" in info:
+        return int(info["maxclients"])
+    try:
+        return int(client.config_get("maxclients").get("maxclients") or 0)
+    except (redis.ResponseError, ValueError, TypeError):
+        return 0
 
 
 def worker_room(load: RedisLoad | None) -> tuple[int, str] | None:

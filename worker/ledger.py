@@ -12,10 +12,11 @@ carries the fleet"), so a batch's counters (started, then rendered) are not
 sent on their own: they ride on the ledger's next call, the fence check that
 comes before the batch's store writes (or whichever call comes first;
 :meth:`RedisLedger.flush` at the shard's end), and a busy worker's liveness
-rides on its heartbeat (:class:`Liveness`).  The fence check before the
-checkpoint, a moment after the one before the images, is answered without a
-round trip when Redis said "current" less than a heartbeat ago and the lease
-was renewed within half its length (:class:`LeaseClock`).
+rides on its heartbeat (:class:`Liveness`).  A fence check with nothing to
+send (mostly the one before a batch's checkpoint, a moment after the one
+before its images) is answered without a round trip when Redis said "current"
+less than a heartbeat ago and the lease was renewed within half its length
+(:class:`LeaseClock`).
 """
 
 from __future__ import annotations
@@ -80,9 +81,17 @@ class Liveness:
         return time.monotonic() - self._carried < self.every
 
 
+def lease_now() -> float:
+    """The clock a :class:`LeaseClock` reads: one that runs on while the machine is suspended or hibernated
+    (a spot instance may be hibernated on a reclaim), which ``time.monotonic`` does not on Linux."""
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.monotonic()
+
+
 class LeaseClock:
-    """When this worker last knew its lease was live: the send time (monotonic) of the last renewal Redis
-    accepted (:class:`LeaseKeeper`), and of the last fence check Redis answered "current" (the ledger).
+    """When this worker last knew its lease was live: the send time (:func:`lease_now`) of the last renewal
+    Redis accepted (:class:`LeaseKeeper`), and of the last fence check Redis answered "current" (the ledger).
 
     A renewal sent at ``t`` made the lease live until at least ``t`` + the lease in Redis (Redis sets the
     expiry when it runs the call, after ``t``), and no other worker claims a shard before its lease
@@ -90,7 +99,10 @@ class LeaseClock:
     for the lease to expire can supersede this attempt: a delete or a retire (``cancel.lua``), and a
     delete waits out the longest lease before it empties the store (dispatcher/lifecycle.py).  A check
     answered "current" less than a heartbeat ago then stands for one now: the delete it misses is heard
-    at the next beat, as a check a heartbeat old would have missed it.
+    at the next beat, as a check a heartbeat old would have missed it.  This trusts Redis's own timing
+    of the lease: a failover that loses seconds of renewals, or Redis's clock jumping ahead, can let
+    another worker claim the shard within that heartbeat; what this one writes then is a checkpoint under
+    its own attempt's key (read as a union, the same images) and counts the Lua scripts refuse.
     """
 
     def __init__(self, lease_seconds: float, heartbeat_seconds: float):
@@ -138,12 +150,12 @@ class RedisLedger:
 
         Asks Redis, not only the flag the heartbeat sets: a worker that wakes
         from a pause longer than its lease must learn it was fenced *before* its
-        next store write, not at its next heartbeat.  Unless Redis said so a
-        moment ago, with nothing to send (:class:`LeaseClock`): the check before
-        a batch's checkpoint, after the one before its images.
+        next store write, not at its next heartbeat.  Unless Redis answered a
+        moment ago and there is nothing to send (:class:`LeaseClock`): mostly the
+        check before a batch's checkpoint, after the one before its images.
         """
         unsent = self._carrying()  # the last batch's counters: one round trip with the read
-        sent = time.monotonic()
+        sent = lease_now()
         if self.stop.fenced:
             if unsent is not None:
                 unsent.execute()
@@ -306,7 +318,7 @@ class LeaseKeeper(threading.Thread):
         renewed = time.monotonic()
         while not self._done.wait(self.interval):
             registration = self.liveness.to_carry(self.interval) if self.liveness else ""
-            sent = time.monotonic()
+            sent = lease_now()
             try:
                 ok = self.leases.heartbeat(self.lease, registration)
             except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -316,7 +316,7 @@ class ShardRunner:
     ) -> None:
         """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit lane)."""
         failpoints.reach("after-render")
-        ledger.check()  # asks Redis: a fenced worker writes nothing more
+        ledger.check()  # a fenced worker writes nothing more (Redis asked, unless it answered a moment ago)
         by_name = {p.name: p for p in pending}
         # Images first: one that cannot be encoded or stored is its prompt's failure.
         for name, error in self._put_images(msg.job, images, by_name).items():

@@ -16,7 +16,7 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
 from testing.fleet import wait_for
-from worker.ledger import LeaseClock, LeaseKeeper, Liveness, RedisLedger
+from worker.ledger import LeaseClock, LeaseKeeper, Liveness, RedisLedger, lease_now
 from worker.stop import StopSignal
 
 pytestmark = pytest.mark.integration
@@ -105,7 +105,7 @@ def test_the_check_before_the_checkpoint_stands_on_one_a_moment_old_only_while_t
     leases, lease = claimed(client, "w2")  # ...the next attempt, its lease fresh
     clock = LeaseClock(lease_seconds=5.0, heartbeat_seconds=0.5)
     ledger = RedisLedger(leases, lease, StopSignal(), pool="spot", store_tag="s1", clock=clock)
-    clock.renewed = time.monotonic()
+    clock.renewed = lease_now()
     ledger.record_start(8)
     ledger.check()
     client.hincrby(keys.attempts("j"), "0", 1)  # a delete's fence, a moment after Redis said current
@@ -119,7 +119,7 @@ def test_a_stale_renewal_sends_every_check_to_redis(client: redis.Redis) -> None
     leases, lease = claimed(client)
     clock = LeaseClock(lease_seconds=1.0, heartbeat_seconds=5.0)
     ledger = RedisLedger(leases, lease, StopSignal(), pool="spot", store_tag="s1", clock=clock)
-    clock.renewed = time.monotonic() - 0.6  # more than half the lease ago: a reaper may be near
+    clock.renewed = lease_now() - 0.6  # more than half the lease ago: a reaper may be near
     ledger.record_start(8)
     ledger.check()
     client.hincrby(keys.attempts("j"), "0", 1)
@@ -131,7 +131,7 @@ def test_the_keeper_tells_the_clock_of_each_renewal_and_not_of_a_fence(client: r
     leases, lease = claimed(client)
     clock = LeaseClock(lease_seconds=5.0, heartbeat_seconds=0.1)
     stop = StopSignal()
-    before = time.monotonic()
+    before = lease_now()
     keeper = LeaseKeeper(leases, lease, stop, 0.1, 5.0, clock=clock)
     keeper.start()
     try:

@@ -154,3 +154,16 @@ def test_rule_7_the_fleet_grows_no_further_than_its_redis_takes_cheapest_pool_fi
     held = decide(6_000, [replace(BASE, current=2, ready=2), cheap, pricey], CFG, NOW, redis_room=(0, "busy"))
     assert sizes(held) == {"baseline": 2, "spot": 0, "spot-h100": 0}
     assert sizes(decide(0, [BASE, SPOT], CFG, NOW, redis_room=(0, "busy"))) == sizes(decide(0, [BASE, SPOT], CFG, NOW))
+
+
+def test_rule_7_workers_asked_for_and_not_up_yet_take_their_share_of_the_room_first() -> None:
+    booting = PoolState("spot-h100", PoolConfig(kind="spot", price_per_hour=3.0, max=20), current=3, ready=1)
+    free = sizes(decide(12_000, [BASE, booting], CFG, NOW))["spot-h100"]
+    assert free > 6
+    # Room for 4 as Redis sees it; 2 of the 3 asked for have not connected yet: 2 more, not 4.
+    out = decide(12_000, [BASE, booting], CFG, NOW, redis_room=(4, "Redis has 7,980 of its 10,000 clients"))
+    (capped,) = [d for d in out if d.pool == "spot-h100"]
+    assert capped.desired == 5 and "2 asked for and not up yet" in capped.reason
+    # Booting workers beyond the room: nothing more, never fewer than asked for already.
+    stuck = replace(booting, current=8, ready=1)
+    assert sizes(decide(12_000, [BASE, stuck], CFG, NOW, redis_room=(4, "busy")))["spot-h100"] == 8
