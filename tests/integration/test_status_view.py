@@ -150,10 +150,16 @@ def test_one_json_job_object_for_status_status_job_the_api_and_python(tmp_path: 
 
 def test_status_watch_piped_prints_a_frame_at_once_then_every_two_seconds(tmp_path: Path, env: dict[str, str]) -> None:
     job = submit(env, tmp_path, 3)
-    # PYTHONFAULTHANDLER: should it not stop, SIGABRT makes it print where each of its threads is.
-    proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "status", "--watch"],
-                            env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # Tests started as a background job (`make test &` in a script) inherit SIGINT ignored, and so would
+    # the watch, which Ctrl-C could then not stop: it gets the default (handlers, unlike SIG_IGN, are not
+    # inherited). PYTHONFAULTHANDLER: should it not stop, SIGABRT makes it print where its threads are.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "status", "--watch"],
+                                env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     out = b""
     try:
         deadline = time.monotonic() + 60  # the CLI's start-up on a loaded machine, not a timing assertion
