@@ -58,19 +58,32 @@ class RedisLoad:
     cpu_share: float | None = None  # of one core, over cpu_window seconds; None until two readings are apart
     cpu_window: float | None = None
 
+    def limits(self) -> list[tuple[int | None, bool, str]]:
+        """Each limit this Redis told of: (workers more it takes before the limit passes :data:`BUSY`, None
+        where that is no count; whether it is past :data:`BUSY` now; the limit in words).  Its main thread
+        has no count: past :data:`BUSY`, none (more workers would slow every one).  Clients and memory: what
+        is left under :data:`BUSY` of ``maxclients`` and ``maxmemory``, at :data:`CONNECTIONS_PER_WORKER`
+        connections a worker."""
+        out: list[tuple[int | None, bool, str]] = []
+        if self.cpu_share is not None:
+            past = self.cpu_share >= BUSY
+            out.append((0 if past else None, past, f"Redis's main thread is at {self.cpu_share:.0%} of a core: "
+                        f"past {BUSY:.0%} the fleet's round trips queue, and a worker more slows every one"))
+        if self.maxclients:
+            room = int((BUSY * self.maxclients - self.clients) // CONNECTIONS_PER_WORKER)
+            out.append((max(0, room), self.clients >= BUSY * self.maxclients,
+                        f"Redis has {self.clients:,} of its {self.maxclients:,} clients, about "
+                        f"{CONNECTIONS_PER_WORKER} a worker: past maxclients the next worker is refused"))
+        if self.maxmemory:
+            room = int((BUSY * self.maxmemory - self.used_memory) // (CONNECTIONS_PER_WORKER * CONNECTION_BYTES))
+            out.append((max(0, room), self.used_memory >= BUSY * self.maxmemory,
+                        f"Redis uses {self.used_memory / 2**20:,.0f} MiB of its maxmemory "
+                        f"{self.maxmemory / 2**20:,.0f} MiB: when full it refuses writes"))
+        return out
+
     def warnings(self) -> list[str]:
         """One line for each limit the fleet is near (past :data:`BUSY`)."""
-        out = []
-        if self.cpu_share is not None and self.cpu_share >= BUSY:
-            out.append(f"Redis's main thread is at {self.cpu_share:.0%} of a core: past {BUSY:.0%} the fleet's "
-                       f"round trips queue and every batch waits ({WHERE})")
-        if self.maxclients and self.clients >= BUSY * self.maxclients:
-            out.append(f"Redis has {self.clients:,} of its {self.maxclients:,} clients (maxclients): about five a "
-                       f"worker; past it the next worker is refused ({WHERE})")
-        if self.maxmemory and self.used_memory >= BUSY * self.maxmemory:
-            out.append(f"Redis uses {self.used_memory / 2**20:,.0f} MiB of its maxmemory "
-                       f"{self.maxmemory / 2**20:,.0f} MiB: when full it refuses writes ({WHERE})")
-        return out
+        return [f"{what} ({WHERE})" for _, past, what in self.limits() if past]
 
     def summary(self) -> str:
         """One line: the share of a core, clients, commands a second, memory."""
@@ -168,23 +181,7 @@ def _maxclients(client: redis.Redis, info: dict[str, Any]) -> int:
 
 def worker_room(load: RedisLoad | None) -> tuple[int, str] | None:
     """How many workers more this Redis takes before one of its limits passes :data:`BUSY`, and which
-    limit (the autoscaler's rule 7, dispatcher/policy.py); None where no limit is known.
-
-    Its main thread past :data:`BUSY`: none (more workers would slow every one).  Clients and memory:
-    what is left under :data:`BUSY` of ``maxclients`` and ``maxmemory``, at :data:`CONNECTIONS_PER_WORKER`
-    connections a worker.  A Redis shared by several stores' autoscalers is counted by each: a bound
-    for each, not shared out."""
-    if load is None:
-        return None
-    limits = []
-    if load.cpu_share is not None and load.cpu_share >= BUSY:
-        limits.append((0, f"Redis's main thread is at {load.cpu_share:.0%} of a core: a worker more slows every one"))
-    if load.maxclients:
-        room = int((BUSY * load.maxclients - load.clients) // CONNECTIONS_PER_WORKER)
-        limits.append((max(0, room), f"Redis has {load.clients:,} of its {load.maxclients:,} clients, "
-                                     f"about {CONNECTIONS_PER_WORKER} a worker"))
-    if load.maxmemory:
-        room = int((BUSY * load.maxmemory - load.used_memory) // (CONNECTIONS_PER_WORKER * CONNECTION_BYTES))
-        limits.append((max(0, room), f"Redis uses {load.used_memory / 2**20:,.0f} MiB of its maxmemory "
-                                     f"{load.maxmemory / 2**20:,.0f} MiB"))
-    return min(limits) if limits else None
+    limit (the autoscaler's rule 7, dispatcher/policy.py); None where no limit is known.  A Redis shared
+    by several stores' autoscalers is counted by each: a bound for each, not shared out."""
+    counted = [(room, what) for room, _, what in (load.limits() if load else []) if room is not None]
+    return min(counted) if counted else None

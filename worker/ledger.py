@@ -159,12 +159,12 @@ class RedisLedger:
         if self.stop.fenced:
             if unsent is not None:
                 unsent.execute()
-        elif unsent is None and self.clock is not None and self.clock.still_current(sent):
-            pass
-        elif not self.leases.current(self.lease, unsent):
-            self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded", fenced=True)
-        elif self.clock is not None:
-            self.clock.confirmed = sent
+        elif unsent is not None or self.clock is None or not self.clock.still_current(sent):
+            if not self.leases.current(self.lease, unsent):
+                self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded",
+                                  fenced=True)
+            elif self.clock is not None:
+                self.clock.confirmed = sent
         if self.stop.fenced:
             if self.metrics and self._rendered_uncommitted:
                 self._rendered_uncommitted = False
@@ -303,7 +303,8 @@ class LeaseKeeper(threading.Thread):
                  on_retry: RetryHook | None = None, cancel: threading.Event | None = None,
                  liveness: Liveness | None = None, clock: LeaseClock | None = None):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
-        self.clock = clock  # told of each renewal Redis accepted (the ledger's fence checks read it)
+        # Each renewal Redis accepted: this keeper's own "not renewed for a lease" and the ledger's fence checks.
+        self.clock = clock or LeaseClock(lease_seconds, interval)
         self.leases = leases
         self.lease = lease
         self.stop = stop
@@ -315,14 +316,14 @@ class LeaseKeeper(threading.Thread):
         self._done = threading.Event()
 
     def run(self) -> None:
-        renewed = time.monotonic()
+        started = lease_now()
         while not self._done.wait(self.interval):
             registration = self.liveness.to_carry(self.interval) if self.liveness else ""
             sent = lease_now()
             try:
                 ok = self.leases.heartbeat(self.lease, registration)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                if time.monotonic() - renewed > self.lease_seconds and not self._done.is_set():
+                if lease_now() - (self.clock.renewed or started) > self.lease_seconds and not self._done.is_set():
                     log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member,
                                 self.lease_seconds)
                     self.stop.request(f"fenced: {self.lease.member} lost its lease", fenced=True)
@@ -342,9 +343,7 @@ class LeaseKeeper(threading.Thread):
             if ok is Beat.CANCELLED and not self.cancel.is_set():
                 log.warning("shard %s: its job was cancelled: stopping at the next batch", self.lease.member)
                 self.cancel.set()
-            renewed = time.monotonic()
-            if self.clock is not None:
-                self.clock.renewed = sent
+            self.clock.renewed = sent
 
     def close(self) -> None:
         self._done.set()

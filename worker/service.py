@@ -33,7 +33,7 @@ from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_proble
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
-from worker.ledger import LeaseClock, LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
+from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
 from worker.prefetch import Prefetch
 from worker.render import is_device_error
@@ -295,13 +295,12 @@ class WorkerService:
     def _handle_claimed(self, msg: ShardMessage, lease: Lease, *, detach: bool) -> Outcome:
         """Render a claimed shard while a keeper renews its lease, then end it (:meth:`_end`)."""
         cancel = threading.Event()  # this shard's job was cancelled (the keeper hears it, the runner stops)
-        clock = LeaseClock(self.settings.lease_seconds, self.settings.heartbeat_seconds)  # the keeper's renewals
         keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
                              self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None,
-                             cancel=cancel, liveness=self.liveness, clock=clock)
+                             cancel=cancel, liveness=self.liveness)
         keeper.start()
         ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, store_tag=self.store_tag,
-                             metrics=self.metrics, cancel=cancel, aside=self._aside, clock=clock)
+                             metrics=self.metrics, cancel=cancel, aside=self._aside, clock=keeper.clock)
         ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         pending: PendingShard | BaseException
         try:
