@@ -64,6 +64,11 @@ _MAC_BYTES = 32
 # The fleet key's least length, in bytes: an HMAC key shorter than this is guessable.
 MIN_KEY_BYTES = 32
 KEY_SETTING = "RENDERFLEET_COMPILE_CACHE_KEY_FILE"
+# Inductor's options for every compile of ours, handed to each ``torch.compile`` (inductor patches its
+# config with them for that compile alone).  Not only the process-wide switch: on an H200 with torch
+# 2.11 the global ``deterministic`` read False again after the first compiled render (gpu-check,
+# 2026-12-04), so neither the kernels' mode nor the cache's key may rest on it.
+INDUCTOR_OPTIONS = {"deterministic": True}
 
 
 def compile_unet(pipe: Any, **options: Any) -> str:
@@ -90,6 +95,8 @@ def compile_unet(pipe: Any, **options: Any) -> str:
         torch._inductor.config.deterministic = True
     unet = pipe.unet
     options = {"fullgraph": True, **options}
+    if options.get("backend", "inductor") == "inductor":  # other backends take no inductor options
+        options["options"] = {**INDUCTOR_OPTIONS, **options.get("options", {})}
     if hasattr(unet, "compile_repeated_blocks") and getattr(unet, "_repeated_blocks", None):
         unet.compile_repeated_blocks(**options)
         return "regional"
@@ -103,12 +110,13 @@ def compile_unet(pipe: Any, **options: Any) -> str:
 
 def compile_config() -> str:
     """What, besides the card, model and size, decides the compiled kernels' bytes: torch's
-    and diffusers' releases (the graphs dynamo traces) and inductor's deterministic mode."""
+    and diffusers' releases (the graphs dynamo traces) and the inductor options every compile of
+    ours is given (:data:`INDUCTOR_OPTIONS`), never the process-wide config, which torch may
+    change under us: the saving worker and the loading one must name the same key."""
     import diffusers
     import torch
 
-    deterministic = bool(getattr(torch._inductor.config, "deterministic", False))
-    return f"torch {torch.__version__}, diffusers {diffusers.__version__}, deterministic {deterministic}"
+    return f"torch {torch.__version__}, diffusers {diffusers.__version__}, deterministic {INDUCTOR_OPTIONS['deterministic']}"
 
 
 def cache_key(model: str, card: str, width: int, height: int, torch_version: str, config: str = "") -> str:
