@@ -127,6 +127,7 @@ from renderfleet.leases import (
     claim_call,
     commit_call,
     envelope_tag,
+    fence_call,
     heartbeat_call,
     lua_script,
     reap_call,
@@ -148,7 +149,7 @@ STORE = "/tmp/rf-redis-scale"  # a name only: nothing is written to it
 POOL = "default"
 QUEUE = queue_name(POOL, STORE)
 JOB = "j-scale"
-SCRIPTS = ("claim", "heartbeat", "commit", "release", "reap", "feed")
+SCRIPTS = ("claim", "heartbeat", "commit", "release", "reap", "feed", "fence")
 GOAL_P99_MS = 50.0
 GOAL_CPU = 0.80
 _ARGSREPR = re.compile(r'"argsrepr": "([^"]*)"')
@@ -457,10 +458,11 @@ class SimWorker:
                 if self.cfg.before:
                     # as before: record_start's counters sent at once; two fence checks, each asking Redis
                     pipe = self.r.pipeline(transaction=False)
-                    self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1})
+                    self.job_counters(pipe, *self.counters(pipe, lease, {"started_images": len(done),
+                                                                         "started_batches": 1}), lease)
                     await pipe.execute()
                     pipe = self.r.pipeline(transaction=False)
-                    self.counters(pipe, lease, rendered)
+                    self.job_counters(pipe, *self.counters(pipe, lease, rendered), lease)
                     pipe.hget(keys.attempts(lease.job), str(lease.shard))
                     await pipe.execute()
                     await self.r.hget(keys.attempts(lease.job), str(lease.shard))
@@ -468,8 +470,10 @@ class SimWorker:
                     # mirrors ShardRunner's batch and RedisLedger: (the render); _commit_batch's fence check,
                     # carrying the batch's start and rendered counters (record_start, record_batch)...
                     pipe = self.r.pipeline(transaction=False)
-                    self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1, **rendered})
-                    pipe.hget(keys.attempts(lease.job), str(lease.shard))
+                    job, entry = self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1,
+                                                             **rendered})
+                    call = fence_call(lease, job, entry)  # the job's counters written by the check itself
+                    await self.sim.scripts["fence"](keys=call.keys, args=call.args, client=pipe)
                     sent = lease_now()
                     await pipe.execute()
                     self.clock.confirmed = sent
@@ -478,7 +482,7 @@ class SimWorker:
                     # than a heartbeat ago, with the lease renewed within half its length (LeaseClock)
                     upload = random.uniform(*UPLOAD_SECONDS) * self.cfg.slow
                     if not self.clock.still_current(sent + upload):
-                        await self.r.hget(keys.attempts(lease.job), str(lease.shard))
+                        await self.sim.run(fence_call(lease))
                 # the checkpoint; the count
                 await self.sim.run(commit_call(lease, done, []))
             if not handback:  # ShardRunner._count_stored: the shard's recount, as the store holds it
@@ -494,23 +498,29 @@ class SimWorker:
                 self.lease = None
             beats.cancel()
 
-    def counters(self, pipe: Any, lease: Lease, fields: dict[str, int]) -> None:
-        # mirrors worker.ledger.RedisLedger._add_counters
+    def counters(self, pipe: Any, lease: Lease, fields: dict[str, int]) -> tuple[dict[str, int], str]:
+        # mirrors worker.ledger.RedisLedger._add_counters: the worker's and pool's counters into the pipeline;
+        # the job's own (and its progress entry) returned, for the fence check to write (fence.lua)
         progress = fields.pop("progress", 0)
         for key in (keys.worker_stats(self.id), keys.pool_stats(POOL, "scale")):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
-        for name, value in fields.items():
-            pipe.hincrby(keys.job_stats(lease.job), f"{name}.{POOL}" if name in ("images", "render_ms") else name,
-                         value)
+        job = {f"{name}.{POOL}" if name in ("images", "render_ms") else name: value for name, value in fields.items()}
         recent = {name: value for name, value in fields.items() if name in keys.RECENT_FIELDS}
         if recent:
             minute = keys.pool_recent(POOL, int(time.time() // keys.RECENT_BUCKET_SECONDS), "scale")
             for name, value in recent.items():
                 pipe.hincrby(minute, name, value)
             pipe.expire(minute, keys.RECENT_KEEP_SECONDS)
-        if progress:
-            pipe.lpush(keys.progress(lease.job), f"{time.time():.3f} {progress}")
+        return job, f"{time.time():.3f} {progress}" if progress else ""
+
+    @staticmethod
+    def job_counters(pipe: Any, job: dict[str, int], entry: str, lease: Lease) -> None:
+        # the design before issue 36: the job's counters written beside the check, whatever it answered
+        for name, value in job.items():
+            pipe.hincrby(keys.job_stats(lease.job), name, value)
+        if entry:
+            pipe.lpush(keys.progress(lease.job), entry)
             pipe.ltrim(keys.progress(lease.job), 0, keys.PROGRESS_KEEP - 1)
 
     async def live(self, stop: asyncio.Event) -> None:

@@ -66,19 +66,23 @@ def check_owner(client: redis.Redis, job: str, store: str) -> None:
 
 def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, stored: bool = False,
                  fresh: bool = False) -> None:
-    """Make the job known to this Redis (idempotent), as a job of ``store``;
+    """Make the job known to this Redis (idempotent), as a job of ``store``, in the life its spec names;
     ``stored``: the store holds its spec already (see :func:`mark_stored`);
     ``fresh``: a new job, its spec not in the store: a shard's first claim in
     this Redis then finds no checkpoint to read (the flag goes with a Redis
-    that loses its memory, and ``resume`` never sets it)."""
+    that loses its memory, and ``resume`` never sets it).  A fresh job starts
+    from a clean record: nothing an earlier life of its name counted is kept
+    (``dispatcher.lifecycle.end_life`` ended that life first)."""
     check_owner(client, spec.job, store)
     pipe = client.pipeline()
+    if fresh:
+        pipe.delete(keys.job(spec.job), keys.attempts(spec.job), *life_keys(spec.job))
     # A job submitted again after it was deleted: its tombstone (keys.job) is a job again, for good.
     pipe.hdel(keys.job(spec.job), "deleted", "reason")
     pipe.persist(keys.job(spec.job))
     pipe.persist(keys.attempts(spec.job))
     pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue,
-                                           "store": store})
+                                           "store": store, "life": spec.life})
     if stored:
         pipe.hset(keys.job(spec.job), "stored", "1")
     if fresh:
@@ -95,16 +99,10 @@ def mark_stored(client: redis.Redis, job: str) -> None:
     client.hset(keys.job(job), "stored", "1")
 
 
-def forget_counts(client: redis.Redis, job: str) -> None:
-    """Drop what this Redis counted of a job whose store holds none of it.
-
-    Redis remembers a job the store no longer has (the folder or bucket was
-    emptied, or a submit died before writing the spec): its bits would report
-    images done that are not there.  Attempt numbers stay: they fence
-    workers that may still hold an old lease.
-    """
-    client.delete(keys.done_bits(job), keys.failed_bits(job), keys.shards(job), keys.left(job), keys.fails(job),
-                  keys.pending(job))
+def life_keys(job: str) -> tuple[str, ...]:
+    """The keys of what one life of a job counted (its hash and attempts aside): a new life starts without them."""
+    return (keys.done_bits(job), keys.failed_bits(job), keys.shards(job), keys.left(job), keys.fails(job),
+            keys.pending(job), keys.job_stats(job), keys.progress(job))
 
 
 def _feed_fields(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, store: str,

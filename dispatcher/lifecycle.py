@@ -13,8 +13,9 @@ its claim.  The user's ``resume`` or ``submit`` continues the job (:func:`check_
 with ``uncancel``); the monitor's resume keeps it cancelled: its counts rebuilt from the
 store, nothing left queued (:func:`hold`).
 
-**Delete.**  Cancel, with every leased shard fenced (its attempt bumped: the holder's next
-check, commit or heartbeat finds itself superseded and writes nothing more); wait until no
+**Delete.**  Cancel, with every lease of the job fenced, live or lapsed (its life ended: the
+holder's next check, commit or heartbeat finds itself superseded and writes nothing more, and
+a lease of that life is never re-created: docs/design.md, "A job's lives"); wait until no
 lease of the job is live (a lease and a margin at most); remove everything under the job's
 folder in the store, then again after a pause (an image upload in flight when the fence
 came); then every Redis key of the job (:func:`forget`) but a tombstone: the job's hash
@@ -245,6 +246,38 @@ def delete(job: str, *, store: Store, client: redis.Redis, lease_seconds: float,
     # 4. Redis: every key of the job, but the tombstone.
     forget(client, job, owner, DELETED)
     return DeleteReport(job, objects + stragglers, stragglers, len(live), counts)
+
+
+def end_life(job: str, *, store: Store, client: redis.Redis, settle_seconds: float = SETTLE_SECONDS) -> int:
+    """Before a submit registers the job anew (its spec is not in the store): whatever an earlier life
+    of its name left is ended as a delete ends it, so that the new life starts from a clean record.
+
+    The earlier life may be alive in Redis (a delete interrupted after it emptied the store, a folder
+    emptied by hand, a submit that died before it wrote the spec): its messages leave their queues, its
+    leases are fenced and waited out, its keys forgotten.  And it may have left objects in the job's
+    folder (a delete interrupted half-way): images of other prompts, checkpoints saying them done; they
+    go, after the fence, so that none is taken for the new life's.  Returns the objects removed.
+    """
+    known = bool(client.hexists(keys.job(job), "spec"))
+    if known:
+        _cancel(client, job, fence=True)
+        expiries = lease_expiries(client, job)
+        deadline = time.monotonic() + max(expiries.values(), default=0.0) + LEASE_MARGIN_SECONDS
+        live = list(expiries)
+        while live and time.monotonic() < deadline:
+            time.sleep(0.2)
+            live = live_leases(client, job)
+    folder = spec.job_prefix(job)
+    removed = 0
+    if next(iter(store.list(folder)), None) is not None:
+        removed = store.delete_prefix(folder)
+        if known:
+            time.sleep(settle_seconds)  # an upload in flight when the fence came lands, and goes
+            removed += store.delete_prefix(folder)
+        log.warning("job %s: removed %d objects an earlier life of its name left in %s", job, removed, store.url)
+    if known:
+        forget(client, job, store_identity(store.url), "submitted again")
+    return removed
 
 
 def retire(client: redis.Redis, job: str, store: str, reason: str = GONE) -> Cancelled:

@@ -25,6 +25,7 @@ import json
 import os
 import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from dispatcher import enqueue
+from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
 from renderfleet import prompts, shardfile, spec
 from renderfleet.errors import InputError
@@ -144,7 +145,8 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         from dispatcher.resume import resume
 
         known = JobSpec.from_json(existing)
-        if known.total != summary.total or known.params != opts.params:
+        if known.total != summary.total or known.params != opts.params \
+                or (known.digest and known.digest != summary.digest):
             raise InputError([f"{path}: job {job} exists with other prompts or settings; "
                               "choose another --job or leave it out"])
         report = resume(job, store=store, app=app, client=client, queue=queue, uncancel=True,
@@ -153,13 +155,15 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
                             time.perf_counter() - started)
 
     enqueue.check_owner(client, job, owner)
-    # Whatever this Redis counted of the job is not in this store: forget it.
-    enqueue.forget_counts(client, job)
+    # A new life of the job's name: whatever an earlier one left in Redis or the store is ended and
+    # gone first, and every lease of it fenced (docs/design.md, "A job's lives").
+    lifecycle.end_life(job, store=store, client=client)
     fmt, gzipped = prompts.detect_format(path)
     job_spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
                        batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
                        prompts_key=spec.source_key(job, fmt, gzipped), created=time.time(),
-                       priority=opts.priority, share=opts.share)
+                       priority=opts.priority, share=opts.share, life=uuid.uuid4().hex[:16],
+                       digest=summary.digest)
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
     # feeder takes the job only once its wire file is stored (a worker reads its shards there).

@@ -52,7 +52,9 @@ def job(job_id: str) -> str:
     resume or submit; the store's ``spec.cancelled_key`` marker outlives a Redis that
     loses its memory), priority and share (how the feeder ranks it), and what the feeder
     builds its messages from: feed (the job's envelope template, JSON:
-    ``celery_app.feed_template``), shard_size, stride (:data:`FEED_STRIDE` // share).
+    ``celery_app.feed_template``), shard_size, stride (:data:`FEED_STRIDE` // share), life (the
+    life of the job's name the spec names: every lease is bound to it; docs/design.md, "A job's lives";
+    ``ended:<ms>`` once a delete or a retire ended it).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
     store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;

@@ -17,6 +17,12 @@ runs longer than that is delivered twice while still running.  Instead:
   it writes or counts anything (:class:`~renderfleet.errors.Reclaimed`
   with ``fenced=True``).
 
+Every lease belongs to one *life* of its job (``keys.job`` ``life``: each
+submit that registers the job anew, after a delete or over a store emptied by
+hand, starts another), and every script below refuses a lease of a life the
+job no longer lives: a stale worker of a deleted job never touches the next
+job of that name (docs/design.md, "A job's lives").
+
 Every write that changes what a shard or a prompt is carries the attempt and
 is refused inside its script when a newer attempt exists: the count
 (:meth:`Leases.commit`), a prompt's failure count (:meth:`Leases.record_failure`);
@@ -81,6 +87,7 @@ class Lease:
     requeue: str
     message: str
     requeue_tag: str = ""  # the delivery tag inside ``requeue``
+    life: str = ""  # the job's life it was claimed in (keys.job 'life')
 
     @property
     def member(self) -> str:
@@ -116,6 +123,7 @@ class Reaped:
     shard: int
     message: str | None
     cancelled: bool = False
+    dropped: bool = False  # a lease of a life its job no longer lives: dropped, nothing re-queued
 
 
 def requeue_payload(raw_unacked: bytes | str | None) -> str:
@@ -172,19 +180,20 @@ class ScriptCall:
 
 
 def claim_call(job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, requeue: str,
-               lease_ms: int) -> ScriptCall:
+               lease_ms: int, life: str = "") -> ScriptCall:
     return ScriptCall("claim", [
         keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),
         keys.lease(job, shard), UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.CONSUMED,
     ], [shard, keys.member(job, shard), worker, queue, tag, requeue, message, lease_ms,
-        keys.QUEUED_PREFIX, envelope_tag(requeue)])
+        keys.QUEUED_PREFIX, envelope_tag(requeue), life])
 
 
 def heartbeat_call(lease: Lease, lease_ms: int, *, registration: str = "", recreate: bool = False) -> ScriptCall:
     """A beat: renew the lease; with ``registration``, also write the worker's liveness (what
     ``WorkerService.touch`` writes); with ``recreate``, the payload that re-creates a missing lease
     (kombu's envelope and the message, a kilobyte or more: only after a beat answered MISSING)."""
-    args: list[str | int] = [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms, registration]
+    args: list[str | int] = [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms, registration,
+                             lease.life]
     if recreate:
         args += [lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag]
     return ScriptCall("heartbeat", [
@@ -196,7 +205,17 @@ def heartbeat_call(lease: Lease, lease_ms: int, *, registration: str = "", recre
 def commit_call(lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> ScriptCall:
     return ScriptCall("commit", [
         keys.attempts(lease.job), keys.done_bits(lease.job), keys.failed_bits(lease.job), keys.left(lease.job),
-    ], [lease.shard, lease.attempt, len(done), len(failed), *done, *failed, *undone])
+        keys.job(lease.job),
+    ], [lease.shard, lease.attempt, len(done), len(failed), lease.life, *done, *failed, *undone])
+
+
+def fence_call(lease: Lease, counts: dict[str, int] | None = None, progress: str = "") -> ScriptCall:
+    """The fence check before a batch's store writes, carrying the job's own ``counts`` (its stats hash)
+    and ``progress`` entry, written only if the check passes (``renderfleet/lua/fence.lua``)."""
+    pairs: list[str | int] = [x for name, value in (counts or {}).items() for x in (name, value)]
+    return ScriptCall("fence", [
+        keys.job(lease.job), keys.attempts(lease.job), keys.job_stats(lease.job), keys.progress(lease.job),
+    ], [lease.shard, lease.attempt, lease.life, progress, keys.PROGRESS_KEEP, *pairs])
 
 
 def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0) -> ScriptCall:
@@ -205,7 +224,8 @@ def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0)
         keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
         keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.job(lease.job), keys.done_bits(lease.job),
         keys.failed_bits(lease.job),
-    ], [lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX, first, count])
+    ], [lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX, first, count,
+        lease.life])
 
 
 def reap_call(limit: int = 100) -> ScriptCall:
@@ -238,8 +258,8 @@ def reaped_from(flat: Sequence[object]) -> list[Reaped]:
         member = keys.text(flat[i])
         how = keys.text(flat[i + 1])
         job, _, shard = member.rpartition(":")
-        message = None if how in ("pushed", "cancelled") or not how else how
-        out.append(Reaped(job, int(shard), message, cancelled=how == "cancelled"))
+        message = None if how in ("pushed", "cancelled", "dropped") or not how else how
+        out.append(Reaped(job, int(shard), message, cancelled=how == "cancelled", dropped=how == "dropped"))
     return out
 
 
@@ -253,7 +273,7 @@ class Leases:
         self.envelope = envelope
         self._scripts = {name: client.register_script(lua_script(name))
                          for name in ("claim", "heartbeat", "commit", "record_failure", "release", "reap",
-                                      "reaper_lock")}
+                                      "reaper_lock", "fence", "repend")}
         self._record_failure = self._scripts["record_failure"]
 
     def run(self, call: ScriptCall) -> Any:
@@ -261,20 +281,22 @@ class Leases:
         return self._scripts[call.script](keys=call.keys, args=call.args)
 
     def claim(
-        self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str
+        self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, life: str = ""
     ) -> tuple[ClaimAnswer, Lease | None]:
-        """Take a shard: (OK, lease), or (BUSY / DONE / CANCELLED, None): drop this delivery."""
+        """Take a shard of the job's ``life``: (OK, lease), or (BUSY / DONE / CANCELLED, None): drop this
+        delivery; (STALE, None): the job lives another life than ``life``: read it again."""
         raw = self.client.hget(UNACKED_KEY, tag) if tag else None
         requeue = requeue_payload(raw)
         if not requeue and self.envelope is not None:
             requeue = self.envelope(message, queue, f"{job}:{shard}")
         failpoints.reach("before-claim")
         status, attempt = self.run(claim_call(job, shard, worker=worker, queue=queue, tag=tag, message=message,
-                                              requeue=requeue, lease_ms=self.lease_ms))
+                                              requeue=requeue, lease_ms=self.lease_ms, life=life))
         answer = ClaimAnswer(keys.text(status))
         if answer is not ClaimAnswer.OK:
             return answer, None
-        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue))
+        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue),
+                             life)
 
     def heartbeat(self, lease: Lease, registration: str = "") -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.
@@ -288,13 +310,16 @@ class Leases:
                                                     recreate=True))))
         return beat
 
-    def current(self, lease: Lease, pipe: redis.client.Pipeline | None = None) -> bool:
-        """Whether no newer attempt has claimed the shard (one read, for a fence check before a store write);
-        ``pipe``: commands sent in the same round trip, before the read (a ledger's counters)."""
+    def current(self, lease: Lease, pipe: redis.client.Pipeline | None = None, *,
+                counts: dict[str, int] | None = None, progress: str = "") -> bool:
+        """Whether the lease's attempt is still the shard's, in the job's life (a fence check before a
+        store write); ``pipe``: commands sent in the same round trip, before it (a ledger's worker and
+        pool counters); ``counts`` and ``progress``: the job's own, written only if it is."""
+        call = fence_call(lease, counts, progress)
         if pipe is None:
-            return is_current(lease, self.client.hget(keys.attempts(lease.job), str(lease.shard)))
-        pipe.hget(keys.attempts(lease.job), str(lease.shard))
-        return is_current(lease, pipe.execute()[-1])
+            return bool(int(self.run(call)))
+        self._scripts["fence"](keys=call.keys, args=call.args, client=pipe)
+        return bool(int(pipe.execute()[-1]))
 
     def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int],
                undone: Sequence[int] = ()) -> tuple[int, int]:
@@ -308,8 +333,8 @@ class Leases:
     def record_failure(self, lease: Lease, index: int, error: str) -> int:
         """One more failure of prompt ``index``: the total so far (0 if it is done); raises Reclaimed if fenced."""
         count = int(self._record_failure(
-            keys=[keys.attempts(lease.job), keys.fails(lease.job), keys.done_bits(lease.job)],
-            args=[lease.shard, lease.attempt, index, error[:500]],
+            keys=[keys.attempts(lease.job), keys.fails(lease.job), keys.done_bits(lease.job), keys.job(lease.job)],
+            args=[lease.shard, lease.attempt, index, error[:500], lease.life],
         ))
         if count < 0:
             raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
@@ -335,6 +360,15 @@ class Leases:
         except ValueError:
             raise ValueError(f"outcome must be one of {', '.join(Release)}, got {outcome!r}") from None
         return finished_from(self.run(release_call(lease, outcome, first, count)), outcome)
+
+    def repend(self, job: str, shard: int, tag: str, queue: str) -> bool:
+        """A rejected message that was its shard's (its enqueue record names ``tag``): the shard back to
+        its job's pending list, for the feeder to make its message anew (``renderfleet/lua/repend.lua``)."""
+        priority = self.client.hget(keys.job(job), "priority")
+        band = keys.FEED_BAND * (9 - int(priority if priority is not None else 5))
+        return bool(int(self._scripts["repend"](
+            keys=[keys.job(job), keys.shards(job), keys.ENQUEUED, keys.pending(job), keys.active(queue), keys.QUEUES],
+            args=[job, shard, keys.member(job, shard), tag, keys.QUEUED_PREFIX, band, keys.FEED_BAND, queue])))
 
     def reap(self, limit: int = 100) -> list[Reaped]:
         """Re-queue every shard whose lease expired; safe to run from many processes."""

@@ -476,6 +476,10 @@ class JobSpec:
     version: int = SPEC_VERSION
     priority: int = DEFAULT_PRIORITY  # as submitted; how Redis feeds it is in keys.job ('priority', 'share')
     share: int = DEFAULT_SHARE
+    # Which life of the job's name this is: new at each submit that registers the job anew (docs/design.md,
+    # "A job's lives"); every lease, check and count is bound to it.  '' in a spec written before lives.
+    life: str = ""
+    digest: str = ""  # the prompt file's content digest (prompts.FileSummary.digest): '' before it was kept
 
     @property
     def shards(self) -> int:
@@ -526,6 +530,9 @@ class ShardMessage:
     store: str = ""
     first: int = 0
     count: int = 0
+    # Filled by the worker, never on the wire: the job's life as the worker read it when it accepted the
+    # message (keys.job 'life'); its claim and every write of its lease are bound to that life.
+    life: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardMessage:

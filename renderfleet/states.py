@@ -26,6 +26,7 @@ class ClaimAnswer(StrEnum):
     BUSY = "busy"  # another worker holds a live lease: drop this duplicate delivery
     DONE = "done"  # the shard is finished: drop this delivery
     CANCELLED = "cancelled"  # its job is cancelled: drop this delivery (a straggler the cancel missed)
+    STALE = "stale"  # the job began another life since the worker read it: accept the message again
 
 
 class Release(StrEnum):
@@ -63,3 +64,4 @@ class TaskOutcome(StrEnum):
     DEVICE_ERROR = "device-error"
     ENDING = "ending"  # rendered; its last commits and its release run in the commit thread
     CANCELLED = "cancelled"  # its job is cancelled: dropped at claim, or stopped at a batch boundary
+    STALE = "stale"  # the job began another life between the read of it and the claim, twice: dropped

@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import redis
@@ -158,9 +159,9 @@ class RedisLedger:
         sent = lease_now()
         if self.stop.fenced:
             if unsent is not None:
-                unsent.execute()
+                unsent.pipe.execute()  # the worker's and pool's counters; never the job's
         elif unsent is not None or self.clock is None or not self.clock.still_current(sent):
-            if not self.leases.current(self.lease, unsent):
+            if not self._send(unsent):
                 self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded",
                                   fenced=True)
             elif self.clock is not None:
@@ -197,12 +198,23 @@ class RedisLedger:
         return count
 
     def _bump(self, **fields: int) -> None:
-        pipe = self._carrying() or self.client.pipeline(transaction=False)
-        self._add_counters(pipe, fields)
+        unsent = self._carrying() or _Unsent(self.client.pipeline(transaction=False), {}, 0)
+        self._add_counters(unsent, fields)
         if self.aside is None:
-            pipe.execute()
+            self._send(unsent)
         else:
-            self._written = self.aside.submit(_write_stats, pipe)
+            self._written = self.aside.submit(_write_stats, self._send, unsent)
+
+    def _send(self, unsent: _Unsent | None) -> bool:
+        """Send ``unsent``'s counters with a fence check (the job's own only if it passes, in one script:
+        ``renderfleet/lua/fence.lua``); whether the lease is still current."""
+        if unsent is None:
+            return self.leases.current(self.lease)
+        if self.stop.fenced:  # known fenced: the job's counters are not ours to write
+            unsent.pipe.execute()
+            return False
+        progress = f"{time.time():.3f} {unsent.progress}" if unsent.progress else ""
+        return self.leases.current(self.lease, unsent.pipe, counts=unsent.job, progress=progress)
 
     def _stats_written(self) -> None:
         if self._written is not None:
@@ -210,35 +222,36 @@ class RedisLedger:
 
     def flush(self) -> None:
         """Send the counters of rendered batches that no call has carried yet (the shard's end)."""
-        pipe = self._carrying()
-        if pipe is not None:
-            pipe.execute()
+        unsent = self._carrying()
+        if unsent is not None:
+            self._send(unsent)
 
-    def _carrying(self) -> redis.client.Pipeline | None:
-        """A pipeline holding the counters not yet sent (taken: a failed call loses them, as a failed bump
-        did), or None when there are none."""
+    def _carrying(self) -> _Unsent | None:
+        """The counters not yet sent (taken: a failed call loses them, as a failed bump did), or None
+        when there are none."""
         with self._unsent_lock:
-            unsent, self._unsent = self._unsent, {}
-        if not unsent:
+            fields, self._unsent = self._unsent, {}
+        if not fields:
             return None
-        pipe = self.client.pipeline(transaction=False)
-        self._add_counters(pipe, unsent)
-        return pipe
+        unsent = _Unsent(self.client.pipeline(transaction=False), {}, 0)
+        self._add_counters(unsent, fields)
+        return unsent
 
-    def _add_counters(self, pipe: redis.client.Pipeline, fields: dict[str, int]) -> None:
-        """The counters' commands (``progress``: images for the job's progress list): as before issue 27,
-        when each call had its own round trip."""
-        progress = fields.pop("progress", 0)
+    def _add_counters(self, unsent: _Unsent, fields: dict[str, int]) -> None:
+        """The worker's and the pool's counters into ``unsent``'s pipeline; the job's own (``progress``:
+        images for its progress list) into ``unsent.job``, for the fence check to write."""
+        pipe = unsent.pipe
+        unsent.progress += fields.pop("progress", 0)
         for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool, self.store_tag)):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
-        # The job's own account: GPU time and images by pool (its cost), work lost.  Not from a
-        # fenced attempt: a delete fences its job's leases, and a write here would bring back a key
-        # of a job that is gone (the pool's and worker's counters above still count the waste).
-        job = keys.job_stats(self.lease.job)
+        # The job's own account: GPU time and images by pool (its cost), work lost.  Written only by a
+        # current attempt of the job's life, in the fence check's script: a delete fences its job's leases,
+        # and a write by a stale one would bring back a key of a job that is gone, or count into the next
+        # job of its name (the pool's and worker's counters above still count the waste).
         for name, value in fields.items():
-            if not self.stop.fenced:
-                pipe.hincrby(job, f"{name}.{self.pool}" if name in ("images", "render_ms") else name, value)
+            field = f"{name}.{self.pool}" if name in ("images", "render_ms") else name
+            unsent.job[field] = unsent.job.get(field, 0) + value
         # The pool's minute, for a recent reclaim rate (dispatcher/autoscale.py).
         recent = {name: value for name, value in fields.items() if name in keys.RECENT_FIELDS}
         if recent:
@@ -246,9 +259,6 @@ class RedisLedger:
             for name, value in recent.items():
                 pipe.hincrby(minute, name, value)
             pipe.expire(minute, keys.RECENT_KEEP_SECONDS)
-        if progress and not self.stop.fenced:
-            pipe.lpush(keys.progress(self.lease.job), f"{time.time():.3f} {progress}")
-            pipe.ltrim(keys.progress(self.lease.job), 0, keys.PROGRESS_KEEP - 1)
 
     def record_start(self, images: int) -> None:
         # Sent with the batch's fence check (the denominator of the reclaim rate: dispatcher/policy.py; a
@@ -277,9 +287,19 @@ class RedisLedger:
             self.metrics.lost_batch(LostReason.FENCED if self.stop.fenced else LostReason.ABANDONED)
 
 
-def _write_stats(pipe: redis.client.Pipeline) -> None:
+@dataclass
+class _Unsent:
+    """Counters on their way: the worker's and the pool's in ``pipe``, the job's own in ``job`` and
+    ``progress`` (images for its progress list), which only a passing fence check writes."""
+
+    pipe: redis.client.Pipeline
+    job: dict[str, int]
+    progress: int
+
+
+def _write_stats(send: Callable[[_Unsent], bool], unsent: _Unsent) -> None:
     try:
-        pipe.execute()
+        send(unsent)
     except redis.RedisError as exc:
         # Counters for status and the autoscaler: the shard itself learns of an outage at its
         # next fence check or count, as it would have here.

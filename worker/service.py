@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -236,17 +236,24 @@ class WorkerService:
         unreachable): the task then gives the message back to the broker.
         """
         raw = message if isinstance(message, str) else json.dumps(message)
-        msg = self.accept(raw)
-        if msg is None:
-            return Outcome(TaskOutcome.REJECTED)
-        with logs.shard_context(job=msg.job, shard=msg.shard):  # every line of this shard names it (JSON fields)
-            return self._claim_and_handle(msg, raw, tag, detach=detach)
+        outcome = Outcome(TaskOutcome.STALE)
+        # A second time only if the job began another life between the read of it and the claim: the
+        # message is then checked against the new life (docs/design.md, "A job's lives").
+        for _ in range(2):
+            msg = self.accept(raw, tag)
+            if msg is None:
+                return Outcome(TaskOutcome.REJECTED)
+            with logs.shard_context(job=msg.job, shard=msg.shard):  # every line of this shard names it
+                outcome = self._claim_and_handle(msg, raw, tag, detach=detach)
+            if outcome.status is not TaskOutcome.STALE:
+                break
+        return outcome
 
     def _claim_and_handle(self, msg: ShardMessage, raw: str, tag: str, *, detach: bool) -> Outcome:
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
-                                              tag=tag, message=raw)
+                                              tag=tag, message=raw, life=msg.life)
         except redis.RedisError as exc:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
         self._aside.submit(self.feed, msg.queue)  # one message taken: the next one in line, by priority and share
@@ -254,6 +261,8 @@ class WorkerService:
             log.info("shard %s:%d %s: dropping this delivery", msg.job, msg.shard, status)
             if status is ClaimAnswer.CANCELLED:
                 return Outcome(TaskOutcome.CANCELLED)
+            if status is ClaimAnswer.STALE:
+                return Outcome(TaskOutcome.STALE)
             return Outcome(TaskOutcome.BUSY if status is ClaimAnswer.BUSY else TaskOutcome.FINISHED_BEFORE)
         with logs.shard_context(attempt=lease.attempt):
             log.info("shard %s:%d attempt %d claimed", msg.job, msg.shard, lease.attempt)
@@ -422,15 +431,19 @@ class WorkerService:
         except redis.RedisError:
             return False
 
-    def accept(self, raw: str) -> ShardMessage | None:
+    def accept(self, raw: str, tag: str = "") -> ShardMessage | None:
         """The message, if it may be rendered here; None (and one log line) if not.
 
         Checked by submit's rules (``spec.message_problems``), then that it is
         of this worker's store (the store it names, and its queue), then against the
         job as submitted: known to this Redis, with the same settings and cut,
         and not deleted from the store.  A rejected message is acked and gone:
-        retrying it would fail the same way for ever.  Raises
-        :class:`TransientError` when Redis or the store cannot answer now.
+        retrying it would fail the same way for ever.  One that does not match the
+        job as registered (a message of an earlier life of its name) hands its shard
+        back to the feeder when it was the shard's message (``tag``): the job's own
+        message for it is then made from the registration.  The message returned
+        carries the job's life as read here.  Raises :class:`TransientError` when
+        Redis or the store cannot answer now.
         """
         try:
             data = json.loads(raw)
@@ -451,7 +464,7 @@ class WorkerService:
                       msg.store or "(not named)", msg.queue, self.store.url)
             return None
         try:
-            registered, stored, fresh = self.client.hmget(keys.job(msg.job), "spec", "stored", "fresh")
+            registered, stored, fresh, life = self.client.hmget(keys.job(msg.job), "spec", "stored", "fresh", "life")
         except redis.RedisError as exc:
             raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
         if registered is None:
@@ -466,12 +479,13 @@ class WorkerService:
         if (msg.params, msg.batch_size) != (job.params, job.batch_size) or msg.shard >= job.shards \
                 or (msg.first, msg.count) != (span.start, len(span)):
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
+            self._repend(msg, tag)
             return None
         self.fresh = bool(fresh)
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
-        return self._with_prompts(msg, where, keys.text(registered))
+        return self._with_prompts(replace(msg, life=keys.text(life)), where, keys.text(registered))
 
     def _with_prompts(self, msg: ShardMessage, where: str, registration: str) -> ShardMessage | None:
         """The shard with its prompts, read from the job's wire file in the store (one ranged read,
@@ -538,6 +552,16 @@ class WorkerService:
         message = self.leases.release(lease, where)
         if message is not None:
             self.publish(message)
+
+    def _repend(self, msg: ShardMessage, tag: str) -> None:
+        """A message that does not match its job as registered: its shard back to the feeder if it was the
+        shard's message, so that the job does not wait for a message no queue holds."""
+        try:
+            if tag and self.leases.repend(msg.job, msg.shard, tag, msg.queue):
+                log.info("shard %s:%d made pending again: the feeder sends the job's own message for it",
+                         msg.job, msg.shard)
+        except redis.RedisError as exc:  # the monitor's audit finds the shard later
+            log.warning("shard %s:%d not made pending again: %s", msg.job, msg.shard, exc)
 
     def _safe_hand_back(self, lease: Any, where: Release) -> None:
         try:

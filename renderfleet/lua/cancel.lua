@@ -2,8 +2,11 @@
 -- from the store): mark it cancelled, take its messages out of their queues in
 -- one pass, and park every shard not under a live lease ('c').  A leased shard
 -- runs on to its next batch boundary (its heartbeat answers 3, heartbeat.lua)
--- and is parked by its release; with `fence`, its attempt is bumped instead, so
--- that its holder writes nothing more (delete, retire).
+-- and is parked by its release; with `fence` (delete, retire), every lease of the
+-- job is fenced at once, live or lapsed: the job's life ends here (its `life`
+-- field no longer any lease's: docs/design.md, "A job's lives"), so that no holder,
+-- not even one paused past its lease that wakes later, writes or counts anything
+-- more; a live one's attempt is bumped too.
 --
 -- Our envelopes carry "argsrepr": "<job>:<shard>" in their headers
 -- (celery_app.envelope_factory); one sent through Celery's send_task (a
@@ -31,6 +34,9 @@ if when == '' then
   when = tostring(math.floor(now / 1000))
 end
 redis.call('HSETNX', job, 'cancelled', when)
+if fence == '1' and redis.call('HEXISTS', job, 'spec') == 1 then
+  redis.call('HSET', job, 'life', 'ended:' .. now)
+end
 
 -- 1. Each shard: its enqueue record dropped (and kombu's unclaimed copy of it), parked unless leased.
 local tags, queues, order = {}, {}, {}

@@ -12,13 +12,20 @@
 -- KEYS[9] consumed     hash queue -> highest back-of-queue seq claimed from it
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] worker, ARGV[4] queue, ARGV[5] tag
 -- (this delivery's kombu tag), ARGV[6] requeue (payload to re-push),
--- ARGV[7] message, ARGV[8] lease_ms, ARGV[9] queued prefix, ARGV[10] requeue's tag
--- Returns {'ok', attempt}, {'busy', 0}, {'done', 0} or {'cancelled', 0}.
+-- ARGV[7] message, ARGV[8] lease_ms, ARGV[9] queued prefix, ARGV[10] requeue's tag,
+-- ARGV[11] life (keys.job 'life' as the worker read it when it accepted the message)
+-- Returns {'ok', attempt}, {'busy', 0}, {'done', 0}, {'cancelled', 0}, or {'stale', 0}: the job
+-- began another life (deleted and submitted again) since the worker read it: accept it again.
 local job, shards, inflight, attempts, lease = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local unacked, unacked_idx, enqueued, consumed = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local shard, member, worker, queue, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local requeue, message, lease_ms, queued_prefix, requeue_tag = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local life = ARGV[11] or ''
 local now = now_ms()
+
+if not same_life(job, life) then
+  return {'stale', 0}
+end
 
 if redis.call('EXISTS', job) == 1 and not redis.call('HGET', shards, shard) then
   forget_enqueue(enqueued, queued_prefix, member)
@@ -60,5 +67,5 @@ redis.call('HSET', shards, shard, 'r')
 redis.call('ZADD', inflight, now + tonumber(lease_ms), member)
 redis.call('DEL', lease)
 redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', queue, 'tag', tag,
-           'requeue', requeue, 'rtag', requeue_tag, 'message', message, 'shard', shard)
+           'requeue', requeue, 'rtag', requeue_tag, 'message', message, 'shard', shard, 'life', life)
 return {'ok', attempt}

@@ -4,20 +4,20 @@
 -- `undone` prompts (a checkpoint said done, the store has no image) lose their
 -- bits and count as left again.
 --
--- KEYS[1] attempts, KEYS[2] done bits, KEYS[3] failed bits, KEYS[4] left
--- ARGV[1] shard, ARGV[2] attempt, ARGV[3] n_done, ARGV[4] n_failed,
+-- KEYS[1] attempts, KEYS[2] done bits, KEYS[3] failed bits, KEYS[4] left, KEYS[5] job
+-- ARGV[1] shard, ARGV[2] attempt, ARGV[3] n_done, ARGV[4] n_failed, ARGV[5] the lease's life,
 -- then n_done done indices, n_failed failed indices, and the undone indices.
 -- Returns {newly done, newly failed}, or {-1, -1} when fenced.
 local attempts, done_bits, failed_bits, left = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local shard, attempt = ARGV[1], tonumber(ARGV[2])
 local n_done, n_failed = tonumber(ARGV[3]), tonumber(ARGV[4])
 
-if tonumber(redis.call('HGET', attempts, shard) or '0') > attempt then
+if not same_life(KEYS[5], ARGV[5]) or tonumber(redis.call('HGET', attempts, shard) or '0') > attempt then
   return {-1, -1}
 end
 local newly, newfail, delta = 0, 0, 0  -- delta: change of the shard's left count
-local first_failed, first_undone = 5 + n_done, 5 + n_done + n_failed
-for i = 5, first_failed - 1 do
+local first_failed, first_undone = 6 + n_done, 6 + n_done + n_failed
+for i = 6, first_failed - 1 do
   local was_done = redis.call('SETBIT', done_bits, ARGV[i], 1)
   local was_failed = redis.call('SETBIT', failed_bits, ARGV[i], 0)
   if was_done == 0 then

@@ -34,3 +34,19 @@ local function record_enqueue(enqueued_key, seq_key, queues_key, queued_prefix, 
   redis.call('SADD', queues_key, queue)
   return seq
 end
+
+-- Whether `life` (the registration a worker read at accept and its lease carries) is the job's
+-- current life (keys.job 'life', copied from the spec submit wrote: docs/design.md, "A job's lives").
+-- A job Redis holds no hash of at all is unknown, not another life: Redis lost its memory, and the
+-- monitor's resume brings the job back with the life its stored spec names.  A tombstone (the job
+-- deleted or retired) is no life a lease can belong to.
+local function same_life(job_key, life)
+  local l = redis.call('HMGET', job_key, 'life', 'deleted')
+  if l[2] then
+    return false
+  end
+  if not l[1] and redis.call('EXISTS', job_key) == 0 then
+    return true
+  end
+  return (l[1] or '') == (life or '')
+end

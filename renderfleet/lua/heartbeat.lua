@@ -13,15 +13,16 @@
 -- KEYS[1] job, KEYS[2] shards, KEYS[3] inflight, KEYS[4] attempts, KEYS[5] lease,
 -- KEYS[6] the worker's stats hash (rf:worker:<id>), KEYS[7] the registry (rf:workers)
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] worker, ARGV[4] attempt, ARGV[5] lease_ms,
--- ARGV[6] the worker's registration ('': no liveness on this beat), and only to re-create:
--- ARGV[7] queue, ARGV[8] tag, ARGV[9] requeue, ARGV[10] message, ARGV[11] requeue's tag
+-- ARGV[6] the worker's registration ('': no liveness on this beat), ARGV[7] the lease's life, and
+-- only to re-create: ARGV[8] queue, ARGV[9] tag, ARGV[10] requeue, ARGV[11] message, ARGV[12] requeue's tag
 -- Returns 1 renewed, 2 re-created, 0 fenced or finished: stop; 3 renewed, but
 -- the job is cancelled: stop at the next batch boundary; 4 the lease is missing
--- and ARGV[7..11] were not given: call again with them (renderfleet.states.Beat).
+-- and ARGV[8..12] were not given: call again with them (renderfleet.states.Beat).  A lease of
+-- another life than the job's (deleted, submitted again) is fenced, and never re-created.
 local job, shards, inflight, attempts, lease = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local stats, workers = KEYS[6], KEYS[7]
 local shard, member, worker, attempt, lease_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local registration = ARGV[6]
+local registration, life = ARGV[6], ARGV[7]
 local now = now_ms()
 
 if registration ~= '' then
@@ -30,6 +31,9 @@ if registration ~= '' then
   redis.call('HSETNX', workers, worker, registration)
 end
 
+if not same_life(job, life) then
+  return 0
+end
 local l = redis.call('HMGET', lease, 'attempt', 'worker')
 if l[1] then
   if tonumber(l[1]) ~= attempt or l[2] ~= worker then
@@ -45,7 +49,7 @@ if l[1] then
   end
   return 1
 end
-if #ARGV < 11 then
+if #ARGV < 12 then
   return 4  -- the rare path: the caller sends the payload
 end
 if redis.call('EXISTS', job) == 1 and not redis.call('HGET', shards, shard) then
@@ -60,6 +64,6 @@ end
 redis.call('HSET', attempts, shard, attempt)
 redis.call('HSET', shards, shard, 'r')
 redis.call('ZADD', inflight, now + lease_ms, member)
-redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', ARGV[7], 'tag', ARGV[8],
-           'requeue', ARGV[9], 'rtag', ARGV[11], 'message', ARGV[10], 'shard', shard)
+redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', ARGV[8], 'tag', ARGV[9],
+           'requeue', ARGV[10], 'rtag', ARGV[12], 'message', ARGV[11], 'shard', shard, 'life', life)
 return 2

@@ -4,7 +4,9 @@
 -- KEYS[1] inflight, KEYS[2] unacked, KEYS[3] unacked_idx, KEYS[4] enqueued, KEYS[5] seq, KEYS[6] queues
 -- ARGV[1] limit, ARGV[2] lease key prefix, ARGV[3] and ARGV[4] shards key prefix
 -- and suffix (see keys.py), ARGV[5] queued prefix
--- Returns a flat list of member, how ('pushed', 'cancelled': parked, or the
+-- A lease of a life its job no longer lives (deleted, or deleted and submitted again: docs/design.md,
+-- "A job's lives") is dropped: nothing of the job is touched, nothing pushed.
+-- Returns a flat list of member, how ('pushed', 'cancelled': parked, 'dropped', or the
 -- message JSON for the caller to publish).
 local inflight, unacked, unacked_idx, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local limit, lease_prefix, job_prefix, shards_suffix, queued_prefix = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -18,31 +20,32 @@ for _, m in ipairs(expired) do
   local job = string.sub(m, 1, sep - 1)
   local shard = string.sub(m, sep + 1)
   local lkey = lease_prefix .. m
-  local l = redis.call('HMGET', lkey, 'queue', 'tag', 'requeue', 'message', 'rtag')
+  local l = redis.call('HMGET', lkey, 'queue', 'tag', 'requeue', 'message', 'rtag', 'life')
   local queue, tag, requeue, message, rtag = l[1], l[2], l[3], l[4], l[5]
   redis.call('DEL', lkey)
-  local cancelled = redis.call('HEXISTS', job_prefix .. job, 'cancelled') == 1
-  if cancelled then
-    redis.call('HSET', job_prefix .. job .. shards_suffix, shard, 'c')
-  else
-    redis.call('HSET', job_prefix .. job .. shards_suffix, shard, 'q')
-  end
   if tag then
     redis.call('HDEL', unacked, tag)
     redis.call('ZREM', unacked_idx, tag)
   end
   table.insert(out, m)
-  if cancelled then
+  local job_key = job_prefix .. job
+  if (queue and not same_life(job_key, l[6])) or redis.call('HEXISTS', job_key, 'deleted') == 1 then
+    table.insert(out, 'dropped')  -- a dead life's lease: its job's keys are another life's, or a tombstone
+  elseif redis.call('HEXISTS', job_key, 'cancelled') == 1 then
+    redis.call('HSET', job_key .. shards_suffix, shard, 'c')
     table.insert(out, 'cancelled')
-  elseif requeue and requeue ~= '' then
-    redis.call('RPUSH', queue, requeue)
-    record_enqueue(enqueued, seq_key, queues, queued_prefix, m, queue, 'f', rtag)
-    table.insert(out, 'pushed')
   else
-    if queue then
-      record_enqueue(enqueued, seq_key, queues, queued_prefix, m, queue, 'b', '')
+    redis.call('HSET', job_key .. shards_suffix, shard, 'q')
+    if requeue and requeue ~= '' then
+      redis.call('RPUSH', queue, requeue)
+      record_enqueue(enqueued, seq_key, queues, queued_prefix, m, queue, 'f', rtag)
+      table.insert(out, 'pushed')
+    else
+      if queue then
+        record_enqueue(enqueued, seq_key, queues, queued_prefix, m, queue, 'b', '')
+      end
+      table.insert(out, message or '')
     end
-    table.insert(out, message or '')
   end
 end
 return out

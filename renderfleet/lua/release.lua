@@ -14,7 +14,8 @@
 -- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] enqueued, KEYS[9] seq, KEYS[10] queues,
 -- KEYS[11] job, KEYS[12] done bits, KEYS[13] failed bits
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] attempt, ARGV[4] outcome, ARGV[5] worker,
--- ARGV[6] queued prefix, ARGV[7] first, ARGV[8] count (0: no check)
+-- ARGV[6] queued prefix, ARGV[7] first, ARGV[8] count (0: no check), ARGV[9] the lease's life
+-- (a lease of a life the job no longer lives is fenced: it touches nothing of the new one)
 -- Returns 0 fenced (nothing done), 1 ok, {2, message} when the caller must
 -- publish the message itself (kombu's copy of it is gone), or, for a 'done'
 -- with prompts missing, {3, missing} (handed back) or {4, missing, message}.
@@ -24,7 +25,7 @@ local job, done_bits, failed_bits = KEYS[11], KEYS[12], KEYS[13]
 local shard, member, attempt, outcome, worker, queued_prefix = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 local first, count = tonumber(ARGV[7] or '0'), tonumber(ARGV[8] or '0')
 
-if tonumber(redis.call('HGET', attempts, shard) or '0') > attempt then
+if not same_life(job, ARGV[9] or '') or tonumber(redis.call('HGET', attempts, shard) or '0') > attempt then
   return 0
 end
 local holder = redis.call('HGET', lease, 'worker')

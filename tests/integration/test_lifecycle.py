@@ -186,7 +186,8 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     assert fleet.backlog_seconds == next(j for j in fleet.jobs if j.job == b.id).backlog_seconds > 0
     assert client.store.exists(spec.cancelled_key(a.id))
     # A straggler the cancel missed is dropped at its claim; its shard stays parked.
-    answer, lease = Leases(r, 3).claim(a.id, 1, worker="w", queue=QUEUE, tag="", message=message)
+    life = keys.text(r.hget(keys.job(a.id), "life"))  # as the worker's accept reads it
+    answer, lease = Leases(r, 3).claim(a.id, 1, worker="w", queue=QUEUE, tag="", message=message, life=life)
     assert (answer, lease) == (ClaimAnswer.CANCELLED, None) and states(r, a.id)[1] == "c"
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     shown = cli_status(env, a.id)
