@@ -76,7 +76,10 @@ class Monitor:
         reap_once(self.leases, self.publish, owner=self.owner, election=self.election)
         for queue in self.feeder.queues():  # as every worker does: the feeding needs neither
             if is_store_queue(queue, self.store.url):
-                self.feeder.feed(queue)
+                try:
+                    self.feeder.feed(queue)
+                except redis.ResponseError as exc:  # a script error on a malformed value: the other queues fed
+                    log.warning("monitor: feeding %s failed: %s", queue, exc)
         audit_due = time.monotonic() - self.audited_at >= self.settings.audit_seconds
         if audit_due:
             self.audited_at = time.monotonic()

@@ -25,6 +25,12 @@ Three classes of trouble, each with its own budget:
   access).  Nothing of the batch is counted against its prompts: the shard is
   handed back to the front of the queue and the worker stops taking work and
   exits with its own status (4), so that the node is replaced.
+* **a job's stored prompts** (:class:`WireError`): its wire file or index in
+  the store is not what submit wrote (forged or damaged bytes: offsets past
+  the file, out of order, a line that is not JSON).  The shard is rejected with
+  one log line and the reason shown in ``status`` as the job's failure
+  reason; nothing is counted, and no byte in the store is ever fatal to a
+  worker (docs/design.md, "Shards by reference").
 * **reclaim** (:class:`Reclaimed`): the node is being taken away (spot
   notice, SIGTERM) or this worker lost its lease.  Not a failure at all: the
   work is handed back and nothing is counted.  It derives from
@@ -80,6 +86,12 @@ class ModelLoadError(JobError):
 
 class PromptError(PermanentError):
     """One prompt's fault: its image cannot be encoded or stored under its name."""
+
+
+class WireError(RenderfleetError, ValueError):
+    """A job's stored prompts (its wire file and index) do not describe the job as registered.
+
+    A ``ValueError`` too: the readers' callers took a bad file for one before it had a class."""
 
 
 class OutOfMemory(RenderfleetError):

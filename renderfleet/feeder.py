@@ -20,6 +20,7 @@ counts are counted by one process for all (:meth:`Feeder.counts`).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,8 @@ import redis
 from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.leases import ScriptCall, lua_script
+
+log = logging.getLogger("renderfleet.feeder")
 
 # Messages the queue should hold per live worker of its pool: one each to take now and one
 # behind it, so no worker waits on a feed, and a new job of a higher priority waits behind
@@ -140,10 +143,18 @@ class Feeder:
         return counts
 
     def feed(self, queue: str, target: int | None = None) -> int:
-        """Top ``queue`` up from its jobs' pending shards; returns the messages pushed."""
+        """Top ``queue`` up from its jobs' pending shards; returns the messages pushed.
+
+        A job whose feed template in Redis is malformed is parked by the script (out of the
+        rotation, its shards still pending): one warning here, the rest of the queue fed."""
         want = self.target(queue) if target is None else target
         call = feed_call(queue, want)
-        return int(self._feed(keys=call.keys, args=call.args))
+        pushed, *parked = self._feed(keys=call.keys, args=call.args)
+        for job, why in zip(parked[::2], parked[1::2], strict=True):
+            log.warning("feed: job %s parked, its shards kept pending: its feed template in Redis (%s) is "
+                        "malformed: %s; `renderfleet resume %s` writes it again", keys.text(job),
+                        keys.job(keys.text(job)), keys.text(why), keys.text(job))
+        return int(pushed)
 
     def queues(self) -> list[str]:
         """Every queue with jobs in its rotation (the monitor feeds each).

@@ -9,8 +9,16 @@ fields the file gives), one a line, whatever the file's format (.txt, .jsonl,
 line begins, 8 bytes (big-endian) per shard and one more for the file's end.
 A worker reads the index once per job and then exactly its shard's bytes: a
 ranged GET on S3, a seek on a folder store.  The file is derived from the
-user's file only, by submit, and the store is trusted as it is for the spec:
-no prompt text can reach a worker through Redis.
+user's file only, by submit: no prompt text can reach a worker through Redis.
+
+The store's bytes are checked, never trusted to be well formed (docs/design.md,
+"Shards by reference"): an index is checked once per registration of its job
+(:func:`check_offsets`: its length from the job's cut, the first offset 0, each
+span longer than the one before it, at most its prompts times
+:data:`MAX_WIRE_LINE_BYTES`, the last at the wire file's end), and whatever
+else the bytes hold, the reader raises :class:`~renderfleet.errors.WireError`
+and nothing else (a store that cannot answer: ``StoreError``).  Eight forged
+bytes once made a worker allocate terabytes and die, and every worker after it.
 """
 
 from __future__ import annotations
@@ -19,13 +27,21 @@ import json
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import islice, pairwise
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from renderfleet.spec import wire_index_key, wire_key
+from renderfleet.errors import InputError, WireError
+from renderfleet.prompts.lines import MAX_LINE_BYTES
+from renderfleet.spec import JobSpec, wire_index_key, wire_key
 
 _OFFSET = struct.Struct(">Q")
+
+# The most bytes a prompt takes on the wire, on average over a shard: a prompt file's line is at most
+# MAX_LINE_BYTES, and its wire JSON at most six times that (a control character is written \u00XX)
+# plus its fields' names and quotes.  Submit refuses a shard over it (WireWriter), a worker an index
+# that says one is (check_offsets): what a shard's read may cost is known before it is made.
+MAX_WIRE_LINE_BYTES = 6 * MAX_LINE_BYTES + 1024
 
 
 class RangeReader(Protocol):
@@ -51,6 +67,10 @@ class WireWriter:
 
     def _flush(self, chunk: list[str]) -> int:
         data = ("\n".join(chunk) + "\n").encode()
+        if len(data) > len(chunk) * MAX_WIRE_LINE_BYTES:  # a worker would refuse it: see check_offsets
+            first = len(self.offsets) * self.shard_size
+            raise InputError([f"prompts {first} to {first + len(chunk) - 1}: {len(data):,} bytes on the wire, over "
+                              f"the {MAX_WIRE_LINE_BYTES:,} a prompt may take on average in a shard"])
         self.offsets.append(self.position)
         self.out.write(data)
         self.position += len(data)
@@ -69,20 +89,41 @@ def write_files(lines: Iterable[str], shard_size: int, wire: Path) -> tuple[Wire
 
 
 def offsets(index: bytes) -> list[int]:
-    """The offsets an index holds (ValueError if it is not one)."""
+    """The offsets an index holds (:class:`WireError` if it is not one)."""
     if len(index) % _OFFSET.size or len(index) < _OFFSET.size:
-        raise ValueError(f"a wire index is 8 bytes per shard and one more, not {len(index)} bytes")
+        raise WireError(f"a wire index is 8 bytes per shard and one more, not {len(index)} bytes")
     return [o for (o,) in _OFFSET.iter_unpack(index)]
 
 
+def check_offsets(found: Sequence[int], job: JobSpec) -> None:
+    """That ``found`` cuts a wire file as ``job`` is cut (:class:`WireError` naming the first fault if not):
+    one offset per shard and one more, the first 0, each span holding at least a byte a prompt and at
+    most :data:`MAX_WIRE_LINE_BYTES` a prompt.  That the last is the file's end is the caller's to check
+    (it takes a read): :meth:`ShardReader.index`."""
+    if len(found) != job.shards + 1:
+        raise WireError(f"the wire index has {len(found) - 1} shards, the job {job.shards}")
+    if found[0] != 0:
+        raise WireError(f"the wire index's first shard starts at byte {found[0]}, not 0")
+    for shard, (start, end) in enumerate(pairwise(found)):
+        count = len(job.shard_range(shard))
+        if not count * 2 <= end - start <= count * MAX_WIRE_LINE_BYTES:  # a prompt: 1 byte at least, and "\n"
+            raise WireError(f"the wire index gives shard {shard} ({count} prompts) bytes {start} to {end}: "
+                            f"{'out of order' if end <= start else 'not the size of so many prompts'}")
+
+
 def shard_lines(data: bytes, count: int) -> list[Any]:
-    """The decoded prompts of one shard's bytes (ValueError unless exactly ``count`` lines of JSON)."""
-    lines = data.decode("utf-8").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    if len(lines) != count:
-        raise ValueError(f"{len(lines)} prompts where the message says {count}")
-    return [json.loads(line) for line in lines]
+    """The decoded prompts of one shard's bytes (:class:`WireError` unless exactly ``count`` lines of JSON)."""
+    try:
+        lines = data.decode("utf-8").split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        if len(lines) != count:
+            raise WireError(f"{len(lines)} prompts where the message says {count}")
+        return [json.loads(line) for line in lines]
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested past the recursion limit
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"a line of the shard is not JSON in UTF-8: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 class ShardReader:
@@ -92,6 +133,7 @@ class ShardReader:
     ``worker/prefetch.py``).  An index is kept per job *and* ``version`` (the job's
     registration as the caller read it from Redis): a job deleted and submitted again
     under its name, with other prompts, is a new version, whose index is read afresh.
+    Each is checked once, when it is read (:meth:`index`).
     """
 
     KEEP = 16  # jobs whose index is kept (a worker serves a few jobs at a time)
@@ -101,29 +143,46 @@ class ShardReader:
         self._indexes: dict[tuple[str, str], list[int]] = {}
         self._lock = threading.Lock()
 
-    def index(self, job: str, version: str = "") -> list[int] | None:
+    def index(self, job: JobSpec, version: str = "") -> list[int] | None:
+        """The job's index, checked against its cut (:func:`check_offsets`) and its wire file's size
+        when first read; None when the store has no index or no wire file.  WireError if it is wrong."""
         with self._lock:
-            found = self._indexes.get((job, version))
+            found = self._indexes.get((job.job, version))
         if found is None:
-            data = self.store.get(wire_index_key(job))
+            size = (job.shards + 1) * _OFFSET.size
+            # Read no more than an index of this job can be: a planted gigabyte costs one byte more.
+            data = self.store.get_range(wire_index_key(job.job), 0, size + 1)
             if data is None:
                 return None
+            if len(data) != size:
+                length = f"more than {size}" if len(data) > size else str(len(data))
+                raise WireError(f"the wire index is {length} bytes: the job's {job.shards} shards take {size}")
             found = offsets(data)
+            check_offsets(found, job)
+            # The last offset is the file's end: its last byte is there, a newline, and nothing after it.
+            tail = self.store.get_range(wire_key(job.job), found[-1] - 1, found[-1] + 1)
+            if tail is None:
+                return None
+            if tail != b"\n":
+                raise WireError(f"the wire index ends at byte {found[-1]}, not where the wire file ends")
             with self._lock:
                 if len(self._indexes) >= self.KEEP:
                     self._indexes.pop(next(iter(self._indexes)))
-                self._indexes[job, version] = found
+                self._indexes[job.job, version] = found
         return found
 
-    def read(self, job: str, shard: int, count: int, version: str = "") -> Sequence[Any] | None:
+    def read(self, job: JobSpec, shard: int, version: str = "") -> Sequence[Any] | None:
         """Shard ``shard``'s prompts in their wire form; None when the store has no wire file
-        for the job.  ValueError when what it holds does not fit the message."""
+        for the job.  :class:`WireError` when what it holds does not fit the job, whatever it holds."""
+        if not 0 <= shard < job.shards:
+            raise WireError(f"shard {shard} is past the job's {job.shards} shards")
         index = self.index(job, version)
         if index is None:
             return None
-        if shard + 1 >= len(index):
-            raise ValueError(f"shard {shard} is past the job's {len(index) - 1} shards")
-        data = self.store.get_range(wire_key(job), index[shard], index[shard + 1])
+        start, end = index[shard], index[shard + 1]
+        data = self.store.get_range(wire_key(job.job), start, end)
         if data is None:
             return None
-        return shard_lines(data, count)
+        if len(data) != end - start:  # the file was cut short since its index was checked
+            raise WireError(f"shard {shard}'s bytes {start} to {end} are not all in the wire file")
+        return shard_lines(data, len(job.shard_range(shard)))

@@ -200,11 +200,18 @@ class LocalStore:
             return None
 
     def get_range(self, key: str, start: int, end: int) -> bytes | None:
-        """Bytes ``start`` to ``end`` (exclusive) of ``key``'s file (a seek), or None."""
+        """Bytes ``start`` to ``end`` (exclusive) of ``key``'s file (a seek), or None; the range is
+        clamped to the file, as S3 clamps it: a range past the end is empty, never an error."""
         try:
             with open(self._path(key), "rb") as f:
+                # Clamped before the seek and the read: an offset past 2**63 cannot be sought, and a read
+                # of 2**40 bytes allocates them first (a MemoryError, whatever the file holds).
+                size = os.fstat(f.fileno()).st_size
+                start, end = min(max(0, start), size), min(max(0, end), size)
+                if end <= start:
+                    return b""
                 f.seek(start)
-                return f.read(max(0, end - start))
+                return f.read(end - start)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
@@ -334,6 +341,13 @@ def _is_not_found(exc: botocore.exceptions.ClientError) -> bool:
     return code in ("404", "NoSuchKey", "NotFound")
 
 
+def _is_unsatisfiable(exc: botocore.exceptions.ClientError) -> bool:
+    """A ranged GET that starts at or past the object's end (HTTP 416)."""
+    code = exc.response.get("Error", {}).get("Code", "")
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("InvalidRange", "416") or status == 416
+
+
 class S3Store:
     """A store in an S3 bucket under a prefix.
 
@@ -449,7 +463,8 @@ class S3Store:
         return self._get_object("get", self._key(key))
 
     def _get_object(self, op: str, full: str, **extra: str) -> bytes | None:
-        """``get_object`` of ``full`` (``extra``: its other parameters, e.g. ``Range``), retried; None on a 404."""
+        """``get_object`` of ``full`` (``extra``: its other parameters, e.g. ``Range``), retried; None on a 404,
+        and nothing (b"") for a ``Range`` that starts past the object's end (a 416)."""
 
         def fetch() -> bytes | None:
             try:
@@ -457,13 +472,17 @@ class S3Store:
             except botocore.exceptions.ClientError as exc:
                 if _is_not_found(exc):
                     return None
+                if "Range" in extra and _is_unsatisfiable(exc):
+                    return b""
                 raise
             with body:
                 return cast(bytes, body.read())
         return self._call(op, full, fetch)
 
     def get_range(self, key: str, start: int, end: int) -> bytes | None:
-        """Bytes ``start`` to ``end`` (exclusive) of ``key`` (a ranged GET), or None on a 404."""
+        """Bytes ``start`` to ``end`` (exclusive) of ``key`` (a ranged GET), or None on a 404; clamped to
+        the object (S3 ends a range at the object's end; one that starts past it is empty)."""
+        start = max(0, start)
         if end <= start:
             return b"" if self.exists(key) else None
         return self._get_object("get_range", self._key(key), Range=f"bytes={start}-{end - 1}")

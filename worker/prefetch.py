@@ -32,7 +32,7 @@ import redis
 
 from renderfleet import keys
 from renderfleet.shardfile import ShardReader
-from renderfleet.spec import ShardMessage, message_problems
+from renderfleet.spec import JobSpec, ShardMessage, message_problems
 from worker.queueguard import NotAMessage, item_message
 
 log = logging.getLogger("renderfleet.prefetch")
@@ -61,10 +61,11 @@ class Prefetch:
         with contextlib.suppress(RuntimeError):  # shut down: the worker is stopping
             self.ahead.submit(self._read_ahead, queue)
 
-    def read(self, msg: ShardMessage, registration: str) -> Sequence[Any] | None:
-        """``msg``'s prompts in their wire form (``ShardReader.read``): those read ahead for exactly this
-        shard and registration (waiting for that read if it is still running), else read now.  A read
-        ahead that failed is read again here, so its error, if it lasts, is raised as the reader's."""
+    def read(self, msg: ShardMessage, job: JobSpec, registration: str) -> Sequence[Any] | None:
+        """``msg``'s prompts in their wire form (``ShardReader.read``; ``job``: the job as ``registration``
+        registers it, whose cut ``msg`` was checked to be): those read ahead for exactly this shard and
+        registration (waiting for that read if it is still running), else read now.  A read ahead that
+        failed is read again here, so its error, if it lasts, is raised as the reader's."""
         with self._lock:
             ahead = self._reads.pop(key_of(msg, registration), None)
         if ahead is not None:
@@ -72,7 +73,7 @@ class Prefetch:
                 return ahead.result()
             except Exception as exc:
                 log.debug("prefetch of shard %s:%d failed, reading it again: %s", msg.job, msg.shard, exc)
-        return self.reader.read(msg.job, msg.shard, msg.count, registration)
+        return self.reader.read(job, msg.shard, registration)
 
     def _read_ahead(self, queue: str) -> None:
         try:
@@ -84,10 +85,11 @@ class Prefetch:
                 return  # the worker's accept says why, if it ever takes it
             msg = ShardMessage.from_dict(data)
             registration = self.client.hget(keys.job(msg.job), "spec")
-        except (redis.RedisError, NotAMessage, ValueError, RecursionError) as exc:
+            if registration is None:
+                return
+            job = JobSpec.from_json(registration)
+        except (redis.RedisError, NotAMessage, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.debug("no prefetch from %s: %s", queue, exc)  # the shard is read when it is taken
-            return
-        if registration is None:
             return
         key = key_of(msg, keys.text(registration))
         future: Future[Sequence[Any] | None] = Future()
@@ -98,6 +100,6 @@ class Prefetch:
                 self._reads.pop(next(iter(self._reads)))
             self._reads[key] = future
         try:
-            future.set_result(self.reader.read(msg.job, msg.shard, msg.count, key[-1]))
+            future.set_result(self.reader.read(job, msg.shard, key[-1]))
         except Exception as exc:  # kept for read(), which reads again
             future.set_exception(exc)

@@ -24,7 +24,15 @@ import redis
 
 from renderfleet import keys, logs, spec
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
-from renderfleet.errors import DeviceError, JobError, ModelLoadError, Reclaimed, StoreError, TransientError
+from renderfleet.errors import (
+    DeviceError,
+    JobError,
+    ModelLoadError,
+    Reclaimed,
+    StoreError,
+    TransientError,
+    WireError,
+)
 from renderfleet.feeder import Feeder
 from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
@@ -485,27 +493,43 @@ class WorkerService:
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
-        return self._with_prompts(replace(msg, life=keys.text(life)), where, keys.text(registered))
+        return self._with_prompts(replace(msg, life=keys.text(life)), where, job, keys.text(registered))
 
-    def _with_prompts(self, msg: ShardMessage, where: str, registration: str) -> ShardMessage | None:
+    def _with_prompts(self, msg: ShardMessage, where: str, job: JobSpec, registration: str) -> ShardMessage | None:
         """The shard with its prompts, read from the job's wire file in the store (one ranged read,
-        ``renderfleet/shardfile.py``, unless it was read ahead for this shard of the job as
+        ``renderfleet/shardfile.py``, unless it was read ahead for this shard of ``job`` as
         ``registration`` registers it: ``worker/prefetch.py``), checked by submit's rules; None (one
-        log line) if it cannot be."""
+        log line, and the reason in status: :meth:`_reject_stored`) if it cannot be.
+
+        Whatever the store holds, reading it never raises but ``TransientError`` (the store cannot
+        answer now): a forged index once raised ``MemoryError``, which Celery takes for fatal, and the
+        message it left went on to the next worker (docs/design.md, "Shards by reference")."""
         try:
-            wire = self.prompts.read(msg, registration)
+            wire = self.prompts.read(msg, job, registration)
         except StoreError as exc:
             raise TransientError(f"cannot read the prompts of shard {msg.job}:{msg.shard}: {exc}") from exc
-        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            log.error("%s: the job's stored prompts do not fit it: %s", where, exc)
-            return None
-        if wire is None:
-            log.error("%s: the store holds no prompts for the job (%s)", where, spec.wire_key(msg.job))
-            return None
-        if problems := wire_problems(msg.first, wire):
-            log.error("%s: its stored prompts cannot be rendered: %s", where, "; ".join(problems[:5]))
-            return None
-        return msg.with_prompts(wire)
+        except WireError as exc:
+            why = f"the job's stored prompts do not fit it: {exc}"
+        except Exception as exc:  # MemoryError, OSError, a bug: the store's bytes are never this worker's death
+            why = f"the job's stored prompts cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
+        else:
+            if wire is None:
+                why = f"the store holds no prompts for the job ({spec.wire_key(msg.job)})"
+            elif problems := wire_problems(msg.first, wire):
+                why = f"its stored prompts cannot be rendered: {'; '.join(problems[:5])}"
+            else:
+                return msg.with_prompts(wire)
+        self._reject_stored(msg, where, why)
+        return None
+
+    def _reject_stored(self, msg: ShardMessage, where: str, reason: str) -> None:
+        """Reject a shard whose prompts the store cannot give: one log line, and ``reason`` as the last
+        error of each of its prompts (``keys.fails``: ``status JOB`` lists it, "N prompt(s) failed:
+        ...", as it lists a model that will not load), counting no failure: nothing is quarantined."""
+        log.error("%s: %s", where, reason)
+        errors: dict[Any, Any] = {f"{i}:error": reason for i in range(msg.first, msg.first + msg.count)}
+        with contextlib.suppress(redis.RedisError):  # status's view: the rejection stands without it
+            self.client.hset(keys.fails(msg.job), mapping=errors)
 
     def _job_in_store(self, job: str) -> bool:
         """Whether the job's spec is in the store: asked at most every ``SPEC_CHECK_SECONDS`` per job.

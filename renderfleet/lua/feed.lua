@@ -13,11 +13,17 @@
 -- so the audit, cancel and claim treat it as any other message.  A ref whose
 -- shard is no longer 'p' (cancelled, finished, queued by an audit) is dropped.
 --
+-- A job whose template (or cut: shard_size, total) is malformed (written by hand, a
+-- bug, an attacker) is parked: it leaves the rotation, its pending shards kept, and is
+-- named in the answer for the caller's warning; the script never raises on it (it did,
+-- and each call had popped a pending shard first and lost it).  `renderfleet resume`
+-- writes the template again and puts the job back (publish.lua).
+--
 -- KEYS[1] queue, KEYS[2] active (zset job -> feed score, keys.active),
 -- KEYS[3] enqueued, KEYS[4] seq, KEYS[5] queues
 -- ARGV[1] target (messages the queue should hold), ARGV[2] most steps this call,
 -- ARGV[3] job key prefix, ARGV[4] queued prefix
--- Returns the number of messages pushed.
+-- Returns {messages pushed, then each job parked and why: job, reason, job, reason, ...}.
 local queue, active, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 
@@ -25,7 +31,7 @@ local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARG
 -- before building anything (the base64 table below costs more than the rest of such a call).
 local length = redis.call('LLEN', queue)
 if length >= target then
-  return 0
+  return {0}
 end
 
 -- Base64 (Redis's Lua has none): four output bytes per three input bytes, by table lookup.
@@ -53,9 +59,44 @@ local function b64(s)
   return table.concat(parts)
 end
 
+-- A job's template and cut, checked: the template (a table) or false and why.  Decoded under pcall:
+-- cjson.decode raises on text that is not JSON (or nested past its limit).
+local SLOTS = {B = true, I = true, A = true, T = true}
+local function template(raw, size, total)
+  if not size or size < 1 or size % 1 ~= 0 or not total or total < 1 or total % 1 ~= 0 then
+    return false, 'shard_size or total is not a positive whole number'
+  end
+  local ok, t = pcall(cjson.decode, raw)
+  if not ok then
+    return false, 'feed is not JSON'
+  end
+  if type(t) ~= 'table' or type(t.pre) ~= 'string' or type(t.post) ~= 'string' or type(t.parts) ~= 'table' then
+    return false, 'feed is not an object of parts, pre and post (strings)'
+  end
+  local n, body = 0, false
+  for _ in pairs(t.parts) do
+    n = n + 1
+  end
+  if n == 0 or n ~= #t.parts then
+    return false, 'feed parts is not a list'
+  end
+  for i = 1, n do
+    local part = t.parts[i]
+    if type(part) ~= 'string' or (i % 2 == 0 and not SLOTS[part]) then
+      return false, 'feed part ' .. i .. ' is not text or a slot (B, I, A, T)'
+    end
+    body = body or (i % 2 == 0 and part == 'B')
+  end
+  if not body then
+    return false, 'feed has no body slot'
+  end
+  return t
+end
+
 local t = redis.call('TIME')
 local stamp = t[1] .. string.format('%06d', tonumber(t[2]))
-local templates = {}  -- job -> its decoded template, once per call
+local templates = {}  -- job -> its checked template, once per call
+local parked = {}  -- job, why, job, why, ...
 local pushed = 0
 while length < target and steps > 0 do
   steps = steps - 1
@@ -67,22 +108,29 @@ while length < target and steps > 0 do
   local job_key = job_prefix .. job
   local pending = job_key .. ':pending'
   local f = redis.call('HMGET', job_key, 'cancelled', 'feed', 'shard_size', 'total', 'stride')
-  local shard = false
+  local size, total = tonumber(f[3]), tonumber(f[4])
+  local shard, tmpl, why = false, false, nil
   if not f[1] and f[2] then
-    shard = redis.call('LPOP', pending)
+    -- Checked before a shard is popped: a job that cannot be fed keeps every pending shard.
+    tmpl = templates[job]
+    if tmpl == nil then
+      tmpl, why = template(f[2], size, total)
+      templates[job] = tmpl
+    end
+    if tmpl then
+      shard = redis.call('LPOP', pending)
+    elseif why then
+      parked[#parked + 1] = job
+      parked[#parked + 1] = why
+    end
   end
   if not shard then
-    -- Nothing pending (or cancelled, deleted): the job leaves the rotation until publish.lua adds it again.
+    -- Nothing pending (or cancelled, deleted, parked): the job leaves the rotation until publish.lua adds it again.
     redis.call('ZREM', active, job)
   else
     local shards = job_key .. ':shards'
-    if redis.call('HGET', shards, shard) == 'p' then
-      local tmpl = templates[job]
-      if not tmpl then
-        tmpl = cjson.decode(f[2])
-        templates[job] = tmpl
-      end
-      local size, total = tonumber(f[3]), tonumber(f[4])
+    -- A ref that is not a shard's number is no pending shard (dropped, as a stale ref is).
+    if tonumber(shard) and tonumber(shard) % 1 == 0 and redis.call('HGET', shards, shard) == 'p' then
       local first = tonumber(shard) * size
       local count = math.min(size, total - first)
       -- The body's head is encoded already (its length a multiple of 3): only the rest is encoded here.
@@ -111,4 +159,4 @@ while length < target and steps > 0 do
     end
   end
 end
-return pushed
+return {pushed, unpack(parked)}

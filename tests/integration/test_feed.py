@@ -163,6 +163,66 @@ def test_a_job_waits_for_the_feeder_until_its_files_are_stored(redis_server: Red
     assert client.llen(QUEUE) == 2 and client.llen(keys.pending(spec.job)) == 0
 
 
+# Feed templates a hand, a bug or an attacker could leave in a job's hash (keys.job "feed").
+MALFORMED_TEMPLATES = [
+    "not json", "[" * 2000, "[1, 2]", "null", '"text"', '{"parts": {}, "pre": "", "post": ""}',
+    '{"parts": [], "pre": "", "post": ""}', '{"parts": ["a", "X", "b"], "pre": "", "post": ""}',
+    '{"parts": ["a", "I", "b"], "pre": "", "post": ""}', '{"parts": ["a", "B", null], "pre": "", "post": ""}',
+    '{"parts": ["a", "B", "b"], "pre": 1, "post": ""}', '{"parts": ["a", "B", "b"], "pre": ""}',
+]
+
+
+@pytest.mark.parametrize("template", MALFORMED_TEMPLATES)
+def test_a_malformed_feed_template_parks_its_job_with_one_warning_its_shards_kept_pending(
+        redis_server: RedisServerProcess, template: str, caplog: pytest.LogCaptureFixture) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    bad, good = job_spec("j-bad", 3, priority=9), job_spec("j-good", 2, priority=5)
+    pend(client, redis_server.url, bad)
+    pend(client, redis_server.url, good)
+    client.hset(keys.job(bad.job), "feed", template)
+    feeder = Feeder(client)
+
+    with caplog.at_level("WARNING", logger="renderfleet.feeder"):
+        assert feeder.feed(QUEUE, target=10) == 2  # the other job's shards, behind the parked one's priority
+        assert feeder.feed(QUEUE, target=10) == 0
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "renderfleet.feeder"]
+    assert "job j-bad parked" in warning and "renderfleet resume j-bad" in warning
+    assert client.lrange(keys.pending(bad.job), 0, -1) == [b"0", b"1", b"2"]  # none popped, none lost
+    assert client.zscore(keys.active(QUEUE), bad.job) is None
+    assert {keys.text(v) for v in client.hvals(keys.shards(bad.job))} == {"p"}
+
+    pend(client, redis_server.url, bad)  # what resume does: the template written again, the job back in rotation
+    assert feeder.feed(QUEUE, target=10) == 3
+    assert [take(client)[1]["job"] for _ in range(5)] == ["j-good"] * 2 + ["j-bad"] * 3
+
+
+def test_the_monitors_loop_survives_a_malformed_template_and_a_queue_its_script_fails_on(
+        redis_server: RedisServerProcess, caplog: pytest.LogCaptureFixture) -> None:
+    from dispatcher.monitor import Monitor
+    from renderfleet.settings import load_settings
+    from renderfleet.store import open_store
+
+    client = redis.Redis.from_url(redis_server.url)
+    bad, good = job_spec("j-bad", 2), job_spec("j-good", 2)
+    pend(client, redis_server.url, bad)
+    pend(client, redis_server.url, good)
+    client.hset(keys.job(bad.job), "feed", "{not json")
+    # Another queue of the store whose rotation is not a sorted set: feed.lua's ZRANGE fails on it.
+    broken = queue_name("aaa", STORE)
+    client.set(keys.active(broken), "not a zset")
+    client.sadd(keys.QUEUES, broken)
+    settings = load_settings(redis_url=redis_server.url, store=STORE)
+    monitor = Monitor(settings, make_app(redis_server.url), client, open_store(STORE))
+
+    with caplog.at_level("WARNING"):
+        monitor.tick()
+    assert client.llen(QUEUE) == 2 and {take(client)[1]["job"] for _ in range(2)} == {"j-good"}
+    assert client.llen(keys.pending(bad.job)) == 2
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any(f"feeding {broken} failed" in w for w in warnings)
+    assert any("job j-bad parked" in w for w in warnings)
+
+
 def test_the_shared_worker_counts_age_by_redis_clock_not_by_the_counters(redis_server: RedisServerProcess,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import time

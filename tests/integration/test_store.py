@@ -48,6 +48,18 @@ def test_put_then_get_returns_the_same_bytes(store: Store) -> None:
     assert store.get("jobs/j1/spec.json") == b'{"a": 1}'
 
 
+def test_a_ranged_read_is_clamped_to_the_object_whatever_the_offsets(store: Store) -> None:
+    """A forged index's offsets (past the end, past 2**63, backwards) read what the object holds there:
+    nothing, never an error or an allocation of the range's size."""
+    store.put("a/wire", b"0123456789")
+    assert store.get_range("a/wire", 2, 5) == b"234"
+    assert store.get_range("a/wire", 8, 2**40) == b"89"
+    assert store.get_range("a/wire", 9, 11) == b"9"
+    for start, end in [(10, 12), (11, 2**40), (2**63, 2**64 - 1), (5, 3), (-3, 0)]:
+        assert store.get_range("a/wire", start, end) == b"", (start, end)
+    assert store.get_range("a/none", 2**63, 2**64 - 1) is None
+
+
 def test_put_replaces_an_existing_object(store: Store) -> None:
     store.put("a/b", b"old")
     store.put("a/b", b"new")

@@ -32,8 +32,9 @@ from worker.stop import StopSignal
 
 
 class RangeRecorder(LocalStore):
-    """A folder store that records each ranged read: (first byte, thread name); ``ahead`` is set at
-    the first read made by the read-ahead thread."""
+    """A folder store that records each read of a shard's prompts: (first byte, thread name); ``ahead``
+    is set at the first read made by the read-ahead thread.  The reads that check a job's index (the
+    index itself, and the two bytes at the wire file's end, once per registration) are not recorded."""
 
     def __init__(self, root: Path):
         super().__init__(root)
@@ -42,8 +43,10 @@ class RangeRecorder(LocalStore):
 
     def get_range(self, key: str, start: int, end: int) -> bytes | None:
         thread = threading.current_thread().name
-        self.ranges.append((start, thread))
         data = super().get_range(key, start, end)
+        if not key.endswith("/wire.jsonl") or end - start <= 2:
+            return data
+        self.ranges.append((start, thread))
         if thread.startswith("rf-ahead"):
             self.ahead.set()
         return data

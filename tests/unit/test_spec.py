@@ -152,7 +152,7 @@ def test_a_shard_has_one_wire_form_from_submit_or_resume_that_round_trips_with_t
     assert lines == [line for _, line in stored_prompts(store, job)]
     store.put_file(spec.wire_key(job.job), tmp_path / "wire.jsonl")
     store.put(spec.wire_index_key(job.job), writer.index())
-    read = shardfile.ShardReader(store).read(job.job, 0, total)
+    read = shardfile.ShardReader(store).read(job, 0)
 
     # 2. The message is what json.dumps writes of the same shard, and decodes to its prompts.
     fast = json.loads(encode(0))
