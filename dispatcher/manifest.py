@@ -30,6 +30,8 @@ COLUMNS = ("index", "id", "prompt", "negative_prompt", "seed", "steps", "guidanc
            "revision", "variant", "model_digest")
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 BATCH_ROWS = 10_000
+# A CSV cell starting with one of these is read by Excel, LibreOffice or Sheets as a formula.
+CSV_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None) -> Iterator[dict[str, Any]]:
@@ -83,7 +85,7 @@ def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:
                     writer = csv.DictWriter(out, fieldnames=COLUMNS)
                     writer.writeheader()
                     for row in rows:
-                        writer.writerow(row)
+                        writer.writerow({name: csv_cell(value) for name, value in row.items()})
                         count += 1
                 else:
                     for row in rows:
@@ -93,6 +95,19 @@ def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     return count
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` as a CSV cell a spreadsheet shows as text: a string starting with ``=``, ``+``,
+    ``-``, ``@``, a tab or a carriage return gets a ``'`` in front (OWASP's advice against CSV
+    injection), so a prompt ``=HYPERLINK(...)`` is never run as a formula; anything else as it is.
+
+    Only strings: a number is written by Python (``-1.5``), never a formula.  Parquet and JSON
+    Lines are read as data, not evaluated, and keep the text unchanged.
+    """
+    if isinstance(value, str) and value.startswith(CSV_FORMULA_STARTS):
+        return "'" + value
+    return value
 
 
 def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:

@@ -146,8 +146,13 @@ class Thumbnails:
 
     def _make(self, job: str, name: str) -> tuple[bytes, dict[str, Any]]:
         thumb, meta = self.pool.submit(self._decode, job, name).result()
-        self.store.put(meta_key(job, name), json.dumps(meta).encode(), content_type="application/json")
-        self.store.put(thumb_key(job, name), thumb, content_type="image/webp")  # last: its presence means done
+        try:
+            self.store.put(meta_key(job, name), json.dumps(meta).encode(), content_type="application/json")
+            self.store.put(thumb_key(job, name), thumb, content_type="image/webp")  # last: its presence means done
+        except OSError as exc:
+            # A folder store that will not keep it (a link planted as thumbs/ is refused, never written
+            # through; a full disk): the view is still served, made again next time.
+            log.warning("thumbnail of %s of job %s not kept in the store: %s", name, job, exc)
         return thumb, meta
 
     def _decode(self, job: str, name: str) -> tuple[bytes, dict[str, Any]]:

