@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -535,13 +536,15 @@ class Results:
         return asdict(self)
 
 
-def results(store: Store, job: str) -> Results:
-    """Where each prompt's image is, and which are missing or quarantined."""
+def results(store: Store, job: str, names: Iterable[str] | None = None) -> Results:
+    """Where each prompt's image is, and which are missing or quarantined.  ``names``: the
+    prompts' image names in order when the caller has read them already (``resume``'s
+    ``names``); else they are read from the stored prompt file."""
     job_spec = load_spec(store, job)
     images = stored_images(store, job)
     quarantined = stored_names(store, job, "quarantine")
     out = Results(job, {}, [], {})
-    for name, _ in stored_prompts(store, job_spec):
+    for name in (name for name, _ in stored_prompts(store, job_spec)) if names is None else names:
         if name in images:
             out.images[name] = store.locate(images[name])
         elif name in quarantined:

@@ -386,9 +386,12 @@ class Job:
         from dispatcher.resume import resume
         from dispatcher.status import results
 
-        if self.client.redis.exists(keys.job(self.id)):
-            resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False)
-        return results(self.client.store, self.id)
+        if not self.client.redis.exists(keys.job(self.id)):
+            return results(self.client.store, self.id)
+        names: list[str] = []  # the prompt file read once: by resume, for both
+        resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False,
+               names=names)
+        return results(self.client.store, self.id, names)
 
     def resume(self) -> ResumeReport:
         """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""

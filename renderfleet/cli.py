@@ -356,8 +356,9 @@ def results(
             if sheet:
                 _err(f"{sheet}: {contact_sheet(store, job, sheet, limit=first)} images")
             return
-        corrected = _correct_counts(settings, store, job)
-        res = job_results(store, job)
+        names: list[str] = []  # the prompts' image names, from the one read of the prompt file
+        corrected = _correct_counts(settings, store, job, names)
+        res = job_results(store, job, names if corrected is not None else None)
     if corrected is not None and corrected.uncounted:
         _err(f"job {job}: {corrected.uncounted} prompts counted done have no image in the store: "
              "their counts are taken back")
@@ -386,16 +387,17 @@ def _running_redis(settings: Settings) -> tuple[Any, Any] | None:
     return (make_app(url), connect(url)) if url else None
 
 
-def _correct_counts(settings: Settings, store: Any, job: str) -> Any:
+def _correct_counts(settings: Settings, store: Any, job: str, names: list[str] | None = None) -> Any:
     """Redis's counts of ``job`` corrected to the store (a count whose image is gone is taken
-    back), when Redis knows the job: ``status`` then agrees with ``results``.  The report, or None."""
+    back), when Redis knows the job: ``status`` then agrees with ``results``.  The report, or None;
+    ``names`` is filled with the prompts' image names when it is not None (``resume``'s)."""
     from dispatcher.resume import resume as do_resume
     from renderfleet import keys
 
     found = _running_redis(settings)
     if found is None or not found[1].exists(keys.job(job)):
         return None
-    return do_resume(job, store=store, app=found[0], client=found[1], push=False)
+    return do_resume(job, store=store, app=found[0], client=found[1], push=False, names=names)
 
 
 def _attempts(settings: Settings, job: str) -> dict[int, int] | None:

@@ -92,3 +92,30 @@ def test_ctrl_c_in_run_says_how_to_go_on(tmp_path: Path, env: dict[str, str]) ->
     assert proc.returncode == 130, err[-2000:]
     assert "run the same command again: only the missing images render" in err
     assert "Traceback" not in err
+
+
+# Runs the CLI as `python -m renderfleet` does, with an audit hook counting the opens of one file.
+_COUNT_OPENS = """
+import atexit, os, runpy, sys
+watched, counts = os.path.realpath(sys.argv.pop(1)), sys.argv.pop(1)
+opened = []
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) \\
+            and os.path.realpath(os.fsdecode(args[0])) == watched:
+        opened.append(1)
+sys.addaudithook(hook)
+atexit.register(lambda: open(counts, "w").write(str(len(opened))))
+sys.argv[0] = "renderfleet"
+runpy.run_module("renderfleet", run_name="__main__")
+"""
+
+
+def test_results_reads_the_stored_prompt_file_once(tmp_path: Path, env: dict[str, str]) -> None:
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 5)), *TINY).stdout.split()[-1]
+    stored = tmp_path / "store" / "jobs" / job / "source" / "prompts.txt"
+    assert stored.is_file()
+    counts = tmp_path / "opens"
+    proc = subprocess.run([sys.executable, "-c", _COUNT_OPENS, str(stored), str(counts), "results", job],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1 and proc.stdout.count("MISSING") == 5, proc.stderr  # Redis knows the job
+    assert counts.read_text() == "1"
