@@ -355,7 +355,8 @@ def status(
         jobs = [_job_id(settings, job, client, store)] if job else None
 
         def read() -> Any:
-            return fleet_status(client, jobs, store=store, prices=prices, with_store_only=True)
+            return fleet_status(client, jobs, store=store, prices=prices, with_store_only=True,
+                                max_age=2 * settings.lease_seconds)
 
         try:
             fleet = read()
