@@ -142,7 +142,7 @@ def _bit(bitmap: bytes, i: int) -> bool:
 def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
            only: set[int] | None = None, front: bool = False, lost: bool = False,
            push: bool = True, uncancel: bool = False, priority: int | None = None,
-           share: int | None = None) -> ResumeReport:
+           share: int | None = None, names: list[str] | None = None) -> ResumeReport:
     """Correct Redis's counts of ``job`` (or of its shards ``only``) to the store, and
     enqueue every shard with a prompt the store does not hold that is in no queue,
     not leased and not finished.
@@ -153,7 +153,9 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     ``uncancel``: the user's own ``resume`` or ``submit``, which continues a cancelled job.
     Without it (the monitor) a cancelled job stays cancelled: registered, its counts
     corrected, nothing pushed (``dispatcher/lifecycle.py``); ``priority``, ``share``:
-    how the feeder ranks the job from now on (default: as it was, else as submitted).
+    how the feeder ranks the job from now on (default: as it was, else as submitted);
+    ``names``: a list to fill with every prompt's image name, in order, from this same
+    read (``results`` lists them without reading the file a second time).
 
     Shards go back as pending references for the feeder (a shard pending already is
     left as it is, so a resume never adds a second copy); ``front`` and ``lost`` push
@@ -201,6 +203,8 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
         shard = 0
         for i, (name, line) in enumerate(stored_prompts(store, job_spec)):
             current.append(line)
+            if names is not None:
+                names.append(name)
             if writer is not None and (len(current) == job_spec.shard_size or i == job_spec.total - 1):
                 list(writer.shards(current))  # one shard's lines, its offset kept
             if name in images or name in quarantined:

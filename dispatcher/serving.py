@@ -5,7 +5,9 @@ A job waits silently forever when no worker takes from its queue (a typo in
 worker registers (``keys.WORKERS``) the pools whose queues it serves and the
 store it writes to, and touches ``last_seen`` at every reaper tick; one whose
 last touch is older than ``max_age`` is taken to be gone (the Kelpie rule:
-twice the lease).  A worker still loading its model has not registered yet.
+twice the lease).  A worker still loading its model is registered with
+``"state": "loading"`` (worker/loading.py) and touched as it loads: it is
+reported as loading, not as a live worker, nor as none.
 """
 
 from __future__ import annotations
@@ -31,12 +33,17 @@ def served_pools(info: dict[str, Any]) -> list[str]:
     return [pool] if pool == "default" else [pool, "default"]
 
 
+LOADING = "loading"  # worker.loading.LOADING: a registration's "state" while its worker loads (no worker import here)
+
+
 def live_servers(client: redis.Redis, store: Store, queue: str, max_age: float,
-                 now: float | None = None) -> list[str]:
-    """The ids of the workers of ``store`` serving ``queue`` whose last touch is under ``max_age`` s old."""
+                 now: float | None = None, *, loading: bool = False) -> list[str]:
+    """The ids of the workers of ``store`` serving ``queue`` whose last touch is under ``max_age`` s old:
+    those loaded, or with ``loading`` those still loading their model."""
     now = time.time() if now is None else now
     candidates = [wid for wid, info in store_workers(client, store).items()
-                  if queue in (queue_name(pool, store.url) for pool in served_pools(info))]
+                  if (info.get("state") == LOADING) == loading
+                  and queue in (queue_name(pool, store.url) for pool in served_pools(info))]
     if not candidates:
         return []
     pipe = client.pipeline(transaction=False)
@@ -62,3 +69,21 @@ def no_worker_message(job: str, queue: str) -> str:
     pool = queue.split(".")[1] if queue.count(".") >= 2 else queue
     return (f"job {job}: no live worker serves its queue {queue} (pool {pool!r} of this store): start one with "
             f"`renderfleet worker --pool {pool}` against the same RENDERFLEET_REDIS_URL and RENDERFLEET_STORE")
+
+
+def loading_message(job: str, queue: str, workers: int) -> str:
+    """What a waiter is told while the only workers of the job's queue are loading their model."""
+    return (f"job {job}: {'a worker is' if workers == 1 else f'{workers} workers are'} loading its model for "
+            f"its queue {queue}: shards are taken once it is loaded")
+
+
+def unserved(client: redis.Redis, store: Store, job: str, max_age: float) -> tuple[str, str] | None:
+    """Why no loaded worker takes the job's shards now, if none does: ("loading", message) while
+    workers of its queue load their model, ("none", message) when no live worker serves it.  None
+    when one does, or when Redis does not know the job (lost, or a store-only job): nothing to say."""
+    queue = job_queue(client, job)
+    if queue is None or live_servers(client, store, queue, max_age):
+        return None
+    if loading := live_servers(client, store, queue, max_age, loading=True):
+        return LOADING, loading_message(job, queue, len(loading))
+    return "none", no_worker_message(job, queue)

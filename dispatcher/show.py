@@ -174,6 +174,8 @@ def _sized_columns(columns: list[Column], jobs: Sequence[JobStatus]) -> list[Col
 def _doing(worker: dict[str, object], ids: dict[str, str]) -> str:
     """``JOB:N 12s`` (a shard, by the job's short id) or ``idle 40s`` (from what the worker records at
     claim and release)."""
+    if worker.get("state") == "loading":  # registered as it loads its model (worker/loading.py)
+        return "loading model"
     since = worker.get("since")
     if not since:
         return "-"
@@ -216,6 +218,8 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
                               wide=wide)
         parts += [jobs, Text("")]
         dropped += gone
+        # Why a job does not move: its workers load their model, or none serves its queue.
+        parts += [Text(j.unserved_note, style="yellow") for j in fleet.jobs if j.unserved_note]
     else:
         parts.append(Text("no jobs"))
     if fleet.other_stores:

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -75,6 +76,11 @@ class JobStatus:
     share: int = spec.DEFAULT_SHARE  # its weight among the jobs of its priority
     queue: str = ""  # the queue its shards are fed to
     bytes_per_image: float | None = None  # mean size of its stored images (a store listing); None when not read
+    # While it has work left and no loaded worker serves its queue: "loading" (its workers are loading
+    # their model) or "none" (no live worker serves it), and the line that says so (dispatcher/serving.py);
+    # None when a worker does, or when not checked.
+    unserved: str | None = None
+    unserved_note: str | None = None
 
     @property
     def failed(self) -> int:
@@ -461,7 +467,7 @@ def check_in_store(store: Store, job: str) -> None:
 
 def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store,
                  prices: dict[str, float] | None = None, with_store_only: bool = False,
-                 reasons: bool | None = None) -> FleetStatus:
+                 reasons: bool | None = None, max_age: float | None = None) -> FleetStatus:
     """``store``'s queues, workers, pools and jobs: the named ``jobs``, or every job of
     ``store`` that Redis knows, and with ``with_store_only`` also those only the store's
     listing of ``jobs/`` shows (a listing, and each such job counted from the store:
@@ -475,7 +481,10 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     Costs are counted at the prices the fleet published (:func:`publish_prices`), each
     overridden by ``prices`` (a config given to the reader).  ``reasons`` (default: when
     ``jobs`` are named) reads each job's ``failure_reasons``; a listing leaves them None.
+    ``max_age`` (a worker's liveness: twice the lease) checks, for each job with work left,
+    that a loaded worker serves its queue (``JobStatus.unserved``); None: not checked.
     """
+    from dispatcher.serving import unserved  # it reads this module's store_workers
     tag = store_tag(store.url)
     workers = store_workers(client, store)
     status = FleetStatus(store=store_identity(store.url))
@@ -511,6 +520,8 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         if reasons if reasons is not None else named:
             job_state.failure_reasons = failure_reasons(client, job)
             job_state.bytes_per_image = mean_bytes(stored_image_sizes(store, job, SIZE_SAMPLE))
+        if max_age is not None and job_state.to_render and (why := unserved(client, store, job, max_age)):
+            job_state.unserved, job_state.unserved_note = why
         status.backlog_seconds += job_state.backlog_seconds
         if job_state.shards_pending and job_state.cancelled is None:
             status.pending[job_state.queue] = status.pending.get(job_state.queue, 0) + job_state.shards_pending
@@ -535,13 +546,15 @@ class Results:
         return asdict(self)
 
 
-def results(store: Store, job: str) -> Results:
-    """Where each prompt's image is, and which are missing or quarantined."""
+def results(store: Store, job: str, names: Iterable[str] | None = None) -> Results:
+    """Where each prompt's image is, and which are missing or quarantined.  ``names``: the
+    prompts' image names in order when the caller has read them already (``resume``'s
+    ``names``); else they are read from the stored prompt file."""
     job_spec = load_spec(store, job)
     images = stored_images(store, job)
     quarantined = stored_names(store, job, "quarantine")
     out = Results(job, {}, [], {})
-    for name, _ in stored_prompts(store, job_spec):
+    for name in (name for name, _ in stored_prompts(store, job_spec)) if names is None else names:
         if name in images:
             out.images[name] = store.locate(images[name])
         elif name in quarantined:

@@ -36,9 +36,9 @@ from celery import Celery
 
 from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
-from renderfleet import prompts, shardfile, spec
+from renderfleet import celery_app, prompts, shardfile, spec
 from renderfleet.errors import InputError
-from renderfleet.spec import JobSpec, RenderParams, job_id_problem, store_identity
+from renderfleet.spec import JobSpec, RenderParams, job_id_problem, message_head, store_identity
 from renderfleet.store import Store
 
 
@@ -113,6 +113,37 @@ def check_options(opts: SubmitOptions) -> None:
         raise InputError(problems)
 
 
+# The flag of each setting a shard message carries (its params), by RenderParams name: what a
+# message too long for a worker names.  The rest of a message is a few short ids and numbers.
+_MESSAGE_FLAGS = {"negative_prompt": "--negative", "model": "--model", "loras": "--lora",
+                  **{name: flag for flag, name in _FIELD_FLAGS}}
+# The feeder's envelopes pad the body with up to two of JSON's spaces (celery_app.feed_template):
+# at most 4 more base64 characters than envelope_factory's.
+_FEED_PADDING = 4
+
+
+def check_message_size(job_spec: JobSpec, app: Celery, queue: str, store: str) -> None:
+    """Refuse a job whose shard messages a worker would drop unread: longer than the queue
+    guard takes (``celery_app.MAX_ITEM_CHARS``, worker/queueguard.py), every delivery of every
+    shard would be dropped and the job would never end.  InputError, one line naming the setting
+    that makes the message long (the longest of them in it), before anything is written.
+
+    A message names its shard's range, not its prompts (docs/design.md, "Shards by reference"):
+    its length is the job's settings and a few numbers, whatever the shard size or the file.
+    """
+    last = max(job_spec.shards - 1, 0)  # the most digits: the last shard's numbers, a full shard's count
+    message = (f'{message_head(job_spec, queue, store)},"shard":{last},"first":{last * job_spec.shard_size},'
+               f'"count":{job_spec.shard_size}}}')
+    size = len(celery_app.envelope_factory(app)(message, queue, f"{job_spec.job}:{last}")) + _FEED_PADDING
+    if size <= celery_app.MAX_ITEM_CHARS:
+        return
+    carried = job_spec.params.identity()
+    longest = max((name for name in _MESSAGE_FLAGS if name in carried), key=lambda name: len(json.dumps(carried[name])))
+    raise InputError([f"{_MESSAGE_FLAGS[longest]}: makes each shard's message {size:,} characters (as a worker "
+                      f"reads it from its queue), more than a worker takes ({celery_app.MAX_ITEM_CHARS:,}): "
+                      "shorten it"])
+
+
 def job_id(digest: str, params: RenderParams, store: str) -> str:
     """What the images are and where they go: the prompt file's content, the
     render settings and the store (``spec.store_identity``).
@@ -139,6 +170,8 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         summary = prompts.validate_file(path)
     owner = store_identity(store.url)
     job = opts.job or job_id(summary.digest, opts.params, owner)
+    check_message_size(JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
+                               batch_size=opts.batch_size), app, queue, owner)
 
     existing = store.get(spec.spec_key(job))
     if existing is not None:

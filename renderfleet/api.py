@@ -323,8 +323,9 @@ class Job:
         :class:`TimeoutError` after ``timeout`` seconds (the job goes on).
 
         While no live worker serves the job's queue (its pool, of this store:
-        none started, another ``--pool``, workers of another store), it says so
-        within a poll or two, once: ``on_no_worker(message)`` when given, else a
+        none started, another ``--pool``, workers of another store), or its only
+        workers are still loading their model, it says which within a poll or
+        two, once each: ``on_no_worker(message)`` when given, else a
         WARNING of the ``renderfleet.api`` logger (shown on stderr even with no
         logging set up).  The :class:`TimeoutError` says so too.
         """
@@ -347,8 +348,8 @@ class Job:
             else:
                 log.warning("%s", message)
 
-        unserved: str | None = None  # the message while no live worker serves the queue
-        told = False
+        unserved: str | None = None  # the message while no loaded worker serves the queue
+        told: str | None = None  # the last one told: "loading", then "none" if the load failed, each once
         try:
             while True:
                 now = self.status()
@@ -357,9 +358,9 @@ class Job:
                 if now.finished:
                     return now
                 unserved = self._unserved()
-                if unserved and not told:
+                if unserved and unserved != told:
                     tell(unserved)
-                    told = True
+                    told = unserved
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"job {self.id}: {now.done + now.quarantined}/{now.total} after {timeout} s"
                                        + (f"; {unserved.removeprefix(f'job {self.id}: ')}" if unserved else ""))
@@ -369,16 +370,12 @@ class Job:
                 bar.stop()
 
     def _unserved(self) -> str | None:
-        """Why no worker will take the job's shards, if none will (dispatcher/serving.py)."""
-        from dispatcher.serving import job_queue, live_servers, no_worker_message
+        """Why no worker takes the job's shards now, if none does: its workers are loading their
+        model, or none serves its queue (dispatcher/serving.py)."""
+        from dispatcher.serving import unserved
 
-        queue = job_queue(self.client.redis, self.id)
-        if queue is None:
-            return None  # Redis does not know the job (lost, or a store-only job): nothing to say
-        max_age = 2 * self.client.settings.lease_seconds
-        if live_servers(self.client.redis, self.client.store, queue, max_age):
-            return None
-        return no_worker_message(self.id, queue)
+        found = unserved(self.client.redis, self.client.store, self.id, 2 * self.client.settings.lease_seconds)
+        return None if found is None else found[1]
 
     def results(self) -> Results:
         """Where each image is, and which are missing or quarantined (reads the store); Redis's
@@ -386,9 +383,12 @@ class Job:
         from dispatcher.resume import resume
         from dispatcher.status import results
 
-        if self.client.redis.exists(keys.job(self.id)):
-            resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False)
-        return results(self.client.store, self.id)
+        if not self.client.redis.exists(keys.job(self.id)):
+            return results(self.client.store, self.id)
+        names: list[str] = []  # the prompt file read once: by resume, for both
+        resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False,
+               names=names)
+        return results(self.client.store, self.id, names)
 
     def resume(self) -> ResumeReport:
         """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""

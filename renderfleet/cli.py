@@ -8,11 +8,14 @@ bad input, 1 for anything else that went wrong.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +23,7 @@ import typer
 
 from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError, TransientError
 from renderfleet.settings import Settings, load_settings
-from renderfleet.spec import DEFAULT
+from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="Render one image per prompt on a fleet of GPU workers, each exactly once.")
@@ -144,15 +147,82 @@ Variant = Annotated[str, typer.Option(
     metavar="NAME", help="weights variant to load, e.g. fp16 (hub ids, folders, s3://)")]
 
 
-def _submit_options(job: str | None, model: str | None, steps: int, size: str, guidance: float,
-                    negative: str, seed: int, shard_size: int, batch_size: int, pool: str | None,
-                    settings: Settings, priority: int = 5, share: int = 1,
-                    render: dict[str, Any] | None = None) -> Any:
+@dataclass(frozen=True)
+class SubmitFlags:
+    """The job settings ``submit`` and ``run`` both take, as their flags gave them (:func:`with_submit_flags`)."""
+
+    job: str | None
+    model: str | None
+    steps: int
+    size: str
+    guidance: float
+    negative: str
+    seed: int
+    shard_size: int
+    batch_size: int
+    pool: str | None
+    priority: int
+    share: int
+    scheduler: str
+    long_prompts: str
+    image_format: str
+    quality: int
+    lora: list[str] | None
+    revision: str
+    variant: str
+
+
+# Each setting's option (its Annotated type) and default, defined once for every command that
+# submits: run took a subset of submit's until they drifted apart (issue 36).
+SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
+    "job": (JobOpt, None), "model": (Model, None), "steps": (Steps, DEFAULT["steps"]), "size": (Size, _SIZE),
+    "guidance": (Guidance, DEFAULT["guidance"]), "negative": (Negative, DEFAULT["negative_prompt"]),
+    "seed": (Seed, DEFAULT["seed"]), "shard_size": (ShardSize, 64), "batch_size": (BatchSize, 4),
+    "pool": (Pool, None), "priority": (Priority, DEFAULT_PRIORITY),
+    "share": (Share, DEFAULT_SHARE), "scheduler": (Scheduler, DEFAULT["scheduler"]),
+    "long_prompts": (LongPrompts, DEFAULT["long_prompts"]), "image_format": (ImageFormat, DEFAULT["image_format"]),
+    "quality": (Quality, DEFAULT["quality"]), "lora": (Lora, None), "revision": (Revision, DEFAULT["revision"]),
+    "variant": (Variant, DEFAULT["variant"]),
+}
+
+
+def with_submit_flags(**options: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A command that takes every option of :data:`SUBMIT_FLAGS` (``options``: another Annotated type
+    for one of them, e.g. run's model that defaults to tiny) after its own, and is called with them
+    gathered in one :class:`SubmitFlags` as ``flags``.  typer reads the options from the signature
+    made here."""
+
+    def wrap(func: Callable[..., None]) -> Callable[..., None]:
+        own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "flags"]
+        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=options.get(name, kind),
+                                    default=default) for name, (kind, default) in SUBMIT_FLAGS.items()]
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> None:
+            flags = SubmitFlags(**{name: kwargs.pop(name) for name in SUBMIT_FLAGS})
+            func(**kwargs, flags=flags)
+
+        params = [*own, *shared]
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return wrap
+
+
+def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = None) -> Any:
+    """The checked options of a submit from its flags (``model``: in place of ``flags.model``)."""
     from renderfleet.api import Client
 
-    return Client(settings).options(model=model, steps=steps, size=size, guidance=guidance, negative=negative,
-                                    seed=seed, shard_size=shard_size, batch_size=batch_size, pool=pool or "default",
-                                    job=job, priority=priority, share=share, **(render or {}))
+    render = _render(flags.scheduler, flags.long_prompts, flags.image_format, flags.quality)
+    if flags.lora:
+        render["loras"] = flags.lora
+    render.update({k: v for k, v in (("revision", flags.revision), ("variant", flags.variant)) if v})
+    return Client(settings).options(model=model or flags.model, steps=flags.steps, size=flags.size,
+                                    guidance=flags.guidance, negative=flags.negative, seed=flags.seed,
+                                    shard_size=flags.shard_size, batch_size=flags.batch_size,
+                                    pool=flags.pool or "default", job=flags.job, priority=flags.priority,
+                                    share=flags.share, **render)
 
 
 def _render(scheduler: str, long_prompts: str, image_format: str, quality: int) -> dict[str, Any]:
@@ -183,29 +253,19 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
 
 
 @app.command()
+@with_submit_flags()
 def submit(
     file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; "
                                          "- for stdin")],
-    job: JobOpt = None, model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
-    guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
-    seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
-    batch_size: BatchSize = 4, pool: Pool = None, priority: Priority = 5, share: Share = 1,
-    scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
-    image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
-    lora: Lora = None, revision: Revision = DEFAULT["revision"], variant: Variant = DEFAULT["variant"],
     fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
                                             help="txt, jsonl or csv: the format of stdin (with -)")] = None,
+    *, flags: SubmitFlags,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
     settings = _settings()
     _logging(settings)
     with _user_errors():
-        render = _render(scheduler, long_prompts, image_format, quality)
-        if lora:
-            render["loras"] = lora
-        render.update({k: v for k, v in (("revision", revision), ("variant", variant)) if v})
-        opts = _submit_options(job, model, steps, size, guidance, negative, seed, shard_size,
-                               batch_size, pool, settings, priority, share, render)
+        opts = _submit_options(flags, settings)
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
@@ -295,7 +355,8 @@ def status(
         jobs = [_job_id(settings, job, client, store)] if job else None
 
         def read() -> Any:
-            return fleet_status(client, jobs, store=store, prices=prices, with_store_only=True)
+            return fleet_status(client, jobs, store=store, prices=prices, with_store_only=True,
+                                max_age=2 * settings.lease_seconds)
 
         try:
             fleet = read()
@@ -356,8 +417,9 @@ def results(
             if sheet:
                 _err(f"{sheet}: {contact_sheet(store, job, sheet, limit=first)} images")
             return
-        corrected = _correct_counts(settings, store, job)
-        res = job_results(store, job)
+        names: list[str] = []  # the prompts' image names, from the one read of the prompt file
+        corrected = _correct_counts(settings, store, job, names)
+        res = job_results(store, job, names if corrected is not None else None)
     if corrected is not None and corrected.uncounted:
         _err(f"job {job}: {corrected.uncounted} prompts counted done have no image in the store: "
              "their counts are taken back")
@@ -386,16 +448,17 @@ def _running_redis(settings: Settings) -> tuple[Any, Any] | None:
     return (make_app(url), connect(url)) if url else None
 
 
-def _correct_counts(settings: Settings, store: Any, job: str) -> Any:
+def _correct_counts(settings: Settings, store: Any, job: str, names: list[str] | None = None) -> Any:
     """Redis's counts of ``job`` corrected to the store (a count whose image is gone is taken
-    back), when Redis knows the job: ``status`` then agrees with ``results``.  The report, or None."""
+    back), when Redis knows the job: ``status`` then agrees with ``results``.  The report, or None;
+    ``names`` is filled with the prompts' image names when it is not None (``resume``'s)."""
     from dispatcher.resume import resume as do_resume
     from renderfleet import keys
 
     found = _running_redis(settings)
     if found is None or not found[1].exists(keys.job(job)):
         return None
-    return do_resume(job, store=store, app=found[0], client=found[1], push=False)
+    return do_resume(job, store=store, app=found[0], client=found[1], push=False, names=names)
 
 
 def _attempts(settings: Settings, job: str) -> dict[int, int] | None:
@@ -626,31 +689,26 @@ def autoscale(
 
 
 @app.command()
+@with_submit_flags(model=ModelOrTiny)
 def run(
     file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz")],
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="local workers to start")] = 1,
-    job: JobOpt = None, model: ModelOrTiny = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE,
-    guidance: Guidance = DEFAULT["guidance"], negative: Negative = DEFAULT["negative_prompt"],
-    seed: Seed = DEFAULT["seed"], shard_size: ShardSize = 64,
-    batch_size: BatchSize = 4, pool: Pool = None,
-    scheduler: Scheduler = DEFAULT["scheduler"], long_prompts: LongPrompts = DEFAULT["long_prompts"],
-    image_format: ImageFormat = DEFAULT["image_format"], quality: Quality = DEFAULT["quality"],
     timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
+    *, flags: SubmitFlags,
 ) -> None:
     """Everything on this machine: server, N workers, submit, progress, summary.
 
-    Ctrl-C, SIGTERM or SIGHUP: the workers hand their shards back and stop
-    (killed only if still there after their grace); exit 128 + the signal's
-    number (130, 143, 129).  The embedded server stays up for status and resume.
+    Takes every setting submit takes.  Ctrl-C, SIGTERM or SIGHUP: the workers
+    hand their shards back and stop (killed only if still there after their
+    grace); exit 128 + the signal's number (130, 143, 129).  The embedded
+    server stays up for status and resume.
     """
     settings = _settings()
     _logging(settings)
     from dispatcher.localrun import run_local
 
     with _user_errors():
-        opts = _submit_options(job, model or settings.model or TINY_MODEL, steps, size, guidance, negative, seed,
-                               shard_size, batch_size, pool, settings,
-                               render=_render(scheduler, long_prompts, image_format, quality))
+        opts = _submit_options(flags, settings, model=flags.model or settings.model or TINY_MODEL)
         code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 

@@ -26,6 +26,7 @@ from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
 from worker.ledger import TOUCH_SECONDS, touch_seconds_for
+from worker.loading import LoadingRegistration
 from worker.metrics import WorkerMetrics, serve_metrics
 from worker.models import model_label, model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
@@ -112,8 +113,10 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if endpoint is not None:
         log.info("worker %s: metrics on http://%s:%d/metrics", worker_id, settings.metrics_host, endpoint.server_port)
     log.info("worker %s: pool %s, loading model %s", worker_id, settings.pool, model)
+    pools = queues or _default_queues(settings.pool)
     try:
-        renderer, loaded = load_renderer(model, settings)
+        with _loading(settings, url, worker_id, model, pools):  # status: "loading", not "no worker"
+            renderer, loaded = load_renderer(model, settings)
     except Exception as exc:
         if is_device_error(exc):
             log.error("the device failed while loading model %s: %s", model, exc)
@@ -135,7 +138,6 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     service = WorkerService.from_settings(settings, app=app, url=url, worker_id=worker_id, model=model,
                                           renderer=renderer, load_model=load_model, metrics=metrics)
     stop = service.stop
-    pools = queues or _default_queues(settings.pool)
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
     # Registered: from here a SIGTERM must not kill the process with its registration left behind
     # (a worker stopped right after it came up, by an autoscaler going down, say).  Until Celery's
@@ -330,6 +332,20 @@ def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> N
                 log.warning("Redis at %s is not reachable (%s): waiting for it", redact(url), exc)
                 said = now
             time.sleep(1.0)
+
+
+def _loading(settings: Settings, url: str, worker_id: str, model: str, pools: list[str]) -> LoadingRegistration:
+    """The registration that says this worker is loading its model (worker/loading.py): the fields
+    ``WorkerService.register`` writes that are known before the load."""
+    from renderfleet import redisconn
+    from renderfleet.spec import store_identity
+    from renderfleet.store import open_store
+
+    store = open_store(settings.store_url, settings.s3_options).url
+    info = {"pool": settings.pool, "store": store_identity(store), "model": model, "device": "",
+            "host": socket.gethostname(), "pid": os.getpid(), "queues": pools}
+    client = redisconn.client(url, socket_timeout=10, health_check_interval=10)
+    return LoadingRegistration(client, worker_id, info, touch_seconds_for(settings.lease_seconds))
 
 
 def _default_queues(pool: str) -> list[str]:

@@ -41,14 +41,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from renderfleet.celery_app import QUEUE_PREFIX, TASK_NAME
+from renderfleet.celery_app import MAX_ITEM_CHARS, QUEUE_PREFIX, TASK_NAME
 from renderfleet.spec import STORE_TAG_LENGTH
 
 log = logging.getLogger("renderfleet.queueguard")
 
-# No message renderfleet writes comes near this (a shard of 64 prompts is ~10 kB);
-# it bounds what a hostile item costs to decode, a few times its size at most.
-MAX_ITEM_CHARS = 64 * 1024 * 1024
+# MAX_ITEM_CHARS (renderfleet.celery_app): the longest item taken, checked before anything is parsed.
 # Brackets and commas anywhere in an envelope: a bound on how many JSON values
 # its text can make.  Ours have ~50 outside their body, plus what Celery's
 # argsrepr (at most ~1 kB) holds; 1 MB of "[{},{},...]" would make 300,000 dicts.

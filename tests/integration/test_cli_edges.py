@@ -92,3 +92,52 @@ def test_ctrl_c_in_run_says_how_to_go_on(tmp_path: Path, env: dict[str, str]) ->
     assert proc.returncode == 130, err[-2000:]
     assert "run the same command again: only the missing images render" in err
     assert "Traceback" not in err
+
+
+# Runs the CLI as `python -m renderfleet` does, with an audit hook counting the opens of one file.
+_COUNT_OPENS = """
+import atexit, os, runpy, sys
+watched, counts = os.path.realpath(sys.argv.pop(1)), sys.argv.pop(1)
+opened = []
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) \\
+            and os.path.realpath(os.fsdecode(args[0])) == watched:
+        opened.append(1)
+sys.addaudithook(hook)
+atexit.register(lambda: open(counts, "w").write(str(len(opened))))
+sys.argv[0] = "renderfleet"
+runpy.run_module("renderfleet", run_name="__main__")
+"""
+
+
+def test_results_reads_the_stored_prompt_file_once(tmp_path: Path, env: dict[str, str]) -> None:
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 5)), *TINY).stdout.split()[-1]
+    stored = tmp_path / "store" / "jobs" / job / "source" / "prompts.txt"
+    assert stored.is_file()
+    counts = tmp_path / "opens"
+    proc = subprocess.run([sys.executable, "-c", _COUNT_OPENS, str(stored), str(counts), "results", job],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1 and proc.stdout.count("MISSING") == 5, proc.stderr  # Redis knows the job
+    assert counts.read_text() == "1"
+
+
+def test_submit_refuses_a_job_whose_messages_a_worker_would_drop(
+    tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess
+) -> None:
+    # Each é of a negative prompt is 7 characters of a queued message (JSON's \\u00e9 in JSON),
+    # 4/3 of that in base64: 8M of them are over the worker's MAX_ITEM_CHARS.  argv cannot carry
+    # that much (Linux: 128 kB an argument), so the CLI is given it from inside Python.
+    negative = tmp_path / "negative.txt"
+    negative.write_text("é" * 8_000_000, encoding="utf-8")
+    prompts = write_prompts(tmp_path / "p.txt", 3)
+    run_cli = ("import runpy, sys; sys.argv = ['renderfleet', 'submit', sys.argv[1], '--model', 'tiny', "
+               "'--negative', open(sys.argv[2], encoding='utf-8').read()]; "
+               "runpy.run_module('renderfleet', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", run_cli, str(prompts), str(negative)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("--negative: makes each shard's message "), lines
+    assert "more than a worker takes (67,108,864)" in lines[0] and "Traceback" not in proc.stderr
+    assert redis.Redis.from_url(redis_server.url).dbsize() == 0
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*"))
