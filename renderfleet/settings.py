@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from renderfleet.errors import ConfigError
 from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
+from renderfleet.redaction import redact  # also renderfleet.settings.redact, as callers know it
 from renderfleet.spec import INT_LIMITS
 
 if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
@@ -30,43 +31,6 @@ _POOL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 # A Host header entry of RENDERFLEET_HTTP_HOSTS: a DNS name or an address, with an optional port.
 _HOST_RE = re.compile(r"^([a-z0-9][a-z0-9.-]*|\[[0-9a-f:.]+\])(:[0-9]{1,5})?$")
 MIN_TOKEN_LENGTH = 16  # characters: a guessable token on a network is none
-
-
-# Query parameters that may carry a credential (redis-py reads ?password= and ?username=).
-_SECRET_PARAM = re.compile(r"pass|secret|token|auth|user|cred|key", re.IGNORECASE)
-
-
-def redact(url: str) -> str:
-    """``url`` fit for a message or a log line: its user name and password (the
-    whole userinfo) and any credential in its query shown as ``***``.
-
-    Total: whatever the text, it returns and never raises, and it shows none of
-    the userinfo even when a password holds an unencoded ``/``, ``?``, ``#`` or
-    ``@`` (a parser such as urllib's would then read part of the password as the
-    host, the port or the path).  So it parses nothing: the userinfo is what
-    comes before an ``@``, and when an ``@`` comes after where the host seems
-    to end, everything up to the last ``@`` is taken as userinfo (more hidden,
-    never less).  Characters that could break or reorder a line are escaped.
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
-    if "@" in rest[end:]:  # an unencoded / ? or # in the userinfo
-        rest = "***" + rest[rest.rindex("@"):]
-    elif "@" in rest[:end]:
-        rest = "***" + rest[rest.rindex("@", 0, end):]
-    head, hash_mark, _ = rest.partition("#")
-    base, question, query = head.partition("?")
-    if query:
-        query = "&".join(_redact_param(param) for param in query.split("&"))
-    shown = f"{scheme}{sep}{base}{question}{query}" + ("#***" if hash_mark else "")
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in shown)
-
-
-def _redact_param(param: str) -> str:
-    name, equals, _ = param.partition("=")
-    return f"{name}=***" if equals and _SECRET_PARAM.search(name) else param
 
 
 # Why a Redis URL cannot be used, quoting it only redacted: a URL that does not
