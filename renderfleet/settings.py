@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from renderfleet.allowlist import entry_problem
 from renderfleet.errors import ConfigError
 from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
 from renderfleet.redaction import redact  # also renderfleet.settings.redact, as callers know it
@@ -192,9 +193,11 @@ class Settings(BaseSettings):
     # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
     # None: not shared, each node compiles for itself (worker/compiled.py).
     compile_cache_key_file: Path | None = None
-    # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``),
-    # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
-    # prefix and below).  None: any model.  A job naming another fails, not the worker.
+    # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``: a hub id at
+    # main or any commit, never refs/pr/*), ``org/name@COMMIT`` (that commit only), folders (the
+    # folder and everything in it) and ``s3://bucket/prefix`` (that prefix and below)
+    # (renderfleet/allowlist.py).  None: any model.  A job naming another fails, not the worker;
+    # submit applies it too where its environment sets it.
     allowed_models: str | None = None
     # Serve the reserved ``bench:fixed?seconds=S`` models (renderfleet.spec.bench_seconds): no
     # model, a fixed time per image, flat-colour PNGs marked as fake.  Off: a job naming one
@@ -259,6 +262,14 @@ class Settings(BaseSettings):
             return None
         if value.startswith("s3://") and not value[5:].split("/", 1)[0]:
             raise ValueError(f"s3 URL needs a bucket: {value!r}")
+        return value
+
+    @field_validator("allowed_models")
+    @classmethod
+    def _check_allowed_models(cls, value: str | None) -> str | None:
+        for entry in (value or "").split(","):
+            if why := entry_problem(entry.strip()):
+                raise ValueError(why)
         return value
 
     @field_validator("http_token")

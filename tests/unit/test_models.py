@@ -104,6 +104,15 @@ def test_tiny_tokenizer_ids_fit_the_text_encoder(tiny: LoadedModel) -> None:
     assert ids[0] == tokenizer.bos_token_id and len(ids) == 77
 
 
+def test_a_folder_given_with_a_tilde_loads_from_this_workers_home(
+    tiny: LoadedModel, saved_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(saved_tiny.parent))
+    loaded = load_pipeline("~/tiny", device="cpu", cache_dir=tmp_path)
+    assert loaded.model == "~/tiny" and loaded.digest.startswith("files-sha256:")
+    assert checksum(loaded.pipe) == checksum(tiny.pipe)
+
+
 def test_saved_tiny_loads_from_folder_and_renders_the_same_bytes(
     tiny: LoadedModel, saved_tiny: Path, tmp_path: Path
 ) -> None:

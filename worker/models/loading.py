@@ -114,7 +114,8 @@ def load_pipeline(
 
     # 1. Build or read the pipeline, on the CPU.
     digest = ""
-    if revision and (model == TINY or model.startswith("s3://") or Path(model).is_dir()):
+    folder = Path(model).expanduser()  # a folder given as ~/models/sd is this worker's home's
+    if revision and (model == TINY or model.startswith("s3://") or folder.is_dir()):
         raise ModelLoadError(f"model {model!r}: a revision pins a hub id's weights; this model is not a hub id")
     if model == TINY:
         if variant:
@@ -122,12 +123,12 @@ def load_pipeline(
         pipe = build_tiny_pipeline()
         pipe = pipe.to(dtype=dtype)
     elif model.startswith("s3://"):
-        folder = fetch_cached(model, cache_dir=cache_dir, fetch=fetch, refresh=refresh)
-        digest = read_marker(folder)
+        cached = fetch_cached(model, cache_dir=cache_dir, fetch=fetch, refresh=refresh)
+        digest = read_marker(cached)
+        pipe = _from_pretrained(str(cached), model, dtype, variant=variant)
+    elif folder.is_dir():
+        digest = folder_digest(folder)
         pipe = _from_pretrained(str(folder), model, dtype, variant=variant)
-    elif Path(model).is_dir():
-        digest = folder_digest(Path(model))
-        pipe = _from_pretrained(model, model, dtype, variant=variant)
     else:
         pipe = _from_hub(model, dtype, revision=revision, variant=variant)
 
