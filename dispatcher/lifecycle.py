@@ -39,6 +39,8 @@ import redis
 from celery import Celery
 
 from dispatcher import enqueue
+from dispatcher.cancelmarks import Cancelled, cancelled_at, check_cancelled, hold  # noqa: F401 - their names here too
+from dispatcher.cancelmarks import cancel_pass as _cancel
 from renderfleet import keys, spec
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
@@ -54,16 +56,6 @@ LEASE_MARGIN_SECONDS = 5.0
 SETTLE_SECONDS = 2.0
 DELETED = "renderfleet delete"
 GONE = "gone from the store: its spec was removed behind the fleet's back; retired by the monitor"
-
-
-@dataclass(frozen=True)
-class Cancelled:
-    """What one pass of ``cancel.lua`` did: messages taken out of queues, shards parked, shards
-    still under a live lease (they stop at their next batch boundary, or, fenced, at once)."""
-
-    removed: int = 0
-    parked: int = 0
-    leased: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,36 +85,7 @@ def deleted(client: redis.Redis, job: str) -> JobDeleted | None:
     return JobDeleted(job, float(at), keys.text(reason))
 
 
-def cancelled_at(client: redis.Redis, store: Store | None, job: str) -> float | None:
-    """When the job was cancelled (Redis's field, else the store's marker when a store is given), or None."""
-    field = client.hget(keys.job(job), "cancelled")
-    if field is not None:
-        return float(field)
-    if store is None:
-        return None
-    return _marker_time(store, job)
-
-
-def _marker_time(store: Store, job: str) -> float | None:
-    data = store.get(spec.cancelled_key(job))
-    if data is None:
-        return None
-    try:
-        return float(json.loads(data)["cancelled"])
-    except (ValueError, KeyError, TypeError):
-        return 0.0  # a marker we cannot read still says cancelled
-
-
 # ---- the scripts ---------------------------------------------------------------------
-
-
-def _cancel(client: redis.Redis, job: str, *, fence: bool, when: str = "") -> Cancelled:
-    removed, parked, leased = client.register_script(lua_script("cancel"))(
-        keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
-              UNACKED_KEY, UNACKED_INDEX_KEY, keys.pending(job)],
-        args=[job, keys.QUEUED_PREFIX, "1" if fence else "", when, keys.ACTIVE_PREFIX],
-    )
-    return Cancelled(int(removed), int(parked), int(leased))
 
 
 def forget(client: redis.Redis, job: str, store: str, reason: str) -> int:
@@ -151,32 +114,6 @@ def lease_expiries(client: redis.Redis, job: str) -> dict[str, float]:
     live = client.zrangebyscore(keys.INFLIGHT, f"({now_ms}", "+inf", withscores=True)
     return {m: (float(score) - now_ms) / 1000 for m, score in ((keys.text(x), score) for x, score in live)  # type: ignore[str-unpack]
             if m.startswith(prefix)}
-
-
-# ---- for resume --------------------------------------------------------------------------
-
-
-def check_cancelled(store: Store, client: redis.Redis, job: str, *, uncancel: bool) -> str | None:
-    """Before ``resume`` publishes: the cancel time to keep (the job stays cancelled: see
-    :func:`hold`), or None.  A job that stays cancelled has its field set at once: a worker
-    that takes a message resume pushes before :func:`hold` takes it out drops it at its claim.
-    ``uncancel`` (the user's own resume or submit) continues a cancelled job: its marker goes
-    first, then its field (a Redis lost in between does not bring the cancel back)."""
-    if uncancel:
-        store.delete(spec.cancelled_key(job))
-        client.hdel(keys.job(job), "cancelled")
-        return None
-    at = cancelled_at(client, store, job)
-    if at is None:
-        return None
-    client.hset(keys.job(job), "cancelled", str(int(at)))
-    return str(int(at))
-
-
-def hold(client: redis.Redis, job: str, at: str) -> Cancelled:
-    """After ``resume`` published a job that stays cancelled (the monitor's adopt, a Redis
-    that lost its memory): its field set again and whatever was pushed taken out."""
-    return _cancel(client, job, fence=False, when=at)
 
 
 # ---- the commands --------------------------------------------------------------------------

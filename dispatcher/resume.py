@@ -24,7 +24,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from dispatcher import enqueue, lifecycle
+from dispatcher import cancelmarks, enqueue
 from dispatcher.enqueue import WireShard
 from renderfleet import keys, prompts, shardfile, spec
 from renderfleet.celery_app import is_store_queue, queue_name
@@ -152,7 +152,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     ``push=False``: correct the counts only (``results``);
     ``uncancel``: the user's own ``resume`` or ``submit``, which continues a cancelled job.
     Without it (the monitor) a cancelled job stays cancelled: registered, its counts
-    corrected, nothing pushed (``dispatcher/lifecycle.py``); ``priority``, ``share``:
+    corrected, nothing pushed (``dispatcher/cancelmarks.py``); ``priority``, ``share``:
     how the feeder ranks the job from now on (default: as it was, else as submitted);
     ``names``: a list to fill with every prompt's image name, in order, from this same
     read (``results`` lists them without reading the file a second time).
@@ -177,7 +177,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     queue = queue or (recorded if is_store_queue(recorded, owner) else queue_name(job_spec.pool, owner))
     known = bool(client.exists(keys.job(job)))
     # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
-    held = lifecycle.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
+    held = cancelmarks.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
     # The counts before the listing: one it does not explain (an image gone since) is
     # cleared, one set after it is kept (publish.lua's marks '-' and '?').
     pipe = client.pipeline(transaction=False)
@@ -240,5 +240,5 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
     if sent and push and held is None:
         Feeder(client).feed(queue)
     if held is not None:
-        lifecycle.hold(client, job, held)  # cancelled again: its field, and anything pushed meanwhile out
+        cancelmarks.hold(client, job, held)  # cancelled again: its field, and anything pushed meanwhile out
     return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known, missing)

@@ -51,6 +51,7 @@ class SubmitOptions:
     job: str | None = None
     priority: int = spec.DEFAULT_PRIORITY  # 0 (lowest) to 9: a higher one's shards are fed first
     share: int = spec.DEFAULT_SHARE  # weight among the active jobs of one priority
+    notes: tuple[str, ...] = ()  # lines for the user about how the options were taken (not the job's identity)
 
 
 @dataclass(frozen=True)

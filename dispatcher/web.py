@@ -25,7 +25,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp
 
+from dispatcher.fleetmetrics import FleetCollector, StatusSource
 from dispatcher.jobids import resolve
 from dispatcher.resume import image_key_of
 from dispatcher.show import money
@@ -65,8 +66,6 @@ IMAGE_HEADERS = {"Cache-Control": "private, max-age=86400", "Content-Security-Po
 MAX_PAGE = 10**8  # a gallery page number from a URL: 6e9 images before it, more than any job holds
 HISTORY_WINDOW = 3600.0  # seconds the charts cover
 SAMPLE_SECONDS = 5.0  # how often the sampler records the fleet's figures
-
-StatusSource = Callable[[], FleetStatus]
 
 
 # ---- history: capped Redis lists, one per metric ------------------------------------
@@ -361,8 +360,6 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
              tls_proxy: bool = False, pools: Mapping[str, PoolConfig] | None = None) -> ASGIApp:
     """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when
     given, else answering only a loopback Host or one of ``hosts`` (:func:`renderfleet.endpoint.guard`)."""
-    from dispatcher.http import FleetCollector
-
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(FleetCollector(source, prices))  # type: ignore[arg-type]

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from dispatcher.resume import ResumeReport
     from dispatcher.status import JobStatus, Results
     from dispatcher.submit import SubmitOptions
+    from renderfleet.hubrev import RevisionResolver
     from renderfleet.prompts import FileSummary
     from renderfleet.store import Store
 
@@ -89,8 +90,10 @@ class Client:
     """
 
     def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None,
-                 store: str | None = None):
+                 store: str | None = None, resolve_revision: RevisionResolver | None = None):
         self.settings = settings or load_settings(redis_url=redis_url, store=store)
+        # A hub branch or tag to its commit (renderfleet.hubrev.hub_commit unless given: tests pass a stand-in).
+        self.resolve_revision = resolve_revision
         self._app: Celery | None = None
         self._redis: redis.Redis | None = None
         self._store: Store | None = None
@@ -200,13 +203,48 @@ class Client:
             settings["loras"] = parse_loras(settings["loras"])
         width, height = parse_size(size)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
-        params = RenderParams(model=model or self.settings.model or "", steps=steps, width=width, height=height,
-                              guidance=guidance, negative_prompt=negative, seed=seed, **settings)
+        params = RenderParams(model=_expand_home(model or self.settings.model or ""), steps=steps, width=width,
+                              height=height, guidance=guidance, negative_prompt=negative, seed=seed, **settings)
         opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job,
                              priority=priority, share=share)
         check_options(opts)
+        revision, notes = self._pin_revision(params.model, params.revision)
         # A folder's or bucket's content, as it is now: a worker holding other files refuses the job.
-        return replace(opts, params=replace(params, model_digest=self._model_digest(params.model)))
+        return replace(opts, params=replace(params, revision=revision, model_digest=self._model_digest(params.model)),
+                       notes=notes)
+
+    def _pin_revision(self, model: str, revision: str) -> tuple[str, tuple[str, ...]]:
+        """(the revision the job records, notes to show) for a hub ``model``: a branch or tag resolved
+        to its commit where the hub can be reached, so every worker loads the same weights; the
+        allow-list applied when this environment sets one (``renderfleet/allowlist.py``, the workers'
+        rule), a ``refs/pr/*`` refused before it is resolved.  InputError naming the model and revision."""
+        from renderfleet import allowlist
+        from renderfleet.hubrev import hub_commit
+        from renderfleet.spec import model_source
+
+        allowed = self.settings.allowed_model_list
+        flag = "--revision" if revision else "--model"
+
+        def check(wanted: str) -> None:
+            if why := allowlist.refusal(model, allowed, wanted, whose="the"):
+                raise InputError([f"{flag}: {why}"])
+
+        notes: tuple[str, ...] = ()
+        if allowed is not None and revision.startswith(allowlist.PULL_REQUEST_PREFIX):
+            check(revision)  # its commit would pass a bare entry: refused as named
+        if revision and model_source(model) == "hub" and not allowlist.is_commit(revision):
+            try:
+                commit = (self.resolve_revision or hub_commit)(model, revision)
+            except LookupError as exc:
+                raise InputError([f"--revision: {exc}"]) from None
+            if commit:
+                revision = commit
+            else:
+                notes = (f"--revision {revision[:200]!r}: the hub could not be reached to resolve it to a commit; "
+                         f"recorded as given, so each worker loads {model[:200]}@{revision[:200]} as it finds it",)
+        if allowed is not None:
+            check(revision)
+        return revision, notes
 
     def _model_digest(self, model: str) -> str:
         """The content digest of a folder or ``s3://`` model (``renderfleet.digests``); '' for any other,
@@ -244,7 +282,7 @@ class Client:
             summary = summary or prompts.validate_file(path)
         except InputError as exc:
             raise (_renamed(exc, path, label, by_item) if label else exc) from None
-        warnings = [_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings]
+        warnings = [*opts.notes, *(_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings)]
         if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt):
             warnings.append(note.replace(path, label) if label else note)
         result = submit(path, opts, store=self.store, app=self.app, client=self.redis,
@@ -261,6 +299,15 @@ class Client:
 
         job_id = resolve(self.redis, self.store, job_id)
         return Job(self, job_id, job_status(self.redis, job_id, store=self.store).total)
+
+
+def _expand_home(model: str) -> str:
+    """A folder model given as ``~/...`` with the home folder written out, as a shell would have:
+    the job records where the files are (and submit reads them there for the digest)."""
+    try:
+        return str(Path(model).expanduser()) if model.startswith("~") else model
+    except RuntimeError:  # no home folder to expand to: check_options and the workers name the path as given
+        return model
 
 
 def parse_loras(loras: Any) -> tuple[tuple[str, float], ...]:

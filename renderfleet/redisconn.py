@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, unquote
 
+from renderfleet.redaction import redact
+
 if TYPE_CHECKING:
     import redis
 
@@ -72,9 +74,7 @@ def is_sentinel(url: str) -> bool:
 
 def parse_sentinel(url: str) -> SentinelURL:
     """``url`` (a ``redis+sentinel://`` URL) parsed; a :class:`ValueError` saying what is
-    wrong otherwise, which quotes the URL only through ``settings.redact``."""
-    from renderfleet.settings import redact
-
+    wrong otherwise, which quotes the URL only through :func:`~renderfleet.redaction.redact`."""
     scheme, _, rest = url.partition("://")
     if scheme.lower() not in SENTINEL_SCHEMES:
         raise ValueError(f"must start with redis+sentinel:// or rediss+sentinel://, got {redact(url)!r}")

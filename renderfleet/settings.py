@@ -14,13 +14,15 @@ import re
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import unquote_plus, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from renderfleet.allowlist import entry_problem
 from renderfleet.errors import ConfigError
 from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
+from renderfleet.redaction import redact  # also renderfleet.settings.redact, as callers know it
 from renderfleet.spec import INT_LIMITS
 
 if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
@@ -30,47 +32,6 @@ _POOL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 # A Host header entry of RENDERFLEET_HTTP_HOSTS: a DNS name or an address, with an optional port.
 _HOST_RE = re.compile(r"^([a-z0-9][a-z0-9.-]*|\[[0-9a-f:.]+\])(:[0-9]{1,5})?$")
 MIN_TOKEN_LENGTH = 16  # characters: a guessable token on a network is none
-
-
-# Query parameters that may carry a credential (redis-py reads ?password= and ?username=).
-_SECRET_PARAM = re.compile(r"pass|secret|token|auth|user|cred|key", re.IGNORECASE)
-
-
-def redact(url: str) -> str:
-    """``url`` fit for a message or a log line: its user name and password (the
-    whole userinfo) and any credential in its query shown as ``***``.
-
-    Total: whatever the text, it returns and never raises, and it shows none of
-    the userinfo even when a password holds an unencoded ``/``, ``?``, ``#`` or
-    ``@`` (a parser such as urllib's would then read part of the password as the
-    host, the port or the path).  So it parses nothing: the userinfo is what
-    comes before an ``@``, and when an ``@`` comes after where the host seems
-    to end, everything up to the last ``@`` is taken as userinfo (more hidden,
-    never less).  Characters that could break or reorder a line are escaped.
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
-    if "@" in rest[end:]:  # an unencoded / ? or # in the userinfo
-        rest = "***" + rest[rest.rindex("@"):]
-    elif "@" in rest[:end]:
-        rest = "***" + rest[rest.rindex("@", 0, end):]
-    head, hash_mark, _ = rest.partition("#")
-    base, question, query = head.partition("?")
-    if query:
-        query = "&".join(_redact_param(param) for param in query.split("&"))
-    shown = f"{scheme}{sep}{base}{question}{query}" + ("#***" if hash_mark else "")
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in shown)
-
-
-def _redact_param(param: str) -> str:
-    name, equals, _ = param.partition("=")
-    # Matched as a parser reads it (redis-py's parse_qs decodes names): "p%61ssword" is "password".
-    # unquote_plus never raises; a bad escape stays as it is.
-    if not equals:  # "password%3Dsecret": no name and value to a parser, but a secret to a reader
-        return "***" if _SECRET_PARAM.search(unquote_plus(param)) else param
-    return f"{name}=***" if _SECRET_PARAM.search(unquote_plus(name)) else param
 
 
 # Why a Redis URL cannot be used, quoting it only redacted: a URL that does not
@@ -232,9 +193,11 @@ class Settings(BaseSettings):
     # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
     # None: not shared, each node compiles for itself (worker/compiled.py).
     compile_cache_key_file: Path | None = None
-    # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``),
-    # folders (the folder and everything in it) and ``s3://bucket/prefix`` (that
-    # prefix and below).  None: any model.  A job naming another fails, not the worker.
+    # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``: a hub id at
+    # main or any commit, never refs/pr/*), ``org/name@COMMIT`` (that commit only), folders (the
+    # folder and everything in it) and ``s3://bucket/prefix`` (that prefix and below)
+    # (renderfleet/allowlist.py).  None: any model.  A job naming another fails, not the worker;
+    # submit applies it too where its environment sets it.
     allowed_models: str | None = None
     # Serve the reserved ``bench:fixed?seconds=S`` models (renderfleet.spec.bench_seconds): no
     # model, a fixed time per image, flat-colour PNGs marked as fake.  Off: a job naming one
@@ -299,6 +262,14 @@ class Settings(BaseSettings):
             return None
         if value.startswith("s3://") and not value[5:].split("/", 1)[0]:
             raise ValueError(f"s3 URL needs a bucket: {value!r}")
+        return value
+
+    @field_validator("allowed_models")
+    @classmethod
+    def _check_allowed_models(cls, value: str | None) -> str | None:
+        for entry in (value or "").split(","):
+            if why := entry_problem(entry.strip()):
+                raise ValueError(why)
         return value
 
     @field_validator("http_token")

@@ -29,6 +29,7 @@ from typing import Any
 
 from renderfleet.errors import DeviceError, JobError
 from renderfleet.spec import lora_source_problem
+from worker.deviceerrors import is_device_error
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -120,8 +121,6 @@ class LoraCache:
             # safetensors' SafetensorError (a git-lfs pointer, a truncated file) is no OSError or ValueError,
             # and a peft below transformers' MIN_PEFT_VERSION (pyproject.toml pins the two together) fails
             # a text encoder's LoRA with an ImportError.
-            from worker.render import is_device_error  # worker.render imports this module
-
             if is_device_error(exc):  # the accelerator failed under the load: the node's, not the job's
                 raise DeviceError(f"loading lora {source!r}: {type(exc).__name__}: {exc}") from exc
             # A half-loaded adapter would be in the pipeline under this name: out with it.

@@ -636,7 +636,8 @@ class WorkerService:
         that does not exist must not leave this worker without one.  Raises
         :class:`ModelLoadError` (the job's fault) when ``model`` will not load.
         """
-        if why := model_refusal(model, self.settings.allowed_model_list, bench=self.settings.allow_bench_models):
+        if why := model_refusal(model, self.settings.allowed_model_list, bench=self.settings.allow_bench_models,
+                                revision=revision):
             raise ModelLoadError(why)
         if self.load_model is None:
             raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")

@@ -218,9 +218,13 @@ def test_a_job_naming_a_model_outside_the_allow_list_fails_and_the_worker_lives_
 ) -> None:
     folder = tmp_path / "saved-tiny"
     cli(env, "save-model", "tiny", str(folder), timeout=300)
-    env = {**env, "RENDERFLEET_ALLOWED_MODELS": "tiny, s3://models-bucket/approved/"}
+    # Submitted from where no list is set (submit applies one where its environment sets it: test_allowlist.py).
     bad = submit(env, write_prompts(tmp_path / "bad.txt", 4, "bad"), *TINY[2:], "--model", str(folder),
                  "--shard-size", "2", "--batch-size", "2")
+    # An allowed hub id at a pull request: recorded as given (no hub here), refused by the worker.
+    pr = submit({**env, "HF_HUB_OFFLINE": "1"}, write_prompts(tmp_path / "pr.txt", 2, "pr"), *TINY[2:],
+                "--model", "org/model", "--revision", "refs/pr/1")
+    env = {**env, "RENDERFLEET_ALLOWED_MODELS": "tiny, org/model, s3://models-bucket/approved/"}
     worker = start_worker(env, tmp_path, procs, "worker")
     wait_for(lambda: (s := status_now(env, bad))["quarantined"] == 4 and s, 120, interval=0.25,
              what="the job outside the allow-list to fail")
@@ -228,6 +232,10 @@ def test_a_job_naming_a_model_outside_the_allow_list_fails_and_the_worker_lives_
     assert st["done"] == 0
     (reason, count), = st["failure_reasons"].items()
     assert count == 4 and "not in this worker's allow-list" in reason and str(folder) in reason
+    wait_for(lambda: (s := status_now(env, pr))["quarantined"] == 2 and s, 120, interval=0.25,
+             what="the job at a pull request to fail")
+    (reason, count), = job_status(env, pr)["failure_reasons"].items()
+    assert count == 2 and "'org/model' at revision 'refs/pr/1'" in reason and "pull request" in reason
     out = worker.output()
     assert worker.alive() and "circuit breaker" not in out
     assert out.count("model tiny loaded on") == 1 and "loading it" not in out  # never even tried

@@ -4,14 +4,18 @@ The layout (docs/design.md, "The house"): ``renderfleet/`` is the contract and
 imports neither side; ``dispatcher/`` runs near the user and never imports
 torch or the worker; ``worker/`` runs on the GPU node and never imports the
 dispatcher.  The CLI and the Python API sit on top and import each side
-lazily: the one exception.
+lazily: the one exception.  No two modules import each other, by any path
+and at any depth (a function's own import included): a circle is a piece both
+need, to be moved into a module below them.
 """
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +70,117 @@ def test_the_dispatcher_side_imports_without_torch_and_never_the_worker() -> Non
 
 def test_the_worker_side_never_imports_the_dispatcher_and_loads_no_model_at_import() -> None:
     check(WORKER, ["dispatcher"])
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = ("renderfleet", "worker", "dispatcher"),
+                 ) -> dict[str, set[str]]:
+    """Each first-party module and the first-party modules it imports, read with ``ast``:
+    every import statement, at module level, in a function or under ``TYPE_CHECKING``.
+
+    ``from package import name`` is an arrow to ``package.name`` where that is a module,
+    else to the package.  A submodule's arrow to its parent package (which Python runs
+    first) is not drawn: a package re-exporting its modules would otherwise be a circle."""
+    files: dict[str, Path] = {}
+    for package in packages:
+        for file in sorted((root / package).rglob("*.py")):
+            parts = file.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    graph: dict[str, set[str]] = {}
+    for name, file in files.items():
+        here = name.split(".") if file.name == "__init__.py" else name.split(".")[:-1]
+        arrows: set[str] = set()
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), str(file))):
+            if isinstance(node, ast.Import):
+                arrows.update(alias.name for alias in node.names if alias.name in files)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in files:
+                        arrows.add(f"{base}.{alias.name}")
+                    elif base in files:
+                        arrows.add(base)
+        graph[name] = arrows - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (``a -> b -> ... -> a``) for each group of modules that reach each other
+    (Tarjan's strongly connected components, iteratively), in a stable order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, arrows = work[-1]
+            for nxt in arrows:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.add(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(group)
+    return sorted(_circle(graph, group) for group in groups)
+
+
+def _circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A shortest path from the group's first module back to itself, inside the group."""
+    first = min(group)
+    paths = {first: [first]}
+    frontier = [first]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & group):
+                if nxt == first:
+                    return [*paths[node], first]
+                if nxt not in paths:
+                    paths[nxt] = [*paths[node], nxt]
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{sorted(group)} is no circle")  # a group of two or more always holds one
+
+
+def test_the_cycle_check_finds_a_circle_at_any_depth_and_names_it(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.a import thing\n")  # a package re-exporting: no circle
+    (pkg / "a.py").write_text("import pkg.sub.b\nthing = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def later():\n    from pkg import c\n")  # in a function
+    (pkg / "c.py").write_text("from . import a\n")  # relative
+    (pkg / "d.py").write_text("from pkg import a\n")
+    assert import_cycles(import_graph(tmp_path, ("pkg",))) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_no_two_modules_import_each_other() -> None:
+    circles = import_cycles(import_graph())
+    assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)

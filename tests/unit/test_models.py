@@ -104,6 +104,15 @@ def test_tiny_tokenizer_ids_fit_the_text_encoder(tiny: LoadedModel) -> None:
     assert ids[0] == tokenizer.bos_token_id and len(ids) == 77
 
 
+def test_a_folder_given_with_a_tilde_loads_from_this_workers_home(
+    tiny: LoadedModel, saved_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(saved_tiny.parent))
+    loaded = load_pipeline("~/tiny", device="cpu", cache_dir=tmp_path)
+    assert loaded.model == "~/tiny" and loaded.digest.startswith("files-sha256:")
+    assert checksum(loaded.pipe) == checksum(tiny.pipe)
+
+
 def test_saved_tiny_loads_from_folder_and_renders_the_same_bytes(
     tiny: LoadedModel, saved_tiny: Path, tmp_path: Path
 ) -> None:
@@ -210,9 +219,9 @@ def test_a_vae_config_without_force_upcast_decodes_in_fp16_unless_the_pipeline_u
 
     from diffusers import AutoencoderKL
 
-    import worker.models
+    import worker.models.cuda
 
-    monkeypatch.setattr(worker.models, "enable_tf32", lambda: None)  # process-wide: not here
+    monkeypatch.setattr(worker.models.cuda, "enable_tf32", lambda: None)  # process-wide: not here
 
     # SD 1.5's VAE config has no force_upcast: AutoencoderKL's default (True) fills it, marked as a default
     AutoencoderKL(block_out_channels=[32], down_block_types=["DownEncoderBlock2D"],
@@ -278,10 +287,10 @@ def test_preparing_for_cuda_sets_sdpa_channels_last_and_a_float32_vae_for_fp16(
     from diffusers import AutoencoderKL
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    import worker.models
+    import worker.models.cuda
 
     tf32: list[bool] = []
-    monkeypatch.setattr(worker.models, "enable_tf32", lambda: tf32.append(True))  # process-wide: not here
+    monkeypatch.setattr(worker.models.cuda, "enable_tf32", lambda: tf32.append(True))  # process-wide: not here
     pipe = build_tiny_pipeline()
     # a VAE whose config says fp16 overflows (as SDXL's does), every key given
     config = {k: v for k, v in pipe.vae.config.items() if k != "_use_default_values"}

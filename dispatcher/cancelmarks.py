@@ -1,0 +1,84 @@
+"""A job's cancel marks, below both ``dispatcher/lifecycle.py`` (cancel, delete, retire) and
+``dispatcher/resume.py`` (which keeps a cancelled job cancelled, or continues it): the store's
+marker (``spec.cancelled_key``) and Redis's ``cancelled`` field read, set or cleared, and one
+pass of ``renderfleet/lua/cancel.lua``.  Here so that neither of the two imports the other for
+them; ``dispatcher.lifecycle`` re-exports every name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import redis
+
+from renderfleet import keys, spec
+from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.leases import lua_script
+from renderfleet.store import Store
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """What one pass of ``cancel.lua`` did: messages taken out of queues, shards parked, shards
+    still under a live lease (they stop at their next batch boundary, or, fenced, at once)."""
+
+    removed: int = 0
+    parked: int = 0
+    leased: int = 0
+
+
+def cancelled_at(client: redis.Redis, store: Store | None, job: str) -> float | None:
+    """When the job was cancelled (Redis's field, else the store's marker when a store is given), or None."""
+    field = client.hget(keys.job(job), "cancelled")
+    if field is not None:
+        return float(field)
+    if store is None:
+        return None
+    return _marker_time(store, job)
+
+
+def _marker_time(store: Store, job: str) -> float | None:
+    data = store.get(spec.cancelled_key(job))
+    if data is None:
+        return None
+    try:
+        return float(json.loads(data)["cancelled"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # a marker we cannot read still says cancelled
+
+
+def cancel_pass(client: redis.Redis, job: str, *, fence: bool, when: str = "") -> Cancelled:
+    """One pass of ``cancel.lua`` over the job (``fence``: its leased shards' attempts bumped too)."""
+    removed, parked, leased = client.register_script(lua_script("cancel"))(
+        keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
+              UNACKED_KEY, UNACKED_INDEX_KEY, keys.pending(job)],
+        args=[job, keys.QUEUED_PREFIX, "1" if fence else "", when, keys.ACTIVE_PREFIX],
+    )
+    return Cancelled(int(removed), int(parked), int(leased))
+
+
+# ---- for resume --------------------------------------------------------------------------
+
+
+def check_cancelled(store: Store, client: redis.Redis, job: str, *, uncancel: bool) -> str | None:
+    """Before ``resume`` publishes: the cancel time to keep (the job stays cancelled: see
+    :func:`hold`), or None.  A job that stays cancelled has its field set at once: a worker
+    that takes a message resume pushes before :func:`hold` takes it out drops it at its claim.
+    ``uncancel`` (the user's own resume or submit) continues a cancelled job: its marker goes
+    first, then its field (a Redis lost in between does not bring the cancel back)."""
+    if uncancel:
+        store.delete(spec.cancelled_key(job))
+        client.hdel(keys.job(job), "cancelled")
+        return None
+    at = cancelled_at(client, store, job)
+    if at is None:
+        return None
+    client.hset(keys.job(job), "cancelled", str(int(at)))
+    return str(int(at))
+
+
+def hold(client: redis.Redis, job: str, at: str) -> Cancelled:
+    """After ``resume`` published a job that stays cancelled (the monitor's adopt, a Redis
+    that lost its memory): its field set again and whatever was pushed taken out."""
+    return cancel_pass(client, job, fence=False, when=at)
