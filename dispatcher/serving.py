@@ -17,7 +17,6 @@ from typing import Any
 
 import redis
 
-from dispatcher.status import store_workers
 from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.store import Store
@@ -36,12 +35,13 @@ def served_pools(info: dict[str, Any]) -> list[str]:
 LOADING = "loading"  # worker.loading.LOADING: a registration's "state" while its worker loads (no worker import here)
 
 
-def live_servers(client: redis.Redis, store: Store, queue: str, max_age: float,
-                 now: float | None = None, *, loading: bool = False) -> list[str]:
-    """The ids of the workers of ``store`` serving ``queue`` whose last touch is under ``max_age`` s old:
-    those loaded, or with ``loading`` those still loading their model."""
+def live_servers(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], queue: str,
+                 max_age: float, now: float | None = None, *, loading: bool = False) -> list[str]:
+    """The ids of ``workers`` (the registrations of the workers of ``store``: ``dispatcher.status.store_workers``)
+    serving ``queue`` whose last touch is under ``max_age`` s old: those loaded, or with ``loading`` those still
+    loading their model."""
     now = time.time() if now is None else now
-    candidates = [wid for wid, info in store_workers(client, store).items()
+    candidates = [wid for wid, info in workers.items()
                   if (info.get("state") == LOADING) == loading
                   and queue in (queue_name(pool, store.url) for pool in served_pools(info))]
     if not candidates:
@@ -77,13 +77,14 @@ def loading_message(job: str, queue: str, workers: int) -> str:
             f"its queue {queue}: shards are taken once it is loaded")
 
 
-def unserved(client: redis.Redis, store: Store, job: str, max_age: float) -> tuple[str, str] | None:
+def unserved(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str,
+             max_age: float) -> tuple[str, str] | None:
     """Why no loaded worker takes the job's shards now, if none does: ("loading", message) while
     workers of its queue load their model, ("none", message) when no live worker serves it.  None
     when one does, or when Redis does not know the job (lost, or a store-only job): nothing to say."""
     queue = job_queue(client, job)
-    if queue is None or live_servers(client, store, queue, max_age):
+    if queue is None or live_servers(client, store, workers, queue, max_age):
         return None
-    if loading := live_servers(client, store, queue, max_age, loading=True):
+    if loading := live_servers(client, store, workers, queue, max_age, loading=True):
         return LOADING, loading_message(job, queue, len(loading))
     return "none", no_worker_message(job, queue)

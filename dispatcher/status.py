@@ -29,6 +29,7 @@ from dispatcher.resume import (
     stored_names,
     stored_prompts,
 )
+from dispatcher.serving import unserved
 from renderfleet import keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
@@ -484,7 +485,6 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     ``max_age`` (a worker's liveness: twice the lease) checks, for each job with work left,
     that a loaded worker serves its queue (``JobStatus.unserved``); None: not checked.
     """
-    from dispatcher.serving import unserved  # it reads this module's store_workers
     tag = store_tag(store.url)
     workers = store_workers(client, store)
     status = FleetStatus(store=store_identity(store.url))
@@ -520,7 +520,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
         if reasons if reasons is not None else named:
             job_state.failure_reasons = failure_reasons(client, job)
             job_state.bytes_per_image = mean_bytes(stored_image_sizes(store, job, SIZE_SAMPLE))
-        if max_age is not None and job_state.to_render and (why := unserved(client, store, job, max_age)):
+        if max_age is not None and job_state.to_render and (why := unserved(client, store, workers, job, max_age)):
             job_state.unserved, job_state.unserved_note = why
         status.backlog_seconds += job_state.backlog_seconds
         if job_state.shards_pending and job_state.cancelled is None:

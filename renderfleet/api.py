@@ -420,8 +420,11 @@ class Job:
         """Why no worker takes the job's shards now, if none does: its workers are loading their
         model, or none serves its queue (dispatcher/serving.py)."""
         from dispatcher.serving import unserved
+        from dispatcher.status import store_workers
 
-        found = unserved(self.client.redis, self.client.store, self.id, 2 * self.client.settings.lease_seconds)
+        redis_client, store = self.client.redis, self.client.store
+        found = unserved(redis_client, store, store_workers(redis_client, store), self.id,
+                         2 * self.client.settings.lease_seconds)
         return None if found is None else found[1]
 
     def results(self) -> Results:
