@@ -1,0 +1,280 @@
+"""Random histories of a job's names against a real fleet, checked against a model (Hypothesis's
+rule-based state machine, the way Jepsen checks operation histories).
+
+Each history starts from an empty Redis (our own server) and store, two real workers on a bench model
+and, drawn, a monitor; then a random sequence of: submit one of two prompt files under one of two
+names (a new life, the same job again, or another file refused), cancel, delete stopped after each of
+its steps (the fence, the store emptied, the whole delete), resume, a worker paused past its lease
+(SIGSTOP, woken by a later step or at the end), a worker killed and replaced, a Redis restart (with a
+monitor: it heals a lost Redis).  After each history, with every worker awake:
+
+* every image in a name's folder carries a prompt of the file of that name's current life;
+* every job that is not cancelled finishes without a person, and its counts equal the store;
+* a deleted name leaves nothing in the store and nothing in Redis but its tombstone;
+* a life no worker was paused or killed in counts exactly its prompts' images, no more (no counter of
+  a dead life survives).
+
+Bounded in ``make test`` (:data:`EXAMPLES` histories of up to :data:`STEPS` steps, about a minute);
+``make test-slow`` runs more (``RENDERFLEET_MACHINE_EXAMPLES``).  Histories it finds become tests in
+tests/integration/test_lives.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, Verbosity, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from PIL import Image
+
+from dispatcher import lifecycle
+from renderfleet import keys, spec
+from renderfleet.api import Client
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.errors import InputError, JobDeleted, JobNotFound
+from renderfleet.spec import bench_model
+from testing.fleet import (
+    WorkerProc,
+    base_env,
+    bench_worker,
+    start_monitor,
+    status_now,
+    wait_for,
+    worker_ready,
+    write_prompts,
+)
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = int(os.environ.get("RENDERFLEET_MACHINE_EXAMPLES", "5"))
+STEPS = int(os.environ.get("RENDERFLEET_MACHINE_STEPS", "6"))
+VERBOSE = bool(os.environ.get("RENDERFLEET_MACHINE_VERBOSE"))  # each step printed as it runs
+NAMES = ("life-a", "life-b")
+FILES = ("A", "B")  # the prompt files' prefixes: every prompt of file A begins "A prompt"
+PROMPTS = 4
+SECONDS_PER_IMAGE = 0.01
+
+
+class Name:
+    """What the model expects of one job name."""
+
+    def __init__(self) -> None:
+        self.file: str | None = None  # the current life's prompt file, None when no life is stored
+        self.cancelled = False
+        self.deleted = False  # a whole delete, with no life since
+        self.disturbed = False  # a worker was paused or killed, or Redis lost, during this life
+        self.redis_only = False  # a delete stopped after it emptied the store: Redis holds a cancelled job
+
+
+def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedStateMachine]:
+    files = {f: write_prompts(tmp / f"{f}.txt", PROMPTS, prefix=f"{f} prompt") for f in FILES}
+    counter = [0]
+
+    class Lives(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            counter[0] += 1
+            self.store_dir = tmp / f"store-{counter[0]}"
+            self.env = base_env(tmp, redis_server.url, str(self.store_dir), **bench_worker(SECONDS_PER_IMAGE))
+            self.r = redis.Redis.from_url(redis_server.url)
+            self.r.flushall()
+            self.client = Client(redis_url=redis_server.url, store=str(self.store_dir))
+            self.names = {n: Name() for n in NAMES}
+            self.workers: list[WorkerProc] = []
+            self.paused: set[int] = set()
+            self.monitor: Any = None
+            self.logs = tmp / f"history-{counter[0]}"
+            self.logs.mkdir()
+
+        @initialize(monitor=st.booleans())
+        def start(self, monitor: bool) -> None:
+            self._step(f"start: two workers{', a monitor' if monitor else ''}")
+            for _ in range(2):
+                self._add_worker()
+            if monitor:
+                self.monitor = start_monitor(self.env, self.logs / "monitor.log")
+            wait_for(lambda: worker_ready(self.r, 2), 60, what="two workers")
+
+        def _step(self, what: str) -> None:
+            note(what)  # printed with the failing history
+            if VERBOSE:
+                print(f"history {counter[0]}: {what}", flush=True)
+
+        def _add_worker(self) -> None:
+            self.workers.append(WorkerProc(self.env, self.logs / f"worker-{len(self.workers)}.log"))
+
+        # ---- the operations --------------------------------------------------------------
+
+        @rule(name=st.sampled_from(NAMES), file=st.sampled_from(FILES))
+        def submit(self, name: str, file: str) -> None:
+            state = self.names[name]
+            stored = self.client.store.exists(spec.spec_key(name))
+            self._step(f"submit {file} as {name}")
+            try:
+                self.client.submit(files[file], model=bench_model(SECONDS_PER_IMAGE), steps=2, size="32x32",
+                                   shard_size=2, batch_size=2, job=name)
+            except InputError as exc:
+                assert stored and state.file != file, f"submit of {file} under {name} refused: {exc}"
+                return
+            assert not (stored and state.file not in (None, file)), "another file resumed as the stored job"
+            if not stored:
+                state.disturbed = False  # a new life
+            state.file, state.cancelled, state.deleted, state.redis_only = file, False, False, False
+
+        @precondition(lambda self: any(n.file for n in self.names.values()))
+        @rule(name=st.sampled_from(NAMES))
+        def cancel(self, name: str) -> None:
+            state = self.names[name]
+            self._step(f"cancel {name}")
+            try:
+                self.client.job(name).cancel()
+            except (JobDeleted, JobNotFound):
+                assert state.file is None or state.redis_only
+                return
+            assert state.file is not None
+            state.cancelled = True
+
+        @precondition(lambda self: any(n.file or n.redis_only for n in self.names.values()))
+        @rule(name=st.sampled_from(NAMES), stop_after=st.sampled_from(["fence", "store", "whole"]))
+        def delete(self, name: str, stop_after: str) -> None:
+            """``renderfleet delete``, or its first steps only, as a Ctrl-C would stop it."""
+            state = self.names[name]
+            self._step(f"delete {name}, stopped after: {stop_after}")
+            if stop_after == "whole":
+                try:
+                    self.client.job(name).delete()
+                except (JobDeleted, JobNotFound):
+                    assert state.file is None and not state.redis_only
+                    return
+                state.file, state.cancelled, state.deleted, state.redis_only = None, True, True, False
+                return
+            if not self.r.hexists(keys.job(name), "spec"):
+                return  # nothing in Redis to stop half-way through
+            lifecycle._cancel(self.r, name, fence=True)
+            state.cancelled = True
+            if stop_after == "store":
+                self.client.store.delete_prefix(spec.job_prefix(name))
+                state.file, state.redis_only = None, True
+
+        @precondition(lambda self: any(n.file for n in self.names.values()))
+        @rule(name=st.sampled_from(NAMES))
+        def resume(self, name: str) -> None:
+            state = self.names[name]
+            self._step(f"resume {name}")
+            try:
+                self.client.job(name).resume()
+            except (JobDeleted, JobNotFound):
+                assert state.file is None
+                return
+            state.cancelled = False
+
+        @precondition(lambda self: len(self.paused) < len(self.workers))
+        @rule(data=st.data())
+        def pause_worker(self, data: st.DataObject) -> None:
+            """A worker stalls (SIGSTOP) until a later step wakes it: past its lease if anything waits."""
+            i = data.draw(st.sampled_from([i for i in range(len(self.workers)) if i not in self.paused]))
+            self._step(f"pause worker {i}")
+            os.kill(self.workers[i].pid, signal.SIGSTOP)
+            self.paused.add(i)
+            for state in self.names.values():
+                state.disturbed = True
+
+        @precondition(lambda self: bool(self.paused))
+        @rule(data=st.data(), after=st.sampled_from([0.0, 4.0]))
+        def wake_worker(self, data: st.DataObject, after: float) -> None:
+            i = data.draw(st.sampled_from(sorted(self.paused)))
+            self._step(f"wake worker {i} after {after} s")
+            time.sleep(after)  # 4 s: past its 3 s lease
+            os.kill(self.workers[i].pid, signal.SIGCONT)
+            self.paused.discard(i)
+
+        @precondition(lambda self: len(self.paused) < len(self.workers))
+        @rule(data=st.data())
+        def kill_worker(self, data: st.DataObject) -> None:
+            i = data.draw(st.sampled_from([i for i in range(len(self.workers)) if i not in self.paused]))
+            self._step(f"kill worker {i}, start another")
+            self.workers[i].kill()
+            self.workers[i] = WorkerProc(self.env, self.logs / f"worker-{i}-again-{time.monotonic():.0f}.log")
+            for state in self.names.values():
+                state.disturbed = True
+
+        @precondition(lambda self: self.monitor is not None)
+        @rule()
+        def restart_redis(self) -> None:
+            """Redis loses its memory; the monitor rebuilds every stored job from the store."""
+            self._step("restart Redis, empty")
+            redis_server.kill()
+            redis_server.start()
+            for state in self.names.values():
+                state.disturbed = True
+                state.redis_only = False
+
+        @invariant()
+        def workers_alive(self) -> None:
+            for i, w in enumerate(self.workers):
+                assert w.alive(), f"worker {i} died:\n{w.output()[-3000:]}"
+
+        # ---- the checks after the history --------------------------------------------------
+
+        def teardown(self) -> None:
+            try:
+                for i in sorted(self.paused):
+                    os.kill(self.workers[i].pid, signal.SIGCONT)
+                self.paused.clear()
+                self._check()
+            finally:
+                for w in self.workers:
+                    w.kill()
+                if self.monitor is not None:
+                    os.killpg(self.monitor.pid, signal.SIGKILL)
+                    self.monitor.wait(10)
+
+        def _check(self) -> None:
+            for name, state in self.names.items():
+                folder = self.store_dir / "jobs" / name
+                if state.file and not state.cancelled:
+                    wait_for(lambda n=name: status_now(self.env, n)["done"] == PROMPTS, 60, interval=0.25,
+                             what=f"{name} (file {state.file}) to finish without a person")
+                images = {p.name: Image.open(p).text["prompt"] for p in sorted((folder / "images").glob("*.png"))}
+                want = f"{state.file} prompt"
+                assert all(p.startswith(want) for p in images.values()), (name, state.file, images)
+                if state.file and not state.cancelled:
+                    st_ = status_now(self.env, name)
+                    assert len(images) == st_["done"] == PROMPTS, (name, st_, images)
+                    assert self.r.bitcount(keys.done_bits(name)) == PROMPTS
+                    if not state.disturbed:
+                        stats = {keys.text(k): int(v) for k, v in self.r.hgetall(keys.job_stats(name)).items()}
+                        assert sum(v for k, v in stats.items() if k.startswith("images.")) == PROMPTS, (name, stats)
+                if state.deleted:
+                    time.sleep(0.5)  # a fenced worker's last word, if it had one, lands now
+                    assert not folder.exists() or not any(p.is_file() for p in folder.rglob("*")), \
+                        (name, sorted(str(p) for p in folder.rglob("*")))
+                    left = sorted(keys.text(k) for k in self.r.scan_iter(match=f"rf:job:{name}*"))
+                    assert set(left) <= {keys.job(name), keys.attempts(name)}, (name, left)
+
+    return Lives
+
+
+def run_histories(tmp: Path, redis_server: RedisServerProcess, examples: int, steps: int) -> None:
+    run_state_machine_as_test(make_machine(tmp, redis_server), settings=settings(
+        max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=False,
+        suppress_health_check=list(HealthCheck), database=None, report_multiple_bugs=False,
+        verbosity=Verbosity.verbose if VERBOSE else Verbosity.normal))
+
+
+def test_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path,
+                                                                redis_server: RedisServerProcess) -> None:
+    run_histories(tmp_path, redis_server, EXAMPLES, STEPS)
+
+
+@pytest.mark.slow
+def test_many_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path,
+                                                                     redis_server: RedisServerProcess) -> None:
+    run_histories(tmp_path, redis_server, max(EXAMPLES, 25), max(STEPS, 10))
