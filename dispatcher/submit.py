@@ -25,7 +25,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +35,10 @@ from celery import Celery
 
 from dispatcher import enqueue
 from dispatcher.enqueue import WireShard
-from renderfleet import prompts, shardfile, spec
+from renderfleet import digests, prompts, shardfile, spec
 from renderfleet.errors import InputError
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, store_identity
-from renderfleet.store import Store
+from renderfleet.store import S3Options, Store
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,71 @@ def check_options(opts: SubmitOptions) -> None:
         problems.append(f"--job: {why}")
     if problems:
         raise InputError(problems)
+
+
+# A hub repo id -> its commit now, or None where the hub cannot be asked (offline, unreachable).
+HubResolver = Callable[[str], str | None]
+
+
+def hub_commit(repo: str) -> str | None:
+    """The commit the hub's default branch of ``repo`` is at, or None when it cannot be asked
+    (HF_HUB_OFFLINE, no network, no huggingface_hub here, a private repo the workers alone may
+    read): the LoRA is then recorded without a pin, and loaded as the worker finds it."""
+    try:
+        from huggingface_hub import HfApi, constants
+
+        if constants.HF_HUB_OFFLINE:
+            return None
+        sha = HfApi().model_info(repo, timeout=10).sha
+    except Exception:  # any failure to ask is "not pinned", never a failed submit
+        return None
+    return sha if sha and len(sha) == 40 else None
+
+
+def lora_pin(source: str, *, s3: S3Options | None = None, hub: HubResolver = hub_commit) -> str:
+    """The digest that pins ``source``'s content now (``renderfleet.digests``): a local file's bytes,
+    a folder's files, an ``s3://`` object's VersionId or ETag (one HEAD, no download), a hub repo's
+    commit (``hub``); '' for a path only the workers have, or a hub that cannot be asked."""
+    if source.startswith("s3://"):
+        return _s3_pin(source, s3)
+    path = Path(source).expanduser()
+    try:
+        if path.is_file():
+            return digests.file_digest(path)
+        if path.is_dir():
+            return digests.folder_digest(path)
+    except OSError as exc:
+        raise InputError([f"--lora {source[:200]!r}: cannot read {exc.filename or source} to record its digest: "
+                          f"{exc.strerror or exc}"]) from None
+    if source.startswith(("/", ".", "~")):
+        return ""  # the workers' own path, unseen here
+    commit = hub(spec.hub_lora_parts(source)[0])
+    return digests.HUB_COMMIT + commit if commit else ""
+
+
+def _s3_pin(source: str, s3: S3Options | None) -> str:
+    import botocore.exceptions
+
+    from renderfleet.store import S3Store
+
+    bucket, _, key = source[len("s3://"):].partition("/")
+    store = S3Store(bucket, options=s3)
+    try:
+        head = store.client.head_object(Bucket=bucket, Key=key)
+    except botocore.exceptions.ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        why = "no such object" if code in ("404", "NoSuchKey", "NotFound") else f"HEAD failed: {code or exc}"
+        raise InputError([f"--lora {source[:200]!r}: {why}"]) from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise InputError([f"--lora {source[:200]!r}: HEAD failed: {exc}"]) from None
+    return digests.s3_object_digest(head)
+
+
+def pin_loras(loras: Iterable[spec.Lora], *, s3: S3Options | None = None,
+              hub: HubResolver = hub_commit) -> tuple[spec.Lora, ...]:
+    """``loras`` each with its content's digest as it is now (:func:`lora_pin`): a worker holding
+    other bytes refuses the job rather than render them."""
+    return tuple(spec.pinned_lora(lora[0], lora[1], lora_pin(lora[0], s3=s3, hub=hub)) for lora in loras)
 
 
 def job_id(digest: str, params: RenderParams, store: str) -> str:

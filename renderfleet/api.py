@@ -89,8 +89,11 @@ class Client:
     """
 
     def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None,
-                 store: str | None = None):
+                 store: str | None = None, hub_commit: Callable[[str], str | None] | None = None):
         self.settings = settings or load_settings(redis_url=redis_url, store=store)
+        # A hub repo id -> its commit now (a hub LoRA's pin), None where the hub cannot be asked;
+        # None here: dispatcher.submit.hub_commit, which asks the hub.
+        self.hub_commit = hub_commit
         self._app: Celery | None = None
         self._redis: redis.Redis | None = None
         self._store: Store | None = None
@@ -191,7 +194,7 @@ class Client:
                 share: int = 1, **settings: Any) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
         the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
-        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options
+        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options, hub_commit, pin_loras
         from renderfleet.spec import RenderParams
 
         if unknown := sorted(set(settings) - set(JOB_SETTINGS)):
@@ -205,8 +208,10 @@ class Client:
         opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job,
                              priority=priority, share=share)
         check_options(opts)
-        # A folder's or bucket's content, as it is now: a worker holding other files refuses the job.
-        return replace(opts, params=replace(params, model_digest=self._model_digest(params.model)))
+        # A folder's or bucket's content, as it is now, and each LoRA's: a worker holding other
+        # files refuses the job.
+        loras = pin_loras(params.loras, s3=self.settings.s3_options, hub=self.hub_commit or hub_commit)
+        return replace(opts, params=replace(params, model_digest=self._model_digest(params.model), loras=loras))
 
     def _model_digest(self, model: str) -> str:
         """The content digest of a folder or ``s3://`` model (``renderfleet.digests``); '' for any other,
@@ -265,7 +270,8 @@ class Client:
 
 def parse_loras(loras: Any) -> tuple[tuple[str, float], ...]:
     """A submit's LoRAs as (source, scale) pairs: each ``"SOURCE[:SCALE]"`` (``spec.parse_lora``)
-    or a (source, scale) pair; checked later (``spec.loras_problem``), with the rest of the options."""
+    or a (source, scale) pair (a digest after them is dropped: submit pins each LoRA afresh);
+    checked later (``spec.loras_problem``), with the rest of the options."""
     from renderfleet.spec import parse_lora
 
     if isinstance(loras, str):
@@ -274,7 +280,7 @@ def parse_loras(loras: Any) -> tuple[tuple[str, float], ...]:
     for item in loras or ():
         if isinstance(item, str):
             out.append(parse_lora(item))
-        elif isinstance(item, list | tuple) and len(item) == 2 and type(item[1]) in (int, float):
+        elif isinstance(item, list | tuple) and len(item) in (2, 3) and type(item[1]) in (int, float):
             out.append((item[0], float(item[1])))
         else:
             raise InputError([f"--lora: {item!r}: give SOURCE[:SCALE] or a (source, scale) pair"])
