@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= 2
 # process: about 0.3 s of CPU for each of the suite's ~450 CLI, worker and monitor starts.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser kubectl run test test-slow test-unit test-integration chaos soak bench gpu-check lint clean
+.PHONY: install constraints browser kubectl run test test-slow test-unit test-integration chaos soak bench gpu-check lint clean
 
 install: $(VENV)/.installed
 
@@ -24,11 +24,22 @@ install: $(VENV)/.installed
 # browser download is never used): installed once here when /usr/bin/chromium is missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-$(VENV)/.installed: pyproject.toml Makefile
+# constraints.txt holds every dependency at the version the suite last passed with (`make constraints`):
+# a fresh install resolves to those, not to whatever was released since. torch is not in it: $(TORCH) is.
+$(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[worker,dev,bench]'
+	$(BIN)/pip install --quiet -c constraints.txt $(TORCH)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[worker,dev,bench]'
 	touch $@
+
+# Writes constraints.txt from this checkout's .venv, as it is now (after a `pip install -U` that the
+# suite passes with): `pip freeze` less the project itself (editable) and torch (pinned above, whose
+# local build tag, +cpu or +cu128, names one machine's wheel). The images install with it too.
+# From another environment: make constraints VENV=/path/to/venv
+constraints:
+	{ echo "# Every dependency's version, from a .venv the suite passed with: written by make constraints"; \
+	  echo "# (docs/development.md). Used by make install and both images (pip install -c constraints.txt)."; \
+	  $(BIN)/pip freeze --exclude-editable --exclude renderfleet --exclude torch; } > constraints.txt
 
 # The bundled example on the embedded default (private Redis, ./renderfleet-output),
 # with the built-in random-weight `tiny` model: a smoke test of the whole path.

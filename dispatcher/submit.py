@@ -36,10 +36,11 @@ from celery import Celery
 
 from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
-from renderfleet import celery_app, prompts, shardfile, spec
+from renderfleet import celery_app, digests, prompts, shardfile, spec
 from renderfleet.errors import InputError
+from renderfleet.hubrev import RevisionResolver, hub_commit
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, message_head, store_identity
-from renderfleet.store import Store
+from renderfleet.store import S3Options, Store
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,55 @@ def check_message_size(job_spec: JobSpec, app: Celery, queue: str, store: str) -
     raise InputError([f"{_MESSAGE_FLAGS[longest]}: makes each shard's message {size:,} characters (as a worker "
                       f"reads it from its queue), more than a worker takes ({celery_app.MAX_ITEM_CHARS:,}): "
                       "shorten it"])
+
+
+def lora_pin(source: str, *, s3: S3Options | None = None, hub: RevisionResolver = hub_commit) -> str:
+    """The digest that pins ``source``'s content now (``renderfleet.digests``): a local file's bytes,
+    a folder's files, an ``s3://`` object's VersionId or ETag (one HEAD, no download), a hub repo's
+    commit (``hub``); '' for a path only the workers have, or a hub that cannot be asked."""
+    if source.startswith("s3://"):
+        return _s3_pin(source, s3)
+    path = Path(source).expanduser()
+    try:
+        if path.is_file():
+            return digests.file_digest(path)
+        if path.is_dir():
+            return digests.folder_digest(path)
+    except OSError as exc:
+        raise InputError([f"--lora {source[:200]!r}: cannot read {exc.filename or source} to record its digest: "
+                          f"{exc.strerror or exc}"]) from None
+    if source.startswith(("/", ".", "~")):
+        return ""  # the workers' own path, unseen here
+    try:
+        commit = hub(spec.hub_lora_parts(source)[0], "")  # its default branch, as a worker would load it
+    except LookupError as exc:
+        raise InputError([f"--lora {source[:200]!r}: {exc}"]) from None
+    return digests.HUB_COMMIT + commit if commit else ""
+
+
+def _s3_pin(source: str, s3: S3Options | None) -> str:
+    import botocore.exceptions
+
+    from renderfleet.store import S3Store
+
+    bucket, _, key = source[len("s3://"):].partition("/")
+    store = S3Store(bucket, options=s3)
+    try:
+        head = store.client.head_object(Bucket=bucket, Key=key)
+    except botocore.exceptions.ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        why = "no such object" if code in ("404", "NoSuchKey", "NotFound") else f"HEAD failed: {code or exc}"
+        raise InputError([f"--lora {source[:200]!r}: {why}"]) from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise InputError([f"--lora {source[:200]!r}: HEAD failed: {exc}"]) from None
+    return digests.s3_object_digest(head)
+
+
+def pin_loras(loras: Iterable[spec.Lora], *, s3: S3Options | None = None,
+              hub: RevisionResolver = hub_commit) -> tuple[spec.Lora, ...]:
+    """``loras`` each with its content's digest as it is now (:func:`lora_pin`): a worker holding
+    other bytes refuses the job rather than render them."""
+    return tuple(spec.pinned_lora(lora[0], lora[1], lora_pin(lora[0], s3=s3, hub=hub)) for lora in loras)
 
 
 def job_id(digest: str, params: RenderParams, store: str) -> str:

@@ -194,7 +194,8 @@ class Client:
                 share: int = 1, **settings: Any) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
         the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
-        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options
+        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options, pin_loras
+        from renderfleet.hubrev import hub_commit
         from renderfleet.spec import RenderParams
 
         if unknown := sorted(set(settings) - set(JOB_SETTINGS)):
@@ -209,9 +210,11 @@ class Client:
                              priority=priority, share=share)
         check_options(opts)
         revision, notes = self._pin_revision(params.model, params.revision)
-        # A folder's or bucket's content, as it is now: a worker holding other files refuses the job.
-        return replace(opts, params=replace(params, revision=revision, model_digest=self._model_digest(params.model)),
-                       notes=notes)
+        # A folder's or bucket's content, as it is now, and each LoRA's: a worker holding other
+        # files refuses the job.
+        loras = pin_loras(params.loras, s3=self.settings.s3_options, hub=self.resolve_revision or hub_commit)
+        return replace(opts, params=replace(params, revision=revision, model_digest=self._model_digest(params.model),
+                                            loras=loras), notes=notes)
 
     def _pin_revision(self, model: str, revision: str) -> tuple[str, tuple[str, ...]]:
         """(the revision the job records, notes to show) for a hub ``model``: a branch or tag resolved
@@ -312,7 +315,8 @@ def _expand_home(model: str) -> str:
 
 def parse_loras(loras: Any) -> tuple[tuple[str, float], ...]:
     """A submit's LoRAs as (source, scale) pairs: each ``"SOURCE[:SCALE]"`` (``spec.parse_lora``)
-    or a (source, scale) pair; checked later (``spec.loras_problem``), with the rest of the options."""
+    or a (source, scale) pair (a digest after them is dropped: submit pins each LoRA afresh);
+    checked later (``spec.loras_problem``), with the rest of the options."""
     from renderfleet.spec import parse_lora
 
     if isinstance(loras, str):
@@ -321,7 +325,7 @@ def parse_loras(loras: Any) -> tuple[tuple[str, float], ...]:
     for item in loras or ():
         if isinstance(item, str):
             out.append(parse_lora(item))
-        elif isinstance(item, list | tuple) and len(item) == 2 and type(item[1]) in (int, float):
+        elif isinstance(item, list | tuple) and len(item) in (2, 3) and type(item[1]) in (int, float):
             out.append((item[0], float(item[1])))
         else:
             raise InputError([f"--lora: {item!r}: give SOURCE[:SCALE] or a (source, scale) pair"])

@@ -22,6 +22,20 @@ Two kinds, named in the value so they are never compared with each other:
   An ETag changes whenever an object is written again; the same bytes uploaded
   another way (multipart) may get another ETag, which refuses a job that would have
   rendered the same: the safe side.
+
+A LoRA is pinned the same way, one digest per LoRA in the job's ``loras``
+(``[source, scale, digest]``), checked by the worker before it loads the adapter
+(``worker.loras``):
+
+* ``file-sha256:``: a local ``.safetensors`` file, SHA-256 of its bytes
+  (:func:`file_digest`); a local folder is ``files-sha256:`` as above.
+* ``s3-version:`` or ``s3-etag:``: an ``s3://`` file, its VersionId where the
+  bucket keeps versions (the worker fetches that version, whatever was written
+  since), else its ETag (the worker's GET carries ``If-Match``: a replaced
+  object is refused, never fetched).  The worker's cache of it is keyed by
+  this digest, so a file replaced mid-job cannot mix two versions in one job.
+* ``hub-commit:``: a hub repo's commit at submit, which the worker loads at
+  (``revision=``); a submit that cannot reach the hub records none.
 """
 
 from __future__ import annotations
@@ -32,6 +46,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 FILES = "files-sha256:"
+FILE = "file-sha256:"
+S3_VERSION = "s3-version:"
+S3_ETAG = "s3-etag:"
+HUB_COMMIT = "hub-commit:"
 S3_ETAGS = "s3-etags-sha256:"
 _CHUNK = 1 << 20
 
@@ -52,6 +70,29 @@ def folder_digest(folder: Path, *, skip: Iterable[str] = ()) -> str:
             while chunk := f.read(_CHUNK):
                 digest.update(chunk)
     return FILES + digest.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """``file-sha256:HEX`` of one file's bytes (a LoRA)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return FILE + digest.hexdigest()
+
+
+def bytes_digest(data: bytes) -> str:
+    """``file-sha256:HEX`` of ``data``: what :func:`file_digest` gives for a file holding it."""
+    return FILE + hashlib.sha256(data).hexdigest()
+
+
+def s3_object_digest(head: dict[str, object]) -> str:
+    """The pin of an S3 object from its HEAD (or GET) answer: ``s3-version:ID`` in a bucket that
+    keeps versions, else ``s3-etag:ETAG``."""
+    version = str(head.get("VersionId") or "")
+    if version and version != "null":  # "null": written while versioning was off or suspended
+        return S3_VERSION + version
+    return S3_ETAG + str(head.get("ETag", "")).strip('"')
 
 
 def _files(root: Path) -> Iterator[str]:

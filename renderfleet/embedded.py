@@ -324,8 +324,11 @@ def stop_embedded(home: Path) -> bool:
     known = trusted_server(home)
     if known:
         client = redisconn.client(known["url"])
-        with contextlib.suppress(redis.ConnectionError, redis.ResponseError):
-            client.shutdown(nosave=False)
+        try:
+            with contextlib.suppress(redis.ConnectionError, redis.ResponseError):
+                client.shutdown(nosave=False)
+        finally:
+            client.close()
         state.unlink(missing_ok=True)
         return True
     recorded = _recorded(home)

@@ -19,14 +19,17 @@ HUB_TIMEOUT_SECONDS = 10.0  # a submit waits this long for the hub at most, then
 
 
 def hub_commit(model: str, revision: str) -> str | None:
-    """The commit ``revision`` of hub model ``model`` names now (see :data:`RevisionResolver`)."""
+    """The commit ``revision`` of hub model ``model`` names now (see :data:`RevisionResolver`); ``revision``
+    '' is the repository's default branch (a hub LoRA's pin: ``dispatcher.submit.lora_pin``)."""
     try:
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi, constants
         from huggingface_hub.errors import RevisionNotFoundError
     except ImportError:
         return None  # a dispatcher-only install: the worker extra brings huggingface_hub
+    if constants.HF_HUB_OFFLINE:
+        return None  # told not to ask (as every test and many fleets are)
     try:
-        sha = HfApi().model_info(model, revision=revision, timeout=HUB_TIMEOUT_SECONDS).sha
+        sha = HfApi().model_info(model, revision=revision or None, timeout=HUB_TIMEOUT_SECONDS).sha
     except RevisionNotFoundError:
         raise LookupError(f"the hub has no revision {revision[:200]!r} of model {model[:200]!r}") from None
     except Exception:  # offline, unreachable, refused, private: unresolved, and the caller says so

@@ -28,6 +28,7 @@ transient (docs/design.md, "Redis failover").
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, unquote
@@ -166,7 +167,30 @@ def client(url: str, **kwargs: Any) -> redis.Redis:
     node: dict[str, Any] = {"db": parsed.db, **parsed.ssl_kwargs(), **kwargs}
     if parsed.password is not None:
         node.update(password=parsed.password, username=parsed.username)
-    return sentinel.master_for(parsed.master, redis_class=redis.Redis, **node)
+    return sentinel.master_for(parsed.master, redis_class=_master_client_class(), **node)
+
+
+@functools.cache
+def _master_client_class() -> type[redis.Redis]:
+    """redis-py's client, closing the :class:`~redis.sentinel.Sentinel` it asks along with itself.
+
+    redis-py leaves a Sentinel's own clients (one per sentinel, a connection each once asked) to
+    their owner, and the master client made by ``master_for`` is the only owner we keep: closed
+    without them, every client made and dropped (a ping, a status, a monitor's reconnect) would
+    hold a connection on each sentinel until the garbage collector found it.  Made on first use:
+    nothing is imported at import."""
+    import redis
+
+    class SentinelMasterClient(redis.Redis):
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                manager = getattr(getattr(self, "connection_pool", None), "sentinel_manager", None)
+                if manager is not None:
+                    manager.close()
+
+    return SentinelMasterClient
 
 
 def broker(url: str) -> tuple[str, dict[str, Any], dict[str, Any] | None]:

@@ -120,6 +120,42 @@ _VARIANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}")  # fp16, bf16, ema, 
 # A folder's digest is over its files (paths and bytes); an s3:// model's over its listing (keys,
 # sizes, ETags), so submit can take it without downloading gigabytes (renderfleet/digests.py).
 _DIGEST_RE = re.compile(r"(files|s3-etags)-sha256:[0-9a-f]{64}")
+# A LoRA's pin, one per kind of source (renderfleet/digests.py): a local file's bytes or a folder's
+# files, an s3:// object's version or ETag, a hub repo's commit.
+_LORA_DIGEST_RE = re.compile(r"(file|files)-sha256:[0-9a-f]{64}|s3-version:[A-Za-z0-9._+/=-]{1,1024}"
+                             r"|s3-etag:[0-9A-Za-z-]{1,100}|hub-commit:[0-9a-f]{40}")
+
+# A job's LoRA: (source, scale), or (source, scale, digest) once submit pinned its content (digests.py).
+Lora = tuple[str, float] | tuple[str, float, str]
+
+
+def lora_digest(lora: Lora) -> str:
+    """The content ``lora`` was pinned to at submit ('' for none: a hub the submit could not ask,
+    a path only the workers have, a job from before LoRAs were pinned)."""
+    return lora[2] if len(lora) == 3 else ""
+
+
+def pinned_lora(source: str, scale: float, digest: str) -> Lora:
+    """A job's LoRA entry: the digest only where there is one, so an unpinned LoRA is the pair it
+    always was (the same job id, the same message)."""
+    return (source, float(scale), digest) if digest else (source, float(scale))
+
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' name for a LoRA saved in a folder
+
+
+def hub_lora_parts(source: str) -> tuple[str, str, str | None]:
+    """(repo, subfolder, weight file) of a hub LoRA: ``owner/name`` (the repo's own
+    pytorch_lora_weights.safetensors), ``owner/name/file.safetensors``, ``owner/name/path/in/repo/file.safetensors``
+    or ``owner/name/folder/in/repo`` (that folder's pytorch_lora_weights.safetensors)."""
+    parts = source.strip("/").split("/")
+    repo, rest = "/".join(parts[:2]), parts[2:]
+    if not rest:
+        return repo, "", None
+    if rest[-1].endswith(".safetensors"):
+        return repo, "/".join(rest[:-1]), rest[-1]
+    return repo, "/".join(rest), LORA_WEIGHT_NAME
+
 
 
 def parse_lora(text: str) -> tuple[str, float]:
@@ -153,14 +189,17 @@ def lora_source_problem(source: Any) -> str | None:
 
 def loras_problem(value: Any) -> str | None:
     """Why ``value`` is not a job's list of (source, scale) LoRAs, if it is not."""
-    if not isinstance(value, list | tuple) or not all(isinstance(v, list | tuple) and len(v) == 2 for v in value):
-        return "loras must be a list of [source, scale] pairs"
+    if not isinstance(value, list | tuple) or not all(isinstance(v, list | tuple) and len(v) in (2, 3) for v in value):
+        return "loras must be a list of [source, scale] pairs (or [source, scale, digest])"
     if len(value) > MAX_LORAS:
         return f"loras: at most {MAX_LORAS} adapters in a job, got {len(value)}"
     seen: set[str] = set()
-    for source, scale in value:
+    for source, scale, *pin in value:
         if why := lora_source_problem(source):
             return why
+        if pin and (type(pin[0]) is not str or not _LORA_DIGEST_RE.fullmatch(pin[0])):
+            return (f"lora {source[:200]!r}: its digest must be file-sha256:HEX, files-sha256:HEX, s3-version:ID, "
+                    f"s3-etag:ETAG or hub-commit:SHA, got {str(pin[0])[:80]!r}")
         if type(scale) not in (int, float) or not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
             return f"lora {source[:200]!r}: the scale must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}"
         if source in seen:
@@ -368,7 +407,7 @@ class RenderParams:
     long_prompts: str = FIELD["long_prompts"].default
     image_format: str = FIELD["image_format"].default
     quality: int = FIELD["quality"].default
-    loras: tuple[tuple[str, float], ...] = ()
+    loras: tuple[Lora, ...] = ()
     revision: str = FIELD["revision"].default
     variant: str = FIELD["variant"].default
     model_digest: str = FIELD["model_digest"].default
@@ -396,7 +435,8 @@ class RenderParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RenderParams:
         if "loras" in data:  # JSON's lists, as the tuples a frozen (hashable, comparable) value holds
-            data = {**data, "loras": tuple((str(source), float(scale)) for source, scale in data["loras"])}
+            data = {**data, "loras": tuple(pinned_lora(str(source), float(scale), str(pin[0]) if pin else "")
+                                           for source, scale, *pin in data["loras"])}
         return cls(**data)
 
 
@@ -426,7 +466,7 @@ class Prompt:
     long_prompts: str = FIELD["long_prompts"].default
     image_format: str = FIELD["image_format"].default
     quality: int = FIELD["quality"].default
-    loras: tuple[tuple[str, float], ...] = ()
+    loras: tuple[Lora, ...] = ()
     revision: str = FIELD["revision"].default
     variant: str = FIELD["variant"].default
     model_digest: str = FIELD["model_digest"].default

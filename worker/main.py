@@ -62,18 +62,16 @@ def load_renderer(model: str, settings: Settings, *, revision: str = "", variant
         return FixedTimeRenderer(bench_seconds(model) or 0.0, model), FixedLoad(model)
     from worker.batchsize import card_name
     from worker.compiled import open_compile_cache
-    from worker.loras import LoraCache
-    from worker.models import fetch_cached, fetch_s3_file, fetch_s3_model, load_pipeline
+    from worker.loras import LoraCache, fetch_s3_lora
+    from worker.models import fetch_s3_model, load_pipeline
     from worker.render import Renderer
 
     def fetch(uri: str, dest: Path) -> None:
         fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
 
-    def fetch_lora(uri: str) -> Path:
-        def into(source: str, dest: Path) -> None:
-            fetch_s3_file(source, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
-
-        return fetch_cached(uri, cache_dir=settings.home / "loras", fetch=into) / uri.rsplit("/", 1)[-1]
+    def fetch_lora(uri: str, digest: str) -> Path:  # cached per pinned content (its digest), not per URL
+        return fetch_s3_lora(uri, digest, cache_dir=settings.home / "loras", max_bytes=settings.model_max_bytes,
+                             s3=settings.s3_options)
 
     loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch,
                            compile=settings.compile, revision=revision, variant=variant, refresh=refresh)

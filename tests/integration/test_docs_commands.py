@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import boto3
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
@@ -31,9 +32,14 @@ def runnable(command: DocCommand) -> bool:
 
 
 @pytest.mark.timeout(900)  # some twenty CLI starts, seconds each on a loaded machine
-def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_server: RedisServerProcess) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_server: RedisServerProcess,
+                                                          s3_bucket: str) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))  # the AWS env: the moto server's
     env["PYTHONPATH"] = str(REPO)
+    # The s3:// LoRA the guide's example names: submit pins it by one HEAD (its ETag), so it must be there.
+    s3 = boto3.session.Session().client("s3")
+    s3.create_bucket(Bucket="models-bucket")
+    s3.put_object(Bucket="models-bucket", Key="approved/loras/ink.safetensors", Body=b"weights")
     # The files the docs' commands name, in the folder they run in.
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"a fox, take {i}"}) + "\n"
                                                     for i in range(3)))

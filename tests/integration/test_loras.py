@@ -31,6 +31,17 @@ FLAGS = {"model": "tiny", "steps": 2, "size": "64x64", "shard_size": 2, "batch_s
 
 @pytest.fixture
 def fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tuple[dict[str, str], WorkerProc]]:
+    yield from start_fleet(tmp_path, redis_server)
+
+
+@pytest.fixture
+def s3_fleet(s3_bucket: str, tmp_path: Path,
+             redis_server: RedisServerProcess) -> Iterator[tuple[dict[str, str], WorkerProc]]:
+    """The fleet, its worker started after the AWS environment points at the moto server."""
+    yield from start_fleet(tmp_path, redis_server)
+
+
+def start_fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tuple[dict[str, str], WorkerProc]]:
     port = free_port()
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_METRICS_PORT=str(port))
     proc = WorkerProc(env, tmp_path / "worker.log")
@@ -89,7 +100,8 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
     for name in ("000000.png", "000001.png"):  # every adapter set changes every image
         assert len({pixels(rendered[job.id][name]) for job in (plain, with_a, both)}) == 3
     meta = read_metadata(rendered[both.id]["000000.png"])
-    assert json.loads(meta["loras"]) == [[str(b), 0.7], [str(a), 0.5]]
+    assert [lora[:2] for lora in json.loads(meta["loras"])] == [[str(b), 0.7], [str(a), 0.5]]
+    assert [lora[2].split(":")[0] for lora in json.loads(meta["loras"])] == ["files-sha256", "file-sha256"]
     assert "loras" not in read_metadata(rendered[plain.id]["000000.png"])  # a plain job's bytes as before
 
     # A redelivered batch: the LoRA job's images gone, its shard rendered again after the other jobs
@@ -110,7 +122,7 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
     with open(tmp_path / "m.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["bytes"]) for r in rows] == sizes
-    assert json.loads(rows[0]["loras"]) == [[str(b), 0.7], [str(a), 0.5]]
+    assert json.loads(rows[0]["loras"]) == json.loads(meta["loras"])
     # a pickled LoRA is refused at submit, naming the flag, nothing enqueued
     bad = cli(env, "submit", "-", "--format", "txt", "--model", "tiny", "--lora", "owner/style/lora.bin:0.8",
               check=False)
@@ -153,3 +165,36 @@ def test_a_folder_models_digest_is_recorded_and_a_worker_holding_other_files_ref
     assert [int(w["loads"]) for w in st["workers"]] == [4] and model_loads(env) == 4
     assert f"model {folder} loaded on cpu in" in worker.output()  # a switch is logged with its time
     assert worker.alive()
+
+
+def test_an_s3_lora_replaced_after_submit_is_refused_by_the_worker_as_the_jobs_error(
+        tmp_path: Path, s3_bucket: str, s3_fleet: tuple[dict[str, str], WorkerProc]) -> None:
+    import boto3
+
+    from testing.loras import make_tiny_lora
+
+    env, worker = s3_fleet
+    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    s3, uri = boto3.session.Session().client("s3"), f"s3://{bucket}/loras/style.safetensors"
+    first = make_tiny_lora(tmp_path / "first.safetensors", seed=1).read_bytes()
+    s3.put_object(Bucket=bucket, Key="loras/style.safetensors", Body=first)
+    client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
+    opts = client.options(loras=[f"{uri}:0.8"], **FLAGS)  # submit's pins, taken before its upload below
+    [(_, _, pin)] = opts.params.loras  # type: ignore[misc]
+    assert pin.startswith("s3-etag:")
+    # Written again after submit pinned it (another training run, a re-upload by mistake) and before
+    # any worker fetched it: the worker refuses it, never renders the new bytes as the job's.
+    s3.put_object(Bucket=bucket, Key="loras/style.safetensors",
+                  Body=make_tiny_lora(tmp_path / "second.safetensors", seed=2).read_bytes())
+    (tmp_path / "p.txt").write_text("a red fox\n")
+    job = client.submit_file(str(tmp_path / "p.txt"), opts)
+    st = finished(env, job.id)
+    assert (st["done"], st["quarantined"]) == (0, 1)
+    [reason] = job_status(env, job.id)["failure_reasons"]
+    assert "changed since the job was submitted" in reason and pin in reason and "\n" not in reason
+    # submitted again: the LoRA there now, pinned afresh, renders, its pin in the image
+    again = client.submit(["a red fox"], loras=[f"{uri}:0.8"], **FLAGS)
+    assert again.id != job.id and finished(env, again.id)["done"] == 1
+    [[source, scale, new_pin]] = json.loads(read_metadata(images(env, again.id)["000000.png"])["loras"])
+    assert (source, scale) == (uri, 0.8) and new_pin.startswith("s3-etag:") and new_pin != pin
+    assert worker.alive() and "Traceback" not in worker.output()

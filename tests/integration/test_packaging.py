@@ -88,7 +88,8 @@ def test_each_image_installs_its_dependencies_before_copying_the_source(dockerfi
     deps = next(i for i, (op, line) in enumerate(build) if op == "RUN" and "-r /tmp/requirements.txt" in line)
     source = [i for i in copies if any(f" {p} " in build[i][1] + " " for p in PACKAGES)]
     assert source and deps < min(source)  # a code change reuses the dependency layer
-    assert [line for op, line in build[:deps] if op == "COPY"] == ["COPY pyproject.toml ./"]
+    assert [line for op, line in build[:deps] if op == "COPY"] == ["COPY pyproject.toml constraints.txt ./"]
+    assert "pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt" in build[deps][1]  # reproducible
     install = next(line for op, line in build if op == "RUN" and "pip install" in line and line.rstrip().endswith(" ."))
     assert "--no-deps" in install
 

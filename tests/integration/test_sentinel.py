@@ -222,3 +222,28 @@ def test_a_tls_sentinel_url_reaches_the_primary_and_the_new_one_over_tls_for_red
                 cluster.kill("primary")
                 fail_over(cluster)
         assert client.llen("tls-queue") == 2 and client.connection_pool.master_address[1] == cluster.ports["replica"]
+
+
+def test_a_sentinel_client_closed_closes_its_connections_to_the_sentinels(sentinel_redis: SentinelRedis) -> None:
+    """redis-py leaves the Sentinel's own clients to their owner: a master client made and closed
+    (a ping, a status, a monitor's reconnect) must not leave a connection on each sentinel until the
+    garbage collector finds it."""
+    cluster = sentinel_redis
+    observers = [cluster.connect(port, password=False) for port in cluster.sentinel_ports]
+
+    def ours(before: list[set[int]]) -> list[set[int]]:
+        """The clients on each sentinel now that were not there ``before`` (its peers' and the observer's are)."""
+        return [{int(c["id"]) for c in o.client_list()} - seen for o, seen in zip(observers, before, strict=True)]
+
+    try:
+        before = [{int(c["id"]) for c in o.client_list()} for o in observers]
+        client = redisconn.client(cluster.url, socket_timeout=5)
+        assert client.ping() and any(ours(before))  # the master found by asking a sentinel: connected to it
+        client.close()
+        assert ours(before) == [set(), set(), set()]  # held here (no garbage collected), yet closed
+        assert client.ping()  # closed is not broken: a client used again asks the sentinels again
+        client.close()
+        assert ours(before) == [set(), set(), set()]
+    finally:
+        for o in observers:
+            o.close()

@@ -111,6 +111,123 @@ def test_the_worker_checks_a_messages_loras_and_pins_as_submit_does() -> None:
         assert len(problems) == 1 and why in problems[0], problems
 
 
+# ---- each LoRA pinned by content at submit, its pin honoured on the worker: no model ----------------
+
+
+def pinned_options(tmp_path: Path, loras: list[str], hub: Any = None) -> RenderParams:
+    from renderfleet.api import Client
+    from renderfleet.settings import Settings
+
+    client = Client(Settings(home=tmp_path / "home", store=str(tmp_path / "store")),
+                    resolve_revision=None if hub is None else lambda repo, revision: hub(repo))
+    return client.options(model="tiny", loras=loras).params
+
+
+def test_submit_pins_each_lora_by_its_content_and_a_hub_lora_by_the_resolvers_commit(tmp_path: Path) -> None:
+    from renderfleet.digests import file_digest, folder_digest
+
+    (tmp_path / "a.safetensors").write_bytes(b"weights a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "pytorch_lora_weights.safetensors").write_bytes(b"weights b")
+    asked: list[str] = []
+
+    def hub(repo: str) -> str:
+        asked.append(repo)
+        return "c" * 40
+
+    params = pinned_options(tmp_path, [f"{tmp_path}/a.safetensors:0.5", str(tmp_path / "b"),
+                                       "owner/style/sub/dir/x.safetensors:0.8", "/only/on/workers.safetensors"], hub)
+    assert params.loras == ((f"{tmp_path}/a.safetensors", 0.5, file_digest(tmp_path / "a.safetensors")),
+                            (str(tmp_path / "b"), 1.0, folder_digest(tmp_path / "b")),
+                            ("owner/style/sub/dir/x.safetensors", 0.8, "hub-commit:" + "c" * 40),
+                            ("/only/on/workers.safetensors", 1.0))  # a path submit cannot see: unpinned
+    assert asked == ["owner/style"]  # the repo, not the path inside it
+    assert params.loras[0][2] == "file-sha256:" + __import__("hashlib").sha256(b"weights a").hexdigest()
+    # the pins travel: checked in a message as submit checks them, and equal after JSON
+    assert message_problems(raw_message({"model": "tiny", "loras": [list(lora) for lora in params.loras]})) == []
+    assert RenderParams.from_dict(json.loads(json.dumps(params.identity()))) == params
+    # other bytes, another job
+    (tmp_path / "a.safetensors").write_bytes(b"weights a, retrained")
+    again = pinned_options(tmp_path, [f"{tmp_path}/a.safetensors:0.5"], hub)
+    assert job_id("d", again, "/s") != job_id("d", dataclasses.replace(again, loras=params.loras[:1]), "/s")
+
+
+def test_without_a_hub_to_ask_a_hub_lora_is_recorded_unpinned_as_before(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    from renderfleet.hubrev import hub_commit
+
+    assert pinned_options(tmp_path, ["owner/style:0.7"], lambda repo: None).loras == (("owner/style", 0.7),)
+    # the default resolver asks no hub when told it is offline (as every test and many fleets are)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **k: pytest.fail("asked the hub"))
+    assert hub_commit("owner/style", "") is None
+    assert pinned_options(tmp_path, ["owner/style"]).loras == (("owner/style", 1.0),)
+
+
+def test_a_lora_pin_in_a_message_is_checked_as_submit_makes_it() -> None:
+    for pin in ("file-sha256:" + "0" * 64, "files-sha256:" + "0" * 64, "s3-etag:9b2cf535f27731c974343645a3985328",
+                "s3-etag:9b2cf535f27731c974343645a3985328-3", "s3-version:3HL4kqtJlcpXroDTDmJ+rmSpXd3dIbrHY",
+                "hub-commit:" + "a" * 40):
+        assert loras_problem([("owner/l", 1.0, pin)]) is None, pin
+    for pin in ("md5:00", "hub-commit:main", "file-sha256:xyz", "", 3):
+        problems = message_problems(raw_message({"model": "tiny", "loras": [["owner/l", 1.0, pin]]}))
+        assert len(problems) == 1 and "its digest must be" in problems[0], (pin, problems)
+
+
+def s3_client() -> Any:
+    import boto3
+
+    return boto3.session.Session().client("s3")
+
+
+def test_an_s3_lora_replaced_after_submit_is_refused_and_its_cache_is_keyed_by_the_pin(s3_bucket: str,
+                                                                                       tmp_path: Path) -> None:
+    from dispatcher.submit import lora_pin
+    from worker.loras import fetch_s3_lora
+
+    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    client, uri = s3_client(), f"s3://{bucket}/loras/style.safetensors"
+    client.put_object(Bucket=bucket, Key="loras/style.safetensors", Body=b"first")
+    first = lora_pin(uri)
+    assert first.startswith("s3-etag:")
+    cache = tmp_path / "loras"
+    held = fetch_s3_lora(uri, first, cache_dir=cache, max_bytes=1000)
+    assert held.read_bytes() == b"first" and held.name == "style.safetensors"
+    client.put_object(Bucket=bucket, Key="loras/style.safetensors", Body=b"second")
+    second = lora_pin(uri)
+    assert second != first
+    # a worker that fetched it before the change keeps serving what the job pinned
+    assert fetch_s3_lora(uri, first, cache_dir=cache, max_bytes=1000).read_bytes() == b"first"
+    # a worker fetching now: the job's error, naming the change, never the new bytes
+    with pytest.raises(JobError, match="changed since the job was submitted") as exc:
+        fetch_s3_lora(uri, first, cache_dir=tmp_path / "other-node", max_bytes=1000)
+    assert "\n" not in str(exc.value) and first in str(exc.value)
+    assert not any((tmp_path / "other-node").glob("*/style.safetensors"))
+    new = fetch_s3_lora(uri, second, cache_dir=cache, max_bytes=1000)
+    assert new.read_bytes() == b"second" and new.parent != held.parent  # keyed by the pin, not the URL
+    with pytest.raises(JobError, match="MODEL_MAX_BYTES"):
+        fetch_s3_lora(uri, second, cache_dir=tmp_path / "small", max_bytes=3)
+    with pytest.raises(InputError, match="no such object"):
+        lora_pin(f"s3://{bucket}/loras/none.safetensors")
+
+
+def test_an_s3_lora_in_a_versioned_bucket_is_fetched_at_the_version_submit_saw(s3_bucket: str,
+                                                                             tmp_path: Path) -> None:
+    from dispatcher.submit import lora_pin
+    from worker.loras import fetch_s3_lora
+
+    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    client, uri = s3_client(), f"s3://{bucket}/loras/v.safetensors"
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    client.put_object(Bucket=bucket, Key="loras/v.safetensors", Body=b"first")
+    pin = lora_pin(uri)
+    assert pin.startswith("s3-version:")
+    client.put_object(Bucket=bucket, Key="loras/v.safetensors", Body=b"second")
+    assert fetch_s3_lora(uri, pin, cache_dir=tmp_path, max_bytes=1000).read_bytes() == b"first"
+
+
 # ---- rendering with the tiny model -----------------------------------------------------
 
 torch = pytest.importorskip("torch")
@@ -164,7 +281,7 @@ def test_loras_switch_per_call_on_one_pipeline_and_each_state_renders_the_same_b
     assert renderer.render([prompt(loras=((a, 1.0),))])[0] == with_a
     assert renderer.loras.warm == [a]  # b was the least recent beyond the budget: deleted
     assert renderer.render([prompt(loras=((a, 0.0),))])[0] != with_a  # scale 0: the adapter off
-    assert renderer.loras.loads == 3 and tiny.pipe.get_list_adapters() == {"unet": [renderer.loras._warm[a]]}
+    assert renderer.loras.loads == 3 and tiny.pipe.get_list_adapters() == {"unet": [renderer.loras._warm[(a, "")]]}
     meta = __import__("renderfleet.images", fromlist=["read_metadata"]).read_metadata(with_a)
     assert json.loads(meta["loras"]) == [[a, 1.0]]
     tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))  # the module's pipeline as it was
@@ -359,3 +476,70 @@ def test_a_folder_models_digest_is_recorded_and_a_changed_folder_is_refused(unto
     assert changed.params.model_digest != opts.params.model_digest
     with pytest.raises(ModelLoadError, match="changed since the job was submitted"):
         check_digest(loaded, changed.params.model_digest)
+
+
+def test_a_local_lora_changed_after_submit_is_the_jobs_error_and_the_pinned_adapter_stays_usable(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    from renderfleet.digests import file_digest, folder_digest
+
+    path = make_tiny_lora(tmp_path / "style.safetensors", seed=1)
+    folder = make_tiny_lora(tmp_path / "folder" / "pytorch_lora_weights.safetensors", seed=2).parent
+    pinned, pinned_folder = file_digest(path), folder_digest(folder)
+    renderer = Renderer(tiny, loras=LoraCache(tiny.pipe))
+    with_pin = renderer.render([prompt(loras=((str(path), 1.0, pinned),))])[0]
+    unpinned = renderer.render([prompt(loras=((str(path), 1.0),))])[0]
+    assert pixels(with_pin) == pixels(unpinned)  # the same weights; the image names the pin it was made with
+    assert json.loads(__import__("renderfleet.images", fromlist=["read_metadata"]).read_metadata(with_pin)["loras"]) \
+        == [[str(path), 1.0, pinned]]
+    make_tiny_lora(path, seed=3)  # retrained in place after the submit
+    make_tiny_lora(folder / "pytorch_lora_weights.safetensors", seed=4)
+    # this worker loaded the pinned bytes before: it renders them still
+    assert renderer.render([prompt(loras=((str(path), 1.0, pinned),))])[0] == with_pin
+    fresh = LoraCache(tiny.pipe)  # another worker: refuses, one line naming both digests, nothing loaded
+    for source, pin in ((path, pinned), (folder, pinned_folder)):
+        with pytest.raises(JobError, match="changed since the job was submitted") as exc:
+            fresh.use([(str(source), 1.0, pin)])
+        assert "\n" not in str(exc.value) and pin in str(exc.value)
+    assert fresh.warm == []
+    with pytest.raises(JobError, match="changed since"):  # a file's pin, a folder found: not that content
+        fresh.use([(str(folder), 1.0, pinned)])
+    # the new content under its own pin: another adapter beside the old one
+    renderer.render([prompt(loras=((str(path), 1.0, file_digest(path)),))])
+    assert renderer.loras.warm == [str(path)] * 3 and renderer.loras.loads == 3  # pinned, unpinned, new
+    tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
+
+
+class RecordingPipe:
+    """A pipeline that records what it is asked to load (the hub, which this machine cannot reach)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[object, dict[str, object]]] = []
+        self.names: list[str] = []
+
+    def load_lora_weights(self, where: object, *, adapter_name: str, **options: object) -> None:
+        self.asked.append((where, options))
+        self.names.append(adapter_name)
+
+    def get_list_adapters(self) -> dict[str, list[str]]:
+        return {"unet": list(self.names)}
+
+    def enable_lora(self) -> None: ...
+
+    def set_adapters(self, names: list[str], adapter_weights: list[float]) -> None: ...
+
+
+@pytest.mark.parametrize(("source", "where", "options"), [
+    ("owner/style", "owner/style", {}),
+    ("owner/style/ink.safetensors", "owner/style", {"weight_name": "ink.safetensors"}),
+    ("owner/pack/sd15/v2/ink.safetensors", "owner/pack", {"weight_name": "ink.safetensors", "subfolder": "sd15/v2"}),
+    ("owner/pack/sd15/ink", "owner/pack", {"weight_name": "pytorch_lora_weights.safetensors", "subfolder": "sd15/ink"}),
+])
+def test_a_hub_lora_in_a_subfolder_is_asked_for_by_repo_subfolder_and_file_at_its_pinned_commit(
+        source: str, where: str, options: dict[str, object]) -> None:
+    pipe = RecordingPipe()
+    LoraCache(pipe).use([(source, 1.0, "hub-commit:" + "e" * 40)])
+    LoraCache(pipe).use([(source, 1.0)])  # unpinned (no hub at submit): the hub's default branch
+    assert pipe.asked == [(where, {"use_safetensors": True, **options, "revision": "e" * 40}),
+                          (where, {"use_safetensors": True, **options})]
+    with pytest.raises(JobError, match="changed since"):  # submit saw a local file; this worker has none
+        LoraCache(pipe).use([(source, 1.0, "file-sha256:" + "0" * 64)])
