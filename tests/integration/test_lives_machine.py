@@ -53,8 +53,8 @@ from testing.fleet import (
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = int(os.environ.get("RENDERFLEET_MACHINE_EXAMPLES", "5"))
-STEPS = int(os.environ.get("RENDERFLEET_MACHINE_STEPS", "6"))
+EXAMPLES = int(os.environ.get("RENDERFLEET_MACHINE_EXAMPLES", "8"))
+STEPS = int(os.environ.get("RENDERFLEET_MACHINE_STEPS", "8"))
 VERBOSE = bool(os.environ.get("RENDERFLEET_MACHINE_VERBOSE"))  # each step printed as it runs
 NAMES = ("life-a", "life-b")
 FILES = ("A", "B")  # the prompt files' prefixes: every prompt of file A begins "A prompt"
@@ -90,6 +90,7 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
             self.workers: list[WorkerProc] = []
             self.paused: set[int] = set()
             self.monitor: Any = None
+            self.kills = 0  # one kill a history: each replacement costs a worker's start, and the histories' time
             self.logs = tmp / f"history-{counter[0]}"
             self.logs.mkdir()
 
@@ -195,11 +196,12 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
             os.kill(self.workers[i].pid, signal.SIGCONT)
             self.paused.discard(i)
 
-        @precondition(lambda self: len(self.paused) < len(self.workers))
+        @precondition(lambda self: len(self.paused) < len(self.workers) and self.kills == 0)
         @rule(data=st.data())
         def kill_worker(self, data: st.DataObject) -> None:
             i = data.draw(st.sampled_from([i for i in range(len(self.workers)) if i not in self.paused]))
             self._step(f"kill worker {i}, start another")
+            self.kills += 1
             self.workers[i].kill()
             self.workers[i] = WorkerProc(self.env, self.logs / f"worker-{i}-again-{time.monotonic():.0f}.log")
             for state in self.names.values():
@@ -277,4 +279,4 @@ def test_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path,
 @pytest.mark.slow
 def test_many_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path,
                                                                      redis_server: RedisServerProcess) -> None:
-    run_histories(tmp_path, redis_server, max(EXAMPLES, 25), max(STEPS, 10))
+    run_histories(tmp_path, redis_server, max(EXAMPLES, 40), max(STEPS, 12))
