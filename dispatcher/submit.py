@@ -209,11 +209,14 @@ def job_id(digest: str, params: RenderParams, store: str) -> str:
 
 
 def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client: redis.Redis,
-           queue: str, summary: prompts.FileSummary | None = None, source: str | None = None) -> SubmitResult:
+           queue: str, summary: prompts.FileSummary | None = None, source: str | None = None,
+           wire: tuple[Path, shardfile.WireWriter] | None = None) -> SubmitResult:
     """Validate, write and enqueue a prompt file; see the module docstring.
 
     ``summary`` is pass 1's result when the caller already validated the file;
-    ``source`` is the name the spec records for it (default: the file's name).
+    ``source`` is the name the spec records for it (default: the file's name);
+    ``wire``: the wire file pass 1 wrote as it validated (``validate_file``'s
+    ``sink``), and its writer: the file is then not read a second time.
     """
     started = time.perf_counter()
     check_options(opts)
@@ -254,9 +257,13 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
     with tempfile.TemporaryDirectory(prefix="rf-wire-") as tmp, \
             ThreadPoolExecutor(max_workers=2, thread_name_prefix="rf-upload") as pool:
         upload = pool.submit(store.put_file, job_spec.prompts_key, Path(path))
-        wire = Path(tmp) / "wire.jsonl"
-        writer, cut = shardfile.write_files(prompts.iter_wire(path), job_spec.shard_size, wire)
-        uploads = [upload, pool.submit(store.put_file, spec.wire_key(job), wire),
+        if wire is not None and wire[1].shard_size == job_spec.shard_size:
+            wire_file, writer = wire  # written by pass 1: one read of the file in all
+            cut = writer.cut
+        else:
+            wire_file = Path(tmp) / "wire.jsonl"
+            writer, cut = shardfile.write_files(prompts.iter_wire(path), job_spec.shard_size, wire_file)
+        uploads = [upload, pool.submit(store.put_file, spec.wire_key(job), wire_file),
                    pool.submit(store.put, spec.wire_index_key(job), writer.index())]
         sent = enqueue.publish_shards(app, client, job_spec, queue, wire_shards(job_spec, cut), store=owner,
                                       feed=False)

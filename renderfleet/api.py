@@ -278,18 +278,28 @@ class Client:
                     source: str | None = None, label: str | None = None, by_item: bool = False) -> Job:
         """Submit the prompt file at ``path`` (validated first, before any connection)."""
         from dispatcher.submit import submit
-        from renderfleet import prompts
+        from renderfleet import prompts, shardfile
         from renderfleet.celery_app import queue_name
 
-        try:
-            summary = summary or prompts.validate_file(path)
-        except InputError as exc:
-            raise (_renamed(exc, path, label, by_item) if label else exc) from None
-        warnings = [*opts.notes, *(_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings)]
-        if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt):
-            warnings.append(note.replace(path, label) if label else note)
-        result = submit(path, opts, store=self.store, app=self.app, client=self.redis,
-                        queue=queue_name(opts.pool, self.store.url), summary=summary, source=source)
+        with tempfile.TemporaryDirectory(prefix="rf-wire-") as tmp:
+            wire = None
+            try:
+                if summary is None:
+                    # Validated and written in one read of the file: the wire file for the workers
+                    # (renderfleet/shardfile.py) as each prompt is checked; of no use if it is refused.
+                    wire_file = Path(tmp) / "wire.jsonl"
+                    with open(wire_file, "wb") as out:
+                        writer = shardfile.WireWriter(out, opts.shard_size)
+                        summary = prompts.validate_file(path, sink=writer)
+                    wire = (wire_file, writer)
+            except InputError as exc:
+                raise (_renamed(exc, path, label, by_item) if label else exc) from None
+            warnings = [*opts.notes,
+                        *(_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings)]
+            if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt):
+                warnings.append(note.replace(path, label) if label else note)
+            result = submit(path, opts, store=self.store, app=self.app, client=self.redis,
+                            queue=queue_name(opts.pool, self.store.url), summary=summary, source=source, wire=wire)
         return Job(self, result.job, result.total, new=result.new, shards_enqueued=result.shards_enqueued,
                    seconds=result.seconds, warnings=warnings)
 

@@ -57,6 +57,7 @@ class WireWriter:
         self.out = out
         self.shard_size = shard_size
         self.offsets: list[int] = []
+        self.cut: list[tuple[int, int]] = []  # (shard, prompts in it), as written
         self.position = 0
 
     def shards(self, lines: Iterable[str]) -> Iterator[tuple[int, int]]:
@@ -65,12 +66,17 @@ class WireWriter:
         for shard, chunk in enumerate(iter(lambda: list(islice(it, self.shard_size)), [])):
             yield shard, self._flush(chunk)  # a shard's lines taken at once: no Python step per line
 
+    def write(self, chunk: list[str]) -> int:
+        """Write one shard of wire lines (the next shard's, whole); returns how many."""
+        return self._flush(chunk)
+
     def _flush(self, chunk: list[str]) -> int:
         data = ("\n".join(chunk) + "\n").encode()
         if len(data) > len(chunk) * MAX_WIRE_LINE_BYTES:  # a worker would refuse it: see check_offsets
             first = len(self.offsets) * self.shard_size
             raise InputError([f"prompts {first} to {first + len(chunk) - 1}: {len(data):,} bytes on the wire, over "
                               f"the {MAX_WIRE_LINE_BYTES:,} a prompt may take on average in a shard"])
+        self.cut.append((len(self.offsets), len(chunk)))
         self.offsets.append(self.position)
         self.out.write(data)
         self.position += len(data)

@@ -1,10 +1,14 @@
-"""The two passes over a prompt file: validate it whole, then stream its prompts.
+"""Reading a prompt file: validated whole, its prompts in their wire form, in one pass or two.
 
 1. :func:`validate_file` checks every line and reports each problem as
    ``FILE:LINE: reason`` in one :class:`~renderfleet.errors.InputError`;
-   it returns a :class:`FileSummary` whose digest names the content.
+   it returns a :class:`FileSummary` whose digest names the content.  Given
+   a ``sink`` (submit's wire file: ``shardfile.WireWriter``), it writes each
+   prompt's wire form there as it checks it, a shard at a time: a submit
+   reads the file once.  What it wrote is of no use unless the file is valid.
 2. :func:`iter_wire` reads the file again and yields each prompt in file
-   order, already in its wire form (``spec.prompt_json``).
+   order, already in its wire form (``spec.prompt_json``): for a caller
+   that validated without a sink (``resume``, ``run``).
 
 Memory is bounded by the read buffer, the explicit ids (kept to find
 duplicates) and one bit per prompt.
@@ -16,12 +20,22 @@ import hashlib
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
+from typing import Protocol
 
 from renderfleet.errors import InputError
 from renderfleet.prompts import csvfile, jsonl, txt
-from renderfleet.prompts.checks import check_names
+from renderfleet.prompts.checks import Row, check_names
 from renderfleet.prompts.lines import Report, detect_format, open_lines, os_reason, read_lines
 from renderfleet.spec import prompt_json, texts_json
+
+
+class WireSink(Protocol):
+    """Where pass 1 writes the prompts' wire form, a shard at a time (``shardfile.WireWriter``)."""
+
+    shard_size: int
+
+    def write(self, chunk: list[str]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -42,8 +56,9 @@ class _ProblemLimitError(Exception):
     """Raised by pass 1's report() to stop reading once the list is full."""
 
 
-def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
-    """Pass 1: check every line of ``path`` and summarise it.
+def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = None) -> FileSummary:
+    """Pass 1: check every line of ``path`` and summarise it; with ``sink``, write each prompt's
+    wire form there as it goes (of use only if no InputError is raised).
 
     Raises :class:`InputError` holding up to ``max_problems`` lines of
     ``FILE:LINE: reason`` (then ``FILE: ... and more problems not shown`` if
@@ -77,10 +92,11 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
         with open_lines(path, gzipped, digest) as stream:
             lines = read_lines(stream, report)
             if fmt == "txt":
-                total = txt.count(lines, report, long)
+                texts = txt.checked(lines, report, long)
+                total = sum(1 for _ in texts) if sink is None else _write_texts(sink, texts)
             else:
                 rows = jsonl.rows(lines, report) if fmt == "jsonl" else csvfile.rows(lines, report, warn)
-                total, has_ids = check_names(rows, report, long)
+                total, has_ids = check_names(rows if sink is None else _writing(sink, rows), report, long)
     except _ProblemLimitError:
         problems.append(f"{path}: ... and more problems not shown")
     except (OSError, EOFError, zlib.error) as exc:
@@ -94,6 +110,35 @@ def validate_file(path: str, *, max_problems: int = 50) -> FileSummary:
 
 
 LONG_SHOWN = 3  # lines named in submit's one warning about long prompts
+
+
+def _write_texts(sink: WireSink, texts: Iterator[str | None]) -> int:
+    """A .txt file's prompts into ``sink``, a shard at a time (no Python step per prompt but the check's);
+    the number of prompts.  After a bad line (None) nothing more is written: the file will be refused."""
+    total, broken = 0, False
+    while chunk := list(islice(texts, sink.shard_size)):
+        total += len(chunk)
+        broken = broken or None in chunk
+        if not broken:
+            sink.write(list(texts_json(chunk)))  # type: ignore[arg-type]  # no None: checked above
+    return total
+
+
+def _writing(sink: WireSink, rows: Iterator[Row]) -> Iterator[Row]:
+    """``rows`` as they come, each good one's wire form written into ``sink`` a shard at a time."""
+    chunk: list[str] = []
+    broken = False
+    for lineno, row in rows:
+        if row is None:
+            broken = True
+        elif not broken:
+            chunk.append(prompt_json(row))
+            if len(chunk) == sink.shard_size:
+                sink.write(chunk)
+                chunk = []
+        yield lineno, row
+    if chunk and not broken:
+        sink.write(chunk)
 
 
 def long_prompts_note(summary: FileSummary, mode: str, negative: str = "") -> str | None:

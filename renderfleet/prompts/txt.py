@@ -13,20 +13,25 @@ _NUL = NUL_PROBLEM.format("prompt")
 def count(lines: Iterator[str | None], report: Report, long: Callable[[int], None] | None = None) -> int:
     """Pass 1: the number of prompts, each NUL reported (a bad line, None, counts as one);
     ``long`` is told the line of each prompt surely over CLIP's 77 tokens."""
-    total = 0
+    return sum(1 for _ in checked(lines, report, long))
+
+
+def checked(lines: Iterator[str | None], report: Report, long: Callable[[int], None] | None = None
+            ) -> Iterator[str | None]:
+    """Pass 1, prompt by prompt: each prompt's text as it is checked (None for a bad line, reported),
+    so that a submit that writes the wire file as it validates reads the file once."""
     shortest = CLIP_TOKENS + 1  # over_clip_limit's own first test, here: no call for most lines
     for lineno, line in enumerate(lines, 1):
         if line is None:
-            total += 1
+            yield None
             continue
         text = line.strip()
         if text and text[0] != "#":
-            total += 1
             if "\x00" in text:
                 report(lineno, _NUL)
             if long is not None and len(text) >= shortest and over_clip_limit(text):
                 long(lineno)
-    return total
+            yield text
 
 
 def texts(lines: Iterator[str | None]) -> Iterator[str]:

@@ -100,8 +100,11 @@ import atexit, os, runpy, sys
 watched, counts = os.path.realpath(sys.argv.pop(1)), sys.argv.pop(1)
 opened = []
 def hook(event, args):
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) \\
-            and os.path.realpath(os.fsdecode(args[0])) == watched:
+    if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    name = os.fsdecode(args[0])
+    # The folder store opens a key's last part relative to its folder (dir_fd, O_NOFOLLOW): by its name.
+    if os.path.realpath(name) == watched or (not os.path.isabs(name) and name == os.path.basename(watched)):
         opened.append(1)
 sys.addaudithook(hook)
 atexit.register(lambda: open(counts, "w").write(str(len(opened))))
@@ -141,3 +144,17 @@ def test_submit_refuses_a_job_whose_messages_a_worker_would_drop(
     assert "more than a worker takes (67,108,864)" in lines[0] and "Traceback" not in proc.stderr
     assert redis.Redis.from_url(redis_server.url).dbsize() == 0
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*"))
+
+
+def test_submit_reads_the_prompt_file_once_and_copies_it_once(tmp_path: Path, env: dict[str, str]) -> None:
+    """Validation and the wire file in one pass (renderfleet/prompts/passes.py, ``sink``), then the copy of
+    the user's file into the store: two opens, where there were three (a second pass for the wire file)."""
+    prompts = write_prompts(tmp_path / "p.txt", 7)
+    counts = tmp_path / "opens"
+    proc = subprocess.run([sys.executable, "-c", _COUNT_OPENS, str(prompts), str(counts), "submit", str(prompts),
+                           *TINY, "--shard-size", "3"], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert counts.read_text() == "2"
+    job = proc.stdout.split()[-1]
+    wire = (tmp_path / "store" / "jobs" / job / "source" / "wire.jsonl").read_text()
+    assert wire.splitlines() == [json.dumps(f"prompt number {i}") for i in range(7)]

@@ -150,3 +150,38 @@ def test_submit_refuses_a_shard_larger_than_a_worker_reads() -> None:
     long = json.dumps("\x01" * (shardfile.MAX_WIRE_LINE_BYTES // 5))  # a control character: 6 bytes on the wire
     with pytest.raises(InputError, match="prompts 0 to 1"):
         list(writer.shards([long, long]))
+
+
+@pytest.mark.parametrize("name, text", [
+    ("p.txt", "".join(f"prompt {i}\n" for i in range(11)) + "# a comment\n\n  last one  \n"),
+    ("p.jsonl", "".join(json.dumps({"prompt": f"p{i}", **({"id": f"n{i}", "steps": 3} if i % 3 else {})}) + "\n"
+                        for i in range(10))),
+    ("p.csv", "prompt,steps\n" + "".join(f"\"p, {i}\",{i + 1}\n" for i in range(9))),
+])
+@pytest.mark.parametrize("shard_size", [1, 4, 64])
+def test_one_pass_writes_the_wire_file_two_passes_write(tmp_path: Path, name: str, text: str, shard_size: int) -> None:
+    """Submit validates a file and writes its wire file in one read (``validate_file``'s sink): the bytes, the
+    index and the cut are those of the second pass it replaces (``iter_wire``)."""
+    from renderfleet import prompts
+
+    path = tmp_path / name
+    path.write_text(text)
+    one = io.BytesIO()
+    writer = shardfile.WireWriter(one, shard_size)
+    summary = prompts.validate_file(str(path), sink=writer)
+    two_writer, two_cut = shardfile.write_files(prompts.iter_wire(str(path)), shard_size, tmp_path / "two.jsonl")
+    assert one.getvalue() == (tmp_path / "two.jsonl").read_bytes()
+    assert writer.index() == two_writer.index() and writer.cut == two_cut
+    assert sum(n for _, n in writer.cut) == summary.total
+
+
+def test_a_file_refused_in_the_one_pass_is_refused_as_before(tmp_path: Path) -> None:
+    from renderfleet import prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": 3}\n{"prompt": "c"}\n')
+    with pytest.raises(InputError) as refused:
+        prompts.validate_file(str(path), sink=shardfile.WireWriter(io.BytesIO(), 2))
+    with pytest.raises(InputError) as before:
+        prompts.validate_file(str(path))
+    assert refused.value.problems == before.value.problems and "p.jsonl:2" in refused.value.problems[0]
