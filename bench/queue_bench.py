@@ -236,12 +236,14 @@ def main() -> None:
     ap.add_argument("--overhead-runs", type=int, default=2)
     ap.add_argument("--before", default=None, help="a checkout of the design before, for the overhead's comparison")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    ap.add_argument("--submit-only", action="store_true", help="the submit rows alone, printed (implies --no-write)")
     args = ap.parse_args()
+    args.no_write = args.no_write or args.submit_only
     started = start()
     with tempfile.TemporaryDirectory(prefix="queue-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        rows = memory_rows(tmp, args) + feeder_rows(tmp) + submit_rows(tmp, args)
-        if args.overhead:
+        rows = ([] if args.submit_only else memory_rows(tmp, args) + feeder_rows(tmp)) + submit_rows(tmp, args)
+        if args.overhead and not args.submit_only:
             rows += overhead_rows(args)
     print(table(rows))
     if not args.no_write:
