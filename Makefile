@@ -110,6 +110,7 @@ gpu-check:
 
 lint: install
 	$(BIN)/ruff check renderfleet worker dispatcher testing tests bench
+	$(BIN)/ruff format --check renderfleet worker dispatcher testing tests bench
 	$(BIN)/mypy renderfleet worker dispatcher
 	$(BIN)/hadolint docker/Dockerfile.worker docker/Dockerfile.dispatcher
 	$(BIN)/kubernetes-validate --strict --quiet infra/k8s/base/*.yaml

@@ -140,16 +140,27 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        good = (not self.mismatched and not self.missing and not self.extra and self.quarantined == 0
-                and self.images == self.prompts and self.status_done == self.prompts and self.status_failed == 0
-                and self.both_done_and_failed == 0 and all(code == 0 for code in self.notice_exit_codes))
+        good = (
+            not self.mismatched
+            and not self.missing
+            and not self.extra
+            and self.quarantined == 0
+            and self.images == self.prompts
+            and self.status_done == self.prompts
+            and self.status_failed == 0
+            and self.both_done_and_failed == 0
+            and all(code == 0 for code in self.notice_exit_codes)
+        )
         stale = self.stale_alive and all(o in ("fenced", "finished") for o in self.stall_outcomes)
         lost_message = self.claim_kills == 0 or (self.claim_kill_audited and self.claim_kill_started == 0)
-        poison = self.poison_prompts == 0 or (self.poison_done == 0 and self.poison_failed == self.poison_prompts
-                                              and self.poison_quarantine_ok)
+        poison = self.poison_prompts == 0 or (
+            self.poison_done == 0 and self.poison_failed == self.poison_prompts and self.poison_quarantine_ok
+        )
         urgent = self.urgent_prompts == 0 or (
-            self.urgent_images == self.urgent_status_done == self.urgent_prompts and not self.urgent_bad
-            and self.main_done_when_urgent_done < self.prompts)
+            self.urgent_images == self.urgent_status_done == self.urgent_prompts
+            and not self.urgent_bad
+            and self.main_done_when_urgent_done < self.prompts
+        )
         return good and stale and lost_message and poison and urgent and self.breaker_exits == 0
 
     def summary(self) -> str:
@@ -194,9 +205,17 @@ class ChaosReport:
         return "\n".join(lines)
 
 
-def reference_images(n: int, cache: Path, steps: int, *, prefix: str = "chaos prompt", size: int = 32,
-                     shard_size: int = SHARD_SIZE, batch_size: int = BATCH_SIZE,
-                     shards: range | None = None) -> dict[str, bytes]:
+def reference_images(
+    n: int,
+    cache: Path,
+    steps: int,
+    *,
+    prefix: str = "chaos prompt",
+    size: int = 32,
+    shard_size: int = SHARD_SIZE,
+    batch_size: int = BATCH_SIZE,
+    shards: range | None = None,
+) -> dict[str, bytes]:
     """The job's images rendered here, batch by batch as the workers do, with no failure
     (only the shards in ``shards``, when given: a caller may split the work over processes)."""
     import torch
@@ -212,9 +231,17 @@ def reference_images(n: int, cache: Path, steps: int, *, prefix: str = "chaos pr
     for shard in shards if shards is not None else range(-(-n // shard_size)):
         start = shard * shard_size
         wire = [f"{prefix} {i}" for i in range(start, min(n, start + shard_size))]
-        msg = ShardMessage.from_dict({"job": "ref", "shard": 0, "params": params.to_dict(),
-                                      "batch_size": batch_size, "queue": "q", "first": start,
-                                      "count": len(wire)}).with_prompts(wire)
+        msg = ShardMessage.from_dict(
+            {
+                "job": "ref",
+                "shard": 0,
+                "params": params.to_dict(),
+                "batch_size": batch_size,
+                "queue": "q",
+                "first": start,
+                "count": len(wire),
+            }
+        ).with_prompts(wire)
         for _, batch in msg.batches():
             for p, png in zip(batch, renderer.render(list(batch)), strict=True):
                 out[p.name] = png
@@ -222,8 +249,15 @@ def reference_images(n: int, cache: Path, steps: int, *, prefix: str = "chaos pr
     return out
 
 
-def end_node(fleet: Fleet, report: ChaosReport, node: str, event: str, watchers: list[threading.Thread],
-             *, replace_after_exit: bool = True) -> None:
+def end_node(
+    fleet: Fleet,
+    report: ChaosReport,
+    node: str,
+    event: str,
+    watchers: list[threading.Thread],
+    *,
+    replace_after_exit: bool = True,
+) -> None:
     """SIGKILL ``node`` (``event`` "kill") or send it an AWS spot notice ("notice"), time its shard
     until another worker runs it, and start a replacement: after the noticed worker exits (its
     exit code recorded), or at once and the exit recorded by a watcher."""
@@ -241,8 +275,9 @@ def end_node(fleet: Fleet, report: ChaosReport, node: str, event: str, watchers:
     t0 = time.monotonic()
     print(f"chaos: {'SIGKILL' if event == 'kill' else 'spot notice to'} {node} holding {held}", flush=True)
     if held:
-        th = threading.Thread(target=running_again, daemon=True, args=(
-            fleet.client, held[0], held[1], victim, t0, 60.0, samples))
+        th = threading.Thread(
+            target=running_again, daemon=True, args=(fleet.client, held[0], held[1], victim, t0, 60.0, samples)
+        )
         th.start()
         watchers.append(th)
     if event == "notice":
@@ -274,9 +309,21 @@ def check_job(report: ChaosReport, rig: Rig, job: str, reference: dict[str, byte
             report.mismatched.append(name)
 
 
-def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: float = 2.0, steps: int = STEPS,
-              stalls: int = 1, claim_kill: bool = True, poison: int = 4, urgent: int = 8,
-              timeout: float = 600.0, seed: int = 7, workdir: Path | None = None) -> ChaosReport:
+def run_chaos(
+    prompts: int = 120,
+    workers: int = 3,
+    kills: int = 4,
+    *,
+    min_gap: float = 2.0,
+    steps: int = STEPS,
+    stalls: int = 1,
+    claim_kill: bool = True,
+    poison: int = 4,
+    urgent: int = 8,
+    timeout: float = 600.0,
+    seed: int = 7,
+    workdir: Path | None = None,
+) -> ChaosReport:
     """The chaos run; ``stalls`` workers SIGSTOPped past their lease, ``claim_kill`` a worker
     killed between taking a message and claiming it, ``poison`` prompts in a job whose model
     will not load (0: none), ``urgent`` prompts in a job at ``--priority 9`` submitted just
@@ -302,8 +349,9 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             # A spare worker that will stop itself between taking a message and claiming it:
             # started now (a model load takes a while on a busy machine) and parked by SIGSTOP
             # once its model is loaded, before any message exists.
-            trap = WorkerProc({**fleet.node_env("trap"), **pause_at("before-claim")}, logs / "trap.log",
-                              "--pool", "spot", "--verbose")
+            trap = WorkerProc(
+                {**fleet.node_env("trap"), **pause_at("before-claim")}, logs / "trap.log", "--pool", "spot", "--verbose"
+            )
             fleet.extra.append(trap)
         for _ in range(workers):
             fleet.start()
@@ -311,27 +359,60 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             wait_for(lambda: fleet.pid_id(trap.pid), 180, what="the spare worker to load the model")
             os.killpg(trap.pid, signal.SIGSTOP)
             parked = time.monotonic()
-        wait_for(lambda: client.hlen(keys.WORKERS) >= workers + (trap is not None), 180,
-                 what="workers to load the model")
+        wait_for(lambda: client.hlen(keys.WORKERS) >= workers + (trap is not None), 180, what="workers to load the model")
         if trap is not None:
             # Its BRPOP, if it had sent one, times out on the server within kombu's brpop_timeout
             # (1 s): no message pushed after that can be handed to it while it is parked.
             time.sleep(max(0.0, parked + 2.5 - time.monotonic()))
-        job = rig.submit(prompt_file, "--model", "tiny", "--steps", str(steps), "--size", "32x32",
-                         "--shard-size", str(SHARD_SIZE), "--batch-size", str(BATCH_SIZE))
+        job = rig.submit(
+            prompt_file,
+            "--model",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--size",
+            "32x32",
+            "--shard-size",
+            str(SHARD_SIZE),
+            "--batch-size",
+            str(BATCH_SIZE),
+        )
         urgent_job, urgent_watch = "", None
         if urgent:
             # Two priorities on one queue: the big job's shards are pending when this one comes.
-            urgent_job, urgent_watch = submit_urgent(rig, report, job, urgent, timeout, "--steps", str(steps),
-                                                     "--size", "32x32", "--shard-size", str(SHARD_SIZE),
-                                                     "--batch-size", str(BATCH_SIZE))
+            urgent_job, urgent_watch = submit_urgent(
+                rig,
+                report,
+                job,
+                urgent,
+                timeout,
+                "--steps",
+                str(steps),
+                "--size",
+                "32x32",
+                "--shard-size",
+                str(SHARD_SIZE),
+                "--batch-size",
+                str(BATCH_SIZE),
+            )
         bad = ""
         if poison:
             # On the same queue, behind the good job: a model that is not there.
             poison_file = tmp / "poison.txt"
             poison_file.write_text("".join(f"poison prompt {i}\n" for i in range(poison)))
-            bad = rig.submit(poison_file, "--model", str(tmp / POISON_MODEL), "--steps", str(steps),
-                             "--size", "32x32", "--shard-size", "2", "--batch-size", "2")
+            bad = rig.submit(
+                poison_file,
+                "--model",
+                str(tmp / POISON_MODEL),
+                "--steps",
+                str(steps),
+                "--size",
+                "32x32",
+                "--shard-size",
+                "2",
+                "--batch-size",
+                "2",
+            )
             poison_submitted = time.monotonic()
 
         def stored() -> int:
@@ -348,10 +429,12 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
 
         poison_watch: threading.Thread | None = None
         if poison:
+
             def watch_poison() -> None:
                 with contextlib.suppress(AssertionError):
                     wait_for(poison_over, timeout, interval=0.2, what="the poison job")
                     report.poison_seconds = time.monotonic() - poison_submitted
+
             poison_watch = threading.Thread(target=watch_poison, daemon=True)
             poison_watch.start()
 
@@ -393,8 +476,9 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
                 end_node(fleet, report, rng.choice(busy), event, watchers)
             elif event == "claim-kill":
                 assert trap is not None
-                claim_thread = threading.Thread(target=kill_before_claim, daemon=True,
-                                                args=(fleet, client, report, logs, trap))
+                claim_thread = threading.Thread(
+                    target=kill_before_claim, daemon=True, args=(fleet, client, report, logs, trap)
+                )
                 claim_thread.start()
             elif event == "restart":
                 if claim_thread is not None:
@@ -431,8 +515,11 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
             # The store's quarantine records: status's reasons live in Redis, and the restart empties it
             # (with fair share the poison job is fed, and quarantined, before the restart as often as not).
             report.poison_reasons = dict(collections.Counter(res["quarantined"].values()))
-            report.poison_quarantine_ok = (len(res["quarantined"]) == poison and not res["images"] and all(
-                POISON_MODEL in reason for reason in res["quarantined"].values()))
+            report.poison_quarantine_ok = (
+                len(res["quarantined"]) == poison
+                and not res["images"]
+                and all(POISON_MODEL in reason for reason in res["quarantined"].values())
+            )
             report.poison_attempts = log_count(logs, rf"of job {bad} (?:failed \(|quarantined after)")
         # No worker left on its own: every one still running is one the harness did not stop.
         report.breaker_exits = sum(1 for n, w in fleet.workers.items() if n not in fleet.ended and not w.alive())
@@ -442,8 +529,9 @@ def run_chaos(prompts: int = 120, workers: int = 3, kills: int = 4, *, min_gap: 
     return report
 
 
-def submit_urgent(rig: Rig, report: ChaosReport, job: str, n: int, timeout: float,
-                  *settings: str) -> tuple[str, threading.Thread]:
+def submit_urgent(
+    rig: Rig, report: ChaosReport, job: str, n: int, timeout: float, *settings: str
+) -> tuple[str, threading.Thread]:
     """Submit ``n`` prompts at ``--priority 9`` behind ``job`` (at the default priority), and watch
     them in a thread: when all are rendered, how long that took and how far ``job`` had come."""
     urgent_file = rig.tmp / "urgent.txt"
@@ -468,7 +556,8 @@ def check_urgent(report: ChaosReport, rig: Rig, urgent_job: str, reference: dict
     report.urgent_status_done = st["done"]
     names = set(rig.image_names(urgent_job))
     report.urgent_bad = sorted(names ^ set(reference)) + sorted(
-        n for n in names & set(reference) if rig.image(urgent_job, n) != reference[n])
+        n for n in names & set(reference) if rig.image(urgent_job, n) != reference[n]
+    )
     report.urgent_images = len(names) - len(set(report.urgent_bad) & names)
 
 
@@ -535,8 +624,9 @@ def kill_before_claim(fleet: Fleet, client: redis.Redis, report: ChaosReport, lo
     another worker to claim it."""
     os.killpg(trap.pid, signal.SIGCONT)  # synchronous: a stop seen from now on is its own
     print("chaos: the spare worker that stops before its claim is let go", flush=True)
-    wait_for(lambda: not trap.alive() or stopped(trap.pid), 120, interval=0.005,
-             what="the spare worker to stop before its claim")
+    wait_for(
+        lambda: not trap.alive() or stopped(trap.pid), 120, interval=0.005, what="the spare worker to stop before its claim"
+    )
     if not trap.alive():
         print(f"chaos: the worker meant to stop before its claim exited {trap.proc.returncode}", flush=True)
         return
@@ -558,13 +648,28 @@ def kill_before_claim(fleet: Fleet, client: redis.Redis, report: ChaosReport, lo
     job, shard = lost.pop()
     running_again(client, job, shard, trap_id, t0, 120.0, report.claim_kill_to_running)
     mon = logs / "monitor.log"
-    report.claim_kill_audited = bool(wait_for(
-        lambda: re.search(rf"job {job}: shards \[[^]]*\b{shard}\b[^]]*\] were lost between a queue and a claim",
-                          mon.read_text(errors="replace")), 30, interval=0.2, what="the audit's log line"))
+    report.claim_kill_audited = bool(
+        wait_for(
+            lambda: re.search(
+                rf"job {job}: shards \[[^]]*\b{shard}\b[^]]*\] were lost between a queue and a claim",
+                mon.read_text(errors="replace"),
+            ),
+            30,
+            interval=0.2,
+            what="the audit's log line",
+        )
+    )
 
 
-def restart_redis(fleet: Fleet, server: RedisServerProcess, client: redis.Redis, report: ChaosReport, job: str,
-                  done: Callable[[], int], stored: Callable[[], int]) -> dict[str, int]:
+def restart_redis(
+    fleet: Fleet,
+    server: RedisServerProcess,
+    client: redis.Redis,
+    report: ChaosReport,
+    job: str,
+    done: Callable[[], int],
+    stored: Callable[[], int],
+) -> dict[str, int]:
     """Once every worker holds a lease, kill Redis and start it empty; wait until every worker
     has taken a new shard.  Returns the pool counters from before (Redis forgets them).
     ``stored()`` counts the job's images in the store: renders finished after the restart
@@ -592,15 +697,18 @@ def restart_redis(fleet: Fleet, server: RedisServerProcess, client: redis.Redis,
     wait_for(lambda: client.exists(keys.job(job)), 120, interval=0.02, what="the job resumed after the restart")
     report.restart_to_resumed.append(time.monotonic() - t0)
     # rendering again: a batch rendered and recorded in the new Redis
-    wait_for(lambda: pool_stats(client).get("batches", 0) > 0 or done() >= report.prompts, 120, interval=0.02,
-             what="rendering after the restart")
+    wait_for(
+        lambda: pool_stats(client).get("batches", 0) > 0 or done() >= report.prompts,
+        120,
+        interval=0.02,
+        what="rendering after the restart",
+    )
     report.restart_to_progress.append(time.monotonic() - t0)
 
     def all_moved_on() -> bool:
         if done() >= report.prompts:
             return True
-        return all(not fleet.workers[n].alive() or fleet.held_shard(n) not in (None, held)
-                   for n, held in at_restart.items())
+        return all(not fleet.workers[n].alive() or fleet.held_shard(n) not in (None, held) for n, held in at_restart.items())
 
     wait_for(all_moved_on, 120, interval=0.05, what="every worker to take a new shard after the restart")
     report.restart_to_all_working.append(time.monotonic() - t0)

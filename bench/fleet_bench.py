@@ -66,8 +66,7 @@ from testing.servers import MotoServer, s3_env
 from worker.runner import ShardRunner
 
 # The product's lease settings (renderfleet.settings), not the tests' short ones.
-PRODUCT_LEASES = {"RENDERFLEET_LEASE_SECONDS": "6", "RENDERFLEET_HEARTBEAT_SECONDS": "1.5",
-                  "RENDERFLEET_REAP_SECONDS": "1"}
+PRODUCT_LEASES = {"RENDERFLEET_LEASE_SECONDS": "6", "RENDERFLEET_HEARTBEAT_SECONDS": "1.5", "RENDERFLEET_REAP_SECONDS": "1"}
 COMMAND = "python -m bench.fleet_bench"
 # The threads a worker encodes and uploads a batch's images on (worker/runner.py, ShardRunner's default).
 UPLOAD_THREADS = int(inspect.signature(ShardRunner).parameters["upload_threads"].default)
@@ -85,13 +84,16 @@ class Fleet:
         self.workers: list[WorkerProc] = []
 
     def start(self, pool: str, n: int, model: str, **env: str) -> list[WorkerProc]:
-        started = [WorkerProc({**self.env, **env}, self.root / f"{pool}-{i}.log", "--pool", pool, "--model", model)
-                   for i in range(n)]
+        started = [
+            WorkerProc({**self.env, **env}, self.root / f"{pool}-{i}.log", "--pool", pool, "--model", model)
+            for i in range(n)
+        ]
         self.workers += started
         return started
 
     def ready(self, timeout: float = 240) -> None:
         """Wait until every started worker has registered (its model loaded)."""
+
         def up() -> bool:
             for w in self.workers:
                 if not w.alive():
@@ -114,12 +116,14 @@ class Fleet:
             path = write_prompts(self.root / f"warm-{pool}.txt", shard_size * workers, f"warm-up {pool}")
             self.job(path, pool=pool, seed=10**6, shard_size=shard_size, **settings)
 
-    def job(self, path: Path, *, model: str, pool: str, seed: int, steps: int, size: str, batch_size: int,
-            shard_size: int) -> float:
+    def job(
+        self, path: Path, *, model: str, pool: str, seed: int, steps: int, size: str, batch_size: int, shard_size: int
+    ) -> float:
         """Submit ``path`` to ``pool`` and wait for it: wall seconds from the submit call to the last count."""
         t = time.perf_counter()
-        job = self.client.submit(path, model=model, steps=steps, size=size, seed=seed, shard_size=shard_size,
-                                 batch_size=batch_size, pool=pool)
+        job = self.client.submit(
+            path, model=model, steps=steps, size=size, seed=seed, shard_size=shard_size, batch_size=batch_size, pool=pool
+        )
         done = keys.done_bits(job.id)
         deadline = time.monotonic() + 1800
         while self.client.redis.bitcount(done) < job.total:  # one command a poll: the CPU is shared
@@ -137,8 +141,9 @@ def fleet(root: Path) -> Iterator[Fleet]:
             bucket = "fleet-bench"
             s3 = s3_env(moto.endpoint_url, bucket)
             os.environ.update(s3)  # this process's store (the client) talks to moto too
-            boto3.session.Session().client("s3", endpoint_url=moto.endpoint_url,
-                                           region_name="us-east-1").create_bucket(Bucket=bucket)
+            boto3.session.Session().client("s3", endpoint_url=moto.endpoint_url, region_name="us-east-1").create_bucket(
+                Bucket=bucket
+            )
             f = Fleet(root, server.url, f"s3://{bucket}/bench", s3)
             try:
                 yield f
@@ -165,33 +170,63 @@ def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     if args.before:
         f.start("inline", 1, model, RENDERFLEET_PIPELINE_DEPTH="0", **ALLOW_BENCH)
     f.ready()
-    f.warm(dict.fromkeys(pools, 1), model=model, steps=args.steps, size=args.size, batch_size=args.batch_size,
-           shard_size=args.shard_size)
+    f.warm(
+        dict.fromkeys(pools, 1),
+        model=model,
+        steps=args.steps,
+        size=args.size,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+    )
     path = write_prompts(f.root / "overhead.txt", args.prompts, "overhead")
     pure = args.prompts * spi
     ratios: dict[str, list[float]] = {pool: [] for pool in pools}
     for run in range(args.runs):
         for turn, pool in enumerate(pools):
             # A seed of its own: the same prompts and settings would be the same job, already done.
-            wall = f.job(path, model=model, pool=pool, seed=2 * run + turn, steps=args.steps, size=args.size,
-                         batch_size=args.batch_size, shard_size=args.shard_size)
+            wall = f.job(
+                path,
+                model=model,
+                pool=pool,
+                seed=2 * run + turn,
+                steps=args.steps,
+                size=args.size,
+                batch_size=args.batch_size,
+                shard_size=args.shard_size,
+            )
             ratios[pool].append(wall / pure)
-            print(f"  run {run} {pool:6s}: {wall:.2f} s wall for {pure:.1f} s of render: {wall / pure:.4f}",
-                  flush=True)
+            print(f"  run {run} {pool:6s}: {wall:.2f} s wall for {pure:.1f} s of render: {wall / pure:.4f}", flush=True)
     f.stop()
-    settings = (f"{args.prompts} prompts, {spi * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
-                f"shard {args.shard_size}, {args.size}, 1 worker, S3 on moto")
-    rows = [[f"orchestration overhead, commit queue on (default): wall / pure render ({settings})",
-             spread(ratios["piped"], ".4f"), "at most 1.03", f"{COMMAND} --only overhead"]]
+    settings = (
+        f"{args.prompts} prompts, {spi * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
+        f"shard {args.shard_size}, {args.size}, 1 worker, S3 on moto"
+    )
+    rows = [
+        [
+            f"orchestration overhead, commit queue on (default): wall / pure render ({settings})",
+            spread(ratios["piped"], ".4f"),
+            "at most 1.03",
+            f"{COMMAND} --only overhead",
+        ]
+    ]
     if not args.before:
         return rows
     gain = [i / p for p, i in zip(ratios["piped"], ratios["inline"], strict=True)]
     return [
         *rows,
-        ["the same, commit queue off (`RENDERFLEET_PIPELINE_DEPTH=0`: each batch committed in line before the "
-         "next renders), same runs", spread(ratios["inline"], ".4f"), "(for comparison)", f"{COMMAND} --only overhead"],
-        ["wall time without the queue over with it, same runs", spread(gain, ".3f"), "above 1",
-         f"{COMMAND} --only overhead"],
+        [
+            "the same, commit queue off (`RENDERFLEET_PIPELINE_DEPTH=0`: each batch committed in line before the "
+            "next renders), same runs",
+            spread(ratios["inline"], ".4f"),
+            "(for comparison)",
+            f"{COMMAND} --only overhead",
+        ],
+        [
+            "wall time without the queue over with it, same runs",
+            spread(gain, ".3f"),
+            "above 1",
+            f"{COMMAND} --only overhead",
+        ],
     ]
 
 
@@ -214,8 +249,15 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     from worker.render import Renderer
 
     threads, depth = args.tiny_threads, args.tiny_depth
-    f.start("tiny", 1, "tiny", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-            RENDERFLEET_RENDER_BATCH=str(args.batch_size), RENDERFLEET_PIPELINE_DEPTH=str(depth))
+    f.start(
+        "tiny",
+        1,
+        "tiny",
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        RENDERFLEET_RENDER_BATCH=str(args.batch_size),
+        RENDERFLEET_PIPELINE_DEPTH=str(depth),
+    )
     torch.set_num_threads(threads)  # as each worker (OMP_NUM_THREADS)
     width, height = (int(x) for x in args.tiny_size.split("x"))
     loaded = load_pipeline("tiny", device="cpu", cache_dir=f.root / "models")
@@ -231,8 +273,10 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
             done.result()
 
     def in_process(seed: int) -> float:
-        prompts = [Prompt(i, f"{i:06d}", f"tiny number {i}", "", derive_seed(seed, i), args.tiny_steps, 7.5, width,
-                          height) for i in range(n)]
+        prompts = [
+            Prompt(i, f"{i:06d}", f"tiny number {i}", "", derive_seed(seed, i), args.tiny_steps, 7.5, width, height)
+            for i in range(n)
+        ]
         t = time.perf_counter()
         commits = CommitQueue(commit_thread, depth)
         for first in range(0, n, args.batch_size):
@@ -242,32 +286,58 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
         return n / (time.perf_counter() - t)
 
     in_process(99)  # warm-up
-    f.warm({"tiny": 1}, model="tiny", steps=args.tiny_steps, size=args.tiny_size, batch_size=args.batch_size,
-           shard_size=args.shard_size)
+    f.warm(
+        {"tiny": 1},
+        model="tiny",
+        steps=args.tiny_steps,
+        size=args.tiny_size,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+    )
     fleet_rate: list[float] = []
     local_rate: list[float] = []
     for run in range(args.runs):
         local_rate.append(in_process(run))
-        wall = f.job(path, model="tiny", pool="tiny", seed=run, steps=args.tiny_steps, size=args.tiny_size,
-                     batch_size=args.batch_size, shard_size=args.shard_size)
+        wall = f.job(
+            path,
+            model="tiny",
+            pool="tiny",
+            seed=run,
+            steps=args.tiny_steps,
+            size=args.tiny_size,
+            batch_size=args.batch_size,
+            shard_size=args.shard_size,
+        )
         fleet_rate.append(n / wall)
-        print(f"  run {run}: fleet {fleet_rate[-1]:.2f} images/s, in-process {local_rate[-1]:.2f} images/s",
-              flush=True)
+        print(f"  run {run}: fleet {fleet_rate[-1]:.2f} images/s, in-process {local_rate[-1]:.2f} images/s", flush=True)
     f.stop()
     commit_thread.shutdown()
     encoders.shutdown()
     ratio = [a / b for a, b in zip(fleet_rate, local_rate, strict=True)]
-    encoding = (f"PNG encode in a commit thread ({depth} batches in flight) over {UPLOAD_THREADS} threads, beside "
-                "the render" if depth else f"PNG encode in line over {UPLOAD_THREADS} threads, before the next render")
-    settings = (f"tiny, {n} prompts, {args.tiny_size}, {args.tiny_steps} steps; both sides: calls of "
-                f"{args.batch_size} prompts (the worker's `RENDERFLEET_RENDER_BATCH={args.batch_size}`), "
-                f"{threads} torch thread{'s' if threads > 1 else ''}, {encoding}")
+    encoding = (
+        f"PNG encode in a commit thread ({depth} batches in flight) over {UPLOAD_THREADS} threads, beside the render"
+        if depth
+        else f"PNG encode in line over {UPLOAD_THREADS} threads, before the next render"
+    )
+    settings = (
+        f"tiny, {n} prompts, {args.tiny_size}, {args.tiny_steps} steps; both sides: calls of "
+        f"{args.batch_size} prompts (the worker's `RENDERFLEET_RENDER_BATCH={args.batch_size}`), "
+        f"{threads} torch thread{'s' if threads > 1 else ''}, {encoding}"
+    )
     command = f"{COMMAND} --only tiny"
     return [
-        [f"real model: fleet images/s over the in-process renderer's ({settings})", spread(ratio, ".3f"),
-         "at least 0.97 (same as the overhead goal)", command],
-        ["  fleet (1 worker, S3 on moto) / in-process (render + PNG encode, no store), images/s",
-         f"{med(fleet_rate):.2f} / {med(local_rate):.2f}", "", command],
+        [
+            f"real model: fleet images/s over the in-process renderer's ({settings})",
+            spread(ratio, ".3f"),
+            "at least 0.97 (same as the overhead goal)",
+            command,
+        ],
+        [
+            "  fleet (1 worker, S3 on moto) / in-process (render + PNG encode, no store), images/s",
+            f"{med(fleet_rate):.2f} / {med(local_rate):.2f}",
+            "",
+            command,
+        ],
     ]
 
 
@@ -278,15 +348,29 @@ def scale(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     for n in counts:
         f.start(f"scale{n}", n, model, **ALLOW_BENCH)
     f.ready()
-    f.warm({f"scale{n}": n for n in counts}, model=model, steps=args.steps, size=args.size, batch_size=args.batch_size,
-           shard_size=args.shard_size)
+    f.warm(
+        {f"scale{n}": n for n in counts},
+        model=model,
+        steps=args.steps,
+        size=args.size,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+    )
     rates: dict[int, list[float]] = {n: [] for n in counts}
     for run in range(args.runs):
         for n in counts:
             prompts = args.scale_prompts * n
             path = write_prompts(f.root / f"scale{n}.txt", prompts, f"scale {n}")
-            wall = f.job(path, model=model, pool=f"scale{n}", seed=run, steps=args.steps, size=args.size,
-                         batch_size=args.batch_size, shard_size=args.shard_size)
+            wall = f.job(
+                path,
+                model=model,
+                pool=f"scale{n}",
+                seed=run,
+                steps=args.steps,
+                size=args.size,
+                batch_size=args.batch_size,
+                shard_size=args.shard_size,
+            )
             rates[n].append(prompts / wall)
             print(f"  run {run}: {n} worker(s): {prompts / wall:.1f} images/s", flush=True)
     f.stop()
@@ -294,17 +378,32 @@ def scale(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     rows = []
     for n in counts[1:]:
         eff = [rates[n][r] / (n / one * rates[one][r]) for r in range(args.runs)]
-        rows.append([f"scale-out: {n} workers' images/s over {n} x 1 worker's ({args.scale_prompts} prompts per worker, "
-                     f"{args.seconds_per_image * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
-                     f"shard {args.shard_size}, S3 on moto)", spread(eff, ".3f"), "at least 0.9",
-                     f"{COMMAND} --only scale"])
-    rows.append(["  images/s by workers: " + ", ".join(f"{n}: {med(rates[n]):.1f}" for n in counts),
-                 f"ideal {1 / args.seconds_per_image:.0f} per worker", "", f"{COMMAND} --only scale"])
+        rows.append(
+            [
+                f"scale-out: {n} workers' images/s over {n} x 1 worker's ({args.scale_prompts} prompts per worker, "
+                f"{args.seconds_per_image * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
+                f"shard {args.shard_size}, S3 on moto)",
+                spread(eff, ".3f"),
+                "at least 0.9",
+                f"{COMMAND} --only scale",
+            ]
+        )
+    rows.append(
+        [
+            "  images/s by workers: " + ", ".join(f"{n}: {med(rates[n]):.1f}" for n in counts),
+            f"ideal {1 / args.seconds_per_image:.0f} per worker",
+            "",
+            f"{COMMAND} --only scale",
+        ]
+    )
     return rows
 
 
 PARTS: dict[str, Callable[[Fleet, argparse.Namespace], list[list[str]]]] = {
-    "overhead": overhead, "tiny": tiny, "scale": scale}
+    "overhead": overhead,
+    "tiny": tiny,
+    "scale": scale,
+}
 
 
 def main() -> int:
@@ -312,8 +411,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", choices=list(PARTS), action="append", help="run only these parts (repeatable)")
     ap.add_argument("--prompts", type=int, default=2000, help="prompts of the overhead job")
-    ap.add_argument("--seconds-per-image", type=float, default=0.025,
-                    help="S of the bench model bench:fixed?seconds=S (0.025: 200 ms per 8)")
+    ap.add_argument(
+        "--seconds-per-image",
+        type=float,
+        default=0.025,
+        help="S of the bench model bench:fixed?seconds=S (0.025: 200 ms per 8)",
+    )
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--shard-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10, help="the fixed-time renderer's steps (stop checks)")
@@ -322,12 +425,20 @@ def main() -> int:
     ap.add_argument("--tiny-size", default="32x32")
     ap.add_argument("--tiny-steps", type=int, default=4)
     ap.add_argument("--tiny-threads", type=int, default=1, help="torch threads, the worker's and in-process")
-    ap.add_argument("--tiny-depth", type=int, default=PIPELINE_DEPTH,
-                    help="batches whose encode runs beside the next render, both sides (0: encoded in line)")
+    ap.add_argument(
+        "--tiny-depth",
+        type=int,
+        default=PIPELINE_DEPTH,
+        help="batches whose encode runs beside the next render, both sides (0: encoded in line)",
+    )
     ap.add_argument("--workers", default="1,4,8", help="scale-out: worker counts, the first the base")
     ap.add_argument("--scale-prompts", type=int, default=384, help="scale-out: prompts per worker")
-    ap.add_argument("--no-before", dest="before", action="store_false",
-                    help="overhead: skip the runs without the commit queue (halves the part's time)")
+    ap.add_argument(
+        "--no-before",
+        dest="before",
+        action="store_false",
+        help="overhead: skip the runs without the commit queue (halves the part's time)",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args()
     started = start()
@@ -344,15 +455,23 @@ def main() -> int:
     print(f"(total {time.monotonic() - t0:.0f} s)")
     if not args.no_write:
         # A shorter or otherwise changed run says so beside its figures.
-        changed = [f"`{a.option_strings[0]}`" if a.nargs == 0 else
-                   f"`{a.option_strings[0]} {','.join(map(str, v)) if isinstance(v, list) else v}` (default {a.default})"
-                   for a in ap._actions if a.option_strings and a.dest not in ("help", "no_write")
-                   and (v := getattr(args, a.dest)) != a.default]
-        write_section("fleet", "The fleet: orchestration overhead, the real tiny model, scale-out",
-                      "Every figure: the median over the runs shown, ratios from the same run.  "
-                      "The load average above says how busy the cores were."
-                      + (f"  Settings changed from the defaults: {', '.join(changed)}." if changed else "")
-                      + "\n\n" + text, started=started)
+        changed = [
+            f"`{a.option_strings[0]}`"
+            if a.nargs == 0
+            else f"`{a.option_strings[0]} {','.join(map(str, v)) if isinstance(v, list) else v}` (default {a.default})"
+            for a in ap._actions
+            if a.option_strings and a.dest not in ("help", "no_write") and (v := getattr(args, a.dest)) != a.default
+        ]
+        write_section(
+            "fleet",
+            "The fleet: orchestration overhead, the real tiny model, scale-out",
+            "Every figure: the median over the runs shown, ratios from the same run.  "
+            "The load average above says how busy the cores were."
+            + (f"  Settings changed from the defaults: {', '.join(changed)}." if changed else "")
+            + "\n\n"
+            + text,
+            started=started,
+        )
     return 0
 
 

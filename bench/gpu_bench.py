@@ -55,9 +55,20 @@ from typing import Any
 #   A10G (AWS-only, no NVIDIA datasheet): about 70, as Baseten reports it,
 #   https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/ (approximate)
 # torch names the H100 SXM "NVIDIA H100 80GB HBM3", so plain "h100" is the SXM part.
-PEAK_BF16 = {"h100": 989e12, "h100 pcie": 756e12, "h100 nvl": 835e12, "h200": 989e12, "h200 nvl": 835e12,
-             "gh200": 989e12, "a100": 312e12, "l40s": 362e12, "l40": 181e12, "l4": 121e12, "a10": 125e12,
-             "a10g": 70e12}
+PEAK_BF16 = {
+    "h100": 989e12,
+    "h100 pcie": 756e12,
+    "h100 nvl": 835e12,
+    "h200": 989e12,
+    "h200 nvl": 835e12,
+    "gh200": 989e12,
+    "a100": 312e12,
+    "l40s": 362e12,
+    "l40": 181e12,
+    "l4": 121e12,
+    "a10": 125e12,
+    "a10g": 70e12,
+}
 DEFAULT_BUDGET_SECONDS = 420.0
 # Time kept back for a compile mode to start on a card: regional compilation of SDXL's blocks takes a minute or two.
 COMPILE_RESERVE_SECONDS = 150.0
@@ -130,52 +141,130 @@ class Arch:
     text_2: dict[str, Any] = field(default_factory=dict)  # SDXL's OpenCLIP bigG, with projection
 
 
-_VAE = {"block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4,
-        "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4}
-_CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12,
-           "vocab_size": 49408, "max_position_embeddings": 77, "hidden_act": "quick_gelu", "projection_dim": 768}
+_VAE = {
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "latent_channels": 4,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
+_CLIP_L = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "vocab_size": 49408,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "projection_dim": 768,
+}
 
 SD15 = Arch(
-    "sd15", False, 512, 512, 25, 7.5, (1, 4, 16, 32, 64),
-    unet={"block_out_channels": (320, 640, 1280, 1280), "layers_per_block": 2, "cross_attention_dim": 768,
-          "attention_head_dim": 8, "sample_size": 64,
-          "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-          "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3},
+    "sd15",
+    False,
+    512,
+    512,
+    25,
+    7.5,
+    (1, 4, 16, 32, 64),
+    unet={
+        "block_out_channels": (320, 640, 1280, 1280),
+        "layers_per_block": 2,
+        "cross_attention_dim": 768,
+        "attention_head_dim": 8,
+        "sample_size": 64,
+        "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    },
     vae={**_VAE, "sample_size": 512},
     text=_CLIP_L,
 )
 SDXL = Arch(
-    "sdxl", True, 1024, 1024, 30, 7.5, (1, 4, 8, 16),
-    unet={"block_out_channels": (320, 640, 1280), "layers_per_block": 2, "transformer_layers_per_block": (1, 2, 10),
-          "attention_head_dim": (5, 10, 20), "cross_attention_dim": 2048, "use_linear_projection": True,
-          "addition_embed_type": "text_time", "addition_time_embed_dim": 256,
-          "projection_class_embeddings_input_dim": 2816, "sample_size": 128,
-          "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-          "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D")},
+    "sdxl",
+    True,
+    1024,
+    1024,
+    30,
+    7.5,
+    (1, 4, 8, 16),
+    unet={
+        "block_out_channels": (320, 640, 1280),
+        "layers_per_block": 2,
+        "transformer_layers_per_block": (1, 2, 10),
+        "attention_head_dim": (5, 10, 20),
+        "cross_attention_dim": 2048,
+        "use_linear_projection": True,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 256,
+        "projection_class_embeddings_input_dim": 2816,
+        "sample_size": 128,
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    },
     vae={**_VAE, "sample_size": 1024, "scaling_factor": 0.13025, "force_upcast": True},
     text=_CLIP_L,
-    text_2={"hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 20, "num_hidden_layers": 32,
-            "vocab_size": 49408, "max_position_embeddings": 77, "hidden_act": "gelu", "projection_dim": 1280},
+    text_2={
+        "hidden_size": 1280,
+        "intermediate_size": 5120,
+        "num_attention_heads": 20,
+        "num_hidden_layers": 32,
+        "vocab_size": 49408,
+        "max_position_embeddings": 77,
+        "hidden_act": "gelu",
+        "projection_dim": 1280,
+    },
 )
 
 
 def tiny(arch: Arch) -> Arch:
     """The same family at toy widths, 64x64 and 2 steps: proves the code runs on a CPU."""
-    small_text = {"hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4, "num_hidden_layers": 2,
-                  "vocab_size": 1000, "max_position_embeddings": 77, "projection_dim": 32}
-    vae = {**arch.vae, "block_out_channels": [32, 64], "down_block_types": ["DownEncoderBlock2D"] * 2,
-           "up_block_types": ["UpDecoderBlock2D"] * 2, "sample_size": 64}
-    unet: dict[str, Any] = {"block_out_channels": (32, 64), "layers_per_block": 1, "sample_size": 8,
-                            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
-                            "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D")}
+    small_text = {
+        "hidden_size": 32,
+        "intermediate_size": 37,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 1000,
+        "max_position_embeddings": 77,
+        "projection_dim": 32,
+    }
+    vae = {
+        **arch.vae,
+        "block_out_channels": [32, 64],
+        "down_block_types": ["DownEncoderBlock2D"] * 2,
+        "up_block_types": ["UpDecoderBlock2D"] * 2,
+        "sample_size": 64,
+    }
+    unet: dict[str, Any] = {
+        "block_out_channels": (32, 64),
+        "layers_per_block": 1,
+        "sample_size": 8,
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    }
     if arch.xl:
-        unet.update(transformer_layers_per_block=(1, 2), attention_head_dim=(2, 4), cross_attention_dim=64,
-                    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
-                    projection_class_embeddings_input_dim=6 * 8 + 32)
+        unet.update(
+            transformer_layers_per_block=(1, 2),
+            attention_head_dim=(2, 4),
+            cross_attention_dim=64,
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=8,
+            projection_class_embeddings_input_dim=6 * 8 + 32,
+        )
     else:
         unet.update(cross_attention_dim=32, attention_head_dim=4)
-    return replace(arch, name=f"{arch.name}-tiny", width=64, height=64, steps=2, batches=(1, 2), unet=unet,
-                   vae=vae, text=small_text, text_2=small_text if arch.xl else {})
+    return replace(
+        arch,
+        name=f"{arch.name}-tiny",
+        width=64,
+        height=64,
+        steps=2,
+        batches=(1, 2),
+        unet=unet,
+        vae=vae,
+        text=small_text,
+        text_2=small_text if arch.xl else {},
+    )
 
 
 # ---- FLOPs, counted on the meta device -------------------------------------------------------
@@ -252,10 +341,19 @@ def build(arch: Arch, device: str, dtype: Any = None) -> Any:
     started = time.perf_counter()
     dtype = dtype if dtype is not None else bench_dtype(arch, device)
     tokenizer = tiny_tokenizer()  # byte-level: its ids fit any CLIP vocabulary
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "pad_token_id": tokenizer.pad_token_id}
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1)
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # made in bf16 at once: SDXL's 3.5 B parameters never exist in fp32
@@ -264,9 +362,11 @@ def build(arch: Arch, device: str, dtype: Any = None) -> Any:
             unet: Any = UNet2DConditionModel(**arch.unet)
             vae: Any = AutoencoderKL(**arch.vae)
             parts: dict[str, Any] = {
-                "unet": unet.eval(), "vae": vae.eval(),
+                "unet": unet.eval(),
+                "vae": vae.eval(),
                 "text_encoder": CLIPTextModel(CLIPTextConfig(**arch.text, **ids)).eval(),
-                "tokenizer": tokenizer, "scheduler": scheduler,
+                "tokenizer": tokenizer,
+                "scheduler": scheduler,
             }
             if arch.xl:
                 parts["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**arch.text_2, **ids)).eval()
@@ -277,12 +377,16 @@ def build(arch: Arch, device: str, dtype: Any = None) -> Any:
     if arch.xl:
         pipe = StableDiffusionXLPipeline(**parts, add_watermarker=False)
     else:
-        pipe = StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
+        pipe = StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     prepare_for_cuda(pipe, dtype)
-    return LoadedModel(pipe=pipe, model=f"{arch.name} (random weights)", device=device, dtype=dtype,
-                       load_seconds=time.perf_counter() - started)
+    return LoadedModel(
+        pipe=pipe,
+        model=f"{arch.name} (random weights)",
+        device=device,
+        dtype=dtype,
+        load_seconds=time.perf_counter() - started,
+    )
 
 
 def check_vae_modes(loaded: Any) -> dict[str, float]:
@@ -301,11 +405,14 @@ def check_vae_modes(loaded: Any) -> dict[str, float]:
     dtype = next(vae.parameters()).dtype
     seconds: dict[str, float] = {}
     try:
-        for mode, (slicing, tiling), batch, side in (("tiling", (False, True), 1, 2 * tile),
-                                                     ("slicing", (True, False), 2, tile)):
+        for mode, (slicing, tiling), batch, side in (
+            ("tiling", (False, True), 1, 2 * tile),
+            ("slicing", (True, False), 2, tile),
+        ):
             set_vae_memory_modes(loaded.pipe, slicing, tiling)
-            latents = torch.randn(batch, vae.config.latent_channels, side, side,
-                                  generator=torch.Generator().manual_seed(0)).to(loaded.device, dtype)
+            latents = torch.randn(
+                batch, vae.config.latent_channels, side, side, generator=torch.Generator().manual_seed(0)
+            ).to(loaded.device, dtype)
             started = time.perf_counter()
             with torch.inference_mode():
                 image = vae.decode(latents, return_dict=False)[0]
@@ -356,15 +463,18 @@ class Row:
     note: str = ""
 
 
-def measure(renderer: Any, arch: Arch, batch: int, runs: int, cuda: bool,
-            steps: Steps | None = None) -> tuple[float, list[float], float | None]:
+def measure(
+    renderer: Any, arch: Arch, batch: int, runs: int, cuda: bool, steps: Steps | None = None
+) -> tuple[float, list[float], float | None]:
     """(first call, timed calls, peak GB) of ``batch`` prompts at ``arch``'s settings."""
     import torch
 
     from renderfleet.spec import Prompt
 
-    prompts = [Prompt(i, f"{i:06d}", f"a benchmark prompt {i}", "", i, arch.steps, arch.guidance, arch.width,
-                      arch.height) for i in range(batch)]
+    prompts = [
+        Prompt(i, f"{i:06d}", f"a benchmark prompt {i}", "", i, arch.steps, arch.guidance, arch.width, arch.height)
+        for i in range(batch)
+    ]
 
     def once() -> float:
         started = time.perf_counter()
@@ -384,9 +494,19 @@ def measure(renderer: Any, arch: Arch, batch: int, runs: int, cuda: bool,
     return first, times, peak
 
 
-def run_arch(arch: Arch, *, device: str, modes: list[str], runs: int, peak: float | None, deadline: float,
-             log: Any, steps: Steps | None = None, card: str = "", compile_backend: str = "inductor",
-             ) -> tuple[list[Row], dict[str, Any]]:
+def run_arch(
+    arch: Arch,
+    *,
+    device: str,
+    modes: list[str],
+    runs: int,
+    peak: float | None,
+    deadline: float,
+    log: Any,
+    steps: Steps | None = None,
+    card: str = "",
+    compile_backend: str = "inductor",
+) -> tuple[list[Row], dict[str, Any]]:
     import torch
 
     from renderfleet.errors import OutOfMemory
@@ -397,11 +517,19 @@ def run_arch(arch: Arch, *, device: str, modes: list[str], runs: int, peak: floa
     unet_step, vae = count_flops(arch)
     steps.done("flops")
     per_image = flops_per_image(arch, unet_step, vae)
-    info = {"model": arch.name, "size": f"{arch.width}x{arch.height}", "steps": arch.steps,
-            "guidance": arch.guidance, "unet_tflop_per_step_image": unet_step / 1e12,
-            "vae_decode_tflop": vae / 1e12, "tflop_per_image": per_image / 1e12}
-    log(f"{arch.name}: {unet_step / 1e12:.3g} TFLOP per UNet step per image (x2 with guidance), "
-        f"{vae / 1e12:.3g} TFLOP VAE decode: {per_image / 1e12:.3g} TFLOP per image")
+    info = {
+        "model": arch.name,
+        "size": f"{arch.width}x{arch.height}",
+        "steps": arch.steps,
+        "guidance": arch.guidance,
+        "unet_tflop_per_step_image": unet_step / 1e12,
+        "vae_decode_tflop": vae / 1e12,
+        "tflop_per_image": per_image / 1e12,
+    }
+    log(
+        f"{arch.name}: {unet_step / 1e12:.3g} TFLOP per UNet step per image (x2 with guidance), "
+        f"{vae / 1e12:.3g} TFLOP VAE decode: {per_image / 1e12:.3g} TFLOP per image"
+    )
     cuda = device.startswith("cuda")
     loaded = build(arch, device)
     info["build_seconds"] = loaded.load_seconds
@@ -436,8 +564,7 @@ def run_arch(arch: Arch, *, device: str, modes: list[str], runs: int, peak: floa
             seconds = statistics.median(times)
             last_per_image = seconds / batch
             ips = batch / seconds
-            row = Row(arch.name, mode, batch, ips, seconds, first, peak_gb,
-                      ips * per_image / peak if peak else None)
+            row = Row(arch.name, mode, batch, ips, seconds, first, peak_gb, ips * per_image / peak if peak else None)
             rows.append(row)
             steps.done("compiled renders" if mode == "compile" else "eager renders")
             if row.mfu is not None:
@@ -464,13 +591,17 @@ def run_arch(arch: Arch, *, device: str, modes: list[str], runs: int, peak: floa
 def format_row(row: Row) -> str:
     if row.images_per_second is None:
         return f"| {row.model} | {row.mode} | {row.batch or '-'} | - | - | - | - | - | {row.note} |"
-    return (f"| {row.model} | {row.mode} | {row.batch} | {row.images_per_second:.2f} | {row.seconds_per_batch:.3f} "
-            f"| {row.first_call_seconds:.1f} | {'-' if row.peak_memory_gb is None else f'{row.peak_memory_gb:.1f}'} "
-            f"| {'-' if row.mfu is None else f'{row.mfu * 100:.3g}%'} | {row.note} |")
+    return (
+        f"| {row.model} | {row.mode} | {row.batch} | {row.images_per_second:.2f} | {row.seconds_per_batch:.3f} "
+        f"| {row.first_call_seconds:.1f} | {'-' if row.peak_memory_gb is None else f'{row.peak_memory_gb:.1f}'} "
+        f"| {'-' if row.mfu is None else f'{row.mfu * 100:.3g}%'} | {row.note} |"
+    )
 
 
-HEADER = ("| model | mode | batch | images/s | s/batch | first call s | peak GB | MFU | note |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| model | mode | batch | images/s | s/batch | first call s | peak GB | MFU | note |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,9 +615,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: each model's sweep)")
-    parser.add_argument("--compile-backend", default="inductor", choices=("inductor", "eager"),
-                        help="off CUDA only: inductor (its C++ kernels: minutes on a small CPU) or dynamo's trace "
-                             "run eagerly (seconds, no compile cache)")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        choices=("inductor", "eager"),
+        help="off CUDA only: inductor (its C++ kernels: minutes on a small CPU) or dynamo's trace "
+        "run eagerly (seconds, no compile cache)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -509,8 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    log(f"{card} ({device}), torch {torch.__version__}, bf16 peak "
-        f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}, budget {args.budget_seconds:.0f} s")
+    log(
+        f"{card} ({device}), torch {torch.__version__}, bf16 peak "
+        f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}, budget {args.budget_seconds:.0f} s"
+    )
     rows: list[Row] = []
     infos: list[dict[str, Any]] = []
     steps = Steps()
@@ -520,16 +657,37 @@ def main(argv: list[str] | None = None) -> int:
         """The JSON report, after each model too: a run killed at its time limit still leaves what it measured."""
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"card": card, "device": device, "torch": torch.__version__,
-                                            "peak_flops": peak, "wall_seconds": time.monotonic() - started,
-                                            "tiny": args.tiny, "complete": complete, "models": infos,
-                                            "rows": [asdict(r) for r in rows], "steps": steps.report(cuda)},
-                                           indent=2))
+            args.out.write_text(
+                json.dumps(
+                    {
+                        "card": card,
+                        "device": device,
+                        "torch": torch.__version__,
+                        "peak_flops": peak,
+                        "wall_seconds": time.monotonic() - started,
+                        "tiny": args.tiny,
+                        "complete": complete,
+                        "models": infos,
+                        "rows": [asdict(r) for r in rows],
+                        "steps": steps.report(cuda),
+                    },
+                    indent=2,
+                )
+            )
 
     for arch in chosen:
-        arch_rows, info = run_arch(arch, device=device, modes=modes, runs=max(1, args.runs), peak=peak,
-                                   deadline=started + args.budget_seconds, log=log, steps=steps, card=card,
-                                   compile_backend=args.compile_backend)
+        arch_rows, info = run_arch(
+            arch,
+            device=device,
+            modes=modes,
+            runs=max(1, args.runs),
+            peak=peak,
+            deadline=started + args.budget_seconds,
+            log=log,
+            steps=steps,
+            card=card,
+            compile_backend=args.compile_backend,
+        )
         rows += arch_rows
         infos.append(info)
         dump(complete=False)
@@ -538,12 +696,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{HEADER}")
     for row in rows:
         print(format_row(row))
-    best = {a.name: max((r for r in rows if r.model == a.name and r.images_per_second), default=None,
-                        key=lambda r: r.images_per_second or 0.0) for a in chosen}
+    best = {
+        a.name: max(
+            (r for r in rows if r.model == a.name and r.images_per_second),
+            default=None,
+            key=lambda r: r.images_per_second or 0.0,
+        )
+        for a in chosen
+    }
     for name, top in best.items():
         if top:
-            print(f"\nbest {name}: {top.images_per_second:.2f} images/s ({top.mode}, batch {top.batch})"
-                  + (f", MFU {top.mfu * 100:.3g}%" if top.mfu is not None else ""))
+            print(
+                f"\nbest {name}: {top.images_per_second:.2f} images/s ({top.mode}, batch {top.batch})"
+                + (f", MFU {top.mfu * 100:.3g}%" if top.mfu is not None else "")
+            )
     print(f"\nwall time {wall:.0f} s")
     print("\nsteps:\n" + "\n".join(steps.report(cuda)))
     dump(complete=True)

@@ -46,14 +46,25 @@ LIMIT_SECONDS = 480.0  # the whole run, on one H200: under 8 minutes
 TESTS_SECONDS = 180.0  # the GPU tier's own limit
 MARGIN_SECONDS = 45.0  # kept back from the benchmark's budget: its start-up, the last model's teardown, the write
 # What the tier and the benchmark import, beyond the standard library (a GPU node's image may lack some).
-PACKAGES = ("torch", "diffusers", "transformers", "PIL", "numpy", "pytest", "pydantic", "pydantic_settings",
-            "dotenv", "tenacity", "botocore", "prometheus_client")
+PACKAGES = (
+    "torch",
+    "diffusers",
+    "transformers",
+    "PIL",
+    "numpy",
+    "pytest",
+    "pydantic",
+    "pydantic_settings",
+    "dotenv",
+    "tenacity",
+    "botocore",
+    "prometheus_client",
+)
 
 CHECK_STEPS = (
     Step("packages", "the Python packages the run imports"),
     Step("card", "nvidia-smi: the card, its memory and its driver", True),
-    Step("gpu tests", "the GPU test tier (pytest tests/gpu) on the card; without one it is collected and skips",
-         True),
+    Step("gpu tests", "the GPU test tier (pytest tests/gpu) on the card; without one it is collected and skips", True),
     Step("benchmark", "bench/gpu.sh: on a card at the real sizes; without one --tiny, a dry run"),
     Step("results", "the figures written into bench/RESULTS.md (bench/results.py, section gpu)", True),
 )
@@ -72,8 +83,12 @@ def report(ran: set[str], cuda: bool, bench_lines: list[str]) -> list[str]:
     if bench_lines:
         return lines + [f"benchmark, {line}" for line in bench_lines]
     # The benchmark did not say: name its GPU-only steps all the same.
-    return lines + [f"benchmark, skipped on CPU: {s.name} ({s.what})" if s.gpu_only and not cuda
-                    else f"benchmark, not reached: {s.name} ({s.what})" for s in BENCH_STEPS]
+    return lines + [
+        f"benchmark, skipped on CPU: {s.name} ({s.what})"
+        if s.gpu_only and not cuda
+        else f"benchmark, not reached: {s.name} ({s.what})"
+        for s in BENCH_STEPS
+    ]
 
 
 def missing_packages() -> list[str]:
@@ -85,8 +100,13 @@ def run_tests(out: Path, env: dict[str, str], timeout: float) -> dict[str, Any]:
     xml = out / "gpu-tests.xml"
     started = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                               f"--junitxml={xml}", "tests/gpu"], cwd=ROOT, env=env, timeout=timeout, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}", "tests/gpu"],
+            cwd=ROOT,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
         code: int | str = proc.returncode
     except subprocess.TimeoutExpired:
         code = f"killed after {timeout:.0f} s"
@@ -101,12 +121,21 @@ def run_tests(out: Path, env: dict[str, str], timeout: float) -> dict[str, Any]:
     return result
 
 
-def run_bench(out: Path, env: dict[str, str], *, tiny: bool, budget: float, timeout: float,
-              extra: list[str]) -> dict[str, Any] | None:
+def run_bench(
+    out: Path, env: dict[str, str], *, tiny: bool, budget: float, timeout: float, extra: list[str]
+) -> dict[str, Any] | None:
     """``bench/gpu.sh`` in a child process, its JSON read back (None if it wrote none)."""
     report_file = out / "gpu.json"
-    command = ["bash", str(ROOT / "bench" / "gpu.sh"), "--out", str(report_file),
-               "--budget-seconds", f"{budget:.0f}", *(["--tiny"] if tiny else []), *extra]
+    command = [
+        "bash",
+        str(ROOT / "bench" / "gpu.sh"),
+        "--out",
+        str(report_file),
+        "--budget-seconds",
+        f"{budget:.0f}",
+        *(["--tiny"] if tiny else []),
+        *extra,
+    ]
     try:
         subprocess.run(command, cwd=ROOT, env={**env, "PYTHON": sys.executable}, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -121,8 +150,14 @@ def results_body(bench: dict[str, Any] | None, tests: dict[str, Any], card: str,
 
     rows: list[list[str]] = []
     counts = ", ".join(f"{tests.get(k, 0)} {k}" for k in ("passed", "failures", "errors", "skipped"))
-    rows.append(["GPU test tier (tests/gpu)", f"{counts} in {tests.get('seconds', 0):.0f} s (exit {tests['exit']})",
-                 "all pass", COMMAND])
+    rows.append(
+        [
+            "GPU test tier (tests/gpu)",
+            f"{counts} in {tests.get('seconds', 0):.0f} s (exit {tests['exit']})",
+            "all pass",
+            COMMAND,
+        ]
+    )
     if bench:
         for model in bench.get("models", []):
             mine = [r for r in bench.get("rows", []) if r["model"] == model["model"] and r.get("images_per_second")]
@@ -130,26 +165,45 @@ def results_body(bench: dict[str, Any] | None, tests: dict[str, Any], card: str,
                 continue
             top = max(mine, key=lambda r: r["images_per_second"])
             mfu = f", MFU {top['mfu'] * 100:.3g}%" if top.get("mfu") is not None else ""
-            rows.append([f"{model['model']} {model['size']}, {model['steps']} steps, guidance {model['guidance']}, "
-                         f"{model.get('dtype', '?')}: best images/s",
-                         f"{top['images_per_second']:.2f} ({top['mode']}, batch {top['batch']}{mfu}; "
-                         f"peak {top.get('peak_memory_gb') or 0:.1f} GB)", "(cost per image decides)", COMMAND])
+            rows.append(
+                [
+                    f"{model['model']} {model['size']}, {model['steps']} steps, guidance {model['guidance']}, "
+                    f"{model.get('dtype', '?')}: best images/s",
+                    f"{top['images_per_second']:.2f} ({top['mode']}, batch {top['batch']}{mfu}; "
+                    f"peak {top.get('peak_memory_gb') or 0:.1f} GB)",
+                    "(cost per image decides)",
+                    COMMAND,
+                ]
+            )
     body = [f"On {card}; the whole run took {wall:.0f} s (goal: under 480 s).", "", table(rows)]
     if bench and not bench.get("complete", True):
         body += ["", "The benchmark was stopped at the time limit: the rows below are what it measured by then."]
     if bench:
-        body += ["", "Every row of the benchmark (`bench/gpu.sh`, median of the timed calls; first call: the warm-up,"
-                 " with compile the compile at that shape):", "", HEADER]
+        body += [
+            "",
+            "Every row of the benchmark (`bench/gpu.sh`, median of the timed calls; first call: the warm-up,"
+            " with compile the compile at that shape):",
+            "",
+            HEADER,
+        ]
         body += [format_row(Row(**r)) for r in bench.get("rows", [])]
     return "\n".join(body)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/gpu_check.sh", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="where the tier's and the benchmark's reports go "
-                        "(default: a new temporary folder)")
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "RESULTS.md",
-                        help="the results file a run on a card writes (never a dry run)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the tier's and the benchmark's reports go (default: a new temporary folder)",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=ROOT / "bench" / "RESULTS.md",
+        help="the results file a run on a card writes (never a dry run)",
+    )
     parser.add_argument("--limit-seconds", type=float, default=LIMIT_SECONDS)
     args, extra = parser.parse_known_args(argv)  # the rest goes to bench/gpu.sh (e.g. --compile-backend eager)
 
@@ -171,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available()
     say(f"{'a card is here' if cuda else 'no CUDA here: a dry run'}; reports in {out}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=out)  # cold compiles
 
     # 2. The card.
@@ -180,8 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         card = torch.cuda.get_device_name(0)
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30, check=True)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
             card = smi.stdout.strip().splitlines()[0]
             ran.add("card")
         except (OSError, subprocess.SubprocessError, IndexError) as exc:
@@ -196,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     # 4. The benchmark, in the time left.
     left = args.limit_seconds - (time.monotonic() - started)
     if cuda:
-        bench = run_bench(out, env, tiny=False, budget=max(60.0, left - MARGIN_SECONDS), timeout=max(60.0, left - 10),
-                          extra=extra)
+        bench = run_bench(
+            out, env, tiny=False, budget=max(60.0, left - MARGIN_SECONDS), timeout=max(60.0, left - 10), extra=extra
+        )
     else:  # a dry run has no time limit to keep: every step it can take, however slow the CPU
         bench = run_bench(out, env, tiny=True, budget=3600.0, timeout=3600.0, extra=extra)
     if bench is not None:
@@ -208,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and bench is not None:
         from bench.results import write_section
 
-        write_section("gpu", "GPU: the test tier and the benchmark on a card", results_body(bench, tests, card, wall),
-                      path=args.results)
+        write_section(
+            "gpu",
+            "GPU: the test tier and the benchmark on a card",
+            results_body(bench, tests, card, wall),
+            path=args.results,
+        )
         ran.add("results")
     lines = report(ran, cuda, list((bench or {}).get("steps", [])))
     print("\ngpu-check steps:\n" + "\n".join(lines))

@@ -92,10 +92,15 @@ def memory_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
     for n in sizes:
         if n > args.measure_up_to:
             assert per_prompt is not None, "measure a smaller size first"
-            rows.append([f"Redis memory for {n:,} prompts pending (shards of {SHARD_SIZE}), NOT measured here: "
-                         f"extrapolated from {largest:,} ({per_prompt:.2f} bytes per prompt)",
-                         f"{per_prompt * n / 1e6:,.0f} MB (estimate)",
-                         "under 1 GB for 100 million" if n >= 100_000_000 else "", command])
+            rows.append(
+                [
+                    f"Redis memory for {n:,} prompts pending (shards of {SHARD_SIZE}), NOT measured here: "
+                    f"extrapolated from {largest:,} ({per_prompt:.2f} bytes per prompt)",
+                    f"{per_prompt * n / 1e6:,.0f} MB (estimate)",
+                    "under 1 GB for 100 million" if n >= 100_000_000 else "",
+                    command,
+                ]
+            )
             continue
         server = fresh_redis(tmp, f"redis-{n}")
         try:
@@ -104,13 +109,21 @@ def memory_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
             seconds = pend(client, make_app(server.url), n)
             grown = used(client) - before
             per_prompt, largest = grown / n, n
-            print(f"{n:,} prompts pending: {grown / 1e6:.1f} MB of Redis ({grown / n:.2f} bytes per prompt, "
-                  f"{grown / -(-n // SHARD_SIZE):.0f} per shard), published in {seconds:.2f} s", flush=True)
+            print(
+                f"{n:,} prompts pending: {grown / 1e6:.1f} MB of Redis ({grown / n:.2f} bytes per prompt, "
+                f"{grown / -(-n // SHARD_SIZE):.0f} per shard), published in {seconds:.2f} s",
+                flush=True,
+            )
             goal = "under 100 MB for 10 million" if n == 10_000_000 else ""
-            rows.append([f"Redis memory for {n:,} prompts pending (shards of {SHARD_SIZE}; a shard: its number in "
-                         "the job's list, its state and count)",
-                         f"{grown / 1e6:.1f} MB ({grown / n:.2f} bytes per prompt); made pending in {seconds:.2f} s",
-                         goal, command])
+            rows.append(
+                [
+                    f"Redis memory for {n:,} prompts pending (shards of {SHARD_SIZE}; a shard: its number in "
+                    "the job's list, its state and count)",
+                    f"{grown / 1e6:.1f} MB ({grown / n:.2f} bytes per prompt); made pending in {seconds:.2f} s",
+                    goal,
+                    command,
+                ]
+            )
             client.close()
         finally:
             server.stop()
@@ -120,12 +133,20 @@ def memory_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
         before = used(client)
         old_design(client, make_app(server.url), args.old_prompts)
         grown = used(client) - before
-        print(f"the design before: {args.old_prompts:,} prompts queued with their text: {grown / 1e6:.1f} MB "
-              f"({grown / args.old_prompts:.1f} bytes per prompt)", flush=True)
-        rows.append([f"the design before, for comparison: {args.old_prompts:,} prompts queued as shard messages with "
-                     f"their text (~{len(PROMPT)} bytes a prompt)",
-                     f"{grown / 1e6:.1f} MB ({grown / args.old_prompts:.1f} bytes per prompt)", "(for comparison)",
-                     f"python -m bench.queue_bench --old-prompts {args.old_prompts}"])
+        print(
+            f"the design before: {args.old_prompts:,} prompts queued with their text: {grown / 1e6:.1f} MB "
+            f"({grown / args.old_prompts:.1f} bytes per prompt)",
+            flush=True,
+        )
+        rows.append(
+            [
+                f"the design before, for comparison: {args.old_prompts:,} prompts queued as shard messages with "
+                f"their text (~{len(PROMPT)} bytes a prompt)",
+                f"{grown / 1e6:.1f} MB ({grown / args.old_prompts:.1f} bytes per prompt)",
+                "(for comparison)",
+                f"python -m bench.queue_bench --old-prompts {args.old_prompts}",
+            ]
+        )
         client.close()
     finally:
         server.stop()
@@ -147,9 +168,15 @@ def feeder_rows(tmp: Path) -> list[list[str]]:
     finally:
         server.stop()
     print(f"feeder: {fed:,} messages in {seconds:.2f} s ({seconds / fed * 1e6:.0f} us each)", flush=True)
-    return [["the feeder: one message built (`feed.lua`: the job's envelope template, its body base64-encoded "
-             "in Lua) and queued, 200 a call", f"{seconds / fed * 1e6:.0f} us per message ({fed:,} messages)",
-             "", "python -m bench.queue_bench"]]
+    return [
+        [
+            "the feeder: one message built (`feed.lua`: the job's envelope template, its body base64-encoded "
+            "in Lua) and queued, 200 a call",
+            f"{seconds / fed * 1e6:.0f} us per message ({fed:,} messages)",
+            "",
+            "python -m bench.queue_bench",
+        ]
+    ]
 
 
 def submit_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
@@ -168,18 +195,29 @@ def submit_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
         for run in range(args.runs):
             for side, root in sides.items():
                 client.flushall()
-                env = {**os.environ, "RENDERFLEET_REDIS_URL": server.url, "PYTHONPATH": str(root),
-                       "RENDERFLEET_STORE": str(tmp / f"store-{run}-{len(walls[side])}-{side[:4]}"),
-                       "RENDERFLEET_HOME": str(tmp / "home")}
+                env = {
+                    **os.environ,
+                    "RENDERFLEET_REDIS_URL": server.url,
+                    "PYTHONPATH": str(root),
+                    "RENDERFLEET_STORE": str(tmp / f"store-{run}-{len(walls[side])}-{side[:4]}"),
+                    "RENDERFLEET_HOME": str(tmp / "home"),
+                }
                 before = used(client)
-                wall, peak, _, said = run_child("-m", "renderfleet", ["submit", str(path), "--job", f"bench-{run}",
-                                                                       "--model", "tiny", "--shard-size", "100"], env,
-                                             cwd=root)
+                wall, peak, _, said = run_child(
+                    "-m",
+                    "renderfleet",
+                    ["submit", str(path), "--job", f"bench-{run}", "--model", "tiny", "--shard-size", "100"],
+                    env,
+                    cwd=root,
+                )
                 grown = used(client) - before
                 walls[side].append(wall)
                 peaks[side].append(peak)
-                print(f"run {run}, {side}: submit of {args.submit_lines:,} prompts {wall:.2f} s, peak RSS "
-                      f"{peak:.0f} MB, Redis +{grown / 1e6:.1f} MB; {said.strip().splitlines()[-1]}", flush=True)
+                print(
+                    f"run {run}, {side}: submit of {args.submit_lines:,} prompts {wall:.2f} s, peak RSS "
+                    f"{peak:.0f} MB, Redis +{grown / 1e6:.1f} MB; {said.strip().splitlines()[-1]}",
+                    flush=True,
+                )
         client.close()
     finally:
         server.stop()
@@ -188,14 +226,23 @@ def submit_rows(tmp: Path, args: argparse.Namespace) -> list[list[str]]:
     for side in sides:
         w = walls[side]
         spread = f"median {statistics.median(w):.2f} s (min {min(w):.2f}, max {max(w):.2f}, {len(w)} runs)"
-        rows.append([f"`renderfleet submit` of {args.submit_lines:,} prompts (txt, {size:.0f} MB, shards of 100), "
-                     f"{side}" + ("; pending by reference, its wire file and index written and stored"
-                                  if side == "this design" else "; every shard's message with its prompts queued")
-                     + ", the CLI with its start-up" + (", taking turns" if len(sides) > 1 else ""),
-                     f"{spread}; peak RSS by run {', '.join(f'{p:.0f}' for p in peaks[side])} MB",
-                     "under 2 s" if args.submit_lines == 1_000_000 and side == "this design" else "(for comparison)",
-                     f"python -m bench.queue_bench --submit-lines {args.submit_lines} --runs {args.runs}"
-                     + (" --before PATH" if args.before else "")])
+        rows.append(
+            [
+                f"`renderfleet submit` of {args.submit_lines:,} prompts (txt, {size:.0f} MB, shards of 100), "
+                f"{side}"
+                + (
+                    "; pending by reference, its wire file and index written and stored"
+                    if side == "this design"
+                    else "; every shard's message with its prompts queued"
+                )
+                + ", the CLI with its start-up"
+                + (", taking turns" if len(sides) > 1 else ""),
+                f"{spread}; peak RSS by run {', '.join(f'{p:.0f}' for p in peaks[side])} MB",
+                "under 2 s" if args.submit_lines == 1_000_000 and side == "this design" else "(for comparison)",
+                f"python -m bench.queue_bench --submit-lines {args.submit_lines} --runs {args.runs}"
+                + (" --before PATH" if args.before else ""),
+            ]
+        )
     return rows
 
 
@@ -210,19 +257,38 @@ def overhead_rows(args: argparse.Namespace) -> list[list[str]]:
     ratios: dict[str, list[float]] = {side: [] for side in sides}
     for run in range(args.overhead_runs):
         for side, root in sides.items():
-            proc = subprocess.run([sys.executable, "-m", "bench.fleet_bench", "--only", "overhead", "--no-before",
-                                   "--runs", "1", "--no-write"], cwd=root, capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONPATH": str(root)})
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.fleet_bench",
+                    "--only",
+                    "overhead",
+                    "--no-before",
+                    "--runs",
+                    "1",
+                    "--no-write",
+                ],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(root)},
+            )
             found = RATIO.search(proc.stdout.replace("piped:", "piped :"))
             if proc.returncode or not found:
                 raise SystemExit(f"queue bench: fleet_bench in {root} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
             ratios[side].append(float(found.group(2)))
             print(f"overhead run {run}, {side}: {ratios[side][-1]:.4f}", flush=True)
-    return [[f"worker overhead, wall / pure render: {side} (fleet_bench's overhead: 2,000 prompts, bench model "
-             "25 ms an image, batches of 8, shards of 64, 1 worker, S3 on moto), taking turns",
-             f"median {statistics.median(v):.4f} (min {min(v):.4f}, max {max(v):.4f}, {len(v)} runs)",
-             "at most 1.03", f"python -m bench.queue_bench --overhead{' --before PATH' if args.before else ''}"]
-            for side, v in ratios.items()]
+    return [
+        [
+            f"worker overhead, wall / pure render: {side} (fleet_bench's overhead: 2,000 prompts, bench model "
+            "25 ms an image, batches of 8, shards of 64, 1 worker, S3 on moto), taking turns",
+            f"median {statistics.median(v):.4f} (min {min(v):.4f}, max {max(v):.4f}, {len(v)} runs)",
+            "at most 1.03",
+            f"python -m bench.queue_bench --overhead{' --before PATH' if args.before else ''}",
+        ]
+        for side, v in ratios.items()
+    ]
 
 
 def main() -> None:
@@ -247,10 +313,13 @@ def main() -> None:
             rows += overhead_rows(args)
     print(table(rows))
     if not args.no_write:
-        write_section("queue", "Queued work by reference: Redis memory, the feeder, submit, worker overhead",
-                      "Memory is Redis's `used_memory` after over before, each size on an empty Redis of its own. "
-                      "A row that says NOT measured is an estimate from the largest size measured.\n\n" + table(rows),
-                      started=started)
+        write_section(
+            "queue",
+            "Queued work by reference: Redis memory, the feeder, submit, worker overhead",
+            "Memory is Redis's `used_memory` after over before, each size on an empty Redis of its own. "
+            "A row that says NOT measured is an estimate from the largest size measured.\n\n" + table(rows),
+            started=started,
+        )
 
 
 if __name__ == "__main__":

@@ -129,9 +129,28 @@ class Started:
     def celery_worker(self, env: dict[str, str], cwd: Path, log: Path, name: str) -> subprocess.Popen[bytes]:
         out = open(log, "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "celerybench", "worker", "--pool", "solo", "-c", "1",
-             "--loglevel", "INFO", "-n", f"{name}@%h"],
-            env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "celerybench",
+                "worker",
+                "--pool",
+                "solo",
+                "-c",
+                "1",
+                "--loglevel",
+                "INFO",
+                "-n",
+                f"{name}@%h",
+            ],
+            env=env,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         out.close()
         with self.lock:
             self.celery.append(proc)
@@ -223,8 +242,16 @@ def leases(c: Any) -> list[dict[str, str]]:
 # ---- 1. SIGKILL -> the shard running again --------------------------------------------
 
 
-def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str, str], workers: int,
-                  rng: random.Random, quiet: threading.Event, budget: float) -> dict[str, Any]:
+def bench_sigkill(
+    root: Path,
+    started: Started,
+    kills: int,
+    lease_env: dict[str, str],
+    workers: int,
+    rng: random.Random,
+    quiet: threading.Event,
+    budget: float,
+) -> dict[str, Any]:
     tmp = root / "sigkill"
     tmp.mkdir()
     server = started.redis(tmp / "redis")
@@ -298,22 +325,31 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
         lost_batches = st.get("started_batches", 0) - st.get("batches", 0)
         lost_images = st.get("started_images", 0) - st.get("images", 0)
         sample = {
-            "shard": f"{job}:{shard}", "attempt": int(lease.get("attempt", 0)), "killed": wid,
+            "shard": f"{job}:{shard}",
+            "attempt": int(lease.get("attempt", 0)),
+            "killed": wid,
             "kill_s": t_killed - t_kill,
             "requeued": None if t_back is None else t_back - t_kill,
             "running": None if t_run is None else t_run - t_kill,
             "replacement_up": None,
             "by": "replacement" if new_worker and f"-{replacement.pid}-" in new_worker else "another worker",
-            "lost_batches": lost_batches, "lost_images": lost_images,
+            "lost_batches": lost_batches,
+            "lost_images": lost_images,
         }
         samples.append(sample)
         if t_run is None:
-            print(f"  kill {k + 1}: shard {job}:{shard} NOT running again 90 s after the kill "
-                  f"(re-queued: {fmt(sample['requeued'])} s)", flush=True)
+            print(
+                f"  kill {k + 1}: shard {job}:{shard} NOT running again 90 s after the kill "
+                f"(re-queued: {fmt(sample['requeued'])} s)",
+                flush=True,
+            )
         else:
-            print(f"  kill {k + 1}: shard {shard} (attempt {sample['attempt']}) running again after "
-                  f"{sample['running']:.2f} s (re-queued at {fmt(sample['requeued'])} s, taken by "
-                  f"{sample['by']}); lost {lost_batches} batch(es)", flush=True)
+            print(
+                f"  kill {k + 1}: shard {shard} (attempt {sample['attempt']}) running again after "
+                f"{sample['running']:.2f} s (re-queued at {fmt(sample['requeued'])} s, taken by "
+                f"{sample['by']}); lost {lost_batches} batch(es)",
+                flush=True,
+            )
         # Keep the fleet at full size, then let the next victim be at a random point of its shard.
         try:
             wait_until(registered(c, replacement.pid), 90, "the replacement worker", 0.1)
@@ -333,8 +369,15 @@ def bench_sigkill(root: Path, started: Started, kills: int, lease_env: dict[str,
 # ---- 2. plain Celery, the same kill ---------------------------------------------------
 
 
-def celery_case(root: Path, started: Started, name: str, visibility_timeout: float | None, cap: float,
-                task_seconds: float, up: threading.Event) -> dict[str, Any]:
+def celery_case(
+    root: Path,
+    started: Started,
+    name: str,
+    visibility_timeout: float | None,
+    cap: float,
+    task_seconds: float,
+    up: threading.Event,
+) -> dict[str, Any]:
     """One Celery worker, one long task, SIGKILL mid-task, a new worker: when does it start again?"""
     from celery import Celery
 
@@ -352,8 +395,12 @@ def celery_case(root: Path, started: Started, name: str, visibility_timeout: flo
     try:
         first = started.celery_worker(env, tmp, tmp / "worker-0.log", f"{name}-0")
         mine.append(first)
-        wait_until(lambda: " ready." in (tmp / "worker-0.log").read_text(errors="replace"), 90,
-                   f"{name}: celery worker to be ready", 0.1)
+        wait_until(
+            lambda: " ready." in (tmp / "worker-0.log").read_text(errors="replace"),
+            90,
+            f"{name}: celery worker to be ready",
+            0.1,
+        )
         sender = Celery("sender", broker=server.url, set_as_current=False)
         task_id = sender.send_task("celerybench.sleepy", args=[task_seconds]).id
         sender.close()
@@ -378,9 +425,14 @@ def celery_case(root: Path, started: Started, name: str, visibility_timeout: flo
                 result["error"] = f"new celery worker exited {second.returncode}"
                 break
             time.sleep(0.05)
-        result.update({"ready": None if t_ready is None else t_ready - t_kill,
-                       "again": None if t_again is None else t_again - t_kill,
-                       "unacked": int(c.hlen("unacked")), "queued": int(c.llen("celery"))})
+        result.update(
+            {
+                "ready": None if t_ready is None else t_ready - t_kill,
+                "again": None if t_again is None else t_again - t_kill,
+                "unacked": int(c.hlen("unacked")),
+                "queued": int(c.llen("celery")),
+            }
+        )
     except Exception as exc:  # reported in the table, the others go on
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -391,8 +443,16 @@ def celery_case(root: Path, started: Started, name: str, visibility_timeout: flo
     return result
 
 
-def bench_celery(root: Path, started: Started, cap: float, vt: float, vt_kills: int, vt_cap: float,
-                 task_seconds: float, up: threading.Event) -> list[dict[str, Any]]:
+def bench_celery(
+    root: Path,
+    started: Started,
+    cap: float,
+    vt: float,
+    vt_kills: int,
+    vt_cap: float,
+    task_seconds: float,
+    up: threading.Event,
+) -> list[dict[str, Any]]:
     """The default case and ``vt_kills`` visibility_timeout=vt cases, in parallel threads."""
     cases: list[tuple[str, float | None, float]] = [("celery-default", None, cap)]
     cases += [(f"celery-vt{int(vt)}-{i}", vt, vt_cap) for i in range(vt_kills)]
@@ -433,13 +493,20 @@ def queue_front(c: Any, queue: str) -> tuple[str, int] | None:
     return str(message["job"]), int(message["shard"])
 
 
-def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, celery_up: threading.Event,
-                 lease_env: dict[str, str]) -> list[dict[str, Any]]:
+def bench_notice(
+    root: Path, started: Started, md: FakeMetadata, runs: int, celery_up: threading.Event, lease_env: dict[str, str]
+) -> list[dict[str, Any]]:
     tmp = root / "notice"
     tmp.mkdir()
     server = started.redis(tmp / "redis")
-    env = base_env(tmp, server.url, str(tmp / "store"), **lease_env,
-                   RENDERFLEET_RECLAIM_WATCH="on", RENDERFLEET_RECLAIM_POLL_SECONDS="0.2")
+    env = base_env(
+        tmp,
+        server.url,
+        str(tmp / "store"),
+        **lease_env,
+        RENDERFLEET_RECLAIM_WATCH="on",
+        RENDERFLEET_RECLAIM_POLL_SECONDS="0.2",
+    )
     c = connect(server.url)
     submit(env, tmp, 400, "notice", "--pool", "spot")
     queue = store_queue(env, "spot")
@@ -448,9 +515,12 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
     plan = ["notice"] * runs + ["sigterm"]
     for i, how in enumerate(plan):
         node = f"n{i + 1}"
-        w = started.worker({**env, "RENDERFLEET_AWS_METADATA_URL": md.url(node),
-                            "RENDERFLEET_GCP_METADATA_URL": md.url(node)},
-                           tmp / f"worker-{i}-{how}.log", "--pool", "spot")
+        w = started.worker(
+            {**env, "RENDERFLEET_AWS_METADATA_URL": md.url(node), "RENDERFLEET_GCP_METADATA_URL": md.url(node)},
+            tmp / f"worker-{i}-{how}.log",
+            "--pool",
+            "spot",
+        )
         res: dict[str, Any] = {"how": how, "log": tmp / f"worker-{i}-{how}.log"}
         try:
             wid = wait_until(registered(c, w.pid), 120, "the spot worker", 0.2)
@@ -463,8 +533,11 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                         continue
                     st = worker_stats(c, wid)
                     left = int(c.hget(keys.left(lease["job"]), lease["shard"]) or 0)
-                    if st.get("batches", 0) >= 1 and st.get("started_batches", 0) > st.get("batches", 0) \
-                            and left > 3 * BATCH_SIZE:
+                    if (
+                        st.get("batches", 0) >= 1
+                        and st.get("started_batches", 0) > st.get("batches", 0)
+                        and left > 3 * BATCH_SIZE
+                    ):
                         return lease
                 return None
 
@@ -495,16 +568,18 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                 time.sleep(0.005)  # fine-grained: the hand-back follows the batch's end by milliseconds
             handback_ms = int(c.hget(spot_stats, "handback_ms") or 0) - handback0
             ended = [t for t in batch_ends if t_back is None or t <= t_back]
-            res.update({
-                "shard": f"{job}:{shard}",
-                "back": None if t_back is None else t_back - t_notice,
-                "exit": None if t_exit is None else t_exit - t_notice,
-                "rc": w.proc.returncode,
-                "front": front,
-                "handback_s": handback_ms / 1000,
-                "batches_finished": len(ended),
-                "after_batch": None if t_back is None or not ended else t_back - ended[-1],
-            })
+            res.update(
+                {
+                    "shard": f"{job}:{shard}",
+                    "back": None if t_back is None else t_back - t_notice,
+                    "exit": None if t_exit is None else t_exit - t_notice,
+                    "rc": w.proc.returncode,
+                    "front": front,
+                    "handback_s": handback_ms / 1000,
+                    "batches_finished": len(ended),
+                    "after_batch": None if t_back is None or not ended else t_back - ended[-1],
+                }
+            )
         except TimeoutError as exc:
             res["error"] = str(exc)
         finally:
@@ -512,10 +587,13 @@ def bench_notice(root: Path, started: Started, md: FakeMetadata, runs: int, cele
                 res.setdefault("note", "worker still alive after 60 s: killed")
             w.kill()
         out.append(res)
-        print(f"  {how} {i + 1}: back on queue {fmt(res.get('back'))} s (front: {res.get('front')}), "
-              f"exit {fmt(res.get('exit'))} s code {res.get('rc')}, after batch end {fmt(res.get('after_batch'))} s, "
-              f"handback_ms {res.get('handback_s', float('nan')) * 1000:.0f}"
-              + (f"  ERROR: {res['error']}" if "error" in res else ""), flush=True)
+        print(
+            f"  {how} {i + 1}: back on queue {fmt(res.get('back'))} s (front: {res.get('front')}), "
+            f"exit {fmt(res.get('exit'))} s code {res.get('rc')}, after batch end {fmt(res.get('after_batch'))} s, "
+            f"handback_ms {res.get('handback_s', float('nan')) * 1000:.0f}"
+            + (f"  ERROR: {res['error']}" if "error" in res else ""),
+            flush=True,
+        )
     server.stop()
     return out
 
@@ -531,14 +609,22 @@ def kombu_redis_defaults() -> dict[str, Any]:
     import kombu
     from kombu.transport.redis import Channel
 
-    return {"version": kombu.__version__, "visibility_timeout": getattr(Channel, "visibility_timeout", None),
-            "unacked_restore_interval": getattr(Channel, "unacked_restore_interval", None),
-            "unacked_restore_throttle": getattr(Channel, "unacked_restore_throttle", None)}
+    return {
+        "version": kombu.__version__,
+        "visibility_timeout": getattr(Channel, "visibility_timeout", None),
+        "unacked_restore_interval": getattr(Channel, "unacked_restore_interval", None),
+        "unacked_restore_throttle": getattr(Channel, "unacked_restore_throttle", None),
+    }
 
 
-
-def report(kill: dict[str, Any] | None, celery: list[dict[str, Any]] | None, notice: list[dict[str, Any]] | None,
-           lease_env: dict[str, str], cap: float, vt: float) -> list[str]:
+def report(
+    kill: dict[str, Any] | None,
+    celery: list[dict[str, Any]] | None,
+    notice: list[dict[str, Any]] | None,
+    lease_env: dict[str, str],
+    cap: float,
+    vt: float,
+) -> list[str]:
     lines: list[str] = []
     odd: list[str] = []
     if kill is not None:
@@ -553,15 +639,19 @@ def report(kill: dict[str, Any] | None, celery: list[dict[str, Any]] | None, not
             f"renderfleet: SIGKILL -> running again: median {med(run):.1f} s, max {max(run, default=float('nan')):.1f} s "
             f"over {len(run)} kills (lease {ls['RENDERFLEET_LEASE_SECONDS']} s, heartbeat "
             f"{ls['RENDERFLEET_HEARTBEAT_SECONDS']} s, reap {ls['RENDERFLEET_REAP_SECONDS']} s); "
-            f"lost batches per kill: {med(lost):.0f} (mean {statistics.fmean(lost) if lost else float('nan'):.2f})")
+            f"lost batches per kill: {med(lost):.0f} (mean {statistics.fmean(lost) if lost else float('nan'):.2f})"
+        )
         lines.append(
             f"  of which kill -> re-queued: median {med(req):.1f} s, max {max(req, default=float('nan')):.1f} s; "
             f"re-queued -> claimed: median {med(wait):.2f} s, max {max(wait, default=float('nan')):.2f} s "
             f"({sum(s['by'] == 'replacement' for s in good)} taken by the replacement, which was up after a "
-            f"median {med([s['replacement_up'] for s in good if s['replacement_up']]):.1f} s)")
+            f"median {med([s['replacement_up'] for s in good if s['replacement_up']]):.1f} s)"
+        )
         if bad:
-            odd.append(f"{len(bad)} killed shard(s) never ran again: {[s.get('shard', s.get('error')) for s in bad]} "
-                       f"(logs: {kill['logs']})")
+            odd.append(
+                f"{len(bad)} killed shard(s) never ran again: {[s.get('shard', s.get('error')) for s in bad]} "
+                f"(logs: {kill['logs']})"
+            )
     if celery is not None:
         default = [r for r in celery if r.get("visibility_timeout") is None]
         vts = [r for r in celery if r.get("visibility_timeout") is not None]
@@ -570,13 +660,17 @@ def report(kill: dict[str, Any] | None, celery: list[dict[str, Any]] | None, not
             if r.get("again") is not None:
                 lines.append(f"celery (acks_late, default visibility_timeout): back after {r['again']:.1f} s")
             else:
-                lines.append(f"celery (acks_late, default visibility_timeout): not back within {cap:.0f} s (the "
-                             f"bench's wait); that default: {kombu['visibility_timeout']} s (cited: {CELERY_VT_DOCS}, "
-                             f"\"1 hour\"; the installed kombu {kombu['version']}'s Channel.visibility_timeout)")
+                lines.append(
+                    f"celery (acks_late, default visibility_timeout): not back within {cap:.0f} s (the "
+                    f"bench's wait); that default: {kombu['visibility_timeout']} s (cited: {CELERY_VT_DOCS}, "
+                    f'"1 hour"; the installed kombu {kombu["version"]}\'s Channel.visibility_timeout)'
+                )
         again = [r["again"] for r in vts if r.get("again") is not None]
         missing = [r for r in vts if r.get("again") is None]
-        line = (f"celery (acks_late, visibility_timeout {vt:.0f}, set by the bench): median {med(again):.1f} s, "
-                f"max {max(again, default=float('nan')):.1f} s over {len(again)} kills")
+        line = (
+            f"celery (acks_late, visibility_timeout {vt:.0f}, set by the bench): median {med(again):.1f} s, "
+            f"max {max(again, default=float('nan')):.1f} s over {len(again)} kills"
+        )
         if missing:
             line += f"; {len(missing)} not back within {missing[0]['cap']:.0f} s"
         lines.append(line)
@@ -587,8 +681,9 @@ def report(kill: dict[str, Any] | None, celery: list[dict[str, Any]] | None, not
             lines.append(
                 f"  (not measured: kombu {kombu['version']} restores unacked messages from its event loop every "
                 f"unacked_restore_interval = {kombu['unacked_restore_interval']} s, scanning only every "
-                f"unacked_restore_throttle = {kombu['unacked_restore_throttle']}th call, \"roughly\" their product "
-                f"as the sweep period; cited: kombu/transport/redis.py, its module docstring)")
+                f'unacked_restore_throttle = {kombu["unacked_restore_throttle"]}th call, "roughly" their product '
+                f"as the sweep period; cited: kombu/transport/redis.py, its module docstring)"
+            )
         for r in celery:
             if r.get("error"):
                 odd.append(f"{r['name']}: {r['error']} (logs: {r['logs']})")
@@ -599,19 +694,25 @@ def report(kill: dict[str, Any] | None, celery: list[dict[str, Any]] | None, not
         after = [r["after_batch"] for r in spot if r.get("after_batch") is not None]
         lines.append(
             f"renderfleet notice -> shard back on queue: median {med([r['back'] for r in spot]):.2f} s; "
-            f"exit code {', '.join(str(x) for x in codes)}; after the batch in flight ended: median {med(after):.2f} s")
+            f"exit code {', '.join(str(x) for x in codes)}; after the batch in flight ended: median {med(after):.2f} s"
+        )
         lines.append(
             f"  notice -> worker exit: median {med([r['exit'] for r in spot if r.get('exit') is not None]):.2f} s; "
             f"handback_ms (worker's own notice -> release): median "
             f"{med([r['handback_s'] for r in spot]) * 1000:.0f} ms; at the front of the queue: "
-            f"{sum(bool(r.get('front')) for r in spot)}/{len(spot)}; over {len(spot)} notices")
+            f"{sum(bool(r.get('front')) for r in spot)}/{len(spot)}; over {len(spot)} notices"
+        )
         for r in term:
-            lines.append(f"  SIGTERM -> shard back on queue {r['back']:.2f} s, exit {fmt(r.get('exit'))} s code "
-                         f"{r.get('rc')}, after the batch in flight ended {fmt(r.get('after_batch'))} s")
+            lines.append(
+                f"  SIGTERM -> shard back on queue {r['back']:.2f} s, exit {fmt(r.get('exit'))} s code "
+                f"{r.get('rc')}, after the batch in flight ended {fmt(r.get('after_batch'))} s"
+            )
         for r in notice:
             if r.get("error") or r.get("back") is None or r.get("rc") != 0 or not r.get("front"):
-                odd.append(f"{r['how']}: back={fmt(r.get('back'))} exit code={r.get('rc')} front={r.get('front')} "
-                           f"{r.get('error', '')} {r.get('note', '')} (log: {r['log']})")
+                odd.append(
+                    f"{r['how']}: back={fmt(r.get('back'))} exit code={r.get('rc')} front={r.get('front')} "
+                    f"{r.get('error', '')} {r.get('note', '')} (log: {r['log']})"
+                )
     for o in odd:
         lines.append(f"ODD: {o}")
     return lines
@@ -620,19 +721,28 @@ def report(kill: dict[str, Any] | None, celery: list[dict[str, Any]] | None, not
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=10, help="SIGKILLs of renderfleet workers")
-    ap.add_argument("--kill-budget", type=float, default=280,
-                    help="stop killing (even short of --kills) once part 1 has run this long (s)")
+    ap.add_argument(
+        "--kill-budget",
+        type=float,
+        default=280,
+        help="stop killing (even short of --kills) once part 1 has run this long (s)",
+    )
     ap.add_argument("--workers", type=int, default=3, help="renderfleet workers in the SIGKILL fleet")
-    ap.add_argument("--leases", choices=["product", "test"], default="product",
-                    help="lease settings: the product defaults (6/1.5/1 s) or testing.fleet's (3/0.5/0.5 s)")
+    ap.add_argument(
+        "--leases",
+        choices=["product", "test"],
+        default="product",
+        help="lease settings: the product defaults (6/1.5/1 s) or testing.fleet's (3/0.5/0.5 s)",
+    )
     ap.add_argument("--celery-cap", type=float, default=60, help="wait for the default-visibility Celery case (s)")
     ap.add_argument("--vt", type=float, default=20, help="the short visibility_timeout to try (s)")
     ap.add_argument("--vt-kills", type=int, default=3, help="kills with the short visibility_timeout")
     ap.add_argument("--vt-cap", type=float, default=150, help="wait for each short-visibility case (s)")
     ap.add_argument("--task-seconds", type=float, default=45, help="how long the Celery task sleeps")
     ap.add_argument("--notices", type=int, default=3, help="spot notices (plus one SIGTERM)")
-    ap.add_argument("--only", choices=["kill", "celery", "notice"], action="append",
-                    help="run only these parts (repeatable)")
+    ap.add_argument(
+        "--only", choices=["kill", "celery", "notice"], action="append", help="run only these parts (repeatable)"
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs) even when all went well")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
@@ -657,20 +767,25 @@ def main() -> int:
         celery_box: list[list[dict[str, Any]]] = []
         if "celery" in parts:
             # Started first: it spends ~2 minutes waiting on kombu while the renderfleet parts run.
-            print(f"2. plain Celery, SIGKILL mid-task, in the background: default visibility_timeout, "
-                  f"and {args.vt_kills} x visibility_timeout {args.vt:.0f}", flush=True)
+            print(
+                f"2. plain Celery, SIGKILL mid-task, in the background: default visibility_timeout, "
+                f"and {args.vt_kills} x visibility_timeout {args.vt:.0f}",
+                flush=True,
+            )
             celery_thread = threading.Thread(
-                target=lambda: celery_box.append(bench_celery(
-                    root, started, args.celery_cap, args.vt, args.vt_kills, args.vt_cap, args.task_seconds,
-                    celery_up)),
-                daemon=True)
+                target=lambda: celery_box.append(
+                    bench_celery(
+                        root, started, args.celery_cap, args.vt, args.vt_kills, args.vt_cap, args.task_seconds, celery_up
+                    )
+                ),
+                daemon=True,
+            )
             celery_thread.start()
         else:
             celery_up.set()
         if "kill" in parts:
             print(f"1. SIGKILL -> shard running again ({args.workers} workers, {args.kills} kills)", flush=True)
-            kill = bench_sigkill(root, started, args.kills, lease_env, args.workers, rng, celery_up,
-                                 args.kill_budget)
+            kill = bench_sigkill(root, started, args.kills, lease_env, args.workers, rng, celery_up, args.kill_budget)
         if "notice" in parts:
             print(f"3. reclaim notice -> shard back on the queue ({args.notices} notices + 1 SIGTERM)", flush=True)
             with FakeMetadata() as md:
@@ -680,25 +795,32 @@ def main() -> int:
             celery_thread.join(max(args.celery_cap, args.vt_cap) + 400)
             celery = celery_box[0] if celery_box else [{"name": "celery", "error": "did not finish", "logs": str(root)}]
             for r in celery:
-                print(f"  {r.get('name')}: new worker ready {fmt(r.get('ready'))} s, task started again "
-                      f"{fmt(r.get('again'))} s after the kill" + (f"  ERROR: {r['error']}" if r.get("error") else ""),
-                      flush=True)
+                print(
+                    f"  {r.get('name')}: new worker ready {fmt(r.get('ready'))} s, task started again "
+                    f"{fmt(r.get('again'))} s after the kill" + (f"  ERROR: {r['error']}" if r.get("error") else ""),
+                    flush=True,
+                )
         lines = report(kill, celery, notice, lease_env, args.celery_cap, args.vt)
     finally:
         started.kill_all()
     load1 = os.getloadavg()
-    print(f"\n(total {time.monotonic() - t0:.0f} s on {os.cpu_count()} cores; load average {load0[0]:.1f} "
-          f"before, {load1[0]:.1f} at the end, {load1[2]:.1f} over 15 min: other processes share the CPU)")
+    print(
+        f"\n(total {time.monotonic() - t0:.0f} s on {os.cpu_count()} cores; load average {load0[0]:.1f} "
+        f"before, {load1[0]:.1f} at the end, {load1[2]:.1f} over 15 min: other processes share the CPU)"
+    )
     print("\n".join(lines))
     odd = any(line.startswith("ODD") for line in lines)
     if not args.no_write and lines:
-        write_section("recovery", "Recovery: lost and handed-back work, renderfleet against Celery's redelivery",
-                      "Goal: work lost to a kill runs again within seconds (a lease of "
-                      f"{lease_env['RENDERFLEET_LEASE_SECONDS']} s), a notice hands the shard back at once, "
-                      "where Celery's redelivery waits on its visibility timeout.  `python -m bench.reclaim_bench`, "
-                      "all parts in the same run.  Every figure is measured by this run, except the lines that "
-                      "say \"cited\" (another system's documented default, with its source).\n\n```\n"
-                      + "\n".join(lines) + "\n```", started=begun)
+        write_section(
+            "recovery",
+            "Recovery: lost and handed-back work, renderfleet against Celery's redelivery",
+            "Goal: work lost to a kill runs again within seconds (a lease of "
+            f"{lease_env['RENDERFLEET_LEASE_SECONDS']} s), a notice hands the shard back at once, "
+            "where Celery's redelivery waits on its visibility timeout.  `python -m bench.reclaim_bench`, "
+            "all parts in the same run.  Every figure is measured by this run, except the lines that "
+            'say "cited" (another system\'s documented default, with its source).\n\n```\n' + "\n".join(lines) + "\n```",
+            started=begun,
+        )
     if args.keep or odd:
         print(f"logs kept in {root}")
     else:

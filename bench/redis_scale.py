@@ -294,8 +294,18 @@ class SimWorker:
     def new_id(self) -> None:
         self.id = f"sim-{self.index}-{uuid.uuid4().hex[:6]}"
         self.owner = uuid.uuid4().hex
-        self.registration = json.dumps({"worker": self.id, "pool": POOL, "store": STORE, "model": "tiny",
-                                        "device": "cpu", "host": "sim", "pid": os.getpid(), "started": time.time()})
+        self.registration = json.dumps(
+            {
+                "worker": self.id,
+                "pool": POOL,
+                "store": STORE,
+                "model": "tiny",
+                "device": "cpu",
+                "host": "sim",
+                "pid": os.getpid(),
+                "started": time.time(),
+            }
+        )
         self.liveness = Liveness(TOUCH_SECONDS * self.cfg.slow)
         self.liveness.registration = self.registration
 
@@ -324,8 +334,9 @@ class SimWorker:
     async def worker_counts(self) -> dict[str, int]:
         # mirrors Feeder.counts
         counts, at = read_counts(await self.r.hgetall(keys.WORKER_COUNTS))
-        if counts_stale(at, time.time()) and await self.r.set(keys.WORKER_COUNTS_LOCK, self.owner, nx=True,
-                                                               px=int(COUNTS_SECONDS * 1000)):
+        if counts_stale(at, time.time()) and await self.r.set(
+            keys.WORKER_COUNTS_LOCK, self.owner, nx=True, px=int(COUNTS_SECONDS * 1000)
+        ):
             counts = count_registrations(await self.r.hvals(keys.WORKERS))
             pipe = self.r.pipeline(transaction=True)
             pipe.delete(keys.WORKER_COUNTS)
@@ -399,15 +410,23 @@ class SimWorker:
         job, _, shard = _ARGSREPR.search(text).group(1).rpartition(":")  # type: ignore[union-attr]
         message = json.loads(base64.b64decode(json.loads(text)["body"]))[0][0]
         requeue = requeue_payload(await self.r.hget(UNACKED_KEY, tag))
-        status, attempt = await self.sim.run(claim_call(job, int(shard), worker=self.id, queue=QUEUE, tag=tag,
-                                                        message=message, requeue=requeue,
-                                                        lease_ms=self.cfg.lease_ms))
+        status, attempt = await self.sim.run(
+            claim_call(
+                job,
+                int(shard),
+                worker=self.id,
+                queue=QUEUE,
+                tag=tag,
+                message=message,
+                requeue=requeue,
+                lease_ms=self.cfg.lease_ms,
+            )
+        )
         await self.feed()  # WorkerService._claim_and_handle: one message taken, the next one fed
         if keys.text(status) != ClaimAnswer.OK:
             await self.ack(tag)
             return True
-        self.lease = Lease(job, int(shard), self.id, int(attempt), QUEUE, tag, requeue, message,
-                           envelope_tag(requeue))
+        self.lease = Lease(job, int(shard), self.id, int(attempt), QUEUE, tag, requeue, message, envelope_tag(requeue))
         await self.r.hset(keys.worker_stats(self.id), mapping={"doing": self.lease.member, "since": time.time()})
         return True
 
@@ -426,8 +445,7 @@ class SimWorker:
             sent = lease_now()
             beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration))
             if int(beat) == Beat.MISSING:
-                beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration,
-                                                         recreate=True))
+                beat = await self.sim.run(heartbeat_call(lease, self.cfg.lease_ms, registration=registration, recreate=True))
             if registration:
                 self.liveness.carried()
             if int(beat) != Beat.FENCED:
@@ -453,13 +471,13 @@ class SimWorker:
                     self.sim.stats.due += 1
                     self.sim.stats.done += 1
                 done = list(range(at, min(at + self.cfg.batch, first + SHARD_SIZE)))
-                rendered = {"images": len(done), "batches": 1, "render_ms": 5000, "mps_milli": 1000,
-                            "progress": len(done)}
+                rendered = {"images": len(done), "batches": 1, "render_ms": 5000, "mps_milli": 1000, "progress": len(done)}
                 if self.cfg.before:
                     # as before: record_start's counters sent at once; two fence checks, each asking Redis
                     pipe = self.r.pipeline(transaction=False)
-                    self.job_counters(pipe, *self.counters(pipe, lease, {"started_images": len(done),
-                                                                         "started_batches": 1}), lease)
+                    self.job_counters(
+                        pipe, *self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1}), lease
+                    )
                     await pipe.execute()
                     pipe = self.r.pipeline(transaction=False)
                     self.job_counters(pipe, *self.counters(pipe, lease, rendered), lease)
@@ -470,8 +488,7 @@ class SimWorker:
                     # mirrors ShardRunner's batch and RedisLedger: (the render); _commit_batch's fence check,
                     # carrying the batch's start and rendered counters (record_start, record_batch)...
                     pipe = self.r.pipeline(transaction=False)
-                    job, entry = self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1,
-                                                             **rendered})
+                    job, entry = self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1, **rendered})
                     call = fence_call(lease, job, entry)  # the job's counters written by the check itself
                     await self.sim.scripts["fence"](keys=call.keys, args=call.args, client=pipe)
                     sent = lease_now()
@@ -488,8 +505,7 @@ class SimWorker:
             if not handback:  # ShardRunner._count_stored: the shard's recount, as the store holds it
                 await self.sim.run(commit_call(lease, list(range(first, first + SHARD_SIZE)), []))
             outcome = Release.FRONT if handback else Release.DONE
-            await self.sim.run(release_call(lease, outcome, first if not handback else 0,
-                                            SHARD_SIZE if not handback else 0))
+            await self.sim.run(release_call(lease, outcome, first if not handback else 0, SHARD_SIZE if not handback else 0))
             await self.ack(lease.tag)
             await self.r.hset(keys.worker_stats(self.id), mapping={"doing": "", "since": time.time()})
             self.sim.stats.shards += 1
@@ -582,8 +598,9 @@ def raise_fd_limit(want: int) -> int:
         return want
     for new_hard in (max(hard, want) if hard != resource.RLIM_INFINITY else hard, hard):
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, new_hard) if new_hard != resource.RLIM_INFINITY
-                                                        else want, new_hard))
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (min(want, new_hard) if new_hard != resource.RLIM_INFINITY else want, new_hard)
+            )
             break
         except (ValueError, OSError):  # not allowed to raise the hard limit: up to it, then
             continue
@@ -594,13 +611,25 @@ async def _connect_all(client: resp.Client, count: int, first: int) -> list[resp
     """``count`` connections, spread over Redis's addresses, a few hundred opening at a time."""
     conns: list[resp.Connection] = []
     for at in range(0, count, 256):
-        conns += await asyncio.gather(*(client.connect(HOSTS[(first + i) % len(HOSTS)])
-                                        for i in range(at, min(count, at + 256))))
+        conns += await asyncio.gather(
+            *(client.connect(HOSTS[(first + i) % len(HOSTS)]) for i in range(at, min(count, at + 256)))
+        )
     return conns
 
 
-async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: float, kill_every: float,
-                        connections: int, warm_s: float, *, out: Any, ready: Any) -> None:
+async def _process_main(
+    url: str,
+    cfg: Config,
+    first: int,
+    count: int,
+    seconds: float,
+    kill_every: float,
+    connections: int,
+    warm_s: float,
+    *,
+    out: Any,
+    ready: Any,
+) -> None:
     client = resp.Client(url)
     stats = Stats()
     sim = Sim(client, cfg, stats)
@@ -633,10 +662,22 @@ async def _process_main(url: str, cfg: Config, first: int, count: int, seconds: 
     if watchers:  # the last killed worker's lease expires after the window: its lag is still measured
         await asyncio.wait(watchers, timeout=cfg.lease_ms / 1000 + 20)
     cpu = (cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime) / wall
-    out.put({"lat": stats.lat, "lateness": stats.lateness, "due": stats.due, "done": stats.done, "lags": stats.lags,
-             "shards": stats.shards, "cpu": cpu, "reaper_won": stats.reaper_won, "round_trips": trips / wall,
-             "connections": len(conns), "wait": (wait1 - wait0) / wall,
-             "sys": (cpu1.ru_stime - cpu0.ru_stime) / wall})
+    out.put(
+        {
+            "lat": stats.lat,
+            "lateness": stats.lateness,
+            "due": stats.due,
+            "done": stats.done,
+            "lags": stats.lags,
+            "shards": stats.shards,
+            "cpu": cpu,
+            "reaper_won": stats.reaper_won,
+            "round_trips": trips / wall,
+            "connections": len(conns),
+            "wait": (wait1 - wait0) / wall,
+            "sys": (cpu1.ru_stime - cpu0.ru_stime) / wall,
+        }
+    )
     # Thousands of tasks mid-command: the figures are sent, so the process ends here, its sockets with it.
     del lives
     out.close()
@@ -709,9 +750,21 @@ def _info(client: redis.Redis) -> dict[str, Any]:
     return client.info("all")  # type: ignore[no-any-return]
 
 
-def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: int, kill_every: float,
-             audit_seconds: float, workdir: Path, batch: int, lease_s: float = 6.0,
-             warm_s: float | None = None, slow: float = 1.0) -> dict[str, Any]:
+def run_size(
+    n: int,
+    *,
+    before: bool,
+    seconds: float,
+    procs: int,
+    connections: int,
+    kill_every: float,
+    audit_seconds: float,
+    workdir: Path,
+    batch: int,
+    lease_s: float = 6.0,
+    warm_s: float | None = None,
+    slow: float = 1.0,
+) -> dict[str, Any]:
     """Start a Redis, make a job of enough shards pending, run ``n`` workers; return the figures."""
     # One connection per simulated worker where the open-file limits allow it (Redis needs as many:
     # raised here, before it starts, as it inherits them); else fewer, shared (see the docstring).
@@ -723,18 +776,33 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
         client = redis.Redis.from_url(server.url, socket_timeout=60)  # Redis may stall seconds in the ramp
         client.config_set("maxclients", total + FD_SPARE // 2)  # the monitor, this client, each process's own
         client.config_set("bind", " ".join(HOSTS))
-        spec = JobSpec(job=JOB, params=RenderParams(), total=SHARD_SIZE * (n * 2 + 100), shard_size=SHARD_SIZE,
-                       batch_size=batch)
+        spec = JobSpec(
+            job=JOB, params=RenderParams(), total=SHARD_SIZE * (n * 2 + 100), shard_size=SHARD_SIZE, batch_size=batch
+        )
         register_job(client, spec, QUEUE, STORE, fresh=True)
-        publish_shards(make_app(server.url), client, spec, QUEUE,  # type: ignore[arg-type]
-                       (WireShard(s, SHARD_SIZE, start=s * SHARD_SIZE) for s in range(spec.shards)), store=STORE)
+        publish_shards(
+            make_app(server.url),
+            client,
+            spec,
+            QUEUE,  # type: ignore[arg-type]
+            (WireShard(s, SHARD_SIZE, start=s * SHARD_SIZE) for s in range(spec.shards)),
+            store=STORE,
+        )
         # --slow K: every clock of the simulation K times slower (the workers', the monitor's, the kills'):
         # Redis is asked what it would be at the fleet's rates, divided by K, by N workers' connections.
         monitor = MonitorThread(server.url, audit_seconds * slow, before, lease_s * slow, period=slow)
         monitor.start()
-        cfg = Config(before=before, batch=batch, ramp_s=min(10.0, 2.0 + n / 2000), lease_ms=int(lease_s * slow * 1000),
-                     heartbeat_s=heartbeat_for(lease_s) * slow, reap_s=Config.reap_s * slow,
-                     batch_min_s=Config.batch_min_s * slow, batch_max_s=Config.batch_max_s * slow, slow=slow)
+        cfg = Config(
+            before=before,
+            batch=batch,
+            ramp_s=min(10.0, 2.0 + n / 2000),
+            lease_ms=int(lease_s * slow * 1000),
+            heartbeat_s=heartbeat_for(lease_s) * slow,
+            reap_s=Config.reap_s * slow,
+            batch_min_s=Config.batch_min_s * slow,
+            batch_max_s=Config.batch_max_s * slow,
+            slow=slow,
+        )
         # every worker started, its first shard claimed, heartbeats running (8 s of the simulation's clock)
         warm = cfg.ramp_s + 8.0 * slow if warm_s is None else warm_s
         ctx = mp.get_context("spawn")
@@ -745,8 +813,16 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             count = min(per, n - p * per)
             if count <= 0:
                 continue
-            args = (server.url, cfg, p * per, count, seconds, kill_every * slow if p == 0 else 0.0,
-                    min(count, max(1, total * count // n)), warm)
+            args = (
+                server.url,
+                cfg,
+                p * per,
+                count,
+                seconds,
+                kill_every * slow if p == 0 else 0.0,
+                min(count, max(1, total * count // n)),
+                warm,
+            )
             child = ctx.Process(target=_child, args=(args, out, ready))
             child.start()
             children.append(child)
@@ -768,14 +844,19 @@ def run_size(n: int, *, before: bool, seconds: float, procs: int, connections: i
             child.join(30)
         monitor.done.set()
         monitor.join(5)
-        return {**_figures(n, before, results, i0, i1, wall, procs), "redis_wait": redis_wait, "slow": slow,
-                "lease": lease_s}
+        return {
+            **_figures(n, before, results, i0, i1, wall, procs),
+            "redis_wait": redis_wait,
+            "slow": slow,
+            "lease": lease_s,
+        }
     finally:
         server.stop()
 
 
-def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, Any], i1: dict[str, Any],
-             wall: float, procs: int) -> dict[str, Any]:
+def _figures(
+    n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, Any], i1: dict[str, Any], wall: float, procs: int
+) -> dict[str, Any]:
     cpu = (i1["used_cpu_sys"] + i1["used_cpu_user"] - i0["used_cpu_sys"] - i0["used_cpu_user"]) / wall
     kernel = (i1["used_cpu_sys"] - i0["used_cpu_sys"]) / wall  # the sockets' system calls, mostly
     ops = (i1["total_commands_processed"] - i0["total_commands_processed"]) / wall
@@ -784,29 +865,41 @@ def _figures(n: int, before: bool, results: list[dict[str, Any]], i0: dict[str, 
     commands = {}
     for name, value in i1.items():
         if name.startswith("cmdstat_") and isinstance(value, dict):
-            commands[name[len("cmdstat_"):]] = (int(value["calls"]), float(value["usec"]), float(value["usec_per_call"]))
+            commands[name[len("cmdstat_") :]] = (int(value["calls"]), float(value["usec"]), float(value["usec_per_call"]))
     server_pct = {}
     for name, value in i1.items():  # Redis 7's INFO latencystats: latency_percentiles_usec_<cmd>
         if name.startswith("latency_percentiles_usec_") and isinstance(value, dict):
-            server_pct[name[len("latency_percentiles_usec_"):]] = (float(value.get("p50", math.nan)),
-                                                                  float(value.get("p99", math.nan)))
+            server_pct[name[len("latency_percentiles_usec_") :]] = (
+                float(value.get("p50", math.nan)),
+                float(value.get("p99", math.nan)),
+            )
     due = sum(r["due"] for r in results)
     trips = sum(r["round_trips"] for r in results)
     return {
-        "workers": n, "before": before, "redis_cpu": cpu, "ops": ops, "wall": wall,
+        "workers": n,
+        "before": before,
+        "redis_cpu": cpu,
+        "ops": ops,
+        "wall": wall,
         "redis_kernel": kernel / cpu if cpu else math.nan,
-        "p50": {s: percentile(v, 50) for s, v in lat.items()}, "p99": {s: percentile(v, 99) for s, v in lat.items()},
+        "p50": {s: percentile(v, 50) for s, v in lat.items()},
+        "p99": {s: percentile(v, 99) for s, v in lat.items()},
         "calls": {s: len(v) for s, v in lat.items()},
-        "server": server_pct, "commands": commands,
-        "lateness_p99": percentile(lateness, 99), "delivered": sum(r["done"] for r in results) / due if due else 1.0,
-        "gen_cpu": [r["cpu"] for r in results], "procs": procs, "round_trips": trips,
+        "server": server_pct,
+        "commands": commands,
+        "lateness_p99": percentile(lateness, 99),
+        "delivered": sum(r["done"] for r in results) / due if due else 1.0,
+        "gen_cpu": [r["cpu"] for r in results],
+        "procs": procs,
+        "round_trips": trips,
         "gen_wait": [r["wait"] for r in results],
         "us_per_trip": sum(r["cpu"] for r in results) * 1e6 / trips if trips else math.nan,
         "sys_us_per_trip": sum(r["sys"] for r in results) * 1e6 / trips if trips else math.nan,
         "reads": (i1.get("total_reads_processed", 0) - i0.get("total_reads_processed", 0)) / wall,
         "gen_connections": sum(r["connections"] for r in results),
         "lags": sorted(x for r in results for x in r["lags"]),
-        "shards": sum(r["shards"] for r in results), "reaper_won": sum(r["reaper_won"] for r in results),
+        "shards": sum(r["shards"] for r in results),
+        "reaper_won": sum(r["reaper_won"] for r in results),
         "connected": int(i1.get("connected_clients", 0)),
     }
 
@@ -835,25 +928,33 @@ def worst_p99(f: dict[str, Any]) -> float:
 
 def describe(f: dict[str, Any]) -> str:
     mode = "before" if f["before"] else "after"
-    lines = [f"N={f['workers']:,} ({mode}): Redis CPU {f['redis_cpu'] * 100:.0f} % "
-             f"({f.get('redis_kernel', math.nan) * 100:.0f} % of it in the kernel), {f['ops']:,.0f} ops/s, "
-             f"{f['connected']} clients; generator CPU {', '.join(f'{c * 100:.0f} %' for c in f['gen_cpu'])}, "
-             f"{f['round_trips']:,.0f} round trips/s ({f['reads']:,.0f} reads/s at Redis), "
-             f"{f['us_per_trip']:.1f} µs a round trip ({f['sys_us_per_trip']:.1f} in the kernel), "
-             f"timer lateness p99 {f['lateness_p99']:.0f} ms, "
-             f"waited for a CPU {_pcts(f['gen_wait'])} (Redis {_pcts([f.get('redis_wait', math.nan)])}), "
-             f"delivered {f['delivered'] * 100:.0f} %"
-             f"{' (SATURATED: a lower bound)' if saturated(f) else ''}"]
+    lines = [
+        f"N={f['workers']:,} ({mode}): Redis CPU {f['redis_cpu'] * 100:.0f} % "
+        f"({f.get('redis_kernel', math.nan) * 100:.0f} % of it in the kernel), {f['ops']:,.0f} ops/s, "
+        f"{f['connected']} clients; generator CPU {', '.join(f'{c * 100:.0f} %' for c in f['gen_cpu'])}, "
+        f"{f['round_trips']:,.0f} round trips/s ({f['reads']:,.0f} reads/s at Redis), "
+        f"{f['us_per_trip']:.1f} µs a round trip ({f['sys_us_per_trip']:.1f} in the kernel), "
+        f"timer lateness p99 {f['lateness_p99']:.0f} ms, "
+        f"waited for a CPU {_pcts(f['gen_wait'])} (Redis {_pcts([f.get('redis_wait', math.nan)])}), "
+        f"delivered {f['delivered'] * 100:.0f} %"
+        f"{' (SATURATED: a lower bound)' if saturated(f) else ''}"
+    ]
     for s in SCRIPTS:
         lines.append(f"  {s:9s} {f['calls'][s]:7d} calls  p50 {_ms(f['p50'][s])} ms  p99 {_ms(f['p99'][s])} ms")
     top = sorted(f["commands"].items(), key=lambda kv: -kv[1][1])[:6]
     total = sum(v[1] for v in f["commands"].values()) or 1
-    lines.append("  Redis time by command: " + ", ".join(
-        f"{name} {usec / total * 100:.0f} % ({calls / f['wall']:,.0f}/s, {per:.1f} us)"
-        for name, (calls, usec, per) in top))
+    lines.append(
+        "  Redis time by command: "
+        + ", ".join(
+            f"{name} {usec / total * 100:.0f} % ({calls / f['wall']:,.0f}/s, {per:.1f} us)"
+            for name, (calls, usec, per) in top
+        )
+    )
     lags = f["lags"]
-    lines.append(f"  reaper lag: {len(lags)} kills, median {_ms(percentile(lags, 50))} ms, "
-                 f"max {_ms(max(lags) if lags else math.nan)} ms; shards finished {f['shards']}")
+    lines.append(
+        f"  reaper lag: {len(lags)} kills, median {_ms(percentile(lags, 50))} ms, "
+        f"max {_ms(max(lags) if lags else math.nan)} ms; shards finished {f['shards']}"
+    )
     return "\n".join(lines)
 
 
@@ -863,12 +964,15 @@ def commandstats(f: dict[str, Any]) -> str:
     again under their own names (Redis 7), so the shares add up to more than 100 % with EVALSHA's."""
     n, wall = f["workers"], f["wall"]
     total = sum(v[1] for v in f["commands"].values()) or 1
-    lines = [f"  commandstats (N={n:,}): command, calls a second per worker, µs a second per worker, µs a call, "
-             f"share of command time; commands' time {total / wall / n:.1f} µs a second per worker of "
-             f"{f['redis_cpu'] * 1e6 / n:.1f} µs of CPU"]
+    lines = [
+        f"  commandstats (N={n:,}): command, calls a second per worker, µs a second per worker, µs a call, "
+        f"share of command time; commands' time {total / wall / n:.1f} µs a second per worker of "
+        f"{f['redis_cpu'] * 1e6 / n:.1f} µs of CPU"
+    ]
     for name, (calls, usec, per) in sorted(f["commands"].items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"    {name:16s} {calls / wall / n:7.3f}/s {usec / wall / n:7.2f} µs/s {per:6.2f} µs "
-                     f"{usec / total * 100:5.1f} %")
+        lines.append(
+            f"    {name:16s} {calls / wall / n:7.3f}/s {usec / wall / n:7.2f} µs/s {per:6.2f} µs {usec / total * 100:5.1f} %"
+        )
     return "\n".join(lines)
 
 
@@ -894,27 +998,37 @@ def rows(figures: list[dict[str, Any]], cmd: str) -> list[list[str]]:
         lags = f["lags"]
         scripts = "; ".join(f"{s} {_ms(f['p50'][s])}/{_ms(f['p99'][s])}" for s in SCRIPTS if f["calls"][s])
         gen = ", ".join(f"{c * 100:.0f} %" for c in f["gen_cpu"])
-        out.append([
-            f"{f['workers']:,} workers ({mode})",
-            f"{f['redis_cpu'] * 100:.0f} % ({f['redis_cpu'] * 1e6 / f['workers']:.0f} µs a second per worker; "
-            f"{f.get('redis_kernel', math.nan) * 100:.0f} % of it in the kernel)"
-            if slow == 1 else
-            f"{f['redis_cpu'] * 100:.0f} %; at the fleet's rates at most {full_rate_cpu(f) * 100:.0f} % "
-            f"({full_rate_cpu(f) * 1e6 / f['workers']:.0f} µs a second per worker)",
-            f"{f['ops']:,.0f}", scripts,
-            f"{_ms(evalsha[0] / 1000)}/{_ms(evalsha[1] / 1000)}",
-            ", ".join(f"{n} {u / total * 100:.0f} %" for n, (_c, u, _p) in top),
-            f"{_ms(percentile(lags, 50))} / {_ms(max(lags) if lags else math.nan)} ({len(lags)})",
-            f"{gen}; {f['us_per_trip']:.0f} µs a round trip; waited for a CPU {_pcts(f['gen_wait'])} "
-            f"(Redis {_pcts([f.get('redis_wait', math.nan)])}); late p99 {f['lateness_p99']:.0f} ms; "
-            f"delivered {f['delivered'] * 100:.0f} %"
-            + ("; **saturated: a lower bound**" if saturated(f) else ""),
-        ])
+        out.append(
+            [
+                f"{f['workers']:,} workers ({mode})",
+                f"{f['redis_cpu'] * 100:.0f} % ({f['redis_cpu'] * 1e6 / f['workers']:.0f} µs a second per worker; "
+                f"{f.get('redis_kernel', math.nan) * 100:.0f} % of it in the kernel)"
+                if slow == 1
+                else f"{f['redis_cpu'] * 100:.0f} %; at the fleet's rates at most {full_rate_cpu(f) * 100:.0f} % "
+                f"({full_rate_cpu(f) * 1e6 / f['workers']:.0f} µs a second per worker)",
+                f"{f['ops']:,.0f}",
+                scripts,
+                f"{_ms(evalsha[0] / 1000)}/{_ms(evalsha[1] / 1000)}",
+                ", ".join(f"{n} {u / total * 100:.0f} %" for n, (_c, u, _p) in top),
+                f"{_ms(percentile(lags, 50))} / {_ms(max(lags) if lags else math.nan)} ({len(lags)})",
+                f"{gen}; {f['us_per_trip']:.0f} µs a round trip; waited for a CPU {_pcts(f['gen_wait'])} "
+                f"(Redis {_pcts([f.get('redis_wait', math.nan)])}); late p99 {f['lateness_p99']:.0f} ms; "
+                f"delivered {f['delivered'] * 100:.0f} %" + ("; **saturated: a lower bound**" if saturated(f) else ""),
+            ]
+        )
     return out
 
 
-HEADER = ("fleet", "Redis CPU", "ops/s", "script p50/p99 ms (clients)", "EVALSHA p50/p99 ms (Redis)",
-          "Redis time by command", "reaper lag median / max ms (kills)", "load generator")
+HEADER = (
+    "fleet",
+    "Redis CPU",
+    "ops/s",
+    "script p50/p99 ms (clients)",
+    "EVALSHA p50/p99 ms (Redis)",
+    "Redis time by command",
+    "reaper lag median / max ms (kills)",
+    "load generator",
+)
 
 
 def ceiling_lines(now: list[dict[str, Any]], label: str) -> list[str]:
@@ -925,33 +1039,43 @@ def ceiling_lines(now: list[dict[str, Any]], label: str) -> list[str]:
     lines = []
     found = ceiling([SizeResult(f["workers"], worst_p99(f), f["redis_cpu"]) for f in full])
     if found is not None:
-        lines.append(f"Ceiling{tag}: p99 passes {GOAL_P99_MS:.0f} ms or Redis CPU passes {GOAL_CPU * 100:.0f} % "
-                     f"at {found:,} simulated workers.")
+        lines.append(
+            f"Ceiling{tag}: p99 passes {GOAL_P99_MS:.0f} ms or Redis CPU passes {GOAL_CPU * 100:.0f} % "
+            f"at {found:,} simulated workers."
+        )
     elif full:
-        lines.append(f"Ceiling{tag}: not reached up to {max(f['workers'] for f in full):,} simulated workers at the "
-                     f"fleet's rates (p99 under {GOAL_P99_MS:.0f} ms, Redis CPU under {GOAL_CPU * 100:.0f} %).")
+        lines.append(
+            f"Ceiling{tag}: not reached up to {max(f['workers'] for f in full):,} simulated workers at the "
+            f"fleet's rates (p99 under {GOAL_P99_MS:.0f} ms, Redis CPU under {GOAL_CPU * 100:.0f} %)."
+        )
     for f in sorted(kept, key=lambda f: f["workers"]):
         if f.get("slow", 1.0) > 1:
-            lines.append(f"{f['workers']:,} workers{tag}, every clock {f['slow']:g} times slower (the load of "
-                         f"{f['workers'] / f['slow']:,.0f} at the fleet's rates, with {f['workers']:,} workers' "
-                         f"connections, leases and registrations): Redis {f['redis_cpu'] * 100:.0f} %, so at most "
-                         f"{full_rate_cpu(f) * 100:.0f} % of a core at the fleet's rates"
-                         f"{' (over ' + format(GOAL_CPU * 100, '.0f') + ' %)' if full_rate_cpu(f) > GOAL_CPU else ''}; "
-                         "its latencies are those of the slower load, not of the fleet's, and its reaper lag "
-                         f"is on its own clock ({f['slow']:g} times the fleet's).")
+            lines.append(
+                f"{f['workers']:,} workers{tag}, every clock {f['slow']:g} times slower (the load of "
+                f"{f['workers'] / f['slow']:,.0f} at the fleet's rates, with {f['workers']:,} workers' "
+                f"connections, leases and registrations): Redis {f['redis_cpu'] * 100:.0f} %, so at most "
+                f"{full_rate_cpu(f) * 100:.0f} % of a core at the fleet's rates"
+                f"{' (over ' + format(GOAL_CPU * 100, '.0f') + ' %)' if full_rate_cpu(f) > GOAL_CPU else ''}; "
+                "its latencies are those of the slower load, not of the fleet's, and its reaper lag "
+                f"is on its own clock ({f['slow']:g} times the fleet's)."
+            )
     gave_out = sorted(f["workers"] for f in now if saturated(f))
     if gave_out:
-        lines.append(f"From {gave_out[0]:,} simulated workers{tag} the load generator could not keep the schedule "
-                     "(see its column): those rows are lower bounds on Redis's load, their latencies the "
-                     "generator's own, and they are not used for the ceiling.")
+        lines.append(
+            f"From {gave_out[0]:,} simulated workers{tag} the load generator could not keep the schedule "
+            "(see its column): those rows are lower bounds on Redis's load, their latencies the "
+            "generator's own, and they are not used for the ceiling."
+        )
     if kept:
         largest = max(kept, key=lambda f: f["workers"])
         guess = extrapolated_ceiling(SizeResult(largest["workers"], worst_p99(largest), full_rate_cpu(largest)))
         if guess is not None:
             per = full_rate_cpu(largest) * 1e6 / largest["workers"]
-            lines.append(f"Extrapolated from {largest['workers']:,} workers{tag[:-1]}; {per:.0f} "
-                         f"µs of Redis CPU a second per worker), Redis would reach {GOAL_CPU * 100:.0f} % of a core "
-                         f"near {guess:,} workers, if its CPU grows linearly with the fleet.")
+            lines.append(
+                f"Extrapolated from {largest['workers']:,} workers{tag[:-1]}; {per:.0f} "
+                f"µs of Redis CPU a second per worker), Redis would reach {GOAL_CPU * 100:.0f} % of a core "
+                f"near {guess:,} workers, if its CPU grows linearly with the fleet."
+            )
     return lines
 
 
@@ -966,15 +1090,17 @@ def report(figures: list[dict[str, Any]], cmd: str, args: argparse.Namespace) ->
     now = [f for f in figures if not f["before"]]
     for label in dict.fromkeys(settings_label(f) for f in now):  # the defaults first, as run
         lines += ceiling_lines([f for f in now if settings_label(f) == label], label)
-    lines.append(f"Simulation: {args.procs} processes of asyncio tasks ({'uvloop' if simloop.uvloop else 'asyncio loop'}, "
-                 f"bench/resp.py with {'hiredis' if resp.hiredis else 'its pure-Python parser'}), "
-                 f"{connection_note(figures)}, a batch of {args.batch} prompts every 2-10 s, "
-                 f"shards of {SHARD_SIZE}, lease {args.leases} s (the heartbeat a quarter of it: the fleet's "
-                 f"defaults are 6 and 1.5), worker tick 1 s, "
-                 f"{args.seconds:.0f} s measured after the ramp, a worker killed every "
-                 f"{args.kill_every:g} s; script latency is the clients' (it includes the generator's own "
-                 "scheduling), EVALSHA's is Redis's own (`INFO latencystats`, which counts the commands a script "
-                 "calls again under their own names).")
+    lines.append(
+        f"Simulation: {args.procs} processes of asyncio tasks ({'uvloop' if simloop.uvloop else 'asyncio loop'}, "
+        f"bench/resp.py with {'hiredis' if resp.hiredis else 'its pure-Python parser'}), "
+        f"{connection_note(figures)}, a batch of {args.batch} prompts every 2-10 s, "
+        f"shards of {SHARD_SIZE}, lease {args.leases} s (the heartbeat a quarter of it: the fleet's "
+        f"defaults are 6 and 1.5), worker tick 1 s, "
+        f"{args.seconds:.0f} s measured after the ramp, a worker killed every "
+        f"{args.kill_every:g} s; script latency is the clients' (it includes the generator's own "
+        "scheduling), EVALSHA's is Redis's own (`INFO latencystats`, which counts the commands a script "
+        "calls again under their own names)."
+    )
     return "\n".join(lines)
 
 
@@ -983,9 +1109,11 @@ def connection_note(figures: list[dict[str, Any]]) -> str:
     shared = [f for f in figures if f["gen_connections"] < f["workers"]]
     if not shared:
         return "each simulated worker on its own connection (as real workers: a read and a write per command)"
-    return ("the workers of a process sharing connections round robin ("
-            + ", ".join(dict.fromkeys(f"{f['workers']:,} workers on {f['gen_connections']:,}" for f in shared))
-            + "): their commands can reach Redis pipelined together, so its CPU per command is understated there")
+    return (
+        "the workers of a process sharing connections round robin ("
+        + ", ".join(dict.fromkeys(f"{f['workers']:,} workers on {f['gen_connections']:,}" for f in shared))
+        + "): their commands can reach Redis pipelined together, so its CPU per command is understated there"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -993,20 +1121,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1000,5000,20000,50000", help="simulated workers, comma-separated")
     p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per size, after the ramp")
     p.add_argument("--procs", type=int, default=2, help="load generator processes")
-    p.add_argument("--connections", type=int, default=0,
-                   help="Redis connections per generator process, shared by its workers; 0: one per worker")
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=0,
+        help="Redis connections per generator process, shared by its workers; 0: one per worker",
+    )
     p.add_argument("--kill-every", type=float, default=5.0, help="a busy worker dies every this many seconds")
     p.add_argument("--audit-seconds", type=float, default=30.0, help="the monitor's audit interval")
     p.add_argument("--batch", type=int, default=8, help="prompts per batch (shards of 64)")
     p.add_argument("--before", action="store_true", help="also run the protocol as it was before issue 27")
     p.add_argument("--before-up-to", type=int, default=5000, help="the largest size run --before")
-    p.add_argument("--leases", default=f"{DEFAULT_LEASE:g}",
-                   help="lease seconds, comma-separated: each size runs at each, its heartbeat a quarter of it "
-                        "(the fleet's defaults: 6 and 1.5)")
-    p.add_argument("--full-rate-up-to", type=int, default=5000,
-                   help="a larger size runs with every clock N / this times slower (Redis asked a fraction of the "
-                        "fleet's load by all N workers' connections, its CPU scaled back up): what a 2-core machine "
-                        "can generate; 0: every size at the fleet's rates")
+    p.add_argument(
+        "--leases",
+        default=f"{DEFAULT_LEASE:g}",
+        help="lease seconds, comma-separated: each size runs at each, its heartbeat a quarter of it "
+        "(the fleet's defaults: 6 and 1.5)",
+    )
+    p.add_argument(
+        "--full-rate-up-to",
+        type=int,
+        default=5000,
+        help="a larger size runs with every clock N / this times slower (Redis asked a fraction of the "
+        "fleet's load by all N workers' connections, its CPU scaled back up): what a 2-core machine "
+        "can generate; 0: every size at the fleet's rates",
+    )
     p.add_argument("--warm", type=float, default=None, help="seconds before measuring (default: ramp + 8 simulated s)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the file whose section is written")
     p.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
@@ -1030,14 +1169,25 @@ def main(argv: list[str] | None = None) -> int:
     figures = []
     with tempfile.TemporaryDirectory(prefix="rf-redis-scale-") as tmp:
         for n in sizes:
-            for before, lease in [(b, x) for x in leases
-                                  for b in ([True, False] if args.before and n <= args.before_up_to
-                                            and x == DEFAULT_LEASE else [False])]:
-                f = run_size(n, before=before, seconds=args.seconds, procs=min(args.procs, n),
-                             connections=args.connections, kill_every=args.kill_every,
-                             audit_seconds=args.audit_seconds, workdir=Path(tmp), batch=args.batch,
-                             lease_s=lease, warm_s=args.warm,
-                             slow=max(1.0, n / args.full_rate_up_to) if args.full_rate_up_to else 1.0)
+            for before, lease in [
+                (b, x)
+                for x in leases
+                for b in ([True, False] if args.before and n <= args.before_up_to and x == DEFAULT_LEASE else [False])
+            ]:
+                f = run_size(
+                    n,
+                    before=before,
+                    seconds=args.seconds,
+                    procs=min(args.procs, n),
+                    connections=args.connections,
+                    kill_every=args.kill_every,
+                    audit_seconds=args.audit_seconds,
+                    workdir=Path(tmp),
+                    batch=args.batch,
+                    lease_s=lease,
+                    warm_s=args.warm,
+                    slow=max(1.0, n / args.full_rate_up_to) if args.full_rate_up_to else 1.0,
+                )
                 print(describe(f), flush=True)
                 if args.commandstats:
                     print(commandstats(f), flush=True)
@@ -1046,8 +1196,14 @@ def main(argv: list[str] | None = None) -> int:
     text = report(figures, cmd, args)
     print(text)
     if not args.no_write:
-        write_section("redis-scale", "How many workers one Redis carries (the protocol, simulated)", text,
-                      args.results, started=began, cmd=cmd)
+        write_section(
+            "redis-scale",
+            "How many workers one Redis carries (the protocol, simulated)",
+            text,
+            args.results,
+            started=began,
+            cmd=cmd,
+        )
     return 0
 
 

@@ -42,15 +42,19 @@ def main() -> None:
     from worker.render import Renderer
 
     loaded = load_pipeline(args.model, device=args.device, cache_dir=Path(tempfile.mkdtemp()))
-    print(f"model {args.model} on {loaded.device} ({loaded.dtype}), torch threads {torch.get_num_threads()}: "
-          f"load {loaded.load_seconds:.2f} s ({time.perf_counter() - t:.2f} s with imports)")
+    print(
+        f"model {args.model} on {loaded.device} ({loaded.dtype}), torch threads {torch.get_num_threads()}: "
+        f"load {loaded.load_seconds:.2f} s ({time.perf_counter() - t:.2f} s with imports)"
+    )
     command = f"python -m bench.render_bench --size {args.size} --steps {args.steps} --runs {args.runs}"
     rows = [[f"{args.model}: model load", f"{loaded.load_seconds:.2f} s", "", command]]
     for invariant in (False, True):
         renderer = Renderer(loaded, batch_invariant=invariant)
         for batch in (int(b) for b in args.batches.split(",")):
-            prompts = [Prompt(i, f"{i:06d}", f"bench prompt {i}", "", derive_seed(0, i), args.steps, 7.5, width, height)
-                       for i in range(batch)]
+            prompts = [
+                Prompt(i, f"{i:06d}", f"bench prompt {i}", "", derive_seed(0, i), args.steps, 7.5, width, height)
+                for i in range(batch)
+            ]
             renderer.render(prompts)  # warm-up
             rates = []
             for _ in range(args.runs):
@@ -58,15 +62,21 @@ def main() -> None:
                 renderer.render(prompts)
                 rates.append(batch / (time.perf_counter() - t))
             mode = "per-prompt calls" if invariant else "one call per batch"
-            print(f"{args.size} {args.steps} steps, batch {batch:2d}, {mode:18s}: "
-                  f"median {statistics.median(rates):6.1f} images/s (min {min(rates):.1f}, max {max(rates):.1f})")
-            rows.append([f"{args.model} on {loaded.device}, {torch.get_num_threads()} torch threads, {args.size}, "
-                         f"{args.steps} steps, batch {batch}, {mode}",
-                         f"median {statistics.median(rates):.1f} images/s ({args.runs} runs)",
-                         "(cost per image decides: `renderfleet bench`)", command])
+            print(
+                f"{args.size} {args.steps} steps, batch {batch:2d}, {mode:18s}: "
+                f"median {statistics.median(rates):6.1f} images/s (min {min(rates):.1f}, max {max(rates):.1f})"
+            )
+            rows.append(
+                [
+                    f"{args.model} on {loaded.device}, {torch.get_num_threads()} torch threads, {args.size}, "
+                    f"{args.steps} steps, batch {batch}, {mode}",
+                    f"median {statistics.median(rates):.1f} images/s ({args.runs} runs)",
+                    "(cost per image decides: `renderfleet bench`)",
+                    command,
+                ]
+            )
     if not args.no_write:
-        write_section("render", "Render: images per second of a worker's renderer, in-process", table(rows),
-                      started=started)
+        write_section("render", "Render: images per second of a worker's renderer, in-process", table(rows), started=started)
 
 
 if __name__ == "__main__":

@@ -139,14 +139,14 @@ class PyReader:
         end = buf.find(b"\r\n", pos)
         if end < 0:
             raise _Incomplete
-        kind, line, pos = buf[pos], bytes(buf[pos + 1:end]), end + 2
+        kind, line, pos = buf[pos], bytes(buf[pos + 1 : end]), end + 2
         if kind == 0x24:  # $ bulk string
             size = int(line)
             if size < 0:
                 return None, pos
             if len(buf) < pos + size + 2:
                 raise _Incomplete
-            return bytes(buf[pos:pos + size]), pos + size + 2
+            return bytes(buf[pos : pos + size]), pos + size + 2
         if kind == 0x3A:  # : integer
             return int(line), pos
         if kind == 0x2A:  # * array
@@ -162,7 +162,7 @@ class PyReader:
             return line, pos
         if kind == 0x2D:  # - error
             return ReplyError(line.decode(errors="replace")), pos
-        raise ProtocolError(f"not a RESP2 reply: {bytes(buf[pos - len(line) - 3:pos])!r}")
+        raise ProtocolError(f"not a RESP2 reply: {bytes(buf[pos - len(line) - 3 : pos])!r}")
 
 
 def reader() -> Any:
@@ -320,8 +320,9 @@ class Commands:
     def get(self, name: Arg) -> Any:
         return self._command(_GET, (name,))
 
-    def set(self, name: Arg, value: Arg, ex: int | None = None, px: int | None = None, nx: bool = False,
-            xx: bool = False) -> Any:
+    def set(
+        self, name: Arg, value: Arg, ex: int | None = None, px: int | None = None, nx: bool = False, xx: bool = False
+    ) -> Any:
         args: list[Arg] = [name, value]
         if ex is not None:
             args += [b"EX", ex]
@@ -354,8 +355,9 @@ class Commands:
     def hmget(self, name: Arg, keys: Sequence[Arg], *args: Arg) -> Any:
         return self._command(_HMGET, (name, *keys, *args))
 
-    def hset(self, name: Arg, key: Arg | None = None, value: Arg | None = None,
-             mapping: Mapping[Arg, Arg] | None = None) -> Any:
+    def hset(
+        self, name: Arg, key: Arg | None = None, value: Arg | None = None, mapping: Mapping[Arg, Arg] | None = None
+    ) -> Any:
         args: list[Arg] = [name]
         if key is not None:
             args += [key, value]  # type: ignore[list-item]
@@ -401,8 +403,16 @@ class Commands:
     def lrange(self, name: Arg, start: int, end: int) -> Any:
         return self._command(_LRANGE, (name, start, end))
 
-    def zadd(self, name: Arg, mapping: Mapping[Arg, float], nx: bool = False, xx: bool = False,
-             gt: bool = False, lt: bool = False, ch: bool = False) -> Any:
+    def zadd(
+        self,
+        name: Arg,
+        mapping: Mapping[Arg, float],
+        nx: bool = False,
+        xx: bool = False,
+        gt: bool = False,
+        lt: bool = False,
+        ch: bool = False,
+    ) -> Any:
         args: list[Arg] = [name]
         for flag, token in ((nx, b"NX"), (xx, b"XX"), (gt, b"GT"), (lt, b"LT"), (ch, b"CH")):
             if flag:
@@ -427,11 +437,66 @@ class Commands:
         return self._command(_SCRIPT_LOAD, (script,), lambda sha: sha.decode())
 
 
-(_PING, _GET, _SET, _DEL, _EXISTS, _EXPIRE, _PEXPIRE, _INCRBY, _HGET, _HMGET, _HSET, _HSETNX, _HINCRBY, _HDEL, _HVALS,
- _HLEN, _RPOP, _LPUSH, _RPUSH, _LTRIM, _LLEN, _LRANGE, _ZADD, _ZREM, _ZSCORE, _ZCARD, _EVALSHA) = (head(name) for name in (
-    "PING", "GET", "SET", "DEL", "EXISTS", "EXPIRE", "PEXPIRE", "INCRBY", "HGET", "HMGET", "HSET", "HSETNX", "HINCRBY",
-    "HDEL", "HVALS", "HLEN", "RPOP", "LPUSH", "RPUSH", "LTRIM", "LLEN", "LRANGE", "ZADD", "ZREM", "ZSCORE", "ZCARD",
-    "EVALSHA"))
+(
+    _PING,
+    _GET,
+    _SET,
+    _DEL,
+    _EXISTS,
+    _EXPIRE,
+    _PEXPIRE,
+    _INCRBY,
+    _HGET,
+    _HMGET,
+    _HSET,
+    _HSETNX,
+    _HINCRBY,
+    _HDEL,
+    _HVALS,
+    _HLEN,
+    _RPOP,
+    _LPUSH,
+    _RPUSH,
+    _LTRIM,
+    _LLEN,
+    _LRANGE,
+    _ZADD,
+    _ZREM,
+    _ZSCORE,
+    _ZCARD,
+    _EVALSHA,
+) = (
+    head(name)
+    for name in (
+        "PING",
+        "GET",
+        "SET",
+        "DEL",
+        "EXISTS",
+        "EXPIRE",
+        "PEXPIRE",
+        "INCRBY",
+        "HGET",
+        "HMGET",
+        "HSET",
+        "HSETNX",
+        "HINCRBY",
+        "HDEL",
+        "HVALS",
+        "HLEN",
+        "RPOP",
+        "LPUSH",
+        "RPUSH",
+        "LTRIM",
+        "LLEN",
+        "LRANGE",
+        "ZADD",
+        "ZREM",
+        "ZSCORE",
+        "ZCARD",
+        "EVALSHA",
+    )
+)
 
 
 def _answer(reply: Any, callback: Callback) -> Any:

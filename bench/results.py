@@ -100,15 +100,18 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str] = ("what", "figur
     return "\n".join(lines)
 
 
-def write_section(name: str, title: str, body: str, path: Path = RESULTS, *, started: Start | None = None,
-                  cmd: str | None = None) -> None:
+def write_section(
+    name: str, title: str, body: str, path: Path = RESULTS, *, started: Start | None = None, cmd: str | None = None
+) -> None:
     """Replace (or append) section ``name`` of ``path``: ``title``, the :func:`provenance` lines, ``body``.
 
     ``started``: the benchmark's :func:`start` (its load at the start); ``cmd``:
     the command that measured the figures (default: this process's own).
     """
-    section = (f"<!-- bench:{name} -->\n### {title}\n\n{provenance(started, cmd or command())}\n\n{body.strip()}\n"
-               f"<!-- /bench:{name} -->")
+    section = (
+        f"<!-- bench:{name} -->\n### {title}\n\n{provenance(started, cmd or command())}\n\n{body.strip()}\n"
+        f"<!-- /bench:{name} -->"
+    )
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section

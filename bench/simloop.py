@@ -35,8 +35,9 @@ class SlotTimer:
 
     __slots__ = ("_args", "_callback", "_cancelled", "_context", "_when")
 
-    def __init__(self, when: float, callback: Callable[..., Any], args: tuple[Any, ...],
-                 context: contextvars.Context | None):
+    def __init__(
+        self, when: float, callback: Callable[..., Any], args: tuple[Any, ...], context: contextvars.Context | None
+    ):
         self._when = when
         self._callback = callback
         self._args = args
@@ -60,8 +61,13 @@ class SlottedTimers:
         super().__init__(*args, **kwargs)
         self._slots: dict[int, list[SlotTimer]] = {}
 
-    def call_at(self, when: float, callback: Callable[..., Any], *args: Any,  # type: ignore[override]
-                context: contextvars.Context | None = None) -> SlotTimer:
+    def call_at(
+        self,
+        when: float,
+        callback: Callable[..., Any],
+        *args: Any,  # type: ignore[override]
+        context: contextvars.Context | None = None,
+    ) -> SlotTimer:
         slot = math.ceil(when / SLOT)
         timers = self._slots.get(slot)
         if timers is None:
@@ -71,8 +77,13 @@ class SlottedTimers:
         timers.append(timer)
         return timer
 
-    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any,  # type: ignore[override]
-                   context: contextvars.Context | None = None) -> SlotTimer:
+    def call_later(
+        self,
+        delay: float,
+        callback: Callable[..., Any],
+        *args: Any,  # type: ignore[override]
+        context: contextvars.Context | None = None,
+    ) -> SlotTimer:
         return self.call_at(self.time() + delay, callback, *args, context=context)  # type: ignore[attr-defined]
 
     def _fire(self, slot: int) -> None:

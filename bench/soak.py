@@ -123,8 +123,9 @@ class SoakReport(ChaosReport):
         """RSS growth of each Redis process (the first until its restart, the second until the
         end) from its own start: the larger."""
         rss = self.redis_rss
-        growth = [rss[b] - rss[a] for a, b in (("first start", "before restart"), ("second start", "end"))
-                  if a in rss and b in rss]
+        growth = [
+            rss[b] - rss[a] for a, b in (("first start", "before restart"), ("second start", "end")) if a in rss and b in rss
+        ]
         return max(growth) if len(growth) == 2 else float("nan")
 
     @property
@@ -148,57 +149,105 @@ class SoakReport(ChaosReport):
         reps = self.replacements
         rss = self.redis_rss
         return [
-            ("images", f"{self.images}/{n} in the bucket, {self.images - len(self.mismatched)} byte-identical to "
-             f"the reference, missing {len(self.missing)}, extra {len(self.extra)}, quarantined "
-             f"{self.quarantined}; status done {self.status_done}, failed {self.status_failed}",
-             f"exactly {n}, all identical"),
-            ("faults", f"{self.kills} SIGKILLs, {self.notices} spot notices (exit codes "
-             f"{sorted(set(self.notice_exit_codes))}), {self.redis_restarts} Redis restart (empty, workers "
-             f"holding a lease {self.busy_at_restart}), S3 stopped {self.s3_pause:.0f} s", "as planned"),
-            ("duplicates rendered", f"{beyond} finished renders beyond one per prompt ({self.rendered_images} "
-             f"finished, {self.started_images} begun, {self.wasted_images} wasted on notices); "
-             f"{self.s3_handbacks} shard hand-backs on the S3 outage", "small: a kill's batch at most"),
-            ("work lost per kill", f"{lost / max(1, self.kills):.2f} renders begun and never finished "
-             f"({lost / max(1, self.kills) / max(1, self.batch_size):.2f} batches); all renders beyond one "
-             f"per prompt per kill: {(self.started_images - renders) / max(1, self.kills):.2f}",
-             "at most the batch in flight"),
-            ("recovery", f"SIGKILL -> shard running again {fig(self.kill_to_running)}; notice -> shard back "
-             f"{fig(self.notice_to_queue)}; Redis restart -> job resumed {fig(self.restart_to_resumed)}; "
-             f"S3 back -> a batch counted {fig(self.s3_resume_to_progress)}", "seconds"),
-            ("worker memory (RSS)", (f"the worker that lived the whole run: {self.survivor[0]:.1f} MB at "
-             f"{WARM:.0%} of the job, {self.survivor[1]:.1f} MB at the end ({self.survivor_growth:+.1f} MB, max "
-             f"{self.survivor[2]:.1f})" if len(self.survivor) == 3 else "the worker that lived the whole run: "
-             "not measured") + (f"; replacements after their first {self.compare_batches} batches: first "
-             f"{reps[0]:.1f} MB, last {reps[-1]:.1f} MB, range {min(reps):.1f}-{max(reps):.1f} over {len(reps)}"
-             if reps else f"; no replacement lived {self.compare_batches} batches"),
-             f"growth under {MEMORY_GOAL_MB:.0f} MB"),
-            ("Redis memory (RSS)", f"first process {rss.get('first start', 0):.1f} MB at {WARM:.0%} of the "
-             f"job, {rss.get('before restart', 0):.1f} MB before its restart; second {rss.get('second start', 0):.1f}"
-             f" MB once resumed, {rss.get('end', 0):.1f} MB at the end (larger growth {self.redis_growth:+.1f} MB); "
-             f"used_memory "
-             f"{self.redis_used.get('first start', 0):.1f} -> {self.redis_used.get('end', 0):.1f} MB",
-             f"growth under {MEMORY_GOAL_MB:.0f} MB"),
-            ("second priority", (f"{self.urgent_prompts} prompts at --priority 9 submitted at "
-             f"{self.urgent_at:.0%} of the job: {self.urgent_images} byte-identical, status done "
-             f"{self.urgent_status_done}, bad {self.urgent_bad[:5]}; all rendered {self.urgent_seconds:.1f} s after "
-             f"its submit, when the big job had {self.main_done_when_urgent_done}/{n}") if self.urgent_prompts
-             else "none", "whole, identical, done before the big job"),
-            ("longest wait", f"{longest:.0f} s (prompt {idx}) from submit to its image in the store (its "
-             f"LastModified, whole seconds); median {statistics.median(waits) if waits else float('nan'):.0f} s, "
-             f"p99 {waits[int(0.99 * (len(waits) - 1))] if waits else float('nan'):.0f} s; to counted done "
-             f"(its done bit first seen): longest {counted:.0f} s (prompt {counted_idx})",
-             "about the job's wall time (one FIFO queue); nothing stranded"),
+            (
+                "images",
+                f"{self.images}/{n} in the bucket, {self.images - len(self.mismatched)} byte-identical to "
+                f"the reference, missing {len(self.missing)}, extra {len(self.extra)}, quarantined "
+                f"{self.quarantined}; status done {self.status_done}, failed {self.status_failed}",
+                f"exactly {n}, all identical",
+            ),
+            (
+                "faults",
+                f"{self.kills} SIGKILLs, {self.notices} spot notices (exit codes "
+                f"{sorted(set(self.notice_exit_codes))}), {self.redis_restarts} Redis restart (empty, workers "
+                f"holding a lease {self.busy_at_restart}), S3 stopped {self.s3_pause:.0f} s",
+                "as planned",
+            ),
+            (
+                "duplicates rendered",
+                f"{beyond} finished renders beyond one per prompt ({self.rendered_images} "
+                f"finished, {self.started_images} begun, {self.wasted_images} wasted on notices); "
+                f"{self.s3_handbacks} shard hand-backs on the S3 outage",
+                "small: a kill's batch at most",
+            ),
+            (
+                "work lost per kill",
+                f"{lost / max(1, self.kills):.2f} renders begun and never finished "
+                f"({lost / max(1, self.kills) / max(1, self.batch_size):.2f} batches); all renders beyond one "
+                f"per prompt per kill: {(self.started_images - renders) / max(1, self.kills):.2f}",
+                "at most the batch in flight",
+            ),
+            (
+                "recovery",
+                f"SIGKILL -> shard running again {fig(self.kill_to_running)}; notice -> shard back "
+                f"{fig(self.notice_to_queue)}; Redis restart -> job resumed {fig(self.restart_to_resumed)}; "
+                f"S3 back -> a batch counted {fig(self.s3_resume_to_progress)}",
+                "seconds",
+            ),
+            (
+                "worker memory (RSS)",
+                (
+                    f"the worker that lived the whole run: {self.survivor[0]:.1f} MB at "
+                    f"{WARM:.0%} of the job, {self.survivor[1]:.1f} MB at the end ({self.survivor_growth:+.1f} MB, max "
+                    f"{self.survivor[2]:.1f})"
+                    if len(self.survivor) == 3
+                    else "the worker that lived the whole run: not measured"
+                )
+                + (
+                    f"; replacements after their first {self.compare_batches} batches: first "
+                    f"{reps[0]:.1f} MB, last {reps[-1]:.1f} MB, range {min(reps):.1f}-{max(reps):.1f} over {len(reps)}"
+                    if reps
+                    else f"; no replacement lived {self.compare_batches} batches"
+                ),
+                f"growth under {MEMORY_GOAL_MB:.0f} MB",
+            ),
+            (
+                "Redis memory (RSS)",
+                f"first process {rss.get('first start', 0):.1f} MB at {WARM:.0%} of the "
+                f"job, {rss.get('before restart', 0):.1f} MB before its restart; second {rss.get('second start', 0):.1f}"
+                f" MB once resumed, {rss.get('end', 0):.1f} MB at the end (larger growth {self.redis_growth:+.1f} MB); "
+                f"used_memory "
+                f"{self.redis_used.get('first start', 0):.1f} -> {self.redis_used.get('end', 0):.1f} MB",
+                f"growth under {MEMORY_GOAL_MB:.0f} MB",
+            ),
+            (
+                "second priority",
+                (
+                    f"{self.urgent_prompts} prompts at --priority 9 submitted at "
+                    f"{self.urgent_at:.0%} of the job: {self.urgent_images} byte-identical, status done "
+                    f"{self.urgent_status_done}, bad {self.urgent_bad[:5]}; all rendered {self.urgent_seconds:.1f} s after "
+                    f"its submit, when the big job had {self.main_done_when_urgent_done}/{n}"
+                )
+                if self.urgent_prompts
+                else "none",
+                "whole, identical, done before the big job",
+            ),
+            (
+                "longest wait",
+                f"{longest:.0f} s (prompt {idx}) from submit to its image in the store (its "
+                f"LastModified, whole seconds); median {statistics.median(waits) if waits else float('nan'):.0f} s, "
+                f"p99 {waits[int(0.99 * (len(waits) - 1))] if waits else float('nan'):.0f} s; to counted done "
+                f"(its done bit first seen): longest {counted:.0f} s (prompt {counted_idx})",
+                "about the job's wall time (one FIFO queue); nothing stranded",
+            ),
         ]
 
     @property
     def soak_ok(self) -> bool:
-        return (self.ok and self.memory_ok and self.survivor_alive and len(self.waits) == self.prompts
-                and len(self.image_waits) == self.prompts)
+        return (
+            self.ok
+            and self.memory_ok
+            and self.survivor_alive
+            and len(self.waits) == self.prompts
+            and len(self.image_waits) == self.prompts
+        )
 
     def summary(self) -> str:
-        head = (f"soak: {self.prompts} prompts ({self.settings}), a SIGKILL every {self.kill_every:.0f} s, a "
-                f"spot notice every {self.notice_every:.0f} s, {self.wall_seconds / 60:.1f} min; load average "
-                f"{' -> '.join(self.load)}")
+        head = (
+            f"soak: {self.prompts} prompts ({self.settings}), a SIGKILL every {self.kill_every:.0f} s, a "
+            f"spot notice every {self.notice_every:.0f} s, {self.wall_seconds / 60:.1f} min; load average "
+            f"{' -> '.join(self.load)}"
+        )
         rows = [f"  {what}: {figure}   [goal: {goal}]" for what, figure, goal in self.figures()]
         return "\n".join([head, *rows, f"  verdict: {'OK' if self.soak_ok else 'FAILED'}"])
 
@@ -215,15 +264,28 @@ class SoakReport(ChaosReport):
         return "\n".join(lines)
 
 
-def parallel_reference(n: int, tmp: Path, steps: int, size: int, shard_size: int, batch_size: int,
-                       procs: int) -> dict[str, bytes]:
+def parallel_reference(
+    n: int, tmp: Path, steps: int, size: int, shard_size: int, batch_size: int, procs: int
+) -> dict[str, bytes]:
     """The reference images, the shards split over ``procs`` processes (one thread each, as the workers)."""
     shards = -(-n // shard_size)
     cut = [range(shards * i // procs, shards * (i + 1) // procs) for i in range(procs)]
     ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
     with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
-        parts = [pool.submit(reference_images, n, tmp / f"cache-{i}", steps, prefix=PREFIX, size=size,
-                             shard_size=shard_size, batch_size=batch_size, shards=r) for i, r in enumerate(cut)]
+        parts = [
+            pool.submit(
+                reference_images,
+                n,
+                tmp / f"cache-{i}",
+                steps,
+                prefix=PREFIX,
+                size=size,
+                shard_size=shard_size,
+                batch_size=batch_size,
+                shards=r,
+            )
+            for i, r in enumerate(cut)
+        ]
         out: dict[str, bytes] = {}
         for part in parts:
             out.update(part.result())
@@ -318,6 +380,7 @@ def run_faults(rig: Rig, report: SoakReport, job: str, watch: Watch, args: argpa
     fleet, server = rig.fleet, rig.server
     assert fleet is not None and server is not None
     rng = random.Random(args.seed)
+
     def done() -> int:
         return rig.done(job)
 
@@ -336,11 +399,25 @@ def run_faults(rig: Rig, report: SoakReport, job: str, watch: Watch, args: argpa
         if args.urgent and not report.urgent_job and progress >= args.urgent_at * report.prompts:
             report.urgent_at = progress / report.prompts
             report.urgent_job, urgent_watch = submit_urgent(
-                rig, report, job, args.urgent, args.timeout, "--steps", str(args.steps),
-                "--size", f"{args.size}x{args.size}", "--shard-size", str(args.shard_size),
-                "--batch-size", str(args.batch_size))
-            print(f"soak: urgent job {report.urgent_job} ({args.urgent} prompts, --priority 9) submitted at "
-                  f"{progress}/{report.prompts}", flush=True)
+                rig,
+                report,
+                job,
+                args.urgent,
+                args.timeout,
+                "--steps",
+                str(args.steps),
+                "--size",
+                f"{args.size}x{args.size}",
+                "--shard-size",
+                str(args.shard_size),
+                "--batch-size",
+                str(args.batch_size),
+            )
+            print(
+                f"soak: urgent job {report.urgent_job} ({args.urgent} prompts, --priority 9) submitted at "
+                f"{progress}/{report.prompts}",
+                flush=True,
+            )
         if now - start > args.timeout:
             raise AssertionError(f"the job did not finish in {args.timeout:.0f} s ({progress} done)")
         if progress >= WARM * report.prompts and "first start" not in report.redis_rss:
@@ -349,8 +426,9 @@ def run_faults(rig: Rig, report: SoakReport, job: str, watch: Watch, args: argpa
         if not restarted and progress >= args.restart_at * report.prompts:
             restarted = True
             watch.redis_memory("before restart")
-            stats_before_restart = restart_redis(fleet, server, rig.client, report, job, done,
-                                                 lambda: len(rig.image_names(job)))
+            stats_before_restart = restart_redis(
+                fleet, server, rig.client, report, job, done, lambda: len(rig.image_names(job))
+            )
             watch.redis_memory("second start")
             next_kill = max(next_kill, time.monotonic() + 1)
             continue
@@ -382,19 +460,37 @@ def run_faults(rig: Rig, report: SoakReport, job: str, watch: Watch, args: argpa
 
 def run_soak(args: argparse.Namespace) -> SoakReport:
     size, steps = args.size, args.steps
-    report = SoakReport(prompts=args.prompts, poison_prompts=0, urgent_prompts=args.urgent, kill_every=args.kill_every,
-                        notice_every=args.notice_every, batch_size=args.batch_size,
-                        compare_batches=args.compare_batches,
-                        settings=f"tiny, {size}x{size}, {steps} steps, shards of {args.shard_size}, batches of "
-                                 f"{args.batch_size}, {args.workers} workers, one torch thread each")
+    report = SoakReport(
+        prompts=args.prompts,
+        poison_prompts=0,
+        urgent_prompts=args.urgent,
+        kill_every=args.kill_every,
+        notice_every=args.notice_every,
+        batch_size=args.batch_size,
+        compare_batches=args.compare_batches,
+        settings=f"tiny, {size}x{size}, {steps} steps, shards of {args.shard_size}, batches of "
+        f"{args.batch_size}, {args.workers} workers, one torch thread each",
+    )
     report.load.append("/".join(f"{x:.1f}" for x in os.getloadavg()))
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="rf-soak-"))
     print(f"soak: workdir {tmp}; rendering the reference images", flush=True)
     t = time.monotonic()
-    reference = parallel_reference(args.prompts, tmp, steps, size, args.shard_size, args.batch_size,
-                                   min(2, os.cpu_count() or 1))
-    urgent_reference = reference_images(args.urgent, tmp / "cache-urgent", steps, prefix=URGENT_PREFIX, size=size,
-                                        shard_size=args.shard_size, batch_size=args.batch_size) if args.urgent else {}
+    reference = parallel_reference(
+        args.prompts, tmp, steps, size, args.shard_size, args.batch_size, min(2, os.cpu_count() or 1)
+    )
+    urgent_reference = (
+        reference_images(
+            args.urgent,
+            tmp / "cache-urgent",
+            steps,
+            prefix=URGENT_PREFIX,
+            size=size,
+            shard_size=args.shard_size,
+            batch_size=args.batch_size,
+        )
+        if args.urgent
+        else {}
+    )
     print(f"soak: {len(reference)} reference images in {time.monotonic() - t:.0f} s", flush=True)
     rig = Rig(tmp, audit_seconds="5")
     try:
@@ -407,8 +503,19 @@ def run_soak(args: argparse.Namespace) -> SoakReport:
         prompt_file.write_text("".join(f"{PREFIX} {i}\n" for i in range(args.prompts)))
         submitted = time.time()
         started = time.monotonic()
-        job = rig.submit(prompt_file, "--model", "tiny", "--steps", str(steps), "--size", f"{size}x{size}",
-                         "--shard-size", str(args.shard_size), "--batch-size", str(args.batch_size))
+        job = rig.submit(
+            prompt_file,
+            "--model",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--size",
+            f"{size}x{size}",
+            "--shard-size",
+            str(args.shard_size),
+            "--batch-size",
+            str(args.batch_size),
+        )
         print(f"soak: job {job} submitted", flush=True)
         watch = Watch(rig, job, submitted, report)
         watch.start()
@@ -426,8 +533,10 @@ def run_soak(args: argparse.Namespace) -> SoakReport:
         report.rendered_images = stats.get("images", 0)
         report.wasted_images = stats.get("wasted_images", 0)
         report.handback_ms = stats.get("handback_ms", 0)
-        report.s3_handbacks = sum(len(re.findall(r"transient failure, handing back", p.read_text(errors="replace")))
-                                  for p in rig.logs.glob("node-*.log"))
+        report.s3_handbacks = sum(
+            len(re.findall(r"transient failure, handing back", p.read_text(errors="replace")))
+            for p in rig.logs.glob("node-*.log")
+        )
         check_job(report, rig, job, reference)
         if report.urgent_job:
             check_urgent(report, rig, report.urgent_job, urgent_reference)
@@ -470,10 +579,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--size", type=int, default=int(env_default("SIZE", "32")), help="width and height")
     arg("--shard-size", type=int, default=int(env_default("SHARD_SIZE", "6")))
     arg("--batch-size", type=int, default=int(env_default("BATCH_SIZE", "2")))
-    arg("--compare-batches", type=int, default=int(env_default("COMPARE_BATCHES", "5")),
-        help="replacement workers' RSS compared once each has rendered this many batches")
-    arg("--urgent", type=int, default=int(env_default("URGENT", "100")),
-        help="prompts of a second job at --priority 9 submitted during the run (0: none)")
+    arg(
+        "--compare-batches",
+        type=int,
+        default=int(env_default("COMPARE_BATCHES", "5")),
+        help="replacement workers' RSS compared once each has rendered this many batches",
+    )
+    arg(
+        "--urgent",
+        type=int,
+        default=int(env_default("URGENT", "100")),
+        help="prompts of a second job at --priority 9 submitted during the run (0: none)",
+    )
     arg("--urgent-at", type=float, default=float(env_default("URGENT_AT", "0.2")), help="share of the job")
     arg("--timeout", type=float, default=float(env_default("TIMEOUT", "3600")), help="seconds for the job")
     arg("--seed", type=int, default=7)

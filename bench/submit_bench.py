@@ -68,17 +68,22 @@ else:
 """
 
 
-def run_child(mode: str, target: str, args: list[str], env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> tuple[float, float, str, str]:
+def run_child(
+    mode: str, target: str, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[float, float, str, str]:
     """``python -m target args`` (mode ``-m``) or ``python -c target args`` (``-c``) in a child of its
     own: (wall seconds, that child's own peak RSS in MB, stdout, stderr).  ``cwd``: the checkout whose
     code it runs (the child's first import path is its working folder, ahead of PYTHONPATH)."""
     with tempfile.TemporaryDirectory(prefix="submit-bench-peak-") as tmp:
         peak_file = Path(tmp) / "peak"
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, mode, target, *args],
-                              env={**(os.environ if env is None else env), "BENCH_PEAK_FILE": str(peak_file)},
-                              capture_output=True, text=True, cwd=cwd)
+        proc = subprocess.run(
+            [sys.executable, "-c", PEAK_WRAPPER, mode, target, *args],
+            env={**(os.environ if env is None else env), "BENCH_PEAK_FILE": str(peak_file)},
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+        )
         wall = time.perf_counter() - t
         if proc.returncode:
             raise SystemExit(f"submit bench: {mode} {target[:40]!r} exited {proc.returncode}:\n{proc.stderr}")
@@ -161,8 +166,12 @@ def main() -> None:
         try:
             path = tmp / f"prompts.{args.format}"
             make_file(path, args.lines, args.format)
-            env = {**os.environ, "RENDERFLEET_REDIS_URL": server.url, "RENDERFLEET_STORE": str(tmp / "store"),
-                   "RENDERFLEET_HOME": str(tmp / "home")}
+            env = {
+                **os.environ,
+                "RENDERFLEET_REDIS_URL": server.url,
+                "RENDERFLEET_STORE": str(tmp / "store"),
+                "RENDERFLEET_HOME": str(tmp / "home"),
+            }
             client = redis.Redis.from_url(server.url)
             walls: list[float] = []
             peaks: list[float] = []
@@ -178,54 +187,79 @@ def main() -> None:
                 walls.append(wall)
                 peaks.append(peak)
                 # Queued or pending for the feeder (issue 23): every shard of the job waits for a worker.
-                depth = client.llen(queue_name("default", env["RENDERFLEET_STORE"])) \
-                    + client.llen(keys.pending(f"bench-{run}"))
+                depth = client.llen(queue_name("default", env["RENDERFLEET_STORE"])) + client.llen(
+                    keys.pending(f"bench-{run}")
+                )
                 s_wall, s_peak, status = run_status(env, f"bench-{run}")
                 status_walls.append(s_wall)
                 status_peaks.append(s_peak)
                 status_calls += status_in_process(server.url, env["RENDERFLEET_STORE"], f"bench-{run}")
                 shards = int(depth)
                 if status.get("total") != args.lines:
-                    raise SystemExit(f"submit bench: status of bench-{run} says {status.get('total')} prompts, "
-                                     f"not {args.lines}")
+                    raise SystemExit(
+                        f"submit bench: status of bench-{run} says {status.get('total')} prompts, not {args.lines}"
+                    )
                 client.flushall()
                 c_wall, c_peak = run_celery(server.url, path, SHARD_SIZE)
                 celery_walls.append(c_wall)
                 celery_peaks.append(c_peak)
-                print(f"run {run}: submit {wall:.2f} s, peak RSS {peak:.0f} MB, queue depth {depth} shards; "
-                      f"{said.splitlines()[-1]}; status {s_wall:.2f} s, peak RSS {s_peak:.0f} MB "
-                      f"(in-process {statistics.median(status_calls[-5:]) * 1000:.0f} ms); "
-                      f"Celery .delay() per shard: {c_wall:.2f} s, peak RSS {c_peak:.0f} MB", flush=True)
+                print(
+                    f"run {run}: submit {wall:.2f} s, peak RSS {peak:.0f} MB, queue depth {depth} shards; "
+                    f"{said.splitlines()[-1]}; status {s_wall:.2f} s, peak RSS {s_peak:.0f} MB "
+                    f"(in-process {statistics.median(status_calls[-5:]) * 1000:.0f} ms); "
+                    f"Celery .delay() per shard: {c_wall:.2f} s, peak RSS {c_peak:.0f} MB",
+                    flush=True,
+                )
             size_mb = path.stat().st_size / 1e6
             med = statistics.median(walls)
             ratio = [c / w for c, w in zip(celery_walls, walls, strict=True)]
             command = f"python -m bench.submit_bench --lines {args.lines} --runs {args.runs}"
             rows = [
-                [f"`renderfleet submit` of {args.lines:,} prompts ({args.format}, {size_mb:.0f} MB, shards of "
-                 f"{SHARD_SIZE}), the CLI with its start-up", f"{spread(walls)}; peak RSS by run {mb(peaks)}",
-                 "under 2 s (issue 10); under 300 MB (issue 2)", command],
-                [f"`renderfleet status JOB --json` of that job ({shards:,} shards queued), the CLI with its "
-                 "start-up, after each submit", f"{spread(status_walls)}; peak RSS by run {mb(status_peaks)}",
-                 "well under 1 s (issue 8)", command],
-                ["  the same, in-process (`fleet_status`, no start-up), 5 calls a run",
-                 f"median {statistics.median(status_calls) * 1000:.0f} ms (min {min(status_calls) * 1000:.0f}, "
-                 f"max {max(status_calls) * 1000:.0f}, {len(status_calls)} calls)", "", command],
-                ["Celery's own `.delay()` per shard of the same file, its own interpreter, same runs",
-                 f"{spread(celery_walls)}; peak RSS by run {mb(celery_peaks)}", "(for comparison)", command],
-                ["Celery's time over submit's, same runs", f"median {statistics.median(ratio):.1f}", "above 1",
-                 command]]
+                [
+                    f"`renderfleet submit` of {args.lines:,} prompts ({args.format}, {size_mb:.0f} MB, shards of "
+                    f"{SHARD_SIZE}), the CLI with its start-up",
+                    f"{spread(walls)}; peak RSS by run {mb(peaks)}",
+                    "under 2 s (issue 10); under 300 MB (issue 2)",
+                    command,
+                ],
+                [
+                    f"`renderfleet status JOB --json` of that job ({shards:,} shards queued), the CLI with its "
+                    "start-up, after each submit",
+                    f"{spread(status_walls)}; peak RSS by run {mb(status_peaks)}",
+                    "well under 1 s (issue 8)",
+                    command,
+                ],
+                [
+                    "  the same, in-process (`fleet_status`, no start-up), 5 calls a run",
+                    f"median {statistics.median(status_calls) * 1000:.0f} ms (min {min(status_calls) * 1000:.0f}, "
+                    f"max {max(status_calls) * 1000:.0f}, {len(status_calls)} calls)",
+                    "",
+                    command,
+                ],
+                [
+                    "Celery's own `.delay()` per shard of the same file, its own interpreter, same runs",
+                    f"{spread(celery_walls)}; peak RSS by run {mb(celery_peaks)}",
+                    "(for comparison)",
+                    command,
+                ],
+                ["Celery's time over submit's, same runs", f"median {statistics.median(ratio):.1f}", "above 1", command],
+            ]
             print(table(rows))
             print(f"({args.lines / med:,.0f} prompts/s submitted)")
             if not args.no_write:
-                write_section("submit", "Submit and status", "Each peak RSS is that run's own: one child process "
-                              "per command, its VmHWM (`/proc/self/status`) at its exit.\n\n" + table(rows), started=started)
+                write_section(
+                    "submit",
+                    "Submit and status",
+                    "Each peak RSS is that run's own: one child process "
+                    "per command, its VmHWM (`/proc/self/status`) at its exit.\n\n" + table(rows),
+                    started=started,
+                )
         finally:
             server.stop()
 
 
 def spread(values: list[float]) -> str:
-    return (f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f}, "
-            f"{len(values)} runs)")
+    return f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f}, {len(values)} runs)"
 
 
 if __name__ == "__main__":

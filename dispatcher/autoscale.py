@@ -41,6 +41,7 @@ from renderfleet.store import Store
 
 log = logging.getLogger("renderfleet.autoscale")
 
+
 def _ratio(stats: dict[str, int], num: str, den: str) -> float | None:
     return stats[num] / stats[den] if stats.get(num) and stats.get(den) else None
 
@@ -57,8 +58,9 @@ class Backend(Protocol):
     def set_size(self, pool: str, n: int) -> None: ...
 
 
-def recent_counters(client: redis.Redis, pool: str, store: str, now: float,
-                    window_seconds: float) -> dict[int, dict[str, int]]:
+def recent_counters(
+    client: redis.Redis, pool: str, store: str, now: float, window_seconds: float
+) -> dict[int, dict[str, int]]:
     """``pool``'s per-minute counters (keys.pool_recent) of ``store`` (a URL) covering the
     last ``window_seconds``, by minute."""
     step = keys.RECENT_BUCKET_SECONDS
@@ -67,8 +69,11 @@ def recent_counters(client: redis.Redis, pool: str, store: str, now: float,
     pipe = client.pipeline(transaction=False)
     for minute in minutes:
         pipe.hgetall(keys.pool_recent(pool, minute, tag))
-    return {minute: counter_hash(counts, keys.pool_recent(pool, minute, tag))
-            for minute, counts in zip(minutes, pipe.execute(), strict=True) if counts}
+    return {
+        minute: counter_hash(counts, keys.pool_recent(pool, minute, tag))
+        for minute, counts in zip(minutes, pipe.execute(), strict=True)
+        if counts
+    }
 
 
 def registered_workers(client: redis.Redis, pool: str, store: str) -> list[dict[str, Any]]:
@@ -130,8 +135,7 @@ class LocalBackend:
     only those of ``store`` (the URL its workers are started with, in ``env``).
     """
 
-    def __init__(self, client: redis.Redis, *, store: str, env: dict[str, str], log_dir: Path,
-                 model: str | None = None):
+    def __init__(self, client: redis.Redis, *, store: str, env: dict[str, str], log_dir: Path, model: str | None = None):
         self.client = client
         self.store = store
         self.env = {**env, "RENDERFLEET_STORE": store}
@@ -142,8 +146,11 @@ class LocalBackend:
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # every worker this backend started, by pid
 
     def _mine(self, pool: str) -> list[dict[str, Any]]:
-        return [w for w in registered_workers(self.client, pool, self.store)
-                if w.get("host") == self.host and _alive(int(w.get("pid", 0)))]
+        return [
+            w
+            for w in registered_workers(self.client, pool, self.store)
+            if w.get("host") == self.host and _alive(int(w.get("pid", 0)))
+        ]
 
     def _pending(self, pool: str) -> list[subprocess.Popen[bytes]]:
         registered = {int(w["pid"]) for w in registered_workers(self.client, pool, self.store)}
@@ -172,8 +179,9 @@ class LocalBackend:
         if self.model:
             args += ["--model", self.model]
         with open(log_file, "ab") as out:
-            proc = subprocess.Popen(args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                args, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self._starting.setdefault(pool, []).append(proc)
         self._children[proc.pid] = proc
         log.warning("pool %s: started a worker (pid %d)", pool, proc.pid)
@@ -188,8 +196,12 @@ class LocalBackend:
         ranked = sorted(self._mine(pool), key=lambda w: (w["worker"] in busy, -float(w.get("started", 0))))
         for w in ranked[:count]:
             os.kill(int(w["pid"]), signal.SIGTERM)
-            log.warning("pool %s: stopping worker %s (%s)", pool, w["worker"],
-                        "busy: it hands its shard back" if w["worker"] in busy else "idle")
+            log.warning(
+                "pool %s: stopping worker %s (%s)",
+                pool,
+                w["worker"],
+                "busy: it hands its shard back" if w["worker"] in busy else "idle",
+            )
 
     def stop_all(self, pools: list[str], timeout: float) -> tuple[int, int]:
         """Stop every worker of ``pools`` on this machine: SIGTERM (the hand-off), up to ``timeout``
@@ -211,8 +223,11 @@ class LocalBackend:
             time.sleep(0.2)
         left = {pid for pid in left if self._running(pid)}
         for pid in left:
-            log.warning("worker pid %d still there %.0f s after SIGTERM: killed (its lease expires, "
-                        "the reaper re-queues its shard)", pid, timeout)
+            log.warning(
+                "worker pid %d still there %.0f s after SIGTERM: killed (its lease expires, the reaper re-queues its shard)",
+                pid,
+                timeout,
+            )
             with contextlib.suppress(ProcessLookupError):
                 # Started here in a session of its own: the group is the worker and nothing else.
                 if pid in self._children:
@@ -250,8 +265,7 @@ class AwsBackend:
             import boto3
 
             session = boto3.session.Session()
-            self._clients[region] = session.client("autoscaling", region_name=region or session.region_name or
-                                                   "us-east-1")
+            self._clients[region] = session.client("autoscaling", region_name=region or session.region_name or "us-east-1")
         return self._clients.get(region) or self._clients[None]
 
     def _group(self, pool: str) -> dict[str, Any]:
@@ -267,8 +281,9 @@ class AwsBackend:
     def set_size(self, pool: str, n: int) -> None:
         group = self._group(pool)
         n = max(int(group["MinSize"]), min(int(group["MaxSize"]), n))
-        self._client(pool).set_desired_capacity(AutoScalingGroupName=group["AutoScalingGroupName"],
-                                                DesiredCapacity=n, HonorCooldown=False)
+        self._client(pool).set_desired_capacity(
+            AutoScalingGroupName=group["AutoScalingGroupName"], DesiredCapacity=n, HonorCooldown=False
+        )
         log.warning("pool %s: Auto Scaling group %s desired capacity %d", pool, group["AutoScalingGroupName"], n)
 
 
@@ -315,8 +330,15 @@ PROCESS_START_SECONDS = 5.0
 class Autoscaler:
     """Applies the policy to every configured pool through its backend."""
 
-    def __init__(self, settings: Settings, client: redis.Redis, store: Store, backends: dict[str, Backend],
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        store: Store,
+        backends: dict[str, Backend],
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self.settings = settings
         self.client = client
         self.store = store
@@ -326,8 +348,9 @@ class Autoscaler:
         self.last_change: dict[str, float] = {}
         self.pending_since: dict[str, float] = {}
 
-    def _state(self, name: str, cfg: PoolConfig, stats: dict[str, dict[str, int]], spmps: float,
-               now: float, fleet: FleetStatus) -> PoolState:
+    def _state(
+        self, name: str, cfg: PoolConfig, stats: dict[str, dict[str, int]], spmps: float, now: float, fleet: FleetStatus
+    ) -> PoolState:
         backend = self.backends[name]
         current = backend.size(name)
         ready = fleet.pool_sizes().get(name, 0)
@@ -339,14 +362,23 @@ class Autoscaler:
         own = _ratio(mine, "render_ms", "mps_milli")
         window = self.settings.autoscale.reclaim_window_seconds
         wall = self.wall_clock()
-        lost = recent_lost_fraction(recent_counters(self.client, name, self.store.url, wall, window), wall, window,
-                                    keys.RECENT_BUCKET_SECONDS)
+        lost = recent_lost_fraction(
+            recent_counters(self.client, name, self.store.url, wall, window), wall, window, keys.RECENT_BUCKET_SECONDS
+        )
         # A worker's cold start: its model load (measured) plus starting the process.
         load_ms = [int(w.get("load_ms", 0)) for w in fleet.workers if w.get("pool") == name]
         cold = (sum(load_ms) / len(load_ms) / 1000 + PROCESS_START_SECONDS) if any(load_ms) else None
-        return PoolState(name, cfg, current=current, ready=ready, speed=spmps / own if own else 1.0,
-                         lost_fraction=lost, cold_start_seconds=cold, last_change=self.last_change.get(name),
-                         pending_since=self.pending_since.get(name))
+        return PoolState(
+            name,
+            cfg,
+            current=current,
+            ready=ready,
+            speed=spmps / own if own else 1.0,
+            lost_fraction=lost,
+            cold_start_seconds=cold,
+            last_change=self.last_change.get(name),
+            pending_since=self.pending_since.get(name),
+        )
 
     def tick(self, *, dry_run: bool = False) -> Tick:
         now = self.clock()
@@ -362,13 +394,18 @@ class Autoscaler:
                     log.warning("pool %s: %d -> %d: %s", d.pool, d.current, d.desired, d.reason)
             self._publish(decisions)
         jobs = [{"job": j.job, "left": j.to_render, "backlog_seconds": round(j.backlog_seconds, 3)} for j in fleet.jobs]
-        return Tick(time.time(), backlog, spmps, jobs, [_decision(d) for d in decisions],
-                    [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states])
+        return Tick(
+            time.time(),
+            backlog,
+            spmps,
+            jobs,
+            [_decision(d) for d in decisions],
+            [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states],
+        )
 
     def _publish(self, decisions: list[Decision]) -> None:
         """What was decided, and each pool's price, for status and the metrics endpoint."""
-        self.client.hset(keys.desired(store_tag(self.store.url)),
-                         mapping={d.pool: d.desired for d in decisions} or {"": 0})
+        self.client.hset(keys.desired(store_tag(self.store.url)), mapping={d.pool: d.desired for d in decisions} or {"": 0})
         publish_prices(self.client, self.store.url, {n: p.price_per_hour for n, p in self.settings.pools.items()})
 
     def run_forever(self) -> None:
@@ -381,10 +418,15 @@ class Autoscaler:
 
 
 def _inputs(p: PoolState, default_cold_start: float) -> dict[str, Any]:
-    return {"pool": p.name, "current": p.current, "ready": p.ready, "speed": round(p.speed, 3),
-            "lost_fraction": round(p.lost_fraction, 3),
-            "cold_start_seconds": round(p.cold_start_seconds or default_cold_start, 1),
-            "cold_start_measured": p.cold_start_seconds is not None}
+    return {
+        "pool": p.name,
+        "current": p.current,
+        "ready": p.ready,
+        "speed": round(p.speed, 3),
+        "lost_fraction": round(p.lost_fraction, 3),
+        "cold_start_seconds": round(p.cold_start_seconds or default_cold_start, 1),
+        "cold_start_measured": p.cold_start_seconds is not None,
+    }
 
 
 def _decision(d: Decision) -> dict[str, Any]:

@@ -51,8 +51,10 @@ def check_pools(pools: Mapping[str, PoolConfig], where: str | Path | None) -> No
             continue
         if ident in seen:
             other = seen[ident]
-            raise ConfigError(f"{where}: pools.{other}.{key} and pools.{name}.{key} both name the {what}: "
-                              "each pool needs its own, or the two overwrite each other's size at every tick")
+            raise ConfigError(
+                f"{where}: pools.{other}.{key} and pools.{name}.{key} both name the {what}: "
+                "each pool needs its own, or the two overwrite each other's size at every tick"
+            )
         seen[ident] = name
 
 
@@ -91,15 +93,16 @@ class KubernetesBackend:
         cfg = self.pools[pool]
         where = f"pools.{pool}.deployment = {cfg.deployment!r} (namespace {cfg.namespace!r})"
         try:
-            return getattr(self.api, method)(cfg.deployment, cfg.namespace, *args, _request_timeout=API_TIMEOUT,
-                                             **kwargs)
+            return getattr(self.api, method)(cfg.deployment, cfg.namespace, *args, _request_timeout=API_TIMEOUT, **kwargs)
         except ApiException as exc:
             if exc.status == 404:
                 raise ConfigError(f"{where}: no such Deployment") from None
             if exc.status in (401, 403):
-                raise ConfigError(f"{where}: the API server refused {method} ({exc.status} {exc.reason}): the "
-                                  "autoscaler's service account needs get and patch on deployments/scale of "
-                                  "this Deployment (infra/k8s/base/rbac.yaml)") from None
+                raise ConfigError(
+                    f"{where}: the API server refused {method} ({exc.status} {exc.reason}): the "
+                    "autoscaler's service account needs get and patch on deployments/scale of "
+                    "this Deployment (infra/k8s/base/rbac.yaml)"
+                ) from None
             raise TransientError(f"{where}: the API server answered {method} with {exc.status} {exc.reason}") from None
         except (HTTPError, OSError) as exc:
             raise TransientError(f"{where}: the API server could not be reached ({exc})") from None

@@ -51,8 +51,16 @@ def _marker_time(store: Store, job: str) -> float | None:
 def cancel_pass(client: redis.Redis, job: str, *, fence: bool, when: str = "") -> Cancelled:
     """One pass of ``cancel.lua`` over the job (``fence``: its leased shards' attempts bumped too)."""
     removed, parked, leased = client.register_script(lua_script("cancel"))(
-        keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
-              UNACKED_KEY, UNACKED_INDEX_KEY, keys.pending(job)],
+        keys=[
+            keys.job(job),
+            keys.shards(job),
+            keys.attempts(job),
+            keys.INFLIGHT,
+            keys.ENQUEUED,
+            UNACKED_KEY,
+            UNACKED_INDEX_KEY,
+            keys.pending(job),
+        ],
         args=[job, keys.QUEUED_PREFIX, "1" if fence else "", when, keys.ACTIVE_PREFIX],
     )
     return Cancelled(int(removed), int(parked), int(leased))

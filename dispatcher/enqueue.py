@@ -60,12 +60,14 @@ def check_owner(client: redis.Redis, job: str, store: str) -> None:
     """
     owner = job_store(client, job)
     if owner and owner != store:
-        raise InputError([f"job {job}: this Redis already holds a job of that id for store {owner}, "
-                          f"not {store}; give another --job"])
+        raise InputError(
+            [f"job {job}: this Redis already holds a job of that id for store {owner}, not {store}; give another --job"]
+        )
 
 
-def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, stored: bool = False,
-                 fresh: bool = False) -> None:
+def register_job(
+    client: redis.Redis, spec: JobSpec, queue: str, store: str, *, stored: bool = False, fresh: bool = False
+) -> None:
     """Make the job known to this Redis (idempotent), as a job of ``store``, in the life its spec names;
     ``stored``: the store holds its spec already (see :func:`mark_stored`);
     ``fresh``: a new job, its spec not in the store: a shard's first claim in
@@ -81,8 +83,10 @@ def register_job(client: redis.Redis, spec: JobSpec, queue: str, store: str, *, 
     pipe.hdel(keys.job(spec.job), "deleted", "reason")
     pipe.persist(keys.job(spec.job))
     pipe.persist(keys.attempts(spec.job))
-    pipe.hset(keys.job(spec.job), mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue,
-                                           "store": store, "life": spec.life})
+    pipe.hset(
+        keys.job(spec.job),
+        mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue, "store": store, "life": spec.life},
+    )
     if stored:
         pipe.hset(keys.job(spec.job), "stored", "1")
     if fresh:
@@ -101,20 +105,42 @@ def mark_stored(client: redis.Redis, job: str) -> None:
 
 def life_keys(job: str) -> tuple[str, ...]:
     """The keys of what one life of a job counted (its hash and attempts aside): a new life starts without them."""
-    return (keys.done_bits(job), keys.failed_bits(job), keys.shards(job), keys.left(job), keys.fails(job),
-            keys.pending(job), keys.job_stats(job), keys.progress(job))
+    return (
+        keys.done_bits(job),
+        keys.failed_bits(job),
+        keys.shards(job),
+        keys.left(job),
+        keys.fails(job),
+        keys.pending(job),
+        keys.job_stats(job),
+        keys.progress(job),
+    )
 
 
-def _feed_fields(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, store: str,
-                 priority: int, share: int) -> None:
+def _feed_fields(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, store: str, priority: int, share: int) -> None:
     """What the feeder needs of a job (keys.job): its envelope template, cut, priority and share."""
-    client.hset(keys.job(spec.job), mapping={
-        "feed": celery_app.feed_template(app, queue, message_head(spec, queue, store)),
-        "shard_size": spec.shard_size, "priority": priority, "share": share, "stride": feeder.stride(share)})
+    client.hset(
+        keys.job(spec.job),
+        mapping={
+            "feed": celery_app.feed_template(app, queue, message_head(spec, queue, store)),
+            "shard_size": spec.shard_size,
+            "priority": priority,
+            "share": share,
+            "stride": feeder.stride(share),
+        },
+    )
 
 
-def start_feeding(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, *, store: str,
-                  priority: int | None = None, share: int | None = None) -> None:
+def start_feeding(
+    app: Celery,
+    client: redis.Redis,
+    spec: JobSpec,
+    queue: str,
+    *,
+    store: str,
+    priority: int | None = None,
+    share: int | None = None,
+) -> None:
     """Let the feeder take the job's pending shards (published with ``feed=False``), then feed once."""
     priority = spec.priority if priority is None else priority
     share = spec.share if share is None else share
@@ -123,11 +149,24 @@ def start_feeding(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, *
     feeder.Feeder(client).feed(queue)
 
 
-def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
-                   shards: Iterable[WireShard], *, store: str, front: bool = False, force: bool = False,
-                   push: bool = True, park: bool = False, pending: bool = True,
-                   priority: int | None = None, share: int | None = None, feed: bool = True,
-                   flush_empty: bool = False) -> int:
+def publish_shards(
+    app: Celery,
+    client: redis.Redis,
+    spec: JobSpec,
+    queue: str,
+    shards: Iterable[WireShard],
+    *,
+    store: str,
+    front: bool = False,
+    force: bool = False,
+    push: bool = True,
+    park: bool = False,
+    pending: bool = True,
+    priority: int | None = None,
+    share: int | None = None,
+    feed: bool = True,
+    flush_empty: bool = False,
+) -> int:
     """Make every shard given pending, in pipelined batches; returns how many.
 
     Each shard's state goes in with its reference, in one script: a worker that
@@ -148,10 +187,23 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
     job = spec.job
     priority = spec.priority if priority is None else priority
     share = spec.share if share is None else share
-    script_keys = [queue, keys.shards(job), keys.left(job), keys.INFLIGHT,
-                   keys.done_bits(job), keys.failed_bits(job), keys.ENQUEUED, keys.SEQ, keys.QUEUES,
-                   UNACKED_KEY, UNACKED_INDEX_KEY, keys.CONSUMED, keys.pending(job), keys.active(queue),
-                   keys.job(job)]
+    script_keys = [
+        queue,
+        keys.shards(job),
+        keys.left(job),
+        keys.INFLIGHT,
+        keys.done_bits(job),
+        keys.failed_bits(job),
+        keys.ENQUEUED,
+        keys.SEQ,
+        keys.QUEUES,
+        UNACKED_KEY,
+        UNACKED_INDEX_KEY,
+        keys.CONSUMED,
+        keys.pending(job),
+        keys.active(queue),
+        keys.job(job),
+    ]
     side = "n" if not push else "c" if park else "f" if front else "p" if pending and not force else "b"
     if side == "p" and feed:
         _feed_fields(app, client, spec, queue, store, priority, share)
@@ -161,9 +213,21 @@ def publish_shards(app: Celery, client: redis.Redis, spec: JobSpec, queue: str,
     def flush() -> int:
         if not args and not flush_empty:
             return 0
-        sent = int(script(keys=script_keys, args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, side,
-                                                  "1" if force else "", feeder.feed_band(priority),
-                                                  keys.FEED_BAND, *args]))
+        sent = int(
+            script(
+                keys=script_keys,
+                args=[
+                    job,
+                    keys.QUEUED_PREFIX,
+                    keys.LEASE_PREFIX,
+                    side,
+                    "1" if force else "",
+                    feeder.feed_band(priority),
+                    keys.FEED_BAND,
+                    *args,
+                ],
+            )
+        )
         args.clear()
         return sent
 

@@ -28,16 +28,18 @@ class FleetCollector:
         g = GaugeMetricFamily("renderfleet_backlog_images", "Prompts neither rendered nor quarantined, queued or in flight")
         g.add_metric([], left)
         yield g
-        g = GaugeMetricFamily("renderfleet_backlog_work_seconds",
-                              "Seconds of work left, queued and in flight, on a reference worker")
+        g = GaugeMetricFamily(
+            "renderfleet_backlog_work_seconds", "Seconds of work left, queued and in flight, on a reference worker"
+        )
         g.add_metric([], fleet.backlog_seconds)
         yield g
         g = GaugeMetricFamily("renderfleet_queue_depth_shards", "Shards waiting in each queue", labels=["queue"])
         for queue, depth in fleet.queues.items():
             g.add_metric([queue], depth)
         yield g
-        g = GaugeMetricFamily("renderfleet_queue_pending_shards",
-                              "Shards waiting for the feeder to put them on each queue", labels=["queue"])
+        g = GaugeMetricFamily(
+            "renderfleet_queue_pending_shards", "Shards waiting for the feeder to put them on each queue", labels=["queue"]
+        )
         for queue, pending in fleet.pending.items():
             g.add_metric([queue], pending)
         yield g
@@ -59,8 +61,7 @@ class FleetCollector:
         for pool, n in sorted(sizes.items()):
             g.add_metric([pool], n)
         yield g
-        g = GaugeMetricFamily("renderfleet_pool_desired_workers", "Pool size the autoscaler last decided",
-                              labels=["pool"])
+        g = GaugeMetricFamily("renderfleet_pool_desired_workers", "Pool size the autoscaler last decided", labels=["pool"])
         for pool, n in sorted(fleet.desired.items()):
             g.add_metric([pool], n)
         yield g
@@ -85,8 +86,12 @@ class FleetCollector:
         if prices:
             # The unit is the pools file's price_per_hour currency (the page shows it as $); the name stays
             # renderfleet_cost_total, which dashboards and alerts already use (docs/monitoring.md).
-            c = CounterMetricFamily("renderfleet_cost", "Cost of render time, in the currency of the pools file's "
-                                    "price_per_hour: GPU-seconds x price_per_hour / 3600", labels=["pool"])
+            c = CounterMetricFamily(
+                "renderfleet_cost",
+                "Cost of render time, in the currency of the pools file's "
+                "price_per_hour: GPU-seconds x price_per_hour / 3600",
+                labels=["pool"],
+            )
             for pool, stats in sorted(fleet.pools.items()):
                 if pool in prices:
                     c.add_metric([pool], stats.get("render_ms", 0) / 1000 * prices[pool] / 3600)
@@ -98,8 +103,11 @@ def redis_metrics(fleet: FleetStatus) -> Iterator[Metric]:
     load = fleet.redis
     if load is None:
         return
-    c = CounterMetricFamily("renderfleet_redis_cpu_seconds", "CPU time of Redis's main thread (the one that runs "
-                            "every command): its rate is the share of a core, the fleet's first limit")
+    c = CounterMetricFamily(
+        "renderfleet_redis_cpu_seconds",
+        "CPU time of Redis's main thread (the one that runs "
+        "every command): its rate is the share of a core, the fleet's first limit",
+    )
     c.add_metric([], load.cpu_seconds)
     yield c
     c = CounterMetricFamily("renderfleet_redis_commands", "Commands Redis processed")

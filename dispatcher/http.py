@@ -31,9 +31,18 @@ from renderfleet.errors import ConfigError
 from renderfleet.settings import PoolConfig
 
 
-def serve(address: str, source: StatusSource, prices: dict[str, float], token: str | None, *,
-          client: Any = None, store: Any = None, hosts: tuple[str, ...] = (), tls_proxy: bool = False,
-          pools: Mapping[str, PoolConfig] | None = None) -> Endpoint:
+def serve(
+    address: str,
+    source: StatusSource,
+    prices: dict[str, float],
+    token: str | None,
+    *,
+    client: Any = None,
+    store: Any = None,
+    hosts: tuple[str, ...] = (),
+    tls_proxy: bool = False,
+    pools: Mapping[str, PoolConfig] | None = None,
+) -> Endpoint:
     """Start serving in a daemon thread; returns the endpoint (``server_port`` is the bound port).
 
     ``address`` is ``HOST:PORT``; a host off loopback needs a token.  With a

@@ -38,8 +38,8 @@ def short_ids(jobs: Iterable[str], minimum: int = MIN_SHOWN) -> dict[str, str]:
     ordered = sorted(set(jobs))
     out = {}
     for i, job in enumerate(ordered):
-        shared = max((_shared(job, other) for other in ordered[max(0, i - 1):i + 2] if other != job), default=0)
-        out[job] = job[:max(minimum, shared + 1)]
+        shared = max((_shared(job, other) for other in ordered[max(0, i - 1) : i + 2] if other != job), default=0)
+        out[job] = job[: max(minimum, shared + 1)]
     return out
 
 
@@ -71,19 +71,24 @@ def resolve(client: redis.Redis | None, store: Store, text: str) -> str:
     a prefix of none is returned as it is, for the caller's own "no job" error.
     """
     if job_id_problem(text):
-        raise InputError([f"not a job id: {text!r} (job ids are what `submit` printed, or a unique prefix "
-                          "of one that `status` shows)"])
+        raise InputError(
+            [f"not a job id: {text!r} (job ids are what `submit` printed, or a unique prefix of one that `status` shows)"]
+        )
     if client is not None and client.exists(keys.job(text)):
         return text
     if store.exists(spec.spec_key(text)):
         return text
     matches = [job for job in known_jobs(client, store) if job.startswith(text)]
     if len(text) < MIN_PREFIX and matches:
-        raise InputError([f"JOB: {text!r} is too short for a prefix ({len(matches)} job(s) start with it): "
-                          f"give at least {MIN_PREFIX} characters, as `status` shows them"])
+        raise InputError(
+            [
+                f"JOB: {text!r} is too short for a prefix ({len(matches)} job(s) start with it): "
+                f"give at least {MIN_PREFIX} characters, as `status` shows them"
+            ]
+        )
     if len(matches) > 1:
         shown = ", ".join(matches[:CANDIDATES_SHOWN]) + (
-            f" and {len(matches) - CANDIDATES_SHOWN} more" if len(matches) > CANDIDATES_SHOWN else "")
-        raise InputError([f"JOB: {text!r} is ambiguous: {len(matches)} jobs start with it: {shown} "
-                          "(type more of the id)"])
+            f" and {len(matches) - CANDIDATES_SHOWN} more" if len(matches) > CANDIDATES_SHOWN else ""
+        )
+        raise InputError([f"JOB: {text!r} is ambiguous: {len(matches)} jobs start with it: {shown} (type more of the id)"])
     return matches[0] if matches else text

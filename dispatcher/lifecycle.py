@@ -91,13 +91,28 @@ def deleted(client: redis.Redis, job: str) -> JobDeleted | None:
 def forget(client: redis.Redis, job: str, store: str, reason: str) -> int:
     """Every Redis key of the job, its leases and enqueue records, and its membership of
     ``keys.JOBS``, gone; a tombstone kept (``keys.job``).  Returns the leases dropped."""
-    return int(client.register_script(lua_script("forget"))(
-        keys=[keys.job(job), keys.shards(job), keys.attempts(job), keys.INFLIGHT, keys.ENQUEUED,
-              UNACKED_KEY, UNACKED_INDEX_KEY, keys.JOBS, keys.done_bits(job), keys.failed_bits(job),
-              keys.left(job), keys.job_stats(job), keys.progress(job), keys.fails(job), keys.pending(job)],
-        args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, store, reason, keys.TOMBSTONE_SECONDS,
-              keys.ACTIVE_PREFIX],
-    ))
+    return int(
+        client.register_script(lua_script("forget"))(
+            keys=[
+                keys.job(job),
+                keys.shards(job),
+                keys.attempts(job),
+                keys.INFLIGHT,
+                keys.ENQUEUED,
+                UNACKED_KEY,
+                UNACKED_INDEX_KEY,
+                keys.JOBS,
+                keys.done_bits(job),
+                keys.failed_bits(job),
+                keys.left(job),
+                keys.job_stats(job),
+                keys.progress(job),
+                keys.fails(job),
+                keys.pending(job),
+            ],
+            args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, store, reason, keys.TOMBSTONE_SECONDS, keys.ACTIVE_PREFIX],
+        )
+    )
 
 
 def live_leases(client: redis.Redis, job: str) -> list[str]:
@@ -112,8 +127,11 @@ def lease_expiries(client: redis.Redis, job: str) -> dict[str, float]:
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     prefix = f"{job}:"
     live = client.zrangebyscore(keys.INFLIGHT, f"({now_ms}", "+inf", withscores=True)
-    return {m: (float(score) - now_ms) / 1000 for m, score in ((keys.text(x), score) for x, score in live)  # type: ignore[str-unpack]
-            if m.startswith(prefix)}
+    return {
+        m: (float(score) - now_ms) / 1000
+        for m, score in ((keys.text(x), score) for x, score in live)  # type: ignore[str-unpack]
+        if m.startswith(prefix)
+    }
 
 
 # ---- the commands --------------------------------------------------------------------------
@@ -129,8 +147,9 @@ def cancel(job: str, *, store: Store, client: redis.Redis, app: Celery) -> Cance
     if not store.exists(spec.spec_key(job)):
         raise JobNotFound(f"no job {job} in store {store.url}")
     at = _now_text()
-    store.put(spec.cancelled_key(job), json.dumps({"job": job, "cancelled": int(at)}).encode(),
-              content_type="application/json")
+    store.put(
+        spec.cancelled_key(job), json.dumps({"job": job, "cancelled": int(at)}).encode(), content_type="application/json"
+    )
     if not client.exists(keys.job(job)):
         # Redis forgot it: registered again, its counts rebuilt from the store, nothing queued.
         from dispatcher.resume import resume  # resume reads the marker through this module
@@ -139,9 +158,15 @@ def cancel(job: str, *, store: Store, client: redis.Redis, app: Celery) -> Cance
     return _cancel(client, job, fence=False, when=at)
 
 
-def delete(job: str, *, store: Store, client: redis.Redis, lease_seconds: float,
-           on_wait: Callable[[int, float], None] | None = None, settle_seconds: float = SETTLE_SECONDS,
-           ) -> DeleteReport:
+def delete(
+    job: str,
+    *,
+    store: Store,
+    client: redis.Redis,
+    lease_seconds: float,
+    on_wait: Callable[[int, float], None] | None = None,
+    settle_seconds: float = SETTLE_SECONDS,
+) -> DeleteReport:
     """Cancel the job, fence its leased shards, wait for their leases to lapse, empty its
     folder in the store (twice), then forget it in Redis but for a tombstone.
 
@@ -158,8 +183,11 @@ def delete(job: str, *, store: Store, client: redis.Redis, lease_seconds: float,
         raise tombstone or JobNotFound(f"no job {job} in store {store.url} nor in Redis")
     if has_spec:
         # Should the delete stop half-way, what is left stays cancelled.
-        store.put(spec.cancelled_key(job), json.dumps({"job": job, "cancelled": int(time.time())}).encode(),
-                  content_type="application/json")
+        store.put(
+            spec.cancelled_key(job),
+            json.dumps({"job": job, "cancelled": int(time.time())}).encode(),
+            content_type="application/json",
+        )
     # 1. Cancel, every leased shard fenced: its holder writes nothing more once it knows.
     counts = _cancel(client, job, fence=True) if known else Cancelled()
     # 2. Until no lease of the job is live: a fenced holder's next heartbeat stops its renewals.  As
@@ -246,7 +274,12 @@ def retire_gone(client: redis.Redis, store: Store, jobs: list[str]) -> list[str]
             log.warning("cannot check the jobs of store %s now: %s", store.url, exc)
             return retired
         counts = retire(client, job, owner)
-        log.warning("job %s: its spec is gone from store %s: retired (%d queued messages dropped, "
-                    "%d leased shards fenced)", job, store.url, counts.removed, counts.leased)
+        log.warning(
+            "job %s: its spec is gone from store %s: retired (%d queued messages dropped, %d leased shards fenced)",
+            job,
+            store.url,
+            counts.removed,
+            counts.leased,
+        )
         retired.append(job)
     return retired

@@ -98,8 +98,16 @@ class StopSignals:
             raise Interrupted(self.received)
 
 
-def start_workers(n: int, *, env: dict[str, str], pool: str, model: str, log_dir: Path,
-                  procs: list[subprocess.Popen[bytes]], signals: StopSignals | None = None) -> None:
+def start_workers(
+    n: int,
+    *,
+    env: dict[str, str],
+    pool: str,
+    model: str,
+    log_dir: Path,
+    procs: list[subprocess.Popen[bytes]],
+    signals: StopSignals | None = None,
+) -> None:
     """Start ``n`` workers, each kept in ``procs`` before a signal can interrupt (``signals.held``)."""
     log_dir.mkdir(parents=True, exist_ok=True)  # one folder per run: two runs never share a log
     # Workers sharing one machine's CPU: split the cores instead of each torch
@@ -109,9 +117,16 @@ def start_workers(n: int, *, env: dict[str, str], pool: str, model: str, log_dir
     for i in range(n):
         with signals.held() if signals else contextlib.nullcontext():
             log = open(log_dir / f"worker-{i}.log", "wb")  # noqa: SIM115 - lives as long as the worker
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "renderfleet", "worker", "--pool", pool, "--model", model],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "renderfleet", "worker", "--pool", pool, "--model", model],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
 
 
 def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> list[int]:
@@ -133,21 +148,37 @@ def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) ->
     return killed
 
 
-def run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeout: float,
-              submit: Callable[[Path, Any, Settings, Any], Any]) -> int:
+def run_local(
+    file: Path,
+    opts: Any,
+    settings: Settings,
+    *,
+    workers: int,
+    timeout: float,
+    submit: Callable[[Path, Any, Settings, Any], Any],
+) -> int:
     """``renderfleet run``; returns its exit status (128 + the signal's number when one stopped it)."""
     with StopSignals() as signals:
         try:
             return _run_local(file, opts, settings, workers=workers, timeout=timeout, submit=submit, signals=signals)
         except KeyboardInterrupt as exc:  # before any worker started
             signo = exc.signo if isinstance(exc, Interrupted) else signal.SIGINT
-            Console(stderr=True).print(f"[yellow]interrupted by {signal.Signals(signo).name}: no worker started[/]",
-                                       soft_wrap=True)
+            Console(stderr=True).print(
+                f"[yellow]interrupted by {signal.Signals(signo).name}: no worker started[/]", soft_wrap=True
+            )
             return 128 + signo
 
 
-def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeout: float,
-               submit: Callable[[Path, Any, Settings, Any], Any], signals: StopSignals) -> int:
+def _run_local(
+    file: Path,
+    opts: Any,
+    settings: Settings,
+    *,
+    workers: int,
+    timeout: float,
+    submit: Callable[[Path, Any, Settings, Any], Any],
+    signals: StopSignals,
+) -> int:
     console = Console(stderr=True)
     from renderfleet import prompts
 
@@ -163,8 +194,9 @@ def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeo
     procs: list[subprocess.Popen[bytes]] = []
     grace = settings.sigterm_grace_seconds + LEAVE_SECONDS  # the workers share our environment, so our grace
     try:
-        start_workers(workers, env=env, pool=opts.pool, model=opts.params.model, log_dir=log_dir, procs=procs,
-                      signals=signals)
+        start_workers(
+            workers, env=env, pool=opts.pool, model=opts.params.model, log_dir=log_dir, procs=procs, signals=signals
+        )
         result = submit(file, opts, settings, summary)
         from renderfleet.celery_app import make_app
         from renderfleet.redisconn import client as redis_client
@@ -174,13 +206,18 @@ def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeo
         monitor = Monitor(settings, make_app(url), client, store)
         # What was done before this run (a resubmitted job) is not this run's speed.
         done_before = job_status(client, result.id, store=store).done
-        with Progress(TextColumn("[bold]{task.description}"), JobBar(), JobCounts(),
-                      TimeElapsedColumn(), console=console) as bar:
+        with Progress(
+            TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn(), console=console
+        ) as bar:
             task = bar.add_task(f"job {result.id}", total=result.total, done=0, quarantined=0)
             while True:
                 job_state = job_status(client, result.id, store=store)
-                bar.update(task, completed=job_state.done + job_state.quarantined, done=job_state.done,
-                           quarantined=job_state.quarantined)
+                bar.update(
+                    task,
+                    completed=job_state.done + job_state.quarantined,
+                    done=job_state.done,
+                    quarantined=job_state.quarantined,
+                )
                 if job_state.finished:
                     break
                 if all(p.poll() is not None for p in procs):
@@ -198,8 +235,11 @@ def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeo
         what = f"{len(procs)} worker(s) stopped, their shards handed back"
         if killed:
             what += f" ({len(killed)} killed after {grace:.0f} s: their shards come back when their leases expire)"
-        console.print(f"[yellow]interrupted by {signal.Signals(signo).name}: {what}; "
-                      "run the same command again: only the missing images render[/]", soft_wrap=True)  # one line
+        console.print(
+            f"[yellow]interrupted by {signal.Signals(signo).name}: {what}; "
+            "run the same command again: only the missing images render[/]",
+            soft_wrap=True,
+        )  # one line
         return 128 + signo
     finally:
         signals.quiet()  # a signal now does not cut the workers' stop short: it is bounded by their grace
@@ -207,9 +247,11 @@ def _run_local(file: Path, opts: Any, settings: Settings, *, workers: int, timeo
     elapsed = time.monotonic() - started
     where = store.locate(f"{spec.job_prefix(result.id)}images")
     rendered = max(0, job_state.done - done_before)
-    console.print(f"job {result.id}: {job_state.done} images ({rendered} rendered by this run), "
-                  f"{job_state.quarantined} quarantined, "
-                  f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)")
+    console.print(
+        f"job {result.id}: {job_state.done} images ({rendered} rendered by this run), "
+        f"{job_state.quarantined} quarantined, "
+        f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)"
+    )
     console.print(f"images: {where}")
     print(where)
     return 0 if job_state.quarantined == 0 else 1

@@ -25,9 +25,30 @@ from renderfleet.errors import InputError
 from renderfleet.spec import Prompt
 from renderfleet.store import Store
 
-COLUMNS = ("index", "id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model",
-           "scheduler", "image_format", "image", "status", "error", "shard_attempts", "pool", "bytes", "loras",
-           "revision", "variant", "model_digest")
+COLUMNS = (
+    "index",
+    "id",
+    "prompt",
+    "negative_prompt",
+    "seed",
+    "steps",
+    "guidance",
+    "width",
+    "height",
+    "model",
+    "scheduler",
+    "image_format",
+    "image",
+    "status",
+    "error",
+    "shard_attempts",
+    "pool",
+    "bytes",
+    "loras",
+    "revision",
+    "variant",
+    "model_digest",
+)
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 BATCH_ROWS = 10_000
 # A CSV cell starting with one of these is read by Excel, LibreOffice or Sheets as a formula.
@@ -48,8 +69,12 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
     sizes = {name: size for name, (_, size) in listed.items()}
     params = job_spec.params
     # The job's weights, as its images' metadata records them: LoRAs as JSON [[source, scale], ...].
-    weights = {"loras": json.dumps([list(lora) for lora in params.loras], ensure_ascii=False) if params.loras else "",
-               "revision": params.revision, "variant": params.variant, "model_digest": params.model_digest}
+    weights = {
+        "loras": json.dumps([list(lora) for lora in params.loras], ensure_ascii=False) if params.loras else "",
+        "revision": params.revision,
+        "variant": params.variant,
+        "model_digest": params.model_digest,
+    }
     quarantined = stored_names(store, job, "quarantine") - set(images)
     for index, (name, line) in enumerate(stored_prompts(store, job_spec)):
         p = Prompt.from_wire(index, json.loads(line), job_spec.params)
@@ -61,12 +86,27 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
             status, image, error = "quarantined", "", json.loads(record)["error"] if record else "quarantined"
         else:
             status, image = "missing", ""
-        yield {"index": p.index, "id": p.name, "prompt": p.prompt, "negative_prompt": p.negative_prompt,
-               "seed": p.seed, "steps": p.steps, "guidance": p.guidance, "width": p.width, "height": p.height,
-               "model": job_spec.params.model, "scheduler": p.scheduler, "image_format": job_spec.params.image_format,
-               "image": image, "status": status, "error": error,
-               "shard_attempts": None if attempts is None else attempts.get(p.index // job_spec.shard_size, 0),
-               "pool": job_spec.pool, "bytes": sizes.get(name) if status == "done" else None, **weights}
+        yield {
+            "index": p.index,
+            "id": p.name,
+            "prompt": p.prompt,
+            "negative_prompt": p.negative_prompt,
+            "seed": p.seed,
+            "steps": p.steps,
+            "guidance": p.guidance,
+            "width": p.width,
+            "height": p.height,
+            "model": job_spec.params.model,
+            "scheduler": p.scheduler,
+            "image_format": job_spec.params.image_format,
+            "image": image,
+            "status": status,
+            "error": error,
+            "shard_attempts": None if attempts is None else attempts.get(p.index // job_spec.shard_size, 0),
+            "pool": job_spec.pool,
+            "bytes": sizes.get(name) if status == "done" else None,
+            **weights,
+        }
 
 
 def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:
@@ -114,14 +154,32 @@ def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([("index", pa.int64()), ("id", pa.string()), ("prompt", pa.string()),
-                        ("negative_prompt", pa.string()), ("seed", pa.int64()), ("steps", pa.int32()),
-                        ("guidance", pa.float64()), ("width", pa.int32()), ("height", pa.int32()),
-                        ("model", pa.string()), ("scheduler", pa.string()), ("image_format", pa.string()),
-                        ("image", pa.string()), ("status", pa.string()),
-                        ("error", pa.string()), ("shard_attempts", pa.int32()), ("pool", pa.string()),
-                        ("bytes", pa.int64()), ("loras", pa.string()), ("revision", pa.string()),
-                        ("variant", pa.string()), ("model_digest", pa.string())])
+    schema = pa.schema(
+        [
+            ("index", pa.int64()),
+            ("id", pa.string()),
+            ("prompt", pa.string()),
+            ("negative_prompt", pa.string()),
+            ("seed", pa.int64()),
+            ("steps", pa.int32()),
+            ("guidance", pa.float64()),
+            ("width", pa.int32()),
+            ("height", pa.int32()),
+            ("model", pa.string()),
+            ("scheduler", pa.string()),
+            ("image_format", pa.string()),
+            ("image", pa.string()),
+            ("status", pa.string()),
+            ("error", pa.string()),
+            ("shard_attempts", pa.int32()),
+            ("pool", pa.string()),
+            ("bytes", pa.int64()),
+            ("loras", pa.string()),
+            ("revision", pa.string()),
+            ("variant", pa.string()),
+            ("model_digest", pa.string()),
+        ]
+    )
     count = 0
     with pq.ParquetWriter(str(path), schema) as writer:
         batch: list[dict[str, Any]] = []

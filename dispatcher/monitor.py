@@ -104,8 +104,9 @@ class Monitor:
             if job_state.finished and job_state.known_to_redis:
                 finished.append((job, job_state.done))
             # A cancelled job has nothing queued or running on purpose: never resumed for that.
-            stalled = not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 \
-                and job_state.cancelled is None
+            stalled = (
+                not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 and job_state.cancelled is None
+            )
             confirmed = stalled and job in self.stalled
             if stalled and not confirmed:
                 self.stalled.add(job)
@@ -146,8 +147,12 @@ class Monitor:
         seen = raw.decode() if isinstance(raw, bytes) else raw
         if seen is None or seen == replid:
             return False
-        log.warning("Redis is a new primary (replication id %s, was %s: a failover or a restart): writes the "
-                    "old one acknowledged may be lost; resuming every job with work left from the store", replid, seen)
+        log.warning(
+            "Redis is a new primary (replication id %s, was %s: a failover or a restart): writes the "
+            "old one acknowledged may be lost; resuming every job with work left from the store",
+            replid,
+            seen,
+        )
         # What the last passes saw of the old primary is no evidence about this one.
         self.suspects.clear()
         self.stalled.clear()
@@ -167,8 +172,12 @@ class Monitor:
         except (JobNotFound, InputError, StoreError, OSError) as exc:
             log.warning("job %s: cannot check it against the store now: %s", job, exc)
             return []
-        log.warning("job %s: %d counted images are gone from the store: %d shards enqueued to render them again",
-                    job, report.uncounted, report.shards_enqueued)
+        log.warning(
+            "job %s: %d counted images are gone from the store: %d shards enqueued to render them again",
+            job,
+            report.uncounted,
+            report.shards_enqueued,
+        )
         return [job]
 
     def retire(self) -> list[str]:
@@ -204,8 +213,13 @@ class Monitor:
             except (StoreError, OSError) as exc:
                 log.warning("job %s: cannot resume now: %s", job, exc)
                 continue
-            log.warning("job %s found in the store, unknown to Redis: resumed, %d/%d done, %d shards enqueued",
-                        job, report.done, report.total, report.shards_enqueued)
+            log.warning(
+                "job %s found in the store, unknown to Redis: resumed, %d/%d done, %d shards enqueued",
+                job,
+                report.done,
+                report.total,
+                report.shards_enqueued,
+            )
             adopted.append(job)
         return adopted
 
@@ -234,14 +248,17 @@ class Monitor:
         for job, shards in sorted(lost.items()):
             try:
                 # At the front: their turn has come and gone.
-                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True,
-                                lost=True)
+                report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True, lost=True)
             except (JobNotFound, StoreError, OSError) as exc:
                 log.warning("job %s: cannot re-queue lost shards %s now: %s", job, sorted(shards), exc)
                 continue
             requeued[job] = report.shards_enqueued
-            log.warning("job %s: shards %s were lost between a queue and a claim: %d re-queued",
-                        job, sorted(shards), report.shards_enqueued)
+            log.warning(
+                "job %s: shards %s were lost between a queue and a claim: %d re-queued",
+                job,
+                sorted(shards),
+                report.shards_enqueued,
+            )
         return requeued
 
     def run_forever(self) -> None:

@@ -72,8 +72,9 @@ class PoolState:
         return self.config.price_per_hour / 3600.0 / self.rate
 
 
-def recent_lost_fraction(buckets: Mapping[int, Mapping[str, int]], now: float, window_seconds: float,
-                         bucket_seconds: float) -> float:
+def recent_lost_fraction(
+    buckets: Mapping[int, Mapping[str, int]], now: float, window_seconds: float, bucket_seconds: float
+) -> float:
     """The share (0..1) of the images a pool started in the last ``window_seconds``
     that were thrown away (batches abandoned at a reclaim, or fenced); 0 when it
     started none.
@@ -103,8 +104,13 @@ class Decision:
         return self.desired - self.current
 
 
-def decide(backlog_seconds: float, pools: Sequence[PoolState], cfg: AutoscaleConfig, now: float,
-           redis_room: tuple[int, str] | None = None) -> list[Decision]:
+def decide(
+    backlog_seconds: float,
+    pools: Sequence[PoolState],
+    cfg: AutoscaleConfig,
+    now: float,
+    redis_room: tuple[int, str] | None = None,
+) -> list[Decision]:
     """Each pool's desired size, and why (in words); pure, no I/O.  ``redis_room``: how many workers
     more the fleet's Redis takes, and why no more (rule 7); None: no limit of Redis is near."""
     targets, why = _targets(max(backlog_seconds, 0.0), pools, cfg, now)
@@ -126,8 +132,9 @@ def _within_room(decisions: list[Decision], pools: Sequence[PoolState], room: in
         allowed = min(d.change, max(room, 0))
         room -= allowed
         if allowed < d.change:
-            capped[d.pool] = Decision(d.pool, d.current, d.current + allowed,
-                                      f"{d.current + allowed}, not {d.desired}: {limit} ({d.reason})")
+            capped[d.pool] = Decision(
+                d.pool, d.current, d.current + allowed, f"{d.current + allowed}, not {d.desired}: {limit} ({d.reason})"
+            )
     return [capped.get(d.pool, d) for d in decisions]
 
 
@@ -141,8 +148,9 @@ def _starved(pool: PoolState, cfg: AutoscaleConfig, now: float) -> bool:
     return pool.no_capacity or (waited and pool.ready < pool.current)
 
 
-def _targets(backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig,
-             now: float) -> tuple[dict[str, int], dict[str, str]]:
+def _targets(
+    backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig, now: float
+) -> tuple[dict[str, int], dict[str, str]]:
     """Sizes the backlog asks for, before the scale-in rules."""
     targets = {p.name: p.config.min for p in pools}
     why = {p.name: f"the floor: min {p.config.min}" for p in pools}
@@ -158,9 +166,11 @@ def _targets(backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig,
     cold = max((_cold_start(p, cfg) for p in spot), default=cfg.cold_start_seconds)
     if warm > 0 and backlog / warm <= COLD_STARTS_NOT_WORTH_WAKING * cold:
         for p in pools:
-            why[p.name] = (f"the {warm:.1f} workers' worth warm in the fleet clear {backlog:.0f} s of work in "
-                           f"{backlog / warm:.0f} s, under {COLD_STARTS_NOT_WORTH_WAKING:.0f} cold starts "
-                           f"({cold:.0f} s each): nothing new woken")
+            why[p.name] = (
+                f"the {warm:.1f} workers' worth warm in the fleet clear {backlog:.0f} s of work in "
+                f"{backlog / warm:.0f} s, under {COLD_STARTS_NOT_WORTH_WAKING:.0f} cold starts "
+                f"({cold:.0f} s each): nothing new woken"
+            )
         return targets, why
 
     # Rules 1-2: the floor's rate, then the overflow to spot, cheapest per image first.
@@ -175,11 +185,17 @@ def _targets(backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig,
         n = max(p.config.min, min(cap, math.ceil(missing / p.rate - 1e-9)))
         targets[p.name] = n
         missing -= (n - p.config.min) * p.rate
-        why[p.name] = (f"backlog {backlog:.0f} s of work, to clear in {cfg.drain_seconds:.0f} s needs "
-                       f"{needed:.2f} workers' worth; {n} here at {p.config.price_per_hour:g}/h"
-                       + (f" (each counted at {p.rate / max(p.speed, 1e-6):.0%}: recent reclaims threw away "
-                          f"{p.lost_fraction:.0%} of its work)" if p.lost_fraction > 0 else "")
-                       + (" (no capacity: capped at what came up)" if cap < p.config.max else ""))
+        why[p.name] = (
+            f"backlog {backlog:.0f} s of work, to clear in {cfg.drain_seconds:.0f} s needs "
+            f"{needed:.2f} workers' worth; {n} here at {p.config.price_per_hour:g}/h"
+            + (
+                f" (each counted at {p.rate / max(p.speed, 1e-6):.0%}: recent reclaims threw away "
+                f"{p.lost_fraction:.0%} of its work)"
+                if p.lost_fraction > 0
+                else ""
+            )
+            + (" (no capacity: capped at what came up)" if cap < p.config.max else "")
+        )
     # Rule 5: what spot cannot give, the baseline does, up to its max.
     for p in sorted(base, key=lambda p: p.cost_per_work_second):
         if missing <= 0:
@@ -191,16 +207,25 @@ def _targets(backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig,
     return targets, why
 
 
-def _apply_scale_in_rules(backlog: float, pools: Sequence[PoolState], targets: dict[str, int],
-                          why: dict[str, str], cfg: AutoscaleConfig, now: float) -> list[Decision]:
+def _apply_scale_in_rules(
+    backlog: float,
+    pools: Sequence[PoolState],
+    targets: dict[str, int],
+    why: dict[str, str],
+    cfg: AutoscaleConfig,
+    now: float,
+) -> list[Decision]:
     rate = sum(p.current * p.rate for p in pools)
     spot_above_min = any(p.is_spot and p.current > p.config.min for p in pools)
     out = []
     for p in pools:
         target = targets[p.name]
         if target >= p.current:
-            out.append(Decision(p.name, p.current, target, why[p.name] if target > p.current else
-                                f"keeps {p.current}: " + why[p.name]))
+            out.append(
+                Decision(
+                    p.name, p.current, target, why[p.name] if target > p.current else f"keeps {p.current}: " + why[p.name]
+                )
+            )
             continue
         # Rule 6: one step, after the cool-down, spot first, with hysteresis.
         if p.current <= p.config.min:
@@ -215,9 +240,14 @@ def _apply_scale_in_rules(backlog: float, pools: Sequence[PoolState], targets: d
             continue
         after = rate - p.rate
         if backlog > 0 and (after <= 0 or backlog / after > cfg.scale_in_margin * cfg.drain_seconds):
-            out.append(Decision(p.name, p.current, p.current,
-                                f"keeps {p.current}: one fewer would not clear the backlog well within "
-                                f"{cfg.drain_seconds:.0f} s"))
+            out.append(
+                Decision(
+                    p.name,
+                    p.current,
+                    p.current,
+                    f"keeps {p.current}: one fewer would not clear the backlog well within {cfg.drain_seconds:.0f} s",
+                )
+            )
             continue
         out.append(Decision(p.name, p.current, p.current - 1, "one step in: " + why[p.name]))
         rate = after

@@ -41,7 +41,7 @@ CONNECTION_BYTES = 32 * 1024  # what Redis 7 counts a connection's buffers as, a
 KEEP_SECONDS = 5.0  # a reading is kept when the last kept one is at least this old
 MIN_WINDOW = 1.0  # a share over less than this many seconds is not given (noise)
 MAX_WINDOW = 900.0  # nor over more (an average that old says little of now)
-WHERE = "docs/deployment.md, \"How many workers one Redis carries\""
+WHERE = 'docs/deployment.md, "How many workers one Redis carries"'
 
 
 @dataclass
@@ -67,18 +67,34 @@ class RedisLoad:
         out: list[tuple[int | None, bool, str]] = []
         if self.cpu_share is not None:
             past = self.cpu_share >= BUSY
-            out.append((0 if past else None, past, f"Redis's main thread is at {self.cpu_share:.0%} of a core: "
-                        f"past {BUSY:.0%} the fleet's round trips queue, and a worker more slows every one"))
+            out.append(
+                (
+                    0 if past else None,
+                    past,
+                    f"Redis's main thread is at {self.cpu_share:.0%} of a core: "
+                    f"past {BUSY:.0%} the fleet's round trips queue, and a worker more slows every one",
+                )
+            )
         if self.maxclients:
             room = int((BUSY * self.maxclients - self.clients) // CONNECTIONS_PER_WORKER)
-            out.append((max(0, room), self.clients >= BUSY * self.maxclients,
-                        f"Redis has {self.clients:,} of its {self.maxclients:,} clients, about "
-                        f"{CONNECTIONS_PER_WORKER} a worker: past maxclients the next worker is refused"))
+            out.append(
+                (
+                    max(0, room),
+                    self.clients >= BUSY * self.maxclients,
+                    f"Redis has {self.clients:,} of its {self.maxclients:,} clients, about "
+                    f"{CONNECTIONS_PER_WORKER} a worker: past maxclients the next worker is refused",
+                )
+            )
         if self.maxmemory:
             room = int((BUSY * self.maxmemory - self.used_memory) // (CONNECTIONS_PER_WORKER * CONNECTION_BYTES))
-            out.append((max(0, room), self.used_memory >= BUSY * self.maxmemory,
-                        f"Redis uses {self.used_memory / 2**20:,.0f} MiB of its maxmemory "
-                        f"{self.maxmemory / 2**20:,.0f} MiB: when full it refuses writes"))
+            out.append(
+                (
+                    max(0, room),
+                    self.used_memory >= BUSY * self.maxmemory,
+                    f"Redis uses {self.used_memory / 2**20:,.0f} MiB of its maxmemory "
+                    f"{self.maxmemory / 2**20:,.0f} MiB: when full it refuses writes",
+                )
+            )
         return out
 
     def warnings(self) -> list[str]:
@@ -87,18 +103,30 @@ class RedisLoad:
 
     def summary(self) -> str:
         """One line: the share of a core, clients, commands a second, memory."""
-        cpu = (f"{self.cpu_share:.0%} of a core (last {self.cpu_window:.0f} s)"
-               if self.cpu_share is not None and self.cpu_window is not None else "CPU share not known yet")
+        cpu = (
+            f"{self.cpu_share:.0%} of a core (last {self.cpu_window:.0f} s)"
+            if self.cpu_share is not None and self.cpu_window is not None
+            else "CPU share not known yet"
+        )
         limit = f"{self.maxmemory / 2**20:,.0f} MiB" if self.maxmemory else "no maxmemory"
-        return (f"redis: {cpu}, {self.clients:,} of {self.maxclients:,} clients, {self.ops_per_second:,} commands/s, "
-                f"{self.used_memory / 2**20:,.0f} MiB used ({limit})")
+        return (
+            f"redis: {cpu}, {self.clients:,} of {self.maxclients:,} clients, {self.ops_per_second:,} commands/s, "
+            f"{self.used_memory / 2**20:,.0f} MiB used ({limit})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu_seconds": round(self.cpu_seconds, 3), "cpu_share": None if self.cpu_share is None else
-                round(self.cpu_share, 4), "cpu_window_seconds": None if self.cpu_window is None else
-                round(self.cpu_window, 3), "commands": self.commands, "clients": self.clients,
-                "maxclients": self.maxclients, "used_memory": self.used_memory, "maxmemory": self.maxmemory,
-                "ops_per_second": self.ops_per_second, "warnings": self.warnings()}
+        return {
+            "cpu_seconds": round(self.cpu_seconds, 3),
+            "cpu_share": None if self.cpu_share is None else round(self.cpu_share, 4),
+            "cpu_window_seconds": None if self.cpu_window is None else round(self.cpu_window, 3),
+            "commands": self.commands,
+            "clients": self.clients,
+            "maxclients": self.maxclients,
+            "used_memory": self.used_memory,
+            "maxmemory": self.maxmemory,
+            "ops_per_second": self.ops_per_second,
+            "warnings": self.warnings(),
+        }
 
 
 def main_thread_cpu(info: dict[str, Any]) -> float:
@@ -144,10 +172,14 @@ def redis_load(client: redis.Redis) -> RedisLoad | None:
         now = float(secs) + float(micros) / 1e6
         cpu = main_thread_cpu(info)
         load = RedisLoad(
-            cpu_seconds=cpu, commands=int(info.get("total_commands_processed", 0)),
-            clients=int(info.get("connected_clients", 0)), maxclients=_maxclients(client, info),
-            used_memory=int(info.get("used_memory", 0)), maxmemory=int(info.get("maxmemory", 0)),
-            ops_per_second=int(info.get("instantaneous_ops_per_sec", 0)))
+            cpu_seconds=cpu,
+            commands=int(info.get("total_commands_processed", 0)),
+            clients=int(info.get("connected_clients", 0)),
+            maxclients=_maxclients(client, info),
+            used_memory=int(info.get("used_memory", 0)),
+            maxmemory=int(info.get("maxmemory", 0)),
+            ops_per_second=int(info.get("instantaneous_ops_per_sec", 0)),
+        )
     except redis.ResponseError:
         return None
     except (TypeError, ValueError, AttributeError) as exc:  # a Redis-like server whose INFO says otherwise

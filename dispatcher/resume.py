@@ -85,15 +85,18 @@ def jobs_only_in_store(client: redis.Redis, store: Store) -> list[str]:
 def stored_images(store: Store, job: str) -> dict[str, str]:
     """The job's stored images: name -> key, in whichever format each was rendered (one listing)."""
     prefix = spec.images_prefix(job)
-    return {name: key for key in store.list(prefix) if (name := spec.image_name(key[len(prefix):])) is not None}
+    return {name: key for key in store.list(prefix) if (name := spec.image_name(key[len(prefix) :])) is not None}
 
 
 def stored_image_listing(store: Store, job: str, limit: int | None = None) -> dict[str, tuple[str, int]]:
     """The job's stored images: name -> (key, size in bytes), as the store lists them (one listing;
     ``limit``: the first so many keys listed, a page of S3's, for a sample)."""
     prefix = spec.images_prefix(job)
-    return {name: (key, size) for key, size in itertools.islice(store.sized(prefix), limit)
-            if (name := spec.image_name(key[len(prefix):])) is not None}
+    return {
+        name: (key, size)
+        for key, size in itertools.islice(store.sized(prefix), limit)
+        if (name := spec.image_name(key[len(prefix) :])) is not None
+    }
 
 
 def stored_image_sizes(store: Store, job: str, limit: int | None = None) -> dict[str, int]:
@@ -121,7 +124,7 @@ def stored_names(store: Store, job: str, what: str) -> set[str]:
     """Names of the job's images (``what='images'``) or quarantined prompts."""
     prefix = f"{spec.job_prefix(job)}{what}/"
     if what == "images":  # any image format's extension (spec.image_name)
-        return {name for key in store.list(prefix) if (name := spec.image_name(key[len(prefix):])) is not None}
+        return {name for key in store.list(prefix) if (name := spec.image_name(key[len(prefix) :])) is not None}
     return {key[len(prefix) : -len(".json")] for key in store.list(prefix) if key.endswith(".json")}
 
 
@@ -139,10 +142,22 @@ def _bit(bitmap: bytes, i: int) -> bool:
     return i >> 3 < len(bitmap) and bool(bitmap[i >> 3] >> (7 - (i & 7)) & 1)
 
 
-def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: str | None = None,
-           only: set[int] | None = None, front: bool = False, lost: bool = False,
-           push: bool = True, uncancel: bool = False, priority: int | None = None,
-           share: int | None = None, names: list[str] | None = None) -> ResumeReport:
+def resume(
+    job: str,
+    *,
+    store: Store,
+    app: Celery,
+    client: redis.Redis,
+    queue: str | None = None,
+    only: set[int] | None = None,
+    front: bool = False,
+    lost: bool = False,
+    push: bool = True,
+    uncancel: bool = False,
+    priority: int | None = None,
+    share: int | None = None,
+    names: list[str] | None = None,
+) -> ResumeReport:
     """Correct Redis's counts of ``job`` (or of its shards ``only``) to the store, and
     enqueue every shard with a prompt the store does not hold that is in no queue,
     not leased and not finished.
@@ -215,8 +230,7 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
                 if only is None or shard in only:
                     text = "".join(marks)
                     missing += text.count("-")
-                    yield WireShard(shard, text.count("-") + text.count("?"), marks=text,
-                                    start=shard * job_spec.shard_size)
+                    yield WireShard(shard, text.count("-") + text.count("?"), marks=text, start=shard * job_spec.shard_size)
                 shard += 1
                 current, marks = [], []
 
@@ -229,9 +243,21 @@ def resume(job: str, *, store: Store, app: Celery, client: redis.Redis, queue: s
             listed: Iterable[WireShard] = cut
         else:
             listed = shards()
-        sent = enqueue.publish_shards(app, client, job_spec, queue, listed, store=owner, front=front, force=lost,
-                                      push=push, park=held is not None, pending=not (front or lost),
-                                      priority=priority, share=share)
+        sent = enqueue.publish_shards(
+            app,
+            client,
+            job_spec,
+            queue,
+            listed,
+            store=owner,
+            front=front,
+            force=lost,
+            push=push,
+            park=held is not None,
+            pending=not (front or lost),
+            priority=priority,
+            share=share,
+        )
     finally:
         if wire_out is not None:
             wire_out.close()

@@ -35,15 +35,26 @@ def served_pools(info: dict[str, Any]) -> list[str]:
 LOADING = "loading"  # worker.loading.LOADING: a registration's "state" while its worker loads (no worker import here)
 
 
-def live_servers(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], queue: str,
-                 max_age: float, now: float | None = None, *, loading: bool = False) -> list[str]:
+def live_servers(
+    client: redis.Redis,
+    store: Store,
+    workers: dict[str, dict[str, Any]],
+    queue: str,
+    max_age: float,
+    now: float | None = None,
+    *,
+    loading: bool = False,
+) -> list[str]:
     """The ids of ``workers`` (the registrations of the workers of ``store``: ``dispatcher.status.store_workers``)
     serving ``queue`` whose last touch is under ``max_age`` s old: those loaded, or with ``loading`` those still
     loading their model."""
     now = time.time() if now is None else now
-    candidates = [wid for wid, info in workers.items()
-                  if (info.get("state") == LOADING) == loading
-                  and queue in (queue_name(pool, store.url) for pool in served_pools(info))]
+    candidates = [
+        wid
+        for wid, info in workers.items()
+        if (info.get("state") == LOADING) == loading
+        and queue in (queue_name(pool, store.url) for pool in served_pools(info))
+    ]
     if not candidates:
         return []
     pipe = client.pipeline(transaction=False)
@@ -67,18 +78,23 @@ def job_queue(client: redis.Redis, job: str) -> str | None:
 def no_worker_message(job: str, queue: str) -> str:
     """What a waiter is told: which queue, and how to serve it."""
     pool = queue.split(".")[1] if queue.count(".") >= 2 else queue
-    return (f"job {job}: no live worker serves its queue {queue} (pool {pool!r} of this store): start one with "
-            f"`renderfleet worker --pool {pool}` against the same RENDERFLEET_REDIS_URL and RENDERFLEET_STORE")
+    return (
+        f"job {job}: no live worker serves its queue {queue} (pool {pool!r} of this store): start one with "
+        f"`renderfleet worker --pool {pool}` against the same RENDERFLEET_REDIS_URL and RENDERFLEET_STORE"
+    )
 
 
 def loading_message(job: str, queue: str, workers: int) -> str:
     """What a waiter is told while the only workers of the job's queue are loading their model."""
-    return (f"job {job}: {'a worker is' if workers == 1 else f'{workers} workers are'} loading its model for "
-            f"its queue {queue}: shards are taken once it is loaded")
+    return (
+        f"job {job}: {'a worker is' if workers == 1 else f'{workers} workers are'} loading its model for "
+        f"its queue {queue}: shards are taken once it is loaded"
+    )
 
 
-def unserved(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str,
-             max_age: float) -> tuple[str, str] | None:
+def unserved(
+    client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str, max_age: float
+) -> tuple[str, str] | None:
     """Why no loaded worker takes the job's shards now, if none does: ("loading", message) while
     workers of its queue load their model, ("none", message) when no live worker serves it.  None
     when one does, or when Redis does not know the job (lost, or a store-only job): nothing to say."""

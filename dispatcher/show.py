@@ -74,8 +74,13 @@ class JobBar(ProgressColumn):
 
     def render(self, task: Task) -> Text:
         total = int(task.total or 0)
-        return bar(int(task.fields.get("done", task.completed)), int(task.fields.get("quarantined", 0)), total,
-                   self.width, plain=False)
+        return bar(
+            int(task.fields.get("done", task.completed)),
+            int(task.fields.get("quarantined", 0)),
+            total,
+            self.width,
+            plain=False,
+        )
 
 
 class JobCounts(ProgressColumn):
@@ -105,8 +110,13 @@ def _table(title: str, columns: Sequence[Column], rows: list[list[str | Text]]) 
     table = Table(title=title, box=None, pad_edge=False, title_justify="left", title_style="bold")
     for col in columns:
         # no_wrap and never cut: a column that does not fit is dropped instead (fitted)
-        table.add_column(col.header, justify=col.justify, no_wrap=True, overflow="fold",  # type: ignore[arg-type]
-                         min_width=len(col.header))
+        table.add_column(
+            col.header,
+            justify=col.justify,  # type: ignore[arg-type]
+            no_wrap=True,
+            overflow="fold",
+            min_width=len(col.header),
+        )
     for row in rows:
         table.add_row(*row)
     return table
@@ -117,8 +127,9 @@ def _needs(console: Console, renderable: RenderableType) -> int:
     return console.measure(renderable, options=console.options.update_width(100_000)).maximum
 
 
-def fitted(console: Console, title: str, columns: Sequence[Column], items: Sequence[object], *,
-           wide: bool = False) -> tuple[Table, list[str]]:
+def fitted(
+    console: Console, title: str, columns: Sequence[Column], items: Sequence[object], *, wide: bool = False
+) -> tuple[Table, list[str]]:
     """A table of ``items`` with as many ``columns`` as ``console``'s width shows whole, the least
     important (highest rank) dropped first; with ``wide`` every one.  (table, headers dropped)."""
     cells = [[col.cell(item) for col in columns] for item in items]
@@ -203,8 +214,9 @@ def worker_columns(ids: dict[str, str]) -> list[Column]:
     ]
 
 
-def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: bool = False,
-                  ids: dict[str, str] | None = None) -> RenderableType:
+def render_status(
+    fleet: FleetStatus, console: Console | None = None, *, wide: bool = False, ids: dict[str, str] | None = None
+) -> RenderableType:
     """The fleet at a glance: jobs, backlog and pools, queues, workers, each table fitted to
     ``console``'s width (``wide``: every column).  ``ids``: each job's id as shown (default:
     the shortest unique prefixes among the jobs shown)."""
@@ -214,8 +226,7 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
     parts: list[RenderableType] = []
     dropped: list[str] = []
     if fleet.jobs:
-        jobs, gone = fitted(console, "jobs", _sized_columns(job_columns(ids, plain), fleet.jobs), fleet.jobs,
-                              wide=wide)
+        jobs, gone = fitted(console, "jobs", _sized_columns(job_columns(ids, plain), fleet.jobs), fleet.jobs, wide=wide)
         parts += [jobs, Text("")]
         dropped += gone
         # Why a job does not move: its workers load their model, or none serves its queue.
@@ -223,23 +234,33 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
     else:
         parts.append(Text("no jobs"))
     if fleet.other_stores:
-        parts.append(Text(f"({fleet.other_stores} job(s) of other stores on this Redis not shown: "
-                          "set RENDERFLEET_STORE to see them)"))
+        parts.append(
+            Text(f"({fleet.other_stores} job(s) of other stores on this Redis not shown: set RENDERFLEET_STORE to see them)")
+        )
     sizes = fleet.pool_sizes()
     if fleet.backlog_seconds or fleet.desired:
-        parts.append(Text(f"backlog: {fleet.backlog_seconds:,.0f} s of work (pending, queued and in flight), "
-                          f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step"))
+        parts.append(
+            Text(
+                f"backlog: {fleet.backlog_seconds:,.0f} s of work (pending, queued and in flight), "
+                f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step"
+            )
+        )
     if fleet.desired:
-        parts.append(Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted"
-                                                for p, n in sorted(fleet.desired.items()))))
+        parts.append(
+            Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted" for p, n in sorted(fleet.desired.items())))
+        )
     if fleet.redis is not None:
         parts.append(Text(fleet.redis.summary(), style="dim"))
         parts += [Text(f"warning: {line}", style="bold red") for line in fleet.redis.warnings()]
     if fleet.jobs and not any(p > 0 for p in fleet.prices.values()):
-        parts.append(Text("cost: no pool prices known yet (docs/pools.md, \"Prices\"), or give --config FILE",
-                          style="dim"))
-    queues = Table(title=f"queues of store {fleet.store}" if fleet.store else "queues", box=None,
-                   pad_edge=False, title_justify="left", title_style="bold")
+        parts.append(Text('cost: no pool prices known yet (docs/pools.md, "Prices"), or give --config FILE', style="dim"))
+    queues = Table(
+        title=f"queues of store {fleet.store}" if fleet.store else "queues",
+        box=None,
+        pad_edge=False,
+        title_justify="left",
+        title_style="bold",
+    )
     queues.add_column("queue", overflow="fold")
     queues.add_column("shards", justify="right", no_wrap=True)
     queues.add_column("pending", justify="right", no_wrap=True)
@@ -251,8 +272,7 @@ def render_status(fleet: FleetStatus, console: Console | None = None, *, wide: b
         parts += [Text(""), workers]
         dropped += [g for g in gone if g not in dropped]
     if dropped:
-        parts.append(Text(f"(not shown at {console.width} columns: {', '.join(dropped)}; --wide shows them)",
-                          style="dim"))
+        parts.append(Text(f"(not shown at {console.width} columns: {', '.join(dropped)}; --wide shows them)", style="dim"))
     return Group(*parts)
 
 
@@ -264,8 +284,9 @@ def wide_console(console: Console, renderable: RenderableType) -> Console:
     return console
 
 
-def print_status(fleet: FleetStatus, console: Console | None = None, *, wide: bool = False,
-                 ids: dict[str, str] | None = None) -> None:
+def print_status(
+    fleet: FleetStatus, console: Console | None = None, *, wide: bool = False, ids: dict[str, str] | None = None
+) -> None:
     console = console or Console()
     shown = render_status(fleet, console, wide=wide, ids=ids)
     if wide:
@@ -273,8 +294,9 @@ def print_status(fleet: FleetStatus, console: Console | None = None, *, wide: bo
     console.print(shown)
 
 
-def watch(read: Callable[[], tuple[FleetStatus, dict[str, str]]], *, wide: bool = False,
-          console: Console | None = None) -> None:
+def watch(
+    read: Callable[[], tuple[FleetStatus, dict[str, str]]], *, wide: bool = False, console: Console | None = None
+) -> None:
     """``status --watch`` until Ctrl-C, each frame from ``read()`` (the fleet, the jobs' ids as
     shown): redrawn in place on a terminal; piped (no terminal to redraw on: rich's Live would
     print nothing until it stops), a plain frame at once and one every 2 s, each headed by its time."""

@@ -113,9 +113,14 @@ class JobStatus:
     def to_dict(self) -> dict[str, Any]:
         """The job's JSON object (docs/monitoring.md, "The JSON")."""
         out = asdict(self)
-        out.update(state=self.state, left=self.left, to_render=self.to_render, finished=self.finished,
-                   cost_per_1000_images=self.cost_per_1000_images,
-                   percent=round(100 * (self.done + self.quarantined) / self.total, 1) if self.total else 100.0)
+        out.update(
+            state=self.state,
+            left=self.left,
+            to_render=self.to_render,
+            finished=self.finished,
+            cost_per_1000_images=self.cost_per_1000_images,
+            percent=round(100 * (self.done + self.quarantined) / self.total, 1) if self.total else 100.0,
+        )
         return out
 
 
@@ -143,12 +148,22 @@ class FleetStatus:
     redis: RedisLoad | None = None  # what the fleet costs its Redis (every store's); None where INFO is refused
 
     def to_dict(self) -> dict[str, Any]:
-        return {"store": self.store, "queues": self.queues, "pending": self.pending, "workers": self.workers,
-                "pools": self.pools,
-                "jobs": [j.to_dict() for j in self.jobs], "jobs_of_other_stores": self.other_stores,
-                "backlog_seconds": round(self.backlog_seconds, 3), "seconds_per_mpstep": self.seconds_per_mpstep,
-                "pool_sizes": self.pool_sizes(), "desired": self.desired, "leases_reaped": self.reaped,
-                "prices": self.prices, "redis": self.redis.to_dict() if self.redis else None}
+        return {
+            "store": self.store,
+            "queues": self.queues,
+            "pending": self.pending,
+            "workers": self.workers,
+            "pools": self.pools,
+            "jobs": [j.to_dict() for j in self.jobs],
+            "jobs_of_other_stores": self.other_stores,
+            "backlog_seconds": round(self.backlog_seconds, 3),
+            "seconds_per_mpstep": self.seconds_per_mpstep,
+            "pool_sizes": self.pool_sizes(),
+            "desired": self.desired,
+            "leases_reaped": self.reaped,
+            "prices": self.prices,
+            "redis": self.redis.to_dict() if self.redis else None,
+        }
 
     def pool_sizes(self) -> dict[str, int]:
         """Workers up, by pool."""
@@ -260,12 +275,23 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     pipe.hgetall(keys.job_stats(job))
     pipe.lrange(keys.progress(job), 0, keys.PROGRESS_KEEP - 1)
     pipe.hvals(keys.attempts(job))
-    (total, spec_json, owner, cancelled, deleted, reason, priority, share, queue), done, failed, states, left, stats, \
-        progress, attempts = pipe.execute()
-    if (total is not None or deleted is not None) and store is not None and owner \
-            and keys.text(owner) != store_identity(store.url):
-        raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store "
-                          f"{keys.text(owner)})")
+    (
+        (total, spec_json, owner, cancelled, deleted, reason, priority, share, queue),
+        done,
+        failed,
+        states,
+        left,
+        stats,
+        progress,
+        attempts,
+    ) = pipe.execute()
+    if (
+        (total is not None or deleted is not None)
+        and store is not None
+        and owner
+        and keys.text(owner) != store_identity(store.url)
+    ):
+        raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store {keys.text(owner)})")
     if total is None:
         if deleted is not None:
             raise JobDeleted(job, float(deleted), keys.text(reason))
@@ -275,10 +301,22 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         images = stored_names(store, job, "images")
         # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
         quarantined = stored_names(store, job, "quarantine") - images
-        return JobStatus(job, job_spec.total, len(images), len(quarantined), 0, 0, job_spec.shards, 0, 0, False,
-                         _megapixel_steps(job_spec.params.to_dict()),
-                         cancelled=lifecycle.cancelled_at(client, store, job), priority=job_spec.priority,
-                         share=job_spec.share)
+        return JobStatus(
+            job,
+            job_spec.total,
+            len(images),
+            len(quarantined),
+            0,
+            0,
+            job_spec.shards,
+            0,
+            0,
+            False,
+            _megapixel_steps(job_spec.params.to_dict()),
+            cancelled=lifecycle.cancelled_at(client, store, job),
+            priority=job_spec.priority,
+            share=job_spec.share,
+        )
     queued = running = shards_queued = shards_running = pending = shards_pending = 0
     for shard, state in states.items():
         if keys.text(state) == ShardState.CANCELLED:
@@ -302,10 +340,24 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     except (ValueError, TypeError, AttributeError, ZeroDivisionError):
         malformed(f"{keys.job(job)} spec", spec_json, "not a job's spec")
         shards, mpsteps = 0, 0.0
-    result = JobStatus(job, _int(total, f"{keys.job(job)} total"), _int(done), _int(failed), queued, running, shards,
-                       shards_queued, shards_running, True, mpsteps, pending=pending, shards_pending=shards_pending,
-                       priority=_ranked(priority, "priority", registered, keys.job(job)),
-                       share=_ranked(share, "share", registered, keys.job(job)), queue=keys.text(queue))
+    result = JobStatus(
+        job,
+        _int(total, f"{keys.job(job)} total"),
+        _int(done),
+        _int(failed),
+        queued,
+        running,
+        shards,
+        shards_queued,
+        shards_running,
+        True,
+        mpsteps,
+        pending=pending,
+        shards_pending=shards_pending,
+        priority=_ranked(priority, "priority", registered, keys.job(job)),
+        share=_ranked(share, "share", registered, keys.job(job)),
+        queue=keys.text(queue),
+    )
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
     _add_progress(result, counter_hash(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
@@ -329,8 +381,14 @@ def _ranked(value: Any, name: str, registered: dict[str, Any], where: str) -> in
 RATE_WINDOW_SECONDS = 300.0
 
 
-def _add_progress(job_state: JobStatus, stats: dict[str, int], progress: list[Any], attempts: list[int],
-                  now: float | None = None, where: str = "") -> None:
+def _add_progress(
+    job_state: JobStatus,
+    stats: dict[str, int],
+    progress: list[Any],
+    attempts: list[int],
+    now: float | None = None,
+    where: str = "",
+) -> None:
     """Rate, ETA, GPU time by pool, redeliveries and work lost, from the workers' counters."""
     now = time.time() if now is None else now
     stamps = []
@@ -399,8 +457,9 @@ def failure_reasons(client: redis.Redis, job: str, limit: int = 5) -> dict[str, 
     once its prompts are quarantined."""
     from collections import Counter
 
-    errors = Counter(keys.text(value) for name, value in client.hgetall(keys.fails(job)).items()
-                     if keys.text(name).endswith(":error"))
+    errors = Counter(
+        keys.text(value) for name, value in client.hgetall(keys.fails(job)).items() if keys.text(name).endswith(":error")
+    )
     return dict(errors.most_common(limit))
 
 
@@ -420,13 +479,17 @@ def store_workers(client: redis.Redis, store: Store) -> dict[str, dict[str, Any]
     return out
 
 
-def queue_depths(client: redis.Redis, store: Store, jobs: list[str] | None = None,
-                 workers: dict[str, dict[str, Any]] | None = None) -> dict[str, int]:
+def queue_depths(
+    client: redis.Redis, store: Store, jobs: list[str] | None = None, workers: dict[str, dict[str, Any]] | None = None
+) -> dict[str, int]:
     """Every queue of ``store`` and its length (a queue that drained still shows, at 0, while
     known): those in Redis, its workers' pools' (``workers``, default: read) and its ``jobs``'
     (default: every job of the store)."""
-    names = {q for q in map(keys.text, client.scan_iter(match=store_queues_pattern(store.url), count=1000))
-             if is_store_queue(q, store.url)}
+    names = {
+        q
+        for q in map(keys.text, client.scan_iter(match=store_queues_pattern(store.url), count=1000))
+        if is_store_queue(q, store.url)
+    }
     for info in (store_workers(client, store) if workers is None else workers).values():
         names.add(queue_name(str(info.get("pool", "default")), store.url))
     pipe = client.pipeline(transaction=False)
@@ -462,13 +525,22 @@ def check_in_store(store: Store, job: str) -> None:
     if why := job_id_problem(job):
         raise InputError([f"JOB: {why}"])
     if not store.exists(spec.spec_key(job)):
-        raise JobNotFound(f"no job {job} in store {store.url} (no {spec.spec_key(job)}: the store was "
-                          "emptied, or the job is still being submitted)")
+        raise JobNotFound(
+            f"no job {job} in store {store.url} (no {spec.spec_key(job)}: the store was "
+            "emptied, or the job is still being submitted)"
+        )
 
 
-def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: Store,
-                 prices: dict[str, float] | None = None, with_store_only: bool = False,
-                 reasons: bool | None = None, max_age: float | None = None) -> FleetStatus:
+def fleet_status(
+    client: redis.Redis,
+    jobs: list[str] | None = None,
+    *,
+    store: Store,
+    prices: dict[str, float] | None = None,
+    with_store_only: bool = False,
+    reasons: bool | None = None,
+    max_age: float | None = None,
+) -> FleetStatus:
     """``store``'s queues, workers, pools and jobs: the named ``jobs``, or every job of
     ``store`` that Redis knows, and with ``with_store_only`` also those only the store's
     listing of ``jobs/`` shows (a listing, and each such job counted from the store:
@@ -498,7 +570,7 @@ def fleet_status(client: redis.Redis, jobs: list[str] | None = None, *, store: S
     prefix = keys.pool_stats_prefix(tag)
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         name = key.decode(errors="replace") if isinstance(key, bytes) else key  # a pool's name is shown as it is
-        status.pools[name[len(prefix):]] = counter_hash(client.hgetall(key), name)
+        status.pools[name[len(prefix) :]] = counter_hash(client.hgetall(key), name)
     mine = jobs_of_store(client, store)
     status.queues = queue_depths(client, store, mine[0], workers)
     named = jobs is not None

@@ -65,19 +65,32 @@ class SubmitResult:
 
 
 # A submit names its model: the built-in `tiny` (random weights) renders noise, so it is no default.
-MODEL_REQUIRED = ("--model: no model given (model= in Python; RENDERFLEET_MODEL sets a default): name a diffusers "
-                  "model id, a folder saved with save_pretrained or an s3:// folder; `--model tiny` is the "
-                  "built-in random-weight model, whose images are noise, for a smoke test")
+MODEL_REQUIRED = (
+    "--model: no model given (model= in Python; RENDERFLEET_MODEL sets a default): name a diffusers "
+    "model id, a folder saved with save_pretrained or an s3:// folder; `--model tiny` is the "
+    "built-in random-weight model, whose images are noise, for a smoke test"
+)
 
 # The flags of the settings in the one table (spec.FIELDS) that are not a prompt's text or id.
-SETTING_FLAGS = (("--scheduler", "scheduler"), ("--long-prompts", "long_prompts"),
-                 ("--image-format", "image_format"), ("--quality", "quality"), ("--revision", "revision"),
-                 ("--variant", "variant"))
+SETTING_FLAGS = (
+    ("--scheduler", "scheduler"),
+    ("--long-prompts", "long_prompts"),
+    ("--image-format", "image_format"),
+    ("--quality", "quality"),
+    ("--revision", "revision"),
+    ("--variant", "variant"),
+)
 # The job's settings a submit takes by name (Client.submit's keywords): the flags' and its LoRAs.
 JOB_SETTINGS = (*(name for _, name in SETTING_FLAGS), "loras")
 # Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
-_FIELD_FLAGS = (("--steps", "steps"), ("--size", "width"), ("--size", "height"), ("--seed", "seed"),
-                ("--guidance", "guidance"), *SETTING_FLAGS)
+_FIELD_FLAGS = (
+    ("--steps", "steps"),
+    ("--size", "width"),
+    ("--size", "height"),
+    ("--seed", "seed"),
+    ("--guidance", "guidance"),
+    *SETTING_FLAGS,
+)
 
 
 def check_options(opts: SubmitOptions) -> None:
@@ -91,9 +104,12 @@ def check_options(opts: SubmitOptions) -> None:
             problems.append(f"{flag}: must be {field.what}, got {type(value).__name__}")
         elif why := spec.field_problem(field, value):
             problems.append(f"{flag}: {why}")
-    for flag, name, value in (("--shard-size", "shard_size", opts.shard_size),
-                              ("--batch-size", "batch_size", opts.batch_size),
-                              ("--priority", "priority", opts.priority), ("--share", "share", opts.share)):
+    for flag, name, value in (
+        ("--shard-size", "shard_size", opts.shard_size),
+        ("--batch-size", "batch_size", opts.batch_size),
+        ("--priority", "priority", opts.priority),
+        ("--share", "share", opts.share),
+    ):
         if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
     if why := spec.loras_problem(p.loras):
@@ -105,8 +121,10 @@ def check_options(opts: SubmitOptions) -> None:
     else:
         kind = spec.model_source(p.model)
         if p.revision and kind != "hub":
-            problems.append(f"--revision: pins a hub id's weights; --model {p.model[:100]!r} is not one "
-                            "(a folder's or s3:// model's content is recorded as its digest instead)")
+            problems.append(
+                f"--revision: pins a hub id's weights; --model {p.model[:100]!r} is not one "
+                "(a folder's or s3:// model's content is recorded as its digest instead)"
+            )
         if p.variant and kind in ("tiny", "bench"):
             problems.append(f"--variant: the built-in model {p.model[:100]!r} has no weights variants")
     if opts.job is not None and (why := job_id_problem(opts.job)):
@@ -117,8 +135,12 @@ def check_options(opts: SubmitOptions) -> None:
 
 # The flag of each setting a shard message carries (its params), by RenderParams name: what a
 # message too long for a worker names.  The rest of a message is a few short ids and numbers.
-_MESSAGE_FLAGS = {"negative_prompt": "--negative", "model": "--model", "loras": "--lora",
-                  **{name: flag for flag, name in _FIELD_FLAGS}}
+_MESSAGE_FLAGS = {
+    "negative_prompt": "--negative",
+    "model": "--model",
+    "loras": "--lora",
+    **{name: flag for flag, name in _FIELD_FLAGS},
+}
 # The feeder's envelopes pad the body with up to two of JSON's spaces (celery_app.feed_template):
 # at most 4 more base64 characters than envelope_factory's.
 _FEED_PADDING = 4
@@ -134,16 +156,22 @@ def check_message_size(job_spec: JobSpec, app: Celery, queue: str, store: str) -
     its length is the job's settings and a few numbers, whatever the shard size or the file.
     """
     last = max(job_spec.shards - 1, 0)  # the most digits: the last shard's numbers, a full shard's count
-    message = (f'{message_head(job_spec, queue, store)},"shard":{last},"first":{last * job_spec.shard_size},'
-               f'"count":{job_spec.shard_size}}}')
+    message = (
+        f'{message_head(job_spec, queue, store)},"shard":{last},"first":{last * job_spec.shard_size},'
+        f'"count":{job_spec.shard_size}}}'
+    )
     size = len(celery_app.envelope_factory(app)(message, queue, f"{job_spec.job}:{last}")) + _FEED_PADDING
     if size <= celery_app.MAX_ITEM_CHARS:
         return
     carried = job_spec.params.identity()
     longest = max((name for name in _MESSAGE_FLAGS if name in carried), key=lambda name: len(json.dumps(carried[name])))
-    raise InputError([f"{_MESSAGE_FLAGS[longest]}: makes each shard's message {size:,} characters (as a worker "
-                      f"reads it from its queue), more than a worker takes ({celery_app.MAX_ITEM_CHARS:,}): "
-                      "shorten it"])
+    raise InputError(
+        [
+            f"{_MESSAGE_FLAGS[longest]}: makes each shard's message {size:,} characters (as a worker "
+            f"reads it from its queue), more than a worker takes ({celery_app.MAX_ITEM_CHARS:,}): "
+            "shorten it"
+        ]
+    )
 
 
 def lora_pin(source: str, *, s3: S3Options | None = None, hub: RevisionResolver = hub_commit) -> str:
@@ -159,8 +187,9 @@ def lora_pin(source: str, *, s3: S3Options | None = None, hub: RevisionResolver 
         if path.is_dir():
             return digests.folder_digest(path)
     except OSError as exc:
-        raise InputError([f"--lora {source[:200]!r}: cannot read {exc.filename or source} to record its digest: "
-                          f"{exc.strerror or exc}"]) from None
+        raise InputError(
+            [f"--lora {source[:200]!r}: cannot read {exc.filename or source} to record its digest: {exc.strerror or exc}"]
+        ) from None
     if source.startswith(("/", ".", "~")):
         return ""  # the workers' own path, unseen here
     try:
@@ -175,7 +204,7 @@ def _s3_pin(source: str, s3: S3Options | None) -> str:
 
     from renderfleet.store import S3Store
 
-    bucket, _, key = source[len("s3://"):].partition("/")
+    bucket, _, key = source[len("s3://") :].partition("/")
     store = S3Store(bucket, options=s3)
     try:
         head = store.client.head_object(Bucket=bucket, Key=key)
@@ -188,8 +217,9 @@ def _s3_pin(source: str, s3: S3Options | None) -> str:
     return digests.s3_object_digest(head)
 
 
-def pin_loras(loras: Iterable[spec.Lora], *, s3: S3Options | None = None,
-              hub: RevisionResolver = hub_commit) -> tuple[spec.Lora, ...]:
+def pin_loras(
+    loras: Iterable[spec.Lora], *, s3: S3Options | None = None, hub: RevisionResolver = hub_commit
+) -> tuple[spec.Lora, ...]:
     """``loras`` each with its content's digest as it is now (:func:`lora_pin`): a worker holding
     other bytes refuses the job rather than render them."""
     return tuple(spec.pinned_lora(lora[0], lora[1], lora_pin(lora[0], s3=s3, hub=hub)) for lora in loras)
@@ -203,14 +233,22 @@ def job_id(digest: str, params: RenderParams, store: str) -> str:
     is, so a resubmit with another ``--batch-size`` is the same job (it keeps
     the cut it was submitted with).
     """
-    ident = json.dumps({"content": digest, "params": params.identity(), "store": store_identity(store)},
-                       sort_keys=True)
+    ident = json.dumps({"content": digest, "params": params.identity(), "store": store_identity(store)}, sort_keys=True)
     return "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client: redis.Redis,
-           queue: str, summary: prompts.FileSummary | None = None, source: str | None = None,
-           wire: tuple[Path, shardfile.WireWriter] | None = None) -> SubmitResult:
+def submit(
+    path: str,
+    opts: SubmitOptions,
+    *,
+    store: Store,
+    app: Celery,
+    client: redis.Redis,
+    queue: str,
+    summary: prompts.FileSummary | None = None,
+    source: str | None = None,
+    wire: tuple[Path, shardfile.WireWriter] | None = None,
+) -> SubmitResult:
     """Validate, write and enqueue a prompt file; see the module docstring.
 
     ``summary`` is pass 1's result when the caller already validated the file;
@@ -224,38 +262,54 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         summary = prompts.validate_file(path)
     owner = store_identity(store.url)
     job = opts.job or job_id(summary.digest, opts.params, owner)
-    check_message_size(JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
-                               batch_size=opts.batch_size), app, queue, owner)
+    check_message_size(
+        JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size, batch_size=opts.batch_size),
+        app,
+        queue,
+        owner,
+    )
 
     existing = store.get(spec.spec_key(job))
     if existing is not None:
         from dispatcher.resume import resume
 
         known = JobSpec.from_json(existing)
-        if known.total != summary.total or known.params != opts.params \
-                or (known.digest and known.digest != summary.digest):
-            raise InputError([f"{path}: job {job} exists with other prompts or settings; "
-                              "choose another --job or leave it out"])
-        report = resume(job, store=store, app=app, client=client, queue=queue, uncancel=True,
-                        priority=opts.priority, share=opts.share)
-        return SubmitResult(job, summary.total, report.shards_enqueued, False,
-                            time.perf_counter() - started)
+        if known.total != summary.total or known.params != opts.params or (known.digest and known.digest != summary.digest):
+            raise InputError(
+                [f"{path}: job {job} exists with other prompts or settings; choose another --job or leave it out"]
+            )
+        report = resume(
+            job, store=store, app=app, client=client, queue=queue, uncancel=True, priority=opts.priority, share=opts.share
+        )
+        return SubmitResult(job, summary.total, report.shards_enqueued, False, time.perf_counter() - started)
 
     enqueue.check_owner(client, job, owner)
     # A new life of the job's name: whatever an earlier one left in Redis or the store is ended and
     # gone first, and every lease of it fenced (docs/design.md, "A job's lives").
     lifecycle.end_life(job, store=store, client=client)
     fmt, gzipped = prompts.detect_format(path)
-    job_spec = JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size,
-                       batch_size=opts.batch_size, pool=opts.pool, source=source or os.path.basename(path),
-                       prompts_key=spec.source_key(job, fmt, gzipped), created=time.time(),
-                       priority=opts.priority, share=opts.share, life=uuid.uuid4().hex[:16],
-                       digest=summary.digest)
+    job_spec = JobSpec(
+        job=job,
+        params=opts.params,
+        total=summary.total,
+        shard_size=opts.shard_size,
+        batch_size=opts.batch_size,
+        pool=opts.pool,
+        source=source or os.path.basename(path),
+        prompts_key=spec.source_key(job, fmt, gzipped),
+        created=time.time(),
+        priority=opts.priority,
+        share=opts.share,
+        life=uuid.uuid4().hex[:16],
+        digest=summary.digest,
+    )
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
     # feeder takes the job only once its wire file is stored (a worker reads its shards there).
-    with tempfile.TemporaryDirectory(prefix="rf-wire-") as tmp, \
-            ThreadPoolExecutor(max_workers=2, thread_name_prefix="rf-upload") as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="rf-wire-") as tmp,
+        ThreadPoolExecutor(max_workers=2, thread_name_prefix="rf-upload") as pool,
+    ):
         upload = pool.submit(store.put_file, job_spec.prompts_key, Path(path))
         if wire is not None and wire[1].shard_size == job_spec.shard_size:
             wire_file, writer = wire  # written by pass 1: one read of the file in all
@@ -263,10 +317,12 @@ def submit(path: str, opts: SubmitOptions, *, store: Store, app: Celery, client:
         else:
             wire_file = Path(tmp) / "wire.jsonl"
             writer, cut = shardfile.write_files(prompts.iter_wire(path), job_spec.shard_size, wire_file)
-        uploads = [upload, pool.submit(store.put_file, spec.wire_key(job), wire_file),
-                   pool.submit(store.put, spec.wire_index_key(job), writer.index())]
-        sent = enqueue.publish_shards(app, client, job_spec, queue, wire_shards(job_spec, cut), store=owner,
-                                      feed=False)
+        uploads = [
+            upload,
+            pool.submit(store.put_file, spec.wire_key(job), wire_file),
+            pool.submit(store.put, spec.wire_index_key(job), writer.index()),
+        ]
+        sent = enqueue.publish_shards(app, client, job_spec, queue, wire_shards(job_spec, cut), store=owner, feed=False)
         for done in uploads:
             done.result()
     enqueue.start_feeding(app, client, job_spec, queue, store=owner)

@@ -85,8 +85,10 @@ def make_thumbnail(data: bytes, name: str, max_pixels: int = THUMB_MAX_PIXELS) -
             meta.update({k: v for k, v in metadata_of(image).items() if k in CAPTION_FIELDS})
             meta["size"] = f"{width}x{height}"
             if width * height > max_pixels:
-                meta["preview"] = (f"not previewed: {width}x{height} is {width * height / 1e6:.1f} megapixels, "
-                                   f"over the {max_pixels / 1e6:.1f} a thumbnail is made of")
+                meta["preview"] = (
+                    f"not previewed: {width}x{height} is {width * height / 1e6:.1f} megapixels, "
+                    f"over the {max_pixels / 1e6:.1f} a thumbnail is made of"
+                )
                 log.warning("thumbnail of %s: %s", name, meta["preview"])
                 return placeholder(), meta
             image.draft("RGB", (THUMB_SIZE * 2, THUMB_SIZE * 2))  # JPEG: decode at 1/2..1/8 scale; others: no-op

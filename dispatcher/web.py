@@ -101,8 +101,9 @@ def record(client: redis.Redis, fleet: FleetStatus, now: float | None = None) ->
     pipe.execute()
 
 
-def read_history(client: redis.Redis, metrics: list[str], store: str,
-                 now: float | None = None) -> dict[str, list[tuple[float, float]]]:
+def read_history(
+    client: redis.Redis, metrics: list[str], store: str, now: float | None = None
+) -> dict[str, list[tuple[float, float]]]:
     """Each metric's samples of the last hour for ``store`` (a URL), oldest first."""
     now = time.time() if now is None else now
     tag = store_tag(store)
@@ -130,7 +131,7 @@ def history_metrics(client: redis.Redis, store: str) -> list[str]:
     found = set()
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         try:
-            found.add(keys.text(key)[len(prefix):])
+            found.add(keys.text(key)[len(prefix) :])
         except UnicodeDecodeError:  # not UTF-8: no metric the sampler wrote
             continue
     return sorted(found)
@@ -161,13 +162,18 @@ class Sampler:
 COLOURS = ("#2f6fdf", "#e07b00", "#2a9d55", "#b03ab0")
 
 
-def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], now: float | None = None,
-              width: int = 360, height: int = 120, since: float | None = None) -> Markup:
+def svg_chart(
+    title: str,
+    series: dict[str, list[tuple[float, float]]],
+    now: float | None = None,
+    width: int = 360,
+    height: int = 120,
+    since: float | None = None,
+) -> Markup:
     """A line chart of the last hour as inline SVG: one polyline per series, the y axis from 0 to the top value."""
     now = time.time() if now is None else now
     # The last hour, or less while the history is younger: a fresh monitor's few minutes fill the width.
-    first = since if since is not None else min((t for pts in series.values() for t, _ in pts),
-                                                default=now - HISTORY_WINDOW)
+    first = since if since is not None else min((t for pts in series.values() for t, _ in pts), default=now - HISTORY_WINDOW)
     span = max(60.0, min(HISTORY_WINDOW, now - first))
     pad_l, pad_r, pad_t, pad_b = 44, 8, 18, 16
     w, h = width - pad_l - pad_r, height - pad_t - pad_b
@@ -180,15 +186,18 @@ def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], now: flo
     def y(v: float) -> float:
         return pad_t + h * (1 - v / top)
 
-    parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
-             f'aria-label="{escape(title)}">',
-             f'<text x="{pad_l}" y="12" class="chart-title">{escape(title)}</text>',
-             f'<rect x="{pad_l}" y="{pad_t}" width="{w}" height="{h}" class="chart-bg"/>']
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+        f'aria-label="{escape(title)}">',
+        f'<text x="{pad_l}" y="12" class="chart-title">{escape(title)}</text>',
+        f'<rect x="{pad_l}" y="{pad_t}" width="{w}" height="{h}" class="chart-bg"/>',
+    ]
     for frac in (0.0, 0.5, 1.0):
         line_y = pad_t + h * (1 - frac)
         parts.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{line_y:.1f}" y2="{line_y:.1f}" class="grid"/>')
-        parts.append(f'<text x="{pad_l - 4}" y="{line_y + 4:.1f}" class="axis" text-anchor="end">'
-                     f'{_short(top * frac)}</text>')
+        parts.append(
+            f'<text x="{pad_l - 4}" y="{line_y + 4:.1f}" class="axis" text-anchor="end">{_short(top * frac)}</text>'
+        )
     parts.append(f'<text x="{pad_l}" y="{height - 3}" class="axis">-{_duration(span)}</text>')
     parts.append(f'<text x="{pad_l + w}" y="{height - 3}" class="axis" text-anchor="end">now</text>')
     for i, (name, pts) in enumerate(series.items()):
@@ -199,11 +208,14 @@ def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], now: flo
             line = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in pts)
             parts.append(f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         if len(series) > 1:
-            parts.append(f'<text x="{pad_l + w - 4}" y="{pad_t + 12 + 12 * i}" class="legend" text-anchor="end" '
-                         f'fill="{colour}">{escape(name)}</text>')
+            parts.append(
+                f'<text x="{pad_l + w - 4}" y="{pad_t + 12 + 12 * i}" class="legend" text-anchor="end" '
+                f'fill="{colour}">{escape(name)}</text>'
+            )
     if not any(series.values()):
-        parts.append(f'<text x="{pad_l + w / 2}" y="{pad_t + h / 2}" class="axis" text-anchor="middle">'
-                     'no samples yet</text>')
+        parts.append(
+            f'<text x="{pad_l + w / 2}" y="{pad_t + h / 2}" class="axis" text-anchor="middle">no samples yet</text>'
+        )
     parts.append("</svg>")
     return Markup("".join(parts))
 
@@ -227,9 +239,11 @@ def charts(client: redis.Redis, store: str, now: float | None = None) -> list[Ma
     metrics = history_metrics(client, store)
     hist = read_history(client, metrics, store, now)
     since = min((pts[0][0] for pts in hist.values() if pts), default=None)  # one time axis for every chart
-    out = [svg_chart("queue depth (shards)", {"shards": hist.get("queue_shards", [])}, now, since=since),
-           svg_chart("backlog (images)", {"images": hist.get("backlog_images", [])}, now, since=since),
-           svg_chart("backlog (seconds of work)", {"seconds": hist.get("backlog_seconds", [])}, now, since=since)]
+    out = [
+        svg_chart("queue depth (shards)", {"shards": hist.get("queue_shards", [])}, now, since=since),
+        svg_chart("backlog (images)", {"images": hist.get("backlog_images", [])}, now, since=since),
+        svg_chart("backlog (seconds of work)", {"seconds": hist.get("backlog_seconds", [])}, now, since=since),
+    ]
     pools = sorted({m.partition(".")[2] for m in metrics if m.startswith(("workers.", "desired."))})
     for pool in pools:
         series = {"up": hist.get(f"workers.{pool}", [])}
@@ -287,12 +301,12 @@ def checked_image(store: Store, job: str, name: str) -> str:
 def _names(store: Store, prefix: str, suffix: str) -> Iterator[str]:
     for key in store.list(prefix):
         if key.endswith(suffix):
-            yield key[len(prefix):-len(suffix)]
+            yield key[len(prefix) : -len(suffix)]
 
 
 def _image_names(store: Store, prefix: str) -> Iterator[str]:
     for key in store.list(prefix):
-        if (name := layout.image_name(key[len(prefix):])) is not None:
+        if (name := layout.image_name(key[len(prefix) :])) is not None:
             yield name
 
 
@@ -317,8 +331,15 @@ def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[d
             record = json.loads(raw) if raw else {}
         except ValueError:
             record = {}
-        out.append({"name": name, "prompt": record.get("prompt", ""), "seed": record.get("seed"),
-                    "error": record.get("error", "quarantined"), "failures": record.get("failures")})
+        out.append(
+            {
+                "name": name,
+                "prompt": record.get("prompt", ""),
+                "seed": record.get("seed"),
+                "error": record.get("error", "quarantined"),
+                "failures": record.get("failures"),
+            }
+        )
     return out
 
 
@@ -354,10 +375,18 @@ def _money(value: float | None) -> str:
     return money(value, "$")
 
 
-def make_app(source: StatusSource, prices: dict[str, float], token: str | None, *,
-             client: redis.Redis | None = None, store: Store | None = None,
-             registry: CollectorRegistry | None = None, hosts: tuple[str, ...] = (),
-             tls_proxy: bool = False, pools: Mapping[str, PoolConfig] | None = None) -> ASGIApp:
+def make_app(
+    source: StatusSource,
+    prices: dict[str, float],
+    token: str | None,
+    *,
+    client: redis.Redis | None = None,
+    store: Store | None = None,
+    registry: CollectorRegistry | None = None,
+    hosts: tuple[str, ...] = (),
+    tls_proxy: bool = False,
+    pools: Mapping[str, PoolConfig] | None = None,
+) -> ASGIApp:
     """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when
     given, else answering only a loopback Host or one of ``hosts`` (:func:`renderfleet.endpoint.guard`)."""
     if registry is None:
@@ -388,10 +417,17 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
 
     def index(request: Request) -> Response:
         fleet = source()
-        return templates.TemplateResponse(request, "index.html", {
-            "fleet": fleet, "jobs": [_job_view(j) for j in fleet.jobs], "pool_sizes": fleet.pool_sizes(),
-            "charts": charts(client, fleet.store) if client is not None else [],
-            "priced": any(p > 0 for p in fleet.prices.values())})
+        return templates.TemplateResponse(
+            request,
+            "index.html",
+            {
+                "fleet": fleet,
+                "jobs": [_job_view(j) for j in fleet.jobs],
+                "pool_sizes": fleet.pool_sizes(),
+                "charts": charts(client, fleet.store) if client is not None else [],
+                "priced": any(p > 0 for p in fleet.prices.values()),
+            },
+        )
 
     def job_data(request: Request) -> dict[str, Any]:
         store = need_store()
@@ -406,9 +442,16 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         status = fleet.jobs[0]
         names, more = gallery_page(store, job, page)
         pages = max(1, -(-status.done // PAGE_SIZE))
-        return {"job": _job_view(status), "page": page, "pages": max(pages, page + 1 if more else page),
-                "page_size": PAGE_SIZE, "images": names, "more": more, "quarantined": quarantined(store, job),
-                "priced": any(p > 0 for p in fleet.prices.values())}
+        return {
+            "job": _job_view(status),
+            "page": page,
+            "pages": max(pages, page + 1 if more else page),
+            "page_size": PAGE_SIZE,
+            "images": names,
+            "more": more,
+            "quarantined": quarantined(store, job),
+            "priced": any(p > 0 for p in fleet.prices.values()),
+        }
 
     def job_page(request: Request) -> Response:
         data = job_data(request)
@@ -455,8 +498,9 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         return PlainTextResponse(f"bad request: {exc}\n", status_code=400)
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return PlainTextResponse("not found: /, /jobs/JOB, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n",
-                                 status_code=404)
+        return PlainTextResponse(
+            "not found: /, /jobs/JOB, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n", status_code=404
+        )
 
     routes = [
         Route("/", index),
@@ -470,6 +514,7 @@ def make_app(source: StatusSource, prices: dict[str, float], token: str | None, 
         Route("/jobs/{job}/images/{name}", image),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
-    app: ASGIApp = Starlette(routes=routes, exception_handlers={NotHere: not_here, NoImage: not_here,
-                                                                BadQuery: bad_query, 404: not_found})
+    app: ASGIApp = Starlette(
+        routes=routes, exception_handlers={NotHere: not_here, NoImage: not_here, BadQuery: bad_query, 404: not_found}
+    )
     return guard(app, token, hosts=hosts, tls_proxy=tls_proxy)

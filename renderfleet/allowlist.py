@@ -55,8 +55,10 @@ def entry_problem(entry: str) -> str | None:
     if "@" in entry and model == entry:
         return None  # a folder or s3:// prefix whose name holds an @
     if "@" in entry and (not model or not is_commit(commit)):
-        return (f"entry {entry[:200]!r}: after '@' give the full 40-character commit hash a hub id is pinned to "
-                "(a branch, tag or refs/pr/* moves; its commit does not)")
+        return (
+            f"entry {entry[:200]!r}: after '@' give the full 40-character commit hash a hub id is pinned to "
+            "(a branch, tag or refs/pr/* moves; its commit does not)"
+        )
     return None
 
 
@@ -75,10 +77,9 @@ def model_allowed(model: str, allowed: Sequence[str] | None, revision: str = "")
                 return True
         elif entry.startswith("s3://"):
             base = entry.rstrip("/")
-            if model.startswith(base + "/") and ".." not in model[len(base):].split("/"):
+            if model.startswith(base + "/") and ".." not in model[len(base) :].split("/"):
                 return True
-        elif (model != "tiny" and "://" not in model and not model.startswith(BENCH_PREFIX)
-              and _is_path_entry(entry)):
+        elif model != "tiny" and "://" not in model and not model.startswith(BENCH_PREFIX) and _is_path_entry(entry):
             try:
                 if Path(model).expanduser().resolve().is_relative_to(Path(entry).expanduser().resolve()):
                     return True
@@ -87,8 +88,7 @@ def model_allowed(model: str, allowed: Sequence[str] | None, revision: str = "")
     return False
 
 
-def refusal(model: str, allowed: Sequence[str] | None, revision: str = "", *,
-            whose: str = "this worker's") -> str | None:
+def refusal(model: str, allowed: Sequence[str] | None, revision: str = "", *, whose: str = "this worker's") -> str | None:
     """Why ``model`` at ``revision`` is not allowed, in one line naming both, or None."""
     if model_allowed(model, allowed, revision):
         return None
@@ -100,9 +100,14 @@ def refusal(model: str, allowed: Sequence[str] | None, revision: str = "", *,
     if revision.startswith(PULL_REQUEST_PREFIX):
         why = "a pull request's files are anyone's: never loaded with an allow-list set"
     elif bare or pins:
-        why = ("allowed at " + ", ".join((["the main branch and any commit hash"] if bare else [])
-                                         + [f"commit {p}" for p in pins]) + " only")
+        why = (
+            "allowed at "
+            + ", ".join((["the main branch and any commit hash"] if bare else []) + [f"commit {p}" for p in pins])
+            + " only"
+        )
     else:
         why = "that model is not on it at any revision"
-    return (f"model {model!r} at revision {revision[:200]!r} is refused by {whose} allow-list "
-            f"(RENDERFLEET_ALLOWED_MODELS): {why}")
+    return (
+        f"model {model!r} at revision {revision[:200]!r} is refused by {whose} allow-list "
+        f"(RENDERFLEET_ALLOWED_MODELS): {why}"
+    )

@@ -89,8 +89,14 @@ class Client:
     are opened on first use.
     """
 
-    def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None,
-                 store: str | None = None, resolve_revision: RevisionResolver | None = None):
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        redis_url: str | None = None,
+        store: str | None = None,
+        resolve_revision: RevisionResolver | None = None,
+    ):
         self.settings = settings or load_settings(redis_url=redis_url, store=store)
         # A hub branch or tag to its commit (renderfleet.hubrev.hub_commit unless given: tests pass a stand-in).
         self.resolve_revision = resolve_revision
@@ -169,9 +175,21 @@ class Client:
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
         "Render settings").  A folder or ``s3://`` model's content digest is recorded in the job.
         """
-        opts = self.options(model=model, steps=steps, size=size, guidance=guidance, negative=negative, seed=seed,
-                            shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority,
-                            share=share, **settings)
+        opts = self.options(
+            model=model,
+            steps=steps,
+            size=size,
+            guidance=guidance,
+            negative=negative,
+            seed=seed,
+            shard_size=shard_size,
+            batch_size=batch_size,
+            pool=pool,
+            job=job,
+            priority=priority,
+            share=share,
+            **settings,
+        )
         if isinstance(prompts, str | os.PathLike):
             return self.submit_file(os.fspath(prompts), opts)
         with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
@@ -186,12 +204,23 @@ class Client:
             write_jsonl(prompts, path)  # type: ignore[arg-type]
             return self.submit_file(path, opts, source="<python>", label="prompts", by_item=True)
 
-    def options(self, *, model: str | None = None, steps: int = DEFAULT["steps"],
-                size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
-                guidance: float = DEFAULT["guidance"], negative: str = DEFAULT["negative_prompt"],
-                seed: int = DEFAULT["seed"], shard_size: int = 64, batch_size: int = 4,
-                pool: str = "default", job: str | None = None, priority: int = 5,
-                share: int = 1, **settings: Any) -> SubmitOptions:
+    def options(
+        self,
+        *,
+        model: str | None = None,
+        steps: int = DEFAULT["steps"],
+        size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
+        guidance: float = DEFAULT["guidance"],
+        negative: str = DEFAULT["negative_prompt"],
+        seed: int = DEFAULT["seed"],
+        shard_size: int = 64,
+        batch_size: int = 4,
+        pool: str = "default",
+        job: str | None = None,
+        priority: int = 5,
+        share: int = 1,
+        **settings: Any,
+    ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
         the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
         from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options, pin_loras
@@ -204,17 +233,29 @@ class Client:
             settings["loras"] = parse_loras(settings["loras"])
         width, height = parse_size(size)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
-        params = RenderParams(model=_expand_home(model or self.settings.model or ""), steps=steps, width=width,
-                              height=height, guidance=guidance, negative_prompt=negative, seed=seed, **settings)
-        opts = SubmitOptions(params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job,
-                             priority=priority, share=share)
+        params = RenderParams(
+            model=_expand_home(model or self.settings.model or ""),
+            steps=steps,
+            width=width,
+            height=height,
+            guidance=guidance,
+            negative_prompt=negative,
+            seed=seed,
+            **settings,
+        )
+        opts = SubmitOptions(
+            params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority, share=share
+        )
         check_options(opts)
         revision, notes = self._pin_revision(params.model, params.revision)
         # A folder's or bucket's content, as it is now, and each LoRA's: a worker holding other
         # files refuses the job.
         loras = pin_loras(params.loras, s3=self.settings.s3_options, hub=self.resolve_revision or hub_commit)
-        return replace(opts, params=replace(params, revision=revision, model_digest=self._model_digest(params.model),
-                                            loras=loras), notes=notes)
+        return replace(
+            opts,
+            params=replace(params, revision=revision, model_digest=self._model_digest(params.model), loras=loras),
+            notes=notes,
+        )
 
     def _pin_revision(self, model: str, revision: str) -> tuple[str, tuple[str, ...]]:
         """(the revision the job records, notes to show) for a hub ``model``: a branch or tag resolved
@@ -243,8 +284,10 @@ class Client:
             if commit:
                 revision = commit
             else:
-                notes = (f"--revision {revision[:200]!r}: the hub could not be reached to resolve it to a commit; "
-                         f"recorded as given, so each worker loads {model[:200]}@{revision[:200]} as it finds it",)
+                notes = (
+                    f"--revision {revision[:200]!r}: the hub could not be reached to resolve it to a commit; "
+                    f"recorded as given, so each worker loads {model[:200]}@{revision[:200]} as it finds it",
+                )
         if allowed is not None:
             check(revision)
         return revision, notes
@@ -260,13 +303,17 @@ class Client:
             try:
                 return digests.folder_digest(Path(model).expanduser())
             except OSError as exc:  # a file the workers' user may read and the submitter not, one removed meanwhile
-                raise InputError([f"--model {model[:200]!r}: cannot read {exc.filename or model} to record the "
-                                  f"model's digest: {exc.strerror or exc}"]) from None
+                raise InputError(
+                    [
+                        f"--model {model[:200]!r}: cannot read {exc.filename or model} to record the "
+                        f"model's digest: {exc.strerror or exc}"
+                    ]
+                ) from None
         if kind != "s3":
             return ""
         from renderfleet.store import S3Store
 
-        bucket, _, prefix = model[len("s3://"):].partition("/")
+        bucket, _, prefix = model[len("s3://") :].partition("/")
         if not bucket or not prefix.strip("/"):
             raise InputError([f"--model {model[:200]!r}: an s3:// model is a prefix in a bucket (s3://bucket/prefix)"])
         listing = list(S3Store(bucket, prefix.strip("/"), options=self.settings.s3_options).tagged(""))
@@ -274,8 +321,16 @@ class Client:
             raise InputError([f"--model {model[:200]!r}: nothing is stored under that prefix"])
         return digests.listing_digest(listing)
 
-    def submit_file(self, path: str, opts: SubmitOptions, *, summary: FileSummary | None = None,
-                    source: str | None = None, label: str | None = None, by_item: bool = False) -> Job:
+    def submit_file(
+        self,
+        path: str,
+        opts: SubmitOptions,
+        *,
+        summary: FileSummary | None = None,
+        source: str | None = None,
+        label: str | None = None,
+        by_item: bool = False,
+    ) -> Job:
         """Submit the prompt file at ``path`` (validated first, before any connection)."""
         from dispatcher.submit import submit
         from renderfleet import prompts, shardfile
@@ -294,14 +349,29 @@ class Client:
                     wire = (wire_file, writer)
             except InputError as exc:
                 raise (_renamed(exc, path, label, by_item) if label else exc) from None
-            warnings = [*opts.notes,
-                        *(_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings)]
+            warnings = [*opts.notes, *(_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings)]
             if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt):
                 warnings.append(note.replace(path, label) if label else note)
-            result = submit(path, opts, store=self.store, app=self.app, client=self.redis,
-                            queue=queue_name(opts.pool, self.store.url), summary=summary, source=source, wire=wire)
-        return Job(self, result.job, result.total, new=result.new, shards_enqueued=result.shards_enqueued,
-                   seconds=result.seconds, warnings=warnings)
+            result = submit(
+                path,
+                opts,
+                store=self.store,
+                app=self.app,
+                client=self.redis,
+                queue=queue_name(opts.pool, self.store.url),
+                summary=summary,
+                source=source,
+                wire=wire,
+            )
+        return Job(
+            self,
+            result.job,
+            result.total,
+            new=result.new,
+            shards_enqueued=result.shards_enqueued,
+            seconds=result.seconds,
+            warnings=warnings,
+        )
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (from code or the CLI): its id, or a unique prefix of
@@ -376,8 +446,14 @@ class Job:
         prices = {name: pool.price_per_hour for name, pool in self.client.settings.pools.items()}
         return fleet_status(self.client.redis, [self.id], store=self.client.store, prices=prices).jobs[0]
 
-    def wait(self, timeout: float | None = None, *, progress: bool = False, poll: float = 1.0,
-             on_no_worker: Callable[[str], None] | None = None) -> JobStatus:
+    def wait(
+        self,
+        timeout: float | None = None,
+        *,
+        progress: bool = False,
+        poll: float = 1.0,
+        on_no_worker: Callable[[str], None] | None = None,
+    ) -> JobStatus:
         """Poll until every prompt is rendered or quarantined; returns the last status.
 
         ``progress`` draws a rich progress bar on stderr.  Raises
@@ -423,8 +499,10 @@ class Job:
                     tell(unserved)
                     told = unserved
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id}: {now.done + now.quarantined}/{now.total} after {timeout} s"
-                                       + (f"; {unserved.removeprefix(f'job {self.id}: ')}" if unserved else ""))
+                    raise TimeoutError(
+                        f"job {self.id}: {now.done + now.quarantined}/{now.total} after {timeout} s"
+                        + (f"; {unserved.removeprefix(f'job {self.id}: ')}" if unserved else "")
+                    )
                 time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
         finally:
             if bar is not None:
@@ -437,8 +515,9 @@ class Job:
         from dispatcher.status import store_workers
 
         redis_client, store = self.client.redis, self.client.store
-        found = unserved(redis_client, store, store_workers(redis_client, store), self.id,
-                         2 * self.client.settings.lease_seconds)
+        found = unserved(
+            redis_client, store, store_workers(redis_client, store), self.id, 2 * self.client.settings.lease_seconds
+        )
         return None if found is None else found[1]
 
     def results(self) -> Results:
@@ -450,16 +529,14 @@ class Job:
         if not self.client.redis.exists(keys.job(self.id)):
             return results(self.client.store, self.id)
         names: list[str] = []  # the prompt file read once: by resume, for both
-        resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False,
-               names=names)
+        resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False, names=names)
         return results(self.client.store, self.id, names)
 
     def resume(self) -> ResumeReport:
         """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""
         from dispatcher.resume import resume
 
-        return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis,
-                      uncancel=True)
+        return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, uncancel=True)
 
     def cancel(self) -> Cancelled:
         """Stop the job: its queued shards leave the queue, its running ones stop at their next
@@ -476,8 +553,13 @@ class Job:
         running shards' holders to let go (``on_wait(leases, seconds)`` is told)."""
         from dispatcher.lifecycle import delete
 
-        return delete(self.id, store=self.client.store, client=self.client.redis,
-                      lease_seconds=self.client.settings.lease_seconds, on_wait=on_wait)
+        return delete(
+            self.id,
+            store=self.client.store,
+            client=self.client.redis,
+            lease_seconds=self.client.settings.lease_seconds,
+            on_wait=on_wait,
+        )
 
 
 # ---- iterables as a jsonl file --------------------------------------------------------
@@ -503,8 +585,7 @@ def write_jsonl(items: Iterable[PromptLike], path: str, *, max_problems: int = 5
                 obj = item
             else:
                 if len(problems) < max_problems:
-                    problems.append(f"prompts[{i}]: expected a string, a dict or a PromptRequest, "
-                                    f"got {type(item).__name__}")
+                    problems.append(f"prompts[{i}]: expected a string, a dict or a PromptRequest, got {type(item).__name__}")
                 obj = {"prompt": ""}
             try:
                 out.write(dumps(obj) + "\n")

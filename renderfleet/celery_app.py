@@ -119,26 +119,27 @@ Envelope = Callable[[str, str, str], str]
 
 def _template(app: Celery) -> tuple[dict[str, object], str]:
     """Celery's protocol-2 headers for our task (built once) and its body's embed, as JSON."""
-    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={},
-                                   argsrepr="", kwargsrepr="{}")
+    template = app.amqp.as_task_v2(str(uuid.uuid4()), TASK_NAME, args=[""], kwargs={}, argsrepr="", kwargsrepr="{}")
     return dict(template.headers), json.dumps(template.body[2])
 
 
 def _envelope(headers: dict[str, object], body: str, queue: str, task_id: str, argsrepr: str, tag: str) -> str:
-    return json.dumps({
-        "body": body,
-        "content-encoding": "utf-8",
-        "content-type": "application/json",
-        "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
-        "properties": {
-            "correlation_id": task_id,
-            "delivery_mode": 2,
-            "delivery_info": {"exchange": "", "routing_key": queue},
-            "priority": 0,
-            "body_encoding": "base64",
-            "delivery_tag": tag,
-        },
-    })
+    return json.dumps(
+        {
+            "body": body,
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": argsrepr},
+            "properties": {
+                "correlation_id": task_id,
+                "delivery_mode": 2,
+                "delivery_info": {"exchange": "", "routing_key": queue},
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_tag": tag,
+            },
+        }
+    )
 
 
 def envelope_factory(app: Celery) -> Envelope:
@@ -181,5 +182,6 @@ def feed_template(app: Celery, queue: str, head: str) -> str:
     quoted = json.dumps(head)  # the message as a JSON string, its closing quote dropped below
     pre = f"[[{quoted[:-1]}"
     pre = f"[{' ' * (-len(pre) % 3)}{pre[1:]}"  # json.dumps wrote ASCII: a character is a byte
-    return json.dumps({"parts": _SLOT.split(env), "pre": base64.b64encode(pre.encode()).decode(),
-                       "post": f'}}"],{{}},{embed}]'})
+    return json.dumps(
+        {"parts": _SLOT.split(env), "pre": base64.b64encode(pre.encode()).decode(), "post": f'}}"],{{}},{embed}]'}
+    )

@@ -25,8 +25,12 @@ from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound,
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
-                  help="Render one image per prompt on a fleet of GPU workers, each exactly once.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    help="Render one image per prompt on a fleet of GPU workers, each exactly once.",
+)
 
 EXIT_INPUT = 2
 
@@ -103,12 +107,14 @@ def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None)
 FLAG = ""
 _MODEL_HELP = "diffusers model id, local folder, s3:// URI, or 'tiny' (random weights: noise, for a smoke test)"
 # A submit (and a bench) must name its model: the random-weight tiny one is no production default.
-Model = Annotated[str | None, typer.Option(
-    metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else required)")]
+Model = Annotated[
+    str | None, typer.Option(metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else required)")
+]
 # The local demo (`run`) and a worker, which loads each job's own model, may start from tiny.
 TINY_MODEL = "tiny"
-ModelOrTiny = Annotated[str | None, typer.Option(
-    metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else {TINY_MODEL})")]
+ModelOrTiny = Annotated[
+    str | None, typer.Option(metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else {TINY_MODEL})")
+]
 Steps = Annotated[int, typer.Option(metavar="N", help="denoising steps")]
 Size = Annotated[str, typer.Option(metavar="WxH", help="WIDTHxHEIGHT, multiples of 8")]
 Guidance = Annotated[float, typer.Option(metavar="SCALE", help="classifier-free guidance scale")]
@@ -118,33 +124,53 @@ ShardSize = Annotated[int, typer.Option("--shard-size", metavar="N", help="promp
 BatchSize = Annotated[int, typer.Option("--batch-size", metavar="N", help="prompts per pipeline call and checkpoint")]
 _SIZE = f"{DEFAULT['width']}x{DEFAULT['height']}"  # the defaults: one table, spec.FIELDS
 Pool = Annotated[str | None, typer.Option(metavar="NAME", help="pool whose queue gets the work (default: default)")]
-Priority = Annotated[int, typer.Option("--priority", metavar="N",
-                                       help="0 (lowest) to 9: a higher job's shards are taken first")]
-Share = Annotated[int, typer.Option("--share", metavar="W",
-                                    help="1 to 100: the job's weight among the jobs of its priority (they take turns)")]
-JobOpt = Annotated[str | None, typer.Option("--job", metavar="ID",
-                                            help="job id (default: derived from content and settings)")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", metavar="FILE",
-                                                help="TOML file with \\[pools.NAME] and \\[autoscale] tables")]
+Priority = Annotated[
+    int, typer.Option("--priority", metavar="N", help="0 (lowest) to 9: a higher job's shards are taken first")
+]
+Share = Annotated[
+    int,
+    typer.Option("--share", metavar="W", help="1 to 100: the job's weight among the jobs of its priority (they take turns)"),
+]
+JobOpt = Annotated[
+    str | None, typer.Option("--job", metavar="ID", help="job id (default: derived from content and settings)")
+]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", metavar="FILE", help="TOML file with \\[pools.NAME] and \\[autoscale] tables")
+]
 JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id, or a unique prefix of it (as status shows)")]
 # The render settings of the one table beyond the basics (docs/configuration.md, "Render settings").
-Scheduler = Annotated[str, typer.Option(
-    metavar="NAME", help="sampler: euler, euler_a, dpmpp_2m, dpmpp_2m_karras, dpmpp_sde, ddim, unipc, lcm, ... "
-    "or a diffusers class name (default: the model's own)")]
-LongPrompts = Annotated[str, typer.Option(
-    "--long-prompts", metavar="chunk|truncate",
-    help="prompts over 77 tokens: embedded in 77-token chunks, or cut at 77")]
-ImageFormat = Annotated[str, typer.Option(
-    "--image-format", metavar="FORMAT", help="png, webp, webp-lossless or jpeg (metadata kept in each)")]
+Scheduler = Annotated[
+    str,
+    typer.Option(
+        metavar="NAME",
+        help="sampler: euler, euler_a, dpmpp_2m, dpmpp_2m_karras, dpmpp_sde, ddim, unipc, lcm, ... "
+        "or a diffusers class name (default: the model's own)",
+    ),
+]
+LongPrompts = Annotated[
+    str,
+    typer.Option(
+        "--long-prompts", metavar="chunk|truncate", help="prompts over 77 tokens: embedded in 77-token chunks, or cut at 77"
+    ),
+]
+ImageFormat = Annotated[
+    str, typer.Option("--image-format", metavar="FORMAT", help="png, webp, webp-lossless or jpeg (metadata kept in each)")
+]
 Quality = Annotated[int, typer.Option(metavar="1-100", help="webp/jpeg quality (lossless WebP: effort)")]
-Lora = Annotated[list[str] | None, typer.Option(
-    "--lora", metavar="SOURCE[:SCALE]",
-    help="a LoRA adapter (.safetensors: a hub id, a local folder or file, an s3:// file) at SCALE (default 1); "
-    "repeat for several")]
-Revision = Annotated[str, typer.Option(
-    metavar="REV", help="hub ids: the branch, tag or commit whose weights to load (default: the main branch)")]
-Variant = Annotated[str, typer.Option(
-    metavar="NAME", help="weights variant to load, e.g. fp16 (hub ids, folders, s3://)")]
+Lora = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="SOURCE[:SCALE]",
+        help="a LoRA adapter (.safetensors: a hub id, a local folder or file, an s3:// file) at SCALE (default 1); "
+        "repeat for several",
+    ),
+]
+Revision = Annotated[
+    str,
+    typer.Option(metavar="REV", help="hub ids: the branch, tag or commit whose weights to load (default: the main branch)"),
+]
+Variant = Annotated[str, typer.Option(metavar="NAME", help="weights variant to load, e.g. fp16 (hub ids, folders, s3://)")]
 
 
 @dataclass(frozen=True)
@@ -175,13 +201,24 @@ class SubmitFlags:
 # Each setting's option (its Annotated type) and default, defined once for every command that
 # submits: run took a subset of submit's until they drifted apart (issue 36).
 SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
-    "job": (JobOpt, None), "model": (Model, None), "steps": (Steps, DEFAULT["steps"]), "size": (Size, _SIZE),
-    "guidance": (Guidance, DEFAULT["guidance"]), "negative": (Negative, DEFAULT["negative_prompt"]),
-    "seed": (Seed, DEFAULT["seed"]), "shard_size": (ShardSize, 64), "batch_size": (BatchSize, 4),
-    "pool": (Pool, None), "priority": (Priority, DEFAULT_PRIORITY),
-    "share": (Share, DEFAULT_SHARE), "scheduler": (Scheduler, DEFAULT["scheduler"]),
-    "long_prompts": (LongPrompts, DEFAULT["long_prompts"]), "image_format": (ImageFormat, DEFAULT["image_format"]),
-    "quality": (Quality, DEFAULT["quality"]), "lora": (Lora, None), "revision": (Revision, DEFAULT["revision"]),
+    "job": (JobOpt, None),
+    "model": (Model, None),
+    "steps": (Steps, DEFAULT["steps"]),
+    "size": (Size, _SIZE),
+    "guidance": (Guidance, DEFAULT["guidance"]),
+    "negative": (Negative, DEFAULT["negative_prompt"]),
+    "seed": (Seed, DEFAULT["seed"]),
+    "shard_size": (ShardSize, 64),
+    "batch_size": (BatchSize, 4),
+    "pool": (Pool, None),
+    "priority": (Priority, DEFAULT_PRIORITY),
+    "share": (Share, DEFAULT_SHARE),
+    "scheduler": (Scheduler, DEFAULT["scheduler"]),
+    "long_prompts": (LongPrompts, DEFAULT["long_prompts"]),
+    "image_format": (ImageFormat, DEFAULT["image_format"]),
+    "quality": (Quality, DEFAULT["quality"]),
+    "lora": (Lora, None),
+    "revision": (Revision, DEFAULT["revision"]),
     "variant": (Variant, DEFAULT["variant"]),
 }
 
@@ -194,8 +231,10 @@ def with_submit_flags(**options: Any) -> Callable[[Callable[..., None]], Callabl
 
     def wrap(func: Callable[..., None]) -> Callable[..., None]:
         own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "flags"]
-        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=options.get(name, kind),
-                                    default=default) for name, (kind, default) in SUBMIT_FLAGS.items()]
+        shared = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=options.get(name, kind), default=default)
+            for name, (kind, default) in SUBMIT_FLAGS.items()
+        ]
 
         @functools.wraps(func)
         def command(**kwargs: Any) -> None:
@@ -218,11 +257,21 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
     if flags.lora:
         render["loras"] = flags.lora
     render.update({k: v for k, v in (("revision", flags.revision), ("variant", flags.variant)) if v})
-    return Client(settings).options(model=model or flags.model, steps=flags.steps, size=flags.size,
-                                    guidance=flags.guidance, negative=flags.negative, seed=flags.seed,
-                                    shard_size=flags.shard_size, batch_size=flags.batch_size,
-                                    pool=flags.pool or "default", job=flags.job, priority=flags.priority,
-                                    share=flags.share, **render)
+    return Client(settings).options(
+        model=model or flags.model,
+        steps=flags.steps,
+        size=flags.size,
+        guidance=flags.guidance,
+        negative=flags.negative,
+        seed=flags.seed,
+        shard_size=flags.shard_size,
+        batch_size=flags.batch_size,
+        pool=flags.pool or "default",
+        job=flags.job,
+        priority=flags.priority,
+        share=flags.share,
+        **render,
+    )
 
 
 def _render(scheduler: str, long_prompts: str, image_format: str, quality: int) -> dict[str, Any]:
@@ -230,21 +279,34 @@ def _render(scheduler: str, long_prompts: str, image_format: str, quality: int) 
     return {"scheduler": scheduler, "long_prompts": long_prompts, "image_format": image_format, "quality": quality}
 
 
-def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, stream: Any = None,
-               fmt: str | None = None) -> Any:
+def _do_submit(
+    file: Path, opts: Any, settings: Settings, summary: Any = None, stream: Any = None, fmt: str | None = None
+) -> Any:
     """Submit through the Python API (:class:`renderfleet.api.Client`): the CLI is a thin layer over it."""
     from renderfleet.api import Client
 
     client = Client(settings)
     if stream is not None:
-        job = client.submit(stream, format=fmt, model=opts.params.model, steps=opts.params.steps,
-                            size=(opts.params.width, opts.params.height), guidance=opts.params.guidance,
-                            negative=opts.params.negative_prompt, seed=opts.params.seed, shard_size=opts.shard_size,
-                            batch_size=opts.batch_size, pool=opts.pool, job=opts.job, priority=opts.priority,
-                            share=opts.share,
-                            **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format,
-                                      opts.params.quality),
-                            loras=opts.params.loras, revision=opts.params.revision, variant=opts.params.variant)
+        job = client.submit(
+            stream,
+            format=fmt,
+            model=opts.params.model,
+            steps=opts.params.steps,
+            size=(opts.params.width, opts.params.height),
+            guidance=opts.params.guidance,
+            negative=opts.params.negative_prompt,
+            seed=opts.params.seed,
+            shard_size=opts.shard_size,
+            batch_size=opts.batch_size,
+            pool=opts.pool,
+            job=opts.job,
+            priority=opts.priority,
+            share=opts.share,
+            **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format, opts.params.quality),
+            loras=opts.params.loras,
+            revision=opts.params.revision,
+            variant=opts.params.variant,
+        )
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
     for note in job.warnings:
@@ -255,11 +317,14 @@ def _do_submit(file: Path, opts: Any, settings: Settings, summary: Any = None, s
 @app.command()
 @with_submit_flags()
 def submit(
-    file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; "
-                                         "- for stdin")],
-    fmt: Annotated[str | None, typer.Option("--format", metavar="FORMAT",
-                                            help="txt, jsonl or csv: the format of stdin (with -)")] = None,
-    *, flags: SubmitFlags,
+    file: Annotated[
+        Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")
+    ],
+    fmt: Annotated[
+        str | None, typer.Option("--format", metavar="FORMAT", help="txt, jsonl or csv: the format of stdin (with -)")
+    ] = None,
+    *,
+    flags: SubmitFlags,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
     settings = _settings()
@@ -275,8 +340,10 @@ def submit(
                 raise InputError(["--format: only with - (a file's format is its suffix)"])
             result = _do_submit(file, opts, settings)
     verb = "submitted" if result.new else "resubmitted"
-    _err(f"{verb} {result.total} prompts as job {result.id}: {result.shards_enqueued} shards enqueued "
-         f"in {result.seconds:.2f} s")
+    _err(
+        f"{verb} {result.total} prompts as job {result.id}: {result.shards_enqueued} shards enqueued "
+        f"in {result.seconds:.2f} s"
+    )
     print(result.id)
 
 
@@ -285,34 +352,62 @@ def submit(
 
 @app.command()
 def worker(
-    pool: Annotated[str | None, typer.Option(metavar="NAME", help="pool this worker belongs to (baseline, spot, ...; "
-                                             "default: RENDERFLEET_POOL, else default)")] = None,
+    pool: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME", help="pool this worker belongs to (baseline, spot, ...; default: RENDERFLEET_POOL, else default)"
+        ),
+    ] = None,
     model: ModelOrTiny = None,
-    queue: Annotated[list[str] | None, typer.Option(
-        metavar="POOL",
-        help="pools whose queues (of this worker's store) it serves (default: its own and 'default')")] = None,
-    metrics_port: Annotated[int | None, typer.Option(
-        metavar="PORT", help="serve this worker's Prometheus /metrics on this port "
-        "(0: off; RENDERFLEET_METRICS_PORT)")] = None,
-    metrics_host: Annotated[str | None, typer.Option(
-        metavar="HOST", help="address of /metrics (127.0.0.1; off loopback only with RENDERFLEET_HTTP_TOKEN)")] = None,
-    batch_size: Annotated[str | None, typer.Option(
-        "--batch-size", metavar="auto|N",
-        help="prompts per pipeline call: auto (the most that fit; on a CPU the fastest) or N, "
-        "never above the job's batch")] = None,
-    compile: Annotated[bool | None, typer.Option(
-        "--compile/--no-compile", metavar=FLAG, help="compile the UNet's repeated blocks (CUDA only)")] = None,
+    queue: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="POOL", help="pools whose queues (of this worker's store) it serves (default: its own and 'default')"
+        ),
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            metavar="PORT", help="serve this worker's Prometheus /metrics on this port (0: off; RENDERFLEET_METRICS_PORT)"
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(metavar="HOST", help="address of /metrics (127.0.0.1; off loopback only with RENDERFLEET_HTTP_TOKEN)"),
+    ] = None,
+    batch_size: Annotated[
+        str | None,
+        typer.Option(
+            "--batch-size",
+            metavar="auto|N",
+            help="prompts per pipeline call: auto (the most that fit; on a CPU the fastest) or N, "
+            "never above the job's batch",
+        ),
+    ] = None,
+    compile: Annotated[
+        bool | None,
+        typer.Option("--compile/--no-compile", metavar=FLAG, help="compile the UNet's repeated blocks (CUDA only)"),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
-    settings = _settings(pool=pool, model=model, metrics_port=metrics_port, metrics_host=metrics_host,
-                         render_batch=batch_size, compile=compile)
+    settings = _settings(
+        pool=pool,
+        model=model,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        render_batch=batch_size,
+        compile=compile,
+    )
     from renderfleet import logs
 
     # The worker's own events (start, model loaded, each shard claimed and ended) at INFO; the
     # libraries' and Celery's lines from WARNING unless --verbose.  Celery keeps this (worker.main).
-    logs.setup(logging.INFO if verbose else logging.WARNING, settings.log_format,
-               levels={"renderfleet": logging.INFO, "worker": logging.INFO})
+    logs.setup(
+        logging.INFO if verbose else logging.WARNING,
+        settings.log_format,
+        levels={"renderfleet": logging.INFO, "worker": logging.INFO},
+    )
     from worker.main import run_worker
 
     with _user_errors():
@@ -325,14 +420,18 @@ def worker(
 
 @app.command()
 def status(
-    job: Annotated[str | None, typer.Argument(metavar="JOB", help="a job id or a unique prefix of one; "
-                                              "all jobs when left out")] = None,
-    as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout "
-                                          "(docs/monitoring.md)")] = False,
-    watch: Annotated[bool, typer.Option("--watch", metavar=FLAG, help="redraw every 2 s until Ctrl-C "
-                                        "(piped: a frame every 2 s)")] = False,
-    wide: Annotated[bool, typer.Option("--wide", metavar=FLAG, help="every column, however wide the "
-                                       "terminal (lines may wrap)")] = False,
+    job: Annotated[
+        str | None, typer.Argument(metavar="JOB", help="a job id or a unique prefix of one; all jobs when left out")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout (docs/monitoring.md)")
+    ] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", metavar=FLAG, help="redraw every 2 s until Ctrl-C (piped: a frame every 2 s)")
+    ] = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", metavar=FLAG, help="every column, however wide the terminal (lines may wrap)")
+    ] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Progress of a job (or every job): rate, ETA, cost; backlog, queues and workers.
@@ -355,8 +454,9 @@ def status(
         jobs = [_job_id(settings, job, client, store)] if job else None
 
         def read() -> Any:
-            return fleet_status(client, jobs, store=store, prices=prices, with_store_only=True,
-                                max_age=2 * settings.lease_seconds)
+            return fleet_status(
+                client, jobs, store=store, prices=prices, with_store_only=True, max_age=2 * settings.lease_seconds
+            )
 
         try:
             fleet = read()
@@ -385,10 +485,13 @@ def status(
 def results(
     job: JobArg,
     as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout")] = False,
-    manifest: Annotated[Path | None, typer.Option("--manifest", metavar="FILE", help="write one row per prompt to a "
-                                                  ".parquet, .jsonl or .csv file")] = None,
-    sheet: Annotated[Path | None, typer.Option("--contact-sheet", metavar="FILE",
-                                               help="write a PNG grid of the first images")] = None,
+    manifest: Annotated[
+        Path | None,
+        typer.Option("--manifest", metavar="FILE", help="write one row per prompt to a .parquet, .jsonl or .csv file"),
+    ] = None,
+    sheet: Annotated[
+        Path | None, typer.Option("--contact-sheet", metavar="FILE", help="write a PNG grid of the first images")
+    ] = None,
     first: Annotated[int, typer.Option("--first", metavar="N", help="images on the contact sheet")] = 100,
 ) -> None:
     """Where each prompt's image is, and which are missing or quarantined."""
@@ -421,8 +524,9 @@ def results(
         corrected = _correct_counts(settings, store, job, names)
         res = job_results(store, job, names if corrected is not None else None)
     if corrected is not None and corrected.uncounted:
-        _err(f"job {job}: {corrected.uncounted} prompts counted done have no image in the store: "
-             "their counts are taken back")
+        _err(
+            f"job {job}: {corrected.uncounted} prompts counted done have no image in the store: their counts are taken back"
+        )
     if as_json:
         print(json.dumps(res.to_dict()))
     else:
@@ -487,10 +591,12 @@ def resume(job: JobArg) -> None:
         if (gone := deleted(client, job)) is not None:
             raise gone
         report = do_resume(job, store=store, app=celery, client=client, uncancel=True)
-    _err(f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
-         f"{report.shards_enqueued} shards enqueued" + (" (counters rebuilt)" if report.rebuilt_counters else "")
-         + (f"; {report.uncounted} counted prompts had no image: counted again once rendered"
-            if report.uncounted else ""))
+    _err(
+        f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
+        f"{report.shards_enqueued} shards enqueued"
+        + (" (counters rebuilt)" if report.rebuilt_counters else "")
+        + (f"; {report.uncounted} counted prompts had no image: counted again once rendered" if report.uncounted else "")
+    )
     print(job)
 
 
@@ -505,9 +611,12 @@ def cancel(job: JobArg) -> None:
         job = handle.id
         done = handle.cancel()
         st = handle.status()
-    _err(f"job {job} cancelled: {st.done}/{st.total} rendered; {done.removed} queued message(s) removed, "
-         f"{done.parked} shard(s) parked" + (f", {done.leased} running shard(s) stop at their next batch"
-                                             if done.leased else "") + f"; `renderfleet resume {job}` continues it")
+    _err(
+        f"job {job} cancelled: {st.done}/{st.total} rendered; {done.removed} queued message(s) removed, "
+        f"{done.parked} shard(s) parked"
+        + (f", {done.leased} running shard(s) stop at their next batch" if done.leased else "")
+        + f"; `renderfleet resume {job}` continues it"
+    )
     print(job)
 
 
@@ -528,8 +637,7 @@ def delete(
         where = client.store.locate(job_prefix(job))
         if not yes:
             if not sys.stdin.isatty():
-                raise InputError([f"delete {job}: would remove {where}; refusing without --yes "
-                                  "(no terminal to ask on)"])
+                raise InputError([f"delete {job}: would remove {where}; refusing without --yes (no terminal to ask on)"])
             if not typer.confirm(f"Delete job {job}: everything under {where}, and its records in Redis?"):
                 _err("nothing deleted")
                 raise typer.Exit(1)
@@ -537,20 +645,28 @@ def delete(
         def waiting(leases: int, seconds: float) -> None:
             _err(f"waiting for {leases} running shard(s), fenced, to let go of their leases (at most {seconds:.0f} s)")
 
-        report = do_delete(job, store=client.store, client=client.redis, lease_seconds=settings.lease_seconds,
-                           on_wait=waiting)
-    _err(f"job {job} deleted: {report.objects} object(s) removed from {where}"
-         + (f" ({report.stragglers} written after the first pass)" if report.stragglers else "")
-         + "; its Redis keys are gone (a tombstone says so for a day)")
+        report = do_delete(
+            job, store=client.store, client=client.redis, lease_seconds=settings.lease_seconds, on_wait=waiting
+        )
+    _err(
+        f"job {job} deleted: {report.objects} object(s) removed from {where}"
+        + (f" ({report.stragglers} written after the first pass)" if report.stragglers else "")
+        + "; its Redis keys are gone (a tombstone says so for a day)"
+    )
     print(job)
 
 
 @app.command()
 def monitor(
     once: Annotated[bool, typer.Option(metavar=FLAG, help="one pass, then exit")] = False,
-    http: Annotated[str | None, typer.Option(
-        "--http", metavar="HOST:PORT", help="serve the web page, /metrics and /api/ on HOST:PORT "
-        "(off loopback only with RENDERFLEET_HTTP_TOKEN)")] = None,
+    http: Annotated[
+        str | None,
+        typer.Option(
+            "--http",
+            metavar="HOST:PORT",
+            help="serve the web page, /metrics and /api/ on HOST:PORT (off loopback only with RENDERFLEET_HTTP_TOKEN)",
+        ),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Reap expired leases, recover lost shards, resume jobs that Redis lost; serve metrics. Until Ctrl-C."""
@@ -568,11 +684,21 @@ def monitor(
             from dispatcher.status import fleet_status
 
             prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
-            server = serve(http, lambda: fleet_status(client, store=store, prices=prices), prices,
-                           settings.http_token, client=client, store=store, hosts=settings.http_host_list,
-                           tls_proxy=settings.http_tls_proxy, pools=settings.pools)
-            _err(f"monitor: serving the page, /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
-                 f"{server.server_port}/")
+            server = serve(
+                http,
+                lambda: fleet_status(client, store=store, prices=prices),
+                prices,
+                settings.http_token,
+                client=client,
+                store=store,
+                hosts=settings.http_host_list,
+                tls_proxy=settings.http_tls_proxy,
+                pools=settings.pools,
+            )
+            _err(
+                f"monitor: serving the page, /metrics and /api/status on http://{http.rpartition(':')[0] or '127.0.0.1'}:"
+                f"{server.server_port}/"
+            )
         if once:
             mon.tick()
         else:
@@ -580,6 +706,7 @@ def monitor(
 
 
 # ---- pools: scale and autoscale ---------------------------------------------------------
+
 
 def _autoscaler(settings: Settings) -> Any:
     import os
@@ -627,12 +754,14 @@ def scale(
 @app.command()
 def autoscale(
     config: ConfigOpt = None,
-    once: Annotated[bool, typer.Option(
-        metavar=FLAG, help="one decision, then exit (the workers it starts keep running)")] = False,
+    once: Annotated[
+        bool, typer.Option(metavar=FLAG, help="one decision, then exit (the workers it starts keep running)")
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", metavar=FLAG, help="decide, change nothing")] = False,
     as_json: Annotated[bool, typer.Option("--json", metavar=FLAG, help="print each decision as JSON")] = False,
-    leave_workers: Annotated[bool, typer.Option(
-        "--leave-workers", metavar=FLAG, help="when stopped, leave the local pools' workers running")] = False,
+    leave_workers: Annotated[
+        bool, typer.Option("--leave-workers", metavar=FLAG, help="when stopped, leave the local pools' workers running")
+    ] = False,
 ) -> None:
     """Size every pool of the config file to the backlog, in seconds of work, until stopped.
 
@@ -680,7 +809,9 @@ def autoscale(
                 stopped, killed = backend.stop_all(local, settings.sigterm_grace_seconds + LEAVE_SECONDS)
                 what = f"{stopped} local worker(s) stopped, their shards handed back" + (
                     f" ({killed} killed after their grace: their shards come back when their leases expire)"
-                    if killed else "")
+                    if killed
+                    else ""
+                )
             _err(f"autoscale: interrupted by {signal.Signals(signo).name}: {what}")
             raise typer.Exit(128 + signo) from None
 
@@ -694,7 +825,8 @@ def run(
     file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz")],
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="local workers to start")] = 1,
     timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
-    *, flags: SubmitFlags,
+    *,
+    flags: SubmitFlags,
 ) -> None:
     """Everything on this machine: server, N workers, submit, progress, summary.
 
@@ -718,23 +850,32 @@ def run(
 
 @app.command()
 def bench(
-    model: Model = None, steps: Steps = DEFAULT["steps"], size: Size = _SIZE, guidance: Guidance = DEFAULT["guidance"],
+    model: Model = None,
+    steps: Steps = DEFAULT["steps"],
+    size: Size = _SIZE,
+    guidance: Guidance = DEFAULT["guidance"],
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST", help="e.g. 1,2,4,8, or auto")] = "auto",
-    price_per_hour: Annotated[float | None, typer.Option("--price-per-hour", metavar="PRICE",
-                                                         help="this card's price")] = None,
+    price_per_hour: Annotated[
+        float | None, typer.Option("--price-per-hour", metavar="PRICE", help="this card's price")
+    ] = None,
     runs: Annotated[int, typer.Option(metavar="N", help="timed batches per batch size (median)")] = 3,
     out: Annotated[Path, typer.Option(metavar="DIR", help="folder for bench.json, bench.md, bench.png")] = Path("bench-out"),
-    compare: Annotated[bool, typer.Option("--compare", metavar=FLAG, help="compare the bench.json FILES of earlier runs "
-                                          "instead of running one")] = False,
-    compile: Annotated[bool, typer.Option("--compile", metavar=FLAG,
-                                          help="compile the UNet's repeated blocks (CUDA only)")] = False,
-    scheduler: Scheduler = DEFAULT["scheduler"], image_format: ImageFormat = DEFAULT["image_format"],
+    compare: Annotated[
+        bool,
+        typer.Option("--compare", metavar=FLAG, help="compare the bench.json FILES of earlier runs instead of running one"),
+    ] = False,
+    compile: Annotated[
+        bool, typer.Option("--compile", metavar=FLAG, help="compile the UNet's repeated blocks (CUDA only)")
+    ] = False,
+    scheduler: Scheduler = DEFAULT["scheduler"],
+    image_format: ImageFormat = DEFAULT["image_format"],
     quality: Quality = DEFAULT["quality"],
     config: ConfigOpt = None,
     # Files are arguments, not --compare's values: a click option takes one value per flag, so
     # `--compare a.json b.json` (the documented form) needs them positional; `--compare a --compare b` works too.
-    files: Annotated[list[Path] | None, typer.Argument(metavar="FILES", help="with --compare: bench.json files",
-                                                     show_default=False)] = None,
+    files: Annotated[
+        list[Path] | None, typer.Argument(metavar="FILES", help="with --compare: bench.json files", show_default=False)
+    ] = None,
 ) -> None:
     """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
     settings = _settings(config=config)
@@ -743,8 +884,12 @@ def bench(
 
     with _user_errors():
         if files and not compare:
-            raise InputError([f"bench: unexpected argument {str(files[0])!r} (to compare bench.json files: "
-                              "bench --compare A.json B.json)"])
+            raise InputError(
+                [
+                    f"bench: unexpected argument {str(files[0])!r} (to compare bench.json files: "
+                    "bench --compare A.json B.json)"
+                ]
+            )
         if compare:
             if not files:
                 raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
@@ -757,25 +902,53 @@ def bench(
 
         width, height = parse_size(size)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
-        check_options(SubmitOptions(RenderParams(model=model or settings.model or "", steps=steps, width=width,
-                                                 height=height, guidance=guidance, scheduler=scheduler,
-                                                 image_format=image_format, quality=quality)))
+        check_options(
+            SubmitOptions(
+                RenderParams(
+                    model=model or settings.model or "",
+                    steps=steps,
+                    width=width,
+                    height=height,
+                    guidance=guidance,
+                    scheduler=scheduler,
+                    image_format=image_format,
+                    quality=quality,
+                )
+            )
+        )
         try:
             sizes = None if batch_sizes == "auto" else [int(b) for b in batch_sizes.split(",")]
         except ValueError:
             raise InputError([f"--batch-sizes: a list such as 1,2,4,8 or auto, got {batch_sizes!r}"]) from None
         if sizes is not None and any(b < 1 for b in sizes):
             raise InputError([f"--batch-sizes: each must be at least 1, got {batch_sizes!r}"])
-        prices = {f"{price_per_hour:g}/h": price_per_hour} if price_per_hour is not None else {
-            f"{name} ({pool.kind}, {pool.price_per_hour:g}/h)": pool.price_per_hour
-            for name, pool in settings.pools.items()}
+        prices = (
+            {f"{price_per_hour:g}/h": price_per_hour}
+            if price_per_hour is not None
+            else {
+                f"{name} ({pool.kind}, {pool.price_per_hour:g}/h)": pool.price_per_hour
+                for name, pool in settings.pools.items()
+            }
+        )
         model = model or settings.model
         if not model:
             raise InputError([MODEL_REQUIRED])
-        result = run_bench(model, width=width, height=height, steps=steps, guidance=guidance,
-                           batch_sizes=sizes, prices=prices, runs=max(1, runs), device=settings.device,
-                           cache_dir=settings.home / "models", compile=compile, scheduler=scheduler,
-                           image_format=image_format, quality=quality)
+        result = run_bench(
+            model,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance=guidance,
+            batch_sizes=sizes,
+            prices=prices,
+            runs=max(1, runs),
+            device=settings.device,
+            cache_dir=settings.home / "models",
+            compile=compile,
+            scheduler=scheduler,
+            image_format=image_format,
+            quality=quality,
+        )
         for path in write_outputs(result, out):
             _err(f"wrote {path}")
         print((out / "bench.md").read_text(), end="")
@@ -804,9 +977,14 @@ def save_model(
 @app.command()
 def server(
     action: Annotated[str, typer.Argument(metavar="ACTION", help="start, stop or url")] = "url",
-    show_password: Annotated[bool, typer.Option(
-        "--show-password", metavar=FLAG,
-        help="print the URL with its password, for Flower or redis-cli (it lands in your shell's history)")] = False,
+    show_password: Annotated[
+        bool,
+        typer.Option(
+            "--show-password",
+            metavar=FLAG,
+            help="print the URL with its password, for Flower or redis-cli (it lands in your shell's history)",
+        ),
+    ] = False,
 ) -> None:
     """The embedded local Redis server: start it, stop it, or print its URL."""
     settings = _settings()
@@ -838,4 +1016,3 @@ def server(
 
 def main() -> None:
     app()
-

@@ -73,9 +73,11 @@ def private_dir(path: Path, setting: str = "") -> Path:
     except FileExistsError:
         problem = _not_private(path)
         if problem:
-            raise ConfigError(f"{where} {problem}: renderfleet keeps its server's password there, so it uses "
-                              "a folder it creates itself or one of yours that no one else can write to, and "
-                              "never changes the mode of a folder it did not create; choose another") from None
+            raise ConfigError(
+                f"{where} {problem}: renderfleet keeps its server's password there, so it uses "
+                "a folder it creates itself or one of yours that no one else can write to, and "
+                "never changes the mode of a folder it did not create; choose another"
+            ) from None
         return path
     except OSError as exc:
         raise ConfigError(f"{where}: cannot create the folder: {exc.strerror or exc}") from None
@@ -132,8 +134,7 @@ class RedisServerProcess:
     tests, which need to kill and restart a server on the same port.
     """
 
-    def __init__(self, port: int | None = None, *, workdir: Path, persist: bool = False,
-                 password: str | None = None):
+    def __init__(self, port: int | None = None, *, workdir: Path, persist: bool = False, password: str | None = None):
         self.port = port or free_port()
         self.workdir = workdir
         self.persist = persist
@@ -155,13 +156,20 @@ class RedisServerProcess:
         args = [
             server_binary(),
             str(config),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.workdir),
-            "--save", "",
-            "--appendonly", "yes" if self.persist else "no",
-            "--logfile", str(self.workdir / "server.log"),
-            "--protected-mode", "no",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.persist else "no",
+            "--logfile",
+            str(self.workdir / "server.log"),
+            "--protected-mode",
+            "no",
         ]
         # A detached server outlives the CLI command that started it.
         self.proc = subprocess.Popen(
@@ -178,7 +186,7 @@ class RedisServerProcess:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
-        log = (self.workdir / "server.log")
+        log = self.workdir / "server.log"
         tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
         raise ConfigError(f"embedded Redis server did not start on port {self.port}: {tail}")
 
@@ -262,8 +270,9 @@ def trusted_server(home: Path) -> dict[str, Any] | None:
         client = redisconn.client(url, socket_connect_timeout=0.5, socket_timeout=0.5)
     except ValueError:
         return None
-    anonymous = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5,
-                            socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    anonymous = redis.Redis(
+        host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5, retry=Retry(NoBackoff(), 0)
+    )
     try:
         info = client.info("server")
         if int(info.get("process_id", -1)) != pid:
@@ -338,7 +347,8 @@ def stop_embedded(home: Path) -> bool:
         raise ConfigError(
             f"RENDERFLEET_HOME: {state} names a Redis server renderfleet did not start here "
             f"({redact(recorded[0])}, pid {recorded[1]}): not stopped, left running (renderfleet stops only "
-            f"a server it started); remove {state} if it is not yours to keep")
+            f"a server it started); remove {state} if it is not yours to keep"
+        )
     state.unlink(missing_ok=True)
     return False
 

@@ -39,7 +39,7 @@ COOKIE = "renderfleet_token"
 # no frames around it, no referrer sent with a link out of it.
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "x-content-type-options": "nosniff",
     "x-frame-options": "DENY",
     "referrer-policy": "no-referrer",
@@ -103,18 +103,26 @@ class TokenGate:
             return
         request = Request(scope)
         header = request.headers.get("authorization", "")
-        bearer = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
+        bearer = header[len("Bearer ") :].strip() if header.startswith("Bearer ") else ""
         query = request.query_params.get("token", "")
         response: Response | None = None
         if self.good(query) and request.method == "GET" and not scope["path"].startswith(("/api/", "/metrics")):
             rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
             response = RedirectResponse(same_site(scope["path"]) + (f"?{rest}" if rest else ""), status_code=303)
-            response.set_cookie(COOKIE, query, httponly=True, samesite="strict", path="/",
-                                secure=self.https(request.url.scheme, request.headers.get("x-forwarded-proto", "")))
+            response.set_cookie(
+                COOKIE,
+                query,
+                httponly=True,
+                samesite="strict",
+                path="/",
+                secure=self.https(request.url.scheme, request.headers.get("x-forwarded-proto", "")),
+            )
         elif not (self.good(bearer) or self.good(query) or self.good(request.cookies.get(COOKIE, ""))):
-            response = PlainTextResponse("a token is required: Authorization: Bearer RENDERFLEET_HTTP_TOKEN, "
-                                         "or open the page once with ?token=\n", status_code=401,
-                                         headers={"WWW-Authenticate": "Bearer"})
+            response = PlainTextResponse(
+                "a token is required: Authorization: Bearer RENDERFLEET_HTTP_TOKEN, or open the page once with ?token=\n",
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if response is not None:
             await response(scope, receive, send)
             return
@@ -162,8 +170,11 @@ class HostCheck:
             return
         host = Headers(scope=scope).get("host", "")
         if not host_allowed(host, scope.get("server"), self.hosts):
-            response = PlainTextResponse("this endpoint answers only for localhost, 127.0.0.1 or [::1] with its port, "
-                                         "and the hosts named in RENDERFLEET_HTTP_HOSTS\n", status_code=400)
+            response = PlainTextResponse(
+                "this endpoint answers only for localhost, 127.0.0.1 or [::1] with its port, "
+                "and the hosts named in RENDERFLEET_HTTP_HOSTS\n",
+                status_code=400,
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -203,8 +214,9 @@ def guard(app: ASGIApp, token: str | None, *, hosts: tuple[str, ...] = (), tls_p
 class Endpoint:
     """A running endpoint: uvicorn in a daemon thread, on a socket bound before it starts."""
 
-    def __init__(self, app: ASGIApp, sock: socket.socket, *, name: str = "rf-http",
-                 on_shutdown: Callable[[], None] | None = None):
+    def __init__(
+        self, app: ASGIApp, sock: socket.socket, *, name: str = "rf-http", on_shutdown: Callable[[], None] | None = None
+    ):
         import uvicorn
 
         # proxy_headers off: uvicorn would otherwise take X-Forwarded-Proto from any

@@ -45,15 +45,16 @@ POINTS = {
     "before-claim": "a shard's message taken (in kombu's unacked), its lease not yet claimed (renderfleet/leases.py)",
     "render": "inside the pipeline call, before the pipeline runs (worker/render.py)",
     "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "
-                    "(worker/runner.py)",
+    "(worker/runner.py)",
     "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
-    "before-count-stored": "every batch of the shard committed, its last listing and recount not done "
-                           "(worker/runner.py)",
+    "before-count-stored": "every batch of the shard committed, its last listing and recount not done (worker/runner.py)",
 }
 ERRORS = ("RuntimeError", "ValueError", "AcceleratorError")
 
-_ENTRY = re.compile(r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?="
-                    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\))")
+_ENTRY = re.compile(
+    r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?="
+    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\))"
+)
 
 
 @dataclass(frozen=True)

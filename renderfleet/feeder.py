@@ -94,8 +94,11 @@ def stride(share: int) -> int:
 
 def feed_call(queue: str, target: int) -> ScriptCall:
     """feed.lua's KEYS and ARGV: top ``queue`` up to ``target`` messages (also run by bench/redis_scale.py)."""
-    return ScriptCall("feed", [queue, keys.active(queue), keys.ENQUEUED, keys.SEQ, keys.QUEUES],
-                      [target, target + FEED_STEPS, keys.JOB_PREFIX, keys.QUEUED_PREFIX])
+    return ScriptCall(
+        "feed",
+        [queue, keys.active(queue), keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+        [target, target + FEED_STEPS, keys.JOB_PREFIX, keys.QUEUED_PREFIX],
+    )
 
 
 class Feeder:
@@ -132,8 +135,9 @@ class Feeder:
         raw, (seconds, micros) = ask.execute()
         now = seconds + micros / 1e6
         counts, at = read_counts(raw)
-        if counts_stale(at, now) and self.client.set(keys.WORKER_COUNTS_LOCK, self.owner, nx=True,
-                                                     px=int(COUNTS_SECONDS * 1000)):
+        if counts_stale(at, now) and self.client.set(
+            keys.WORKER_COUNTS_LOCK, self.owner, nx=True, px=int(COUNTS_SECONDS * 1000)
+        ):
             counts = count_registrations(self.client.hvals(keys.WORKERS))
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(keys.WORKER_COUNTS)
@@ -151,9 +155,14 @@ class Feeder:
         call = feed_call(queue, want)
         pushed, *parked = self._feed(keys=call.keys, args=call.args)
         for job, why in zip(parked[::2], parked[1::2], strict=True):
-            log.warning("feed: job %s parked, its shards kept pending: its feed template in Redis (%s) is "
-                        "malformed: %s; `renderfleet resume %s` writes it again", keys.text(job),
-                        keys.job(keys.text(job)), keys.text(why), keys.text(job))
+            log.warning(
+                "feed: job %s parked, its shards kept pending: its feed template in Redis (%s) is "
+                "malformed: %s; `renderfleet resume %s` writes it again",
+                keys.text(job),
+                keys.job(keys.text(job)),
+                keys.text(why),
+                keys.text(job),
+            )
         return int(pushed)
 
     def queues(self) -> list[str]:
@@ -166,7 +175,7 @@ class Feeder:
         now = time.monotonic()
         if now - self._scanned_at >= SCAN_SECONDS:
             found = self.client.scan_iter(match=f"{keys.ACTIVE_PREFIX}*", count=1000)
-            self._scanned = {keys.text(k)[len(keys.ACTIVE_PREFIX):] for k in found}
+            self._scanned = {keys.text(k)[len(keys.ACTIVE_PREFIX) :] for k in found}
             self._scanned_at = now
         pushed = sorted(keys.text(q) for q in self.client.smembers(keys.QUEUES))
         pipe = self.client.pipeline(transaction=False)

@@ -29,9 +29,11 @@ PNG_COMPRESS_LEVEL = 6
 WEBP_METHOD = 4
 
 XMP_NAMESPACE = "https://renderfleet.dev/ns/1.0/"
-_XMP_HEAD = ('<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>'
-             '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
-             f'<rdf:Description rdf:about="" xmlns:rf="{XMP_NAMESPACE}">')
+_XMP_HEAD = (
+    '<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>'
+    '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+    f'<rdf:Description rdf:about="" xmlns:rf="{XMP_NAMESPACE}">'
+)
 _XMP_TAIL = '</rdf:Description></rdf:RDF></x:xmpmeta><?xpacket end="r"?>'
 
 
@@ -51,12 +53,26 @@ def encode(image: Any, fmt: str, quality: int, metadata: dict[str, str]) -> byte
             info.add_text(key, value)
         image.save(buf, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL, optimize=False)
     elif fmt in ("webp", "webp-lossless"):
-        image.save(buf, format="WEBP", lossless=fmt == "webp-lossless", quality=quality, method=WEBP_METHOD,
-                   exact=False, xmp=xmp_packet(metadata))
+        image.save(
+            buf,
+            format="WEBP",
+            lossless=fmt == "webp-lossless",
+            quality=quality,
+            method=WEBP_METHOD,
+            exact=False,
+            xmp=xmp_packet(metadata),
+        )
     elif fmt == "jpeg":
         # 4:2:0 chroma at quality below 90, 4:4:4 from there: what photo tools do.
-        image.convert("RGB").save(buf, format="JPEG", quality=quality, subsampling=0 if quality >= 90 else 2,
-                                  optimize=False, progressive=False, xmp=xmp_packet(metadata))
+        image.convert("RGB").save(
+            buf,
+            format="JPEG",
+            quality=quality,
+            subsampling=0 if quality >= 90 else 2,
+            optimize=False,
+            progressive=False,
+            xmp=xmp_packet(metadata),
+        )
     else:
         raise ValueError(f"unknown image format {fmt!r}")
     return buf.getvalue()
@@ -99,7 +115,7 @@ def read_xmp(packet: bytes | str) -> dict[str, str]:
             if el.get(prefix + "encoding") == "json":
                 with contextlib.suppress(ValueError):  # not ours after all: the text as it is
                     text = json.loads(text)
-            out[el.tag[len(prefix):]] = text
+            out[el.tag[len(prefix) :]] = text
     return out
 
 

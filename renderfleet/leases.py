@@ -179,58 +179,128 @@ class ScriptCall:
     args: list[str | int]
 
 
-def claim_call(job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, requeue: str,
-               lease_ms: int, life: str = "") -> ScriptCall:
-    return ScriptCall("claim", [
-        keys.job(job), keys.shards(job), keys.INFLIGHT, keys.attempts(job),
-        keys.lease(job, shard), UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.CONSUMED,
-    ], [shard, keys.member(job, shard), worker, queue, tag, requeue, message, lease_ms,
-        keys.QUEUED_PREFIX, envelope_tag(requeue), life])
+def claim_call(
+    job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, requeue: str, lease_ms: int, life: str = ""
+) -> ScriptCall:
+    return ScriptCall(
+        "claim",
+        [
+            keys.job(job),
+            keys.shards(job),
+            keys.INFLIGHT,
+            keys.attempts(job),
+            keys.lease(job, shard),
+            UNACKED_KEY,
+            UNACKED_INDEX_KEY,
+            keys.ENQUEUED,
+            keys.CONSUMED,
+        ],
+        [
+            shard,
+            keys.member(job, shard),
+            worker,
+            queue,
+            tag,
+            requeue,
+            message,
+            lease_ms,
+            keys.QUEUED_PREFIX,
+            envelope_tag(requeue),
+            life,
+        ],
+    )
 
 
 def heartbeat_call(lease: Lease, lease_ms: int, *, registration: str = "", recreate: bool = False) -> ScriptCall:
     """A beat: renew the lease; with ``registration``, also write the worker's liveness (what
     ``WorkerService.touch`` writes); with ``recreate``, the payload that re-creates a missing lease
     (kombu's envelope and the message, a kilobyte or more: only after a beat answered MISSING)."""
-    args: list[str | int] = [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms, registration,
-                             lease.life]
+    args: list[str | int] = [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms, registration, lease.life]
     if recreate:
         args += [lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag]
-    return ScriptCall("heartbeat", [
-        keys.job(lease.job), keys.shards(lease.job), keys.INFLIGHT, keys.attempts(lease.job),
-        keys.lease(lease.job, lease.shard), keys.worker_stats(lease.worker), keys.WORKERS,
-    ], args)
+    return ScriptCall(
+        "heartbeat",
+        [
+            keys.job(lease.job),
+            keys.shards(lease.job),
+            keys.INFLIGHT,
+            keys.attempts(lease.job),
+            keys.lease(lease.job, lease.shard),
+            keys.worker_stats(lease.worker),
+            keys.WORKERS,
+        ],
+        args,
+    )
 
 
 def commit_call(lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> ScriptCall:
-    return ScriptCall("commit", [
-        keys.attempts(lease.job), keys.done_bits(lease.job), keys.failed_bits(lease.job), keys.left(lease.job),
-        keys.job(lease.job),
-    ], [lease.shard, lease.attempt, len(done), len(failed), lease.life, *done, *failed, *undone])
+    return ScriptCall(
+        "commit",
+        [
+            keys.attempts(lease.job),
+            keys.done_bits(lease.job),
+            keys.failed_bits(lease.job),
+            keys.left(lease.job),
+            keys.job(lease.job),
+        ],
+        [lease.shard, lease.attempt, len(done), len(failed), lease.life, *done, *failed, *undone],
+    )
 
 
 def fence_call(lease: Lease, counts: dict[str, int] | None = None, progress: str = "") -> ScriptCall:
     """The fence check before a batch's store writes, carrying the job's own ``counts`` (its stats hash)
     and ``progress`` entry, written only if the check passes (``renderfleet/lua/fence.lua``)."""
     pairs: list[str | int] = [x for name, value in (counts or {}).items() for x in (name, value)]
-    return ScriptCall("fence", [
-        keys.job(lease.job), keys.attempts(lease.job), keys.job_stats(lease.job), keys.progress(lease.job),
-    ], [lease.shard, lease.attempt, lease.life, progress, keys.PROGRESS_KEEP, *pairs])
+    return ScriptCall(
+        "fence",
+        [
+            keys.job(lease.job),
+            keys.attempts(lease.job),
+            keys.job_stats(lease.job),
+            keys.progress(lease.job),
+        ],
+        [lease.shard, lease.attempt, lease.life, progress, keys.PROGRESS_KEEP, *pairs],
+    )
 
 
 def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0) -> ScriptCall:
-    return ScriptCall("release", [
-        keys.attempts(lease.job), keys.lease(lease.job, lease.shard), keys.INFLIGHT,
-        keys.shards(lease.job), keys.left(lease.job), UNACKED_KEY, UNACKED_INDEX_KEY,
-        keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.job(lease.job), keys.done_bits(lease.job),
-        keys.failed_bits(lease.job),
-    ], [lease.shard, lease.member, lease.attempt, outcome.value, lease.worker, keys.QUEUED_PREFIX, first, count,
-        lease.life])
+    return ScriptCall(
+        "release",
+        [
+            keys.attempts(lease.job),
+            keys.lease(lease.job, lease.shard),
+            keys.INFLIGHT,
+            keys.shards(lease.job),
+            keys.left(lease.job),
+            UNACKED_KEY,
+            UNACKED_INDEX_KEY,
+            keys.ENQUEUED,
+            keys.SEQ,
+            keys.QUEUES,
+            keys.job(lease.job),
+            keys.done_bits(lease.job),
+            keys.failed_bits(lease.job),
+        ],
+        [
+            lease.shard,
+            lease.member,
+            lease.attempt,
+            outcome.value,
+            lease.worker,
+            keys.QUEUED_PREFIX,
+            first,
+            count,
+            lease.life,
+        ],
+    )
 
 
 def reap_call(limit: int = 100) -> ScriptCall:
-    return ScriptCall("reap", [keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
-                      [limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX])
+    return ScriptCall(
+        "reap",
+        [keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
+        [limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX],
+    )
 
 
 def is_current(lease: Lease, latest: bytes | str | None) -> bool:
@@ -271,9 +341,20 @@ class Leases:
         self.lease_ms = int(lease_seconds * 1000)
         # Builds a fresh kombu envelope when kombu's copy of a message is gone.
         self.envelope = envelope
-        self._scripts = {name: client.register_script(lua_script(name))
-                         for name in ("claim", "heartbeat", "commit", "record_failure", "release", "reap",
-                                      "reaper_lock", "fence", "repend")}
+        self._scripts = {
+            name: client.register_script(lua_script(name))
+            for name in (
+                "claim",
+                "heartbeat",
+                "commit",
+                "record_failure",
+                "release",
+                "reap",
+                "reaper_lock",
+                "fence",
+                "repend",
+            )
+        }
         self._record_failure = self._scripts["record_failure"]
 
     def run(self, call: ScriptCall) -> Any:
@@ -290,13 +371,23 @@ class Leases:
         if not requeue and self.envelope is not None:
             requeue = self.envelope(message, queue, f"{job}:{shard}")
         failpoints.reach("before-claim")
-        status, attempt = self.run(claim_call(job, shard, worker=worker, queue=queue, tag=tag, message=message,
-                                              requeue=requeue, lease_ms=self.lease_ms, life=life))
+        status, attempt = self.run(
+            claim_call(
+                job,
+                shard,
+                worker=worker,
+                queue=queue,
+                tag=tag,
+                message=message,
+                requeue=requeue,
+                lease_ms=self.lease_ms,
+                life=life,
+            )
+        )
         answer = ClaimAnswer(keys.text(status))
         if answer is not ClaimAnswer.OK:
             return answer, None
-        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue),
-                             life)
+        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life)
 
     def heartbeat(self, lease: Lease, registration: str = "") -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.
@@ -306,12 +397,17 @@ class Leases:
         reaper took it) is the call made again with the payload that re-creates it."""
         beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration))))
         if beat is Beat.MISSING:
-            beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration,
-                                                    recreate=True))))
+            beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration, recreate=True))))
         return beat
 
-    def current(self, lease: Lease, pipe: redis.client.Pipeline | None = None, *,
-                counts: dict[str, int] | None = None, progress: str = "") -> bool:
+    def current(
+        self,
+        lease: Lease,
+        pipe: redis.client.Pipeline | None = None,
+        *,
+        counts: dict[str, int] | None = None,
+        progress: str = "",
+    ) -> bool:
         """Whether the lease's attempt is still the shard's, in the job's life (a fence check before a
         store write); ``pipe``: commands sent in the same round trip, before it (a ledger's worker and
         pool counters); ``counts`` and ``progress``: the job's own, written only if it is."""
@@ -321,8 +417,9 @@ class Leases:
         self._scripts["fence"](keys=call.keys, args=call.args, client=pipe)
         return bool(int(pipe.execute()[-1]))
 
-    def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int],
-               undone: Sequence[int] = ()) -> tuple[int, int]:
+    def commit(
+        self, lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()
+    ) -> tuple[int, int]:
         """Count prompts as done/quarantined, once each (done wins over failed);
         ``undone`` prompts lost their image and count as left again.  Raises Reclaimed if fenced."""
         newly, newfail = self.run(commit_call(lease, done, failed, undone))
@@ -332,10 +429,12 @@ class Leases:
 
     def record_failure(self, lease: Lease, index: int, error: str) -> int:
         """One more failure of prompt ``index``: the total so far (0 if it is done); raises Reclaimed if fenced."""
-        count = int(self._record_failure(
-            keys=[keys.attempts(lease.job), keys.fails(lease.job), keys.done_bits(lease.job), keys.job(lease.job)],
-            args=[lease.shard, lease.attempt, index, error[:500], lease.life],
-        ))
+        count = int(
+            self._record_failure(
+                keys=[keys.attempts(lease.job), keys.fails(lease.job), keys.done_bits(lease.job), keys.job(lease.job)],
+                args=[lease.shard, lease.attempt, index, error[:500], lease.life],
+            )
+        )
         if count < 0:
             raise Reclaimed(f"shard {lease.member} attempt {lease.attempt} was superseded", fenced=True)
         return count
@@ -366,9 +465,21 @@ class Leases:
         its job's pending list, for the feeder to make its message anew (``renderfleet/lua/repend.lua``)."""
         priority = self.client.hget(keys.job(job), "priority")
         band = keys.FEED_BAND * (9 - int(priority if priority is not None else 5))
-        return bool(int(self._scripts["repend"](
-            keys=[keys.job(job), keys.shards(job), keys.ENQUEUED, keys.pending(job), keys.active(queue), keys.QUEUES],
-            args=[job, shard, keys.member(job, shard), tag, keys.QUEUED_PREFIX, band, keys.FEED_BAND, queue])))
+        return bool(
+            int(
+                self._scripts["repend"](
+                    keys=[
+                        keys.job(job),
+                        keys.shards(job),
+                        keys.ENQUEUED,
+                        keys.pending(job),
+                        keys.active(queue),
+                        keys.QUEUES,
+                    ],
+                    args=[job, shard, keys.member(job, shard), tag, keys.QUEUED_PREFIX, band, keys.FEED_BAND, queue],
+                )
+            )
+        )
 
     def reap(self, limit: int = 100) -> list[Reaped]:
         """Re-queue every shard whose lease expired; safe to run from many processes."""
@@ -391,8 +502,9 @@ class Leases:
         milliseconds) and then publishes it again (``dispatcher.resume`` with
         ``only``), which also drops kombu's unclaimed copy of it, if any.
         """
-        queues = sorted(q for q in map(keys.text, self.client.smembers(keys.QUEUES))
-                        if store is None or is_store_queue(q, store))
+        queues = sorted(
+            q for q in map(keys.text, self.client.smembers(keys.QUEUES)) if store is None or is_store_queue(q, store)
+        )
         if not queues:
             return []
         pipe = self.client.pipeline(transaction=False)

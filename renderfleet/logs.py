@@ -112,8 +112,10 @@ def formatter(fmt: str) -> logging.Formatter:
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
 
-        return JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
-                             rename_fields={"asctime": "time", "levelname": "level", "name": "logger"})
+        return JsonFormatter(
+            "%(asctime)s %(levelname)s %(name)s %(message)s",
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+        )
     return logging.Formatter(TEXT_FORMAT)
 
 

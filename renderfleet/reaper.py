@@ -82,8 +82,9 @@ class ReaperElection:
 def lock_call(owner: str, lock_ms: int, *, release: bool = False) -> ScriptCall:
     """reaper_lock.lua's KEYS and ARGV: ask for (or renew) the lock, or give it up (also run by
     bench/redis_scale.py)."""
-    return ScriptCall("reaper_lock", [keys.REAPER_LOCK, keys.WORKERS],
-                      [owner, 0, "release"] if release else [owner, lock_ms])
+    return ScriptCall(
+        "reaper_lock", [keys.REAPER_LOCK, keys.WORKERS], [owner, 0, "release"] if release else [owner, lock_ms]
+    )
 
 
 def lock_answer(reply: Any) -> tuple[bool, int]:
@@ -121,16 +122,19 @@ def reap_once(leases: Leases, publish: Publisher, *, owner: str, election: Reape
             except Exception:  # the others must still go out; resume finds this one
                 log.exception("could not re-publish %s:%d", r.job, r.shard)
                 continue
-        log.warning("lease of %s:%d expired: %s", r.job, r.shard,
-                    "its job is cancelled: shard parked" if r.cancelled else "shard re-queued")
+        log.warning(
+            "lease of %s:%d expired: %s",
+            r.job,
+            r.shard,
+            "its job is cancelled: shard parked" if r.cancelled else "shard re-queued",
+        )
     return reaped
 
 
 class ReaperThread(threading.Thread):
     """Runs :func:`reap_once` every ``interval`` seconds until closed."""
 
-    def __init__(self, leases: Leases, publish: Publisher, interval: float,
-                 on_tick: Callable[[], None] | None = None):
+    def __init__(self, leases: Leases, publish: Publisher, interval: float, on_tick: Callable[[], None] | None = None):
         super().__init__(name="rf-reaper", daemon=True)
         self.leases = leases
         self.publish = publish

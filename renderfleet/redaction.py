@@ -31,9 +31,9 @@ def redact(url: str) -> str:
         scheme, rest = "", url
     end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
     if "@" in rest[end:]:  # an unencoded / ? or # in the userinfo
-        rest = "***" + rest[rest.rindex("@"):]
+        rest = "***" + rest[rest.rindex("@") :]
     elif "@" in rest[:end]:
-        rest = "***" + rest[rest.rindex("@", 0, end):]
+        rest = "***" + rest[rest.rindex("@", 0, end) :]
     head, hash_mark, _ = rest.partition("#")
     base, question, query = head.partition("?")
     if query:

@@ -81,8 +81,10 @@ def parse_sentinel(url: str) -> SentinelURL:
         raise ValueError(f"must start with redis+sentinel:// or rediss+sentinel://, got {redact(url)!r}")
     if not url.isprintable():
         raise ValueError("contains a control or other unprintable character")
-    unparsable = (f"cannot be parsed as {FORM} (got {redact(url)!r}); a '/', '?', '#', '@' or ',' in a user "
-                  "name or password must be percent-encoded as %2F, %3F, %23, %40 or %2C")
+    unparsable = (
+        f"cannot be parsed as {FORM} (got {redact(url)!r}); a '/', '?', '#', '@' or ',' in a user "
+        "name or password must be percent-encoded as %2F, %3F, %23, %40 or %2C"
+    )
     if "#" in rest:
         raise ValueError(unparsable)
     head, _, query = rest.partition("?")
@@ -94,8 +96,7 @@ def parse_sentinel(url: str) -> SentinelURL:
     if at:
         user, colon, secret = userinfo.partition(":")
         if not colon:
-            raise ValueError("names a user but no password; a password alone is written "
-                             "redis+sentinel://:PASSWORD@HOST,...")
+            raise ValueError("names a user but no password; a password alone is written redis+sentinel://:PASSWORD@HOST,...")
         username, password = unquote(user) or None, unquote(secret)
     sentinels = tuple(_host(part, unparsable) for part in hostlist.split(","))
     names = [p for p in path.split("/")]
@@ -114,9 +115,16 @@ def parse_sentinel(url: str) -> SentinelURL:
         raise ValueError(f"{', '.join(sorted(ssl))}: TLS options, for rediss+sentinel:// only")
     if ssl.get("ssl_cert_reqs", "required").lower() not in _CERT_REQS:
         raise ValueError(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
-    return SentinelURL(sentinels=sentinels, master=unquote(names[0]), db=int(names[1]) if len(names) == 2 else 0,
-                       username=username, password=password,
-                       sentinel_password=options.get("sentinel_password"), tls=tls, ssl=ssl)
+    return SentinelURL(
+        sentinels=sentinels,
+        master=unquote(names[0]),
+        db=int(names[1]) if len(names) == 2 else 0,
+        username=username,
+        password=password,
+        sentinel_password=options.get("sentinel_password"),
+        tls=tls,
+        ssl=ssl,
+    )
 
 
 def _host(part: str, unparsable: str) -> tuple[str, int]:

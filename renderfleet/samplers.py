@@ -38,8 +38,7 @@ COMMON: dict[str, tuple[str, dict[str, Any]]] = {
     "dpmpp_2m": ("DPMSolverMultistepScheduler", {}),
     "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
     "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
-    "dpmpp_2m_sde_karras": ("DPMSolverMultistepScheduler",
-                            {"algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True}),
+    "dpmpp_2m_sde_karras": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True}),
     "dpmpp_2s": ("DPMSolverSinglestepScheduler", {}),
     "dpmpp_2s_karras": ("DPMSolverSinglestepScheduler", {"use_karras_sigmas": True}),
     # DPMSolverSDEScheduler draws its noise from a Brownian tree (the torchsde package).
@@ -74,5 +73,6 @@ def scheduler_problem(name: str) -> str | None:
     if name == "" or name in COMMON or name in CLASSES:
         return None
     shown = name if len(name) <= MAX_NAME_LEN else name[:MAX_NAME_LEN] + "..."
-    return (f"unknown scheduler {shown!r}: one of {', '.join(COMMON)}, or a diffusers class name "
-            f"({', '.join(sorted(CLASSES))})")
+    return (
+        f"unknown scheduler {shown!r}: one of {', '.join(COMMON)}, or a diffusers class name ({', '.join(sorted(CLASSES))})"
+    )

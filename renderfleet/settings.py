@@ -36,8 +36,10 @@ MIN_TOKEN_LENGTH = 16  # characters: a guessable token on a network is none
 
 # Why a Redis URL cannot be used, quoting it only redacted: a URL that does not
 # parse as meant is one whose password may show up as its host, port or path.
-_UNPARSABLE = ("cannot be parsed as redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (got {}); a '/', '?', '#' "
-               "or '@' in a user name or password must be percent-encoded as %2F, %3F, %23 or %40")
+_UNPARSABLE = (
+    "cannot be parsed as redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (got {}); a '/', '?', '#' "
+    "or '@' in a user name or password must be percent-encoded as %2F, %3F, %23 or %40"
+)
 
 
 def redis_url_problem(url: str) -> str | None:
@@ -49,8 +51,10 @@ def redis_url_problem(url: str) -> str | None:
 
         return sentinel_problem(url)
     if scheme not in ("redis", "rediss", "unix"):
-        return (f"must start with redis://, rediss://, unix:// or (a Sentinel-managed Redis) "
-                f"redis+sentinel:// or rediss+sentinel://, got {redact(url)!r}")
+        return (
+            f"must start with redis://, rediss://, unix:// or (a Sentinel-managed Redis) "
+            f"redis+sentinel:// or rediss+sentinel://, got {redact(url)!r}"
+        )
     if not url.isprintable():
         return "contains a control or other unprintable character"
     unparsable = _UNPARSABLE.format(repr(redact(url)))
@@ -129,8 +133,7 @@ class AutoscaleConfig(BaseModel):
 class Settings(BaseSettings):
     """Everything a renderfleet process can be told."""
 
-    model_config = SettingsConfigDict(env_prefix="RENDERFLEET_", extra="ignore", frozen=True,
-                                      env_nested_delimiter="__")
+    model_config = SettingsConfigDict(env_prefix="RENDERFLEET_", extra="ignore", frozen=True, env_nested_delimiter="__")
 
     # Broker and fleet state.  None: use (or start) the embedded local server.
     redis_url: str | None = None
@@ -279,8 +282,10 @@ class Settings(BaseSettings):
             return None
         # The token itself is never shown: only what is wrong with it.
         if len(value) < MIN_TOKEN_LENGTH or not value.isprintable() or any(c.isspace() for c in value):
-            raise ValueError(f"must be at least {MIN_TOKEN_LENGTH} characters with no whitespace "
-                             f"(e.g. `openssl rand -hex 32`), got {len(value)} characters")
+            raise ValueError(
+                f"must be at least {MIN_TOKEN_LENGTH} characters with no whitespace "
+                f"(e.g. `openssl rand -hex 32`), got {len(value)} characters"
+            )
         return value
 
     @field_validator("http_hosts")
@@ -290,8 +295,10 @@ class Settings(BaseSettings):
             return None
         for entry in value.split(","):
             if not _HOST_RE.match(entry.strip().lower()):
-                raise ValueError(f"expected host names such as monitor.internal or monitor.internal:8080, "
-                                 f"comma-separated; got {entry.strip()!r}")
+                raise ValueError(
+                    f"expected host names such as monitor.internal or monitor.internal:8080, "
+                    f"comma-separated; got {entry.strip()!r}"
+                )
         return value
 
     @field_validator("s3_sse")
@@ -365,8 +372,12 @@ class Settings(BaseSettings):
         """How every S3 object is written (encryption, storage class, addressing)."""
         from renderfleet.store import S3Options
 
-        return S3Options(sse=self.s3_sse, kms_key_id=self.s3_kms_key_id or None,
-                         storage_class=self.s3_storage_class or None, addressing=self.s3_addressing)
+        return S3Options(
+            sse=self.s3_sse,
+            kms_key_id=self.s3_kms_key_id or None,
+            storage_class=self.s3_storage_class or None,
+            addressing=self.s3_addressing,
+        )
 
     @property
     def http_host_list(self) -> tuple[str, ...]:
@@ -402,8 +413,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     unknown = sorted(set(data) - set(Settings.model_fields) - {"config"})
     if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (known: pools, autoscale, "
-                          "and the settings of RENDERFLEET_* in lowercase)")
+        raise ConfigError(
+            f"{path}: unknown key {unknown[0]!r} (known: pools, autoscale, and the settings of RENDERFLEET_* in lowercase)"
+        )
     return data
 
 
@@ -413,8 +425,11 @@ def _with_file(path: Path) -> type[Settings]:
     class FileSettings(Settings):
         @classmethod
         def settings_customise_sources(
-            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=path))
@@ -457,8 +472,7 @@ def load_settings(**overrides: Any) -> Settings:
             msg = str(err["msg"]).removeprefix("Value error, ")
             if data and _from_file(data, loc[:1]) and loc[0] not in given:
                 key = ".".join(str(p) for p in loc)
-                shown = redact(err["input"]) if loc[0] == "redis_url" and isinstance(err["input"], str) \
-                    else err["input"]
+                shown = redact(err["input"]) if loc[0] == "redis_url" and isinstance(err["input"], str) else err["input"]
                 value = f" = {shown!r}" if not isinstance(shown, dict) else ""
                 lines.append(f"{path}: {key}{value}: {msg}")
             else:

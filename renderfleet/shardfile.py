@@ -74,8 +74,12 @@ class WireWriter:
         data = ("\n".join(chunk) + "\n").encode()
         if len(data) > len(chunk) * MAX_WIRE_LINE_BYTES:  # a worker would refuse it: see check_offsets
             first = len(self.offsets) * self.shard_size
-            raise InputError([f"prompts {first} to {first + len(chunk) - 1}: {len(data):,} bytes on the wire, over "
-                              f"the {MAX_WIRE_LINE_BYTES:,} a prompt may take on average in a shard"])
+            raise InputError(
+                [
+                    f"prompts {first} to {first + len(chunk) - 1}: {len(data):,} bytes on the wire, over "
+                    f"the {MAX_WIRE_LINE_BYTES:,} a prompt may take on average in a shard"
+                ]
+            )
         self.cut.append((len(self.offsets), len(chunk)))
         self.offsets.append(self.position)
         self.out.write(data)
@@ -113,8 +117,10 @@ def check_offsets(found: Sequence[int], job: JobSpec) -> None:
     for shard, (start, end) in enumerate(pairwise(found)):
         count = len(job.shard_range(shard))
         if not count * 2 <= end - start <= count * MAX_WIRE_LINE_BYTES:  # a prompt: 1 byte at least, and "\n"
-            raise WireError(f"the wire index gives shard {shard} ({count} prompts) bytes {start} to {end}: "
-                            f"{'out of order' if end <= start else 'not the size of so many prompts'}")
+            raise WireError(
+                f"the wire index gives shard {shard} ({count} prompts) bytes {start} to {end}: "
+                f"{'out of order' if end <= start else 'not the size of so many prompts'}"
+            )
 
 
 def shard_lines(data: bytes, count: int) -> list[Any]:

@@ -122,8 +122,10 @@ _VARIANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}")  # fp16, bf16, ema, 
 _DIGEST_RE = re.compile(r"(files|s3-etags)-sha256:[0-9a-f]{64}")
 # A LoRA's pin, one per kind of source (renderfleet/digests.py): a local file's bytes or a folder's
 # files, an s3:// object's version or ETag, a hub repo's commit.
-_LORA_DIGEST_RE = re.compile(r"(file|files)-sha256:[0-9a-f]{64}|s3-version:[A-Za-z0-9._+/=-]{1,1024}"
-                             r"|s3-etag:[0-9A-Za-z-]{1,100}|hub-commit:[0-9a-f]{40}")
+_LORA_DIGEST_RE = re.compile(
+    r"(file|files)-sha256:[0-9a-f]{64}|s3-version:[A-Za-z0-9._+/=-]{1,1024}"
+    r"|s3-etag:[0-9A-Za-z-]{1,100}|hub-commit:[0-9a-f]{40}"
+)
 
 # A job's LoRA: (source, scale), or (source, scale, digest) once submit pinned its content (digests.py).
 Lora = tuple[str, float] | tuple[str, float, str]
@@ -157,7 +159,6 @@ def hub_lora_parts(source: str) -> tuple[str, str, str | None]:
     return repo, "/".join(rest), LORA_WEIGHT_NAME
 
 
-
 def parse_lora(text: str) -> tuple[str, float]:
     """``SOURCE[:SCALE]`` as (source, scale): the scale is what follows the last colon when that
     parses as a number (``s3://bucket/a.safetensors:0.8``), else the whole text is the source at 1."""
@@ -178,8 +179,10 @@ def lora_source_problem(source: Any) -> str | None:
         return f"lora: longer than {MAX_MODEL_LEN} characters"
     name = source.rstrip("/").rsplit("/", 1)[-1].lower()
     if name.endswith(PICKLE_SUFFIXES):
-        return (f"lora {source[:200]!r}: pickled weights ({name.rsplit('.', 1)[-1]}) can run code when loaded; "
-                "give a .safetensors file")
+        return (
+            f"lora {source[:200]!r}: pickled weights ({name.rsplit('.', 1)[-1]}) can run code when loaded; "
+            "give a .safetensors file"
+        )
     if source.startswith("s3://") and not name.endswith(".safetensors"):
         return f"lora {source[:200]!r}: an s3:// LoRA is one .safetensors file"
     if source == "tiny" or source.startswith(BENCH_PREFIX):
@@ -198,8 +201,10 @@ def loras_problem(value: Any) -> str | None:
         if why := lora_source_problem(source):
             return why
         if pin and (type(pin[0]) is not str or not _LORA_DIGEST_RE.fullmatch(pin[0])):
-            return (f"lora {source[:200]!r}: its digest must be file-sha256:HEX, files-sha256:HEX, s3-version:ID, "
-                    f"s3-etag:ETAG or hub-commit:SHA, got {str(pin[0])[:80]!r}")
+            return (
+                f"lora {source[:200]!r}: its digest must be file-sha256:HEX, files-sha256:HEX, s3-version:ID, "
+                f"s3-etag:ETAG or hub-commit:SHA, got {str(pin[0])[:80]!r}"
+            )
         if type(scale) not in (int, float) or not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
             return f"lora {source[:200]!r}: the scale must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}"
         if source in seen:
@@ -239,6 +244,7 @@ def model_source(model: str) -> str:
         return "folder"
     return "hub"
 
+
 FIELDS: tuple[Field, ...] = (
     Field("prompt", "prompt", "p", "text", (str,), "a string"),
     Field("id", "name", "n", "name", (str, int), "a string or integer"),
@@ -252,23 +258,39 @@ FIELDS: tuple[Field, ...] = (
     # '': the pipeline's own scheduler (renderfleet/samplers.py)
     Field("scheduler", "scheduler", "sch", "word", (str,), "a string", default="", check=scheduler_problem),
     # prompts beyond the text encoder's 77 tokens: embedded in 77-token chunks, or cut
-    Field("long_prompts", "long_prompts", "lp", "word", (str,), "a string", default="chunk", per_prompt=False,
-          check=choice("long_prompts", *LONG_PROMPTS)),
-    Field("image_format", "image_format", "fmt", "word", (str,), "a string", default="png", per_prompt=False,
-          check=choice("image_format", *IMAGE_FORMATS)),
+    Field(
+        "long_prompts",
+        "long_prompts",
+        "lp",
+        "word",
+        (str,),
+        "a string",
+        default="chunk",
+        per_prompt=False,
+        check=choice("long_prompts", *LONG_PROMPTS),
+    ),
+    Field(
+        "image_format",
+        "image_format",
+        "fmt",
+        "word",
+        (str,),
+        "a string",
+        default="png",
+        per_prompt=False,
+        check=choice("image_format", *IMAGE_FORMATS),
+    ),
     # lossy WebP's and JPEG's quality; lossless WebP's effort; PNG ignores it
     Field("quality", "quality", "q", "int", (int,), "an integer", (1, 100), default=90, per_prompt=False),
     # LoRA adapters on the job's model: (source, scale) pairs, switched per job on a loaded pipeline
-    Field("loras", "loras", "lora", "loras", (tuple, list), "a list of [source, scale] pairs", default=(),
-          per_prompt=False),
+    Field("loras", "loras", "lora", "loras", (tuple, list), "a list of [source, scale] pairs", default=(), per_prompt=False),
     # the hub revision (branch, tag, commit) and weights variant (fp16, ...) the model is loaded at
-    Field("revision", "revision", "rev", "word", (str,), "a string", default="", per_prompt=False,
-          check=revision_problem),
-    Field("variant", "variant", "var", "word", (str,), "a string", default="", per_prompt=False,
-          check=variant_problem),
+    Field("revision", "revision", "rev", "word", (str,), "a string", default="", per_prompt=False, check=revision_problem),
+    Field("variant", "variant", "var", "word", (str,), "a string", default="", per_prompt=False, check=variant_problem),
     # a folder's or s3:// model's content as submit found it: a worker holding other files refuses the job
-    Field("model_digest", "model_digest", "md", "word", (str,), "a string", default="", per_prompt=False,
-          check=digest_problem),
+    Field(
+        "model_digest", "model_digest", "md", "word", (str,), "a string", default="", per_prompt=False, check=digest_problem
+    ),
 )
 FIELD = {f.name: f for f in FIELDS}
 DEFAULT = {f.name: f.default for f in FIELDS if f.default is not None}
@@ -435,13 +457,17 @@ class RenderParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RenderParams:
         if "loras" in data:  # JSON's lists, as the tuples a frozen (hashable, comparable) value holds
-            data = {**data, "loras": tuple(pinned_lora(str(source), float(scale), str(pin[0]) if pin else "")
-                                           for source, scale, *pin in data["loras"])}
+            data = {
+                **data,
+                "loras": tuple(
+                    pinned_lora(str(source), float(scale), str(pin[0]) if pin else "")
+                    for source, scale, *pin in data["loras"]
+                ),
+            }
         return cls(**data)
 
 
-SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality", "loras", "revision", "variant",
-                     "model_digest")
+SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality", "loras", "revision", "variant", "model_digest")
 
 
 @dataclass(frozen=True)
@@ -499,6 +525,7 @@ class Prompt:
 
 
 _FROM_WIRE: dict[str, Callable[[Any], Any]] = {"text": str, "name": str, "word": str, "int": int, "number": float}
+
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -600,10 +627,7 @@ class ShardMessage:
         same content on every delivery and its checkpoint key means one thing.
         """
         size = self.batch_size
-        return [
-            (n, self.prompts[start : start + size])
-            for n, start in enumerate(range(0, len(self.prompts), size))
-        ]
+        return [(n, self.prompts[start : start + size]) for n, start in enumerate(range(0, len(self.prompts), size))]
 
 
 # ---- encoding a shard message: the dispatcher's fast path ----------------------------
@@ -659,8 +683,7 @@ def message_head(job: JobSpec, queue: str, store: str = "") -> str:
     a shard's message adds ``,"shard":N,"first":F,"count":C}``: :func:`message_encoder`, and
     the feeder (``renderfleet/lua/feed.lua``) from this same text."""
     return json.dumps(
-        {"job": job.job, "params": job.params.identity(), "batch_size": job.batch_size, "queue": queue,
-         "store": store},
+        {"job": job.job, "params": job.params.identity(), "batch_size": job.batch_size, "queue": queue, "store": store},
         separators=(",", ":"),
     )[:-1]
 
@@ -706,8 +729,10 @@ def bench_seconds(model: str) -> float | None:
     m = _BENCH_RE.fullmatch(model)
     seconds = float(m["seconds"]) if m else 0.0
     if not 0 < seconds <= MAX_BENCH_SECONDS:
-        raise ValueError(f"{model[:100]!r}: a bench model is {BENCH_FORM}, S seconds per image "
-                         f"(above 0, at most {MAX_BENCH_SECONDS:g}), e.g. bench:fixed?seconds=0.025")
+        raise ValueError(
+            f"{model[:100]!r}: a bench model is {BENCH_FORM}, S seconds per image "
+            f"(above 0, at most {MAX_BENCH_SECONDS:g}), e.g. bench:fixed?seconds=0.025"
+        )
     return seconds
 
 
@@ -760,8 +785,7 @@ def _value_problem(f: Field, value: Any) -> str | None:
 
 def _field_problems(where: str, values: dict[str, Any], fields: dict[str, Field]) -> list[str]:
     """``where: reason`` for each of ``fields`` (by key) that ``values`` gives badly."""
-    return [f"{where}: {why}" for key, f in fields.items()
-            if key in values and (why := _value_problem(f, values[key]))]
+    return [f"{where}: {why}" for key, f in fields.items() if key in values and (why := _value_problem(f, values[key]))]
 
 
 def message_problems(data: Any) -> list[str]:

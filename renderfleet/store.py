@@ -49,11 +49,17 @@ log = logging.getLogger("renderfleet.store")
 T = TypeVar("T")
 
 # Error codes S3 (and S3-alikes) use to say "slow down", whatever the status.
-THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                            "TooManyRequestsException", "RequestTimeout"})
+THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException", "RequestTimeout"}
+)
 _bx = botocore.exceptions
-CONNECTION_ERRORS = (_bx.EndpointConnectionError, _bx.ConnectionClosedError, _bx.ReadTimeoutError,
-                     _bx.ConnectTimeoutError, _bx.ConnectionError)
+CONNECTION_ERRORS = (
+    _bx.EndpointConnectionError,
+    _bx.ConnectionClosedError,
+    _bx.ReadTimeoutError,
+    _bx.ConnectTimeoutError,
+    _bx.ConnectionError,
+)
 # LocalStore writes each object to a temporary file in this folder of its root, then renames it into
 # place.  It is outside the key space (no key may start with it): a listing skips one folder, so no
 # key, whatever its name, is ever taken for a write in flight and hidden.
@@ -148,12 +154,12 @@ def open_store(url: str, s3: S3Options | None = None, *, on_retry: RetryHook | N
 
     ``on_retry`` is told of each retried S3 call (a folder has no retries)."""
     if url.startswith("s3://"):
-        bucket, _, prefix = url[len("s3://"):].partition("/")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         if not bucket:
             raise ConfigError(f"store URL {url!r} names no bucket; expected s3://bucket[/prefix]")
         return S3Store(bucket, prefix, options=s3 or S3Options(), on_retry=on_retry)
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     elif "://" in url:
         raise ConfigError(f"store URL {url!r}: only s3:// URLs and folder paths are supported")
     if not url:
@@ -205,9 +211,12 @@ class LocalStore:
                 try:
                     step = _open_folder(part, fd, create)
                 except NotADirectoryError:  # O_DIRECTORY | O_NOFOLLOW on a link says ENOTDIR
-                    where = self.root.joinpath(*parts[:i + 1])
-                    raise OSError(errno.ELOOP, f"{where} is a symbolic link or a file, not a folder: the folder "
-                                  f"store follows no links (nothing outside {self.root} is read or written)") from None
+                    where = self.root.joinpath(*parts[: i + 1])
+                    raise OSError(
+                        errno.ELOOP,
+                        f"{where} is a symbolic link or a file, not a folder: the folder "
+                        f"store follows no links (nothing outside {self.root} is read or written)",
+                    ) from None
                 os.close(fd)
                 fd = step
             yield fd
@@ -284,8 +293,11 @@ class LocalStore:
         parts = self._parts(prefix.rstrip("/")) if prefix.strip("/") else []
         try:
             with self._folder(parts) as folder, os.scandir(folder) as entries:
-                names = sorted(entry.name for entry in entries
-                               if entry.is_dir(follow_symlinks=False) and not (not parts and entry.name == TEMP_DIR))
+                names = sorted(
+                    entry.name
+                    for entry in entries
+                    if entry.is_dir(follow_symlinks=False) and not (not parts and entry.name == TEMP_DIR)
+                )
         except OSError as exc:
             if exc.errno in _NO_OBJECT:
                 return iter(())
@@ -320,8 +332,7 @@ class LocalStore:
             for entry in entries:
                 key = f"{rel}/{entry.name}" if rel else entry.name
                 if entry.is_dir(follow_symlinks=False):
-                    if (rel or entry.name != TEMP_DIR) and (f"{key}/".startswith(prefix)
-                                                            or prefix.startswith(f"{key}/")):
+                    if (rel or entry.name != TEMP_DIR) and (f"{key}/".startswith(prefix) or prefix.startswith(f"{key}/")):
                         try:
                             sub = _open_folder(entry.name, fd, False)
                         except OSError as exc:
@@ -566,9 +577,11 @@ class S3Store:
                         region_name=session.region_name or "us-east-1",
                         # One attempt per call: tenacity retries.  Not max_attempts=1, which
                         # botocore counts as retries *after* the first try (two calls in all).
-                        config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
-                                      max_pool_connections=32,
-                                      s3={"addressing_style": self.options.addressing}),
+                        config=Config(
+                            retries={"total_max_attempts": 1, "mode": "standard"},
+                            max_pool_connections=32,
+                            s3={"addressing_style": self.options.addressing},
+                        ),
                     )
         return self._client_obj
 
@@ -596,31 +609,45 @@ class S3Store:
         try:
             return retrying(fn)
         # What boto3 raises on purpose; anything else is a bug and propagates as it is.
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, Boto3Error,
-                RetriesExceededError) as exc:
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, Boto3Error, RetriesExceededError) as exc:
             attempts = retrying.statistics.get("attempt_number", 1)
-            raise StoreError(
-                f"S3 {op} s3://{self.bucket}/{full} failed after {attempts} attempt(s): {exc}"
-            ) from exc
+            raise StoreError(f"S3 {op} s3://{self.bucket}/{full} failed after {attempts} attempt(s): {exc}") from exc
 
     def _retrying(self, op: str, full: str, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
-        log.warning("S3 %s s3://%s/%s: attempt %d failed (%s); retrying in %.2f s", op, self.bucket, full,
-                    state.attempt_number, exc or "?", state.next_action.sleep if state.next_action else 0.0)
+        log.warning(
+            "S3 %s s3://%s/%s: attempt %d failed (%s); retrying in %.2f s",
+            op,
+            self.bucket,
+            full,
+            state.attempt_number,
+            exc or "?",
+            state.next_action.sleep if state.next_action else 0.0,
+        )
         if self.on_retry is not None and exc is not None:
             self.on_retry("s3", transient_kind(exc) or "other")
 
     def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
         """Write ``data`` at ``key`` (one PutObject: atomic in S3)."""
         full = self._key(key)
-        self._call("put", full, lambda: self.client.put_object(
-            Bucket=self.bucket, Key=full, Body=data, ContentType=content_type, **self._put_args))
+        self._call(
+            "put",
+            full,
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=full, Body=data, ContentType=content_type, **self._put_args
+            ),
+        )
 
     def put_file(self, key: str, path: Path) -> None:
         """Upload a file, multipart above the transfer threshold; visible only once complete."""
         full = self._key(key)
-        self._call("put_file", full, lambda: self.client.upload_file(
-            str(path), self.bucket, full, ExtraArgs=self._put_args or None, Config=self._transfer()))
+        self._call(
+            "put_file",
+            full,
+            lambda: self.client.upload_file(
+                str(path), self.bucket, full, ExtraArgs=self._put_args or None, Config=self._transfer()
+            ),
+        )
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None on a 404."""
@@ -641,6 +668,7 @@ class S3Store:
                 raise
             with body:
                 return cast(bytes, body.read())
+
         return self._call(op, full, fetch)
 
     def get_range(self, key: str, start: int, end: int) -> bytes | None:
@@ -663,6 +691,7 @@ class S3Store:
                     return False
                 raise
             return True
+
         return self._call("exists", full, head)
 
     def list(self, prefix: str) -> Iterator[str]:
@@ -701,7 +730,7 @@ class S3Store:
                 args["ContinuationToken"] = token
             page = self._call("list", full, partial(self.client.list_objects_v2, **args))
             for item in page.get("CommonPrefixes", []):
-                yield cast(str, item["Prefix"])[len(full):].rstrip("/")
+                yield cast(str, item["Prefix"])[len(full) :].rstrip("/")
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
                 return
@@ -710,8 +739,9 @@ class S3Store:
         """Stream ``key`` to ``path``; s3transfer writes a temp file and renames it (atomic)."""
         full = self._key(key)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._call("download", full, lambda: self.client.download_file(
-            self.bucket, full, str(path), Config=self._transfer()))
+        self._call(
+            "download", full, lambda: self.client.download_file(self.bucket, full, str(path), Config=self._transfer())
+        )
 
     def locate(self, key: str) -> str:
         """The ``s3://bucket/prefix/key`` URL of ``key`` (not checked: a folder-like prefix is fine)."""
@@ -739,11 +769,12 @@ class S3Store:
 
     def _delete_batch(self, full_keys: Sequence[str]) -> int:
         request = {"Objects": [{"Key": k} for k in full_keys], "Quiet": True}
-        answer = self._call("delete", full_keys[0], lambda: self.client.delete_objects(
-            Bucket=self.bucket, Delete=request))
+        answer = self._call("delete", full_keys[0], lambda: self.client.delete_objects(Bucket=self.bucket, Delete=request))
         errors = answer.get("Errors") or []
         if errors:
             first = errors[0]
-            raise StoreError(f"S3 delete s3://{self.bucket}/{first.get('Key')} refused: "
-                             f"{first.get('Code')} {first.get('Message')} ({len(errors)} of {len(full_keys)} keys)")
+            raise StoreError(
+                f"S3 delete s3://{self.bucket}/{first.get('Key')} refused: "
+                f"{first.get('Code')} {first.get('Message')} ({len(errors)} of {len(full_keys)} keys)"
+            )
         return len(full_keys)

@@ -31,8 +31,11 @@ GROUPS = ("keda.sh",)
 def _strict(schema: Any) -> Any:
     if isinstance(schema, dict):
         out = {k: _strict(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema and \
-                not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
@@ -63,8 +66,10 @@ def problems(doc: dict[str, Any]) -> list[str]:
     if schema is None:
         return [f"{kind} {name}: no schema for {api} {kind} in {KEDA_SCHEMAS.relative_to(REPO)}"]
     validator = jsonschema.Draft7Validator(schema)
-    return [f"{kind} {name}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
-            for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+    return [
+        f"{kind} {name}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    ]
 
 
 def main(argv: list[str]) -> int:

@@ -64,24 +64,27 @@ def start_redis(workdir: Path, port: int | None = None) -> RedisServerProcess:
 
 def base_env(tmp: Path, redis_url: str, store: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERFLEET_")}
-    env.update({
-        "RENDERFLEET_HOME": str(tmp / "home"),
-        "RENDERFLEET_REDIS_URL": redis_url,
-        "RENDERFLEET_STORE": store,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-        # Two cores: keep each worker's torch to one thread so workers don't fight.
-        "OMP_NUM_THREADS": "1",
-        **FAST_LEASES,
-    })
+    env.update(
+        {
+            "RENDERFLEET_HOME": str(tmp / "home"),
+            "RENDERFLEET_REDIS_URL": redis_url,
+            "RENDERFLEET_STORE": store,
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            # Two cores: keep each worker's torch to one thread so workers don't fight.
+            "OMP_NUM_THREADS": "1",
+            **FAST_LEASES,
+        }
+    )
     env.update(extra)
     return env
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``renderfleet ARGS`` as a user would."""
-    proc = subprocess.run([sys.executable, "-m", "renderfleet", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "renderfleet", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"renderfleet {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc
@@ -93,8 +96,14 @@ class WorkerProc:
     def __init__(self, env: dict[str, str], log: Path, *args: str):
         self.log = log
         self._out = open(log, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "worker", *args], env=env,
-                                     stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "worker", *args],
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO,
+        )
 
     @property
     def pid(self) -> int:
@@ -157,8 +166,9 @@ def status_now(env: dict[str, str], job: str) -> dict[str, Any]:
 
     client = redisconn.client(env["RENDERFLEET_REDIS_URL"])
     try:
-        data: dict[str, Any] = fleet_status(client, [job], store=open_store(env["RENDERFLEET_STORE"]),
-                                            with_store_only=True).to_dict()
+        data: dict[str, Any] = fleet_status(
+            client, [job], store=open_store(env["RENDERFLEET_STORE"]), with_store_only=True
+        ).to_dict()
     finally:
         client.close()
     return {**data.pop("jobs")[0], **data}
@@ -233,8 +243,14 @@ def lose_a_message_in_brpop(client: redis.Redis, worker: WorkerProc, source: str
 def start_monitor(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """``renderfleet monitor`` in its own process group (kill it with os.killpg)."""
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        return subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "monitor"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO,
+        )
 
 
 def images_rendered(env: dict[str, str], job: str) -> int:

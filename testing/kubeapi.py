@@ -61,25 +61,48 @@ class FakeKubeApi:
                 self.wfile.write(data)
 
             def _status(self, code: int, reason: str, message: str) -> None:
-                self._answer(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
-                                    "reason": reason, "message": message})
+                self._answer(
+                    code,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "code": code,
+                        "reason": reason,
+                        "message": message,
+                    },
+                )
 
             def _scale(self, namespace: str, name: str) -> None:
                 replicas = outer.replicas[(namespace, name)]
-                self._answer(200, {"kind": "Scale", "apiVersion": "autoscaling/v1",
-                                   "metadata": {"name": name, "namespace": namespace},
-                                   "spec": {"replicas": replicas}, "status": {"replicas": replicas}})
+                self._answer(
+                    200,
+                    {
+                        "kind": "Scale",
+                        "apiVersion": "autoscaling/v1",
+                        "metadata": {"name": name, "namespace": namespace},
+                        "spec": {"replicas": replicas},
+                        "status": {"replicas": replicas},
+                    },
+                )
 
             def _deployment_scale(self, method: str, raw: bytes) -> bool:
                 """``.../deployments/NAME/scale``; False when the path is not one."""
                 parts = self.path.split("?", 1)[0].strip("/").split("/")
-                if len(parts) != 8 or parts[:4] != ["apis", "apps", "v1", "namespaces"] or \
-                        parts[5] != "deployments" or parts[7] != "scale":
+                if (
+                    len(parts) != 8
+                    or parts[:4] != ["apis", "apps", "v1", "namespaces"]
+                    or parts[5] != "deployments"
+                    or parts[7] != "scale"
+                ):
                     return False
                 namespace, name = parts[4], parts[6]
                 if outer.scalable is not None and name not in outer.scalable:
-                    self._status(403, "Forbidden", f'deployments.apps "{name}" is forbidden: cannot {method.lower()} '
-                                                   'resource "deployments/scale"')
+                    self._status(
+                        403,
+                        "Forbidden",
+                        f'deployments.apps "{name}" is forbidden: cannot {method.lower()} resource "deployments/scale"',
+                    )
                 elif (namespace, name) not in outer.replicas:
                     self._status(404, "NotFound", f'deployments.apps "{name}" not found')
                 elif method == "PATCH" and self.headers.get("Content-Type", "").split(";")[0].strip() != MERGE_PATCH:
@@ -124,8 +147,9 @@ class FakeKubeApi:
                 patch = json.loads(raw)
                 metadata = merge_patch(outer.pods[(namespace, name)], patch.get("metadata", {}))
                 outer.pods[(namespace, name)] = metadata
-                self._answer(200, {"kind": "Pod", "apiVersion": "v1",
-                                   "metadata": {**metadata, "name": name, "namespace": namespace}})
+                self._answer(
+                    200, {"kind": "Pod", "apiVersion": "v1", "metadata": {**metadata, "name": name, "namespace": namespace}}
+                )
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -137,8 +161,9 @@ class FakeKubeApi:
     def _api_client(self) -> Any:
         from kubernetes import client
 
-        config = client.Configuration(host=self.url, api_key={"BearerToken": self.token},
-                                      api_key_prefix={"BearerToken": "Bearer"})
+        config = client.Configuration(
+            host=self.url, api_key={"BearerToken": self.token}, api_key_prefix={"BearerToken": "Bearer"}
+        )
         return client.ApiClient(config)
 
     def client(self) -> Any:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def make_tiny_lora(path: Path, *, seed: int = 0, rank: int = 4, text_encoder: bool = False,
-                   text_model_names: bool = False) -> Path:
+def make_tiny_lora(
+    path: Path, *, seed: int = 0, rank: int = 4, text_encoder: bool = False, text_model_names: bool = False
+) -> Path:
     """Write a LoRA for the ``tiny`` model's UNet (and its text encoder with ``text_encoder``) to
     ``path`` (a .safetensors file); returns it.  ``text_model_names``: the text encoder's keys under
     ``text_model.``, as in the LoRAs made before transformers 5 took that wrapper out of CLIPTextModel
@@ -29,15 +30,26 @@ def make_tiny_lora(path: Path, *, seed: int = 0, rank: int = 4, text_encoder: bo
     layers: dict[str, dict[str, torch.Tensor]] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pipe.unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
-                                         target_modules=["to_q", "to_k", "to_v", "to_out.0"]), adapter_name="made")
+        pipe.unet.add_adapter(
+            LoraConfig(
+                r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v", "to_out.0"]
+            ),
+            adapter_name="made",
+        )
         layers["unet_lora_layers"] = get_peft_model_state_dict(pipe.unet, adapter_name="made")
         if text_encoder:
             # PEFT's own injection, not transformers' add_adapter: that one refuses a peft below its
             # MIN_PEFT_VERSION, and the test of that refusal is the worker's load, not this file.
-            inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
-                                               target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]),
-                                    pipe.text_encoder, adapter_name="made")
+            inject_adapter_in_model(
+                LoraConfig(
+                    r=rank,
+                    lora_alpha=rank,
+                    init_lora_weights=False,
+                    target_modules=["q_proj", "k_proj", "v_proj", "out_proj"],
+                ),
+                pipe.text_encoder,
+                adapter_name="made",
+            )
             state = get_peft_model_state_dict(pipe.text_encoder, adapter_name="made")
             prefix = "text_model." if text_model_names and not hasattr(pipe.text_encoder, "text_model") else ""
             layers["text_encoder_lora_layers"] = {prefix + key: value for key, value in state.items()}

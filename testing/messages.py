@@ -51,8 +51,16 @@ def to_wire(prompt: Prompt, params: RenderParams) -> str | dict[str, Any]:
 
 def message_dict(msg: ShardMessage) -> dict[str, Any]:
     """``msg`` as a decoded shard message, every value written by ``json.dumps``'s rules."""
-    data = {"job": msg.job, "params": msg.params.identity(), "batch_size": msg.batch_size, "queue": msg.queue,
-            "store": msg.store, "shard": msg.shard, "first": msg.first, "count": msg.count}
+    data = {
+        "job": msg.job,
+        "params": msg.params.identity(),
+        "batch_size": msg.batch_size,
+        "queue": msg.queue,
+        "store": msg.store,
+        "shard": msg.shard,
+        "first": msg.first,
+        "count": msg.count,
+    }
     return dict(json.loads(json.dumps(data)))
 
 

@@ -49,8 +49,11 @@ class Fleet:
         self.count = 0
 
     def node_env(self, node: str) -> dict[str, str]:
-        return {**self.env, "RENDERFLEET_AWS_METADATA_URL": self.md.url(node),
-                "RENDERFLEET_GCP_METADATA_URL": self.md.url(node)}
+        return {
+            **self.env,
+            "RENDERFLEET_AWS_METADATA_URL": self.md.url(node),
+            "RENDERFLEET_GCP_METADATA_URL": self.md.url(node),
+        }
 
     def start(self) -> str:
         node = f"node-{self.count}"
@@ -73,7 +76,7 @@ class Fleet:
         by_worker: dict[str, tuple[str, int]] = {}
         for key in self.client.scan_iter(match=f"{keys.LEASE_PREFIX}*", count=1000):
             holder = keys.text(self.client.hget(key, "worker"))
-            job, _, shard = keys.text(key)[len(keys.LEASE_PREFIX):].rpartition(":")
+            job, _, shard = keys.text(key)[len(keys.LEASE_PREFIX) :].rpartition(":")
             if holder:
                 by_worker[holder] = (job, int(shard))
         out: dict[str, tuple[str, int] | None] = {}
@@ -107,8 +110,9 @@ class Fleet:
             w.kill()
 
 
-def running_again(client: redis.Redis, job: str, shard: int, victim: str | None, t0: float,
-                  timeout: float, out: list[float]) -> None:
+def running_again(
+    client: redis.Redis, job: str, shard: int, victim: str | None, t0: float, timeout: float, out: list[float]
+) -> None:
     """Wait until another worker holds (or finished) the shard; append the delay."""
     deadline = t0 + timeout
     while time.monotonic() < deadline:
@@ -177,15 +181,26 @@ class Rig:
         self.client = redis.Redis.from_url(server.url, socket_timeout=5)
         self.moto = MotoServer().start()
         self.md = FakeMetadata().__enter__()
-        self.s3 = boto3.client("s3", endpoint_url=self.moto.endpoint_url, region_name="us-east-1",
-                               aws_access_key_id="testing", aws_secret_access_key="testing")
+        self.s3 = boto3.client(
+            "s3",
+            endpoint_url=self.moto.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
         self.s3.create_bucket(Bucket=self.bucket)
-        self.env = base_env(self.tmp, server.url, self.store,
-                            **s3_env(self.moto.endpoint_url, self.bucket),
-                            RENDERFLEET_RECLAIM_WATCH="on", RENDERFLEET_RECLAIM_POLL_SECONDS="0.25")
+        self.env = base_env(
+            self.tmp,
+            server.url,
+            self.store,
+            **s3_env(self.moto.endpoint_url, self.bucket),
+            RENDERFLEET_RECLAIM_WATCH="on",
+            RENDERFLEET_RECLAIM_POLL_SECONDS="0.25",
+        )
         self.fleet = Fleet(self.env, self.md, self.logs, self.client)
-        self.monitor = start_monitor({**self.env, "RENDERFLEET_AUDIT_SECONDS": self.audit_seconds},
-                                     self.logs / "monitor.log")
+        self.monitor = start_monitor(
+            {**self.env, "RENDERFLEET_AUDIT_SECONDS": self.audit_seconds}, self.logs / "monitor.log"
+        )
         return self
 
     def submit(self, prompt_file: Path, *args: str) -> str:
@@ -205,8 +220,9 @@ class Rig:
         prefix = f"chaos/jobs/{job}/images/"
         out: dict[str, float] = {}
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            out.update((o["Key"][len(prefix):-len(".png")], o["LastModified"].timestamp())
-                       for o in page.get("Contents", []))
+            out.update(
+                (o["Key"][len(prefix) : -len(".png")], o["LastModified"].timestamp()) for o in page.get("Contents", [])
+            )
         return out
 
     def image_names(self, job: str) -> list[str]:

@@ -92,9 +92,7 @@ class MotoServer:
     def __enter__(self) -> MotoServer:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
         self._logdir.cleanup()
 
@@ -145,8 +143,10 @@ class FlakyS3Proxy:
                     self._forward(body)
 
             def _error(self) -> None:
-                xml = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{proxy.code}</Code>"
-                       "<Message>injected by the test</Message><RequestId>t</RequestId></Error>").encode()
+                xml = (
+                    f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{proxy.code}</Code>"
+                    "<Message>injected by the test</Message><RequestId>t</RequestId></Error>"
+                ).encode()
                 self.send_response(proxy.status)
                 self.send_header("Content-Type", "application/xml")
                 self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(xml)))
@@ -185,9 +185,7 @@ class FlakyS3Proxy:
         self._thread.start()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.server.shutdown()
         self.server.server_close()
 
@@ -199,13 +197,40 @@ def make_certs(d: Path) -> None:
     """With the ``openssl`` command, in ``d``: a CA of our own (``ca.crt``) and a server
     certificate for 127.0.0.1 signed by it (``server.crt``, ``server.key``)."""
     run = lambda *args: subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-        "-subj", "/CN=renderfleet test CA")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=127.0.0.1")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=renderfleet test CA",
+    )
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
     (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    )
 
 
 class TlsRedis:
@@ -232,11 +257,36 @@ class TlsRedis:
         conf.write_text(f"requirepass {self.password}\n")
         d = self.workdir
         self.proc = subprocess.Popen(
-            ["redis-server", str(conf), "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
-             "--tls-cert-file", str(d / "server.crt"), "--tls-key-file", str(d / "server.key"),
-             "--tls-ca-cert-file", str(self.ca), "--tls-auth-clients", "no", "--save", "",
-             "--appendonly", "no", "--dir", str(d), "--logfile", str(d / "server.log")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                str(conf),
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--tls-cert-file",
+                str(d / "server.crt"),
+                "--tls-key-file",
+                str(d / "server.key"),
+                "--tls-ca-cert-file",
+                str(self.ca),
+                "--tls-auth-clients",
+                "no",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(d),
+                "--logfile",
+                str(d / "server.log"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -279,8 +329,9 @@ class SentinelRedis:
 
     MASTER = "mymaster"
 
-    def __init__(self, workdir: Path, password: str, *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000,
-                 tls: bool = False):
+    def __init__(
+        self, workdir: Path, password: str, *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000, tls: bool = False
+    ):
         self.workdir = workdir
         self.password = password
         self.tls = tls
@@ -309,8 +360,10 @@ class SentinelRedis:
         if not self.tls:
             return f"port {port}\n"
         w = self.workdir
-        return (f"port 0\ntls-port {port}\ntls-cert-file {w / 'server.crt'}\ntls-key-file {w / 'server.key'}\n"
-                f"tls-ca-cert-file {w / 'ca.crt'}\ntls-auth-clients no\ntls-replication yes\n")
+        return (
+            f"port 0\ntls-port {port}\ntls-cert-file {w / 'server.crt'}\ntls-key-file {w / 'server.key'}\n"
+            f"tls-ca-cert-file {w / 'ca.crt'}\ntls-auth-clients no\ntls-replication yes\n"
+        )
 
     def _spawn(self, name: str, conf: str, *args: str) -> None:
         d = self.workdir / name
@@ -319,8 +372,12 @@ class SentinelRedis:
         path.write_text(conf + f"dir {d}\nlogfile {d / 'server.log'}\nbind 127.0.0.1\n")
         from renderfleet.embedded import server_binary  # redis-server, else valkey-server: both have --sentinel
 
-        self.procs[name] = subprocess.Popen([server_binary(), str(path), *args], stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs[name] = subprocess.Popen(
+            [server_binary(), str(path), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def start(self, timeout: float = 30.0) -> SentinelRedis:
         """Start every process; return once the replica is in sync and each sentinel sees
@@ -332,17 +389,20 @@ class SentinelRedis:
         # repl-diskless-sync-delay 0: the replica's first sync now, not in Redis 7's default 5 s.
         data = auth + 'save ""\nappendonly no\nrepl-diskless-sync-delay 0\n'
         self._spawn("primary", data + self._listen(self.ports["primary"]))
-        self._spawn("replica", data + self._listen(self.ports["replica"])
-                    + f"replicaof 127.0.0.1 {self.ports['primary']}\n")
+        self._spawn("replica", data + self._listen(self.ports["replica"]) + f"replicaof 127.0.0.1 {self.ports['primary']}\n")
         self._wait(self._replica_in_sync, timeout, "the replica to sync")
         # Started once the replica is in sync: a sentinel finds it at its first look at the primary.
         for i, port in enumerate(self.sentinel_ports):
-            self._spawn(f"sentinel-{i}", (
-                self._listen(port) +
-                f"sentinel monitor {self.MASTER} 127.0.0.1 {self.ports['primary']} 2\n"
-                f"sentinel auth-pass {self.MASTER} {self.password}\n"
-                f"sentinel down-after-milliseconds {self.MASTER} {self.down_after_ms}\n"
-                f"sentinel failover-timeout {self.MASTER} {self.failover_timeout_ms}\n"), "--sentinel")
+            self._spawn(
+                f"sentinel-{i}",
+                (
+                    self._listen(port) + f"sentinel monitor {self.MASTER} 127.0.0.1 {self.ports['primary']} 2\n"
+                    f"sentinel auth-pass {self.MASTER} {self.password}\n"
+                    f"sentinel down-after-milliseconds {self.MASTER} {self.down_after_ms}\n"
+                    f"sentinel failover-timeout {self.MASTER} {self.failover_timeout_ms}\n"
+                ),
+                "--sentinel",
+            )
         self._wait(self._sentinels_settled, timeout, "the sentinels to see the replica and each other")
         return self
 
@@ -411,9 +471,7 @@ class SentinelRedis:
     def __enter__(self) -> SentinelRedis:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
 

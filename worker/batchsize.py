@@ -102,8 +102,15 @@ def doubling(start: int, limit: int) -> list[int]:
     return [*sizes, limit]
 
 
-def search(render: Callable[[int], Any], *, limit: int, start: int = 1, bisect: bool = False,
-           budget_seconds: float | None = None, clock: Callable[[], float] = time.perf_counter) -> Search:
+def search(
+    render: Callable[[int], Any],
+    *,
+    limit: int,
+    start: int = 1,
+    bisect: bool = False,
+    budget_seconds: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Search:
     """Render batches of :func:`doubling` sizes until ``limit``, an out-of-memory or the budget.
 
     ``render(n)`` renders ``n`` prompts (raising :class:`OutOfMemory` when they
@@ -155,8 +162,14 @@ def choose(found: Search) -> int:
     return max(1, int(fit * SAFETY)) if found.oom_at is not None and fit >= 4 else fit
 
 
-def sweep(render: Callable[[int], Any], *, batch: int, budget_seconds: float, rounds: int = SWEEP_ROUNDS,
-          clock: Callable[[], float] = time.perf_counter) -> tuple[int, list[dict[int, float]]]:
+def sweep(
+    render: Callable[[int], Any],
+    *,
+    batch: int,
+    budget_seconds: float,
+    rounds: int = SWEEP_ROUNDS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[int, list[dict[int, float]]]:
     """A CPU's render size: (size, seconds per image of each size in each round).
 
     Round-robin over :func:`doubling` sizes up to ``batch``, ``rounds`` times or
@@ -208,9 +221,20 @@ class Remembered:
 def probe_prompts(like: Prompt, n: int, *, accelerator: bool) -> list[Prompt]:
     """``n`` throw-away prompts at ``like``'s size: few steps; on an accelerator, guidance on."""
     guidance = max(like.guidance, PROBE_GUIDANCE) if accelerator else like.guidance
-    return [Prompt(index=i, name=f"probe-{i}", prompt=like.prompt, negative_prompt=like.negative_prompt, seed=i,
-                   steps=min(like.steps, PROBE_STEPS), guidance=guidance, width=like.width, height=like.height)
-            for i in range(n)]
+    return [
+        Prompt(
+            index=i,
+            name=f"probe-{i}",
+            prompt=like.prompt,
+            negative_prompt=like.negative_prompt,
+            seed=i,
+            steps=min(like.steps, PROBE_STEPS),
+            guidance=guidance,
+            width=like.width,
+            height=like.height,
+        )
+        for i in range(n)
+    ]
 
 
 class BatchSizes:
@@ -222,9 +246,15 @@ class BatchSizes:
     a fixed size.
     """
 
-    def __init__(self, store: Store | None, *, fixed: int | None = None,
-                 card: Callable[[str], str] = card_name, sweep_seconds: float = SWEEP_SECONDS,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        store: Store | None,
+        *,
+        fixed: int | None = None,
+        card: Callable[[str], str] = card_name,
+        sweep_seconds: float = SWEEP_SECONDS,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.store = store
         self.fixed = fixed
         self.card = card
@@ -236,8 +266,7 @@ class BatchSizes:
 
     # ---- what the runner asks ----------------------------------------------------
 
-    def size_for(self, renderer: Any, prompt: Prompt, batch: int,
-                 should_stop: Callable[[], bool] = lambda: False) -> int:
+    def size_for(self, renderer: Any, prompt: Prompt, batch: int, should_stop: Callable[[], bool] = lambda: False) -> int:
         """How many of a batch of ``batch`` prompts like ``prompt`` to render per call."""
         key = self._key(renderer, prompt)
         if key is None or self.fixed is not None:
@@ -268,16 +297,32 @@ class BatchSizes:
             self._halved[(prompt.width, prompt.height)] = new
             return new
         old = self._known.get(key)
-        known = Remembered(new, limit=max(size, old.limit if old else size), oom=True, how="halved",
-                           card=key[0], model=key[1], width=key[2], height=key[3], compiled=_compiled(renderer))
+        known = Remembered(
+            new,
+            limit=max(size, old.limit if old else size),
+            oom=True,
+            how="halved",
+            card=key[0],
+            model=key[1],
+            width=key[2],
+            height=key[3],
+            compiled=_compiled(renderer),
+        )
         self._known[key] = known
         self._write(key, known)
         return new
 
     # ---- finding a size -------------------------------------------------------------
 
-    def _search(self, renderer: Any, prompt: Prompt, batch: int, known: Remembered | None,
-                should_stop: Callable[[], bool], key: tuple[str, str, int, int]) -> Remembered | None:
+    def _search(
+        self,
+        renderer: Any,
+        prompt: Prompt,
+        batch: int,
+        known: Remembered | None,
+        should_stop: Callable[[], bool],
+        key: tuple[str, str, int, int],
+    ) -> Remembered | None:
         device = str(renderer.loaded.device)
         accelerator = not device.startswith("cpu")
         generate = getattr(renderer, "generate", None)
@@ -291,8 +336,14 @@ class BatchSizes:
 
         started = self.clock()
         # Said before it starts: on a CPU at a large size the search takes minutes.
-        log.info("batch size for %s at %dx%d on %s: searching (%s)", key[1], key[2], key[3], key[0],
-                 "probe" if accelerator else "sweep")
+        log.info(
+            "batch size for %s at %dx%d on %s: searching (%s)",
+            key[1],
+            key[2],
+            key[3],
+            key[0],
+            "probe" if accelerator else "sweep",
+        )
         try:
             if accelerator:
                 found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)
@@ -302,16 +353,36 @@ class BatchSizes:
             else:
                 render(1)  # warm-up: the first call pays one-time costs
                 size, table = sweep(render, batch=batch, budget_seconds=self.sweep_seconds, clock=self.clock)
-                how, oom, measured = "sweep", False, "; ".join(
-                    ", ".join(f"{n}: {s:.3f}" for n, s in row.items()) for row in table) + " s/image"
+                how, oom, measured = (
+                    "sweep",
+                    False,
+                    "; ".join(", ".join(f"{n}: {s:.3f}" for n, s in row.items()) for row in table) + " s/image",
+                )
         except PermanentError as exc:
-            log.warning("batch size search at %dx%d failed (%s): rendering whole batches", prompt.width,
-                        prompt.height, exc)
+            log.warning("batch size search at %dx%d failed (%s): rendering whole batches", prompt.width, prompt.height, exc)
             return None
-        log.info("batch size for %s at %dx%d on %s: %d (%s in %.1f s: %s)", key[1], key[2], key[3], key[0], size,
-                 how, self.clock() - started, measured)
-        return Remembered(size, limit=batch, oom=oom, how=how,
-                          card=key[0], model=key[1], width=key[2], height=key[3], compiled=_compiled(renderer))
+        log.info(
+            "batch size for %s at %dx%d on %s: %d (%s in %.1f s: %s)",
+            key[1],
+            key[2],
+            key[3],
+            key[0],
+            size,
+            how,
+            self.clock() - started,
+            measured,
+        )
+        return Remembered(
+            size,
+            limit=batch,
+            oom=oom,
+            how=how,
+            card=key[0],
+            model=key[1],
+            width=key[2],
+            height=key[3],
+            compiled=_compiled(renderer),
+        )
 
     # ---- the store -------------------------------------------------------------------
 
@@ -344,16 +415,20 @@ class BatchSizes:
         except Exception as exc:  # unreadable: search again and write it anew
             log.warning("batch size for %s not read from the store: %s: %s", key, type(exc).__name__, exc)
             return None
-        log.info("batch size for %s at %dx%d on %s: %d, as the store remembers it", key[1], key[2], key[3], key[0],
-                 known.size)
+        log.info(
+            "batch size for %s at %dx%d on %s: %d, as the store remembers it", key[1], key[2], key[3], key[0], known.size
+        )
         return known
 
     def _write(self, key: tuple[str, str, int, int], known: Remembered) -> None:
         if self.store is None:
             return
         try:
-            self.store.put(self.store_key(key), json.dumps({**asdict(known), "at": time.time()}).encode(),
-                           content_type="application/json")
+            self.store.put(
+                self.store_key(key),
+                json.dumps({**asdict(known), "at": time.time()}).encode(),
+                content_type="application/json",
+            )
         except Exception as exc:  # a lost memory costs the next worker a search, nothing more
             log.warning("batch size for %s not written to the store: %s: %s", key, type(exc).__name__, exc)
 
@@ -376,8 +451,10 @@ def check_same_kind(known: Remembered, *, compiled: bool, where: str) -> None:
     if known.compiled == compiled:
         return
     mine, theirs = ("compiled", "eager") if compiled else ("eager", "compiled")
-    raise MixedFleet(f"RENDERFLEET_COMPILE: this worker renders {known.model} at {known.width}x{known.height} on "
-                     f"{known.card} {mine}, but the fleet renders it {theirs} (store key {where}); their images "
-                     f"differ in bytes and a fleet must not mix them: start this worker "
-                     f"{'without' if compiled else 'with'} --compile, or stop the fleet's workers and delete "
-                     f"that key to switch")
+    raise MixedFleet(
+        f"RENDERFLEET_COMPILE: this worker renders {known.model} at {known.width}x{known.height} on "
+        f"{known.card} {mine}, but the fleet renders it {theirs} (store key {where}); their images "
+        f"differ in bytes and a fleet must not mix them: start this worker "
+        f"{'without' if compiled else 'with'} --compile, or stop the fleet's workers and delete "
+        f"that key to switch"
+    )

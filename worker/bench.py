@@ -70,9 +70,23 @@ class BenchRun:
         return max(self.points, key=lambda p: p.images_per_minute)
 
 
-def run_bench(model: str, *, width: int, height: int, steps: int, guidance: float, batch_sizes: list[int] | None,
-              prices: dict[str, float], runs: int, device: str | None, cache_dir: Path,
-              compile: bool = False, scheduler: str = "", image_format: str = "png", quality: int = 90) -> BenchRun:
+def run_bench(
+    model: str,
+    *,
+    width: int,
+    height: int,
+    steps: int,
+    guidance: float,
+    batch_sizes: list[int] | None,
+    prices: dict[str, float],
+    runs: int,
+    device: str | None,
+    cache_dir: Path,
+    compile: bool = False,
+    scheduler: str = "",
+    image_format: str = "png",
+    quality: int = 90,
+) -> BenchRun:
     """Measure; ``batch_sizes`` None means auto (:func:`worker.batchsize.search` up to ``AUTO_LIMIT``)."""
     import torch
 
@@ -85,13 +99,42 @@ def run_bench(model: str, *, width: int, height: int, steps: int, guidance: floa
     cuda = str(loaded.device).startswith("cuda")
 
     def prompts_of(size: int) -> list[Prompt]:
-        return [Prompt(i, f"{i:06d}", f"benchmark prompt {i}", "", derive_seed(0, i), steps, guidance, width,
-                       height, scheduler=scheduler, image_format=image_format, quality=quality) for i in range(size)]
+        return [
+            Prompt(
+                i,
+                f"{i:06d}",
+                f"benchmark prompt {i}",
+                "",
+                derive_seed(0, i),
+                steps,
+                guidance,
+                width,
+                height,
+                scheduler=scheduler,
+                image_format=image_format,
+                quality=quality,
+            )
+            for i in range(size)
+        ]
 
-    result = BenchRun(model, width, height, steps, guidance, str(loaded.device), card_name(str(loaded.device)),
-                      torch.get_num_threads(), loaded.load_seconds, prices, [],
-                      when=time.strftime("%Y-%m-%d %H:%M:%S"), compiled=compile, scheduler=scheduler,
-                      image_format=image_format, quality=quality)
+    result = BenchRun(
+        model,
+        width,
+        height,
+        steps,
+        guidance,
+        str(loaded.device),
+        card_name(str(loaded.device)),
+        torch.get_num_threads(),
+        loaded.load_seconds,
+        prices,
+        [],
+        when=time.strftime("%Y-%m-%d %H:%M:%S"),
+        compiled=compile,
+        scheduler=scheduler,
+        image_format=image_format,
+        quality=quality,
+    )
     started = time.perf_counter()
     try:
         renderer.render(prompts_of(1))
@@ -118,8 +161,11 @@ def run_bench(model: str, *, width: int, height: int, steps: int, guidance: floa
             break
         per_image = statistics.median(times) / size
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
-        result.points.append(Point(size, 60 / per_image, per_image, peak,
-                                   {label: price / 3600 * per_image for label, price in prices.items()}))
+        result.points.append(
+            Point(
+                size, 60 / per_image, per_image, peak, {label: price / 3600 * per_image for label, price in prices.items()}
+            )
+        )
     if not result.points:
         raise InputError([f"bench: batch size {sizes[0]} does not fit on {result.card}"])
     return result
@@ -130,8 +176,9 @@ def _auto_sizes(renderer: Any, prompts_of: Any, cuda: bool, result: BenchRun, ru
     those of them :func:`cpu_timed` picks)."""
     from worker.batchsize import search
 
-    found = search(lambda n: renderer.render(prompts_of(n)), limit=AUTO_LIMIT,
-                   budget_seconds=None if cuda else CPU_SWEEP_SECONDS)
+    found = search(
+        lambda n: renderer.render(prompts_of(n)), limit=AUTO_LIMIT, budget_seconds=None if cuda else CPU_SWEEP_SECONDS
+    )
     result.oom_at = found.first_oom
     if cuda:
         return sorted(found.per_image)
@@ -172,27 +219,45 @@ def markdown(run: BenchRun) -> str:
     head = ["batch", "images/min", "s/image", "peak MB", *[f"cost/image ({lbl})" for lbl in labels]]
     files = f"{run.image_format}" + (f" q{run.quality}" if run.image_format in ("webp", "jpeg") else "")
     size = f", {run.bytes_per_image:,.0f} bytes/image" if run.bytes_per_image else ""
-    lines = [f"# {run.model} at {run.width}x{run.height}, {run.steps} steps, guidance {run.guidance:g}, "
-             f"scheduler {run.scheduler or 'the model default'}",
-             "", f"{files}{size}; {run.card} ({run.device}, {run.torch_threads} threads), "
-             f"model load {run.load_seconds:.2f} s, "
-             f"first batch {run.first_batch_seconds or 0:.2f} s{' (compile included)' if run.compiled else ''}, "
-             f"{run.when}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"# {run.model} at {run.width}x{run.height}, {run.steps} steps, guidance {run.guidance:g}, "
+        f"scheduler {run.scheduler or 'the model default'}",
+        "",
+        f"{files}{size}; {run.card} ({run.device}, {run.torch_threads} threads), "
+        f"model load {run.load_seconds:.2f} s, "
+        f"first batch {run.first_batch_seconds or 0:.2f} s{' (compile included)' if run.compiled else ''}, "
+        f"{run.when}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for p in run.points:
-        row = [str(p.batch_size), f"{p.images_per_minute:,.1f}", f"{p.seconds_per_image:.4f}",
-               "-" if p.peak_memory_mb is None else f"{p.peak_memory_mb:,.0f}",
-               *[f"{p.cost_per_image[lbl]:.6f}" for lbl in labels]]
+        row = [
+            str(p.batch_size),
+            f"{p.images_per_minute:,.1f}",
+            f"{p.seconds_per_image:.4f}",
+            "-" if p.peak_memory_mb is None else f"{p.peak_memory_mb:,.0f}",
+            *[f"{p.cost_per_image[lbl]:.6f}" for lbl in labels],
+        ]
         lines.append("| " + " | ".join(row) + " |")
     best = run.best()
-    lines += ["", f"Best: batch {best.batch_size}, {best.images_per_minute:,.1f} images/min"
-              + "".join(f"; {lbl}: {best.cost_per_image[lbl]:.6f} per image, "
-                        f"{1 / best.cost_per_image[lbl]:,.0f} images per unit of money" for lbl in labels if
-                        best.cost_per_image[lbl] > 0)]
+    lines += [
+        "",
+        f"Best: batch {best.batch_size}, {best.images_per_minute:,.1f} images/min"
+        + "".join(
+            f"; {lbl}: {best.cost_per_image[lbl]:.6f} per image, "
+            f"{1 / best.cost_per_image[lbl]:,.0f} images per unit of money"
+            for lbl in labels
+            if best.cost_per_image[lbl] > 0
+        ),
+    ]
     if run.oom_at:
         lines.append(f"Batch {run.oom_at} ran out of memory.")
     if run.untimed:
-        lines.append(f"Probed but not timed (the CPU's time budget; slower per image in their probe): "
-                     f"{', '.join(map(str, run.untimed))}.")
+        lines.append(
+            f"Probed but not timed (the CPU's time budget; slower per image in their probe): "
+            f"{', '.join(map(str, run.untimed))}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -214,8 +279,9 @@ def _plot(run: BenchRun, path: Path) -> Path | None:
     if run.prices:
         label = next(iter(run.prices))
         ax2 = ax.twinx()
-        ax2.plot(sizes, [p.cost_per_image[label] for p in run.points], "s--", color="tab:red",
-                 label=f"cost per image ({label})")
+        ax2.plot(
+            sizes, [p.cost_per_image[label] for p in run.points], "s--", color="tab:red", label=f"cost per image ({label})"
+        )
         ax2.set_ylabel(f"cost per image at {run.prices[label]:g}/h", color="tab:red")
     ax.set_title(f"{run.model} {run.width}x{run.height} {run.steps} steps on {run.card}", fontsize=9)
     fig.tight_layout()
@@ -237,13 +303,17 @@ def compare(paths: list[Path]) -> str:
         rows.append((str(path), data["card"], best["batch_size"], best["images_per_minute"], cost))
     lines = ["| run | card | best batch | images/min | cost/image | images per unit |", "|---|---|---|---|---|---|"]
     for name, card, batch, ipm, cost in rows:
-        lines.append(f"| {name} | {card} | {batch} | {ipm:,.1f} | {'-' if cost is None else f'{cost:.6f}'} | "
-                     f"{'-' if not cost else f'{1 / cost:,.0f}'} |")
+        lines.append(
+            f"| {name} | {card} | {batch} | {ipm:,.1f} | {'-' if cost is None else f'{cost:.6f}'} | "
+            f"{'-' if not cost else f'{1 / cost:,.0f}'} |"
+        )
     fastest = max(rows, key=lambda r: r[3])
     lines.append(f"\nFastest: {fastest[0]} ({fastest[1]}), {fastest[3]:,.1f} images/min.")
     priced = [r for r in rows if r[4]]
     if priced:
         cheapest = min(priced, key=lambda r: r[4] or 0.0)
-        lines.append(f"Cheapest per image: {cheapest[0]} ({cheapest[1]}), {cheapest[4]:.6f} per image, "
-                     f"{1 / (cheapest[4] or 1):,.0f} images per unit of money.")
+        lines.append(
+            f"Cheapest per image: {cheapest[0]} ({cheapest[1]}), {cheapest[4]:.6f} per image, "
+            f"{1 / (cheapest[4] or 1):,.0f} images per unit of money."
+        )
     return "\n".join(lines) + "\n"

@@ -46,8 +46,12 @@ class FixedTimeRenderer:
         self.model = model
         self.last_batch_seconds: float | None = None
 
-    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
-                      ) -> list[Any]:
+    def render_images(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[Any]:
         """Sleep the batch's time in ``steps`` slices, asking ``should_stop`` before each but the first."""
         from PIL import Image
 

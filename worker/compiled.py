@@ -134,8 +134,10 @@ def read_fleet_key(path: Path) -> bytes:
     except OSError as exc:
         raise ConfigError(f"{KEY_SETTING}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
     if len(key) < MIN_KEY_BYTES:
-        raise ConfigError(f"{KEY_SETTING}: {str(path)!r} holds {len(key)} bytes; a fleet key needs at least "
-                          f"{MIN_KEY_BYTES} (e.g. `openssl rand -hex 32 > {path}`)")
+        raise ConfigError(
+            f"{KEY_SETTING}: {str(path)!r} holds {len(key)} bytes; a fleet key needs at least "
+            f"{MIN_KEY_BYTES} (e.g. `openssl rand -hex 32 > {path}`)"
+        )
     return key
 
 
@@ -153,8 +155,8 @@ def verify(key: bytes, store_key: str, blob: bytes) -> bytes | None:
     """The payload of ``blob`` if it was signed with ``key`` for ``store_key``; None otherwise."""
     if not blob.startswith(SIGNED_HEADER) or len(blob) < len(SIGNED_HEADER) + _MAC_BYTES:
         return None
-    mac = blob[len(SIGNED_HEADER):len(SIGNED_HEADER) + _MAC_BYTES]
-    payload = blob[len(SIGNED_HEADER) + _MAC_BYTES:]
+    mac = blob[len(SIGNED_HEADER) : len(SIGNED_HEADER) + _MAC_BYTES]
+    payload = blob[len(SIGNED_HEADER) + _MAC_BYTES :]
     return payload if hmac.compare_digest(mac, _mac(key, store_key, payload)) else None
 
 
@@ -173,10 +175,19 @@ class CompileCache:
     ``save``, ``load`` and ``changed`` default to torch's; tests give their own.
     """
 
-    def __init__(self, store: Store, *, model: str, card: str, key: bytes,
-                 save: Callable[[], bytes | None] | None = None, load: Callable[[bytes], Any] | None = None,
-                 changed: Callable[[], bool] | None = None, torch_version: str | None = None,
-                 config: str | None = None):
+    def __init__(
+        self,
+        store: Store,
+        *,
+        model: str,
+        card: str,
+        key: bytes,
+        save: Callable[[], bytes | None] | None = None,
+        load: Callable[[bytes], Any] | None = None,
+        changed: Callable[[], bool] | None = None,
+        torch_version: str | None = None,
+        config: str | None = None,
+    ):
         self.store = store
         self.model = model
         self.card = card
@@ -213,12 +224,23 @@ class CompileCache:
                 return
             payload = verify(self._fleet_key, key, blob)
             if payload is None:
-                log.warning("compile cache %s for %s at %dx%d ignored: not signed with this fleet's key "
-                            "(%s); it is never loaded", key, self.model, width, height, KEY_SETTING)
+                log.warning(
+                    "compile cache %s for %s at %dx%d ignored: not signed with this fleet's key (%s); it is never loaded",
+                    key,
+                    self.model,
+                    width,
+                    height,
+                    KEY_SETTING,
+                )
                 return
             self._load(payload)
-            log.info("compile cache for %s at %dx%d loaded from the store (%d bytes, signature verified)",
-                     self.model, width, height, len(payload))
+            log.info(
+                "compile cache for %s at %dx%d loaded from the store (%d bytes, signature verified)",
+                self.model,
+                width,
+                height,
+                len(payload),
+            )
         except Exception as exc:  # a cache is an optimisation: compile instead
             log.warning("compile cache for %dx%d not loaded: %s: %s", width, height, type(exc).__name__, exc)
 
@@ -271,13 +293,13 @@ def open_compile_cache(settings: Settings, *, model: str, card: str) -> CompileC
     (:data:`KEY_SETTING`): then each node compiles for itself, with torch's local cache."""
     key_file = getattr(settings, "compile_cache_key_file", None)
     if key_file is None:
-        log.info("compile cache not shared through the store: %s is not set, so each node compiles for itself",
-                 KEY_SETTING)
+        log.info("compile cache not shared through the store: %s is not set, so each node compiles for itself", KEY_SETTING)
         return None
     from renderfleet.store import open_store
 
-    return CompileCache(open_store(settings.store_url, settings.s3_options), model=model, card=card,
-                        key=read_fleet_key(key_file))
+    return CompileCache(
+        open_store(settings.store_url, settings.s3_options), model=model, card=card, key=read_fleet_key(key_file)
+    )
 
 
 def _torch_compiled_something() -> Callable[[], bool]:

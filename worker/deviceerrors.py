@@ -11,9 +11,20 @@ from __future__ import annotations
 # What torch and the CUDA libraries say when the device itself failed.  Matched
 # only in a RuntimeError (torch's type for them) or torch.AcceleratorError:
 # a ValueError that quotes one of these is about an input, not the device.
-_DEVICE_ERROR_TEXTS = ("cuda error", "cuda driver error", "cublas_status_", "cudnn_status_", "cudnn error",
-                       "device-side assert", "illegal memory access", "unspecified launch failure",
-                       "nccl error", "hip error", "device lost", "ecc error")
+_DEVICE_ERROR_TEXTS = (
+    "cuda error",
+    "cuda driver error",
+    "cublas_status_",
+    "cudnn_status_",
+    "cudnn error",
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+    "nccl error",
+    "hip error",
+    "device lost",
+    "ecc error",
+)
 
 
 # What the CUDA libraries say when they could not allocate their workspace: out of

@@ -114,16 +114,30 @@ class LeaseClock:
 
     def still_current(self, now: float) -> bool:
         """Whether a fence check now may be answered from what Redis said a moment ago."""
-        return (self.renewed is not None and self.confirmed is not None
-                and now - self.renewed < self.lease_seconds / 2 and now - self.confirmed < self.heartbeat_seconds)
+        return (
+            self.renewed is not None
+            and self.confirmed is not None
+            and now - self.renewed < self.lease_seconds / 2
+            and now - self.confirmed < self.heartbeat_seconds
+        )
 
 
 class RedisLedger:
     """Commits, failure counts and stats for one lease."""
 
-    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, *, pool: str, store_tag: str,
-                 metrics: WorkerMetrics | None = None, cancel: threading.Event | None = None,
-                 aside: Executor | None = None, clock: LeaseClock | None = None):
+    def __init__(
+        self,
+        leases: Leases,
+        lease: Lease,
+        stop: StopSignal,
+        *,
+        pool: str,
+        store_tag: str,
+        metrics: WorkerMetrics | None = None,
+        cancel: threading.Event | None = None,
+        aside: Executor | None = None,
+        clock: LeaseClock | None = None,
+    ):
         self.leases = leases
         # Shared with the shard's LeaseKeeper; None: every fence check asks Redis.
         self.clock = clock
@@ -162,8 +176,7 @@ class RedisLedger:
                 unsent.pipe.execute()  # the worker's and pool's counters; never the job's
         elif unsent is not None or self.clock is None or not self.clock.still_current(sent):
             if not self._send(unsent):
-                self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded",
-                                  fenced=True)
+                self.stop.request(f"fenced: {self.lease.member} attempt {self.lease.attempt} superseded", fenced=True)
             elif self.clock is not None:
                 self.clock.confirmed = sent
         if self.stop.fenced:
@@ -269,8 +282,15 @@ class RedisLedger:
     def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
         # mps_milli: the work those milliseconds bought, so the autoscaler can turn a
         # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
-        self._add_unsent({"images": images, "batches": 1, "render_ms": int(seconds * 1000),
-                          "mps_milli": int(megapixel_steps * 1000), "progress": images})
+        self._add_unsent(
+            {
+                "images": images,
+                "batches": 1,
+                "render_ms": int(seconds * 1000),
+                "mps_milli": int(megapixel_steps * 1000),
+                "progress": images,
+            }
+        )
         if self.metrics:
             self._rendered_uncommitted = True
             self.metrics.batch(seconds)
@@ -319,9 +339,19 @@ class LeaseKeeper(threading.Thread):
     With ``liveness``, a beat now and then carries the worker's liveness too.
     """
 
-    def __init__(self, leases: Leases, lease: Lease, stop: StopSignal, interval: float, lease_seconds: float, *,
-                 on_retry: RetryHook | None = None, cancel: threading.Event | None = None,
-                 liveness: Liveness | None = None, clock: LeaseClock | None = None):
+    def __init__(
+        self,
+        leases: Leases,
+        lease: Lease,
+        stop: StopSignal,
+        interval: float,
+        lease_seconds: float,
+        *,
+        on_retry: RetryHook | None = None,
+        cancel: threading.Event | None = None,
+        liveness: Liveness | None = None,
+        clock: LeaseClock | None = None,
+    ):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
         # Each renewal Redis accepted: this keeper's own "not renewed for a lease" and the ledger's fence checks.
         self.clock = clock or LeaseClock(lease_seconds, interval)
@@ -344,8 +374,7 @@ class LeaseKeeper(threading.Thread):
                 ok = self.leases.heartbeat(self.lease, registration)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if lease_now() - (self.clock.renewed or started) > self.lease_seconds and not self._done.is_set():
-                    log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member,
-                                self.lease_seconds)
+                    log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member, self.lease_seconds)
                     self.stop.request(f"fenced: {self.lease.member} lost its lease", fenced=True)
                     return
                 log.warning("lease heartbeat failed, will retry: %s", exc)

@@ -64,15 +64,23 @@ def adapter_name(source: str, digest: str = "") -> str:
 
 def changed(source: str, wanted: str, found: str) -> JobError:
     """The job's error for a LoRA whose content is not what the job pinned."""
-    return JobError(f"lora {source[:200]!r} changed since the job was submitted: the job recorded {wanted}, "
-                    f"this worker found {found}; submit again to render with the LoRA there now")
+    return JobError(
+        f"lora {source[:200]!r} changed since the job was submitted: the job recorded {wanted}, "
+        f"this worker found {found}; submit again to render with the LoRA there now"
+    )
 
 
 class LoraCache:
     """The adapters of a pipeline's recent jobs, loaded once each (LRU of ``max_warm``)."""
 
-    def __init__(self, pipe: Any, *, fetch: FetchFile | None = None, allowed: Sequence[str] | None = None,
-                 max_warm: int = MAX_WARM_ADAPTERS) -> None:
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        fetch: FetchFile | None = None,
+        allowed: Sequence[str] | None = None,
+        max_warm: int = MAX_WARM_ADAPTERS,
+    ) -> None:
         self.pipe = pipe
         self.fetch = fetch
         self.allowed = allowed
@@ -140,8 +148,9 @@ class LoraCache:
                 if name not in _loaded_adapters(self.pipe):
                     # diffusers only warns when no key fits the UNet or the text encoder (another
                     # architecture's LoRA); set_adapters would then fail every call with a bare ValueError.
-                    raise ValueError("none of its weights fit this model's UNet or text encoder "
-                                     "(a LoRA made for another architecture?)")
+                    raise ValueError(
+                        "none of its weights fit this model's UNet or text encoder (a LoRA made for another architecture?)"
+                    )
                 # A folder is read in place: the files the load read, checked again.
                 if digest.startswith(digests.FILES) and (now := digests.folder_digest(Path(where))) != digest:
                     raise changed(source, digest, now)
@@ -207,7 +216,7 @@ class LoraCache:
         if subfolder:
             options["subfolder"] = subfolder
         if digest:
-            options["revision"] = digest[len(digests.HUB_COMMIT):]
+            options["revision"] = digest[len(digests.HUB_COMMIT) :]
         return repo, options
 
 
@@ -221,7 +230,7 @@ def fetch_s3_lora(uri: str, digest: str, *, cache_dir: Path, max_bytes: int, s3:
 
     from renderfleet.store import S3Store
 
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     name = key.rsplit("/", 1)[-1]
     if not bucket or not key or not name:
         raise JobError(f"lora {uri[:200]!r}: an s3:// LoRA is s3://bucket/key.safetensors")
@@ -247,8 +256,11 @@ def fetch_s3_lora(uri: str, digest: str, *, cache_dir: Path, max_bytes: int, s3:
     folder = Path(cache_dir) / hashlib.sha256(f"{uri}\0{digest}".encode()).hexdigest()[:32]
     if (folder / name).is_file():
         return folder / name
-    pin = ({"VersionId": digest[len(digests.S3_VERSION):]} if digest.startswith(digests.S3_VERSION)
-           else {"IfMatch": '"' + digest[len(digests.S3_ETAG):] + '"'})
+    pin = (
+        {"VersionId": digest[len(digests.S3_VERSION) :]}
+        if digest.startswith(digests.S3_VERSION)
+        else {"IfMatch": '"' + digest[len(digests.S3_ETAG) :] + '"'}
+    )
     answer = s3_call("get", lambda: client.get_object(Bucket=bucket, Key=key, **pin))
     body = answer["Body"]
     size = int(answer.get("ContentLength", 0))

@@ -45,8 +45,9 @@ WAIT_LOG_SECONDS = 5.0
 MARK_RETRY_SECONDS = 15.0
 
 
-def load_renderer(model: str, settings: Settings, *, revision: str = "", variant: str = "",
-                  refresh: bool = False) -> tuple[Any, Any]:
+def load_renderer(
+    model: str, settings: Settings, *, revision: str = "", variant: str = "", refresh: bool = False
+) -> tuple[Any, Any]:
     """(renderer, loaded model) for ``model`` (at ``revision`` and ``variant``), on the best device;
     with ``compile``, a renderer that shares its compile cache through the store.  A ``bench:`` model
     is the fixed-time renderer, only where ``allow_bench_models`` is set (else :class:`ModelLoadError`).
@@ -70,11 +71,20 @@ def load_renderer(model: str, settings: Settings, *, revision: str = "", variant
         fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
 
     def fetch_lora(uri: str, digest: str) -> Path:  # cached per pinned content (its digest), not per URL
-        return fetch_s3_lora(uri, digest, cache_dir=settings.home / "loras", max_bytes=settings.model_max_bytes,
-                             s3=settings.s3_options)
+        return fetch_s3_lora(
+            uri, digest, cache_dir=settings.home / "loras", max_bytes=settings.model_max_bytes, s3=settings.s3_options
+        )
 
-    loaded = load_pipeline(model, device=settings.device, cache_dir=settings.home / "models", fetch=fetch,
-                           compile=settings.compile, revision=revision, variant=variant, refresh=refresh)
+    loaded = load_pipeline(
+        model,
+        device=settings.device,
+        cache_dir=settings.home / "models",
+        fetch=fetch,
+        compile=settings.compile,
+        revision=revision,
+        variant=variant,
+        refresh=refresh,
+    )
     cache = None
     if loaded.compiled:
         cache = open_compile_cache(settings, model=model, card=card_name(str(loaded.device)))
@@ -82,8 +92,9 @@ def load_renderer(model: str, settings: Settings, *, revision: str = "", variant
     return Renderer(loaded, batch_invariant=settings.batch_invariant, compile_cache=cache, loras=loras), loaded
 
 
-def run_worker(settings: Settings, *, model: str | None = None, queues: list[str] | None = None,
-               loglevel: str = "INFO") -> int:
+def run_worker(
+    settings: Settings, *, model: str | None = None, queues: list[str] | None = None, loglevel: str = "INFO"
+) -> int:
     """Run a worker in this process until shutdown; returns the exit status."""
     if settings.compile:  # refused off CUDA before anything starts (ConfigError, exit 2)
         from worker.models import check_compile, default_device
@@ -100,8 +111,10 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     if failpoints.active():  # a value that will not parse: ConfigError, here
         log.warning("failpoints active (%s): %s", failpoints.VARIABLE, failpoints.describe())
     if settings.allow_bench_models:
-        log.warning("RENDERFLEET_ALLOW_BENCH_MODELS is on: a job naming a bench: model gets flat-colour "
-                    "images from the fixed-time renderer")
+        log.warning(
+            "RENDERFLEET_ALLOW_BENCH_MODELS is on: a job naming a bench: model gets flat-colour "
+            "images from the fixed-time renderer"
+        )
     use_instance_region(settings)  # before any boto3 client: the store's, the model fetch's, the group's
     url = broker_url(settings.redis_url, settings.home)
     worker_id = new_worker_id(settings.pool)
@@ -127,14 +140,26 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     def load_model(name: str, revision: str = "", variant: str = "", refresh: bool = False) -> Any:
         """Another job's model (at its revision and variant) in place of ours (a model switch), its load timed."""
         switched, again = load_renderer(name, settings, revision=revision, variant=variant, refresh=refresh)
-        log.info("model %s loaded on %s in %.1f s (a switch)", model_label(name, revision, variant), again.device,
-                 again.load_seconds)
+        log.info(
+            "model %s loaded on %s in %.1f s (a switch)",
+            model_label(name, revision, variant),
+            again.device,
+            again.load_seconds,
+        )
         metrics.model_loaded(again.load_seconds)
         return switched
 
     app = celery_app.make_app(url, task_events=settings.task_events)
-    service = WorkerService.from_settings(settings, app=app, url=url, worker_id=worker_id, model=model,
-                                          renderer=renderer, load_model=load_model, metrics=metrics)
+    service = WorkerService.from_settings(
+        settings,
+        app=app,
+        url=url,
+        worker_id=worker_id,
+        model=model,
+        renderer=renderer,
+        load_model=load_model,
+        metrics=metrics,
+    )
     stop = service.stop
     _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
     # Registered: from here a SIGTERM must not kill the process with its registration left behind
@@ -147,17 +172,30 @@ def run_worker(settings: Settings, *, model: str | None = None, queues: list[str
     try:
         tasks.register(app, service)
         queueguard.install()
-        tasks.install_shutdown_hooks(stop, settings.sigterm_grace_seconds,
-                                     on_signal=lambda kind: metrics.notice("none", kind))
+        tasks.install_shutdown_hooks(
+            stop, settings.sigterm_grace_seconds, on_signal=lambda kind: metrics.notice("none", kind)
+        )
 
-        reaper = ReaperThread(service.leases, service.publish, settings.reap_seconds,
-                              on_tick=worker_tick(service, *scale_in_marks(settings), health_file=settings.health_file,
-                                                  touch_seconds=touch_seconds_for(settings.lease_seconds)))
+        reaper = ReaperThread(
+            service.leases,
+            service.publish,
+            settings.reap_seconds,
+            on_tick=worker_tick(
+                service,
+                *scale_in_marks(settings),
+                health_file=settings.health_file,
+                touch_seconds=touch_seconds_for(settings.lease_seconds),
+            ),
+        )
         reaper.start()
         if settings.watch_reclaim:
             watcher = ReclaimWatcher(
-                stop, [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
-                settings.reclaim_poll_seconds, on_notice=tasks.request_warm_shutdown, on_heard=metrics.notice)
+                stop,
+                [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
+                settings.reclaim_poll_seconds,
+                on_notice=tasks.request_warm_shutdown,
+                on_heard=metrics.notice,
+            )
             watcher.start()
 
         # Its pools' queues of its own store only (named by the store as opened, as submit names it):
@@ -215,8 +253,7 @@ def quiet_logs(worker_id: str) -> None:
 
     celery.apps.worker.safe_say = _say  # type: ignore[assignment]
     if os.geteuid() == 0:  # Celery's multi-line superuser warning is dropped (logs.NOISE); this says it once
-        log.info("worker %s: running as root (uid 0), as in a container; give it a user of its own elsewhere",
-                 worker_id)
+        log.info("worker %s: running as root (uid 0), as in a container; give it a user of its own elsewhere", worker_id)
 
 
 def _say(message: str, f: Any = None) -> None:
@@ -272,8 +309,13 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
     return marks
 
 
-def worker_tick(service: WorkerService, *marks: ScaleInMark | None, health_file: Path | None = None,
-                retry_seconds: float = MARK_RETRY_SECONDS, touch_seconds: float = TOUCH_SECONDS) -> Callable[[], None]:
+def worker_tick(
+    service: WorkerService,
+    *marks: ScaleInMark | None,
+    health_file: Path | None = None,
+    retry_seconds: float = MARK_RETRY_SECONDS,
+    touch_seconds: float = TOUCH_SECONDS,
+) -> Callable[[], None]:
     """What the worker does at every reaper tick: liveness, its queue topped up from the
     pending shards when it is idle (so an idle fleet takes a new job without a monitor), scale-in
     marks, the breaker.
@@ -340,8 +382,15 @@ def _loading(settings: Settings, url: str, worker_id: str, model: str, pools: li
     from renderfleet.store import open_store
 
     store = open_store(settings.store_url, settings.s3_options).url
-    info = {"pool": settings.pool, "store": store_identity(store), "model": model, "device": "",
-            "host": socket.gethostname(), "pid": os.getpid(), "queues": pools}
+    info = {
+        "pool": settings.pool,
+        "store": store_identity(store),
+        "model": model,
+        "device": "",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "queues": pools,
+    }
     client = redisconn.client(url, socket_timeout=10, health_check_interval=10)
     return LoadingRegistration(client, worker_id, info, touch_seconds_for(settings.lease_seconds))
 

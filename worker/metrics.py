@@ -68,22 +68,44 @@ class WorkerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
-        self._images = Counter("renderfleet_worker_images", "Prompts handled by this worker, by outcome: rendered "
-                               "(stored and counted), failed (an attempt), quarantined, skipped (already stored)",
-                               ["pool", "outcome"], registry=r)
-        self._batch = Histogram("renderfleet_worker_batch_seconds", "Time to render one batch", ["pool"],
-                                buckets=BATCH_BUCKETS, registry=r)
-        self._render = Counter("renderfleet_worker_render_seconds", "GPU time spent rendering (GPU-seconds)",
-                               ["pool"], registry=r)
-        self._load = Histogram("renderfleet_worker_model_load_seconds", "Time to load a model (at start and on a switch)",
-                               ["pool"], buckets=LOAD_BUCKETS, registry=r)
-        self._notices = Counter("renderfleet_worker_reclaim_notices", "Reclaim notices heard, by cloud and kind "
-                                "(aws instance-action or rebalance, gcp preemption, none sigterm)",
-                                ["pool", "cloud", "kind"], registry=r)
-        self._lost = Counter("renderfleet_worker_lost_batches", "Batches whose renders were thrown away, by reason",
-                             ["pool", "reason"], registry=r)
-        self._retries = Counter("renderfleet_worker_retries", "Calls or deliveries retried after a transient error, "
-                                "by what was retried and the error's class", ["pool", "what", "error"], registry=r)
+        self._images = Counter(
+            "renderfleet_worker_images",
+            "Prompts handled by this worker, by outcome: rendered "
+            "(stored and counted), failed (an attempt), quarantined, skipped (already stored)",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self._batch = Histogram(
+            "renderfleet_worker_batch_seconds", "Time to render one batch", ["pool"], buckets=BATCH_BUCKETS, registry=r
+        )
+        self._render = Counter(
+            "renderfleet_worker_render_seconds", "GPU time spent rendering (GPU-seconds)", ["pool"], registry=r
+        )
+        self._load = Histogram(
+            "renderfleet_worker_model_load_seconds",
+            "Time to load a model (at start and on a switch)",
+            ["pool"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self._notices = Counter(
+            "renderfleet_worker_reclaim_notices",
+            "Reclaim notices heard, by cloud and kind (aws instance-action or rebalance, gcp preemption, none sigterm)",
+            ["pool", "cloud", "kind"],
+            registry=r,
+        )
+        self._lost = Counter(
+            "renderfleet_worker_lost_batches",
+            "Batches whose renders were thrown away, by reason",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self._retries = Counter(
+            "renderfleet_worker_retries",
+            "Calls or deliveries retried after a transient error, by what was retried and the error's class",
+            ["pool", "what", "error"],
+            registry=r,
+        )
         self._gpu_peak: Gauge | None = None
         # Every outcome and reason from the start, at 0: a rate() needs the series before its first event.
         for outcome in ImageOutcome:
@@ -131,9 +153,13 @@ class WorkerMetrics:
             return
         import torch
 
-        self._gpu_peak = Gauge(GPU_PEAK, "Peak GPU memory allocated by torch since the batch in flight (or the "
-                               "last one) began (torch.cuda.max_memory_allocated, reset per batch)", ["pool"],
-                               registry=self.registry)
+        self._gpu_peak = Gauge(
+            GPU_PEAK,
+            "Peak GPU memory allocated by torch since the batch in flight (or the "
+            "last one) began (torch.cuda.max_memory_allocated, reset per batch)",
+            ["pool"],
+            registry=self.registry,
+        )
         self._gpu_peak.labels(self.pool).set_function(lambda: float(torch.cuda.max_memory_allocated(device)))
 
 
@@ -150,6 +176,10 @@ def serve_metrics(metrics: WorkerMetrics, settings: Settings) -> Endpoint | None
     from prometheus_client import make_asgi_app
 
     where = f"{settings.metrics_host}:{settings.metrics_port}"
-    sock = listen(settings.metrics_host, settings.metrics_port, settings.http_token,
-                  what=f"worker metrics on {where} (RENDERFLEET_METRICS_HOST, RENDERFLEET_METRICS_PORT)")
+    sock = listen(
+        settings.metrics_host,
+        settings.metrics_port,
+        settings.http_token,
+        what=f"worker metrics on {where} (RENDERFLEET_METRICS_HOST, RENDERFLEET_METRICS_PORT)",
+    )
     return Endpoint(guard(make_asgi_app(metrics.registry), settings.http_token), sock, name="rf-metrics").start()

@@ -48,8 +48,10 @@ class TruncationNotice(logging.Filter):
         if self.said:
             return False
         self.said = True
-        record.msg = ("prompts over the text encoder's 77 tokens are cut at 77 (long_prompts=truncate, or a pipeline "
-                      "without chunking); said once per worker")
+        record.msg = (
+            "prompts over the text encoder's 77 tokens are cut at 77 (long_prompts=truncate, or a pipeline "
+            "without chunking); said once per worker"
+        )
         record.args = ()
         return True
 
@@ -83,8 +85,12 @@ class LongPrompts:
         self.tokenizer: Any = getattr(pipe, "tokenizer", None)
         self.sdxl = getattr(pipe, "text_encoder_2", None) is not None and getattr(pipe, "tokenizer_2", None) is not None
         # SD 1.x/2.x and SDXL: a CLIP tokenizer and encoder (and SDXL's second pair); not SD3 or Flux (T5).
-        self.supported = (self.tokenizer is not None and getattr(pipe, "text_encoder", None) is not None
-                          and getattr(pipe, "text_encoder_3", None) is None and hasattr(pipe, "unet"))
+        self.supported = (
+            self.tokenizer is not None
+            and getattr(pipe, "text_encoder", None) is not None
+            and getattr(pipe, "text_encoder_3", None) is None
+            and hasattr(pipe, "unet")
+        )
         self._provider: Any = None
         self._empty: Any = None
         self._warned = False
@@ -105,15 +111,15 @@ class LongPrompts:
     def embed(self, prompts: Any) -> list[Embedded | None] | None:
         """Each prompt's chunked conditioning, None for one within the limit (it goes as text);
         None when no prompt needs chunks (or this pipeline cannot chunk: then the pipeline cuts)."""
-        wanted = [p.long_prompts == "chunk" and (self.is_long(p.prompt) or self.is_long(p.negative_prompt))
-                  for p in prompts]
+        wanted = [p.long_prompts == "chunk" and (self.is_long(p.prompt) or self.is_long(p.negative_prompt)) for p in prompts]
         if not any(wanted):
             return None
         if not self.supported:
             if not self._warned:
                 self._warned = True
-                log.warning("%s cannot embed prompts in chunks; prompts over %d tokens are cut",
-                            type(self.pipe).__name__, self.limit)
+                log.warning(
+                    "%s cannot embed prompts in chunks; prompts over %d tokens are cut", type(self.pipe).__name__, self.limit
+                )
             return None
         import torch
 
@@ -124,8 +130,10 @@ class LongPrompts:
         """The pipeline's arguments for prompts of one chunk count, in place of their text."""
         import torch
 
-        kwargs = {"prompt_embeds": torch.cat([e.prompt for e in embeds]),
-                  "negative_prompt_embeds": torch.cat([e.negative for e in embeds])}
+        kwargs = {
+            "prompt_embeds": torch.cat([e.prompt for e in embeds]),
+            "negative_prompt_embeds": torch.cat([e.negative for e in embeds]),
+        }
         if self.sdxl:
             kwargs["pooled_prompt_embeds"] = torch.cat([e.pooled for e in embeds])
             kwargs["negative_pooled_prompt_embeds"] = torch.cat([e.negative_pooled for e in embeds])
@@ -142,15 +150,22 @@ class LongPrompts:
             device = str(pipe.text_encoder.device)
             if self.sdxl:
                 self._provider = EmbeddingsProviderMulti(
-                    [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2], truncate=False,
+                    [pipe.tokenizer, pipe.tokenizer_2],
+                    [pipe.text_encoder, pipe.text_encoder_2],
+                    truncate=False,
                     returned_embeddings_type=ReturnedEmbeddingsType.PENULTIMATE_HIDDEN_STATES_NON_NORMALIZED,
-                    requires_pooled_mask=[False, True])
+                    requires_pooled_mask=[False, True],
+                )
                 for one in self._provider.embedding_providers:
                     one.device = device
             else:
                 self._provider = EmbeddingsProvider(
-                    pipe.tokenizer, pipe.text_encoder, truncate=False, device=device,
-                    returned_embeddings_type=ReturnedEmbeddingsType.LAST_HIDDEN_STATES_NORMALIZED)
+                    pipe.tokenizer,
+                    pipe.text_encoder,
+                    truncate=False,
+                    device=device,
+                    returned_embeddings_type=ReturnedEmbeddingsType.LAST_HIDDEN_STATES_NORMALIZED,
+                )
         return self._provider
 
     def _encode(self, text: str) -> Any:

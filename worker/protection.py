@@ -66,8 +66,9 @@ class InstanceProtection:
         instance = self.instance_id()
         if instance is None:
             return
-        self.client.set_instance_protection(InstanceIds=[instance], AutoScalingGroupName=self.group,
-                                            ProtectedFromScaleIn=busy)
+        self.client.set_instance_protection(
+            InstanceIds=[instance], AutoScalingGroupName=self.group, ProtectedFromScaleIn=busy
+        )
         self._protected = busy
         log.info("instance %s %s from scale-in", instance, "protected" if busy else "no longer protected")
 
@@ -116,8 +117,9 @@ class PodDeletionCost:
         body = {"metadata": {"annotations": {POD_DELETION_COST: str(cost)}}}
         # A dict body would go out as a JSON patch (the client's first choice), which
         # the API server refuses for an object; a merge patch sets just this key.
-        self.api.patch_namespaced_pod(self.pod, self.namespace, body, _content_type="application/merge-patch+json",
-                                      _request_timeout=(3, 5))
+        self.api.patch_namespaced_pod(
+            self.pod, self.namespace, body, _content_type="application/merge-patch+json", _request_timeout=(3, 5)
+        )
         self._busy = busy
         log.info("pod %s/%s: deletion cost %d (%s)", self.namespace, self.pod, cost, "busy" if busy else "idle")
 

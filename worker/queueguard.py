@@ -187,8 +187,7 @@ def _check_item(text: str, max_chars: int) -> dict[str, Any]:
     try:
         envelope = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise NotAMessage(f"not JSON ({type(exc).__name__}: {_short.repr(str(exc))}): {_short.repr(text[:200])}") \
-            from None
+        raise NotAMessage(f"not JSON ({type(exc).__name__}: {_short.repr(str(exc))}): {_short.repr(text[:200])}") from None
     if type(envelope) is not dict:
         raise NotAMessage(f"JSON, but not a kombu envelope: {_short.repr(envelope)}")
     # 3. The envelope: exactly the keys renderfleet's messages carry, each as they carry it.
@@ -231,16 +230,17 @@ def _check_body(encoded: str) -> str:
     try:
         rest = json.loads('[[""' + tail)
     except (ValueError, RecursionError) as exc:
-        raise NotAMessage(f"body is not JSON after its argument ({type(exc).__name__}: {_short.repr(tail[:80])})") \
-            from None
+        raise NotAMessage(f"body is not JSON after its argument ({type(exc).__name__}: {_short.repr(tail[:80])})") from None
     if len(rest) != 3 or rest[0] != [""]:
         raise NotAMessage(f"body must be [args, kwargs, embed] with one argument: {_short.repr(rest)}")
     kwargs, embed = rest[1], rest[2]
     if type(kwargs) is not dict or kwargs:
         raise NotAMessage(f"body's kwargs are {_short.repr(kwargs)}, must be {{}}")
     if type(embed) is not dict or set(embed) - _EMBED_KEYS or any(v is not None for v in embed.values()):
-        raise NotAMessage(f"body's embed is {_short.repr(embed)}: callbacks, errbacks, chain and chord "
-                          "must be null (no links, chains or chords)")
+        raise NotAMessage(
+            f"body's embed is {_short.repr(embed)}: callbacks, errbacks, chain and chord "
+            "must be null (no links, chains or chords)"
+        )
     try:
         message.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate from a \\ud800 escape: Redis could not be sent it

@@ -65,8 +65,8 @@ class AwsProbe:
     def _get(self, path: str) -> tuple[int, str]:
         if self._token is None:
             req = urllib.request.Request(
-                f"{self.base}/latest/api/token", method="PUT",
-                headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
+                f"{self.base}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"}
+            )
             with _DIRECT.open(req, timeout=_TIMEOUT) as resp:
                 self._token = resp.read().decode()
         req = urllib.request.Request(f"{self.base}{path}", headers={"X-aws-ec2-metadata-token": self._token})
@@ -86,8 +86,11 @@ class AwsProbe:
             except ValueError:
                 data = {}
             left = _seconds_until(str(data.get("time", "")))
-            return Notice("instance-action", f"aws spot {data.get('action', 'interruption')}",
-                          120.0 if left is None else max(0.0, left))
+            return Notice(
+                "instance-action",
+                f"aws spot {data.get('action', 'interruption')}",
+                120.0 if left is None else max(0.0, left),
+            )
         status, body = self._get("/latest/meta-data/events/recommendations/rebalance")
         if status == 200:
             return Notice("rebalance", "aws rebalance recommendation", None)
@@ -114,8 +117,9 @@ class GcpProbe:
         self.base = base_url.rstrip("/")
 
     def poll(self) -> Notice | None:
-        req = urllib.request.Request(f"{self.base}/computeMetadata/v1/instance/preempted",
-                                     headers={"Metadata-Flavor": "Google"})
+        req = urllib.request.Request(
+            f"{self.base}/computeMetadata/v1/instance/preempted", headers={"Metadata-Flavor": "Google"}
+        )
         try:
             with _DIRECT.open(req, timeout=_TIMEOUT) as resp:
                 body = resp.read().decode().strip()
@@ -133,8 +137,14 @@ class ReclaimWatcher(threading.Thread):
     hint, then the termination notice: two), for the worker's metrics.
     """
 
-    def __init__(self, stop: StopSignal, probes: list[AwsProbe | GcpProbe], interval: float,
-                 on_notice: Callable[[], None], on_heard: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        stop: StopSignal,
+        probes: list[AwsProbe | GcpProbe],
+        interval: float,
+        on_notice: Callable[[], None],
+        on_heard: Callable[[str, str], None] | None = None,
+    ):
         super().__init__(name="rf-reclaim", daemon=True)
         self.stop = stop
         self.probes = list(probes)
@@ -163,8 +173,9 @@ class ReclaimWatcher(threading.Thread):
                         continue  # the same early hint again
                     if self.on_heard is not None:
                         self.on_heard(probe.name, notice.kind)
-                    log.warning("reclaim notice: %s (%s s left)", reason,
-                                "?" if seconds_left is None else f"{seconds_left:.0f}")
+                    log.warning(
+                        "reclaim notice: %s (%s s left)", reason, "?" if seconds_left is None else f"{seconds_left:.0f}"
+                    )
                     self.stop.request(reason, seconds_left=seconds_left)
                     if not noticed:
                         self.on_notice()

@@ -104,8 +104,14 @@ class Renderer:
     this worker compiled to its background uploader.
     """
 
-    def __init__(self, loaded: LoadedModel, *, batch_invariant: bool = False,
-                 compile_cache: CompileCache | None = None, loras: LoraCache | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        batch_invariant: bool = False,
+        compile_cache: CompileCache | None = None,
+        loras: LoraCache | None = None,
+    ) -> None:
         self.loaded = loaded
         self.batch_invariant = batch_invariant
         self.compile_cache = compile_cache
@@ -193,8 +199,9 @@ class Renderer:
         text cannot be carried."""
         return encode_image(image, prompt, self.loaded.model)
 
-    def generate(self, prompts: Sequence[Prompt], *, output_type: str = "pil",
-                 should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
+    def generate(
+        self, prompts: Sequence[Prompt], *, output_type: str = "pil", should_stop: Callable[[], bool] = lambda: False
+    ) -> list[Any]:
         """One pipeline call's images, not encoded: what a probe of the accelerator's
         memory or a benchmark of its speed renders (``output_type="pt"``: tensors, no PIL)."""
         check_inputs(prompts)
@@ -220,9 +227,11 @@ class Renderer:
         # The job's adapters, set before every call from its settings: a call never inherits the last job's
         # (a no-op after render_images set them, as it must before embedding long prompts).
         self.loras.use(prompts[0].loras)
-        text: dict[str, Any] = ({"prompt": [p.prompt for p in prompts],
-                                 "negative_prompt": [p.negative_prompt for p in prompts]}
-                                if embeds is None else self.long_prompts.call_kwargs(embeds))
+        text: dict[str, Any] = (
+            {"prompt": [p.prompt for p in prompts], "negative_prompt": [p.negative_prompt for p in prompts]}
+            if embeds is None
+            else self.long_prompts.call_kwargs(embeds)
+        )
         device = str(getattr(self.loaded, "device", "cpu"))
         if device.startswith("cuda"):  # the CPU path stays as it was
             set_vae_memory_modes(self.loaded.pipe, *vae_memory_modes(device, width, height, len(prompts)))
@@ -284,8 +293,10 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
     key = prompts[0].render_key
     for p in prompts[1:]:
         if p.loras != prompts[0].loras:
-            raise ValueError(f"all prompts in a batch must share their LoRAs; prompt {p.name!r} has {p.loras} "
-                             f"but prompt {prompts[0].name!r} has {prompts[0].loras}")
+            raise ValueError(
+                f"all prompts in a batch must share their LoRAs; prompt {p.name!r} has {p.loras} "
+                f"but prompt {prompts[0].name!r} has {prompts[0].loras}"
+            )
         if p.render_key != key:
             raise ValueError(
                 f"all prompts in a batch must share (steps, guidance, width, height, scheduler); "
@@ -296,8 +307,10 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
     if field_problem(FIELD["steps"], steps):
         raise ValueError(f"`steps` has to be a positive integer up to {INT_LIMITS['steps'][1]} but is {steps}")
     if field_problem(FIELD["width"], width) or field_problem(FIELD["height"], height):
-        raise ValueError(f"`width` and `height` have to be positive multiples of 8 up to {INT_LIMITS['width'][1]} "
-                         f"but are {width} and {height}")
+        raise ValueError(
+            f"`width` and `height` have to be positive multiples of 8 up to {INT_LIMITS['width'][1]} "
+            f"but are {width} and {height}"
+        )
     if why := field_problem(FIELD["guidance"], guidance):
         raise ValueError(f"`guidance_scale`: {why}")
     if why := field_problem(FIELD["scheduler"], scheduler):

@@ -192,8 +192,15 @@ class ShardRunner:
         """Render every prompt of the shard not yet in the store, and wait for its commits."""
         return self.render(msg, ledger, attempt=attempt, first_delivery=first_delivery).wait()
 
-    def render(self, msg: ShardMessage, ledger: Ledger, *, attempt: int = 0, first_delivery: bool = False,
-               on_last_batch: Callable[[], None] | None = None) -> PendingShard:
+    def render(
+        self,
+        msg: ShardMessage,
+        ledger: Ledger,
+        *,
+        attempt: int = 0,
+        first_delivery: bool = False,
+        on_last_batch: Callable[[], None] | None = None,
+    ) -> PendingShard:
         """Render every prompt of the shard not yet in the store; its last commits may still run.
 
         Returns as soon as the last batch is rendered: :meth:`PendingShard.wait`
@@ -256,8 +263,10 @@ class ShardRunner:
                 if on_last_batch is not None and number == todo[-1][0]:
                     on_last_batch()
                 images, failures = self._render_batch(pending, ledger, result, commits)
-                commits.put(partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger,
-                                    result, attempt), len(images))
+                commits.put(
+                    partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger, result, attempt),
+                    len(images),
+                )
             commits.put(partial(self._count_stored, msg, kept, ledger))
         except BaseException:
             # Whatever ends the shard early, a commit queued before it is finished first (nothing
@@ -332,8 +341,7 @@ class ShardRunner:
                 self._quarantine(msg, prompt, error, count)
             else:
                 result.failed.append(prompt.index)
-                log.warning("prompt %s of job %s failed (%d/%d): %s",
-                            prompt.name, msg.job, count, self.max_failures, error)
+                log.warning("prompt %s of job %s failed (%d/%d): %s", prompt.name, msg.job, count, self.max_failures, error)
 
         failpoints.reach("before-checkpoint")
         ledger.check()  # again: a worker paused past its lease learns it here
@@ -445,11 +453,10 @@ class ShardRunner:
             return set()
         base = spec.images_prefix(job)
         first, last = names[0], names[-1]  # sorted: their common prefix is everyone's
-        common = next((first[:i] for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b),
-                      first[: len(last)])
+        common = next((first[:i] for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), first[: len(last)])
         keys = self.store.list(spec.images_prefix(job, common))
         # Any image format's extension: the store proves an image whatever format made it.
-        return {name for key in keys if (name := spec.image_name(key[len(base):])) is not None}
+        return {name for key in keys if (name := spec.image_name(key[len(base) :])) is not None}
 
     def _put_images(self, job: str, images: dict[str, Any], prompts: dict[str, Prompt]) -> dict[str, str]:
         """Encode and store the images, in parallel; returns {name: reason} for those refused.
@@ -459,8 +466,7 @@ class ShardRunner:
         the prompt's (text its PNG cannot carry, a name the filesystem or S3
         rejects): it fails alone.
         """
-        futures = {name: self._uploads.submit(self._put_image, job, image, prompts[name])
-                   for name, image in images.items()}
+        futures = {name: self._uploads.submit(self._put_image, job, image, prompts[name]) for name, image in images.items()}
         refused: dict[str, str] = {}
         for name, f in futures.items():
             try:
@@ -493,15 +499,26 @@ class ShardRunner:
             "worker": self.worker_id,
             "at": time.time(),
         }
-        self.store.put(spec.checkpoint_key(msg.job, msg.shard, number, attempt), json.dumps(record).encode(),
-                       content_type="application/json")
+        self.store.put(
+            spec.checkpoint_key(msg.job, msg.shard, number, attempt),
+            json.dumps(record).encode(),
+            content_type="application/json",
+        )
 
     def _quarantine(self, msg: ShardMessage, prompt: Prompt, error: str, count: int) -> None:
-        record = {"index": prompt.index, "name": prompt.name, "prompt": prompt.prompt,
-                  "seed": prompt.seed, "error": error, "failures": count, "worker": self.worker_id}
+        record = {
+            "index": prompt.index,
+            "name": prompt.name,
+            "prompt": prompt.prompt,
+            "seed": prompt.seed,
+            "error": error,
+            "failures": count,
+            "worker": self.worker_id,
+        }
         try:
-            self.store.put(spec.quarantine_key(msg.job, prompt.name), json.dumps(record).encode(),
-                           content_type="application/json")
+            self.store.put(
+                spec.quarantine_key(msg.job, prompt.name), json.dumps(record).encode(), content_type="application/json"
+            )
         except StoreError:
             raise
         except Exception as exc:

@@ -129,10 +129,15 @@ class WorkerService:
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.feeder = Feeder(client)
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
-        self.runner = ShardRunner(store=store, renderer=renderer, stop=stop,
-                                  max_failures=settings.max_prompt_failures,
-                                  pipeline_depth=settings.pipeline_depth, worker_id=worker_id,
-                                  batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch))
+        self.runner = ShardRunner(
+            store=store,
+            renderer=renderer,
+            stop=stop,
+            max_failures=settings.max_prompt_failures,
+            pipeline_depth=settings.pipeline_depth,
+            worker_id=worker_id,
+            batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch),
+        )
         self.failed_streak = 0
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
@@ -196,9 +201,17 @@ class WorkerService:
     def register(self, *, device: str, load_seconds: float, queues: list[str] | None = None) -> None:
         # The store it writes to: status, the autoscaler and the web page count a worker for its store only.
         # The pools whose queues it serves: a waiter tells a job no live worker serves (dispatcher/serving.py).
-        info = {"worker": self.worker_id, "pool": self.settings.pool, "store": store_identity(self.store.url),
-                "model": self.model, "device": device, "host": socket.gethostname(), "pid": os.getpid(),
-                "started": time.time(), **({"queues": queues} if queues is not None else {})}
+        info = {
+            "worker": self.worker_id,
+            "pool": self.settings.pool,
+            "store": store_identity(self.store.url),
+            "model": self.model,
+            "device": device,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            **({"queues": queues} if queues is not None else {}),
+        }
         self.liveness.registration = json.dumps(info)
         pipe = self.client.pipeline()
         pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
@@ -260,8 +273,9 @@ class WorkerService:
     def _claim_and_handle(self, msg: ShardMessage, raw: str, tag: str, *, detach: bool) -> Outcome:
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
-            status, lease = self.leases.claim(msg.job, msg.shard, worker=self.worker_id, queue=msg.queue,
-                                              tag=tag, message=raw, life=msg.life)
+            status, lease = self.leases.claim(
+                msg.job, msg.shard, worker=self.worker_id, queue=msg.queue, tag=tag, message=raw, life=msg.life
+            )
         except redis.RedisError as exc:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
         self._aside.submit(self.feed, msg.queue)  # one message taken: the next one in line, by priority and share
@@ -312,12 +326,28 @@ class WorkerService:
     def _handle_claimed(self, msg: ShardMessage, lease: Lease, *, detach: bool) -> Outcome:
         """Render a claimed shard while a keeper renews its lease, then end it (:meth:`_end`)."""
         cancel = threading.Event()  # this shard's job was cancelled (the keeper hears it, the runner stops)
-        keeper = LeaseKeeper(self.leases, lease, self.stop, self.settings.heartbeat_seconds,
-                             self.settings.lease_seconds, on_retry=self.metrics.retry if self.metrics else None,
-                             cancel=cancel, liveness=self.liveness)
+        keeper = LeaseKeeper(
+            self.leases,
+            lease,
+            self.stop,
+            self.settings.heartbeat_seconds,
+            self.settings.lease_seconds,
+            on_retry=self.metrics.retry if self.metrics else None,
+            cancel=cancel,
+            liveness=self.liveness,
+        )
         keeper.start()
-        ledger = RedisLedger(self.leases, lease, self.stop, pool=self.settings.pool, store_tag=self.store_tag,
-                             metrics=self.metrics, cancel=cancel, aside=self._aside, clock=keeper.clock)
+        ledger = RedisLedger(
+            self.leases,
+            lease,
+            self.stop,
+            pool=self.settings.pool,
+            store_tag=self.store_tag,
+            metrics=self.metrics,
+            cancel=cancel,
+            aside=self._aside,
+            clock=keeper.clock,
+        )
         ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         pending: PendingShard | BaseException
         try:
@@ -331,8 +361,9 @@ class WorkerService:
             # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
             first = self.fresh and lease.attempt == 1
             # The next shard's prompts are read while this one's last batch renders (worker/prefetch.py).
-            pending = self.runner.render(msg, ledger, attempt=lease.attempt, first_delivery=first,
-                                         on_last_batch=lambda: self.prompts.start(msg.queue))
+            pending = self.runner.render(
+                msg, ledger, attempt=lease.attempt, first_delivery=first, on_last_batch=lambda: self.prompts.start(msg.queue)
+            )
         except BaseException as exc:  # ended below, with the keeper closed first
             pending = exc
         if detach and ours is None and isinstance(pending, PendingShard):
@@ -354,8 +385,14 @@ class WorkerService:
         """Wait until the shards before, if still ending in their commit lanes, are released or handed back."""
         wait(self._ending)
 
-    def _end(self, msg: ShardMessage, lease: Lease, keeper: LeaseKeeper, ledger: RedisLedger,
-             pending: PendingShard | BaseException) -> Outcome:
+    def _end(
+        self,
+        msg: ShardMessage,
+        lease: Lease,
+        keeper: LeaseKeeper,
+        ledger: RedisLedger,
+        pending: PendingShard | BaseException,
+    ) -> Outcome:
         """Wait for the shard's commits, close its keeper, then release it or hand it back: one ``except`` per outcome.
 
         The keeper is closed once, before any release or hand-back: a renewal
@@ -393,8 +430,7 @@ class WorkerService:
             # front of the queue for another node, and this worker stops (EXIT_DEVICE).
             self.device_failed = self.tripped = True
             self.stop.request(f"device error: {exc}")
-            log.error("shard %s:%d handed back: device error, this worker stops taking work: %s",
-                      msg.job, msg.shard, exc)
+            log.error("shard %s:%d handed back: device error, this worker stops taking work: %s", msg.job, msg.shard, exc)
             self._safe_hand_back(lease, Release.FRONT)
             return Outcome(TaskOutcome.DEVICE_ERROR)
         except (TransientError, redis.RedisError) as exc:
@@ -416,16 +452,26 @@ class WorkerService:
             first = msg.prompts[0].index if msg.prompts else 0
             finished = self.leases.finish(lease, first, len(msg.prompts))
             if finished.done:
-                log.info("shard %s:%d done: %d rendered, %d already stored, %d quarantined",
-                         msg.job, msg.shard, result.rendered, result.skipped, result.quarantined)
+                log.info(
+                    "shard %s:%d done: %d rendered, %d already stored, %d quarantined",
+                    msg.job,
+                    msg.shard,
+                    result.rendered,
+                    result.skipped,
+                    result.quarantined,
+                )
                 return Outcome(TaskOutcome.DONE, result.rendered)
             if finished.missing:
                 # Counted, then taken back while it ran (its images deleted, `resume` saw it):
                 # the store does not prove it done, so it goes round again (release.lua).
                 if finished.message is not None:
                     self.publish(finished.message)
-                log.warning("shard %s:%d: %d prompts have no image in the store: handed back to render them",
-                            msg.job, msg.shard, finished.missing)
+                log.warning(
+                    "shard %s:%d: %d prompts have no image in the store: handed back to render them",
+                    msg.job,
+                    msg.shard,
+                    finished.missing,
+                )
                 return Outcome(TaskOutcome.PARTIAL, result.rendered)
             return Outcome(TaskOutcome.FENCED, result.rendered)
         # Some prompts failed but are not yet quarantined: back of the queue, try again later.
@@ -468,8 +514,13 @@ class WorkerService:
             # Another store's job: rendered here, it would be counted done with its images in
             # the wrong store.  Each store has its own queues, so no true message of another
             # store's job comes here (a crafted one, or one moved between queues): not requeued.
-            log.error("%s: it belongs to store %s (queue %s), this worker writes to %s", where,
-                      msg.store or "(not named)", msg.queue, self.store.url)
+            log.error(
+                "%s: it belongs to store %s (queue %s), this worker writes to %s",
+                where,
+                msg.store or "(not named)",
+                msg.queue,
+                self.store.url,
+            )
             return None
         try:
             registered, stored, fresh, life = self.client.hmget(keys.job(msg.job), "spec", "stored", "fresh", "life")
@@ -484,8 +535,11 @@ class WorkerService:
             log.error("%s: the job's registration in Redis is unreadable: %s", where, exc)
             return None
         span = job.shard_range(msg.shard)
-        if (msg.params, msg.batch_size) != (job.params, job.batch_size) or msg.shard >= job.shards \
-                or (msg.first, msg.count) != (span.start, len(span)):
+        if (
+            (msg.params, msg.batch_size) != (job.params, job.batch_size)
+            or msg.shard >= job.shards
+            or (msg.first, msg.count) != (span.start, len(span))
+        ):
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             self._repend(msg, tag)
             return None
@@ -582,8 +636,7 @@ class WorkerService:
         shard's message, so that the job does not wait for a message no queue holds."""
         try:
             if tag and self.leases.repend(msg.job, msg.shard, tag, msg.queue):
-                log.info("shard %s:%d made pending again: the feeder sends the job's own message for it",
-                         msg.job, msg.shard)
+                log.info("shard %s:%d made pending again: the feeder sends the job's own message for it", msg.job, msg.shard)
         except redis.RedisError as exc:  # the monitor's audit finds the shard later
             log.warning("shard %s:%d not made pending again: %s", msg.job, msg.shard, exc)
 
@@ -609,8 +662,11 @@ class WorkerService:
             self.wait_ending()  # the shard before encodes its last images with our renderer
             self.switch_model(*params.model_key)
         wanted = params.model_digest
-        if wanted and getattr(getattr(self.runner.renderer, "loaded", None), "digest", "") != wanted \
-                and (params.model_key, wanted) not in self._refreshed:
+        if (
+            wanted
+            and getattr(getattr(self.runner.renderer, "loaded", None), "digest", "") != wanted
+            and (params.model_key, wanted) not in self._refreshed
+        ):
             # Our copy may be the older one (the folder or bucket changed after our load): loaded again from
             # its source once per job digest, an s3:// copy fetched afresh.  A refresh cut short (a store
             # outage: transient) is not one: tried again at the next delivery.
@@ -636,8 +692,9 @@ class WorkerService:
         that does not exist must not leave this worker without one.  Raises
         :class:`ModelLoadError` (the job's fault) when ``model`` will not load.
         """
-        if why := model_refusal(model, self.settings.allowed_model_list, bench=self.settings.allow_bench_models,
-                                revision=revision):
+        if why := model_refusal(
+            model, self.settings.allowed_model_list, bench=self.settings.allow_bench_models, revision=revision
+        ):
             raise ModelLoadError(why)
         if self.load_model is None:
             raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")
@@ -646,11 +703,13 @@ class WorkerService:
         if remembered and time.monotonic() - remembered[0] < FAILED_LOAD_MEMORY_SECONDS:
             raise remembered[1]
         if refresh:
-            log.warning("shard's job recorded other files of model %s than this worker loaded: loading it again",
-                        model_label(*key))
+            log.warning(
+                "shard's job recorded other files of model %s than this worker loaded: loading it again", model_label(*key)
+            )
         else:
-            log.warning("shard wants model %s, this worker had %s: loading it", model_label(*key),
-                        model_label(self.model, *self.pin))
+            log.warning(
+                "shard wants model %s, this worker had %s: loading it", model_label(*key), model_label(self.model, *self.pin)
+            )
         old, old_pin = self.model, self.pin
         self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
         try:
@@ -675,8 +734,7 @@ class WorkerService:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
                 if self.liveness.registration:  # status shows the model we hold now
-                    self.liveness.registration = json.dumps({**json.loads(self.liveness.registration),
-                                                             "model": self.model})
+                    self.liveness.registration = json.dumps({**json.loads(self.liveness.registration), "model": self.model})
                     pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
                 pipe.execute()
 

@@ -88,8 +88,7 @@ def register(app: Celery, service: WorkerService) -> Task:
     return render_shard  # type: ignore[no-any-return]
 
 
-def install_shutdown_hooks(stop: StopSignal, grace_seconds: float,
-                           on_signal: Callable[[str], None] | None = None) -> None:
+def install_shutdown_hooks(stop: StopSignal, grace_seconds: float, on_signal: Callable[[str], None] | None = None) -> None:
     """Celery's warm shutdown (SIGTERM, Ctrl-C) becomes our stop signal.
 
     Celery stops taking messages; the shard in flight sees the signal after

@@ -170,8 +170,7 @@ def check_names(rows: Iterator[Row], report: Report, long: Callable[[int], None]
                 name, line = claim
                 report(
                     lineno,
-                    f"duplicate name {name!r}: this prompt has no id so is named by its "
-                    f"index, like the id at line {line}",
+                    f"duplicate name {name!r}: this prompt has no id so is named by its index, like the id at line {line}",
                 )
             continue
         earlier = first_line.get(ident)

@@ -62,8 +62,7 @@ def rows(lines: Iterator[str | None], report: Report, warn: Report | None = None
         yield start, (id_only(row) if reasons else row)
 
 
-def _check_header(header: list[str], lineno: int, report: Report,
-                  warn: Report | None) -> list[str | None] | None:
+def _check_header(header: list[str], lineno: int, report: Report, warn: Report | None) -> list[str | None] | None:
     """The columns a .csv header names (None: ignored), or None if it is bad (reported)."""
     bad = False
     seen: set[str] = set()

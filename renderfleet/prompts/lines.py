@@ -125,8 +125,11 @@ def read_lines(stream: io.BufferedReader, report: Report) -> Iterator[str | None
             continue
         if "\r" in text and "\r" in text.rstrip("\r\n"):
             # Old Mac line endings: the whole file would read as one line.
-            report(lineno, "carriage return (CR) inside a line: the file seems to have old Mac "
-                           "(CR-only) line endings; save it with LF or CRLF line endings")
+            report(
+                lineno,
+                "carriage return (CR) inside a line: the file seems to have old Mac "
+                "(CR-only) line endings; save it with LF or CRLF line endings",
+            )
             yield None
             continue
         yield text

@@ -105,8 +105,16 @@ def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = 
         problems.append(f"{path}: no prompts")
     if problems:
         raise InputError(problems)
-    return FileSummary(path=path, format=fmt, total=total, digest=digest.hexdigest(), has_ids=has_ids,
-                       warnings=tuple(notes), long=len(long_lines), long_lines=tuple(long_lines[:LONG_SHOWN]))
+    return FileSummary(
+        path=path,
+        format=fmt,
+        total=total,
+        digest=digest.hexdigest(),
+        has_ids=has_ids,
+        warnings=tuple(notes),
+        long=len(long_lines),
+        long_lines=tuple(long_lines[:LONG_SHOWN]),
+    )
 
 
 LONG_SHOWN = 3  # lines named in submit's one warning about long prompts
@@ -153,10 +161,15 @@ def long_prompts_note(summary: FileSummary, mode: str, negative: str = "") -> st
         where, count = shown + (", ..." if summary.long > len(summary.long_lines) else ""), summary.long
     else:
         return None
-    fate = ("embedded in 77-token chunks (long_prompts=chunk)" if mode == "chunk"
-            else "cut at 77 tokens, the rest ignored (long_prompts=truncate)")
-    return (f"{where}: {count} prompt(s) longer than the text encoder's 77 tokens (counted without the model's "
-            f"tokenizer: at least this many): {fate}")
+    fate = (
+        "embedded in 77-token chunks (long_prompts=chunk)"
+        if mode == "chunk"
+        else "cut at 77 tokens, the rest ignored (long_prompts=truncate)"
+    )
+    return (
+        f"{where}: {count} prompt(s) longer than the text encoder's 77 tokens (counted without the model's "
+        f"tokenizer: at least this many): {fate}"
+    )
 
 
 def iter_wire(path: str) -> Iterator[str]:

@@ -16,8 +16,7 @@ def count(lines: Iterator[str | None], report: Report, long: Callable[[int], Non
     return sum(1 for _ in checked(lines, report, long))
 
 
-def checked(lines: Iterator[str | None], report: Report, long: Callable[[int], None] | None = None
-            ) -> Iterator[str | None]:
+def checked(lines: Iterator[str | None], report: Report, long: Callable[[int], None] | None = None) -> Iterator[str | None]:
     """Pass 1, prompt by prompt: each prompt's text as it is checked (None for a bad line, reported),
     so that a submit that writes the wire file as it validates reads the file once."""
     shortest = CLIP_TOKENS + 1  # over_clip_limit's own first test, here: no call for most lines

@@ -22,8 +22,17 @@ URGENT = 8
 def test_every_prompt_lands_once_byte_identical_through_kills_pauses_lost_messages_a_restart_and_a_poison_job(
     tmp_path: Path,
 ) -> None:
-    report = run_chaos(prompts=PROMPTS, workers=WORKERS, kills=4, stalls=1, claim_kill=True, poison=POISON, urgent=URGENT,
-                       timeout=400, workdir=tmp_path)
+    report = run_chaos(
+        prompts=PROMPTS,
+        workers=WORKERS,
+        kills=4,
+        stalls=1,
+        claim_kill=True,
+        poison=POISON,
+        urgent=URGENT,
+        timeout=400,
+        workdir=tmp_path,
+    )
     print(report.summary())
     assert report.missing == [] and report.extra == [] and report.mismatched == []
     assert report.images == PROMPTS and report.quarantined == 0

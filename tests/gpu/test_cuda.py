@@ -82,7 +82,8 @@ def test_auto_batch_size_finds_a_fit_under_a_memory_hog_and_it_renders(tmp_path:
 
 
 def test_compile_renders_and_leaves_a_signed_cache_the_next_worker_loads(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from renderfleet.spec import Prompt
     from renderfleet.store import LocalStore
     from worker.compiled import CompileCache, verify

@@ -37,8 +37,9 @@ def client(env: dict[str, str]) -> Client:
 
 def start_worker(tmp_path: Path, env: dict[str, str]) -> Iterator[WorkerProc]:
     proc = WorkerProc(env, tmp_path / "worker.log")
-    wait_for(lambda: worker_ready(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), 1), 90,
-             what="worker to load the model")
+    wait_for(
+        lambda: worker_ready(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), 1), 90, what="worker to load the model"
+    )
     yield proc
     proc.kill()
 
@@ -124,16 +125,22 @@ def test_the_guides_python_example_runs(env: dict[str, str], worker: WorkerProc,
     assert example, "the Python example of docs/guide.md is gone"
     script = tmp_path / "example.py"
     script.write_text(example.group(1))
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert ": 9 images, 0 quarantined" in out.stdout and "fox " in out.stdout
 
 
 def test_submit_reads_prompts_from_stdin_with_their_format(env: dict[str, str], bench_worker_proc: WorkerProc) -> None:
     def submit(data: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "renderfleet", "submit", "-", *bench(SECONDS_PER_IMAGE), *args],
-                              input=data, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, "-m", "renderfleet", "submit", "-", *bench(SECONDS_PER_IMAGE), *args],
+            input=data,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
 
     lines = '{"prompt": "a fox", "id": "fox"}\n{"prompt": "a hen"}\n'
     out = submit(lines, "--format", "jsonl")
@@ -161,17 +168,40 @@ def test_a_submit_without_a_model_is_refused_with_a_hint_and_enqueues_nothing(
     assert [p.split(":")[0] for p in err.value.problems] == ["--model"]
     assert "--model tiny" in err.value.problems[0]
     (tmp_path / "p.txt").write_text("a red fox\n")
-    proc = subprocess.run([sys.executable, "-m", "renderfleet", "submit", str(tmp_path / "p.txt"), "--size", "30x32"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "renderfleet", "submit", str(tmp_path / "p.txt"), "--size", "30x32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert [line.split(":")[0] for line in proc.stderr.splitlines()] == ["--size", "--model"], proc.stderr
     assert "`--model tiny`" in proc.stderr and "noise" in proc.stderr
     r = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     assert r.scard("rf:jobs") == 0 and r.keys("renderfleet.*") == []
     # RENDERFLEET_MODEL names a fleet's model once for every submit
-    named = subprocess.run([sys.executable, "-m", "renderfleet", "submit", str(tmp_path / "p.txt"), "--steps", "2",
-                            "--size", "32x32", "--pool", "nobody"], env={**env, "RENDERFLEET_MODEL": "tiny"},
-                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    named = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "renderfleet",
+            "submit",
+            str(tmp_path / "p.txt"),
+            "--steps",
+            "2",
+            "--size",
+            "32x32",
+            "--pool",
+            "nobody",
+        ],
+        env={**env, "RENDERFLEET_MODEL": "tiny"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert named.returncode == 0, named.stderr
 
 

@@ -64,8 +64,10 @@ def queues(store: Path) -> tuple[str, str]:
 def publish(client: redis.Redis, url: str, job: str, shards: int, **ws: object) -> int:
     spec = JobSpec(job=job, params=RenderParams(), total=shards * 2, shard_size=2, batch_size=2)
     register_job(client, spec, QUEUE, STORE)
-    wire = [WireShard(s, 2, start=2 * s, **ws)  # type: ignore[arg-type]
-            for s in range(shards)]
+    wire = [
+        WireShard(s, 2, start=2 * s, **ws)  # type: ignore[arg-type]
+        for s in range(shards)
+    ]
     # Straight onto the queue (not pending for the feeder): the audit of messages in queues.
     return publish_shards(make_app(url), client, spec, QUEUE, wire, store=STORE, pending=False)
 
@@ -149,10 +151,18 @@ def test_a_resubmit_never_pushes_a_second_copy_of_a_queued_shard(redis_server: R
     assert publish(client, redis_server.url, "j", 3, marks="??") == 0
     assert client.llen(QUEUE) == 2
     # The audit's lost message is pushed again (lost=True), once.
-    assert publish_shards(make_app(redis_server.url), client,
-                          JobSpec(job="j", params=RenderParams(), total=6, shard_size=2, batch_size=2), QUEUE,
-                          [WireShard(0, 2, marks="??")], store="/tmp/rf-audit-store",
-                          force=True) == 1
+    assert (
+        publish_shards(
+            make_app(redis_server.url),
+            client,
+            JobSpec(job="j", params=RenderParams(), total=6, shard_size=2, batch_size=2),
+            QUEUE,
+            [WireShard(0, 2, marks="??")],
+            store="/tmp/rf-audit-store",
+            force=True,
+        )
+        == 1
+    )
     assert client.llen(QUEUE) == 3
 
 
@@ -173,7 +183,8 @@ class ListingThen:
 
 
 def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_lease_redis_lost(
-    tmp_path: Path, redis_server: RedisServerProcess,
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
 ) -> None:
     # The soak's lost count: a worker claims the shard, stores and counts prompt 0;
     # Redis restarts empty (its lease and attempt gone, no heartbeat yet); the monitor's
@@ -183,8 +194,14 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
     store = open_store(str(tmp_path / "store"))
     queue = queue_name("default", store.url)
     prompts = write_prompts(tmp_path / "p.txt", 2)
-    job = submit(str(prompts), SubmitOptions(RenderParams(), shard_size=2, batch_size=1), store=store,
-                 app=make_app(redis_server.url), client=redis.Redis.from_url(redis_server.url), queue=queue).job
+    job = submit(
+        str(prompts),
+        SubmitOptions(RenderParams(), shard_size=2, batch_size=1),
+        store=store,
+        app=make_app(redis_server.url),
+        client=redis.Redis.from_url(redis_server.url),
+        queue=queue,
+    ).job
     names = [name for name, _ in stored_prompts(store, load_spec(store, job))]
     client = redis.Redis.from_url(redis_server.url)
     leases = Leases(client, lease_seconds=30)
@@ -228,12 +245,14 @@ SECONDS_PER_IMAGE = 0.02
 def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recovered(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc], recover: str
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1",
-                   **bench_worker(SECONDS_PER_IMAGE))
+    env = base_env(
+        tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1", **bench_worker(SECONDS_PER_IMAGE)
+    )
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     prompts = write_prompts(tmp_path / "p.txt", 8)
-    job = cli(env, "submit", str(prompts), *bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", "4",
-              "--pool", "hold").stdout.split()[-1]
+    job = cli(
+        env, "submit", str(prompts), *bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", "4", "--pool", "hold"
+    ).stdout.split()[-1]
     idle = WorkerProc(env, tmp_path / "idle.log")  # serves only the default queue
     procs.append(idle)
     wait_for(lambda: worker_ready(client, 1), 90, what="the idle worker")
@@ -249,8 +268,9 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
     else:
         procs.append(start_monitor(env, tmp_path / "monitor.log"))
     # (kombu alone would restore the message after its visibility timeout: an hour, not this deadline)
-    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
-             what="the lost shard to be rendered")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25, what="the lost shard to be rendered"
+    )
     st = job_status(env, job)
     if recover == "monitor":
         assert "lost between a queue and a claim" in (tmp_path / "monitor.log").read_text()
@@ -261,21 +281,34 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
 def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_renders_nothing_twice(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc]
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1",
-                   **bench_worker(SECONDS_PER_IMAGE))
+    env = base_env(
+        tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1", **bench_worker(SECONDS_PER_IMAGE)
+    )
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     stuck = WorkerProc({**env, **pause_at("before-claim")}, tmp_path / "stuck.log", "-v")
     procs.append(stuck)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(SECONDS_PER_IMAGE), "--shard-size", "4",
-              "--batch-size", "2").stdout.split()[-1]
+    job = cli(
+        env,
+        "submit",
+        str(write_prompts(tmp_path / "p.txt", 4)),
+        *bench(SECONDS_PER_IMAGE),
+        "--shard-size",
+        "4",
+        "--batch-size",
+        "2",
+    ).stdout.split()[-1]
     wait_for(lambda: stopped(stuck.pid), 60, interval=0.1, what="the worker to stop before its claim")
     assert client.hlen(UNACKED_KEY) == 1 and not client.zcard(keys.INFLIGHT)  # kombu holds it; no lease
 
     procs.append(start_monitor(env, tmp_path / "monitor.log"))
     procs.append(WorkerProc(env, tmp_path / "healthy.log"))
-    wait_for(lambda: (s := status_now(env, job))["done"] == 4 and s, 120, interval=0.25,
-             what="the shard held by the stopped worker to be rendered")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] == 4 and s,
+        120,
+        interval=0.25,
+        what="the shard held by the stopped worker to be rendered",
+    )
     st = job_status(env, job)
     assert st["quarantined"] == 0 and st["queued"] == 0
     assert client.hlen(UNACKED_KEY) == 0  # kombu will not restore the stale copy in an hour
@@ -295,8 +328,9 @@ def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_pas
 
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     queue = queues(tmp_path / "store")[0]
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 6)), *TINY, "--shard-size", "2",
-              "--pool", "hold").stdout.split()[-1]
+    job = cli(
+        env, "submit", str(write_prompts(tmp_path / "p.txt", 6)), *TINY, "--shard-size", "2", "--pool", "hold"
+    ).stdout.split()[-1]
     client = redis.Redis.from_url(redis_server.url)
     settings = load_settings(redis_url=redis_server.url, store=str(tmp_path / "store"))
     monitor = Monitor(settings, make_app(redis_server.url), client, open_store(settings.store_url))

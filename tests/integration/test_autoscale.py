@@ -64,8 +64,14 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
     client = redis.Redis.from_url(redis_server.url)
     spot_key = keys.pool_stats("spot", store_tag(str(tmp_path / "store")))  # the store's spot pool
     log = open(tmp_path / "autoscale.log", "wb")  # noqa: SIM115
-    scaler = subprocess.Popen([sys.executable, "-m", "renderfleet", "autoscale", "--json"], env=env, stdout=log,
-                              stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    scaler = subprocess.Popen(
+        [sys.executable, "-m", "renderfleet", "autoscale", "--json"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+    )
     pids: set[int] = set()
     try:
         wait_for(lambda: len(workers_of(client, "baseline")) == 1, 90, what="the baseline's warm worker")
@@ -75,8 +81,21 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
         submitted = time.monotonic()
         # A deadline for a stuck job (a clear failure before pytest's own timeout), not a figure to meet.
         deadline = submitted + 240
-        job = cli(env, "submit", str(prompts), "--model", "tiny", "--steps", "4", "--size", "64x64",
-                  "--shard-size", "8", "--batch-size", "4").stdout.split()[-1]
+        job = cli(
+            env,
+            "submit",
+            str(prompts),
+            "--model",
+            "tiny",
+            "--steps",
+            "4",
+            "--size",
+            "64x64",
+            "--shard-size",
+            "8",
+            "--batch-size",
+            "4",
+        ).stdout.split()[-1]
         first_spot_image = peak = 0.0
         while (done := status_now(env, job)["done"]) != PROMPTS:
             spot = workers_of(client, "spot")
@@ -88,8 +107,7 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
             assert time.monotonic() < deadline, f"the job is stuck at {done} of {PROMPTS} images"
             time.sleep(0.5)
         finished = time.monotonic()
-        wait_for(lambda: workers_of(client, "spot") == [] and not any(_alive(p) for p in pids), 90,
-                 what="spot back to 0")
+        wait_for(lambda: workers_of(client, "spot") == [] and not any(_alive(p) for p in pids), 90, what="spot back to 0")
         to_zero = time.monotonic() - finished
 
         assert peak >= 1 and first_spot_image > 0
@@ -101,9 +119,11 @@ def test_spot_grows_with_the_backlog_and_returns_to_zero_without_losing_work(
         # stopped by the hand-off, never mid-batch: nothing rendered was thrown away
         assert spot_stats.get("wasted_images", 0) == 0, spot_stats
         assert len(workers_of(client, "baseline")) == 1  # the warm floor stays
-        print(f"\nautoscale figures: first spot image {first_spot_image:.1f} s after submit; "
-              f"spot workers at the peak {peak:.0f}; spot at 0 {to_zero:.1f} s after the job's end "
-              f"(cool-down 4 s, one step at a time); spot images {spot_stats.get('images', 0)} of {PROMPTS}")
+        print(
+            f"\nautoscale figures: first spot image {first_spot_image:.1f} s after submit; "
+            f"spot workers at the peak {peak:.0f}; spot at 0 {to_zero:.1f} s after the job's end "
+            f"(cool-down 4 s, one step at a time); spot images {spot_stats.get('images', 0)} of {PROMPTS}"
+        )
     finally:
         scaler.send_signal(signal.SIGTERM)  # it stops its local workers too, each within its grace
         scaler.wait(60)

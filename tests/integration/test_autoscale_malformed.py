@@ -29,13 +29,22 @@ max = 4
 def test_the_autoscaler_skips_malformed_values_and_decides(tmp_path: Path, redis_server: RedisServerProcess) -> None:
     client = redis.Redis.from_url(redis_server.url)
     store = str(tmp_path / "store")
-    good = {"worker": "spot-good", "pool": "spot", "store": store_identity(store), "pid": 1, "host": "elsewhere",
-            "load_ms": 1000}
-    client.hset(keys.WORKERS, mapping={
-        "spot-not-json": "{not json",
-        "spot-bad-pid": json.dumps({**good, "worker": "spot-bad-pid", "pid": "12; rm -rf /"}),
-        "spot-good": json.dumps(good),
-    })
+    good = {
+        "worker": "spot-good",
+        "pool": "spot",
+        "store": store_identity(store),
+        "pid": 1,
+        "host": "elsewhere",
+        "load_ms": 1000,
+    }
+    client.hset(
+        keys.WORKERS,
+        mapping={
+            "spot-not-json": "{not json",
+            "spot-bad-pid": json.dumps({**good, "worker": "spot-bad-pid", "pid": "12; rm -rf /"}),
+            "spot-good": json.dumps(good),
+        },
+    )
     minute = keys.pool_recent("spot", int(time.time() // keys.RECENT_BUCKET_SECONDS), store_tag(store))
     client.hset(minute, mapping={"started_images": "many", "wasted_images": 2})
     config = tmp_path / "fleet.toml"

@@ -25,19 +25,27 @@ def make_group(region: str) -> tuple[object, str]:
     name = f"rf-spot-{uuid.uuid4().hex[:8]}"  # one moto server for the whole session
     ec2 = boto3.client("ec2", region_name=region)
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={"ImageId": image,
-                                                                                 "InstanceType": "g5.xlarge"})
+    ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
     client = boto3.client("autoscaling", region_name=region)
-    client.create_auto_scaling_group(AutoScalingGroupName=name, MinSize=0, MaxSize=3, DesiredCapacity=0,
-                                     LaunchTemplate={"LaunchTemplateName": name},
-                                     AvailabilityZones=[f"{region}a"])
+    client.create_auto_scaling_group(
+        AutoScalingGroupName=name,
+        MinSize=0,
+        MaxSize=3,
+        DesiredCapacity=0,
+        LaunchTemplate={"LaunchTemplateName": name},
+        AvailabilityZones=[f"{region}a"],
+    )
     return client, name
 
 
 @pytest.fixture
 def aws_env(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {"AWS_ENDPOINT_URL": moto_server.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
-                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ENDPOINT_URL": moto_server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(name, value)
 
 
@@ -62,7 +70,8 @@ def test_a_busy_worker_protects_its_instance_from_scale_in_and_lifts_it_when_idl
     client, group = asg
     client.set_desired_capacity(AutoScalingGroupName=group, DesiredCapacity=1)  # type: ignore[attr-defined]
     instance = client.describe_auto_scaling_groups(AutoScalingGroupNames=[group])[  # type: ignore[attr-defined]
-        "AutoScalingGroups"][0]["Instances"][0]["InstanceId"]
+        "AutoScalingGroups"
+    ][0]["Instances"][0]["InstanceId"]
 
     def protected() -> bool:
         found = client.describe_auto_scaling_instances(InstanceIds=[instance])["AutoScalingInstances"]  # type: ignore[attr-defined]
@@ -86,11 +95,13 @@ def _protected(client: object, instance: str) -> bool:
 
 
 def test_a_worker_with_no_region_configured_uses_its_instances_region_from_imds(
-        aws_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    aws_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     client, group = make_group("eu-west-1")  # moto keeps regions apart: us-east-1 has no such group
     client.set_desired_capacity(AutoScalingGroupName=group, DesiredCapacity=1)  # type: ignore[attr-defined]
     instance = client.describe_auto_scaling_groups(AutoScalingGroupNames=[group])[  # type: ignore[attr-defined]
-        "AutoScalingGroups"][0]["Instances"][0]["InstanceId"]
+        "AutoScalingGroups"
+    ][0]["Instances"][0]["InstanceId"]
     for name in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))  # no region from ~/.aws/config either
@@ -105,8 +116,9 @@ def test_a_worker_with_no_region_configured_uses_its_instances_region_from_imds(
         assert _protected(client, instance)
 
 
-def test_a_configured_region_is_kept_and_off_ec2_nothing_is_set(aws_env: None, monkeypatch: pytest.MonkeyPatch,
-                                                                tmp_path: Path) -> None:
+def test_a_configured_region_is_kept_and_off_ec2_nothing_is_set(
+    aws_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     with FakeMetadata() as md:
         md.regions["node-1"] = "eu-west-1"
         settings = Settings(store="s3://renders/fleet", aws_metadata_url=md.url("node-1"))

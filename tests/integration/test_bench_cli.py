@@ -15,8 +15,9 @@ pytestmark = pytest.mark.integration
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "renderfleet", "bench", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "renderfleet", "bench", *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
+    )
 
 
 def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_path: Path) -> None:
@@ -37,8 +38,10 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
         point["cost_per_image"] = {"3/h": point["cost_per_image"]["1/h"] * 3}
     (tmp_path / "b.json").write_text(json.dumps(other))
     # the documented form (docs/pools.md), and --compare repeated before each file
-    for form in (("--compare", str(tmp_path / "a" / "bench.json"), str(tmp_path / "b.json")),
-                 ("--compare", str(tmp_path / "a" / "bench.json"), "--compare", str(tmp_path / "b.json"))):
+    for form in (
+        ("--compare", str(tmp_path / "a" / "bench.json"), str(tmp_path / "b.json")),
+        ("--compare", str(tmp_path / "a" / "bench.json"), "--compare", str(tmp_path / "b.json")),
+    ):
         cmp = run(*form)
         assert cmp.returncode == 0, cmp.stderr
         assert f"Cheapest per image: {tmp_path / 'a' / 'bench.json'}" in cmp.stdout
@@ -47,4 +50,3 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
     for bad, says in ((str(tmp_path / "b.json"),), "bench --compare A.json B.json"), (("--compare",), "--compare:"):
         out = run(*bad)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
-

@@ -40,9 +40,7 @@ def test_status_with_no_jobs_says_so(env: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("args", [["--workers", "0"], ["--workers", "-1"], ["--timeout", "-5"]])
-def test_run_refuses_impossible_flags_before_starting_anything(
-    tmp_path: Path, env: dict[str, str], args: list[str]
-) -> None:
+def test_run_refuses_impossible_flags_before_starting_anything(tmp_path: Path, env: dict[str, str], args: list[str]) -> None:
     proc = cli(env, "run", str(write_prompts(tmp_path / "p.txt", 2)), *TINY, *args, check=False)
     assert proc.returncode == 2 and args[0] in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "home" / "logs").exists()
@@ -77,9 +75,26 @@ def test_run_again_counts_only_its_own_images_and_keeps_its_own_log(tmp_path: Pa
 def test_ctrl_c_in_run_says_how_to_go_on(tmp_path: Path, env: dict[str, str]) -> None:
     env = {**env, **bench_worker(0.5)}
     prompts = write_prompts(tmp_path / "p.txt", 40)
-    proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "run", str(prompts), "--model", bench_model(0.5),
-                             "--steps", "20", "--size", "64x64"], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "renderfleet",
+            "run",
+            str(prompts),
+            "--model",
+            bench_model(0.5),
+            "--steps",
+            "20",
+            "--size",
+            "64x64",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
         wait_for(lambda: worker_ready(client, 1), 90, what="the run's worker")
@@ -118,8 +133,14 @@ def test_results_reads_the_stored_prompt_file_once(tmp_path: Path, env: dict[str
     stored = tmp_path / "store" / "jobs" / job / "source" / "prompts.txt"
     assert stored.is_file()
     counts = tmp_path / "opens"
-    proc = subprocess.run([sys.executable, "-c", _COUNT_OPENS, str(stored), str(counts), "results", job],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT_OPENS, str(stored), str(counts), "results", job],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 1 and proc.stdout.count("MISSING") == 5, proc.stderr  # Redis knows the job
     assert counts.read_text() == "1"
 
@@ -133,11 +154,19 @@ def test_submit_refuses_a_job_whose_messages_a_worker_would_drop(
     negative = tmp_path / "negative.txt"
     negative.write_text("é" * 8_000_000, encoding="utf-8")
     prompts = write_prompts(tmp_path / "p.txt", 3)
-    run_cli = ("import runpy, sys; sys.argv = ['renderfleet', 'submit', sys.argv[1], '--model', 'tiny', "
-               "'--negative', open(sys.argv[2], encoding='utf-8').read()]; "
-               "runpy.run_module('renderfleet', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", run_cli, str(prompts), str(negative)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    run_cli = (
+        "import runpy, sys; sys.argv = ['renderfleet', 'submit', sys.argv[1], '--model', 'tiny', "
+        "'--negative', open(sys.argv[2], encoding='utf-8').read()]; "
+        "runpy.run_module('renderfleet', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", run_cli, str(prompts), str(negative)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("--negative: makes each shard's message "), lines
@@ -151,8 +180,14 @@ def test_submit_reads_the_prompt_file_once_and_copies_it_once(tmp_path: Path, en
     the user's file into the store: two opens, where there were three (a second pass for the wire file)."""
     prompts = write_prompts(tmp_path / "p.txt", 7)
     counts = tmp_path / "opens"
-    proc = subprocess.run([sys.executable, "-c", _COUNT_OPENS, str(prompts), str(counts), "submit", str(prompts),
-                           *TINY, "--shard-size", "3"], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT_OPENS, str(prompts), str(counts), "submit", str(prompts), *TINY, "--shard-size", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     assert counts.read_text() == "2"
     job = proc.stdout.split()[-1]

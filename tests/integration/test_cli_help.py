@@ -14,16 +14,36 @@ from testing.fleet import REPO
 
 pytestmark = pytest.mark.integration
 
-COMMANDS = ("submit", "worker", "status", "results", "resume", "cancel", "delete", "monitor", "scale", "autoscale",
-            "run", "bench", "save-model", "server")
+COMMANDS = (
+    "submit",
+    "worker",
+    "status",
+    "results",
+    "resume",
+    "cancel",
+    "delete",
+    "monitor",
+    "scale",
+    "autoscale",
+    "run",
+    "bench",
+    "save-model",
+    "server",
+)
 WITH_CONFIG = ("status", "monitor", "scale", "autoscale", "bench")
 
 
 def help_text(command: str) -> str:
     # Wide enough that rich wraps no help text: an assertion reads whole phrases.
     env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
-    out = subprocess.run([sys.executable, "-m", "renderfleet", command, "--help"], capture_output=True, text=True,
-                         timeout=60, cwd=REPO, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "renderfleet", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -60,7 +80,13 @@ def test_submit_help_states_every_default() -> None:
     assert "(default: RENDERFLEET_MODEL, else required)" in rows["--model"]
     assert "(default: RENDERFLEET_MODEL, else tiny)" in option_rows(help_text("run"))["--model"]
     assert "MODEL" in rows["--model"] and "WxH" in rows["--size"]
-    for flag, default in (("--steps", "30"), ("--size", "512x512"), ("--guidance", "7.5"), ("--seed", "0"),
-                          ("--shard-size", "64"), ("--batch-size", "4")):
+    for flag, default in (
+        ("--steps", "30"),
+        ("--size", "512x512"),
+        ("--guidance", "7.5"),
+        ("--seed", "0"),
+        ("--shard-size", "64"),
+        ("--batch-size", "4"),
+    ):
         assert f"[default: {default}]" in rows[flag], rows[flag]
     assert "default: default" in rows["--pool"]

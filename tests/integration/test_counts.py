@@ -55,13 +55,13 @@ ON_BENCH = bench_worker(SECONDS_PER_IMAGE)
 
 def stored_images(url: str, job: str) -> list[str]:
     prefix = images_prefix(job)
-    return sorted(k[len(prefix):-len(".png")] for k in open_store(url).list(prefix) if k.endswith(".png"))
+    return sorted(k[len(prefix) : -len(".png")] for k in open_store(url).list(prefix) if k.endswith(".png"))
 
 
 def delete_images(url: str, job: str, names: list[str]) -> None:
     """What a user does in the bucket's console or with ``rm``: the fleet is not told."""
     if url.startswith("s3://"):
-        bucket, _, root = url[len("s3://"):].partition("/")
+        bucket, _, root = url[len("s3://") :].partition("/")
         client = boto3.session.Session().client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
         for name in names:
             client.delete_object(Bucket=bucket, Key=f"{root}/{image_key(job, name)}")
@@ -80,8 +80,7 @@ def proven(env: dict[str, str], url: str, job: str) -> bool:
 def wait_proven(env: dict[str, str], url: str, job: str, what: str = "done = images = total") -> None:
     """Wait for done = images in the store = total (read in this process: no command polled, none of
     them a repair), then prove it with the CLI's ``status`` and ``results``."""
-    wait_for(lambda: status_now(env, job)["done"] == len(stored_images(url, job)) == TOTAL, 180, interval=0.25,
-             what=what)
+    wait_for(lambda: status_now(env, job)["done"] == len(stored_images(url, job)) == TOTAL, 180, interval=0.25, what=what)
     assert proven(env, url, job)
 
 
@@ -93,7 +92,10 @@ def paused_worker(tmp_path: Path, env: dict[str, str], client: redis.Redis, poin
 
 @ON_S3
 def test_images_deleted_from_a_running_shard_then_resume_end_proven_with_the_monitor(
-    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    store_url: str,
+    procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
     # The review's false 100 %: status said 64/64, the store held 58, nothing looked again.
     env = base_env(tmp_path, redis_server.url, store_url, RENDERFLEET_AUDIT_SECONDS="2", **SLOW_LEASES, **ON_BENCH)
@@ -117,7 +119,10 @@ def test_images_deleted_from_a_running_shard_then_resume_end_proven_with_the_mon
 
 @ON_FOLDER
 def test_redis_restarted_empty_mid_shard_then_resume_ends_proven_without_a_monitor(
-    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    store_url: str,
+    procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
     # The review's stuck job: 46/64 done with 64 images, nothing queued, nothing in flight.
     env = base_env(tmp_path, redis_server.url, store_url, **SLOW_LEASES, **ON_BENCH)
@@ -137,7 +142,9 @@ def test_redis_restarted_empty_mid_shard_then_resume_ends_proven_without_a_monit
 
 
 def test_images_deleted_in_a_shards_end_are_rendered_again_with_no_command(
-    tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc],
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
     # Nobody runs anything: the shard's last commit lists the store and the release refuses to
     # finish a shard the store does not prove done.
@@ -157,7 +164,10 @@ def test_images_deleted_in_a_shards_end_are_rendered_again_with_no_command(
 
 @ON_S3
 def test_status_and_results_agree_after_images_of_a_finished_job_are_deleted(
-    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[subprocess.Popen[bytes] | WorkerProc],
+    tmp_path: Path,
+    redis_server: RedisServerProcess,
+    store_url: str,
+    procs: list[subprocess.Popen[bytes] | WorkerProc],
 ) -> None:
     env = base_env(tmp_path, redis_server.url, store_url, **ON_BENCH)
     client = redis.Redis.from_url(redis_server.url)

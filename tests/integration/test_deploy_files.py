@@ -115,22 +115,25 @@ def test_every_file_in_infra_k8s_is_a_resource_or_a_patch_of_a_kustomization() -
 
 
 def test_a_patch_of_an_object_the_base_lacks_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "kustomization.yaml").write_text(
-        f"resources: [{K8S / 'base'}]\npatches:\n  - path: p.yaml\n")
-    (tmp_path / "p.yaml").write_text("apiVersion: apps/v1\nkind: Deployment\n"
-                                     "metadata: {name: worker-gpu, namespace: renderfleet}\n")
+    (tmp_path / "kustomization.yaml").write_text(f"resources: [{K8S / 'base'}]\npatches:\n  - path: p.yaml\n")
+    (tmp_path / "p.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: worker-gpu, namespace: renderfleet}\n"
+    )
     with pytest.raises(KustomizeError, match="worker-gpu"):
         build(tmp_path)
 
 
 # CI (.ci/run) sets RENDERFLEET_REQUIRE_KUBECTL: there a missing kubectl fails this test instead of skipping it.
-@pytest.mark.skipif(shutil.which("kubectl") is None and not os.environ.get("RENDERFLEET_REQUIRE_KUBECTL"),
-                    reason="kubectl (and its kustomize) not installed: see `make kubectl`")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None and not os.environ.get("RENDERFLEET_REQUIRE_KUBECTL"),
+    reason="kubectl (and its kustomize) not installed: see `make kubectl`",
+)
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
     assert shutil.which("kubectl"), "kubectl is not installed, and CI requires it (`make kubectl`)"
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     real = {object_id(d): d for d in yaml.safe_load_all(out) if d}
     assert real == {object_id(d): d for d in documents(overlay)}
 
@@ -149,8 +152,9 @@ def test_the_spot_overlay_puts_spot_workers_on_spot_nodes_with_time_to_hand_back
     spot = find(docs, "Deployment", "worker-spot")["spec"]["template"]["spec"]
     terms = _affinity_terms(find(docs, "Deployment", "worker-spot"))
     assert all(e["operator"] == "In" for t in terms for e in t["matchExpressions"])  # spot capacity only
-    assert {"key": "eks.amazonaws.com/capacityType", "operator": "In", "values": ["SPOT"]} in \
-        [e for t in terms for e in t["matchExpressions"]]
+    assert {"key": "eks.amazonaws.com/capacityType", "operator": "In", "values": ["SPOT"]} in [
+        e for t in terms for e in t["matchExpressions"]
+    ]
     assert {"cloud.google.com/gke-spot", "nvidia.com/gpu"} <= {t["key"] for t in spot["tolerations"]}
     worker = spot["containers"][0]
     grace = float(_env(worker)["RENDERFLEET_SIGTERM_GRACE_SECONDS"])
@@ -169,8 +173,9 @@ def test_the_baseline_overlay_keeps_every_worker_off_spot_nodes() -> None:
     docs = documents("baseline")
     for name in ("worker-baseline", "worker-spot"):
         deployment = find(docs, "Deployment", name)
-        assert all(e["operator"] in ("NotIn", "DoesNotExist")
-                   for t in _affinity_terms(deployment) for e in t["matchExpressions"])
+        assert all(
+            e["operator"] in ("NotIn", "DoesNotExist") for t in _affinity_terms(deployment) for e in t["matchExpressions"]
+        )
         assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
 
 
@@ -182,8 +187,9 @@ def test_workers_may_patch_their_pods_and_know_their_pod_name() -> None:
     assert binding["roleRef"]["name"] == "renderfleet-worker"
     for name in ("worker-baseline", "worker-spot"):
         pod = find(docs, "Deployment", name)["spec"]["template"]["spec"]
-        assert {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "renderfleet"} in \
-            binding["subjects"]
+        assert {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "renderfleet"} in binding[
+            "subjects"
+        ]
         env = _env(pod["containers"][0])
         assert env["RENDERFLEET_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["RENDERFLEET_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -208,8 +214,9 @@ def test_the_pools_configmap_is_a_valid_pools_file(tmp_path: Path, overlay: str,
         assert [r["resourceNames"] for r in role["rules"]] == [sorted(p.deployment for p in pools.values())]
         binding = find(docs, "RoleBinding", "renderfleet-autoscaler")
         monitor = find(docs, "Deployment", "monitor")["spec"]["template"]["spec"]
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": monitor["serviceAccountName"],
-                                        "namespace": "renderfleet"}]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": monitor["serviceAccountName"], "namespace": "renderfleet"}
+        ]
 
 
 def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: RedisServerProcess, tmp_path: Path) -> None:
@@ -232,8 +239,9 @@ def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: Redis
             backend.set_size(pool, 3 + i)
             other.set_size(pool, 99)  # a pool of the same name of another store: not served here
             path = meta["url"].split(":9464", 1)[1]
-            req = urllib.request.Request(f"http://127.0.0.1:{server.server_port}{path}",
-                                         headers={"Authorization": "Bearer tok"})
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{server.server_port}{path}", headers={"Authorization": "Bearer tok"}
+            )
             with urllib.request.urlopen(req, timeout=10) as resp:
                 value: Any = json.loads(resp.read())
             for part in meta["valueLocation"].split("."):

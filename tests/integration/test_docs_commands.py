@@ -32,8 +32,9 @@ def runnable(command: DocCommand) -> bool:
 
 
 @pytest.mark.timeout(900)  # some twenty CLI starts, seconds each on a loaded machine
-def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_server: RedisServerProcess,
-                                                          s3_bucket: str) -> None:
+def test_every_docs_command_that_runs_on_one_machine_runs(
+    tmp_path: Path, redis_server: RedisServerProcess, s3_bucket: str
+) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))  # the AWS env: the moto server's
     env["PYTHONPATH"] = str(REPO)
     # The s3:// LoRA the guide's example names: submit pins it by one HEAD (its ETag), so it must be there.
@@ -41,8 +42,7 @@ def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_
     s3.create_bucket(Bucket="models-bucket")
     s3.put_object(Bucket="models-bucket", Key="approved/loras/ink.safetensors", Body=b"weights")
     # The files the docs' commands name, in the folder they run in.
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"a fox, take {i}"}) + "\n"
-                                                    for i in range(3)))
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"a fox, take {i}"}) + "\n" for i in range(3)))
     pools = (REPO / "docs" / "pools.md").read_text()
     toml = re.search(r"```toml\n(.*?)```", pools, re.S)
     assert toml, "docs/pools.md has no pools file"
@@ -55,8 +55,9 @@ def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_
     ran = []
     for command in commands:
         # JOB, or a job id shown in an example (j-51fc: a short id): this run's job, as long a prefix
-        args = [job if a == "JOB" else job[:len(a)] if job and re.fullmatch(r"j-[0-9a-f]{4,16}", a) else a
-                for a in command.args]
+        args = [
+            job if a == "JOB" else job[: len(a)] if job and re.fullmatch(r"j-[0-9a-f]{4,16}", a) else a for a in command.args
+        ]
         if command.command == "submit":
             # a prompt file a docs example names (big.txt, urgent.txt, ...): a few prompts of its own
             named = tmp_path / args[1]
@@ -64,8 +65,9 @@ def test_every_docs_command_that_runs_on_one_machine_runs(tmp_path: Path, redis_
                 named.write_text("".join(f"{named.stem} prompt {i}\n" for i in range(3)))
             # the docs' examples without --model follow an `export RENDERFLEET_MODEL=...` line
             env["RENDERFLEET_MODEL"] = "tiny"
-        out = subprocess.run([sys.executable, "-m", "renderfleet", *args], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "renderfleet", *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
         said = f"{command.where}: `{command.text}` exited {out.returncode}:\n{out.stderr[-2000:]}"
         assert "Traceback" not in out.stderr, said
         if command.command == "results" and "--manifest" not in args:

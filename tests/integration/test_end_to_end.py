@@ -41,7 +41,6 @@ MODEL = bench(SECONDS_PER_IMAGE)
 ON_BENCH = bench_worker(SECONDS_PER_IMAGE)
 
 
-
 @pytest.fixture
 def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
     return base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
@@ -144,12 +143,29 @@ def test_a_pickled_message_is_rejected_never_executed(
         "body": base64.b64encode(body).decode(),
         "content-encoding": "binary",
         "content-type": "application/x-python-serialize",
-        "headers": {"lang": "py", "task": "renderfleet.render_shard", "id": tag, "root_id": tag,
-                    "parent_id": None, "group": None, "retries": 0, "eta": None, "expires": None,
-                    "timelimit": [None, None], "argsrepr": "", "kwargsrepr": "", "origin": "test"},
-        "properties": {"correlation_id": tag, "delivery_mode": 2, "priority": 0, "body_encoding": "base64",
-                       "delivery_info": {"exchange": "", "routing_key": store_queue(env)},
-                       "delivery_tag": tag},
+        "headers": {
+            "lang": "py",
+            "task": "renderfleet.render_shard",
+            "id": tag,
+            "root_id": tag,
+            "parent_id": None,
+            "group": None,
+            "retries": 0,
+            "eta": None,
+            "expires": None,
+            "timelimit": [None, None],
+            "argsrepr": "",
+            "kwargsrepr": "",
+            "origin": "test",
+        },
+        "properties": {
+            "correlation_id": tag,
+            "delivery_mode": 2,
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_info": {"exchange": "", "routing_key": store_queue(env)},
+            "delivery_tag": tag,
+        },
     }
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     client.lpush(store_queue(env), json.dumps(envelope))
@@ -196,8 +212,7 @@ def test_resume_rebuilds_the_queue_after_redis_restarts_empty(
     redis_server.kill()
     redis_server.start()  # same port, empty: no persistence
     cli(env, "resume", job)
-    wait_for(lambda: (s := status_now(env, job))["done"] == 12 and s, 120, interval=0.25,
-             what="job to finish after resume")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 12 and s, 120, interval=0.25, what="job to finish after resume")
     st = job_status(env, job)
     assert st["quarantined"] == 0
     assert len(stored_images(env, job)) == 12

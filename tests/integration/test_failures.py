@@ -12,7 +12,6 @@ from testing.fleet import TINY, WorkerProc, base_env, cli, job_status, status_no
 pytestmark = pytest.mark.integration
 
 
-
 def test_a_worker_that_fails_every_shard_stops_taking_work_and_quarantines_nothing(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:

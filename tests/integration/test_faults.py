@@ -103,8 +103,12 @@ def test_a_new_monitor_finishes_a_job_when_the_monitor_and_redis_were_lost_toget
     listed = json.loads(cli(env, "status", "--json").stdout)
     assert job in [j["job"] for j in listed["jobs"]]
     procs.append(start_monitor(env, tmp_path / "monitor-2.log"))
-    wait_for(lambda: (s := status_now(env, job))["done"] == 24 and s, 180, interval=0.25,
-             what="the job to finish with no command typed")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] == 24 and s,
+        180,
+        interval=0.25,
+        what="the job to finish with no command typed",
+    )
     st = job_status(env, job)
     assert st["quarantined"] == 0 and worker.alive()
     store = open_store(env["RENDERFLEET_STORE"])
@@ -145,8 +149,9 @@ def test_a_device_error_hands_the_shard_back_and_stops_the_worker_with_its_own_s
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     assert client.hlen(f"rf:job:{job}:fails") == 0  # nothing counted against any prompt
     start_worker(env, tmp_path, procs, "healthy")
-    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
-             what="a healthy worker to render the job")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25, what="a healthy worker to render the job"
+    )
     st = job_status(env, job)
     assert st["quarantined"] == 0
 
@@ -166,8 +171,16 @@ def test_bad_messages_published_straight_to_the_queue_are_rejected_and_the_worke
     shutil.rmtree(tmp_path / "store" / "jobs" / deleted)
     store = str(tmp_path / "store")
     params = RenderParams(model="tiny", steps=2, width=32, height=32).to_dict()
-    base = {"job": deleted, "shard": 0, "params": params, "batch_size": 4, "queue": queue, "store": store,
-            "first": 0, "count": 1}
+    base = {
+        "job": deleted,
+        "shard": 0,
+        "params": params,
+        "batch_size": 4,
+        "queue": queue,
+        "store": store,
+        "first": 0,
+        "count": 1,
+    }
     bad = {
         "not JSON": "{this is not json",
         "wrong shape": json.dumps(["a", "list"]),
@@ -192,15 +205,27 @@ def test_bad_messages_published_straight_to_the_queue_are_rejected_and_the_worke
     assert worker.alive(), out[-3000:]
     assert out.count("rejecting a shard message") + out.count("rejecting shard") == len(bad), out[-5000:]
     assert out.count("dropping an item of a queue that is not a task message") == 2 and "Traceback" not in out
-    for reason in ("not JSON", "a shard message is a JSON object", "no such job in this Redis",
-                   "deleted from the store", "steps must be between 1 and 1000", "job: a job id is",
-                   "batch_size must be between 1 and 256", "belongs to store s3://another-fleet/renders"):
+    for reason in (
+        "not JSON",
+        "a shard message is a JSON object",
+        "no such job in this Redis",
+        "deleted from the store",
+        "steps must be between 1 and 1000",
+        "job: a job id is",
+        "batch_size must be between 1 and 256",
+        "belongs to store s3://another-fleet/renders",
+    ):
         assert reason in out, reason
     assert not (tmp_path / "store" / "jobs" / deleted).exists()  # nothing rendered for the deleted job
     assert client.llen(queue) == 0 and client.hlen("unacked") == 0
-    assert all(out.count(reason) == 1 for reason in ("rejecting a shard message: not JSON",
-                                                      "steps must be between 1 and 1000",
-                                                      "batch_size must be between 1 and 256")), out[-5000:]
+    assert all(
+        out.count(reason) == 1
+        for reason in (
+            "rejecting a shard message: not JSON",
+            "steps must be between 1 and 1000",
+            "batch_size must be between 1 and 256",
+        )
+    ), out[-5000:]
 
 
 def envelope_body(raw: bytes) -> str:
@@ -219,22 +244,46 @@ def test_a_job_naming_a_model_outside_the_allow_list_fails_and_the_worker_lives_
     folder = tmp_path / "saved-tiny"
     cli(env, "save-model", "tiny", str(folder), timeout=300)
     # Submitted from where no list is set (submit applies one where its environment sets it: test_allowlist.py).
-    bad = submit(env, write_prompts(tmp_path / "bad.txt", 4, "bad"), *TINY[2:], "--model", str(folder),
-                 "--shard-size", "2", "--batch-size", "2")
+    bad = submit(
+        env,
+        write_prompts(tmp_path / "bad.txt", 4, "bad"),
+        *TINY[2:],
+        "--model",
+        str(folder),
+        "--shard-size",
+        "2",
+        "--batch-size",
+        "2",
+    )
     # An allowed hub id at a pull request: recorded as given (no hub here), refused by the worker.
-    pr = submit({**env, "HF_HUB_OFFLINE": "1"}, write_prompts(tmp_path / "pr.txt", 2, "pr"), *TINY[2:],
-                "--model", "org/model", "--revision", "refs/pr/1")
+    pr = submit(
+        {**env, "HF_HUB_OFFLINE": "1"},
+        write_prompts(tmp_path / "pr.txt", 2, "pr"),
+        *TINY[2:],
+        "--model",
+        "org/model",
+        "--revision",
+        "refs/pr/1",
+    )
     env = {**env, "RENDERFLEET_ALLOWED_MODELS": "tiny, org/model, s3://models-bucket/approved/"}
     worker = start_worker(env, tmp_path, procs, "worker")
-    wait_for(lambda: (s := status_now(env, bad))["quarantined"] == 4 and s, 120, interval=0.25,
-             what="the job outside the allow-list to fail")
+    wait_for(
+        lambda: (s := status_now(env, bad))["quarantined"] == 4 and s,
+        120,
+        interval=0.25,
+        what="the job outside the allow-list to fail",
+    )
     st = job_status(env, bad)
     assert st["done"] == 0
-    (reason, count), = st["failure_reasons"].items()
+    ((reason, count),) = st["failure_reasons"].items()
     assert count == 4 and "not in this worker's allow-list" in reason and str(folder) in reason
-    wait_for(lambda: (s := status_now(env, pr))["quarantined"] == 2 and s, 120, interval=0.25,
-             what="the job at a pull request to fail")
-    (reason, count), = job_status(env, pr)["failure_reasons"].items()
+    wait_for(
+        lambda: (s := status_now(env, pr))["quarantined"] == 2 and s,
+        120,
+        interval=0.25,
+        what="the job at a pull request to fail",
+    )
+    ((reason, count),) = job_status(env, pr)["failure_reasons"].items()
     assert count == 2 and "'org/model' at revision 'refs/pr/1'" in reason and "pull request" in reason
     out = worker.output()
     assert worker.alive() and "circuit breaker" not in out

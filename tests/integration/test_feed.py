@@ -63,7 +63,8 @@ def order(client: redis.Redis, feeder: Feeder, n: int) -> list[str]:
 
 
 def test_the_feeders_message_is_the_one_python_builds_and_passes_the_workers_checks(
-        redis_server: RedisServerProcess) -> None:
+    redis_server: RedisServerProcess,
+) -> None:
     client = redis.Redis.from_url(redis_server.url)
     spec = job_spec("j-feed", 3, priority=5)
     assert pend(client, redis_server.url, spec) == 3
@@ -81,8 +82,9 @@ def test_the_feeders_message_is_the_one_python_builds_and_passes_the_workers_che
         if shard == 2:  # the body Python builds (but JSON's spaces); the rest but its ids
             assert json.loads(base64.b64decode(fed["body"])) == json.loads(base64.b64decode(python["body"]))
             ids = ("id", "root_id", "argsrepr")
-            assert {k: v for k, v in fed["headers"].items() if k not in ids} == \
-                {k: v for k, v in python["headers"].items() if k not in ids}
+            assert {k: v for k, v in fed["headers"].items() if k not in ids} == {
+                k: v for k, v in python["headers"].items() if k not in ids
+            }
             assert fed["properties"].keys() == python["properties"].keys()
     # Every fed shard is queued and recorded as any push is (the audit, cancel and claim read these).
     assert {keys.text(v) for v in client.hvals(keys.shards(spec.job))} == {"q"}
@@ -96,8 +98,16 @@ def test_a_higher_priority_is_fed_first_whenever_it_comes(redis_server: RedisSer
     assert order(client, feeder, 2) == ["j-big:0", "j-big:1"]
     pend(client, redis_server.url, job_spec("j-urgent", 2, priority=9))
     pend(client, redis_server.url, job_spec("j-low", 2, priority=0))
-    assert order(client, feeder, 10) == ["j-urgent:0", "j-urgent:1", "j-big:2", "j-big:3", "j-big:4", "j-big:5",
-                                         "j-low:0", "j-low:1"]
+    assert order(client, feeder, 10) == [
+        "j-urgent:0",
+        "j-urgent:1",
+        "j-big:2",
+        "j-big:3",
+        "j-big:4",
+        "j-big:5",
+        "j-low:0",
+        "j-low:1",
+    ]
     assert client.zcard(keys.active(QUEUE)) == 0
 
 
@@ -122,8 +132,9 @@ def test_a_hand_back_goes_ahead_of_everything_pending(redis_server: RedisServerP
     pend(client, redis_server.url, job_spec("j-h", 5))
     feeder.feed(QUEUE, target=2)
     envelope, msg = take(client)
-    status, lease = leases.claim("j-h", msg["shard"], worker="w", queue=QUEUE,
-                                 tag=envelope["properties"]["delivery_tag"], message=json.dumps(msg))
+    status, lease = leases.claim(
+        "j-h", msg["shard"], worker="w", queue=QUEUE, tag=envelope["properties"]["delivery_tag"], message=json.dumps(msg)
+    )
     assert status == "ok" and lease is not None
     feeder.feed(QUEUE, target=3)  # j-h:1, j-h:2 queued behind it, j-h:3.. pending
     assert leases.release(lease, Release.FRONT) is None  # a spot notice: back at the front
@@ -131,8 +142,7 @@ def test_a_hand_back_goes_ahead_of_everything_pending(redis_server: RedisServerP
     assert order(client, feeder, 5) == ["j-h:3", "j-h:4"]
 
 
-def test_a_cancelled_jobs_pending_shards_are_never_fed_and_resume_pends_them_once(
-        redis_server: RedisServerProcess) -> None:
+def test_a_cancelled_jobs_pending_shards_are_never_fed_and_resume_pends_them_once(redis_server: RedisServerProcess) -> None:
     client = redis.Redis.from_url(redis_server.url)
     feeder = Feeder(client)
     spec = job_spec("j-c", 4)
@@ -165,16 +175,25 @@ def test_a_job_waits_for_the_feeder_until_its_files_are_stored(redis_server: Red
 
 # Feed templates a hand, a bug or an attacker could leave in a job's hash (keys.job "feed").
 MALFORMED_TEMPLATES = [
-    "not json", "[" * 2000, "[1, 2]", "null", '"text"', '{"parts": {}, "pre": "", "post": ""}',
-    '{"parts": [], "pre": "", "post": ""}', '{"parts": ["a", "X", "b"], "pre": "", "post": ""}',
-    '{"parts": ["a", "I", "b"], "pre": "", "post": ""}', '{"parts": ["a", "B", null], "pre": "", "post": ""}',
-    '{"parts": ["a", "B", "b"], "pre": 1, "post": ""}', '{"parts": ["a", "B", "b"], "pre": ""}',
+    "not json",
+    "[" * 2000,
+    "[1, 2]",
+    "null",
+    '"text"',
+    '{"parts": {}, "pre": "", "post": ""}',
+    '{"parts": [], "pre": "", "post": ""}',
+    '{"parts": ["a", "X", "b"], "pre": "", "post": ""}',
+    '{"parts": ["a", "I", "b"], "pre": "", "post": ""}',
+    '{"parts": ["a", "B", null], "pre": "", "post": ""}',
+    '{"parts": ["a", "B", "b"], "pre": 1, "post": ""}',
+    '{"parts": ["a", "B", "b"], "pre": ""}',
 ]
 
 
 @pytest.mark.parametrize("template", MALFORMED_TEMPLATES)
 def test_a_malformed_feed_template_parks_its_job_with_one_warning_its_shards_kept_pending(
-        redis_server: RedisServerProcess, template: str, caplog: pytest.LogCaptureFixture) -> None:
+    redis_server: RedisServerProcess, template: str, caplog: pytest.LogCaptureFixture
+) -> None:
     client = redis.Redis.from_url(redis_server.url)
     bad, good = job_spec("j-bad", 3, priority=9), job_spec("j-good", 2, priority=5)
     pend(client, redis_server.url, bad)
@@ -197,7 +216,8 @@ def test_a_malformed_feed_template_parks_its_job_with_one_warning_its_shards_kep
 
 
 def test_the_monitors_loop_survives_a_malformed_template_and_a_queue_its_script_fails_on(
-        redis_server: RedisServerProcess, caplog: pytest.LogCaptureFixture) -> None:
+    redis_server: RedisServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     from dispatcher.monitor import Monitor
     from renderfleet.settings import load_settings
     from renderfleet.store import open_store
@@ -223,8 +243,9 @@ def test_the_monitors_loop_survives_a_malformed_template_and_a_queue_its_script_
     assert any("job j-bad parked" in w for w in warnings)
 
 
-def test_the_shared_worker_counts_age_by_redis_clock_not_by_the_counters(redis_server: RedisServerProcess,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_shared_worker_counts_age_by_redis_clock_not_by_the_counters(
+    redis_server: RedisServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import time
     from types import SimpleNamespace
 

@@ -59,16 +59,21 @@ def test_a_worker_paused_between_its_images_and_its_checkpoint_is_fenced_and_wri
     paused = WorkerProc({**env, **pause_at("before-checkpoint")}, tmp_path / "paused.log")
     workers.append(paused)
     wait_for(lambda: worker_ready(client, 1), 90, what="the first worker")
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.02), "--shard-size", "4",
-              "--batch-size", "2").stdout.split()[-1]
+    job = cli(
+        env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.02), "--shard-size", "4", "--batch-size", "2"
+    ).stdout.split()[-1]
     wait_for(lambda: stopped(paused.pid), 60, interval=0.1, what="the worker to pause before its checkpoint")
     checkpoints = tmp_path / "store" / "jobs" / job / "checkpoints" / "000000"
     assert not checkpoints.exists()
 
     # Its lease expires; another worker's reaper hands the shard on and it runs as attempt 2.
     workers.append(WorkerProc(env, tmp_path / "other.log"))
-    wait_for(lambda: (s := status_now(env, job))["done"] == 4 and s, 120, interval=0.25,
-             what="the other worker to finish the shard")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] == 4 and s,
+        120,
+        interval=0.25,
+        what="the other worker to finish the shard",
+    )
     st = job_status(env, job)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["00000-a2.json", "00001-a2.json"]
     before = {p.name: p.read_bytes() for p in checkpoints.iterdir()}
@@ -110,8 +115,7 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
 
     (images / "000003.png").unlink()
     assert "1 shards enqueued" in cli(env, "resume", job).stderr
-    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25,
-             what="the resumed image")
+    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25, what="the resumed image")
     st = job_status(env, job)
     assert images_rendered(env, job) == 8 + 2 + 1
     assert (st["quarantined"], st["queued"], st["in_flight"]) == (0, 0, 0)
@@ -125,8 +129,9 @@ def test_a_worker_paused_with_failures_in_hand_quarantines_nothing_once_fenced(
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 2)), *TINY, "--shard-size", "2",
-              "--batch-size", "2").stdout.split()[-1]
+    job = cli(
+        env, "submit", str(write_prompts(tmp_path / "p.txt", 2)), *TINY, "--shard-size", "2", "--batch-size", "2"
+    ).stdout.split()[-1]
     # Both prompts failed twice before: one more failure quarantines them.
     client.hset(keys.fails(job), mapping={"0": 2, "1": 2})
     # A broken accelerator ('meta': every render fails), paused after its renders failed.

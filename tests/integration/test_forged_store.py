@@ -42,16 +42,21 @@ def test_a_forged_wire_index_rejects_its_shards_with_the_reason_in_status_and_th
     store = tmp_path / "store"
     env = base_env(tmp_path, redis_server.url, str(store), **bench_worker(SECONDS_PER_IMAGE))
     client = redis.Redis.from_url(redis_server.url)
-    forged = cli(env, "submit", str(write_prompts(tmp_path / "forged.txt", 4)), *bench(SECONDS_PER_IMAGE),
-                 "--shard-size", "2").stdout.split()[-1]
+    forged = cli(
+        env, "submit", str(write_prompts(tmp_path / "forged.txt", 4)), *bench(SECONDS_PER_IMAGE), "--shard-size", "2"
+    ).stdout.split()[-1]
     # Its index replaced before any worker runs: shard 0 "spans" a terabyte, shard 1 two more.
     LocalStore(store).put(wire_index_key(forged), b"".join(struct.pack(">Q", o) for o in (0, 2**40, 2**41)))
 
     worker = WorkerProc(env, tmp_path / "worker.log")
     procs.append(worker)
     wait_for(lambda: worker_ready(client, 1), 90, what="the worker to register")
-    wait_for(lambda: worker.output().count(f"rejecting shard {forged}:") >= 2 or not worker.alive(), 60,
-             interval=0.25, what="both shards of the forged job to be rejected")
+    wait_for(
+        lambda: worker.output().count(f"rejecting shard {forged}:") >= 2 or not worker.alive(),
+        60,
+        interval=0.25,
+        what="both shards of the forged job to be rejected",
+    )
     assert worker.alive(), worker.output()[-3000:]
     pid = worker.pid
 
@@ -61,8 +66,9 @@ def test_a_forged_wire_index_rejects_its_shards_with_the_reason_in_status_and_th
     assert st["done"] == 0 and st["quarantined"] == 0  # rejected, not rendered, nothing counted against it
 
     # The same process renders another job after it.
-    good = cli(env, "submit", str(write_prompts(tmp_path / "good.txt", 2, "good")),
-               *bench(SECONDS_PER_IMAGE)).stdout.split()[-1]
+    good = cli(
+        env, "submit", str(write_prompts(tmp_path / "good.txt", 2, "good")), *bench(SECONDS_PER_IMAGE)
+    ).stdout.split()[-1]
     wait_for(lambda: status_now(env, good)["done"] == 2, 90, interval=0.25, what="a good job after the forged one")
     assert worker.alive() and worker.pid == pid
     out = worker.output()

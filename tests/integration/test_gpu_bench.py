@@ -22,10 +22,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_gpu_sh_tiny_renders_eager_and_inductor_compiled_and_reports_images_per_second_and_mfu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(["bench/gpu.sh", "--tiny", "--models", "sd15", "--runs", "1", "--peak-tflops", "1",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        ["bench/gpu.sh", "--tiny", "--models", "sd15", "--runs", "1", "--peak-tflops", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["tiny"] and data["peak_flops"] == 1e12

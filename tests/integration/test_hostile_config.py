@@ -33,11 +33,16 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("url", [
-    "redis://:Xq7/Zk9@127.0.0.1:6379/0", "redis://:Xq7#Zk9@127.0.0.1:6379/0", "redis://:Xq7?Zk9@127.0.0.1:6379/0",
-    "redis://Xq7Zk9@127.0.0.1:6379/0",
-    "redis+sentinel://:Xq7/Zk9@127.0.0.1:26379,127.0.0.1:26380/mymaster",  # a Sentinel URL alike
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:Xq7/Zk9@127.0.0.1:6379/0",
+        "redis://:Xq7#Zk9@127.0.0.1:6379/0",
+        "redis://:Xq7?Zk9@127.0.0.1:6379/0",
+        "redis://Xq7Zk9@127.0.0.1:6379/0",
+        "redis+sentinel://:Xq7/Zk9@127.0.0.1:26379,127.0.0.1:26380/mymaster",  # a Sentinel URL alike
+    ],
+)
 def test_a_redis_url_whose_password_would_be_misread_is_one_line_without_it(tmp_path: Path, url: str) -> None:
     env = base_env(tmp_path, url, str(tmp_path / "store"))
     prompts = write_prompts(tmp_path / "p.txt", 2)
@@ -73,8 +78,9 @@ def test_server_stop_refuses_a_password_protected_server_renderfleet_did_not_sta
         out = cli(env, "server", "stop", check=False, timeout=60)
         assert out.returncode == 2, out.stderr
         line = one_line(out.stderr)
-        assert line.startswith(f"renderfleet: RENDERFLEET_HOME: {home / 'server.json'} names a Redis server "
-                               "renderfleet did not start here"), line
+        assert line.startswith(
+            f"renderfleet: RENDERFLEET_HOME: {home / 'server.json'} names a Redis server renderfleet did not start here"
+        ), line
         assert f"pid {pid}" in line and "left running" in line and "their-Pa55word" not in out.stdout + out.stderr
         assert ping(foreign.url) and (home / "server.json").exists()
         out = cli(env, "server", "url", check=False, timeout=60)

@@ -57,15 +57,55 @@ QUEUE = queue_name("default", STORE)
 DROPPED = "dropping an item of a queue that is not a task message"
 REJECTED = ("rejecting a shard message", "rejecting shard ")  # passed the guard; the service refused it
 # A shard message of a job this Redis never heard of: what a forged envelope of ours carries.
-SHARD = json.dumps({"job": "j-hostile", "shard": 0, "params": {"model": "tiny", "steps": 2, "width": 32, "height": 32},
-                    "batch_size": 1, "queue": QUEUE, "first": 0, "prompts": ["a forged prompt"]})
+SHARD = json.dumps(
+    {
+        "job": "j-hostile",
+        "shard": 0,
+        "params": {"model": "tiny", "steps": 2, "width": 32, "height": 32},
+        "batch_size": 1,
+        "queue": QUEUE,
+        "first": 0,
+        "prompts": ["a forged prompt"],
+    }
+)
 EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 # A value of every JSON type, and some of each that a check might take for a good one.
-WRONG: list[Any] = [None, True, False, 0, 1, -1, 2**70, 1.5, float("inf"), "", "x", "renderfleet.render_shard",
-                    "a" * 5000, "bad\nline", [], [None, None], [1, 2], {}, {"a": 1},
-                    {"__type__": "datetime", "__value__": "2099-01-01T00:00:00"}, json.loads("[" * 60 + "]" * 60)]
-BUILTINS = ["celery.chunks", "celery.backend_cleanup", "celery.map", "celery.starmap", "celery.group",
-            "celery.chain", "celery.chord", "celery.chord_unlock", "celery.accumulate", "", "renderfleet.other"]
+WRONG: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2**70,
+    1.5,
+    float("inf"),
+    "",
+    "x",
+    "renderfleet.render_shard",
+    "a" * 5000,
+    "bad\nline",
+    [],
+    [None, None],
+    [1, 2],
+    {},
+    {"a": 1},
+    {"__type__": "datetime", "__value__": "2099-01-01T00:00:00"},
+    json.loads("[" * 60 + "]" * 60),
+]
+BUILTINS = [
+    "celery.chunks",
+    "celery.backend_cleanup",
+    "celery.map",
+    "celery.starmap",
+    "celery.group",
+    "celery.chain",
+    "celery.chord",
+    "celery.chord_unlock",
+    "celery.accumulate",
+    "",
+    "renderfleet.other",
+]
 
 
 @pytest.fixture
@@ -123,35 +163,81 @@ def hostile_items(envelope: dict[str, Any], rng: random.Random) -> list[bytes | 
     items: list[bytes | str] = []
     text = json.dumps(envelope)
     # 1. Raw items: no envelope at all.
-    items += [b"", b" ", b"\x00", b"\xff\xfe\xfd", b"null", b"true", b"1e999", b'"text"', b"[]", b"{}",
-              b"[1, 2]", b'{"json": "but no envelope"}', b"not json at all", json.dumps(text), f"[{text}, {text}]"]
+    items += [
+        b"",
+        b" ",
+        b"\x00",
+        b"\xff\xfe\xfd",
+        b"null",
+        b"true",
+        b"1e999",
+        b'"text"',
+        b"[]",
+        b"{}",
+        b"[1, 2]",
+        b'{"json": "but no envelope"}',
+        b"not json at all",
+        json.dumps(text),
+        f"[{text}, {text}]",
+    ]
     items += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 3000))) for _ in range(20)]
-    items += [text[:rng.randrange(len(text))] for _ in range(10)]  # cut short
-    items += [b"[" * 1000, b"[" * 100_000, b'{"a":' * 1000, b"[" * 1000 + b"]" * 1000,
-              b'{"body": ' + b"[" * 5000 + b"]" * 5000 + b"}"]
+    items += [text[: rng.randrange(len(text))] for _ in range(10)]  # cut short
+    items += [
+        b"[" * 1000,
+        b"[" * 100_000,
+        b'{"a":' * 1000,
+        b"[" * 1000 + b"]" * 1000,
+        b'{"body": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    ]
     items += [b"[{}," * 300_000 + b"{}]", b"[" + b"0," * 500_000 + b"0]"]  # ~1 MB that would be 300,000 dicts
     items += [b"x" * (MAX_ITEM_CHARS + 1)]  # over the cap: refused by its length alone
     # 2. Our envelope with a wrong value (or none) at every key, a few of each.
     for path in paths(envelope):
         for value in [..., *rng.sample(WRONG, 5)]:
             items.append(changed(envelope, path, value))
-    for path, value in [(("headers", "link"), [{"task": "celery.backend_cleanup"}]), (("headers", "errbacks"), []),
-                        (("properties", "expiration"), "1000"), (("x",), 1), (("headers", "__type__"), "bytes")]:
+    for path, value in [
+        (("headers", "link"), [{"task": "celery.backend_cleanup"}]),
+        (("headers", "errbacks"), []),
+        (("properties", "expiration"), "1000"),
+        (("x",), 1),
+        (("headers", "__type__"), "bytes"),
+    ]:
         items.append(changed(envelope, path, value))
     # 3. Other tasks, scheduled ones, grouped ones.
     items += [changed(envelope, ("headers", "task"), name) for name in BUILTINS]
-    items += [changed(envelope, ("headers", "eta"), "2099-01-01T00:00:00+00:00"),
-              changed(envelope, ("headers", "expires"), "2099-01-01T00:00:00+00:00"),
-              changed(envelope, ("headers", "retries"), 7), changed(envelope, ("headers", "group"), "g-1"),
-              changed(envelope, ("headers", "timelimit"), [0.001, 0.001]),
-              changed(envelope, ("headers", "stamped_headers"), ["x"])]
+    items += [
+        changed(envelope, ("headers", "eta"), "2099-01-01T00:00:00+00:00"),
+        changed(envelope, ("headers", "expires"), "2099-01-01T00:00:00+00:00"),
+        changed(envelope, ("headers", "retries"), 7),
+        changed(envelope, ("headers", "group"), "g-1"),
+        changed(envelope, ("headers", "timelimit"), [0.001, 0.001]),
+        changed(envelope, ("headers", "stamped_headers"), ["x"]),
+    ]
     # 4. Bodies other than one call with one string.
-    bodies = ["", "[]", "{}", "null", "[[], {}, {}]", '[["x"]]', '[["x"], {}]', '[["x"], {}, {}, {}]',
-              '[["x", "y"], {}, {}]', "[[1], {}, {}]", '[["x"], [], {}]', '[["x"], {"a": 1}, {}]',
-              '[["x"], {}, null]', '[["x"], {}, []]', '[["x"], {}, {}] trailing', '[["unterminated',
-              '[["\\ud800"], {}, {}]', '[["x"], {}, {"__type__": "bytes", "__value__": "eA=="}]',
-              '[["x"], ' + "[" * 5000 + "]" * 5000 + ", {}]", "[[" + "[" * 100_000,
-              '[[{"job": "j-1"}], {}, {}]', '{"args": ["x"], "kwargs": {}}']
+    bodies = [
+        "",
+        "[]",
+        "{}",
+        "null",
+        "[[], {}, {}]",
+        '[["x"]]',
+        '[["x"], {}]',
+        '[["x"], {}, {}, {}]',
+        '[["x", "y"], {}, {}]',
+        "[[1], {}, {}]",
+        '[["x"], [], {}]',
+        '[["x"], {"a": 1}, {}]',
+        '[["x"], {}, null]',
+        '[["x"], {}, []]',
+        '[["x"], {}, {}] trailing',
+        '[["unterminated',
+        '[["\\ud800"], {}, {}]',
+        '[["x"], {}, {"__type__": "bytes", "__value__": "eA=="}]',
+        '[["x"], ' + "[" * 5000 + "]" * 5000 + ", {}]",
+        "[[" + "[" * 100_000,
+        '[[{"job": "j-1"}], {}, {}]',
+        '{"args": ["x"], "kwargs": {}}',
+    ]
     for key in EMBED:
         bodies.append(json.dumps([[SHARD], {}, {**EMBED, key: [{"task": "celery.backend_cleanup", "args": []}]}]))
     items += [with_body(envelope, body) for body in bodies]
@@ -164,8 +250,16 @@ def hostile_items(envelope: dict[str, Any], rng: random.Random) -> list[bytes | 
         items += [with_body(envelope, bomb, compression=kind), with_body(envelope, zlib.compress(good), compression=kind)]
     items.append(with_body(envelope, bomb))  # no header: just bytes that are not UTF-8 JSON
     # 6. Our shape exactly, carrying something the service refuses (one line each, from it).
-    for arg in ["not json", "[]", "{}", "[" * 100_000, '{"job": "../j-other"}', "x" * 1_000_000,
-                json.dumps({**json.loads(SHARD), "prompts": []}), SHARD]:
+    for arg in [
+        "not json",
+        "[]",
+        "{}",
+        "[" * 100_000,
+        '{"job": "../j-other"}',
+        "x" * 1_000_000,
+        json.dumps({**json.loads(SHARD), "prompts": []}),
+        SHARD,
+    ]:
         items.append(with_body(envelope, json.dumps([[arg], {}, EMBED])))
     # 7. Random damage to a good envelope.
     alphabet = '{}[]",:\\ 0123456789abcdefnulltrue\x00\xff'
@@ -173,7 +267,7 @@ def hostile_items(envelope: dict[str, Any], rng: random.Random) -> list[bytes | 
         chars = list(text)
         for _ in range(rng.randint(1, 3)):
             at = rng.randrange(len(chars))
-            chars[at:at + rng.randint(0, 1)] = rng.choice(alphabet)
+            chars[at : at + rng.randint(0, 1)] = rng.choice(alphabet)
         items.append("".join(chars))
     return items
 

@@ -69,8 +69,10 @@ def test_the_backend_sets_each_deployments_replicas_to_exactly_the_decision_at_e
 
 
 def test_a_deployment_the_role_does_not_name_or_that_does_not_exist_is_a_config_error_naming_the_pool() -> None:
-    pools = {"spot": PoolConfig(kind="spot", backend="kubernetes", deployment="worker-gpu", max=4),
-             "baseline": PoolConfig(backend="kubernetes", deployment="worker-baseline", min=1, max=2)}
+    pools = {
+        "spot": PoolConfig(kind="spot", backend="kubernetes", deployment="worker-gpu", max=4),
+        "baseline": PoolConfig(backend="kubernetes", deployment="worker-baseline", min=1, max=2),
+    }
     with FakeKubeApi(token="tok") as api:
         api.scalable = {"worker-baseline", "worker-spot"}
         api.replicas[("renderfleet", "worker-gpu")] = 1
@@ -96,16 +98,22 @@ def test_an_api_server_error_is_transient_and_the_next_call_succeeds() -> None:
         backend.size("spot")
 
 
-@pytest.mark.parametrize(("backend", "key", "value"), [
-    ("aws", "autoscaling_group", '"rf-gpu"'),
-    ("kubernetes", "deployment", '"worker-gpu"'),
-    ("keda", "deployment", '"worker-gpu"'),
-])
-def test_autoscale_refuses_two_pools_on_one_group_naming_both_and_the_key(tmp_path: Path, backend: str, key: str,
-                                                                          value: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "key", "value"),
+    [
+        ("aws", "autoscaling_group", '"rf-gpu"'),
+        ("kubernetes", "deployment", '"worker-gpu"'),
+        ("keda", "deployment", '"worker-gpu"'),
+    ],
+)
+def test_autoscale_refuses_two_pools_on_one_group_naming_both_and_the_key(
+    tmp_path: Path, backend: str, key: str, value: str
+) -> None:
     config = tmp_path / "fleet.toml"
-    config.write_text(f'[pools.baseline]\nbackend = "{backend}"\n{key} = {value}\nmin = 1\nmax = 2\n\n'
-                      f'[pools.spot]\nkind = "spot"\nbackend = "{backend}"\n{key} = {value}\nmax = 8\n')
+    config.write_text(
+        f'[pools.baseline]\nbackend = "{backend}"\n{key} = {value}\nmin = 1\nmax = 2\n\n'
+        f'[pools.spot]\nkind = "spot"\nbackend = "{backend}"\n{key} = {value}\nmax = 8\n'
+    )
     # No Redis at this address: the check comes before any connection, or any change.
     env = base_env(tmp_path, "redis://127.0.0.1:9/0", str(tmp_path / "store"))
     proc = cli(env, "autoscale", "--config", str(config), "--once", check=False)
@@ -116,28 +124,36 @@ def test_autoscale_refuses_two_pools_on_one_group_naming_both_and_the_key(tmp_pa
 def test_two_pools_on_groups_of_the_same_name_in_two_regions_are_two_groups(tmp_path: Path) -> None:
     from dispatcher.backends import check_pools
 
-    check_pools({"east": PoolConfig(backend="aws", autoscaling_group="rf", region="us-east-1"),
-                 "west": PoolConfig(backend="aws", autoscaling_group="rf", region="us-west-2")}, "fleet.toml")
+    check_pools(
+        {
+            "east": PoolConfig(backend="aws", autoscaling_group="rf", region="us-east-1"),
+            "west": PoolConfig(backend="aws", autoscaling_group="rf", region="us-west-2"),
+        },
+        "fleet.toml",
+    )
 
 
-def test_api_autoscale_answers_every_configured_pool_before_the_first_decision(redis_server: RedisServerProcess,
-                                                                               tmp_path: Path) -> None:
+def test_api_autoscale_answers_every_configured_pool_before_the_first_decision(
+    redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
     pools = manifests_pools(tmp_path)
     client = redis.Redis.from_url(redis_server.url)
     store = open_store(str(tmp_path / "store"))
     server = serve("127.0.0.1:0", lambda: fleet_status(client, store=store), {}, "tok", pools=pools)
 
     def answer() -> dict[str, dict[str, int]]:
-        req = urllib.request.Request(f"http://127.0.0.1:{server.server_port}/api/autoscale",
-                                     headers={"Authorization": "Bearer tok"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_port}/api/autoscale", headers={"Authorization": "Bearer tok"}
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             return dict(json.loads(resp.read())["pools"])
 
     try:
         before = answer()
         # No workers up and nothing decided: each pool holds what is up, within its bounds.
-        assert {p: (a["desired"], a["decided"]) for p, a in before.items()} == \
-            {name: (cfg.min, False) for name, cfg in pools.items()}
+        assert {p: (a["desired"], a["decided"]) for p, a in before.items()} == {
+            name: (cfg.min, False) for name, cfg in pools.items()
+        }
         PublishedBackend(client, store.url).set_size("spot", 5)
         after = answer()
         assert after["spot"]["desired"] == 5 and after["spot"]["decided"] is True
@@ -147,30 +163,49 @@ def test_api_autoscale_answers_every_configured_pool_before_the_first_decision(r
 
 
 def test_autoscale_sets_a_deployments_replicas_and_rides_out_an_api_server_error(
-        redis_server: RedisServerProcess, tmp_path: Path) -> None:
+    redis_server: RedisServerProcess, tmp_path: Path
+) -> None:
     config = tmp_path / "fleet.toml"
-    config.write_text('[pools.baseline]\nbackend = "kubernetes"\ndeployment = "worker-baseline"\nmin = 1\nmax = 4\n\n'
-                      '[pools.spot]\nkind = "spot"\nbackend = "kubernetes"\ndeployment = "worker-spot"\nmax = 8\n\n'
-                      '[autoscale]\ninterval_seconds = 0.2\ncooldown_seconds = 0\n')
+    config.write_text(
+        '[pools.baseline]\nbackend = "kubernetes"\ndeployment = "worker-baseline"\nmin = 1\nmax = 4\n\n'
+        '[pools.spot]\nkind = "spot"\nbackend = "kubernetes"\ndeployment = "worker-spot"\nmax = 8\n\n'
+        "[autoscale]\ninterval_seconds = 0.2\ncooldown_seconds = 0\n"
+    )
     with FakeKubeApi(token="tok") as api:
         api.scalable = scale_names_granted()
         api.replicas[("renderfleet", "worker-baseline")] = 3  # no backlog: one step in, to 2
         api.replicas[("renderfleet", "worker-spot")] = 0
         api.fail_next = 1  # the first call of the first tick gets a 500
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-            "users": [{"name": "fake", "user": {"token": "tok"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}))
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                    "users": [{"name": "fake", "user": {"token": "tok"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                }
+            )
+        )
         # Outside a pod: no in-cluster config, so ~/.kube/config (here KUBECONFIG), as an operator's shell.
         env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), KUBECONFIG=str(kubeconfig))
         env.pop("KUBERNETES_SERVICE_HOST", None)
-        proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "autoscale", "--config", str(config)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "autoscale", "--config", str(config)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         try:
-            wait_for(lambda: api.replicas[("renderfleet", "worker-baseline")] == 2 or proc.poll() is not None, 120,
-                     what="the baseline Deployment scaled to 2")
+            wait_for(
+                lambda: api.replicas[("renderfleet", "worker-baseline")] == 2 or proc.poll() is not None,
+                120,
+                what="the baseline Deployment scaled to 2",
+            )
             assert proc.poll() is None  # the 500 did not stop it
         finally:
             proc.send_signal(signal.SIGTERM)

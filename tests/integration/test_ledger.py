@@ -56,12 +56,17 @@ def test_a_batchs_counters_ride_on_the_fence_check_with_the_fields_each_had_befo
     ledger.flush()  # the shard's end sends what no call carried
     ledger.flush()  # and only once
     # What RedisLedger._bump wrote before issue 27, batch by batch, field by field.
-    mine = {"started_images": 16, "started_batches": 2, "images": 14, "batches": 2, "render_ms": 3500,
-            "mps_milli": 1750}
+    mine = {"started_images": 16, "started_batches": 2, "images": 14, "batches": 2, "render_ms": 3500, "mps_milli": 1750}
     assert counters(client, keys.worker_stats("w1")) == mine
     assert counters(client, keys.pool_stats("spot", "s1")) == mine
-    assert counters(client, keys.job_stats("j")) == {"started_images": 16, "started_batches": 2, "images.spot": 14,
-                                                     "batches": 2, "render_ms.spot": 3500, "mps_milli": 1750}
+    assert counters(client, keys.job_stats("j")) == {
+        "started_images": 16,
+        "started_batches": 2,
+        "images.spot": 14,
+        "batches": 2,
+        "render_ms.spot": 3500,
+        "mps_milli": 1750,
+    }
     progress = [keys.text(item).split() for item in client.lrange(keys.progress("j"), 0, -1)]
     assert [n for _, n in progress] == ["6", "8"] and all(abs(float(t) - time.time()) < 60 for t, _ in progress)
     assert client.bitcount(keys.done_bits("j")) == 8 and client.hget(keys.left("j"), "0") == b"8"
@@ -155,28 +160,42 @@ def test_a_busy_workers_heartbeats_carry_its_liveness_and_re_register_it(client:
     keeper = LeaseKeeper(leases, lease, stop, 0.1, 5.0, liveness=liveness)
     keeper.start()
     try:
-        wait_for(lambda: client.hget(keys.worker_stats("w1"), "last_seen"), 5, interval=0.05,
-                 what="a heartbeat to carry the liveness")
+        wait_for(
+            lambda: client.hget(keys.worker_stats("w1"), "last_seen"),
+            5,
+            interval=0.05,
+            what="a heartbeat to carry the liveness",
+        )
         assert liveness.fresh()  # so WorkerService.touch has nothing to write
         client.delete(keys.WORKERS)  # Redis lost the registry
         wait_for(lambda: client.hexists(keys.WORKERS, "w1"), 5, interval=0.05, what="a heartbeat to re-register")
         first = float(client.hget(keys.worker_stats("w1"), "last_seen") or 0)
-        wait_for(lambda: float(client.hget(keys.worker_stats("w1"), "last_seen") or 0) > first, 5, interval=0.05,
-                 what="the liveness written again")
+        wait_for(
+            lambda: float(client.hget(keys.worker_stats("w1"), "last_seen") or 0) > first,
+            5,
+            interval=0.05,
+            what="the liveness written again",
+        )
     finally:
         keeper.close()
     assert not stop.fenced
 
 
-def test_a_workers_touch_writes_nothing_while_its_heartbeats_carry_its_liveness(
-    client: redis.Redis, tmp_path: Path
-) -> None:
+def test_a_workers_touch_writes_nothing_while_its_heartbeats_carry_its_liveness(client: redis.Redis, tmp_path: Path) -> None:
     from renderfleet.settings import Settings
     from renderfleet.store import LocalStore
     from worker.service import WorkerService
 
-    service = WorkerService(settings=Settings(home=tmp_path), client=client, store=LocalStore(tmp_path / "store"),
-                            renderer=None, model="tiny", stop=StopSignal(), publish=lambda m: None, worker_id="w1")
+    service = WorkerService(
+        settings=Settings(home=tmp_path),
+        client=client,
+        store=LocalStore(tmp_path / "store"),
+        renderer=None,
+        model="tiny",
+        stop=StopSignal(),
+        publish=lambda m: None,
+        worker_id="w1",
+    )
     try:
         service.register(device="cpu", load_seconds=1.0)
         client.delete(keys.worker_stats("w1"), keys.WORKERS)

@@ -56,7 +56,6 @@ from tests.conftest import ON_S3
 pytestmark = pytest.mark.integration
 
 
-
 @pytest.fixture
 def procs() -> Iterator[list[WorkerProc | subprocess.Popen[bytes]]]:
     started: list[WorkerProc | subprocess.Popen[bytes]] = []
@@ -116,12 +115,14 @@ def fixed_worker(env: dict[str, str], log: Path, seconds_per_image: float, **ext
     return WorkerProc({**env, **ALLOW_BENCH, **extra}, log, "--verbose", *bench(seconds_per_image)[:2])
 
 
-def submit(env: dict[str, str], path: Path, n: int, shard: int, batch: int, seconds_per_image: float,
-           prefix: str = "prompt") -> str:
+def submit(
+    env: dict[str, str], path: Path, n: int, shard: int, batch: int, seconds_per_image: float, prefix: str = "prompt"
+) -> str:
     """A job of ``n`` prompts naming the bench model of ``seconds_per_image``."""
     prompts = write_prompts(path, n, prefix)
-    return cli(env, "submit", str(prompts), *bench(seconds_per_image), "--shard-size", str(shard),
-               "--batch-size", str(batch)).stdout.split()[-1]
+    return cli(
+        env, "submit", str(prompts), *bench(seconds_per_image), "--shard-size", str(shard), "--batch-size", str(batch)
+    ).stdout.split()[-1]
 
 
 # ---- the store ---------------------------------------------------------------------------------
@@ -130,8 +131,10 @@ def submit(env: dict[str, str], path: Path, n: int, shard: int, batch: int, seco
 def test_a_folder_of_the_store_is_deleted_whole_and_nothing_beside_it(store_url: str) -> None:
     store = open_store(store_url)
     keep = ["jobs/j-10/spec.json", "jobs/j-1.json", "fleet/batch-sizes/x.json"]
-    gone = [f"jobs/j-1/images/{i:06d}.png" for i in range(1001)] + ["jobs/j-1/spec.json",
-                                                                      "jobs/j-1/checkpoints/000000/00000-a1.json"]
+    gone = [f"jobs/j-1/images/{i:06d}.png" for i in range(1001)] + [
+        "jobs/j-1/spec.json",
+        "jobs/j-1/checkpoints/000000/00000-a1.json",
+    ]
     with ThreadPoolExecutor(16) as pool:  # 1001 images: DeleteObjects takes 1000 keys a request
         list(pool.map(lambda key: store.put(key, b"x"), keep + gone))
     for bad in ("jobs/j-1", "", "/", "jobs/../", "jobs//"):
@@ -156,8 +159,9 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     QUEUE = queue_name("default", str(tmp_path / "store"))  # noqa: N806  (one queue per pool and store)
     client = Client(redis_url=redis_server.url, store=str(tmp_path / "store"))
     r = client.redis
-    a = client.submit([f"a {i}" for i in range(6)], shard_size=2, batch_size=2, **{"model": "tiny", "steps": 2,
-                                                                                   "size": "32x32"})
+    a = client.submit(
+        [f"a {i}" for i in range(6)], shard_size=2, batch_size=2, **{"model": "tiny", "steps": 2, "size": "32x32"}
+    )
     b = client.submit([f"b {i}" for i in range(4)], shard_size=2, batch_size=2, model="tiny", steps=2, size="32x32")
     Feeder(r).feed(QUEUE, target=10)  # every shard of both on the queue, as workers would have it fed
     # A copy sent through Celery (a hand-back whose kombu copy was gone), between B's two messages.
@@ -199,8 +203,7 @@ def test_cancel_takes_every_message_of_the_job_out_of_the_queue_and_resume_or_su
     assert set(states(r, a.id).values()) <= {"p", "q"} and len(states(r, a.id)) == 3  # queued, or pending
     # Cancelled again, then the same prompts submitted again: continued too.
     a.cancel()
-    again = client.submit([f"a {i}" for i in range(6)], shard_size=2, batch_size=2, model="tiny", steps=2,
-                          size="32x32")
+    again = client.submit([f"a {i}" for i in range(6)], shard_size=2, batch_size=2, model="tiny", steps=2, size="32x32")
     assert again.id == a.id and not again.new and again.shards_enqueued == 3 and again.status().cancelled is None
 
     # Cancelled while Redis has forgotten the job: registered again from the store, nothing queued.
@@ -227,8 +230,12 @@ def test_cancel_stops_a_running_shard_at_a_batch_keeps_its_commits_and_resume_fi
     procs.append(start_monitor({**env, "RENDERFLEET_AUDIT_SECONDS": "1"}, tmp_path / "monitor.log"))
     wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
     job = submit(env, tmp_path / "a.txt", 48, 16, 2, 0.25)
-    wait_for(lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2, 60, interval=0.05,
-             what="shard 0 to commit a batch")
+    wait_for(
+        lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2,
+        60,
+        interval=0.05,
+        what="shard 0 to commit a batch",
+    )
 
     done = Client(redis_url=redis_server.url, store=store_url).job(job).cancel()
     assert (done.removed, done.parked, done.leased) == (2, 2, 1)  # shards 1 and 2 queued, 0 running
@@ -313,14 +320,25 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     # Shards of 20 at 0.25 s an image: shard 0 holds its lease 5 s, past the refused delete's own
     # start-up on a busy machine, and shards 1 and 2 wait in the queue.
     job = submit(env, tmp_path / "a.txt", 60, 20, 2, 0.25)
-    wait_for(lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2, 60, interval=0.05,
-             what="shard 0 to commit a batch")
+    wait_for(
+        lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2,
+        60,
+        interval=0.05,
+        what="shard 0 to commit a batch",
+    )
     Thumbnails(store).thumbnail(job, "000000")  # the web page's cache, beside the images
     assert (folder / job / "thumbs").is_dir()
 
     # Without a terminal and without --yes: refused, nothing touched.
-    refused = subprocess.run([sys.executable, "-m", "renderfleet", "delete", job], env=env, capture_output=True,
-                             text=True, timeout=60, cwd=REPO, stdin=subprocess.DEVNULL)
+    refused = subprocess.run(
+        [sys.executable, "-m", "renderfleet", "delete", job],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
     assert refused.returncode == 2 and "refusing without --yes" in refused.stderr and "Traceback" not in refused.stderr
     assert r.exists(keys.lease(job, 0)) and (folder / job / "spec.json").exists()
 
@@ -356,8 +374,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     assert sorted(keys.text(k) for k in r.scan_iter(match=f"rf:job:{job}*")) == left
 
 
-def test_delete_waits_for_a_lease_longer_than_its_own_settings_say(tmp_path: Path,
-                                                                  redis_server: RedisServerProcess) -> None:
+def test_delete_waits_for_a_lease_longer_than_its_own_settings_say(tmp_path: Path, redis_server: RedisServerProcess) -> None:
     """A fleet may run longer leases (RENDERFLEET_LEASE_SECONDS is the workers' setting) than the
     machine that deletes: the wait lasts until the job's last lease lapses, as Redis holds it."""
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
@@ -367,8 +384,7 @@ def test_delete_waits_for_a_lease_longer_than_its_own_settings_say(tmp_path: Pat
     # A worker with 7.5 s leases renewed shard 0 just now (its holder fenced by the delete: no renewal).
     r.zadd(keys.INFLIGHT, {f"{job}:0": int(seconds) * 1000 + int(micros) // 1000 + 7500})
     began = time.monotonic()
-    report = lifecycle.delete(job, store=open_store(str(tmp_path / "store")), client=r, lease_seconds=0.5,
-                              settle_seconds=0)
+    report = lifecycle.delete(job, store=open_store(str(tmp_path / "store")), client=r, lease_seconds=0.5, settle_seconds=0)
     # This machine's own bound would have given up at 0.5 + 5 s with the lease still live.
     assert report.leases_left == 0 and time.monotonic() - began >= 7.0
     assert not lifecycle.live_leases(r, job)
@@ -384,8 +400,9 @@ def test_job_cancel_resume_and_delete_from_the_python_api(
     client = Client(redis_url=redis_server.url, store=str(tmp_path / "store"))
     procs.append(fixed_worker(env, tmp_path / "worker.log", 0.1))
     wait_for(lambda: worker_ready(client.redis, 1), 90, what="the worker")
-    job = client.submit([f"prompt {i}" for i in range(24)], shard_size=8, batch_size=2, model=bench_model(0.1),
-                        steps=2, size="32x32")
+    job = client.submit(
+        [f"prompt {i}" for i in range(24)], shard_size=8, batch_size=2, model=bench_model(0.1), steps=2, size="32x32"
+    )
     wait_for(lambda: client.redis.bitcount(keys.done_bits(job.id)) >= 2, 60, interval=0.05, what="a batch")
 
     job.cancel()

@@ -61,8 +61,7 @@ def procs() -> Iterator[list[Any]]:
 
 
 def submit(env: dict[str, str], path: Path, *extra: str) -> str:
-    out = cli(env, "submit", str(path), *bench(0.05), "--job", NAME, "--shard-size", "4", "--batch-size", "2",
-              *extra)
+    out = cli(env, "submit", str(path), *bench(0.05), "--job", NAME, "--shard-size", "4", "--batch-size", "2", *extra)
     return out.stdout.split()[-1]
 
 
@@ -76,7 +75,8 @@ def lease_lapsed(client: redis.Redis, job: str) -> bool:
 
 
 def test_a_worker_paused_past_its_lease_through_a_delete_and_a_resubmit_writes_nothing_into_the_new_life(
-        tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
+) -> None:
     """The review's history: paused after rendering a batch, the job deleted, another file submitted under the
     name, the worker woken before anyone claims the new job's shard.  Before lives, its heartbeat re-created its
     lease on the new job and it wrote and counted its old prompts' images there: the job reported done with half
@@ -106,7 +106,8 @@ def test_a_worker_paused_past_its_lease_through_a_delete_and_a_resubmit_writes_n
 
 
 def test_a_cancel_and_a_monitor_reaping_do_not_let_a_stale_lease_back_into_the_next_life(
-        tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
+) -> None:
     """As above, with a cancel first and a monitor that reaps the paused worker's lapsed lease (parking the
     cancelled job's shard), then a delete and a resubmit: the reaped lease is never re-created for the new
     registration, and a lease of the dead life the reaper finds is dropped, not re-queued into the new one."""
@@ -131,7 +132,8 @@ def test_a_cancel_and_a_monitor_reaping_do_not_let_a_stale_lease_back_into_the_n
 
 
 def test_a_lease_of_a_dead_life_is_dropped_by_the_reaper_and_refused_everywhere(
-        tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
     """The scripts themselves: a lease claimed in one life is fenced in the next (heartbeat, fence check,
     count, failure count, release), never re-created, and the reaper drops it without touching the new life."""
     r = redis.Redis.from_url(redis_server.url)
@@ -167,7 +169,8 @@ def test_a_lease_of_a_dead_life_is_dropped_by_the_reaper_and_refused_everywhere(
 
 
 def test_a_delete_interrupted_after_it_emptied_the_store_leaves_no_stuck_resubmit(
-        tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
+) -> None:
     """A delete stopped (Ctrl-C) after the store was emptied and before Redis forgot the job: the resubmit
     starts a clean life, not one that sits 'cancelled' for ever or is fed from the old template."""
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **bench_worker(0.02))
@@ -192,7 +195,8 @@ def test_a_delete_interrupted_after_it_emptied_the_store_leaves_no_stuck_resubmi
 
 
 def test_a_store_emptied_by_hand_half_way_then_a_resubmit_counts_only_the_new_life(
-        tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
+) -> None:
     """A folder emptied by hand but for some images of the old prompts (no spec: no job), then another file
     under the name: those images go before the new life starts, none is taken for a new prompt's, and the
     counts are the store's: no redelivery, image or GPU-second of the old life survives."""
@@ -220,18 +224,31 @@ def test_a_store_emptied_by_hand_half_way_then_a_resubmit_counts_only_the_new_li
 
 
 def test_another_file_under_a_name_that_still_has_its_spec_is_refused(
-        tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
     """Same count, same settings, other prompts: before the spec kept the file's digest this resumed the old
     job, and the user's new prompts were never rendered."""
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **bench_worker(0.02))
     submit(env, write_prompts(tmp_path / "old.txt", 4, prefix="OLD prompt"))
-    other = cli(env, "submit", str(write_prompts(tmp_path / "new.txt", 4, prefix="NEW prompt")), *bench(0.05),
-                "--job", NAME, "--shard-size", "4", "--batch-size", "2", check=False)
+    other = cli(
+        env,
+        "submit",
+        str(write_prompts(tmp_path / "new.txt", 4, prefix="NEW prompt")),
+        *bench(0.05),
+        "--job",
+        NAME,
+        "--shard-size",
+        "4",
+        "--batch-size",
+        "2",
+        check=False,
+    )
     assert other.returncode != 0 and "exists with other prompts" in other.stderr and "Traceback" not in other.stderr
 
 
 def test_a_rejected_message_that_was_its_shards_puts_the_shard_back_to_pending(
-        tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
     """A message that does not match its job as registered (an earlier life's, say), rejected by a worker: when
     the shard's enqueue record names that very delivery, the shard would wait 'q' for a message no queue holds;
     it goes back to the feeder instead.  Another copy's rejection leaves the shard to its own message."""
@@ -239,8 +256,7 @@ def test_a_rejected_message_that_was_its_shards_puts_the_shard_back_to_pending(
     leases = Leases(r, lease_seconds=3)
     queue = queue_name("default", str(tmp_path / "store"))
     job = "j-repend"
-    r.hset(keys.job(job), mapping={"total": 8, "queue": queue, "life": "x", "stored": "1", "feed": "{}",
-                                   "priority": 5})
+    r.hset(keys.job(job), mapping={"total": 8, "queue": queue, "life": "x", "stored": "1", "feed": "{}", "priority": 5})
     r.hset(keys.shards(job), mapping={"0": "q", "1": "q"})
     r.hset(keys.ENQUEUED, mapping={keys.member(job, 0): f"1|b|tag-0|{queue}", keys.member(job, 1): f"2|b|tag-1|{queue}"})
     assert not leases.repend(job, 1, "another-copy", queue)

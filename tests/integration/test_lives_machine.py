@@ -119,8 +119,15 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
             stored = self.client.store.exists(spec.spec_key(name))
             self._step(f"submit {file} as {name}")
             try:
-                self.client.submit(files[file], model=bench_model(SECONDS_PER_IMAGE), steps=2, size="32x32",
-                                   shard_size=2, batch_size=2, job=name)
+                self.client.submit(
+                    files[file],
+                    model=bench_model(SECONDS_PER_IMAGE),
+                    steps=2,
+                    size="32x32",
+                    shard_size=2,
+                    batch_size=2,
+                    job=name,
+                )
             except InputError as exc:
                 assert stored and state.file != file, f"submit of {file} under {name} refused: {exc}"
                 return
@@ -242,8 +249,12 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
             for name, state in self.names.items():
                 folder = self.store_dir / "jobs" / name
                 if state.file and not state.cancelled:
-                    wait_for(lambda n=name: status_now(self.env, n)["done"] == PROMPTS, 60, interval=0.25,
-                             what=f"{name} (file {state.file}) to finish without a person")
+                    wait_for(
+                        lambda n=name: status_now(self.env, n)["done"] == PROMPTS,
+                        60,
+                        interval=0.25,
+                        what=f"{name} (file {state.file}) to finish without a person",
+                    )
                 images = {p.name: Image.open(p).text["prompt"] for p in sorted((folder / "images").glob("*.png"))}
                 want = f"{state.file} prompt"
                 assert all(p.startswith(want) for p in images.values()), (name, state.file, images)
@@ -256,8 +267,10 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
                         assert sum(v for k, v in stats.items() if k.startswith("images.")) == PROMPTS, (name, stats)
                 if state.deleted:
                     time.sleep(0.5)  # a fenced worker's last word, if it had one, lands now
-                    assert not folder.exists() or not any(p.is_file() for p in folder.rglob("*")), \
-                        (name, sorted(str(p) for p in folder.rglob("*")))
+                    assert not folder.exists() or not any(p.is_file() for p in folder.rglob("*")), (
+                        name,
+                        sorted(str(p) for p in folder.rglob("*")),
+                    )
                     left = sorted(keys.text(k) for k in self.r.scan_iter(match=f"rf:job:{name}*"))
                     assert set(left) <= {keys.job(name), keys.attempts(name)}, (name, left)
 
@@ -265,18 +278,27 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
 
 
 def run_histories(tmp: Path, redis_server: RedisServerProcess, examples: int, steps: int) -> None:
-    run_state_machine_as_test(make_machine(tmp, redis_server), settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=False,
-        suppress_health_check=list(HealthCheck), database=None, report_multiple_bugs=False,
-        verbosity=Verbosity.verbose if VERBOSE else Verbosity.normal))
+    run_state_machine_as_test(
+        make_machine(tmp, redis_server),
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            derandomize=False,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+            report_multiple_bugs=False,
+            verbosity=Verbosity.verbose if VERBOSE else Verbosity.normal,
+        ),
+    )
 
 
-def test_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path,
-                                                                redis_server: RedisServerProcess) -> None:
+def test_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path, redis_server: RedisServerProcess) -> None:
     run_histories(tmp_path, redis_server, EXAMPLES, STEPS)
 
 
 @pytest.mark.slow
-def test_many_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path,
-                                                                     redis_server: RedisServerProcess) -> None:
+def test_many_random_histories_of_a_jobs_names_keep_every_life_apart(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
     run_histories(tmp_path, redis_server, max(EXAMPLES, 40), max(STEPS, 12))

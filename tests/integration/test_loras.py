@@ -35,8 +35,9 @@ def fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tuple[di
 
 
 @pytest.fixture
-def s3_fleet(s3_bucket: str, tmp_path: Path,
-             redis_server: RedisServerProcess) -> Iterator[tuple[dict[str, str], WorkerProc]]:
+def s3_fleet(
+    s3_bucket: str, tmp_path: Path, redis_server: RedisServerProcess
+) -> Iterator[tuple[dict[str, str], WorkerProc]]:
     """The fleet, its worker started after the AWS environment points at the moto server."""
     yield from start_fleet(tmp_path, redis_server)
 
@@ -46,8 +47,11 @@ def start_fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tu
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_METRICS_PORT=str(port))
     proc = WorkerProc(env, tmp_path / "worker.log")
     try:
-        wait_for(lambda: worker_ready(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), 1), 90,
-                 what="the worker to load the model")
+        wait_for(
+            lambda: worker_ready(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), 1),
+            90,
+            what="the worker to load the model",
+        )
         yield env, proc
     finally:
         proc.kill()
@@ -56,14 +60,21 @@ def start_fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tu
 def model_loads(env: dict[str, str]) -> float:
     """The worker's model-load histogram's count, from its /metrics: every load, at start and on a switch."""
     text = http_get(f"http://127.0.0.1:{env['RENDERFLEET_METRICS_PORT']}/metrics")[1].decode()
-    [count] = [float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith('renderfleet_worker_model_load_seconds_count{pool="default"}')]
+    [count] = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith('renderfleet_worker_model_load_seconds_count{pool="default"}')
+    ]
     return count
 
 
 def finished(env: dict[str, str], job: str, timeout: float = 180) -> dict[str, Any]:
-    return wait_for(lambda: (s := status_now(env, job))["done"] + s["quarantined"] == s["total"] and s, timeout,
-                    interval=0.5, what=f"job {job} to finish")
+    return wait_for(
+        lambda: (s := status_now(env, job))["done"] + s["quarantined"] == s["total"] and s,
+        timeout,
+        interval=0.5,
+        what=f"job {job} to finish",
+    )
 
 
 def images(env: dict[str, str], job: str) -> dict[str, bytes]:
@@ -81,7 +92,8 @@ def pixels(data: bytes) -> bytes:
 
 
 def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_the_same_bytes(
-        tmp_path: Path, fleet: tuple[dict[str, str], WorkerProc]) -> None:
+    tmp_path: Path, fleet: tuple[dict[str, str], WorkerProc]
+) -> None:
     from testing.loras import make_tiny_lora
 
     env, worker = fleet
@@ -124,8 +136,7 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
     assert [int(r["bytes"]) for r in rows] == sizes
     assert json.loads(rows[0]["loras"]) == json.loads(meta["loras"])
     # a pickled LoRA is refused at submit, naming the flag, nothing enqueued
-    bad = cli(env, "submit", "-", "--format", "txt", "--model", "tiny", "--lora", "owner/style/lora.bin:0.8",
-              check=False)
+    bad = cli(env, "submit", "-", "--format", "txt", "--model", "tiny", "--lora", "owner/style/lora.bin:0.8", check=False)
     assert bad.returncode == 2 and "--lora: lora 'owner/style/lora.bin': pickled weights" in bad.stderr
     assert "Traceback" not in bad.stderr
     # each LoRA's load logged once; the libraries' notes about a UNet-only, second adapter dropped
@@ -135,7 +146,8 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
 
 
 def test_a_folder_models_digest_is_recorded_and_a_worker_holding_other_files_refuses_the_job(
-        tmp_path: Path, fleet: tuple[dict[str, str], WorkerProc]) -> None:
+    tmp_path: Path, fleet: tuple[dict[str, str], WorkerProc]
+) -> None:
     from worker.models import build_tiny_pipeline, save_pipeline
 
     env, worker = fleet
@@ -168,13 +180,14 @@ def test_a_folder_models_digest_is_recorded_and_a_worker_holding_other_files_ref
 
 
 def test_an_s3_lora_replaced_after_submit_is_refused_by_the_worker_as_the_jobs_error(
-        tmp_path: Path, s3_bucket: str, s3_fleet: tuple[dict[str, str], WorkerProc]) -> None:
+    tmp_path: Path, s3_bucket: str, s3_fleet: tuple[dict[str, str], WorkerProc]
+) -> None:
     import boto3
 
     from testing.loras import make_tiny_lora
 
     env, worker = s3_fleet
-    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    bucket = s3_bucket[len("s3://") :].split("/")[0]
     s3, uri = boto3.session.Session().client("s3"), f"s3://{bucket}/loras/style.safetensors"
     first = make_tiny_lora(tmp_path / "first.safetensors", seed=1).read_bytes()
     s3.put_object(Bucket=bucket, Key="loras/style.safetensors", Body=first)
@@ -184,8 +197,11 @@ def test_an_s3_lora_replaced_after_submit_is_refused_by_the_worker_as_the_jobs_e
     assert pin.startswith("s3-etag:")
     # Written again after submit pinned it (another training run, a re-upload by mistake) and before
     # any worker fetched it: the worker refuses it, never renders the new bytes as the job's.
-    s3.put_object(Bucket=bucket, Key="loras/style.safetensors",
-                  Body=make_tiny_lora(tmp_path / "second.safetensors", seed=2).read_bytes())
+    s3.put_object(
+        Bucket=bucket,
+        Key="loras/style.safetensors",
+        Body=make_tiny_lora(tmp_path / "second.safetensors", seed=2).read_bytes(),
+    )
     (tmp_path / "p.txt").write_text("a red fox\n")
     job = client.submit_file(str(tmp_path / "p.txt"), opts)
     st = finished(env, job.id)

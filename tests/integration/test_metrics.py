@@ -38,31 +38,45 @@ SECONDS_PER_IMAGE = 0.02
 
 def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor", "--http", address], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        return subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "monitor", "--http", address],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of a /metrics page, by (name, sorted labels), parsed by prometheus_client."""
     _, body = wait_for(lambda: (r := get(url))[0] == 200 and r, 30, what=url)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
 
 
 def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
     config = tmp_path / "fleet.toml"
-    config.write_text('[pools.default]\nprice_per_hour = 3.6\nmax = 1\n')
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config),
-                   **bench_worker(SECONDS_PER_IMAGE))
+    config.write_text("[pools.default]\nprice_per_hour = 3.6\nmax = 1\n")
+    env = base_env(
+        tmp_path,
+        redis_server.url,
+        str(tmp_path / "store"),
+        RENDERFLEET_CONFIG=str(config),
+        **bench_worker(SECONDS_PER_IMAGE),
+    )
     worker = WorkerProc(env, tmp_path / "worker.log")
     port = free_port()
     monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor.log")
     try:
         wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
-        job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 12)), *bench(SECONDS_PER_IMAGE),
-                  "--shard-size", "4").stdout.split()[-1]
+        job = cli(
+            env, "submit", str(write_prompts(tmp_path / "p.txt", 12)), *bench(SECONDS_PER_IMAGE), "--shard-size", "4"
+        ).stdout.split()[-1]
         wait_for(lambda: status_now(env, job)["done"] == 12, 120, interval=0.25, what="the job")
         # a restart of the monitor loses nothing: every figure is read from Redis at scrape time
         monitor.terminate()
@@ -93,8 +107,14 @@ def test_metrics_and_status_json_match_the_fleet_and_survive_a_monitor_restart(
 def test_off_loopback_the_endpoint_needs_a_token_and_enforces_it(tmp_path: Path, redis_server: RedisServerProcess) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     port = free_port()
-    refused = subprocess.run([sys.executable, "-m", "renderfleet", "monitor", "--once", "--http", f"0.0.0.0:{port}"],
-                             env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    refused = subprocess.run(
+        [sys.executable, "-m", "renderfleet", "monitor", "--once", "--http", f"0.0.0.0:{port}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert refused.returncode == 2 and "RENDERFLEET_HTTP_TOKEN" in refused.stderr and "Traceback" not in refused.stderr
     monitor = start_monitor({**env, "RENDERFLEET_HTTP_TOKEN": "s3cret-monitor-token"}, f"0.0.0.0:{port}", tmp_path / "m.log")
     try:
@@ -115,13 +135,22 @@ def test_a_worker_serves_its_own_metrics_and_they_agree_with_the_job_and_the_mon
     worker_port, monitor_port = free_port(), free_port()
     # The worker reaches S3 through a proxy that throttles its first two requests: two retries to count.
     with FlakyS3Proxy(moto_server.endpoint_url, fail_first=2) as proxy:
-        worker = WorkerProc({**env, "AWS_ENDPOINT_URL": proxy.url}, tmp_path / "worker.log",
-                            "--metrics-port", str(worker_port))
+        worker = WorkerProc(
+            {**env, "AWS_ENDPOINT_URL": proxy.url}, tmp_path / "worker.log", "--metrics-port", str(worker_port)
+        )
         monitor = start_monitor(env, f"127.0.0.1:{monitor_port}", tmp_path / "monitor.log")
         try:
             wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 90, what="worker")
-            job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 10)), *bench(SECONDS_PER_IMAGE),
-                      "--shard-size", "4", "--batch-size", "2").stdout.split()[-1]
+            job = cli(
+                env,
+                "submit",
+                str(write_prompts(tmp_path / "p.txt", 10)),
+                *bench(SECONDS_PER_IMAGE),
+                "--shard-size",
+                "4",
+                "--batch-size",
+                "2",
+            ).stdout.split()[-1]
             wait_for(lambda: status_now(env, job)["done"] == 10, 120, interval=0.25, what="the job")
             ours = scrape(f"http://127.0.0.1:{worker_port}/metrics")
             fleet = scrape(f"http://127.0.0.1:{monitor_port}/metrics")
@@ -143,8 +172,11 @@ def test_a_worker_serves_its_own_metrics_and_they_agree_with_the_job_and_the_mon
     assert ours[("renderfleet_worker_model_load_seconds_count", (pool,))] == 1
     # The first S3 call is the job's HEAD if submit has marked the job stored by then, else an image's
     # PUT: a 503 to a HEAD has no body to say SlowDown (the class is the status's), one to a PUT says it.
-    s3_retries = {labels[0][1]: value for (name, labels), value in ours.items()
-                  if name == "renderfleet_worker_retries_total" and ("what", "s3") in labels and value}
+    s3_retries = {
+        labels[0][1]: value
+        for (name, labels), value in ours.items()
+        if name == "renderfleet_worker_retries_total" and ("what", "s3") in labels and value
+    }
     assert sum(s3_retries.values()) == 2 and set(s3_retries) <= {"server", "throttled"}, s3_retries
     assert ours[("renderfleet_worker_lost_batches_total", (pool, ("reason", "fenced")))] == 0
     assert not any(name.startswith("renderfleet_worker_") for name, _ in fleet)  # the monitor keeps to its own

@@ -73,8 +73,7 @@ def processes_of(home: Path) -> list[tuple[int, str]]:
 
 def no_work_lost(env: dict[str, str], job: str) -> dict[str, object]:
     """The job's status once nothing holds a shard: every prompt not done is back in a queue."""
-    wait_for(lambda: (s := status_now(env, job))["in_flight"] == 0 and s, 30, interval=0.25,
-             what="no shard in flight")
+    wait_for(lambda: (s := status_now(env, job))["in_flight"] == 0 and s, 30, interval=0.25, what="no shard in flight")
     st = job_status(env, job)
     assert st["done"] + st["queued"] == st["total"] and st["shards_running"] == 0, st
     return st
@@ -84,27 +83,58 @@ def no_work_lost(env: dict[str, str], job: str) -> dict[str, object]:
 
 
 # SIGHUP takes SIGINT's path (one handler for both): in the long tier.
-@pytest.mark.parametrize(("signo", "embedded"), [(signal.SIGTERM, True),
-                                                  pytest.param(signal.SIGHUP, False, marks=pytest.mark.slow),
-                                                  (signal.SIGINT, False)],
-                         ids=["sigterm-embedded-server", "sighup", "sigint"])
+@pytest.mark.parametrize(
+    ("signo", "embedded"),
+    [(signal.SIGTERM, True), pytest.param(signal.SIGHUP, False, marks=pytest.mark.slow), (signal.SIGINT, False)],
+    ids=["sigterm-embedded-server", "sighup", "sigint"],
+)
 def test_a_signal_to_run_stops_its_workers_and_hands_their_shards_back(
     tmp_path: Path, redis_server: RedisServerProcess, signo: int, embedded: bool
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"),
-                   RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE), **bench_worker(SECONDS_PER_IMAGE))
+    env = base_env(
+        tmp_path,
+        redis_server.url,
+        str(tmp_path / "store"),
+        RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE),
+        **bench_worker(SECONDS_PER_IMAGE),
+    )
     if embedded:
         del env["RENDERFLEET_REDIS_URL"]  # run starts its private server under RENDERFLEET_HOME
     home = Path(env["RENDERFLEET_HOME"])
     prompts = write_prompts(tmp_path / "p.txt", 40)
-    run = subprocess.Popen([sys.executable, "-m", "renderfleet", "run", str(prompts), "--workers", "2", "--model",
-                            bench_model(SECONDS_PER_IMAGE), "--steps", "20", "--size", "64x64", "--shard-size", "4",
-                            "--batch-size", "2"],
-                           env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "renderfleet",
+            "run",
+            str(prompts),
+            "--workers",
+            "2",
+            "--model",
+            bench_model(SECONDS_PER_IMAGE),
+            "--steps",
+            "20",
+            "--size",
+            "64x64",
+            "--shard-size",
+            "4",
+            "--batch-size",
+            "2",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         state = home / "server.json"  # the embedded server's, once run has started it
-        url = wait_for(lambda: json.loads(state.read_text())["url"] if state.exists() else None, 60,
-                       what="the run's Redis") if embedded else env["RENDERFLEET_REDIS_URL"]
+        url = (
+            wait_for(lambda: json.loads(state.read_text())["url"] if state.exists() else None, 60, what="the run's Redis")
+            if embedded
+            else env["RENDERFLEET_REDIS_URL"]
+        )
         client = redis.Redis.from_url(url)
         wait_for(lambda: worker_ready(client, 2), 120, what="the run's workers")
         wait_for(lambda: client.zcard(keys.INFLIGHT) >= 1, 60, interval=0.1, what="a shard being rendered")
@@ -162,12 +192,24 @@ def test_a_signal_to_autoscale_stops_its_local_workers_unless_told_to_leave_them
 ) -> None:
     config = tmp_path / "fleet.toml"
     config.write_text(POOLS)
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config),
-                   RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE), **bench_worker(SECONDS_PER_IMAGE))
+    env = base_env(
+        tmp_path,
+        redis_server.url,
+        str(tmp_path / "store"),
+        RENDERFLEET_CONFIG=str(config),
+        RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE),
+        **bench_worker(SECONDS_PER_IMAGE),
+    )
     home = Path(env["RENDERFLEET_HOME"])
     client = redis.Redis.from_url(redis_server.url)
-    scaler = subprocess.Popen([sys.executable, "-m", "renderfleet", "autoscale", *(["--leave-workers"] * leave)],
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    scaler = subprocess.Popen(
+        [sys.executable, "-m", "renderfleet", "autoscale", *(["--leave-workers"] * leave)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: worker_ready(client, 1), 120, what="the baseline's worker")
         [worker] = [pid for pid, cmd in processes_of(home) if " worker " in cmd]
@@ -212,8 +254,14 @@ t = time.perf_counter(); r.render_images(batch(2)); two = time.perf_counter() - 
 t = time.perf_counter(); r.render_images(batch(6)); six = time.perf_counter() - t
 print(max(six - two, 0.004) / 4)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return float(out.stdout.split()[-1])
 
@@ -241,8 +289,18 @@ def test_a_worker_told_to_stop_leaves_within_its_grace_plus_a_step_in_every_phas
     # hand-back and Celery's exit.
     bound = GRACE + max(15.0, 3 * step_seconds)
     steps = slow_steps(step_seconds, bound)
-    slow = ["--model", "tiny", "--steps", str(steps), "--size", f"{SLOW_SIZE}x{SLOW_SIZE}",
-            "--shard-size", str(SLOW_BATCH), "--batch-size", str(SLOW_BATCH)]
+    slow = [
+        "--model",
+        "tiny",
+        "--steps",
+        str(steps),
+        "--size",
+        f"{SLOW_SIZE}x{SLOW_SIZE}",
+        "--shard-size",
+        str(SLOW_BATCH),
+        "--batch-size",
+        str(SLOW_BATCH),
+    ]
 
     def submit(*args: str, n: int = SLOW_BATCH) -> str:
         prompts = write_prompts(tmp_path / f"p{len(list(tmp_path.glob('p*.txt')))}.txt", n)
@@ -264,8 +322,7 @@ def test_a_worker_told_to_stop_leaves_within_its_grace_plus_a_step_in_every_phas
             first = submit(*TINY, "--shard-size", "4", "--batch-size", "4")
             wait_for(lambda: status_now(env, first)["done"] == SLOW_BATCH, 120, what="the quick job")
         job = submit(*slow)
-        wait_log(worker, "searching (sweep)" if phase == "batch-size-probe" else f"shard {job}:0 attempt 1 claimed",
-                 120)
+        wait_log(worker, "searching (sweep)" if phase == "batch-size-probe" else f"shard {job}:0 attempt 1 claimed", 120)
         if phase != "batch-size-probe":
             time.sleep(1.0)  # into its first denoising steps
 

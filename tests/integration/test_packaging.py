@@ -31,8 +31,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for package in PACKAGES:
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(src)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (found,) = out.glob("renderfleet-*.whl")
     return found
 
@@ -65,12 +69,20 @@ def test_the_wheel_carries_the_licence_its_metadata_names(wheel: Path) -> None:
 
 def test_the_import_names_resolve_to_the_wheels_files(wheel: Path, tmp_path: Path) -> None:
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import renderfleet.cli, dispatcher.autoscale, "
-            "dispatcher.backends, worker.protection; print(json.dumps([m.__file__ for m in (renderfleet.cli, "
-            "dispatcher.autoscale, dispatcher.backends, worker.protection)]))")
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import renderfleet.cli, dispatcher.autoscale, "
+        "dispatcher.backends, worker.protection; print(json.dumps([m.__file__ for m in (renderfleet.cli, "
+        "dispatcher.autoscale, dispatcher.backends, worker.protection)]))"
+    )
     # -I: not this checkout's folders (the working directory, PYTHONPATH); the venv's dependencies only.
-    out = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path / "site")], capture_output=True, text=True,
-                         check=True, timeout=120, cwd=tmp_path).stdout
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code, str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=tmp_path,
+    ).stdout
     assert all(Path(f).is_relative_to(tmp_path / "site") for f in json.loads(out))
 
 
@@ -131,4 +143,5 @@ def test_each_compose_worker_reserves_one_gpu() -> None:
     assert len(workers) == 2
     for s in workers:
         assert s["deploy"]["resources"]["reservations"]["devices"] == [
-            {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+            {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+        ]

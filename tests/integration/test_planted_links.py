@@ -34,8 +34,9 @@ SECRET = b'{"url": "redis://:hunter2-the-password@127.0.0.1:6379/0"}'
 
 def submit(env: dict[str, str], tmp: Path, name: str) -> str:
     (tmp / f"{name}.txt").write_text("".join(f"a lighthouse, study {name}{i}\n" for i in range(4)))
-    return cli(env, "submit", str(tmp / f"{name}.txt"), "--model", "tiny", "--steps", "2", "--size", "32x32",
-               "--shard-size", "4").stdout.split()[-1]
+    return cli(
+        env, "submit", str(tmp / f"{name}.txt"), "--model", "tiny", "--steps", "2", "--size", "32x32", "--shard-size", "4"
+    ).stdout.split()[-1]
 
 
 def png() -> bytes:
@@ -53,8 +54,13 @@ def monitor(env: dict[str, str], log: Path) -> Iterator[str]:
     """The real ``renderfleet monitor --http`` on a free loopback port: its base URL."""
     port = free_port()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor", "--http", f"127.0.0.1:{port}"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "monitor", "--http", f"127.0.0.1:{port}"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: get(f"{base}/api/status")[0] == 200, 60, what="the endpoint")
@@ -86,8 +92,7 @@ def test_the_monitor_serves_no_file_through_a_link_among_the_images_or_a_linked_
     (store / "jobs" / b / "images").symlink_to(secrets)
     with monitor(env, tmp_path / "monitor.log") as base:
         for job in (a, b):
-            for path in (f"/jobs/{job}/images/000001", f"/jobs/{job}/thumbs/000001",
-                         f"/api/jobs/{job}/images/000001"):
+            for path in (f"/jobs/{job}/images/000001", f"/jobs/{job}/thumbs/000001", f"/api/jobs/{job}/images/000001"):
                 status, body = get(base + path)
                 assert status == 404 and b"hunter2" not in body, (path, status, body[:200])
         assert json.loads(get(f"{base}/api/jobs/{a}")[1])["images"] == ["000000"]  # the link is not listed

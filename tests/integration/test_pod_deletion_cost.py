@@ -48,8 +48,11 @@ def test_an_api_server_error_is_logged_and_the_next_tick_sets_the_cost(caplog: A
         api.fail_next = 1
         service = Service()
         service.busy = True
-        tick = worker_tick(service, PodDeletionCost("w", "renderfleet", api.client()),  # type: ignore[arg-type]
-                           retry_seconds=0)
+        tick = worker_tick(
+            service,
+            PodDeletionCost("w", "renderfleet", api.client()),  # type: ignore[arg-type]
+            retry_seconds=0,
+        )
         tick()
         assert POD_DELETION_COST not in api.annotations("renderfleet", "w")
         assert "could not set the scale-in mark" in caplog.text and "500" in caplog.text

@@ -46,7 +46,8 @@ def submit(env: dict[str, str], path: Path, *flags: str) -> str:
 
 
 def test_an_urgent_job_starts_within_seconds_and_a_small_one_finishes_long_before_a_large_one(
-        tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc | subprocess.Popen[bytes]]) -> None:
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc | subprocess.Popen[bytes]]
+) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **bench_worker(SECONDS_PER_IMAGE))
     client = redis.Redis.from_url(redis_server.url)
     for i in range(2):
@@ -76,9 +77,11 @@ def test_an_urgent_job_starts_within_seconds_and_a_small_one_finishes_long_befor
         return large in finished
 
     wait_for(progress, 300, interval=0.1, what="the three jobs to finish")
-    print(f"finish times from the small and urgent submits' start: urgent {finished[urgent]:.1f} s, "
-          f"small {finished[small]:.1f} s, large {finished[large]:.1f} s; large job's images done then: "
-          f"{large_done_when}")
+    print(
+        f"finish times from the small and urgent submits' start: urgent {finished[urgent]:.1f} s, "
+        f"small {finished[small]:.1f} s, large {finished[large]:.1f} s; large job's images done then: "
+        f"{large_done_when}"
+    )
     # The urgent job went ahead of the large job's pending shards: it was done while most of what
     # the large job had left was still to do (two workers, a few shards queued ahead of it at most).
     done_then = LARGE - left_then

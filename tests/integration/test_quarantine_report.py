@@ -23,8 +23,14 @@ pytestmark = pytest.mark.integration
 def test_quarantined_prompt_is_reported_by_status_and_results(tmp_path: Path, redis_server: RedisServerProcess) -> None:
     client = redis.Redis.from_url(redis_server.url)
     store = LocalStore(tmp_path / "store")
-    job = JobSpec(job="j-q", params=RenderParams(model="tiny"), total=3, shard_size=3, batch_size=3,
-                  prompts_key=spec.source_key("j-q", "txt", False))
+    job = JobSpec(
+        job="j-q",
+        params=RenderParams(model="tiny"),
+        total=3,
+        shard_size=3,
+        batch_size=3,
+        prompts_key=spec.source_key("j-q", "txt", False),
+    )
     (tmp_path / "p.txt").write_text("p0\np1\np2\n")
     store.put_file(job.prompts_key, tmp_path / "p.txt")
     store.put(spec.spec_key(job.job), job.to_json().encode())

@@ -22,8 +22,10 @@ from testing.fleet import base_env, cli, write_prompts
 pytestmark = pytest.mark.integration
 
 # Half a second of Redis's main thread spent in one script: what a busy fleet costs it, in one go.
-BURN = "local t = redis.call('TIME'); local start = t[1] * 1e6 + t[2]; local now = start " \
-       "while now - start < 500000 do t = redis.call('TIME'); now = t[1] * 1e6 + t[2] end return 1"
+BURN = (
+    "local t = redis.call('TIME'); local start = t[1] * 1e6 + t[2]; local now = start "
+    "while now - start < 500000 do t = redis.call('TIME'); now = t[1] * 1e6 + t[2] end return 1"
+)
 
 
 def own_reading(r: redis.Redis) -> tuple[float, float]:
@@ -93,18 +95,27 @@ def test_clients_near_maxclients_warn_in_status_and_its_json(tmp_path: Path, red
 
 def test_a_reader_allowed_to_read_only_gets_the_figures_and_keeps_nothing(redis_server: RedisServerProcess) -> None:
     r = redis.Redis.from_url(redis_server.url)
-    r.acl_setuser("viewer", enabled=True, passwords=["+viewerpw"], keys=["*"],
-                  commands=["+@read", "+info", "+time", "+ping", "+client"])
-    url = redis_server.url.replace("redis://", "redis://viewer:viewerpw@", 1) if "@" not in redis_server.url \
+    r.acl_setuser(
+        "viewer",
+        enabled=True,
+        passwords=["+viewerpw"],
+        keys=["*"],
+        commands=["+@read", "+info", "+time", "+ping", "+client"],
+    )
+    url = (
+        redis_server.url.replace("redis://", "redis://viewer:viewerpw@", 1)
+        if "@" not in redis_server.url
         else "redis://viewer:viewerpw@" + redis_server.url.split("@", 1)[1]
+    )
     viewer = redis.Redis.from_url(url)
     load = redis_load(viewer)
     assert load is not None and load.clients >= 2 and load.cpu_share is None
     assert not r.exists(keys.REDIS_LOAD)  # its HSET was refused (NOPERM), quietly
 
 
-def test_the_autoscaler_grows_the_fleet_no_further_than_redis_takes(tmp_path: Path,
-                                                                  redis_server: RedisServerProcess) -> None:
+def test_the_autoscaler_grows_the_fleet_no_further_than_redis_takes(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
     r = redis.Redis.from_url(redis_server.url)
     config = tmp_path / "fleet.toml"
     config.write_text('[pools.spot]\nkind = "spot"\nmin = 0\nmax = 100\n')

@@ -15,8 +15,27 @@ def test_a_tiny_simulated_fleet_runs_the_protocol_and_its_killed_workers_shards_
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmark results\n")
     # 50 workers, 5 s measured, a 2 s lease so that killed workers' shards come back within the run.
-    assert redis_scale.main(["--sizes", "50", "--seconds", "5", "--procs", "1", "--warm", "3", "--leases", "2",
-                             "--kill-every", "1.5", "--results", str(results)]) == 0
+    assert (
+        redis_scale.main(
+            [
+                "--sizes",
+                "50",
+                "--seconds",
+                "5",
+                "--procs",
+                "1",
+                "--warm",
+                "3",
+                "--leases",
+                "2",
+                "--kill-every",
+                "1.5",
+                "--results",
+                str(results),
+            ]
+        )
+        == 0
+    )
     text = results.read_text()
     assert "<!-- bench:redis-scale -->" in text and "<!-- /bench:redis-scale -->" in text
     assert "Command: `python -m bench.redis_scale --sizes 50 --seconds 5" in text

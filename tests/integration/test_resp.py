@@ -125,8 +125,9 @@ async def _bound_and_shared(url: str) -> tuple[list[int], list[Any]]:
         await simloop.asyncio.sleep(0.001 * (i % 3))
         return await client.execute_command("ECHO", str(i))
 
-    replies = await simloop.asyncio.gather(*(resp.bound(shared).run(simloop.asyncio.create_task, echo(i))
-                                             for i in range(50)))
+    replies = await simloop.asyncio.gather(
+        *(resp.bound(shared).run(simloop.asyncio.create_task, echo(i)) for i in range(50))
+    )
     return ids, list(replies)
 
 

@@ -18,7 +18,6 @@ from testing.fleet import WorkerProc, base_env, cli, job_status, status_now, wai
 pytestmark = pytest.mark.integration
 
 
-
 def upload_folder(folder: Path, url: str) -> None:
     store = open_store(url)
     for path in folder.rglob("*"):
@@ -41,8 +40,21 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     prompts = write_prompts(tmp_path / "p.txt", 10)
     worker = WorkerProc(env, tmp_path / "worker.log", "--model", model_uri)
     try:
-        job = cli(env, "submit", str(prompts), "--model", model_uri, "--steps", "2", "--size", "32x32",
-                  "--shard-size", "5", "--batch-size", "2").stdout.split()[-1]
+        job = cli(
+            env,
+            "submit",
+            str(prompts),
+            "--model",
+            model_uri,
+            "--steps",
+            "2",
+            "--size",
+            "32x32",
+            "--shard-size",
+            "5",
+            "--batch-size",
+            "2",
+        ).stdout.split()[-1]
         wait_for(lambda: (s := status_now(env, job))["done"] == 10 and s, 180, interval=0.25, what="job on S3")
         st = job_status(env, job)
         assert [int(w["loads"]) for w in st["workers"]] == [1]
@@ -58,8 +70,12 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
         s3.delete_object(Bucket=bucket, Key=obj["Key"])
     again = WorkerProc(env, tmp_path / "worker-again.log", "--model", model_uri)
     try:
-        wait_for(lambda: any(w["worker"] != first for w in job_status(env, job)["workers"]), 120, interval=1.0,
-                 what="the restarted worker registered")
+        wait_for(
+            lambda: any(w["worker"] != first for w in job_status(env, job)["workers"]),
+            120,
+            interval=1.0,
+            what="the restarted worker registered",
+        )
     finally:
         again.kill()
 
@@ -87,8 +103,17 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     params = dataclasses.replace(params, model_digest=recorded.model_digest)
     for shard in range(2):
         wire = [f"prompt number {i}" for i in range(shard * 5, shard * 5 + 5)]
-        msg = ShardMessage.from_dict({"job": job, "shard": shard, "params": params.to_dict(), "batch_size": 2,
-                                      "queue": "q", "first": shard * 5, "count": 5}).with_prompts(wire)
+        msg = ShardMessage.from_dict(
+            {
+                "job": job,
+                "shard": shard,
+                "params": params.to_dict(),
+                "batch_size": 2,
+                "queue": "q",
+                "first": shard * 5,
+                "count": 5,
+            }
+        ).with_prompts(wire)
         for _, batch in msg.batches():
             for prompt, png in zip(batch, renderer.render(list(batch)), strict=True):
                 assert store.get(f"jobs/{job}/images/{prompt.name}.png") == png, prompt.name

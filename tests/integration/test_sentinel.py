@@ -58,11 +58,19 @@ def cut_off_the_replica(cluster: SentinelRedis) -> None:
 def fail_over(cluster: SentinelRedis) -> None:
     """SIGCONT the cut-off replica and wait until the sentinels have made it the primary."""
     cluster.procs["replica"].send_signal(signal.SIGCONT)
-    wait_for(lambda: cluster.primary_port() == cluster.ports["replica"], 30, interval=0.1,
-             what="the sentinels to promote the replica")
+    wait_for(
+        lambda: cluster.primary_port() == cluster.ports["replica"],
+        30,
+        interval=0.1,
+        what="the sentinels to promote the replica",
+    )
     # ... and to see it up (it was stopped long enough to be marked down): a client finds it.
-    wait_for(lambda: redisconn.client(cluster.url, socket_timeout=1).ping(), 30, interval=0.1,
-             what="a client to find the new primary")
+    wait_for(
+        lambda: redisconn.client(cluster.url, socket_timeout=1).ping(),
+        30,
+        interval=0.1,
+        what="a client to find the new primary",
+    )
 
 
 def lose_the_last_writes(cluster: SentinelRedis, seconds: float) -> int:
@@ -90,8 +98,16 @@ def test_a_job_finishes_through_a_sentinel_failover_that_loses_writes_and_a_kill
     monitor = start_monitor(env, tmp_path / "monitor.log")
     procs.append(monitor)
     wait_for(lambda: worker_ready(client, 2), 120, what="both workers to load the model")
-    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", PROMPTS)), *RENDER,
-              "--shard-size", str(SHARD), "--batch-size", str(BATCH)).stdout.split()[-1]
+    job = cli(
+        env,
+        "submit",
+        str(write_prompts(tmp_path / "p.txt", PROMPTS)),
+        *RENDER,
+        "--shard-size",
+        str(SHARD),
+        "--batch-size",
+        str(BATCH),
+    ).stdout.split()[-1]
     started = time.monotonic()
     wait_for(lambda: stopped(doomed.pid), 120, interval=0.05, what="the doomed worker to stop in its second shard")
 
@@ -110,8 +126,12 @@ def test_a_job_finishes_through_a_sentinel_failover_that_loses_writes_and_a_kill
     assert done_at_failover < PROMPTS, "the job finished before the failover: nothing was tested"
 
     # No command typed: the survivor, the reaper and the monitor finish the job.
-    wait_for(lambda: (s := status_now(env, job))["done"] == PROMPTS and s, 180, interval=0.25,
-             what="the job to finish through the failover")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] == PROMPTS and s,
+        180,
+        interval=0.25,
+        what="the job to finish through the failover",
+    )
     finished = time.monotonic() - started
     st = job_status(env, job)
     assert (st["done"], st["quarantined"], st["total"]) == (PROMPTS, 0, PROMPTS)
@@ -141,17 +161,27 @@ def test_a_job_finishes_through_a_sentinel_failover_that_loses_writes_and_a_kill
         for shard in range(PROMPTS // SHARD):
             first = shard * SHARD
             wire = [f"prompt number {i}" for i in range(first, first + SHARD)]
-            msg = ShardMessage.from_dict({"job": job, "shard": shard, "params": params.to_dict(),
-                                          "batch_size": BATCH, "queue": "q", "first": first,
-                                          "count": SHARD}).with_prompts(wire)
+            msg = ShardMessage.from_dict(
+                {
+                    "job": job,
+                    "shard": shard,
+                    "params": params.to_dict(),
+                    "batch_size": BATCH,
+                    "queue": "q",
+                    "first": first,
+                    "count": SHARD,
+                }
+            ).with_prompts(wire)
             for _, batch in msg.batches():
                 for prompt, png in zip(batch, renderer.render(list(batch)), strict=True):
                     assert store.get(f"jobs/{job}/images/{prompt.name}.png") == png, prompt.name
     finally:
         torch.set_num_threads(threads)
     rendered = sum(int(w.get("images", 0)) for w in st["workers"])  # the dead worker's are gone with Redis's copy
-    print(f"\nfailover at {done_at_failover}/{PROMPTS} done; {acknowledged - kept} bytes of replication lost; "
-          f"job finished {finished:.1f} s after submit; images rendered by the workers Redis knows: {rendered}")
+    print(
+        f"\nfailover at {done_at_failover}/{PROMPTS} done; {acknowledged - kept} bytes of replication lost; "
+        f"job finished {finished:.1f} s after submit; images rendered by the workers Redis knows: {rendered}"
+    )
     assert os.environ.get("AWS_ENDPOINT_URL")
 
 
@@ -184,9 +214,14 @@ def test_the_monitor_resumes_a_job_whose_feed_template_the_failover_lost(
         start_feeding(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(enqueue, "start_feeding", cut_off_then_feed)
-    job = submit(str(write_prompts(tmp_path / "p.txt", 8)),
-                 SubmitOptions(RenderParams(model="tiny", steps=2, width=64, height=64), shard_size=2, batch_size=2),
-                 store=store, app=app, client=client, queue=queue).job
+    job = submit(
+        str(write_prompts(tmp_path / "p.txt", 8)),
+        SubmitOptions(RenderParams(model="tiny", steps=2, width=64, height=64), shard_size=2, batch_size=2),
+        store=store,
+        app=app,
+        client=client,
+        queue=queue,
+    ).job
     # Acknowledged by the old primary: the template written, then every shard fed to the queue.
     assert client.hexists(keys.job(job), "feed") and client.llen(queue) == 4 and client.llen(keys.pending(job)) == 0
     cluster.kill("primary")
@@ -197,8 +232,12 @@ def test_the_monitor_resumes_a_job_whose_feed_template_the_failover_lost(
     assert client.script_exists(monitor.feeder._feed.sha) == [False]
     assert client.llen(keys.pending(job)) == 4 and client.llen(queue) == 0
     assert not client.hexists(keys.job(job), "feed") and client.zscore(keys.active(queue), job) is None
-    wait_for(lambda: monitor.tick() is not None and client.llen(queue) == 4, 30, interval=0.2,
-             what="the monitor to resume the job and feed its shards")
+    wait_for(
+        lambda: monitor.tick() is not None and client.llen(queue) == 4,
+        30,
+        interval=0.2,
+        what="the monitor to resume the job and feed its shards",
+    )
     assert client.hexists(keys.job(job), "feed") and client.llen(keys.pending(job)) == 0
     assert client.script_exists(monitor.feeder._feed.sha) == [True]  # NOSCRIPT, loaded, run: redis-py's Script
     monitor.tick()

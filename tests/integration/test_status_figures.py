@@ -35,12 +35,12 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     config = tmp_path / "fleet.toml"
     config.write_text(f'[pools.default]\nkind = "on-demand"\nprice_per_hour = {PRICE}\nmin = 0\nmax = 2\n')
     store = tmp_path / "store"
-    env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config),
-                   **bench_worker(SECONDS_PER_IMAGE))
+    env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config), **bench_worker(SECONDS_PER_IMAGE))
     lines = [json.dumps({"prompt": f"prompt {i}", **({"id": "bad"} if i == 17 else {})}) for i in range(48)]
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
-    job = cli(env, "submit", str(tmp_path / "p.jsonl"), *bench(SECONDS_PER_IMAGE), "--shard-size", "4",
-              "--batch-size", "2").stdout.split()[-1]
+    job = cli(
+        env, "submit", str(tmp_path / "p.jsonl"), *bench(SECONDS_PER_IMAGE), "--shard-size", "4", "--batch-size", "2"
+    ).stdout.split()[-1]
     # The store refuses this one image (a folder where its file goes): quarantined after 3 tries.
     (store / "jobs" / job / "images" / "bad.png").mkdir(parents=True)
 
@@ -55,8 +55,12 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
         second = WorkerProc(env, tmp_path / "w2.log")
         wait_for(lambda: (s := status_now(env, job))["done"] >= 32 and s, 120, interval=0.25, what="progress")
         later = job_status(env, job)
-        wait_for(lambda: (s := status_now(env, job))["done"] + s["quarantined"] == 48 and s, 180, interval=0.25,
-                 what="the job to finish")
+        wait_for(
+            lambda: (s := status_now(env, job))["done"] + s["quarantined"] == 48 and s,
+            180,
+            interval=0.25,
+            what="the job to finish",
+        )
         final = job_status(env, job)
         # what each worker is doing: a shard while it holds one, then idle since when
         live = second.pid
@@ -64,8 +68,9 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
         def second_worker() -> dict[str, object]:
             return next(w for w in job_status(env, job)["workers"] if int(w["pid"]) == live)
 
-        idle = wait_for(lambda: (w := second_worker()) and not w.get("doing") and w, 30, interval=0.5,
-                        what="the live worker idle")
+        idle = wait_for(
+            lambda: (w := second_worker()) and not w.get("doing") and w, 30, interval=0.5, what="the live worker idle"
+        )
     finally:
         first.kill()
         if second:

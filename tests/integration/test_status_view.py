@@ -49,7 +49,7 @@ def shown_ids(text: str) -> list[str]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("job "))
     out = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip():
             break
         out.append(line.split()[0])
@@ -57,10 +57,13 @@ def shown_ids(text: str) -> list[str]:
 
 
 def test_status_at_80_columns_piped_shows_whole_short_ids_that_every_command_takes_back(
-        tmp_path: Path, env: dict[str, str]) -> None:
+    tmp_path: Path, env: dict[str, str]
+) -> None:
     jobs = [submit(env, tmp_path, n) for n in (3, 5, 6)]
-    jobs += [submit(env, tmp_path, 2, "--job", "nightly-run-2026-12-01"),
-             submit(env, tmp_path, 4, "--job", "nightly-run-2026-12-02")]
+    jobs += [
+        submit(env, tmp_path, 2, "--job", "nightly-run-2026-12-01"),
+        submit(env, tmp_path, 4, "--job", "nightly-run-2026-12-02"),
+    ]
     shown = cli(env, "status")  # piped: stdout is not a terminal
     text = shown.stdout
     assert all(len(line) <= 80 for line in text.splitlines()), text
@@ -93,7 +96,8 @@ def test_status_at_80_columns_piped_shows_whole_short_ids_that_every_command_tak
     assert cli(env, "delete", short, "--yes").stdout.strip() == full
     gone = cli(env, "status", full, "--json", check=False)  # a deleted job: the same layout, its state says so
     assert gone.returncode == 1 and json.loads(gone.stdout)["jobs"] == [
-        {"job": full, "state": "deleted", "deleted": pytest.approx(time.time(), abs=600), "reason": "renderfleet delete"}]
+        {"job": full, "state": "deleted", "deleted": pytest.approx(time.time(), abs=600), "reason": "renderfleet delete"}
+    ]
     client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
     other = next(j for j in jobs if j.startswith("j-") and j != full)
     assert client.job(other[:9]).id == other
@@ -155,9 +159,14 @@ def test_status_watch_piped_prints_a_frame_at_once_then_every_two_seconds(tmp_pa
     # inherited). PYTHONFAULTHANDLER: should it not stop, SIGABRT makes it print where its threads are.
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "renderfleet", "status", "--watch"],
-                                env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "status", "--watch"],
+            env={**env, "PYTHONFAULTHANDLER": "1"},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
     finally:
         signal.signal(signal.SIGINT, inherited)
     out = b""
@@ -181,8 +190,10 @@ def test_status_watch_piped_prints_a_frame_at_once_then_every_two_seconds(tmp_pa
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, err = proc.communicate()
-            raise AssertionError(f"status --watch did not stop on SIGINT; {out.count(b'-- status at')} frame(s) "
-                                 f"seen; its stderr:\n{err.decode(errors='replace')[-6000:]}") from None
+            raise AssertionError(
+                f"status --watch did not stop on SIGINT; {out.count(b'-- status at')} frame(s) "
+                f"seen; its stderr:\n{err.decode(errors='replace')[-6000:]}"
+            ) from None
 
 
 def count(client: redis.Redis, job: str, done: int, quarantined: int, gpu_ms: dict[str, int]) -> None:
@@ -196,7 +207,8 @@ def count(client: redis.Redis, job: str, done: int, quarantined: int, gpu_ms: di
 
 
 def test_prices_published_by_the_fleet_price_status_without_config_never_rounded_to_zero(
-        tmp_path: Path, env: dict[str, str]) -> None:
+    tmp_path: Path, env: dict[str, str]
+) -> None:
     cheap = submit(env, tmp_path, 12)
     unpriced = submit(env, tmp_path, 4, "--pool", "spare")
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
@@ -207,7 +219,7 @@ def test_prices_published_by_the_fleet_price_status_without_config_never_rounded
 
     # a monitor given the config publishes its pools' prices; status then needs no --config
     config = tmp_path / "fleet.toml"
-    config.write_text('[pools.default]\nprice_per_hour = 0.5\nmax = 1\n\n[pools.spare]\nmax = 1\n')
+    config.write_text("[pools.default]\nprice_per_hour = 0.5\nmax = 1\n\n[pools.spare]\nmax = 1\n")
     cli({**env, "RENDERFLEET_CONFIG": str(config)}, "monitor", "--once")
     assert client.hgetall(keys.prices(store_tag(env["RENDERFLEET_STORE"]))) == {b"default": b"0.5"}
     after = {j["job"]: j for j in json.loads(cli(env, "status", "--json").stdout)["jobs"]}
@@ -219,11 +231,11 @@ def test_prices_published_by_the_fleet_price_status_without_config_never_rounded
     assert rows[cheap[:9]][-2:] == ["0.0005", "0.05"]  # cost, per 1,000 images: never 0.00
     assert rows[unpriced[:9]][-2:] == ["-", "-"]
     # the autoscaler publishes its pools' prices at each decision (max 0: it starts no worker here)
-    config.write_text('[pools.default]\nprice_per_hour = 0.75\nmax = 0\n')
+    config.write_text("[pools.default]\nprice_per_hour = 0.75\nmax = 0\n")
     cli({**env, "RENDERFLEET_CONFIG": str(config)}, "autoscale", "--once")
     assert client.hget(keys.prices(store_tag(env["RENDERFLEET_STORE"])), "default") == b"0.75"
     # --config still overrides what was published
-    config.write_text('[pools.default]\nprice_per_hour = 5\nmax = 1\n')
+    config.write_text("[pools.default]\nprice_per_hour = 5\nmax = 1\n")
     over = json.loads(cli(env, "status", cheap, "--json", "--config", str(config)).stdout)["jobs"][0]
     assert over["cost"] == pytest.approx(3.6 * 5 / 3600)
 

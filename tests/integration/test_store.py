@@ -184,8 +184,11 @@ def test_local_keys_that_hold_the_old_temp_mark_are_listed_like_any_other(tmp_pa
 
 def test_local_keys_may_not_reach_into_the_temp_folder(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
-    for call in (lambda: store.put(f"{TEMP_DIR}/x", b"x"), lambda: store.get(f"{TEMP_DIR}/x"),
-                 lambda: list(store.list(f"{TEMP_DIR}/"))):
+    for call in (
+        lambda: store.put(f"{TEMP_DIR}/x", b"x"),
+        lambda: store.get(f"{TEMP_DIR}/x"),
+        lambda: list(store.list(f"{TEMP_DIR}/")),
+    ):
         with pytest.raises(ValueError, match="writes in flight"):
             call()
 
@@ -262,20 +265,24 @@ def bucket_url(s3_bucket: str, moto_server: Any) -> Iterator[tuple[str, str]]:
 
 def _fast_s3(bucket: str, *, max_attempts: int, on_retry: RetryHook | None = None) -> S3Store:
     """An S3 store with a tiny backoff, so retry tests take milliseconds."""
-    return S3Store(bucket, "rf-test", max_attempts=max_attempts, wait_multiplier=0.001, wait_max=0.01,
-                   on_retry=on_retry)
+    return S3Store(bucket, "rf-test", max_attempts=max_attempts, wait_multiplier=0.001, wait_max=0.01, on_retry=on_retry)
 
 
 def _retry_warnings(caplog: pytest.LogCaptureFixture) -> int:
     return sum(1 for r in caplog.records if r.name == "renderfleet.store" and r.levelno == logging.WARNING)
 
 
-@pytest.mark.parametrize(("status", "code", "kind"),
-                         [(503, "SlowDown", "throttled"), (500, "InternalError", "server"),
-                          (400, "RequestTimeout", "throttled")])
+@pytest.mark.parametrize(
+    ("status", "code", "kind"),
+    [(503, "SlowDown", "throttled"), (500, "InternalError", "server"), (400, "RequestTimeout", "throttled")],
+)
 def test_a_transient_failure_is_retried_then_succeeds_and_each_retry_is_told_with_its_class(
-    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    status: int, code: str, kind: str,
+    bucket_url: tuple[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+    code: str,
+    kind: str,
 ) -> None:
     bucket, moto = bucket_url
     retries: list[tuple[str, str]] = []
@@ -316,9 +323,7 @@ def test_exhausted_retries_raise_store_error_naming_operation_and_key(
     assert _retry_warnings(caplog) == 2
 
 
-def test_access_denied_raises_store_error_at_once(
-    bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_access_denied_raises_store_error_at_once(bucket_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     bucket, moto = bucket_url
     with FlakyS3Proxy(moto, fail_first=-1, status=403, code="AccessDenied") as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -363,8 +368,7 @@ def test_objects_carry_the_encryption_and_storage_class_the_settings_ask_for(
     if sse == "aws:kms":
         import boto3
 
-        kms = boto3.session.Session().client("kms", endpoint_url=os.environ["AWS_ENDPOINT_URL"],
-                                             region_name="us-east-1")
+        kms = boto3.session.Session().client("kms", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
         key_id = kms.create_key()["KeyMetadata"]["KeyId"]
         monkeypatch.setenv("RENDERFLEET_S3_KMS_KEY_ID", key_id)
     monkeypatch.setenv("RENDERFLEET_S3_SSE", sse)

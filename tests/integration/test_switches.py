@@ -63,11 +63,15 @@ def test_a_default_worker_has_no_failpoint_and_fails_a_job_naming_a_bench_model(
 ) -> None:
     job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *bench(0.01), *CUT).stdout.split()[-1]
     worker = start(env, tmp_path, procs, "worker")
-    wait_for(lambda: (s := status_now(env, job))["quarantined"] == 4 and s, 120, interval=0.25,
-             what="the job naming a bench model to fail")
+    wait_for(
+        lambda: (s := status_now(env, job))["quarantined"] == 4 and s,
+        120,
+        interval=0.25,
+        what="the job naming a bench model to fail",
+    )
     st = job_status(env, job)
     assert st["done"] == 0 and list(open_store(env["RENDERFLEET_STORE"]).list(images_prefix(job))) == []
-    (reason, count), = st["failure_reasons"].items()
+    ((reason, count),) = st["failure_reasons"].items()
     assert count == 4 and "the fixed-time bench renderer" in reason and "serves no bench models" in reason
     out = worker.output()
     assert worker.alive() and "circuit breaker" not in out and "loading it" not in out  # never even tried
@@ -110,19 +114,32 @@ def png(env: dict[str, str], job: str, name: str) -> Image.Image:
 
 
 def worker_exit(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "renderfleet", "worker", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "renderfleet", "worker", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def test_a_switch_that_will_not_do_stops_the_worker_at_start_by_name(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERFLEET_")}
     env.update(RENDERFLEET_HOME=str(tmp_path / "home"), PYTHONPATH=str(REPO))
     cases = [
-        ({}, ["--model", BENCH], "RENDERFLEET_MODEL (--model): model 'bench:fixed?seconds=0.01' is the fixed-time "
-         "bench renderer (flat-colour images, no model); this worker serves no bench models"),
+        (
+            {},
+            ["--model", BENCH],
+            "RENDERFLEET_MODEL (--model): model 'bench:fixed?seconds=0.01' is the fixed-time "
+            "bench renderer (flat-colour images, no model); this worker serves no bench models",
+        ),
         (ALLOW_BENCH, ["--model", "bench:fixed?seconds=0"], "a bench model is bench:fixed?seconds=S"),
-        ({failpoints.VARIABLE: "before-claim=stop"}, [],
-         f"{failpoints.VARIABLE}: 'before-claim=stop' is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)"),
+        (
+            {failpoints.VARIABLE: "before-claim=stop"},
+            [],
+            f"{failpoints.VARIABLE}: 'before-claim=stop' is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)",
+        ),
         ({failpoints.VARIABLE: "befor-claim=pause"}, [], f"{failpoints.VARIABLE}: no failpoint 'befor-claim'"),
     ]
     for extra, args, reason in cases:
@@ -132,8 +149,21 @@ def test_a_switch_that_will_not_do_stops_the_worker_at_start_by_name(tmp_path: P
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "home" / "server.json").exists()  # refused before any embedded Redis started
     # Submit refuses a malformed bench model the same way, and nothing is written.
-    sub = subprocess.run([sys.executable, "-m", "renderfleet", "submit", str(write_prompts(tmp_path / "p.txt", 2)),
-                          "--model", "bench:fixed?seconds=1e-3"], capture_output=True, text=True, timeout=120,
-                         cwd=REPO, env=env)
+    sub = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "renderfleet",
+            "submit",
+            str(write_prompts(tmp_path / "p.txt", 2)),
+            "--model",
+            "bench:fixed?seconds=1e-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
     assert sub.returncode == 2 and "--model: 'bench:fixed?seconds=1e-3': a bench model is" in sub.stderr
     assert "Traceback" not in sub.stderr

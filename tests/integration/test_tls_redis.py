@@ -23,9 +23,7 @@ def tls_redis(tmp_path: Path) -> Iterator[TlsRedis]:
     server.stop()
 
 
-def test_a_job_runs_through_rediss_with_a_password_that_is_never_shown(
-    tmp_path: Path, tls_redis: TlsRedis
-) -> None:
+def test_a_job_runs_through_rediss_with_a_password_that_is_never_shown(tmp_path: Path, tls_redis: TlsRedis) -> None:
     # A worker on a bench model (testing.fleet.bench_worker): what is proved is the connection, not pixels.
     env = base_env(tmp_path, tls_redis.url, str(tmp_path / "store"), **bench_worker(0.02))
     worker = WorkerProc(env, tmp_path / "worker.log", "--verbose")
@@ -61,8 +59,11 @@ def test_a_job_runs_through_rediss_with_a_password_that_is_never_shown(
 def test_a_wrong_password_or_an_untrusted_certificate_is_one_clear_line(
     tmp_path: Path, tls_redis: TlsRedis, case: str
 ) -> None:
-    url = tls_redis.url_with("not-the-password") if case == "wrong password" else \
-        tls_redis.url_with(tls_redis.password, trusted=False)
+    url = (
+        tls_redis.url_with("not-the-password")
+        if case == "wrong password"
+        else tls_redis.url_with(tls_redis.password, trusted=False)
+    )
     env = base_env(tmp_path, url, str(tmp_path / "store"))
     prompts = write_prompts(tmp_path / "p.txt", 3)
     for args in (("status",), ("submit", str(prompts), *TINY)):

@@ -85,7 +85,7 @@ def test_two_stores_share_a_redis_and_never_see_each_others_work(
     workers.append(WorkerProc(env_b, tmp_path / "worker-b.log", "--verbose"))
     wait_for(lambda: status_now(env_b, job_b)["done"] == 12, 180, interval=0.25, what="job B to finish")
 
-    bucket, _, prefix = s3_bucket[len("s3://"):].partition("/")
+    bucket, _, prefix = s3_bucket[len("s3://") :].partition("/")
     s3 = boto3.client("s3")
     in_bucket = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/jobs/").get("Contents", [])]
     assert sum(f"/jobs/{job_b}/images/" in k for k in in_bucket) == 12 and not any(job_a in k for k in in_bucket)

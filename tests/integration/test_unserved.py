@@ -37,8 +37,7 @@ def _submit(tmp_path: Path, env: dict[str, str]) -> str:
 
 def _loading_info(tmp_path: Path) -> dict[str, object]:
     store = store_identity(open_store(str(tmp_path / "store")).url)
-    return {"pool": "default", "store": store, "model": "tiny", "device": "", "host": "h", "pid": 1,
-            "queues": ["default"]}
+    return {"pool": "default", "store": store, "model": "tiny", "device": "", "host": "h", "pid": 1, "queues": ["default"]}
 
 
 def _register_loading(client: redis.Redis, tmp_path: Path) -> None:
@@ -53,9 +52,7 @@ def _job_json(env: dict[str, str], job: str) -> dict[str, object]:
     return next(j for j in data["jobs"] if j["job"] == job)
 
 
-def test_status_says_no_live_worker_serves_the_queue_and_how_to_start_one(
-    tmp_path: Path, env: dict[str, str]
-) -> None:
+def test_status_says_no_live_worker_serves_the_queue_and_how_to_start_one(tmp_path: Path, env: dict[str, str]) -> None:
     job = _submit(tmp_path, env)
     text = cli(env, "status", job).stdout
     assert NO_WORKER in text and START_ONE in text, text

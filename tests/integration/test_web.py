@@ -41,7 +41,6 @@ CHROMIUM = "/usr/bin/chromium"
 PROMPTS = 72  # more than one gallery page (60)
 
 
-
 @pytest.fixture
 def browser() -> Iterator[object]:
     playwright_api = pytest.importorskip("playwright.sync_api")
@@ -57,8 +56,13 @@ def browser() -> Iterator[object]:
 
 def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor", "--http", address], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        return subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "monitor", "--http", address],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -94,8 +98,10 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
     store = tmp_path / "store"
     # Leases long enough that the worker's pause below (seconds) hands nothing back.
     env = base_env(tmp_path, redis_server.url, str(store), RENDERFLEET_CONFIG=str(config), RENDERFLEET_LEASE_SECONDS="30")
-    lines = [json.dumps({"prompt": f"a lighthouse at dusk, study {i}", **({"id": "bad"} if i == 17 else {})})
-             for i in range(PROMPTS)]
+    lines = [
+        json.dumps({"prompt": f"a lighthouse at dusk, study {i}", **({"id": "bad"} if i == 17 else {})})
+        for i in range(PROMPTS)
+    ]
     (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
     job = cli(env, "submit", str(tmp_path / "p.jsonl"), *TINY, "--shard-size", "4", "--batch-size", "2").stdout.split()[-1]
     # The store refuses this one image (a folder where its file goes): quarantined after 3 tries, with its error.
@@ -123,15 +129,19 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         try:
             paused = int(client.bitcount(keys.done_bits(job)))
             assert paused == 2  # the first batch (prompts 0 and 1), and no more
-            page.wait_for_function(f"() => document.querySelector('tr[data-job=\"{job}\"] .f-done')"
-                                   f".textContent === '{paused}'", timeout=15_000)
+            page.wait_for_function(
+                f"() => document.querySelector('tr[data-job=\"{job}\"] .f-done').textContent === '{paused}'", timeout=15_000
+            )
             assert row.locator(".fill").evaluate("el => parseFloat(el.style.width)") < 100
         finally:
             os.killpg(worker.pid, signal.SIGCONT)
-        page.wait_for_function(f"() => {{ const r = document.querySelector('tr[data-job=\"{job}\"]'); "
-                               "return +r.querySelector('.f-done').textContent"
-                               " + +r.querySelector('.f-quarantined').textContent"
-                               f" === {PROMPTS}; }}", timeout=240_000)
+        page.wait_for_function(
+            f"() => {{ const r = document.querySelector('tr[data-job=\"{job}\"]'); "
+            "return +r.querySelector('.f-done').textContent"
+            " + +r.querySelector('.f-quarantined').textContent"
+            f" === {PROMPTS}; }}",
+            timeout=240_000,
+        )
         assert row.locator(".f-done").inner_text() == str(PROMPTS - 1)
         assert row.locator(".f-quarantined").inner_text() == "1"
         assert row.locator(".f-eta").inner_text() == "done"
@@ -150,8 +160,10 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         page.locator(f'a[href="/jobs/{job}"]').first.click()
         page.wait_for_url(f"{base}/jobs/{job}")
         # the bar drawn from the page itself (no inline style: the script sets it), before any poll
-        drawn = [page.locator(f'tr[data-job="{job}"] {part}').evaluate("el => parseFloat(el.style.width)")
-                 for part in (".fill", ".fill-q")]
+        drawn = [
+            page.locator(f'tr[data-job="{job}"] {part}').evaluate("el => parseFloat(el.style.width)")
+            for part in (".fill", ".fill-q")
+        ]
         assert drawn[1] > 0 and sum(drawn) == pytest.approx(100, abs=0.2)
         quarantine = page.locator("table.quarantine")
         assert "bad" in quarantine.inner_text() and "study 17" in quarantine.inner_text()
@@ -161,8 +173,10 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         names = [thumbs.nth(i).get_attribute("data-name") for i in range(60)]
         assert names == sorted(names) and names[0] == "000000"
         page.locator("#gallery").scroll_into_view_if_needed()
-        page.wait_for_function("() => [...document.querySelectorAll('figure.thumb img')]"
-                               ".every(i => i.complete && i.naturalWidth > 0)", timeout=60_000)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('figure.thumb img')].every(i => i.complete && i.naturalWidth > 0)",
+            timeout=60_000,
+        )
         # prompt, seed and size on hover (the title) and on click (the detail panel)
         first = thumbs.nth(0)
         first.hover()
@@ -179,8 +193,10 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         page.wait_for_url(f"{base}/jobs/{job}?page=2#gallery")
         assert page.locator("figure.thumb").count() == PROMPTS - 1 - 60
         assert page.locator("#next").count() == 0
-        page.wait_for_function("() => [...document.querySelectorAll('figure.thumb img')]"
-                               ".every(i => i.complete && i.naturalWidth > 0)", timeout=60_000)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('figure.thumb img')].every(i => i.complete && i.naturalWidth > 0)",
+            timeout=60_000,
+        )
         page.locator("#prev").click()
         page.wait_for_url(f"{base}/jobs/{job}?page=1#gallery")
         assert page.locator("figure.thumb").count() == 60
@@ -199,9 +215,17 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         status, body = get(f"{base}/api/jobs/{job}?page=2")
         data = json.loads(body)
         assert status == 200 and data["job"]["done"] == PROMPTS - 1 and len(data["images"]) == 11
-        for path in (f"/jobs/{job}/thumbs/..%2F..%2F{job}%2Fspec", f"/jobs/{job}/images/spec",
-                     f"/jobs/{job}/images/.hidden", f"/jobs/{job}/thumbs/bad", "/jobs/..%2Fjobs", "/jobs/.x",
-                     "/jobs/no-such-job", f"/api/jobs/{job}/images/nope", "/jobs/a%20b/images/000000"):
+        for path in (
+            f"/jobs/{job}/thumbs/..%2F..%2F{job}%2Fspec",
+            f"/jobs/{job}/images/spec",
+            f"/jobs/{job}/images/.hidden",
+            f"/jobs/{job}/thumbs/bad",
+            "/jobs/..%2Fjobs",
+            "/jobs/.x",
+            "/jobs/no-such-job",
+            f"/api/jobs/{job}/images/nope",
+            "/jobs/a%20b/images/000000",
+        ):
             assert get(base + path)[0] == 404, path
     finally:
         if worker:
@@ -214,8 +238,14 @@ def test_off_loopback_the_page_needs_the_token_and_a_browser_gets_an_httponly_co
 ) -> None:
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     port = free_port()
-    refused = subprocess.run([sys.executable, "-m", "renderfleet", "monitor", "--once", "--http", f"0.0.0.0:{port}"],
-                             env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    refused = subprocess.run(
+        [sys.executable, "-m", "renderfleet", "monitor", "--once", "--http", f"0.0.0.0:{port}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert refused.returncode == 2 and "RENDERFLEET_HTTP_TOKEN" in refused.stderr
     token = "s3cret-web-token"
     monitor = start_monitor({**env, "RENDERFLEET_HTTP_TOKEN": token}, f"0.0.0.0:{port}", tmp_path / "m.log")

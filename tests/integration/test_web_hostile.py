@@ -39,8 +39,13 @@ VIEWS = 45  # concurrent first views
 
 def start_monitor(env: dict[str, str], address: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "renderfleet", "monitor", "--http", address], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        return subprocess.Popen(
+            [sys.executable, "-m", "renderfleet", "monitor", "--http", address],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -67,14 +72,20 @@ def request(port: int, path: str, headers: dict[str, str] | None = None) -> http
 
 def solid_png(width: int, height: int, prompt: str) -> bytes:
     """A PNG of one colour, written row by row: a 9000x9000 image costs a few hundred kB and no 243 MB buffer."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     deflate = zlib.compressobj(9)
     row = b"\x00" + bytes((40, 90, 160)) * width  # filter byte 0, then RGB
     body = b"".join(deflate.compress(row) for _ in range(height)) + deflate.flush()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"tEXt", b"prompt\x00" + prompt.encode()) + chunk(b"IDAT", body) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"tEXt", b"prompt\x00" + prompt.encode())
+        + chunk(b"IDAT", body)
+        + chunk(b"IEND", b"")
+    )
 
 
 def peak_rss(pid: int) -> int:
@@ -87,8 +98,9 @@ def peak_rss(pid: int) -> int:
 
 def submit(env: dict[str, str], tmp: Path, n: int, size: str = "32x32") -> str:
     (tmp / "p.txt").write_text("".join(f"a lighthouse, study {i}\n" for i in range(n)))
-    return cli(env, "submit", str(tmp / "p.txt"), "--model", "tiny", "--steps", "2", "--size", size,
-               "--shard-size", "4").stdout.split()[-1]
+    return cli(
+        env, "submit", str(tmp / "p.txt"), "--model", "tiny", "--steps", "2", "--size", size, "--shard-size", "4"
+    ).stdout.split()[-1]
 
 
 def test_a_burst_of_first_views_of_large_images_keeps_the_monitor_under_500_mb(
@@ -146,14 +158,23 @@ def test_a_malformed_redis_value_is_skipped_once_and_every_page_and_status_still
     client = redis.Redis.from_url(redis_server.url)
     store = str(tmp_path / "store")
     tag = store_tag(store)
-    client.hset(keys.WORKERS, mapping={
-        "w-good": json.dumps({"worker": "w-good", "pool": "default", "model": "tiny", "store": store_identity(store)}),
-        "w-text": "not json", "w-list": "[1, 2]", "w-nan": '{"pool": NaN}', "w-huge": '{"pool": 1e999}',
-        "w-deep": "[" * 100_000 + "]" * 100_000, "w-bytes": b"\xff\xfe",
-    })
+    client.hset(
+        keys.WORKERS,
+        mapping={
+            "w-good": json.dumps({"worker": "w-good", "pool": "default", "model": "tiny", "store": store_identity(store)}),
+            "w-text": "not json",
+            "w-list": "[1, 2]",
+            "w-nan": '{"pool": NaN}',
+            "w-huge": '{"pool": 1e999}',
+            "w-deep": "[" * 100_000 + "]" * 100_000,
+            "w-bytes": b"\xff\xfe",
+        },
+    )
     client.hset(keys.worker_stats("w-good"), mapping={"since": "soon", "images": "many"})
-    client.hset(keys.pool_stats("default", tag), mapping={"images": "many", "render_ms": "1e3", "batches": "12",
-                                                     "mps_milli": str(2**70)})
+    client.hset(
+        keys.pool_stats("default", tag),
+        mapping={"images": "many", "render_ms": "1e3", "batches": "12", "mps_milli": str(2**70)},
+    )
     client.hset(keys.desired(tag), mapping={"default": "two", "spot": "1"})
     client.hset(keys.FLEET_STATS, "reaped", "x")
     client.lpush(keys.history("queue_shards", tag), "nan nan", "1 inf", "garbage", b"\xff 1")
@@ -208,8 +229,12 @@ def test_the_tokenless_monitor_answers_only_loopback_hosts_and_hostile_queries_w
             assert request(port, f"/api/jobs/{job}?page={page}").status == 400, page
         assert request(port, f"/jobs/{job}?page=100000000").status == 200
         # every answer, a refusal included, carries the security headers
-        for path, host in (("/", f"127.0.0.1:{port}"), ("/static/live.js", f"127.0.0.1:{port}"),
-                           ("/api/status", "evil.example"), ("/nowhere", f"127.0.0.1:{port}")):
+        for path, host in (
+            ("/", f"127.0.0.1:{port}"),
+            ("/static/live.js", f"127.0.0.1:{port}"),
+            ("/api/status", "evil.example"),
+            ("/nowhere", f"127.0.0.1:{port}"),
+        ):
             resp = request(port, path, {"Host": host})
             assert "frame-ancestors 'none'" in (resp.getheader("Content-Security-Policy") or ""), path
             assert resp.getheader("X-Content-Type-Options") == "nosniff" and resp.getheader("X-Frame-Options") == "DENY"
@@ -234,22 +259,26 @@ def test_behind_the_token_the_login_redirect_stays_on_the_site_and_the_cookie_is
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
     token = "a-token-of-32-characters-or-so-1"
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_HTTP_TOKEN=token,
-                   RENDERFLEET_HTTP_TLS_PROXY="1")
+    env = base_env(
+        tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_HTTP_TOKEN=token, RENDERFLEET_HTTP_TLS_PROXY="1"
+    )
     port = free_port()
     monitor = start_monitor(env, f"0.0.0.0:{port}", tmp_path / "monitor.log")
     try:
         wait_for(lambda: get(f"http://127.0.0.1:{port}/metrics")[0] == 401, 60, what="the endpoint")
-        for path, where in ((f"//evil.example/?token={token}", "/evil.example/"),
-                            (f"/\\evil.example/?token={token}", "/evil.example/"),
-                            (f"///evil.example/?token={token}&page=2", "/evil.example/?page=2")):
+        for path, where in (
+            (f"//evil.example/?token={token}", "/evil.example/"),
+            (f"/\\evil.example/?token={token}", "/evil.example/"),
+            (f"///evil.example/?token={token}&page=2", "/evil.example/?page=2"),
+        ):
             resp = request(port, path)
             assert resp.status == 303 and resp.getheader("Location") == where, path
         plain = request(port, f"/?token={token}").getheader("Set-Cookie") or ""
         behind = request(port, f"/?token={token}", {"X-Forwarded-Proto": "https"}).getheader("Set-Cookie") or ""
         assert "HttpOnly" in plain and "Secure" not in plain and "Secure" in behind
         # with a token the Host is not checked: a proxy's name reaches it; the token is what guards it
-        assert request(port, "/api/status", {"Host": "monitor.example.org",
-                                             "Authorization": f"Bearer {token}"}).status == 200
+        assert (
+            request(port, "/api/status", {"Host": "monitor.example.org", "Authorization": f"Bearer {token}"}).status == 200
+        )
     finally:
         stop(monitor)

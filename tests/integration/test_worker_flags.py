@@ -17,8 +17,14 @@ pytestmark = pytest.mark.integration
 def worker(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERFLEET_")}
     env.update(RENDERFLEET_HOME=str(tmp_path / "home"), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "renderfleet", "worker", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "renderfleet", "worker", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def test_compile_on_a_cpu_is_refused_before_any_server_starts(tmp_path: Path) -> None:

@@ -16,8 +16,14 @@ pytestmark = pytest.mark.integration
 
 # Longer than CLIP's 77 tokens: the pipeline warns of the cut for every prompt, in every batch.
 LONG = "a lighthouse on a cliff at dusk, " * 20
-NOISE = ("torchvision", "superuser", "absolutely not recommended", "-------------- [queues]", "[transformers]",
-         "should be kept in float32")
+NOISE = (
+    "torchvision",
+    "superuser",
+    "absolutely not recommended",
+    "-------------- [queues]",
+    "[transformers]",
+    "should be kept in float32",
+)
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
 
 
@@ -30,8 +36,18 @@ def test_a_workers_log_is_one_line_per_event_without_library_noise(
     worker = WorkerProc(env, tmp_path / "worker.log")
     try:
         wait_for(lambda: worker_ready(redis.Redis.from_url(redis_server.url), 1), 120, what="the worker")
-        job = cli(env, "submit", str(tmp_path / "p.txt"), *TINY, "--shard-size", "2", "--batch-size", "1",
-                  "--long-prompts", "truncate")  # cut at 77 tokens: the libraries' warnings at their loudest
+        job = cli(
+            env,
+            "submit",
+            str(tmp_path / "p.txt"),
+            *TINY,
+            "--shard-size",
+            "2",
+            "--batch-size",
+            "1",
+            "--long-prompts",
+            "truncate",
+        )  # cut at 77 tokens: the libraries' warnings at their loudest
         job_id = job.stdout.split()[-1]
         wait_for(lambda: job_status(env, job_id)["done"] == 4, 180, interval=0.5, what="the job")
         assert worker.terminate() == 0

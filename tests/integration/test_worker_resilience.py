@@ -57,8 +57,7 @@ def workers() -> Iterator[list[WorkerProc]]:
         p.kill()
 
 
-def start_worker(env: dict[str, str], tmp_path: Path, procs: list[WorkerProc], *args: str,
-                 wait: bool = True) -> WorkerProc:
+def start_worker(env: dict[str, str], tmp_path: Path, procs: list[WorkerProc], *args: str, wait: bool = True) -> WorkerProc:
     proc = WorkerProc(env, tmp_path / f"worker-{len(procs)}.log", "--verbose", *args)
     procs.append(proc)
     if wait:
@@ -80,12 +79,19 @@ def test_a_worker_rendering_when_redis_restarts_takes_work_again(
     redis_server.kill()
     os.kill(worker.pid, signal.SIGCONT)  # it goes on with its batch, and Redis is gone
     # Its shard fails for want of Redis (transient: handed back, if it can be), then its consumer finds the broker gone.
-    wait_for(lambda: "Connection to broker lost" in worker.output(), 60,
-             what="the worker to find Redis gone while it held its shard")
+    wait_for(
+        lambda: "Connection to broker lost" in worker.output(),
+        60,
+        what="the worker to find Redis gone while it held its shard",
+    )
     redis_server.start()  # same port, empty
     cli(env, "resume", job)
-    wait_for(lambda: (s := status_now(env, job))["done"] == 40 and s, 240, interval=0.25,
-             what="the same worker to finish the job after the restart")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] == 40 and s,
+        240,
+        interval=0.25,
+        what="the same worker to finish the job after the restart",
+    )
     st = job_status(env, job)
     assert st["quarantined"] == 0
     assert worker.alive(), worker.output()[-3000:]
@@ -115,14 +121,16 @@ def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
     env = base_env(tmp_path, server.url, str(tmp_path / "store"), **ON_BENCH)
     worker = start_worker(env, tmp_path, workers, wait=False)
     try:
-        wait_for(lambda: worker.output().count("waiting for it") >= 2 or not worker.alive(), 90,
-                 what="the worker to say twice that it waits for Redis")
+        wait_for(
+            lambda: worker.output().count("waiting for it") >= 2 or not worker.alive(),
+            90,
+            what="the worker to say twice that it waits for Redis",
+        )
         assert worker.alive(), worker.output()[-3000:]
         server.start()
         prompts = write_prompts(tmp_path / "p.txt", 2)
         job = cli(env, "submit", str(prompts), *MODEL).stdout.split()[-1]
-        wait_for(lambda: (s := status_now(env, job))["done"] == 2 and s, 60, interval=0.25,
-                 what="the late worker to render")
+        wait_for(lambda: (s := status_now(env, job))["done"] == 2 and s, 60, interval=0.25, what="the late worker to render")
         st = job_status(env, job)
         assert [int(w["loads"]) for w in st["workers"]] == [1]
     finally:
@@ -132,17 +140,32 @@ def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
 def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_good_one(
     tmp_path: Path, env: dict[str, str], workers: list[WorkerProc]
 ) -> None:
-    bad = cli(env, "submit", str(write_prompts(tmp_path / "bad.txt", 8, "bad")), *TINY[2:], "--model",
-              str(tmp_path / "nonexistent"), "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
-    good = cli(env, "submit", str(write_prompts(tmp_path / "good.txt", 8, "good")), *TINY,
-               "--shard-size", "2", "--batch-size", "2").stdout.split()[-1]
+    bad = cli(
+        env,
+        "submit",
+        str(write_prompts(tmp_path / "bad.txt", 8, "bad")),
+        *TINY[2:],
+        "--model",
+        str(tmp_path / "nonexistent"),
+        "--shard-size",
+        "2",
+        "--batch-size",
+        "2",
+    ).stdout.split()[-1]
+    good = cli(
+        env, "submit", str(write_prompts(tmp_path / "good.txt", 8, "good")), *TINY, "--shard-size", "2", "--batch-size", "2"
+    ).stdout.split()[-1]
     worker = start_worker(env, tmp_path, workers)
     wait_for(lambda: status_now(env, good)["done"] == 8, 120, interval=0.25, what="the good job")
-    wait_for(lambda: (s := status_now(env, bad))["quarantined"] == 8 and s, 120, interval=0.25,
-             what="the bad job's prompts to be quarantined")
+    wait_for(
+        lambda: (s := status_now(env, bad))["quarantined"] == 8 and s,
+        120,
+        interval=0.25,
+        what="the bad job's prompts to be quarantined",
+    )
     st = job_status(env, bad)
     assert st["done"] == 0
-    (reason, count), = st["failure_reasons"].items()
+    ((reason, count),) = st["failure_reasons"].items()
     assert count == 8 and "nonexistent" in reason and "could not be loaded" in reason
     assert "nonexistent" in cli(env, "status", bad).stdout
     assert worker.alive(), worker.output()[-3000:]
@@ -158,8 +181,13 @@ def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_
 
 def test_a_long_non_ascii_id_is_refused_at_submit_with_its_line(tmp_path: Path, env: dict[str, str]) -> None:
     path = tmp_path / "ids.jsonl"
-    path.write_text(json.dumps({"prompt": "fine", "id": "東京"}) + "\n"
-                    + json.dumps({"prompt": "long", "id": "東京" * 40}, ensure_ascii=False) + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps({"prompt": "fine", "id": "東京"})
+        + "\n"
+        + json.dumps({"prompt": "long", "id": "東京" * 40}, ensure_ascii=False)
+        + "\n",
+        encoding="utf-8",
+    )
     proc = cli(env, "submit", str(path), *TINY, check=False)
     assert proc.returncode == 2, proc.stderr
     assert f"{path}:2: id too long (240 bytes" in proc.stderr and "Traceback" not in proc.stderr
@@ -176,8 +204,12 @@ def test_images_the_store_refuses_are_quarantined_and_the_worker_goes_on(
     for name in ("000000.png", "000001.png"):
         (images / name).mkdir(parents=True)
     worker = start_worker({**env, **ON_BENCH}, tmp_path, workers)
-    wait_for(lambda: (s := status_now(env, job))["done"] + s["quarantined"] == 6 and s, 120, interval=0.25,
-             what="the job to finish")
+    wait_for(
+        lambda: (s := status_now(env, job))["done"] + s["quarantined"] == 6 and s,
+        120,
+        interval=0.25,
+        what="the job to finish",
+    )
     st = job_status(env, job)
     assert (st["done"], st["quarantined"]) == (4, 2)
     assert worker.alive(), worker.output()[-3000:]  # every try of shard 0 failed: still not the worker's fault

@@ -72,7 +72,6 @@ def test_the_worker_refuses_a_job_at_a_pull_request_as_the_jobs_error(tmp_path: 
         service.switch_model("org/model", "refs/pr/3")
 
 
-
 def test_submit_records_the_commit_a_branch_resolves_to() -> None:
     asked: list[tuple[str, str]] = []
 
@@ -90,8 +89,7 @@ def test_submit_records_the_commit_a_branch_resolves_to() -> None:
 
 
 def test_submit_without_a_reachable_hub_records_the_revision_as_given_and_says_so_in_one_line() -> None:
-    opts = Client(Settings(), resolve_revision=lambda model, revision: None).options(model="org/model",
-                                                                                    revision="dev")
+    opts = Client(Settings(), resolve_revision=lambda model, revision: None).options(model="org/model", revision="dev")
     assert opts.params.revision == "dev"
     assert len(opts.notes) == 1 and "\n" not in opts.notes[0]
     assert "'dev'" in opts.notes[0] and "recorded as given" in opts.notes[0]
@@ -120,35 +118,47 @@ def test_submit_with_the_list_set_refuses_a_pull_request_before_asking_the_hub()
     # the branch the pin's commit is on now: resolved, then allowed as that commit
     assert client.options(model="pinned/model", revision="main").params.revision == COMMIT
     with pytest.raises(InputError, match=f"allowed at commit {COMMIT} only"):
-        Client(Settings(allowed_models=f"pinned/model@{COMMIT}"),
-               resolve_revision=lambda m, r: OTHER).options(model="pinned/model", revision="main")
+        Client(Settings(allowed_models=f"pinned/model@{COMMIT}"), resolve_revision=lambda m, r: OTHER).options(
+            model="pinned/model", revision="main"
+        )
     with pytest.raises(InputError, match=r"'dev'.*main branch and any commit hash"):  # unresolved: as named
         Client(Settings(allowed_models="org/model"), resolve_revision=lambda m, r: None).options(
-            model="org/model", revision="dev")
+            model="org/model", revision="dev"
+        )
     # no list: a pull request is resolved and pinned like any revision
-    assert Client(Settings(), resolve_revision=hub).options(model="org/model", revision="refs/pr/1").params.revision \
-        == COMMIT
+    assert (
+        Client(Settings(), resolve_revision=hub).options(model="org/model", revision="refs/pr/1").params.revision == COMMIT
+    )
 
 
-def test_submit_of_a_pull_request_under_the_list_exits_non_zero_with_one_line_and_queues_nothing(
-        tmp_path: Path) -> None:
+def test_submit_of_a_pull_request_under_the_list_exits_non_zero_with_one_line_and_queues_nothing(tmp_path: Path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\n")
     store = tmp_path / "store"
-    env = {**os.environ, "RENDERFLEET_ALLOWED_MODELS": "org/model", "RENDERFLEET_HOME": str(tmp_path / "home"),
-           "RENDERFLEET_STORE": str(store), "RENDERFLEET_REDIS_URL": "redis://127.0.0.1:9/0",  # nothing there
-           "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "renderfleet", "submit", str(prompts), "--model", "org/model",
-                           "--revision", "refs/pr/4"], capture_output=True, text=True, env=env, timeout=120)
+    env = {
+        **os.environ,
+        "RENDERFLEET_ALLOWED_MODELS": "org/model",
+        "RENDERFLEET_HOME": str(tmp_path / "home"),
+        "RENDERFLEET_STORE": str(store),
+        "RENDERFLEET_REDIS_URL": "redis://127.0.0.1:9/0",  # nothing there
+        "HF_HUB_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "renderfleet", "submit", str(prompts), "--model", "org/model", "--revision", "refs/pr/4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "--revision: model 'org/model' at revision 'refs/pr/4' is refused by the allow-list "
-        "(RENDERFLEET_ALLOWED_MODELS): a pull request's files are anyone's: never loaded with an allow-list set"]
+        "(RENDERFLEET_ALLOWED_MODELS): a pull request's files are anyone's: never loaded with an allow-list set"
+    ]
     assert proc.stdout == "" and not store.exists()
 
 
-def test_a_folder_model_given_with_a_tilde_is_recorded_expanded(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_model_given_with_a_tilde_is_recorded_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "models" / "sd").mkdir(parents=True)
     (tmp_path / "models" / "sd" / "model_index.json").write_text("{}")

@@ -52,17 +52,25 @@ def test_the_policy_sees_recent_reclaim_loss_and_the_measured_cold_start(
     # A spot worker registers with its measured model load (worker/main.py does this at start-up);
     # so does one of another store's spot pool on the same Redis, which is none of this autoscaler's business.
     for worker_id, store, load in (("spot-test-1", "store", 42.0), ("spot-other-1", "other-store", 999.0)):
-        service = WorkerService(settings=Settings(home=tmp_path, pool="spot"), client=client,
-                                store=LocalStore(tmp_path / store), renderer=None, model="tiny", stop=StopSignal(),
-                                publish=lambda m: None, worker_id=worker_id)
+        service = WorkerService(
+            settings=Settings(home=tmp_path, pool="spot"),
+            client=client,
+            store=LocalStore(tmp_path / store),
+            renderer=None,
+            model="tiny",
+            stop=StopSignal(),
+            publish=lambda m: None,
+            worker_id=worker_id,
+        )
         service.register(device="cpu", load_seconds=load)
         service.runner.close()
     # It starts 16 images and a reclaim throws 4 away; an hour ago its pool lost everything it started.
     # The other store's spot pool lost everything it started just now.
     for worker_id, store, started, wasted in (("spot-test-1", "store", 16, 4), ("spot-other-1", "other-store", 50, 50)):
         lease = Lease("job", 0, worker_id, 1, "rf.default", "", "", "")
-        ledger = RedisLedger(Leases(client, 6.0), lease, StopSignal(), pool="spot",
-                             store_tag=store_tag(str(tmp_path / store)))
+        ledger = RedisLedger(
+            Leases(client, 6.0), lease, StopSignal(), pool="spot", store_tag=store_tag(str(tmp_path / store))
+        )
         ledger.record_start(started)
         ledger.record_waste(wasted)
     old = keys.pool_recent("spot", int(time.time() // keys.RECENT_BUCKET_SECONDS) - 59, tag)

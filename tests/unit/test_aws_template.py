@@ -57,8 +57,10 @@ def sub_text(value: Any) -> str:
 
 
 def group_arn(name_template: str) -> str:
-    return ("arn:${AWS::Partition}:autoscaling:${AWS::Region}:${AWS::AccountId}:autoScalingGroup:*:"
-            f"autoScalingGroupName/{name_template}")
+    return (
+        "arn:${AWS::Partition}:autoscaling:${AWS::Region}:${AWS::AccountId}:autoScalingGroup:*:"
+        f"autoScalingGroupName/{name_template}"
+    )
 
 
 def cfn_lint(text: str) -> list[str]:
@@ -104,32 +106,47 @@ def test_each_pools_workers_may_protect_instances_of_their_own_group_only() -> N
     for pool, prefix in POOLS.items():
         role = roles[f"{prefix}WorkerRole"]
         statements = [s for p in role["Policies"] for s in p["PolicyDocument"]["Statement"]]
-        autoscaling = [s for s in statements if any(str(a).startswith("autoscaling:") for a in
-                                                    ([s["Action"]] if isinstance(s["Action"], str) else s["Action"]))]
-        assert autoscaling == [{"Effect": "Allow", "Action": "autoscaling:SetInstanceProtection",
-                                "Resource": {"Fn::Sub": group_arn(f"${{AWS::StackName}}-{pool}")}}]
+        autoscaling = [
+            s
+            for s in statements
+            if any(
+                str(a).startswith("autoscaling:") for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+            )
+        ]
+        assert autoscaling == [
+            {
+                "Effect": "Allow",
+                "Action": "autoscaling:SetInstanceProtection",
+                "Resource": {"Fn::Sub": group_arn(f"${{AWS::StackName}}-{pool}")},
+            }
+        ]
         # The group's instances carry this role: group -> launch template -> profile -> role.
         spec = groups[f"{prefix}Group"]["MixedInstancesPolicy"]["LaunchTemplate"]["LaunchTemplateSpecification"]
         assert spec["LaunchTemplateId"] == {"Ref": f"{prefix}LaunchTemplate"}
         data = templates[f"{prefix}LaunchTemplate"]["LaunchTemplateData"]
         assert data["IamInstanceProfile"]["Arn"] == {"Fn::GetAtt": [f"{prefix}InstanceProfile", "Arn"]}
         assert profiles[f"{prefix}InstanceProfile"]["Roles"] == [{"Ref": f"{prefix}WorkerRole"}]
-        assert data["MetadataOptions"] == {"HttpEndpoint": "enabled", "HttpTokens": "required",
-                                           "HttpPutResponseHopLimit": 2}
+        assert data["MetadataOptions"] == {"HttpEndpoint": "enabled", "HttpTokens": "required", "HttpPutResponseHopLimit": 2}
 
 
 def test_the_store_policy_never_deletes_and_the_autoscaler_sizes_the_two_groups_only() -> None:
     policies = resources("AWS::IAM::ManagedPolicy")
-    actions = {a for s in policies["WorkerStorePolicy"]["PolicyDocument"]["Statement"]
-               for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
+    actions = {
+        a
+        for s in policies["WorkerStorePolicy"]["PolicyDocument"]["Statement"]
+        for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+    }
     assert actions == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload", "ssm:GetParameter"}
     statements = policies["AutoscalerPolicy"]["PolicyDocument"]["Statement"]
     by_action = {s["Action"]: s["Resource"] for s in statements}
     assert by_action["autoscaling:DescribeAutoScalingGroups"] == "*"  # takes no resource-level permission
-    assert by_action["autoscaling:SetDesiredCapacity"] == [{"Fn::Sub": group_arn("${BaselineGroup}")},
-                                                          {"Fn::Sub": group_arn("${SpotGroup}")}]
-    assert not any("*" in str(a) for s in statements for a in ([s["Action"]] if isinstance(s["Action"], str)
-                                                                else s["Action"]))
+    assert by_action["autoscaling:SetDesiredCapacity"] == [
+        {"Fn::Sub": group_arn("${BaselineGroup}")},
+        {"Fn::Sub": group_arn("${SpotGroup}")},
+    ]
+    assert not any(
+        "*" in str(a) for s in statements for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+    )
 
 
 def user_data(prefix: str) -> tuple[dict[str, str], list[str]]:
@@ -144,8 +161,14 @@ def user_data(prefix: str) -> tuple[dict[str, str], list[str]]:
 @pytest.mark.parametrize("pool", list(POOLS))
 def test_the_user_data_starts_a_worker_with_every_variable_it_needs(pool: str) -> None:
     env, run = user_data(POOLS[pool])
-    assert {"RENDERFLEET_REDIS_URL", "RENDERFLEET_STORE", "RENDERFLEET_MODEL", "AWS_DEFAULT_REGION",
-            "RENDERFLEET_AWS_AUTOSCALING_GROUP", "RENDERFLEET_SIGTERM_GRACE_SECONDS"} <= set(env)
+    assert {
+        "RENDERFLEET_REDIS_URL",
+        "RENDERFLEET_STORE",
+        "RENDERFLEET_MODEL",
+        "AWS_DEFAULT_REGION",
+        "RENDERFLEET_AWS_AUTOSCALING_GROUP",
+        "RENDERFLEET_SIGTERM_GRACE_SECONDS",
+    } <= set(env)
     # Its own group, by the name the group is given: scale-in protection on, on the right group.
     group = resources("AWS::AutoScaling::AutoScalingGroup")[f"{POOLS[pool]}Group"]["AutoScalingGroupName"]
     assert env["RENDERFLEET_AWS_AUTOSCALING_GROUP"] == sub_text(group)
@@ -162,9 +185,14 @@ def test_the_user_data_starts_a_worker_with_every_variable_it_needs(pool: str) -
 
 def test_the_pools_file_the_stack_outputs_is_one_autoscale_accepts() -> None:
     text = sub_text(template()["Outputs"]["PoolsFile"]["Value"])
-    filled = (text.replace("${BaselineGroup}", "rf-baseline").replace("${SpotGroup}", "rf-spot")
-              .replace("${AWS::Region}", "eu-west-1").replace("${BaselineMin}", "1").replace("${BaselineMax}", "4")
-              .replace("${SpotMax}", "16"))
+    filled = (
+        text.replace("${BaselineGroup}", "rf-baseline")
+        .replace("${SpotGroup}", "rf-spot")
+        .replace("${AWS::Region}", "eu-west-1")
+        .replace("${BaselineMin}", "1")
+        .replace("${BaselineMax}", "4")
+        .replace("${SpotMax}", "16")
+    )
     assert "${" not in filled
     pools = {name: PoolConfig(**table) for name, table in tomllib.loads(filled)["pools"].items()}
     check_pools(pools, "PoolsFile")

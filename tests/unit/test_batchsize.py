@@ -36,8 +36,7 @@ class GpuRenderer:
         self.calls: list[list[str]] = []  # real renders (names), probes included
         self.last_batch_seconds: float | None = None
 
-    def render_images(self, prompts: Sequence[Prompt], *,
-                      should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
         self.calls.append([p.name for p in prompts])
         if len(prompts) > self.fits:
             raise OutOfMemory(f"fake: {len(prompts)} > {self.fits}")
@@ -56,20 +55,27 @@ def prompt(w: int = 64, h: int = 64) -> Prompt:
 
 
 def make_msg(n: int, batch: int, shard: int = 0) -> ShardMessage:
-    prompts = tuple(Prompt(i, spec.index_name(i), f"p{i}", "", spec.derive_seed(0, i), 2, 7.5, 64, 64)
-                    for i in range(n))
-    return ShardMessage(job="j", shard=shard, params=RenderParams(model="m", steps=2, width=64, height=64),
-                        batch_size=batch, queue="q", prompts=prompts)
+    prompts = tuple(Prompt(i, spec.index_name(i), f"p{i}", "", spec.derive_seed(0, i), 2, 7.5, 64, 64) for i in range(n))
+    return ShardMessage(
+        job="j",
+        shard=shard,
+        params=RenderParams(model="m", steps=2, width=64, height=64),
+        batch_size=batch,
+        queue="q",
+        prompts=prompts,
+    )
 
 
 class Ledger:
     def check(self) -> None: ...
     def cancelled(self) -> bool:
         return False
+
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None: ...
     def recount(self, done: list[int], failed: list[int], undone: list[int]) -> None: ...
     def record_failure(self, prompt: Prompt, error: str) -> int:
         return 1
+
     def record_start(self, images: int) -> None: ...
     def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None: ...
     def record_waste(self, images: int) -> None: ...
@@ -162,20 +168,29 @@ def test_auto_finds_the_largest_batch_that_fits_and_the_runner_renders_in_chunks
     assert renders == [[spec.index_name(i) for i in range(s, min(s + 9, 32))] for s in range(0, 32, 9)]
     [key] = store.list(KEY_PREFIX)
     record = json.loads(store.get(key) or b"")
-    assert (record["size"], record["oom"], record["how"], record["card"], record["model"]) == (9, True, "probe",
-                                                                                                "Fake H200", "m")
+    assert (record["size"], record["oom"], record["how"], record["card"], record["model"]) == (
+        9,
+        True,
+        "probe",
+        "Fake H200",
+        "m",
+    )
     runner.close()
 
 
-def test_a_second_worker_reads_the_remembered_size_and_renders_the_same_chunks_without_probing(
-        tmp_path: Path) -> None:
+def test_a_second_worker_reads_the_remembered_size_and_renders_the_same_chunks_without_probing(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     first = GpuRenderer(fits=11)
     BatchSizes(store, card=card).size_for(first, prompt(), 32)
 
     second = GpuRenderer(fits=11)
-    runner = ShardRunner(store=LocalStore(tmp_path / "store"), renderer=second, stop=StopSignal(),
-                         upload_threads=2, batch_sizes=BatchSizes(LocalStore(tmp_path / "store"), card=card))
+    runner = ShardRunner(
+        store=LocalStore(tmp_path / "store"),
+        renderer=second,
+        stop=StopSignal(),
+        upload_threads=2,
+        batch_sizes=BatchSizes(LocalStore(tmp_path / "store"), card=card),
+    )
     runner.run(make_msg(18, batch=18), Ledger())
     assert [len(c) for c in second.calls] == [9, 9]  # no probe: the store said 9
     runner.close()
@@ -194,8 +209,9 @@ def test_the_memory_is_per_card_model_and_resolution(tmp_path: Path) -> None:
 def test_a_later_out_of_memory_halves_the_size_here_and_for_the_next_worker(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     gpu = GpuRenderer(fits=16)
-    runner = ShardRunner(store=store, renderer=gpu, stop=StopSignal(), upload_threads=2,
-                         batch_sizes=BatchSizes(store, card=card))
+    runner = ShardRunner(
+        store=store, renderer=gpu, stop=StopSignal(), upload_threads=2, batch_sizes=BatchSizes(store, card=card)
+    )
     runner.run(make_msg(16, batch=16), Ledger())
     assert [len(c) for c in gpu.calls if not c[0].startswith("probe")] == [16]  # the limit fit: no margin
     gpu.calls.clear()
@@ -232,8 +248,7 @@ def test_a_renderer_with_no_model_renders_whole_batches() -> None:
     assert BatchSizes(None, card=card).size_for(Fake(), prompt(), 7) == 7
 
 
-def test_a_probe_that_fails_for_another_reason_leaves_the_batch_whole_and_remembers_nothing(
-        tmp_path: Path) -> None:
+def test_a_probe_that_fails_for_another_reason_leaves_the_batch_whole_and_remembers_nothing(tmp_path: Path) -> None:
     class Refuses(GpuRenderer):
         def render_images(self, prompts: Sequence[Prompt], **kw: Any) -> list[bytes]:
             raise JobError("the model rejects these settings")
@@ -281,8 +296,7 @@ def test_on_a_cpu_auto_remembers_its_sweep_for_the_next_worker(tmp_path: Path) -
 # ---- compiled and eager workers never share a (card, model, size) ----------------------------------------------------
 
 
-def test_the_record_says_whether_the_unet_was_compiled_and_the_other_kind_refuses_to_render_there(
-        tmp_path: Path) -> None:
+def test_the_record_says_whether_the_unet_was_compiled_and_the_other_kind_refuses_to_render_there(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     compiled = GpuRenderer(fits=8, compiled=True)
     assert BatchSizes(store, card=card).size_for(compiled, prompt(), 8) == 8
@@ -291,8 +305,11 @@ def test_the_record_says_whether_the_unet_was_compiled_and_the_other_kind_refuse
     assert BatchSizes(store, card=card).size_for(GpuRenderer(fits=8, compiled=True), prompt(), 8) == 8  # same kind
 
     eager = GpuRenderer(fits=8)
-    with pytest.raises(MixedFleet, match=rf"renders m at 64x64 on Fake H200 eager, but the fleet renders it "
-                                         rf"compiled \(store key {key}\).*must not mix") as info:
+    with pytest.raises(
+        MixedFleet,
+        match=rf"renders m at 64x64 on Fake H200 eager, but the fleet renders it "
+        rf"compiled \(store key {key}\).*must not mix",
+    ) as info:
         BatchSizes(store, card=card).size_for(eager, prompt(), 8)
     assert isinstance(info.value, DeviceError)  # the shard goes back, this worker stops
     assert eager.calls == []  # not even a probe
@@ -305,8 +322,21 @@ def test_the_record_says_whether_the_unet_was_compiled_and_the_other_kind_refuse
 def test_a_record_from_before_the_compile_flag_is_an_eager_one(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     key = BatchSizes.store_key(("Fake H200", "m", 64, 64))
-    store.put(key, json.dumps({"size": 4, "limit": 8, "oom": True, "how": "probe", "card": "Fake H200", "model": "m",
-                               "width": 64, "height": 64}).encode())
+    store.put(
+        key,
+        json.dumps(
+            {
+                "size": 4,
+                "limit": 8,
+                "oom": True,
+                "how": "probe",
+                "card": "Fake H200",
+                "model": "m",
+                "width": 64,
+                "height": 64,
+            }
+        ).encode(),
+    )
     assert BatchSizes(store, card=card).size_for(GpuRenderer(fits=8), prompt(), 8) == 4
     with pytest.raises(MixedFleet):
         BatchSizes(store, card=card).size_for(GpuRenderer(fits=8, compiled=True), prompt(), 8)
@@ -316,8 +346,9 @@ def test_a_worker_of_the_other_kind_hands_the_shard_back_with_nothing_rendered(t
     store = LocalStore(tmp_path / "store")
     BatchSizes(store, card=card).size_for(GpuRenderer(fits=8, compiled=True), prompt(), 8)
     eager = GpuRenderer(fits=8)
-    runner = ShardRunner(store=store, renderer=eager, stop=StopSignal(), upload_threads=2,
-                         batch_sizes=BatchSizes(store, card=card))
+    runner = ShardRunner(
+        store=store, renderer=eager, stop=StopSignal(), upload_threads=2, batch_sizes=BatchSizes(store, card=card)
+    )
     try:
         with pytest.raises(MixedFleet):
             runner.run(make_msg(8, batch=8), Ledger())

@@ -25,8 +25,18 @@ def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeyp
         return real(self, prompts, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(render.Renderer, "render", capped)
-    result = bench.run_bench("tiny", width=32, height=32, steps=1, guidance=7.5, batch_sizes=None, prices={},
-                             runs=1, device="cpu", cache_dir=tmp_path)
+    result = bench.run_bench(
+        "tiny",
+        width=32,
+        height=32,
+        steps=1,
+        guidance=7.5,
+        batch_sizes=None,
+        prices={},
+        runs=1,
+        device="cpu",
+        cache_dir=tmp_path,
+    )
     assert [p.batch_size for p in result.points] == [1, 2, 4] and result.oom_at == 8
 
 
@@ -52,11 +62,20 @@ def test_on_a_cpu_auto_times_the_fastest_probed_sizes_that_fit_its_budget() -> N
     assert bench.cpu_timed({1: 9.0, 2: 8.0}, 3, 10.0) == [2]
 
 
-def test_auto_on_a_cpu_records_the_sizes_its_budget_left_untimed(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_a_cpu_records_the_sizes_its_budget_left_untimed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "CPU_TIMING_SECONDS", 0.0)  # only the fastest probed size is timed
-    result = bench.run_bench("tiny", width=32, height=32, steps=1, guidance=7.5, batch_sizes=None, prices={},
-                             runs=1, device="cpu", cache_dir=tmp_path)
+    result = bench.run_bench(
+        "tiny",
+        width=32,
+        height=32,
+        steps=1,
+        guidance=7.5,
+        batch_sizes=None,
+        prices={},
+        runs=1,
+        device="cpu",
+        cache_dir=tmp_path,
+    )
     assert len(result.points) == 1 and result.untimed
     probed = sorted([result.points[0].batch_size, *result.untimed])
     assert probed == [1, 2, 4, 8, 16, 32, 64][: len(probed)]

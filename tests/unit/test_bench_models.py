@@ -21,9 +21,17 @@ from worker.main import load_renderer
 from worker.models import load_pipeline, model_refusal
 
 BENCH = "bench:fixed?seconds=0.025"
-MALFORMED = ["bench:fixed", "bench:fixed?seconds=0", "bench:fixed?seconds=-1", "bench:fixed?seconds=61",
-             "bench:fixed?seconds=nan", "bench:fixed?seconds=1e-3", "bench:fixed?seconds=0.1&x=1", "bench:sleep",
-             "bench:"]
+MALFORMED = [
+    "bench:fixed",
+    "bench:fixed?seconds=0",
+    "bench:fixed?seconds=-1",
+    "bench:fixed?seconds=61",
+    "bench:fixed?seconds=nan",
+    "bench:fixed?seconds=1e-3",
+    "bench:fixed?seconds=0.1&x=1",
+    "bench:sleep",
+    "bench:",
+]
 
 
 def test_a_bench_model_id_names_its_seconds_per_image_and_no_other_model_is_one() -> None:
@@ -43,13 +51,20 @@ def test_submit_takes_a_bench_model_and_refuses_a_malformed_one_naming_the_flag(
     for bad in MALFORMED:
         with pytest.raises(InputError) as caught:
             check_options(SubmitOptions(RenderParams(model=bad, steps=2, width=32, height=32)))
-        assert caught.value.problems == [f"--model: {bad!r}: a bench model is bench:fixed?seconds=S, S seconds per "
-                                         "image (above 0, at most 60), e.g. bench:fixed?seconds=0.025"]
+        assert caught.value.problems == [
+            f"--model: {bad!r}: a bench model is bench:fixed?seconds=S, S seconds per "
+            "image (above 0, at most 60), e.g. bench:fixed?seconds=0.025"
+        ]
 
 
 def message(model: str) -> dict[str, Any]:
-    job = JobSpec(job="j-0123456789abcdef", params=RenderParams(model=model, steps=2, width=32, height=32), total=2,
-                  shard_size=2, batch_size=2)
+    job = JobSpec(
+        job="j-0123456789abcdef",
+        params=RenderParams(model=model, steps=2, width=32, height=32),
+        total=2,
+        shard_size=2,
+        batch_size=2,
+    )
     data: dict[str, Any] = json.loads(message_json(job, queue_name("default", "/data"), 0, "/data"))
     return data
 
@@ -58,13 +73,16 @@ def test_a_worker_checks_a_bench_model_on_the_wire_as_submit_does() -> None:
     assert message_problems(message(BENCH)) == []
     assert message_problems(message("bench:fixed?seconds=0")) == [
         "params.model: 'bench:fixed?seconds=0': a bench model is bench:fixed?seconds=S, S seconds per image "
-        "(above 0, at most 60), e.g. bench:fixed?seconds=0.025"]
+        "(above 0, at most 60), e.g. bench:fixed?seconds=0.025"
+    ]
 
 
 def test_a_worker_refuses_a_bench_model_unless_allowed_and_then_as_its_allow_list_says(tmp_path: Path) -> None:
     why = model_refusal(BENCH, None)
-    assert why == (f"model {BENCH!r} is the fixed-time bench renderer (flat-colour images, no model); this worker "
-                   "serves no bench models (RENDERFLEET_ALLOW_BENCH_MODELS is off)")
+    assert why == (
+        f"model {BENCH!r} is the fixed-time bench renderer (flat-colour images, no model); this worker "
+        "serves no bench models (RENDERFLEET_ALLOW_BENCH_MODELS is off)"
+    )
     assert model_refusal(BENCH, None, bench=True) is None
     assert model_refusal(BENCH, ("tiny", BENCH), bench=True) is None
     # An allow-list applies to it as to any model: a folder entry (even the working folder) is not a bench id.
@@ -90,7 +108,7 @@ def test_a_bench_models_images_say_what_they_are() -> None:
 
     renderer = FixedTimeRenderer(0.001, BENCH)
     prompt = Prompt(0, "000000", "a red fox", "", 123456, 2, 7.5, 32, 24)
-    image, = renderer.render_images([prompt])
+    (image,) = renderer.render_images([prompt])
     png = Image.open(io.BytesIO(renderer.encode(image, prompt)))
     assert png.format == "PNG" and png.size == (32, 24)
     assert png.getcolors() == [(32 * 24, (0x40, 0xE2, 0x01))]  # one flat colour, from the seed

@@ -17,8 +17,10 @@ from bench.submit_bench import run_child
 
 def test_a_section_is_replaced_between_its_markers_and_the_rest_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "RESULTS.md"
-    path.write_text("# Benchmark results\n\nintro\n\n<!-- bench:a -->\nold a\n<!-- /bench:a -->\n\n"
-                    "<!-- bench:b -->\nold b\n<!-- /bench:b -->\n")
+    path.write_text(
+        "# Benchmark results\n\nintro\n\n<!-- bench:a -->\nold a\n<!-- /bench:a -->\n\n"
+        "<!-- bench:b -->\nold b\n<!-- /bench:b -->\n"
+    )
     results.write_section("a", "A", "new a", path, cmd="python -m bench.a --quick")
     results.write_section("c", "C", "new c", path, cmd="python -m bench.c")
     text = path.read_text()
@@ -30,11 +32,13 @@ def test_a_section_is_replaced_between_its_markers_and_the_rest_is_kept(tmp_path
 
 
 def test_a_section_says_when_on_what_under_which_load_at_both_ends_and_by_which_command(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     started = results.Start(datetime.datetime(2026, 12, 3, 8, 0, tzinfo=datetime.UTC), (3.25, 2.0, 1.5))
     monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 4.0, 2.25))
-    lines = results.provenance(started, "python -m bench.x --runs 2",
-                               now=datetime.datetime(2026, 12, 3, 8, 7, 30, tzinfo=datetime.UTC))
+    lines = results.provenance(
+        started, "python -m bench.x --runs 2", now=datetime.datetime(2026, 12, 3, 8, 7, 30, tzinfo=datetime.UTC)
+    )
     assert "Measured 2026-12-03 08:00 to 08:07 UTC (7.5 min)" in lines
     assert "load average (1 / 5 / 15 min) 3.2 / 2.0 / 1.5 at the start, 5.0 / 4.0 / 2.2 at the end" in lines
     assert f"{os.cpu_count()} cores (nproc {len(os.sched_getaffinity(0))})" in lines
@@ -64,7 +68,8 @@ def test_each_run_reports_its_own_peak_not_the_largest_earlier_child() -> None:
 def test_recovery_report_labels_what_it_did_not_measure_as_cited() -> None:
     celery: list[dict[str, Any]] = [
         {"name": "celery-default", "visibility_timeout": None, "ready": 3.8, "again": None, "cap": 60.0},
-        {"name": "celery-vt20-0", "visibility_timeout": 20.0, "ready": 3.9, "again": 92.6, "cap": 150.0}]
+        {"name": "celery-vt20-0", "visibility_timeout": 20.0, "ready": 3.9, "again": 92.6, "cap": 150.0},
+    ]
     lines = report(None, celery, None, PRODUCT_LEASES, 60.0, 20.0)
     kombu = kombu_redis_defaults()
     default = next(line for line in lines if "default visibility_timeout" in line)

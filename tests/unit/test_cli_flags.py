@@ -24,8 +24,11 @@ def test_run_accepts_every_setting_submit_accepts_with_the_same_flags_and_defaul
     settings = set(submit) - SUBMIT_ONLY
     assert settings <= set(run), f"run lacks {sorted(settings - set(run))}"
     for name in settings - {"model"}:  # run's model defaults to tiny (a local demo); submit's is required
-        assert (run[name].opts, run[name].default, run[name].multiple) == \
-            (submit[name].opts, submit[name].default, submit[name].multiple), name
+        assert (run[name].opts, run[name].default, run[name].multiple) == (
+            submit[name].opts,
+            submit[name].default,
+            submit[name].multiple,
+        ), name
     assert run["model"].opts == submit["model"].opts
 
 

@@ -42,8 +42,13 @@ def loaded(pipe: object) -> LoadedModel:
 
 
 def compiled_blocks(pipe: object) -> list[str]:
-    return sorted({type(m).__name__ for m in pipe.unet.modules()  # type: ignore[attr-defined]
-                   if getattr(m, "_compiled_call_impl", None) is not None})
+    return sorted(
+        {
+            type(m).__name__
+            for m in pipe.unet.modules()  # type: ignore[attr-defined]
+            if getattr(m, "_compiled_call_impl", None) is not None
+        }
+    )
 
 
 def test_the_unets_repeated_blocks_are_compiled_and_render_what_eager_renders() -> None:
@@ -77,12 +82,26 @@ def key_of(model: str = "sdxl", card: str = "H200", size: int = 1024) -> str:
     return cache_key(model, card, size, size, "2.13.0", CONFIG)
 
 
-def cache(store: LocalStore, *, save: Callable[[], bytes | None] | None = None,
-          load: Callable[[bytes], object] | None = None, changed: Callable[[], bool] = lambda: True,
-          key: bytes = KEY, model: str = "sdxl") -> CompileCache:
-    return CompileCache(store, model=model, card="H200", key=key, torch_version="2.13.0", config=CONFIG,
-                        save=save or (lambda: pytest.fail("nothing to save")),
-                        load=load or (lambda data: pytest.fail("nothing to load")), changed=changed)
+def cache(
+    store: LocalStore,
+    *,
+    save: Callable[[], bytes | None] | None = None,
+    load: Callable[[bytes], object] | None = None,
+    changed: Callable[[], bool] = lambda: True,
+    key: bytes = KEY,
+    model: str = "sdxl",
+) -> CompileCache:
+    return CompileCache(
+        store,
+        model=model,
+        card="H200",
+        key=key,
+        torch_version="2.13.0",
+        config=CONFIG,
+        save=save or (lambda: pytest.fail("nothing to save")),
+        load=load or (lambda data: pytest.fail("nothing to load")),
+        changed=changed,
+    )
 
 
 def test_compiling_turns_on_inductors_deterministic_mode_which_the_cache_key_records() -> None:
@@ -115,9 +134,13 @@ def test_each_inductor_compile_is_given_the_deterministic_option_itself(monkeypa
 def test_the_compile_cache_key_is_per_model_card_size_torch_version_and_compile_configuration() -> None:
     base = key_of()
     assert base.startswith("fleet/compile-cache/") and base.endswith(".bin")
-    others = {key_of(model="sd15"), key_of(card="NVIDIA L4"), key_of(size=768),
-              cache_key("sdxl", "H200", 1024, 1024, "2.14.0", CONFIG),
-              cache_key("sdxl", "H200", 1024, 1024, "2.13.0", CONFIG.replace("True", "False"))}
+    others = {
+        key_of(model="sd15"),
+        key_of(card="NVIDIA L4"),
+        key_of(size=768),
+        cache_key("sdxl", "H200", 1024, 1024, "2.14.0", CONFIG),
+        cache_key("sdxl", "H200", 1024, 1024, "2.13.0", CONFIG.replace("True", "False")),
+    }
     assert base not in others and len(others) == 5
 
 
@@ -192,7 +215,8 @@ def test_the_upload_runs_off_the_render_thread(tmp_path: Path) -> None:
 
 
 def test_an_unsigned_or_forged_cache_is_never_loaded_and_says_so_once(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = LocalStore(tmp_path / "store")
     store.put(key_of(), b"a pickle someone with write access to the store put there")
     store.put(key_of(size=768), sign(b"not the fleet's key, 32 bytes...", key_of(size=768), b"pickle"))

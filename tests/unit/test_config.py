@@ -59,14 +59,17 @@ def test_without_a_file_there_are_no_pools(monkeypatch: pytest.MonkeyPatch) -> N
     assert load_settings().pools == {}
 
 
-@pytest.mark.parametrize(("text", "needle"), [
-    (FLEET.replace("max = 8", "max = -1"), "fleet.toml: pools.spot.max = -1: "),
-    (FLEET.replace('kind = "spot"', 'kind = "cheap"'), "fleet.toml: pools.spot.kind = 'cheap': "),
-    (FLEET.replace("min = 1", "min = 9"), "fleet.toml: pools.baseline: min (9) is above max (4)"),
-    (FLEET.replace("drain_seconds", "drain_secs"), "fleet.toml: autoscale.drain_secs = 300: "),
-    (FLEET + "\n[poolz]\n", "fleet.toml: unknown key 'poolz'"),
-    ("pools = [", "fleet.toml: not valid TOML"),
-])
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (FLEET.replace("max = 8", "max = -1"), "fleet.toml: pools.spot.max = -1: "),
+        (FLEET.replace('kind = "spot"', 'kind = "cheap"'), "fleet.toml: pools.spot.kind = 'cheap': "),
+        (FLEET.replace("min = 1", "min = 9"), "fleet.toml: pools.baseline: min (9) is above max (4)"),
+        (FLEET.replace("drain_seconds", "drain_secs"), "fleet.toml: autoscale.drain_secs = 300: "),
+        (FLEET + "\n[poolz]\n", "fleet.toml: unknown key 'poolz'"),
+        ("pools = [", "fleet.toml: not valid TOML"),
+    ],
+)
 def test_a_bad_config_file_names_the_file_the_key_and_the_value(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, needle: str
 ) -> None:

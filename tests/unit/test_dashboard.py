@@ -17,9 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def exported_names() -> set[str]:
-    fleet = FleetStatus(queues={"renderfleet.default": 2}, workers=[{"pool": "spot"}],
-                        pools={"spot": {"images": 3, "render_ms": 1000}}, desired={"spot": 1},
-                        jobs=[JobStatus("j", 4, 3, 0, 1, 0, 1, 1, 0, True)])
+    fleet = FleetStatus(
+        queues={"renderfleet.default": 2},
+        workers=[{"pool": "spot"}],
+        pools={"spot": {"images": 3, "render_ms": 1000}},
+        desired={"spot": 1},
+        jobs=[JobStatus("j", 4, 3, 0, 1, 0, 1, 1, 0, True)],
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(lambda: fleet, {"spot": 0.9}))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
@@ -35,6 +39,10 @@ def exported_names() -> set[str]:
 
 def test_every_metric_the_dashboard_plots_is_exported() -> None:
     dashboard = json.loads((ROOT / "infra" / "monitoring" / "grafana-dashboard.json").read_text())
-    used = {name for panel in dashboard["panels"] for target in panel["targets"]
-            for name in re.findall(r"\brenderfleet_\w+", target["expr"])}
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\brenderfleet_\w+", target["expr"])
+    }
     assert used and used <= exported_names(), used - exported_names()

@@ -48,8 +48,9 @@ def test_weights_reached_through_a_linked_folder_count_and_a_link_loop_ends(tmp_
     assert folder_digest(model) != before
 
 
-def test_a_folder_model_submit_cannot_read_is_one_line_naming_the_file(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_model_submit_cannot_read_is_one_line_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from renderfleet import digests
     from renderfleet.api import Client
     from renderfleet.errors import InputError
@@ -64,5 +65,6 @@ def test_a_folder_model_submit_cannot_read_is_one_line_naming_the_file(tmp_path:
     monkeypatch.setattr(digests, "folder_digest", unreadable)
     with pytest.raises(InputError) as exc:
         Client(Settings(home=tmp_path / "home", store=str(tmp_path / "store"))).options(model=str(model))
-    assert exc.value.problems == [f"--model {str(model)!r}: cannot read {weights} to record the model's digest: "
-                                  "Permission denied"]
+    assert exc.value.problems == [
+        f"--model {str(model)!r}: cannot read {weights} to record the model's digest: Permission denied"
+    ]

@@ -17,8 +17,12 @@ from renderfleet.spec import DEFAULT
 from testing.docs import DocCommand, doc_commands
 
 REPO = Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "infra").rglob("README.md")),
-         REPO / "docker" / "README.md"]
+PAGES = [
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    *sorted((REPO / "infra").rglob("README.md")),
+    REPO / "docker" / "README.md",
+]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -48,8 +52,11 @@ def test_every_relative_link_finds_its_file_and_heading(page: Path) -> None:
 
 def test_the_configuration_reference_names_every_setting_and_key() -> None:
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
-    missing = [f"RENDERFLEET_{name.upper()}" for name in Settings.model_fields
-               if name not in ("pools", "autoscale") and f"`RENDERFLEET_{name.upper()}`" not in text]
+    missing = [
+        f"RENDERFLEET_{name.upper()}"
+        for name in Settings.model_fields
+        if name not in ("pools", "autoscale") and f"`RENDERFLEET_{name.upper()}`" not in text
+    ]
     for table, model in (("pools.NAME", PoolConfig), ("autoscale", AutoscaleConfig)):
         section = text.split(f"### `[{table}]`", 1)[-1].split("\n### ", 1)[0]
         missing += [f"[{table}] {key}" for key in model.model_fields if f"| `{key}` |" not in section]
@@ -59,10 +66,16 @@ def test_the_configuration_reference_names_every_setting_and_key() -> None:
 def test_the_readme_states_submits_real_defaults() -> None:
     text = (REPO / "README.md").read_text(encoding="utf-8")
     cut = {f.name: f.default for f in fields(SubmitOptions)}
-    stated = {"--steps": DEFAULT["steps"], "--size": f"{DEFAULT['width']}x{DEFAULT['height']}",
-              "--guidance": DEFAULT["guidance"], "--seed": DEFAULT["seed"], "--shard-size": cut["shard_size"],
-              "--batch-size": cut["batch_size"], "--pool": f"`{cut['pool']}`",
-              "--model": "required"}
+    stated = {
+        "--steps": DEFAULT["steps"],
+        "--size": f"{DEFAULT['width']}x{DEFAULT['height']}",
+        "--guidance": DEFAULT["guidance"],
+        "--seed": DEFAULT["seed"],
+        "--shard-size": cut["shard_size"],
+        "--batch-size": cut["batch_size"],
+        "--pool": f"`{cut['pool']}`",
+        "--model": "required",
+    }
     for flag, value in stated.items():
         assert re.search(rf"^\| `{flag}` \| {re.escape(str(value))}( |$)", text, re.M), f"README: {flag} {value}"
     assert "make run" in text and "make test" in text  # .ci/run runs what the README says

@@ -40,8 +40,17 @@ def request(port: int, path: str, headers: dict[str, str] | None = None) -> http
     return resp
 
 
-@pytest.mark.parametrize(("host", "inside"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
-                                              ("0.0.0.0", False), ("10.0.0.5", False), ("example.org", False)])
+@pytest.mark.parametrize(
+    ("host", "inside"),
+    [
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("10.0.0.5", False),
+        ("example.org", False),
+    ],
+)
 def test_only_loopback_addresses_count_as_loopback(host: str, inside: bool) -> None:
     assert loopback(host) is inside
 
@@ -79,8 +88,9 @@ def test_a_scraper_uses_the_bearer_header_or_the_query_and_is_never_redirected(g
 def open_port() -> Iterator[int]:
     """No token (loopback): the Host check, with one more name allowed."""
     app = Starlette(routes=[Route("/", hello)])
-    endpoint = Endpoint(guard(app, None, hosts=("monitor.lan", "proxy.lan:8443")),
-                        listen("127.0.0.1", 0, None, what="test")).start()
+    endpoint = Endpoint(
+        guard(app, None, hosts=("monitor.lan", "proxy.lan:8443")), listen("127.0.0.1", 0, None, what="test")
+    ).start()
     yield endpoint.server_port
     endpoint.shutdown()
 
@@ -93,13 +103,28 @@ def behind_tls() -> Iterator[int]:
     endpoint.shutdown()
 
 
-@pytest.mark.parametrize(("host", "allowed"), [
-    ("127.0.0.1:9464", True), ("localhost:9464", True), ("[::1]:9464", True), ("LocalHost:9464", True),
-    ("monitor.lan", True), ("monitor.lan:1234", True), ("proxy.lan:8443", True),
-    ("127.0.0.1", False), ("localhost:9465", False), ("evil.example:9464", False), ("evil.example", False),
-    ("proxy.lan", False), ("proxy.lan:80", False), ("monitor.lan.evil.example", False), ("", False),
-    ("127.0.0.1:9464@evil.example", False), ("[::1]", False),
-])
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("127.0.0.1:9464", True),
+        ("localhost:9464", True),
+        ("[::1]:9464", True),
+        ("LocalHost:9464", True),
+        ("monitor.lan", True),
+        ("monitor.lan:1234", True),
+        ("proxy.lan:8443", True),
+        ("127.0.0.1", False),
+        ("localhost:9465", False),
+        ("evil.example:9464", False),
+        ("evil.example", False),
+        ("proxy.lan", False),
+        ("proxy.lan:80", False),
+        ("monitor.lan.evil.example", False),
+        ("", False),
+        ("127.0.0.1:9464@evil.example", False),
+        ("[::1]", False),
+    ],
+)
 def test_without_a_token_only_loopback_names_with_the_port_or_the_hosts_allowed_are_answered(
     host: str, allowed: bool
 ) -> None:
@@ -123,30 +148,35 @@ def test_a_tokenless_endpoint_refuses_another_host_with_the_security_headers_on_
         assert resp.getheader("Referrer-Policy") == "no-referrer"
 
 
-@pytest.mark.parametrize(("path", "location"), [
-    ("//evil.example/?token=s3cret", "/evil.example/"), ("/\\evil.example?token=s3cret", "/evil.example"),
-    ("/%2F%2Fevil.example?token=s3cret", "/evil.example"), ("////x?token=s3cret&a=1", "/x?a=1"),
-    ("/jobs/j-1?page=3&token=s3cret", "/jobs/j-1?page=3"),
-])
+@pytest.mark.parametrize(
+    ("path", "location"),
+    [
+        ("//evil.example/?token=s3cret", "/evil.example/"),
+        ("/\\evil.example?token=s3cret", "/evil.example"),
+        ("/%2F%2Fevil.example?token=s3cret", "/evil.example"),
+        ("////x?token=s3cret&a=1", "/x?a=1"),
+        ("/jobs/j-1?page=3&token=s3cret", "/jobs/j-1?page=3"),
+    ],
+)
 def test_the_login_redirect_never_leaves_the_site(gated: int, path: str, location: str) -> None:
     resp = request(gated, path)
     assert resp.status == 303 and resp.getheader("Location") == location
     assert same_site("//a") == same_site("/\\a") == same_site("/a") == "/a"
 
 
-def test_the_cookie_is_secure_over_https_and_a_proxys_word_counts_only_when_trusted(
-    gated: int, behind_tls: int
-) -> None:
+def test_the_cookie_is_secure_over_https_and_a_proxys_word_counts_only_when_trusted(gated: int, behind_tls: int) -> None:
     https = {"X-Forwarded-Proto": "https"}
     assert "Secure" not in (request(gated, "/?token=s3cret", https).getheader("Set-Cookie") or "")
     assert "Secure" not in (request(behind_tls, "/?token=s3cret").getheader("Set-Cookie") or "")
     assert "Secure" in (request(behind_tls, "/?token=s3cret", https).getheader("Set-Cookie") or "")
-    assert "Secure" in (request(behind_tls, "/?token=s3cret", {"X-Forwarded-Proto": "https, http"})
-                        .getheader("Set-Cookie") or "")
+    assert "Secure" in (
+        request(behind_tls, "/?token=s3cret", {"X-Forwarded-Proto": "https, http"}).getheader("Set-Cookie") or ""
+    )
 
 
-@pytest.mark.parametrize("token", ["x", " ", "a" * 15, "a" * 15 + " ", "sixteen chars ok", "a" * 16 + "\n",
-                                   "a" * 16 + "\x00"])
+@pytest.mark.parametrize(
+    "token", ["x", " ", "a" * 15, "a" * 15 + " ", "sixteen chars ok", "a" * 16 + "\n", "a" * 16 + "\x00"]
+)
 def test_a_weak_token_is_refused_naming_the_setting_never_showing_it(token: str) -> None:
     with pytest.raises(ConfigError, match="RENDERFLEET_HTTP_TOKEN: must be at least 16 characters") as err:
         load_settings(http_token=token)
@@ -159,8 +189,7 @@ def test_a_strong_token_is_taken_and_an_empty_one_is_none() -> None:
 
 
 def test_the_hosts_allowed_are_names_with_an_optional_port() -> None:
-    assert load_settings(http_hosts=" Monitor.lan, proxy.lan:8443 ").http_host_list == ("monitor.lan",
-                                                                                       "proxy.lan:8443")
+    assert load_settings(http_hosts=" Monitor.lan, proxy.lan:8443 ").http_host_list == ("monitor.lan", "proxy.lan:8443")
     for bad in ("http://monitor.lan", "monitor.lan/x", "a b", "monitor.lan:port"):
         with pytest.raises(ConfigError, match="RENDERFLEET_HTTP_HOSTS"):
             load_settings(http_hosts=bad)

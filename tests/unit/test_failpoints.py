@@ -47,8 +47,10 @@ def test_with_the_variable_unset_no_failpoint_is_active_and_reaching_any_does_no
 
 
 def test_the_variable_names_points_and_actions() -> None:
-    value = ("before-claim=pause; before-checkpoint#3=pause;"
-             "render=raise(AcceleratorError: CUDA error: an illegal memory access (at x))")
+    value = (
+        "before-claim=pause; before-checkpoint#3=pause;"
+        "render=raise(AcceleratorError: CUDA error: an illegal memory access (at x))"
+    )
     assert failpoints.parse(value) == {
         "before-claim": Failpoint("before-claim", "pause"),
         "before-checkpoint": Failpoint("before-checkpoint", "pause", 3),
@@ -56,18 +58,22 @@ def test_the_variable_names_points_and_actions() -> None:
     }
     assert "; ".join(map(str, failpoints.parse(value).values())) == (
         "before-claim=pause; before-checkpoint#3=pause; "
-        "render=raise(AcceleratorError: CUDA error: an illegal memory access (at x))")
+        "render=raise(AcceleratorError: CUDA error: an illegal memory access (at x))"
+    )
 
 
-@pytest.mark.parametrize(("value", "reason"), [
-    ("befor-claim=pause", "no failpoint 'befor-claim'; the points are before-claim"),
-    ("before-claim", "'before-claim' is not POINT[#N]=pause"),
-    ("before-claim=stop", "is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)"),
-    ("before-claim#0=pause", "is not POINT[#N]=pause"),
-    ("render=raise(SystemExit: bye)", "render: cannot raise 'SystemExit'"),
-    ("render=raise(boom)", "is not POINT[#N]=pause"),
-    ("render=pause;render#2=pause", "failpoint 'render' is named twice"),
-])
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("befor-claim=pause", "no failpoint 'befor-claim'; the points are before-claim"),
+        ("before-claim", "'before-claim' is not POINT[#N]=pause"),
+        ("before-claim=stop", "is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)"),
+        ("before-claim#0=pause", "is not POINT[#N]=pause"),
+        ("render=raise(SystemExit: bye)", "render: cannot raise 'SystemExit'"),
+        ("render=raise(boom)", "is not POINT[#N]=pause"),
+        ("render=pause;render#2=pause", "failpoint 'render' is named twice"),
+    ],
+)
 def test_a_value_that_will_not_do_is_a_config_error_naming_the_variable(value: str, reason: str) -> None:
     with pytest.raises(ConfigError) as caught:
         failpoints.parse(value)
@@ -136,7 +142,11 @@ def test_every_point_the_product_reaches_is_a_documented_failpoint_and_every_one
 def test_no_test_switch_is_left_in_the_product_under_another_name() -> None:
     old = "RENDERFLEET_" + "TEST_"  # spelled apart: this file is not the product
     assert [str(p.relative_to(ROOT)) for p in shipped_files() if old in p.read_text(errors="replace")] == []
-    readers = [str(p.relative_to(ROOT)) for p in shipped_files()
-               if p.suffix == ".py" and p.parts[len(ROOT.parts)] in ("renderfleet", "worker", "dispatcher")
-               and failpoints.VARIABLE in p.read_text()]
+    readers = [
+        str(p.relative_to(ROOT))
+        for p in shipped_files()
+        if p.suffix == ".py"
+        and p.parts[len(ROOT.parts)] in ("renderfleet", "worker", "dispatcher")
+        and failpoints.VARIABLE in p.read_text()
+    ]
     assert readers == ["renderfleet/failpoints.py"]  # the one module that reads the variable

@@ -82,8 +82,11 @@ def test_the_dry_runs_step_list_names_every_gpu_only_step() -> None:
         lines = report(ran, cuda=False, bench_lines=bench_lines)
         skipped = {line.split("skipped on CPU: ")[1].split(" (")[0] for line in lines if "skipped on CPU: " in line}
         assert skipped == BENCH_GPU_ONLY | CHECK_GPU_ONLY
-    assert all(line.startswith(("ran: ", "skipped on CPU: ")) for line in report(ran, False, bench.report(False))
-               if not line.startswith("benchmark, ")) and len(lines) == len(STEPS) + len(CHECK_STEPS)
+    assert all(
+        line.startswith(("ran: ", "skipped on CPU: "))
+        for line in report(ran, False, bench.report(False))
+        if not line.startswith("benchmark, ")
+    ) and len(lines) == len(STEPS) + len(CHECK_STEPS)
     # on a card nothing is "skipped on CPU": what did not run is "not reached"
     assert not [line for line in report(set(), True, Steps().report(cuda=True)) if "skipped on CPU" in line]
     with pytest.raises(KeyError):
@@ -96,8 +99,7 @@ def process_wide_switches() -> Any:
     tests that run after this one in the same process (test_models checks the CPU path is untouched)."""
     import torch
 
-    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-             torch.backends.cudnn.allow_tf32)
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     yield
     torch.set_float32_matmul_precision(saved[0])
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]
@@ -106,20 +108,26 @@ def process_wide_switches() -> Any:
 def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path, process_wide_switches: None) -> None:
     out = tmp_path / "gpu.json"
     # SDXL's family: fp16 on the CPU, so its VAE (force_upcast) decodes in float32; dynamo's trace for the compile
-    assert main(["--tiny", "--models", "sdxl", "--runs", "1", "--batches", "1", "--compile-backend", "eager",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            ["--tiny", "--models", "sdxl", "--runs", "1", "--batches", "1", "--compile-backend", "eager", "--out", str(out)]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     (model,) = result["models"]
     assert (model["dtype"], model["vae_dtype"]) == ("float16", "float32") and model["compile"] == "regional"
     assert set(model["vae_modes_seconds"]) == {"tiling", "slicing"}
     assert [(r["mode"], r["batch"], r["images_per_second"] is not None) for r in result["rows"]] == [
-        ("eager", 1, True), ("compile", 1, True)]
+        ("eager", 1, True),
+        ("compile", 1, True),
+    ]
     steps = result["steps"]
-    assert {line.split(": ")[1].split(" (")[0] for line in steps if line.startswith("skipped on CPU: ")} == \
-        BENCH_GPU_ONLY
+    assert {line.split(": ")[1].split(" (")[0] for line in steps if line.startswith("skipped on CPU: ")} == BENCH_GPU_ONLY
     # every other step ran, but the compile cache: the eager backend makes no inductor artifacts to share
-    assert {line.removeprefix("ran: ") for line in steps if line.startswith("ran: ")} == \
-        {s.name for s in STEPS if not s.gpu_only} - {"compile cache"}
+    assert {line.removeprefix("ran: ") for line in steps if line.startswith("ran: ")} == {
+        s.name for s in STEPS if not s.gpu_only
+    } - {"compile cache"}
 
 
 def fake_bench(cuda: bool) -> dict[str, Any]:
@@ -127,17 +135,29 @@ def fake_bench(cuda: bool) -> dict[str, Any]:
     for step in STEPS:
         if cuda or not step.gpu_only:
             steps.done(step.name)
-    row = {"model": "sd15", "mode": "compile", "batch": 32, "images_per_second": 20.5, "seconds_per_batch": 1.56,
-           "first_call_seconds": 40.0, "peak_memory_gb": 30.2, "mfu": 0.88, "note": ""}
-    return {"card": "NVIDIA H200", "models": [{"model": "sd15", "size": "512x512", "steps": 25, "guidance": 7.5,
-                                               "dtype": "bfloat16"}],
-            "rows": [row, {**row, "batch": 64, "images_per_second": None, "note": "out of memory"}],
-            "steps": steps.report(cuda)}
+    row = {
+        "model": "sd15",
+        "mode": "compile",
+        "batch": 32,
+        "images_per_second": 20.5,
+        "seconds_per_batch": 1.56,
+        "first_call_seconds": 40.0,
+        "peak_memory_gb": 30.2,
+        "mfu": 0.88,
+        "note": "",
+    }
+    return {
+        "card": "NVIDIA H200",
+        "models": [{"model": "sd15", "size": "512x512", "steps": 25, "guidance": 7.5, "dtype": "bfloat16"}],
+        "rows": [row, {**row, "batch": 64, "images_per_second": None, "note": "out of memory"}],
+        "steps": steps.report(cuda),
+    }
 
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_gpu_check_writes_results_from_a_card_only_mocked_device(
-        cuda: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    cuda: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
 
     from bench import gpu_check
@@ -147,9 +167,19 @@ def test_gpu_check_writes_results_from_a_card_only_mocked_device(
     asked: list[bool] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(gpu_check, "run_tests", lambda out, env, timeout: {
-        "exit": 0, "seconds": 61.0, "tests": 8, "failures": 0, "errors": 0, "skipped": 0 if cuda else 8,
-        "passed": 8 if cuda else 0})
+    monkeypatch.setattr(
+        gpu_check,
+        "run_tests",
+        lambda out, env, timeout: {
+            "exit": 0,
+            "seconds": 61.0,
+            "tests": 8,
+            "failures": 0,
+            "errors": 0,
+            "skipped": 0 if cuda else 8,
+            "passed": 8 if cuda else 0,
+        },
+    )
     monkeypatch.setattr(gpu_check, "run_bench", lambda out, env, **kw: asked.append(kw["tiny"]) or fake_bench(cuda))
     assert gpu_check.main(["--out", str(tmp_path / "out"), "--results", str(results)]) == 0
     printed = capsys.readouterr().out

@@ -32,14 +32,18 @@ def test_a_folder_renderfleet_creates_is_made_0700(tmp_path: Path, open_umask: N
     assert mode(home) == 0o700
 
 
-@pytest.mark.parametrize(("folder_mode", "why"), [
-    (0o1777, "is group- or world-writable (mode 1777)"),  # like /tmp
-    (0o777, "is group- or world-writable (mode 0777)"),
-    (0o770, "is group- or world-writable (mode 0770)"),
-    (0o702, "is group- or world-writable (mode 0702)"),
-])
+@pytest.mark.parametrize(
+    ("folder_mode", "why"),
+    [
+        (0o1777, "is group- or world-writable (mode 1777)"),  # like /tmp
+        (0o777, "is group- or world-writable (mode 0777)"),
+        (0o770, "is group- or world-writable (mode 0770)"),
+        (0o702, "is group- or world-writable (mode 0702)"),
+    ],
+)
 def test_a_shared_folder_is_refused_by_name_and_left_as_it_was(
-        tmp_path: Path, open_umask: None, folder_mode: int, why: str) -> None:
+    tmp_path: Path, open_umask: None, folder_mode: int, why: str
+) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, folder_mode)

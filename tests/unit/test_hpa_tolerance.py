@@ -40,8 +40,7 @@ def hpa_replicas(current: int, desired: int, *, up: Fraction, down: Fraction, ta
 
 
 def swallowed(tolerance: Fraction) -> list[tuple[int, int]]:
-    return [(c, d) for c in SIZES for d in SIZES
-            if hpa_replicas(c, d, up=tolerance, down=tolerance) != d]
+    return [(c, d) for c in SIZES for d in SIZES if hpa_replicas(c, d, up=tolerance, down=tolerance) != d]
 
 
 def test_the_default_10_percent_tolerance_ignores_every_one_pod_step_from_10_pods_on() -> None:

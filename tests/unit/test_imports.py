@@ -75,8 +75,10 @@ def test_the_worker_side_never_imports_the_dispatcher_and_loads_no_model_at_impo
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def import_graph(root: Path = ROOT, packages: tuple[str, ...] = ("renderfleet", "worker", "dispatcher"),
-                 ) -> dict[str, set[str]]:
+def import_graph(
+    root: Path = ROOT,
+    packages: tuple[str, ...] = ("renderfleet", "worker", "dispatcher"),
+) -> dict[str, set[str]]:
     """Each first-party module and the first-party modules it imports, read with ``ast``:
     every import statement, at module level, in a function or under ``TYPE_CHECKING``.
 
@@ -98,7 +100,7 @@ def import_graph(root: Path = ROOT, packages: tuple[str, ...] = ("renderfleet", 
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from the package, up level - 1
-                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
                 for alias in node.names:
                     if f"{base}.{alias.name}" in files:
                         arrows.add(f"{base}.{alias.name}")

@@ -29,23 +29,26 @@ from testing.messages import message_dict
 # ---- names and checks: no model ------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "parsed"), [
-    ("owner/style-lora", ("owner/style-lora", 1.0)),
-    ("owner/style-lora:0.8", ("owner/style-lora", 0.8)),
-    ("s3://bucket/loras/a.safetensors", ("s3://bucket/loras/a.safetensors", 1.0)),
-    ("s3://bucket/loras/a.safetensors:0.8", ("s3://bucket/loras/a.safetensors", 0.8)),
-    ("s3://bucket/loras/a.safetensors:-1.5", ("s3://bucket/loras/a.safetensors", -1.5)),
-    ("/models/a:b/x.safetensors", ("/models/a:b/x.safetensors", 1.0)),  # a colon inside the path stays
-    ("./style.safetensors:2", ("./style.safetensors", 2.0)),
-    (":0.5", (":0.5", 1.0)),  # no source before the colon: the whole text is the source
-])
-def test_a_lora_scale_is_read_from_the_last_colon_only_when_it_is_a_number(text: str,
-                                                                           parsed: tuple[str, float]) -> None:
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("owner/style-lora", ("owner/style-lora", 1.0)),
+        ("owner/style-lora:0.8", ("owner/style-lora", 0.8)),
+        ("s3://bucket/loras/a.safetensors", ("s3://bucket/loras/a.safetensors", 1.0)),
+        ("s3://bucket/loras/a.safetensors:0.8", ("s3://bucket/loras/a.safetensors", 0.8)),
+        ("s3://bucket/loras/a.safetensors:-1.5", ("s3://bucket/loras/a.safetensors", -1.5)),
+        ("/models/a:b/x.safetensors", ("/models/a:b/x.safetensors", 1.0)),  # a colon inside the path stays
+        ("./style.safetensors:2", ("./style.safetensors", 2.0)),
+        (":0.5", (":0.5", 1.0)),  # no source before the colon: the whole text is the source
+    ],
+)
+def test_a_lora_scale_is_read_from_the_last_colon_only_when_it_is_a_number(text: str, parsed: tuple[str, float]) -> None:
     assert parse_lora(text) == parsed
 
 
-@pytest.mark.parametrize("source", ["owner/lora/model.bin", "./style.pt", "/x/style.ckpt", "s3://b/l/a.pth",
-                                    "owner/repo/weights.PKL"])
+@pytest.mark.parametrize(
+    "source", ["owner/lora/model.bin", "./style.pt", "/x/style.ckpt", "s3://b/l/a.pth", "owner/repo/weights.PKL"]
+)
 def test_pickled_lora_weights_are_refused_with_the_reason(source: str) -> None:
     assert "pickled weights" in (lora_source_problem(source) or "")
     assert "safetensors" in (lora_source_problem(source) or "")
@@ -73,8 +76,9 @@ def test_submit_refuses_bad_loras_revisions_and_variants_naming_the_flag(tmp_pat
     assert problems(model="tiny", variant="fp16")[0].startswith("--variant")
     assert problems(model="owner/m", revision="../x")[0].startswith("--revision: revision must be")
     assert problems(model="owner/m", variant="fp 16")[0].startswith("--variant: variant must be")
-    check_options(SubmitOptions(params=RenderParams(model="owner/m", revision="v1.0", variant="fp16",
-                                                    loras=(("owner/l", 0.7),))))
+    check_options(
+        SubmitOptions(params=RenderParams(model="owner/m", revision="v1.0", variant="fp16", loras=(("owner/l", 0.7),)))
+    )
     check_options(SubmitOptions(params=RenderParams(model=str(tmp_path), variant="fp16")))
 
 
@@ -82,13 +86,25 @@ def test_a_job_without_the_new_settings_keeps_its_id_and_its_message() -> None:
     plain = RenderParams(model="tiny", steps=2)
     # the identity of a job from before LoRAs, revisions and digests: no new key at all
     assert set(plain.identity()) == {"model", "steps", "width", "height", "guidance", "negative_prompt", "seed"}
-    assert job_id("d", plain, "/store") == "j-" + __import__("hashlib").sha256(json.dumps(
-        {"content": "d", "params": plain.identity(), "store": "/store"}, sort_keys=True).encode()).hexdigest()[:16]
+    assert (
+        job_id("d", plain, "/store")
+        == "j-"
+        + __import__("hashlib")
+        .sha256(json.dumps({"content": "d", "params": plain.identity(), "store": "/store"}, sort_keys=True).encode())
+        .hexdigest()[:16]
+    )
     with_lora = dataclasses.replace(plain, loras=(("owner/l", 0.8),))
     pinned = dataclasses.replace(plain, model="owner/m", revision="abc123", variant="fp16")
     assert with_lora.identity()["loras"] == (("owner/l", 0.8),)
-    assert len({job_id("d", p, "/store") for p in (plain, with_lora, pinned,
-                                                   dataclasses.replace(with_lora, loras=(("owner/l", 0.9),)))}) == 4
+    assert (
+        len(
+            {
+                job_id("d", p, "/store")
+                for p in (plain, with_lora, pinned, dataclasses.replace(with_lora, loras=(("owner/l", 0.9),)))
+            }
+        )
+        == 4
+    )
     # the settings round-trip through JSON (the spec, the message) as equal values
     assert RenderParams.from_dict(json.loads(json.dumps(with_lora.identity()))) == with_lora
 
@@ -100,13 +116,24 @@ def raw_message(params: dict[str, object]) -> dict[str, object]:
 
 
 def test_the_worker_checks_a_messages_loras_and_pins_as_submit_does() -> None:
-    good = raw_message({"model": "owner/m", "loras": [["owner/l", 0.5]], "revision": "v1",
-                                "variant": "fp16", "model_digest": "files-sha256:" + "0" * 64})
+    good = raw_message(
+        {
+            "model": "owner/m",
+            "loras": [["owner/l", 0.5]],
+            "revision": "v1",
+            "variant": "fp16",
+            "model_digest": "files-sha256:" + "0" * 64,
+        }
+    )
     assert message_problems(good) == []
     assert ShardMessage.from_dict(good).params.loras == (("owner/l", 0.5),)
-    for params, why in (({"loras": [["x.pt", 1.0]]}, "pickled"), ({"loras": "owner/l"}, "loras must be a list"),
-                        ({"loras": [["owner/l", "1"]]}, "scale"), ({"revision": "a b"}, "revision must be"),
-                        ({"model_digest": "md5:00"}, "model_digest must be")):
+    for params, why in (
+        ({"loras": [["x.pt", 1.0]]}, "pickled"),
+        ({"loras": "owner/l"}, "loras must be a list"),
+        ({"loras": [["owner/l", "1"]]}, "scale"),
+        ({"revision": "a b"}, "revision must be"),
+        ({"model_digest": "md5:00"}, "model_digest must be"),
+    ):
         problems = message_problems(raw_message({"model": "owner/m", **params}))
         assert len(problems) == 1 and why in problems[0], problems
 
@@ -118,8 +145,10 @@ def pinned_options(tmp_path: Path, loras: list[str], hub: Any = None) -> RenderP
     from renderfleet.api import Client
     from renderfleet.settings import Settings
 
-    client = Client(Settings(home=tmp_path / "home", store=str(tmp_path / "store")),
-                    resolve_revision=None if hub is None else lambda repo, revision: hub(repo))
+    client = Client(
+        Settings(home=tmp_path / "home", store=str(tmp_path / "store")),
+        resolve_revision=None if hub is None else lambda repo, revision: hub(repo),
+    )
     return client.options(model="tiny", loras=loras).params
 
 
@@ -135,12 +164,22 @@ def test_submit_pins_each_lora_by_its_content_and_a_hub_lora_by_the_resolvers_co
         asked.append(repo)
         return "c" * 40
 
-    params = pinned_options(tmp_path, [f"{tmp_path}/a.safetensors:0.5", str(tmp_path / "b"),
-                                       "owner/style/sub/dir/x.safetensors:0.8", "/only/on/workers.safetensors"], hub)
-    assert params.loras == ((f"{tmp_path}/a.safetensors", 0.5, file_digest(tmp_path / "a.safetensors")),
-                            (str(tmp_path / "b"), 1.0, folder_digest(tmp_path / "b")),
-                            ("owner/style/sub/dir/x.safetensors", 0.8, "hub-commit:" + "c" * 40),
-                            ("/only/on/workers.safetensors", 1.0))  # a path submit cannot see: unpinned
+    params = pinned_options(
+        tmp_path,
+        [
+            f"{tmp_path}/a.safetensors:0.5",
+            str(tmp_path / "b"),
+            "owner/style/sub/dir/x.safetensors:0.8",
+            "/only/on/workers.safetensors",
+        ],
+        hub,
+    )
+    assert params.loras == (
+        (f"{tmp_path}/a.safetensors", 0.5, file_digest(tmp_path / "a.safetensors")),
+        (str(tmp_path / "b"), 1.0, folder_digest(tmp_path / "b")),
+        ("owner/style/sub/dir/x.safetensors", 0.8, "hub-commit:" + "c" * 40),
+        ("/only/on/workers.safetensors", 1.0),
+    )  # a path submit cannot see: unpinned
     assert asked == ["owner/style"]  # the repo, not the path inside it
     assert params.loras[0][2] == "file-sha256:" + __import__("hashlib").sha256(b"weights a").hexdigest()
     # the pins travel: checked in a message as submit checks them, and equal after JSON
@@ -152,8 +191,9 @@ def test_submit_pins_each_lora_by_its_content_and_a_hub_lora_by_the_resolvers_co
     assert job_id("d", again, "/s") != job_id("d", dataclasses.replace(again, loras=params.loras[:1]), "/s")
 
 
-def test_without_a_hub_to_ask_a_hub_lora_is_recorded_unpinned_as_before(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_hub_to_ask_a_hub_lora_is_recorded_unpinned_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import huggingface_hub
 
     from renderfleet.hubrev import hub_commit
@@ -167,9 +207,14 @@ def test_without_a_hub_to_ask_a_hub_lora_is_recorded_unpinned_as_before(tmp_path
 
 
 def test_a_lora_pin_in_a_message_is_checked_as_submit_makes_it() -> None:
-    for pin in ("file-sha256:" + "0" * 64, "files-sha256:" + "0" * 64, "s3-etag:9b2cf535f27731c974343645a3985328",
-                "s3-etag:9b2cf535f27731c974343645a3985328-3", "s3-version:3HL4kqtJlcpXroDTDmJ+rmSpXd3dIbrHY",
-                "hub-commit:" + "a" * 40):
+    for pin in (
+        "file-sha256:" + "0" * 64,
+        "files-sha256:" + "0" * 64,
+        "s3-etag:9b2cf535f27731c974343645a3985328",
+        "s3-etag:9b2cf535f27731c974343645a3985328-3",
+        "s3-version:3HL4kqtJlcpXroDTDmJ+rmSpXd3dIbrHY",
+        "hub-commit:" + "a" * 40,
+    ):
         assert loras_problem([("owner/l", 1.0, pin)]) is None, pin
     for pin in ("md5:00", "hub-commit:main", "file-sha256:xyz", "", 3):
         problems = message_problems(raw_message({"model": "tiny", "loras": [["owner/l", 1.0, pin]]}))
@@ -182,12 +227,13 @@ def s3_client() -> Any:
     return boto3.session.Session().client("s3")
 
 
-def test_an_s3_lora_replaced_after_submit_is_refused_and_its_cache_is_keyed_by_the_pin(s3_bucket: str,
-                                                                                       tmp_path: Path) -> None:
+def test_an_s3_lora_replaced_after_submit_is_refused_and_its_cache_is_keyed_by_the_pin(
+    s3_bucket: str, tmp_path: Path
+) -> None:
     from dispatcher.submit import lora_pin
     from worker.loras import fetch_s3_lora
 
-    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    bucket = s3_bucket[len("s3://") :].split("/")[0]
     client, uri = s3_client(), f"s3://{bucket}/loras/style.safetensors"
     client.put_object(Bucket=bucket, Key="loras/style.safetensors", Body=b"first")
     first = lora_pin(uri)
@@ -213,12 +259,11 @@ def test_an_s3_lora_replaced_after_submit_is_refused_and_its_cache_is_keyed_by_t
         lora_pin(f"s3://{bucket}/loras/none.safetensors")
 
 
-def test_an_s3_lora_in_a_versioned_bucket_is_fetched_at_the_version_submit_saw(s3_bucket: str,
-                                                                             tmp_path: Path) -> None:
+def test_an_s3_lora_in_a_versioned_bucket_is_fetched_at_the_version_submit_saw(s3_bucket: str, tmp_path: Path) -> None:
     from dispatcher.submit import lora_pin
     from worker.loras import fetch_s3_lora
 
-    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    bucket = s3_bucket[len("s3://") :].split("/")[0]
     client, uri = s3_client(), f"s3://{bucket}/loras/v.safetensors"
     client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
     client.put_object(Bucket=bucket, Key="loras/v.safetensors", Body=b"first")
@@ -262,12 +307,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp("loras")
-    return (str(make_tiny_lora(folder / "a.safetensors", seed=1)),
-            str(make_tiny_lora(folder / "b" / "pytorch_lora_weights.safetensors", seed=2).parent))
+    return (
+        str(make_tiny_lora(folder / "a.safetensors", seed=1)),
+        str(make_tiny_lora(folder / "b" / "pytorch_lora_weights.safetensors", seed=2).parent),
+    )
 
 
 def test_loras_switch_per_call_on_one_pipeline_and_each_state_renders_the_same_bytes(
-        tiny: LoadedModel, loras: tuple[str, str]) -> None:
+    tiny: LoadedModel, loras: tuple[str, str]
+) -> None:
     a, b = loras
     renderer = Renderer(tiny, loras=LoraCache(tiny.pipe, max_warm=1))
     plain = renderer.render([prompt()])[0]
@@ -288,7 +336,8 @@ def test_loras_switch_per_call_on_one_pipeline_and_each_state_renders_the_same_b
 
 
 def test_a_lora_with_text_encoder_weights_loads_changes_the_image_and_leaves_no_trace(
-        tiny: LoadedModel, loras: tuple[str, str], tmp_path: Path) -> None:
+    tiny: LoadedModel, loras: tuple[str, str], tmp_path: Path
+) -> None:
     # Most SD LoRAs carry text-encoder weights, which diffusers hands to transformers' load_adapter:
     # it refuses a peft below transformers' MIN_PEFT_VERSION (the pins in pyproject.toml). Its keys
     # named as in the hub's LoRAs (text_model.…, from before transformers 5); the fleet test's use today's.
@@ -317,15 +366,17 @@ def test_the_pinned_weights_are_written_into_the_image_only_when_set() -> None:
     from worker.render import image_metadata
 
     digest = "files-sha256:" + "a" * 64
-    pinned = image_metadata(prompt(revision="v1.0", variant="fp16", model_digest=digest,
-                                   loras=(("owner/l", 0.5),)), "owner/m")
+    pinned = image_metadata(
+        prompt(revision="v1.0", variant="fp16", model_digest=digest, loras=(("owner/l", 0.5),)), "owner/m"
+    )
     assert (pinned["revision"], pinned["variant"], pinned["model_digest"]) == ("v1.0", "fp16", digest)
     assert json.loads(pinned["loras"]) == [["owner/l", 0.5]]
     assert not {"revision", "variant", "model_digest", "loras"} & set(image_metadata(prompt(), "owner/m"))
 
 
-def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(tiny: LoadedModel, loras: tuple[str, str],
-                                                               tmp_path: Path) -> None:
+def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(
+    tiny: LoadedModel, loras: tuple[str, str], tmp_path: Path
+) -> None:
     cache = LoraCache(tiny.pipe, allowed=["tiny"])
     with pytest.raises(JobError, match="allow-list"):
         cache.use([(loras[0], 1.0)])
@@ -346,15 +397,19 @@ def test_a_lora_off_the_allow_list_or_missing_is_the_jobs_error(tiny: LoadedMode
     tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
 
 
-def test_a_lora_with_no_weights_for_this_model_is_the_jobs_error_and_is_not_kept(tiny: LoadedModel,
-                                                                                   tmp_path: Path) -> None:
+def test_a_lora_with_no_weights_for_this_model_is_the_jobs_error_and_is_not_kept(tiny: LoadedModel, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     # Keys of another architecture (a transformer's): diffusers only warns that none fits, and
     # set_adapters then raised a bare ValueError, which the worker took for its own bug.
     other = tmp_path / "other-architecture.safetensors"
-    save_file({"transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
-               "transformer.blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}, str(other))
+    save_file(
+        {
+            "transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+            "transformer.blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4),
+        },
+        str(other),
+    )
     renderer = Renderer(tiny)
     plain = renderer.render([prompt()])[0]
     for _ in range(2):  # not kept warm as if loaded: the second job is refused the same way
@@ -375,8 +430,7 @@ def test_a_lora_file_that_is_no_safetensors_is_the_jobs_error(tiny: LoadedModel,
     assert cache.warm == [] and tiny.pipe.get_list_adapters() == {}
 
 
-def test_a_jobs_loras_are_set_before_its_long_prompts_are_embedded(tiny: LoadedModel,
-                                                                     loras: tuple[str, str]) -> None:
+def test_a_jobs_loras_are_set_before_its_long_prompts_are_embedded(tiny: LoadedModel, loras: tuple[str, str]) -> None:
     # A long prompt's embeddings are made by the text encoder before the pipeline call, and a LoRA
     # may change the text encoder (most of SD's do): made before the job's adapters are set, they
     # would carry the last job's (or none), and a redelivery elsewhere would render other bytes.
@@ -394,8 +448,9 @@ def test_a_jobs_loras_are_set_before_its_long_prompts_are_embedded(tiny: LoadedM
 
     renderer.long_prompts.embed = embedding  # type: ignore[method-assign]
     renderer.loras.use = using  # type: ignore[method-assign,assignment]
-    renderer.render([prompt(prompt="a lighthouse at dusk, oil painting, waves breaking on black rocks. " * 3,
-                            loras=((loras[0], 1.0),))])
+    renderer.render(
+        [prompt(prompt="a lighthouse at dusk, oil painting, waves breaking on black rocks. " * 3, loras=((loras[0], 1.0),))]
+    )
     assert order[:2] == ["use", "embed"]
     tiny.pipe.delete_adapters(list(renderer.loras._warm.values()))
 
@@ -439,7 +494,8 @@ def test_a_saved_variant_loads_back_by_its_variant(untouched: LoadedModel, tmp_p
 
 
 def test_a_hub_id_is_asked_for_at_its_revision_and_variant_in_safetensors(
-        untouched: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    untouched: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import diffusers
 
     asked: list[tuple[str, dict[str, object]]] = []
@@ -452,14 +508,16 @@ def test_a_hub_id_is_asked_for_at_its_revision_and_variant_in_safetensors(
     loaded = load_pipeline("owner/model", device="cpu", cache_dir=tmp_path, revision="0123abc", variant="fp16")
     [(name, kwargs)] = asked
     assert name == "owner/model" and (kwargs["revision"], kwargs["variant"], kwargs["use_safetensors"]) == (
-        "0123abc", "fp16", True)
+        "0123abc",
+        "fp16",
+        True,
+    )
     assert (loaded.revision, loaded.variant, loaded.digest) == ("0123abc", "fp16", "")
     load_pipeline("owner/model", device="cpu", cache_dir=tmp_path)
     assert (asked[1][1]["revision"], asked[1][1]["variant"]) == (None, None)  # unpinned: the hub's defaults
 
 
-def test_a_folder_models_digest_is_recorded_and_a_changed_folder_is_refused(untouched: LoadedModel,
-                                                                           tmp_path: Path) -> None:
+def test_a_folder_models_digest_is_recorded_and_a_changed_folder_is_refused(untouched: LoadedModel, tmp_path: Path) -> None:
     from renderfleet.api import Client
     from renderfleet.settings import Settings
 
@@ -479,7 +537,8 @@ def test_a_folder_models_digest_is_recorded_and_a_changed_folder_is_refused(unto
 
 
 def test_a_local_lora_changed_after_submit_is_the_jobs_error_and_the_pinned_adapter_stays_usable(
-        tiny: LoadedModel, tmp_path: Path) -> None:
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
     from renderfleet.digests import file_digest, folder_digest
 
     path = make_tiny_lora(tmp_path / "style.safetensors", seed=1)
@@ -489,8 +548,9 @@ def test_a_local_lora_changed_after_submit_is_the_jobs_error_and_the_pinned_adap
     with_pin = renderer.render([prompt(loras=((str(path), 1.0, pinned),))])[0]
     unpinned = renderer.render([prompt(loras=((str(path), 1.0),))])[0]
     assert pixels(with_pin) == pixels(unpinned)  # the same weights; the image names the pin it was made with
-    assert json.loads(__import__("renderfleet.images", fromlist=["read_metadata"]).read_metadata(with_pin)["loras"]) \
-        == [[str(path), 1.0, pinned]]
+    assert json.loads(__import__("renderfleet.images", fromlist=["read_metadata"]).read_metadata(with_pin)["loras"]) == [
+        [str(path), 1.0, pinned]
+    ]
     make_tiny_lora(path, seed=3)  # retrained in place after the submit
     make_tiny_lora(folder / "pytorch_lora_weights.safetensors", seed=4)
     # this worker loaded the pinned bytes before: it renders them still
@@ -528,18 +588,24 @@ class RecordingPipe:
     def set_adapters(self, names: list[str], adapter_weights: list[float]) -> None: ...
 
 
-@pytest.mark.parametrize(("source", "where", "options"), [
-    ("owner/style", "owner/style", {}),
-    ("owner/style/ink.safetensors", "owner/style", {"weight_name": "ink.safetensors"}),
-    ("owner/pack/sd15/v2/ink.safetensors", "owner/pack", {"weight_name": "ink.safetensors", "subfolder": "sd15/v2"}),
-    ("owner/pack/sd15/ink", "owner/pack", {"weight_name": "pytorch_lora_weights.safetensors", "subfolder": "sd15/ink"}),
-])
+@pytest.mark.parametrize(
+    ("source", "where", "options"),
+    [
+        ("owner/style", "owner/style", {}),
+        ("owner/style/ink.safetensors", "owner/style", {"weight_name": "ink.safetensors"}),
+        ("owner/pack/sd15/v2/ink.safetensors", "owner/pack", {"weight_name": "ink.safetensors", "subfolder": "sd15/v2"}),
+        ("owner/pack/sd15/ink", "owner/pack", {"weight_name": "pytorch_lora_weights.safetensors", "subfolder": "sd15/ink"}),
+    ],
+)
 def test_a_hub_lora_in_a_subfolder_is_asked_for_by_repo_subfolder_and_file_at_its_pinned_commit(
-        source: str, where: str, options: dict[str, object]) -> None:
+    source: str, where: str, options: dict[str, object]
+) -> None:
     pipe = RecordingPipe()
     LoraCache(pipe).use([(source, 1.0, "hub-commit:" + "e" * 40)])
     LoraCache(pipe).use([(source, 1.0)])  # unpinned (no hub at submit): the hub's default branch
-    assert pipe.asked == [(where, {"use_safetensors": True, **options, "revision": "e" * 40}),
-                          (where, {"use_safetensors": True, **options})]
+    assert pipe.asked == [
+        (where, {"use_safetensors": True, **options, "revision": "e" * 40}),
+        (where, {"use_safetensors": True, **options}),
+    ]
     with pytest.raises(JobError, match="changed since"):  # submit saw a local file; this worker has none
         LoraCache(pipe).use([(source, 1.0, "file-sha256:" + "0" * 64)])

@@ -29,8 +29,15 @@ def test_the_allow_list_admits_ids_folders_and_s3_prefixes_and_nothing_else(tmp_
     assert allowed == ("tiny", "org/model", str(models), "s3://bucket/models/")
     for ok in ("tiny", "org/model", str(models / "sd"), "s3://bucket/models/sd", "s3://bucket/models/a/b"):
         assert model_allowed(ok, allowed), ok
-    for refused in ("org/model2", "other/model", str(tmp_path / "elsewhere"), str(models / ".." / "x"),
-                    "s3://bucket/models2/sd", "s3://bucket/models/../secret", "s3://other/models/sd"):
+    for refused in (
+        "org/model2",
+        "other/model",
+        str(tmp_path / "elsewhere"),
+        str(models / ".." / "x"),
+        "s3://bucket/models2/sd",
+        "s3://bucket/models/../secret",
+        "s3://other/models/sd",
+    ):
         assert not model_allowed(refused, allowed), refused
     assert model_allowed("anything/at-all", Settings().allowed_model_list)  # no list: any model
 
@@ -61,11 +68,15 @@ def test_the_total_size_of_a_model_is_capped(tmp_path: Path) -> None:
 
 
 def test_an_s3_model_is_fetched_into_the_cache_and_a_bad_one_leaves_nothing(s3_bucket: str, tmp_path: Path) -> None:
-    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    bucket = s3_bucket[len("s3://") :].split("/")[0]
     client = boto3.session.Session().client("s3")
-    for key, body in (("models/sd/model_index.json", b"{}"), ("models/sd/unet/config.json", b"{}"),
-                      ("models/big/weights", b"x" * 2000), ("models/evil/model_index.json", b"{}"),
-                      ("models/evil/a//b", b"x")):
+    for key, body in (
+        ("models/sd/model_index.json", b"{}"),
+        ("models/sd/unet/config.json", b"{}"),
+        ("models/big/weights", b"x" * 2000),
+        ("models/evil/model_index.json", b"{}"),
+        ("models/evil/a//b", b"x"),
+    ):
         client.put_object(Bucket=bucket, Key=key, Body=body)
     cache = tmp_path / "models"
 
@@ -73,8 +84,11 @@ def test_an_s3_model_is_fetched_into_the_cache_and_a_bad_one_leaves_nothing(s3_b
         fetch_s3_model(uri, dest, max_bytes=1000)
 
     folder = fetch_cached(f"s3://{bucket}/models/sd", cache_dir=cache, fetch=fetch)
-    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == \
-        [DIGEST_MARKER, "model_index.json", "unet/config.json"]
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
+        DIGEST_MARKER,
+        "model_index.json",
+        "unet/config.json",
+    ]
     # the copy records the listing it was fetched from, as submit takes it (keys, sizes, ETags)
     listing = list(S3Store(bucket, "models/sd").tagged(""))
     assert (folder / DIGEST_MARKER).read_text() == listing_digest(listing)
@@ -88,15 +102,18 @@ def test_an_s3_model_is_fetched_into_the_cache_and_a_bad_one_leaves_nothing(s3_b
     assert (folder / DIGEST_MARKER).read_text() == listing_digest(S3Store(bucket, "models/sd").tagged(""))
     assert (folder / DIGEST_MARKER).read_text() != listing_digest(listing)
     assert folder.parent == cache
-    for uri, why in ((f"s3://{bucket}/models/big", "MODEL_MAX_BYTES"), (f"s3://{bucket}/models/evil", "refusing key"),
-                     (f"s3://{bucket}", "never a whole bucket")):
+    for uri, why in (
+        (f"s3://{bucket}/models/big", "MODEL_MAX_BYTES"),
+        (f"s3://{bucket}/models/evil", "refusing key"),
+        (f"s3://{bucket}", "never a whole bucket"),
+    ):
         with pytest.raises(ModelLoadError, match=why):
             fetch_cached(uri, cache_dir=cache, fetch=fetch)
     assert [p.name for p in cache.iterdir()] == [folder.name]  # no partial folder left behind
 
 
 def test_an_s3_lora_is_one_file_fetched_under_its_name_within_the_size_cap(s3_bucket: str, tmp_path: Path) -> None:
-    bucket = s3_bucket[len("s3://"):].split("/")[0]
+    bucket = s3_bucket[len("s3://") :].split("/")[0]
     client = boto3.session.Session().client("s3")
     client.put_object(Bucket=bucket, Key="loras/style.safetensors", Body=b"x" * 100)
     client.put_object(Bucket=bucket, Key="loras/style.safetensors.bak", Body=b"y")  # a longer key: not it

@@ -214,7 +214,8 @@ def test_only_fp16_with_a_vae_that_overflows_there_decodes_in_float32() -> None:
 
 
 def test_a_vae_config_without_force_upcast_decodes_in_fp16_unless_the_pipeline_upcasts_as_diffusers_does(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import json
 
     from diffusers import AutoencoderKL
@@ -224,8 +225,9 @@ def test_a_vae_config_without_force_upcast_decodes_in_fp16_unless_the_pipeline_u
     monkeypatch.setattr(worker.models.cuda, "enable_tf32", lambda: None)  # process-wide: not here
 
     # SD 1.5's VAE config has no force_upcast: AutoencoderKL's default (True) fills it, marked as a default
-    AutoencoderKL(block_out_channels=[32], down_block_types=["DownEncoderBlock2D"],
-                  up_block_types=["UpDecoderBlock2D"]).save_pretrained(tmp_path)
+    AutoencoderKL(
+        block_out_channels=[32], down_block_types=["DownEncoderBlock2D"], up_block_types=["UpDecoderBlock2D"]
+    ).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     del config["force_upcast"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -282,8 +284,7 @@ def test_compile_is_refused_off_cuda_with_the_reason() -> None:
         load_pipeline("tiny", device="cpu", cache_dir=Path("/nonexistent"), compile=True)
 
 
-def test_preparing_for_cuda_sets_sdpa_channels_last_and_a_float32_vae_for_fp16(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preparing_for_cuda_sets_sdpa_channels_last_and_a_float32_vae_for_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
     from diffusers import AutoencoderKL
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 

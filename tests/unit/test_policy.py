@@ -62,9 +62,11 @@ M = int(WALL // MINUTE)  # its minute
 
 
 def test_rule_4_the_reclaim_rate_is_recent_work_lost_over_work_started_in_the_window() -> None:
-    buckets = {M - 20: {"started_images": 100, "wasted_images": 100},  # a bad hour, 20 minutes ago
-               M - 10: {"started_images": 40, "wasted_images": 8},
-               M: {"started_images": 40, "wasted_images": 2}}
+    buckets = {
+        M - 20: {"started_images": 100, "wasted_images": 100},  # a bad hour, 20 minutes ago
+        M - 10: {"started_images": 40, "wasted_images": 8},
+        M: {"started_images": 40, "wasted_images": 2},
+    }
     assert recent_lost_fraction(buckets, WALL + 30, 15 * MINUTE, MINUTE) == 10 / 80
     # The same counters, read over an hour: the old reclaims count again.
     assert recent_lost_fraction(buckets, WALL + 30, 60 * MINUTE, MINUTE) == 110 / 180

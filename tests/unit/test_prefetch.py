@@ -65,8 +65,12 @@ class Recorder:
         self.rendered: list[str] = []
         self.waited: list[bool] = []
 
-    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
-                      ) -> list[Any]:
+    def render_images(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[Any]:
         if prompts[0].name == "000002" and not self.waited:
             self.waited.append(self.ahead.wait(timeout=30))
         self.rendered += [p.prompt for p in prompts]
@@ -81,13 +85,20 @@ def shard_0_done(tmp_path: Path, url: str) -> Iterator[tuple[Job, redis.Redis, R
     """A new job of 12 prompts in shards of 4 (batches of 2), its 3 messages on the queue, and a worker that
     has taken and rendered shard 0, reading shard 1's prompts ahead while shard 0's last batch rendered."""
     client = Client(redis_url=url, store=str(tmp_path / "store"))
-    job = client.submit([f"prompt {i}" for i in range(12)], model="tiny", steps=2, size="32x32",
-                        shard_size=4, batch_size=2)
+    job = client.submit([f"prompt {i}" for i in range(12)], model="tiny", steps=2, size="32x32", shard_size=4, batch_size=2)
     raw = redis.Redis.from_url(url)
     store = RangeRecorder(tmp_path / "store")
     renderer = Recorder(store.ahead)
-    service = WorkerService(settings=Settings(home=tmp_path / "home"), client=raw, store=store, renderer=renderer,
-                            model="tiny", stop=StopSignal(), publish=lambda m: None, worker_id="w-1")
+    service = WorkerService(
+        settings=Settings(home=tmp_path / "home"),
+        client=raw,
+        store=store,
+        renderer=renderer,
+        model="tiny",
+        stop=StopSignal(),
+        publish=lambda m: None,
+        worker_id="w-1",
+    )
     try:
         assert raw.llen(queue_name("default", store.url)) == 3
         assert service.handle(take(raw, store), "").status is TaskOutcome.DONE

@@ -278,9 +278,7 @@ def test_id_colliding_with_an_earlier_index_name(tmp_path: Path) -> None:
 
 
 def test_id_colliding_with_a_later_index_name(tmp_path: Path) -> None:
-    path = write(
-        tmp_path, "p.jsonl", jsonl({"prompt": "a", "id": "000002"}, {"prompt": "b", "id": "q"}, {"prompt": "c"})
-    )
+    path = write(tmp_path, "p.jsonl", jsonl({"prompt": "a", "id": "000002"}, {"prompt": "b", "id": "q"}, {"prompt": "c"}))
     assert_problem(path, 3, "duplicate name '000002'")
     assert "line 1" in problems_of(path)[0]
 
@@ -476,8 +474,9 @@ def test_a_nul_in_a_prompt_is_refused_at_its_line(tmp_path: Path, name: str, con
 
 @pytest.mark.parametrize("name", ["p.txt", "p.jsonl", "p.csv"])
 def test_old_mac_cr_only_line_endings_are_reported_not_read_as_one_prompt(tmp_path: Path, name: str) -> None:
-    rows = {"p.txt": ["a cat", "a dog"], "p.jsonl": ['{"prompt": "a"}', '{"prompt": "b"}'],
-            "p.csv": ["prompt", "a", "b"]}[name]
+    rows = {"p.txt": ["a cat", "a dog"], "p.jsonl": ['{"prompt": "a"}', '{"prompt": "b"}'], "p.csv": ["prompt", "a", "b"]}[
+        name
+    ]
     path = write(tmp_path, name, "\r".join(rows) + "\r")
     assert_problem(path, 1, "CR-only")
 
@@ -494,10 +493,14 @@ def test_a_utf16_file_is_named_as_utf16(tmp_path: Path, bom: str) -> None:
 
 
 def test_jsonl_from_pandas_null_means_not_given_and_integral_floats_are_integers(tmp_path: Path) -> None:
-    path = write(tmp_path, "p.jsonl", jsonl(
-        {"prompt": "a", "id": None, "seed": 3.0, "steps": None, "negative_prompt": None, "guidance": None},
-        {"prompt": "b", "id": "x", "seed": None, "width": 64.0},
-    ))
+    path = write(
+        tmp_path,
+        "p.jsonl",
+        jsonl(
+            {"prompt": "a", "id": None, "seed": 3.0, "steps": None, "negative_prompt": None, "guidance": None},
+            {"prompt": "b", "id": "x", "seed": None, "width": 64.0},
+        ),
+    )
     assert validate_file(path).total == 2
     first, second = iter_prompts(path, PARAMS)
     assert first == default_prompt(0, "a").__class__(**{**default_prompt(0, "a").__dict__, "seed": 3})
@@ -509,8 +512,10 @@ def test_csv_headers_are_case_insensitive_and_unknown_columns_ignored_with_a_war
     path = write(tmp_path, "p.csv", "Prompt,Seed,Notes,\na cat,5,keep this,\na dog,,,\n")
     summary = validate_file(path)
     assert summary.total == 2
-    assert summary.warnings == (f"{path}:1: ignoring column(s) 'Notes', '' (known: prompt, id, negative_prompt, "
-                                "seed, steps, guidance, width, height, scheduler)",)
+    assert summary.warnings == (
+        f"{path}:1: ignoring column(s) 'Notes', '' (known: prompt, id, negative_prompt, "
+        "seed, steps, guidance, width, height, scheduler)",
+    )
     first, second = iter_prompts(path, PARAMS)
     assert (first.prompt, first.seed) == ("a cat", 5) and (second.prompt, second.seed) == ("a dog", derive_seed(42, 1))
     assert validate_file(write(tmp_path, "q.csv", "prompt\nx\n")).warnings == ()
@@ -544,7 +549,8 @@ HIDDEN_IDS = [
 
 @pytest.mark.parametrize(("ident", "named"), HIDDEN_IDS)
 def test_an_id_with_an_invisible_or_reordering_character_is_refused_naming_it(
-        tmp_path: Path, ident: str, named: str) -> None:
+    tmp_path: Path, ident: str, named: str
+) -> None:
     path = write(tmp_path, "p.jsonl", jsonl({"prompt": "fine"}, {"prompt": "x", "id": ident}))
     [problem] = problems_of(path)
     assert problem.startswith(f"{path}:2: id ") and problem.endswith(named), problem

@@ -57,8 +57,13 @@ def with_body(envelope: dict[str, Any], body: bytes | str, **headers: Any) -> di
 
 
 def body(args: Any = (MESSAGE,), kwargs: Any = None, embed: Any = None) -> str:
-    return json.dumps([list(args) if isinstance(args, tuple) else args, {} if kwargs is None else kwargs,
-                       EMBED if embed is None else embed])
+    return json.dumps(
+        [
+            list(args) if isinstance(args, tuple) else args,
+            {} if kwargs is None else kwargs,
+            EMBED if embed is None else embed,
+        ]
+    )
 
 
 # ---- what passes ---------------------------------------------------------------------
@@ -76,7 +81,7 @@ def test_a_redelivered_envelope_passes(envelope: dict[str, Any]) -> None:
 
 
 def test_a_body_written_with_other_spacing_or_without_embed_keys_passes(envelope: dict[str, Any]) -> None:
-    check_item(json.dumps(with_body(envelope, f' [ [ {json.dumps(MESSAGE)} ] , { {} } , {{ }} ] ')))
+    check_item(json.dumps(with_body(envelope, f" [ [ {json.dumps(MESSAGE)} ] , { {} } , {{ }} ] ")))
     check_item(json.dumps(with_body(envelope, body(embed={"callbacks": None}))))
 
 
@@ -89,7 +94,7 @@ def test_the_shard_message_is_not_judged_here(envelope: dict[str, Any]) -> None:
 def test_the_shard_message_an_item_carries_is_read_out_whole(envelope: dict[str, Any]) -> None:
     # what a worker reads ahead from the head of its queue (worker/prefetch.py)
     assert item_message(json.dumps(envelope)) == MESSAGE
-    assert item_message(json.dumps(with_body(envelope, f' [ [ {json.dumps(MESSAGE)} ] , { {} } , {{ }} ] '))) == MESSAGE
+    assert item_message(json.dumps(with_body(envelope, f" [ [ {json.dumps(MESSAGE)} ] , { {} } , {{ }} ] "))) == MESSAGE
     with pytest.raises(NotAMessage):
         item_message(json.dumps(with_body(envelope, body(args=(MESSAGE, MESSAGE)))))
 
@@ -97,21 +102,24 @@ def test_the_shard_message_an_item_carries_is_read_out_whole(envelope: dict[str,
 # ---- what is refused, and the reason it gives -----------------------------------------
 
 
-@pytest.mark.parametrize(("item", "reason"), [
-    ("", "not JSON"),
-    ("   ", "not JSON"),
-    ("\x00\xff", "not JSON"),
-    ("{this is not json", "not JSON"),
-    ("[" * 1000 + "]" * 1000, "not JSON (RecursionError"),
-    ('{"a":' * 1000 + "1" + "}" * 1000, "not JSON (RecursionError"),
-    ("[{}," * 5000 + "{}]", "more than 10000 brackets and commas"),
-    ('{"retries": ' + "9" * 5000 + "}", "not JSON"),  # Python's limit on digits
-    ("null", "not a kombu envelope"),
-    ('"text"', "not a kombu envelope"),
-    ("[1, 2]", "not a kombu envelope"),
-    ('{"json": "but no envelope"}', "unknown envelope key(s) ['json']"),
-    ("{}", "envelope without body, content-encoding, content-type, headers, properties"),
-])
+@pytest.mark.parametrize(
+    ("item", "reason"),
+    [
+        ("", "not JSON"),
+        ("   ", "not JSON"),
+        ("\x00\xff", "not JSON"),
+        ("{this is not json", "not JSON"),
+        ("[" * 1000 + "]" * 1000, "not JSON (RecursionError"),
+        ('{"a":' * 1000 + "1" + "}" * 1000, "not JSON (RecursionError"),
+        ("[{}," * 5000 + "{}]", "more than 10000 brackets and commas"),
+        ('{"retries": ' + "9" * 5000 + "}", "not JSON"),  # Python's limit on digits
+        ("null", "not a kombu envelope"),
+        ('"text"', "not a kombu envelope"),
+        ("[1, 2]", "not a kombu envelope"),
+        ('{"json": "but no envelope"}', "unknown envelope key(s) ['json']"),
+        ("{}", "envelope without body, content-encoding, content-type, headers, properties"),
+    ],
+)
 def test_an_item_that_is_no_envelope_is_refused(item: str, reason: str) -> None:
     assert reason in refused(item)
 
@@ -121,89 +129,93 @@ def test_an_item_over_the_size_cap_is_refused_unparsed() -> None:
         check_item("[" * 101, max_chars=100)
 
 
-@pytest.mark.parametrize(("path", "value", "reason"), [
-    # Celery's built-in tasks and anything else that is not ours
-    ("headers.task", "celery.chunks", "headers.task is 'celery.chunks', must be 'renderfleet.render_shard'"),
-    ("headers.task", "celery.backend_cleanup", "headers.task is 'celery.backend_cleanup'"),
-    ("headers.task", "celery.chord_unlock", "headers.task is 'celery.chord_unlock'"),
-    ("headers.task", None, "headers.task is None"),
-    # nothing scheduled, grouped, retried or limited
-    ("headers.eta", "2099-01-01T00:00:00+00:00", "headers.eta is '2099-01-01T00:00:00+00:00', must be null (no ETA"),
-    ("headers.expires", "2099-01-01T00:00:00+00:00", "headers.expires is"),
-    ("headers.group", "g-1", "headers.group is 'g-1', must be null"),
-    ("headers.group_index", 0, "headers.group_index is 0"),
-    ("headers.parent_id", "p-1", "headers.parent_id is 'p-1'"),
-    ("headers.shadow", "other.name", "headers.shadow is 'other.name'"),
-    ("headers.retries", 3, "headers.retries is 3, must be 0"),
-    ("headers.retries", False, "headers.retries is False"),
-    ("headers.timelimit", [1, 1], "headers.timelimit is [1, 1], must be [null, null]"),
-    ("headers.stamped_headers", ["x"], "headers.stamped_headers is ['x']"),
-    ("headers.stamps", {"x": 1}, "headers.stamps is {'x': 1}"),
-    ("headers.replaced_task_nesting", 1, "headers.replaced_task_nesting is 1"),
-    ("headers.ignore_result", "yes", "headers.ignore_result is 'yes'"),
-    ("headers.lang", "js", "headers.lang is 'js'"),
-    # ids and text that reach the logs
-    ("headers.id", "", "headers.id is '', must be a task id"),
-    ("headers.id", "a\nforged log line", "headers.id is 'a\\nforged log line'"),
-    ("headers.root_id", 7, "headers.root_id is 7"),
-    ("headers.argsrepr", "x" * 5000, "headers.argsrepr is 'xxx"),
-    ("headers.origin", "host\r\nERROR forged", "headers.origin is"),
-    ("headers.redelivered", "yes", "headers.redelivered is 'yes', must be true or false"),
-    ("headers.compression", "application/x-gzip", "headers.compression is 'application/x-gzip', must be absent"),
-    ("headers.link", [], "unknown headers key(s) ['link']"),
-    ("headers.task", ..., "headers without task"),
-    ("headers", [], "headers is [], must be an object"),
-    # the envelope and its properties
-    ("content-type", "application/x-python-serialize", "content-type is 'application/x-python-serialize'"),
-    ("content-encoding", "binary", "content-encoding is 'binary'"),
-    ("body", 12, "body is 12, must be a string"),
-    ("properties", None, "properties is None, must be an object"),
-    ("properties.body_encoding", "utf-8", "properties.body_encoding is 'utf-8', must be 'base64'"),
-    ("properties.delivery_tag", None, "properties.delivery_tag is None"),
-    ("properties.delivery_tag", ..., "properties without delivery_tag"),
-    ("properties.priority", 9, "properties.priority is 9, must be 0"),
-    ("properties.delivery_mode", "2", "properties.delivery_mode is '2'"),
-    ("properties.expiration", "1000", "unknown properties key(s) ['expiration']"),
-    ("properties.delivery_info", "x", "properties.delivery_info is 'x', must be an object"),
-    ("properties.delivery_info.exchange", "celery", "properties.delivery_info.exchange is 'celery'"),
-    ("properties.delivery_info.routing_key", "celery", "properties.delivery_info.routing_key is 'celery'"),
-    ("properties.delivery_info.routing_key", ..., "properties.delivery_info without routing_key"),
-    # kombu's typed JSON objects are no exception
-    ("headers.eta", {"__type__": "datetime", "__value__": "2099-01-01T00:00:00"}, "headers.eta is {'__type__'"),
-])
-def test_an_envelope_not_shaped_as_ours_is_refused(envelope: dict[str, Any], path: str, value: Any,
-                                                   reason: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "value", "reason"),
+    [
+        # Celery's built-in tasks and anything else that is not ours
+        ("headers.task", "celery.chunks", "headers.task is 'celery.chunks', must be 'renderfleet.render_shard'"),
+        ("headers.task", "celery.backend_cleanup", "headers.task is 'celery.backend_cleanup'"),
+        ("headers.task", "celery.chord_unlock", "headers.task is 'celery.chord_unlock'"),
+        ("headers.task", None, "headers.task is None"),
+        # nothing scheduled, grouped, retried or limited
+        ("headers.eta", "2099-01-01T00:00:00+00:00", "headers.eta is '2099-01-01T00:00:00+00:00', must be null (no ETA"),
+        ("headers.expires", "2099-01-01T00:00:00+00:00", "headers.expires is"),
+        ("headers.group", "g-1", "headers.group is 'g-1', must be null"),
+        ("headers.group_index", 0, "headers.group_index is 0"),
+        ("headers.parent_id", "p-1", "headers.parent_id is 'p-1'"),
+        ("headers.shadow", "other.name", "headers.shadow is 'other.name'"),
+        ("headers.retries", 3, "headers.retries is 3, must be 0"),
+        ("headers.retries", False, "headers.retries is False"),
+        ("headers.timelimit", [1, 1], "headers.timelimit is [1, 1], must be [null, null]"),
+        ("headers.stamped_headers", ["x"], "headers.stamped_headers is ['x']"),
+        ("headers.stamps", {"x": 1}, "headers.stamps is {'x': 1}"),
+        ("headers.replaced_task_nesting", 1, "headers.replaced_task_nesting is 1"),
+        ("headers.ignore_result", "yes", "headers.ignore_result is 'yes'"),
+        ("headers.lang", "js", "headers.lang is 'js'"),
+        # ids and text that reach the logs
+        ("headers.id", "", "headers.id is '', must be a task id"),
+        ("headers.id", "a\nforged log line", "headers.id is 'a\\nforged log line'"),
+        ("headers.root_id", 7, "headers.root_id is 7"),
+        ("headers.argsrepr", "x" * 5000, "headers.argsrepr is 'xxx"),
+        ("headers.origin", "host\r\nERROR forged", "headers.origin is"),
+        ("headers.redelivered", "yes", "headers.redelivered is 'yes', must be true or false"),
+        ("headers.compression", "application/x-gzip", "headers.compression is 'application/x-gzip', must be absent"),
+        ("headers.link", [], "unknown headers key(s) ['link']"),
+        ("headers.task", ..., "headers without task"),
+        ("headers", [], "headers is [], must be an object"),
+        # the envelope and its properties
+        ("content-type", "application/x-python-serialize", "content-type is 'application/x-python-serialize'"),
+        ("content-encoding", "binary", "content-encoding is 'binary'"),
+        ("body", 12, "body is 12, must be a string"),
+        ("properties", None, "properties is None, must be an object"),
+        ("properties.body_encoding", "utf-8", "properties.body_encoding is 'utf-8', must be 'base64'"),
+        ("properties.delivery_tag", None, "properties.delivery_tag is None"),
+        ("properties.delivery_tag", ..., "properties without delivery_tag"),
+        ("properties.priority", 9, "properties.priority is 9, must be 0"),
+        ("properties.delivery_mode", "2", "properties.delivery_mode is '2'"),
+        ("properties.expiration", "1000", "unknown properties key(s) ['expiration']"),
+        ("properties.delivery_info", "x", "properties.delivery_info is 'x', must be an object"),
+        ("properties.delivery_info.exchange", "celery", "properties.delivery_info.exchange is 'celery'"),
+        ("properties.delivery_info.routing_key", "celery", "properties.delivery_info.routing_key is 'celery'"),
+        ("properties.delivery_info.routing_key", ..., "properties.delivery_info without routing_key"),
+        # kombu's typed JSON objects are no exception
+        ("headers.eta", {"__type__": "datetime", "__value__": "2099-01-01T00:00:00"}, "headers.eta is {'__type__'"),
+    ],
+)
+def test_an_envelope_not_shaped_as_ours_is_refused(envelope: dict[str, Any], path: str, value: Any, reason: str) -> None:
     assert reason in refused(changed(envelope, path, value))
 
 
-@pytest.mark.parametrize(("raw", "reason"), [
-    ("[]", "body is '[]', must be [[message], {}, {...}]"),  # issue 21: it killed every worker in turn
-    ("", "body is '', must be"),
-    ("null", "body is 'null'"),
-    ("{}", "body is '{}'"),
-    ('[[], {}, {}]', "body is '[[], {}, {}]'"),
-    ('[[1], {}, {}]', "body is '[[1], {}, {}]'"),
-    ('[["x"]]', "body must be [args, kwargs, embed]"),
-    ('[["x"], {}]', "body must be [args, kwargs, embed]"),
-    ('[["x"], {}, {}, {}]', "body must be [args, kwargs, embed]"),
-    ('[["x", "y"], {}, {}]', "body must be [args, kwargs, embed] with one argument"),
-    ('[["x"], {"message": "x"}, {}]', "body's kwargs are {'message': 'x'}, must be {}"),
-    ('[["x"], [], {}]', "body's kwargs are [], must be {}"),
-    ('[["x"], {}, null]', "body's embed is None"),
-    ('[["x"], {}, {"links": null}]', "body's embed is {'links': None}"),
-    ('[["x"], {}, {"callbacks": [{"task": "celery.backend_cleanup"}]}]', "body's embed is {'callbacks'"),
-    ('[["x"], {}, {"errbacks": [{"task": "x"}]}]', "callbacks, errbacks, chain and chord must be null"),
-    ('[["x"], {}, {"chain": [{"task": "x"}]}]', "no links, chains or chords"),
-    ('[["x"], {}, {"chord": {"task": "x"}}]', "no links, chains or chords"),
-    ('[["x"], {}, {"__type__": "bytes", "__value__": "eA=="}]', "body's embed is"),
-    ('[["x"], ' + "[" * 900 + "]" * 900 + ", {}]", "characters after its argument, more than"),
-    ('[["x"], ' + "[" * 400 + "]" * 400 + ", {}]", "body's kwargs are [[[["),
-    ('[["x"], {}, {}] trailing', "body is not JSON after its argument"),
-    ('[["unterminated', "body's argument is not a JSON string"),
-    ('[["\\ud800"], {}, {}]', "body's argument is not text (a lone surrogate)"),
-])
-def test_a_body_other_than_one_call_with_one_string_is_refused(envelope: dict[str, Any], raw: str,
-                                                               reason: str) -> None:
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ("[]", "body is '[]', must be [[message], {}, {...}]"),  # issue 21: it killed every worker in turn
+        ("", "body is '', must be"),
+        ("null", "body is 'null'"),
+        ("{}", "body is '{}'"),
+        ("[[], {}, {}]", "body is '[[], {}, {}]'"),
+        ("[[1], {}, {}]", "body is '[[1], {}, {}]'"),
+        ('[["x"]]', "body must be [args, kwargs, embed]"),
+        ('[["x"], {}]', "body must be [args, kwargs, embed]"),
+        ('[["x"], {}, {}, {}]', "body must be [args, kwargs, embed]"),
+        ('[["x", "y"], {}, {}]', "body must be [args, kwargs, embed] with one argument"),
+        ('[["x"], {"message": "x"}, {}]', "body's kwargs are {'message': 'x'}, must be {}"),
+        ('[["x"], [], {}]', "body's kwargs are [], must be {}"),
+        ('[["x"], {}, null]', "body's embed is None"),
+        ('[["x"], {}, {"links": null}]', "body's embed is {'links': None}"),
+        ('[["x"], {}, {"callbacks": [{"task": "celery.backend_cleanup"}]}]', "body's embed is {'callbacks'"),
+        ('[["x"], {}, {"errbacks": [{"task": "x"}]}]', "callbacks, errbacks, chain and chord must be null"),
+        ('[["x"], {}, {"chain": [{"task": "x"}]}]', "no links, chains or chords"),
+        ('[["x"], {}, {"chord": {"task": "x"}}]', "no links, chains or chords"),
+        ('[["x"], {}, {"__type__": "bytes", "__value__": "eA=="}]', "body's embed is"),
+        ('[["x"], ' + "[" * 900 + "]" * 900 + ", {}]", "characters after its argument, more than"),
+        ('[["x"], ' + "[" * 400 + "]" * 400 + ", {}]", "body's kwargs are [[[["),
+        ('[["x"], {}, {}] trailing', "body is not JSON after its argument"),
+        ('[["unterminated', "body's argument is not a JSON string"),
+        ('[["\\ud800"], {}, {}]', "body's argument is not text (a lone surrogate)"),
+    ],
+)
+def test_a_body_other_than_one_call_with_one_string_is_refused(envelope: dict[str, Any], raw: str, reason: str) -> None:
     assert reason in refused(with_body(envelope, raw))
 
 

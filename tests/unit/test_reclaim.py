@@ -14,8 +14,13 @@ from worker.stop import StopSignal
 
 
 def watch(stop: StopSignal, base: str, notices: list[str], heard: list[tuple[str, str]] | None = None) -> ReclaimWatcher:
-    w = ReclaimWatcher(stop, [AwsProbe(base), GcpProbe(base)], 0.05, on_notice=lambda: notices.append("x"),
-                       on_heard=None if heard is None else lambda cloud, kind: heard.append((cloud, kind)))
+    w = ReclaimWatcher(
+        stop,
+        [AwsProbe(base), GcpProbe(base)],
+        0.05,
+        on_notice=lambda: notices.append("x"),
+        on_heard=None if heard is None else lambda cloud, kind: heard.append((cloud, kind)),
+    )
     w.start()
     return w
 
@@ -24,8 +29,12 @@ def polled(md: FakeMetadata, node: str, times: int, since: int = 0) -> None:
     """Wait until the watcher has asked for ``node``'s spot notice ``times`` times after request
     number ``since``: its one thread asks again only once the answer before was acted on."""
     path = f"/{node}/latest/meta-data/spot/instance-action"
-    wait_for(lambda: sum(1 for _, p in md.requests[since:] if p == path) >= times, 10, interval=0.01,
-             what=f"{times} polls of {path}")
+    wait_for(
+        lambda: sum(1 for _, p in md.requests[since:] if p == path) >= times,
+        10,
+        interval=0.01,
+        what=f"{times} polls of {path}",
+    )
 
 
 def test_aws_spot_notice_sets_the_deadline_from_the_termination_time() -> None:

@@ -44,8 +44,9 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize(("url", "secrets", "shown"), HOSTILE)
-def test_redaction_never_shows_a_user_or_password_and_keeps_the_host(url: str, secrets: list[str],
-                                                                     shown: str | None) -> None:
+def test_redaction_never_shows_a_user_or_password_and_keeps_the_host(
+    url: str, secrets: list[str], shown: str | None
+) -> None:
     out = redact(url)
     assert not [s for s in secrets if s in out], out
     assert "***" in out and out.isprintable()
@@ -55,7 +56,8 @@ def test_redaction_never_shows_a_user_or_password_and_keeps_the_host(url: str, s
 
 @pytest.mark.parametrize(("url", "secrets", "shown"), HOSTILE)
 def test_a_hostile_redis_url_is_accepted_or_refused_by_name_in_one_line_without_its_secret(
-        url: str, secrets: list[str], shown: str | None) -> None:
+    url: str, secrets: list[str], shown: str | None
+) -> None:
     try:
         settings = load_settings(redis_url=url)
     except ConfigError as exc:
@@ -68,21 +70,35 @@ def test_a_hostile_redis_url_is_accepted_or_refused_by_name_in_one_line_without_
     assert settings.redis_url is not None and not [s for s in secrets if s in redact(settings.redis_url)]
 
 
-@pytest.mark.parametrize("url", [
-    "redis://:Xq7/Zk9@rhost:6379/0", "redis://:Xq7#Zk9@rhost:6379/0", "redis://:Xq7?Zk9@rhost:6379/0",
-    "redis://:123/Xq7Zk9@rhost:6379/0", "redis://Usr4:123?Xq7Zk9@rhost:1/0", "redis://Xq7Zk9@rhost:6379/0",
-    "redis://:Xq7\nZk9@rhost:6379/0", "redis://:Xq7[Zk9@rhost/0",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:Xq7/Zk9@rhost:6379/0",
+        "redis://:Xq7#Zk9@rhost:6379/0",
+        "redis://:Xq7?Zk9@rhost:6379/0",
+        "redis://:123/Xq7Zk9@rhost:6379/0",
+        "redis://Usr4:123?Xq7Zk9@rhost:1/0",
+        "redis://Xq7Zk9@rhost:6379/0",
+        "redis://:Xq7\nZk9@rhost:6379/0",
+        "redis://:Xq7[Zk9@rhost/0",
+    ],
+)
 def test_a_url_whose_password_would_be_misread_is_refused(url: str) -> None:
     assert redis_url_problem(url)
 
 
-@pytest.mark.parametrize("url", [
-    "redis://:p%2Fw%23x%3Fy%40z@rhost:6379/0",  # the same characters, percent-encoded: fine
-    "redis://:Xq7@Zk9@rhost:6379/0",  # the last @ ends the userinfo: read as meant
-    "redis://Usr4:Xq7Zk9@rhost:6379", "rediss://:pw@[::1]:6380/2", "unix:///run/redis.sock?db=1",
-    "redis://rhost", "redis://127.0.0.1:6379/0",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:p%2Fw%23x%3Fy%40z@rhost:6379/0",  # the same characters, percent-encoded: fine
+        "redis://:Xq7@Zk9@rhost:6379/0",  # the last @ ends the userinfo: read as meant
+        "redis://Usr4:Xq7Zk9@rhost:6379",
+        "rediss://:pw@[::1]:6380/2",
+        "unix:///run/redis.sock?db=1",
+        "redis://rhost",
+        "redis://127.0.0.1:6379/0",
+    ],
+)
 def test_a_well_formed_url_is_accepted(url: str) -> None:
     assert redis_url_problem(url) is None and load_settings(redis_url=url).redis_url
 
@@ -116,19 +132,32 @@ def test_a_connection_error_names_the_url_without_user_or_password() -> None:
     assert f"redis://***@127.0.0.1:{port}/0" in text and "Usr4" not in text and "Xq7" not in text
 
 
-@pytest.mark.parametrize("query", [
-    "p%61ssword=Xq7Zk9", "P%41sSWoRD=Xq7Zk9", "%70%61%73%73%77%6F%72%64=Xq7Zk9",  # password, encoded
-    "us%65rname=Xq7Zk9", "%55sername=Xq7Zk9",  # the user name redis-py reads from the query
-    "%74oken=Xq7Zk9", "ToK%45n=Xq7Zk9", "api_k%65y=Xq7Zk9", "KE%59=Xq7Zk9", "s%65cret=Xq7Zk9",
-    "%61uth=Xq7Zk9", "Cr%45d=Xq7Zk9", "pass+word=Xq7Zk9",  # '+' is a space in a query: still "pass"
-    "db=0&p%61ssword=Xq7Zk9&ssl_cert_reqs=required",
-    "p%61ssword%3DXq7Zk9",  # no '=' at all once read: the whole parameter is hidden
-])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "p%61ssword=Xq7Zk9",
+        "P%41sSWoRD=Xq7Zk9",
+        "%70%61%73%73%77%6F%72%64=Xq7Zk9",  # password, encoded
+        "us%65rname=Xq7Zk9",
+        "%55sername=Xq7Zk9",  # the user name redis-py reads from the query
+        "%74oken=Xq7Zk9",
+        "ToK%45n=Xq7Zk9",
+        "api_k%65y=Xq7Zk9",
+        "KE%59=Xq7Zk9",
+        "s%65cret=Xq7Zk9",
+        "%61uth=Xq7Zk9",
+        "Cr%45d=Xq7Zk9",
+        "pass+word=Xq7Zk9",  # '+' is a space in a query: still "pass"
+        "db=0&p%61ssword=Xq7Zk9&ssl_cert_reqs=required",
+        "p%61ssword%3DXq7Zk9",  # no '=' at all once read: the whole parameter is hidden
+    ],
+)
 def test_a_credential_parameter_is_hidden_when_its_name_is_percent_encoded_or_mixed_case(query: str) -> None:
     out = redact(f"redis://rhost:6379/0?{query}")
     assert "Xq7Zk9" not in out and "***" in out and out.startswith("redis://rhost:6379/0?"), out
 
 
 def test_a_harmless_parameter_is_shown_whole_even_when_encoded() -> None:
-    assert redact("redis://rhost:6379/0?d%62=1&ssl_cert_reqs=required") == \
-        "redis://rhost:6379/0?d%62=1&ssl_cert_reqs=required"
+    assert (
+        redact("redis://rhost:6379/0?d%62=1&ssl_cert_reqs=required") == "redis://rhost:6379/0?d%62=1&ssl_cert_reqs=required"
+    )

@@ -56,12 +56,20 @@ def test_the_reaper_renews_at_every_tick_and_a_standby_asks_only_now_and_then() 
 
 
 def test_the_feeders_shared_counts_round_trip_and_go_stale() -> None:
-    regs = [json.dumps({"pool": "default", "store": "/s"}), json.dumps({"pool": "default", "store": "/s"}),
-            json.dumps({"pool": "big", "store": "/s"}), "not json", json.dumps({"store": "/s"})]
+    regs = [
+        json.dumps({"pool": "default", "store": "/s"}),
+        json.dumps({"pool": "default", "store": "/s"}),
+        json.dumps({"pool": "big", "store": "/s"}),
+        "not json",
+        json.dumps({"store": "/s"}),
+    ]
     counts = count_registrations(regs)
     assert counts == {queue_name("default", "/s"): 2, queue_name("big", "/s"): 1}
-    published = {**{k.encode(): str(v).encode() for k, v in counts.items()}, keys.COUNTED_AT.encode(): b"100.5",
-                 b"odd": b"x"}
+    published = {
+        **{k.encode(): str(v).encode() for k, v in counts.items()},
+        keys.COUNTED_AT.encode(): b"100.5",
+        b"odd": b"x",
+    }
     assert read_counts(published) == (counts, 100.5)
     assert read_counts({}) == ({}, 0.0)
     assert not counts_stale(100.0, 100.0 + COUNTS_SECONDS - 0.1)

@@ -19,7 +19,8 @@ URL = "redis+sentinel://:pw@s1:26380,s2,10.0.0.3:26381/mymaster/2"
 
 def test_a_sentinel_url_names_every_sentinel_the_master_and_the_database() -> None:
     assert parse_sentinel(URL) == SentinelURL(
-        sentinels=(("s1", 26380), ("s2", 26379), ("10.0.0.3", 26381)), master="mymaster", db=2, password="pw")
+        sentinels=(("s1", 26380), ("s2", 26379), ("10.0.0.3", 26381)), master="mymaster", db=2, password="pw"
+    )
     assert parse_sentinel("redis+sentinel://s1/m").db == 0  # no database: 0
     assert parse_sentinel("redis+sentinel://[::1]:5,s2/m").sentinels == (("::1", 5), ("s2", 26379))
 
@@ -34,26 +35,28 @@ def test_a_password_user_and_sentinel_password_are_percent_decoded() -> None:
 
 def test_tls_is_rediss_sentinel_and_verifies_the_server_by_default() -> None:
     parsed = parse_sentinel("rediss+sentinel://:pw@s1/m?ssl_ca_certs=/etc/ca.pem")
-    assert parsed.tls and parsed.ssl_kwargs() == {"ssl": True, "ssl_cert_reqs": "required",
-                                                   "ssl_ca_certs": "/etc/ca.pem"}
+    assert parsed.tls and parsed.ssl_kwargs() == {"ssl": True, "ssl_cert_reqs": "required", "ssl_ca_certs": "/etc/ca.pem"}
     assert parse_sentinel(URL).ssl_kwargs() == {}
 
 
-@pytest.mark.parametrize(("url", "why"), [
-    ("redis+sentinel://s1,s2", "names no master"),
-    ("redis+sentinel://s1/", "names no master"),
-    ("redis+sentinel://s1/m/x", "MASTER or MASTER/DB"),
-    ("redis+sentinel://s1/m/0/1", "MASTER or MASTER/DB"),
-    ("redis+sentinel://s1:port/m", "cannot be parsed"),
-    ("redis+sentinel://s1:70000/m", "cannot be parsed"),
-    ("redis+sentinel://s1,,s2/m", "empty sentinel host"),
-    ("redis+sentinel://s1/m?db=1", "unknown option 'db'"),
-    ("redis+sentinel://s1/m?ssl_ca_certs=/ca", "for rediss+sentinel:// only"),
-    ("rediss+sentinel://s1/m?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of"),
-    ("redis+sentinel://Xq7Zk9@s1/m", "names a user but no password"),
-    ("redis+sentinel://s1:\u00b2/m", "cannot be parsed"),  # a digit to str.isdigit, not to int()
-    ("redis+sentinel://s1/m/\u00b2", "MASTER or MASTER/DB"),
-])
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("redis+sentinel://s1,s2", "names no master"),
+        ("redis+sentinel://s1/", "names no master"),
+        ("redis+sentinel://s1/m/x", "MASTER or MASTER/DB"),
+        ("redis+sentinel://s1/m/0/1", "MASTER or MASTER/DB"),
+        ("redis+sentinel://s1:port/m", "cannot be parsed"),
+        ("redis+sentinel://s1:70000/m", "cannot be parsed"),
+        ("redis+sentinel://s1,,s2/m", "empty sentinel host"),
+        ("redis+sentinel://s1/m?db=1", "unknown option 'db'"),
+        ("redis+sentinel://s1/m?ssl_ca_certs=/ca", "for rediss+sentinel:// only"),
+        ("rediss+sentinel://s1/m?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of"),
+        ("redis+sentinel://Xq7Zk9@s1/m", "names a user but no password"),
+        ("redis+sentinel://s1:\u00b2/m", "cannot be parsed"),  # a digit to str.isdigit, not to int()
+        ("redis+sentinel://s1/m/\u00b2", "MASTER or MASTER/DB"),
+    ],
+)
 def test_a_bad_sentinel_url_is_refused_saying_why(url: str, why: str) -> None:
     problem = redis_url_problem(url)
     assert problem is not None and why in problem, problem
@@ -80,11 +83,14 @@ def test_a_hostile_sentinel_url_is_refused_by_name_in_one_line_without_its_secre
     assert "Xq7" not in text and "Zk9" not in text and "Usr4" not in text, text
 
 
-@pytest.mark.parametrize("url", [
-    "redis+sentinel://:Xq7Zk9@s1:26379,s2:26379/mymaster/0",
-    "redis+sentinel://Usr4:Xq7Zk9@s1/m?sentinel_password=Xq7Zk9",
-    "rediss+sentinel://:Xq7%2FZk9@s1/m?ssl_cert_reqs=required",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+sentinel://:Xq7Zk9@s1:26379,s2:26379/mymaster/0",
+        "redis+sentinel://Usr4:Xq7Zk9@s1/m?sentinel_password=Xq7Zk9",
+        "rediss+sentinel://:Xq7%2FZk9@s1/m?ssl_cert_reqs=required",
+    ],
+)
 def test_redaction_of_a_sentinel_url_hides_both_passwords_and_keeps_the_sentinels(url: str) -> None:
     assert load_settings(redis_url=url).redis_url == url  # accepted as it is
     out = redact(url)
@@ -116,8 +122,9 @@ def test_the_celery_app_of_a_sentinel_url_keeps_our_transport_options_and_hides_
 
 
 def test_the_client_of_a_sentinel_url_is_the_masters_and_connects_to_nothing_yet() -> None:
-    client = redisconn.client("redis+sentinel://:pw@127.0.0.1:1,127.0.0.1:2/mymaster/3?sentinel_password=sp",
-                              socket_timeout=7)
+    client = redisconn.client(
+        "redis+sentinel://:pw@127.0.0.1:1,127.0.0.1:2/mymaster/3?sentinel_password=sp", socket_timeout=7
+    )
     pool = client.connection_pool
     assert isinstance(pool, SentinelConnectionPool) and pool.service_name == "mymaster" and pool.is_master
     assert (pool.connection_kwargs["db"], pool.connection_kwargs["password"]) == (3, "pw")

@@ -8,8 +8,9 @@ from dispatcher.redisload import BUSY, MAX_WINDOW, RedisLoad, main_thread_cpu, s
 
 
 def load(**kw: object) -> RedisLoad:
-    base: dict[str, object] = dict(cpu_seconds=10.0, commands=100, clients=10, maxclients=10_000, used_memory=2**20,
-                                   maxmemory=0, ops_per_second=5)
+    base: dict[str, object] = dict(
+        cpu_seconds=10.0, commands=100, clients=10, maxclients=10_000, used_memory=2**20, maxmemory=0, ops_per_second=5
+    )
     base.update(kw)
     return RedisLoad(**base)  # type: ignore[arg-type]
 
@@ -34,8 +35,12 @@ def test_a_restart_or_a_reading_too_old_gives_no_share() -> None:
 
 
 def test_the_main_threads_cpu_is_preferred_where_redis_gives_it() -> None:
-    assert main_thread_cpu({"used_cpu_sys": 9.0, "used_cpu_user": 9.0, "used_cpu_sys_main_thread": 1.5,
-                            "used_cpu_user_main_thread": 2.5}) == 4.0  # io-threads' CPU is not the bottleneck
+    assert (
+        main_thread_cpu(
+            {"used_cpu_sys": 9.0, "used_cpu_user": 9.0, "used_cpu_sys_main_thread": 1.5, "used_cpu_user_main_thread": 2.5}
+        )
+        == 4.0
+    )  # io-threads' CPU is not the bottleneck
     assert main_thread_cpu({"used_cpu_sys": 1.25, "used_cpu_user": 2.0}) == 3.25  # an older Redis
     assert main_thread_cpu({}) == 0.0
 

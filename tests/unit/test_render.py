@@ -194,9 +194,7 @@ def test_prompts_with_different_render_keys_are_refused(renderer: Renderer) -> N
         renderer.render([make_prompt(0, width=30)])
 
 
-def test_out_of_memory_is_reported_as_such(
-    renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_out_of_memory_is_reported_as_such(renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     def oom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
@@ -320,13 +318,17 @@ def mocked_card(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("text", [
-    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
-    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
-    "CUDA out of memory. Tried to allocate 2.00 GiB",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+    ],
+)
 def test_a_library_that_could_not_allocate_is_out_of_memory_so_the_batch_is_halved(
-        text: str, renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    text: str, renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from worker.render import is_device_error, is_out_of_memory
 
     def fails(*args: Any, **kwargs: Any) -> Any:
@@ -341,14 +343,17 @@ def test_a_library_that_could_not_allocate_is_out_of_memory_so_the_batch_is_halv
 def test_other_cublas_and_cuda_failures_stay_device_errors() -> None:
     from worker.render import is_device_error, is_out_of_memory
 
-    for text in ("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`",
-                 "CUDA error: an illegal memory access was encountered"):
+    for text in (
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`",
+        "CUDA error: an illegal memory access was encountered",
+    ):
         assert is_device_error(RuntimeError(text)) and not is_out_of_memory(RuntimeError(text))
     assert not is_device_error(ValueError("CUDA error: quoted in an input"))  # an input's text, not the device
 
 
 def test_a_device_error_raised_while_compiling_is_the_devices_not_the_prompts(
-        renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from torch._dynamo.exc import BackendCompilerFailed
 
     from renderfleet.errors import DeviceError
@@ -385,7 +390,8 @@ def test_a_cause_chain_that_loops_is_followed_once() -> None:
 
 
 def test_after_an_out_of_memory_the_cache_is_emptied_only_once_the_failed_call_is_released_mocked_device(
-        mocked_card: list[str]) -> None:
+    mocked_card: list[str],
+) -> None:
     renderer = on_card(FakePipe(fail=lambda: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate")))
     with pytest.raises(OutOfMemory) as info:
         renderer.render_images([make_prompt(0), make_prompt(1)])
@@ -394,8 +400,7 @@ def test_after_an_out_of_memory_the_cache_is_emptied_only_once_the_failed_call_i
     assert "Tried to allocate" in str(info.value)
 
 
-def test_each_batch_starts_the_cards_memory_peak_afresh_but_a_probe_does_not_mocked_device(
-        mocked_card: list[str]) -> None:
+def test_each_batch_starts_the_cards_memory_peak_afresh_but_a_probe_does_not_mocked_device(mocked_card: list[str]) -> None:
     renderer = on_card(FakePipe())
     renderer.generate([make_prompt(0)], output_type="pt")  # a batch-size probe or a benchmark's call
     assert mocked_card == []

@@ -107,9 +107,10 @@ def test_a_job_id_keeps_its_value_unless_a_new_setting_is_set() -> None:
     old_form = {k: v for k, v in params.to_dict().items() if k not in spec.SET_ONLY_IDENTITY}
     ident = json.dumps({"content": "abc", "params": old_form, "store": "/data"}, sort_keys=True)
     assert job_id("abc", params, "/data") == "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
-    ids = {job_id("abc", dataclasses.replace(params, **{name: value}), "/data")
-           for name, value in [("scheduler", "euler"), ("long_prompts", "truncate"), ("image_format", "webp"),
-                               ("quality", 80)]}
+    ids = {
+        job_id("abc", dataclasses.replace(params, **{name: value}), "/data")
+        for name, value in [("scheduler", "euler"), ("long_prompts", "truncate"), ("image_format", "webp"), ("quality", 80)]
+    }
     assert len(ids | {job_id("abc", params, "/data")}) == 5
 
 
@@ -126,9 +127,12 @@ def test_a_job_without_new_settings_keeps_the_message_and_spec_an_older_worker_r
 
 def test_every_format_has_its_extension_and_a_listing_recognises_each() -> None:
     assert [spec.image_key("j", "a", RenderParams(image_format=f).image_extension) for f in spec.IMAGE_FORMATS] == [
-        "jobs/j/images/a.png", "jobs/j/images/a.webp", "jobs/j/images/a.webp", "jobs/j/images/a.jpg"]
-    assert [spec.image_name(t) for t in ("a.png", "b.webp", "c.jpg", "d.json", "e.png.tmp")] == [
-        "a", "b", "c", None, None]
+        "jobs/j/images/a.png",
+        "jobs/j/images/a.webp",
+        "jobs/j/images/a.webp",
+        "jobs/j/images/a.jpg",
+    ]
+    assert [spec.image_name(t) for t in ("a.png", "b.webp", "c.jpg", "d.json", "e.png.tmp")] == ["a", "b", "c", None, None]
 
 
 def test_submit_counts_long_prompts_once_naming_the_first_lines(tmp_path: Any) -> None:
@@ -143,9 +147,11 @@ def test_submit_counts_long_prompts_once_naming_the_first_lines(tmp_path: Any) -
     summary = validate_file(str(path))
     assert (summary.long, summary.long_lines) == (5, (2, 3, 4))
     note = long_prompts_note(summary, "truncate")
-    assert note == (f"{path}:2, {path}:3, {path}:4, ...: 5 prompt(s) longer than the text encoder's 77 tokens "
-                    "(counted without the model's tokenizer: at least this many): cut at 77 tokens, the rest "
-                    "ignored (long_prompts=truncate)")
+    assert note == (
+        f"{path}:2, {path}:3, {path}:4, ...: 5 prompt(s) longer than the text encoder's 77 tokens "
+        "(counted without the model's tokenizer: at least this many): cut at 77 tokens, the rest "
+        "ignored (long_prompts=truncate)"
+    )
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": "a", "negative_prompt": long}) + "\n")
     assert "embedded in 77-token chunks" in (long_prompts_note(validate_file(str(jsonl)), "chunk") or "")
@@ -208,7 +214,8 @@ def test_a_long_prompt_is_chunked_by_default_and_cut_when_asked(
     assert renderer.long_prompts.tokens(first.prompt) == 77
     assert pixels(renderer.render([full])[0]) == pixels(renderer.render([first])[0])
     assert pixels(renderer.render([dataclasses.replace(full, long_prompts="chunk")])[0]) != pixels(
-        renderer.render([first])[0])
+        renderer.render([first])[0]
+    )
     # the pipeline's warning quotes every token cut: one short line per worker at most
     truncated = [r for r in caplog.records if "77 tokens" in r.getMessage() or "truncated" in r.getMessage()]
     assert len(truncated) <= 1 and all(len(r.getMessage()) < 200 for r in truncated)
@@ -234,8 +241,13 @@ def test_each_format_keeps_prompt_seed_settings_and_model(renderer: Renderer, fm
     assert data == renderer.render([p])[0]  # no clock in any format
     meta = images.read_metadata(data)
     assert {k: meta[k] for k in ("prompt", "seed", "steps", "model", "scheduler", "quality")} == {
-        "prompt": "héllo <世界> & co", "seed": "5", "steps": "2", "model": "tiny", "scheduler": "unipc",
-        "quality": "80"}
+        "prompt": "héllo <世界> & co",
+        "seed": "5",
+        "steps": "2",
+        "model": "tiny",
+        "scheduler": "unipc",
+        "quality": "80",
+    }
     assert meta.get("image_format", "png") == fmt  # the default is written only where it is not
     with Image.open(io.BytesIO(data)) as image:
         assert image.format == {"png": "PNG", "webp": "WEBP", "webp-lossless": "WEBP", "jpeg": "JPEG"}[fmt]
@@ -258,5 +270,14 @@ def test_a_prompt_xml_cannot_carry_comes_back_whole_from_webp_and_jpeg(text: str
 
 def test_a_png_of_default_settings_keeps_the_chunks_it_always_had(renderer: Renderer) -> None:
     meta = images.read_metadata(renderer.render([prompt()])[0])
-    assert list(meta) == ["prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "model",
-                          "renderfleet"]
+    assert list(meta) == [
+        "prompt",
+        "negative_prompt",
+        "seed",
+        "steps",
+        "guidance",
+        "width",
+        "height",
+        "model",
+        "renderfleet",
+    ]

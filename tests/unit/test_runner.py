@@ -24,8 +24,17 @@ PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 
 def make_msg(n: int = 10, batch: int = 4, shard: int = 0) -> ShardMessage:
     prompts = tuple(
-        Prompt(index=i, name=spec.index_name(i), prompt=f"p{i}", negative_prompt="", seed=spec.derive_seed(0, i),
-               steps=2, guidance=7.5, width=32, height=32)
+        Prompt(
+            index=i,
+            name=spec.index_name(i),
+            prompt=f"p{i}",
+            negative_prompt="",
+            seed=spec.derive_seed(0, i),
+            steps=2,
+            guidance=7.5,
+            width=32,
+            height=32,
+        )
         for i in range(n)
     )
     return ShardMessage(job="j", shard=shard, params=PARAMS, batch_size=batch, queue="q", prompts=prompts)
@@ -34,16 +43,21 @@ def make_msg(n: int = 10, batch: int = 4, shard: int = 0) -> ShardMessage:
 class FakeRenderer:
     """Deterministic bytes per prompt; can fail, OOM above a size, or trip a stop flag."""
 
-    def __init__(self, *, bad: set[str] | None = None, oom_above: int | None = None,
-                 on_call: Callable[[int], None] | None = None):
+    def __init__(
+        self, *, bad: set[str] | None = None, oom_above: int | None = None, on_call: Callable[[int], None] | None = None
+    ):
         self.calls: list[list[str]] = []
         self.bad = bad or set()
         self.oom_above = oom_above
         self.on_call = on_call
         self.last_batch_seconds: float | None = None
 
-    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
-                      ) -> list[Any]:
+    def render_images(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[Any]:
         self.calls.append([p.name for p in prompts])
         if self.on_call:
             self.on_call(len(self.calls))
@@ -117,8 +131,11 @@ def test_every_batch_writes_images_then_a_checkpoint(store: LocalStore) -> None:
     ledger = MemLedger()
     result = runner(store, r).run(make_msg(10, 4), ledger)
     assert result.rendered == 10 and result.complete
-    assert r.calls == [["000000", "000001", "000002", "000003"], ["000004", "000005", "000006", "000007"],
-                       ["000008", "000009"]]
+    assert r.calls == [
+        ["000000", "000001", "000002", "000003"],
+        ["000004", "000005", "000006", "000007"],
+        ["000008", "000009"],
+    ]
     assert sorted(ledger.done) == list(range(10)) and ledger.commits == 3
     for i in range(10):
         assert store.get(spec.image_key("j", spec.index_name(i))) is not None
@@ -396,15 +413,18 @@ class RecordingRenderer(FakeRenderer):
         super().__init__(**kwargs)
         self.events = events
 
-    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
-                      ) -> list[Any]:
+    def render_images(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[Any]:
         self.events.add("render", prompts[0].name)
         return super().render_images(prompts, should_stop=should_stop)
 
 
 def piped(store: LocalStore, renderer: FakeRenderer, *, depth: int = 2, stop: StopSignal | None = None) -> ShardRunner:
-    return ShardRunner(store=store, renderer=renderer, stop=stop or StopSignal(), upload_threads=4,
-                       pipeline_depth=depth)
+    return ShardRunner(store=store, renderer=renderer, stop=stop or StopSignal(), upload_threads=4, pipeline_depth=depth)
 
 
 def checkpoint_key(batch: int) -> str:
@@ -529,11 +549,14 @@ class FailingStore(RecordingStore):
         super().put(key, data, content_type=content_type)
 
 
-@pytest.mark.parametrize("error", [StoreError("S3 put failed after 6 attempt(s)"),
-                                   OSError(errno.ENOSPC, "No space left on device")],
-                         ids=["store-outage", "disk-full"])
+@pytest.mark.parametrize(
+    "error",
+    [StoreError("S3 put failed after 6 attempt(s)"), OSError(errno.ENOSPC, "No space left on device")],
+    ids=["store-outage", "disk-full"],
+)
 def test_an_upload_error_surfaces_in_the_shard_and_nothing_after_it_is_committed(
-        tmp_path: Path, error: BaseException) -> None:
+    tmp_path: Path, error: BaseException
+) -> None:
     events = Events()
     store = FailingStore(tmp_path / "store", events, error)
     ledger = RecordingLedger(events)
@@ -567,8 +590,12 @@ def test_a_failed_commit_abandons_the_batch_rendering_beside_it(tmp_path: Path) 
     asked: list[int] = []
 
     class Steps(RecordingRenderer):
-        def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
-                          ) -> list[Any]:
+        def render_images(
+            self,
+            prompts: Sequence[Prompt],
+            *,
+            should_stop: Callable[[], bool] = lambda: False,
+        ) -> list[Any]:
             if prompts[0].name == "000004":
                 failing.wait(timeout=10)
                 for step in range(500):  # denoising steps, asking after each

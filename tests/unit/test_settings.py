@@ -40,16 +40,19 @@ def test_tls_url_verifies_the_server_by_default() -> None:
     assert load_settings(redis_url="rediss://h/0?ssl_cert_reqs=none").redis_url == "rediss://h/0?ssl_cert_reqs=none"
 
 
-@pytest.mark.parametrize(("env", "value", "needle"), [
-    ("RENDERFLEET_REDIS_URL", "http://localhost", "RENDERFLEET_REDIS_URL"),
-    ("RENDERFLEET_STORE", "s3://", "RENDERFLEET_STORE"),
-    ("RENDERFLEET_POOL", "Spot Pool", "RENDERFLEET_POOL"),
-    ("RENDERFLEET_LEASE_SECONDS", "-1", "RENDERFLEET_LEASE_SECONDS"),
-    ("RENDERFLEET_RECLAIM_WATCH", "maybe", "RENDERFLEET_RECLAIM_WATCH"),
-    ("RENDERFLEET_HEARTBEAT_SECONDS", "5", "RENDERFLEET_HEARTBEAT_SECONDS"),
-    ("RENDERFLEET_RENDER_BATCH", "0", "RENDERFLEET_RENDER_BATCH: must be auto or a whole number from 1 to 256"),
-    ("RENDERFLEET_RENDER_BATCH", "many", "RENDERFLEET_RENDER_BATCH"),
-])
+@pytest.mark.parametrize(
+    ("env", "value", "needle"),
+    [
+        ("RENDERFLEET_REDIS_URL", "http://localhost", "RENDERFLEET_REDIS_URL"),
+        ("RENDERFLEET_STORE", "s3://", "RENDERFLEET_STORE"),
+        ("RENDERFLEET_POOL", "Spot Pool", "RENDERFLEET_POOL"),
+        ("RENDERFLEET_LEASE_SECONDS", "-1", "RENDERFLEET_LEASE_SECONDS"),
+        ("RENDERFLEET_RECLAIM_WATCH", "maybe", "RENDERFLEET_RECLAIM_WATCH"),
+        ("RENDERFLEET_HEARTBEAT_SECONDS", "5", "RENDERFLEET_HEARTBEAT_SECONDS"),
+        ("RENDERFLEET_RENDER_BATCH", "0", "RENDERFLEET_RENDER_BATCH: must be auto or a whole number from 1 to 256"),
+        ("RENDERFLEET_RENDER_BATCH", "many", "RENDERFLEET_RENDER_BATCH"),
+    ],
+)
 def test_a_bad_value_is_reported_by_name(monkeypatch: pytest.MonkeyPatch, env: str, value: str, needle: str) -> None:
     monkeypatch.setenv(env, value)
     with pytest.raises(ConfigError, match=needle):

@@ -68,8 +68,12 @@ class Recorder:
         self.shard_1_began = threading.Event()
         self.reclaimed_at = reclaimed_at  # the first batch starting with this prompt is lost to a notice, once
 
-    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
-                      ) -> list[Any]:
+    def render_images(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> list[Any]:
         self.began.append(prompts[0].name)
         if prompts[0].name == "000004":
             self.shard_1_began.set()
@@ -85,11 +89,11 @@ class Recorder:
 def submitted(tmp_path: Path, url: str) -> tuple[Job, redis.Redis, GatedCheckpoints, list[str]]:
     """A new job of 8 prompts in shards of 4, batches of 2: its store, as workers see it, and its messages."""
     client = Client(redis_url=url, store=str(tmp_path / "store"))
-    job = client.submit([f"prompt {i}" for i in range(8)], model="tiny", steps=2, size="32x32",
-                        shard_size=4, batch_size=2)
+    job = client.submit([f"prompt {i}" for i in range(8)], model="tiny", steps=2, size="32x32", shard_size=4, batch_size=2)
     raw = redis.Redis.from_url(url)
-    store = GatedCheckpoints(tmp_path / "store",
-                            lambda key: bool(raw.exists(keys.lease(job.id, int(key.rsplit("/", 2)[-2])))))
+    store = GatedCheckpoints(
+        tmp_path / "store", lambda key: bool(raw.exists(keys.lease(job.id, int(key.rsplit("/", 2)[-2]))))
+    )
     messages = []
     while (item := raw.rpop(queue_name("default", store.url))) is not None:
         body = json.loads(base64.b64decode(json.loads(cast(bytes, item))["body"]))
@@ -98,10 +102,19 @@ def submitted(tmp_path: Path, url: str) -> tuple[Job, redis.Redis, GatedCheckpoi
     return job, raw, store, messages
 
 
-def worker_service(tmp_path: Path, raw: redis.Redis, store: GatedCheckpoints, renderer: Recorder,
-                   published: list[str]) -> WorkerService:
-    return WorkerService(settings=Settings(home=tmp_path / "home"), client=raw, store=store, renderer=renderer,
-                         model="tiny", stop=StopSignal(), publish=published.append, worker_id="w-1")
+def worker_service(
+    tmp_path: Path, raw: redis.Redis, store: GatedCheckpoints, renderer: Recorder, published: list[str]
+) -> WorkerService:
+    return WorkerService(
+        settings=Settings(home=tmp_path / "home"),
+        client=raw,
+        store=store,
+        renderer=renderer,
+        model="tiny",
+        stop=StopSignal(),
+        publish=published.append,
+        worker_id="w-1",
+    )
 
 
 def test_the_next_shard_renders_while_the_last_one_is_checkpointed_counted_and_released(

@@ -60,20 +60,27 @@ def stored_files(draw: st.DrawFn) -> tuple[JobSpec, int, bytes, bytes]:
     job = job_of(draw(st.integers(1, 12)), draw(st.integers(1, 5)))
     true_wire, true_index = good_files(job)
     shard = draw(st.integers(-1, job.shards + 1))
-    index = draw(st.one_of(
-        st.binary(max_size=120),
-        st.lists(OFFSET, min_size=1, max_size=job.shards + 3).map(packed),
-        st.just(true_index),
-        st.lists(st.tuples(st.integers(0, job.shards), OFFSET), max_size=3).map(
-            lambda edits: packed([dict(edits).get(i, o) for i, o in enumerate(shardfile.offsets(true_index))])),
-    ))
+    index = draw(
+        st.one_of(
+            st.binary(max_size=120),
+            st.lists(OFFSET, min_size=1, max_size=job.shards + 3).map(packed),
+            st.just(true_index),
+            st.lists(st.tuples(st.integers(0, job.shards), OFFSET), max_size=3).map(
+                lambda edits: packed([dict(edits).get(i, o) for i, o in enumerate(shardfile.offsets(true_index))])
+            ),
+        )
+    )
     junk, at = draw(st.binary(max_size=8)), draw(st.integers(0, len(true_wire)))
-    wire = draw(st.one_of(
-        st.binary(max_size=400),
-        st.just(true_wire),
-        st.just(true_wire[:at] + junk + true_wire[at + len(junk):]),
-        st.just(true_wire[:-1]), st.just(true_wire + b"\n"), st.just(b"[" * 5000 + b"]" * 5000 + b"\n"),
-    ))
+    wire = draw(
+        st.one_of(
+            st.binary(max_size=400),
+            st.just(true_wire),
+            st.just(true_wire[:at] + junk + true_wire[at + len(junk) :]),
+            st.just(true_wire[:-1]),
+            st.just(true_wire + b"\n"),
+            st.just(b"[" * 5000 + b"]" * 5000 + b"\n"),
+        )
+    )
     return job, shard, index, wire
 
 
@@ -84,7 +91,8 @@ def stored_files(draw: st.DrawFn) -> tuple[JobSpec, int, bytes, bytes]:
 @example(files=(job_of(2, 1), 1, packed([0, 2**63, 4]), b'"a"\n"b"\n'))
 @example(files=(job_of(1, 1), 0, packed([0, 10_001]), b"[" * 5000 + b"]" * 5000 + b"\n"))  # RecursionError
 def test_any_index_and_wire_bytes_give_prompts_none_or_a_wire_error(
-        tmp_path_factory: pytest.TempPathFactory, files: tuple[JobSpec, int, bytes, bytes]) -> None:
+    tmp_path_factory: pytest.TempPathFactory, files: tuple[JobSpec, int, bytes, bytes]
+) -> None:
     job, shard, index, wire = files
     try:
         got = read_stored(tmp_path_factory.mktemp("store"), job, shard, index, wire)
@@ -96,7 +104,8 @@ def test_any_index_and_wire_bytes_give_prompts_none_or_a_wire_error(
 @settings(max_examples=200, deadline=None)
 @given(start=OFFSET, end=OFFSET, data=st.binary(max_size=50))
 def test_a_folder_stores_ranged_read_is_clamped_to_the_file(
-        tmp_path_factory: pytest.TempPathFactory, start: int, end: int, data: bytes) -> None:
+    tmp_path_factory: pytest.TempPathFactory, start: int, end: int, data: bytes
+) -> None:
     store = LocalStore(tmp_path_factory.mktemp("store"))
     store.put("a/b", data)
     assert store.get_range("a/b", start, end) == data[start:end]
@@ -107,16 +116,20 @@ def test_the_true_files_give_every_shards_prompts(tmp_path: Path) -> None:
     wire, index = good_files(job)
     for shard in range(job.shards):
         assert read_stored(tmp_path / str(shard), job, shard, index, wire) == [
-            f"prompt number {i}" for i in job.shard_range(shard)]
+            f"prompt number {i}" for i in job.shard_range(shard)
+        ]
 
 
-@pytest.mark.parametrize(("offsets", "why"), [
-    ([0, 2**40], "not the size of so many prompts"),  # 8 forged bytes: a 1 TiB read
-    ([0, HUGE], "not the size of so many prompts"),
-    ([4, 12], "starts at byte 4"),
-    ([0, 12, 4], "is more than 16 bytes: the job's 1 shards take 16"),
-    ([0, 12], "not where the wire file ends"),  # past the file
-])
+@pytest.mark.parametrize(
+    ("offsets", "why"),
+    [
+        ([0, 2**40], "not the size of so many prompts"),  # 8 forged bytes: a 1 TiB read
+        ([0, HUGE], "not the size of so many prompts"),
+        ([4, 12], "starts at byte 4"),
+        ([0, 12, 4], "is more than 16 bytes: the job's 1 shards take 16"),
+        ([0, 12], "not where the wire file ends"),  # past the file
+    ],
+)
 def test_a_forged_index_is_a_wire_error_naming_the_fault(tmp_path: Path, offsets: list[int], why: str) -> None:
     with pytest.raises(WireError, match=why):
         read_stored(tmp_path, job_of(2, 2), 0, packed(offsets), b'"a"\n"b"\n')
@@ -152,12 +165,19 @@ def test_submit_refuses_a_shard_larger_than_a_worker_reads() -> None:
         list(writer.shards([long, long]))
 
 
-@pytest.mark.parametrize("name, text", [
-    ("p.txt", "".join(f"prompt {i}\n" for i in range(11)) + "# a comment\n\n  last one  \n"),
-    ("p.jsonl", "".join(json.dumps({"prompt": f"p{i}", **({"id": f"n{i}", "steps": 3} if i % 3 else {})}) + "\n"
-                        for i in range(10))),
-    ("p.csv", "prompt,steps\n" + "".join(f"\"p, {i}\",{i + 1}\n" for i in range(9))),
-])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("p.txt", "".join(f"prompt {i}\n" for i in range(11)) + "# a comment\n\n  last one  \n"),
+        (
+            "p.jsonl",
+            "".join(
+                json.dumps({"prompt": f"p{i}", **({"id": f"n{i}", "steps": 3} if i % 3 else {})}) + "\n" for i in range(10)
+            ),
+        ),
+        ("p.csv", "prompt,steps\n" + "".join(f'"p, {i}",{i + 1}\n' for i in range(9))),
+    ],
+)
 @pytest.mark.parametrize("shard_size", [1, 4, 64])
 def test_one_pass_writes_the_wire_file_two_passes_write(tmp_path: Path, name: str, text: str, shard_size: int) -> None:
     """Submit validates a file and writes its wire file in one read (``validate_file``'s sink): the bytes, the

@@ -24,8 +24,10 @@ def test_derived_seed_is_stable_and_depends_on_job_seed_and_index() -> None:
     assert spec.derive_seed(0, 0) == spec.derive_seed(0, 0)
     assert len({spec.derive_seed(s, i) for s in range(3) for i in range(100)}) == 300
     # pinned: changing the derivation would change every image of every resubmitted job
-    assert spec.derive_seed(0, 0) == int.from_bytes(
-        __import__("hashlib").blake2b(b"0:0", digest_size=8).digest(), "big") & 0x7FFF_FFFF_FFFF_FFFF
+    assert (
+        spec.derive_seed(0, 0)
+        == int.from_bytes(__import__("hashlib").blake2b(b"0:0", digest_size=8).digest(), "big") & 0x7FFF_FFFF_FFFF_FFFF
+    )
 
 
 def test_wire_form_is_compact_and_round_trips() -> None:
@@ -89,14 +91,17 @@ def test_a_job_id_that_could_leave_its_prefix_is_refused(bad: str) -> None:
     assert spec.job_id_problem("j-0123abcd_v2.1") is None
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"params": RenderParams(steps=0)}, "--steps"),
-    ({"params": RenderParams(width=30)}, "--size"),
-    ({"params": RenderParams(guidance=-1)}, "--guidance"),
-    ({"shard_size": 0}, "--shard-size"),
-    ({"batch_size": 0}, "--batch-size"),
-    ({"job": "../etc"}, "--job"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"params": RenderParams(steps=0)}, "--steps"),
+        ({"params": RenderParams(width=30)}, "--size"),
+        ({"params": RenderParams(guidance=-1)}, "--guidance"),
+        ({"shard_size": 0}, "--shard-size"),
+        ({"batch_size": 0}, "--batch-size"),
+        ({"job": "../etc"}, "--job"),
+    ],
+)
 def test_bad_flags_are_named(kwargs: dict[str, object], needle: str) -> None:
     base: dict[str, object] = {"params": RenderParams()}
     with pytest.raises(InputError, match=needle):
@@ -111,8 +116,17 @@ def test_spec_round_trips_through_json() -> None:
 
 def plain(index: int, text: str, **changes: object) -> Prompt:
     """Prompt ``index`` of a file under PARAMS, with ``changes`` to the job's values."""
-    fields = {"index": index, "name": spec.index_name(index), "prompt": text, "negative_prompt": "blur",
-              "seed": spec.derive_seed(9, index), "steps": 2, "guidance": 7.5, "width": 32, "height": 32}
+    fields = {
+        "index": index,
+        "name": spec.index_name(index),
+        "prompt": text,
+        "negative_prompt": "blur",
+        "seed": spec.derive_seed(9, index),
+        "steps": 2,
+        "guidance": 7.5,
+        "width": 32,
+        "height": 32,
+    }
     return Prompt(**{**fields, **changes})  # type: ignore[arg-type]
 
 
@@ -120,26 +134,38 @@ def plain(index: int, text: str, **changes: object) -> Prompt:
 # backslashes and non-ASCII text test the hand-made escaping.
 ORIGINS: dict[str, tuple[str, list[Prompt]]] = {
     "p.txt": ('a cat\n# skip\n\n  a "dög" \\ ☕  \n', [plain(0, "a cat"), plain(1, 'a "dög" \\ ☕')]),
-    "p.jsonl": ('{"prompt": "a cat", "id": 7, "seed": 5}\n'
-                '{"prompt": "a \\"dög\\"", "steps": 4, "guidance": 3, "width": 64, "height": 48, '
-                '"negative_prompt": "", "id": "héro"}\n',
-                [plain(0, "a cat", name="7", seed=5),
-                 plain(1, 'a "dög"', name="héro", steps=4, guidance=3.0, width=64, height=48, negative_prompt="")]),
-    "p.csv": ('prompt,id,seed,steps,guidance,negative_prompt\na cat,x1,,3,,\n"a, ""dog""",,9,,0.5,sharp\n',
-              [plain(0, "a cat", name="x1", steps=3), plain(1, 'a, "dog"', seed=9, guidance=0.5,
-                                                           negative_prompt="sharp")]),
+    "p.jsonl": (
+        '{"prompt": "a cat", "id": 7, "seed": 5}\n'
+        '{"prompt": "a \\"dög\\"", "steps": 4, "guidance": 3, "width": 64, "height": 48, '
+        '"negative_prompt": "", "id": "héro"}\n',
+        [
+            plain(0, "a cat", name="7", seed=5),
+            plain(1, 'a "dög"', name="héro", steps=4, guidance=3.0, width=64, height=48, negative_prompt=""),
+        ],
+    ),
+    "p.csv": (
+        'prompt,id,seed,steps,guidance,negative_prompt\na cat,x1,,3,,\n"a, ""dog""",,9,,0.5,sharp\n',
+        [plain(0, "a cat", name="x1", steps=3), plain(1, 'a, "dog"', seed=9, guidance=0.5, negative_prompt="sharp")],
+    ),
 }
 
 
 @pytest.mark.parametrize("name", ORIGINS)
 def test_a_shard_has_one_wire_form_from_submit_or_resume_that_round_trips_with_the_slow_encoding(
-        tmp_path: Path, name: str) -> None:
+    tmp_path: Path, name: str
+) -> None:
     content, expected = ORIGINS[name]
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
     total = validate_file(str(path)).total
-    job = JobSpec(job="j-1", params=PARAMS, total=total, shard_size=total, batch_size=1,
-                  prompts_key=spec.source_key("j-1", *detect_format(str(path))))
+    job = JobSpec(
+        job="j-1",
+        params=PARAMS,
+        total=total,
+        shard_size=total,
+        batch_size=1,
+        prompts_key=spec.source_key("j-1", *detect_format(str(path))),
+    )
     store = LocalStore(tmp_path / "store")
     store.put_file(job.prompts_key, path)
     encode = spec.message_encoder(job, queue_name("default", store.url), store.url)
@@ -170,6 +196,7 @@ def test_the_apis_prompt_request_names_exactly_the_fields_of_the_one_table() -> 
     from renderfleet.api import PromptRequest
 
     assert [f.name for f in fields(PromptRequest)] == [f.name for f in spec.PROMPT_FIELDS]
-    every = PromptRequest("a cat", id="c", negative_prompt="n", seed=1, steps=2, guidance=3.0, width=8, height=16,
-                          scheduler="euler")
+    every = PromptRequest(
+        "a cat", id="c", negative_prompt="n", seed=1, steps=2, guidance=3.0, width=8, height=16, scheduler="euler"
+    )
     assert set(every.to_dict()) == {f.name for f in spec.PROMPT_FIELDS}

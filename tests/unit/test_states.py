@@ -49,6 +49,5 @@ def test_release_outcomes_are_exactly_the_release_enum() -> None:
 
 def test_no_script_compares_a_shard_state_to_an_unknown_literal() -> None:
     for name in SCRIPTS:
-        read = set(re.findall(r"HGET', (?:shards|job_prefix \.\. job \.\. shards_suffix), shard\) == '([^']*)'",
-                              code(name)))
+        read = set(re.findall(r"HGET', (?:shards|job_prefix \.\. job \.\. shards_suffix), shard\) == '([^']*)'", code(name)))
         assert read <= set(ShardState), name

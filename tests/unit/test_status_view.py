@@ -17,8 +17,13 @@ from dispatcher.web import HERE, _duration, _money
 def test_short_ids_are_the_shortest_unique_prefixes_seven_hex_digits_at_least() -> None:
     ids = ["j-3f2a1b9c0d1e2f3a", "j-3f2a1b9d00000000", "j-8e7d6c5b4a392817", "night", "nightly-2"]
     short = short_ids(ids)
-    assert short == {"j-3f2a1b9c0d1e2f3a": "j-3f2a1b9c", "j-3f2a1b9d00000000": "j-3f2a1b9d",
-                     "j-8e7d6c5b4a392817": "j-8e7d6c5", "night": "night", "nightly-2": "nightly-2"}
+    assert short == {
+        "j-3f2a1b9c0d1e2f3a": "j-3f2a1b9c",
+        "j-3f2a1b9d00000000": "j-3f2a1b9d",
+        "j-8e7d6c5b4a392817": "j-8e7d6c5",
+        "night": "night",
+        "nightly-2": "nightly-2",
+    }
     for job, s in short.items():  # each names one job: itself when typed whole, else the only one it starts
         assert s == job or [j for j in ids if j.startswith(s)] == [job]
 
@@ -51,13 +56,41 @@ def test_a_job_all_quarantined_is_all_red_and_one_quarantined_prompt_still_shows
 
 
 def test_the_jobs_table_fits_80_columns_and_never_cuts_an_id() -> None:
-    jobs = [JobStatus(f"j-{i:016x}", 1_000_000, 999_999, 1, 0, 0, 1, 0, 0, True, eta_seconds=3600.0 * 99,
-                      images_per_minute=12345.6, gpu_seconds={"default": 1e6}, cost=12345.0, cost_per_image=0.01234)
-            for i in range(3)]
-    fleet = FleetStatus(queues={"renderfleet.default.0123456789ab": 3}, jobs=jobs, store="/x",
-                        workers=[{"worker": "default-host-1234-abcdef", "pool": "default", "model": "stabilityai/"
-                                  "stable-diffusion-xl-base-1.0", "device": "cuda:0", "doing": f"{jobs[0].job}:7",
-                                  "since": "1"}])
+    jobs = [
+        JobStatus(
+            f"j-{i:016x}",
+            1_000_000,
+            999_999,
+            1,
+            0,
+            0,
+            1,
+            0,
+            0,
+            True,
+            eta_seconds=3600.0 * 99,
+            images_per_minute=12345.6,
+            gpu_seconds={"default": 1e6},
+            cost=12345.0,
+            cost_per_image=0.01234,
+        )
+        for i in range(3)
+    ]
+    fleet = FleetStatus(
+        queues={"renderfleet.default.0123456789ab": 3},
+        jobs=jobs,
+        store="/x",
+        workers=[
+            {
+                "worker": "default-host-1234-abcdef",
+                "pool": "default",
+                "model": "stabilityai/stable-diffusion-xl-base-1.0",
+                "device": "cuda:0",
+                "doing": f"{jobs[0].job}:7",
+                "since": "1",
+            }
+        ],
+    )
     out = io.StringIO()
     console = Console(file=out, width=80)
     console.print(render_status(fleet, console))

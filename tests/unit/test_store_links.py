@@ -45,8 +45,9 @@ def store(tmp_path: Path) -> LocalStore:
     return store
 
 
-def test_a_linked_file_is_no_object_to_get_get_range_exists_or_download(store: LocalStore, outside: Path,
-                                                                        tmp_path: Path) -> None:
+def test_a_linked_file_is_no_object_to_get_get_range_exists_or_download(
+    store: LocalStore, outside: Path, tmp_path: Path
+) -> None:
     (store.root / "jobs/j-1/images/000001.png").symlink_to(outside / "server.json")
     key = "jobs/j-1/images/000001.png"
     assert store.get(key) is None and store.get_range(key, 0, 10) is None and not store.exists(key)
@@ -56,8 +57,9 @@ def test_a_linked_file_is_no_object_to_get_get_range_exists_or_download(store: L
     assert store.get("jobs/j-1/images/000000.png") == b"png"  # the real one beside it still reads
 
 
-def test_a_linked_folder_is_no_folder_to_get_get_range_exists_or_download(store: LocalStore, outside: Path,
-                                                                          tmp_path: Path) -> None:
+def test_a_linked_folder_is_no_folder_to_get_get_range_exists_or_download(
+    store: LocalStore, outside: Path, tmp_path: Path
+) -> None:
     (store.root / "jobs/j-2").symlink_to(outside)
     for key in ("jobs/j-2/000001.png", "jobs/j-2/server.json", "jobs/j-2/sub/deep.txt"):
         assert store.get(key) is None and store.get_range(key, 0, 10) is None and not store.exists(key)
@@ -82,8 +84,9 @@ def test_listings_skip_linked_files_and_folders(store: LocalStore, outside: Path
     assert list(store.folders("jobs/j-2/")) == []
 
 
-def test_a_write_through_a_linked_folder_is_refused_and_nothing_lands_outside(store: LocalStore, outside: Path,
-                                                                              tmp_path: Path) -> None:
+def test_a_write_through_a_linked_folder_is_refused_and_nothing_lands_outside(
+    store: LocalStore, outside: Path, tmp_path: Path
+) -> None:
     before = snapshot(outside)
     (store.root / "jobs/j-1/thumbs").symlink_to(outside)
     (store.root / "jobs/j-2").symlink_to(outside)
@@ -153,9 +156,16 @@ def test_delete_prefix_under_a_linked_parent_folder_touches_nothing(tmp_path: Pa
 def test_a_fifo_planted_at_a_key_is_no_object_and_never_blocks_a_reader(store: LocalStore) -> None:
     os.mkfifo(store.root / "jobs/j-1/images/000001.png")
     got: list[object] = []
-    reader = threading.Thread(target=lambda: got.extend(
-        [store.get("jobs/j-1/images/000001.png"), store.get_range("jobs/j-1/images/000001.png", 0, 4),
-         store.exists("jobs/j-1/images/000001.png")]), daemon=True)
+    reader = threading.Thread(
+        target=lambda: got.extend(
+            [
+                store.get("jobs/j-1/images/000001.png"),
+                store.get_range("jobs/j-1/images/000001.png", 0, 4),
+                store.exists("jobs/j-1/images/000001.png"),
+            ]
+        ),
+        daemon=True,
+    )
     reader.start()
     reader.join(10)
     assert got == [None, None, False], "the read blocked on the FIFO"

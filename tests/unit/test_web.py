@@ -95,14 +95,21 @@ def test_charts_are_inline_svg_with_text_escaped() -> None:
 
 def test_samples_are_bounded_one_per_pool() -> None:
     job = JobStatus("j", 10, 4, 1, 3, 2, 3, 1, 1, True)
-    fleet = FleetStatus(queues={"q": 2}, workers=[{"pool": "spot"}, {"pool": "spot"}], jobs=[job],
-                        backlog_seconds=7.5, desired={"spot": 3})
-    assert samples(fleet) == {"queue_shards": 2.0, "backlog_images": 5.0, "backlog_seconds": 7.5,
-                              "workers.spot": 2.0, "desired.spot": 3.0}
+    fleet = FleetStatus(
+        queues={"q": 2}, workers=[{"pool": "spot"}, {"pool": "spot"}], jobs=[job], backlog_seconds=7.5, desired={"spot": 3}
+    )
+    assert samples(fleet) == {
+        "queue_shards": 2.0,
+        "backlog_images": 5.0,
+        "backlog_seconds": 7.5,
+        "workers.spot": 2.0,
+        "desired.spot": 3.0,
+    }
     json.dumps(samples(fleet))
     # Redis's main thread, as a percentage of a core, once a share is known (two readings apart)
-    fleet.redis = RedisLoad(cpu_seconds=9.0, commands=1, clients=1, maxclients=10, used_memory=1, maxmemory=0,
-                            ops_per_second=1)
+    fleet.redis = RedisLoad(
+        cpu_seconds=9.0, commands=1, clients=1, maxclients=10, used_memory=1, maxmemory=0, ops_per_second=1
+    )
     assert "redis_cpu" not in samples(fleet)
     fleet.redis.cpu_share, fleet.redis.cpu_window = 0.4167, 5.0
     assert samples(fleet)["redis_cpu"] == 41.7
@@ -170,12 +177,18 @@ def test_at_most_a_few_images_are_read_and_decoded_at_once(tmp_path: Path) -> No
 
 def huge_png_header(width: int, height: int) -> bytes:
     """A PNG that says it is ``width`` x ``height`` but holds one row of pixels (a few hundred bytes)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     row = zlib.compress(b"\x00" + b"\x00\x00\x00" * width)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"tEXt", b"prompt\x00a huge one") + chunk(b"IDAT", row) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"tEXt", b"prompt\x00a huge one")
+        + chunk(b"IDAT", row)
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_an_image_over_the_pixel_cap_gets_a_placeholder_from_its_header_alone() -> None:
@@ -187,8 +200,9 @@ def test_an_image_over_the_pixel_cap_gets_a_placeholder_from_its_header_alone() 
     assert "preview" not in make_thumbnail(png(1), "small", max_pixels=64 * 32)[1]
 
 
-@pytest.mark.parametrize("data", [b"", b"not an image", png(1)[:100], b"GIF89a" + b"\x00" * 20,
-                                  b"\x89PNG\r\n\x1a\n" + b"\x00" * 40])
+@pytest.mark.parametrize(
+    "data", [b"", b"not an image", png(1)[:100], b"GIF89a" + b"\x00" * 20, b"\x89PNG\r\n\x1a\n" + b"\x00" * 40]
+)
 def test_bytes_that_are_no_readable_png_jpeg_or_webp_get_a_placeholder(data: bytes) -> None:
     thumb, meta = make_thumbnail(data, "bad")
     assert thumb == placeholder() and "not a readable" in meta["preview"]
@@ -210,8 +224,9 @@ def test_a_gallery_page_number_is_a_whole_number_in_range(raw: str | None, page:
     assert page_number(raw) == page
 
 
-@pytest.mark.parametrize("raw", ["", "0", "-1", "abc", "1e3", " 1", "1.0", "9223372036854775807",
-                                 str(MAX_PAGE + 1), "\uff11", "1\x00"])
+@pytest.mark.parametrize(
+    "raw", ["", "0", "-1", "abc", "1e3", " 1", "1.0", "9223372036854775807", str(MAX_PAGE + 1), "\uff11", "1\x00"]
+)
 def test_any_other_page_is_a_bad_query(raw: str) -> None:
     with pytest.raises(BadQuery, match="page: a whole number"):
         page_number(raw)

@@ -30,8 +30,17 @@ PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 
 def make_msg(n: int = 4, batch: int = 2) -> ShardMessage:
     prompts = tuple(
-        Prompt(index=i, name=spec.index_name(i), prompt=f"p{i}", negative_prompt="", seed=i,
-               steps=2, guidance=7.5, width=32, height=32)
+        Prompt(
+            index=i,
+            name=spec.index_name(i),
+            prompt=f"p{i}",
+            negative_prompt="",
+            seed=i,
+            steps=2,
+            guidance=7.5,
+            width=32,
+            height=32,
+        )
         for i in range(n)
     )
     return ShardMessage(job="j", shard=0, params=PARAMS, batch_size=batch, queue="q", prompts=prompts)
@@ -180,8 +189,12 @@ def test_a_store_outage_is_raised_not_blamed_on_a_prompt(tmp_path: Path) -> None
 
 def test_a_prompt_error_from_the_renderer_is_excused_and_isolated(tmp_path: Path) -> None:
     class OneBad(Renderer):
-        def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False,
-                          ) -> list[Any]:
+        def render_images(
+            self,
+            prompts: Sequence[Prompt],
+            *,
+            should_stop: Callable[[], bool] = lambda: False,
+        ) -> list[Any]:
             if any(p.name == "000000" for p in prompts):
                 raise PromptError("the pipeline refuses prompt '000000'")
             return super().render_images(prompts)
@@ -215,9 +228,17 @@ def test_a_plain_render_failure_still_counts_against_the_worker(tmp_path: Path) 
 def service(tmp_path: Path, load: Callable[..., Any]) -> WorkerService:
     # Nothing listens on this port: the service's counters are best effort here.
     client = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
-    return WorkerService(settings=Settings(home=tmp_path), client=client, store=LocalStore(tmp_path / "store"),
-                         renderer=Renderer(), model="tiny", stop=StopSignal(), publish=lambda m: None,
-                         worker_id="w", load_model=load)
+    return WorkerService(
+        settings=Settings(home=tmp_path),
+        client=client,
+        store=LocalStore(tmp_path / "store"),
+        renderer=Renderer(),
+        model="tiny",
+        stop=StopSignal(),
+        publish=lambda m: None,
+        worker_id="w",
+        load_model=load,
+    )
 
 
 def test_a_model_that_will_not_load_leaves_the_worker_its_own_and_is_remembered(tmp_path: Path) -> None:
@@ -335,12 +356,15 @@ def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> 
 # ---- the device's fault: the node's, never a prompt's ---------------------------------
 
 
-@pytest.mark.parametrize("exc", [
-    RuntimeError("CUDA error: an illegal memory access was encountered"),
-    RuntimeError("CUDA error: device-side assert triggered"),
-    RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, opa, ...)`"),
-    RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUDA error: device-side assert triggered"),
+        RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, opa, ...)`"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
+    ],
+)
 def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
     from worker.render import is_device_error
 
@@ -355,13 +379,16 @@ def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
     assert is_device_error(torch.AcceleratorError("unspecified launch failure"))
 
 
-@pytest.mark.parametrize("exc", [
-    RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),  # halve the batch instead
-    RuntimeError("CUDA error: out of memory"),
-    ValueError("CUDA error: the input mentions it, but it is the input's fault"),
-    RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),
-    NotImplementedError("CUDA error: not a device fault either"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),  # halve the batch instead
+        RuntimeError("CUDA error: out of memory"),
+        ValueError("CUDA error: the input mentions it, but it is the input's fault"),
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),
+        NotImplementedError("CUDA error: not a device fault either"),
+    ],
+)
 def test_out_of_memory_an_input_or_a_cpu_side_error_is_not_a_device_error(exc: Exception) -> None:
     from worker.render import is_device_error
 
@@ -394,8 +421,9 @@ def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_
 
     prompts = list(make_msg(n=1).prompts)
     renderer = PipelineRenderer(Loaded())  # type: ignore[arg-type]
-    monkeypatch.setenv(failpoints.VARIABLE,
-                       "render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)")
+    monkeypatch.setenv(
+        failpoints.VARIABLE, "render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)"
+    )
     with pytest.raises(DeviceError, match="illegal memory access"):
         renderer.render(prompts)
     monkeypatch.setenv(failpoints.VARIABLE, "render=raise(ValueError: CUDA error in a CPU-side check)")

@@ -31,8 +31,11 @@ BOUNDED_LABELS = {"pool", "outcome", "cloud", "kind", "reason", "what", "error",
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(metrics: WorkerMetrics, name: str, **labels: str) -> float:
@@ -71,8 +74,9 @@ def test_off_loopback_the_worker_metrics_refuse_to_start_without_the_token_and_t
     with pytest.raises(ConfigError, match="RENDERFLEET_HTTP_TOKEN") as info:
         serve_metrics(WorkerMetrics("spot"), Settings(metrics_host="0.0.0.0", metrics_port=free_port()))
     assert "RENDERFLEET_METRICS_HOST" in str(info.value)
-    endpoint = serve_metrics(WorkerMetrics("spot"), Settings(metrics_host="0.0.0.0", metrics_port=free_port(),
-                                                             http_token="s3cret-metrics-token"))
+    endpoint = serve_metrics(
+        WorkerMetrics("spot"), Settings(metrics_host="0.0.0.0", metrics_port=free_port(), http_token="s3cret-metrics-token")
+    )
     assert endpoint is not None
     endpoints.append(endpoint)
     url = f"http://127.0.0.1:{endpoint.server_port}/metrics"
@@ -99,9 +103,14 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
     # (prometheus_client adds a ``_created`` gauge beside each counter and histogram in the text format)
     ours = [f for f in families if f.name.startswith("renderfleet_") and not f.name.endswith("_created")]
     assert {f.name for f in ours} == {
-        "renderfleet_worker_images", "renderfleet_worker_batch_seconds", "renderfleet_worker_render_seconds",
-        "renderfleet_worker_model_load_seconds", "renderfleet_worker_reclaim_notices",
-        "renderfleet_worker_lost_batches", "renderfleet_worker_retries"}
+        "renderfleet_worker_images",
+        "renderfleet_worker_batch_seconds",
+        "renderfleet_worker_render_seconds",
+        "renderfleet_worker_model_load_seconds",
+        "renderfleet_worker_reclaim_notices",
+        "renderfleet_worker_lost_batches",
+        "renderfleet_worker_retries",
+    }
     for family in ours:
         assert family.name.startswith("renderfleet_worker_")
         for s in family.samples:
@@ -136,8 +145,20 @@ PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 
 
 def shard(n: int, batch: int) -> ShardMessage:
-    prompts = tuple(Prompt(index=i, name=spec.index_name(i), prompt=f"p{i}", negative_prompt="",
-                           seed=spec.derive_seed(0, i), steps=2, guidance=7.5, width=32, height=32) for i in range(n))
+    prompts = tuple(
+        Prompt(
+            index=i,
+            name=spec.index_name(i),
+            prompt=f"p{i}",
+            negative_prompt="",
+            seed=spec.derive_seed(0, i),
+            steps=2,
+            guidance=7.5,
+            width=32,
+            height=32,
+        )
+        for i in range(n)
+    )
     return ShardMessage(job="j", shard=0, params=PARAMS, batch_size=batch, queue="q", prompts=prompts)
 
 
@@ -149,8 +170,7 @@ class BytesRenderer:
     def __init__(self, bad: frozenset[str] = frozenset(), before: Callable[[], None] = lambda: None):
         self.bad, self.before = bad, before
 
-    def render_images(self, prompts: Sequence[Prompt], *,
-                      should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[bytes]:
         self.before()
         if should_stop():
             raise Reclaimed("stopped mid-batch")
@@ -170,7 +190,7 @@ class PlainLeases:
         self.fenced = False
         self.failures: dict[int, int] = {}
 
-    def current(self, lease: Lease, pipe: Any = None) -> bool:
+    def current(self, lease: Lease, pipe: Any = None, *, counts: Any = None, progress: str = "") -> bool:
         return not self.fenced
 
     def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> None:
@@ -193,12 +213,25 @@ class PlainLeases:
         return []
 
 
-def deliver(store: LocalStore, renderer: BytesRenderer, metrics: WorkerMetrics, msg: ShardMessage, *,
-            leases: PlainLeases | None = None, stop: StopSignal | None = None) -> None:
+def deliver(
+    store: LocalStore,
+    renderer: BytesRenderer,
+    metrics: WorkerMetrics,
+    msg: ShardMessage,
+    *,
+    leases: PlainLeases | None = None,
+    stop: StopSignal | None = None,
+) -> None:
     stop = stop or StopSignal()
     lease = Lease(job="j", shard=0, worker="w", attempt=1, queue="q", tag="t", requeue="", message="")
-    ledger = RedisLedger(leases or PlainLeases(), lease, stop, pool="spot", store_tag=store_tag(store.url),  # type: ignore[arg-type]
-                         metrics=metrics)
+    ledger = RedisLedger(
+        leases or PlainLeases(),
+        lease,
+        stop,
+        pool="spot",
+        store_tag=store_tag(store.url),  # type: ignore[arg-type]
+        metrics=metrics,
+    )
     runner = ShardRunner(store=store, renderer=renderer, stop=stop, max_failures=1, upload_threads=2)
     try:
         runner.run(msg, ledger, attempt=1)
@@ -220,8 +253,9 @@ def test_images_are_counted_by_outcome_and_a_second_delivery_counts_them_skipped
 def test_a_batch_abandoned_on_a_notice_is_a_lost_batch_and_counts_no_image(tmp_path: Path) -> None:
     store, metrics, stop = LocalStore(tmp_path / "store"), WorkerMetrics("spot"), StopSignal()
     with pytest.raises(Reclaimed):
-        deliver(store, BytesRenderer(before=lambda: stop.request("spot notice", seconds_left=0)), metrics,
-                shard(4, 2), stop=stop)
+        deliver(
+            store, BytesRenderer(before=lambda: stop.request("spot notice", seconds_left=0)), metrics, shard(4, 2), stop=stop
+        )
     assert value(metrics, "renderfleet_worker_lost_batches_total", reason="abandoned") == 1
     assert value(metrics, "renderfleet_worker_lost_batches_total", reason="fenced") == 0
     assert value(metrics, "renderfleet_worker_images_total", outcome="rendered") == 0

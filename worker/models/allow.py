@@ -12,8 +12,7 @@ from renderfleet.spec import BENCH_PREFIX, bench_seconds
 __all__ = ["model_allowed", "model_refusal"]
 
 
-def model_refusal(model: str, allowed: Sequence[str] | None, *, bench: bool = False,
-                  revision: str = "") -> str | None:
+def model_refusal(model: str, allowed: Sequence[str] | None, *, bench: bool = False, revision: str = "") -> str | None:
     """Why this worker may not load ``model`` (at hub ``revision``), or None.
 
     A ``bench:`` model (the fixed-time renderer: flat-colour images, no
@@ -26,6 +25,8 @@ def model_refusal(model: str, allowed: Sequence[str] | None, *, bench: bool = Fa
         except ValueError as exc:
             return f"model {exc}"
         if not bench:
-            return (f"model {model!r} is the fixed-time bench renderer (flat-colour images, no model); this worker "
-                    "serves no bench models (RENDERFLEET_ALLOW_BENCH_MODELS is off)")
+            return (
+                f"model {model!r} is the fixed-time bench renderer (flat-colour images, no model); this worker "
+                "serves no bench models (RENDERFLEET_ALLOW_BENCH_MODELS is off)"
+            )
     return refusal(model, allowed, revision)

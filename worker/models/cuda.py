@@ -27,8 +27,10 @@ def check_compile(compile: bool, device: str) -> None:
     round differently, so the CPU path's images would change bytes.
     """
     if compile and not device.startswith("cuda"):
-        raise ConfigError(f"RENDERFLEET_COMPILE (--compile) needs a CUDA device; this worker renders on {device!r}. "
-                          "On a CPU the compile costs more than it saves and would change the images' bytes.")
+        raise ConfigError(
+            f"RENDERFLEET_COMPILE (--compile) needs a CUDA device; this worker renders on {device!r}. "
+            "On a CPU the compile costs more than it saves and would change the images' bytes."
+        )
 
 
 def vae_needs_float32(dtype: torch.dtype, vae_config: Any, *, pipeline_upcasts: bool = False) -> bool:

@@ -62,11 +62,12 @@ def fetch_cached(uri: str, *, cache_dir: Path, fetch: Fetch | None, refresh: boo
 
 def split_s3_model(uri: str) -> tuple[str, str]:
     """(bucket, prefix) of an ``s3://`` model; ModelLoadError for a bucket with no prefix."""
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
     prefix = prefix.strip("/")
     if not bucket or not prefix:
-        raise ModelLoadError(f"model {uri!r}: an s3:// model is a prefix in a bucket (s3://bucket/prefix), "
-                             "never a whole bucket")
+        raise ModelLoadError(
+            f"model {uri!r}: an s3:// model is a prefix in a bucket (s3://bucket/prefix), never a whole bucket"
+        )
     return bucket, prefix
 
 
@@ -86,16 +87,20 @@ def check_model_keys(uri: str, entries: Iterable[tuple[str, int]], dest: Path, m
         if key.endswith("/") and size == 0:
             continue  # a console-made "folder"
         parts = key.split("/")
-        if (not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts)
-                or any(ord(c) < 32 or ord(c) == 127 for c in key)):
+        if (
+            not key
+            or key.startswith("/")
+            or "\\" in key
+            or any(p in ("", ".", "..") for p in parts)
+            or any(ord(c) < 32 or ord(c) == 127 for c in key)
+        ):
             raise ModelLoadError(f"model {uri!r}: refusing key {key[:200]!r}: not a plain relative path")
         target = root.joinpath(*parts)
         if not target.resolve().is_relative_to(root):
             raise ModelLoadError(f"model {uri!r}: refusing key {key[:200]!r}: it would land outside the model cache")
         total += size
         if total > max_bytes:
-            raise ModelLoadError(f"model {uri!r}: more than {max_bytes} bytes (RENDERFLEET_MODEL_MAX_BYTES); "
-                                 "not fetched")
+            raise ModelLoadError(f"model {uri!r}: more than {max_bytes} bytes (RENDERFLEET_MODEL_MAX_BYTES); not fetched")
         files.append((key, target))
     return files
 

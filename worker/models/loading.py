@@ -48,7 +48,8 @@ def check_digest(loaded: Any, wanted: str) -> None:
         model = getattr(loaded, "model", "?")
         raise ModelLoadError(
             f"model {model!r} changed since the job was submitted: the job recorded {wanted}, this worker "
-            f"loaded {have or 'files with no digest'}; resubmit the job to render with the files there now")
+            f"loaded {have or 'files with no digest'}; resubmit the job to render with the files there now"
+        )
 
 
 def default_device() -> str:
@@ -166,8 +167,9 @@ def _from_pretrained(folder: str, model: str, dtype: torch.dtype, *, variant: st
     try:
         # safetensors only, as from the hub: a folder or bucket may hold pickled
         # weights too, and loading those can run code.
-        return AutoPipelineForText2Image.from_pretrained(folder, **_dtype_kwarg(dtype), use_safetensors=True,
-                                                         variant=variant or None)
+        return AutoPipelineForText2Image.from_pretrained(
+            folder, **_dtype_kwarg(dtype), use_safetensors=True, variant=variant or None
+        )
     except (OSError, ValueError, KeyError) as exc:
         what = f" (variant {variant!r})" if variant else ""
         raise ModelLoadError(f"model {model!r}{what}: not a loadable pipeline: {exc}") from exc
@@ -179,8 +181,9 @@ def _from_hub(model_id: str, dtype: torch.dtype, *, revision: str = "", variant:
     try:
         # safetensors only: a hub id is someone else's files, and pickled
         # weights can run code when loaded.
-        return AutoPipelineForText2Image.from_pretrained(model_id, **_dtype_kwarg(dtype), use_safetensors=True,
-                                                         revision=revision or None, variant=variant or None)
+        return AutoPipelineForText2Image.from_pretrained(
+            model_id, **_dtype_kwarg(dtype), use_safetensors=True, revision=revision or None, variant=variant or None
+        )
     except (OSError, ValueError) as exc:
         # OSError covers "not found", "offline" and "cannot connect" alike;
         # none of them gets better by retrying this shard.
