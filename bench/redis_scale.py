@@ -490,7 +490,7 @@ class SimWorker:
                     pipe = self.r.pipeline(transaction=False)
                     job, entry = self.counters(pipe, lease, {"started_images": len(done), "started_batches": 1, **rendered})
                     call = fence_call(lease, job, entry)  # the job's counters written by the check itself
-                    await self.sim.scripts["fence"](keys=call.keys, args=call.args, client=pipe)
+                    pipe.evalsha(self.sim.scripts["fence"].sha, len(call.keys), *call.keys, *call.args)  # loaded
                     sent = lease_now()
                     await pipe.execute()
                     self.clock.confirmed = sent

@@ -206,7 +206,8 @@ def test_resume_keeps_a_count_committed_after_its_listing_by_a_worker_whose_leas
     client = redis.Redis.from_url(redis_server.url)
     leases = Leases(client, lease_seconds=30)
     shard, tag = take(client, queue)
-    _, lease = leases.claim(job, shard, worker="w", queue=queue, tag=tag, message="{}")
+    life = keys.text(client.hget(keys.job(job), "life"))  # as a worker's accept reads it
+    _, lease = leases.claim(job, shard, worker="w", queue=queue, tag=tag, message="{}", life=life)
     assert lease is not None
     store.put(f"{job_prefix(job)}images/{names[0]}.png", b"png 0")
     leases.commit(lease, [0], [])
@@ -341,7 +342,8 @@ def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_pas
     assert take_from_hold()[0] == 0  # taken by a worker that is gone
     assert monitor.audit() == {} and monitor.audit() == {}  # nothing passed it: it may be mid-claim
     shard, tag = take_from_hold()
-    assert monitor.leases.claim(job, shard, worker="w", queue=queue, tag=tag, message="{}")[0] == "ok"
+    life = keys.text(monitor.leases.client.hget(keys.job(job), "life"))  # as a worker's accept reads it
+    assert monitor.leases.claim(job, shard, worker="w", queue=queue, tag=tag, message="{}", life=life)[0] == "ok"
     assert monitor.audit() == {}  # a suspect now; confirmed only if the next audit finds it unmoved
     assert monitor.audit() == {job: 1}
     assert client.llen(queue) == 2

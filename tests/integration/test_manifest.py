@@ -135,10 +135,14 @@ def test_a_manifest_lists_the_jobs_images_once(tmp_path: Path) -> None:
     # where each image is and its size (the bytes column).
     listed: list[str] = []
 
-    class CountingStore(LocalStore):
+    class CountingStore(LocalStore):  # each listing, whichever call makes it (sized lists without list)
         def list(self, prefix: str):  # type: ignore[no-untyped-def]
             listed.append(prefix)
             return super().list(prefix)
+
+        def sized(self, prefix: str):  # type: ignore[no-untyped-def]
+            listed.append(prefix)
+            return super().sized(prefix)
 
     store = CountingStore(tmp_path / "store")
     job = JobSpec(
