@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import IO, Annotated, Any, cast
 
 import typer
 
@@ -97,7 +97,8 @@ def _console() -> Any:
     """A rich Console on standard output: as it is on a terminal, its lines' ends stripped elsewhere."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(file=_LineEndsStripped(sys.stdout))
+    # The wrapper has what rich uses of a file (write, flush, isatty, encoding), not all of IO.
+    return Console() if sys.stdout.isatty() else Console(file=cast("IO[str]", _LineEndsStripped(sys.stdout)))
 
 
 def _settings(**overrides: Any) -> Settings:
