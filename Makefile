@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 # Two test processes (pytest-xdist), a file each at a time: most integration tests wait on leases,
-# restarts and workers starting, so two keep the 2 cores busy (13 minutes of tests become about 9).
+# restarts and workers starting, so two keep the 2 cores busy (the tests' own time falls by about a third).
 PYTEST_WORKERS ?= 2
 # Python's own default: each module compiled once, into __pycache__ (ignored by git). A machine whose
 # environment sets PYTHONDONTWRITEBYTECODE (this project's do) compiles our modules again in every
@@ -42,10 +42,13 @@ constraints:
 	  $(BIN)/pip freeze --exclude-editable --exclude renderfleet --exclude torch; } > constraints.txt
 
 # The bundled example on the embedded default (private Redis, ./renderfleet-output),
-# with the built-in random-weight `tiny` model: a smoke test of the whole path.
+# with the built-in random-weight `tiny` model: a smoke test of the whole path.  The first one
+# takes about 4-5 minutes on 2 cores, most of it installing torch. It ends with the next command:
+# bin/renderfleet runs the CLI from .venv (README.md, "Two commands on a fresh machine").
 run: install
 	$(BIN)/renderfleet run examples/prompts.txt --workers 2 --model tiny --steps 4 --size 64x64 \
 		--shard-size 4 --batch-size 4
+	@echo 'next: bin/renderfleet status'
 
 # Only the tests need a browser: `make run` and `make install` never install one.
 browser:
@@ -61,8 +64,8 @@ kubectl:
 		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y kubectl; } \
 		|| echo "make: no kubectl package here: test_the_renderer_agrees_with_kubectl_kustomize will skip"
 
-# Every tier but the long one (tests marked slow: `make test-slow`), to keep CI under 15 minutes on
-# 2 cores: each of them plays a whole scenario whose parts have tests of their own in this tier.
+# Every tier but the long one (tests marked slow: `make test-slow`): about 12 to 15 minutes on 2 cores,
+# lint included. Each slow test plays a whole scenario whose parts have tests of their own in this tier.
 test: install browser kubectl lint
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 

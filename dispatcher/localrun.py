@@ -36,6 +36,7 @@ from renderfleet import spec
 from renderfleet.embedded import broker_url
 from renderfleet.settings import Settings
 from renderfleet.store import open_store
+from renderfleet.words import counted
 
 # A worker's time to leave after SIGTERM beyond its grace: the step in progress, the hand-back, Celery's exit.
 LEAVE_SECONDS = 10.0
@@ -221,10 +222,12 @@ def _run_local(
                 if job_state.finished:
                     break
                 if all(p.poll() is not None for p in procs):
-                    console.print(f"[red]all workers exited; see {log_dir}[/]")
+                    console.print(f"[red]all workers exited; see {log_dir}[/]", soft_wrap=True)
                     return 1
                 if timeout and time.monotonic() - started > timeout:
-                    console.print(f"[red]timed out after {timeout:.0f} s; `renderfleet resume {result.id}` goes on[/]")
+                    console.print(
+                        f"[red]timed out after {timeout:.0f} s; `renderfleet resume {result.id}` goes on[/]", soft_wrap=True
+                    )
                     return 1
                 monitor.tick()
                 time.sleep(0.3)
@@ -247,11 +250,14 @@ def _run_local(
     elapsed = time.monotonic() - started
     where = store.locate(f"{spec.job_prefix(result.id)}images")
     rendered = max(0, job_state.done - done_before)
+    # One line each, never wrapped at the terminal's width (a log or CI reads it piped, where rich
+    # would break it at 80 columns, mid-number): soft_wrap leaves long lines to the reader.
     console.print(
-        f"job {result.id}: {job_state.done} images ({rendered} rendered by this run), "
+        f"job {result.id}: {counted(job_state.done, 'image')} ({rendered} rendered by this run), "
         f"{job_state.quarantined} quarantined, "
-        f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {workers} worker(s), model loads included)"
+        f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {counted(workers, 'worker')}, model loads included)",
+        soft_wrap=True,
     )
-    console.print(f"images: {where}")
+    console.print(f"images: {where}", soft_wrap=True)
     print(where)
     return 0 if job_state.quarantined == 0 else 1

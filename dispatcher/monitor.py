@@ -43,6 +43,7 @@ from renderfleet.leases import Leases
 from renderfleet.reaper import ReaperElection, reap_once
 from renderfleet.settings import Settings
 from renderfleet.store import Store
+from renderfleet.words import counted
 
 log = logging.getLogger("renderfleet.monitor")
 
@@ -122,7 +123,7 @@ class Monitor:
                 except (StoreError, OSError) as exc:
                     log.warning("job %s: cannot resume now: %s", job, exc)
                     continue
-                log.warning("job %s resumed from the store: %d shards enqueued", job, report.shards_enqueued)
+                log.warning("job %s resumed from the store: %s enqueued", job, counted(report.shards_enqueued, "shard"))
                 resumed.append(job)
         if audit_due and finished:
             resumed += self.audit_finished(finished)
@@ -173,10 +174,10 @@ class Monitor:
             log.warning("job %s: cannot check it against the store now: %s", job, exc)
             return []
         log.warning(
-            "job %s: %d counted images are gone from the store: %d shards enqueued to render them again",
+            "job %s: %s gone from the store: %s enqueued to render them again",
             job,
-            report.uncounted,
-            report.shards_enqueued,
+            counted(report.uncounted, "counted image"),
+            counted(report.shards_enqueued, "shard"),
         )
         return [job]
 
@@ -214,11 +215,11 @@ class Monitor:
                 log.warning("job %s: cannot resume now: %s", job, exc)
                 continue
             log.warning(
-                "job %s found in the store, unknown to Redis: resumed, %d/%d done, %d shards enqueued",
+                "job %s found in the store, unknown to Redis: resumed, %d/%d done, %s enqueued",
                 job,
                 report.done,
                 report.total,
-                report.shards_enqueued,
+                counted(report.shards_enqueued, "shard"),
             )
             adopted.append(job)
         return adopted

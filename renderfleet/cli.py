@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import IO, Annotated, Any, cast
 
 import typer
 
 from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError, TransientError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE
+from renderfleet.words import counted
 
 app = typer.Typer(
     add_completion=False,
@@ -62,6 +63,42 @@ def _user_errors() -> Iterator[None]:
     except redis.RedisError as exc:
         _err(f"renderfleet: Redis: {exc}")
         raise typer.Exit(1) from None
+
+
+class _LineEndsStripped:
+    """Standard output for a rich table printed to a pipe or a file: each line without the spaces
+    rich pads its last column with (a terminal shows none; ``grep``, ``diff`` and a log keep them)."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self._held = ""  # spaces at the end of what was written, kept until the line goes on or ends
+
+    @property
+    def encoding(self) -> str:
+        return str(getattr(self._out, "encoding", None) or "utf-8")
+
+    def write(self, text: str) -> int:
+        *ended, last = (self._held + text).split("\n")
+        for line in ended:
+            self._out.write(line.rstrip(" ") + "\n")
+        kept = last.rstrip(" ")
+        self._out.write(kept)
+        self._held = last[len(kept) :]
+        return len(text)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _console() -> Any:
+    """A rich Console on standard output: as it is on a terminal, its lines' ends stripped elsewhere."""
+    from rich.console import Console
+
+    # The wrapper has what rich uses of a file (write, flush, isatty, encoding), not all of IO.
+    return Console() if sys.stdout.isatty() else Console(file=cast("IO[str]", _LineEndsStripped(sys.stdout)))
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -341,8 +378,8 @@ def submit(
             result = _do_submit(file, opts, settings)
     verb = "submitted" if result.new else "resubmitted"
     _err(
-        f"{verb} {result.total} prompts as job {result.id}: {result.shards_enqueued} shards enqueued "
-        f"in {result.seconds:.2f} s"
+        f"{verb} {counted(result.total, 'prompt')} as job {result.id}: "
+        f"{counted(result.shards_enqueued, 'shard')} enqueued in {result.seconds:.2f} s"
     )
     print(result.id)
 
@@ -471,12 +508,12 @@ def status(
         if watch:  # each frame with the ids of the jobs known then: a new job may lengthen some
             from dispatcher.show import watch as watch_status
 
-            watch_status(lambda: (read(), short_ids(known_jobs(client, store))), wide=wide)
+            watch_status(lambda: (read(), short_ids(known_jobs(client, store))), wide=wide, console=_console())
             return
         ids = short_ids(known_jobs(client, store))
     from dispatcher.show import print_status
 
-    print_status(fleet, wide=wide, ids=ids)
+    print_status(fleet, _console(), wide=wide, ids=ids)
     for reason, count in (fleet.jobs[0].failure_reasons or {}).items() if job else ():
         print(f"{count} prompt(s) failed: {reason}")
 
@@ -518,14 +555,15 @@ def results(
                 mean = f", {sum(sizes) / len(sizes):,.0f} bytes per image (mean of {len(sizes)})" if sizes else ""
                 _err(f"{manifest}: {n} rows{mean}")
             if sheet:
-                _err(f"{sheet}: {contact_sheet(store, job, sheet, limit=first)} images")
+                _err(f"{sheet}: {counted(contact_sheet(store, job, sheet, limit=first), 'image')}")
             return
         names: list[str] = []  # the prompts' image names, from the one read of the prompt file
         corrected = _correct_counts(settings, store, job, names)
         res = job_results(store, job, names if corrected is not None else None)
     if corrected is not None and corrected.uncounted:
         _err(
-            f"job {job}: {corrected.uncounted} prompts counted done have no image in the store: their counts are taken back"
+            f"job {job}: {counted(corrected.uncounted, 'prompt')} counted done "
+            f"{'has' if corrected.uncounted == 1 else 'have'} no image in the store: their counts are taken back"
         )
     if as_json:
         print(json.dumps(res.to_dict()))
@@ -536,7 +574,7 @@ def results(
             print(f"{name}\tQUARANTINED\t{error}")
         for name in res.missing:
             print(f"{name}\tMISSING")
-        _err(f"{len(res.images)} images, {len(res.missing)} missing, {len(res.quarantined)} quarantined")
+        _err(f"{counted(len(res.images), 'image')}, {len(res.missing)} missing, {len(res.quarantined)} quarantined")
     if res.missing:
         _err(f"renderfleet resume {job}: renders the missing ones (a running monitor does it by itself)")
         raise typer.Exit(1)  # a script can tell an unfinished job from a finished one
@@ -591,11 +629,24 @@ def resume(job: JobArg) -> None:
         if (gone := deleted(client, job)) is not None:
             raise gone
         report = do_resume(job, store=store, app=celery, client=client, uncancel=True)
+    # Nothing enqueued while prompts lack an image: they are in shards already pending, queued
+    # or leased (resume never adds a second copy), which "0 shards enqueued" alone hides.
+    to_render = report.total - report.done - report.quarantined
+    waiting = (
+        f"; {counted(to_render, 'prompt')} to render {'is' if to_render == 1 else 'are'} already queued or running"
+        if to_render > 0 and report.shards_enqueued == 0
+        else ""
+    )
     _err(
         f"job {job}: {report.done}/{report.total} in the store, {report.quarantined} quarantined, "
-        f"{report.shards_enqueued} shards enqueued"
+        f"{counted(report.shards_enqueued, 'shard')} enqueued"
         + (" (counters rebuilt)" if report.rebuilt_counters else "")
-        + (f"; {report.uncounted} counted prompts had no image: counted again once rendered" if report.uncounted else "")
+        + waiting
+        + (
+            f"; {counted(report.uncounted, 'counted prompt')} had no image: counted again once rendered"
+            if report.uncounted
+            else ""
+        )
     )
     print(job)
 
@@ -748,7 +799,7 @@ def scale(
         backend = scaler.backends[pool]
         before = backend.size(pool)
         backend.set_size(pool, size)
-    _err(f"pool {pool}: {before} -> {size} workers (idle ones stop first, by the hand-off)")
+    _err(f"pool {pool}: {before} -> {counted(size, 'worker')} (idle ones stop first, by the hand-off)")
 
 
 @app.command()

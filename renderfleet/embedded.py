@@ -14,12 +14,18 @@ creates it; one it did not create is refused, never chmodded).  A
 binary, is the process answering at that URL, accepts the password written
 there and reports that it was started from this home's config file: a state
 file pointing at someone else's server is never adopted and never shut down.
+
+The home is one per user (``RENDERFLEET_HOME``), not one per checkout: every
+checkout and install of this user finds the same server, its jobs and its
+workers.  ``server.json`` records the checkout that started the server, and a
+command of another one says so, once, when it uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +44,13 @@ from redis.retry import Retry
 
 from renderfleet import redisconn
 from renderfleet.errors import BrokerUnavailable, ConfigError
+
+log = logging.getLogger(__name__)
+
+# This code's checkout (the folder holding the renderfleet package: a clone's root, or an
+# install's site-packages), as recorded beside the server it starts.
+CHECKOUT = str(Path(__file__).resolve().parent.parent)
+_told: set[Path] = set()  # homes whose server another checkout started, said once a process
 
 
 def server_binary() -> str:
@@ -305,7 +318,35 @@ def _private_file(path: Path) -> bool:
 def running_embedded(home: Path) -> str | None:
     """The URL of our embedded server if it is running; starts nothing."""
     known = trusted_server(home)
+    if known:
+        _say_who_started(home)
     return str(known["url"]) if known else None
+
+
+def started_from(home: Path) -> str | None:
+    """The checkout that started the embedded server recorded under ``home``; None when
+    ``server.json`` does not say (none, or one an older renderfleet wrote)."""
+    try:
+        checkout = json.loads((home / "server.json").read_text()).get("checkout")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return checkout if isinstance(checkout, str) and checkout else None
+
+
+def _say_who_started(home: Path) -> None:
+    """One line, once a process, when the server in use was started from another checkout:
+    its jobs and workers are that one's too, which nothing else would show."""
+    other = started_from(home)
+    if other is None or other == CHECKOUT or home in _told:
+        return
+    _told.add(home)
+    log.warning(
+        "renderfleet: using the embedded Redis started from %s, not from this checkout (%s): its state in %s "
+        "is one per user, shared by every checkout; RENDERFLEET_HOME=DIR gives a checkout a server of its own",
+        other,
+        CHECKOUT,
+        home,
+    )
 
 
 def ensure_embedded(home: Path) -> str:
@@ -317,7 +358,7 @@ def ensure_embedded(home: Path) -> str:
     server = RedisServerProcess(workdir=home / "redis", persist=True, password=secrets.token_urlsafe(24))
     server.start(detach=True)
     pid = server.proc.pid if server.proc else 0
-    write_private(home / "server.json", json.dumps({"url": server.url, "pid": pid}))
+    write_private(home / "server.json", json.dumps({"url": server.url, "pid": pid, "checkout": CHECKOUT}))
     return server.url
 
 

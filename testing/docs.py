@@ -1,7 +1,8 @@
 """Every ``renderfleet ...`` command the README and docs/ show, as argument lists a test can parse or run.
 
 Commands come from fenced code blocks (a line starting ``renderfleet``, with its ``\\``
-continuations) and from inline code spans (```renderfleet ...```).  The notation of the
+continuations) and from inline code spans (```renderfleet ...```); ``bin/renderfleet``, the
+checkout's wrapper of the same command (README.md), is read as ``renderfleet``.  The notation of the
 docs is undone: ``[--json]`` (optional) becomes ``--json``, ``auto|N`` (a choice) its first
 choice, a shell comment is dropped.  A line of a diagram (arrows, box drawing) is no command.
 """
@@ -16,7 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.S | re.M)
-SPAN = re.compile(r"`(renderfleet [^`]+)`")
+SPAN = re.compile(r"`((?:bin/)?renderfleet [^`]+)`")
+COMMAND = ("renderfleet ", "bin/renderfleet ")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def doc_commands(pages: list[Path] = PAGES, root: Path = REPO) -> list[DocComman
                     line = line.rstrip()[:-1] + " " + lines[i].strip()
                 i += 1
                 line = line.strip().removeprefix("$ ")
-                if line.startswith("renderfleet ") and line.isascii():  # a diagram's arrows are not
+                if line.startswith(COMMAND) and line.isascii():  # a diagram's arrows are not
                     found.append(DocCommand(f"{name}:{at}", line, _args(line)))
         for span in SPAN.finditer(text):
             if not any(a <= span.start() < b for a, b in fenced):

@@ -69,9 +69,12 @@ def _slow_json(text: str) -> tuple[Any, str]:
     The fast path's fallback: loads() accepts leading spaces, which raw_decode
     does not, and words every error exactly.
     """
+    # Without its line ending: a line cut short would fail past it, at what json counts as
+    # a second line's column 1, or inside a string as an "invalid control character".
     try:
-        return json.loads(text), ""
+        return json.loads(text.rstrip("\r\n")), ""
     except RecursionError:
         return None, "malformed JSON: nested too deeply"
     except json.JSONDecodeError as exc:
-        return None, f"malformed JSON: {exc.msg} at column {exc.colno}"
+        # "Unterminated string starting at: ..." reads "... starting at column N".
+        return None, f"malformed JSON: {exc.msg.removesuffix(':').removesuffix(' at')} at column {exc.colno}"

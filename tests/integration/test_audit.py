@@ -265,7 +265,7 @@ def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recove
 
     procs.append(WorkerProc(env, tmp_path / "worker.log", "--pool", "hold"))
     if recover == "resume":
-        assert "1 shards enqueued" in cli(env, "resume", job).stderr
+        assert "1 shard enqueued" in cli(env, "resume", job).stderr
     else:
         procs.append(start_monitor(env, tmp_path / "monitor.log"))
     # (kombu alone would restore the message after its visibility timeout: an hour, not this deadline)

@@ -61,11 +61,32 @@ def test_results_exits_1_while_images_are_missing(tmp_path: Path, env: dict[str,
     assert cli(env, "results", job, check=False).returncode == 1
 
 
+def test_resume_says_when_the_missing_prompts_are_already_queued(tmp_path: Path, env: dict[str, str]) -> None:
+    submitted = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 3)), *TINY)
+    assert "submitted 3 prompts as job " in submitted.stderr and ": 1 shard enqueued in " in submitted.stderr
+    job = submitted.stdout.split()[-1]
+    resumed = cli(env, "resume", job).stderr  # no worker: the one shard is still pending
+    assert f"job {job}: 0/3 in the store, 0 quarantined, 0 shards enqueued; " in resumed, resumed
+    assert "3 prompts to render are already queued or running" in resumed, resumed
+
+
+def test_piped_status_lines_end_without_padding(tmp_path: Path, env: dict[str, str]) -> None:
+    job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 3)), *TINY).stdout.split()[-1]
+    for args in (("status",), ("status", job), ("status", "--wide")):
+        out = cli(env, *args).stdout  # piped: rich pads every table row to the table's width
+        assert job[:6] in out, out
+        padded = [line for line in out.splitlines() if line != line.rstrip()]
+        assert not padded, padded
+
+
 def test_run_again_counts_only_its_own_images_and_keeps_its_own_log(tmp_path: Path, env: dict[str, str]) -> None:
-    env = {**env, **bench_worker(0.02)}
+    # 60 columns: the summary line is longer, and piped (a log, CI) it stays one line, never cut mid-number
+    env = {**env, **bench_worker(0.02), "COLUMNS": "60"}
     prompts = write_prompts(tmp_path / "p.txt", 2)
     first = cli(env, "run", str(prompts), *bench(0.02), timeout=180)
     assert "(2 rendered by this run)" in first.stderr
+    summary = [line for line in first.stderr.splitlines() if "rendered by this run" in line]
+    assert len(summary) == 1 and summary[0].endswith("with 1 worker, model loads included)"), first.stderr
     second = cli(env, "run", str(prompts), *bench(0.02), timeout=180)
     assert "(0 rendered by this run)" in second.stderr and "0.00 images/s" in second.stderr
     runs = sorted((tmp_path / "home" / "logs").iterdir())

@@ -5,6 +5,7 @@ and must not fail (tests/unit/test_docs.py parses every one, those that need a f
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -82,3 +83,22 @@ def test_every_docs_command_that_runs_on_one_machine_runs(
         print(f"ran {command.where}: renderfleet {' '.join(args)}", flush=True)
     assert job and (tmp_path / "out.parquet").exists()  # results JOB --manifest out.parquet wrote it
     assert any(r.startswith("delete ") for r in ran) and any(r.startswith("autoscale ") for r in ran), ran
+
+
+def test_the_checkouts_wrapper_runs_the_cli_and_says_in_one_line_how_to_install_it(tmp_path: Path) -> None:
+    venv = Path(sys.prefix)  # the virtual environment these tests run in: `make install`'s .venv
+    if not (venv / "bin" / "renderfleet").exists():
+        pytest.skip(f"{venv} has no renderfleet command (not a `make install` environment)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RENDERFLEET_VENV": str(venv)}
+    # As the README prints it, from the checkout's root.
+    out = subprocess.run(["bin/renderfleet", "--help"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Usage: renderfleet" in out.stdout and " submit " in out.stdout, out.stderr
+    # No virtual environment there: one line saying what to run and where, nothing else, exit 127.
+    absent = tmp_path / "no-venv"
+    env["RENDERFLEET_VENV"] = str(absent)
+    out = subprocess.run(
+        [str(REPO / "bin" / "renderfleet"), "status"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 127 and out.stdout == "", out
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert str(absent) in out.stderr and f"run `make install` in {REPO} first" in out.stderr, out.stderr

@@ -9,9 +9,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet.embedded import RedisServerProcess, ensure_embedded, ping, stop_embedded, trusted_server
+from renderfleet.embedded import (
+    CHECKOUT,
+    RedisServerProcess,
+    ensure_embedded,
+    ping,
+    stop_embedded,
+    trusted_server,
+    write_private,
+)
 from renderfleet.errors import ConfigError
-from testing.fleet import base_env, cli, start_redis
+from testing.fleet import TINY, base_env, cli, start_redis, write_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +69,30 @@ def test_server_url_shows_the_password_only_when_asked(tmp_path: Path) -> None:
     finally:
         cli(env, "server", "stop")
     assert not ping(full)
+
+
+def test_a_server_another_checkout_started_says_so_once_when_used(tmp_path: Path) -> None:
+    env = base_env(tmp_path, "", str(tmp_path / "store"))
+    del env["RENDERFLEET_REDIS_URL"]  # the embedded server, under tmp_path/home
+    state = tmp_path / "home" / "server.json"
+    try:
+        cli(env, "server", "start", timeout=60)
+        recorded = json.loads(state.read_text())
+        assert recorded["checkout"] == CHECKOUT  # beside the server's URL: who started it
+        own = cli(env, "server", "url")
+        assert "started from" not in own.stderr, own.stderr  # this checkout's own server: nothing to say
+        # As another clone's `make run` leaves it: the same per-user home, the same server.
+        write_private(state, json.dumps({**recorded, "checkout": "/elsewhere/renderfleet"}))
+        other = cli(env, "server", "url")
+        assert other.stdout == own.stdout  # the same server, standard output untouched
+        said = [line for line in other.stderr.splitlines() if "/elsewhere/renderfleet" in line]
+        assert len(said) == 1 and CHECKOUT in said[0] and "RENDERFLEET_HOME" in said[0], other.stderr
+        job = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 2)), *TINY).stdout.split()[-1]
+        for command in (("status",), ("resume", job[:8])):  # each finds the server more than once
+            out = cli(env, *command)
+            assert out.stderr.count("/elsewhere/renderfleet") == 1, out.stderr
+    finally:
+        cli(env, "server", "stop")
 
 
 def test_a_state_file_naming_someone_elses_server_is_never_adopted_nor_stopped(tmp_path: Path) -> None:

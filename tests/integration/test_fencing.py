@@ -114,7 +114,7 @@ def test_deleted_images_are_rendered_again_by_resubmit_and_by_resume(
     assert images_rendered(env, job) == 8 + 2  # exactly the missing ones
 
     (images / "000003.png").unlink()
-    assert "1 shards enqueued" in cli(env, "resume", job).stderr
+    assert "1 shard enqueued" in cli(env, "resume", job).stderr
     wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25, what="the resumed image")
     st = job_status(env, job)
     assert images_rendered(env, job) == 8 + 2 + 1

@@ -119,7 +119,7 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
     # A redelivered batch: the LoRA job's images gone, its shard rendered again after the other jobs
     # changed the pipeline's adapters; the same bytes come back.
     shutil.rmtree(Path(env["RENDERFLEET_STORE"]) / "jobs" / with_a.id / "images")
-    assert "1 shards enqueued" in cli(env, "resume", with_a.id).stderr
+    assert "1 shard enqueued" in cli(env, "resume", with_a.id).stderr
     finished(env, with_a.id)
     assert images(env, with_a.id) == rendered[with_a.id]
 

@@ -4,6 +4,7 @@ and the defaults the README states are submit's own."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -113,6 +114,15 @@ def test_every_command_the_docs_show_parses(command: DocCommand) -> None:
         parse_command(command.args)
     except typer.TyperException as exc:
         pytest.fail(f"{command.where}: `{command.text}`: {exc}")
+
+
+def test_make_run_ends_with_the_readmes_next_command_which_runs_from_the_checkout() -> None:
+    printed = re.search(r"^\t@echo 'next: (.+)'$", (REPO / "Makefile").read_text(), re.M)
+    assert printed, "make run prints no next command"
+    first = next(c for c in DOC_COMMANDS if c.where.startswith("README.md:"))
+    assert first.text.split(" #")[0].strip() == printed.group(1), (first, printed.group(1))  # its comment aside
+    # typed as printed: the checkout's wrapper, not a bare `renderfleet` that is on no PATH yet
+    assert first.text.startswith("bin/renderfleet ") and os.access(REPO / "bin" / "renderfleet", os.X_OK)
 
 
 def test_a_docs_command_with_a_flag_that_does_not_exist_fails_the_check(tmp_path: Path) -> None:

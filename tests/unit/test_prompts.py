@@ -247,6 +247,22 @@ def test_jsonl_bad_line_is_reported_at_its_line(tmp_path: Path, line: str, reaso
     assert_problem(path, 3, reason)
 
 
+@pytest.mark.parametrize(
+    ("line", "where"),
+    [
+        ('{"prompt": "a fox", "steps": 4', "Expecting ',' delimiter at column 31"),  # cut after a value
+        ('{"prompt": "a fo', "Unterminated string starting at column 12"),  # cut inside a string
+        ('  {"prompt": "x"', "Expecting ',' delimiter at column 17"),
+    ],
+)
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_jsonl_truncated_line_is_reported_at_the_column_where_it_breaks(
+    tmp_path: Path, line: str, where: str, ending: str
+) -> None:
+    path = write(tmp_path, "p.jsonl", '{"prompt": "fine"}' + ending + line + ending + '{"prompt": "after"}' + ending)
+    assert problems_of(path) == [f"{path}:2: malformed JSON: {where}"]
+
+
 def test_jsonl_accepts_edge_values(tmp_path: Path) -> None:
     row = {"prompt": "x", "id": "é-ok_1", "seed": 2**63 - 1, "steps": 1000, "width": 4096, "height": 8, "guidance": 0}
     path = write(tmp_path, "p.jsonl", "  " + json.dumps(row) + "  \n")
