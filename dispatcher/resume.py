@@ -205,6 +205,10 @@ def resume(
     priority = int(was_priority) if priority is None and was_priority else priority
     share = int(was_share) if share is None and was_share else share
     enqueue.register_job(client, job_spec, queue, owner, stored=True)
+    if not known and images:
+        # Redis lost the job's account (its GPU time by pool) with its memory: the render time of the
+        # images stored so far is unknown, and status shows no cost rather than one that counts them free.
+        client.hset(keys.job(job), "unaccounted", len(images))
     missing = 0
     wire_missing = push and not store.exists(spec.wire_index_key(job))
     tmp = tempfile.TemporaryDirectory(prefix="rf-wire-") if wire_missing else None

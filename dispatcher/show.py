@@ -166,7 +166,8 @@ def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
         Column("img/min", 4, lambda j: f"{j.images_per_minute:,.1f}"),
         Column("ETA", 3, _state),
         Column("redelivered/lost", 11, lambda j: f"{j.redeliveries}/{j.wasted_images}"),
-        Column("GPU s", 10, lambda j: f"{sum(j.gpu_seconds.values()):,.0f}"),
+        # "-" where render time before a Redis loss is unknown: a sum of what came after reads as the whole
+        Column("GPU s", 10, lambda j: "-" if j.unaccounted else f"{sum(j.gpu_seconds.values()):,.0f}"),
         Column("cost", 5, lambda j: money(j.cost)),
         Column("per 1k img", 6, lambda j: money(j.cost_per_1000_images)),
     ]

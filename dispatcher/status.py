@@ -68,6 +68,7 @@ class JobStatus:
     redeliveries: int = 0  # shard deliveries beyond the first: preemptions, kills, hand-backs survived
     wasted_images: int = 0  # renders thrown away by them (work lost)
     cost: float | None = None  # gpu_seconds x each pool's price per hour; None unless every pool used is priced
+    # and every image's render time is counted
     cost_per_image: float | None = None
     cancelled: float | None = None  # when it was cancelled (unix time); None unless it is
     failure_reasons: dict[str, int] | None = None  # most common errors of failing prompts; None when not read
@@ -82,6 +83,10 @@ class JobStatus:
     # None when a worker does, or when not checked.
     unserved: str | None = None
     unserved_note: str | None = None
+    # Images the store held when this Redis took the job back without its account (a Redis that lost
+    # its memory; ``keys.job``'s ``unaccounted``), or every stored image of a job Redis does not know:
+    # their render time is unknown, so gpu_seconds counts only what came after and the cost is None.
+    unaccounted: int = 0
 
     @property
     def failed(self) -> int:
@@ -265,7 +270,19 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     :class:`JobNotFound`: its counters say nothing of this store.
     """
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.job(job), "total", "spec", "store", "cancelled", "deleted", "reason", "priority", "share", "queue")
+    pipe.hmget(
+        keys.job(job),
+        "total",
+        "spec",
+        "store",
+        "cancelled",
+        "deleted",
+        "reason",
+        "priority",
+        "share",
+        "queue",
+        "unaccounted",
+    )
     # Bits, not counters: a bit per prompt is set once whoever commits it, and
     # BITCOUNT of a million-prompt job reads 125 kB.
     pipe.bitcount(keys.done_bits(job))
@@ -276,7 +293,7 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     pipe.lrange(keys.progress(job), 0, keys.PROGRESS_KEEP - 1)
     pipe.hvals(keys.attempts(job))
     (
-        (total, spec_json, owner, cancelled, deleted, reason, priority, share, queue),
+        (total, spec_json, owner, cancelled, deleted, reason, priority, share, queue, unaccounted),
         done,
         failed,
         states,
@@ -316,6 +333,7 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
             cancelled=lifecycle.cancelled_at(client, store, job),
             priority=job_spec.priority,
             share=job_spec.share,
+            unaccounted=len(images),  # no account at all: Redis does not know the job
         )
     queued = running = shards_queued = shards_running = pending = shards_pending = 0
     for shard, state in states.items():
@@ -357,6 +375,7 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
         priority=_ranked(priority, "priority", registered, keys.job(job)),
         share=_ranked(share, "share", registered, keys.job(job)),
         queue=keys.text(queue),
+        unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
     )
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
@@ -417,9 +436,14 @@ def price(job_state: JobStatus, prices: dict[str, float]) -> None:
 
     A price of 0 is no price (the config's default): a job that spent GPU time on a pool
     without one has no cost (None, shown "-"), never a cost that counts that time as free.
+    Nor has a job whose images' render time is not all counted (docs/monitoring.md: never 0
+    for lack of data): one Redis took back after losing its account (``unaccounted``), or
+    one with images done and no render time at all.
     """
     priced = {pool: p for pool, p in prices.items() if p > 0}
     if not priced or any(seconds > 0 and pool not in priced for pool, seconds in job_state.gpu_seconds.items()):
+        return
+    if job_state.unaccounted or (job_state.done and not any(s > 0 for s in job_state.gpu_seconds.values())):
         return
     job_state.cost = sum(seconds * priced.get(pool, 0.0) / 3600 for pool, seconds in job_state.gpu_seconds.items())
     job_state.cost_per_image = job_state.cost / job_state.done if job_state.done else None

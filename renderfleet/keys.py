@@ -54,7 +54,9 @@ def job(job_id: str) -> str:
     builds its messages from: feed (the job's envelope template, JSON:
     ``celery_app.feed_template``), shard_size, stride (:data:`FEED_STRIDE` // share), life (the
     life of the job's name the spec names: every lease is bound to it; docs/design.md, "A job's lives";
-    ``ended:<ms>`` once a delete or a retire ended it).
+    ``ended:<ms>`` once a delete or a retire ended it), unaccounted (images the store held when a
+    resume registered the job again in a Redis that had lost it: their render time, and so the job's
+    cost, is unknown; ``dispatcher/status.py`` ``price``).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
     store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;

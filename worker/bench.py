@@ -15,6 +15,10 @@ takes seconds, not minutes per size).  It
 writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``;
 ``--compare a.json b.json`` puts runs from different cards side by side and
 names the cheapest per image and the fastest.
+
+A bench says what its figures rest on: a point far off its neighbours or a
+spread of timed runs (one noisy timing would crown it), the settings that
+differ between compared runs, and why only one size was timed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ from renderfleet.spec import Prompt, derive_seed
 AUTO_LIMIT = 64
 CPU_SWEEP_SECONDS = 20.0  # auto on a CPU: the probes end within this
 CPU_TIMING_SECONDS = 40.0  # auto on a CPU: then the timed runs of the fastest probed sizes, within this
+# A point this many times off the median of it and its neighbours (two each side) is taken for a bad
+# timing: doubling a batch at most doubles images per minute, so a real sweep has no such jump.
+OUTLIER_FACTOR = 3.0
+# A point's timed runs spread wider than this ((slowest - fastest) / median): its median is doubtful,
+# as neighbouring sizes often differ by less.
+SPREAD_LIMIT = 0.25
+# What makes two runs' figures comparable: a run at other settings is flagged in --compare.
+SETTINGS = ("model", "width", "height", "steps", "guidance", "scheduler", "image_format", "quality", "compiled")
 
 
 @dataclass
@@ -41,6 +53,7 @@ class Point:
     seconds_per_image: float
     peak_memory_mb: float | None
     cost_per_image: dict[str, float] = field(default_factory=dict)  # price label -> cost
+    spread: float | None = None  # (slowest - fastest) / median of its timed runs; None with one run
 
 
 @dataclass
@@ -65,6 +78,9 @@ class BenchRun:
     image_format: str = "png"
     quality: int = 90
     bytes_per_image: float | None = None  # the mean file size of the last batch rendered
+    runs: int = 0  # timed batches per size
+    asked: list[int] | None = None  # the --batch-sizes given; None: auto
+    budget_stop: int | None = None  # auto on a CPU: the first size its probes' time budget left untried
 
     def best(self) -> Point:
         return max(self.points, key=lambda p: p.images_per_minute)
@@ -134,6 +150,8 @@ def run_bench(
         scheduler=scheduler,
         image_format=image_format,
         quality=quality,
+        runs=runs,
+        asked=batch_sizes,
     )
     started = time.perf_counter()
     try:
@@ -159,11 +177,17 @@ def run_bench(
         except OutOfMemory:
             result.oom_at = size
             break
-        per_image = statistics.median(times) / size
+        median = statistics.median(times)
+        per_image = median / size
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
         result.points.append(
             Point(
-                size, 60 / per_image, per_image, peak, {label: price / 3600 * per_image for label, price in prices.items()}
+                size,
+                60 / per_image,
+                per_image,
+                peak,
+                {label: price / 3600 * per_image for label, price in prices.items()},
+                (max(times) - min(times)) / median if len(times) > 1 and median > 0 else None,
             )
         )
     if not result.points:
@@ -174,12 +198,15 @@ def run_bench(
 def _auto_sizes(renderer: Any, prompts_of: Any, cuda: bool, result: BenchRun, runs: int) -> list[int]:
     """The sizes to measure under ``auto``: those the worker's search finds fit (on a CPU,
     those of them :func:`cpu_timed` picks)."""
-    from worker.batchsize import search
+    from worker.batchsize import doubling, search
 
     found = search(
         lambda n: renderer.render(prompts_of(n)), limit=AUTO_LIMIT, budget_seconds=None if cuda else CPU_SWEEP_SECONDS
     )
     result.oom_at = found.first_oom
+    if found.first_oom is None and found.fit < AUTO_LIMIT and found.per_image:
+        # Neither an out-of-memory nor the limit ended the doubling: the CPU's probe budget did.
+        result.budget_stop = next(n for n in doubling(1, AUTO_LIMIT) if n > found.fit)
     if cuda:
         return sorted(found.per_image)
     timed = cpu_timed(found.per_image, runs, CPU_TIMING_SECONDS)
@@ -240,17 +267,7 @@ def markdown(run: BenchRun) -> str:
             *[f"{p.cost_per_image[lbl]:.6f}" for lbl in labels],
         ]
         lines.append("| " + " | ".join(row) + " |")
-    best = run.best()
-    lines += [
-        "",
-        f"Best: batch {best.batch_size}, {best.images_per_minute:,.1f} images/min"
-        + "".join(
-            f"; {lbl}: {best.cost_per_image[lbl]:.6f} per image, "
-            f"{1 / best.cost_per_image[lbl]:,.0f} images per unit of money"
-            for lbl in labels
-            if best.cost_per_image[lbl] > 0
-        ),
-    ]
+    lines += ["", *winners(run)]
     if run.oom_at:
         lines.append(f"Batch {run.oom_at} ran out of memory.")
     if run.untimed:
@@ -258,7 +275,83 @@ def markdown(run: BenchRun) -> str:
             f"Probed but not timed (the CPU's time budget; slower per image in their probe): "
             f"{', '.join(map(str, run.untimed))}."
         )
+    if why := why_one_size(run):
+        lines.append(why)
+    lines += doubts([(p.batch_size, p.images_per_minute, p.spread) for p in run.points], run.runs)
     return "\n".join(lines) + "\n"
+
+
+def winners(run: BenchRun) -> list[str]:
+    """The fastest batch size, and the cheapest per image (at which price, where several are given).
+
+    Every price is per hour of the same card, so the fastest per image is the cheapest at each
+    price: the line names the price that makes it cheapest."""
+    best = run.best()
+    lines = [f"Fastest: batch {best.batch_size}, {best.images_per_minute:,.1f} images/min."]
+    priced = {lbl: c for lbl, c in best.cost_per_image.items() if c > 0}
+    if priced:
+        lbl = min(priced, key=lambda k: priced[k])
+        lines.append(
+            f"Cheapest per image: batch {best.batch_size} at {lbl}, {priced[lbl]:.6f} per image, "
+            f"{1 / priced[lbl]:,.0f} images per unit of money."
+        )
+    return lines
+
+
+def why_one_size(run: BenchRun) -> str | None:
+    """Why a sweep timed one batch size only (None when it timed more): the user reads a sweep
+    of one as a sweep that found nothing better."""
+    if len(run.points) != 1:
+        return None
+    n = run.points[0].batch_size
+    if run.oom_at is not None and run.oom_at > n:
+        why = f"batch {run.oom_at} ran out of memory"
+    elif run.asked is not None and len(run.asked) == 1:
+        why = f"--batch-sizes {n} asked for it alone (--batch-sizes auto or 1,2,4,8 sweeps)"
+    elif run.untimed:
+        why = f"the CPU's time budget for timed runs ({CPU_TIMING_SECONDS:g} s) left out {', '.join(map(str, run.untimed))}"
+    elif run.budget_stop is not None:
+        why = (
+            f"at {run.points[0].seconds_per_image:,.2f} s per image, batch {run.budget_stop} would have ended past "
+            f"the CPU's probe budget ({CPU_SWEEP_SECONDS:g} s); a smaller --size or fewer --steps let it sweep"
+        )
+    else:
+        return None
+    return f"Only batch {n} was timed: {why}."
+
+
+def doubts(points: list[tuple[int, float, float | None]], runs: int) -> list[str]:
+    """A line for each point whose figure one bad timing may have made: far off its neighbours
+    (:data:`OUTLIER_FACTOR`) or its timed runs spread wide (:data:`SPREAD_LIMIT`); and what to do.
+
+    ``points``: (batch size, images per minute, spread) in the sweep's order."""
+    points = sorted(points)
+    lines = []
+    rates = [ipm for _, ipm, _ in points]
+    for i, (size, ipm, spread) in enumerate(points):
+        if len(points) == 2:
+            # Two points: each other's only neighbour; the faster is the one a bad timing crowns.
+            other = rates[1 - i]
+            if other > 0 and ipm / other > OUTLIER_FACTOR:
+                lines.append(
+                    f"Doubtful: batch {size}'s {ipm:,.1f} images/min is {ipm / other:.1f}x batch "
+                    f"{points[1 - i][0]}'s ({other:,.1f}): one noisy timing may have crowned it."
+                )
+        elif len(points) > 2:
+            local = statistics.median(rates[max(0, i - 2) : i + 3])
+            if local > 0 and not 1 / OUTLIER_FACTOR <= ipm / local <= OUTLIER_FACTOR:
+                lines.append(
+                    f"Doubtful: batch {size}'s {ipm:,.1f} images/min is {ipm / local:.2g}x the median of its "
+                    f"neighbours ({local:,.1f}): one noisy timing may have made it."
+                )
+        if spread is not None and spread > SPREAD_LIMIT:
+            lines.append(f"Doubtful: batch {size}'s timed runs spread {spread:.0%} around their median.")
+    if lines:
+        lines.append(
+            f"Run again with more --runs (now {runs or '?'}; e.g. --runs {max(5, 2 * runs)}) "
+            "before choosing on these figures."
+        )
+    return lines
 
 
 def _plot(run: BenchRun, path: Path) -> Path | None:
@@ -293,11 +386,30 @@ def _plot(run: BenchRun, path: Path) -> Path | None:
 def compare(paths: list[Path]) -> str:
     """Runs from different cards side by side: the cheapest per image and the fastest, named."""
     rows = []
+    notes: list[str] = []
+    first: dict[str, Any] | None = None
     for path in paths:
         try:
             data: dict[str, Any] = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+            points = [
+                (
+                    int(p["batch_size"]),
+                    float(p["images_per_minute"]),
+                    None if p.get("spread") is None else float(p["spread"]),
+                )
+                for p in data["points"]
+            ]
+        except (OSError, ValueError, TypeError, KeyError) as exc:
             raise InputError([f"{path}: not a bench.json: {exc}"]) from None
+        if first is None:
+            first = data
+        elif differ := [k for k in SETTINGS if data.get(k) != first.get(k)]:
+            notes.append(
+                f"Other settings: {path}: "
+                + ", ".join(f"{k} {_setting(data.get(k))} (not {_setting(first.get(k))})" for k in differ)
+                + f"; against {paths[0]}."
+            )
+        notes += [f"{path}: {line}" for line in doubts(points, int(data.get("runs") or 0))]
         best = max(data["points"], key=lambda p: p["images_per_minute"])
         cost = min(best["cost_per_image"].values()) if best["cost_per_image"] else None
         rows.append((str(path), data["card"], best["batch_size"], best["images_per_minute"], cost))
@@ -316,4 +428,11 @@ def compare(paths: list[Path]) -> str:
             f"Cheapest per image: {cheapest[0]} ({cheapest[1]}), {cheapest[4]:.6f} per image, "
             f"{1 / (cheapest[4] or 1):,.0f} images per unit of money."
         )
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines) + "\n"
+
+
+def _setting(value: Any) -> str:
+    """A setting as --compare names it: the model's own scheduler is '' in bench.json."""
+    return "the model default" if value == "" else "unrecorded" if value is None else str(value)

@@ -38,7 +38,7 @@
         set(row, "f-eta", jl === 0 ? "done" : j.cancelled != null ? "cancelled" : fmtDuration(j.eta_seconds));
         set(row, "f-redeliveries", j.redeliveries + " / " + j.wasted_images);
         var gpu = Object.values(j.gpu_seconds).reduce(function (a, b) { return a + b; }, 0);
-        set(row, "f-gpu", gpu.toFixed(1));
+        set(row, "f-gpu", j.unaccounted ? "-" : gpu.toFixed(1));  // render time lost with a Redis: unknown
         set(row, "f-cost", money(j.cost));
         set(row, "f-cpk", money(j.cost_per_1000_images));
       });

@@ -31,6 +31,8 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
     p = data["points"][0]
     assert p["cost_per_image"]["1/h"] == pytest.approx(p["seconds_per_image"] / 3600)
     assert "| batch | images/min |" in a.stdout
+    # the winners, on the terminal and not only in bench.md
+    assert "Fastest: batch " in a.stdout and "Cheapest per image: batch " in a.stdout
     # the same card at three times the price: the first run is the cheaper per image
     other = json.loads((tmp_path / "a" / "bench.json").read_text())
     other["card"] = "pricier card"
@@ -46,6 +48,12 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
         assert cmp.returncode == 0, cmp.stderr
         assert f"Cheapest per image: {tmp_path / 'a' / 'bench.json'}" in cmp.stdout
         assert str(tmp_path / "b.json") in cmp.stdout
+    # a run at other settings: flagged in one line
+    other["steps"], other["scheduler"] = 30, "unipc"
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    cmp = run("--compare", str(tmp_path / "a" / "bench.json"), str(tmp_path / "c.json"))
+    assert cmp.returncode == 0, cmp.stderr
+    assert f"Other settings: {tmp_path / 'c.json'}: steps 30 (not 2), scheduler unipc (not the model default)" in cmp.stdout
     # files without --compare, or --compare without files: one line, exit 2, nothing run
     for bad, says in ((str(tmp_path / "b.json"),), "bench --compare A.json B.json"), (("--compare",), "--compare:"):
         out = run(*bad)

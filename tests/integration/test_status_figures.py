@@ -96,3 +96,37 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     # the workers, started with the config, published their pool's price: status needs no config for it
     unconfigured = {k: v for k, v in env.items() if k != "RENDERFLEET_CONFIG"}
     assert job_status(unconfigured, job)["cost"] == pytest.approx(final["cost"])
+
+
+def test_a_job_rendered_before_redis_lost_its_memory_shows_an_unknown_cost_not_zero(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'[pools.default]\nkind = "on-demand"\nprice_per_hour = {PRICE}\nmin = 0\nmax = 1\n')
+    env = base_env(
+        tmp_path,
+        redis_server.url,
+        str(tmp_path / "store"),
+        RENDERFLEET_CONFIG=str(config),
+        **bench_worker(SECONDS_PER_IMAGE),
+    )
+    (tmp_path / "p.txt").write_text("".join(f"prompt {i}\n" for i in range(8)))
+    job = cli(env, "submit", str(tmp_path / "p.txt"), *bench(SECONDS_PER_IMAGE), "--shard-size", "4").stdout.split()[-1]
+    worker = WorkerProc(env, tmp_path / "w.log")
+    try:
+        wait_for(lambda: status_now(env, job)["done"] == 8, 120, interval=0.25, what="the job to finish")
+    finally:
+        worker.kill()
+    assert job_status(env, job)["cost"] > 0  # counted while Redis held its account
+    redis_server.kill()  # SIGKILL, nothing saved: the job's GPU time by pool is gone
+    redis_server.start()
+    only_in_store = job_status(env, job)
+    assert only_in_store["known_to_redis"] is False and only_in_store["done"] == 8
+    assert only_in_store["cost"] is None and only_in_store["unaccounted"] == 8
+    cli(env, "resume", job)  # what the monitor's adopt does too
+    back = job_status(env, job)
+    assert back["known_to_redis"] is True and back["done"] == 8 and back["unaccounted"] == 8
+    assert back["cost"] is None and back["cost_per_image"] is None and back["cost_per_1000_images"] is None
+    text = cli({**env, "COLUMNS": "200"}, "status", job).stdout
+    cells = next(line for line in text.splitlines() if "8/8" in line).split()
+    assert cells[-4] == "-" and cells[-2:] == ["-", "-"], text  # GPU s, (KB/img,) cost, per 1k img

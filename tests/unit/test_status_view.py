@@ -42,6 +42,22 @@ def test_a_pool_without_a_price_leaves_the_cost_unknown_not_zero() -> None:
     assert job.cost == 0.011 and job.cost_per_1000_images == 0.011 / 4 * 1000
 
 
+def test_a_job_whose_render_time_redis_lost_has_an_unknown_cost_not_zero() -> None:
+    # Taken back after a Redis loss with 4 images stored: 36 s counted since is not the whole job's.
+    job = JobStatus("j", 10, 8, 0, 2, 0, 1, 1, 0, True, gpu_seconds={"spot": 36.0}, unaccounted=4)
+    price(job, {"spot": 1.0})
+    assert job.cost is None and job.cost_per_image is None and job.cost_per_1000_images is None
+    # Images done, no render time counted at all: unknown too, never free.
+    job = JobStatus("j", 10, 4, 0, 6, 0, 1, 1, 0, True)
+    price(job, {"spot": 1.0})
+    assert job.cost is None
+    fleet = FleetStatus(jobs=[JobStatus("j", 10, 8, 0, 2, 0, 1, 1, 0, True, gpu_seconds={"spot": 36.0}, unaccounted=4)])
+    out = io.StringIO()
+    Console(file=out, width=200).print(render_status(fleet, Console(file=io.StringIO(), width=200)))
+    row = next(line for line in out.getvalue().splitlines() if line.lstrip().startswith("j "))
+    assert row.split()[-3:] == ["-", "-", "-"], row  # GPU s, cost, per 1k img
+
+
 def test_a_job_all_quarantined_is_all_red_and_one_quarantined_prompt_still_shows() -> None:
     assert bar(0, 12, 12, plain=True).plain == "x" * 10
     assert bar(12, 0, 12, plain=True).plain == "#" * 10
