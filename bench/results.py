@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
+RESULTS = ROOT / "bench" / "RESULTS.md"
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,24 @@ def start() -> Start:
     return Start()
 
 
-def command() -> str:
-    """The command line this process was started with, as a reader would type it again."""
+def command(argv: list[str] | None = None) -> str:
+    """The command line this process was started with, as a reader would type it again: a path in this
+    checkout relative to its root, any other absolute path (a machine's folder: another checkout, a
+    temporary one) as ``PATH``, so that no machine's layout lands in bench/RESULTS.md."""
+    argv = sys.argv if argv is None else argv
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    program = f"python -m {spec.name}" if spec is not None and spec.name != "__main__" else f"python {sys.argv[0]}"
-    return " ".join([program, *(shlex.quote(a) for a in sys.argv[1:])])
+    program = f"python -m {spec.name}" if spec is not None and spec.name != "__main__" else f"python {_portable(argv[0])}"
+    return " ".join([program, *(shlex.quote(_portable(a)) for a in argv[1:])])
+
+
+def _portable(arg: str) -> str:
+    option, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if not value.startswith("/"):
+        return arg
+    path = Path(value).resolve()
+    shown = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else "PATH"
+    return f"{option}{equals}{shown}"
 
 
 def cores() -> str:

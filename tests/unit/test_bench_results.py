@@ -48,9 +48,10 @@ def test_a_section_says_when_on_what_under_which_load_at_both_ends_and_by_which_
 
 
 def test_the_default_command_is_the_one_this_process_was_started_with(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", ["/somewhere/bench/fleet_bench.py", "--only", "tiny", "--note", "a b"])
+    script = str(results.ROOT / "bench" / "fleet_bench.py")  # run by its path: shown from the checkout's root
+    monkeypatch.setattr(sys, "argv", [script, "--only", "tiny", "--note", "a b"])
     monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
-    assert results.command() == "python /somewhere/bench/fleet_bench.py --only tiny --note 'a b'"
+    assert results.command() == "python bench/fleet_bench.py --only tiny --note 'a b'"
 
 
 ALLOCATE = "import sys; block = bytearray(int(sys.argv[1]) * 2**20); block[::4096] = b'x' * len(block[::4096])"
@@ -81,3 +82,23 @@ def test_recovery_report_labels_what_it_did_not_measure_as_cited() -> None:
         # every figure not taken by this run says so
         if "unacked_restore" in line:
             assert "not measured" in line and "cited:" in line
+
+
+def test_a_results_command_names_no_machines_folder() -> None:
+    """A path in the checkout is shown relative to it, any other absolute path as PATH (a checkout of the
+    design before, a temporary folder): bench/RESULTS.md's commands are typed again on any machine."""
+    from bench.results import ROOT, command
+
+    shown = command(
+        [
+            "bench/x.py",
+            "--before",
+            "/work/wt/before6f3",
+            f"--results={ROOT}/bench/RESULTS.md",
+            "--runs",
+            "3",
+            str(ROOT / "examples" / "prompts.txt"),
+        ]
+    )
+    assert shown.endswith("--before PATH --results=bench/RESULTS.md --runs 3 examples/prompts.txt"), shown
+    assert "/work" not in shown
