@@ -243,7 +243,8 @@ def test_prices_published_by_the_fleet_price_status_without_config_never_rounded
 def test_a_job_all_quarantined_is_a_red_bar_not_a_green_one(tmp_path: Path, env: dict[str, str]) -> None:
     job = submit(env, tmp_path, 12)
     count(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), job, 0, 12, {})
-    text = cli(env, "status", "--wide").stdout
+    assert "+1 finished: renderfleet status --all" in cli(env, "status").stdout  # finished: folded
+    text = cli(env, "status", "--all", "--wide").stdout
     [row] = [line for line in text.splitlines() if line.startswith(job[:9])]
     assert re.search(r"\bx{10}\b", row) and "#" not in row  # piped: quarantined x, rendered #
     assert row.split()[1:4] == ["xxxxxxxxxx", "0/12", "12"]
