@@ -12,7 +12,7 @@ Each figure is the median over ``--runs`` runs.  Writes its section of ``bench/R
 
     python -m bench.status_bench [--finished 10000] [--running 3] [--runs 5] [--no-write]
 
-About a minute on 2 busy cores (most of it registering the jobs).
+About two minutes on 2 busy cores (most of it `status --all`, then registering the jobs).
 """
 
 from __future__ import annotations
