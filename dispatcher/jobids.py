@@ -51,11 +51,14 @@ def _shared(a: str, b: str) -> int:
     return n
 
 
-def known_jobs(client: redis.Redis | None, store: Store) -> list[str]:
+def known_jobs(client: redis.Redis | None, store: Store, redis_jobs: Iterable[str] | None = None) -> list[str]:
     """Every job of ``store`` a prefix may name: those this Redis counts for it and those the
     store's listing of ``jobs/`` shows (one listing; a store that cannot be listed now leaves
-    Redis's)."""
-    jobs = set(jobs_of_store(client, store)[0]) if client is not None else set()
+    Redis's).  ``redis_jobs``: Redis's, read already (``FleetStatus.known``): not read again."""
+    if redis_jobs is not None:
+        jobs = set(redis_jobs)
+    else:
+        jobs = set(jobs_of_store(client, store)[0]) if client is not None else set()
     try:
         jobs.update(store_jobs(store))
     except StoreError as exc:

@@ -216,22 +216,58 @@ def worker_columns(ids: dict[str, str]) -> list[Column]:
 
 
 def render_status(
-    fleet: FleetStatus, console: Console | None = None, *, wide: bool = False, ids: dict[str, str] | None = None
+    fleet: FleetStatus,
+    console: Console | None = None,
+    *,
+    wide: bool = False,
+    ids: dict[str, str] | None = None,
+    height: int | None = None,
 ) -> RenderableType:
-    """The fleet at a glance: jobs, backlog and pools, queues, workers, each table fitted to
-    ``console``'s width (``wide``: every column).  ``ids``: each job's id as shown (default:
-    the shortest unique prefixes among the jobs shown)."""
+    """The fleet at a glance: jobs (active first), backlog and pools, queues, workers, each table
+    fitted to ``console``'s width (``wide``: every column).  ``ids``: each job's id as shown
+    (default: the shortest unique prefixes among the jobs shown).  ``height`` (a terminal's, for
+    ``--watch``): the jobs shown are as many as leave the queues and workers within it, the
+    rest folded into the line that already counts the finished jobs folded."""
     console = console or Console()
+    jobs = sorted(fleet.jobs, key=lambda j: j.finished)  # stable: by id within each
+    shown = _render(fleet, console, jobs, len(jobs), wide=wide, ids=ids)
+    rows = len(jobs)
+    while height is not None and rows > 0:
+        need = len(console.render_lines(shown, console.options, pad=False))
+        if need <= height:
+            break
+        # Each job is one line (no cell wraps), and the first rows dropped add the line that counts them.
+        rows = max(0, rows - (need - height) - (1 if rows == len(jobs) and not fleet.folded else 0))
+        shown = _render(fleet, console, jobs, rows, wide=wide, ids=ids)
+    return shown
+
+
+def _folded_line(active: int, finished: int) -> Text:
+    """``+3 more active, +994 finished: renderfleet status --all``: the jobs not listed, and how to list them."""
+    counts = ([f"+{active:,} more active"] if active else []) + ([f"+{finished:,} finished"] if finished else [])
+    return Text(f"{', '.join(counts)}: renderfleet status --all", style="dim")
+
+
+def _render(
+    fleet: FleetStatus, console: Console, jobs: list[JobStatus], rows: int, *, wide: bool, ids: dict[str, str] | None
+) -> RenderableType:
+    """:func:`render_status` with the first ``rows`` of ``jobs`` listed."""
     plain = console.no_color or not console.is_terminal
     ids = ids if ids is not None else short_ids(j.job for j in fleet.jobs)
     parts: list[RenderableType] = []
     dropped: list[str] = []
-    if fleet.jobs:
-        jobs, gone = fitted(console, "jobs", _sized_columns(job_columns(ids, plain), fleet.jobs), fleet.jobs, wide=wide)
-        parts += [jobs, Text("")]
+    listed, hidden = jobs[:rows], jobs[rows:]
+    if listed:
+        table, gone = fitted(console, "jobs", _sized_columns(job_columns(ids, plain), listed), listed, wide=wide)
+        parts.append(table)
         dropped += gone
+    if hidden or fleet.folded:
+        finished = sum(j.finished for j in hidden)
+        parts.append(_folded_line(len(hidden) - finished, finished + fleet.folded))
+    if listed or hidden or fleet.folded:
+        parts.append(Text(""))
         # Why a job does not move: its workers load their model, or none serves its queue.
-        parts += [Text(j.unserved_note, style="yellow") for j in fleet.jobs if j.unserved_note]
+        parts += [Text(j.unserved_note, style="yellow") for j in listed if j.unserved_note]
     else:
         parts.append(Text("no jobs"))
     if fleet.other_stores:
@@ -307,7 +343,8 @@ def watch(
 
     def frame() -> RenderableType:
         fleet, ids = read()
-        return render_status(fleet, console, wide=wide, ids=ids)
+        # A line short of the terminal: the jobs never push the queues and workers off the screen.
+        return render_status(fleet, console, wide=wide, ids=ids, height=console.height - 1)
 
     try:
         if console.is_terminal:

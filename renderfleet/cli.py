@@ -469,9 +469,16 @@ def status(
     wide: Annotated[
         bool, typer.Option("--wide", metavar=FLAG, help="every column, however wide the terminal (lines may wrap)")
     ] = False,
+    every: Annotated[
+        bool, typer.Option("--all", metavar=FLAG, help="list every job, finished ones too (folded into one line without)")
+    ] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Progress of a job (or every job): rate, ETA, cost; backlog, queues and workers.
+
+    Active jobs come first; finished ones are folded into one line (--all lists them,
+    --json always does), and --watch shows as many jobs as leave the queues and
+    workers on the screen.
 
     Fits the terminal (80 columns included, and piped): a job shows by the shortest
     unique prefix of its id, which every command takes back; the least important
@@ -492,7 +499,14 @@ def status(
 
         def read() -> Any:
             return fleet_status(
-                client, jobs, store=store, prices=prices, with_store_only=True, max_age=2 * settings.lease_seconds
+                client,
+                jobs,
+                store=store,
+                prices=prices,
+                with_store_only=True,
+                max_age=2 * settings.lease_seconds,
+                # A fleet that ran 10,000 jobs: the finished ones counted, not read (--json lists them all).
+                fold_finished=not (job or every or as_json),
             )
 
         try:
@@ -508,9 +522,13 @@ def status(
         if watch:  # each frame with the ids of the jobs known then: a new job may lengthen some
             from dispatcher.show import watch as watch_status
 
-            watch_status(lambda: (read(), short_ids(known_jobs(client, store))), wide=wide, console=_console())
+            def frame() -> Any:
+                shown = read()
+                return shown, short_ids(known_jobs(client, store, shown.known))
+
+            watch_status(frame, wide=wide, console=_console())
             return
-        ids = short_ids(known_jobs(client, store))
+        ids = short_ids(known_jobs(client, store, fleet.known))
     from dispatcher.show import print_status
 
     print_status(fleet, _console(), wide=wide, ids=ids)

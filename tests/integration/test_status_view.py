@@ -12,6 +12,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,9 +27,10 @@ from dispatcher.status import fleet_status
 from renderfleet import Client, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import InputError
-from renderfleet.spec import store_tag
+from renderfleet.spec import store_identity, store_tag
 from renderfleet.store import open_store
 from testing.fleet import REPO, TINY, base_env, cli, write_prompts
+from testing.manyjobs import add_jobs
 from testing.servers import http_get
 
 pytestmark = pytest.mark.integration
@@ -45,12 +47,13 @@ def submit(env: dict[str, str], tmp: Path, n: int, *args: str) -> str:
 
 
 def shown_ids(text: str) -> list[str]:
-    """The job column of the jobs table: the first word of each line after its header."""
+    """The job column of the jobs table: the first word of each line after its header (up to the line
+    that counts the jobs not listed)."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("job "))
     out = []
     for line in lines[start + 1 :]:
-        if not line.strip():
+        if not line.strip() or line.startswith("+"):
             break
         out.append(line.split()[0])
     return out
@@ -243,9 +246,65 @@ def test_prices_published_by_the_fleet_price_status_without_config_never_rounded
 def test_a_job_all_quarantined_is_a_red_bar_not_a_green_one(tmp_path: Path, env: dict[str, str]) -> None:
     job = submit(env, tmp_path, 12)
     count(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), job, 0, 12, {})
-    text = cli(env, "status", "--wide").stdout
+    assert "+1 finished: renderfleet status --all" in cli(env, "status").stdout  # finished: folded
+    text = cli(env, "status", "--all", "--wide").stdout
     [row] = [line for line in text.splitlines() if line.startswith(job[:9])]
     assert re.search(r"\bx{10}\b", row) and "#" not in row  # piped: quarantined x, rendered #
     assert row.split()[1:4] == ["xxxxxxxxxx", "0/12", "12"]
     [obj] = json.loads(cli(env, "status", job, "--json").stdout)["jobs"]
     assert (obj["done"], obj["quarantined"], obj["state"]) == (0, 12, "finished")
+
+
+def test_status_of_many_finished_jobs_folds_them_into_one_line_and_reads_only_their_counters(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    store = open_store(env["RENDERFLEET_STORE"])
+    add_jobs(client, store, 200)
+    live = add_jobs(client, store, 2, prefix="live", finished=False)
+    client.config_resetstat()
+    text = cli(env, "status").stdout
+    calls = {name: stat["calls"] for name, stat in client.info("commandstats").items()}
+    assert shown_ids(text) == live  # the active jobs, and the finished ones...
+    assert "+200 finished: renderfleet status --all" in text and len(text.splitlines()) < 30, text
+    # ...counted from their hash and done bits: neither their progress, shards nor attempts are read
+    assert calls.get("cmdstat_lrange", 0) == len(live) and calls.get("cmdstat_hvals", 0) == len(live), calls
+    assert "queues of store" in text
+    every = cli(env, "status", "--all").stdout
+    assert shown_ids(every) == live + [f"done-{i:05d}" for i in range(200)]  # active first
+    assert "finished: renderfleet status --all" not in every
+    assert len(json.loads(cli(env, "status", "--json").stdout)["jobs"]) == 202  # the JSON lists every job
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux: a terminal of 80 x 24 to watch in")
+def test_status_watch_in_an_80_by_24_terminal_with_12_jobs_keeps_the_queues_and_workers_on_screen(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    store = open_store(env["RENDERFLEET_STORE"])
+    add_jobs(client, store, 4)
+    add_jobs(client, store, 8, prefix="live", finished=False)
+    info = {"worker": "w-on-screen", "pool": "default", "store": store_identity(store.url), "model": "tiny"}
+    client.hset(keys.WORKERS, "w-on-screen", json.dumps({**info, "device": "cpu", "queues": ["default"]}))
+    client.hset(keys.worker_stats("w-on-screen"), "last_seen", f"{time.time() + 3600:.3f}")
+    script = tmp_path / "watch.sh"
+    exports = "".join(f"export {k}={json.dumps(v)}\n" for k, v in env.items() if k.isidentifier())
+    script.write_text(f"{exports}unset COLUMNS LINES\ncd {REPO}\nexec {sys.executable} -m renderfleet status --watch\n")
+    socket = f"rf-watch-{os.getpid()}"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "24", f"bash {script}"], check=True)
+    try:
+        screen, deadline = "", time.monotonic() + 60  # the CLI's start-up on a loaded machine
+        while "w-on-screen" not in screen and time.monotonic() < deadline:
+            time.sleep(1)
+            screen = subprocess.run([*tmux, "capture-pane", "-p"], capture_output=True, text=True).stdout
+        lines = screen.rstrip("\n").splitlines()
+        assert "w-on-screen" in screen and any(line.startswith("workers") for line in lines), screen
+        assert any(line.startswith("queues of store") for line in lines), screen
+        assert len(lines) <= 24 and all(len(line) <= 80 for line in lines), screen
+        shown = [line.split()[0] for line in lines if line.startswith("live-")]
+        assert shown and shown == [f"live-{i:05d}" for i in range(len(shown))], screen  # the active jobs first
+        folded = f"+{8 - len(shown)} more active, +4 finished" if len(shown) < 8 else "+4 finished"
+        assert f"{folded}: renderfleet status --all" in screen, screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False)

@@ -127,3 +127,56 @@ def test_the_page_draws_rendered_green_and_quarantined_red() -> None:
     row = env.get_template("_jobrow.html").render(j=JobStatus("j", 12, 0, 12, 0, 0, 3, 0, 0, True).to_dict())
     assert 'class="fill" data-percent="0.0"' in row and 'class="fill-q" data-percent="100.0"' in row
     assert '<td class="f-quarantined">12</td>' in row and '<td class="f-cpk">-</td>' in row
+
+
+def _fleet(active: int, finished: int, folded: int = 0) -> FleetStatus:
+    """A fleet of ``active`` running jobs, ``finished`` finished ones listed and ``folded`` counted, one worker."""
+    jobs = [JobStatus(f"done-{i:03d}", 8, 8, 0, 0, 0, 2, 0, 0, True) for i in range(finished)]
+    jobs += [JobStatus(f"live-{i:03d}", 8, 2, 0, 6, 0, 2, 2, 0, True) for i in range(active)]
+    return FleetStatus(
+        queues={"renderfleet.default.0123456789ab": 3},
+        jobs=jobs,
+        store="/x",
+        folded=folded,
+        workers=[{"worker": "default-host-1234-abcdef", "pool": "default", "model": "tiny", "device": "cpu"}],
+    )
+
+
+def _lines(fleet: FleetStatus, height: int | None = None) -> list[str]:
+    out = io.StringIO()
+    console = Console(file=out, width=80, height=24)
+    console.print(render_status(fleet, console, height=height))
+    return out.getvalue().splitlines()
+
+
+def test_finished_jobs_fold_into_one_line_that_says_how_to_list_them() -> None:
+    lines = _lines(_fleet(active=3, finished=0, folded=994))
+    assert [line.split()[0] for line in lines if line.startswith("live-")] == ["live-000", "live-001", "live-002"]
+    assert "+994 finished: renderfleet status --all" in lines
+    assert not any(line.startswith("done-") for line in lines) and len(lines) < 24
+    assert any(line.startswith("workers") for line in lines) and any(line.startswith("queues") for line in lines)
+    folded_only = _lines(_fleet(active=0, finished=0, folded=5))
+    assert "+5 finished: renderfleet status --all" in folded_only and "no jobs" not in folded_only
+
+
+def test_every_job_listed_shows_the_active_ones_first() -> None:
+    lines = _lines(_fleet(active=2, finished=3))
+    assert [line.split()[0] for line in lines if line.startswith(("live-", "done-"))] == [
+        "live-000",
+        "live-001",
+        "done-000",
+        "done-001",
+        "done-002",
+    ]
+    assert not any("renderfleet status --all" in line for line in lines)
+
+
+def test_the_watch_at_80_by_24_with_12_jobs_keeps_the_queues_and_workers_on_the_screen() -> None:
+    lines = _lines(_fleet(active=12, finished=0, folded=40), height=23)
+    assert len(lines) <= 23, "\n".join(lines)
+    assert any(line.startswith("workers") for line in lines) and "default-host-1234-abcdef" in "\n".join(lines)
+    assert any(line.startswith("queues") for line in lines)
+    shown = sum(line.startswith("live-") for line in lines)
+    assert 0 < shown < 12 and f"+{12 - shown} more active, +40 finished: renderfleet status --all" in lines
+    # a terminal tall enough lists them all
+    assert sum(line.startswith("live-") for line in _lines(_fleet(active=12, finished=0), height=60)) == 12
