@@ -33,6 +33,7 @@ from dispatcher.serving import unserved
 from renderfleet import keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
+from renderfleet.jobfailure import FAILED
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store
@@ -82,6 +83,9 @@ class JobStatus:
     # None when a worker does, or when not checked.
     unserved: str | None = None
     unserved_note: str | None = None
+    # Why the job failed as a whole (its model would not load on a worker: renderfleet/jobfailure.py);
+    # in the JSON, also why a job whose every prompt was quarantined failed (:attr:`why_failed`).
+    failure: str | None = None
 
     @property
     def failed(self) -> int:
@@ -102,8 +106,20 @@ class JobStatus:
         return 0 if self.cancelled is not None else self.left
 
     @property
+    def why_failed(self) -> str | None:
+        """Why the job failed, if it did: as a whole (:attr:`failure`), or every prompt quarantined."""
+        if self.failure is not None:
+            return self.failure
+        if self.total and self.quarantined >= self.total:
+            return f"every prompt ({self.total:,}) was quarantined: renderfleet results {self.job} lists why"
+        return None
+
+    @property
     def state(self) -> str:
-        """``finished`` (every prompt rendered or quarantined), ``cancelled`` or ``running``."""
+        """``failed`` (:attr:`why_failed`), ``finished`` (every prompt rendered or quarantined, some
+        rendered), ``cancelled`` or ``running``."""
+        if self.why_failed is not None:
+            return "failed"
         return "finished" if self.finished else "cancelled" if self.cancelled is not None else "running"
 
     @property
@@ -115,6 +131,7 @@ class JobStatus:
         out = asdict(self)
         out.update(
             state=self.state,
+            failure=self.why_failed,
             left=self.left,
             to_render=self.to_render,
             finished=self.finished,
@@ -265,7 +282,9 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     :class:`JobNotFound`: its counters say nothing of this store.
     """
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.job(job), "total", "spec", "store", "cancelled", "deleted", "reason", "priority", "share", "queue")
+    pipe.hmget(
+        keys.job(job), "total", "spec", "store", "cancelled", "deleted", "reason", "priority", "share", "queue", FAILED
+    )
     # Bits, not counters: a bit per prompt is set once whoever commits it, and
     # BITCOUNT of a million-prompt job reads 125 kB.
     pipe.bitcount(keys.done_bits(job))
@@ -276,7 +295,7 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     pipe.lrange(keys.progress(job), 0, keys.PROGRESS_KEEP - 1)
     pipe.hvals(keys.attempts(job))
     (
-        (total, spec_json, owner, cancelled, deleted, reason, priority, share, queue),
+        (total, spec_json, owner, cancelled, deleted, reason, priority, share, queue, failure),
         done,
         failed,
         states,
@@ -363,6 +382,10 @@ def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> 
     _add_progress(result, counter_hash(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
     if cancelled is not None:
         result.cancelled, result.eta_seconds = float(cancelled), None
+    if failure is not None:
+        result.failure = keys.text(failure)
+    if result.state == "failed":
+        result.eta_seconds = None  # no rate will finish it
     return result
 
 
