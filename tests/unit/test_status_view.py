@@ -111,3 +111,23 @@ def test_the_page_draws_rendered_green_and_quarantined_red() -> None:
     row = env.get_template("_jobrow.html").render(j=JobStatus("j", 12, 0, 12, 0, 0, 3, 0, 0, True).to_dict())
     assert 'class="fill" data-percent="0.0"' in row and 'class="fill-q" data-percent="100.0"' in row
     assert '<td class="f-quarantined">12</td>' in row and '<td class="f-cpk">-</td>' in row
+
+
+def test_a_job_whose_every_prompt_is_quarantined_or_that_failed_is_failed_never_done() -> None:
+    quarantined = JobStatus("j-all-quarantined", 200, 0, 200, 0, 0, 4, 0, 0, True, eta_seconds=0.0)
+    failed = JobStatus(
+        "j-model-failed", 200, 0, 0, 0, 0, 4, 0, 0, True, cancelled=1.0, failure="model 'x' could not be loaded"
+    )
+    fine = JobStatus("j-rendered", 200, 199, 1, 0, 0, 4, 0, 0, True)
+    assert [j.state for j in (quarantined, failed, fine)] == ["failed", "failed", "finished"]
+    assert quarantined.to_dict()["failure"].startswith("every prompt (200) was quarantined")
+    assert failed.to_dict()["failure"] == "model 'x' could not be loaded" and fine.to_dict()["failure"] is None
+    out = io.StringIO()
+    jobs = [quarantined, failed, fine]
+    print_status(FleetStatus(jobs=jobs), Console(file=out, width=200), wide=True, ids={j.job: j.job for j in jobs})
+    text = out.getvalue()
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip().startswith("j-")}
+    assert "failed" in rows["j-all-quarantined"] and "done" not in rows["j-all-quarantined"]
+    assert "failed" in rows["j-model-failed"] and "cancelled" not in rows["j-model-failed"]
+    assert "done" in rows["j-rendered"]
+    assert text.count("could not be loaded") == 1 and text.count("every prompt (200) was quarantined") == 1
