@@ -248,4 +248,8 @@ def test_a_job_all_quarantined_is_a_red_bar_not_a_green_one(tmp_path: Path, env:
     assert re.search(r"\bx{10}\b", row) and "#" not in row  # piped: quarantined x, rendered #
     assert row.split()[1:4] == ["xxxxxxxxxx", "0/12", "12"]
     [obj] = json.loads(cli(env, "status", job, "--json").stdout)["jobs"]
-    assert (obj["done"], obj["quarantined"], obj["state"]) == (0, 12, "finished")
+    # ...and failed, never done: its ETA cell says so, its reason once (issue 37)
+    assert (obj["done"], obj["quarantined"], obj["state"], obj["eta_seconds"]) == (0, 12, "failed", None)
+    assert obj["failure"].startswith("every prompt (12) was quarantined")
+    assert "failed" in row and "done" not in row.split()[4:]
+    assert " ".join(text.split()).count("every prompt (12) was quarantined") == 1
