@@ -570,7 +570,7 @@ class WorkerService:
     def _reject_stored(self, msg: ShardMessage, where: str, reason: str) -> None:
         """Reject a shard whose prompts the store cannot give: one log line, and ``reason`` as the last
         error of each of its prompts (``keys.fails``: ``status JOB`` lists it, "N prompt(s) failed:
-        ...", as it lists a model that will not load), counting no failure: nothing is quarantined."""
+        ...", as it lists a prompt's failures), counting no failure: nothing is quarantined."""
         log.error("%s: %s", where, reason)
         errors: dict[Any, Any] = {f"{i}:error": reason for i in range(msg.first, msg.first + msg.count)}
         with contextlib.suppress(redis.RedisError):  # status's view: the rejection stands without it
