@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from renderfleet import keys, spec
-from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
+from renderfleet.jobfailure import FAILED, cancel_call
 from renderfleet.leases import lua_script
 from renderfleet.store import Store
 
@@ -50,19 +50,8 @@ def _marker_time(store: Store, job: str) -> float | None:
 
 def cancel_pass(client: redis.Redis, job: str, *, fence: bool, when: str = "") -> Cancelled:
     """One pass of ``cancel.lua`` over the job (``fence``: its leased shards' attempts bumped too)."""
-    removed, parked, leased = client.register_script(lua_script("cancel"))(
-        keys=[
-            keys.job(job),
-            keys.shards(job),
-            keys.attempts(job),
-            keys.INFLIGHT,
-            keys.ENQUEUED,
-            UNACKED_KEY,
-            UNACKED_INDEX_KEY,
-            keys.pending(job),
-        ],
-        args=[job, keys.QUEUED_PREFIX, "1" if fence else "", when, keys.ACTIVE_PREFIX],
-    )
+    script_keys, args = cancel_call(job, fence=fence, when=when)
+    removed, parked, leased = client.register_script(lua_script("cancel"))(keys=script_keys, args=args)
     return Cancelled(int(removed), int(parked), int(leased))
 
 
@@ -74,10 +63,11 @@ def check_cancelled(store: Store, client: redis.Redis, job: str, *, uncancel: bo
     :func:`hold`), or None.  A job that stays cancelled has its field set at once: a worker
     that takes a message resume pushes before :func:`hold` takes it out drops it at its claim.
     ``uncancel`` (the user's own resume or submit) continues a cancelled job: its marker goes
-    first, then its field (a Redis lost in between does not bring the cancel back)."""
+    first, then its field (a Redis lost in between does not bring the cancel back); and a failed
+    one (``renderfleet/jobfailure.py``: its failure goes with its cancel, and the workers try again)."""
     if uncancel:
         store.delete(spec.cancelled_key(job))
-        client.hdel(keys.job(job), "cancelled")
+        client.hdel(keys.job(job), "cancelled", FAILED)
         return None
     at = cancelled_at(client, store, job)
     if at is None:

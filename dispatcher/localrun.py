@@ -27,6 +27,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from dispatcher.monitor import Monitor
@@ -219,6 +220,9 @@ def _run_local(
                     done=job_state.done,
                     quarantined=job_state.quarantined,
                 )
+                if job_state.failure is not None:  # its model would not load: nothing more will render
+                    console.print(f"[red]job {result.id} failed: {escape(job_state.failure)}[/]", highlight=False)
+                    return 1
                 if job_state.finished:
                     break
                 if all(p.poll() is not None for p in procs):

@@ -147,6 +147,8 @@ def _progress(j: JobStatus, plain: bool) -> Text:
 
 
 def _state(j: JobStatus) -> str:
+    if j.state == "failed":
+        return "failed"  # never "done": its images are not there (its reason: a line below the table)
     if j.finished:
         return "done"
     return "cancelled" if j.cancelled is not None else eta(j.eta_seconds)
@@ -266,8 +268,13 @@ def _render(
         parts.append(_folded_line(len(hidden) - finished, finished + fleet.folded))
     if listed or hidden or fleet.folded:
         parts.append(Text(""))
-        # Why a job does not move: its workers load their model, or none serves its queue.
+        # Why a job does not move: its workers load their model, or none serves its queue; or it failed.
         parts += [Text(j.unserved_note, style="yellow") for j in listed if j.unserved_note]
+        parts += [
+            Text(f"job {ids.get(j.job, j.job)} failed: {why}", style="bold red")
+            for j in listed
+            if (why := j.why_failed) is not None
+        ]
     else:
         parts.append(Text("no jobs"))
     if fleet.other_stores:

@@ -33,6 +33,7 @@ from dispatcher.serving import unserved
 from renderfleet import keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
+from renderfleet.jobfailure import FAILED
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store
@@ -87,6 +88,9 @@ class JobStatus:
     # its memory; ``keys.job``'s ``unaccounted``), or every stored image of a job Redis does not know:
     # their render time is unknown, so gpu_seconds counts only what came after and the cost is None.
     unaccounted: int = 0
+    # Why the job failed as a whole (its model would not load on a worker: renderfleet/jobfailure.py);
+    # in the JSON, also why a job whose every prompt was quarantined failed (:attr:`why_failed`).
+    failure: str | None = None
 
     @property
     def failed(self) -> int:
@@ -107,8 +111,20 @@ class JobStatus:
         return 0 if self.cancelled is not None else self.left
 
     @property
+    def why_failed(self) -> str | None:
+        """Why the job failed, if it did: as a whole (:attr:`failure`), or every prompt quarantined."""
+        if self.failure is not None:
+            return self.failure
+        if self.total and self.quarantined >= self.total:
+            return f"every prompt ({self.total:,}) was quarantined: renderfleet results {self.job} lists why"
+        return None
+
+    @property
     def state(self) -> str:
-        """``finished`` (every prompt rendered or quarantined), ``cancelled`` or ``running``."""
+        """``failed`` (:attr:`why_failed`), ``finished`` (every prompt rendered or quarantined, some
+        rendered), ``cancelled`` or ``running``."""
+        if self.why_failed is not None:
+            return "failed"
         return "finished" if self.finished else "cancelled" if self.cancelled is not None else "running"
 
     @property
@@ -120,6 +136,7 @@ class JobStatus:
         out = asdict(self)
         out.update(
             state=self.state,
+            failure=self.why_failed,
             left=self.left,
             to_render=self.to_render,
             finished=self.finished,
@@ -299,7 +316,7 @@ def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> 
 
 
 def _read_body(pipe: Any, job: str) -> None:
-    pipe.hmget(keys.job(job), "spec", "unaccounted")
+    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED)
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
     pipe.hgetall(keys.job_stats(job))
@@ -308,9 +325,10 @@ def _read_body(pipe: Any, job: str) -> None:
 
 
 def _finished_by_head(head: list[Any]) -> bool:
-    """Whether a job's first reads (:func:`_read_heads`) show every prompt rendered or quarantined."""
+    """Whether a job's first reads (:func:`_read_heads`) show every prompt rendered or quarantined, with at
+    least one rendered: a job whose every prompt was quarantined has failed, and is never folded away."""
     (total, *_), done, failed = head
-    return total is not None and _int(done) + _int(failed) >= _int(total, "total")
+    return total is not None and _int(done) > 0 and _int(done) + _int(failed) >= _int(total, "total")
 
 
 def job_status(client: redis.Redis, job: str, *, store: Store | None = None) -> JobStatus:
@@ -353,7 +371,7 @@ def job_statuses(
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted), states, left, stats, progress, attempts = body
+    (spec_json, unaccounted, failure), states, left, stats, progress, attempts = body
     if (
         (total is not None or deleted is not None)
         and store is not None
@@ -434,6 +452,10 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     _add_progress(result, counter_hash(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
     if cancelled is not None:
         result.cancelled, result.eta_seconds = float(cancelled), None
+    if failure is not None:
+        result.failure = keys.text(failure)
+    if result.state == "failed":
+        result.eta_seconds = None  # no rate will finish it
     return result
 
 

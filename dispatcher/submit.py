@@ -20,9 +20,11 @@ not hold are dropped before the job is written again.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -38,7 +40,7 @@ from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
 from renderfleet import celery_app, digests, prompts, shardfile, spec
 from renderfleet.errors import InputError
-from renderfleet.hubrev import RevisionResolver, hub_commit
+from renderfleet.hubrev import PIPELINE_FILE, ModelCheck, RevisionResolver, hub_commit, hub_pipeline_problem
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, message_head, store_identity
 from renderfleet.store import S3Options, Store
 
@@ -172,6 +174,45 @@ def check_message_size(job_spec: JobSpec, app: Celery, queue: str, store: str) -
             "shorten it"
         ]
     )
+
+
+# The models every worker has without a download (worker/models/tiny.py, worker/benchrender.py):
+# what a bare name that is neither a folder here nor a hub id is compared with for a near miss.
+BUILT_IN_MODELS = ("tiny", spec.BENCH_FORM)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def model_problem_here(model: str, revision: str = "", *, hub: ModelCheck = hub_pipeline_problem) -> str | None:
+    """Why no worker could load ``model`` as far as this machine can tell, in one line naming
+    ``--model`` and the value, or None (docs/guide.md, "Which model").
+
+    A built-in model passes, and so does an ``s3://`` one (its listing is read for its digest);
+    a folder here must hold a pipeline's ``model_index.json`` (a path that is no folder here is the
+    workers' own, unseen); a hub id must be ``owner/name``, and is asked of the hub (``hub``) where
+    it can be reached; any other name is refused, with the built-in model it nearly is."""
+    kind = spec.model_source(model)
+    name = f"--model {model[:200]!r}"
+    if kind in ("tiny", "bench", "s3"):
+        return None
+    if kind == "folder":
+        folder = Path(model).expanduser()
+        if folder.is_dir() and not (folder / PIPELINE_FILE).is_file():
+            return (
+                f"{name}: the folder has no {PIPELINE_FILE}, so it is not a diffusers pipeline "
+                "(save_pretrained's layout; renderfleet save-model writes one)"
+            )
+        return None
+    if not _HUB_ID.fullmatch(model):
+        near = difflib.get_close_matches(model.lower(), BUILT_IN_MODELS, n=1)
+        if not near and model.lower().startswith("bench"):
+            near = [spec.BENCH_FORM]
+        return (
+            f"{name}: not a built-in model ({', '.join(BUILT_IN_MODELS)}), a folder here, an s3:// prefix "
+            "nor a hub id (owner/name)" + (f"; did you mean `{near[0]}`?" if near else "")
+        )
+    if why := hub(model, revision):
+        return f"{name}: {why}"
+    return None
 
 
 def lora_pin(source: str, *, s3: S3Options | None = None, hub: RevisionResolver = hub_commit) -> str:

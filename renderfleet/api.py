@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from dispatcher.resume import ResumeReport
     from dispatcher.status import JobStatus, Results
     from dispatcher.submit import SubmitOptions
-    from renderfleet.hubrev import RevisionResolver
+    from renderfleet.hubrev import ModelCheck, RevisionResolver
     from renderfleet.prompts import FileSummary
     from renderfleet.store import Store
 
@@ -96,10 +96,13 @@ class Client:
         redis_url: str | None = None,
         store: str | None = None,
         resolve_revision: RevisionResolver | None = None,
+        check_hub_model: ModelCheck | None = None,
     ):
         self.settings = settings or load_settings(redis_url=redis_url, store=store)
         # A hub branch or tag to its commit (renderfleet.hubrev.hub_commit unless given: tests pass a stand-in).
         self.resolve_revision = resolve_revision
+        # Whether a hub id is a pipeline there (renderfleet.hubrev.hub_pipeline_problem unless given).
+        self.check_hub_model = check_hub_model
         self._app: Celery | None = None
         self._redis: redis.Redis | None = None
         self._store: Store | None = None
@@ -223,8 +226,8 @@ class Client:
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
         the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
-        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options, pin_loras
-        from renderfleet.hubrev import hub_commit
+        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options, model_problem_here, pin_loras
+        from renderfleet.hubrev import hub_commit, hub_pipeline_problem
         from renderfleet.spec import RenderParams
 
         if unknown := sorted(set(settings) - set(JOB_SETTINGS)):
@@ -247,6 +250,9 @@ class Client:
             params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority, share=share
         )
         check_options(opts)
+        # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
+        if why := model_problem_here(params.model, params.revision, hub=self.check_hub_model or hub_pipeline_problem):
+            raise InputError([why])
         revision, notes = self._pin_revision(params.model, params.revision)
         # A folder's or bucket's content, as it is now, and each LoRA's: a worker holding other
         # files refuses the job.
@@ -454,7 +460,11 @@ class Job:
         poll: float = 1.0,
         on_no_worker: Callable[[str], None] | None = None,
     ) -> JobStatus:
-        """Poll until every prompt is rendered or quarantined; returns the last status.
+        """Poll until every prompt is rendered or quarantined, or the job failed; returns the last status.
+
+        A job whose model would not load on a worker, or whose every prompt was quarantined,
+        comes back with ``state`` ``"failed"`` (never ``"finished"``) and its reason in
+        ``why_failed``; ``renderfleet resume JOB`` (or :meth:`resume`) tries it again.
 
         ``progress`` draws a rich progress bar on stderr.  Raises
         :class:`TimeoutError` after ``timeout`` seconds (the job goes on).
@@ -492,7 +502,11 @@ class Job:
                 now = self.status()
                 if bar is not None and task is not None:
                     bar.update(task, completed=now.done + now.quarantined, done=now.done, quarantined=now.quarantined)
-                if now.finished:
+                if now.finished or now.state == "failed":
+                    if bar is not None and (why := now.why_failed) is not None:
+                        from rich.markup import escape
+
+                        bar.console.print(f"[red]job {self.id} failed: {escape(why)}[/]", highlight=False)
                     return now
                 unserved = self._unserved()
                 if unserved and unserved != told:

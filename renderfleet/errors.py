@@ -15,10 +15,11 @@ Three classes of trouble, each with its own budget:
   into quarantine.
 * **the work's fault** (:class:`JobError`, :class:`PromptError`): permanent
   too, counted and quarantined the same way, with the reason, but never
-  counted against the worker: a model that will not load
-  (:class:`ModelLoadError`) or settings the model rejects fail that job's
+  counted against the worker: settings the model rejects fail that job's
   prompts on every worker alike, and a prompt whose image cannot be encoded
-  or written under its name fails alone.  The worker keeps its model and
+  or written under its name fails alone.  A model that will not load
+  (:class:`ModelLoadError`) fails its job once, as a whole, with no prompt
+  tried (``renderfleet/jobfailure.py``).  The worker keeps its model and
   goes on with other work.
 * **the node's device** (:class:`DeviceError`): the accelerator itself failed
   (a CUDA error other than out-of-memory: the device lost, an illegal memory

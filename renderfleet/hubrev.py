@@ -35,3 +35,35 @@ def hub_commit(model: str, revision: str) -> str | None:
     except Exception:  # offline, unreachable, refused, private: unresolved, and the caller says so
         return None
     return sha or None
+
+
+# (model id, revision) -> why the hub says no worker could load that model as a pipeline (no such
+# repository; one with no model_index.json), or None: it is one, or the hub cannot be asked (offline,
+# unreachable, a gated repository the workers' token may open).  Submit's check (dispatcher.submit.model_problem_here).
+ModelCheck = Callable[[str, str], "str | None"]
+
+PIPELINE_FILE = "model_index.json"  # what makes a folder or repository a diffusers pipeline
+
+
+def hub_pipeline_problem(model: str, revision: str) -> str | None:
+    """Why hub model ``model`` at ``revision`` ('' the default branch) is no pipeline (see :data:`ModelCheck`)."""
+    try:
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError:
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        info = HfApi().model_info(model, revision=revision or None, timeout=HUB_TIMEOUT_SECONDS)
+    except GatedRepoError:
+        return None  # it exists; the workers' token may open it where this machine's does not
+    except RepositoryNotFoundError:
+        return "the hub has no model of that id (or it is private and this machine's HF_TOKEN cannot read it)"
+    except RevisionNotFoundError:
+        return None  # the revision's own check names it (renderfleet.api.Client._pin_revision)
+    except Exception:
+        return None  # offline, unreachable, refused: the workers find out
+    if info.siblings is not None and PIPELINE_FILE not in {s.rfilename for s in info.siblings}:
+        return f"the hub's repository has no {PIPELINE_FILE}: not a diffusers pipeline"
+    return None

@@ -50,7 +50,9 @@ def job(job_id: str) -> str:
     fresh ("1": submitted to this Redis as a new job; a shard's first claim skips the
     checkpoint read), cancelled (unix time of ``renderfleet cancel``; cleared by a
     resume or submit; the store's ``spec.cancelled_key`` marker outlives a Redis that
-    loses its memory), priority and share (how the feeder ranks it), and what the feeder
+    loses its memory), failed (why the job failed as a whole: its model would not load on
+    a worker, which then stopped it as a cancel does, ``cancelled`` set too; cleared with it by
+    a resume or submit: ``renderfleet/jobfailure.py``), priority and share (how the feeder ranks it), and what the feeder
     builds its messages from: feed (the job's envelope template, JSON:
     ``celery_app.feed_template``), shard_size, stride (:data:`FEED_STRIDE` // share), life (the
     life of the job's name the spec names: every lease is bound to it; docs/design.md, "A job's lives";

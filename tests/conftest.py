@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,3 +87,13 @@ def procs() -> Iterator[list[subprocess.Popen[bytes] | WorkerProc]]:
         elif p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+@pytest.fixture(autouse=True)
+def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reaches the Hugging Face hub (renderfleet/hubrev.py: submit asks it whether a hub id
+    is a pipeline): offline, in this process and in those it starts; a test that needs an answer
+    hands submit a stand-in (``Client(resolve_revision=..., check_hub_model=...)``)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if (constants := sys.modules.get("huggingface_hub.constants")) is not None:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

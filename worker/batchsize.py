@@ -241,7 +241,7 @@ class BatchSizes:
     """The worker's render size for each batch: fixed, or found and remembered (``auto``).
 
     ``fixed`` None is ``auto``.  A renderer with no loaded model to key on
-    (a stand-in such as ``Unloadable``, a test's fake without ``loaded``)
+    (a bench renderer, a test's fake without ``loaded``)
     renders whole batches, halved in this process on out-of-memory, as does
     a fixed size.
     """

@@ -119,7 +119,7 @@ class ShardResult:
     def all_failed(self) -> bool:
         """Everything tried failed, and it was more than one prompt: a sign of a
         broken worker, not of one bad prompt retried at the end of a job.
-        Failures that were the work's fault (a job whose model will not load,
+        Failures that were the work's fault (settings a job's model rejects,
         a prompt whose name the store refuses) say nothing about the worker."""
         return bool(self.failed) and self.rendered == 0 and self.attempted - self.excused > 1
 

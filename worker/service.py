@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import keys, logs, spec
+from renderfleet import jobfailure, keys, logs, spec
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
     DeviceError,
-    JobError,
     ModelLoadError,
     Reclaimed,
     StoreError,
@@ -57,32 +56,8 @@ log = logging.getLogger("renderfleet.worker")
 
 Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
 
-# How long a worker remembers that a model would not load: the job's other
-# shards fail at once instead of each paying a load (and a reload of ours).
-FAILED_LOAD_MEMORY_SECONDS = 300.0
-
 # How long a worker trusts that a job it found in the store is still there (accept's check).
 SPEC_CHECK_SECONDS = 10.0
-
-
-class Unloadable:
-    """The renderer of a job whose model will not load: every prompt fails with why.
-
-    Run through the shard runner like any renderer, so the job's prompts are
-    counted, and quarantined with the reason at the bound, exactly as any
-    other permanent failure, on whichever workers try them.
-    """
-
-    last_batch_seconds: float | None = None
-
-    def __init__(self, error: JobError):
-        self.error = error
-
-    def render_images(self, prompts: Any, *, should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
-        raise self.error
-
-    def encode(self, image: Any, prompt: Any) -> bytes:
-        raise self.error  # never reached: it renders nothing
 
 
 def new_worker_id(pool: str) -> str:
@@ -145,7 +120,6 @@ class WorkerService:
         self.liveness = Liveness(touch_seconds_for(settings.lease_seconds))
         self._lease: Lease | None = None  # the shard being handled, if any
         self._ending: list[Future[Outcome]] = []  # the shards before, ending in their commit lanes
-        self._failed_loads: dict[tuple[str, str, str], tuple[float, ModelLoadError]] = {}  # by model key
         self._refreshed: set[tuple[tuple[str, str, str], str]] = set()  # (model key, digest) loaded afresh for
         self._jobs_seen: dict[str, float] = {}  # job -> when its spec was last found in the store
         self._jobs_asked: set[str] = set()  # jobs whose spec the read-ahead thread is looking for
@@ -348,25 +322,27 @@ class WorkerService:
             aside=self._aside,
             clock=keeper.clock,
         )
-        ours = None  # our renderer, set aside while an Unloadable stands in for one shard
         pending: PendingShard | BaseException
         try:
             try:
                 self.use_model(msg.params)  # after the claim: a duplicate costs no load
             except ModelLoadError as exc:
-                # The job's fault: its prompts fail with the reason, this worker goes on.
-                log.error("shard %s:%d: %s", msg.job, msg.shard, exc)
-                self.wait_ending()  # the shard before encodes its last images with our renderer
-                ours, self.runner.renderer = self.runner.renderer, Unloadable(exc)
-            # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
-            first = self.fresh and lease.attempt == 1
-            # The next shard's prompts are read while this one's last batch renders (worker/prefetch.py).
-            pending = self.runner.render(
-                msg, ledger, attempt=lease.attempt, first_delivery=first, on_last_batch=lambda: self.prompts.start(msg.queue)
-            )
+                # The job's fault, the same on every worker: the job fails once, this worker goes on.
+                pending = self._fail_job(msg, exc)
+            else:
+                # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
+                first = self.fresh and lease.attempt == 1
+                # The next shard's prompts are read while this one's last batch renders (worker/prefetch.py).
+                pending = self.runner.render(
+                    msg,
+                    ledger,
+                    attempt=lease.attempt,
+                    first_delivery=first,
+                    on_last_batch=lambda: self.prompts.start(msg.queue),
+                )
         except BaseException as exc:  # ended below, with the keeper closed first
             pending = exc
-        if detach and ours is None and isinstance(pending, PendingShard):
+        if detach and isinstance(pending, PendingShard):
             # Ended in its commit lane, its lines still naming the shard (logs.shard_context).
             here = contextvars.copy_context()
 
@@ -375,11 +351,20 @@ class WorkerService:
 
             self._ending = [*(f for f in self._ending if not f.done()), pending.then(end_there)]
             return Outcome(TaskOutcome.ENDING)
+        return self._end(msg, lease, keeper, ledger, pending)
+
+    def _fail_job(self, msg: ShardMessage, error: ModelLoadError) -> BaseException:
+        """Fail the shard's job as a whole (``renderfleet/jobfailure.py``): one log line with the reason,
+        by the worker that failed it first; nothing counted against a prompt or this worker.  Returns
+        what ends the shard: parked with the job's other shards, as a cancel parks them, until a resume
+        (or, Redis not answering, handed back: the next delivery tries again)."""
         try:
-            return self._end(msg, lease, keeper, ledger, pending)
-        finally:
-            if ours is not None:
-                self.runner.renderer = ours
+            first = jobfailure.fail_job(self.client, msg.job, str(error))
+        except redis.RedisError as exc:
+            return TransientError(f"cannot mark job {msg.job} failed: {exc}")
+        if first:
+            log.error("job %s failed: %s (renderfleet resume %s tries again)", msg.job, error, msg.job)
+        return Reclaimed(f"parked: its job {msg.job} has failed (renderfleet status {msg.job} says why)", cancelled=True)
 
     def wait_ending(self) -> None:
         """Wait until the shards before, if still ending in their commit lanes, are released or handed back."""
@@ -523,11 +508,17 @@ class WorkerService:
             )
             return None
         try:
-            registered, stored, fresh, life = self.client.hmget(keys.job(msg.job), "spec", "stored", "fresh", "life")
+            registered, stored, fresh, life, failed = self.client.hmget(
+                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED
+            )
         except redis.RedisError as exc:
             raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
         if registered is None:
             log.error("%s: no such job in this Redis (never submitted, or Redis lost it)", where)
+            return None
+        if failed is not None:
+            # Its model would not load on a worker: the job failed once, for all of them; no load here.
+            log.info("%s: its job has failed (renderfleet status %s says why)", where, msg.job)
             return None
         try:
             job = JobSpec.from_json(registered)
@@ -579,7 +570,7 @@ class WorkerService:
     def _reject_stored(self, msg: ShardMessage, where: str, reason: str) -> None:
         """Reject a shard whose prompts the store cannot give: one log line, and ``reason`` as the last
         error of each of its prompts (``keys.fails``: ``status JOB`` lists it, "N prompt(s) failed:
-        ...", as it lists a model that will not load), counting no failure: nothing is quarantined."""
+        ...", as it lists a prompt's failures), counting no failure: nothing is quarantined."""
         log.error("%s: %s", where, reason)
         errors: dict[Any, Any] = {f"{i}:error": reason for i in range(msg.first, msg.first + msg.count)}
         with contextlib.suppress(redis.RedisError):  # status's view: the rejection stands without it
@@ -699,9 +690,6 @@ class WorkerService:
         if self.load_model is None:
             raise ModelLoadError(f"this worker serves model {self.model!r} only; the job wants {model!r}")
         key = (model, revision, variant)
-        remembered = self._failed_loads.get(key)
-        if remembered and time.monotonic() - remembered[0] < FAILED_LOAD_MEMORY_SECONDS:
-            raise remembered[1]
         if refresh:
             log.warning(
                 "shard's job recorded other files of model %s than this worker loaded: loading it again", model_label(*key)
@@ -718,8 +706,6 @@ class WorkerService:
         except Exception as exc:  # a store outage while fetching it too: ours must come back
             if isinstance(exc, DeviceError):
                 raise  # the device is gone: nothing will load on it again
-            if isinstance(exc, ModelLoadError):
-                self._failed_loads[key] = (time.monotonic(), exc)
             log.warning("model %s did not load; loading %s again", model_label(*key), model_label(old, *old_pin))
             try:
                 self.runner.renderer = self._load(old, *old_pin)

@@ -35,7 +35,7 @@
         set(row, "f-done", j.done);
         set(row, "f-quarantined", j.quarantined);
         set(row, "f-rate", j.images_per_minute.toFixed(1));
-        set(row, "f-eta", jl === 0 ? "done" : j.cancelled != null ? "cancelled" : fmtDuration(j.eta_seconds));
+        set(row, "f-eta", j.state === "failed" ? "failed" : jl === 0 ? "done" : j.cancelled != null ? "cancelled" : fmtDuration(j.eta_seconds));
         set(row, "f-redeliveries", j.redeliveries + " / " + j.wasted_images);
         var gpu = Object.values(j.gpu_seconds).reduce(function (a, b) { return a + b; }, 0);
         set(row, "f-gpu", j.unaccounted ? "-" : gpu.toFixed(1));  // render time lost with a Redis: unknown

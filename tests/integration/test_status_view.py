@@ -246,13 +246,17 @@ def test_prices_published_by_the_fleet_price_status_without_config_never_rounded
 def test_a_job_all_quarantined_is_a_red_bar_not_a_green_one(tmp_path: Path, env: dict[str, str]) -> None:
     job = submit(env, tmp_path, 12)
     count(redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]), job, 0, 12, {})
-    assert "+1 finished: renderfleet status --all" in cli(env, "status").stdout  # finished: folded
+    assert "renderfleet status --all" not in cli(env, "status").stdout  # failed, not finished: never folded
     text = cli(env, "status", "--all", "--wide").stdout
     [row] = [line for line in text.splitlines() if line.startswith(job[:9])]
     assert re.search(r"\bx{10}\b", row) and "#" not in row  # piped: quarantined x, rendered #
     assert row.split()[1:4] == ["xxxxxxxxxx", "0/12", "12"]
     [obj] = json.loads(cli(env, "status", job, "--json").stdout)["jobs"]
-    assert (obj["done"], obj["quarantined"], obj["state"]) == (0, 12, "finished")
+    # ...and failed, never done: its ETA cell says so, its reason once (issue 37)
+    assert (obj["done"], obj["quarantined"], obj["state"], obj["eta_seconds"]) == (0, 12, "failed", None)
+    assert obj["failure"].startswith("every prompt (12) was quarantined")
+    assert "failed" in row and "done" not in row.split()[4:]
+    assert " ".join(text.split()).count("every prompt (12) was quarantined") == 1
 
 
 def test_status_of_many_finished_jobs_folds_them_into_one_line_and_reads_only_their_counters(

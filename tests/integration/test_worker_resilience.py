@@ -137,16 +137,19 @@ def test_a_worker_started_before_redis_waits_for_it_and_loads_its_model_once(
         server.stop()
 
 
-def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_good_one(
+def test_a_job_whose_model_will_not_load_fails_once_with_one_line_and_resume_tries_it_again(
     tmp_path: Path, env: dict[str, str], workers: list[WorkerProc]
 ) -> None:
+    from renderfleet.api import Client
+
+    folder = tmp_path / "sd"  # not there yet: the workers' own path, unseen by submit
     bad = cli(
         env,
         "submit",
         str(write_prompts(tmp_path / "bad.txt", 8, "bad")),
         *TINY[2:],
         "--model",
-        str(tmp_path / "nonexistent"),
+        str(folder),
         "--shard-size",
         "2",
         "--batch-size",
@@ -157,25 +160,29 @@ def test_a_job_whose_model_will_not_load_is_reported_and_the_worker_renders_the_
     ).stdout.split()[-1]
     worker = start_worker(env, tmp_path, workers)
     wait_for(lambda: status_now(env, good)["done"] == 8, 120, interval=0.25, what="the good job")
-    wait_for(
-        lambda: (s := status_now(env, bad))["quarantined"] == 8 and s,
-        120,
-        interval=0.25,
-        what="the bad job's prompts to be quarantined",
-    )
+    failed = wait_for(lambda: (s := status_now(env, bad))["state"] == "failed" and s, 120, interval=0.25, what="the failure")
+    # The job failed once, as a whole: nothing quarantined, its shards parked, no ETA.
+    assert failed["done"] == 0 and failed["quarantined"] == 0 and failed["eta_seconds"] is None
+    assert str(folder) in failed["failure"] and "could not be loaded" in failed["failure"]
+    # Every Python caller's wait ends there too, with the same state and reason.
+    waited = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"]).job(bad).wait(timeout=30)
+    assert waited.state == "failed" and waited.why_failed == failed["failure"]
     st = job_status(env, bad)
-    assert st["done"] == 0
-    ((reason, count),) = st["failure_reasons"].items()
-    assert count == 8 and "nonexistent" in reason and "could not be loaded" in reason
-    assert "nonexistent" in cli(env, "status", bad).stdout
-    assert worker.alive(), worker.output()[-3000:]
-    assert "circuit breaker" not in worker.output() and "AttributeError" not in worker.output()
+    assert st["state"] == "failed" and st["failure"] == failed["failure"] and st["failure_reasons"] == {}
+    text = " ".join(cli(env, "status", bad).stdout.split())  # the table's lines joined: a reason may wrap
+    assert text.count("could not be loaded") == 1 and "failed" in text
+    # One line with the reason in the worker's log, not one per prompt and attempt.
+    assert worker.output().count("could not be loaded") == 1, worker.output()[-3000:]
+    assert worker.alive() and "circuit breaker" not in worker.output() and "AttributeError" not in worker.output()
     res = json.loads(cli(env, "results", bad, "--json", check=False).stdout)
-    assert len(res["quarantined"]) == 8 and res["images"] == {}
-    assert all("nonexistent" in reason for reason in res["quarantined"].values())
-    # still serving: the worker kept its own model for the next job
-    again = cli(env, "submit", str(write_prompts(tmp_path / "more.txt", 2, "more")), *TINY).stdout.split()[-1]
-    wait_for(lambda: status_now(env, again)["done"] == 2, 60, interval=0.25, what="a job after the bad one")
+    assert res["quarantined"] == {} and res["images"] == {}
+    # The user fixes the folder and resumes: the failure goes, the workers load it and render.
+    cli(env, "save-model", "tiny", str(folder), timeout=300)
+    cli(env, "resume", bad)
+    assert status_now(env, bad)["state"] != "failed"
+    wait_for(lambda: status_now(env, bad)["done"] == 8, 180, interval=0.25, what="the resumed job")
+    st = job_status(env, bad)
+    assert st["state"] == "finished" and st["failure"] is None and st["quarantined"] == 0
     assert worker.alive()
 
 

@@ -302,3 +302,20 @@ def test_a_shard_that_comes_before_its_jobs_spec_is_written_is_taken(tmp_path: P
     svc = service(tmp_path, registered(stored=False))
     assert svc.accept(json.dumps(good(svc.store.url))) is not None
     svc.runner.close()
+
+
+def test_a_shard_of_a_failed_job_is_dropped_at_accept_with_no_model_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    jobs = registered()
+    jobs[f"rf:job:{JOB.job}"]["failed"] = b"model './sd' could not be loaded: no such folder"
+    svc = service(tmp_path, jobs)
+    svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
+    loads: list[str] = []
+    svc.load_model = lambda model, *_: loads.append(model)
+    caplog.set_level("INFO", logger="renderfleet.worker")
+    assert svc.handle(json.dumps(good(svc.store.url)), "tag").status == "rejected"  # before any claim: no load, no lease
+    assert loads == []
+    assert len(caplog.records) == 1 and "its job has failed" in caplog.records[0].getMessage()
+    assert "could not be loaded" not in caplog.text  # the reason is the job's one line, not each shard's
+    svc.runner.close()

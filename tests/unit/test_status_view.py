@@ -180,3 +180,23 @@ def test_the_watch_at_80_by_24_with_12_jobs_keeps_the_queues_and_workers_on_the_
     assert 0 < shown < 12 and f"+{12 - shown} more active, +40 finished: renderfleet status --all" in lines
     # a terminal tall enough lists them all
     assert sum(line.startswith("live-") for line in _lines(_fleet(active=12, finished=0), height=60)) == 12
+
+
+def test_a_job_whose_every_prompt_is_quarantined_or_that_failed_is_failed_never_done() -> None:
+    quarantined = JobStatus("j-all-quarantined", 200, 0, 200, 0, 0, 4, 0, 0, True, eta_seconds=0.0)
+    failed = JobStatus(
+        "j-model-failed", 200, 0, 0, 0, 0, 4, 0, 0, True, cancelled=1.0, failure="model 'x' could not be loaded"
+    )
+    fine = JobStatus("j-rendered", 200, 199, 1, 0, 0, 4, 0, 0, True)
+    assert [j.state for j in (quarantined, failed, fine)] == ["failed", "failed", "finished"]
+    assert quarantined.to_dict()["failure"].startswith("every prompt (200) was quarantined")
+    assert failed.to_dict()["failure"] == "model 'x' could not be loaded" and fine.to_dict()["failure"] is None
+    out = io.StringIO()
+    jobs = [quarantined, failed, fine]
+    print_status(FleetStatus(jobs=jobs), Console(file=out, width=200), wide=True, ids={j.job: j.job for j in jobs})
+    text = out.getvalue()
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip().startswith("j-")}
+    assert "failed" in rows["j-all-quarantined"] and "done" not in rows["j-all-quarantined"]
+    assert "failed" in rows["j-model-failed"] and "cancelled" not in rows["j-model-failed"]
+    assert "done" in rows["j-rendered"]
+    assert text.count("could not be loaded") == 1 and text.count("every prompt (200) was quarantined") == 1
