@@ -19,6 +19,7 @@ Nothing happens at import: :func:`make_app` builds the application.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -26,9 +27,11 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import redis
 from jinja2.exceptions import UndefinedError
@@ -275,6 +278,54 @@ def page_number(raw: str | None) -> int:
     return int(raw)
 
 
+# ---- the page's jobs: filtered, active first, a page at a time ------------------------
+
+JOBS_PER_PAGE = 50
+SHOWN = ("all", "active", "finished", "failed")  # which jobs the page lists (?show=)
+MAX_FILTER = 100  # characters of ?q=
+
+
+@dataclass(frozen=True)
+class JobsShown:
+    """Which jobs the page lists: ``show`` (one of :data:`SHOWN`), ``q`` (a piece of the id, any case), ``page``."""
+
+    show: str = "all"
+    q: str = ""
+    page: int = 1
+
+    @classmethod
+    def from_query(cls, params: Mapping[str, str]) -> JobsShown:
+        show = params.get("show") or "all"
+        if show not in SHOWN:
+            raise BadQuery(f"show: one of {', '.join(SHOWN)}, got {show[:20]!r}")
+        q = params.get("q", "")
+        if len(q) > MAX_FILTER:
+            raise BadQuery(f"q: at most {MAX_FILTER} characters")
+        return cls(show, q.strip(), page_number(params.get("page")))
+
+    def query(self, **change: Any) -> str:
+        """This view's query string, with ``change`` applied (the page's links)."""
+        fields = {"show": self.show, "q": self.q, "page": self.page, **change}
+        return "?" + urlencode({k: v for k, v in fields.items() if v not in ("", "all", 1)})
+
+
+def _shown(job: JobStatus, show: str) -> bool:
+    state = job.state
+    if show == "active":
+        return state in ("running", "cancelled") and not job.finished
+    return show == "all" or state == show
+
+
+def jobs_shown(jobs: list[JobStatus], view: JobsShown) -> tuple[list[JobStatus], int]:
+    """The jobs of ``view``'s page, active ones first, and how many match in all: a fleet that has run
+    thousands of jobs is listed 50 at a time, not drawn whole at every view and refresh."""
+    needle = view.q.lower()
+    matching = [j for j in jobs if _shown(j, view.show) and needle in j.job.lower()]
+    matching.sort(key=lambda j: j.finished or j.state == "failed")  # stable: the fleet's order within each
+    start = (view.page - 1) * JOBS_PER_PAGE
+    return matching[start : start + JOBS_PER_PAGE], len(matching)
+
+
 def checked_job(store: Store, job: str, client: redis.Redis | None = None) -> str:
     """``job`` when it is a job id the store holds, or the one such job whose id starts with it (a
     short id as ``status`` shows it, ``dispatcher.jobids``); NotHere otherwise, naming the candidates
@@ -410,6 +461,21 @@ def make_app(
     def api_status(request: Request) -> Response:
         return JSONResponse(source().to_dict())
 
+    def api_page(request: Request) -> Response:
+        """The page's live refresh: the fleet's figures and the jobs of the page it shows (its query), with
+        an ETag: nothing changed since the page's last poll (If-None-Match) is a 304 with no body."""
+        fleet = source()
+        view = JobsShown.from_query(request.query_params)
+        shown, matching = jobs_shown(fleet.jobs, view)
+        data = fleet.to_dict()
+        data["jobs"], data["matching"] = [j.to_dict() for j in shown], matching
+        data["backlog_images"] = sum(j.to_render for j in fleet.jobs)  # every job's, not the page's
+        body = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+        tag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+        if request.headers.get("if-none-match") == tag:
+            return Response(status_code=304, headers={"ETag": tag})
+        return Response(body, media_type="application/json", headers={"ETag": tag})
+
     def api_autoscale(request: Request) -> Response:
         from dispatcher.backends import autoscale_answer
 
@@ -417,12 +483,19 @@ def make_app(
 
     def index(request: Request) -> Response:
         fleet = source()
+        view = JobsShown.from_query(request.query_params)
+        shown, matching = jobs_shown(fleet.jobs, view)
         return templates.TemplateResponse(
             request,
             "index.html",
             {
                 "fleet": fleet,
-                "jobs": [_job_view(j) for j in fleet.jobs],
+                "jobs": [_job_view(j) for j in shown],
+                "view": view,
+                "shown_states": SHOWN,
+                "matching": matching,
+                "last_page": max(1, -(-matching // JOBS_PER_PAGE)),
+                "backlog_images": sum(j.to_render for j in fleet.jobs),
                 "pool_sizes": fleet.pool_sizes(),
                 "charts": charts(client, fleet.store) if client is not None else [],
                 "priced": any(p > 0 for p in fleet.prices.values()),
@@ -506,6 +579,7 @@ def make_app(
         Route("/", index),
         Route("/metrics", metrics),
         Route("/api/status", api_status),
+        Route("/api/page", api_page),
         Route("/api/autoscale", api_autoscale),
         Route("/api/jobs/{job}", api_job),
         Route("/api/jobs/{job}/images/{name}", api_image),

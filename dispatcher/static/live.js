@@ -24,10 +24,8 @@
   function set(row, cls, text) { var el = row.querySelector("." + cls); if (el) el.textContent = text; }
 
   function update(data) {
-    var left = 0;
     data.jobs.forEach(function (j) {
       var jl = j.left;
-      left += j.to_render;  // a cancelled job waits for no worker
       document.querySelectorAll('tr[data-job="' + CSS.escape(j.job) + '"]').forEach(function (row) {
         // rendered in green, quarantined in red: a job all quarantined is never a green bar
         row.querySelector(".fill").style.width = (j.total ? 100 * j.done / j.total : 0).toFixed(1) + "%";
@@ -44,7 +42,9 @@
       });
     });
     var el = document.getElementById("backlog-images");
-    if (el) el.textContent = left;
+    if (el && data.backlog_images !== undefined) el.textContent = data.backlog_images;
+    el = document.getElementById("jobs-matching");
+    if (el && data.matching !== undefined) el.textContent = data.matching;
     el = document.getElementById("backlog-seconds");
     if (el) el.textContent = Math.round(data.backlog_seconds);
     document.querySelectorAll(".queue[data-queue]").forEach(function (q) {
@@ -66,10 +66,25 @@
     }
   }
 
+  // The jobs of the page shown (its filter and page: the same query), and only when something changed:
+  // the server answers 304 to the ETag of the last answer.
+  var etag = null;
+  function pageQuery() {
+    // a job's own page (/jobs/<id>, its query the gallery's page): that job, found by its id
+    var m = window.location.pathname.match(/^\/jobs\/([^\/]+)$/);
+    if (m) return "/api/page?q=" + encodeURIComponent(decodeURIComponent(m[1]));
+    return "/api/page" + window.location.search;
+  }
   function poll() {
-    fetch("/api/status", { credentials: "same-origin" })
-      .then(function (r) { if (!r.ok) throw new Error(r.status); return r.json(); })
-      .then(function (data) { update(data); document.getElementById("live-state").textContent = ""; })
+    var headers = etag ? { "If-None-Match": etag } : {};
+    fetch(pageQuery(), { credentials: "same-origin", headers: headers })
+      .then(function (r) {
+        if (r.status === 304) return null;
+        if (!r.ok) throw new Error(r.status);
+        etag = r.headers.get("ETag");
+        return r.json();
+      })
+      .then(function (data) { if (data) update(data); document.getElementById("live-state").textContent = ""; })
       .catch(function (e) { document.getElementById("live-state").textContent = "(not updating: " + e.message + ")"; })
       .finally(function () { setTimeout(poll, 2000); });
   }

@@ -268,10 +268,10 @@ def test_off_loopback_the_page_needs_the_token_and_a_browser_gets_an_httponly_co
         page.goto(f"{base}/")
         # The page polls every 2 s: its first poll is let in, and by the time it sends the next one
         # (scheduled once the answer is handled) it has said nothing about not updating.
-        with page.expect_response(lambda r: r.url.endswith("/api/status"), timeout=30_000) as first_poll:
+        with page.expect_response(lambda r: "/api/page" in r.url, timeout=30_000) as first_poll:
             pass
         assert first_poll.value.status == 200
-        with page.expect_request(lambda r: r.url.endswith("/api/status"), timeout=30_000):
+        with page.expect_request(lambda r: "/api/page" in r.url, timeout=30_000):
             pass
         assert page.locator("#live-state").inner_text() == ""
         # a fresh browser without it is refused again; scripts use the header

@@ -10,6 +10,7 @@ import time
 import zlib
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -230,3 +231,86 @@ def test_a_gallery_page_number_is_a_whole_number_in_range(raw: str | None, page:
 def test_any_other_page_is_a_bad_query(raw: str) -> None:
     with pytest.raises(BadQuery, match="page: a whole number"):
         page_number(raw)
+
+
+# ---- the page's jobs: filtered, active first, 50 a page; its refresh only when something changed ----------
+
+
+def _many_jobs() -> list[JobStatus]:
+    done = [JobStatus(f"j-done-{i:04d}", 4, 4, 0, 0, 0, 1, 0, 0, True) for i in range(120)]
+    live = [JobStatus(f"j-live-{i:04d}", 4, 1, 0, 3, 0, 1, 1, 0, True) for i in range(3)]
+    failed = [JobStatus("j-failed-0000", 4, 0, 4, 0, 0, 1, 0, 0, True)]
+    return done[:60] + live + done[60:] + failed
+
+
+def test_the_page_lists_50_jobs_at_a_time_active_first_and_filters_by_state_and_id() -> None:
+    from dispatcher.web import JOBS_PER_PAGE, JobsShown, jobs_shown
+
+    jobs = _many_jobs()
+    first, matching = jobs_shown(jobs, JobsShown())
+    assert matching == 124 and len(first) == JOBS_PER_PAGE
+    assert [j.job for j in first[:3]] == ["j-live-0000", "j-live-0001", "j-live-0002"]
+    last, _ = jobs_shown(jobs, JobsShown(page=3))
+    assert len(last) == 24 and last[-1].job == "j-failed-0000"
+    assert [j.job for j in jobs_shown(jobs, JobsShown(show="active"))[0]] == ["j-live-0000", "j-live-0001", "j-live-0002"]
+    assert [j.job for j in jobs_shown(jobs, JobsShown(show="failed"))[0]] == ["j-failed-0000"]
+    assert jobs_shown(jobs, JobsShown(show="finished"))[1] == 120
+    assert [j.job for j in jobs_shown(jobs, JobsShown(q="DONE-011"))[0]] == [f"j-done-011{i}" for i in range(10)]
+    view = JobsShown.from_query({"show": "finished", "q": " x ", "page": "2"})
+    assert view == JobsShown("finished", "x", 2) and view.query(page=3) == "?show=finished&q=x&page=3"
+    assert JobsShown().query() == "?"
+    for bad in ({"show": "everything"}, {"q": "x" * 101}, {"page": "0"}):
+        with pytest.raises(BadQuery):
+            JobsShown.from_query(bad)
+
+
+def _call(app: Any, path: str, query: str = "", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One GET through the ASGI application, from loopback."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "headers": [(b"host", b"127.0.0.1")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "scheme": "http",
+        "http_version": "1.1",
+        "root_path": "",
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body
+
+
+def test_the_pages_refresh_sends_its_pages_jobs_and_nothing_when_nothing_changed() -> None:
+    from dispatcher.web import make_app
+
+    fleet = FleetStatus(queues={}, jobs=_many_jobs(), store="/x")
+    app = make_app(lambda: fleet, {}, None)
+    status, headers, body = _call(app, "/api/page", "show=active")
+    data = json.loads(body)
+    assert status == 200 and data["matching"] == 3 and data["jobs"][0]["job"] == "j-live-0000"
+    assert data["backlog_images"] == 9  # every job's backlog, not the page's
+    everything = len(json.dumps(fleet.to_dict()))
+    _, _, page = _call(app, "/api/page")
+    assert len(page) < everything * 0.5  # 50 of 124 jobs
+    again = _call(app, "/api/page", "show=active", {"If-None-Match": headers["etag"]})
+    assert again[0] == 304 and again[2] == b""
+    fleet.jobs[60] = JobStatus("j-live-0000", 4, 2, 0, 2, 0, 1, 1, 0, True)  # it moved
+    assert _call(app, "/api/page", "show=active", {"If-None-Match": headers["etag"]})[0] == 200
+    assert _call(app, "/api/page", "show=nope")[0] == 400
+    html = _call(app, "/", "show=finished&page=2")[2].decode()
+    assert "page 2 of 3" in html and 'href="?show=finished&amp;page=3"' in html and "j-done-0050" in html
