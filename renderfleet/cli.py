@@ -755,7 +755,9 @@ def monitor(
             prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
             server = serve(
                 http,
-                lambda: fleet_status(client, store=store, prices=prices),
+                # with the check status makes: a job with work left whose workers load their model, or
+                # that no live worker serves, says so on the page too (twice the lease: a worker's liveness)
+                lambda: fleet_status(client, store=store, prices=prices, max_age=2 * settings.lease_seconds),
                 prices,
                 settings.http_token,
                 client=client,

@@ -314,3 +314,12 @@ def test_the_pages_refresh_sends_its_pages_jobs_and_nothing_when_nothing_changed
     assert _call(app, "/api/page", "show=nope")[0] == 400
     html = _call(app, "/", "show=finished&page=2")[2].decode()
     assert "page 2 of 3" in html and 'href="?show=finished&amp;page=3"' in html and "j-done-0050" in html
+
+
+def test_the_page_says_when_no_worker_serves_a_jobs_work_as_status_does() -> None:
+    from dispatcher.web import make_app
+
+    stuck = JobStatus("j-stuck", 4, 0, 0, 4, 0, 1, 0, 0, True)
+    stuck.unserved, stuck.unserved_note = "none", "job j-stuck: no live worker serves its queue q: start one with X"
+    app = make_app(lambda: FleetStatus(queues={}, jobs=[stuck], store="/x"), {}, None)
+    assert "job j-stuck: no live worker serves its queue q: start one with X" in _call(app, "/")[2].decode()
