@@ -11,7 +11,7 @@ import gzip
 import io
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from renderfleet.errors import InputError
 
@@ -29,6 +29,14 @@ _READ_BUFFER = 1 << 20
 
 # A problem at a line: called with (line number, reason).
 Report = Callable[[int, str], None]
+
+
+class WireSink(Protocol):
+    """Where pass 1 writes the prompts' wire form, a shard at a time (``shardfile.WireWriter``)."""
+
+    shard_size: int
+
+    def write(self, chunk: list[str]) -> int: ...
 
 
 def detect_format(path: str) -> tuple[str, bool]:

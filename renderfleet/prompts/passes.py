@@ -20,22 +20,12 @@ import hashlib
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
-from typing import Protocol
 
 from renderfleet.errors import InputError
 from renderfleet.prompts import csvfile, jsonl, txt
 from renderfleet.prompts.checks import Row, check_names
-from renderfleet.prompts.lines import Report, detect_format, open_lines, os_reason, read_lines
+from renderfleet.prompts.lines import Report, WireSink, detect_format, open_lines, os_reason, read_lines
 from renderfleet.spec import prompt_json, texts_json
-
-
-class WireSink(Protocol):
-    """Where pass 1 writes the prompts' wire form, a shard at a time (``shardfile.WireWriter``)."""
-
-    shard_size: int
-
-    def write(self, chunk: list[str]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -92,8 +82,7 @@ def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = 
         with open_lines(path, gzipped, digest) as stream:
             lines = read_lines(stream, report)
             if fmt == "txt":
-                texts = txt.checked(lines, report, long)
-                total = sum(1 for _ in texts) if sink is None else _write_texts(sink, texts)
+                total = txt.count(lines, report, long, sink)
             else:
                 rows = jsonl.rows(lines, report) if fmt == "jsonl" else csvfile.rows(lines, report, warn)
                 total, has_ids = check_names(rows if sink is None else _writing(sink, rows), report, long)
@@ -118,18 +107,6 @@ def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = 
 
 
 LONG_SHOWN = 3  # lines named in submit's one warning about long prompts
-
-
-def _write_texts(sink: WireSink, texts: Iterator[str | None]) -> int:
-    """A .txt file's prompts into ``sink``, a shard at a time (no Python step per prompt but the check's);
-    the number of prompts.  After a bad line (None) nothing more is written: the file will be refused."""
-    total, broken = 0, False
-    while chunk := list(islice(texts, sink.shard_size)):
-        total += len(chunk)
-        broken = broken or None in chunk
-        if not broken:
-            sink.write(list(texts_json(chunk)))  # type: ignore[arg-type]  # no None: checked above
-    return total
 
 
 def _writing(sink: WireSink, rows: Iterator[Row]) -> Iterator[Row]:

@@ -5,32 +5,51 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from renderfleet.prompts.checks import CLIP_TOKENS, NUL_PROBLEM, over_clip_limit
-from renderfleet.prompts.lines import Report
+from renderfleet.prompts.lines import Report, WireSink
+from renderfleet.spec import texts_json
 
 _NUL = NUL_PROBLEM.format("prompt")
 
 
-def count(lines: Iterator[str | None], report: Report, long: Callable[[int], None] | None = None) -> int:
+def count(
+    lines: Iterator[str | None],
+    report: Report,
+    long: Callable[[int], None] | None = None,
+    sink: WireSink | None = None,
+) -> int:
     """Pass 1: the number of prompts, each NUL reported (a bad line, None, counts as one);
-    ``long`` is told the line of each prompt surely over CLIP's 77 tokens."""
-    return sum(1 for _ in checked(lines, report, long))
-
-
-def checked(lines: Iterator[str | None], report: Report, long: Callable[[int], None] | None = None) -> Iterator[str | None]:
-    """Pass 1, prompt by prompt: each prompt's text as it is checked (None for a bad line, reported),
-    so that a submit that writes the wire file as it validates reads the file once."""
+    ``long`` is told the line of each prompt surely over CLIP's 77 tokens.  With ``sink``, each
+    prompt's wire form goes there too, a shard at a time, as it is checked: submit reads the file
+    once.  One plain loop, no generator between the lines and the check: this is most of a
+    million-line submit (a generator's step per line cost it a third more)."""
+    total = 0
     shortest = CLIP_TOKENS + 1  # over_clip_limit's own first test, here: no call for most lines
+    size = sink.shard_size if sink is not None else 0
+    chunk: list[str] = []
+    keep = chunk.append if sink is not None else None
+    broken = False  # a bad line: the file will be refused, nothing more is written
     for lineno, line in enumerate(lines, 1):
         if line is None:
-            yield None
+            total += 1
+            broken = True
             continue
         text = line.strip()
         if text and text[0] != "#":
+            total += 1
             if "\x00" in text:
                 report(lineno, _NUL)
+                broken = True
             if long is not None and len(text) >= shortest and over_clip_limit(text):
                 long(lineno)
-            yield text
+            if keep is not None:
+                keep(text)
+                if len(chunk) == size:
+                    if not broken:
+                        sink.write(list(texts_json(chunk)))  # type: ignore[union-attr]  # keep: a sink
+                    chunk.clear()
+    if chunk and sink is not None and not broken:
+        sink.write(list(texts_json(chunk)))
+    return total
 
 
 def texts(lines: Iterator[str | None]) -> Iterator[str]:
