@@ -64,7 +64,7 @@ kubectl:
 		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y kubectl; } \
 		|| echo "make: no kubectl package here: test_the_renderer_agrees_with_kubectl_kustomize will skip"
 
-# Every tier but the long one (tests marked slow: `make test-slow`): about 12 to 15 minutes on 2 cores,
+# Every tier but the long one (tests marked slow: `make test-slow`): about 11 to 15 minutes on 2 cores,
 # lint included. Each slow test plays a whole scenario whose parts have tests of their own in this tier.
 test: install browser kubectl lint
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
