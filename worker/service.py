@@ -568,13 +568,17 @@ class WorkerService:
         return None
 
     def _reject_stored(self, msg: ShardMessage, where: str, reason: str) -> None:
-        """Reject a shard whose prompts the store cannot give: one log line, and ``reason`` as the last
-        error of each of its prompts (``keys.fails``: ``status JOB`` lists it, "N prompt(s) failed:
-        ...", as it lists a prompt's failures), counting no failure: nothing is quarantined."""
+        """Reject a shard whose prompts the store cannot give: one log line, ``reason`` as the last
+        error of each of its prompts (``keys.fails``: ``status JOB`` lists it), nothing quarantined; and
+        the job fails as a whole with it (renderfleet/jobfailure.py), as for a model that will not load:
+        its bytes are what every worker would read, so no shard of it is left queued for the next one to
+        reject, and the job says why and waits for its user (a resubmit, or ``resume`` once it is fixed),
+        rather than sit below 100 % for ever."""
         log.error("%s: %s", where, reason)
         errors: dict[Any, Any] = {f"{i}:error": reason for i in range(msg.first, msg.first + msg.count)}
         with contextlib.suppress(redis.RedisError):  # status's view: the rejection stands without it
             self.client.hset(keys.fails(msg.job), mapping=errors)
+            jobfailure.fail_job(self.client, msg.job, f"shard {msg.shard}: {reason}")
 
     def _job_in_store(self, job: str) -> bool:
         """Whether the job's spec is in the store: asked at most every ``SPEC_CHECK_SECONDS`` per job.

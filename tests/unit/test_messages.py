@@ -194,12 +194,17 @@ def test_a_shard_of_the_job_as_submitted_is_accepted(tmp_path: Path) -> None:
     ],
 )
 def test_a_shard_whose_stored_prompts_cannot_be_read_is_rejected_with_one_line(
-    tmp_path: Path, wire: list[str] | None, log: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, wire: list[str] | None, log: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from renderfleet import jobfailure
+
+    failed: list[tuple[str, str]] = []  # the job failed as a whole with the reason (Redis's part: integration tests)
+    monkeypatch.setattr(jobfailure, "fail_job", lambda client, job, reason: failed.append((job, reason)) or True)
     svc = service(tmp_path, registered(), wire)
     svc.store.put(spec.spec_key(JOB.job), JOB.to_json().encode())
     assert svc.accept(json.dumps(good(svc.store.url))) is None
     assert len(caplog.records) == 1 and log in caplog.records[0].getMessage()
+    assert [(job, log in reason and reason.startswith("shard 1: ")) for job, reason in failed] == [(JOB.job, True)]
     svc.runner.close()
 
 
