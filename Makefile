@@ -54,6 +54,10 @@ run: install
 browser:
 	[ -x /usr/bin/chromium ] || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
 
+# `status --watch` is tested in a real 80x24 terminal (tests/integration/test_status_view.py): tmux, from Debian.
+terminal:
+	command -v tmux >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y tmux; }
+
 # tests/integration/test_deploy_files.py checks our Kustomize renderer (testing/kustomize.py) against
 # `kubectl kustomize` (kustomize v5: `patches:`, folders as resources). kubectl comes from the
 # Kubernetes (or Google Cloud) apt repository where the machine has one, as this project's machines
@@ -66,7 +70,7 @@ kubectl:
 
 # Every tier but the long one (tests marked slow: `make test-slow`): about 11 to 15 minutes on 2 cores,
 # lint included. Each slow test plays a whole scenario whose parts have tests of their own in this tier.
-test: install browser kubectl lint
+test: install browser terminal kubectl lint
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # The long tier (about 8 minutes on 2 cores): the short chaos run, the spot pool grown and shrunk by
@@ -77,7 +81,7 @@ test-slow: install kubectl
 test-unit: install
 	$(BIN)/pytest -q tests/unit
 
-test-integration: install browser kubectl
+test-integration: install browser terminal kubectl
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/integration
 
 # The long chaos run: 400 prompts, 3 workers, random SIGKILLs, a spot notice, workers SIGSTOPped past
