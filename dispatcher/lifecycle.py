@@ -102,13 +102,7 @@ def forget(client: redis.Redis, job: str, store: str, reason: str) -> int:
                 UNACKED_KEY,
                 UNACKED_INDEX_KEY,
                 keys.JOBS,
-                keys.done_bits(job),
-                keys.failed_bits(job),
-                keys.left(job),
-                keys.job_stats(job),
-                keys.progress(job),
-                keys.fails(job),
-                keys.pending(job),
+                *enqueue.life_keys(job),  # what one life counted: deleted
             ],
             args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, store, reason, keys.TOMBSTONE_SECONDS, keys.ACTIVE_PREFIX],
         )
@@ -190,11 +184,24 @@ def delete(
         )
     # 1. Cancel, every leased shard fenced: its holder writes nothing more once it knows.
     counts = _cancel(client, job, fence=True) if known else Cancelled()
-    # 2. Until no lease of the job is live: a fenced holder's next heartbeat stops its renewals.  As
-    # long as the longest lease the workers wrote (a fleet may run longer leases than this machine's
-    # settings say: RENDERFLEET_LEASE_SECONDS is the workers'), and this machine's lease at least.
+    # 2. Until no lease of the job is live (this machine's lease at least).
+    live = _wait_out_leases(client, job, lease_seconds, on_wait)
+    # 3. The store, twice: an image upload in flight when the fence came lands after the first pass.
+    objects, stragglers = _empty_twice(store, folder, settle_seconds)
+    # 4. Redis: every key of the job, but the tombstone.
+    forget(client, job, owner, DELETED)
+    return DeleteReport(job, objects + stragglers, stragglers, len(live), counts)
+
+
+def _wait_out_leases(
+    client: redis.Redis, job: str, at_least: float, on_wait: Callable[[int, float], None] | None = None
+) -> list[str]:
+    """Wait until no lease of the fenced ``job`` is live (a fenced holder's next heartbeat stops its renewals):
+    as long as the longest lease the workers wrote (a fleet may run longer leases than this machine's settings
+    say: RENDERFLEET_LEASE_SECONDS is the workers'), ``at_least`` seconds, and a margin.  ``on_wait(leases,
+    seconds)`` is told when it waits.  Returns the leases still live when it gave up."""
     expiries = lease_expiries(client, job)
-    bound = max([lease_seconds, *expiries.values()]) + LEASE_MARGIN_SECONDS
+    bound = max([at_least, *expiries.values()]) + LEASE_MARGIN_SECONDS
     deadline = time.monotonic() + bound
     live = list(expiries)
     if live and on_wait is not None:
@@ -204,13 +211,14 @@ def delete(
         live = live_leases(client, job)
     if live:
         log.warning("job %s: %d lease(s) still live after %.0f s; their holders are fenced", job, len(live), bound)
-    # 3. The store, twice: an image upload in flight when the fence came lands after the first pass.
+    return live
+
+
+def _empty_twice(store: Store, folder: str, settle_seconds: float) -> tuple[int, int]:
+    """Empty ``folder``, pause, and empty it again: (objects removed first, stragglers removed then)."""
     objects = store.delete_prefix(folder)
     time.sleep(settle_seconds)
-    stragglers = store.delete_prefix(folder)
-    # 4. Redis: every key of the job, but the tombstone.
-    forget(client, job, owner, DELETED)
-    return DeleteReport(job, objects + stragglers, stragglers, len(live), counts)
+    return objects, store.delete_prefix(folder)
 
 
 def end_life(job: str, *, store: Store, client: redis.Redis, settle_seconds: float = SETTLE_SECONDS) -> int:
@@ -226,19 +234,12 @@ def end_life(job: str, *, store: Store, client: redis.Redis, settle_seconds: flo
     known = bool(client.hexists(keys.job(job), "spec"))
     if known:
         _cancel(client, job, fence=True)
-        expiries = lease_expiries(client, job)
-        deadline = time.monotonic() + max(expiries.values(), default=0.0) + LEASE_MARGIN_SECONDS
-        live = list(expiries)
-        while live and time.monotonic() < deadline:
-            time.sleep(0.2)
-            live = live_leases(client, job)
+        _wait_out_leases(client, job, 0.0)
     folder = spec.job_prefix(job)
     removed = 0
     if next(iter(store.list(folder)), None) is not None:
-        removed = store.delete_prefix(folder)
-        if known:
-            time.sleep(settle_seconds)  # an upload in flight when the fence came lands, and goes
-            removed += store.delete_prefix(folder)
+        # After a fence, twice (an upload in flight when it came lands, and goes); else nobody writes there.
+        removed = sum(_empty_twice(store, folder, settle_seconds)) if known else store.delete_prefix(folder)
         log.warning("job %s: removed %d objects an earlier life of its name left in %s", job, removed, store.url)
     if known:
         forget(client, job, store_identity(store.url), "submitted again")

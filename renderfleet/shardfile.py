@@ -64,13 +64,10 @@ class WireWriter:
         """Write ``lines`` (wire JSON, no newline in any); yield (shard, prompts in it) as each fills."""
         it = iter(lines)
         for shard, chunk in enumerate(iter(lambda: list(islice(it, self.shard_size)), [])):
-            yield shard, self._flush(chunk)  # a shard's lines taken at once: no Python step per line
+            yield shard, self.write(chunk)  # a shard's lines taken at once: no Python step per line
 
     def write(self, chunk: list[str]) -> int:
         """Write one shard of wire lines (the next shard's, whole); returns how many."""
-        return self._flush(chunk)
-
-    def _flush(self, chunk: list[str]) -> int:
         data = ("\n".join(chunk) + "\n").encode()
         if len(data) > len(chunk) * MAX_WIRE_LINE_BYTES:  # a worker would refuse it: see check_offsets
             first = len(self.offsets) * self.shard_size
