@@ -37,7 +37,7 @@ from io import IOBase
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from renderfleet import keys
+from renderfleet import families, keys
 from renderfleet.errors import InputError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
@@ -145,9 +145,9 @@ class Client:
         *,
         format: str | None = None,
         model: str | None = None,
-        steps: int = DEFAULT["steps"],
+        steps: int | None = None,
         size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
-        guidance: float = DEFAULT["guidance"],
+        guidance: float | None = None,
         negative: str = DEFAULT["negative_prompt"],
         seed: int = DEFAULT["seed"],
         shard_size: int = 64,
@@ -211,9 +211,9 @@ class Client:
         self,
         *,
         model: str | None = None,
-        steps: int = DEFAULT["steps"],
+        steps: int | None = None,
         size: str | tuple[int, int] = (DEFAULT["width"], DEFAULT["height"]),
-        guidance: float = DEFAULT["guidance"],
+        guidance: float | None = None,
         negative: str = DEFAULT["negative_prompt"],
         seed: int = DEFAULT["seed"],
         shard_size: int = 64,
@@ -235,13 +235,18 @@ class Client:
         if "loras" in settings:
             settings["loras"] = parse_loras(settings["loras"])
         width, height = parse_size(size)
+        model = _expand_home(model or self.settings.model or "")
+        # Steps and guidance not given: the model family's defaults where this machine can tell the
+        # family (a built-in model, a folder), SD's elsewhere (renderfleet/families.py).
+        family = families.family_here(model) if model else None
+        default = families.defaults(family)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
         params = RenderParams(
-            model=_expand_home(model or self.settings.model or ""),
-            steps=steps,
+            model=model,
+            steps=default["steps"] if steps is None else steps,
             width=width,
             height=height,
-            guidance=guidance,
+            guidance=default["guidance"] if guidance is None else guidance,
             negative_prompt=negative,
             seed=seed,
             **settings,
@@ -253,6 +258,9 @@ class Client:
         # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
         if why := model_problem_here(params.model, params.revision, hub=self.check_hub_model or hub_pipeline_problem):
             raise InputError([why])
+        family_notes: tuple[str, ...] = ()
+        if family is not None:
+            family_notes = self._check_family(family, params, guidance_set=guidance is not None)
         revision, notes = self._pin_revision(params.model, params.revision)
         # A folder's or bucket's content, as it is now, and each LoRA's: a worker holding other
         # files refuses the job.
@@ -260,8 +268,32 @@ class Client:
         return replace(
             opts,
             params=replace(params, revision=revision, model_digest=self._model_digest(params.model), loras=loras),
-            notes=notes,
+            notes=(*notes, *family_notes),
         )
+
+    @staticmethod
+    def _check_family(family: families.Family, params: Any, *, guidance_set: bool) -> tuple[str, ...]:
+        """Refuse settings the model's family cannot honour (InputError, a line each naming the model,
+        its family and the setting); the notes a job of it should show (what a setting costs)."""
+        problems = families.setting_problems(
+            family,
+            scheduler=params.scheduler,
+            negative_prompt=params.negative_prompt,
+            guidance=params.guidance,
+            width=params.width,
+            height=params.height,
+            loras=params.loras,
+            guidance_set=guidance_set,
+        )
+        if problems:
+            raise InputError([f"--model {params.model[:200]!r} ({family.title}): {why}" for why in problems])
+        if params.negative_prompt and family.negative == "true_cfg":
+            return (
+                f"--negative: {family.title} applies a negative prompt through true CFG (true_cfg_scale "
+                f"{families.TRUE_CFG_SCALE:g}), which runs its transformer twice per step: about twice the "
+                "cost per image",
+            )
+        return ()
 
     def _pin_revision(self, model: str, revision: str) -> tuple[str, tuple[str, ...]]:
         """(the revision the job records, notes to show) for a hub ``model``: a branch or tag resolved
@@ -356,7 +388,8 @@ class Client:
             except InputError as exc:
                 raise (_renamed(exc, path, label, by_item) if label else exc) from None
             warnings = [*opts.notes, *(_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings)]
-            if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt):
+            family = families.family_here(opts.params.model)
+            if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt, family):
                 warnings.append(note.replace(path, label) if label else note)
             result = submit(
                 path,

@@ -153,8 +153,24 @@ ModelOrTiny = Annotated[
     str | None, typer.Option(metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else {TINY_MODEL})")
 ]
 Steps = Annotated[int, typer.Option(metavar="N", help="denoising steps")]
+FamilySteps = Annotated[
+    int | None,
+    typer.Option(
+        "--steps",
+        metavar="N",
+        help="denoising steps (default: the family's: 30 SD/SDXL, 28 SD3/FLUX dev, 4 schnell)",
+    ),
+]
 Size = Annotated[str, typer.Option(metavar="WxH", help="WIDTHxHEIGHT, multiples of 8")]
 Guidance = Annotated[float, typer.Option(metavar="SCALE", help="classifier-free guidance scale")]
+FamilyGuidance = Annotated[
+    float | None,
+    typer.Option(
+        "--guidance",
+        metavar="SCALE",
+        help="guidance scale (default: the family's: 7.5 SD/SDXL, 7.0 SD3, 3.5 FLUX dev, none for schnell)",
+    ),
+]
 Negative = Annotated[str, typer.Option(metavar="TEXT", help="negative prompt for every prompt without one")]
 Seed = Annotated[int, typer.Option(metavar="N", help="job seed; a prompt's seed is derived from it and its index")]
 ShardSize = Annotated[int, typer.Option("--shard-size", metavar="N", help="prompts per shard (one task)")]
@@ -181,13 +197,17 @@ Scheduler = Annotated[
     typer.Option(
         metavar="NAME",
         help="sampler: euler, euler_a, dpmpp_2m, dpmpp_2m_karras, dpmpp_sde, ddim, unipc, lcm, ... "
-        "or a diffusers class name (default: the model's own)",
+        "or a diffusers class name; on SD3 and FLUX the flow-matching euler, heun (SD3), dpmpp_2m, unipc "
+        "(default: the model's own)",
     ),
 ]
 LongPrompts = Annotated[
     str,
     typer.Option(
-        "--long-prompts", metavar="chunk|truncate", help="prompts over 77 tokens: embedded in 77-token chunks, or cut at 77"
+        "--long-prompts",
+        metavar="chunk|truncate",
+        help="prompts over CLIP's 77 tokens (SD, SDXL): embedded in 77-token chunks, or cut at 77; "
+        "SD3 and FLUX read them with T5 (256 or 512 tokens) either way",
     ),
 ]
 ImageFormat = Annotated[
@@ -216,9 +236,9 @@ class SubmitFlags:
 
     job: str | None
     model: str | None
-    steps: int
+    steps: int | None  # None: the model family's default (renderfleet/families.py)
     size: str
-    guidance: float
+    guidance: float | None
     negative: str
     seed: int
     shard_size: int
@@ -240,9 +260,9 @@ class SubmitFlags:
 SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "job": (JobOpt, None),
     "model": (Model, None),
-    "steps": (Steps, DEFAULT["steps"]),
+    "steps": (FamilySteps, None),
     "size": (Size, _SIZE),
-    "guidance": (Guidance, DEFAULT["guidance"]),
+    "guidance": (FamilyGuidance, None),
     "negative": (Negative, DEFAULT["negative_prompt"]),
     "seed": (Seed, DEFAULT["seed"]),
     "shard_size": (ShardSize, 64),

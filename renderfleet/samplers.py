@@ -51,26 +51,58 @@ COMMON: dict[str, tuple[str, dict[str, Any]]] = {
     "tcd": ("TCDScheduler", {}),
 }
 
+# The flow-matching samplers (SD 3.x, FLUX.1: the model predicts a velocity, not noise), by the same
+# names users know: "euler" on FLUX is flow-matching Euler.  Each is deterministic (none draws noise
+# while stepping: those pipelines never hand the seeded generator to their scheduler).  The multistep
+# solvers read the model's shift as their flow_shift (worker.render.SchedulerCache).
+FLOW_SAMPLERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "euler": ("FlowMatchEulerDiscreteScheduler", {}),
+    "heun": ("FlowMatchHeunDiscreteScheduler", {}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
+    "unipc": ("UniPCMultistepScheduler", {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
+}
+
+# The kinds of model a sampler drives: noise (epsilon/v) prediction, as SD 1.x/2.x and SDXL's UNets;
+# flow matching (velocity), as SD 3.x's and FLUX.1's transformers.
+DIFFUSION = "diffusion"
+FLOW = "flow"
+_BY_KIND = {DIFFUSION: COMMON, FLOW: FLOW_SAMPLERS}
+
 # The diffusers classes a name may give directly: the ones above, all made for the
-# epsilon/v-prediction UNet pipelines (SD 1.x/2.x, SDXL) the worker serves.
+# epsilon/v-prediction UNet pipelines (SD 1.x/2.x, SDXL).
 CLASSES: frozenset[str] = frozenset(cls for cls, _ in COMMON.values())
 
 MAX_NAME_LEN = 64
 
 
-def resolve(name: str) -> tuple[str, dict[str, Any]]:
-    """(diffusers class name, options) of a scheduler name; KeyError for an unknown one."""
-    if name in COMMON:
-        cls, options = COMMON[name]
+def resolve(name: str, kind: str = DIFFUSION) -> tuple[str, dict[str, Any]]:
+    """(diffusers class name, options) of a scheduler name for a model of ``kind``; KeyError for
+    a name that is not one of that kind's."""
+    table = _BY_KIND[kind]
+    if name in table:
+        cls, options = table[name]
         return cls, dict(options)
-    if name in CLASSES:
+    if kind == DIFFUSION and name in CLASSES:
         return name, {}
     raise KeyError(name)
 
 
+def names(kind: str) -> tuple[str, ...]:
+    """The names a job may give for a model of ``kind`` (a class name too, for noise prediction)."""
+    return tuple(_BY_KIND[kind]) + (tuple(sorted(CLASSES)) if kind == DIFFUSION else ())
+
+
+def kind_of(name: str) -> str:
+    """The kind of model ``name`` is made for (a name of both kinds counts as noise prediction's); ''
+    for an unknown name."""
+    if name in COMMON or name in CLASSES:
+        return DIFFUSION
+    return FLOW if name in FLOW_SAMPLERS else ""
+
+
 def scheduler_problem(name: str) -> str | None:
     """Why ``name`` is not a scheduler a job may ask for, if it is not ('' is the pipeline's own)."""
-    if name == "" or name in COMMON or name in CLASSES:
+    if name == "" or name in COMMON or name in CLASSES or name in FLOW_SAMPLERS:
         return None
     shown = name if len(name) <= MAX_NAME_LEN else name[:MAX_NAME_LEN] + "..."
     return (

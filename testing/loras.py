@@ -56,3 +56,25 @@ def make_tiny_lora(
     path.parent.mkdir(parents=True, exist_ok=True)
     StableDiffusionPipeline.save_lora_weights(path.parent, weight_name=path.name, **layers)
     return path
+
+
+def make_transformer_lora(path: Path, model: str, *, seed: int = 0, rank: int = 4) -> Path:
+    """Write a LoRA for a built-in transformer model's denoiser (``tiny-sd3``, ``tiny-flux``): random
+    non-zero A and B on its attention projections, saved under the keys its pipeline's
+    ``load_lora_weights`` reads (``transformer.…lora_A/B``); returns ``path``."""
+    import torch
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from worker.models.tiny import build_tiny
+
+    pipe = build_tiny(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipe.transformer.add_adapter(
+            LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v"]),
+            adapter_name="made",
+        )
+        layers = get_peft_model_state_dict(pipe.transformer, adapter_name="made")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    type(pipe).save_lora_weights(path.parent, weight_name=path.name, transformer_lora_layers=layers)
+    return path

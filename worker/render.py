@@ -28,6 +28,7 @@ from renderfleet.spec import BENCH_PREFIX, FIELD, INT_LIMITS, Prompt, field_prob
 from worker.deviceerrors import is_device_error, is_out_of_memory
 from worker.loras import LoraCache
 from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
+from worker.models.families import PipelineFamily, family_of
 from worker.prompts import LongPrompts
 
 if TYPE_CHECKING:
@@ -41,26 +42,30 @@ class SchedulerCache:
 
     Each is made with ``from_config`` of the scheduler the model came with, so the
     model's betas, prediction type and timestep spacing stay; only the solver and the
-    options its name implies (``renderfleet.samplers``) change.  Setting
-    ``pipe.scheduler`` is all a switch costs: the model is never loaded again.  The
-    name '' is the pipeline's own scheduler, as loaded.
+    options its name implies (``renderfleet.samplers``, of the family's kind: noise
+    prediction or flow matching) change.  Setting ``pipe.scheduler`` is all a switch
+    costs: the model is never loaded again.  The name '' is the pipeline's own
+    scheduler, as loaded.
     """
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, family: PipelineFamily | None = None) -> None:
         self.pipe = pipe
+        self.family = family or family_of(pipe)
         self.default: Any = getattr(pipe, "scheduler", None)
         self._built: dict[str, Any] = {"": self.default}
 
     def get(self, name: str) -> Any:
         """The scheduler called ``name``; JobError if this pipeline cannot use it."""
         if name not in self._built:
-            try:
-                cls_name, options = samplers.resolve(name)
-            except KeyError:
-                raise JobError(samplers.scheduler_problem(name) or f"unknown scheduler {name!r}") from None
+            if why := samplers.scheduler_problem(name):
+                raise JobError(why)
+            cls_name, options = self.family.scheduler(name)
             import diffusers
 
             cls = getattr(diffusers, cls_name)
+            if options.get("use_flow_sigmas") and "shift" in self.default.config:
+                # A flow-matching model's shift is its scheduler's: the multistep solvers call it flow_shift.
+                options.setdefault("flow_shift", float(self.default.config["shift"]))
             try:
                 self._built[name] = cls.from_config(self.default.config, **options)
             except (ImportError, ValueError, TypeError) as exc:
@@ -116,9 +121,11 @@ class Renderer:
         self.batch_invariant = batch_invariant
         self.compile_cache = compile_cache
         self.last_batch_seconds = 0.0
-        self.schedulers = SchedulerCache(loaded.pipe)
+        self.family = family_of(loaded.pipe)
+        self.schedulers = SchedulerCache(loaded.pipe, self.family)
         self.loras = loras or LoraCache(loaded.pipe)
-        self.long_prompts = LongPrompts(loaded.pipe)
+        # CLIP-only families embed long prompts in chunks; T5 families read them whole (up to its length).
+        self.long_prompts = LongPrompts(loaded.pipe) if self.family.family.chunks else None
 
     def render(
         self,
@@ -151,8 +158,9 @@ class Renderer:
         failed (:func:`is_device_error`), :class:`JobError` when the pipeline refuses the
         settings, :class:`PermanentError` for any other failure.
         """
-        # 1. Check the inputs.
+        # 1. Check the inputs, and that the model's family can honour them (the job's error if not).
         check_inputs(prompts)
+        self.family.check(prompts)
 
         # 2. Stop before starting if asked to.
         if should_stop():
@@ -163,7 +171,7 @@ class Renderer:
 
         # 4. Long prompts: embedded in 77-token chunks, a call per chunk count (prompts within
         #    the limit go as text, as they always did); None: none is long, or cut at 77.
-        embeds = self.long_prompts.embed(prompts) or [None] * len(prompts)
+        embeds = (self.long_prompts and self.long_prompts.embed(prompts)) or [None] * len(prompts)
 
         # 5. Denoise and decode: per prompt, or a call per group of prompts whose text
         #    has the same length in chunks (the batch in one call, unless long prompts split it).
@@ -197,7 +205,7 @@ class Renderer:
     def encode(self, image: Any, prompt: Prompt) -> bytes:
         """The image's file in the prompt's format, with what made it; :class:`PromptError` if its
         text cannot be carried."""
-        return encode_image(image, prompt, self.loaded.model)
+        return encode_image(image, prompt, self.loaded.model, self.family.used(prompt))
 
     def generate(
         self, prompts: Sequence[Prompt], *, output_type: str = "pil", should_stop: Callable[[], bool] = lambda: False
@@ -205,6 +213,7 @@ class Renderer:
         """One pipeline call's images, not encoded: what a probe of the accelerator's
         memory or a benchmark of its speed renders (``output_type="pt"``: tensors, no PIL)."""
         check_inputs(prompts)
+        self.family.check(prompts)
         started = time.perf_counter()
         try:
             return self._call(list(prompts), should_stop, output_type=output_type)
@@ -222,14 +231,14 @@ class Renderer:
         prompts' chunked embeddings (``worker.prompts.Embedded``), in place of their text."""
         import torch
 
-        steps, guidance, width, height, scheduler = prompts[0].render_key
+        steps, _guidance, width, height, scheduler = prompts[0].render_key  # guidance: the family's call_kwargs
         self.schedulers.use(scheduler, [p.seed for p in prompts])
         # The job's adapters, set before every call from its settings: a call never inherits the last job's
         # (a no-op after render_images set them, as it must before embedding long prompts).
         self.loras.use(prompts[0].loras)
         text: dict[str, Any] = (
-            {"prompt": [p.prompt for p in prompts], "negative_prompt": [p.negative_prompt for p in prompts]}
-            if embeds is None
+            self.family.text_kwargs(prompts)
+            if embeds is None or self.long_prompts is None
             else self.long_prompts.call_kwargs(embeds)
         )
         device = str(getattr(self.loaded, "device", "cpu"))
@@ -252,15 +261,19 @@ class Renderer:
             failpoints.reach("render")
             with torch.inference_mode():
                 output = self.loaded.pipe(
-                    **text,
-                    num_inference_steps=steps,
-                    guidance_scale=guidance,
-                    width=width,
-                    height=height,
-                    # CPU generators: the same starting latents on every device.
-                    generator=[torch.Generator("cpu").manual_seed(p.seed) for p in prompts],
-                    output_type=output_type,
-                    callback_on_step_end=on_step_end,
+                    **self.family.prune(
+                        {
+                            **text,
+                            **self.family.call_kwargs(prompts),
+                            "num_inference_steps": steps,
+                            "width": width,
+                            "height": height,
+                            # CPU generators: the same starting latents on every device.
+                            "generator": [torch.Generator("cpu").manual_seed(p.seed) for p in prompts],
+                            "output_type": output_type,
+                            "callback_on_step_end": on_step_end,
+                        }
+                    )
                 )
         except Exception as exc:
             if is_out_of_memory(exc):
@@ -317,11 +330,12 @@ def check_inputs(prompts: Sequence[Prompt]) -> None:
         raise ValueError(f"`scheduler`: {why}")
 
 
-def encode_image(image: Any, prompt: Prompt, model: str) -> bytes:
+def encode_image(image: Any, prompt: Prompt, model: str, used: dict[str, str | None] | None = None) -> bytes:
     """The image in the prompt's format (``renderfleet.images``), any failure the prompt's
-    (:class:`PromptError`): text its format cannot carry."""
+    (:class:`PromptError`): text its format cannot carry.  ``used``: what the model's family
+    records beyond the prompt's settings (None: a setting it ignored, not recorded)."""
     try:
-        return images.encode(image, prompt.image_format, prompt.quality, image_metadata(prompt, model))
+        return images.encode(image, prompt.image_format, prompt.quality, image_metadata(prompt, model, used))
     except Exception as exc:
         raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
 
@@ -338,7 +352,7 @@ def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:
 FAKE_CHUNK = {"renderfleet:fake": "fixed-time benchmark renderer, not a render"}
 
 
-def image_metadata(prompt: Prompt, model: str) -> dict[str, str]:
+def image_metadata(prompt: Prompt, model: str, used: dict[str, str | None] | None = None) -> dict[str, str]:
     """What is written into every image, in a fixed order; a bench model's marked as fake.
 
     The settings added after the first release (scheduler, how long prompts were read, the
@@ -363,6 +377,11 @@ def image_metadata(prompt: Prompt, model: str) -> dict[str, str]:
             chunks[name] = str(value)
     if prompt.loras:  # [[source, scale], ...]: a source may hold any character but a NUL
         chunks["loras"] = json.dumps([list(lora) for lora in prompt.loras], ensure_ascii=False)
+    for name, value in (used or {}).items():  # the family's: a setting it ignored dropped, one it added kept
+        if value is None:
+            chunks.pop(name, None)
+        else:
+            chunks[name] = value
     return {**chunks, **FAKE_CHUNK} if model.startswith(BENCH_PREFIX) else chunks
 
 

@@ -20,12 +20,16 @@ import hashlib
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from renderfleet.errors import InputError
 from renderfleet.prompts import csvfile, jsonl, txt
 from renderfleet.prompts.checks import Row, check_names
 from renderfleet.prompts.lines import Report, WireSink, detect_format, open_lines, os_reason, read_lines
 from renderfleet.spec import prompt_json, texts_json
+
+if TYPE_CHECKING:
+    from renderfleet.families import Family
 
 
 @dataclass(frozen=True)
@@ -126,9 +130,11 @@ def _writing(sink: WireSink, rows: Iterator[Row]) -> Iterator[Row]:
         sink.write(chunk)
 
 
-def long_prompts_note(summary: FileSummary, mode: str, negative: str = "") -> str | None:
+def long_prompts_note(summary: FileSummary, mode: str, negative: str = "", family: Family | None = None) -> str | None:
     """Submit's one warning about prompts over CLIP's 77 tokens: how many, the first few
-    ``FILE:LINE``s and what ``mode`` (``long_prompts``) will do with them; None if there are none."""
+    ``FILE:LINE``s and what ``mode`` (``long_prompts``) will do with them, or the model's ``family``
+    (a T5 family reads past 77 whatever the mode); None if there are none."""
+    from renderfleet.families import long_prompt_fate
     from renderfleet.prompts.checks import over_clip_limit
 
     if over_clip_limit(negative):  # the job's negative prompt is every prompt's
@@ -138,13 +144,9 @@ def long_prompts_note(summary: FileSummary, mode: str, negative: str = "") -> st
         where, count = shown + (", ..." if summary.long > len(summary.long_lines) else ""), summary.long
     else:
         return None
-    fate = (
-        "embedded in 77-token chunks (long_prompts=chunk)"
-        if mode == "chunk"
-        else "cut at 77 tokens, the rest ignored (long_prompts=truncate)"
-    )
+    fate = long_prompt_fate(family, mode)
     return (
-        f"{where}: {count} prompt(s) longer than the text encoder's 77 tokens (counted without the model's "
+        f"{where}: {count} prompt(s) longer than the CLIP text encoder's 77 tokens (counted without the model's "
         f"tokenizer: at least this many): {fate}"
     )
 

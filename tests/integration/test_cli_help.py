@@ -80,10 +80,11 @@ def test_submit_help_states_every_default() -> None:
     assert "(default: RENDERFLEET_MODEL, else required)" in rows["--model"]
     assert "(default: RENDERFLEET_MODEL, else tiny)" in option_rows(help_text("run"))["--model"]
     assert "MODEL" in rows["--model"] and "WxH" in rows["--size"]
+    # Steps and guidance default to the model family's (renderfleet/families.py): the help names them.
+    assert "(default: the family's: 30 SD/SDXL, 28 SD3/FLUX dev, 4 schnell)" in rows["--steps"]
+    assert "(default: the family's: 7.5 SD/SDXL, 7.0 SD3, 3.5 FLUX dev, none for schnell)" in rows["--guidance"]
     for flag, default in (
-        ("--steps", "30"),
         ("--size", "512x512"),
-        ("--guidance", "7.5"),
         ("--seed", "0"),
         ("--shard-size", "64"),
         ("--batch-size", "4"),

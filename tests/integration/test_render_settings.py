@@ -66,7 +66,7 @@ def test_a_webp_job_with_schedulers_per_prompt_renders_on_one_model_load(tmp_pat
     out = cli(env, "submit", str(prompts), *flags)
     job = out.stdout.split()[-1]
     # one warning: how many, where, and what will happen to them
-    assert f"{prompts}:3: 1 prompt(s) longer than the text encoder's 77 tokens" in out.stderr
+    assert f"{prompts}:3: 1 prompt(s) longer than the CLIP text encoder's 77 tokens" in out.stderr
     assert "embedded in 77-token chunks" in out.stderr
     st = wait_for(lambda: (s := job_status(env, job))["done"] == 4 and s, 180, interval=1.0, what="job to finish")
     assert st["quarantined"] == 0

@@ -270,8 +270,9 @@ def test_the_vae_memory_modes_are_set_per_call_on_cuda_and_never_on_the_cpu(
 # ---- errors classed by what they say about the device, and memory handed back ---------------------------------------
 
 
-class FakePipe:
-    """A pipeline stand-in for a card the CPU does not have: returns blank images, or raises ``fail``."""
+class StableDiffusionPipeline:
+    """A pipeline stand-in for a card the CPU does not have: returns blank images, or raises ``fail``.
+    Named as SD's pipeline: the renderer serves it as that family (worker/models/families)."""
 
     def __init__(self, fail: Callable[[], BaseException] | None = None) -> None:
         self.fail = fail
@@ -282,6 +283,9 @@ class FakePipe:
         if self.fail is not None:
             raise self.fail()
         return type("Output", (), {"images": [Image.new("RGB", (8, 8)) for _ in prompt]})()
+
+
+FakePipe = StableDiffusionPipeline
 
 
 class Activations:

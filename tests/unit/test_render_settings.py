@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from dispatcher.submit import SubmitOptions, check_options, job_id
-from renderfleet import images, samplers, spec
+from renderfleet import families, images, samplers, spec
 from renderfleet.errors import InputError, JobError
 from renderfleet.prompts.checks import check_json_object, parse_csv_cells
 from renderfleet.spec import Prompt, RenderParams, message_problems
@@ -148,7 +148,7 @@ def test_submit_counts_long_prompts_once_naming_the_first_lines(tmp_path: Any) -
     assert (summary.long, summary.long_lines) == (5, (2, 3, 4))
     note = long_prompts_note(summary, "truncate")
     assert note == (
-        f"{path}:2, {path}:3, {path}:4, ...: 5 prompt(s) longer than the text encoder's 77 tokens "
+        f"{path}:2, {path}:3, {path}:4, ...: 5 prompt(s) longer than the CLIP text encoder's 77 tokens "
         "(counted without the model's tokenizer: at least this many): cut at 77 tokens, the rest "
         "ignored (long_prompts=truncate)"
     )
@@ -160,6 +160,11 @@ def test_submit_counts_long_prompts_once_naming_the_first_lines(tmp_path: Any) -
     short.write_text("a red fox\n")
     assert long_prompts_note(validate_file(str(short)), "chunk") is None
     assert "--negative: 1 prompt(s)" in (long_prompts_note(validate_file(str(short)), "chunk", negative=long) or "")
+    # A T5 family reads past 77 tokens whatever the mode: the note says what it reads, not chunks.
+    for family, tokens in ((families.SD3, 256), (families.FLUX, 512), (families.FLUX_SCHNELL, 256)):
+        note = long_prompts_note(summary, "chunk", family=family) or ""
+        assert f"CLIP encoder reads the first 77 tokens and its T5 encoder {tokens}" in note, note
+        assert "chunks" not in note
 
 
 # ---- rendering: the tiny model -----------------------------------------------------

@@ -1,0 +1,118 @@
+"""Model families (renderfleet/families.py): each setting a family cannot honour is refused at submit
+with the reason, where submit can tell the family, and the family's defaults apply where a job sets
+none (issue 38).  Pure logic and a folder's model_index.json; the renders are in tests/integration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from renderfleet import families, samplers
+from renderfleet.api import Client
+from renderfleet.errors import InputError
+from renderfleet.settings import Settings
+
+
+def pipeline_folder(tmp_path: Path, cls: str, *, guidance_embeds: bool | None = None) -> str:
+    folder = tmp_path / f"{cls}-{guidance_embeds}"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+    if guidance_embeds is not None:
+        (folder / "transformer").mkdir()
+        (folder / "transformer" / "config.json").write_text(json.dumps({"guidance_embeds": guidance_embeds}))
+    return str(folder)
+
+
+def refusal(model: str, **options: object) -> list[str]:
+    with pytest.raises(InputError) as exc:
+        Client(Settings()).options(model=model, **options)  # type: ignore[arg-type]
+    return exc.value.problems
+
+
+def test_a_pipeline_class_names_its_family_and_flux_without_guidance_is_schnell(tmp_path: Path) -> None:
+    assert families.recognise("StableDiffusionPipeline") is families.SD
+    assert families.recognise("StableDiffusionXLPipeline") is families.SDXL
+    assert families.recognise("StableDiffusion3Pipeline") is families.SD3
+    assert families.recognise("FluxPipeline", True) is families.FLUX
+    assert families.recognise("FluxPipeline", False) is families.FLUX_SCHNELL
+    assert families.recognise("SanaPipeline") is families.GENERIC
+    assert families.family_here(pipeline_folder(tmp_path, "FluxPipeline", guidance_embeds=False)) is families.FLUX_SCHNELL
+    assert families.family_here(pipeline_folder(tmp_path, "StableDiffusion3Pipeline")) is families.SD3
+    assert families.family_here("owner/some-model") is None  # a hub id: the worker tells
+    for name, family in families.TINY_MODELS.items():
+        assert families.family_here(name) is family
+
+
+def test_each_family_takes_only_samplers_of_its_kind() -> None:
+    for name in samplers.COMMON:
+        assert samplers.kind_of(name) == samplers.DIFFUSION
+    assert set(families.FLUX.samplers) <= set(samplers.FLOW_SAMPLERS)
+    assert set(families.SD3.samplers) == set(samplers.FLOW_SAMPLERS)
+    assert "euler_a" in families.SD.samplers and "DPMSolverMultistepScheduler" in families.SD.samplers
+    [why] = families.setting_problems(families.FLUX, scheduler="euler_a")
+    assert why == (
+        "scheduler 'euler_a': a noise-prediction (diffusion) sampler; FLUX.1 [dev] is a flow-matching model: "
+        "one of euler, dpmpp_2m, unipc"
+    )
+    [why] = families.setting_problems(families.FLUX, scheduler="heun")
+    assert "FLUX.1 [dev] is a flow-matching model: one of euler, dpmpp_2m, unipc" in why
+    [why] = families.setting_problems(families.GENERIC, scheduler="euler")
+    assert "renders with its own scheduler only" in why
+    assert families.setting_problems(families.SD3, scheduler="heun") == []
+    assert families.setting_problems(families.SD, scheduler="heun") == []  # SD's own Heun
+
+
+def test_submit_refuses_each_setting_the_family_cannot_honour_naming_model_and_setting(tmp_path: Path) -> None:
+    flux = pipeline_folder(tmp_path, "FluxPipeline", guidance_embeds=True)
+    schnell = pipeline_folder(tmp_path, "FluxPipeline", guidance_embeds=False)
+    sd3 = pipeline_folder(tmp_path, "StableDiffusion3Pipeline")
+    generic = pipeline_folder(tmp_path, "SanaPipeline")
+    sd = pipeline_folder(tmp_path, "StableDiffusionPipeline")
+    assert refusal(flux, scheduler="euler_a") == [
+        f"--model {flux!r} (FLUX.1 [dev]): scheduler 'euler_a': a noise-prediction (diffusion) sampler; "
+        "FLUX.1 [dev] is a flow-matching model: one of euler, dpmpp_2m, unipc"
+    ]
+    assert refusal(sd3, size="520x512") == [
+        f"--model {sd3!r} (Stable Diffusion 3.x): width 520: Stable Diffusion 3.x needs a multiple of 16"
+    ]
+    [line] = refusal(schnell, guidance=3.5)
+    assert "guidance 3.5: FLUX.1 [schnell] is distilled to render without guidance" in line
+    [line] = refusal(generic, negative="blurry")
+    assert "negative prompt: a pipeline of no known family takes none" in line
+    [line] = refusal(sd, negative="blurry", guidance=1.0)
+    assert "negative prompt: acts only through classifier-free guidance, which guidance 1 turns off" in line
+    [line] = refusal(generic, scheduler="dpmpp_2m")
+    assert "renders with its own scheduler only" in line
+    # Every wrong setting at once: one line each.
+    assert len(refusal(flux, scheduler="ddim", size="520x520")) == 3
+
+
+def test_a_job_that_sets_no_steps_or_guidance_gets_its_family_defaults(tmp_path: Path) -> None:
+    client = Client(Settings())
+    schnell = client.options(model=pipeline_folder(tmp_path, "FluxPipeline", guidance_embeds=False)).params
+    assert (schnell.steps, schnell.guidance) == (4, 0.0)
+    dev = client.options(model=pipeline_folder(tmp_path, "FluxPipeline", guidance_embeds=True)).params
+    assert (dev.steps, dev.guidance) == (28, 3.5)
+    sd3 = client.options(model=pipeline_folder(tmp_path, "StableDiffusion3Pipeline")).params
+    assert (sd3.steps, sd3.guidance) == (28, 7.0)
+    # SD's defaults as before families (a job's id is unchanged), and for a model submit cannot read.
+    assert (client.options(model="tiny").params.steps, client.options(model="tiny").params.guidance) == (30, 7.5)
+    given = client.options(model=pipeline_folder(tmp_path, "StableDiffusionXLPipeline"), steps=12, guidance=2.0).params
+    assert (given.steps, given.guidance) == (12, 2.0)
+
+
+def test_a_negative_prompt_on_flux_is_applied_through_true_cfg_and_its_cost_stated(tmp_path: Path) -> None:
+    opts = Client(Settings()).options(
+        model=pipeline_folder(tmp_path, "FluxPipeline", guidance_embeds=True), negative="blurry"
+    )
+    [note] = [n for n in opts.notes if n.startswith("--negative")]
+    assert "true CFG (true_cfg_scale 4)" in note and "about twice the cost per image" in note
+
+
+def test_every_family_in_the_table_is_served_by_a_worker_module() -> None:
+    from worker.models.families import FAMILIES
+
+    served = {cls.facts.name for cls in FAMILIES} | {"flux-schnell"}  # FLUX's module serves both variants
+    assert served == {f.name for f in families.FAMILIES}
