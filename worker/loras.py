@@ -149,7 +149,8 @@ class LoraCache:
                     # diffusers only warns when no key fits the UNet or the text encoder (another
                     # architecture's LoRA); set_adapters would then fail every call with a bare ValueError.
                     raise ValueError(
-                        "none of its weights fit this model's UNet, transformer or text encoder (a LoRA made for another architecture?)"
+                        "none of its weights fit this model's UNet, transformer or text encoder "
+                        "(a LoRA made for another architecture?)"
                     )
                 # A folder is read in place: the files the load read, checked again.
                 if digest.startswith(digests.FILES) and (now := digests.folder_digest(Path(where))) != digest:
