@@ -43,7 +43,7 @@ class Family:
     t5_max: int = 0  # the most it can read
     chunks: bool = False  # CLIP-only prompts over 77 tokens can be embedded in 77-token chunks
     lora: bool = True
-    memory_1024_bf16: str = ""  # what the docs' table says a 1024x1024 render needs in bf16
+    memory_1024_bf16: str = ""  # the weights' bytes in bf16 (parameters x 2), for the docs' table; activations come on top
 
     only_samplers: tuple[str, ...] = ()  # where not every name of the kind works: these
 
@@ -66,7 +66,7 @@ SD = Family(
     guidance_scale=7.5,
     size_multiple=8,
     chunks=True,
-    memory_1024_bf16="about 3 GB (SD 1.5: 0.86 B UNet parameters, 0.12 B CLIP)",
+    memory_1024_bf16="2.1 GB of weights (SD 1.5: UNet 0.86 B parameters, CLIP 0.12 B, VAE 0.08 B)",
 )
 SDXL = Family(
     "sdxl",
@@ -80,7 +80,7 @@ SDXL = Family(
     guidance_scale=7.5,
     size_multiple=8,
     chunks=True,
-    memory_1024_bf16="about 11 GB at batch 16 (2.6 B UNet parameters, 0.8 B in two CLIP encoders)",
+    memory_1024_bf16="6.9 GB of weights (UNet 2.57 B, two CLIP 0.82 B, VAE 0.08 B); 11.6 GB peak at batch 16 on an H200",
 )
 SD3 = Family(
     "sd3",
@@ -94,7 +94,9 @@ SD3 = Family(
     size_multiple=16,
     t5_tokens=256,
     t5_max=512,
-    memory_1024_bf16="about 20 GB for SD 3.5 Large (8.1 B transformer, 4.8 B T5-XXL, 0.8 B CLIP); 12 GB for Medium",
+    memory_1024_bf16=(
+        "27.5 GB of weights for SD 3.5 Large (transformer 8.1 B, T5-XXL 4.76 B, two CLIP 0.82 B); 16 GB for Medium (2.5 B)"
+    ),
 )
 FLUX = Family(
     "flux",
@@ -110,7 +112,7 @@ FLUX = Family(
     t5_max=512,
     # FluxPipeline hands its scheduler sigmas (and a shift): Heun's set_timesteps takes neither
     only_samplers=("euler", "dpmpp_2m", "unipc"),
-    memory_1024_bf16="about 33 GB (11.9 B transformer, 4.8 B T5-XXL, 0.1 B CLIP): over a 24 GB card",
+    memory_1024_bf16="33.7 GB of weights (transformer 11.9 B, T5-XXL 4.76 B, CLIP 0.12 B): over a 24 GB card",
 )
 FLUX_SCHNELL = Family(
     "flux-schnell",
@@ -125,7 +127,7 @@ FLUX_SCHNELL = Family(
     t5_tokens=256,
     t5_max=256,
     only_samplers=("euler", "dpmpp_2m", "unipc"),
-    memory_1024_bf16="about 33 GB, as [dev]",
+    memory_1024_bf16="33.7 GB of weights, as [dev]",
 )
 GENERIC = Family(
     "generic",
