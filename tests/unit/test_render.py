@@ -271,7 +271,8 @@ def test_the_vae_memory_modes_are_set_per_call_on_cuda_and_never_on_the_cpu(
 
 
 class FakePipe:
-    """A pipeline stand-in for a card the CPU does not have: returns blank images, or raises ``fail``."""
+    """A pipeline stand-in for a card the CPU does not have: returns flat images (dark grey, not
+    black: a black one is refused), or raises ``fail``."""
 
     def __init__(self, fail: Callable[[], BaseException] | None = None) -> None:
         self.fail = fail
@@ -281,7 +282,7 @@ class FakePipe:
         activations["cycle"] = activations  # frames and tensors in a cycle: freed by the collector only
         if self.fail is not None:
             raise self.fail()
-        return type("Output", (), {"images": [Image.new("RGB", (8, 8)) for _ in prompt]})()
+        return type("Output", (), {"images": [Image.new("RGB", (8, 8), (1, 1, 1)) for _ in prompt]})()
 
 
 class Activations:
