@@ -25,7 +25,9 @@ Three classes of trouble, each with its own budget:
   (a CUDA error other than out-of-memory: the device lost, an illegal memory
   access).  Nothing of the batch is counted against its prompts: the shard is
   handed back to the front of the queue and the worker stops taking work and
-  exits with its own status (4), so that the node is replaced.
+  exits with its own status (4), so that the node is replaced.  Images that
+  are not images (:class:`BadOutput`: NaN, inf or all black, still so with the
+  VAE decoding in float32) are the device's too, and none is stored.
 * **a job's stored prompts** (:class:`WireError`): its wire file or index in
   the store is not what submit wrote (forged or damaged bytes: offsets past
   the file, out of order, a line that is not JSON).  The shard is rejected with
@@ -101,6 +103,13 @@ class OutOfMemory(RenderfleetError):
 
 class DeviceError(RenderfleetError):
     """The accelerator failed (not out of memory): the node's fault, never a prompt's."""
+
+
+class BadOutput(DeviceError):
+    """The pipeline gave images that are not images (NaN or inf values, or all black), and again
+    with the VAE decoding in float32: fp16 overflow or a failing card (``worker/outputs.py``).
+    Handled as a device error: none of them is stored, nothing is counted against the prompts,
+    the shard goes back to the front and the worker stops."""
 
 
 class MixedFleet(DeviceError):

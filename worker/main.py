@@ -27,7 +27,7 @@ from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
 from worker.ledger import TOUCH_SECONDS, touch_seconds_for
 from worker.loading import LoadingRegistration
-from worker.metrics import WorkerMetrics, serve_metrics
+from worker.metrics import BadImages, WorkerMetrics, serve_metrics
 from worker.models import model_label, model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, instance_region
@@ -46,14 +46,21 @@ MARK_RETRY_SECONDS = 15.0
 
 
 def load_renderer(
-    model: str, settings: Settings, *, revision: str = "", variant: str = "", refresh: bool = False
+    model: str,
+    settings: Settings,
+    *,
+    revision: str = "",
+    variant: str = "",
+    refresh: bool = False,
+    on_bad_images: Callable[[BadImages, int], None] | None = None,
 ) -> tuple[Any, Any]:
     """(renderer, loaded model) for ``model`` (at ``revision`` and ``variant``), on the best device;
     with ``compile``, a renderer that shares its compile cache through the store.  A ``bench:`` model
     is the fixed-time renderer, only where ``allow_bench_models`` is set (else :class:`ModelLoadError`).
     The renderer switches each job's LoRAs on the loaded pipeline (``worker.loras``), fetching an
     ``s3://`` one into the worker's cache under the model size cap.  ``refresh``: an ``s3://`` model
-    fetched again, not read from the cache."""
+    fetched again, not read from the cache.  ``on_bad_images`` hears of images that were not images
+    (the renderer's, ``worker.outputs``)."""
     if model.startswith(BENCH_PREFIX):
         if why := model_refusal(model, None, bench=settings.allow_bench_models):
             raise ModelLoadError(why)
@@ -89,7 +96,14 @@ def load_renderer(
     if loaded.compiled:
         cache = open_compile_cache(settings, model=model, card=card_name(str(loaded.device)))
     loras = LoraCache(loaded.pipe, fetch=fetch_lora, allowed=settings.allowed_model_list)
-    return Renderer(loaded, batch_invariant=settings.batch_invariant, compile_cache=cache, loras=loras), loaded
+    renderer = Renderer(
+        loaded,
+        batch_invariant=settings.batch_invariant,
+        compile_cache=cache,
+        loras=loras,
+        on_bad_images=on_bad_images,
+    )
+    return renderer, loaded
 
 
 def run_worker(
@@ -127,7 +141,7 @@ def run_worker(
     pools = queues or _default_queues(settings.pool)
     try:
         with _loading(settings, url, worker_id, model, pools):  # status: "loading", not "no worker"
-            renderer, loaded = load_renderer(model, settings)
+            renderer, loaded = load_renderer(model, settings, on_bad_images=metrics.bad_images)
     except Exception as exc:
         if is_device_error(exc):
             log.error("the device failed while loading model %s: %s", model, exc)
@@ -139,7 +153,9 @@ def run_worker(
 
     def load_model(name: str, revision: str = "", variant: str = "", refresh: bool = False) -> Any:
         """Another job's model (at its revision and variant) in place of ours (a model switch), its load timed."""
-        switched, again = load_renderer(name, settings, revision=revision, variant=variant, refresh=refresh)
+        switched, again = load_renderer(
+            name, settings, revision=revision, variant=variant, refresh=refresh, on_bad_images=metrics.bad_images
+        )
         log.info(
             "model %s loaded on %s in %.1f s (a switch)",
             model_label(name, revision, variant),

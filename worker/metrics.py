@@ -3,7 +3,8 @@
 The monitor's ``/metrics`` (``dispatcher/http.py``) is the fleet seen from
 Redis; these are what only the worker sees: each prompt's outcome here, how
 long its batches and model loads take, the reclaim notices it heard, the
-batches it lost, the calls it retried and its GPU's memory peak per batch.  Cost per
+batches it lost, the calls it retried, the images that were not images (NaN or
+black: rendered again or refused) and its GPU's memory peak per batch.  Cost per
 image is then one PromQL division (docs/monitoring.md, "Each worker's own metrics").
 
 One process, one registry: a worker runs Celery's solo pool (``worker/main.py``),
@@ -20,8 +21,8 @@ sets below; never a job, a shard or a prompt.
 
 The updates come from the places that already see the events: the ledger's
 ``record_*`` calls and the lease keeper (``worker/ledger.py``), the store's
-retry hook, the reclaim watcher and the shutdown hook; the shard runner
-itself holds no metric.
+retry hook, the reclaim watcher, the shutdown hook and the renderer's
+``on_bad_images``; the shard runner itself holds no metric.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class LostReason(StrEnum):
 
     FENCED = "fenced"  # a newer attempt took the shard (a pause past the lease)
     ABANDONED = "abandoned"  # a reclaim notice left no time to finish it
+
+
+class BadImages(StrEnum):
+    """What became of images that were not images (NaN, inf, all black: ``worker/outputs.py``), the ``outcome`` label."""
+
+    RERENDERED = "rerendered"  # rendered again with the VAE in float32, and good
+    REFUSED = "refused"  # still bad: none stored, the shard handed back (BadOutput, a device error)
 
 
 class WorkerMetrics:
@@ -106,12 +114,21 @@ class WorkerMetrics:
             ["pool", "what", "error"],
             registry=r,
         )
+        self._bad_images = Counter(
+            "renderfleet_worker_bad_images",
+            "Images that were not images (NaN, inf, all black), by outcome: rerendered "
+            "(good with the VAE in float32), refused (still bad, none stored, the shard handed back)",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self._gpu_peak: Gauge | None = None
         # Every outcome and reason from the start, at 0: a rate() needs the series before its first event.
         for outcome in ImageOutcome:
             self._images.labels(pool, outcome)
         for reason in LostReason:
             self._lost.labels(pool, reason)
+        for bad in BadImages:
+            self._bad_images.labels(pool, bad)
         self._batch.labels(pool)
         self._render.labels(pool)
         self._load.labels(pool)
@@ -134,6 +151,11 @@ class WorkerMetrics:
 
     def lost_batch(self, reason: LostReason) -> None:
         self._lost.labels(self.pool, reason).inc()
+
+    def bad_images(self, outcome: BadImages, n: int) -> None:
+        """``n`` images that were not images, rendered again or refused (the renderer's ``on_bad_images``)."""
+        if n:
+            self._bad_images.labels(self.pool, outcome).inc(n)
 
     def retry(self, what: str, error: str) -> None:
         """A retry (a :data:`renderfleet.store.RetryHook`): ``what`` s3, heartbeat or shard; ``error`` its class."""

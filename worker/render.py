@@ -18,15 +18,18 @@ says ``long_prompts=truncate``.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from renderfleet import __version__, failpoints, images, samplers
-from renderfleet.errors import DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
+from renderfleet.errors import BadOutput, DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.spec import BENCH_PREFIX, FIELD, INT_LIMITS, Prompt, field_problem
+from worker import outputs
 from worker.deviceerrors import is_device_error, is_out_of_memory
 from worker.loras import LoraCache
+from worker.metrics import BadImages
 from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
 from worker.models.families import PipelineFamily, family_of
 from worker.prompts import LongPrompts
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
     from worker.compiled import CompileCache
 
 PNG_COMPRESS_LEVEL = images.PNG_COMPRESS_LEVEL
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerCache:
@@ -107,6 +112,11 @@ class Renderer:
     UNet, ``compile_cache`` loads the fleet's signed compile cache before the
     first call at a size and, after a call that compiled something, hands what
     this worker compiled to its background uploader.
+
+    An image that is not one (NaN or inf values, all black: ``worker.outputs``) is
+    never returned: its prompts are rendered once more with the VAE in float32, and if
+    they are still bad :class:`BadOutput` (a device error) is raised.  ``on_bad_images``
+    hears how many were rendered again and how many refused (the worker's metric).
     """
 
     def __init__(
@@ -116,8 +126,10 @@ class Renderer:
         batch_invariant: bool = False,
         compile_cache: CompileCache | None = None,
         loras: LoraCache | None = None,
+        on_bad_images: Callable[[BadImages, int], None] | None = None,
     ) -> None:
         self.loaded = loaded
+        self.on_bad_images = on_bad_images
         self.batch_invariant = batch_invariant
         self.compile_cache = compile_cache
         self.last_batch_seconds = 0.0
@@ -155,7 +167,8 @@ class Renderer:
         Raises ``ValueError`` for prompts that cannot share a call,
         :class:`OutOfMemory` when the accelerator runs out of memory (halve
         the batch and retry), :class:`DeviceError` when the accelerator itself
-        failed (:func:`is_device_error`), :class:`JobError` when the pipeline refuses the
+        failed (:func:`is_device_error`) or gave images that are not images
+        (:class:`BadOutput`), :class:`JobError` when the pipeline refuses the
         settings, :class:`PermanentError` for any other failure.
         """
         # 1. Check the inputs, and that the model's family can honour them (the job's error if not).
@@ -191,7 +204,7 @@ class Renderer:
                 if n > 0 and should_stop():
                     raise Reclaimed("stopped mid-batch")
                 chunked = [e for i in group if (e := embeds[i]) is not None]
-                rendered = self._call([prompts[i] for i in group], should_stop, embeds=chunked or None)
+                rendered = self._call_checked([prompts[i] for i in group], should_stop, chunked or None)
                 if len(rendered) != len(group):
                     raise PermanentError(f"pipeline returned {len(rendered)} images for {len(group)} prompts")
                 for i, image in zip(group, rendered, strict=True):
@@ -220,6 +233,33 @@ class Renderer:
         finally:
             self.last_batch_seconds = time.perf_counter() - started
 
+    def _call_checked(self, prompts: list[Prompt], should_stop: Callable[[], bool], embeds: list[Any] | None) -> list[Any]:
+        """:meth:`_call`'s PIL images, none of them bad: a bad one's prompts rendered once more with
+        the VAE in float32 (on a CPU, where it is, simply once more); still bad, :class:`BadOutput`."""
+        images = self._call(prompts, should_stop, embeds=embeds)
+        bad = getattr(images, "bad", None)
+        if not bad:
+            return list(images)
+        again = sorted(bad)
+        names = ", ".join(prompts[i].name for i in again)
+        with outputs.vae_in_float32(self.loaded.pipe) as upcast:
+            rendered = self._call(
+                [prompts[i] for i in again], should_stop, embeds=[embeds[i] for i in again] if embeds else None
+            )
+        how = "with the VAE upcast to float32" if upcast else "as it was (its VAE is in float32 already)"
+        if still := getattr(rendered, "bad", None):
+            if self.on_bad_images:
+                self.on_bad_images(BadImages.REFUSED, len(still))
+            why = "; ".join(f"{prompts[again[j]].name}: {reason}" for j, reason in sorted(still.items()))
+            raise BadOutput(f"images that are not images, rendered again {how} and still bad ({why}): none stored")
+        log.warning("prompts %s: %s; rendered again %s, now good", names, ", ".join(sorted(set(bad.values()))), how)
+        if self.on_bad_images:
+            self.on_bad_images(BadImages.RERENDERED, len(again))
+        out = list(images)
+        for i, image in zip(again, rendered, strict=True):
+            out[i] = image
+        return out
+
     def _call(
         self,
         prompts: list[Prompt],
@@ -228,7 +268,8 @@ class Renderer:
         embeds: list[Any] | None = None,
     ) -> list[Any]:
         """One pipeline call: PIL images, or :class:`Reclaimed` if stopped.  ``embeds``: the
-        prompts' chunked embeddings (``worker.prompts.Embedded``), in place of their text."""
+        prompts' chunked embeddings (``worker.prompts.Embedded``), in place of their text.
+        PIL images come checked (``worker.outputs.Checked``: ``bad`` names any that is not one)."""
         import torch
 
         steps, _guidance, width, height, scheduler = prompts[0].render_key  # guidance: the family's call_kwargs
@@ -256,6 +297,8 @@ class Renderer:
                 raise Reclaimed("stopped mid-batch")
             return callback_kwargs
 
+        # For PIL images the pipeline's float pixels, checked before they are made PIL (worker.outputs).
+        wanted, output_type = output_type, outputs.ask_for(self.loaded.pipe, output_type)
         out_of_memory = ""
         try:
             failpoints.reach("render")
@@ -296,6 +339,8 @@ class Renderer:
 
         if self.compile_cache is not None:
             self.compile_cache.after(width, height, len(prompts))
+        if wanted == "pil":
+            return outputs.check(self.loaded.pipe, output)
         return list(output.images)
 
 

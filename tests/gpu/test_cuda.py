@@ -179,3 +179,43 @@ def test_a_cublas_failure_to_allocate_is_taken_for_out_of_memory_on_a_real_card(
         renderer.render([Prompt(0, "000000", "x", "", 0, 2, 7.5, 64, 64)])
     unet.forward = forward
     assert len(renderer.render([Prompt(0, "000000", "x", "", 0, 2, 7.5, 64, 64)])) == 1  # the card goes on
+
+
+def test_a_half_precision_decode_that_overflows_is_rendered_again_with_the_vae_in_float32(tmp_path: Path) -> None:
+    from renderfleet.spec import Prompt
+    from worker.models import load_pipeline
+    from worker.outputs import is_black
+    from worker.render import Renderer
+
+    loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path)
+    pipe, half = loaded.pipe, loaded.dtype
+    prompts = [Prompt(i, f"{i:06d}", f"p{i}", "", i, 2, 7.5, 64, 64) for i in range(2)]
+    renderer = Renderer(loaded)
+    images = renderer.render_images(prompts)
+    plain = pipe(  # a good render keeps the bytes of the PIL call it was before the check
+        prompt=[p.prompt for p in prompts],
+        negative_prompt=["", ""],
+        num_inference_steps=2,
+        guidance_scale=7.5,
+        width=64,
+        height=64,
+        generator=[torch.Generator("cpu").manual_seed(p.seed) for p in prompts],
+    ).images
+    assert [a.tobytes() for a in images] == [b.tobytes() for b in plain]
+
+    decode, seen = pipe.vae.decode, []
+
+    def overflows_in_half(z: torch.Tensor, *args: object, **kwargs: object) -> object:
+        seen.append((z.dtype, pipe.vae.dtype))
+        if pipe.vae.dtype != torch.float32:  # as an fp16 VAE overflows: NaN, then black
+            return (torch.full((z.shape[0], 3, 64, 64), float("nan"), device="cuda"),)
+        return decode(z, *args, **kwargs)
+
+    pipe.vae.decode = overflows_in_half
+    try:
+        again = renderer.render_images(prompts)
+    finally:
+        del pipe.vae.decode
+    assert seen == [(half, half), (torch.float32, torch.float32)]  # the latents cast on the way in
+    assert not any(is_black(image) for image in again)
+    assert pipe.vae.dtype == half and pipe.vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)

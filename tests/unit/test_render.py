@@ -271,8 +271,9 @@ def test_the_vae_memory_modes_are_set_per_call_on_cuda_and_never_on_the_cpu(
 
 
 class StableDiffusionPipeline:
-    """A pipeline stand-in for a card the CPU does not have: returns blank images, or raises ``fail``.
-    Named as SD's pipeline: the renderer serves it as that family (worker/models/families)."""
+    """A pipeline stand-in for a card the CPU does not have: returns flat images (dark grey, not
+    black: a black one is refused), or raises ``fail``.  Named as SD's pipeline: the renderer
+    serves it as that family (worker/models/families)."""
 
     def __init__(self, fail: Callable[[], BaseException] | None = None) -> None:
         self.fail = fail
@@ -282,7 +283,7 @@ class StableDiffusionPipeline:
         activations["cycle"] = activations  # frames and tensors in a cycle: freed by the collector only
         if self.fail is not None:
             raise self.fail()
-        return type("Output", (), {"images": [Image.new("RGB", (8, 8)) for _ in prompt]})()
+        return type("Output", (), {"images": [Image.new("RGB", (8, 8), (1, 1, 1)) for _ in prompt]})()
 
 
 FakePipe = StableDiffusionPipeline

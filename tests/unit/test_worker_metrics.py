@@ -23,7 +23,7 @@ from renderfleet.spec import Prompt, RenderParams, ShardMessage, store_tag
 from renderfleet.store import LocalStore
 from testing.servers import free_port, http_get
 from worker.ledger import RedisLedger
-from worker.metrics import ImageOutcome, LostReason, WorkerMetrics, serve_metrics
+from worker.metrics import BadImages, ImageOutcome, LostReason, WorkerMetrics, serve_metrics
 from worker.runner import ShardRunner
 from worker.stop import StopSignal
 
@@ -99,6 +99,7 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
     metrics.notice("aws", "instance-action")
     metrics.retry("s3", "throttled")
     metrics.lost_batch(LostReason.FENCED)
+    metrics.bad_images(BadImages.RERENDERED, 2)
     families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
     # (prometheus_client adds a ``_created`` gauge beside each counter and histogram in the text format)
     ours = [f for f in families if f.name.startswith("renderfleet_") and not f.name.endswith("_created")]
@@ -110,6 +111,7 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
         "renderfleet_worker_reclaim_notices",
         "renderfleet_worker_lost_batches",
         "renderfleet_worker_retries",
+        "renderfleet_worker_bad_images",
     }
     for family in ours:
         assert family.name.startswith("renderfleet_worker_")
@@ -121,6 +123,8 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
     assert not any(f.name == "renderfleet_worker_gpu_memory_peak_bytes" for f in families)
     assert value(metrics, "renderfleet_worker_render_seconds_total") == 0.5
     assert value(metrics, "renderfleet_worker_batch_seconds_count") == 1
+    assert value(metrics, "renderfleet_worker_bad_images_total", outcome="rerendered") == 2
+    assert value(metrics, "renderfleet_worker_bad_images_total", outcome="refused") == 0  # there from the start
 
 
 def test_a_signal_first_is_a_notice_but_the_sigterm_a_cloud_notice_sends_is_not_counted_again() -> None:
