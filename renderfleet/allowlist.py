@@ -3,8 +3,9 @@
 One rule, applied by submit (when its environment sets the list) and by every
 worker, so a job refused at submit is refused on the worker too.  An entry is:
 
-* a model id: ``tiny``, ``org/name``.  A hub id then loads at the default
-  branch, ``main`` or any full commit hash, never at ``refs/pr/*`` (anyone may
+* a model id: ``tiny`` (each built-in tiny model is an entry of its own),
+  ``org/name``.  A hub id then loads at the default branch, ``main`` or any
+  full commit hash, never at ``refs/pr/*`` (anyone may
   open a pull request on a hub repository and push weights there) nor at
   another branch or tag named as such (submit resolves one it can reach the
   hub for to its commit first: ``renderfleet.hubrev``);
@@ -24,7 +25,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from renderfleet.spec import BENCH_PREFIX
+from renderfleet.spec import BENCH_PREFIX, TINY_MODELS
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 PULL_REQUEST_PREFIX = "refs/pr/"
@@ -79,7 +80,9 @@ def model_allowed(model: str, allowed: Sequence[str] | None, revision: str = "")
             base = entry.rstrip("/")
             if model.startswith(base + "/") and ".." not in model[len(base) :].split("/"):
                 return True
-        elif model != "tiny" and "://" not in model and not model.startswith(BENCH_PREFIX) and _is_path_entry(entry):
+        elif (
+            model not in TINY_MODELS and "://" not in model and not model.startswith(BENCH_PREFIX) and _is_path_entry(entry)
+        ):
             try:
                 if Path(model).expanduser().resolve().is_relative_to(Path(entry).expanduser().resolve()):
                     return True

@@ -23,7 +23,7 @@ import typer
 
 from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError, TransientError
 from renderfleet.settings import Settings, load_settings
-from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE
+from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE, TINY_MODELS
 from renderfleet.words import counted
 
 app = typer.Typer(
@@ -142,7 +142,10 @@ def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None)
 # "[pools.NAME]" for a style and prints nothing.  Each option names its value (metavar), as
 # argparse does; a flag has metavar "", since it takes none (typer would print <bool> after it).
 FLAG = ""
-_MODEL_HELP = "diffusers model id, local folder, s3:// URI, or 'tiny' (random weights: noise, for a smoke test)"
+_MODEL_HELP = (
+    "diffusers model id, local folder, s3:// URI, or a built-in tiny model: "
+    f"{', '.join(TINY_MODELS)} (random weights: noise, for a smoke test)"
+)
 # A submit (and a bench) must name its model: the random-weight tiny one is no production default.
 Model = Annotated[
     str | None, typer.Option(metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else required)")

@@ -185,7 +185,7 @@ def lora_source_problem(source: Any) -> str | None:
         )
     if source.startswith("s3://") and not name.endswith(".safetensors"):
         return f"lora {source[:200]!r}: an s3:// LoRA is one .safetensors file"
-    if source == "tiny" or source.startswith(BENCH_PREFIX):
+    if source in TINY_MODELS or source.startswith(BENCH_PREFIX):
         return f"lora {source!r}: a built-in model, not a LoRA"
     return None
 
@@ -232,9 +232,9 @@ def digest_problem(value: str) -> str | None:
 
 
 def model_source(model: str) -> str:
-    """What kind of model name ``model`` is: ``tiny``, ``bench``, ``s3``, ``folder`` (a path,
-    or a folder here) or ``hub``."""
-    if model == "tiny":
+    """What kind of model name ``model`` is: ``tiny`` (any of :data:`TINY_MODELS`), ``bench``,
+    ``s3``, ``folder`` (a path, or a folder here) or ``hub``."""
+    if model in TINY_MODELS:
         return "tiny"
     if model.startswith(BENCH_PREFIX):
         return "bench"
@@ -716,6 +716,9 @@ MAX_MODEL_LEN = 1024
 # a fixed time per image, flat-colour PNGs that say so.  A job must name one to get it, and a
 # worker serves it only when allowed (RENDERFLEET_ALLOW_BENCH_MODELS): never by accident.
 BENCH_PREFIX = "bench:"
+# The built-in random-weight models, one per model family (worker/models/tiny*.py builds
+# them): every worker has them without a download, and they render noise.
+TINY_MODELS = ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-schnell")
 BENCH_FORM = "bench:fixed?seconds=S"
 MAX_BENCH_SECONDS = 60.0
 _BENCH_RE = re.compile(r"bench:fixed\?seconds=(?P<seconds>[0-9]+(?:\.[0-9]+)?)")

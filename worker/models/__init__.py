@@ -4,7 +4,9 @@ One public way in, :func:`load_pipeline` (:mod:`.loading`), for four kinds of mo
 
 * ``tiny``: a built-in Stable Diffusion pipeline with random weights, built
   from config with a fixed seed (:mod:`.tiny`).  A smoke-test model:
-  bit-identical everywhere, renders noise, needs no download.
+  bit-identical everywhere, renders noise, needs no download.  Its siblings
+  ``tiny-sdxl``, ``tiny-sd3``, ``tiny-flux`` and ``tiny-flux-schnell`` are
+  the same for the other model families (:mod:`.tiny_models`).
 * a local folder holding a saved pipeline (``save_pretrained`` layout).
 * ``s3://bucket/prefix``: a saved pipeline in object storage, fetched once into
   ``cache_dir`` (:mod:`.fetch`: every key checked, the total size capped,
@@ -56,16 +58,19 @@ from worker.models.loading import (
     save_pipeline,
 )
 from worker.models.tiny import TINY, TINY_WARNING, build_tiny_pipeline, tiny_tokenizer
+from worker.models.tiny_models import TINY_MODELS, build_tiny
 
 __all__ = [
     "DIGEST_MARKER",
     "SLICE_FROM_PIXELS",
     "TILE_ABOVE_PIXELS",
     "TINY",
+    "TINY_MODELS",
     "TINY_WARNING",
     "Fetch",
     "LoadedModel",
     "_use_sdpa",
+    "build_tiny",
     "build_tiny_pipeline",
     "cache_path",
     "check_compile",

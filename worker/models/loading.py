@@ -17,7 +17,7 @@ from renderfleet.errors import ModelLoadError
 from renderfleet.spec import BENCH_PREFIX
 from worker.models.cuda import check_compile, prepare_for_cuda, quiet_empty_float32_warning
 from worker.models.fetch import Fetch, fetch_cached, read_marker
-from worker.models.tiny import TINY, build_tiny_pipeline
+from worker.models.tiny_models import TINY_MODELS
 
 
 @dataclass
@@ -116,12 +116,12 @@ def load_pipeline(
     # 1. Build or read the pipeline, on the CPU.
     digest = ""
     folder = Path(model).expanduser()  # a folder given as ~/models/sd is this worker's home's
-    if revision and (model == TINY or model.startswith("s3://") or folder.is_dir()):
+    if revision and (model in TINY_MODELS or model.startswith("s3://") or folder.is_dir()):
         raise ModelLoadError(f"model {model!r}: a revision pins a hub id's weights; this model is not a hub id")
-    if model == TINY:
+    if model in TINY_MODELS:
         if variant:
             raise ModelLoadError(f"model {model!r}: the built-in model has no variants")
-        pipe = build_tiny_pipeline()
+        pipe = TINY_MODELS[model]()
         pipe = pipe.to(dtype=dtype)
     elif model.startswith("s3://"):
         cached = fetch_cached(model, cache_dir=cache_dir, fetch=fetch, refresh=refresh)

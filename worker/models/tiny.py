@@ -1,8 +1,15 @@
-"""The built-in ``tiny`` model: a Stable Diffusion pipeline with random weights.
+"""The built-in ``tiny`` model, a Stable Diffusion 1.x pipeline with random weights,
+and the parts its siblings of the other families share.
 
-Built from config with a fixed seed, so it is bit-identical everywhere and needs
-no download; a smoke-test model whose images are noise.  Nothing here runs at
-import: torch, diffusers and transformers are imported when it is built.
+``tiny-sdxl``, ``tiny-sd3``, ``tiny-flux`` and ``tiny-flux-schnell`` are built
+by their family's module (:mod:`.tiny_sdxl`, :mod:`.tiny_sd3`, :mod:`.tiny_flux`)
+from the parts here: the byte-level CLIP tokenizer and its encoder's config, a
+character-level T5 tokenizer and a tiny T5 encoder.  :mod:`.tiny_models` maps
+each name to its builder.
+
+Built from config with a fixed seed, so each is bit-identical everywhere and
+needs no download; smoke-test models whose images are noise.  Nothing here runs
+at import: torch, diffusers and transformers are imported when a model is built.
 """
 
 from __future__ import annotations
@@ -26,6 +33,20 @@ _BOS = "<|startoftext|>"
 _EOS = "<|endoftext|>"
 _MAX_TOKENS = 77
 
+# The T5 tokenizer of the tiny SD3 and FLUX models: T5's three special ids
+# (<pad> 0, </s> 1, <unk> 2), its word-start mark, then one piece per printable
+# Latin-1 character (every other character is <unk>): 192 ids, which fit the
+# encoder's vocab_size.  FLUX's T5 reads up to 512 tokens, SD3's 256.
+_T5_VOCAB_SIZE = 256
+_T5_MAX_TOKENS = 512
+_T5_SPECIALS = ("<pad>", "</s>", "<unk>")
+_WORD_START = "\u2581"  # SentencePiece's "▁"
+
+
+def tiny_warning(name: str) -> str:
+    """The line a tiny model logs when it is built: its images are noise."""
+    return f"model {name!r} is a random-weight smoke-test model; images are noise"
+
 
 def build_tiny_pipeline() -> Any:
     """The built-in ``tiny`` model: a random-weight Stable Diffusion pipeline.
@@ -45,7 +66,7 @@ def build_tiny_pipeline() -> Any:
         StableDiffusionPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
     log.warning(TINY_WARNING)
     tokenizer = tiny_tokenizer()
@@ -82,21 +103,7 @@ def build_tiny_pipeline() -> Any:
             latent_channels=4,
         )
         torch.manual_seed(0)
-        text_config = CLIPTextConfig(
-            # The special ids are the tokenizer's, so the encoder pools at
-            # the right place and pads with the token the tokenizer pads with.
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            hidden_size=32,
-            intermediate_size=37,
-            layer_norm_eps=1e-05,
-            num_attention_heads=4,
-            num_hidden_layers=5,
-            vocab_size=_TINY_VOCAB_SIZE,
-            max_position_embeddings=_MAX_TOKENS,
-        )
-        text_encoder = CLIPTextModel(text_config)
+        text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
 
     pipe: Any = StableDiffusionPipeline(
         vae=vae,
@@ -128,6 +135,92 @@ def tiny_tokenizer() -> Any:
         (folder / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
         tokenizer = CLIPTokenizer.from_pretrained(folder, model_max_length=_MAX_TOKENS)
     return tokenizer
+
+
+def tiny_clip_config(tokenizer: Any, **extra: Any) -> Any:
+    """The tiny CLIP text encoders' config (diffusers' pipeline tests' sizes), for
+    :func:`tiny_tokenizer`'s ``tokenizer``; ``extra``: the family's own settings
+    (SDXL's and SD3's ``hidden_act="gelu"``, ``projection_dim``)."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        # The special ids are the tokenizer's, so the encoder pools at
+        # the right place and pads with the token the tokenizer pads with.
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=32,
+        intermediate_size=37,
+        layer_norm_eps=1e-05,
+        num_attention_heads=4,
+        num_hidden_layers=5,
+        vocab_size=_TINY_VOCAB_SIZE,
+        max_position_embeddings=_MAX_TOKENS,
+        **extra,
+    )
+
+
+def tiny_t5_tokenizer() -> Any:
+    """A T5 tokenizer made here, with no SentencePiece model: a Unigram over single characters.
+
+    transformers' own T5 tokenizer class built from a vocabulary (its ``vocab``
+    argument: pieces and scores), so it has T5's pre-tokenizer (words marked
+    with "▁"), its ``</s>`` appended to every text and its special ids; saved,
+    it is a ``tokenizer.json`` that loads back to the same ids.  No sentinel
+    (``<extra_id_N>``) tokens: an encoder-only model has no use for them.
+    """
+    from transformers import T5Tokenizer
+
+    printable = [chr(c) for c in (*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100))]
+    pieces = [*_T5_SPECIALS, _WORD_START, *printable]
+    # Every character is a piece of its own, so each text has one segmentation
+    # and the scores only have to be equal among the characters.
+    vocab = [(piece, 0.0 if piece in _T5_SPECIALS else -2.0 if piece == _WORD_START else -3.0) for piece in pieces]
+    assert len(vocab) <= _T5_VOCAB_SIZE
+    return T5Tokenizer(
+        vocab=vocab,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=_T5_MAX_TOKENS,
+    )
+
+
+def tiny_t5_encoder(tokenizer: Any) -> Any:
+    """A 2-layer T5 encoder (d_model 32) for :func:`tiny_t5_tokenizer`'s ``tokenizer``,
+    built with ``torch.manual_seed(0)`` under the caller's forked RNG.
+
+    T5's positions are relative, so it reads any ``max_sequence_length``."""
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=_T5_VOCAB_SIZE,
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",  # T5 v1.1's, as SD3's and FLUX's encoders
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    return T5EncoderModel(config)
+
+
+def eval_models(pipe: Any) -> None:
+    """Put each model of ``pipe`` in eval mode, as ``from_pretrained`` leaves one.
+
+    A model built from its config is in training mode, and T5's has dropout:
+    its renders would differ call to call and from a saved copy's."""
+    import torch
+
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
 
 
 def _bytes_to_unicode() -> dict[int, str]:
