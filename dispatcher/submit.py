@@ -178,7 +178,7 @@ def check_message_size(job_spec: JobSpec, app: Celery, queue: str, store: str) -
 
 # The models every worker has without a download (worker/models/tiny.py, worker/benchrender.py):
 # what a bare name that is neither a folder here nor a hub id is compared with for a near miss.
-BUILT_IN_MODELS = ("tiny", spec.BENCH_FORM)
+BUILT_IN_MODELS = (*spec.TINY_MODELS, spec.BENCH_FORM)
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 

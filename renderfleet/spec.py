@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from renderfleet import families
 from renderfleet.samplers import scheduler_problem
 
 SPEC_VERSION = 1
@@ -716,9 +717,9 @@ MAX_MODEL_LEN = 1024
 # a fixed time per image, flat-colour PNGs that say so.  A job must name one to get it, and a
 # worker serves it only when allowed (RENDERFLEET_ALLOW_BENCH_MODELS): never by accident.
 BENCH_PREFIX = "bench:"
-# The built-in random-weight models, one per model family (worker/models/tiny*.py builds
-# them): every worker has them without a download, and they render noise.
-TINY_MODELS = ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-schnell")
+# The built-in random-weight models, one per model family (renderfleet/families.py names them,
+# worker/models/tiny*.py builds them): every worker has them without a download, and they render noise.
+TINY_MODELS = tuple(families.TINY_MODELS)
 BENCH_FORM = "bench:fixed?seconds=S"
 MAX_BENCH_SECONDS = 60.0
 _BENCH_RE = re.compile(r"bench:fixed\?seconds=(?P<seconds>[0-9]+(?:\.[0-9]+)?)")

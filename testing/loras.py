@@ -65,7 +65,7 @@ def make_transformer_lora(path: Path, model: str, *, seed: int = 0, rank: int = 
     import torch
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from worker.models.tiny import build_tiny
+    from worker.models import build_tiny
 
     pipe = build_tiny(model)
     with torch.random.fork_rng(devices=[]):

@@ -32,7 +32,8 @@ def test_a_near_miss_of_a_built_in_model_is_refused_with_what_it_nearly_is(
 ) -> None:
     monkeypatch.chdir(tmp_path)  # a folder of that name here would be a folder model (the repository has bench/)
     assert refusal("tinyy") == [
-        "--model 'tinyy': not a built-in model (tiny, bench:fixed?seconds=S), a folder here, an s3:// prefix "
+        "--model 'tinyy': not a built-in model (tiny, tiny-sdxl, tiny-sd3, tiny-flux, tiny-flux-schnell, "
+        "bench:fixed?seconds=S), a folder here, an s3:// prefix "
         "nor a hub id (owner/name); did you mean `tiny`?"
     ]
     assert refusal("Tiny")[0].endswith("did you mean `tiny`?")
@@ -101,7 +102,8 @@ def test_submit_of_a_mistyped_model_exits_2_with_one_line_and_writes_nothing(tmp
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "--model 'tinyy': not a built-in model (tiny, bench:fixed?seconds=S), a folder here, an s3:// prefix "
+        "--model 'tinyy': not a built-in model (tiny, tiny-sdxl, tiny-sd3, tiny-flux, tiny-flux-schnell, "
+        "bench:fixed?seconds=S), a folder here, an s3:// prefix "
         "nor a hub id (owner/name); did you mean `tiny`?"
     ]
     assert proc.stdout == "" and not store.exists()
