@@ -126,7 +126,8 @@ FLUX_SCHNELL = Family(
     size_multiple=16,
     t5_tokens=256,
     t5_max=256,
-    only_samplers=("euler", "dpmpp_2m", "unipc"),
+    # and without dynamic shifting DPM++ 2M fails FluxPipeline's timesteps (an AssertionError in diffusers)
+    only_samplers=("euler", "unipc"),
     memory_1024_bf16="33.7 GB of weights, as [dev]",
 )
 GENERIC = Family(

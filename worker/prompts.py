@@ -36,20 +36,30 @@ _TRUNCATED = "The following part of your input was truncated"
 
 
 class TruncationNotice(logging.Filter):
-    """Lets the first "input was truncated" warning through, shortened to one line, and drops the rest."""
+    """Lets the first "input was truncated" warning through, shortened to one line, and drops the rest.
 
-    def __init__(self) -> None:
+    For a T5 family (``t5_tokens``: its sequence length) the CLIP half's notices are dropped
+    altogether (CLIP reading 77 tokens is the family's design, not a loss: T5 reads the prompt on),
+    and the first notice of T5 itself cutting a prompt is said once."""
+
+    def __init__(self, t5_tokens: int = 0) -> None:
         super().__init__()
         self.said = False
+        self.t5_tokens = t5_tokens
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.getMessage().startswith(_TRUNCATED):
+        message = record.getMessage()
+        if not message.startswith(_TRUNCATED):
             return True
+        if self.t5_tokens and "max_sequence_length" not in message:
+            return False  # the CLIP encoder's 77: by design
         if self.said:
             return False
         self.said = True
         record.msg = (
-            "prompts over the text encoder's 77 tokens are cut at 77 (long_prompts=truncate, or a pipeline "
+            f"prompts over the T5 encoder's {self.t5_tokens} tokens are cut at {self.t5_tokens}; said once per worker"
+            if self.t5_tokens
+            else "prompts over the text encoder's 77 tokens are cut at 77 (long_prompts=truncate, or a pipeline "
             "without chunking); said once per worker"
         )
         record.args = ()
@@ -59,10 +69,14 @@ class TruncationNotice(logging.Filter):
 _NOTICE = TruncationNotice()
 
 
-def quiet_truncation(pipe: Any) -> None:
-    """Install :data:`_NOTICE` on the logger of ``pipe``'s pipeline module (once; at load, never at import)."""
+def quiet_truncation(pipe: Any, t5_tokens: int = 0) -> None:
+    """Install :data:`_NOTICE` (a T5 family's own notice: ``t5_tokens``) on the logger of ``pipe``'s
+    pipeline module (once; at load, never at import)."""
     logger = logging.getLogger(type(pipe).__module__)
-    if _NOTICE not in logger.filters:
+    if t5_tokens:
+        if not any(isinstance(f, TruncationNotice) for f in logger.filters):
+            logger.addFilter(TruncationNotice(t5_tokens))
+    elif _NOTICE not in logger.filters:
         logger.addFilter(_NOTICE)
 
 

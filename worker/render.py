@@ -32,7 +32,7 @@ from worker.loras import LoraCache
 from worker.metrics import BadImages
 from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
 from worker.models.families import PipelineFamily, family_of
-from worker.prompts import LongPrompts
+from worker.prompts import LongPrompts, quiet_truncation
 
 if TYPE_CHECKING:
     from worker.compiled import CompileCache
@@ -138,6 +138,8 @@ class Renderer:
         self.loras = loras or LoraCache(loaded.pipe)
         # CLIP-only families embed long prompts in chunks; T5 families read them whole (up to its length).
         self.long_prompts = LongPrompts(loaded.pipe) if self.family.family.chunks else None
+        if self.long_prompts is None:
+            quiet_truncation(loaded.pipe, self.family.family.t5_tokens)
 
     def render(
         self,

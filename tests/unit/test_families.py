@@ -116,3 +116,89 @@ def test_every_family_in_the_table_is_served_by_a_worker_module() -> None:
 
     served = {cls.facts.name for cls in FAMILIES} | {"flux-schnell"}  # FLUX's module serves both variants
     assert served == {f.name for f in families.FAMILIES}
+
+
+# ---- the families' tiny models through the renderer ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def renderers() -> dict[str, object]:
+    import torch
+
+    from worker.models import load_pipeline
+    from worker.render import Renderer
+
+    torch.set_num_threads(1)  # bytes compared below
+    return {
+        name: Renderer(load_pipeline(name, device="cpu", cache_dir=Path("/nonexistent")))
+        for name in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
+    }
+
+
+def prompt(i: int = 0, **fields: object) -> object:
+    from renderfleet.spec import Prompt
+
+    values: dict[str, object] = dict(
+        index=i, name=f"{i:06d}", prompt="a red fox", negative_prompt="", seed=i, steps=3, guidance=3.5, width=32, height=32
+    )
+    values.update(fields)
+    return Prompt(**values)  # type: ignore[arg-type]
+
+
+def pixels(renderer: object, *prompts: object) -> list[bytes]:
+    return [image.tobytes() for image in renderer.render_images(list(prompts))]  # type: ignore[attr-defined]
+
+
+CASES = [(name, s) for name in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell") for s in families.TINY_MODELS[name].samplers]
+
+
+@pytest.mark.parametrize(("model", "scheduler"), CASES)
+def test_each_sampler_of_a_flow_family_renders_the_same_pixels_twice(
+    renderers: dict[str, object], model: str, scheduler: str
+) -> None:
+    renderer = renderers[model]
+    guidance = families.TINY_MODELS[model].guidance_scale
+    batch = [prompt(0, scheduler=scheduler, guidance=guidance), prompt(1, scheduler=scheduler, guidance=guidance)]
+    first = pixels(renderer, *batch)
+    assert pixels(renderer, *batch) == first
+    own = pixels(renderer, prompt(0, guidance=guidance))  # the model's own: flow-matching Euler
+    assert (own == first[:1]) == (scheduler == "euler")
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux", "tiny-flux-schnell"])
+def test_a_wrong_sampler_or_size_is_the_jobs_error_not_the_workers(renderers: dict[str, object], model: str) -> None:
+    from renderfleet.errors import JobError
+
+    renderer = renderers[model]
+    with pytest.raises(JobError, match="a noise-prediction \\(diffusion\\) sampler"):
+        renderer.render_images([prompt(scheduler="euler_a")])  # type: ignore[attr-defined]
+    with pytest.raises(JobError, match="needs a multiple of 16"):
+        renderer.render_images([prompt(width=40)])  # type: ignore[attr-defined]
+
+
+def test_a_negative_prompt_changes_a_flux_image_through_true_cfg_and_is_recorded(renderers: dict[str, object]) -> None:
+    from renderfleet.images import read_metadata
+
+    flux = renderers["tiny-flux"]
+    plain, negative = prompt(), prompt(negative_prompt="blurry")
+    assert pixels(flux, negative) != pixels(flux, plain)
+    meta = read_metadata(flux.render([negative])[0])  # type: ignore[attr-defined]
+    assert (meta["negative_prompt"], meta["true_cfg"], meta["guidance"]) == ("blurry", "4.0", "3.5")
+    assert "true_cfg" not in read_metadata(flux.render([plain])[0])  # type: ignore[attr-defined]
+
+
+def test_schnell_records_no_guidance_and_ignores_it(renderers: dict[str, object]) -> None:
+    from renderfleet.images import read_metadata
+
+    schnell = renderers["tiny-flux-schnell"]
+    assert pixels(schnell, prompt(guidance=0.0)) == pixels(schnell, prompt(guidance=7.5))
+    assert "guidance" not in read_metadata(schnell.render([prompt(guidance=0.0)])[0])  # type: ignore[attr-defined]
+    dev = renderers["tiny-flux"]
+    assert pixels(dev, prompt(guidance=1.0)) != pixels(dev, prompt(guidance=7.5))  # distilled: an input
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux"])
+def test_a_t5_family_reads_a_prompt_past_clips_77_tokens(renderers: dict[str, object], model: str) -> None:
+    head = " ".join(["ab"] * 45)  # the tiny tokenizers' 90 tokens or more: past CLIP's 77, within T5's 256
+    a, b = prompt(prompt=head + " a red fox"), prompt(prompt=head + " a blue whale")
+    assert pixels(renderers[model], a) != pixels(renderers[model], b)
