@@ -193,11 +193,14 @@ class Renderer:
         if self.batch_invariant:
             groups = [[i] for i in range(len(prompts))]
         else:
-            by_length: dict[int, list[int]] = {}
+            # A call per chunk count, and per the family's own split (FLUX: true CFG for the prompts with a
+            # negative one only, so a prompt's image never depends on its neighbours' settings).
+            by_kind: dict[tuple[int, Any], list[int]] = {}
             for i in range(len(prompts)):
                 embedded = embeds[i]
-                by_length.setdefault(embedded.chunks if embedded else 0, []).append(i)
-            groups = list(by_length.values())
+                key = (embedded.chunks if embedded else 0, self.family.call_group(prompts[i]))
+                by_kind.setdefault(key, []).append(i)
+            groups = list(by_kind.values())
         reset_peak_memory(str(getattr(self.loaded, "device", "cpu")))
         started = time.perf_counter()
         out: list[Any] = [None] * len(prompts)

@@ -202,3 +202,11 @@ def test_a_t5_family_reads_a_prompt_past_clips_77_tokens(renderers: dict[str, ob
     head = " ".join(["ab"] * 45)  # the tiny tokenizers' 90 tokens or more: past CLIP's 77, within T5's 256
     a, b = prompt(prompt=head + " a red fox"), prompt(prompt=head + " a blue whale")
     assert pixels(renderers[model], a) != pixels(renderers[model], b)
+
+
+def test_a_flux_prompt_renders_the_same_beside_a_prompt_with_a_negative_one(renderers: dict[str, object]) -> None:
+    # True CFG is a whole call's setting: a prompt without a negative one is never guided by its neighbour's.
+    flux = renderers["tiny-flux"]
+    alone = pixels(flux, prompt(1))
+    beside = pixels(flux, prompt(0, negative_prompt="blurry"), prompt(1))
+    assert beside[1] == alone[0] and beside[0] == pixels(flux, prompt(0, negative_prompt="blurry"))[0]

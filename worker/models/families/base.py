@@ -88,6 +88,10 @@ class PipelineFamily:
             return {"guidance_scale": prompts[0].guidance}
         return {}
 
+    def call_group(self, prompt: Prompt) -> Any:
+        """Prompts of a batch that may share a pipeline call have the same group (one call: all)."""
+        return None
+
     def prune(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments this pipeline takes (a known family's take them all)."""
         return kwargs

@@ -28,10 +28,13 @@ class Flux(PipelineFamily):
         guidance_embeds = getattr(config, "guidance_embeds", None) if config is not None else None
         return families.recognise("FluxPipeline", None if guidance_embeds is None else bool(guidance_embeds))
 
+    def call_group(self, prompt: Prompt) -> Any:
+        """True CFG is the whole call's: prompts with a negative one and without go in calls apart."""
+        return bool(prompt.negative_prompt)
+
     def text_kwargs(self, prompts: Sequence[Prompt]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"prompt": [p.prompt for p in prompts]}
-        if any(p.negative_prompt for p in prompts):
-            # True CFG for the whole call: a prompt without a negative one is guided away from ''.
+        if any(p.negative_prompt for p in prompts):  # each has one (call_group)
             kwargs["negative_prompt"] = [p.negative_prompt for p in prompts]
             kwargs["true_cfg_scale"] = families.TRUE_CFG_SCALE
         return kwargs
