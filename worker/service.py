@@ -25,6 +25,7 @@ import redis
 from renderfleet import jobfailure, keys, logs, spec
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
+    BadOutput,
     DeviceError,
     ModelLoadError,
     Reclaimed,
@@ -53,6 +54,10 @@ if TYPE_CHECKING:
     from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("renderfleet.worker")
+
+# Batches of bad images (NaN or black, again with the VAE in float32) a worker refuses before it stops
+# as a device fault: one may be a fluke of a seed; three on one node are its card.
+BAD_OUTPUTS_TO_STOP = 3
 
 Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
 
@@ -116,6 +121,7 @@ class WorkerService:
         self.failed_streak = 0
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
+        self.bad_outputs = 0  # batches whose images were NaN or black twice (BadOutput): the node's, after a few
         # Its registration, and when a busy worker's heartbeat last carried its liveness (its tick's touch skipped).
         self.liveness = Liveness(touch_seconds_for(settings.lease_seconds))
         self._lease: Lease | None = None  # the shard being handled, if any
@@ -410,14 +416,25 @@ class WorkerService:
             self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
             log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
             return Outcome(TaskOutcome.HANDED_BACK)
-        except DeviceError as exc:
-            # The node's accelerator, not the prompts: nothing counted, the shard to the
-            # front of the queue for another node, and this worker stops (EXIT_DEVICE).
-            self.device_failed = self.tripped = True
-            self.stop.request(f"device error: {exc}")
-            log.error("shard %s:%d handed back: device error, this worker stops taking work: %s", msg.job, msg.shard, exc)
+        except BadOutput as exc:
+            # NaN or black images twice: the node's, not the prompts', but one such batch may be a fluke
+            # (an fp16 overflow on one seed): the shard to the front for another node, and this worker
+            # stops once it has refused a few (BAD_OUTPUTS_TO_STOP) as a device fault.
+            self.bad_outputs += 1
+            if self.bad_outputs >= BAD_OUTPUTS_TO_STOP:
+                return self._device_failed(msg, lease, DeviceError(f"{self.bad_outputs} batches of bad images: {exc}"))
+            log.error(
+                "shard %s:%d handed back: %s (%d of %d before this worker stops)",
+                msg.job,
+                msg.shard,
+                exc,
+                self.bad_outputs,
+                BAD_OUTPUTS_TO_STOP,
+            )
             self._safe_hand_back(lease, Release.FRONT)
-            return Outcome(TaskOutcome.DEVICE_ERROR)
+            return Outcome(TaskOutcome.HANDED_BACK)
+        except DeviceError as exc:
+            return self._device_failed(msg, lease, exc)
         except (TransientError, redis.RedisError) as exc:
             log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
             if self.metrics:
@@ -634,6 +651,15 @@ class WorkerService:
                 log.info("shard %s:%d made pending again: the feeder sends the job's own message for it", msg.job, msg.shard)
         except redis.RedisError as exc:  # the monitor's audit finds the shard later
             log.warning("shard %s:%d not made pending again: %s", msg.job, msg.shard, exc)
+
+    def _device_failed(self, msg: ShardMessage, lease: Lease, exc: DeviceError) -> Outcome:
+        """The node's accelerator, not the prompts: nothing counted, the shard to the front of the
+        queue for another node, and this worker stops (EXIT_DEVICE)."""
+        self.device_failed = self.tripped = True
+        self.stop.request(f"device error: {exc}")
+        log.error("shard %s:%d handed back: device error, this worker stops taking work: %s", msg.job, msg.shard, exc)
+        self._safe_hand_back(lease, Release.FRONT)
+        return Outcome(TaskOutcome.DEVICE_ERROR)
 
     def _safe_hand_back(self, lease: Any, where: Release) -> None:
         try:

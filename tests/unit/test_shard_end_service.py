@@ -25,7 +25,7 @@ from renderfleet import Client, keys
 from renderfleet.api import Job
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
-from renderfleet.errors import Reclaimed
+from renderfleet.errors import BadOutput, Reclaimed
 from renderfleet.settings import Settings
 from renderfleet.spec import Prompt
 from renderfleet.states import TaskOutcome
@@ -174,3 +174,33 @@ def test_a_shard_handed_back_reads_what_its_first_delivery_checkpointed_and_rend
     assert renderer.began == ["000000", "000002", "000002"]
     assert any("/checkpoints/000000" in prefix for prefix in store.listed)
     assert raw.bitcount(keys.done_bits(job.id)) == 4
+
+
+class BadImages(Recorder):
+    """A card whose every batch comes out NaN or black, again with the VAE in float32 (worker/outputs.py)."""
+
+    def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
+        self.began.append(prompts[0].name)
+        raise BadOutput("000000: NaN or inf values")
+
+
+def test_bad_images_hand_the_shard_back_unblamed_and_stop_the_worker_only_after_a_few(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    from worker.service import BAD_OUTPUTS_TO_STOP
+
+    job, raw, store, messages = submitted(tmp_path, redis_server.url)
+    published: list[str] = []
+    service = worker_service(tmp_path, raw, store, BadImages(), published)
+    try:
+        outcomes = [service.handle(messages[0], "").status]
+        while len(outcomes) < BAD_OUTPUTS_TO_STOP:
+            assert not service.device_failed  # one batch of bad images may be a seed's fluke: the worker goes on
+            outcomes.append(service.handle(published[-1], "").status)
+    finally:
+        service.close()
+    assert outcomes == [TaskOutcome.HANDED_BACK] * (BAD_OUTPUTS_TO_STOP - 1) + [TaskOutcome.DEVICE_ERROR]
+    assert service.device_failed  # a few on one node: its card (EXIT_DEVICE)
+    assert len(published) == BAD_OUTPUTS_TO_STOP  # each time the shard went back for another node
+    st = job.status()
+    assert (st.done, st.quarantined) == (0, 0)  # nothing stored, nothing counted against the prompts
