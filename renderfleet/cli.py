@@ -21,6 +21,7 @@ from typing import IO, Annotated, Any, cast
 
 import typer
 
+from renderfleet import families
 from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError, TransientError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE, TINY_MODELS
@@ -142,10 +143,9 @@ def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None)
 # "[pools.NAME]" for a style and prints nothing.  Each option names its value (metavar), as
 # argparse does; a flag has metavar "", since it takes none (typer would print <bool> after it).
 FLAG = ""
-_MODEL_HELP = (
-    "diffusers model id, local folder, s3:// URI, or a built-in tiny model: "
-    f"{', '.join(TINY_MODELS)} (random weights: noise, for a smoke test)"
-)
+# The built-in models in short (docs/guide.md, "Models", says more), so the
+# option's row (and its default) fits one line of help.
+_MODEL_HELP = f"model id, folder, s3:// URI, or built-in random-weight {'/'.join(TINY_MODELS)}"
 # A submit (and a bench) must name its model: the random-weight tiny one is no production default.
 Model = Annotated[
     str | None, typer.Option(metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else required)")
@@ -945,9 +945,9 @@ def run(
 @app.command()
 def bench(
     model: Model = None,
-    steps: Steps = DEFAULT["steps"],
+    steps: FamilySteps = None,
     size: Size = _SIZE,
-    guidance: Guidance = DEFAULT["guidance"],
+    guidance: FamilyGuidance = None,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", metavar="LIST", help="e.g. 1,2,4,8, or auto")] = "auto",
     price_per_hour: Annotated[
         float | None, typer.Option("--price-per-hour", metavar="PRICE", help="this card's price")
@@ -995,6 +995,10 @@ def bench(
         from worker.bench import run_bench, write_outputs
 
         width, height = parse_size(size)
+        # Steps and guidance not given: the model family's, as a job of it would render (renderfleet/families.py).
+        default = families.defaults(families.family_here(model or settings.model or ""))
+        steps = default["steps"] if steps is None else steps
+        guidance = default["guidance"] if guidance is None else guidance
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
         check_options(
             SubmitOptions(
