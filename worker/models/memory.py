@@ -150,6 +150,11 @@ def free_bytes(device: str) -> int:
 def check_fit(pipe: Any, device: str, dtype: torch.dtype, *, offload: str = "none", model: str = "") -> dict[str, Any]:
     """Refuse (:class:`CardTooSmall`) a pipeline, still on the CPU, that the card ``device`` cannot hold;
     returns the figures compared (for the log line and the GPU tier's report)."""
+    import gc
+
+    # A model switched away from may still hold the card through reference cycles (the float32 VAE's
+    # decode wrapper, accelerate's offload hooks) that only the collector frees.
+    gc.collect()
     parts = weight_bytes(pipe)
     free = free_bytes(device)
     name = DTYPE_NAMES.get(str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
