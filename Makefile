@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= 2
 # process: about 0.3 s of CPU for each of the suite's ~450 CLI, worker and monitor starts.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install constraints browser kubectl run test test-slow test-unit test-integration chaos soak bench gpu-check lint clean
+.PHONY: install constraints browser kubectl run test test-slow test-unit test-integration chaos soak bench gpu-check gpu-check-families lint clean
 
 install: $(VENV)/.installed
 
@@ -114,6 +114,11 @@ bench: install
 # is one, else python3 (bench/gpu_check.sh says in one line which packages are missing).
 gpu-check:
 	bench/gpu_check.sh
+
+# A shorter lease's run: the tier's SD3 and FLUX tests and the benchmark's SD3.5-medium- and FLUX.1-shaped
+# models alone, under 4 minutes on one H200 (section gpu-families of bench/RESULTS.md).
+gpu-check-families:
+	bench/gpu_check.sh --families-only
 
 lint: install
 	$(BIN)/ruff check renderfleet worker dispatcher testing tests bench

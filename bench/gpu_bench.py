@@ -1,15 +1,26 @@
-"""The GPU benchmark: SD 1.5 and SDXL at their real sizes, images per second and MFU.
+"""The GPU benchmark: SD 1.5, SDXL, SD3.5-medium- and FLUX.1-shaped models, images per second and MFU.
 
-Both architectures are built from their configs with random weights (the
+Every architecture is built from its config with random weights (the
 compute is the same as with trained weights, and no hub is reachable on a
 bench node), prepared as a worker prepares a CUDA model (``prepare_for_cuda``:
 bf16 where the card has it, SDPA, channels_last, TF32), and rendered through
 the worker's own :class:`~worker.render.Renderer`:
 
 * SD 1.5 at 512x512, 25 steps, SDXL at 1024x1024, 30 steps, both with
-  classifier-free guidance (7.5), a sweep of batch sizes;
-* eager, then with ``--compile`` (the UNet's repeated blocks; the first call
-  at a batch size pays its compile, reported apart);
+  classifier-free guidance (7.5), a sweep of batch sizes (the default run);
+* ``sd35m`` and ``flux1`` (``--models``, or ``--families``): SD3.5-medium's
+  and FLUX.1-dev's transformers at their published widths and heads but
+  fewer blocks (6 of SD3.5-medium's 24 joint blocks, its first 3 with dual
+  attention as its first 13 of 24 have; 4 of FLUX's 19 double-stream and 4
+  of its 38 single-stream blocks), their 16-channel VAE at full size, and
+  tiny CLIP and T5 encoders of the right output widths (the bench measures
+  the denoiser and the VAE), at 1024x1024, 4 steps, batches 1 and 4.  The
+  reduced depth is said in every row: each model's report gives the FLOPs
+  of one block of each kind and of the full-depth model (counted on the meta
+  device), and each row an estimate of the full depth's images per second
+  scaled by FLOPs;
+* eager, then with ``--compile`` (the denoiser's repeated blocks; the first
+  call at a batch size pays its compile, reported apart);
 * images per second of the pipeline (denoise and decode, the images left as
   tensors on the card: PNG encoding and upload run beside the renders in the
   fleet), peak memory, and model FLOPs utilisation against the card's bf16
@@ -29,6 +40,7 @@ small machine) and the signed compile cache; what only a card can run is
 named at the end, one ``skipped on CPU: <step>`` line each.
 
     bench/gpu.sh                      # on the GPU node
+    bench/gpu.sh --families           # SD3.5-medium- and FLUX.1-shaped only, each an equal share of the budget
     bench/gpu.sh --tiny --out x.json  # anywhere
 """
 
@@ -39,9 +51,28 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+# The architectures live in bench/gpu_archs.py; these names are the benchmark's too (its tests know them here).
+from bench.gpu_archs import (  # noqa: F401
+    ARCHS,
+    FAMILIES,
+    FLUX1,
+    SD15,
+    SD35M,
+    SDXL,
+    Arch,
+    at_full_depth,
+    bench_dtype,
+    build,
+    count_flops,
+    count_flops_by_block,
+    depth,
+    flops_per_image,
+    tiny,
+)
 
 # bf16 dense tensor-core peaks, FLOP/s, by the card's name as torch reports it (lower-cased, "-" read as " ";
 # the longest name found wins: "h100 nvl" over "h100", "l40s" over "l4", "a100" over "a10").  NVIDIA prints
@@ -72,6 +103,9 @@ PEAK_BF16 = {
 DEFAULT_BUDGET_SECONDS = 420.0
 # Time kept back for a compile mode to start on a card: regional compilation of SDXL's blocks takes a minute or two.
 COMPILE_RESERVE_SECONDS = 150.0
+# The same for the transformer families at the benchmark's depth: two or three kinds of block, each compiled
+# at batch 1 and again (dynamic) at batch 4.
+FAMILY_COMPILE_RESERVE_SECONDS = 45.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +124,7 @@ STEPS = (
     Step("cuda preparation", "prepare_for_cuda: TF32 switches, SDPA, channels_last, a float32 VAE under fp16"),
     Step("eager renders", "the batch sweep through the worker's Renderer, eager"),
     Step("vae modes", "VAE tiling and slicing switched on, one decode each"),
-    Step("compile", "the UNet's repeated blocks through torch.compile, inductor in deterministic mode"),
+    Step("compile", "the denoiser's repeated blocks through torch.compile, inductor in deterministic mode"),
     Step("compiled renders", "the batch sweep again, compiled"),
     Step("compile cache", "torch's compile cache saved, signed and verified as a worker shares it"),
     Step("native dtype", "the card decides bf16 or fp16 (is_bf16_supported(including_emulation=False))", True),
@@ -124,178 +158,7 @@ class Steps:
         return lines
 
 
-@dataclass(frozen=True)
-class Arch:
-    """One architecture at its benchmark settings, its modules' configs."""
-
-    name: str
-    xl: bool
-    width: int
-    height: int
-    steps: int
-    guidance: float
-    batches: tuple[int, ...]
-    unet: dict[str, Any]
-    vae: dict[str, Any]
-    text: dict[str, Any]  # CLIP-L (SD 1.5, and SDXL's first encoder)
-    text_2: dict[str, Any] = field(default_factory=dict)  # SDXL's OpenCLIP bigG, with projection
-
-
-_VAE = {
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "latent_channels": 4,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-}
-_CLIP_L = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "vocab_size": 49408,
-    "max_position_embeddings": 77,
-    "hidden_act": "quick_gelu",
-    "projection_dim": 768,
-}
-
-SD15 = Arch(
-    "sd15",
-    False,
-    512,
-    512,
-    25,
-    7.5,
-    (1, 4, 16, 32, 64),
-    unet={
-        "block_out_channels": (320, 640, 1280, 1280),
-        "layers_per_block": 2,
-        "cross_attention_dim": 768,
-        "attention_head_dim": 8,
-        "sample_size": 64,
-        "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-        "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-    },
-    vae={**_VAE, "sample_size": 512},
-    text=_CLIP_L,
-)
-SDXL = Arch(
-    "sdxl",
-    True,
-    1024,
-    1024,
-    30,
-    7.5,
-    (1, 4, 8, 16),
-    unet={
-        "block_out_channels": (320, 640, 1280),
-        "layers_per_block": 2,
-        "transformer_layers_per_block": (1, 2, 10),
-        "attention_head_dim": (5, 10, 20),
-        "cross_attention_dim": 2048,
-        "use_linear_projection": True,
-        "addition_embed_type": "text_time",
-        "addition_time_embed_dim": 256,
-        "projection_class_embeddings_input_dim": 2816,
-        "sample_size": 128,
-        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    },
-    vae={**_VAE, "sample_size": 1024, "scaling_factor": 0.13025, "force_upcast": True},
-    text=_CLIP_L,
-    text_2={
-        "hidden_size": 1280,
-        "intermediate_size": 5120,
-        "num_attention_heads": 20,
-        "num_hidden_layers": 32,
-        "vocab_size": 49408,
-        "max_position_embeddings": 77,
-        "hidden_act": "gelu",
-        "projection_dim": 1280,
-    },
-)
-
-
-def tiny(arch: Arch) -> Arch:
-    """The same family at toy widths, 64x64 and 2 steps: proves the code runs on a CPU."""
-    small_text = {
-        "hidden_size": 32,
-        "intermediate_size": 37,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "vocab_size": 1000,
-        "max_position_embeddings": 77,
-        "projection_dim": 32,
-    }
-    vae = {
-        **arch.vae,
-        "block_out_channels": [32, 64],
-        "down_block_types": ["DownEncoderBlock2D"] * 2,
-        "up_block_types": ["UpDecoderBlock2D"] * 2,
-        "sample_size": 64,
-    }
-    unet: dict[str, Any] = {
-        "block_out_channels": (32, 64),
-        "layers_per_block": 1,
-        "sample_size": 8,
-        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
-        "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
-    }
-    if arch.xl:
-        unet.update(
-            transformer_layers_per_block=(1, 2),
-            attention_head_dim=(2, 4),
-            cross_attention_dim=64,
-            use_linear_projection=True,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=8,
-            projection_class_embeddings_input_dim=6 * 8 + 32,
-        )
-    else:
-        unet.update(cross_attention_dim=32, attention_head_dim=4)
-    return replace(
-        arch,
-        name=f"{arch.name}-tiny",
-        width=64,
-        height=64,
-        steps=2,
-        batches=(1, 2),
-        unet=unet,
-        vae=vae,
-        text=small_text,
-        text_2=small_text if arch.xl else {},
-    )
-
-
-# ---- FLOPs, counted on the meta device -------------------------------------------------------
-
-
-def count_flops(arch: Arch) -> tuple[float, float]:
-    """(UNet FLOPs per denoising step per image with guidance, VAE decode FLOPs per image)."""
-    import torch
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    h, w = arch.height // 8, arch.width // 8
-    with torch.device("meta"):
-        unet: Any = UNet2DConditionModel(**arch.unet)
-        vae: Any = AutoencoderKL(**arch.vae)
-        latents = torch.empty(2, 4, h, w)  # guidance: the prompt and the negative, one call
-        text = torch.empty(2, 77, unet.config.cross_attention_dim)
-        timesteps = torch.full((2,), 10)
-        extra: dict[str, Any] = {}
-        if arch.xl:
-            pooled = arch.unet["projection_class_embeddings_input_dim"] - 6 * arch.unet["addition_time_embed_dim"]
-            extra = {"added_cond_kwargs": {"text_embeds": torch.empty(2, pooled), "time_ids": torch.empty(2, 6)}}
-        with FlopCounterMode(display=False) as unet_count:
-            unet(latents, timesteps, encoder_hidden_states=text, **extra)
-        with FlopCounterMode(display=False) as vae_count:
-            vae.decode(torch.empty(1, 4, h, w))
-    return unet_count.get_total_flops() / 2, float(vae_count.get_total_flops())
-
-
-def flops_per_image(arch: Arch, unet_step: float, vae: float) -> float:
-    return arch.steps * unet_step * (2 if arch.guidance > 1 else 1) + vae
+# ---- the card's peak ----------------------------------------------------------------------------
 
 
 def peak_flops(card: str, override_tflops: float | None = None) -> float | None:
@@ -307,86 +170,7 @@ def peak_flops(card: str, override_tflops: float | None = None) -> float | None:
     return PEAK_BF16[max(matches, key=len)] if matches else None
 
 
-# ---- building and rendering --------------------------------------------------------------------
-
-
-def bench_dtype(arch: Arch, device: str) -> Any:
-    """The dtype the benchmark renders in: the card's (``dtype_for``: bf16 where it is native, else fp16);
-    on a CPU, half precision anyway so that a dry run takes the half-precision path too: bf16 for SD 1.5,
-    fp16 for SDXL, whose VAE config asks for a float32 decode under fp16 (``force_upcast``)."""
-    import torch
-
-    from worker.models import dtype_for
-
-    if device.startswith("cuda"):
-        return dtype_for(device)
-    return torch.float16 if arch.xl else torch.bfloat16
-
-
-def build(arch: Arch, device: str, dtype: Any = None) -> Any:
-    """A loaded model of ``arch`` with random weights, made on ``device`` and prepared as a worker prepares a CUDA
-    model (``prepare_for_cuda``: on a CPU too, where its switches are harmless and its casts and layouts run)."""
-    import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    from worker.models import LoadedModel, prepare_for_cuda, tiny_tokenizer
-
-    started = time.perf_counter()
-    dtype = dtype if dtype is not None else bench_dtype(arch, device)
-    tokenizer = tiny_tokenizer()  # byte-level: its ids fit any CLIP vocabulary
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    scheduler = DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
-    torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # made in bf16 at once: SDXL's 3.5 B parameters never exist in fp32
-    try:
-        with torch.device(device):  # random init on the card: seconds, where SDXL on a CPU takes minutes
-            unet: Any = UNet2DConditionModel(**arch.unet)
-            vae: Any = AutoencoderKL(**arch.vae)
-            parts: dict[str, Any] = {
-                "unet": unet.eval(),
-                "vae": vae.eval(),
-                "text_encoder": CLIPTextModel(CLIPTextConfig(**arch.text, **ids)).eval(),
-                "tokenizer": tokenizer,
-                "scheduler": scheduler,
-            }
-            if arch.xl:
-                parts["text_encoder_2"] = CLIPTextModelWithProjection(CLIPTextConfig(**arch.text_2, **ids)).eval()
-                parts["tokenizer_2"] = tokenizer
-    finally:
-        torch.set_default_dtype(default_dtype)
-    pipe: Any
-    if arch.xl:
-        pipe = StableDiffusionXLPipeline(**parts, add_watermarker=False)
-    else:
-        pipe = StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    prepare_for_cuda(pipe, dtype)
-    return LoadedModel(
-        pipe=pipe,
-        model=f"{arch.name} (random weights)",
-        device=device,
-        dtype=dtype,
-        load_seconds=time.perf_counter() - started,
-    )
+# ---- rendering ----------------------------------------------------------------------------------
 
 
 def check_vae_modes(loaded: Any) -> dict[str, float]:
@@ -510,26 +294,49 @@ def run_arch(
     import torch
 
     from renderfleet.errors import OutOfMemory
-    from worker.compiled import compile_unet
+    from worker.compiled import compile_denoiser
+    from worker.models import denoiser
     from worker.render import Renderer
 
     steps = steps if steps is not None else Steps()
-    unet_step, vae = count_flops(arch)
+    unet_step, vae, per_block = count_flops_by_block(arch)
     steps.done("flops")
     per_image = flops_per_image(arch, unet_step, vae)
-    info = {
+    kind = "transformer" if arch.family in ("sd3", "flux") else "UNet"
+    info: dict[str, Any] = {
         "model": arch.name,
         "size": f"{arch.width}x{arch.height}",
         "steps": arch.steps,
         "guidance": arch.guidance,
-        "unet_tflop_per_step_image": unet_step / 1e12,
+        "unet_tflop_per_step_image": unet_step / 1e12,  # the denoiser's, UNet or transformer (the key older reports had)
         "vae_decode_tflop": vae / 1e12,
         "tflop_per_image": per_image / 1e12,
     }
     log(
-        f"{arch.name}: {unet_step / 1e12:.3g} TFLOP per UNet step per image (x2 with guidance), "
+        f"{arch.name}: {unet_step / 1e12:.3g} TFLOP per {kind} step per image"
+        f"{' (x2 with guidance)' if arch.cfg else ' (guidance embedded: one pass)'}, "
         f"{vae / 1e12:.3g} TFLOP VAE decode: {per_image / 1e12:.3g} TFLOP per image"
     )
+    full_ratio = 1.0  # the published model's FLOPs per image over the benchmark's
+    if arch.full_depth:
+        full_step, _ = count_flops(at_full_depth(arch))
+        full_ratio = flops_per_image(arch, full_step, vae) / per_image
+        info.update(
+            depth=f"reduced: {depth(arch)}",
+            tflop_per_block_step_image={kind: f / 1e12 for kind, f in per_block.items()},
+            full_depth_tflop_per_step_image=full_step / 1e12,
+            full_depth_tflop_per_image=full_step * arch.steps * (2 if arch.cfg else 1) / 1e12 + vae / 1e12,
+            full_depth_flops_ratio=full_ratio,
+        )
+        kinds = {"transformer_blocks": "joint" if arch.family == "sd3" else "double-stream"}
+        blocks = ", ".join(
+            f"{f / 1e12:.3g} TFLOP per {kinds.get(kind, 'single-stream')} block" for kind, f in per_block.items()
+        )
+        log(
+            f"{arch.name}: depth reduced to {depth(arch)}: {blocks} (per step per image); the full depth is "
+            f"{full_step / 1e12:.3g} TFLOP per step per image, {full_ratio:.2f}x this one's FLOPs per image: "
+            "each row's note estimates the full depth's images/s by that ratio"
+        )
     cuda = device.startswith("cuda")
     loaded = build(arch, device)
     info["build_seconds"] = loaded.load_seconds
@@ -546,10 +353,12 @@ def run_arch(
     last_per_image: float | None = None
     for mode in modes:
         if mode == "compile":
-            if cuda and time.monotonic() + COMPILE_RESERVE_SECONDS > deadline:
+            reserve = COMPILE_RESERVE_SECONDS if arch.family == "sd" else FAMILY_COMPILE_RESERVE_SECONDS
+            if cuda and time.monotonic() + reserve > deadline:
                 rows.append(Row(arch.name, mode, 0, note="skipped: time budget (no time left to compile)"))
                 continue
-            info["compile"] = compile_unet(loaded.pipe, **({} if cuda else {"backend": compile_backend}))
+            model = denoiser(loaded.pipe)[1]
+            info["compile"] = compile_denoiser(model, **({} if cuda else {"backend": compile_backend}))
             steps.done("compile")
         for batch in arch.batches:
             estimate = (last_per_image or 0.0) * batch * (runs + 1)
@@ -564,7 +373,8 @@ def run_arch(
             seconds = statistics.median(times)
             last_per_image = seconds / batch
             ips = batch / seconds
-            row = Row(arch.name, mode, batch, ips, seconds, first, peak_gb, ips * per_image / peak if peak else None)
+            note = f"depth {depth(arch)}: full depth ~{ips / full_ratio:.2f} img/s by FLOPs" if arch.full_depth else ""
+            row = Row(arch.name, mode, batch, ips, seconds, first, peak_gb, ips * per_image / peak if peak else None, note)
             rows.append(row)
             steps.done("compiled renders" if mode == "compile" else "eager renders")
             if row.mfu is not None:
@@ -607,7 +417,12 @@ HEADER = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/gpu.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes on any device (proves the code runs)")
-    parser.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sdxl")
+    parser.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sdxl, sd35m, flux1")
+    parser.add_argument(
+        "--families",
+        action="store_true",
+        help=f"the transformer families alone ({', '.join(FAMILIES)}, reduced depth): --models {','.join(FAMILIES)}",
+    )
     parser.add_argument("--no-compile", action="store_true", help="eager only")
     parser.add_argument("--runs", type=int, default=2, help="timed calls per batch size (median)")
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
@@ -633,8 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or default_device()
     card = card_name(device)
     peak = peak_flops(card, args.peak_tflops)
-    archs = {"sd15": SD15, "sdxl": SDXL}
-    chosen = [archs[name.strip()] for name in args.models.split(",") if name.strip()]
+    names = FAMILIES if args.families else [name.strip() for name in args.models.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ARCHS]
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(ARCHS)})")
+    chosen = [ARCHS[name] for name in names]
     if args.tiny:
         chosen = [tiny(a) for a in chosen]
     if args.batches:
@@ -675,14 +493,18 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
 
-    for arch in chosen:
+    end = started + args.budget_seconds
+    for i, arch in enumerate(chosen):
+        # --families: each model an equal share of the time left, so FLUX is not starved by SD3's compile
+        # (the default run keeps its order of priority: SD 1.5 whole, then SDXL in what is left).
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(chosen) - i) if args.families else end
         arch_rows, info = run_arch(
             arch,
             device=device,
             modes=modes,
             runs=max(1, args.runs),
             peak=peak,
-            deadline=started + args.budget_seconds,
+            deadline=deadline,
             log=log,
             steps=steps,
             card=card,

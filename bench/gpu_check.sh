@@ -7,6 +7,7 @@
 #   bench/gpu_check.sh                          # on the GPU node, from the repository root
 #   bench/gpu_check.sh --out "$OUT"             # keep the reports (gpu.json, gpu-tests.xml) there
 #   bench/gpu_check.sh --compile-backend eager  # a quicker dry run: dynamo's trace, no inductor kernels
+#   bench/gpu_check.sh --families-only          # SD3 and FLUX alone: their tier tests and bench, under 4 minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 )}"

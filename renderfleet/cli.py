@@ -446,7 +446,16 @@ def worker(
     ] = None,
     compile: Annotated[
         bool | None,
-        typer.Option("--compile/--no-compile", metavar=FLAG, help="compile the UNet's repeated blocks (CUDA only)"),
+        typer.Option("--compile/--no-compile", metavar=FLAG, help="compile the denoiser's repeated blocks (CUDA only)"),
+    ] = None,
+    offload: Annotated[
+        str | None,
+        typer.Option(
+            "--offload",
+            metavar="none|model",
+            help="model: each component on the card only while it runs, for a model bigger than the card "
+            "(CUDA only; default: RENDERFLEET_OFFLOAD, else none)",
+        ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
 ) -> None:
@@ -458,6 +467,7 @@ def worker(
         metrics_host=metrics_host,
         render_batch=batch_size,
         compile=compile,
+        offload=offload,
     )
     from renderfleet import logs
 
@@ -959,7 +969,7 @@ def bench(
         typer.Option("--compare", metavar=FLAG, help="compare the bench.json FILES of earlier runs instead of running one"),
     ] = False,
     compile: Annotated[
-        bool, typer.Option("--compile", metavar=FLAG, help="compile the UNet's repeated blocks (CUDA only)")
+        bool, typer.Option("--compile", metavar=FLAG, help="compile the denoiser's repeated blocks (CUDA only)")
     ] = False,
     scheduler: Scheduler = DEFAULT["scheduler"],
     image_format: ImageFormat = DEFAULT["image_format"],

@@ -28,6 +28,11 @@ Three classes of trouble, each with its own budget:
   exits with its own status (4), so that the node is replaced.  Images that
   are not images (:class:`BadOutput`: NaN, inf or all black, still so with the
   VAE decoding in float32) are the device's too, and none is stored.
+* **a card too small for the model** (:class:`CardTooSmall`): the node's
+  setting, never the job's (a bigger card, or ``--offload model``, renders
+  it).  At start-up a :class:`ConfigError` (exit 2, nothing started); for a
+  job's model met later, handled as the node's device: the shard to the front
+  of the queue for a node that can hold it, the worker stops (exit 4).
 * **a job's stored prompts** (:class:`WireError`): its wire file or index in
   the store is not what submit wrote (forged or damaged bytes: offsets past
   the file, out of order, a line that is not JSON).  The shard is rejected with
@@ -117,6 +122,15 @@ class MixedFleet(DeviceError):
     where the fleet renders eager, or the reverse), so its images would differ in bytes.  Handled
     as a device error: the shard goes back to the front and the worker stops; the node's
     configuration, not the work, is at fault."""
+
+
+class CardTooSmall(ConfigError, DeviceError):
+    """The model's weights, with a working margin, do not fit this card's free memory
+    (``worker/models/memory.py``); the message has the numbers and the remedy (``--offload model``,
+    a bigger card).  A :class:`ConfigError`: at start-up the worker's own model refuses to start it
+    (exit 2).  A :class:`DeviceError` too: a job's model met after start-up is not the job's fault
+    (another node renders it), so its shard goes back to the front and this worker stops, as for
+    :class:`MixedFleet`, rather than fail the job for every node (``ModelLoadError``)."""
 
 
 class BrokerUnavailable(RenderfleetError):

@@ -190,8 +190,12 @@ class Settings(BaseSettings):
     # fastest on a CPU, found once per card, model and resolution and remembered in the
     # store) or a number; never more than the job's batch (worker/batchsize.py).
     render_batch: str = "auto"
-    # Compile the UNet's repeated blocks (CUDA only).
+    # Compile the denoiser's repeated blocks (the UNet's or transformer's; CUDA only).
     compile: bool = False
+    # Where a CUDA worker's weights wait between calls: "none" (all on the card) or "model" (each
+    # component in host memory until it runs: diffusers' enable_model_cpu_offload, needs accelerate),
+    # for a model bigger than the card (worker/models/memory.py).  The images' bytes are the same.
+    offload: str = "none"
     # A file holding the fleet's key (32 bytes or more) for the compile cache: with it, compiled
     # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
     # None: not shared, each node compiles for itself (worker/compiled.py).
@@ -325,6 +329,17 @@ class Settings(BaseSettings):
         value = value.strip().lower()
         if value not in ("text", "json"):
             raise ValueError(f"must be text or json, got {value!r}")
+        return value
+
+    @field_validator("offload")
+    @classmethod
+    def _check_offload(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value not in ("none", "model"):
+            raise ValueError(
+                f"must be none or model, got {value!r} (model: each component on the card only while it "
+                "runs, for a model bigger than the card)"
+            )
         return value
 
     @field_validator("s3_addressing")

@@ -21,7 +21,7 @@ Beside the jobs, what workers learn once for the whole fleet (keys built by
 the worker modules named)::
 
     fleet/batch-sizes/<digest>.json         render size per (card, model, resolution) (worker/batchsize.py)
-    fleet/compile-cache/<digest>.bin        torch's compile cache per (model, card, size, torch) (worker/compiled.py)
+    fleet/compile-cache/<digest>.bin        compile cache per (model, card, size, torch, denoiser) (worker/compiled.py)
 """
 
 from __future__ import annotations

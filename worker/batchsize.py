@@ -16,7 +16,7 @@ see ``worker.render.Renderer``), so a redelivered batch renders the same bytes
 only if it is cut into the same calls.  That is why the size is *remembered in
 the store*, per (card, model, resolution), and read by every worker of that
 kind before it renders: the same hardware cuts the same batch the same way.
-The record also says whether the UNet was compiled (``--compile``): compiled
+The record also says whether the denoiser was compiled (``--compile``): compiled
 kernels round differently from eager ones, so a worker of the other kind
 refuses to render there (:class:`~renderfleet.errors.MixedFleet`) rather than
 re-render a redelivered batch to other bytes.
@@ -62,7 +62,7 @@ log = logging.getLogger("renderfleet.batchsize")
 KIND = "batch-sizes"
 KEY_PREFIX = f"fleet/{KIND}/"
 PROBE_STEPS = 2  # a probe's denoising steps: memory peaks at one step and the decode
-PROBE_GUIDANCE = 2.0  # classifier-free guidance on: twice the UNet's batch, the worst case
+PROBE_GUIDANCE = 2.0  # classifier-free guidance on: twice the denoiser's batch (not FLUX's, guidance-distilled)
 SAFETY = 0.9  # of the largest that fit, when an out-of-memory bounded the search (from 4 up)
 SWEEP_SECONDS = 5.0  # the CPU sweep's time, at most
 SMALLER_MUST_WIN_BY = 0.25  # per image, in every round, for a smaller call to beat the whole batch on a CPU
@@ -434,7 +434,7 @@ class BatchSizes:
 
 
 def _compiled(renderer: Any) -> bool:
-    """Whether ``renderer``'s UNet goes through torch.compile (``LoadedModel.compiled``)."""
+    """Whether ``renderer``'s denoiser goes through torch.compile (``LoadedModel.compiled``)."""
     return bool(getattr(getattr(renderer, "loaded", None), "compiled", False))
 
 

@@ -1,11 +1,16 @@
-"""``--compile``: the UNet's repeated blocks compiled, and the compile paid once per fleet.
+"""``--compile``: the denoiser's repeated blocks compiled, and the compile paid once per fleet.
 
-Regional compilation: only the blocks the UNet repeats (its transformer
-blocks) go through ``torch.compile``, once per distinct block, so a cold
-compile takes seconds where compiling the whole UNet takes minutes, for the
-same speed once warm.  diffusers' ``compile_repeated_blocks`` does it where
-the installed release has it; before that, the same blocks are compiled here.
-Inductor runs in its deterministic mode (:func:`compile_unet`), so two
+Regional compilation: only the blocks the denoiser repeats go through
+``torch.compile``, once per distinct block, so a cold compile takes seconds
+where compiling the whole model takes minutes, for the same speed once warm.
+The denoiser is the pipeline's UNet or transformer (``worker.models.cuda.denoiser``):
+a UNet's transformer blocks (SD 1.x/2.x, SDXL), FLUX.1's double- and
+single-stream blocks, SD3.x's joint blocks.  diffusers' ``compile_repeated_blocks``
+does it where the model names its blocks (``_repeated_blocks``: the UNet and
+FLUX's transformer in this diffusers); elsewhere (SD3's transformer names none;
+an older diffusers has no ``compile_repeated_blocks``) the blocks of
+:data:`REPEATED_BLOCKS` are compiled here, one by one.
+Inductor runs in its deterministic mode (:func:`compile_denoiser`), so two
 compiled workers on the same card render the same bytes.
 
 The compiled kernels are worth keeping: when a worker compiles something new
@@ -13,7 +18,9 @@ at a size, it saves PyTorch's compile cache (``torch.compiler.save_cache_artifac
 FX graphs, inductor and Triton kernels, autotuning) to the store under a key
 per (model, card, size, torch and compile configuration), and a worker of the
 same kind loads it (``load_cache_artifacts``) before its own first render at
-that size, so a fresh spot node does not pay the compile again.  A cache that
+that size, so a fresh spot node does not pay the compile again.  The key names
+the denoiser's class too: kernels traced from SD3's transformer are never
+loaded for FLUX's, whatever the model's name.  A cache that
 cannot be read or written costs only the compile: it is logged, never fatal.
 
 That cache holds pickles and generated Python, and loading it runs them: it is
@@ -50,11 +57,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("renderfleet.compile")
 
-# The UNet's repeated block, for a diffusers release without compile_repeated_blocks.
-REPEATED_BLOCKS = ("BasicTransformerBlock",)
-# SD's UNet has its blocks at three widths and three sequence lengths: each a
-# guard failure, then one dynamic graph; dynamo's default limit (8) would drop
-# later ones to eager without a word.
+# The blocks each denoiser repeats, compiled one by one where compile_repeated_blocks cannot do it:
+# a UNet's (SD 1.x/2.x, SDXL), SD3.x's (its transformer names no _repeated_blocks in diffusers 0.42),
+# FLUX.1's double- and single-stream ones (for a diffusers without compile_repeated_blocks).
+REPEATED_BLOCKS = ("BasicTransformerBlock", "JointTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock")
+# SD's UNet has its blocks at three widths and three sequence lengths, SD3.5's joint blocks come in
+# three kinds (dual attention, plain, the last one's context_pre_only): each a guard failure, then one
+# dynamic graph; dynamo's default limit (8) would drop later ones to eager without a word.
 RECOMPILE_LIMIT = 64
 # Saves of the cache per size by one worker: after each call that compiled something new, this many at most.
 MAX_SAVES = 8
@@ -71,8 +80,9 @@ KEY_SETTING = "RENDERFLEET_COMPILE_CACHE_KEY_FILE"
 INDUCTOR_OPTIONS = {"deterministic": True}
 
 
-def compile_unet(pipe: Any, **options: Any) -> str:
-    """Compile the UNet's repeated blocks in place; returns how ("regional" or "blocks").
+def compile_denoiser(model: Any, **options: Any) -> str:
+    """Compile the repeated blocks of ``model``, a pipeline's denoiser (``worker.models.denoiser``:
+    its UNet or transformer), in place; returns how ("regional" or "blocks").
 
     ``options`` go to ``torch.compile`` (``backend="eager"`` in tests on a CPU).
     Lazy: the compile happens at the first call, per input shape.  Inductor's
@@ -93,16 +103,15 @@ def compile_unet(pipe: Any, **options: Any) -> str:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
     if hasattr(torch._inductor.config, "deterministic"):
         torch._inductor.config.deterministic = True
-    unet = pipe.unet
     options = {"fullgraph": True, **options}
     if options.get("backend", "inductor") == "inductor":  # other backends take no inductor options
         options["options"] = {**INDUCTOR_OPTIONS, **options.get("options", {})}
-    if hasattr(unet, "compile_repeated_blocks") and getattr(unet, "_repeated_blocks", None):
-        unet.compile_repeated_blocks(**options)
+    if hasattr(model, "compile_repeated_blocks") and getattr(model, "_repeated_blocks", None):
+        model.compile_repeated_blocks(**options)
         return "regional"
-    blocks = [m for m in unet.modules() if type(m).__name__ in REPEATED_BLOCKS]
+    blocks = [m for m in model.modules() if type(m).__name__ in REPEATED_BLOCKS]
     if not blocks:
-        raise ValueError(f"{type(unet).__name__} has no {', '.join(REPEATED_BLOCKS)} to compile")
+        raise ValueError(f"{type(model).__name__} has no {', '.join(REPEATED_BLOCKS)} to compile")
     for block in blocks:
         block.compile(**options)
     return "blocks"
@@ -119,9 +128,13 @@ def compile_config() -> str:
     return f"torch {torch.__version__}, diffusers {diffusers.__version__}, deterministic {INDUCTOR_OPTIONS['deterministic']}"
 
 
-def cache_key(model: str, card: str, width: int, height: int, torch_version: str, config: str = "") -> str:
-    """The store key of the compile cache for this (model, card, size, torch version, compile configuration)."""
-    return spec.fleet_key("compile-cache", [model, card, width, height, torch_version, config], "bin")
+def cache_key(
+    model: str, card: str, width: int, height: int, torch_version: str, config: str = "", denoiser: str = ""
+) -> str:
+    """The store key of the compile cache for this (model, card, size, torch version, compile configuration,
+    denoiser class): ``denoiser`` (``SD3Transformer2DModel``, ``FluxTransformer2DModel``, ``UNet2DConditionModel``)
+    keeps one family's kernels from ever being loaded for another's, even under one model name."""
+    return spec.fleet_key("compile-cache", [model, card, width, height, torch_version, config, denoiser], "bin")
 
 
 # ---- signing ------------------------------------------------------------------------
@@ -187,10 +200,12 @@ class CompileCache:
         changed: Callable[[], bool] | None = None,
         torch_version: str | None = None,
         config: str | None = None,
+        denoiser: str = "",
     ):
         self.store = store
         self.model = model
         self.card = card
+        self.denoiser = denoiser  # the denoiser's class name, part of the key
         self._fleet_key = key
         self._save = save or _torch_save
         self._load = load or _torch_load
@@ -210,7 +225,7 @@ class CompileCache:
             self._torch_version = str(torch.__version__)
         if self._config is None:
             self._config = compile_config()
-        return cache_key(self.model, self.card, width, height, self._torch_version, self._config)
+        return cache_key(self.model, self.card, width, height, self._torch_version, self._config, self.denoiser)
 
     def before(self, width: int, height: int) -> None:
         """Before a render: the first time at this size, load the fleet's cache if it has a signed one."""
@@ -288,9 +303,10 @@ class CompileCache:
                 log.warning("compile cache for %s not saved: %s: %s", what, type(exc).__name__, exc)
 
 
-def open_compile_cache(settings: Settings, *, model: str, card: str) -> CompileCache | None:
+def open_compile_cache(settings: Settings, *, model: str, card: str, denoiser: str = "") -> CompileCache | None:
     """The fleet's compile cache for a ``--compile`` worker, or None when no fleet key is set
-    (:data:`KEY_SETTING`): then each node compiles for itself, with torch's local cache."""
+    (:data:`KEY_SETTING`): then each node compiles for itself, with torch's local cache.
+    ``denoiser``: the loaded denoiser's class name, part of every key."""
     key_file = getattr(settings, "compile_cache_key_file", None)
     if key_file is None:
         log.info("compile cache not shared through the store: %s is not set, so each node compiles for itself", KEY_SETTING)
@@ -298,7 +314,11 @@ def open_compile_cache(settings: Settings, *, model: str, card: str) -> CompileC
     from renderfleet.store import open_store
 
     return CompileCache(
-        open_store(settings.store_url, settings.s3_options), model=model, card=card, key=read_fleet_key(key_file)
+        open_store(settings.store_url, settings.s3_options),
+        model=model,
+        card=card,
+        key=read_fleet_key(key_file),
+        denoiser=denoiser,
     )
 
 

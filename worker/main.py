@@ -71,7 +71,7 @@ def load_renderer(
     from worker.batchsize import card_name
     from worker.compiled import open_compile_cache
     from worker.loras import LoraCache, fetch_s3_lora
-    from worker.models import fetch_s3_model, load_pipeline
+    from worker.models import denoiser, fetch_s3_model, load_pipeline
     from worker.render import Renderer
 
     def fetch(uri: str, dest: Path) -> None:
@@ -91,10 +91,13 @@ def load_renderer(
         revision=revision,
         variant=variant,
         refresh=refresh,
+        offload=settings.offload,
     )
     cache = None
     if loaded.compiled:
-        cache = open_compile_cache(settings, model=model, card=card_name(str(loaded.device)))
+        cache = open_compile_cache(
+            settings, model=model, card=card_name(str(loaded.device)), denoiser=type(denoiser(loaded.pipe)[1]).__name__
+        )
     loras = LoraCache(loaded.pipe, fetch=fetch_lora, allowed=settings.allowed_model_list)
     renderer = Renderer(
         loaded,
@@ -118,6 +121,11 @@ def run_worker(
             from worker.compiled import read_fleet_key
 
             read_fleet_key(settings.compile_cache_key_file)  # a key that will not do: refused before the load
+    if settings.offload != "none":  # refused off CUDA or without accelerate before anything starts (exit 2)
+        from worker.models import default_device
+        from worker.models.memory import check_offload
+
+        check_offload(settings.offload, settings.device or default_device())
     model = model or settings.model or "tiny"  # a start: each job's own model is loaded when its shards come
     if why := model_refusal(model, settings.allowed_model_list, bench=settings.allow_bench_models):
         raise ConfigError(f"RENDERFLEET_MODEL (--model): {why}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import time
 from pathlib import Path
 
 import pytest
@@ -219,3 +221,126 @@ def test_a_half_precision_decode_that_overflows_is_rendered_again_with_the_vae_i
     assert seen == [(half, half), (torch.float32, torch.float32)]  # the latents cast on the way in
     assert not any(is_black(image) for image in again)
     assert pipe.vae.dtype == half and pipe.vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+# ---- SD3 and FLUX: a transformer denoises (bench/gpu_check.sh --families-only runs these: -k "sd3 or flux") ----------
+
+FAMILIES = [("tiny-sd3", 7.0), ("tiny-flux", 3.5)]  # (built-in model, the family's usual guidance)
+
+
+def load_family(name: str, tmp_path: Path, **kwargs: object) -> object:
+    """The built-in tiny model ``name`` on the card (bf16 where native)."""
+    from worker.models import load_pipeline
+
+    return load_pipeline(name, device="cuda", cache_dir=tmp_path, **kwargs)
+
+
+def family_prompts(guidance: float) -> list[object]:
+    from renderfleet.spec import Prompt, derive_seed
+
+    return [Prompt(i, f"{i:06d}", f"a lighthouse {i}", "", derive_seed(0, i), 4, guidance, 64, 64) for i in range(2)]
+
+
+def print_fit(loaded: object) -> None:
+    """The fit check's figures for this model on this card, and what it would say on a card too small."""
+    from worker.models.memory import GB, fit_problem, free_bytes, weight_bytes
+
+    parts = weight_bytes(loaded.pipe)  # type: ignore[attr-defined]
+    free = free_bytes("cuda")
+    total = sum(size for _, size in parts.values())
+    print(
+        f"\nfit check, {loaded.model}: "  # type: ignore[attr-defined]
+        + ", ".join(f"{name} ({cls}) {size / 1e6:.2f} MB" for name, (cls, size) in parts.items())
+        + f" = {total / 1e6:.2f} MB; {free / GB:.1f} GB free on {torch.cuda.get_device_name(0)}"
+    )
+    print(f"fit check on a card with 1 GB free: {fit_problem(parts, GB, dtype='bf16', model=loaded.model)}")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("name", "guidance"), FAMILIES)
+def test_sd3_and_flux_render_on_cuda_in_half_precision_finite_and_the_same_twice(
+    name: str, guidance: float, tmp_path: Path
+) -> None:
+    from worker.models import denoiser
+    from worker.render import Renderer
+
+    loaded = load_family(name, tmp_path)
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert loaded.dtype == (torch.bfloat16 if native else torch.float16)  # type: ignore[attr-defined]
+    part, model = denoiser(loaded.pipe)  # type: ignore[attr-defined]
+    assert part == "transformer" and model.device.type == "cuda"
+    print_fit(loaded)
+    renderer = Renderer(loaded)  # type: ignore[arg-type]
+    prompts = family_prompts(guidance)
+    tensors = renderer.generate(prompts, output_type="pt")
+    assert len(tensors) == 2 and all(torch.isfinite(t).all() for t in tensors)  # no NaN from an fp16 overflow
+    first = renderer.render(prompts)
+    assert len(first) == 2 and renderer.render(prompts) == first
+
+
+@pytest.mark.parametrize(("name", "guidance"), FAMILIES)
+def test_sd3_and_flux_compile_their_transformer_blocks_and_the_second_render_reuses_them(
+    name: str, guidance: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch._dynamo.utils import counters
+
+    from worker.models import denoiser
+    from worker.render import Renderer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, timed
+    torch._dynamo.reset()
+    loaded = load_family(name, tmp_path, compile=True)
+    _, model = denoiser(loaded.pipe)  # type: ignore[attr-defined]
+    compiled = {type(m).__name__ for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    # regional: SD3's joint blocks (our fallback: no _repeated_blocks), FLUX's double- and single-stream blocks
+    assert compiled == (
+        {"JointTransformerBlock"} if "sd3" in name else {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+    )
+    renderer = Renderer(loaded)  # type: ignore[arg-type]
+    prompts = family_prompts(guidance)
+    started = time.perf_counter()
+    first = renderer.render(prompts)
+    compile_seconds = time.perf_counter() - started
+    graphs = counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    again = renderer.render(prompts)
+    second = time.perf_counter() - started
+    print(f"\n{name} compiled: first render {compile_seconds:.1f} s (the compile), second {second:.2f} s")
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+    assert len(first) == 2 and again == first
+    assert all(torch.isfinite(t).all() for t in renderer.generate(prompts, output_type="pt"))
+    torch._dynamo.reset()
+
+
+def test_flux_on_a_card_without_room_is_refused_with_the_numbers_before_any_copy(tmp_path: Path) -> None:
+    from renderfleet.errors import CardTooSmall
+    from worker.models.memory import GB, free_bytes
+
+    load_family("tiny-flux", tmp_path)  # skips where there is none; warms the CUDA context
+    gc.collect()
+    torch.cuda.empty_cache()
+    hog = torch.empty(int(free_bytes("cuda") - 1 * GB), dtype=torch.uint8, device="cuda")  # 1 GB left
+    try:
+        before = torch.cuda.memory_allocated()
+        with pytest.raises(CardTooSmall) as refused:
+            load_family("tiny-flux", tmp_path)
+        assert torch.cuda.memory_allocated() <= before  # refused before a weight was copied
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    message = str(refused.value)
+    print(f"\nfit check refused: {message}")
+    assert "model 'tiny-flux' does not fit this card: " in message and " GB free" in message
+    assert "working margin" in message and ("in bf16" in message or "in fp16" in message)
+
+
+@pytest.mark.parametrize(("name", "guidance"), FAMILIES)
+def test_sd3_and_flux_with_model_offload_render_the_same_bytes(name: str, guidance: float, tmp_path: Path) -> None:
+    from worker.render import Renderer
+
+    prompts = family_prompts(guidance)
+    plain = Renderer(load_family(name, tmp_path)).render(prompts)  # type: ignore[arg-type]
+    torch.cuda.empty_cache()
+    offloaded = load_family(name, tmp_path, offload="model")
+    assert offloaded.offload == "model"  # type: ignore[attr-defined]
+    assert next(offloaded.pipe.transformer.parameters()).device.type == "cpu"  # type: ignore[attr-defined]  # until it runs
+    assert Renderer(offloaded).render(prompts) == plain  # type: ignore[arg-type]  # every computation still on the card

@@ -38,3 +38,13 @@ def test_a_bad_batch_size_is_refused_by_name(tmp_path: Path) -> None:
     proc = worker(tmp_path, "--batch-size", "300")
     assert proc.returncode == 2
     assert "RENDERFLEET_RENDER_BATCH: must be auto or a whole number from 1 to 256, got '300'" in proc.stderr
+
+
+def test_offload_on_a_cpu_is_refused_before_any_server_starts_and_an_unknown_value_by_name(tmp_path: Path) -> None:
+    proc = worker(tmp_path, "--offload", "model")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "RENDERFLEET_OFFLOAD (--offload): 'model'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "home" / "server.json").exists()
+    proc = worker(tmp_path, "--offload", "text-encoders")
+    assert proc.returncode == 2
+    assert "RENDERFLEET_OFFLOAD: must be none or model, got 'text-encoders'" in proc.stderr

@@ -28,7 +28,7 @@ from worker.compiled import (  # noqa: E402
     CompileCache,
     cache_key,
     compile_config,
-    compile_unet,
+    compile_denoiser,
     read_fleet_key,
     sign,
     verify,
@@ -55,7 +55,7 @@ def test_the_unets_repeated_blocks_are_compiled_and_render_what_eager_renders() 
     prompts = [Prompt(i, f"{i:06d}", f"p{i}", "", 100 + i, 2, 7.5, 32, 32) for i in range(2)]
     plain = Renderer(loaded(build_tiny_pipeline())).render(prompts)
     pipe = build_tiny_pipeline()
-    assert compile_unet(pipe, backend="eager") == "regional"  # diffusers' compile_repeated_blocks
+    assert compile_denoiser(pipe.unet, backend="eager") == "regional"  # diffusers' compile_repeated_blocks
     assert compiled_blocks(pipe) == ["BasicTransformerBlock"]
     torch._dynamo.reset()
     try:
@@ -70,7 +70,7 @@ def test_the_unets_repeated_blocks_are_compiled_and_render_what_eager_renders() 
 def test_without_compile_repeated_blocks_the_same_blocks_are_compiled_one_by_one() -> None:
     pipe = build_tiny_pipeline()
     pipe.unet._repeated_blocks = []  # as a diffusers release without regional compilation
-    assert compile_unet(pipe, backend="eager") == "blocks"
+    assert compile_denoiser(pipe.unet, backend="eager") == "blocks"
     assert compiled_blocks(pipe) == ["BasicTransformerBlock"]
 
 
@@ -109,7 +109,7 @@ def test_compiling_turns_on_inductors_deterministic_mode_which_the_cache_key_rec
     before = torch._inductor.config.deterministic
     try:
         torch._inductor.config.deterministic = False
-        compile_unet(pipe, backend="eager")
+        compile_denoiser(pipe.unet, backend="eager")
         assert torch._inductor.config.deterministic is True  # no on-card timing picks the kernels
         # The key names the mode every compile of ours is given, not the global torch may change back
         # (it did, on an H200 with torch 2.11, after the first compiled render: the loading worker's
@@ -124,10 +124,10 @@ def test_compiling_turns_on_inductors_deterministic_mode_which_the_cache_key_rec
 def test_each_inductor_compile_is_given_the_deterministic_option_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[dict[str, object]] = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: asked.append(kw) or fn)
-    compile_unet(build_tiny_pipeline())  # inductor, the worker's default
+    compile_denoiser(build_tiny_pipeline().unet)  # inductor, the worker's default
     assert asked and all(kw["options"] == {"deterministic": True} and kw["fullgraph"] for kw in asked)
     asked.clear()
-    compile_unet(build_tiny_pipeline(), backend="eager")  # a backend that takes no inductor options
+    compile_denoiser(build_tiny_pipeline().unet, backend="eager")  # a backend that takes no inductor options
     assert asked and all("options" not in kw for kw in asked)
 
 
@@ -268,3 +268,116 @@ def test_without_a_fleet_key_nothing_is_shared_through_the_store(tmp_path: Path)
     keyed = Settings(store=str(tmp_path / "store"), home=tmp_path / "home", compile_cache_key_file=tmp_path / "key")
     opened = open_compile_cache(keyed, model="tiny", card="H200")
     assert opened is not None and opened._fleet_key == KEY
+
+
+# ---- SD3 and FLUX: a transformer's blocks -------------------------------------------------------------------------
+
+
+def compiled_in(model: torch.nn.Module) -> list[str]:
+    return sorted({type(m).__name__ for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None})
+
+
+def test_sd3s_joint_blocks_are_compiled_one_by_one_and_compute_what_eager_does() -> None:
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    # SD3.5's three kinds of joint block: dual attention, plain, and the last (context_pre_only)
+    model = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=16,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        out_channels=16,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
+    ).eval()
+    assert not getattr(model, "_repeated_blocks", None)  # diffusers 0.42 names none for SD3: our fallback
+    inputs = {
+        "hidden_states": torch.randn(2, 16, 8, 8),
+        "encoder_hidden_states": torch.randn(2, 10, 32),
+        "pooled_projections": torch.randn(2, 64),
+        "timestep": torch.tensor([500.0, 500.0]),
+    }
+    with torch.inference_mode():
+        eager = model(**inputs).sample
+        assert compile_denoiser(model, backend="eager") == "blocks"
+        assert compiled_in(model) == ["JointTransformerBlock"]
+        torch._dynamo.reset()
+        try:
+            traced = model(**inputs).sample  # fullgraph: a graph break in a block would raise here
+        finally:
+            torch._dynamo.reset()
+    assert torch.equal(traced, eager)
+
+
+def test_fluxs_double_and_single_stream_blocks_are_compiled_regionally() -> None:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 64),
+        "encoder_hidden_states": torch.randn(1, 10, 32),
+        "pooled_projections": torch.randn(1, 32),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.zeros(16, 3),
+        "txt_ids": torch.zeros(10, 3),
+        "guidance": torch.tensor([3.5]),
+    }
+    with torch.inference_mode():
+        eager = model(**inputs).sample
+        assert compile_denoiser(model, backend="eager") == "regional"
+        assert compiled_in(model) == ["FluxSingleTransformerBlock", "FluxTransformerBlock"]
+        torch._dynamo.reset()
+        try:
+            traced = model(**inputs).sample
+        finally:
+            torch._dynamo.reset()
+    assert torch.equal(traced, eager)
+
+
+def test_the_compile_cache_key_names_the_denoisers_class_so_sd3s_never_loads_for_flux(tmp_path: Path) -> None:
+    from worker.compiled import open_compile_cache
+
+    sd3 = cache_key("my-model", "H200", 1024, 1024, "2.13.0", CONFIG, "SD3Transformer2DModel")
+    flux = cache_key("my-model", "H200", 1024, 1024, "2.13.0", CONFIG, "FluxTransformer2DModel")
+    assert sd3 != flux and sd3 != key_of()
+    store = LocalStore(tmp_path / "store")
+    store.put(sd3, sign(KEY, sd3, b"sd3 kernels"))
+    loads: list[bytes] = []
+    for denoiser, wanted in (("FluxTransformer2DModel", []), ("SD3Transformer2DModel", [b"sd3 kernels"])):
+        loads.clear()
+        CompileCache(
+            store,
+            model="my-model",
+            card="H200",
+            key=KEY,
+            torch_version="2.13.0",
+            config=CONFIG,
+            denoiser=denoiser,
+            load=loads.append,
+        ).before(1024, 1024)
+        assert loads == wanted, denoiser
+    # the worker's own cache is opened with its denoiser's class (worker/main.py passes it)
+    from renderfleet.settings import Settings
+
+    (tmp_path / "key").write_bytes(KEY)
+    settings = Settings(store=str(tmp_path / "store"), home=tmp_path / "home", compile_cache_key_file=tmp_path / "key")
+    opened = open_compile_cache(settings, model="m", card="H200", denoiser="FluxTransformer2DModel")
+    assert opened is not None and opened.denoiser == "FluxTransformer2DModel"

@@ -194,3 +194,93 @@ def test_gpu_check_writes_results_from_a_card_only_mocked_device(
         assert "| GPU test tier (tests/gpu) | 8 passed, 0 failures, 0 errors, 0 skipped in 61 s (exit 0) |" in text
         assert "20.50 (compile, batch 32, MFU 88%; peak 30.2 GB)" in text and "| out of memory |" in text
         assert "On NVIDIA H200" in text and "skipped on CPU" not in printed
+
+
+# ---- SD3.5-medium- and FLUX.1-shaped: published widths, fewer blocks, honest about it -----------------------------
+
+
+def test_the_transformer_families_have_their_published_size_at_full_depth() -> None:
+    import torch
+
+    from bench.gpu_archs import FLUX1, SD35M, _denoiser_on_meta, at_full_depth
+
+    for arch, published in ((FLUX1, 11.9e9), (SD35M, 2.24e9)):  # FLUX.1-dev's 12 B; SD3.5-medium's MMDiT-X
+        with torch.device("meta"):
+            model, _ = _denoiser_on_meta(at_full_depth(arch), 128, 128)
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(published, rel=0.01), arch.name
+
+
+def test_a_reduced_depth_is_said_and_the_full_depth_is_its_blocks_counted_again() -> None:
+    from bench.gpu_archs import FLUX1, SD35M, at_full_depth, count_flops_by_block, depth
+
+    assert depth(FLUX1) == "4 + 4 of 19 + 38 double- + single-stream blocks"
+    assert depth(SD35M) == "6 of 24 joint blocks" and depth(SD15) == ""
+    step, vae, blocks = count_flops_by_block(FLUX1)
+    full, _, _ = count_flops_by_block(at_full_depth(FLUX1))
+    rest = step - 4 * blocks["transformer_blocks"] - 4 * blocks["single_transformer_blocks"]
+    assert full == pytest.approx(
+        rest + 19 * blocks["transformer_blocks"] + 38 * blocks["single_transformer_blocks"], rel=1e-3
+    )
+    assert 60e12 < full < 90e12  # FLUX.1-dev at 1024x1024: about 74 TFLOP a step
+    # FLUX.1-dev is guidance-distilled: one pass a step; SD3.5 guides with a second
+    assert flops_per_image(FLUX1, step, vae) == pytest.approx(FLUX1.steps * step + vae)
+    sd3_step, sd3_vae = count_flops(SD35M)
+    assert flops_per_image(SD35M, sd3_step, sd3_vae) == pytest.approx(2 * SD35M.steps * sd3_step + sd3_vae)
+    assert sd3_vae == pytest.approx(vae)  # the same 16-channel VAE shape
+
+
+def test_a_tiny_families_dry_run_renders_sd3_and_flux_eager_and_compiled_saying_the_depth(
+    tmp_path: Path, process_wide_switches: None
+) -> None:
+    out = tmp_path / "gpu.json"
+    argv = ["--tiny", "--families", "--runs", "1", "--batches", "1", "--compile-backend", "eager", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    models = {m["model"]: m for m in result["models"]}
+    assert set(models) == {"sd35m-tiny", "flux1-tiny"}
+    assert models["sd35m-tiny"]["compile"] == "blocks" and models["flux1-tiny"]["compile"] == "regional"
+    for info in models.values():
+        assert info["depth"].startswith("reduced: ") and info["full_depth_flops_ratio"] > 1
+        assert info["vae_dtype"] == "bfloat16" and set(info["vae_modes_seconds"]) == {"tiling", "slicing"}
+    rows = [(r["model"], r["mode"], r["images_per_second"] is not None) for r in result["rows"]]
+    assert rows == [(m, mode, True) for m in ("sd35m-tiny", "flux1-tiny") for mode in ("eager", "compile")]
+    assert all("full depth ~" in r["note"] for r in result["rows"])
+
+
+def test_gpu_check_families_only_runs_the_family_tests_and_bench_into_their_own_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from bench import gpu_check
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n<!-- bench:gpu -->\nthe full run's figures\n<!-- /bench:gpu -->\n")
+    asked: dict[str, object] = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+
+    def run_tests(out: Path, env: dict[str, str], timeout: float, select: str = "") -> dict[str, Any]:
+        asked.update(select=select, tests_timeout=timeout)
+        return {"exit": 0, "seconds": 70.0, "tests": 7, "failures": 0, "errors": 0, "skipped": 0, "passed": 7}
+
+    def run_bench(out: Path, env: dict[str, str], **kw: Any) -> dict[str, Any]:
+        asked.update(extra=kw["extra"], budget=kw["budget"])
+        bench = fake_bench(True)
+        bench["models"][0].update(
+            depth="reduced: 4 + 4 of 19 + 38 double- + single-stream blocks",
+            tflop_per_block_step_image={"transformer_blocks": 1.3, "single_transformer_blocks": 1.3},
+            full_depth_tflop_per_step_image=74.4,
+            full_depth_flops_ratio=5.9,
+        )
+        return bench
+
+    monkeypatch.setattr(gpu_check, "run_tests", run_tests)
+    monkeypatch.setattr(gpu_check, "run_bench", run_bench)
+    assert gpu_check.main(["--families-only", "--out", str(tmp_path / "out"), "--results", str(results)]) == 0
+    assert asked["select"] == gpu_check.FAMILY_TESTS == "sd3 or flux"
+    assert asked["extra"] == ["--families"] and float(asked["budget"]) < gpu_check.FAMILIES_LIMIT_SECONDS  # type: ignore[arg-type]
+    text = results.read_text()
+    assert "the full run's figures" in text  # the full run's section stays
+    assert "<!-- bench:gpu-families -->" in text and "(goal: under 235 s)" in text
+    assert "depth reduced: 4 + 4 of 19 + 38" in text and "74.4 at full depth (5.90x" in text

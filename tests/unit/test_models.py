@@ -343,3 +343,80 @@ def test_a_unet_on_the_plain_attention_processor_is_moved_to_sdpa(tiny: LoadedMo
     unet.set_attn_processor(AttnProcessor())
     _use_sdpa(tiny.pipe)
     assert {type(p) for p in unet.attn_processors.values()} == {AttnProcessor2_0}
+
+
+# ---- SD3 and FLUX: the denoiser is a transformer --------------------------------------------------------------------
+
+# SD3's and FLUX's VAE at toy widths: 16 latent channels, no quant convs, force_upcast set, as their configs say.
+VAE16 = {
+    "block_out_channels": [32, 64],
+    "down_block_types": ["DownEncoderBlock2D"] * 2,
+    "up_block_types": ["UpDecoderBlock2D"] * 2,
+    "latent_channels": 16,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "force_upcast": True,
+    "sample_size": 32,
+}
+SD3_TINY = {
+    "sample_size": 8,
+    "patch_size": 2,
+    "in_channels": 16,
+    "num_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 4,
+    "joint_attention_dim": 32,
+    "caption_projection_dim": 32,
+    "pooled_projection_dim": 64,
+    "out_channels": 16,
+}
+
+
+def test_the_denoiser_is_the_unet_or_else_the_transformer(tiny: LoadedModel) -> None:
+    from worker.models import denoiser
+
+    assert denoiser(tiny.pipe) == ("unet", tiny.pipe.unet)
+    transformer = object()
+    assert denoiser(SimpleNamespace(transformer=transformer, vae=None)) == ("transformer", transformer)
+    with pytest.raises(ValueError, match="SimpleNamespace has neither a unet nor a transformer"):
+        denoiser(SimpleNamespace(vae=None))
+
+
+def test_preparing_an_sd3_pipeline_leaves_its_transformer_alone_and_decodes_its_16_channel_vae_in_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+
+    import worker.models.cuda
+
+    monkeypatch.setattr(worker.models.cuda, "enable_tf32", lambda: None)  # process-wide: not here
+    pipe = SimpleNamespace(
+        transformer=SD3Transformer2DModel(**SD3_TINY).to(torch.float16), vae=AutoencoderKL(**VAE16).to(torch.float16)
+    )
+    assert prepare_for_cuda(pipe, torch.float16) == ["tf32", "sdpa", "channels_last:vae", "vae:float32"]
+    # channels_last is for convolutions: SD3's patch embedding keeps its layout, its processors their own
+    assert not pipe.transformer.pos_embed.proj.weight.is_contiguous(memory_format=torch.channels_last)
+    assert pipe.transformer.dtype == torch.float16 and pipe.vae.dtype == torch.float32
+    image = pipe.vae.decode(torch.zeros(1, 16, 4, 4, dtype=torch.float16), return_dict=False)[0]
+    assert image.dtype == torch.float32 and image.shape == (1, 3, 8, 8)
+    # bf16 keeps the VAE as it is: bf16 has fp32's range
+    bf16 = SimpleNamespace(transformer=SD3Transformer2DModel(**SD3_TINY), vae=AutoencoderKL(**VAE16))
+    assert "vae:float32" not in prepare_for_cuda(bf16, torch.bfloat16)
+
+
+def test_vae_slicing_and_tiling_work_on_a_16_channel_vae() -> None:
+    from diffusers import AutoencoderKL
+
+    from worker.models import set_vae_memory_modes
+
+    torch.manual_seed(0)
+    pipe = SimpleNamespace(vae=AutoencoderKL(**VAE16).eval())
+    latents = torch.randn(2, 16, 24, 24)  # past the VAE's 16-latent tile: tiling really tiles
+    with torch.inference_mode():
+        whole = pipe.vae.decode(latents, return_dict=False)[0]
+        set_vae_memory_modes(pipe, True, True)
+        assert pipe.vae.use_slicing and pipe.vae.use_tiling
+        tiled = pipe.vae.decode(latents, return_dict=False)[0]
+        set_vae_memory_modes(pipe, False, False)
+    assert not pipe.vae.use_slicing and not pipe.vae.use_tiling
+    assert tiled.shape == whole.shape == (2, 3, 48, 48) and torch.isfinite(tiled).all()

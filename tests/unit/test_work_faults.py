@@ -432,3 +432,19 @@ def test_a_device_error_while_switching_models_is_the_nodes_not_the_jobs(tmp_pat
         svc.switch_model("other")
     assert loads == ["other"]  # no reload of ours on a device that is gone
     svc.runner.close()
+
+
+def test_a_model_too_big_for_this_card_at_a_switch_is_the_nodes_not_the_jobs(tmp_path: Path) -> None:
+    from renderfleet.errors import CardTooSmall, DeviceError, ModelLoadError
+
+    def load(model: str, *_: object) -> Renderer:
+        raise CardTooSmall(f"model {model!r} does not fit this card: 33.7 GB in bf16; this card has 22.1 GB free")
+
+    svc = service(tmp_path, load)
+    with pytest.raises(CardTooSmall) as refused:
+        svc.switch_model("black-forest-labs/FLUX.1-dev")
+    # a DeviceError, never a ModelLoadError: the shard goes back to the front for a bigger card and this
+    # worker stops (WorkerService._end), instead of the job failing for every node
+    assert isinstance(refused.value, DeviceError) and not isinstance(refused.value, ModelLoadError)
+    assert "22.1 GB free" in str(refused.value)
+    svc.runner.close()

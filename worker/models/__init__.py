@@ -14,7 +14,9 @@ One public way in, :func:`load_pipeline` (:mod:`.loading`), for four kinds of mo
 * anything else: a Hugging Face hub id.
 
 On CUDA the pipeline is prepared for speed (:mod:`.cuda`: dtype, SDPA,
-channels_last, TF32, the VAE's float32 and memory modes, ``compile``); the CPU
+channels_last, TF32, the VAE's float32 and memory modes, ``compile`` of the
+denoiser, a UNet or a transformer), then checked against the card's free
+memory and placed on it (:mod:`.memory`: the fit check, ``offload``); the CPU
 path is left exactly as it was.  Which models a worker may load at all is
 :mod:`.allow`.  A module patched in a test is the one that calls the name:
 ``worker.models.cuda.enable_tf32``, not this package's re-export.
@@ -31,6 +33,7 @@ from worker.models.cuda import (
     TILE_ABOVE_PIXELS,
     _use_sdpa,
     check_compile,
+    denoiser,
     enable_tf32,
     prepare_for_cuda,
     quiet_empty_float32_warning,
@@ -77,6 +80,7 @@ __all__ = [
     "check_digest",
     "check_model_keys",
     "default_device",
+    "denoiser",
     "dtype_for",
     "enable_tf32",
     "fetch_cached",

@@ -1,11 +1,14 @@
 """Preparing a pipeline for CUDA, and the VAE's memory modes.
 
 bf16 where the card has it (fp16 otherwise, the VAE decoding in float32 where
-diffusers' own pipeline would upcast it, as SDXL's does), SDPA attention,
-channels_last, TF32 matmuls, and with ``compile`` the UNet's repeated blocks
-compiled (:mod:`worker.compiled`).  The CPU path is left exactly as it was:
-float32, no memory-format change, nothing compiled, so its images keep their bytes.
-Process-wide switches are set when a CUDA model is loaded, never at import.
+its config or diffusers' own pipeline would upcast it, as SDXL's, SD3's and
+FLUX's do), SDPA attention, channels_last for the convolutions, TF32 matmuls,
+and with ``compile`` the denoiser's repeated blocks compiled (:mod:`worker.compiled`).
+The denoiser is the pipeline's UNet (SD 1.x/2.x, SDXL) or else its transformer
+(SD3.x, FLUX.1): :func:`denoiser`, the one place that tells them apart.
+The CPU path is left exactly as it was: float32, no memory-format change,
+nothing compiled, so its images keep their bytes.  Process-wide switches are
+set when a CUDA model is loaded, never at import.
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ def check_compile(compile: bool, device: str) -> None:
             f"RENDERFLEET_COMPILE (--compile) needs a CUDA device; this worker renders on {device!r}. "
             "On a CPU the compile costs more than it saves and would change the images' bytes."
         )
+
+
+def denoiser(pipe: Any) -> tuple[str, Any]:
+    """The pipeline's denoiser as (component name, module): its ``unet`` (SD 1.x/2.x,
+    SDXL: a convolutional UNet), or else its ``transformer`` (SD3.x's SD3Transformer2DModel,
+    FLUX.1's FluxTransformer2DModel).  ``ValueError`` naming the pipeline when it has neither."""
+    for name in ("unet", "transformer"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            return name, module
+    raise ValueError(f"{type(pipe).__name__} has neither a unet nor a transformer to denoise with")
 
 
 def vae_needs_float32(dtype: torch.dtype, vae_config: Any, *, pipeline_upcasts: bool = False) -> bool:
@@ -67,10 +81,11 @@ def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) ->
     """Make a pipeline fast on CUDA; returns what was done (for logs and tests).
 
     TF32 for the float32 matmuls left (the text encoders' projections, a
-    float32 VAE), SDPA attention, channels_last for the UNet's and VAE's
-    convolutions, a float32 VAE where fp16 would overflow, and the UNet's
-    repeated blocks compiled when asked.  Process-wide switches (TF32) are set
-    here, when a CUDA model is loaded, never at import.
+    float32 VAE), SDPA attention, channels_last for a UNet's and the VAE's
+    convolutions (a transformer's linear layers have no use for it), a float32
+    VAE where fp16 would overflow, and the denoiser's repeated blocks compiled
+    when asked.  Process-wide switches (TF32) are set here, when a CUDA model
+    is loaded, never at import.
     """
     import torch
 
@@ -79,20 +94,22 @@ def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) ->
     done = ["tf32"]
     _use_sdpa(pipe)
     done.append("sdpa")
-    for part in ("unet", "vae"):
-        module = getattr(pipe, part, None)
-        if module is not None:
-            module.to(memory_format=torch.channels_last)
+    name, module = denoiser(pipe)
+    # channels_last is a layout of 4-D (convolution) tensors: a UNet's, the VAE's, never a transformer's.
+    for part, conv in (("unet", module if name == "unet" else None), ("vae", getattr(pipe, "vae", None))):
+        if conv is not None:
+            conv.to(memory_format=torch.channels_last)
             done.append(f"channels_last:{part}")
     vae = getattr(pipe, "vae", None)
-    # The SDXL pipelines read force_upcast (and have upcast_vae); SD 1.x/2.x's never upcasts.
+    # The SDXL pipelines read force_upcast (and have upcast_vae); SD 1.x/2.x's never upcasts.  SD3's and
+    # FLUX's read neither, but their VAEs' configs set force_upcast (16 latent channels, as SDXL's overflow).
     if vae is not None and vae_needs_float32(dtype, vae.config, pipeline_upcasts=hasattr(pipe, "upcast_vae")):
         _decode_in_float32(vae)
         done.append("vae:float32")
     if compile:
-        from worker.compiled import compile_unet
+        from worker.compiled import compile_denoiser
 
-        done.append(f"compile:{compile_unet(pipe)}")
+        done.append(f"compile:{compile_denoiser(module)}")
     return done
 
 
@@ -184,11 +201,13 @@ def _use_sdpa(pipe: Any) -> None:
     diffusers picks it by default on torch 2, but a pipeline can come back
     with the plain (slower, hungrier) processor.  Only the stock processors are
     swapped: custom ones (IP-Adapter, LoRA variants) and transformer models'
-    own processors are theirs to keep.
+    own processors (SD3's and FLUX's joint attention, SDPA already) are theirs to keep.
     """
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    unet: Any = getattr(pipe, "unet", None)
+    name, unet = denoiser(pipe)
+    if name != "unet":
+        return
     processors = getattr(unet, "attn_processors", None)
     if not processors:
         return

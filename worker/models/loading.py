@@ -3,6 +3,7 @@ the dtype it is loaded in, and :class:`LoadedModel`, what the caller keeps."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from renderfleet.errors import ModelLoadError
 from renderfleet.spec import BENCH_PREFIX
 from worker.models.cuda import check_compile, prepare_for_cuda, quiet_empty_float32_warning
 from worker.models.fetch import Fetch, fetch_cached, read_marker
+from worker.models.memory import check_fit, check_offload, place
 from worker.models.tiny_models import TINY_MODELS
 
 
@@ -29,10 +31,11 @@ class LoadedModel:
     device: str
     dtype: torch.dtype
     load_seconds: float
-    compiled: bool = False  # the UNet's repeated blocks go through torch.compile
+    compiled: bool = False  # the denoiser's repeated blocks go through torch.compile
     revision: str = ""  # the hub revision it was loaded at ('': the default branch)
     variant: str = ""  # the weights variant ('': the plain files)
     digest: str = ""  # a folder's or s3:// model's content (renderfleet/digests.py); '' for tiny and hub ids
+    offload: str = "none"  # where its weights wait between calls (worker/models/memory.py)
 
 
 def model_label(model: str, revision: str = "", variant: str = "") -> str:
@@ -82,6 +85,9 @@ def dtype_for(device: str, *, bf16: bool | None = None) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float16
 
 
+log = logging.getLogger("renderfleet.models")
+
+
 def load_pipeline(
     model: str,
     *,
@@ -92,11 +98,16 @@ def load_pipeline(
     revision: str = "",
     variant: str = "",
     refresh: bool = False,
+    offload: str = "none",
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
     ``compile`` (CUDA only: :class:`ConfigError` elsewhere) compiles the
-    UNet's repeated blocks; the compile itself happens at the first render.
+    denoiser's repeated blocks; the compile itself happens at the first render.
+    On CUDA the weights are checked against the card's free memory before any
+    is copied (:class:`CardTooSmall`, with the numbers); ``offload`` ``model``
+    (CUDA only) keeps each component in host memory until it runs
+    (``worker/models/memory.py``).
     Raises :class:`ModelLoadError` when the model cannot be found: an unknown
     hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
     Each call loads afresh; the caller keeps the result and counts loads.
@@ -109,6 +120,7 @@ def load_pipeline(
     started = time.perf_counter()
     device = device or default_device()
     check_compile(compile, device)
+    check_offload(offload, device)
     dtype = dtype_for(device)
     quiet_empty_float32_warning()
     logs.route_library_logs()  # their lines through our handler (renderfleet/logs.py): noise dropped
@@ -133,11 +145,24 @@ def load_pipeline(
     else:
         pipe = _from_hub(model, dtype, revision=revision, variant=variant)
 
-    # 2. Prepare it for serving: quiet, on the device; on CUDA made fast.
+    # 2. Prepare it for serving: quiet, on the device; on CUDA made fast, and refused before any
+    #    copy if the card cannot hold it (the CPU path as it was).
     pipe.set_progress_bar_config(disable=True)
     if device.startswith("cuda"):
         prepare_for_cuda(pipe, dtype, compile=compile)
-    pipe = pipe.to(device)
+        fit = check_fit(pipe, device, dtype, offload=offload, model=model)
+        log.info(
+            "model %s: %.1f GB of weights in %s, %.1f GB free on %s%s",
+            model,
+            fit["total"] / 1e9,
+            fit["dtype"],
+            fit["free"] / 1e9,
+            device,
+            ", each component on the card only while it runs (offload model)" if offload == "model" else "",
+        )
+        pipe = place(pipe, device, offload)
+    else:
+        pipe = pipe.to(device)
 
     return LoadedModel(
         pipe=pipe,
@@ -149,6 +174,7 @@ def load_pipeline(
         revision=revision,
         variant=variant,
         digest=digest,
+        offload=offload,
     )
 
 
