@@ -457,6 +457,15 @@ def worker(
             "(CUDA only; default: RENDERFLEET_OFFLOAD, else none)",
         ),
     ] = None,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            "--quantize",
+            metavar="none|int8|fp8",
+            help="the denoiser's and T5's weights in 8 bits (torchao), for a model bigger than the card "
+            "(default: RENDERFLEET_QUANTIZE, else none)",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
@@ -468,6 +477,7 @@ def worker(
         render_batch=batch_size,
         compile=compile,
         offload=offload,
+        quantize=quantize,
     )
     from renderfleet import logs
 

@@ -196,6 +196,10 @@ class Settings(BaseSettings):
     # component in host memory until it runs: diffusers' enable_model_cpu_offload, needs accelerate),
     # for a model bigger than the card (worker/models/memory.py).  The images' bytes are the same.
     offload: str = "none"
+    # The denoiser's and T5 encoder's weights in 8 bits (torchao, weight-only): "none", "int8" (anywhere)
+    # or "fp8" (a card with fp8: Ada, Hopper); for a model bigger than the card.  The images differ from
+    # unquantized ones and record it (worker/models/quantize.py).
+    quantize: str = "none"
     # A file holding the fleet's key (32 bytes or more) for the compile cache: with it, compiled
     # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
     # None: not shared, each node compiles for itself (worker/compiled.py).
@@ -339,6 +343,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"must be none or model, got {value!r} (model: each component on the card only while it "
                 "runs, for a model bigger than the card)"
+            )
+        return value
+
+    @field_validator("quantize")
+    @classmethod
+    def _check_quantize(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value not in ("none", "int8", "fp8"):
+            raise ValueError(
+                f"must be none, int8 or fp8, got {value!r} (the denoiser's and T5's weights in 8 bits, for a model "
+                "bigger than the card)"
             )
         return value
 

@@ -213,6 +213,7 @@ class Remembered:
     width: int = 0
     height: int = 0
     compiled: bool = False  # rendered with --compile; a record from before the field was eager
+    quantize: str = "none"  # rendered with --quantize (worker/models/quantize.py); before the field: none
 
     def covers(self, batch: int) -> bool:
         return self.oom or batch <= self.limit
@@ -275,7 +276,7 @@ class BatchSizes:
             return batch  # its probe failed once: not again for every batch
         known = self._known.get(key) or self._read(key)
         if known is not None:
-            check_same_kind(known, compiled=_compiled(renderer), where=self.store_key(key))
+            check_same_kind(known, compiled=_compiled(renderer), where=self.store_key(key), quantize=_quantize(renderer))
         if known is None or not known.covers(batch):
             found = self._search(renderer, prompt, batch, known, should_stop, key)
             if found is None:
@@ -307,6 +308,7 @@ class BatchSizes:
             width=key[2],
             height=key[3],
             compiled=_compiled(renderer),
+            quantize=_quantize(renderer),
         )
         self._known[key] = known
         self._write(key, known)
@@ -382,6 +384,7 @@ class BatchSizes:
             width=key[2],
             height=key[3],
             compiled=_compiled(renderer),
+            quantize=_quantize(renderer),
         )
 
     # ---- the store -------------------------------------------------------------------
@@ -438,7 +441,12 @@ def _compiled(renderer: Any) -> bool:
     return bool(getattr(getattr(renderer, "loaded", None), "compiled", False))
 
 
-def check_same_kind(known: Remembered, *, compiled: bool, where: str) -> None:
+def _quantize(renderer: Any) -> str:
+    """How ``renderer``'s weights are quantized (``LoadedModel.quantize``): none, int8 or fp8."""
+    return str(getattr(getattr(renderer, "loaded", None), "quantize", "none"))
+
+
+def check_same_kind(known: Remembered, *, compiled: bool, where: str, quantize: str = "none") -> None:
     """Refuse (:class:`MixedFleet`) to render where the fleet's record says the other kind renders.
 
     A fleet must not mix compiled and eager workers on one (card, model,
@@ -448,6 +456,13 @@ def check_same_kind(known: Remembered, *, compiled: bool, where: str) -> None:
     decides, in the record; switching the fleet is deliberate: stop its
     workers and delete the record.
     """
+    if known.quantize != quantize:
+        raise MixedFleet(
+            f"RENDERFLEET_QUANTIZE: this worker renders {known.model} at {known.width}x{known.height} on "
+            f"{known.card} with quantize={quantize}, but the fleet renders it with quantize={known.quantize} "
+            f"(store key {where}); their images differ in bytes and a fleet must not mix them: start this "
+            f"worker with --quantize {known.quantize}, or stop the fleet's workers and delete that key to switch"
+        )
     if known.compiled == compiled:
         return
     mine, theirs = ("compiled", "eager") if compiled else ("eager", "compiled")

@@ -92,6 +92,7 @@ def load_renderer(
         variant=variant,
         refresh=refresh,
         offload=settings.offload,
+        quantize=settings.quantize,
     )
     cache = None
     if loaded.compiled:
@@ -126,6 +127,11 @@ def run_worker(
         from worker.models.memory import check_offload
 
         check_offload(settings.offload, settings.device or default_device())
+    if settings.quantize != "none":  # refused without torchao, or fp8 on a card without it (exit 2)
+        from worker.models import default_device
+        from worker.models.quantize import check_quantize
+
+        check_quantize(settings.quantize, settings.device or default_device())
     model = model or settings.model or "tiny"  # a start: each job's own model is loaded when its shards come
     if why := model_refusal(model, settings.allowed_model_list, bench=settings.allow_bench_models):
         raise ConfigError(f"RENDERFLEET_MODEL (--model): {why}")

@@ -223,7 +223,11 @@ class Renderer:
     def encode(self, image: Any, prompt: Prompt) -> bytes:
         """The image's file in the prompt's format, with what made it; :class:`PromptError` if its
         text cannot be carried."""
-        return encode_image(image, prompt, self.loaded.model, self.family.used(prompt))
+        used = self.family.used(prompt)
+        quantize = getattr(self.loaded, "quantize", "none")
+        if quantize != "none":  # 8-bit weights render other bytes: said in every image
+            used = {**used, "quantize": quantize}
+        return encode_image(image, prompt, self.loaded.model, used)
 
     def generate(
         self, prompts: Sequence[Prompt], *, output_type: str = "pil", should_stop: Callable[[], bool] = lambda: False

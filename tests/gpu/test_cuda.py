@@ -344,3 +344,20 @@ def test_sd3_and_flux_with_model_offload_render_the_same_bytes(name: str, guidan
     assert offloaded.offload == "model"  # type: ignore[attr-defined]
     assert next(offloaded.pipe.transformer.parameters()).device.type == "cpu"  # type: ignore[attr-defined]  # until it runs
     assert Renderer(offloaded).render(prompts) == plain  # type: ignore[arg-type]  # every computation still on the card
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp8"])
+def test_flux_with_8_bit_weights_renders_on_the_card_deterministically_and_smaller(tmp_path: Path, quantize: str) -> None:
+    from worker.models.quantize import check_quantize
+    from worker.render import Renderer
+
+    try:
+        check_quantize(quantize, "cuda")
+    except Exception as exc:  # fp8 on a card without it: said, not a failure of this card
+        pytest.skip(str(exc))
+    prompts = family_prompts(3.5)
+    loaded = load_family("tiny-flux", tmp_path, quantize=quantize)
+    renderer = Renderer(loaded)  # type: ignore[arg-type]
+    first = renderer.render(prompts)  # type: ignore[arg-type]
+    assert renderer.render(prompts) == first  # type: ignore[arg-type]
+    assert len(first) == 2

@@ -19,6 +19,7 @@ from renderfleet.spec import BENCH_PREFIX
 from worker.models.cuda import check_compile, prepare_for_cuda, quiet_empty_float32_warning
 from worker.models.fetch import Fetch, fetch_cached, read_marker
 from worker.models.memory import check_fit, check_offload, place
+from worker.models.quantize import check_quantize, quantize_pipeline
 from worker.models.tiny_models import TINY_MODELS
 
 
@@ -36,6 +37,7 @@ class LoadedModel:
     variant: str = ""  # the weights variant ('': the plain files)
     digest: str = ""  # a folder's or s3:// model's content (renderfleet/digests.py); '' for tiny and hub ids
     offload: str = "none"  # where its weights wait between calls (worker/models/memory.py)
+    quantize: str = "none"  # its denoiser's and T5's weights in 8 bits (worker/models/quantize.py)
 
 
 def model_label(model: str, revision: str = "", variant: str = "") -> str:
@@ -99,6 +101,7 @@ def load_pipeline(
     variant: str = "",
     refresh: bool = False,
     offload: str = "none",
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
@@ -107,7 +110,8 @@ def load_pipeline(
     On CUDA the weights are checked against the card's free memory before any
     is copied (:class:`CardTooSmall`, with the numbers); ``offload`` ``model``
     (CUDA only) keeps each component in host memory until it runs
-    (``worker/models/memory.py``).
+    (``worker/models/memory.py``); ``quantize`` ``int8`` or ``fp8`` stores the denoiser's and T5's
+    weights in 8 bits (``worker/models/quantize.py``).
     Raises :class:`ModelLoadError` when the model cannot be found: an unknown
     hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
     Each call loads afresh; the caller keeps the result and counts loads.
@@ -121,6 +125,7 @@ def load_pipeline(
     device = device or default_device()
     check_compile(compile, device)
     check_offload(offload, device)
+    check_quantize(quantize, device)
     dtype = dtype_for(device)
     quiet_empty_float32_warning()
     logs.route_library_logs()  # their lines through our handler (renderfleet/logs.py): noise dropped
@@ -145,7 +150,10 @@ def load_pipeline(
     else:
         pipe = _from_hub(model, dtype, revision=revision, variant=variant)
 
-    # 2. Prepare it for serving: quiet, on the device; on CUDA made fast, and refused before any
+    # 2. Quantized where asked, on the CPU: the fit check below counts the 8-bit bytes.
+    quantize_pipeline(pipe, quantize)
+
+    # 3. Prepare it for serving: quiet, on the device; on CUDA made fast, and refused before any
     #    copy if the card cannot hold it (the CPU path as it was).
     pipe.set_progress_bar_config(disable=True)
     if device.startswith("cuda"):
@@ -175,6 +183,7 @@ def load_pipeline(
         variant=variant,
         digest=digest,
         offload=offload,
+        quantize=quantize,
     )
 
 
