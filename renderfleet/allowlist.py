@@ -26,6 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from renderfleet.spec import BENCH_PREFIX, TINY_MODELS
+from renderfleet.stages import STAGE_TINY_MODELS
+
+_BUILT_IN = (*TINY_MODELS, *STAGE_TINY_MODELS)  # built, never read from a folder: no path entry admits one
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 PULL_REQUEST_PREFIX = "refs/pr/"
@@ -80,9 +83,7 @@ def model_allowed(model: str, allowed: Sequence[str] | None, revision: str = "")
             base = entry.rstrip("/")
             if model.startswith(base + "/") and ".." not in model[len(base) :].split("/"):
                 return True
-        elif (
-            model not in TINY_MODELS and "://" not in model and not model.startswith(BENCH_PREFIX) and _is_path_entry(entry)
-        ):
+        elif model not in _BUILT_IN and "://" not in model and not model.startswith(BENCH_PREFIX) and _is_path_entry(entry):
             try:
                 if Path(model).expanduser().resolve().is_relative_to(Path(entry).expanduser().resolve()):
                     return True

@@ -16,11 +16,22 @@ from renderfleet import logs
 from renderfleet.digests import folder_digest
 from renderfleet.errors import ModelLoadError
 from renderfleet.spec import BENCH_PREFIX
+from renderfleet.stages import STAGE_TINY_MODELS
 from worker.models.cuda import check_compile, prepare_for_cuda, quiet_empty_float32_warning
 from worker.models.fetch import Fetch, fetch_cached, read_marker
 from worker.models.memory import check_fit, check_offload, place
 from worker.models.quantize import check_quantize, quantize_pipeline
 from worker.models.tiny_models import TINY_MODELS
+
+# What a model is loaded as (``load_pipeline``'s ``task``): diffusers' class that reads its folder.
+# A job's model renders from text; a refine stage's is image to image (an SDXL refiner's own
+# settings, ``requires_aesthetics_score``, survive only so); an upscale stage's is whatever
+# pipeline its folder names (StableDiffusionUpscalePipeline has no auto-pipeline).
+TASKS = {
+    "text-to-image": "AutoPipelineForText2Image",
+    "image-to-image": "AutoPipelineForImage2Image",
+    "any": "DiffusionPipeline",
+}
 
 
 @dataclass
@@ -102,6 +113,7 @@ def load_pipeline(
     refresh: bool = False,
     offload: str = "none",
     quantize: str = "none",
+    task: str = "text-to-image",
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
@@ -118,9 +130,15 @@ def load_pipeline(
     ``revision`` (hub ids only) and ``variant`` (hub ids, folders, ``s3://``) pin the weights
     read; a folder's or bucket's content digest is recorded (``LoadedModel.digest``).
     ``refresh``: an ``s3://`` model is fetched again in place of the cached copy.
+    ``task`` (a key of :data:`TASKS`): what a folder or hub id is loaded as; a built-in model
+    is built as it is, and a stage's (``renderfleet.stages.STAGE_TINY_MODELS``) never as a job's.
     """
     if model.startswith(BENCH_PREFIX):  # not a pipeline: worker.main.load_renderer serves these, when allowed
         raise ModelLoadError(f"model {model!r} is a bench model (the fixed-time renderer), not a pipeline")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task == "text-to-image" and model in STAGE_TINY_MODELS:
+        raise ModelLoadError(f"model {model!r} is a built-in stage model; it renders no image from text")
     started = time.perf_counter()
     device = device or default_device()
     check_compile(compile, device)
@@ -143,12 +161,12 @@ def load_pipeline(
     elif model.startswith("s3://"):
         cached = fetch_cached(model, cache_dir=cache_dir, fetch=fetch, refresh=refresh)
         digest = read_marker(cached)
-        pipe = _from_pretrained(str(cached), model, dtype, variant=variant)
+        pipe = _from_pretrained(str(cached), model, dtype, variant=variant, task=task)
     elif folder.is_dir():
         digest = folder_digest(folder)
-        pipe = _from_pretrained(str(folder), model, dtype, variant=variant)
+        pipe = _from_pretrained(str(folder), model, dtype, variant=variant, task=task)
     else:
-        pipe = _from_hub(model, dtype, revision=revision, variant=variant)
+        pipe = _from_hub(model, dtype, revision=revision, variant=variant, task=task)
 
     # 2. Quantized where asked, on the CPU: the fit check below counts the 8-bit bytes.
     quantize_pipeline(pipe, quantize)
@@ -196,13 +214,13 @@ def save_pipeline(loaded_or_pipe: LoadedModel | Any, dest: Path) -> Path:
     return dest
 
 
-def _from_pretrained(folder: str, model: str, dtype: torch.dtype, *, variant: str = "") -> Any:
-    from diffusers import AutoPipelineForText2Image
+def _from_pretrained(folder: str, model: str, dtype: torch.dtype, *, variant: str = "", task: str = "text-to-image") -> Any:
+    import diffusers
 
     try:
         # safetensors only, as from the hub: a folder or bucket may hold pickled
         # weights too, and loading those can run code.
-        return AutoPipelineForText2Image.from_pretrained(
+        return getattr(diffusers, TASKS[task]).from_pretrained(
             folder, **_dtype_kwarg(dtype), use_safetensors=True, variant=variant or None
         )
     except (OSError, ValueError, KeyError) as exc:
@@ -210,13 +228,15 @@ def _from_pretrained(folder: str, model: str, dtype: torch.dtype, *, variant: st
         raise ModelLoadError(f"model {model!r}{what}: not a loadable pipeline: {exc}") from exc
 
 
-def _from_hub(model_id: str, dtype: torch.dtype, *, revision: str = "", variant: str = "") -> Any:
-    from diffusers import AutoPipelineForText2Image
+def _from_hub(
+    model_id: str, dtype: torch.dtype, *, revision: str = "", variant: str = "", task: str = "text-to-image"
+) -> Any:
+    import diffusers
 
     try:
         # safetensors only: a hub id is someone else's files, and pickled
         # weights can run code when loaded.
-        return AutoPipelineForText2Image.from_pretrained(
+        return getattr(diffusers, TASKS[task]).from_pretrained(
             model_id, **_dtype_kwarg(dtype), use_safetensors=True, revision=revision or None, variant=variant or None
         )
     except (OSError, ValueError) as exc:

@@ -5,6 +5,9 @@ from config with a fixed seed: ``tiny`` (Stable Diffusion 1.x, :mod:`.tiny`),
 ``tiny-sdxl`` (:mod:`.tiny_sdxl`), ``tiny-sd3`` (:mod:`.tiny_sd3`), ``tiny-flux``
 and ``tiny-flux-schnell`` (:mod:`.tiny_flux`).  ``renderfleet.spec.TINY_MODELS``
 holds the same names for the dispatcher side, which may not import this package.
+After them the models of a render's later stages, which render no image from text:
+``tiny-x4-upscaler`` (:mod:`.tiny_upscaler`) and ``tiny-sdxl-refiner``
+(:mod:`.tiny_refiner`); ``renderfleet.stages.STAGE_TINY_MODELS`` names them.
 
 A module of its own, above the families: they import their shared parts from
 :mod:`.tiny`, so a table there would make each import the other.  Importing the
@@ -19,8 +22,10 @@ from typing import Any
 from renderfleet.errors import ModelLoadError
 from worker.models.tiny import TINY, build_tiny_pipeline
 from worker.models.tiny_flux import TINY_FLUX, TINY_FLUX_SCHNELL, build_tiny_flux
+from worker.models.tiny_refiner import TINY_SDXL_REFINER, build_tiny_sdxl_refiner
 from worker.models.tiny_sd3 import TINY_SD3, build_tiny_sd3
 from worker.models.tiny_sdxl import TINY_SDXL, build_tiny_sdxl
+from worker.models.tiny_upscaler import TINY_X4_UPSCALER, build_tiny_x4_upscaler
 
 
 def _build_tiny_flux_schnell() -> Any:
@@ -33,6 +38,9 @@ TINY_MODELS: dict[str, Callable[[], Any]] = {
     TINY_SD3: build_tiny_sd3,
     TINY_FLUX: build_tiny_flux,
     TINY_FLUX_SCHNELL: _build_tiny_flux_schnell,
+    # a later stage's (renderfleet.stages.STAGE_TINY_MODELS): an upscaler, a refiner
+    TINY_X4_UPSCALER: build_tiny_x4_upscaler,
+    TINY_SDXL_REFINER: build_tiny_sdxl_refiner,
 }
 
 

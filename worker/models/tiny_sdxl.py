@@ -34,51 +34,20 @@ def build_tiny_sdxl() -> Any:
     the pixels must not depend on whether a worker has the package.
     """
     import torch
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import StableDiffusionXLPipeline
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     log.warning(tiny_warning(TINY_SDXL))
     tokenizer = tiny_tokenizer()
     tokenizer_2 = tiny_tokenizer()
-    text_config = tiny_clip_config(tokenizer, hidden_act="gelu", projection_dim=_PROJECTION_DIM)
+    text_config = tiny_sdxl_text_config(tokenizer)
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        unet = UNet2DConditionModel(
-            block_out_channels=(32, 64),
-            layers_per_block=2,
-            sample_size=32,
-            in_channels=4,
-            out_channels=4,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            attention_head_dim=(2, 4),
-            use_linear_projection=True,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=_TIME_EMBED_DIM,
-            transformer_layers_per_block=(1, 2),
-            projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _PROJECTION_DIM,
-            cross_attention_dim=2 * text_config.hidden_size,
-        )
-        # SDXL's own scheduler settings; Euler with no churn draws no noise
-        # while stepping, so the image depends on the starting latents alone.
-        scheduler = EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            steps_offset=1,
-            timestep_spacing="leading",
-        )
+        unet = tiny_sdxl_unet(cross_attention_dim=2 * text_config.hidden_size, time_ids=6)
+        scheduler = tiny_sdxl_scheduler()
         torch.manual_seed(0)
-        vae = AutoencoderKL(
-            block_out_channels=[32, 64],
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
-            up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
-            latent_channels=4,
-            scaling_factor=0.13025,  # SDXL's VAE's
-        )
+        vae = tiny_sdxl_vae()
         torch.manual_seed(0)
         text_encoder = CLIPTextModel(text_config)
         torch.manual_seed(0)
@@ -97,3 +66,62 @@ def build_tiny_sdxl() -> Any:
     eval_models(pipe)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def tiny_sdxl_text_config(tokenizer: Any) -> Any:
+    """The config of each tiny SDXL text encoder (hidden size 32, a projection for the pooled text)."""
+    return tiny_clip_config(tokenizer, hidden_act="gelu", projection_dim=_PROJECTION_DIM)
+
+
+def tiny_sdxl_unet(*, cross_attention_dim: int, time_ids: int) -> Any:
+    """The tiny SDXL UNet, from the caller's seeded RNG: ``cross_attention_dim`` the text's width (both
+    encoders' side by side for the base model, the second's alone for the refiner), ``time_ids`` the
+    numbers embedded with the pooled text (6 for the base: sizes and crop; 5 for the refiner: sizes,
+    crop and an aesthetic score)."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=_TIME_EMBED_DIM,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=time_ids * _TIME_EMBED_DIM + _PROJECTION_DIM,
+        cross_attention_dim=cross_attention_dim,
+    )
+
+
+def tiny_sdxl_scheduler() -> Any:
+    """SDXL's own scheduler settings; Euler with no churn draws no noise while stepping, so the
+    image depends on the starting latents alone."""
+    from diffusers import EulerDiscreteScheduler
+
+    return EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+
+
+def tiny_sdxl_vae() -> Any:
+    """The tiny SDXL VAE (halves each side once), from the caller's seeded RNG."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=[32, 64],
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
+        latent_channels=4,
+        scaling_factor=0.13025,  # SDXL's VAE's
+    )

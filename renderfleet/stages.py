@@ -1,0 +1,301 @@
+"""A render's later stages: what happens to a batch's images after they are generated (issue 39).
+
+A job generates each prompt's image from text, then may pass it through up to
+:data:`MAX_STAGES` stages, in order, on the same worker and in the same batch:
+
+* **upscale** by a ``factor`` of 2 or 4: a plain Lanczos resize (``model`` ''),
+  or a diffusion x4 upscaler (``StableDiffusionUpscalePipeline``: the built-in
+  ``tiny-x4-upscaler``, a folder, an ``s3://`` prefix or a hub id), which
+  denoises the image at four times its size guided by the prompt;
+* **refine**: image to image at a ``strength`` (0 < s <= 1: how much of the
+  schedule is run again; A1111's hires fix, SDXL's refiner), with the job's own
+  model at the image's size now (``model`` '') or another one (the built-in
+  ``tiny-sdxl-refiner``, a folder, ``s3://`` prefix or hub id).
+
+A stage is a frozen dataclass (:class:`Stage`) carried in a job's settings as
+small JSON (:func:`to_json`, :func:`from_json`: only the keys that differ from
+the defaults, so a job's id does not change when a default key is added).  The
+CLI forms are ``--upscale FACTOR[:MODEL[:STEPS]]`` (:func:`parse_upscale`) and
+``--refine MODEL[:STRENGTH[:STEPS]]`` (:func:`parse_refine`), where the model
+``self`` (or nothing) is the job's own.  :func:`stages_problem` is the one check
+of a list of stages, submit's and the worker's alike.
+
+Each stage draws its noise from its own seed (:func:`stage_seed`): a prompt's
+seed with the stage's position mixed into its top bits, never the seed the image
+was generated from, so a re-run gives the same bytes.
+
+Pure data and pure checks: no torch, nothing at import.  The worker's side is
+``worker/stages.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from renderfleet.errors import InputError, WireError
+from renderfleet.spec import BENCH_PREFIX, INT_LIMITS, TINY_MODELS, model_problem
+
+UPSCALE = "upscale"
+REFINE = "refine"
+KINDS = (UPSCALE, REFINE)
+FLAGS = {UPSCALE: "--upscale", REFINE: "--refine"}  # the CLI flag of each kind, named in every problem
+
+MAX_STAGES = 4
+UPSCALE_FACTORS = (2, 4)
+DIFFUSION_UPSCALE_FACTOR = 4  # a diffusion upscaler's VAE decodes at four times the size: x4 only
+DEFAULT_STRENGTH = 0.3
+DEFAULT_STEPS = 20
+SELF = "self"  # the CLI's spelling of "the job's own model" in --refine ('' in a Stage)
+
+# The built-in random-weight models of the stages (worker/models/tiny_upscaler.py, tiny_refiner.py):
+# they render no image from text, so they are not among the job models (renderfleet/families.py).
+TINY_X4_UPSCALER = "tiny-x4-upscaler"
+TINY_SDXL_REFINER = "tiny-sdxl-refiner"
+STAGE_TINY_MODELS = (TINY_X4_UPSCALER, TINY_SDXL_REFINER)
+
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_KEYS = ("kind", "model", "factor", "strength", "steps", "pool")
+_MAX_SIZE = INT_LIMITS["width"][1]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage after generate.  Fields a kind does not use stay at their defaults, so each
+    stage has one spelling (and a job one id)."""
+
+    kind: str  # UPSCALE or REFINE
+    # upscale: '' a Lanczos resize, else a diffusion x4 upscaler; refine: '' the job's own model, else another
+    model: str = ""
+    factor: int = 1  # upscale: 2 or 4 (a diffusion upscaler: 4); a refine keeps the size (1)
+    strength: float = DEFAULT_STRENGTH  # refine: how much of the schedule is run again, 0 < s <= 1
+    steps: int = DEFAULT_STEPS  # refine's and a diffusion upscaler's schedule (a refine runs int(steps * strength))
+    pool: str = ""  # reserved: '' runs the stage on the job's worker, the only place today
+
+
+def stage_seed(seed: int, index: int) -> int:
+    """The seed of stage ``index`` (0: the first after generate) for a prompt of ``seed``.
+
+    The stage's position + 1 in bits 56-58, so it is never the prompt's own seed (a refine at the
+    generated size would otherwise add the very noise the image started from) and stays below 2**63,
+    as every seed does."""
+    if not 0 <= index < MAX_STAGES:
+        raise ValueError(f"a stage's index is 0 to {MAX_STAGES - 1}, got {index}")
+    return seed ^ ((index + 1) << 56)
+
+
+def final_size(stages: Sequence[Stage], width: int, height: int) -> tuple[int, int]:
+    """The images' size after every stage, for a job generating at ``width`` x ``height``."""
+    scale = math.prod(s.factor for s in stages if s.kind == UPSCALE)
+    return width * scale, height * scale
+
+
+def denoised_steps(stage: Stage) -> int:
+    """How many steps a refine runs (diffusers' ``int(steps * strength)``); a diffusion upscale all."""
+    return int(stage.steps * stage.strength) if stage.kind == REFINE else stage.steps
+
+
+# ---- the CLI's forms -------------------------------------------------------------
+
+
+def parse_upscale(text: str, flag: str = FLAGS[UPSCALE]) -> Stage:
+    """``FACTOR[:MODEL[:STEPS]]``: ``2`` (Lanczos), ``4:tiny-x4-upscaler``, ``4:/models/x4:30``.
+
+    :class:`InputError` with one line naming ``flag`` and the value for a form that is not one,
+    or a stage :func:`stage_problem` refuses."""
+    factor_text, _, rest = text.strip().partition(":")
+    model, steps_text = _split_numbers(rest, 1)
+    if not factor_text.isdigit():
+        raise InputError([f"{flag} {text!r}: give FACTOR[:MODEL[:STEPS]], the factor 2 or 4 (e.g. 2, 4:{TINY_X4_UPSCALER})"])
+    _check_model_text(flag, text, model, "FACTOR[:MODEL[:STEPS]]")
+    if steps_text is not None and not model:
+        raise InputError([f"{flag} {text!r}: steps are a diffusion upscaler's; a Lanczos resize has none"])
+    steps = DEFAULT_STEPS if steps_text is None else _parse_steps(flag, text, steps_text)
+    return _checked(flag, text, Stage(UPSCALE, model=model, factor=int(factor_text), steps=steps))
+
+
+def parse_refine(text: str, flag: str = FLAGS[REFINE]) -> Stage:
+    """``MODEL[:STRENGTH[:STEPS]]``: ``self`` or nothing for the job's own model (``self:0.4``,
+    ``:0.4``, ``''``), else a model (``tiny-sdxl-refiner:0.3:10``); strength and steps default
+    to 0.3 and 20.
+
+    :class:`InputError` with one line naming ``flag`` and the value for a form that is not one,
+    or a stage :func:`stage_problem` refuses."""
+    model, numbers = _split_numbers(text.strip(), 2)
+    _check_model_text(flag, text, model, "MODEL[:STRENGTH[:STEPS]]")
+    strength_text, _, steps_text = (numbers or "").partition(":")
+    strength = float(strength_text) if strength_text else DEFAULT_STRENGTH
+    steps = _parse_steps(flag, text, steps_text) if steps_text else DEFAULT_STEPS
+    return _checked(flag, text, Stage(REFINE, model="" if model == SELF else model, strength=strength, steps=steps))
+
+
+def _split_numbers(text: str, most: int) -> tuple[str, str | None]:
+    """(the text before its last ``most`` or fewer ``:NUMBER`` parts, those parts joined by ':' or
+    None): a model may hold colons (``s3://``), a number never ends one."""
+    head, tail = text, list[str]()
+    while len(tail) < most:
+        before, colon, last = head.rpartition(":")
+        if not colon or not _NUMBER_RE.fullmatch(last):
+            break
+        head, tail = before, [last, *tail]
+    return head, ":".join(tail) if tail else None
+
+
+def _parse_steps(flag: str, text: str, steps_text: str) -> int:
+    if not steps_text.isdigit():
+        raise InputError([f"{flag} {text!r}: steps must be a whole number, got {steps_text!r}"])
+    return int(steps_text)
+
+
+def _check_model_text(flag: str, text: str, model: str, form: str) -> None:
+    """Refuse a model part that is a number, or a built-in name followed by what is not numbers
+    (``self:abc``): a slip in the form, not a model (a folder or ``s3://`` key may hold colons)."""
+    example = f"{SELF}:{model}" if form.startswith("MODEL") else f"4:{TINY_X4_UPSCALER}"
+    if _NUMBER_RE.fullmatch(model):
+        raise InputError([f"{flag} {text!r}: give {form} (e.g. {example}); a number is no model"])
+    if ":" in model and model.split(":")[0] in (SELF, *TINY_MODELS, *STAGE_TINY_MODELS):
+        raise InputError([f"{flag} {text!r}: give {form}, each after the model a number"])
+
+
+def _checked(flag: str, text: str, stage: Stage) -> Stage:
+    if why := stage_problem(stage):
+        raise InputError([f"{flag} {text!r}: {why}"])
+    return stage
+
+
+# ---- the checks ------------------------------------------------------------------
+
+
+def stage_problem(stage: Stage) -> str | None:
+    """Why ``stage`` cannot run, in one line naming the setting, or None."""
+    if stage.kind not in KINDS:
+        return f"kind must be {' or '.join(KINDS)}, got {str(stage.kind)[:40]!r}"
+    if stage.pool:
+        return "pool: a stage runs on the job's own worker; another pool is not supported yet"
+    if stage.model and (why := _model_problem(stage)):
+        return why
+    if stage.kind == UPSCALE:
+        if stage.factor not in UPSCALE_FACTORS:
+            return f"factor must be 2 or 4, got {stage.factor}"
+        if stage.model and stage.factor != DIFFUSION_UPSCALE_FACTOR:
+            return f"factor {stage.factor}: a diffusion upscaler ({stage.model[:200]}) upscales x4 only"
+        if stage.strength != DEFAULT_STRENGTH:
+            return "strength is a refine's; an upscale takes none"
+        if not stage.model and stage.steps != DEFAULT_STEPS:
+            return "steps are a diffusion upscaler's; a Lanczos resize has none"
+    else:
+        if stage.factor != 1:
+            return f"factor: a refine keeps the image's size (1), got {stage.factor}"
+        if not math.isfinite(stage.strength) or not 0 < stage.strength <= 1:
+            return f"strength must be above 0 and at most 1, got {stage.strength}"
+    low, high = INT_LIMITS["steps"]
+    if not low <= stage.steps <= high:
+        return f"steps must be between {low} and {high}, got {stage.steps}"
+    if denoised_steps(stage) < 1:
+        return (
+            f"steps x strength must give at least one step to run ({stage.steps} x {stage.strength:g} gives "
+            f"{stage.steps * stage.strength:g}): give more steps or a higher strength"
+        )
+    return None
+
+
+def _model_problem(stage: Stage) -> str | None:
+    if why := model_problem(stage.model, "model"):
+        return why
+    if stage.model.startswith(BENCH_PREFIX):
+        return f"model {stage.model[:100]!r}: the fixed-time bench renderer renders no stage"
+    if stage.model == SELF:
+        return f"model {SELF!r} is the CLI's spelling of the job's own model; a stage writes ''"
+    if stage.kind == UPSCALE and stage.model in (*TINY_MODELS, TINY_SDXL_REFINER):
+        return f"model {stage.model!r} is no upscaler; the built-in one is {TINY_X4_UPSCALER}"
+    if stage.kind == REFINE and stage.model == TINY_X4_UPSCALER:
+        return f"model {stage.model!r} is an upscaler; use it in {FLAGS[UPSCALE]}"
+    return None
+
+
+def stages_problem(stages: Sequence[Stage], width: int | None = None, height: int | None = None) -> str | None:
+    """Why ``stages`` cannot follow generate, in one line naming the stage and its flag, or None:
+    at most :data:`MAX_STAGES`, each by :func:`stage_problem`, and, given the size generated,
+    the final size within the width and height limits (``renderfleet.spec.INT_LIMITS``)."""
+    if len(stages) > MAX_STAGES:
+        return f"at most {MAX_STAGES} stages after generate, got {len(stages)}"
+    for n, stage in enumerate(stages, 1):
+        if why := stage_problem(stage):
+            return f"stage {n} ({FLAGS.get(stage.kind, 'stage')}): {why}"
+    if width is not None and height is not None:
+        final_width, final_height = final_size(stages, width, height)
+        if final_width > _MAX_SIZE or final_height > _MAX_SIZE:
+            return (
+                f"{FLAGS[UPSCALE]}: {width}x{height} upscaled to {final_width}x{final_height}, over the "
+                f"{_MAX_SIZE}x{_MAX_SIZE} limit"
+            )
+    return None
+
+
+# ---- the wire form: a job's settings -----------------------------------------------
+
+
+def to_json(stages: Sequence[Stage]) -> list[dict[str, Any]]:
+    """Each stage as a small dict: its kind, then only the keys that differ from the defaults."""
+    out = []
+    for stage in stages:
+        entry: dict[str, Any] = {"kind": stage.kind}
+        for key in _KEYS[1:]:
+            value = getattr(stage, key)
+            if value != getattr(_DEFAULTS, key):
+                entry[key] = value
+        out.append(entry)
+    return out
+
+
+_DEFAULTS = Stage(UPSCALE)
+_TYPES: dict[str, tuple[type, ...]] = {
+    "kind": (str,),
+    "model": (str,),
+    "factor": (int,),
+    "strength": (int, float),
+    "steps": (int,),
+    "pool": (str,),
+}
+
+
+def from_json(data: Any) -> tuple[Stage, ...]:
+    """The stages of :func:`to_json`'s form, checked by :func:`stages_problem`; :class:`WireError`
+    naming the first thing that is not (a job's stored settings are never trusted)."""
+    if not isinstance(data, list):
+        raise WireError(f"stages must be a list, got {type(data).__name__}")
+    stages = []
+    for n, entry in enumerate(data, 1):
+        if not isinstance(entry, dict):
+            raise WireError(f"stage {n}: must be an object, got {type(entry).__name__}")
+        if unknown := sorted(str(k)[:40] for k in entry if k not in _KEYS):
+            raise WireError(f"stage {n}: unknown keys {', '.join(unknown)}")
+        if "kind" not in entry:
+            raise WireError(f"stage {n}: no kind ({' or '.join(KINDS)})")
+        for key, value in entry.items():
+            if type(value) not in _TYPES[key]:  # exactly: a bool is no int
+                raise WireError(f"stage {n}: {key} must be {' or '.join(t.__name__ for t in _TYPES[key])}")
+        values = dict(entry)
+        if "strength" in values:
+            values["strength"] = float(values["strength"])
+        stages.append(Stage(**values))
+    if why := stages_problem(stages):
+        raise WireError(why)
+    return tuple(stages)
+
+
+# ---- in words ---------------------------------------------------------------------
+
+
+def describe(stage: Stage) -> str:
+    """One line saying what ``stage`` does: ``upscale x2 (Lanczos)``, ``refine with the job's
+    model at strength 0.3 (20 steps, 6 run)``."""
+    if stage.kind == UPSCALE:
+        if not stage.model:
+            return f"upscale x{stage.factor} (Lanczos)"
+        return f"upscale x{stage.factor} with {stage.model} ({stage.steps} steps)"
+    model = stage.model or "the job's model"
+    return f"refine with {model} at strength {stage.strength:g} ({stage.steps} steps, {denoised_steps(stage)} run)"
