@@ -38,7 +38,7 @@ from celery import Celery
 
 from dispatcher import enqueue, lifecycle
 from dispatcher.enqueue import WireShard
-from renderfleet import celery_app, digests, prompts, shardfile, spec
+from renderfleet import celery_app, digests, prompts, shardfile, spec, stages
 from renderfleet.errors import InputError
 from renderfleet.hubrev import PIPELINE_FILE, ModelCheck, RevisionResolver, hub_commit, hub_pipeline_problem
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, message_head, store_identity
@@ -83,7 +83,7 @@ SETTING_FLAGS = (
     ("--variant", "variant"),
 )
 # The job's settings a submit takes by name (Client.submit's keywords): the flags' and its LoRAs.
-JOB_SETTINGS = (*(name for _, name in SETTING_FLAGS), "loras")
+JOB_SETTINGS = (*(name for _, name in SETTING_FLAGS), "loras", "stages")
 # Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
 _FIELD_FLAGS = (
     ("--steps", "steps"),
@@ -116,6 +116,12 @@ def check_options(opts: SubmitOptions) -> None:
             problems.append(f"{flag}: {why}")
     if why := spec.loras_problem(p.loras):
         problems.append(f"--lora: {why}")
+    # The stages after generate (their problems name --upscale or --refine), the final size within the limit.
+    if p.stages and (why := stages.stages_problem(p.stages, p.width, p.height)):
+        problems.append(why)
+    for n, stage in enumerate(p.stages, 1):
+        if stage.model and stage.model not in stages.STAGE_TINY_MODELS and (why := model_problem_here(stage.model)):
+            problems.append(f"stage {n} ({stages.FLAGS[stage.kind]}): {why}")
     if not p.model:
         problems.append(MODEL_REQUIRED)
     elif why := spec.model_problem(p.model, "--model"):
@@ -141,6 +147,7 @@ _MESSAGE_FLAGS = {
     "negative_prompt": "--negative",
     "model": "--model",
     "loras": "--lora",
+    "stages": "--upscale/--refine",
     **{name: flag for flag, name in _FIELD_FLAGS},
 }
 # The feeder's envelopes pad the body with up to two of JSON's spaces (celery_app.feed_template):

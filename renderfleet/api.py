@@ -234,6 +234,10 @@ class Client:
             raise InputError([f"{name}: not a render setting (known: {', '.join(JOB_SETTINGS)})" for name in unknown])
         if "loras" in settings:
             settings["loras"] = parse_loras(settings["loras"])
+        if "stages" in settings:  # Stage objects, their dicts, or "upscale:2" / "refine:self:0.4" (renderfleet/stages.py)
+            from renderfleet.stages import parse_stages
+
+            settings["stages"] = parse_stages(settings["stages"] or ())
         width, height = parse_size(size)
         model = _expand_home(model or self.settings.model or "")
         # Steps and guidance not given: the model family's defaults where this machine can tell the

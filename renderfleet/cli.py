@@ -233,6 +233,28 @@ Revision = Annotated[
 Variant = Annotated[str, typer.Option(metavar="NAME", help="weights variant to load, e.g. fp16 (hub ids, folders, s3://)")]
 
 
+Upscale = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--upscale",
+        metavar="FACTOR[:MODEL[:STEPS]]",
+        help="a stage after generate: 2 or 4 (Lanczos), or 4:MODEL (a diffusion x4 upscaler); stages run in the order given",
+    ),
+]
+Refine = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--refine",
+        metavar="MODEL[:STRENGTH[:STEPS]]",
+        help="a stage after generate: image to image with MODEL (self: the job's own) at STRENGTH (default 0.3)",
+    ),
+]
+StagesFile = Annotated[
+    Path | None,
+    typer.Option("--stages", metavar="FILE", help="the stages after generate from a TOML file of [[stage]] tables"),
+]
+
+
 @dataclass(frozen=True)
 class SubmitFlags:
     """The job settings ``submit`` and ``run`` both take, as their flags gave them (:func:`with_submit_flags`)."""
@@ -256,6 +278,9 @@ class SubmitFlags:
     lora: list[str] | None
     revision: str
     variant: str
+    upscale: list[str] | None = None
+    refine: list[str] | None = None
+    stages: Path | None = None
 
 
 # Each setting's option (its Annotated type) and default, defined once for every command that
@@ -280,6 +305,9 @@ SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "lora": (Lora, None),
     "revision": (Revision, DEFAULT["revision"]),
     "variant": (Variant, DEFAULT["variant"]),
+    "upscale": (Upscale, None),
+    "refine": (Refine, None),
+    "stages": (StagesFile, None),
 }
 
 
@@ -317,6 +345,8 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
     if flags.lora:
         render["loras"] = flags.lora
     render.update({k: v for k, v in (("revision", flags.revision), ("variant", flags.variant)) if v})
+    if stage_list := _stage_flags(flags):
+        render["stages"] = stage_list
     return Client(settings).options(
         model=model or flags.model,
         steps=flags.steps,
@@ -332,6 +362,26 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         share=flags.share,
         **render,
     )
+
+
+def _stage_flags(flags: SubmitFlags) -> list[Any]:
+    """The job's stages from ``--stages FILE``, or ``--upscale`` and ``--refine`` in the order the command
+    line gives them (typer gathers each option's values apart; the order is read back from argv, and
+    where argv does not hold them, as when called from Python, upscales come first)."""
+    from renderfleet import stages
+
+    given = [*(flags.upscale or []), *(flags.refine or [])]
+    if flags.stages is not None:
+        if given:
+            raise InputError(["--stages: give the stages in the file or as --upscale/--refine, not both"])
+        return list(stages.read_file(str(flags.stages)))
+    order = [arg.partition("=")[0] for arg in sys.argv[1:] if arg.partition("=")[0] in ("--upscale", "--refine")]
+    if sorted(order) != sorted(["--upscale"] * len(flags.upscale or []) + ["--refine"] * len(flags.refine or [])):
+        order = ["--upscale"] * len(flags.upscale or []) + ["--refine"] * len(flags.refine or [])
+    upscales, refines = iter(flags.upscale or []), iter(flags.refine or [])
+    return [
+        stages.parse_upscale(next(upscales)) if flag == "--upscale" else stages.parse_refine(next(refines)) for flag in order
+    ]
 
 
 def _render(scheduler: str, long_prompts: str, image_format: str, quality: int) -> dict[str, Any]:
@@ -366,6 +416,7 @@ def _do_submit(
             loras=opts.params.loras,
             revision=opts.params.revision,
             variant=opts.params.variant,
+            stages=opts.params.stages,
         )
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts

@@ -34,7 +34,16 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The fields a JSON line may carry beside the message, when known.
 CONTEXT_FIELDS = ("worker", "job", "shard", "attempt")
 # Loggers whose warnings are a library's, not ours: shown once per kind (LibraryNoise).
-LIBRARIES = ("transformers", "diffusers", "huggingface_hub", "accelerate", "torch", "celery", "kombu", "py.warnings")
+LIBRARIES = (
+    "transformers",
+    "diffusers",
+    "huggingface_hub",
+    "accelerate",
+    "torch",
+    "celery",
+    "kombu",
+    "py.warnings",
+)  # "torch" covers torchao and torchsde too
 # Library notices that say nothing an operator can act on, dropped outright (substrings).
 NOISE = (
     "requires torchvision (not installed)",  # transformers: a PIL image processor is used instead; we use none
@@ -44,6 +53,10 @@ NOISE = (
     "No LoRA keys associated to CLIPTextModel found",
     # PEFT, at a second LoRA's load: several adapters on one model is what worker/loras.py keeps warm
     "Already found a `peft_config` attribute in the model",
+    # torchao, imported by diffusers wherever it is installed (--quantize): kernels this node never runs
+    "_C_mxfp8",
+    "Detected no triton",
+    "Unable to import `torchao` Tensor objects",
 )
 # How much of a library's message one line keeps.
 LINE_CHARS = 300
@@ -159,6 +172,9 @@ def route_library_logs() -> None:
     """transformers' and diffusers' lines through the root handler: their own handlers (a bare
     ``[transformers] message`` on stderr, propagation off) removed.  Imports both: call it where
     they are about to be used anyway (a worker's model load), never at import."""
+    # torchao's import registers its enums with torch.compile, which says so through torch's own handler (not
+    # ours, one line per enum): nothing an operator can act on.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     for module in ("transformers.utils.logging", "diffusers.utils.logging"):
         try:
             lib = __import__(module, fromlist=["disable_default_handler"])

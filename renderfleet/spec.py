@@ -36,7 +36,20 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from renderfleet import families
+from renderfleet import families, stages
+from renderfleet.errors import WireError
+from renderfleet.limits import (  # those unused here re-exported: the names every reader knows spec by
+    BENCH_FORM,  # noqa: F401
+    BENCH_PREFIX,
+    MAX_BENCH_SECONDS,  # noqa: F401
+    MAX_MODEL_LEN,
+    MAX_SIDE,
+    MAX_STEPS,
+    bench_model,  # noqa: F401
+    bench_seconds,  # noqa: F401
+    model_problem,
+)
+from renderfleet.limits import text_problem as _text_problem
 from renderfleet.samplers import scheduler_problem
 
 SPEC_VERSION = 1
@@ -77,7 +90,7 @@ class Field:
     name: str  # in a .jsonl object, a .csv header and RenderParams
     attr: str  # the Prompt attribute it fills ("": the job's alone, not on a Prompt)
     wire: str  # its key in a shard message's prompt
-    kind: str  # "text", "name" (a key segment), "word" (a checked token), "int", "number" or "loras"
+    kind: str  # "text", "name" (a key segment), "word" (a checked token), "int", "number", "loras" or "stages"
     types: tuple[type, ...]  # what a .jsonl value may be (exactly: a bool is no int)
     what: str  # the expected type, in words, for "must be ..." problems
     limits: tuple[int, int] | None = None  # (lowest, highest) of an "int"
@@ -214,6 +227,16 @@ def loras_problem(value: Any) -> str | None:
     return None
 
 
+def stages_field_problem(value: Any) -> str | None:
+    """Why ``value`` (:class:`~renderfleet.stages.Stage` objects, or their JSON form from a message)
+    is not a list of stages a job may have (the final size is checked beside the job's size)."""
+    try:
+        parsed = tuple(value) if all(isinstance(v, stages.Stage) for v in value) else stages.from_json(list(value))
+    except WireError as exc:
+        return str(exc)
+    return stages.stages_problem(parsed)
+
+
 def revision_problem(value: str) -> str | None:
     if not value or (_REVISION_RE.fullmatch(value) and ".." not in value):
         return None
@@ -251,11 +274,11 @@ FIELDS: tuple[Field, ...] = (
     Field("id", "name", "n", "name", (str, int), "a string or integer"),
     Field("negative_prompt", "negative_prompt", "neg", "text", (str,), "a string", default=""),
     Field("seed", "seed", "s", "int", (int,), "an integer", (0, 2**63 - 1), default=0),
-    Field("steps", "steps", "steps", "int", (int,), "an integer", (1, 1000), default=30),
+    Field("steps", "steps", "steps", "int", (int,), "an integer", (1, MAX_STEPS), default=30),
     Field("guidance", "guidance", "g", "number", (int, float), "a number", default=7.5),
     # latents are 1/8 of the image
-    Field("width", "width", "w", "int", (int,), "an integer", (1, 4096), 8, default=512),
-    Field("height", "height", "h", "int", (int,), "an integer", (1, 4096), 8, default=512),
+    Field("width", "width", "w", "int", (int,), "an integer", (1, MAX_SIDE), 8, default=512),
+    Field("height", "height", "h", "int", (int,), "an integer", (1, MAX_SIDE), 8, default=512),
     # '': the pipeline's own scheduler (renderfleet/samplers.py)
     Field("scheduler", "scheduler", "sch", "word", (str,), "a string", default="", check=scheduler_problem),
     # prompts beyond the text encoder's 77 tokens: embedded in 77-token chunks, or cut
@@ -292,6 +315,8 @@ FIELDS: tuple[Field, ...] = (
     Field(
         "model_digest", "model_digest", "md", "word", (str,), "a string", default="", per_prompt=False, check=digest_problem
     ),
+    # the stages after generate (renderfleet/stages.py): upscale, refine; the job's alone, on no Prompt
+    Field("stages", "", "stg", "stages", (tuple, list), "a list of stages", default=(), per_prompt=False),
 )
 FIELD = {f.name: f for f in FIELDS}
 DEFAULT = {f.name: f.default for f in FIELDS if f.default is not None}
@@ -355,6 +380,8 @@ def field_problem(field: Field, value: Any) -> str | None:
         return field.check(value) if field.check is not None else None
     if field.kind == "loras":
         return loras_problem(value)
+    if field.kind == "stages":
+        return stages_field_problem(value)
     if field.kind == "int":
         return int_problem(field.name, value)
     if field.kind == "number":
@@ -434,16 +461,19 @@ class RenderParams:
     revision: str = FIELD["revision"].default
     variant: str = FIELD["variant"].default
     model_digest: str = FIELD["model_digest"].default
+    stages: tuple[stages.Stage, ...] = ()  # after generate, in order (renderfleet/stages.py)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["stages"] = stages.to_json(self.stages)
+        return data
 
     def identity(self) -> dict[str, Any]:
         """The settings as a job's id, its spec.json and its messages carry them: those added
         after the first release (:data:`SET_ONLY_IDENTITY`) only where set, so a job submitted
         before them keeps its id, and a job that sets none of them is read by an older worker
         or dispatcher as before (a rolling upgrade)."""
-        return {k: v for k, v in asdict(self).items() if k not in SET_ONLY_IDENTITY or v != FIELD[k].default}
+        return {k: v for k, v in self.to_dict().items() if k not in SET_ONLY_IDENTITY or v != FIELD[k].default}
 
     @property
     def model_key(self) -> tuple[str, str, str]:
@@ -457,6 +487,8 @@ class RenderParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RenderParams:
+        if "stages" in data:  # their JSON form (stages.to_json), checked: WireError if it is not one
+            data = {**data, "stages": stages.from_json(data["stages"])}
         if "loras" in data:  # JSON's lists, as the tuples a frozen (hashable, comparable) value holds
             data = {
                 **data,
@@ -468,7 +500,17 @@ class RenderParams:
         return cls(**data)
 
 
-SET_ONLY_IDENTITY = ("scheduler", "long_prompts", "image_format", "quality", "loras", "revision", "variant", "model_digest")
+SET_ONLY_IDENTITY = (
+    "scheduler",
+    "long_prompts",
+    "image_format",
+    "quality",
+    "loras",
+    "revision",
+    "variant",
+    "model_digest",
+    "stages",
+)
 
 
 @dataclass(frozen=True)
@@ -710,66 +752,16 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int]
 _QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{12}")
 _MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "count")  # and "store", optional
 _WIRE_FIELDS = {f.wire: f for f in PROMPT_FIELDS}  # the keys of a prompt with fields on the wire
-_PARAM_FIELDS = {f.name: f for f in FIELDS if f.kind in ("int", "number", "word", "loras")}  # the job's checked settings
-MAX_MODEL_LEN = 1024
-
-# The reserved model ids of the fixed-time bench renderer (worker/benchrender.py): no model,
-# a fixed time per image, flat-colour PNGs that say so.  A job must name one to get it, and a
-# worker serves it only when allowed (RENDERFLEET_ALLOW_BENCH_MODELS): never by accident.
-BENCH_PREFIX = "bench:"
+_PARAM_FIELDS = {
+    f.name: f for f in FIELDS if f.kind in ("int", "number", "word", "loras", "stages")
+}  # the job's checked settings
 # The built-in random-weight models, one per model family (renderfleet/families.py names them,
 # worker/models/tiny*.py builds them): every worker has them without a download, and they render noise.
 TINY_MODELS = tuple(families.TINY_MODELS)
-BENCH_FORM = "bench:fixed?seconds=S"
-MAX_BENCH_SECONDS = 60.0
-_BENCH_RE = re.compile(r"bench:fixed\?seconds=(?P<seconds>[0-9]+(?:\.[0-9]+)?)")
-
-
-def bench_seconds(model: str) -> float | None:
-    """Seconds per image of a bench model (``bench:fixed?seconds=0.025``), None for any other
-    model; ValueError saying why for a ``bench:`` id that is not one."""
-    if not model.startswith(BENCH_PREFIX):
-        return None
-    m = _BENCH_RE.fullmatch(model)
-    seconds = float(m["seconds"]) if m else 0.0
-    if not 0 < seconds <= MAX_BENCH_SECONDS:
-        raise ValueError(
-            f"{model[:100]!r}: a bench model is {BENCH_FORM}, S seconds per image "
-            f"(above 0, at most {MAX_BENCH_SECONDS:g}), e.g. bench:fixed?seconds=0.025"
-        )
-    return seconds
-
-
-def bench_model(seconds: float) -> str:
-    """The bench model's id for ``seconds`` per image: ``bench:fixed?seconds=0.025``."""
-    return f"bench:fixed?seconds={seconds:.6f}".rstrip("0").rstrip(".")
-
-
-def model_problem(model: Any, what: str = "model") -> str | None:
-    """Why ``model`` cannot be a job's model, if it cannot, naming it ``what`` (submit's check and the worker's)."""
-    if why := _text_problem(what, model, empty=False):
-        return why
-    if len(model) > MAX_MODEL_LEN:
-        return f"{what}: longer than {MAX_MODEL_LEN} characters"
-    try:
-        bench_seconds(model)
-    except ValueError as exc:
-        return f"{what}: {exc}"
-    return None
 
 
 def _is_int(value: Any) -> bool:
     return type(value) is int  # not bool, not a float that happens to be whole
-
-
-def _text_problem(what: str, value: Any, *, empty: bool = True) -> str | None:
-    if type(value) is not str:
-        return f"{what} must be a string"
-    if not empty and not value.strip():
-        return f"{what} is empty"
-    if "\x00" in value:
-        return f"{what} contains a NUL character"
-    return None
 
 
 def _value_problem(f: Field, value: Any) -> str | None:
@@ -780,7 +772,7 @@ def _value_problem(f: Field, value: Any) -> str | None:
         return field_problem(f, value) if type(value) is str else "id must be a string"
     if f.kind == "word":
         return field_problem(f, value) if type(value) is str else f"{f.name} must be a string"
-    if f.kind == "loras":
+    if f.kind in ("loras", "stages"):
         return field_problem(f, value) if type(value) is list else f"{f.name} must be a list"
     if f.kind == "int":
         return field_problem(f, value) if _is_int(value) else f"{f.name} must be an integer"
@@ -906,6 +898,16 @@ def checkpoint_prefix(job: str, shard: int) -> str:
 def checkpoint_key(job: str, shard: int, batch: int, attempt: int = 0) -> str:
     """A batch's checkpoint as one attempt wrote it: attempts never overwrite each other's."""
     return f"{checkpoint_prefix(job, shard)}{batch:05d}-a{attempt}.json"
+
+
+def stage_prefix(job: str, shard: int) -> str:
+    """Where a shard's images between stages wait (worker/stagerun.py): removed as its finals land."""
+    return f"jobs/{job}/stages/{shard:06d}/"
+
+
+def stage_key(job: str, shard: int, level: int, name: str) -> str:
+    """A prompt's image at ``level`` (0: generated, k: after stage k), lossless PNG."""
+    return f"{stage_prefix(job, shard)}{level}/{name}.png"
 
 
 def images_prefix(job: str, start: str = "") -> str:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from renderfleet.errors import InputError, WireError
-from renderfleet.spec import BENCH_PREFIX, INT_LIMITS, TINY_MODELS, model_problem
+from renderfleet.families import TINY_MODELS
+from renderfleet.limits import BENCH_PREFIX, MAX_SIDE, MAX_STEPS, model_problem
 
 UPSCALE = "upscale"
 REFINE = "refine"
@@ -59,7 +60,7 @@ STAGE_TINY_MODELS = (TINY_X4_UPSCALER, TINY_SDXL_REFINER)
 
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _KEYS = ("kind", "model", "factor", "strength", "steps", "pool")
-_MAX_SIZE = INT_LIMITS["width"][1]
+_MAX_SIZE = MAX_SIDE
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def stage_problem(stage: Stage) -> str | None:
             return f"factor: a refine keeps the image's size (1), got {stage.factor}"
         if not math.isfinite(stage.strength) or not 0 < stage.strength <= 1:
             return f"strength must be above 0 and at most 1, got {stage.strength}"
-    low, high = INT_LIMITS["steps"]
+    low, high = 1, MAX_STEPS
     if not low <= stage.steps <= high:
         return f"steps must be between {low} and {high}, got {stage.steps}"
     if denoised_steps(stage) < 1:
@@ -219,7 +220,7 @@ def _model_problem(stage: Stage) -> str | None:
 def stages_problem(stages: Sequence[Stage], width: int | None = None, height: int | None = None) -> str | None:
     """Why ``stages`` cannot follow generate, in one line naming the stage and its flag, or None:
     at most :data:`MAX_STAGES`, each by :func:`stage_problem`, and, given the size generated,
-    the final size within the width and height limits (``renderfleet.spec.INT_LIMITS``)."""
+    the final size within the width and height limits (``renderfleet.limits.MAX_SIDE``)."""
     if len(stages) > MAX_STAGES:
         return f"at most {MAX_STAGES} stages after generate, got {len(stages)}"
     for n, stage in enumerate(stages, 1):
@@ -299,3 +300,55 @@ def describe(stage: Stage) -> str:
         return f"upscale x{stage.factor} with {stage.model} ({stage.steps} steps)"
     model = stage.model or "the job's model"
     return f"refine with {model} at strength {stage.strength:g} ({stage.steps} steps, {denoised_steps(stage)} run)"
+
+
+# ---- a job's stages as the API and a stages file give them ----------------------------
+
+
+def parse_stages(value: Any) -> tuple[Stage, ...]:
+    """A job's stages from the Python API: :class:`Stage` objects, their JSON form (dicts), or the CLI's
+    forms prefixed by the kind (``"upscale:2"``, ``"refine:self:0.4"``), in order; :class:`InputError`
+    naming the first that is none of these."""
+    if isinstance(value, (str, Stage, dict)):
+        value = [value]
+    out: list[Stage] = []
+    for n, item in enumerate(value, 1):
+        if isinstance(item, Stage):
+            out.append(item)
+        elif isinstance(item, dict):
+            try:
+                out.extend(from_json([item]))
+            except WireError as exc:
+                raise InputError([f"stages[{n}]: {exc}"]) from None
+        elif isinstance(item, str) and item.partition(":")[0] in KINDS:
+            kind, _, rest = item.partition(":")
+            out.append(parse_upscale(rest) if kind == UPSCALE else parse_refine(rest))
+        else:
+            raise InputError(
+                [f"stages[{n}]: {str(item)[:80]!r} is not a stage: upscale:FACTOR[:MODEL[:STEPS]], "
+                 "refine:MODEL[:STRENGTH[:STEPS]], a Stage or its dict"]
+            )  # fmt: skip
+    if why := stages_problem(out):
+        raise InputError([why])
+    return tuple(out)
+
+
+def read_file(path: str) -> tuple[Stage, ...]:
+    """A stages file (TOML): ``[[stage]]`` tables in order, each ``kind = "upscale"`` or ``"refine"``
+    and the keys of :class:`Stage` (``model``, ``factor``, ``strength``, ``steps``); :class:`InputError`
+    naming the file and the stage for anything else."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise InputError([f"--stages {path}: cannot read it: {exc.strerror or exc}"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError([f"{path}: not TOML: {exc}"]) from None
+    if set(data) - {"stage"} or not isinstance(data.get("stage"), list):
+        raise InputError([f"{path}: a stages file holds [[stage]] tables and nothing else"])
+    try:
+        return from_json(data["stage"])
+    except WireError as exc:
+        raise InputError([f"{path}: {exc}"]) from None

@@ -68,10 +68,11 @@ class FixedTimeRenderer:
         self.last_batch_seconds = time.perf_counter() - started
         return [Image.new("RGB", (p.width, p.height), _colour(p.seed)) for p in prompts]
 
-    def encode(self, image: Any, prompt: Prompt) -> bytes:
+    def encode(self, image: Any, prompt: Prompt, *, extra: dict[str, str] | None = None) -> bytes:
         from worker.render import encode_image
 
-        return encode_image(image, prompt, self.model)  # a bench model's id: marked as fake (png_metadata)
+        # a bench model's id: marked as fake (png_metadata); ``extra``: the job's stages, said as for a render
+        return encode_image(image, prompt, self.model, dict(extra or {}))
 
 
 def _colour(seed: int) -> tuple[int, int, int]:

@@ -121,6 +121,13 @@ class WorkerMetrics:
             ["pool", "outcome"],
             registry=r,
         )
+        self._stage_images = Counter(
+            "renderfleet_worker_stage_images",
+            "Images each stage of a job made (generate, upscale-1, refine-2, ...: a kind and its position): "
+            "a stage taken up from the store after a reclaim makes none again",
+            ["pool", "stage"],
+            registry=r,
+        )
         self._gpu_peak: Gauge | None = None
         # Every outcome and reason from the start, at 0: a rate() needs the series before its first event.
         for outcome in ImageOutcome:
@@ -156,6 +163,11 @@ class WorkerMetrics:
         """``n`` images that were not images, rendered again or refused (the renderer's ``on_bad_images``)."""
         if n:
             self._bad_images.labels(self.pool, outcome).inc(n)
+
+    def stage_images(self, stage: str, n: int) -> None:
+        """``n`` images made by ``stage`` of a job with stages (worker/stagerun.py's ``on_images``)."""
+        if n:
+            self._stage_images.labels(self.pool, stage).inc(n)
 
     def retry(self, what: str, error: str) -> None:
         """A retry (a :data:`renderfleet.store.RetryHook`): ``what`` s3, heartbeat or shard; ``error`` its class."""

@@ -220,10 +220,10 @@ class Renderer:
         # 6. One image per prompt.
         return out
 
-    def encode(self, image: Any, prompt: Prompt) -> bytes:
-        """The image's file in the prompt's format, with what made it; :class:`PromptError` if its
-        text cannot be carried."""
-        used = self.family.used(prompt)
+    def encode(self, image: Any, prompt: Prompt, *, extra: dict[str, str] | None = None) -> bytes:
+        """The image's file in the prompt's format, with what made it (``extra``: what the runner adds,
+        the job's stages); :class:`PromptError` if its text cannot be carried."""
+        used: dict[str, str | None] = {**self.family.used(prompt), **(extra or {})}
         quantize = getattr(self.loaded, "quantize", "none")
         if quantize != "none":  # 8-bit weights render other bytes: said in every image
             used = {**used, "quantize": quantize}

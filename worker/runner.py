@@ -47,11 +47,13 @@ from functools import partial
 from typing import Any, Protocol
 
 from renderfleet import failpoints, spec
+from renderfleet import stages as stagelib
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 from worker.commits import CommitQueue
+from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
 log = logging.getLogger("renderfleet.runner")
@@ -67,7 +69,7 @@ class Renderer(Protocol):
 
     def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = ...) -> list[Any]: ...
 
-    def encode(self, image: Any, prompt: Prompt) -> bytes:
+    def encode(self, image: Any, prompt: Prompt, *, extra: dict[str, str] | None = None) -> bytes:
         """The image's PNG bytes; raises :class:`PromptError` if this prompt's image cannot be encoded."""
 
 
@@ -167,8 +169,12 @@ class ShardRunner:
         pipeline_depth: int = 2,
         worker_id: str = "",
         batch_sizes: BatchSizes | None = None,
+        stages: ShardStages | None = None,
     ):
         self.store = store
+        # A job's stages after generate (worker/stagerun.py), run per batch and stored between; None: a
+        # worker that cannot run them (a job with stages fails there as the job's error).
+        self.stages = stages
         self.renderer = renderer
         self.stop = stop
         self.max_failures = max_failures
@@ -223,6 +229,8 @@ class ShardRunner:
         lane, self._lane = self._lanes[self._lane], 1 - self._lane
         checkpoints = {} if first_delivery else self._read_checkpoints(msg)
         stored = self._stored_images(msg, checkpoints)
+        # A job with stages: the images an earlier delivery left between them, by prompt (one listing).
+        levels = self.stages.levels(msg) if msg.params.stages and self.stages and not first_delivery else {}
         # What earlier deliveries checkpointed is counted again: a worker killed
         # between its checkpoint and its count left those prompts stored but
         # uncounted; and what they checkpointed but the store lost is uncounted.
@@ -262,7 +270,7 @@ class ShardRunner:
                     raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
                 if on_last_batch is not None and number == todo[-1][0]:
                     on_last_batch()
-                images, failures = self._render_batch(pending, ledger, result, commits)
+                images, failures = self._render_batch(pending, ledger, result, commits, msg, levels)
                 commits.put(
                     partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger, result, attempt),
                     len(images),
@@ -282,14 +290,29 @@ class ShardRunner:
         ledger: Ledger,
         result: ShardResult,
         commits: CommitQueue,
+        msg: ShardMessage | None = None,
+        levels: dict[str, int] | None = None,
     ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]]]:
-        """Render one batch: its images by name and its failures (prompt, reason, the node's fault?)."""
+        """Render one batch: its images by name and its failures (prompt, reason, the node's fault?).
+        A job with stages: each prompt generated, or taken from the level an earlier delivery stored
+        (``levels``), then through the stages left (worker/stagerun.py)."""
         started = time.monotonic()
         images: dict[str, Any] = {}
         failures: list[tuple[Prompt, str, bool]] = []
+        staged = msg is not None and bool(msg.params.stages)
+        resumed: dict[str, int] = {}
+        if staged:
+            if self.stages is None:
+                raise JobError("this worker cannot run a job's stages (upscale, refine)")
+            assert msg is not None
+            for p in pending:
+                if p.name in (levels or {}) and (image := self.stages.load(msg, p.name, (levels or {})[p.name])) is not None:
+                    images[p.name] = image
+                    resumed[p.name] = (levels or {})[p.name]
         groups: dict[tuple[int, float, int, int, str], list[Prompt]] = defaultdict(list)
         for p in pending:
-            groups[p.render_key].append(p)
+            if p.name not in resumed:
+                groups[p.render_key].append(p)
 
         def should_stop() -> bool:
             if commits.failed.is_set():
@@ -301,6 +324,9 @@ class ShardRunner:
         try:
             for group in groups.values():
                 self._render_group(group, images, failures, should_stop)
+            if staged and self.stages is not None and msg is not None:
+                self.stages.on_images("generate", len(images) - len(resumed))
+                images = self.stages.run(msg, self.renderer, pending, images, resumed, failures, should_stop)
         except Reclaimed:
             ledger.record_waste(len(images))
             raise
@@ -328,7 +354,9 @@ class ShardRunner:
         ledger.check()  # a fenced worker writes nothing more (Redis asked, unless it answered a moment ago)
         by_name = {p.name: p for p in pending}
         # Images first: one that cannot be encoded or stored is its prompt's failure.
-        for name, error in self._put_images(msg.job, images, by_name).items():
+        # A job with stages says so in each final image (what the image went through after generate).
+        extra = {"stages": json.dumps(stagelib.to_json(msg.params.stages))} if msg.params.stages else None
+        for name, error in self._put_images(msg.job, images, by_name, extra).items():
             del images[name]
             failures.append((by_name[name], error, False))
         quarantined: list[Prompt] = []
@@ -349,6 +377,8 @@ class ShardRunner:
         cp.quarantined.update(p.name for p in quarantined)
         self._write_checkpoint(msg, number, cp, attempt)
         ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
+        if msg.params.stages and self.stages is not None:  # finals stored: what waited between stages goes
+            self.stages.forget(msg, [*images, *(p.name for p in quarantined)])
         result.rendered += len(images)
         result.quarantined += len(quarantined)
         result.batches += 1
@@ -458,7 +488,9 @@ class ShardRunner:
         # Any image format's extension: the store proves an image whatever format made it.
         return {name for key in keys if (name := spec.image_name(key[len(base) :])) is not None}
 
-    def _put_images(self, job: str, images: dict[str, Any], prompts: dict[str, Prompt]) -> dict[str, str]:
+    def _put_images(
+        self, job: str, images: dict[str, Any], prompts: dict[str, Prompt], extra: dict[str, str] | None = None
+    ) -> dict[str, str]:
         """Encode and store the images, in parallel; returns {name: reason} for those refused.
 
         A store that cannot be reached (:class:`StoreError`) or a full or
@@ -466,7 +498,9 @@ class ShardRunner:
         the prompt's (text its PNG cannot carry, a name the filesystem or S3
         rejects): it fails alone.
         """
-        futures = {name: self._uploads.submit(self._put_image, job, image, prompts[name]) for name, image in images.items()}
+        futures = {
+            name: self._uploads.submit(self._put_image, job, image, prompts[name], extra) for name, image in images.items()
+        }
         refused: dict[str, str] = {}
         for name, f in futures.items():
             try:
@@ -483,8 +517,8 @@ class ShardRunner:
                 refused[name] = f"cannot store image {name!r}: {type(exc).__name__}: {exc}"
         return refused
 
-    def _put_image(self, job: str, image: Any, prompt: Prompt) -> None:
-        data = self.renderer.encode(image, prompt)
+    def _put_image(self, job: str, image: Any, prompt: Prompt, extra: dict[str, str] | None = None) -> None:
+        data = self.renderer.encode(image, prompt, extra=extra) if extra else self.renderer.encode(image, prompt)
         ext, content_type = spec.IMAGE_FORMATS[prompt.image_format]
         self.store.put(spec.image_key(job, prompt.name, ext), data, content_type=content_type)
 

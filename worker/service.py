@@ -27,6 +27,7 @@ from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
     BadOutput,
     DeviceError,
+    JobError,
     ModelLoadError,
     Reclaimed,
     StoreError,
@@ -38,6 +39,7 @@ from renderfleet.leases import Lease, Leases
 from renderfleet.settings import Settings
 from renderfleet.shardfile import ShardReader
 from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_problems, store_identity, store_tag, wire_problems
+from renderfleet.stages import Stage
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
@@ -46,6 +48,7 @@ from worker.models import check_digest, model_label, model_refusal
 from worker.prefetch import Prefetch
 from worker.render import is_device_error
 from worker.runner import PendingShard, ShardRunner
+from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
 if TYPE_CHECKING:
@@ -117,6 +120,7 @@ class WorkerService:
             pipeline_depth=settings.pipeline_depth,
             worker_id=worker_id,
             batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch),
+            stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None),
         )
         self.failed_streak = 0
         self.tripped = False
@@ -651,6 +655,29 @@ class WorkerService:
                 log.info("shard %s:%d made pending again: the feeder sends the job's own message for it", msg.job, msg.shard)
         except redis.RedisError as exc:  # the monitor's audit finds the shard later
             log.warning("shard %s:%d not made pending again: %s", msg.job, msg.shard, exc)
+
+    def _stage_renderer(self, stage: Stage, index: int) -> Any:
+        """A job's stage ``index`` on this worker's loaded model (worker/stages.py): a refine with the job's
+        model shares its components, sampler and LoRAs; another model is loaded for the stage."""
+        from worker.models import default_device
+        from worker.stages import StageRenderer
+
+        renderer = self.runner.renderer
+        loaded = getattr(renderer, "loaded", None)
+        device = str(getattr(loaded, "device", "") or self.settings.device or default_device())
+        try:
+            return StageRenderer(
+                stage,
+                index,
+                base=loaded,
+                device=device,
+                cache_dir=self.settings.home / "models",
+                allowed=self.settings.allowed_model_list,
+                schedulers=getattr(renderer, "schedulers", None),
+                loras=getattr(renderer, "loras", None),
+            )
+        except ValueError as exc:  # a refine with the job's model on a worker that has no pipeline (a bench model)
+            raise JobError(f"stage {index + 1}: {exc}") from exc
 
     def _device_failed(self, msg: ShardMessage, lease: Lease, exc: DeviceError) -> Outcome:
         """The node's accelerator, not the prompts: nothing counted, the shard to the front of the

@@ -27,7 +27,8 @@ from worker.metrics import BadImages, ImageOutcome, LostReason, WorkerMetrics, s
 from worker.runner import ShardRunner
 from worker.stop import StopSignal
 
-BOUNDED_LABELS = {"pool", "outcome", "cloud", "kind", "reason", "what", "error", "le"}
+# "stage": generate, or a stage's kind and position (upscale-1, refine-2): at most 1 + 2 x MAX_STAGES values
+BOUNDED_LABELS = {"pool", "outcome", "cloud", "kind", "reason", "what", "error", "le", "stage"}
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -100,6 +101,7 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
     metrics.retry("s3", "throttled")
     metrics.lost_batch(LostReason.FENCED)
     metrics.bad_images(BadImages.RERENDERED, 2)
+    metrics.stage_images("refine-2", 4)
     families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
     # (prometheus_client adds a ``_created`` gauge beside each counter and histogram in the text format)
     ours = [f for f in families if f.name.startswith("renderfleet_") and not f.name.endswith("_created")]
@@ -112,6 +114,7 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
         "renderfleet_worker_lost_batches",
         "renderfleet_worker_retries",
         "renderfleet_worker_bad_images",
+        "renderfleet_worker_stage_images",
     }
     for family in ours:
         assert family.name.startswith("renderfleet_worker_")
