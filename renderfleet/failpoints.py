@@ -48,6 +48,7 @@ POINTS = {
     "(worker/runner.py)",
     "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
     "before-count-stored": "every batch of the shard committed, its last listing and recount not done (worker/runner.py)",
+    "stage": "a job's stage about to run on a batch, the level before it stored (worker/stagerun.py)",
 }
 ERRORS = ("RuntimeError", "ValueError", "AcceleratorError")
 

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from renderfleet import spec
+from renderfleet import failpoints, spec
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.stages import Stage
@@ -115,6 +115,7 @@ class ShardStages:
             if not members:
                 continue
             self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current)
+            failpoints.reach("stage")
             try:
                 renderer = self.renderer(base, level, stages[level])
             except JobError as exc:  # the stage's model will not load, or cannot refine: its prompts', not the worker's

@@ -1,0 +1,127 @@
+"""Multi-stage renders through real workers (issue 39): generate, then upscale and refine as stages of
+one job, each stage's images stored before the next runs.  A worker killed in the last stage leaves the
+earlier stages' images, and the next worker takes the shard up from there: it generates and refines
+nothing again (its /metrics count each stage's images), and the finals are byte-identical to a clean
+render's.  The tiny models are built in code (the built-in tiny, tiny-x4-upscaler)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.images import read_metadata
+from renderfleet.store import open_store
+from testing.fleet import WorkerProc, base_env, cli, pause_at, status_now, stopped, wait_for, worker_ready
+from testing.servers import free_port, http_get
+
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
+
+# generate 32x32 -> Lanczos x2 -> refine with the job's model -> the tiny diffusion x4 upscaler: 256x256
+STAGES = ["--upscale", "2", "--refine", "self:0.5:4", "--upscale", "4:tiny-x4-upscaler:2"]
+FLAGS = ["--model", "tiny", "--steps", "2", "--size", "32x32", "--shard-size", "2", "--batch-size", "2"]
+
+
+def start(env: dict[str, str], log: Path, **extra: str) -> WorkerProc:
+    worker = WorkerProc({**env, **extra}, log)
+    client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    wait_for(lambda: worker_ready(client, 1), 90, what="the worker to load its model")
+    return worker
+
+
+def finished(env: dict[str, str], job: str, timeout: float = 240) -> dict[str, Any]:
+    return wait_for(
+        lambda: (s := status_now(env, job))["done"] + s["quarantined"] == s["total"] and s,
+        timeout,
+        interval=0.5,
+        what=f"job {job} to finish",
+    )
+
+
+def images(env: dict[str, str], job: str) -> dict[str, bytes]:
+    folder = Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images"
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def stage_counts(port: int) -> dict[str, float]:
+    text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("renderfleet_worker_stage_images_total{"):
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            counts[stage] = float(line.split()[-1])
+    return counts
+
+
+def test_a_three_stage_job_killed_in_its_last_stage_is_taken_up_there_and_ends_byte_identical(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    from PIL import Image
+
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red fox\na lighthouse at dusk\n")
+    # The first worker stops itself as the batch's third stage (the x4 upscale) begins.
+    first = start(env, tmp_path / "first.log", **pause_at("stage#3"))
+    try:
+        out = cli(env, "submit", str(prompts), *FLAGS, *STAGES)
+        job = out.stdout.split()[-1]
+        wait_for(lambda: stopped(first.pid), 120, interval=0.1, what="the first worker to stop in the last stage")
+        store = open_store(env["RENDERFLEET_STORE"])
+        waiting = sorted(key.rsplit("/", 3)[-2:][0] for key in store.list(f"jobs/{job}/stages/"))
+        assert waiting == ["0", "0", "1", "1", "2", "2"]  # generated, upscaled, refined: each stored
+        first.kill()  # the spot node gone mid-stage
+    finally:
+        first.kill()
+
+    port = free_port()
+    second = start(env, tmp_path / "second.log", RENDERFLEET_METRICS_PORT=str(port))
+    try:
+        st = finished(env, job)
+        assert (st["done"], st["quarantined"]) == (2, 0)
+        # The second worker made only the last stage's images: nothing generated, upscaled or refined again.
+        assert stage_counts(port) == {"upscale-3": 2.0}
+        finals = images(env, job)
+        assert sorted(finals) == ["000000.png", "000001.png"]
+        with Image.open(io.BytesIO(finals["000000.png"])) as image:
+            assert image.size == (256, 256)
+        meta = read_metadata(finals["000000.png"])
+        assert [s["kind"] for s in json.loads(meta["stages"])] == ["upscale", "refine", "upscale"]
+        assert (meta["width"], meta["height"]) == ("32", "32")  # what was generated; the file is the final size
+        assert not list(open_store(env["RENDERFLEET_STORE"]).list(f"jobs/{job}/stages/"))  # intermediates gone
+
+        # A clean render of every stage (the images gone, the shard again): the same bytes.
+        shutil.rmtree(Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images")
+        assert "1 shard enqueued" in cli(env, "resume", job).stderr
+        finished(env, job)
+        assert images(env, job) == finals
+        assert stage_counts(port) == {"upscale-3": 4.0, "generate": 2.0, "upscale-1": 2.0, "refine-2": 2.0}
+    finally:
+        second.kill()
+
+
+def test_stages_are_refused_at_submit_with_the_flag_named_and_count_in_the_job_id(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red fox\n")
+    bad = cli(env, "submit", str(prompts), *FLAGS, "--refine", "self:1.5", check=False)
+    assert bad.returncode == 2 and "--refine 'self:1.5': strength must be above 0 and at most 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    big = cli(env, "submit", str(prompts), "--model", "tiny", "--size", "2048x2048", "--upscale", "4", check=False)
+    assert big.returncode == 2 and "4096" in big.stderr
+    toml = tmp_path / "stages.toml"
+    toml.write_text('[[stage]]\nkind = "upscale"\nfactor = 2\n\n[[stage]]\nkind = "refine"\nstrength = 0.4\n')
+    from_file = cli(env, "submit", str(prompts), *FLAGS, "--stages", str(toml)).stdout.split()[-1]
+    from_flags = cli(env, "submit", str(prompts), *FLAGS, "--upscale", "2", "--refine", "self:0.4").stdout.split()[-1]
+    plain = cli(env, "submit", str(prompts), *FLAGS).stdout.split()[-1]
+    reordered = cli(env, "submit", str(prompts), *FLAGS, "--refine", "self:0.4", "--upscale", "2").stdout.split()[-1]
+    assert from_file == from_flags  # the same stages, however given: the same job
+    assert len({from_flags, plain, reordered}) == 3  # stages, and their order, are part of what the job is
