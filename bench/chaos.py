@@ -195,7 +195,8 @@ class ChaosReport:
             f"{ {r[:90] + ('...' if len(r) > 90 else ''): n for r, n in self.poison_reasons.items()} }; "
             f"every quarantine record names the model: {self.poison_quarantine_ok}; "
             f"workers stopped on their own: {self.breaker_exits}",
-            f"  urgent job (--priority 9, {self.urgent_prompts} prompts, submitted behind the big one): "
+            f"  urgent job (--priority 9, {self.urgent_prompts} prompts, stages {list(URGENT_STAGES)}, submitted behind "
+            "the big one): "
             f"{self.urgent_images} byte-identical, status done {self.urgent_status_done}, bad {self.urgent_bad[:5]}; "
             f"all rendered {self.urgent_seconds:.1f} s after its submit, when the big job had "
             f"{self.main_done_when_urgent_done}/{self.prompts}",
@@ -203,6 +204,11 @@ class ChaosReport:
             f"  verdict: {'OK' if self.ok else 'FAILED'}",
         ]
         return "\n".join(lines)
+
+
+# The urgent job has two stages after generate (issue 39): through the kills and the Redis restart its
+# finals must come out as this reference renders them, taken up from whatever stage was stored.
+URGENT_STAGES = ("upscale:2", "refine:self:0.5:2")
 
 
 def reference_images(
@@ -215,18 +221,32 @@ def reference_images(
     shard_size: int = SHARD_SIZE,
     batch_size: int = BATCH_SIZE,
     shards: range | None = None,
+    stages: tuple[str, ...] = (),
 ) -> dict[str, bytes]:
     """The job's images rendered here, batch by batch as the workers do, with no failure
-    (only the shards in ``shards``, when given: a caller may split the work over processes)."""
+    (only the shards in ``shards``, when given: a caller may split the work over processes);
+    ``stages``: the job's stages after generate, in the CLI's forms (``upscale:2``), run on each batch
+    as a worker's shard runner runs them (worker/stagerun.py)."""
     import torch
 
+    from renderfleet.stages import parse_stages, to_json
     from worker.models import load_pipeline
     from worker.render import Renderer
+    from worker.stages import StageRenderer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers (OMP_NUM_THREADS=1): kernels split work by thread count
-    renderer = Renderer(load_pipeline("tiny", device="cpu", cache_dir=cache))
-    params = RenderParams(model="tiny", steps=steps, width=size, height=size)
+    loaded = load_pipeline("tiny", device="cpu", cache_dir=cache)
+    renderer = Renderer(loaded)
+    staged = parse_stages(list(stages)) if stages else ()
+    after = [
+        StageRenderer(
+            stage, i, base=loaded, device="cpu", cache_dir=cache, schedulers=renderer.schedulers, loras=renderer.loras
+        )
+        for i, stage in enumerate(staged)
+    ]
+    extra = {"stages": json.dumps(to_json(staged))} if staged else None
+    params = RenderParams(model="tiny", steps=steps, width=size, height=size, stages=staged)
     out: dict[str, bytes] = {}
     for shard in shards if shards is not None else range(-(-n // shard_size)):
         start = shard * shard_size
@@ -243,8 +263,11 @@ def reference_images(
             }
         ).with_prompts(wire)
         for _, batch in msg.batches():
-            for p, png in zip(batch, renderer.render(list(batch)), strict=True):
-                out[p.name] = png
+            images = renderer.render_images(list(batch))
+            for stage in after:
+                images = stage.run(images, list(batch))
+            for p, image in zip(batch, images, strict=True):
+                out[p.name] = renderer.encode(image, p, extra=extra)
     torch.set_num_threads(threads)
     return out
 
@@ -333,7 +356,9 @@ def run_chaos(
     tmp = workdir or Path(tempfile.mkdtemp(prefix="rf-chaos-"))
     print(f"chaos: workdir {tmp}; rendering the reference images", flush=True)
     reference = reference_images(prompts, tmp / "cache", steps)
-    urgent_reference = reference_images(urgent, tmp / "cache", steps, prefix=URGENT_PREFIX) if urgent else {}
+    urgent_reference = (
+        reference_images(urgent, tmp / "cache", steps, prefix=URGENT_PREFIX, stages=URGENT_STAGES) if urgent else {}
+    )
 
     rig = Rig(tmp)
     watchers: list[threading.Thread] = []
@@ -390,6 +415,7 @@ def run_chaos(
                 str(steps),
                 "--size",
                 "32x32",
+                *(arg for stage in URGENT_STAGES for arg in (f"--{stage.partition(':')[0]}", stage.partition(":")[2])),
                 "--shard-size",
                 str(SHARD_SIZE),
                 "--batch-size",

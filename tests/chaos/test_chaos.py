@@ -1,7 +1,7 @@
 """The short chaos run in `make test-slow`: kills, a spot notice, a worker paused past its lease, a kill
 between a message's fetch and its claim, a Redis restart with every worker mid-shard, and a poison
-job beside the good one, and an urgent job at a higher priority behind it; every image exactly once,
-byte-identical."""
+job beside the good one, and an urgent two-stage job (upscale, refine) at a higher priority behind it;
+every image exactly once, byte-identical."""
 
 from __future__ import annotations
 
