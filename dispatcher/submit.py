@@ -83,7 +83,7 @@ SETTING_FLAGS = (
     ("--variant", "variant"),
 )
 # The job's settings a submit takes by name (Client.submit's keywords): the flags' and its LoRAs.
-JOB_SETTINGS = (*(name for _, name in SETTING_FLAGS), "loras", "stages")
+JOB_SETTINGS = (*(name for _, name in SETTING_FLAGS), "loras", "stages", "keep_intermediates")
 # Each flag that sets a prompt field (spec.FIELDS), in the order problems are listed.
 _FIELD_FLAGS = (
     ("--steps", "steps"),
@@ -119,6 +119,10 @@ def check_options(opts: SubmitOptions) -> None:
     # The stages after generate (their problems name --upscale or --refine), the final size within the limit.
     if p.stages and (why := stages.stages_problem(p.stages, p.width, p.height)):
         problems.append(why)
+    if p.keep_intermediates not in (0, 1):
+        problems.append(f"--keep-intermediates: 0 or 1, got {p.keep_intermediates!r}")
+    elif p.keep_intermediates and not p.stages:
+        problems.append("--keep-intermediates: the job has no stages (--upscale, --refine), so no intermediates")
     for n, stage in enumerate(p.stages, 1):
         if stage.model and stage.model not in stages.STAGE_TINY_MODELS and (why := model_problem_here(stage.model)):
             problems.append(f"stage {n} ({stages.FLAGS[stage.kind]}): {why}")

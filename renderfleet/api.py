@@ -72,6 +72,7 @@ class PromptRequest:
     width: int | None = None
     height: int | None = None
     scheduler: str | None = None
+    skip_stages: str | None = None  # the job's stages this prompt skips, by position ("2", "1,3")
 
     def to_dict(self) -> dict[str, Any]:
         """The jsonl object: only the fields that are set."""

@@ -24,7 +24,7 @@ import typer
 from renderfleet import families
 from renderfleet.errors import ConfigError, InputError, JobDeleted, JobNotFound, RenderfleetError, TransientError
 from renderfleet.settings import Settings, load_settings
-from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE, TINY_MODELS
+from renderfleet.spec import DEFAULT, DEFAULT_PRIORITY, DEFAULT_SHARE
 from renderfleet.words import counted
 
 app = typer.Typer(
@@ -145,7 +145,7 @@ def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None)
 FLAG = ""
 # The built-in models in short (docs/guide.md, "Models", says more), so the
 # option's row (and its default) fits one line of help.
-_MODEL_HELP = f"model id, folder, s3:// URI, or built-in random-weight {'/'.join(TINY_MODELS)}"
+_MODEL_HELP = "model id, folder, s3:// URI, or built-in tiny[-sdxl|-sd3|-flux|-flux-schnell]"
 # A submit (and a bench) must name its model: the random-weight tiny one is no production default.
 Model = Annotated[
     str | None, typer.Option(metavar="MODEL", help=f"{_MODEL_HELP} (default: RENDERFLEET_MODEL, else required)")
@@ -249,6 +249,10 @@ Refine = Annotated[
         help="a stage after generate: image to image with MODEL (self: the job's own) at STRENGTH (default 0.3)",
     ),
 ]
+KeepIntermediates = Annotated[
+    bool,
+    typer.Option("--keep-intermediates", metavar=FLAG, help="keep each stage's images in the store after the finals land"),
+]
 StagesFile = Annotated[
     Path | None,
     typer.Option("--stages", metavar="FILE", help="the stages after generate from a TOML file of [[stage]] tables"),
@@ -281,6 +285,7 @@ class SubmitFlags:
     upscale: list[str] | None = None
     refine: list[str] | None = None
     stages: Path | None = None
+    keep_intermediates: bool = False
 
 
 # Each setting's option (its Annotated type) and default, defined once for every command that
@@ -308,6 +313,7 @@ SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "upscale": (Upscale, None),
     "refine": (Refine, None),
     "stages": (StagesFile, None),
+    "keep_intermediates": (KeepIntermediates, False),
 }
 
 
@@ -347,6 +353,8 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
     render.update({k: v for k, v in (("revision", flags.revision), ("variant", flags.variant)) if v})
     if stage_list := _stage_flags(flags):
         render["stages"] = stage_list
+    if flags.keep_intermediates:
+        render["keep_intermediates"] = 1
     return Client(settings).options(
         model=model or flags.model,
         steps=flags.steps,
@@ -417,6 +425,7 @@ def _do_submit(
             revision=opts.params.revision,
             variant=opts.params.variant,
             stages=opts.params.stages,
+            keep_intermediates=opts.params.keep_intermediates,
         )
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts

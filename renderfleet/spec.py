@@ -227,6 +227,19 @@ def loras_problem(value: Any) -> str | None:
     return None
 
 
+def skip_stages_problem(value: str) -> str | None:
+    """Why ``value`` is not a list of stage positions to skip (``"2"``, ``"1,3"``; '' skips none)."""
+    if not value:
+        return None
+    parts = value.split(",")
+    if not all(p.isdigit() and 1 <= int(p) <= stages.MAX_STAGES for p in parts) or len(set(parts)) != len(parts):
+        return (
+            f"skip_stages must be stage positions from 1 to {stages.MAX_STAGES}, comma-separated "
+            f"(e.g. 2 or 1,3), got {value[:40]!r}"
+        )
+    return None
+
+
 def stages_field_problem(value: Any) -> str | None:
     """Why ``value`` (:class:`~renderfleet.stages.Stage` objects, or their JSON form from a message)
     is not a list of stages a job may have (the final size is checked beside the job's size)."""
@@ -317,6 +330,10 @@ FIELDS: tuple[Field, ...] = (
     ),
     # the stages after generate (renderfleet/stages.py): upscale, refine; the job's alone, on no Prompt
     Field("stages", "", "stg", "stages", (tuple, list), "a list of stages", default=(), per_prompt=False),
+    # a prompt's own: the job's stages it skips, by position ("2", "1,3"): its final image without them
+    Field("skip_stages", "skip_stages", "ss", "word", (str,), "a string", default="", check=skip_stages_problem),
+    # 1: a job's images between stages stay in the store after its finals land (0: deleted)
+    Field("keep_intermediates", "", "ki", "int", (int,), "0 or 1", (0, 1), default=0, per_prompt=False),
 )
 FIELD = {f.name: f for f in FIELDS}
 DEFAULT = {f.name: f.default for f in FIELDS if f.default is not None}
@@ -462,6 +479,8 @@ class RenderParams:
     variant: str = FIELD["variant"].default
     model_digest: str = FIELD["model_digest"].default
     stages: tuple[stages.Stage, ...] = ()  # after generate, in order (renderfleet/stages.py)
+    skip_stages: str = FIELD["skip_stages"].default
+    keep_intermediates: int = FIELD["keep_intermediates"].default
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -510,6 +529,8 @@ SET_ONLY_IDENTITY = (
     "variant",
     "model_digest",
     "stages",
+    "skip_stages",
+    "keep_intermediates",
 )
 
 
@@ -539,6 +560,7 @@ class Prompt:
     revision: str = FIELD["revision"].default
     variant: str = FIELD["variant"].default
     model_digest: str = FIELD["model_digest"].default
+    skip_stages: str = FIELD["skip_stages"].default  # the job's stages this prompt skips ("2", "1,3")
 
     @property
     def render_key(self) -> tuple[int, float, int, int, str]:

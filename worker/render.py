@@ -425,7 +425,16 @@ def image_metadata(prompt: Prompt, model: str, used: dict[str, str | None] | Non
         "model": model,
         "renderfleet": __version__,
     }
-    for name in ("scheduler", "long_prompts", "image_format", "quality", "revision", "variant", "model_digest"):
+    for name in (
+        "scheduler",
+        "long_prompts",
+        "image_format",
+        "quality",
+        "revision",
+        "variant",
+        "model_digest",
+        "skip_stages",
+    ):
         value = getattr(prompt, name)
         if value != FIELD[name].default:
             chunks[name] = str(value)

@@ -377,8 +377,8 @@ class ShardRunner:
         cp.quarantined.update(p.name for p in quarantined)
         self._write_checkpoint(msg, number, cp, attempt)
         ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
-        if msg.params.stages and self.stages is not None:  # finals stored: what waited between stages goes
-            self.stages.forget(msg, [*images, *(p.name for p in quarantined)])
+        if msg.params.stages and self.stages is not None and not msg.params.keep_intermediates:
+            self.stages.forget(msg, [*images, *(p.name for p in quarantined)])  # finals stored: what waited goes
         result.rendered += len(images)
         result.quarantined += len(quarantined)
         result.batches += 1

@@ -112,6 +112,11 @@ class ShardStages:
         at = {name: resumed.get(name, 0) for name in current}
         for level in range(last):
             members = [p for p in prompts if p.name in current and at.get(p.name, 0) == level]
+            # A prompt that skips this stage (its skip_stages) goes to the next level as it is.
+            skipping = [p for p in members if str(level + 1) in p.skip_stages.split(",")]
+            for p in skipping:
+                at[p.name] = level + 1
+            members = [p for p in members if p not in skipping]
             if not members:
                 continue
             self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current)

@@ -102,6 +102,22 @@ def test_a_three_stage_job_killed_in_its_last_stage_is_taken_up_there_and_ends_b
         finished(env, job)
         assert images(env, job) == finals
         assert stage_counts(port) == {"upscale-3": 4.0, "generate": 2.0, "upscale-1": 2.0, "refine-2": 2.0}
+
+        # A prompt that skips a stage (its row's skip_stages), and a job that keeps its intermediates.
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text(
+            json.dumps({"prompt": "a red fox"}) + "\n" + json.dumps({"prompt": "a cat", "skip_stages": "3"}) + "\n"
+        )
+        kept = cli(env, "submit", str(rows), *FLAGS, *STAGES, "--keep-intermediates").stdout.split()[-1]
+        assert finished(env, kept)["done"] == 2
+        finals = images(env, kept)
+        with Image.open(io.BytesIO(finals["000001.png"])) as image:
+            assert image.size == (64, 64)  # the x4 upscale skipped: 32 x 2
+        assert read_metadata(finals["000001.png"])["skip_stages"] == "3"
+        with Image.open(io.BytesIO(finals["000000.png"])) as image:
+            assert image.size == (256, 256)
+        levels = sorted(key.rsplit("/", 2)[-2] for key in open_store(env["RENDERFLEET_STORE"]).list(f"jobs/{kept}/stages/"))
+        assert levels == ["0", "0", "1", "1", "2"]  # kept; the skipping prompt's level 2 is its final
     finally:
         second.kill()
 

@@ -530,7 +530,7 @@ def test_csv_headers_are_case_insensitive_and_unknown_columns_ignored_with_a_war
     assert summary.total == 2
     assert summary.warnings == (
         f"{path}:1: ignoring column(s) 'Notes', '' (known: prompt, id, negative_prompt, "
-        "seed, steps, guidance, width, height, scheduler)",
+        "seed, steps, guidance, width, height, scheduler, skip_stages)",
     )
     first, second = iter_prompts(path, PARAMS)
     assert (first.prompt, first.seed) == ("a cat", 5) and (second.prompt, second.seed) == ("a dog", derive_seed(42, 1))

@@ -197,6 +197,15 @@ def test_the_apis_prompt_request_names_exactly_the_fields_of_the_one_table() -> 
 
     assert [f.name for f in fields(PromptRequest)] == [f.name for f in spec.PROMPT_FIELDS]
     every = PromptRequest(
-        "a cat", id="c", negative_prompt="n", seed=1, steps=2, guidance=3.0, width=8, height=16, scheduler="euler"
+        "a cat",
+        id="c",
+        negative_prompt="n",
+        seed=1,
+        steps=2,
+        guidance=3.0,
+        width=8,
+        height=16,
+        scheduler="euler",
+        skip_stages="2",
     )
     assert set(every.to_dict()) == {f.name for f in spec.PROMPT_FIELDS}
