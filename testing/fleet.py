@@ -174,6 +174,22 @@ def status_now(env: dict[str, str], job: str) -> dict[str, Any]:
     return {**data.pop("jobs")[0], **data}
 
 
+def job_finished(env: dict[str, str], job: str, timeout: float = 180) -> dict[str, Any]:
+    """Wait until every prompt of ``job`` is done or quarantined; its ``status_now`` fields then."""
+    return wait_for(
+        lambda: (s := status_now(env, job))["done"] + s["quarantined"] == s["total"] and s,
+        timeout,
+        interval=0.5,
+        what=f"job {job} to finish",
+    )
+
+
+def stored_images(env: dict[str, str], job: str) -> dict[str, bytes]:
+    """The job's images in a folder store, by file name."""
+    folder = Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images"
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
 def worker_ready(client: redis.Redis, n: int) -> bool:
     return int(client.hlen("rf:workers")) >= n
 

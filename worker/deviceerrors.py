@@ -94,3 +94,26 @@ def _says_out_of_memory(exc: BaseException) -> bool:
         return False
     text = str(exc).lower()
     return "out of memory" in text or any(t in text for t in _ALLOC_FAILED_TEXTS)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (its type where it says nothing), at most 300 characters."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def call_failure(exc: BaseException, where: str = "") -> Exception | None:
+    """What a failed pipeline call is to the fleet (the renderer's and a stage's alike): None for an
+    out-of-memory (the caller keeps only :func:`first_line` of it and lets the exception go, so that
+    its frames, which hold the call's activations, are freed before the memory is handed back);
+    :class:`DeviceError` for the accelerator itself (never counted against the prompts); :class:`JobError`
+    for a ``ValueError`` (diffusers' check_inputs: the model refuses the job's settings, on any worker
+    alike); :class:`PermanentError` for anything else.  ``where``: a prefix naming the stage."""
+    from renderfleet.errors import DeviceError, JobError, PermanentError
+
+    if is_out_of_memory(exc):
+        return None
+    if is_device_error(exc):
+        return DeviceError(f"{where}{type(exc).__name__}: {exc}")
+    if isinstance(exc, ValueError):
+        return JobError(f"{where}the model rejects these settings: {exc}")
+    return PermanentError(f"{where}{type(exc).__name__}: {exc}")

@@ -25,13 +25,13 @@ from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
+from worker.deviceerrors import is_device_error
 from worker.ledger import TOUCH_SECONDS, touch_seconds_for
 from worker.loading import LoadingRegistration
 from worker.metrics import BadImages, WorkerMetrics, serve_metrics
 from worker.models import model_label, model_refusal
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, instance_region
-from worker.render import is_device_error
 from worker.service import WorkerService, new_worker_id
 
 log = logging.getLogger("renderfleet.worker")

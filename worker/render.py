@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from renderfleet import __version__, failpoints, images, samplers
-from renderfleet.errors import BadOutput, DeviceError, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
+from renderfleet.errors import BadOutput, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.spec import BENCH_PREFIX, FIELD, INT_LIMITS, Prompt, field_problem
 from worker import outputs
-from worker.deviceerrors import is_device_error, is_out_of_memory
+from worker.deviceerrors import call_failure, first_line
 from worker.loras import LoraCache
 from worker.metrics import BadImages
 from worker.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
@@ -328,19 +328,11 @@ class Renderer:
                     )
                 )
         except Exception as exc:
-            if is_out_of_memory(exc):
-                # Only its text leaves this block: the exception's traceback holds the failed
-                # call's frames, and they its activations, until the block ends.
-                out_of_memory = _first_line(exc)
-            elif is_device_error(exc):
-                # The node's accelerator, not these prompts: never counted against them.
-                raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
-            elif isinstance(exc, ValueError):
-                # diffusers' check_inputs: the model refuses the job's settings
-                # (a size or step count it cannot do), on any worker alike.
-                raise JobError(f"the model rejects these settings: {exc}") from exc
-            else:
-                raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
+            if (failure := call_failure(exc)) is not None:
+                raise failure from exc
+            # Only its text leaves this block: the exception's traceback holds the failed
+            # call's frames, and they its activations, until the block ends.
+            out_of_memory = first_line(exc)
         if out_of_memory:
             # The exception and its frames are gone now, so what they held is free to hand back.
             release_cached_memory(device)
@@ -449,10 +441,6 @@ def image_metadata(prompt: Prompt, model: str, used: dict[str, str | None] | Non
 
 
 png_metadata = image_metadata  # the name the bench renderer and older tests know
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def release_cached_memory(device: str) -> None:

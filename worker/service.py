@@ -43,10 +43,10 @@ from renderfleet.stages import Stage
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
+from worker.deviceerrors import is_device_error
 from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
 from worker.prefetch import Prefetch
-from worker.render import is_device_error
 from worker.runner import PendingShard, ShardRunner
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal

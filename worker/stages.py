@@ -41,11 +41,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from renderfleet.errors import BadOutput, DeviceError, JobError, ModelLoadError, OutOfMemory, PermanentError, Reclaimed
+from renderfleet.errors import BadOutput, JobError, ModelLoadError, OutOfMemory, PermanentError, Reclaimed
 from renderfleet.spec import Prompt
 from renderfleet.stages import DIFFUSION_UPSCALE_FACTOR, REFINE, UPSCALE, Stage, describe, stage_problem, stage_seed
 from worker import outputs
-from worker.deviceerrors import is_device_error, is_out_of_memory
+from worker.deviceerrors import call_failure, first_line
 from worker.models import LoadedModel, load_pipeline, model_refusal, set_vae_memory_modes, vae_memory_modes
 from worker.models.families import FAMILIES, PipelineFamily
 from worker.models.families.generic import Generic
@@ -202,7 +202,7 @@ class StageRenderer:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise JobError(
                 f"stage {self.index + 1} (refine): model {model!r} ({type(pipe).__name__}) has no image-to-image "
-                f"pipeline in diffusers: {_first_line(exc)}"
+                f"pipeline in diffusers: {first_line(exc)}"
             ) from exc
         params = inspect.signature(type(image_to_image).__call__).parameters
         if not {"image", "strength"} <= set(params):
@@ -309,16 +309,10 @@ class StageRenderer:
             with torch.inference_mode():
                 output = self.pipe(**kwargs)
         except Exception as exc:
-            if is_out_of_memory(exc):
-                # Only its text leaves this block: the traceback's frames hold the call's activations.
-                out_of_memory = _first_line(exc)
-            elif is_device_error(exc):
-                raise DeviceError(f"{self}: {type(exc).__name__}: {exc}") from exc
-            elif isinstance(exc, ValueError):
-                # diffusers' check_inputs: the model refuses the job's settings, on any worker alike.
-                raise JobError(f"{self}: the model rejects these settings: {exc}") from exc
-            else:
-                raise PermanentError(f"{self}: {type(exc).__name__}: {exc}") from exc
+            if (failure := call_failure(exc, f"{self}: ")) is not None:
+                raise failure from exc
+            # Only its text leaves this block: the traceback's frames hold the call's activations.
+            out_of_memory = first_line(exc)
         if out_of_memory:
             release_cached_memory(self.device)
             raise OutOfMemory(f"out of memory in {self} for {len(prompts)} images of {width}x{height}: {out_of_memory}")
@@ -353,7 +347,3 @@ def _lanczos(image: Image.Image, factor: int) -> Image.Image:
     from PIL import Image
 
     return image.resize((image.width * factor, image.height * factor), Image.Resampling.LANCZOS)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]

@@ -10,14 +10,13 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.images import read_metadata
-from testing.fleet import WorkerProc, base_env, cli, status_now, wait_for, worker_ready
+from testing.fleet import WorkerProc, base_env, cli, job_finished, stored_images, wait_for, worker_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 pytest.importorskip("peft")
@@ -38,20 +37,6 @@ def fleet(tmp_path: Path, redis_server: RedisServerProcess) -> Iterator[tuple[di
         yield env, proc
     finally:
         proc.kill()
-
-
-def finished(env: dict[str, str], job: str, timeout: float = 180) -> dict[str, Any]:
-    return wait_for(
-        lambda: (s := status_now(env, job))["done"] + s["quarantined"] == s["total"] and s,
-        timeout,
-        interval=0.5,
-        what=f"job {job} to finish",
-    )
-
-
-def images(env: dict[str, str], job: str) -> dict[str, bytes]:
-    folder = Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images"
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 @pytest.mark.parametrize(
@@ -77,9 +62,9 @@ def test_a_flow_family_job_with_sampler_lora_long_and_negative_prompts_renders_a
     job = out.stdout.split()[-1]
     t5 = 512 if model == "tiny-flux" else 256
     assert f"CLIP encoder reads the first 77 tokens and its T5 encoder {t5}" in out.stderr
-    st = finished(env, job)
+    st = job_finished(env, job)
     assert (st["done"], st["quarantined"]) == (4, 0)
-    rendered = images(env, job)
+    rendered = stored_images(env, job)
     assert sorted(rendered) == ["000000.png", "long.png", "negative.png", "sampler.png"]
     meta = {name: read_metadata(data) for name, data in rendered.items()}
     assert meta["000000.png"]["scheduler"] == sampler and meta["sampler.png"]["scheduler"] == row_sampler
@@ -93,8 +78,8 @@ def test_a_flow_family_job_with_sampler_lora_long_and_negative_prompts_renders_a
     # A redelivery: the images gone, the shards rendered again; the same bytes come back.
     shutil.rmtree(Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images")
     assert "2 shards enqueued" in cli(env, "resume", job).stderr
-    finished(env, job)
-    assert images(env, job) == rendered
+    job_finished(env, job)
+    assert stored_images(env, job) == rendered
     assert worker.alive()
 
 
@@ -116,7 +101,7 @@ def test_a_setting_the_family_cannot_honour_is_refused_at_submit_or_quarantined_
         json.dumps({"prompt": "a fox", "scheduler": "euler_a"}) + "\n" + json.dumps({"prompt": "a cat"}) + "\n"
     )
     job = cli(env, "submit", str(prompts), "--model", "tiny-flux", "--steps", "2", "--size", "32x32").stdout.split()[-1]
-    st = finished(env, job)
+    st = job_finished(env, job)
     assert (st["done"], st["quarantined"]) == (1, 1)
     report = cli(env, "status", job, "--json").stdout
     assert "a noise-prediction (diffusion) sampler; FLUX.1 [dev] is a flow-matching model" in report

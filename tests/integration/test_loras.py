@@ -12,7 +12,6 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -20,7 +19,17 @@ import redis
 from renderfleet.api import Client
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.images import read_metadata
-from testing.fleet import WorkerProc, base_env, cli, job_status, status_now, wait_for, worker_ready
+from testing.fleet import (
+    WorkerProc,
+    base_env,
+    cli,
+    job_finished,
+    job_status,
+    status_now,
+    stored_images,
+    wait_for,
+    worker_ready,
+)
 from testing.servers import free_port, http_get
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy]
@@ -68,20 +77,6 @@ def model_loads(env: dict[str, str]) -> float:
     return count
 
 
-def finished(env: dict[str, str], job: str, timeout: float = 180) -> dict[str, Any]:
-    return wait_for(
-        lambda: (s := status_now(env, job))["done"] + s["quarantined"] == s["total"] and s,
-        timeout,
-        interval=0.5,
-        what=f"job {job} to finish",
-    )
-
-
-def images(env: dict[str, str], job: str) -> dict[str, bytes]:
-    folder = Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images"
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
 def pixels(data: bytes) -> bytes:
     import io
 
@@ -107,8 +102,8 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
     both = client.submit(prompts, loras=[f"{b}:0.7", (str(a), 0.5)], **FLAGS)
     assert len({plain.id, with_a.id, both.id}) == 3  # the LoRAs are part of what the job is
     for job in (plain, with_a, both):
-        assert finished(env, job.id)["done"] == 2
-    rendered = {job.id: images(env, job.id) for job in (plain, with_a, both)}
+        assert job_finished(env, job.id)["done"] == 2
+    rendered = {job.id: stored_images(env, job.id) for job in (plain, with_a, both)}
     for name in ("000000.png", "000001.png"):  # every adapter set changes every image
         assert len({pixels(rendered[job.id][name]) for job in (plain, with_a, both)}) == 3
     meta = read_metadata(rendered[both.id]["000000.png"])
@@ -120,8 +115,8 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
     # changed the pipeline's adapters; the same bytes come back.
     shutil.rmtree(Path(env["RENDERFLEET_STORE"]) / "jobs" / with_a.id / "images")
     assert "1 shard enqueued" in cli(env, "resume", with_a.id).stderr
-    finished(env, with_a.id)
-    assert images(env, with_a.id) == rendered[with_a.id]
+    job_finished(env, with_a.id)
+    assert stored_images(env, with_a.id) == rendered[with_a.id]
 
     # Three adapter sets and a job without, one model load: adapters switch on the loaded pipeline.
     st = job_status(env, both.id)
@@ -154,16 +149,16 @@ def test_a_folder_models_digest_is_recorded_and_a_worker_holding_other_files_ref
     folder = save_pipeline(build_tiny_pipeline(), tmp_path / "model")
     client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
     first = client.submit(["a red fox"], **{**FLAGS, "model": str(folder)})
-    assert finished(env, first.id)["done"] == 1
-    digest = read_metadata(images(env, first.id)["000000.png"])["model_digest"]
+    assert job_finished(env, first.id)["done"] == 1
+    digest = read_metadata(stored_images(env, first.id)["000000.png"])["model_digest"]
     assert digest.startswith("files-sha256:") and digest == client.options(model=str(folder)).params.model_digest
     # The folder changes after the worker loaded it: a job submitted now records the new files, and the
     # worker, its copy the older, loads the folder again once and renders it.
     (folder / "README.md").write_text("retrained\n")
     second = client.submit(["a red fox"], **{**FLAGS, "model": str(folder)})
     assert second.id != first.id  # other weights: another job
-    assert finished(env, second.id)["done"] == 1
-    assert read_metadata(images(env, second.id)["000000.png"])["model_digest"] not in ("", digest)
+    assert job_finished(env, second.id)["done"] == 1
+    assert read_metadata(stored_images(env, second.id)["000000.png"])["model_digest"] not in ("", digest)
     # The first job again (its image gone, resumed) after the folder changed once more: no files here
     # are the ones it recorded, so the job fails with that reason, once, after one load afresh.
     (folder / "README.md").write_text("retrained twice\n")
@@ -204,13 +199,13 @@ def test_an_s3_lora_replaced_after_submit_is_refused_by_the_worker_as_the_jobs_e
     )
     (tmp_path / "p.txt").write_text("a red fox\n")
     job = client.submit_file(str(tmp_path / "p.txt"), opts)
-    st = finished(env, job.id)
+    st = job_finished(env, job.id)
     assert (st["done"], st["quarantined"]) == (0, 1)
     [reason] = job_status(env, job.id)["failure_reasons"]
     assert "changed since the job was submitted" in reason and pin in reason and "\n" not in reason
     # submitted again: the LoRA there now, pinned afresh, renders, its pin in the image
     again = client.submit(["a red fox"], loras=[f"{uri}:0.8"], **FLAGS)
-    assert again.id != job.id and finished(env, again.id)["done"] == 1
-    [[source, scale, new_pin]] = json.loads(read_metadata(images(env, again.id)["000000.png"])["loras"])
+    assert again.id != job.id and job_finished(env, again.id)["done"] == 1
+    [[source, scale, new_pin]] = json.loads(read_metadata(stored_images(env, again.id)["000000.png"])["loras"])
     assert (source, scale) == (uri, 0.8) and new_pin.startswith("s3-etag:") and new_pin != pin
     assert worker.alive() and "Traceback" not in worker.output()

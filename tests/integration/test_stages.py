@@ -10,7 +10,6 @@ import io
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -18,7 +17,17 @@ import redis
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.images import read_metadata
 from renderfleet.store import open_store
-from testing.fleet import WorkerProc, base_env, cli, pause_at, status_now, stopped, wait_for, worker_ready
+from testing.fleet import (
+    WorkerProc,
+    base_env,
+    cli,
+    job_finished,
+    pause_at,
+    stopped,
+    stored_images,
+    wait_for,
+    worker_ready,
+)
 from testing.servers import free_port, http_get
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy]
@@ -33,20 +42,6 @@ def start(env: dict[str, str], log: Path, **extra: str) -> WorkerProc:
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     wait_for(lambda: worker_ready(client, 1), 90, what="the worker to load its model")
     return worker
-
-
-def finished(env: dict[str, str], job: str, timeout: float = 240) -> dict[str, Any]:
-    return wait_for(
-        lambda: (s := status_now(env, job))["done"] + s["quarantined"] == s["total"] and s,
-        timeout,
-        interval=0.5,
-        what=f"job {job} to finish",
-    )
-
-
-def images(env: dict[str, str], job: str) -> dict[str, bytes]:
-    folder = Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images"
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 def stage_counts(port: int) -> dict[str, float]:
@@ -83,11 +78,11 @@ def test_a_three_stage_job_killed_in_its_last_stage_is_taken_up_there_and_ends_b
     port = free_port()
     second = start(env, tmp_path / "second.log", RENDERFLEET_METRICS_PORT=str(port))
     try:
-        st = finished(env, job)
+        st = job_finished(env, job, 240)
         assert (st["done"], st["quarantined"]) == (2, 0)
         # The second worker made only the last stage's images: nothing generated, upscaled or refined again.
         assert stage_counts(port) == {"upscale-3": 2.0}
-        finals = images(env, job)
+        finals = stored_images(env, job)
         assert sorted(finals) == ["000000.png", "000001.png"]
         with Image.open(io.BytesIO(finals["000000.png"])) as image:
             assert image.size == (256, 256)
@@ -99,8 +94,8 @@ def test_a_three_stage_job_killed_in_its_last_stage_is_taken_up_there_and_ends_b
         # A clean render of every stage (the images gone, the shard again): the same bytes.
         shutil.rmtree(Path(env["RENDERFLEET_STORE"]) / "jobs" / job / "images")
         assert "1 shard enqueued" in cli(env, "resume", job).stderr
-        finished(env, job)
-        assert images(env, job) == finals
+        job_finished(env, job, 240)
+        assert stored_images(env, job) == finals
         assert stage_counts(port) == {"upscale-3": 4.0, "generate": 2.0, "upscale-1": 2.0, "refine-2": 2.0}
 
         # A prompt that skips a stage (its row's skip_stages), and a job that keeps its intermediates.
@@ -109,8 +104,8 @@ def test_a_three_stage_job_killed_in_its_last_stage_is_taken_up_there_and_ends_b
             json.dumps({"prompt": "a red fox"}) + "\n" + json.dumps({"prompt": "a cat", "skip_stages": "3"}) + "\n"
         )
         kept = cli(env, "submit", str(rows), *FLAGS, *STAGES, "--keep-intermediates").stdout.split()[-1]
-        assert finished(env, kept)["done"] == 2
-        finals = images(env, kept)
+        assert job_finished(env, kept, 240)["done"] == 2
+        finals = stored_images(env, kept)
         with Image.open(io.BytesIO(finals["000001.png"])) as image:
             assert image.size == (64, 64)  # the x4 upscale skipped: 32 x 2
         assert read_metadata(finals["000001.png"])["skip_stages"] == "3"

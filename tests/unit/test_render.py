@@ -334,7 +334,7 @@ def mocked_card(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_a_library_that_could_not_allocate_is_out_of_memory_so_the_batch_is_halved(
     text: str, renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.render import is_device_error, is_out_of_memory
+    from worker.deviceerrors import is_device_error, is_out_of_memory
 
     def fails(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(text)
@@ -346,7 +346,7 @@ def test_a_library_that_could_not_allocate_is_out_of_memory_so_the_batch_is_halv
 
 
 def test_other_cublas_and_cuda_failures_stay_device_errors() -> None:
-    from worker.render import is_device_error, is_out_of_memory
+    from worker.deviceerrors import is_device_error, is_out_of_memory
 
     for text in (
         "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`",
@@ -362,7 +362,7 @@ def test_a_device_error_raised_while_compiling_is_the_devices_not_the_prompts(
     from torch._dynamo.exc import BackendCompilerFailed
 
     from renderfleet.errors import DeviceError
-    from worker.render import is_device_error, is_out_of_memory
+    from worker.deviceerrors import is_device_error, is_out_of_memory
 
     def compile_failed(inner: Exception) -> BackendCompilerFailed:
         try:  # as dynamo raises it: the backend's error inside, and chained
@@ -387,7 +387,7 @@ def test_a_device_error_raised_while_compiling_is_the_devices_not_the_prompts(
 
 
 def test_a_cause_chain_that_loops_is_followed_once() -> None:
-    from worker.render import is_device_error
+    from worker.deviceerrors import is_device_error
 
     a, b = RuntimeError("a"), RuntimeError("b")
     a.__cause__, b.__cause__ = b, a

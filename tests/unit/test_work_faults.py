@@ -353,7 +353,7 @@ def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> 
     ],
 )
 def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
-    from worker.render import is_device_error
+    from worker.deviceerrors import is_device_error
 
     assert is_device_error(exc)
 
@@ -361,7 +361,7 @@ def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
 def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
     import torch
 
-    from worker.render import is_device_error
+    from worker.deviceerrors import is_device_error
 
     assert is_device_error(torch.AcceleratorError("unspecified launch failure"))
 
@@ -377,7 +377,7 @@ def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
     ],
 )
 def test_out_of_memory_an_input_or_a_cpu_side_error_is_not_a_device_error(exc: Exception) -> None:
-    from worker.render import is_device_error
+    from worker.deviceerrors import is_device_error
 
     assert not is_device_error(exc)
 
