@@ -113,6 +113,7 @@ def life_keys(job: str) -> tuple[str, ...]:
         keys.fails(job),
         keys.pending(job),
         keys.job_stats(job),
+        keys.job_stages(job),
         keys.progress(job),
     )
 

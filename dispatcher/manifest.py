@@ -21,6 +21,7 @@ from dispatcher.resume import load_spec, stored_image_listing, stored_images, st
 from dispatcher.thumbs import FORMATS as THUMB_FORMATS
 from dispatcher.thumbs import THUMB_MAX_PIXELS
 from renderfleet import spec
+from renderfleet import stages as stagelib
 from renderfleet.errors import InputError
 from renderfleet.spec import Prompt
 from renderfleet.store import Store
@@ -48,6 +49,11 @@ COLUMNS = (
     "revision",
     "variant",
     "model_digest",
+    # A job with stages (issue 39): its stages as JSON ('' without), and the final image's size (width
+    # and height above are what was generated, as the image's metadata records them).
+    "stages",
+    "final_width",
+    "final_height",
 )
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 BATCH_ROWS = 10_000
@@ -75,9 +81,12 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
         "variant": params.variant,
         "model_digest": params.model_digest,
     }
+    # As each final image's metadata says them (worker/runner.py): renderfleet.stages.to_json.
+    stages = json.dumps(stagelib.to_json(params.stages)) if params.stages else ""
     quarantined = stored_names(store, job, "quarantine") - set(images)
     for index, (name, line) in enumerate(stored_prompts(store, job_spec)):
         p = Prompt.from_wire(index, json.loads(line), job_spec.params)
+        final_width, final_height = stagelib.final_size(params.stages, p.width, p.height)
         error = ""
         if name in images:
             status, image = "done", store.locate(images[name])
@@ -106,6 +115,9 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
             "pool": job_spec.pool,
             "bytes": sizes.get(name) if status == "done" else None,
             **weights,
+            "stages": stages,
+            "final_width": final_width,
+            "final_height": final_height,
         }
 
 
@@ -178,6 +190,9 @@ def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
             ("revision", pa.string()),
             ("variant", pa.string()),
             ("model_digest", pa.string()),
+            ("stages", pa.string()),
+            ("final_width", pa.int32()),
+            ("final_height", pa.int32()),
         ]
     )
     count = 0

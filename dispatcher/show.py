@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dispatcher.jobids import short_ids
+from dispatcher.stagestatus import StageStatus
 from dispatcher.status import FleetStatus, JobStatus
 
 BAR_WIDTH = 10
@@ -217,6 +218,40 @@ def worker_columns(ids: dict[str, str]) -> list[Column]:
     ]
 
 
+WHAT = "what"
+
+
+def stage_columns(bound_by: str | None) -> list[Column]:
+    """A job's stages (``status JOB`` of a job with stages), the one that bounds the rate in bold."""
+
+    def stage(s: StageStatus) -> Text:
+        return Text(s.stage, style="bold" if s.stage == bound_by else "")
+
+    return [
+        Column("stage", 0, stage, justify="left"),
+        Column("size", 5, lambda s: f"{s.width}x{s.height}"),
+        Column("images", 1, lambda s: f"{s.images:,}"),
+        Column("s/img", 2, lambda s: "-" if s.seconds_per_image is None else f"{s.seconds_per_image:.3g}"),
+        Column("GPU s", 4, lambda s: f"{s.gpu_seconds:.3g}" if s.gpu_seconds < 100 else f"{s.gpu_seconds:,.0f}"),
+        Column("share", 3, lambda s: "-" if s.share is None else f"{s.share:.0%}"),
+        Column(WHAT, 6, lambda s: s.description, justify="left"),
+    ]
+
+
+def stages_line(j: JobStatus) -> str:
+    """Under a job's stages: which bounds its rate, its ETA, and its cost per final image (every stage's
+    GPU time: the job's cost per image)."""
+    bound = next((s for s in j.stages or [] if s.stage == j.bound_by), None)
+    if bound is None:
+        said = "no stage has made an image yet"
+    else:
+        share = "" if bound.share is None else f", {bound.share:.0%} of the stages' GPU time"
+        said = f"rate bound by {bound.stage} ({bound.seconds_per_image or 0:.3g} s/img{share})"
+        if j.state == "running" and j.eta_seconds is not None:
+            said += f": ETA {eta(j.eta_seconds)}"
+    return f"{said}; cost per final image (every stage): {money(j.cost_per_image)}"
+
+
 def render_status(
     fleet: FleetStatus,
     console: Console | None = None,
@@ -275,6 +310,17 @@ def _render(
             for j in listed
             if (why := j.why_failed) is not None
         ]
+        if fleet.known is None:  # jobs named (status JOB): a job with stages shows them
+            for j in (j for j in listed if j.stages):
+                title = f"stages of job {ids.get(j.job, j.job)}"
+                table, gone = fitted(console, title, stage_columns(j.bound_by), j.stages or [], wide=wide)
+                if not (isinstance(parts[-1], Text) and not parts[-1].plain):
+                    parts.append(Text(""))
+                parts.append(table)
+                if WHAT in gone:  # what each stage does matters more than a column: a line each instead
+                    parts += [Text(f"  {s.stage}: {s.description}") for s in j.stages or []]
+                parts.append(Text(stages_line(j)))
+                dropped += [g for g in gone if g not in dropped and g != WHAT]
     else:
         parts.append(Text("no jobs"))
     if fleet.other_stores:

@@ -30,6 +30,7 @@ from dispatcher.resume import (
     stored_prompts,
 )
 from dispatcher.serving import unserved
+from dispatcher.stagestatus import StageStatus, add_figures, planned
 from renderfleet import keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
@@ -91,6 +92,11 @@ class JobStatus:
     # Why the job failed as a whole (its model would not load on a worker: renderfleet/jobfailure.py);
     # in the JSON, also why a job whose every prompt was quarantined failed (:attr:`why_failed`).
     failure: str | None = None
+    # A job with stages (issue 39): generate and each stage, with what each made and spent
+    # (dispatcher/stagestatus.py), and the label of the one that bounds the rate (the most seconds per
+    # image; None until one made an image).  None for a job without stages: then not in the JSON.
+    stages: list[StageStatus] | None = None
+    bound_by: str | None = None
 
     @property
     def failed(self) -> int:
@@ -143,6 +149,10 @@ class JobStatus:
             cost_per_1000_images=self.cost_per_1000_images,
             percent=round(100 * (self.done + self.quarantined) / self.total, 1) if self.total else 100.0,
         )
+        if self.stages is None:  # a job without stages: its object as before stages were
+            del out["stages"], out["bound_by"]
+        else:  # the GPU time counted covers every stage: a cost per image is one per final image
+            out["cost_per_final_image"] = self.cost_per_image
         return out
 
 
@@ -363,9 +373,24 @@ def job_statuses(
         for job in chunk:
             _read_body(pipe, job)
         replies = pipe.execute()
-        for i, job in enumerate(chunk):
-            out.append(_job_state(client, job, heads[job], replies[6 * i : 6 * i + 6], store))
+        states = [_job_state(client, job, heads[job], replies[6 * i : 6 * i + 6], store) for i, job in enumerate(chunk)]
+        _add_stage_figures(client, states)
+        out += states
     return out, len(jobs) - len(kept)
+
+
+def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
+    """Each job with stages, its stage figures (``keys.job_stages``): one more pipelined read, only when
+    one of ``states`` has stages (a fleet of jobs without any reads what it read before)."""
+    staged = [state for state in states if state.stages is not None]
+    if not staged:
+        return
+    pipe = client.pipeline(transaction=False)
+    for state in staged:
+        pipe.hgetall(keys.job_stages(state.job))
+    for state, raw in zip(staged, pipe.execute(), strict=True):
+        assert state.stages is not None
+        state.bound_by = add_figures(state.stages, counter_hash(raw, keys.job_stages(state.job)))
 
 
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
@@ -401,6 +426,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
             False,
             _megapixel_steps(job_spec.params.to_dict()),
             cancelled=lifecycle.cancelled_at(client, store, job),
+            stages=planned(job_spec.params.to_dict()),
             priority=job_spec.priority,
             share=job_spec.share,
             unaccounted=len(images),  # no account at all: Redis does not know the job
@@ -428,6 +454,11 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     except (ValueError, TypeError, AttributeError, ZeroDivisionError):
         malformed(f"{keys.job(job)} spec", spec_json, "not a job's spec")
         shards, mpsteps = 0, 0.0
+    try:
+        staged = planned(registered.get("params", {}))
+    except (ValueError, TypeError, AttributeError):
+        malformed(f"{keys.job(job)} spec", spec_json, "not a job's stages")
+        staged = None
     result = JobStatus(
         job,
         _int(total, f"{keys.job(job)} total"),
@@ -446,6 +477,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         share=_ranked(share, "share", registered, keys.job(job)),
         queue=keys.text(queue),
         unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
+        stages=staged,
     )
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]

@@ -426,6 +426,15 @@ def _money(value: float | None) -> str:
     return money(value, "$")
 
 
+def page_templates() -> Jinja2Templates:
+    """The pages' templates (dispatcher/templates) with the filters they use."""
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.filters["duration"] = _duration
+    templates.env.filters["money"] = _money
+    templates.env.filters["seen"] = _seen
+    return templates
+
+
 def make_app(
     source: StatusSource,
     prices: dict[str, float],
@@ -443,10 +452,7 @@ def make_app(
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(FleetCollector(source, prices))  # type: ignore[arg-type]
-    templates = Jinja2Templates(directory=str(HERE / "templates"))
-    templates.env.filters["duration"] = _duration
-    templates.env.filters["money"] = _money
-    templates.env.filters["seen"] = _seen
+    templates = page_templates()
 
     thumbs = Thumbnails(store) if store is not None else None
 

@@ -120,6 +120,15 @@ def job_stats(job_id: str) -> str:
     return f"rf:job:{job_id}:stats"
 
 
+def job_stages(job_id: str) -> str:
+    """hash of a job with stages (``RenderParams.stages``): what each stage made and spent, by its label
+    (``worker.stagerun.stage_label``: ``generate``, ``upscale-1``, ``refine-2``): images.<label> (images
+    it made, those of a batch lost later too) and ms.<label> (GPU-ms it ran).  Written by the workers'
+    ledger with the job's other counters, in the fence check's script (``renderfleet/lua/fence.lua``);
+    absent for a job without stages."""
+    return f"rf:job:{job_id}:stages"
+
+
 def progress(job_id: str) -> str:
     """list, newest first, capped: "<unix time> <images>" per committed batch (rate and ETA)."""
     return f"rf:job:{job_id}:progress"

@@ -247,10 +247,14 @@ def commit_call(lease: Lease, done: Sequence[int], failed: Sequence[int], undone
     )
 
 
-def fence_call(lease: Lease, counts: dict[str, int] | None = None, progress: str = "") -> ScriptCall:
-    """The fence check before a batch's store writes, carrying the job's own ``counts`` (its stats hash)
-    and ``progress`` entry, written only if the check passes (``renderfleet/lua/fence.lua``)."""
+def fence_call(
+    lease: Lease, counts: dict[str, int] | None = None, progress: str = "", *, stages: dict[str, int] | None = None
+) -> ScriptCall:
+    """The fence check before a batch's store writes, carrying the job's own ``counts`` (its stats hash),
+    ``progress`` entry and ``stages`` (its stage figures, ``keys.job_stages``), written only if the check
+    passes (``renderfleet/lua/fence.lua``)."""
     pairs: list[str | int] = [x for name, value in (counts or {}).items() for x in (name, value)]
+    stage_pairs: list[str | int] = [x for name, value in (stages or {}).items() for x in (name, value)]
     return ScriptCall(
         "fence",
         [
@@ -258,8 +262,9 @@ def fence_call(lease: Lease, counts: dict[str, int] | None = None, progress: str
             keys.attempts(lease.job),
             keys.job_stats(lease.job),
             keys.progress(lease.job),
+            keys.job_stages(lease.job),
         ],
-        [lease.shard, lease.attempt, lease.life, progress, keys.PROGRESS_KEEP, *pairs],
+        [lease.shard, lease.attempt, lease.life, progress, keys.PROGRESS_KEEP, len(pairs) // 2, *pairs, *stage_pairs],
     )
 
 
@@ -407,11 +412,12 @@ class Leases:
         *,
         counts: dict[str, int] | None = None,
         progress: str = "",
+        stages: dict[str, int] | None = None,
     ) -> bool:
         """Whether the lease's attempt is still the shard's, in the job's life (a fence check before a
         store write); ``pipe``: commands sent in the same round trip, before it (a ledger's worker and
-        pool counters); ``counts`` and ``progress``: the job's own, written only if it is."""
-        call = fence_call(lease, counts, progress)
+        pool counters); ``counts``, ``progress`` and ``stages``: the job's own, written only if it is."""
+        call = fence_call(lease, counts, progress, stages=stages)
         if pipe is None:
             return bool(int(self.run(call)))
         self._scripts["fence"](keys=call.keys, args=call.args, client=pipe)

@@ -3,8 +3,9 @@
 :class:`RedisLedger` is the runner's :class:`~worker.runner.Ledger`
 for one attempt of one shard.  Counters that ``status`` (and later the
 metrics exporter and ``bench``) read cheaply are bumped here: per worker and
-per pool, images, batches, render milliseconds, wasted renders.  The same
-calls feed the worker's own Prometheus metrics (``worker/metrics.py``) when it
+per pool, images, batches, render milliseconds, wasted renders; per job, its
+GPU time by pool and, for a job with stages, each stage's images and GPU time.
+The same calls feed the worker's own Prometheus metrics (``worker/metrics.py``) when it
 has them: the runner reports each batch here, so it holds no metric itself.
 
 Round trips are what a fleet costs Redis (docs/design.md, "How far one Redis
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("renderfleet.ledger")
 
+# The unsent counters' prefix of a job's stage figures (record_stage): the job's own, in keys.job_stages,
+# never the worker's or the pool's.
+STAGE_FIELD = "stage:"
 TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
 
 
@@ -211,7 +215,7 @@ class RedisLedger:
         return count
 
     def _bump(self, **fields: int) -> None:
-        unsent = self._carrying() or _Unsent(self.client.pipeline(transaction=False), {}, 0)
+        unsent = self._carrying() or _Unsent(self.client.pipeline(transaction=False), {}, 0, {})
         self._add_counters(unsent, fields)
         if self.aside is None:
             self._send(unsent)
@@ -227,7 +231,7 @@ class RedisLedger:
             unsent.pipe.execute()
             return False
         progress = f"{time.time():.3f} {unsent.progress}" if unsent.progress else ""
-        return self.leases.current(self.lease, unsent.pipe, counts=unsent.job, progress=progress)
+        return self.leases.current(self.lease, unsent.pipe, counts=unsent.job, progress=progress, stages=unsent.stages)
 
     def _stats_written(self) -> None:
         if self._written is not None:
@@ -246,15 +250,19 @@ class RedisLedger:
             fields, self._unsent = self._unsent, {}
         if not fields:
             return None
-        unsent = _Unsent(self.client.pipeline(transaction=False), {}, 0)
+        unsent = _Unsent(self.client.pipeline(transaction=False), {}, 0, {})
         self._add_counters(unsent, fields)
         return unsent
 
     def _add_counters(self, unsent: _Unsent, fields: dict[str, int]) -> None:
         """The worker's and the pool's counters into ``unsent``'s pipeline; the job's own (``progress``:
-        images for its progress list) into ``unsent.job``, for the fence check to write."""
+        images for its progress list) into ``unsent.job``, and its stage figures (:data:`STAGE_FIELD`)
+        into ``unsent.stages``, for the fence check to write."""
         pipe = unsent.pipe
         unsent.progress += fields.pop("progress", 0)
+        for name in [n for n in fields if n.startswith(STAGE_FIELD)]:
+            stage_field = name.removeprefix(STAGE_FIELD)
+            unsent.stages[stage_field] = unsent.stages.get(stage_field, 0) + fields.pop(name)
         for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool, self.store_tag)):
             for name, value in fields.items():
                 pipe.hincrby(key, name, value)
@@ -295,6 +303,12 @@ class RedisLedger:
             self._rendered_uncommitted = True
             self.metrics.batch(seconds)
 
+    def record_stage(self, label: str, images: int, seconds: float) -> None:
+        # The job's own figures by stage (keys.job_stages), sent as the batch's counters are: on the next
+        # call, written by the fence check only while the attempt is current.  A stage's images count
+        # when it made them, those of a batch lost later too: their GPU time was spent.
+        self._add_unsent({f"{STAGE_FIELD}images.{label}": images, f"{STAGE_FIELD}ms.{label}": round(seconds * 1000)})
+
     def _add_unsent(self, fields: dict[str, int]) -> None:
         """Counters sent with the next call: the fence check before the batch's store writes."""
         with self._unsent_lock:
@@ -309,12 +323,14 @@ class RedisLedger:
 
 @dataclass
 class _Unsent:
-    """Counters on their way: the worker's and the pool's in ``pipe``, the job's own in ``job`` and
-    ``progress`` (images for its progress list), which only a passing fence check writes."""
+    """Counters on their way: the worker's and the pool's in ``pipe``, the job's own in ``job``,
+    ``progress`` (images for its progress list) and ``stages`` (its stage figures), which only a
+    passing fence check writes."""
 
     pipe: redis.client.Pipeline
     job: dict[str, int]
     progress: int
+    stages: dict[str, int]
 
 
 def _write_stats(send: Callable[[_Unsent], bool], unsent: _Unsent) -> None:

@@ -100,6 +100,10 @@ class Ledger(Protocol):
     def record_waste(self, images: int) -> None:
         """Renders thrown away (abandoned or fenced batches)."""
 
+    def record_stage(self, label: str, images: int, seconds: float) -> None:
+        """A job with stages: ``images`` made by one stage of a batch (``generate``, ``upscale-1``, ...:
+        ``worker.stagerun.stage_label``) in ``seconds``; the job's own figures, fenced as its others."""
+
 
 @dataclass
 class ShardResult:
@@ -322,11 +326,17 @@ class ShardRunner:
         ledger.record_start(len(pending))
         result.attempted += len(pending)
         try:
+            generating = time.monotonic()
             for group in groups.values():
                 self._render_group(group, images, failures, should_stop)
             if staged and self.stages is not None and msg is not None:
-                self.stages.on_images("generate", len(images) - len(resumed))
-                images = self.stages.run(msg, self.renderer, pending, images, resumed, failures, should_stop)
+                generated = len(images) - len(resumed)
+                self.stages.on_images("generate", generated)
+                if generated:
+                    ledger.record_stage("generate", generated, time.monotonic() - generating)
+                images = self.stages.run(
+                    msg, self.renderer, pending, images, resumed, failures, should_stop, on_stage=ledger.record_stage
+                )
         except Reclaimed:
             ledger.record_waste(len(images))
             raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from renderfleet.store import Store
 log = logging.getLogger("renderfleet.runner")
 
 StageFactory = Callable[[Stage, int], Any]  # (stage, its index from 0) -> a worker.stages.StageRenderer
+StageHook = Callable[[str, int, float], None]  # (stage_label, images made, seconds its calls took)
 Failure = tuple[Prompt, str, bool]  # (prompt, reason, the node's fault?)
 
 
@@ -57,7 +59,9 @@ def decode_intermediate(data: bytes) -> Any:
 
 class ShardStages:
     """The stages of the shards a runner renders: their renderers, built once per (model, stage), and
-    their intermediates in the store.  ``on_images(label, n)``: images a stage (or generate) made."""
+    their intermediates in the store.  ``on_images(label, n)``: images a stage (or generate) made (the
+    worker's metrics); what each stage made and spent goes to the shard's ledger by :meth:`run`'s
+    ``on_stage``."""
 
     def __init__(self, store: Store, factory: StageFactory, on_images: Callable[[str, int], None] | None = None):
         self.store = store
@@ -101,11 +105,14 @@ class ShardStages:
         resumed: dict[str, int],
         failures: list[Failure],
         should_stop: Callable[[], bool],
+        on_stage: StageHook | None = None,
     ) -> dict[str, Any]:
         """Take each prompt's image through the stages it has not been through: ``images`` holds the
         images just generated (level 0) and those taken from the store at level ``resumed[name]``.
         The final images by name.  Each level reached below the last is stored before the next
-        stage begins, unless it came from there.  A stage's failure is its prompts' (``failures``)."""
+        stage begins, unless it came from there.  A stage's failure is its prompts' (``failures``).
+        ``on_stage(label, n, seconds)``: what each stage made and the seconds its calls took (not its
+        renderer's build nor the store's writes), for the shard's ledger (the job's stage figures)."""
         stages = msg.params.stages
         last = len(stages)
         current = dict(images)
@@ -128,7 +135,9 @@ class ShardStages:
                 for p in members:
                     current.pop(p.name)
                 continue
+            began = time.monotonic()
             made = self._run_stage(renderer, members, current, failures, should_stop)
+            seconds = time.monotonic() - began
             for p in members:
                 if p.name in made:
                     current[p.name] = made[p.name]
@@ -136,6 +145,8 @@ class ShardStages:
                 else:
                     current.pop(p.name, None)
             self.on_images(stage_label(stages, level + 1), len(made))
+            if on_stage is not None and made:
+                on_stage(stage_label(stages, level + 1), len(made), seconds)
         return {p.name: current[p.name] for p in prompts if p.name in current and at.get(p.name, 0) == last}
 
     def _store(self, msg: ShardMessage, level: int, members: Sequence[Prompt], current: dict[str, Any]) -> None:

@@ -40,6 +40,20 @@
         set(row, "f-cost", money(j.cost));
         set(row, "f-cpk", money(j.cost_per_1000_images));
       });
+      // a job with stages, on its own page: each stage's figures and the one that bounds the rate
+      if (j.stages) document.querySelectorAll('[data-stages="' + CSS.escape(j.job) + '"]').forEach(function (box) {
+        j.stages.forEach(function (s) {
+          var row = box.querySelector('tr[data-stage="' + CSS.escape(s.stage) + '"]');
+          if (!row) return;
+          set(row, "f-images", s.images);
+          set(row, "f-spi", s.seconds_per_image === null ? "-" : String(Number(s.seconds_per_image.toPrecision(3))));
+          set(row, "f-stage-gpu", s.gpu_seconds.toFixed(1));
+          set(row, "f-share", s.share === null ? "-" : Math.round(100 * s.share) + "%");
+          row.classList.toggle("bound", s.stage === j.bound_by);
+        });
+        set(box, "f-bound", j.bound_by || "no stage yet");
+        set(box, "f-cpfi", money(j.cost_per_final_image));
+      });
     });
     var el = document.getElementById("backlog-images");
     if (el && data.backlog_images !== undefined) el.textContent = data.backlog_images;

@@ -93,6 +93,37 @@ def test_a_fenced_worker_counts_nothing_for_the_job_and_its_commit_counts_nothin
     assert client.bitcount(keys.done_bits("j")) == 0 and client.hget(keys.left("j"), "0") == b"16"
 
 
+def test_a_jobs_stage_figures_ride_on_the_fence_check_into_its_own_hash_and_a_fenced_one_adds_none(
+    client: redis.Redis,
+) -> None:
+    leases, lease = claimed(client)
+    stop = StopSignal()
+    ledger = RedisLedger(leases, lease, stop, pool="spot", store_tag="s1")
+    ledger.record_start(4)
+    ledger.record_stage("generate", 4, 1.5)
+    ledger.record_stage("upscale-1", 4, 0.25)
+    ledger.record_batch(4, 2.0, 1.0)
+    assert not client.exists(keys.job_stages("j"))  # nothing on its own: with the batch's check
+    ledger.check()
+    ledger.record_stage("generate", 2, 0.5)
+    ledger.flush()
+    assert counters(client, keys.job_stages("j")) == {
+        "images.generate": 6,
+        "ms.generate": 2000,
+        "images.upscale-1": 4,
+        "ms.upscale-1": 250,
+    }
+    # The job's own: not the worker's nor the pool's counters, and its stats as before.
+    assert not any(name.startswith(("stage", "images.", "ms.")) for name in counters(client, keys.worker_stats("w1")))
+    assert counters(client, keys.job_stats("j"))["images.spot"] == 4
+    client.hincrby(keys.attempts("j"), "0", 1)  # a newer attempt: this one's figures are not the job's
+    stop.request("fenced", fenced=True)
+    ledger.record_stage("refine-2", 4, 3.0)
+    with pytest.raises(Reclaimed):
+        ledger.check()
+    assert "images.refine-2" not in counters(client, keys.job_stages("j"))
+
+
 def test_the_check_before_the_checkpoint_stands_on_one_a_moment_old_only_while_the_lease_is_fresh(
     client: redis.Redis,
 ) -> None:

@@ -6,6 +6,7 @@ render's.  The tiny models are built in code (the built-in tiny, tiny-x4-upscale
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import shutil
@@ -136,3 +137,55 @@ def test_stages_are_refused_at_submit_with_the_flag_named_and_count_in_the_job_i
     reordered = cli(env, "submit", str(prompts), *FLAGS, "--refine", "self:0.4", "--upscale", "2").stdout.split()[-1]
     assert from_file == from_flags  # the same stages, however given: the same job
     assert len({from_flags, plain, reordered}) == 3  # stages, and their order, are part of what the job is
+
+
+def test_status_json_gives_each_stages_images_and_seconds_and_the_manifest_the_jobs_stages(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    from dispatcher.lifecycle import forget
+    from renderfleet import keys
+    from renderfleet.spec import store_identity
+
+    config = tmp_path / "fleet.toml"
+    config.write_text('[pools.default]\nkind = "spot"\nprice_per_hour = 1.2\nmin = 0\nmax = 2\n')
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red fox\na lighthouse at dusk\n")
+    worker = start(env, tmp_path / "worker.log")
+    try:
+        stages = ["--upscale", "2", "--refine", "self:0.5:2"]
+        job = cli(env, "submit", str(prompts), *FLAGS, *stages).stdout.split()[-1]
+        finished(env, job)
+    finally:
+        worker.kill()
+    [st] = json.loads(cli(env, "status", job, "--json").stdout)["jobs"]
+    figures = st["stages"]
+    assert [s["stage"] for s in figures] == ["generate", "upscale-1", "refine-2"]
+    assert [s["description"] for s in figures[1:]] == [
+        "upscale x2 (Lanczos)",
+        "refine with the job's model at strength 0.5 (2 steps, 1 run)",
+    ]
+    assert [(s["width"], s["height"]) for s in figures] == [(32, 32), (64, 64), (64, 64)]
+    assert [s["images"] for s in figures] == [2, 2, 2]  # one batch of two, each stage once
+    assert all(s["seconds_per_image"] == s["gpu_seconds"] / 2 for s in figures)
+    assert figures[0]["gpu_seconds"] > 0 and figures[2]["gpu_seconds"] > 0  # a Lanczos x2 of 32x32 may take under a ms
+    assert abs(sum(s["share"] for s in figures) - 1) < 1e-9
+    slowest = max(figures, key=lambda s: s["seconds_per_image"])
+    assert st["bound_by"] == slowest["stage"]
+    # The job's GPU time covers every stage: its cost per image is one per final image.
+    assert st["cost_per_final_image"] == st["cost_per_image"] and st["cost_per_image"] > 0
+    assert sum(st["gpu_seconds"].values()) >= sum(s["gpu_seconds"] for s in figures) - 0.01
+
+    cli(env, "results", job, "--manifest", str(tmp_path / "m.csv"))
+    with open(tmp_path / "m.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [json.loads(r["stages"]) for r in rows] == [
+        [{"kind": "upscale", "factor": 2}, {"kind": "refine", "strength": 0.5, "steps": 2}]
+    ] * 2
+    assert [(r["width"], r["final_width"], r["final_height"]) for r in rows] == [("32", "64", "64")] * 2
+
+    # A job deleted (or retired) takes its stage figures with it.
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.exists(keys.job_stages(job))
+    forget(client, job, store_identity(env["RENDERFLEET_STORE"]), "deleted")
+    assert not client.exists(keys.job_stages(job))

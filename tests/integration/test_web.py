@@ -233,6 +233,45 @@ def test_the_page_shows_a_running_job_move_and_pages_its_gallery(
         stop(monitor)
 
 
+def test_a_job_with_stages_shows_each_stage_on_its_page_and_the_figures_move(
+    tmp_path: Path, redis_server: RedisServerProcess, browser: object
+) -> None:
+    # No worker: the stage figures a worker's ledger writes (keys.job_stages) are written here.
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    (tmp_path / "p.txt").write_text("a heron\na fox\n")
+    stages = ["--upscale", "2", "--refine", "self:0.5:2"]
+    job = cli(env, "submit", str(tmp_path / "p.txt"), *TINY, *stages).stdout.split()[-1]
+    client = redis.Redis.from_url(redis_server.url)
+    client.hset(
+        keys.job_stages(job), mapping={"images.generate": 2, "ms.generate": 800, "images.upscale-1": 2, "ms.upscale-1": 20}
+    )
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    monitor = start_monitor(env, f"127.0.0.1:{port}", tmp_path / "monitor.log")
+    try:
+        wait_for(lambda: get(f"{base}/api/status")[0] == 200, 30, what="the endpoint")
+        page = browser.new_page()  # type: ignore[attr-defined]
+        refused = watch_csp(page)
+        page.goto(f"{base}/jobs/{job}")
+        rows = page.locator("#stages tr[data-stage]")
+        assert [rows.nth(i).get_attribute("data-stage") for i in range(rows.count())] == [
+            "generate",
+            "upscale-1",
+            "refine-2",
+        ]
+        assert "refine with the job's model at strength 0.5" in rows.nth(2).inner_text()
+        assert rows.nth(0).get_attribute("class") == "bound" and page.locator("#stages .f-bound").inner_text() == "generate"
+        assert rows.nth(2).locator(".f-spi").inner_text() == "-"  # nothing refined yet
+        # The refine made its images, slower than generate: the open page follows (live, no reload).
+        client.hset(keys.job_stages(job), mapping={"images.refine-2": 2, "ms.refine-2": 3000})
+        page.wait_for_function("() => document.querySelector('#stages .f-bound').textContent === 'refine-2'", timeout=15_000)
+        assert rows.nth(2).locator(".f-spi").inner_text() == "1.5" and rows.nth(2).get_attribute("class") == "bound"
+        assert rows.nth(2).locator(".f-share").inner_text() == "79%"
+        assert refused == []
+    finally:
+        stop(monitor)
+
+
 def test_off_loopback_the_page_needs_the_token_and_a_browser_gets_an_httponly_cookie(
     tmp_path: Path, redis_server: RedisServerProcess, browser: object
 ) -> None:

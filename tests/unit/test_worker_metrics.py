@@ -197,7 +197,7 @@ class PlainLeases:
         self.fenced = False
         self.failures: dict[int, int] = {}
 
-    def current(self, lease: Lease, pipe: Any = None, *, counts: Any = None, progress: str = "") -> bool:
+    def current(self, lease: Lease, pipe: Any = None, *, counts: Any = None, progress: str = "", stages: Any = None) -> bool:
         return not self.fenced
 
     def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> None:
