@@ -155,7 +155,7 @@ def test_status_json_gives_each_stages_images_and_seconds_and_the_manifest_the_j
     try:
         stages = ["--upscale", "2", "--refine", "self:0.5:2"]
         job = cli(env, "submit", str(prompts), *FLAGS, *stages).stdout.split()[-1]
-        finished(env, job)
+        job_finished(env, job)
     finally:
         worker.kill()
     [st] = json.loads(cli(env, "status", job, "--json").stdout)["jobs"]
