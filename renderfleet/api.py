@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from dispatcher.resume import ResumeReport
     from dispatcher.status import JobStatus, Results
     from dispatcher.submit import SubmitOptions
-    from renderfleet.hubrev import ModelCheck, RevisionResolver
+    from renderfleet.hubrev import ModelCheck, PipelineReader, RevisionResolver
     from renderfleet.prompts import FileSummary
     from renderfleet.store import Store
 
@@ -98,12 +98,15 @@ class Client:
         store: str | None = None,
         resolve_revision: RevisionResolver | None = None,
         check_hub_model: ModelCheck | None = None,
+        read_hub_pipeline: PipelineReader | None = None,
     ):
         self.settings = settings or load_settings(redis_url=redis_url, store=store)
         # A hub branch or tag to its commit (renderfleet.hubrev.hub_commit unless given: tests pass a stand-in).
         self.resolve_revision = resolve_revision
         # Whether a hub id is a pipeline there (renderfleet.hubrev.hub_pipeline_problem unless given).
         self.check_hub_model = check_hub_model
+        # A hub model's pipeline class, for its family's defaults and checks (renderfleet/hubrev.py).
+        self.read_hub_pipeline = read_hub_pipeline
         self._app: Celery | None = None
         self._redis: redis.Redis | None = None
         self._store: Store | None = None
@@ -243,7 +246,7 @@ class Client:
         model = _expand_home(model or self.settings.model or "")
         # Steps and guidance not given: the model family's defaults where this machine can tell the
         # family (a built-in model, a folder), SD's elsewhere (renderfleet/families.py).
-        family = families.family_here(model) if model else None
+        family = self._family(model, settings.get("revision", ""))
         default = families.defaults(family)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
         params = RenderParams(
@@ -275,6 +278,19 @@ class Client:
             params=replace(params, revision=revision, model_digest=self._model_digest(params.model), loras=loras),
             notes=(*notes, *family_notes),
         )
+
+    def _family(self, model: str, revision: str) -> families.Family | None:
+        """``model``'s family as submit can tell it: a built-in model's, a folder's, or a hub id's where
+        the hub answers (its model info: the pipeline class); None elsewhere (an s3:// prefix, offline)."""
+        from renderfleet.hubrev import hub_pipeline_class
+        from renderfleet.spec import model_source
+
+        if not model:
+            return None
+        if (family := families.family_here(model)) is not None or model_source(model) != "hub":
+            return family
+        read = (self.read_hub_pipeline or hub_pipeline_class)(model, revision)
+        return families.recognise(*read) if read is not None else None
 
     @staticmethod
     def _check_family(family: families.Family, params: Any, *, guidance_set: bool) -> tuple[str, ...]:

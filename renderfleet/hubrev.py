@@ -67,3 +67,37 @@ def hub_pipeline_problem(model: str, revision: str) -> str | None:
     if info.siblings is not None and PIPELINE_FILE not in {s.rfilename for s in info.siblings}:
         return f"the hub's repository has no {PIPELINE_FILE}: not a diffusers pipeline"
     return None
+
+
+# (model id, revision) -> (its pipeline class, FLUX's guidance_embeds or None) as the hub says, or None
+# where the hub cannot be asked or says nothing of it: what submit reads a hub model's family from
+# (renderfleet.families.recognise).
+PipelineReader = Callable[[str, str], "tuple[str, bool | None] | None"]
+
+
+def hub_pipeline_class(model: str, revision: str) -> tuple[str, bool | None] | None:
+    """Hub model ``model``'s pipeline class (``model_index.json``'s ``_class_name``, from the hub's
+    model info) and, for a FLUX pipeline, its transformer's ``guidance_embeds`` ([dev] or [schnell]:
+    one small file read); None offline, unreachable or unsaid (see :data:`PipelineReader`)."""
+    try:
+        from huggingface_hub import HfApi, constants, hf_hub_download
+    except ImportError:
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        info = HfApi().model_info(model, revision=revision or None, timeout=HUB_TIMEOUT_SECONDS)
+        config = (info.config or {}).get("diffusers") or {}
+        cls = config.get("_class_name")
+        if not isinstance(cls, str):
+            return None
+        guidance_embeds = None
+        if cls == "FluxPipeline":
+            import json
+
+            path = hf_hub_download(model, "transformer/config.json", revision=revision or None)
+            with open(path, encoding="utf-8") as f:
+                guidance_embeds = bool(json.load(f).get("guidance_embeds", False))
+        return cls, guidance_embeds
+    except Exception:  # offline, unreachable, refused, gated: the workers find the family
+        return None

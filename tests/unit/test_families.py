@@ -210,3 +210,22 @@ def test_a_flux_prompt_renders_the_same_beside_a_prompt_with_a_negative_one(rend
     alone = pixels(flux, prompt(1))
     beside = pixels(flux, prompt(0, negative_prompt="blurry"), prompt(1))
     assert beside[1] == alone[0] and beside[0] == pixels(flux, prompt(0, negative_prompt="blurry"))[0]
+
+
+def test_a_hub_models_family_is_read_from_the_hub_where_it_answers() -> None:
+    # A stand-in for the hub (no test reaches it): FLUX.1 [schnell]'s class and its transformer's flag.
+    asked: list[tuple[str, str]] = []
+
+    def hub(model: str, revision: str) -> tuple[str, bool | None] | None:
+        asked.append((model, revision))
+        return ("FluxPipeline", False) if model == "black-forest-labs/FLUX.1-schnell" else None
+
+    client = Client(Settings(), read_hub_pipeline=hub, check_hub_model=lambda model, revision: None)
+    schnell = client.options(model="black-forest-labs/FLUX.1-schnell").params
+    assert (schnell.steps, schnell.guidance) == (4, 0.0)
+    with pytest.raises(InputError, match=r"FLUX.1 \[schnell\]\): scheduler 'euler_a'"):
+        client.options(model="black-forest-labs/FLUX.1-schnell", scheduler="euler_a")
+    unknown = client.options(model="someone/unsaid").params  # the hub says nothing: SD's defaults, the worker checks
+    assert (unknown.steps, unknown.guidance) == (30, 7.5)
+    assert ("someone/unsaid", "") in asked
+    assert client.options(model="tiny").params.steps == 30 and ("tiny", "") not in asked  # built in: never asked
