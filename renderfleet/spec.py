@@ -922,14 +922,16 @@ def checkpoint_key(job: str, shard: int, batch: int, attempt: int = 0) -> str:
     return f"{checkpoint_prefix(job, shard)}{batch:05d}-a{attempt}.json"
 
 
-def stage_prefix(job: str, shard: int) -> str:
-    """Where a shard's images between stages wait (worker/stagerun.py): removed as its finals land."""
-    return f"jobs/{job}/stages/{shard:06d}/"
+def stage_prefix(job: str, shard: int, life: str = "") -> str:
+    """Where a shard's images between stages wait (worker/stagerun.py): removed as its finals land.
+    Under the job's ``life``: a stale worker of the name's last life can never leave an image there
+    that this life's next delivery would take up as its own."""
+    return f"jobs/{job}/stages/{life or '-'}/{shard:06d}/"
 
 
-def stage_key(job: str, shard: int, level: int, name: str) -> str:
+def stage_key(job: str, shard: int, level: int, name: str, life: str = "") -> str:
     """A prompt's image at ``level`` (0: generated, k: after stage k), lossless PNG."""
-    return f"{stage_prefix(job, shard)}{level}/{name}.png"
+    return f"{stage_prefix(job, shard, life)}{level}/{name}.png"
 
 
 def images_prefix(job: str, start: str = "") -> str:

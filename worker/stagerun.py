@@ -4,7 +4,7 @@ The shard runner (worker/runner.py) generates a batch's images as always; when t
 (``RenderParams.stages``: upscale, refine) it hands them here before they are committed.  Each stage
 runs on the images the one before made, batched as the job's batch is, and what a stage made is
 written to the store before the next begins, as lossless PNG under the shard's own prefix
-(``spec.stage_key``): a worker lost in the third stage leaves the second's images, and the next
+(``spec.stage_key``, under the job's life: never an older life's): a worker lost in the third stage leaves the second's images, and the next
 delivery of the shard takes them from there (one listing per shard, :meth:`ShardStages.levels`),
 never generating or refining them again.  The last stage's images are the job's final images,
 committed by the runner as before; once a final image is stored its intermediates are deleted
@@ -84,7 +84,7 @@ class ShardStages:
         """Each of the shard's prompts that a stage image is stored for: the highest level stored.
         One listing of the shard's own prefix."""
         found: dict[str, int] = {}
-        prefix = spec.stage_prefix(msg.job, msg.shard)
+        prefix = spec.stage_prefix(msg.job, msg.shard, msg.life)
         for key in self.store.list(prefix):
             level_text, _, file = key[len(prefix) :].partition("/")
             name = file.removesuffix(".png")
@@ -93,7 +93,7 @@ class ShardStages:
         return found
 
     def load(self, msg: ShardMessage, name: str, level: int) -> Any | None:
-        data = self.store.get(spec.stage_key(msg.job, msg.shard, level, name))
+        data = self.store.get(spec.stage_key(msg.job, msg.shard, level, name, msg.life))
         return decode_intermediate(data) if data else None
 
     def run(
@@ -154,7 +154,7 @@ class ShardStages:
         leaves them for the next delivery.  An image already stored at this level is the same bytes."""
         for p in members:
             self.store.put(
-                spec.stage_key(msg.job, msg.shard, level, p.name),
+                spec.stage_key(msg.job, msg.shard, level, p.name, msg.life),
                 encode_intermediate(current[p.name]),
                 content_type="image/png",
             )
@@ -200,6 +200,6 @@ class ShardStages:
         for name in names:
             for level in range(len(msg.params.stages)):
                 try:
-                    self.store.delete(spec.stage_key(msg.job, msg.shard, level, name))
+                    self.store.delete(spec.stage_key(msg.job, msg.shard, level, name, msg.life))
                 except Exception as exc:  # a leftover costs storage, never an image
                     log.warning("stage image %s of job %s not deleted: %s", name, msg.job, exc)

@@ -229,3 +229,25 @@ def test_the_manifest_says_a_jobs_stages_and_its_final_size_and_a_job_without_ha
     assert (staged[0]["width"], staged[0]["height"], staged[0]["final_width"], staged[0]["final_height"]) == (32, 32, 64, 64)
     plain = list(manifest_rows(store, "j-plain"))
     assert (plain[0]["stages"], plain[0]["final_width"], plain[0]["final_height"]) == ("", 32, 48)
+
+
+def test_a_jobs_stage_images_are_its_lifes_alone(tmp_path: Path) -> None:
+    # A name used again after delete (a new life): a stale worker of the old life may still write a
+    # stage image, but the new life's deliveries never take it up as their own.
+    from dataclasses import replace as replaced
+
+    from PIL import Image
+
+    from renderfleet import spec
+    from renderfleet.stages import parse_stages
+    from renderfleet.store import LocalStore
+    from worker.stagerun import ShardStages, encode_intermediate
+
+    store = LocalStore(tmp_path / "store")
+    params = spec.RenderParams(model="tiny", stages=parse_stages(["upscale:2"]))
+    old = replaced(spec.ShardMessage(job="j", shard=0, params=params, batch_size=2, queue="q"), life="old")
+    new = replaced(old, life="new")
+    store.put(spec.stage_key("j", 0, 0, "000000", "old"), encode_intermediate(Image.new("RGB", (8, 8), (9, 9, 9))))
+    stages = ShardStages(store, lambda stage, index: None)
+    assert stages.levels(old) == {"000000": 0}
+    assert stages.levels(new) == {} and stages.load(new, "000000", 0) is None
