@@ -756,6 +756,8 @@ class WorkerService:
                 "shard wants model %s, this worker had %s: loading it", model_label(*key), model_label(self.model, *self.pin)
             )
         old, old_pin = self.model, self.pin
+        if self.runner.stages is not None:
+            self.runner.stages.clear()  # its stages share the old pipeline's components: let go of them too
         self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
         try:
             self.runner.renderer = self._load(*key, refresh=refresh)

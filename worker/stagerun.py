@@ -70,6 +70,12 @@ class ShardStages:
         self._built: dict[tuple[int, Stage], Any] = {}
         self._for: object = None  # the renderer the built stages share a model with
 
+    def clear(self) -> None:
+        """Let go of every stage's renderer: the job's model is about to be freed, and a refine with it
+        shares its components (kept here, they would hold the old model on the card)."""
+        self._built.clear()
+        self._for = None
+
     def renderer(self, base: object, index: int, stage: Stage) -> Any:
         """Stage ``index``'s renderer (built on first use; built anew once the job's model changed)."""
         if base is not self._for:
