@@ -5,8 +5,8 @@ The shard runner (worker/runner.py) generates a batch's images as always; when t
 runs on the images the one before made, batched as the job's batch is, and what a stage made is
 written to the store before the next begins, as lossless PNG under the shard's own prefix
 (``spec.stage_key``, under the job's life: never an older life's): a worker lost in the third
-stage leaves the second's images, and the next delivery of the shard takes them from there (one listing per shard, :meth:`ShardStages.levels`),
-never generating or refining them again.  The last stage's images are the job's final images,
+stage leaves the second's images, and the next delivery of the shard takes them from there (one
+listing per shard, :meth:`ShardStages.levels`), never generating or refining them again.  The last stage's images are the job's final images,
 committed by the runner as before; once a final image is stored its intermediates are deleted
 (:meth:`ShardStages.forget`).
 
