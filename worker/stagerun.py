@@ -1,14 +1,14 @@
 """A shard's stages after generate, run per batch and checkpointed per stage (issue 39).
 
 The shard runner (worker/runner.py) generates a batch's images as always; when the job has stages
-(``RenderParams.stages``: upscale, refine) it hands them here before they are committed.  Each stage
+(``RenderParams.stages``: upscale, refine) it hands them here before they are committed. Each stage
 runs on the images the one before made, batched as the job's batch is, and what a stage made is
 written to the store before the next begins, as lossless PNG under the shard's own prefix
-(``spec.stage_key``, under the job's life: never an older life's): a worker lost in the third
-stage leaves the second's images, and the next delivery of the shard takes them from there (one
-listing per shard, :meth:`ShardStages.levels`), never generating or refining them again.  The last stage's images are the job's final images,
-committed by the runner as before; once a final image is stored its intermediates are deleted
-(:meth:`ShardStages.forget`).
+(``spec.stage_key``, under the job's life: never an older life's): a worker lost in the third stage
+leaves the second's images, and the next delivery of the shard takes them from there (one listing
+per shard, :meth:`ShardStages.levels`), never generating or refining them again. The last stage's
+images are the job's final images, committed by the runner as before; once a final image is stored
+its intermediates are deleted (:meth:`ShardStages.forget`).
 
 Every stage draws its noise from the prompt's seed and the stage's position
 (``renderfleet.stages.stage_seed``), and PNG keeps every pixel, so an image taken back from the
