@@ -14,8 +14,9 @@ import pytest
 from renderfleet.errors import InputError, OutOfMemory
 from renderfleet.spec import Prompt
 from renderfleet.stages import parse_refine, parse_upscale
-from worker import bench
-from worker.bench import BenchRun, Point, StagePoint
+from worker import bench, benchstages
+from worker.bench import BenchRun, Point
+from worker.benchstages import StagePoint
 
 
 def a_point(stage: str, seconds: float) -> StagePoint:
@@ -26,7 +27,7 @@ STEPS = [a_point("generate", 0.5), a_point("upscale-1", 0.1), a_point("refine-2"
 
 
 def test_a_final_image_takes_the_sum_of_its_steps_and_the_slowest_bounds_it() -> None:
-    pipeline = bench.summarise(
+    pipeline = benchstages.summarise(
         STEPS, {"2/h": 2.0, "0.9/h": 0.9}, flags="--upscale 2 --refine self:0.3", batch_size=4, final_size="64x64"
     )
     assert pipeline.seconds_per_image == pytest.approx(2.0)  # one worker runs them in turn
@@ -35,13 +36,13 @@ def test_a_final_image_takes_the_sum_of_its_steps_and_the_slowest_bounds_it() ->
     assert pipeline.times_generate == pytest.approx(4.0)
     # cost per final image: the whole sum at each price per hour, not generate's alone
     assert pipeline.cost_per_final_image == pytest.approx({"2/h": 2.0 / 3600 * 2.0, "0.9/h": 0.9 / 3600 * 2.0})
-    assert bench.shares([p.seconds_per_image for p in STEPS]) == pytest.approx([0.25, 0.05, 0.6, 0.1])
-    assert bench.shares([0.0, 0.0]) == [0.0, 0.0]
+    assert benchstages.shares([p.seconds_per_image for p in STEPS]) == pytest.approx([0.25, 0.05, 0.6, 0.1])
+    assert benchstages.shares([0.0, 0.0]) == [0.0, 0.0]
 
 
 def test_the_first_of_equally_slow_steps_is_the_bounding_one() -> None:
     steps = [a_point("generate", 1.0), a_point("refine-1", 1.0)]
-    assert bench.summarise(steps, {}, flags="", batch_size=1, final_size="").bounding == "generate"
+    assert benchstages.summarise(steps, {}, flags="", batch_size=1, final_size="").bounding == "generate"
 
 
 def a_run(**extra: Any) -> BenchRun:
@@ -55,10 +56,10 @@ def a_run(**extra: Any) -> BenchRun:
 
 def with_stages(run: BenchRun) -> BenchRun:
     points = [StagePoint(**asdict(p)) for p in STEPS]
-    for point, share in zip(points, bench.shares([p.seconds_per_image for p in points]), strict=True):
+    for point, share in zip(points, benchstages.shares([p.seconds_per_image for p in points]), strict=True):
         point.share = share
     run.stages = points
-    run.pipeline = bench.summarise(
+    run.pipeline = benchstages.summarise(
         points, run.prices, flags="--upscale 2 --refine self:0.3", batch_size=4, final_size="64x64"
     )
     return run
@@ -131,7 +132,9 @@ def prompts_of(size: int) -> list[Prompt]:
 def test_run_stages_times_each_step_in_turn_and_halves_a_batch_that_does_not_fit(tmp_path: Path) -> None:
     renderer = FakeRenderer(fits=2)
     stages = [parse_upscale("2"), parse_upscale("2")]
-    points, pipeline = bench.run_stages(renderer, stages, prompts_of, 8, runs=2, cache_dir=tmp_path, prices={"1/h": 1.0})
+    points, pipeline = benchstages.run_stages(
+        renderer, stages, prompts_of, 8, runs=2, cache_dir=tmp_path, prices={"1/h": 1.0}
+    )
     assert [(p.stage, p.size_in, p.size_out) for p in points] == [
         ("generate", "text", "16x16"),
         ("upscale-1", "16x16", "32x32"),
@@ -144,12 +147,12 @@ def test_run_stages_times_each_step_in_turn_and_halves_a_batch_that_does_not_fit
     assert pipeline.seconds_per_image == pytest.approx(sum(p.seconds_per_image for p in points))
     assert sum(p.share for p in points) == pytest.approx(1.0)
     with pytest.raises(InputError, match="do not fit at batch size 1"):
-        bench.run_stages(FakeRenderer(fits=0), stages, prompts_of, 2, runs=1, cache_dir=tmp_path, prices={})
+        benchstages.run_stages(FakeRenderer(fits=0), stages, prompts_of, 2, runs=1, cache_dir=tmp_path, prices={})
 
 
 def test_a_refine_names_its_model_strength_and_the_steps_it_runs() -> None:
-    assert bench._stage_model(parse_refine("self:0.5:4"), "tiny") == "tiny (the job's), strength 0.5, 2 of 4 steps"
-    assert bench._stage_model(parse_upscale("4:tiny-x4-upscaler"), "tiny") == "tiny-x4-upscaler (20 steps)"
+    assert benchstages._stage_model(parse_refine("self:0.5:4"), "tiny") == "tiny (the job's), strength 0.5, 2 of 4 steps"
+    assert benchstages._stage_model(parse_upscale("4:tiny-x4-upscaler"), "tiny") == "tiny-x4-upscaler (20 steps)"
 
 
 def test_bench_reads_its_stage_flags_in_the_order_given_as_submit_does(monkeypatch: pytest.MonkeyPatch) -> None:
