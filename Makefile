@@ -103,6 +103,8 @@ soak: install
 bench: install
 	$(BIN)/python -m bench.submit_bench
 	$(BIN)/python -m bench.render_bench
+	# issue 39: generate, a Lanczos x2, a refine and the tiny x4 upscaler, each step timed (about 4 minutes on 2 cores)
+	$(BIN)/python -m bench.stage_bench
 	$(BIN)/python -m bench.fleet_bench --no-before
 	$(BIN)/python -m bench.reclaim_bench
 	# issue 27: 1,000 to 50,000 simulated workers on one Redis (the old protocol beside, up to 5,000)

@@ -30,6 +30,13 @@ the worker's own :class:`~worker.render.Renderer`:
   that with guidance, and its VAE decode 2.5 TFLOP.  Text encoders are left
   out (well under 1 %).
 
+* ``--stages``: then a hires fix stage by stage (``bench/gpu_stages.py``):
+  SD 1.5's shape generating at 1024x1024, a Lanczos x2 and a refine with the
+  same model at strength 0.3 at 2048x2048, batch 1: each step's seconds per
+  image, share and peak memory.  It runs after the models, in the time they
+  leave (about 20-30 s on an H200, estimated; skipped, and said, when under
+  ``STAGES_SECONDS`` is left).
+
 A time budget (default 420 s) skips what would not fit, so the whole run
 stays under 8 minutes on an H100/H200.  ``--tiny`` runs the same code at toy
 sizes (64x64, 2 steps) to prove it works; its figures mean nothing.  On a CPU
@@ -42,6 +49,7 @@ named at the end, one ``skipped on CPU: <step>`` line each.
     bench/gpu.sh                      # on the GPU node
     bench/gpu.sh --families           # SD3.5-medium- and FLUX.1-shaped only, each an equal share of the budget
     bench/gpu.sh --tiny --out x.json  # anywhere
+    bench/gpu.sh --models '' --stages # the stage case alone
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ from bench.gpu_archs import (  # noqa: F401
     flops_per_image,
     tiny,
 )
+from bench.gpu_stages import STAGE_HEADER, StageRow, format_stage_row, run_stage_case
 
 # bf16 dense tensor-core peaks, FLOP/s, by the card's name as torch reports it (lower-cased, "-" read as " ";
 # the longest name found wins: "h100 nvl" over "h100", "l40s" over "l4", "a100" over "a10").  NVIDIA prints
@@ -127,6 +136,7 @@ STEPS = (
     Step("compile", "the denoiser's repeated blocks through torch.compile, inductor in deterministic mode"),
     Step("compiled renders", "the batch sweep again, compiled"),
     Step("compile cache", "torch's compile cache saved, signed and verified as a worker shares it"),
+    Step("stages", "--stages: a generate, a Lanczos x2 and a refine with the same model, each step timed (SD 1.5 at 1024)"),
     Step("native dtype", "the card decides bf16 or fp16 (is_bf16_supported(including_emulation=False))", True),
     Step("triton kernels", "inductor's GPU (Triton) kernels, and the compile's time on the card", True),
     Step("synchronised timing", "torch.cuda.synchronize around every timed call", True),
@@ -141,16 +151,23 @@ class Steps:
 
     def __init__(self) -> None:
         self.ran: set[str] = set()
+        self.unasked: set[str] = set()  # steps of a flag not given (--stages): not a step that failed to run
 
     def done(self, name: str) -> None:
         self.ran.add(STEP[name].name)  # a name not in STEPS is a KeyError: the list stays complete
 
+    def not_asked(self, name: str) -> None:
+        self.unasked.add(STEP[name].name)
+
     def report(self, cuda: bool) -> list[str]:
-        """One line per step: ``ran``, ``skipped on CPU`` (a GPU-only step off a card) or ``not reached``."""
+        """One line per step: ``ran``, ``not asked`` (a flag's, not given), ``skipped on CPU`` (a GPU-only step
+        off a card) or ``not reached``."""
         lines = []
         for step in STEPS:
             if step.name in self.ran:
                 lines.append(f"ran: {step.name}")
+            elif step.name in self.unasked:
+                lines.append(f"not asked: {step.name} ({step.what})")
             elif step.gpu_only and not cuda:
                 lines.append(f"skipped on CPU: {step.name} ({step.what})")
             else:
@@ -423,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"the transformer families alone ({', '.join(FAMILIES)}, reduced depth): --models {','.join(FAMILIES)}",
     )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="then the stage case: SD 1.5-shaped, 1024x1024 generate, Lanczos x2, refine at strength 0.3 at 2048x2048 "
+        "(bench/gpu_stages.py), in the time the models leave",
+    )
     parser.add_argument("--no-compile", action="store_true", help="eager only")
     parser.add_argument("--runs", type=int, default=2, help="timed calls per batch size (median)")
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
@@ -468,7 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[Row] = []
     infos: list[dict[str, Any]] = []
+    stage_rows: list[StageRow] = []
+    stage_info: dict[str, Any] = {}
     steps = Steps()
+    if not args.stages:
+        steps.not_asked("stages")
     cuda = device.startswith("cuda")
 
     def dump(complete: bool) -> None:
@@ -487,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                         "complete": complete,
                         "models": infos,
                         "rows": [asdict(r) for r in rows],
+                        **({"stages_case": stage_info, "stages": [asdict(r) for r in stage_rows]} if args.stages else {}),
                         "steps": steps.report(cuda),
                     },
                     indent=2,
@@ -513,6 +541,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += arch_rows
         infos.append(info)
         dump(complete=False)
+    if args.stages:  # last, in the time the models left (bench/gpu_stages.py)
+        stage_rows, stage_info = run_stage_case(
+            tiny_sizes=args.tiny, device=device, runs=max(1, args.runs), deadline=end, log=log
+        )
+        if any(r.seconds_per_image is not None for r in stage_rows):
+            steps.done("stages")
+        dump(complete=False)
     wall = time.monotonic() - started
     print(f"# GPU benchmark: {card}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"\n{HEADER}")
@@ -532,6 +567,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"\nbest {name}: {top.images_per_second:.2f} images/s ({top.mode}, batch {top.batch})"
                 + (f", MFU {top.mfu * 100:.3g}%" if top.mfu is not None else "")
             )
+    if stage_rows:
+        print(f"\nstages ({stage_info.get('flags', '')}, batch 1):\n\n{STAGE_HEADER}")
+        for stage_row in stage_rows:
+            print(format_stage_row(stage_row))
     print(f"\nwall time {wall:.0f} s")
     print("\nsteps:\n" + "\n".join(steps.report(cuda)))
     dump(complete=True)

@@ -22,9 +22,15 @@ built-in tiny-sd3 and tiny-flux on the card, eager and compiled, and the
 fit check's numbers) and the benchmark's SD3.5-medium- and FLUX.1-shaped
 models alone (``bench/gpu.sh --families``), its figures in their own
 section of ``bench/RESULTS.md`` (``gpu-families``), beside the full run's.
+It asks for the benchmark's stage case too (``--stages``: SD 1.5's shape at
+1024x1024, a Lanczos x2 and a refine at strength 0.3 at 2048x2048; about
+20-30 s on an H200, estimated), which runs in the time the families leave and
+is skipped, saying so, when under ``bench.gpu_stages.STAGES_SECONDS`` (45 s) is
+left: the cap stays :data:`FAMILIES_LIMIT_SECONDS`.  The full run takes it with
+``--stages`` (passed on to ``bench/gpu.sh``), in what SDXL leaves.
 
 Without CUDA it is a dry run: the tier is collected (each test skips), the
-benchmark runs with ``--tiny`` and takes every step a CPU can, and each step
+benchmark runs with ``--tiny`` (and ``--stages``, seconds at toy sizes) and takes every step a CPU can, and each step
 only a card can run is named, one ``skipped on CPU: <step>`` line each.  A dry
 run writes nothing into ``bench/RESULTS.md``: CPU figures must never replace a
 card's.
@@ -213,7 +219,28 @@ def results_body(
             HEADER,
         ]
         body += [format_row(Row(**r)) for r in bench.get("rows", [])]
+    if bench and bench.get("stages"):
+        body += ["", *stage_lines(bench)]
     return "\n".join(body)
+
+
+def stage_lines(bench: dict[str, Any]) -> list[str]:
+    """The stage case's part of a section (``bench/gpu.sh --stages``): what it ran, its summary, every step."""
+    from bench.gpu_stages import STAGE_HEADER, StageRow, format_stage_row
+
+    case = bench.get("stages_case", {})
+    what = (
+        f"Stages (`bench/gpu.sh --stages`): {case.get('model', '?')} at {case.get('size', '?')}, "
+        f"{case.get('steps', '?')} steps, guidance {case.get('guidance', '?')}, then {case.get('flags', '?')} to "
+        f"{case.get('final_size', '?')}, batch 1; each step the median of the timed passes after a warm-up, "
+        "with its peak memory."
+    )
+    if case.get("seconds_per_image"):
+        what += (
+            f" A final image: {case['seconds_per_image']:.3f} s, bounded by {case.get('bounding', '?')}, "
+            f"{case.get('times_generate', 0):.2f}x the time of generate alone."
+        )
+    return [what, "", STAGE_HEADER, *(format_stage_row(StageRow(**r)) for r in bench["stages"])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)  # the rest goes to bench/gpu.sh (e.g. --compile-backend eager)
     families = args.families_only
     limit = args.limit_seconds or (FAMILIES_LIMIT_SECONDS if families else LIMIT_SECONDS)
-    if families:
-        extra = ["--families", *extra]
+    if families:  # the stage case too, in the time the families leave (bench/gpu_stages.py)
+        extra = ["--families", "--stages", *extra]
 
     started = time.monotonic()
     out = args.out or Path(tempfile.mkdtemp(prefix="renderfleet-gpu-check-"))
@@ -301,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             out, env, tiny=False, budget=max(60.0, left - MARGIN_SECONDS), timeout=max(60.0, left - 10), extra=extra
         )
     else:  # a dry run has no time limit to keep: every step it can take, however slow the CPU
+        extra = extra if "--stages" in extra else [*extra, "--stages"]  # at toy sizes: seconds
         bench = run_bench(out, env, tiny=True, budget=3600.0, timeout=3600.0, extra=extra)
     if bench is not None:
         ran.add("benchmark")

@@ -373,20 +373,26 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
 
 
 def _stage_flags(flags: SubmitFlags) -> list[Any]:
-    """The job's stages from ``--stages FILE``, or ``--upscale`` and ``--refine`` in the order the command
-    line gives them (typer gathers each option's values apart; the order is read back from argv, and
-    where argv does not hold them, as when called from Python, upscales come first)."""
+    """The job's stages from its flags (:func:`_stages_of`)."""
+    return _stages_of(flags.upscale, flags.refine, flags.stages)
+
+
+def _stages_of(upscale: list[str] | None, refine: list[str] | None, stages_file: Path | None) -> list[Any]:
+    """The stages after generate from ``--stages FILE``, or ``--upscale`` and ``--refine`` in the order the
+    command line gives them (typer gathers each option's values apart; the order is read back from argv,
+    and where argv does not hold them, as when called from Python, upscales come first).  Submit's, run's
+    and bench's alike."""
     from renderfleet import stages
 
-    given = [*(flags.upscale or []), *(flags.refine or [])]
-    if flags.stages is not None:
+    given = [*(upscale or []), *(refine or [])]
+    if stages_file is not None:
         if given:
             raise InputError(["--stages: give the stages in the file or as --upscale/--refine, not both"])
-        return list(stages.read_file(str(flags.stages)))
+        return list(stages.read_file(str(stages_file)))
     order = [arg.partition("=")[0] for arg in sys.argv[1:] if arg.partition("=")[0] in ("--upscale", "--refine")]
-    if sorted(order) != sorted(["--upscale"] * len(flags.upscale or []) + ["--refine"] * len(flags.refine or [])):
-        order = ["--upscale"] * len(flags.upscale or []) + ["--refine"] * len(flags.refine or [])
-    upscales, refines = iter(flags.upscale or []), iter(flags.refine or [])
+    if sorted(order) != sorted(["--upscale"] * len(upscale or []) + ["--refine"] * len(refine or [])):
+        order = ["--upscale"] * len(upscale or []) + ["--refine"] * len(refine or [])
+    upscales, refines = iter(upscale or []), iter(refine or [])
     return [
         stages.parse_upscale(next(upscales)) if flag == "--upscale" else stages.parse_refine(next(refines)) for flag in order
     ]
@@ -1044,6 +1050,9 @@ def bench(
     scheduler: Scheduler = DEFAULT["scheduler"],
     image_format: ImageFormat = DEFAULT["image_format"],
     quality: Quality = DEFAULT["quality"],
+    upscale: Upscale = None,
+    refine: Refine = None,
+    stages: StagesFile = None,
     config: ConfigOpt = None,
     # Files are arguments, not --compare's values: a click option takes one value per flag, so
     # `--compare a.json b.json` (the documented form) needs them positional; `--compare a --compare b` works too.
@@ -1051,7 +1060,10 @@ def bench(
         list[Path] | None, typer.Argument(metavar="FILES", help="with --compare: bench.json files", show_default=False)
     ] = None,
 ) -> None:
-    """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards."""
+    """Images per minute and cost per image for a sweep of batch sizes; or --compare runs from several cards.
+
+    With stages (--upscale, --refine, --stages FILE, as submit takes them): then each stage's seconds and
+    images per minute at the fastest batch size, the bounding stage, and a final image's rate and cost."""
     settings = _settings(config=config)
     _logging(settings)
     from worker.bench import compare as compare_runs
@@ -1075,6 +1087,7 @@ def bench(
         from worker.bench import run_bench, write_outputs
 
         width, height = parse_size(size)
+        stage_list = _stages_of(upscale, refine, stages)
         # Steps and guidance not given: the model family's, as a job of it would render (renderfleet/families.py).
         default = families.defaults(families.family_here(model or settings.model or ""))
         steps = default["steps"] if steps is None else steps
@@ -1091,6 +1104,7 @@ def bench(
                     scheduler=scheduler,
                     image_format=image_format,
                     quality=quality,
+                    stages=tuple(stage_list),
                 )
             )
         )
@@ -1126,6 +1140,7 @@ def bench(
             scheduler=scheduler,
             image_format=image_format,
             quality=quality,
+            stages=stage_list,
         )
         for path in write_outputs(result, out):
             _err(f"wrote {path}")

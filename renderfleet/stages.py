@@ -302,6 +302,20 @@ def describe(stage: Stage) -> str:
     return f"refine with {model} at strength {stage.strength:g} ({stage.steps} steps, {denoised_steps(stage)} run)"
 
 
+def cli_form(stage: Stage) -> str:
+    """``stage`` as the command line gives it, :func:`parse_upscale`'s and :func:`parse_refine`'s
+    form behind its flag: ``--upscale 2``, ``--upscale 4:tiny-x4-upscaler``, ``--refine self:0.3``
+    (steps only where they are not the default), so a report names the stages a reader can type again."""
+    if stage.kind == UPSCALE:
+        if not stage.model:
+            return f"{FLAGS[UPSCALE]} {stage.factor}"
+        steps = f":{stage.steps}" if stage.steps != DEFAULT_STEPS else ""
+        return f"{FLAGS[UPSCALE]} {stage.factor}:{stage.model}{steps}"
+    steps = f":{stage.steps}" if stage.steps != DEFAULT_STEPS else ""
+    strength = f"{stage.strength:g}" if float(f"{stage.strength:g}") == stage.strength else repr(stage.strength)
+    return f"{FLAGS[REFINE]} {stage.model or SELF}:{strength}{steps}"
+
+
 # ---- a job's stages as the API and a stages file give them ----------------------------
 
 

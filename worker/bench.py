@@ -16,6 +16,13 @@ writes ``bench.json``, ``bench.md`` and ``bench.png`` into ``--out``;
 ``--compare a.json b.json`` puts runs from different cards side by side and
 names the cheapest per image and the fastest.
 
+With stages after generate (``--upscale``, ``--refine``, ``--stages FILE``, as submit takes
+them), it then renders generate and every stage in turn at the fastest batch size, the images
+handed from one to the next as a worker hands them, and gives each its seconds and images per
+minute, the slowest (the bounding stage), and the figures of a final image: on one worker the
+stages run one after another, so its seconds are their sum, and its cost at each price is over
+all of them (``worker/benchstages.py``).
+
 A bench says what its figures rest on: a point far off its neighbours or a
 spread of timed runs (one noisy timing would crown it), the settings that
 differ between compared runs, and why only one size was timed.
@@ -26,12 +33,15 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from renderfleet.errors import InputError, OutOfMemory
 from renderfleet.spec import Prompt, derive_seed
+from renderfleet.stages import Stage
+from worker.benchstages import StagePipeline, StagePoint, run_stages, stages_markdown
 
 AUTO_LIMIT = 64
 CPU_SWEEP_SECONDS = 20.0  # auto on a CPU: the probes end within this
@@ -81,6 +91,9 @@ class BenchRun:
     runs: int = 0  # timed batches per size
     asked: list[int] | None = None  # the --batch-sizes given; None: auto
     budget_stop: int | None = None  # auto on a CPU: the first size its probes' time budget left untried
+    # With stages (only then in bench.json: a run without them writes what it always wrote).
+    stages: list[StagePoint] | None = None  # generate, each stage and the encode, at the fastest batch size
+    pipeline: StagePipeline | None = None
 
     def best(self) -> Point:
         return max(self.points, key=lambda p: p.images_per_minute)
@@ -102,8 +115,10 @@ def run_bench(
     scheduler: str = "",
     image_format: str = "png",
     quality: int = 90,
+    stages: Sequence[Stage] = (),
 ) -> BenchRun:
-    """Measure; ``batch_sizes`` None means auto (:func:`worker.batchsize.search` up to ``AUTO_LIMIT``)."""
+    """Measure; ``batch_sizes`` None means auto (:func:`worker.batchsize.search` up to ``AUTO_LIMIT``);
+    with ``stages``, then generate and each of them at the fastest batch size (:func:`run_stages`)."""
     import torch
 
     from worker.batchsize import card_name
@@ -192,6 +207,17 @@ def run_bench(
         )
     if not result.points:
         raise InputError([f"bench: batch size {sizes[0]} does not fit on {result.card}"])
+    if stages:
+        result.stages, result.pipeline = run_stages(
+            renderer,
+            stages,
+            prompts_of,
+            result.best().batch_size,
+            runs=runs,
+            cache_dir=cache_dir,
+            prices=prices,
+            card=result.card,
+        )
     return result
 
 
@@ -232,7 +258,10 @@ def cpu_timed(per_image: dict[int, float], runs: int, budget: float) -> list[int
 def write_outputs(run: BenchRun, out: Path) -> list[Path]:
     """bench.json, bench.md and bench.png in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(asdict(run), indent=2))
+    data = asdict(run)
+    if run.stages is None:  # a run without stages writes what it always wrote
+        del data["stages"], data["pipeline"]
+    (out / "bench.json").write_text(json.dumps(data, indent=2))
     (out / "bench.md").write_text(markdown(run))
     written = [out / "bench.json", out / "bench.md"]
     plot = _plot(run, out / "bench.png")
@@ -278,6 +307,8 @@ def markdown(run: BenchRun) -> str:
     if why := why_one_size(run):
         lines.append(why)
     lines += doubts([(p.batch_size, p.images_per_minute, p.spread) for p in run.points], run.runs)
+    if run.stages and run.pipeline:
+        lines += ["", *stages_markdown(run.stages, run.pipeline, run.runs, SPREAD_LIMIT)]
     return "\n".join(lines) + "\n"
 
 
@@ -387,7 +418,7 @@ def compare(paths: list[Path]) -> str:
     """Runs from different cards side by side: the cheapest per image and the fastest, named."""
     rows = []
     notes: list[str] = []
-    first: dict[str, Any] | None = None
+    first: dict[str, Any] | None = None  # the first run's settings
     for path in paths:
         try:
             data: dict[str, Any] = json.loads(path.read_text())
@@ -401,15 +432,22 @@ def compare(paths: list[Path]) -> str:
             ]
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise InputError([f"{path}: not a bench.json: {exc}"]) from None
+        mine = _settings_of(data)
         if first is None:
-            first = data
-        elif differ := [k for k in SETTINGS if data.get(k) != first.get(k)]:
+            first = mine
+        elif differ := [k for k in mine if mine[k] != first[k]]:
             notes.append(
                 f"Other settings: {path}: "
-                + ", ".join(f"{k} {_setting(data.get(k))} (not {_setting(first.get(k))})" for k in differ)
+                + ", ".join(f"{k} {_setting(mine[k])} (not {_setting(first[k])})" for k in differ)
                 + f"; against {paths[0]}."
             )
         notes += [f"{path}: {line}" for line in doubts(points, int(data.get("runs") or 0))]
+        if pipeline := data.get("pipeline"):  # with stages: what a final image takes, over every stage
+            costs = pipeline.get("cost_per_final_image") or {}
+            cost = min(costs.values()) if costs else None
+            rows.append((str(path), data["card"], pipeline["batch_size"], pipeline["images_per_minute"], cost))
+            notes.append(f"{path}: with stages ({pipeline['flags']}): a final image's images/min and cost.")
+            continue
         best = max(data["points"], key=lambda p: p["images_per_minute"])
         cost = min(best["cost_per_image"].values()) if best["cost_per_image"] else None
         rows.append((str(path), data["card"], best["batch_size"], best["images_per_minute"], cost))
@@ -431,6 +469,11 @@ def compare(paths: list[Path]) -> str:
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
+
+
+def _settings_of(data: dict[str, Any]) -> dict[str, Any]:
+    """What makes a run's figures comparable (:data:`SETTINGS`), and its stages ('none' without)."""
+    return {**{k: data.get(k) for k in SETTINGS}, "stages": (data.get("pipeline") or {}).get("flags") or "none"}
 
 
 def _setting(value: Any) -> str:

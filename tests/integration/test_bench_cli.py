@@ -58,3 +58,33 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
     for bad, says in ((str(tmp_path / "b.json"),), "bench --compare A.json B.json"), (("--compare",), "--compare:"):
         out = run(*bad)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_bench_with_stages_measures_each_stage_and_a_final_image(tmp_path: Path) -> None:
+    # --steps 2: the tiny model's family default (30) would take a minute on 2 cores
+    args = ("--model", "tiny", "--size", "32x32", "--steps", "2", "--batch-sizes", "2", "--runs", "1")
+    out = run(*args, "--upscale", "2", "--refine", "self:0.5:2", "--price-per-hour", "1.0", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    stages = data["stages"]
+    assert [(s["stage"], s["size_in"], s["size_out"]) for s in stages] == [
+        ("generate", "text", "32x32"),
+        ("upscale-1", "32x32", "64x64"),
+        ("refine-2", "64x64", "64x64"),
+        ("encode", "64x64", "file"),
+    ]
+    assert all(s["seconds_per_image"] > 0 for s in stages)
+    pipeline = data["pipeline"]
+    total = sum(s["seconds_per_image"] for s in stages)
+    assert pipeline["flags"] == "--upscale 2 --refine self:0.5:2" and pipeline["batch_size"] == 2
+    assert pipeline["seconds_per_image"] == pytest.approx(total)
+    assert pipeline["bounding"] == max(stages, key=lambda s: s["seconds_per_image"])["stage"]
+    assert pipeline["cost_per_final_image"]["1/h"] == pytest.approx(total / 3600)
+    table = (tmp_path / "bench.md").read_text()
+    assert "| stage | model | size in->out | s/image | images/min | share | peak MB |" in table
+    assert "| refine-2 | tiny (the job's), strength 0.5, 1 of 2 steps | 64x64 -> 64x64 | " in table
+    assert f"Bounding stage: {pipeline['bounding']} " in table and "Cost per final image at 1/h: " in table
+    assert "## Stages: --upscale 2 --refine self:0.5:2, batch 2" in out.stdout  # printed too
+    # a stages file and the flags together: refused before any model loads
+    order = run(*args, "--refine", "self:0.5:2", "--upscale", "2", "--stages", "x.toml", "--out", str(tmp_path / "x"))
+    assert order.returncode == 2 and "--stages: give the stages in the file or as --upscale/--refine" in order.stderr

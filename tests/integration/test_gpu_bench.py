@@ -1,4 +1,5 @@
-"""bench/gpu.sh --tiny on the CPU: the GPU benchmark's code runs end to end (its figures mean nothing here).
+"""bench/gpu.sh --tiny on the CPU: the GPU benchmark's code runs end to end (its figures mean nothing here),
+the stage case (--stages) included.
 
 SD 1.5's tiny variant only, inductor included: its compile takes about 20 s here, SDXL's tiny
 variant's over three minutes on 2 cores.  SDXL's path (eager, and the compile step with the eager
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_gpu_sh_tiny_renders_eager_and_inductor_compiled_and_reports_images_per_second_and_mfu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     proc = subprocess.run(
-        ["bench/gpu.sh", "--tiny", "--models", "sd15", "--runs", "1", "--peak-tflops", "1", "--out", str(out)],
+        ["bench/gpu.sh", "--tiny", "--models", "sd15", "--runs", "1", "--peak-tflops", "1", "--stages", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -48,3 +49,7 @@ def test_gpu_sh_tiny_renders_eager_and_inductor_compiled_and_reports_images_per_
         assert compiled and all(r.get("images_per_second", 0) > 0 for r in compiled), compiled
         assert info["compile_cache_bytes"] > 0, info
     assert "| sd15-tiny | eager | 1 |" in proc.stdout and "best sd15-tiny:" in proc.stdout
+    # --stages: the stage case at toy sizes, after the models, each step timed (a card's run adds its peak memory)
+    assert [r["stage"] for r in data["stages"]] == ["generate", "upscale-1", "refine-2", "encode"]
+    assert all(r["seconds_per_image"] > 0 and r["peak_memory_gb"] is None for r in data["stages"])
+    assert "ran: stages" in data["steps"] and "| sd15-stages-tiny | refine-2 |" in proc.stdout

@@ -110,11 +110,23 @@ def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path, 
     # SDXL's family: fp16 on the CPU, so its VAE (force_upcast) decodes in float32; dynamo's trace for the compile
     assert (
         main(
-            ["--tiny", "--models", "sdxl", "--runs", "1", "--batches", "1", "--compile-backend", "eager", "--out", str(out)]
+            [
+                *("--tiny", "--models", "sdxl", "--runs", "1", "--batches", "1", "--compile-backend", "eager"),
+                *("--stages", "--out", str(out)),
+            ]
         )
         == 0
     )
     result = json.loads(out.read_text())
+    # the stage case at toy sizes: SD 1.5's shape, generate, a Lanczos x2 and a refine with the same model
+    assert result["stages_case"]["flags"] == "--upscale 2 --refine self:0.3:4"
+    assert [(r["stage"], r["size"]) for r in result["stages"]] == [
+        ("generate", "text -> 64x64"),
+        ("upscale-1", "64x64 -> 128x128"),
+        ("refine-2", "128x128 -> 128x128"),
+        ("encode", "128x128 -> file"),
+    ]
+    assert all(r["seconds_per_image"] > 0 for r in result["stages"])
     (model,) = result["models"]
     assert (model["dtype"], model["vae_dtype"]) == ("float16", "float32") and model["compile"] == "regional"
     assert set(model["vae_modes_seconds"]) == {"tiling", "slicing"}
@@ -180,10 +192,16 @@ def test_gpu_check_writes_results_from_a_card_only_mocked_device(
             "passed": 8 if cuda else 0,
         },
     )
-    monkeypatch.setattr(gpu_check, "run_bench", lambda out, env, **kw: asked.append(kw["tiny"]) or fake_bench(cuda))
+    extras: list[list[str]] = []
+    monkeypatch.setattr(
+        gpu_check,
+        "run_bench",
+        lambda out, env, **kw: asked.append(kw["tiny"]) or extras.append(kw["extra"]) or fake_bench(cuda),
+    )
     assert gpu_check.main(["--out", str(tmp_path / "out"), "--results", str(results)]) == 0
     printed = capsys.readouterr().out
     assert asked == [not cuda]  # --tiny without a card
+    assert extras == [[] if cuda else ["--stages"]]  # the dry run takes the stage case too (toy sizes: seconds)
     if not cuda:
         assert "the last card's figures" in results.read_text()  # a dry run writes nothing
         for name in BENCH_GPU_ONLY | CHECK_GPU_ONLY:
@@ -279,8 +297,62 @@ def test_gpu_check_families_only_runs_the_family_tests_and_bench_into_their_own_
     monkeypatch.setattr(gpu_check, "run_bench", run_bench)
     assert gpu_check.main(["--families-only", "--out", str(tmp_path / "out"), "--results", str(results)]) == 0
     assert asked["select"] == gpu_check.FAMILY_TESTS == "sd3 or flux"
-    assert asked["extra"] == ["--families"] and float(asked["budget"]) < gpu_check.FAMILIES_LIMIT_SECONDS  # type: ignore[arg-type]
+    assert asked["extra"] == ["--families", "--stages"]  # the stage case, in the time the families leave
+    assert float(asked["budget"]) < gpu_check.FAMILIES_LIMIT_SECONDS  # type: ignore[arg-type]
     text = results.read_text()
     assert "the full run's figures" in text  # the full run's section stays
     assert "<!-- bench:gpu-families -->" in text and "(goal: under 235 s)" in text
     assert "depth reduced: 4 + 4 of 19 + 38" in text and "74.4 at full depth (5.90x" in text
+
+
+# ---- the stage case: a hires fix on a card, step by step -------------------------------------------------------------
+
+
+def test_the_stage_case_is_sd15_at_1024_then_lanczos_x2_and_a_refine_at_0_3_at_2048() -> None:
+    from bench.gpu_stages import stage_case
+    from renderfleet.stages import denoised_steps, final_size
+
+    arch, stages = stage_case(tiny_sizes=False)
+    assert (arch.name, arch.width, arch.height, arch.batches, arch.unet) == ("sd15-stages", 1024, 1024, (1,), SD15.unet)
+    assert [(s.kind, s.factor, s.model) for s in stages] == [("upscale", 2, ""), ("refine", 1, "")]
+    assert final_size(stages, arch.width, arch.height) == (2048, 2048)
+    assert stages[1].strength == 0.3 and denoised_steps(stages[1]) == 7  # of SD 1.5's 25
+    small, small_stages = stage_case(tiny_sizes=True)
+    assert small.width == 64 and denoised_steps(small_stages[1]) >= 1
+
+
+def test_on_a_card_the_stage_case_is_skipped_and_says_so_when_the_models_left_too_little_time() -> None:
+    import time
+
+    from bench.gpu_stages import STAGES_SECONDS, run_stage_case
+
+    said: list[str] = []
+    rows, info = run_stage_case(
+        tiny_sizes=False, device="cuda:0", runs=2, deadline=time.monotonic() + STAGES_SECONDS / 2, log=said.append
+    )
+    assert [r.note.split(" (")[0] for r in rows] == ["skipped: time budget"] and "build_seconds" not in info
+    assert "the case keeps 45 s" in said[0]
+
+
+def test_a_cards_section_holds_the_stage_case_step_by_step() -> None:
+    from bench.gpu_check import results_body
+
+    bench = fake_bench(True)
+    bench["stages_case"] = {
+        "model": "sd15-stages",
+        "size": "1024x1024",
+        "final_size": "2048x2048",
+        "steps": 25,
+        "guidance": 7.5,
+        "flags": "--upscale 2 --refine self:0.3:25",
+        "seconds_per_image": 3.2,
+        "bounding": "refine-2",
+        "times_generate": 4.0,
+    }
+    row = {"model": "sd15-stages", "stage": "refine-2", "what": "m", "size": "2048x2048 -> 2048x2048"}
+    bench["stages"] = [{**row, "seconds_per_image": 2.1, "share": 0.66, "peak_memory_gb": 21.5, "note": ""}]
+    text = results_body(bench, {"exit": 0, "seconds": 1.0}, "NVIDIA H200", 200.0)
+    assert "then --upscale 2 --refine self:0.3:25 to 2048x2048, batch 1" in text
+    assert "A final image: 3.200 s, bounded by refine-2, 4.00x the time of generate alone." in text
+    assert "| sd15-stages | refine-2 | m | 2048x2048 -> 2048x2048 | 2.100 | 66% | 21.5 |  |" in text
+    assert "Stages" not in results_body(fake_bench(True), {"exit": 0}, "NVIDIA H200", 200.0)

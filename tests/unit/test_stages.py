@@ -29,6 +29,7 @@ from renderfleet.stages import (
     TINY_X4_UPSCALER,
     UPSCALE,
     Stage,
+    cli_form,
     describe,
     final_size,
     from_json,
@@ -178,6 +179,23 @@ def test_the_json_form_holds_only_what_differs_from_the_defaults_and_reads_back(
     assert from_json(data) == stages
     assert from_json([{"kind": "refine", "strength": 1}]) == (Stage(REFINE, strength=1.0),)  # JSON's 1 for 1.0
     assert from_json([]) == ()
+
+
+def test_a_stages_command_line_form_reads_back_as_the_same_stage() -> None:
+    forms = {
+        "--upscale 2": parse_upscale("2"),
+        "--upscale 4:tiny-x4-upscaler": parse_upscale("4:tiny-x4-upscaler:20"),  # the default steps left out
+        "--upscale 4:s3://models/x4:12": parse_upscale("4:s3://models/x4:12"),
+        "--refine self:0.3": parse_refine(""),
+        "--refine self:0.5:4": parse_refine("self:0.5:4"),
+        "--refine tiny-sdxl-refiner:0.25:10": parse_refine("tiny-sdxl-refiner:0.25:10"),
+    }
+    for form, stage in forms.items():
+        assert cli_form(stage) == form
+        flag, _, value = form.partition(" ")
+        assert (parse_upscale if flag == "--upscale" else parse_refine)(value) == stage
+    odd = Stage(REFINE, strength=0.1234567)  # more digits than :g keeps: still read back the same
+    assert parse_refine(cli_form(odd).partition(" ")[2]) == odd
 
 
 @pytest.mark.parametrize(
