@@ -17,7 +17,7 @@ PIP=".venv/bin/python -m pip"
 # worker's modules here and leaving out what such an image holds (seen on an H200 node, 2026-11).
 NAMES="diffusers transformers pydantic pydantic_core pydantic-settings annotated-types typing-inspection
 typing_extensions python-dotenv tenacity boto3 botocore s3transfer jmespath redis celery kombu amqp billiard
-vine tzlocal"
+vine tzlocal torchao"
 pins=()
 for name in $NAMES; do
   version=$($PIP show "$name" 2>/dev/null | awk '/^Version:/ {print $2}')
