@@ -19,6 +19,7 @@ POISON = 4
 URGENT = 8
 
 
+@pytest.mark.timeout(600)  # the run's own limit is 400 s; its setup (the reference renders) comes on top
 def test_every_prompt_lands_once_byte_identical_through_kills_pauses_lost_messages_a_restart_and_a_poison_job(
     tmp_path: Path,
 ) -> None:
@@ -56,9 +57,10 @@ def test_every_prompt_lands_once_byte_identical_through_kills_pauses_lost_messag
     # 3. Redis restarted with every worker holding a lease; each took a new shard afterwards.
     assert report.busy_at_restart == [f"{WORKERS}/{WORKERS}"]
     assert report.restart_to_all_working and report.restart_to_all_working[0] < 60
-    # 4. The poison job: every prompt quarantined with its reason, no worker stopped.
-    assert (report.poison_done, report.poison_failed) == (0, POISON) and report.poison_quarantine_ok
-    assert any("nonexistent-model-folder" in reason for reason in report.poison_reasons), report.poison_reasons
+    # 4. The poison job: its model will not load, so it failed once as a whole with the reason (issue 37),
+    #    no prompt tried or stored, no worker stopped.
+    assert (report.poison_done, report.poison_failed) == (0, 0) and report.poison_quarantine_ok
+    assert "nonexistent-model-folder" in report.poison_failure, report.poison_failure
     assert report.breaker_exits == 0
     # 5. Two priorities on the queue: the urgent job (--priority 9, submitted after the big one) is
     #    whole and byte-identical, and was done while the big one was still rendering.
