@@ -61,6 +61,18 @@ class FleetCollector:
         for pool, n in sorted(sizes.items()):
             g.add_metric([pool], n)
         yield g
+        g = GaugeMetricFamily(
+            "renderfleet_node_gpus",
+            "GPUs of the nodes run by a node supervisor (worker --gpus), by pool and state (up, restarting, retired, ...)",
+            labels=["pool", "state"],
+        )
+        gpus: dict[tuple[str, str], int] = {}
+        for node in fleet.nodes:
+            for gpu in node.gpus:
+                gpus[(node.pool, str(gpu.state))] = gpus.get((node.pool, str(gpu.state)), 0) + 1
+        for (pool, state), n in sorted(gpus.items()):
+            g.add_metric([pool, state], n)
+        yield g
         g = GaugeMetricFamily("renderfleet_pool_desired_workers", "Pool size the autoscaler last decided", labels=["pool"])
         for pool, n in sorted(fleet.desired.items()):
             g.add_metric([pool], n)

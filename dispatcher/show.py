@@ -361,6 +361,8 @@ def _render(
         workers, gone = fitted(console, "workers", worker_columns(ids), fleet.workers, wide=wide)
         parts += [Text(""), workers]
         dropped += [g for g in gone if g not in dropped]
+    # A node of several GPUs with one retired, restarting or stopping: a line each (renderfleet/nodes.py).
+    parts += [Text(n.summary(), style="yellow", overflow="fold") for n in fleet.nodes if n.troubled()]
     if dropped:
         parts.append(Text(f"(not shown at {console.width} columns: {', '.join(dropped)}; --wide shows them)", style="dim"))
     return Group(*parts)

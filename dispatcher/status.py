@@ -35,6 +35,7 @@ from renderfleet import keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.jobfailure import FAILED
+from renderfleet.nodes import NodeRecord, read_nodes
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store
@@ -180,6 +181,7 @@ class FleetStatus:
     redis: RedisLoad | None = None  # what the fleet costs its Redis (every store's); None where INFO is refused
     folded: int = 0  # finished jobs counted, not read nor listed in jobs (fleet_status's fold_finished)
     known: list[str] | None = None  # every job of the listing, folded ones too (None: jobs were named)
+    nodes: list[NodeRecord] = field(default_factory=list)  # nodes of several GPUs (renderfleet/nodes.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -197,6 +199,7 @@ class FleetStatus:
             "leases_reaped": self.reaped,
             "prices": self.prices,
             "redis": self.redis.to_dict() if self.redis else None,
+            "nodes": [n.to_dict() for n in self.nodes],
         }
 
     def pool_sizes(self) -> dict[str, int]:
@@ -762,6 +765,7 @@ def fleet_status(
     status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     status.redis = redis_load(client)
+    status.nodes = read_nodes(client, status.store)
     return status
 
 

@@ -532,9 +532,24 @@ def worker(
             "(default: RENDERFLEET_QUANTIZE, else none)",
         ),
     ] = None,
+    gpus: Annotated[
+        str | None,
+        typer.Option(
+            "--gpus",
+            metavar="all|N|0,2,3",
+            help="one worker per GPU under a node supervisor: every CUDA device, the first N, or these "
+            "(each worker sees only its own; metrics on the port + its place; RENDERFLEET_GPUS)",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
 ) -> None:
-    """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C."""
+    """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C.
+
+    With --gpus, a node supervisor instead: a worker per GPU, each restarted after a crash, a GPU
+    whose worker hits a device error retired, one spot-notice watcher and one scale-in protection
+    for the node; it exits 0 after a drain, 4 once every GPU is retired (replace the node), 2 on a
+    configuration refused (docs/pools.md, "Nodes with several GPUs").
+    """
     settings = _settings(
         pool=pool,
         model=model,
@@ -544,6 +559,7 @@ def worker(
         compile=compile,
         offload=offload,
         quantize=quantize,
+        gpus=gpus,
     )
     from renderfleet import logs
 
@@ -554,6 +570,24 @@ def worker(
         settings.log_format,
         levels={"renderfleet": logging.INFO, "worker": logging.INFO},
     )
+    if settings.gpus and not settings.node:  # a node's own worker never starts a node of its own
+        from worker.supervisor import run_node
+
+        flags = {
+            "--pool": pool,
+            "--model": model,
+            "--metrics-host": metrics_host,
+            "--batch-size": batch_size,
+            "--offload": offload,
+            "--quantize": quantize,
+        }
+        args = [part for flag, value in flags.items() if value is not None for part in (flag, value)]
+        args += [part for q in queue or [] for part in ("--queue", q)]
+        args += [] if compile is None else ["--compile" if compile else "--no-compile"]
+        args += ["--verbose"] if verbose else []
+        with _user_errors():
+            code = run_node(settings, args)  # each worker's metrics port is the node's + its place
+        raise typer.Exit(code)
     from worker.main import run_worker
 
     with _user_errors():

@@ -21,6 +21,11 @@ unless :data:`VARIABLE` names the point (docs/design.md, "Failpoints").
 For example ``before-claim=pause`` or
 ``render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)``.
 
+``POINT[#N]@gpuG`` (``render@gpu2=raise(...)``) applies only in the worker a node
+supervisor started for its GPU ``G`` (``RENDERFLEET_NODE_GPU``,
+``worker/supervisor.py``): one card of a node fails, the others do not.  A
+point is named once, or once per GPU.
+
 Unset, :func:`reach` costs one environment lookup.  A value that does not
 parse, or names a point that does not exist, is a :class:`ConfigError`: a
 worker checks it at start (:func:`active`) and logs one WARNING line listing
@@ -43,7 +48,7 @@ VARIABLE = "RENDERFLEET_FAILPOINTS"
 # Every failpoint the product reaches, and where.
 POINTS = {
     "before-claim": "a shard's message taken (in kombu's unacked), its lease not yet claimed (renderfleet/leases.py)",
-    "render": "inside the pipeline call, before the pipeline runs (worker/render.py)",
+    "render": "inside the pipeline call, before the pipeline runs (worker/render.py, worker/benchrender.py)",
     "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "
     "(worker/runner.py)",
     "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
@@ -52,8 +57,11 @@ POINTS = {
 }
 ERRORS = ("RuntimeError", "ValueError", "AcceleratorError")
 
+# The GPU of a node's worker (set by its supervisor): a failpoint ``@gpuG`` applies there only.
+GPU_VARIABLE = "RENDERFLEET_NODE_GPU"
+
 _ENTRY = re.compile(
-    r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?="
+    r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?(?:@gpu(?P<gpu>[0-9]+))?="
     r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\))"
 )
 
@@ -67,51 +75,63 @@ class Failpoint:
     nth: int = 1
     error: str = ""  # raise: the exception's type, one of ERRORS
     text: str = ""  # raise: its message
+    gpu: str = ""  # the node's GPU whose worker it applies in; "": every process
 
     def __str__(self) -> str:
         where = self.point if self.nth == 1 else f"{self.point}#{self.nth}"
+        where += f"@gpu{self.gpu}" if self.gpu else ""
         return f"{where}=pause" if self.action == "pause" else f"{where}=raise({self.error}: {self.text})"
 
 
-def parse(value: str) -> dict[str, Failpoint]:
-    """The failpoints ``value`` names, by point; :class:`ConfigError` naming the entry that will not do."""
-    points: dict[str, Failpoint] = {}
+def parse(value: str, gpu: str | None = None) -> dict[str, Failpoint]:
+    """The failpoints ``value`` names that apply in a process on ``gpu`` (a node's worker; None: any
+    other process, where no ``@gpuG`` entry applies), by point; :class:`ConfigError` naming the
+    entry that will not do, whichever GPU it is for."""
+    return {fp.point: fp for fp in named(value) if fp.gpu in ("", gpu)}
+
+
+def named(value: str) -> list[Failpoint]:
+    """Every failpoint ``value`` names, for every GPU; :class:`ConfigError` naming the entry that will not do."""
+    points: dict[tuple[str, str], Failpoint] = {}
     for entry in (e.strip() for e in value.split(";")):
         if not entry:
             continue
         m = _ENTRY.fullmatch(entry)
         if m is None:
             raise ConfigError(f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)")
-        point = m["point"]
+        point, gpu = m["point"], m["gpu"] or ""
         if point not in POINTS:
             raise ConfigError(f"{VARIABLE}: no failpoint {point!r}; the points are {', '.join(POINTS)}")
-        if point in points:
+        # Once, or once per GPU: never both for every process and for one GPU (which would win there?).
+        if (point, gpu) in points or any(p == point and "" in (g, gpu) for p, g in points):
             raise ConfigError(f"{VARIABLE}: failpoint {point!r} is named twice")
         if m["pause"]:
-            points[point] = Failpoint(point, "pause", int(m["nth"] or 1))
+            points[(point, gpu)] = Failpoint(point, "pause", int(m["nth"] or 1), gpu=gpu)
             continue
         if m["error"] not in ERRORS:
             raise ConfigError(f"{VARIABLE}: {point}: cannot raise {m['error']!r}; the types are {', '.join(ERRORS)}")
-        points[point] = Failpoint(point, "raise", int(m["nth"] or 1), m["error"], m["text"].strip())
-    return points
+        points[(point, gpu)] = Failpoint(point, "raise", int(m["nth"] or 1), m["error"], m["text"].strip(), gpu)
+    return list(points.values())
 
 
 # The last value parsed and its failpoints (a test may change the variable in-process), and
 # how many times this process reached each active point, and which pauses have fired.
-_parsed: tuple[str, dict[str, Failpoint]] = ("", {})
+_parsed: tuple[tuple[str, str | None], dict[str, Failpoint]] = (("", None), {})
 _reached: dict[str, int] = {}
 _paused: set[str] = set()
 _lock = threading.Lock()
 
 
 def active() -> dict[str, Failpoint]:
-    """The failpoints the environment sets for this process (none when :data:`VARIABLE` is unset or empty)."""
+    """The failpoints the environment sets for this process (none when :data:`VARIABLE` is unset or empty;
+    on a node's worker, those for its GPU too)."""
     global _parsed
     value = os.environ.get(VARIABLE, "")
     if not value:
         return {}
-    if _parsed[0] != value:
-        _parsed = (value, parse(value))
+    key = (value, os.environ.get(GPU_VARIABLE) or None)
+    if _parsed[0] != key:
+        _parsed = (key, parse(*key))
     return _parsed[1]
 
 

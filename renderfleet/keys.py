@@ -161,6 +161,32 @@ def worker_stats(worker_id: str) -> str:
     return f"rf:worker:{worker_id}"
 
 
+NODES = "rf:nodes"  # set of the node ids whose record (node()) may still exist; a supervisor drops those expired
+
+
+def node(node_id: str) -> str:
+    """string: a node supervisor's record (``renderfleet worker --gpus``), JSON
+    (``renderfleet.nodes.NodeRecord``): its host, pool and store, and each GPU's state (up,
+    restarting, retired with the reason, stopped); written at every change and every
+    ``NODE_REFRESH_SECONDS``, expiring after :data:`NODE_TTL_SECONDS` (a node that vanished
+    drops out of ``status``); kept :data:`NODE_KEEP_SECONDS` after a node that stopped for its
+    devices (exit 4) or its configuration (exit 2), deleted after a drain."""
+    return f"rf:node:{node_id}"
+
+
+def node_gpus(node_id: str) -> str:
+    """hash written by the workers of a node supervisor: ``busy:<gpu>`` ("1" while that GPU's
+    worker holds a shard, "0" when idle: the node holds its scale-in protection while any is busy)
+    and ``error:<gpu>`` (the device error its worker stopped on: the reason the GPU is retired).
+    A field is dropped by the supervisor when the worker exits; the hash expires with the record."""
+    return f"rf:node:{node_id}:gpus"
+
+
+NODE_REFRESH_SECONDS = 10.0
+NODE_TTL_SECONDS = 30  # three refreshes
+NODE_KEEP_SECONDS = 3600
+
+
 def desired(store_tag: str) -> str:
     """hash pool -> the size the autoscaler of the store tagged ``store_tag`` last decided."""
     return f"rf:desired:{store_tag}"

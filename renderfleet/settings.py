@@ -77,6 +77,21 @@ def redis_url_problem(url: str) -> str | None:
     return None
 
 
+def gpus_problem(value: str) -> str | None:
+    """Why ``value`` is not ``all``, a count of GPUs or a list of their indexes; None when it is one."""
+    value = value.strip().lower()
+    if value == "all" or (value.isdigit() and int(value) >= 1):
+        return None
+    if value.isdigit():
+        return f"a count of GPUs is 1 or more, got {value!r}"
+    entries = [e.strip() for e in value.split(",")]
+    if len(entries) < 2 or not all(e.isdigit() for e in entries):
+        return f"must be all, a count of GPUs (2) or their indexes separated by commas (0,2,3), got {value!r}"
+    if len({int(e) for e in entries}) != len(entries):
+        return f"a GPU is named twice in {value!r}"
+    return None
+
+
 def _default_home() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "renderfleet"
 
@@ -214,6 +229,21 @@ class Settings(BaseSettings):
     # model, a fixed time per image, flat-colour PNGs marked as fake.  Off: a job naming one
     # fails with the reason, as for any model that will not load.  For benchmarks and tests only.
     allow_bench_models: bool = False
+    # `renderfleet worker --gpus`: one worker process per GPU under a node supervisor
+    # (worker/supervisor.py): "all" (every CUDA device of the node), N (the first N) or indexes
+    # (0,2,3).  None: one worker, in this process.
+    gpus: str | None = None
+    # Set by a node supervisor in each worker it starts: the node's id and the GPU the worker was
+    # given (its index on the node).  Such a worker leaves the reclaim notices and the scale-in marks
+    # to the node and tells it whether it is busy instead (worker/node.py).  None: a worker on its own.
+    node: str | None = None
+    node_gpu: str | None = None
+    # For tests only: the node supervisor's GPUs are this many stand-ins, no CUDA (each worker on the
+    # CPU, its CUDA_VISIBLE_DEVICES a made-up id; one of them is made to fail by a failpoint for its
+    # GPU alone: renderfleet/failpoints.py, POINT@gpuG).  Refused unless allow_stand_in_gpus is set,
+    # as a bench model is unless allow_bench_models.
+    stand_in_gpus: int = Field(default=0, ge=0, le=64)
+    allow_stand_in_gpus: bool = False
     # The largest total size of an s3:// model's files a worker will fetch, in bytes.
     model_max_bytes: int = Field(default=20 * 10**9, gt=0)
     # Device override for workers (cuda, cpu, mps); None: best available.
@@ -327,6 +357,15 @@ class Settings(BaseSettings):
             raise ValueError(f"must be auto or a whole number from {low} to {high}, got {value!r}")
         return value
 
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if why := gpus_problem(value):
+            raise ValueError(why)
+        return value.strip().lower()
+
     @field_validator("log_format")
     @classmethod
     def _check_log_format(cls, value: str) -> str:
@@ -428,6 +467,8 @@ class Settings(BaseSettings):
 
     @property
     def watch_reclaim(self) -> bool:
+        if self.node:  # a worker of a node supervisor: the node watches, once for all its GPUs
+            return False
         if self.reclaim_watch == "auto":
             return "spot" in self.pool
         return self.reclaim_watch == "on"

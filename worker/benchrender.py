@@ -10,12 +10,13 @@ and a worker serves it only with ``RENDERFLEET_ALLOW_BENCH_MODELS=1``
 (:func:`worker.models.model_refusal`): no setting turns a real model's job
 into flat colours.
 
-Like the real renderer it sleeps in denoising "steps" and asks ``should_stop``
-after each, so a reclaim notice abandons a batch within one step, and it
-encodes real PNGs (:func:`worker.render.encode_png`) in :meth:`encode`, their
-``model`` chunk the bench model's id and a ``renderfleet:fake`` chunk saying
-what they are (:func:`worker.render.png_metadata`), so that no one takes one
-for a render.
+Like the real renderer it reaches the ``render`` failpoint (a CUDA error on a
+node without CUDA: a node supervisor's test retires a stand-in GPU with it),
+sleeps in denoising "steps" and asks ``should_stop`` after each, so a reclaim
+notice abandons a batch within one step, and it encodes real PNGs
+(:func:`worker.render.encode_png`) in :meth:`encode`, their ``model`` chunk
+the bench model's id and a ``renderfleet:fake`` chunk saying what they are
+(:func:`worker.render.png_metadata`), so that no one takes one for a render.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from renderfleet.errors import Reclaimed
+from renderfleet import failpoints
+from renderfleet.errors import DeviceError, JobError, PermanentError, Reclaimed
 from renderfleet.spec import Prompt
 
 
@@ -57,6 +59,16 @@ class FixedTimeRenderer:
 
         if should_stop():
             raise Reclaimed("stopped before the batch started")
+        try:
+            failpoints.reach("render")  # where the real renderer reaches it: a test's CUDA error, no CUDA needed
+        except (RuntimeError, ValueError) as exc:  # what worker.render makes of them
+            from worker.deviceerrors import is_device_error
+
+            if is_device_error(exc):
+                raise DeviceError(f"{type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, ValueError):
+                raise JobError(f"the model rejects these settings: {exc}") from exc
+            raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
         started = time.perf_counter()
         steps = max(1, prompts[0].steps)
         end = started + self.seconds_per_image * len(prompts)

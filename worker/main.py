@@ -30,9 +30,10 @@ from worker.ledger import TOUCH_SECONDS, touch_seconds_for
 from worker.loading import LoadingRegistration
 from worker.metrics import BadImages, WorkerMetrics, serve_metrics
 from worker.models import model_label, model_refusal
+from worker.node import NodeBusyMark, report_device_error
 from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
 from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, instance_region
-from worker.service import WorkerService, new_worker_id
+from worker.service import WorkerService, new_worker_id, node_fields
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -145,7 +146,8 @@ def run_worker(
         )
     use_instance_region(settings)  # before any boto3 client: the store's, the model fetch's, the group's
     url = broker_url(settings.redis_url, settings.home)
-    worker_id = new_worker_id(settings.pool)
+    worker_id = new_worker_id(settings.pool, settings.node_gpu if settings.node else None)
+    parent = os.getppid() if settings.node else None  # a node supervisor's worker ends with its node
     quiet_logs(worker_id)
     metrics = WorkerMetrics(settings.pool)
     endpoint = serve_metrics(metrics, settings)  # before the load: a bad address fails in a second, not minutes
@@ -159,6 +161,12 @@ def run_worker(
     except Exception as exc:
         if is_device_error(exc):
             log.error("the device failed while loading model %s: %s", model, exc)
+            if settings.node:  # the reason its node retires this GPU for
+                from renderfleet import redisconn
+
+                client = redisconn.client(url, socket_timeout=5)
+                report_device_error(client, settings.node, settings.node_gpu or "", f"loading model {model}: {exc}")
+                client.close()
             return EXIT_DEVICE
         raise
     log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
@@ -212,9 +220,10 @@ def run_worker(
             settings.reap_seconds,
             on_tick=worker_tick(
                 service,
-                *scale_in_marks(settings),
+                *(node_marks(settings, service) if settings.node else scale_in_marks(settings)),
                 health_file=settings.health_file,
                 touch_seconds=touch_seconds_for(settings.lease_seconds),
+                parent=parent,
             ),
         )
         reaper.start()
@@ -339,12 +348,20 @@ def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
     return marks
 
 
+def node_marks(settings: Settings, service: WorkerService) -> list[ScaleInMark]:
+    """A node supervisor's worker marks itself busy for its node, which holds the platform's
+    protection for all its GPUs (worker/node.py)."""
+    assert settings.node is not None
+    return [NodeBusyMark(service.client, settings.node, settings.node_gpu or "")]
+
+
 def worker_tick(
     service: WorkerService,
     *marks: ScaleInMark | None,
     health_file: Path | None = None,
     retry_seconds: float = MARK_RETRY_SECONDS,
     touch_seconds: float = TOUCH_SECONDS,
+    parent: int | None = None,
 ) -> Callable[[], None]:
     """What the worker does at every reaper tick: liveness, its queue topped up from the
     pending shards when it is idle (so an idle fleet takes a new job without a monitor), scale-in
@@ -357,9 +374,13 @@ def worker_tick(
     fleet asked of Redis (bench/redis_scale.py), and its readers allow twice the
     lease (dispatcher/serving.py); a busy worker's heartbeats carry it, and its
     touch writes nothing (``worker.ledger.Liveness``).
+    ``parent``: the node supervisor's pid; once this process has another parent (the
+    supervisor was killed), it stops as on SIGTERM, as gunicorn's workers do: no orphan
+    keeps a GPU the next supervisor gives to another worker.
     """
     retry_at = [0.0] * len(marks)
     touched_at = [float("-inf")]
+    orphaned = [False]
 
     def on_tick() -> None:
         if health_file is not None:
@@ -376,6 +397,10 @@ def worker_tick(
             if mark is not None and time.monotonic() >= retry_at[i] and not update_protection(mark, service.busy):
                 retry_at[i] = time.monotonic() + retry_seconds
         if service.tripped:
+            tasks.request_warm_shutdown()
+        elif parent is not None and os.getppid() != parent and not orphaned[0]:
+            log.warning("the node supervisor (pid %d) is gone: stopping", parent)
+            orphaned[0] = True
             tasks.request_warm_shutdown()
 
     return on_tick
@@ -420,6 +445,7 @@ def _loading(settings: Settings, url: str, worker_id: str, model: str, pools: li
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "queues": pools,
+        **node_fields(settings),
     }
     client = redisconn.client(url, socket_timeout=10, health_check_interval=10)
     return LoadingRegistration(client, worker_id, info, touch_seconds_for(settings.lease_seconds))

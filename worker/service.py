@@ -46,6 +46,7 @@ from worker.batchsize import BatchSizes
 from worker.deviceerrors import is_device_error
 from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
+from worker.node import report_device_error
 from worker.prefetch import Prefetch
 from worker.runner import PendingShard, ShardRunner
 from worker.stagerun import ShardStages
@@ -68,8 +69,15 @@ Publisher = Callable[[str], None]  # publishes a shard message (JSON text)
 SPEC_CHECK_SECONDS = 10.0
 
 
-def new_worker_id(pool: str) -> str:
-    return f"{pool}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+def node_fields(settings: Settings) -> dict[str, str]:
+    """What a worker's registration says of its node (``renderfleet worker --gpus``): its id and GPU."""
+    return {"node": settings.node, "gpu": settings.node_gpu or ""} if settings.node else {}
+
+
+def new_worker_id(pool: str, gpu: str | None = None) -> str:
+    """``pool-host-pid-xxxxxx``; a worker of a node supervisor's GPU 2: ``pool-host-gpu2-pid-xxxxxx``."""
+    where = f"{socket.gethostname()}-gpu{gpu}" if gpu is not None else socket.gethostname()
+    return f"{pool}-{where}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 @dataclass
@@ -195,6 +203,7 @@ class WorkerService:
             "pid": os.getpid(),
             "started": time.time(),
             **({"queues": queues} if queues is not None else {}),
+            **node_fields(self.settings),
         }
         self.liveness.registration = json.dumps(info)
         pipe = self.client.pipeline()
@@ -684,6 +693,8 @@ class WorkerService:
         queue for another node, and this worker stops (EXIT_DEVICE)."""
         self.device_failed = self.tripped = True
         self.stop.request(f"device error: {exc}")
+        if self.settings.node:  # the reason its node's supervisor retires this GPU for (worker/supervisor.py)
+            report_device_error(self.client, self.settings.node, self.settings.node_gpu or "", str(exc))
         log.error("shard %s:%d handed back: device error, this worker stops taking work: %s", msg.job, msg.shard, exc)
         self._safe_hand_back(lease, Release.FRONT)
         return Outcome(TaskOutcome.DEVICE_ERROR)

@@ -80,6 +80,29 @@ def test_a_value_that_will_not_do_is_a_config_error_naming_the_variable(value: s
     assert str(caught.value).startswith(f"{failpoints.VARIABLE}: ") and reason in str(caught.value)
 
 
+def test_a_failpoint_for_one_gpu_applies_only_in_the_worker_of_that_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    value = "render@gpu2=raise(RuntimeError: CUDA error: one card); before-claim#2@gpu1=pause; after-render=pause"
+    card = Failpoint("render", "raise", 1, "RuntimeError", "CUDA error: one card", gpu="2")
+    assert failpoints.parse(value, "2") == {"render": card, "after-render": Failpoint("after-render", "pause")}
+    assert set(failpoints.parse(value, "1")) == {"before-claim", "after-render"}
+    assert set(failpoints.parse(value)) == {"after-render"}  # not a node's worker: for every process only
+    assert "; ".join(map(str, failpoints.named(value))) == value
+    monkeypatch.setenv(failpoints.VARIABLE, value)
+    monkeypatch.setenv(failpoints.GPU_VARIABLE, "2")
+    assert failpoints.active()["render"] == card
+    monkeypatch.setenv(failpoints.GPU_VARIABLE, "3")
+    assert "render" not in failpoints.active()
+    # Once per GPU, never for every process and for one GPU besides.
+    assert len(failpoints.named("render@gpu1=pause; render@gpu2=pause")) == 2
+    for twice in (
+        "render=pause; render@gpu2=pause",
+        "render@gpu2=pause; render=pause",
+        "render@gpu2=pause;render@gpu2=pause",
+    ):
+        with pytest.raises(ConfigError, match="failpoint 'render' is named twice"):
+            failpoints.parse(twice)
+
+
 def test_a_raise_fires_every_time_from_the_nth_time_on(monkeypatch: pytest.MonkeyPatch, fresh: None) -> None:
     monkeypatch.setenv(failpoints.VARIABLE, "render#2=raise(ValueError: CUDA error in a check)")
     failpoints.reach("render")  # the first time: passes
