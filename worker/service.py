@@ -249,6 +249,11 @@ class WorkerService:
         Raises :class:`TransientError` only before the shard is claimed (Redis
         unreachable): the task then gives the message back to the broker.
         """
+        if self.device_failed or self.tripped:
+            # Stopping for its card or its breaker: a message that reaches it before the warm shutdown goes
+            # back to the broker unclaimed, for another node (claimed and handed back, each delivery would
+            # count an attempt of the shard: dozens a second).
+            raise TransientError("this worker is stopping (a device error or its breaker): not claimed")
         raw = message if isinstance(message, str) else json.dumps(message)
         outcome = Outcome(TaskOutcome.STALE)
         # A second time only if the job began another life between the read of it and the claim: the

@@ -19,13 +19,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
 import redis
 
 from renderfleet import Client, keys
 from renderfleet.api import Job
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
-from renderfleet.errors import BadOutput, Reclaimed
+from renderfleet.errors import BadOutput, Reclaimed, TransientError
 from renderfleet.settings import Settings
 from renderfleet.spec import Prompt
 from renderfleet.states import TaskOutcome
@@ -201,6 +202,12 @@ def test_bad_images_hand_the_shard_back_unblamed_and_stop_the_worker_only_after_
         service.close()
     assert outcomes == [TaskOutcome.HANDED_BACK] * (BAD_OUTPUTS_TO_STOP - 1) + [TaskOutcome.DEVICE_ERROR]
     assert service.device_failed  # a few on one node: its card (EXIT_DEVICE)
+    # Stopping now: the shard's next delivery goes back to the broker unclaimed (no attempt counted).
+    attempts = raw.hget(keys.attempts(job.id), "0")
+    assert attempts is not None
+    with pytest.raises(TransientError, match="this worker is stopping"):
+        service.handle(published[-1], "")
+    assert raw.hget(keys.attempts(job.id), "0") == attempts
     assert len(published) == BAD_OUTPUTS_TO_STOP  # each time the shard went back for another node
     st = job.status()
     assert (st.done, st.quarantined) == (0, 0)  # nothing stored, nothing counted against the prompts
