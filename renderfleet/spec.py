@@ -492,7 +492,8 @@ class RenderParams:
         after the first release (:data:`SET_ONLY_IDENTITY`) only where set, so a job submitted
         before them keeps its id, and a job that sets none of them is read by an older worker
         or dispatcher as before (a rolling upgrade)."""
-        return {k: v for k, v in self.to_dict().items() if k not in SET_ONLY_IDENTITY or v != FIELD[k].default}
+        own = asdict(self)  # the values as set: a default compares equal to its field's (stages' JSON form would not)
+        return {k: v for k, v in self.to_dict().items() if k not in SET_ONLY_IDENTITY or own[k] != FIELD[k].default}
 
     @property
     def model_key(self) -> tuple[str, str, str]:
