@@ -172,14 +172,17 @@ def test_a_node_of_four_restarts_a_killed_worker_retires_a_failed_gpu_holds_prot
         # 2. A job: GPU 2's worker meets its CUDA error, hands its shard back and exits 4; its GPU is
         # retired and never started again, the other three render the job.  The node is protected
         # from scale-in while any of its workers holds a shard, and not once they are idle.
-        job = submit(env, write_prompts(tmp_path / "p.txt", 12), 1.0, "--shard-size", "2", "--batch-size", "2")
+        # 24 prompts in 12 shards: every worker takes some (with 12 the other three could finish before
+        # GPU 2's took one, on a loaded machine).
+        job = submit(env, write_prompts(tmp_path / "p.txt", 24), 1.0, "--shard-size", "2", "--batch-size", "2")
         seen_protected = []
 
         def done() -> bool:
             seen_protected.append(protected())
-            return bool(status_now(env, job)["done"] == 12)
+            return bool(status_now(env, job)["done"] == 24)
 
-        wait_for(done, 90, interval=0.3, what="the job to be rendered by three GPUs")
+        wait_for(lambda: states(client).get("2") == "retired", 90, what="GPU 2's worker to meet its error")
+        wait_for(done, 120, interval=0.3, what="the job to be rendered by three GPUs")
         assert any(seen_protected), "the node was never protected while its workers rendered"
         wait_for(lambda: not protected(), 20, what="the protection to be lifted once every worker is idle")
         assert states(client) == {"0": "up", "1": "up", "2": "retired", "3": "up"}
