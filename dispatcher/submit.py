@@ -55,6 +55,7 @@ class SubmitOptions:
     priority: int = spec.DEFAULT_PRIORITY  # 0 (lowest) to 9: a higher one's shards are fed first
     share: int = spec.DEFAULT_SHARE  # weight among the active jobs of one priority
     notes: tuple[str, ...] = ()  # lines for the user about how the options were taken (not the job's identity)
+    family: str = ""  # the model's family as submit told it (renderfleet/families.py); '': it could not
 
 
 @dataclass(frozen=True)

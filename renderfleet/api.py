@@ -245,7 +245,7 @@ class Client:
         width, height = parse_size(size)
         model = _expand_home(model or self.settings.model or "")
         # Steps and guidance not given: the model family's defaults where this machine can tell the
-        # family (a built-in model, a folder), SD's elsewhere (renderfleet/families.py).
+        # family (a built-in model, a folder, a hub id the hub answers for), SD's elsewhere (renderfleet/families.py).
         family = self._family(model, settings.get("revision", ""))
         default = families.defaults(family)
         # No model: check_options says so (MODEL_REQUIRED) beside any other bad option.
@@ -277,6 +277,7 @@ class Client:
             opts,
             params=replace(params, revision=revision, model_digest=self._model_digest(params.model), loras=loras),
             notes=(*notes, *family_notes),
+            family=family.name if family is not None else "",
         )
 
     def _family(self, model: str, revision: str) -> families.Family | None:
@@ -409,7 +410,7 @@ class Client:
             except InputError as exc:
                 raise (_renamed(exc, path, label, by_item) if label else exc) from None
             warnings = [*opts.notes, *(_renamed_line(w, path, label, by_item) if label else w for w in summary.warnings)]
-            family = families.family_here(opts.params.model)
+            family = families.BY_NAME.get(opts.family)  # as options() told it: no second read of the model
             if note := prompts.long_prompts_note(summary, opts.params.long_prompts, opts.params.negative_prompt, family):
                 warnings.append(note.replace(path, label) if label else note)
             result = submit(

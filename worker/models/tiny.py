@@ -61,7 +61,6 @@ def build_tiny_pipeline() -> Any:
     """
     import torch
     from diffusers import (
-        AutoencoderKL,
         DDIMScheduler,
         StableDiffusionPipeline,
         UNet2DConditionModel,
@@ -94,14 +93,7 @@ def build_tiny_pipeline() -> Any:
             steps_offset=1,
         )
         torch.manual_seed(0)
-        vae = AutoencoderKL(
-            block_out_channels=[32, 64],
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
-            up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
-            latent_channels=4,
-        )
+        vae = tiny_vae()
         torch.manual_seed(0)
         text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
 
@@ -135,6 +127,22 @@ def tiny_tokenizer() -> Any:
         (folder / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
         tokenizer = CLIPTokenizer.from_pretrained(folder, model_max_length=_MAX_TOKENS)
     return tokenizer
+
+
+def tiny_vae(latent_channels: int = 4, **extra: Any) -> Any:
+    """The built-in models' VAE: two blocks (halves each side once), from the caller's seeded RNG;
+    ``extra``: a family's own settings (its latent scaling and shift, no quant convs)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=[32, 64],
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
+        latent_channels=latent_channels,
+        **extra,
+    )
 
 
 def tiny_clip_config(tokenizer: Any, **extra: Any) -> Any:

@@ -25,6 +25,7 @@ from worker.models.tiny import (
     tiny_t5_encoder,
     tiny_t5_tokenizer,
     tiny_tokenizer,
+    tiny_vae,
     tiny_warning,
 )
 
@@ -43,7 +44,7 @@ def build_tiny_flux(schnell: bool = False) -> Any:
     The two differ in the transformer's guidance embedding and the scheduler.
     """
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
     log.warning(tiny_warning(TINY_FLUX_SCHNELL if schnell else TINY_FLUX))
@@ -68,17 +69,8 @@ def build_tiny_flux(schnell: bool = False) -> Any:
             axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
         )
         torch.manual_seed(0)
-        vae = AutoencoderKL(
-            block_out_channels=[32, 64],
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
-            up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
-            latent_channels=_LATENT_CHANNELS,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.1159,  # FLUX.1's VAE's
-            scaling_factor=0.3611,
+        vae = tiny_vae(  # FLUX.1's VAE's: 16 latent channels, no quant convs, shifted and scaled
+            _LATENT_CHANNELS, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611
         )
         if schnell:  # FLUX.1-schnell's: no shift at all
             scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)

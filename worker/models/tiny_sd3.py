@@ -23,6 +23,7 @@ from worker.models.tiny import (
     tiny_t5_encoder,
     tiny_t5_tokenizer,
     tiny_tokenizer,
+    tiny_vae,
     tiny_warning,
 )
 
@@ -43,7 +44,6 @@ def build_tiny_sd3() -> Any:
     """
     import torch
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -74,17 +74,8 @@ def build_tiny_sd3() -> Any:
             pos_embed_max_size=_POS_EMBED_MAX_SIZE,
         )
         torch.manual_seed(0)
-        vae = AutoencoderKL(
-            block_out_channels=[32, 64],
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
-            up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
-            latent_channels=_LATENT_CHANNELS,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.0609,  # SD3's VAE's
-            scaling_factor=1.5035,
+        vae = tiny_vae(  # SD3's VAE's: 16 latent channels, no quant convs, shifted and scaled
+            _LATENT_CHANNELS, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035
         )
         torch.manual_seed(0)
         text_encoder = CLIPTextModelWithProjection(clip_config)

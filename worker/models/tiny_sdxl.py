@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from worker.models.tiny import eval_models, tiny_clip_config, tiny_tokenizer, tiny_warning
+from worker.models.tiny import eval_models, tiny_clip_config, tiny_tokenizer, tiny_vae, tiny_warning
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +114,4 @@ def tiny_sdxl_scheduler() -> Any:
 
 def tiny_sdxl_vae() -> Any:
     """The tiny SDXL VAE (halves each side once), from the caller's seeded RNG."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        block_out_channels=[32, 64],
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
-        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
-        latent_channels=4,
-        scaling_factor=0.13025,  # SDXL's VAE's
-    )
+    return tiny_vae(scaling_factor=0.13025)  # SDXL's VAE's

@@ -10,8 +10,9 @@ worker's), the call's arguments (:meth:`call_kwargs`) and what the image records
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from renderfleet import families, samplers
@@ -84,7 +85,7 @@ class PipelineFamily:
     def call_kwargs(self, prompts: Sequence[Prompt]) -> dict[str, Any]:
         """The call's arguments beyond the text, size, steps, generators and callback: guidance
         as this family means it (a generic pipeline gets it only where its call takes it)."""
-        if "guidance_scale" in self._call_parameters():
+        if "guidance_scale" in self.call_parameters:
             return {"guidance_scale": prompts[0].guidance}
         return {}
 
@@ -101,8 +102,10 @@ class PipelineFamily:
         is dropped (a setting the family ignored is never recorded as used)."""
         return {}
 
-    def _call_parameters(self) -> set[str]:
-        return set(inspect.signature(type(self.pipe).__call__).parameters)
+    @functools.cached_property
+    def call_parameters(self) -> Mapping[str, inspect.Parameter]:
+        """What the pipeline's call takes, read once (a generic pipeline's calls are pruned to it)."""
+        return inspect.signature(type(self.pipe).__call__).parameters
 
 
 class CfgFamily(PipelineFamily):

@@ -24,7 +24,7 @@ class Generic(PipelineFamily):
         """Only what its call takes: an argument it does not know would be a TypeError on every
         batch (the worker's breaker), where leaving it out costs a feature (no stop mid-batch
         without ``callback_on_step_end``: the batch finishes or is lost)."""
-        params = inspect.signature(type(self.pipe).__call__).parameters
+        params = self.call_parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return kwargs
         dropped = sorted(set(kwargs) - set(params))
