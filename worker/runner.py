@@ -335,7 +335,15 @@ class ShardRunner:
                 if generated:
                     ledger.record_stage("generate", generated, time.monotonic() - generating)
                 images = self.stages.run(
-                    msg, self.renderer, pending, images, resumed, failures, should_stop, on_stage=ledger.record_stage
+                    msg,
+                    self.renderer,
+                    pending,
+                    images,
+                    resumed,
+                    failures,
+                    should_stop,
+                    on_stage=ledger.record_stage,
+                    uploads=self._uploads,
                 )
         except Reclaimed:
             ledger.record_waste(len(images))

@@ -23,6 +23,7 @@ import io
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from renderfleet import failpoints, spec
@@ -112,13 +113,15 @@ class ShardStages:
         failures: list[Failure],
         should_stop: Callable[[], bool],
         on_stage: StageHook | None = None,
+        uploads: Executor | None = None,
     ) -> dict[str, Any]:
         """Take each prompt's image through the stages it has not been through: ``images`` holds the
         images just generated (level 0) and those taken from the store at level ``resumed[name]``.
         The final images by name.  Each level reached below the last is stored before the next
         stage begins, unless it came from there.  A stage's failure is its prompts' (``failures``).
         ``on_stage(label, n, seconds)``: what each stage made and the seconds its calls took (not its
-        renderer's build nor the store's writes), for the shard's ledger (the job's stage figures)."""
+        renderer's build nor the store's writes), for the shard's ledger (the job's stage figures).
+        ``uploads``: the runner's upload threads, which encode and write a level's images side by side."""
         stages = msg.params.stages
         last = len(stages)
         current = dict(images)
@@ -132,7 +135,7 @@ class ShardStages:
             members = [p for p in members if p not in skipping]
             if not members:
                 continue
-            self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current)
+            self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current, uploads)
             failpoints.reach("stage")
             try:
                 renderer = self.renderer(base, level, stages[level])
@@ -155,15 +158,32 @@ class ShardStages:
                 on_stage(stage_label(stages, level + 1), len(made), seconds)
         return {p.name: current[p.name] for p in prompts if p.name in current and at.get(p.name, 0) == last}
 
-    def _store(self, msg: ShardMessage, level: int, members: Sequence[Prompt], current: dict[str, Any]) -> None:
+    def _store(
+        self,
+        msg: ShardMessage,
+        level: int,
+        members: Sequence[Prompt],
+        current: dict[str, Any],
+        uploads: Executor | None = None,
+    ) -> None:
         """The level's images in the store, before the stage that takes them runs: a worker lost in it
-        leaves them for the next delivery.  An image already stored at this level is the same bytes."""
-        for p in members:
+        leaves them for the next delivery.  An image already stored at this level is the same bytes.
+        Encoded and written side by side in ``uploads`` where given (zlib and the store's I/O let the
+        threads run together), as the runner writes a batch's final images."""
+
+        def put(p: Prompt) -> None:
             self.store.put(
                 spec.stage_key(msg.job, msg.shard, level, p.name, msg.life),
                 encode_intermediate(current[p.name]),
                 content_type="image/png",
             )
+
+        if uploads is None or len(members) < 2:
+            for p in members:
+                put(p)
+            return
+        for future in [uploads.submit(put, p) for p in members]:
+            future.result()  # every one stored before the stage runs; the first error raised
 
     def _run_stage(
         self,
