@@ -155,9 +155,19 @@ def run_worker(
         log.info("worker %s: metrics on http://%s:%d/metrics", worker_id, settings.metrics_host, endpoint.server_port)
     log.info("worker %s: pool %s, loading model %s", worker_id, settings.pool, model)
     pools = queues or _default_queues(settings.pool)
+    # From its first registration (the loading one) a SIGTERM must not kill the process with that
+    # registration left behind (a worker stopped as it loads or comes up, by an autoscaler going down,
+    # say): until Celery's own handlers take over in worker.start(), a signal ends the start-up cleanly.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stopped_while_starting)
     try:
         with _loading(settings, url, worker_id, model, pools):  # status: "loading", not "no worker"
             renderer, loaded = load_renderer(model, settings, on_bad_images=metrics.bad_images)
+    except StoppedWhileStarting:  # the loading registration is gone with the context (worker/loading.py)
+        log.warning("worker %s: stopped while loading its model", worker_id)
+        if endpoint is not None:
+            endpoint.shutdown()
+        return 0
     except Exception as exc:
         if is_device_error(exc):
             log.error("the device failed while loading model %s: %s", model, exc)
@@ -199,15 +209,10 @@ def run_worker(
         metrics=metrics,
     )
     stop = service.stop
-    _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
-    # Registered: from here a SIGTERM must not kill the process with its registration left behind
-    # (a worker stopped right after it came up, by an autoscaler going down, say).  Until Celery's
-    # own handlers take over in worker.start(), a signal ends the start-up cleanly, below.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stopped_while_starting)
     reaper: ReaperThread | None = None
     watcher: ReclaimWatcher | None = None
     try:
+        _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
         tasks.register(app, service)
         queueguard.install()
         tasks.install_shutdown_hooks(
@@ -412,7 +417,7 @@ def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> N
     A worker started before Redis (a node booting faster than the Redis pod,
     a Redis restarting) waits with its model loaded instead of exiting into a
     crash loop that loads the model again on every restart.  SIGTERM ends
-    the wait (Python's default handler: nothing is held yet).
+    the wait (:class:`StoppedWhileStarting`: the caller unregisters).
     """
     said = 0.0
     while True:
