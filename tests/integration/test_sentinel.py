@@ -271,18 +271,31 @@ def test_a_sentinel_client_closed_closes_its_connections_to_the_sentinels(sentin
     observers = [cluster.connect(port, password=False) for port in cluster.sentinel_ports]
 
     def ours(before: list[set[int]]) -> list[set[int]]:
-        """The clients on each sentinel now that were not there ``before`` (its peers' and the observer's are)."""
-        return [{int(c["id"]) for c in o.client_list()} - seen for o, seen in zip(observers, before, strict=True)]
+        """The clients on each sentinel now that were not there ``before`` (the observer's are), less its
+        peers' links (named ``sentinel-<id>-cmd``: a sentinel on a loaded machine may link again at any time)."""
+        return [
+            {int(c["id"]) for c in o.client_list() if not c.get("name", "").startswith("sentinel-")} - seen
+            for o, seen in zip(observers, before, strict=True)
+        ]
+
+    def all_closed(before: list[set[int]]) -> bool:
+        """The server sees a closed socket at its next read: a moment on a loaded machine, not at once."""
+        deadline = time.monotonic() + 5
+        while ours(before) != [set(), set(), set()]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     try:
         before = [{int(c["id"]) for c in o.client_list()} for o in observers]
         client = redisconn.client(cluster.url, socket_timeout=5)
         assert client.ping() and any(ours(before))  # the master found by asking a sentinel: connected to it
         client.close()
-        assert ours(before) == [set(), set(), set()]  # held here (no garbage collected), yet closed
+        assert all_closed(before), ours(before)  # held here (no garbage collected), yet closed
         assert client.ping()  # closed is not broken: a client used again asks the sentinels again
         client.close()
-        assert ours(before) == [set(), set(), set()]
+        assert all_closed(before), ours(before)
     finally:
         for o in observers:
             o.close()

@@ -69,6 +69,7 @@ def test_status_says_a_worker_is_loading_its_model_not_that_none_is_live(
     text = cli(env, "status", job).stdout
     assert LOADING in text and NO_WORKER not in text, text
     assert "loading model" in text  # the workers table's "doing"
+    _register_loading(redis.Redis.from_url(redis_server.url), tmp_path)  # its touch, as a loading worker keeps it
     found = _job_json(env, job)
     assert found["unserved"] == "loading" and LOADING in str(found["unserved_note"])
 
