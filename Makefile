@@ -68,10 +68,18 @@ kubectl:
 		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y kubectl; } \
 		|| echo "make: no kubectl package here: test_the_renderer_agrees_with_kubectl_kustomize will skip"
 
-# Every tier but the long one (tests marked slow: `make test-slow`): about 11 to 15 minutes on 2 cores,
+# Every tier but the long one (tests marked slow: `make test-slow`): about 11 to 14 minutes on 2 cores,
 # lint included. Each slow test plays a whole scenario whose parts have tests of their own in this tier.
-test: install browser terminal kubectl lint
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+# The lint runs beside the tests, its output kept and shown after theirs: mypy from a fresh clone (no cache)
+# is about a minute of one core, which the tests' waits on leases and worker starts leave idle anyway;
+# either failing fails the target.
+test: install browser terminal kubectl
+	@rm -f $(VENV)/lint.log; \
+	$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS); tests=$$?; \
+	wait $$lint; linted=$$?; echo "---- make lint (run beside the tests) ----"; cat $(VENV)/lint.log; \
+	[ $$linted -eq 0 ] || echo "make: lint failed (exit $$linted)"; \
+	[ $$tests -eq 0 ] && [ $$linted -eq 0 ]
 
 # The long tier (about 8 minutes on 2 cores): the short chaos run, the spot pool grown and shrunk by
 # the autoscaler, bench/gpu.sh's CPU dry run with inductor, `renderfleet run` into two stores.
