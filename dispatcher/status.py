@@ -98,6 +98,8 @@ class JobStatus:
     # image; None until one made an image).  None for a job without stages: then not in the JSON.
     stages: list[StageStatus] | None = None
     bound_by: str | None = None
+    name: str = ""  # what a person calls it (submit --name, else its file's name; spec.JobSpec.name); '' for none
+    submitted: float | None = None  # when it was submitted (unix time; the spec's created); None when not known
 
     @property
     def failed(self) -> int:
@@ -433,6 +435,8 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
             priority=job_spec.priority,
             share=job_spec.share,
             unaccounted=len(images),  # no account at all: Redis does not know the job
+            name=job_spec.name,
+            submitted=job_spec.created or None,
         )
     queued = running = shards_queued = shards_running = pending = shards_pending = 0
     for shard, state in states.items():
@@ -481,6 +485,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         queue=keys.text(queue),
         unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
         stages=staged,
+        **_named(registered, f"{keys.job(job)} spec"),
     )
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
@@ -492,6 +497,20 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     if result.state == "failed":
         result.eta_seconds = None  # no rate will finish it
     return result
+
+
+def _named(registered: dict[str, Any], where: str) -> dict[str, Any]:
+    """The job's name and when it was submitted, from its spec as registered (read already: nothing more
+    is asked of Redis); a malformed one is skipped, an absent one (a spec from before names) is ''/None."""
+    name, created = registered.get("name", ""), registered.get("created")
+    if not isinstance(name, str) or (name and spec.job_name_problem(name)):
+        malformed(where, name, "not a job's name")
+        name = ""
+    if created is not None and not (isinstance(created, int | float) and math.isfinite(created) and created > 0):
+        if created != 0:  # 0: a spec written without a time
+            malformed(where, created, "not a time")
+        created = None
+    return {"name": name, "submitted": float(created) if created else None}
 
 
 def _ranked(value: Any, name: str, registered: dict[str, Any], where: str) -> int:

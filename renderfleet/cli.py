@@ -190,10 +190,20 @@ Share = Annotated[
 JobOpt = Annotated[
     str | None, typer.Option("--job", metavar="ID", help="job id (default: derived from content and settings)")
 ]
+NameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--name",
+        metavar="NAME",
+        help="what status and the page call the job, and commands take back where unique (default: the file's name)",
+    ),
+]
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", metavar="FILE", help="TOML file with \\[pools.NAME] and \\[autoscale] tables")
 ]
-JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id, or a unique prefix of it (as status shows)")]
+JobArg = Annotated[
+    str, typer.Argument(metavar="JOB", help="the job id, a unique prefix of it, or its name where unique (as status shows)")
+]
 # The render settings of the one table beyond the basics (docs/configuration.md, "Render settings").
 Scheduler = Annotated[
     str,
@@ -286,6 +296,7 @@ class SubmitFlags:
     refine: list[str] | None = None
     stages: Path | None = None
     keep_intermediates: bool = False
+    name: str | None = None
 
 
 # Each setting's option (its Annotated type) and default, defined once for every command that
@@ -314,6 +325,7 @@ SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "refine": (Refine, None),
     "stages": (StagesFile, None),
     "keep_intermediates": (KeepIntermediates, False),
+    "name": (NameOpt, None),
 }
 
 
@@ -368,6 +380,7 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         job=flags.job,
         priority=flags.priority,
         share=flags.share,
+        name=flags.name,
         **render,
     )
 
@@ -426,6 +439,7 @@ def _do_submit(
             job=opts.job,
             priority=opts.priority,
             share=opts.share,
+            name=opts.name,
             **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format, opts.params.quality),
             loras=opts.params.loras,
             revision=opts.params.revision,
@@ -601,7 +615,8 @@ def worker(
 @app.command()
 def status(
     job: Annotated[
-        str | None, typer.Argument(metavar="JOB", help="a job id or a unique prefix of one; all jobs when left out")
+        str | None,
+        typer.Argument(metavar="JOB", help="a job id, a unique prefix of one, or a job's name; all jobs when left out"),
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout (docs/monitoring.md)")
