@@ -177,7 +177,7 @@ def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
         # Beside the id, what a person calls it (typed back where unique), when it came and how it ranks.
         Column("name", 1, lambda j: Text(j.name or "-", style="" if j.name else "dim"), justify="left"),
         Column("submitted", 6, lambda j: ago(j.submitted, now)),
-        Column("prio/share", 5, lambda j: f"{j.priority}/{j.share}"),
+        Column("prio/share", 8, lambda j: f"{j.priority}/{j.share}"),
         Column("progress", 10, lambda j: _progress(j, plain), justify="left"),
         Column("done", 2, lambda j: f"{j.done:,}/{j.total:,}"),
         Column("quarantined", 3, lambda j: Text(f"{j.quarantined:,}", style="red" if j.quarantined else "")),
@@ -189,7 +189,7 @@ def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
         Column("redelivered/lost", 14, lambda j: f"{j.redeliveries}/{j.wasted_images}"),
         # "-" where render time before a Redis loss is unknown: a sum of what came after reads as the whole
         Column("GPU s", 13, lambda j: "-" if j.unaccounted else f"{sum(j.gpu_seconds.values()):,.0f}"),
-        Column("cost", 8, lambda j: money(j.cost)),
+        Column("cost", 5, lambda j: money(j.cost)),
         Column("per 1k img", 9, lambda j: money(j.cost_per_1000_images)),
     ]
 

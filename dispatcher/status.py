@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from dispatcher import lifecycle
+from dispatcher.records import Records
 from dispatcher.redisload import RedisLoad, redis_load
 from dispatcher.resume import (
     jobs_only_in_store,
@@ -797,20 +798,32 @@ class Results:
     images: dict[str, str]  # name -> location
     missing: list[str]
     quarantined: dict[str, str]  # name -> error
+    # name -> the prompt's record (dispatcher/records.py: done with its attempt, card, seconds and cost
+    # share; quarantined with its reason; pending), in the job's order; None when not asked for
+    prompts: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.prompts is None:
+            del out["prompts"]
+        return out
 
 
-def results(store: Store, job: str, names: Iterable[str] | None = None) -> Results:
+def results(
+    store: Store, job: str, names: Iterable[str] | None = None, *, prices: dict[str, float] | None = None
+) -> Results:
     """Where each prompt's image is, and which are missing or quarantined.  ``names``: the
     prompts' image names in order when the caller has read them already (``resume``'s
-    ``names``); else they are read from the stored prompt file."""
+    ``names``); else they are read from the stored prompt file.  With ``prices`` (pool -> price
+    per hour; may be empty), each prompt's record too (:attr:`Results.prompts`: a read of each
+    shard's checkpoints)."""
     job_spec = load_spec(store, job)
     images = stored_images(store, job)
     quarantined = stored_names(store, job, "quarantine")
-    out = Results(job, {}, [], {})
-    for name in (name for name, _ in stored_prompts(store, job_spec)) if names is None else names:
+    out = Results(job, {}, [], {}, None if prices is None else {})
+    records = None if prices is None else Records(store, job_spec, prices)
+    ordered = (name for name, _ in stored_prompts(store, job_spec)) if names is None else names
+    for index, name in enumerate(ordered):
         if name in images:
             out.images[name] = store.locate(images[name])
         elif name in quarantined:
@@ -818,4 +831,6 @@ def results(store: Store, job: str, names: Iterable[str] | None = None) -> Resul
             out.quarantined[name] = json.loads(record)["error"] if record else "quarantined"
         else:
             out.missing.append(name)
+        if records is not None and out.prompts is not None:
+            out.prompts[name] = records.record(index, name, images, out.quarantined)
     return out

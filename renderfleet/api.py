@@ -602,17 +602,25 @@ class Job:
         )
         return None if found is None else found[1]
 
-    def results(self) -> Results:
+    def results(self, *, records: bool = False) -> Results:
         """Where each image is, and which are missing or quarantined (reads the store); Redis's
-        counts are corrected to it (a count whose image is gone is taken back)."""
+        counts are corrected to it (a count whose image is gone is taken back).  ``records``: each
+        prompt's record too, as ``results --json`` gives it (``Results.prompts``: done with its attempt,
+        card, seconds and cost share, quarantined with its reason, or pending; a read of each shard's
+        checkpoints)."""
         from dispatcher.resume import resume
-        from dispatcher.status import results
+        from dispatcher.status import published_prices, results
 
+        prices = None
+        if records:
+            pools = self.client.settings.pools
+            configured = {name: pool.price_per_hour for name, pool in pools.items() if pool.price_per_hour > 0}
+            prices = {**published_prices(self.client.redis, self.client.store.url), **configured}
         if not self.client.redis.exists(keys.job(self.id)):
-            return results(self.client.store, self.id)
+            return results(self.client.store, self.id, prices=prices)
         names: list[str] = []  # the prompt file read once: by resume, for both
         resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False, names=names)
-        return results(self.client.store, self.id, names)
+        return results(self.client.store, self.id, names, prices=prices)
 
     def resume(self) -> ResumeReport:
         """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""

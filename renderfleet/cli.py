@@ -727,7 +727,8 @@ def results(
                             sizes.append(row["bytes"])
                         yield row
 
-                n = write_manifest(sized(manifest_rows(store, job, _attempts(settings, job))), manifest)
+                rows = manifest_rows(store, job, _attempts(settings, job), _prices(settings, store))
+                n = write_manifest(sized(rows), manifest)
                 mean = f", {sum(sizes) / len(sizes):,.0f} bytes per image (mean of {len(sizes)})" if sizes else ""
                 _err(f"{manifest}: {n} rows{mean}")
             if sheet:
@@ -735,7 +736,9 @@ def results(
             return
         names: list[str] = []  # the prompts' image names, from the one read of the prompt file
         corrected = _correct_counts(settings, store, job, names)
-        res = job_results(store, job, names if corrected is not None else None)
+        # Each prompt's record (a read of each shard's checkpoints) in the JSON only: the lines list no more.
+        prices = _prices(settings, store) if as_json else None
+        res = job_results(store, job, names if corrected is not None else None, prices=prices)
     if corrected is not None and corrected.uncounted:
         _err(
             f"job {job}: {counted(corrected.uncounted, 'prompt')} counted done "
@@ -777,6 +780,16 @@ def _correct_counts(settings: Settings, store: Any, job: str, names: list[str] |
     if found is None or not found[1].exists(keys.job(job)):
         return None
     return do_resume(job, store=store, app=found[0], client=found[1], push=False, names=names)
+
+
+def _prices(settings: Settings, store: Any) -> dict[str, float]:
+    """Each pool's price per hour, for the prompts' cost shares: those the fleet published (the
+    configured Redis, or the embedded one if it runs), each overridden by the settings' config."""
+    from dispatcher.status import published_prices
+
+    found = _running_redis(settings)
+    published = published_prices(found[1], store.url) if found is not None else {}
+    return {**published, **{name: pool.price_per_hour for name, pool in settings.pools.items() if pool.price_per_hour > 0}}
 
 
 def _attempts(settings: Settings, job: str) -> dict[int, int] | None:
