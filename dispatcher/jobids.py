@@ -90,7 +90,10 @@ def job_names(client: redis.Redis | None, store: Store, jobs: list[str]) -> dict
                 if total is None:
                     absent.append(job)
                 else:
-                    names[job] = keys.text(name) if name is not None else ""
+                    try:
+                        names[job] = keys.text(name) if name is not None else ""
+                    except UnicodeDecodeError:  # written by hand or a bug: no name, never a failed command
+                        names[job] = ""
     for job in absent:
         try:
             raw = store.get(spec.spec_key(job))
