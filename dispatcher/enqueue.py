@@ -86,12 +86,12 @@ def register_job(
     pipe.hset(
         keys.job(spec.job),
         mapping={
-            "spec": spec.to_json(),
+            "spec": spec.registration(),
             "total": spec.total,
             "queue": queue,
             "store": store,
             "life": spec.life,
-            "name": spec.name,  # apart from the spec: a name is looked up among every job (dispatcher/jobids.py)
+            "name": spec.name,  # apart: looked up among every job (dispatcher/jobids.py), read by no worker
         },
     )
     if stored:

@@ -332,7 +332,7 @@ def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> 
 
 
 def _read_body(pipe: Any, job: str) -> None:
-    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED)
+    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name")
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
     pipe.hgetall(keys.job_stats(job))
@@ -402,7 +402,7 @@ def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted, failure), states, left, stats, progress, attempts = body
+    (spec_json, unaccounted, failure, name), states, left, stats, progress, attempts = body
     if (
         (total is not None or deleted is not None)
         and store is not None
@@ -486,7 +486,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         queue=keys.text(queue),
         unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
         stages=staged,
-        **_named(registered, f"{keys.job(job)} spec"),
+        **_named(name, registered, keys.job(job)),
     )
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
@@ -500,16 +500,21 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     return result
 
 
-def _named(registered: dict[str, Any], where: str) -> dict[str, Any]:
-    """The job's name and when it was submitted, from its spec as registered (read already: nothing more
-    is asked of Redis); a malformed one is skipped, an absent one (a spec from before names) is ''/None."""
-    name, created = registered.get("name", ""), registered.get("created")
-    if not isinstance(name, str) or (name and spec.job_name_problem(name)):
-        malformed(where, name, "not a job's name")
+def _named(raw: Any, registered: dict[str, Any], where: str) -> dict[str, Any]:
+    """The job's name (``raw``: its hash's ``name``) and when it was submitted (its spec as registered),
+    read with the job's other fields; a malformed one is skipped, an absent one (a job registered before
+    names) is ''/None."""
+    try:
+        name = keys.text(raw) if raw is not None else ""
+    except UnicodeDecodeError:
+        name = None
+    if name is None or (name and spec.job_name_problem(name)):
+        malformed(f"{where} name", raw, "not a job's name")
         name = ""
+    created = registered.get("created")
     if created is not None and not (isinstance(created, int | float) and math.isfinite(created) and created > 0):
         if created != 0:  # 0: a spec written without a time
-            malformed(where, created, "not a time")
+            malformed(f"{where} spec", created, "not a time")
         created = None
     return {"name": name, "submitted": float(created) if created else None}
 

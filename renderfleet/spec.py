@@ -12,7 +12,7 @@ The store layout of a job lives here too, so a reader finds every key in one pla
     jobs/<job>/source/wire.jsonl            its prompts, checked, one wire JSON a line (workers read a shard's range)
     jobs/<job>/source/wire.index            where each shard's first line begins (8-byte offsets, renderfleet/shardfile.py)
         jobs/<job>/images/<name>.<ext>          one image per prompt (.png, .webp or .jpg: the job's image_format)
-    jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed, per attempt
+    jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed and rendered (where, how fast)
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
     jobs/<job>/thumbs/<name>.webp|.json     the web page's thumbnails and captions (dispatcher/web.py)
     jobs/<job>/cancelled.json               the job is cancelled (``renderfleet cancel``) until resumed
@@ -664,6 +664,14 @@ class JobSpec:
     def to_json(self) -> str:
         data = asdict(self)
         data["params"] = self.params.identity()
+        return json.dumps(data, sort_keys=True)
+
+    def registration(self) -> str:
+        """The spec as Redis holds it for the workers (``keys.job``'s ``spec``): without its name, which
+        only people read (``keys.job``'s ``name`` holds it), so that a worker of a version before names,
+        whose :meth:`from_json` takes no field it does not know, still reads a job submitted since."""
+        data = json.loads(self.to_json())
+        del data["name"]
         return json.dumps(data, sort_keys=True)
 
     @classmethod

@@ -66,6 +66,9 @@ def test_a_name_is_in_the_spec_but_not_the_jobs_identity() -> None:
     before = json.loads(a.to_json())
     del before["name"]  # a spec written before names
     assert JobSpec.from_json(json.dumps(before)).name == ""
+    # what Redis holds for the workers has no name: a worker from before names reads it (its from_json
+    # takes no field it does not know); the name is the job hash's own field
+    assert json.loads(a.registration()) == before
     # the id is the content, the settings and the store: nothing a name changes
     assert "name" not in job_id.__code__.co_varnames
     assert job_id("d" * 64, params, "/s") == job_id("d" * 64, params, "/s")
@@ -89,9 +92,10 @@ def test_status_shows_name_submitted_and_priority_and_reads_a_bad_name_as_none()
     obj = jobs[0].to_dict()
     assert (obj["name"], obj["submitted"], obj["priority"]) == ("nightly", now - 3700, 7)
     assert (jobs[1].to_dict()["name"], jobs[1].to_dict()["submitted"]) == ("", None)
-    assert _named({"name": "ok", "created": 5.0}, "here") == {"name": "ok", "submitted": 5.0}
-    assert _named({"name": ["not", "text"], "created": "soon"}, "here") == {"name": "", "submitted": None}
-    assert _named({"created": 0.0}, "here") == {"name": "", "submitted": None}
+    assert _named(b"ok", {"created": 5.0}, "here") == {"name": "ok", "submitted": 5.0}
+    assert _named(b"\xff", {"created": "soon"}, "here") == {"name": "", "submitted": None}  # malformed: skipped
+    assert _named(b"two\nlines", {}, "here")["name"] == ""
+    assert _named(None, {"created": 0.0}, "here") == {"name": "", "submitted": None}  # from before names
 
 
 def test_a_unique_name_resolves_and_an_ambiguous_one_names_the_candidates(
@@ -128,3 +132,5 @@ def test_a_unique_name_resolves_and_an_ambiguous_one_names_the_candidates(
         resolve(client, store, "no such run")
     assert resolve(client, store, "nothing-like-it") == "nothing-like-it"  # the caller's "no job" error
     assert resolve(None, store, "nightly") == "j-cccc000000000003"  # no Redis: the store's specs
+    assert client.hget("rf:job:j-cccc000000000003", "name") == b"nightly"
+    assert "name" not in json.loads(client.hget("rf:job:j-cccc000000000003", "spec") or b"{}")
