@@ -85,7 +85,14 @@ def register_job(
     pipe.persist(keys.attempts(spec.job))
     pipe.hset(
         keys.job(spec.job),
-        mapping={"spec": spec.to_json(), "total": spec.total, "queue": queue, "store": store, "life": spec.life},
+        mapping={
+            "spec": spec.registration(),
+            "total": spec.total,
+            "queue": queue,
+            "store": store,
+            "life": spec.life,
+            "name": spec.name,  # apart: looked up among every job (dispatcher/jobids.py), read by no worker
+        },
     )
     if stored:
         pipe.hset(keys.job(spec.job), "stored", "1")

@@ -8,10 +8,16 @@ set of jobs (:func:`known_jobs`: those this Redis counts for the store, and thos
 only the store's listing shows), so an id ``status`` printed always resolves to
 the job it showed, until a later job shares that prefix; then the prefix is
 refused as ambiguous, naming the candidates, never taken for one of them.
+
+A job's name (``submit --name``, else its prompt file's: ``spec.JobSpec.name``) is
+taken back the same way: where exactly one job of the store has that name (and no
+other job's id starts with it), it names that job; else it is refused as ambiguous,
+naming the candidates.  An exact id always wins over a name.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 
@@ -29,6 +35,7 @@ log = logging.getLogger(__name__)
 MIN_SHOWN = 9  # "j-" and 7 hex digits: git's default abbreviation
 MIN_PREFIX = 4  # a shorter prefix is too easy to type by mistake (git asks for 4 too)
 CANDIDATES_SHOWN = 10  # an ambiguous prefix's error names at most this many jobs
+_CHUNK = 500  # jobs whose names are read per pipelined round trip
 
 
 def short_ids(jobs: Iterable[str], minimum: int = MIN_SHOWN) -> dict[str, str]:
@@ -66,32 +73,85 @@ def known_jobs(client: redis.Redis | None, store: Store, redis_jobs: Iterable[st
     return sorted(jobs)
 
 
+def job_names(client: redis.Redis | None, store: Store, jobs: list[str]) -> dict[str, str]:
+    """Each of ``jobs``' name ('' for none): from its hash in Redis (its ``name`` field, one pipelined
+    read per chunk of jobs), else, for a job this Redis does not hold, from its spec in the store (a
+    read each: only the jobs Redis forgot, which the monitor adopts back)."""
+    names: dict[str, str] = {}
+    absent = list(jobs)
+    if client is not None:
+        absent = []
+        for at in range(0, len(jobs), _CHUNK):
+            chunk = jobs[at : at + _CHUNK]
+            pipe = client.pipeline(transaction=False)
+            for job in chunk:
+                pipe.hmget(keys.job(job), "name", "total")
+            for job, (name, total) in zip(chunk, pipe.execute(), strict=True):
+                if total is None:
+                    absent.append(job)
+                else:
+                    try:
+                        names[job] = keys.text(name) if name is not None else ""
+                    except UnicodeDecodeError:  # written by hand or a bug: no name, never a failed command
+                        names[job] = ""
+    for job in absent:
+        try:
+            raw = store.get(spec.spec_key(job))
+            names[job] = str(json.loads(raw).get("name", "")) if raw else ""
+        except (StoreError, ValueError, AttributeError) as exc:
+            log.warning("cannot read the name of job %s: %s", job, exc)
+            names[job] = ""
+    return names
+
+
 def resolve(client: redis.Redis | None, store: Store, text: str) -> str:
     """The job id ``text`` names: itself when a job has that exact id (in the store, or in Redis,
-    a tombstone included), else the one job of the store whose id starts with it.
+    a tombstone included), else the one job of the store whose name is ``text`` or whose id
+    starts with it.
 
-    InputError when ``text`` cannot be a job id, or is a prefix of several jobs (naming them);
-    a prefix of none is returned as it is, for the caller's own "no job" error.
+    InputError when ``text`` names several jobs (naming them), is a prefix too short to take, or
+    can be neither a job id nor a name of one; a prefix of none is returned as it is, for the
+    caller's own "no job" error.
     """
-    if job_id_problem(text):
-        raise InputError(
-            [f"not a job id: {text!r} (job ids are what `submit` printed, or a unique prefix of one that `status` shows)"]
-        )
-    if client is not None and client.exists(keys.job(text)):
-        return text
-    if store.exists(spec.spec_key(text)):
-        return text
-    matches = [job for job in known_jobs(client, store) if job.startswith(text)]
-    if len(text) < MIN_PREFIX and matches:
-        raise InputError(
-            [
-                f"JOB: {text!r} is too short for a prefix ({len(matches)} job(s) start with it): "
-                f"give at least {MIN_PREFIX} characters, as `status` shows them"
-            ]
-        )
+    id_like = job_id_problem(text) is None
+    if id_like:
+        if client is not None and client.exists(keys.job(text)):
+            return text
+        if store.exists(spec.spec_key(text)):
+            return text
+    jobs = known_jobs(client, store)
+    names = job_names(client, store, jobs)
+    named = [job for job in jobs if names.get(job) == text]
+    prefixed = [job for job in jobs if job.startswith(text)] if id_like else []
+    if len(text) < MIN_PREFIX and prefixed:
+        if not named:
+            raise InputError(
+                [
+                    f"JOB: {text!r} is too short for a prefix ({len(prefixed)} job(s) start with it): "
+                    f"give at least {MIN_PREFIX} characters, as `status` shows them"
+                ]
+            )
+        prefixed = []  # a short name is a name, not a prefix
+    matches = sorted(set(named) | set(prefixed))
     if len(matches) > 1:
-        shown = ", ".join(matches[:CANDIDATES_SHOWN]) + (
+        shown = ", ".join(_candidate(job, names) for job in matches[:CANDIDATES_SHOWN]) + (
             f" and {len(matches) - CANDIDATES_SHOWN} more" if len(matches) > CANDIDATES_SHOWN else ""
         )
-        raise InputError([f"JOB: {text!r} is ambiguous: {len(matches)} jobs start with it: {shown} (type more of the id)"])
-    return matches[0] if matches else text
+        how = "are named so" if not prefixed else "start with it" if not named else "are named so or start with it"
+        hint = "type more of the id" if not named else "give the id, as `status` shows it"
+        raise InputError([f"JOB: {text!r} is ambiguous: {len(matches)} jobs {how}: {shown} ({hint})"])
+    if matches:
+        return matches[0]
+    if not id_like:
+        raise InputError(
+            [
+                f"not a job id: {text!r}, nor the name of a job of store {store.url} "
+                "(give what `submit` printed, a unique prefix of it, or the job's name, as `status` shows them)"
+            ]
+        )
+    return text
+
+
+def _candidate(job: str, names: dict[str, str]) -> str:
+    """A job as an ambiguous name's or prefix's error names it: its id, and its name beside it."""
+    return f"{job} ({names[job]})" if names.get(job) else job

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dispatcher.records import Records
 from dispatcher.resume import load_spec, stored_image_listing, stored_images, stored_names, stored_prompts
 from dispatcher.thumbs import FORMATS as THUMB_FORMATS
 from dispatcher.thumbs import THUMB_MAX_PIXELS
@@ -54,6 +55,13 @@ COLUMNS = (
     "stages",
     "final_width",
     "final_height",
+    # A rendered prompt's record (dispatcher/records.py): the attempt of its shard that rendered it, the
+    # card, the batch's seconds per image and its share of the cost; empty where not known (a checkpoint
+    # from before they were kept, a pool without a price) and for a prompt not rendered.
+    "attempt",
+    "card",
+    "seconds",
+    "cost",
 )
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 BATCH_ROWS = 10_000
@@ -61,8 +69,11 @@ BATCH_ROWS = 10_000
 CSV_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
-def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None) -> Iterator[dict[str, Any]]:
-    """One dict per prompt (``COLUMNS``): its settings, where its image is, done/quarantined/missing.
+def manifest_rows(
+    store: Store, job: str, attempts: dict[int, int] | None = None, prices: dict[str, float] | None = None
+) -> Iterator[dict[str, Any]]:
+    """One dict per prompt (``COLUMNS``): its settings, where its image is, done/quarantined/missing,
+    and a rendered one's record (``prices``: pool -> price per hour, for its cost share).
 
     ``attempts`` maps a shard to the times it was handed to a worker (Redis's
     ``keys.attempts``: each claim takes the next attempt number); a shard it
@@ -84,6 +95,7 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
     # As each final image's metadata says them (worker/runner.py): renderfleet.stages.to_json.
     stages = json.dumps(stagelib.to_json(params.stages)) if params.stages else ""
     quarantined = stored_names(store, job, "quarantine") - set(images)
+    records = Records(store, job_spec, prices or {})
     for index, (name, line) in enumerate(stored_prompts(store, job_spec)):
         p = Prompt.from_wire(index, json.loads(line), job_spec.params)
         final_width, final_height = stagelib.final_size(params.stages, p.width, p.height)
@@ -95,6 +107,7 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
             status, image, error = "quarantined", "", json.loads(record)["error"] if record else "quarantined"
         else:
             status, image = "missing", ""
+        rendered = records.record(index, name, images, {}) if status == "done" else {}
         yield {
             "index": p.index,
             "id": p.name,
@@ -118,6 +131,10 @@ def manifest_rows(store: Store, job: str, attempts: dict[int, int] | None = None
             "stages": stages,
             "final_width": final_width,
             "final_height": final_height,
+            "attempt": rendered.get("attempt"),
+            "card": rendered.get("card"),
+            "seconds": rendered.get("seconds"),
+            "cost": rendered.get("cost"),
         }
 
 
@@ -193,6 +210,10 @@ def _write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
             ("stages", pa.string()),
             ("final_width", pa.int32()),
             ("final_height", pa.int32()),
+            ("attempt", pa.int32()),
+            ("card", pa.string()),
+            ("seconds", pa.float64()),
+            ("cost", pa.float64()),
         ]
     )
     count = 0

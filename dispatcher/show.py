@@ -33,6 +33,20 @@ def eta(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def ago(when: float | None, now: float | None = None) -> str:
+    """How long ago ``when`` (unix time) was, as kubectl shows an age: ``40s``, ``12m``, ``3h05m``, ``2d``."""
+    if when is None:
+        return "-"
+    seconds = max(0, int((time.time() if now is None else now) - when))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d"
+
+
 def money(value: float | None, symbol: str = "") -> str:
     """A cost for people: ``-`` when unknown; never rounded to nothing (three significant
     digits below 1, cents above, whole units from 1,000)."""
@@ -157,22 +171,26 @@ def _state(j: JobStatus) -> str:
 
 def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
     """The jobs table, in the order shown; ranks say what stays at 80 columns."""
+    now = time.time()
     return [
         Column("job", 0, lambda j: ids.get(j.job, j.job), justify="left"),
-        Column("progress", 7, lambda j: _progress(j, plain), justify="left"),
-        Column("done", 1, lambda j: f"{j.done:,}/{j.total:,}"),
-        Column("quarantined", 2, lambda j: Text(f"{j.quarantined:,}", style="red" if j.quarantined else "")),
-        Column("queued", 8, lambda j: f"{j.queued:,}"),
-        Column("running", 9, lambda j: f"{j.in_flight:,}"),
-        Column("prio/share", 13, lambda j: f"{j.priority}/{j.share}"),
-        Column("shards p/q/r", 12, lambda j: f"{j.shards_pending}/{j.shards_queued - j.shards_pending}/{j.shards_running}"),
-        Column("img/min", 4, lambda j: f"{j.images_per_minute:,.1f}"),
-        Column("ETA", 3, _state),
-        Column("redelivered/lost", 11, lambda j: f"{j.redeliveries}/{j.wasted_images}"),
+        # Beside the id, what a person calls it (typed back where unique), when it came and how it ranks.
+        Column("name", 1, lambda j: Text(j.name or "-", style="" if j.name else "dim"), justify="left"),
+        Column("submitted", 6, lambda j: ago(j.submitted, now)),
+        Column("prio/share", 8, lambda j: f"{j.priority}/{j.share}"),
+        Column("progress", 10, lambda j: _progress(j, plain), justify="left"),
+        Column("done", 2, lambda j: f"{j.done:,}/{j.total:,}"),
+        Column("quarantined", 3, lambda j: Text(f"{j.quarantined:,}", style="red" if j.quarantined else "")),
+        Column("queued", 11, lambda j: f"{j.queued:,}"),
+        Column("running", 12, lambda j: f"{j.in_flight:,}"),
+        Column("shards p/q/r", 15, lambda j: f"{j.shards_pending}/{j.shards_queued - j.shards_pending}/{j.shards_running}"),
+        Column("img/min", 7, lambda j: f"{j.images_per_minute:,.1f}"),
+        Column("ETA", 4, _state),
+        Column("redelivered/lost", 14, lambda j: f"{j.redeliveries}/{j.wasted_images}"),
         # "-" where render time before a Redis loss is unknown: a sum of what came after reads as the whole
-        Column("GPU s", 10, lambda j: "-" if j.unaccounted else f"{sum(j.gpu_seconds.values()):,.0f}"),
+        Column("GPU s", 13, lambda j: "-" if j.unaccounted else f"{sum(j.gpu_seconds.values()):,.0f}"),
         Column("cost", 5, lambda j: money(j.cost)),
-        Column("per 1k img", 6, lambda j: money(j.cost_per_1000_images)),
+        Column("per 1k img", 9, lambda j: money(j.cost_per_1000_images)),
     ]
 
 
@@ -181,7 +199,7 @@ def _sized_columns(columns: list[Column], jobs: Sequence[JobStatus]) -> list[Col
     own view lists its images (``fleet_status``); a listing of every job does not."""
     if all(j.bytes_per_image is None for j in jobs):
         return columns
-    size = Column("KB/img", 14, lambda j: "-" if j.bytes_per_image is None else f"{j.bytes_per_image / 1000:,.1f}")
+    size = Column("KB/img", 16, lambda j: "-" if j.bytes_per_image is None else f"{j.bytes_per_image / 1000:,.1f}")
     at = next(i for i, col in enumerate(columns) if col.header == "cost")
     return [*columns[:at], size, *columns[at:]]
 

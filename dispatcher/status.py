@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from dispatcher import lifecycle
+from dispatcher.records import Records
 from dispatcher.redisload import RedisLoad, redis_load
 from dispatcher.resume import (
     jobs_only_in_store,
@@ -98,6 +99,8 @@ class JobStatus:
     # image; None until one made an image).  None for a job without stages: then not in the JSON.
     stages: list[StageStatus] | None = None
     bound_by: str | None = None
+    name: str = ""  # what a person calls it (submit --name, else its file's name; spec.JobSpec.name); '' for none
+    submitted: float | None = None  # when it was submitted (unix time; the spec's created); None when not known
 
     @property
     def failed(self) -> int:
@@ -329,7 +332,7 @@ def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> 
 
 
 def _read_body(pipe: Any, job: str) -> None:
-    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED)
+    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name")
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
     pipe.hgetall(keys.job_stats(job))
@@ -399,7 +402,7 @@ def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted, failure), states, left, stats, progress, attempts = body
+    (spec_json, unaccounted, failure, name), states, left, stats, progress, attempts = body
     if (
         (total is not None or deleted is not None)
         and store is not None
@@ -433,6 +436,8 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
             priority=job_spec.priority,
             share=job_spec.share,
             unaccounted=len(images),  # no account at all: Redis does not know the job
+            name=job_spec.name,
+            submitted=job_spec.created or None,
         )
     queued = running = shards_queued = shards_running = pending = shards_pending = 0
     for shard, state in states.items():
@@ -481,6 +486,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         queue=keys.text(queue),
         unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
         stages=staged,
+        **_named(name, registered, keys.job(job)),
     )
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
@@ -492,6 +498,25 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     if result.state == "failed":
         result.eta_seconds = None  # no rate will finish it
     return result
+
+
+def _named(raw: Any, registered: dict[str, Any], where: str) -> dict[str, Any]:
+    """The job's name (``raw``: its hash's ``name``) and when it was submitted (its spec as registered),
+    read with the job's other fields; a malformed one is skipped, an absent one (a job registered before
+    names) is ''/None."""
+    try:
+        name = keys.text(raw) if raw is not None else ""
+    except UnicodeDecodeError:
+        name = None
+    if name is None or (name and spec.job_name_problem(name)):
+        malformed(f"{where} name", raw, "not a job's name")
+        name = ""
+    created = registered.get("created")
+    if created is not None and not (isinstance(created, int | float) and math.isfinite(created) and created > 0):
+        if created != 0:  # 0: a spec written without a time
+            malformed(f"{where} spec", created, "not a time")
+        created = None
+    return {"name": name, "submitted": float(created) if created else None}
 
 
 def _ranked(value: Any, name: str, registered: dict[str, Any], where: str) -> int:
@@ -778,20 +803,32 @@ class Results:
     images: dict[str, str]  # name -> location
     missing: list[str]
     quarantined: dict[str, str]  # name -> error
+    # name -> the prompt's record (dispatcher/records.py: done with its attempt, card, seconds and cost
+    # share; quarantined with its reason; pending), in the job's order; None when not asked for
+    prompts: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.prompts is None:
+            del out["prompts"]
+        return out
 
 
-def results(store: Store, job: str, names: Iterable[str] | None = None) -> Results:
+def results(
+    store: Store, job: str, names: Iterable[str] | None = None, *, prices: dict[str, float] | None = None
+) -> Results:
     """Where each prompt's image is, and which are missing or quarantined.  ``names``: the
     prompts' image names in order when the caller has read them already (``resume``'s
-    ``names``); else they are read from the stored prompt file."""
+    ``names``); else they are read from the stored prompt file.  With ``prices`` (pool -> price
+    per hour; may be empty), each prompt's record too (:attr:`Results.prompts`: a read of each
+    shard's checkpoints)."""
     job_spec = load_spec(store, job)
     images = stored_images(store, job)
     quarantined = stored_names(store, job, "quarantine")
-    out = Results(job, {}, [], {})
-    for name in (name for name, _ in stored_prompts(store, job_spec)) if names is None else names:
+    out = Results(job, {}, [], {}, None if prices is None else {})
+    records = None if prices is None else Records(store, job_spec, prices)
+    ordered = (name for name, _ in stored_prompts(store, job_spec)) if names is None else names
+    for index, name in enumerate(ordered):
         if name in images:
             out.images[name] = store.locate(images[name])
         elif name in quarantined:
@@ -799,4 +836,6 @@ def results(store: Store, job: str, names: Iterable[str] | None = None) -> Resul
             out.quarantined[name] = json.loads(record)["error"] if record else "quarantined"
         else:
             out.missing.append(name)
+        if records is not None and out.prompts is not None:
+            out.prompts[name] = records.record(index, name, images, out.quarantined)
     return out

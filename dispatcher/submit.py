@@ -56,6 +56,7 @@ class SubmitOptions:
     share: int = spec.DEFAULT_SHARE  # weight among the active jobs of one priority
     notes: tuple[str, ...] = ()  # lines for the user about how the options were taken (not the job's identity)
     family: str = ""  # the model's family as submit told it (renderfleet/families.py); '': it could not
+    name: str | None = None  # what a person calls the job (--name); None: its prompt file's name
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ def check_options(opts: SubmitOptions) -> None:
             problems.append(f"--variant: the built-in model {p.model[:100]!r} has no weights variants")
     if opts.job is not None and (why := job_id_problem(opts.job)):
         problems.append(f"--job: {why}")
+    if opts.name is not None and (why := spec.job_name_problem(opts.name)):
+        problems.append(f"--name: {why}")
     if problems:
         raise InputError(problems)
 
@@ -349,6 +352,7 @@ def submit(
         batch_size=opts.batch_size,
         pool=opts.pool,
         source=source or os.path.basename(path),
+        name=opts.name if opts.name is not None else spec.default_job_name(source or os.path.basename(path)),
         prompts_key=spec.source_key(job, fmt, gzipped),
         created=time.time(),
         priority=opts.priority,

@@ -49,7 +49,7 @@ from starlette.types import ASGIApp
 from dispatcher.fleetmetrics import FleetCollector, StatusSource
 from dispatcher.jobids import resolve
 from dispatcher.resume import image_key_of
-from dispatcher.show import money
+from dispatcher.show import ago, money
 from dispatcher.status import FleetStatus, JobStatus, fleet_status
 from dispatcher.thumbs import NoImage, Thumbnails
 from renderfleet import keys
@@ -287,7 +287,7 @@ MAX_FILTER = 100  # characters of ?q=
 
 @dataclass(frozen=True)
 class JobsShown:
-    """Which jobs the page lists: ``show`` (one of :data:`SHOWN`), ``q`` (a piece of the id, any case), ``page``."""
+    """Which jobs the page lists: ``show`` (one of :data:`SHOWN`), ``q`` (a piece of the id or name, any case), ``page``."""
 
     show: str = "all"
     q: str = ""
@@ -320,7 +320,7 @@ def jobs_shown(jobs: list[JobStatus], view: JobsShown) -> tuple[list[JobStatus],
     """The jobs of ``view``'s page, active ones first, and how many match in all: a fleet that has run
     thousands of jobs is listed 50 at a time, not drawn whole at every view and refresh."""
     needle = view.q.lower()
-    matching = [j for j in jobs if _shown(j, view.show) and needle in j.job.lower()]
+    matching = [j for j in jobs if _shown(j, view.show) and (needle in j.job.lower() or needle in j.name.lower())]
     matching.sort(key=lambda j: j.finished or j.state == "failed")  # stable: the fleet's order within each
     start = (view.page - 1) * JOBS_PER_PAGE
     return matching[start : start + JOBS_PER_PAGE], len(matching)
@@ -328,11 +328,11 @@ def jobs_shown(jobs: list[JobStatus], view: JobsShown) -> tuple[list[JobStatus],
 
 def checked_job(store: Store, job: str, client: redis.Redis | None = None) -> str:
     """``job`` when it is a job id the store holds, or the one such job whose id starts with it (a
-    short id as ``status`` shows it, ``dispatcher.jobids``); NotHere otherwise, naming the candidates
-    of an ambiguous prefix."""
-    if job_id_problem(job):
+    short id as ``status`` shows it, ``dispatcher.jobids``) or whose name it is; NotHere otherwise,
+    naming the candidates of an ambiguous prefix or name."""
+    if job_id_problem(job) and layout.job_name_problem(job):
         raise NotHere(f"no job {job!r}")
-    if not store.exists(layout.spec_key(job)):
+    if job_id_problem(job) or not store.exists(layout.spec_key(job)):
         try:
             job = resolve(client, store, job)
         except InputError as exc:
@@ -422,6 +422,16 @@ def _seen(last_seen: Any) -> str:
     return "up" if age < 30 else f"silent {_duration(age)}"
 
 
+def _ago(when: float | None) -> str:
+    """When a job was submitted, as an age (``3h05m ago``); ``-`` when not known."""
+    return "-" if not when else f"{ago(when)} ago"
+
+
+def _utc(when: float | None) -> str:
+    """A unix time as a person reads it, in UTC; ``not known`` for none."""
+    return "not known" if not when else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when))
+
+
 def _money(value: float | None) -> str:
     return money(value, "$")
 
@@ -432,6 +442,8 @@ def page_templates() -> Jinja2Templates:
     templates.env.filters["duration"] = _duration
     templates.env.filters["money"] = _money
     templates.env.filters["seen"] = _seen
+    templates.env.filters["ago"] = _ago
+    templates.env.filters["utc"] = _utc
     return templates
 
 

@@ -160,6 +160,7 @@ class Client:
         job: str | None = None,
         priority: int = 5,
         share: int = 1,
+        name: str | None = None,
         **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
@@ -176,7 +177,9 @@ class Client:
         the same job: only what is missing is enqueued (at the ``priority`` and
         ``share`` given now).  ``priority``: 0 (lowest) to 9; a higher job's shards
         are taken before any lower one's.  ``share``: 1 to 100, the job's weight
-        among the jobs of its priority, which take turns.
+        among the jobs of its priority, which take turns.  ``name``: what ``status`` and the page
+        call the job, and what :meth:`job` and the CLI take back where it is unique (default: the
+        prompt file's name; none for an iterable or a stream); not part of the job's identity.
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
@@ -195,6 +198,7 @@ class Client:
             job=job,
             priority=priority,
             share=share,
+            name=name,
             **settings,
         )
         if isinstance(prompts, str | os.PathLike):
@@ -226,6 +230,7 @@ class Client:
         job: str | None = None,
         priority: int = 5,
         share: int = 1,
+        name: str | None = None,
         **settings: Any,
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
@@ -260,7 +265,14 @@ class Client:
             **settings,
         )
         opts = SubmitOptions(
-            params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority, share=share
+            params=params,
+            shard_size=shard_size,
+            batch_size=batch_size,
+            pool=pool,
+            job=job,
+            priority=priority,
+            share=share,
+            name=name,
         )
         check_options(opts)
         # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
@@ -435,9 +447,10 @@ class Client:
         )
 
     def job(self, job_id: str) -> Job:
-        """A handle on a job submitted earlier (from code or the CLI): its id, or a unique prefix of
-        it as ``status`` shows it (:class:`~renderfleet.errors.InputError` naming the candidates when
-        several jobs start with it; :class:`~renderfleet.errors.JobNotFound` when none does)."""
+        """A handle on a job submitted earlier (from code or the CLI): its id, a unique prefix of it as
+        ``status`` shows it, or its name where no other job of the store has it
+        (:class:`~renderfleet.errors.InputError` naming the candidates when several jobs have that
+        name or start with it; :class:`~renderfleet.errors.JobNotFound` when none does)."""
         from dispatcher.jobids import resolve
         from dispatcher.status import job_status
 
@@ -589,17 +602,25 @@ class Job:
         )
         return None if found is None else found[1]
 
-    def results(self) -> Results:
+    def results(self, *, records: bool = False) -> Results:
         """Where each image is, and which are missing or quarantined (reads the store); Redis's
-        counts are corrected to it (a count whose image is gone is taken back)."""
+        counts are corrected to it (a count whose image is gone is taken back).  ``records``: each
+        prompt's record too, as ``results --json`` gives it (``Results.prompts``: done with its attempt,
+        card, seconds and cost share, quarantined with its reason, or pending; a read of each shard's
+        checkpoints)."""
         from dispatcher.resume import resume
-        from dispatcher.status import results
+        from dispatcher.status import published_prices, results
 
+        prices = None
+        if records:
+            pools = self.client.settings.pools
+            configured = {name: pool.price_per_hour for name, pool in pools.items() if pool.price_per_hour > 0}
+            prices = {**published_prices(self.client.redis, self.client.store.url), **configured}
         if not self.client.redis.exists(keys.job(self.id)):
-            return results(self.client.store, self.id)
+            return results(self.client.store, self.id, prices=prices)
         names: list[str] = []  # the prompt file read once: by resume, for both
         resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False, names=names)
-        return results(self.client.store, self.id, names)
+        return results(self.client.store, self.id, names, prices=prices)
 
     def resume(self) -> ResumeReport:
         """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""

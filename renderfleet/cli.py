@@ -190,10 +190,20 @@ Share = Annotated[
 JobOpt = Annotated[
     str | None, typer.Option("--job", metavar="ID", help="job id (default: derived from content and settings)")
 ]
+NameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--name",
+        metavar="NAME",
+        help="what status and the page call the job, and commands take back where unique (default: the file's name)",
+    ),
+]
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", metavar="FILE", help="TOML file with \\[pools.NAME] and \\[autoscale] tables")
 ]
-JobArg = Annotated[str, typer.Argument(metavar="JOB", help="the job id, or a unique prefix of it (as status shows)")]
+JobArg = Annotated[
+    str, typer.Argument(metavar="JOB", help="the job id, a unique prefix of it, or its name where unique (as status shows)")
+]
 # The render settings of the one table beyond the basics (docs/configuration.md, "Render settings").
 Scheduler = Annotated[
     str,
@@ -286,6 +296,7 @@ class SubmitFlags:
     refine: list[str] | None = None
     stages: Path | None = None
     keep_intermediates: bool = False
+    name: str | None = None
 
 
 # Each setting's option (its Annotated type) and default, defined once for every command that
@@ -314,6 +325,7 @@ SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "refine": (Refine, None),
     "stages": (StagesFile, None),
     "keep_intermediates": (KeepIntermediates, False),
+    "name": (NameOpt, None),
 }
 
 
@@ -368,6 +380,7 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         job=flags.job,
         priority=flags.priority,
         share=flags.share,
+        name=flags.name,
         **render,
     )
 
@@ -426,6 +439,7 @@ def _do_submit(
             job=opts.job,
             priority=opts.priority,
             share=opts.share,
+            name=opts.name,
             **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format, opts.params.quality),
             loras=opts.params.loras,
             revision=opts.params.revision,
@@ -601,7 +615,8 @@ def worker(
 @app.command()
 def status(
     job: Annotated[
-        str | None, typer.Argument(metavar="JOB", help="a job id or a unique prefix of one; all jobs when left out")
+        str | None,
+        typer.Argument(metavar="JOB", help="a job id, a unique prefix of one, or a job's name; all jobs when left out"),
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", metavar=FLAG, help="one JSON object on stdout (docs/monitoring.md)")
@@ -712,7 +727,8 @@ def results(
                             sizes.append(row["bytes"])
                         yield row
 
-                n = write_manifest(sized(manifest_rows(store, job, _attempts(settings, job))), manifest)
+                rows = manifest_rows(store, job, _attempts(settings, job), _prices(settings, store))
+                n = write_manifest(sized(rows), manifest)
                 mean = f", {sum(sizes) / len(sizes):,.0f} bytes per image (mean of {len(sizes)})" if sizes else ""
                 _err(f"{manifest}: {n} rows{mean}")
             if sheet:
@@ -720,7 +736,9 @@ def results(
             return
         names: list[str] = []  # the prompts' image names, from the one read of the prompt file
         corrected = _correct_counts(settings, store, job, names)
-        res = job_results(store, job, names if corrected is not None else None)
+        # Each prompt's record (a read of each shard's checkpoints) in the JSON only: the lines list no more.
+        prices = _prices(settings, store) if as_json else None
+        res = job_results(store, job, names if corrected is not None else None, prices=prices)
     if corrected is not None and corrected.uncounted:
         _err(
             f"job {job}: {counted(corrected.uncounted, 'prompt')} counted done "
@@ -762,6 +780,16 @@ def _correct_counts(settings: Settings, store: Any, job: str, names: list[str] |
     if found is None or not found[1].exists(keys.job(job)):
         return None
     return do_resume(job, store=store, app=found[0], client=found[1], push=False, names=names)
+
+
+def _prices(settings: Settings, store: Any) -> dict[str, float]:
+    """Each pool's price per hour, for the prompts' cost shares: those the fleet published (the
+    configured Redis, or the embedded one if it runs), each overridden by the settings' config."""
+    from dispatcher.status import published_prices
+
+    found = _running_redis(settings)
+    published = published_prices(found[1], store.url) if found is not None else {}
+    return {**published, **{name: pool.price_per_hour for name, pool in settings.pools.items() if pool.price_per_hour > 0}}
 
 
 def _attempts(settings: Settings, job: str) -> dict[int, int] | None:

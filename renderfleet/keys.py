@@ -58,7 +58,8 @@ def job(job_id: str) -> str:
     life of the job's name the spec names: every lease is bound to it; docs/design.md, "A job's lives";
     ``ended:<ms>`` once a delete or a retire ended it), unaccounted (images the store held when a
     resume registered the job again in a Redis that had lost it: their render time, and so the job's
-    cost, is unknown; ``dispatcher/status.py`` ``price``).
+    cost, is unknown; ``dispatcher/status.py`` ``price``), name (the spec's ``name``, apart: a name
+    typed for a job is looked up in every job's hash, ``dispatcher/jobids.py``; '' for none).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
     store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;

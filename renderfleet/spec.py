@@ -12,7 +12,7 @@ The store layout of a job lives here too, so a reader finds every key in one pla
     jobs/<job>/source/wire.jsonl            its prompts, checked, one wire JSON a line (workers read a shard's range)
     jobs/<job>/source/wire.index            where each shard's first line begins (8-byte offsets, renderfleet/shardfile.py)
         jobs/<job>/images/<name>.<ext>          one image per prompt (.png, .webp or .jpg: the job's image_format)
-    jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed, per attempt
+    jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed and rendered (where, how fast)
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
     jobs/<job>/thumbs/<name>.webp|.json     the web page's thumbnails and captions (dispatcher/web.py)
     jobs/<job>/cancelled.json               the job is cancelled (``renderfleet cancel``) until resumed
@@ -70,6 +70,42 @@ def job_id_problem(job: str) -> str | None:
     if not job or set(job) - _JOB_ID_CHARS or job.startswith(".") or len(job) > MAX_JOB_ID_LEN:
         return f"a job id is 1 to {MAX_JOB_ID_LEN} letters, digits, '-', '_' and '.', not starting with '.'; got {job!r}"
     return None
+
+
+# A job's name (``submit --name``, else its prompt file's): what a person reads in ``status`` and on the
+# page, and may type back where it is unique among the store's jobs (``dispatcher/jobids.py``).  Never
+# part of the job's identity (its id: content, settings and store), so a name is free text within limits.
+MAX_JOB_NAME_LEN = 64
+_DERIVED_ID = re.compile(r"j-[0-9a-f]+")  # the form of a derived job id: a name of that form would read as one
+_PROMPT_SUFFIXES = (".gz", ".txt", ".jsonl", ".csv")  # taken off a file's name for its default job name
+
+
+def job_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a job's name, or None."""
+    if not name or len(name) > MAX_JOB_NAME_LEN:
+        return f"a job name is 1 to {MAX_JOB_NAME_LEN} characters; got {len(name)}"
+    if not name.isprintable():
+        return f"a job name is printable characters only (no tab, newline or control character); got {name!r}"
+    if name != name.strip():
+        return f"a job name neither begins nor ends with a space; got {name!r}"
+    if _DERIVED_ID.fullmatch(name):
+        return f"{name!r} has the form of a job id (j- and hex digits): choose a name that does not"
+    return None
+
+
+def default_job_name(source: str) -> str:
+    """The name of a job submitted without ``--name``: its prompt file's name without the format's and
+    compression's suffixes (``prompts.jsonl.gz`` -> ``prompts``), made fit for a name (cut at
+    :data:`MAX_JOB_NAME_LEN`, anything unprintable left out); '' when nothing fit remains, or when the
+    prompts came from no file (``<stdin>``, ``<python>``)."""
+    if source.startswith("<"):
+        return ""
+    name = source.replace("\\", "/").rsplit("/", 1)[-1]
+    for suffix in _PROMPT_SUFFIXES:  # in this order: .gz first, then the format's
+        if name.lower().endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+    name = "".join(c for c in name if c.isprintable())[:MAX_JOB_NAME_LEN].strip()
+    return "" if job_name_problem(name) else name
 
 
 # ---- the fields of a prompt and the limits of every setting: one table ---------
@@ -613,6 +649,9 @@ class JobSpec:
     # "A job's lives"); every lease, check and count is bound to it.  '' in a spec written before lives.
     life: str = ""
     digest: str = ""  # the prompt file's content digest (prompts.FileSummary.digest): '' before it was kept
+    # What a person calls it (submit --name, else default_job_name of its file): shown beside the id and
+    # taken back where unique; not its identity.  '' in a spec written before names, or of prompts from no file.
+    name: str = ""
 
     @property
     def shards(self) -> int:
@@ -625,6 +664,14 @@ class JobSpec:
     def to_json(self) -> str:
         data = asdict(self)
         data["params"] = self.params.identity()
+        return json.dumps(data, sort_keys=True)
+
+    def registration(self) -> str:
+        """The spec as Redis holds it for the workers (``keys.job``'s ``spec``): without its name, which
+        only people read (``keys.job``'s ``name`` holds it), so that a worker of a version before names,
+        whose :meth:`from_json` takes no field it does not know, still reads a job submitted since."""
+        data = json.loads(self.to_json())
+        del data["name"]
         return json.dumps(data, sort_keys=True)
 
     @classmethod

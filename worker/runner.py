@@ -174,6 +174,7 @@ class ShardRunner:
         worker_id: str = "",
         batch_sizes: BatchSizes | None = None,
         stages: ShardStages | None = None,
+        pool: str = "",
     ):
         self.store = store
         # A job's stages after generate (worker/stagerun.py), run per batch and stored between; None: a
@@ -183,6 +184,11 @@ class ShardRunner:
         self.stop = stop
         self.max_failures = max_failures
         self.worker_id = worker_id
+        # Where each batch was rendered, in its checkpoint (a prompt's record: dispatcher/records.py): the
+        # worker's pool (whose price its GPU time costs) and its card (the worker's service sets it once
+        # the model is loaded: worker.batchsize.card_name).
+        self.pool = pool
+        self.card = ""
         # Batches rendered whose commit may still run while the next renders (0: none, commit in line).
         self.pipeline_depth = pipeline_depth
         self._uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="rf-upload")
@@ -275,8 +281,11 @@ class ShardRunner:
                 if on_last_batch is not None and number == todo[-1][0]:
                     on_last_batch()
                 images, failures = self._render_batch(pending, ledger, result, commits, msg, levels)
+                per_image = self._batch_seconds / len(images) if images and self._batch_seconds else None
                 commits.put(
-                    partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger, result, attempt),
+                    partial(
+                        self._commit_batch, msg, number, pending, cp, images, failures, ledger, result, attempt, per_image
+                    ),
                     len(images),
                 )
             commits.put(partial(self._count_stored, msg, kept, ledger))
@@ -366,8 +375,10 @@ class ShardRunner:
         ledger: Ledger,
         result: ShardResult,
         attempt: int,
+        per_image: float | None = None,
     ) -> None:
-        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit lane)."""
+        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit lane).
+        ``per_image``: the batch's render seconds per image, for its checkpoint."""
         failpoints.reach("after-render")
         ledger.check()  # a fenced worker writes nothing more (Redis asked, unless it answered a moment ago)
         by_name = {p.name: p for p in pending}
@@ -393,7 +404,7 @@ class ShardRunner:
         ledger.check()  # again: a worker paused past its lease learns it here
         cp.done.update(images)
         cp.quarantined.update(p.name for p in quarantined)
-        self._write_checkpoint(msg, number, cp, attempt)
+        self._write_checkpoint(msg, number, cp, attempt, rendered=sorted(images), per_image=per_image)
         ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
         if msg.params.stages and self.stages is not None and not msg.params.keep_intermediates:
             self.stages.forget(msg, [*images, *(p.name for p in quarantined)])  # finals stored: what waited goes
@@ -540,7 +551,19 @@ class ShardRunner:
         ext, content_type = spec.IMAGE_FORMATS[prompt.image_format]
         self.store.put(spec.image_key(job, prompt.name, ext), data, content_type=content_type)
 
-    def _write_checkpoint(self, msg: ShardMessage, number: int, cp: _Checkpoint, attempt: int) -> None:
+    def _write_checkpoint(
+        self,
+        msg: ShardMessage,
+        number: int,
+        cp: _Checkpoint,
+        attempt: int,
+        *,
+        rendered: list[str] | None = None,
+        per_image: float | None = None,
+    ) -> None:
+        """The batch's checkpoint under this attempt's key: what it holds done and quarantined (an earlier
+        attempt's too), and, for each prompt's record (``dispatcher/records.py``), which of them this write
+        rendered, where (card, pool) and in how many seconds an image (nothing more is written for them)."""
         record = {
             "job": msg.job,
             "shard": msg.shard,
@@ -550,6 +573,10 @@ class ShardRunner:
             "attempt": attempt,
             "worker": self.worker_id,
             "at": time.time(),
+            "rendered": rendered or [],
+            "card": self.card,
+            "pool": self.pool,
+            "seconds_per_image": None if per_image is None else round(per_image, 4),
         }
         self.store.put(
             spec.checkpoint_key(msg.job, msg.shard, number, attempt),

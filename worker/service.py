@@ -42,7 +42,7 @@ from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_proble
 from renderfleet.stages import Stage
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
-from worker.batchsize import BatchSizes
+from worker.batchsize import BatchSizes, card_name
 from worker.deviceerrors import is_device_error
 from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
@@ -72,6 +72,16 @@ SPEC_CHECK_SECONDS = 10.0
 def node_fields(settings: Settings) -> dict[str, str]:
     """What a worker's registration says of its node (``renderfleet worker --gpus``): its id and GPU."""
     return {"node": settings.node, "gpu": settings.node_gpu or ""} if settings.node else {}
+
+
+def _card(device: str) -> str:
+    """The card a device is (``NVIDIA H200``, or the CPU's name); the device as given where the driver will
+    not say (a name is worth no failed start)."""
+    try:
+        return card_name(str(device))
+    except (RuntimeError, AssertionError, ImportError) as exc:
+        log.warning("cannot name the card of device %s: %s", device, exc)
+        return str(device)
 
 
 def new_worker_id(pool: str, gpu: str | None = None) -> str:
@@ -129,6 +139,7 @@ class WorkerService:
             worker_id=worker_id,
             batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch),
             stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None),
+            pool=settings.pool,
         )
         self.failed_streak = 0
         self.tripped = False
@@ -206,6 +217,7 @@ class WorkerService:
             **node_fields(self.settings),
         }
         self.liveness.registration = json.dumps(info)
+        self.runner.card = _card(device)  # each batch's checkpoint says where it was rendered
         pipe = self.client.pipeline()
         pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
         pool = self.settings.pools.get(self.settings.pool)

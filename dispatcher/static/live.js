@@ -8,6 +8,15 @@
     if (s >= 60) return Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
     return s + "s";
   }
+  // as dispatcher/show.py's ago(): how long ago a job was submitted
+  function ago(t) {
+    if (!t) return "-";
+    var s = Math.max(0, Math.floor(Date.now() / 1000 - t));
+    if (s < 60) return s + "s ago";
+    if (s < 3600) return Math.floor(s / 60) + "m ago";
+    if (s < 86400) return Math.floor(s / 3600) + "h" + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + "m ago";
+    return Math.floor(s / 86400) + "d ago";
+  }
   function seen(t) {
     if (!t) return "-";
     var age = Date.now() / 1000 - parseFloat(t);
@@ -30,6 +39,8 @@
         // rendered in green, quarantined in red: a job all quarantined is never a green bar
         row.querySelector(".fill").style.width = (j.total ? 100 * j.done / j.total : 0).toFixed(1) + "%";
         row.querySelector(".fill-q").style.width = (j.total ? 100 * j.quarantined / j.total : 0).toFixed(1) + "%";
+        set(row, "f-submitted", ago(j.submitted));
+        set(row, "f-priority", j.priority);
         set(row, "f-done", j.done);
         set(row, "f-quarantined", j.quarantined);
         set(row, "f-rate", j.images_per_minute.toFixed(1));

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -79,7 +80,9 @@ def test_manifest_in_three_formats_and_a_contact_sheet(tmp_path: Path, redis_ser
 
 def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_forgot(tmp_path: Path) -> None:
     # the `make run` path: no RENDERFLEET_REDIS_URL, the embedded server under RENDERFLEET_HOME; a
-    # worker on a bench model (testing.fleet.bench_worker): the rows' attempts are the point, not pixels
+    # worker on a bench model (testing.fleet.bench_worker): the rows' attempts are the point, not pixels.
+    # Also the job's name (issue 41, item 6) shown by status and taken back by results, and each
+    # prompt's record (item 5) in results --json and the manifest.
     env = base_env(tmp_path, "", str(tmp_path / "store"), **bench_worker(0.02))
     del env["RENDERFLEET_REDIS_URL"]
     (tmp_path / "p.txt").write_text("".join(f"a heron, take {i}\n" for i in range(4)))
@@ -89,16 +92,34 @@ def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_f
         worker = WorkerProc(env, tmp_path / "worker.log")
         try:
             wait_for(lambda: worker_ready(client, 1), 90, what="worker")
-            job = cli(env, "submit", str(tmp_path / "p.txt"), *bench(0.02), "--shard-size", "2").stdout.split()[-1]
+            args = ("--shard-size", "2", "--name", "herons at dawn", "--priority", "7")
+            job = cli(env, "submit", str(tmp_path / "p.txt"), *bench(0.02), *args).stdout.split()[-1]
             wait_for(lambda: job_status(env, job)["done"] == 4, 120, interval=1.0, what="the job")  # no URL: the CLI's
         finally:
             worker.kill()
+        [shown] = json.loads(cli(env, "status", "herons at dawn", "--json").stdout)["jobs"]  # by its name
+        assert (shown["job"], shown["name"], shown["priority"]) == (job, "herons at dawn", 7)
+        assert shown["submitted"] == pytest.approx(time.time(), abs=300)
+        client.hset(keys.prices(spec.store_tag(env["RENDERFLEET_STORE"])), "default", "3.6")  # as a config publishes it
         cli(env, "results", job, "--manifest", str(tmp_path / "m.jsonl"))
         rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
         assert [r["status"] for r in rows] == ["done"] * 4
         claims = {int(k): int(v) for k, v in client.hgetall(keys.attempts(job)).items()}
         assert [r["shard_attempts"] for r in rows] == [claims[i // 2] for i in range(4)]
         assert all(r["shard_attempts"] >= 1 for r in rows), rows
+        # each prompt's record: the attempt that rendered it, the card, the batch's seconds per image (the
+        # bench model's 0.02 and a little), its cost at the pool's $3.60 an hour (a thousandth of its seconds)
+        assert [r["attempt"] for r in rows] == [r["shard_attempts"] for r in rows]
+        assert all(r["card"].endswith(" CPU") and 0.02 <= r["seconds"] < 1 for r in rows), rows
+        assert all(r["cost"] == pytest.approx(r["seconds"] / 1000, rel=1e-3) for r in rows), rows
+        (tmp_path / "store" / "jobs" / job / "images" / "000003.png").unlink()
+        listed = json.loads(cli(env, "results", "herons at dawn", "--json", check=False).stdout)  # by its name
+        assert listed["job"] == job and listed["missing"] == ["000003"]
+        records = listed["prompts"]
+        assert [r["state"] for r in records.values()] == ["done", "done", "done", "pending"]
+        assert {k: records["000000"][k] for k in ("attempt", "card", "seconds", "cost")} == {
+            k: rows[0][k] for k in ("attempt", "card", "seconds", "cost")
+        }
         client.flushall()  # a Redis that lost its memory: attempts unknown, not "never tried"
         cli(env, "results", job, "--manifest", str(tmp_path / "lost.parquet"))
         assert [r["shard_attempts"] for r in pq.read_table(tmp_path / "lost.parquet").to_pylist()] == [None] * 4

@@ -11,7 +11,7 @@ from rich.progress import Progress
 from dispatcher.jobids import short_ids
 from dispatcher.show import JobBar, bar, money, print_status, render_status
 from dispatcher.status import FleetStatus, JobStatus, price
-from dispatcher.web import HERE, _duration, _money
+from dispatcher.web import HERE, _ago, _duration, _money, _utc
 
 
 def test_short_ids_are_the_shortest_unique_prefixes_seven_hex_digits_at_least() -> None:
@@ -123,7 +123,7 @@ def test_the_jobs_table_fits_80_columns_and_never_cuts_an_id() -> None:
 
 def test_the_page_draws_rendered_green_and_quarantined_red() -> None:
     env = Environment(loader=FileSystemLoader(str(HERE / "templates")), autoescape=True)
-    env.filters.update(money=_money, duration=_duration)
+    env.filters.update(money=_money, duration=_duration, ago=_ago, utc=_utc)
     row = env.get_template("_jobrow.html").render(j=JobStatus("j", 12, 0, 12, 0, 0, 3, 0, 0, True).to_dict())
     assert 'class="fill" data-percent="0.0"' in row and 'class="fill-q" data-percent="100.0"' in row
     assert '<td class="f-quarantined">12</td>' in row and '<td class="f-cpk">-</td>' in row
