@@ -53,6 +53,7 @@ from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 from worker.commits import CommitQueue
+from worker.speeds import SpeedKeeper
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
@@ -174,8 +175,11 @@ class ShardRunner:
         worker_id: str = "",
         batch_sizes: BatchSizes | None = None,
         stages: ShardStages | None = None,
+        speeds: SpeedKeeper | None = None,
     ):
         self.store = store
+        # Production batches' render times, kept in the store for estimates (worker/speeds.py); None: not kept.
+        self.speeds = speeds
         # A job's stages after generate (worker/stagerun.py), run per batch and stored between; None: a
         # worker that cannot run them (a job with stages fails there as the job's error).
         self.stages = stages
@@ -280,6 +284,8 @@ class ShardRunner:
                     len(images),
                 )
             commits.put(partial(self._count_stored, msg, kept, ledger))
+            if self.speeds is not None:
+                commits.put(self.speeds.flush)  # in the lane, after the counts: never the renderer's wait
         except BaseException:
             # Whatever ends the shard early, a commit queued before it is finished first (nothing
             # rendered is lost, nothing is written after the hand-back), and its error, which the
@@ -353,7 +359,15 @@ class ShardRunner:
             self._batch_seconds = elapsed
             work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
             ledger.record_batch(len(images), elapsed, work)
+            # A speed is a whole batch rendered afresh: none taken from a stored level, none failed.
+            if msg is not None and not resumed and len(images) == len(pending):
+                self._keep_speed(msg, pending, elapsed)
         return images, failures
+
+    def _keep_speed(self, msg: ShardMessage, batch: list[Prompt], seconds: float) -> None:
+        """Tell the speed keeper (worker/speeds.py) a batch's render time, for estimates."""
+        if self.speeds is not None and (key := self.speeds.key(msg.params, msg.batch_size, batch)) is not None:
+            self.speeds.add(key, len(batch), seconds)
 
     def _commit_batch(
         self,
@@ -583,3 +597,5 @@ class ShardRunner:
         for lane in self._lanes:
             lane.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
+        if self.speeds is not None:
+            self.speeds.flush(force=True)  # what this worker measured since its last write

@@ -49,6 +49,7 @@ from worker.models import check_digest, model_label, model_refusal
 from worker.node import report_device_error
 from worker.prefetch import Prefetch
 from worker.runner import PendingShard, ShardRunner
+from worker.speeds import SpeedKeeper, card_for
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
@@ -120,6 +121,7 @@ class WorkerService:
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.feeder = Feeder(client)
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
+        self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.runner = ShardRunner(
             store=store,
             renderer=renderer,
@@ -129,6 +131,7 @@ class WorkerService:
             worker_id=worker_id,
             batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch),
             stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None),
+            speeds=SpeedKeeper(store, lambda: self.card),
         )
         self.failed_streak = 0
         self.tripped = False
@@ -193,12 +196,15 @@ class WorkerService:
     def register(self, *, device: str, load_seconds: float, queues: list[str] | None = None) -> None:
         # The store it writes to: status, the autoscaler and the web page count a worker for its store only.
         # The pools whose queues it serves: a waiter tells a job no live worker serves (dispatcher/serving.py).
+        # Its card: an estimate reads the speeds measured on its pool's card (dispatcher/estimate.py).
+        self.card = card_for(str(device))
         info = {
             "worker": self.worker_id,
             "pool": self.settings.pool,
             "store": store_identity(self.store.url),
             "model": self.model,
             "device": device,
+            "card": self.card,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
