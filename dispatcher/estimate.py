@@ -376,17 +376,18 @@ def duration(seconds: float | None) -> str:
 
 
 def money(value: float | None) -> str:
-    """A cost in the prices' currency, to four significant figures; ``-`` for none (a pool without a price)."""
+    """A cost in the prices' currency: cents from 1 up, four significant figures below; ``-`` for none (no price)."""
     if value is None:
         return "-"
-    return f"{value:,.2f}" if value >= 100 else f"{value:.4g}"
+    return f"{value:,.2f}" if value >= 1 else f"{value:.4g}"
 
 
 def text(est: Estimate) -> str:
     """What ``submit --estimate`` prints."""
     what = f"{est.width}x{est.height}, {est.steps} steps, batch {est.batch_size}" + "".join(f", {s}" for s in est.stages)
+    count = f"{est.prompts:,} prompt{'' if est.prompts == 1 else 's'}"
     lines = [
-        f"estimate for {est.prompts:,} prompts of {est.model} at {what} (job {est.job}; nothing submitted)",
+        f"estimate for {count} of {est.model} at {what} (job {est.job}; nothing submitted)",
         "",
     ]
     table: list[tuple[str, ...]] = [
@@ -406,10 +407,14 @@ def text(est: Estimate) -> str:
             )
         )
     lines += _columns(table)
-    for label, scenario, which in (("at current sizes", est.now, "now"), ("at maximum sizes", est.at_max, "at_max")):
+    scenarios = (
+        ("at current sizes", est.now, "now", "no worker is up (an autoscaler starts them, up to each pool's max)"),
+        ("at maximum sizes", est.at_max, "at_max", "no pool may have a worker (every max is 0)"),
+    )
+    for label, scenario, which, none in scenarios:
         lines.append("")
         if scenario.gpu_seconds is None:
-            lines.append(f"{label}: no worker up to render it")
+            lines.append(f"{label}: {none}")
             continue
         lines.append(
             f"{label}: {scenario.workers} worker(s), GPU {duration(scenario.gpu_seconds)}, "

@@ -13,6 +13,8 @@ from renderfleet import families, spec, speeds
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.stages import Stage
 from renderfleet.store import LocalStore
+from worker.bench import BenchRun, Point, record_speeds
+from worker.benchstages import StagePipeline, StagePoint
 from worker.runner import ShardRunner
 from worker.speeds import SpeedKeeper
 from worker.stop import StopSignal
@@ -236,3 +238,21 @@ def test_the_runner_keeps_a_shards_whole_batches_and_writes_them_at_its_end(tmp_
         assert (got.key.batch, got.key.card, got.images, got.production) == (4, CARD, 6, 6)
     finally:
         runner.close()
+
+
+def test_a_bench_keeps_each_batch_size_and_a_final_image_over_its_stages(tmp_path: Path) -> None:
+
+    refine = Stage("refine")
+    run = BenchRun("m", 64, 64, 2, 7.5, "cpu", "x", 1, 0.0, {}, [Point(1, 60, 1.0, None), Point(2, 80, 0.75, None)], runs=3)
+    run.stages = [
+        StagePoint("generate", "m", "text", "64x64", 0.75, 80),
+        StagePoint("refine-1", "m", "64x64", "64x64", 0.5, 120),
+        StagePoint("encode", "png", "64x64", "file", 0.25, 240),
+    ]
+    run.pipeline = StagePipeline("--refine self", 2, "64x64", 1.5, 40, "generate", 2.0)
+    store = LocalStore(tmp_path)
+    assert record_speeds(run, store, (refine,)) == 3
+    got = {(r.key.batch, r.key.stages): r for r in speeds.records_of(store, "m")}
+    assert (got[(1, ())].seconds_per_image, got[(1, ())].images, got[(1, ())].bench) == (1.0, 3, 3)
+    assert got[(2, ())].images == 6
+    assert got[(2, (refine,))].seconds_per_image == pytest.approx(1.25)  # the encode left out, as a worker's time
