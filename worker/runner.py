@@ -284,8 +284,6 @@ class ShardRunner:
                     len(images),
                 )
             commits.put(partial(self._count_stored, msg, kept, ledger))
-            if self.speeds is not None:
-                commits.put(self.speeds.flush)  # in the lane, after the counts: never the renderer's wait
         except BaseException:
             # Whatever ends the shard early, a commit queued before it is finished first (nothing
             # rendered is lost, nothing is written after the hand-back), and its error, which the
@@ -432,6 +430,10 @@ class ShardRunner:
         for p in msg.prompts:
             (done if p.name in listed else failed if p.name in quarantined else undone).append(p.index)
         ledger.recount(done, failed, undone)
+        if self.speeds is not None:
+            # Here, in the lane after the counts, not a commit of its own: one more in the queue would make
+            # the renderer wait for the last batch's commit (the queue's depth) before the next shard.
+            self.speeds.flush()
 
     def _render_group(
         self,
