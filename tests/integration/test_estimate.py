@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dispatcher.estimate import text
-from renderfleet import redisconn, speeds
+from renderfleet import keys, redisconn, speeds
 from renderfleet.api import Client
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.settings import load_settings
@@ -23,6 +23,7 @@ from testing.fleet import (
     bench_worker,
     cli,
     job_finished,
+    store_queue,
     wait_for,
     worker_ready,
     write_prompts,
@@ -55,10 +56,10 @@ def test_an_estimate_on_a_warm_fleet_is_within_a_fifth_of_the_jobs_measured_cost
 
     # 2. The estimate of a second job like it: measured on the worker's card; nothing queued nor written.
     second = write_prompts(tmp_path / "b.txt", 40, "second")
-    keys_before = sorted(client.keys("*"))
+    jobs, queue = client.smembers(keys.JOBS), store_queue(env)
     est = json.loads(cli(env, "submit", str(second), *bench(SECONDS_PER_IMAGE), *CUT, "--estimate", "--json").stdout)
-    assert sorted(client.keys("*")) == keys_before
-    assert not (store / "jobs" / est["job"]).exists()
+    assert client.smembers(keys.JOBS) == jobs and not client.llen(queue)
+    assert not client.keys(f"*{est['job']}*") and not (store / "jobs" / est["job"]).exists()
     [pool] = est["pools"]
     assert (pool["pool"], pool["basis"], pool["card"], pool["card_from"]) == (
         "default",
