@@ -316,7 +316,7 @@ def estimate_file(
     live: dict[str, list[str]] = {}
     published: dict[str, float] = {}
     if client is None:
-        notes.append(f"{unread or 'no Redis to read'}: no pool's workers are counted as up")
+        notes.append(f"{unread.rstrip('.') or 'no Redis to read'}: no pool's workers are counted as up")
     else:
         live = live_workers(client, store, opts.pool, 2 * settings.lease_seconds)
         published = published_prices(client, store.url)
