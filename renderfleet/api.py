@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import redis
     from celery import Celery
 
+    from dispatcher.estimate import Estimate
     from dispatcher.lifecycle import Cancelled, DeleteReport
     from dispatcher.resume import ResumeReport
     from dispatcher.status import JobStatus, Results
@@ -445,6 +446,61 @@ class Client:
             seconds=result.seconds,
             warnings=warnings,
         )
+
+    def estimate(
+        self,
+        prompts: str | os.PathLike[str] | IO[bytes] | Iterable[PromptLike],
+        *,
+        format: str | None = None,
+        **options: Any,
+    ) -> Estimate:
+        """What submitting ``prompts`` with ``options`` (:meth:`submit`'s) would cost and take, per pool and in
+        all, before anything is queued (``submit --estimate``; dispatcher/estimate.py): nothing is written
+        to Redis or the store.  ``Estimate.to_dict()`` is ``--estimate --json``'s object."""
+        opts = self.options(**options)
+        if isinstance(prompts, str | os.PathLike):
+            return self.estimate_file(os.fspath(prompts), opts)
+        with tempfile.TemporaryDirectory(prefix="rf-estimate-") as tmp:
+            if isinstance(prompts, IOBase) or hasattr(prompts, "read"):
+                if format not in ("txt", "jsonl", "csv"):
+                    raise InputError([f"--format: give txt, jsonl or csv for a prompt stream, got {format!r}"])
+                path = str(Path(tmp) / f"prompts.{format}")
+                with open(path, "wb") as out:
+                    shutil.copyfileobj(cast(IO[bytes], prompts), out, 1 << 20)
+                return self.estimate_file(path, opts, label="<stdin>")
+            path = str(Path(tmp) / "prompts.jsonl")
+            write_jsonl(prompts, path)  # type: ignore[arg-type]
+            return self.estimate_file(path, opts, label="prompts", by_item=True)
+
+    def estimate_file(self, path: str, opts: SubmitOptions, *, label: str | None = None, by_item: bool = False) -> Estimate:
+        """The estimate of submitting the prompt file at ``path`` with ``opts`` (:meth:`estimate`).  Reads
+        the fleet's Redis where one is set or the embedded server runs (none is started), and the store."""
+        from dispatcher.estimate import estimate_file
+        from renderfleet.embedded import connect, running_embedded
+        from renderfleet.errors import BrokerUnavailable
+
+        url = self.settings.redis_url or running_embedded(self.settings.home)
+        client, unread = self._redis, ""  # why Redis could not be read
+        if client is None and url:
+            try:
+                client = connect(url)
+            except BrokerUnavailable as exc:
+                unread = str(exc)
+        try:
+            return estimate_file(
+                path,
+                opts,
+                settings=self.settings,
+                store=self.store,
+                client=client,
+                family=families.BY_NAME.get(opts.family),
+                unread=unread,
+            )
+        except InputError as exc:
+            raise (_renamed(exc, path, label, by_item) if label else exc) from None
+        finally:
+            if client is not None and client is not self._redis:
+                client.close()
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (from code or the CLI): its id, a unique prefix of it as

@@ -463,6 +463,17 @@ def submit(
     fmt: Annotated[
         str | None, typer.Option("--format", metavar="FORMAT", help="txt, jsonl or csv: the format of stdin (with -)")
     ] = None,
+    estimate: Annotated[
+        bool,
+        typer.Option(
+            "--estimate",
+            metavar=FLAG,
+            help="submit nothing: print the GPU time, wall time and cost per pool and in all (docs/pools.md)",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", metavar=FLAG, help="with --estimate: one JSON object on stdout")
+    ] = False,
     *,
     flags: SubmitFlags,
 ) -> None:
@@ -471,6 +482,9 @@ def submit(
     _logging(settings)
     with _user_errors():
         opts = _submit_options(flags, settings)
+        if estimate or as_json:
+            _estimate(file, fmt, opts, settings, as_json=as_json, asked=estimate)
+            return
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
@@ -485,6 +499,32 @@ def submit(
         f"{counted(result.shards_enqueued, 'shard')} enqueued in {result.seconds:.2f} s"
     )
     print(result.id)
+
+
+def _estimate(file: Path, fmt: str | None, opts: Any, settings: Settings, *, as_json: bool, asked: bool) -> None:
+    """``submit --estimate``: nothing queued, nothing written (dispatcher/estimate.py)."""
+    from dispatcher.estimate import text
+    from renderfleet.api import Client
+
+    if not asked:
+        raise InputError(["--json: only with --estimate (a submit prints the job id)"])
+    client = Client(settings)
+    if str(file) == "-":
+        if fmt is None:
+            raise InputError(["--format: required with - (txt, jsonl or csv)"])
+        import shutil
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rf-estimate-") as tmp:
+            path = Path(tmp) / f"prompts.{fmt}"
+            with open(path, "wb") as out:
+                shutil.copyfileobj(sys.stdin.buffer, out, 1 << 20)
+            found = client.estimate_file(str(path), opts, label="<stdin>")
+    else:
+        if fmt is not None:
+            raise InputError(["--format: only with - (a file's format is its suffix)"])
+        found = client.estimate_file(str(file), opts)
+    print(json.dumps(found.to_dict(), indent=2) if as_json else text(found), end="\n" if as_json else "")
 
 
 # ---- worker ------------------------------------------------------------------
@@ -1116,6 +1156,14 @@ def bench(
     refine: Refine = None,
     stages: StagesFile = None,
     config: ConfigOpt = None,
+    record: Annotated[
+        bool,
+        typer.Option(
+            "--record/--no-record",
+            metavar=FLAG,
+            help="keep the speeds measured in the store (RENDERFLEET_STORE), where submit --estimate reads them",
+        ),
+    ] = True,
     # Files are arguments, not --compare's values: a click option takes one value per flag, so
     # `--compare a.json b.json` (the documented form) needs them positional; `--compare a --compare b` works too.
     files: Annotated[
@@ -1206,7 +1254,22 @@ def bench(
         )
         for path in write_outputs(result, out):
             _err(f"wrote {path}")
+        if record:
+            _record_bench(result, settings, stage_list)
         print((out / "bench.md").read_text(), end="")
+
+
+def _record_bench(result: Any, settings: Settings, stage_list: list[Any]) -> None:
+    """Keep a bench's speeds in the store for ``submit --estimate``; a store that refuses loses them, not the run."""
+    from renderfleet.store import open_store
+    from worker.bench import record_speeds
+
+    try:
+        kept = record_speeds(result, open_store(settings.store_url, settings.s3_options), stage_list)
+    except Exception as exc:  # the bench's own files are written: the store's copy is a convenience
+        _err(f"speeds not kept in the store {settings.store_url}: {type(exc).__name__}: {exc}")
+        return
+    _err(f"kept {counted(kept, 'speed')} in the store {settings.store_url} (submit --estimate reads them)")
 
 
 # ---- small tools ---------------------------------------------------------------

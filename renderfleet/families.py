@@ -44,6 +44,10 @@ class Family:
     chunks: bool = False  # CLIP-only prompts over 77 tokens can be embedded in 77-token chunks
     lora: bool = True
     memory_1024_bf16: str = ""  # the weights' bytes in bf16 (parameters x 2), for the docs' table; activations come on top
+    # What `submit --estimate` assumes where no speed was measured (renderfleet/speeds.py): seconds per
+    # megapixel and step at the family's default guidance on a mid-range card (24-48 GB, A10G to L40S
+    # class).  Rough on purpose and said to be assumed: a bench run or a job's batches replace it.
+    seconds_per_mpstep: float = 0.3
 
     only_samplers: tuple[str, ...] = ()  # where not every name of the kind works: these
 
@@ -67,6 +71,7 @@ SD = Family(
     size_multiple=8,
     chunks=True,
     memory_1024_bf16="2.1 GB of weights (SD 1.5: UNet 0.86 B parameters, CLIP 0.12 B, VAE 0.08 B)",
+    seconds_per_mpstep=0.15,
 )
 SDXL = Family(
     "sdxl",
@@ -81,6 +86,7 @@ SDXL = Family(
     size_multiple=8,
     chunks=True,
     memory_1024_bf16="6.9 GB of weights (UNet 2.57 B, two CLIP 0.82 B, VAE 0.08 B); 11.6 GB peak at batch 16 on an H200",
+    seconds_per_mpstep=0.35,
 )
 SD3 = Family(
     "sd3",
@@ -97,6 +103,7 @@ SD3 = Family(
     memory_1024_bf16=(
         "27.5 GB of weights for SD 3.5 Large (transformer 8.1 B, T5-XXL 4.76 B, two CLIP 0.82 B); 16 GB for Medium (2.5 B)"
     ),
+    seconds_per_mpstep=0.5,
 )
 FLUX = Family(
     "flux",
@@ -113,6 +120,7 @@ FLUX = Family(
     # FluxPipeline hands its scheduler sigmas (and a shift): Heun's set_timesteps takes neither
     only_samplers=("euler", "dpmpp_2m", "unipc"),
     memory_1024_bf16="33.7 GB of weights (transformer 11.9 B, T5-XXL 4.76 B, CLIP 0.12 B): over a 24 GB card",
+    seconds_per_mpstep=1.0,
 )
 FLUX_SCHNELL = Family(
     "flux-schnell",
@@ -129,6 +137,7 @@ FLUX_SCHNELL = Family(
     # and without dynamic shifting DPM++ 2M fails FluxPipeline's timesteps (an AssertionError in diffusers)
     only_samplers=("euler", "unipc"),
     memory_1024_bf16="33.7 GB of weights, as [dev]",
+    seconds_per_mpstep=1.0,
 )
 GENERIC = Family(
     "generic",

@@ -107,6 +107,9 @@ class PoolConfig(BaseModel):
     price_per_hour: float = Field(default=0.0, ge=0)
     min: int = Field(default=0, ge=0)
     max: int = Field(default=1, ge=0)
+    # The card of its workers as a worker names it in `status --json` ("NVIDIA H100 80GB HBM3"):
+    # `submit --estimate` reads the speeds measured on it while none of them is up.  None: their own word.
+    card: str | None = None
     # Who starts and stops its workers: processes here, a Deployment (its replicas set by the
     # autoscaler, or by KEDA from the published decision), an Auto Scaling group.
     backend: Literal["local", "kubernetes", "keda", "aws"] = "local"

@@ -479,3 +479,27 @@ def _settings_of(data: dict[str, Any]) -> dict[str, Any]:
 def _setting(value: Any) -> str:
     """A setting as --compare names it: the model's own scheduler is '' in bench.json."""
     return "the model default" if value == "" else "unrecorded" if value is None else str(value)
+
+
+def record_speeds(run: BenchRun, store: Any, stages: Sequence[Stage] = ()) -> int:
+    """Keep the run's speeds in ``store`` for ``submit --estimate`` (renderfleet/speeds.py): each batch size
+    timed, and with ``stages`` a final image's seconds over them at the batch size they ran at (the
+    encode left out, as a worker's render time leaves it).  Returns how many records were merged."""
+    from renderfleet import speeds
+    from worker.speeds import card_for
+
+    card = card_for(run.device)
+    kept = 0
+    for point in run.points:
+        images = point.batch_size * max(run.runs, 1)
+        key = speeds.SpeedKey(run.model, "", run.width, run.height, run.steps, (), card, point.batch_size)
+        speeds.add(store, key, images, point.seconds_per_image * images, source="bench")
+        kept += 1
+    if stages and run.pipeline is not None and run.stages:
+        per_image = run.pipeline.seconds_per_image - sum(s.seconds_per_image for s in run.stages if s.stage == "encode")
+        images = run.pipeline.batch_size * max(run.runs, 1)
+        key = speeds.SpeedKey(run.model, "", run.width, run.height, run.steps, tuple(stages), card, run.pipeline.batch_size)
+        if per_image > 0:
+            speeds.add(store, key, images, per_image * images, source="bench")
+            kept += 1
+    return kept

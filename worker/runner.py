@@ -53,6 +53,7 @@ from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 from worker.commits import CommitQueue
+from worker.speeds import SpeedKeeper
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
@@ -175,8 +176,11 @@ class ShardRunner:
         batch_sizes: BatchSizes | None = None,
         stages: ShardStages | None = None,
         pool: str = "",
+        speeds: SpeedKeeper | None = None,
     ):
         self.store = store
+        # Production batches' render times, kept in the store for estimates (worker/speeds.py); None: not kept.
+        self.speeds = speeds
         # A job's stages after generate (worker/stagerun.py), run per batch and stored between; None: a
         # worker that cannot run them (a job with stages fails there as the job's error).
         self.stages = stages
@@ -362,7 +366,15 @@ class ShardRunner:
             self._batch_seconds = elapsed
             work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
             ledger.record_batch(len(images), elapsed, work)
+            # A speed is a whole batch rendered afresh: none taken from a stored level, none failed.
+            if msg is not None and not resumed and len(images) == len(pending):
+                self._keep_speed(msg, pending, elapsed)
         return images, failures
+
+    def _keep_speed(self, msg: ShardMessage, batch: list[Prompt], seconds: float) -> None:
+        """Tell the speed keeper (worker/speeds.py) a batch's render time, for estimates."""
+        if self.speeds is not None and (key := self.speeds.key(msg.params, msg.batch_size, batch)) is not None:
+            self.speeds.add(key, len(batch), seconds)
 
     def _commit_batch(
         self,
@@ -429,6 +441,10 @@ class ShardRunner:
         for p in msg.prompts:
             (done if p.name in listed else failed if p.name in quarantined else undone).append(p.index)
         ledger.recount(done, failed, undone)
+        if self.speeds is not None:
+            # Here, in the lane after the counts, not a commit of its own: one more in the queue would make
+            # the renderer wait for the last batch's commit (the queue's depth) before the next shard.
+            self.speeds.flush()
 
     def _render_group(
         self,
@@ -610,3 +626,5 @@ class ShardRunner:
         for lane in self._lanes:
             lane.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
+        if self.speeds is not None:
+            self.speeds.flush(force=True)  # what this worker measured since its last write

@@ -42,13 +42,14 @@ from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_proble
 from renderfleet.stages import Stage
 from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
-from worker.batchsize import BatchSizes, card_name
+from worker.batchsize import BatchSizes
 from worker.deviceerrors import is_device_error
 from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
 from worker.node import report_device_error
 from worker.prefetch import Prefetch
 from worker.runner import PendingShard, ShardRunner
+from worker.speeds import SpeedKeeper, card_for
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
@@ -72,16 +73,6 @@ SPEC_CHECK_SECONDS = 10.0
 def node_fields(settings: Settings) -> dict[str, str]:
     """What a worker's registration says of its node (``renderfleet worker --gpus``): its id and GPU."""
     return {"node": settings.node, "gpu": settings.node_gpu or ""} if settings.node else {}
-
-
-def _card(device: str) -> str:
-    """The card a device is (``NVIDIA H200``, or the CPU's name); the device as given where the driver will
-    not say (a name is worth no failed start)."""
-    try:
-        return card_name(str(device))
-    except (RuntimeError, AssertionError, ImportError) as exc:
-        log.warning("cannot name the card of device %s: %s", device, exc)
-        return str(device)
 
 
 def new_worker_id(pool: str, gpu: str | None = None) -> str:
@@ -130,6 +121,7 @@ class WorkerService:
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.feeder = Feeder(client)
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
+        self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.runner = ShardRunner(
             store=store,
             renderer=renderer,
@@ -140,6 +132,7 @@ class WorkerService:
             batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch),
             stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None),
             pool=settings.pool,
+            speeds=SpeedKeeper(store, lambda: self.card),
         )
         self.failed_streak = 0
         self.tripped = False
@@ -204,12 +197,15 @@ class WorkerService:
     def register(self, *, device: str, load_seconds: float, queues: list[str] | None = None) -> None:
         # The store it writes to: status, the autoscaler and the web page count a worker for its store only.
         # The pools whose queues it serves: a waiter tells a job no live worker serves (dispatcher/serving.py).
+        # Its card: an estimate reads the speeds measured on its pool's card (dispatcher/estimate.py).
+        self.card = card_for(str(device))
         info = {
             "worker": self.worker_id,
             "pool": self.settings.pool,
             "store": store_identity(self.store.url),
             "model": self.model,
             "device": device,
+            "card": self.card,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
@@ -217,7 +213,7 @@ class WorkerService:
             **node_fields(self.settings),
         }
         self.liveness.registration = json.dumps(info)
-        self.runner.card = _card(device)  # each batch's checkpoint says where it was rendered
+        self.runner.card = self.card  # each batch's checkpoint says where it was rendered
         pipe = self.client.pipeline()
         pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
         pool = self.settings.pools.get(self.settings.pool)

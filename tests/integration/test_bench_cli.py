@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from renderfleet import speeds
+from renderfleet.api import Client
+from renderfleet.settings import PoolConfig, Settings
+from renderfleet.store import LocalStore
 from testing.fleet import REPO
 
 pytestmark = pytest.mark.integration
@@ -22,8 +27,20 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_path: Path) -> None:
     common = ("--model", "tiny", "--size", "32x32", "--steps", "2", "--batch-sizes", "1,2", "--runs", "1")
-    a = run(*common, "--price-per-hour", "1.0", "--out", str(tmp_path / "a"))
+    store = tmp_path / "store"
+    a = run(
+        *common, "--price-per-hour", "1.0", "--out", str(tmp_path / "a"), env={**os.environ, "RENDERFLEET_STORE": str(store)}
+    )
     assert a.returncode == 0, a.stderr
+    # its speeds kept in the store: submit --estimate of a job at these settings on this card is measured
+    assert f"kept 2 speeds in the store {store}" in a.stderr
+    records = {r.key.batch: r for r in speeds.records_of(LocalStore(store), "tiny")}
+    assert sorted(records) == [1, 2] and records[2].bench == 2
+    settings = Settings(
+        store=str(store), home=tmp_path / "home", pools={"cpu": PoolConfig(price_per_hour=1.0, card=records[2].key.card)}
+    )
+    est = Client(settings).estimate(["a", "b"], model="tiny", size="32x32", steps=2, batch_size=2)
+    assert est.by_basis(speeds.MEASURED) == ["cpu"] and est.pools[0].seconds_per_image == records[2].seconds_per_image
     for name in ("bench.json", "bench.md", "bench.png"):
         assert (tmp_path / "a" / name).stat().st_size > 0
     data = json.loads((tmp_path / "a" / "bench.json").read_text())
@@ -63,8 +80,11 @@ def test_bench_writes_json_table_and_plot_and_compare_names_the_cheapest(tmp_pat
 def test_bench_with_stages_measures_each_stage_and_a_final_image(tmp_path: Path) -> None:
     # --steps 2: the tiny model's family default (30) would take a minute on 2 cores
     args = ("--model", "tiny", "--size", "32x32", "--steps", "2", "--batch-sizes", "2", "--runs", "1")
-    out = run(*args, "--upscale", "2", "--refine", "self:0.5:2", "--price-per-hour", "1.0", "--out", str(tmp_path))
+    out = run(
+        *args, "--upscale", "2", "--refine", "self:0.5:2", "--price-per-hour", "1.0", "--out", str(tmp_path), "--no-record"
+    )
     assert out.returncode == 0, out.stderr
+    assert "kept" not in out.stderr  # --no-record: nothing written to the store
     data = json.loads((tmp_path / "bench.json").read_text())
     stages = data["stages"]
     assert [(s["stage"], s["size_in"], s["size_out"]) for s in stages] == [

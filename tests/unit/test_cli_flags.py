@@ -9,8 +9,9 @@ from typer.core import TyperGroup, TyperOption
 
 from renderfleet.cli import SUBMIT_FLAGS, app
 
-# submit's options that are no job setting: how stdin is read (run takes a file only).
-SUBMIT_ONLY = {"fmt"}
+# submit's options that are no job setting: how stdin is read (run takes a file only), and an
+# estimate instead of a submit (run renders on this machine: its cost is its own).
+SUBMIT_ONLY = {"fmt", "estimate", "as_json"}
 
 
 def _options(command: str) -> dict[str, Any]:

@@ -1,0 +1,124 @@
+"""``submit --estimate``'s arithmetic (dispatcher/estimate.py): the job split between pools by their
+images per second, wall time at current and maximum sizes, costs, the pools that would serve it, the
+prompts counted by kind of image, and nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dispatcher.estimate import Group, PoolView, estimate_file, pools_for, project, read_prompts, text
+from dispatcher.submit import SubmitOptions
+from renderfleet import families, spec, speeds
+from renderfleet.settings import PoolConfig, Settings
+from renderfleet.spec import RenderParams
+from renderfleet.stages import Stage
+from renderfleet.store import LocalStore
+
+ONE = [Group(1024, 1024, 30, (), 1000)]
+
+
+def flat(seconds: dict[str, float], basis: str = speeds.MEASURED):
+    """A speed per pool, whatever the image."""
+    return lambda pool, group: speeds.Speed(seconds[pool.name], basis, 10)
+
+
+def view(name: str, price: float, now: int, most: int, card: str = "c") -> PoolView:
+    return PoolView(name, price, now, most, card, "workers", configured=True)
+
+
+def test_the_job_is_split_by_images_per_second_and_costs_are_each_pools() -> None:
+    # baseline: 2 workers at 2 s an image (1 image/s); spot: 1 worker at 1 s (1 image/s) now, 3 at most
+    pools = [view("baseline", 3.6, 2, 2), view("spot", 1.8, 1, 3)]
+    rows, now, at_max = project(1000, 100, ONE, pools, flat({"baseline": 2.0, "spot": 1.0}))
+    base, spot = rows
+    assert base.seconds_per_image == 2.0 and base.gpu_seconds_alone == 2000 and base.cost_alone == pytest.approx(2.0)
+    assert base.cost_per_image == pytest.approx(0.002) and spot.cost_per_image == pytest.approx(0.0005)
+    # now: half the prompts each, 1000 s of the baseline's GPUs and 500 of spot's, done in 500 s
+    assert base.now is not None and spot.now is not None
+    assert (base.now.images, base.now.gpu_seconds, spot.now.images) == (500, 1000, 500)
+    assert (now.workers, now.gpu_seconds, now.wall_seconds) == (3, 1500, 500)
+    assert now.cost == pytest.approx(1.0 + 0.25)
+    # at most: spot renders 3 of every 4 prompts, done in 250 s
+    assert spot.at_max is not None and spot.at_max.images == 750
+    assert (at_max.workers, at_max.gpu_seconds, at_max.wall_seconds) == (5, 1250, 250)
+    assert at_max.cost == pytest.approx(0.5 + 750 / 3600 * 1.8)
+
+
+def test_a_job_of_few_shards_uses_no_more_workers_than_it_has_shards() -> None:
+    _, now, at_max = project(1000, 2, ONE, [view("spot", 1.0, 1, 8)], flat({"spot": 1.0}))
+    assert (now.workers, now.wall_seconds) == (1, 1000)
+    assert (at_max.workers, at_max.wall_seconds, at_max.gpu_seconds) == (2, 500, 1000)
+
+
+def test_an_unpriced_pool_with_a_share_leaves_the_total_without_a_cost_and_no_worker_no_wall_time() -> None:
+    rows, now, at_max = project(1000, 10, ONE, [view("a", 3.6, 0, 1), view("b", 0.0, 0, 1)], flat({"a": 1.0, "b": 1.0}))
+    assert (now.gpu_seconds, now.wall_seconds, now.cost) == (None, None, None)
+    assert rows[0].now is None and rows[1].cost_alone is None and rows[1].price_per_hour is None
+    assert at_max.gpu_seconds == 1000 and at_max.cost is None
+    assert rows[0].at_max is not None and rows[0].at_max.cost == pytest.approx(0.5)
+
+
+def test_a_pools_figure_is_over_the_jobs_kinds_of_image_and_as_weak_as_its_weakest() -> None:
+    groups = [Group(512, 512, 30, (), 300), Group(1024, 1024, 30, (), 100)]
+
+    def speed(pool: PoolView, group: Group) -> speeds.Speed:
+        small = group.width == 512
+        return speeds.Speed(1.0 if small else 4.0, speeds.MEASURED if small else speeds.ASSUMED, 5 if small else 0)
+
+    [row], _, _ = project(400, 10, groups, [view("p", 1.0, 1, 1)], speed)
+    assert row.seconds_per_image == pytest.approx((300 + 400) / 400) and row.basis == speeds.ASSUMED
+    assert [s["prompts"] for s in row.speeds] == [300, 100]
+
+
+def test_the_pools_of_a_job_their_prices_cards_and_sizes() -> None:
+    settings = Settings(
+        pools={
+            "baseline": PoolConfig(price_per_hour=2.5, min=1, max=4, card="NVIDIA L4"),
+            "spot": PoolConfig(kind="spot", max=8),
+        }
+    )
+    live = {"baseline": ["NVIDIA A10G"], "spot": ["NVIDIA H100", "NVIDIA H100", ""], "extra": ["X"]}
+    got = {p.name: p for p in pools_for(settings, "default", live, {"spot": 0.9, "baseline": 9.0, "extra": 1.0})}
+    assert got["baseline"] == PoolView("baseline", 2.5, 1, 4, "NVIDIA L4", "config", configured=True)
+    assert got["spot"] == PoolView("spot", 0.9, 3, 8, "NVIDIA H100", "workers", configured=True)
+    assert got["extra"] == PoolView("extra", 1.0, 1, 1, "X", "workers", configured=False)
+    # a job for the spot pool: spot alone (and what live workers serve its queue with)
+    assert [p.name for p in pools_for(settings, "spot", {}, {})] == ["spot"]
+
+
+def test_prompts_are_counted_by_size_steps_and_the_stages_they_run(tmp_path: Path) -> None:
+    up, refine = Stage("upscale", factor=2), Stage("refine")
+    params = RenderParams(model="tiny", steps=30, width=512, height=512, stages=(up, refine))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b", "steps": 20}\n{"prompt": "c", "skip_stages": "2"}\n{"prompt": "d"}\n')
+    summary, groups = read_prompts(str(path), params)
+    assert summary.total == 4
+    assert sorted((g.steps, g.stages, g.count) for g in groups) == [
+        (20, (up, refine), 1),
+        (30, (up,), 1),
+        (30, (up, refine), 2),
+    ]
+    txt = tmp_path / "p.txt"
+    txt.write_text("a\nb\n")
+    assert read_prompts(str(txt), params)[1] == [Group(512, 512, 30, (up, refine), 2)]
+
+
+def test_an_estimate_without_redis_writes_nothing_and_says_what_it_assumed(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(10)))
+    opts = SubmitOptions(RenderParams(model="tiny", steps=30, width=512, height=512), shard_size=4)
+    settings = Settings(pools={"spot": PoolConfig(kind="spot", price_per_hour=3.6, max=2)})
+    est = estimate_file(str(path), opts, settings=settings, store=store, client=None, family=families.SD)
+    assert not (tmp_path / "store").exists()
+    assert (est.prompts, est.shards, est.by_basis(speeds.ASSUMED)) == (10, 3, ["spot"])
+    [spot] = est.pools
+    assert spot.seconds_per_image == pytest.approx(0.15 * 0.262144 * 30)
+    assert est.now.gpu_seconds is None and est.at_max.wall_seconds == pytest.approx(10 * spot.seconds_per_image / 2)
+    out = text(est)
+    assert "at current sizes: no worker is up" in out and "assumed: spot: " in out and "no Redis to read" in out
+    data = est.to_dict()
+    assert data["submitted"] is False and data["assumed"] == ["spot"] and data["pools"][0]["cost_per_image"] > 0
+    assert data["job"].startswith("j-") and spec.job_id_problem(data["job"]) is None
