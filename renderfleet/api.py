@@ -160,6 +160,7 @@ class Client:
         job: str | None = None,
         priority: int = 5,
         share: int = 1,
+        budget: float | None = None,
         **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
@@ -176,7 +177,9 @@ class Client:
         the same job: only what is missing is enqueued (at the ``priority`` and
         ``share`` given now).  ``priority``: 0 (lowest) to 9; a higher job's shards
         are taken before any lower one's.  ``share``: 1 to 100, the job's weight
-        among the jobs of its priority, which take turns.
+        among the jobs of its priority, which take turns.  ``budget``: the most the job may spend
+        (GPU time by pool times its price per hour; its pool must have a price): it stops there,
+        state ``budget``, until :meth:`Job.resume` raises it (docs/pools.md, "Budgets").
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
@@ -195,6 +198,7 @@ class Client:
             job=job,
             priority=priority,
             share=share,
+            budget=budget,
             **settings,
         )
         if isinstance(prompts, str | os.PathLike):
@@ -226,6 +230,7 @@ class Client:
         job: str | None = None,
         priority: int = 5,
         share: int = 1,
+        budget: float | None = None,
         **settings: Any,
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
@@ -260,7 +265,14 @@ class Client:
             **settings,
         )
         opts = SubmitOptions(
-            params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority, share=share
+            params=params,
+            shard_size=shard_size,
+            batch_size=batch_size,
+            pool=pool,
+            job=job,
+            priority=priority,
+            share=share,
+            budget=budget,
         )
         check_options(opts)
         # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
@@ -423,6 +435,7 @@ class Client:
                 summary=summary,
                 source=source,
                 wire=wire,
+                prices=self._prices(),
             )
         return Job(
             self,
@@ -433,6 +446,10 @@ class Client:
             seconds=result.seconds,
             warnings=warnings,
         )
+
+    def _prices(self) -> dict[str, float]:
+        """Each configured pool's price per hour (the settings' config; what the fleet published fills in)."""
+        return {name: pool.price_per_hour for name, pool in self.settings.pools.items() if pool.price_per_hour > 0}
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (from code or the CLI): its id, or a unique prefix of
@@ -601,11 +618,25 @@ class Job:
         resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False, names=names)
         return results(self.client.store, self.id, names)
 
-    def resume(self) -> ResumeReport:
-        """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""
+    def resume(self, *, budget: float | None = None) -> ResumeReport:
+        """Enqueue whatever of the job is not in the store yet; a cancelled job is continued.  ``budget``:
+        its new budget, which continues a job stopped at its budget (one so stopped is not continued
+        without it: :class:`~renderfleet.errors.InputError`)."""
         from dispatcher.resume import resume
+        from dispatcher.status import published_prices
 
-        return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, uncancel=True)
+        prices = self.client._prices()
+        if budget is not None:
+            prices = {**published_prices(self.client.redis, self.client.store.url), **prices}
+        return resume(
+            self.id,
+            store=self.client.store,
+            app=self.client.app,
+            client=self.client.redis,
+            uncancel=True,
+            budget=budget,
+            prices=prices,
+        )
 
     def cancel(self) -> Cancelled:
         """Stop the job: its queued shards leave the queue, its running ones stop at their next
