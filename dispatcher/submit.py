@@ -377,7 +377,8 @@ def submit(
         digest=summary.digest,
     )
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
-    budget.set_budget(client, job, opts.budget)  # before any shard is fed: its first batch is checked
+    if opts.budget is not None:
+        budget.set_budget(client, job, opts.budget)  # before any shard is fed: its first batch is checked
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
     # feeder takes the job only once its wire file is stored (a worker reads its shards there).
     with (

@@ -100,12 +100,9 @@ def _number(raw: object) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def set_budget(client: redis.Redis, job: str, budget: float | None) -> None:
-    """Write a new job's budget (submit): none given, none kept from an earlier life of its name."""
-    if budget is None:
-        client.hdel(keys.job(job), BUDGET, REACHED, SPENT)
-    else:
-        client.hset(keys.job(job), BUDGET, f"{budget:.6f}")
+def set_budget(client: redis.Redis, job: str, budget: float) -> None:
+    """Write a new job's budget (submit, after registering it afresh: nothing of an earlier life is kept)."""
+    client.hset(keys.job(job), BUDGET, f"{budget:.6f}")
 
 
 def raise_budget(client: redis.Redis, job: str, budget: float, prices: Mapping[str, float]) -> None:

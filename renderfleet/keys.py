@@ -197,7 +197,8 @@ def desired(store_tag: str) -> str:
 
 def prices(store_tag: str) -> str:
     """hash pool -> price of one worker per hour, as published for the store tagged ``store_tag`` by
-    whoever has the pools' config: the autoscaler, a monitor or a worker (``status`` reads it)."""
+    whoever has the pools' config: the autoscaler, a monitor or a worker (``status`` reads it, and
+    ``renderfleet/lua/fence.lua`` counts a job's spend against its budget at it)."""
     return f"rf:prices:{store_tag}"
 
 
