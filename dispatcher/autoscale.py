@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from dispatcher.status import FleetStatus, counter_hash, fleet_status, json_obje
 from renderfleet import keys
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
+from renderfleet.leases import lua_script
 from renderfleet.settings import PoolConfig, Settings
 from renderfleet.spec import store_identity, store_tag
 from renderfleet.store import Store
@@ -384,7 +385,11 @@ class Autoscaler:
         now = self.clock()
         fleet = fleet_status(self.client, store=self.store)
         stats, spmps, backlog = fleet.pools, fleet.seconds_per_mpstep, fleet.backlog_seconds
-        states = [self._state(n, c, stats, spmps, now, fleet) for n, c in self.settings.pools.items()]
+        spent = self.month_spend(fleet, count=not dry_run)
+        states = [
+            replace(self._state(n, c, stats, spmps, now, fleet), month_spend=spent.get(n, 0.0))
+            for n, c in self.settings.pools.items()
+        ]
         decisions = decide(backlog, states, self.settings.autoscale, now, redis_room=worker_room(fleet.redis))
         if not dry_run:
             for d in decisions:
@@ -402,6 +407,29 @@ class Autoscaler:
             [_decision(d) for d in decisions],
             [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states],
         )
+
+    def month_spend(self, fleet: FleetStatus, *, count: bool = True) -> dict[str, float]:
+        """Each priced pool's spend this calendar month (UTC): its workers up since the last tick, at
+        its price per hour, added to the month's count in Redis (``count``; a dry run only reads it),
+        a gap of more than two ticks counted as two (``renderfleet/lua/pool_spend.lua``).  What policy
+        rule 8 holds against a pool's ``monthly_budget``."""
+        month = time.strftime("%Y-%m", time.gmtime(self.wall_clock()))
+        key = keys.pool_month(store_tag(self.store.url), month)
+        priced = {name: cfg.price_per_hour for name, cfg in self.settings.pools.items() if cfg.price_per_hour > 0}
+        if not priced:
+            return {}
+        if not count:
+            raw = self.client.hmget(key, *(f"usd.{name}" for name in priced))
+            return {name: float(keys.text(v) or 0) for name, v in zip(priced, raw, strict=True)}
+        script = self.client.register_script(lua_script("pool_spend"))
+        up = fleet.pool_sizes()
+        gap_ms = int(2 * self.settings.autoscale.interval_seconds * 1000)
+        return {
+            name: float(
+                keys.text(script(keys=[key], args=[name, up.get(name, 0), price, gap_ms, keys.POOL_MONTH_KEEP_SECONDS]))
+            )
+            for name, price in priced.items()
+        }
 
     def _publish(self, decisions: list[Decision]) -> None:
         """What was decided, and each pool's price, for status and the metrics endpoint."""
@@ -426,6 +454,7 @@ def _inputs(p: PoolState, default_cold_start: float) -> dict[str, Any]:
         "lost_fraction": round(p.lost_fraction, 3),
         "cold_start_seconds": round(p.cold_start_seconds or default_cold_start, 1),
         "cold_start_measured": p.cold_start_seconds is not None,
+        "month_spend": round(p.month_spend, 4),
     }
 
 

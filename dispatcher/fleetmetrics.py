@@ -50,7 +50,9 @@ class FleetCollector:
         yield g
         g = GaugeMetricFamily("renderfleet_jobs", "Jobs by state", labels=["state"])
         g.add_metric(["running"], sum(not j.finished and j.cancelled is None for j in fleet.jobs))
-        g.add_metric(["cancelled"], sum(not j.finished and j.cancelled is not None for j in fleet.jobs))
+        cancelled = sum(not j.finished and j.cancelled is not None and j.state != "budget" for j in fleet.jobs)
+        g.add_metric(["cancelled"], cancelled)
+        g.add_metric(["budget"], sum(j.state == "budget" for j in fleet.jobs))  # stopped at their budget
         g.add_metric(["finished"], sum(j.finished for j in fleet.jobs))
         yield g
         g = GaugeMetricFamily("renderfleet_quarantined_prompts", "Prompts quarantined, over the jobs shown")

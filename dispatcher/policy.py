@@ -27,14 +27,18 @@ The rules, each with its unit test:
    :func:`dispatcher.redisload.worker_room`): a worker Redis refuses, or one
    that slows every other, is a GPU paid for nothing.  Workers asked for and
    not up yet take their share of the room first; what is left goes to the
-   pools that grow, cheapest per image first, a pool below its ``min`` too.
+   pools that grow, cheapest per image first, a pool below its ``min`` too;
+8. a pool whose spend this calendar month (``month_spend``: its workers' up-time at its
+   price, counted by the autoscaler) has reached its ``monthly_budget`` goes to 0, its ``min``
+   and the cool-down notwithstanding, and the backlog is sized on the other pools as if it
+   had none (:func:`over_month`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from renderfleet.settings import AutoscaleConfig, PoolConfig
 
@@ -56,6 +60,7 @@ class PoolState:
     last_change: float | None = None  # when its size last changed (seconds, the caller's clock)
     pending_since: float | None = None  # since when it has fewer ready workers than asked for
     no_capacity: bool = False  # the backend says it cannot get more
+    month_spend: float = 0.0  # what its workers cost this calendar month so far (rule 8)
 
     @property
     def is_spot(self) -> bool:
@@ -113,9 +118,24 @@ def decide(
 ) -> list[Decision]:
     """Each pool's desired size, and why (in words); pure, no I/O.  ``redis_room``: how many workers
     more the fleet's Redis takes, and why no more (rule 7); None: no limit of Redis is near."""
-    targets, why = _targets(max(backlog_seconds, 0.0), pools, cfg, now)
-    decisions = _apply_scale_in_rules(max(backlog_seconds, 0.0), pools, targets, why, cfg, now)
-    return decisions if redis_room is None else _within_room(decisions, pools, *redis_room)
+    # Rule 8: a pool at its monthly budget is sized as a pool of none (the backlog goes to the others).
+    capped = {p.name: reason for p in pools if (reason := over_month(p)) is not None}
+    sized = [replace(p, config=p.config.model_copy(update={"min": 0, "max": 0})) if p.name in capped else p for p in pools]
+    targets, why = _targets(max(backlog_seconds, 0.0), sized, cfg, now)
+    decisions = _apply_scale_in_rules(max(backlog_seconds, 0.0), sized, targets, why, cfg, now)
+    decisions = [Decision(d.pool, d.current, 0, capped[d.pool]) if d.pool in capped else d for d in decisions]
+    return decisions if redis_room is None else _within_room(decisions, sized, *redis_room)
+
+
+def over_month(pool: PoolState) -> str | None:
+    """Rule 8: why ``pool`` gets no worker (its spend this month has reached its ``monthly_budget``), or None."""
+    cap = pool.config.monthly_budget
+    if cap is None or pool.month_spend < cap:
+        return None
+    return (
+        f"monthly budget reached: {pool.month_spend:.2f} of {cap:g} spent this month (its workers' up-time at "
+        f"{pool.config.price_per_hour:g}/h): none until the month ends or the budget is raised"
+    )
 
 
 def _within_room(decisions: list[Decision], pools: Sequence[PoolState], room: int, limit: str) -> list[Decision]:

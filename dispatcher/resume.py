@@ -26,6 +26,7 @@ from celery import Celery
 
 from dispatcher import cancelmarks, enqueue
 from dispatcher.enqueue import WireShard
+from renderfleet import budget as budgets
 from renderfleet import keys, prompts, shardfile, spec
 from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
@@ -157,6 +158,8 @@ def resume(
     priority: int | None = None,
     share: int | None = None,
     names: list[str] | None = None,
+    budget: float | None = None,
+    prices: dict[str, float] | None = None,
 ) -> ResumeReport:
     """Correct Redis's counts of ``job`` (or of its shards ``only``) to the store, and
     enqueue every shard with a prompt the store does not hold that is in no queue,
@@ -171,6 +174,9 @@ def resume(
     how the feeder ranks the job from now on (default: as it was, else as submitted);
     ``names``: a list to fill with every prompt's image name, in order, from this same
     read (``results`` lists them without reading the file a second time).
+    ``budget`` (the user's ``resume --budget``): the job's new cap, which continues a job stopped
+    at its budget (its spend counted at ``prices``: the caller's, the config's over those the fleet
+    published); a job so stopped is not continued without one (``renderfleet/budget.py``).
 
     Shards go back as pending references for the feeder (a shard pending already is
     left as it is, so a resume never adds a second copy); ``front`` and ``lost`` push
@@ -191,6 +197,12 @@ def resume(
     recorded = keys.text(client.hget(keys.job(job), "queue"))  # not one of this store's: an older version's name
     queue = queue or (recorded if is_store_queue(recorded, owner) else queue_name(job_spec.pool, owner))
     known = bool(client.exists(keys.job(job)))
+    if budget is not None:
+        if why := budgets.unpriced_problem(budget, job_spec.pool, prices or {}):
+            raise InputError([why])
+        budgets.raise_budget(client, job, budget, prices or {})
+    elif uncancel:
+        budgets.check_resumable(client, job)
     # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
     held = cancelmarks.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
     # The counts before the listing: one it does not explain (an image gone since) is

@@ -162,11 +162,19 @@ def _progress(j: JobStatus, plain: bool) -> Text:
 
 
 def _state(j: JobStatus) -> str:
-    if j.state == "failed":
-        return "failed"  # never "done": its images are not there (its reason: a line below the table)
-    if j.finished:
-        return "done"
-    return "cancelled" if j.cancelled is not None else eta(j.eta_seconds)
+    # failed: never "done", its images are not there (its reason: a line below the table); budget,
+    # cancelled: the state's own word
+    return {"finished": "done", "running": eta(j.eta_seconds)}.get(j.state, j.state)
+
+
+def budget_line(j: JobStatus, shown: str) -> Text:
+    """Under the jobs, for a job with a budget: its spend against it, the whole at the rate so far, and
+    how to raise it once the job stopped there."""
+    spent = "-" if j.cost is None else f"{money(j.cost)} ({j.cost / j.budget:.0%})" if j.budget else money(j.cost)
+    line = f"job {shown}: budget {money(j.budget)}, spent {spent}, projected {money(j.projected_cost)} at its rate"
+    if j.state == "budget":
+        return Text(f"{line}; stopped at its budget: renderfleet resume {shown} --budget USD raises it", style="yellow")
+    return Text(line)
 
 
 def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
@@ -328,6 +336,7 @@ def _render(
             for j in listed
             if (why := j.why_failed) is not None
         ]
+        parts += [budget_line(j, ids.get(j.job, j.job)) for j in listed if j.budget is not None]
         if fleet.known is None:  # jobs named (status JOB): a job with stages shows them
             for j in (j for j in listed if j.stages):
                 title = f"stages of job {ids.get(j.job, j.job)}"

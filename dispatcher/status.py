@@ -32,7 +32,7 @@ from dispatcher.resume import (
 )
 from dispatcher.serving import unserved
 from dispatcher.stagestatus import StageStatus, add_figures, planned
-from renderfleet import keys, spec
+from renderfleet import budget, keys, spec
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.jobfailure import FAILED
@@ -101,6 +101,13 @@ class JobStatus:
     bound_by: str | None = None
     name: str = ""  # what a person calls it (submit --name, else its file's name; spec.JobSpec.name); '' for none
     submitted: float | None = None  # when it was submitted (unix time; the spec's created); None when not known
+    # Its budget (renderfleet/budget.py): the most it may spend, None without one; when its spend
+    # reached it (unix time; it then stopped as a cancel stops it: state ``budget``), and its spend then.
+    budget: float | None = None
+    budget_reached: float | None = None
+    budget_spent: float | None = None
+    # Its whole cost at the rate so far (cost / done x total: ``renderfleet.budget.projected``).
+    projected_cost: float | None = None
 
     @property
     def failed(self) -> int:
@@ -132,10 +139,15 @@ class JobStatus:
     @property
     def state(self) -> str:
         """``failed`` (:attr:`why_failed`), ``finished`` (every prompt rendered or quarantined, some
-        rendered), ``cancelled`` or ``running``."""
+        rendered), ``budget`` (stopped at its budget: ``resume --budget`` raises it), ``cancelled`` or
+        ``running``."""
         if self.why_failed is not None:
             return "failed"
-        return "finished" if self.finished else "cancelled" if self.cancelled is not None else "running"
+        if self.finished:
+            return "finished"
+        if self.budget_reached is not None:
+            return "budget"
+        return "cancelled" if self.cancelled is not None else "running"
 
     @property
     def cost_per_1000_images(self) -> float | None:
@@ -332,7 +344,7 @@ def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> 
 
 
 def _read_body(pipe: Any, job: str) -> None:
-    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name")
+    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name", budget.BUDGET, budget.REACHED, budget.SPENT)
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
     pipe.hgetall(keys.job_stats(job))
@@ -402,7 +414,7 @@ def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted, failure, name), states, left, stats, progress, attempts = body
+    (spec_json, unaccounted, failure, name, *capped), states, left, stats, progress, attempts = body
     if (
         (total is not None or deleted is not None)
         and store is not None
@@ -495,6 +507,9 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         result.cancelled, result.eta_seconds = float(cancelled), None
     if failure is not None:
         result.failure = keys.text(failure)
+    result.budget, result.budget_reached, result.budget_spent = (
+        _money_field(raw, f"{keys.job(job)} {field}") for raw, field in zip(capped, budget.FIELDS, strict=True)
+    )
     if result.state == "failed":
         result.eta_seconds = None  # no rate will finish it
     return result
@@ -517,6 +532,17 @@ def _named(raw: Any, registered: dict[str, Any], where: str) -> dict[str, Any]:
             malformed(f"{where} spec", created, "not a time")
         created = None
     return {"name": name, "submitted": float(created) if created else None}
+
+
+def _money_field(raw: Any, where: str) -> float | None:
+    """A job's figure of money or time (its budget fields); None when unset, or malformed (logged once)."""
+    if raw is None:
+        return None
+    try:
+        return _finite(keys.text(raw))
+    except (ValueError, UnicodeDecodeError):
+        malformed(where, raw, "not a number")
+        return None
 
 
 def _ranked(value: Any, name: str, registered: dict[str, Any], where: str) -> int:
@@ -581,6 +607,7 @@ def price(job_state: JobStatus, prices: dict[str, float]) -> None:
         return
     job_state.cost = sum(seconds * priced.get(pool, 0.0) / 3600 for pool, seconds in job_state.gpu_seconds.items())
     job_state.cost_per_image = job_state.cost / job_state.done if job_state.done else None
+    job_state.projected_cost = budget.projected(job_state.cost, job_state.done, job_state.total)
 
 
 def publish_prices(client: redis.Redis, store_url: str, prices: dict[str, float]) -> None:

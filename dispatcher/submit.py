@@ -36,9 +36,9 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from dispatcher import enqueue, lifecycle
+from dispatcher import enqueue, lifecycle, status
 from dispatcher.enqueue import WireShard
-from renderfleet import celery_app, digests, prompts, shardfile, spec, stages
+from renderfleet import budget, celery_app, digests, prompts, shardfile, spec, stages
 from renderfleet.errors import InputError
 from renderfleet.hubrev import PIPELINE_FILE, ModelCheck, RevisionResolver, hub_commit, hub_pipeline_problem
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, message_head, store_identity
@@ -57,6 +57,7 @@ class SubmitOptions:
     notes: tuple[str, ...] = ()  # lines for the user about how the options were taken (not the job's identity)
     family: str = ""  # the model's family as submit told it (renderfleet/families.py); '': it could not
     name: str | None = None  # what a person calls the job (--name); None: its prompt file's name
+    budget: float | None = None  # the most the job may spend (renderfleet/budget.py); None: no cap
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ def check_options(opts: SubmitOptions) -> None:
         problems.append(f"--job: {why}")
     if opts.name is not None and (why := spec.job_name_problem(opts.name)):
         problems.append(f"--name: {why}")
+    if opts.budget is not None and (why := budget.budget_problem(opts.budget)):
+        problems.append(f"--budget: {why}")
     if problems:
         raise InputError(problems)
 
@@ -304,8 +307,12 @@ def submit(
     summary: prompts.FileSummary | None = None,
     source: str | None = None,
     wire: tuple[Path, shardfile.WireWriter] | None = None,
+    prices: dict[str, float] | None = None,
 ) -> SubmitResult:
     """Validate, write and enqueue a prompt file; see the module docstring.
+
+    ``prices``: each pool's price per hour (the config's, else those the fleet published); a job with
+    a budget (``opts.budget``) must go to a priced pool, or its spend could not be counted.
 
     ``summary`` is pass 1's result when the caller already validated the file;
     ``source`` is the name the spec records for it (default: the file's name);
@@ -314,6 +321,10 @@ def submit(
     """
     started = time.perf_counter()
     check_options(opts)
+    if opts.budget is not None:
+        prices = {**status.published_prices(client, store.url), **(prices or {})}
+        if why := budget.unpriced_problem(opts.budget, opts.pool, prices):
+            raise InputError([why])
     if summary is None:
         summary = prompts.validate_file(path)
     owner = store_identity(store.url)
@@ -335,7 +346,16 @@ def submit(
                 [f"{path}: job {job} exists with other prompts or settings; choose another --job or leave it out"]
             )
         report = resume(
-            job, store=store, app=app, client=client, queue=queue, uncancel=True, priority=opts.priority, share=opts.share
+            job,
+            store=store,
+            app=app,
+            client=client,
+            queue=queue,
+            uncancel=True,
+            priority=opts.priority,
+            share=opts.share,
+            budget=opts.budget,
+            prices=prices,
         )
         return SubmitResult(job, summary.total, report.shards_enqueued, False, time.perf_counter() - started)
 
@@ -361,6 +381,8 @@ def submit(
         digest=summary.digest,
     )
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
+    if opts.budget is not None:
+        budget.set_budget(client, job, opts.budget)  # before any shard is fed: its first batch is checked
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
     # feeder takes the job only once its wire file is stored (a worker reads its shards there).
     with (

@@ -162,6 +162,7 @@ class Client:
         priority: int = 5,
         share: int = 1,
         name: str | None = None,
+        budget: float | None = None,
         **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
@@ -181,6 +182,9 @@ class Client:
         among the jobs of its priority, which take turns.  ``name``: what ``status`` and the page
         call the job, and what :meth:`job` and the CLI take back where it is unique (default: the
         prompt file's name; none for an iterable or a stream); not part of the job's identity.
+        among the jobs of its priority, which take turns.  ``budget``: the most the job may spend
+        (GPU time by pool times its price per hour; its pool must have a price): it stops there,
+        state ``budget``, until :meth:`Job.resume` raises it (docs/pools.md, "Budgets").
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
@@ -200,6 +204,7 @@ class Client:
             priority=priority,
             share=share,
             name=name,
+            budget=budget,
             **settings,
         )
         if isinstance(prompts, str | os.PathLike):
@@ -232,6 +237,7 @@ class Client:
         priority: int = 5,
         share: int = 1,
         name: str | None = None,
+        budget: float | None = None,
         **settings: Any,
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
@@ -274,6 +280,7 @@ class Client:
             priority=priority,
             share=share,
             name=name,
+            budget=budget,
         )
         check_options(opts)
         # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
@@ -436,6 +443,7 @@ class Client:
                 summary=summary,
                 source=source,
                 wire=wire,
+                prices=self._prices(),
             )
         return Job(
             self,
@@ -501,6 +509,10 @@ class Client:
         finally:
             if client is not None and client is not self._redis:
                 client.close()
+
+    def _prices(self) -> dict[str, float]:
+        """Each configured pool's price per hour (the settings' config; what the fleet published fills in)."""
+        return {name: pool.price_per_hour for name, pool in self.settings.pools.items() if pool.price_per_hour > 0}
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (from code or the CLI): its id, a unique prefix of it as
@@ -678,11 +690,25 @@ class Job:
         resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, push=False, names=names)
         return results(self.client.store, self.id, names, prices=prices)
 
-    def resume(self) -> ResumeReport:
-        """Enqueue whatever of the job is not in the store yet; a cancelled job is continued."""
+    def resume(self, *, budget: float | None = None) -> ResumeReport:
+        """Enqueue whatever of the job is not in the store yet; a cancelled job is continued.  ``budget``:
+        its new budget, which continues a job stopped at its budget (one so stopped is not continued
+        without it: :class:`~renderfleet.errors.InputError`)."""
         from dispatcher.resume import resume
+        from dispatcher.status import published_prices
 
-        return resume(self.id, store=self.client.store, app=self.client.app, client=self.client.redis, uncancel=True)
+        prices = self.client._prices()
+        if budget is not None:
+            prices = {**published_prices(self.client.redis, self.client.store.url), **prices}
+        return resume(
+            self.id,
+            store=self.client.store,
+            app=self.client.app,
+            client=self.client.redis,
+            uncancel=True,
+            budget=budget,
+            prices=prices,
+        )
 
     def cancel(self) -> Cancelled:
         """Stop the job: its queued shards leave the queue, its running ones stop at their next

@@ -187,6 +187,14 @@ Share = Annotated[
     int,
     typer.Option("--share", metavar="W", help="1 to 100: the job's weight among the jobs of its priority (they take turns)"),
 ]
+Budget = Annotated[
+    float | None,
+    typer.Option(
+        "--budget",
+        metavar="USD",
+        help="the most the job may spend (GPU time by pool x its price): it stops there; resume --budget raises it",
+    ),
+]
 JobOpt = Annotated[
     str | None, typer.Option("--job", metavar="ID", help="job id (default: derived from content and settings)")
 ]
@@ -297,6 +305,7 @@ class SubmitFlags:
     stages: Path | None = None
     keep_intermediates: bool = False
     name: str | None = None
+    budget: float | None = None
 
 
 # Each setting's option (its Annotated type) and default, defined once for every command that
@@ -326,6 +335,7 @@ SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "stages": (StagesFile, None),
     "keep_intermediates": (KeepIntermediates, False),
     "name": (NameOpt, None),
+    "budget": (Budget, None),
 }
 
 
@@ -381,6 +391,7 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         priority=flags.priority,
         share=flags.share,
         name=flags.name,
+        budget=flags.budget,
         **render,
     )
 
@@ -440,6 +451,7 @@ def _do_submit(
             priority=opts.priority,
             share=opts.share,
             name=opts.name,
+            budget=opts.budget,
             **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format, opts.params.quality),
             loras=opts.params.loras,
             revision=opts.params.revision,
@@ -844,11 +856,18 @@ def _attempts(settings: Settings, job: str) -> dict[int, int] | None:
 
 
 @app.command()
-def resume(job: JobArg) -> None:
+def resume(
+    job: JobArg,
+    budget: Annotated[
+        float | None,
+        typer.Option("--budget", metavar="USD", help="the job's new budget: continues a job stopped at its budget"),
+    ] = None,
+) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
     settings = _settings()
     from dispatcher.lifecycle import deleted
     from dispatcher.resume import resume as do_resume
+    from dispatcher.status import published_prices
     from renderfleet.store import open_store
 
     with _user_errors():
@@ -857,7 +876,9 @@ def resume(job: JobArg) -> None:
         job = _job_id(settings, job, client, store)
         if (gone := deleted(client, job)) is not None:
             raise gone
-        report = do_resume(job, store=store, app=celery, client=client, uncancel=True)
+        prices = {name: pool.price_per_hour for name, pool in settings.pools.items() if pool.price_per_hour > 0}
+        prices = {**published_prices(client, store.url), **prices} if budget is not None else prices
+        report = do_resume(job, store=store, app=celery, client=client, uncancel=True, budget=budget, prices=prices)
     # Nothing enqueued while prompts lack an image: they are in shards already pending, queued
     # or leased (resume never adds a second copy), which "0 shards enqueued" alone hides.
     to_render = report.total - report.done - report.quarantined

@@ -59,7 +59,10 @@ def job(job_id: str) -> str:
     ``ended:<ms>`` once a delete or a retire ended it), unaccounted (images the store held when a
     resume registered the job again in a Redis that had lost it: their render time, and so the job's
     cost, is unknown; ``dispatcher/status.py`` ``price``), name (the spec's ``name``, apart: a name
-    typed for a job is looked up in every job's hash, ``dispatcher/jobids.py``; '' for none).
+    typed for a job is looked up in every job's hash, ``dispatcher/jobids.py``; '' for none), budget (the most
+    the job may spend, in the pools' currency: ``submit --budget``, raised by ``resume --budget``),
+    budget_reached (unix time its spend reached it: set by ``renderfleet/lua/fence.lua`` with ``cancelled``,
+    so the job stops as a cancel stops it) and budget_spent (its spend then; ``renderfleet/budget.py``).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
     store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;
@@ -195,8 +198,20 @@ def desired(store_tag: str) -> str:
 
 def prices(store_tag: str) -> str:
     """hash pool -> price of one worker per hour, as published for the store tagged ``store_tag`` by
-    whoever has the pools' config: the autoscaler, a monitor or a worker (``status`` reads it)."""
+    whoever has the pools' config: the autoscaler, a monitor or a worker (``status`` reads it, and
+    ``renderfleet/lua/fence.lua`` counts a job's spend against its budget at it)."""
     return f"rf:prices:{store_tag}"
+
+
+def pool_month(store_tag: str, month: str) -> str:
+    """hash of one store's pools' spend in one calendar month (``month``: ``YYYY-MM``, UTC), counted by
+    the autoscaler at each tick from its workers' up-time (``renderfleet/lua/pool_spend.lua``):
+    ``usd.<pool>`` (money, at the pool's price per hour) and ``at.<pool>`` (Redis's time of the last
+    count, ms); expires :data:`POOL_MONTH_KEEP_SECONDS` after its last write."""
+    return f"rf:pool-month:{store_tag}:{month}"
+
+
+POOL_MONTH_KEEP_SECONDS = 40 * 86400  # the month, and its first days after for a last look
 
 
 POOL_STATS_PREFIX = "rf:pool:"

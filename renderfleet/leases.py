@@ -62,7 +62,7 @@ import redis
 from renderfleet import failpoints, keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope, is_store_queue
 from renderfleet.errors import Reclaimed
-from renderfleet.states import Beat, ClaimAnswer, Release
+from renderfleet.states import Beat, ClaimAnswer, Fence, Release
 
 # The scripts live in renderfleet/lua/, each with a header naming its KEYS and ARGV;
 # common.lua (Redis's clock, the enqueue record) is prepended to each.
@@ -248,11 +248,16 @@ def commit_call(lease: Lease, done: Sequence[int], failed: Sequence[int], undone
 
 
 def fence_call(
-    lease: Lease, counts: dict[str, int] | None = None, progress: str = "", *, stages: dict[str, int] | None = None
+    lease: Lease,
+    counts: dict[str, int] | None = None,
+    progress: str = "",
+    *,
+    stages: dict[str, int] | None = None,
+    store_tag: str = "",
 ) -> ScriptCall:
     """The fence check before a batch's store writes, carrying the job's own ``counts`` (its stats hash),
     ``progress`` entry and ``stages`` (its stage figures, ``keys.job_stages``), written only if the check
-    passes (``renderfleet/lua/fence.lua``)."""
+    passes (``renderfleet/lua/fence.lua``); ``store_tag``: whose pools' prices a budget is counted at."""
     pairs: list[str | int] = [x for name, value in (counts or {}).items() for x in (name, value)]
     stage_pairs: list[str | int] = [x for name, value in (stages or {}).items() for x in (name, value)]
     return ScriptCall(
@@ -263,6 +268,7 @@ def fence_call(
             keys.job_stats(lease.job),
             keys.progress(lease.job),
             keys.job_stages(lease.job),
+            keys.prices(store_tag),
         ],
         [lease.shard, lease.attempt, lease.life, progress, keys.PROGRESS_KEEP, len(pairs) // 2, *pairs, *stage_pairs],
     )
@@ -413,15 +419,18 @@ class Leases:
         counts: dict[str, int] | None = None,
         progress: str = "",
         stages: dict[str, int] | None = None,
-    ) -> bool:
+        store_tag: str = "",
+    ) -> Fence:
         """Whether the lease's attempt is still the shard's, in the job's life (a fence check before a
-        store write); ``pipe``: commands sent in the same round trip, before it (a ledger's worker and
-        pool counters); ``counts``, ``progress`` and ``stages``: the job's own, written only if it is."""
-        call = fence_call(lease, counts, progress, stages=stages)
+        store write: truthy when it is, and whether the job has reached its budget); ``pipe``: commands
+        sent in the same round trip, before it (a ledger's worker and pool counters); ``counts``,
+        ``progress`` and ``stages``: the job's own, written only if it is; ``store_tag``: whose pools'
+        prices the job's spend is counted at (``renderfleet/lua/fence.lua``)."""
+        call = fence_call(lease, counts, progress, stages=stages, store_tag=store_tag)
         if pipe is None:
-            return bool(int(self.run(call)))
+            return Fence(int(self.run(call)))
         self._scripts["fence"](keys=call.keys, args=call.args, client=pipe)
-        return bool(int(pipe.execute()[-1]))
+        return Fence(int(pipe.execute()[-1]))
 
     def commit(
         self, lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()

@@ -110,6 +110,9 @@ class PoolConfig(BaseModel):
     # The card of its workers as a worker names it in `status --json` ("NVIDIA H100 80GB HBM3"):
     # `submit --estimate` reads the speeds measured on it while none of them is up.  None: their own word.
     card: str | None = None
+    # The most its workers may cost in a calendar month (UTC), at price_per_hour: the autoscaler counts
+    # their up-time and sizes the pool to 0 once the month's spend reaches it (docs/pools.md, "Budgets").
+    monthly_budget: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # Who starts and stops its workers: processes here, a Deployment (its replicas set by the
     # autoscaler, or by KEDA from the published decision), an Auto Scaling group.
     backend: Literal["local", "kubernetes", "keda", "aws"] = "local"
@@ -124,6 +127,11 @@ class PoolConfig(BaseModel):
     def _check_bounds(self) -> PoolConfig:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        if self.monthly_budget is not None and self.price_per_hour <= 0:
+            raise ValueError(
+                f"monthly_budget = {self.monthly_budget:g} needs a price_per_hour (the spend is counted "
+                "at it), and the pool has none"
+            )
         return self
 
 

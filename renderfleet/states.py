@@ -50,6 +50,17 @@ class Beat(IntEnum):
     MISSING = 4
 
 
+class Fence(IntEnum):
+    """What ``fence.lua`` answers a fence check (truthy: the attempt is current, the writes may go on)."""
+
+    FENCED = 0  # a newer attempt holds the shard, or the job lives another life: write nothing
+    CURRENT = 1
+    OVER_BUDGET = 2  # current, and the job has reached its budget: no new batch begins
+    # current, and the counters this check carried took the job to its budget: the check marked it
+    # (budget_reached, cancelled), and the caller takes its queued work out as a cancel does
+    BUDGET_REACHED = 3
+
+
 class TaskOutcome(StrEnum):
     """What became of one delivery of a shard message (the task's result, for logs and tests)."""
 

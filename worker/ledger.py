@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from renderfleet import keys
+from renderfleet import budget, keys
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
 from renderfleet.spec import Prompt
-from renderfleet.states import Beat
+from renderfleet.states import Beat, Fence
 from worker.metrics import ImageOutcome, LostReason
 from worker.stop import StopSignal
 
@@ -141,8 +141,12 @@ class RedisLedger:
         cancel: threading.Event | None = None,
         aside: Executor | None = None,
         clock: LeaseClock | None = None,
+        budgeted: bool = False,
     ):
         self.leases = leases
+        # The job has a budget (keys.job 'budget', read at accept): Redis is asked before each batch
+        # whether the job has reached it (cancelled), so no batch of it begins past its budget.
+        self.budgeted = budgeted
         # Shared with the shard's LeaseKeeper; None: every fence check asks Redis.
         self.clock = clock
         self.lease = lease
@@ -190,7 +194,18 @@ class RedisLedger:
             raise Reclaimed(f"shard {self.lease.member} attempt {self.lease.attempt} fenced", fenced=True)
 
     def cancelled(self) -> bool:
-        """Whether the shard's job was cancelled (its heartbeat said so): stop before the next batch."""
+        """Whether the shard's job was cancelled (its heartbeat said so), or reached its budget (a fence
+        check said so, or, for a job with a budget, Redis now): stop before the next batch.
+
+        The one read a batch of a job with a budget costs: its fence check answers only after the next
+        batch began (the commits run a batch behind the renderer), and a heartbeat may come a batch
+        later, so without it each worker could render a batch begun after the budget was reached."""
+        if not self.cancel.is_set() and self.budgeted:
+            try:
+                if self.client.hexists(keys.job(self.lease.job), budget.REACHED):
+                    self.cancel.set()
+            except redis.RedisError as exc:  # the heartbeat and the fence check tell it too
+                log.warning("cannot read job %s's budget mark: %s", self.lease.job, exc)
         return self.cancel.is_set()
 
     def commit(self, done: list[int], failed: list[int], undone: Sequence[int] = ()) -> None:
@@ -226,12 +241,34 @@ class RedisLedger:
         """Send ``unsent``'s counters with a fence check (the job's own only if it passes, in one script:
         ``renderfleet/lua/fence.lua``); whether the lease is still current."""
         if unsent is None:
-            return self.leases.current(self.lease)
+            return self._heard(self.leases.current(self.lease, store_tag=self.store_tag))
         if self.stop.fenced:  # known fenced: the job's counters are not ours to write
             unsent.pipe.execute()
             return False
         progress = f"{time.time():.3f} {unsent.progress}" if unsent.progress else ""
-        return self.leases.current(self.lease, unsent.pipe, counts=unsent.job, progress=progress, stages=unsent.stages)
+        return self._heard(
+            self.leases.current(
+                self.lease,
+                unsent.pipe,
+                counts=unsent.job,
+                progress=progress,
+                stages=unsent.stages,
+                store_tag=self.store_tag,
+            )
+        )
+
+    def _heard(self, answer: Fence) -> bool:
+        """A fence check's answer: whether the attempt is current; a job at its budget stops before its
+        next batch, and the check that marked it takes the job's queued work out (``renderfleet/budget.py``)."""
+        if answer in (Fence.OVER_BUDGET, Fence.BUDGET_REACHED) and not self.cancel.is_set():
+            log.warning("shard %s: its job reached its budget: stopping at the next batch", self.lease.member)
+            self.cancel.set()
+        if answer is Fence.BUDGET_REACHED:
+            try:
+                budget.stop(self.client, self.lease.job)
+            except redis.RedisError as exc:  # its messages are dropped at their claims all the same
+                log.warning("job %s reached its budget; its queued shards not taken out: %s", self.lease.job, exc)
+        return bool(answer)
 
     def _stats_written(self) -> None:
         if self._written is not None:

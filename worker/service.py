@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import jobfailure, keys, logs, spec
+from renderfleet import budget, jobfailure, keys, logs, spec
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
     BadOutput,
@@ -155,6 +155,7 @@ class WorkerService:
         # Whether the message accept() let through last is of a job submitted to this Redis as new
         # (dispatcher.enqueue.register_job's "fresh"): its shards' first claims skip the checkpoint read.
         self.fresh = False
+        self.budgeted = False  # and whether its job has a budget (renderfleet/budget.py)
 
     @classmethod
     def from_settings(
@@ -353,6 +354,7 @@ class WorkerService:
             cancel=cancel,
             aside=self._aside,
             clock=keeper.clock,
+            budgeted=self.budgeted,
         )
         pending: PendingShard | BaseException
         try:
@@ -551,8 +553,8 @@ class WorkerService:
             )
             return None
         try:
-            registered, stored, fresh, life, failed = self.client.hmget(
-                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED
+            registered, stored, fresh, life, failed, capped = self.client.hmget(
+                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED, budget.BUDGET
             )
         except redis.RedisError as exc:
             raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
@@ -578,6 +580,7 @@ class WorkerService:
             self._repend(msg, tag)
             return None
         self.fresh = bool(fresh)
+        self.budgeted = capped is not None  # its ledger asks before each batch whether it reached its budget
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None

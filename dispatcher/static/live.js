@@ -34,7 +34,6 @@
 
   function update(data) {
     data.jobs.forEach(function (j) {
-      var jl = j.left;
       document.querySelectorAll('tr[data-job="' + CSS.escape(j.job) + '"]').forEach(function (row) {
         // rendered in green, quarantined in red: a job all quarantined is never a green bar
         row.querySelector(".fill").style.width = (j.total ? 100 * j.done / j.total : 0).toFixed(1) + "%";
@@ -44,12 +43,17 @@
         set(row, "f-done", j.done);
         set(row, "f-quarantined", j.quarantined);
         set(row, "f-rate", j.images_per_minute.toFixed(1));
-        set(row, "f-eta", j.state === "failed" ? "failed" : jl === 0 ? "done" : j.cancelled != null ? "cancelled" : fmtDuration(j.eta_seconds));
+        set(row, "f-eta", j.state === "running" ? fmtDuration(j.eta_seconds) : j.state === "finished" ? "done" : j.state);
         set(row, "f-redeliveries", j.redeliveries + " / " + j.wasted_images);
         var gpu = Object.values(j.gpu_seconds).reduce(function (a, b) { return a + b; }, 0);
         set(row, "f-gpu", j.unaccounted ? "-" : gpu.toFixed(1));  // render time lost with a Redis: unknown
-        set(row, "f-cost", money(j.cost));
+        set(row, "f-cost", money(j.cost) + (j.budget === null || j.budget === undefined ? "" : " of " + money(j.budget)));
         set(row, "f-cpk", money(j.cost_per_1000_images));
+      });
+      // a job with a budget, on its own page: its spend and its projected cost
+      document.querySelectorAll('[data-budget="' + CSS.escape(j.job) + '"]').forEach(function (box) {
+        set(box, "f-spent", money(j.cost));
+        set(box, "f-projected", money(j.projected_cost));
       });
       // a job with stages, on its own page: each stage's figures and the one that bounds the rate
       if (j.stages) document.querySelectorAll('[data-stages="' + CSS.escape(j.job) + '"]').forEach(function (box) {

@@ -4,13 +4,26 @@
 -- that is not its own (docs/design.md, "A job's lives").  The worker's and the pool's counters are
 -- not the job's: the caller sends them beside this call, whatever it answers.
 --
+-- A job with a budget (keys.job 'budget', renderfleet/budget.py) has its spend checked here, where its
+-- GPU time is counted, so the check is atomic and costs no round trip of its own: the job's GPU-ms by
+-- pool (render_ms.<pool>) times each pool's price per hour (keys.prices).  The job is marked
+-- (budget_reached, budget_spent, and cancelled: from here it stops as a cancel stops it, the feeder
+-- skipping it) once that spend, and one more batch like the one these counters carry, reach the
+-- budget: the worker renders its next batch while this one commits (docs/design.md, "Invariants"),
+-- so that batch is being spent already.  Checked only when counters are sent (a batch's): a job
+-- without a budget pays one HMGET more a batch, inside the script; one with a budget two HGETALLs of
+-- small hashes (its few counters, the pools' prices).
+--
 -- KEYS[1] job, KEYS[2] attempts, KEYS[3] the job's stats (keys.job_stats), KEYS[4] its progress list,
--- KEYS[5] its stage figures (keys.job_stages)
+-- KEYS[5] its stage figures (keys.job_stages), KEYS[6] the prices of its store's pools (keys.prices)
 -- ARGV[1] shard, ARGV[2] attempt, ARGV[3] the lease's life, ARGV[4] a progress entry ('' none),
 -- ARGV[5] progress entries kept, ARGV[6] how many field, value pairs for the job's stats follow,
 -- then those pairs, then field, value pairs for its stage figures
--- Returns 1: current (the counters written), 0: fenced (nothing written).
+-- Returns 0: fenced (nothing written), 1: current (the counters written), 2: current, and the job has
+-- reached its budget: begin no new batch; 3: current, and these counters took the job to its budget:
+-- this call marked it (renderfleet.states.Fence).
 local job, attempts, stats, progress, stages = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local prices = KEYS[6]
 local shard, attempt, life, entry, keep = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
 local stage_from = 7 + 2 * tonumber(ARGV[6])
 
@@ -30,4 +43,41 @@ if entry ~= '' then
   redis.call('LPUSH', progress, entry)
   redis.call('LTRIM', progress, 0, keep - 1)
 end
-return 1
+if stage_from == 7 then
+  return 1  -- nothing counted: no spend to check
+end
+local b = redis.call('HMGET', job, 'budget', 'budget_reached')
+if b[2] then
+  return 2
+end
+local budget = tonumber(b[1] or '')
+if not budget then
+  return 1
+end
+-- Money per GPU-ms of each priced pool; a pool with no price spends nothing (submit refuses a budget then).
+local per_ms = {}
+local p = redis.call('HGETALL', prices)
+for i = 1, #p, 2 do
+  per_ms[p[i]] = (tonumber(p[i + 1]) or 0) / 3600000
+end
+local function cost(field, ms)
+  if string.sub(field, 1, 10) ~= 'render_ms.' then
+    return 0
+  end
+  return (tonumber(ms) or 0) * (per_ms[string.sub(field, 11)] or 0)
+end
+local spent, batch = 0, 0
+local s = redis.call('HGETALL', stats)
+for i = 1, #s, 2 do
+  spent = spent + cost(s[i], s[i + 1])
+end
+for i = 7, stage_from - 1, 2 do
+  batch = batch + cost(ARGV[i], ARGV[i + 1])
+end
+if spent + batch < budget then
+  return 1
+end
+local now = tostring(math.floor(now_ms() / 1000))
+redis.call('HSET', job, 'budget_reached', now, 'budget_spent', string.format('%.6f', spent))
+redis.call('HSETNX', job, 'cancelled', now)
+return 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from importlib import resources
 
-from renderfleet.states import Beat, ClaimAnswer, Release, ShardState
+from renderfleet.states import Beat, ClaimAnswer, Fence, Release, ShardState
 
 LUA = resources.files("renderfleet") / "lua"
 SCRIPTS = sorted(p.name for p in LUA.iterdir() if p.name.endswith(".lua"))
@@ -38,6 +38,11 @@ def test_claim_answers_are_exactly_the_claim_enum() -> None:
 def test_heartbeat_answers_are_exactly_the_beat_enum() -> None:
     answers = {int(n) for n in re.findall(r"return (\d+)", code("heartbeat.lua"))}
     assert answers == set(Beat)
+
+
+def test_fence_answers_are_exactly_the_fence_enum() -> None:
+    answers = {int(n) for n in re.findall(r"return (\d+)", code("fence.lua"))}
+    assert answers == set(Fence)
 
 
 def test_release_outcomes_are_exactly_the_release_enum() -> None:

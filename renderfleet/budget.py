@@ -1,0 +1,141 @@
+"""A job's budget: the most it may spend, and what happens when its spend reaches it.
+
+A job's spend is its GPU time by pool (``render_ms.<pool>`` in ``keys.job_stats``, counted by the
+workers' ledgers) times each pool's price per hour (``keys.prices``, published by whoever has the
+pools' config): what ``status`` shows as its cost.  ``submit --budget USD`` writes the cap in the
+job's hash (``budget``); the check runs where the GPU time is counted, inside the fence check's
+script (``renderfleet/lua/fence.lua``), so it is atomic and costs no round trip: once the spend, and
+the batch the worker renders meanwhile, reach the cap, the script marks the job (``budget_reached``,
+``budget_spent``) and cancels it (``cancelled``), and from there the job stops exactly as a cancel
+stops it: the feeder skips it, a claim drops its messages, a running shard ends at its next batch
+boundary and is parked, and the worker whose check marked it takes its queued messages out
+(:func:`stop`, one pass of ``renderfleet/lua/cancel.lua``).  A worker rendering a job with a budget
+asks Redis before each batch whether the mark is set (``worker/ledger.py``): no batch of it begins
+after its budget is reached, so a job overshoots by at most the batch each worker had in flight.
+
+``resume --budget USD`` raises the cap (:func:`raise_budget`) and continues the job; a plain
+``resume`` of a job stopped at its budget is refused (it would stop again at the next batch).
+
+Here, below both sides: the worker stops a job, the dispatcher raises its cap and shows it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+
+import redis
+
+from renderfleet import keys
+from renderfleet.errors import InputError
+from renderfleet.jobfailure import cancel_call
+from renderfleet.leases import lua_script
+
+BUDGET = "budget"  # keys.job: the most the job may spend, in the pools' currency
+REACHED = "budget_reached"  # keys.job: unix time its spend reached the budget (fence.lua)
+SPENT = "budget_spent"  # keys.job: its spend when the mark was set
+FIELDS = (BUDGET, REACHED, SPENT)  # in this order wherever they are read together
+RENDER_MS = "render_ms."  # the job's GPU-ms of one pool: keys.job_stats field render_ms.<pool>
+
+
+def budget_problem(value: object) -> str | None:
+    """Why ``value`` is not a budget (a positive, finite amount of money), or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"a budget is an amount of money (a number), got {value!r}"
+    if not math.isfinite(value) or value <= 0:
+        return f"a budget is a positive amount of money, got {value!r}"
+    return None
+
+
+def unpriced_problem(budget: float, pool: str, prices: Mapping[str, float]) -> str | None:
+    """Why a job of ``pool`` cannot have ``budget`` (its pool has no price: its spend cannot be counted), or None."""
+    if prices.get(pool, 0) > 0:
+        return None
+    return (
+        f"--budget {budget:g}: pool {pool!r} has no price per hour, so the job's spend cannot be counted: "
+        f"set price_per_hour in [pools.{pool}] of the config (--config FILE), or let a fleet that has it "
+        "publish it (a worker, the autoscaler or a monitor started with the config)"
+    )
+
+
+def spend(stats: Mapping[str, int], prices: Mapping[str, float]) -> float:
+    """A job's spend from its counters (``keys.job_stats``) at ``prices`` (pool -> per hour): what
+    ``fence.lua`` counts, for the dispatcher's side (a pool with no price spends nothing here)."""
+    return sum(
+        ms * prices.get(field.removeprefix(RENDER_MS), 0.0) / 3_600_000
+        for field, ms in stats.items()
+        if field.startswith(RENDER_MS)
+    )
+
+
+def projected(cost: float | None, done: int, total: int) -> float | None:
+    """The job's whole cost at the rate so far: its spend per image rendered times every image; None
+    while no image is done or its spend is unknown."""
+    if cost is None or done <= 0:
+        return None
+    return cost / done * total
+
+
+def stop(client: redis.Redis, job: str, at: str = "") -> None:
+    """The job's queued messages out of their queues and its pending shards parked: one pass of
+    ``cancel.lua``, by the worker whose fence check marked the job (``at``: the mark's time).  Its
+    running shards stop at their next batch boundary.  ``redis.RedisError`` when Redis cannot answer
+    (the feeder and the claim skip the job all the same: only its parking waits for a resume)."""
+    script_keys, args = cancel_call(job, fence=False, when=at)
+    client.register_script(lua_script("cancel"))(keys=script_keys, args=args)
+
+
+def mark(client: redis.Redis, job: str) -> tuple[float | None, float | None, float | None]:
+    """(its budget, when it was reached, its spend then) from the job's hash; each None when unset."""
+    raw = client.hmget(keys.job(job), *FIELDS)
+    return tuple(_number(v) for v in raw)  # type: ignore[return-value]
+
+
+def _number(raw: object) -> float | None:
+    try:
+        value = float(keys.text(raw))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def set_budget(client: redis.Redis, job: str, budget: float) -> None:
+    """Write a new job's budget (submit, after registering it afresh: nothing of an earlier life is kept)."""
+    client.hset(keys.job(job), BUDGET, f"{budget:.6f}")
+
+
+def raise_budget(client: redis.Redis, job: str, budget: float, prices: Mapping[str, float]) -> None:
+    """``resume --budget``: the job's cap set to ``budget``, its mark and its cancel cleared (in one
+    transaction) when it had stopped at its budget.  InputError, naming ``--budget``, when the job
+    has spent that much already (it would stop again at its next batch)."""
+    if why := budget_problem(budget):
+        raise InputError([f"--budget: {why}"])
+    stats = {keys.text(k): int(v) for k, v in client.hgetall(keys.job_stats(job)).items()}
+    spent = spend(stats, prices)
+    if spent >= budget:
+        raise InputError(
+            [f"--budget {budget:g}: job {job} has spent {spent:.4g} already: give a budget above what it has spent"]
+        )
+    _, reached, _ = mark(client, job)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.job(job), BUDGET, f"{budget:.6f}")
+        if reached is not None:
+            # Stopped by its budget alone: continued like a cancelled job (a cancel of the user's own,
+            # had there been one, is cleared by the resume that called this, as for any resume).
+            pipe.hdel(keys.job(job), REACHED, SPENT, "cancelled")
+        pipe.execute()
+
+
+def check_resumable(client: redis.Redis, job: str) -> None:
+    """A plain ``resume`` (or resubmit) of a job stopped at its budget: InputError saying how to raise it."""
+    budget, reached, spent = mark(client, job)
+    if reached is None or budget is None:
+        return
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(reached))
+    raise InputError(
+        [
+            f"--budget: job {job} stopped at its budget of {budget:g} on {when}, having spent {spent or 0:.4g}: "
+            f"`renderfleet resume {job} --budget USD` with more continues it"
+        ]
+    )

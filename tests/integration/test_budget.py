@@ -1,0 +1,135 @@
+"""A job's budget on a fleet of two bench workers and a priced pool (renderfleet/budget.py): the job stops
+within one batch per worker of its cap, shows ``budget`` with what it spent, a plain resume is refused,
+and ``resume --budget`` with more takes it to the end.  A budget on a pool with no price is refused at submit.
+
+The workers serve a bench model (``testing.fleet.bench_worker``: a fixed time per image, no torch): the
+spend is GPU time by pool times the pool's price, whatever renders the images.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatcher.autoscale import Autoscaler, PublishedBackend, Tick
+from renderfleet import keys, redisconn
+from renderfleet.budget import raise_budget
+from renderfleet.embedded import RedisServerProcess
+from renderfleet.errors import InputError
+from renderfleet.settings import load_settings
+from renderfleet.spec import store_identity, store_tag
+from renderfleet.store import open_store
+from testing.fleet import (
+    WorkerProc,
+    base_env,
+    bench,
+    bench_worker,
+    cli,
+    job_finished,
+    job_status,
+    status_now,
+    wait_for,
+    write_prompts,
+)
+
+pytestmark = pytest.mark.integration
+
+PRICE = 3.6  # per hour: a GPU-second costs 0.001
+SECONDS_PER_IMAGE = 0.2
+BATCH = 2  # prompts a batch: about 0.4 GPU-seconds, 0.0004 a batch
+WORKERS = 2
+BUDGET = 0.003  # about 7 or 8 batches of the job's 24
+
+
+def test_a_budget_stops_the_job_within_a_batch_per_worker_and_a_raised_one_finishes_it(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"[pools.default]\nprice_per_hour = {PRICE}\nmax = 2\n\n[pools.spare]\nmax = 1\n")
+    env = base_env(
+        tmp_path,
+        redis_server.url,
+        str(tmp_path / "store"),
+        RENDERFLEET_CONFIG=str(config),
+        **bench_worker(SECONDS_PER_IMAGE),
+    )
+    prompts = write_prompts(tmp_path / "p.txt", 48)
+    job_args = [*bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", str(BATCH)]
+    # A pool with no price: the job's spend could not be counted, so no budget (nothing queued).
+    refused = cli(env, "submit", str(prompts), *job_args, "--pool", "spare", "--budget", "1", check=False)
+    assert refused.returncode == 2 and "--budget 1: pool 'spare' has no price per hour" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    job = cli(env, "submit", str(prompts), *job_args, "--budget", str(BUDGET)).stdout.split()[-1]
+    workers = [WorkerProc(env, tmp_path / f"w{n}.log") for n in range(WORKERS)]
+    try:
+        stopped = wait_for(
+            lambda: (s := status_now(env, job))["state"] == "budget" and s, 60, interval=0.1, what="the budget"
+        )
+        # Running shards end at their batch boundary and are parked; nothing more is rendered.
+        wait_for(lambda: status_now(env, job)["in_flight"] == 0, 30, interval=0.1, what="running shards to stop")
+        time.sleep(0.6)  # more than a batch: any batch begun after the mark would show now
+        held = job_status(env, job)
+        assert held["state"] == "budget" and held["in_flight"] == 0 and held["queued"] == 0
+        assert held["done"] == status_now(env, job)["done"] < 48
+        spent, per_batch = held["cost"], held["cost_per_image"] * BATCH
+        assert held["budget"] == pytest.approx(BUDGET) and held["budget_reached"] >= stopped["budget_reached"]
+        # Within one batch per worker of its cap, and not far short of it (the mark counts the batch in flight).
+        assert BUDGET - per_batch <= spent <= BUDGET + WORKERS * per_batch, (spent, per_batch)
+        assert held["projected_cost"] == pytest.approx(spent / held["done"] * 48)
+        assert all(w.proc.poll() is None for w in workers)  # the job's stop, not the workers'
+        text = cli({**env, "COLUMNS": "200"}, "status", job).stdout
+        assert "budget" in next(line for line in text.splitlines() if "/48" in line)
+        assert f"budget {BUDGET:g}, spent" in text and "--budget USD raises it" in text
+
+        plain = cli(env, "resume", job, check=False)  # it would stop again at its next batch
+        assert plain.returncode == 2 and f"--budget: job {job} stopped at its budget" in plain.stderr
+        with pytest.raises(InputError, match=r"has spent .* already"):  # what `resume --budget` says of too little
+            raise_budget(redisconn.client(redis_server.url), job, spent / 2, {"default": PRICE})
+
+        cli(env, "resume", job, "--budget", "1")
+        final = job_finished(env, job, timeout=60)
+    finally:
+        for w in workers:
+            w.kill()
+    assert final["state"] == "finished" and final["done"] == 48 and final["budget"] == pytest.approx(1.0)
+    assert final["budget_reached"] is None and final["cost"] == pytest.approx(final["projected_cost"])
+
+
+def test_a_pool_at_its_monthly_budget_is_sized_to_zero_by_the_autoscaler(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """The month's spend counted from the workers up at each tick, by Redis's clock, a gap of more than two
+    ticks counted as two; at the cap the tick's decision is 0 with the reason."""
+    store_url = str(tmp_path / "store")
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[pools.spot]\nkind = "spot"\nprice_per_hour = 3600\nmax = 4\nbackend = "keda"\ndeployment = "rf-spot"\n'
+        "monthly_budget = 0.5\n\n[autoscale]\ninterval_seconds = 0.1\n"
+    )
+    settings = load_settings(config=str(config), redis_url=redis_server.url, store=store_url)
+    client = redisconn.client(redis_server.url)
+    for n in range(2):  # two workers up, as a registration says (3600/h: each costs 1 a second)
+        worker = {"worker": f"spot-{n}", "pool": "spot", "store": store_identity(store_url), "host": "elsewhere"}
+        client.hset(keys.WORKERS, worker["worker"], json.dumps(worker))
+    store = open_store(store_url)
+    scaler = Autoscaler(settings, client, store, {"spot": PublishedBackend(client, store_url)})
+
+    def spent(tick: Tick) -> float:
+        return float(tick.pools[0]["month_spend"])
+
+    first = scaler.tick()
+    assert spent(first) == 0 and first.decisions[0]["desired"] != 0  # the count starts here
+    time.sleep(0.1)
+    second = scaler.tick()
+    assert 0.15 <= spent(second) < 0.5 and "monthly" not in second.decisions[0]["reason"]
+    time.sleep(0.5)  # the autoscaler "down" for five ticks: counted as two (0.2 s of two workers)
+    third = scaler.tick()
+    assert spent(third) == pytest.approx(spent(second) + 0.4, abs=0.02)
+    assert third.decisions[0]["desired"] == 0 and third.decisions[0]["reason"].startswith("monthly budget reached")
+    assert client.hget(keys.desired(store_tag(store_url)), "spot") == b"0"
+    month = time.strftime("%Y-%m", time.gmtime())
+    assert float(client.hget(keys.pool_month(store_tag(store_url), month), "usd.spot")) == pytest.approx(spent(third))

@@ -1,0 +1,89 @@
+"""Budgets, without a fleet: a job's spend and its projection, its state, the checks of a budget and of a
+pool's monthly cap in the config, and policy rule 8 (a pool at its monthly budget goes to 0)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dispatcher.policy import PoolState, decide
+from dispatcher.show import render_status
+from dispatcher.status import FleetStatus, JobStatus, price
+from renderfleet.budget import budget_problem, projected, spend, unpriced_problem
+from renderfleet.errors import ConfigError
+from renderfleet.settings import AutoscaleConfig, PoolConfig, load_settings
+
+CFG = AutoscaleConfig(drain_seconds=600, cooldown_seconds=120, cold_start_seconds=60, scale_in_margin=0.7)
+BASE = PoolState("baseline", PoolConfig(kind="on-demand", price_per_hour=2.0, min=1, max=4), current=1, ready=1)
+SPOT = PoolState("spot", PoolConfig(kind="spot", price_per_hour=0.8, min=0, max=8, monthly_budget=500), current=3, ready=3)
+NOW = 10_000.0
+
+
+def test_a_budget_is_a_positive_amount_of_money() -> None:
+    assert budget_problem(12.5) is None and budget_problem(1) is None
+    for bad in (0, -3, float("inf"), float("nan"), "5", True):
+        assert budget_problem(bad) is not None, bad
+    why = unpriced_problem(10, "spare", {"default": 3.6})
+    assert why is not None and why.startswith("--budget 10: pool 'spare' has no price per hour")
+    assert unpriced_problem(10, "default", {"default": 3.6}) is None
+
+
+def test_a_jobs_spend_is_its_gpu_time_by_pool_at_each_pools_price() -> None:
+    stats = {"render_ms.default": 7_200_000, "render_ms.spot": 3_600_000, "images.default": 40, "wasted_images": 3}
+    assert spend(stats, {"default": 3.6, "spot": 0.9}) == pytest.approx(2 * 3.6 + 0.9)
+    assert spend(stats, {"default": 3.6}) == pytest.approx(7.2)  # a pool with no price spends nothing
+
+
+def test_the_projection_is_the_spend_per_image_times_every_image() -> None:
+    assert projected(0.5, 10, 40) == pytest.approx(2.0)
+    assert projected(None, 10, 40) is None and projected(0.0, 0, 40) is None
+    job = JobStatus("j", 40, 10, 0, 30, 0, 5, 4, 0, True, gpu_seconds={"default": 500.0})
+    price(job, {"default": 3.6})
+    assert job.cost == pytest.approx(0.5) and job.projected_cost == pytest.approx(2.0)
+
+
+def test_a_job_stopped_at_its_budget_shows_budget_with_its_spend_and_projection() -> None:
+    job = JobStatus("j-0123456789abcdef", 40, 10, 0, 30, 0, 5, 4, 0, True, gpu_seconds={"default": 500.0})
+    job.budget, job.budget_reached, job.budget_spent, job.cancelled = 0.5, 1_800_000_000.0, 0.49, 1_800_000_000.0
+    price(job, {"default": 3.6})
+    assert job.state == "budget" and job.to_render == 0 and job.to_dict()["state"] == "budget"
+    job.done = 40  # finished wins: its last batch brought it to the budget
+    assert job.state == "finished"
+    job.done = 10
+    console = Console(width=200, record=True, color_system=None)
+    console.print(render_status(FleetStatus(jobs=[job], prices={"default": 3.6}), console))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "10/40" in line)
+    assert " budget " in f" {row} "
+    assert "budget 0.5, spent 0.5 (100%), projected 2.00 at its rate; stopped at its budget" in text
+
+
+def test_a_monthly_budget_is_checked_with_the_key_and_the_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RENDERFLEET_CONFIG", raising=False)
+    path = tmp_path / "fleet.toml"
+    path.write_text("[pools.spot]\nprice_per_hour = 0.9\nmonthly_budget = 250\n")
+    assert load_settings(config=str(path)).pools["spot"].monthly_budget == 250
+    for text, needle in (
+        ("[pools.spot]\nprice_per_hour = 0.9\nmonthly_budget = -5\n", "fleet.toml: pools.spot.monthly_budget = -5: "),
+        ("[pools.spot]\nprice_per_hour = 0.9\nmonthly_budget = inf\n", "fleet.toml: pools.spot.monthly_budget = inf: "),
+        ("[pools.spot]\nmonthly_budget = 100\n", "fleet.toml: pools.spot: monthly_budget = 100 needs a price_per_hour"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            load_settings(config=str(path))
+        assert needle in str(err.value).replace(str(tmp_path) + "/", ""), err.value
+
+
+def test_rule_8_a_pool_at_its_monthly_budget_goes_to_zero_and_the_backlog_to_the_others() -> None:
+    under = {d.pool: d for d in decide(3_000, [BASE, replace(SPOT, month_spend=499.0)], CFG, NOW)}
+    assert under["spot"].desired == 4 and "monthly" not in under["spot"].reason
+    out = {d.pool: d for d in decide(3_000, [BASE, replace(SPOT, month_spend=500.0)], CFG, NOW)}
+    assert out["spot"].desired == 0
+    assert out["spot"].reason.startswith("monthly budget reached: 500.00 of 500 spent this month")
+    assert out["baseline"].desired == 4  # what spot cannot take, the baseline does, up to its max
+    # no cool-down, no min and no backlog keep a capped pool up
+    held = replace(SPOT, month_spend=600.0, last_change=NOW - 1, config=SPOT.config.model_copy(update={"min": 2}))
+    assert {d.pool: d.desired for d in decide(0, [BASE, held], CFG, NOW)}["spot"] == 0
