@@ -53,6 +53,7 @@ from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 from worker.commits import CommitQueue
+from worker.gputime import Batch, WorkerTime
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
@@ -103,6 +104,10 @@ class Ledger(Protocol):
     def record_stage(self, label: str, images: int, seconds: float) -> None:
         """A job with stages: ``images`` made by one stage of a batch (``generate``, ``upscale-1``, ...:
         ``worker.stagerun.stage_label``) in ``seconds``; the job's own figures, fenced as its others."""
+
+    def record_gpu_time(self, *, kept: float = 0.0, lost: float = 0.0, compiling: float = 0.0, loading: float = 0.0) -> None:
+        """The job's own account of the worker's time (worker/gputime.py): a batch kept, render time lost,
+        compile time, a model loaded for it.  Called only by a runner given a time account."""
 
 
 @dataclass
@@ -174,8 +179,11 @@ class ShardRunner:
         worker_id: str = "",
         batch_sizes: BatchSizes | None = None,
         stages: ShardStages | None = None,
+        time_account: WorkerTime | None = None,
     ):
         self.store = store
+        # Where the worker's time goes (worker/gputime.py): each batch's render time, kept at its commit.
+        self.time_account = time_account
         # A job's stages after generate (worker/stagerun.py), run per batch and stored between; None: a
         # worker that cannot run them (a job with stages fails there as the job's error).
         self.stages = stages
@@ -274,9 +282,9 @@ class ShardRunner:
                     raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
                 if on_last_batch is not None and number == todo[-1][0]:
                     on_last_batch()
-                images, failures = self._render_batch(pending, ledger, result, commits, msg, levels)
+                images, failures, spent = self._render_batch(pending, ledger, result, commits, msg, levels)
                 commits.put(
-                    partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger, result, attempt),
+                    partial(self._commit_batch, msg, number, pending, cp, images, failures, ledger, result, attempt, spent),
                     len(images),
                 )
             commits.put(partial(self._count_stored, msg, kept, ledger))
@@ -296,10 +304,32 @@ class ShardRunner:
         commits: CommitQueue,
         msg: ShardMessage | None = None,
         levels: dict[str, int] | None = None,
-    ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]]]:
-        """Render one batch: its images by name and its failures (prompt, reason, the node's fault?).
+    ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]], Batch | None]:
+        """Render one batch: its images by name, its failures (prompt, reason, the node's fault?) and its
+        render time in the worker's account (None without one), undecided until its commit.
         A job with stages: each prompt generated, or taken from the level an earlier delivery stored
         (``levels``), then through the stages left (worker/stagerun.py)."""
+        account = self.time_account if msg is not None else None
+        batch = account.rendering(f"{msg.job}:{msg.shard}") if account is not None and msg is not None else None
+        images: dict[str, Any] = {}
+        try:
+            images, failures = self._render_in_account(pending, ledger, result, commits, msg, levels)
+        finally:  # abandoned, it makes no image: its time waits, lost, for the shard's end (WorkerTime.settle)
+            if account is not None and batch is not None:
+                account.rendered(batch, len(images))
+                if batch.compiling:
+                    ledger.record_gpu_time(compiling=batch.compiling)
+        return images, failures, batch
+
+    def _render_in_account(
+        self,
+        pending: list[Prompt],
+        ledger: Ledger,
+        result: ShardResult,
+        commits: CommitQueue,
+        msg: ShardMessage | None,
+        levels: dict[str, int] | None,
+    ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]]]:
         started = time.monotonic()
         images: dict[str, Any] = {}
         failures: list[tuple[Prompt, str, bool]] = []
@@ -366,8 +396,10 @@ class ShardRunner:
         ledger: Ledger,
         result: ShardResult,
         attempt: int,
+        batch: Batch | None = None,
     ) -> None:
-        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit lane)."""
+        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit
+        lane); once counted, its render time is kept."""
         failpoints.reach("after-render")
         ledger.check()  # a fenced worker writes nothing more (Redis asked, unless it answered a moment ago)
         by_name = {p.name: p for p in pending}
@@ -395,6 +427,8 @@ class ShardRunner:
         cp.quarantined.update(p.name for p in quarantined)
         self._write_checkpoint(msg, number, cp, attempt)
         ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
+        if batch is not None and self.time_account is not None:
+            ledger.record_gpu_time(kept=self.time_account.keep(batch))
         if msg.params.stages and self.stages is not None and not msg.params.keep_intermediates:
             self.stages.forget(msg, [*images, *(p.name for p in quarantined)])  # finals stored: what waited goes
         result.rendered += len(images)
