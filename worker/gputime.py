@@ -251,9 +251,10 @@ class WorkerTime:
         """What Redis has not been told yet: ``<use>_ms`` and ``kept_images`` deltas, whole milliseconds
         (the remainder stays for the next take, so the sum sent is the total, rounded down).  Taken:
         a write that fails loses them, as the worker's other counters."""
-        totals = self.totals()
         with self._lock:
-            now = {f"{use}_ms": int(seconds * 1000) for use, seconds in totals.items()}
+            if self.closed is None:
+                self._charge(self.clock())
+            now = {f"{use}_ms": int(seconds * 1000) for use, seconds in self._totals.items()}
             now[KEPT_IMAGES] = self._kept_images
             out = {name: value - self._sent.get(name, 0) for name, value in now.items()}
             self._sent = now

@@ -221,6 +221,9 @@ class WorkerService:
         pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
         pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+        if self.time_account is not None:  # the start its time is counted from: its process's (worker/gputime.py)
+            up_since = time.time() - (self.time_account.clock() - self.time_account.started)
+            pipe.hset(keys.worker_stats(self.worker_id), "up_since", f"{up_since:.3f}")
         pipe.execute()
 
     def touch(self) -> None:
@@ -860,8 +863,12 @@ class WorkerService:
         if self.time_account is None:
             return
         if final:
-            self.time_account.close()
+            life = self.time_account.close()
+            spent = ", ".join(f"{use} {s:.1f} s" for use, s in self.time_account.totals().items())
+            log.info("worker %s: up %.1f s: %s", self.worker_id, life, spent)
         with contextlib.suppress(redis.RedisError):  # its counters: never worth failing an exit for
             pipe = self.client.pipeline(transaction=False)
             self._add_time(pipe)
+            if final:  # the end its time is counted to (unix time): its life is up_until - up_since
+                pipe.hset(keys.worker_stats(self.worker_id), "up_until", f"{time.time():.3f}")
             pipe.execute()
