@@ -81,5 +81,8 @@ def test_a_workers_time_by_use_adds_up_to_its_wall_time(tmp_path: Path, redis_se
     costs = final["pool_costs"]["default"]
     assert costs["as_rendered"] == pytest.approx(pool["kept_ms"] / 1000 * PRICE / 3600 / pool["kept_images"])
     assert costs["all_in"] == pytest.approx(sum(spent.values()) * PRICE / 3600 / pool["kept_images"], rel=0.01)
+    from renderfleet.api import Client  # the Python API: the same figures
+
+    assert Client(redis_url=redis_server.url, store=store).fleet().pool_costs["default"] == costs
     text = cli({**env, "COLUMNS": "200"}, "status").stdout
     assert "all-in" in text and "as rendered" in text
