@@ -110,7 +110,8 @@ class WorkerTime:
     ):
         self.clock = clock
         self.compile_clock = compile_clock  # seconds spent compiling in this process so far (torch's count)
-        self._lock = threading.Lock()
+        # Re-entrant: stopping() runs from Celery's signal handler, on the main thread, perhaps inside a call.
+        self._lock = threading.RLock()
         self._state: str = Use.OVERHEAD
         self._since = clock() if started is None else started
         self.started = self._since
