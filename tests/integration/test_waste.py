@@ -63,9 +63,9 @@ def test_a_workers_time_by_use_adds_up_to_its_wall_time(tmp_path: Path, redis_se
     # (its process's, read from /proc) to its last write, on the wall clock...
     life = float(stats["up_until"]) - float(stats["up_since"])
     assert sum(spent.values()) == pytest.approx(life, rel=0.02), (spent, life)
-    # ...which is this test's view of it less the process's exec and its interpreter's exit (0.2-0.4 s here).
-    assert 0 < wall - life < 1.0, (wall, life)
-    assert spent["kept"] >= 16 * 0.02 + 8 * 0.15 and spent["lost"] > 0 and spent["idle"] > 0.5, spent
+    # ...which is this test's view of it less the process's exec and its interpreter's exit (0.2-0.4 s on an idle machine).
+    assert 0 < wall - life < 3.0, (wall, life)
+    assert spent["kept"] >= 16 * 0.02 + 8 * 0.15 and spent["lost"] > 0 and spent["idle"] > 0.2, spent
     assert int(stats["kept_images"]) >= 24
     # The pool's counters are its one worker's; the jobs' are by pool.
     pool = {keys.text(k): int(v) for k, v in client.hgetall(keys.pool_stats("default", store_tag(store))).items()}
