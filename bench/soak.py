@@ -194,7 +194,7 @@ class SoakReport(ChaosReport):
                 f"per prompt per kill: {(self.started_images - renders) / max(1, self.kills):.2f}",
                 "at most the batch in flight",
             ),
-            ("GPU time", self.waste(), "kept the most; lost about the kills' and notices' batches"),
+            ("GPU time", self.waste(), "reported: the share of the pool's time that made images"),
             (
                 "recovery",
                 f"SIGKILL -> shard running again {fig(self.kill_to_running)}; notice -> shard back "
