@@ -121,6 +121,7 @@ from renderfleet.feeder import (
     read_counts,
 )
 from renderfleet.leases import (
+    REAP_FIELDS,
     Lease,
     Leases,
     ScriptCall,
@@ -393,7 +394,7 @@ class SimWorker:
         self.sim.stats.reaper_won += 1
         flat = await self.sim.run(reap_call())
         if flat:
-            await self.r.hincrby(keys.FLEET_STATS, "reaped", len(flat) // 2)
+            await self.r.hincrby(keys.FLEET_STATS, "reaped", len(flat) // REAP_FIELDS)
 
     async def take(self) -> bool:
         """One message off the queue, claimed (as kombu and WorkerService.handle do); False when none."""

@@ -65,6 +65,7 @@ from bench.chaos import (
     submit_urgent,
 )
 from bench.results import table, write_section
+from dispatcher.status import GPU_USES
 from renderfleet import keys
 from testing.fleet import wait_for
 from testing.rig import Fleet, Rig, pool_stats
@@ -113,6 +114,10 @@ class SoakReport(ChaosReport):
     redis_rss: dict[str, float] = field(default_factory=dict)  # point -> RSS MB
     redis_used: dict[str, float] = field(default_factory=dict)  # point -> INFO used_memory MB
     load: list[str] = field(default_factory=list)  # load averages at the start and the end
+    # The spot pool's workers' time by use (worker/gputime.py: kept ... overhead, and killed, the reaper's
+    # estimate for the SIGKILLed), seconds, and the images of its kept batches.
+    gpu_time: dict[str, float] = field(default_factory=dict)
+    kept_images: int = 0
 
     @property
     def survivor_growth(self) -> float:
@@ -131,6 +136,18 @@ class SoakReport(ChaosReport):
     @property
     def memory_ok(self) -> bool:
         return self.survivor_growth <= MEMORY_GOAL_MB and self.redis_growth <= MEMORY_GOAL_MB
+
+    def waste(self) -> str:
+        """Where the pool's GPU time went, and the kept share: cost per image as rendered over all-in."""
+        total = sum(self.gpu_time.values())
+        if not total:
+            return "not counted"
+        shares = ", ".join(f"{use} {s:,.0f} s ({s / total:.0%})" for use, s in self.gpu_time.items())
+        per = f"; {total / self.kept_images:.2f} s of worker time per kept image" if self.kept_images else ""
+        return (
+            f"{shares}: as rendered / all-in {self.gpu_time.get('kept', 0) / total:.0%}{per} (killed: the reaper's "
+            "estimate; the workers alive at the end counted to their last write)"
+        )
 
     @staticmethod
     def longest(waits: dict[int, float]) -> tuple[int, float]:
@@ -177,6 +194,7 @@ class SoakReport(ChaosReport):
                 f"per prompt per kill: {(self.started_images - renders) / max(1, self.kills):.2f}",
                 "at most the batch in flight",
             ),
+            ("GPU time", self.waste(), "reported: the share of the pool's time that made images"),
             (
                 "recovery",
                 f"SIGKILL -> shard running again {fig(self.kill_to_running)}; notice -> shard back "
@@ -533,6 +551,8 @@ def run_soak(args: argparse.Namespace) -> SoakReport:
         report.rendered_images = stats.get("images", 0)
         report.wasted_images = stats.get("wasted_images", 0)
         report.handback_ms = stats.get("handback_ms", 0)
+        report.gpu_time = {use: stats.get(f"{use}_ms", 0) / 1000 for use in GPU_USES}
+        report.kept_images = stats.get("kept_images", 0)
         report.s3_handbacks = sum(
             len(re.findall(r"transient failure, handing back", p.read_text(errors="replace")))
             for p in rig.logs.glob("node-*.log")

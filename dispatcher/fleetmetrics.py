@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from dispatcher.status import FleetStatus
+from dispatcher.status import GPU_USES, FleetStatus
 
 StatusSource = Callable[[], FleetStatus]
 
@@ -91,6 +91,23 @@ class FleetCollector:
             for pool, stats in sorted(fleet.pools.items()):
                 c.add_metric([pool], stats.get(field_name, 0) * scale)
             yield c
+        c = CounterMetricFamily(
+            "renderfleet_gpu_seconds",
+            "Workers' wall time by pool and use (worker/gputime.py): kept (rendering batches then committed), lost "
+            "(rendering batches thrown away, the workers' own count), killed (the reaper's estimate of what a "
+            "worker that died held unkept), loading, compiling, idle, overhead",
+            labels=["pool", "kind"],
+        )
+        for pool, stats in sorted(fleet.pools.items()):
+            for use in GPU_USES:
+                c.add_metric([pool, use], stats.get(f"{use}_ms", 0) / 1000)
+        yield c
+        c = CounterMetricFamily(
+            "renderfleet_kept_images", "Images of kept batches (cost per image as rendered)", labels=["pool"]
+        )
+        for pool, stats in sorted(fleet.pools.items()):
+            c.add_metric([pool], stats.get("kept_images", 0))
+        yield c
         c = CounterMetricFamily("renderfleet_leases_reaped", "Expired leases whose shard was re-queued")
         c.add_metric([], fleet.reaped)
         yield c

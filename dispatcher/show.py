@@ -244,6 +244,44 @@ def worker_columns(ids: dict[str, str]) -> list[Column]:
     ]
 
 
+@dataclass(frozen=True)
+class PoolTime:
+    """One row of the pools' time table: a pool's workers' seconds by use and its costs per image."""
+
+    pool: str
+    seconds: dict[str, float]
+    costs: dict[str, float | None]
+
+    def share(self, *uses: str) -> str:
+        total = sum(self.seconds.values())
+        return f"{sum(self.seconds.get(u, 0.0) for u in uses) / total:.0%}" if total else "-"
+
+
+def pool_time_columns() -> list[Column]:
+    """Where each pool's GPU time went (worker/gputime.py) as shares of it, and what an image cost as
+    rendered (its kept seconds alone) beside all-in (every second the pool's workers were up)."""
+    return [
+        Column("pool", 0, lambda p: p.pool, justify="left"),
+        Column("GPU h", 3, lambda p: _hours(sum(p.seconds.values()) / 3600)),
+        Column("kept", 4, lambda p: p.share("kept")),
+        Column("lost", 5, lambda p: p.share("lost", "killed")),  # killed: the reaper's estimate
+        Column("loading", 6, lambda p: p.share("loading")),
+        Column("compiling", 8, lambda p: p.share("compiling")),
+        Column("idle", 7, lambda p: p.share("idle")),
+        Column("other", 9, lambda p: p.share("overhead")),
+        Column("per 1k img as rendered", 1, lambda p: money(_per_1k(p.costs.get("as_rendered")))),
+        Column("all-in", 2, lambda p: money(_per_1k(p.costs.get("all_in")))),
+    ]
+
+
+def _hours(hours: float) -> str:
+    return f"{hours:,.1f}" if hours >= 10 else f"{hours:.2g}"
+
+
+def _per_1k(cost: float | None) -> float | None:
+    return None if cost is None else cost * 1000
+
+
 WHAT = "what"
 
 
@@ -366,6 +404,11 @@ def _render(
         parts.append(
             Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted" for p, n in sorted(fleet.desired.items())))
         )
+    if fleet.pool_gpu_time:
+        pools = [PoolTime(p, s, fleet.pool_costs.get(p, {})) for p, s in fleet.pool_gpu_time.items()]
+        table, gone = fitted(console, "GPU time by pool", pool_time_columns(), pools, wide=wide)
+        parts += [Text(""), table]
+        dropped += [g for g in gone if g not in dropped]
     if fleet.redis is not None:
         parts.append(Text(fleet.redis.summary(), style="dim"))
         parts += [Text(f"warning: {line}", style="bold red") for line in fleet.redis.warnings()]

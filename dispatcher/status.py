@@ -108,6 +108,12 @@ class JobStatus:
     budget_spent: float | None = None
     # Its whole cost at the rate so far (cost / done x total: ``renderfleet.budget.projected``).
     projected_cost: float | None = None
+    # Where its workers' time went (worker/gputime.py), seconds by use over its pools: kept, lost (exact:
+    # the workers' own), killed (the reaper's estimate for workers that died), loading (models loaded
+    # for it), compiling; and its cost per image "as rendered": kept seconds x price / images done.
+    gpu_time: dict[str, float] = field(default_factory=dict)
+    cost_per_image_as_rendered: float | None = None
+    kept_by_pool: dict[str, float] = field(default_factory=dict)  # kept seconds by pool (not in the JSON)
 
     @property
     def failed(self) -> int:
@@ -156,6 +162,7 @@ class JobStatus:
     def to_dict(self) -> dict[str, Any]:
         """The job's JSON object (docs/monitoring.md, "The JSON")."""
         out = asdict(self)
+        del out["kept_by_pool"]
         out.update(
             state=self.state,
             failure=self.why_failed,
@@ -194,6 +201,10 @@ class FleetStatus:
     store: str = ""  # the store shown (spec.store_identity)
     prices: dict[str, float] = field(default_factory=dict)  # pool -> price per hour the costs were counted at
     redis: RedisLoad | None = None  # what the fleet costs its Redis (every store's); None where INFO is refused
+    # Each pool's workers' time by use (:data:`GPU_USES`, seconds) and its cost per image as rendered
+    # and all-in (:func:`pool_costs`): the pools with any time counted.
+    pool_gpu_time: dict[str, dict[str, float]] = field(default_factory=dict)
+    pool_costs: dict[str, dict[str, float | None]] = field(default_factory=dict)
     folded: int = 0  # finished jobs counted, not read nor listed in jobs (fleet_status's fold_finished)
     known: list[str] | None = None  # every job of the listing, folded ones too (None: jobs were named)
     nodes: list[NodeRecord] = field(default_factory=list)  # nodes of several GPUs (renderfleet/nodes.py)
@@ -213,6 +224,8 @@ class FleetStatus:
             "desired": self.desired,
             "leases_reaped": self.reaped,
             "prices": self.prices,
+            "pool_gpu_time": self.pool_gpu_time,
+            "pool_costs": self.pool_costs,
             "redis": self.redis.to_dict() if self.redis else None,
             "nodes": [n.to_dict() for n in self.nodes],
         }
@@ -223,6 +236,36 @@ class FleetStatus:
         for w in self.workers:
             sizes[str(w.get("pool"))] = sizes.get(str(w.get("pool")), 0) + 1
         return sizes
+
+
+# Where a worker's time went (worker/gputime.py; its counters are "<use>_ms"), adding up to its life, and
+# killed: the reaper's estimate of what a worker that died held unkept (renderfleet/lua/reap.lua).
+GPU_USES = ("kept", "lost", "killed", "loading", "compiling", "idle", "overhead")
+JOB_USES = ("kept", "lost", "killed", "loading", "compiling")  # a job's: idle and overhead are its pool's
+
+
+def gpu_time(stats: dict[str, int], uses: Iterable[str] = GPU_USES) -> dict[str, float]:
+    """Seconds by use from a worker's or a pool's counters."""
+    return {use: stats.get(f"{use}_ms", 0) / 1000 for use in uses}
+
+
+def pool_costs(pools: dict[str, dict[str, int]], prices: dict[str, float]) -> dict[str, dict[str, float | None]]:
+    """Each pool's cost per image of its kept images: ``as_rendered`` (the kept GPU-seconds alone) and
+    ``all_in`` (every second of its workers' time, lost, loading, idle and killed included), at its price
+    per hour; None where it has no price or no kept image.  Pools with no time counted are left out."""
+    out: dict[str, dict[str, float | None]] = {}
+    for pool, stats in sorted(pools.items()):
+        spent = gpu_time(stats)
+        if not any(spent.values()):
+            continue
+        images, price = stats.get("kept_images", 0), prices.get(pool, 0.0)
+        per = price / 3600 / images if images and price > 0 else None
+        out[pool] = {
+            "images": float(images),
+            "as_rendered": None if per is None else spent["kept"] * per,
+            "all_in": None if per is None else sum(spent.values()) * per,
+        }
+    return out
 
 
 # Seconds one reference worker takes per megapixel and denoising step, until
@@ -587,6 +630,8 @@ def _add_progress(
         job_state.images_per_minute = sum(n for _, n in recent) / span * 60
         job_state.eta_seconds = job_state.left / job_state.images_per_minute * 60 if job_state.left else 0.0
     job_state.gpu_seconds = {k.removeprefix("render_ms."): v / 1000 for k, v in stats.items() if k.startswith("render_ms.")}
+    job_state.gpu_time = {use: sum(v for k, v in stats.items() if k.startswith(f"{use}_ms.")) / 1000 for use in JOB_USES}
+    job_state.kept_by_pool = {k.removeprefix("kept_ms."): v / 1000 for k, v in stats.items() if k.startswith("kept_ms.")}
     job_state.redeliveries = sum(a - 1 for a in attempts if a > 1)
     job_state.wasted_images = stats.get("wasted_images", 0)
 
@@ -608,6 +653,9 @@ def price(job_state: JobStatus, prices: dict[str, float]) -> None:
     job_state.cost = sum(seconds * priced.get(pool, 0.0) / 3600 for pool, seconds in job_state.gpu_seconds.items())
     job_state.cost_per_image = job_state.cost / job_state.done if job_state.done else None
     job_state.projected_cost = budget.projected(job_state.cost, job_state.done, job_state.total)
+    if job_state.done and job_state.kept_by_pool and all(pool in priced for pool in job_state.kept_by_pool):
+        kept = sum(seconds * priced[pool] / 3600 for pool, seconds in job_state.kept_by_pool.items())
+        job_state.cost_per_image_as_rendered = kept / job_state.done
 
 
 def publish_prices(client: redis.Redis, store_url: str, prices: dict[str, float]) -> None:
@@ -800,6 +848,8 @@ def fleet_status(
             check_in_store(store, job)
     status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
     status.prices = {**published_prices(client, store.url), **(prices or {})}
+    status.pool_gpu_time = {pool: gpu_time(s) for pool, s in sorted(status.pools.items()) if any(gpu_time(s).values())}
+    status.pool_costs = pool_costs(status.pools, status.prices)
     states, status.folded = job_statuses(client, jobs, store=store, fold_finished=fold_finished, heads=heads)
     for job_state in states:
         job = job_state.job

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from dispatcher.estimate import Estimate
     from dispatcher.lifecycle import Cancelled, DeleteReport
     from dispatcher.resume import ResumeReport
-    from dispatcher.status import JobStatus, Results
+    from dispatcher.status import FleetStatus, JobStatus, Results
     from dispatcher.submit import SubmitOptions
     from renderfleet.hubrev import ModelCheck, PipelineReader, RevisionResolver
     from renderfleet.prompts import FileSummary
@@ -524,6 +524,16 @@ class Client:
 
         job_id = resolve(self.redis, self.store, job_id)
         return Job(self, job_id, job_status(self.redis, job_id, store=self.store).total)
+
+    def fleet(self) -> FleetStatus:
+        """The store's fleet as ``renderfleet status --json`` shows it (its ``to_dict()`` is that object):
+        queues, workers, pools, jobs, and where each pool's GPU time went (``pool_gpu_time``) with its
+        cost per image as rendered beside all-in (``pool_costs``), at the pools' published prices or
+        the settings' config."""
+        from dispatcher.status import fleet_status
+
+        prices = {name: pool.price_per_hour for name, pool in self.settings.pools.items()}
+        return fleet_status(self.redis, store=self.store, prices=prices, fold_finished=True)
 
 
 def _expand_home(model: str) -> str:

@@ -33,6 +33,7 @@ SCRATCH = "rf:scratch"  # a throwaway result key for checks (bench/chaos.py: BIT
 LEASE_PREFIX = "rf:lease:"
 JOB_PREFIX = "rf:job:"
 SHARDS_SUFFIX = ":shards"
+STATS_SUFFIX = ":stats"
 
 # The enqueue record, read by the monitor's audit (dispatcher/monitor.py) to find a
 # shard whose message was lost between a queue and its claim.  Written by the Lua
@@ -120,8 +121,11 @@ def attempts(job_id: str) -> str:
 
 
 def job_stats(job_id: str) -> str:
-    """hash of one job's counters: images.<pool>, render_ms.<pool> (GPU-ms), started_images, wasted_images."""
-    return f"rf:job:{job_id}:stats"
+    """hash of one job's counters: images.<pool>, render_ms.<pool> (GPU-ms), started_images, wasted_images;
+    where its workers' time went (worker/gputime.py), by pool, in ms: kept_ms.<pool>, lost_ms.<pool>,
+    compiling_ms.<pool>, loading_ms.<pool> (models loaded for it), killed_ms.<pool> (the reaper's estimate
+    of what a dead holder lost: renderfleet/lua/reap.lua)."""
+    return f"{JOB_PREFIX}{job_id}{STATS_SUFFIX}"
 
 
 def job_stages(job_id: str) -> str:
@@ -161,7 +165,9 @@ def member(job_id: str, shard: int) -> str:
 
 
 def worker_stats(worker_id: str) -> str:
-    """hash of counters for one worker: loads, batches, images, render_ms, ..."""
+    """hash of counters for one worker: loads, load_ms (its first load), batches, images, render_ms, ...;
+    where its time went (worker/gputime.py), in ms, adding up to its life: kept_ms, lost_ms, loading_ms,
+    compiling_ms, idle_ms, overhead_ms; and kept_images (the images of its kept batches)."""
     return f"rf:worker:{worker_id}"
 
 
@@ -223,7 +229,9 @@ def pool_stats_prefix(store_tag: str) -> str:
 
 
 def pool_stats(pool: str, store_tag: str) -> str:
-    """hash of counters for one pool of one store: images, batches, render_ms, reclaims, lost_batches."""
+    """hash of counters for one pool of one store: images, batches, render_ms, reclaims, lost_batches; its
+    workers' time as :func:`worker_stats` has it (kept_ms ... overhead_ms, kept_images), and killed_ms (the
+    reaper's estimate of what its dead workers lost: renderfleet/lua/reap.lua)."""
     return f"{pool_stats_prefix(store_tag)}{pool}"
 
 

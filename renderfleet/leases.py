@@ -124,6 +124,11 @@ class Reaped:
     message: str | None
     cancelled: bool = False
     dropped: bool = False  # a lease of a life its job no longer lives: dropped, nothing re-queued
+    # The render time its holder had not kept at its last heartbeat (ms): lost with it, an estimate;
+    # its pool and store (from its registration: '' when that is gone), whose counters the caller bumps.
+    held_ms: int = 0
+    pool: str = ""
+    store: str = ""
 
 
 def requeue_payload(raw_unacked: bytes | str | None) -> str:
@@ -211,11 +216,24 @@ def claim_call(
     )
 
 
-def heartbeat_call(lease: Lease, lease_ms: int, *, registration: str = "", recreate: bool = False) -> ScriptCall:
+def heartbeat_call(
+    lease: Lease, lease_ms: int, *, registration: str = "", recreate: bool = False, held: int | None = None
+) -> ScriptCall:
     """A beat: renew the lease; with ``registration``, also write the worker's liveness (what
-    ``WorkerService.touch`` writes); with ``recreate``, the payload that re-creates a missing lease
-    (kombu's envelope and the message, a kilobyte or more: only after a beat answered MISSING)."""
-    args: list[str | int] = [lease.shard, lease.member, lease.worker, lease.attempt, lease_ms, registration, lease.life]
+    ``WorkerService.touch`` writes); with ``held``, the shard's render time not yet kept, in ms (the
+    lease's ``held``, which the reaper counts lost if the lease expires: ``reap.lua``); with
+    ``recreate``, the payload that re-creates a missing lease (kombu's envelope and the message, a
+    kilobyte or more: only after a beat answered MISSING)."""
+    args: list[str | int] = [
+        lease.shard,
+        lease.member,
+        lease.worker,
+        lease.attempt,
+        lease_ms,
+        registration,
+        lease.life,
+        "" if held is None else held,
+    ]
     if recreate:
         args += [lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag]
     return ScriptCall(
@@ -309,9 +327,12 @@ def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0)
 def reap_call(limit: int = 100) -> ScriptCall:
     return ScriptCall(
         "reap",
-        [keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES],
-        [limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX],
+        [keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.WORKERS],
+        [limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX, keys.STATS_SUFFIX],
     )
+
+
+REAP_FIELDS = 5  # reap.lua's reply: member, how, held, pool, store for each lease
 
 
 def is_current(lease: Lease, latest: bytes | str | None) -> bool:
@@ -335,12 +356,22 @@ def finished_from(result: object, outcome: Release) -> Finished:
 def reaped_from(flat: Sequence[object]) -> list[Reaped]:
     """What reap.lua's reply means: the shards re-queued or parked."""
     out: list[Reaped] = []
-    for i in range(0, len(flat), 2):
-        member = keys.text(flat[i])
-        how = keys.text(flat[i + 1])
+    for i in range(0, len(flat), REAP_FIELDS):
+        member, how, held, pool, store = (keys.text(v) for v in flat[i : i + REAP_FIELDS])
         job, _, shard = member.rpartition(":")
         message = None if how in ("pushed", "cancelled", "dropped") or not how else how
-        out.append(Reaped(job, int(shard), message, cancelled=how == "cancelled", dropped=how == "dropped"))
+        out.append(
+            Reaped(
+                job,
+                int(shard),
+                message,
+                cancelled=how == "cancelled",
+                dropped=how == "dropped",
+                held_ms=int(held or 0),
+                pool=pool,
+                store=store,
+            )
+        )
     return out
 
 
@@ -400,15 +431,17 @@ class Leases:
             return answer, None
         return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life)
 
-    def heartbeat(self, lease: Lease, registration: str = "") -> Beat:
+    def heartbeat(self, lease: Lease, registration: str = "", held: int | None = None) -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.
-        ``registration``: the beat also writes the worker's liveness (see :func:`heartbeat_call`).
+        ``registration``: the beat also writes the worker's liveness; ``held``: the render time it holds
+        not yet kept, in ms (see :func:`heartbeat_call`).
 
         A beat is small; only when Redis answers that the lease is missing (it lost its memory, or a
         reaper took it) is the call made again with the payload that re-creates it."""
-        beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration))))
+        beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration, held=held))))
         if beat is Beat.MISSING:
-            beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration, recreate=True))))
+            call = heartbeat_call(lease, self.lease_ms, registration=registration, held=held, recreate=True)
+            beat = Beat(int(self.run(call)))
         return beat
 
     def current(

@@ -31,6 +31,7 @@ import redis
 
 from renderfleet import keys
 from renderfleet.leases import Leases, Reaped, ScriptCall
+from renderfleet.spec import store_tag
 
 log = logging.getLogger("renderfleet.reaper")
 
@@ -113,7 +114,14 @@ def reap_once(leases: Leases, publish: Publisher, *, owner: str, election: Reape
         return []
     reaped = leases.reap()
     if reaped:
-        leases.client.hincrby(keys.FLEET_STATS, "reaped", len(reaped))
+        pipe = leases.client.pipeline(transaction=False)
+        pipe.hincrby(keys.FLEET_STATS, "reaped", len(reaped))
+        for r in reaped:  # what each dead holder lost, estimated (reap.lua counted the job's)
+            if r.held_ms > 0:
+                pipe.hincrby(keys.FLEET_STATS, "killed_ms", r.held_ms)
+                if r.pool:
+                    pipe.hincrby(keys.pool_stats(r.pool, store_tag(r.store)), "killed_ms", r.held_ms)
+        pipe.execute()
     for r in reaped:
         if r.message is not None:
             # No envelope was stored with the lease: publish the message ourselves.

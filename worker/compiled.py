@@ -43,6 +43,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -352,3 +353,17 @@ def _torch_load(data: bytes) -> None:
     import torch
 
     torch.compiler.load_cache_artifacts(data)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling with ``torch.compile`` so far, as torch times it
+    (dynamo's ``calculate_time_spent``: whole-frame compiles, forward and backward); 0 where nothing
+    imported dynamo (no compile: nothing is imported for the asking) or where torch does not say.
+    The worker's time account takes it out of the batch it happened in (worker/gputime.py)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    try:
+        return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # a private API: a torch that changed it costs the figure, never the render
+        return 0.0

@@ -42,6 +42,7 @@ from worker.stop import StopSignal
 
 if TYPE_CHECKING:
     from renderfleet.store import RetryHook
+    from worker.gputime import WorkerTime
     from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("renderfleet.ledger")
@@ -49,6 +50,9 @@ log = logging.getLogger("renderfleet.ledger")
 # The unsent counters' prefix of a job's stage figures (record_stage): the job's own, in keys.job_stages,
 # never the worker's or the pool's.
 STAGE_FIELD = "stage:"
+# The unsent counters' prefix of the job's own account of the worker's time (record_gpu_time): the job's
+# ``<use>_ms.<pool>``, never the worker's or the pool's (theirs come whole from the time account).
+JOB_FIELD = "job:"
 TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
 
 
@@ -142,11 +146,14 @@ class RedisLedger:
         aside: Executor | None = None,
         clock: LeaseClock | None = None,
         budgeted: bool = False,
+        time_account: WorkerTime | None = None,
     ):
         self.leases = leases
         # The job has a budget (keys.job 'budget', read at accept): Redis is asked before each batch
         # whether the job has reached it (cancelled), so no batch of it begins past its budget.
         self.budgeted = budgeted
+        # The worker's time account (worker/gputime.py): its deltas ride on this ledger's writes.
+        self.time_account = time_account
         # Shared with the shard's LeaseKeeper; None: every fence check asks Redis.
         self.clock = clock
         self.lease = lease
@@ -300,8 +307,16 @@ class RedisLedger:
         for name in [n for n in fields if n.startswith(STAGE_FIELD)]:
             stage_field = name.removeprefix(STAGE_FIELD)
             unsent.stages[stage_field] = unsent.stages.get(stage_field, 0) + fields.pop(name)
+        for name in [n for n in fields if n.startswith(JOB_FIELD)]:
+            job_field = name.removeprefix(JOB_FIELD)
+            unsent.job[job_field] = unsent.job.get(job_field, 0) + fields.pop(name)
+        # Where the worker's time went since the last write (worker/gputime.py): its and its pool's, on this
+        # round trip rather than one of its own.
+        spent = self.time_account.take() if self.time_account is not None else {}
         for key in (keys.worker_stats(self.lease.worker), keys.pool_stats(self.pool, self.store_tag)):
             for name, value in fields.items():
+                pipe.hincrby(key, name, value)
+            for name, value in spent.items():
                 pipe.hincrby(key, name, value)
         # The job's own account: GPU time and images by pool (its cost), work lost.  Written only by a
         # current attempt of the job's life, in the fence check's script: a delete fences its job's leases,
@@ -346,6 +361,15 @@ class RedisLedger:
         # when it made them, those of a batch lost later too: their GPU time was spent.
         self._add_unsent({f"{STAGE_FIELD}images.{label}": images, f"{STAGE_FIELD}ms.{label}": round(seconds * 1000)})
 
+    def record_gpu_time(self, *, kept: float = 0.0, lost: float = 0.0, compiling: float = 0.0, loading: float = 0.0) -> None:
+        # The job's own account (keys.job_stats: <use>_ms.<pool>), sent as the batch's counters are, written
+        # only while the attempt is current: a fenced attempt's loss is its pool's (the time account's), and
+        # the job's is the reaper's estimate if the lease expired (renderfleet/lua/reap.lua).
+        spent = {"kept": kept, "lost": lost, "compiling": compiling, "loading": loading}
+        fields = {f"{JOB_FIELD}{use}_ms.{self.pool}": round(s * 1000) for use, s in spent.items() if s > 0}
+        if any(fields.values()):
+            self._add_unsent(fields)
+
     def _add_unsent(self, fields: dict[str, int]) -> None:
         """Counters sent with the next call: the fence check before the batch's store writes."""
         with self._unsent_lock:
@@ -389,7 +413,10 @@ class LeaseKeeper(threading.Thread):
     itself rather than keep writing as a stale holder.  A renewal that says
     the job is cancelled sets ``cancel``, this shard's own flag: the runner
     stops at the next batch boundary and the worker goes on with other work.
-    With ``liveness``, a beat now and then carries the worker's liveness too.
+    With ``liveness``, a beat now and then carries the worker's liveness too;
+    with ``held``, each beat whose figure changed carries the shard's render time
+    not yet kept (``WorkerTime.held``): what the reaper counts lost should this
+    worker die before its next beat (``renderfleet/lua/reap.lua``).
     """
 
     def __init__(
@@ -404,8 +431,11 @@ class LeaseKeeper(threading.Thread):
         cancel: threading.Event | None = None,
         liveness: Liveness | None = None,
         clock: LeaseClock | None = None,
+        held: Callable[[], float] | None = None,
     ):
         super().__init__(name=f"rf-lease-{lease.member}", daemon=True)
+        self.held = held
+        self._held_sent = 0  # the last held figure (ms) a beat carried: an unchanged one is not sent again
         # Each renewal Redis accepted: this keeper's own "not renewed for a lease" and the ledger's fence checks.
         self.clock = clock or LeaseClock(lease_seconds, interval)
         self.leases = leases
@@ -422,9 +452,10 @@ class LeaseKeeper(threading.Thread):
         started = lease_now()
         while not self._done.wait(self.interval):
             registration = self.liveness.to_carry(self.interval) if self.liveness else ""
+            held_ms = int(self.held() * 1000) if self.held is not None else 0
             sent = lease_now()
             try:
-                ok = self.leases.heartbeat(self.lease, registration)
+                ok = self.leases.heartbeat(self.lease, registration, held_ms if held_ms != self._held_sent else None)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if lease_now() - (self.clock.renewed or started) > self.lease_seconds and not self._done.is_set():
                     log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member, self.lease_seconds)
@@ -436,6 +467,7 @@ class LeaseKeeper(threading.Thread):
                 continue
             if registration and self.liveness:
                 self.liveness.carried()
+            self._held_sent = held_ms
             if self._done.is_set():
                 return  # closed while the call was in flight: the shard is over
             if not ok:

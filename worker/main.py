@@ -25,7 +25,9 @@ from renderfleet.reaper import ReaperThread
 from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
+from worker.compiled import compile_seconds
 from worker.deviceerrors import is_device_error
+from worker.gputime import Use, WorkerTime, process_started
 from worker.ledger import TOUCH_SECONDS, touch_seconds_for
 from worker.loading import LoadingRegistration
 from worker.metrics import BadImages, WorkerMetrics, serve_metrics
@@ -115,6 +117,8 @@ def run_worker(
     settings: Settings, *, model: str | None = None, queues: list[str] | None = None, loglevel: str = "INFO"
 ) -> int:
     """Run a worker in this process until shutdown; returns the exit status."""
+    # Where its time goes, from the process's start (worker/gputime.py): written to Redis as it goes.
+    account = WorkerTime(started=process_started(), compile_clock=compile_seconds)
     if settings.compile:  # refused off CUDA before anything starts (ConfigError, exit 2)
         from worker.models import check_compile, default_device
 
@@ -150,6 +154,7 @@ def run_worker(
     parent = os.getppid() if settings.node else None  # a node supervisor's worker ends with its node
     quiet_logs(worker_id)
     metrics = WorkerMetrics(settings.pool)
+    metrics.watch_time(account)
     endpoint = serve_metrics(metrics, settings)  # before the load: a bad address fails in a second, not minutes
     if endpoint is not None:
         log.info("worker %s: metrics on http://%s:%d/metrics", worker_id, settings.metrics_host, endpoint.server_port)
@@ -161,7 +166,8 @@ def run_worker(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stopped_while_starting)
     try:
-        with _loading(settings, url, worker_id, model, pools):  # status: "loading", not "no worker"
+        # status: "loading", not "no worker"
+        with _loading(settings, url, worker_id, model, pools), account.doing(Use.LOADING):
             renderer, loaded = load_renderer(model, settings, on_bad_images=metrics.bad_images)
     except StoppedWhileStarting:  # the loading registration is gone with the context (worker/loading.py)
         log.warning("worker %s: stopped while loading its model", worker_id)
@@ -207,6 +213,7 @@ def run_worker(
         renderer=renderer,
         load_model=load_model,
         metrics=metrics,
+        time_account=account,
     )
     stop = service.stop
     reaper: ReaperThread | None = None
@@ -214,6 +221,7 @@ def run_worker(
     try:
         _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
         tasks.register(app, service)
+        tasks.install_time_hooks(account)
         queueguard.install()
         tasks.install_shutdown_hooks(
             stop, settings.sigterm_grace_seconds, on_signal=lambda kind: metrics.notice("none", kind)

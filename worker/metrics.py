@@ -27,15 +27,18 @@ retry hook, the reclaim watcher, the shutdown hook and the renderer's
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from renderfleet.endpoint import Endpoint, guard, listen
 
 if TYPE_CHECKING:
     from renderfleet.settings import Settings
+    from worker.gputime import WorkerTime
 
 # Exported on a CUDA device only (nothing to say elsewhere).
 GPU_PEAK = "renderfleet_worker_gpu_memory_peak_bytes"
@@ -173,6 +176,10 @@ class WorkerMetrics:
         """A retry (a :data:`renderfleet.store.RetryHook`): ``what`` s3, heartbeat or shard; ``error`` its class."""
         self._retries.labels(self.pool, what, error).inc()
 
+    def watch_time(self, account: WorkerTime) -> None:
+        """Export the worker's time account (:class:`TimeCollector`)."""
+        self.registry.register(TimeCollector(self.pool, account))
+
     def watch_gpu_memory(self, device: str) -> None:
         """On a CUDA device, export the peak of GPU memory allocated (read at scrape time); elsewhere nothing.
 
@@ -195,6 +202,27 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self._gpu_peak.labels(self.pool).set_function(lambda: float(torch.cuda.max_memory_allocated(device)))
+
+
+class TimeCollector:
+    """``renderfleet_worker_gpu_seconds_total{kind}``: the worker's time account (worker/gputime.py) read at
+    scrape time, the use it is in counted up to that moment (a batch's time once kept or lost)."""
+
+    def __init__(self, pool: str, account: WorkerTime):
+        self.pool = pool
+        self.account = account
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily(
+            "renderfleet_worker_gpu_seconds",
+            "This worker's wall time by use, adding up to its life: kept (rendering batches then committed), "
+            "lost (rendering batches thrown away), loading (models), compiling (torch.compile), idle (nothing "
+            "to do), overhead (starting, claiming, reading, stopping)",
+            labels=["pool", "kind"],
+        )
+        for use, seconds in self.account.totals().items():
+            c.add_metric([self.pool, str(use)], seconds)
+        yield c
 
 
 def serve_metrics(metrics: WorkerMetrics, settings: Settings) -> Endpoint | None:

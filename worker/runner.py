@@ -53,6 +53,7 @@ from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.store import Store
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 from worker.commits import CommitQueue
+from worker.gputime import Batch, WorkerTime
 from worker.speeds import SpeedKeeper
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal
@@ -104,6 +105,10 @@ class Ledger(Protocol):
     def record_stage(self, label: str, images: int, seconds: float) -> None:
         """A job with stages: ``images`` made by one stage of a batch (``generate``, ``upscale-1``, ...:
         ``worker.stagerun.stage_label``) in ``seconds``; the job's own figures, fenced as its others."""
+
+    def record_gpu_time(self, *, kept: float = 0.0, lost: float = 0.0, compiling: float = 0.0, loading: float = 0.0) -> None:
+        """The job's own account of the worker's time (worker/gputime.py): a batch kept, render time lost,
+        compile time, a model loaded for it.  Called only by a runner given a time account."""
 
 
 @dataclass
@@ -177,10 +182,13 @@ class ShardRunner:
         stages: ShardStages | None = None,
         pool: str = "",
         speeds: SpeedKeeper | None = None,
+        time_account: WorkerTime | None = None,
     ):
         self.store = store
         # Production batches' render times, kept in the store for estimates (worker/speeds.py); None: not kept.
         self.speeds = speeds
+        # Where the worker's time goes (worker/gputime.py): each batch's render time, kept at its commit.
+        self.time_account = time_account
         # A job's stages after generate (worker/stagerun.py), run per batch and stored between; None: a
         # worker that cannot run them (a job with stages fails there as the job's error).
         self.stages = stages
@@ -284,11 +292,22 @@ class ShardRunner:
                     raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
                 if on_last_batch is not None and number == todo[-1][0]:
                     on_last_batch()
-                images, failures = self._render_batch(pending, ledger, result, commits, msg, levels)
+                images, failures, spent = self._render_batch(pending, ledger, result, commits, msg, levels)
                 per_image = self._batch_seconds / len(images) if images and self._batch_seconds else None
                 commits.put(
                     partial(
-                        self._commit_batch, msg, number, pending, cp, images, failures, ledger, result, attempt, per_image
+                        self._commit_batch,
+                        msg,
+                        number,
+                        pending,
+                        cp,
+                        images,
+                        failures,
+                        ledger,
+                        result,
+                        attempt,
+                        per_image=per_image,
+                        batch=spent,
                     ),
                     len(images),
                 )
@@ -309,10 +328,32 @@ class ShardRunner:
         commits: CommitQueue,
         msg: ShardMessage | None = None,
         levels: dict[str, int] | None = None,
-    ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]]]:
-        """Render one batch: its images by name and its failures (prompt, reason, the node's fault?).
+    ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]], Batch | None]:
+        """Render one batch: its images by name, its failures (prompt, reason, the node's fault?) and its
+        render time in the worker's account (None without one), undecided until its commit.
         A job with stages: each prompt generated, or taken from the level an earlier delivery stored
         (``levels``), then through the stages left (worker/stagerun.py)."""
+        account = self.time_account if msg is not None else None
+        batch = account.rendering(f"{msg.job}:{msg.shard}") if account is not None and msg is not None else None
+        images: dict[str, Any] = {}
+        try:
+            images, failures = self._render_in_account(pending, ledger, result, commits, msg, levels)
+        finally:  # abandoned, it makes no image: its time waits, lost, for the shard's end (WorkerTime.settle)
+            if account is not None and batch is not None:
+                account.rendered(batch, len(images))
+                if batch.compiling:
+                    ledger.record_gpu_time(compiling=batch.compiling)
+        return images, failures, batch
+
+    def _render_in_account(
+        self,
+        pending: list[Prompt],
+        ledger: Ledger,
+        result: ShardResult,
+        commits: CommitQueue,
+        msg: ShardMessage | None,
+        levels: dict[str, int] | None,
+    ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]]]:
         started = time.monotonic()
         images: dict[str, Any] = {}
         failures: list[tuple[Prompt, str, bool]] = []
@@ -388,9 +429,11 @@ class ShardRunner:
         result: ShardResult,
         attempt: int,
         per_image: float | None = None,
+        batch: Batch | None = None,
     ) -> None:
-        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit lane).
-        ``per_image``: the batch's render seconds per image, for its checkpoint."""
+        """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit
+        lane); once counted, its render time is kept.  ``per_image``: the batch's render seconds per image, for
+        its checkpoint."""
         failpoints.reach("after-render")
         ledger.check()  # a fenced worker writes nothing more (Redis asked, unless it answered a moment ago)
         by_name = {p.name: p for p in pending}
@@ -418,6 +461,8 @@ class ShardRunner:
         cp.quarantined.update(p.name for p in quarantined)
         self._write_checkpoint(msg, number, cp, attempt, rendered=sorted(images), per_image=per_image)
         ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
+        if batch is not None and self.time_account is not None:
+            ledger.record_gpu_time(kept=self.time_account.keep(batch))
         if msg.params.stages and self.stages is not None and not msg.params.keep_intermediates:
             self.stages.forget(msg, [*images, *(p.name for p in quarantined)])  # finals stored: what waited goes
         result.rendered += len(images)

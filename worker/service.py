@@ -44,6 +44,7 @@ from renderfleet.states import ClaimAnswer, Release, TaskOutcome
 from renderfleet.store import Store
 from worker.batchsize import BatchSizes
 from worker.deviceerrors import is_device_error
+from worker.gputime import Use, WorkerTime
 from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
 from worker.models import check_digest, model_label, model_refusal
 from worker.node import report_device_error
@@ -106,8 +107,11 @@ class WorkerService:
         load_model: Callable[..., Any] | None = None,
         envelope: Envelope | None = None,
         metrics: WorkerMetrics | None = None,
+        time_account: WorkerTime | None = None,
     ):
         self.settings = settings
+        # Where this worker's time goes (worker/gputime.py); None: not counted (tests of other things).
+        self.time_account = time_account
         self.client = client
         self.store = store
         self.model = model
@@ -133,6 +137,7 @@ class WorkerService:
             stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None),
             pool=settings.pool,
             speeds=SpeedKeeper(store, lambda: self.card),
+            time_account=time_account,
         )
         self.failed_streak = 0
         self.tripped = False
@@ -169,6 +174,7 @@ class WorkerService:
         renderer: Any,
         load_model: Callable[[str], Any] | None = None,
         metrics: WorkerMetrics | None = None,
+        time_account: WorkerTime | None = None,
     ) -> WorkerService:
         """The service of a worker process: its Redis client, store, stop signal and publisher from ``settings``.
 
@@ -191,6 +197,7 @@ class WorkerService:
             load_model=load_model,
             envelope=celery_app.envelope_factory(app),
             metrics=metrics,
+            time_account=time_account,
         )
 
     # ---- registration and counters ------------------------------------------------
@@ -223,17 +230,34 @@ class WorkerService:
         pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
         pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
+        if self.time_account is not None:  # the start its time is counted from: its process's (worker/gputime.py)
+            up_since = time.time() - (self.time_account.clock() - self.time_account.started)
+            pipe.hset(keys.worker_stats(self.worker_id), "up_since", f"{up_since:.3f}")
         pipe.execute()
 
     def touch(self) -> None:
         """Liveness for status; re-registers if Redis lost its memory.  Nothing to write while a
-        heartbeat carries it (a busy worker: :class:`~worker.ledger.Liveness`)."""
+        heartbeat carries it (a busy worker: :class:`~worker.ledger.Liveness`).  Where the worker's
+        time went since the last write rides along (a busy worker's rides on its fence checks)."""
         if self.liveness.fresh():
             return
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
         pipe.hsetnx(keys.WORKERS, self.worker_id, self.liveness.registration)
+        self._add_time(pipe)
         pipe.execute()
+
+    def _add_time(self, pipe: redis.client.Pipeline) -> None:
+        """The time account's deltas (worker/gputime.py) into ``pipe``: the worker's and its pool's counters."""
+        if self.time_account is None:
+            return
+        for name, value in self.time_account.take().items():
+            pipe.hincrby(keys.worker_stats(self.worker_id), name, value)
+            pipe.hincrby(keys.pool_stats(self.settings.pool, self.store_tag), name, value)
+
+    def _spending(self, use: Use) -> contextlib.AbstractContextManager[None]:
+        """The time account's ``use`` for a block (nothing without an account)."""
+        return self.time_account.doing(use) if self.time_account is not None else contextlib.nullcontext()
 
     def unregister(self) -> None:
         with contextlib.suppress(redis.RedisError):
@@ -263,6 +287,10 @@ class WorkerService:
             # back to the broker unclaimed, for another node (claimed and handed back, each delivery would
             # count an attempt of the shard: dozens a second).
             raise TransientError("this worker is stopping (a device error or its breaker): not claimed")
+        with self.time_account.handling() if self.time_account is not None else contextlib.nullcontext():
+            return self._handle(message, tag, detach=detach)
+
+    def _handle(self, message: str | dict[str, Any], tag: str, *, detach: bool) -> Outcome:
         raw = message if isinstance(message, str) else json.dumps(message)
         outcome = Outcome(TaskOutcome.STALE)
         # A second time only if the job began another life between the read of it and the claim: the
@@ -342,6 +370,7 @@ class WorkerService:
             on_retry=self.metrics.retry if self.metrics else None,
             cancel=cancel,
             liveness=self.liveness,
+            held=(lambda: account.held(lease.member)) if (account := self.time_account) is not None else None,
         )
         keeper.start()
         ledger = RedisLedger(
@@ -355,9 +384,11 @@ class WorkerService:
             aside=self._aside,
             clock=keeper.clock,
             budgeted=self.budgeted,
+            time_account=self.time_account,
         )
         pending: PendingShard | BaseException
         try:
+            loading = self._loading_seconds()
             try:
                 self.use_model(msg.params)  # after the claim: a duplicate costs no load
             except ModelLoadError as exc:
@@ -366,6 +397,7 @@ class WorkerService:
             else:
                 # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
                 first = self.fresh and lease.attempt == 1
+                ledger.record_gpu_time(loading=self._loading_seconds() - loading)  # a model loaded for this job
                 # The next shard's prompts are read while this one's last batch renders (worker/prefetch.py).
                 pending = self.runner.render(
                     msg,
@@ -425,6 +457,8 @@ class WorkerService:
                 result = pending.wait()
             finally:
                 keeper.close()
+                if self.time_account is not None:  # every commit has run or been skipped: what is not kept is lost
+                    ledger.record_gpu_time(lost=self.time_account.settle(lease.member))
                 with contextlib.suppress(redis.RedisError):  # counters: never worth failing a shard for
                     ledger.flush()
         except Reclaimed as exc:
@@ -787,14 +821,16 @@ class WorkerService:
             self.runner.stages.clear()  # its stages share the old pipeline's components: let go of them too
         self.runner.renderer = None  # type: ignore[assignment]  # free the old pipeline first
         try:
-            self.runner.renderer = self._load(*key, refresh=refresh)
+            with self._spending(Use.LOADING):
+                self.runner.renderer = self._load(*key, refresh=refresh)
             self.model, self.pin = model, (revision, variant)
         except Exception as exc:  # a store outage while fetching it too: ours must come back
             if isinstance(exc, DeviceError):
                 raise  # the device is gone: nothing will load on it again
             log.warning("model %s did not load; loading %s again", model_label(*key), model_label(old, *old_pin))
             try:
-                self.runner.renderer = self._load(old, *old_pin)
+                with self._spending(Use.LOADING):
+                    self.runner.renderer = self._load(old, *old_pin)
             except Exception as again:
                 # Our own model loaded once and not now: the node's fault.
                 self.tripped = True
@@ -822,8 +858,28 @@ class WorkerService:
                 raise DeviceError(f"loading model {model!r}: {type(exc).__name__}: {exc}") from exc
             raise ModelLoadError(f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}") from exc
 
+    def _loading_seconds(self) -> float:
+        return self.time_account.totals()[Use.LOADING] if self.time_account is not None else 0.0
+
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)
         self.runner.close()
         self._aside.shutdown(wait=True)
+        self.write_time(final=True)
         self.unregister()
+
+    def write_time(self, *, final: bool = False) -> None:
+        """Write what the time account has not told Redis yet; ``final``: the worker's end (the account
+        closed first: every batch still undecided is lost, nothing counts after)."""
+        if self.time_account is None:
+            return
+        if final:
+            life = self.time_account.close()
+            spent = ", ".join(f"{use} {s:.1f} s" for use, s in self.time_account.totals().items())
+            log.info("worker %s: up %.1f s: %s", self.worker_id, life, spent)
+        with contextlib.suppress(redis.RedisError):  # its counters: never worth failing an exit for
+            pipe = self.client.pipeline(transaction=False)
+            self._add_time(pipe)
+            if final:  # the end its time is counted to (unix time): its life is up_until - up_since
+                pipe.hset(keys.worker_stats(self.worker_id), "up_until", f"{time.time():.3f}")
+            pipe.execute()

@@ -24,6 +24,7 @@ from celery.worker.request import Request
 
 from renderfleet.celery_app import TASK_NAME
 from renderfleet.errors import TransientError
+from worker.gputime import WorkerTime
 from worker.service import WorkerService
 from worker.stop import StopSignal
 
@@ -105,6 +106,13 @@ def install_shutdown_hooks(stop: StopSignal, grace_seconds: float, on_signal: Ca
                 on_signal(sig.lower() if sig in ("SIGTERM", "SIGINT", "SIGQUIT") else "signal")
 
     celery_signals.worker_shutting_down.connect(on_shutdown, weak=False)
+
+
+def install_time_hooks(account: WorkerTime) -> None:
+    """The worker's time account follows Celery: idle between messages once the consumer is ready
+    (``worker_ready``), overhead again once it takes no more (``worker_shutting_down``)."""
+    celery_signals.worker_ready.connect(lambda **_: account.consuming(), weak=False)
+    celery_signals.worker_shutting_down.connect(lambda **_: account.stopping(), weak=False)
 
 
 def request_warm_shutdown() -> None:

@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, queue_name
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases, Reaped, heartbeat_call
 from renderfleet.reaper import ReaperElection, give_up_lock, hold_lock, reap_once
+from renderfleet.spec import store_tag
 from renderfleet.states import Beat
 from testing.fleet import start_redis, wait_for
 
@@ -299,3 +301,31 @@ def test_a_commit_counts_each_prompt_once_done_winning_and_release_proves_the_sp
     missing = sum(1 for i in range(300) if i not in done_model and i not in failed_model)
     finished = leases.finish(lease, 0, 300)
     assert finished.done == (missing == 0) and finished.missing == missing
+
+
+def test_the_reaper_counts_what_a_dead_holder_held_unkept_as_killed(client: redis.Redis) -> None:
+    # A SIGKILLed worker counts nothing of its own loss: its beats said how much render time it held not
+    # yet kept, and the reaper counts that, the job's by pool and the pool's (worker/gputime.py).
+    leases = Leases(client, lease_seconds=5)
+    register(client, "j", 2)
+    client.hset(keys.job("j"), "store", "/tmp/rf-leases-store")
+    client.hset(keys.WORKERS, "w1", json.dumps({"worker": "w1", "pool": "spot", "store": "/tmp/rf-leases-store"}))
+    _, lease = leases.claim("j", 0, worker="w1", queue=QUEUE, tag="t1", message="{}")
+    _, other = leases.claim("j", 1, worker="w1", queue=QUEUE, tag="t2", message="{}")
+    assert lease is not None and other is not None
+    assert leases.heartbeat(lease, held=2500) == Beat.RENEWED
+    assert leases.heartbeat(lease) == Beat.RENEWED  # unchanged: the figure stays as the last beat left it
+    lapse(client, lease)
+    lapse(client, other)  # nothing held: nothing counted
+    election = ReaperElection(0.1)
+    reaped: list[Any] = []  # the two lapse a moment apart: one pass may find one of them
+
+    def both() -> bool:
+        reaped.extend(reap_once(leases, lambda _m: None, owner="r", election=election))
+        return len(reaped) == 2
+
+    wait_for(both, 30, 0.05, "the leases to be reaped")
+    assert sorted((r.shard, r.held_ms, r.pool) for r in reaped) == [(0, 2500, "spot"), (1, 0, "")]
+    assert client.hget(keys.job_stats("j"), "killed_ms.spot") == b"2500"
+    assert client.hget(keys.pool_stats("spot", store_tag("/tmp/rf-leases-store")), "killed_ms") == b"2500"
+    assert client.hget(keys.FLEET_STATS, "killed_ms") == b"2500"

@@ -116,6 +116,12 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
         "renderfleet_worker_bad_images",
         "renderfleet_worker_stage_images",
     }
+    from worker.gputime import WorkerTime
+
+    metrics.watch_time(WorkerTime())
+    families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
+    ours = [f for f in families if f.name.startswith("renderfleet_") and not f.name.endswith("_created")]
+    assert "renderfleet_worker_gpu_seconds" in {f.name for f in ours}
     for family in ours:
         assert family.name.startswith("renderfleet_worker_")
         for s in family.samples:
@@ -197,7 +203,16 @@ class PlainLeases:
         self.fenced = False
         self.failures: dict[int, int] = {}
 
-    def current(self, lease: Lease, pipe: Any = None, *, counts: Any = None, progress: str = "", stages: Any = None) -> bool:
+    def current(
+        self,
+        lease: Lease,
+        pipe: Any = None,
+        *,
+        counts: Any = None,
+        progress: str = "",
+        stages: Any = None,
+        store_tag: str = "",
+    ) -> bool:
         return not self.fenced
 
     def commit(self, lease: Lease, done: Sequence[int], failed: Sequence[int], undone: Sequence[int] = ()) -> None:
@@ -279,3 +294,64 @@ def test_a_batch_rendered_by_a_fenced_worker_is_a_lost_batch(tmp_path: Path) -> 
     assert value(metrics, "renderfleet_worker_lost_batches_total", reason="fenced") == 1
     assert value(metrics, "renderfleet_worker_images_total", outcome="rendered") == 0
     assert value(metrics, "renderfleet_worker_render_seconds_total") > 0  # the GPU time was spent all the same
+
+
+class CountingLeases(PlainLeases):
+    """:class:`PlainLeases` that keeps the job's own counters a passing fence check writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.job: dict[str, int] = {}
+
+    def current(
+        self,
+        lease: Lease,
+        pipe: Any = None,
+        *,
+        counts: Any = None,
+        progress: str = "",
+        stages: Any = None,
+        store_tag: str = "",
+    ) -> bool:
+        if not self.fenced:
+            for name, n in (counts or {}).items():
+                self.job[name] = self.job.get(name, 0) + n
+        return not self.fenced
+
+
+def test_a_committed_batchs_time_is_kept_and_a_fenced_ones_lost_in_the_account_the_job_and_metrics(
+    tmp_path: Path,
+) -> None:
+    from worker.gputime import Use, WorkerTime
+
+    now = [50.0]
+    account = WorkerTime(lambda: now[0], started=now[0])
+    store, metrics, leases, stop = LocalStore(tmp_path / "store"), WorkerMetrics("spot"), CountingLeases(), StopSignal()
+    metrics.watch_time(account)
+    calls = [0]
+
+    def one_second_each() -> None:  # the clock's second per batch; the shard taken over during the third
+        now[0] += 1.0
+        calls[0] += 1
+        leases.fenced = calls[0] == 3
+
+    lease = Lease(job="j", shard=0, worker="w", attempt=1, queue="q", tag="t", requeue="", message="")
+    ledger = RedisLedger(leases, lease, stop, pool="spot", store_tag="t", metrics=metrics, time_account=account)  # type: ignore[arg-type]
+    runner = ShardRunner(  # commits in line: the first is counted before the second batch renders
+        store=store, renderer=BytesRenderer(before=one_second_each), stop=stop, pipeline_depth=0, time_account=account
+    )
+    try:
+        with pytest.raises(Reclaimed):
+            runner.run(shard(6, 2), ledger, attempt=1)
+    finally:
+        runner.close()
+    assert account.settle("j:0") == 1.0  # the shard's end (WorkerService._end): the fenced batch is lost
+    assert account.totals()[Use.KEPT] == 2.0 and account.totals()[Use.LOST] == 1.0
+    assert value(metrics, "renderfleet_worker_gpu_seconds_total", kind="kept") == 2.0
+    assert value(metrics, "renderfleet_worker_gpu_seconds_total", kind="lost") == 1.0
+    assert value(metrics, "renderfleet_worker_gpu_seconds_total", kind="idle") == 0.0
+    ledger.flush()
+    # The job's own, written by a current attempt only: the first batch's.  The second's kept seconds rode
+    # on the next fence check, which found the attempt superseded: its pool's alone (docs/pools.md).  Nor is
+    # a fenced attempt's loss the job's (the reaper's estimate is, when the lease expired).
+    assert leases.job.get("kept_ms.spot") == 1000 and "lost_ms.spot" not in leases.job
