@@ -56,6 +56,7 @@ class SubmitOptions:
     share: int = spec.DEFAULT_SHARE  # weight among the active jobs of one priority
     notes: tuple[str, ...] = ()  # lines for the user about how the options were taken (not the job's identity)
     family: str = ""  # the model's family as submit told it (renderfleet/families.py); '': it could not
+    webhook: str = ""  # where the monitor posts the job's events (renderfleet/webhooks.py); '': the fleet's default
 
 
 @dataclass(frozen=True)
@@ -355,6 +356,7 @@ def submit(
         share=opts.share,
         life=uuid.uuid4().hex[:16],
         digest=summary.digest,
+        webhook=opts.webhook,
     )
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the

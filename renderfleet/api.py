@@ -41,6 +41,7 @@ from renderfleet import families, keys
 from renderfleet.errors import InputError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
+from renderfleet.webhooks import url_problem
 
 if TYPE_CHECKING:
     import redis
@@ -160,6 +161,7 @@ class Client:
         job: str | None = None,
         priority: int = 5,
         share: int = 1,
+        webhook: str | None = None,
         **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
@@ -176,7 +178,9 @@ class Client:
         the same job: only what is missing is enqueued (at the ``priority`` and
         ``share`` given now).  ``priority``: 0 (lowest) to 9; a higher job's shards
         are taken before any lower one's.  ``share``: 1 to 100, the job's weight
-        among the jobs of its priority, which take turns.
+        among the jobs of its priority, which take turns.  ``webhook``: an http(s) URL the monitor
+        posts the job's events to, signed (docs/monitoring.md, "Events"); a job submitted again keeps
+        the one it was first submitted with.
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
@@ -195,6 +199,7 @@ class Client:
             job=job,
             priority=priority,
             share=share,
+            webhook=webhook,
             **settings,
         )
         if isinstance(prompts, str | os.PathLike):
@@ -226,6 +231,7 @@ class Client:
         job: str | None = None,
         priority: int = 5,
         share: int = 1,
+        webhook: str | None = None,
         **settings: Any,
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
@@ -263,6 +269,10 @@ class Client:
             params=params, shard_size=shard_size, batch_size=batch_size, pool=pool, job=job, priority=priority, share=share
         )
         check_options(opts)
+        if webhook is not None:  # checked here: whether a private address will do is this fleet's setting
+            if why := url_problem(webhook, allow_private=self.settings.events.allow_private):
+                raise InputError([f"--webhook: {why}"])
+            opts = replace(opts, webhook=webhook)
         # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
         if why := model_problem_here(params.model, params.revision, hub=self.check_hub_model or hub_pipeline_problem):
             raise InputError([why])

@@ -343,8 +343,8 @@ def with_submit_flags(**options: Any) -> Callable[[Callable[..., None]], Callabl
     return wrap
 
 
-def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = None) -> Any:
-    """The checked options of a submit from its flags (``model``: in place of ``flags.model``)."""
+def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = None, webhook: str | None = None) -> Any:
+    """The checked options of a submit from its flags (``model``: in place of ``flags.model``; ``webhook``: submit's)."""
     from renderfleet.api import Client
 
     render = _render(flags.scheduler, flags.long_prompts, flags.image_format, flags.quality)
@@ -368,6 +368,7 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         job=flags.job,
         priority=flags.priority,
         share=flags.share,
+        webhook=webhook,
         **render,
     )
 
@@ -432,6 +433,7 @@ def _do_submit(
             variant=opts.params.variant,
             stages=opts.params.stages,
             keep_intermediates=opts.params.keep_intermediates,
+            webhook=opts.webhook or None,
         )
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
@@ -449,6 +451,12 @@ def submit(
     fmt: Annotated[
         str | None, typer.Option("--format", metavar="FORMAT", help="txt, jsonl or csv: the format of stdin (with -)")
     ] = None,
+    webhook: Annotated[
+        str | None,
+        typer.Option(
+            "--webhook", metavar="URL", help="post the job's events here, signed (default: the config's \\[events] webhook)"
+        ),
+    ] = None,
     *,
     flags: SubmitFlags,
 ) -> None:
@@ -456,7 +464,7 @@ def submit(
     settings = _settings()
     _logging(settings)
     with _user_errors():
-        opts = _submit_options(flags, settings)
+        opts = _submit_options(flags, settings, webhook=webhook)
         if str(file) == "-":
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])

@@ -9,8 +9,9 @@ from typer.core import TyperGroup, TyperOption
 
 from renderfleet.cli import SUBMIT_FLAGS, app
 
-# submit's options that are no job setting: how stdin is read (run takes a file only).
-SUBMIT_ONLY = {"fmt"}
+# submit's options that are no job setting: how stdin is read (run takes a file only), and where the
+# job's events go (a monitor posts them, and run's lives only as long as its job).
+SUBMIT_ONLY = {"fmt", "webhook"}
 
 
 def _options(command: str) -> dict[str, Any]:
