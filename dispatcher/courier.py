@@ -21,6 +21,7 @@ that resolves elsewhere a moment later (DNS rebinding) is never asked again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -65,6 +66,7 @@ class Ledger(Protocol):
     def current(self, record: EventRecord) -> bool: ...
     def tried(self, record: EventRecord, attempts: int, error: str) -> None: ...
     def delivered(self, record: EventRecord, attempts: int) -> None: ...
+    def dropped(self, record: EventRecord) -> None: ...
 
 
 def user_agent() -> str:
@@ -188,6 +190,13 @@ class Courier:
 
     def _drain(self, target: str) -> None:
         """Post the receiver's events one after another until its queue is empty."""
+        try:
+            self._drain_queue(target)
+        finally:  # whatever ended it (a bug included): the receiver's next event starts a courier again
+            with self.lock:
+                self.running.discard(target)
+
+    def _drain_queue(self, target: str) -> None:
         while not self.stopping.is_set():
             with self.lock:
                 queue = self.queues.get(target)
@@ -204,6 +213,9 @@ class Courier:
                 break
             except Obsolete:
                 log.info("job %s: event %s dropped: the job was deleted or began again", record.job, record.id)
+                # the undelivered set is what status shows; a Redis away now: the next delivery of the job tidies it
+                with contextlib.suppress(redis.RedisError, OSError):
+                    self.ledger.dropped(record)
             except (redis.RedisError, OSError) as exc:  # Redis away while recording: the event is tried again
                 log.warning("events: %s: cannot record a delivery now: %s", record.id, exc)
                 self.stopping.wait(self.config.retry_seconds)
@@ -211,8 +223,6 @@ class Courier:
             with self.lock:
                 queue.popleft()
                 self.queued.discard(record.id)
-        with self.lock:
-            self.running.discard(target)
 
     def _deliver(self, record: EventRecord) -> None:
         """Post ``record`` until its receiver takes it (tenacity: exponential backoff, until stopped)."""

@@ -321,6 +321,11 @@ class EventLog:
         if not remaining:
             self.client.srem(keys.EVENTS_UNDELIVERED, record.job)
 
+    def dropped(self, record: EventRecord) -> None:
+        """An event of a job deleted or begun again: out of the undelivered set once its record has none."""
+        if not any(r.state == PENDING for r in self._records(record.job)):
+            self.client.srem(keys.EVENTS_UNDELIVERED, record.job)
+
     def _rewrite(self, record: EventRecord) -> bool:
         """The record updated in Redis, only while the job's record is there (a job deleted meanwhile
         gets no key back); whether it was."""

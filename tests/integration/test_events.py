@@ -214,3 +214,89 @@ def test_a_receiver_gets_every_event_signed_at_least_once_through_monitor_restar
     streamed = stream_events(port, staged, 4)
     assert [e["event"] for e in streamed] == ["job.started", "job.stage_finished", "job.stage_finished", "job.finished"]
     assert {e["id"] for e in streamed} == set().union(*(ids[k] for k in expected if k[0] == staged))
+
+
+def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_their_ids(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    from dataclasses import replace
+
+    from dispatcher.events import DELIVERED, PENDING, EventLog
+    from dispatcher.status import JobStatus
+    from renderfleet import keys
+
+    client = redis.Redis.from_url(redis_server.url)
+    store = open_store(str(tmp_path / "store"))
+    client.hset(keys.job("j-1"), mapping={"life": "L1", "spec": json.dumps({"webhook": "https://hooks.example.com/x"})})
+    sent: list[str] = []
+
+    def log() -> EventLog:
+        return EventLog(client, store, send=lambda record: sent.append(record.key))
+
+    running = JobStatus("j-1", 4, 1, 0, 3, 0, 1, 1, 0, True)
+    first = log()
+    [started] = first.observe(running)
+    assert started.target == "https://hooks.example.com/x" and sent == ["started"]
+    first.delivered(started, 1)  # taken: its store copy gone
+    assert first.observe(running) == []  # seen already
+    [finished] = first.observe(replace(running, done=4, queued=0))
+    assert list(store.list(spec.events_prefix("j-1"))) == [spec.event_key("j-1", finished.id)]
+    assert client.sismember(keys.EVENTS_UNDELIVERED, "j-1")
+
+    # A monitor that restarts reads the record back and sends what is undelivered, minting nothing.
+    sent.clear()
+    again = log()
+    assert again.observe(replace(running, done=4, queued=0)) == [] and sent == ["finished"]
+
+    # Redis loses the record: the store's undelivered event comes back under its id; the delivered
+    # one is seen again and minted with the id it had (a receiver dedupes it).
+    client.delete(keys.job_events("j-1"))
+    sent.clear()
+    lost = log()
+    [restarted] = lost.observe(replace(running, done=4, queued=0))
+    assert (restarted.key, restarted.id) == ("started", started.id)
+    assert sent == ["finished", "started"]
+    records = {r.key: r for r in lost._records("j-1")}
+    assert records["finished"].id == finished.id and records["finished"].state == PENDING
+    lost.delivered(records["finished"], 2)
+    lost.delivered(restarted, 1)
+    assert {r.state for r in lost._records("j-1")} == {DELIVERED}
+    assert not list(store.list(spec.events_prefix("j-1"))) and not client.sismember(keys.EVENTS_UNDELIVERED, "j-1")
+
+    # Another life of the job: its events are new ones, and the old life's are obsolete.
+    assert lost.current(restarted)
+    client.hset(keys.job("j-1"), "life", "L2")
+    assert not lost.current(restarted)
+    client.delete(keys.job_events("j-1"))  # what a new life's registration does (enqueue.life_keys)
+    [new_start, new_end] = lost.observe(replace(running, done=4, queued=0))
+    assert new_start.id != started.id and new_end.id != finished.id
+
+
+def test_the_page_stream_replays_the_latest_then_follows_and_refuses_a_bad_last_id(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    from dispatcher.web import BadQuery, event_stream, last_event_id
+    from renderfleet import keys
+    from renderfleet.spec import store_tag
+
+    client = redis.Redis.from_url(redis_server.url)
+    store_url = str(tmp_path / "store")
+    stream = keys.events_stream(store_tag(open_store(store_url).url))
+    for n, job in enumerate(("j-1", "j-2", "j-1")):
+        client.xadd(stream, {"job": job, "type": "job.started", "id": f"evt_{n}", "event": json.dumps({"n": n})})
+    events = event_stream(client, open_store(store_url).url, "j-1", None, seconds=5)
+    assert next(events) == "retry: 2000\n\n"
+    replayed = [next(events), next(events)]
+    assert [json.loads(e.split("data: ")[1])["n"] for e in replayed] == [0, 2]  # j-1's only
+    assert all("event: job.started\n" in e for e in replayed)
+    later = threading.Timer(0.2, lambda: client.xadd(stream, {"job": "j-1", "type": "job.finished", "event": "{}"}))
+    later.start()
+    followed = next(events)  # blocks until the new one comes
+    assert "event: job.finished\ndata: {}\n\n" in followed and followed.startswith("id: ")
+    # A reconnect from the last id it saw gets nothing twice.
+    last = followed.split("\n")[0][len("id: ") :]
+    assert list(event_stream(client, open_store(store_url).url, None, last_event_id(last), seconds=0.1)) == [
+        "retry: 2000\n\n"
+    ]
+    with pytest.raises(BadQuery, match="Last-Event-ID"):
+        last_event_id("0; DROP")

@@ -283,3 +283,13 @@ def test_a_redirect_an_error_and_a_private_address_are_failures(receiver: str) -
     assert len(Receiver.got) == 2  # the private one never connected
     with pytest.raises(DeliveryFailed, match=r"NewConnectionError|ConnectTimeout|MaxRetry|refused"):
         post("http://127.0.0.1:9/hook", body, headers, timeout=1, allow_private=True)
+
+
+def test_status_prints_a_line_per_job_with_undelivered_events() -> None:
+    from dispatcher.show import events_line
+    from dispatcher.status import Undelivered
+
+    line = events_line(
+        Undelivered("j-241cef6891e251f3", 2, "https://hooks.example.com", 7, "HTTP 503"), {"j-241cef6891e251f3": "j-24"}
+    )
+    assert line == "events: job j-24: 2 events not delivered to https://hooks.example.com (7 attempts; last: HTTP 503)"
