@@ -122,6 +122,7 @@ def life_keys(job: str) -> tuple[str, ...]:
         keys.job_stats(job),
         keys.job_stages(job),
         keys.progress(job),
+        keys.job_events(job),
     )
 
 

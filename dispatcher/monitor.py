@@ -21,6 +21,12 @@ the store's ``jobs/`` finds the jobs this Redis does not know (a monitor
 restarted while Redis was empty has no other way to learn of them), and each
 is resumed (:meth:`Monitor.adopt`).  Only this monitor's store is listed, so
 only its jobs are resumed.
+
+Each pass also compares each job's figures with the events its record holds,
+mints those it lacks (started, a stage finished, prompts quarantined,
+cancelled, budget reached, finished: ``dispatcher/events.py``) and hands them
+to its courier, which posts them signed to the job's webhook
+(``dispatcher/courier.py``, docs/monitoring.md "Events").
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import redis
 from celery import Celery
 
 from dispatcher import lifecycle
+from dispatcher.courier import Courier
+from dispatcher.events import EventLog
 from dispatcher.resume import jobs_redis_forgot, resume, stored_names
-from dispatcher.status import job_status, jobs_of_store, publish_prices
+from dispatcher.status import JobStatus, job_status, jobs_of_store, price, publish_prices, published_prices
 from renderfleet import celery_app, keys
 from renderfleet.celery_app import is_store_queue
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
@@ -43,6 +51,7 @@ from renderfleet.leases import Leases
 from renderfleet.reaper import ReaperElection, reap_once
 from renderfleet.settings import Settings
 from renderfleet.store import Store
+from renderfleet.webhooks import read_secret
 from renderfleet.words import counted
 
 log = logging.getLogger("renderfleet.monitor")
@@ -69,6 +78,29 @@ class Monitor:
         self.audited_at = 0.0
         self.adopted_at: float | None = None  # None: the store's jobs not listed yet
         self.finished_turn = -1  # the finished job the slow audit checked last, by its place in the list
+        self.events, self.courier = self._events()
+        self.prices: dict[str, float] = {}  # the fleet's published prices, read each pass (an event's cost)
+
+    def _events(self) -> tuple[EventLog, Courier | None]:
+        """The job events' log, and its courier when the config names the secret to sign with
+        (ConfigError naming ``events.secret_file`` when the file will not do: at start, not at the first event)."""
+        config = self.settings.events
+        signer = None
+        if config.secret_file is not None:
+            where = f"events.secret_file = {str(config.secret_file)!r}"
+            signer = read_secret(config.secret_file, f"{self.settings.config}: {where}" if self.settings.config else where)
+        unsigned = None if signer else "no events.secret_file is set: the monitor sends no event unsigned"
+        events = EventLog(self.client, self.store, default=config.webhook, unsigned=unsigned)
+        courier = Courier(events, signer, config) if signer is not None else None
+        events.send = courier.send if courier is not None else None
+        return events, courier
+
+    def observe_events(self, job_state: JobStatus) -> None:
+        """The job's new events minted, kept and handed to the courier (dispatcher/events.py)."""
+        if not job_state.known_to_redis:
+            return  # resumed first: its record and life are Redis's
+        price(job_state, self.prices)
+        self.events.observe(job_state)
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
@@ -92,6 +124,9 @@ class Monitor:
         if lost or self.adopted_at is None or time.monotonic() - self.adopted_at >= self.settings.audit_seconds:
             resumed += self.adopt()
         self.known_jobs |= set(jobs_of_store(self.client, self.store)[0])
+        if lost:
+            self.events.forget_all()  # each job's record is read again (from the store where Redis lost it)
+        self.prices = published_prices(self.client, self.store.url)
         finished: list[tuple[str, int]] = []
         for job in sorted(self.known_jobs - set(resumed)):
             try:
@@ -104,6 +139,7 @@ class Monitor:
                 continue
             if job_state.finished and job_state.known_to_redis:
                 finished.append((job, job_state.done))
+            self.observe_events(job_state)
             # A cancelled job has nothing queued or running on purpose: never resumed for that.
             stalled = (
                 not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 and job_state.cancelled is None

@@ -20,7 +20,8 @@ from rich.text import Text
 
 from dispatcher.jobids import short_ids
 from dispatcher.stagestatus import StageStatus
-from dispatcher.status import FleetStatus, JobStatus
+from dispatcher.status import FleetStatus, JobStatus, Undelivered
+from renderfleet.words import counted
 
 BAR_WIDTH = 10
 
@@ -343,6 +344,14 @@ def render_status(
     return shown
 
 
+def events_line(u: Undelivered, ids: dict[str, str]) -> str:
+    """A job's undelivered events in one line: how many, to where, the attempts and the last error."""
+    return (
+        f"events: job {ids.get(u.job, u.job)}: {counted(u.events, 'event')} not delivered to {u.target} "
+        f"({counted(u.attempts, 'attempt')}; last: {u.error})"
+    )
+
+
 def _folded_line(active: int, finished: int) -> Text:
     """``+3 more active, +994 finished: renderfleet status --all``: the jobs not listed, and how to list them."""
     counts = ([f"+{active:,} more active"] if active else []) + ([f"+{finished:,} finished"] if finished else [])
@@ -433,6 +442,8 @@ def _render(
         dropped += [g for g in gone if g not in dropped]
     # A node of several GPUs with one retired, restarting or stopping: a line each (renderfleet/nodes.py).
     parts += [Text(n.summary(), style="yellow", overflow="fold") for n in fleet.nodes if n.troubled()]
+    # A job whose events its receiver has not taken yet: a line each (dispatcher/events.py).
+    parts += [Text(events_line(u, ids), style="yellow", overflow="fold") for u in fleet.undelivered]
     if dropped:
         parts.append(Text(f"(not shown at {console.width} columns: {', '.join(dropped)}; --wide shows them)", style="dim"))
     return Group(*parts)

@@ -12,9 +12,10 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -40,6 +41,7 @@ from renderfleet.nodes import NodeRecord, read_nodes
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store
+from renderfleet.webhooks import Delivery
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +210,7 @@ class FleetStatus:
     folded: int = 0  # finished jobs counted, not read nor listed in jobs (fleet_status's fold_finished)
     known: list[str] | None = None  # every job of the listing, folded ones too (None: jobs were named)
     nodes: list[NodeRecord] = field(default_factory=list)  # nodes of several GPUs (renderfleet/nodes.py)
+    undelivered: list[Undelivered] = field(default_factory=list)  # jobs with events not delivered yet (dispatcher/events.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -228,6 +231,7 @@ class FleetStatus:
             "pool_costs": self.pool_costs,
             "redis": self.redis.to_dict() if self.redis else None,
             "nodes": [n.to_dict() for n in self.nodes],
+            "undelivered_events": [u.to_dict() for u in self.undelivered],
         }
 
     def pool_sizes(self) -> dict[str, int]:
@@ -868,7 +872,66 @@ def fleet_status(
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     status.redis = redis_load(client)
     status.nodes = read_nodes(client, status.store)
+    status.undelivered = undelivered(client, set(jobs))
     return status
+
+
+# ---- events not delivered (dispatcher/events.py keeps them) ------------------
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """A job's events not delivered yet: how many, to where, the most attempts one took and the last error."""
+
+    job: str
+    events: int
+    target: str
+    attempts: int
+    error: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def shown_target(url: str | None) -> str:
+    """A receiver as ``status`` shows it: scheme, host and port, no path or query (they may hold a token)."""
+    if not url:
+        return "-"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def undelivered(client: redis.Redis, jobs: Collection[str]) -> list[Undelivered]:
+    """The jobs of ``jobs`` with events not yet delivered (``keys.EVENTS_UNDELIVERED``), each summed up
+    from its record (``keys.job_events``); a malformed record is skipped."""
+    waiting = sorted(j for j in map(keys.text, client.smembers(keys.EVENTS_UNDELIVERED)) if j in jobs)
+    if not waiting:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for job in waiting:
+        pipe.hgetall(keys.job_events(job))
+    out = []
+    for job, raw in zip(waiting, pipe.execute(), strict=True):
+        where = keys.job_events(job)
+        records = [
+            record
+            for name, value in raw.items()
+            if keys.text(name) != keys.EVENTS_WATCHED and (record := json_object(value, where)) is not None
+        ]
+        pending = [r for r in records if r.get("state") == Delivery.PENDING]
+        if not pending:
+            continue
+        last = max(pending, key=lambda r: float(r.get("tried_at") or 0.0))
+        out.append(
+            Undelivered(
+                job,
+                len(pending),
+                shown_target(str(min(pending, key=lambda r: float(r.get("at") or 0.0)).get("target") or "")),
+                max(_int(r.get("attempts")) for r in pending),
+                str(last.get("error") or "not tried yet"),
+            )
+        )
+    return out
 
 
 # ---- results ---------------------------------------------------------------

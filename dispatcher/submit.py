@@ -58,6 +58,7 @@ class SubmitOptions:
     family: str = ""  # the model's family as submit told it (renderfleet/families.py); '': it could not
     name: str | None = None  # what a person calls the job (--name); None: its prompt file's name
     budget: float | None = None  # the most the job may spend (renderfleet/budget.py); None: no cap
+    webhook: str = ""  # where the monitor posts the job's events (renderfleet/webhooks.py); '': the fleet's default
 
 
 @dataclass(frozen=True)
@@ -379,6 +380,7 @@ def submit(
         share=opts.share,
         life=uuid.uuid4().hex[:16],
         digest=summary.digest,
+        webhook=opts.webhook,
     )
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     if opts.budget is not None:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode
 
 import redis
@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -394,6 +394,71 @@ def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[d
     return out
 
 
+# ---- live events: server-sent, from the store's stream (dispatcher/events.py) -------------
+
+EVENTS_REPLAY = 100  # events a new connection gets first: the latest (of its job)
+EVENTS_SCAN = 2000  # stream entries looked through for them
+EVENTS_CONNECTION_SECONDS = 300.0  # a connection ends after this; the browser reconnects with Last-Event-ID
+EVENTS_KEEPALIVE_SECONDS = 15.0  # a comment line this often: proxies keep a quiet connection open
+EVENTS_BLOCK_MS = 500  # one read's wait for a new event (under the Redis client's socket timeout)
+_STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+
+
+def last_event_id(raw: str | None) -> str | None:
+    """A reconnecting client's ``Last-Event-ID`` (a stream entry's id), or None; BadQuery when it is not one."""
+    if raw is None or raw == "":
+        return None
+    if not _STREAM_ID.fullmatch(raw):
+        raise BadQuery(f"Last-Event-ID: a stream id such as 1718000000000-0, got {raw[:40]!r}")
+    return raw
+
+
+def _sse(entry_id: Any, fields: dict[Any, Any]) -> str:
+    """One entry of the stream as a server-sent event: its stream id, its type, its JSON."""
+    kind = keys.text(fields.get(b"type", fields.get("type", "")))
+    data = keys.text(fields.get(b"event", fields.get("event", "")))
+    return f"id: {keys.text(entry_id)}\nevent: {kind}\ndata: {data}\n\n"
+
+
+def _of_job(fields: dict[Any, Any], job: str | None) -> bool:
+    return job is None or keys.text(fields.get(b"job", fields.get("job", ""))) == job
+
+
+def event_stream(
+    client: redis.Redis,
+    store: str,
+    job: str | None,
+    last: str | None,
+    *,
+    seconds: float = EVENTS_CONNECTION_SECONDS,
+    clock: Any = time.monotonic,
+) -> Iterator[str]:
+    """The server-sent events of ``store``'s jobs (``job``'s alone when named): after ``last`` (a stream id),
+    or the latest :data:`EVENTS_REPLAY` then what comes, for ``seconds``."""
+    stream = keys.events_stream(store_tag(store))
+    yield "retry: 2000\n\n"
+    if last is None:
+        recent = cast(list[tuple[Any, dict[Any, Any]]], client.xrevrange(stream, count=EVENTS_SCAN))
+        shown = [(i, f) for i, f in reversed(recent) if _of_job(f, job)][-EVENTS_REPLAY:]
+        yield from (_sse(i, f) for i, f in shown)
+        last = keys.text(recent[0][0]) if recent else "0-0"
+    end, quiet_since = clock() + seconds, clock()
+    while clock() < end:
+        reply = cast(
+            list[tuple[Any, list[tuple[Any, dict[Any, Any]]]]],
+            client.xread({stream: last}, count=100, block=EVENTS_BLOCK_MS),
+        )
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last = keys.text(entry_id)
+                if _of_job(fields, job):
+                    quiet_since = clock()
+                    yield _sse(entry_id, fields)
+        if clock() - quiet_since >= EVENTS_KEEPALIVE_SECONDS:
+            quiet_since = clock()
+            yield ": keep-alive\n\n"
+
+
 # ---- the application ----------------------------------------------------------------
 
 
@@ -582,6 +647,21 @@ def make_app(
         _, job, name = image_parts(request)
         return JSONResponse(need_thumbs().meta(job, name))
 
+    def events(request: Request) -> Response:
+        """Server-sent events of the store's jobs (``/events``) or one job's (``/jobs/JOB/events``)."""
+        store = need_store()
+        if client is None:
+            raise NotHere("this endpoint serves no events")
+        job = request.path_params.get("job")
+        if job is not None:
+            job = checked_job(store, job, client)
+        last = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last"))
+        return StreamingResponse(
+            event_stream(client, store.url, job, last),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
     async def not_here(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(f"not found: {exc}\n", status_code=404)
 
@@ -590,7 +670,8 @@ def make_app(
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(
-            "not found: /, /jobs/JOB, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n", status_code=404
+            "not found: /, /jobs/JOB, /events, /jobs/JOB/events, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n",
+            status_code=404,
         )
 
     routes = [
@@ -602,6 +683,8 @@ def make_app(
         Route("/api/jobs/{job}", api_job),
         Route("/api/jobs/{job}/images/{name}", api_image),
         Route("/jobs/{job}", job_page),
+        Route("/events", events),
+        Route("/jobs/{job}/events", events),
         Route("/jobs/{job}/thumbs/{name}", thumb),
         Route("/jobs/{job}/images/{name}", image),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

@@ -41,6 +41,7 @@ from renderfleet import families, keys
 from renderfleet.errors import InputError
 from renderfleet.settings import Settings, load_settings
 from renderfleet.spec import DEFAULT
+from renderfleet.webhooks import url_problem
 
 if TYPE_CHECKING:
     import redis
@@ -163,6 +164,7 @@ class Client:
         share: int = 1,
         name: str | None = None,
         budget: float | None = None,
+        webhook: str | None = None,
         **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
@@ -182,9 +184,11 @@ class Client:
         among the jobs of its priority, which take turns.  ``name``: what ``status`` and the page
         call the job, and what :meth:`job` and the CLI take back where it is unique (default: the
         prompt file's name; none for an iterable or a stream); not part of the job's identity.
-        among the jobs of its priority, which take turns.  ``budget``: the most the job may spend
-        (GPU time by pool times its price per hour; its pool must have a price): it stops there,
-        state ``budget``, until :meth:`Job.resume` raises it (docs/pools.md, "Budgets").
+        ``budget``: the most the job may spend (GPU time by pool times its price per hour; its pool
+        must have a price): it stops there, state ``budget``, until :meth:`Job.resume` raises it
+        (docs/pools.md, "Budgets").  ``webhook``: an http(s) URL the monitor posts the job's events
+        to, signed (docs/monitoring.md, "Events"); a job submitted again keeps the one it was first
+        submitted with.
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
@@ -205,6 +209,7 @@ class Client:
             share=share,
             name=name,
             budget=budget,
+            webhook=webhook,
             **settings,
         )
         if isinstance(prompts, str | os.PathLike):
@@ -238,6 +243,7 @@ class Client:
         share: int = 1,
         name: str | None = None,
         budget: float | None = None,
+        webhook: str | None = None,
         **settings: Any,
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
@@ -283,6 +289,10 @@ class Client:
             budget=budget,
         )
         check_options(opts)
+        if webhook is not None:  # checked here: whether a private address will do is this fleet's setting
+            if why := url_problem(webhook, allow_private=self.settings.events.allow_private):
+                raise InputError([f"--webhook: {why}"])
+            opts = replace(opts, webhook=webhook)
         # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
         if why := model_problem_here(params.model, params.revision, hub=self.check_hub_model or hub_pipeline_problem):
             raise InputError([why])

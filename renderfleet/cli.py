@@ -365,8 +365,8 @@ def with_submit_flags(**options: Any) -> Callable[[Callable[..., None]], Callabl
     return wrap
 
 
-def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = None) -> Any:
-    """The checked options of a submit from its flags (``model``: in place of ``flags.model``)."""
+def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = None, webhook: str | None = None) -> Any:
+    """The checked options of a submit from its flags (``model``: in place of ``flags.model``; ``webhook``: submit's)."""
     from renderfleet.api import Client
 
     render = _render(flags.scheduler, flags.long_prompts, flags.image_format, flags.quality)
@@ -392,6 +392,7 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         share=flags.share,
         name=flags.name,
         budget=flags.budget,
+        webhook=webhook,
         **render,
     )
 
@@ -458,6 +459,7 @@ def _do_submit(
             variant=opts.params.variant,
             stages=opts.params.stages,
             keep_intermediates=opts.params.keep_intermediates,
+            webhook=opts.webhook or None,
         )
     else:
         job = client.submit_file(str(file), opts, summary=summary)  # validated before any server starts
@@ -486,6 +488,12 @@ def submit(
     as_json: Annotated[
         bool, typer.Option("--json", metavar=FLAG, help="with --estimate: one JSON object on stdout")
     ] = False,
+    webhook: Annotated[
+        str | None,
+        typer.Option(
+            "--webhook", metavar="URL", help="post the job's events here, signed (default: the config's \\[events] webhook)"
+        ),
+    ] = None,
     *,
     flags: SubmitFlags,
 ) -> None:
@@ -493,7 +501,7 @@ def submit(
     settings = _settings()
     _logging(settings)
     with _user_errors():
-        opts = _submit_options(flags, settings)
+        opts = _submit_options(flags, settings, webhook=webhook)
         if estimate or as_json:
             _estimate(file, fmt, opts, settings, as_json=as_json, asked=estimate)
             return

@@ -137,6 +137,28 @@ def job_stages(job_id: str) -> str:
     return f"rf:job:{job_id}:stages"
 
 
+def job_events(job_id: str) -> str:
+    """hash of the job's events, as the monitor saw its transitions (dispatcher/events.py): one field per
+    transition (``started``, ``stage:<label>``, ``quarantined:<n>``, ``cancelled:<time>``, ``finished``, ...)
+    -> JSON (its id, type, receiver, body, and whether it was delivered: state, attempts, last error);
+    :data:`EVENTS_WATCHED` -> "1" once the monitor has looked at the job (its absence, with the job
+    known, means a Redis that lost it: the store's undelivered events are read back).  One life's."""
+    return f"rf:job:{job_id}:events"
+
+
+EVENTS_WATCHED = "@watched"
+EVENTS_UNDELIVERED = "rf:events:undelivered"  # set of the jobs with an event not yet delivered (status shows them)
+EVENTS_STREAM_PREFIX = "rf:events:stream:"
+EVENTS_STREAM_KEEP = 10000  # events kept in a store's stream (about: MAXLEN ~)
+
+
+def events_stream(store_tag: str) -> str:
+    """stream of every event of one store's jobs, in the order the monitor saw them, capped at about
+    :data:`EVENTS_STREAM_KEEP`: fields ``job``, ``type`` and ``event`` (its JSON as a receiver gets it, with
+    its id); what the page's server-sent events read (dispatcher/web.py, ``/events``)."""
+    return f"{EVENTS_STREAM_PREFIX}{store_tag}"
+
+
 def progress(job_id: str) -> str:
     """list, newest first, capped: "<unix time> <images>" per committed batch (rate and ETA)."""
     return f"rf:job:{job_id}:progress"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from renderfleet.allowlist import entry_problem
@@ -24,6 +24,7 @@ from renderfleet.errors import ConfigError
 from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
 from renderfleet.redaction import redact  # also renderfleet.settings.redact, as callers know it
 from renderfleet.spec import INT_LIMITS
+from renderfleet.webhooks import url_problem
 
 if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
     from renderfleet.store import S3Options
@@ -154,6 +155,35 @@ class AutoscaleConfig(BaseModel):
     # A spot pool's throughput is discounted by the share of the work it started in
     # this long that reclaims threw away: recent, not since the pool began.
     reclaim_window_seconds: float = Field(default=900.0, ge=RECENT_BUCKET_SECONDS, le=RECENT_KEEP_SECONDS)
+
+
+class EventsConfig(BaseModel):
+    """The ``[events]`` table: signed events about jobs, sent by the monitor (docs/monitoring.md, "Events")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Post to loopback and private addresses too (a receiver beside the fleet, tests); off: refused.
+    allow_private: bool = False
+    # The receiver of every job that names none (submit --webhook); None: only those that name one.
+    webhook: str | None = None
+    # The file holding the signing secret (whsec_ and 24 or more random bytes in base64): the monitor
+    # signs every event with it and sends none without it.
+    secret_file: Path | None = None
+    # One POST's connect and read timeout: a receiver answers quickly and works later.
+    timeout_seconds: float = Field(default=5.0, gt=0, le=60)
+    # The wait before the first retry of a failed delivery; each next one waits twice as long, at most
+    # 10 minutes, until the event is delivered.
+    retry_seconds: float = Field(default=1.0, gt=0, le=600)
+
+    @field_validator("webhook")
+    @classmethod
+    def _check_webhook(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or value == "":
+            return None
+        # allow_private is declared first, so it is checked (or defaulted) by now
+        if why := url_problem(value, allow_private=bool(info.data.get("allow_private"))):
+            raise ValueError(why)
+        return value
 
 
 class Settings(BaseSettings):
@@ -293,6 +323,8 @@ class Settings(BaseSettings):
     # Worker pools by name; empty: no scaling, a pool is just a queue.
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    # Signed events about jobs (the [events] table).
+    events: EventsConfig = Field(default_factory=EventsConfig)
 
     @field_validator("redis_url")
     @classmethod
@@ -496,7 +528,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(Settings.model_fields) - {"config"})
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key {unknown[0]!r} (known: pools, autoscale, and the settings of RENDERFLEET_* in lowercase)"
+            f"{path}: unknown key {unknown[0]!r} (known: pools, autoscale, events, and the settings of "
+            "RENDERFLEET_* in lowercase)"
         )
     return data
 
@@ -558,7 +591,7 @@ def load_settings(**overrides: Any) -> Settings:
                 value = f" = {shown!r}" if not isinstance(shown, dict) else ""
                 lines.append(f"{path}: {key}{value}: {msg}")
             else:
-                name = str(loc[0]) if loc else "settings"
+                name = "__".join(str(p) for p in loc) if loc else "settings"  # a nested one: RENDERFLEET_EVENTS__WEBHOOK
                 lines.append(f"RENDERFLEET_{name.upper()}: {msg}")
         raise ConfigError("; ".join(lines)) from None
     if settings.heartbeat_seconds * 2 > settings.lease_seconds:

@@ -652,6 +652,9 @@ class JobSpec:
     # What a person calls it (submit --name, else default_job_name of its file): shown beside the id and
     # taken back where unique; not its identity.  '' in a spec written before names, or of prompts from no file.
     name: str = ""
+    # Where the monitor posts the job's events (renderfleet/webhooks.py); '': the fleet's default, if any.
+    # Not the job's identity; left out of the JSON when '' (a spec as before events were).
+    webhook: str = ""
 
     @property
     def shards(self) -> int:
@@ -664,6 +667,8 @@ class JobSpec:
     def to_json(self) -> str:
         data = asdict(self)
         data["params"] = self.params.identity()
+        if not self.webhook:
+            del data["webhook"]
         return json.dumps(data, sort_keys=True)
 
     def registration(self) -> str:
@@ -1005,6 +1010,16 @@ def cancelled_key(job: str) -> str:
     """The cancel marker: a Redis that lost its memory, and the monitor's adopt and
     resume, read it and leave the job cancelled (dispatcher/lifecycle.py)."""
     return f"jobs/{job}/cancelled.json"
+
+
+def events_prefix(job: str) -> str:
+    """Where the job's events wait until they are delivered (dispatcher/events.py): one object each."""
+    return f"jobs/{job}/events/"
+
+
+def event_key(job: str, event: str) -> str:
+    """An undelivered event of the job, by its id (``renderfleet.webhooks.event_id``)."""
+    return f"{events_prefix(job)}{event}.json"
 
 
 def fleet_key(kind: str, parts: Sequence[Any], ext: str) -> str:

@@ -127,7 +127,26 @@
     return m.prompt + "\nseed " + m.seed + " \u00b7 " + m.size + (m.steps ? " \u00b7 " + m.steps + " steps" : "") +
       (m.preview ? "\n" + m.preview : "");
   }
+  // A job's events, live: server-sent from the monitor's stream (docs/monitoring.md, "Events").
+  var EVENT_TYPES = ["job.started", "job.stage_finished", "job.prompts_quarantined", "job.cancelled",
+    "job.budget_reached", "job.finished"];
+  function followEvents(section) {
+    var list = section.querySelector("ol.events");
+    var source = new EventSource(section.dataset.events, { withCredentials: true });
+    EVENT_TYPES.forEach(function (type) {
+      source.addEventListener(type, function (ev) {
+        var e = JSON.parse(ev.data), d = e.data || {};
+        var li = document.createElement("li");
+        li.textContent = (e.timestamp || "").replace("T", " ").replace(/\.\d+Z$/, "Z") + "  " + type.slice(4) +
+          (d.stage ? " " + d.stage : "") + ": " + d.done + "/" + d.total + " done, " + d.quarantined + " quarantined" +
+          (d.failure ? " (" + d.failure + ")" : "");
+        list.append(li);
+      });
+    });
+  }
   document.addEventListener("DOMContentLoaded", function () {
+    var events = document.getElementById("events");
+    if (events && window.EventSource) followEvents(events);
     // The bars' widths from the page (the Content-Security-Policy admits no inline style attribute).
     document.querySelectorAll(".fill[data-percent], .fill-q[data-percent]").forEach(function (el) { el.style.width = el.dataset.percent + "%"; });
     setTimeout(poll, 2000);

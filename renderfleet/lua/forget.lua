@@ -6,7 +6,7 @@
 --
 -- KEYS[1] job, KEYS[2] shards, KEYS[3] attempts, KEYS[4] inflight, KEYS[5] enqueued,
 -- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] jobs (the set of job ids),
--- KEYS[9...] the job's other keys, deleted (bits, counts, stats, stage figures, progress, fails)
+-- KEYS[9...] the job's other keys, deleted (bits, counts, stats, stage figures, progress, fails, events)
 -- ARGV[1] job id, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] store,
 -- ARGV[5] reason, ARGV[6] ttl (seconds), ARGV[7] active prefix (keys.ACTIVE_PREFIX)
 -- Returns the number of leases dropped.

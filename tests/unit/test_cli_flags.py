@@ -9,9 +9,10 @@ from typer.core import TyperGroup, TyperOption
 
 from renderfleet.cli import SUBMIT_FLAGS, app
 
-# submit's options that are no job setting: how stdin is read (run takes a file only), and an
-# estimate instead of a submit (run renders on this machine: its cost is its own).
-SUBMIT_ONLY = {"fmt", "estimate", "as_json"}
+# submit's options that are no job setting: how stdin is read (run takes a file only), an estimate
+# instead of a submit (run renders on this machine: its cost is its own), and where the job's events
+# go (a monitor posts them, and run's lives only as long as its job).
+SUBMIT_ONLY = {"fmt", "estimate", "as_json", "webhook"}
 
 
 def _options(command: str) -> dict[str, Any]:

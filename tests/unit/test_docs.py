@@ -13,7 +13,7 @@ import pytest
 import typer
 
 from dispatcher.submit import SubmitOptions
-from renderfleet.settings import AutoscaleConfig, PoolConfig, Settings
+from renderfleet.settings import AutoscaleConfig, EventsConfig, PoolConfig, Settings
 from renderfleet.spec import DEFAULT
 from testing.docs import DocCommand, doc_commands
 
@@ -56,9 +56,9 @@ def test_the_configuration_reference_names_every_setting_and_key() -> None:
     missing = [
         f"RENDERFLEET_{name.upper()}"
         for name in Settings.model_fields
-        if name not in ("pools", "autoscale") and f"`RENDERFLEET_{name.upper()}`" not in text
+        if name not in ("pools", "autoscale", "events") and f"`RENDERFLEET_{name.upper()}`" not in text
     ]
-    for table, model in (("pools.NAME", PoolConfig), ("autoscale", AutoscaleConfig)):
+    for table, model in (("pools.NAME", PoolConfig), ("autoscale", AutoscaleConfig), ("events", EventsConfig)):
         section = text.split(f"### `[{table}]`", 1)[-1].split("\n### ", 1)[0]
         missing += [f"[{table}] {key}" for key in model.model_fields if f"| `{key}` |" not in section]
     assert not missing, f"docs/configuration.md does not describe {missing}"
