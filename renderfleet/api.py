@@ -24,6 +24,7 @@ Nothing happens at import: no server, no connection, no torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from io import IOBase
 from pathlib import Path
@@ -212,18 +213,11 @@ class Client:
             webhook=webhook,
             **settings,
         )
-        if isinstance(prompts, str | os.PathLike):
-            return self.submit_file(os.fspath(prompts), opts)
-        with tempfile.TemporaryDirectory(prefix="rf-submit-") as tmp:
-            if isinstance(prompts, IOBase) or hasattr(prompts, "read"):
-                if format not in ("txt", "jsonl", "csv"):
-                    raise InputError([f"--format: give txt, jsonl or csv for a prompt stream, got {format!r}"])
-                path = str(Path(tmp) / f"prompts.{format}")
-                with open(path, "wb") as out:
-                    shutil.copyfileobj(cast(IO[bytes], prompts), out, 1 << 20)
+        with _prompt_file(prompts, format, "rf-submit-") as (path, kind):
+            if kind == "file":
+                return self.submit_file(path, opts)
+            if kind == "stream":
                 return self.submit_file(path, opts, source="<stdin>", label="<stdin>")
-            path = str(Path(tmp) / "prompts.jsonl")
-            write_jsonl(prompts, path)  # type: ignore[arg-type]
             return self.submit_file(path, opts, source="<python>", label="prompts", by_item=True)
 
     def options(
@@ -476,18 +470,11 @@ class Client:
         all, before anything is queued (``submit --estimate``; dispatcher/estimate.py): nothing is written
         to Redis or the store.  ``Estimate.to_dict()`` is ``--estimate --json``'s object."""
         opts = self.options(**options)
-        if isinstance(prompts, str | os.PathLike):
-            return self.estimate_file(os.fspath(prompts), opts)
-        with tempfile.TemporaryDirectory(prefix="rf-estimate-") as tmp:
-            if isinstance(prompts, IOBase) or hasattr(prompts, "read"):
-                if format not in ("txt", "jsonl", "csv"):
-                    raise InputError([f"--format: give txt, jsonl or csv for a prompt stream, got {format!r}"])
-                path = str(Path(tmp) / f"prompts.{format}")
-                with open(path, "wb") as out:
-                    shutil.copyfileobj(cast(IO[bytes], prompts), out, 1 << 20)
+        with _prompt_file(prompts, format, "rf-estimate-") as (path, kind):
+            if kind == "file":
+                return self.estimate_file(path, opts)
+            if kind == "stream":
                 return self.estimate_file(path, opts, label="<stdin>")
-            path = str(Path(tmp) / "prompts.jsonl")
-            write_jsonl(prompts, path)  # type: ignore[arg-type]
             return self.estimate_file(path, opts, label="prompts", by_item=True)
 
     def estimate_file(self, path: str, opts: SubmitOptions, *, label: str | None = None, by_item: bool = False) -> Estimate:
@@ -812,3 +799,27 @@ def parse_size(size: str | tuple[int, int]) -> tuple[int, int]:
         return int(w), int(h)
     except ValueError:
         raise InputError([f"--size: expected WIDTHxHEIGHT such as 1024x1024, got {size!r}"]) from None
+
+
+@contextlib.contextmanager
+def _prompt_file(
+    prompts: str | os.PathLike[str] | IO[bytes] | Iterable[PromptLike], format: str | None, prefix: str
+) -> Iterator[tuple[str, str]]:
+    """``prompts`` as a prompt file for :meth:`Client.submit` and :meth:`Client.estimate`: (its path, its
+    kind): ``"file"`` (a path, as given), ``"stream"`` (a binary stream of ``format``, copied to a temporary
+    file) or ``"items"`` (an iterable, written as JSON lines to a temporary file)."""
+    if isinstance(prompts, str | os.PathLike):
+        yield os.fspath(prompts), "file"
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        if isinstance(prompts, IOBase) or hasattr(prompts, "read"):
+            if format not in ("txt", "jsonl", "csv"):
+                raise InputError([f"--format: give txt, jsonl or csv for a prompt stream, got {format!r}"])
+            path = str(Path(tmp) / f"prompts.{format}")
+            with open(path, "wb") as out:
+                shutil.copyfileobj(cast(IO[bytes], prompts), out, 1 << 20)
+            yield path, "stream"
+            return
+        path = str(Path(tmp) / "prompts.jsonl")
+        write_jsonl(prompts, path)  # type: ignore[arg-type]
+        yield path, "items"
