@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from dispatcher.policy import Decision, NodeDecision, PoolState, decide, recent_lost_fraction, to_nodes
 from renderfleet.settings import AutoscaleConfig, PoolConfig
@@ -221,3 +222,12 @@ def test_rule_9_gpus_become_nodes_rounded_up_and_never_below_nodes_with_work_in_
     # One GPU a node: workers, held the same way.
     one = to_nodes(Decision("spot", 3, 2, "in"), SPOT.config, current_nodes=3, busy_nodes=3)
     assert (one.desired, one.reason[:33]) == (3, "keeps 3 worker(s), not 2: 3 hold ")
+
+
+def test_the_local_backend_starts_one_node_supervisor_of_n_gpus_per_node_and_one_worker_elsewhere() -> None:
+    from dispatcher.autoscale import LocalBackend
+
+    pools = {"spot-4x": QUAD.config, "spot": SPOT.config}
+    local = LocalBackend(None, store="/s", env={}, log_dir=Path("/nowhere"), model="tiny", pools=pools)  # type: ignore[arg-type]
+    assert local.start_args("spot-4x") == ["--pool", "spot-4x", "--model", "tiny", "--gpus", "4"]
+    assert local.start_args("spot") == ["--pool", "spot", "--model", "tiny"]  # one GPU a node: a worker, as before
