@@ -203,6 +203,9 @@ class LocalBackend:
         """Workers asked for; a node pool's nodes (supervisors)."""
         return len(self._mine(pool)) + len(self._pending(pool))
 
+    def ready(self, pool: str) -> int:
+        return len(self._mine(pool))
+
     def start_args(self, pool: str) -> list[str]:
         """``renderfleet worker``'s flags for one of ``pool``'s workers, or one node supervisor of its GPUs."""
         args = ["--pool", pool] + (["--model", self.model] if self.model else [])

@@ -20,7 +20,7 @@ import yaml
 
 from dispatcher.autoscale import PublishedBackend
 from dispatcher.http import serve
-from dispatcher.status import fleet_status
+from dispatcher.status import fleet_status, publish_gpus_per_node
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.settings import load_settings
 from renderfleet.store import open_store
@@ -252,8 +252,11 @@ def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: Redis
     assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == {"worker-spot", "worker-baseline"} <= deployments
     client = redis.Redis.from_url(redis_server.url)
     store = open_store(str(tmp_path / "store"))
-    backend = PublishedBackend(client, store.url)
+    pools = _pools(docs, tmp_path)
+    backend = PublishedBackend(client, store.url, pools)  # sizes in pods, published in GPUs (spot: 4 a pod)
     other = PublishedBackend(client, "s3://another-fleet")  # another store's pools on the same Redis
+    # A monitor without the pools file: the GPUs per node the autoscaler published turn GPUs back into pods.
+    publish_gpus_per_node(client, store.url, {name: p.gpus_per_node for name, p in pools.items()})
     server = serve("127.0.0.1:0", lambda: fleet_status(client, store=store), {}, "tok")
     try:
         for i, so in enumerate(scaled):
