@@ -22,25 +22,37 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import redis
 
-from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
+from dispatcher.policy import Decision, NodeDecision, PoolState, decide, over_month, recent_lost_fraction, to_nodes
 from dispatcher.redisload import worker_room
-from dispatcher.status import FleetStatus, counter_hash, fleet_status, json_object, malformed, publish_prices
+from dispatcher.status import (
+    FleetStatus,
+    counter_hash,
+    fleet_status,
+    json_object,
+    malformed,
+    publish_gpus_per_node,
+    publish_prices,
+)
 from renderfleet import keys
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
 from renderfleet.leases import lua_script
+from renderfleet.nodes import NodeState, read_nodes
 from renderfleet.settings import PoolConfig, Settings
 from renderfleet.spec import store_identity, store_tag
 from renderfleet.store import Store
 
 log = logging.getLogger("renderfleet.autoscale")
+
+# A node record whose supervisor still runs its workers (or drains them): a node of the pool.
+_NODE_LIVE = (NodeState.RUNNING, NodeState.DRAINING)
 
 
 def _ratio(stats: dict[str, int], num: str, den: str) -> float | None:
@@ -51,10 +63,11 @@ def _ratio(stats: dict[str, int], num: str, den: str) -> float | None:
 
 
 class Backend(Protocol):
-    """Who starts and stops one pool's workers."""
+    """Who starts and stops one pool's nodes (a node: ``gpus_per_node`` GPUs, a worker each)."""
 
     def size(self, pool: str) -> int:
-        """Workers asked for (running or starting)."""
+        """Nodes asked for (running or starting): instances, pods, node supervisors; workers where a
+        node has one GPU."""
 
     def set_size(self, pool: str, n: int) -> None: ...
 
@@ -134,19 +147,43 @@ class LocalBackend:
     Workers are found through their registrations in Redis (host and pid), so
     a ``renderfleet scale`` in one shell and an ``autoscale`` in another agree;
     only those of ``store`` (the URL its workers are started with, in ``env``).
+    A pool of nodes of several GPUs (``gpus_per_node`` in ``pools``) is sized in
+    nodes: one ``renderfleet worker --gpus N`` node supervisor each, found through
+    its node record (``renderfleet/nodes.py``: host and pid), stopped whole.
     """
 
-    def __init__(self, client: redis.Redis, *, store: str, env: dict[str, str], log_dir: Path, model: str | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        store: str,
+        env: dict[str, str],
+        log_dir: Path,
+        model: str | None = None,
+        pools: Mapping[str, PoolConfig] | None = None,
+    ):
         self.client = client
         self.store = store
         self.env = {**env, "RENDERFLEET_STORE": store}
         self.log_dir = log_dir
         self.model = model
+        self.per_node = {name: cfg.gpus_per_node for name, cfg in (pools or {}).items()}
         self.host = socket.gethostname()
         self._starting: dict[str, list[subprocess.Popen[bytes]]] = {}
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # every worker this backend started, by pid
 
+    def _nodes(self, pool: str) -> bool:
+        return self.per_node.get(pool, 1) > 1
+
     def _mine(self, pool: str) -> list[dict[str, Any]]:
+        """The pool's live workers on this machine; a node pool's: its live node supervisors' records
+        (``pid`` the supervisor's)."""
+        if self._nodes(pool):
+            return [
+                {"worker": n.node, "pid": n.pid, "node": n.node}
+                for n in read_nodes(self.client, store_identity(self.store))
+                if n.pool == pool and n.host == self.host and n.pid and _alive(n.pid) and n.state in _NODE_LIVE
+            ]
         return [
             w
             for w in registered_workers(self.client, pool, self.store)
@@ -154,16 +191,25 @@ class LocalBackend:
         ]
 
     def _pending(self, pool: str) -> list[subprocess.Popen[bytes]]:
-        registered = {int(w["pid"]) for w in registered_workers(self.client, pool, self.store)}
+        if self._nodes(pool):
+            registered = {int(w["pid"]) for w in self._mine(pool)}
+        else:
+            registered = {int(w["pid"]) for w in registered_workers(self.client, pool, self.store)}
         alive = [p for p in self._starting.get(pool, []) if p.poll() is None and p.pid not in registered]
         self._starting[pool] = alive
         return alive
 
     def size(self, pool: str) -> int:
+        """Workers asked for; a node pool's nodes (supervisors)."""
         return len(self._mine(pool)) + len(self._pending(pool))
 
     def ready(self, pool: str) -> int:
         return len(self._mine(pool))
+
+    def start_args(self, pool: str) -> list[str]:
+        """``renderfleet worker``'s flags for one of ``pool``'s workers, or one node supervisor of its GPUs."""
+        args = ["--pool", pool] + (["--model", self.model] if self.model else [])
+        return args + (["--gpus", str(self.per_node[pool])] if self._nodes(pool) else [])
 
     def set_size(self, pool: str, n: int) -> None:
         current = self.size(pool)
@@ -176,20 +222,20 @@ class LocalBackend:
         private_dir(self.log_dir)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_file = self.log_dir / f"worker-{pool}-{stamp}-{len(self._starting.get(pool, []))}.log"
-        args = [sys.executable, "-m", "renderfleet", "worker", "--pool", pool]
-        if self.model:
-            args += ["--model", self.model]
+        args = [sys.executable, "-m", "renderfleet", "worker", *self.start_args(pool)]
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(
                 args, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
         self._starting.setdefault(pool, []).append(proc)
         self._children[proc.pid] = proc
-        log.warning("pool %s: started a worker (pid %d)", pool, proc.pid)
+        log.warning("pool %s: started a %s (pid %d)", pool, "node" if self._nodes(pool) else "worker", proc.pid)
 
     def _stop(self, pool: str, count: int) -> None:
-        """SIGTERM ``count`` workers, idle ones first: the hand-off, never a kill."""
+        """SIGTERM ``count`` workers (nodes), idle ones first: the hand-off, never a kill."""
         busy = busy_workers(self.client)
+        if self._nodes(pool):  # a node is busy while any of its workers is
+            busy = {str(w.get("node")) for w in registered_workers(self.client, pool, self.store) if w["worker"] in busy}
         # Not yet registered: no shard yet, nothing to hand back.
         for proc in self._pending(pool)[:count]:
             proc.send_signal(signal.SIGTERM)
@@ -212,7 +258,7 @@ class LocalBackend:
         host (started by this backend, by ``scale`` in another shell, or by hand).
         """
         pids = {p.pid for pool in pools for p in self._pending(pool)}
-        pids |= {int(w["pid"]) for pool in pools for w in self._mine(pool)}
+        pids |= {int(w["pid"]) for pool in pools for w in self._mine(pool)}  # a node's supervisor, not its workers
         pids = {pid for pid in pids if pid in self._children or _is_worker(pid)}
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -294,15 +340,18 @@ class PublishedBackend:
     size is the workers up.  Both are ``store``'s: another store's pool of the same name on a
     shared Redis is another pool."""
 
-    def __init__(self, client: redis.Redis, store: str):
+    def __init__(self, client: redis.Redis, store: str, pools: Mapping[str, PoolConfig] | None = None):
         self.client = client
         self.store = store
+        self.per_node = {name: cfg.gpus_per_node for name, cfg in (pools or {}).items()}
 
     def size(self, pool: str) -> int:
-        return len(registered_workers(self.client, pool, self.store))
+        """Pods up: the distinct nodes of the pool's workers (a worker on its own is one)."""
+        return len({str(w.get("node") or w["worker"]) for w in registered_workers(self.client, pool, self.store)})
 
     def set_size(self, pool: str, n: int) -> None:
-        self.client.hset(keys.desired(store_tag(self.store)), pool, n)
+        # Published in GPUs, as the autoscaler publishes every decision; /api/autoscale answers in pods.
+        self.client.hset(keys.desired(store_tag(self.store)), pool, n * self.per_node.get(pool, 1))
 
 
 # ---- the loop ---------------------------------------------------------------------
@@ -348,12 +397,14 @@ class Autoscaler:
         self.wall_clock = wall_clock  # the workers' minutes of recent counters are unix time
         self.last_change: dict[str, float] = {}
         self.pending_since: dict[str, float] = {}
+        self.nodes: dict[str, int] = {}  # each pool's nodes asked for, as its backend said this tick
 
     def _state(
         self, name: str, cfg: PoolConfig, stats: dict[str, dict[str, int]], spmps: float, now: float, fleet: FleetStatus
     ) -> PoolState:
         backend = self.backends[name]
-        current = backend.size(name)
+        self.nodes[name] = backend.size(name)
+        current = self.nodes[name] * cfg.gpus_per_node  # policy rule 9: decided in GPUs
         ready = fleet.pool_sizes().get(name, 0)
         if ready < current:
             self.pending_since.setdefault(name, now)
@@ -391,20 +442,26 @@ class Autoscaler:
             for n, c in self.settings.pools.items()
         ]
         decisions = decide(backlog, states, self.settings.autoscale, now, redis_room=worker_room(fleet.redis))
+        busy = busy_nodes(fleet.workers, busy_workers(self.client))
+        capped = {p.name for p in states if over_month(p) is not None}
+        in_nodes = [
+            to_nodes(d, self.settings.pools[d.pool], self.nodes[d.pool], busy.get(d.pool, 0), capped=d.pool in capped)
+            for d in decisions
+        ]
         if not dry_run:
-            for d in decisions:
-                if d.change:
-                    self.backends[d.pool].set_size(d.pool, d.desired)
-                    self.last_change[d.pool] = now
-                    log.warning("pool %s: %d -> %d: %s", d.pool, d.current, d.desired, d.reason)
-            self._publish(decisions)
+            for nd in in_nodes:
+                if nd.change:
+                    self.backends[nd.pool].set_size(nd.pool, nd.desired)
+                    self.last_change[nd.pool] = now
+                    log.warning("pool %s: %d -> %d: %s", nd.pool, nd.current, nd.desired, nd.reason)
+            self._publish(in_nodes)
         jobs = [{"job": j.job, "left": j.to_render, "backlog_seconds": round(j.backlog_seconds, 3)} for j in fleet.jobs]
         return Tick(
             time.time(),
             backlog,
             spmps,
             jobs,
-            [_decision(d) for d in decisions],
+            [_decision(d, nd, self.settings.pools[d.pool].gpus_per_node) for d, nd in zip(decisions, in_nodes, strict=True)],
             [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states],
         )
 
@@ -415,7 +472,7 @@ class Autoscaler:
         rule 8 holds against a pool's ``monthly_budget``."""
         month = time.strftime("%Y-%m", time.gmtime(self.wall_clock()))
         key = keys.pool_month(store_tag(self.store.url), month)
-        priced = {name: cfg.price_per_hour for name, cfg in self.settings.pools.items() if cfg.price_per_hour > 0}
+        priced = {name: p for name, p in self.settings.gpu_prices.items() if p > 0}
         if not priced:
             return {}
         if not count:
@@ -431,10 +488,12 @@ class Autoscaler:
             for name, price in priced.items()
         }
 
-    def _publish(self, decisions: list[Decision]) -> None:
-        """What was decided, and each pool's price, for status and the metrics endpoint."""
-        self.client.hset(keys.desired(store_tag(self.store.url)), mapping={d.pool: d.desired for d in decisions} or {"": 0})
-        publish_prices(self.client, self.store.url, {n: p.price_per_hour for n, p in self.settings.pools.items()})
+    def _publish(self, decisions: list[NodeDecision]) -> None:
+        """What was decided (in GPUs: the nodes asked for times their GPUs), each pool's GPUs per node
+        and price per GPU-hour, for status, KEDA (``/api/autoscale``) and the metrics endpoint."""
+        self.client.hset(keys.desired(store_tag(self.store.url)), mapping={d.pool: d.gpus for d in decisions} or {"": 0})
+        publish_prices(self.client, self.store.url, self.settings.gpu_prices)
+        publish_gpus_per_node(self.client, self.store.url, {n: p.gpus_per_node for n, p in self.settings.pools.items()})
 
     def run_forever(self) -> None:
         while True:
@@ -458,5 +517,24 @@ def _inputs(p: PoolState, default_cold_start: float) -> dict[str, Any]:
     }
 
 
-def _decision(d: Decision) -> dict[str, Any]:
-    return {"pool": d.pool, "current": d.current, "desired": d.desired, "reason": d.reason}
+def _decision(d: Decision, nd: NodeDecision, gpus_per_node: int) -> dict[str, Any]:
+    """A decision in GPUs (workers: ``current``, ``desired``, what is asked of the backend) and nodes."""
+    return {
+        "pool": d.pool,
+        "current": d.current,
+        "desired": nd.gpus,
+        "current_nodes": nd.current,
+        "nodes": nd.desired,
+        "gpus_per_node": gpus_per_node,
+        "reason": nd.reason,
+    }
+
+
+def busy_nodes(workers: list[dict[str, Any]], busy: set[str]) -> dict[str, int]:
+    """Each pool's nodes with work in flight: a worker of ``busy`` (holding a lease) makes its node
+    busy (its registration's ``node``, worker/service.py ``node_fields``; a worker on its own is its node)."""
+    nodes: dict[str, set[str]] = {}
+    for w in workers:
+        if w.get("worker") in busy:
+            nodes.setdefault(str(w.get("pool")), set()).add(str(w.get("node") or w.get("worker")))
+    return {pool: len(ids) for pool, ids in nodes.items()}

@@ -125,16 +125,28 @@ def autoscale_answer(fleet: FleetStatus, pools: Mapping[str, PoolConfig] | None)
     emptied) holds what is up, within its ``min`` and ``max``: a reader such as
     KEDA then neither stops running workers nor wakes new ones, where no number
     at all would be a scaler error.  ``decided`` says which it is.
+    ``desired`` counts pods (nodes: what KEDA sets the replicas to), ``desired_gpus`` the workers they
+    carry: the autoscaler decides in GPUs and publishes them, divided here by the pool's GPUs per node
+    (its config's, else the published one).
     """
-    up = fleet.pool_sizes()
+    up, nodes = fleet.pool_sizes(), fleet.nodes_up()
     names = list(pools or {}) + [p for p in {**up, **fleet.desired} if p not in (pools or {})]
     out = {}
     for name in names:
         workers = up.get(name, 0)
+        cfg = (pools or {}).get(name)
+        per_node = cfg.gpus_per_node if cfg else fleet.gpus_per_node.get(name, 1)
         if name in fleet.desired:
-            desired, decided = fleet.desired[name], True
+            desired, decided = -(-fleet.desired[name] // per_node), True
         else:
-            cfg = (pools or {}).get(name)
-            desired, decided = (max(cfg.min, min(cfg.max, workers)) if cfg else workers), False
-        out[name] = {"workers": workers, "desired": desired, "decided": decided}
+            now = nodes.get(name, 0)
+            desired, decided = (max(cfg.nodes(cfg.min), min(cfg.nodes(cfg.max), now)) if cfg else now), False
+        out[name] = {
+            "workers": workers,
+            "nodes": nodes.get(name, 0),
+            "desired": desired,
+            "desired_gpus": desired * per_node,
+            "gpus_per_node": per_node,
+            "decided": decided,
+        }
     return {"pools": out, "backlog_seconds": fleet.backlog_seconds}

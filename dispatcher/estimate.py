@@ -127,7 +127,7 @@ def pools_for(
             card, card_from = cfg.card, "config"
         elif cards:
             card, card_from = cards.most_common(1)[0][0], "workers"
-        price = cfg.price_per_hour if cfg is not None and cfg.price_per_hour > 0 else published.get(name, 0.0)
+        price = cfg.gpu_price_per_hour if cfg is not None and cfg.gpu_price_per_hour > 0 else published.get(name, 0.0)
         out.append(
             PoolView(name, price, now, max(cfg.max, now) if cfg else now, card, card_from, configured=cfg is not None)
         )

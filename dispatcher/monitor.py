@@ -42,7 +42,15 @@ from dispatcher import lifecycle
 from dispatcher.courier import Courier
 from dispatcher.events import EventLog
 from dispatcher.resume import jobs_redis_forgot, resume, stored_names
-from dispatcher.status import JobStatus, job_status, jobs_of_store, price, publish_prices, published_prices
+from dispatcher.status import (
+    JobStatus,
+    job_status,
+    jobs_of_store,
+    price,
+    publish_gpus_per_node,
+    publish_prices,
+    published_prices,
+)
 from renderfleet import celery_app, keys
 from renderfleet.celery_app import is_store_queue
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
@@ -105,7 +113,8 @@ class Monitor:
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
         # a monitor given the pools' config tells status their prices (so does the autoscaler)
-        publish_prices(self.client, self.store.url, {n: p.price_per_hour for n, p in self.settings.pools.items()})
+        publish_prices(self.client, self.store.url, self.settings.gpu_prices)
+        publish_gpus_per_node(self.client, self.store.url, {n: p.gpus_per_node for n, p in self.settings.pools.items()})
         reap_once(self.leases, self.publish, owner=self.owner, election=self.election)
         for queue in self.feeder.queues():  # as every worker does: the feeding needs neither
             if is_store_queue(queue, self.store.url):

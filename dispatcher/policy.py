@@ -31,7 +31,11 @@ The rules, each with its unit test:
 8. a pool whose spend this calendar month (``month_spend``: its workers' up-time at its
    price, counted by the autoscaler) has reached its ``monthly_budget`` goes to 0, its ``min``
    and the cool-down notwithstanding, and the backlog is sized on the other pools as if it
-   had none (:func:`over_month`).
+   had none (:func:`over_month`);
+9. a pool of nodes of several GPUs (``gpus_per_node``) is decided in GPUs, a worker each, and
+   always in whole nodes: a pool grows by whole nodes (rounded up), shrinks one node at a time,
+   and its backend is asked for nodes (:func:`to_nodes`), never fewer than those with work in
+   flight (a node is stopped whole: every shard on it would be handed back).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class PoolState:
 
     name: str
     config: PoolConfig
-    current: int  # workers asked for (the backend's size)
+    current: int  # workers asked for (GPUs: the backend's nodes times gpus_per_node)
     ready: int  # workers up and taking work
     speed: float = 1.0  # work-seconds cleared per second by one worker (measured; 1.0 = reference)
     lost_fraction: float = 0.0  # recent share of its work lost to reclaims (0..1)
@@ -74,7 +78,7 @@ class PoolState:
 
     @property
     def cost_per_work_second(self) -> float:
-        return self.config.price_per_hour / 3600.0 / self.rate
+        return self.config.gpu_price_per_hour / 3600.0 / self.rate
 
 
 def recent_lost_fraction(
@@ -134,7 +138,7 @@ def over_month(pool: PoolState) -> str | None:
         return None
     return (
         f"monthly budget reached: {pool.month_spend:.2f} of {cap:g} spent this month (its workers' up-time at "
-        f"{pool.config.price_per_hour:g}/h): none until the month ends or the budget is raised"
+        f"{pool.config.gpu_price_per_hour:g} per GPU-hour): none until the month ends or the budget is raised"
     )
 
 
@@ -148,14 +152,55 @@ def _within_room(decisions: list[Decision], pools: Sequence[PoolState], room: in
         limit = f"{limit}; {booting} asked for and not up yet"
     cost = {p.name: p.cost_per_work_second for p in pools}
     capped = {}
+    per_node = {p.name: p.config.gpus_per_node for p in pools}
     for d in sorted((d for d in decisions if d.change > 0), key=lambda d: cost[d.pool]):
-        allowed = min(d.change, max(room, 0))
+        allowed = min(d.change, max(room, 0)) // per_node[d.pool] * per_node[d.pool]  # rule 9: whole nodes
         room -= allowed
         if allowed < d.change:
             capped[d.pool] = Decision(
                 d.pool, d.current, d.current + allowed, f"{d.current + allowed}, not {d.desired}: {limit} ({d.reason})"
             )
     return [capped.get(d.pool, d) for d in decisions]
+
+
+def _whole_nodes(gpus: int, pool: PoolState) -> int:
+    """Rule 9: ``gpus`` rounded up to whole nodes of ``pool``."""
+    return pool.config.nodes(gpus) * pool.config.gpus_per_node
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """A pool's decision as its backend takes it: nodes (instances, pods, node supervisors)."""
+
+    pool: str
+    current: int  # nodes asked for now
+    desired: int  # nodes to ask for
+    gpus: int  # the GPUs those nodes carry (workers)
+    reason: str
+
+    @property
+    def change(self) -> int:
+        return self.desired - self.current
+
+
+def to_nodes(
+    decision: Decision, config: PoolConfig, current_nodes: int, busy_nodes: int, *, capped: bool = False
+) -> NodeDecision:
+    """Rule 9: the nodes that carry ``decision``'s GPUs, rounded up, and never fewer than the
+    ``busy_nodes`` (of the ``current_nodes``) that hold work in flight: a node goes whole, so a scale-in
+    waits for a node to be idle rather than hand back every shard on it.  A pool at its monthly budget
+    (``capped``, rule 8) goes down all the same: money is the one reason to hand work back."""
+    per_node = config.gpus_per_node
+    nodes = config.nodes(decision.desired)
+    reason = decision.reason
+    held = min(busy_nodes, current_nodes)
+    if nodes < held and not capped:
+        unit = "node(s)" if per_node > 1 else "worker(s)"
+        reason = f"keeps {held} {unit}, not {nodes}: {held} hold work in flight ({reason})"
+        nodes = held
+    elif per_node > 1:
+        reason = f"{nodes} node(s) of {per_node} GPUs: {reason}"
+    return NodeDecision(decision.pool, current_nodes, nodes, nodes * per_node, reason)
 
 
 def _cold_start(pool: PoolState, cfg: AutoscaleConfig) -> float:
@@ -202,12 +247,12 @@ def _targets(
         cap = p.config.max
         if _starved(p, cfg, now):
             cap = max(p.config.min, min(p.ready, cap))  # policy rule 5: no more from here
-        n = max(p.config.min, min(cap, math.ceil(missing / p.rate - 1e-9)))
+        n = max(p.config.min, min(_whole_nodes(cap, p), _whole_nodes(math.ceil(missing / p.rate - 1e-9), p)))
         targets[p.name] = n
         missing -= (n - p.config.min) * p.rate
         why[p.name] = (
             f"backlog {backlog:.0f} s of work, to clear in {cfg.drain_seconds:.0f} s needs "
-            f"{needed:.2f} workers' worth; {n} here at {p.config.price_per_hour:g}/h"
+            f"{needed:.2f} workers' worth; {n} here at {p.config.gpu_price_per_hour:g}/h"
             + (
                 f" (each counted at {p.rate / max(p.speed, 1e-6):.0%}: recent reclaims threw away "
                 f"{p.lost_fraction:.0%} of its work)"
@@ -220,7 +265,7 @@ def _targets(
     for p in sorted(base, key=lambda p: p.cost_per_work_second):
         if missing <= 0:
             break
-        n = min(p.config.max, p.config.min + math.ceil(missing / p.rate - 1e-9))
+        n = min(p.config.max, _whole_nodes(p.config.min + math.ceil(missing / p.rate - 1e-9), p))
         missing -= (n - p.config.min) * p.rate
         targets[p.name] = n
         why[p.name] = f"spot cannot take the overflow: baseline grows to {n} (max {p.config.max})"
@@ -258,7 +303,9 @@ def _apply_scale_in_rules(
         if not p.is_spot and spot_above_min:
             out.append(Decision(p.name, p.current, p.current, "would shrink, but spot shrinks first"))
             continue
-        after = rate - p.rate
+        # Rule 9: one step is one node; its GPUs go together.
+        step = min(p.config.gpus_per_node, p.current - p.config.min)
+        after = rate - p.rate * step
         if backlog > 0 and (after <= 0 or backlog / after > cfg.scale_in_margin * cfg.drain_seconds):
             out.append(
                 Decision(
@@ -269,6 +316,6 @@ def _apply_scale_in_rules(
                 )
             )
             continue
-        out.append(Decision(p.name, p.current, p.current - 1, "one step in: " + why[p.name]))
+        out.append(Decision(p.name, p.current, p.current - step, "one step in: " + why[p.name]))
         rate = after
     return out

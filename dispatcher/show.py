@@ -344,6 +344,18 @@ def render_status(
     return shown
 
 
+def pool_line(pool: str, f: dict[str, int | None]) -> str:
+    """``spot 2 up / 3 wanted``; a pool of nodes of several GPUs in nodes and GPUs:
+    ``spot-4x 1 node, 4 GPUs up / 2 nodes, 8 GPUs wanted``."""
+    wanted = f["desired_gpus"]
+    if f["gpus_per_node"] == 1 and f["nodes"] == f["gpus"]:
+        return f"{pool} {f['gpus']} up" + (f" / {wanted} wanted" if wanted is not None else "")
+    up = f"{counted(f['nodes'] or 0, 'node')}, {counted(f['gpus'] or 0, 'GPU')} up"
+    if wanted is None:
+        return f"{pool} {up}"
+    return f"{pool} {up} / {counted(f['desired_nodes'] or 0, 'node')}, {counted(wanted, 'GPU')} wanted"
+
+
 def events_line(u: Undelivered, ids: dict[str, str]) -> str:
     """A job's undelivered events in one line: how many, to where, the attempts and the last error."""
     return (
@@ -401,7 +413,6 @@ def _render(
         parts.append(
             Text(f"({fleet.other_stores} job(s) of other stores on this Redis not shown: set RENDERFLEET_STORE to see them)")
         )
-    sizes = fleet.pool_sizes()
     if fleet.backlog_seconds or fleet.desired:
         parts.append(
             Text(
@@ -409,10 +420,14 @@ def _render(
                 f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step"
             )
         )
-    if fleet.desired:
-        parts.append(
-            Text("pools: " + ", ".join(f"{p} {sizes.get(p, 0)} up / {n} wanted" for p, n in sorted(fleet.desired.items())))
-        )
+    # Each decided pool, and each of nodes of several GPUs: nodes and GPUs, up and wanted.
+    shown = {
+        p: f
+        for p, f in fleet.pool_nodes().items()
+        if p in fleet.desired or f["gpus_per_node"] != 1 or f["nodes"] != f["gpus"]
+    }
+    if shown:
+        parts.append(Text("pools: " + ", ".join(pool_line(p, f) for p, f in shown.items())))
     if fleet.pool_gpu_time:
         pools = [PoolTime(p, s, fleet.pool_costs.get(p, {})) for p, s in fleet.pool_gpu_time.items()]
         table, gone = fitted(console, "GPU time by pool", pool_time_columns(), pools, wide=wide)

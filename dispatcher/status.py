@@ -198,7 +198,8 @@ class FleetStatus:
     other_stores: int = 0  # jobs this Redis counts for stores other than the one read
     backlog_seconds: float = 0.0  # of the jobs shown
     seconds_per_mpstep: float = 0.0  # the fleet's measured speed (or the default estimate)
-    desired: dict[str, int] = field(default_factory=dict)  # pool -> size the autoscaler last decided
+    desired: dict[str, int] = field(default_factory=dict)  # pool -> size the autoscaler last decided (GPUs)
+    gpus_per_node: dict[str, int] = field(default_factory=dict)  # pool -> GPUs per node, as published (else 1)
     reaped: int = 0  # expired leases whose shard was re-queued, ever (every store's)
     store: str = ""  # the store shown (spec.store_identity)
     prices: dict[str, float] = field(default_factory=dict)  # pool -> price per hour the costs were counted at
@@ -224,6 +225,7 @@ class FleetStatus:
             "backlog_seconds": round(self.backlog_seconds, 3),
             "seconds_per_mpstep": self.seconds_per_mpstep,
             "pool_sizes": self.pool_sizes(),
+            "pool_nodes": self.pool_nodes(),
             "desired": self.desired,
             "leases_reaped": self.reaped,
             "prices": self.prices,
@@ -240,6 +242,29 @@ class FleetStatus:
         for w in self.workers:
             sizes[str(w.get("pool"))] = sizes.get(str(w.get("pool")), 0) + 1
         return sizes
+
+    def nodes_up(self) -> dict[str, int]:
+        """Nodes up, by pool: the distinct nodes of its workers (a worker on its own is a node)."""
+        nodes: dict[str, set[str]] = {}
+        for i, w in enumerate(self.workers):
+            nodes.setdefault(str(w.get("pool")), set()).add(str(w.get("node") or w.get("worker") or f"#{i}"))
+        return {pool: len(ids) for pool, ids in nodes.items()}
+
+    def pool_nodes(self) -> dict[str, dict[str, int | None]]:
+        """Each pool's nodes and GPUs, up and wanted (None: no autoscaler decided), and its GPUs per node."""
+        up, gpus = self.nodes_up(), self.pool_sizes()
+        out: dict[str, dict[str, int | None]] = {}
+        for pool in sorted(set(gpus) | set(self.desired)):
+            per_node = self.gpus_per_node.get(pool, 1)
+            wanted = self.desired.get(pool)
+            out[pool] = {
+                "gpus_per_node": per_node,
+                "nodes": up.get(pool, 0),
+                "gpus": gpus.get(pool, 0),
+                "desired_nodes": None if wanted is None else -(-wanted // per_node),
+                "desired_gpus": wanted,
+            }
+        return out
 
 
 # Where a worker's time went (worker/gputime.py; its counters are "<use>_ms"), adding up to its life, and
@@ -672,6 +697,19 @@ def publish_prices(client: redis.Redis, store_url: str, prices: dict[str, float]
         client.hset(keys.prices(store_tag(store_url)), mapping=priced)
 
 
+def publish_gpus_per_node(client: redis.Redis, store_url: str, per_node: dict[str, int]) -> None:
+    """Tell every reader of ``store_url``'s fleet each pool's GPUs per node (``keys.gpus_per_node``),
+    written with the prices: ``status`` shows nodes, ``/api/autoscale`` answers KEDA in pods."""
+    if per_node:
+        client.hset(keys.gpus_per_node(store_tag(store_url)), mapping={pool: str(n) for pool, n in per_node.items()})
+
+
+def published_gpus_per_node(client: redis.Redis, store_url: str) -> dict[str, int]:
+    """What :func:`publish_gpus_per_node` wrote (a malformed or non-positive one skipped)."""
+    where = keys.gpus_per_node(store_tag(store_url))
+    return {pool: n for pool, n in counter_hash(client.hgetall(where), where).items() if n >= 1}
+
+
 def published_prices(client: redis.Redis, store_url: str) -> dict[str, float]:
     """The prices :func:`publish_prices` wrote for ``store_url``'s pools (a malformed one skipped)."""
     where = keys.prices(store_tag(store_url))
@@ -869,6 +907,7 @@ def fleet_status(
             status.pending[job_state.queue] = status.pending.get(job_state.queue, 0) + job_state.shards_pending
         status.jobs.append(job_state)
     status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
+    status.gpus_per_node = published_gpus_per_node(client, store.url)
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     status.redis = redis_load(client)
     status.nodes = read_nodes(client, status.store)

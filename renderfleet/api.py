@@ -509,7 +509,7 @@ class Client:
 
     def _prices(self) -> dict[str, float]:
         """Each configured pool's price per hour (the settings' config; what the fleet published fills in)."""
-        return {name: pool.price_per_hour for name, pool in self.settings.pools.items() if pool.price_per_hour > 0}
+        return {name: p for name, p in self.settings.gpu_prices.items() if p > 0}
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (from code or the CLI): its id, a unique prefix of it as
@@ -529,7 +529,7 @@ class Client:
         the settings' config."""
         from dispatcher.status import fleet_status
 
-        prices = {name: pool.price_per_hour for name, pool in self.settings.pools.items()}
+        prices = self.settings.gpu_prices
         return fleet_status(self.redis, store=self.store, prices=prices, fold_finished=True)
 
 
@@ -592,7 +592,7 @@ class Job:
         :meth:`status`."""
         from dispatcher.status import fleet_status
 
-        prices = {name: pool.price_per_hour for name, pool in self.client.settings.pools.items()}
+        prices = self.client.settings.gpu_prices
         return fleet_status(self.client.redis, [self.id], store=self.client.store, prices=prices).jobs[0]
 
     def wait(
@@ -689,7 +689,7 @@ class Job:
         prices = None
         if records:
             pools = self.client.settings.pools
-            configured = {name: pool.price_per_hour for name, pool in pools.items() if pool.price_per_hour > 0}
+            configured = {name: pool.gpu_price_per_hour for name, pool in pools.items() if pool.gpu_price_per_hour > 0}
             prices = {**published_prices(self.client.redis, self.client.store.url), **configured}
         if not self.client.redis.exists(keys.job(self.id)):
             return results(self.client.store, self.id, prices=prices)

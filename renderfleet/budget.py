@@ -1,7 +1,7 @@
 """A job's budget: the most it may spend, and what happens when its spend reaches it.
 
 A job's spend is its GPU time by pool (``render_ms.<pool>`` in ``keys.job_stats``, counted by the
-workers' ledgers) times each pool's price per hour (``keys.prices``, published by whoever has the
+workers' ledgers) times each pool's price per GPU-hour (``keys.prices``, published by whoever has the
 pools' config): what ``status`` shows as its cost.  ``submit --budget USD`` writes the cap in the
 job's hash (``budget``); the check runs where the GPU time is counted, inside the fence check's
 script (``renderfleet/lua/fence.lua``), so it is atomic and costs no round trip: once the spend, and

@@ -709,7 +709,7 @@ def status(
     from dispatcher.status import deleted_job, fleet_status
     from renderfleet.store import open_store
 
-    prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
+    prices = settings.gpu_prices
     with _user_errors():
         _, client, _ = _connect(settings)
         store = open_store(settings.store_url, settings.s3_options)
@@ -849,7 +849,7 @@ def _prices(settings: Settings, store: Any) -> dict[str, float]:
 
     found = _running_redis(settings)
     published = published_prices(found[1], store.url) if found is not None else {}
-    return {**published, **{name: pool.price_per_hour for name, pool in settings.pools.items() if pool.price_per_hour > 0}}
+    return {**published, **{name: p for name, p in settings.gpu_prices.items() if p > 0}}
 
 
 def _attempts(settings: Settings, job: str) -> dict[int, int] | None:
@@ -884,7 +884,7 @@ def resume(
         job = _job_id(settings, job, client, store)
         if (gone := deleted(client, job)) is not None:
             raise gone
-        prices = {name: pool.price_per_hour for name, pool in settings.pools.items() if pool.price_per_hour > 0}
+        prices = {name: p for name, p in settings.gpu_prices.items() if p > 0}
         prices = {**published_prices(client, store.url), **prices} if budget is not None else prices
         report = do_resume(job, store=store, app=celery, client=client, uncancel=True, budget=budget, prices=prices)
     # Nothing enqueued while prompts lack an image: they are in shards already pending, queued
@@ -992,7 +992,7 @@ def monitor(
             from dispatcher.http import serve
             from dispatcher.status import fleet_status
 
-            prices = {name: pool.price_per_hour for name, pool in settings.pools.items()}
+            prices = settings.gpu_prices
             server = serve(
                 http,
                 # with the check status makes: a job with work left whose workers load their model, or
@@ -1033,10 +1033,12 @@ def _autoscaler(settings: Settings) -> Any:
     store = open_store(settings.store_url, settings.s3_options)
     env = {**os.environ, "RENDERFLEET_REDIS_URL": url}
     kinds: dict[str, Backend] = {  # each sizes this store's pools only
-        "local": LocalBackend(client, store=store.url, env=env, log_dir=settings.home / "logs" / "autoscale"),
+        "local": LocalBackend(
+            client, store=store.url, env=env, log_dir=settings.home / "logs" / "autoscale", pools=settings.pools
+        ),
         "aws": AwsBackend(settings.pools),
         "kubernetes": KubernetesBackend(settings.pools),
-        "keda": PublishedBackend(client, store.url),
+        "keda": PublishedBackend(client, store.url, settings.pools),
     }
     return Autoscaler(settings, client, store, {name: kinds[pool.backend] for name, pool in settings.pools.items()})
 
@@ -1044,7 +1046,7 @@ def _autoscaler(settings: Settings) -> Any:
 @app.command()
 def scale(
     pool: Annotated[str, typer.Argument(metavar="POOL", help="a pool of the config file")],
-    size: Annotated[int, typer.Argument(metavar="N", help="workers wanted")],
+    size: Annotated[int, typer.Argument(metavar="N", help="workers (GPUs) wanted: whole nodes of the pool's")],
     config: ConfigOpt = None,
 ) -> None:
     """Set one pool's size now, through its backend (local: worker processes on this machine)."""
@@ -1056,10 +1058,14 @@ def scale(
             raise InputError([f"POOL: no pool {pool!r} in {settings.config} (pools: {', '.join(settings.pools)})"])
         if size < 0:
             raise InputError([f"N: must not be negative, got {size}"])
-        backend = scaler.backends[pool]
+        backend, cfg = scaler.backends[pool], settings.pools[pool]
         before = backend.size(pool)
-        backend.set_size(pool, size)
-    _err(f"pool {pool}: {before} -> {counted(size, 'worker')} (idle ones stop first, by the hand-off)")
+        backend.set_size(pool, cfg.nodes(size))  # a backend counts nodes: ceil(GPUs / gpus_per_node)
+    nodes = f" on {counted(cfg.nodes(size), 'node')} of {cfg.gpus_per_node} GPUs" if cfg.gpus_per_node > 1 else ""
+    _err(
+        f"pool {pool}: {before * cfg.gpus_per_node} -> {counted(cfg.nodes(size) * cfg.gpus_per_node, 'worker')}{nodes} "
+        "(idle ones stop first, by the hand-off)"
+    )
 
 
 @app.command()
@@ -1257,7 +1263,7 @@ def bench(
             {f"{price_per_hour:g}/h": price_per_hour}
             if price_per_hour is not None
             else {
-                f"{name} ({pool.kind}, {pool.price_per_hour:g}/h)": pool.price_per_hour
+                f"{name} ({pool.kind}, {pool.gpu_price_per_hour:g}/h)": pool.gpu_price_per_hour
                 for name, pool in settings.pools.items()
             }
         )

@@ -224,8 +224,16 @@ def desired(store_tag: str) -> str:
     return f"rf:desired:{store_tag}"
 
 
+def gpus_per_node(store_tag: str) -> str:
+    """hash pool -> GPUs on one node of the pool (a worker each), published with the prices by the
+    autoscaler and a monitor that has the pools' config: ``status`` shows nodes beside GPUs and
+    ``/api/autoscale`` answers KEDA in nodes (pods) with it."""
+    return f"rf:gpus-per-node:{store_tag}"
+
+
 def prices(store_tag: str) -> str:
-    """hash pool -> price of one worker per hour, as published for the store tagged ``store_tag`` by
+    """hash pool -> price of one worker (one GPU) per hour (a node's price divided by its GPUs: settings
+    ``gpu_price_per_hour``), as published for the store tagged ``store_tag`` by
     whoever has the pools' config: the autoscaler, a monitor or a worker (``status`` reads it, and
     ``renderfleet/lua/fence.lua`` counts a job's spend against its budget at it)."""
     return f"rf:prices:{store_tag}"

@@ -59,6 +59,7 @@ class NodeRecord:
     state: NodeState = NodeState.RUNNING
     gpus: list[GpuRecord] = field(default_factory=list)
     updated: float = 0.0  # unix time of the write
+    pid: int = 0  # the supervisor's process: the local backend stops the node through it
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -86,6 +87,7 @@ class NodeRecord:
                 NodeState(data.get("state", NodeState.RUNNING)),
                 gpus,
                 float(data.get("updated", 0.0)),
+                int(data.get("pid", 0)),
             )
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None

@@ -104,8 +104,15 @@ class PoolConfig(BaseModel):
 
     # on-demand: the warm floor, always up; spot: overflow, sized by the backlog.
     kind: Literal["on-demand", "spot"] = "on-demand"
-    # Price of one worker (one GPU) per hour, in the user's currency.
+    # Price per hour, in the user's currency, of one GPU (one worker) or one node: as price_per says.
     price_per_hour: float = Field(default=0.0, ge=0)
+    # What price_per_hour is the price of: "gpu" or "node" (a node's is divided by gpus_per_node, once,
+    # in gpu_price_per_hour: every cost, budget and estimate counts GPU-hours).
+    price_per: Literal["gpu", "node"] = "gpu"
+    # GPUs on one node of this pool (g6.12xlarge: 4), a worker each under `worker --gpus`: the
+    # autoscaler decides in GPUs and asks the backend for nodes (docs/pools.md, "Nodes with several GPUs").
+    gpus_per_node: int = Field(default=1, ge=1, le=64)
+    # The fewest and most workers (GPUs): whole nodes, multiples of gpus_per_node.
     min: int = Field(default=0, ge=0)
     max: int = Field(default=1, ge=0)
     # The card of its workers as a worker names it in `status --json` ("NVIDIA H100 80GB HBM3"):
@@ -128,12 +135,31 @@ class PoolConfig(BaseModel):
     def _check_bounds(self) -> PoolConfig:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        for key, value in (("min", self.min), ("max", self.max)):
+            if value % self.gpus_per_node:
+                # A part of a node cannot be started: say which whole numbers would do.
+                low = value // self.gpus_per_node * self.gpus_per_node
+                whole = " or ".join(str(n) for n in (low, low + self.gpus_per_node) if n or key == "min")
+                raise ValueError(
+                    f"{key} = {value} is not a whole number of nodes of gpus_per_node = {self.gpus_per_node} "
+                    f"GPUs ({key} counts GPUs, a worker each): give {whole}"
+                )
         if self.monthly_budget is not None and self.price_per_hour <= 0:
             raise ValueError(
                 f"monthly_budget = {self.monthly_budget:g} needs a price_per_hour (the spend is counted "
                 "at it), and the pool has none"
             )
         return self
+
+    @property
+    def gpu_price_per_hour(self) -> float:
+        """Price of one GPU (one worker) per hour: what every cost is counted at (status, budgets,
+        estimates, the published prices); a node's price divided by its GPUs, here and nowhere else."""
+        return self.price_per_hour / self.gpus_per_node if self.price_per == "node" else self.price_per_hour
+
+    def nodes(self, gpus: int) -> int:
+        """The nodes that carry ``gpus`` GPUs: rounded up (a part of a node is a whole node)."""
+        return -(-max(gpus, 0) // self.gpus_per_node)
 
 
 class AutoscaleConfig(BaseModel):
@@ -474,6 +500,11 @@ class Settings(BaseSettings):
         if value <= 0:
             raise ValueError(f"must be positive: {value}")
         return value
+
+    @property
+    def gpu_prices(self) -> dict[str, float]:
+        """Each pool's price per GPU-hour (0: none): the one conversion of a node's price."""
+        return {name: pool.gpu_price_per_hour for name, pool in self.pools.items()}
 
     @property
     def store_url(self) -> str:

@@ -105,6 +105,13 @@ class WorkerProc:
             cwd=REPO,
         )
 
+    @classmethod
+    def adopt(cls, proc: subprocess.Popen[bytes], log: Path) -> WorkerProc:
+        """One started elsewhere (the local backend) in its own session, writing to ``log``."""
+        self = cls.__new__(cls)
+        self.log, self._out, self.proc = log, open(log, "ab"), proc  # noqa: SIM115
+        return self
+
     @property
     def pid(self) -> int:
         return self.proc.pid

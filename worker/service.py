@@ -225,8 +225,8 @@ class WorkerService:
         pipe = self.client.pipeline()
         pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
         pool = self.settings.pools.get(self.settings.pool)
-        if pool is not None and pool.price_per_hour > 0:  # its config knows its pool's price: status counts costs
-            pipe.hset(keys.prices(self.store_tag), self.settings.pool, f"{pool.price_per_hour:g}")
+        if pool is not None and pool.gpu_price_per_hour > 0:  # its config knows its pool's price: status counts costs
+            pipe.hset(keys.prices(self.store_tag), self.settings.pool, f"{pool.gpu_price_per_hour:g}")
         pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
         pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")

@@ -304,7 +304,7 @@ def run_node(settings: Settings, worker_args: list[str]) -> int:
     node = f"{host}-{os.getpid()}"
     store = store_identity(open_store(settings.store_url, settings.s3_options).url)
     client = redisconn.client(url, socket_timeout=10, health_check_interval=10)
-    board = NodeBoard(client, NodeRecord(node, host, settings.pool, store))
+    board = NodeBoard(client, NodeRecord(node, host, settings.pool, store, pid=os.getpid()))
     board.prune()
     policy = NodePolicy([label for label, _ in gpus])
     supervisor = NodeSupervisor(

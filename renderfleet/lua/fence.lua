@@ -6,7 +6,7 @@
 --
 -- A job with a budget (keys.job 'budget', renderfleet/budget.py) has its spend checked here, where its
 -- GPU time is counted, so the check is atomic and costs no round trip of its own: the job's GPU-ms by
--- pool (render_ms.<pool>) times each pool's price per hour (keys.prices).  The job is marked
+-- pool (render_ms.<pool>) times each pool's price per GPU-hour (keys.prices).  The job is marked
 -- (budget_reached, budget_spent, and cancelled: from here it stops as a cancel stops it, the feeder
 -- skipping it) once that spend, and one more batch like the one these counters carry, reach the
 -- budget: the worker renders its next batch while this one commits (docs/design.md, "Invariants"),

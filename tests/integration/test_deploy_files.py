@@ -20,7 +20,7 @@ import yaml
 
 from dispatcher.autoscale import PublishedBackend
 from dispatcher.http import serve
-from dispatcher.status import fleet_status
+from dispatcher.status import fleet_status, publish_gpus_per_node
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.settings import load_settings
 from renderfleet.store import open_store
@@ -176,7 +176,8 @@ def test_the_baseline_overlay_keeps_every_worker_off_spot_nodes() -> None:
         assert all(
             e["operator"] in ("NotIn", "DoesNotExist") for t in _affinity_terms(deployment) for e in t["matchExpressions"]
         )
-        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+        # The workers' grace (25 s), and the node supervisor's 5 s more before it kills a worker (spot: 4 GPUs).
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == (35 if "spot" in name else 30)
 
 
 def test_workers_may_patch_their_pods_and_know_their_pod_name() -> None:
@@ -219,6 +220,31 @@ def test_the_pools_configmap_is_a_valid_pools_file(tmp_path: Path, overlay: str,
         ]
 
 
+@pytest.mark.parametrize("overlay", ["baseline", "keda", "spot"])
+def test_each_pools_pods_request_its_gpus_per_node_and_run_a_node_supervisor_where_it_has_several(
+    tmp_path: Path, overlay: str
+) -> None:
+    docs = documents(overlay)
+    pools = _pools(docs, tmp_path)
+    assert pools["spot"].gpus_per_node == 4 and pools["baseline"].gpus_per_node == 1  # one pool of each
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d["spec"] for d in docs if d["kind"] == "ScaledObject"}
+    for pool in pools.values():
+        pod = find(docs, "Deployment", pool.deployment)["spec"]["template"]["spec"]
+        worker = pod["containers"][0]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == pool.gpus_per_node
+        # Several GPUs: one supervisor, a worker per GPU the device plugin gave the pod, each with its metrics port.
+        assert ("--gpus" in worker["args"]) == (pool.gpus_per_node > 1)
+        if pool.gpus_per_node > 1:
+            assert worker["args"][worker["args"].index("--gpus") + 1] == "all"
+            port = int(worker["args"][worker["args"].index("--metrics-port") + 1])
+            named = {p["name"]: p["containerPort"] for p in worker["ports"]}
+            assert named == {"metrics": port, **{f"metrics-gpu{g}": port + g for g in range(1, pool.gpus_per_node)}}
+        if pool.deployment in scaled:  # KEDA counts pods: the pool's max in nodes
+            assert scaled[pool.deployment]["maxReplicaCount"] == pool.nodes(pool.max)
+            assert scaled[pool.deployment]["minReplicaCount"] == pool.nodes(pool.min)
+    assert bool(scaled) == (overlay == "keda")
+
+
 def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: RedisServerProcess, tmp_path: Path) -> None:
     docs = documents("keda")
     scaled = [d for d in docs if d["kind"] == "ScaledObject"]
@@ -226,8 +252,11 @@ def test_each_scaled_object_reads_a_field_the_monitor_serves(redis_server: Redis
     assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == {"worker-spot", "worker-baseline"} <= deployments
     client = redis.Redis.from_url(redis_server.url)
     store = open_store(str(tmp_path / "store"))
-    backend = PublishedBackend(client, store.url)
+    pools = _pools(docs, tmp_path)
+    backend = PublishedBackend(client, store.url, pools)  # sizes in pods, published in GPUs (spot: 4 a pod)
     other = PublishedBackend(client, "s3://another-fleet")  # another store's pools on the same Redis
+    # A monitor without the pools file: the GPUs per node the autoscaler published turn GPUs back into pods.
+    publish_gpus_per_node(client, store.url, {name: p.gpus_per_node for name, p in pools.items()})
     server = serve("127.0.0.1:0", lambda: fleet_status(client, store=store), {}, "tok")
     try:
         for i, so in enumerate(scaled):
@@ -264,4 +293,8 @@ def test_the_compose_file_parses_and_runs_the_images_the_dockerfiles_build() -> 
     for s in ours.values():
         assert "${RENDERFLEET_REDIS_PASSWORD" in s["environment"]["RENDERFLEET_REDIS_URL"]
     assert "ports" not in services["redis"]  # Redis is reachable only on the compose network
+    # The spot service is a node: a device list, one supervisor over what it lists.
+    spot = services["worker-spot"]
+    (devices,) = spot["deploy"]["resources"]["reservations"]["devices"]
+    assert devices["device_ids"] and "count" not in devices and spot["command"][-2:] == ["--gpus", "all"]
     assert "--requirepass" in " ".join(services["redis"]["command"])

@@ -152,11 +152,12 @@ def test_api_autoscale_answers_every_configured_pool_before_the_first_decision(
         before = answer()
         # No workers up and nothing decided: each pool holds what is up, within its bounds.
         assert {p: (a["desired"], a["decided"]) for p, a in before.items()} == {
-            name: (cfg.min, False) for name, cfg in pools.items()
+            name: (cfg.nodes(cfg.min), False) for name, cfg in pools.items()
         }
-        PublishedBackend(client, store.url).set_size("spot", 5)
+        PublishedBackend(client, store.url, pools).set_size("spot", 5)  # 5 pods of the manifests' 4 GPUs each
         after = answer()
         assert after["spot"]["desired"] == 5 and after["spot"]["decided"] is True
+        assert (after["spot"]["desired_gpus"], after["spot"]["gpus_per_node"]) == (20, 4)
         assert after["baseline"]["decided"] is False
     finally:
         server.shutdown()

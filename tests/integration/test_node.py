@@ -24,9 +24,11 @@ from typing import Any
 import pytest
 import redis
 
+from dispatcher.autoscale import LocalBackend
 from renderfleet import failpoints, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.nodes import GpuState, NodeRecord
+from renderfleet.settings import PoolConfig
 from testing.fleet import REPO, WorkerProc, base_env, bench, bench_worker, cli, status_now, wait_for, write_prompts
 from testing.metadata import FakeMetadata
 from testing.servers import MotoServer
@@ -246,18 +248,28 @@ def test_one_spot_notice_to_the_node_drains_every_worker_within_the_window_and_n
         assert st["done"] < 12 and st["shards_running"] == 0 and client.zcard(keys.INFLIGHT) == 0
 
 
-def test_a_node_whose_every_gpu_fails_exits_4_and_status_says_to_replace_it(
+def test_a_node_whose_every_gpu_fails_exits_4_and_status_says_to_replace_it_and_the_local_backend_starts_another(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list
 ) -> None:
     # The failpoint for every GPU: every worker meets it.
     env = node_env(tmp_path, redis_server.url, 2, 0.05, **{failpoints.VARIABLE: CUDA_ERROR})
     client = redis.Redis.from_url(redis_server.url)
-    node = start_node(env, tmp_path, procs)
+    # Started as the autoscaler's local backend starts a node of a pool of 2 GPUs a node: one supervisor
+    # (`worker --gpus 2`), sized in nodes.
+    pools = {"default": PoolConfig(gpus_per_node=2, max=2)}
+    backend = LocalBackend(client, store=env["RENDERFLEET_STORE"], env=env, log_dir=tmp_path / "logs", pools=pools)
+    backend.set_size("default", 1)
+    (proc,) = backend._children.values()
+    node = WorkerProc.adopt(proc, next((tmp_path / "logs").glob("worker-default-*.log")))
+    procs.append(node)
+    assert backend.size("default") == 1  # starting: not recorded yet
     all_up(client, node, 2)
+    assert backend.size("default") == 1  # one node (its record), not its two workers
     submit(env, write_prompts(tmp_path / "p.txt", 8), 0.05, "--shard-size", "2", "--batch-size", "2")
     assert node.proc.wait(60) == 4, node.output()[-3000:]
     assert states(client) == {"0": "retired", "1": "retired"}
     assert "every GPU retired: replace the node" in cli(env, "status").stdout
+    assert backend.size("default") == 0  # a node to replace is no node of the pool: the autoscaler starts another
 
 
 def test_a_node_refuses_stand_in_gpus_without_their_allowance_a_missing_cuda_and_a_refused_configuration(

@@ -38,13 +38,23 @@ kind = "spot"
 min = 0
 max = 4
 
+[pools.quad]               # nodes of 4 GPUs, priced per node, sized through KEDA (in pods)
+kind = "spot"
+price_per_hour = 4.0
+price_per = "node"
+gpus_per_node = 4
+min = 0
+max = 8
+backend = "keda"
+deployment = "worker-quad"
+
 [autoscale]
 cold_start_seconds = 300
 reclaim_window_seconds = 900
 """
 
 
-def test_the_policy_sees_recent_reclaim_loss_and_the_measured_cold_start(
+def test_the_policy_sees_recent_reclaim_loss_the_measured_cold_start_and_nodes_of_several_gpus(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
     client = redis.Redis.from_url(redis_server.url)
@@ -91,3 +101,35 @@ def test_the_policy_sees_recent_reclaim_loss_and_the_measured_cold_start(
     env["RENDERFLEET_AUTOSCALE__RECLAIM_WINDOW_SECONDS"] = "3600"
     tick = json.loads(cli(env, "autoscale", "--once", "--dry-run", "--json").stdout.strip().splitlines()[-1])
     assert {p["pool"]: p for p in tick["pools"]}["spot"]["lost_fraction"] == round(104 / 116, 3)
+
+    # A node of 4 GPUs (a supervisor's workers, each registering its node) and one more node's worker,
+    # one of the first node's holding a shard. Nothing to render: the pool shrinks a node at a time, and
+    # never below the nodes with work in flight (a node goes whole).
+    for node, gpu in (("quad-h-1", "0"), ("quad-h-1", "1"), ("quad-h-1", "2"), ("quad-h-1", "3"), ("quad-h-2", "0")):
+        service = WorkerService(
+            settings=Settings(home=tmp_path, pool="quad", node=node, node_gpu=gpu),
+            client=client,
+            store=LocalStore(tmp_path / "store"),
+            renderer=None,
+            model="tiny",
+            stop=StopSignal(),
+            publish=lambda m: None,
+            worker_id=f"{node}-gpu{gpu}",
+        )
+        service.register(device="cpu", load_seconds=1.0)
+        service.runner.close()
+    client.zadd(keys.INFLIGHT, {"job:7": 2**40})  # a lease held by GPU 2 of the first node
+    client.hset(f"{keys.LEASE_PREFIX}job:7", "worker", "quad-h-1-gpu2")
+    tick = json.loads(cli(env, "autoscale", "--once", "--dry-run", "--json").stdout.strip().splitlines()[-1])
+    quad = {d["pool"]: d for d in tick["decisions"]}["quad"]
+    assert (quad["current_nodes"], quad["current"], quad["gpus_per_node"]) == (2, 8, 4)
+    assert (quad["nodes"], quad["desired"]) == (1, 4), quad  # one node at a time
+    assert quad["reason"].startswith("1 node(s) of 4 GPUs: one step in"), quad
+    assert {p["pool"]: p for p in tick["pools"]}["quad"]["ready"] == 5
+    # Both nodes busy: neither is stopped under its work.
+    client.zadd(keys.INFLIGHT, {"job:8": 2**40})
+    client.hset(f"{keys.LEASE_PREFIX}job:8", "worker", "quad-h-2-gpu0")
+    tick = json.loads(cli(env, "autoscale", "--once", "--dry-run", "--json").stdout.strip().splitlines()[-1])
+    quad = {d["pool"]: d for d in tick["decisions"]}["quad"]
+    assert (quad["nodes"], quad["desired"]) == (2, 8), quad
+    assert quad["reason"].startswith("keeps 2 node(s), not 1: 2 hold work in flight"), quad

@@ -178,22 +178,49 @@ def test_the_user_data_starts_a_worker_with_every_variable_it_needs(pool: str) -
     fields = {f"RENDERFLEET_{name.upper()}" for name in Settings.model_fields}
     assert {k for k in env if k.startswith("RENDERFLEET_")} <= fields
     assert run[run.index("--pool") + 1] == pool and "--gpus" in run and "--env-file" in run
-    # Docker's stop timeout covers the worker's grace for the batch in flight.
-    assert int(run[run.index("--stop-timeout") + 1]) > int(env["RENDERFLEET_SIGTERM_GRACE_SECONDS"])
+    # The image's flags: a node supervisor of every GPU of the instance (a worker each).
+    assert run[run.index("--pool") - 1] == "$IMAGE" and run[run.index("--pool") + 2 :] == ["--gpus", "all"]
+    # Docker's stop timeout covers the workers' grace for the batch in flight and the supervisor's 5 s after it.
+    assert int(run[run.index("--stop-timeout") + 1]) > int(env["RENDERFLEET_SIGTERM_GRACE_SECONDS"]) + 5
     assert (env.get("RENDERFLEET_RECLAIM_WATCH") == "on") == (pool == "spot")
 
 
-def test_the_pools_file_the_stack_outputs_is_one_autoscale_accepts() -> None:
-    text = sub_text(template()["Outputs"]["PoolsFile"]["Value"])
+@pytest.mark.parametrize(
+    ("baseline_type", "spot_gpus", "sizes", "per_node"),
+    [("g5.xlarge", "1", ("1", "4", "16"), (1, 1)), ("g6.12xlarge", "4", ("4", "8", "16"), (4, 4))],
+)
+def test_the_pools_file_the_stack_outputs_is_one_autoscale_accepts(
+    baseline_type: str, spot_gpus: str, sizes: tuple[str, str, str], per_node: tuple[int, int]
+) -> None:
+    value = template()["Outputs"]["PoolsFile"]["Value"]["Fn::Sub"]
+    text, variables = value
+    # The baseline's GPUs per node come from its instance type, the spot pool's from its parameter.
+    assert variables["BaselineGpus"] == {"Fn::FindInMap": ["GpusPerInstance", {"Ref": "BaselineInstanceType"}, "Gpus"]}
+    assert variables["SpotGpus"] == {"Ref": "SpotGpusPerInstance"}
     filled = (
         text.replace("${BaselineGroup}", "rf-baseline")
         .replace("${SpotGroup}", "rf-spot")
         .replace("${AWS::Region}", "eu-west-1")
-        .replace("${BaselineMin}", "1")
-        .replace("${BaselineMax}", "4")
-        .replace("${SpotMax}", "16")
+        .replace("${BaselineMin}", sizes[0])
+        .replace("${BaselineMax}", sizes[1])
+        .replace("${SpotMax}", sizes[2])
+        .replace("${BaselineGpus}", str(template()["Mappings"]["GpusPerInstance"][baseline_type]["Gpus"]))
+        .replace("${SpotGpus}", spot_gpus)
     )
     assert "${" not in filled
     pools = {name: PoolConfig(**table) for name, table in tomllib.loads(filled)["pools"].items()}
     check_pools(pools, "PoolsFile")
     assert {p.autoscaling_group for p in pools.values()} == {"rf-baseline", "rf-spot"}
+    assert (pools["baseline"].gpus_per_node, pools["spot"].gpus_per_node) == per_node
+
+
+def test_each_pool_may_take_an_instance_type_of_several_gpus_and_says_how_many() -> None:
+    params, gpus = template()["Parameters"], template()["Mappings"]["GpusPerInstance"]
+    # Every type the baseline may take has its GPUs in the mapping, multi-GPU nodes among them.
+    assert params["BaselineInstanceType"]["AllowedValues"] == list(gpus)
+    assert gpus["g6.12xlarge"] == {"Gpus": 4} and gpus["p5.48xlarge"] == {"Gpus": 8}
+    assert {1, 4, 8} <= {g["Gpus"] for g in gpus.values()}
+    assert params["SpotGpusPerInstance"]["AllowedValues"] == [1, 4, 8]
+    # The groups count instances and the pools GPUs: no group floor above what the autoscaler keeps.
+    groups = resources("AWS::AutoScaling::AutoScalingGroup")
+    assert groups["BaselineGroup"]["MinSize"] == 0 and groups["BaselineGroup"]["MaxSize"] == {"Ref": "BaselineMax"}

@@ -28,8 +28,36 @@ def test_api_autoscale_holds_what_is_up_within_bounds_until_a_pool_is_decided() 
     pools = {"baseline": PoolConfig(min=1, max=4), "spot": PoolConfig(kind="spot", min=0, max=2)}
     up = [{"pool": "spot"}] * 3 + [{"pool": "other"}]
     fleet = FleetStatus(workers=up, desired={"baseline": 2})
-    answer = autoscale_answer(fleet, pools)["pools"]
-    assert answer["baseline"] == {"workers": 0, "desired": 2, "decided": True}
-    assert answer["spot"] == {"workers": 3, "desired": 2, "decided": False}  # 3 up, max 2
-    assert answer["other"] == {"workers": 1, "desired": 1, "decided": False}  # not configured: what is up
+    answer = {p: (a["workers"], a["desired"], a["decided"]) for p, a in autoscale_answer(fleet, pools)["pools"].items()}
+    assert answer["baseline"] == (0, 2, True)
+    assert answer["spot"] == (3, 2, False)  # 3 up, max 2
+    assert answer["other"] == (1, 1, False)  # not configured: what is up
     assert autoscale_answer(FleetStatus(), pools)["pools"]["baseline"]["desired"] == 1  # nothing up: its min
+
+
+def test_api_autoscale_answers_kedas_replicas_in_nodes_of_several_gpus() -> None:
+    """The autoscaler publishes GPUs; KEDA sets pods: a pool of 4-GPU nodes is answered in nodes."""
+    pools = {"big": PoolConfig(kind="spot", gpus_per_node=4, min=0, max=16), "one": PoolConfig(max=4)}
+    node = [{"pool": "big", "worker": f"big-gpu{g}", "node": "n1"} for g in range(4)]
+    fleet = FleetStatus(workers=[*node, {"pool": "big", "worker": "big-gpu0-b", "node": "n2"}], desired={"big": 12})
+    answer = autoscale_answer(fleet, pools)["pools"]
+    assert answer["big"] == {
+        "workers": 5,
+        "nodes": 2,
+        "desired": 3,  # pods: 12 GPUs on nodes of 4
+        "desired_gpus": 12,
+        "gpus_per_node": 4,
+        "decided": True,
+    }
+    assert answer["one"]["desired"] == 0 and answer["one"]["gpus_per_node"] == 1
+    # Undecided: the nodes up, within the bounds in nodes; without the config, the published GPUs per node.
+    fleet = FleetStatus(workers=node, gpus_per_node={"big": 4}, desired={"big": 8})
+    assert autoscale_answer(fleet, {})["pools"]["big"]["desired"] == 2
+    assert autoscale_answer(FleetStatus(workers=node), pools)["pools"]["big"]["desired"] == 1
+    assert fleet.pool_nodes()["big"] == {
+        "gpus_per_node": 4,
+        "nodes": 1,
+        "gpus": 4,
+        "desired_nodes": 2,
+        "desired_gpus": 8,
+    }

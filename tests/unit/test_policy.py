@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
-from dispatcher.policy import Decision, PoolState, decide, recent_lost_fraction
+from dispatcher.policy import Decision, NodeDecision, PoolState, decide, recent_lost_fraction, to_nodes
 from renderfleet.settings import AutoscaleConfig, PoolConfig
 
 CFG = AutoscaleConfig(drain_seconds=600, cooldown_seconds=120, cold_start_seconds=60, scale_in_margin=0.7)
@@ -169,3 +170,64 @@ def test_rule_7_workers_asked_for_and_not_up_yet_take_their_share_of_the_room_fi
     # Booting workers beyond the room: nothing more, never fewer than asked for already.
     stuck = replace(booting, current=8, ready=1)
     assert sizes(decide(12_000, [BASE, stuck], CFG, NOW, redis_room=(4, "busy")))["spot-h100"] == 8
+
+
+# Rule 9: nodes of several GPUs. Four GPUs a node (g6.12xlarge), priced per node.
+QUAD = PoolState(
+    "spot-4x",
+    PoolConfig(kind="spot", price_per_hour=3.2, price_per="node", gpus_per_node=4, min=0, max=16),
+    current=0,
+    ready=0,
+)
+
+
+def test_rule_9_a_pool_of_nodes_grows_in_whole_nodes_and_is_priced_per_gpu() -> None:
+    # 3,000 s needs 5 workers' worth: 4 beyond the baseline, one node; 5 beyond it, two nodes (8 GPUs).
+    assert sizes(decide(3_000, [BASE, QUAD], CFG, NOW))["spot-4x"] == 4
+    out = decide(3_600, [BASE, QUAD], CFG, NOW)
+    assert sizes(out)["spot-4x"] == 8 and "at 0.8/h" in out[1].reason  # 3.2 a node of 4: 0.8 a GPU
+    assert QUAD.cost_per_work_second == SPOT.cost_per_work_second  # the same price per GPU-hour as SPOT's
+    assert sizes(decide(60_000, [BASE, QUAD], CFG, NOW))["spot-4x"] == 16  # its max, whole nodes
+    # Redis's room for 6 more workers gives one node of 4, never a part of a second.
+    assert sizes(decide(60_000, [BASE, QUAD], CFG, NOW, redis_room=(6, "Redis")))["spot-4x"] == 4
+
+
+def test_rule_9_a_pool_of_nodes_shrinks_a_node_at_a_time() -> None:
+    big = replace(QUAD, current=12, ready=12, last_change=NOW - 1_000)
+    (_, spot) = decide(0, [BASE, big], CFG, NOW)
+    assert spot.desired == 8 and spot.reason.startswith("one step in")
+    # Hysteresis counts the whole node: 3 nodes clear 2,000 s in 154 s; 2 would take 222 s, within 420.
+    assert sizes(decide(2_000, [BASE, big], CFG, NOW))["spot-4x"] == 8
+    # 4,000 s: without the node, 444 s > 0.7 x 600: it stays.
+    assert sizes(decide(4_000, [BASE, big], CFG, NOW))["spot-4x"] == 12
+
+
+def test_rule_9_gpus_become_nodes_rounded_up_and_never_below_nodes_with_work_in_flight() -> None:
+    cfg = QUAD.config
+    grow = Decision("spot-4x", 4, 8, "backlog")
+    assert to_nodes(grow, cfg, current_nodes=1, busy_nodes=1) == NodeDecision(
+        "spot-4x", 1, 2, 8, "2 node(s) of 4 GPUs: backlog"
+    )
+    assert to_nodes(Decision("spot-4x", 0, 5, "x"), cfg, 0, 0).desired == 2  # 5 GPUs: 2 nodes, rounded up
+    # Down to one node, but all three hold a shard: none is stopped under its work.
+    shrink = to_nodes(Decision("spot-4x", 12, 4, "one step in"), cfg, current_nodes=3, busy_nodes=3)
+    assert (shrink.desired, shrink.gpus, shrink.change) == (3, 12, 0)
+    assert shrink.reason.startswith("keeps 3 node(s), not 1: 3 hold work in flight")
+    # Two busy: one node goes (the idle one: the backends pick idle first).
+    assert to_nodes(Decision("spot-4x", 12, 4, "in"), cfg, 3, 2).desired == 2
+    # Busy nodes never make a pool grow (a node busy and already asked to go is not asked back).
+    assert to_nodes(Decision("spot-4x", 4, 0, "in"), cfg, current_nodes=1, busy_nodes=2).desired == 1
+    # The monthly budget (rule 8) stops it all the same: money is the one reason to hand work back.
+    assert to_nodes(Decision("spot-4x", 12, 0, "budget"), cfg, 3, 3, capped=True).desired == 0
+    # One GPU a node: workers, held the same way.
+    one = to_nodes(Decision("spot", 3, 2, "in"), SPOT.config, current_nodes=3, busy_nodes=3)
+    assert (one.desired, one.reason[:33]) == (3, "keeps 3 worker(s), not 2: 3 hold ")
+
+
+def test_the_local_backend_starts_one_node_supervisor_of_n_gpus_per_node_and_one_worker_elsewhere() -> None:
+    from dispatcher.autoscale import LocalBackend
+
+    pools = {"spot-4x": QUAD.config, "spot": SPOT.config}
+    local = LocalBackend(None, store="/s", env={}, log_dir=Path("/nowhere"), model="tiny", pools=pools)  # type: ignore[arg-type]
+    assert local.start_args("spot-4x") == ["--pool", "spot-4x", "--model", "tiny", "--gpus", "4"]
+    assert local.start_args("spot") == ["--pool", "spot", "--model", "tiny"]  # one GPU a node: a worker, as before

@@ -200,3 +200,22 @@ def test_a_job_whose_every_prompt_is_quarantined_or_that_failed_is_failed_never_
     assert "failed" in rows["j-model-failed"] and "cancelled" not in rows["j-model-failed"]
     assert "done" in rows["j-rendered"]
     assert text.count("could not be loaded") == 1 and text.count("every prompt (200) was quarantined") == 1
+
+
+def test_status_shows_each_pool_in_nodes_and_gpus_where_a_node_has_several() -> None:
+    fleet = _fleet(active=1, finished=0)
+    node = [{"worker": f"quad-h-gpu{g}-1", "pool": "quad", "node": "h-77", "model": "tiny"} for g in range(4)]
+    fleet.workers += node
+    fleet.desired, fleet.gpus_per_node = {"quad": 8, "default": 1}, {"quad": 4, "default": 1}
+    (line,) = [line for line in _lines(fleet) if line.startswith("pools:")]
+    assert line == "pools: default 1 up / 1 wanted, quad 1 node, 4 GPUs up / 2 nodes, 8 GPUs wanted"
+    assert fleet.to_dict()["pool_nodes"]["quad"] == {
+        "gpus_per_node": 4,
+        "nodes": 1,
+        "gpus": 4,
+        "desired_nodes": 2,
+        "desired_gpus": 8,
+    }
+    # Nothing decided, nothing published: a supervisor's workers still show as one node.
+    fleet.desired, fleet.gpus_per_node = {}, {}
+    assert [line for line in _lines(fleet) if line.startswith("pools:")] == ["pools: quad 1 node, 4 GPUs up"]
