@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from dispatcher.status import FleetStatus
 from dispatcher.submit import SubmitOptions, check_options, job_id
 from renderfleet import cards
 from renderfleet.errors import InputError
@@ -73,3 +76,46 @@ def test_card_rows_give_images_per_minute_per_worker_and_cost_per_image_cheapest
     # A malformed counter counts as nothing, and a worker with no card is "unknown".
     (odd,) = cards.card_rows([{"pool": "p", "images": "x", "render_ms": "-5"}], {})
     assert odd.card == "unknown" and odd.images == 0 and odd.images_per_minute is None
+
+
+def test_the_autoscaler_takes_a_pools_speed_from_its_cards_record_for_the_backlogs_kind_of_image(tmp_path: Path) -> None:
+    """Policy rule 9's inputs: the pool's card (its config's, else its workers'), and the speed measured there
+    for the backlog's model and size, read from the store (a folder store here) once a minute at most."""
+    from dispatcher.autoscale import Autoscaler, BacklogKind, pool_card
+    from dispatcher.policy import CARD, PoolState
+    from renderfleet import speeds
+    from renderfleet.settings import PoolConfig, Settings
+    from renderfleet.store import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    spec = JobSpec(
+        job="j-1", params=RenderParams(model="m", steps=4, width=512, height=512), total=9, shard_size=3, batch_size=4
+    )
+    kind = BacklogKind(spec, work_seconds_per_image=0.15)
+    speeds.add(store, kind.wanted("NVIDIA L4").key, 100, 200.0, source="bench")  # 2 s an image on the L4
+    speeds.add(store, replace(kind.wanted("NVIDIA L4").key, width=1024), 100, 800.0, source="bench")  # another size
+    now = [0.0]
+    scaler = Autoscaler(Settings(), None, store, {}, clock=lambda: now[0])  # type: ignore[arg-type]
+    workers = [
+        {"pool": "spot-a", "card": "NVIDIA L4"},
+        {"pool": "spot-a", "card": "NVIDIA L4"},
+        {"pool": "spot-b", "card": "x"},
+    ]
+    assert pool_card(PoolConfig(card="NVIDIA H100 80GB HBM3"), workers, "spot-a") == "NVIDIA H100 80GB HBM3"
+    assert pool_card(PoolConfig(), workers, "spot-a") == "NVIDIA L4" and pool_card(PoolConfig(), workers, "none") == ""
+
+    fleet = FleetStatus(workers=workers)
+    a = scaler._card_speed(PoolState("spot-a", PoolConfig(kind="spot"), 0, 0), kind, fleet)
+    assert (a.measured, a.card, a.seconds_per_image) == (CARD, "NVIDIA L4", 2.0)
+    assert a.speed == pytest.approx(0.15 / 2.0) and a.routed_for == "m 512x512, 4 steps, batch 4"
+    # A card with nothing measured for this kind of image keeps what its counters said (here: nothing).
+    b = scaler._card_speed(PoolState("b", PoolConfig(kind="spot", card="NVIDIA T4"), 0, 0), kind, fleet)
+    assert (b.measured, b.card, b.seconds_per_image, b.speed) == ("", "NVIDIA T4", None, 1.0)
+    # Read once a minute: a record written since is used only once the minute is over.
+    speeds.add(store, kind.wanted("NVIDIA T4").key, 100, 300.0, source="bench")
+    assert (
+        scaler._card_speed(PoolState("spot-b", PoolConfig(kind="spot", card="NVIDIA T4"), 0, 0), kind, fleet).measured == ""
+    )
+    now[0] = 61.0
+    t4 = scaler._card_speed(PoolState("spot-b", PoolConfig(kind="spot", card="NVIDIA T4"), 0, 0), kind, fleet)
+    assert (t4.measured, t4.seconds_per_image) == (CARD, 3.0)
