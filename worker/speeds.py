@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from renderfleet import speeds
 from renderfleet.spec import Prompt, RenderParams
 from renderfleet.store import Store
+from worker.benchrender import BENCH_DEVICE
 
 log = logging.getLogger("renderfleet.speeds")
 
@@ -61,14 +62,14 @@ def vram_for(device: str, bench_card: str = "") -> float | None:
         except (RuntimeError, AssertionError, ImportError) as exc:  # a size is worth no failed start
             log.warning("cannot read the memory of device %s: %s", device, exc)
             return None
-    if bench_card and not device.startswith(("cpu", "mps")):
+    if bench_card and device == BENCH_DEVICE:
         return float(bench_card.rpartition(":")[2])
     return None
 
 
 def bench_card_name(device: str, bench_card: str = "") -> str:
     """:func:`card_for`, or a bench model's stand-in card's name (``bench_card``: NAME:GB) where a test gives one."""
-    if bench_card and not device.startswith(("cuda", "cpu", "mps")):
+    if bench_card and device == BENCH_DEVICE:
         return f"{bench_card.rpartition(':')[0]} (bench model)"
     return card_for(device)
 

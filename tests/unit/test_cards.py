@@ -119,3 +119,24 @@ def test_the_autoscaler_takes_a_pools_speed_from_its_cards_record_for_the_backlo
     now[0] = 61.0
     t4 = scaler._card_speed(PoolState("spot-b", PoolConfig(kind="spot", card="NVIDIA T4"), 0, 0), kind, fleet)
     assert (t4.measured, t4.seconds_per_image) == (CARD, 3.0)
+
+
+def test_a_worker_names_its_cards_memory_and_only_a_bench_model_takes_a_stand_in_card() -> None:
+    from worker.benchrender import BENCH_DEVICE
+    from worker.speeds import bench_card_name, vram_for
+
+    assert vram_for("cpu") is None and vram_for(BENCH_DEVICE) is None  # no card: no memory to name
+    assert vram_for(BENCH_DEVICE, "big:80") == 80 and bench_card_name(BENCH_DEVICE, "big:80") == "big (bench model)"
+    assert vram_for("cpu", "big:80") is None and vram_for("xpu:0", "big:80") is None  # a real device reports its own
+    assert bench_card_name(BENCH_DEVICE) == BENCH_DEVICE
+
+
+def test_the_python_api_takes_min_vram_and_checks_it_as_the_flag() -> None:
+    from renderfleet.api import Client
+    from renderfleet.settings import Settings
+
+    client = Client(Settings())
+    assert client.options(model="tiny", min_vram=40).min_vram == 40
+    assert client.options(model="tiny").min_vram == 0
+    with pytest.raises(InputError, match="--min-vram: a card's memory in GB"):
+        client.options(model="tiny", min_vram=-1)
