@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -29,7 +30,17 @@ from typing import Any, Protocol
 
 import redis
 
-from dispatcher.policy import Decision, NodeDecision, PoolState, decide, over_month, recent_lost_fraction, to_nodes
+from dispatcher.policy import (
+    CARD,
+    POOL,
+    Decision,
+    NodeDecision,
+    PoolState,
+    decide,
+    over_month,
+    recent_lost_fraction,
+    to_nodes,
+)
 from dispatcher.redisload import worker_room
 from dispatcher.status import (
     FleetStatus,
@@ -40,13 +51,13 @@ from dispatcher.status import (
     publish_gpus_per_node,
     publish_prices,
 )
-from renderfleet import keys
+from renderfleet import keys, speeds
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
 from renderfleet.leases import lua_script
 from renderfleet.nodes import NodeState, read_nodes
 from renderfleet.settings import PoolConfig, Settings
-from renderfleet.spec import store_identity, store_tag
+from renderfleet.spec import JobSpec, store_identity, store_tag
 from renderfleet.store import Store
 
 log = logging.getLogger("renderfleet.autoscale")
@@ -375,6 +386,35 @@ class Tick:
 
 # Starting a worker process before its model loads (interpreter, imports, Redis).
 PROCESS_START_SECONDS = 5.0
+# How long a model's speed records (renderfleet/speeds.py) are used before they are read again: a worker
+# writes a key at most every speeds.WRITE_SECONDS, and a tick comes every few seconds.
+SPEEDS_READ_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class BacklogKind:
+    """The kind of image most of the backlog is (policy rule 10): the job with the most seconds of work left."""
+
+    spec: JobSpec
+    work_seconds_per_image: float  # one image's work on the reference worker (the backlog's unit)
+
+    def wanted(self, card: str) -> speeds.Wanted:
+        p = self.spec.params
+        return speeds.Wanted(
+            speeds.SpeedKey(p.model, p.revision, p.width, p.height, p.steps, tuple(p.stages), card, self.spec.batch_size)
+        )
+
+    def describe(self) -> str:
+        """``sd-turbo 512x512, 4 steps, batch 4``."""
+        return f"{self.spec.params.model} {self.wanted('').key.describe()}"
+
+
+def pool_card(cfg: PoolConfig, workers: list[dict[str, Any]], pool: str) -> str:
+    """A pool's card: the config's ``card``, else the one most of its live workers report ('' unknown)."""
+    if cfg.card:
+        return cfg.card
+    named = [str(w.get("card")) for w in workers if w.get("pool") == pool and w.get("card")]
+    return max(set(named), key=named.count) if named else ""
 
 
 class Autoscaler:
@@ -398,6 +438,51 @@ class Autoscaler:
         self.last_change: dict[str, float] = {}
         self.pending_since: dict[str, float] = {}
         self.nodes: dict[str, int] = {}  # each pool's nodes asked for, as its backend said this tick
+        self._speeds: dict[str, tuple[float, list[speeds.SpeedRecord]]] = {}  # model -> (read at, its records)
+
+    def backlog_kind(self, fleet: FleetStatus) -> BacklogKind | None:
+        """Policy rule 10's kind of image: the job with the most work left (its registration in Redis); None
+        with no backlog or a registration that cannot be read."""
+        left = [j for j in fleet.jobs if j.to_render and j.backlog_seconds > 0]
+        if not left:
+            return None
+        top = max(left, key=lambda j: j.backlog_seconds)
+        try:
+            spec = JobSpec.from_json(self.client.hget(keys.job(top.job), "spec") or b"")
+        except (ValueError, KeyError, TypeError):
+            return None
+        return BacklogKind(spec, top.backlog_seconds / top.to_render)
+
+    def records(self, model: str) -> list[speeds.SpeedRecord]:
+        """``model``'s speed records, read from the store at most every :data:`SPEEDS_READ_SECONDS`;
+        a store that cannot answer leaves the last ones read (none: nothing measured)."""
+        now = self.clock()
+        at, records = self._speeds.get(model, (-math.inf, []))
+        if now - at >= SPEEDS_READ_SECONDS:
+            try:
+                records = speeds.records_of(self.store, model)
+            except Exception as exc:  # the store's trouble is no reason to stop sizing pools
+                log.warning("autoscale: speed records of %s not read: %s: %s", model, type(exc).__name__, exc)
+            self._speeds[model] = (now, records)
+        return records
+
+    def _card_speed(self, state: PoolState, kind: BacklogKind | None, fleet: FleetStatus) -> PoolState:
+        """Policy rule 10: ``state`` with its speed measured on its card for the backlog's kind of image, if the
+        store has that record; else as its counters had it."""
+        card = pool_card(state.config, fleet.workers, state.name)
+        if kind is None or not card:
+            return replace(state, card=card)
+        found = speeds.speed_for(self.records(kind.spec.params.model), kind.wanted(card))
+        if found.basis != speeds.MEASURED:
+            return replace(state, card=card)
+        return replace(
+            state,
+            card=card,
+            speed=kind.work_seconds_per_image / found.seconds_per_image,
+            measured=CARD,
+            seconds_per_image=found.seconds_per_image,
+            routed_for=kind.describe(),
+        )
 
     def _state(
         self, name: str, cfg: PoolConfig, stats: dict[str, dict[str, int]], spmps: float, now: float, fleet: FleetStatus
@@ -430,6 +515,7 @@ class Autoscaler:
             cold_start_seconds=cold,
             last_change=self.last_change.get(name),
             pending_since=self.pending_since.get(name),
+            measured=POOL if own else "",
         )
 
     def tick(self, *, dry_run: bool = False) -> Tick:
@@ -437,8 +523,11 @@ class Autoscaler:
         fleet = fleet_status(self.client, store=self.store)
         stats, spmps, backlog = fleet.pools, fleet.seconds_per_mpstep, fleet.backlog_seconds
         spent = self.month_spend(fleet, count=not dry_run)
+        kind = self.backlog_kind(fleet)
         states = [
-            replace(self._state(n, c, stats, spmps, now, fleet), month_spend=spent.get(n, 0.0))
+            replace(
+                self._card_speed(self._state(n, c, stats, spmps, now, fleet), kind, fleet), month_spend=spent.get(n, 0.0)
+            )
             for n, c in self.settings.pools.items()
         ]
         decisions = decide(backlog, states, self.settings.autoscale, now, redis_room=worker_room(fleet.redis))
@@ -514,6 +603,9 @@ def _inputs(p: PoolState, default_cold_start: float) -> dict[str, Any]:
         "cold_start_seconds": round(p.cold_start_seconds or default_cold_start, 1),
         "cold_start_measured": p.cold_start_seconds is not None,
         "month_spend": round(p.month_spend, 4),
+        "card": p.card,
+        "measured": p.measured,  # what its speed rests on (policy rule 10): card, pool or '' (nothing)
+        "seconds_per_image": p.seconds_per_image,
     }
 
 

@@ -92,6 +92,7 @@ def register_job(
             "store": store,
             "life": spec.life,
             "name": spec.name,  # apart: looked up among every job (dispatcher/jobids.py), read by no worker
+            "min_vram": f"{spec.min_vram:g}",  # read by a worker at accept (renderfleet/cards.py)
         },
     )
     if stored:

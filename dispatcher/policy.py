@@ -36,6 +36,11 @@ The rules, each with its unit test:
    always in whole nodes: a pool grows by whole nodes (rounded up), shrinks one node at a time,
    and its backend is asked for nodes (:func:`to_nodes`), never fewer than those with work in
    flight (a node is stopped whole: every shard on it would be handed back).
+10. which pool fills first (rules 2 and 5) is decided by measured cost per image: a pool's speed is
+    taken from the speed measured on its card for the backlog's model and size where the store has
+    one (``renderfleet/speeds.py``: price per hour x measured seconds per image), else from its own
+    counters; pools measured either way fill cheapest first, those with nothing measured after them
+    in the configured order (the pools file's), and their reasons say so (:func:`fill_order`).
 """
 
 from __future__ import annotations
@@ -65,6 +70,12 @@ class PoolState:
     pending_since: float | None = None  # since when it has fewer ready workers than asked for
     no_capacity: bool = False  # the backend says it cannot get more
     month_spend: float = 0.0  # what its workers cost this calendar month so far (rule 8)
+    # What ``speed`` rests on (rule 10): CARD (the speed records of the backlog's model and size on its
+    # card), POOL (its own counters, every model together) or "" (nothing measured: 1.0, the reference).
+    measured: str = ""
+    card: str = ""  # its card (the config's ``card``, else its live workers'); '' unknown
+    seconds_per_image: float | None = None  # measured on it for the backlog's model and size (CARD)
+    routed_for: str = ""  # that model and size, in words (CARD): "sd-turbo 512x512, 4 steps"
 
     @property
     def is_spot(self) -> bool:
@@ -79,6 +90,31 @@ class PoolState:
     @property
     def cost_per_work_second(self) -> float:
         return self.config.gpu_price_per_hour / 3600.0 / self.rate
+
+    def routing_note(self, anything_measured: bool) -> str:
+        """Why it fills where it does among its kind (rule 10), in words; '' for a pool measured by its counters."""
+        if self.measured == CARD and self.seconds_per_image is not None:
+            per_image = self.config.price_per_hour * self.seconds_per_image / 3600
+            return (
+                f"; {per_image:.4g} per image measured on {self.card} ({self.seconds_per_image:.3g} s each, "
+                f"{self.routed_for})"
+            )
+        if self.measured:
+            return ""
+        if anything_measured:
+            return "; nothing measured on it yet: after the measured pools, in the configured order"
+        return "; nothing measured yet on any pool: the configured order"
+
+
+CARD = "card"  # PoolState.measured: from the speed records of its card (rule 10)
+POOL = "pool"  # from its own counters
+
+
+def fill_order(pools: Sequence[PoolState]) -> list[PoolState]:
+    """Rule 9: ``pools`` (in the configured order) in the order they fill: those measured (on their card for
+    the backlog's model and size, or by their own counters) cheapest per image first, then the rest as configured."""
+    position = {p.name: i for i, p in enumerate(pools)}
+    return sorted(pools, key=lambda p: (0, p.cost_per_work_second, 0) if p.measured else (1, 0.0, position[p.name]))
 
 
 def recent_lost_fraction(
@@ -150,10 +186,10 @@ def _within_room(decisions: list[Decision], pools: Sequence[PoolState], room: in
     if booting:
         room -= booting
         limit = f"{limit}; {booting} asked for and not up yet"
-    cost = {p.name: p.cost_per_work_second for p in pools}
+    rank = {p.name: i for i, p in enumerate(fill_order(pools))}  # rule 10's order
     capped = {}
     per_node = {p.name: p.config.gpus_per_node for p in pools}
-    for d in sorted((d for d in decisions if d.change > 0), key=lambda d: cost[d.pool]):
+    for d in sorted((d for d in decisions if d.change > 0), key=lambda d: rank[d.pool]):
         allowed = min(d.change, max(room, 0)) // per_node[d.pool] * per_node[d.pool]  # rule 9: whole nodes
         room -= allowed
         if allowed < d.change:
@@ -220,7 +256,8 @@ def _targets(
     targets = {p.name: p.config.min for p in pools}
     why = {p.name: f"the floor: min {p.config.min}" for p in pools}
     base = [p for p in pools if not p.is_spot]
-    spot = sorted((p for p in pools if p.is_spot), key=lambda p: p.cost_per_work_second)
+    spot = fill_order([p for p in pools if p.is_spot])
+    spot_measured = any(p.measured for p in spot)
     if backlog <= 0:
         for p in pools:
             why[p.name] = f"no backlog: back toward min {p.config.min}"
@@ -260,15 +297,19 @@ def _targets(
                 else ""
             )
             + (" (no capacity: capped at what came up)" if cap < p.config.max else "")
+            + p.routing_note(spot_measured)
         )
     # Rule 5: what spot cannot give, the baseline does, up to its max.
-    for p in sorted(base, key=lambda p: p.cost_per_work_second):
+    base_measured = any(p.measured for p in base)
+    for p in fill_order(base):
         if missing <= 0:
             break
         n = min(p.config.max, _whole_nodes(p.config.min + math.ceil(missing / p.rate - 1e-9), p))
         missing -= (n - p.config.min) * p.rate
         targets[p.name] = n
-        why[p.name] = f"spot cannot take the overflow: baseline grows to {n} (max {p.config.max})"
+        why[p.name] = f"spot cannot take the overflow: baseline grows to {n} (max {p.config.max})" + (
+            p.routing_note(base_measured) if len(base) > 1 else ""
+        )
     return targets, why
 
 

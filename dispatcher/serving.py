@@ -7,7 +7,9 @@ store it writes to, and touches ``last_seen`` at every reaper tick; one whose
 last touch is older than ``max_age`` is taken to be gone (the Kelpie rule:
 twice the lease).  A worker still loading its model is registered with
 ``"state": "loading"`` (worker/loading.py) and touched as it loads: it is
-reported as loading, not as a live worker, nor as none.
+reported as loading, not as a live worker, nor as none.  A job that asks for a minimum card
+memory (``submit --min-vram``) is served only by live workers whose card qualifies
+(``renderfleet/cards.py``): with none such, it is reported as unserved, saying so.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import keys
+from renderfleet import cards, keys
 from renderfleet.celery_app import queue_name
 from renderfleet.store import Store
 
@@ -84,6 +86,16 @@ def no_worker_message(job: str, queue: str) -> str:
     )
 
 
+def small_cards_message(job: str, queue: str, min_vram: float, live: int) -> str:
+    """What a waiter is told when the job's queue has live workers, none with a card big enough."""
+    pool = queue.split(".")[1] if queue.count(".") >= 2 else queue
+    return (
+        f"job {job}: no live worker with >= {min_vram:g} GB serves its queue {queue} ({live} live "
+        f"{'worker has' if live == 1 else 'workers have'} a smaller card, or one of no known memory): start one on "
+        f"such a card with `renderfleet worker --pool {pool}`"
+    )
+
+
 def loading_message(job: str, queue: str, workers: int) -> str:
     """What a waiter is told while the only workers of the job's queue are loading their model."""
     return (
@@ -96,10 +108,18 @@ def unserved(
     client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str, max_age: float
 ) -> tuple[str, str] | None:
     """Why no loaded worker takes the job's shards now, if none does: ("loading", message) while
-    workers of its queue load their model, ("none", message) when no live worker serves it.  None
+    workers of its queue load their model, ("none", message) when no live worker serves it, or none
+    of those that do has a card of the job's ``min_vram`` (renderfleet/cards.py).  None
     when one does, or when Redis does not know the job (lost, or a store-only job): nothing to say."""
-    queue = job_queue(client, job)
-    if queue is None or live_servers(client, store, workers, queue, max_age):
+    queue, raw_min = client.hmget(keys.job(job), "queue", cards.FIELD)
+    queue = keys.text(queue) or None
+    if queue is None:
+        return None
+    live = live_servers(client, store, workers, queue, max_age)
+    need = cards.read_min_vram(raw_min)
+    if live and need and not any(cards.qualifies(cards.vram_of(workers[wid]), need) for wid in live):
+        return "none", small_cards_message(job, queue, need, len(live))
+    if live:
         return None
     if loading := live_servers(client, store, workers, queue, max_age, loading=True):
         return LOADING, loading_message(job, queue, len(loading))

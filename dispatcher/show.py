@@ -275,6 +275,20 @@ def pool_time_columns() -> list[Column]:
     ]
 
 
+def card_columns() -> list[Column]:
+    """The live workers by card (renderfleet/cards.py): images per minute per worker and cost per image as
+    rendered, over whatever each card's workers rendered (every model and size together)."""
+    return [
+        Column("card", 0, lambda c: c.card, justify="left"),
+        Column("GiB", 3, lambda c: "-" if c.vram_gib is None else f"{c.vram_gib:g}"),
+        Column("workers", 2, lambda c: str(c.workers)),
+        Column("pools", 5, lambda c: ",".join(c.pools), justify="left"),
+        Column("img/min each", 1, lambda c: "-" if c.images_per_minute is None else f"{c.images_per_minute:,.3g}"),
+        Column("per 1k img", 1, lambda c: money(_per_1k(c.cost_per_image))),
+        Column("images", 4, lambda c: f"{c.images:,}"),
+    ]
+
+
 def _hours(hours: float) -> str:
     return f"{hours:,.1f}" if hours >= 10 else f"{hours:.2g}"
 
@@ -454,6 +468,10 @@ def _render(
     if fleet.workers:
         workers, gone = fitted(console, "workers", worker_columns(ids), fleet.workers, wide=wide)
         parts += [Text(""), workers]
+        dropped += [g for g in gone if g not in dropped]
+    if len(fleet.cards) > 1:  # a fleet of mixed cards: what each renders for its price (docs/pools.md, "Mixed cards")
+        table, gone = fitted(console, "cards", card_columns(), fleet.cards, wide=wide)
+        parts += [Text(""), table]
         dropped += [g for g in gone if g not in dropped]
     # A node of several GPUs with one retired, restarting or stopping: a line each (renderfleet/nodes.py).
     parts += [Text(n.summary(), style="yellow", overflow="fold") for n in fleet.nodes if n.troubled()]

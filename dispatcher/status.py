@@ -34,6 +34,7 @@ from dispatcher.resume import (
 from dispatcher.serving import unserved
 from dispatcher.stagestatus import StageStatus, add_figures, planned
 from renderfleet import budget, keys, spec
+from renderfleet.cards import CardRow, card_rows
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.jobfailure import FAILED
@@ -212,6 +213,7 @@ class FleetStatus:
     known: list[str] | None = None  # every job of the listing, folded ones too (None: jobs were named)
     nodes: list[NodeRecord] = field(default_factory=list)  # nodes of several GPUs (renderfleet/nodes.py)
     undelivered: list[Undelivered] = field(default_factory=list)  # jobs with events not delivered yet (dispatcher/events.py)
+    cards: list[CardRow] = field(default_factory=list)  # the live workers by card (renderfleet/cards.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -234,6 +236,7 @@ class FleetStatus:
             "redis": self.redis.to_dict() if self.redis else None,
             "nodes": [n.to_dict() for n in self.nodes],
             "undelivered_events": [u.to_dict() for u in self.undelivered],
+            "cards": [c.to_dict() for c in self.cards],
         }
 
     def pool_sizes(self) -> dict[str, int]:
@@ -892,6 +895,7 @@ def fleet_status(
     status.prices = {**published_prices(client, store.url), **(prices or {})}
     status.pool_gpu_time = {pool: gpu_time(s) for pool, s in sorted(status.pools.items()) if any(gpu_time(s).values())}
     status.pool_costs = pool_costs(status.pools, status.prices)
+    status.cards = card_rows(status.workers, status.prices)  # from what is read already: no more reads
     states, status.folded = job_statuses(client, jobs, store=store, fold_finished=fold_finished, heads=heads)
     for job_state in states:
         job = job_state.job

@@ -38,7 +38,7 @@ from celery import Celery
 
 from dispatcher import enqueue, lifecycle, status
 from dispatcher.enqueue import WireShard
-from renderfleet import budget, celery_app, digests, prompts, shardfile, spec, stages
+from renderfleet import budget, cards, celery_app, digests, prompts, shardfile, spec, stages
 from renderfleet.errors import InputError
 from renderfleet.hubrev import PIPELINE_FILE, ModelCheck, RevisionResolver, hub_commit, hub_pipeline_problem
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, message_head, store_identity
@@ -58,6 +58,7 @@ class SubmitOptions:
     family: str = ""  # the model's family as submit told it (renderfleet/families.py); '': it could not
     name: str | None = None  # what a person calls the job (--name); None: its prompt file's name
     budget: float | None = None  # the most the job may spend (renderfleet/budget.py); None: no cap
+    min_vram: float = 0  # the least card memory (GB) its workers must have (renderfleet/cards.py); 0: any
     webhook: str = ""  # where the monitor posts the job's events (renderfleet/webhooks.py); '': the fleet's default
 
 
@@ -118,6 +119,8 @@ def check_options(opts: SubmitOptions) -> None:
     ):
         if why := spec.int_problem(name, value):
             problems.append(f"{flag}: {why}")
+    if opts.min_vram != 0 and (why := cards.min_vram_problem(opts.min_vram)):
+        problems.append(why)
     if why := spec.loras_problem(p.loras):
         problems.append(f"--lora: {why}")
     # The stages after generate (their problems name --upscale or --refine), the final size within the limit.
@@ -381,6 +384,7 @@ def submit(
         life=uuid.uuid4().hex[:16],
         digest=summary.digest,
         webhook=opts.webhook,
+        min_vram=opts.min_vram,
     )
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     if opts.budget is not None:

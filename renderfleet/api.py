@@ -166,6 +166,7 @@ class Client:
         name: str | None = None,
         budget: float | None = None,
         webhook: str | None = None,
+        min_vram: float | None = None,
         **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
@@ -189,7 +190,9 @@ class Client:
         must have a price): it stops there, state ``budget``, until :meth:`Job.resume` raises it
         (docs/pools.md, "Budgets").  ``webhook``: an http(s) URL the monitor posts the job's events
         to, signed (docs/monitoring.md, "Events"); a job submitted again keeps the one it was first
-        submitted with.
+        submitted with.  ``min_vram``: the least card memory in GB (as cards are sold: 24, 40, 80) a
+        worker must have to render it; a smaller card's worker hands its shards back (docs/pools.md,
+        "Mixed cards"); where, not what: not part of the job's identity.
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
@@ -211,6 +214,7 @@ class Client:
             name=name,
             budget=budget,
             webhook=webhook,
+            min_vram=min_vram,
             **settings,
         )
         with _prompt_file(prompts, format, "rf-submit-") as (path, kind):
@@ -238,6 +242,7 @@ class Client:
         name: str | None = None,
         budget: float | None = None,
         webhook: str | None = None,
+        min_vram: float | None = None,
         **settings: Any,
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
@@ -281,6 +286,7 @@ class Client:
             share=share,
             name=name,
             budget=budget,
+            min_vram=0 if min_vram is None else min_vram,
         )
         check_options(opts)
         if webhook is not None:  # checked here: whether a private address will do is this fleet's setting

@@ -195,6 +195,14 @@ Budget = Annotated[
         help="the most the job may spend (GPU time by pool x its price): it stops there; resume --budget raises it",
     ),
 ]
+MinVram = Annotated[
+    float | None,
+    typer.Option(
+        "--min-vram",
+        metavar="GB",
+        help="render only on cards of at least this much memory (as the card is sold: 24, 40, 80)",
+    ),
+]
 JobOpt = Annotated[
     str | None, typer.Option("--job", metavar="ID", help="job id (default: derived from content and settings)")
 ]
@@ -306,6 +314,7 @@ class SubmitFlags:
     keep_intermediates: bool = False
     name: str | None = None
     budget: float | None = None
+    min_vram: float | None = None
 
 
 # Each setting's option (its Annotated type) and default, defined once for every command that
@@ -336,6 +345,7 @@ SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "keep_intermediates": (KeepIntermediates, False),
     "name": (NameOpt, None),
     "budget": (Budget, None),
+    "min_vram": (MinVram, None),
 }
 
 
@@ -392,6 +402,7 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         share=flags.share,
         name=flags.name,
         budget=flags.budget,
+        min_vram=flags.min_vram,
         webhook=webhook,
         **render,
     )
@@ -453,6 +464,7 @@ def _do_submit(
             share=opts.share,
             name=opts.name,
             budget=opts.budget,
+            min_vram=opts.min_vram or None,
             **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format, opts.params.quality),
             loras=opts.params.loras,
             revision=opts.params.revision,

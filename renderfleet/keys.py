@@ -63,7 +63,9 @@ def job(job_id: str) -> str:
     typed for a job is looked up in every job's hash, ``dispatcher/jobids.py``; '' for none), budget (the most
     the job may spend, in the pools' currency: ``submit --budget``, raised by ``resume --budget``),
     budget_reached (unix time its spend reached it: set by ``renderfleet/lua/fence.lua`` with ``cancelled``,
-    so the job stops as a cancel stops it) and budget_spent (its spend then; ``renderfleet/budget.py``).
+    so the job stops as a cancel stops it), budget_spent (its spend then; ``renderfleet/budget.py``) and
+    min_vram (the least card memory in GB a worker must have to take its shards, "0" for any:
+    ``submit --min-vram``, ``renderfleet/cards.py``).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
     store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;

@@ -311,6 +311,9 @@ class Settings(BaseSettings):
     # as a bench model is unless allow_bench_models.
     stand_in_gpus: int = Field(default=0, ge=0, le=64)
     allow_stand_in_gpus: bool = False
+    # For tests only: the card a bench model's worker reports, NAME:GB (a bench model has none; a real
+    # device always reports its own): two bench workers of different "cards" for a --min-vram test.
+    bench_card: str = Field(default="", pattern=r"^$|^[A-Za-z0-9 ._-]{1,64}:[0-9]{1,4}(\.[0-9]+)?$")
     # The largest total size of an s3:// model's files a worker will fetch, in bytes.
     model_max_bytes: int = Field(default=20 * 10**9, gt=0)
     # Device override for workers (cuda, cpu, mps); None: best available.

@@ -655,6 +655,10 @@ class JobSpec:
     # Where the monitor posts the job's events (renderfleet/webhooks.py); '': the fleet's default, if any.
     # Not the job's identity; left out of the JSON when '' (a spec as before events were).
     webhook: str = ""
+    # The least card memory (GB) a worker must have to render it (submit --min-vram; renderfleet/cards.py);
+    # 0: any card.  Where it renders, not what: never in its id.  Left out of the JSON when 0, and out of
+    # the registration workers read (keys.job's min_vram holds it: a worker before cards reads that spec still).
+    min_vram: float = 0
 
     @property
     def shards(self) -> int:
@@ -669,6 +673,8 @@ class JobSpec:
         data["params"] = self.params.identity()
         if not self.webhook:
             del data["webhook"]
+        if not self.min_vram:
+            del data["min_vram"]
         return json.dumps(data, sort_keys=True)
 
     def registration(self) -> str:
@@ -677,6 +683,7 @@ class JobSpec:
         whose :meth:`from_json` takes no field it does not know, still reads a job submitted since."""
         data = json.loads(self.to_json())
         del data["name"]
+        data.pop("min_vram", None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

@@ -30,13 +30,15 @@ from renderfleet import failpoints
 from renderfleet.errors import DeviceError, JobError, PermanentError, Reclaimed
 from renderfleet.spec import Prompt
 
+BENCH_DEVICE = "none (bench model)"  # what a bench model's worker reports as its device: it has none
+
 
 @dataclass(frozen=True)
 class FixedLoad:
     """What ``run_worker`` reports of a loaded model, for the fixed-time renderer."""
 
     model: str
-    device: str = "none (bench model)"
+    device: str = BENCH_DEVICE
     load_seconds: float = 0.0
 
 

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import budget, jobfailure, keys, logs, spec
+from renderfleet import budget, cards, jobfailure, keys, logs, spec
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
     BadOutput,
     DeviceError,
     JobError,
     ModelLoadError,
+    NotThisCard,
     Reclaimed,
     StoreError,
     TransientError,
@@ -50,7 +51,7 @@ from worker.models import check_digest, model_label, model_refusal
 from worker.node import report_device_error
 from worker.prefetch import Prefetch
 from worker.runner import PendingShard, ShardRunner
-from worker.speeds import SpeedKeeper, card_for
+from worker.speeds import SpeedKeeper, bench_card_name, vram_for
 from worker.stagerun import ShardStages
 from worker.stop import StopSignal
 
@@ -126,6 +127,7 @@ class WorkerService:
         self.feeder = Feeder(client)
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
+        self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name
         self.runner = ShardRunner(
             store=store,
             renderer=renderer,
@@ -206,7 +208,8 @@ class WorkerService:
         # The store it writes to: status, the autoscaler and the web page count a worker for its store only.
         # The pools whose queues it serves: a waiter tells a job no live worker serves (dispatcher/serving.py).
         # Its card: an estimate reads the speeds measured on its pool's card (dispatcher/estimate.py).
-        self.card = card_for(str(device))
+        self.card = bench_card_name(str(device), self.settings.bench_card)
+        self.vram = vram_for(str(device), self.settings.bench_card)  # what a job's --min-vram is held against
         info = {
             "worker": self.worker_id,
             "pool": self.settings.pool,
@@ -214,6 +217,7 @@ class WorkerService:
             "model": self.model,
             "device": device,
             "card": self.card,
+            **({cards.VRAM: self.vram} if self.vram is not None else {}),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
@@ -587,8 +591,8 @@ class WorkerService:
             )
             return None
         try:
-            registered, stored, fresh, life, failed, capped = self.client.hmget(
-                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED, budget.BUDGET
+            registered, stored, fresh, life, failed, capped, min_vram = self.client.hmget(
+                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED, budget.BUDGET, cards.FIELD
             )
         except redis.RedisError as exc:
             raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
@@ -613,6 +617,10 @@ class WorkerService:
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             self._repend(msg, tag)
             return None
+        if not cards.qualifies(self.vram, need := cards.read_min_vram(min_vram)):
+            # Not this card's work, nor a failure: the message to the back of its queue for a worker whose
+            # card qualifies (status says when none does: dispatcher/serving.py); nothing claimed or counted.
+            raise NotThisCard(f"shard {msg.job}:{msg.shard}: {cards.refusal(self.card, self.vram, need)}")
         self.fresh = bool(fresh)
         self.budgeted = capped is not None  # its ledger asks before each batch whether it reached its budget
         if stored and not self._job_in_store(msg.job):  # StoreError: transient

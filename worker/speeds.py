@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from renderfleet import speeds
 from renderfleet.spec import Prompt, RenderParams
 from renderfleet.store import Store
+from worker.benchrender import BENCH_DEVICE
 
 log = logging.getLogger("renderfleet.speeds")
 
@@ -48,6 +49,29 @@ def card_for(device: str) -> str:
             name += f" x{torch.get_num_threads() if torch else os.cpu_count()} threads"
         return name
     return device
+
+
+def vram_for(device: str, bench_card: str = "") -> float | None:
+    """The card's total memory in GiB (renderfleet/cards.py): a CUDA device's; None for a CPU (its
+    memory is no card's) and a bench model, unless a test gives it a card (``bench_card``, NAME:GB)."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            return round(torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30, 1)
+        except (RuntimeError, AssertionError, ImportError) as exc:  # a size is worth no failed start
+            log.warning("cannot read the memory of device %s: %s", device, exc)
+            return None
+    if bench_card and device == BENCH_DEVICE:
+        return float(bench_card.rpartition(":")[2])
+    return None
+
+
+def bench_card_name(device: str, bench_card: str = "") -> str:
+    """:func:`card_for`, or a bench model's stand-in card's name (``bench_card``: NAME:GB) where a test gives one."""
+    if bench_card and device == BENCH_DEVICE:
+        return f"{bench_card.rpartition(':')[0]} (bench model)"
+    return card_for(device)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from celery.exceptions import Reject
 from celery.worker.request import Request
 
 from renderfleet.celery_app import TASK_NAME
-from renderfleet.errors import TransientError
+from renderfleet.errors import NotThisCard, TransientError
 from worker.gputime import WorkerTime
 from worker.service import WorkerService
 from worker.stop import StopSignal
@@ -82,7 +82,7 @@ def register(app: Celery, service: WorkerService) -> Task:
             return service.handle(message, tag, detach=True).status
         except TransientError as exc:
             # Not claimed: give the message back to the broker rather than ack it away.
-            log.warning("%s: message requeued", exc)
+            (log.info if isinstance(exc, NotThisCard) else log.warning)("%s: message requeued", exc)
             time.sleep(1.0)
             raise Reject(str(exc), requeue=True) from exc
 

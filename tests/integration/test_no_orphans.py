@@ -71,6 +71,11 @@ def processes_of(home: Path) -> list[tuple[int, str]]:
     return found
 
 
+def worker_logs(home: Path) -> str:
+    """The tails of the logs the local backend's workers wrote under ``home``."""
+    return "\n".join(f"{p}:\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(home.rglob("*.log")))
+
+
 def no_work_lost(env: dict[str, str], job: str) -> dict[str, object]:
     """The job's status once nothing holds a shard: every prompt not done is back in a queue."""
     wait_for(lambda: (s := status_now(env, job))["in_flight"] == 0 and s, 30, interval=0.25, what="no shard in flight")
@@ -223,7 +228,8 @@ def test_a_signal_to_autoscale_stops_its_local_workers_unless_told_to_leave_them
         else:
             assert "interrupted by SIGTERM: 1 local worker(s) stopped, their shards handed back" in err, err[-2000:]
             assert not alive(worker) and not processes_of(home)
-            assert client.hlen(keys.WORKERS) == 0  # it said goodbye: the hand-off, not a kill
+            # it said goodbye: the hand-off, not a kill
+            assert client.hlen(keys.WORKERS) == 0, (client.hgetall(keys.WORKERS), worker_logs(home))
     finally:
         if scaler.poll() is None:
             scaler.kill()

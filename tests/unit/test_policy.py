@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from dispatcher.policy import Decision, NodeDecision, PoolState, decide, recent_lost_fraction, to_nodes
+from dispatcher.policy import (
+    CARD,
+    POOL,
+    Decision,
+    NodeDecision,
+    PoolState,
+    decide,
+    fill_order,
+    recent_lost_fraction,
+    to_nodes,
+)
 from renderfleet.settings import AutoscaleConfig, PoolConfig
 
 CFG = AutoscaleConfig(drain_seconds=600, cooldown_seconds=120, cold_start_seconds=60, scale_in_margin=0.7)
@@ -34,8 +44,8 @@ def test_rule_2_the_overflow_goes_to_spot_sized_by_work_seconds() -> None:
 
 
 def test_rule_2_the_cheapest_spot_pool_per_image_fills_first() -> None:
-    pricey_fast = PoolState("spot-h100", PoolConfig(kind="spot", price_per_hour=3.0, max=4), 0, 0, speed=2.0)
-    cheap_slow = PoolState("spot-l4", PoolConfig(kind="spot", price_per_hour=0.5, max=2), 0, 0, speed=0.5)
+    pricey_fast = PoolState("spot-h100", PoolConfig(kind="spot", price_per_hour=3.0, max=4), 0, 0, speed=2.0, measured=POOL)
+    cheap_slow = PoolState("spot-l4", PoolConfig(kind="spot", price_per_hour=0.5, max=2), 0, 0, speed=0.5, measured=POOL)
     # per work-second: l4 costs 1.0/h-equivalent, h100 1.5: l4 first, h100 takes the rest
     out = sizes(decide(6_000, [BASE, pricey_fast, cheap_slow], CFG, NOW))
     assert out["spot-l4"] == 2
@@ -188,8 +198,9 @@ def test_rule_9_a_pool_of_nodes_grows_in_whole_nodes_and_is_priced_per_gpu() -> 
     assert sizes(out)["spot-4x"] == 8 and "at 0.8/h" in out[1].reason  # 3.2 a node of 4: 0.8 a GPU
     assert QUAD.cost_per_work_second == SPOT.cost_per_work_second  # the same price per GPU-hour as SPOT's
     assert sizes(decide(60_000, [BASE, QUAD], CFG, NOW))["spot-4x"] == 16  # its max, whole nodes
-    # Redis's room for 6 more workers gives one node of 4, never a part of a second.
-    assert sizes(decide(60_000, [BASE, QUAD], CFG, NOW, redis_room=(6, "Redis")))["spot-4x"] == 4
+    # Redis's room for 6 more workers gives one node of 4, never a part of a second (the pool listed first:
+    # with nothing measured, the room goes in the configured order, rule 10).
+    assert sizes(decide(60_000, [QUAD, BASE], CFG, NOW, redis_room=(6, "Redis")))["spot-4x"] == 4
 
 
 def test_rule_9_a_pool_of_nodes_shrinks_a_node_at_a_time() -> None:
@@ -231,3 +242,60 @@ def test_the_local_backend_starts_one_node_supervisor_of_n_gpus_per_node_and_one
     local = LocalBackend(None, store="/s", env={}, log_dir=Path("/nowhere"), model="tiny", pools=pools)  # type: ignore[arg-type]
     assert local.start_args("spot-4x") == ["--pool", "spot-4x", "--model", "tiny", "--gpus", "4"]
     assert local.start_args("spot") == ["--pool", "spot", "--model", "tiny"]  # one GPU a node: a worker, as before
+
+
+# ---- rule 10: mixed cards, routed by measured cost per image --------------------------------------------
+
+
+def _card_pool(name: str, price: float, seconds_per_image: float | None, card: str) -> PoolState:
+    """A spot pool of ``card``; with ``seconds_per_image``, measured there for the backlog's kind of image
+    (its speed against the reference worker's 1 s of work per image, as autoscale turns it)."""
+    cfg = PoolConfig(kind="spot", price_per_hour=price, max=6, card=card)
+    if seconds_per_image is None:
+        return PoolState(name, cfg, 0, 0)
+    return PoolState(
+        name,
+        cfg,
+        0,
+        0,
+        speed=1.0 / seconds_per_image,
+        measured=CARD,
+        card=card,
+        seconds_per_image=seconds_per_image,
+        routed_for="sd-turbo 512x512, 4 steps",
+    )
+
+
+def test_rule_10_the_card_with_the_lowest_measured_cost_per_image_fills_first_whatever_the_configured_order() -> None:
+    # Per image: the L4 0.8/h x 2 s = 0.00044, the H100 3.0/h x 0.4 s = 0.00033: the pricier card is cheaper.
+    l4 = _card_pool("spot-l4", 0.8, 2.0, "NVIDIA L4")
+    h100 = _card_pool("spot-h100", 3.0, 0.4, "NVIDIA H100 80GB HBM3")
+    assert [p.name for p in fill_order([l4, h100])] == ["spot-h100", "spot-l4"]
+    out = decide(1_500, [BASE, l4, h100], CFG, NOW)
+    # 2.5 workers' worth needed, 1 from the floor: one H100 (2.5 each) does it; the L4 pool stays empty.
+    assert sizes(out) == {"baseline": 1, "spot-l4": 0, "spot-h100": 1}
+    (h,) = [d for d in out if d.pool == "spot-h100"]
+    assert "0.0003333 per image measured on NVIDIA H100 80GB HBM3 (0.4 s each, sd-turbo 512x512, 4 steps)" in h.reason
+    # A pool measured beats one that is not, which comes after, in the configured order.
+    unknown = _card_pool("spot-a10", 0.2, None, "NVIDIA A10G")
+    assert [p.name for p in fill_order([unknown, l4, h100])] == ["spot-h100", "spot-l4", "spot-a10"]
+    # 21 workers' worth: 1 from the floor, 15 from six H100s, 3 from six L4s, the last 2 from the A10s.
+    busy = decide(12_600, [BASE, unknown, l4, h100], CFG, NOW)
+    assert sizes(busy) == {"baseline": 1, "spot-h100": 6, "spot-l4": 6, "spot-a10": 2}
+    (a,) = [d for d in busy if d.pool == "spot-a10"]
+    assert "nothing measured on it yet: after the measured pools, in the configured order" in a.reason
+
+
+def test_rule_10_with_nothing_measured_the_pools_fill_in_the_configured_order_and_say_so() -> None:
+    # Unmeasured, the pricier pool listed first fills first: price alone says nothing of a card's speed.
+    first = _card_pool("spot-h100", 3.0, None, "NVIDIA H100 80GB HBM3")
+    second = _card_pool("spot-l4", 0.8, None, "NVIDIA L4")
+    assert [p.name for p in fill_order([first, second])] == ["spot-h100", "spot-l4"]
+    assert [p.name for p in fill_order([second, first])] == ["spot-l4", "spot-h100"]
+    out = decide(3_000, [BASE, first, second], CFG, NOW)
+    assert sizes(out) == {"baseline": 1, "spot-h100": 4, "spot-l4": 0}
+    (d,) = [d for d in out if d.pool == "spot-h100"]
+    assert d.reason.endswith("; nothing measured yet on any pool: the configured order"), d.reason
+    # Redis's room (rule 7) goes in the same order.
+    roomy = decide(6_000, [BASE, first, second], CFG, NOW, redis_room=(3, "busy"))
+    assert sizes(roomy) == {"baseline": 1, "spot-h100": 3, "spot-l4": 0}

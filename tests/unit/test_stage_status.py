@@ -222,7 +222,8 @@ def test_the_manifest_says_a_jobs_stages_and_its_final_size_and_a_job_without_ha
         )
         store.put_file(job_spec.prompts_key, source)
         store.put(spec.spec_key(job), job_spec.to_json().encode())
-    assert COLUMNS[-3:] == ("stages", "final_width", "final_height")
+    at = COLUMNS.index("stages")
+    assert COLUMNS[at : at + 3] == ("stages", "final_width", "final_height")
     staged = list(manifest_rows(store, "j-staged"))
     assert [list(row) for row in staged] == [list(COLUMNS)] * 2
     assert json.loads(staged[0]["stages"]) == stagelib.to_json(STAGES)

@@ -323,3 +323,17 @@ def test_the_page_says_when_no_worker_serves_a_jobs_work_as_status_does() -> Non
     stuck.unserved, stuck.unserved_note = "none", "job j-stuck: no live worker serves its queue q: start one with X"
     app = make_app(lambda: FleetStatus(queues={}, jobs=[stuck], store="/x"), {}, None)
     assert "job j-stuck: no live worker serves its queue q: start one with X" in _call(app, "/")[2].decode()
+
+
+def test_the_page_shows_a_mixed_fleets_cards_with_images_per_minute_and_cost_per_image() -> None:
+    from dispatcher.web import make_app
+    from renderfleet.cards import card_rows
+
+    workers = [
+        {"worker": "a", "pool": "l4", "card": "NVIDIA L4", "vram_gib": 22.5, "images": "300", "render_ms": "600000"},
+        {"worker": "b", "pool": "h100", "card": "NVIDIA H100 80GB HBM3", "images": "1200", "render_ms": "480000"},
+    ]
+    fleet = FleetStatus(queues={}, workers=workers, store="/x", cards=card_rows(workers, {"l4": 0.8, "h100": 3.0}))
+    page = _call(make_app(lambda: fleet, {}, None), "/")[2].decode()
+    assert '<table class="cards">' in page and "<td>NVIDIA L4</td><td>22.5</td>" in page
+    assert "<td>150</td><td>$0.333</td>" in page.replace("\n", ""), page  # per worker a minute; per 1,000 images
