@@ -52,8 +52,16 @@ class LoadingRegistration:
         self._done.set()
         self._thread.join(timeout=self.touch_seconds + 1)
         if kind is not None:  # the load failed: no worker is coming (its own registration never will)
-            with contextlib.suppress(redis.RedisError):
-                self.client.hdel(keys.WORKERS, self.worker_id)
+            self.forget()
+
+    def forget(self) -> None:
+        """Stop writing the registration and delete it: the worker is not coming.  Safe to call again,
+        and where ``__exit__`` never ran or was cut short (a signal raised into ``__enter__`` or the join)."""
+        self._done.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.touch_seconds + 1)
+        with contextlib.suppress(redis.RedisError):
+            self.client.hdel(keys.WORKERS, self.worker_id)
 
     def _run(self) -> None:
         while not self._done.is_set():

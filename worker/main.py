@@ -165,11 +165,14 @@ def run_worker(
     # say): until Celery's own handlers take over in worker.start(), a signal ends the start-up cleanly.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stopped_while_starting)
+    loading = _loading(settings, url, worker_id, model, pools)
     try:
         # status: "loading", not "no worker"
-        with _loading(settings, url, worker_id, model, pools), account.doing(Use.LOADING):
+        with loading, account.doing(Use.LOADING):
             renderer, loaded = load_renderer(model, settings, on_bad_images=metrics.bad_images)
-    except StoppedWhileStarting:  # the loading registration is gone with the context (worker/loading.py)
+    except StoppedWhileStarting:
+        # Its registration goes, wherever the signal landed (in the load, or in the context's own enter or exit).
+        loading.forget()
         log.warning("worker %s: stopped while loading its model", worker_id)
         if endpoint is not None:
             endpoint.shutdown()

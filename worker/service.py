@@ -147,6 +147,7 @@ class WorkerService:
         self.bad_outputs = 0  # batches whose images were NaN or black twice (BadOutput): the node's, after a few
         # Its registration, and when a busy worker's heartbeat last carried its liveness (its tick's touch skipped).
         self.liveness = Liveness(touch_seconds_for(settings.lease_seconds))
+        self._unregistered = False  # said goodbye (close): touch writes nothing more
         self._lease: Lease | None = None  # the shard being handled, if any
         self._ending: list[Future[Outcome]] = []  # the shards before, ending in their commit lanes
         self._refreshed: set[tuple[tuple[str, str, str], str]] = set()  # (model key, digest) loaded afresh for
@@ -242,8 +243,9 @@ class WorkerService:
     def touch(self) -> None:
         """Liveness for status; re-registers if Redis lost its memory.  Nothing to write while a
         heartbeat carries it (a busy worker: :class:`~worker.ledger.Liveness`).  Where the worker's
-        time went since the last write rides along (a busy worker's rides on its fence checks)."""
-        if self.liveness.fresh():
+        time went since the last write rides along (a busy worker's rides on its fence checks).  Nothing
+        once it has said goodbye: a reaper tick that outlived its thread's join must not register it again."""
+        if self.liveness.fresh() or self._unregistered:
             return
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
@@ -264,6 +266,7 @@ class WorkerService:
         return self.time_account.doing(use) if self.time_account is not None else contextlib.nullcontext()
 
     def unregister(self) -> None:
+        self._unregistered = True
         with contextlib.suppress(redis.RedisError):
             self.client.hdel(keys.WORKERS, self.worker_id)
 
@@ -870,11 +873,13 @@ class WorkerService:
         return self.time_account.totals()[Use.LOADING] if self.time_account is not None else 0.0
 
     def close(self) -> None:
-        self._ahead.shutdown(wait=False, cancel_futures=True)
-        self.runner.close()
-        self._aside.shutdown(wait=True)
-        self.write_time(final=True)
-        self.unregister()
+        try:
+            self._ahead.shutdown(wait=False, cancel_futures=True)
+            self.runner.close()
+            self._aside.shutdown(wait=True)
+            self.write_time(final=True)
+        finally:  # whatever the rest did, no registration outlives the worker
+            self.unregister()
 
     def write_time(self, *, final: bool = False) -> None:
         """Write what the time account has not told Redis yet; ``final``: the worker's end (the account
