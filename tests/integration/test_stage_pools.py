@@ -7,6 +7,7 @@ Bench workers (fixed time per image, flat images): the upscale is Lanczos, which
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from testing.fleet import (
     bench,
     bench_worker,
     cli,
-    job_finished,
+    status_now,
+    store_queue,
     stored_images,
     wait_for,
     worker_ready,
@@ -41,21 +43,62 @@ def shards_logged(log: str, what: str) -> set[int]:
     return {int(m) for m in re.findall(rf"shard j-[0-9a-f]+:(\d+) {re.escape(what)}", log)}
 
 
+POOLS = """
+[pools.gen]
+kind = "on-demand"
+min = 1
+max = 1
+
+[pools.big]
+kind = "spot"
+min = 0
+max = 2
+"""
+
+
 def test_a_stage_on_its_own_pool_runs_only_there_after_the_first_pool_hands_each_shard_on(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), **bench_worker(0.05))
+    config = tmp_path / "pools.toml"
+    config.write_text(POOLS)
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config), **bench_worker(0.05))
     client = redis.Redis.from_url(redis_server.url)
     first = WorkerProc({**env, "RENDERFLEET_POOL": "gen"}, tmp_path / "gen.log")
-    big = WorkerProc({**env, "RENDERFLEET_POOL": "big"}, tmp_path / "big.log")
+    big: WorkerProc | None = None
     try:
-        wait_for(lambda: worker_ready(client, 2), 60, what="both workers")
+        wait_for(lambda: worker_ready(client, 1), 60, what="the gen worker")
         prompts = write_prompts(tmp_path / "p.txt", 6)
         job = cli(env, "submit", str(prompts), *bench(0.05), *FLAGS).stdout.split()[-1]
-        status = job_finished(env, job, timeout=90)
+
+        # 1. The gen pool generates every shard and hands it on; no image is final, none counted done.
+        wait_for(lambda: shards_logged(first.output(), "segment 0 done") == {0, 1, 2}, 60, what="segment 0 of each shard")
+        assert {keys.text(v) for v in client.hvals(keys.segment(job))} == {"1"}
+        assert client.bitcount(keys.done_bits(job)) == 0 and not (tmp_path / "store" / "jobs" / job / "images").exists()
+        levels = [key.rsplit("/", 2)[-2] for key in open_store(env["RENDERFLEET_STORE"]).list(f"jobs/{job}/stages/")]
+        assert levels == ["0"] * 6  # the generated images, the level the upscale on big takes
+
+        # 2. The autoscaler sizes big by its own stage's backlog: it would grow it from 0 (gen has none left).
+        tick = json.loads(cli(env, "autoscale", "--dry-run", "--json").stdout.splitlines()[-1])
+        assert tick["stage_pools"]["big"] > 0
+        desired = {d["pool"]: d["desired"] for d in tick["decisions"]}
+        assert desired["big"] >= 1 and desired["gen"] == 1
+
+        # 3. Cancel takes the next segment's messages out of big's queue; resume starts each shard again at its
+        # first segment, whose worker finds the level stored, renders nothing and hands it on.
+        cli(env, "cancel", job)
+        assert client.llen(store_queue(env, "big")) == 0
+        assert {keys.text(v) for v in client.hvals(keys.shards(job))} == {"c"}
+        cli(env, "resume", job)
+        wait_for(lambda: len(re.findall(r"segment 0 done \(0 at level 0, 2 already", first.output())) == 3, 60,
+                 what="segment 0 handed on again")  # fmt: skip
+
+        # 4. A worker of big takes each shard from the stored level and makes the final images.
+        big = WorkerProc({**env, "RENDERFLEET_POOL": "big"}, tmp_path / "big.log")
+        wait_for(lambda: client.bitcount(keys.done_bits(job)) == 6, 90, what="the job's final images")
+        status = status_now(env, job)
         assert status["done"] == 6 and status["quarantined"] == 0
 
-        # 1. Exactly one final image per prompt, each through the upscale (32x32 generated, 64x64 final).
+        # Exactly one final image per prompt, each through the upscale (32x32 generated, 64x64 final).
         images = stored_images(env, job)
         assert len(images) == 6
         for data in images.values():
@@ -64,19 +107,15 @@ def test_a_stage_on_its_own_pool_runs_only_there_after_the_first_pool_hands_each
         # ...and no image left between the stages once the finals are stored.
         assert list(open_store(env["RENDERFLEET_STORE"]).list(f"jobs/{job}/stages/")) == []
 
-        # 2. Where each stage ran: the gen pool generated every shard and handed it on, finishing none;
-        # the big pool finished every shard and generated none.
-        default_log, big_log = first.output(), big.output()
-        assert shards_logged(default_log, "segment 0 done") == {0, 1, 2}
-        assert shards_logged(default_log, "done:") == set()
-        assert shards_logged(big_log, "done:") == {0, 1, 2}
-        assert shards_logged(big_log, "segment 0 done") == set()
-        # Each stage's images counted once: nothing generated or upscaled twice.
+        # Where each stage ran: gen finished no shard; big finished every one and generated none.
+        assert shards_logged(first.output(), "done:") == set()
+        assert shards_logged(big.output(), "done:") == {0, 1, 2}
+        assert shards_logged(big.output(), "segment 0 done") == set()
+        # Each stage's images counted once: nothing generated or upscaled twice, the resume included.
         stages = {keys.text(k): int(v) for k, v in client.hgetall(keys.job_stages(job)).items()}
         assert stages["images.generate"] == 6 and stages["images.upscale-1"] == 6
-        # Every shard left its segments behind: no segment, pending list or rotation kept.
-        assert client.hlen(keys.segment(job)) == 0 or all(keys.text(s) in {"1"} for s in client.hvals(keys.segment(job)))
         assert client.llen(keys.segment_pending(job, 1)) == 0
     finally:
         first.kill()
-        big.kill()
+        if big is not None:
+            big.kill()
