@@ -525,6 +525,7 @@ class WorkerService:
             # pending in the next segment, on the next stage's pool (release.lua, 'next'); nothing counted done.
             if not self.leases.hand_on(lease, msg.segment + 1, msg.next_queue):
                 return Outcome(TaskOutcome.FENCED, result.rendered)
+            self._aside.submit(self.feed, msg.next_queue)  # its message out now, not at the next pool's next feed
             log.info(
                 "shard %s:%d segment %d done (%d at level %d, %d already there): on to %s",
                 msg.job,

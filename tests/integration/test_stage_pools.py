@@ -6,9 +6,15 @@ Bench workers (fixed time per image, flat images): the upscale is Lanczos, which
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,7 @@ from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.store import open_store
 from testing.fleet import (
+    REPO,
     WorkerProc,
     base_env,
     bench,
@@ -85,8 +92,10 @@ def test_a_stage_on_its_own_pool_runs_only_there_after_the_first_pool_hands_each
 
         # 3. Cancel takes the next segment's messages out of big's queue; resume starts each shard again at its
         # first segment, whose worker finds the level stored, renders nothing and hands it on.
+        big_queue = store_queue(env, "big")
+        wait_for(lambda: client.llen(big_queue) == 3, 10, what="the hand-on worker to feed big's queue")
         cli(env, "cancel", job)
-        assert client.llen(store_queue(env, "big")) == 0
+        assert client.llen(big_queue) == 0
         assert {keys.text(v) for v in client.hvals(keys.shards(job))} == {"c"}
         cli(env, "resume", job)
         wait_for(lambda: len(re.findall(r"segment 0 done \(0 at level 0, 2 already", first.output())) == 3, 60,
@@ -119,3 +128,78 @@ def test_a_stage_on_its_own_pool_runs_only_there_after_the_first_pool_hands_each
         first.kill()
         if big is not None:
             big.kill()
+
+
+AUTOSCALED = """
+[pools.gen]
+kind = "on-demand"
+price_per_hour = 1.0
+min = 1
+max = 1
+
+[pools.big]
+kind = "spot"
+price_per_hour = 3.0
+min = 0
+max = 1
+
+[autoscale]
+drain_seconds = 6
+cooldown_seconds = 2
+cold_start_seconds = 3
+interval_seconds = 0.5
+"""
+
+
+def registered(client: redis.Redis, pool: str) -> list[dict[str, object]]:
+    return [w for w in (json.loads(v) for v in client.hvals(keys.WORKERS)) if w.get("pool") == pool]
+
+
+@pytest.mark.slow
+def test_the_autoscaler_grows_a_stage_s_pool_once_shards_reach_its_stage_and_shrinks_it_after(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    config = tmp_path / "pools.toml"
+    config.write_text(AUTOSCALED)
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config), **bench_worker(0.2))
+    client = redis.Redis.from_url(redis_server.url)
+    out = open(tmp_path / "autoscale.log", "wb")  # noqa: SIM115
+    scaler = subprocess.Popen(
+        [sys.executable, "-m", "renderfleet", "autoscale", "--json"],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    pids: set[int] = set()
+    try:
+        wait_for(lambda: len(registered(client, "gen")) == 1, 90, what="gen's warm worker")
+        prompts = write_prompts(tmp_path / "p.txt", 8)
+        job = cli(env, "submit", str(prompts), *bench(0.2), *FLAGS).stdout.split()[-1]
+        handed_on_before_big = None
+        deadline = time.monotonic() + 120
+        while client.bitcount(keys.done_bits(job)) < 8:
+            big = registered(client, "big")
+            pids |= {int(str(w["pid"])) for w in big}
+            if big and handed_on_before_big is None:
+                handed_on_before_big = client.hlen(keys.segment(job)) > 0
+            assert scaler.poll() is None, (tmp_path / "autoscale.log").read_text()
+            assert time.monotonic() < deadline, f"stuck at {client.bitcount(keys.done_bits(job))} of 8"
+            time.sleep(0.2)
+        # big was grown from 0 only once a shard had reached its stage (its segment), and did the upscales.
+        assert handed_on_before_big is True
+        stages = {keys.text(k): int(v) for k, v in client.hgetall(keys.job_stages(job)).items()}
+        assert stages["images.generate"] == 8 and stages["images.upscale-1"] == 8
+        # ...and shrunk back to 0 once its stage's backlog is gone; gen's warm worker stays.
+        wait_for(lambda: registered(client, "big") == [], 60, what="big back to 0")
+        assert len(registered(client, "gen")) == 1
+        assert len(stored_images(env, job)) == 8
+    finally:
+        scaler.send_signal(signal.SIGTERM)  # it stops its local workers too
+        scaler.wait(60)
+        for w in (json.loads(v) for v in client.hvals(keys.WORKERS)):
+            pids.add(int(w["pid"]))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
