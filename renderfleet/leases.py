@@ -550,9 +550,11 @@ class Leases:
 
     def repend(self, job: str, shard: int, tag: str, queue: str) -> bool:
         """A rejected message that was its shard's (its enqueue record names ``tag``): the shard back to
-        its job's pending list, for the feeder to make its message anew (``renderfleet/lua/repend.lua``)."""
-        priority = self.client.hget(keys.job(job), "priority")
+        its job's pending list, for the feeder to make its message anew (``renderfleet/lua/repend.lua``); a shard
+        of a later segment starts again at its first, in the job's own queue (its worker hands it on)."""
+        priority, own = self.client.hmget(keys.job(job), "priority", "queue")
         band = keys.FEED_BAND * (9 - int(priority if priority is not None else 5))
+        queue = keys.text(own) or queue
         return bool(
             int(
                 self._scripts["repend"](
@@ -563,6 +565,7 @@ class Leases:
                         keys.pending(job),
                         keys.active(queue),
                         keys.QUEUES,
+                        keys.segment(job),
                     ],
                     args=[job, shard, keys.member(job, shard), tag, keys.QUEUED_PREFIX, band, keys.FEED_BAND, queue],
                 )
