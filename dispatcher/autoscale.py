@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ from dispatcher.policy import (
     to_nodes,
 )
 from dispatcher.redisload import worker_room
+from dispatcher.stagepools import stage_backlog
 from dispatcher.status import (
     FleetStatus,
     counter_hash,
@@ -379,6 +380,8 @@ class Tick:
     decisions: list[dict[str, Any]]
     # What the policy was told of each pool: sizes, measured speed, recent reclaim loss, cold start.
     pools: list[dict[str, Any]]
+    # The backlog of each pool that runs a stage of its own (dispatcher/stagepools.py), sized by it alone.
+    stage_pools: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -530,7 +533,17 @@ class Autoscaler:
             )
             for n, c in self.settings.pools.items()
         ]
-        decisions = decide(backlog, states, self.settings.autoscale, now, redis_room=worker_room(fleet.redis))
+        # A pool that runs a stage of its own is sized by that stage's backlog alone (dispatcher/stagepools.py);
+        # the rest of the backlog by the other pools, as before.
+        staged = stage_backlog(self.client, fleet.jobs, spmps)
+        backlog = max(0.0, backlog - staged.taken)
+        room = worker_room(fleet.redis)
+        decisions = decide(
+            backlog, [p for p in states if p.name not in staged.seconds], self.settings.autoscale, now, redis_room=room
+        )
+        for p in states:
+            if p.name in staged.seconds:
+                decisions += decide(staged.seconds[p.name], [p], self.settings.autoscale, now, redis_room=room)
         busy = busy_nodes(fleet.workers, busy_workers(self.client))
         capped = {p.name for p in states if over_month(p) is not None}
         in_nodes = [
@@ -552,6 +565,7 @@ class Autoscaler:
             jobs,
             [_decision(d, nd, self.settings.pools[d.pool].gpus_per_node) for d, nd in zip(decisions, in_nodes, strict=True)],
             [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states],
+            {pool: round(sec, 3) for pool, sec in sorted(staged.seconds.items())},
         )
 
     def month_spend(self, fleet: FleetStatus, *, count: bool = True) -> dict[str, float]:

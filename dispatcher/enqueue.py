@@ -16,15 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from celery import Celery
 
 from renderfleet import celery_app, feeder, keys
+from renderfleet import stages as stagelib
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
 from renderfleet.errors import InputError
 from renderfleet.leases import envelope_tag, lua_script
-from renderfleet.spec import JobSpec, message_encoder, message_head
+from renderfleet.spec import MAX_SEGMENT, JobSpec, message_encoder, message_head
 
 BATCH = 500
 
@@ -124,21 +126,33 @@ def life_keys(job: str) -> tuple[str, ...]:
         keys.job_stages(job),
         keys.progress(job),
         keys.job_events(job),
+        keys.segment(job),
+        *(keys.segment_pending(job, n) for n in range(1, MAX_SEGMENT + 1)),
     )
 
 
 def _feed_fields(app: Celery, client: redis.Redis, spec: JobSpec, queue: str, store: str, priority: int, share: int) -> None:
-    """What the feeder needs of a job (keys.job): its envelope template, cut, priority and share."""
-    client.hset(
-        keys.job(spec.job),
-        mapping={
-            "feed": celery_app.feed_template(app, queue, message_head(spec, queue, store)),
-            "shard_size": spec.shard_size,
-            "priority": priority,
-            "share": share,
-            "stride": feeder.stride(share),
-        },
-    )
+    """What the feeder needs of a job (keys.job): its envelope template, cut, priority and share; a job whose
+    stages run on pools of their own, each later segment's queue (``segments``) and template (``feed:<n>``)."""
+    later = segment_queues(spec, store)
+    fields: dict[Any, Any] = {
+        "feed": celery_app.feed_template(app, queue, message_head(spec, queue, store)),
+        "shard_size": spec.shard_size,
+        "priority": priority,
+        "share": share,
+        "stride": feeder.stride(share),
+    }
+    for n, q in enumerate(later, 1):
+        fields[f"feed:{n}"] = celery_app.feed_template(app, q, message_head(spec, q, store, segment=n))
+    if later:
+        fields["segments"] = ",".join(later)
+    client.hset(keys.job(spec.job), mapping=fields)
+
+
+def segment_queues(spec: JobSpec, store: str) -> list[str]:
+    """The queues of the job's segments past the first (``renderfleet.stages.segments``): none for a job whose
+    stages all run on its own pool."""
+    return [celery_app.queue_name(s.pool, store) for s in stagelib.segments(spec.params.stages, spec.pool)[1:]]
 
 
 def start_feeding(
@@ -213,6 +227,7 @@ def publish_shards(
         keys.pending(job),
         keys.active(queue),
         keys.job(job),
+        keys.segment(job),
     ]
     side = "n" if not push else "c" if park else "f" if front else "p" if pending and not force else "b"
     if side == "p" and feed:

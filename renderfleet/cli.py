@@ -264,7 +264,8 @@ Upscale = Annotated[
     typer.Option(
         "--upscale",
         metavar="FACTOR[:MODEL[:STEPS]]",
-        help="a stage after generate: 2 or 4 (Lanczos), or 4:MODEL (a diffusion x4 upscaler); stages run in the order given",
+        help="a stage after generate: 2 or 4 (Lanczos), or 4:MODEL (a diffusion x4 upscaler); stages run in the order "
+        "given; @POOL at the end runs it on that pool",
     ),
 ]
 Refine = Annotated[
@@ -272,7 +273,8 @@ Refine = Annotated[
     typer.Option(
         "--refine",
         metavar="MODEL[:STRENGTH[:STEPS]]",
-        help="a stage after generate: image to image with MODEL (self: the job's own) at STRENGTH (default 0.3)",
+        help="a stage after generate: image to image with MODEL (self: the job's own) at STRENGTH (default 0.3); "
+        "@POOL at the end runs it on that pool",
     ),
 ]
 KeepIntermediates = Annotated[

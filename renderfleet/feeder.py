@@ -154,7 +154,8 @@ class Feeder:
         want = self.target(queue) if target is None else target
         call = feed_call(queue, want)
         pushed, *parked = self._feed(keys=call.keys, args=call.args)
-        for job, why in zip(parked[::2], parked[1::2], strict=True):
+        for member, why in zip(parked[::2], parked[1::2], strict=True):
+            job = keys.text(member).partition(keys.SEGMENT_MARK)[0]  # a later segment's: '<job>@<n>'
             log.warning(
                 "feed: job %s parked, its shards kept pending: its feed template in Redis (%s) is "
                 "malformed: %s; `renderfleet resume %s` writes it again",

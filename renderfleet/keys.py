@@ -62,6 +62,8 @@ def job(job_id: str) -> str:
     cost, is unknown; ``dispatcher/status.py`` ``price``), name (the spec's ``name``, apart: a name
     typed for a job is looked up in every job's hash, ``dispatcher/jobids.py``; '' for none), budget (the most
     the job may spend, in the pools' currency: ``submit --budget``, raised by ``resume --budget``),
+    segments (a job whose stages run on pools of their own: the queues of its segments past the first, by
+    ``,``; each segment's envelope template in ``feed:<n>``),
     budget_reached (unix time its spend reached it: set by ``renderfleet/lua/fence.lua`` with ``cancelled``,
     so the job stops as a cancel stops it), budget_spent (its spend then; ``renderfleet/budget.py``) and
     min_vram (the least card memory in GB a worker must have to take its shards, "0" for any:
@@ -97,6 +99,29 @@ def pending(job_id: str) -> str:
     """list of shard numbers waiting for the feeder (state 'p' in :func:`shards`), oldest first:
     the job's pending work, by reference (a few bytes a shard; renderfleet/lua/feed.lua)."""
     return f"rf:job:{job_id}:pending"
+
+
+def segment(job_id: str) -> str:
+    """hash shard -> the segment it is in (``renderfleet.stages.segments``: a stage on a pool of its own
+    cuts a job into segments), for a shard past its first segment; absent: the first.  Written by
+    ``release.lua`` when a shard's segment is done (the shard then pending in the next one), dropped by
+    ``publish.lua`` when submit, resume or the audit push the shard again (from its first segment, whose
+    worker finds the later levels stored and hands it on)."""
+    return f"rf:job:{job_id}:segment"
+
+
+def segment_pending(job_id: str, seg: int) -> str:
+    """list: like :func:`pending`, the shards waiting for the feeder in segment ``seg`` (0: :func:`pending`)."""
+    return pending(job_id) if seg == 0 else f"rf:job:{job_id}:pending:{seg}"
+
+
+SEGMENT_MARK = "@"  # no job id holds it (spec.job_id_problem)
+
+
+def feed_member(job_id: str, seg: int) -> str:
+    """A job's member in a queue's rotation (:func:`active`): its id, or ``<job>@<seg>`` for its shards of
+    a later segment (whose pending list is :func:`segment_pending`, template the job's ``feed:<seg>``)."""
+    return job_id if seg == 0 else f"{job_id}{SEGMENT_MARK}{seg}"
 
 
 ACTIVE_PREFIX = "rf:active:"  # + queue: see active()

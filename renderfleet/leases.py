@@ -185,7 +185,17 @@ class ScriptCall:
 
 
 def claim_call(
-    job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, requeue: str, lease_ms: int, life: str = ""
+    job: str,
+    shard: int,
+    *,
+    worker: str,
+    queue: str,
+    tag: str,
+    message: str,
+    requeue: str,
+    lease_ms: int,
+    life: str = "",
+    segment: int = 0,
 ) -> ScriptCall:
     return ScriptCall(
         "claim",
@@ -199,6 +209,7 @@ def claim_call(
             UNACKED_INDEX_KEY,
             keys.ENQUEUED,
             keys.CONSUMED,
+            keys.segment(job),
         ],
         [
             shard,
@@ -212,6 +223,7 @@ def claim_call(
             keys.QUEUED_PREFIX,
             envelope_tag(requeue),
             life,
+            segment,
         ],
     )
 
@@ -292,7 +304,18 @@ def fence_call(
     )
 
 
-def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0) -> ScriptCall:
+def release_call(
+    lease: Lease,
+    outcome: Release,
+    first: int = 0,
+    count: int = 0,
+    *,
+    next_segment: int = 0,
+    next_queue: str = "",
+    band: int = 0,
+) -> ScriptCall:
+    """release.lua's KEYS and ARGV; with :attr:`Release.NEXT`, the segment the shard goes on to, its queue and
+    the job's feed band (``feeder.feed_band`` of its priority)."""
     return ScriptCall(
         "release",
         [
@@ -309,6 +332,9 @@ def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0)
             keys.job(lease.job),
             keys.done_bits(lease.job),
             keys.failed_bits(lease.job),
+            keys.segment(lease.job),
+            keys.segment_pending(lease.job, next_segment),
+            keys.active(next_queue),
         ],
         [
             lease.shard,
@@ -320,6 +346,11 @@ def release_call(lease: Lease, outcome: Release, first: int = 0, count: int = 0)
             first,
             count,
             lease.life,
+            next_segment,
+            keys.feed_member(lease.job, next_segment),
+            band,
+            keys.FEED_BAND,
+            next_queue,
         ],
     )
 
@@ -404,7 +435,7 @@ class Leases:
         return self._scripts[call.script](keys=call.keys, args=call.args)
 
     def claim(
-        self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, life: str = ""
+        self, job: str, shard: int, *, worker: str, queue: str, tag: str, message: str, life: str = "", segment: int = 0
     ) -> tuple[ClaimAnswer, Lease | None]:
         """Take a shard of the job's ``life``: (OK, lease), or (BUSY / DONE / CANCELLED, None): drop this
         delivery; (STALE, None): the job lives another life than ``life``: read it again."""
@@ -424,6 +455,7 @@ class Leases:
                 requeue=requeue,
                 lease_ms=self.lease_ms,
                 life=life,
+                segment=segment,
             )
         )
         answer = ClaimAnswer(keys.text(status))
@@ -501,6 +533,14 @@ class Leases:
         done or quarantined; else hand it back to the front (see ``release.lua``)."""
         return self._let_go(lease, Release.DONE, first, count)
 
+    def hand_on(self, lease: Lease, next_segment: int, next_queue: str) -> bool:
+        """The shard's segment is done: make it pending in ``next_segment``, fed to ``next_queue`` at the job's
+        priority (``release.lua``, 'next'); False when fenced (nothing done)."""
+        priority = self.client.hget(keys.job(lease.job), "priority")
+        band = keys.FEED_BAND * (9 - int(priority if priority is not None else 5))
+        call = release_call(lease, Release.NEXT, next_segment=next_segment, next_queue=next_queue, band=band)
+        return int(self.run(call)) == 1
+
     def _let_go(self, lease: Lease, outcome: Release | str, first: int = 0, count: int = 0) -> Finished:
         try:
             outcome = Release(outcome)
@@ -510,9 +550,11 @@ class Leases:
 
     def repend(self, job: str, shard: int, tag: str, queue: str) -> bool:
         """A rejected message that was its shard's (its enqueue record names ``tag``): the shard back to
-        its job's pending list, for the feeder to make its message anew (``renderfleet/lua/repend.lua``)."""
-        priority = self.client.hget(keys.job(job), "priority")
+        its job's pending list, for the feeder to make its message anew (``renderfleet/lua/repend.lua``); a shard
+        of a later segment starts again at its first, in the job's own queue (its worker hands it on)."""
+        priority, own = self.client.hmget(keys.job(job), "priority", "queue")
         band = keys.FEED_BAND * (9 - int(priority if priority is not None else 5))
+        queue = keys.text(own) or queue
         return bool(
             int(
                 self._scripts["repend"](
@@ -523,6 +565,7 @@ class Leases:
                         keys.pending(job),
                         keys.active(queue),
                         keys.QUEUES,
+                        keys.segment(job),
                     ],
                     args=[job, shard, keys.member(job, shard), tag, keys.QUEUED_PREFIX, band, keys.FEED_BAND, queue],
                 )

@@ -722,6 +722,14 @@ class ShardMessage:
     store: str = ""
     first: int = 0
     count: int = 0
+    # Which of the job's segments (``renderfleet.stages.segments``) the shard is in: 0, generate and the stages
+    # on the job's pool; another, the stages on a pool of their own.  On the wire only when not 0.
+    segment: int = 0
+    # Filled by the worker, never on the wire: a segment that is not the job's last leaves its images at
+    # level ``until`` (stored between stages, never final) and hands the shard on to ``next_queue``;
+    # -1: the last segment (or the only one), which makes the final images.
+    until: int = -1
+    next_queue: str = ""
     # Filled by the worker, never on the wire: the job's life as the worker read it when it accepted the
     # message (keys.job 'life'); its claim and every write of its lease are bound to that life.
     life: str = ""
@@ -738,6 +746,7 @@ class ShardMessage:
             store=str(data.get("store", "")),
             first=int(data["first"]),
             count=int(data["count"]),
+            segment=int(data.get("segment", 0)),
         )
 
     def with_prompts(self, wire: Sequence[str | dict[str, Any]]) -> ShardMessage:
@@ -803,14 +812,21 @@ def wire_name(index: int, prompt_json: str) -> str:
     return index_name(index)
 
 
-def message_head(job: JobSpec, queue: str, store: str = "") -> str:
+def message_head(job: JobSpec, queue: str, store: str = "", segment: int = 0) -> str:
     """What every shard message of ``job`` on ``queue`` begins with (an object left open);
     a shard's message adds ``,"shard":N,"first":F,"count":C}``: :func:`message_encoder`, and
-    the feeder (``renderfleet/lua/feed.lua``) from this same text."""
-    return json.dumps(
-        {"job": job.job, "params": job.params.identity(), "batch_size": job.batch_size, "queue": queue, "store": store},
-        separators=(",", ":"),
-    )[:-1]
+    the feeder (``renderfleet/lua/feed.lua``) from this same text.  ``segment``: a later segment's
+    messages (a stage on a pool of its own) say which; the first's say nothing (as before segments)."""
+    data: dict[str, Any] = {
+        "job": job.job,
+        "params": job.params.identity(),
+        "batch_size": job.batch_size,
+        "queue": queue,
+        "store": store,
+    }
+    if segment:
+        data["segment"] = segment
+    return json.dumps(data, separators=(",", ":"))[:-1]
 
 
 def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int], str]:
@@ -832,6 +848,7 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int]
 # A message's queue: kombu's list of one pool of one store (``renderfleet.celery_app.queue_name``:
 # ``renderfleet.<pool>.<store_tag>``).  A queue named by an older version (no store tag) is refused.
 _QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{12}")
+MAX_SEGMENT = 4  # a job's segments past the first: at most one per stage (renderfleet.stages.MAX_STAGES)
 _MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "count")  # and "store", optional
 _WIRE_FIELDS = {f.wire: f for f in PROMPT_FIELDS}  # the keys of a prompt with fields on the wire
 _PARAM_FIELDS = {
@@ -875,7 +892,7 @@ def message_problems(data: Any) -> list[str]:
     """
     if not isinstance(data, dict):
         return [f"a shard message is a JSON object, not {type(data).__name__}"]
-    problems = [f"unknown field {key!r}" for key in sorted(set(data) - {*_MESSAGE_KEYS, "store"})]
+    problems = [f"unknown field {key!r}" for key in sorted(set(data) - {*_MESSAGE_KEYS, "store", "segment"})]
     missing = [key for key in _MESSAGE_KEYS if key not in data]
     if missing:
         return [*problems, f"missing field(s) {', '.join(missing)}"]
@@ -891,6 +908,8 @@ def message_problems(data: Any) -> list[str]:
         problems.append(f"queue: not a renderfleet queue: {str(data['queue'])[:60]!r}")
     if type(data.get("store", "")) is not str:
         problems.append("store: must be a string")
+    if not _is_int(data.get("segment", 0)) or not 0 <= data.get("segment", 0) <= MAX_SEGMENT:
+        problems.append(f"segment: must be a whole number from 0 to {MAX_SEGMENT}")
     params = data["params"]
     if not isinstance(params, dict) or set(params) - set(RenderParams.__dataclass_fields__):
         return [*problems, "params: must be an object of the render settings (model, steps, width, ...)"]

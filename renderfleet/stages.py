@@ -59,6 +59,7 @@ TINY_SDXL_REFINER = "tiny-sdxl-refiner"
 STAGE_TINY_MODELS = (TINY_X4_UPSCALER, TINY_SDXL_REFINER)
 
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_POOL_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")  # settings._POOL_RE's rule (a queue's name holds it)
 _KEYS = ("kind", "model", "factor", "strength", "steps", "pool")
 _MAX_SIZE = MAX_SIDE
 
@@ -74,7 +75,9 @@ class Stage:
     factor: int = 1  # upscale: 2 or 4 (a diffusion upscaler: 4); a refine keeps the size (1)
     strength: float = DEFAULT_STRENGTH  # refine: how much of the schedule is run again, 0 < s <= 1
     steps: int = DEFAULT_STEPS  # refine's and a diffusion upscaler's schedule (a refine runs int(steps * strength))
-    pool: str = ""  # reserved: '' runs the stage on the job's worker, the only place today
+    # Where the stage runs: '' on the job's own pool (the worker that generated the image, models warm),
+    # else a pool of its own (``bigvram``): the job is cut into segments there (:func:`segments`).
+    pool: str = ""
 
 
 def stage_seed(seed: int, index: int) -> int:
@@ -103,11 +106,13 @@ def denoised_steps(stage: Stage) -> int:
 
 
 def parse_upscale(text: str, flag: str = FLAGS[UPSCALE]) -> Stage:
-    """``FACTOR[:MODEL[:STEPS]]``: ``2`` (Lanczos), ``4:tiny-x4-upscaler``, ``4:/models/x4:30``.
+    """``FACTOR[:MODEL[:STEPS]][@POOL]``: ``2`` (Lanczos), ``4:tiny-x4-upscaler``, ``4:/models/x4:30``,
+    ``4:tiny-x4-upscaler@bigvram`` (the stage on a pool of its own: :func:`split_pool`).
 
     :class:`InputError` with one line naming ``flag`` and the value for a form that is not one,
     or a stage :func:`stage_problem` refuses."""
-    factor_text, _, rest = text.strip().partition(":")
+    form, pool = split_pool(text, flag)
+    factor_text, _, rest = form.partition(":")
     model, steps_text = _split_numbers(rest, 1)
     if not factor_text.isdigit():
         raise InputError([f"{flag} {text!r}: give FACTOR[:MODEL[:STEPS]], the factor 2 or 4 (e.g. 2, 4:{TINY_X4_UPSCALER})"])
@@ -115,22 +120,36 @@ def parse_upscale(text: str, flag: str = FLAGS[UPSCALE]) -> Stage:
     if steps_text is not None and not model:
         raise InputError([f"{flag} {text!r}: steps are a diffusion upscaler's; a Lanczos resize has none"])
     steps = DEFAULT_STEPS if steps_text is None else _parse_steps(flag, text, steps_text)
-    return _checked(flag, text, Stage(UPSCALE, model=model, factor=int(factor_text), steps=steps))
+    return _checked(flag, text, Stage(UPSCALE, model=model, factor=int(factor_text), steps=steps, pool=pool))
 
 
 def parse_refine(text: str, flag: str = FLAGS[REFINE]) -> Stage:
-    """``MODEL[:STRENGTH[:STEPS]]``: ``self`` or nothing for the job's own model (``self:0.4``,
+    """``MODEL[:STRENGTH[:STEPS]][@POOL]``: ``self`` or nothing for the job's own model (``self:0.4``,
     ``:0.4``, ``''``), else a model (``tiny-sdxl-refiner:0.3:10``); strength and steps default
     to 0.3 and 20.
 
     :class:`InputError` with one line naming ``flag`` and the value for a form that is not one,
     or a stage :func:`stage_problem` refuses."""
-    model, numbers = _split_numbers(text.strip(), 2)
+    form, pool = split_pool(text, flag)
+    model, numbers = _split_numbers(form, 2)
     _check_model_text(flag, text, model, "MODEL[:STRENGTH[:STEPS]]")
     strength_text, _, steps_text = (numbers or "").partition(":")
     strength = float(strength_text) if strength_text else DEFAULT_STRENGTH
     steps = _parse_steps(flag, text, steps_text) if steps_text else DEFAULT_STEPS
-    return _checked(flag, text, Stage(REFINE, model="" if model == SELF else model, strength=strength, steps=steps))
+    stage = Stage(REFINE, model="" if model == SELF else model, strength=strength, steps=steps, pool=pool)
+    return _checked(flag, text, stage)
+
+
+def split_pool(text: str, flag: str) -> tuple[str, str]:
+    """(the form before ``@POOL``, the pool or ''): ``4:tiny-x4-upscaler@bigvram``.  The last ``@``
+    names the pool; one not followed by a pool's name is :class:`InputError` naming ``flag``."""
+    head, at, pool = text.strip().rpartition("@")
+    if not at:
+        return text.strip(), ""
+    if not _POOL_RE.fullmatch(pool):
+        why = f"after @ give a pool's name (lowercase letters, digits, - and _), got {pool[:40]!r}"
+        raise InputError([f"{flag} {text!r}: {why}"])
+    return head, pool
 
 
 def _split_numbers(text: str, most: int) -> tuple[str, str | None]:
@@ -174,8 +193,8 @@ def stage_problem(stage: Stage) -> str | None:
     """Why ``stage`` cannot run, in one line naming the setting, or None."""
     if stage.kind not in KINDS:
         return f"kind must be {' or '.join(KINDS)}, got {str(stage.kind)[:40]!r}"
-    if stage.pool:
-        return "pool: a stage runs on the job's own worker; another pool is not supported yet"
+    if stage.pool and not _POOL_RE.fullmatch(stage.pool):
+        return f"pool must be a pool's name (lowercase letters, digits, - and _), got {stage.pool[:40]!r}"
     if stage.model and (why := _model_problem(stage)):
         return why
     if stage.kind == UPSCALE:
@@ -294,26 +313,28 @@ def from_json(data: Any) -> tuple[Stage, ...]:
 def describe(stage: Stage) -> str:
     """One line saying what ``stage`` does: ``upscale x2 (Lanczos)``, ``refine with the job's
     model at strength 0.3 (20 steps, 6 run)``."""
+    where = f" on pool {stage.pool}" if stage.pool else ""
     if stage.kind == UPSCALE:
         if not stage.model:
-            return f"upscale x{stage.factor} (Lanczos)"
-        return f"upscale x{stage.factor} with {stage.model} ({stage.steps} steps)"
+            return f"upscale x{stage.factor} (Lanczos){where}"
+        return f"upscale x{stage.factor} with {stage.model} ({stage.steps} steps){where}"
     model = stage.model or "the job's model"
-    return f"refine with {model} at strength {stage.strength:g} ({stage.steps} steps, {denoised_steps(stage)} run)"
+    return f"refine with {model} at strength {stage.strength:g} ({stage.steps} steps, {denoised_steps(stage)} run){where}"
 
 
 def cli_form(stage: Stage) -> str:
     """``stage`` as the command line gives it, :func:`parse_upscale`'s and :func:`parse_refine`'s
     form behind its flag: ``--upscale 2``, ``--upscale 4:tiny-x4-upscaler``, ``--refine self:0.3``
     (steps only where they are not the default), so a report names the stages a reader can type again."""
+    at = f"@{stage.pool}" if stage.pool else ""
     if stage.kind == UPSCALE:
         if not stage.model:
-            return f"{FLAGS[UPSCALE]} {stage.factor}"
+            return f"{FLAGS[UPSCALE]} {stage.factor}{at}"
         steps = f":{stage.steps}" if stage.steps != DEFAULT_STEPS else ""
-        return f"{FLAGS[UPSCALE]} {stage.factor}:{stage.model}{steps}"
+        return f"{FLAGS[UPSCALE]} {stage.factor}:{stage.model}{steps}{at}"
     steps = f":{stage.steps}" if stage.steps != DEFAULT_STEPS else ""
     strength = f"{stage.strength:g}" if float(f"{stage.strength:g}") == stage.strength else repr(stage.strength)
-    return f"{FLAGS[REFINE]} {stage.model or SELF}:{strength}{steps}"
+    return f"{FLAGS[REFINE]} {stage.model or SELF}:{strength}{steps}{at}"
 
 
 # ---- a job's stages as the API and a stages file give them ----------------------------
@@ -349,7 +370,7 @@ def parse_stages(value: Any) -> tuple[Stage, ...]:
 
 def read_file(path: str) -> tuple[Stage, ...]:
     """A stages file (TOML): ``[[stage]]`` tables in order, each ``kind = "upscale"`` or ``"refine"``
-    and the keys of :class:`Stage` (``model``, ``factor``, ``strength``, ``steps``); :class:`InputError`
+    and the keys of :class:`Stage` (``model``, ``factor``, ``strength``, ``steps``, ``pool``); :class:`InputError`
     naming the file and the stage for anything else."""
     import tomllib
 
@@ -366,3 +387,32 @@ def read_file(path: str) -> tuple[Stage, ...]:
         return from_json(data["stage"])
     except WireError as exc:
         raise InputError([f"{path}: {exc}"]) from None
+
+
+# ---- where the stages run: a job's segments ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The stages one pool runs in a row: from level ``start`` (0: generate first) to level ``end``
+    (the images it leaves: an intermediate in the store, or the finals when ``end`` is the last level)."""
+
+    index: int
+    pool: str
+    start: int
+    end: int
+
+
+def segments(stages: Sequence[Stage], job_pool: str) -> tuple[Segment, ...]:
+    """The job's segments: generate and the stages on ``job_pool`` (a stage's ``pool`` '') up to the
+    first stage whose pool differs, then each run of stages on one pool.  One segment (the whole job on
+    its own pool) for a job whose stages name no other pool."""
+    out: list[Segment] = []
+    pool, start = job_pool, 0
+    for level, stage in enumerate(stages):
+        here = stage.pool or job_pool
+        if here != pool:
+            out.append(Segment(len(out), pool, start, level))
+            pool, start = here, level
+    out.append(Segment(len(out), pool, start, len(stages)))
+    return tuple(out)

@@ -27,6 +27,7 @@ class ClaimAnswer(StrEnum):
     DONE = "done"  # the shard is finished: drop this delivery
     CANCELLED = "cancelled"  # its job is cancelled: drop this delivery (a straggler the cancel missed)
     STALE = "stale"  # the job began another life since the worker read it: accept the message again
+    MOVED = "moved"  # a copy of another segment than the shard is in (keys.segment): drop this delivery
 
 
 class Release(StrEnum):
@@ -36,6 +37,7 @@ class Release(StrEnum):
     FRONT = "front"  # hand it back at the front of its queue (a reclaim)
     BACK = "back"  # hand it back at the back (try again later)
     CANCEL = "cancel"  # its job was cancelled: park it ('c'), push nothing; the front if resumed since
+    NEXT = "next"  # its segment is done (a stage on a pool of its own is next): pending in the next segment
 
 
 class Beat(IntEnum):

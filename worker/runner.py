@@ -274,6 +274,8 @@ class ShardRunner:
                 elif p.name in cp.done:
                     undone.append(p.index)
             pending = [p for p in batch if p.name not in verified.done and p.name not in verified.quarantined]
+            if msg.until >= 0:  # a segment before the last: what is stored at its level is done here
+                pending = [p for p in pending if levels.get(p.name, -1) < msg.until]
             result.skipped += len(batch) - len(pending)
             if pending:
                 todo.append((number, pending, verified))
@@ -296,7 +298,7 @@ class ShardRunner:
                 per_image = self._batch_seconds / len(images) if images and self._batch_seconds else None
                 commits.put(
                     partial(
-                        self._commit_batch,
+                        self._commit_batch if msg.until < 0 else self._commit_segment,
                         msg,
                         number,
                         pending,
@@ -408,7 +410,7 @@ class ShardRunner:
             work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
             ledger.record_batch(len(images), elapsed, work)
             # A speed is a whole batch rendered afresh: none taken from a stored level, none failed.
-            if msg is not None and not resumed and len(images) == len(pending):
+            if msg is not None and not resumed and len(images) == len(pending) and msg.until < 0 and not msg.segment:
                 self._keep_speed(msg, pending, elapsed)
         return images, failures
 
@@ -443,17 +445,7 @@ class ShardRunner:
         for name, error in self._put_images(msg.job, images, by_name, extra).items():
             del images[name]
             failures.append((by_name[name], error, False))
-        quarantined: list[Prompt] = []
-        for prompt, error, blames_node in failures:
-            if not blames_node:
-                result.excused += 1
-            count = ledger.record_failure(prompt, error)  # fenced: raises Reclaimed
-            if count >= self.max_failures:
-                quarantined.append(prompt)
-                self._quarantine(msg, prompt, error, count)
-            else:
-                result.failed.append(prompt.index)
-                log.warning("prompt %s of job %s failed (%d/%d): %s", prompt.name, msg.job, count, self.max_failures, error)
+        quarantined = self._record_failures(msg, failures, ledger, result)
 
         failpoints.reach("before-checkpoint")
         ledger.check()  # again: a worker paused past its lease learns it here
@@ -465,6 +457,53 @@ class ShardRunner:
             ledger.record_gpu_time(kept=self.time_account.keep(batch))
         if msg.params.stages and self.stages is not None and not msg.params.keep_intermediates:
             self.stages.forget(msg, [*images, *(p.name for p in quarantined)])  # finals stored: what waited goes
+        result.rendered += len(images)
+        result.quarantined += len(quarantined)
+        result.batches += 1
+
+    def _record_failures(
+        self, msg: ShardMessage, failures: list[tuple[Prompt, str, bool]], ledger: Ledger, result: ShardResult
+    ) -> list[Prompt]:
+        """Count each failure of a batch (fenced: raises Reclaimed); the prompts quarantined by it."""
+        quarantined: list[Prompt] = []
+        for prompt, error, blames_node in failures:
+            if not blames_node:
+                result.excused += 1
+            count = ledger.record_failure(prompt, error)  # fenced: raises Reclaimed
+            if count >= self.max_failures:
+                quarantined.append(prompt)
+                self._quarantine(msg, prompt, error, count)
+            else:
+                result.failed.append(prompt.index)
+                log.warning("prompt %s of job %s failed (%d/%d): %s", prompt.name, msg.job, count, self.max_failures, error)
+        return quarantined
+
+    def _commit_segment(
+        self,
+        msg: ShardMessage,
+        number: int,
+        pending: list[Prompt],
+        cp: _Checkpoint,
+        images: dict[str, Any],
+        failures: list[tuple[Prompt, str, bool]],
+        ledger: Ledger,
+        result: ShardResult,
+        attempt: int,
+        per_image: float | None = None,
+        batch: Batch | None = None,
+    ) -> None:
+        """A batch of a segment before the job's last (``msg.until``): its images are stored at that level
+        already (worker/stagerun.py) and are no final images, so nothing is counted done; its failures are
+        counted, and a quarantine is checkpointed as :meth:`_commit_batch` does (the last segment skips it)."""
+        failpoints.reach("after-render")
+        ledger.check()
+        quarantined = self._record_failures(msg, failures, ledger, result)
+        if quarantined:
+            cp.quarantined.update(p.name for p in quarantined)
+            self._write_checkpoint(msg, number, cp, attempt, rendered=[], per_image=per_image)
+            ledger.commit([], [p.index for p in quarantined])
+        if batch is not None and self.time_account is not None:
+            ledger.record_gpu_time(kept=self.time_account.keep(batch))
         result.rendered += len(images)
         result.quarantined += len(quarantined)
         result.batches += 1

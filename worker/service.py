@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from renderfleet import budget, cards, jobfailure, keys, logs, spec
+from renderfleet import stages as stagelib
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
     BadOutput,
@@ -316,7 +317,14 @@ class WorkerService:
         self.stop.clear_fence()  # a fence belongs to the shard before this one
         try:
             status, lease = self.leases.claim(
-                msg.job, msg.shard, worker=self.worker_id, queue=msg.queue, tag=tag, message=raw, life=msg.life
+                msg.job,
+                msg.shard,
+                worker=self.worker_id,
+                queue=msg.queue,
+                tag=tag,
+                message=raw,
+                life=msg.life,
+                segment=msg.segment,
             )
         except redis.RedisError as exc:
             raise TransientError(f"cannot claim shard {msg.job}:{msg.shard}: {exc}") from exc
@@ -519,6 +527,23 @@ class WorkerService:
             self._count_failure(True)
             return Outcome(TaskOutcome.ERROR)
         self._count_failure(result.all_failed)
+        if result.complete and msg.until >= 0:
+            # A segment before the job's last: every prompt not done is stored at its level; the shard is
+            # pending in the next segment, on the next stage's pool (release.lua, 'next'); nothing counted done.
+            if not self.leases.hand_on(lease, msg.segment + 1, msg.next_queue):
+                return Outcome(TaskOutcome.FENCED, result.rendered)
+            self._aside.submit(self.feed, msg.next_queue)  # its message out now, not at the next pool's next feed
+            log.info(
+                "shard %s:%d segment %d done (%d at level %d, %d already there): on to %s",
+                msg.job,
+                msg.shard,
+                msg.segment,
+                result.rendered,
+                msg.until,
+                result.skipped,
+                msg.next_queue,
+            )
+            return Outcome(TaskOutcome.DONE, result.rendered)
         if result.complete:
             first = msg.prompts[0].index if msg.prompts else 0
             finished = self.leases.finish(lease, first, len(msg.prompts))
@@ -629,6 +654,13 @@ class WorkerService:
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
             log.error("%s: the job was deleted from the store %s", where, self.store.url)
             return None
+        segments = stagelib.segments(job.params.stages, job.pool)
+        if msg.segment >= len(segments):
+            log.error("%s: segment %d, but its job's stages make %d", where, msg.segment, len(segments))
+            return None
+        if msg.segment < len(segments) - 1:  # its next stage runs on a pool of its own: this segment hands it on
+            after = segments[msg.segment + 1]
+            msg = replace(msg, until=after.start, next_queue=queue_name(after.pool, msg.store))
         return self._with_prompts(replace(msg, life=keys.text(life)), where, job, keys.text(registered))
 
     def _with_prompts(self, msg: ShardMessage, where: str, job: JobSpec, registration: str) -> ShardMessage | None:

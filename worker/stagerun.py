@@ -10,6 +10,10 @@ per shard, :meth:`ShardStages.levels`), never generating or refining them again.
 images are the job's final images, committed by the runner as before; once a final image is stored
 its intermediates are deleted (:meth:`ShardStages.forget`).
 
+A job whose stages run on pools of their own (``renderfleet.stages.segments``) is rendered a segment at a
+time: a segment before the last stops at its level (``ShardMessage.until``) and stores it, and the next
+segment's worker, on its own pool, takes the images from that level as any later delivery would.
+
 Every stage draws its noise from the prompt's seed and the stage's position
 (``renderfleet.stages.stage_seed``), and PNG keeps every pixel, so an image taken back from the
 store is the image that was stored: a redelivered shard comes out byte-identical.  Levels: 0 is
@@ -123,7 +127,8 @@ class ShardStages:
         renderer's build nor the store's writes), for the shard's ledger (the job's stage figures).
         ``uploads``: the runner's upload threads, which encode and write a level's images side by side."""
         stages = msg.params.stages
-        last = len(stages)
+        # A segment before the job's last (its next stage on a pool of its own) stops at its level and stores it.
+        last = len(stages) if msg.until < 0 else msg.until
         current = dict(images)
         at = {name: resumed.get(name, 0) for name in current}
         for level in range(last):
@@ -156,7 +161,10 @@ class ShardStages:
             self.on_images(stage_label(stages, level + 1), len(made))
             if on_stage is not None and made:
                 on_stage(stage_label(stages, level + 1), len(made), seconds)
-        return {p.name: current[p.name] for p in prompts if p.name in current and at.get(p.name, 0) == last}
+        done = {p.name: current[p.name] for p in prompts if p.name in current and at.get(p.name, 0) == last}
+        if msg.until >= 0:
+            self._store(msg, last, [p for p in prompts if p.name in done and resumed.get(p.name) != last], current, uploads)
+        return done
 
     def _store(
         self,

@@ -22,7 +22,8 @@
 -- KEYS[5] enqueued     hash member -> enqueue record (common.lua)
 -- KEYS[6] unacked      kombu's hash tag -> message
 -- KEYS[7] unacked_idx  kombu's zset tag -> time
--- KEYS[8] pending      list: the job's pending shards (emptied: they are parked with the rest)
+-- KEYS[8] pending      list: the job's pending shards (emptied: they are parked with the rest); those of
+--                      its later segments ('<pending>:<n>', the job's `segments` queues) too
 -- ARGV[1] job id, ARGV[2] queued prefix, ARGV[3] fence ('1' or ''),
 -- ARGV[4] when (unix time to record; '' for now), ARGV[5] active prefix (keys.ACTIVE_PREFIX)
 -- Returns {messages taken out of queues and pending shards dropped, shards parked, shards leased}.
@@ -69,6 +70,7 @@ for i = 1, #states, 2 do
 end
 local own = redis.call('HGET', job, 'queue')
 if own and not queues[own] then
+  queues[own] = true
   table.insert(order, own)
 end
 -- Its pending shards, parked above, leave the feeder's rotation: none is ever fed (counted
@@ -77,6 +79,19 @@ local removed = redis.call('LLEN', pending)
 redis.call('DEL', pending)
 if own then
   redis.call('ZREM', active_prefix .. own, job_id)
+end
+-- A job whose stages run on pools of their own: each later segment's pending list and rotation
+-- (keys.segment_pending, keys.feed_member), and its queue filtered below too.
+local n = 0
+for q in string.gmatch(redis.call('HGET', job, 'segments') or '', '[^,]+') do
+  n = n + 1
+  removed = removed + redis.call('LLEN', pending .. ':' .. n)
+  redis.call('DEL', pending .. ':' .. n)
+  redis.call('ZREM', active_prefix .. q, job_id .. '@' .. n)
+  if not queues[q] then
+    queues[q] = true
+    table.insert(order, q)
+  end
 end
 
 -- 2. Each queue, filtered in one pass: the job's envelopes out, every other in its order.

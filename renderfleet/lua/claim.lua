@@ -10,17 +10,21 @@
 -- KEYS[7] unacked_idx  kombu's zset tag -> time
 -- KEYS[8] enqueued     hash member -> enqueue record (common.lua)
 -- KEYS[9] consumed     hash queue -> highest back-of-queue seq claimed from it
+-- KEYS[10] segment     hash shard -> the segment it is in (absent: the first; keys.segment)
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] worker, ARGV[4] queue, ARGV[5] tag
 -- (this delivery's kombu tag), ARGV[6] requeue (payload to re-push),
 -- ARGV[7] message, ARGV[8] lease_ms, ARGV[9] queued prefix, ARGV[10] requeue's tag,
--- ARGV[11] life (keys.job 'life' as the worker read it when it accepted the message)
--- Returns {'ok', attempt}, {'busy', 0}, {'done', 0}, {'cancelled', 0}, or {'stale', 0}: the job
+-- ARGV[11] life (keys.job 'life' as the worker read it when it accepted the message),
+-- ARGV[12] the message's segment ('0': the first)
+-- Returns {'ok', attempt}, {'busy', 0}, {'done', 0}, {'cancelled', 0}, {'moved', 0} (a copy of another
+-- segment than the shard is in: dropped), or {'stale', 0}: the job
 -- began another life (deleted and submitted again) since the worker read it: accept it again.
 local job, shards, inflight, attempts, lease = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local unacked, unacked_idx, enqueued, consumed = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local shard, member, worker, queue, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local requeue, message, lease_ms, queued_prefix, requeue_tag = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local life = ARGV[11] or ''
+local segment, message_segment = KEYS[10], ARGV[12] or '0'
 local now = now_ms()
 
 if not same_life(job, life) then
@@ -39,6 +43,15 @@ if redis.call('HEXISTS', job, 'cancelled') == 1 then
     redis.call('HSET', shards, shard, 'c')
   end
   return {'cancelled', 0}
+end
+if (redis.call('HGET', segment, shard) or '0') ~= message_segment then
+  -- A stale copy of a segment the shard has left (or not reached): if it is the copy the record
+  -- describes, that copy is gone (the feeder makes the segment's own anew).
+  local rec = redis.call('HGET', enqueued, member)
+  if tag ~= '' and rec and string.match(rec, '^%d+|%a|([^|]*)|') == tag then
+    forget_enqueue(enqueued, queued_prefix, member)
+  end
+  return {'moved', 0}
 end
 local exp = redis.call('ZSCORE', inflight, member)
 if exp and tonumber(exp) > now then

@@ -13,6 +13,10 @@
 -- so the audit, cancel and claim treat it as any other message.  A ref whose
 -- shard is no longer 'p' (cancelled, finished, queued by an audit) is dropped.
 --
+-- A job whose stages run on pools of their own (renderfleet.stages.segments) is in a later segment's
+-- queue's rotation as '<job>@<n>' (keys.feed_member): its pending list is then '<job>:pending:<n>', its
+-- template the job's 'feed:<n>' (the message says its segment), everything else the job's own.
+--
 -- A job whose template (or cut: shard_size, total) is malformed (written by hand, a
 -- bug, an attacker) is parked: it leaves the rotation, its pending shards kept, and is
 -- named in the answer for the caller's warning; the script never raises on it (it did,
@@ -104,33 +108,37 @@ while length < target and steps > 0 do
   if #top == 0 then
     break
   end
-  local job = top[1]
+  local member = top[1]
+  local job, seg = string.match(member, '^([^@]*)@(%d+)$')
+  job = job or member
   local job_key = job_prefix .. job
-  local pending = job_key .. ':pending'
-  local f = redis.call('HMGET', job_key, 'cancelled', 'feed', 'shard_size', 'total', 'stride')
+  local pending = job_key .. ':pending' .. (seg and (':' .. seg) or '')
+  local f = redis.call('HMGET', job_key, 'cancelled', seg and ('feed:' .. seg) or 'feed', 'shard_size', 'total', 'stride')
   local size, total = tonumber(f[3]), tonumber(f[4])
   local shard, tmpl, why = false, false, nil
   if not f[1] and f[2] then
     -- Checked before a shard is popped: a job that cannot be fed keeps every pending shard.
-    tmpl = templates[job]
+    tmpl = templates[member]
     if tmpl == nil then
       tmpl, why = template(f[2], size, total)
-      templates[job] = tmpl
+      templates[member] = tmpl
     end
     if tmpl then
       shard = redis.call('LPOP', pending)
     elseif why then
-      parked[#parked + 1] = job
+      parked[#parked + 1] = member
       parked[#parked + 1] = why
     end
   end
   if not shard then
     -- Nothing pending (or cancelled, deleted, parked): the job leaves the rotation until publish.lua adds it again.
-    redis.call('ZREM', active, job)
+    redis.call('ZREM', active, member)
   else
     local shards = job_key .. ':shards'
     -- A ref that is not a shard's number is no pending shard (dropped, as a stale ref is).
-    if tonumber(shard) and tonumber(shard) % 1 == 0 and redis.call('HGET', shards, shard) == 'p' then
+    -- ...nor is a ref of another segment than the shard is in (a resume took it back to the first).
+    if tonumber(shard) and tonumber(shard) % 1 == 0 and redis.call('HGET', shards, shard) == 'p'
+        and (redis.call('HGET', job_key .. ':segment', shard) or '0') == (seg or '0') then
       local first = tonumber(shard) * size
       local count = math.min(size, total - first)
       -- The body's head is encoded already (its length a multiple of 3): only the rest is encoded here.
@@ -153,9 +161,9 @@ while length < target and steps > 0 do
       length = length + 1
     end
     if redis.call('LLEN', pending) == 0 then
-      redis.call('ZREM', active, job)
+      redis.call('ZREM', active, member)
     else
-      redis.call('ZINCRBY', active, tonumber(f[5] or '1') or 1, job)
+      redis.call('ZINCRBY', active, tonumber(f[5] or '1') or 1, member)
     end
   end
 end

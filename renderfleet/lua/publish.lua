@@ -30,7 +30,9 @@
 -- KEYS[6] failed bits, KEYS[7] enqueued, KEYS[8] seq, KEYS[9] queues,
 -- KEYS[10] unacked, KEYS[11] unacked_idx, KEYS[12] consumed (hash queue -> highest seq claimed),
 -- KEYS[13] pending (the job's list), KEYS[14] active (zset job -> feed score), KEYS[15] job
--- (its hash: a job joins the rotation once it has its envelope template, feed)
+-- (its hash: a job joins the rotation once it has its envelope template, feed),
+-- KEYS[16] segment (hash shard -> segment: a shard pushed or made pending here starts again at its
+-- first segment, whose worker finds a later level stored and hands it on; keys.segment)
 -- ARGV[1] job, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] side
 -- ('b' back, 'f' front, 'p' pending, 'n' none, 'c' parked), ARGV[5] force ('1' or ''),
 -- ARGV[6] the job's feed band (keys.FEED_BAND * (9 - priority)), ARGV[7] keys.FEED_BAND,
@@ -39,7 +41,7 @@
 local queue, shards, left, inflight = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local done_bits, failed_bits, enqueued, seq_key, queues = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local unacked, unacked_idx, consumed, pending, active = KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[14]
-local job_key = KEYS[15]
+local job_key, segment = KEYS[15], KEYS[16]
 local job, queued_prefix, lease_prefix, side, force = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1'
 local band, band_width = tonumber(ARGV[6]), tonumber(ARGV[7])
 local now = now_ms()
@@ -106,6 +108,7 @@ for g = 8, #ARGV, 6 do
       redis.call('HSET', left, shard, n)
     end
   elseif n == 0 then
+    redis.call('HDEL', segment, shard)
     redis.call('HDEL', shards, shard)
     redis.call('HDEL', left, shard)
     forget_enqueue(enqueued, queued_prefix, member)  -- a copy still queued is dropped at its claim
@@ -121,6 +124,7 @@ for g = 8, #ARGV, 6 do
       local _, _, old_tag = forget_enqueue(enqueued, queued_prefix, member)
       drop_unacked(old_tag)
       redis.call('HSET', shards, shard, 'p')
+      redis.call('HDEL', segment, shard)
       redis.call('RPUSH', pending, shard)
       sent = sent + 1
     end
@@ -134,6 +138,7 @@ for g = 8, #ARGV, 6 do
       if recorded then
         drop_unacked(old_tag)  -- a copy a worker took but never claimed: kombu would restore it only in an hour
       end
+      redis.call('HDEL', segment, shard)
       redis.call(side == 'f' and 'RPUSH' or 'LPUSH', queue, envelope)
       record_enqueue(enqueued, seq_key, queues, queued_prefix, member, queue, side, tag)
       sent = sent + 1

@@ -137,7 +137,7 @@ def test_a_parser_names_the_flag_it_is_given() -> None:
     ("stage", "why"),
     [
         (Stage("sharpen"), "kind must be upscale or refine"),
-        (Stage(UPSCALE, factor=2, pool="gpu-big"), "pool"),
+        (Stage(UPSCALE, factor=2, pool="GPU big"), "pool must be a pool's name"),
         (Stage(UPSCALE, factor=2, strength=0.5), "strength is a refine's"),
         (Stage(UPSCALE, factor=2, steps=10), "a Lanczos resize has none"),
         (Stage(REFINE, factor=2), "a refine keeps the image's size"),
