@@ -63,6 +63,11 @@ def is_latents(image: Any) -> bool:
     return hasattr(image, "dtype") and hasattr(image, "shape")
 
 
+def shape_of(image: Any) -> tuple[Any, ...]:
+    """What a stage's inputs must share to go in one call: ``("image", width, height)`` or ``("latent", C, h, w)``."""
+    return ("latent", *image.shape) if is_latents(image) else ("image", *image.size)
+
+
 def encode_intermediate(image: Any) -> bytes:
     """A level between stages: an image as lossless PNG with nothing but its pixels (no clock, no text);
     latents as safetensors, their values and dtype as they are (the same tensor, the same bytes)."""
@@ -111,7 +116,7 @@ class ShardStages:
         self.on_images = on_images or (lambda label, n: None)
         # Each stage's calls per batch (worker/batchsize.py): the worker's, shared with generate; else whole batches.
         self.batch_sizes = batch_sizes or BatchSizes(None, fixed=WHOLE_BATCH)
-        self._built: dict[tuple[int, Stage], Any] = {}
+        self._built: dict[tuple[int, Stage], Any] = {}  # a renderer, or the JobError its build raised
         self._for: object = None  # the renderer the built stages share a model with
 
     def clear(self) -> None:
@@ -127,8 +132,16 @@ class ShardStages:
             self._for = base
         key = (index, stage)
         if key not in self._built:
-            self._built[key] = self.factory(stage, index)
-        return self._built[key]
+            try:
+                self._built[key] = self.factory(stage, index)
+            except JobError as exc:
+                # Kept as the stage's answer while the job's model stays: a model that will not load is not
+                # loaded again for every prompt asked whether it takes latents, nor for every batch.
+                self._built[key] = exc
+        built = self._built[key]
+        if isinstance(built, JobError):
+            raise built
+        return built
 
     def levels(self, msg: ShardMessage) -> dict[str, int]:
         """Each of the shard's prompts that a stage image is stored for: the highest level stored.
@@ -208,7 +221,6 @@ class ShardStages:
             if not members:
                 continue
             self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current, uploads)
-            latents = {p.name for p in members if self.hands_latents(msg, base, p, level)}
             failpoints.reach("stage")
             try:
                 renderer = self.renderer(base, level, stages[level])
@@ -217,6 +229,7 @@ class ShardStages:
                 for p in members:
                     current.pop(p.name)
                 continue
+            latents = {p.name for p in members if self.hands_latents(msg, base, p, level)}
             began = time.monotonic()
             made = self._run_stage(renderer, members, current, latents, failures, should_stop)
             seconds = time.monotonic() - began
@@ -272,8 +285,6 @@ class ShardStages:
         latents, and latents out for the prompts in ``latents``), each group in calls of the stage's own
         size (``BatchSizes.stage_size_for``), halved on out-of-memory down to one prompt a call; a failing
         call split to find the prompt at fault."""
-        from worker.stages import shape_of
-
         groups: dict[tuple[Any, bool], list[Prompt]] = {}
         for p in members:
             groups.setdefault((shape_of(current[p.name]), p.name in latents), []).append(p)

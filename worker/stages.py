@@ -56,6 +56,7 @@ from worker.models.families import FAMILIES, PipelineFamily
 from worker.models.families.generic import Generic
 from worker.prompts import quiet_truncation
 from worker.render import SchedulerCache, release_cached_memory
+from worker.stagerun import is_latents, shape_of
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -364,16 +365,6 @@ class StageRenderer:
             release_cached_memory(self.device)
             raise OutOfMemory(f"out of memory in {self} for {len(prompts)} images of {width}x{height}: {out_of_memory}")
         return made
-
-
-def is_latents(image: Any) -> bool:
-    """Whether an input between stages is latents (a tensor), not a PIL image."""
-    return hasattr(image, "dtype") and hasattr(image, "shape")
-
-
-def shape_of(image: Any) -> tuple[Any, ...]:
-    """What inputs must share to go in one call: ``("image", width, height)`` or ``("latent", C, h, w)``."""
-    return ("latent", *image.shape) if is_latents(image) else ("image", *image.size)
 
 
 def image_family(pipe: Any) -> PipelineFamily:
