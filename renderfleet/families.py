@@ -43,6 +43,10 @@ class Family:
     t5_max: int = 0  # the most it can read
     chunks: bool = False  # CLIP-only prompts over 77 tokens can be embedded in 77-token chunks
     lora: bool = True
+    # Its image-to-image pipeline takes its text-to-image latents as ``image`` (4 channels, not packed, scaled
+    # as the VAE encodes): a refine of the same family gets them without a decode and an encode between
+    # (renderfleet.stages.hands_latents).  FLUX's are packed and SD3's shifted: they go as images.
+    latents: bool = False
     memory_1024_bf16: str = ""  # the weights' bytes in bf16 (parameters x 2), for the docs' table; activations come on top
     # What `submit --estimate` assumes where no speed was measured (renderfleet/speeds.py): seconds per
     # megapixel and step at the family's default guidance on a mid-range card (24-48 GB, A10G to L40S
@@ -70,6 +74,7 @@ SD = Family(
     guidance_scale=7.5,
     size_multiple=8,
     chunks=True,
+    latents=True,
     memory_1024_bf16="2.1 GB of weights (SD 1.5: UNet 0.86 B parameters, CLIP 0.12 B, VAE 0.08 B)",
     seconds_per_mpstep=0.15,
 )
@@ -85,6 +90,7 @@ SDXL = Family(
     guidance_scale=7.5,
     size_multiple=8,
     chunks=True,
+    latents=True,
     memory_1024_bf16="6.9 GB of weights (UNet 2.57 B, two CLIP 0.82 B, VAE 0.08 B); 11.6 GB peak at batch 16 on an H200",
     seconds_per_mpstep=0.35,
 )

@@ -1008,9 +1008,14 @@ def stage_prefix(job: str, shard: int, life: str = "") -> str:
     return f"jobs/{job}/stages/{life or '-'}/{shard:06d}/"
 
 
-def stage_key(job: str, shard: int, level: int, name: str, life: str = "") -> str:
-    """A prompt's image at ``level`` (0: generated, k: after stage k), lossless PNG."""
-    return f"{stage_prefix(job, shard, life)}{level}/{name}.png"
+STAGE_IMAGE_EXT = ".png"  # an image between stages: lossless PNG
+STAGE_LATENTS_EXT = ".safetensors"  # latents between stages (renderfleet.stages.hands_latents): never a pickle
+
+
+def stage_key(job: str, shard: int, level: int, name: str, life: str = "", *, latents: bool = False) -> str:
+    """A prompt's image at ``level`` (0: generated, k: after stage k): lossless PNG, or its latents as
+    safetensors where the next stage takes latents; the extension says which."""
+    return f"{stage_prefix(job, shard, life)}{level}/{name}{STAGE_LATENTS_EXT if latents else STAGE_IMAGE_EXT}"
 
 
 def images_prefix(job: str, start: str = "") -> str:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from renderfleet.errors import InputError, WireError
-from renderfleet.families import TINY_MODELS
+from renderfleet.families import BY_NAME, TINY_MODELS
 from renderfleet.limits import BENCH_PREFIX, MAX_SIDE, MAX_STEPS, model_problem
 
 UPSCALE = "upscale"
@@ -100,6 +100,34 @@ def final_size(stages: Sequence[Stage], width: int, height: int) -> tuple[int, i
 def denoised_steps(stage: Stage) -> int:
     """How many steps a refine runs (diffusers' ``int(steps * strength)``); a diffusion upscale all."""
     return int(stage.steps * stage.strength) if stage.kind == REFINE else stage.steps
+
+
+def next_stage(stages: Sequence[Stage], skip_stages: str, after: int) -> int | None:
+    """The index of the first stage after stage ``after`` (-1: generate) that a prompt skipping
+    ``skip_stages`` (its positions, ``"1,3"``) goes through; None: what ``after`` made is final."""
+    skipped = skip_stages.split(",")
+    return next((i for i in range(after + 1, len(stages)) if str(i + 1) not in skipped), None)
+
+
+def kinds_hand_latents(maker: Stage | None, taker: Stage | None) -> bool:
+    """Whether the two stages' kinds allow latents between them (:func:`hands_latents` then asks the
+    families): a refine takes them from generate or a refine, never from an upscale."""
+    return taker is not None and taker.kind == REFINE and (maker is None or maker.kind == REFINE)
+
+
+def hands_latents(maker: Stage | None, taker: Stage | None, maker_family: str, taker_family: str) -> bool:
+    """Whether what ``maker`` (None: generate) makes goes to ``taker`` (None: it is final) as latents,
+    not as an image: the one place that decides (docs/guide.md, "Stages").
+
+    Latents where the taker is a refine on a model of the maker's latent space: the same family
+    (``maker_family``, ``taker_family``: ``renderfleet.families`` names, '' where unknown), one whose
+    image-to-image pipeline takes its latents (``Family.latents``: SD's, SDXL's), as SDXL's base hands
+    them to its refiner.  The hand-off then loses nothing and skips a decode and an encode.  An
+    upscale takes and makes images (its own VAE, another size), and another family takes images."""
+    if not kinds_hand_latents(maker, taker):
+        return False
+    family = BY_NAME.get(maker_family)
+    return family is not None and family.latents and maker_family == taker_family
 
 
 # ---- the CLI's forms -------------------------------------------------------------

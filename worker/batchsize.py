@@ -40,12 +40,23 @@ How ``auto`` finds the size:
   and a cut chosen by noise would change the CPU path's bytes.
 
 ``renderfleet bench --batch-sizes auto`` uses the same :func:`search`.
+
+A job's later stages (upscale, refine: ``worker/stagerun.py``) have sizes of their own
+(:meth:`BatchSizes.stage_size_for`): an upscale to 4096x4096 fits far fewer images
+in a call than a 1024x1024 generate.  Each stage is probed on its card as generate
+is and remembered per (card, model, size, stage), the stage (``upscale-x4``,
+``refine``) the key's fifth part, so generate's records, keyed as they always were,
+stay readable; an out-of-memory halves that stage's size alone.  On a CPU a stage
+runs the job's whole batch: no memory to find, and a sweep per stage would cost
+more than it finds.  The job's batch stays the unit of commit either way: a
+stage's calls together make the batch's level before the next stage begins.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import platform
 import time
 from collections.abc import Callable
@@ -68,6 +79,9 @@ SWEEP_SECONDS = 5.0  # the CPU sweep's time, at most
 SMALLER_MUST_WIN_BY = 0.25  # per image, in every round, for a smaller call to beat the whole batch on a CPU
 SWEEP_ROUNDS = 3
 WHOLE_BATCH = INT_LIMITS["batch_size"][1]  # as a fixed size: every batch whole, as the job cut it
+
+# A record's key: (card, model, width, height) for generate, (card, model, width, height, stage) for a later stage.
+Key = tuple[Any, ...]
 
 
 def card_name(device: str) -> str:
@@ -214,6 +228,7 @@ class Remembered:
     height: int = 0
     compiled: bool = False  # rendered with --compile; a record from before the field was eager
     quantize: str = "none"  # rendered with --quantize (worker/models/quantize.py); before the field: none
+    stage: str = ""  # a later stage's (``upscale-x4``, ``refine``); '' generate's, as every record before the field
 
     def covers(self, batch: int) -> bool:
         return self.oom or batch <= self.limit
@@ -261,9 +276,10 @@ class BatchSizes:
         self.card = card
         self.sweep_seconds = sweep_seconds
         self.clock = clock
-        self._known: dict[tuple[str, str, int, int], Remembered] = {}
-        self._halved: dict[tuple[int, int], int] = {}  # fixed size or no key: (width, height) -> size
-        self._unprobed: set[tuple[tuple[str, str, int, int], Any]] = set()  # (key, render key) whose probe failed
+        self._known: dict[Key, Remembered] = {}
+        # A fixed size or no key: generate's (width, height), a stage's (stage, width, height) -> size.
+        self._halved: dict[tuple[Any, ...], int] = {}
+        self._unprobed: set[tuple[Key, Any]] = set()  # (key, render key) whose probe failed
 
     # ---- what the runner asks ----------------------------------------------------
 
@@ -272,17 +288,35 @@ class BatchSizes:
         key = self._key(renderer, prompt)
         if key is None or self.fixed is not None:
             return min(batch, self._halved.get((prompt.width, prompt.height), self.fixed or batch))
-        if (key, prompt.render_key) in self._unprobed:
+        return self._remembered(
+            key,
+            batch,
+            prompt.render_key,
+            (_compiled(renderer), _quantize(renderer)),
+            lambda known: self._search(renderer, prompt, batch, known, should_stop, key),
+        )
+
+    def _remembered(
+        self,
+        key: Key,
+        batch: int,
+        tag: Any,
+        kind: tuple[bool, str],
+        probe: Callable[[Remembered | None], Remembered | None],
+    ) -> int:
+        """The size ``key``'s record says (this process's, else the store's), searched by ``probe`` where
+        none covers ``batch``; ``kind``: (compiled, quantize) of the weights, which the record must share."""
+        if (key, tag) in self._unprobed:
             return batch  # its probe failed once: not again for every batch
         known = self._known.get(key) or self._read(key)
         if known is not None:
-            check_same_kind(known, compiled=_compiled(renderer), where=self.store_key(key), quantize=_quantize(renderer))
+            check_same_kind(known, compiled=kind[0], where=self.store_key(key), quantize=kind[1])
         if known is None or not known.covers(batch):
-            found = self._search(renderer, prompt, batch, known, should_stop, key)
+            found = probe(known)
             if found is None:
                 # The probe failed (the job's settings, say): let the real render say why, this
                 # batch and every later one like it, without a store read and a probe each time.
-                self._unprobed.add((key, prompt.render_key))
+                self._unprobed.add((key, tag))
                 return batch
             known = found
             self._write(key, known)
@@ -291,12 +325,20 @@ class BatchSizes:
 
     def out_of_memory(self, renderer: Any, prompt: Prompt, size: int) -> int:
         """A call of ``size`` ran out of memory: the halved size, remembered (in the store under ``auto``)."""
-        new = max(1, size // 2)
-        log.warning("out of memory at %dx%d: batch size now %d", prompt.width, prompt.height, new)
+        log.warning("out of memory at %dx%d: batch size now %d", prompt.width, prompt.height, max(1, size // 2))
         key = self._key(renderer, prompt)
         if key is None or self.fixed is not None:
-            self._halved[(prompt.width, prompt.height)] = new
-            return new
+            return self._halve_here((prompt.width, prompt.height), size)
+        return self._halve(key, size, (_compiled(renderer), _quantize(renderer)))
+
+    def _halve_here(self, local: tuple[Any, ...], size: int) -> int:
+        """A fixed size or none to key on: halved in this process alone."""
+        self._halved[local] = new = max(1, size // 2)
+        return new
+
+    def _halve(self, key: Key, size: int, kind: tuple[bool, str]) -> int:
+        """Halved, and remembered so (here and in the store): no bigger call fits, whatever the batch."""
+        new = max(1, size // 2)
         old = self._known.get(key)
         known = Remembered(
             new,
@@ -307,12 +349,111 @@ class BatchSizes:
             model=key[1],
             width=key[2],
             height=key[3],
-            compiled=_compiled(renderer),
-            quantize=_quantize(renderer),
+            compiled=kind[0],
+            quantize=kind[1],
+            stage=key[4] if len(key) > 4 else "",
         )
         self._known[key] = known
         self._write(key, known)
         return new
+
+    # ---- a stage's size (worker/stagerun.py) --------------------------------------------
+
+    def stage_size_for(
+        self,
+        renderer: Any,
+        like: Prompt,
+        sample: Any,
+        batch: int,
+        should_stop: Callable[[], bool] = lambda: False,
+        output: str = "pil",
+    ) -> int:
+        """How many of a stage's ``batch`` inputs like ``sample`` (an image, or latents), of prompts like
+        ``like``, ``renderer`` (a ``worker.stages.StageRenderer``) runs per call: probed on an accelerator
+        and remembered per (card, model, size, stage); on a CPU, or for a Lanczos resize, the whole
+        batch (or the fixed size), halved in this process on out-of-memory."""
+        width, height = _pixel_size(renderer, sample)
+        key = self._stage_key(renderer, width, height)
+        if key is None or self.fixed is not None:
+            return min(batch, self._halved.get(_stage_local(renderer, width, height), self.fixed or batch))
+        return self._remembered(
+            key,
+            batch,
+            (like.render_key, output),
+            _stage_kind(renderer),
+            lambda known: self._stage_search(renderer, like, sample, batch, known, should_stop, output, key),
+        )
+
+    def stage_out_of_memory(self, renderer: Any, sample: Any, size: int) -> int:
+        """A stage's call of ``size`` ran out of memory: that stage's size halved, remembered as
+        :meth:`out_of_memory` remembers generate's (generate's and the other stages' stay)."""
+        width, height = _pixel_size(renderer, sample)
+        log.warning("out of memory in %s at %dx%d: its batch size now %d", renderer, width, height, max(1, size // 2))
+        key = self._stage_key(renderer, width, height)
+        if key is None or self.fixed is not None:
+            return self._halve_here(_stage_local(renderer, width, height), size)
+        return self._halve(key, size, _stage_kind(renderer))
+
+    def _stage_key(self, renderer: Any, width: int, height: int) -> Key | None:
+        what = getattr(renderer, "batch_key", None)
+        device = str(getattr(renderer, "device", "cpu"))
+        if what is None or device.startswith("cpu"):
+            return None
+        model, stage = what
+        return self.card(device), str(model), width, height, str(stage)
+
+    def _stage_search(
+        self,
+        renderer: Any,
+        like: Prompt,
+        sample: Any,
+        batch: int,
+        known: Remembered | None,
+        should_stop: Callable[[], bool],
+        output: str,
+        key: Key,
+    ) -> Remembered | None:
+        stage = renderer.stage
+        # A probe's few steps: a refine runs int(steps x strength) of its steps, at least PROBE_STEPS of them.
+        steps = min(stage.steps, math.ceil(PROBE_STEPS / stage.strength) if stage.kind == "refine" else PROBE_STEPS)
+        extra = {"output": output} if output != "pil" else {}
+
+        def render(n: int) -> None:
+            prompts = probe_prompts(like, n, accelerator=True)
+            renderer.run([sample] * n, prompts, should_stop=should_stop, steps=steps, **extra)
+
+        started = self.clock()
+        log.info("batch size for %s at %dx%d on %s: searching (probe)", _what(key), key[2], key[3], key[0])
+        try:
+            found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)
+        except PermanentError as exc:
+            log.warning("batch size search for %s failed (%s): running whole batches", _what(key), exc)
+            return None
+        size = choose(found)
+        log.info(
+            "batch size for %s at %dx%d on %s: %d (probe in %.1f s: %s%s)",
+            _what(key),
+            key[2],
+            key[3],
+            key[0],
+            size,
+            self.clock() - started,
+            ", ".join(f"{n}: {s:.3f} s/image" for n, s in sorted(found.per_image.items())),
+            f"; out of memory at {found.oom_at}" if found.oom_at else "",
+        )
+        return Remembered(
+            size,
+            limit=batch,
+            oom=found.oom_at is not None,
+            how="probe",
+            card=key[0],
+            model=key[1],
+            width=key[2],
+            height=key[3],
+            compiled=_stage_kind(renderer)[0],
+            quantize=_stage_kind(renderer)[1],
+            stage=key[4],
+        )
 
     # ---- finding a size -------------------------------------------------------------
 
@@ -323,7 +464,7 @@ class BatchSizes:
         batch: int,
         known: Remembered | None,
         should_stop: Callable[[], bool],
-        key: tuple[str, str, int, int],
+        key: Key,
     ) -> Remembered | None:
         device = str(renderer.loaded.device)
         accelerator = not device.startswith("cpu")
@@ -389,7 +530,7 @@ class BatchSizes:
 
     # ---- the store -------------------------------------------------------------------
 
-    def _key(self, renderer: Any, prompt: Prompt) -> tuple[str, str, int, int] | None:
+    def _key(self, renderer: Any, prompt: Prompt) -> Key | None:
         loaded = getattr(renderer, "loaded", None)
         if loaded is None:
             return None
@@ -402,11 +543,12 @@ class BatchSizes:
         return card, str(loaded.model), prompt.width, prompt.height
 
     @staticmethod
-    def store_key(key: tuple[str, str, int, int]) -> str:
-        """Where the store keeps the size for (card, model, width, height)."""
+    def store_key(key: Key) -> str:
+        """Where the store keeps the size for (card, model, width, height), and a stage's for (card, model,
+        width, height, stage): generate's key has no fifth part, so its records from before stages are read."""
         return spec.fleet_key(KIND, key, "json")
 
-    def _read(self, key: tuple[str, str, int, int]) -> Remembered | None:
+    def _read(self, key: Key) -> Remembered | None:
         if self.store is None:
             return None
         try:
@@ -419,11 +561,11 @@ class BatchSizes:
             log.warning("batch size for %s not read from the store: %s: %s", key, type(exc).__name__, exc)
             return None
         log.info(
-            "batch size for %s at %dx%d on %s: %d, as the store remembers it", key[1], key[2], key[3], key[0], known.size
+            "batch size for %s at %dx%d on %s: %d, as the store remembers it", _what(key), key[2], key[3], key[0], known.size
         )
         return known
 
-    def _write(self, key: tuple[str, str, int, int], known: Remembered) -> None:
+    def _write(self, key: Key, known: Remembered) -> None:
         if self.store is None:
             return
         try:
@@ -434,6 +576,27 @@ class BatchSizes:
             )
         except Exception as exc:  # a lost memory costs the next worker a search, nothing more
             log.warning("batch size for %s not written to the store: %s: %s", key, type(exc).__name__, exc)
+
+
+def _what(key: Key) -> str:
+    """A record's model, and its stage where it is a stage's: ``m``, ``x4 (upscale-x4)``."""
+    return f"{key[1]} ({key[4]})" if len(key) > 4 else str(key[1])
+
+
+def _pixel_size(renderer: Any, sample: Any) -> tuple[int, int]:
+    """A stage input's size in pixels (latents' times their VAE's scale: the stage renderer knows it)."""
+    size = getattr(renderer, "pixel_size", None)
+    return tuple(size(sample)) if size is not None else tuple(sample.size)  # type: ignore[return-value]
+
+
+def _stage_kind(renderer: Any) -> tuple[bool, str]:
+    """(compiled, quantize) of a stage's weights (``StageRenderer.compiled``, ``.quantize``)."""
+    return bool(getattr(renderer, "compiled", False)), str(getattr(renderer, "quantize", "none"))
+
+
+def _stage_local(renderer: Any, width: int, height: int) -> tuple[Any, ...]:
+    """A stage's size kept in this process alone: by what the stage is, and the size."""
+    return repr(getattr(renderer, "stage", None)), getattr(renderer, "index", None), width, height
 
 
 def _compiled(renderer: Any) -> bool:

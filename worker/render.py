@@ -156,8 +156,11 @@ class Renderer:
         prompts: Sequence[Prompt],
         *,
         should_stop: Callable[[], bool] = lambda: False,
+        output_type: str = "pil",
     ) -> list[Any]:
-        """One PIL image per prompt, in order (the shard runner encodes them while the next batch renders).
+        """One PIL image per prompt, in order (the shard runner encodes them while the next batch renders);
+        ``output_type="latent"``: the latents, one tensor each, not decoded (for a refine that takes them:
+        ``renderfleet.stages.hands_latents``).
 
         ``should_stop`` is asked before starting and after every denoising
         step, the last one included; once it says yes, the remaining steps and
@@ -209,7 +212,7 @@ class Renderer:
                 if n > 0 and should_stop():
                     raise Reclaimed("stopped mid-batch")
                 chunked = [e for i in group if (e := embeds[i]) is not None]
-                rendered = self._call_checked([prompts[i] for i in group], should_stop, chunked or None)
+                rendered = self._call_checked([prompts[i] for i in group], should_stop, chunked or None, output_type)
                 if len(rendered) != len(group):
                     raise PermanentError(f"pipeline returned {len(rendered)} images for {len(group)} prompts")
                 for i, image in zip(group, rendered, strict=True):
@@ -242,9 +245,14 @@ class Renderer:
         finally:
             self.last_batch_seconds = time.perf_counter() - started
 
-    def _call_checked(self, prompts: list[Prompt], should_stop: Callable[[], bool], embeds: list[Any] | None) -> list[Any]:
+    def _call_checked(
+        self, prompts: list[Prompt], should_stop: Callable[[], bool], embeds: list[Any] | None, output_type: str = "pil"
+    ) -> list[Any]:
         """:meth:`_call`'s PIL images, none of them bad: a bad one's prompts rendered once more with
-        the VAE in float32 (on a CPU, where it is, simply once more); still bad, :class:`BadOutput`."""
+        the VAE in float32 (on a CPU, where it is, simply once more); still bad, :class:`BadOutput`.
+        Latents as they come: no VAE decoded them (the stage that takes them checks its images)."""
+        if output_type == "latent":
+            return self._call(prompts, should_stop, output_type=output_type, embeds=embeds)
         images = self._call(prompts, should_stop, embeds=embeds)
         bad = getattr(images, "bad", None)
         if not bad:

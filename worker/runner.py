@@ -369,10 +369,15 @@ class ShardRunner:
                 if p.name in (levels or {}) and (image := self.stages.load(msg, p.name, (levels or {})[p.name])) is not None:
                     images[p.name] = image
                     resumed[p.name] = (levels or {})[p.name]
-        groups: dict[tuple[int, float, int, int, str], list[Prompt]] = defaultdict(list)
+        # A call per render key, and per hand-off: a prompt whose next stage takes latents is generated as latents.
+        groups: dict[tuple[tuple[int, float, int, int, str], bool], list[Prompt]] = defaultdict(list)
         for p in pending:
-            if p.name not in resumed:
-                groups[p.render_key].append(p)
+            if p.name in resumed:
+                continue
+            latents = False
+            if staged and self.stages is not None and msg is not None:
+                latents = self.stages.hands_latents(msg, self.renderer, p, -1)
+            groups[(p.render_key, latents)].append(p)
 
         def should_stop() -> bool:
             if commits.failed.is_set():
@@ -383,8 +388,8 @@ class ShardRunner:
         result.attempted += len(pending)
         try:
             generating = time.monotonic()
-            for group in groups.values():
-                self._render_group(group, images, failures, should_stop)
+            for (_, latents), group in groups.items():
+                self._render_group(group, images, failures, should_stop, latents)
             if staged and self.stages is not None and msg is not None:
                 generated = len(images) - len(resumed)
                 self.stages.on_images("generate", generated)
@@ -536,14 +541,17 @@ class ShardRunner:
         images: dict[str, Any],
         failures: list[tuple[Prompt, str, bool]],
         should_stop: Callable[[], bool],
+        latents: bool = False,
     ) -> None:
-        """Render prompts that share a render key, halving on OOM, isolating failures."""
+        """Render prompts that share a render key, halving on OOM, isolating failures; ``latents``: their
+        latents, not decoded, for a next stage that takes them (worker/stagerun.py)."""
+        extra = {"output_type": "latent"} if latents else {}
         size = self.batch_sizes.size_for(self.renderer, group[0], len(group), should_stop)
         start = 0
         while start < len(group):
             chunk = group[start : start + size]
             try:
-                rendered = self.renderer.render_images(chunk, should_stop=should_stop)
+                rendered = self.renderer.render_images(chunk, should_stop=should_stop, **extra)
             except OutOfMemory:
                 if size > 1:
                     size = self.batch_sizes.out_of_memory(self.renderer, group[0], size)
@@ -560,7 +568,7 @@ class ShardRunner:
                 if len(chunk) > 1:
                     # Find the prompt at fault: render the chunk one by one.
                     for p in chunk:
-                        self._render_group_single(p, images, failures, should_stop)
+                        self._render_group_single(p, images, failures, should_stop, extra)
                 else:
                     failures.append((chunk[0], str(exc), not isinstance(exc, PromptError)))
                 start += len(chunk)
@@ -575,9 +583,10 @@ class ShardRunner:
         images: dict[str, Any],
         failures: list[tuple[Prompt, str, bool]],
         should_stop: Callable[[], bool],
+        extra: dict[str, str],
     ) -> None:
         try:
-            images[prompt.name] = self.renderer.render_images([prompt], should_stop=should_stop)[0]
+            images[prompt.name] = self.renderer.render_images([prompt], should_stop=should_stop, **extra)[0]
         except (PermanentError, OutOfMemory) as exc:
             excused = isinstance(exc, (JobError, PromptError))
             failures.append((prompt, str(exc) or type(exc).__name__, not excused))

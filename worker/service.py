@@ -129,6 +129,8 @@ class WorkerService:
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name
+        # One record of sizes for generate and each stage (worker/batchsize.py): the store's, per card.
+        batch_sizes = BatchSizes(store, fixed=settings.fixed_render_batch)
         self.runner = ShardRunner(
             store=store,
             renderer=renderer,
@@ -136,8 +138,8 @@ class WorkerService:
             max_failures=settings.max_prompt_failures,
             pipeline_depth=settings.pipeline_depth,
             worker_id=worker_id,
-            batch_sizes=BatchSizes(store, fixed=settings.fixed_render_batch),
-            stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None),
+            batch_sizes=batch_sizes,
+            stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None, batch_sizes),
             pool=settings.pool,
             speeds=SpeedKeeper(store, lambda: self.card),
             time_account=time_account,

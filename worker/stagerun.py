@@ -14,9 +14,19 @@ A job whose stages run on pools of their own (``renderfleet.stages.segments``) i
 time: a segment before the last stops at its level (``ShardMessage.until``) and stores it, and the next
 segment's worker, on its own pool, takes the images from that level as any later delivery would.
 
+Where the next stage takes latents (a refine on a model of the same latent space: SDXL's base to
+its refiner, or the job's own model; ``renderfleet.stages.hands_latents`` decides, in one place),
+the level is the latents themselves, stored as safetensors (never a pickle) under a key whose
+extension says so (``spec.stage_key``): the hand-off loses nothing and skips a decode and an encode.
+
+Each stage runs a batch in calls of its own size (``worker.batchsize.BatchSizes.stage_size_for``:
+probed on the card and remembered per stage, halved on out-of-memory for that stage alone); the
+job's batch stays the unit of commit: a stage's calls together make the batch's level before the
+next stage begins.
+
 Every stage draws its noise from the prompt's seed and the stage's position
-(``renderfleet.stages.stage_seed``), and PNG keeps every pixel, so an image taken back from the
-store is the image that was stored: a redelivered shard comes out byte-identical.  Levels: 0 is
+(``renderfleet.stages.stage_seed``), and PNG and safetensors keep every value, so what is taken back
+from the store is what was stored: a redelivered shard comes out byte-identical.  Levels: 0 is
 the generated image, ``k`` the image after stage ``k`` (1-based); the last level is never stored
 here.
 """
@@ -33,8 +43,9 @@ from typing import Any
 from renderfleet import failpoints, spec
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError
 from renderfleet.spec import Prompt, ShardMessage
-from renderfleet.stages import Stage
+from renderfleet.stages import REFINE, Stage, hands_latents, kinds_hand_latents, next_stage
 from renderfleet.store import Store
+from worker.batchsize import WHOLE_BATCH, BatchSizes
 
 log = logging.getLogger("renderfleet.runner")
 
@@ -48,18 +59,47 @@ def stage_label(stages: Sequence[Stage], level: int) -> str:
     return "generate" if level == 0 else f"{stages[level - 1].kind}-{level}"
 
 
+LATENTS = "latents"  # the one tensor of a level's safetensors
+
+
+def is_latents(image: Any) -> bool:
+    """Whether a level is latents (a tensor), not a PIL image."""
+    return hasattr(image, "dtype") and hasattr(image, "shape")
+
+
+def shape_of(image: Any) -> tuple[Any, ...]:
+    """What a stage's inputs must share to go in one call: ``("image", width, height)`` or ``("latent", C, h, w)``."""
+    return ("latent", *image.shape) if is_latents(image) else ("image", *image.size)
+
+
 def encode_intermediate(image: Any) -> bytes:
-    """An image between stages as lossless PNG, with nothing but its pixels (no clock, no text)."""
+    """A level between stages: an image as lossless PNG with nothing but its pixels (no clock, no text);
+    latents as safetensors, their values and dtype as they are (the same tensor, the same bytes)."""
+    if is_latents(image):
+        from safetensors.torch import save
+
+        return save({LATENTS: image.detach().to("cpu").contiguous().clone()})
     out = io.BytesIO()
     image.save(out, format="PNG", compress_level=1)
     return out.getvalue()
 
 
-def decode_intermediate(data: bytes) -> Any:
+def decode_intermediate(data: bytes, latents: bool = False) -> Any:
+    """A stored level back: a PIL image, or (``latents``) the tensor, on the CPU (the pipeline moves it)."""
+    if latents:
+        from safetensors.torch import load
+
+        return load(data)[LATENTS]
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
         return image.convert("RGB").copy()
+
+
+def level_may_be_latents(stages: Sequence[Stage], level: int) -> bool:
+    """Whether a level's stored key may be latents: only what goes to a refine can be
+    (``hands_latents``), so a load or delete of any other level looks for a PNG alone."""
+    return level < len(stages) and stages[level].kind == REFINE
 
 
 class ShardStages:
@@ -68,11 +108,19 @@ class ShardStages:
     worker's metrics); what each stage made and spent goes to the shard's ledger by :meth:`run`'s
     ``on_stage``."""
 
-    def __init__(self, store: Store, factory: StageFactory, on_images: Callable[[str, int], None] | None = None):
+    def __init__(
+        self,
+        store: Store,
+        factory: StageFactory,
+        on_images: Callable[[str, int], None] | None = None,
+        batch_sizes: BatchSizes | None = None,
+    ):
         self.store = store
         self.factory = factory
         self.on_images = on_images or (lambda label, n: None)
-        self._built: dict[tuple[int, Stage], Any] = {}
+        # Each stage's calls per batch (worker/batchsize.py): the worker's, shared with generate; else whole batches.
+        self.batch_sizes = batch_sizes or BatchSizes(None, fixed=WHOLE_BATCH)
+        self._built: dict[tuple[int, Stage], Any] = {}  # a renderer, or the JobError its build raised
         self._for: object = None  # the renderer the built stages share a model with
 
     def clear(self) -> None:
@@ -88,8 +136,16 @@ class ShardStages:
             self._for = base
         key = (index, stage)
         if key not in self._built:
-            self._built[key] = self.factory(stage, index)
-        return self._built[key]
+            try:
+                self._built[key] = self.factory(stage, index)
+            except JobError as exc:
+                # Kept as the stage's answer while the job's model stays: a model that will not load is not
+                # loaded again for every prompt asked whether it takes latents, nor for every batch.
+                self._built[key] = exc
+        built = self._built[key]
+        if isinstance(built, JobError):
+            raise built
+        return built
 
     def levels(self, msg: ShardMessage) -> dict[str, int]:
         """Each of the shard's prompts that a stage image is stored for: the highest level stored.
@@ -98,14 +154,43 @@ class ShardStages:
         prefix = spec.stage_prefix(msg.job, msg.shard, msg.life)
         for key in self.store.list(prefix):
             level_text, _, file = key[len(prefix) :].partition("/")
-            name = file.removesuffix(".png")
-            if level_text.isdigit() and name:
+            name = file.removesuffix(spec.STAGE_IMAGE_EXT).removesuffix(spec.STAGE_LATENTS_EXT)
+            if level_text.isdigit() and name and name != file:
                 found[name] = max(found.get(name, -1), int(level_text))
         return found
 
     def load(self, msg: ShardMessage, name: str, level: int) -> Any | None:
-        data = self.store.get(spec.stage_key(msg.job, msg.shard, level, name, msg.life))
-        return decode_intermediate(data) if data else None
+        """A prompt's stored level (latents where they were stored so, else the image), None if gone:
+        taken up as the level an earlier delivery left, as if it had just been made."""
+        for latents in (True, False) if level_may_be_latents(msg.params.stages, level) else (False,):
+            data = self.store.get(spec.stage_key(msg.job, msg.shard, level, name, msg.life, latents=latents))
+            if data:
+                return decode_intermediate(data, latents)
+        return None
+
+    def hands_latents(self, msg: ShardMessage, base: object, prompt: Prompt, maker: int) -> bool:
+        """Whether what stage ``maker`` (-1: generate) makes of ``prompt`` goes on as latents: to the next
+        stage it does not skip, by ``renderfleet.stages.hands_latents`` on the two models' families (the
+        stage's renderer built here if it is not yet: its model is needed next anyway)."""
+        stages = msg.params.stages
+        taker = next_stage(stages, prompt.skip_stages, maker)
+        if taker is None:
+            return False
+        maker_stage = stages[maker] if maker >= 0 else None
+        if not kinds_hand_latents(maker_stage, stages[taker]):  # no model need be asked
+            return False
+        return hands_latents(maker_stage, stages[taker], self._family(msg, base, maker), self._family(msg, base, taker))
+
+    def _family(self, msg: ShardMessage, base: object, index: int) -> str:
+        """The family name of the pipeline generate (-1) or stage ``index`` runs ('' where none is known)."""
+        if index < 0:
+            runs: Any = base
+        else:
+            try:
+                runs = self.renderer(base, index, msg.params.stages[index])
+            except JobError:  # run() says why, as the stage's failure
+                return ""
+        return str(getattr(getattr(runs, "family", None), "name", "") or "")
 
     def run(
         self,
@@ -149,8 +234,9 @@ class ShardStages:
                 for p in members:
                     current.pop(p.name)
                 continue
+            latents = {p.name for p in members if self.hands_latents(msg, base, p, level)}
             began = time.monotonic()
-            made = self._run_stage(renderer, members, current, failures, should_stop)
+            made = self._run_stage(renderer, members, current, latents, failures, should_stop)
             seconds = time.monotonic() - began
             for p in members:
                 if p.name in made:
@@ -180,10 +266,11 @@ class ShardStages:
         threads run together), as the runner writes a batch's final images."""
 
         def put(p: Prompt) -> None:
+            latents = is_latents(current[p.name])
             self.store.put(
-                spec.stage_key(msg.job, msg.shard, level, p.name, msg.life),
+                spec.stage_key(msg.job, msg.shard, level, p.name, msg.life, latents=latents),
                 encode_intermediate(current[p.name]),
-                content_type="image/png",
+                content_type="application/octet-stream" if latents else "image/png",
             )
 
         if uploads is None or len(members) < 2:
@@ -198,21 +285,46 @@ class ShardStages:
         renderer: Any,
         members: list[Prompt],
         current: dict[str, Any],
+        latents: set[str],
         failures: list[Failure],
         should_stop: Callable[[], bool],
     ) -> dict[str, Any]:
-        """One stage over ``members``: the whole batch in one call, halved on out-of-memory down to one
-        prompt a call; a failing call split to find the prompt at fault."""
+        """One stage over ``members``: a call per group of inputs that can share one (one size, images or
+        latents, and latents out for the prompts in ``latents``), each group in calls of the stage's own
+        size (``BatchSizes.stage_size_for``), halved on out-of-memory down to one prompt a call; a failing
+        call split to find the prompt at fault."""
+        groups: dict[tuple[Any, bool], list[Prompt]] = {}
+        for p in members:
+            groups.setdefault((shape_of(current[p.name]), p.name in latents), []).append(p)
         made: dict[str, Any] = {}
-        pending = [members]
+        for (_, out_latents), group in groups.items():
+            self._run_group(renderer, group, current, "latent" if out_latents else "pil", made, failures, should_stop)
+        return made
+
+    def _run_group(
+        self,
+        renderer: Any,
+        group: list[Prompt],
+        current: dict[str, Any],
+        output: str,
+        made: dict[str, Any],
+        failures: list[Failure],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        sample = current[group[0].name]
+        extra = {"output": output} if output != "pil" else {}  # a renderer that makes images only takes none
+        size = self.batch_sizes.stage_size_for(renderer, group[0], sample, len(group), should_stop, output)
+        pending = [group[i : i + size] for i in range(0, len(group), size)]
         while pending:
             chunk = pending.pop(0)
             try:
-                out = renderer.run([current[p.name] for p in chunk], chunk, should_stop=should_stop)
+                out = renderer.run([current[p.name] for p in chunk], chunk, should_stop=should_stop, **extra)
             except OutOfMemory as exc:
                 if len(chunk) > 1:
-                    half = len(chunk) // 2
-                    pending[:0] = [chunk[:half], chunk[half:]]
+                    # This stage's size halved (remembered), the rest of the group cut again at it.
+                    size = self.batch_sizes.stage_out_of_memory(renderer, sample, len(chunk))
+                    rest = [p for c in [chunk, *pending] for p in c]
+                    pending = [rest[i : i + size] for i in range(0, len(rest), size)]
                     continue
                 failures.append((chunk[0], f"out of memory at batch size 1 in a stage: {exc}", True))
                 continue
@@ -227,13 +339,14 @@ class ShardStages:
                 continue
             for p, image in zip(chunk, out, strict=True):
                 made[p.name] = image
-        return made
 
     def forget(self, msg: ShardMessage, names: Sequence[str]) -> None:
         """Delete the intermediates of prompts whose final image is stored (a missing one is no error)."""
+        stages = msg.params.stages
         for name in names:
-            for level in range(len(msg.params.stages)):
-                try:
-                    self.store.delete(spec.stage_key(msg.job, msg.shard, level, name, msg.life))
-                except Exception as exc:  # a leftover costs storage, never an image
-                    log.warning("stage image %s of job %s not deleted: %s", name, msg.job, exc)
+            for level in range(len(stages)):
+                for latents in (False, True) if level_may_be_latents(stages, level) else (False,):
+                    try:
+                        self.store.delete(spec.stage_key(msg.job, msg.shard, level, name, msg.life, latents=latents))
+                    except Exception as exc:  # a leftover costs storage, never an image
+                        log.warning("stage image %s of job %s not deleted: %s", name, msg.job, exc)

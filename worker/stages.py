@@ -21,6 +21,11 @@ render -> **stages** -> store).
   FLUX's T5 length), as generate's are.  Prompts over CLIP's 77 tokens are cut
   there (no chunking in a stage).
 
+Between stages an image goes as pixels, or as latents where the next stage is a refine on a model
+of the same latent space (``renderfleet.stages.hands_latents``: SDXL's base to its refiner): a
+stage is then given latents as ``image`` (the image-to-image pipeline takes them as they are: no
+encode) and asked for latents (``output="latent"``: no decode).
+
 Every image depends on its prompt, its input image and the stage alone: each
 prompt gets its own CPU generator seeded with :func:`renderfleet.stages.stage_seed`
 (the prompt's seed and the stage's position), so a re-run of a batch gives the
@@ -51,6 +56,7 @@ from worker.models.families import FAMILIES, PipelineFamily
 from worker.models.families.generic import Generic
 from worker.prompts import quiet_truncation
 from worker.render import SchedulerCache, release_cached_memory
+from worker.stagerun import is_latents, shape_of
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -103,6 +109,9 @@ class StageRenderer:
         self._shared = ""  # the job's model, whose components a refine with it shares
         self._schedulers: SchedulerCache | None = None
         self._loras: LoraCache | None = None
+        # How its batch size is remembered (worker/batchsize.py): the weights' kind, as generate's record says it.
+        self.compiled = False
+        self.quantize = "none"
 
         # 1. A Lanczos resize needs nothing.
         if stage.kind == UPSCALE and not stage.model:
@@ -117,12 +126,14 @@ class StageRenderer:
             self.family = image_family(self.pipe)
             self._schedulers = SchedulerCache(self.pipe, self.family)
             self._loras = loras
+            self.compiled, self.quantize = bool(base.compiled), str(base.quantize)
         # 3. Any other stage loads its own model.
         else:
             if why := model_refusal(stage.model, allowed):
                 raise ModelLoadError(why)
             task = "any" if stage.kind == UPSCALE else "image-to-image"
             self._own = load_pipeline(stage.model, device=device, cache_dir=cache_dir, fetch=fetch, task=task)
+            self.compiled, self.quantize = bool(self._own.compiled), str(self._own.quantize)
             if stage.kind == UPSCALE:
                 self.pipe = self._own.pipe
                 self._check_upscaler()
@@ -142,14 +153,36 @@ class StageRenderer:
     def __str__(self) -> str:
         return f"stage {self.index + 1}: {describe(self.stage)}"
 
+    @property
+    def batch_key(self) -> tuple[str, str] | None:
+        """(model, what the stage does) for its remembered batch size (worker/batchsize.py): the model it
+        runs and ``upscale-x4`` or ``refine``, what its memory depends on beside the card and the size;
+        None for a Lanczos resize, which holds nothing on a card."""
+        if self.pipe is None:
+            return None
+        model = self._own.model if self._own is not None else self._shared
+        return model, (f"{self.stage.kind}-x{self.stage.factor}" if self.stage.kind == UPSCALE else self.stage.kind)
+
+    def pixel_size(self, image: Any) -> tuple[int, int]:
+        """(width, height) in pixels of an input: an image's, or latents' times the VAE's scale."""
+        if not is_latents(image):
+            return tuple(image.size)  # type: ignore[return-value]
+        scale = int(getattr(self.pipe, "vae_scale_factor", 8))
+        return int(image.shape[-1]) * scale, int(image.shape[-2]) * scale
+
     def run(
         self,
         images: Sequence[Image.Image],
         prompts: Sequence[Prompt],
         *,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> list[Image.Image]:
-        """One image per prompt, in order: ``images[i]`` (the stage before's) through this stage.
+        output: str = "pil",
+        steps: int | None = None,
+    ) -> list[Any]:
+        """One image per prompt, in order: ``images[i]`` (the stage before's: PIL images, or latents
+        where :func:`renderfleet.stages.hands_latents` says so) through this stage; ``output``
+        ``"latent"``: the latents, not decoded (a refine's, for a refine of its latent space).
+        ``steps``: in place of the stage's (a batch-size probe's few: memory does not grow with them).
 
         ``should_stop`` is asked before starting, between calls and, where the pipeline lets it,
         after every step: once it says yes, :class:`Reclaimed` is raised.  Raises ``ValueError``
@@ -161,8 +194,10 @@ class StageRenderer:
         images, prompts = list(images), list(prompts)
         if not prompts or len(images) != len(prompts):
             raise ValueError(f"`images` and `prompts` must be as many and not none, got {len(images)} and {len(prompts)}")
-        if len({image.size for image in images}) != 1:
-            raise ValueError(f"all images of a batch must be of one size, got {sorted({image.size for image in images})}")
+        if len({shape_of(image) for image in images}) != 1:
+            raise ValueError(f"all images of a batch must be of one size, got {sorted({shape_of(i) for i in images})}")
+        if output not in ("pil", "latent") or (output == "latent" and self.stage.kind != REFINE):
+            raise ValueError(f"`output` is 'pil', or 'latent' for a refine, got {output!r} for {self}")
 
         # 2. Stop before starting if asked to.
         if should_stop():
@@ -182,7 +217,9 @@ class StageRenderer:
             for n, group in enumerate(groups.values()):
                 if n > 0 and should_stop():
                     raise Reclaimed(f"stopped mid-batch in {self}")
-                rendered = self._call_checked([prompts[i] for i in group], [images[i] for i in group], should_stop)
+                rendered = self._call_checked(
+                    [prompts[i] for i in group], [images[i] for i in group], should_stop, output, steps or self.stage.steps
+                )
                 if len(rendered) != len(group):
                     raise PermanentError(f"{self}: the pipeline returned {len(rendered)} images for {len(group)} prompts")
                 for i, image in zip(group, rendered, strict=True):
@@ -228,7 +265,9 @@ class StageRenderer:
 
     # ---- the call -------------------------------------------------------------------
 
-    def _kwargs(self, prompts: list[Prompt], images: list[Any], should_stop: Callable[[], bool]) -> dict[str, Any]:
+    def _kwargs(
+        self, prompts: list[Prompt], images: list[Any], should_stop: Callable[[], bool], steps: int
+    ) -> dict[str, Any]:
         """The pipeline call's arguments for ``prompts`` and their ``images``."""
         import torch
 
@@ -244,7 +283,7 @@ class StageRenderer:
                 "prompt": [p.prompt for p in prompts],
                 "negative_prompt": [p.negative_prompt for p in prompts],
                 "image": images,
-                "num_inference_steps": self.stage.steps,
+                "num_inference_steps": steps,
                 "guidance_scale": UPSCALER_GUIDANCE,
                 "noise_level": UPSCALER_NOISE_LEVEL,
                 "generator": generators,
@@ -257,28 +296,35 @@ class StageRenderer:
             return callback_kwargs
 
         assert self.family is not None
-        width, height = images[0].size
+        width, height = self.pixel_size(images[0])
         kwargs = {
             **self.family.text_kwargs(prompts),
             **self.family.call_kwargs(prompts),  # guidance as the family means it: the prompt's
             "image": images,
             "strength": self.stage.strength,
-            "num_inference_steps": self.stage.steps,
+            "num_inference_steps": steps,
             "generator": generators,
         }
         # SD3's and FLUX's image-to-image pipelines render at their default size unless told the image's.
         kwargs |= _taken(self.pipe, {"width": width, "height": height, "callback_on_step_end": on_step_end})
         return self.family.prune(kwargs)
 
-    def _call_checked(self, prompts: list[Prompt], images: list[Any], should_stop: Callable[[], bool]) -> list[Any]:
+    def _call_checked(
+        self, prompts: list[Prompt], images: list[Any], should_stop: Callable[[], bool], output: str, steps: int
+    ) -> list[Any]:
         """:meth:`_call`'s PIL images, none of them bad: a bad one's prompts run once more with the VAE
-        in float32 (on a CPU, where it is, simply once more); still bad, :class:`BadOutput`."""
-        rendered = self._call(prompts, images, should_stop)
+        in float32 (on a CPU, where it is, simply once more); still bad, :class:`BadOutput`.  Latents
+        (``output`` ``"latent"``) as they come: no VAE has decoded them, the next stage's call checks."""
+        if output == "latent":
+            return list(self._call(prompts, images, should_stop, output, steps).images)
+        rendered = outputs.check(self.pipe, self._call(prompts, images, should_stop, output, steps))
         if not rendered.bad:
             return list(rendered)
         again = sorted(rendered.bad)
         with outputs.vae_in_float32(self.pipe) as upcast:
-            second = self._call([prompts[i] for i in again], [images[i] for i in again], should_stop)
+            second = outputs.check(
+                self.pipe, self._call([prompts[i] for i in again], [images[i] for i in again], should_stop, output, steps)
+            )
         how = "with the VAE upcast to float32" if upcast else "as it was (its VAE is in float32 already)"
         if second.bad:
             why = "; ".join(f"{prompts[again[j]].name}: {reason}" for j, reason in sorted(second.bad.items()))
@@ -289,17 +335,19 @@ class StageRenderer:
             out[i] = image
         return out
 
-    def _call(self, prompts: list[Prompt], images: list[Any], should_stop: Callable[[], bool]) -> outputs.Checked:
-        """One pipeline call: its images, checked (``worker.outputs``)."""
+    def _call(
+        self, prompts: list[Prompt], images: list[Any], should_stop: Callable[[], bool], output: str, steps: int
+    ) -> Any:
+        """One pipeline call: its output (PIL images asked as ``worker.outputs`` checks them, or latents)."""
         import torch
 
         if self._schedulers is not None:  # the job's sampler, as generate used it
             self._schedulers.use(prompts[0].scheduler, [stage_seed(p.seed, self.index) for p in prompts])
         if self._loras is not None:  # the job's adapters, as generate used them
             self._loras.use(prompts[0].loras)
-        kwargs = self._kwargs(prompts, images, should_stop)
-        kwargs["output_type"] = outputs.ask_for(self.pipe, "pil")  # float pixels, checked before made PIL
-        width, height = images[0].size
+        kwargs = self._kwargs(prompts, images, should_stop, steps)
+        kwargs["output_type"] = outputs.ask_for(self.pipe, output)  # PIL: float pixels, checked before made PIL
+        width, height = self.pixel_size(images[0])
         factor = self.stage.factor if self.stage.kind == UPSCALE else 1
         if self.device.startswith("cuda"):  # the CPU path stays as it is
             set_vae_memory_modes(self.pipe, *vae_memory_modes(self.device, width * factor, height * factor, len(prompts)))
@@ -307,7 +355,7 @@ class StageRenderer:
         out_of_memory = ""
         try:
             with torch.inference_mode():
-                output = self.pipe(**kwargs)
+                made = self.pipe(**kwargs)
         except Exception as exc:
             if (failure := call_failure(exc, f"{self}: ")) is not None:
                 raise failure from exc
@@ -316,7 +364,7 @@ class StageRenderer:
         if out_of_memory:
             release_cached_memory(self.device)
             raise OutOfMemory(f"out of memory in {self} for {len(prompts)} images of {width}x{height}: {out_of_memory}")
-        return outputs.check(self.pipe, output)
+        return made
 
 
 def image_family(pipe: Any) -> PipelineFamily:

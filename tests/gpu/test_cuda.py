@@ -83,6 +83,40 @@ def test_auto_batch_size_finds_a_fit_under_a_memory_hog_and_it_renders(tmp_path:
         torch.cuda.empty_cache()
 
 
+def test_a_stage_probes_its_own_batch_size_on_the_card_and_refines_sdxls_latents(tmp_path: Path) -> None:
+    import json
+
+    from renderfleet.spec import Prompt
+    from renderfleet.stages import parse_refine
+    from renderfleet.store import LocalStore
+    from worker.batchsize import KEY_PREFIX, BatchSizes
+    from worker.models import load_pipeline
+    from worker.render import Renderer
+    from worker.stagerun import decode_intermediate, encode_intermediate
+    from worker.stages import StageRenderer
+
+    base = load_pipeline("tiny-sdxl", device="cuda", cache_dir=tmp_path)
+    like = Prompt(0, "000000", "x", "", 0, 2, 7.5, 512, 512)
+    latents = Renderer(base).render_images([like], output_type="latent")  # no decode
+    refine = StageRenderer(parse_refine("tiny-sdxl-refiner:0.5:4"), 0, base=base, device="cuda", cache_dir=tmp_path)
+    assert refine.pixel_size(latents[0]) == (512, 512) and refine.batch_key == ("tiny-sdxl-refiner", "refine")
+    first = refine.run(latents, [like])  # and cuDNN and cuBLAS set up before the hog
+    back = decode_intermediate(encode_intermediate(latents[0]), latents=True)  # as a delivery takes them up
+    assert back.dtype == latents[0].dtype and torch.equal(back.to(latents[0].device), latents[0])
+    assert refine.run([back], [like])[0].tobytes() == first[0].tobytes()
+    store = LocalStore(tmp_path / "store")
+    hog = torch.empty(int(torch.cuda.mem_get_info()[0] - 512 * 2**20), dtype=torch.uint8, device="cuda")
+    try:  # 512 MB left: the refine's own size, probed on the card, remembered as the refine's
+        size = BatchSizes(store).stage_size_for(refine, like, latents[0], 256)
+        assert 1 <= size < 256
+        refine.run(latents * size, [Prompt(i, f"{i:06d}", "x", "", i, 2, 7.5, 512, 512) for i in range(size)])
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    records = [json.loads(store.get(key) or b"{}") for key in store.list(KEY_PREFIX)]
+    assert [(r["stage"], r["model"], r["size"]) for r in records] == [("refine", "tiny-sdxl-refiner", size)]
+
+
 def test_compile_renders_and_leaves_a_signed_cache_the_next_worker_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
