@@ -43,6 +43,7 @@ from dispatcher.policy import (
 )
 from dispatcher.redisload import worker_room
 from dispatcher.stagepools import stage_backlog
+from dispatcher.stagepools import stage_only as stage_only_pools
 from dispatcher.status import (
     FleetStatus,
     counter_hash,
@@ -533,17 +534,17 @@ class Autoscaler:
             )
             for n, c in self.settings.pools.items()
         ]
-        # A pool that runs a stage of its own is sized by that stage's backlog alone (dispatcher/stagepools.py);
-        # the rest of the backlog by the other pools, as before.
-        staged = stage_backlog(self.client, fleet.jobs, spmps)
-        backlog = max(0.0, backlog - staged.taken)
+        # A pool that runs a stage of its own is sized by that stage's backlog alone (dispatcher/stagepools.py,
+        # unless it is some job's own pool too); the rest of the backlog by the other pools, as before.
+        stage_only, theirs = stage_only_pools(stage_backlog(self.client, fleet.jobs, spmps), fleet.jobs)
+        backlog = max(0.0, backlog - theirs)
         room = worker_room(fleet.redis)
         decisions = decide(
-            backlog, [p for p in states if p.name not in staged.seconds], self.settings.autoscale, now, redis_room=room
+            backlog, [p for p in states if p.name not in stage_only], self.settings.autoscale, now, redis_room=room
         )
         for p in states:
-            if p.name in staged.seconds:
-                decisions += decide(staged.seconds[p.name], [p], self.settings.autoscale, now, redis_room=room)
+            if p.name in stage_only:
+                decisions += decide(stage_only[p.name], [p], self.settings.autoscale, now, redis_room=room)
         busy = busy_nodes(fleet.workers, busy_workers(self.client))
         capped = {p.name for p in states if over_month(p) is not None}
         in_nodes = [
@@ -565,7 +566,7 @@ class Autoscaler:
             jobs,
             [_decision(d, nd, self.settings.pools[d.pool].gpus_per_node) for d, nd in zip(decisions, in_nodes, strict=True)],
             [_inputs(p, self.settings.autoscale.cold_start_seconds) for p in states],
-            {pool: round(sec, 3) for pool, sec in sorted(staged.seconds.items())},
+            {pool: round(sec, 3) for pool, sec in sorted(stage_only.items())},
         )
 
     def month_spend(self, fleet: FleetStatus, *, count: bool = True) -> dict[str, float]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from dispatcher.status import JobStatus
 
 log = logging.getLogger("renderfleet.events")
+_TYPES = frozenset(str(t) for t in EventType)  # a record's type is one of these, or it is no record
 
 PENDING, DELIVERED, UNSENT = Delivery.PENDING, Delivery.DELIVERED, Delivery.UNSENT
 
@@ -145,13 +147,31 @@ class EventRecord:
 
     @classmethod
     def from_json(cls, raw: Any) -> EventRecord | None:
-        """The record, or None (logged) for a value that is not one (written by hand, a bug)."""
+        """The record, or None (logged) for a value that is not one (written by hand, forged, a bug):
+        every field of its type, its time finite, its type an event's, its body a JSON object."""
         try:
             data = json.loads(raw)
-            return cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
-        except (ValueError, TypeError, KeyError):
+            record = cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
+        except (ValueError, TypeError, KeyError, RecursionError):
+            record = None
+        if record is None or not record._well_formed():
             log.warning("events: skipping a malformed event record: %.80r", raw)
             return None
+        return record
+
+    def _well_formed(self) -> bool:
+        texts = (self.id, self.job, self.life, self.key, self.type, self.body, self.state, self.error)
+        if not all(type(t) is str for t in texts) or self.type not in _TYPES:
+            return False
+        if not (self.target is None or type(self.target) is str) or type(self.attempts) is not int:
+            return False
+        times = (self.at,) if self.tried_at is None else (self.at, self.tried_at)
+        if not all(type(t) in (int, float) and math.isfinite(t) for t in times):
+            return False
+        try:
+            return isinstance(json.loads(self.body), dict)
+        except (ValueError, RecursionError):
+            return False
 
     @property
     def stream_event(self) -> str:
@@ -237,7 +257,20 @@ class EventLog:
                 for key in self.store.list(spec.events_prefix(job)):
                     stored = self.store.get(key)
                     record = EventRecord.from_json(stored) if stored else None
-                    if record is not None and record.life == life and record.key not in watch.records:
+                    # Only what this monitor could have minted for this job's life: its id is the job's,
+                    # life's and transition's; a record planted by whoever can write the job's prefix
+                    # (another job's event, a made-up key) is not signed and posted. Where it goes is
+                    # the job's receiver as known now, never a URL the file names.
+                    if (
+                        record is not None
+                        and record.job == job
+                        and record.life == life
+                        and record.id == event_id(job, life, record.key)
+                        and key == spec.event_key(job, record.id)
+                        and record.key not in watch.records
+                    ):
+                        record.target = watch.target
+                        record.state = PENDING if watch.target else UNSENT
                         watch.records[record.key] = record
             except (StoreError, OSError) as exc:
                 log.warning("job %s: cannot read its undelivered events from the store now: %s", job, exc)

@@ -108,7 +108,12 @@ class Monitor:
         if not job_state.known_to_redis:
             return  # resumed first: its record and life are Redis's
         price(job_state, self.prices)
-        self.events.observe(job_state)
+        try:
+            self.events.observe(job_state)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # the monitor's loop waits for Redis
+        except Exception:  # one job's malformed events must not stop the monitor for every job
+            log.exception("monitor: the events of job %s not observed this pass", job_state.job)
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""

@@ -94,7 +94,7 @@ class PoolState:
     def routing_note(self, anything_measured: bool) -> str:
         """Why it fills where it does among its kind (rule 10), in words; '' for a pool measured by its counters."""
         if self.measured == CARD and self.seconds_per_image is not None:
-            per_image = self.config.price_per_hour * self.seconds_per_image / 3600
+            per_image = self.config.gpu_price_per_hour * self.seconds_per_image / 3600
             return (
                 f"; {per_image:.4g} per image measured on {self.card} ({self.seconds_per_image:.3g} s each, "
                 f"{self.routed_for})"

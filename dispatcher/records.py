@@ -82,9 +82,16 @@ def rendered_by(checkpoints: Iterable[dict[str, Any]]) -> dict[str, Rendered]:
 
 
 def _number(value: Any, kind: type) -> Any:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    """A checkpoint's figure, or None where it is not a finite number of ``kind`` (a forged 400-digit
+    integer overflows a float: not a figure either)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return kind(value)
+    try:
+        if not math.isfinite(value) or value < 0:
+            return None
+        return kind(value)
+    except (OverflowError, ValueError):
+        return None
 
 
 def _text(value: Any) -> str | None:

@@ -24,6 +24,7 @@ from dispatcher.stagestatus import stage_labels
 from dispatcher.status import JobStatus
 from renderfleet import keys
 from renderfleet import stages as stagelib
+from renderfleet.celery_app import queue_pool
 from renderfleet.spec import JobSpec
 from renderfleet.stages import Segment, Stage
 from renderfleet.states import ShardState
@@ -35,7 +36,7 @@ class StageBacklog:
     fleet's backlog (``JobStatus.backlog_seconds``, counted at the job's own settings) those prompts were."""
 
     seconds: dict[str, float] = field(default_factory=dict)
-    taken: float = 0.0
+    taken: dict[str, float] = field(default_factory=dict)  # by the pool that runs those prompts' segment
 
 
 def segment_seconds(
@@ -89,7 +90,7 @@ def stage_backlog(client: redis.Redis, jobs: Iterable[JobStatus], spmps: float) 
         for seg in segments[1:]:
             out.seconds.setdefault(seg.pool, 0.0)  # a stage pool with nothing yet is sized by its own (none)
         measured = {k: _int(v) for k, v in figures.items()}
-        later = 0
+        later: dict[str, int] = {}
         for shard, state in states.items():
             seg_index = _int(segment_of.get(shard, "0"))
             if state == ShardState.CANCELLED or not 0 < seg_index < len(segments) or not shard.isdigit():
@@ -98,8 +99,9 @@ def stage_backlog(client: redis.Redis, jobs: Iterable[JobStatus], spmps: float) 
             seg = segments[seg_index]
             per_image = segment_seconds(spec.params.stages, seg, spec.params.width, spec.params.height, measured, spmps)
             out.seconds[seg.pool] += prompts * per_image
-            later += prompts
-        out.taken += j.backlog_seconds * min(1.0, later / j.to_render)
+            later[seg.pool] = later.get(seg.pool, 0) + prompts
+        for pool, prompts in later.items():
+            out.taken[pool] = out.taken.get(pool, 0.0) + j.backlog_seconds * min(1.0, prompts / j.to_render)
     return out
 
 
@@ -112,3 +114,13 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         return 0
+
+
+def stage_only(staged: StageBacklog, jobs: Iterable[JobStatus]) -> tuple[dict[str, float], float]:
+    """The pools sized by their stage's backlog alone (seconds each), and how much of the fleet's backlog
+    is theirs.  A stage pool that is also the own pool of a job with work left stays with the rest, its
+    stage's work left in the fleet's backlog: sized by the stage alone, it could be held at 0 while that
+    job's first segment waits for it (``--upscale 4@big --refine self`` comes back to the job's pool)."""
+    home = {queue_pool(j.queue) for j in jobs if j.to_render > 0}
+    only = {pool: seconds for pool, seconds in staged.seconds.items() if pool not in home}
+    return only, sum(staged.taken.get(pool, 0.0) for pool in only)

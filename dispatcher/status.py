@@ -944,6 +944,15 @@ def shown_target(url: str | None) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def _seconds(raw: Any) -> float:
+    """A record's time for ordering: 0 where absent or not a finite number (a malformed record sorts first)."""
+    try:
+        value = float(raw or 0.0)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return value if math.isfinite(value) else 0.0
+
+
 def undelivered(client: redis.Redis, jobs: Collection[str]) -> list[Undelivered]:
     """The jobs of ``jobs`` with events not yet delivered (``keys.EVENTS_UNDELIVERED``), each summed up
     from its record (``keys.job_events``); a malformed record is skipped."""
@@ -964,12 +973,12 @@ def undelivered(client: redis.Redis, jobs: Collection[str]) -> list[Undelivered]
         pending = [r for r in records if r.get("state") == Delivery.PENDING]
         if not pending:
             continue
-        last = max(pending, key=lambda r: float(r.get("tried_at") or 0.0))
+        last = max(pending, key=lambda r: _seconds(r.get("tried_at")))
         out.append(
             Undelivered(
                 job,
                 len(pending),
-                shown_target(str(min(pending, key=lambda r: float(r.get("at") or 0.0)).get("target") or "")),
+                shown_target(str(min(pending, key=lambda r: _seconds(r.get("at"))).get("target") or "")),
                 max(_int(r.get("attempts")) for r in pending),
                 str(last.get("error") or "not tried yet"),
             )

@@ -401,6 +401,9 @@ EVENTS_SCAN = 2000  # stream entries looked through for them
 EVENTS_CONNECTION_SECONDS = 300.0  # a connection ends after this; the browser reconnects with Last-Event-ID
 EVENTS_KEEPALIVE_SECONDS = 15.0  # a comment line this often: proxies keep a quiet connection open
 EVENTS_BLOCK_MS = 500  # one read's wait for a new event (under the Redis client's socket timeout)
+# Open event streams at once, each holding a thread of the server's pool (40) while it waits on Redis:
+# beyond this many a new one is told to come back (503), so open pages never starve the other endpoints.
+EVENTS_STREAMS_MAX = 16
 _STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 
 
@@ -647,6 +650,8 @@ def make_app(
         _, job, name = image_parts(request)
         return JSONResponse(need_thumbs().meta(job, name))
 
+    streams = threading.BoundedSemaphore(EVENTS_STREAMS_MAX)  # the event streams open now (EVENTS_STREAMS_MAX)
+
     def events(request: Request) -> Response:
         """Server-sent events of the store's jobs (``/events``) or one job's (``/jobs/JOB/events``)."""
         store = need_store()
@@ -656,8 +661,21 @@ def make_app(
         if job is not None:
             job = checked_job(store, job, client)
         last = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last"))
+        if not streams.acquire(blocking=False):
+            return PlainTextResponse(
+                f"busy: {EVENTS_STREAMS_MAX} event streams are open; try again shortly\n",
+                status_code=503,
+                headers={"Retry-After": "5"},
+            )
+
+        def held() -> Iterator[str]:
+            try:
+                yield from event_stream(client, store.url, job, last)
+            finally:
+                streams.release()
+
         return StreamingResponse(
-            event_stream(client, store.url, job, last),
+            held(),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -53,6 +53,13 @@ def queue_name(pool: str, store: str) -> str:
     return f"{QUEUE_PREFIX}{pool}.{store_tag(store)}"
 
 
+def queue_pool(queue: str) -> str:
+    """The pool a queue of :func:`queue_name` feeds (pool names hold no dot); '' for another name."""
+    if not queue.startswith(QUEUE_PREFIX):
+        return ""
+    return queue.removeprefix(QUEUE_PREFIX).partition(".")[0]
+
+
 def store_queues_pattern(store: str) -> str:
     """A SCAN pattern matching every queue of ``store`` (pool names hold no dot)."""
     return f"{QUEUE_PREFIX}*.{store_tag(store)}"

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from renderfleet import families, stages
+from renderfleet import families, limits, stages
 from renderfleet.limits import bench_seconds
 from renderfleet.spec import fleet_key
 from renderfleet.stages import Stage
@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the store imports botocore: not for every CLI start
 log = logging.getLogger("renderfleet.speeds")
 
 KIND = "speeds"
+MAX_RECORD_BATCH = 4096  # no card renders more images in one call: a record beyond it is forged
 # Half of a mean's weight is in its last this-many images: it follows a new driver or card within a
 # few thousand images, and one slow batch (a neighbour's burst, a cold cache) moves it by little.
 HALF_LIFE_IMAGES = 1000
@@ -158,6 +159,9 @@ class SpeedRecord:
         images = _typed(raw["images"], int)
         if not (math.isfinite(spi) and spi > 0 and images > 0 and min(key.width, key.height, key.steps, key.batch) > 0):
             raise ValueError("not a speed: seconds_per_image, images, size, steps and batch must be positive")
+        # Within what a job can ask (renderfleet/limits.py): a forged record's huge figure is no speed either.
+        if max(key.width, key.height) > limits.MAX_SIDE or key.steps > limits.MAX_STEPS or key.batch > MAX_RECORD_BATCH:
+            raise ValueError("not a speed: its size, steps or batch is beyond any job's")
         return cls(
             key,
             spi,
@@ -210,7 +214,7 @@ def read(store: Store, key: SpeedKey) -> SpeedRecord | None:
     try:
         data = store.get(where)
         return SpeedRecord.from_json(data) if data else None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, ArithmeticError) as exc:
         log.warning("speed record %s not read (%s: %s): written anew", where, type(exc).__name__, exc)
         return None
 
@@ -232,7 +236,7 @@ def records_of(store: Store, model: str) -> list[SpeedRecord]:
                 record = SpeedRecord.from_json(data)
                 if record.key.model == model:
                     out.append(record)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, ArithmeticError) as exc:
             log.warning("speed record %s skipped (%s: %s)", where, type(exc).__name__, exc)
     return out
 

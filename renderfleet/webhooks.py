@@ -66,8 +66,9 @@ def _address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
     """Why the fleet will not post to ``address`` unless ``events.allow_private`` is set: one that is not
     on the public internet (loopback, private, link-local such as the cloud metadata service at
     169.254.169.254, shared, reserved, multicast): a webhook is never a way into the fleet's own network."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    embedded = _embedded_ipv4(address) if isinstance(address, ipaddress.IPv6Address) else None
+    if embedded is not None and (why := _address_problem(embedded)):
+        return f"{address} carries an IPv4 address: {why}"
     if address.is_loopback:
         return f"{address} is a loopback address"
     if address.is_link_local:
@@ -76,6 +77,25 @@ def _address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
         return f"{address} is not a host's address"
     if not address.is_global:
         return f"{address} is a private or reserved address"
+    return None
+
+
+_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one reaches through a translator or tunnel (IPv4-mapped, NAT64's well-known
+    and local prefixes, 6to4, Teredo's client, IPv4-compatible), or None: a NAT64 gateway turns
+    ``64:ff9b::a9fe:a9fe`` into 169.254.169.254, so the IPv4 address is the one checked."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]
+    if any(address in net for net in _NAT64) or (address in _IPV4_COMPATIBLE and int(address) > 1):
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
 
 

@@ -339,16 +339,18 @@ class RedisLedger:
         self._batches_started = True
         self._add_unsent({"started_images": images, "started_batches": 1})
 
-    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0, *, final: bool = True) -> None:
         # mps_milli: the work those milliseconds bought, so the autoscaler can turn a
         # backlog of 1024x1024 images at 30 steps into seconds (dispatcher/autoscale.py).
+        # progress: the job's rate and ETA count final images only: a segment before the job's last
+        # (a stage on its own pool) makes none, or a two-segment job would show twice its rate.
         self._add_unsent(
             {
                 "images": images,
                 "batches": 1,
                 "render_ms": int(seconds * 1000),
                 "mps_milli": int(megapixel_steps * 1000),
-                "progress": images,
+                "progress": images if final else 0,
             }
         )
         if self.metrics:

@@ -96,7 +96,7 @@ class Ledger(Protocol):
     def record_start(self, images: int) -> None:
         """A batch is about to render (the reclaim rate's denominator; sent with the batch's fence check)."""
 
-    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0, *, final: bool = True) -> None:
         """A batch rendered: ``megapixel_steps`` (pixels x steps / 1e6, summed) sizes its work."""
 
     def record_waste(self, images: int) -> None:
@@ -413,7 +413,7 @@ class ShardRunner:
         if images:
             self._batch_seconds = elapsed
             work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
-            ledger.record_batch(len(images), elapsed, work)
+            ledger.record_batch(len(images), elapsed, work, final=msg is None or msg.until < 0)
             # A speed is a whole batch rendered afresh: none taken from a stored level, none failed.
             if msg is not None and not resumed and len(images) == len(pending) and msg.until < 0 and not msg.segment:
                 self._keep_speed(msg, pending, elapsed)

@@ -248,8 +248,23 @@ def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_the
     again = log()
     assert again.observe(replace(running, done=4, queued=0)) == [] and sent == ["finished"]
 
-    # Redis loses the record: the store's undelivered event comes back under its id; the delivered
-    # one is seen again and minted with the id it had (a receiver dedupes it).
+    # Records planted beside it by whoever can write the job's prefix are never signed and posted: one
+    # under a made-up key and id, one of another job, one pointing elsewhere, one of the wrong types.
+    stored = json.loads(store.get(spec.event_key("j-1", finished.id)) or b"{}")
+    planted = {
+        "evt_planted": {**stored, "id": "evt_planted", "key": "cancelled:1"},
+        "evt_other": {**stored, "job": "j-2", "id": "evt_other"},
+        "evt_types": {**stored, "id": "evt_types", "key": ["x"], "at": "soon"},
+    }
+    for name, record in planted.items():
+        store.put(spec.event_key("j-1", name), json.dumps(record).encode())
+    store.put(
+        spec.event_key("j-1", finished.id), json.dumps({**stored, "target": "https://elsewhere.example.com/"}).encode()
+    )
+
+    # Redis loses the record: the store's undelivered event comes back under its id, to the job's own
+    # receiver whatever its copy says; the delivered one is seen again and minted with the id it had
+    # (a receiver dedupes it); the planted ones stay where they are, unsent.
     client.delete(keys.job_events("j-1"))
     sent.clear()
     lost = log()
@@ -257,7 +272,11 @@ def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_the
     assert (restarted.key, restarted.id) == ("started", started.id)
     assert sent == ["finished", "started"]
     records = {r.key: r for r in lost._records("j-1")}
+    assert set(records) == {"started", "finished"}
     assert records["finished"].id == finished.id and records["finished"].state == PENDING
+    assert records["finished"].target == "https://hooks.example.com/x"
+    for name in planted:
+        store.delete(spec.event_key("j-1", name))
     lost.delivered(records["finished"], 2)
     lost.delivered(restarted, 1)
     assert {r.state for r in lost._records("j-1")} == {DELIVERED}

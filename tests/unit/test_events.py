@@ -47,6 +47,11 @@ SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the scheme's own example se
         ("http://127.0.0.1/hook", "loopback"),
         ("http://[::1]:9000/hook", "loopback"),
         ("http://[::ffff:10.0.0.1]/hook", "private or reserved"),
+        # IPv6 forms a translator or tunnel turns into the metadata service or a private host
+        ("http://[64:ff9b::a9fe:a9fe]/", "carries an IPv4 address: 169.254.169.254 is a link-local"),
+        ("http://[64:ff9b::a00:5]/", "carries an IPv4 address: 10.0.0.5 is a private"),
+        ("http://[2002:a9fe:a9fe::1]/", "carries an IPv4 address: 169.254.169.254"),
+        ("http://[::a9fe:a9fe]/", "carries an IPv4 address: 169.254.169.254"),
         ("http://10.1.2.3/hook", "private or reserved"),
         ("http://192.168.1.1/hook", "private or reserved"),
         ("http://100.64.0.1/hook", "private or reserved"),
@@ -61,7 +66,8 @@ def test_a_receiver_url_that_will_not_do_is_refused_with_the_reason(url: str, wh
 
 
 def test_public_urls_pass_and_private_ones_only_when_allowed() -> None:
-    for url in ("https://hooks.example.com/renderfleet?token=abc", "http://93.184.215.14:8080/x", "https://[2606:4700::1]/"):
+    public = ("https://hooks.example.com/renderfleet?token=abc", "http://93.184.215.14:8080/x", "https://[2606:4700::1]/")
+    for url in (*public, "http://[64:ff9b::808:808]/"):  # NAT64 to a public address: public
         assert url_problem(url, allow_private=False) is None, url
     assert "events.allow_private" in (url_problem("http://127.0.0.1:9/x", allow_private=False) or "")
     for url in ("http://127.0.0.1:9/x", "http://localhost/x", "http://10.0.0.2/x"):

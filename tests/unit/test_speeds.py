@@ -3,6 +3,7 @@ which record an estimate takes (measured, derived, assumed) and when a worker wr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,10 @@ def test_records_live_under_their_model_and_a_malformed_one_is_skipped(tmp_path:
     speeds.add(store, key(), 8, 16.0, source="bench")
     speeds.add(store, key(model="other/model"), 8, 8.0, source="bench")
     store.put(speeds.model_prefix("org/model") + "junk.json", b'{"model": "org/model"}')
+    # forged figures: a 400-digit number overflows a float, a side beyond any job's is no speed either
+    good = json.loads(speeds.read(store, key()).to_json())  # type: ignore[union-attr]
+    store.put(speeds.model_prefix("org/model") + "huge.json", json.dumps({**good, "updated": 10**400}).encode())
+    store.put(speeds.model_prefix("org/model") + "wide.json", json.dumps({**good, "width": 10**9}).encode())
     [got] = speeds.records_of(store, "org/model")
     assert got.key == key() and got.seconds_per_image == 2.0 and got.bench == 8
     assert speeds.store_key(key()).startswith(speeds.model_prefix("org/model"))
@@ -221,7 +226,7 @@ class Ledger:
         return 1
 
     def record_start(self, images: int) -> None: ...
-    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None: ...
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0, *, final: bool = True) -> None: ...
     def record_waste(self, images: int) -> None: ...
 
 

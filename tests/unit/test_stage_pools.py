@@ -5,6 +5,7 @@ cost per image for the autoscaler."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,16 @@ def test_a_segment_s_seconds_per_image_are_measured_where_its_stages_ran_else_es
     assert segment_seconds(stages, seg, 32, 32, measured, 100.0) == pytest.approx(0.1 + 0.5)
     # The first segment (generate) is the fleet's backlog, not a stage pool's: it costs nothing here.
     assert segment_seconds(stages, segments(stages, "spot")[0], 32, 32, {}, 100.0) == 0.0
+
+
+def test_a_stage_pool_that_is_also_a_job_s_own_pool_is_sized_with_the_rest_not_by_its_stage_alone() -> None:
+    from dispatcher.stagepools import StageBacklog, stage_only
+    from dispatcher.status import JobStatus
+    from renderfleet.celery_app import queue_name
+
+    staged = StageBacklog(seconds={"big": 40.0, "default": 12.0}, taken={"big": 30.0, "default": 9.0})
+    # a job of `default` whose upscale runs on `big` and whose refine comes back to `default`
+    job = replace(JobStatus("j-1", 8, 0, 0, 8, 0, 1, 1, 0, True), queue=queue_name("default", "/s"))
+    assert stage_only(staged, [job]) == ({"big": 40.0}, 30.0)
+    # no job of its own with work left (cancelled): `default` too is sized by its stage alone
+    assert stage_only(staged, [replace(job, cancelled=1.0)]) == ({"big": 40.0, "default": 12.0}, 39.0)

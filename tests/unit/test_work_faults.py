@@ -92,7 +92,7 @@ class Ledger:
     def record_start(self, images: int) -> None:
         pass
 
-    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0) -> None:
+    def record_batch(self, images: int, seconds: float, megapixel_steps: float = 0.0, *, final: bool = True) -> None:
         pass
 
     def record_waste(self, images: int) -> None:
