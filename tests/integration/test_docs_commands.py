@@ -48,6 +48,10 @@ def test_every_docs_command_that_runs_on_one_machine_runs(
     toml = re.search(r"```toml\n(.*?)```", pools, re.S)
     assert toml, "docs/pools.md has no pools file"
     (tmp_path / "fleet.toml").write_text(toml.group(1))
+    # The fleet's own config, as a deployment has one: its default pool priced, so that the budget
+    # examples (docs/pools.md, "Budgets": a budget needs a priced pool) run as documented.
+    (tmp_path / "fleet-default.toml").write_text("[pools.default]\nprice_per_hour = 1.0\n")
+    env["RENDERFLEET_CONFIG"] = str(tmp_path / "fleet-default.toml")
 
     distinct = {c.args: c for c in reversed(doc_commands()) if runnable(c)}  # shown twice: run once
     commands = sorted(reversed(distinct.values()), key=lambda c: (c.command != "submit", LAST.get(c.command, 0)))

@@ -137,11 +137,15 @@ def test_the_root_dockerignore_admits_exactly_what_the_images_copy() -> None:
     assert copied <= allowed and {"LICENSE", *PACKAGES} <= copied
 
 
-def test_each_compose_worker_reserves_one_gpu() -> None:
+def test_the_compose_baseline_reserves_one_gpu_and_the_spot_node_its_listed_gpus_under_one_supervisor() -> None:
     services = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
-    workers = [s for s in services.values() if s.get("image") == "renderfleet-worker"]
+    workers = {name: s for name, s in services.items() if s.get("image") == "renderfleet-worker"}
     assert len(workers) == 2
-    for s in workers:
-        assert s["deploy"]["resources"]["reservations"]["devices"] == [
-            {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
-        ]
+    base, spot = workers["worker-baseline"], workers["worker-spot"]
+    assert base["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    # the spot service is a node: a device list, one worker per device under `worker --gpus all`
+    [devices] = spot["deploy"]["resources"]["reservations"]["devices"]
+    assert devices["driver"] == "nvidia" and devices["capabilities"] == ["gpu"] and devices["device_ids"]
+    assert "count" not in devices and spot["command"][-2:] == ["--gpus", "all"]
