@@ -53,7 +53,7 @@ from dispatcher.status import (
     publish_gpus_per_node,
     publish_prices,
 )
-from renderfleet import keys, speeds
+from renderfleet import cards, keys, speeds
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
 from renderfleet.leases import lua_script
@@ -457,6 +457,21 @@ class Autoscaler:
             return None
         return BacklogKind(spec, top.backlog_seconds / top.to_render)
 
+    def needs(self, fleet: FleetStatus) -> dict[float, float]:
+        """Policy rule 11: seconds of work left by the card memory (GB) its jobs need (``keys.job``'s
+        ``min_vram``, one pipelined read); the jobs that need none left out."""
+        left = [j for j in fleet.jobs if j.backlog_seconds > 0]
+        if not left:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for j in left:
+            pipe.hget(keys.job(j.job), cards.FIELD)
+        out: dict[float, float] = {}
+        for j, raw in zip(left, pipe.execute(), strict=True):
+            if (gb := cards.read_min_vram(raw)) > 0:
+                out[gb] = out.get(gb, 0.0) + j.backlog_seconds
+        return out
+
     def records(self, model: str) -> list[speeds.SpeedRecord]:
         """``model``'s speed records, read from the store at most every :data:`SPEEDS_READ_SECONDS`;
         a store that cannot answer leaves the last ones read (none: nothing measured)."""
@@ -474,14 +489,15 @@ class Autoscaler:
         """Policy rule 10: ``state`` with its speed measured on its card for the backlog's kind of image, if the
         store has that record; else as its counters had it."""
         card = pool_card(state.config, fleet.workers, state.name)
+        memory = cards.pool_vram(state.config.vram_gib, [w for w in fleet.workers if w.get("pool") == state.name])
+        state = replace(state, card=card, vram_gib=memory)  # policy rule 11: which --min-vram work it takes
         if kind is None or not card:
-            return replace(state, card=card)
+            return state
         found = speeds.speed_for(self.records(kind.spec.params.model), kind.wanted(card))
         if found.basis != speeds.MEASURED:
-            return replace(state, card=card)
+            return state
         return replace(
             state,
-            card=card,
             speed=kind.work_seconds_per_image / found.seconds_per_image,
             measured=CARD,
             seconds_per_image=found.seconds_per_image,
@@ -540,7 +556,12 @@ class Autoscaler:
         backlog = max(0.0, backlog - theirs)
         room = worker_room(fleet.redis)
         decisions = decide(
-            backlog, [p for p in states if p.name not in stage_only], self.settings.autoscale, now, redis_room=room
+            backlog,
+            [p for p in states if p.name not in stage_only],
+            self.settings.autoscale,
+            now,
+            redis_room=room,
+            needs=self.needs(fleet),
         )
         for p in states:
             if p.name in stage_only:
@@ -619,6 +640,7 @@ def _inputs(p: PoolState, default_cold_start: float) -> dict[str, Any]:
         "cold_start_measured": p.cold_start_seconds is not None,
         "month_spend": round(p.month_spend, 4),
         "card": p.card,
+        "vram_gib": p.vram_gib,  # its card's memory (policy rule 11); None unknown: it takes no --min-vram work
         "measured": p.measured,  # what its speed rests on (policy rule 10): card, pool or '' (nothing)
         "seconds_per_image": p.seconds_per_image,
     }

@@ -41,6 +41,11 @@ The rules, each with its unit test:
     one (``renderfleet/speeds.py``: price per hour x measured seconds per image), else from its own
     counters; pools measured either way fill cheapest first, those with nothing measured after them
     in the configured order (the pools file's), and their reasons say so (:func:`fill_order`).
+11. the work of jobs that need a card of at least ``min_vram`` GB (``needs``) counts only toward the pools
+    whose card qualifies (``vram_gib``, ``renderfleet/cards.py``: unknown memory does not): the pools are
+    sized for the most demanding work first, on the pools that take it, then for each less demanding
+    share with what those already give, the whole backlog last; a pool of too small a card is never
+    grown for it, nor kept from scaling in by it, and its reason says so (:func:`_classes`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from renderfleet.cards import qualifies
 from renderfleet.settings import AutoscaleConfig, PoolConfig
 
 # Rule 3: "about two cold starts".
@@ -76,6 +82,7 @@ class PoolState:
     card: str = ""  # its card (the config's ``card``, else its live workers'); '' unknown
     seconds_per_image: float | None = None  # measured on it for the backlog's model and size (CARD)
     routed_for: str = ""  # that model and size, in words (CARD): "sd-turbo 512x512, 4 steps"
+    vram_gib: float | None = None  # its card's memory (the config's ``vram_gib``, else its live workers'); None unknown
 
     @property
     def is_spot(self) -> bool:
@@ -155,14 +162,18 @@ def decide(
     cfg: AutoscaleConfig,
     now: float,
     redis_room: tuple[int, str] | None = None,
+    needs: Mapping[float, float] | None = None,
 ) -> list[Decision]:
     """Each pool's desired size, and why (in words); pure, no I/O.  ``redis_room``: how many workers
-    more the fleet's Redis takes, and why no more (rule 7); None: no limit of Redis is near."""
+    more the fleet's Redis takes, and why no more (rule 7); None: no limit of Redis is near.  ``needs``:
+    the seconds of work (part of ``backlog_seconds``) of jobs that need a card of at least so many GB
+    (rule 11); None: any card takes all of it."""
     # Rule 8: a pool at its monthly budget is sized as a pool of none (the backlog goes to the others).
     capped = {p.name: reason for p in pools if (reason := over_month(p)) is not None}
     sized = [replace(p, config=p.config.model_copy(update={"min": 0, "max": 0})) if p.name in capped else p for p in pools]
-    targets, why = _targets(max(backlog_seconds, 0.0), sized, cfg, now)
-    decisions = _apply_scale_in_rules(max(backlog_seconds, 0.0), sized, targets, why, cfg, now)
+    classes = _classes(max(backlog_seconds, 0.0), needs or {})
+    targets, why = _targets(classes, sized, cfg, now)
+    decisions = _apply_scale_in_rules(classes, sized, targets, why, cfg, now)
     decisions = [Decision(d.pool, d.current, 0, capped[d.pool]) if d.pool in capped else d for d in decisions]
     return decisions if redis_room is None else _within_room(decisions, sized, *redis_room)
 
@@ -249,10 +260,33 @@ def _starved(pool: PoolState, cfg: AutoscaleConfig, now: float) -> bool:
     return pool.no_capacity or (waited and pool.ready < pool.current)
 
 
+def _classes(backlog: float, needs: Mapping[float, float]) -> list[tuple[float, float]]:
+    """Rule 11: (GB, seconds of work that need a card of at least that) for each minimum asked, most
+    demanding first (a job of 80 GB counts toward 40's share too: a card that takes it takes both), each
+    at most the backlog, and (0, the whole backlog) last."""
+    asked = sorted({gb for gb, seconds in needs.items() if gb > 0 and seconds > 0}, reverse=True)
+    shares = [(gb, min(backlog, sum(s for g, s in needs.items() if g >= gb and s > 0))) for gb in asked]
+    return [(gb, work) for gb, work in shares if work > 0] + [(0.0, backlog)]
+
+
+def _memory(p: PoolState) -> str:
+    return f"{p.card or 'its card'}, {'memory unknown' if p.vram_gib is None else f'{p.vram_gib:g} GiB'}"
+
+
+def _left_out(p: PoolState, classes: Sequence[tuple[float, float]]) -> str:
+    """Rule 11: the share of the backlog ``p``'s card cannot take, in words ('' none)."""
+    failing = [(gb, work) for gb, work in classes if not qualifies(p.vram_gib, gb)]
+    if not failing:
+        return ""
+    gb, work = failing[-1]  # the least demanding it fails: the most work
+    return f"; {work:.0f} s of the backlog needs a card of >= {gb:g} GB ({_memory(p)}): not counted here"
+
+
 def _targets(
-    backlog: float, pools: Sequence[PoolState], cfg: AutoscaleConfig, now: float
+    classes: Sequence[tuple[float, float]], pools: Sequence[PoolState], cfg: AutoscaleConfig, now: float
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Sizes the backlog asks for, before the scale-in rules."""
+    backlog = classes[-1][1]
     targets = {p.name: p.config.min for p in pools}
     why = {p.name: f"the floor: min {p.config.min}" for p in pools}
     base = [p for p in pools if not p.is_spot]
@@ -263,10 +297,14 @@ def _targets(
             why[p.name] = f"no backlog: back toward min {p.config.min}"
         return targets, why
 
-    # Rule 3: what is warm now clears it soon enough: wake nothing new.
-    warm = sum(p.ready * p.rate for p in pools)
+    # Rule 3: what is warm now clears it soon enough: wake nothing new (rule 11: each share needing a big
+    # card by the warm workers whose card takes it).
+    def warm_for(gb: float) -> float:
+        return sum(p.ready * p.rate for p in pools if qualifies(p.vram_gib, gb))
+
+    warm = warm_for(0.0)
     cold = max((_cold_start(p, cfg) for p in spot), default=cfg.cold_start_seconds)
-    if warm > 0 and backlog / warm <= COLD_STARTS_NOT_WORTH_WAKING * cold:
+    if all(warm_for(gb) > 0 and work / warm_for(gb) <= COLD_STARTS_NOT_WORTH_WAKING * cold for gb, work in classes):
         for p in pools:
             why[p.name] = (
                 f"the {warm:.1f} workers' worth warm in the fleet clear {backlog:.0f} s of work in "
@@ -275,53 +313,93 @@ def _targets(
             )
         return targets, why
 
-    # Rules 1-2: the floor's rate, then the overflow to spot, cheapest per image first.
-    needed = backlog / cfg.drain_seconds  # work-seconds per second to clear it in time
-    missing = needed - sum(p.config.min * p.rate for p in base)
-    for p in spot:
-        if missing <= 0:
-            break
-        cap = p.config.max
-        if _starved(p, cfg, now):
-            cap = max(p.config.min, min(p.ready, cap))  # policy rule 5: no more from here
-        n = max(p.config.min, min(_whole_nodes(cap, p), _whole_nodes(math.ceil(missing / p.rate - 1e-9), p)))
-        targets[p.name] = n
-        missing -= (n - p.config.min) * p.rate
-        why[p.name] = (
-            f"backlog {backlog:.0f} s of work, to clear in {cfg.drain_seconds:.0f} s needs "
-            f"{needed:.2f} workers' worth; {n} here at {p.config.gpu_price_per_hour:g}/h"
-            + (
-                f" (each counted at {p.rate / max(p.speed, 1e-6):.0%}: recent reclaims threw away "
-                f"{p.lost_fraction:.0%} of its work)"
-                if p.lost_fraction > 0
-                else ""
-            )
-            + (" (no capacity: capped at what came up)" if cap < p.config.max else "")
-            + p.routing_note(spot_measured)
-        )
-    # Rule 5: what spot cannot give, the baseline does, up to its max.
+    # Rules 1-2: the floor's rate, then the overflow to spot, cheapest per image first; rule 11: share by
+    # share, most demanding first, on the pools that take it, each counting what is already there.
+    # Each share is the work of its band alone (80 GB jobs in 80's, 40 GB jobs in 40's, the rest in 0's);
+    # the capacity a more demanding share left over (``spare``) serves the next, a shortfall does not pass
+    # on: work no pool here takes never grows a pool that cannot take it.
+    grown: set[str] = set()
+    seen: set[str] = set()
+    spare = 0.0
     base_measured = any(p.measured for p in base)
-    for p in fill_order(base):
-        if missing <= 0:
-            break
-        n = min(p.config.max, _whole_nodes(p.config.min + math.ceil(missing / p.rate - 1e-9), p))
-        missing -= (n - p.config.min) * p.rate
-        targets[p.name] = n
-        why[p.name] = f"spot cannot take the overflow: baseline grows to {n} (max {p.config.max})" + (
-            p.routing_note(base_measured) if len(base) > 1 else ""
+    above = 0.0
+    for gb, upto in classes:
+        work, above = upto - above, upto
+        takers = {p.name for p in pools if qualifies(p.vram_gib, gb)}
+        needed = work / cfg.drain_seconds  # work-seconds per second to clear it in time
+        floor = sum(
+            (targets[p.name] - (p.config.min if p.is_spot else 0)) * p.rate for p in pools if p.name in takers - seen
         )
+        seen |= takers
+        missing = needed - spare - floor
+        for p in spot:
+            if missing <= 0:
+                break
+            if p.name not in takers:
+                continue
+            cap = p.config.max
+            if _starved(p, cfg, now):
+                cap = max(p.config.min, min(p.ready, cap))  # policy rule 5: no more from here
+            before = targets[p.name]
+            start = before if before > p.config.min else 0
+            want = _whole_nodes(start + math.ceil(missing / p.rate - 1e-9), p)
+            n = max(before, min(_whole_nodes(cap, p), want))
+            targets[p.name] = n
+            missing -= (n - before) * p.rate
+            if n == before and (gb or p.name in grown):
+                continue
+            grown.add(p.name)
+            why[p.name] = (
+                f"backlog {work:.0f} s of work{_share(gb, p, len(classes) > 1)}, "
+                f"to clear in {cfg.drain_seconds:.0f} s needs "
+                f"{needed:.2f} workers' worth; {n} here at {p.config.gpu_price_per_hour:g}/h"
+                + (
+                    f" (each counted at {p.rate / max(p.speed, 1e-6):.0%}: recent reclaims threw away "
+                    f"{p.lost_fraction:.0%} of its work)"
+                    if p.lost_fraction > 0
+                    else ""
+                )
+                + (" (no capacity: capped at what came up)" if cap < p.config.max else "")
+                + p.routing_note(spot_measured)
+            )
+        # Rule 5: what spot cannot give, the baseline does, up to its max.
+        for p in fill_order([b for b in base if b.name in takers]):
+            if missing <= 0:
+                break
+            before = targets[p.name]
+            n = max(before, min(p.config.max, _whole_nodes(before + math.ceil(missing / p.rate - 1e-9), p)))
+            missing -= (n - before) * p.rate
+            targets[p.name] = n
+            if n == before and (gb or p.name in grown):
+                continue
+            grown.add(p.name)
+            why[p.name] = (
+                f"spot cannot take the overflow{_share(gb, p, len(classes) > 1)}: baseline grows to {n} (max {p.config.max})"
+                + (p.routing_note(base_measured) if len(base) > 1 else "")
+            )
+        spare = max(0.0, -missing)
+    for p in pools:
+        why[p.name] += _left_out(p, classes)
     return targets, why
 
 
+def _share(gb: float, p: PoolState, banded: bool) -> str:
+    """Rule 11: which share of the backlog ``p`` is grown for, in words ('' the whole: none needs a big card)."""
+    if gb:
+        return f" that needs a card of >= {gb:g} GB ({_memory(p)} takes it)"
+    return " that any card takes" if banded else ""
+
+
 def _apply_scale_in_rules(
-    backlog: float,
+    classes: Sequence[tuple[float, float]],
     pools: Sequence[PoolState],
     targets: dict[str, int],
     why: dict[str, str],
     cfg: AutoscaleConfig,
     now: float,
 ) -> list[Decision]:
-    rate = sum(p.current * p.rate for p in pools)
+    # Rule 11: each share of the backlog is cleared by the pools whose card takes it (0: every pool).
+    rate = {gb: sum(p.current * p.rate for p in pools if qualifies(p.vram_gib, gb)) for gb, _ in classes}
     spot_above_min = any(p.is_spot and p.current > p.config.min for p in pools)
     out = []
     for p in pools:
@@ -346,17 +424,28 @@ def _apply_scale_in_rules(
             continue
         # Rule 9: one step is one node; its GPUs go together.
         step = min(p.config.gpus_per_node, p.current - p.config.min)
-        after = rate - p.rate * step
-        if backlog > 0 and (after <= 0 or backlog / after > cfg.scale_in_margin * cfg.drain_seconds):
+        # The work of the shares its card cannot take keeps it no more than it grows it.
+        beyond = max((work for gb, work in classes if not qualifies(p.vram_gib, gb)), default=0.0)
+        mine = [(gb, work - beyond) for gb, work in classes if qualifies(p.vram_gib, gb)]
+        short = [
+            (gb, work)
+            for gb, work in mine
+            if work > 0
+            and ((after := rate[gb] - p.rate * step) <= 0 or work / after > cfg.scale_in_margin * cfg.drain_seconds)
+        ]
+        if short:
+            gb, work = short[0]  # the most demanding: the one the fewest pools take
+            what = "the backlog" if not gb else f"the {work:.0f} s of work that needs a card of >= {gb:g} GB"
             out.append(
                 Decision(
                     p.name,
                     p.current,
                     p.current,
-                    f"keeps {p.current}: one fewer would not clear the backlog well within {cfg.drain_seconds:.0f} s",
+                    f"keeps {p.current}: one fewer would not clear {what} well within {cfg.drain_seconds:.0f} s",
                 )
             )
             continue
         out.append(Decision(p.name, p.current, p.current - step, "one step in: " + why[p.name]))
-        rate = after
+        for gb, _ in mine:
+            rate[gb] -= p.rate * step
     return out

@@ -7,7 +7,9 @@ there is none to speak of: a CPU, a bench model).  A job may ask for a minimum c
 (``submit --min-vram GB``, kept in ``keys.job``'s ``min_vram`` and in the stored spec): a
 worker whose card has less never renders it (``worker/service.py``, ``accept``) and hands the
 message back to its queue, nothing counted; ``status`` says when no live worker of the job's
-queue qualifies (``dispatcher/serving.py``).
+queue qualifies (``dispatcher/serving.py``).  The autoscaler grows only pools whose card
+qualifies for such a job's work, and ``submit --estimate`` counts only them (:func:`pool_vram`:
+a pool's memory; ``dispatcher/policy.py`` rule 11).
 
 Memory is compared the way people name cards: a card sold as "80GB" reports 79.6 GiB (an
 H100), one sold as "24GB" 22.5 (an L4): a card qualifies for ``--min-vram N`` when it
@@ -70,6 +72,16 @@ def qualifies(vram_gib: float | None, min_vram: float) -> bool:
     if min_vram <= 0:
         return True
     return vram_gib is not None and vram_gib >= min_vram * NOMINAL_SHARE
+
+
+def pool_vram(configured: float | None, workers: Iterable[Mapping[str, Any]]) -> float | None:
+    """A pool's card memory: ``configured`` (its config's ``vram_gib``), else the smallest its live
+    ``workers`` report; None (unknown: it takes no --min-vram work) with neither, or where one of them
+    names none (the pool's next worker may be that one)."""
+    if configured is not None:
+        return configured
+    memory = [vram_of(w) for w in workers]
+    return None if not memory or None in memory else min(m for m in memory if m is not None)
 
 
 def refusal(card: str, vram_gib: float | None, min_vram: float) -> str:

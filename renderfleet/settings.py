@@ -118,6 +118,9 @@ class PoolConfig(BaseModel):
     # The card of its workers as a worker names it in `status --json` ("NVIDIA H100 80GB HBM3"):
     # `submit --estimate` reads the speeds measured on it while none of them is up.  None: their own word.
     card: str | None = None
+    # Its card's memory in GiB, as a worker reports it (an H100 80GB: 79.6): the autoscaler grows it for a
+    # job's --min-vram work only where its card qualifies (renderfleet/cards.py).  None: its live workers' word.
+    vram_gib: float | None = Field(default=None, gt=0, le=4096, allow_inf_nan=False)
     # The most its workers may cost in a calendar month (UTC), at price_per_hour: the autoscaler counts
     # their up-time and sizes the pool to 0 once the month's spend reaches it (docs/pools.md, "Budgets").
     monthly_budget: float | None = Field(default=None, gt=0, allow_inf_nan=False)

@@ -133,3 +133,28 @@ def test_the_policy_sees_recent_reclaim_loss_the_measured_cold_start_and_nodes_o
     quad = {d["pool"]: d for d in tick["decisions"]}["quad"]
     assert (quad["nodes"], quad["desired"]) == (2, 8), quad
     assert quad["reason"].startswith("keeps 2 node(s), not 1: 2 hold work in flight"), quad
+
+
+def test_the_policy_sees_each_jobs_min_vram_work_and_each_pools_card_memory(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """Policy rule 11's inputs: the backlog by the card memory its jobs need (keys.job's min_vram, as
+    submit writes it) and a pool's memory (its config's vram_gib, else its live workers' smallest)."""
+    from dispatcher.autoscale import Autoscaler
+    from dispatcher.policy import PoolState
+    from dispatcher.status import FleetStatus, JobStatus
+    from renderfleet.settings import PoolConfig
+
+    client = redis.Redis.from_url(redis_server.url)
+    for job, gb in (("j-a", "40"), ("j-b", "0"), ("j-c", "80"), ("j-d", "40"), ("j-e", "not a number")):
+        client.hset(keys.job(job), "min_vram", gb)
+    left = {"j-a": 100.0, "j-b": 50.0, "j-c": 30.0, "j-d": 0.0, "j-e": 5.0, "j-f": 7.0}  # j-f: no hash at all
+    jobs = [JobStatus(job, 10, 0, 0, 10, 0, 1, 1, 0, True, backlog_seconds=s) for job, s in left.items()]
+    workers = [{"pool": "spot", "card": "NVIDIA A100-SXM4-80GB", "vram_gib": 79.2}, {"pool": "spot", "vram_gib": 39.4}]
+    fleet = FleetStatus(workers=workers, jobs=jobs)
+    auto = Autoscaler(Settings(home=tmp_path), client, LocalStore(tmp_path / "store"), {})
+    assert auto.needs(fleet) == {40.0: 100.0, 80.0: 30.0}
+    spot = auto._card_speed(PoolState("spot", PoolConfig(kind="spot"), 0, 0), None, fleet)
+    assert (spot.card, spot.vram_gib) == ("NVIDIA A100-SXM4-80GB", 39.4)
+    set_ = auto._card_speed(PoolState("spot", PoolConfig(kind="spot", vram_gib=80), 0, 0), None, fleet)
+    assert set_.vram_gib == 80

@@ -140,3 +140,11 @@ def test_the_python_api_takes_min_vram_and_checks_it_as_the_flag() -> None:
     assert client.options(model="tiny").min_vram == 0
     with pytest.raises(InputError, match="--min-vram: a card's memory in GB"):
         client.options(model="tiny", min_vram=-1)
+
+
+def test_a_pools_card_memory_is_its_configs_else_the_smallest_its_live_workers_report_else_unknown() -> None:
+    assert cards.pool_vram(79.6, [{"vram_gib": 22.5}]) == 79.6
+    assert cards.pool_vram(None, [{"vram_gib": 79.6}, {"vram_gib": 39.4}]) == 39.4
+    # One worker that names none (a CPU, an older worker): the pool's next may be that one.
+    assert cards.pool_vram(None, [{"vram_gib": 79.6}, {}]) is None
+    assert cards.pool_vram(None, []) is None

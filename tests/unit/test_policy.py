@@ -299,3 +299,61 @@ def test_rule_10_with_nothing_measured_the_pools_fill_in_the_configured_order_an
     # Redis's room (rule 7) goes in the same order.
     roomy = decide(6_000, [BASE, first, second], CFG, NOW, redis_room=(3, "busy"))
     assert sizes(roomy) == {"baseline": 1, "spot-h100": 3, "spot-l4": 0}
+
+
+# ---- rule 11: work that needs a big card grows only the pools whose card takes it -----------------------
+
+
+def test_rule_11_work_of_min_vram_jobs_grows_only_the_pools_whose_card_qualifies_and_the_reasons_say_so() -> None:
+    # Per image the L4 (0.5/h x 2 s = 0.00028) is cheaper than the H100 (3.0/h x 0.4 s = 0.00033): it fills first...
+    l4 = replace(_card_pool("spot-l4", 0.5, 2.0, "NVIDIA L4"), vram_gib=22.5)
+    h100 = replace(_card_pool("spot-h100", 3.0, 0.4, "NVIDIA H100 80GB HBM3"), vram_gib=79.6)
+    assert sizes(decide(3_000, [BASE, l4, h100], CFG, NOW)) == {"baseline": 1, "spot-l4": 6, "spot-h100": 1}
+    # ... but 1,800 s of the 3,000 need 40 GB: 3 workers' worth that only H100s take (2 of them, 5 worth),
+    # which clear the rest too; the L4 pool is not grown for it.
+    out = decide(3_000, [BASE, l4, h100], CFG, NOW, needs={40: 1_800})
+    assert sizes(out) == {"baseline": 1, "spot-l4": 0, "spot-h100": 2}
+    why = {d.pool: d.reason for d in out}
+    assert "1800 s of work that needs a card of >= 40 GB (NVIDIA H100 80GB HBM3, 79.6 GiB takes it)" in why["spot-h100"]
+    assert "1800 s of the backlog needs a card of >= 40 GB (NVIDIA L4, 22.5 GiB): not counted here" in why["spot-l4"]
+    # A card of unknown memory (the baseline here) takes none of it either.
+    assert "(its card, memory unknown): not counted here" in why["baseline"]
+    # Nested shares: 80 GB work counts toward 40's too; the rest of the backlog fills cheapest first.
+    a100 = replace(_card_pool("spot-a100", 1.4, 0.8, "NVIDIA A100-SXM4-40GB"), vram_gib=39.4)  # 0.00031 per image
+    pools = [BASE, l4, a100, h100]
+    # Any card's work alone: 11 workers' worth, 1 from the floor, 3 from six L4s, the rest from six A100s.
+    assert sizes(decide(6_600, pools, CFG, NOW)) == {"baseline": 1, "spot-l4": 6, "spot-a100": 6, "spot-h100": 0}
+    # 80 GB: 2.5 worth, one H100; 40 GB: 2 worth, two A100s (0.5 over); the rest, 6.5 worth: 1 from the floor,
+    # 0.5 over, 3 from six L4s, 2 from two more A100s.
+    mixed = decide(6_600, pools, CFG, NOW, needs={80: 1_500, 40: 1_200})
+    assert sizes(mixed) == {"baseline": 1, "spot-l4": 6, "spot-a100": 4, "spot-h100": 1}
+    why = {d.pool: d.reason for d in mixed}
+    assert "1500 s of the backlog needs a card of >= 80 GB (NVIDIA A100-SXM4-40GB, 39.4 GiB)" in why["spot-a100"]
+    assert "3900 s of work that any card takes" in why["spot-l4"]
+
+
+def test_rule_11_work_no_pool_here_takes_grows_none_and_keeps_none_from_scaling_in() -> None:
+    l4 = replace(_card_pool("spot-l4", 0.5, 2.0, "NVIDIA L4"), vram_gib=22.5)
+    # All of the backlog needs 48 GB: no pool takes it, so none grows for it.
+    out = decide(3_000, [BASE, l4], CFG, NOW, needs={48: 3_000})
+    assert sizes(out) == {"baseline": 1, "spot-l4": 0}
+    assert "3000 s of the backlog needs a card of >= 48 GB (NVIDIA L4, 22.5 GiB): not counted here" in out[1].reason
+    # Six L4s up, past the cool-down: that backlog does not keep them (one step in, spot first).
+    up = replace(l4, current=6, ready=6, last_change=NOW - 1_000)
+    assert sizes(decide(3_000, [BASE, up], CFG, NOW, needs={48: 3_000}))["spot-l4"] == 5
+    # The same backlog any card takes keeps them: one fewer would not clear it well in time.
+    kept = decide(3_000, [BASE, up], CFG, NOW)
+    assert sizes(kept)["spot-l4"] == 6
+    # An H100 pool up holds for the big work: one fewer would not clear it, and the reason names it.
+    h100 = PoolState(
+        "spot-h100", PoolConfig(kind="spot", price_per_hour=3.0, max=6), 2, 2, last_change=NOW - 1_000, vram_gib=79.6
+    )
+    assert sizes(decide(500, [BASE, h100], CFG, NOW))["spot-h100"] == 1  # any card's: the baseline helps
+    held = decide(500, [BASE, h100], CFG, NOW, needs={40: 500})
+    assert sizes(held)["spot-h100"] == 2
+    assert "one fewer would not clear the 500 s of work that needs a card of >= 40 GB" in held[1].reason
+    # Rule 3 asks each share of the warm workers whose card takes it: warm L4s do not leave big work waiting.
+    cold = [BASE, replace(l4, current=2, ready=2), replace(h100, current=0, ready=0)]
+    assert "nothing new woken" in decide(100, cold, CFG, NOW)[0].reason
+    woken = decide(100, cold, CFG, NOW, needs={40: 100})
+    assert sizes(woken)["spot-h100"] == 1 and "nothing new woken" not in woken[0].reason
