@@ -7,7 +7,10 @@
    pool serves ``default``, a named pool its own), each with its price, its
    workers now (live registrations, Redis read only) and its maximum (the
    config; a pool not configured: its size now), and its card (the config's
-   ``card``, else what its live workers report);
+   ``card``, else what its live workers report); a pool whose card cannot take
+   the job's ``--min-vram`` (its ``vram_gib``, else its live workers' smallest;
+   unknown memory does not qualify, ``renderfleet/cards.py``) is left out, and
+   a note says so;
 3. for every pool and kind of image, a speed (``renderfleet/speeds.py``):
    measured on that card, derived from the closest measurement, or assumed;
 4. project (:func:`project`, pure): at the pools' current and at their
@@ -25,11 +28,11 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from renderfleet import families, prompts, speeds, stages
+from renderfleet import cards, families, prompts, speeds, stages
 from renderfleet.celery_app import queue_name
 from renderfleet.spec import Prompt, RenderParams, spec_key, store_identity
 
@@ -105,6 +108,7 @@ class PoolView:
     card: str  # '' unknown
     card_from: str  # "config", "workers" or '' (unknown)
     configured: bool
+    vram_gib: float | None = None  # its card's memory (the config's vram_gib, else its live workers'); None unknown
 
 
 def pools_for(
@@ -112,9 +116,11 @@ def pools_for(
     job_pool: str,
     live: dict[str, list[str]],
     published: dict[str, float],
+    memory: Mapping[str, float | None] | None = None,
 ) -> list[PoolView]:
     """The pools that would serve a job of ``job_pool``: ``live`` maps each pool whose live workers serve
-    its queue to their cards; ``published`` is the fleet's prices (a configured price wins)."""
+    its queue to their cards, ``memory`` to their card memory (``cards.pool_vram``); ``published`` is the
+    fleet's prices (a configured price wins)."""
     names = [n for n in settings.pools if job_pool in ("default", n)]
     names += sorted(n for n in live if n not in names)
     out = []
@@ -128,14 +134,16 @@ def pools_for(
         elif cards:
             card, card_from = cards.most_common(1)[0][0], "workers"
         price = cfg.gpu_price_per_hour if cfg is not None and cfg.gpu_price_per_hour > 0 else published.get(name, 0.0)
+        vram = cfg.vram_gib if cfg is not None and cfg.vram_gib is not None else (memory or {}).get(name)
         out.append(
-            PoolView(name, price, now, max(cfg.max, now) if cfg else now, card, card_from, configured=cfg is not None)
+            PoolView(name, price, now, max(cfg.max, now) if cfg else now, card, card_from, cfg is not None, vram_gib=vram)
         )
     return out
 
 
-def live_workers(client: redis.Redis, store: Store, job_pool: str, max_age: float) -> dict[str, list[str]]:
-    """Pool -> the cards of its live workers (loaded or loading) that serve ``job_pool``'s queue (reads only)."""
+def live_workers(client: redis.Redis, store: Store, job_pool: str, max_age: float) -> dict[str, list[dict[str, Any]]]:
+    """Pool -> the registrations of its live workers (loaded or loading) that serve ``job_pool``'s queue
+    (reads only)."""
     from dispatcher.serving import live_servers
     from dispatcher.status import store_workers
 
@@ -145,11 +153,29 @@ def live_workers(client: redis.Redis, store: Store, job_pool: str, max_age: floa
         *live_servers(client, store, workers, queue, max_age),
         *live_servers(client, store, workers, queue, max_age, loading=True),
     ]
-    out: dict[str, list[str]] = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     for wid in up:
         info = workers[wid]
-        out.setdefault(str(info.get("pool", "default")), []).append(str(info.get("card") or ""))
+        out.setdefault(str(info.get("pool", "default")), []).append(info)
     return out
+
+
+def takers(pools: Sequence[PoolView], min_vram: float) -> tuple[list[PoolView], list[str]]:
+    """The ``pools`` whose card takes a job of ``min_vram`` GB (renderfleet/cards.py: unknown memory does
+    not), and a note for each left out: its workers would hand the job's messages back."""
+    kept, notes = [], []
+    for pool in pools:
+        if cards.qualifies(pool.vram_gib, min_vram):
+            kept.append(pool)
+            continue
+        have = "memory unknown" if pool.vram_gib is None else f"{pool.vram_gib:g} GiB"
+        notes.append(
+            f"pool {pool.name}: left out, its card ({pool.card or 'unknown'}, {have}) is below --min-vram "
+            f"{min_vram:g}" + ("; give it vram_gib in the config" if pool.vram_gib is None else "")
+        )
+    if pools and not kept:
+        notes.append(f"no pool here has a card of >= {min_vram:g} GB: nothing would render the job")
+    return kept, notes
 
 
 # ---- 4. the projection ------------------------------------------------------------------
@@ -313,16 +339,20 @@ def estimate_file(
     params = opts.params
     summary, groups = read_prompts(path, params)
     notes: list[str] = []
-    live: dict[str, list[str]] = {}
+    live: dict[str, list[dict[str, Any]]] = {}
     published: dict[str, float] = {}
     if client is None:
         notes.append(f"{unread.rstrip('.') or 'no Redis to read'}: no pool's workers are counted as up")
     else:
         live = live_workers(client, store, opts.pool, 2 * settings.lease_seconds)
         published = published_prices(client, store.url)
-    pools = pools_for(settings, opts.pool, live, published) or [
+    live_cards = {pool: [str(w.get("card") or "") for w in regs] for pool, regs in live.items()}
+    memory = {pool: cards.pool_vram(None, regs) for pool, regs in live.items()}
+    pools = pools_for(settings, opts.pool, live_cards, published, memory) or [
         PoolView(opts.pool, published.get(opts.pool, 0.0), 0, 0, "", "", configured=False)
     ]
+    pools, small = takers(pools, opts.min_vram)
+    notes += small
     for pool in pools:
         if not pool.configured:
             notes.append(f"pool {pool.name}: not in the config, its size now ({pool.workers_now}) taken as its maximum")

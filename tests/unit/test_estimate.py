@@ -122,3 +122,39 @@ def test_an_estimate_without_redis_writes_nothing_and_says_what_it_assumed(tmp_p
     data = est.to_dict()
     assert data["submitted"] is False and data["assumed"] == ["spot"] and data["pools"][0]["cost_per_image"] > 0
     assert data["job"].startswith("j-") and spec.job_id_problem(data["job"]) is None
+
+
+def test_pools_whose_card_cannot_take_the_jobs_min_vram_are_left_out_and_the_notes_say_so(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(10)))
+    settings = Settings(
+        pools={
+            "big": PoolConfig(kind="spot", price_per_hour=3.0, max=2, card="NVIDIA H100 80GB HBM3", vram_gib=79.6),
+            "small": PoolConfig(kind="spot", price_per_hour=0.8, max=4, card="NVIDIA L4", vram_gib=22.5),
+            "anycard": PoolConfig(kind="spot", price_per_hour=0.5, max=4),
+        }
+    )
+    params = RenderParams(model="tiny", steps=30, width=512, height=512)
+
+    def estimate(min_vram: float):
+        opts = SubmitOptions(params, shard_size=4, min_vram=min_vram)
+        return estimate_file(str(path), opts, settings=settings, store=store, client=None, family=families.SD)
+
+    assert [p.pool for p in estimate(0).pools] == ["big", "small", "anycard"]
+    est = estimate(40)
+    assert [p.pool for p in est.pools] == ["big"]
+    assert "pool small: left out, its card (NVIDIA L4, 22.5 GiB) is below --min-vram 40" in est.notes
+    assert (
+        "pool anycard: left out, its card (unknown, memory unknown) is below --min-vram 40; give it vram_gib in the config"
+        in est.notes
+    )
+    assert est.at_max.workers == 2 and "note: pool small: left out" in text(est)
+    none = estimate(96)
+    assert none.pools == [] and none.at_max.wall_seconds is None
+    assert "no pool here has a card of >= 96 GB: nothing would render the job" in none.notes
+    assert "nothing would render the job" in text(none)
+    # A pool without vram_gib in the config takes its live workers' word: the smallest (renderfleet/cards.py).
+    live = {"anycard": ["NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"]}
+    [*_, anycard] = pools_for(settings, "default", live, {}, {"anycard": 39.4})
+    assert anycard.vram_gib == 39.4 and anycard.card == "NVIDIA A100-SXM4-80GB"
