@@ -51,6 +51,7 @@ from dispatcher.status import (
     publish_prices,
     published_prices,
 )
+from renderfleet import budget as budgets
 from renderfleet import celery_app, keys
 from renderfleet.celery_app import is_store_queue
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
@@ -88,6 +89,7 @@ class Monitor:
         self.finished_turn = -1  # the finished job the slow audit checked last, by its place in the list
         self.events, self.courier = self._events()
         self.prices: dict[str, float] = {}  # the fleet's published prices, read each pass (an event's cost)
+        self.budget_saved: dict[str, float] = {}  # each budgeted job's spend as the store's record last has it
 
     def _events(self) -> tuple[EventLog, Courier | None]:
         """The job events' log, and its courier when the config names the secret to sign with
@@ -114,6 +116,27 @@ class Monitor:
             raise  # the monitor's loop waits for Redis
         except Exception:  # one job's malformed events must not stop the monitor for every job
             log.exception("monitor: the events of job %s not observed this pass", job_state.job)
+
+    def keep_budget(self, job_state: JobStatus) -> None:
+        """The store's record of a budgeted job's spend brought up to date (``renderfleet/budget.py``): when
+        it stops at its budget, else once it has spent a tenth of it more; what a Redis that loses its memory
+        takes it back with.  Never a write on a worker's path: the monitor's, at most ten a cap."""
+        if job_state.budget is None or not job_state.known_to_redis or job_state.finished:
+            return  # a finished job spends no more
+        job = job_state.job
+        gpu = job_state.gpu_seconds.items()
+        spent = job_state.budget_carried + sum(s * self.prices.get(pool, 0.0) / 3600 for pool, s in gpu)
+        # Past the mark's count once stopped: the batches in flight then were committed after it.
+        spent = max(spent, job_state.budget_spent or 0.0)
+        reached = job_state.budget_reached
+        if not budgets.record_due(job_state.budget, spent, reached is not None, self.budget_saved.get(job)):
+            return
+        try:
+            budgets.save(self.store, job, budgets.Record(job_state.budget, spent, reached))
+        except (StoreError, OSError) as exc:  # tried again next pass
+            log.warning("job %s: its budget record not written: %s", job, exc)
+            return
+        self.budget_saved[job] = spent
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
@@ -154,6 +177,7 @@ class Monitor:
             if job_state.finished and job_state.known_to_redis:
                 finished.append((job, job_state.done))
             self.observe_events(job_state)
+            self.keep_budget(job_state)
             # A cancelled job has nothing queued or running on purpose: never resumed for that.
             stalled = (
                 not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 and job_state.cancelled is None

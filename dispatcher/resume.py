@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,7 +177,9 @@ def resume(
     read (``results`` lists them without reading the file a second time).
     ``budget`` (the user's ``resume --budget``): the job's new cap, which continues a job stopped
     at its budget (its spend counted at ``prices``: the caller's, the config's over those the fleet
-    published); a job so stopped is not continued without one (``renderfleet/budget.py``).
+    published); a job so stopped is not continued without one (``renderfleet/budget.py``).  A job
+    this Redis lost gets its cap back from the store's record, with the spend it records carried
+    (``budgets.restore``): one whose record shows the cap spent comes back stopped at its budget.
 
     Shards go back as pending references for the feeder (a shard pending already is
     left as it is, so a resume never adds a second copy); ``front`` and ``lost`` push
@@ -197,10 +200,20 @@ def resume(
     recorded = keys.text(client.hget(keys.job(job), "queue"))  # not one of this store's: an older version's name
     queue = queue or (recorded if is_store_queue(recorded, owner) else queue_name(job_spec.pool, owner))
     known = bool(client.exists(keys.job(job)))
+    # A Redis that lost the job lost its cap and its spend: the store's record has both (renderfleet/budget.py).
+    record = None if known else budgets.load(store, job)
+    if record is not None and budget is None and uncancel and budgets.spent_already(record):
+        raise InputError(
+            [
+                f"--budget: job {job} stopped at its budget of {record.budget:g}, having spent {record.spent:.4g}: "
+                f"`renderfleet resume {job} --budget USD` with more continues it"
+            ]
+        )
     if budget is not None:
         if why := budgets.unpriced_problem(budget, job_spec.pool, prices or {}):
             raise InputError([why])
-        budgets.raise_budget(client, job, budget, prices or {})
+        spent = budgets.raise_budget(client, job, budget, prices or {}, record.spent if record else None)
+        budgets.save(store, job, budgets.Record(budget, spent))
     elif uncancel:
         budgets.check_resumable(client, job)
     # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
@@ -217,6 +230,8 @@ def resume(
     priority = int(was_priority) if priority is None and was_priority else priority
     share = int(was_share) if share is None and was_share else share
     enqueue.register_job(client, job_spec, queue, owner, stored=True)
+    if record is not None and budget is None and budgets.restore(client, job, record, str(int(time.time()))):
+        held = held or keys.text(client.hget(keys.job(job), "cancelled"))  # spent already: back as stopped there
     if not known and images:
         # Redis lost the job's account (its GPU time by pool) with its memory: the render time of the
         # images stored so far is unknown, and status shows no cost rather than one that counts them free.

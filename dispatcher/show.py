@@ -173,6 +173,8 @@ def budget_line(j: JobStatus, shown: str) -> Text:
     how to raise it once the job stopped there."""
     spent = "-" if j.cost is None else f"{money(j.cost)} ({j.cost / j.budget:.0%})" if j.budget else money(j.cost)
     line = f"job {shown}: budget {money(j.budget)}, spent {spent}, projected {money(j.projected_cost)} at its rate"
+    if j.budget_carried:  # a Redis lost the job: its spend before counts against the budget, beside the cost since
+        line += f"; {money(j.budget_carried)} spent before Redis lost the job counts too"
     if j.state == "budget":
         return Text(f"{line}; stopped at its budget: renderfleet resume {shown} --budget USD raises it", style="yellow")
     return Text(line)

@@ -109,6 +109,9 @@ class JobStatus:
     budget: float | None = None
     budget_reached: float | None = None
     budget_spent: float | None = None
+    # Its spend before this Redis took it back having lost it (the store's record: renderfleet/budget.py),
+    # counted against its budget with what ``cost`` counts since; 0 for a job Redis never lost.
+    budget_carried: float = 0.0
     # Its whole cost at the rate so far (cost / done x total: ``renderfleet.budget.projected``).
     projected_cost: float | None = None
     # Where its workers' time went (worker/gputime.py), seconds by use over its pools: kept, lost (exact:
@@ -419,7 +422,7 @@ def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> 
 
 
 def _read_body(pipe: Any, job: str) -> None:
-    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name", budget.BUDGET, budget.REACHED, budget.SPENT)
+    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name", budget.CARRIED, *budget.FIELDS)
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
     pipe.hgetall(keys.job_stats(job))
@@ -489,7 +492,7 @@ def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted, failure, name, *capped), states, left, stats, progress, attempts = body
+    (spec_json, unaccounted, failure, name, carried, *capped), states, left, stats, progress, attempts = body
     if (
         (total is not None or deleted is not None)
         and store is not None
@@ -585,6 +588,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     result.budget, result.budget_reached, result.budget_spent = (
         _money_field(raw, f"{keys.job(job)} {field}") for raw, field in zip(capped, budget.FIELDS, strict=True)
     )
+    result.budget_carried = _money_field(carried, f"{keys.job(job)} {budget.CARRIED}") or 0.0
     if result.state == "failed":
         result.eta_seconds = None  # no rate will finish it
     return result

@@ -389,6 +389,7 @@ def submit(
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     if opts.budget is not None:
         budget.set_budget(client, job, opts.budget)  # before any shard is fed: its first batch is checked
+        budget.save(store, job, budget.Record(opts.budget, 0.0))  # and kept where a Redis that loses its memory finds it
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
     # feeder takes the job only once its wire file is stored (a worker reads its shards there).
     with (

@@ -16,26 +16,40 @@ after its budget is reached, so a job overshoots by at most the batch each worke
 ``resume --budget USD`` raises the cap (:func:`raise_budget`) and continues the job; a plain
 ``resume`` of a job stopped at its budget is refused (it would stop again at the next batch).
 
+The cap is kept in the store too (``spec.budget_key``: the budget and the job's spend last known), written
+at submit and by ``resume --budget`` and brought up to date by the monitor (at most every tenth of the
+budget, and when the job stops at it): a Redis that lost its memory loses the job's GPU time with it, so
+the resume that registers the job again (:func:`restore`) sets its cap and carries that spend
+(``budget_carried``, counted by ``fence.lua`` with the GPU time counted since).  What the job spent after
+the record was last written is lost with Redis: it may spend that again (docs/pools.md, "Budgets").
+
 Here, below both sides: the worker stops a job, the dispatcher raises its cap and shows it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import time
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import redis
 
-from renderfleet import keys
+from renderfleet import keys, spec
 from renderfleet.errors import InputError
 from renderfleet.jobfailure import cancel_call
 from renderfleet.leases import lua_script
+from renderfleet.store import Store
+
+log = logging.getLogger("renderfleet.budget")
 
 BUDGET = "budget"  # keys.job: the most the job may spend, in the pools' currency
 REACHED = "budget_reached"  # keys.job: unix time its spend reached the budget (fence.lua)
 SPENT = "budget_spent"  # keys.job: its spend when the mark was set
 FIELDS = (BUDGET, REACHED, SPENT)  # in this order wherever they are read together
+CARRIED = "budget_carried"  # keys.job: its spend before this Redis took it back (the store's record), counted too
 RENDER_MS = "render_ms."  # the job's GPU-ms of one pool: keys.job_stats field render_ms.<pool>
 
 
@@ -105,26 +119,33 @@ def set_budget(client: redis.Redis, job: str, budget: float) -> None:
     client.hset(keys.job(job), BUDGET, f"{budget:.6f}")
 
 
-def raise_budget(client: redis.Redis, job: str, budget: float, prices: Mapping[str, float]) -> None:
+def raise_budget(
+    client: redis.Redis, job: str, budget: float, prices: Mapping[str, float], carried: float | None = None
+) -> float:
     """``resume --budget``: the job's cap set to ``budget``, its mark and its cancel cleared (in one
     transaction) when it had stopped at its budget.  InputError, naming ``--budget``, when the job
-    has spent that much already (it would stop again at its next batch)."""
+    has spent that much already (it would stop again at its next batch).  ``carried``: its spend
+    before this Redis took it back (the store's record, for a job Redis lost; else the hash's
+    ``budget_carried``).  Returns its spend now."""
     if why := budget_problem(budget):
         raise InputError([f"--budget: {why}"])
     stats = {keys.text(k): int(v) for k, v in client.hgetall(keys.job_stats(job)).items()}
-    spent = spend(stats, prices)
+    if carried is None:
+        carried = _number(client.hget(keys.job(job), CARRIED)) or 0.0
+    spent = spend(stats, prices) + carried
     if spent >= budget:
         raise InputError(
             [f"--budget {budget:g}: job {job} has spent {spent:.4g} already: give a budget above what it has spent"]
         )
     _, reached, _ = mark(client, job)
     with client.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.job(job), BUDGET, f"{budget:.6f}")
+        pipe.hset(keys.job(job), mapping={BUDGET: f"{budget:.6f}", CARRIED: f"{carried:.6f}"})
         if reached is not None:
             # Stopped by its budget alone: continued like a cancelled job (a cancel of the user's own,
             # had there been one, is cleared by the resume that called this, as for any resume).
             pipe.hdel(keys.job(job), REACHED, SPENT, "cancelled")
         pipe.execute()
+    return spent
 
 
 def check_resumable(client: redis.Redis, job: str) -> None:
@@ -139,3 +160,65 @@ def check_resumable(client: redis.Redis, job: str) -> None:
             f"`renderfleet resume {job} --budget USD` with more continues it"
         ]
     )
+
+
+# ---- the store's record ----------------------------------------------------------------------
+
+
+class Record(NamedTuple):
+    """The store's record of a job's budget (``spec.budget_key``)."""
+
+    budget: float
+    spent: float  # its spend last known, over all its Redis lives
+    reached: float | None = None  # when it stopped at this budget (unix time), None while it has not
+
+
+def save(store: Store, job: str, record: Record) -> None:
+    """The job's budget and its spend so far in the store (``spec.budget_key``)."""
+    data = {"job": job, "budget": round(record.budget, 6), "spent": round(record.spent, 6), "reached": record.reached}
+    store.put(spec.budget_key(job), json.dumps(data).encode(), content_type="application/json")
+
+
+def load(store: Store, job: str) -> Record | None:
+    """The store's record of the job's budget; None without one.  A record that cannot be read is
+    logged and taken as none: the job runs without a cap rather than not at all."""
+    data = store.get(spec.budget_key(job))
+    if data is None:
+        return None
+    where = spec.budget_key(job)
+    try:
+        raw = json.loads(data)
+        record = Record(float(raw["budget"]), float(raw.get("spent") or 0), _number(raw.get("reached") or ""))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("%s: not a budget record (%s): job %s taken back without its cap", where, exc, job)
+        return None
+    if budget_problem(record.budget) or not math.isfinite(record.spent) or record.spent < 0:
+        log.warning("%s: %s: job %s taken back without its cap", where, record, job)
+        return None
+    return record
+
+
+def spent_already(record: Record) -> bool:
+    """Whether the record says the job stopped at its budget (or spent it): it comes back stopped there."""
+    return record.reached is not None or record.spent >= record.budget
+
+
+def restore(client: redis.Redis, job: str, record: Record, at: str) -> bool:
+    """A job registered again by a Redis that lost it (``dispatcher/resume.py``): its cap set again from the
+    store's ``record`` and its spend then carried (``fence.lua`` counts it with what comes).  A record that
+    says the cap is spent marks the job as the fence check would (reached at ``at``, cancelled): True then."""
+    cap, carried = f"{record.budget:.6f}", f"{record.spent:.6f}"
+    if spent_already(record):
+        client.hset(keys.job(job), mapping={BUDGET: cap, CARRIED: carried, REACHED: at, SPENT: carried, "cancelled": at})
+        return True
+    client.hset(keys.job(job), mapping={BUDGET: cap, CARRIED: carried})
+    return False
+
+
+def record_due(budget: float, spent: float, reached: bool, last: float | None) -> bool:
+    """Whether the monitor writes the store's record now (``spent``: the job's whole spend): on its first
+    sight of the job, when the job stops at its budget, and once the spend has grown by a tenth of the budget
+    since the last write: a Redis lost in between loses at most that tenth of the count."""
+    if last is None:
+        return True
+    return (reached and spent != last) or spent - last >= budget / 10

@@ -65,7 +65,9 @@ def job(job_id: str) -> str:
     segments (a job whose stages run on pools of their own: the queues of its segments past the first, by
     ``,``; each segment's envelope template in ``feed:<n>``),
     budget_reached (unix time its spend reached it: set by ``renderfleet/lua/fence.lua`` with ``cancelled``,
-    so the job stops as a cancel stops it), budget_spent (its spend then; ``renderfleet/budget.py``) and
+    so the job stops as a cancel stops it), budget_spent (its spend then; ``renderfleet/budget.py``),
+    budget_carried (its spend before a Redis that lost it took it back, from the store's
+    ``spec.budget_key`` record: counted by ``fence.lua`` with the GPU time since) and
     min_vram (the least card memory in GB a worker must have to take its shards, "0" for any:
     ``submit --min-vram``, ``renderfleet/cards.py``).
 

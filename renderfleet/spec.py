@@ -1043,6 +1043,12 @@ def cancelled_key(job: str) -> str:
     return f"jobs/{job}/cancelled.json"
 
 
+def budget_key(job: str) -> str:
+    """The job's budget and its spend last known (``renderfleet/budget.py``): a Redis that lost its
+    memory takes the job back with its cap (``dispatcher/resume.py``)."""
+    return f"jobs/{job}/budget.json"
+
+
 def events_prefix(job: str) -> str:
     """Where the job's events wait until they are delivered (dispatcher/events.py): one object each."""
     return f"jobs/{job}/events/"

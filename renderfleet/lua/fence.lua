@@ -12,7 +12,8 @@
 -- budget: the worker renders its next batch while this one commits (docs/design.md, "Invariants"),
 -- so that batch is being spent already.  Checked only when counters are sent (a batch's): a job
 -- without a budget pays one HMGET more a batch, inside the script; one with a budget two HGETALLs of
--- small hashes (its few counters, the pools' prices).
+-- small hashes (its few counters, the pools' prices).  A job a Redis that lost its memory took back
+-- carries its spend before (budget_carried, from the store's record: renderfleet/budget.py), counted too.
 --
 -- KEYS[1] job, KEYS[2] attempts, KEYS[3] the job's stats (keys.job_stats), KEYS[4] its progress list,
 -- KEYS[5] its stage figures (keys.job_stages), KEYS[6] the prices of its store's pools (keys.prices)
@@ -46,7 +47,7 @@ end
 if stage_from == 7 then
   return 1  -- nothing counted: no spend to check
 end
-local b = redis.call('HMGET', job, 'budget', 'budget_reached')
+local b = redis.call('HMGET', job, 'budget', 'budget_reached', 'budget_carried')
 if b[2] then
   return 2
 end
@@ -66,7 +67,7 @@ local function cost(field, ms)
   end
   return (tonumber(ms) or 0) * (per_ms[string.sub(field, 11)] or 0)
 end
-local spent, batch = 0, 0
+local spent, batch = tonumber(b[3] or '') or 0, 0
 local s = redis.call('HGETALL', stats)
 for i = 1, #s, 2 do
   spent = spent + cost(s[i], s[i + 1])

@@ -1,6 +1,7 @@
 """A job's budget on a fleet of two bench workers and a priced pool (renderfleet/budget.py): the job stops
 within one batch per worker of its cap, shows ``budget`` with what it spent, a plain resume is refused,
 and ``resume --budget`` with more takes it to the end.  A budget on a pool with no price is refused at submit.
+A budget outlives a Redis that lost its memory: the store's record brings it back with the spend it recorded.
 
 The workers serve a bench model (``testing.fleet.bench_worker``: a fixed time per image, no torch): the
 spend is GPU time by pool times the pool's price, whatever renders the images.
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from dispatcher.autoscale import Autoscaler, PublishedBackend, Tick
-from renderfleet import keys, redisconn
+from dispatcher.monitor import Monitor
+from renderfleet import budget, keys, redisconn
 from renderfleet.budget import raise_budget
+from renderfleet.celery_app import make_app
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import InputError
 from renderfleet.settings import load_settings
@@ -97,6 +100,63 @@ def test_a_budget_stops_the_job_within_a_batch_per_worker_and_a_raised_one_finis
             w.kill()
     assert final["state"] == "finished" and final["done"] == 48 and final["budget"] == pytest.approx(1.0)
     assert final["budget_reached"] is None and final["cost"] == pytest.approx(final["projected_cost"])
+
+
+def test_a_budget_outlives_a_redis_that_lost_its_memory_with_the_spend_its_record_kept(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """Submit writes the budget to the store too; a Redis flushed, the resume that registers the job again
+    sets its cap and carries the spend the record kept, so the job stops at what its budget leaves; the
+    monitor records the spend at the stop, and after a second loss its pass brings the job back stopped
+    there (a plain resume refused) until ``resume --budget`` raises the cap."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"[pools.default]\nprice_per_hour = {PRICE}\nmax = 1\n")
+    store_url = str(tmp_path / "store")
+    env = base_env(tmp_path, redis_server.url, store_url, RENDERFLEET_CONFIG=str(config), **bench_worker(SECONDS_PER_IMAGE))
+    prompts = write_prompts(tmp_path / "p.txt", 16)
+    job_args = [*bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", str(BATCH)]
+    job = cli(env, "submit", str(prompts), *job_args, "--budget", str(BUDGET)).stdout.split()[-1]
+    store, client = open_store(store_url), redisconn.client(redis_server.url)
+    assert budget.load(store, job) == (pytest.approx(BUDGET), 0.0, None)
+    carried = 0.0016  # the spend the monitor recorded before the loss (Monitor.keep_budget): 4 batches
+    budget.save(store, job, budget.Record(BUDGET, carried))
+
+    client.flushall()
+    cli(env, "resume", job)  # registers the job again: its cap and the spend recorded come back with it
+    back = job_status(env, job)
+    assert back["budget"] == pytest.approx(BUDGET) and back["budget_carried"] == pytest.approx(carried)
+    assert back["state"] != "budget" and back["queued"] == 16
+
+    worker = WorkerProc(env, tmp_path / "w.log")
+    try:
+        wait_for(lambda: status_now(env, job)["state"] == "budget", 60, interval=0.1, what="the budget")
+        wait_for(lambda: status_now(env, job)["in_flight"] == 0, 30, interval=0.1, what="the running shard to stop")
+    finally:
+        worker.kill()
+    held = job_status(env, job)
+    per_batch = held["cost_per_image"] * BATCH  # as measured: a batch's GPU time is a little over its images'
+    # Its spend since the loss stops at what the budget leaves (within the batch in flight); the mark counts both.
+    assert BUDGET - carried - per_batch <= held["cost"] <= BUDGET - carried + per_batch, (held["cost"], per_batch)
+    assert held["budget_spent"] >= carried and held["done"] < 16
+    assert f"{carried:.4g} spent before Redis lost the job" in cli({**env, "COLUMNS": "200"}, "status", job).stdout
+
+    settings = load_settings(config=str(config), redis_url=redis_server.url, store=store_url)
+    Monitor(settings, make_app(redis_server.url), client, store).tick()  # records the spend at the stop
+    spent = carried + held["cost"]  # the mark's count and the batch in flight then
+    assert budget.load(store, job) == (pytest.approx(BUDGET), pytest.approx(spent), held["budget_reached"])
+
+    client.flushall()
+    plain = cli(env, "resume", job, check=False)  # its record says the cap is spent
+    assert plain.returncode == 2 and f"--budget: job {job} stopped at its budget" in plain.stderr
+    assert "Traceback" not in plain.stderr
+    Monitor(settings, make_app(redis_server.url), client, store).tick()  # its adopt: back, stopped at its budget
+    again = job_status(env, job)
+    assert again["state"] == "budget" and again["queued"] == 0 and again["budget"] == pytest.approx(BUDGET)
+    cli(env, "resume", job, "--budget", "1")
+    raised = job_status(env, job)
+    assert raised["state"] != "budget" and raised["budget"] == pytest.approx(1.0) and raised["queued"] > 0
+    assert raised["budget_carried"] == pytest.approx(spent)
+    assert budget.load(store, job) == (pytest.approx(1.0), pytest.approx(spent), None)
 
 
 def test_a_pool_at_its_monthly_budget_is_sized_to_zero_by_the_autoscaler(

@@ -12,9 +12,11 @@ from rich.console import Console
 from dispatcher.policy import PoolState, decide
 from dispatcher.show import render_status
 from dispatcher.status import FleetStatus, JobStatus, price
-from renderfleet.budget import budget_problem, projected, spend, unpriced_problem
+from renderfleet import spec
+from renderfleet.budget import Record, budget_problem, load, projected, record_due, save, spend, unpriced_problem
 from renderfleet.errors import ConfigError
 from renderfleet.settings import AutoscaleConfig, PoolConfig, load_settings
+from renderfleet.store import open_store
 
 CFG = AutoscaleConfig(drain_seconds=600, cooldown_seconds=120, cold_start_seconds=60, scale_in_margin=0.7)
 BASE = PoolState("baseline", PoolConfig(kind="on-demand", price_per_hour=2.0, min=1, max=4), current=1, ready=1)
@@ -87,3 +89,32 @@ def test_rule_8_a_pool_at_its_monthly_budget_goes_to_zero_and_the_backlog_to_the
     # no cool-down, no min and no backlog keep a capped pool up
     held = replace(SPOT, month_spend=600.0, last_change=NOW - 1, config=SPOT.config.model_copy(update={"min": 2}))
     assert {d.pool: d.desired for d in decide(0, [BASE, held], CFG, NOW)}["spot"] == 0
+
+
+def test_the_stores_budget_record_reads_back_and_a_bad_one_is_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = open_store(str(tmp_path / "store"))
+    assert load(store, "j-1") is None
+    save(store, "j-1", Record(2.5, 1.25, 1_800_000_000.0))
+    assert load(store, "j-1") == Record(2.5, 1.25, 1_800_000_000.0)
+    save(store, "j-1", Record(2.5, 0.0))
+    assert load(store, "j-1") == Record(2.5, 0.0, None)
+    for bad in (b"{not json", b"[]", b'{"budget": -1}', b'{"budget": 3, "spent": "x"}', b'{"budget": 3, "spent": -2}'):
+        store.put(spec.budget_key("j-1"), bad)
+        assert load(store, "j-1") is None, bad
+    assert "taken back without its cap" in caplog.text and spec.budget_key("j-1") in caplog.text
+
+
+def test_the_monitor_writes_the_record_at_the_stop_and_every_tenth_of_the_budget() -> None:
+    assert record_due(10.0, 0.0, False, None)  # first sight
+    assert not record_due(10.0, 0.9, False, 0.0) and record_due(10.0, 1.0, False, 0.0)
+    assert record_due(10.0, 9.95, True, 9.5) and not record_due(10.0, 9.95, True, 9.95)  # stopped: once
+
+
+def test_a_spend_carried_over_a_lost_redis_shows_on_the_budget_line() -> None:
+    job = JobStatus("j-0123456789abcdef", 40, 10, 0, 30, 0, 5, 4, 0, True, gpu_seconds={"default": 500.0})
+    job.budget, job.budget_carried = 2.0, 0.75
+    price(job, {"default": 3.6})
+    console = Console(width=200, record=True, color_system=None)
+    console.print(render_status(FleetStatus(jobs=[job], prices={"default": 3.6}), console))
+    assert "0.75 spent before Redis lost the job counts too" in console.export_text()
+    assert job.to_dict()["budget_carried"] == 0.75
