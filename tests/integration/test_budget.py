@@ -81,6 +81,10 @@ def test_a_budget_stops_the_job_within_a_batch_per_worker_and_a_raised_one_finis
         spent, per_batch = held["cost"], held["cost_per_image"] * BATCH
         assert held["budget"] == pytest.approx(BUDGET) and held["budget_reached"] >= stopped["budget_reached"]
         # Within one batch per worker of its cap, and not far short of it (the mark counts the batch in flight).
+        print(
+            f"budget {BUDGET:g}: spent {spent:.6f} when stopped, a batch {per_batch:.6f}, "
+            f"bound {BUDGET + WORKERS * per_batch:.6f}"
+        )
         assert BUDGET - per_batch <= spent <= BUDGET + WORKERS * per_batch, (spent, per_batch)
         assert held["projected_cost"] == pytest.approx(spent / held["done"] * 48)
         assert all(w.proc.poll() is None for w in workers)  # the job's stop, not the workers'

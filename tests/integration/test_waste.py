@@ -62,6 +62,7 @@ def test_a_workers_time_by_use_adds_up_to_its_wall_time(tmp_path: Path, redis_se
     # Every second of its life in one use, counted once: within 2 % of its wall time from its own start
     # (its process's, read from /proc) to its last write, on the wall clock...
     life = float(stats["up_until"]) - float(stats["up_since"])
+    print(f"counted {sum(spent.values()):.3f} s of a {life:.3f} s life ({sum(spent.values()) / life - 1:+.2%}): {spent}")
     assert sum(spent.values()) == pytest.approx(life, rel=0.02), (spent, life)
     # ...which is this test's view of it less the process's exec and its interpreter's exit (0.2-0.4 s on an idle machine).
     assert 0 < wall - life < 3.0, (wall, life)
