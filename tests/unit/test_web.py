@@ -337,3 +337,21 @@ def test_the_page_shows_a_mixed_fleets_cards_with_images_per_minute_and_cost_per
     page = _call(make_app(lambda: fleet, {}, None), "/")[2].decode()
     assert '<table class="cards">' in page and "<td>NVIDIA L4</td><td>22.5</td>" in page
     assert "<td>150</td><td>$0.333</td>" in page.replace("\n", ""), page  # per worker a minute; per 1,000 images
+
+
+def test_event_streams_beyond_the_cap_are_told_to_come_back_not_given_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each open stream holds a thread of the server's pool while it waits on Redis: past the cap a new one
+    # gets 503 with Retry-After before anything is read (the client below is never connected).
+    import redis
+
+    import dispatcher.web as web
+    from renderfleet.store import LocalStore
+
+    monkeypatch.setattr(web, "EVENTS_STREAMS_MAX", 0)
+    app = web.make_app(
+        lambda: FleetStatus(queues={}, jobs=[], store="/x"), {}, None, client=redis.Redis(port=1), store=LocalStore(tmp_path)
+    )
+    status, headers, body = _call(app, "/events")
+    assert status == 503 and headers.get("retry-after") == "5" and b"event streams are open" in body
