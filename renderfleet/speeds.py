@@ -250,7 +250,7 @@ def work(width: int, height: int, steps: int, job_stages: Sequence[Stage] = ()) 
     A refine runs its denoised steps at the image's size then; a diffusion x4
     upscaler is counted at its output's size (its latents are the input's
     pixels: sixteen times a generate's at that size, for a smaller network);
-    a Lanczos resize costs nothing beside them.
+    a GAN upscaler is one pass at its output's size; a Lanczos resize costs nothing beside them.
     """
     total = width * height * steps / 1e6
     w, h = width, height
@@ -258,7 +258,7 @@ def work(width: int, height: int, steps: int, job_stages: Sequence[Stage] = ()) 
         if stage.kind == stages.UPSCALE:
             w, h = w * stage.factor, h * stage.factor
             if stage.model:
-                total += w * h * stage.steps / 1e6
+                total += w * h * (1 if stages.is_gan_upscaler(stage.model) else stage.steps) / 1e6
         else:
             total += w * h * stages.denoised_steps(stage) / 1e6
     return total

@@ -6,7 +6,10 @@ A job generates each prompt's image from text, then may pass it through up to
 * **upscale** by a ``factor`` of 2 or 4: a plain Lanczos resize (``model`` ''),
   or a diffusion x4 upscaler (``StableDiffusionUpscalePipeline``: the built-in
   ``tiny-x4-upscaler``, a folder, an ``s3://`` prefix or a hub id), which
-  denoises the image at four times its size guided by the prompt;
+  denoises the image at four times its size guided by the prompt; or a GAN
+  upscaler (ESRGAN's RRDBNet, Real-ESRGAN's weights: a ``.safetensors`` file on
+  the worker, or the built-in ``tiny-esrgan``), one pass, no prompt, no steps,
+  its factor the model's own (:func:`is_gan_upscaler`);
 * **refine**: image to image at a ``strength`` (0 < s <= 1: how much of the
   schedule is run again; A1111's hires fix, SDXL's refiner), with the job's own
   model at the image's size now (``model`` '') or another one (the built-in
@@ -56,7 +59,12 @@ SELF = "self"  # the CLI's spelling of "the job's own model" in --refine ('' in 
 # they render no image from text, so they are not among the job models (renderfleet/families.py).
 TINY_X4_UPSCALER = "tiny-x4-upscaler"
 TINY_SDXL_REFINER = "tiny-sdxl-refiner"
-STAGE_TINY_MODELS = (TINY_X4_UPSCALER, TINY_SDXL_REFINER)
+TINY_ESRGAN = "tiny-esrgan"  # worker/models/esrgan.py: a random-weight x4 RRDBNet, saved as safetensors
+STAGE_TINY_MODELS = (TINY_X4_UPSCALER, TINY_SDXL_REFINER, TINY_ESRGAN)
+TINY_ESRGAN_FACTOR = 4
+# A GAN upscaler's weights are read from safetensors only; these are pickles (loading one may run code).
+GAN_SUFFIX = ".safetensors"
+PICKLE_SUFFIXES = (".pth", ".pt", ".ckpt", ".pkl", ".pickle", ".bin")
 
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _POOL_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")  # settings._POOL_RE's rule (a queue's name holds it)
@@ -70,7 +78,8 @@ class Stage:
     stage has one spelling (and a job one id)."""
 
     kind: str  # UPSCALE or REFINE
-    # upscale: '' a Lanczos resize, else a diffusion x4 upscaler; refine: '' the job's own model, else another
+    # upscale: '' a Lanczos resize, else a diffusion x4 upscaler or a GAN upscaler (is_gan_upscaler);
+    # refine: '' the job's own model, else another
     model: str = ""
     factor: int = 1  # upscale: 2 or 4 (a diffusion upscaler: 4); a refine keeps the size (1)
     strength: float = DEFAULT_STRENGTH  # refine: how much of the schedule is run again, 0 < s <= 1
@@ -78,6 +87,12 @@ class Stage:
     # Where the stage runs: '' on the job's own pool (the worker that generated the image, models warm),
     # else a pool of its own (``bigvram``): the job is cut into segments there (:func:`segments`).
     pool: str = ""
+
+
+def is_gan_upscaler(model: str) -> bool:
+    """Whether an upscale stage's ``model`` is a GAN upscaler (an RRDBNet in a ``.safetensors`` file,
+    or the built-in ``tiny-esrgan``), not a diffusion pipeline: the one place that tells them apart."""
+    return model == TINY_ESRGAN or model.lower().endswith(GAN_SUFFIX)
 
 
 def stage_seed(seed: int, index: int) -> int:
@@ -135,7 +150,8 @@ def hands_latents(maker: Stage | None, taker: Stage | None, maker_family: str, t
 
 def parse_upscale(text: str, flag: str = FLAGS[UPSCALE]) -> Stage:
     """``FACTOR[:MODEL[:STEPS]][@POOL]``: ``2`` (Lanczos), ``4:tiny-x4-upscaler``, ``4:/models/x4:30``,
-    ``4:tiny-x4-upscaler@bigvram`` (the stage on a pool of its own: :func:`split_pool`).
+    ``4:tiny-x4-upscaler@bigvram`` (the stage on a pool of its own: :func:`split_pool`); a GAN upscaler
+    takes no steps: ``4:tiny-esrgan``, ``4:/models/RealESRGAN_x4plus.safetensors``.
 
     :class:`InputError` with one line naming ``flag`` and the value for a form that is not one,
     or a stage :func:`stage_problem` refuses."""
@@ -147,6 +163,8 @@ def parse_upscale(text: str, flag: str = FLAGS[UPSCALE]) -> Stage:
     _check_model_text(flag, text, model, "FACTOR[:MODEL[:STEPS]]")
     if steps_text is not None and not model:
         raise InputError([f"{flag} {text!r}: steps are a diffusion upscaler's; a Lanczos resize has none"])
+    if steps_text is not None and is_gan_upscaler(model):
+        raise InputError([f"{flag} {text!r}: steps are a diffusion upscaler's; a GAN upscaler runs once, give FACTOR:MODEL"])
     steps = DEFAULT_STEPS if steps_text is None else _parse_steps(flag, text, steps_text)
     return _checked(flag, text, Stage(UPSCALE, model=model, factor=int(factor_text), steps=steps, pool=pool))
 
@@ -228,8 +246,13 @@ def stage_problem(stage: Stage) -> str | None:
     if stage.kind == UPSCALE:
         if stage.factor not in UPSCALE_FACTORS:
             return f"factor must be 2 or 4, got {stage.factor}"
-        if stage.model and stage.factor != DIFFUSION_UPSCALE_FACTOR:
+        gan = is_gan_upscaler(stage.model)
+        if stage.model == TINY_ESRGAN and stage.factor != TINY_ESRGAN_FACTOR:
+            return f"factor {stage.factor}: {TINY_ESRGAN} upscales x{TINY_ESRGAN_FACTOR} only"
+        if stage.model and not gan and stage.factor != DIFFUSION_UPSCALE_FACTOR:
             return f"factor {stage.factor}: a diffusion upscaler ({stage.model[:200]}) upscales x4 only"
+        if gan and stage.steps != DEFAULT_STEPS:
+            return f"steps are a diffusion upscaler's; a GAN upscaler ({stage.model[:200]}) runs once and has none"
         if stage.strength != DEFAULT_STRENGTH:
             return "strength is a refine's; an upscale takes none"
         if not stage.model and stage.steps != DEFAULT_STEPS:
@@ -257,9 +280,14 @@ def _model_problem(stage: Stage) -> str | None:
         return f"model {stage.model[:100]!r}: the fixed-time bench renderer renders no stage"
     if stage.model == SELF:
         return f"model {SELF!r} is the CLI's spelling of the job's own model; a stage writes ''"
+    if stage.model.lower().endswith(PICKLE_SUFFIXES):
+        return (
+            f"model {stage.model[:200]!r} is a pickle, which may run code when loaded: never loaded; "
+            f"give its weights as a {GAN_SUFFIX} file"
+        )
     if stage.kind == UPSCALE and stage.model in (*TINY_MODELS, TINY_SDXL_REFINER):
-        return f"model {stage.model!r} is no upscaler; the built-in one is {TINY_X4_UPSCALER}"
-    if stage.kind == REFINE and stage.model == TINY_X4_UPSCALER:
+        return f"model {stage.model!r} is no upscaler; the built-in ones are {TINY_X4_UPSCALER} and {TINY_ESRGAN}"
+    if stage.kind == REFINE and (stage.model == TINY_X4_UPSCALER or is_gan_upscaler(stage.model)):
         return f"model {stage.model!r} is an upscaler; use it in {FLAGS[UPSCALE]}"
     return None
 
@@ -345,6 +373,8 @@ def describe(stage: Stage) -> str:
     if stage.kind == UPSCALE:
         if not stage.model:
             return f"upscale x{stage.factor} (Lanczos){where}"
+        if is_gan_upscaler(stage.model):
+            return f"upscale x{stage.factor} with {stage.model} (GAN){where}"
         return f"upscale x{stage.factor} with {stage.model} ({stage.steps} steps){where}"
     model = stage.model or "the job's model"
     return f"refine with {model} at strength {stage.strength:g} ({stage.steps} steps, {denoised_steps(stage)} run){where}"

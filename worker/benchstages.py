@@ -28,7 +28,7 @@ from typing import Any
 
 from renderfleet.errors import InputError, OutOfMemory
 from renderfleet.spec import Prompt
-from renderfleet.stages import UPSCALE, Stage, cli_form, denoised_steps, final_size, to_json
+from renderfleet.stages import UPSCALE, Stage, cli_form, denoised_steps, final_size, is_gan_upscaler, to_json
 
 
 @dataclass
@@ -193,7 +193,9 @@ def _stage_pass(
 def _stage_model(stage: Stage, job_model: str) -> str:
     """What runs ``stage``, with the settings that decide its time."""
     if stage.kind == UPSCALE:
-        return f"Lanczos x{stage.factor}" if not stage.model else f"{stage.model} ({stage.steps} steps)"
+        if not stage.model:
+            return f"Lanczos x{stage.factor}"
+        return f"{stage.model} (GAN)" if is_gan_upscaler(stage.model) else f"{stage.model} ({stage.steps} steps)"
     who = stage.model or f"{job_model} (the job's)"
     return f"{who}, strength {stage.strength:g}, {denoised_steps(stage)} of {stage.steps} steps"
 

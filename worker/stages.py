@@ -10,6 +10,12 @@ render -> **stages** -> store).
   (``StableDiffusionUpscalePipeline``) guided by each prompt, at its own
   guidance and noise level (:data:`UPSCALER_GUIDANCE`, :data:`UPSCALER_NOISE_LEVEL`:
   the pipeline's documented defaults, pinned so a diffusers release cannot move them).
+* An upscale with a GAN upscaler (``renderfleet.stages.is_gan_upscaler``: a
+  ``.safetensors`` file on this worker, or the built-in ``tiny-esrgan``) runs
+  ESRGAN's RRDBNet (``worker/models/esrgan.py``, our own copy: spandrel would
+  bring torchvision, which cannot import beside our pinned torch) once over the
+  batch: no prompt, no noise, its factor the model's own (a mismatch is the job's
+  error, naming ``--upscale``).
 * A refine runs image to image.  With the job's own model (``model`` '') it is
   ``AutoPipelineForImage2Image.from_pipe`` of the loaded pipeline: the same
   components, no second copy in memory; it renders with the job's sampler and,
@@ -48,7 +54,18 @@ from typing import TYPE_CHECKING, Any
 
 from renderfleet.errors import BadOutput, JobError, ModelLoadError, OutOfMemory, PermanentError, Reclaimed
 from renderfleet.spec import Prompt
-from renderfleet.stages import DIFFUSION_UPSCALE_FACTOR, REFINE, UPSCALE, Stage, describe, stage_problem, stage_seed
+from renderfleet.stages import (
+    DIFFUSION_UPSCALE_FACTOR,
+    FLAGS,
+    REFINE,
+    TINY_ESRGAN,
+    UPSCALE,
+    Stage,
+    describe,
+    is_gan_upscaler,
+    stage_problem,
+    stage_seed,
+)
 from worker import outputs
 from worker.deviceerrors import call_failure, first_line
 from worker.models import LoadedModel, load_pipeline, model_refusal, set_vae_memory_modes, vae_memory_modes
@@ -103,7 +120,8 @@ class StageRenderer:
         self.index = index
         self.device = device
         self.last_seconds = 0.0
-        self.pipe: Any = None  # None: a Lanczos resize
+        self.pipe: Any = None  # None: a Lanczos resize or a GAN upscaler
+        self.gan: Any = None  # a GAN upscaler's network (worker/models/esrgan.py)
         self.family: PipelineFamily | None = None
         self._own: LoadedModel | None = None  # a model this stage loaded for itself
         self._shared = ""  # the job's model, whose components a refine with it shares
@@ -116,7 +134,11 @@ class StageRenderer:
         # 1. A Lanczos resize needs nothing.
         if stage.kind == UPSCALE and not stage.model:
             return
-        # 2. A refine with the job's own model shares its components.
+        # 2. A GAN upscaler: an RRDBNet read from safetensors, its scale the factor's.
+        if stage.kind == UPSCALE and is_gan_upscaler(stage.model):
+            self._load_gan(cache_dir, allowed)
+            return
+        # 3. A refine with the job's own model shares its components.
         if stage.kind == REFINE and not stage.model:
             if base is None:
                 raise ValueError("a refine with the job's own model needs the job's loaded model (base)")
@@ -127,7 +149,7 @@ class StageRenderer:
             self._schedulers = SchedulerCache(self.pipe, self.family)
             self._loras = loras
             self.compiled, self.quantize = bool(base.compiled), str(base.quantize)
-        # 3. Any other stage loads its own model.
+        # 4. Any other stage loads its own model.
         else:
             if why := model_refusal(stage.model, allowed):
                 raise ModelLoadError(why)
@@ -148,6 +170,8 @@ class StageRenderer:
         none for a Lanczos resize."""
         if self._own is not None:
             return [self._own.model]
+        if self.gan is not None:
+            return [self.stage.model]
         return [f"{self._shared} (shared)"] if self._shared else []
 
     def __str__(self) -> str:
@@ -158,6 +182,8 @@ class StageRenderer:
         """(model, what the stage does) for its remembered batch size (worker/batchsize.py): the model it
         runs and ``upscale-x4`` or ``refine``, what its memory depends on beside the card and the size;
         None for a Lanczos resize, which holds nothing on a card."""
+        if self.gan is not None:
+            return self.stage.model, f"{self.stage.kind}-x{self.stage.factor}"
         if self.pipe is None:
             return None
         model = self._own.model if self._own is not None else self._shared
@@ -206,6 +232,8 @@ class StageRenderer:
         started = time.perf_counter()
         try:
             # 3. A Lanczos resize: no model, no noise.
+            if self.gan is not None:
+                return self._gan_call(images)
             if self.pipe is None:
                 return [_lanczos(image, self.stage.factor) for image in images]
 
@@ -248,6 +276,42 @@ class StageRenderer:
                 f"({type(image_to_image).__name__}) takes no strength; it cannot refine"
             )
         return image_to_image
+
+    def _load_gan(self, cache_dir: Path, allowed: Sequence[str] | None) -> None:
+        """Load the stage's GAN upscaler, if the allow-list lets it; its scale must be the stage's factor."""
+        from worker.models.esrgan import load_esrgan, tiny_esrgan_file
+
+        model = self.stage.model
+        if why := model_refusal(model, allowed):
+            raise ModelLoadError(why)
+        if model.startswith("s3://"):
+            raise ModelLoadError(
+                f"stage {self.index + 1} (upscale): model {model[:200]!r}: a GAN upscaler is read from a file on "
+                "this worker (or the built-in tiny-esrgan); s3:// GAN weights are not fetched yet"
+            )
+        path = tiny_esrgan_file(cache_dir) if model == TINY_ESRGAN else Path(model)
+        self.gan, config = load_esrgan(path, self.device)
+        if config.scale != self.stage.factor:
+            raise JobError(
+                f"stage {self.index + 1} ({FLAGS[UPSCALE]} {self.stage.factor}:{model[:200]}): the model upscales "
+                f"x{config.scale}, not x{self.stage.factor}; give {FLAGS[UPSCALE]} {config.scale}:{model[:200]}"
+            )
+        log.info("%s: RRDBNet %s", self, config)
+
+    def _gan_call(self, images: list[Any]) -> list[Any]:
+        """The batch through the GAN upscaler, errors classed as a pipeline call's are."""
+        from worker.models.esrgan import upscale
+
+        width, height = self.pixel_size(images[0])
+        out_of_memory = ""
+        try:
+            return upscale(self.gan, images, self.device)
+        except Exception as exc:
+            if (failure := call_failure(exc, f"{self}: ")) is not None:
+                raise failure from exc
+            out_of_memory = first_line(exc)
+        release_cached_memory(self.device)
+        raise OutOfMemory(f"out of memory in {self} for {len(images)} images of {width}x{height}: {out_of_memory}")
 
     def _check_upscaler(self) -> None:
         name = type(self.pipe).__name__

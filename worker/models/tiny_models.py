@@ -7,7 +7,9 @@ and ``tiny-flux-schnell`` (:mod:`.tiny_flux`).  ``renderfleet.spec.TINY_MODELS``
 holds the same names for the dispatcher side, which may not import this package.
 After them the models of a render's later stages, which render no image from text:
 ``tiny-x4-upscaler`` (:mod:`.tiny_upscaler`) and ``tiny-sdxl-refiner``
-(:mod:`.tiny_refiner`); ``renderfleet.stages.STAGE_TINY_MODELS`` names them.
+(:mod:`.tiny_refiner`); ``renderfleet.stages.STAGE_TINY_MODELS`` names them, and
+``tiny-esrgan`` too, which is no pipeline and so not here: a GAN upscaler's weights
+saved as safetensors (:mod:`.esrgan`).
 
 A module of its own, above the families: they import their shared parts from
 :mod:`.tiny`, so a table there would make each import the other.  Importing the
