@@ -419,6 +419,9 @@ def compare(paths: list[Path]) -> str:
     rows = []
     notes: list[str] = []
     first: dict[str, Any] | None = None  # the first run's settings
+    # Runs with stages: each stage's figures by run (issue 39: the cheapest card for each stage, which is
+    # where a stage on a pool of its own should run): stage -> (run, card, cost per image or None, s/image).
+    by_stage: dict[str, list[tuple[str, str, float | None, float]]] = {}
     for path in paths:
         try:
             data: dict[str, Any] = json.loads(path.read_text())
@@ -447,6 +450,15 @@ def compare(paths: list[Path]) -> str:
             cost = min(costs.values()) if costs else None
             rows.append((str(path), data["card"], pipeline["batch_size"], pipeline["images_per_minute"], cost))
             notes.append(f"{path}: with stages ({pipeline['flags']}): a final image's images/min and cost.")
+            for point in data.get("stages") or []:
+                try:
+                    label, spi, share = str(point["stage"]), float(point["seconds_per_image"]), float(point["share"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise InputError([f"{path}: not a bench.json: a stage {exc}"]) from None
+                if label != "encode":  # the encode runs beside the next render on a worker
+                    by_stage.setdefault(label, []).append(
+                        (str(path), data["card"], None if cost is None else cost * share, spi)
+                    )
             continue
         best = max(data["points"], key=lambda p: p["images_per_minute"])
         cost = min(best["cost_per_image"].values()) if best["cost_per_image"] else None
@@ -466,9 +478,28 @@ def compare(paths: list[Path]) -> str:
             f"Cheapest per image: {cheapest[0]} ({cheapest[1]}), {cheapest[4]:.6f} per image, "
             f"{1 / (cheapest[4] or 1):,.0f} images per unit of money."
         )
+    lines += _cheapest_per_stage(by_stage)
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
+
+
+def _cheapest_per_stage(by_stage: dict[str, list[tuple[str, str, float | None, float]]]) -> list[str]:
+    """For each stage more than one run measured: the run (card) that does it cheapest per image, its
+    share of the final image's cost priced, else the fastest; where a stage on its own pool belongs."""
+    measured = {stage: runs for stage, runs in by_stage.items() if len(runs) > 1}
+    if not measured:
+        return []
+    lines = ["", "Cheapest card for each stage (a stage on a pool of its own belongs on it):"]
+    for stage, runs in measured.items():
+        priced = [r for r in runs if r[2]]
+        if len(priced) == len(runs):
+            run, card, cost, spi = min(priced, key=lambda r: r[2] or 0.0)
+            lines.append(f"- {stage}: {run} ({card}), {cost:.6f} per image ({spi:.4g} s each).")
+        else:
+            run, card, _, spi = min(runs, key=lambda r: r[3])
+            lines.append(f"- {stage}: {run} ({card}) is the fastest, {spi:.4g} s each (not every run is priced).")
+    return lines
 
 
 def _settings_of(data: dict[str, Any]) -> dict[str, Any]:

@@ -99,6 +99,28 @@ def test_compare_takes_a_final_images_figures_and_flags_runs_with_other_stages(t
     assert f"Other settings: {staged / 'bench.json'}: stages --upscale 2 --refine self:0.3 (not none)" in text
     assert "with stages (--upscale 2 --refine self:0.3): a final image's images/min and cost." in text
     assert "Other settings" not in bench.compare([plain / "bench.json", plain / "bench.json"])
+    assert "Cheapest card for each stage" not in text  # one run with stages: nothing to choose between
+
+
+def test_compare_names_the_cheapest_card_for_each_stage(tmp_path: Path) -> None:
+    # Two cards: the pricier one refines three times faster, the cheaper one generates and upscales for less.
+    cheap, fast = tmp_path / "cheap", tmp_path / "fast"
+    bench.write_outputs(with_stages(a_run()), cheap)
+    bench.write_outputs(with_stages(a_run()), fast)
+    data = json.loads((fast / "bench.json").read_text())
+    data["card"] = "big card"
+    by_stage = {s["stage"]: s for s in data["stages"]}
+    by_stage["refine-2"]["seconds_per_image"] /= 3
+    total = sum(s["seconds_per_image"] for s in data["stages"])
+    for s in data["stages"]:
+        s["share"] = s["seconds_per_image"] / total
+    data["pipeline"]["cost_per_final_image"] = {"4/h": 4 * total / 3600}  # twice the price per hour
+    (fast / "bench.json").write_text(json.dumps(data))
+    text = bench.compare([cheap / "bench.json", fast / "bench.json"])
+    assert "Cheapest card for each stage (a stage on a pool of its own belongs on it):" in text
+    assert f"- generate: {cheap / 'bench.json'} (card), " in text
+    assert f"- refine-2: {fast / 'bench.json'} (big card), " in text
+    assert "- encode:" not in text
 
 
 # ---- the measuring loop, with a renderer that needs no model ----------------------------------------
