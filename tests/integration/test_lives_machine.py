@@ -14,23 +14,31 @@ monitor: it heals a lost Redis).  After each history, with every worker awake:
 * a life no worker was paused or killed in counts exactly its prompts' images, no more (no counter of
   a dead life survives).
 
-Bounded in ``make test`` (:data:`EXAMPLES` histories of up to :data:`STEPS` steps, about a minute);
-``make test-slow`` runs more (``RENDERFLEET_MACHINE_EXAMPLES``).  Histories it finds become tests in
-tests/integration/test_lives.py.
+The machine bounds itself, never an outside timeout cutting a history in half: it draws histories
+(up to :data:`EXAMPLES`, of up to :data:`STEPS` steps) until its own time budget, :data:`BUDGET`
+seconds, is spent, and then draws no more (a history begun finishes; the count run is printed).  Every
+wait inside a step is bounded and fails the history with the step's name, the history so far (each
+step is a Hypothesis ``note``) and the tail of every worker's and the monitor's log.  No shrinking: a
+history of real processes replays with other timings, so the failing history is reported as it ran,
+with the blob that replays its draws (``@reproduce_failure``).  ``make test`` spends about two minutes
+on it; ``make test-slow`` more (``RENDERFLEET_MACHINE_SECONDS``, ``RENDERFLEET_MACHINE_EXAMPLES``).
+Histories it finds become tests in tests/integration/test_lives.py.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from hypothesis import HealthCheck, Verbosity, note, settings
+from hypothesis import HealthCheck, Phase, Verbosity, note, settings
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 from PIL import Image
 
@@ -53,7 +61,12 @@ from testing.fleet import (
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = int(os.environ.get("RENDERFLEET_MACHINE_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("RENDERFLEET_MACHINE_EXAMPLES", "40"))
+# The seconds after which no new history is drawn (one begun runs to its end: at most HISTORY_BOUND more).
+BUDGET = float(os.environ.get("RENDERFLEET_MACHINE_SECONDS", "120"))
+# The most one history can take, its waits added up on a loaded machine: the test's own timeout is
+# BUDGET + HISTORY_BOUND, so pytest-timeout never cuts a history in half (issue 49).
+HISTORY_BOUND = 240
 STEPS = int(os.environ.get("RENDERFLEET_MACHINE_STEPS", "8"))
 VERBOSE = bool(os.environ.get("RENDERFLEET_MACHINE_VERBOSE"))  # each step printed as it runs
 NAMES = ("life-a", "life-b")
@@ -73,12 +86,35 @@ class Name:
         self.redis_only = False  # a delete stopped after it emptied the store: Redis holds a cancelled job
 
 
-def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedStateMachine]:
+class BudgetSpent(KeyboardInterrupt):
+    """Ends the run when the budget is spent, before a history starts.  A KeyboardInterrupt because that is
+    what Hypothesis re-raises at once, recording nothing (its engine: "don't save or treat this as a test
+    failure"); a rejection or any other exception would be an outcome that depends on the clock, which
+    Hypothesis rightly reports as a flaky strategy.  :func:`run_histories` catches it."""
+
+
+class Budget:
+    """When the machine stops drawing histories: after ``seconds``, unless a history failed (its replay
+    must run whatever the clock says, or Hypothesis takes the replay's rejection for a flaky test)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.histories = 0  # begun and run to their end
+        self.checked = 0  # whose end-of-history checks ran and held
+        self.failed = False
+
+    def spent(self) -> bool:
+        return not self.failed and time.monotonic() > self.deadline
+
+
+def make_machine(tmp: Path, redis_server: RedisServerProcess, budget: Budget) -> type[RuleBasedStateMachine]:
     files = {f: write_prompts(tmp / f"{f}.txt", PROMPTS, prefix=f"{f} prompt") for f in FILES}
     counter = [0]
 
     class Lives(RuleBasedStateMachine):
         def __init__(self) -> None:
+            if budget.spent():
+                raise BudgetSpent  # before anything starts: no history is drawn past the budget
             super().__init__()
             counter[0] += 1
             self.store_dir = tmp / f"store-{counter[0]}"
@@ -233,17 +269,36 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
         # ---- the checks after the history --------------------------------------------------
 
         def teardown(self) -> None:
+            # Called in Hypothesis's ``finally``: an exception in flight is a step's or an invariant's failure,
+            # unless it is Hypothesis's own (a draw past the end of its data, StopTest, ends a history early).
+            in_flight = sys.exc_info()[1]
+            failed = isinstance(in_flight, Exception) and not isinstance(in_flight, HypothesisException)
             try:
                 for i in sorted(self.paused):
                     os.kill(self.workers[i].pid, signal.SIGCONT)
                 self.paused.clear()
-                self._check()
+                if not failed:
+                    self._check()
+                    budget.checked += 1
+            except BaseException:
+                failed = True
+                raise
             finally:
+                budget.histories += 1
+                if failed:
+                    budget.failed = True
+                    self._show_logs()
                 for w in self.workers:
                     w.kill()
                 if self.monitor is not None:
                     os.killpg(self.monitor.pid, signal.SIGKILL)
                     self.monitor.wait(10)
+
+        def _show_logs(self) -> None:
+            """Each process's log tail, printed with the failing history (pytest shows it)."""
+            for log in sorted(self.logs.glob("*.log")):
+                text = log.read_text(errors="replace")
+                print(f"---- {log.name} (last 4000 characters) ----\n{text[-4000:]}")
 
         def _check(self) -> None:
             for name, state in self.names.items():
@@ -277,28 +332,48 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess) -> type[RuleBasedS
     return Lives
 
 
-def run_histories(tmp: Path, redis_server: RedisServerProcess, examples: int, steps: int) -> None:
-    run_state_machine_as_test(
-        make_machine(tmp, redis_server),
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            derandomize=False,
-            suppress_health_check=list(HealthCheck),
-            database=None,
-            report_multiple_bugs=False,
-            verbosity=Verbosity.verbose if VERBOSE else Verbosity.normal,
-        ),
-    )
+def run_histories(tmp: Path, redis_server: RedisServerProcess, examples: int, steps: int, seconds: float) -> None:
+    budget = Budget(seconds)
+    started = time.monotonic()
+    try:
+        run_state_machine_as_test(
+            make_machine(tmp, redis_server, budget),
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=steps,
+                # A history's time is its processes', not Hypothesis's to judge: the budget bounds the run.
+                deadline=None,
+                derandomize=False,
+                suppress_health_check=list(HealthCheck),
+                database=None,
+                # Generate only: a shrink would replay real-process histories, whose timings differ, for minutes.
+                phases=[Phase.explicit, Phase.generate],
+                print_blob=True,
+                report_multiple_bugs=False,
+                verbosity=Verbosity.verbose if VERBOSE else Verbosity.normal,
+            ),
+        )
+    except BudgetSpent:
+        pass
+    finally:
+        print(
+            f"lives machine: {budget.histories} histories of up to {steps} steps ({budget.checked} checked) in "
+            f"{time.monotonic() - started:.0f} s (budget {seconds:.0f} s, at most {examples})"
+        )
+    assert budget.checked >= 1, "the budget was spent before a single history ran and was checked"
 
 
+@pytest.mark.timeout(BUDGET + HISTORY_BOUND)
 def test_random_histories_of_a_jobs_names_keep_every_life_apart(tmp_path: Path, redis_server: RedisServerProcess) -> None:
-    run_histories(tmp_path, redis_server, EXAMPLES, STEPS)
+    run_histories(tmp_path, redis_server, EXAMPLES, STEPS, BUDGET)
+
+
+SLOW_BUDGET = max(BUDGET, 600.0)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SLOW_BUDGET + HISTORY_BOUND)
 def test_many_random_histories_of_a_jobs_names_keep_every_life_apart(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
-    run_histories(tmp_path, redis_server, max(EXAMPLES, 40), max(STEPS, 12))
+    run_histories(tmp_path, redis_server, max(EXAMPLES, 200), max(STEPS, 12), SLOW_BUDGET)
