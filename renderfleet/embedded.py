@@ -129,6 +129,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def server_pid(url: str, timeout: float = 0.5) -> int | None:
+    """The process id of the server answering at ``url`` (its ``INFO server``), None if it says none."""
+    client = redisconn.client(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        pid = client.info("server").get("process_id")
+        return int(pid) if pid is not None else None
+    except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError, TypeError):
+        return -1  # it stopped answering: not known to be ours
+    finally:
+        client.close()
+
+
 def ping(url: str, timeout: float = 0.5) -> bool:
     """True if a Redis server answers at ``url``."""
     client = redisconn.client(url, socket_connect_timeout=timeout, socket_timeout=timeout)
@@ -153,6 +165,12 @@ class RedisServerProcess:
         self.persist = persist
         self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
+        # While stopped between a kill and a restart "on the same port", the port is held here (bound, not
+        # listening: a connection is refused, as with no server): a port simply released is the kernel's to
+        # hand to the next bind(0), another test's server on a parallel runner, and this server's clients
+        # would reconnect to that one and write their keys into it (a second worker's stats hash in
+        # test_waste, issue 51).
+        self._held: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -184,6 +202,7 @@ class RedisServerProcess:
             "--protected-mode",
             "no",
         ]
+        self._release_port()
         # A detached server outlives the CLI command that started it.
         self.proc = subprocess.Popen(
             args,
@@ -194,20 +213,43 @@ class RedisServerProcess:
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if ping(self.url, timeout=0.2):
-                return
+            # Ours only: a server that answers while ours has exited (it could not bind: the port was taken)
+            # is another's, and taking it for ours would mix two users' keys in one Redis.
             if self.proc.poll() is not None:
                 break
+            if ping(self.url, timeout=0.2) and server_pid(self.url) in (self.proc.pid, None):
+                return
             time.sleep(0.05)
         log = self.workdir / "server.log"
         tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
         raise ConfigError(f"embedded Redis server did not start on port {self.port}: {tail}")
+
+    def _hold_port(self) -> None:
+        """Keep the port from the kernel's next bind(0) while no server of ours listens on it."""
+        if self._held is not None:
+            return
+        sock = socket.socket()
+        # SO_REUSEADDR: the killed server's connections may linger in TIME_WAIT on the port.  Any other
+        # bind of it without the option (free_port's) still fails, so the kernel never hands it out.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", self.port))
+        except OSError:  # already someone else's: the restart will say so (start checks whose server answers)
+            sock.close()
+            return
+        self._held = sock
+
+    def _release_port(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: nothing is saved."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+            self._hold_port()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -216,6 +258,12 @@ class RedisServerProcess:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+            self._hold_port()
+
+    def close(self) -> None:
+        """Stop the server for good: the port held since a stop is let go too."""
+        self.stop()
+        self._release_port()
 
 
 def _is_server_process(pid: int) -> bool:

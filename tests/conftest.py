@@ -73,7 +73,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServerProcess]:
     """A private Redis server on a free port; tests may kill and restart it."""
     server = start_redis(tmp_path / "redis")
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture

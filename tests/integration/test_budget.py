@@ -74,7 +74,17 @@ def test_a_budget_stops_the_job_within_a_batch_per_worker_and_a_raised_one_finis
         )
         # Running shards end at their batch boundary and are parked; nothing more is rendered.
         wait_for(lambda: status_now(env, job)["in_flight"] == 0, 30, interval=0.1, what="running shards to stop")
-        time.sleep(0.6)  # more than a batch: any batch begun after the mark would show now
+        # Nothing more can begin, shown by events, not by waiting: every worker has said it holds nothing
+        # (its last batch ended, its shard let go), and no shard of the job is leased, queued or pending,
+        # each one parked ('c'): a batch needs a lease, so what is done now is final.
+        client = redisconn.client(redis_server.url)
+
+        def idle() -> bool:
+            ids = client.hkeys(keys.WORKERS)
+            return len(ids) == WORKERS and all(client.hget(keys.worker_stats(i.decode()), "doing") == b"" for i in ids)
+
+        wait_for(idle, 30, interval=0.1, what="each worker to say it holds no shard")
+        assert set(client.hvals(keys.shards(job))) == {b"c"} and client.llen(keys.pending(job)) == 0
         held = job_status(env, job)
         assert held["state"] == "budget" and held["in_flight"] == 0 and held["queued"] == 0
         assert held["done"] == status_now(env, job)["done"] < 48

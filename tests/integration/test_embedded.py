@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import stat
 from pathlib import Path
 
@@ -143,3 +144,33 @@ def test_a_state_file_naming_a_password_protected_server_we_did_not_start_is_nev
         foreign.stop()
     # A state file whose server is gone is stale: removed, nothing to stop.
     assert stop_embedded(home) is False and not (home / "server.json").exists()
+
+
+def test_a_stopped_servers_port_is_held_until_its_restart_so_no_other_server_takes_it(tmp_path: Path) -> None:
+    server = start_redis(tmp_path / "ours")
+    client = redis.Redis.from_url(server.url, socket_connect_timeout=2)
+    try:
+        client.set("mine", "1")
+        server.kill()
+        # Held: no one else's bind gets the port (free_port's bind(0) skips it), yet no one is served on it.
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", server.port))
+        with pytest.raises(redis.ConnectionError):
+            client.ping()
+        server.start()  # same port, empty: the hold let go for it
+        assert client.ping() and client.get("mine") is None
+    finally:
+        server.close()
+
+
+def test_a_server_that_cannot_have_its_port_does_not_take_anothers_for_its_own(tmp_path: Path) -> None:
+    theirs = start_redis(tmp_path / "theirs")
+    try:
+        redis.Redis.from_url(theirs.url).set("theirs", "1")
+        # Another server's port: ours cannot bind it and exits, while theirs answers every PING there.
+        ours = RedisServerProcess(theirs.port, workdir=tmp_path / "ours")
+        with pytest.raises(ConfigError, match=f"did not start on port {theirs.port}"):
+            ours.start()
+        assert redis.Redis.from_url(theirs.url).get("theirs") == b"1"
+    finally:
+        theirs.close()

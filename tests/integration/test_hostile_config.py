@@ -14,6 +14,7 @@ import pytest
 
 from renderfleet.embedded import RedisServerProcess, ping
 from testing.fleet import TINY, base_env, cli, write_prompts
+from testing.servers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -33,17 +34,20 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
+# Each URL's port is one nothing listens on ({port}, {port2}: bound to port 0, read, closed): were the
+# check to let one through, no command could reach a Redis, least of all the machine's shared one on 6379.
 @pytest.mark.parametrize(
     "url",
     [
-        "redis://:Xq7/Zk9@127.0.0.1:6379/0",
-        "redis://:Xq7#Zk9@127.0.0.1:6379/0",
-        "redis://:Xq7?Zk9@127.0.0.1:6379/0",
-        "redis://Xq7Zk9@127.0.0.1:6379/0",
-        "redis+sentinel://:Xq7/Zk9@127.0.0.1:26379,127.0.0.1:26380/mymaster",  # a Sentinel URL alike
+        "redis://:Xq7/Zk9@127.0.0.1:{port}/0",
+        "redis://:Xq7#Zk9@127.0.0.1:{port}/0",
+        "redis://:Xq7?Zk9@127.0.0.1:{port}/0",
+        "redis://Xq7Zk9@127.0.0.1:{port}/0",
+        "redis+sentinel://:Xq7/Zk9@127.0.0.1:{port},127.0.0.1:{port2}/mymaster",  # a Sentinel URL alike
     ],
 )
 def test_a_redis_url_whose_password_would_be_misread_is_one_line_without_it(tmp_path: Path, url: str) -> None:
+    url = url.format(port=free_port(), port2=free_port())
     env = base_env(tmp_path, url, str(tmp_path / "store"))
     prompts = write_prompts(tmp_path / "p.txt", 2)
     for args in (("status",), ("server", "url"), ("submit", str(prompts), *TINY), ("worker",)):

@@ -124,13 +124,14 @@ def test_autoscale_refuses_two_pools_on_one_group_naming_both_and_the_key(
 def test_two_pools_on_groups_of_the_same_name_in_two_regions_are_two_groups(tmp_path: Path) -> None:
     from dispatcher.backends import check_pools
 
-    check_pools(
-        {
-            "east": PoolConfig(backend="aws", autoscaling_group="rf", region="us-east-1"),
-            "west": PoolConfig(backend="aws", autoscaling_group="rf", region="us-west-2"),
-        },
-        "fleet.toml",
-    )
+    east = PoolConfig(backend="aws", autoscaling_group="rf", region="us-east-1")
+    # In one region the name is one group: the two pools would size it in turn, and are refused...
+    again = PoolConfig(backend="aws", autoscaling_group="rf", region="us-east-1")
+    with pytest.raises(ConfigError, match=r"pools\.east\.autoscaling_group and pools\.again\.autoscaling_group both name"):
+        check_pools({"east": east, "again": again}, "fleet.toml")
+    # ...in two regions it is two groups: accepted, the region being part of which group a pool sizes.
+    west = PoolConfig(backend="aws", autoscaling_group="rf", region="us-west-2")
+    check_pools({"east": east, "west": west}, "fleet.toml")
 
 
 def test_api_autoscale_answers_every_configured_pool_before_the_first_decision(

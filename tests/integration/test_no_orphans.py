@@ -33,8 +33,10 @@ from testing.fleet import (
     TINY,
     WorkerProc,
     base_env,
+    bench,
     bench_worker,
     cli,
+    job_finished,
     job_status,
     status_now,
     wait_for,
@@ -223,7 +225,11 @@ def test_a_signal_to_autoscale_stops_its_local_workers_unless_told_to_leave_them
         assert scaler.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
         if leave:
             assert "interrupted by SIGTERM: its local pools' workers keep running" in err, err[-2000:]
-            time.sleep(2.0)
+            # Left running, shown by an event rather than by waiting: with its autoscaler gone, the worker
+            # still takes and renders a job submitted now.
+            prompts = write_prompts(tmp_path / "after.txt", 2)
+            after = cli(env, "submit", str(prompts), *bench(SECONDS_PER_IMAGE), "--shard-size", "2").stdout.split()[-1]
+            assert job_finished(env, after, timeout=120)["done"] == 2
             assert alive(worker) and worker_ready(client, 1)
         else:
             assert "interrupted by SIGTERM: 1 local worker(s) stopped, their shards handed back" in err, err[-2000:]

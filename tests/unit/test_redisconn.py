@@ -13,6 +13,7 @@ from renderfleet.celery_app import VISIBILITY_TIMEOUT, make_app
 from renderfleet.errors import ConfigError
 from renderfleet.redisconn import SentinelURL, broker, parse_sentinel
 from renderfleet.settings import load_settings, redact, redis_url_problem
+from testing.servers import free_port
 
 URL = "redis+sentinel://:pw@s1:26380,s2,10.0.0.3:26381/mymaster/2"
 
@@ -135,6 +136,7 @@ def test_the_client_of_a_sentinel_url_is_the_masters_and_connects_to_nothing_yet
 
 
 def test_the_client_of_a_plain_url_is_redis_pys_own() -> None:
-    client = redisconn.client("redis://:pw@127.0.0.1:6379/4", socket_timeout=3)
+    # a port nothing listens on (not the machine's shared 6379), should anything ever connect
+    client = redisconn.client(f"redis://:pw@127.0.0.1:{free_port()}/4", socket_timeout=3)
     assert client.connection_pool.connection_kwargs["db"] == 4
     assert not isinstance(client.connection_pool, SentinelConnectionPool)

@@ -194,15 +194,29 @@ def test_a_batch_of_mixed_images_or_no_card_has_no_key_and_skipped_stages_are_no
     assert SpeedKeeper(None, lambda: "").key(params, 4, [prompt(0)]) is None
 
 
-def test_a_store_that_refuses_loses_the_figures_not_the_shard(tmp_path: Path) -> None:
+def test_a_store_that_refuses_loses_the_figures_not_the_shard(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     class Refusing(LocalStore):
-        def put(self, key: str, data: bytes, content_type: str | None = None) -> None:
-            raise OSError("read-only")
+        refuse = True
 
-    keeper = SpeedKeeper(Refusing(tmp_path), lambda: CARD)
+        def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+            if self.refuse:
+                raise OSError("read-only")
+            super().put(key, data, content_type=content_type)
+
+    store = Refusing(tmp_path)
+    keeper = SpeedKeeper(store, lambda: CARD)
+    keeper.add(key(), 4, 8.0)  # the first batch warms up: never kept
     keeper.add(key(), 4, 8.0)
-    keeper.add(key(), 4, 8.0)
-    keeper.flush()  # logged, not raised
+    # The shard's side: flush returns (the runner's commit goes on); the loss is said, naming the key.
+    keeper.flush(force=True)
+    assert "not written to the store: OSError: read-only" in caplog.text and key().describe() in caplog.text
+    assert speeds.read(store, key()) is None
+    # The figures are gone, not kept to be written twice: once the store takes writes, only later batches count.
+    store.refuse = False
+    keeper.add(key(), 2, 6.0)
+    keeper.flush(force=True)
+    written = speeds.read(store, key())
+    assert written is not None and (written.images, written.seconds_per_image) == (2, 3.0)
 
 
 class Renderer:
