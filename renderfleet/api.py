@@ -681,7 +681,7 @@ class Job:
         found = unserved(
             redis_client, store, store_workers(redis_client, store), self.id, 2 * self.client.settings.lease_seconds
         )
-        return None if found is None else found[1]
+        return None if found is None else found.note
 
     def results(self, *, records: bool = False) -> Results:
         """Where each image is, and which are missing or quarantined (reads the store); Redis's
