@@ -102,3 +102,43 @@ def test_a_job_no_live_card_can_take_waits_pending_while_the_next_job_renders_an
     assert int(by_card["big (bench model)"]["images"]) == 20
     assert int(by_card["small (bench model)"]["images"]) == 8, small.output()
     assert client.zcard(keys.card_wait(found["queue"])) == 0
+
+
+def test_a_resubmit_with_another_min_vram_applies_it_so_a_job_no_card_could_take_renders(
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc]
+) -> None:
+    """Issue 45, item 5: before, the resubmit said ``resubmitted`` and kept --min-vram 40 for ever."""
+    env = {**base_env(tmp_path, redis_server.url, str(tmp_path / "store")), **bench_worker(SECONDS)}
+    client = redis.Redis.from_url(redis_server.url)
+    procs.append(WorkerProc({**env, "RENDERFLEET_BENCH_CARD": "small:16"}, tmp_path / "small.log"))
+    wait_for(lambda: client.hlen(keys.WORKERS) == 1, 30, what="the small card's worker")
+    prompts = write_prompts(tmp_path / "p.txt", 6)
+    job = cli(env, "submit", str(prompts), *bench(SECONDS), "--shard-size", "2", "--min-vram", "40").stdout.split()[-1]
+    wait_for(lambda: _fleet(env, job)["jobs"][0]["state"] == "waiting", 15, what="the job to wait for a card")
+
+    again = cli(env, "submit", str(prompts), *bench(SECONDS), "--shard-size", "2", "--min-vram", "16")
+    assert again.stdout.split()[-1] == job
+    assert client.hget(keys.job(job), "min_vram") == b"16"
+    assert job_finished(env, job, timeout=60)["done"] == 6
+    from renderfleet import spec
+    from renderfleet.store import open_store
+
+    stored = spec.JobSpec.from_json(open_store(env["RENDERFLEET_STORE"]).get(spec.spec_key(job)) or b"")
+    assert stored.min_vram == 16  # a Redis that loses its memory takes the job back with the new value
+
+
+def test_a_resubmit_with_another_webhook_is_refused_naming_the_flag_and_how_to_change_it(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """Issue 45, item 5: before, it exited 0 and kept the first webhook silently."""
+    env = {**base_env(tmp_path, redis_server.url, str(tmp_path / "store")), **bench_worker(SECONDS)}
+    prompts = write_prompts(tmp_path / "p.txt", 4)
+    first = ["submit", str(prompts), *bench(SECONDS), "--webhook", "https://one.example/hook"]
+    job = cli(env, *first).stdout.split()[-1]
+
+    other = cli(env, *first[:-1], "https://two.example/hook", check=False)
+    assert other.returncode == 2, other.stderr
+    assert "--webhook: job " + job in other.stderr and "https://one.example" in other.stderr, other.stderr
+    assert f"renderfleet delete {job}" in other.stderr and "Traceback" not in other.stderr
+    assert cli(env, *first).stdout.split()[-1] == job  # the same webhook: resubmitted as before
+    assert cli(env, *first[:-2]).returncode == 0  # none given: the job's own is kept, as for any flag left out
