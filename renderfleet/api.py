@@ -192,7 +192,8 @@ class Client:
         to, signed (docs/monitoring.md, "Events"); a job submitted again keeps the one it was first
         submitted with.  ``min_vram``: the least card memory in GB (as cards are sold: 24, 40, 80) a
         worker must have to render it; while no live worker's card qualifies, its shards wait pending and
-        other jobs render (docs/pools.md, "Mixed cards"); a job submitted again takes the new value; where, not what: not part of the job's identity.
+        other jobs render (docs/pools.md, "Mixed cards"); a job submitted again takes the new value; where,
+        not what: not part of the job's identity.
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
