@@ -142,3 +142,32 @@ def test_a_resubmit_with_another_webhook_is_refused_naming_the_flag_and_how_to_c
     assert f"renderfleet delete {job}" in other.stderr and "Traceback" not in other.stderr
     assert cli(env, *first).stdout.split()[-1] == job  # the same webhook: resubmitted as before
     assert cli(env, *first[:-2]).returncode == 0  # none given: the job's own is kept, as for any flag left out
+
+
+def test_a_small_card_handed_a_big_jobs_message_makes_its_shard_pending_not_requeued(
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc]
+) -> None:
+    """A big card counted live that died a moment ago: the feeder feeds its job, the small card is handed
+    it, and gives the shard back to pending (before, the message went back to the queue, and round again)."""
+    import json
+    import time
+
+    env = {**base_env(tmp_path, redis_server.url, str(tmp_path / "store")), **bench_worker(SECONDS)}
+    client = redis.Redis.from_url(redis_server.url)
+    small = WorkerProc({**env, "RENDERFLEET_BENCH_CARD": "small:16"}, tmp_path / "small.log")
+    procs.append(small)
+    wait_for(lambda: client.hlen(keys.WORKERS) == 1, 30, what="the small card's worker")
+    [registration] = [json.loads(raw) for raw in client.hvals(keys.WORKERS)]
+    client.hset(keys.WORKERS, "w-gone-big", json.dumps({**registration, "vram_gib": 80}))  # its last look, below
+    client.hset(keys.worker_stats("w-gone-big"), "last_seen", f"{time.time():.3f}")
+    client.delete(keys.WORKER_COUNTS, keys.WORKER_COUNTS_LOCK)
+    prompts = write_prompts(tmp_path / "p.txt", 6)
+    job = cli(env, "submit", str(prompts), *bench(SECONDS), "--shard-size", "2", "--min-vram", "40").stdout.split()[-1]
+
+    wait_for(lambda: "made pending again, for a worker whose card qualifies" in small.output(), 20, what="a decline")
+    # Once the big card is no longer counted live, the job waits, every shard pending (none left cycling
+    # through the queue, as before: a message taken before submit marked the job stored is requeued once,
+    # then made pending at its next delivery), nothing counted.
+    wait_for(lambda: _fleet(env, job)["jobs"][0]["state"] == "waiting", 30, what="the job to wait for a card")
+    found = wait_for(lambda: (j := _fleet(env, job)["jobs"][0])["shards_pending"] == 3 and j, 30, what="all pending")
+    assert found["done"] == 0 and client.hlen(keys.fails(job)) == 0
