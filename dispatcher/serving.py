@@ -9,30 +9,21 @@ twice the lease).  A worker still loading its model is registered with
 ``"state": "loading"`` (worker/loading.py) and touched as it loads: it is
 reported as loading, not as a live worker, nor as none.  A job that asks for a minimum card
 memory (``submit --min-vram``) is served only by live workers whose card qualifies
-(``renderfleet/cards.py``): with none such, it is reported as unserved, saying so.
+(``renderfleet/cards.py``): with none such, it is reported as unserved, saying so, and
+``status`` shows it ``waiting`` (its shards pending: the feeder holds them back).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
 from renderfleet import cards, keys
 from renderfleet.celery_app import queue_name
+from renderfleet.feeder import served_pools
 from renderfleet.store import Store
-
-
-def served_pools(info: dict[str, Any]) -> list[str]:
-    """The pools whose queues a registered worker serves (a registration from before workers
-    recorded them: its own pool and ``default``, what a worker serves unless told)."""
-    queues = info.get("queues")
-    if isinstance(queues, list) and all(isinstance(q, str) for q in queues):
-        return queues
-    pool = str(info.get("pool", "default"))
-    return [pool] if pool == "default" else [pool, "default"]
-
 
 LOADING = "loading"  # worker.loading.LOADING: a registration's "state" while its worker loads (no worker import here)
 
@@ -86,6 +77,13 @@ def no_worker_message(job: str, queue: str) -> str:
     )
 
 
+def card_reason(min_vram: float, largest: float | None) -> str:
+    """Why a job of ``min_vram`` GB waits (``status``'s ``waiting``), ``largest`` the largest card memory
+    (GiB) of the live workers serving its queue (None: none names one)."""
+    have = "none names its memory" if largest is None else f"the largest has {largest:g} GiB"
+    return f"no live worker has >= {min_vram:g} GB (needs a card of {min_vram:g} GB; of its queue's live workers, {have})"
+
+
 def small_cards_message(job: str, queue: str, min_vram: float, live: int) -> str:
     """What a waiter is told when the job's queue has live workers, none with a card big enough."""
     pool = queue.split(".")[1] if queue.count(".") >= 2 else queue
@@ -104,23 +102,39 @@ def loading_message(job: str, queue: str, workers: int) -> str:
     )
 
 
+class Unserved(NamedTuple):
+    """Why no loaded worker takes a job's shards now: ``kind`` ("loading" or "none"), the line that says
+    so, and ``waiting``, the reason when it is the card (the job waits, pending, for a worker whose card
+    qualifies: ``status`` shows it ``waiting``); None otherwise."""
+
+    kind: str
+    note: str
+    waiting: str | None = None
+
+
 def unserved(
     client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str, max_age: float
-) -> tuple[str, str] | None:
-    """Why no loaded worker takes the job's shards now, if none does: ("loading", message) while
-    workers of its queue load their model, ("none", message) when no live worker serves it, or none
-    of those that do has a card of the job's ``min_vram`` (renderfleet/cards.py).  None
-    when one does, or when Redis does not know the job (lost, or a store-only job): nothing to say."""
+) -> Unserved | None:
+    """Why no loaded worker takes the job's shards now, if none does: "loading" while workers of its
+    queue load their model, "none" when no live worker serves it, or none of those that do (loaded or
+    loading) has a card of the job's ``min_vram`` (renderfleet/cards.py; then with the reason it waits,
+    as the feeder holds it back: renderfleet/lua/feed.lua).  None when one does, or when Redis does not
+    know the job (lost, or a store-only job): nothing to say."""
     queue, raw_min = client.hmget(keys.job(job), "queue", cards.FIELD)
     queue = keys.text(queue) or None
     if queue is None:
         return None
     live = live_servers(client, store, workers, queue, max_age)
     need = cards.read_min_vram(raw_min)
-    if live and need and not any(cards.qualifies(cards.vram_of(workers[wid]), need) for wid in live):
-        return "none", small_cards_message(job, queue, need, len(live))
+    if need and live:
+        # A loading worker's card counts: the feeder feeds it the job (renderfleet/feeder.py, best_cards).
+        serving = live + live_servers(client, store, workers, queue, max_age, loading=True)
+        memory = [m for m in (cards.vram_of(workers[wid]) for wid in serving) if m is not None]
+        largest = max(memory) if memory else None
+        if not cards.qualifies(largest, need):
+            return Unserved("none", small_cards_message(job, queue, need, len(live)), card_reason(need, largest))
     if live:
         return None
     if loading := live_servers(client, store, workers, queue, max_age, loading=True):
-        return LOADING, loading_message(job, queue, len(loading))
-    return "none", no_worker_message(job, queue)
+        return Unserved(LOADING, loading_message(job, queue, len(loading)))
+    return Unserved("none", no_worker_message(job, queue))

@@ -406,6 +406,8 @@ def _render(
         parts.append(Text(""))
         # Why a job does not move: its workers load their model, or none serves its queue; or it failed.
         parts += [Text(j.unserved_note, style="yellow") for j in listed if j.unserved_note]
+        # ...and what it waits for, when that is a card no live worker has (its shards held back meanwhile).
+        parts += [Text(f"job {ids.get(j.job, j.job)} waiting: {j.waiting}", style="yellow") for j in listed if j.waiting]
         parts += [
             Text(f"job {ids.get(j.job, j.job)} failed: {why}", style="bold red")
             for j in listed

@@ -90,6 +90,10 @@ class JobStatus:
     # None when a worker does, or when not checked.
     unserved: str | None = None
     unserved_note: str | None = None
+    # Why it waits, its shards pending, while work is left: no live worker of its queue has the card its
+    # --min-vram asks for (dispatcher/serving.py, card_reason; the feeder feeds it no shard meanwhile); its
+    # state is then ``waiting``.  None otherwise, or when not checked.
+    waiting: str | None = None
     # Images the store held when this Redis took the job back without its account (a Redis that lost
     # its memory; ``keys.job``'s ``unaccounted``), or every stored image of a job Redis does not know:
     # their render time is unknown, so gpu_seconds counts only what came after and the cost is None.
@@ -151,15 +155,17 @@ class JobStatus:
     @property
     def state(self) -> str:
         """``failed`` (:attr:`why_failed`), ``finished`` (every prompt rendered or quarantined, some
-        rendered), ``budget`` (stopped at its budget: ``resume --budget`` raises it), ``cancelled`` or
-        ``running``."""
+        rendered), ``budget`` (stopped at its budget: ``resume --budget`` raises it), ``cancelled``,
+        ``waiting`` (for a card no live worker has: :attr:`waiting` says which) or ``running``."""
         if self.why_failed is not None:
             return "failed"
         if self.finished:
             return "finished"
         if self.budget_reached is not None:
             return "budget"
-        return "cancelled" if self.cancelled is not None else "running"
+        if self.cancelled is not None:
+            return "cancelled"
+        return "waiting" if self.waiting is not None else "running"
 
     @property
     def cost_per_1000_images(self) -> float | None:
@@ -909,7 +915,7 @@ def fleet_status(
             job_state.failure_reasons = failure_reasons(client, job)
             job_state.bytes_per_image = mean_bytes(stored_image_sizes(store, job, SIZE_SAMPLE))
         if max_age is not None and job_state.to_render and (why := unserved(client, store, workers, job, max_age)):
-            job_state.unserved, job_state.unserved_note = why
+            job_state.unserved, job_state.unserved_note, job_state.waiting = why
         status.backlog_seconds += job_state.backlog_seconds
         if job_state.shards_pending and job_state.cancelled is None:
             status.pending[job_state.queue] = status.pending.get(job_state.queue, 0) + job_state.shards_pending

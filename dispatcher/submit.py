@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import redis
@@ -288,6 +288,24 @@ def pin_loras(
     return tuple(spec.pinned_lora(lora[0], lora[1], lora_pin(lora[0], s3=s3, hub=hub)) for lora in loras)
 
 
+def kept_setting_problem(known: JobSpec, opts: SubmitOptions) -> str | None:
+    """Why a resubmit of the job ``known`` (its stored spec) cannot take ``opts``: a setting it gives that
+    is not the job's and that a resubmit does not change (never kept silently: issue 45).  Its
+    ``--min-vram`` is applied instead (:func:`submit`), as are its priority, share and budget (``resume``).
+
+    ``--webhook``: the job's events are bound to the receiver it was submitted with (a monitor reads it
+    once per life of the job, and each event keeps its target until it is delivered), so another one would
+    take only some of them."""
+    if opts.webhook and opts.webhook != known.webhook:
+        was = f"webhook {status.shown_target(known.webhook)}" if known.webhook else "the fleet's default webhook"
+        return (
+            f"--webhook: job {known.job} was submitted with {was}, and a resubmit does not change it (its events "
+            f"are bound to it); leave --webhook out to resume it, or `renderfleet delete {known.job}` and submit "
+            "it again to send its events elsewhere"
+        )
+    return None
+
+
 def job_id(digest: str, params: RenderParams, store: str) -> str:
     """What the images are and where they go: the prompt file's content, the
     render settings and the store (``spec.store_identity``).
@@ -349,6 +367,14 @@ def submit(
             raise InputError(
                 [f"{path}: job {job} exists with other prompts or settings; choose another --job or leave it out"]
             )
+        if why := kept_setting_problem(known, opts):
+            raise InputError([why])
+        if opts.min_vram and opts.min_vram != known.min_vram:
+            # Applied, not kept: a job that asks for a card no worker has is fixed by a resubmit.  The stored
+            # spec first, as resume registers the job from it (the field workers read at accept; the feeder
+            # holds the job against it at its next feed: renderfleet/lua/feed.lua).
+            known = replace(known, min_vram=opts.min_vram)
+            store.put(spec.spec_key(job), known.to_json().encode(), content_type="application/json")
         report = resume(
             job,
             store=store,

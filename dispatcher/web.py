@@ -312,7 +312,7 @@ class JobsShown:
 def _shown(job: JobStatus, show: str) -> bool:
     state = job.state
     if show == "active":
-        return state in ("running", "budget", "cancelled") and not job.finished
+        return state in ("running", "waiting", "budget", "cancelled") and not job.finished
     return show == "all" or state == show
 
 

@@ -191,8 +191,9 @@ class Client:
         (docs/pools.md, "Budgets").  ``webhook``: an http(s) URL the monitor posts the job's events
         to, signed (docs/monitoring.md, "Events"); a job submitted again keeps the one it was first
         submitted with.  ``min_vram``: the least card memory in GB (as cards are sold: 24, 40, 80) a
-        worker must have to render it; a smaller card's worker hands its shards back (docs/pools.md,
-        "Mixed cards"); where, not what: not part of the job's identity.
+        worker must have to render it; while no live worker's card qualifies, its shards wait pending and
+        other jobs render (docs/pools.md, "Mixed cards"); a job submitted again takes the new value; where,
+        not what: not part of the job's identity.
         ``settings`` are the job's other render settings by their names in the one table
         (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
         and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
@@ -681,7 +682,7 @@ class Job:
         found = unserved(
             redis_client, store, store_workers(redis_client, store), self.id, 2 * self.client.settings.lease_seconds
         )
-        return None if found is None else found[1]
+        return None if found is None else found.note
 
     def results(self, *, records: bool = False) -> Results:
         """Where each image is, and which are missing or quarantined (reads the store); Redis's

@@ -5,9 +5,11 @@ Each worker registers its card (``keys.WORKERS``: ``card``, as speed records nam
 ``worker.speeds.card_for``; ``vram_gib``, the device's total memory in GiB, left out where
 there is none to speak of: a CPU, a bench model).  A job may ask for a minimum card memory
 (``submit --min-vram GB``, kept in ``keys.job``'s ``min_vram`` and in the stored spec): a
-worker whose card has less never renders it (``worker/service.py``, ``accept``) and hands the
-message back to its queue, nothing counted; ``status`` says when no live worker of the job's
-queue qualifies (``dispatcher/serving.py``).  The autoscaler grows only pools whose card
+worker whose card has less never renders it (``worker/service.py``, ``accept``) and makes the
+shard pending again, nothing counted; the feeder feeds a job's shards only while a live worker
+serving its queue has a card that qualifies (``renderfleet/lua/feed.lua``: the others' jobs are
+fed meanwhile), and ``status`` shows such a job ``waiting``, saying for what card
+(``dispatcher/serving.py``).  The autoscaler grows only pools whose card
 qualifies for such a job's work, and ``submit --estimate`` counts only them (:func:`pool_vram`:
 a pool's memory; ``dispatcher/policy.py`` rule 11).
 

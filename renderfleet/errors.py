@@ -33,8 +33,10 @@ Three classes of trouble, each with its own budget:
   it).  At start-up a :class:`ConfigError` (exit 2, nothing started); for a
   job's model met later, handled as the node's device: the shard to the front
   of the queue for a node that can hold it, the worker stops (exit 4).
-* **a card too small for a job's ``--min-vram``** (:class:`NotThisCard`): checked before
-  the claim; the message goes back to its queue for another worker, nothing counted.
+* **a card too small for a job's ``--min-vram``**: checked before the claim, nothing counted;
+  the shard goes back to pending, which the feeder feeds only while a live worker's card
+  qualifies (``renderfleet/lua/feed.lua``).  A message that is not the shard's own (a copy)
+  goes back to its queue instead (:class:`NotThisCard`).
 * **a job's stored prompts** (:class:`WireError`): its wire file or index in
   the store is not what submit wrote (forged or damaged bytes: offsets past
   the file, out of order, a line that is not JSON).  The shard is rejected with
@@ -79,9 +81,10 @@ class TransientError(RenderfleetError):
 
 
 class NotThisCard(TransientError):
-    """A job asks for more card memory (``submit --min-vram``) than this worker's card has: its message goes
-    back to the queue, unclaimed, for a worker whose card qualifies (renderfleet/cards.py).  Never a
-    failure of the job, its prompts or the worker."""
+    """A job asks for more card memory (``submit --min-vram``) than this worker's card has, and the message
+    is not its shard's own (whose shard goes back to pending instead): it goes back to the queue, unclaimed,
+    for a worker whose card qualifies (renderfleet/cards.py).  Never a failure of the job, its prompts or
+    the worker."""
 
 
 class StoreError(TransientError):

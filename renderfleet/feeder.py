@@ -14,7 +14,11 @@ Nothing depends on one process: every worker feeds its queue when it takes a
 message and, while idle, at every reaper tick, the monitor at every pass, submit
 and resume once they are done; the script is atomic, so any number may run at
 once (docs/design.md, "Pending work and the feeder").  The target's worker
-counts are counted by one process for all (:meth:`Feeder.counts`).
+counts are counted by one process for all (:meth:`Feeder.counts`), and with
+them the largest card of the live workers serving each queue: a job of
+``--min-vram`` larger than that is not fed (its message would wait in the
+queue, taken and handed back by every worker, ahead of every other job's), but
+waits out of the rotation until a worker with such a card is registered.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import keys
+from renderfleet import cards, keys
 from renderfleet.celery_app import queue_name
 from renderfleet.leases import ScriptCall, lua_script
 
@@ -46,6 +50,44 @@ WORKERS_CACHE_SECONDS = 5.0
 # entries, which grew as the square of the fleet (bench/redis_scale.py --before).
 COUNTS_SECONDS = 5.0
 SCAN_SECONDS = 30.0  # how often Feeder.queues scans the keyspace (the monitor's pass)
+# A worker whose last_seen is older than this is taken to be gone when the feeder looks for a card that
+# qualifies for a job's --min-vram: twice the default lease, as status takes it (dispatcher/serving.py).
+LIVE_SECONDS = 12.0
+
+
+def served_pools(info: Mapping[str, Any]) -> list[str]:
+    """The pools whose queues a registered worker serves (a registration from before workers
+    recorded them: its own pool and ``default``, what a worker serves unless told)."""
+    queues = info.get("queues")
+    if isinstance(queues, list) and all(isinstance(q, str) for q in queues):
+        return queues
+    pool = str(info.get("pool", "default"))
+    return [pool] if pool == "default" else [pool, "default"]
+
+
+def best_cards(
+    registrations: Mapping[bytes | str, bytes | str], seen: Mapping[bytes | str, Any], now: float, live_seconds: float
+) -> dict[str, float]:
+    """The largest card memory (GiB) of the live workers serving each queue, from the registrations
+    (``keys.WORKERS``) and each worker's ``last_seen`` (``seen``, unix time): a worker not touched for
+    ``live_seconds`` is taken to be gone, as ``status`` takes it (twice the lease).  A worker still
+    loading its model counts: it takes the queue's messages once loaded.  A queue whose live workers
+    name no memory is absent (it takes no --min-vram work: ``renderfleet/cards.py``)."""
+    best: dict[str, float] = {}
+    for wid, raw in registrations.items():
+        try:
+            info = json.loads(raw)
+            store = str(info["store"])
+            age = now - float(keys.text(seen.get(wid)) or "nan")
+        except (ValueError, KeyError, TypeError):
+            continue
+        memory = cards.vram_of(info) if isinstance(info, dict) else None
+        if memory is None or not 0 <= age < live_seconds:  # NaN (never touched) is not live either
+            continue
+        for pool in served_pools(info):
+            q = queue_name(pool, store)
+            best[q] = max(best.get(q, 0.0), memory)
+    return best
 
 
 def count_registrations(values: Iterable[bytes | str]) -> dict[str, int]:
@@ -69,11 +111,23 @@ def read_counts(raw: Mapping[bytes | str, bytes | str]) -> tuple[dict[str, int],
         try:
             if keys.text(name) == keys.COUNTED_AT:
                 at = float(value)
-            else:
+            elif not keys.text(name).startswith(keys.CARD_MARK):
                 counts[keys.text(name)] = int(value)
         except ValueError:
             continue
     return counts, at
+
+
+def read_cards(raw: Mapping[bytes | str, bytes | str]) -> dict[str, float]:
+    """The published largest live card per queue (keys.WORKER_COUNTS' ``card@<queue>`` fields, GiB)."""
+    found: dict[str, float] = {}
+    for name, value in raw.items():
+        if keys.text(name).startswith(keys.CARD_MARK):
+            try:
+                found[keys.text(name)[len(keys.CARD_MARK) :]] = float(value)
+            except ValueError:
+                continue
+    return found
 
 
 def counts_stale(at: float, now: float) -> bool:
@@ -92,24 +146,44 @@ def stride(share: int) -> int:
     return max(1, keys.FEED_STRIDE // max(1, share))
 
 
-def feed_call(queue: str, target: int) -> ScriptCall:
-    """feed.lua's KEYS and ARGV: top ``queue`` up to ``target`` messages (also run by bench/redis_scale.py)."""
+def feed_call(queue: str, target: int, card: float = 0.0) -> ScriptCall:
+    """feed.lua's KEYS and ARGV: top ``queue`` up to ``target`` messages (also run by bench/redis_scale.py),
+    feeding only jobs whose ``--min-vram`` a card of ``card`` GiB (the largest live one serving the
+    queue; 0: none known) qualifies for (``renderfleet/cards.py``)."""
     return ScriptCall(
         "feed",
-        [queue, keys.active(queue), keys.ENQUEUED, keys.SEQ, keys.QUEUES],
-        [target, target + FEED_STEPS, keys.JOB_PREFIX, keys.QUEUED_PREFIX],
+        [queue, keys.active(queue), keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.card_wait(queue)],
+        [
+            target,
+            target + FEED_STEPS,
+            keys.JOB_PREFIX,
+            keys.QUEUED_PREFIX,
+            repr(float(card)),
+            repr(cards.NOMINAL_SHARE),
+            keys.FEED_BAND,
+            cards.FIELD,
+        ],
     )
 
 
 class Feeder:
     """Runs ``feed.lua`` for a queue, with a target from the live workers of its pool."""
 
-    def __init__(self, client: redis.Redis, *, per_worker: int = FEED_PER_WORKER, minimum: int = FEED_MIN):
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        per_worker: int = FEED_PER_WORKER,
+        minimum: int = FEED_MIN,
+        live_seconds: float = LIVE_SECONDS,
+    ):
         self.client = client
         self.per_worker = per_worker
         self.minimum = minimum
+        self.live_seconds = live_seconds
         self._feed = client.register_script(lua_script("feed"))
         self._workers: dict[str, int] = {}
+        self._cards: dict[str, float] = {}  # queue -> its largest live card (GiB), as last read
         self._workers_at = float("-inf")
         self.owner = uuid.uuid4().hex
         self._scanned: set[str] = set()  # queues with a rotation found by the last scan
@@ -118,10 +192,20 @@ class Feeder:
     def target(self, queue: str) -> int:
         """How many messages ``queue`` should hold: :data:`FEED_PER_WORKER` per registered
         worker of its pool and store, at least :data:`FEED_MIN`."""
+        self._refresh()
+        return max(self.minimum, self.per_worker * self._workers.get(queue, 0))
+
+    def card(self, queue: str) -> float:
+        """The largest card memory (GiB) of the live workers serving ``queue``; 0 when none names one."""
+        self._refresh()
+        return self._cards.get(queue, 0.0)
+
+    def _refresh(self) -> None:
+        """The fleet's counts and cards as published, read again once :data:`WORKERS_CACHE_SECONDS` old."""
         now = time.monotonic()
         if now - self._workers_at > WORKERS_CACHE_SECONDS:
-            self._workers, self._workers_at = self.counts(), now
-        return max(self.minimum, self.per_worker * self._workers.get(queue, 0))
+            self._workers = self.counts()
+            self._workers_at = now
 
     def counts(self) -> dict[str, int]:
         """Workers per queue as published (keys.WORKER_COUNTS), counted again here when they are stale
@@ -135,16 +219,34 @@ class Feeder:
         raw, (seconds, micros) = ask.execute()
         now = seconds + micros / 1e6
         counts, at = read_counts(raw)
+        self._cards = read_cards(raw)
         if counts_stale(at, now) and self.client.set(
             keys.WORKER_COUNTS_LOCK, self.owner, nx=True, px=int(COUNTS_SECONDS * 1000)
         ):
-            counts = count_registrations(self.client.hvals(keys.WORKERS))
+            registrations = self.client.hgetall(keys.WORKERS)
+            counts = count_registrations(registrations.values())
+            self._cards = best_cards(registrations, self._last_seen(registrations), now, self.live_seconds)
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(keys.WORKER_COUNTS)
-            fields: dict[Any, Any] = {**counts, keys.COUNTED_AT: f"{now:.3f}"}
+            fields: dict[Any, Any] = {
+                **counts,
+                **{f"{keys.CARD_MARK}{q}": f"{gib:g}" for q, gib in self._cards.items()},
+                keys.COUNTED_AT: f"{now:.3f}",
+            }
             pipe.hset(keys.WORKER_COUNTS, mapping=fields)
             pipe.execute()
         return counts
+
+    def _last_seen(self, registrations: Mapping[bytes | str, bytes | str]) -> dict[bytes | str, Any]:
+        """Each registered worker's ``last_seen``, read only for those that name their card's memory:
+        only they can take --min-vram work (one pipelined read, by the one process counting)."""
+        named = [wid for wid, raw in registrations.items() if cards.VRAM in keys.text(raw)]
+        if not named:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for wid in named:
+            pipe.hget(keys.worker_stats(keys.text(wid)), "last_seen")
+        return dict(zip(named, pipe.execute(), strict=True))
 
     def feed(self, queue: str, target: int | None = None) -> int:
         """Top ``queue`` up from its jobs' pending shards; returns the messages pushed.
@@ -152,7 +254,7 @@ class Feeder:
         A job whose feed template in Redis is malformed is parked by the script (out of the
         rotation, its shards still pending): one warning here, the rest of the queue fed."""
         want = self.target(queue) if target is None else target
-        call = feed_call(queue, want)
+        call = feed_call(queue, want, self.card(queue))
         pushed, *parked = self._feed(keys=call.keys, args=call.args)
         for member, why in zip(parked[::2], parked[1::2], strict=True):
             job = keys.text(member).partition(keys.SEGMENT_MARK)[0]  # a later segment's: '<job>@<n>'

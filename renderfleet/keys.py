@@ -25,6 +25,9 @@ REAPER_LOCK = "rf:reaper"  # the fleet's reaper holds it, renewing it at each ti
 # The live workers per queue, counted from WORKERS by one process every few seconds for every feeder
 # (renderfleet/feeder.py): queue -> workers of its pool and store, and COUNTED_AT -> unix time of the count.
 WORKER_COUNTS = "rf:workercounts"
+# ...and, under CARD_MARK + queue, the largest card memory (GiB) of the live workers serving the queue
+# (0: none live, or none naming its memory): what feed.lua holds a job's --min-vram against.
+CARD_MARK = "card@"
 WORKER_COUNTS_LOCK = "rf:workercounts:lock"  # the process that counts next (SET NX, expiring)
 COUNTED_AT = "@at"
 FLEET_STATS = "rf:fleet"  # hash of counters of the whole Redis, every store's: reaped (expired leases re-queued)
@@ -137,6 +140,19 @@ FEED_STRIDE = 2520  # divisible by 1..10, so shares up to 10 are exact
 def active(queue: str) -> str:
     """zset job -> feed score (:data:`FEED_BAND`): the jobs with pending shards for ``queue``."""
     return f"{ACTIVE_PREFIX}{queue}"
+
+
+CARD_WAIT_PREFIX = "rf:cardwait:"  # + queue: see card_wait()
+
+
+def card_wait(queue: str) -> str:
+    """zset job (a rotation member, as in :func:`active`) -> the card memory (GiB, as workers report it) it
+    waits for: jobs of ``queue`` with pending shards that no live worker serving ``queue`` has the card
+    for (``submit --min-vram``).  ``renderfleet/lua/feed.lua`` moves a job here out of the rotation and
+    back once :data:`WORKER_COUNTS` names a live card that large (docs/design.md, "Pending work and the
+    feeder").  A member whose job was cancelled or deleted meanwhile is harmless: back in the rotation,
+    the feeder drops it as any job with nothing to feed."""
+    return f"{CARD_WAIT_PREFIX}{queue}"
 
 
 def left(job_id: str) -> str:

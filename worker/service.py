@@ -125,7 +125,7 @@ class WorkerService:
         self.load_model = load_model
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
-        self.feeder = Feeder(client)
+        self.feeder = Feeder(client, live_seconds=2 * settings.lease_seconds)  # as status takes a worker for gone
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name
@@ -648,9 +648,15 @@ class WorkerService:
             self._repend(msg, tag)
             return None
         if not cards.qualifies(self.vram, need := cards.read_min_vram(min_vram)):
-            # Not this card's work, nor a failure: the message to the back of its queue for a worker whose
-            # card qualifies (status says when none does: dispatcher/serving.py); nothing claimed or counted.
-            raise NotThisCard(f"shard {msg.job}:{msg.shard}: {cards.refusal(self.card, self.vram, need)}")
+            # Not this card's work, nor a failure; nothing claimed or counted.  Its shard goes back to
+            # pending rather than its message to the queue: a message no live worker can take would hold
+            # one of the queue's few places for ever, and every other job behind it (issue 45); the feeder
+            # feeds it again only while a live worker's card qualifies (renderfleet/lua/feed.lua).
+            why = f"shard {msg.job}:{msg.shard}: {cards.refusal(self.card, self.vram, need)}"
+            if self._repend_for_card(msg, tag):
+                log.info("%s: made pending again, for a worker whose card qualifies", why)
+                return None
+            raise NotThisCard(why)  # not the shard's own message (a copy): back to its queue, as before
         self.fresh = bool(fresh)
         self.budgeted = capped is not None  # its ledger asks before each batch whether it reached its budget
         if stored and not self._job_in_store(msg.job):  # StoreError: transient
@@ -750,6 +756,15 @@ class WorkerService:
         message = self.leases.release(lease, where)
         if message is not None:
             self.publish(message)
+
+    def _repend_for_card(self, msg: ShardMessage, tag: str) -> bool:
+        """Whether the shard of a message this card may not render went back to pending (its own message:
+        ``repend.lua``); False leaves the message to the caller.  Raises :class:`TransientError` when Redis
+        cannot answer now."""
+        try:
+            return bool(tag) and self.leases.repend(msg.job, msg.shard, tag, msg.queue)
+        except redis.RedisError as exc:
+            raise TransientError(f"cannot hand shard {msg.job}:{msg.shard} back: {exc}") from exc
 
     def _repend(self, msg: ShardMessage, tag: str) -> None:
         """A message that does not match its job as registered: its shard back to the feeder if it was the

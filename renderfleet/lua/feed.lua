@@ -23,13 +23,40 @@
 -- and each call had popped a pending shard first and lost it).  `renderfleet resume`
 -- writes the template again and puts the job back (publish.lua).
 --
+-- A job that asks for a card (keys.job min_vram: submit --min-vram, in GB as cards are sold) larger than
+-- any live worker serving the queue has (ARGV[5], the largest such card in GiB as workers report it,
+-- counted by renderfleet/feeder.py) is not fed: its message would only be taken and handed back by every
+-- worker, holding the queue's few places that every other job's shards need.  It leaves the rotation for
+-- the queue's card wait (keys.card_wait: job -> the GiB it needs, min_vram x NOMINAL_SHARE, as
+-- renderfleet/cards.py qualifies a card), its shards kept pending, and comes back, at the least pass of
+-- its priority's band (as a newcomer: publish.lua), at the first call that sees a card that large.
+--
 -- KEYS[1] queue, KEYS[2] active (zset job -> feed score, keys.active),
--- KEYS[3] enqueued, KEYS[4] seq, KEYS[5] queues
+-- KEYS[3] enqueued, KEYS[4] seq, KEYS[5] queues, KEYS[6] card wait (zset job -> GiB, keys.card_wait)
 -- ARGV[1] target (messages the queue should hold), ARGV[2] most steps this call,
--- ARGV[3] job key prefix, ARGV[4] queued prefix
+-- ARGV[3] job key prefix, ARGV[4] queued prefix, ARGV[5] the largest live card serving the queue (GiB;
+-- 0: none known), ARGV[6] cards.NOMINAL_SHARE, ARGV[7] keys.FEED_BAND (a priority band's width),
+-- ARGV[8] the job hash's field of its card memory (cards.FIELD)
 -- Returns {messages pushed, then each job parked and why: job, reason, job, reason, ...}.
 local queue, active, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local card_wait = KEYS[6]
 local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local card, share, band_width, vram_field = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+
+-- 0. Jobs waiting for a card that a live worker now has: back in the rotation, before the queue is
+-- looked at (a full queue is no reason to keep them out; they are fed in their turn).
+if card > 0 then
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', card_wait, '-inf', card)) do
+    redis.call('ZREM', card_wait, member)
+    local job = string.match(member, '^([^@]*)@%d+$') or member
+    local priority = tonumber(redis.call('HGET', job_prefix .. job, 'priority') or '5') or 5
+    local band = band_width * (9 - priority)
+    if not redis.call('ZSCORE', active, member) then
+      local low = redis.call('ZRANGEBYSCORE', active, band, '(' .. (band + band_width), 'WITHSCORES', 'LIMIT', 0, 1)
+      redis.call('ZADD', active, #low > 0 and tonumber(low[2]) or band, member)
+    end
+  end
+end
 
 -- Most calls find the queue full (every worker feeds at each message it takes): they return
 -- before building anything (the base64 table below costs more than the rest of such a call).
@@ -113,9 +140,19 @@ while length < target and steps > 0 do
   job = job or member
   local job_key = job_prefix .. job
   local pending = job_key .. ':pending' .. (seg and (':' .. seg) or '')
-  local f = redis.call('HMGET', job_key, 'cancelled', seg and ('feed:' .. seg) or 'feed', 'shard_size', 'total', 'stride')
+  local f = redis.call('HMGET', job_key, 'cancelled', seg and ('feed:' .. seg) or 'feed', 'shard_size', 'total', 'stride',
+                      vram_field)
   local size, total = tonumber(f[3]), tonumber(f[4])
+  local need = (tonumber(f[6] or '0') or 0) * share
+  if need ~= need or need == math.huge then
+    need = 0  -- not a number: no reason to hold the job back (cards.read_min_vram reads it so too)
+  end
   local shard, tmpl, why = false, false, nil
+  if not f[1] and f[2] and need > 0 and card < need then
+    -- No live worker of the queue has its card: out of the rotation until one does (step 0), every shard kept.
+    redis.call('ZADD', card_wait, need, member)
+    f[2] = false
+  end
   if not f[1] and f[2] then
     -- Checked before a shard is popped: a job that cannot be fed keeps every pending shard.
     tmpl = templates[member]

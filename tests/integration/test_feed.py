@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import pytest
@@ -269,3 +270,31 @@ def test_the_shared_worker_counts_age_by_redis_clock_not_by_the_counters(
     # Another process (a right clock) finds the counts stale and counts again: the fast clock's
     # stamp must not keep them "fresh" for the minute it ran ahead.
     assert Feeder(client).counts() == {QUEUE: 3}
+
+
+def _register(client: redis.Redis, worker: str, vram: float, seen_ago: float) -> None:
+    """A worker's registration and liveness as a worker writes them (worker/service.py), its card ``vram`` GiB."""
+    info = {"pool": "default", "store": STORE, "queues": ["default"], "vram_gib": vram}
+    client.hset(keys.WORKERS, worker, json.dumps(info))
+    client.hset(keys.worker_stats(worker), "last_seen", f"{time.time() - seen_ago:.3f}")
+    client.delete(keys.WORKER_COUNTS, keys.WORKER_COUNTS_LOCK)  # counted again at the next feeder's first look
+
+
+def test_a_job_no_live_card_qualifies_for_is_not_fed_and_comes_back_when_one_is_registered(
+    redis_server: RedisServerProcess,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    _register(client, "w-small", 16, seen_ago=0)
+    _register(client, "w-dead-big", 80, seen_ago=60)  # killed a minute ago: its registration stays
+    pend(client, redis_server.url, job_spec("j-needs-40", 3, priority=9, min_vram=40))
+    pend(client, redis_server.url, job_spec("j-any", 2))
+
+    # 1. The urgent job is held back, every shard pending; the other is fed as if it were alone.
+    assert order(client, Feeder(client), 5) == ["j-any:0", "j-any:1"]
+    assert client.zscore(keys.card_wait(QUEUE), "j-needs-40") == 36 and client.llen(keys.pending("j-needs-40")) == 3
+    assert {keys.text(v) for v in client.hvals(keys.shards("j-needs-40"))} == {"p"}
+
+    # 2. A live worker with the card: the job is back in the rotation at its priority, and fed.
+    _register(client, "w-big", 80, seen_ago=0)
+    assert order(client, Feeder(client), 5) == ["j-needs-40:0", "j-needs-40:1", "j-needs-40:2"]
+    assert client.zcard(keys.card_wait(QUEUE)) == 0
