@@ -51,6 +51,7 @@ POINTS = {
     "render": "inside the pipeline call, before the pipeline runs (worker/render.py, worker/benchrender.py)",
     "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "
     "(worker/runner.py)",
+    "before-images": "a batch's fence checked, none of its images written yet (worker/runner.py)",
     "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
     "before-count-stored": "every batch of the shard committed, its last listing and recount not done (worker/runner.py)",
     "stage": "a job's stage about to run on a batch, the level before it stored (worker/stagerun.py)",

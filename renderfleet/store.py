@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import hashlib
 import logging
 import os
 import secrets
@@ -80,6 +82,20 @@ class Store(Protocol):
 
     def put_file(self, key: str, path: Path) -> None:
         """Upload a (large) local file to ``key``."""
+
+    def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
+        """Write ``data`` at ``key`` only if no object is there (S3's ``If-None-Match: *``, judged when the
+        write completes); the new object's tag, or None when an object was there first."""
+
+    def replace(self, key: str, data: bytes, *, tag: str, content_type: str = "application/octet-stream") -> str | None:
+        """Write ``data`` at ``key`` only if the object there is still the one tagged ``tag`` (``If-Match``);
+        the new object's tag, or None when it is not (another write came between, or it is gone)."""
+
+    def get_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """The object at ``key`` and its tag (an S3 ETag), or None if there is none."""
+
+    def delete_tagged(self, key: str, tag: str) -> bool:
+        """Remove the object at ``key`` only if it is the one tagged ``tag``; whether it was removed."""
 
     def get(self, key: str) -> bytes | None:
         """The object at ``key``, or None if there is none."""
@@ -252,6 +268,49 @@ class LocalStore:
     def put_file(self, key: str, path: Path) -> None:
         """Copy a local file to ``key`` atomically."""
         self._write(key, Path(path))
+
+    # The conditional writes (the Store protocol's; docs/design.md "Writes of an ended life").  A file's tag is
+    # the MD5 of its bytes, as S3's ETag of a one-part upload.  put_new links its temporary file into place,
+    # which fails if a name is there, as atomically as the rename of a plain write (no lock needed: a link
+    # never lands on a file); replace and delete_tagged compare and act under an exclusive flock of the key's
+    # folder, so neither lands between another's comparison and act.
+
+    def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
+        """Write ``data`` at ``key`` unless a file is there (a link into place); its tag, or None."""
+        parts = self._parts(key)
+        with self._folder(parts[:-1], create=True) as folder, self._folder([TEMP_DIR], create=True) as tmp:
+            if not _write_at(data, tmp, f"{secrets.token_hex(8)}.tmp", folder, parts[-1], exclusive=True):
+                return None
+        return _tag(data)
+
+    def replace(self, key: str, data: bytes, *, tag: str, content_type: str = "application/octet-stream") -> str | None:
+        """Write ``data`` at ``key`` if the file there still has ``tag``; the new tag, or None."""
+        parts = self._parts(key)
+        with self._folder(parts[:-1], create=True) as folder, self._folder([TEMP_DIR], create=True) as tmp:
+            with _locked(folder):
+                if _tag_at(folder, parts[-1]) != tag:
+                    return None
+                _write_at(data, tmp, f"{secrets.token_hex(8)}.tmp", folder, parts[-1])
+        return _tag(data)
+
+    def get_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """The bytes at ``key`` and their tag, or None."""
+        data = self.get(key)
+        return None if data is None else (data, _tag(data))
+
+    def delete_tagged(self, key: str, tag: str) -> bool:
+        """Remove the file at ``key`` if it has ``tag``; whether it did."""
+        parts = self._parts(key)
+        try:
+            with self._folder(parts[:-1]) as folder, _locked(folder):
+                if _tag_at(folder, parts[-1]) != tag:
+                    return False
+                os.unlink(parts[-1], dir_fd=folder)
+                return True
+        except OSError as exc:
+            if exc.errno in _NO_OBJECT:
+                return False
+            raise
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None."""
@@ -441,13 +500,46 @@ def _empty(parent: int, name: str) -> int:
     return removed
 
 
-def _write_at(source: bytes | Path | BinaryIO, tmp_dir: int, tmp: str, dest_dir: int, dest: str) -> None:
+def _tag(data: bytes) -> str:
+    """A folder store file's tag: the MD5 of its bytes (S3's ETag of a one-part upload; not a security check)."""
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def _tag_at(folder: int, name: str) -> str | None:
+    """The tag of the regular file ``name`` in the open folder ``folder``, or None (missing, a link, not a file)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno in _NO_OBJECT:
+            return None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return _tag(f.read())
+
+
+@contextlib.contextmanager
+def _locked(folder: int) -> Iterator[None]:
+    """An exclusive flock of the open folder ``folder`` (LocalStore's compare-and-act writes)."""
+    fcntl.flock(folder, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(folder, fcntl.LOCK_UN)
+
+
+def _write_at(
+    source: bytes | Path | BinaryIO, tmp_dir: int, tmp: str, dest_dir: int, dest: str, *, exclusive: bool = False
+) -> bool:
     """Write ``source`` (bytes, a file to copy, or an open file) to ``tmp`` in the open folder
-    ``tmp_dir``, fsync it, then rename it to ``dest`` in the open folder ``dest_dir``.
+    ``tmp_dir``, fsync it, then rename it to ``dest`` in the open folder ``dest_dir``; ``exclusive``:
+    link it there instead, only if no name ``dest`` is there (False when one is).
 
     os.replace is atomic on one filesystem, and the fsync keeps a crash from leaving an
     empty file under the name.  Neither name is followed if it is a link: O_EXCL | O_NOFOLLOW
-    create a new file, and a rename replaces a link at ``dest`` rather than writing through it.
+    create a new file, and a rename replaces a link at ``dest`` rather than writing through it
+    (a link fails on any name at ``dest``, a link's too).
     """
     # os.open with 0o666, not mkstemp: the file gets the umask's mode, not 0600.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=tmp_dir)
@@ -462,7 +554,16 @@ def _write_at(source: bytes | Path | BinaryIO, tmp_dir: int, tmp: str, dest_dir:
                 shutil.copyfileobj(source, f, 1 << 20)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, dest, src_dir_fd=tmp_dir, dst_dir_fd=dest_dir)
+        if not exclusive:
+            os.replace(tmp, dest, src_dir_fd=tmp_dir, dst_dir_fd=dest_dir)
+            return True
+        try:
+            os.link(tmp, dest, src_dir_fd=tmp_dir, dst_dir_fd=dest_dir, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp, dir_fd=tmp_dir)
+        return True
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=tmp_dir)
@@ -514,6 +615,13 @@ def _is_transient(exc: BaseException) -> bool:
 def _is_not_found(exc: botocore.exceptions.ClientError) -> bool:
     code = exc.response.get("Error", {}).get("Code", "")
     return code in ("404", "NoSuchKey", "NotFound")
+
+
+def _is_condition_failed(exc: botocore.exceptions.ClientError) -> bool:
+    """A conditional request that did not hold (412), or raced another conditional write on the key (409)."""
+    code = exc.response.get("Error", {}).get("Code", "")
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
 
 
 def _is_unsatisfiable(exc: botocore.exceptions.ClientError) -> bool:
@@ -648,6 +756,66 @@ class S3Store:
                 str(path), self.bucket, full, ExtraArgs=self._put_args or None, Config=self._transfer()
             ),
         )
+
+    # The conditional writes: S3's If-None-Match / If-Match on PutObject and If-Match on DeleteObject,
+    # judged by S3 when the request completes, so a slow upload that loses a race fails rather than
+    # replaces.  A 412 is the answer "not yours", never retried; a 409 (a conditional write racing another
+    # on the same key) is the same answer, the caller reads what is there and decides.
+
+    def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
+        """PutObject with ``If-None-Match: *``: the new ETag, or None when an object is there."""
+        return self._put_if("put_new", key, data, content_type, IfNoneMatch="*")
+
+    def replace(self, key: str, data: bytes, *, tag: str, content_type: str = "application/octet-stream") -> str | None:
+        """PutObject with ``If-Match: tag``: the new ETag, or None when the object is another (or gone)."""
+        return self._put_if("replace", key, data, content_type, IfMatch=f'"{tag}"')
+
+    def _put_if(self, op: str, key: str, data: bytes, content_type: str, **condition: str) -> str | None:
+        full = self._key(key)
+
+        def put() -> str | None:
+            try:
+                answer = self.client.put_object(
+                    Bucket=self.bucket, Key=full, Body=data, ContentType=content_type, **condition, **self._put_args
+                )
+            except botocore.exceptions.ClientError as exc:
+                if _is_condition_failed(exc) or _is_not_found(exc):
+                    return None
+                raise
+            return str(answer["ETag"]).strip('"')
+
+        return self._call(op, full, put)
+
+    def get_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """GetObject: the bytes and their ETag, or None on a 404."""
+        full = self._key(key)
+
+        def fetch() -> tuple[bytes, str] | None:
+            try:
+                answer = self.client.get_object(Bucket=self.bucket, Key=full)
+            except botocore.exceptions.ClientError as exc:
+                if _is_not_found(exc):
+                    return None
+                raise
+            with answer["Body"] as body:
+                return cast(bytes, body.read()), str(answer["ETag"]).strip('"')
+
+        return self._call("get_tagged", full, fetch)
+
+    def delete_tagged(self, key: str, tag: str) -> bool:
+        """DeleteObject with ``If-Match: tag``: whether the object was that one and is gone."""
+        full = self._key(key)
+
+        def delete() -> bool:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=full, IfMatch=f'"{tag}"')
+            except botocore.exceptions.ClientError as exc:
+                if _is_condition_failed(exc) or _is_not_found(exc):
+                    return False
+                raise
+            return True
+
+        return self._call("delete_tagged", full, delete)
 
     def get(self, key: str) -> bytes | None:
         """The bytes at ``key``, or None on a 404."""

@@ -200,6 +200,19 @@ class RedisLedger:
                 self.metrics.lost_batch(LostReason.FENCED)
             raise Reclaimed(f"shard {self.lease.member} attempt {self.lease.attempt} fenced", fenced=True)
 
+    def life_ended(self) -> bool:
+        """Whether the job's life this lease was claimed in is over, as Redis says now: the job deleted (its
+        tombstone) or another life registered.  A hash Redis lost is not an ended life (the monitor registers
+        it again, with the life its stored spec names), nor is a Redis that cannot be asked."""
+        if not self.lease.life:
+            return False
+        try:
+            life, deleted = self.client.hmget(keys.job(self.lease.job), "life", "deleted")
+        except redis.RedisError as exc:
+            log.warning("cannot read job %s's life: %s", self.lease.job, exc)
+            return False
+        return deleted is not None or (life is not None and keys.text(life) != self.lease.life)
+
     def cancelled(self) -> bool:
         """Whether the shard's job was cancelled (its heartbeat said so), or reached its budget (a fence
         check said so, or, for a job with a budget, Redis now): stop before the next batch.

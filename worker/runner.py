@@ -62,6 +62,21 @@ log = logging.getLogger("renderfleet.runner")
 
 # A write failing with these is the node's disk, not the prompt's name.
 _NODE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+# How many conditional writes of one image may lose a race in a row before the batch gives up (a store error:
+# retried as any).  Each loss means another writer put an object there between our read and our write.
+_REPLACE_TRIES = 4
+
+
+@dataclass
+class _Upload:
+    """One encoded image on its way to the store: ``tag`` once this batch put it in place; ``other``: the tag
+    of another write's object found there ("" when it was gone by the time we looked)."""
+
+    key: str
+    data: bytes
+    content_type: str
+    tag: str | None = None
+    other: str | None = None
 
 
 class Renderer(Protocol):
@@ -80,6 +95,9 @@ class Ledger(Protocol):
 
     def check(self) -> None:
         """Raise Reclaimed(fenced=True) if a newer attempt took the shard."""
+
+    def life_ended(self) -> bool:
+        """Whether the job's life this attempt was claimed in is over (deleted, or another life begun)."""
 
     def cancelled(self) -> bool:
         """Whether the shard's job was cancelled: no new batch begins."""
@@ -447,17 +465,24 @@ class ShardRunner:
         # Images first: one that cannot be encoded or stored is its prompt's failure.
         # A job with stages says so in each final image (what the image went through after generate).
         extra = {"stages": json.dumps(stagelib.to_json(msg.params.stages))} if msg.params.stages else None
-        for name, error in self._put_images(msg.job, images, by_name, extra).items():
-            del images[name]
-            failures.append((by_name[name], error, False))
-        quarantined = self._record_failures(msg, failures, ledger, result)
+        written: dict[str, str] = {}  # the objects this batch put in place: {key: tag}
+        failpoints.reach("before-images")  # a pause here outlives the check above: the late upload's window
+        try:
+            for name, error in self._put_images(msg.job, images, by_name, extra, ledger, written).items():
+                del images[name]
+                failures.append((by_name[name], error, False))
+            quarantined = self._record_failures(msg, failures, ledger, result)
 
-        failpoints.reach("before-checkpoint")
-        ledger.check()  # again: a worker paused past its lease learns it here
-        cp.done.update(images)
-        cp.quarantined.update(p.name for p in quarantined)
-        self._write_checkpoint(msg, number, cp, attempt, rendered=sorted(images), per_image=per_image)
-        ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
+            failpoints.reach("before-checkpoint")
+            ledger.check()  # again: a worker paused past its lease learns it here
+            cp.done.update(images)
+            cp.quarantined.update(p.name for p in quarantined)
+            self._write_checkpoint(msg, number, cp, attempt, rendered=sorted(images), per_image=per_image)
+            ledger.commit([by_name[n].index for n in images], [p.index for p in quarantined])
+        except Reclaimed as exc:
+            if exc.fenced:
+                self._withdraw(msg.job, written, ledger)
+            raise
         if batch is not None and self.time_account is not None:
             ledger.record_gpu_time(kept=self.time_account.keep(batch))
         if msg.params.stages and self.stages is not None and not msg.params.keep_intermediates:
@@ -627,9 +652,21 @@ class ShardRunner:
         return {name for key in keys if (name := spec.image_name(key[len(base) :])) is not None}
 
     def _put_images(
-        self, job: str, images: dict[str, Any], prompts: dict[str, Prompt], extra: dict[str, str] | None = None
+        self,
+        job: str,
+        images: dict[str, Any],
+        prompts: dict[str, Prompt],
+        extra: dict[str, str] | None,
+        ledger: Ledger,
+        written: dict[str, str],
     ) -> dict[str, str]:
-        """Encode and store the images, in parallel; returns {name: reason} for those refused.
+        """Encode and store the images, in parallel; returns {name: reason} for those refused, and adds to
+        ``written`` each object put in place ({key: tag}).
+
+        Each image is written only where no object is (``put_new``): a late upload of an ended life, or of
+        an attempt this one superseded, never replaces another's image (docs/design.md "Writes of an ended
+        life").  An object already there with other bytes is replaced (``replace``, only that object) after
+        a fence check says this attempt is current; one with the same bytes is this image already.
 
         A store that cannot be reached (:class:`StoreError`) or a full or
         broken disk raises: the batch stays uncommitted.  Any other refusal is
@@ -640,9 +677,10 @@ class ShardRunner:
             name: self._uploads.submit(self._put_image, job, image, prompts[name], extra) for name, image in images.items()
         }
         refused: dict[str, str] = {}
+        taken: list[_Upload] = []
         for name, f in futures.items():
             try:
-                f.result()
+                upload = f.result()
             except PromptError as exc:
                 refused[name] = str(exc)
             except StoreError:
@@ -653,12 +691,63 @@ class ShardRunner:
                 refused[name] = f"cannot store image {name!r}: {exc.strerror or exc}"
             except Exception as exc:
                 refused[name] = f"cannot store image {name!r}: {type(exc).__name__}: {exc}"
+            else:
+                if upload.tag:
+                    written[upload.key] = upload.tag
+                elif upload.other is not None:
+                    taken.append(upload)
+        if taken:
+            ledger.check()  # only a current attempt replaces what another write left
+            for upload in taken:
+                if (tag := self._replace(upload)) is not None:
+                    written[upload.key] = tag
         return refused
 
-    def _put_image(self, job: str, image: Any, prompt: Prompt, extra: dict[str, str] | None = None) -> None:
+    def _put_image(self, job: str, image: Any, prompt: Prompt, extra: dict[str, str] | None = None) -> _Upload:
         data = self.renderer.encode(image, prompt, extra=extra) if extra else self.renderer.encode(image, prompt)
         ext, content_type = spec.IMAGE_FORMATS[prompt.image_format]
-        self.store.put(spec.image_key(job, prompt.name, ext), data, content_type=content_type)
+        key = spec.image_key(job, prompt.name, ext)
+        upload = _Upload(key, data, content_type)
+        upload.tag = self.store.put_new(key, data, content_type=content_type)
+        if upload.tag is None:
+            found = self.store.get_tagged(key)
+            if found is None or found[0] != data:
+                upload.other = found[1] if found else ""  # another's bytes, or gone since: _replace decides
+        return upload
+
+    def _replace(self, upload: _Upload) -> str | None:
+        """Put ``upload`` in place of the other object at its key (the fence checked); its tag, or None
+        when the object there now has our bytes.  Each conditional write that loses a race reads again."""
+        for _ in range(_REPLACE_TRIES):
+            if upload.other:
+                tag = self.store.replace(upload.key, upload.data, tag=upload.other, content_type=upload.content_type)
+            else:
+                tag = self.store.put_new(upload.key, upload.data, content_type=upload.content_type)
+            if tag is not None:
+                log.info("replaced %s: the object there was another write's (another attempt's or life's)", upload.key)
+                return tag
+            found = self.store.get_tagged(upload.key)
+            if found is not None and found[0] == upload.data:
+                return None
+            upload.other = found[1] if found else ""
+        raise StoreError(f"cannot put {upload.key}: {_REPLACE_TRIES} conditional writes lost to others in a row")
+
+    def _withdraw(self, job: str, written: dict[str, str], ledger: Ledger) -> None:
+        """Remove what this batch wrote when its job's life ended meanwhile (deleted, or another life begun):
+        a worker paused past its lease wakes, writes, and learns it was fenced only after.  Each object only
+        if it is still ours (``delete_tagged``); an attempt superseded within the same life keeps them (its
+        images are that life's, byte-identical to the next attempt's)."""
+        if not written or not ledger.life_ended():
+            return
+        removed = 0
+        for key, tag in written.items():
+            try:
+                removed += self.store.delete_tagged(key, tag)
+            except (StoreError, OSError) as exc:
+                log.warning("job %s: cannot withdraw %s, written after its life ended: %s", job, key, exc)
+        log.warning(
+            "job %s: its life ended while this batch was written: withdrew %d of its %d objects", job, removed, len(written)
+        )
 
     def _write_checkpoint(
         self,

@@ -9,6 +9,7 @@ lives another life.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import time
@@ -265,3 +266,70 @@ def test_a_rejected_message_that_was_its_shards_puts_the_shard_back_to_pending(
     assert keys.text(r.hget(keys.shards(job), "0")) == "p" and r.lrange(keys.pending(job), 0, -1) == [b"0"]
     assert r.zscore(keys.active(queue), job) is not None and not r.hexists(keys.ENQUEUED, keys.member(job, 0))
     assert not leases.repend(job, 0, "tag-0", queue)  # once
+
+
+# ---- writes of an ended life (docs/design.md "Writes of an ended life"; issues 45 item 3 and 50) ---------------
+#
+# The stale worker is ``before-images=pause``: it has passed its batch's fence check and SIGSTOPs itself before
+# its first image write, as a slow upload or a stalled node would; it is woken once its life has ended.  On both
+# stores: the folder store's conditional writes are links and flocks, S3's are If-None-Match / If-Match (moto's
+# server over HTTP).
+
+
+def _stale_worker_paused_before_its_images(
+    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]
+) -> tuple[dict[str, str], redis.Redis, WorkerProc, str]:
+    env = base_env(tmp_path, redis_server.url, store_url, **bench_worker(0.05))
+    r = redis.Redis.from_url(redis_server.url)
+    stale = WorkerProc({**env, **pause_at("before-images")}, tmp_path / "stale.log")
+    procs.append(stale)
+    wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
+    job = submit(env, write_prompts(tmp_path / "old.txt", 4, prefix="OLD prompt"))
+    wait_for(lambda: stopped(stale.pid), 60, interval=0.1, what="the worker to pause before its images")
+    return env, r, stale, job
+
+
+def _images(store_url: str, job: str) -> dict[str, str]:
+    """Each image in the job's folder, on either store: the prompt written inside it."""
+    store = open_store(store_url)
+    found = {}
+    for key in store.list(f"jobs/{job}/images/"):
+        data = store.get(key)
+        if data is not None:
+            found[key.rsplit("/", 1)[-1]] = Image.open(io.BytesIO(data)).text["prompt"]
+    return found
+
+
+def test_a_late_upload_across_a_delete_and_a_new_life_never_replaces_the_new_lifes_images(
+    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]
+) -> None:
+    """Issue 45 item 3: a worker's uploads land after its job was deleted and another file finished under the
+    name.  Before conditional writes they replaced the new life's images: status said 4/4 finished with two
+    images of the deleted file.  Now each write lands only where no object is, so the stale uploads are refused
+    (another's bytes there, and the fence check that would let it replace them says it is fenced)."""
+    env, _r, stale, job = _stale_worker_paused_before_its_images(tmp_path, redis_server, store_url, procs)
+    cli(env, "delete", job, "--yes")
+    assert submit(env, write_prompts(tmp_path / "new.txt", 4, prefix="NEW prompt")) == job
+    fresh = WorkerProc(env, tmp_path / "fresh.log")
+    procs.append(fresh)
+    wait_for(lambda: status_now(env, job)["done"] == 4, 90, interval=0.25, what="the new life to finish")
+    os.kill(stale.pid, signal.SIGCONT)
+    wait_for(lambda: "fenced" in stale.output(), 30, what="the woken worker to learn it was fenced")
+    prompts = _images(store_url, job)
+    assert len(prompts) == 4 and all(p.startswith("NEW prompt") for p in prompts.values()), prompts
+    st = job_status(env, job)
+    assert (st["done"], st["state"]) == (4, "finished"), st
+
+
+def test_a_late_upload_into_a_deleted_name_is_withdrawn_by_its_writer(
+    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]
+) -> None:
+    """Issue 50, replayed: the lives machine found a deleted name holding two images of its old file.  The
+    worker had passed its fence check, paused, and wrote after the delete had emptied the folder.  Its next
+    fence check says the life ended, and it removes what it wrote (each object only if it is still its own)."""
+    env, _r, stale, job = _stale_worker_paused_before_its_images(tmp_path, redis_server, store_url, procs)
+    cli(env, "delete", job, "--yes")
+    os.kill(stale.pid, signal.SIGCONT)
+    wait_for(lambda: "withdrew 2 of its 2 objects" in stale.output(), 30, what="the woken worker to withdraw its images")
+    assert _images(store_url, job) == {}
+    assert list(open_store(store_url).list(f"jobs/{job}/")) == []

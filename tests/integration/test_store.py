@@ -66,6 +66,36 @@ def test_put_replaces_an_existing_object(store: Store) -> None:
     assert store.get("a/b") == b"new"
 
 
+def test_put_new_writes_only_where_no_object_is(store: Store) -> None:
+    key = "jobs/j/images/000000.png"
+    tag = store.put_new(key, b"first")
+    assert tag and store.get_tagged(key) == (b"first", tag)
+    assert store.put_new(key, b"second") is None  # a late write never replaces what is there
+    assert store.get(key) == b"first"
+
+
+def test_replace_and_delete_act_only_on_the_object_they_name(store: Store) -> None:
+    key = "jobs/j/images/000001.png"
+    first = store.put_new(key, b"first")
+    assert first is not None
+    assert store.replace(key, b"mine", tag="0" * 32) is None and store.get(key) == b"first"
+    second = store.replace(key, b"second", tag=first)
+    assert second and second != first and store.get(key) == b"second"
+    assert store.replace(key, b"third", tag=first) is None  # another write came between: not ours to replace
+    assert not store.delete_tagged(key, first) and store.get(key) == b"second"
+    assert store.delete_tagged(key, second) and not store.exists(key)
+    assert not store.delete_tagged(key, second)  # gone: nothing to do
+    assert store.replace(key, b"x", tag=second) is None and not store.exists(key)
+
+
+def test_of_many_racing_put_news_exactly_one_lands(store: Store) -> None:
+    key = "jobs/j/images/000002.png"
+    with ThreadPoolExecutor(8) as pool:
+        tags = list(pool.map(lambda i: store.put_new(key, f"writer {i}".encode()), range(8)))
+    [winner] = [i for i, tag in enumerate(tags) if tag is not None]
+    assert store.get(key) == f"writer {winner}".encode()
+
+
 def test_a_key_holding_the_folder_stores_old_temp_mark_round_trips(store: Store) -> None:
     key = f"jobs/j1/images/p{TEMP_MARK}1.png"
     store.put(key, b"png", content_type="image/png")

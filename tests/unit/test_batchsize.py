@@ -68,6 +68,10 @@ def make_msg(n: int, batch: int, shard: int = 0) -> ShardMessage:
 
 class Ledger:
     def check(self) -> None: ...
+
+    def life_ended(self) -> bool:
+        return False
+
     def cancelled(self) -> bool:
         return False
 

@@ -89,6 +89,9 @@ class MemLedger:
         if self.fenced_after is not None and self.commits >= self.fenced_after:
             raise Reclaimed("fenced", fenced=True)
 
+    def life_ended(self) -> bool:
+        return False
+
     def cancelled(self) -> bool:
         return self.cancelled_after is not None and self.commits >= self.cancelled_after
 
@@ -259,6 +262,10 @@ class FlakyStore(LocalStore):
             raise StoreError(f"S3 put {key} failed after 6 attempt(s)")
         super().put(key, data, content_type=content_type)
 
+    def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
+        self.put(key, data, content_type=content_type)  # images are written only where none is: the same outage
+        return self.get_tagged(key)[1]  # type: ignore[index]
+
 
 def test_a_store_outage_leaves_the_batch_uncommitted(tmp_path: Path) -> None:
     from renderfleet.errors import StoreError
@@ -393,6 +400,15 @@ class RecordingStore(LocalStore):
     def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
         self.before_put(key)
         super().put(key, data, content_type=content_type)
+        self._log(key)
+
+    def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
+        self.before_put(key)
+        tag = super().put_new(key, data, content_type=content_type)
+        self._log(key)
+        return tag
+
+    def _log(self, key: str) -> None:
         kind = "image" if key.endswith(".png") else "checkpoint" if "/checkpoints/" in key else "other"
         self.events.add(kind, key.rsplit("/", 1)[-1].split(".")[0] if kind == "image" else key)
 
@@ -547,6 +563,11 @@ class FailingStore(RecordingStore):
         if key.endswith(("000000.png", "000001.png")):
             raise self.error
         super().put(key, data, content_type=content_type)
+
+    def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
+        if key.endswith(("000000.png", "000001.png")):
+            raise self.error
+        return super().put_new(key, data, content_type=content_type)
 
 
 @pytest.mark.parametrize(

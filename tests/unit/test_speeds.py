@@ -231,6 +231,10 @@ class Renderer:
 
 class Ledger:
     def check(self) -> None: ...
+
+    def life_ended(self) -> bool:
+        return False
+
     def cancelled(self) -> bool:
         return False
 

@@ -186,6 +186,10 @@ class Ledger:
         self.stages: list[tuple[str, int]] = []
 
     def check(self) -> None: ...
+
+    def life_ended(self) -> bool:
+        return False
+
     def cancelled(self) -> bool:
         return False
 

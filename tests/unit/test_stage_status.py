@@ -166,6 +166,10 @@ class StageLedger:
         self.done: list[int] = []
 
     def check(self) -> None: ...
+
+    def life_ended(self) -> bool:
+        return False
+
     def cancelled(self) -> bool:
         return False
 

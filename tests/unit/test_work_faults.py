@@ -73,6 +73,9 @@ class Ledger:
     def check(self) -> None:
         pass
 
+    def life_ended(self) -> bool:
+        return False
+
     def cancelled(self) -> bool:
         return False
 
@@ -111,6 +114,12 @@ class RefusingStore(LocalStore):
             if fragment in key:
                 raise OSError(code, "refused")
         super().put(key, data, content_type=content_type)
+
+    def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
+        for fragment, code in self.refuse.items():
+            if fragment in key:
+                raise OSError(code, "refused")
+        return super().put_new(key, data, content_type=content_type)
 
 
 def runner(store: LocalStore, renderer: Renderer) -> ShardRunner:
@@ -166,6 +175,9 @@ def test_a_full_or_read_only_disk_is_the_nodes_fault_and_commits_nothing(tmp_pat
 def test_a_store_outage_is_raised_not_blamed_on_a_prompt(tmp_path: Path) -> None:
     class Down(LocalStore):
         def put(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> None:
+            raise StoreError("S3 503")
+
+        def put_new(self, key: str, data: bytes, *, content_type: str = "application/octet-stream") -> str | None:
             raise StoreError("S3 503")
 
     ledger = Ledger()
