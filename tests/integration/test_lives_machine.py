@@ -319,7 +319,7 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess, budget: Budget) ->
                 # A worker woken at the end may have a late write of an ended life in flight: its writer withdraws
                 # it once its fence check fails (docs/design.md "Writes of an ended life").  Bounded, then checked.
                 with contextlib.suppress(AssertionError):
-                    wait_for(lambda: all(p.startswith(want) for p in images_now().values()), 15, interval=0.25)
+                    wait_for(lambda w=want: all(p.startswith(w) for p in images_now().values()), 15, interval=0.25)
                 images = images_now()
                 assert all(p.startswith(want) for p in images.values()), (name, state.file, images)
                 if state.file and not state.cancelled:
