@@ -35,6 +35,7 @@ import redis
 from renderfleet import budget, keys
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
+from renderfleet.registry import TOUCH_SECONDS
 from renderfleet.spec import Prompt
 from renderfleet.states import Beat, Fence
 from worker.metrics import ImageOutcome, LostReason
@@ -53,13 +54,6 @@ STAGE_FIELD = "stage:"
 # The unsent counters' prefix of the job's own account of the worker's time (record_gpu_time): the job's
 # ``<use>_ms.<pool>``, never the worker's or the pool's (theirs come whole from the time account).
 JOB_FIELD = "job:"
-TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
-
-
-def touch_seconds_for(lease_seconds: float) -> float:
-    """How often a worker writes its liveness: :data:`TOUCH_SECONDS`, or half the lease when that is
-    shorter, so a reader allowing twice the lease (dispatcher/serving.py) never takes it for gone."""
-    return min(TOUCH_SECONDS, lease_seconds / 2)
 
 
 class Liveness:
