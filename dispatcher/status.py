@@ -38,7 +38,7 @@ from renderfleet.cards import CardRow, card_rows
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.jobfailure import FAILED
-from renderfleet.nodes import NodeRecord, read_nodes
+from renderfleet.nodes import NodeRecord, read_nodes, with_live_workers
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store
@@ -919,7 +919,7 @@ def fleet_status(
     status.gpus_per_node = published_gpus_per_node(client, store.url)
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     status.redis = redis_load(client)
-    status.nodes = read_nodes(client, status.store)
+    status.nodes = with_live_workers(read_nodes(client, status.store), status.workers)
     status.undelivered = undelivered(client, set(jobs))
     return status
 

@@ -47,6 +47,7 @@ VARIABLE = "RENDERFLEET_FAILPOINTS"
 
 # Every failpoint the product reaches, and where.
 POINTS = {
+    "loading": "a worker's loading registration written, its first model not loaded (worker/loading.py)",
     "before-claim": "a shard's message taken (in kombu's unacked), its lease not yet claimed (renderfleet/leases.py)",
     "render": "inside the pipeline call, before the pipeline runs (worker/render.py, worker/benchrender.py)",
     "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "

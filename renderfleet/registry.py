@@ -20,6 +20,8 @@ time, which the readers age it by: the fleet's machines' clocks disagree.
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +104,25 @@ def forget(client: redis.Redis, worker_id: str) -> None:
     pipe.hdel(keys.WORKERS, worker_id)
     pipe.zrem(keys.WORKERS_ALIVE, worker_id)
     pipe.execute()
+
+
+def lapse(client: redis.Redis, match: Callable[[dict[str, Any]], bool]) -> list[str]:
+    """Take the workers whose registration ``match``es for dead now (a node supervisor reaped the
+    process: its successor on the GPU must not be counted beside it for the rest of its liveness):
+    their deadline set to Redis's now, their registration kept until pruned, for reap.lua.  Returns
+    their ids."""
+    ids = []
+    for worker, raw in client.hgetall(keys.WORKERS).items():
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(info, dict) and match(info):
+            ids.append(keys.text(worker))
+    if ids:
+        seconds, micros = client.time()
+        client.zadd(keys.WORKERS_ALIVE, dict.fromkeys(ids, seconds * 1000 + micros // 1000))
+    return ids
 
 
 def live_registrations(client: redis.Redis) -> dict[Any, Any]:

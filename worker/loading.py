@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import registry
+from renderfleet import failpoints, registry
 from renderfleet.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,13 @@ class LoadingRegistration:
             registry.forget(self.client, self.worker_id)
 
     def _run(self) -> None:
-        while not self._done.is_set():
+        # Written once even where the load ends first (a bench model's): the loaded worker's registration
+        # replaces it; a failed load's forget() joins this thread before it deletes it.
+        while True:
             try:
                 registry.write_alive(self.client, self._alive)
+                failpoints.reach("loading")  # a test's worker killed as it loads (tests/integration/test_dead_workers.py)
             except redis.RedisError as exc:  # not reachable yet: the worker waits for it after the load
                 log.debug("loading registration not written: %s", exc)
-            self._done.wait(self.touch_seconds)
+            if self._done.wait(self.touch_seconds):
+                return
