@@ -47,7 +47,6 @@ VARIABLE = "RENDERFLEET_FAILPOINTS"
 
 # Every failpoint the product reaches, and where.
 POINTS = {
-    "loading": "a worker's loading registration written, its first model not loaded (worker/loading.py)",
     "before-claim": "a shard's message taken (in kombu's unacked), its lease not yet claimed (renderfleet/leases.py)",
     "render": "inside the pipeline call, before the pipeline runs (worker/render.py, worker/benchrender.py)",
     "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "
@@ -55,6 +54,7 @@ POINTS = {
     "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
     "before-count-stored": "every batch of the shard committed, its last listing and recount not done (worker/runner.py)",
     "stage": "a job's stage about to run on a batch, the level before it stored (worker/stagerun.py)",
+    "loading": "a worker's loading registration written, its first model not loaded (worker/loading.py)",
 }
 ERRORS = ("RuntimeError", "ValueError", "AcceleratorError")
 

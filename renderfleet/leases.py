@@ -421,9 +421,6 @@ class Leases:
     def __init__(self, client: redis.Redis, lease_seconds: float, envelope: Envelope | None = None):
         self.client = client
         self.lease_ms = int(lease_seconds * 1000)
-        from renderfleet.registry import alive_ms  # here: the registry reads its scripts through this module
-
-        self.alive_ms = alive_ms(lease_seconds)  # a beat carrying the worker's liveness renews it for this long
         # Builds a fresh kombu envelope when kombu's copy of a message is gone.
         self.envelope = envelope
         self._scripts = {
@@ -475,18 +472,19 @@ class Leases:
             return answer, None
         return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life)
 
-    def heartbeat(self, lease: Lease, registration: str = "", held: int | None = None) -> Beat:
+    def heartbeat(self, lease: Lease, registration: str = "", held: int | None = None, *, alive_ms: int = 0) -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.
-        ``registration``: the beat also writes the worker's liveness; ``held``: the render time it holds
+        ``registration``: the beat also writes the worker's liveness, live ``alive_ms`` from now
+        (``renderfleet.registry.alive_ms``); ``held``: the render time it holds
         not yet kept, in ms (see :func:`heartbeat_call`).
 
         A beat is small; only when Redis answers that the lease is missing (it lost its memory, or a
         reaper took it) is the call made again with the payload that re-creates it."""
-        call = heartbeat_call(lease, self.lease_ms, registration=registration, alive_ms=self.alive_ms, held=held)
+        call = heartbeat_call(lease, self.lease_ms, registration=registration, alive_ms=alive_ms, held=held)
         beat = Beat(int(self.run(call)))
         if beat is Beat.MISSING:
             call = heartbeat_call(
-                lease, self.lease_ms, registration=registration, alive_ms=self.alive_ms, held=held, recreate=True
+                lease, self.lease_ms, registration=registration, alive_ms=alive_ms, held=held, recreate=True
             )
             beat = Beat(int(self.run(call)))
         return beat

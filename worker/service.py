@@ -149,7 +149,9 @@ class WorkerService:
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
         self.bad_outputs = 0  # batches whose images were NaN or black twice (BadOutput): the node's, after a few
         # Its registration, and when a busy worker's heartbeat last carried its liveness (its tick's touch skipped).
-        self.liveness = Liveness(registry.touch_seconds_for(settings.lease_seconds))
+        self.liveness = Liveness(
+            registry.touch_seconds_for(settings.lease_seconds), registry.alive_ms(settings.lease_seconds)
+        )
         self._unregistered = False  # said goodbye (close): touch writes nothing more
         self._lease: Lease | None = None  # the shard being handled, if any
         self._ending: list[Future[Outcome]] = []  # the shards before, ending in their commit lanes
