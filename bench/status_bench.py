@@ -75,7 +75,7 @@ def main() -> int:
 
             def in_process() -> float:
                 t = time.perf_counter()
-                fleet = fleet_status(client, store=store, with_store_only=True, max_age=60.0, fold_finished=True)
+                fleet = fleet_status(client, store=store, with_store_only=True, served=True, fold_finished=True)
                 ids = short_ids(known_jobs(client, store))
                 print_status(fleet, Console(file=io.StringIO(), width=80), ids=ids)
                 return time.perf_counter() - t

@@ -53,7 +53,7 @@ from dispatcher.status import (
     publish_gpus_per_node,
     publish_prices,
 )
-from renderfleet import cards, keys, speeds
+from renderfleet import cards, keys, registry, speeds
 from renderfleet.embedded import private_dir
 from renderfleet.errors import ConfigError
 from renderfleet.leases import lua_script
@@ -108,7 +108,7 @@ def registered_workers(client: redis.Redis, pool: str, store: str) -> list[dict[
     store's pool of the same name on a shared Redis is another pool."""
     ours = store_identity(store)
     out = []
-    for worker_id, raw in client.hgetall(keys.WORKERS).items():
+    for worker_id, raw in registry.live_registrations(client).items():
         # A registration that is not JSON, or whose pid is no number, is skipped (logged once): one
         # bad value in Redis must not stop the autoscaler.
         where = f"{keys.WORKERS} {worker_id!r}"

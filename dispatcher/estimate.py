@@ -141,7 +141,7 @@ def pools_for(
     return out
 
 
-def live_workers(client: redis.Redis, store: Store, job_pool: str, max_age: float) -> dict[str, list[dict[str, Any]]]:
+def live_workers(client: redis.Redis, store: Store, job_pool: str) -> dict[str, list[dict[str, Any]]]:
     """Pool -> the registrations of its live workers (loaded or loading) that serve ``job_pool``'s queue
     (reads only)."""
     from dispatcher.serving import live_servers
@@ -150,8 +150,8 @@ def live_workers(client: redis.Redis, store: Store, job_pool: str, max_age: floa
     workers = store_workers(client, store)
     queue = queue_name(job_pool, store.url)
     up = [
-        *live_servers(client, store, workers, queue, max_age),
-        *live_servers(client, store, workers, queue, max_age, loading=True),
+        *live_servers(store, workers, queue),
+        *live_servers(store, workers, queue, loading=True),
     ]
     out: dict[str, list[dict[str, Any]]] = {}
     for wid in up:
@@ -344,7 +344,7 @@ def estimate_file(
     if client is None:
         notes.append(f"{unread.rstrip('.') or 'no Redis to read'}: no pool's workers are counted as up")
     else:
-        live = live_workers(client, store, opts.pool, 2 * settings.lease_seconds)
+        live = live_workers(client, store, opts.pool)
         published = published_prices(client, store.url)
     live_cards = {pool: [str(w.get("card") or "") for w in regs] for pool, regs in live.items()}
     memory = {pool: cards.pool_vram(None, regs) for pool, regs in live.items()}

@@ -3,11 +3,13 @@
 A job waits silently forever when no worker takes from its queue (a typo in
 ``--pool``, workers of another store, none started), so a waiter checks.  A
 worker registers (``keys.WORKERS``) the pools whose queues it serves and the
-store it writes to, and touches ``last_seen`` at every reaper tick; one whose
-last touch is older than ``max_age`` is taken to be gone (the Kelpie rule:
-twice the lease).  A worker still loading its model is registered with
-``"state": "loading"`` (worker/loading.py) and touched as it loads: it is
-reported as loading, not as a live worker, nor as none.  A job that asks for a minimum card
+store it writes to, and renews its liveness every few seconds; the registrations
+read here are the live ones (``dispatcher.status.store_workers``, through
+renderfleet/registry.py: the one definition every view shares), so a worker
+killed outright is not counted as serving a queue once its liveness lapses.
+A worker still loading its model is registered with ``"state": "loading"``
+(worker/loading.py) and renews its liveness as it loads: it is reported as
+loading, not as a live worker, nor as none.  A job that asks for a minimum card
 memory (``submit --min-vram``) is served only by live workers whose card qualifies
 (``renderfleet/cards.py``): with none such, it is reported as unserved, saying so, and
 ``status`` shows it ``waiting`` (its shards pending: the feeder holds them back).
@@ -15,7 +17,6 @@ memory (``submit --min-vram``) is served only by live workers whose card qualifi
 
 from __future__ import annotations
 
-import time
 from typing import Any, NamedTuple
 
 import redis
@@ -28,39 +29,16 @@ from renderfleet.store import Store
 LOADING = "loading"  # worker.loading.LOADING: a registration's "state" while its worker loads (no worker import here)
 
 
-def live_servers(
-    client: redis.Redis,
-    store: Store,
-    workers: dict[str, dict[str, Any]],
-    queue: str,
-    max_age: float,
-    now: float | None = None,
-    *,
-    loading: bool = False,
-) -> list[str]:
-    """The ids of ``workers`` (the registrations of the workers of ``store``: ``dispatcher.status.store_workers``)
-    serving ``queue`` whose last touch is under ``max_age`` s old: those loaded, or with ``loading`` those still
+def live_servers(store: Store, workers: dict[str, dict[str, Any]], queue: str, *, loading: bool = False) -> list[str]:
+    """The ids of ``workers`` (the live registrations of the workers of ``store``:
+    ``dispatcher.status.store_workers``) serving ``queue``: those loaded, or with ``loading`` those still
     loading their model."""
-    now = time.time() if now is None else now
-    candidates = [
+    return [
         wid
         for wid, info in workers.items()
         if (info.get("state") == LOADING) == loading
         and queue in (queue_name(pool, store.url) for pool in served_pools(info))
     ]
-    if not candidates:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for wid in candidates:
-        pipe.hget(keys.worker_stats(wid), "last_seen")
-    live = []
-    for wid, seen in zip(candidates, pipe.execute(), strict=True):
-        try:
-            if now - float(keys.text(seen)) < max_age:
-                live.append(wid)
-        except ValueError:
-            continue  # never touched, or not a number: not known to be alive
-    return live
 
 
 def job_queue(client: redis.Redis, job: str) -> str | None:
@@ -113,7 +91,7 @@ class Unserved(NamedTuple):
 
 
 def unserved(
-    client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str, max_age: float
+    client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str
 ) -> Unserved | None:
     """Why no loaded worker takes the job's shards now, if none does: "loading" while workers of its
     queue load their model, "none" when no live worker serves it, or none of those that do (loaded or
@@ -124,17 +102,17 @@ def unserved(
     queue = keys.text(queue) or None
     if queue is None:
         return None
-    live = live_servers(client, store, workers, queue, max_age)
+    live = live_servers(store, workers, queue)
     need = cards.read_min_vram(raw_min)
     if need and live:
         # A loading worker's card counts: the feeder feeds it the job (renderfleet/feeder.py, best_cards).
-        serving = live + live_servers(client, store, workers, queue, max_age, loading=True)
+        serving = live + live_servers(store, workers, queue, loading=True)
         memory = [m for m in (cards.vram_of(workers[wid]) for wid in serving) if m is not None]
         largest = max(memory) if memory else None
         if not cards.qualifies(largest, need):
             return Unserved("none", small_cards_message(job, queue, need, len(live)), card_reason(need, largest))
     if live:
         return None
-    if loading := live_servers(client, store, workers, queue, max_age, loading=True):
+    if loading := live_servers(store, workers, queue, loading=True):
         return Unserved(LOADING, loading_message(job, queue, len(loading)))
     return Unserved("none", no_worker_message(job, queue))

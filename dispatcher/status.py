@@ -33,12 +33,12 @@ from dispatcher.resume import (
 )
 from dispatcher.serving import unserved
 from dispatcher.stagestatus import StageStatus, add_figures, planned
-from renderfleet import budget, keys, spec
+from renderfleet import budget, keys, registry, spec
 from renderfleet.cards import CardRow, card_rows
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.jobfailure import FAILED
-from renderfleet.nodes import NodeRecord, read_nodes
+from renderfleet.nodes import NodeRecord, read_nodes, with_live_workers
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store
@@ -752,12 +752,13 @@ def failure_reasons(client: redis.Redis, job: str, limit: int = 5) -> dict[str, 
 
 
 def store_workers(client: redis.Redis, store: Store) -> dict[str, dict[str, Any]]:
-    """The registrations of the workers that write to ``store``, by worker id (another
-    store's, one registered by a version that did not record its store, or one whose
-    registration is not a JSON object (skipped with a warning) are not)."""
+    """The registrations of the live workers that write to ``store``, by worker id (a worker
+    whose liveness lapsed: renderfleet/registry.py; another store's, one registered by a
+    version that did not record its store, or one whose registration is not a JSON object
+    (skipped with a warning) are not)."""
     ours = store_identity(store.url)
     out = {}
-    for worker_id, raw in client.hgetall(keys.WORKERS).items():
+    for worker_id, raw in registry.live_registrations(client).items():
         info = json_object(raw, f"{keys.WORKERS} {worker_id!r}")
         if info is not None and info.get("store") == ours:
             try:
@@ -845,7 +846,7 @@ def fleet_status(
     prices: dict[str, float] | None = None,
     with_store_only: bool = False,
     reasons: bool | None = None,
-    max_age: float | None = None,
+    served: bool = False,
     fold_finished: bool = False,
 ) -> FleetStatus:
     """``store``'s queues, workers, pools and jobs: the named ``jobs``, or every job of
@@ -861,8 +862,8 @@ def fleet_status(
     Costs are counted at the prices the fleet published (:func:`publish_prices`), each
     overridden by ``prices`` (a config given to the reader).  ``reasons`` (default: when
     ``jobs`` are named) reads each job's ``failure_reasons``; a listing leaves them None.
-    ``max_age`` (a worker's liveness: twice the lease) checks, for each job with work left,
-    that a loaded worker serves its queue (``JobStatus.unserved``); None: not checked.
+    ``served`` checks, for each job with work left, that a live loaded worker serves its queue
+    (``JobStatus.unserved``).  Every worker shown and counted is a live one (:func:`store_workers`).
     ``fold_finished``: a finished job is counted in ``folded``, not read (``status`` without
     ``--all``: a fleet that ran 10,000 jobs is read as fast as one that runs ten).
     """
@@ -914,7 +915,7 @@ def fleet_status(
         if reasons if reasons is not None else named:
             job_state.failure_reasons = failure_reasons(client, job)
             job_state.bytes_per_image = mean_bytes(stored_image_sizes(store, job, SIZE_SAMPLE))
-        if max_age is not None and job_state.to_render and (why := unserved(client, store, workers, job, max_age)):
+        if served and job_state.to_render and (why := unserved(client, store, workers, job)):
             job_state.unserved, job_state.unserved_note, job_state.waiting = why
         status.backlog_seconds += job_state.backlog_seconds
         if job_state.shards_pending and job_state.cancelled is None:
@@ -924,7 +925,7 @@ def fleet_status(
     status.gpus_per_node = published_gpus_per_node(client, store.url)
     status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
     status.redis = redis_load(client)
-    status.nodes = read_nodes(client, status.store)
+    status.nodes = with_live_workers(read_nodes(client, status.store), status.workers)
     status.undelivered = undelivered(client, set(jobs))
     return status
 

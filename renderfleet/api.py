@@ -679,9 +679,7 @@ class Job:
         from dispatcher.status import store_workers
 
         redis_client, store = self.client.redis, self.client.store
-        found = unserved(
-            redis_client, store, store_workers(redis_client, store), self.id, 2 * self.client.settings.lease_seconds
-        )
+        found = unserved(redis_client, store, store_workers(redis_client, store), self.id)
         return None if found is None else found.note
 
     def results(self, *, records: bool = False) -> Results:

@@ -736,7 +736,7 @@ def status(
                 store=store,
                 prices=prices,
                 with_store_only=True,
-                max_age=2 * settings.lease_seconds,
+                served=True,
                 # A fleet that ran 10,000 jobs: the finished ones counted, not read (--json lists them all).
                 fold_finished=not (job or every or as_json),
             )
@@ -1010,8 +1010,8 @@ def monitor(
             server = serve(
                 http,
                 # with the check status makes: a job with work left whose workers load their model, or
-                # that no live worker serves, says so on the page too (twice the lease: a worker's liveness)
-                lambda: fleet_status(client, store=store, prices=prices, max_age=2 * settings.lease_seconds),
+                # that no live worker serves, says so on the page too
+                lambda: fleet_status(client, store=store, prices=prices, served=True),
                 prices,
                 settings.http_token,
                 client=client,

@@ -55,6 +55,7 @@ POINTS = {
     "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
     "before-count-stored": "every batch of the shard committed, its last listing and recount not done (worker/runner.py)",
     "stage": "a job's stage about to run on a batch, the level before it stored (worker/stagerun.py)",
+    "loading": "a worker's loading registration written, its first model not loaded (worker/loading.py)",
 }
 ERRORS = ("RuntimeError", "ValueError", "AcceleratorError")
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import cards, keys
+from renderfleet import cards, keys, registry
 from renderfleet.celery_app import queue_name
 from renderfleet.leases import ScriptCall, lua_script
 
@@ -209,10 +209,10 @@ class Feeder:
 
     def counts(self) -> dict[str, int]:
         """Workers per queue as published (keys.WORKER_COUNTS), counted again here when they are stale
-        and no other process is counting (one HVALS of keys.WORKERS per :data:`COUNTS_SECONDS` for the
-        whole fleet, not one per feeder).  Aged by Redis's clock (TIME, in the same round trip):
-        the fleet's machines' clocks disagree, and counts stamped by a fast one would stay "fresh"
-        for everyone else as long as it ran ahead."""
+        and no other process is counting (one read of the live registrations, renderfleet/registry.py,
+        per :data:`COUNTS_SECONDS` for the whole fleet, not one per feeder).  Aged by Redis's clock
+        (TIME, in the same round trip): the fleet's machines' clocks disagree, and counts stamped by a
+        fast one would stay "fresh" for everyone else as long as it ran ahead."""
         ask = self.client.pipeline(transaction=False)
         ask.hgetall(keys.WORKER_COUNTS)
         ask.time()
@@ -223,7 +223,7 @@ class Feeder:
         if counts_stale(at, now) and self.client.set(
             keys.WORKER_COUNTS_LOCK, self.owner, nx=True, px=int(COUNTS_SECONDS * 1000)
         ):
-            registrations = self.client.hgetall(keys.WORKERS)
+            registrations = registry.live_registrations(self.client)
             counts = count_registrations(registrations.values())
             self._cards = best_cards(registrations, self._last_seen(registrations), now, self.live_seconds)
             pipe = self.client.pipeline(transaction=True)

@@ -17,6 +17,9 @@ from __future__ import annotations
 JOBS = "rf:jobs"  # set of job ids known to this Redis
 INFLIGHT = "rf:inflight"  # zset "<job>:<shard>" -> lease expiry (ms, Redis clock)
 WORKERS = "rf:workers"  # hash worker id -> JSON registration (pool, store: the store_identity it writes to, ...)
+# zset worker id -> the deadline of its registration (ms, Redis clock): renewed with its liveness, read
+# (and pruned) by every reader through renderfleet/registry.py, so a worker killed outright leaves every view.
+WORKERS_ALIVE = "rf:workers:alive"
 EPOCH = "rf:epoch"  # set once per Redis lifetime; missing means Redis was lost
 # The replication id (INFO master_replid) of the primary the monitor last saw: another id here
 # means another primary (a failover, a restart), which may have lost writes (docs/design.md, "Redis failover").

@@ -229,10 +229,17 @@ def claim_call(
 
 
 def heartbeat_call(
-    lease: Lease, lease_ms: int, *, registration: str = "", recreate: bool = False, held: int | None = None
+    lease: Lease,
+    lease_ms: int,
+    *,
+    registration: str = "",
+    alive_ms: int = 0,
+    recreate: bool = False,
+    held: int | None = None,
 ) -> ScriptCall:
     """A beat: renew the lease; with ``registration``, also write the worker's liveness (what
-    ``WorkerService.touch`` writes); with ``held``, the shard's render time not yet kept, in ms (the
+    ``WorkerService.touch`` writes: its deadline ``alive_ms`` from now, ``renderfleet/registry.py``);
+    with ``held``, the shard's render time not yet kept, in ms (the
     lease's ``held``, which the reaper counts lost if the lease expires: ``reap.lua``); with
     ``recreate``, the payload that re-creates a missing lease (kombu's envelope and the message, a
     kilobyte or more: only after a beat answered MISSING)."""
@@ -245,6 +252,7 @@ def heartbeat_call(
         registration,
         lease.life,
         "" if held is None else held,
+        alive_ms,
     ]
     if recreate:
         args += [lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag]
@@ -258,6 +266,7 @@ def heartbeat_call(
             keys.lease(lease.job, lease.shard),
             keys.worker_stats(lease.worker),
             keys.WORKERS,
+            keys.WORKERS_ALIVE,
         ],
         args,
     )
@@ -463,16 +472,20 @@ class Leases:
             return answer, None
         return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life)
 
-    def heartbeat(self, lease: Lease, registration: str = "", held: int | None = None) -> Beat:
+    def heartbeat(self, lease: Lease, registration: str = "", held: int | None = None, *, alive_ms: int = 0) -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.
-        ``registration``: the beat also writes the worker's liveness; ``held``: the render time it holds
+        ``registration``: the beat also writes the worker's liveness, live ``alive_ms`` from now
+        (``renderfleet.registry.alive_ms``); ``held``: the render time it holds
         not yet kept, in ms (see :func:`heartbeat_call`).
 
         A beat is small; only when Redis answers that the lease is missing (it lost its memory, or a
         reaper took it) is the call made again with the payload that re-creates it."""
-        beat = Beat(int(self.run(heartbeat_call(lease, self.lease_ms, registration=registration, held=held))))
+        call = heartbeat_call(lease, self.lease_ms, registration=registration, alive_ms=alive_ms, held=held)
+        beat = Beat(int(self.run(call)))
         if beat is Beat.MISSING:
-            call = heartbeat_call(lease, self.lease_ms, registration=registration, held=held, recreate=True)
+            call = heartbeat_call(
+                lease, self.lease_ms, registration=registration, alive_ms=alive_ms, held=held, recreate=True
+            )
             beat = Beat(int(self.run(call)))
         return beat
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -31,6 +32,9 @@ class GpuState(StrEnum):
     RETIRED = "retired"  # its worker stopped on a device error (exit 4): never started on it again
     STOPPED = "stopped"  # its worker stopped and is not started again (a drain, exit 0)
     REFUSED = "refused"  # its worker refused its configuration (exit 2): the node stops
+    # Never written: what a reader makes of an "up" GPU with no live worker registered for it (one starting,
+    # not registered yet, or one killed, its supervisor gone with it or not yet told): not counted up.
+    SILENT = "silent"
 
 
 class NodeState(StrEnum):
@@ -113,10 +117,25 @@ class NodeRecord:
                 parts.append(f"GPU {g.gpu} restarting ({g.restarts} restart{'s' if g.restarts != 1 else ''}: {g.reason})")
             elif g.state == GpuState.REFUSED:
                 parts.append(f"GPU {g.gpu} refused its configuration")
+            elif g.state == GpuState.SILENT:
+                parts.append(f"GPU {g.gpu} silent (no live worker: starting, or gone)")
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "summary": self.summary()}
+
+
+def with_live_workers(records: list[NodeRecord], workers: Iterable[dict[str, Any]]) -> list[NodeRecord]:
+    """``records`` with each GPU its supervisor calls up but no live worker registration (``workers``:
+    renderfleet/registry.py) claims made :attr:`GpuState.SILENT`: a record is refreshed every
+    ``keys.NODE_REFRESH_SECONDS`` and outlives a supervisor killed outright by ``keys.NODE_TTL_SECONDS``,
+    while a worker leaves the registry within its lease, so a node's GPU counts follow its workers."""
+    live = {(str(w.get("node")), str(w.get("gpu"))) for w in workers if w.get("node")}
+    for record in records:
+        for gpu in record.gpus:
+            if gpu.state == GpuState.UP and (record.node, gpu.gpu) not in live:
+                gpu.state = GpuState.SILENT
+    return records
 
 
 def read_nodes(client: redis.Redis, store: str) -> list[NodeRecord]:

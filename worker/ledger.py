@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from renderfleet import budget, keys
+from renderfleet import budget, keys, registry
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
+from renderfleet.registry import TOUCH_SECONDS
 from renderfleet.spec import Prompt
 from renderfleet.states import Beat, Fence
 from worker.metrics import ImageOutcome, LostReason
@@ -53,13 +54,6 @@ STAGE_FIELD = "stage:"
 # The unsent counters' prefix of the job's own account of the worker's time (record_gpu_time): the job's
 # ``<use>_ms.<pool>``, never the worker's or the pool's (theirs come whole from the time account).
 JOB_FIELD = "job:"
-TOUCH_SECONDS = 3.0  # how often a worker's liveness is written (readers allow twice the lease: 12 s)
-
-
-def touch_seconds_for(lease_seconds: float) -> float:
-    """How often a worker writes its liveness: :data:`TOUCH_SECONDS`, or half the lease when that is
-    shorter, so a reader allowing twice the lease (dispatcher/serving.py) never takes it for gone."""
-    return min(TOUCH_SECONDS, lease_seconds / 2)
 
 
 class Liveness:
@@ -69,8 +63,11 @@ class Liveness:
     of its own: one every 3 s was a fifth of a busy worker's round trips (bench/redis_scale.py).
     """
 
-    def __init__(self, every: float = TOUCH_SECONDS):
+    def __init__(self, every: float = TOUCH_SECONDS, alive_ms: int | None = None):
         self.every = every
+        # How long a write keeps the worker live (renderfleet/registry.py); by default, as for a lease
+        # twice ``every`` (touch_seconds_for's: the default lease's 3 s).
+        self.alive_ms = registry.alive_ms(2 * every) if alive_ms is None else alive_ms
         self.registration = ""  # the worker's JSON registration (WorkerService.register)
         self._carried = float("-inf")  # monotonic time of the last heartbeat that carried it
 
@@ -470,7 +467,12 @@ class LeaseKeeper(threading.Thread):
             held_ms = int(self.held() * 1000) if self.held is not None else 0
             sent = lease_now()
             try:
-                ok = self.leases.heartbeat(self.lease, registration, held_ms if held_ms != self._held_sent else None)
+                ok = self.leases.heartbeat(
+                    self.lease,
+                    registration,
+                    held_ms if held_ms != self._held_sent else None,
+                    alive_ms=self.liveness.alive_ms if self.liveness else 0,
+                )
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if lease_now() - (self.clock.renewed or started) > self.lease_seconds and not self._done.is_set():
                     log.warning("lease %s not renewed for %.0f s: fencing myself", self.lease.member, self.lease_seconds)

@@ -22,13 +22,13 @@ from renderfleet import celery_app, failpoints, logs
 from renderfleet.embedded import broker_url
 from renderfleet.errors import ConfigError, ModelLoadError
 from renderfleet.reaper import ReaperThread
+from renderfleet.registry import TOUCH_SECONDS, touch_seconds_for
 from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
 from worker import queueguard, tasks
 from worker.compiled import compile_seconds
 from worker.deviceerrors import is_device_error
 from worker.gputime import Use, WorkerTime, process_started
-from worker.ledger import TOUCH_SECONDS, touch_seconds_for
 from worker.loading import LoadingRegistration
 from worker.metrics import BadImages, WorkerMetrics, serve_metrics
 from worker.models import model_label, model_refusal
@@ -464,7 +464,7 @@ def _loading(settings: Settings, url: str, worker_id: str, model: str, pools: li
         **node_fields(settings),
     }
     client = redisconn.client(url, socket_timeout=10, health_check_interval=10)
-    return LoadingRegistration(client, worker_id, info, touch_seconds_for(settings.lease_seconds))
+    return LoadingRegistration(client, worker_id, info, touch_seconds_for(settings.lease_seconds), settings.lease_seconds)
 
 
 def _default_queues(pool: str) -> list[str]:

@@ -25,7 +25,7 @@ import time
 
 import redis
 
-from renderfleet import keys
+from renderfleet import keys, registry
 from renderfleet.nodes import GpuRecord, NodeRecord, NodeState
 
 log = logging.getLogger("renderfleet.node")
@@ -88,10 +88,12 @@ class NodeBoard:
             return None
         return any(keys.text(m) == "1" for m in marks)
 
-    def worker_gone(self, gpu: str) -> str:
-        """A worker of ``gpu`` exited: its marks cleared; the device error it reported, if any."""
+    def worker_gone(self, gpu: str, pid: int) -> str:
+        """A worker of ``gpu`` (process ``pid``) exited: its marks cleared, its registration taken for dead
+        at once (killed outright, it said no goodbye; renderfleet/registry.py); the device error it reported."""
         key = keys.node_gpus(self.node)
         try:
+            registry.lapse(self.client, lambda r: r.get("node") == self.node and r.get("gpu") == gpu and r.get("pid") == pid)
             pipe = self.client.pipeline()
             pipe.hget(key, f"error:{gpu}")
             pipe.hdel(key, f"busy:{gpu}", f"error:{gpu}")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import budget, cards, jobfailure, keys, logs, spec
+from renderfleet import budget, cards, jobfailure, keys, logs, registry, spec
 from renderfleet import stages as stagelib
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
@@ -47,7 +47,7 @@ from renderfleet.store import Store
 from worker.batchsize import BatchSizes
 from worker.deviceerrors import is_device_error
 from worker.gputime import Use, WorkerTime
-from worker.ledger import LeaseKeeper, Liveness, RedisLedger, touch_seconds_for
+from worker.ledger import LeaseKeeper, Liveness, RedisLedger
 from worker.models import check_digest, model_label, model_refusal
 from worker.node import report_device_error
 from worker.prefetch import Prefetch
@@ -149,7 +149,9 @@ class WorkerService:
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
         self.bad_outputs = 0  # batches whose images were NaN or black twice (BadOutput): the node's, after a few
         # Its registration, and when a busy worker's heartbeat last carried its liveness (its tick's touch skipped).
-        self.liveness = Liveness(touch_seconds_for(settings.lease_seconds))
+        self.liveness = Liveness(
+            registry.touch_seconds_for(settings.lease_seconds), registry.alive_ms(settings.lease_seconds)
+        )
         self._unregistered = False  # said goodbye (close): touch writes nothing more
         self._lease: Lease | None = None  # the shard being handled, if any
         self._ending: list[Future[Outcome]] = []  # the shards before, ending in their commit lanes
@@ -231,17 +233,18 @@ class WorkerService:
         self.liveness.registration = json.dumps(info)
         self.runner.card = self.card  # each batch's checkpoint says where it was rendered
         pipe = self.client.pipeline()
-        pipe.hset(keys.WORKERS, self.worker_id, self.liveness.registration)
+        # Its registration, last_seen and the deadline readers drop it at unless renewed (renderfleet/registry.py).
+        alive = registry.alive_call(self.worker_id, self.liveness.registration, self.settings.lease_seconds, replace=True)
+        registry.queue_alive(pipe, alive)
         pool = self.settings.pools.get(self.settings.pool)
         if pool is not None and pool.gpu_price_per_hour > 0:  # its config knows its pool's price: status counts costs
             pipe.hset(keys.prices(self.store_tag), self.settings.pool, f"{pool.gpu_price_per_hour:g}")
         pipe.hincrby(keys.worker_stats(self.worker_id), "loads", 1)
         pipe.hincrby(keys.worker_stats(self.worker_id), "load_ms", int(load_seconds * 1000))
-        pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
         if self.time_account is not None:  # the start its time is counted from: its process's (worker/gputime.py)
             up_since = time.time() - (self.time_account.clock() - self.time_account.started)
             pipe.hset(keys.worker_stats(self.worker_id), "up_since", f"{up_since:.3f}")
-        pipe.execute()
+        registry.execute_with_alive(self.client, pipe, alive)
 
     def touch(self) -> None:
         """Liveness for status; re-registers if Redis lost its memory.  Nothing to write while a
@@ -251,10 +254,10 @@ class WorkerService:
         if self.liveness.fresh() or self._unregistered:
             return
         pipe = self.client.pipeline(transaction=False)
-        pipe.hset(keys.worker_stats(self.worker_id), "last_seen", f"{time.time():.3f}")
-        pipe.hsetnx(keys.WORKERS, self.worker_id, self.liveness.registration)
+        alive = registry.alive_call(self.worker_id, self.liveness.registration, self.settings.lease_seconds)
+        registry.queue_alive(pipe, alive)
         self._add_time(pipe)
-        pipe.execute()
+        registry.execute_with_alive(self.client, pipe, alive)
 
     def _add_time(self, pipe: redis.client.Pipeline) -> None:
         """The time account's deltas (worker/gputime.py) into ``pipe``: the worker's and its pool's counters."""
@@ -271,7 +274,7 @@ class WorkerService:
     def unregister(self) -> None:
         self._unregistered = True
         with contextlib.suppress(redis.RedisError):
-            self.client.hdel(keys.WORKERS, self.worker_id)
+            registry.forget(self.client, self.worker_id)
 
     def _pool_bump(self, **fields: int) -> None:
         pipe = self.client.pipeline(transaction=False)

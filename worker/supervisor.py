@@ -142,7 +142,7 @@ class NodeSupervisor:
             if status is None:
                 continue
             del self.children[gpu]
-            error = self.board.worker_gone(gpu) if self.board is not None else ""
+            error = self.board.worker_gone(gpu, child.pid) if self.board is not None else ""
             state = self.policy.exited(gpu, status, now, error)
             how = exit_text(status)
             if state == GpuState.RETIRED:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from renderfleet import Client, PromptRequest, keys
+from renderfleet import Client, PromptRequest
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import InputError
 from renderfleet.spec import bench_model
@@ -221,11 +221,10 @@ def test_wait_says_at_once_that_no_live_worker_serves_the_jobs_queue_and_the_tim
         job.wait(timeout=1.5, poll=0.5)
     warned = [r.getMessage() for r in caplog.records if r.name == "renderfleet.api"]
     assert len(warned) == 1 and "no live worker serves" in warned[0], warned
-    # A worker gone without a word (SIGKILL: its registration stays) is not live once its touch is
-    # older than two leases: the default pool's job is told too.
+    # A worker gone without a word (SIGKILL: its registration stays) is not live once its liveness
+    # lapses (renderfleet/registry.py): the default pool's job is told too.
     bench_worker_proc.kill()
-    (gone,) = _store_workers(client)
-    client.redis.hset(keys.worker_stats(gone), "last_seen", "1")
+    wait_for(lambda: not _store_workers(client), 60, what="the killed worker's liveness to lapse")
     other = client.submit(["a harbour"], **TINY)
     said.clear()
     with pytest.raises(TimeoutError, match=r"no live worker serves its queue renderfleet\.default\."):

@@ -26,7 +26,7 @@ def _fleet(env: dict[str, str], job: str) -> dict[str, Any]:
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
     store = open_store(env["RENDERFLEET_STORE"])
     try:
-        return fleet_status(client, [job], store=store, max_age=6.0).to_dict()
+        return fleet_status(client, [job], store=store, served=True).to_dict()
     finally:
         client.close()
 

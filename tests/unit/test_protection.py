@@ -169,7 +169,7 @@ def test_an_idle_worker_feeds_at_every_tick_a_busy_one_does_not_and_liveness_is_
 
 
 def test_a_worker_writes_its_liveness_well_within_what_its_readers_allow_at_any_lease() -> None:
-    from worker.ledger import TOUCH_SECONDS, touch_seconds_for
+    from renderfleet.registry import TOUCH_SECONDS, touch_seconds_for
 
     assert touch_seconds_for(6.0) == TOUCH_SECONDS  # the default lease: every 3 s, readers allow 12 s
     for lease in (1.0, 2.0, 3.0, 30.0):  # readers allow twice the lease (dispatcher/serving.py)
