@@ -1,4 +1,4 @@
-"""Failpoints: named places in the shard protocol where a test makes a process pause or fail.
+"""Failpoints: named places in the shard protocol where a test makes a process pause, fail or slow down.
 
 Some failures live in a window of milliseconds (a worker that stops between
 taking a message and claiming it, or between writing a batch's images and its
@@ -16,9 +16,13 @@ unless :data:`VARIABLE` names the point (docs/design.md, "Failpoints").
 * ``raise(TYPE: TEXT)``: every time it reaches the point (from the N-th time
   on, with ``#N``) it raises ``TYPE(TEXT)``, as the library under it would.
   Types: ``RuntimeError``, ``ValueError`` and, where torch has it,
-  ``AcceleratorError``.  TEXT may hold anything but ``;``.
+  ``AcceleratorError``.  TEXT may hold anything but ``;``;
+* ``sleep(SECONDS)``: every time it reaches the point (from the N-th time on)
+  it sleeps ``SECONDS`` there and goes on, as a slower machine would: at
+  ``step`` (each denoising step) a test gives every step a known least time,
+  whatever the CPU it runs on.
 
-For example ``before-claim=pause`` or
+For example ``before-claim=pause``, ``step=sleep(0.1)`` or
 ``render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)``.
 
 ``POINT[#N]@gpuG`` (``render@gpu2=raise(...)``) applies only in the worker a node
@@ -39,6 +43,7 @@ import os
 import re
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from renderfleet.errors import ConfigError
@@ -49,6 +54,7 @@ VARIABLE = "RENDERFLEET_FAILPOINTS"
 POINTS = {
     "before-claim": "a shard's message taken (in kombu's unacked), its lease not yet claimed (renderfleet/leases.py)",
     "render": "inside the pipeline call, before the pipeline runs (worker/render.py, worker/benchrender.py)",
+    "step": "a render's denoising step ended, before it is asked to stop (worker/render.py)",
     "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "
     "(worker/runner.py)",
     "before-images": "a batch's fence checked, none of its images written yet (worker/runner.py)",
@@ -64,24 +70,29 @@ GPU_VARIABLE = "RENDERFLEET_NODE_GPU"
 
 _ENTRY = re.compile(
     r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?(?:@gpu(?P<gpu>[0-9]+))?="
-    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\))"
+    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\)|sleep\((?P<seconds>[0-9]+(?:\.[0-9]+)?)\))"
 )
+# A sleep's longest: a value beyond it is a typo (``sleep(100)`` for ``sleep(0.100)``), not a slow machine.
+MAX_SLEEP_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
 class Failpoint:
-    """What happens at one point: a pause at the ``nth`` time, or a raise from the ``nth`` time on."""
+    """What happens at one point: a pause at the ``nth`` time, or a raise or a sleep from the ``nth`` time on."""
 
     point: str
-    action: str  # "pause" or "raise"
+    action: str  # "pause", "raise" or "sleep"
     nth: int = 1
     error: str = ""  # raise: the exception's type, one of ERRORS
     text: str = ""  # raise: its message
     gpu: str = ""  # the node's GPU whose worker it applies in; "": every process
+    seconds: float = 0.0  # sleep: how long
 
     def __str__(self) -> str:
         where = self.point if self.nth == 1 else f"{self.point}#{self.nth}"
         where += f"@gpu{self.gpu}" if self.gpu else ""
+        if self.action == "sleep":
+            return f"{where}=sleep({self.seconds:g})"
         return f"{where}=pause" if self.action == "pause" else f"{where}=raise({self.error}: {self.text})"
 
 
@@ -100,7 +111,10 @@ def named(value: str) -> list[Failpoint]:
             continue
         m = _ENTRY.fullmatch(entry)
         if m is None:
-            raise ConfigError(f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)")
+            raise ConfigError(
+                f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT) "
+                "or POINT[#N]=sleep(SECONDS)"
+            )
         point, gpu = m["point"], m["gpu"] or ""
         if point not in POINTS:
             raise ConfigError(f"{VARIABLE}: no failpoint {point!r}; the points are {', '.join(POINTS)}")
@@ -109,6 +123,14 @@ def named(value: str) -> list[Failpoint]:
             raise ConfigError(f"{VARIABLE}: failpoint {point!r} is named twice")
         if m["pause"]:
             points[(point, gpu)] = Failpoint(point, "pause", int(m["nth"] or 1), gpu=gpu)
+            continue
+        if m["seconds"] is not None:
+            seconds = float(m["seconds"])
+            if not 0 < seconds <= MAX_SLEEP_SECONDS:
+                raise ConfigError(
+                    f"{VARIABLE}: {point}: cannot sleep {m['seconds']} s; more than 0 and at most {MAX_SLEEP_SECONDS:g}"
+                )
+            points[(point, gpu)] = Failpoint(point, "sleep", int(m["nth"] or 1), gpu=gpu, seconds=seconds)
             continue
         if m["error"] not in ERRORS:
             raise ConfigError(f"{VARIABLE}: {point}: cannot raise {m['error']!r}; the types are {', '.join(ERRORS)}")
@@ -143,7 +165,7 @@ def describe() -> str:
 
 
 def reach(point: str) -> None:
-    """This process is at ``point``: pause or raise there if the environment says so; else nothing."""
+    """This process is at ``point``: pause, raise or sleep there if the environment says so; else nothing."""
     if not os.environ.get(VARIABLE):
         return
     fp = active().get(point)
@@ -157,6 +179,9 @@ def reach(point: str) -> None:
             _paused.add(point)
     if fp.action == "raise":
         raise make_error(fp.error, fp.text)
+    if fp.action == "sleep":
+        time.sleep(fp.seconds)  # outside the lock: another thread's point is not slowed by this one's
+        return
     # To this thread: it stops before its next instruction, whichever thread it is (the
     # whole process stops with it).  Sent to the process, the kernel may hand the stop to
     # the main thread first, and a background thread (the runner's commits) runs on for a

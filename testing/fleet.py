@@ -231,6 +231,12 @@ def raise_at(point: str, error: str, text: str) -> dict[str, str]:
     return {failpoints.VARIABLE: f"{point}=raise({error}: {text})"}
 
 
+def sleep_at(point: str, seconds: float) -> dict[str, str]:
+    """The environment of a process that sleeps ``seconds`` every time it reaches failpoint ``point``
+    (``step``: every denoising step takes at least that long, on any CPU)."""
+    return {failpoints.VARIABLE: f"{point}=sleep({seconds:g})"}
+
+
 def stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP): state T in /proc."""
     stat = Path(f"/proc/{pid}/stat").read_text()

@@ -306,6 +306,8 @@ class Renderer:
             self.compile_cache.before(width, height)
 
         def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            # Before the stop is asked: a step a test slows here (sleep) still ends at the stop told during it.
+            failpoints.reach("step")
             if should_stop():
                 # Raised, not diffusers' interrupt flag: with the flag the loop skips its remaining
                 # steps but still decodes the half-denoised latents we would throw away, and at a

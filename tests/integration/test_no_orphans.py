@@ -6,7 +6,9 @@ at the default 512x512 on a CPU took about two minutes against a 25 s grace
 (diffusers' interrupt flag skipped the remaining steps but still decoded the
 half-denoised latents, and a batch's estimate from another size kept it
 going).  Here each phase of a worker's life gets SIGTERM: it leaves within its
-grace plus one denoising step, with batches made to take far longer than that.  The workers of
+grace plus one denoising step, with batches made to take far longer than that: every
+step sleeps at the ``step`` failpoint (``step=sleep(S)``), so a batch outlasts the bound
+on any CPU, however fast its steps (issue 51: a fast one skipped the check).  The workers of
 ``run`` and ``autoscale`` serve a bench model (``testing.fleet.bench_worker``: it asks to stop at
 every step too): what is proved there is the process tree's; a worker's phases need the real one.
 """
@@ -27,6 +29,7 @@ import redis
 
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
+from renderfleet.limits import MAX_STEPS
 from renderfleet.spec import bench_model
 from testing.fleet import (
     REPO,
@@ -38,6 +41,7 @@ from testing.fleet import (
     cli,
     job_finished,
     job_status,
+    sleep_at,
     status_now,
     wait_for,
     worker_ready,
@@ -47,7 +51,10 @@ from testing.fleet import (
 pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 GRACE = 3.0  # RENDERFLEET_SIGTERM_GRACE_SECONDS of the workers here
-SLOW_SIZE = 64  # the slow jobs' width and height; their steps are set from a measured step
+SLOW_SIZE = 64  # the slow jobs' width and height
+# What every denoising step of a worker here sleeps, at least (failpoint step=sleep): a batch's
+# length has a floor, whatever the CPU; its steps are set from it.
+STEP_SLEEP = 0.1
 SLOW_BATCH = 4
 # The bench model of run's and autoscale's workers: 40 prompts are 10 s of render for two workers.
 SECONDS_PER_IMAGE = 0.5
@@ -249,7 +256,8 @@ def test_a_signal_to_autoscale_stops_its_local_workers_unless_told_to_leave_them
 
 @pytest.fixture(scope="module")
 def step_seconds(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """One denoising step of a batch of the slow jobs' size, on one thread (as the workers here), measured."""
+    """One denoising step of a batch of the slow jobs' size, on one thread (as the workers here), measured
+    without the failpoint's sleep: the part of a step a loaded machine stretches."""
     code = f"""
 import time, torch
 from pathlib import Path
@@ -278,12 +286,11 @@ print(max(six - two, 0.004) / 4)
     return float(out.stdout.split()[-1])
 
 
-def slow_steps(step: float, bound: float) -> int:
-    """Steps that make one batch of the slow jobs take at least four times ``bound``."""
-    steps = min(1000, math.ceil(4 * bound / step))
-    if steps * step < 2 * bound:
-        pytest.skip(f"a step here takes {step * 1000:.0f} ms: even 1000 steps do not outlast {bound:.0f} s")
-    return steps
+def slow_steps(bound: float) -> int:
+    """Steps that make one batch of the slow jobs take at least four times ``bound``, each step
+    sleeping :data:`STEP_SLEEP` (at most MAX_STEPS: reached only where a step's own work is over
+    7 s, when those steps outlast the bound hundreds of times)."""
+    return min(MAX_STEPS, math.ceil(4 * bound / STEP_SLEEP))
 
 
 def wait_log(worker: WorkerProc, text: str, timeout: float) -> None:
@@ -295,12 +302,18 @@ def wait_log(worker: WorkerProc, text: str, timeout: float) -> None:
 def test_a_worker_told_to_stop_leaves_within_its_grace_plus_a_step_in_every_phase(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc], step_seconds: float, phase: str
 ) -> None:
-    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE))
+    env = base_env(
+        tmp_path,
+        redis_server.url,
+        str(tmp_path / "store"),
+        RENDERFLEET_SIGTERM_GRACE_SECONDS=str(GRACE),
+        **sleep_at("step", STEP_SLEEP),
+    )
     client = redis.Redis.from_url(redis_server.url)
-    # Within the grace, plus the step in progress (a loaded machine's, three times the measured one), the
-    # hand-back and Celery's exit.
-    bound = GRACE + max(15.0, 3 * step_seconds)
-    steps = slow_steps(step_seconds, bound)
+    # Within the grace, plus the step in progress (its sleep and a loaded machine's work, three times
+    # the measured one), the hand-back and Celery's exit.
+    bound = GRACE + max(15.0, 3 * step_seconds + STEP_SLEEP)
+    steps = slow_steps(bound)
     slow = [
         "--model",
         "tiny",
@@ -341,12 +354,17 @@ def test_a_worker_told_to_stop_leaves_within_its_grace_plus_a_step_in_every_phas
 
     told = time.monotonic()
     worker.proc.send_signal(signal.SIGTERM)
-    code = worker.proc.wait(timeout=bound + 4 * step_seconds * steps)  # far past the bound: measured, not killed
+    # Far past the bound (a whole batch, four times over): measured, not killed.
+    code = worker.proc.wait(timeout=bound + 4 * (STEP_SLEEP + step_seconds) * steps)
     took = time.monotonic() - told
     log = worker.output()
-    print(f"{phase}: left {took:.1f} s after SIGTERM; bound {bound:.1f} s; a batch: {steps} steps of {step_seconds:.2f} s")
+    print(
+        f"{phase}: left {took:.1f} s after SIGTERM; bound {bound:.1f} s; a batch: {steps} steps "
+        f"of {STEP_SLEEP:g} s asleep and {step_seconds * 1000:.0f} ms of work"
+    )
     assert took <= bound, f"{phase}: left {took:.1f} s after SIGTERM (bound {bound:.1f} s):\n{log[-3000:]}"
     assert "Traceback" not in log, log[-3000:]
+    assert f"step=sleep({STEP_SLEEP:g})" in log, log[-3000:]  # the floor was in force: its start's warning line
     if phase == "model-load":
         # Nothing held yet: SIGTERM ends the load at once; no message was taken, and the loading
         # registration went with it (the default handler left it behind: seen as a stray entry).

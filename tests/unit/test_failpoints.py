@@ -1,4 +1,4 @@
-"""Failpoints: inert unless RENDERFLEET_FAILPOINTS names them, its grammar, pause and raise at the n-th
+"""Failpoints: inert unless RENDERFLEET_FAILPOINTS names them, its grammar, pause, raise and sleep at the n-th
 time, every point the product reaches documented; and no test switch left under another name."""
 
 from __future__ import annotations
@@ -113,6 +113,42 @@ def test_a_raise_fires_every_time_from_the_nth_time_on(monkeypatch: pytest.Monke
     monkeypatch.setenv(failpoints.VARIABLE, "render=raise(RuntimeError: now this)")  # read again when changed
     with pytest.raises(RuntimeError, match="now this"):
         failpoints.reach("render")
+
+
+def test_a_sleep_sleeps_its_seconds_every_time_from_the_nth_time_on_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, fresh: None
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(failpoints.time, "sleep", slept.append)  # what it asks of the clock, not how long it took
+    monkeypatch.setenv(failpoints.VARIABLE, "step#3=sleep(0.25); render=pause")
+    assert failpoints.active()["step"] == Failpoint("step", "sleep", 3, seconds=0.25)
+    assert failpoints.describe() == "step#3=sleep(0.25); render=pause"
+    for _ in range(5):
+        failpoints.reach("step")  # returns: no raise, no pause
+    failpoints.reach("after-render")  # another point: not named
+    assert slept == [0.25, 0.25, 0.25]  # the 3rd, 4th and 5th times
+    monkeypatch.setenv(failpoints.VARIABLE, "step@gpu1=sleep(2)")
+    monkeypatch.setenv(failpoints.GPU_VARIABLE, "1")
+    assert str(failpoints.active()["step"]) == "step@gpu1=sleep(2)"
+    failpoints.reach("step")
+    assert slept == [0.25, 0.25, 0.25, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("step=sleep(0)", "step: cannot sleep 0 s"),
+        ("step=sleep(61)", "step: cannot sleep 61 s"),
+        ("step=sleep(-1)", "is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT) or POINT[#N]=sleep(SECONDS)"),
+        ("step=sleep(1e-3)", "is not POINT[#N]=pause"),
+        ("step=sleep()", "is not POINT[#N]=pause"),
+        ("step=sleep(0.1);step#2=sleep(0.2)", "failpoint 'step' is named twice"),
+    ],
+)
+def test_a_sleep_that_will_not_do_is_a_config_error(value: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        failpoints.parse(value)
+    assert str(caught.value).startswith(f"{failpoints.VARIABLE}: ") and reason in str(caught.value)
 
 
 CHILD = """

@@ -18,7 +18,7 @@ pytest.importorskip("diffusers")
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from renderfleet import __version__  # noqa: E402
+from renderfleet import __version__, failpoints  # noqa: E402
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
 from worker.models import LoadedModel, load_pipeline  # noqa: E402
@@ -183,6 +183,24 @@ def test_a_stop_asked_only_after_the_call_keeps_the_finished_batch(renderer: Ren
     asked: list[int] = []
     images = renderer.render(prompts, should_stop=lambda: bool(asked.append(1)))
     assert images == renderer.render(prompts) and len(asked) == 1 + 2 * 2 + 1  # start, every step, between prompts
+
+
+def test_every_denoising_step_reaches_the_step_failpoint_before_its_stop_is_asked(
+    renderer: Renderer, unet_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a test slows with step=sleep(S) (tests/integration/test_no_orphans.py): each step, and a stop
+    # told during the sleep still ends the batch at that step.
+    slept: list[int] = []
+    monkeypatch.setattr(failpoints, "_reached", {})
+    monkeypatch.setattr(failpoints.time, "sleep", lambda seconds: slept.append(len(unet_calls)))
+    monkeypatch.setenv(failpoints.VARIABLE, "step=sleep(0.5)")
+    renderer.render([make_prompt(i, steps=3) for i in range(2)])
+    assert slept == [1, 2, 3, 4, 5, 6]  # after every step's UNet call, none more
+    slept.clear()
+    unet_calls.clear()
+    with pytest.raises(Reclaimed, match="mid-batch"):
+        renderer.render([make_prompt(0, steps=3)], should_stop=lambda: bool(slept))
+    assert slept == [1] and len(unet_calls) == 1
 
 
 def test_prompts_with_different_render_keys_are_refused(renderer: Renderer) -> None:
