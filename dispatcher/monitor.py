@@ -38,7 +38,7 @@ import uuid
 import redis
 from celery import Celery
 
-from dispatcher import lifecycle
+from dispatcher import lifecycle, strays
 from dispatcher.courier import Courier
 from dispatcher.events import EventLog
 from dispatcher.resume import jobs_redis_forgot, resume, stored_names
@@ -84,6 +84,8 @@ class Monitor:
         # The last audit's suspects, (job, shard) -> seq: a suspect is re-queued only
         # when the next audit finds it again, unmoved (a claim in flight is not lost).
         self.suspects: dict[tuple[str, int], int] = {}
+        # The last audit's strays (dispatcher/strays.py): each is put back only when the next finds it again.
+        self.strays: set[strays.Candidate] = set()
         self.audited_at = 0.0
         self.adopted_at: float | None = None  # None: the store's jobs not listed yet
         self.finished_turn = -1  # the finished job the slow audit checked last, by its place in the list
@@ -230,6 +232,7 @@ class Monitor:
         )
         # What the last passes saw of the old primary is no evidence about this one.
         self.suspects.clear()
+        self.strays.clear()
         self.stalled.clear()
         return True
 
@@ -334,6 +337,9 @@ class Monitor:
                 sorted(shards),
                 report.shards_enqueued,
             )
+        astray = strays.candidates(self.client, jobs_of_store(self.client, self.store)[0])
+        strays.repair(self.client, astray, self.strays)
+        self.strays = astray
         return requeued
 
     def run_forever(self) -> None:

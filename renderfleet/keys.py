@@ -112,7 +112,8 @@ def pending(job_id: str) -> str:
 def segment(job_id: str) -> str:
     """hash shard -> the segment it is in (``renderfleet.stages.segments``: a stage on a pool of its own
     cuts a job into segments), for a shard past its first segment; absent: the first.  Written by
-    ``release.lua`` when a shard's segment is done (the shard then pending in the next one), dropped by
+    ``release.lua`` when a shard's segment is done (the shard then pending in the next one), and again by
+    ``heartbeat.lua`` when it re-creates a lease Redis lost (the lease's own segment), dropped by
     ``publish.lua`` when submit, resume or the audit push the shard again (from its first segment, whose
     worker finds the later levels stored and hands it on)."""
     return f"rf:job:{job_id}:segment"

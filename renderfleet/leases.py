@@ -88,6 +88,10 @@ class Lease:
     message: str
     requeue_tag: str = ""  # the delivery tag inside ``requeue``
     life: str = ""  # the job's life it was claimed in (keys.job 'life')
+    # The job's segment the shard was claimed in (keys.segment; 0: the first): what a re-created lease writes
+    # back, since a Redis that lost the lease lost that hash too, and 0 read there sends the next holder's
+    # copy of this segment away as 'moved' (issue 45).
+    segment: int = 0
 
     @property
     def member(self) -> str:
@@ -242,7 +246,7 @@ def heartbeat_call(
     with ``held``, the shard's render time not yet kept, in ms (the
     lease's ``held``, which the reaper counts lost if the lease expires: ``reap.lua``); with
     ``recreate``, the payload that re-creates a missing lease (kombu's envelope and the message, a
-    kilobyte or more: only after a beat answered MISSING)."""
+    kilobyte or more, and the lease's segment: only after a beat answered MISSING)."""
     args: list[str | int] = [
         lease.shard,
         lease.member,
@@ -255,7 +259,7 @@ def heartbeat_call(
         alive_ms,
     ]
     if recreate:
-        args += [lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag]
+        args += [lease.queue, lease.tag, lease.requeue, lease.message, lease.requeue_tag, lease.segment]
     return ScriptCall(
         "heartbeat",
         [
@@ -267,6 +271,7 @@ def heartbeat_call(
             keys.worker_stats(lease.worker),
             keys.WORKERS,
             keys.WORKERS_ALIVE,
+            keys.segment(lease.job),
         ],
         args,
     )
@@ -470,7 +475,9 @@ class Leases:
         answer = ClaimAnswer(keys.text(status))
         if answer is not ClaimAnswer.OK:
             return answer, None
-        return answer, Lease(job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life)
+        return answer, Lease(
+            job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life, segment
+        )
 
     def heartbeat(self, lease: Lease, registration: str = "", held: int | None = None, *, alive_ms: int = 0) -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.

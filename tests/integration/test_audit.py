@@ -367,3 +367,45 @@ def test_a_duplicate_dropped_at_claim_leaves_no_record_behind(redis_server: Redi
     assert leases.claim("j", 0, worker="w2", queue=QUEUE, tag=copy, message="{}")[0] == "busy"
     # That copy is gone: no record left to make the audit re-publish a running shard forever.
     assert not client.hexists(keys.ENQUEUED, "j:0") and leases.suspects() == []
+
+
+def test_the_audit_puts_back_every_shard_in_no_queue_pending_list_or_lease_and_the_job_finishes(
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc]
+) -> None:
+    """Issue 45: a shard not done is pending, queued with its record, or leased.  Strays of every kind, made by
+    hand in a real Redis (the states a lost segment, a lost lease or a failed cancel pass leave): queued
+    shards whose message and record are gone (as a claim that dropped the last copy as 'moved' leaves them),
+    a pending shard missing from the pending list, a running shard with no lease, and pending shards whose
+    job left the rotation.  Nothing else moves them (queued shards keep the job from looking stalled); the
+    monitor's audit makes each pending again and the job finishes with no command typed."""
+    env = base_env(
+        tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_AUDIT_SECONDS="1", **bench_worker(SECONDS_PER_IMAGE)
+    )
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    prompts = write_prompts(tmp_path / "p.txt", 8)
+    job = cli(
+        env, "submit", str(prompts), *bench(SECONDS_PER_IMAGE), "--shard-size", "1", "--batch-size", "1", "--pool", "hold"
+    ).stdout.split()[-1]
+    hold, _ = queues(tmp_path / "store")
+    states = client.hgetall(keys.shards(job))
+    fed = sorted(int(s) for s, state in states.items() if state == "q")
+    waiting = [int(s) for s in client.lrange(keys.pending(job), 0, -1)]
+    assert fed and len(waiting) >= 4 and len(fed) + len(waiting) == 8  # submit fed a few, no worker took any
+    # Every queued shard's message and record gone; one pending shard out of the list; one running with no lease;
+    # the rest pending, their job out of the rotation.
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(hold, keys.queued(hold))
+    pipe.hdel(keys.ENQUEUED, *(keys.member(job, s) for s in fed))
+    pipe.lrem(keys.pending(job), 0, waiting[0])
+    pipe.lrem(keys.pending(job), 0, waiting[1])
+    pipe.hset(keys.shards(job), waiting[1], "r")
+    pipe.zrem(keys.active(hold), job)
+    pipe.execute()
+
+    procs.append(start_monitor(env, tmp_path / "monitor.log"))
+    procs.append(WorkerProc(env, tmp_path / "worker.log", "--pool", "hold"))
+    wait_for(lambda: (s := status_now(env, job))["done"] == 8 and s, 120, interval=0.25, what="every stray rendered")
+    assert "were in no queue, pending list or lease" in (tmp_path / "monitor.log").read_text()
+    st = job_status(env, job)
+    assert st["quarantined"] == 0 and st["queued"] == 0 and st["in_flight"] == 0
+    assert images_rendered(env, job) == 8  # each shard once: a stray put back is no second copy

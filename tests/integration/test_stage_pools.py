@@ -21,7 +21,7 @@ import pytest
 import redis
 from PIL import Image
 
-from renderfleet import keys
+from renderfleet import failpoints, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.store import open_store
 from testing.fleet import (
@@ -31,7 +31,9 @@ from testing.fleet import (
     bench,
     bench_worker,
     cli,
+    start_monitor,
     status_now,
+    stopped,
     store_queue,
     stored_images,
     wait_for,
@@ -203,3 +205,78 @@ def test_the_autoscaler_grows_a_stage_s_pool_once_shards_reach_its_stage_and_shr
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_later_segment_s_shard_whose_lease_outlived_a_redis_restart_is_not_stranded_when_its_worker_dies(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """Issue 45 item 1, replayed.  A big worker holds shard 0 in its second segment (the upscale on big) when
+    Redis restarts empty; its heartbeat re-creates the lease, the monitor registers the job again from the
+    store, then the worker is SIGKILLed and a fresh big worker starts.  The reaper puts the lease's message (a
+    segment-1 copy) back on big's queue.  Before the fix the re-created lease had lost its segment (read as
+    the first), the fresh worker dropped that copy at its claim as 'moved', and the shard stayed queued in no
+    queue, under no lease and with no record, for ever.  Now the job finishes with no command typed."""
+    config = tmp_path / "pools.toml"
+    config.write_text(POOLS)
+    # A lease long enough to outlast the monitor's re-registration while its holder is stopped (below).
+    env = base_env(
+        tmp_path,
+        redis_server.url,
+        str(tmp_path / "store"),
+        RENDERFLEET_CONFIG=str(config),
+        RENDERFLEET_LEASE_SECONDS="8",
+        **bench_worker(0.05),
+    )
+    client = redis.Redis.from_url(redis_server.url)
+    gen = WorkerProc({**env, "RENDERFLEET_POOL": "gen"}, tmp_path / "gen.log")
+    monitor = start_monitor(env, tmp_path / "monitor.log")
+    big: WorkerProc | None = None
+    fresh: WorkerProc | None = None
+    try:
+        wait_for(lambda: worker_ready(client, 1), 60, what="the gen worker")
+        prompts = write_prompts(tmp_path / "p.txt", 4)
+        flags = ["--pool", "gen", "--shard-size", "4", "--batch-size", "1", "--upscale", "2@big"]
+        job = cli(env, "submit", str(prompts), *bench(0.05), *flags).stdout.split()[-1]
+        wait_for(lambda: shards_logged(gen.output(), "segment 0 done") == {0}, 60, what="segment 0 of the shard")
+
+        # 1. big claims the shard in segment 1 and stops at its first stage call; Redis restarts empty meanwhile
+        # (the monitor held still, so that the worker's heartbeat is first to speak of the shard).
+        # The second pause keeps the shard from finishing once it runs again: it stops before its recount.
+        stops = {failpoints.VARIABLE: "stage=pause;before-count-stored=pause"}
+        big = WorkerProc({**env, "RENDERFLEET_POOL": "big", **stops}, tmp_path / "big.log")
+        wait_for(lambda: stopped(big.pid), 60, what="the big worker at its first stage")
+        assert keys.text(client.hget(keys.segment(job), "0")) == "1"
+        os.killpg(monitor.pid, signal.SIGSTOP)
+        redis_server.kill()
+        redis_server.start()  # same port, empty
+        os.kill(big.pid, signal.SIGCONT)
+
+        # 2. Its heartbeat re-creates the lease; then the monitor registers the job again from the store.
+        wait_for(lambda: client.exists(keys.lease(job, 0)), 30, what="the heartbeat to re-create the lease")
+        os.killpg(monitor.pid, signal.SIGCONT)
+        wait_for(lambda: client.exists(keys.EPOCH) and client.hexists(keys.job(job), "feed"), 60,
+                 what="the monitor to register the job again")  # fmt: skip
+        assert keys.text(client.hget(keys.shards(job), "0")) == "r"  # still under the re-created lease
+        # The lease carries its segment as it carries its life.
+        assert keys.text(client.hget(keys.segment(job), "0")) == "1"
+
+        # 3. The worker dies holding it (a spot node gone); a fresh big worker starts.
+        big.kill()
+        fresh = WorkerProc({**env, "RENDERFLEET_POOL": "big"}, tmp_path / "fresh.log")
+
+        # 4. The job finishes with no command typed: the lease reaped, its segment-1 copy claimed, not dropped.
+        wait_for(lambda: client.bitcount(keys.done_bits(job)) == 4, 120, what="the job's final images")
+        assert "moved: dropping" not in fresh.output()
+        assert status_now(env, job)["done"] == 4
+        images = stored_images(env, job)
+        assert len(images) == 4
+        for data in images.values():
+            with Image.open(io.BytesIO(data)) as image:
+                assert image.size == (64, 64)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(monitor.pid, signal.SIGKILL)
+        monitor.wait(10)
+        for proc in (gen, big, fresh):
+            if proc is not None:
+                proc.kill()
