@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from renderfleet import failpoints, spec
+from renderfleet import failpoints, schemas, spec
 from renderfleet import stages as stagelib
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, ShardMessage
@@ -594,16 +594,21 @@ class ShardRunner:
     # ---- the store -----------------------------------------------------------
 
     def _read_checkpoints(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
-        """Each batch's checkpoints, the union over the attempts that wrote one."""
+        """Each batch's checkpoints, the union over the attempts that wrote one.
+
+        A record that is no checkpoint (any bytes: the store is writable by others, docs/security.md)
+        costs one log line and counts as absent: its batch is rendered again, to the same bytes.  Only
+        the shard's own prompt names are taken from a record: a forged name never becomes a listing.
+        """
         out: dict[int, _Checkpoint] = {}
+        names = {p.name for p in msg.prompts}
         for key in self.store.list(spec.checkpoint_prefix(msg.job, msg.shard)):
-            data = self.store.get(key)
-            if not data:
+            record = schemas.read(schemas.Checkpoint, self.store.get(key), key)
+            if record is None:
                 continue
-            record = json.loads(data)
-            cp = out.setdefault(int(record["batch"]), _Checkpoint())
-            cp.done.update(record["done"])
-            cp.quarantined.update(record.get("quarantined", []))
+            cp = out.setdefault(record.batch, _Checkpoint())
+            cp.done.update(names.intersection(record.done))
+            cp.quarantined.update(names.intersection(record.quarantined))
         return out
 
     def _stored_images(self, msg: ShardMessage, checkpoints: dict[int, _Checkpoint]) -> set[str]:
@@ -673,23 +678,23 @@ class ShardRunner:
         """The batch's checkpoint under this attempt's key: what it holds done and quarantined (an earlier
         attempt's too), and, for each prompt's record (``dispatcher/records.py``), which of them this write
         rendered, where (card, pool) and in how many seconds an image (nothing more is written for them)."""
-        record = {
-            "job": msg.job,
-            "shard": msg.shard,
-            "batch": number,
-            "done": sorted(cp.done),
-            "quarantined": sorted(cp.quarantined),
-            "attempt": attempt,
-            "worker": self.worker_id,
-            "at": time.time(),
-            "rendered": rendered or [],
-            "card": self.card,
-            "pool": self.pool,
-            "seconds_per_image": None if per_image is None else round(per_image, 4),
-        }
+        record = schemas.Checkpoint(
+            job=msg.job,
+            shard=msg.shard,
+            batch=number,
+            done=sorted(cp.done),
+            quarantined=sorted(cp.quarantined),
+            attempt=attempt,
+            worker=self.worker_id,
+            at=time.time(),
+            rendered=rendered or [],
+            card=self.card,
+            pool=self.pool,
+            seconds_per_image=None if per_image is None else round(per_image, 4),
+        )
         self.store.put(
             spec.checkpoint_key(msg.job, msg.shard, number, attempt),
-            json.dumps(record).encode(),
+            record.model_dump_json().encode(),
             content_type="application/json",
         )
 
