@@ -16,7 +16,12 @@ unless :data:`VARIABLE` names the point (docs/design.md, "Failpoints").
 * ``raise(TYPE: TEXT)``: every time it reaches the point (from the N-th time
   on, with ``#N``) it raises ``TYPE(TEXT)``, as the library under it would.
   Types: ``RuntimeError``, ``ValueError`` and, where torch has it,
-  ``AcceleratorError``.  TEXT may hold anything but ``;``.
+  ``AcceleratorError``.  TEXT may hold anything but ``;``;
+* ``kill(TEXT)``: the process SIGKILLs itself whenever it reaches the point
+  with a prompt whose text holds TEXT (the prompts of the pipeline call at
+  ``render``: :func:`holding`), as a prompt that crashes its worker does (a CUDA fault, the kernel's
+  OOM killer): nothing is cleaned up, the lease lapses (docs/design.md, "A
+  prompt that kills its worker").
 
 For example ``before-claim=pause`` or
 ``render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)``.
@@ -35,10 +40,13 @@ unseen.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import signal
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from renderfleet.errors import ConfigError
@@ -62,7 +70,7 @@ GPU_VARIABLE = "RENDERFLEET_NODE_GPU"
 
 _ENTRY = re.compile(
     r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?(?:@gpu(?P<gpu>[0-9]+))?="
-    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\))"
+    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\)|kill\((?P<kill>[^)]+)\))"
 )
 
 
@@ -71,15 +79,17 @@ class Failpoint:
     """What happens at one point: a pause at the ``nth`` time, or a raise from the ``nth`` time on."""
 
     point: str
-    action: str  # "pause" or "raise"
+    action: str  # "pause", "raise" or "kill"
     nth: int = 1
     error: str = ""  # raise: the exception's type, one of ERRORS
-    text: str = ""  # raise: its message
+    text: str = ""  # raise: its message; kill: what a prompt's text holds to be killed for
     gpu: str = ""  # the node's GPU whose worker it applies in; "": every process
 
     def __str__(self) -> str:
         where = self.point if self.nth == 1 else f"{self.point}#{self.nth}"
         where += f"@gpu{self.gpu}" if self.gpu else ""
+        if self.action == "kill":
+            return f"{where}=kill({self.text})"
         return f"{where}=pause" if self.action == "pause" else f"{where}=raise({self.error}: {self.text})"
 
 
@@ -98,13 +108,18 @@ def named(value: str) -> list[Failpoint]:
             continue
         m = _ENTRY.fullmatch(entry)
         if m is None:
-            raise ConfigError(f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)")
+            raise ConfigError(
+                f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT) (or POINT=kill(TEXT))"
+            )
         point, gpu = m["point"], m["gpu"] or ""
         if point not in POINTS:
             raise ConfigError(f"{VARIABLE}: no failpoint {point!r}; the points are {', '.join(POINTS)}")
         # Once, or once per GPU: never both for every process and for one GPU (which would win there?).
         if (point, gpu) in points or any(p == point and "" in (g, gpu) for p, g in points):
             raise ConfigError(f"{VARIABLE}: failpoint {point!r} is named twice")
+        if m["kill"]:
+            points[(point, gpu)] = Failpoint(point, "kill", int(m["nth"] or 1), text=m["kill"], gpu=gpu)
+            continue
         if m["pause"]:
             points[(point, gpu)] = Failpoint(point, "pause", int(m["nth"] or 1), gpu=gpu)
             continue
@@ -140,12 +155,34 @@ def describe() -> str:
     return "; ".join(map(str, active().values())) or "none"
 
 
+# The texts of the prompts this thread has in hand (:func:`holding`), for a ``kill(TEXT)``.
+_holding: contextvars.ContextVar[Sequence[str]] = contextvars.ContextVar("rf_failpoint_prompts", default=())
+
+
+@contextlib.contextmanager
+def holding(prompts: Sequence[str]) -> Iterator[None]:
+    """The prompts (their texts) this thread renders until the block ends: a ``kill(TEXT)`` reached in it
+    looks among them.  Nothing is kept when no failpoint is set."""
+    if not os.environ.get(VARIABLE):
+        yield
+        return
+    token = _holding.set(prompts)
+    try:
+        yield
+    finally:
+        _holding.reset(token)
+
+
 def reach(point: str) -> None:
-    """This process is at ``point``: pause or raise there if the environment says so; else nothing."""
+    """This process is at ``point``: pause, raise or die there if the environment says so; else nothing."""
     if not os.environ.get(VARIABLE):
         return
     fp = active().get(point)
     if fp is None:
+        return
+    if fp.action == "kill":
+        if any(fp.text in text for text in _holding.get()):
+            os.kill(os.getpid(), signal.SIGKILL)
         return
     with _lock:  # the commit thread and the render thread reach points concurrently
         _reached[point] = count = _reached.get(point, 0) + 1

@@ -10,7 +10,8 @@
 -- A beat may carry the worker's liveness (ARGV[6], its registration): a busy
 -- worker then writes nothing else to stay listed (worker/ledger.py, Liveness).
 -- A beat may carry what the shard's worker has rendered and not yet kept (ARGV[8], ms; '' when
--- unchanged since its last beat): the lease's `held`, which reap.lua counts lost if the lease expires.
+-- unchanged since its last beat): the lease's `held`, which reap.lua counts lost if the lease expires,
+-- and `since`, the time of that figure (reap.lua counts the time from it to the lapse lost too).
 --
 -- KEYS[1] job, KEYS[2] shards, KEYS[3] inflight, KEYS[4] attempts, KEYS[5] lease,
 -- KEYS[6] the worker's stats hash (rf:worker:<id>), KEYS[7] the registry (rf:workers)
@@ -48,7 +49,7 @@ if l[1] then
   end
   redis.call('ZADD', inflight, now + lease_ms, member)
   if held ~= '' then
-    redis.call('HSET', lease, 'held', held)
+    redis.call('HSET', lease, 'held', held, 'since', now)
   end
   if redis.call('HEXISTS', job, 'cancelled') == 1 then
     return 3
@@ -71,7 +72,7 @@ redis.call('HSET', attempts, shard, attempt)
 redis.call('HSET', shards, shard, 'r')
 redis.call('ZADD', inflight, now + lease_ms, member)
 redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', ARGV[9], 'tag', ARGV[10],
-           'requeue', ARGV[11], 'rtag', ARGV[13], 'message', ARGV[12], 'shard', shard, 'life', life)
+           'requeue', ARGV[11], 'rtag', ARGV[13], 'message', ARGV[12], 'shard', shard, 'life', life, 'since', now)
 if held ~= '' then
   redis.call('HSET', lease, 'held', held)
 end
