@@ -411,7 +411,7 @@ class SimWorker:
         job, _, shard = _ARGSREPR.search(text).group(1).rpartition(":")  # type: ignore[union-attr]
         message = json.loads(base64.b64decode(json.loads(text)["body"]))[0][0]
         requeue = requeue_payload(await self.r.hget(UNACKED_KEY, tag))
-        status, attempt = await self.sim.run(
+        status, attempt, *_deaths = await self.sim.run(
             claim_call(
                 job,
                 int(shard),

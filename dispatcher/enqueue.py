@@ -121,6 +121,7 @@ def life_keys(job: str) -> tuple[str, ...]:
         keys.shards(job),
         keys.left(job),
         keys.fails(job),
+        keys.deaths(job),
         keys.pending(job),
         keys.job_stats(job),
         keys.job_stages(job),

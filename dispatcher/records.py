@@ -138,8 +138,8 @@ def shard_checkpoints(store: Store, job: str, shard: int) -> list[dict[str, Any]
             continue
         try:
             value = json.loads(data)
-        except ValueError as exc:
-            log.warning("skipping checkpoint %s: not JSON: %s", key, exc)
+        except (ValueError, RecursionError) as exc:  # a forged record nested past the recursion limit too
+            log.warning("skipping checkpoint %s: not JSON: %s", key, str(exc)[:200])
             continue
         if isinstance(value, dict):
             out.append(value)

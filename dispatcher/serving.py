@@ -90,9 +90,7 @@ class Unserved(NamedTuple):
     waiting: str | None = None
 
 
-def unserved(
-    client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str
-) -> Unserved | None:
+def unserved(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str) -> Unserved | None:
     """Why no loaded worker takes the job's shards now, if none does: "loading" while workers of its
     queue load their model, "none" when no live worker serves it, or none of those that do (loaded or
     loading) has a card of the job's ``min_vram`` (renderfleet/cards.py; then with the reason it waits,

@@ -21,6 +21,11 @@ unless :data:`VARIABLE` names the point (docs/design.md, "Failpoints").
   it sleeps ``SECONDS`` there and goes on, as a slower machine would: at
   ``step`` (each denoising step) a test gives every step a known least time,
   whatever the CPU it runs on.
+* ``kill(TEXT)``: the process SIGKILLs itself whenever it reaches the point
+  with a prompt whose text holds TEXT (the prompts of the pipeline call at
+  ``render``: :func:`holding`), as a prompt that crashes its worker does (a CUDA fault, the kernel's
+  OOM killer): nothing is cleaned up, the lease lapses (docs/design.md, "A
+  prompt that kills its worker").
 
 For example ``before-claim=pause``, ``step=sleep(0.1)`` or
 ``render=raise(AcceleratorError: CUDA error: an illegal memory access was encountered)``.
@@ -39,11 +44,14 @@ unseen.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import signal
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from renderfleet.errors import ConfigError
@@ -70,7 +78,7 @@ GPU_VARIABLE = "RENDERFLEET_NODE_GPU"
 
 _ENTRY = re.compile(
     r"(?P<point>[a-z-]+)(?:#(?P<nth>[1-9][0-9]*))?(?:@gpu(?P<gpu>[0-9]+))?="
-    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\)|sleep\((?P<seconds>[0-9]+(?:\.[0-9]+)?)\))"
+    r"(?:(?P<pause>pause)|raise\((?P<error>\w+):(?P<text>.*)\)|sleep\((?P<seconds>[0-9]+(?:\.[0-9]+)?)\)|kill\((?P<kill>[^)]+)\))"
 )
 # A sleep's longest: a value beyond it is a typo (``sleep(100)`` for ``sleep(0.100)``), not a slow machine.
 MAX_SLEEP_SECONDS = 60.0
@@ -81,10 +89,10 @@ class Failpoint:
     """What happens at one point: a pause at the ``nth`` time, or a raise or a sleep from the ``nth`` time on."""
 
     point: str
-    action: str  # "pause", "raise" or "sleep"
+    action: str  # "pause", "raise", "sleep" or "kill"
     nth: int = 1
     error: str = ""  # raise: the exception's type, one of ERRORS
-    text: str = ""  # raise: its message
+    text: str = ""  # raise: its message; kill: what a prompt's text holds to be killed for
     gpu: str = ""  # the node's GPU whose worker it applies in; "": every process
     seconds: float = 0.0  # sleep: how long
 
@@ -93,6 +101,8 @@ class Failpoint:
         where += f"@gpu{self.gpu}" if self.gpu else ""
         if self.action == "sleep":
             return f"{where}=sleep({self.seconds:g})"
+        if self.action == "kill":
+            return f"{where}=kill({self.text})"
         return f"{where}=pause" if self.action == "pause" else f"{where}=raise({self.error}: {self.text})"
 
 
@@ -112,8 +122,8 @@ def named(value: str) -> list[Failpoint]:
         m = _ENTRY.fullmatch(entry)
         if m is None:
             raise ConfigError(
-                f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT) "
-                "or POINT[#N]=sleep(SECONDS)"
+                f"{VARIABLE}: {entry[:200]!r} is not POINT[#N]=pause, POINT[#N]=raise(TYPE: TEXT), "
+                "POINT[#N]=sleep(SECONDS) or POINT=kill(TEXT)"
             )
         point, gpu = m["point"], m["gpu"] or ""
         if point not in POINTS:
@@ -121,6 +131,9 @@ def named(value: str) -> list[Failpoint]:
         # Once, or once per GPU: never both for every process and for one GPU (which would win there?).
         if (point, gpu) in points or any(p == point and "" in (g, gpu) for p, g in points):
             raise ConfigError(f"{VARIABLE}: failpoint {point!r} is named twice")
+        if m["kill"]:
+            points[(point, gpu)] = Failpoint(point, "kill", int(m["nth"] or 1), text=m["kill"], gpu=gpu)
+            continue
         if m["pause"]:
             points[(point, gpu)] = Failpoint(point, "pause", int(m["nth"] or 1), gpu=gpu)
             continue
@@ -164,12 +177,34 @@ def describe() -> str:
     return "; ".join(map(str, active().values())) or "none"
 
 
+# The texts of the prompts this thread has in hand (:func:`holding`), for a ``kill(TEXT)``.
+_holding: contextvars.ContextVar[Sequence[str]] = contextvars.ContextVar("rf_failpoint_prompts", default=())
+
+
+@contextlib.contextmanager
+def holding(prompts: Sequence[str]) -> Iterator[None]:
+    """The prompts (their texts) this thread renders until the block ends: a ``kill(TEXT)`` reached in it
+    looks among them.  Nothing is kept when no failpoint is set."""
+    if not os.environ.get(VARIABLE):
+        yield
+        return
+    token = _holding.set(prompts)
+    try:
+        yield
+    finally:
+        _holding.reset(token)
+
+
 def reach(point: str) -> None:
-    """This process is at ``point``: pause, raise or sleep there if the environment says so; else nothing."""
+    """This process is at ``point``: pause, raise, sleep or die there if the environment says so; else nothing."""
     if not os.environ.get(VARIABLE):
         return
     fp = active().get(point)
     if fp is None:
+        return
+    if fp.action == "kill":
+        if any(fp.text in text for text in _holding.get()):
+            os.kill(os.getpid(), signal.SIGKILL)
         return
     with _lock:  # the commit thread and the render thread reach points concurrently
         _reached[point] = count = _reached.get(point, 0) + 1

@@ -40,6 +40,7 @@ LEASE_PREFIX = "rf:lease:"
 JOB_PREFIX = "rf:job:"
 SHARDS_SUFFIX = ":shards"
 STATS_SUFFIX = ":stats"
+DEATHS_SUFFIX = ":deaths"
 
 # The enqueue record, read by the monitor's audit (dispatcher/monitor.py) to find a
 # shard whose message was lost between a queue and its claim.  Written by the Lua
@@ -173,7 +174,9 @@ def job_stats(job_id: str) -> str:
     """hash of one job's counters: images.<pool>, render_ms.<pool> (GPU-ms), started_images, wasted_images;
     where its workers' time went (worker/gputime.py), by pool, in ms: kept_ms.<pool>, lost_ms.<pool>,
     compiling_ms.<pool>, loading_ms.<pool> (models loaded for it), killed_ms.<pool> (the reaper's estimate
-    of what a dead holder lost: renderfleet/lua/reap.lua)."""
+    of what a dead holder lost: renderfleet/lua/reap.lua), lapsed_ms.<pool> (what a dead holder's lease
+    cost: its unkept render time at its last figure plus the time from that figure, or from the claim, to
+    the lease's lapse)."""
     return f"{JOB_PREFIX}{job_id}{STATS_SUFFIX}"
 
 
@@ -216,6 +219,14 @@ def progress(job_id: str) -> str:
 PROGRESS_KEEP = 4096  # batches kept in a job's progress list
 
 
+def deaths(job_id: str) -> str:
+    """hash of the job's dead holders (leases that lapsed unreleased: the holder killed, or paused past
+    its lease), counted by the reaper (renderfleet/lua/reap.lua): ``<shard>`` -> its holders' deaths;
+    ``p<index>`` -> the deaths of workers rendering that prompt alone (docs/design.md, "A prompt that
+    kills its worker")."""
+    return f"{JOB_PREFIX}{job_id}{DEATHS_SUFFIX}"
+
+
 def fails(job_id: str) -> str:
     """hash prompt index -> failures so far."""
     return f"rf:job:{job_id}:fails"
@@ -227,7 +238,9 @@ def queued(queue: str) -> str:
 
 
 def lease(job_id: str, shard: int) -> str:
-    """hash: worker, attempt, queue, tag, requeue (the kombu payload to re-push), rtag (its tag), message."""
+    """hash: worker, attempt, queue, tag, requeue (the kombu payload to re-push), rtag (its tag), message;
+    held and since (what its holder had not kept, and since when: renderfleet/lua/reap.lua), alone (the
+    prompt index it renders alone: renderfleet/lua/alone.lua)."""
     return f"{LEASE_PREFIX}{job_id}:{shard}"
 
 

@@ -92,6 +92,9 @@ class Lease:
     # back, since a Redis that lost the lease lost that hash too, and 0 read there sends the next holder's
     # copy of this segment away as 'moved' (issue 45).
     segment: int = 0
+    # The shard's holders that died before this claim (keys.deaths): from the runner's limit on, its
+    # prompts are rendered alone (docs/design.md, "A prompt that kills its worker").
+    deaths: int = 0
 
     @property
     def member(self) -> str:
@@ -133,6 +136,8 @@ class Reaped:
     held_ms: int = 0
     pool: str = ""
     store: str = ""
+    # What its lease cost (ms): ``held_ms`` plus the time from that figure (or the claim) to the lapse.
+    lapsed_ms: int = 0
 
 
 def requeue_payload(raw_unacked: bytes | str | None) -> str:
@@ -214,6 +219,7 @@ def claim_call(
             keys.ENQUEUED,
             keys.CONSUMED,
             keys.segment(job),
+            keys.deaths(job),
         ],
         [
             shard,
@@ -373,11 +379,28 @@ def reap_call(limit: int = 100) -> ScriptCall:
     return ScriptCall(
         "reap",
         [keys.INFLIGHT, UNACKED_KEY, UNACKED_INDEX_KEY, keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.WORKERS],
-        [limit, keys.LEASE_PREFIX, keys.JOB_PREFIX, keys.SHARDS_SUFFIX, keys.QUEUED_PREFIX, keys.STATS_SUFFIX],
+        [
+            limit,
+            keys.LEASE_PREFIX,
+            keys.JOB_PREFIX,
+            keys.SHARDS_SUFFIX,
+            keys.QUEUED_PREFIX,
+            keys.STATS_SUFFIX,
+            keys.DEATHS_SUFFIX,
+        ],
     )
 
 
-REAP_FIELDS = 5  # reap.lua's reply: member, how, held, pool, store for each lease
+def alone_call(lease: Lease, index: int | None) -> ScriptCall:
+    """alone.lua's KEYS and ARGV: name the prompt ``index`` the holder of ``lease`` renders alone (None: none)."""
+    return ScriptCall(
+        "alone",
+        [keys.lease(lease.job, lease.shard), keys.attempts(lease.job)],
+        [lease.shard, lease.worker, lease.attempt, "" if index is None else index],
+    )
+
+
+REAP_FIELDS = 6  # reap.lua's reply: member, how, held, pool, store, lapsed for each lease
 
 
 def is_current(lease: Lease, latest: bytes | str | None) -> bool:
@@ -402,7 +425,7 @@ def reaped_from(flat: Sequence[object]) -> list[Reaped]:
     """What reap.lua's reply means: the shards re-queued or parked."""
     out: list[Reaped] = []
     for i in range(0, len(flat), REAP_FIELDS):
-        member, how, held, pool, store = (keys.text(v) for v in flat[i : i + REAP_FIELDS])
+        member, how, held, pool, store, lapsed = (keys.text(v) for v in flat[i : i + REAP_FIELDS])
         job, _, shard = member.rpartition(":")
         message = None if how in ("pushed", "cancelled", "dropped") or not how else how
         out.append(
@@ -415,6 +438,7 @@ def reaped_from(flat: Sequence[object]) -> list[Reaped]:
                 held_ms=int(held or 0),
                 pool=pool,
                 store=store,
+                lapsed_ms=int(lapsed or 0),
             )
         )
     return out
@@ -440,6 +464,7 @@ class Leases:
                 "reaper_lock",
                 "fence",
                 "repend",
+                "alone",
             )
         }
         self._record_failure = self._scripts["record_failure"]
@@ -458,7 +483,7 @@ class Leases:
         if not requeue and self.envelope is not None:
             requeue = self.envelope(message, queue, f"{job}:{shard}")
         failpoints.reach("before-claim")
-        status, attempt = self.run(
+        status, attempt, *rest = self.run(
             claim_call(
                 job,
                 shard,
@@ -475,9 +500,22 @@ class Leases:
         answer = ClaimAnswer(keys.text(status))
         if answer is not ClaimAnswer.OK:
             return answer, None
-        return answer, Lease(
-            job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life, segment
+        deaths = int(rest[0]) if rest else 0
+        lease = Lease(
+            job, shard, worker, int(attempt), queue, tag, requeue, message, envelope_tag(requeue), life, segment, deaths
         )
+        return answer, lease
+
+    def alone(self, lease: Lease, index: int | None) -> bool:
+        """Name the prompt ``index`` as the one the holder renders alone now (None: none); False if fenced."""
+        return bool(self.run(alone_call(lease, index)))
+
+    def prompt_deaths(self, job: str, indexes: Sequence[int]) -> dict[int, int]:
+        """How many workers died rendering each of the prompts ``indexes`` alone (keys.deaths), where any did."""
+        if not indexes:
+            return {}
+        counts = self.client.hmget(keys.deaths(job), [f"p{i}" for i in indexes])
+        return {i: int(n) for i, n in zip(indexes, counts, strict=True) if n is not None}
 
     def heartbeat(self, lease: Lease, registration: str = "", held: int | None = None, *, alive_ms: int = 0) -> Beat:
         """Renew (or re-create) the lease; FENCED (falsy) means stop now, CANCELLED stop at the next batch.

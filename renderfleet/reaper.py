@@ -121,6 +121,8 @@ def reap_once(leases: Leases, publish: Publisher, *, owner: str, election: Reape
                 pipe.hincrby(keys.FLEET_STATS, "killed_ms", r.held_ms)
                 if r.pool:
                     pipe.hincrby(keys.pool_stats(r.pool, store_tag(r.store)), "killed_ms", r.held_ms)
+            if r.lapsed_ms > 0:  # what the lease cost, the time after its last beat too (reap.lua)
+                pipe.hincrby(keys.FLEET_STATS, "lapsed_ms", r.lapsed_ms)
         pipe.execute()
     for r in reaped:
         if r.message is not None:

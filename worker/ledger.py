@@ -240,6 +240,13 @@ class RedisLedger:
         self._stats_written()
         self.leases.commit(self.lease, done, failed, undone)  # what was stored is in the metrics already
 
+    def alone(self, prompt: Prompt | None) -> None:
+        # Fenced, it writes nothing: the batch's commit finds the fence and stops the shard.
+        self.leases.alone(self.lease, None if prompt is None else prompt.index)
+
+    def prompt_deaths(self, prompts: Sequence[Prompt]) -> dict[int, int]:
+        return self.leases.prompt_deaths(self.lease.job, [p.index for p in prompts])
+
     def record_failure(self, prompt: Prompt, error: str) -> int:
         count = self.leases.record_failure(self.lease, prompt.index, error)
         if self.metrics:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from renderfleet import failpoints, spec
+from renderfleet import failpoints, schemas, spec
 from renderfleet import stages as stagelib
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, ShardMessage
@@ -107,6 +107,14 @@ class Ledger(Protocol):
 
     def recount(self, done: list[int], failed: list[int], undone: list[int]) -> None:
         """The same count, of what the store holds at the shard's end: nothing newly rendered."""
+
+    def alone(self, prompt: Prompt | None) -> None:
+        """Name ``prompt`` in the lease as the one rendered alone now (None: none): a shard whose holders
+        died too often (docs/design.md, "A prompt that kills its worker")."""
+
+    def prompt_deaths(self, prompts: Sequence[Prompt]) -> dict[int, int]:
+        """How many workers died rendering each of ``prompts`` alone, by index, where any did."""
+        ...
 
     def record_failure(self, prompt: Prompt, error: str) -> int:
         """Count one more failure of this prompt; returns the total so far."""
@@ -230,6 +238,9 @@ class ShardRunner:
         self._lane = 0
         # Prompts per pipeline call (worker/batchsize.py): whole batches unless told; OOM halving sticks.
         self.batch_sizes = batch_sizes or BatchSizes(None, fixed=WHOLE_BATCH)
+        # Set while a shard whose holders died too often renders: each prompt alone, named in the lease
+        # first (docs/design.md, "A prompt that kills its worker").
+        self._alone: Callable[[Prompt | None], None] | None = None
         self._batch_seconds: float | None = None
 
     # ---- the shard ---------------------------------------------------------------
@@ -246,6 +257,7 @@ class ShardRunner:
         attempt: int = 0,
         first_delivery: bool = False,
         on_last_batch: Callable[[], None] | None = None,
+        deaths: int = 0,
     ) -> PendingShard:
         """Render every prompt of the shard not yet in the store; its last commits may still run.
 
@@ -264,6 +276,12 @@ class ShardRunner:
 
         ``on_last_batch`` is called as the shard's last batch to render begins: the
         caller prepares its next shard while the accelerator is still busy with this one.
+
+        ``deaths``: how many of the shard's holders died before (its lease lapsed unreleased).  From
+        ``max_failures`` on, a prompt in the worker may be what kills it (a CUDA fault, an OOM kill):
+        each prompt is rendered alone, named in the lease first, so the reaper counts the next death
+        against it, and one whose workers died ``max_failures`` times rendering it is quarantined
+        (``killed its worker N times``) without being rendered again; the others render.
         """
         result = ShardResult()
         lane, self._lane = self._lanes[self._lane], 1 - self._lane
@@ -299,6 +317,18 @@ class ShardRunner:
                 todo.append((number, pending, verified))
         if stored_done or stored_failed or undone:
             ledger.commit(stored_done, stored_failed, undone)
+        killers: dict[str, int] = {}
+        if deaths >= self.max_failures:
+            counts = ledger.prompt_deaths(msg.prompts)
+            killers = {p.name: n for p in msg.prompts if (n := counts.get(p.index, 0)) >= self.max_failures}
+            log.warning(
+                "shard %s:%d: its holders died %d times: its prompts are rendered one at a time%s",
+                msg.job,
+                msg.shard,
+                deaths,
+                f"; {len(killers)} killed their workers {self.max_failures} times" if killers else "",
+            )
+            self._alone = ledger.alone
         commits = CommitQueue(lane, self.pipeline_depth, on_skip=ledger.record_waste)
         try:
             for number, pending, cp in todo:
@@ -312,7 +342,11 @@ class ShardRunner:
                     raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
                 if on_last_batch is not None and number == todo[-1][0]:
                     on_last_batch()
-                images, failures, spent = self._render_batch(pending, ledger, result, commits, msg, levels)
+                killed = [(p, killers[p.name]) for p in pending if p.name in killers]
+                rendering = [p for p in pending if p.name not in killers]
+                images, failures, spent = (
+                    self._render_batch(rendering, ledger, result, commits, msg, levels) if rendering else ({}, [], None)
+                )
                 per_image = self._batch_seconds / len(images) if images and self._batch_seconds else None
                 commits.put(
                     partial(
@@ -328,6 +362,7 @@ class ShardRunner:
                         attempt,
                         per_image=per_image,
                         batch=spent,
+                        killed=killed,
                     ),
                     len(images),
                 )
@@ -338,6 +373,8 @@ class ShardRunner:
             # synchronous path would have raised before this batch began, is the one raised.
             commits.drain()
             raise
+        finally:
+            self._alone = None
         return PendingShard(lane, commits, result)
 
     def _render_batch(
@@ -455,6 +492,7 @@ class ShardRunner:
         attempt: int,
         per_image: float | None = None,
         batch: Batch | None = None,
+        killed: Sequence[tuple[Prompt, int]] = (),
     ) -> None:
         """Encode and store a rendered batch's images, then its checkpoint, then count it (in the shard's commit
         lane); once counted, its render time is kept.  ``per_image``: the batch's render seconds per image, for
@@ -471,7 +509,7 @@ class ShardRunner:
             for name, error in self._put_images(msg.job, images, by_name, extra, ledger, written).items():
                 del images[name]
                 failures.append((by_name[name], error, False))
-            quarantined = self._record_failures(msg, failures, ledger, result)
+            quarantined = self._record_failures(msg, failures, ledger, result) + self._quarantine_killers(msg, killed)
 
             failpoints.reach("before-checkpoint")
             ledger.check()  # again: a worker paused past its lease learns it here
@@ -508,6 +546,13 @@ class ShardRunner:
                 log.warning("prompt %s of job %s failed (%d/%d): %s", prompt.name, msg.job, count, self.max_failures, error)
         return quarantined
 
+    def _quarantine_killers(self, msg: ShardMessage, killed: Sequence[tuple[Prompt, int]]) -> list[Prompt]:
+        """Quarantine the prompts whose workers died rendering them alone (after the batch's fence check:
+        a fenced holder has raised before this); counted failed and checkpointed with the batch."""
+        for prompt, deaths in killed:
+            self._quarantine(msg, prompt, f"killed its worker {deaths} times", deaths)
+        return [p for p, _ in killed]
+
     def _commit_segment(
         self,
         msg: ShardMessage,
@@ -521,13 +566,14 @@ class ShardRunner:
         attempt: int,
         per_image: float | None = None,
         batch: Batch | None = None,
+        killed: Sequence[tuple[Prompt, int]] = (),
     ) -> None:
         """A batch of a segment before the job's last (``msg.until``): its images are stored at that level
         already (worker/stagerun.py) and are no final images, so nothing is counted done; its failures are
         counted, and a quarantine is checkpointed as :meth:`_commit_batch` does (the last segment skips it)."""
         failpoints.reach("after-render")
         ledger.check()
-        quarantined = self._record_failures(msg, failures, ledger, result)
+        quarantined = self._record_failures(msg, failures, ledger, result) + self._quarantine_killers(msg, killed)
         if quarantined:
             cp.quarantined.update(p.name for p in quarantined)
             self._write_checkpoint(msg, number, cp, attempt, rendered=[], per_image=per_image)
@@ -571,12 +617,13 @@ class ShardRunner:
         """Render prompts that share a render key, halving on OOM, isolating failures; ``latents``: their
         latents, not decoded, for a next stage that takes them (worker/stagerun.py)."""
         extra = {"output_type": "latent"} if latents else {}
-        size = self.batch_sizes.size_for(self.renderer, group[0], len(group), should_stop)
+        # A shard whose holders died too often: one prompt a call, so a death names its prompt.
+        size = 1 if self._alone else self.batch_sizes.size_for(self.renderer, group[0], len(group), should_stop)
         start = 0
         while start < len(group):
             chunk = group[start : start + size]
             try:
-                rendered = self.renderer.render_images(chunk, should_stop=should_stop, **extra)
+                rendered = self._render_chunk(chunk, should_stop, extra)
             except OutOfMemory:
                 if size > 1:
                     size = self.batch_sizes.out_of_memory(self.renderer, group[0], size)
@@ -602,6 +649,18 @@ class ShardRunner:
                 images[p.name] = image
             start += len(chunk)
 
+    def _render_chunk(self, chunk: list[Prompt], should_stop: Callable[[], bool], extra: dict[str, str]) -> list[Any]:
+        """One pipeline call; a prompt rendered alone is named in the lease for as long as it is in the worker."""
+        alone = self._alone
+        with failpoints.holding([p.prompt for p in chunk]):
+            if alone is None:
+                return self.renderer.render_images(chunk, should_stop=should_stop, **extra)
+            alone(chunk[0])
+            try:
+                return self.renderer.render_images(chunk, should_stop=should_stop, **extra)
+            finally:
+                alone(None)
+
     def _render_group_single(
         self,
         prompt: Prompt,
@@ -619,16 +678,21 @@ class ShardRunner:
     # ---- the store -----------------------------------------------------------
 
     def _read_checkpoints(self, msg: ShardMessage) -> dict[int, _Checkpoint]:
-        """Each batch's checkpoints, the union over the attempts that wrote one."""
+        """Each batch's checkpoints, the union over the attempts that wrote one.
+
+        A record that is no checkpoint (any bytes: the store is writable by others, docs/security.md)
+        costs one log line and counts as absent: its batch is rendered again, to the same bytes.  Only
+        the shard's own prompt names are taken from a record: a forged name never becomes a listing.
+        """
         out: dict[int, _Checkpoint] = {}
+        names = {p.name for p in msg.prompts}
         for key in self.store.list(spec.checkpoint_prefix(msg.job, msg.shard)):
-            data = self.store.get(key)
-            if not data:
+            record = schemas.read(schemas.Checkpoint, self.store.get(key), key)
+            if record is None:
                 continue
-            record = json.loads(data)
-            cp = out.setdefault(int(record["batch"]), _Checkpoint())
-            cp.done.update(record["done"])
-            cp.quarantined.update(record.get("quarantined", []))
+            cp = out.setdefault(record.batch, _Checkpoint())
+            cp.done.update(names.intersection(record.done))
+            cp.quarantined.update(names.intersection(record.quarantined))
         return out
 
     def _stored_images(self, msg: ShardMessage, checkpoints: dict[int, _Checkpoint]) -> set[str]:
@@ -762,23 +826,23 @@ class ShardRunner:
         """The batch's checkpoint under this attempt's key: what it holds done and quarantined (an earlier
         attempt's too), and, for each prompt's record (``dispatcher/records.py``), which of them this write
         rendered, where (card, pool) and in how many seconds an image (nothing more is written for them)."""
-        record = {
-            "job": msg.job,
-            "shard": msg.shard,
-            "batch": number,
-            "done": sorted(cp.done),
-            "quarantined": sorted(cp.quarantined),
-            "attempt": attempt,
-            "worker": self.worker_id,
-            "at": time.time(),
-            "rendered": rendered or [],
-            "card": self.card,
-            "pool": self.pool,
-            "seconds_per_image": None if per_image is None else round(per_image, 4),
-        }
+        record = schemas.Checkpoint(
+            job=msg.job,
+            shard=msg.shard,
+            batch=number,
+            done=sorted(cp.done),
+            quarantined=sorted(cp.quarantined),
+            attempt=attempt,
+            worker=self.worker_id,
+            at=time.time(),
+            rendered=rendered or [],
+            card=self.card,
+            pool=self.pool,
+            seconds_per_image=None if per_image is None else round(per_image, 4),
+        )
         self.store.put(
             spec.checkpoint_key(msg.job, msg.shard, number, attempt),
-            json.dumps(record).encode(),
+            record.model_dump_json().encode(),
             content_type="application/json",
         )
 

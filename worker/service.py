@@ -425,6 +425,7 @@ class WorkerService:
                     attempt=lease.attempt,
                     first_delivery=first,
                     on_last_batch=lambda: self.prompts.start(msg.queue),
+                    deaths=lease.deaths,
                 )
         except BaseException as exc:  # ended below, with the keeper closed first
             pending = exc

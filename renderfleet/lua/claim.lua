@@ -11,12 +11,14 @@
 -- KEYS[8] enqueued     hash member -> enqueue record (common.lua)
 -- KEYS[9] consumed     hash queue -> highest back-of-queue seq claimed from it
 -- KEYS[10] segment     hash shard -> the segment it is in (absent: the first; keys.segment)
+-- KEYS[11] deaths      hash shard -> its holders' deaths (keys.deaths; reap.lua counts them)
 -- ARGV[1] shard, ARGV[2] member, ARGV[3] worker, ARGV[4] queue, ARGV[5] tag
 -- (this delivery's kombu tag), ARGV[6] requeue (payload to re-push),
 -- ARGV[7] message, ARGV[8] lease_ms, ARGV[9] queued prefix, ARGV[10] requeue's tag,
 -- ARGV[11] life (keys.job 'life' as the worker read it when it accepted the message),
 -- ARGV[12] the message's segment ('0': the first)
--- Returns {'ok', attempt}, {'busy', 0}, {'done', 0}, {'cancelled', 0}, {'moved', 0} (a copy of another
+-- Returns {'ok', attempt, deaths} (the shard's holders that died before: from the limit on, its
+-- prompts are rendered alone, docs/design.md "A prompt that kills its worker"), {'busy', 0}, {'done', 0}, {'cancelled', 0}, {'moved', 0} (a copy of another
 -- segment than the shard is in: dropped), or {'stale', 0}: the job
 -- began another life (deleted and submitted again) since the worker read it: accept it again.
 local job, shards, inflight, attempts, lease = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -25,6 +27,7 @@ local shard, member, worker, queue, tag = ARGV[1], ARGV[2], ARGV[3], ARGV[4], AR
 local requeue, message, lease_ms, queued_prefix, requeue_tag = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local life = ARGV[11] or ''
 local segment, message_segment = KEYS[10], ARGV[12] or '0'
+local deaths = KEYS[11]
 local now = now_ms()
 
 if not same_life(job, life) then
@@ -79,6 +82,8 @@ local attempt = redis.call('HINCRBY', attempts, shard, 1)
 redis.call('HSET', shards, shard, 'r')
 redis.call('ZADD', inflight, now + tonumber(lease_ms), member)
 redis.call('DEL', lease)
+-- `since`: from when the holder has kept nothing (the heartbeat moves it with each `held` figure); a
+-- holder that dies before its first beat has lost everything from here to its lease's lapse.
 redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', queue, 'tag', tag,
-           'requeue', requeue, 'rtag', requeue_tag, 'message', message, 'shard', shard, 'life', life)
-return {'ok', attempt}
+           'requeue', requeue, 'rtag', requeue_tag, 'message', message, 'shard', shard, 'life', life, 'since', now)
+return {'ok', attempt, tonumber(redis.call('HGET', deaths, shard) or '0')}

@@ -11,7 +11,8 @@
 -- worker then writes nothing else to stay listed (worker/ledger.py, Liveness): its last_seen, its
 -- registration should Redis have lost it, and its deadline (ARGV[9] ms from now), as alive.lua does.
 -- A beat may carry what the shard's worker has rendered and not yet kept (ARGV[8], ms; '' when
--- unchanged since its last beat): the lease's `held`, which reap.lua counts lost if the lease expires.
+-- unchanged since its last beat): the lease's `held`, which reap.lua counts lost if the lease expires,
+-- and `since`, the time of that figure (reap.lua counts the time from it to the lapse lost too).
 --
 -- KEYS[1] job, KEYS[2] shards, KEYS[3] inflight, KEYS[4] attempts, KEYS[5] lease,
 -- KEYS[6] the worker's stats hash (rf:worker:<id>), KEYS[7] the registry (rf:workers),
@@ -57,7 +58,7 @@ if l[1] then
   end
   redis.call('ZADD', inflight, now + lease_ms, member)
   if held ~= '' then
-    redis.call('HSET', lease, 'held', held)
+    redis.call('HSET', lease, 'held', held, 'since', now)
   end
   if redis.call('HEXISTS', job, 'cancelled') == 1 then
     return 3
@@ -80,7 +81,7 @@ redis.call('HSET', attempts, shard, attempt)
 redis.call('HSET', shards, shard, 'r')
 redis.call('ZADD', inflight, now + lease_ms, member)
 redis.call('HSET', lease, 'worker', worker, 'attempt', attempt, 'queue', ARGV[10], 'tag', ARGV[11],
-           'requeue', ARGV[12], 'rtag', ARGV[14], 'message', ARGV[13], 'shard', shard, 'life', life)
+           'requeue', ARGV[12], 'rtag', ARGV[14], 'message', ARGV[13], 'shard', shard, 'life', life, 'since', now)
 if ARGV[15] and segment then
   if ARGV[15] == '0' then
     redis.call('HDEL', segment, shard)
