@@ -286,11 +286,14 @@ class LocalStore:
     def replace(self, key: str, data: bytes, *, tag: str, content_type: str = "application/octet-stream") -> str | None:
         """Write ``data`` at ``key`` if the file there still has ``tag``; the new tag, or None."""
         parts = self._parts(key)
-        with self._folder(parts[:-1], create=True) as folder, self._folder([TEMP_DIR], create=True) as tmp:
-            with _locked(folder):
-                if _tag_at(folder, parts[-1]) != tag:
-                    return None
-                _write_at(data, tmp, f"{secrets.token_hex(8)}.tmp", folder, parts[-1])
+        with (
+            self._folder(parts[:-1], create=True) as folder,
+            self._folder([TEMP_DIR], create=True) as tmp,
+            _locked(folder),
+        ):
+            if _tag_at(folder, parts[-1]) != tag:
+                return None
+            _write_at(data, tmp, f"{secrets.token_hex(8)}.tmp", folder, parts[-1])
         return _tag(data)
 
     def get_tagged(self, key: str) -> tuple[bytes, str] | None:

@@ -67,7 +67,7 @@ def test_the_variable_names_points_and_actions() -> None:
     [
         ("befor-claim=pause", "no failpoint 'befor-claim'; the points are before-claim"),
         ("before-claim", "'before-claim' is not POINT[#N]=pause"),
-        ("before-claim=stop", "is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)"),
+        ("before-claim=stop", "is not POINT[#N]=pause, POINT[#N]=raise(TYPE: TEXT)"),
         ("before-claim#0=pause", "is not POINT[#N]=pause"),
         ("render=raise(SystemExit: bye)", "render: cannot raise 'SystemExit'"),
         ("render=raise(boom)", "is not POINT[#N]=pause"),
@@ -139,7 +139,7 @@ def test_a_sleep_sleeps_its_seconds_every_time_from_the_nth_time_on_and_goes_on(
     [
         ("step=sleep(0)", "step: cannot sleep 0 s"),
         ("step=sleep(61)", "step: cannot sleep 61 s"),
-        ("step=sleep(-1)", "is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT) or POINT[#N]=sleep(SECONDS)"),
+        ("step=sleep(-1)", "is not POINT[#N]=pause, POINT[#N]=raise(TYPE: TEXT), POINT[#N]=sleep(SECONDS)"),
         ("step=sleep(1e-3)", "is not POINT[#N]=pause"),
         ("step=sleep()", "is not POINT[#N]=pause"),
         ("step=sleep(0.1);step#2=sleep(0.2)", "failpoint 'step' is named twice"),
