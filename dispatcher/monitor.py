@@ -76,7 +76,7 @@ class Monitor:
         self.publish = celery_app.publisher(app)
         self.owner = uuid.uuid4().hex
         self.election = ReaperElection(settings.reap_seconds, backstop=True)  # asks whatever the fleet's size
-        self.feeder = Feeder(self.client, live_seconds=2 * settings.lease_seconds)  # as status takes a worker for gone
+        self.feeder = Feeder(self.client)
         self.known_jobs: set[str] = set()
         # A job looks stalled (work left, nothing queued or running) for an instant
         # while submit registers it: act only on a job seen stalled twice in a row.

@@ -50,9 +50,6 @@ WORKERS_CACHE_SECONDS = 5.0
 # entries, which grew as the square of the fleet (bench/redis_scale.py --before).
 COUNTS_SECONDS = 5.0
 SCAN_SECONDS = 30.0  # how often Feeder.queues scans the keyspace (the monitor's pass)
-# A worker whose last_seen is older than this is taken to be gone when the feeder looks for a card that
-# qualifies for a job's --min-vram: twice the default lease, as status takes it (dispatcher/serving.py).
-LIVE_SECONDS = 12.0
 
 
 def served_pools(info: Mapping[str, Any]) -> list[str]:
@@ -65,24 +62,24 @@ def served_pools(info: Mapping[str, Any]) -> list[str]:
     return [pool] if pool == "default" else [pool, "default"]
 
 
-def best_cards(
-    registrations: Mapping[bytes | str, bytes | str], seen: Mapping[bytes | str, Any], now: float, live_seconds: float
-) -> dict[str, float]:
-    """The largest card memory (GiB) of the live workers serving each queue, from the registrations
-    (``keys.WORKERS``) and each worker's ``last_seen`` (``seen``, unix time): a worker not touched for
-    ``live_seconds`` is taken to be gone, as ``status`` takes it (twice the lease).  A worker still
-    loading its model counts: it takes the queue's messages once loaded.  A queue whose live workers
-    name no memory is absent (it takes no --min-vram work: ``renderfleet/cards.py``)."""
+def best_cards(registrations: Mapping[bytes | str, bytes | str]) -> dict[str, float]:
+    """The largest card memory (GiB) of the workers serving each queue, from the live registrations
+    (:func:`renderfleet.registry.live_registrations`: liveness is one deadline, by Redis's clock).  A
+    worker still loading its model counts: it takes the queue's messages once loaded.  A queue whose
+    live workers name no memory is absent (it takes no --min-vram work: ``renderfleet/cards.py``).
+
+    Before, a second rule aged each worker's ``last_seen`` (its own clock) by Redis's: a worker whose clock
+    ran a millisecond ahead of Redis's read as not yet seen, and a --min-vram job it alone qualified for
+    waited for a card that was there."""
     best: dict[str, float] = {}
-    for wid, raw in registrations.items():
+    for raw in registrations.values():
         try:
             info = json.loads(raw)
             store = str(info["store"])
-            age = now - float(keys.text(seen.get(wid)) or "nan")
         except (ValueError, KeyError, TypeError):
             continue
         memory = cards.vram_of(info) if isinstance(info, dict) else None
-        if memory is None or not 0 <= age < live_seconds:  # NaN (never touched) is not live either
+        if memory is None:
             continue
         for pool in served_pools(info):
             q = queue_name(pool, store)
@@ -175,12 +172,10 @@ class Feeder:
         *,
         per_worker: int = FEED_PER_WORKER,
         minimum: int = FEED_MIN,
-        live_seconds: float = LIVE_SECONDS,
     ):
         self.client = client
         self.per_worker = per_worker
         self.minimum = minimum
-        self.live_seconds = live_seconds
         self._feed = client.register_script(lua_script("feed"))
         self._workers: dict[str, int] = {}
         self._cards: dict[str, float] = {}  # queue -> its largest live card (GiB), as last read
@@ -225,7 +220,7 @@ class Feeder:
         ):
             registrations = registry.live_registrations(self.client)
             counts = count_registrations(registrations.values())
-            self._cards = best_cards(registrations, self._last_seen(registrations), now, self.live_seconds)
+            self._cards = best_cards(registrations)
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(keys.WORKER_COUNTS)
             fields: dict[Any, Any] = {
@@ -236,17 +231,6 @@ class Feeder:
             pipe.hset(keys.WORKER_COUNTS, mapping=fields)
             pipe.execute()
         return counts
-
-    def _last_seen(self, registrations: Mapping[bytes | str, bytes | str]) -> dict[bytes | str, Any]:
-        """Each registered worker's ``last_seen``, read only for those that name their card's memory:
-        only they can take --min-vram work (one pipelined read, by the one process counting)."""
-        named = [wid for wid, raw in registrations.items() if cards.VRAM in keys.text(raw)]
-        if not named:
-            return {}
-        pipe = self.client.pipeline(transaction=False)
-        for wid in named:
-            pipe.hget(keys.worker_stats(keys.text(wid)), "last_seen")
-        return dict(zip(named, pipe.execute(), strict=True))
 
     def feed(self, queue: str, target: int | None = None) -> int:
         """Top ``queue`` up from its jobs' pending shards; returns the messages pushed.

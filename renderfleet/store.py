@@ -563,6 +563,7 @@ def _write_at(
         try:
             os.link(tmp, dest, src_dir_fd=tmp_dir, dst_dir_fd=dest_dir, follow_symlinks=False)
         except FileExistsError:
+            _refuse_unless_file(dest_dir, dest)
             return False
         finally:
             os.unlink(tmp, dir_fd=tmp_dir)
@@ -571,6 +572,18 @@ def _write_at(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=tmp_dir)
         raise
+
+
+def _refuse_unless_file(folder: int, name: str) -> None:
+    """Raise when what holds ``name`` in the open folder ``folder`` is no regular file (a folder, a link, a
+    FIFO): no object a reader sees is there, yet no write can put one there, as a plain write (a rename) onto
+    a folder fails.  The caller's error, not "taken": an exclusive write that took it for an object of
+    another's would read none there and try again for ever."""
+    with contextlib.suppress(FileNotFoundError):  # gone since: taken and removed, an ordinary race
+        mode = os.lstat(name, dir_fd=folder).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "folder" if stat.S_ISDIR(mode) else "link" if stat.S_ISLNK(mode) else "special file"
+            raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EEXIST, f"a {kind} is there, not a file", name)
 
 
 def _write_atomically(dest: Path, source: bytes | Path | BinaryIO, tmp: Path) -> None:

@@ -125,7 +125,7 @@ class WorkerService:
         self.load_model = load_model
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
-        self.feeder = Feeder(client, live_seconds=2 * settings.lease_seconds)  # as status takes a worker for gone
+        self.feeder = Feeder(client)
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name

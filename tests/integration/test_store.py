@@ -96,6 +96,22 @@ def test_of_many_racing_put_news_exactly_one_lands(store: Store) -> None:
     assert store.get(key) == f"writer {winner}".encode()
 
 
+def test_put_new_onto_a_folder_or_a_link_refuses_as_a_plain_write_does(tmp_path: Path) -> None:
+    # Neither is an object (a reader sees none there) nor can a write put one there: the caller's error,
+    # as a plain put onto a folder raises. Taken for "another's object" the runner read none, tried again,
+    # and gave the batch up as the store's error: a prompt that can never be stored went round for ever.
+    store = LocalStore(tmp_path / "s")
+    (tmp_path / "s" / "jobs" / "j" / "bad.png").mkdir(parents=True)
+    (tmp_path / "s" / "jobs" / "j" / "link.png").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(IsADirectoryError):
+        store.put("jobs/j/bad.png", b"x")
+    for name in ("bad.png", "link.png"):
+        with pytest.raises(OSError, match="is there, not a file"):
+            store.put_new(f"jobs/j/{name}", b"x")
+    assert not (tmp_path / "elsewhere").exists() and store.put_new("jobs/j/ok.png", b"x") is not None
+    assert sorted(os.listdir(tmp_path / "s" / TEMP_DIR)) == []  # no temporary file left behind
+
+
 def test_a_key_holding_the_folder_stores_old_temp_mark_round_trips(store: Store) -> None:
     key = f"jobs/j1/images/p{TEMP_MARK}1.png"
     store.put(key, b"png", content_type="image/png")

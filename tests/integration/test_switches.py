@@ -139,7 +139,8 @@ def test_a_switch_that_will_not_do_stops_the_worker_at_start_by_name(tmp_path: P
         (
             {failpoints.VARIABLE: "before-claim=stop"},
             [],
-            f"{failpoints.VARIABLE}: 'before-claim=stop' is not POINT[#N]=pause or POINT[#N]=raise(TYPE: TEXT)",
+            f"{failpoints.VARIABLE}: 'before-claim=stop' is not POINT[#N]=pause, POINT[#N]=raise(TYPE: TEXT), "
+            "POINT[#N]=sleep(SECONDS) or POINT=kill(TEXT)",
         ),
         ({failpoints.VARIABLE: "befor-claim=pause"}, [], f"{failpoints.VARIABLE}: no failpoint 'befor-claim'"),
     ]
