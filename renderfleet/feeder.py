@@ -68,9 +68,9 @@ def best_cards(registrations: Mapping[bytes | str, bytes | str]) -> dict[str, fl
     worker still loading its model counts: it takes the queue's messages once loaded.  A queue whose
     live workers name no memory is absent (it takes no --min-vram work: ``renderfleet/cards.py``).
 
-    Before, a second rule aged each worker's ``last_seen`` (its own clock) by Redis's: a worker whose clock
-    ran a millisecond ahead of Redis's read as not yet seen, and a --min-vram job it alone qualified for
-    waited for a card that was there."""
+    Before, a second rule of its own aged each worker's ``last_seen`` again and took one stamped even a
+    fraction of a millisecond ahead of Redis's now (rounded up, or by another clock, as a worker of an older
+    version stamps it) for not yet seen: a --min-vram job it alone qualified for waited beside its card."""
     best: dict[str, float] = {}
     for raw in registrations.values():
         try:

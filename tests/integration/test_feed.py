@@ -295,8 +295,8 @@ def test_a_job_no_live_card_qualifies_for_is_not_fed_and_comes_back_when_one_is_
     assert {keys.text(v) for v in client.hvals(keys.shards("j-needs-40"))} == {"p"}
 
     # 2. A live worker with the card: the job is back in the rotation at its priority, and fed.
-    # Its clock runs 2 s ahead of Redis's: liveness is Redis's deadline, never an age by two clocks (the
-    # feeder aged last_seen too, and took a worker a millisecond ahead for not yet seen: CI failed so).
+    # Its last_seen 2 s ahead of Redis's clock (an older version stamps it by its own): liveness is one rule,
+    # the registry's; the feeder aged last_seen again, took a stamp ahead for not yet seen (CI failed so).
     _register(client, "w-big", 80, seen_ago=-2)
     assert order(client, Feeder(client), 5) == ["j-needs-40:0", "j-needs-40:1", "j-needs-40:2"]
     assert client.zcard(keys.card_wait(QUEUE)) == 0
