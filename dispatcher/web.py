@@ -26,7 +26,8 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -54,7 +55,7 @@ from dispatcher.status import FleetStatus, JobStatus, fleet_status
 from dispatcher.thumbs import NoImage, Thumbnails
 from renderfleet import keys
 from renderfleet import spec as layout
-from renderfleet.endpoint import IMAGE_CSP, guard
+from renderfleet.endpoint import IMAGE_CSP, client_key, guard
 from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.settings import PoolConfig
 from renderfleet.spec import job_id_problem, name_problem, store_tag
@@ -404,16 +405,61 @@ EVENTS_BLOCK_MS = 500  # one read's wait for a new event (under the Redis client
 # Open event streams at once, each holding a thread of the server's pool (40) while it waits on Redis:
 # beyond this many a new one is told to come back (503), so open pages never starve the other endpoints.
 EVENTS_STREAMS_MAX = 16
-_STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+# Open event streams of one client address: one client (a script reconnecting in a loop, a page opened in
+# many tabs) cannot take all of EVENTS_STREAMS_MAX; beyond this many it is told to come back (429).
+EVENTS_STREAMS_PER_CLIENT = 4
+EVENTS_RETRY_AFTER = "5"  # seconds a stream refused is told to wait
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+_STREAM_ID_PART_MAX = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
 
 
 def last_event_id(raw: str | None) -> str | None:
-    """A reconnecting client's ``Last-Event-ID`` (a stream entry's id), or None; BadQuery when it is not one."""
+    """A reconnecting client's ``Last-Event-ID`` (a stream entry's id), or None; BadQuery when it is not one
+    (twenty digits past 2**64 too: Redis would refuse it in the middle of the stream)."""
     if raw is None or raw == "":
         return None
-    if not _STREAM_ID.fullmatch(raw):
+    found = _STREAM_ID.fullmatch(raw)
+    if found is None or max(int(found[1]), int(found[2])) > _STREAM_ID_PART_MAX:
         raise BadQuery(f"Last-Event-ID: a stream id such as 1718000000000-0, got {raw[:40]!r}")
     return raw
+
+
+class StreamSlots:
+    """The event streams open now: at most :data:`EVENTS_STREAMS_MAX` in all and
+    :data:`EVENTS_STREAMS_PER_CLIENT` per client address (``renderfleet.endpoint.client_key``: an IPv4
+    client seen as ``::ffff:a.b.c.d`` is the same client).  Behind a reverse proxy every client is the
+    proxy's address: the proxy's own limits are the ones per user then."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[str, int] = {}
+
+    def take(self, client: str) -> tuple[int, str] | None:
+        """A slot for ``client`` (None), or the status and reason it is refused with."""
+        with self.lock:
+            if self.open.get(client, 0) >= EVENTS_STREAMS_PER_CLIENT:
+                return 429, f"busy: this client has {EVENTS_STREAMS_PER_CLIENT} event streams open"
+            if sum(self.open.values()) >= EVENTS_STREAMS_MAX:
+                return 503, f"busy: {EVENTS_STREAMS_MAX} event streams are open"
+            self.open[client] = self.open.get(client, 0) + 1
+            return None
+
+    def releaser(self, client: str) -> Callable[[], None]:
+        """Gives ``client``'s slot back, once however often called (the stream's end, and its collection
+        for a stream never started: a client gone before the first byte)."""
+        done = threading.Event()
+
+        def release() -> None:
+            with self.lock:
+                if done.is_set():
+                    return
+                done.set()
+                if (left := self.open.get(client, 0) - 1) > 0:
+                    self.open[client] = left
+                else:
+                    self.open.pop(client, None)
+
+        return release
 
 
 def _sse(entry_id: Any, fields: dict[Any, Any]) -> str:
@@ -650,7 +696,7 @@ def make_app(
         _, job, name = image_parts(request)
         return JSONResponse(need_thumbs().meta(job, name))
 
-    streams = threading.BoundedSemaphore(EVENTS_STREAMS_MAX)  # the event streams open now (EVENTS_STREAMS_MAX)
+    slots = StreamSlots()
 
     def events(request: Request) -> Response:
         """Server-sent events of the store's jobs (``/events``) or one job's (``/jobs/JOB/events``)."""
@@ -661,21 +707,26 @@ def make_app(
         if job is not None:
             job = checked_job(store, job, client)
         last = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last"))
-        if not streams.acquire(blocking=False):
+        who = client_key(request.client.host if request.client is not None else "")
+        if (refused := slots.take(who)) is not None:
+            status, why = refused
             return PlainTextResponse(
-                f"busy: {EVENTS_STREAMS_MAX} event streams are open; try again shortly\n",
-                status_code=503,
-                headers={"Retry-After": "5"},
+                f"{why}; try again shortly\n", status_code=status, headers={"Retry-After": EVENTS_RETRY_AFTER}
             )
+        release = slots.releaser(who)
 
         def held() -> Iterator[str]:
             try:
                 yield from event_stream(client, store.url, job, last)
+            except redis.RedisError as exc:  # the stream ends; the browser reconnects with its Last-Event-ID
+                log.warning("events stream: Redis: %s", exc)
             finally:
-                streams.release()
+                release()
 
+        body = held()
+        weakref.finalize(body, release)
         return StreamingResponse(
-            held(),
+            body,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -49,12 +49,30 @@ IMAGE_CSP = "default-src 'none'; img-src 'self'; style-src 'unsafe-inline'; fram
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an address (brackets and an IPv6 zone index left out), an IPv4-mapped IPv6 one
+    (``::ffff:127.0.0.1``, ``::ffff:7f00:1``: how a dual-stack socket shows an IPv4 peer) as its IPv4
+    address; None for a name."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]").partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def client_key(host: str) -> str:
+    """One client's address as one text whatever form it came in (an IPv4 peer of a dual-stack socket as
+    its IPv4 address): what a per-client limit counts by."""
+    address = ip_of(host)
+    return host.lower() if address is None else str(address)
+
+
 def loopback(host: str) -> bool:
     """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    address = ip_of(host)
+    return host == "localhost" if address is None else address.is_loopback
 
 
 def listen(host: str, port: int, token: str | None, *, what: str) -> socket.socket:
@@ -150,7 +168,8 @@ def host_allowed(host: str, server: tuple[str, int] | None, extra: tuple[str, ..
         name, _, port = host.rpartition(":")
     if server is not None:
         bound = f"[{server[0]}]" if ":" in server[0] else server[0]
-        if name in (*LOOPBACK_NAMES, bound) and port == str(server[1]):
+        literal = ip_of(name) if name.startswith("[") else None  # [::ffff:127.0.0.1] is 127.0.0.1
+        if (name in (*LOOPBACK_NAMES, bound) or (literal is not None and literal.is_loopback)) and port == str(server[1]):
             return True
     return host in extra or name in extra
 

@@ -198,7 +198,7 @@ class EventsConfig(BaseModel):
     # The file holding the signing secret (whsec_ and 24 or more random bytes in base64): the monitor
     # signs every event with it and sends none without it.
     secret_file: Path | None = None
-    # One POST's connect and read timeout: a receiver answers quickly and works later.
+    # One POST's read timeout (its connect timeout: this, at most 3 s): a receiver answers quickly and works later.
     timeout_seconds: float = Field(default=5.0, gt=0, le=60)
     # The wait before the first retry of a failed delivery; each next one waits twice as long, at most
     # 10 minutes, until the event is delivered.

@@ -144,7 +144,10 @@ class SpeedRecord:
     @classmethod
     def from_json(cls, data: bytes | str) -> SpeedRecord:
         """A record read back; ValueError (or KeyError, TypeError) when it is not one."""
-        raw = json.loads(data)
+        try:
+            raw = json.loads(data)
+        except RecursionError:  # a forged record nested past the recursion limit: not one either
+            raise ValueError("not a speed: nested too deeply to read") from None
         key = SpeedKey(
             model=_typed(raw["model"], str),
             revision=_typed(raw["revision"], str),

@@ -439,6 +439,8 @@ def read_file(path: str) -> tuple[Stage, ...]:
         raise InputError([f"--stages {path}: cannot read it: {exc.strerror or exc}"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise InputError([f"{path}: not TOML: {exc}"]) from None
+    except RecursionError:  # tomllib recurses into each array and inline table: `[` 100,000 times is this
+        raise InputError([f"{path}: not TOML: arrays or tables nested too deeply to read"]) from None
     if set(data) - {"stage"} or not isinstance(data.get("stage"), list):
         raise InputError([f"{path}: a stages file holds [[stage]] tables and nothing else"])
     try:

@@ -82,19 +82,25 @@ def _address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
 
 _NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+_IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # SIIT's ::ffff:0:a.b.c.d (RFC 2765), not ipv4_mapped
 
 
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 one reaches through a translator or tunnel (IPv4-mapped, NAT64's well-known
-    and local prefixes, 6to4, Teredo's client, IPv4-compatible), or None: a NAT64 gateway turns
-    ``64:ff9b::a9fe:a9fe`` into 169.254.169.254, so the IPv4 address is the one checked."""
+    """The IPv4 address an IPv6 one reaches through a translator or tunnel (IPv4-mapped ``::ffff:0:0/96``,
+    SIIT's IPv4-translated ``::ffff:0:0:0/96``, NAT64's well-known and local prefixes, 6to4, Teredo's client,
+    IPv4-compatible), or None: a NAT64 gateway turns ``64:ff9b::a9fe:a9fe`` into 169.254.169.254, so the
+    IPv4 address is the one checked."""
     if address.ipv4_mapped is not None:
         return address.ipv4_mapped
     if address.sixtofour is not None:
         return address.sixtofour
     if address.teredo is not None:
         return address.teredo[1]
-    if any(address in net for net in _NAT64) or (address in _IPV4_COMPATIBLE and int(address) > 1):
+    if (
+        any(address in net for net in _NAT64)
+        or address in _IPV4_TRANSLATED
+        or (address in _IPV4_COMPATIBLE and int(address) > 1)
+    ):
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
 

@@ -14,7 +14,17 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from renderfleet.endpoint import COOKIE, SECURITY_HEADERS, Endpoint, guard, host_allowed, listen, loopback, same_site
+from renderfleet.endpoint import (
+    COOKIE,
+    SECURITY_HEADERS,
+    Endpoint,
+    client_key,
+    guard,
+    host_allowed,
+    listen,
+    loopback,
+    same_site,
+)
 from renderfleet.errors import ConfigError
 from renderfleet.settings import load_settings
 
@@ -49,10 +59,22 @@ def request(port: int, path: str, headers: dict[str, str] | None = None) -> http
         ("0.0.0.0", False),
         ("10.0.0.5", False),
         ("example.org", False),
+        # IPv4-mapped IPv6 (::ffff:0:0/96) is its IPv4 address, in either notation
+        ("::ffff:127.0.0.1", True),
+        ("::ffff:7f00:1", True),
+        ("0:0:0:0:0:ffff:7f00:1", True),
+        ("::ffff:10.0.0.5", False),
     ],
 )
 def test_only_loopback_addresses_count_as_loopback(host: str, inside: bool) -> None:
     assert loopback(host) is inside
+
+
+def test_a_client_is_one_address_whatever_form_a_dual_stack_socket_shows_it_in() -> None:
+    assert client_key("::ffff:10.0.0.7") == client_key("::ffff:a00:7") == client_key("10.0.0.7") == "10.0.0.7"
+    assert client_key("2001:DB8::1") == client_key("2001:db8:0::1") and client_key("Proxy.lan") == "proxy.lan"
+    assert host_allowed("[::ffff:127.0.0.1]:9464", ("127.0.0.1", 9464))
+    assert not host_allowed("[::ffff:a00:5]:9464", ("127.0.0.1", 9464))
 
 
 def test_off_loopback_nothing_listens_without_a_token() -> None:

@@ -52,6 +52,9 @@ SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the scheme's own example se
         ("http://[64:ff9b::a00:5]/", "carries an IPv4 address: 10.0.0.5 is a private"),
         ("http://[2002:a9fe:a9fe::1]/", "carries an IPv4 address: 169.254.169.254"),
         ("http://[::a9fe:a9fe]/", "carries an IPv4 address: 169.254.169.254"),
+        ("http://[::ffff:7f00:1]/", "carries an IPv4 address: 127.0.0.1 is a loopback"),  # ::ffff:0:0/96, in hex
+        ("http://[::ffff:0:7f00:1]/", "carries an IPv4 address: 127.0.0.1 is a loopback"),  # SIIT's translated form
+        ("http://[::ffff:0:a9fe:a9fe]/", "carries an IPv4 address: 169.254.169.254"),
         ("http://10.1.2.3/hook", "private or reserved"),
         ("http://192.168.1.1/hook", "private or reserved"),
         ("http://100.64.0.1/hook", "private or reserved"),
@@ -81,6 +84,7 @@ def test_each_resolved_address_is_checked_and_a_private_one_named() -> None:
     assert "loopback" in (address_problem("127.0.0.1", allow_private=False) or "")
     assert "link-local" in (address_problem("fe80::1%eth0", allow_private=False) or "")
     assert address_problem("127.0.0.1", allow_private=True) is None
+    assert address_problem("::ffff:0:808:808", allow_private=False) is None  # a public IPv4 address, translated
     with pytest.raises(DeliveryFailed, match=r"localhost resolves to .*loopback.*allow_private"):
         resolve("localhost", 80, allow_private=False)
     assert resolve("localhost", 80, allow_private=True) in ("127.0.0.1", "::1")

@@ -60,7 +60,9 @@ def test_a_young_record_is_a_plain_mean_and_an_old_one_follows_at_its_half_life(
         speeds.merge(None, key(), 0, 1.0, source="production")
 
 
-def test_records_live_under_their_model_and_a_malformed_one_is_skipped(tmp_path: Path) -> None:
+def test_records_live_under_their_model_and_a_malformed_one_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = LocalStore(tmp_path)
     speeds.add(store, key(), 8, 16.0, source="bench")
     speeds.add(store, key(model="other/model"), 8, 8.0, source="bench")
@@ -69,10 +71,18 @@ def test_records_live_under_their_model_and_a_malformed_one_is_skipped(tmp_path:
     good = json.loads(speeds.read(store, key()).to_json())  # type: ignore[union-attr]
     store.put(speeds.model_prefix("org/model") + "huge.json", json.dumps({**good, "updated": 10**400}).encode())
     store.put(speeds.model_prefix("org/model") + "wide.json", json.dumps({**good, "width": 10**9}).encode())
+    store.put(speeds.model_prefix("org/model") + "deep.json", b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     [got] = speeds.records_of(store, "org/model")
     assert got.key == key() and got.seconds_per_image == 2.0 and got.bench == 8
     assert speeds.store_key(key()).startswith(speeds.model_prefix("org/model"))
     assert speeds.SpeedRecord.from_json(got.to_json()) == got
+    # nested past the recursion limit: skipped with one line, as any malformed record
+    assert [r.message for r in caplog.records if "deep.json" in r.message] == [
+        f"speed record {speeds.model_prefix('org/model')}deep.json skipped "
+        "(ValueError: not a speed: nested too deeply to read)"
+    ]
+    store.put(speeds.store_key(key()), b"[" * 100_000)
+    assert speeds.read(store, key()) is None  # written anew
 
 
 # ---- which figure an estimate takes ------------------------------------------------------

@@ -219,6 +219,17 @@ def test_junk_in_a_job_s_stages_is_a_wire_error(data: Any, why: str) -> None:
         from_json(data)
 
 
+@pytest.mark.parametrize("nesting", ["[" * 100_000, "[" * 100_000 + "]" * 100_000, "{a = " * 100_000])
+def test_a_stages_file_nested_past_the_recursion_limit_is_refused_naming_the_file(tmp_path: Path, nesting: str) -> None:
+    from renderfleet.stages import read_file
+
+    path = tmp_path / "stages.toml"
+    path.write_text(f'[[stage]]\nkind = "upscale"\nfactor = {nesting}\n')
+    with pytest.raises(InputError) as caught:
+        read_file(str(path))
+    assert caught.value.problems == [f"{path}: not TOML: arrays or tables nested too deeply to read"]
+
+
 def test_each_stage_says_what_it_does_in_one_line() -> None:
     assert describe(parse_upscale("2")) == "upscale x2 (Lanczos)"
     assert describe(parse_upscale("4:tiny-x4-upscaler")) == "upscale x4 with tiny-x4-upscaler (20 steps)"

@@ -264,11 +264,15 @@ def test_the_page_lists_50_jobs_at_a_time_active_first_and_filters_by_state_and_
             JobsShown.from_query(bad)
 
 
-def _call(app: Any, path: str, query: str = "", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One GET through the ASGI application, from loopback."""
+def _call(
+    app: Any, path: str, query: str = "", headers: dict[str, str] | None = None, *, client: str = "127.0.0.1"
+) -> tuple[int, dict[str, str], bytes]:
+    """One GET through the ASGI application, from ``client`` (loopback unless told); a client that stays
+    connected until the answer ends."""
     import asyncio
 
     sent: list[dict[str, Any]] = []
+    asked = False
     scope = {
         "type": "http",
         "method": "GET",
@@ -276,7 +280,7 @@ def _call(app: Any, path: str, query: str = "", headers: dict[str, str] | None =
         "raw_path": path.encode(),
         "query_string": query.encode(),
         "headers": [(b"host", b"127.0.0.1")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
-        "client": ("127.0.0.1", 1),
+        "client": (client, 1),
         "server": ("127.0.0.1", 80),
         "scheme": "http",
         "http_version": "1.1",
@@ -284,6 +288,10 @@ def _call(app: Any, path: str, query: str = "", headers: dict[str, str] | None =
     }
 
     async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if asked:  # a streamed answer listens for a disconnect: none comes
+            await asyncio.sleep(3600)
+        asked = True
         return {"type": "http.request", "body": b"", "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
@@ -355,3 +363,72 @@ def test_event_streams_beyond_the_cap_are_told_to_come_back_not_given_a_thread(
     )
     status, headers, body = _call(app, "/events")
     assert status == 503 and headers.get("retry-after") == "5" and b"event streams are open" in body
+
+
+def test_a_last_event_id_past_what_redis_takes_is_a_400_not_an_error_in_the_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    import dispatcher.web as web
+
+    assert web.last_event_id("18446744073709551615-18446744073709551615") == "18446744073709551615-18446744073709551615"
+    for bad in ("99999999999999999999-0", "18446744073709551616-0", "0-18446744073709551616", "1" * 21 + "-0", "7"):
+        with pytest.raises(BadQuery, match="Last-Event-ID"):
+            web.last_event_id(bad)
+    app = web.make_app(
+        lambda: FleetStatus(queues={}, jobs=[], store="/x"), {}, None, client=redis.Redis(port=1), store=LocalStore(tmp_path)
+    )
+    status, _, body = _call(app, "/events", headers={"Last-Event-ID": "99999999999999999999-0"})
+    assert status == 400 and b"Last-Event-ID" in body
+    # A Redis that fails in the middle of a stream ends it (the browser reconnects), never an ASGI error.
+    status, _, body = _call(app, "/events", headers={"Last-Event-ID": "0-0"})
+    assert status == 200 and body == b"retry: 2000\n\n"
+
+
+def test_one_client_holds_at_most_its_share_of_the_event_streams_whatever_form_its_address_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    import dispatcher.web as web
+
+    entered, let_go = threading.Semaphore(0), threading.Event()
+
+    def held_open(*args: Any, **kwargs: Any) -> Any:
+        entered.release()
+        yield "retry: 2000\n\n"
+        let_go.wait(30)
+
+    monkeypatch.setattr(web, "event_stream", held_open)
+    app = web.make_app(
+        lambda: FleetStatus(queues={}, jobs=[], store="/x"), {}, None, client=redis.Redis(port=1), store=LocalStore(tmp_path)
+    )
+    answers: list[tuple[str, int, dict[str, str]]] = []
+
+    def open_stream(client: str) -> threading.Thread:
+        def run() -> None:
+            status, headers, _ = _call(app, "/events", client=client)
+            answers.append((client, status, headers))
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    try:
+        holders = [open_stream("10.0.0.7") for _ in range(web.EVENTS_STREAMS_PER_CLIENT)]
+        for _ in holders:
+            assert entered.acquire(timeout=10)
+        # the same client, as a dual-stack socket shows it: refused at once, told when to come back
+        open_stream("::ffff:10.0.0.7").join(10)
+        assert answers == [("::ffff:10.0.0.7", 429, answers[0][2])] and answers[0][2]["retry-after"] == "5"
+        other = open_stream("10.0.0.8")
+        assert entered.acquire(timeout=10)  # another client still gets a stream
+    finally:
+        let_go.set()
+    for thread in [*holders, other]:
+        thread.join(10)
+    assert sorted(a[:2] for a in answers[1:]) == [("10.0.0.7", 200)] * 4 + [("10.0.0.8", 200)]
+    again = open_stream("10.0.0.7")  # the streams ended gave their slots back
+    again.join(10)
+    assert answers[-1][:2] == ("10.0.0.7", 200)
