@@ -15,7 +15,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Annotated, Any, cast
 
@@ -489,7 +489,13 @@ def submit(
         Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")
     ],
     fmt: Annotated[
-        str | None, typer.Option("--format", metavar="FORMAT", help="txt, jsonl or csv: the format of stdin (with -)")
+        str | None,
+        typer.Option(
+            "--format",
+            metavar="FORMAT",
+            help="txt, jsonl or csv: the format of stdin (with -); with a file, its name's (txt: lines that look "
+            "like JSON objects are prompts as written)",
+        ),
     ] = None,
     estimate: Annotated[
         bool,
@@ -515,7 +521,7 @@ def submit(
     settings = _settings()
     _logging(settings)
     with _user_errors():
-        opts = _submit_options(flags, settings, webhook=webhook)
+        opts = replace(_submit_options(flags, settings, webhook=webhook), format=fmt or "")
         if estimate or as_json:
             _estimate(file, fmt, opts, settings, as_json=as_json, asked=estimate)
             return
@@ -523,9 +529,7 @@ def submit(
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
             result = _do_submit(file, opts, settings, stream=sys.stdin.buffer, fmt=fmt)
-        else:
-            if fmt is not None:
-                raise InputError(["--format: only with - (a file's format is its suffix)"])
+        else:  # a --format must be the name's (prompts.validate_file)
             result = _do_submit(file, opts, settings)
     verb = "submitted" if result.new else "resubmitted"
     _err(
@@ -555,8 +559,6 @@ def _estimate(file: Path, fmt: str | None, opts: Any, settings: Settings, *, as_
                 shutil.copyfileobj(sys.stdin.buffer, out, 1 << 20)
             found = client.estimate_file(str(path), opts, label="<stdin>")
     else:
-        if fmt is not None:
-            raise InputError(["--format: only with - (a file's format is its suffix)"])
         found = client.estimate_file(str(file), opts)
     print(json.dumps(found.to_dict(), indent=2) if as_json else text(found), end="\n" if as_json else "")
 
