@@ -281,6 +281,15 @@ KeepIntermediates = Annotated[
     bool,
     typer.Option("--keep-intermediates", metavar=FLAG, help="keep each stage's images in the store after the finals land"),
 ]
+Format = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        metavar="FORMAT",
+        help="txt, jsonl or csv: the format of stdin (with -); with a file, its name's (txt: lines that look like "
+        "JSON objects are prompts as written)",
+    ),
+]
 StagesFile = Annotated[
     Path | None,
     typer.Option("--stages", metavar="FILE", help="the stages after generate from a TOML file of [[stage]] tables"),
@@ -482,38 +491,35 @@ def _do_submit(
     return job
 
 
+# The options submit and run take beside the job's settings (SUBMIT_FLAGS), each defined once.
+PromptFile = Annotated[
+    Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")
+]
+Estimate = Annotated[
+    bool,
+    typer.Option(
+        "--estimate",
+        metavar=FLAG,
+        help="submit nothing: print the GPU time, wall time and cost per pool and in all (docs/pools.md)",
+    ),
+]
+EstimateJson = Annotated[bool, typer.Option("--json", metavar=FLAG, help="with --estimate: one JSON object on stdout")]
+Webhook = Annotated[
+    str | None,
+    typer.Option(
+        "--webhook", metavar="URL", help="post the job's events here, signed (default: the config's \\[events] webhook)"
+    ),
+]
+
+
 @app.command()
 @with_submit_flags()
 def submit(
-    file: Annotated[
-        Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")
-    ],
-    fmt: Annotated[
-        str | None,
-        typer.Option(
-            "--format",
-            metavar="FORMAT",
-            help="txt, jsonl or csv: the format of stdin (with -); with a file, its name's (txt: lines that look "
-            "like JSON objects are prompts as written)",
-        ),
-    ] = None,
-    estimate: Annotated[
-        bool,
-        typer.Option(
-            "--estimate",
-            metavar=FLAG,
-            help="submit nothing: print the GPU time, wall time and cost per pool and in all (docs/pools.md)",
-        ),
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", metavar=FLAG, help="with --estimate: one JSON object on stdout")
-    ] = False,
-    webhook: Annotated[
-        str | None,
-        typer.Option(
-            "--webhook", metavar="URL", help="post the job's events here, signed (default: the config's \\[events] webhook)"
-        ),
-    ] = None,
+    file: PromptFile,
+    fmt: Format = None,
+    estimate: Estimate = False,
+    as_json: EstimateJson = False,
+    webhook: Webhook = None,
     *,
     flags: SubmitFlags,
 ) -> None:
@@ -548,19 +554,32 @@ def _estimate(file: Path, fmt: str | None, opts: Any, settings: Settings, *, as_
         raise InputError(["--json: only with --estimate (a submit prints the job id)"])
     client = Client(settings)
     if str(file) == "-":
-        if fmt is None:
-            raise InputError(["--format: required with - (txt, jsonl or csv)"])
-        import shutil
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="rf-estimate-") as tmp:
-            path = Path(tmp) / f"prompts.{fmt}"
-            with open(path, "wb") as out:
-                shutil.copyfileobj(sys.stdin.buffer, out, 1 << 20)
-            found = client.estimate_file(str(path), opts, label="<stdin>")
+        with _stdin_file(fmt, "rf-estimate-") as path:
+            found = client.estimate_file(str(path), opts)
     else:
         found = client.estimate_file(str(file), opts)
     print(json.dumps(found.to_dict(), indent=2) if as_json else text(found), end="\n" if as_json else "")
+
+
+@contextmanager
+def _stdin_file(fmt: str | None, prefix: str) -> Iterator[Path]:
+    """Standard input copied to a prompt file of format ``fmt`` (``--format``, required with -);
+    the problems found in it name ``<stdin>``, not the copy."""
+    import shutil
+    import tempfile
+
+    if fmt is None:
+        raise InputError(["--format: required with - (txt, jsonl or csv)"])
+    if fmt not in ("txt", "jsonl", "csv"):
+        raise InputError([f"--format: give txt, jsonl or csv, got {fmt!r}"])
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        path = Path(tmp) / f"prompts.{fmt}"
+        with open(path, "wb") as out:
+            shutil.copyfileobj(sys.stdin.buffer, out, 1 << 20)
+        try:
+            yield path
+        except InputError as exc:
+            raise InputError([line.replace(str(path), "<stdin>") for line in exc.problems]) from None
 
 
 # ---- worker ------------------------------------------------------------------
@@ -1155,9 +1174,13 @@ def autoscale(
 @app.command()
 @with_submit_flags(model=ModelOrTiny)
 def run(
-    file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz")],
+    file: PromptFile,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="local workers to start")] = 1,
     timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
+    fmt: Format = None,
+    estimate: Estimate = False,
+    as_json: EstimateJson = False,
+    webhook: Webhook = None,
     *,
     flags: SubmitFlags,
 ) -> None:
@@ -1173,8 +1196,16 @@ def run(
     from dispatcher.localrun import run_local
 
     with _user_errors():
-        opts = _submit_options(flags, settings, model=flags.model or settings.model or TINY_MODEL)
-        code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
+        opts = _submit_options(flags, settings, model=flags.model or settings.model or TINY_MODEL, webhook=webhook)
+        opts = replace(opts, format=fmt or "")
+        if estimate or as_json:  # as submit's: nothing started, nothing rendered
+            _estimate(file, fmt, opts, settings, as_json=as_json, asked=estimate)
+            return
+        if str(file) == "-":
+            with _stdin_file(fmt, "rf-run-") as path:
+                code = run_local(path, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
+        else:
+            code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 
 
