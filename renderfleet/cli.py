@@ -12,6 +12,7 @@ import functools
 import inspect
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -214,8 +215,25 @@ NameOpt = Annotated[
         help="what status and the page call the job, and commands take back where unique (default: the file's name)",
     ),
 ]
+
+
+def _config_file(path: Path | None) -> Path | None:
+    """``--config FILE`` sets what RENDERFLEET_CONFIG sets, for this command and every process it starts
+    (run's workers, a node's): a file that cannot be read is refused by name as the settings load."""
+    if path is not None:
+        os.environ["RENDERFLEET_CONFIG"] = str(path)
+    return path
+
+
+# Every command takes it (each reads its settings, and any setting may come from the file): one definition.
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", metavar="FILE", help="TOML file with \\[pools.NAME] and \\[autoscale] tables")
+    Path | None,
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        callback=_config_file,
+        help="the TOML config file: settings, \\[pools.NAME], \\[autoscale], \\[events] (default: RENDERFLEET_CONFIG)",
+    ),
 ]
 JobArg = Annotated[
     str, typer.Argument(metavar="JOB", help="the job id, a unique prefix of it, or its name where unique (as status shows)")
@@ -520,11 +538,12 @@ def submit(
     estimate: Estimate = False,
     as_json: EstimateJson = False,
     webhook: Webhook = None,
+    config: ConfigOpt = None,
     *,
     flags: SubmitFlags,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
-    settings = _settings()
+    settings = _settings(config=config)
     _logging(settings)
     with _user_errors():
         opts = replace(_submit_options(flags, settings, webhook=webhook), format=fmt or "")
@@ -651,6 +670,7 @@ def worker(
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
+    config: ConfigOpt = None,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C.
 
@@ -660,6 +680,7 @@ def worker(
     configuration refused (docs/pools.md, "Nodes with several GPUs").
     """
     settings = _settings(
+        config=config,
         pool=pool,
         model=model,
         metrics_port=metrics_port,
@@ -801,9 +822,10 @@ def results(
         Path | None, typer.Option("--contact-sheet", metavar="FILE", help="write a PNG grid of the first images")
     ] = None,
     first: Annotated[int, typer.Option("--first", metavar="N", help="images on the contact sheet")] = 100,
+    config: ConfigOpt = None,
 ) -> None:
     """Where each prompt's image is, and which are missing or quarantined."""
-    settings = _settings()
+    settings = _settings(config=config)
     from dispatcher.status import results as job_results
     from renderfleet.store import open_store
 
@@ -905,9 +927,10 @@ def resume(
         float | None,
         typer.Option("--budget", metavar="USD", help="the job's new budget: continues a job stopped at its budget"),
     ] = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
-    settings = _settings()
+    settings = _settings(config=config)
     from dispatcher.lifecycle import deleted
     from dispatcher.resume import resume as do_resume
     from dispatcher.status import published_prices
@@ -945,9 +968,9 @@ def resume(
 
 
 @app.command()
-def cancel(job: JobArg) -> None:
+def cancel(job: JobArg, config: ConfigOpt = None) -> None:
     """Stop a job: its queued shards leave the queue, running ones stop at their next batch. `resume` continues it."""
-    settings = _settings()
+    settings = _settings(config=config)
     from renderfleet.api import Client
 
     with _user_errors():
@@ -968,9 +991,10 @@ def cancel(job: JobArg) -> None:
 def delete(
     job: JobArg,
     yes: Annotated[bool, typer.Option("--yes", "-y", metavar=FLAG, help="do not ask (needed without a terminal)")] = False,
+    config: ConfigOpt = None,
 ) -> None:
     """Cancel a job, then remove it: its images, checkpoints and every file of it in the store, and its Redis keys."""
-    settings = _settings()
+    settings = _settings(config=config)
     from dispatcher.lifecycle import delete as do_delete
     from renderfleet.api import Client
     from renderfleet.spec import job_prefix
@@ -1181,6 +1205,7 @@ def run(
     estimate: Estimate = False,
     as_json: EstimateJson = False,
     webhook: Webhook = None,
+    config: ConfigOpt = None,
     *,
     flags: SubmitFlags,
 ) -> None:
@@ -1191,7 +1216,7 @@ def run(
     grace); exit 128 + the signal's number (130, 143, 129).  The embedded
     server stays up for status and resume.
     """
-    settings = _settings()
+    settings = _settings(config=config)
     _logging(settings)
     from dispatcher.localrun import run_local
 
@@ -1361,9 +1386,10 @@ def _record_bench(result: Any, settings: Settings, stage_list: list[Any]) -> Non
 def save_model(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="model to load ('tiny', id, folder, s3://)")],
     dest: Annotated[Path, typer.Argument(metavar="DIR", help="folder to save the diffusers pipeline into")],
+    config: ConfigOpt = None,
 ) -> None:
     """Save a pipeline with save_pretrained (e.g. 'tiny', to test the real loading path)."""
-    settings = _settings()
+    settings = _settings(config=config)
     _logging(settings)
     from worker.main import load_renderer
     from worker.models import save_pipeline
@@ -1385,9 +1411,10 @@ def server(
             help="print the URL with its password, for Flower or redis-cli (it lands in your shell's history)",
         ),
     ] = False,
+    config: ConfigOpt = None,
 ) -> None:
     """The embedded local Redis server: start it, stop it, or print its URL."""
-    settings = _settings()
+    settings = _settings(config=config)
     from renderfleet.embedded import ensure_embedded, running_embedded, stop_embedded
     from renderfleet.settings import redact
 

@@ -30,7 +30,7 @@ COMMANDS = (
     "save-model",
     "server",
 )
-WITH_CONFIG = ("status", "monitor", "scale", "autoscale", "bench")
+WITH_CONFIG = COMMANDS  # each reads its settings, any of which the file may hold (issue 46)
 
 
 def help_text(command: str) -> str:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import typer.main
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
@@ -85,3 +86,37 @@ def test_run_takes_submits_estimate_json_format_and_webhook(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
     assert (json.loads(proc.stdout)["prompts"], json.loads(proc.stdout)["model"]) == (1, "tiny")
     assert not (tmp_path / "store").exists()  # an estimate: nothing written, nothing rendered
+
+
+def test_every_command_takes_the_one_config_option() -> None:
+    group = typer.main.get_command(app)
+    assert isinstance(group, TyperGroup)
+    for name, command in group.commands.items():
+        config = [p for p in command.params if p.name == "config"]
+        assert config and config[0].opts == ["--config"] and config[0].callback is not None, name
+        assert config[0].callback.__name__ == "_config_file", name  # type: ignore[union-attr]
+
+
+# Issue 46, item 5: the messages and docs/configuration.md say `--config FILE`; these had none.
+READERS = {
+    "submit": ["FILE", "--model", "tiny"],
+    "run": ["FILE"],
+    "worker": [],
+    "resume": ["j-0123"],
+    "results": ["j-0123"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(READERS))
+def test_config_is_read_by_the_command_and_an_unreadable_one_refused_by_name(tmp_path: Path, command: str) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a mug\n")
+    args = [str(prompts) if a == "FILE" else a for a in READERS[command]]
+    missing = tmp_path / "fleet.toml"
+    proc = cli(tmp_path, command, *args, "--config", str(missing))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"renderfleet: {missing}: cannot read: No such file or directory"]
+    missing.write_text("lease_seconds = -1\n")
+    proc = cli(tmp_path, command, *args, "--config", str(missing))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"renderfleet: {missing}: lease_seconds = -1: "), proc.stderr
