@@ -310,7 +310,7 @@ Format = Annotated[
 ]
 StagesFile = Annotated[
     Path | None,
-    typer.Option("--stages", metavar="FILE", help="the stages after generate from a TOML file of [[stage]] tables"),
+    typer.Option("--stages", metavar="FILE", help="the stages after generate from a TOML file of \\[\\[stage]] tables"),
 ]
 
 

@@ -91,3 +91,4 @@ def test_submit_help_states_every_default() -> None:
     ):
         assert f"[default: {default}]" in rows[flag], rows[flag]
     assert "default: default" in rows["--pool"]
+    assert "a TOML file of [[stage]] tables" in rows["--stages"]  # rich markup ate "[[stage]]" (issue 46)
