@@ -78,14 +78,15 @@ class _Tally:
         return len(chunk)
 
 
-def read_prompts(path: str, params: RenderParams) -> tuple[prompts.FileSummary, list[Group]]:
-    """The file checked as submit checks it (InputError naming each bad line), its prompts by kind of image."""
+def read_prompts(path: str, params: RenderParams, format: str = "") -> tuple[prompts.FileSummary, list[Group]]:
+    """The file checked as submit checks it (InputError naming each bad line), its prompts by kind of image;
+    ``format``: as the caller named it (``SubmitOptions.format``)."""
     fmt, _ = prompts.detect_format(path)
     if fmt == "txt":  # a line is its text: every prompt is the job's kind
-        summary = prompts.validate_file(path)
+        summary = prompts.validate_file(path, format=format)
         return summary, [Group(params.width, params.height, params.steps, tuple(params.stages), summary.total)]
     tally = _Tally(params)
-    summary = prompts.validate_file(path, sink=tally)
+    summary = prompts.validate_file(path, sink=tally, format=format)
     groups = []
     for (width, height, steps, skip), count in sorted(tally.kinds.items()):
         skipped = {s.strip() for s in skip.split(",") if s.strip()}
@@ -337,7 +338,7 @@ def estimate_file(
 
     check_options(opts)
     params = opts.params
-    summary, groups = read_prompts(path, params)
+    summary, groups = read_prompts(path, params, opts.format)
     notes: list[str] = []
     live: dict[str, list[dict[str, Any]]] = {}
     published: dict[str, float] = {}

@@ -184,7 +184,7 @@ def _run_local(
     console = Console(stderr=True)
     from renderfleet import prompts
 
-    summary = prompts.validate_file(str(file))  # before any worker starts
+    summary = prompts.validate_file(str(file), format=opts.format)  # before any worker starts
     with signals.held():  # an embedded server started is recorded before we may go (else: an orphan)
         url = broker_url(settings.redis_url, settings.home)
     settings = settings.model_copy(update={"redis_url": url, "store": settings.store_url})

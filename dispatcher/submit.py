@@ -60,6 +60,7 @@ class SubmitOptions:
     budget: float | None = None  # the most the job may spend (renderfleet/budget.py); None: no cap
     min_vram: float = 0  # the least card memory (GB) its workers must have (renderfleet/cards.py); 0: any
     webhook: str = ""  # where the monitor posts the job's events (renderfleet/webhooks.py); '': the fleet's default
+    format: str = ""  # the prompt file's format as the caller named it (--format), not the job's identity; '': none
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ def submit(
         if why := budget.unpriced_problem(opts.budget, opts.pool, prices):
             raise InputError([why])
     if summary is None:
-        summary = prompts.validate_file(path)
+        summary = prompts.validate_file(path, format=opts.format)
     owner = store_identity(store.url)
     job = opts.job or job_id(summary.digest, opts.params, owner)
     check_message_size(

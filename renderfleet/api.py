@@ -172,7 +172,8 @@ class Client:
         """Validate, store and enqueue prompts; returns the job.
 
         ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz), a binary
-        stream of such a file (``format`` names it: txt, jsonl or csv), or an
+        stream of such a file (``format`` names it: txt, jsonl or csv; for a path, it must be the
+        name's, and txt reads a .txt of JSON-looking lines as text), or an
         iterable of prompts, streamed (a generator of millions is fine).
         ``model`` is required unless ``RENDERFLEET_MODEL`` names one (``"tiny"``,
         the built-in random-weight model, renders noise: a smoke test only).
@@ -218,6 +219,7 @@ class Client:
             min_vram=min_vram,
             **settings,
         )
+        opts = replace(opts, format=format or "")  # said, so a .txt of JSON lines is text
         with _prompt_file(prompts, format, "rf-submit-") as (path, kind):
             if kind == "file":
                 return self.submit_file(path, opts)
@@ -436,7 +438,7 @@ class Client:
                     wire_file = Path(tmp) / "wire.jsonl"
                     with open(wire_file, "wb") as out:
                         writer = shardfile.WireWriter(out, opts.shard_size)
-                        summary = prompts.validate_file(path, sink=writer)
+                        summary = prompts.validate_file(path, sink=writer, format=opts.format)
                     wire = (wire_file, writer)
             except InputError as exc:
                 raise (_renamed(exc, path, label, by_item) if label else exc) from None
@@ -476,7 +478,7 @@ class Client:
         """What submitting ``prompts`` with ``options`` (:meth:`submit`'s) would cost and take, per pool and in
         all, before anything is queued (``submit --estimate``; dispatcher/estimate.py): nothing is written
         to Redis or the store.  ``Estimate.to_dict()`` is ``--estimate --json``'s object."""
-        opts = self.options(**options)
+        opts = replace(self.options(**options), format=format or "")
         with _prompt_file(prompts, format, "rf-estimate-") as (path, kind):
             if kind == "file":
                 return self.estimate_file(path, opts)

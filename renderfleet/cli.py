@@ -12,10 +12,11 @@ import functools
 import inspect
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Annotated, Any, cast
 
@@ -214,8 +215,25 @@ NameOpt = Annotated[
         help="what status and the page call the job, and commands take back where unique (default: the file's name)",
     ),
 ]
+
+
+def _config_file(path: Path | None) -> Path | None:
+    """``--config FILE`` sets what RENDERFLEET_CONFIG sets, for this command and every process it starts
+    (run's workers, a node's): a file that cannot be read is refused by name as the settings load."""
+    if path is not None:
+        os.environ["RENDERFLEET_CONFIG"] = str(path)
+    return path
+
+
+# Every command takes it (each reads its settings, and any setting may come from the file): one definition.
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", metavar="FILE", help="TOML file with \\[pools.NAME] and \\[autoscale] tables")
+    Path | None,
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        callback=_config_file,
+        help="the TOML config file: settings, \\[pools.NAME], \\[autoscale], \\[events] (default: RENDERFLEET_CONFIG)",
+    ),
 ]
 JobArg = Annotated[
     str, typer.Argument(metavar="JOB", help="the job id, a unique prefix of it, or its name where unique (as status shows)")
@@ -281,9 +299,18 @@ KeepIntermediates = Annotated[
     bool,
     typer.Option("--keep-intermediates", metavar=FLAG, help="keep each stage's images in the store after the finals land"),
 ]
+Format = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        metavar="FORMAT",
+        help="txt, jsonl or csv: the format of stdin (with -); with a file, its name's (txt: lines that look like "
+        "JSON objects are prompts as written)",
+    ),
+]
 StagesFile = Annotated[
     Path | None,
-    typer.Option("--stages", metavar="FILE", help="the stages after generate from a TOML file of [[stage]] tables"),
+    typer.Option("--stages", metavar="FILE", help="the stages after generate from a TOML file of \\[\\[stage]] tables"),
 ]
 
 
@@ -482,40 +509,44 @@ def _do_submit(
     return job
 
 
+# The options submit and run take beside the job's settings (SUBMIT_FLAGS), each defined once.
+PromptFile = Annotated[
+    Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")
+]
+Estimate = Annotated[
+    bool,
+    typer.Option(
+        "--estimate",
+        metavar=FLAG,
+        help="submit nothing: print the GPU time, wall time and cost per pool and in all (docs/pools.md)",
+    ),
+]
+EstimateJson = Annotated[bool, typer.Option("--json", metavar=FLAG, help="with --estimate: one JSON object on stdout")]
+Webhook = Annotated[
+    str | None,
+    typer.Option(
+        "--webhook", metavar="URL", help="post the job's events here, signed (default: the config's \\[events] webhook)"
+    ),
+]
+
+
 @app.command()
 @with_submit_flags()
 def submit(
-    file: Annotated[
-        Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz; - for stdin")
-    ],
-    fmt: Annotated[
-        str | None, typer.Option("--format", metavar="FORMAT", help="txt, jsonl or csv: the format of stdin (with -)")
-    ] = None,
-    estimate: Annotated[
-        bool,
-        typer.Option(
-            "--estimate",
-            metavar=FLAG,
-            help="submit nothing: print the GPU time, wall time and cost per pool and in all (docs/pools.md)",
-        ),
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", metavar=FLAG, help="with --estimate: one JSON object on stdout")
-    ] = False,
-    webhook: Annotated[
-        str | None,
-        typer.Option(
-            "--webhook", metavar="URL", help="post the job's events here, signed (default: the config's \\[events] webhook)"
-        ),
-    ] = None,
+    file: PromptFile,
+    fmt: Format = None,
+    estimate: Estimate = False,
+    as_json: EstimateJson = False,
+    webhook: Webhook = None,
+    config: ConfigOpt = None,
     *,
     flags: SubmitFlags,
 ) -> None:
     """Validate a prompt file, write the job to the store and enqueue it. Prints the job id last."""
-    settings = _settings()
+    settings = _settings(config=config)
     _logging(settings)
     with _user_errors():
-        opts = _submit_options(flags, settings, webhook=webhook)
+        opts = replace(_submit_options(flags, settings, webhook=webhook), format=fmt or "")
         if estimate or as_json:
             _estimate(file, fmt, opts, settings, as_json=as_json, asked=estimate)
             return
@@ -523,9 +554,7 @@ def submit(
             if fmt is None:
                 raise InputError(["--format: required with - (txt, jsonl or csv)"])
             result = _do_submit(file, opts, settings, stream=sys.stdin.buffer, fmt=fmt)
-        else:
-            if fmt is not None:
-                raise InputError(["--format: only with - (a file's format is its suffix)"])
+        else:  # a --format must be the name's (prompts.validate_file)
             result = _do_submit(file, opts, settings)
     verb = "submitted" if result.new else "resubmitted"
     _err(
@@ -544,21 +573,32 @@ def _estimate(file: Path, fmt: str | None, opts: Any, settings: Settings, *, as_
         raise InputError(["--json: only with --estimate (a submit prints the job id)"])
     client = Client(settings)
     if str(file) == "-":
-        if fmt is None:
-            raise InputError(["--format: required with - (txt, jsonl or csv)"])
-        import shutil
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="rf-estimate-") as tmp:
-            path = Path(tmp) / f"prompts.{fmt}"
-            with open(path, "wb") as out:
-                shutil.copyfileobj(sys.stdin.buffer, out, 1 << 20)
-            found = client.estimate_file(str(path), opts, label="<stdin>")
+        with _stdin_file(fmt, "rf-estimate-") as path:
+            found = client.estimate_file(str(path), opts)
     else:
-        if fmt is not None:
-            raise InputError(["--format: only with - (a file's format is its suffix)"])
         found = client.estimate_file(str(file), opts)
     print(json.dumps(found.to_dict(), indent=2) if as_json else text(found), end="\n" if as_json else "")
+
+
+@contextmanager
+def _stdin_file(fmt: str | None, prefix: str) -> Iterator[Path]:
+    """Standard input copied to a prompt file of format ``fmt`` (``--format``, required with -);
+    the problems found in it name ``<stdin>``, not the copy."""
+    import shutil
+    import tempfile
+
+    if fmt is None:
+        raise InputError(["--format: required with - (txt, jsonl or csv)"])
+    if fmt not in ("txt", "jsonl", "csv"):
+        raise InputError([f"--format: give txt, jsonl or csv, got {fmt!r}"])
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        path = Path(tmp) / f"prompts.{fmt}"
+        with open(path, "wb") as out:
+            shutil.copyfileobj(sys.stdin.buffer, out, 1 << 20)
+        try:
+            yield path
+        except InputError as exc:
+            raise InputError([line.replace(str(path), "<stdin>") for line in exc.problems]) from None
 
 
 # ---- worker ------------------------------------------------------------------
@@ -630,6 +670,7 @@ def worker(
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG)] = False,
+    config: ConfigOpt = None,
 ) -> None:
     """Run a GPU worker: load the model once, render shards until SIGTERM or Ctrl-C.
 
@@ -639,6 +680,7 @@ def worker(
     configuration refused (docs/pools.md, "Nodes with several GPUs").
     """
     settings = _settings(
+        config=config,
         pool=pool,
         model=model,
         metrics_port=metrics_port,
@@ -780,9 +822,10 @@ def results(
         Path | None, typer.Option("--contact-sheet", metavar="FILE", help="write a PNG grid of the first images")
     ] = None,
     first: Annotated[int, typer.Option("--first", metavar="N", help="images on the contact sheet")] = 100,
+    config: ConfigOpt = None,
 ) -> None:
     """Where each prompt's image is, and which are missing or quarantined."""
-    settings = _settings()
+    settings = _settings(config=config)
     from dispatcher.status import results as job_results
     from renderfleet.store import open_store
 
@@ -884,9 +927,10 @@ def resume(
         float | None,
         typer.Option("--budget", metavar="USD", help="the job's new budget: continues a job stopped at its budget"),
     ] = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
-    settings = _settings()
+    settings = _settings(config=config)
     from dispatcher.lifecycle import deleted
     from dispatcher.resume import resume as do_resume
     from dispatcher.status import published_prices
@@ -924,9 +968,9 @@ def resume(
 
 
 @app.command()
-def cancel(job: JobArg) -> None:
+def cancel(job: JobArg, config: ConfigOpt = None) -> None:
     """Stop a job: its queued shards leave the queue, running ones stop at their next batch. `resume` continues it."""
-    settings = _settings()
+    settings = _settings(config=config)
     from renderfleet.api import Client
 
     with _user_errors():
@@ -947,9 +991,10 @@ def cancel(job: JobArg) -> None:
 def delete(
     job: JobArg,
     yes: Annotated[bool, typer.Option("--yes", "-y", metavar=FLAG, help="do not ask (needed without a terminal)")] = False,
+    config: ConfigOpt = None,
 ) -> None:
     """Cancel a job, then remove it: its images, checkpoints and every file of it in the store, and its Redis keys."""
-    settings = _settings()
+    settings = _settings(config=config)
     from dispatcher.lifecycle import delete as do_delete
     from renderfleet.api import Client
     from renderfleet.spec import job_prefix
@@ -1153,9 +1198,14 @@ def autoscale(
 @app.command()
 @with_submit_flags(model=ModelOrTiny)
 def run(
-    file: Annotated[Path, typer.Argument(metavar="FILE", help=".txt, .jsonl or .csv prompt file, optionally .gz")],
+    file: PromptFile,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="local workers to start")] = 1,
     timeout: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="give up after this many seconds (0: never)")] = 0,
+    fmt: Format = None,
+    estimate: Estimate = False,
+    as_json: EstimateJson = False,
+    webhook: Webhook = None,
+    config: ConfigOpt = None,
     *,
     flags: SubmitFlags,
 ) -> None:
@@ -1166,13 +1216,21 @@ def run(
     grace); exit 128 + the signal's number (130, 143, 129).  The embedded
     server stays up for status and resume.
     """
-    settings = _settings()
+    settings = _settings(config=config)
     _logging(settings)
     from dispatcher.localrun import run_local
 
     with _user_errors():
-        opts = _submit_options(flags, settings, model=flags.model or settings.model or TINY_MODEL)
-        code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
+        opts = _submit_options(flags, settings, model=flags.model or settings.model or TINY_MODEL, webhook=webhook)
+        opts = replace(opts, format=fmt or "")
+        if estimate or as_json:  # as submit's: nothing started, nothing rendered
+            _estimate(file, fmt, opts, settings, as_json=as_json, asked=estimate)
+            return
+        if str(file) == "-":
+            with _stdin_file(fmt, "rf-run-") as path:
+                code = run_local(path, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
+        else:
+            code = run_local(file, opts, settings, workers=workers, timeout=timeout, submit=_do_submit)
     raise typer.Exit(code)
 
 
@@ -1328,9 +1386,10 @@ def _record_bench(result: Any, settings: Settings, stage_list: list[Any]) -> Non
 def save_model(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="model to load ('tiny', id, folder, s3://)")],
     dest: Annotated[Path, typer.Argument(metavar="DIR", help="folder to save the diffusers pipeline into")],
+    config: ConfigOpt = None,
 ) -> None:
     """Save a pipeline with save_pretrained (e.g. 'tiny', to test the real loading path)."""
-    settings = _settings()
+    settings = _settings(config=config)
     _logging(settings)
     from worker.main import load_renderer
     from worker.models import save_pipeline
@@ -1352,9 +1411,10 @@ def server(
             help="print the URL with its password, for Flower or redis-cli (it lands in your shell's history)",
         ),
     ] = False,
+    config: ConfigOpt = None,
 ) -> None:
     """The embedded local Redis server: start it, stop it, or print its URL."""
-    settings = _settings()
+    settings = _settings(config=config)
     from renderfleet.embedded import ensure_embedded, running_embedded, stop_embedded
     from renderfleet.settings import redact
 

@@ -428,8 +428,9 @@ def parse_stages(value: Any) -> tuple[Stage, ...]:
 
 def read_file(path: str) -> tuple[Stage, ...]:
     """A stages file (TOML): ``[[stage]]`` tables in order, each ``kind = "upscale"`` or ``"refine"``
-    and the keys of :class:`Stage` (``model``, ``factor``, ``strength``, ``steps``, ``pool``); :class:`InputError`
-    naming the file and the stage for anything else."""
+    and the keys of :class:`Stage` (``model``, ``factor``, ``strength``, ``steps``, ``pool``; a refine's
+    ``model = "self"`` or none is the job's own, as in ``--refine``); :class:`InputError` naming the
+    file and the stage for anything else."""
     import tomllib
 
     try:
@@ -443,8 +444,21 @@ def read_file(path: str) -> tuple[Stage, ...]:
         raise InputError([f"{path}: not TOML: arrays or tables nested too deeply to read"]) from None
     if set(data) - {"stage"} or not isinstance(data.get("stage"), list):
         raise InputError([f"{path}: a stages file holds [[stage]] tables and nothing else"])
+    tables = data["stage"]
+    for n, table in enumerate(tables, 1):
+        # A file is written by a person, as --refine is: "self" is the job's own model there too
+        # (issue 46: it was refused as "a stage writes ''", the wire form's spelling).
+        if isinstance(table, dict) and table.get("model") == SELF:
+            if table.get("kind") != REFINE:
+                raise InputError(
+                    [
+                        f"{path}: stage {n}: model = \"{SELF}\" is a refine's (the job's own model); an upscale takes "
+                        f"no model (Lanczos) or an upscaler ({TINY_X4_UPSCALER}, {TINY_ESRGAN}, a folder, a hub id)"
+                    ]
+                )
+            table["model"] = ""
     try:
-        return from_json(data["stage"])
+        return from_json(tables)
     except WireError as exc:
         raise InputError([f"{path}: {exc}"]) from None
 

@@ -50,9 +50,11 @@ class _ProblemLimitError(Exception):
     """Raised by pass 1's report() to stop reading once the list is full."""
 
 
-def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = None) -> FileSummary:
+def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = None, format: str = "") -> FileSummary:
     """Pass 1: check every line of ``path`` and summarise it; with ``sink``, write each prompt's
-    wire form there as it goes (of use only if no InputError is raised).
+    wire form there as it goes (of use only if no InputError is raised).  ``format``: the format
+    the caller named (``--format``; '': none), which must be the one the name says; a .txt named
+    txt so is read as written, even lines that look like JSON objects (``txt.JSON_LINE``).
 
     Raises :class:`InputError` holding up to ``max_problems`` lines of
     ``FILE:LINE: reason`` (then ``FILE: ... and more problems not shown`` if
@@ -62,6 +64,8 @@ def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = 
     if max_problems < 1:
         raise ValueError(f"max_problems must be at least 1, got {max_problems}")
     fmt, gzipped = detect_format(path)
+    if format and format != fmt:
+        raise InputError([f"{path}: --format {format}, but the file's name says {fmt}: rename it, the name decides"])
     problems: list[str] = []
 
     def report(lineno: int, reason: str) -> None:
@@ -86,7 +90,7 @@ def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = 
         with open_lines(path, gzipped, digest) as stream:
             lines = read_lines(stream, report)
             if fmt == "txt":
-                total = txt.count(lines, report, long, sink)
+                total = txt.count(lines, report, long, sink, as_written=format == "txt")
             else:
                 rows = jsonl.rows(lines, report) if fmt == "jsonl" else csvfile.rows(lines, report, warn)
                 total, has_ids = check_names(rows if sink is None else _writing(sink, rows), report, long)

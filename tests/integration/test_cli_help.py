@@ -30,7 +30,7 @@ COMMANDS = (
     "save-model",
     "server",
 )
-WITH_CONFIG = ("status", "monitor", "scale", "autoscale", "bench")
+WITH_CONFIG = COMMANDS  # each reads its settings, any of which the file may hold (issue 46)
 
 
 def help_text(command: str) -> str:
@@ -91,3 +91,4 @@ def test_submit_help_states_every_default() -> None:
     ):
         assert f"[default: {default}]" in rows[flag], rows[flag]
     assert "default: default" in rows["--pool"]
+    assert "a TOML file of [[stage]] tables" in rows["--stages"]  # rich markup ate "[[stage]]" (issue 46)

@@ -10,6 +10,7 @@ import pytest
 
 from renderfleet.errors import InputError
 from renderfleet.prompts import MAX_LINE_BYTES, FileSummary, detect_format, validate_file
+from renderfleet.prompts.txt import JSON_LINE
 from renderfleet.spec import MAX_NAME_LEN, Prompt, RenderParams, derive_seed, index_name
 from testing.prompts import iter_prompts
 
@@ -93,6 +94,36 @@ def test_txt_skips_blanks_and_comments_and_strips(tmp_path: Path, name: str) -> 
         default_prompt(1, "blue\tsky"),
         default_prompt(2, "last"),
     ]
+
+
+MUGS = jsonl({"prompt": "product photo of a ceramic mug", "id": "m-1"}, {"prompt": "a teapot", "id": "m-2"})
+
+
+@pytest.mark.parametrize("name", ["mugs.txt", "mugs.txt.gz"])
+def test_txt_of_json_lines_is_refused_at_its_first_such_line_with_the_hint(tmp_path: Path, name: str) -> None:
+    # Issue 46, item 3: each line rendered as '{"prompt": ...}', its id dropped, without a word.
+    path = write(tmp_path, name, "# mugs\n" + MUGS)
+    found = problems_of(path)
+    assert found == [f"{path}:2: {JSON_LINE}"]
+    assert "name the file .jsonl" in found[0] and "--format txt" in found[0]
+
+
+def test_txt_of_json_lines_renders_as_written_when_named_txt_and_the_same_lines_as_jsonl_are_read(
+    tmp_path: Path,
+) -> None:
+    txt = write(tmp_path, "mugs.txt", MUGS + '{not json}\n{"no": "prompt key"}\n')
+    assert validate_file(txt, format="txt").total == 4
+    assert next(iter_prompts(txt, PARAMS)).prompt == MUGS.splitlines()[0]
+    assert validate_file(write(tmp_path, "other.txt", '{not json}\n{"no": "prompt key"}\n')).total == 2
+    lines = write(tmp_path, "mugs.jsonl", MUGS)
+    assert (validate_file(lines).has_ids, [p.name for p in iter_prompts(lines, PARAMS)]) == (True, ["m-1", "m-2"])
+
+
+def test_a_format_other_than_the_names_is_refused_naming_both(tmp_path: Path) -> None:
+    path = write(tmp_path, "mugs.txt", MUGS)
+    with pytest.raises(InputError) as info:
+        validate_file(path, format="jsonl")
+    assert info.value.problems == [f"{path}: --format jsonl, but the file's name says txt: rename it, the name decides"]
 
 
 @pytest.mark.parametrize("name", ["p.jsonl", "p.jsonl.gz"])

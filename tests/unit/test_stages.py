@@ -479,3 +479,18 @@ def test_a_stage_refused_by_the_contract_is_the_job_s_error() -> None:
         StageRenderer(
             dataclasses.replace(Stage(UPSCALE), factor=3), 2, base=None, device="cpu", cache_dir=Path("/nonexistent")
         )
+
+
+def test_a_stages_file_takes_self_for_a_refine_as_refine_does_and_refuses_it_elsewhere_by_name(tmp_path: Path) -> None:
+    # Issue 46, item 12: model = "self" was refused with "a stage writes ''" (the wire form's spelling).
+    from renderfleet.stages import read_file
+
+    path = tmp_path / "stages.toml"
+    path.write_text('[[stage]]\nkind = "refine"\nmodel = "self"\nstrength = 0.4\n')
+    assert read_file(str(path)) == (parse_refine("self:0.4"),) == (Stage(REFINE, strength=0.4),)
+    path.write_text('[[stage]]\nkind = "upscale"\nfactor = 2\n\n[[stage]]\nkind = "upscale"\nfactor = 4\nmodel = "self"\n')
+    with pytest.raises(InputError) as refused:
+        read_file(str(path))
+    assert refused.value.problems[0].startswith(f"{path}: stage 2: model = \"self\" is a refine's (the job's own model)")
+    with pytest.raises(WireError, match="a stage writes ''"):  # the stored form is never a person's: as before
+        from_json([{"kind": "refine", "model": "self"}])
