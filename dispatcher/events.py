@@ -53,8 +53,9 @@ import redis
 
 from renderfleet import keys, spec
 from renderfleet.errors import StoreError
+from renderfleet.limits import MAX_EVENT_RECORD_BYTES
 from renderfleet.spec import store_tag
-from renderfleet.store import Store
+from renderfleet.store import Store, read_record
 from renderfleet.webhooks import Delivery, EventType, event_id, receiver_id
 
 if TYPE_CHECKING:
@@ -331,7 +332,7 @@ class EventLog:
         """The store's copy at ``key`` if this fleet's monitor minted it for this job, life and receiver
         (its MAC under :attr:`record_key` checked, and where it lies its id's), as undelivered; else None.
         Nothing a record planted by whoever can write the job's prefix says is signed and posted."""
-        stored = self.store.get(key)
+        stored = read_record(self.store, key, MAX_EVENT_RECORD_BYTES)
         try:
             mac = json.loads(stored).get("mac") if stored else None
         except (ValueError, AttributeError, RecursionError):

@@ -201,3 +201,37 @@ def test_planted_event_records_are_never_posted_and_never_stop_the_real_ones(
     assert conn.getresponse().status == 400
     conn.close()
     assert Receiver.refused and Receiver.refused[-1][0] == "/b" and "another receiver" in Receiver.refused[-1][1]
+
+
+def test_a_sparse_gigabyte_event_record_or_checkpoint_is_skipped_unread(
+    tmp_path: Path, redis_server: RedisServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 45, item 10: a record planted as a sparse 1 GB file costs the monitor one log line per
+    read-back, never a gigabyte of memory (nor, under a cap, a MemoryError every pass)."""
+    import logging
+    import os
+    import resource
+
+    from dispatcher.events import EventLog
+    from dispatcher.records import shard_checkpoints
+    from dispatcher.status import JobStatus
+    from renderfleet import keys
+
+    client = redis.Redis.from_url(redis_server.url)
+    store = open_store(str(tmp_path / "store"))
+    client.hset(keys.job("j-1"), mapping={"life": "L1", "spec": json.dumps({"webhook": "https://hooks.example.com/x"})})
+    big_event, big_checkpoint = spec.event_key("j-1", event_id("j-1", "L1", "started")), spec.checkpoint_key("j-1", 0, 0)
+    for key in (big_event, big_checkpoint):
+        store.put(key, b"{}")
+        os.truncate(tmp_path / "store" / key, 1 << 30)
+    sent: list[str] = []
+    events = EventLog(client, store, send=lambda record: sent.append(record.key), record_key=b"k" * 32)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the process's peak so far
+    with caplog.at_level(logging.WARNING):
+        [started] = events.observe(JobStatus("j-1", 4, 1, 0, 3, 0, 1, 1, 0, True))
+        assert shard_checkpoints(store, "j-1", 0) == []
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # < 64 MiB more
+    assert started.key == "started" and sent == ["started"]  # minted from the figures, over the planted file
+    assert len(store.get(big_event) or b"") < 4096
+    skipped = [r.getMessage() for r in caplog.records if "1073741824 bytes" in r.getMessage()]
+    assert len(skipped) == 2 and all(len(m) < 500 for m in skipped), skipped  # one line each, a slice of the key
