@@ -15,6 +15,7 @@ import redis
 from renderfleet import keys, spec
 from renderfleet.jobfailure import FAILED, cancel_call
 from renderfleet.leases import lua_script
+from renderfleet.limits import MAX_CANCEL_MARK_BYTES
 from renderfleet.store import Store
 
 
@@ -39,12 +40,12 @@ def cancelled_at(client: redis.Redis, store: Store | None, job: str) -> float | 
 
 
 def _marker_time(store: Store, job: str) -> float | None:
-    data = store.get(spec.cancelled_key(job))
-    if data is None:
-        return None
     try:
+        data = store.get(spec.cancelled_key(job), max_bytes=MAX_CANCEL_MARK_BYTES)
+        if data is None:
+            return None
         return float(json.loads(data)["cancelled"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # RecordTooLarge too: a ValueError, nothing read
         return 0.0  # a marker we cannot read still says cancelled
 
 

@@ -20,10 +20,26 @@ transition it then sees again is minted with the id it had: a receiver that
 dedupes by ``webhook-id`` sees each event once.  Delivered, the store's copy
 is deleted (never rewritten: a job deleted meanwhile gets nothing back in its
 folder).  Pure but for :class:`EventLog`; nothing happens at import.
+
+The store is writable by tenants, so a copy read back from it is trusted only
+when it carries a MAC, under a key derived from the fleet's signing secret
+(``renderfleet.webhooks.record_key``), over everything the monitor minted in
+it (its job, life, transition, type, id, time, body and receiver), and only
+when that is this job's, this life's and this receiver's.  Any other record
+(planted, or written by a monitor before MACs, or with no secret set) is
+ignored, with one log line per read-back: it never stops a transition from
+being minted, and the event minted over it (the same id, the same object)
+replaces it.  What is posted is thus only what a monitor minted from the job's
+own figures; and each body names its job and the receiver it was minted for
+(``job``, ``receiver``: ``renderfleet.webhooks.receiver_id``), so that a
+receiver can refuse an event replayed to it from another (docs/monitoring.md,
+"Events").
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -37,9 +53,10 @@ import redis
 
 from renderfleet import keys, spec
 from renderfleet.errors import StoreError
+from renderfleet.limits import MAX_EVENT_RECORD_BYTES
 from renderfleet.spec import store_tag
-from renderfleet.store import Store
-from renderfleet.webhooks import Delivery, EventType, event_id
+from renderfleet.store import Store, read_record
+from renderfleet.webhooks import Delivery, EventType, event_id, receiver_id
 
 if TYPE_CHECKING:
     from dispatcher.status import JobStatus
@@ -119,10 +136,13 @@ def _iso(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def event_body(kind: EventType, at: float, data: dict[str, Any]) -> str:
-    """What a receiver gets, the Standard Webhooks payload (``type``, ``timestamp``, ``data``) as
-    compact JSON: kept as text, so that every delivery of an event sends (and signs) the same bytes."""
-    return json.dumps({"type": str(kind), "timestamp": _iso(at), "data": data}, separators=(",", ":"), sort_keys=True)
+def event_body(kind: EventType, at: float, data: dict[str, Any], *, job: str, target: str | None) -> str:
+    """What a receiver gets, the Standard Webhooks payload (``type``, ``timestamp``, ``data``) and whom it
+    is for (``job``; ``receiver``, the hash of the receiver's URL, or null for none) as compact JSON: kept
+    as text, so that every delivery of an event sends (and signs) the same bytes."""
+    receiver = receiver_id(target) if target else None
+    payload = {"type": str(kind), "timestamp": _iso(at), "job": job, "receiver": receiver, "data": data}
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True)
 
 
 @dataclass
@@ -173,6 +193,24 @@ class EventRecord:
         except (ValueError, RecursionError):
             return False
 
+    def _minted(self) -> bytes:
+        """What the store copy's MAC covers: every field the monitor minted, in a fixed form."""
+        fields = [self.id, self.job, self.life, self.key, self.type, self.at, self.body, self.target]
+        return json.dumps(["v1", *fields], separators=(",", ":")).encode()
+
+    def stored_json(self, key: bytes | None) -> bytes:
+        """The store's copy: the record and, with a key (``renderfleet.webhooks.record_key``), its MAC."""
+        data = asdict(self)
+        if key is not None:
+            data["mac"] = hmac.new(key, self._minted(), hashlib.sha256).hexdigest()
+        return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+    def authentic(self, key: bytes | None, mac: Any) -> bool:
+        """Whether ``mac`` (the stored copy's) is this record's under ``key`` (never, without a key)."""
+        if key is None or type(mac) is not str:
+            return False
+        return hmac.compare_digest(mac, hmac.new(key, self._minted(), hashlib.sha256).hexdigest())
+
     @property
     def stream_event(self) -> str:
         """The event as the page's stream shows it: its body with its id."""
@@ -202,10 +240,14 @@ class EventLog:
         default: str | None = None,
         send: Callable[[EventRecord], None] | None = None,
         unsigned: str | None = None,
+        record_key: bytes | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.client, self.store = client, store
         self.default, self.send, self.unsigned, self.clock = default, send, unsigned, clock
+        # What authenticates the store's copies (renderfleet.webhooks.record_key); None: no secret,
+        # so no copy read back is trusted (each transition is minted again from the job's figures).
+        self.record_key = record_key
         self.stream = keys.events_stream(store_tag(store.url))
         self.watched: dict[str, _Watch] = {}
 
@@ -254,24 +296,22 @@ class EventLog:
                 watch.records[record.key] = record
         if not watched:
             try:
+                untrusted: list[str] = []
                 for key in self.store.list(spec.events_prefix(job)):
-                    stored = self.store.get(key)
-                    record = EventRecord.from_json(stored) if stored else None
-                    # Only what this monitor could have minted for this job's life: its id is the job's,
-                    # life's and transition's; a record planted by whoever can write the job's prefix
-                    # (another job's event, a made-up key) is not signed and posted. Where it goes is
-                    # the job's receiver as known now, never a URL the file names.
-                    if (
-                        record is not None
-                        and record.job == job
-                        and record.life == life
-                        and record.id == event_id(job, life, record.key)
-                        and key == spec.event_key(job, record.id)
-                        and record.key not in watch.records
-                    ):
-                        record.target = watch.target
-                        record.state = PENDING if watch.target else UNSENT
+                    record = self._read_back(job, life, watch.target, key)
+                    if record is None:
+                        untrusted.append(key)
+                    elif record.key not in watch.records:
                         watch.records[record.key] = record
+                if untrusted:  # one line per read-back, however many
+                    log.warning(
+                        "job %s: ignoring %d event record(s) in the store that this fleet's monitor did not mint "
+                        "for this job, life and receiver (no valid MAC: planted, from an older release, or "
+                        "no events.secret_file); what the job's figures imply is minted anew. First: %.200r",
+                        job,
+                        len(untrusted),
+                        untrusted[0],
+                    )
             except (StoreError, OSError) as exc:
                 log.warning("job %s: cannot read its undelivered events from the store now: %s", job, exc)
                 return None
@@ -288,6 +328,28 @@ class EventLog:
             self._hand_over(record)
         return watch
 
+    def _read_back(self, job: str, life: str, target: str | None, key: str) -> EventRecord | None:
+        """The store's copy at ``key`` if this fleet's monitor minted it for this job, life and receiver
+        (its MAC under :attr:`record_key` checked, and where it lies its id's), as undelivered; else None.
+        Nothing a record planted by whoever can write the job's prefix says is signed and posted."""
+        stored = read_record(self.store, key, MAX_EVENT_RECORD_BYTES)
+        try:
+            mac = json.loads(stored).get("mac") if stored else None
+        except (ValueError, AttributeError, RecursionError):
+            mac = None
+        record = EventRecord.from_json(stored) if stored else None
+        if (
+            record is None
+            or not record.authentic(self.record_key, mac)
+            or (record.job, record.life, record.target) != (job, life, target)
+            or record.id != event_id(job, life, record.key)
+            or key != spec.event_key(job, record.id)
+        ):
+            return None
+        # The copy was written once, when minted: how its delivery stands is this monitor's to learn.
+        record.state, record.attempts, record.error, record.tried_at = (PENDING if target else UNSENT), 0, "", None
+        return record
+
     def _mint(self, watch: _Watch, job: str, change: Transition) -> EventRecord | None:
         at = self.clock()
         record = EventRecord(
@@ -297,14 +359,15 @@ class EventLog:
             key=change.key,
             type=str(change.type),
             at=at,
-            body=event_body(change.type, at, change.data),
+            body=event_body(change.type, at, change.data, job=job, target=watch.target),
             target=watch.target,
             state=PENDING if watch.target else UNSENT,
             error=(self.unsigned or "") if watch.target else "",
         )
         if record.state == PENDING:
             try:  # 1. in the store until delivered
-                self.store.put(spec.event_key(job, record.id), record.to_json().encode(), content_type="application/json")
+                key = spec.event_key(job, record.id)
+                self.store.put(key, record.stored_json(self.record_key), content_type="application/json")
             except (StoreError, OSError) as exc:
                 log.warning("job %s: cannot keep its %s event in the store now: %s", job, record.type, exc)
                 return None

@@ -28,6 +28,7 @@ from dispatcher.resume import store_jobs
 from dispatcher.status import jobs_of_store
 from renderfleet import keys, spec
 from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.limits import MAX_SPEC_BYTES
 from renderfleet.spec import job_id_problem, store_identity
 from renderfleet.store import Store
 
@@ -97,7 +98,7 @@ def job_names(client: redis.Redis | None, store: Store, jobs: list[str]) -> dict
                         names[job] = ""
     for job in absent:
         try:
-            raw = store.get(spec.spec_key(job))
+            raw = store.get(spec.spec_key(job), max_bytes=MAX_SPEC_BYTES)  # over it: a ValueError, no name
             names[job] = str(json.loads(raw).get("name", "")) if raw else ""
         except (StoreError, ValueError, AttributeError) as exc:
             log.warning("cannot read the name of job %s: %s", job, exc)

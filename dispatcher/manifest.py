@@ -24,8 +24,9 @@ from dispatcher.thumbs import THUMB_MAX_PIXELS
 from renderfleet import spec
 from renderfleet import stages as stagelib
 from renderfleet.errors import InputError
+from renderfleet.limits import MAX_IMAGE_BYTES, MAX_QUARANTINE_RECORD_BYTES
 from renderfleet.spec import Prompt
-from renderfleet.store import Store
+from renderfleet.store import Store, read_record
 
 COLUMNS = (
     "index",
@@ -103,7 +104,7 @@ def manifest_rows(
         if name in images:
             status, image = "done", store.locate(images[name])
         elif name in quarantined:
-            record = store.get(spec.quarantine_key(job, name))
+            record = read_record(store, spec.quarantine_key(job, name), MAX_QUARANTINE_RECORD_BYTES)
             status, image, error = "quarantined", "", json.loads(record)["error"] if record else "quarantined"
         else:
             status, image = "missing", ""
@@ -252,7 +253,7 @@ def contact_sheet(store: Store, job: str, path: Path, *, limit: int = 100, thumb
     sheet = Image.new("RGB", (cols * thumb, rows * (thumb + label)), "white")
     draw = ImageDraw.Draw(sheet)
     for i, name in enumerate(names):
-        data = store.get(stored[name])
+        data = read_record(store, stored[name], MAX_IMAGE_BYTES)
         if data is None:
             continue
         tile = fit_cell(data, thumb)

@@ -60,7 +60,7 @@ from renderfleet.leases import Leases
 from renderfleet.reaper import ReaperElection, reap_once
 from renderfleet.settings import Settings
 from renderfleet.store import Store
-from renderfleet.webhooks import read_secret
+from renderfleet.webhooks import record_key, secret_bytes
 from renderfleet.words import counted
 
 log = logging.getLogger("renderfleet.monitor")
@@ -96,13 +96,16 @@ class Monitor:
     def _events(self) -> tuple[EventLog, Courier | None]:
         """The job events' log, and its courier when the config names the secret to sign with
         (ConfigError naming ``events.secret_file`` when the file will not do: at start, not at the first event)."""
+        from standardwebhooks import Webhook  # imported when a monitor starts, not at import
+
         config = self.settings.events
-        signer = None
+        signer, stored_key = None, None
         if config.secret_file is not None:
             where = f"events.secret_file = {str(config.secret_file)!r}"
-            signer = read_secret(config.secret_file, f"{self.settings.config}: {where}" if self.settings.config else where)
+            secret = secret_bytes(config.secret_file, f"{self.settings.config}: {where}" if self.settings.config else where)
+            signer, stored_key = Webhook(secret), record_key(secret)
         unsigned = None if signer else "no events.secret_file is set: the monitor sends no event unsigned"
-        events = EventLog(self.client, self.store, default=config.webhook, unsigned=unsigned)
+        events = EventLog(self.client, self.store, default=config.webhook, unsigned=unsigned, record_key=stored_key)
         courier = Courier(events, signer, config) if signer is not None else None
         events.send = courier.send if courier is not None else None
         return events, courier

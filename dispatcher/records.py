@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from renderfleet import spec
-from renderfleet.store import Store
+from renderfleet.limits import MAX_CHECKPOINT_BYTES
+from renderfleet.store import Store, read_record
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def shard_checkpoints(store: Store, job: str, shard: int) -> list[dict[str, Any]
     """The checkpoint records of one shard, every attempt's (an unreadable one skipped, logged)."""
     out = []
     for key in store.list(spec.checkpoint_prefix(job, shard)):
-        data = store.get(key)
+        data = read_record(store, key, MAX_CHECKPOINT_BYTES)
         if not data:
             continue
         try:

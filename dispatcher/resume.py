@@ -32,6 +32,7 @@ from renderfleet import keys, prompts, shardfile, spec
 from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.feeder import Feeder
+from renderfleet.limits import MAX_SPEC_BYTES
 from renderfleet.spec import JobSpec, job_id_problem, store_identity, wire_name
 from renderfleet.store import Store
 
@@ -53,7 +54,7 @@ def load_spec(store: Store, job: str) -> JobSpec:
     """The job's spec from the store; JobNotFound when the store does not hold the job."""
     if why := job_id_problem(job):
         raise InputError([f"JOB: {why}"])
-    data = store.get(spec.spec_key(job))
+    data = store.get(spec.spec_key(job), max_bytes=MAX_SPEC_BYTES)  # over it: RecordTooLarge, a bad spec
     if data is None:
         raise JobNotFound(f"no job {job} in store {store.url}")
     return JobSpec.from_json(data)

@@ -38,10 +38,11 @@ from renderfleet.cards import CardRow, card_rows
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.jobfailure import FAILED
+from renderfleet.limits import MAX_QUARANTINE_RECORD_BYTES
 from renderfleet.nodes import NodeRecord, read_nodes, with_live_workers
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
-from renderfleet.store import Store
+from renderfleet.store import Store, read_record
 from renderfleet.webhooks import Delivery
 
 log = logging.getLogger(__name__)
@@ -1035,7 +1036,7 @@ def results(
         if name in images:
             out.images[name] = store.locate(images[name])
         elif name in quarantined:
-            record = store.get(spec.quarantine_key(job, name))
+            record = read_record(store, spec.quarantine_key(job, name), MAX_QUARANTINE_RECORD_BYTES)
             out.quarantined[name] = json.loads(record)["error"] if record else "quarantined"
         else:
             out.missing.append(name)

@@ -41,6 +41,7 @@ from dispatcher.enqueue import WireShard
 from renderfleet import budget, cards, celery_app, digests, prompts, shardfile, spec, stages
 from renderfleet.errors import InputError
 from renderfleet.hubrev import PIPELINE_FILE, ModelCheck, RevisionResolver, hub_commit, hub_pipeline_problem
+from renderfleet.limits import MAX_SPEC_BYTES
 from renderfleet.spec import JobSpec, RenderParams, job_id_problem, message_head, store_identity
 from renderfleet.store import S3Options, Store
 
@@ -359,7 +360,7 @@ def submit(
         owner,
     )
 
-    existing = store.get(spec.spec_key(job))
+    existing = store.get(spec.spec_key(job), max_bytes=MAX_SPEC_BYTES)
     if existing is not None:
         from dispatcher.resume import resume
 

@@ -40,8 +40,9 @@ from typing import Any
 from dispatcher.resume import image_key_of
 from renderfleet import spec as layout
 from renderfleet.images import metadata_of
+from renderfleet.limits import MAX_IMAGE_BYTES, MAX_THUMB_META_BYTES
 from renderfleet.spec import INT_LIMITS
-from renderfleet.store import Store
+from renderfleet.store import Store, read_record
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +130,20 @@ class Thumbnails:
     def thumbnail(self, job: str, name: str) -> bytes:
         """The image's thumbnail, made now if it is not in the store yet."""
         key = thumb_key(job, name)
-        if cached := self.store.get(key):
+        if cached := read_record(self.store, key, MAX_IMAGE_BYTES):
             return cached
         with self._one(key):
-            if cached := self.store.get(key):  # made while this view waited
+            if cached := read_record(self.store, key, MAX_IMAGE_BYTES):  # made while this view waited
                 return cached
             return self._make(job, name)[0]
 
     def meta(self, job: str, name: str) -> dict[str, Any]:
         """The image's prompt, seed and size: from its record, else read once with its thumbnail."""
         key = meta_key(job, name)
-        if cached := self.store.get(key):
+        if cached := read_record(self.store, key, MAX_THUMB_META_BYTES):
             return dict(json.loads(cached))
         with self._one(thumb_key(job, name)):
-            if cached := self.store.get(key):
+            if cached := read_record(self.store, key, MAX_THUMB_META_BYTES):
                 return dict(json.loads(cached))
             return self._make(job, name)[1]
 
@@ -160,7 +161,7 @@ class Thumbnails:
     def _decode(self, job: str, name: str) -> tuple[bytes, dict[str, Any]]:
         """In the pool: the image's bytes are read and decoded there, a few at a time."""
         key = image_key_of(self.store, job, name)
-        data = None if key is None else self.store.get(key)
+        data = None if key is None else read_record(self.store, key, MAX_IMAGE_BYTES)
         if data is None:
             raise NoImage(f"job {job} has no image {name!r}")
         return make_thumbnail(data, name, self.max_pixels)

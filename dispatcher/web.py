@@ -57,9 +57,10 @@ from renderfleet import keys
 from renderfleet import spec as layout
 from renderfleet.endpoint import IMAGE_CSP, client_key, guard
 from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.limits import MAX_IMAGE_BYTES, MAX_QUARANTINE_RECORD_BYTES
 from renderfleet.settings import PoolConfig
 from renderfleet.spec import job_id_problem, name_problem, store_tag
-from renderfleet.store import Store
+from renderfleet.store import Store, read_record
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +379,7 @@ def quarantined(store: Store, job: str, limit: int = QUARANTINE_SHOWN) -> list[d
     prefix = f"{layout.job_prefix(job)}quarantine/"
     out = []
     for name in islice(_names(store, prefix, ".json"), limit):
-        raw = store.get(layout.quarantine_key(job, name))
+        raw = read_record(store, layout.quarantine_key(job, name), MAX_QUARANTINE_RECORD_BYTES)
         try:
             record = json.loads(raw) if raw else {}
         except ValueError:
@@ -686,7 +687,7 @@ def make_app(
         job = checked_job(store, request.path_params["job"])
         name = request.path_params["name"]
         key = None if name_problem(name) else image_key_of(store, job, name)
-        data = None if key is None else store.get(key)
+        data = None if key is None else read_record(store, key, MAX_IMAGE_BYTES)
         if key is None or data is None:
             raise NotHere(f"job {job} has no image {name!r}")
         media = layout.CONTENT_TYPES.get(key.rpartition(".")[2], "application/octet-stream")

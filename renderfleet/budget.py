@@ -41,7 +41,8 @@ from renderfleet import keys, spec
 from renderfleet.errors import InputError
 from renderfleet.jobfailure import cancel_call
 from renderfleet.leases import lua_script
-from renderfleet.store import Store
+from renderfleet.limits import MAX_BUDGET_RECORD_BYTES
+from renderfleet.store import Store, read_record
 
 log = logging.getLogger("renderfleet.budget")
 
@@ -182,7 +183,7 @@ def save(store: Store, job: str, record: Record) -> None:
 def load(store: Store, job: str) -> Record | None:
     """The store's record of the job's budget; None without one.  A record that cannot be read is
     logged and taken as none: the job runs without a cap rather than not at all."""
-    data = store.get(spec.budget_key(job))
+    data = read_record(store, spec.budget_key(job), MAX_BUDGET_RECORD_BYTES)
     if data is None:
         return None
     where = spec.budget_key(job)

@@ -43,6 +43,11 @@ Three classes of trouble, each with its own budget:
   one log line and the reason shown in ``status`` as the job's failure
   reason; nothing is counted, and no byte in the store is ever fatal to a
   worker (docs/design.md, "Shards by reference").
+* **a record over its size** (:class:`RecordTooLarge`): an object in the store
+  bigger than its record type may be (``renderfleet/limits.py``), found from its
+  size before a byte is read (a file's ``fstat``, an object's ``ContentLength``).
+  A bad record, as one that does not parse: skipped with one log line, never
+  read into memory, never retried.
 * **reclaim** (:class:`Reclaimed`): the node is being taken away (spot
   notice, SIGTERM) or this worker lost its lease.  Not a failure at all: the
   work is handed back and nothing is counted.  It derives from
@@ -111,6 +116,19 @@ class WireError(RenderfleetError, ValueError):
     """A job's stored prompts (its wire file and index) do not describe the job as registered.
 
     A ``ValueError`` too: the readers' callers took a bad file for one before it had a class."""
+
+
+class RecordTooLarge(RenderfleetError, ValueError):
+    """An object in the store is bigger than its record type's cap (``renderfleet/limits.py``): not read.
+
+    A ``ValueError`` too: a caller that skips a record that does not parse skips this one the same way.
+    ``tag``: the object's tag where the store knows it without reading it (an ETag), for a conditional
+    write over it; ``size``: its size, None when it grew past the cap while it was read."""
+
+    def __init__(self, key: str, size: int | None, cap: int, tag: str | None = None):
+        self.key, self.size, self.cap, self.tag = key, size, cap, tag
+        bytes_ = f"{size} bytes" if size is not None else "grew past the cap while read"
+        super().__init__(f"{key[:200]!r}: {bytes_}, over the {cap}-byte cap of its kind of record: not read")
 
 
 class OutOfMemory(RenderfleetError):

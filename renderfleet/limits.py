@@ -19,6 +19,26 @@ MAX_BENCH_SECONDS = 60.0
 _BENCH_RE = re.compile(r"bench:fixed\?seconds=(?P<seconds>[0-9]+(?:\.[0-9]+)?)")
 
 
+# ---- the most bytes each kind of record read back from the store may have ----------------------------
+# The store is writable by tenants: a record is checked against its cap before a byte of it is read (a
+# file's fstat size, an object's ContentLength: Store.get's max_bytes), so a planted sparse gigabyte costs
+# one log line, not a gigabyte of memory each pass (errors.RecordTooLarge: a bad record, skipped).  Each is
+# far above what the fleet writes.  A job's wire file and index are read by ranges, each bounded by the
+# job's own cut (renderfleet/shardfile.py: at most MAX_WIRE_LINE_BYTES a prompt), so need no cap here.
+KIB, MIB = 1024, 1024 * 1024
+MAX_SPEC_BYTES = 4 * MIB  # jobs/J/spec.json: settings and stages, never the prompts
+MAX_EVENT_RECORD_BYTES = 1 * MIB  # jobs/J/events/<id>.json: one event and its body (dispatcher/events.py)
+MAX_CHECKPOINT_BYTES = 16 * MIB  # a batch's checkpoint: its prompts' names and what each took
+MAX_QUARANTINE_RECORD_BYTES = 1 * MIB  # a quarantined prompt's record: the prompt (64 KiB at most) and why
+MAX_CANCEL_MARK_BYTES = 64 * KIB  # jobs/J/cancelled.json: a time
+MAX_BUDGET_RECORD_BYTES = 64 * KIB  # jobs/J/budget.json: three numbers (renderfleet/budget.py)
+MAX_SPEED_RECORD_BYTES = 1 * MIB  # fleet/speeds/...: a few figures per (model, card, size) (renderfleet/speeds.py)
+MAX_BATCH_SIZE_RECORD_BYTES = 64 * KIB  # the batch size a card takes (worker/batchsize.py)
+MAX_THUMB_META_BYTES = 1 * MIB  # a thumbnail's record: the image's prompt, seed and size (dispatcher/thumbs.py)
+MAX_IMAGE_BYTES = 256 * MIB  # an image, a thumbnail, a stage's level (image or latents): a 4096-pixel side at most
+MAX_COMPILE_CACHE_BYTES = 2048 * MIB  # a signed --compile cache (worker/compiled.py)
+
+
 def bench_seconds(model: str) -> float | None:
     """Seconds per image of a bench model (``bench:fixed?seconds=0.025``), None for any other
     model; ValueError saying why for a ``bench:`` id that is not one."""

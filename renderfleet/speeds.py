@@ -215,7 +215,7 @@ def read(store: Store, key: SpeedKey) -> SpeedRecord | None:
     """The record of ``key``; None when there is none or it cannot be read (logged)."""
     where = store_key(key)
     try:
-        data = store.get(where)
+        data = store.get(where, max_bytes=limits.MAX_SPEED_RECORD_BYTES)  # over it: a ValueError, logged
         return SpeedRecord.from_json(data) if data else None
     except (ValueError, KeyError, TypeError, ArithmeticError) as exc:
         log.warning("speed record %s not read (%s: %s): written anew", where, type(exc).__name__, exc)
@@ -234,7 +234,7 @@ def records_of(store: Store, model: str) -> list[SpeedRecord]:
     out = []
     for where in store.list(model_prefix(model)):
         try:
-            data = store.get(where)
+            data = store.get(where, max_bytes=limits.MAX_SPEED_RECORD_BYTES)
             if data:
                 record = SpeedRecord.from_json(data)
                 if record.key.model == model:

@@ -41,7 +41,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from renderfleet.errors import ConfigError, StoreError
+from renderfleet.errors import ConfigError, RecordTooLarge, StoreError
 
 if TYPE_CHECKING:  # boto3 itself is imported on first use: it takes ~0.5 s
     from boto3.s3.transfer import TransferConfig
@@ -91,14 +91,16 @@ class Store(Protocol):
         """Write ``data`` at ``key`` only if the object there is still the one tagged ``tag`` (``If-Match``);
         the new object's tag, or None when it is not (another write came between, or it is gone)."""
 
-    def get_tagged(self, key: str) -> tuple[bytes, str] | None:
-        """The object at ``key`` and its tag (an S3 ETag), or None if there is none."""
+    def get_tagged(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        """The object at ``key`` and its tag (an S3 ETag), or None if there is none; ``max_bytes``: as ``get``
+        (the RecordTooLarge carries the object's tag)."""
 
     def delete_tagged(self, key: str, tag: str) -> bool:
         """Remove the object at ``key`` only if it is the one tagged ``tag``; whether it was removed."""
 
-    def get(self, key: str) -> bytes | None:
-        """The object at ``key``, or None if there is none."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The object at ``key``, or None if there is none.  ``max_bytes`` (its record type's cap,
+        ``renderfleet/limits.py``): RecordTooLarge, and not a byte read, for an object bigger."""
 
     def exists(self, key: str) -> bool:
         """Whether an object is at ``key``."""
@@ -296,10 +298,19 @@ class LocalStore:
             _write_at(data, tmp, f"{secrets.token_hex(8)}.tmp", folder, parts[-1])
         return _tag(data)
 
-    def get_tagged(self, key: str) -> tuple[bytes, str] | None:
-        """The bytes at ``key`` and their tag, or None."""
-        data = self.get(key)
-        return None if data is None else (data, _tag(data))
+    def get_tagged(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        """The bytes at ``key`` and their tag, or None; ``max_bytes``: as :meth:`get`."""
+        f = self._open_file(key)
+        if f is None:
+            return None
+        with f:
+            try:
+                data = _read_capped(f, key, max_bytes)
+            except RecordTooLarge as exc:
+                f.seek(0)  # its tag, for a conditional write over it: hashed in chunks, never held
+                exc.tag = _tag_of(f)
+                raise
+        return data, _tag(data)
 
     def delete_tagged(self, key: str, tag: str) -> bool:
         """Remove the file at ``key`` if it has ``tag``; whether it did."""
@@ -315,13 +326,13 @@ class LocalStore:
                 return False
             raise
 
-    def get(self, key: str) -> bytes | None:
-        """The bytes at ``key``, or None."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The bytes at ``key``, or None; RecordTooLarge, nothing read, when the file is over ``max_bytes``."""
         f = self._open_file(key)
         if f is None:
             return None
         with f:
-            return f.read()
+            return _read_capped(f, key, max_bytes)
 
     def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """Bytes ``start`` to ``end`` (exclusive) of ``key``'s file (a seek), or None; the range is
@@ -503,9 +514,39 @@ def _empty(parent: int, name: str) -> int:
     return removed
 
 
+def _read_capped(f: BinaryIO, key: str, max_bytes: int | None) -> bytes:
+    """The open file's bytes; RecordTooLarge when its size (fstat, before any read) is over ``max_bytes``,
+    or when it grew past it since (at most ``max_bytes`` + 1 bytes are ever read)."""
+    if max_bytes is None:
+        return f.read()
+    size = os.fstat(f.fileno()).st_size
+    if size > max_bytes:
+        raise RecordTooLarge(key, size, max_bytes)
+    data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise RecordTooLarge(key, None, max_bytes)
+    return data
+
+
+def read_record(store: Store, key: str, max_bytes: int) -> bytes | None:
+    """The record at ``key``, or None: none there, or one over ``max_bytes`` (its type's cap,
+    ``renderfleet/limits.py``), which is logged in one line and never read: a bad record, as one
+    that does not parse, for the caller to skip."""
+    try:
+        return store.get(key, max_bytes=max_bytes)
+    except RecordTooLarge as exc:
+        log.warning("skipping %s", exc)
+        return None
+
+
 def _tag(data: bytes) -> str:
     """A folder store file's tag: the MD5 of its bytes (S3's ETag of a one-part upload; not a security check)."""
     return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def _tag_of(f: BinaryIO) -> str:
+    """The tag of an open file's bytes from where it stands, hashed in chunks: a planted gigabyte is never held."""
+    return hashlib.file_digest(cast(Any, f), partial(hashlib.md5, usedforsecurity=False)).hexdigest()
 
 
 def _tag_at(folder: int, name: str) -> str | None:
@@ -519,7 +560,7 @@ def _tag_at(folder: int, name: str) -> str | None:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             return None
-        return _tag(f.read())
+        return _tag_of(f)
 
 
 @contextlib.contextmanager
@@ -645,6 +686,21 @@ def _is_unsatisfiable(exc: botocore.exceptions.ClientError) -> bool:
     code = exc.response.get("Error", {}).get("Code", "")
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return code in ("InvalidRange", "416") or status == 416
+
+
+def _read_body(answer: dict[str, Any], key: str, max_bytes: int | None, tag: str | None) -> bytes:
+    """A GetObject answer's body; RecordTooLarge, the body closed unread, when its ``ContentLength`` is
+    over ``max_bytes`` (at most ``max_bytes`` + 1 bytes are read of one that says less and sends more)."""
+    with answer["Body"] as body:
+        if max_bytes is None:
+            return cast(bytes, body.read())
+        size = answer.get("ContentLength")
+        if isinstance(size, int) and size > max_bytes:
+            raise RecordTooLarge(key, size, max_bytes, tag)
+        data = cast(bytes, body.read(max_bytes + 1))
+        if len(data) > max_bytes:
+            raise RecordTooLarge(key, None, max_bytes, tag)
+        return data
 
 
 class S3Store:
@@ -802,8 +858,8 @@ class S3Store:
 
         return self._call(op, full, put)
 
-    def get_tagged(self, key: str) -> tuple[bytes, str] | None:
-        """GetObject: the bytes and their ETag, or None on a 404."""
+    def get_tagged(self, key: str, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+        """GetObject: the bytes and their ETag, or None on a 404; ``max_bytes``: as :meth:`get`."""
         full = self._key(key)
 
         def fetch() -> tuple[bytes, str] | None:
@@ -813,8 +869,8 @@ class S3Store:
                 if _is_not_found(exc):
                     return None
                 raise
-            with answer["Body"] as body:
-                return cast(bytes, body.read()), str(answer["ETag"]).strip('"')
+            tag = str(answer["ETag"]).strip('"')
+            return _read_body(answer, key, max_bytes, tag), tag
 
         return self._call("get_tagged", full, fetch)
 
@@ -833,25 +889,25 @@ class S3Store:
 
         return self._call("delete_tagged", full, delete)
 
-    def get(self, key: str) -> bytes | None:
-        """The bytes at ``key``, or None on a 404."""
-        return self._get_object("get", self._key(key))
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The bytes at ``key``, or None on a 404; RecordTooLarge, the body left unread, when the
+        answer's ``ContentLength`` is over ``max_bytes``."""
+        return self._get_object("get", self._key(key), max_bytes=max_bytes)
 
-    def _get_object(self, op: str, full: str, **extra: str) -> bytes | None:
+    def _get_object(self, op: str, full: str, *, max_bytes: int | None = None, **extra: str) -> bytes | None:
         """``get_object`` of ``full`` (``extra``: its other parameters, e.g. ``Range``), retried; None on a 404,
         and nothing (b"") for a ``Range`` that starts past the object's end (a 416)."""
 
         def fetch() -> bytes | None:
             try:
-                body = self.client.get_object(Bucket=self.bucket, Key=full, **extra)["Body"]
+                answer = self.client.get_object(Bucket=self.bucket, Key=full, **extra)
             except botocore.exceptions.ClientError as exc:
                 if _is_not_found(exc):
                     return None
                 if "Range" in extra and _is_unsatisfiable(exc):
                     return b""
                 raise
-            with body:
-                return cast(bytes, body.read())
+            return _read_body(answer, full, max_bytes, str(answer.get("ETag", "")).strip('"') or None)
 
         return self._call(op, full, fetch)
 

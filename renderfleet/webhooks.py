@@ -19,6 +19,7 @@ Nothing happens at import.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 from enum import StrEnum
 from pathlib import Path
@@ -52,6 +53,27 @@ class Delivery(StrEnum):
     PENDING = "pending"  # a receiver is named and has not taken it yet: kept in the store until it does
     DELIVERED = "delivered"  # its receiver answered 2xx
     UNSENT = "unsent"  # no receiver named: on the page's stream only
+
+
+# What the key that authenticates the store's copies of events is derived from (the fleet's secret's
+# bytes are its key): another use of the secret, so a signature of one can never pass for the other.
+RECORD_KEY_LABEL = b"renderfleet event record v1"
+
+
+def record_key(secret: bytes) -> bytes:
+    """The key of the MAC that each stored copy of an event carries (``dispatcher/events.py``):
+    HMAC-SHA256 of :data:`RECORD_KEY_LABEL` under the fleet's signing secret.  The store is writable
+    by tenants; a copy without a MAC under this key was not minted by this fleet's monitor."""
+    return hmac.new(secret, RECORD_KEY_LABEL, hashlib.sha256).digest()
+
+
+def receiver_id(url: str) -> str:
+    """How an event's body names the receiver it was minted for (its ``receiver``): the SHA-256 of
+    the receiver's URL, exactly as given (``submit --webhook``, ``[events] webhook``), in hex.  A hash,
+    not the URL: the body is shown on the page's stream too, and a URL may hold a token.  A receiver
+    compares it with the hash of its own URL and refuses an event meant for another one (a replay
+    of a captured event to another receiver that trusts the same secret)."""
+    return hashlib.sha256(url.encode()).hexdigest()
 
 
 def event_id(job: str, life: str, key: str) -> str:
@@ -156,19 +178,17 @@ def url_problem(url: str, *, allow_private: bool) -> str | None:
     return None
 
 
-def read_secret(path: Path, where: str) -> Webhook:
-    """The fleet's signing key from ``path`` (``whsec_`` and its bytes in base64, the scheme's form;
-    what ``openssl rand -base64 32`` prints, prefixed, will do); ConfigError naming ``where`` (the
+def secret_bytes(path: Path, where: str) -> bytes:
+    """The fleet's signing key's bytes from ``path`` (``whsec_`` and its bytes in base64, the scheme's
+    form; what ``openssl rand -base64 32`` prints, prefixed, will do); ConfigError naming ``where`` (the
     setting and its value) when it cannot be read or is not one.  The key itself is never shown."""
-    from standardwebhooks import Webhook
+    import base64
+    import binascii
 
     try:
         text = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-    import base64
-    import binascii
-
     body = text.removeprefix(SECRET_PREFIX)
     try:
         raw = base64.b64decode(body + "=" * (-len(body) % 4), validate=True) if body else b""
@@ -179,4 +199,11 @@ def read_secret(path: Path, where: str) -> Webhook:
             f"{where}: must hold {SECRET_PREFIX} and at least {MIN_SECRET_BYTES} random bytes in base64 "
             f"(e.g. `echo {SECRET_PREFIX}$(openssl rand -base64 32)`)"
         )
-    return Webhook(text)
+    return raw
+
+
+def read_secret(path: Path, where: str) -> Webhook:
+    """The Standard Webhooks signer of the fleet's secret at ``path`` (:func:`secret_bytes`)."""
+    from standardwebhooks import Webhook
+
+    return Webhook(secret_bytes(path, where))

@@ -65,6 +65,7 @@ from typing import Any
 
 from renderfleet import spec
 from renderfleet.errors import MixedFleet, OutOfMemory, PermanentError
+from renderfleet.limits import MAX_BATCH_SIZE_RECORD_BYTES
 from renderfleet.spec import INT_LIMITS, Prompt
 from renderfleet.store import Store
 
@@ -552,7 +553,7 @@ class BatchSizes:
         if self.store is None:
             return None
         try:
-            data = self.store.get(self.store_key(key))
+            data = self.store.get(self.store_key(key), max_bytes=MAX_BATCH_SIZE_RECORD_BYTES)
             if not data:
                 return None
             record = json.loads(data)

@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 from renderfleet import spec
 from renderfleet.errors import ConfigError
-from renderfleet.store import Store
+from renderfleet.limits import MAX_COMPILE_CACHE_BYTES
+from renderfleet.store import Store, read_record
 
 if TYPE_CHECKING:
     from renderfleet.settings import Settings
@@ -235,7 +236,7 @@ class CompileCache:
         self._loaded.add((width, height))
         key = self._key(width, height)
         try:
-            blob = self.store.get(key)
+            blob = read_record(self.store, key, MAX_COMPILE_CACHE_BYTES)
             if not blob:
                 return
             payload = verify(self._fleet_key, key, blob)

@@ -48,9 +48,10 @@ from typing import Any, Protocol
 
 from renderfleet import failpoints, schemas, spec
 from renderfleet import stages as stagelib
-from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
+from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, RecordTooLarge, StoreError
+from renderfleet.limits import MAX_CHECKPOINT_BYTES
 from renderfleet.spec import Prompt, ShardMessage
-from renderfleet.store import Store
+from renderfleet.store import Store, read_record
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 from worker.commits import CommitQueue
 from worker.gputime import Batch, WorkerTime
@@ -687,7 +688,7 @@ class ShardRunner:
         out: dict[int, _Checkpoint] = {}
         names = {p.name for p in msg.prompts}
         for key in self.store.list(spec.checkpoint_prefix(msg.job, msg.shard)):
-            record = schemas.read(schemas.Checkpoint, self.store.get(key), key)
+            record = schemas.read(schemas.Checkpoint, read_record(self.store, key, MAX_CHECKPOINT_BYTES), key)
             if record is None:
                 continue
             cp = out.setdefault(record.batch, _Checkpoint())
@@ -774,10 +775,18 @@ class ShardRunner:
         upload = _Upload(key, data, content_type)
         upload.tag = self.store.put_new(key, data, content_type=content_type)
         if upload.tag is None:
-            found = self.store.get_tagged(key)
+            found = self._tagged(upload)
             if found is None or found[0] != data:
                 upload.other = found[1] if found else ""  # another's bytes, or gone since: _replace decides
         return upload
+
+    def _tagged(self, upload: _Upload) -> tuple[bytes, str] | None:
+        """The object at the upload's key and its tag, or None; read only up to the upload's own size:
+        anything bigger is another's bytes (its tag all that is taken of it, for the write over it)."""
+        try:
+            return self.store.get_tagged(upload.key, max_bytes=len(upload.data))
+        except RecordTooLarge as exc:
+            return b"", exc.tag or ""
 
     def _replace(self, upload: _Upload) -> str | None:
         """Put ``upload`` in place of the other object at its key (the fence checked); its tag, or None
@@ -790,7 +799,7 @@ class ShardRunner:
             if tag is not None:
                 log.info("replaced %s: the object there was another write's (another attempt's or life's)", upload.key)
                 return tag
-            found = self.store.get_tagged(upload.key)
+            found = self._tagged(upload)
             if found is not None and found[0] == upload.data:
                 return None
             upload.other = found[1] if found else ""

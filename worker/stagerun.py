@@ -42,9 +42,10 @@ from typing import Any
 
 from renderfleet import failpoints, spec
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError
+from renderfleet.limits import MAX_IMAGE_BYTES
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.stages import REFINE, Stage, hands_latents, kinds_hand_latents, next_stage
-from renderfleet.store import Store
+from renderfleet.store import Store, read_record
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 
 log = logging.getLogger("renderfleet.runner")
@@ -163,7 +164,8 @@ class ShardStages:
         """A prompt's stored level (latents where they were stored so, else the image), None if gone:
         taken up as the level an earlier delivery left, as if it had just been made."""
         for latents in (True, False) if level_may_be_latents(msg.params.stages, level) else (False,):
-            data = self.store.get(spec.stage_key(msg.job, msg.shard, level, name, msg.life, latents=latents))
+            key = spec.stage_key(msg.job, msg.shard, level, name, msg.life, latents=latents)
+            data = read_record(self.store, key, MAX_IMAGE_BYTES)  # over it: absent, rendered again
             if data:
                 return decode_intermediate(data, latents)
         return None

@@ -231,7 +231,7 @@ def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_the
     sent: list[str] = []
 
     def log() -> EventLog:
-        return EventLog(client, store, send=lambda record: sent.append(record.key))
+        return EventLog(client, store, send=lambda record: sent.append(record.key), record_key=b"k" * 32)
 
     running = JobStatus("j-1", 4, 1, 0, 3, 0, 1, 1, 0, True)
     first = log()
@@ -249,7 +249,7 @@ def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_the
     assert again.observe(replace(running, done=4, queued=0)) == [] and sent == ["finished"]
 
     # Records planted beside it by whoever can write the job's prefix are never signed and posted: one
-    # under a made-up key and id, one of another job, one pointing elsewhere, one of the wrong types.
+    # under a made-up key and id, one of another job, one of the wrong types (no valid MAC: test_forged_events.py).
     stored = json.loads(store.get(spec.event_key("j-1", finished.id)) or b"{}")
     planted = {
         "evt_planted": {**stored, "id": "evt_planted", "key": "cancelled:1"},
@@ -258,12 +258,9 @@ def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_the
     }
     for name, record in planted.items():
         store.put(spec.event_key("j-1", name), json.dumps(record).encode())
-    store.put(
-        spec.event_key("j-1", finished.id), json.dumps({**stored, "target": "https://elsewhere.example.com/"}).encode()
-    )
 
-    # Redis loses the record: the store's undelivered event comes back under its id, to the job's own
-    # receiver whatever its copy says; the delivered one is seen again and minted with the id it had
+    # Redis loses the record: the store's undelivered event (its MAC checked) comes back under its id,
+    # to the job's own receiver; the delivered one is seen again and minted with the id it had
     # (a receiver dedupes it); the planted ones stay where they are, unsent.
     client.delete(keys.job_events("j-1"))
     sent.clear()

@@ -18,8 +18,8 @@ import botocore.exceptions
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-from renderfleet.errors import ConfigError, StoreError
-from renderfleet.store import TEMP_DIR, TEMP_MARK, LocalStore, RetryHook, S3Store, Store, open_store
+from renderfleet.errors import ConfigError, RecordTooLarge, StoreError
+from renderfleet.store import TEMP_DIR, TEMP_MARK, LocalStore, RetryHook, S3Store, Store, open_store, read_record
 from testing.servers import FlakyS3Proxy, free_port
 
 pytestmark = pytest.mark.integration
@@ -58,6 +58,52 @@ def test_a_ranged_read_is_clamped_to_the_object_whatever_the_offsets(store: Stor
     for start, end in [(10, 12), (11, 2**40), (2**63, 2**64 - 1), (5, 3), (-3, 0)]:
         assert store.get_range("a/wire", start, end) == b"", (start, end)
     assert store.get_range("a/none", 2**63, 2**64 - 1) is None
+
+
+def test_a_read_over_its_cap_is_refused_by_the_size_the_store_gives_and_never_an_error_for_less(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 45, item 10: the size is checked before the bytes are read (a file's fstat, GetObject's
+    ContentLength, the body closed unread); a record over its cap is a RecordTooLarge, a bad record."""
+    key = "jobs/j1/events/evt_1.json"
+    store.put(key, b"x" * 2000)
+    assert store.get(key, max_bytes=2000) == b"x" * 2000
+    with pytest.raises(RecordTooLarge) as caught:
+        store.get(key, max_bytes=1999)
+    assert (caught.value.size, caught.value.cap) == (2000, 1999) and isinstance(caught.value, ValueError)
+    found = store.get_tagged(key, max_bytes=2000)
+    assert found is not None and found[0] == b"x" * 2000
+    with pytest.raises(RecordTooLarge) as tagged:
+        store.get_tagged(key, max_bytes=100)
+    assert tagged.value.tag == found[1]  # what a conditional write over it needs, without its bytes
+    assert store.get("jobs/j1/events/none.json", max_bytes=1) is None
+    with caplog.at_level(logging.WARNING, logger="renderfleet.store"):
+        assert read_record(store, key, 100) is None
+    assert [r.getMessage() for r in caplog.records if "2000 bytes" in r.getMessage() and "cap" in r.getMessage()]
+
+
+def test_a_sparse_gigabyte_in_the_folder_store_is_refused_unread(tmp_path: Path) -> None:
+    """A sparse 1 GB file planted as a checkpoint and as an event record: refused by its fstat size,
+    the peak memory of the process unmoved (a read would hold a gigabyte)."""
+    import resource
+
+    from renderfleet import limits, spec
+
+    store = LocalStore(tmp_path / "store")
+    planted = {spec.checkpoint_key("j1", 0, 0): limits.MAX_CHECKPOINT_BYTES}
+    planted[spec.event_key("j1", "evt_big")] = limits.MAX_EVENT_RECORD_BYTES
+    for key in planted:
+        store.put(key, b"{}")
+        os.truncate(tmp_path / "store" / key, 1 << 30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the process's peak so far
+    for key, cap in planted.items():
+        with pytest.raises(RecordTooLarge, match="1073741824 bytes"):
+            store.get(key, max_bytes=cap)
+        with pytest.raises(RecordTooLarge) as caught:
+            store.get_tagged(key, max_bytes=cap)
+        assert caught.value.tag  # hashed in chunks
+        assert read_record(store, key, cap) is None
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # < 64 MiB more
 
 
 def test_put_replaces_an_existing_object(store: Store) -> None:

@@ -6,6 +6,7 @@ loopback receiver, allowed only with ``allow_private``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from dispatcher.status import JobStatus, shown_target
 from renderfleet.errors import ConfigError, InputError
 from renderfleet.settings import load_settings
 from renderfleet.spec import JobSpec, RenderParams
-from renderfleet.webhooks import EventType, address_problem, event_id, read_secret, url_problem
+from renderfleet.webhooks import EventType, address_problem, event_id, read_secret, receiver_id, record_key, url_problem
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the scheme's own example secret (24 bytes)
 
@@ -228,10 +229,19 @@ def test_cancels_failures_and_budgets_are_their_own_events() -> None:
 
 
 def test_the_body_is_the_schemes_payload_and_the_status_line_hides_a_path() -> None:
-    body = json.loads(event_body(EventType.FINISHED, 1700000000.5, {"job": "j-1"}))
-    assert body == {"type": "job.finished", "timestamp": "2023-11-14T22:13:20.500Z", "data": {"job": "j-1"}}
+    url = "https://hooks.example.com/x?token=secret"
+    body = json.loads(event_body(EventType.FINISHED, 1700000000.5, {"job": "j-1"}, job="j-1", target=url))
+    assert body == {
+        "type": "job.finished",
+        "timestamp": "2023-11-14T22:13:20.500Z",
+        "job": "j-1",
+        "receiver": hashlib.sha256(url.encode()).hexdigest(),  # whom it is for, not the URL (it may hold a token)
+        "data": {"job": "j-1"},
+    }
+    assert json.loads(event_body(EventType.FINISHED, 1.0, {}, job="j-1", target=None))["receiver"] is None
     assert shown_target("https://hooks.example.com:8443/x?token=secret") == "https://hooks.example.com:8443"
-    record = EventRecord("evt_1", "j-1", "l", "finished", "job.finished", 1.0, event_body(EventType.FINISHED, 1.0, {}), None)
+    body = event_body(EventType.FINISHED, 1.0, {}, job="j-1", target=None)
+    record = EventRecord("evt_1", "j-1", "l", "finished", "job.finished", 1.0, body, None)
     assert EventRecord.from_json(record.to_json()) == record
     assert EventRecord.from_json(b"not json") is None
 
@@ -268,7 +278,7 @@ def receiver() -> Iterator[str]:
 
 
 def test_a_posted_event_verifies_with_the_schemes_library(receiver: str) -> None:
-    body = event_body(EventType.STARTED, 1.0, {"job": "j-1"}).encode()
+    body = event_body(EventType.STARTED, 1.0, {"job": "j-1"}, job="j-1", target=receiver).encode()
     signer = Webhook(SECRET)
     post(receiver, body, signed_headers(signer, "evt_abc", body), timeout=2, allow_private=True)
     headers, got = Receiver.got[0]
@@ -301,3 +311,17 @@ def test_status_prints_a_line_per_job_with_undelivered_events() -> None:
         Undelivered("j-241cef6891e251f3", 2, "https://hooks.example.com", 7, "HTTP 503"), {"j-241cef6891e251f3": "j-24"}
     )
     assert line == "events: job j-24: 2 events not delivered to https://hooks.example.com (7 attempts; last: HTTP 503)"
+
+
+def test_a_stored_copy_is_authentic_only_as_minted_and_under_the_fleets_key() -> None:
+    body = event_body(EventType.STARTED, 1.0, {"job": "j-1"}, job="j-1", target="https://hooks.example.com/a")
+    record = EventRecord("evt_1", "j-1", "l", "started", "job.started", 1.0, body, "https://hooks.example.com/a")
+    key = record_key(b"s" * 32)
+    stored = json.loads(record.stored_json(key))
+    assert record.authentic(key, stored["mac"])
+    assert not record.authentic(record_key(b"t" * 32), stored["mac"])  # another fleet's secret
+    assert not record.authentic(None, stored["mac"])  # no secret: nothing read back is trusted
+    assert "mac" not in json.loads(record.stored_json(None))
+    for change in ({"target": "https://elsewhere.example.com/"}, {"body": body.replace("j-1", "j-2")}, {"life": "m"}):
+        assert not replace(record, **change).authentic(key, stored["mac"]), change
+    assert receiver_id("https://hooks.example.com/a") != receiver_id("https://hooks.example.com/b")

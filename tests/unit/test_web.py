@@ -128,16 +128,16 @@ class CountingStore(LocalStore):
         self.running = self.most = 0
         self.lock = threading.Lock()
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         if "/images/" not in key:
-            return super().get(key)
+            return super().get(key, max_bytes=max_bytes)
         with self.lock:
             self.reads[key] += 1
             self.running += 1
             self.most = max(self.most, self.running)
         try:
             time.sleep(0.05)
-            return super().get(key)
+            return super().get(key, max_bytes=max_bytes)
         finally:
             with self.lock:
                 self.running -= 1
