@@ -18,8 +18,9 @@ Three classes of trouble, each with its own budget:
   counted against the worker: settings the model rejects fail that job's
   prompts on every worker alike, and a prompt whose image cannot be encoded
   or written under its name fails alone.  A model that will not load
-  (:class:`ModelLoadError`) fails its job once, as a whole, with no prompt
-  tried (``renderfleet/jobfailure.py``).  The worker keeps its model and
+  (:class:`ModelLoadError`: the job's, or a stage's, for any reason but a failing
+  device, out of memory while loading included) fails its job once, as a whole
+  (``renderfleet/jobfailure.py``).  The worker keeps its model and
   goes on with other work.
 * **the node's device** (:class:`DeviceError`): the accelerator itself failed
   (a CUDA error other than out-of-memory: the device lost, an illegal memory

@@ -411,10 +411,6 @@ class WorkerService:
             loading = self._loading_seconds()
             try:
                 self.use_model(msg.params)  # after the claim: a duplicate costs no load
-            except ModelLoadError as exc:
-                # The job's fault, the same on every worker: the job fails once, this worker goes on.
-                pending = self._fail_job(msg, exc)
-            else:
                 # The first claim of a shard of a job submitted to this Redis: no attempt before it wrote anything.
                 first = self.fresh and lease.attempt == 1
                 ledger.record_gpu_time(loading=self._loading_seconds() - loading)  # a model loaded for this job
@@ -427,6 +423,11 @@ class WorkerService:
                     on_last_batch=lambda: self.prompts.start(msg.queue),
                     deaths=lease.deaths,
                 )
+            except ModelLoadError as exc:
+                # The job's fault (its model's, or a stage's: worker/stagerun.py), the same on every worker:
+                # the job fails once, this worker goes on.  A stage's is raised mid-shard, its batches before
+                # committed (the runner drains its commits first).
+                pending = self._fail_job(msg, exc)
         except BaseException as exc:  # ended below, with the keeper closed first
             pending = exc
         if detach and isinstance(pending, PendingShard):
@@ -527,7 +528,8 @@ class WorkerService:
             time.sleep(1.0)  # do not spin on a store outage
             return Outcome(TaskOutcome.ERROR)
         except Exception:
-            # A model that will not load, a bug: this worker's fault until proven otherwise.
+            # A bug: this worker's fault until proven otherwise (a model that will not load is a ModelLoadError,
+            # a stage's too: worker/stages.py).
             log.exception("shard %s:%d: unexpected error", msg.job, msg.shard)
             self._safe_hand_back(lease, Release.BACK)
             self._count_failure(True)

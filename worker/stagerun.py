@@ -41,7 +41,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from renderfleet import failpoints, spec
-from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError
+from renderfleet.errors import JobError, ModelLoadError, OutOfMemory, PermanentError, PromptError
 from renderfleet.limits import MAX_IMAGE_BYTES
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.stages import REFINE, Stage, hands_latents, kinds_hand_latents, next_stage
@@ -190,6 +190,8 @@ class ShardStages:
         else:
             try:
                 runs = self.renderer(base, index, msg.params.stages[index])
+            except ModelLoadError:  # the job's, as a whole: before generate spends anything on it
+                raise
             except JobError:  # run() says why, as the stage's failure
                 return ""
         return str(getattr(getattr(runs, "family", None), "name", "") or "")
@@ -212,6 +214,7 @@ class ShardStages:
         stage begins, unless it came from there.  A stage's failure is its prompts' (``failures``).
         ``on_stage(label, n, seconds)``: what each stage made and the seconds its calls took (not its
         renderer's build nor the store's writes), for the shard's ledger (the job's stage figures).
+        A stage's model that will not load raises :class:`ModelLoadError`: the job's failure, as a whole.
         ``uploads``: the runner's upload threads, which encode and write a level's images side by side."""
         stages = msg.params.stages
         # A segment before the job's last (its next stage on a pool of its own) stops at its level and stores it.
@@ -231,7 +234,11 @@ class ShardStages:
             failpoints.reach("stage")
             try:
                 renderer = self.renderer(base, level, stages[level])
-            except JobError as exc:  # the stage's model will not load, or cannot refine: its prompts', not the worker's
+            except ModelLoadError:
+                # The stage's model will not load: the same on every worker, so the job fails once, as a
+                # whole, as for its own model (renderfleet/jobfailure.py), not each prompt three times.
+                raise
+            except JobError as exc:  # the stage cannot refine these settings: its prompts', not the worker's
                 failures.extend((p, str(exc), False) for p in members)
                 for p in members:
                     current.pop(p.name)

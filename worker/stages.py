@@ -45,14 +45,24 @@ the VAE in float32 and then refused (:class:`BadOutput`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from renderfleet.errors import BadOutput, JobError, ModelLoadError, OutOfMemory, PermanentError, Reclaimed
+from renderfleet.errors import (
+    BadOutput,
+    DeviceError,
+    JobError,
+    ModelLoadError,
+    OutOfMemory,
+    PermanentError,
+    Reclaimed,
+    RenderfleetError,
+)
 from renderfleet.spec import Prompt
 from renderfleet.stages import (
     DIFFUSION_UPSCALE_FACTOR,
@@ -67,7 +77,7 @@ from renderfleet.stages import (
     stage_seed,
 )
 from worker import outputs
-from worker.deviceerrors import call_failure, first_line
+from worker.deviceerrors import call_failure, first_line, is_device_error
 from worker.models import LoadedModel, load_pipeline, model_refusal, set_vae_memory_modes, vae_memory_modes
 from worker.models.families import FAMILIES, PipelineFamily
 from worker.models.families.generic import Generic
@@ -94,10 +104,11 @@ class StageRenderer:
     ``base``: the job's loaded model (a refine with ``model`` '' shares its components);
     ``device``, ``cache_dir``, ``fetch``: where and how a stage's own model is loaded
     (``worker.models.load_pipeline``), if the worker's allow-list (``allowed``: None for none)
-    lets it; :class:`ModelLoadError` if it cannot be.  ``schedulers`` and ``loras``: the job
-    renderer's, so a refine with the job's model uses the sampler and LoRAs generate used (without
-    ``schedulers`` its default is the scheduler ``base`` holds when this is built; without
-    ``loras`` the adapters generate left switched on).  Built once per stage and kept: a
+    lets it; :class:`ModelLoadError` if it cannot be, whatever the reason (a bad file, a shape out of
+    range, out of memory while loading: the job's error, never the worker's; :meth:`_loading`).
+    ``schedulers`` and ``loras``: the job renderer's, so a refine with the job's model uses the
+    sampler and LoRAs generate used (without ``schedulers`` its default is the scheduler ``base``
+    holds when this is built; without ``loras`` the adapters generate left switched on).  Built once per stage and kept: a
     model is loaded here, never per batch.  After each run, ``last_seconds`` is its wall time.
     """
 
@@ -136,7 +147,8 @@ class StageRenderer:
             return
         # 2. A GAN upscaler: an RRDBNet read from safetensors, its scale the factor's.
         if stage.kind == UPSCALE and is_gan_upscaler(stage.model):
-            self._load_gan(cache_dir, allowed)
+            with self._loading():
+                self._load_gan(cache_dir, allowed)
             return
         # 3. A refine with the job's own model shares its components.
         if stage.kind == REFINE and not stage.model:
@@ -154,7 +166,8 @@ class StageRenderer:
             if why := model_refusal(stage.model, allowed):
                 raise ModelLoadError(why)
             task = "any" if stage.kind == UPSCALE else "image-to-image"
-            self._own = load_pipeline(stage.model, device=device, cache_dir=cache_dir, fetch=fetch, task=task)
+            with self._loading():
+                self._own = load_pipeline(stage.model, device=device, cache_dir=cache_dir, fetch=fetch, task=task)
             self.compiled, self.quantize = bool(self._own.compiled), str(self._own.quantize)
             if stage.kind == UPSCALE:
                 self.pipe = self._own.pipe
@@ -277,6 +290,24 @@ class StageRenderer:
             )
         return image_to_image
 
+    @contextlib.contextmanager
+    def _loading(self) -> Iterator[None]:
+        """Loading the stage's own model: any failure is the job's (:class:`ModelLoadError` naming the
+        stage and the model), unless it is already classed (a :class:`JobError`, a store's
+        :class:`TransientError`, a card too small) or the device itself failed (:class:`DeviceError`).
+        A bare exception (``MemoryError``, torch's allocator, a library's ``OSError``) would reach the
+        worker's service as an unexpected error and count against the worker (its breaker), though it
+        fails the same way on every worker: issue 45, item 8."""
+        try:
+            yield
+        except RenderfleetError:
+            raise
+        except Exception as exc:
+            where = f"stage {self.index + 1} ({self.stage.kind}): model {self.stage.model[:200]!r}"
+            if is_device_error(exc):
+                raise DeviceError(f"{where}: loading it: {type(exc).__name__}: {first_line(exc)}") from exc
+            raise ModelLoadError(f"{where} could not be loaded: {type(exc).__name__}: {first_line(exc)}") from exc
+
     def _load_gan(self, cache_dir: Path, allowed: Sequence[str] | None) -> None:
         """Load the stage's GAN upscaler, if the allow-list lets it; its scale must be the stage's factor."""
         from worker.models.esrgan import load_esrgan, tiny_esrgan_file
@@ -292,7 +323,7 @@ class StageRenderer:
         path = tiny_esrgan_file(cache_dir) if model == TINY_ESRGAN else Path(model)
         self.gan, config = load_esrgan(path, self.device)
         if config.scale != self.stage.factor:
-            raise JobError(
+            raise ModelLoadError(
                 f"stage {self.index + 1} ({FLAGS[UPSCALE]} {self.stage.factor}:{model[:200]}): the model upscales "
                 f"x{config.scale}, not x{self.stage.factor}; give {FLAGS[UPSCALE]} {config.scale}:{model[:200]}"
             )

@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ from testing.fleet import (
     base_env,
     cli,
     job_finished,
+    job_status,
     pause_at,
+    status_now,
     stopped,
     stored_images,
     wait_for,
@@ -116,6 +119,41 @@ def test_a_three_stage_job_killed_in_its_last_stage_is_taken_up_there_and_ends_b
         assert levels == ["0", "0", "1", "1", "2"]  # kept; the skipping prompt's level 2 is its final
     finally:
         second.kill()
+
+
+def test_a_forged_gan_upscaler_fails_its_job_once_with_the_reason_and_the_worker_renders_the_next(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    # The security review's file (issue 45, item 8): a few hundred bytes of zero-size tensors claiming a
+    # 2048-feature RRDBNet, which the worker once built (over a gigabyte) before comparing anything.
+    claimed = {
+        "conv_first.weight": [2048, 3, 0, 3],
+        "body.0.rdb1.conv1.weight": [32, 2048, 0, 3],
+        "conv_last.weight": [3, 2048, 0, 3],
+    }
+    header = json.dumps({k: {"dtype": "F32", "shape": v, "data_offsets": [0, 0]} for k, v in claimed.items()}).encode()
+    forged = tmp_path / "x4.safetensors"
+    forged.write_bytes(struct.pack("<Q", len(header)) + header)
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red fox\na lighthouse at dusk\na cat\na boat\n")
+    bad = cli(env, "submit", str(prompts), *FLAGS, "--upscale", f"4:{forged}").stdout.split()[-1]
+    good = cli(env, "submit", str(prompts), *FLAGS, "--upscale", "2").stdout.split()[-1]
+    worker = start(env, tmp_path / "worker.log")
+    try:
+        failed = wait_for(lambda: (s := status_now(env, bad))["state"] == "failed" and s, 180, what="the failure")
+        # The job failed once, as a whole, with the file and the shape named: nothing quarantined.
+        assert failed["done"] == 0 and failed["quarantined"] == 0
+        why = failed["failure"]
+        assert str(forged) in why and "conv_first.weight [2048, 3, 0, 3] says num_feat 2048" in why
+        # The worker goes on: the next job renders, and nothing was counted against the worker.
+        assert job_finished(env, good, 240)["done"] == 4
+        assert job_status(env, bad)["failure_reasons"] == {}
+        log = worker.output()
+        assert worker.alive() and "circuit breaker" not in log and "unexpected error" not in log, log[-3000:]
+        assert log.count("says num_feat 2048") == 1, log[-3000:]  # one line, not one per prompt and attempt
+    finally:
+        worker.kill()
 
 
 def test_stages_are_refused_at_submit_with_the_flag_named_and_count_in_the_job_id(

@@ -4,6 +4,9 @@ through a shard's stages, and the contract's forms and checks (renderfleet/stage
 
 from __future__ import annotations
 
+import json
+import resource
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from renderfleet import spec
-from renderfleet.errors import InputError, JobError, ModelLoadError
+from renderfleet.errors import InputError, ModelLoadError
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.stages import (
     TINY_ESRGAN,
@@ -29,7 +32,7 @@ from renderfleet.stages import (
 )
 from renderfleet.store import LocalStore
 from tests.unit.test_stage_batches import Ledger
-from worker.models.esrgan import RRDBConfig, build_rrdbnet, load_esrgan, rrdb_config, tiny_esrgan_file
+from worker.models.esrgan import LIMITS, RRDBConfig, build_rrdbnet, load_esrgan, rrdb_config, tiny_esrgan_file
 from worker.stagerun import ShardStages
 from worker.stages import StageRenderer
 
@@ -122,7 +125,7 @@ def test_tiny_esrgan_upscales_four_times_the_same_bytes_twice(tmp_path: Path, on
 def test_a_gan_model_s_scale_must_be_the_stage_s_factor_and_the_allow_list_applies(tmp_path: Path) -> None:
     x2 = saved(tmp_path, RRDBConfig(3, 3, 8, 1, 4, 2), "x2.safetensors")
     assert renderer(f"2:{x2}", tmp_path).run(noise(1, 16), prompts(1, 16))[0].size == (32, 32)
-    with pytest.raises(JobError, match=rf"--upscale 4:{x2}\): the model upscales x2, not x4; give --upscale 2:"):
+    with pytest.raises(ModelLoadError, match=rf"--upscale 4:{x2}\): the model upscales x2, not x4; give --upscale 2:"):
         renderer(f"4:{x2}", tmp_path)
     with pytest.raises(ModelLoadError, match="allow-list"):
         renderer(f"4:{TINY_ESRGAN}", tmp_path, allowed=["tiny"])
@@ -198,3 +201,169 @@ def test_a_gan_upscaler_refines_nothing_and_takes_no_steps_by_any_road() -> None
     with pytest.raises(InputError, match="an upscaler; use it in --upscale"):
         parse_refine(TINY_ESRGAN)
     assert "runs once and has none" in (stage_problem(Stage(UPSCALE, model=TINY_ESRGAN, factor=4, steps=5)) or "")
+
+
+# ---- forged files: checked from the header, nothing built from a claim (issue 45, item 8) ------------
+
+
+def forge(path: Path, header: dict[str, Any], data: bytes = b"") -> Path:
+    """A safetensors file of ``header`` (each entry's dtype, shape, data_offsets, as written) and ``data``."""
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+def zero_sized(features: int, blocks: int = 23, grow: int = 32) -> dict[str, Any]:
+    """The security review's file: every tensor of an RRDBNet of ``features`` features, none holding a
+    byte (a zero in each shape), so a file of a few hundred bytes per block claims any size."""
+    shapes = {"conv_first.weight": [features, 3, 0, 3], "conv_last.weight": [3, features, 0, 3]}
+    for b in range(blocks):
+        for r in (1, 2, 3):
+            for c in range(1, 6):
+                cin = features + (c - 1) * grow
+                shapes[f"body.{b}.rdb{r}.conv{c}.weight"] = [features if c == 5 else grow, cin, 0, 3]
+    for k in ("conv_body", "conv_up1", "conv_up2", "conv_hr"):
+        shapes[f"{k}.weight"] = [features, features, 0, 3]
+    return {k: {"dtype": "F32", "shape": s, "data_offsets": [0, 0]} for k, s in shapes.items()}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+@pytest.mark.parametrize("features", [2048, 16384])
+def test_zero_size_tensors_claiming_a_huge_rrdbnet_are_refused_from_the_header_naming_the_shape(
+    tmp_path: Path, features: int
+) -> None:
+    path = forge(tmp_path / "huge.safetensors", zero_sized(features))
+    before = peak_rss_bytes()
+    with pytest.raises(ModelLoadError) as caught:
+        load_esrgan(path)
+    # Before this, the worker built the claimed network (1.3 GB at 2048 features, 38 GB at 16384) and
+    # died of it; the refusal names the file, the tensor, its shape and the architecture's range.
+    message = str(caught.value)
+    assert "huge.safetensors" in message
+    assert f"conv_first.weight [{features}, 3, 0, 3] says num_feat {features}" in message
+    assert f"1 to {LIMITS['num_feat']}" in message and "nothing built" in message
+    # The peak never grew by the network's size (a lower bound: an earlier peak may hide growth, never fake it).
+    assert peak_rss_bytes() - before < 256 << 20
+
+
+def test_a_header_within_range_that_holds_no_weights_is_refused_by_its_parameter_count(tmp_path: Path) -> None:
+    # 64 features, 23 blocks: Real-ESRGAN's own shape, claimed by a file of zero-size tensors.
+    path = forge(tmp_path / "empty.safetensors", zero_sized(64))
+    with pytest.raises(
+        ModelLoadError, match=r"empty\.safetensors.*num_feat=64.* has \d+ parameters, the file's tensors hold 0"
+    ):
+        load_esrgan(path)
+
+
+def test_a_header_whose_offsets_run_past_the_end_of_the_file_is_refused(tmp_path: Path) -> None:
+    path = saved(tmp_path, RRDBConfig(3, 3, 8, 1, 4, 4), "cut.safetensors")
+    path.write_bytes(path.read_bytes()[:-100])  # the last tensor's bytes are not all there
+    with pytest.raises(
+        ModelLoadError, match=r"cut\.safetensors': tensor '.*': its data_offsets \[\d+, \d+\] run past the end"
+    ):
+        load_esrgan(path)
+    header = {"conv_first.weight": {"dtype": "F32", "shape": [8, 3, 3, 3], "data_offsets": [0, 864]}}
+    with pytest.raises(ModelLoadError, match=r"data_offsets \[0, 864\] run past the end of the file \(16 bytes"):
+        load_esrgan(forge(tmp_path / "short.safetensors", header, bytes(16)))
+    (tmp_path / "long.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")  # a header longer than the file
+    with pytest.raises(ModelLoadError, match=r"long\.safetensors': not a safetensors file \(a header of 1099511627776"):
+        load_esrgan(tmp_path / "long.safetensors")
+    deep = forge(tmp_path / "deep.safetensors", {})
+    text = b"[" * 100_000 + b"]" * 100_000  # JSON nested past Python's recursion limit
+    deep.write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(ModelLoadError, match=r"deep\.safetensors': not a safetensors file \(its header is no JSON"):
+        load_esrgan(deep)
+
+
+def test_a_tensor_whose_shape_and_offsets_disagree_is_refused_naming_both(tmp_path: Path) -> None:
+    header = {"conv_first.weight": {"dtype": "F32", "shape": [2048, 3, 3, 3], "data_offsets": [0, 4]}}
+    path = forge(tmp_path / "liar.safetensors", header, bytes(4))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"liar\.safetensors': tensor 'conv_first\.weight' of shape \[2048, 3, 3, 3\] \(F32\) needs 221184 bytes, "
+        r"its data_offsets \[0, 4\] span 4",
+    ):
+        load_esrgan(path)
+    header = {"conv_first.weight": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}
+    with pytest.raises(ModelLoadError, match=r"'conv_first\.weight' is I64, not a float"):
+        load_esrgan(forge(tmp_path / "ints.safetensors", header, bytes(8)))
+
+
+def test_a_network_of_real_bytes_but_the_wrong_tensors_is_refused_before_its_weights_are_read(tmp_path: Path) -> None:
+    state = {k: v.contiguous() for k, v in build_rrdbnet(RRDBConfig(3, 3, 8, 2, 4, 4)).state_dict().items()}
+    state["body.7.rdb1.conv1.weight"] = state.pop("body.1.rdb1.conv1.weight")  # a block's tensor renamed
+    save_file(state, tmp_path / "renamed.safetensors")
+    with pytest.raises(ModelLoadError, match=r"renamed\.safetensors': an RRDBNet of .*num_block=3.* has \d+ parameters"):
+        load_esrgan(tmp_path / "renamed.safetensors")
+    state = {k: v.contiguous() for k, v in build_rrdbnet(RRDBConfig(3, 3, 8, 1, 4, 4)).state_dict().items()}
+    state["conv_hr.weight"] = state["conv_hr.weight"].reshape(4, 16, 3, 3).contiguous()  # as many values, another shape
+    save_file(state, tmp_path / "reshaped.safetensors")
+    with pytest.raises(
+        ModelLoadError, match=r"tensor conv_hr\.weight has shape \[4, 16, 3, 3\]; an RRDBNet of .* has \[8, 8, 3, 3\]"
+    ):
+        load_esrgan(tmp_path / "reshaped.safetensors")
+
+
+def test_a_valid_tiny_upscaler_still_loads_half_precision_weights_as_float32(tmp_path: Path) -> None:
+    config = RRDBConfig(3, 3, 8, 2, 4, 4)
+    torch.manual_seed(2)
+    net = build_rrdbnet(config)
+    save_file({k: v.half().contiguous() for k, v in net.state_dict().items()}, tmp_path / "half.safetensors")
+    loaded, read = load_esrgan(tmp_path / "half.safetensors")
+    assert read == config
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert {p.device.type for p in loaded.parameters()} == {"cpu"}
+    assert not any(p.requires_grad for p in loaded.parameters())
+    with torch.inference_mode():
+        assert loaded(torch.rand(1, 3, 4, 4)).shape == (1, 3, 16, 16)
+
+
+def test_a_stage_whose_upscaler_will_not_load_raises_the_job_s_error_never_a_bare_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from renderfleet.errors import DeviceError
+
+    huge = forge(tmp_path / "huge.safetensors", zero_sized(2048))
+    with pytest.raises(ModelLoadError, match=r"huge\.safetensors.*num_feat 2048"):
+        renderer(f"4:{huge}", tmp_path)
+    # Out of memory while loading (or any error a library raises): the job's, naming the stage and the file.
+    good = saved(tmp_path, RRDBConfig(3, 3, 8, 1, 4, 4))
+
+    def out_of_memory(path: Any, device: str = "cpu") -> Any:
+        raise MemoryError("cannot allocate 1342177280 bytes")
+
+    monkeypatch.setattr("worker.models.esrgan.load_esrgan", out_of_memory)
+    with pytest.raises(ModelLoadError, match=rf"stage 1 \(upscale\): model '{good}' could not be loaded: MemoryError"):
+        renderer(f"4:{good}", tmp_path)
+
+    def device_lost(path: Any, device: str = "cpu") -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr("worker.models.esrgan.load_esrgan", device_lost)
+    with pytest.raises(DeviceError, match="illegal memory access"):  # the node's, as any load's
+        renderer(f"4:{good}", tmp_path)
+
+
+def test_a_stage_model_that_will_not_load_fails_the_shard_as_the_job_s_not_its_prompts(tmp_path: Path) -> None:
+    params = RenderParams(model="tiny", steps=2, width=8, height=8, stages=(parse_upscale("4:/m/x.safetensors"),))
+    msg = ShardMessage(job="j", shard=0, params=params, batch_size=2, queue="q", prompts=tuple(prompts(2, 8)))
+    built: list[int] = []
+
+    def factory(stage: Stage, index: int) -> Any:
+        built.append(index)
+        raise ModelLoadError("model '/m/x.safetensors': conv_first.weight [2048, 3, 0, 3] says num_feat 2048")
+
+    stages = ShardStages(LocalStore(tmp_path / "store"), factory)
+    images = {p.name: noise(1, 8)[0] for p in msg.prompts}
+    failures: list[Any] = []
+    base = object()  # the job's model: the stages built for it are kept while it stays
+    with pytest.raises(ModelLoadError, match="num_feat 2048"):
+        stages.run(msg, base, list(msg.prompts), images, {}, failures, lambda: False)
+    # Not each prompt's failure (quarantined three times over): the worker's service fails the job once.
+    assert failures == []
+    with pytest.raises(ModelLoadError):  # kept, not loaded again for the next batch
+        stages.run(msg, base, list(msg.prompts), images, {}, failures, lambda: False)
+    assert built == [0]

@@ -16,6 +16,16 @@ Its hyper-parameters are read from the weights (:func:`rrdb_config`): the featur
 output.  Weights are read with ``safetensors.torch.load_file`` and nothing else: a pickle
 (``.pth``) could run code when loaded, so it is refused, naming the file.
 
+Nothing is allocated from what a file claims (issue 45, item 8: a 256-byte file of zero-size
+tensors claiming 16384 features had the worker build a 38 GB network before comparing anything).
+:func:`load_esrgan` first reads the header alone (:func:`read_header`): every tensor's bytes
+(its shape times its dtype's size) must be its ``data_offsets`` span, and every span inside the
+file.  The shape read from it must lie in the architecture's range (:data:`LIMITS`), and the
+network of that shape, built on torch's meta device (no memory), must hold exactly the file's
+tensors, by name and shape, and so exactly its parameter count.  Only then are the weights
+read (as many bytes as the file really holds) and assigned to the network, never copied into
+a second one.  Every refusal is a :class:`ModelLoadError` naming the file and the tensor.
+
 ``tiny-esrgan`` (:func:`tiny_esrgan_file`) is the built-in smoke-test model: random weights,
 8 features, 2 blocks, x4, made in code, saved as safetensors and loaded back by the same
 path as any file.  Its images are noise.
@@ -23,10 +33,14 @@ path as any file.  Its images are noise.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
+import struct
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +57,30 @@ log = logging.getLogger(__name__)
 _BLOCK_RE = re.compile(r"body\.(\d+)\.")
 _TINY = {"num_feat": 8, "num_block": 2, "num_grow_ch": 4, "scale": 4}
 
+LIMITS = {"num_feat": 256, "num_block": 64, "num_grow_ch": 128}
+"""The largest RRDBNet a worker builds, each bound about three or four times the published models':
+ESRGAN (Wang et al., 2018), BSRGAN and Real-ESRGAN's ``RealESRGAN_x4plus`` and ``_x2plus`` are
+64 features, 23 blocks and 32 growth channels; ``RealESRGAN_x4plus_anime_6B`` is 64, 6 and 32;
+the community's ESRGAN models (4x-UltraSharp and its kin) keep 64, 23 and 32 or are smaller.
+At the bounds a network is about 0.7 billion parameters, and a file must still hold every one
+of them (:func:`load_esrgan`): the bounds stop a forged shape, the file's bytes a forged size.
+Channels are 3 in and 3 out (the stage feeds RGB) and the scale is 4, 2 or 1 (the architecture's
+two x2 upsamplings after a pixel-unshuffle by 1, 2 or 4: an x8 model is another architecture)."""
+CHANNELS = 3
+MAX_HEADER_BYTES = 1 << 20  # an RRDBNet at LIMITS has about 2,000 tensors: some 250 KB of header
+# safetensors' dtypes an RRDBNet's weights may be in (bytes per value); loaded as float32 whatever they are.
+FLOAT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a safetensors header says it: dtype, shape and where its bytes lie (after the header)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
 
 @dataclass(frozen=True)
 class RRDBConfig:
@@ -56,28 +94,52 @@ class RRDBConfig:
     scale: int
 
 
-def rrdb_config(state: dict[str, Any], name: str = "the weights") -> RRDBConfig:
-    """The RRDBNet ``state`` (a state dict) is for; :class:`ModelLoadError` naming ``name`` when it is none."""
+def rrdb_config(state: Mapping[str, Any], name: str = "the weights") -> RRDBConfig:
+    """The RRDBNet ``state`` is for: a state dict, or each tensor's shape by name (a header's,
+    :func:`read_header`); :class:`ModelLoadError` naming ``name`` when it is none, or one outside
+    the architecture's range (:data:`LIMITS`: checked here, before anything is built)."""
+    shapes = {k: tuple(int(n) for n in getattr(v, "shape", v)) for k, v in state.items()}
     needed = ("conv_first.weight", "body.0.rdb1.conv1.weight", "conv_last.weight")
-    if missing := [k for k in needed if k not in state]:
+    if missing := [k for k in needed if k not in shapes]:
         raise ModelLoadError(
             f"{name}: not an ESRGAN RRDBNet (BasicSR layout): no {', '.join(missing)} among its "
-            f"{len(state)} tensors (the only GAN architecture this worker runs)"
+            f"{len(shapes)} tensors (the only GAN architecture this worker runs)"
         )
-    first, last = state["conv_first.weight"].shape, state["conv_last.weight"].shape
-    num_out_ch, in_ch = int(last[0]), int(first[1])
+    if flat := [k for k in needed if len(shapes[k]) != 4]:
+        raise ModelLoadError(f"{name}: {flat[0]} has shape {list(shapes[flat[0]])}, not a convolution's four dimensions")
+    first, last = shapes["conv_first.weight"], shapes["conv_last.weight"]
+    num_out_ch, in_ch = last[0], first[1]
     scales = {num_out_ch: 4, num_out_ch * 4: 2, num_out_ch * 16: 1}  # x2 and x1 pixel-unshuffle the input
     if in_ch not in scales:
         raise ModelLoadError(f"{name}: conv_first takes {in_ch} channels, none of an RRDBNet's for {num_out_ch} out")
     scale = scales[in_ch]
-    return RRDBConfig(
+    config = RRDBConfig(
         num_in_ch=in_ch if scale == 4 else num_out_ch,
         num_out_ch=num_out_ch,
-        num_feat=int(first[0]),
-        num_block=len({int(m.group(1)) for k in state if (m := _BLOCK_RE.match(k))}),
-        num_grow_ch=int(state["body.0.rdb1.conv1.weight"].shape[0]),
+        num_feat=first[0],
+        num_block=len({int(m.group(1)) for k in shapes if (m := _BLOCK_RE.match(k))}),
+        num_grow_ch=shapes["body.0.rdb1.conv1.weight"][0],
         scale=scale,
     )
+    # Where each figure was read: the tensor a refusal names.
+    source = {
+        "num_feat": f"conv_first.weight {list(first)}",
+        "num_grow_ch": f"body.0.rdb1.conv1.weight {list(shapes['body.0.rdb1.conv1.weight'])}",
+        "num_block": "the body.N tensors",
+    }
+    for field, most in LIMITS.items():
+        value = getattr(config, field)
+        if not 1 <= value <= most:
+            raise ModelLoadError(
+                f"{name}: {source[field]} says {field} {value}; an RRDBNet here has 1 to {most} "
+                "(the published ones 64 features, 23 blocks, 32 growth channels): nothing built"
+            )
+    if config.num_out_ch != CHANNELS:
+        raise ModelLoadError(
+            f"{name}: conv_last.weight {list(last)} makes {config.num_out_ch} channels; "
+            f"the stage's images are RGB ({CHANNELS})"
+        )
+    return config
 
 
 def build_rrdbnet(config: RRDBConfig) -> Any:
@@ -141,11 +203,107 @@ def build_rrdbnet(config: RRDBConfig) -> Any:
     return RRDBNet(config)
 
 
+def read_header(path: Path, name: str = "the file") -> dict[str, TensorInfo]:
+    """Each tensor of the safetensors file ``path`` as its header says it, nothing else read.
+
+    :class:`ModelLoadError` naming ``name`` and the tensor unless the header is one JSON object of at
+    most :data:`MAX_HEADER_BYTES`, inside the file, and every tensor is a float dtype
+    (:data:`FLOAT_BYTES`) whose bytes (its shape times the dtype's size) are exactly its
+    ``data_offsets`` span, which lies inside the file: a header cannot promise more than the file holds.
+    """
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"{name}: not a safetensors file ({size} bytes); a pickle is never loaded")
+            length = struct.unpack("<Q", head)[0]
+            if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+                raise ModelLoadError(
+                    f"{name}: not a safetensors file (a header of {length} bytes in a file of {size}; "
+                    f"at most {MAX_HEADER_BYTES} here); a pickle is never loaded"
+                )
+            text = f.read(length)
+    except OSError as exc:
+        raise ModelLoadError(f"{name}: cannot be read ({exc})") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; nesting, a RecursionError
+        raise ModelLoadError(f"{name}: not a safetensors file (its header is no JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{name}: not a safetensors file (its header is no JSON object)")
+    data_bytes = size - 8 - length
+    out: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        info = _tensor_info(entry)
+        if info is None:
+            raise ModelLoadError(f"{name}: tensor {key[:100]!r}: not a safetensors entry (dtype, shape, data_offsets)")
+        if info.dtype not in FLOAT_BYTES:
+            floats = ", ".join(FLOAT_BYTES)
+            raise ModelLoadError(f"{name}: tensor {key[:100]!r} is {info.dtype[:20]}, not a float ({floats})")
+        claimed = math.prod(info.shape) * FLOAT_BYTES[info.dtype]
+        if claimed != info.end - info.begin:
+            raise ModelLoadError(
+                f"{name}: tensor {key[:100]!r} of shape {list(info.shape)} ({info.dtype}) needs {claimed} bytes, "
+                f"its data_offsets [{info.begin}, {info.end}] span {info.end - info.begin}"
+            )
+        if info.end > data_bytes:
+            raise ModelLoadError(
+                f"{name}: tensor {key[:100]!r}: its data_offsets [{info.begin}, {info.end}] run past the end "
+                f"of the file ({data_bytes} bytes of data after the header)"
+            )
+        out[key] = info
+    return out
+
+
+def _tensor_info(entry: Any) -> TensorInfo | None:
+    """A header entry as a :class:`TensorInfo`, None unless it has the form safetensors writes."""
+    if not isinstance(entry, dict):
+        return None
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+
+    def count(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(offsets, list):
+        return None
+    if len(shape) > 8 or not all(count(n) for n in shape):
+        return None
+    if len(offsets) != 2 or not all(count(n) for n in offsets) or offsets[0] > offsets[1]:
+        return None
+    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def check_fits(net: Any, shapes: Mapping[str, Sequence[int]], config: RRDBConfig, name: str) -> None:
+    """:class:`ModelLoadError` naming ``name`` unless ``net`` (an RRDBNet of ``config``, on the meta
+    device) has exactly the tensors ``shapes`` gives, by name and shape: first the parameter count
+    its shape implies against the file's, then the first tensor that differs."""
+    wanted = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    held = {k: tuple(v) for k, v in shapes.items()}
+    implied, holds = sum(math.prod(s) for s in wanted.values()), sum(math.prod(s) for s in held.values())
+    if implied != holds:
+        raise ModelLoadError(
+            f"{name}: an RRDBNet of {config} has {implied} parameters, the file's tensors hold {holds}: nothing loaded"
+        )
+    if missing := sorted(wanted.keys() - held.keys()):
+        raise ModelLoadError(f"{name}: an RRDBNet of {config} needs {missing[0]}, not in the file ({len(missing)} missing)")
+    if extra := sorted(held.keys() - wanted.keys()):
+        raise ModelLoadError(f"{name}: tensor {extra[0][:100]!r} is no part of an RRDBNet of {config}")
+    if wrong := [k for k in wanted if wanted[k] != held[k]]:
+        k = wrong[0]
+        raise ModelLoadError(f"{name}: tensor {k} has shape {list(held[k])}; an RRDBNet of {config} has {list(wanted[k])}")
+
+
 def load_esrgan(path: Path | str, device: str = "cpu") -> tuple[Any, RRDBConfig]:
     """The RRDBNet in the safetensors file ``path``, in eval mode on ``device``, and its shape.
 
     :class:`ModelLoadError` naming the file for one that is not there, a pickle (any file that is
-    not safetensors: never unpickled), or weights of another shape."""
+    not safetensors: never unpickled), weights of another shape, or a header that claims more than
+    the file holds or a shape outside the architecture's range (:data:`LIMITS`): all of it known
+    from the header and a network on the meta device, before a byte of weights is allocated."""
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -155,17 +313,25 @@ def load_esrgan(path: Path | str, device: str = "cpu") -> tuple[Any, RRDBConfig]
         raise ModelLoadError(f"{name}: a GAN upscaler is read from a {GAN_SUFFIX} file only, never a pickle (.pth)")
     if not path.is_file():
         raise ModelLoadError(f"{name}: no such file on this worker")
+    # 1. The header alone: every tensor's bytes inside the file.
+    shapes = {k: info.shape for k, info in read_header(path, name).items()}
+    # 2. The shape it implies, inside the architecture's range.
+    config = rrdb_config(shapes, name)
+    # 3. That network on the meta device (no memory): exactly the file's tensors.
+    with torch.device("meta"):
+        net = build_rrdbnet(config)
+    check_fits(net, shapes, config, name)
+    # 4. The weights, no more bytes than the file holds, assigned to the network as they are read.
     try:
         state = load_file(path)
     except (SafetensorError, OSError, ValueError) as exc:
         raise ModelLoadError(f"{name}: not a safetensors file ({exc}); a pickle is never loaded") from None
-    config = rrdb_config(state, name)
-    net = build_rrdbnet(config)
     try:
-        net.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
+        net.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # the file changed since its header was read
         raise ModelLoadError(f"{name}: weights do not fit an RRDBNet of {config}: {str(exc)[:300]}") from None
-    return net.eval().requires_grad_(False).to(device), config
+    del state
+    return net.float().eval().requires_grad_(False).to(device), config
 
 
 def tiny_esrgan_file(cache_dir: Path) -> Path:
