@@ -26,7 +26,7 @@ import redis
 from dispatcher import lifecycle
 from dispatcher.http import FleetCollector
 from dispatcher.status import fleet_status, job_status
-from renderfleet import Client, keys, spec
+from renderfleet import Client, failpoints, keys, spec
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, publisher, queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import JobDeleted
@@ -314,11 +314,12 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     r = redis.Redis.from_url(redis_server.url)
     store = open_store(str(tmp_path / "store"))
     folder = tmp_path / "store" / "jobs"
-    worker = fixed_worker(env, tmp_path / "worker.log", 0.25)
+    # Its second batch rendered, the worker sleeps 20 s before it writes anything, its heartbeat renewing
+    # the lease: shard 0 is held across the refused delete however slow the machine (its 5 s of images
+    # alone were outlived by the refused delete's start-up on a loaded one), and shards 1 and 2 wait.
+    worker = fixed_worker(env, tmp_path / "worker.log", 0.25, **{failpoints.VARIABLE: "after-render#2=sleep(20)"})
     procs.append(worker)
     wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
-    # Shards of 20 at 0.25 s an image: shard 0 holds its lease 5 s, past the refused delete's own
-    # start-up on a busy machine, and shards 1 and 2 wait in the queue.
     job = submit(env, tmp_path / "a.txt", 60, 20, 2, 0.25)
     wait_for(
         lambda: r.exists(keys.lease(job, 0)) and r.bitcount(keys.done_bits(job)) >= 2,
@@ -354,7 +355,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     left = sorted(keys.text(k) for k in r.scan_iter(match=f"rf:job:{job}*"))
     assert left == [keys.job(job), keys.attempts(job)]
     tomb = {keys.text(k): keys.text(v) for k, v in r.hgetall(keys.job(job)).items()}
-    assert sorted(tomb) == ["deleted", "reason", "store"] and tomb["store"] == str(tmp_path / "store")
+    assert sorted(tomb) == ["deleted", "name", "reason", "store"] and tomb["store"] == str(tmp_path / "store")
     assert 0 < r.ttl(keys.job(job)) <= keys.TOMBSTONE_SECONDS and 0 < r.ttl(keys.attempts(job)) <= keys.TOMBSTONE_SECONDS
     assert not r.sismember(keys.JOBS, job) and r.zcard(keys.INFLIGHT) == 0
     assert not any(keys.text(m).startswith(f"{job}:") for m in r.hkeys(keys.ENQUEUED))
