@@ -244,6 +244,7 @@ class Estimate:
     now: Scenario
     at_max: Scenario
     notes: list[str] = field(default_factory=list)
+    family: str = ""  # the model's family as submit told it (families.Family.title); "" unknown
 
     def by_basis(self, basis: str) -> list[str]:
         """The pools whose figures are ``basis`` (speeds.MEASURED, DERIVED, ASSUMED)."""
@@ -387,6 +388,7 @@ def estimate_file(
         now,
         at_max,
         notes,
+        family.title if family is not None else "",
     )
 
 
@@ -419,6 +421,7 @@ def text(est: Estimate) -> str:
     count = f"{est.prompts:,} prompt{'' if est.prompts == 1 else 's'}"
     lines = [
         f"estimate for {count} of {est.model} at {what} (job {est.job}; nothing submitted)",
+        f"as {est.family or 'a model of unknown family'}: {_basis_line(est)}",
         "",
     ]
     table: list[tuple[str, ...]] = [
@@ -465,6 +468,12 @@ def text(est: Estimate) -> str:
             lines.append(f"{prefix}: {s['seconds_per_image']:.4g} s per image, {s['why']}")
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines) + "\n"
+
+
+def _basis_line(est: Estimate) -> str:
+    """What the figures rest on, said first: each pool's seconds per image and whether measured, derived or
+    assumed (an assumed rate is the family's, or SD 1.x's where the family is unknown)."""
+    return "; ".join(f"{p.pool} {p.seconds_per_image:.4g} s/image, {p.basis}" for p in est.pools) or "no pool"
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

@@ -124,6 +124,31 @@ def test_an_estimate_without_redis_writes_nothing_and_says_what_it_assumed(tmp_p
     assert data["job"].startswith("j-") and spec.job_id_problem(data["job"]) is None
 
 
+def test_a_well_known_hub_id_is_priced_at_its_familys_rate_offline_and_the_first_lines_say_so(tmp_path: Path) -> None:
+    # Offline, an SDXL id was priced at SD 1.x's rate: a 200,000-image estimate 2.3x too cheap (issue 46).
+    sdxl = "stabilityai/stable-diffusion-xl-base-1.0"
+    assert families.family_here(sdxl) is families.SDXL and families.family_here(sdxl.upper()) is families.SDXL
+    assert families.family_here("black-forest-labs/FLUX.1-schnell") is families.FLUX_SCHNELL
+    assert families.family_here("someone/some-model") is None  # the hub tells, where it answers
+    store = LocalStore(tmp_path / "store")
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(10)))
+    settings = Settings(pools={"spot": PoolConfig(kind="spot", price_per_hour=3.6, max=2)})
+    rates = {}
+    for model in (sdxl, "runwayml/stable-diffusion-v1-5"):
+        opts = SubmitOptions(RenderParams(model=model, steps=30, width=1024, height=1024), shard_size=4)
+        est = estimate_file(str(path), opts, settings=settings, store=store, client=None, family=families.family_here(model))
+        rates[model] = est.pools[0].seconds_per_image
+        first = text(est).splitlines()[:2]
+        assert first[0].startswith(f"estimate for 10 prompts of {model} at 1024x1024")
+        title = families.family_here(model).title  # type: ignore[union-attr]
+        assert first[1] == f"as {title}: spot {rates[model]:.4g} s/image, assumed", first
+    assert rates[sdxl] == pytest.approx(
+        rates["runwayml/stable-diffusion-v1-5"] * families.SDXL.seconds_per_mpstep / families.SD.seconds_per_mpstep
+    )
+    assert rates[sdxl] > 2 * rates["runwayml/stable-diffusion-v1-5"]
+
+
 def test_pools_whose_card_cannot_take_the_jobs_min_vram_are_left_out_and_the_notes_say_so(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     path = tmp_path / "p.txt"
