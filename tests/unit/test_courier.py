@@ -50,7 +50,7 @@ class Ledger:
 
 
 def event(job: str, n: int, target: str, attempts: int = 0) -> EventRecord:
-    body = event_body(EventType.STARTED, 1.0, {"job": job, "n": n})
+    body = event_body(EventType.STARTED, 1.0, {"job": job, "n": n}, job=job, target=target)
     return EventRecord(f"evt_{job}_{n}", job, "life", f"k{n}", "job.started", 1.0, body, target, attempts=attempts)
 
 
