@@ -106,6 +106,8 @@ def test_an_idle_worker_takes_work_again_after_redis_restarts(
     tmp_path: Path, env: dict[str, str], redis_server: RedisServerProcess, workers: list[WorkerProc]
 ) -> None:
     worker = start_worker({**env, **ON_BENCH}, tmp_path, workers)
+    # Registered is not yet consuming: Redis gone before Celery's first connection is "Cannot connect", not "lost".
+    wait_for(lambda: " ready." in worker.output(), 60, what="the worker's consumer to connect")
     redis_server.stop()  # SIGTERM this time
     wait_for(lambda: "Connection to broker lost" in worker.output(), 60, what="the idle worker to find Redis gone")
     redis_server.start()
