@@ -129,15 +129,18 @@ class Monitor:
         if job_state.budget is None or not job_state.known_to_redis or job_state.finished:
             return  # a finished job spends no more
         job = job_state.job
-        gpu = job_state.gpu_seconds.items()
-        spent = job_state.budget_carried + sum(s * self.prices.get(pool, 0.0) / 3600 for pool, s in gpu)
+        if job_state.cost is not None and job_state.budget_prices:
+            spent = job_state.budget_carried + job_state.cost  # at its pinned prices (dispatcher/status.py: price)
+        else:  # an older job, without prices of its own
+            gpu = job_state.gpu_seconds.items()
+            spent = job_state.budget_carried + sum(s * self.prices.get(pool, 0.0) / 3600 for pool, s in gpu)
         # Past the mark's count once stopped: the batches in flight then were committed after it.
         spent = max(spent, job_state.budget_spent or 0.0)
         reached = job_state.budget_reached
         if not budgets.record_due(job_state.budget, spent, reached is not None, self.budget_saved.get(job)):
             return
         try:
-            budgets.save(self.store, job, budgets.Record(job_state.budget, spent, reached))
+            budgets.save(self.store, job, budgets.Record(job_state.budget, spent, reached, job_state.budget_prices))
         except (StoreError, OSError) as exc:  # tried again next pass
             log.warning("job %s: its budget record not written: %s", job, exc)
             return

@@ -28,7 +28,7 @@ from celery import Celery
 from dispatcher import cancelmarks, enqueue
 from dispatcher.enqueue import WireShard
 from renderfleet import budget as budgets
-from renderfleet import keys, prompts, shardfile, spec
+from renderfleet import keys, prompts, shardfile, spec, stages
 from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.feeder import Feeder
@@ -211,10 +211,12 @@ def resume(
             ]
         )
     if budget is not None:
-        if why := budgets.unpriced_problem(budget, job_spec.pool, prices or {}):
+        pinned = (record.prices if record else None) or budgets.job_prices(client, job)
+        pools = [segment.pool for segment in stages.segments(job_spec.params.stages, job_spec.pool)]
+        if not pinned and (why := budgets.unpriced_problem(budget, pools, prices or {})):
             raise InputError([why])
-        spent = budgets.raise_budget(client, job, budget, prices or {}, record.spent if record else None)
-        budgets.save(store, job, budgets.Record(budget, spent))
+        spent = budgets.raise_budget(client, job, budget, pinned or prices or {}, record.spent if record else None)
+        budgets.save(store, job, budgets.Record(budget, spent, prices=budgets.job_prices(client, job)))
     elif uncancel:
         budgets.check_resumable(client, job)
     # After `known`: a job that stays cancelled gets its field now, before anything is pushed.

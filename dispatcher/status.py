@@ -125,6 +125,9 @@ class JobStatus:
     gpu_time: dict[str, float] = field(default_factory=dict)
     cost_per_image_as_rendered: float | None = None
     kept_by_pool: dict[str, float] = field(default_factory=dict)  # kept seconds by pool (not in the JSON)
+    killed_by_pool: dict[str, float] = field(default_factory=dict)  # killed seconds by pool (not in the JSON)
+    # The prices its budget's spend is counted at, pinned at submit (renderfleet/budget.py); None without.
+    budget_prices: dict[str, float] | None = None
 
     @property
     def failed(self) -> int:
@@ -175,7 +178,7 @@ class JobStatus:
     def to_dict(self) -> dict[str, Any]:
         """The job's JSON object (docs/monitoring.md, "The JSON")."""
         out = asdict(self)
-        del out["kept_by_pool"]
+        del out["kept_by_pool"], out["killed_by_pool"]
         out.update(
             state=self.state,
             failure=self.why_failed,
@@ -429,7 +432,7 @@ def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> 
 
 
 def _read_body(pipe: Any, job: str) -> None:
-    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name", budget.CARRIED, *budget.FIELDS)
+    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name", budget.CARRIED, budget.PRICES, *budget.FIELDS)
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
     pipe.hgetall(keys.job_stats(job))
@@ -499,7 +502,7 @@ def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted, failure, name, carried, *capped), states, left, stats, progress, attempts = body
+    (spec_json, unaccounted, failure, name, carried, pinned, *capped), states, left, stats, progress, attempts = body
     if (
         (total is not None or deleted is not None)
         and store is not None
@@ -596,6 +599,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         _money_field(raw, f"{keys.job(job)} {field}") for raw, field in zip(capped, budget.FIELDS, strict=True)
     )
     result.budget_carried = _money_field(carried, f"{keys.job(job)} {budget.CARRIED}") or 0.0
+    result.budget_prices = budget.read_prices(pinned)
     if result.state == "failed":
         result.eta_seconds = None  # no rate will finish it
     return result
@@ -675,6 +679,9 @@ def _add_progress(
     job_state.gpu_seconds = {k.removeprefix("render_ms."): v / 1000 for k, v in stats.items() if k.startswith("render_ms.")}
     job_state.gpu_time = {use: sum(v for k, v in stats.items() if k.startswith(f"{use}_ms.")) / 1000 for use in JOB_USES}
     job_state.kept_by_pool = {k.removeprefix("kept_ms."): v / 1000 for k, v in stats.items() if k.startswith("kept_ms.")}
+    job_state.killed_by_pool = {
+        k.removeprefix(budget.KILLED_MS): v / 1000 for k, v in stats.items() if k.startswith(budget.KILLED_MS)
+    }
     job_state.redeliveries = sum(a - 1 for a in attempts if a > 1)
     job_state.wasted_images = stats.get("wasted_images", 0)
 
@@ -687,7 +694,21 @@ def price(job_state: JobStatus, prices: dict[str, float]) -> None:
     Nor has a job whose images' render time is not all counted (docs/monitoring.md: never 0
     for lack of data): one Redis took back after losing its account (``unaccounted``), or
     one with images done and no render time at all.
+
+    A job with a budget is counted as its budget is (``renderfleet.budget.spend``): at the prices it
+    pinned, a pool without one at the dearest, its killed holders' time too; never None.
     """
+    if job_state.budget is not None and job_state.budget_prices:
+        pinned = job_state.budget_prices
+        dearest = max(pinned.values())
+        spent = [*job_state.gpu_seconds.items(), *job_state.killed_by_pool.items()]
+        job_state.cost = sum(seconds * pinned.get(pool, dearest) / 3600 for pool, seconds in spent)
+        job_state.cost_per_image = job_state.cost / job_state.done if job_state.done else None
+        job_state.projected_cost = budget.projected(job_state.cost, job_state.done, job_state.total)
+        if job_state.done and job_state.kept_by_pool:
+            rendered = sum(s * pinned.get(p, dearest) / 3600 for p, s in job_state.kept_by_pool.items())
+            job_state.cost_per_image_as_rendered = rendered / job_state.done
+        return
     priced = {pool: p for pool, p in prices.items() if p > 0}
     if not priced or any(seconds > 0 and pool not in priced for pool, seconds in job_state.gpu_seconds.items()):
         return

@@ -335,8 +335,9 @@ def submit(
 ) -> SubmitResult:
     """Validate, write and enqueue a prompt file; see the module docstring.
 
-    ``prices``: each pool's price per hour (the config's, else those the fleet published); a job with
-    a budget (``opts.budget``) must go to a priced pool, or its spend could not be counted.
+    ``prices``: each pool's price per hour from the submitter's config: published for the fleet (every
+    view then counts costs alike), and over those the fleet published, pinned by a job with a budget
+    (``opts.budget``), whose pool and stage pools must each have one, or its spend could not be counted.
 
     ``summary`` is pass 1's result when the caller already validated the file;
     ``source`` is the name the spec records for it (default: the file's name);
@@ -345,9 +346,11 @@ def submit(
     """
     started = time.perf_counter()
     check_options(opts)
+    status.publish_prices(client, store.url, prices or {})
     if opts.budget is not None:
         prices = {**status.published_prices(client, store.url), **(prices or {})}
-        if why := budget.unpriced_problem(opts.budget, opts.pool, prices):
+        pools = [segment.pool for segment in stages.segments(opts.params.stages, opts.pool)]
+        if why := budget.unpriced_problem(opts.budget, pools, prices):
             raise InputError([why])
     if summary is None:
         summary = prompts.validate_file(path, format=opts.format)
@@ -416,8 +419,10 @@ def submit(
     )
     enqueue.register_job(client, job_spec, queue, owner, fresh=True)
     if opts.budget is not None:
-        budget.set_budget(client, job, opts.budget)  # before any shard is fed: its first batch is checked
-        budget.save(store, job, budget.Record(opts.budget, 0.0))  # and kept where a Redis that loses its memory finds it
+        # Before any shard is fed (its first batch is checked), with the prices its spend is counted at; and
+        # kept where a Redis that loses its memory finds them.
+        budget.set_budget(client, job, opts.budget, prices or {})
+        budget.save(store, job, budget.Record(opts.budget, 0.0, prices=budget.pinned(prices or {})))
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
     # feeder takes the job only once its wire file is stored (a worker reads its shards there).
     with (

@@ -1,8 +1,14 @@
 """A job's budget: the most it may spend, and what happens when its spend reaches it.
 
 A job's spend is its GPU time by pool (``render_ms.<pool>`` in ``keys.job_stats``, counted by the
-workers' ledgers) times each pool's price per GPU-hour (``keys.prices``, published by whoever has the
-pools' config): what ``status`` shows as its cost.  ``submit --budget USD`` writes the cap in the
+workers' ledgers, and ``killed_ms.<pool>``, the reaper's count of what a killed holder lost) times each
+pool's price per GPU-hour: what ``status`` shows as its cost.  The prices are the job's own, pinned at
+submit (``budget_prices`` in the job's hash and in the store's record: :func:`pinned`): every price
+the submitter knew (its config's over those the fleet published), so the budget binds whatever the
+workers, a monitor or a Redis restart know of prices.  Submit refuses a budget when the job's pool or a
+pool of its stages has no price (:func:`unpriced_problem`); a pool that has none and renders the job
+all the same (one that also serves ``default``) counts at the dearest of the job's prices: a budget
+may bind early, never late.  ``submit --budget USD`` writes the cap in the
 job's hash (``budget``); the check runs where the GPU time is counted, inside the fence check's
 script (``renderfleet/lua/fence.lua``), so it is atomic and costs no round trip: once the spend, and
 the batch the worker renders meanwhile, reach the cap, the script marks the job (``budget_reached``,
@@ -32,8 +38,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 import redis
 
@@ -52,6 +58,9 @@ SPENT = "budget_spent"  # keys.job: its spend when the mark was set
 FIELDS = (BUDGET, REACHED, SPENT)  # in this order wherever they are read together
 CARRIED = "budget_carried"  # keys.job: its spend before this Redis took it back (the store's record), counted too
 RENDER_MS = "render_ms."  # the job's GPU-ms of one pool: keys.job_stats field render_ms.<pool>
+KILLED_MS = "killed_ms."  # what a killed holder of one pool lost (renderfleet/lua/reap.lua): spent too
+SPENT_FIELDS = (RENDER_MS, KILLED_MS)  # the job's counters its spend counts (renderfleet/lua/fence.lua too)
+PRICES = "budget_prices"  # keys.job: the job's prices (JSON pool -> per hour), pinned at submit
 
 
 def budget_problem(value: object) -> str | None:
@@ -63,9 +72,11 @@ def budget_problem(value: object) -> str | None:
     return None
 
 
-def unpriced_problem(budget: float, pool: str, prices: Mapping[str, float]) -> str | None:
-    """Why a job of ``pool`` cannot have ``budget`` (its pool has no price: its spend cannot be counted), or None."""
-    if prices.get(pool, 0) > 0:
+def unpriced_problem(budget: float, pools: str | Iterable[str], prices: Mapping[str, float]) -> str | None:
+    """Why a job rendered on ``pools`` (its own and its stages') cannot have ``budget`` (one of them has no
+    price: its spend there could not be counted), or None."""
+    pool = next((p for p in ([pools] if isinstance(pools, str) else pools) if not prices.get(p, 0) > 0), None)
+    if pool is None:
         return None
     return (
         f"--budget {budget:g}: pool {pool!r} has no price per hour, so the job's spend cannot be counted: "
@@ -76,12 +87,41 @@ def unpriced_problem(budget: float, pool: str, prices: Mapping[str, float]) -> s
 
 def spend(stats: Mapping[str, int], prices: Mapping[str, float]) -> float:
     """A job's spend from its counters (``keys.job_stats``) at ``prices`` (pool -> per hour): what
-    ``fence.lua`` counts, for the dispatcher's side (a pool with no price spends nothing here)."""
+    ``fence.lua`` counts, for the dispatcher's side.  A pool with no price counts at the dearest."""
+    dearest = max(prices.values(), default=0.0)
     return sum(
-        ms * prices.get(field.removeprefix(RENDER_MS), 0.0) / 3_600_000
+        ms * prices.get(field.removeprefix(use), dearest) / 3_600_000
         for field, ms in stats.items()
-        if field.startswith(RENDER_MS)
+        for use in SPENT_FIELDS
+        if field.startswith(use)
     )
+
+
+def pinned(prices: Mapping[str, float]) -> dict[str, float]:
+    """The prices a budgeted job pins (those above 0), as its hash and its record keep them."""
+    return {
+        pool: float(p) for pool, p in sorted(prices.items()) if isinstance(p, int | float) and math.isfinite(p) and p > 0
+    }
+
+
+def read_prices(raw: object) -> dict[str, float] | None:
+    """A job's pinned prices from their JSON (its hash's ``budget_prices``, its record's ``prices``);
+    None when unset or not a map of pool to price (an older job: counted at the fleet's prices)."""
+    if raw is None or raw == b"" or raw == "":
+        return None
+    try:
+        data = json.loads(raw if isinstance(raw, str | bytes) else json.dumps(raw))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        return None
+    prices = pinned(data)
+    return prices if len(prices) == len(data) else None
+
+
+def job_prices(client: redis.Redis, job: str) -> dict[str, float] | None:
+    """The prices ``job`` pinned (None: it has none)."""
+    return read_prices(client.hget(keys.job(job), PRICES))
 
 
 def projected(cost: float | None, done: int, total: int) -> float | None:
@@ -115,9 +155,10 @@ def _number(raw: object) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def set_budget(client: redis.Redis, job: str, budget: float) -> None:
-    """Write a new job's budget (submit, after registering it afresh: nothing of an earlier life is kept)."""
-    client.hset(keys.job(job), BUDGET, f"{budget:.6f}")
+def set_budget(client: redis.Redis, job: str, budget: float, prices: Mapping[str, float]) -> None:
+    """Write a new job's budget and the prices its spend is counted at (submit, after registering it
+    afresh: nothing of an earlier life is kept)."""
+    client.hset(keys.job(job), mapping={BUDGET: f"{budget:.6f}", PRICES: json.dumps(pinned(prices))})
 
 
 def raise_budget(
@@ -127,9 +168,11 @@ def raise_budget(
     transaction) when it had stopped at its budget.  InputError, naming ``--budget``, when the job
     has spent that much already (it would stop again at its next batch).  ``carried``: its spend
     before this Redis took it back (the store's record, for a job Redis lost; else the hash's
-    ``budget_carried``).  Returns its spend now."""
+    ``budget_carried``).  The job's spend is counted at its pinned prices; one that has none (a job
+    without a budget until now) pins ``prices``.  Returns its spend now."""
     if why := budget_problem(budget):
         raise InputError([f"--budget: {why}"])
+    prices = job_prices(client, job) or pinned(prices)
     stats = {keys.text(k): int(v) for k, v in client.hgetall(keys.job_stats(job)).items()}
     if carried is None:
         carried = _number(client.hget(keys.job(job), CARRIED)) or 0.0
@@ -140,7 +183,7 @@ def raise_budget(
         )
     _, reached, _ = mark(client, job)
     with client.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.job(job), mapping={BUDGET: f"{budget:.6f}", CARRIED: f"{carried:.6f}"})
+        pipe.hset(keys.job(job), mapping={BUDGET: f"{budget:.6f}", CARRIED: f"{carried:.6f}", PRICES: json.dumps(prices)})
         if reached is not None:
             # Stopped by its budget alone: continued like a cancelled job (a cancel of the user's own,
             # had there been one, is cleared by the resume that called this, as for any resume).
@@ -172,11 +215,18 @@ class Record(NamedTuple):
     budget: float
     spent: float  # its spend last known, over all its Redis lives
     reached: float | None = None  # when it stopped at this budget (unix time), None while it has not
+    prices: dict[str, float] | None = None  # the prices its spend is counted at (None: an older record's)
 
 
 def save(store: Store, job: str, record: Record) -> None:
     """The job's budget and its spend so far in the store (``spec.budget_key``)."""
-    data = {"job": job, "budget": round(record.budget, 6), "spent": round(record.spent, 6), "reached": record.reached}
+    data = {
+        "job": job,
+        "budget": round(record.budget, 6),
+        "spent": round(record.spent, 6),
+        "reached": record.reached,
+        "prices": record.prices,
+    }
     store.put(spec.budget_key(job), json.dumps(data).encode(), content_type="application/json")
 
 
@@ -189,7 +239,12 @@ def load(store: Store, job: str) -> Record | None:
     where = spec.budget_key(job)
     try:
         raw = json.loads(data)
-        record = Record(float(raw["budget"]), float(raw.get("spent") or 0), _number(raw.get("reached") or ""))
+        record = Record(
+            float(raw["budget"]),
+            float(raw.get("spent") or 0),
+            _number(raw.get("reached") or ""),
+            read_prices(raw.get("prices")),
+        )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("%s: not a budget record (%s): job %s taken back without its cap", where, exc, job)
         return None
@@ -208,11 +263,13 @@ def restore(client: redis.Redis, job: str, record: Record, at: str) -> bool:
     """A job registered again by a Redis that lost it (``dispatcher/resume.py``): its cap set again from the
     store's ``record`` and its spend then carried (``fence.lua`` counts it with what comes).  A record that
     says the cap is spent marks the job as the fence check would (reached at ``at``, cancelled): True then."""
-    cap, carried = f"{record.budget:.6f}", f"{record.spent:.6f}"
+    fields: dict[Any, Any] = {BUDGET: f"{record.budget:.6f}", CARRIED: f"{record.spent:.6f}"}
+    if record.prices:
+        fields[PRICES] = json.dumps(record.prices)
     if spent_already(record):
-        client.hset(keys.job(job), mapping={BUDGET: cap, CARRIED: carried, REACHED: at, SPENT: carried, "cancelled": at})
+        client.hset(keys.job(job), mapping={**fields, REACHED: at, SPENT: fields[CARRIED], "cancelled": at})
         return True
-    client.hset(keys.job(job), mapping={BUDGET: cap, CARRIED: carried})
+    client.hset(keys.job(job), mapping=fields)
     return False
 
 

@@ -933,7 +933,7 @@ def resume(
     settings = _settings(config=config)
     from dispatcher.lifecycle import deleted
     from dispatcher.resume import resume as do_resume
-    from dispatcher.status import published_prices
+    from dispatcher.status import publish_prices, published_prices
     from renderfleet.store import open_store
 
     with _user_errors():
@@ -943,6 +943,7 @@ def resume(
         if (gone := deleted(client, job)) is not None:
             raise gone
         prices = {name: p for name, p in settings.gpu_prices.items() if p > 0}
+        publish_prices(client, store.url, prices)  # a Redis that lost them has them again: every view agrees
         prices = {**published_prices(client, store.url), **prices} if budget is not None else prices
         report = do_resume(job, store=store, app=celery, client=client, uncancel=True, budget=budget, prices=prices)
     # Nothing enqueued while prompts lack an image: they are in shards already pending, queued

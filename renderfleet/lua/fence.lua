@@ -6,7 +6,9 @@
 --
 -- A job with a budget (keys.job 'budget', renderfleet/budget.py) has its spend checked here, where its
 -- GPU time is counted, so the check is atomic and costs no round trip of its own: the job's GPU-ms by
--- pool (render_ms.<pool>) times each pool's price per GPU-hour (keys.prices).  The job is marked
+-- pool (render_ms.<pool>, and killed_ms.<pool>: what a killed holder lost) times each pool's price per
+-- GPU-hour: the job's own (budget_prices, pinned at submit), or for an older job the fleet's (keys.prices).
+-- A pool with no price counts at the dearest (renderfleet.budget.spend: the same rule).  The job is marked
 -- (budget_reached, budget_spent, and cancelled: from here it stops as a cancel stops it, the feeder
 -- skipping it) once that spend, and one more batch like the one these counters carry, reach the
 -- budget: the worker renders its next batch while this one commits (docs/design.md, "Invariants"),
@@ -47,7 +49,7 @@ end
 if stage_from == 7 then
   return 1  -- nothing counted: no spend to check
 end
-local b = redis.call('HMGET', job, 'budget', 'budget_reached', 'budget_carried')
+local b = redis.call('HMGET', job, 'budget', 'budget_reached', 'budget_carried', 'budget_prices')
 if b[2] then
   return 2
 end
@@ -55,17 +57,38 @@ local budget = tonumber(b[1] or '')
 if not budget then
   return 1
 end
--- Money per GPU-ms of each priced pool; a pool with no price spends nothing (submit refuses a budget then).
-local per_ms = {}
-local p = redis.call('HGETALL', prices)
-for i = 1, #p, 2 do
-  per_ms[p[i]] = (tonumber(p[i + 1]) or 0) / 3600000
+-- Money per GPU-ms of each priced pool; a pool with no price at the dearest's.
+local per_ms, dearest = {}, 0
+local function price(pool, value)
+  local rate = (tonumber(value) or 0) / 3600000
+  if rate > 0 then
+    per_ms[pool] = rate
+    if rate > dearest then
+      dearest = rate
+    end
+  end
+end
+local ok, pinned = pcall(cjson.decode, b[4] or '')
+if ok and type(pinned) == 'table' then
+  for pool, value in pairs(pinned) do
+    price(tostring(pool), value)
+  end
+else
+  local p = redis.call('HGETALL', prices)
+  for i = 1, #p, 2 do
+    price(p[i], p[i + 1])
+  end
 end
 local function cost(field, ms)
-  if string.sub(field, 1, 10) ~= 'render_ms.' then
+  local pool
+  if string.sub(field, 1, 10) == 'render_ms.' then
+    pool = string.sub(field, 11)
+  elseif string.sub(field, 1, 10) == 'killed_ms.' then
+    pool = string.sub(field, 11)
+  else
     return 0
   end
-  return (tonumber(ms) or 0) * (per_ms[string.sub(field, 11)] or 0)
+  return (tonumber(ms) or 0) * (per_ms[pool] or dearest)
 end
 local spent, batch = tonumber(b[3] or '') or 0, 0
 local s = redis.call('HGETALL', stats)

@@ -2,6 +2,7 @@
 within one batch per worker of its cap, shows ``budget`` with what it spent, a plain resume is refused,
 and ``resume --budget`` with more takes it to the end.  A budget on a pool with no price is refused at submit.
 A budget outlives a Redis that lost its memory: the store's record brings it back with the spend it recorded.
+A budget binds at the prices its submit pinned, whatever the workers know of prices, across a Redis restart.
 
 The workers serve a bench model (``testing.fleet.bench_worker``: a fixed time per image, no torch): the
 spend is GPU time by pool times the pool's price, whatever renders the images.
@@ -131,7 +132,7 @@ def test_a_budget_outlives_a_redis_that_lost_its_memory_with_the_spend_its_recor
     job_args = [*bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", str(BATCH)]
     job = cli(env, "submit", str(prompts), *job_args, "--budget", str(BUDGET)).stdout.split()[-1]
     store, client = open_store(store_url), redisconn.client(redis_server.url)
-    assert budget.load(store, job) == (pytest.approx(BUDGET), 0.0, None)
+    assert budget.load(store, job) == (pytest.approx(BUDGET), 0.0, None, {"default": PRICE})
     carried = 0.0016  # the spend the monitor recorded before the loss (Monitor.keep_budget): 4 batches
     budget.save(store, job, budget.Record(BUDGET, carried))
 
@@ -157,7 +158,7 @@ def test_a_budget_outlives_a_redis_that_lost_its_memory_with_the_spend_its_recor
     settings = load_settings(config=str(config), redis_url=redis_server.url, store=store_url)
     Monitor(settings, make_app(redis_server.url), client, store).tick()  # records the spend at the stop
     spent = carried + held["cost"]  # the mark's count and the batch in flight then
-    assert budget.load(store, job) == (pytest.approx(BUDGET), pytest.approx(spent), held["budget_reached"])
+    assert budget.load(store, job)[:3] == (pytest.approx(BUDGET), pytest.approx(spent), held["budget_reached"])
 
     client.flushall()
     plain = cli(env, "resume", job, check=False)  # its record says the cap is spent
@@ -170,7 +171,7 @@ def test_a_budget_outlives_a_redis_that_lost_its_memory_with_the_spend_its_recor
     raised = job_status(env, job)
     assert raised["state"] != "budget" and raised["budget"] == pytest.approx(1.0) and raised["queued"] > 0
     assert raised["budget_carried"] == pytest.approx(spent)
-    assert budget.load(store, job) == (pytest.approx(1.0), pytest.approx(spent), None)
+    assert budget.load(store, job) == (pytest.approx(1.0), pytest.approx(spent), None, {"default": PRICE})
 
 
 def test_a_pool_at_its_monthly_budget_is_sized_to_zero_by_the_autoscaler(
@@ -207,3 +208,49 @@ def test_a_pool_at_its_monthly_budget_is_sized_to_zero_by_the_autoscaler(
     assert client.hget(keys.desired(store_tag(store_url)), "spot") == b"0"
     month = time.strftime("%Y-%m", time.gmtime())
     assert float(client.hget(keys.pool_month(store_tag(store_url), month), "usd.spot")) == pytest.approx(spent(third))
+
+
+def test_a_budget_binds_at_the_prices_its_submit_pinned_whatever_the_workers_and_redis_know(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """Only the submitter has the pools' config: no monitor, a worker without prices, and a Redis that
+    restarts empty mid-job (the fleet's prices gone with it).  A stage on a pool with no price is refused at
+    submit, naming the pool; the job's spend is counted at the prices it pinned (its hash, its store record),
+    so it stops at its budget after the restart too, and status shows its cost with no config."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"[pools.default]\nprice_per_hour = {PRICE}\n\n[pools.big]\nmax = 1\n")
+    store_url = str(tmp_path / "store")
+    env = base_env(tmp_path, redis_server.url, store_url, **bench_worker(SECONDS_PER_IMAGE))
+    submitter = {**env, "RENDERFLEET_CONFIG": str(config)}
+    prompts = write_prompts(tmp_path / "p.txt", 48)
+    job_args = [*bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", str(BATCH)]
+    staged = cli(submitter, "submit", str(prompts), *job_args, "--upscale", "2@big", "--budget", "1", check=False)
+    assert staged.returncode == 2 and "--budget 1: pool 'big' has no price per hour" in staged.stderr
+    assert "Traceback" not in staged.stderr
+
+    job = cli(submitter, "submit", str(prompts), *job_args, "--budget", str(BUDGET)).stdout.split()[-1]
+    client = redisconn.client(redis_server.url)
+    client.delete(keys.prices(store_tag(store_url)))  # as after a restart: the fleet publishes none
+    store = open_store(store_url)
+    assert budget.load(store, job) == (pytest.approx(BUDGET), 0.0, None, {"default": PRICE})
+    worker = WorkerProc(env, tmp_path / "w.log")  # no config: it publishes no price
+    try:
+        wait_for(lambda: status_now(env, job)["done"] >= 4, 60, interval=0.1, what="the job's first batches")
+        redis_server.kill()  # empty: the fleet's prices and the job's counters gone
+        redis_server.start()
+        cli(env, "resume", job)  # as docs/failures.md says, without the config
+        assert not client.exists(keys.prices(store_tag(store_url)))
+        stopped = wait_for(
+            lambda: (s := status_now(env, job))["state"] == "budget" and s, 60, interval=0.1, what="the budget"
+        )
+        wait_for(lambda: status_now(env, job)["in_flight"] == 0, 30, interval=0.1, what="the running shard to stop")
+    finally:
+        worker.kill()
+    held = job_status(env, job)  # no config here either: the job's own prices
+    assert held["cost"] is not None and held["budget_prices"] == {"default": PRICE}
+    per_batch = held["cost_per_image"] * BATCH
+    spent = held["cost"] + held["budget_carried"]  # since the restart, and what the record carried over it
+    print(f"budget {BUDGET:g}: spent {spent:.6f} (carried {held['budget_carried']:.6f}), a batch {per_batch:.6f}")
+    assert stopped["budget_reached"] is not None and held["done"] < 48
+    # Carried is what the store's record had (at submit: 0): the restart may cost what it did not record.
+    assert BUDGET - per_batch <= held["cost"] <= BUDGET + per_batch, (held["cost"], per_batch)

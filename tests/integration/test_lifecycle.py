@@ -314,10 +314,10 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     r = redis.Redis.from_url(redis_server.url)
     store = open_store(str(tmp_path / "store"))
     folder = tmp_path / "store" / "jobs"
-    # Its second batch rendered, the worker sleeps 20 s before it writes anything, its heartbeat renewing
+    # Its second batch rendered, the worker sleeps 10 s before it writes anything, its heartbeat renewing
     # the lease: shard 0 is held across the refused delete however slow the machine (its 5 s of images
     # alone were outlived by the refused delete's start-up on a loaded one), and shards 1 and 2 wait.
-    worker = fixed_worker(env, tmp_path / "worker.log", 0.25, **{failpoints.VARIABLE: "after-render#2=sleep(20)"})
+    worker = fixed_worker(env, tmp_path / "worker.log", 0.25, **{failpoints.VARIABLE: "after-render#2=sleep(10)"})
     procs.append(worker)
     wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
     job = submit(env, tmp_path / "a.txt", 60, 20, 2, 0.25)

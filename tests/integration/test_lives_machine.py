@@ -20,7 +20,7 @@ seconds, is spent, and then draws no more (a history begun finishes; the count r
 wait inside a step is bounded and fails the history with the step's name, the history so far (each
 step is a Hypothesis ``note``) and the tail of every worker's and the monitor's log.  No shrinking: a
 history of real processes replays with other timings, so the failing history is reported as it ran,
-with the blob that replays its draws (``@reproduce_failure``).  ``make test`` spends about two minutes
+with the blob that replays its draws (``@reproduce_failure``).  ``make test`` spends about a minute and a half
 on it; ``make test-slow`` more (``RENDERFLEET_MACHINE_SECONDS``, ``RENDERFLEET_MACHINE_EXAMPLES``).
 Histories it finds become tests in tests/integration/test_lives.py.
 """
@@ -64,7 +64,7 @@ pytestmark = pytest.mark.integration
 
 EXAMPLES = int(os.environ.get("RENDERFLEET_MACHINE_EXAMPLES", "40"))
 # The seconds after which no new history is drawn (one begun runs to its end: at most HISTORY_BOUND more).
-BUDGET = float(os.environ.get("RENDERFLEET_MACHINE_SECONDS", "120"))
+BUDGET = float(os.environ.get("RENDERFLEET_MACHINE_SECONDS", "50"))
 # The most one history can take, its waits added up on a loaded machine: the test's own timeout is
 # BUDGET + HISTORY_BOUND, so pytest-timeout never cuts a history in half (issue 49).
 HISTORY_BOUND = 240

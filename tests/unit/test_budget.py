@@ -13,7 +13,18 @@ from dispatcher.policy import PoolState, decide
 from dispatcher.show import render_status
 from dispatcher.status import FleetStatus, JobStatus, price
 from renderfleet import spec
-from renderfleet.budget import Record, budget_problem, load, projected, record_due, save, spend, unpriced_problem
+from renderfleet.budget import (
+    Record,
+    budget_problem,
+    load,
+    pinned,
+    projected,
+    read_prices,
+    record_due,
+    save,
+    spend,
+    unpriced_problem,
+)
 from renderfleet.errors import ConfigError
 from renderfleet.settings import AutoscaleConfig, PoolConfig, load_settings
 from renderfleet.store import open_store
@@ -36,7 +47,29 @@ def test_a_budget_is_a_positive_amount_of_money() -> None:
 def test_a_jobs_spend_is_its_gpu_time_by_pool_at_each_pools_price() -> None:
     stats = {"render_ms.default": 7_200_000, "render_ms.spot": 3_600_000, "images.default": 40, "wasted_images": 3}
     assert spend(stats, {"default": 3.6, "spot": 0.9}) == pytest.approx(2 * 3.6 + 0.9)
-    assert spend(stats, {"default": 3.6}) == pytest.approx(7.2)  # a pool with no price spends nothing
+    # A pool with no price counts at the dearest: a budget binds early, never late (renderfleet/lua/fence.lua too).
+    assert spend(stats, {"default": 3.6}) == pytest.approx(3 * 3.6)
+    # What a killed holder lost counts as well (the reaper's killed_ms), and nothing else does.
+    killed = {**stats, "killed_ms.spot": 1_800_000, "kept_ms.default": 9_999_999, "lost_ms.spot": 9_999_999}
+    assert spend(killed, {"default": 3.6, "spot": 0.9}) == pytest.approx(2 * 3.6 + 1.5 * 0.9)
+
+
+def test_a_budget_needs_a_price_on_its_pool_and_on_each_stage_pool_and_pins_them() -> None:
+    assert unpriced_problem(1, ["gen", "big"], {"gen": 2.0, "big": 4.0}) is None
+    why = unpriced_problem(1, ["gen", "big"], {"gen": 2.0})
+    assert why is not None and why.startswith("--budget 1: pool 'big' has no price per hour")
+    assert pinned({"gen": 2.0, "free": 0.0, "bad": float("nan")}) == {"gen": 2.0}
+    assert read_prices('{"gen": 2.0, "big": 4}') == {"big": 4.0, "gen": 2.0}
+    for bad in (None, "", b"", "[]", '{"gen": "x"}', '{"gen": -1}', "[" * 5000, '{"gen": 1e999}', "not json"):
+        assert read_prices(bad) is None, bad
+
+
+def test_a_budgeted_jobs_cost_is_counted_at_its_pinned_prices_even_where_status_has_none() -> None:
+    job = JobStatus("j", 40, 10, 0, 30, 0, 5, 4, 0, True, gpu_seconds={"default": 3600.0, "free": 1800.0})
+    job.budget, job.budget_prices, job.killed_by_pool = 5.0, {"default": 2.0}, {"default": 900.0}
+    job.unaccounted = 3  # a job Redis took back: still counted, its carried spend beside it
+    price(job, {})
+    assert job.cost == pytest.approx(2.0 + 1.0 + 0.5) and job.cost_per_image == pytest.approx(0.35)
 
 
 def test_the_projection_is_the_spend_per_image_times_every_image() -> None:
@@ -98,6 +131,8 @@ def test_the_stores_budget_record_reads_back_and_a_bad_one_is_none(tmp_path: Pat
     assert load(store, "j-1") == Record(2.5, 1.25, 1_800_000_000.0)
     save(store, "j-1", Record(2.5, 0.0))
     assert load(store, "j-1") == Record(2.5, 0.0, None)
+    save(store, "j-1", Record(2.5, 0.0, prices={"gen": 2.0}))
+    assert load(store, "j-1") == Record(2.5, 0.0, None, {"gen": 2.0})
     for bad in (b"{not json", b"[]", b'{"budget": -1}', b'{"budget": 3, "spent": "x"}', b'{"budget": 3, "spent": -2}'):
         store.put(spec.budget_key("j-1"), bad)
         assert load(store, "j-1") is None, bad
