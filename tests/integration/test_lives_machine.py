@@ -2,14 +2,18 @@
 rule-based state machine, the way Jepsen checks operation histories).
 
 Each history starts from an empty Redis (our own server) and store, two real workers on a bench model
-and, drawn, a monitor; then a random sequence of: submit one of two prompt files under one of two
+and, drawn, a monitor, and whether the history's jobs have an upscale stage on a pool of its own (``big``,
+with a worker of its own: a shard is rendered a segment at a time, the second on that pool; issue 45
+item 1); then a random sequence of: submit one of two prompt files under one of two
 names (a new life, the same job again, or another file refused), cancel, delete stopped after each of
 its steps (the fence, the store emptied, the whole delete), resume, a worker paused past its lease
-(SIGSTOP, woken by a later step or at the end), a worker killed and replaced, a Redis restart (with a
-monitor: it heals a lost Redis).  After each history, with every worker awake:
+(SIGSTOP, woken by a later step or at the end), a worker killed (SIGKILL) or handed off (SIGTERM, the
+spot notice) and replaced, in whichever segment it is, a Redis restart (with a monitor: it heals a lost
+Redis).  After each history, with every worker awake:
 
 * every image in a name's folder carries a prompt of the file of that name's current life;
-* every job that is not cancelled finishes without a person, and its counts equal the store;
+* every job that is not cancelled finishes without a person (every shard through every segment: none
+  stranded between pools), and its counts equal the store;
 * a deleted name leaves nothing in the store and nothing in Redis but its tombstone;
 * a life no worker was paused or killed in counts exactly its prompts' images, no more (no counter of
   a dead life survives).
@@ -74,6 +78,7 @@ NAMES = ("life-a", "life-b")
 FILES = ("A", "B")  # the prompt files' prefixes: every prompt of file A begins "A prompt"
 PROMPTS = 4
 SECONDS_PER_IMAGE = 0.01
+STAGE_POOL = "big"  # a staged history's upscale runs here, on a worker of its own
 
 
 class Name:
@@ -125,28 +130,36 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess, budget: Budget) ->
             self.client = Client(redis_url=redis_server.url, store=str(self.store_dir))
             self.names = {n: Name() for n in NAMES}
             self.workers: list[WorkerProc] = []
+            self.pools: list[str] = []  # each worker's pool, by index
+            self.staged = False  # the history's jobs upscale on STAGE_POOL
             self.paused: set[int] = set()
             self.monitor: Any = None
             self.kills = 0  # one kill a history: each replacement costs a worker's start, and the histories' time
             self.logs = tmp / f"history-{counter[0]}"
             self.logs.mkdir()
 
-        @initialize(monitor=st.booleans())
-        def start(self, monitor: bool) -> None:
-            self._step(f"start: two workers{', a monitor' if monitor else ''}")
-            for _ in range(2):
-                self._add_worker()
+        @initialize(monitor=st.booleans(), staged=st.booleans())
+        def start(self, monitor: bool, staged: bool) -> None:
+            self.staged = staged
+            extra = f", a {STAGE_POOL} worker for the upscale" if staged else ""
+            self._step(f"start: two workers{extra}{', a monitor' if monitor else ''}")
+            for pool in ["default", "default", *([STAGE_POOL] if staged else [])]:
+                self._add_worker(pool)
             if monitor:
                 self.monitor = start_monitor(self.env, self.logs / "monitor.log")
-            wait_for(lambda: worker_ready(self.r, 2), 60, what="two workers")
+            wait_for(lambda: worker_ready(self.r, len(self.workers)), 60, what=f"{len(self.workers)} workers")
 
         def _step(self, what: str) -> None:
             note(what)  # printed with the failing history
             if VERBOSE:
                 print(f"history {counter[0]}: {what}", flush=True)
 
-        def _add_worker(self) -> None:
-            self.workers.append(WorkerProc(self.env, self.logs / f"worker-{len(self.workers)}.log"))
+        def _add_worker(self, pool: str) -> None:
+            self.pools.append(pool)
+            self.workers.append(self._worker(len(self.workers)))
+
+        def _worker(self, i: int, again: str = "") -> WorkerProc:
+            return WorkerProc({**self.env, "RENDERFLEET_POOL": self.pools[i]}, self.logs / f"worker-{i}{again}.log")
 
         # ---- the operations --------------------------------------------------------------
 
@@ -164,6 +177,7 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess, budget: Budget) ->
                     shard_size=2,
                     batch_size=2,
                     job=name,
+                    **({"stages": [f"upscale:2@{STAGE_POOL}"]} if self.staged else {}),
                 )
             except InputError as exc:
                 assert stored and state.file != file, f"submit of {file} under {name} refused: {exc}"
@@ -241,13 +255,18 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess, budget: Budget) ->
             self.paused.discard(i)
 
         @precondition(lambda self: len(self.paused) < len(self.workers) and self.kills == 0)
-        @rule(data=st.data())
-        def kill_worker(self, data: st.DataObject) -> None:
+        @rule(data=st.data(), how=st.sampled_from(["kill", "SIGTERM"]))
+        def kill_worker(self, data: st.DataObject, how: str) -> None:
+            """A worker gone (SIGKILL: a node vanishing; SIGTERM: the spot notice's hand-off) and another started
+            on its pool, whichever segment it was rendering."""
             i = data.draw(st.sampled_from([i for i in range(len(self.workers)) if i not in self.paused]))
-            self._step(f"kill worker {i}, start another")
+            self._step(f"{how} worker {i} ({self.pools[i]}), start another")
             self.kills += 1
-            self.workers[i].kill()
-            self.workers[i] = WorkerProc(self.env, self.logs / f"worker-{i}-again-{time.monotonic():.0f}.log")
+            if how == "kill":
+                self.workers[i].kill()
+            else:
+                self.workers[i].terminate(timeout=30)
+            self.workers[i] = self._worker(i, f"-again-{time.monotonic():.0f}")
             for state in self.names.values():
                 state.disturbed = True
 
@@ -305,8 +324,9 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess, budget: Budget) ->
             for name, state in self.names.items():
                 folder = self.store_dir / "jobs" / name
                 if state.file and not state.cancelled:
+                    # Redis's count too: after a restart status counts the store until the monitor has the job back.
                     wait_for(
-                        lambda n=name: status_now(self.env, n)["done"] == PROMPTS,
+                        lambda n=name: status_now(self.env, n)["done"] == PROMPTS == self.r.bitcount(keys.done_bits(n)),
                         60,
                         interval=0.25,
                         what=f"{name} (file {state.file}) to finish without a person",
@@ -328,7 +348,15 @@ def make_machine(tmp: Path, redis_server: RedisServerProcess, budget: Budget) ->
                     assert self.r.bitcount(keys.done_bits(name)) == PROMPTS
                     if not state.disturbed:
                         stats = {keys.text(k): int(v) for k, v in self.r.hgetall(keys.job_stats(name)).items()}
-                        assert sum(v for k, v in stats.items() if k.startswith("images.")) == PROMPTS, (name, stats)
+                        # Each segment counts its images (the pool that made them): an upscaled job's twice.
+                        segments = 2 if self.staged else 1
+                        assert sum(v for k, v in stats.items() if k.startswith("images.")) == PROMPTS * segments, (
+                            name,
+                            stats,
+                        )
+                        if self.staged:
+                            made = {keys.text(k): int(v) for k, v in self.r.hgetall(keys.job_stages(name)).items()}
+                            assert made.get("images.generate") == made.get("images.upscale-1") == PROMPTS, (name, made)
                 if state.deleted:
                     time.sleep(0.5)  # a fenced worker's last word, if it had one, lands now
                     assert not folder.exists() or not any(p.is_file() for p in folder.rglob("*")), (
