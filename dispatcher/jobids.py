@@ -17,6 +17,7 @@ naming the candidates.  An exact id always wins over a name.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from collections.abc import Iterable
@@ -26,9 +27,9 @@ import redis
 from dispatcher.resume import store_jobs
 from dispatcher.status import jobs_of_store
 from renderfleet import keys, spec
-from renderfleet.errors import InputError, StoreError
+from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.limits import MAX_SPEC_BYTES
-from renderfleet.spec import job_id_problem
+from renderfleet.spec import job_id_problem, store_identity
 from renderfleet.store import Store
 
 log = logging.getLogger(__name__)
@@ -110,9 +111,10 @@ def resolve(client: redis.Redis | None, store: Store, text: str) -> str:
     a tombstone included), else the one job of the store whose name is ``text`` or whose id
     starts with it.
 
-    InputError when ``text`` names several jobs (naming them), is a prefix too short to take, or
-    can be neither a job id nor a name of one; a prefix of none is returned as it is, for the
-    caller's own "no job" error.
+    A deleted job it names (by its name or id prefix, while its tombstone lives) is returned too:
+    the caller says when it was deleted.  InputError when ``text`` names several jobs (naming them)
+    or is a prefix too short to take; JobNotFound ("no job named ...", with the closest names and
+    ids) when it names none.
     """
     id_like = job_id_problem(text) is None
     if id_like:
@@ -143,14 +145,34 @@ def resolve(client: redis.Redis | None, store: Store, text: str) -> str:
         raise InputError([f"JOB: {text!r} is ambiguous: {len(matches)} jobs {how}: {shown} ({hint})"])
     if matches:
         return matches[0]
-    if not id_like:
-        raise InputError(
-            [
-                f"not a job id: {text!r}, nor the name of a job of store {store.url} "
-                "(give what `submit` printed, a unique prefix of it, or the job's name, as `status` shows them)"
-            ]
-        )
-    return text
+    if (gone := deleted_named(client, store, text, id_like)) is not None:
+        return gone  # the caller says when it was deleted, as for its whole id (lifecycle.deleted)
+    # A mistyped name or id, or a job gone whose tombstone has expired (issue 46: one message for
+    # every way of naming a job, not the store's "no jobs/NAME/spec.json").
+    close = difflib.get_close_matches(text, sorted({n for n in names.values() if n} | set(jobs)), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise JobNotFound(
+        f"no job named {text!r} in store {store.url} (nor one whose id starts with it){hint} (`status --all` lists the jobs)"
+    )
+
+
+def deleted_named(client: redis.Redis | None, store: Store, text: str, id_like: bool = True) -> str | None:
+    """The deleted job of ``store`` that ``text`` names (its name, or a prefix of its id: at least
+    :data:`MIN_PREFIX` characters) while its tombstone lives (``keys.DELETED``); the latest so
+    deleted; None if none."""
+    if client is None:
+        return None
+    gone = [keys.text(job) for job in client.zrevrange(keys.DELETED, 0, -1)]
+    pipe = client.pipeline(transaction=False)
+    for job in gone:
+        pipe.hmget(keys.job(job), "deleted", "name", "store")
+    ours = store_identity(store.url)
+    for job, (at, name, owner) in zip(gone, pipe.execute() if gone else [], strict=True):
+        if at is None or keys.text(owner or b"") not in ("", ours):  # submitted again since, expired, or another's
+            continue
+        if (name is not None and keys.text(name) == text) or (id_like and len(text) >= MIN_PREFIX and job.startswith(text)):
+            return job
+    return None
 
 
 def _candidate(job: str, names: dict[str, str]) -> str:

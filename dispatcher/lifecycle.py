@@ -102,6 +102,7 @@ def forget(client: redis.Redis, job: str, store: str, reason: str) -> int:
                 UNACKED_KEY,
                 UNACKED_INDEX_KEY,
                 keys.JOBS,
+                keys.DELETED,
                 *enqueue.life_keys(job),  # what one life counted: deleted
             ],
             args=[job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, store, reason, keys.TOMBSTONE_SECONDS, keys.ACTIVE_PREFIX],

@@ -337,7 +337,7 @@ def checked_job(store: Store, job: str, client: redis.Redis | None = None) -> st
     if job_id_problem(job) or not store.exists(layout.spec_key(job)):
         try:
             job = resolve(client, store, job)
-        except InputError as exc:
+        except (InputError, JobNotFound) as exc:  # ambiguous, or none (a deleted job's has no spec either)
             raise NotHere(str(exc)) from None
         if not store.exists(layout.spec_key(job)):
             raise NotHere(f"no job {job!r}")

@@ -79,12 +79,16 @@ def job(job_id: str) -> str:
     ``submit --min-vram``, ``renderfleet/cards.py``).
 
     Once the job is deleted (``renderfleet delete``) or retired (its spec gone from the
-    store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason;
-    its ``attempts`` hash is kept as long, so that a stale worker stays fenced."""
+    store), a tombstone of :data:`TOMBSTONE_SECONDS`: deleted (unix time), store, reason,
+    name (if it had one; :data:`DELETED` lists the tombstones); its ``attempts`` hash is kept
+    as long, so that a stale worker stays fenced."""
     return f"rf:job:{job_id}"
 
 
 TOMBSTONE_SECONDS = 86400  # how long a deleted job's hash and attempts hash outlive it
+# zset job id -> unix time of its deletion, for each tombstone that may live (forget.lua trims
+# those older than TOMBSTONE_SECONDS): `status NAME` finds a deleted job by its name or id prefix.
+DELETED = "rf:deleted"
 
 
 def done_bits(job_id: str) -> str:

@@ -1,17 +1,19 @@
 -- Forget a job (renderfleet delete, and the retirement of a job gone from the
 -- store): every key of it goes, its leases and enqueue records with them, and a
--- tombstone stays: the job's hash reduced to deleted, store and reason, and its
--- attempts hash (a stale worker stays fenced), both expiring after `ttl`.
+-- tombstone stays: the job's hash reduced to deleted, store, reason and name, and
+-- its attempts hash (a stale worker stays fenced), both expiring after `ttl`; the
+-- job is listed in `deleted` for as long (its name finds it: `status NAME`).
 -- Run after cancel.lua, which took its messages out of their queues.
 --
 -- KEYS[1] job, KEYS[2] shards, KEYS[3] attempts, KEYS[4] inflight, KEYS[5] enqueued,
 -- KEYS[6] unacked, KEYS[7] unacked_idx, KEYS[8] jobs (the set of job ids),
--- KEYS[9...] the job's other keys, deleted (bits, counts, stats, stage figures, progress, fails, events)
+-- KEYS[9] deleted (zset job id -> when it was deleted),
+-- KEYS[10...] the job's other keys, deleted (bits, counts, stats, stage figures, progress, fails, events)
 -- ARGV[1] job id, ARGV[2] queued prefix, ARGV[3] lease key prefix, ARGV[4] store,
 -- ARGV[5] reason, ARGV[6] ttl (seconds), ARGV[7] active prefix (keys.ACTIVE_PREFIX)
 -- Returns the number of leases dropped.
 local job, shards, attempts, inflight, enqueued = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local unacked, unacked_idx, jobs = KEYS[6], KEYS[7], KEYS[8]
+local unacked, unacked_idx, jobs, deleted = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local job_id, queued_prefix, lease_prefix, store, reason, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local prefix = job_id .. ':'
 
@@ -49,13 +51,20 @@ local own = redis.call('HGET', job, 'queue')
 if own then
   redis.call('ZREM', ARGV[7] .. own, job_id)  -- out of the feeder's rotation (its pending list is in KEYS[9...])
 end
-for i = 9, #KEYS do
+for i = 10, #KEYS do
   redis.call('DEL', KEYS[i])
 end
 redis.call('DEL', shards)
+local name = redis.call('HGET', job, 'name')
 redis.call('DEL', job)
-redis.call('HSET', job, 'deleted', redis.call('TIME')[1], 'store', store, 'reason', reason)
+local now = tonumber(redis.call('TIME')[1])
+redis.call('HSET', job, 'deleted', now, 'store', store, 'reason', reason)
+if name and name ~= '' then
+  redis.call('HSET', job, 'name', name)
+end
 redis.call('EXPIRE', job, ttl)
+redis.call('ZADD', deleted, now, job_id)
+redis.call('ZREMRANGEBYSCORE', deleted, '-inf', now - tonumber(ttl))  -- their tombstones have expired
 redis.call('EXPIRE', attempts, ttl)
 redis.call('SREM', jobs, job_id)
 return dropped

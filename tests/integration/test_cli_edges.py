@@ -28,9 +28,10 @@ def env(tmp_path: Path, redis_server: RedisServerProcess) -> dict[str, str]:
 
 
 def test_a_path_is_not_a_job_id(env: dict[str, str]) -> None:
+    # Neither an id nor a job's name: never a store key (no path out of the job's prefix), one line.
     for command in ("status", "results", "resume"):
         proc = cli(env, command, "../etc", check=False)
-        assert proc.returncode == 2 and "not a job id: '../etc'" in proc.stderr, proc.stderr
+        assert proc.returncode == 1 and "no job named '../etc' in store" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
 
 

@@ -355,7 +355,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     left = sorted(keys.text(k) for k in r.scan_iter(match=f"rf:job:{job}*"))
     assert left == [keys.job(job), keys.attempts(job)]
     tomb = {keys.text(k): keys.text(v) for k, v in r.hgetall(keys.job(job)).items()}
-    assert sorted(tomb) == ["deleted", "reason", "store"] and tomb["store"] == str(tmp_path / "store")
+    assert sorted(tomb) == ["deleted", "name", "reason", "store"] and tomb["store"] == str(tmp_path / "store")
     assert 0 < r.ttl(keys.job(job)) <= keys.TOMBSTONE_SECONDS and 0 < r.ttl(keys.attempts(job)) <= keys.TOMBSTONE_SECONDS
     assert not r.sismember(keys.JOBS, job) and r.zcard(keys.INFLIGHT) == 0
     assert not any(keys.text(m).startswith(f"{job}:") for m in r.hkeys(keys.ENQUEUED))

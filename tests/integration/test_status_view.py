@@ -117,7 +117,7 @@ def test_an_ambiguous_prefix_names_the_candidates_and_changes_nothing(tmp_path: 
     proc = cli(env, "status", "ba", check=False)  # a prefix too short to take
     assert proc.returncode == 2 and "at least 4 characters" in proc.stderr
     proc = cli(env, "status", "nothing-like-it", check=False)
-    assert proc.returncode == 1 and "no job nothing-like-it" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and "no job named 'nothing-like-it'" in proc.stderr and "Traceback" not in proc.stderr
     client = Client(redis_url=env["RENDERFLEET_REDIS_URL"], store=env["RENDERFLEET_STORE"])
     with pytest.raises(InputError, match="ambiguous"):
         client.job("batch")

@@ -13,13 +13,14 @@ from rich.console import Console
 
 from dispatcher.enqueue import register_job
 from dispatcher.jobids import resolve
+from dispatcher.lifecycle import delete
 from dispatcher.show import print_status
-from dispatcher.status import FleetStatus, JobStatus, _named
+from dispatcher.status import FleetStatus, JobStatus, _named, fleet_status
 from dispatcher.submit import SubmitOptions, check_options, job_id
 from renderfleet import spec
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess
-from renderfleet.errors import InputError
+from renderfleet.errors import InputError, JobDeleted, JobNotFound
 from renderfleet.spec import JobSpec, RenderParams, default_job_name, job_name_problem
 from renderfleet.store import LocalStore
 
@@ -128,9 +129,36 @@ def test_a_unique_name_resolves_and_an_ambiguous_one_names_the_candidates(
     assert "ambiguous" in problem and "j-aaaa000000000001 (prompts)" in problem and "j-bbbb000000000002" in problem
     with pytest.raises(InputError, match="are named so or start with it"):
         resolve(client, store, "j-cccc")
-    with pytest.raises(InputError, match="nor the name of a job"):
+    with pytest.raises(JobNotFound, match="no job named 'no such run'"):
         resolve(client, store, "no such run")
-    assert resolve(client, store, "nothing-like-it") == "nothing-like-it"  # the caller's "no job" error
+    with pytest.raises(JobNotFound, match="no job named 'nothing-like-it'"):
+        resolve(client, store, "nothing-like-it")
     assert resolve(None, store, "nightly") == "j-cccc000000000003"  # no Redis: the store's specs
     assert client.hget("rf:job:j-cccc000000000003", "name") == b"nightly"
     assert "name" not in json.loads(client.hget("rf:job:j-cccc000000000003", "spec") or b"{}")
+
+
+def test_a_deleted_or_mistyped_job_is_said_so_however_it_is_named(tmp_path: Path, redis_server: RedisServerProcess) -> None:
+    # Issue 46, item 8: only the whole id of a deleted job said "was deleted at"; its name or a prefix,
+    # or a mistyped name, said "no jobs/NAME/spec.json: the store was emptied, or ...".
+    client = redis.Redis.from_url(redis_server.url)
+    store = LocalStore(tmp_path / "store")
+    for job, name in (("j-aaaa000000000001", "mugs"), ("j-bbbb000000000002", "teapots")):
+        job_spec = JobSpec(job=job, params=RenderParams(model="tiny"), total=1, shard_size=1, batch_size=1, name=name)
+        store.put(spec.spec_key(job), job_spec.to_json().encode())
+        register_job(client, job_spec, queue_name("default", store.url), spec.store_identity(store.url))
+    delete("j-aaaa000000000001", store=store, client=client, lease_seconds=1)
+    for typed in ("mugs", "j-aaaa", "j-aaaa000000000001"):
+        assert resolve(client, store, typed) == "j-aaaa000000000001", typed
+        with pytest.raises(JobDeleted, match=r"^job j-aaaa000000000001 was deleted at \d{4}-"):
+            fleet_status(client, [resolve(client, store, typed)], store=store)
+    with pytest.raises(JobNotFound) as missed:
+        resolve(client, store, "teapot")
+    assert str(missed.value).startswith(f"no job named 'teapot' in store {store.url}")
+    assert "did you mean 'teapots'?" in str(missed.value)
+    with pytest.raises(JobNotFound, match="no job named 'j-cccc'") as missed:
+        resolve(client, store, "j-cccc")
+    assert "did you mean" not in str(missed.value)
+    other = LocalStore(tmp_path / "other")  # another store's deleted job is none of this one's
+    with pytest.raises(JobNotFound, match="no job named 'mugs'"):
+        resolve(client, other, "mugs")
