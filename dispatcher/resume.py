@@ -25,7 +25,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from dispatcher import cancelmarks, enqueue
+from dispatcher import cancelmarks, enqueue, strays
 from dispatcher.enqueue import WireShard
 from renderfleet import budget as budgets
 from renderfleet import keys, prompts, shardfile, spec, stages
@@ -297,8 +297,15 @@ def resume(
             wire_out.close()
         if tmp is not None:
             tmp.cleanup()
-    if sent and push and held is None:
-        Feeder(client).feed(queue)
+    if push and held is None:
+        # A shard its worker handed on to a later segment while Redis had lost the job (a restart between the
+        # segment's end and this registration) is in that segment's pending list, but its release found no
+        # template then and put the job in no rotation: every segment with pending shards is fed from here,
+        # not from the audit's second look a minute on (issue 45: no pending shard of a live job left unfed).
+        _, rotated = strays.rehome(client, job, [])
+        later = keys.text(client.hget(keys.job(job), "segments") or b"")
+        for each in [queue, *(q for q in later.split(",") if q)] if sent or rotated else []:
+            Feeder(client).feed(each)
     if held is not None:
         cancelmarks.hold(client, job, held)  # cancelled again: its field, and anything pushed meanwhile out
     return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known, missing)

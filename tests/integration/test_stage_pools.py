@@ -280,3 +280,57 @@ def test_a_later_segment_s_shard_whose_lease_outlived_a_redis_restart_is_not_str
         for proc in (gen, big, fresh):
             if proc is not None:
                 proc.kill()
+
+
+def test_a_shard_handed_on_to_its_next_segment_while_redis_had_lost_the_job_is_fed_at_once(
+    tmp_path: Path, redis_server: RedisServerProcess
+) -> None:
+    """Found by the lives machine (issue 45 item 1's class): a gen worker ends a shard's first segment just as
+    Redis restarts empty, and hands it on into a Redis that has lost the job: the shard lands in big's pending
+    list, but with no template to feed it the job joins no rotation.  The monitor then registers the job again
+    from the store; before the fix that registration left a shard already pending as it was, and only the
+    audit's second look, a minute on, put the segment back in its rotation.  Now the registration feeds every
+    segment with pending shards, and the job finishes long before any audit could have."""
+    config = tmp_path / "pools.toml"
+    config.write_text(POOLS)
+    # Audits far apart: the job must finish without one.
+    env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"), RENDERFLEET_CONFIG=str(config), **bench_worker(0.05))
+    monitor_env = {**env, "RENDERFLEET_AUDIT_SECONDS": "300"}
+    client = redis.Redis.from_url(redis_server.url)
+    # The gen worker stops once its shard's first segment is rendered and stored, before the hand-on.
+    gen = WorkerProc(
+        {**env, "RENDERFLEET_POOL": "gen", failpoints.VARIABLE: "before-count-stored=pause"}, tmp_path / "gen.log"
+    )
+    monitor = start_monitor(monitor_env, tmp_path / "monitor.log")
+    big: WorkerProc | None = None
+    try:
+        wait_for(lambda: worker_ready(client, 1), 60, what="the gen worker")
+        prompts = write_prompts(tmp_path / "p.txt", 4)
+        flags = ["--pool", "gen", "--shard-size", "4", "--batch-size", "2", "--upscale", "2@big"]
+        job = cli(env, "submit", str(prompts), *bench(0.05), *flags).stdout.split()[-1]
+        wait_for(lambda: stopped(gen.pid), 60, what="the gen worker at the end of the first segment")
+
+        # Redis restarts empty with the monitor held still; the worker then hands the shard on into it.
+        os.killpg(monitor.pid, signal.SIGSTOP)
+        redis_server.kill()
+        redis_server.start()  # same port, empty
+        os.kill(gen.pid, signal.SIGCONT)
+        wait_for(lambda: shards_logged(gen.output(), "segment 0 done") == {0}, 60, what="the hand-on")
+        os.killpg(monitor.pid, signal.SIGCONT)
+        wait_for(lambda: client.hexists(keys.job(job), "feed"), 60, what="the monitor to register the job again")
+
+        # A big worker starts: it is fed the shard's second segment, with no audit.
+        started = time.monotonic()
+        big = WorkerProc({**env, "RENDERFLEET_POOL": "big"}, tmp_path / "big.log")
+        wait_for(lambda: client.bitcount(keys.done_bits(job)) == 4, 60, what="the job's final images")
+        assert time.monotonic() - started < 60
+        assert "were in no queue, pending list or lease" not in (tmp_path / "monitor.log").read_text()
+        assert status_now(env, job)["done"] == 4
+        assert len(stored_images(env, job)) == 4
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(monitor.pid, signal.SIGKILL)
+        monitor.wait(10)
+        for proc in (gen, big):
+            if proc is not None:
+                proc.kill()
