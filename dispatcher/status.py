@@ -405,6 +405,10 @@ _HEAD = ("total", "store", "cancelled", "deleted", "reason", "priority", "share"
 # Jobs read per pipeline: one round trip per so many jobs, never a reply of every job's hashes held at once.
 _CHUNK = 500
 
+# ``status`` without ``--all`` lists the finished jobs while there are at most so many; past that it counts
+# them (``+N finished``), reading none of them further.
+FINISHED_SHOWN = 3
+
 
 def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> dict[str, list[Any]]:
     """Each job's first reads, pipelined: [its hash's :data:`_HEAD` fields, done, quarantined].
@@ -468,10 +472,16 @@ def job_statuses(
     jobs (not a round trip per job).  With ``fold_finished``, a finished job is only counted,
     not read further (its spec, shards, counters and progress, or the store).  ``heads``: the
     jobs' first reads (:func:`_read_heads`), when the caller has them.  (the jobs read, how many
-    were folded)."""
+    were folded: none while at most :data:`FINISHED_SHOWN` are finished, which are read and listed)."""
     heads = dict(heads or {})
     heads.update(_read_heads(client, [job for job in jobs if job not in heads], fold=fold_finished))
-    kept = [job for job in jobs if not (fold_finished and _finished_by_head(heads[job]))]
+    finished = [job for job in jobs if fold_finished and _finished_by_head(heads[job])]
+    if finished and len(finished) <= FINISHED_SHOWN:
+        # A few finished jobs are listed (the one `make run` rendered, say); the fold read none of their quarantined.
+        heads.update(_read_heads(client, finished))
+        finished = []
+    folded = set(finished)
+    kept = [job for job in jobs if job not in folded]
     out: list[JobStatus] = []
     for at in range(0, len(kept), _CHUNK):
         chunk = kept[at : at + _CHUNK]

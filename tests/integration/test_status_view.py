@@ -259,6 +259,20 @@ def test_a_job_all_quarantined_is_a_red_bar_not_a_green_one(tmp_path: Path, env:
     assert " ".join(text.split()).count("every prompt (12) was quarantined") == 1
 
 
+def test_a_few_finished_jobs_are_listed_and_a_fourth_folds_them(tmp_path: Path, env: dict[str, str]) -> None:
+    # Issue 46 item 9: the README's first `status` shows the job `make run` rendered, finished; a fleet of
+    # finished jobs is counted in one line.
+    client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])
+    store = open_store(env["RENDERFLEET_STORE"])
+    done = add_jobs(client, store, 3)
+    live = add_jobs(client, store, 2, prefix="live", finished=False)  # two: each id shown whole, as typed here
+    text = cli(env, "status").stdout
+    assert shown_ids(text) == live + done and "finished: renderfleet status --all" not in text, text
+    add_jobs(client, store, 4)  # done-00000 to done-00003: one more
+    text = cli(env, "status").stdout
+    assert shown_ids(text) == live and "+4 finished: renderfleet status --all" in text, text
+
+
 def test_status_of_many_finished_jobs_folds_them_into_one_line_and_reads_only_their_counters(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
