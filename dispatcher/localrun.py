@@ -263,5 +263,6 @@ def _run_local(
         soft_wrap=True,
     )
     console.print(f"images: {where}", soft_wrap=True)
-    print(where)
+    if not sys.stdout.isatty():  # a terminal shows both streams: the path once there
+        print(where)  # piped: standard output has the path alone, for a script ($(renderfleet run ...))
     return 0 if job_state.quarantined == 0 else 1

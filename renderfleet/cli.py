@@ -165,7 +165,7 @@ FamilySteps = Annotated[
         help="denoising steps (default: the family's: 30 SD/SDXL, 28 SD3/FLUX dev, 4 schnell)",
     ),
 ]
-Size = Annotated[str, typer.Option(metavar="WxH", help="WIDTHxHEIGHT, multiples of 8")]
+Size = Annotated[str, typer.Option(metavar="WxH", help="WIDTHxHEIGHT, multiples of 8 (of 16 for SD3 and FLUX)")]
 Guidance = Annotated[float, typer.Option(metavar="SCALE", help="classifier-free guidance scale")]
 FamilyGuidance = Annotated[
     float | None,
@@ -282,8 +282,9 @@ Upscale = Annotated[
     typer.Option(
         "--upscale",
         metavar="FACTOR[:MODEL[:STEPS]]",
-        help="a stage after generate: 2 or 4 (Lanczos), or 4:MODEL (a diffusion x4 upscaler); stages run in the order "
-        "given; @POOL at the end runs it on that pool",
+        help="a stage after generate: 2 or 4 (Lanczos), 4:MODEL (a diffusion x4 upscaler), or FACTOR:FILE.safetensors "
+        "(a GAN upscaler, ESRGAN's; tiny-esrgan built in); stages run in the order given; @POOL at the end runs it on "
+        "that pool",
     ),
 ]
 Refine = Annotated[

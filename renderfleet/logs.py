@@ -55,6 +55,7 @@ NOISE = (
     "Already found a `peft_config` attribute in the model",
     # torchao, imported by diffusers wherever it is installed (--quantize): kernels this node never runs
     "_C_mxfp8",
+    "_C_cutlass",  # _C_cutlass_90a: Hopper's kernels, on a CPU or another card
     "Detected no triton",
     "Unable to import `torchao` Tensor objects",
 )

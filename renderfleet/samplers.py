@@ -15,6 +15,7 @@ scheduler, the default: a job that names none renders as before.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 # name -> (diffusers class, options the name implies).  The common names follow diffusers'
@@ -105,6 +106,10 @@ def scheduler_problem(name: str) -> str | None:
     if name == "" or name in COMMON or name in CLASSES or name in FLOW_SAMPLERS:
         return None
     shown = name if len(name) <= MAX_NAME_LEN else name[:MAX_NAME_LEN] + "..."
+    known = [*COMMON, *sorted(CLASSES), *(n for n in FLOW_SAMPLERS if n not in COMMON and n not in CLASSES)]
+    close = difflib.get_close_matches(name[:MAX_NAME_LEN], known, n=2, cutoff=0.7)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     return (
-        f"unknown scheduler {shown!r}: one of {', '.join(COMMON)}, or a diffusers class name ({', '.join(sorted(CLASSES))})"
+        f"unknown scheduler {shown!r}: {hint}one of {', '.join(COMMON)}, or a diffusers class name "
+        f"({', '.join(sorted(CLASSES))})"
     )

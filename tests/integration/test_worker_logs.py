@@ -23,6 +23,8 @@ NOISE = (
     "-------------- [queues]",
     "[transformers]",
     "should be kept in float32",
+    "Could not load this library",  # torchao's kernels for other cards (_C_mxfp8, _C_cutlass_90a): issue 46
+    "is an Enum subclass",  # torchao's enums registered with torch.compile
 )
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
 

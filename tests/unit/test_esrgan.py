@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -120,6 +121,11 @@ def test_tiny_esrgan_upscales_four_times_the_same_bytes_twice(tmp_path: Path, on
     # Its weights are a safetensors file, read back by the path any file takes: the same bytes.
     again = renderer(f"4:{tiny_esrgan_file(tmp_path)}", tmp_path).run(images, prompts(2, 24))
     assert [i.tobytes() for i in out] == [i.tobytes() for i in again]
+    # Its finals are its inputs upscaled with a faint random texture, not near-black squares (issue 46).
+    for image, final in zip(images, out, strict=True):
+        near = np.asarray(image.convert("RGB").resize(final.size, Image.Resampling.NEAREST), dtype=np.int16)
+        diff = np.abs(np.asarray(final, dtype=np.int16) - near)
+        assert 0 < diff.mean() < 3 and diff.max() < 16, (diff.mean(), diff.max())
 
 
 def test_a_gan_model_s_scale_must_be_the_stage_s_factor_and_the_allow_list_applies(tmp_path: Path) -> None:

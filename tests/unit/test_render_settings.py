@@ -71,6 +71,12 @@ def test_every_common_scheduler_name_is_a_diffusers_class_with_real_options() ->
     assert samplers.scheduler_problem("") is None  # the pipeline's own
     why = samplers.scheduler_problem("dpmpp_9m")
     assert why and "unknown scheduler 'dpmpp_9m'" in why and "dpmpp_2m_karras" in why
+    # a mistyped name gets the closest (issue 46); a name like none, none
+    assert "unknown scheduler 'eulr': did you mean 'euler' or 'euler_a'? one of" in (
+        samplers.scheduler_problem("eulr") or ""
+    )
+    assert "did you mean 'EulerDiscreteScheduler'" in (samplers.scheduler_problem("EulerDiscreteSchedular") or "")
+    assert "did you mean" not in (samplers.scheduler_problem("warp") or "did you mean")
 
 
 def test_a_prompt_file_sets_a_scheduler_per_prompt_and_a_bad_one_is_refused_by_name() -> None:

@@ -342,18 +342,40 @@ def tiny_esrgan_file(cache_dir: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    path = Path(cache_dir) / TINY_ESRGAN / f"{TINY_ESRGAN}{GAN_SUFFIX}"
+    # v2: the picture through (v1's random weights made near-black squares, values 0-27, that read as a failure
+    # on a contact sheet: issue 46); a new name, so that a cache of v1 is never taken for it.
+    path = Path(cache_dir) / TINY_ESRGAN / f"{TINY_ESRGAN}-v2{GAN_SUFFIX}"
     log.warning(tiny_warning(TINY_ESRGAN))
     if path.is_file():
         return path
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         net = build_rrdbnet(RRDBConfig(num_in_ch=3, num_out_ch=3, **_TINY))
+        _pass_the_picture_through(net)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, partial)
     os.replace(partial, path)
     return path
+
+
+def _pass_the_picture_through(net: Any, texture: float = 0.1) -> None:
+    """The tiny net's random weights bent so its output is its input upscaled (nearest), with the random
+    features as a faint texture on top: features 0-2 carry the RGB channels through every convolution
+    (a centre tap of 1, the leaky ReLUs pass a positive value as it is), the body's sum adds nothing
+    to them, and the last convolution reads the other features at ``texture`` of their random weight."""
+    import torch
+
+    with torch.no_grad():
+        for name in ("conv_first", "conv_up1", "conv_up2", "conv_hr", "conv_last"):
+            conv = getattr(net, name)
+            for c in range(3):
+                conv.weight[c, : 3 if name == "conv_last" else None].zero_()  # the last keeps the texture's
+                conv.weight[c, c, 1, 1] = 1.0
+                conv.bias[c] = 0.0
+        net.conv_body.weight[:3].zero_()
+        net.conv_body.bias[:3].zero_()
+        net.conv_last.weight[:, 3:] *= texture
 
 
 def upscale(net: Any, images: list[Any], device: str) -> list[Any]:
