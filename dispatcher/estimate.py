@@ -30,11 +30,12 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from renderfleet import cards, families, prompts, speeds, stages
+from renderfleet import budget, cards, families, prompts, speeds, stages
 from renderfleet.celery_app import queue_name
 from renderfleet.spec import Prompt, RenderParams, spec_key, store_identity
+from renderfleet.words import counted
 
 if TYPE_CHECKING:
     import redis
@@ -245,6 +246,7 @@ class Estimate:
     at_max: Scenario
     notes: list[str] = field(default_factory=list)
     family: str = ""  # the model's family as submit told it (families.Family.title); "" unknown
+    budget: BudgetView | None = None  # the job's --budget against it; None without one
 
     def by_basis(self, basis: str) -> list[str]:
         """The pools whose figures are ``basis`` (speeds.MEASURED, DERIVED, ASSUMED)."""
@@ -319,6 +321,54 @@ def _scenario(total: int, shards: int, rows: list[PoolEstimate], workers: dict[s
     return Scenario(usable, gpu, total / rate, cost if priced else None)
 
 
+# ---- 5. the budget ----------------------------------------------------------------------
+
+
+@dataclass
+class BudgetCase:
+    """A budget against the job at one set of pool sizes."""
+
+    cost: float  # the job's cost as its budget counts it: a pool with no price at the dearest
+    covers: bool  # the cost and one batch fit in it (the fence stops a job once its spend and a batch reach it)
+    images: int  # about how many of its images it renders before it stops: every one when it covers
+    over_by: float  # the most it can spend past the budget: one batch per worker rendering it
+
+
+@dataclass
+class BudgetView:
+    """``--budget`` against the estimate (``budget`` in ``submit --estimate --json``)."""
+
+    budget: float
+    problem: str | None  # why a submit refuses it (a pool of the job without a price), saying how to price it
+    batch_cost: dict[str, float]  # pool -> one batch of the job at its price (no price: the dearest)
+    now: BudgetCase | None = None  # None: no worker (or nothing priced)
+    at_max: BudgetCase | None = None
+
+
+def budget_view(amount: float, rows: Sequence[PoolEstimate], total: int, batch_size: int, problem: str | None) -> BudgetView:
+    """``amount`` against the projection (:func:`project`'s ``rows``, their shares set), counted as the
+    budget counts (``renderfleet/budget.py``): GPU time by pool at each pool's price, the dearest for a
+    pool with none; ``problem``: why a submit would refuse it (``budget.unpriced_problem``)."""
+    prices = {p.pool: p.price_per_hour for p in rows if p.price_per_hour}
+    dearest = max(prices.values(), default=0.0)
+    if problem is not None or not dearest:
+        return BudgetView(amount, problem, {})
+    batch = {p.pool: batch_size * p.seconds_per_image * prices.get(p.pool, dearest) / 3600 for p in rows}
+
+    def case(which: str) -> BudgetCase | None:
+        shares = [(p, share) for p in rows if (share := getattr(p, which)) is not None and share.images]
+        if not shares:
+            return None
+        cost = sum(share.gpu_seconds * prices.get(p.pool, dearest) / 3600 for p, share in shares)
+        over = sum(math.ceil(share.workers - 1e-9) * batch[p.pool] for p, share in shares)
+        last = max(batch[p.pool] for p, _ in shares)
+        if cost + last <= amount:
+            return BudgetCase(cost, True, total, over)
+        return BudgetCase(cost, False, min(total, int(total * max(0.0, amount - last) / cost)), over)
+
+    return BudgetView(amount, None, batch, case("now"), case("at_max"))
+
+
 # ---- the whole -------------------------------------------------------------------------
 
 
@@ -334,12 +384,68 @@ def estimate_file(
 ) -> Estimate:
     """The estimate of submitting ``path`` with ``opts`` (see the module docstring); ``client`` None:
     no Redis to read (``unread`` says why, if one was set), so no pool's workers now and no published price."""
-    from dispatcher.status import published_prices
     from dispatcher.submit import check_options, job_id
 
     check_options(opts)
     params = opts.params
     summary, groups = read_prompts(path, params, opts.format)
+    fleet = serving_pools(opts, settings=settings, store=store, client=client, family=family, unread=unread)
+    notes = list(fleet.notes)
+    shards = math.ceil(summary.total / opts.shard_size)
+    rows, now, at_max = project(summary.total, shards, groups, fleet.pools, fleet.speed)
+    job = opts.job or job_id(summary.digest, params, store_identity(store.url))
+    if store.exists(spec_key(job)):
+        notes.append(f"job {job} is in the store already: a submit renders only what it lacks, counted here in full")
+    notes.append("wall time counts neither workers' start nor the work queued ahead of the job")
+    priced = None
+    if opts.budget is not None:  # what submit checks: the job's pool and its stages' must have a price
+        segments = [s.pool for s in stages.segments(params.stages, opts.pool)]
+        problem = budget.unpriced_problem(opts.budget, segments, fleet.prices)
+        priced = budget_view(opts.budget, rows, summary.total, opts.batch_size, problem)
+    return Estimate(
+        job,
+        summary.total,
+        shards,
+        params.model,
+        params.revision,
+        params.width,
+        params.height,
+        params.steps,
+        [stages.describe(s) for s in params.stages],
+        opts.batch_size,
+        opts.pool,
+        rows,
+        now,
+        at_max,
+        notes,
+        family.title if family is not None else "",
+        priced,
+    )
+
+
+class Fleet(NamedTuple):
+    """The pools that would serve a job (step 2) and a speed for each (step 3)."""
+
+    pools: list[PoolView]
+    speed: Callable[[PoolView, Group], speeds.Speed]
+    prices: dict[str, float]  # every pool's price per hour known here: the config's over the fleet's
+    notes: list[str]
+
+
+def serving_pools(
+    opts: SubmitOptions,
+    *,
+    settings: Settings,
+    store: Store,
+    client: redis.Redis | None,
+    family: families.Family | None = None,
+    unread: str = "",
+) -> Fleet:
+    """Steps 2 and 3 for a job of ``opts``: its pools (their workers now from ``client``; None: no Redis to
+    read, ``unread`` says why) and a speed for each kind of image, from the store's records."""
+    from dispatcher.status import published_prices
+
+    params = opts.params
     notes: list[str] = []
     live: dict[str, list[dict[str, Any]]] = {}
     published: dict[str, float] = {}
@@ -366,29 +472,38 @@ def estimate_file(
         )
         return speeds.speed_for(records, speeds.Wanted(key, family, params.guidance, params.negative_prompt))
 
-    shards = math.ceil(summary.total / opts.shard_size)
-    rows, now, at_max = project(summary.total, shards, groups, pools, speed)
-    job = opts.job or job_id(summary.digest, params, store_identity(store.url))
-    if store.exists(spec_key(job)):
-        notes.append(f"job {job} is in the store already: a submit renders only what it lacks, counted here in full")
-    notes.append("wall time counts neither workers' start nor the work queued ahead of the job")
-    return Estimate(
-        job,
-        summary.total,
-        shards,
-        params.model,
-        params.revision,
-        params.width,
-        params.height,
-        params.steps,
-        [stages.describe(s) for s in params.stages],
-        opts.batch_size,
-        opts.pool,
-        rows,
-        now,
-        at_max,
-        notes,
-        family.title if family is not None else "",
+    prices = {**published, **{name: p for name, p in settings.gpu_prices.items() if p > 0}}
+    return Fleet(pools, speed, prices, notes)
+
+
+def overshoot_note(
+    opts: SubmitOptions,
+    *,
+    settings: Settings,
+    store: Store,
+    client: redis.Redis | None,
+    family: families.Family | None = None,
+) -> str:
+    """What ``submit --budget`` says of the most the job can spend past its budget: one batch per worker
+    (the fence stops it once its spend and a batch reach the budget; each worker's batch in flight then is
+    counted after), in money at the pools' prices (the dearest for a pool with none) and speeds."""
+    fleet = serving_pools(opts, settings=settings, store=store, client=client, family=family)
+    params = opts.params
+    kind = Group(params.width, params.height, params.steps, tuple(params.stages), 1)
+    dearest = max((p.price_per_hour for p in fleet.pools), default=0.0)
+    batch = {
+        p.name: opts.batch_size * fleet.speed(p, kind).seconds_per_image * (p.price_per_hour or dearest) / 3600
+        for p in fleet.pools
+    }
+    now = sum(p.workers_now * batch[p.name] for p in fleet.pools)
+    most = sum(p.workers_max * batch[p.name] for p in fleet.pools)
+    up, top = sum(p.workers_now for p in fleet.pools), sum(p.workers_max for p in fleet.pools)
+    each = ", ".join(f"{name} {money(cost)}" for name, cost in batch.items())
+    return (
+        f"budget {opts.budget:g}: the job stops once its spend and a batch reach it; it can go past it by at most "
+        f"one batch per worker: {money(now)} with the {counted(up, 'worker')} up now, {money(most)} at its pools' "
+        f"maximum of {counted(top, 'worker')} (a batch of {opts.batch_size}: {each}; "
+        "--estimate says what the speeds rest on)"
     )
 
 
@@ -461,6 +576,8 @@ def text(est: Estimate) -> str:
                     f"  {p.pool}: {share.images / est.prompts:.0%} of the prompts, GPU {duration(share.gpu_seconds)}, "
                     f"cost {money(share.cost)}"
                 )
+    if est.budget is not None:
+        lines += _budget_lines(est, est.budget)
     lines.append("")
     for p in est.pools:
         for s in p.speeds:
@@ -468,6 +585,31 @@ def text(est: Estimate) -> str:
             lines.append(f"{prefix}: {s['seconds_per_image']:.4g} s per image, {s['why']}")
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines) + "\n"
+
+
+def _budget_lines(est: Estimate, b: BudgetView) -> list[str]:
+    """Whether ``--budget`` covers the job, where it would stop, and the most it can be exceeded by."""
+    head = f"budget {b.budget:g}"
+    if b.problem is not None:
+        why = b.problem.removeprefix(f"--budget {b.budget:g}: ")
+        return ["", f"{head}: not counted, and a submit refuses it: {why}"]
+    cases = [(label, c) for label, c in (("at current sizes", b.now), ("at maximum sizes", b.at_max)) if c is not None]
+    if not cases:
+        return ["", f"{head}: not counted: no pool has a worker to render the job"]
+    said = [
+        f"{label} it covers the job (cost {money(c.cost)}, {money(b.budget - c.cost)} to spare)"
+        if c.covers
+        else f"{label} it stops after about {c.images:,} of {est.prompts:,} images (the job costs {money(c.cost)})"
+        for label, c in cases
+    ]
+    workers = {"at current sizes": est.now.workers, "at maximum sizes": est.at_max.workers}
+    over = ", ".join(f"{money(c.over_by)} {label} ({counted(workers[label], 'worker')})" for label, c in cases)
+    each = ", ".join(f"{pool} {money(cost)}" for pool, cost in b.batch_cost.items())
+    return [
+        "",
+        f"{head}: {'; '.join(said)}",
+        f"{head}: exceeded by at most one batch per worker: {over}; a batch of {est.batch_size}: {each}",
+    ]
 
 
 def _basis_line(est: Estimate) -> str:

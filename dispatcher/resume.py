@@ -27,6 +27,7 @@ from celery import Celery
 
 from dispatcher import cancelmarks, enqueue, strays
 from dispatcher.enqueue import WireShard
+from dispatcher.serving import live_servers
 from renderfleet import budget as budgets
 from renderfleet import keys, prompts, shardfile, spec, stages
 from renderfleet.celery_app import is_store_queue, queue_name
@@ -140,6 +141,16 @@ def stored_prompts(store: Store, job_spec: JobSpec) -> Iterator[tuple[str, str]]
             yield wire_name(i, line), line
 
 
+def serving(client: redis.Redis, store: Store, pools: Iterable[str]) -> int:
+    """How many live workers (loaded or loading) serve the queue of any of ``pools`` (a job's segments'):
+    the batches a budget raised a little buys at once (``renderfleet.budget.go_on``)."""
+    from dispatcher.status import store_workers  # not at the top: status imports this module
+
+    queues = {queue_name(pool, store.url) for pool in pools}
+    workers = store_workers(client, store)
+    return len({w for q in queues for loading in (False, True) for w in live_servers(store, workers, q, loading=loading)})
+
+
 def _bit(bitmap: bytes, i: int) -> bool:
     """Bit ``i`` of a Redis bitmap (SETBIT's order: bit 0 is the first byte's highest)."""
     return i >> 3 < len(bitmap) and bool(bitmap[i >> 3] >> (7 - (i & 7)) & 1)
@@ -203,22 +214,26 @@ def resume(
     known = bool(client.exists(keys.job(job)))
     # A Redis that lost the job lost its cap and its spend: the store's record has both (renderfleet/budget.py).
     record = None if known else budgets.load(store, job)
+    pools = [segment.pool for segment in stages.segments(job_spec.params.stages, job_spec.pool)]
     if record is not None and budget is None and uncancel and budgets.spent_already(record):
+        # Nothing counted since Redis lost it: the record's spend is its spend now, its batches' cost unknown.
+        now = budgets.Spent(record.spent, None, 0)
         raise InputError(
             [
-                f"--budget: job {job} stopped at its budget of {record.budget:g}, having spent {record.spent:.4g}: "
-                f"`renderfleet resume {job} --budget USD` with more continues it"
+                f"--budget: job {job} stopped at its budget of {record.budget:g} and has spent {record.spent:.4g}: "
+                f"{budgets.go_on(job, now, serving(client, store, pools))}"
             ]
         )
     if budget is not None:
         pinned = (record.prices if record else None) or budgets.job_prices(client, job)
-        pools = [segment.pool for segment in stages.segments(job_spec.params.stages, job_spec.pool)]
         if not pinned and (why := budgets.unpriced_problem(budget, pools, prices or {})):
             raise InputError([why])
-        spent = budgets.raise_budget(client, job, budget, pinned or prices or {}, record.spent if record else None)
+        carried = record.spent if record else None
+        workers = serving(client, store, pools)
+        spent = budgets.raise_budget(client, job, budget, pinned or prices or {}, carried, workers)
         budgets.save(store, job, budgets.Record(budget, spent, prices=budgets.job_prices(client, job)))
     elif uncancel:
-        budgets.check_resumable(client, job)
+        budgets.check_resumable(client, job, lambda: serving(client, store, pools))
     # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
     held = cancelmarks.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
     # The counts before the listing: one it does not explain (an image gone since) is

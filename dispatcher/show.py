@@ -9,6 +9,7 @@ that do not fit are dropped, least important first, and a line says which
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -178,6 +179,17 @@ def budget_line(j: JobStatus, shown: str) -> Text:
     if j.state == "budget":
         return Text(f"{line}; stopped at its budget: renderfleet resume {shown} --budget USD raises it", style="yellow")
     return Text(line)
+
+
+def settings_line(j: JobStatus, shown: str) -> Text:
+    """Under the jobs of ``status JOB``: what the job renders (a prompt's own settings win for it)."""
+    scheduler = f"scheduler {j.scheduler}" if j.scheduler else "the model's own scheduler"
+    negative = (
+        f"negative prompt {json.dumps(j.negative_prompt, ensure_ascii=False)}" if j.negative_prompt else "no negative prompt"
+    )
+    return Text(
+        f"job {shown}: {j.model or '-'} at {j.size or '-'}, {j.steps} steps, {scheduler}, {negative}", overflow="fold"
+    )
 
 
 def job_columns(ids: dict[str, str], plain: bool) -> list[Column]:
@@ -404,6 +416,8 @@ def _render(
         parts.append(_folded_line(len(hidden) - finished, finished + fleet.folded))
     if listed or hidden or fleet.folded:
         parts.append(Text(""))
+        if fleet.known is None:  # jobs named (status JOB): what each renders
+            parts += [settings_line(j, ids.get(j.job, j.job)) for j in listed if j.model]
         # Why a job does not move: its workers load their model, or none serves its queue; or it failed.
         parts += [Text(j.unserved_note, style="yellow") for j in listed if j.unserved_note]
         # ...and what it waits for, when that is a card no live worker has (its shards held back meanwhile).

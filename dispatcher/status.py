@@ -128,6 +128,13 @@ class JobStatus:
     killed_by_pool: dict[str, float] = field(default_factory=dict)  # killed seconds by pool (not in the JSON)
     # The prices its budget's spend is counted at, pinned at submit (renderfleet/budget.py); None without.
     budget_prices: dict[str, float] | None = None
+    # What it renders, from its spec (a prompt's own size, steps or negative prompt wins for that prompt):
+    # the model, its size (WIDTHxHEIGHT), steps, scheduler (the sampler; '' the model's own) and negative prompt.
+    model: str = ""
+    size: str = ""
+    steps: int = 0
+    scheduler: str = ""
+    negative_prompt: str = ""
 
     @property
     def failed(self) -> int:
@@ -323,6 +330,19 @@ def seconds_per_mpstep(pools: dict[str, dict[str, int]]) -> float:
     render_ms = sum(p.get("render_ms", 0) for p in pools.values())
     mps = sum(p.get("mps_milli", 0) for p in pools.values())
     return render_ms / mps if render_ms and mps else DEFAULT_SECONDS_PER_MPSTEP
+
+
+def _rendered(params: dict[str, Any]) -> dict[str, Any]:
+    """What a job renders (:class:`JobStatus`'s model, size, steps, scheduler, negative prompt) from its
+    spec's params; a field the spec lacks is left at its default."""
+    width, height = params.get("width"), params.get("height")
+    return {
+        "model": str(params.get("model", "")),
+        "size": f"{width}x{height}" if width and height else "",
+        "steps": int(params.get("steps") or 0),
+        "scheduler": str(params.get("scheduler") or ""),
+        "negative_prompt": str(params.get("negative_prompt") or ""),
+    }
 
 
 def _megapixel_steps(params: dict[str, Any]) -> float:
@@ -548,6 +568,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
             unaccounted=len(images),  # no account at all: Redis does not know the job
             name=job_spec.name,
             submitted=job_spec.created or None,
+            **_rendered(job_spec.params.to_dict()),
         )
     queued = running = shards_queued = shards_running = pending = shards_pending = 0
     for shard, state in states.items():
@@ -577,6 +598,11 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     except (ValueError, TypeError, AttributeError):
         malformed(f"{keys.job(job)} spec", spec_json, "not a job's stages")
         staged = None
+    try:
+        rendered = _rendered(registered.get("params", {}))
+    except (ValueError, TypeError, AttributeError):
+        malformed(f"{keys.job(job)} spec", spec_json, "not a job's settings")
+        rendered = {}
     result = JobStatus(
         job,
         _int(total, f"{keys.job(job)} total"),
@@ -597,6 +623,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
         stages=staged,
         **_named(name, registered, keys.job(job)),
+        **rendered,
     )
     where = keys.attempts(job)
     numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]

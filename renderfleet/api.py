@@ -458,6 +458,8 @@ class Client:
                 wire=wire,
                 prices=self._prices(),
             )
+        if opts.budget is not None:
+            warnings.append(self._overshoot(opts, family))
         return Job(
             self,
             result.job,
@@ -515,6 +517,19 @@ class Client:
         finally:
             if client is not None and client is not self._redis:
                 client.close()
+
+    def _overshoot(self, opts: SubmitOptions, family: families.Family | None) -> str:
+        """The most a budgeted job can spend past its budget, in money (``dispatcher.estimate.overshoot_note``);
+        the job is submitted already, so a fleet or store that cannot say is a line, not an error."""
+        import redis
+
+        from dispatcher.estimate import overshoot_note
+        from renderfleet.errors import StoreError
+
+        try:
+            return overshoot_note(opts, settings=self.settings, store=self.store, client=self.redis, family=family)
+        except (redis.RedisError, StoreError) as exc:
+            return f"budget {opts.budget:g}: the job can go past it by at most one batch per worker (not priced: {exc})"
 
     def _prices(self) -> dict[str, float]:
         """Each configured pool's price per hour (the settings' config; what the fleet published fills in)."""

@@ -38,7 +38,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from decimal import ROUND_CEILING, Decimal
 from typing import Any, NamedTuple
 
 import redis
@@ -48,7 +49,9 @@ from renderfleet.errors import InputError
 from renderfleet.jobfailure import cancel_call
 from renderfleet.leases import lua_script
 from renderfleet.limits import MAX_BUDGET_RECORD_BYTES
+from renderfleet.states import ShardState
 from renderfleet.store import Store, read_record
+from renderfleet.words import counted
 
 log = logging.getLogger("renderfleet.budget")
 
@@ -161,25 +164,99 @@ def set_budget(client: redis.Redis, job: str, budget: float, prices: Mapping[str
     client.hset(keys.job(job), mapping={BUDGET: f"{budget:.6f}", PRICES: json.dumps(pinned(prices))})
 
 
-def raise_budget(
-    client: redis.Redis, job: str, budget: float, prices: Mapping[str, float], carried: float | None = None
-) -> float:
-    """``resume --budget``: the job's cap set to ``budget``, its mark and its cancel cleared (in one
-    transaction) when it had stopped at its budget.  InputError, naming ``--budget``, when the job
-    has spent that much already (it would stop again at its next batch).  ``carried``: its spend
-    before this Redis took it back (the store's record, for a job Redis lost; else the hash's
-    ``budget_carried``).  The job's spend is counted at its pinned prices; one that has none (a job
-    without a budget until now) pins ``prices``.  Returns its spend now."""
-    if why := budget_problem(budget):
-        raise InputError([f"--budget: {why}"])
-    prices = job_prices(client, job) or pinned(prices)
+class Spent(NamedTuple):
+    """A job's spend as the fence check counts it now (:func:`spent_now`), and what one batch of it costs."""
+
+    spent: float  # its counters at its pinned prices, and what it carried over a lost Redis
+    batch: float | None  # its mean render cost a batch so far at those prices; None before a batch is counted
+    running: int  # its shards still leased: each is finishing a batch that is not counted yet
+
+
+def spent_now(
+    client: redis.Redis, job: str, prices: Mapping[str, float] | None = None, carried: float | None = None
+) -> Spent:
+    """The job's spend as ``fence.lua`` reads it when this is called: its GPU-ms by pool (rendered and
+    killed) at its pinned prices (else ``prices``), and ``carried`` (default: its hash's ``budget_carried``).
+    The mark's ``budget_spent`` is older: the batch each worker had in flight then is counted after it."""
+    at = job_prices(client, job) or pinned(prices or {})
     stats = {keys.text(k): int(v) for k, v in client.hgetall(keys.job_stats(job)).items()}
     if carried is None:
         carried = _number(client.hget(keys.job(job), CARRIED)) or 0.0
-    spent = spend(stats, prices) + carried
+    rendered = {field: ms for field, ms in stats.items() if field.startswith(RENDER_MS)}
+    batches = stats.get("batches", 0)
+    running = sum(keys.text(s) == ShardState.RUNNING for s in client.hvals(keys.shards(job)))
+    return Spent(spend(stats, at) + carried, spend(rendered, at) / batches if batches > 0 else None, running)
+
+
+def ceil_money(value: float) -> float:
+    """``value`` rounded up to 3 significant figures, or to cents above 10 (never finer than the 6 decimals
+    a budget is kept at): typed back as a budget, it is never below ``value``."""
+    if value <= 0:
+        return 0.0
+    places = min(6, max(2, 2 - math.floor(math.log10(value))))
+    return float(Decimal(repr(value)).quantize(Decimal(1).scaleb(-places), rounding=ROUND_CEILING))
+
+
+def least_budget(now: Spent, workers: int) -> float:
+    """The smallest budget that lets the job go on: its spend now, the batch each running shard is
+    finishing, and one more batch for each worker that serves it (at least one), rounded up.  With it the
+    job renders about one batch per worker and stops at its budget again.  Without a batch counted yet,
+    the least amount above its spend (any budget above it lets each worker render one batch)."""
+    batches = now.running + max(1, workers)
+    least = ceil_money(now.spent + batches * (now.batch or 0.0))
+    if least <= now.spent:  # above the spend, or the budget is refused: one step of its last place up
+        least = ceil_money(now.spent * (1 + 1e-3) + 1e-6)
+    return least
+
+
+def go_on(job: str, now: Spent, workers: int) -> str:
+    """How to continue a job at its budget, the figure to type first: ``renderfleet resume JOB --budget
+    LEAST`` (:func:`least_budget`) and what it buys."""
+    least = least_budget(now, workers)
+    shown = f"{least:.6f}".rstrip("0").rstrip(".")  # every decimal ceil_money kept: typed back, the same figure
+    command = f"`renderfleet resume {job} --budget {shown}`"
+    if now.batch is None:
+        return f"{command} or more continues it (the least above its spend: each worker renders one batch)"
+    batches = now.running + max(1, workers)
+    what = {0: "one for a worker (none serves it now)", 1: "one for the worker serving it"}.get(
+        workers, f"one for each of the {workers} workers serving it"
+    )
+    if now.running:
+        what += f", and {counted(now.running, 'batch', 'batches')} of running shards not counted yet"
+    return (
+        f"{command} or more continues it ({shown}: its spend and {counted(batches, 'batch', 'batches')} "
+        f"of about {now.batch:.2g} at its prices, {what}; more goes further)"
+    )
+
+
+def raise_budget(
+    client: redis.Redis,
+    job: str,
+    budget: float,
+    prices: Mapping[str, float],
+    carried: float | None = None,
+    workers: int = 1,
+) -> float:
+    """``resume --budget``: the job's cap set to ``budget``, its mark and its cancel cleared (in one
+    transaction) when it had stopped at its budget.  InputError, naming ``--budget``, the job's spend now
+    and the least budget to type (:func:`go_on`, for ``workers`` serving it), when the job has spent that
+    much already (it would stop again at its next batch).  ``carried``: its spend before this Redis took it
+    back (the store's record, for a job Redis lost; else the hash's ``budget_carried``).  The job's spend is
+    counted at its pinned prices; one that has none (a job without a budget until now) pins ``prices``.
+    Returns its spend now."""
+    if why := budget_problem(budget):
+        raise InputError([f"--budget: {why}"])
+    prices = job_prices(client, job) or pinned(prices)
+    if carried is None:
+        carried = _number(client.hget(keys.job(job), CARRIED)) or 0.0
+    now = spent_now(client, job, prices, carried)
+    spent = now.spent
     if spent >= budget:
         raise InputError(
-            [f"--budget {budget:g}: job {job} has spent {spent:.4g} already: give a budget above what it has spent"]
+            [
+                f"--budget {budget:g}: job {job} has spent {spent:.4g} already: give a budget above it; "
+                + go_on(job, now, workers)
+            ]
         )
     _, reached, _ = mark(client, job)
     with client.pipeline(transaction=True) as pipe:
@@ -192,16 +269,19 @@ def raise_budget(
     return spent
 
 
-def check_resumable(client: redis.Redis, job: str) -> None:
-    """A plain ``resume`` (or resubmit) of a job stopped at its budget: InputError saying how to raise it."""
-    budget, reached, spent = mark(client, job)
+def check_resumable(client: redis.Redis, job: str, workers: Callable[[], int] = lambda: 1) -> None:
+    """A plain ``resume`` (or resubmit) of a job stopped at its budget: InputError with its spend now (not
+    the mark's: the batches in flight at the stop are counted after it) and the least budget to type
+    (:func:`go_on`, for the ``workers()`` serving it: counted only for such a job)."""
+    budget, reached, _ = mark(client, job)
     if reached is None or budget is None:
         return
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(reached))
+    now = spent_now(client, job)
     raise InputError(
         [
-            f"--budget: job {job} stopped at its budget of {budget:g} on {when}, having spent {spent or 0:.4g}: "
-            f"`renderfleet resume {job} --budget USD` with more continues it"
+            f"--budget: job {job} stopped at its budget of {budget:g} on {when} and has spent {now.spent:.4g} now: "
+            f"{go_on(job, now, workers())}"
         ]
     )
 

@@ -11,6 +11,7 @@ spend is GPU time by pool times the pool's price, whatever renders the images.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -105,8 +106,24 @@ def test_a_budget_stops_the_job_within_a_batch_per_worker_and_a_raised_one_finis
 
         plain = cli(env, "resume", job, check=False)  # it would stop again at its next batch
         assert plain.returncode == 2 and f"--budget: job {job} stopped at its budget" in plain.stderr
-        with pytest.raises(InputError, match=r"has spent .* already"):  # what `resume --budget` says of too little
-            raise_budget(redisconn.client(redis_server.url), job, spent / 2, {"default": PRICE})
+        # It quotes the spend now (the batches in flight at the mark counted since), not the mark's, and the
+        # least budget that lets it go on: its spend and a batch per worker, rounded up.
+        assert held["budget_spent"] <= spent and f"has spent {spent:.4g} now" in plain.stderr, plain.stderr
+        advised = re.search(rf"`renderfleet resume {job} --budget ([0-9.]+)` or more continues it", plain.stderr)
+        assert advised is not None, plain.stderr
+        print(plain.stderr.strip())
+        least = float(advised[1])
+        assert spent + WORKERS * per_batch * 0.9 <= least <= spent + WORKERS * per_batch * 1.2 + 0.00001, (least, spent)
+        with pytest.raises(InputError, match=r"has spent .* already.*--budget [0-9.]+` or more continues it"):
+            raise_budget(redisconn.client(redis_server.url), job, spent / 2, {"default": PRICE}, workers=WORKERS)
+
+        # The advice typed as printed is taken, and the job renders at least a batch more before it stops again.
+        cli(env, "resume", job, "--budget", advised[1])
+        again = wait_for(
+            lambda: (s := status_now(env, job))["state"] == "budget" and s, 60, interval=0.1, what="the budget again"
+        )
+        wait_for(lambda: status_now(env, job)["in_flight"] == 0, 30, interval=0.1, what="running shards to stop")
+        assert again["budget"] == pytest.approx(least) and job_status(env, job)["done"] >= held["done"] + BATCH
 
         cli(env, "resume", job, "--budget", "1")
         final = job_finished(env, job, timeout=60)

@@ -57,7 +57,8 @@ def test_an_estimate_on_a_warm_fleet_is_within_a_fifth_of_the_jobs_measured_cost
     # 2. The estimate of a second job like it: measured on the worker's card; nothing queued nor written.
     second = write_prompts(tmp_path / "b.txt", 40, "second")
     jobs, queue = client.smembers(keys.JOBS), store_queue(env)
-    est = json.loads(cli(env, "submit", str(second), *bench(SECONDS_PER_IMAGE), *CUT, "--estimate", "--json").stdout)
+    asked = [*bench(SECONDS_PER_IMAGE), *CUT, "--budget", "0.001"]  # about half the job (0.002)
+    est = json.loads(cli(env, "submit", str(second), *asked, "--estimate", "--json").stdout)
     assert client.smembers(keys.JOBS) == jobs and not client.llen(queue)
     assert not client.keys(f"*{est['job']}*") and not (store / "jobs" / est["job"]).exists()
     [pool] = est["pools"]
@@ -76,10 +77,26 @@ def test_an_estimate_on_a_warm_fleet_is_within_a_fifth_of_the_jobs_measured_cost
     assert api.job == est["job"] and api.now.cost == pytest.approx(est["now"]["cost"], rel=1e-9)
     words = text(api)
     assert "measured: default: " in words and f"(job {est['job']}; nothing submitted)" in words
+    # The budget against it: where it would stop, and the most it can be exceeded by (a batch per worker).
+    said, per_batch = est["budget"], 4 * pool["cost_per_image"]
+    assert (
+        said["budget"] == 0.001 and said["problem"] is None and said["batch_cost"] == {"default": pytest.approx(per_batch)}
+    )
+    assert said["now"]["covers"] is False and 10 <= said["now"]["images"] < 30
+    assert said["now"]["over_by"] == pytest.approx(per_batch) and said["at_max"]["over_by"] == pytest.approx(2 * per_batch)
+    words = cli(env, "submit", str(second), *asked, "--estimate").stdout
+    assert f"budget 0.001: at current sizes it stops after about {said['now']['images']} of 40 images" in words
 
     # 3. The second job, rendered: its cost as status counts it.
-    job = cli(env, "submit", str(second), *bench(SECONDS_PER_IMAGE), *CUT).stdout.split()[-1]
+    submitted = cli(env, "submit", str(second), *bench(SECONDS_PER_IMAGE), *CUT, "--budget", "1")
+    job = submitted.stdout.split()[-1]
     assert job == est["job"]
+    # Its budget's overshoot, in money: one batch for the worker up now, and one each at the pool's max of 2.
+    assert (
+        "budget 1: the job stops once its spend and a batch reach it; it can go past it by at most one batch "
+        "per worker: " in submitted.stderr
+    )
+    assert "with the 1 worker up now" in submitted.stderr and "at its pools' maximum of 2 workers" in submitted.stderr
     measured = job_finished(env, job, timeout=60)["cost"]  # status's figures, read in this process
     assert measured and abs(est["now"]["cost"] - measured) / measured < 0.2, (est["now"], measured)
     print(f"estimated {est['now']['cost']:.6f}, measured {measured:.6f} ({est['now']['cost'] / measured - 1:+.1%})")

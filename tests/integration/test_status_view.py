@@ -155,6 +155,28 @@ def test_one_json_job_object_for_status_status_job_the_api_and_python(tmp_path: 
     assert api.report().to_dict()["failure_reasons"] == {}
 
 
+def test_status_job_and_its_json_show_the_model_size_steps_scheduler_and_negative_prompt(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    job = submit(env, tmp_path, 5, "--scheduler", "euler_a", "--negative", "blurry, low quality")
+    plain = submit(env, tmp_path, 3)
+    [obj] = json.loads(cli(env, "status", job, "--json").stdout)["jobs"]
+    assert (obj["model"], obj["size"], obj["steps"]) == ("tiny", "32x32", 2)
+    assert (obj["scheduler"], obj["negative_prompt"]) == ("euler_a", "blurry, low quality")
+    shown = job[:9]
+    wide = {**env, "COLUMNS": "200"}  # at 80 the line folds
+    text = cli(wide, "status", shown).stdout
+    assert f'job {shown}: tiny at 32x32, 2 steps, scheduler euler_a, negative prompt "blurry, low quality"' in text
+    text = cli(wide, "status", plain).stdout
+    assert "tiny at 32x32, 2 steps, the model's own scheduler, no negative prompt" in text
+    # The listing of every job keeps to its table: the settings are the one-job view's.
+    assert "negative prompt" not in cli(wide, "status").stdout
+    # A job Redis does not know: the same figures, from its spec in the store.
+    redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"]).flushall()
+    [gone] = json.loads(cli(env, "status", job, "--json").stdout)["jobs"]
+    assert gone["known_to_redis"] is False and (gone["model"], gone["scheduler"]) == ("tiny", "euler_a")
+
+
 def test_status_watch_piped_prints_a_frame_at_once_then_every_two_seconds(tmp_path: Path, env: dict[str, str]) -> None:
     job = submit(env, tmp_path, 3)
     # Tests started as a background job (`make test &` in a script) inherit SIGINT ignored, and so would

@@ -15,7 +15,11 @@ from dispatcher.status import FleetStatus, JobStatus, price
 from renderfleet import spec
 from renderfleet.budget import (
     Record,
+    Spent,
     budget_problem,
+    ceil_money,
+    go_on,
+    least_budget,
     load,
     pinned,
     projected,
@@ -153,3 +157,17 @@ def test_a_spend_carried_over_a_lost_redis_shows_on_the_budget_line() -> None:
     console.print(render_status(FleetStatus(jobs=[job], prices={"default": 3.6}), console))
     assert "0.75 spent before Redis lost the job counts too" in console.export_text()
     assert job.to_dict()["budget_carried"] == 0.75
+
+
+def test_the_least_budget_quoted_is_rounded_up_and_above_the_spend() -> None:
+    # Up, never down: the figure typed back is never below the spend and the batches it counts.
+    assert ceil_money(0.0043) == 0.0043 and ceil_money(0.00431234) == 0.00432 and ceil_money(24.851) == 24.86
+    assert ceil_money(1234.561) == 1234.57 and ceil_money(4e-7) == 1e-6  # cents above 10; 6 places at most
+    # Its spend, the batch of each running shard and one a worker serving it (at least one).
+    assert least_budget(Spent(0.003225, 0.0004, 0), 2) == 0.00403
+    assert least_budget(Spent(0.003225, 0.0004, 1), 2) == 0.00443
+    assert least_budget(Spent(0.003225, 0.0004, 0), 0) == 0.00363
+    assert least_budget(Spent(0.003, None, 0), 3) > 0.003  # no batch counted: the least above the spend
+    line = go_on("j-1", Spent(0.003225, 0.0004, 0), 2)
+    assert line.startswith("`renderfleet resume j-1 --budget 0.00403` or more continues it")
+    assert "2 batches of about 0.0004 at its prices, one for each of the 2 workers serving it" in line

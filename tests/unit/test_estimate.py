@@ -4,11 +4,23 @@ prompts counted by kind of image, and nothing written."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from dispatcher.estimate import Group, PoolView, estimate_file, pools_for, project, read_prompts, text
+from dispatcher.estimate import (
+    BudgetCase,
+    Group,
+    PoolView,
+    budget_view,
+    estimate_file,
+    overshoot_note,
+    pools_for,
+    project,
+    read_prompts,
+    text,
+)
 from dispatcher.submit import SubmitOptions
 from renderfleet import families, spec, speeds
 from renderfleet.settings import PoolConfig, Settings
@@ -183,3 +195,63 @@ def test_pools_whose_card_cannot_take_the_jobs_min_vram_are_left_out_and_the_not
     live = {"anycard": ["NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB"]}
     [*_, anycard] = pools_for(settings, "default", live, {}, {"anycard": 39.4})
     assert anycard.vram_gib == 39.4 and anycard.card == "NVIDIA A100-SXM4-80GB"
+
+
+def test_a_budget_is_set_against_each_scenario_with_where_it_stops_and_the_most_it_is_exceeded_by() -> None:
+    # As test_the_job_is_split...: now 1.25 for the job (2 + 1 workers), at most 0.5 + 0.375 (2 + 3 workers)
+    pools = [view("baseline", 3.6, 2, 2), view("spot", 1.8, 1, 3)]
+    rows, _, _ = project(1000, 100, ONE, pools, flat({"baseline": 2.0, "spot": 1.0}))
+    b = budget_view(1.0, rows, 1000, 4, None)
+    assert b.batch_cost == pytest.approx({"baseline": 0.008, "spot": 0.002})  # 4 images at 0.002 and 0.0005
+    assert b.now is not None and b.at_max is not None
+    assert (b.now.covers, b.now.cost) == (False, pytest.approx(1.25))
+    assert b.now.images == int(1000 * (1.0 - 0.008) / 1.25)  # the fence stops it once its spend and a batch reach it
+    assert b.now.over_by == pytest.approx(2 * 0.008 + 0.002)  # a batch per worker rendering it
+    assert (b.at_max.covers, b.at_max.images, b.at_max.over_by) == (True, 1000, pytest.approx(2 * 0.008 + 3 * 0.002))
+    # A pool with no price counts at the dearest, as the budget counts it.
+    rows, _, _ = project(1000, 100, ONE, [view("a", 3.6, 1, 1), view("b", 0.0, 1, 1)], flat({"a": 1.0, "b": 1.0}))
+    assert budget_view(10, rows, 1000, 4, None).now == BudgetCase(pytest.approx(1.0), True, 1000, pytest.approx(0.008))
+
+
+def test_an_estimate_with_a_budget_says_whether_it_covers_the_job_and_without_prices_how_to_add_them(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(100)))
+    params = RenderParams(model="tiny", steps=30, width=512, height=512)
+    settings = Settings(pools={"spot": PoolConfig(kind="spot", price_per_hour=3.6, max=2)})
+    opts = SubmitOptions(params, shard_size=4, batch_size=4, pool="spot", budget=0.05)
+    est = estimate_file(str(path), opts, settings=settings, store=store, client=None, family=families.SD)
+    per_image = 0.15 * 0.262144 * 30 * 3.6 / 3600  # the family's assumed rate at 3.6/h
+    assert est.budget is not None and est.budget.now is None and est.budget.at_max is not None
+    assert est.budget.at_max.images == int(100 * (0.05 - 4 * per_image) / (100 * per_image)) == 38
+    out = text(est)
+    assert "budget 0.05: at maximum sizes it stops after about 38 of 100 images (the job costs 0.118)" in out
+    assert f"budget 0.05: exceeded by at most one batch per worker: {8 * per_image:.4g} at maximum sizes (2 workers)" in out
+    data = est.to_dict()["budget"]
+    assert data["budget"] == 0.05 and data["at_max"]["covers"] is False and data["problem"] is None
+    covered = text(estimate_file(str(path), replace(opts, budget=1), settings=settings, store=store, client=None))
+    assert "budget 1: at maximum sizes it covers the job (cost 0.118, 0.882 to spare)" in covered
+
+    unpriced = Settings(pools={"spot": PoolConfig(kind="spot", max=2)})
+    est = estimate_file(str(path), opts, settings=unpriced, store=store, client=None, family=families.SD)
+    assert est.budget is not None and est.to_dict()["budget"]["problem"].startswith(
+        "--budget 0.05: pool 'spot' has no price"
+    )
+    assert "budget 0.05: not counted, and a submit refuses it: pool 'spot' has no price per hour" in text(est)
+    assert "set price_per_hour in [pools.spot] of the config (--config FILE)" in text(est)
+    assert estimate_file(str(path), replace(opts, budget=None), settings=settings, store=store, client=None).budget is None
+
+
+def test_submit_with_a_budget_says_the_most_it_can_be_exceeded_by_in_money(tmp_path: Path) -> None:
+    params = RenderParams(model="tiny", steps=30, width=512, height=512)
+    settings = Settings(pools={"spot": PoolConfig(kind="spot", price_per_hour=3.6, max=2)})
+    opts = SubmitOptions(params, batch_size=4, pool="spot", budget=25)
+    note = overshoot_note(opts, settings=settings, store=LocalStore(tmp_path / "store"), client=None, family=families.SD)
+    batch = 4 * 0.15 * 0.262144 * 30 * 3.6 / 3600
+    assert note == (
+        "budget 25: the job stops once its spend and a batch reach it; it can go past it by at most one batch per "
+        f"worker: 0 with the 0 workers up now, {2 * batch:.4g} at its pools' maximum of 2 workers "
+        f"(a batch of 4: spot {batch:.4g}; --estimate says what the speeds rest on)"
+    )
