@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,34 @@ import boto3
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
+from testing import netguard
 from testing.fleet import WorkerProc, start_redis
 from testing.servers import MotoServer, s3_env
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No test connects beyond loopback (testing/netguard): the guard in this process, and through
+    ``sitecustomize`` on ``PYTHONPATH`` in every process a test starts; each process's attempts go to
+    one log per test process, read after each test by :func:`_no_connection_beyond_loopback`."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    log = Path(tempfile.gettempdir()) / f"renderfleet-netguard-{os.getpid()}-{worker}.log"
+    log.unlink(missing_ok=True)
+    os.environ[netguard.LOG_VARIABLE] = str(log)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (netguard.SITE, os.environ.get("PYTHONPATH")) if p)
+    netguard.install()
+
+
+@pytest.fixture(autouse=True)
+def _no_connection_beyond_loopback() -> Iterator[None]:
+    """Fail the test in which any of the run's processes tried to connect beyond loopback, naming where."""
+    log = Path(os.environ[netguard.LOG_VARIABLE])
+    seen = log.stat().st_size if log.exists() else 0
+    yield
+    if log.exists() and log.stat().st_size > seen:
+        with open(log) as f:
+            f.seek(seen)
+            tried = f.read()
+        pytest.fail(f"a connection beyond loopback was tried (testing/netguard):\n{tried[:4000]}", pytrace=False)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
