@@ -27,7 +27,7 @@ from celery import Celery
 
 from dispatcher import cancelmarks, enqueue, strays
 from dispatcher.enqueue import WireShard
-from dispatcher.serving import live_servers
+from dispatcher.serving import live_servers, store_workers
 from renderfleet import budget as budgets
 from renderfleet import keys, prompts, shardfile, spec, stages
 from renderfleet.celery_app import is_store_queue, queue_name
@@ -144,8 +144,6 @@ def stored_prompts(store: Store, job_spec: JobSpec) -> Iterator[tuple[str, str]]
 def serving(client: redis.Redis, store: Store, pools: Iterable[str]) -> int:
     """How many live workers (loaded or loading) serve the queue of any of ``pools`` (a job's segments'):
     the batches a budget raised a little buys at once (``renderfleet.budget.go_on``)."""
-    from dispatcher.status import store_workers  # not at the top: status imports this module
-
     queues = {queue_name(pool, store.url) for pool in pools}
     workers = store_workers(client, store)
     return len({w for q in queues for loading in (False, True) for w in live_servers(store, workers, q, loading=loading)})

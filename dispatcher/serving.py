@@ -21,9 +21,11 @@ from typing import Any, NamedTuple
 
 import redis
 
-from renderfleet import cards, keys
+from dispatcher.redisvalues import json_object, malformed
+from renderfleet import cards, keys, registry
 from renderfleet.celery_app import queue_name
 from renderfleet.feeder import served_pools
+from renderfleet.spec import store_identity
 from renderfleet.store import Store
 
 LOADING = "loading"  # worker.loading.LOADING: a registration's "state" while its worker loads (no worker import here)
@@ -114,3 +116,20 @@ def unserved(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any
     if loading := live_servers(store, workers, queue, loading=True):
         return Unserved(LOADING, loading_message(job, queue, len(loading)))
     return Unserved("none", no_worker_message(job, queue))
+
+
+def store_workers(client: redis.Redis, store: Store) -> dict[str, dict[str, Any]]:
+    """The registrations of the live workers that write to ``store``, by worker id (a worker
+    whose liveness lapsed: renderfleet/registry.py; another store's, one registered by a
+    version that did not record its store, or one whose registration is not a JSON object
+    (skipped with a warning) are not)."""
+    ours = store_identity(store.url)
+    out = {}
+    for worker_id, raw in registry.live_registrations(client).items():
+        info = json_object(raw, f"{keys.WORKERS} {worker_id!r}")
+        if info is not None and info.get("store") == ours:
+            try:
+                out[keys.text(worker_id)] = info
+            except UnicodeDecodeError:
+                malformed(f"{keys.WORKERS} {worker_id!r}", worker_id, "its id not in UTF-8")
+    return out

@@ -22,6 +22,7 @@ import redis
 from dispatcher import lifecycle
 from dispatcher.records import Records
 from dispatcher.redisload import RedisLoad, redis_load
+from dispatcher.redisvalues import _finite, json_object, malformed
 from dispatcher.resume import (
     jobs_only_in_store,
     load_spec,
@@ -31,9 +32,9 @@ from dispatcher.resume import (
     stored_names,
     stored_prompts,
 )
-from dispatcher.serving import unserved
+from dispatcher.serving import store_workers, unserved
 from dispatcher.stagestatus import StageStatus, add_figures, planned
-from renderfleet import budget, keys, registry, spec
+from renderfleet import budget, keys, spec
 from renderfleet.cards import CardRow, card_rows
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
@@ -355,41 +356,8 @@ def _int(value: Any, where: str = "") -> int:
 
 # ---- values read from Redis: one malformed (written by hand, a bug, an attacker) is skipped ----
 
-_WARNED: set[str] = set()  # places already logged: the page polls every 2 s
-_WARN_PLACES = 1000  # and at most this many, however many bad fields are written
+
 _INT64 = 2**63  # Redis counters (HINCRBY, BITCOUNT) are signed 64-bit
-
-
-def malformed(where: str, raw: Any, why: str) -> None:
-    """Log, once per place, that a value read from Redis was skipped."""
-    if where in _WARNED or len(_WARNED) >= _WARN_PLACES:
-        return
-    _WARNED.add(where)
-    log.warning("status: skipping a malformed value in Redis at %s: %s: %.80r", where, why, raw)
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"not a finite number: {text}")
-    return value
-
-
-def _reject(constant: str) -> Any:
-    raise ValueError(f"not a finite number: {constant}")
-
-
-def json_object(raw: Any, where: str) -> dict[str, Any] | None:
-    """``raw`` as a JSON object (no NaN or Infinity: they are not JSON); None, logged once, when it is not one."""
-    try:
-        value = json.loads(raw, parse_float=_finite, parse_constant=_reject)
-    except (ValueError, TypeError, RecursionError):  # not UTF-8 (a ValueError too), not JSON, nested too deep
-        malformed(where, raw, "not JSON")
-        return None
-    if not isinstance(value, dict):
-        malformed(where, raw, "not a JSON object")
-        return None
-    return value
 
 
 def _count(raw: Any, where: str) -> int | None:
@@ -808,23 +776,6 @@ def failure_reasons(client: redis.Redis, job: str, limit: int = 5) -> dict[str, 
         keys.text(value) for name, value in client.hgetall(keys.fails(job)).items() if keys.text(name).endswith(":error")
     )
     return dict(errors.most_common(limit))
-
-
-def store_workers(client: redis.Redis, store: Store) -> dict[str, dict[str, Any]]:
-    """The registrations of the live workers that write to ``store``, by worker id (a worker
-    whose liveness lapsed: renderfleet/registry.py; another store's, one registered by a
-    version that did not record its store, or one whose registration is not a JSON object
-    (skipped with a warning) are not)."""
-    ours = store_identity(store.url)
-    out = {}
-    for worker_id, raw in registry.live_registrations(client).items():
-        info = json_object(raw, f"{keys.WORKERS} {worker_id!r}")
-        if info is not None and info.get("store") == ours:
-            try:
-                out[keys.text(worker_id)] = info
-            except UnicodeDecodeError:
-                malformed(f"{keys.WORKERS} {worker_id!r}", worker_id, "its id not in UTF-8")
-    return out
 
 
 def queue_depths(
