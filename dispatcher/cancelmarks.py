@@ -7,16 +7,19 @@ them; ``dispatcher.lifecycle`` re-exports every name.
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass
 
 import redis
 
-from renderfleet import keys, spec
+from renderfleet import keys, schemas, spec
+from renderfleet.errors import RecordTooLarge
 from renderfleet.jobfailure import FAILED, cancel_call
 from renderfleet.leases import lua_script
 from renderfleet.limits import MAX_CANCEL_MARK_BYTES
 from renderfleet.store import Store
+
+log = logging.getLogger("renderfleet.cancelmarks")
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,16 @@ def cancelled_at(client: redis.Redis, store: Store | None, job: str) -> float | 
 
 
 def _marker_time(store: Store, job: str) -> float | None:
+    where = spec.cancelled_key(job)
     try:
-        data = store.get(spec.cancelled_key(job), max_bytes=MAX_CANCEL_MARK_BYTES)
-        if data is None:
-            return None
-        return float(json.loads(data)["cancelled"])
-    except (ValueError, KeyError, TypeError):  # RecordTooLarge too: a ValueError, nothing read
-        return 0.0  # a marker we cannot read still says cancelled
+        data = store.get(where, max_bytes=MAX_CANCEL_MARK_BYTES)
+    except RecordTooLarge as exc:  # nothing read
+        log.warning("%s", exc)
+        return 0.0
+    if data is None:
+        return None
+    mark = schemas.read(schemas.CancelMark, data, where)
+    return 0.0 if mark is None else mark.cancelled  # a marker we cannot read (logged) still says cancelled
 
 
 def cancel_pass(client: redis.Redis, job: str, *, fence: bool, when: str = "") -> Cancelled:

@@ -42,7 +42,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
@@ -186,7 +185,7 @@ class EventRecord:
         if not (self.target is None or type(self.target) is str) or type(self.attempts) is not int:
             return False
         times = (self.at,) if self.tried_at is None else (self.at, self.tried_at)
-        if not all(type(t) in (int, float) and math.isfinite(t) for t in times):
+        if not all(type(t) in (int, float) and abs(t) < 2**53 for t in times):  # finite, and 10**400 no time
             return False
         try:
             return isinstance(json.loads(self.body), dict)

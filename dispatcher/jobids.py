@@ -100,7 +100,7 @@ def job_names(client: redis.Redis | None, store: Store, jobs: list[str]) -> dict
         try:
             raw = store.get(spec.spec_key(job), max_bytes=MAX_SPEC_BYTES)  # over it: a ValueError, no name
             names[job] = str(json.loads(raw).get("name", "")) if raw else ""
-        except (StoreError, ValueError, AttributeError) as exc:
+        except (StoreError, ValueError, AttributeError, RecursionError) as exc:  # a planted spec: no name
             log.warning("cannot read the name of job %s: %s", job, exc)
             names[job] = ""
     return names

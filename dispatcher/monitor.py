@@ -54,8 +54,9 @@ from dispatcher.status import (
 from renderfleet import budget as budgets
 from renderfleet import celery_app, keys
 from renderfleet.celery_app import is_store_queue
-from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
+from renderfleet.errors import BadRecord, InputError, JobDeleted, JobNotFound, StoreError
 from renderfleet.feeder import Feeder
+from renderfleet.jobfailure import fail_job
 from renderfleet.leases import Leases
 from renderfleet.reaper import ReaperElection, reap_once
 from renderfleet.settings import Settings
@@ -92,6 +93,7 @@ class Monitor:
         self.events, self.courier = self._events()
         self.prices: dict[str, float] = {}  # the fleet's published prices, read each pass (an event's cost)
         self.budget_saved: dict[str, float] = {}  # each budgeted job's spend as the store's record last has it
+        self.unreadable: dict[str, str] = {}  # job -> why its spec in the store is no spec, as last logged
 
     def _events(self) -> tuple[EventLog, Courier | None]:
         """The job events' log, and its courier when the config names the secret to sign with
@@ -140,11 +142,24 @@ class Monitor:
         if not budgets.record_due(job_state.budget, spent, reached is not None, self.budget_saved.get(job)):
             return
         try:
-            budgets.save(self.store, job, budgets.Record(job_state.budget, spent, reached, job_state.budget_prices))
+            budgets.save(
+                self.store,
+                job,
+                budgets.Record(budget=job_state.budget, spent=spent, reached=reached, prices=job_state.budget_prices),
+            )
         except (StoreError, OSError) as exc:  # tried again next pass
             log.warning("job %s: its budget record not written: %s", job, exc)
             return
         self.budget_saved[job] = spent
+
+    def unreadable_spec(self, job: str, exc: BadRecord) -> None:
+        """A job whose spec in the store is not one (``renderfleet/schemas.py``): failed as a whole, the reason
+        in ``status``, where Redis holds it; else skipped (nothing to resume it from).  One line per reason."""
+        reason = f"its spec in the store is not readable: {exc}"
+        failed = fail_job(self.client, job, reason)
+        if failed or self.unreadable.get(job) != reason:
+            log.warning("job %s: %s%s", job, reason, ": failed" if failed else ": not resumed")
+        self.unreadable[job] = reason
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
@@ -182,6 +197,9 @@ class Monitor:
             except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
                 log.warning("job %s: %s", job, exc)
                 continue
+            except BadRecord as exc:
+                self.unreadable_spec(job, exc)
+                continue
             if job_state.finished and job_state.known_to_redis:
                 finished.append((job, job_state.done))
             self.observe_events(job_state)
@@ -202,6 +220,9 @@ class Monitor:
                     report = resume(job, store=self.store, app=self.app, client=self.client)
                 except JobNotFound:
                     continue  # registered by a submit that has not written its spec (yet)
+                except BadRecord as exc:
+                    self.unreadable_spec(job, exc)
+                    continue
                 except (StoreError, OSError) as exc:
                     log.warning("job %s: cannot resume now: %s", job, exc)
                     continue
@@ -253,6 +274,9 @@ class Monitor:
             if len(stored_names(self.store, job, "images")) >= done:
                 return []
             report = resume(job, store=self.store, app=self.app, client=self.client)
+        except BadRecord as exc:
+            self.unreadable_spec(job, exc)
+            return []
         except (JobNotFound, InputError, StoreError, OSError) as exc:
             log.warning("job %s: cannot check it against the store now: %s", job, exc)
             return []
@@ -291,6 +315,9 @@ class Monitor:
         for job in forgotten:
             try:
                 report = resume(job, store=self.store, app=self.app, client=self.client)
+            except BadRecord as exc:
+                self.unreadable_spec(job, exc)
+                continue
             except (JobNotFound, InputError) as exc:  # its spec gone since, or another store's id here
                 log.warning("job %s in the store: not resumed: %s", job, exc)
                 continue
@@ -333,6 +360,9 @@ class Monitor:
             try:
                 # At the front: their turn has come and gone.
                 report = resume(job, store=self.store, app=self.app, client=self.client, only=shards, front=True, lost=True)
+            except BadRecord as exc:
+                self.unreadable_spec(job, exc)
+                continue
             except (JobNotFound, StoreError, OSError) as exc:
                 log.warning("job %s: cannot re-queue lost shards %s now: %s", job, sorted(shards), exc)
                 continue

@@ -31,7 +31,7 @@ from dispatcher.serving import live_servers, store_workers
 from renderfleet import budget as budgets
 from renderfleet import keys, prompts, shardfile, spec, stages
 from renderfleet.celery_app import is_store_queue, queue_name
-from renderfleet.errors import InputError, JobNotFound, StoreError
+from renderfleet.errors import BadRecord, InputError, JobNotFound, RecordTooLarge, StoreError
 from renderfleet.feeder import Feeder
 from renderfleet.limits import MAX_SPEC_BYTES
 from renderfleet.spec import JobSpec, job_id_problem, store_identity, wire_name
@@ -52,13 +52,18 @@ class ResumeReport:
 
 
 def load_spec(store: Store, job: str) -> JobSpec:
-    """The job's spec from the store; JobNotFound when the store does not hold the job."""
+    """The job's spec from the store; JobNotFound when the store does not hold the job, BadRecord
+    (naming its key and what is wrong) when what it holds is not a spec."""
     if why := job_id_problem(job):
         raise InputError([f"JOB: {why}"])
-    data = store.get(spec.spec_key(job), max_bytes=MAX_SPEC_BYTES)  # over it: RecordTooLarge, a bad spec
+    where = spec.spec_key(job)
+    try:
+        data = store.get(where, max_bytes=MAX_SPEC_BYTES)
+    except RecordTooLarge as exc:  # nothing read: a bad spec as any other
+        raise BadRecord(str(exc)) from None
     if data is None:
         raise JobNotFound(f"no job {job} in store {store.url}")
-    return JobSpec.from_json(data)
+    return JobSpec.read(data, where)
 
 
 def store_jobs(store: Store) -> list[str]:
@@ -229,7 +234,7 @@ def resume(
         carried = record.spent if record else None
         workers = serving(client, store, pools)
         spent = budgets.raise_budget(client, job, budget, pinned or prices or {}, carried, workers)
-        budgets.save(store, job, budgets.Record(budget, spent, prices=budgets.job_prices(client, job)))
+        budgets.save(store, job, budgets.Record(budget=budget, spent=spent, prices=budgets.job_prices(client, job)))
     elif uncancel:
         budgets.check_resumable(client, job, lambda: serving(client, store, pools))
     # After `known`: a job that stays cancelled gets its field now, before anything is pushed.

@@ -422,7 +422,7 @@ def submit(
         # Before any shard is fed (its first batch is checked), with the prices its spend is counted at; and
         # kept where a Redis that loses its memory finds them.
         budget.set_budget(client, job, opts.budget, prices or {})
-        budget.save(store, job, budget.Record(opts.budget, 0.0, prices=budget.pinned(prices or {})))
+        budget.save(store, job, budget.Record(budget=opts.budget, prices=budget.pinned(prices or {})))
     # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
     # feeder takes the job only once its wire file is stored (a worker reads its shards there).
     with (

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from renderfleet import keys, spec
+from renderfleet import keys, schemas, spec
 from renderfleet.errors import InputError
 from renderfleet.jobfailure import cancel_call
 from renderfleet.leases import lua_script
@@ -289,49 +289,22 @@ def check_resumable(client: redis.Redis, job: str, workers: Callable[[], int] = 
 # ---- the store's record ----------------------------------------------------------------------
 
 
-class Record(NamedTuple):
-    """The store's record of a job's budget (``spec.budget_key``)."""
-
-    budget: float
-    spent: float  # its spend last known, over all its Redis lives
-    reached: float | None = None  # when it stopped at this budget (unix time), None while it has not
-    prices: dict[str, float] | None = None  # the prices its spend is counted at (None: an older record's)
+# The store's record of a job's budget: its one definition is the schema it is read back through.
+Record = schemas.Budget
 
 
 def save(store: Store, job: str, record: Record) -> None:
     """The job's budget and its spend so far in the store (``spec.budget_key``)."""
-    data = {
-        "job": job,
-        "budget": round(record.budget, 6),
-        "spent": round(record.spent, 6),
-        "reached": record.reached,
-        "prices": record.prices,
-    }
-    store.put(spec.budget_key(job), json.dumps(data).encode(), content_type="application/json")
+    data = record.model_copy(update={"job": job, "budget": round(record.budget, 6), "spent": round(record.spent, 6)})
+    store.put(spec.budget_key(job), data.model_dump_json().encode(), content_type="application/json")
 
 
 def load(store: Store, job: str) -> Record | None:
-    """The store's record of the job's budget; None without one.  A record that cannot be read is
-    logged and taken as none: the job runs without a cap rather than not at all."""
-    data = read_record(store, spec.budget_key(job), MAX_BUDGET_RECORD_BYTES)
-    if data is None:
-        return None
+    """The store's record of the job's budget; None without one.  A record that does not fit the
+    schema (``renderfleet/schemas.py``) is one log line and taken as none: the job runs without a cap
+    rather than not at all."""
     where = spec.budget_key(job)
-    try:
-        raw = json.loads(data)
-        record = Record(
-            float(raw["budget"]),
-            float(raw.get("spent") or 0),
-            _number(raw.get("reached") or ""),
-            read_prices(raw.get("prices")),
-        )
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("%s: not a budget record (%s): job %s taken back without its cap", where, exc, job)
-        return None
-    if budget_problem(record.budget) or not math.isfinite(record.spent) or record.spent < 0:
-        log.warning("%s: %s: job %s taken back without its cap", where, record, job)
-        return None
-    return record
+    return schemas.read(Record, read_record(store, where, MAX_BUDGET_RECORD_BYTES), where)
 
 
 def spent_already(record: Record) -> bool:

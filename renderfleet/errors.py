@@ -49,6 +49,11 @@ Three classes of trouble, each with its own budget:
   size before a byte is read (a file's ``fstat``, an object's ``ContentLength``).
   A bad record, as one that does not parse: skipped with one log line, never
   read into memory, never retried.
+* **a record that does not fit its schema** (:class:`BadRecord`): bytes in the store
+  under a record's key that are not that record (``renderfleet/schemas.py``).  One log
+  line, then the record is absent (a checkpoint, a stage's level, a speed: the work done
+  again) or, for a job's spec, the job fails as a whole with the reason in ``status``;
+  never retried, never a worker's or a monitor's failure.
 * **reclaim** (:class:`Reclaimed`): the node is being taken away (spot
   notice, SIGTERM) or this worker lost its lease.  Not a failure at all: the
   work is handed back and nothing is counted.  It derives from
@@ -117,6 +122,11 @@ class WireError(RenderfleetError, ValueError):
     """A job's stored prompts (its wire file and index) do not describe the job as registered.
 
     A ``ValueError`` too: the readers' callers took a bad file for one before it had a class."""
+
+
+class BadRecord(RenderfleetError, ValueError):
+    """A record read back from the store does not fit its schema (``renderfleet/schemas.py``): the
+    message names its key and the first thing wrong.  A ``ValueError`` too, as :class:`WireError`."""
 
 
 class RecordTooLarge(RenderfleetError, ValueError):

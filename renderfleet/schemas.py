@@ -11,19 +11,37 @@ again); none of them fails a worker or the monitor.
 Validation is strict (a ``"3"`` is no batch number, a number no prompt name), bounded (pydantic's
 JSON parser refuses nesting past its recursion limit, a number past an int64 is no integer) and
 tolerant of fields it does not know (a newer writer's).
+
+The records and what a malformed one costs (docs/security.md, "What a record in the store can do"):
+
+* a batch's checkpoint (:class:`Checkpoint`): absent, its batch rendered again;
+* a job's budget record (:class:`Budget`, ``renderfleet/budget.py``): absent, the job taken back
+  without its cap;
+* a job's cancel marker (:class:`CancelMark`, ``dispatcher/cancelmarks.py``): still a cancel;
+* a job's spec (``renderfleet.spec.JobSpec``, a dataclass read by :meth:`JobSpec.read` through the
+  field table): :class:`~renderfleet.errors.BadRecord`; the monitor fails a job Redis holds with the
+  reason in ``status`` and skips one it does not;
+* a stage's level (an image or latents: bytes, not JSON; ``worker/stagerun.py``, ``decode_level``):
+  absent, the stage run again;
+* a speed record (``renderfleet/speeds.py``, ``SpeedRecord.from_json``), a batch-size record
+  (``worker/batchsize.py``), an event record (``dispatcher/events.py``, ``EventRecord.from_json``):
+  absent, measured or minted anew; a job's wire file and index (``renderfleet/shardfile.py``): the
+  job's shards rejected, the reason in ``status``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 log = logging.getLogger("renderfleet.schemas")
 
 # A batch number, an attempt: within an int64, never negative (a forged 10**400 is no number).
 Count = Annotated[int, Field(ge=0, le=2**62)]
+Positive = Annotated[int, Field(ge=1, le=2**31)]  # a size, a batch: at least one
 
 
 class Record(BaseModel):
@@ -53,20 +71,55 @@ class Checkpoint(Record):
     seconds_per_image: float | None = None
 
 
-R = TypeVar("R", bound=Record)
+# A number a record may hold: finite (JSON's 1e999 is inf, and no figure).
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
-def read(model: type[R], data: bytes | str | None, where: str) -> R | None:
-    """``data`` as a ``model`` record, or None: absent (no bytes), or malformed, said in one WARNING line
-    naming ``where`` (its key) and the first thing wrong, never raised."""
+class Budget(Record):
+    """A job's budget as the store keeps it (``spec.budget_key``; ``renderfleet/budget.py`` writes it:
+    at submit, by ``resume --budget`` and by the monitor).  Read back when a Redis lost the job."""
+
+    job: str = ""
+    budget: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    spent: Money = 0.0  # its spend last known, over all its Redis lives
+    reached: Finite | None = None  # when it stopped at this budget (unix time), None while it has not
+    prices: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = None  # None: an older record's
+
+
+class CancelMark(Record):
+    """A job's cancel marker (``spec.cancelled_key``; ``dispatcher/lifecycle.py`` writes it): when."""
+
+    job: str = ""
+    cancelled: Finite
+
+
+T = TypeVar("T")
+
+
+@functools.cache
+def _adapter(kind: type[Any]) -> TypeAdapter[Any]:
+    return TypeAdapter(kind)
+
+
+def read(model: type[T], data: bytes | str | None, where: str) -> T | None:
+    """``data`` as a ``model`` record (a :class:`Record`, or a dataclass that is already the record's one
+    definition, read strictly by its annotations), or None: absent (no bytes), or malformed, said in one
+    WARNING line naming ``where`` (its key) and the first thing wrong, never raised."""
     if not data:
         return None
     try:
-        return model.model_validate_json(data)
+        if issubclass(model, BaseModel):
+            return model.model_validate_json(data)  # type: ignore[return-value]
+        return cast(T, _adapter(cast(Any, model)).validate_json(data, strict=True))
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         at = ".".join(map(str, first.get("loc", ()))) or "the record"
         log.warning(
-            "skipping %s: not a %s record (%s: %s)", where, model.__name__.lower(), at, str(first.get("msg", ""))[:200]
+            "skipping %s: not a %s record (%s: %s)",
+            where[:300],
+            model.__name__.lower(),
+            at,
+            str(first.get("msg", ""))[:200],
         )
         return None

@@ -36,8 +36,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import pydantic_core
+
 from renderfleet import families, stages
-from renderfleet.errors import WireError
+from renderfleet.errors import BadRecord, WireError
 from renderfleet.limits import (  # those unused here re-exported: the names every reader knows spec by
     BENCH_FORM,  # noqa: F401
     BENCH_PREFIX,
@@ -692,6 +694,23 @@ class JobSpec:
         data["params"] = RenderParams.from_dict(data["params"])
         return cls(**data)
 
+    @classmethod
+    def read(cls, data: bytes, where: str) -> JobSpec:
+        """A spec read back from the store at ``where``, checked by the field table (:func:`spec_problems`)
+        before it is built: BadRecord naming ``where`` and the first thing wrong for any bytes that are not
+        one (renderfleet/schemas.py).  Fields it does not know (a newer writer's) are left out."""
+        try:
+            raw = pydantic_core.from_json(data)  # bounded: nesting past its limit is an error, not a RecursionError
+        except ValueError as exc:
+            raise BadRecord(f"{where}: not a spec (not JSON: {str(exc)[:200]})") from None
+        if why := spec_problems(raw):
+            raise BadRecord(f"{where}: not a spec ({why[0][:200]})")
+        known = {key: value for key, value in raw.items() if key in cls.__dataclass_fields__}
+        try:
+            return cls(**{**known, "params": RenderParams.from_dict(raw["params"])})
+        except (ValueError, TypeError, KeyError, ArithmeticError) as exc:  # a stage or LoRA of a form not checked
+            raise BadRecord(f"{where}: not a spec ({type(exc).__name__}: {str(exc)[:200]})") from None
+
 
 @dataclass(frozen=True)
 class ShardMessage:
@@ -910,20 +929,53 @@ def message_problems(data: Any) -> list[str]:
         problems.append("store: must be a string")
     if not _is_int(data.get("segment", 0)) or not 0 <= data.get("segment", 0) <= MAX_SEGMENT:
         problems.append(f"segment: must be a whole number from 0 to {MAX_SEGMENT}")
-    params = data["params"]
-    if not isinstance(params, dict) or set(params) - set(RenderParams.__dataclass_fields__):
-        return [*problems, "params: must be an object of the render settings (model, steps, width, ...)"]
-    if why := model_problem(params.get("model", "tiny"), "params.model"):
-        problems.append(why)
-    if why := _text_problem("params.negative_prompt", params.get("negative_prompt", "")):
-        problems.append(why)
-    problems += _field_problems("params", params, _PARAM_FIELDS)
+    if bad := params_problems(data["params"]):
+        return [*problems, *bad]
     high = INT_LIMITS["shard_size"][1]
     if not _is_int(data["count"]) or not 1 <= data["count"] <= high:
         problems.append(f"count: must be a whole number from 1 to {high}")
     if not _is_int(data["first"]) or data["first"] < 0:
         problems.append("first: must be a whole number >= 0")
     return problems
+
+
+def params_problems(params: Any) -> list[str]:
+    """Why ``params`` (a message's or a spec's, decoded) are not render settings submit would write
+    (:data:`FIELDS`); empty when they are."""
+    if not isinstance(params, dict) or set(params) - set(RenderParams.__dataclass_fields__):
+        return ["params: must be an object of the render settings (model, steps, width, ...)"]
+    problems = []
+    if why := model_problem(params.get("model", "tiny"), "params.model"):
+        problems.append(why)
+    if why := _text_problem("params.negative_prompt", params.get("negative_prompt", "")):
+        problems.append(why)
+    return problems + _field_problems("params", params, _PARAM_FIELDS)
+
+
+_SPEC_INTS = {"total": (1, 2**40), "shard_size": INT_LIMITS["shard_size"], "batch_size": INT_LIMITS["batch_size"]}
+
+
+def spec_problems(data: Any) -> list[str]:
+    """Why a decoded ``spec.json`` is not one submit wrote (the field table's rules, as for a
+    message: :func:`message_problems`); empty when it is."""
+    if not isinstance(data, dict):
+        return [f"a spec is a JSON object, not {type(data).__name__}"]
+    missing = [key for key in ("job", "params", *_SPEC_INTS) if key not in data]
+    if missing:
+        return [f"missing field(s) {', '.join(missing)}"]
+    problems = [] if type(data["job"]) is str and job_id_problem(data["job"]) is None else ["job: not a job id"]
+    for key, (low, high) in _SPEC_INTS.items():
+        if not _is_int(data[key]) or not low <= data[key] <= high:
+            problems.append(f"{key}: must be a whole number from {low} to {high}")
+    texts = ("pool", "source", "prompts_key", "life", "digest", "name", "webhook")
+    problems += [f"{key}: must be a string" for key in texts if key in data and type(data[key]) is not str]
+    numbers = ("created", "min_vram", "version", "priority", "share")
+    problems += [
+        f"{key}: must be a finite number"
+        for key in numbers
+        if key in data and not (type(data[key]) in (int, float) and abs(data[key]) < 2**53)
+    ]
+    return problems + params_problems(data["params"])
 
 
 def wire_problems(first: int, wire: Sequence[Any]) -> list[str]:

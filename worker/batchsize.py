@@ -63,9 +63,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from renderfleet import spec
+from renderfleet import schemas, spec
 from renderfleet.errors import MixedFleet, OutOfMemory, PermanentError
 from renderfleet.limits import MAX_BATCH_SIZE_RECORD_BYTES
+from renderfleet.schemas import Positive
 from renderfleet.spec import INT_LIMITS, Prompt
 from renderfleet.store import Store
 
@@ -219,8 +220,8 @@ def sweep(
 class Remembered:
     """A render size as the store keeps it, per (card, model, resolution)."""
 
-    size: int
-    limit: int  # the largest size the search was allowed: a bigger job batch searches again
+    size: Positive
+    limit: Positive  # the largest size the search was allowed: a bigger job batch searches again
     oom: bool  # an out-of-memory bounded it: no bigger batch fits, whatever the job's
     how: str  # "probe", "sweep" or "halved"
     card: str = ""
@@ -552,14 +553,14 @@ class BatchSizes:
     def _read(self, key: Key) -> Remembered | None:
         if self.store is None:
             return None
+        where = self.store_key(key)
         try:
-            data = self.store.get(self.store_key(key), max_bytes=MAX_BATCH_SIZE_RECORD_BYTES)
-            if not data:
-                return None
-            record = json.loads(data)
-            known = Remembered(**{k: v for k, v in record.items() if k in Remembered.__dataclass_fields__})
+            data = self.store.get(where, max_bytes=MAX_BATCH_SIZE_RECORD_BYTES)
         except Exception as exc:  # unreadable: search again and write it anew
             log.warning("batch size for %s not read from the store: %s: %s", key, type(exc).__name__, exc)
+            return None
+        known = schemas.read(Remembered, data, where)  # malformed: one line, searched again and written anew
+        if known is None:
             return None
         log.info(
             "batch size for %s at %dx%d on %s: %d, as the store remembers it", _what(key), key[2], key[3], key[0], known.size

@@ -35,16 +35,19 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+import pydantic_core
+
 from renderfleet import failpoints, spec
 from renderfleet.errors import JobError, ModelLoadError, OutOfMemory, PermanentError, PromptError
-from renderfleet.limits import MAX_IMAGE_BYTES
+from renderfleet.limits import MAX_IMAGE_BYTES, MAX_SIDE
 from renderfleet.spec import Prompt, ShardMessage
-from renderfleet.stages import REFINE, Stage, hands_latents, kinds_hand_latents, next_stage
+from renderfleet.stages import REFINE, Stage, final_size, hands_latents, kinds_hand_latents, next_stage
 from renderfleet.store import Store, read_record
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 
@@ -83,6 +86,68 @@ def encode_intermediate(image: Any) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG", compress_level=1)
     return out.getvalue()
+
+
+_LATENT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4}  # what a pipeline's latents are in (bytes per value)
+MAX_LEVEL_HEADER_BYTES = 4096  # a level's safetensors header: one tensor, a few dozen bytes
+
+
+def level_problem(data: bytes, latents: bool, size: tuple[int, int] | None) -> str | None:
+    """Why stored bytes are not a level of an image of ``size`` (width, height; None: unchecked), if
+    they are not: checked before a pixel or a value is decoded.  Latents: a safetensors of the one
+    :data:`LATENTS` tensor, a float dtype, (channels, height / f, width / f) for one factor f, its bytes
+    exactly those; an image: a PNG of exactly ``size`` (a stored level is never of another)."""
+    if not latents:
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data), formats=["PNG"]) as image:  # its header only
+                if size is not None and image.size != size:
+                    return f"a {image.size[0]}x{image.size[1]} image, not {size[0]}x{size[1]}"
+        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+            return f"not a PNG ({type(exc).__name__})"
+        return None
+    length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    if not 2 <= length <= min(MAX_LEVEL_HEADER_BYTES, len(data) - 8):
+        return "not a safetensors of latents (its header's length)"
+    try:
+        header = pydantic_core.from_json(data[8 : 8 + length])
+    except ValueError:
+        return "not a safetensors of latents (its header is no JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors of latents (its header is no JSON object)"
+    entry = header.pop(LATENTS, None)
+    header.pop("__metadata__", None)
+    if header or not isinstance(entry, dict) or entry.get("dtype") not in _LATENT_DTYPES:
+        return f"not a safetensors of latents (one float tensor named {LATENTS!r})"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(type(n) is int and 0 < n <= MAX_SIDE for n in shape)):
+        return "latents of another shape than (channels, height, width)"
+    if offsets != [0, len(data) - 8 - length] or offsets[1] != math.prod(shape) * _LATENT_DTYPES[entry["dtype"]]:
+        return "latents whose bytes are not their shape's"
+    channels, height, width = shape
+    if size is not None and not (
+        channels <= 16 and size[0] % width == 0 and size[1] % height == 0 and size[0] // width == size[1] // height
+    ):
+        return f"latents of shape {shape}, not those of a {size[0]}x{size[1]} image"
+    return None
+
+
+def decode_level(data: bytes, latents: bool, size: tuple[int, int] | None, where: str) -> Any | None:
+    """A stored level (:func:`decode_intermediate`) if the bytes are one (:func:`level_problem`, and latents'
+    values finite); else None after one WARNING line naming ``where``: absent, the level made again."""
+    why = level_problem(data, latents, size)
+    if why is None:
+        try:
+            level = decode_intermediate(data, latents)
+            if latents and not bool(level.isfinite().all()):
+                why = "latents that are not all finite"
+            else:
+                return level
+        except Exception as exc:  # a library's own error on bytes the checks let by: absent all the same
+            why = f"{type(exc).__name__}: {str(exc)[:200]}"
+    log.warning("skipping %s: not a stored level (%s): made again", where[:300], why)
+    return None
 
 
 def decode_intermediate(data: bytes, latents: bool = False) -> Any:
@@ -163,11 +228,13 @@ class ShardStages:
     def load(self, msg: ShardMessage, name: str, level: int) -> Any | None:
         """A prompt's stored level (latents where they were stored so, else the image), None if gone:
         taken up as the level an earlier delivery left, as if it had just been made."""
+        prompt = next((p for p in msg.prompts if p.name == name), None)
+        size = final_size(msg.params.stages[:level], prompt.width, prompt.height) if prompt else None
         for latents in (True, False) if level_may_be_latents(msg.params.stages, level) else (False,):
             key = spec.stage_key(msg.job, msg.shard, level, name, msg.life, latents=latents)
             data = read_record(self.store, key, MAX_IMAGE_BYTES)  # over it: absent, rendered again
             if data:
-                return decode_intermediate(data, latents)
+                return decode_level(data, latents, size, key)  # not a level: absent, rendered again
         return None
 
     def hands_latents(self, msg: ShardMessage, base: object, prompt: Prompt, maker: int) -> bool:

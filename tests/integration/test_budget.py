@@ -49,6 +49,12 @@ WORKERS = 2
 BUDGET = 0.003  # about 7 or 8 batches of the job's 24
 
 
+
+def as_tuple(record: budget.Record | None) -> tuple[object, ...]:
+    """The store's budget record's figures, in order (None: none)."""
+    assert record is not None
+    return (record.budget, record.spent, record.reached, record.prices)
+
 def test_a_budget_stops_the_job_within_a_batch_per_worker_and_a_raised_one_finishes_it(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
@@ -149,9 +155,9 @@ def test_a_budget_outlives_a_redis_that_lost_its_memory_with_the_spend_its_recor
     job_args = [*bench(SECONDS_PER_IMAGE), "--shard-size", "8", "--batch-size", str(BATCH)]
     job = cli(env, "submit", str(prompts), *job_args, "--budget", str(BUDGET)).stdout.split()[-1]
     store, client = open_store(store_url), redisconn.client(redis_server.url)
-    assert budget.load(store, job) == (pytest.approx(BUDGET), 0.0, None, {"default": PRICE})
+    assert as_tuple(budget.load(store, job)) == (pytest.approx(BUDGET), 0.0, None, {"default": PRICE})
     carried = 0.0016  # the spend the monitor recorded before the loss (Monitor.keep_budget): 4 batches
-    budget.save(store, job, budget.Record(BUDGET, carried))
+    budget.save(store, job, budget.Record(budget=BUDGET, spent=carried))
 
     client.flushall()
     cli(env, "resume", job)  # registers the job again: its cap and the spend recorded come back with it
@@ -175,7 +181,7 @@ def test_a_budget_outlives_a_redis_that_lost_its_memory_with_the_spend_its_recor
     settings = load_settings(config=str(config), redis_url=redis_server.url, store=store_url)
     Monitor(settings, make_app(redis_server.url), client, store).tick()  # records the spend at the stop
     spent = carried + held["cost"]  # the mark's count and the batch in flight then
-    assert budget.load(store, job)[:3] == (pytest.approx(BUDGET), pytest.approx(spent), held["budget_reached"])
+    assert as_tuple(budget.load(store, job))[:3] == (pytest.approx(BUDGET), pytest.approx(spent), held["budget_reached"])
 
     client.flushall()
     plain = cli(env, "resume", job, check=False)  # its record says the cap is spent
@@ -188,7 +194,7 @@ def test_a_budget_outlives_a_redis_that_lost_its_memory_with_the_spend_its_recor
     raised = job_status(env, job)
     assert raised["state"] != "budget" and raised["budget"] == pytest.approx(1.0) and raised["queued"] > 0
     assert raised["budget_carried"] == pytest.approx(spent)
-    assert budget.load(store, job) == (pytest.approx(1.0), pytest.approx(spent), None, {"default": PRICE})
+    assert as_tuple(budget.load(store, job)) == (pytest.approx(1.0), pytest.approx(spent), None, {"default": PRICE})
 
 
 def test_a_pool_at_its_monthly_budget_is_sized_to_zero_by_the_autoscaler(
@@ -249,7 +255,7 @@ def test_a_budget_binds_at_the_prices_its_submit_pinned_whatever_the_workers_and
     client = redisconn.client(redis_server.url)
     client.delete(keys.prices(store_tag(store_url)))  # as after a restart: the fleet publishes none
     store = open_store(store_url)
-    assert budget.load(store, job) == (pytest.approx(BUDGET), 0.0, None, {"default": PRICE})
+    assert as_tuple(budget.load(store, job)) == (pytest.approx(BUDGET), 0.0, None, {"default": PRICE})
     worker = WorkerProc(env, tmp_path / "w.log")  # no config: it publishes no price
     try:
         wait_for(lambda: status_now(env, job)["done"] >= 4, 60, interval=0.1, what="the job's first batches")

@@ -131,16 +131,16 @@ def test_rule_8_a_pool_at_its_monthly_budget_goes_to_zero_and_the_backlog_to_the
 def test_the_stores_budget_record_reads_back_and_a_bad_one_is_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = open_store(str(tmp_path / "store"))
     assert load(store, "j-1") is None
-    save(store, "j-1", Record(2.5, 1.25, 1_800_000_000.0))
-    assert load(store, "j-1") == Record(2.5, 1.25, 1_800_000_000.0)
-    save(store, "j-1", Record(2.5, 0.0))
-    assert load(store, "j-1") == Record(2.5, 0.0, None)
-    save(store, "j-1", Record(2.5, 0.0, prices={"gen": 2.0}))
-    assert load(store, "j-1") == Record(2.5, 0.0, None, {"gen": 2.0})
+    save(store, "j-1", Record(budget=2.5, spent=1.25, reached=1_800_000_000.0))
+    assert load(store, "j-1") == Record(job="j-1", budget=2.5, spent=1.25, reached=1_800_000_000.0)
+    save(store, "j-1", Record(budget=2.5, spent=0.0))
+    assert load(store, "j-1") == Record(job="j-1", budget=2.5, spent=0.0, reached=None)
+    save(store, "j-1", Record(budget=2.5, spent=0.0, prices={"gen": 2.0}))
+    assert load(store, "j-1") == Record(job="j-1", budget=2.5, spent=0.0, prices={"gen": 2.0})
     for bad in (b"{not json", b"[]", b'{"budget": -1}', b'{"budget": 3, "spent": "x"}', b'{"budget": 3, "spent": -2}'):
         store.put(spec.budget_key("j-1"), bad)
         assert load(store, "j-1") is None, bad
-    assert "taken back without its cap" in caplog.text and spec.budget_key("j-1") in caplog.text
+    assert "not a budget record" in caplog.text and spec.budget_key("j-1") in caplog.text
 
 
 def test_the_monitor_writes_the_record_at_the_stop_and_every_tenth_of_the_budget() -> None:
