@@ -102,7 +102,9 @@ def transitions(state: JobStatus, seen: Collection[str]) -> list[Transition]:
         "done": state.done,
         "quarantined": state.quarantined,
         "gpu_seconds": round(sum(state.gpu_seconds.values()), 3),
-        "cost": state.cost,
+        # None for want of data, never 0 (docs/monitoring.md): a job that has spent nothing yet has no cost, unless
+        # its budget pinned its prices (its spend is then known, from 0); later events' null then means the same.
+        "cost": state.cost if state.budget is not None or any(s > 0 for s in state.gpu_seconds.values()) else None,
     }
     out: list[Transition] = []
 

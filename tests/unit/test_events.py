@@ -194,6 +194,17 @@ def test_a_job_first_seen_finished_gets_every_event_in_order_with_its_figures() 
     assert found[2].data["stage"] == "upscale-1"
 
 
+def test_a_job_that_has_spent_nothing_yet_has_no_cost_not_a_cost_of_0() -> None:
+    # Issue 46: job.started said cost 0 where the later events of the same job said null (a pool without a price).
+    started = transitions(state(in_flight=4, queued=6, cost=0.0), set())
+    assert kinds(started) == [("started", "job.started")] and started[0].data["cost"] is None
+    later = transitions(state(done=2, queued=8, gpu_seconds={"spare": 3.0}, cost=None), {"started"})
+    assert all(t.data["cost"] is None for t in later)
+    # A budgeted job's spend is known from its first second, at the prices it pinned.
+    budgeted = transitions(state(in_flight=4, queued=6, cost=0.0, budget=1.0), set())
+    assert budgeted[0].data["cost"] == 0.0
+
+
 def test_a_stage_is_finished_once_it_made_an_image_for_every_prompt_left() -> None:
     stages = [StageStatus("generate", "", 32, 32, images=8), StageStatus("upscale-1", "", 64, 64, images=5)]
     found = transitions(state(done=5, quarantined=2, queued=3, stages=stages), {"started"})
