@@ -49,11 +49,11 @@ WORKERS = 2
 BUDGET = 0.003  # about 7 or 8 batches of the job's 24
 
 
-
 def as_tuple(record: budget.Record | None) -> tuple[object, ...]:
     """The store's budget record's figures, in order (None: none)."""
     assert record is not None
     return (record.budget, record.spent, record.reached, record.prices)
+
 
 def test_a_budget_stops_the_job_within_a_batch_per_worker_and_a_raised_one_finishes_it(
     tmp_path: Path, redis_server: RedisServerProcess
