@@ -158,7 +158,9 @@ class Renderer:
         should_stop: Callable[[], bool] = lambda: False,
         output_type: str = "pil",
     ) -> list[Any]:
-        """One PIL image per prompt, in order (the shard runner encodes them while the next batch renders);
+        """One image per prompt, in order: its 8-bit pixels on the host (``worker.outputs.Pixels``; PIL only
+        from a pipeline without diffusers' image processor), made PIL where :meth:`encode` encodes them (the
+        shard runner's encode pool, while the next batch renders);
         ``output_type="latent"``: the latents, one tensor each, not decoded (for a refine that takes them:
         ``renderfleet.stages.hands_latents``).
 
@@ -248,7 +250,7 @@ class Renderer:
     def _call_checked(
         self, prompts: list[Prompt], should_stop: Callable[[], bool], embeds: list[Any] | None, output_type: str = "pil"
     ) -> list[Any]:
-        """:meth:`_call`'s PIL images, none of them bad: a bad one's prompts rendered once more with
+        """:meth:`_call`'s images, none of them bad: a bad one's prompts rendered once more with
         the VAE in float32 (on a CPU, where it is, simply once more); still bad, :class:`BadOutput`.
         Latents as they come: no VAE decoded them (the stage that takes them checks its images)."""
         if output_type == "latent":
@@ -284,9 +286,10 @@ class Renderer:
         output_type: str = "pil",
         embeds: list[Any] | None = None,
     ) -> list[Any]:
-        """One pipeline call: PIL images, or :class:`Reclaimed` if stopped.  ``embeds``: the
+        """One pipeline call: its images, or :class:`Reclaimed` if stopped.  ``embeds``: the
         prompts' chunked embeddings (``worker.prompts.Embedded``), in place of their text.
-        PIL images come checked (``worker.outputs.Checked``: ``bad`` names any that is not one)."""
+        Images asked as PIL come checked, as 8-bit pixels (``worker.outputs.Checked``: ``bad`` names any
+        that is not one)."""
         import torch
 
         steps, _guidance, width, height, scheduler = prompts[0].render_key  # guidance: the family's call_kwargs
@@ -316,7 +319,7 @@ class Renderer:
                 raise Reclaimed("stopped mid-batch")
             return callback_kwargs
 
-        # For PIL images the pipeline's float pixels, checked before they are made PIL (worker.outputs).
+        # For PIL images the pipeline's pixel tensor, checked and made 8-bit on its device (worker.outputs).
         wanted, output_type = output_type, outputs.ask_for(self.loaded.pipe, output_type)
         out_of_memory = ""
         try:
@@ -391,17 +394,19 @@ def encode_image(image: Any, prompt: Prompt, model: str, used: dict[str, str | N
     (:class:`PromptError`): text its format cannot carry.  ``used``: what the model's family
     records beyond the prompt's settings (None: a setting it ignored, not recorded)."""
     try:
-        return images.encode(image, prompt.image_format, prompt.quality, image_metadata(prompt, model, used))
+        # Pixels from the renderer become PIL here, in the encode pool, not on the render thread.
+        pil = outputs.to_pil(image)
+        return images.encode(pil, prompt.image_format, prompt.quality, image_metadata(prompt, model, used))
     except Exception as exc:
         raise PromptError(f"cannot encode the image of {prompt.name!r}: {type(exc).__name__}: {exc}") from exc
 
 
 def encode_png(image: Any, prompt: Prompt, model: str) -> bytes:
-    """A PIL image as PNG bytes, with the prompt's settings as text chunks.
+    """An image (PIL, or ``worker.outputs.Pixels``) as PNG bytes, with the prompt's settings as text chunks.
 
     Deterministic: no time chunk, fixed compression, fixed chunk order.
     """
-    return images.encode(image, "png", prompt.quality, image_metadata(prompt, model))
+    return images.encode(outputs.to_pil(image), "png", prompt.quality, image_metadata(prompt, model))
 
 
 # The text chunk that marks every image of a bench model (worker/benchrender.py), beside its id in ``model``.

@@ -49,6 +49,7 @@ from renderfleet.limits import MAX_IMAGE_BYTES, MAX_SIDE
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.stages import REFINE, Stage, final_size, hands_latents, kinds_hand_latents, next_stage
 from renderfleet.store import Store, read_record
+from worker import outputs
 from worker.batchsize import WHOLE_BATCH, BatchSizes
 
 log = logging.getLogger("renderfleet.runner")
@@ -84,7 +85,7 @@ def encode_intermediate(image: Any) -> bytes:
 
         return save({LATENTS: image.detach().to("cpu").contiguous().clone()})
     out = io.BytesIO()
-    image.save(out, format="PNG", compress_level=1)
+    outputs.to_pil(image).save(out, format="PNG", compress_level=1)  # generate's 8-bit pixels made PIL here
     return out.getvalue()
 
 
@@ -286,7 +287,8 @@ class ShardStages:
         stages = msg.params.stages
         # A segment before the job's last (its next stage on a pool of its own) stops at its level and stores it.
         last = len(stages) if msg.until < 0 else msg.until
-        current = dict(images)
+        # Generate's 8-bit pixels made PIL: a stage, and a level stored between stages, takes PIL images.
+        current = {name: outputs.to_pil(image) for name, image in images.items()}
         at = {name: resumed.get(name, 0) for name in current}
         for level in range(last):
             members = [p for p in prompts if p.name in current and at.get(p.name, 0) == level]

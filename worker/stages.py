@@ -229,8 +229,8 @@ class StageRenderer:
         the settings, :class:`OutOfMemory`, :class:`DeviceError` (:class:`BadOutput` among them)
         and :class:`PermanentError` as the renderer does.
         """
-        # 1. Check the inputs: a batch's images, one per prompt, of one size.
-        images, prompts = list(images), list(prompts)
+        # 1. Check the inputs: a batch's images, one per prompt, of one size (generate's pixels made PIL).
+        images, prompts = [outputs.to_pil(image) for image in images], list(prompts)
         if not prompts or len(images) != len(prompts):
             raise ValueError(f"`images` and `prompts` must be as many and not none, got {len(images)} and {len(prompts)}")
         if len({shape_of(image) for image in images}) != 1:
@@ -414,7 +414,7 @@ class StageRenderer:
             return list(self._call(prompts, images, should_stop, output, steps).images)
         rendered = outputs.check(self.pipe, self._call(prompts, images, should_stop, output, steps))
         if not rendered.bad:
-            return list(rendered)
+            return [outputs.to_pil(image) for image in rendered]  # a stage's images are PIL: the next stage's input
         again = sorted(rendered.bad)
         with outputs.vae_in_float32(self.pipe) as upcast:
             second = outputs.check(
@@ -428,7 +428,7 @@ class StageRenderer:
         out = list(rendered)
         for i, image in zip(again, second, strict=True):
             out[i] = image
-        return out
+        return [outputs.to_pil(image) for image in out]
 
     def _call(
         self, prompts: list[Prompt], images: list[Any], should_stop: Callable[[], bool], output: str, steps: int
@@ -441,7 +441,7 @@ class StageRenderer:
         if self._loras is not None:  # the job's adapters, as generate used them
             self._loras.use(prompts[0].loras)
         kwargs = self._kwargs(prompts, images, should_stop, steps)
-        kwargs["output_type"] = outputs.ask_for(self.pipe, output)  # PIL: float pixels, checked before made PIL
+        kwargs["output_type"] = outputs.ask_for(self.pipe, output)  # PIL: the pixel tensor, checked on its device
         width, height = self.pixel_size(images[0])
         factor = self.stage.factor if self.stage.kind == UPSCALE else 1
         if self.device.startswith("cuda"):  # the CPU path stays as it is

@@ -97,7 +97,7 @@ def test_one_nan_pixel_or_an_all_black_image_is_bad_and_a_dark_or_flagged_one_is
     pixels[3] = 0.0  # the safety checker's black: its decision, not a fault
     checked = outputs.check(tiny.pipe, Output(pixels, [False, False, False, True, False]))
     assert checked.bad == {0: outputs.NOT_FINITE, 1: outputs.BLACK}
-    assert all(isinstance(image, Image.Image) for image in checked)
+    assert all(isinstance(outputs.to_pil(image), Image.Image) for image in checked)
     # PIL images (a pipeline without diffusers' image processor): the black check alone.
     assert outputs.check(None, Output([Image.new("RGB", (4, 4)), Image.new("RGB", (4, 4), (0, 0, 1))])).bad == {
         0: outputs.BLACK
@@ -106,8 +106,8 @@ def test_one_nan_pixel_or_an_all_black_image_is_bad_and_a_dark_or_flagged_one_is
     assert outputs.is_black(Image.new("L", (4, 4))) and not outputs.is_black(Image.new("L", (4, 4), 3))
 
 
-def test_a_pil_call_asks_the_pipeline_for_its_float_pixels_and_other_calls_as_asked(tiny: LoadedModel) -> None:
-    assert outputs.ask_for(tiny.pipe, "pil") == "np"
+def test_a_pil_call_asks_the_pipeline_for_its_pixel_tensor_and_other_calls_as_asked(tiny: LoadedModel) -> None:
+    assert outputs.ask_for(tiny.pipe, "pil") == "pt"
     assert outputs.ask_for(tiny.pipe, "pt") == "pt"
     assert outputs.ask_for(object(), "pil") == "pil"
 
@@ -137,6 +137,7 @@ def test_a_good_render_has_the_bytes_of_a_plain_pil_call_of_the_pipeline(tiny: L
         torch.set_num_threads(threads)
     assert heard.calls == []
     for a, b, p in zip(ours, plain, prompts, strict=True):
+        a = outputs.to_pil(a)  # the renderer's 8-bit pixels, made PIL where they are encoded
         assert type(a) is type(b) and a.mode == b.mode and a.size == b.size
         assert a.tobytes() == b.tobytes()
         assert encode_image(a, p, "tiny") == encode_image(b, p, "tiny")
