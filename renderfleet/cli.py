@@ -1360,6 +1360,7 @@ def bench(
             image_format=image_format,
             quality=quality,
             stages=stage_list,
+            knee=settings.batch_knee,
         )
         for path in write_outputs(result, out):
             _err(f"wrote {path}")

@@ -275,6 +275,10 @@ class Settings(BaseSettings):
     # fastest on a CPU, found once per card, model and resolution and remembered in the
     # store) or a number; never more than the job's batch (worker/batchsize.py).
     render_batch: str = "auto"
+    # Under auto on an accelerator: the smallest probed size whose images per second is within this
+    # fraction of the fastest size's (the knee of the curve; 0: the fastest); a smaller call costs
+    # less memory and time, and a larger one past the knee buys a few percent (worker/batchsize.py).
+    batch_knee: float = Field(default=0.05, ge=0, lt=1)
     # Compile the denoiser's repeated blocks (the UNet's or transformer's; CUDA only).
     compile: bool = False
     # Where a CUDA worker's weights wait between calls: "none" (all on the card) or "model" (each

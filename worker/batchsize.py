@@ -26,11 +26,16 @@ altogether for users who need it.
 
 How ``auto`` finds the size:
 
-* on an accelerator, the largest that fits: probe renders of 1, 2, 4, ...
-  prompts (2 steps, guidance on: the memory worst case; memory does not grow
-  with steps), up to the job's batch or the first out-of-memory, then a
-  bisection between the last fit and that out-of-memory, then a safety margin
-  (:data:`SAFETY`) against fragmentation.  A later out-of-memory halves it,
+* on an accelerator, the knee of the probe's throughput curve: probe renders
+  of 1, 2, 4, ... prompts (2 steps, guidance on: the memory worst case; memory
+  does not grow with steps), up to the job's batch or the first out-of-memory,
+  then a bisection between the last fit and that out-of-memory.  Each probe's
+  images per second is the curve (kept in the record and logged); the size is
+  the smallest whose rate is within ``RENDERFLEET_BATCH_KNEE`` (5 % by default;
+  0: the fastest) of the best rate (:func:`knee`), and never above the largest
+  that fit less a safety margin (:data:`SAFETY`) against fragmentation.  Past
+  the knee a bigger call buys a few percent (SD1.5 on an H200: 16 -> 64 gave
+  +3 %) and costs memory and a longer call.  A later out-of-memory halves it,
   here and in the store, instead of failing the prompts;
 * on a CPU, with no out-of-memory to find, the fastest per image of a short
   sweep (:func:`sweep`: 1, 2, 4, ... up to the job's batch, round-robin,
@@ -59,7 +64,7 @@ import logging
 import math
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -107,6 +112,11 @@ class Search:
     def fit(self) -> int:
         """The largest size that rendered (0: none did)."""
         return max(self.per_image, default=0)
+
+    @property
+    def curve(self) -> dict[int, float]:
+        """The throughput curve: images per second of each size that rendered, by size."""
+        return {n: 1 / s for n, s in sorted(self.per_image.items()) if s > 0}
 
 
 def doubling(start: int, limit: int) -> list[int]:
@@ -169,13 +179,35 @@ def search(
     return found
 
 
-def choose(found: Search) -> int:
-    """An accelerator's render size: the largest that fit, less :data:`SAFETY`
-    when an out-of-memory bounded it (from 4 up: below, a step is too much)."""
+def choose(found: Search, within: float | None = None) -> int:
+    """An accelerator's render size: the largest that fit, less :data:`SAFETY` when an out-of-memory
+    bounded it (from 4 up: below, a step is too much); with ``within``, the :func:`knee` of the
+    search's curve where it is smaller."""
     fit = found.fit
     if fit == 0:
         return 1
-    return max(1, int(fit * SAFETY)) if found.oom_at is not None and fit >= 4 else fit
+    largest = max(1, int(fit * SAFETY)) if found.oom_at is not None and fit >= 4 else fit
+    if within is None or not found.curve:
+        return largest
+    return min(largest, knee(found.curve, within))
+
+
+def curve_text(curve: Mapping[int, float]) -> str:
+    """A curve as a log line says it: ``1: 2.10, 2: 3.95, 4: 6.02 images/s``."""
+    return ", ".join(f"{n}: {rate:.3g}" for n, rate in sorted(curve.items())) + " images/s"
+
+
+def knee(rates: Mapping[int, float], within: float) -> int:
+    """The smallest batch size whose rate (images per second) is at least ``1 - within`` of the best
+    rate in ``rates``: the knee of the throughput curve.  ``within`` 0 is the fastest (the smallest of
+    sizes tied at the best rate); a flat curve gives its smallest size.  ValueError for no rates or a
+    ``within`` outside [0, 1)."""
+    if not rates:
+        raise ValueError("`rates` must hold at least one batch size's rate, but it is empty")
+    if not 0 <= within < 1:
+        raise ValueError(f"`within` must be at least 0 and below 1, but is {within!r}")
+    floor = max(rates.values()) * (1 - within)
+    return min(n for n, rate in rates.items() if rate >= floor)
 
 
 def sweep(
@@ -231,6 +263,13 @@ class Remembered:
     compiled: bool = False  # rendered with --compile; a record from before the field was eager
     quantize: str = "none"  # rendered with --quantize (worker/models/quantize.py); before the field: none
     stage: str = ""  # a later stage's (``upscale-x4``, ``refine``); '' generate's, as every record before the field
+    # A probe's throughput curve, images per second by size, and the knee it was chosen at (RENDERFLEET_BATCH_KNEE);
+    # empty and None: a sweep's, a halving's, or a record from before the fields.
+    curve: dict[int, float] = field(default_factory=dict)
+    knee: float | None = None
+
+    def __post_init__(self) -> None:
+        self.curve = {int(n): float(rate) for n, rate in self.curve.items()}  # JSON's keys are text
 
     def covers(self, batch: int) -> bool:
         return self.oom or batch <= self.limit
@@ -258,8 +297,9 @@ def probe_prompts(like: Prompt, n: int, *, accelerator: bool) -> list[Prompt]:
 class BatchSizes:
     """The worker's render size for each batch: fixed, or found and remembered (``auto``).
 
-    ``fixed`` None is ``auto``.  A renderer with no loaded model to key on
-    (a bench renderer, a test's fake without ``loaded``)
+    ``fixed`` None is ``auto``; ``knee`` is how far below the best rate an accelerator's probe may
+    pick a smaller size (:func:`knee`; ``RENDERFLEET_BATCH_KNEE``), None the largest that fits.  A
+    renderer with no loaded model to key on (a bench renderer, a test's fake without ``loaded``)
     renders whole batches, halved in this process on out-of-memory, as does
     a fixed size.
     """
@@ -269,12 +309,14 @@ class BatchSizes:
         store: Store | None,
         *,
         fixed: int | None = None,
+        knee: float | None = None,
         card: Callable[[str], str] = card_name,
         sweep_seconds: float = SWEEP_SECONDS,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.store = store
         self.fixed = fixed
+        self.knee = knee
         self.card = card
         self.sweep_seconds = sweep_seconds
         self.clock = clock
@@ -282,6 +324,16 @@ class BatchSizes:
         # A fixed size or no key: generate's (width, height), a stage's (stage, width, height) -> size.
         self._halved: dict[tuple[Any, ...], int] = {}
         self._unprobed: set[tuple[Key, Any]] = set()  # (key, render key) whose probe failed
+
+    def rule(self) -> str:
+        """How this worker sizes its calls, as its start-up log says it."""
+        if self.fixed is not None:
+            return f"{self.fixed} (--batch-size), never above a job's batch"
+        knee = "the largest that fits" if self.knee is None else f"the smallest within {self.knee:.0%} of the fastest rate"
+        return (
+            f"auto, per card, model and size, never above a job's batch: on an accelerator {knee} of a probe's "
+            "curve (RENDERFLEET_BATCH_KNEE), on a CPU a sweep's; remembered in the store"
+        )
 
     # ---- what the runner asks ----------------------------------------------------
 
@@ -354,6 +406,8 @@ class BatchSizes:
             compiled=kind[0],
             quantize=kind[1],
             stage=key[4] if len(key) > 4 else "",
+            curve=old.curve if old else {},  # the probe's curve stays: the halving moved the size alone
+            knee=old.knee if old else None,
         )
         self._known[key] = known
         self._write(key, known)
@@ -431,17 +485,17 @@ class BatchSizes:
         except PermanentError as exc:
             log.warning("batch size search for %s failed (%s): running whole batches", _what(key), exc)
             return None
-        size = choose(found)
+        curve = {**(known.curve if known else {}), **found.curve}
+        size = choose(found, self.knee)
         log.info(
-            "batch size for %s at %dx%d on %s: %d (probe in %.1f s: %s%s)",
+            "batch size for %s at %dx%d on %s: %d (probe in %.1f s: %s)",
             _what(key),
             key[2],
             key[3],
             key[0],
             size,
             self.clock() - started,
-            ", ".join(f"{n}: {s:.3f} s/image" for n, s in sorted(found.per_image.items())),
-            f"; out of memory at {found.oom_at}" if found.oom_at else "",
+            probed(found, curve, self.knee),
         )
         return Remembered(
             size,
@@ -455,6 +509,8 @@ class BatchSizes:
             compiled=_stage_kind(renderer)[0],
             quantize=_stage_kind(renderer)[1],
             stage=key[4],
+            curve=curve,
+            knee=self.knee,
         )
 
     # ---- finding a size -------------------------------------------------------------
@@ -492,10 +548,11 @@ class BatchSizes:
         try:
             if accelerator:
                 found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)
-                size, how, oom = choose(found), "probe", found.oom_at is not None
-                measured = ", ".join(f"{n}: {s:.3f} s/image" for n, s in sorted(found.per_image.items()))
-                measured += f"; out of memory at {found.oom_at}" if found.oom_at else ""
+                curve = {**(known.curve if known else {}), **found.curve}
+                size, how, oom = choose(found, self.knee), "probe", found.oom_at is not None
+                measured = probed(found, curve, self.knee)
             else:
+                curve = {}
                 render(1)  # warm-up: the first call pays one-time costs
                 size, table = sweep(render, batch=batch, budget_seconds=self.sweep_seconds, clock=self.clock)
                 how, oom, measured = (
@@ -528,6 +585,8 @@ class BatchSizes:
             height=key[3],
             compiled=_compiled(renderer),
             quantize=_quantize(renderer),
+            curve=curve,
+            knee=self.knee if curve else None,
         )
 
     # ---- the store -------------------------------------------------------------------
@@ -563,7 +622,16 @@ class BatchSizes:
         if known is None:
             return None
         log.info(
-            "batch size for %s at %dx%d on %s: %d, as the store remembers it", _what(key), key[2], key[3], key[0], known.size
+            "batch size for %s at %dx%d on %s: %d, as the store remembers it (%s%s)",
+            _what(key),
+            key[2],
+            key[3],
+            key[0],
+            known.size,
+            known.how,
+            f": {curve_text(known.curve)}, chosen within {known.knee:.0%} of the fastest"
+            if known.curve and known.knee is not None
+            else "",
         )
         return known
 
@@ -578,6 +646,18 @@ class BatchSizes:
             )
         except Exception as exc:  # a lost memory costs the next worker a search, nothing more
             log.warning("batch size for %s not written to the store: %s: %s", key, type(exc).__name__, exc)
+
+
+def probed(found: Search, curve: Mapping[int, float], within: float | None) -> str:
+    """What a probe measured, as its log line says it: the curve, the fastest and the knee, and the
+    out-of-memory that bounded it."""
+    text = curve_text(curve) if curve else "no size rendered"
+    if found.curve:
+        fastest = max(found.curve, key=lambda n: found.curve[n])
+        text += f"; the fastest {fastest} ({found.curve[fastest]:.3g} images/s)"
+        if within is not None:
+            text += f", the smallest within {within:.0%} of it {knee(found.curve, within)}"
+    return text + (f"; out of memory at {found.oom_at}" if found.oom_at else "")
 
 
 def _what(key: Key) -> str:

@@ -94,6 +94,10 @@ class BenchRun:
     # With stages (only then in bench.json: a run without them writes what it always wrote).
     stages: list[StagePoint] | None = None  # generate, each stage and the encode, at the fastest batch size
     pipeline: StagePipeline | None = None
+    # The knee of the curve (the points' images/min by batch size): the smallest batch within ``knee`` of the
+    # fastest (RENDERFLEET_BATCH_KNEE; worker.batchsize.knee), what a worker's --batch-size auto picks on a card.
+    knee: float | None = None
+    knee_batch_size: int | None = None
 
     def best(self) -> Point:
         return max(self.points, key=lambda p: p.images_per_minute)
@@ -116,9 +120,11 @@ def run_bench(
     image_format: str = "png",
     quality: int = 90,
     stages: Sequence[Stage] = (),
+    knee: float | None = None,
 ) -> BenchRun:
     """Measure; ``batch_sizes`` None means auto (:func:`worker.batchsize.search` up to ``AUTO_LIMIT``);
-    with ``stages``, then generate and each of them at the fastest batch size (:func:`run_stages`)."""
+    with ``stages``, then generate and each of them at the fastest batch size (:func:`run_stages`).
+    ``knee``: the curve's knee is named, the smallest batch within that fraction of the fastest."""
     import torch
 
     from worker.batchsize import card_name
@@ -207,6 +213,11 @@ def run_bench(
         )
     if not result.points:
         raise InputError([f"bench: batch size {sizes[0]} does not fit on {result.card}"])
+    if knee is not None:
+        from worker.batchsize import knee as knee_of
+
+        result.knee = knee
+        result.knee_batch_size = knee_of({p.batch_size: p.images_per_minute for p in result.points}, knee)
     if stages:
         result.stages, result.pipeline = run_stages(
             renderer,
@@ -261,6 +272,8 @@ def write_outputs(run: BenchRun, out: Path) -> list[Path]:
     data = asdict(run)
     if run.stages is None:  # a run without stages writes what it always wrote
         del data["stages"], data["pipeline"]
+    if run.knee is None:  # nor one that named no knee
+        del data["knee"], data["knee_batch_size"]
     (out / "bench.json").write_text(json.dumps(data, indent=2))
     (out / "bench.md").write_text(markdown(run))
     written = [out / "bench.json", out / "bench.md"]
@@ -319,6 +332,14 @@ def winners(run: BenchRun) -> list[str]:
     price: the line names the price that makes it cheapest."""
     best = run.best()
     lines = [f"Fastest: batch {best.batch_size}, {best.images_per_minute:,.1f} images/min."]
+    if run.knee is not None and run.knee_batch_size is not None:
+        at = next(p for p in run.points if p.batch_size == run.knee_batch_size)
+        lines.append(
+            f"Knee: batch {at.batch_size}, {at.images_per_minute:,.1f} images/min, the smallest within "
+            f"{run.knee:.0%} of the fastest (RENDERFLEET_BATCH_KNEE, the rule a worker's --batch-size auto "
+            f"applies to its probe on a GPU); a job submitted with --batch-size {at.batch_size} loses at most "
+            f"{at.batch_size} images a worker to a reclaim."
+        )
     priced = {lbl: c for lbl, c in best.cost_per_image.items() if c > 0}
     if priced:
         lbl = min(priced, key=lambda k: priced[k])

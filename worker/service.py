@@ -130,7 +130,8 @@ class WorkerService:
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name
         # One record of sizes for generate and each stage (worker/batchsize.py): the store's, per card.
-        batch_sizes = BatchSizes(store, fixed=settings.fixed_render_batch)
+        batch_sizes = BatchSizes(store, fixed=settings.fixed_render_batch, knee=settings.batch_knee)
+        log.info("batch size per pipeline call: %s", batch_sizes.rule())
         self.runner = ShardRunner(
             store=store,
             renderer=renderer,

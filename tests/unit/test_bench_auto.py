@@ -9,11 +9,20 @@ tests/integration/test_bench_cli.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from renderfleet.errors import OutOfMemory
 from worker import bench, render
+
+
+def tiny_bench(cache_dir: Path, **changes: Any) -> bench.BenchRun:
+    """``run_bench`` of the tiny model on the CPU at 32x32, one step, one run a size; auto unless ``changes`` say."""
+    kwargs: dict[str, Any] = dict(
+        width=32, height=32, steps=1, guidance=7.5, batch_sizes=None, prices={}, runs=1, device="cpu", cache_dir=cache_dir
+    )
+    return bench.run_bench("tiny", **{**kwargs, **changes})
 
 
 def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,18 +34,7 @@ def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeyp
         return real(self, prompts, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(render.Renderer, "render", capped)
-    result = bench.run_bench(
-        "tiny",
-        width=32,
-        height=32,
-        steps=1,
-        guidance=7.5,
-        batch_sizes=None,
-        prices={},
-        runs=1,
-        device="cpu",
-        cache_dir=tmp_path,
-    )
+    result = tiny_bench(tmp_path)
     assert [p.batch_size for p in result.points] == [1, 2, 4] and result.oom_at == 8
 
 
@@ -64,18 +62,7 @@ def test_on_a_cpu_auto_times_the_fastest_probed_sizes_that_fit_its_budget() -> N
 
 def test_auto_on_a_cpu_records_the_sizes_its_budget_left_untimed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "CPU_TIMING_SECONDS", 0.0)  # only the fastest probed size is timed
-    result = bench.run_bench(
-        "tiny",
-        width=32,
-        height=32,
-        steps=1,
-        guidance=7.5,
-        batch_sizes=None,
-        prices={},
-        runs=1,
-        device="cpu",
-        cache_dir=tmp_path,
-    )
+    result = tiny_bench(tmp_path)
     assert len(result.points) == 1 and result.untimed
     probed = sorted([result.points[0].batch_size, *result.untimed])
     assert probed == [1, 2, 4, 8, 16, 32, 64][: len(probed)]
