@@ -84,7 +84,7 @@ test: install browser terminal kubectl
 # The long tier (about 8 minutes on 2 cores): the short chaos run, the spot pool grown and shrunk by
 # the autoscaler, bench/gpu.sh's CPU dry run with inductor, `renderfleet run` into two stores.
 test-slow: install kubectl
-	RENDERFLEET_MACHINE_STAGED=1 $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m slow $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m slow $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/pytest -q tests/unit

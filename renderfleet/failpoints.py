@@ -68,6 +68,7 @@ POINTS = {
     "before-images": "a batch's fence checked, none of its images written yet (worker/runner.py)",
     "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
     "before-count-stored": "every batch of the shard committed, its last listing and recount not done (worker/runner.py)",
+    "before-stage-level": "a batch's level between stages about to be written, none of it yet (worker/stagerun.py)",
     "stage": "a job's stage about to run on a batch, the level before it stored (worker/stagerun.py)",
     "loading": "a worker's loading registration written, its first model not loaded (worker/loading.py)",
 }

@@ -461,6 +461,7 @@ class ShardRunner:
                     should_stop,
                     on_stage=ledger.record_stage,
                     uploads=self._uploads,
+                    life_ended=ledger.life_ended,
                 )
         except Reclaimed:
             ledger.record_waste(len(images))

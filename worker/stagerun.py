@@ -44,7 +44,7 @@ from typing import Any
 import pydantic_core
 
 from renderfleet import failpoints, spec
-from renderfleet.errors import JobError, ModelLoadError, OutOfMemory, PermanentError, PromptError
+from renderfleet.errors import JobError, ModelLoadError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
 from renderfleet.limits import MAX_IMAGE_BYTES, MAX_SIDE
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.stages import REFINE, Stage, final_size, hands_latents, kinds_hand_latents, next_stage
@@ -275,6 +275,7 @@ class ShardStages:
         should_stop: Callable[[], bool],
         on_stage: StageHook | None = None,
         uploads: Executor | None = None,
+        life_ended: Callable[[], bool] | None = None,
     ) -> dict[str, Any]:
         """Take each prompt's image through the stages it has not been through: ``images`` holds the
         images just generated (level 0) and those taken from the store at level ``resumed[name]``.
@@ -283,7 +284,10 @@ class ShardStages:
         ``on_stage(label, n, seconds)``: what each stage made and the seconds its calls took (not its
         renderer's build nor the store's writes), for the shard's ledger (the job's stage figures).
         A stage's model that will not load raises :class:`ModelLoadError`: the job's failure, as a whole.
-        ``uploads``: the runner's upload threads, which encode and write a level's images side by side."""
+        ``uploads``: the runner's upload threads, which encode and write a level's images side by side.
+        ``life_ended``: whether the job's life this shard was leased in is over (the ledger's), asked after
+        each level is written: a level written across a ``delete`` or a new life is withdrawn by its writer,
+        and the shard stops (:class:`Reclaimed`, fenced)."""
         stages = msg.params.stages
         # A segment before the job's last (its next stage on a pool of its own) stops at its level and stores it.
         last = len(stages) if msg.until < 0 else msg.until
@@ -299,7 +303,7 @@ class ShardStages:
             members = [p for p in members if p not in skipping]
             if not members:
                 continue
-            self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current, uploads)
+            self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current, uploads, life_ended)
             failpoints.reach("stage")
             try:
                 renderer = self.renderer(base, level, stages[level])
@@ -327,7 +331,8 @@ class ShardStages:
                 on_stage(stage_label(stages, level + 1), len(made), seconds)
         done = {p.name: current[p.name] for p in prompts if p.name in current and at.get(p.name, 0) == last}
         if msg.until >= 0:
-            self._store(msg, last, [p for p in prompts if p.name in done and resumed.get(p.name) != last], current, uploads)
+            stored = [p for p in prompts if p.name in done and resumed.get(p.name) != last]
+            self._store(msg, last, stored, current, uploads, life_ended)
         return done
 
     def _store(
@@ -337,26 +342,59 @@ class ShardStages:
         members: Sequence[Prompt],
         current: dict[str, Any],
         uploads: Executor | None = None,
+        life_ended: Callable[[], bool] | None = None,
     ) -> None:
         """The level's images in the store, before the stage that takes them runs: a worker lost in it
-        leaves them for the next delivery.  An image already stored at this level is the same bytes.
+        leaves them for the next delivery.  An image already stored at this level is the same bytes
+        (the level's key is under the job's life, and a redelivery renders the same bytes), so each is
+        written only where no object is (``put_new``), and what this call put in place is known by tag.
         Encoded and written side by side in ``uploads`` where given (zlib and the store's I/O let the
-        threads run together), as the runner writes a batch's final images."""
+        threads run together), as the runner writes a batch's final images.
+
+        Then the life is asked (``life_ended``): a level whose writes straddled a ``delete`` (the sweep
+        ran before a slow write landed) or a new life of the name is removed by its writer, each object
+        only if it is still the one it wrote, and the shard stops fenced: nothing of an ended life stays
+        in a deleted name's folder (docs/design.md "Writes of an ended life")."""
+        if not members:
+            return
+        failpoints.reach("before-stage-level")
+        written: dict[str, str] = {}
 
         def put(p: Prompt) -> None:
             latents = is_latents(current[p.name])
-            self.store.put(
-                spec.stage_key(msg.job, msg.shard, level, p.name, msg.life, latents=latents),
-                encode_intermediate(current[p.name]),
-                content_type="application/octet-stream" if latents else "image/png",
-            )
+            key = spec.stage_key(msg.job, msg.shard, level, p.name, msg.life, latents=latents)
+            data = encode_intermediate(current[p.name])
+            tag = self.store.put_new(key, data, content_type="application/octet-stream" if latents else "image/png")
+            if tag is not None:
+                written[key] = tag
 
-        if uploads is None or len(members) < 2:
-            for p in members:
-                put(p)
-            return
-        for future in [uploads.submit(put, p) for p in members]:
-            future.result()  # every one stored before the stage runs; the first error raised
+        try:
+            if uploads is None or len(members) < 2:
+                for p in members:
+                    put(p)
+            else:
+                for future in [uploads.submit(put, p) for p in members]:
+                    future.result()  # every one stored before the stage runs; the first error raised
+        finally:
+            if written and life_ended is not None and life_ended():
+                self._withdraw(msg, level, written)
+                raise Reclaimed(f"job {msg.job}'s life ended while level {level} of its stages was written", fenced=True)
+
+    def _withdraw(self, msg: ShardMessage, level: int, written: dict[str, str]) -> None:
+        """Remove the objects of a level written after its job's life ended (each only if still ours)."""
+        removed = 0
+        for key, tag in written.items():
+            try:
+                removed += self.store.delete_tagged(key, tag)
+            except (StoreError, OSError) as exc:
+                log.warning("job %s: cannot withdraw %s, written after its life ended: %s", msg.job, key, exc)
+        log.warning(
+            "job %s: its life ended while level %d of its stages was written: withdrew %d of its %d objects",
+            msg.job,
+            level,
+            removed,
+            len(written),
+        )
 
     def _run_stage(
         self,

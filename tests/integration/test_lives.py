@@ -43,6 +43,7 @@ from testing.fleet import (
     worker_ready,
     write_prompts,
 )
+from tests.conftest import ON_S3
 
 pytestmark = pytest.mark.integration
 
@@ -333,3 +334,31 @@ def test_a_late_upload_into_a_deleted_name_is_withdrawn_by_its_writer(
     wait_for(lambda: "withdrew 2 of its 2 objects" in stale.output(), 30, what="the woken worker to withdraw its images")
     assert _images(store_url, job) == {}
     assert list(open_store(store_url).list(f"jobs/{job}/")) == []
+
+
+@ON_S3
+def test_a_stage_level_written_across_a_delete_is_withdrawn_by_its_writer(
+    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]
+) -> None:
+    """Issue 50's class for a job's stages: the lives machine, drawing jobs with an upscale, found a deleted name
+    holding a stage level (jobs/NAME/stages/LIFE/000000/0/...) written after the delete.  Replayed here: the
+    worker pauses before it writes the level a stage takes, the job is deleted (the sweep finds nothing), and the
+    worker wakes and writes it.  It then asks the life, removes each object it wrote, and stops fenced."""
+    env = base_env(tmp_path, redis_server.url, store_url, **bench_worker(0.05))
+    r = redis.Redis.from_url(redis_server.url)
+    stale = WorkerProc({**env, **pause_at("before-stage-level")}, tmp_path / "stale.log")
+    procs.append(stale)
+    wait_for(lambda: worker_ready(r, 1), 90, what="the worker")
+    job = submit(env, write_prompts(tmp_path / "old.txt", 4, prefix="OLD prompt"), "--upscale", "2")
+    wait_for(lambda: stopped(stale.pid), 60, interval=0.1, what="the worker to pause before its stage level")
+    assert list(open_store(store_url).list(f"jobs/{job}/stages/")) == []
+    cli(env, "delete", job, "--yes")
+    os.kill(stale.pid, signal.SIGCONT)
+    wait_for(
+        lambda: "of its stages was written: withdrew 2 of its 2 objects" in stale.output(),
+        30,
+        what="the woken worker to withdraw its stage level",
+    )
+    wait_for(lambda: f"shard {job}:0: job {job}'s life ended" in stale.output(), 30, what="the shard to stop")
+    assert list(open_store(store_url).list(f"jobs/{job}/")) == []
+    assert stale.proc.poll() is None, "a fenced shard is no failure of the worker"
