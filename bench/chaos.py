@@ -229,13 +229,13 @@ def reference_images(
     """The job's images rendered here, batch by batch as the workers do, with no failure
     (only the shards in ``shards``, when given: a caller may split the work over processes);
     ``stages``: the job's stages after generate, in the CLI's forms (``upscale:2``), run on each batch
-    as a worker's shard runner runs them (worker/stagerun.py)."""
+    as a worker's shard runner runs them (worker/render/stagerun.py)."""
     import torch
 
     from renderfleet.stages import parse_stages, to_json
-    from worker.models import load_pipeline
-    from worker.render import Renderer
-    from worker.stages import StageRenderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
+    from worker.render.stages import StageRenderer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers (OMP_NUM_THREADS=1): kernels split work by thread count

@@ -63,12 +63,12 @@ from renderfleet.settings import Settings
 from renderfleet.spec import bench_model
 from testing.fleet import ALLOW_BENCH, WorkerProc, base_env, start_redis, wait_for, worker_ready, write_prompts
 from testing.servers import MotoServer, s3_env
-from worker.runner import ShardRunner
+from worker.render.runner import ShardRunner
 
 # The product's lease settings (renderfleet.settings), not the tests' short ones.
 PRODUCT_LEASES = {"RENDERFLEET_LEASE_SECONDS": "6", "RENDERFLEET_HEARTBEAT_SECONDS": "1.5", "RENDERFLEET_REAP_SECONDS": "1"}
 COMMAND = "python -m bench.fleet_bench"
-# The threads a worker encodes and uploads a batch's images on (worker/runner.py, ShardRunner's default).
+# The threads a worker encodes and uploads a batch's images on (worker/render/runner.py, ShardRunner's default).
 UPLOAD_THREADS = int(inspect.signature(ShardRunner).parameters["upload_threads"].default)
 # A worker's commit queue depth by default (renderfleet/settings.py, RENDERFLEET_PIPELINE_DEPTH).
 PIPELINE_DEPTH = int(Settings.model_fields["pipeline_depth"].default)
@@ -244,9 +244,9 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     import torch
 
     from renderfleet.spec import Prompt, derive_seed
-    from worker.commits import CommitQueue
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.commits import CommitQueue
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     threads, depth = args.tiny_threads, args.tiny_depth
     f.start(

@@ -418,7 +418,7 @@ def bench_dtype(arch: Arch, device: str) -> Any:
     fp16 for SDXL, whose VAE config asks for a float32 decode under fp16 (``force_upcast``)."""
     import torch
 
-    from worker.models import dtype_for
+    from worker.render.models import dtype_for
 
     if device.startswith("cuda"):
         return dtype_for(device)
@@ -430,7 +430,7 @@ def build(arch: Arch, device: str, dtype: Any = None) -> Any:
     model (``prepare_for_cuda``: on a CPU too, where its switches are harmless and its casts and layouts run)."""
     import torch
 
-    from worker.models import LoadedModel, prepare_for_cuda, tiny_tokenizer
+    from worker.render.models import LoadedModel, prepare_for_cuda, tiny_tokenizer
 
     started = time.perf_counter()
     dtype = dtype if dtype is not None else bench_dtype(arch, device)

@@ -4,7 +4,7 @@ Every architecture is built from its config with random weights (the
 compute is the same as with trained weights, and no hub is reachable on a
 bench node), prepared as a worker prepares a CUDA model (``prepare_for_cuda``:
 bf16 where the card has it, SDPA, channels_last, TF32), and rendered through
-the worker's own :class:`~worker.render.Renderer`:
+the worker's own :class:`~worker.render.pipeline.Renderer`:
 
 * SD 1.5 at 512x512, 25 steps, SDXL at 1024x1024, 30 steps, both with
   classifier-free guidance (7.5), a sweep of batch sizes (the default run);
@@ -198,7 +198,7 @@ def check_vae_modes(loaded: Any) -> dict[str, float]:
     """
     import torch
 
-    from worker.models import set_vae_memory_modes
+    from worker.render.models import set_vae_memory_modes
 
     vae = loaded.pipe.vae
     tile = int(vae.tile_latent_min_size)  # latents: the VAE's own tile, whatever its depth
@@ -233,7 +233,7 @@ def check_compile_cache(model: str, card: str) -> int:
     import tempfile
 
     from renderfleet.store import LocalStore
-    from worker.compiled import CompileCache, verify
+    from worker.render.compiled import CompileCache, verify
 
     key = b"gpu-check fleet key, not a real one"
     with tempfile.TemporaryDirectory(prefix="renderfleet-gpu-check-") as folder:
@@ -311,9 +311,9 @@ def run_arch(
     import torch
 
     from renderfleet.errors import OutOfMemory
-    from worker.compiled import compile_denoiser
-    from worker.models import denoiser
-    from worker.render import Renderer
+    from worker.render.compiled import compile_denoiser
+    from worker.render.models import denoiser
+    from worker.render.pipeline import Renderer
 
     steps = steps if steps is not None else Steps()
     unet_step, vae, per_block = count_flops_by_block(arch)
@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from worker.batchsize import card_name
-    from worker.models import default_device
+    from worker.accounting.speeds import card_name
+    from worker.render.models import default_device
 
     started = time.monotonic()
     device = args.device or default_device()

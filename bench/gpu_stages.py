@@ -7,7 +7,7 @@ x2 to 2048x2048 and a refine with the same model at strength 0.3 (7 of its 25
 steps run again, at 2048x2048: 16 times the pixels of SD 1.5's 512x512, its
 attention's cost growing with their square), batch 1.  Each step is timed as
 ``renderfleet bench --upscale 2 --refine self:0.3`` times it
-(``worker.benchstages.run_stages``: a warm-up pass, then the median of the timed
+(``worker.bench.stages.run_stages``: a warm-up pass, then the median of the timed
 passes, synchronised on the card), with its peak memory; the PNG encode of the
 2048x2048 final and of the levels stored between stages is a step too.
 
@@ -37,7 +37,7 @@ REFINE_STRENGTH = 0.3
 @dataclass
 class StageRow:
     model: str  # the case's architecture
-    stage: str  # generate, upscale-1, refine-2, encode (worker/stagerun.py's labels)
+    stage: str  # generate, upscale-1, refine-2, encode (worker/render/stagerun.py's labels)
     what: str  # what runs it
     size: str  # "WxH -> WxH"
     seconds_per_image: float | None = None
@@ -60,15 +60,15 @@ def stage_case(tiny_sizes: bool) -> tuple[Arch, tuple[Stage, ...]]:
 def run_stage_case(
     *, tiny_sizes: bool, device: str, runs: int, deadline: float, log: Any
 ) -> tuple[list[StageRow], dict[str, Any]]:
-    """Build the case's model, then time generate, each stage and the encode (``worker.benchstages.run_stages``):
+    """Build the case's model, then time generate, each stage and the encode (``worker.bench.stages.run_stages``):
     its rows and a summary.  On a card it is skipped, one row saying so, when it would end past ``deadline``."""
     import torch
 
     from renderfleet.errors import InputError
     from renderfleet.spec import Prompt
     from renderfleet.stages import cli_form, final_size
-    from worker.benchstages import run_stages
-    from worker.render import Renderer
+    from worker.bench.stages import run_stages
+    from worker.render.pipeline import Renderer
 
     arch, stages = stage_case(tiny_sizes)
     flags = " ".join(cli_form(s) for s in stages)

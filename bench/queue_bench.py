@@ -36,7 +36,7 @@ import redis
 
 from bench.results import start, table, write_section
 from bench.submit_bench import make_file, run_child
-from dispatcher.enqueue import WireShard, publish_shards, register_job
+from dispatcher.jobs.enqueue import WireShard, publish_shards, register_job
 from renderfleet.celery_app import envelope_factory, make_app, queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.feeder import Feeder

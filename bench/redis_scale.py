@@ -107,7 +107,7 @@ import redis
 
 from bench import resp, simloop
 from bench.results import RESULTS, command, start, table, write_section
-from dispatcher.enqueue import WireShard, publish_shards, register_job
+from dispatcher.jobs.enqueue import WireShard, publish_shards, register_job
 from renderfleet import keys
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, make_app, queue_name
 from renderfleet.embedded import RedisServerProcess
@@ -139,7 +139,7 @@ from renderfleet.reaper import ReaperElection, lock_answer, lock_call, reap_once
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.states import Beat, ClaimAnswer, Release
-from worker.ledger import LeaseClock, Liveness, lease_now
+from worker.lease.ledger import LeaseClock, Liveness, lease_now
 from worker.main import TOUCH_SECONDS
 
 SHARD_SIZE = 64
@@ -285,7 +285,7 @@ class SimWorker:
         self.counts_at = float("-inf")
         self.touched = float("-inf")
         self.liveness = Liveness(TOUCH_SECONDS * self.cfg.slow)  # mirrors WorkerService.liveness: beats carry it
-        # mirrors worker.ledger.LeaseClock: the send times of the last renewal and the last "current" answer
+        # mirrors worker.lease.ledger.LeaseClock: the send times of the last renewal and the last "current" answer
         self.clock = LeaseClock(self.cfg.lease_ms / 1000, self.cfg.heartbeat_s)
         # The fleet in its steady state from the start: a worker's first shard begins at a random batch, so
         # that shards end (claim, recount, release, ack) at the steady rate from the first minute, not in a
@@ -516,7 +516,7 @@ class SimWorker:
             beats.cancel()
 
     def counters(self, pipe: Any, lease: Lease, fields: dict[str, int]) -> tuple[dict[str, int], str]:
-        # mirrors worker.ledger.RedisLedger._add_counters: the worker's and pool's counters into the pipeline;
+        # mirrors worker.lease.ledger.RedisLedger._add_counters: the worker's and pool's counters into the pipeline;
         # the job's own (and its progress entry) returned, for the fence check to write (fence.lua)
         progress = fields.pop("progress", 0)
         for key in (keys.worker_stats(self.id), keys.pool_stats(POOL, "scale")):
@@ -723,7 +723,7 @@ class MonitorThread(threading.Thread):
         self.audit_seconds = audit_seconds
         self.before = before
         self.owner = uuid.uuid4().hex
-        self.election = ReaperElection(period, backstop=True)  # mirrors dispatcher.monitor.Monitor
+        self.election = ReaperElection(period, backstop=True)  # mirrors dispatcher.fleet.monitor.Monitor
         self.done = threading.Event()
 
     def run(self) -> None:

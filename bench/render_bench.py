@@ -38,8 +38,8 @@ def main() -> None:
     t = time.perf_counter()
     import torch
 
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     loaded = load_pipeline(args.model, device=args.device, cache_dir=Path(tempfile.mkdtemp()))
     print(

@@ -65,7 +65,7 @@ from bench.chaos import (
     submit_urgent,
 )
 from bench.results import table, write_section
-from dispatcher.status import GPU_USES
+from dispatcher.status.status import GPU_USES
 from renderfleet import keys
 from testing.fleet import wait_for
 from testing.rig import Fleet, Rig, pool_stats
@@ -114,7 +114,7 @@ class SoakReport(ChaosReport):
     redis_rss: dict[str, float] = field(default_factory=dict)  # point -> RSS MB
     redis_used: dict[str, float] = field(default_factory=dict)  # point -> INFO used_memory MB
     load: list[str] = field(default_factory=list)  # load averages at the start and the end
-    # The spot pool's workers' time by use (worker/gputime.py: kept ... overhead, and killed, the reaper's
+    # The spot pool's workers' time by use (worker/accounting/gputime.py: kept ... overhead, and killed, the reaper's
     # estimate for the SIGKILLed), seconds, and the images of its kept batches.
     gpu_time: dict[str, float] = field(default_factory=dict)
     kept_images: int = 0

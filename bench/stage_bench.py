@@ -5,7 +5,7 @@ by default), then by default the three stages issue 39 names: a Lanczos x2, a
 refine with the job's own model at strength 0.3, and the built-in diffusion x4
 upscaler (``tiny-x4-upscaler``), 64x64 to 512x512 in the end.  Each step is
 timed as ``renderfleet bench --upscale ... --refine ...`` times it
-(``worker.benchstages.run_stages``: the images handed on as a worker hands them, the
+(``worker.bench.stages.run_stages``: the images handed on as a worker hands them, the
 finals encoded and each level between stages stored as lossless PNG; a warm-up,
 then the median of ``--runs`` passes).  The figures are of random-weight toy
 models on whatever device is here (a CPU unless told): they show the method
@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from worker.benchstages import STAGE_HEADER, run_stages, stage_rows, stage_summary
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.bench.stages import STAGE_HEADER, run_stages, stage_rows, stage_summary
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     cache = Path(tempfile.mkdtemp(prefix="renderfleet-stage-bench-"))
     loaded = load_pipeline(args.model, device=args.device, cache_dir=cache)

@@ -30,9 +30,9 @@ import redis
 from rich.console import Console
 
 from bench.results import start, table, write_section
-from dispatcher.jobids import known_jobs, short_ids
-from dispatcher.show import print_status
-from dispatcher.status import fleet_status
+from dispatcher.status.status import fleet_status
+from dispatcher.views.jobids import known_jobs, short_ids
+from dispatcher.views.show import print_status
 from renderfleet.store import open_store
 from testing.fleet import REPO, base_env, start_redis
 from testing.manyjobs import add_jobs

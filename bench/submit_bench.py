@@ -105,7 +105,7 @@ def run_status(env: dict[str, str], job: str) -> tuple[float, float, dict[str, A
 
 def status_in_process(url: str, store_url: str, job: str, calls: int = 5) -> list[float]:
     """Seconds of each of ``calls`` calls of what ``status`` runs (``fleet_status``), no CLI start-up."""
-    from dispatcher.status import fleet_status
+    from dispatcher.status.status import fleet_status
     from renderfleet.store import open_store
 
     client = redis.Redis.from_url(url)

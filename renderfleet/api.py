@@ -48,11 +48,11 @@ if TYPE_CHECKING:
     import redis
     from celery import Celery
 
-    from dispatcher.estimate import Estimate
-    from dispatcher.lifecycle import Cancelled, DeleteReport
-    from dispatcher.resume import ResumeReport
-    from dispatcher.status import FleetStatus, JobStatus, Results
-    from dispatcher.submit import SubmitOptions
+    from dispatcher.jobs.lifecycle import Cancelled, DeleteReport
+    from dispatcher.jobs.resume import ResumeReport
+    from dispatcher.jobs.submit import SubmitOptions
+    from dispatcher.status.status import FleetStatus, JobStatus, Results
+    from dispatcher.views.estimate import Estimate
     from renderfleet.hubrev import ModelCheck, PipelineReader, RevisionResolver
     from renderfleet.prompts import FileSummary
     from renderfleet.store import Store
@@ -250,7 +250,7 @@ class Client:
     ) -> SubmitOptions:
         """The render options of a submit, checked (InputError naming each bad one); ``settings``:
         the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
-        from dispatcher.submit import JOB_SETTINGS, SubmitOptions, check_options, model_problem_here, pin_loras
+        from dispatcher.jobs.submit import JOB_SETTINGS, SubmitOptions, check_options, model_problem_here, pin_loras
         from renderfleet.hubrev import hub_commit, hub_pipeline_problem
         from renderfleet.spec import RenderParams
 
@@ -425,7 +425,7 @@ class Client:
         by_item: bool = False,
     ) -> Job:
         """Submit the prompt file at ``path`` (validated first, before any connection)."""
-        from dispatcher.submit import submit
+        from dispatcher.jobs.submit import submit
         from renderfleet import prompts, shardfile
         from renderfleet.celery_app import queue_name
 
@@ -478,7 +478,7 @@ class Client:
         **options: Any,
     ) -> Estimate:
         """What submitting ``prompts`` with ``options`` (:meth:`submit`'s) would cost and take, per pool and in
-        all, before anything is queued (``submit --estimate``; dispatcher/estimate.py): nothing is written
+        all, before anything is queued (``submit --estimate``; dispatcher/views/estimate.py): nothing is written
         to Redis or the store.  ``Estimate.to_dict()`` is ``--estimate --json``'s object."""
         opts = replace(self.options(**options), format=format or "")
         with _prompt_file(prompts, format, "rf-estimate-") as (path, kind):
@@ -491,7 +491,7 @@ class Client:
     def estimate_file(self, path: str, opts: SubmitOptions, *, label: str | None = None, by_item: bool = False) -> Estimate:
         """The estimate of submitting the prompt file at ``path`` with ``opts`` (:meth:`estimate`).  Reads
         the fleet's Redis where one is set or the embedded server runs (none is started), and the store."""
-        from dispatcher.estimate import estimate_file
+        from dispatcher.views.estimate import estimate_file
         from renderfleet.embedded import connect, running_embedded
         from renderfleet.errors import BrokerUnavailable
 
@@ -519,11 +519,11 @@ class Client:
                 client.close()
 
     def _overshoot(self, opts: SubmitOptions, family: families.Family | None) -> str:
-        """The most a budgeted job can spend past its budget, in money (``dispatcher.estimate.overshoot_note``);
+        """The most a budgeted job can spend past its budget, in money (``dispatcher.views.estimate.overshoot_note``);
         the job is submitted already, so a fleet or store that cannot say is a line, not an error."""
         import redis
 
-        from dispatcher.estimate import overshoot_note
+        from dispatcher.views.estimate import overshoot_note
         from renderfleet.errors import StoreError
 
         try:
@@ -540,8 +540,8 @@ class Client:
         ``status`` shows it, or its name where no other job of the store has it
         (:class:`~renderfleet.errors.InputError` naming the candidates when several jobs have that
         name or start with it; :class:`~renderfleet.errors.JobNotFound` when none does)."""
-        from dispatcher.jobids import resolve
-        from dispatcher.status import job_status
+        from dispatcher.status.status import job_status
+        from dispatcher.views.jobids import resolve
 
         job_id = resolve(self.redis, self.store, job_id)
         return Job(self, job_id, job_status(self.redis, job_id, store=self.store).total)
@@ -551,7 +551,7 @@ class Client:
         queues, workers, pools, jobs, and where each pool's GPU time went (``pool_gpu_time``) with its
         cost per image as rendered beside all-in (``pool_costs``), at the pools' published prices or
         the settings' config."""
-        from dispatcher.status import fleet_status
+        from dispatcher.status.status import fleet_status
 
         prices = self.settings.gpu_prices
         return fleet_status(self.redis, store=self.store, prices=prices, fold_finished=True)
@@ -606,7 +606,7 @@ class Job:
         """Its counters now (a few Redis reads; the store when Redis forgot the job).
         ``status().to_dict()`` is the job's object of ``renderfleet status --json`` (docs/monitoring.md);
         costs and ``failure_reasons`` are only in :meth:`report`."""
-        from dispatcher.status import job_status
+        from dispatcher.status.status import job_status
 
         return job_status(self.client.redis, self.id, store=self.client.store)
 
@@ -614,7 +614,7 @@ class Job:
         """Its status as ``renderfleet status JOB`` shows it: with cost (at the pools' published prices,
         or the settings' config) and its most common ``failure_reasons``; a few more reads than
         :meth:`status`."""
-        from dispatcher.status import fleet_status
+        from dispatcher.status.status import fleet_status
 
         prices = self.client.settings.gpu_prices
         return fleet_status(self.client.redis, [self.id], store=self.client.store, prices=prices).jobs[0]
@@ -648,7 +648,7 @@ class Job:
         if progress:
             from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-            from dispatcher.show import JobBar, JobCounts
+            from dispatcher.views.show import JobBar, JobCounts
 
             bar = Progress(TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn())
             task = bar.add_task(f"job {self.id}", total=self.total, done=0, quarantined=0)
@@ -691,9 +691,9 @@ class Job:
 
     def _unserved(self) -> str | None:
         """Why no worker takes the job's shards now, if none does: its workers are loading their
-        model, or none serves its queue (dispatcher/serving.py)."""
-        from dispatcher.serving import unserved
-        from dispatcher.status import store_workers
+        model, or none serves its queue (dispatcher/jobs/serving.py)."""
+        from dispatcher.jobs.serving import unserved
+        from dispatcher.status.status import store_workers
 
         redis_client, store = self.client.redis, self.client.store
         found = unserved(redis_client, store, store_workers(redis_client, store), self.id)
@@ -705,8 +705,9 @@ class Job:
         prompt's record too, as ``results --json`` gives it (``Results.prompts``: done with its attempt,
         card, seconds and cost share, quarantined with its reason, or pending; a read of each shard's
         checkpoints)."""
-        from dispatcher.resume import resume
-        from dispatcher.status import published_prices, results
+        from dispatcher.jobs.prices import published_prices
+        from dispatcher.jobs.resume import resume
+        from dispatcher.status.status import results
 
         prices = None
         if records:
@@ -723,8 +724,8 @@ class Job:
         """Enqueue whatever of the job is not in the store yet; a cancelled job is continued.  ``budget``:
         its new budget, which continues a job stopped at its budget (one so stopped is not continued
         without it: :class:`~renderfleet.errors.InputError`)."""
-        from dispatcher.resume import resume
-        from dispatcher.status import published_prices
+        from dispatcher.jobs.prices import published_prices
+        from dispatcher.jobs.resume import resume
 
         prices = self.client._prices()
         if budget is not None:
@@ -743,7 +744,7 @@ class Job:
         """Stop the job: its queued shards leave the queue, its running ones stop at their next
         batch boundary (what they committed is kept); no worker is stopped.  :meth:`resume`
         (or submitting it again) continues it."""
-        from dispatcher.lifecycle import cancel
+        from dispatcher.jobs.lifecycle import cancel
 
         return cancel(self.id, store=self.client.store, client=self.client.redis, app=self.client.app)
 
@@ -752,7 +753,7 @@ class Job:
         prompt file, checkpoints, thumbnails) and every Redis key of it, but a tombstone that
         ``status`` reports for a day.  No confirmation asked.  Waits up to a lease for its
         running shards' holders to let go (``on_wait(leases, seconds)`` is told)."""
-        from dispatcher.lifecycle import delete
+        from dispatcher.jobs.lifecycle import delete
 
         return delete(
             self.id,

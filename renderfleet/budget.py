@@ -16,7 +16,7 @@ the batch the worker renders meanwhile, reach the cap, the script marks the job 
 stops it: the feeder skips it, a claim drops its messages, a running shard ends at its next batch
 boundary and is parked, and the worker whose check marked it takes its queued messages out
 (:func:`stop`, one pass of ``renderfleet/lua/cancel.lua``).  A worker rendering a job with a budget
-asks Redis before each batch whether the mark is set (``worker/ledger.py``): no batch of it begins
+asks Redis before each batch whether the mark is set (``worker/lease/ledger.py``): no batch of it begins
 after its budget is reached, so a job overshoots by at most the batch each worker had in flight.
 
 ``resume --budget USD`` raises the cap (:func:`raise_budget`) and continues the job; a plain
@@ -313,7 +313,7 @@ def spent_already(record: Record) -> bool:
 
 
 def restore(client: redis.Redis, job: str, record: Record, at: str) -> bool:
-    """A job registered again by a Redis that lost it (``dispatcher/resume.py``): its cap set again from the
+    """A job registered again by a Redis that lost it (``dispatcher/jobs/resume.py``): its cap set again from the
     store's ``record`` and its spend then carried (``fence.lua`` counts it with what comes).  A record that
     says the cap is spent marks the job as the fence check would (reached at ``at``, cancelled): True then."""
     fields: dict[Any, Any] = {BUDGET: f"{record.budget:.6f}", CARRIED: f"{record.spent:.6f}"}

@@ -2,16 +2,16 @@
 renders for its price.
 
 Each worker registers its card (``keys.WORKERS``: ``card``, as speed records name it,
-``worker.speeds.card_for``; ``vram_gib``, the device's total memory in GiB, left out where
+``worker.accounting.speeds.card_for``; ``vram_gib``, the device's total memory in GiB, left out where
 there is none to speak of: a CPU, a bench model).  A job may ask for a minimum card memory
 (``submit --min-vram GB``, kept in ``keys.job``'s ``min_vram`` and in the stored spec): a
-worker whose card has less never renders it (``worker/service.py``, ``accept``) and makes the
+worker whose card has less never renders it (``worker/lease/service.py``, ``accept``) and makes the
 shard pending again, nothing counted; the feeder feeds a job's shards only while a live worker
 serving its queue has a card that qualifies (``renderfleet/lua/feed.lua``: the others' jobs are
 fed meanwhile), and ``status`` shows such a job ``waiting``, saying for what card
-(``dispatcher/serving.py``).  The autoscaler grows only pools whose card
+(``dispatcher/jobs/serving.py``).  The autoscaler grows only pools whose card
 qualifies for such a job's work, and ``submit --estimate`` counts only them (:func:`pool_vram`:
-a pool's memory; ``dispatcher/policy.py`` rule 11).
+a pool's memory; ``dispatcher/fleet/policy.py`` rule 11).
 
 Memory is compared the way people name cards: a card sold as "80GB" reports 79.6 GiB (an
 H100), one sold as "24GB" 22.5 (an L4): a card qualifies for ``--min-vram N`` when it
@@ -23,7 +23,7 @@ workers' own counters (already read by ``status``: no store read, cheap enough f
 that polls): images per minute per worker and cost per image as rendered, over whatever they
 rendered.  What the autoscaler ranks pools by is narrower and lives in the store: the speed
 measured on each card for the backlog's model and size (``renderfleet/speeds.py``,
-``dispatcher/policy.py`` rule 9).
+``dispatcher/fleet/policy.py`` rule 9).
 
 Pure data and logic: nothing at import, no torch.
 """

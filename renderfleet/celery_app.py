@@ -29,11 +29,11 @@ UNACKED_INDEX_KEY = "unacked_index"
 # lease reaper does the real work in seconds.  A duplicate delivery of a shard
 # that is still running is dropped at claim, so this cannot make work run twice.
 VISIBILITY_TIMEOUT = 3600
-# The longest item a worker takes from a queue (worker/queueguard.py drops a longer one unread).
+# The longest item a worker takes from a queue (worker/lease/queueguard.py drops a longer one unread).
 # No message renderfleet writes comes near this (a message names a shard's range, not its
 # prompts); it bounds what a hostile item costs to decode, a few times its size at most.  Here,
 # in the contract, so that submit refuses a job whose messages would be dropped
-# (dispatcher/enqueue.py, check_message_size).
+# (dispatcher/jobs/enqueue.py, check_message_size).
 MAX_ITEM_CHARS = 64 * 1024 * 1024
 
 

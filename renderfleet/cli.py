@@ -128,7 +128,7 @@ def _job_id(settings: Settings, job: str, client: Any = None, store: Any = None)
     """The job ``job`` names: its id, or a unique prefix of one (as ``status`` shows it; an
     ambiguous one is an InputError naming the candidates).  ``client``: the Redis to ask (default:
     the configured one, or the embedded one if it runs; never started for this)."""
-    from dispatcher.jobids import resolve
+    from dispatcher.views.jobids import resolve
     from renderfleet.embedded import connect, running_embedded
     from renderfleet.store import open_store
 
@@ -566,8 +566,8 @@ def submit(
 
 
 def _estimate(file: Path, fmt: str | None, opts: Any, settings: Settings, *, as_json: bool, asked: bool) -> None:
-    """``submit --estimate``: nothing queued, nothing written (dispatcher/estimate.py)."""
-    from dispatcher.estimate import text
+    """``submit --estimate``: nothing queued, nothing written (dispatcher/views/estimate.py)."""
+    from dispatcher.views.estimate import text
     from renderfleet.api import Client
 
     if not asked:
@@ -702,7 +702,7 @@ def worker(
         levels={"renderfleet": logging.INFO, "worker": logging.INFO},
     )
     if settings.gpus and not settings.node:  # a node's own worker never starts a node of its own
-        from worker.supervisor import run_node
+        from worker.node.supervisor import run_node
 
         flags = {
             "--pool": pool,
@@ -762,8 +762,8 @@ def status(
     config); --config gives them instead.
     """
     settings = _settings(config=config)
-    from dispatcher.jobids import known_jobs, short_ids
-    from dispatcher.status import deleted_job, fleet_status
+    from dispatcher.status.status import deleted_job, fleet_status
+    from dispatcher.views.jobids import known_jobs, short_ids
     from renderfleet.store import open_store
 
     prices = settings.gpu_prices
@@ -795,7 +795,7 @@ def status(
             print(json.dumps(fleet.to_dict()))
             return
         if watch:  # each frame with the ids of the jobs known then: a new job may lengthen some
-            from dispatcher.show import watch as watch_status
+            from dispatcher.views.show import watch as watch_status
 
             def frame() -> Any:
                 shown = read()
@@ -804,7 +804,7 @@ def status(
             watch_status(frame, wide=wide, console=_console())
             return
         ids = short_ids(known_jobs(client, store, fleet.known))
-    from dispatcher.show import print_status
+    from dispatcher.views.show import print_status
 
     print_status(fleet, _console(), wide=wide, ids=ids)
     for reason, count in (fleet.jobs[0].failure_reasons or {}).items() if job else ():
@@ -827,14 +827,14 @@ def results(
 ) -> None:
     """Where each prompt's image is, and which are missing or quarantined."""
     settings = _settings(config=config)
-    from dispatcher.status import results as job_results
+    from dispatcher.status.status import results as job_results
     from renderfleet.store import open_store
 
     with _user_errors():
         store = open_store(settings.store_url, settings.s3_options)
         job = _job_id(settings, job, store=store)
         if manifest or sheet:
-            from dispatcher.manifest import contact_sheet, manifest_rows, write_manifest
+            from dispatcher.views.manifest import contact_sheet, manifest_rows, write_manifest
 
             if manifest:
                 sizes: list[int] = []
@@ -891,7 +891,7 @@ def _correct_counts(settings: Settings, store: Any, job: str, names: list[str] |
     """Redis's counts of ``job`` corrected to the store (a count whose image is gone is taken
     back), when Redis knows the job: ``status`` then agrees with ``results``.  The report, or None;
     ``names`` is filled with the prompts' image names when it is not None (``resume``'s)."""
-    from dispatcher.resume import resume as do_resume
+    from dispatcher.jobs.resume import resume as do_resume
     from renderfleet import keys
 
     found = _running_redis(settings)
@@ -903,7 +903,7 @@ def _correct_counts(settings: Settings, store: Any, job: str, names: list[str] |
 def _prices(settings: Settings, store: Any) -> dict[str, float]:
     """Each pool's price per hour, for the prompts' cost shares: those the fleet published (the
     configured Redis, or the embedded one if it runs), each overridden by the settings' config."""
-    from dispatcher.status import published_prices
+    from dispatcher.jobs.prices import published_prices
 
     found = _running_redis(settings)
     published = published_prices(found[1], store.url) if found is not None else {}
@@ -932,9 +932,9 @@ def resume(
 ) -> None:
     """Enqueue whatever of a job is not yet in the store (Redis may have been lost)."""
     settings = _settings(config=config)
-    from dispatcher.lifecycle import deleted
-    from dispatcher.resume import resume as do_resume
-    from dispatcher.status import publish_prices, published_prices
+    from dispatcher.jobs.lifecycle import deleted
+    from dispatcher.jobs.prices import publish_prices, published_prices
+    from dispatcher.jobs.resume import resume as do_resume
     from renderfleet.store import open_store
 
     with _user_errors():
@@ -997,7 +997,7 @@ def delete(
 ) -> None:
     """Cancel a job, then remove it: its images, checkpoints and every file of it in the store, and its Redis keys."""
     settings = _settings(config=config)
-    from dispatcher.lifecycle import delete as do_delete
+    from dispatcher.jobs.lifecycle import delete as do_delete
     from renderfleet.api import Client
     from renderfleet.spec import job_prefix
 
@@ -1042,7 +1042,7 @@ def monitor(
     """Reap expired leases, recover lost shards, resume jobs that Redis lost; serve metrics. Until Ctrl-C."""
     settings = _settings(config=config)
     _logging(settings, verbose=True)
-    from dispatcher.monitor import Monitor
+    from dispatcher.fleet.monitor import Monitor
     from renderfleet.store import open_store
 
     with _user_errors():
@@ -1050,8 +1050,8 @@ def monitor(
         store = open_store(settings.store_url, settings.s3_options)
         mon = Monitor(settings, celery, client, store)
         if http:
-            from dispatcher.http import serve
-            from dispatcher.status import fleet_status
+            from dispatcher.status.status import fleet_status
+            from dispatcher.views.http import serve
 
             prices = settings.gpu_prices
             server = serve(
@@ -1083,8 +1083,8 @@ def monitor(
 def _autoscaler(settings: Settings) -> Any:
     import os
 
-    from dispatcher.autoscale import Autoscaler, AwsBackend, Backend, LocalBackend, PublishedBackend
-    from dispatcher.backends import KubernetesBackend, check_pools
+    from dispatcher.fleet.autoscale import Autoscaler, AwsBackend, Backend, LocalBackend, PublishedBackend
+    from dispatcher.fleet.backends import KubernetesBackend, check_pools
     from renderfleet.store import open_store
 
     if not settings.pools:
@@ -1153,7 +1153,7 @@ def autoscale(
     import signal
     import time
 
-    from dispatcher.localrun import LEAVE_SECONDS, Interrupted, StopSignals
+    from dispatcher.views.localrun import LEAVE_SECONDS, Interrupted, StopSignals
 
     with _user_errors(), StopSignals() as signals:
         scaler = _autoscaler(settings)
@@ -1220,7 +1220,7 @@ def run(
     """
     settings = _settings(config=config)
     _logging(settings)
-    from dispatcher.localrun import run_local
+    from dispatcher.views.localrun import run_local
 
     with _user_errors():
         opts = _submit_options(flags, settings, model=flags.model or settings.model or TINY_MODEL, webhook=webhook)
@@ -1285,7 +1285,7 @@ def bench(
     images per minute at the fastest batch size, the bounding stage, and a final image's rate and cost."""
     settings = _settings(config=config)
     _logging(settings)
-    from worker.bench import compare as compare_runs
+    from worker.bench.run import compare as compare_runs
 
     with _user_errors():
         if files and not compare:
@@ -1300,10 +1300,10 @@ def bench(
                 raise InputError(["--compare: name the bench.json files to compare (bench --compare A.json B.json)"])
             print(compare_runs(files), end="")
             return
-        from dispatcher.submit import MODEL_REQUIRED, SubmitOptions, check_options
+        from dispatcher.jobs.submit import MODEL_REQUIRED, SubmitOptions, check_options
         from renderfleet.api import parse_size
         from renderfleet.spec import RenderParams
-        from worker.bench import run_bench, write_outputs
+        from worker.bench.run import run_bench, write_outputs
 
         width, height = parse_size(size)
         stage_list = _stages_of(upscale, refine, stages)
@@ -1372,7 +1372,7 @@ def bench(
 def _record_bench(result: Any, settings: Settings, stage_list: list[Any]) -> None:
     """Keep a bench's speeds in the store for ``submit --estimate``; a store that refuses loses them, not the run."""
     from renderfleet.store import open_store
-    from worker.bench import record_speeds
+    from worker.bench.run import record_speeds
 
     try:
         kept = record_speeds(result, open_store(settings.store_url, settings.s3_options), stage_list)
@@ -1395,7 +1395,7 @@ def save_model(
     settings = _settings(config=config)
     _logging(settings)
     from worker.main import load_renderer
-    from worker.models import save_pipeline
+    from worker.render.models import save_pipeline
 
     with _user_errors():
         _, loaded = load_renderer(model, settings)

@@ -4,7 +4,7 @@ A hub id is pinned by its ``--revision``; a folder or an ``s3://`` prefix has no
 revision, and its files can be replaced between a submit and a render (or
 between two workers' copies).  So submit records a digest of the model in the
 job's settings (``RenderParams.model_digest``), and a worker that loaded other
-files refuses the job (``worker.models.check_digest``) rather than render a
+files refuses the job (``worker.render.models.check_digest``) rather than render a
 mixture.
 
 Two kinds, named in the value so they are never compared with each other:
@@ -25,7 +25,7 @@ Two kinds, named in the value so they are never compared with each other:
 
 A LoRA is pinned the same way, one digest per LoRA in the job's ``loras``
 (``[source, scale, digest]``), checked by the worker before it loads the adapter
-(``worker.loras``):
+(``worker.render.loras``):
 
 * ``file-sha256:``: a local ``.safetensors`` file, SHA-256 of its bytes
   (:func:`file_digest`); a local folder is ``files-sha256:`` as above.

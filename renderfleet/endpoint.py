@@ -1,7 +1,7 @@
 """An HTTP endpoint of the fleet: on loopback by default, off it only behind RENDERFLEET_HTTP_TOKEN.
 
-The monitor's page and ``/metrics`` (``dispatcher/http.py``) and each
-worker's own ``/metrics`` (``worker/metrics.py``) follow one rule, kept here
+The monitor's page and ``/metrics`` (``dispatcher/views/http.py``) and each
+worker's own ``/metrics`` (``worker/accounting/metrics.py``) follow one rule, kept here
 once: :func:`listen` refuses an address off loopback unless a token is set,
 and :func:`guard` puts every request behind the token whenever one is set
 (``Authorization: Bearer TOKEN``, ``?token=TOKEN``, or the HttpOnly cookie a

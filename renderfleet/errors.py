@@ -152,7 +152,7 @@ class DeviceError(RenderfleetError):
 
 class BadOutput(DeviceError):
     """The pipeline gave images that are not images (NaN or inf values, or all black), and again
-    with the VAE decoding in float32: fp16 overflow or a failing card (``worker/outputs.py``).
+    with the VAE decoding in float32: fp16 overflow or a failing card (``worker/render/outputs.py``).
     Handled as a device error: none of them is stored, nothing is counted against the prompts,
     the shard goes back to the front and the worker stops."""
 
@@ -166,7 +166,7 @@ class MixedFleet(DeviceError):
 
 class CardTooSmall(ConfigError, DeviceError):
     """The model's weights, with a working margin, do not fit this card's free memory
-    (``worker/models/memory.py``); the message has the numbers and the remedy (``--offload model``,
+    (``worker/render/models/memory.py``); the message has the numbers and the remedy (``--offload model``,
     a bigger card).  A :class:`ConfigError`: at start-up the worker's own model refuses to start it
     (exit 2).  A :class:`DeviceError` too: a job's model met after start-up is not the job's fault
     (another node renders it), so its shard goes back to the front and this worker stops, as for

@@ -32,7 +32,7 @@ For example ``before-claim=pause``, ``step=sleep(0.1)`` or
 
 ``POINT[#N]@gpuG`` (``render@gpu2=raise(...)``) applies only in the worker a node
 supervisor started for its GPU ``G`` (``RENDERFLEET_NODE_GPU``,
-``worker/supervisor.py``): one card of a node fails, the others do not.  A
+``worker/node/supervisor.py``): one card of a node fails, the others do not.  A
 point is named once, or once per GPU.
 
 Unset, :func:`reach` costs one environment lookup.  A value that does not
@@ -61,16 +61,17 @@ VARIABLE = "RENDERFLEET_FAILPOINTS"
 # Every failpoint the product reaches, and where.
 POINTS = {
     "before-claim": "a shard's message taken (in kombu's unacked), its lease not yet claimed (renderfleet/leases.py)",
-    "render": "inside the pipeline call, before the pipeline runs (worker/render.py, worker/benchrender.py)",
-    "step": "a render's denoising step ended, before it is asked to stop (worker/render.py)",
+    "render": "inside the pipeline call, before the pipeline runs (worker/render/pipeline.py, worker/render/benchrender.py)",
+    "step": "a render's denoising step ended, before it is asked to stop (worker/render/pipeline.py)",
     "after-render": "a batch rendered, nothing of it written: no failure count, no quarantine record, no image "
-    "(worker/runner.py)",
-    "before-images": "a batch's fence checked, none of its images written yet (worker/runner.py)",
-    "before-checkpoint": "a batch's images written, its checkpoint not (worker/runner.py)",
-    "before-count-stored": "every batch of the shard committed, its last listing and recount not done (worker/runner.py)",
-    "before-stage-level": "a batch's level between stages about to be written, none of it yet (worker/stagerun.py)",
-    "stage": "a job's stage about to run on a batch, the level before it stored (worker/stagerun.py)",
-    "loading": "a worker's loading registration written, its first model not loaded (worker/loading.py)",
+    "(worker/render/runner.py)",
+    "before-images": "a batch's fence checked, none of its images written yet (worker/render/runner.py)",
+    "before-checkpoint": "a batch's images written, its checkpoint not (worker/render/runner.py)",
+    "before-count-stored": "every batch of the shard committed, its last listing and recount not done "
+    "(worker/render/runner.py)",
+    "before-stage-level": "a batch's level between stages about to be written, none of it yet (worker/render/stagerun.py)",
+    "stage": "a job's stage about to run on a batch, the level before it stored (worker/render/stagerun.py)",
+    "loading": "a worker's loading registration written, its first model not loaded (worker/lease/loading.py)",
 }
 ERRORS = ("RuntimeError", "ValueError", "AcceleratorError")
 

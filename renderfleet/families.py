@@ -7,7 +7,7 @@ T5) and FLUX.1 (a flow-matching transformer with guidance distilled into it, or
 none for [schnell]; CLIP and T5).  Submit checks a job's settings against its
 model's family wherever it can tell the family (:func:`family_here`: a built-in
 model, a folder's ``model_index.json``); a worker checks them against the
-pipeline it loaded (``worker/models/families``), and a setting the family cannot
+pipeline it loaded (``worker/render/models/families``), and a setting the family cannot
 honour is the job's error there, never a worker's.  Any other pipeline
 ``AutoPipelineForText2Image`` loads is :data:`GENERIC`: only the settings proven
 for every pipeline.
@@ -161,7 +161,7 @@ GENERIC = Family(
 FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX, FLUX_SCHNELL, GENERIC)
 BY_NAME = {f.name: f for f in FAMILIES}
 
-# The built-in random-weight models (worker/models/tiny*.py), by family: demos and tests, their images noise.
+# The built-in random-weight models (worker/render/models/tiny*.py), by family: demos and tests, their images noise.
 TINY_MODELS: dict[str, Family] = {
     "tiny": SD,
     "tiny-sdxl": SDXL,

@@ -44,7 +44,7 @@ def model_info(model: str, revision: str) -> Any:
 
 def hub_commit(model: str, revision: str) -> str | None:
     """The commit ``revision`` of hub model ``model`` names now (see :data:`RevisionResolver`); ``revision``
-    '' is the repository's default branch (a hub LoRA's pin: ``dispatcher.submit.lora_pin``)."""
+    '' is the repository's default branch (a hub LoRA's pin: ``dispatcher.jobs.submit.lora_pin``)."""
     try:
         from huggingface_hub import constants
         from huggingface_hub.errors import RevisionNotFoundError
@@ -63,7 +63,7 @@ def hub_commit(model: str, revision: str) -> str | None:
 
 # (model id, revision) -> why the hub says no worker could load that model as a pipeline (no such
 # repository; one with no model_index.json), or None: it is one, or the hub cannot be asked (offline,
-# unreachable, a gated repository the workers' token may open).  Submit's check (dispatcher.submit.model_problem_here).
+# unreachable, a gated repository the workers' token may open).  Submit's check (dispatcher.jobs.submit.model_problem_here).
 ModelCheck = Callable[[str, str], "str | None"]
 
 PIPELINE_FILE = "model_index.json"  # what makes a folder or repository a diffusers pipeline

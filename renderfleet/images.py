@@ -1,6 +1,6 @@
 """An image's bytes in the job's format, with what made it inside, and read back.
 
-The worker encodes (``worker.render``); the dispatcher's thumbnails, captions and
+The worker encodes (``worker.render.pipeline``); the dispatcher's thumbnails, captions and
 manifest read the same metadata back, so both sides use this one module.  Every
 format carries the same keys (prompt, seed, settings, model):
 

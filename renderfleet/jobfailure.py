@@ -7,7 +7,7 @@ stopped as a cancel stops it (one pass of ``renderfleet/lua/cancel.lua``: its qu
 out, its pending shards parked, a leased shard parked at its next batch boundary), in one
 transaction.  Any worker that takes one of its shards afterwards drops it at accept, with no
 load attempt.  ``renderfleet resume JOB`` (or the same submit again) clears the failure with the
-cancel (``dispatcher.cancelmarks.check_cancelled``) and the workers try again.
+cancel (``dispatcher.jobs.cancelmarks.check_cancelled``) and the workers try again.
 
 Here, below both sides: the worker fails a job, the dispatcher's cancel runs the same script.
 """

@@ -34,7 +34,7 @@ CARD_MARK = "card@"
 WORKER_COUNTS_LOCK = "rf:workercounts:lock"  # the process that counts next (SET NX, expiring)
 COUNTED_AT = "@at"
 FLEET_STATS = "rf:fleet"  # hash of counters of the whole Redis, every store's: reaped (expired leases re-queued)
-REDIS_LOAD = "rf:redis-load"  # hash: the last two samples of Redis's own CPU time (dispatcher/status.py, redis_load)
+REDIS_LOAD = "rf:redis-load"  # hash: the last two samples of Redis's own CPU time (dispatcher/status/status.py, redis_load)
 SCRATCH = "rf:scratch"  # a throwaway result key for checks (bench/chaos.py: BITOP AND of done and failed)
 LEASE_PREFIX = "rf:lease:"
 JOB_PREFIX = "rf:job:"
@@ -42,7 +42,7 @@ SHARDS_SUFFIX = ":shards"
 STATS_SUFFIX = ":stats"
 DEATHS_SUFFIX = ":deaths"
 
-# The enqueue record, read by the monitor's audit (dispatcher/monitor.py) to find a
+# The enqueue record, read by the monitor's audit (dispatcher/fleet/monitor.py) to find a
 # shard whose message was lost between a queue and its claim.  Written by the Lua
 # scripts that push a shard's message (renderfleet/lua/common.lua), dropped at its claim.
 SEQ = "rf:seq"  # counter: orders every push of a shard message, on every queue
@@ -66,8 +66,8 @@ def job(job_id: str) -> str:
     life of the job's name the spec names: every lease is bound to it; docs/design.md, "A job's lives";
     ``ended:<ms>`` once a delete or a retire ended it), unaccounted (images the store held when a
     resume registered the job again in a Redis that had lost it: their render time, and so the job's
-    cost, is unknown; ``dispatcher/status.py`` ``price``), name (the spec's ``name``, apart: a name
-    typed for a job is looked up in every job's hash, ``dispatcher/jobids.py``; '' for none), budget (the most
+    cost, is unknown; ``dispatcher/status/status.py`` ``price``), name (the spec's ``name``, apart: a name
+    typed for a job is looked up in every job's hash, ``dispatcher/views/jobids.py``; '' for none), budget (the most
     the job may spend, in the pools' currency: ``submit --budget``, raised by ``resume --budget``),
     segments (a job whose stages run on pools of their own: the queues of its segments past the first, by
     ``,``; each segment's envelope template in ``feed:<n>``),
@@ -176,7 +176,7 @@ def attempts(job_id: str) -> str:
 
 def job_stats(job_id: str) -> str:
     """hash of one job's counters: images.<pool>, render_ms.<pool> (GPU-ms), started_images, wasted_images;
-    where its workers' time went (worker/gputime.py), by pool, in ms: kept_ms.<pool>, lost_ms.<pool>,
+    where its workers' time went (worker/accounting/gputime.py), by pool, in ms: kept_ms.<pool>, lost_ms.<pool>,
     compiling_ms.<pool>, loading_ms.<pool> (models loaded for it), killed_ms.<pool> (the reaper's estimate
     of what a dead holder lost: renderfleet/lua/reap.lua), lapsed_ms.<pool> (what a dead holder's lease
     cost: its unkept render time at its last figure plus the time from that figure, or from the claim, to
@@ -186,7 +186,7 @@ def job_stats(job_id: str) -> str:
 
 def job_stages(job_id: str) -> str:
     """hash of a job with stages (``RenderParams.stages``): what each stage made and spent, by its label
-    (``worker.stagerun.stage_label``: ``generate``, ``upscale-1``, ``refine-2``): images.<label> (images
+    (``worker.render.stagerun.stage_label``: ``generate``, ``upscale-1``, ``refine-2``): images.<label> (images
     it made, those of a batch lost later too) and ms.<label> (GPU-ms it ran).  Written by the workers'
     ledger with the job's other counters, in the fence check's script (``renderfleet/lua/fence.lua``);
     absent for a job without stages."""
@@ -194,7 +194,7 @@ def job_stages(job_id: str) -> str:
 
 
 def job_events(job_id: str) -> str:
-    """hash of the job's events, as the monitor saw its transitions (dispatcher/events.py): one field per
+    """hash of the job's events, as the monitor saw its transitions (dispatcher/events/events.py): one field per
     transition (``started``, ``stage:<label>``, ``quarantined:<n>``, ``cancelled:<time>``, ``finished``, ...)
     -> JSON (its id, type, receiver, body, and whether it was delivered: state, attempts, last error);
     :data:`EVENTS_WATCHED` -> "1" once the monitor has looked at the job (its absence, with the job
@@ -211,7 +211,7 @@ EVENTS_STREAM_KEEP = 10000  # events kept in a store's stream (about: MAXLEN ~)
 def events_stream(store_tag: str) -> str:
     """stream of every event of one store's jobs, in the order the monitor saw them, capped at about
     :data:`EVENTS_STREAM_KEEP`: fields ``job``, ``type`` and ``event`` (its JSON as a receiver gets it, with
-    its id); what the page's server-sent events read (dispatcher/web.py, ``/events``)."""
+    its id); what the page's server-sent events read (dispatcher/views/web.py, ``/events``)."""
     return f"{EVENTS_STREAM_PREFIX}{store_tag}"
 
 
@@ -254,7 +254,7 @@ def member(job_id: str, shard: int) -> str:
 
 def worker_stats(worker_id: str) -> str:
     """hash of counters for one worker: loads, load_ms (its first load), batches, images, render_ms, ...;
-    where its time went (worker/gputime.py), in ms, adding up to its life: kept_ms, lost_ms, loading_ms,
+    where its time went (worker/accounting/gputime.py), in ms, adding up to its life: kept_ms, lost_ms, loading_ms,
     compiling_ms, idle_ms, overhead_ms; and kept_images (the images of its kept batches)."""
     return f"rf:worker:{worker_id}"
 

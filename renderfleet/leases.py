@@ -27,7 +27,7 @@ Every write that changes what a shard or a prompt is carries the attempt and
 is refused inside its script when a newer attempt exists: the count
 (:meth:`Leases.commit`), a prompt's failure count (:meth:`Leases.record_failure`);
 store writes are preceded by :meth:`Leases.current` and checkpoints carry the
-attempt in their key (see :mod:`worker.runner`).
+attempt in their key (see :mod:`worker.render.runner`).
 
 Counting is idempotent (a bitmap per job), so whatever the redeliveries each
 prompt is counted once, and never both done and failed: done wins.
@@ -39,7 +39,7 @@ find.  Every push of a shard message therefore leaves an enqueue record
 (``keys.ENQUEUED``), dropped at the claim; :meth:`Leases.suspects` finds the
 records that every later message overtook, which the monitor re-publishes.
 
-A cancelled job (``cancelled`` in ``keys.job``: ``dispatcher/lifecycle.py``)
+A cancelled job (``cancelled`` in ``keys.job``: ``dispatcher/jobs/lifecycle.py``)
 has its shards parked ('c') instead of re-queued, by the release and the
 reaper alike; its leased shards hear of it from their heartbeat
 (:class:`~renderfleet.states.Beat`) and stop at their next batch boundary;
@@ -648,7 +648,7 @@ class Leases:
         queue is empty, every shard recorded in it is such a case.  Cost: a few
         commands per queue, and a reply as long as the answer (normally empty).
         The caller confirms a suspect on a later pass (a claim in flight ends in
-        milliseconds) and then publishes it again (``dispatcher.resume`` with
+        milliseconds) and then publishes it again (``dispatcher.jobs.resume`` with
         ``only``), which also drops kombu's unclaimed copy of it, if any.
         """
         queues = sorted(

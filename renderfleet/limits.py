@@ -10,7 +10,7 @@ MAX_SIDE = 4096  # the widest and tallest image a job may ask for, after every s
 MAX_STEPS = 1000  # the most denoising steps a prompt or a stage may run
 MAX_MODEL_LEN = 1024
 
-# The reserved model ids of the fixed-time bench renderer (worker/benchrender.py): no model,
+# The reserved model ids of the fixed-time bench renderer (worker/render/benchrender.py): no model,
 # a fixed time per image, flat-colour PNGs that say so.  A job must name one to get it, and a
 # worker serves it only when allowed (RENDERFLEET_ALLOW_BENCH_MODELS): never by accident.
 BENCH_PREFIX = "bench:"
@@ -27,16 +27,16 @@ _BENCH_RE = re.compile(r"bench:fixed\?seconds=(?P<seconds>[0-9]+(?:\.[0-9]+)?)")
 # job's own cut (renderfleet/shardfile.py: at most MAX_WIRE_LINE_BYTES a prompt), so need no cap here.
 KIB, MIB = 1024, 1024 * 1024
 MAX_SPEC_BYTES = 4 * MIB  # jobs/J/spec.json: settings and stages, never the prompts
-MAX_EVENT_RECORD_BYTES = 1 * MIB  # jobs/J/events/<id>.json: one event and its body (dispatcher/events.py)
+MAX_EVENT_RECORD_BYTES = 1 * MIB  # jobs/J/events/<id>.json: one event and its body (dispatcher/events/events.py)
 MAX_CHECKPOINT_BYTES = 16 * MIB  # a batch's checkpoint: its prompts' names and what each took
 MAX_QUARANTINE_RECORD_BYTES = 1 * MIB  # a quarantined prompt's record: the prompt (64 KiB at most) and why
 MAX_CANCEL_MARK_BYTES = 64 * KIB  # jobs/J/cancelled.json: a time
 MAX_BUDGET_RECORD_BYTES = 64 * KIB  # jobs/J/budget.json: three numbers (renderfleet/budget.py)
 MAX_SPEED_RECORD_BYTES = 1 * MIB  # fleet/speeds/...: a few figures per (model, card, size) (renderfleet/speeds.py)
-MAX_BATCH_SIZE_RECORD_BYTES = 64 * KIB  # the batch size a card takes (worker/batchsize.py)
-MAX_THUMB_META_BYTES = 1 * MIB  # a thumbnail's record: the image's prompt, seed and size (dispatcher/thumbs.py)
+MAX_BATCH_SIZE_RECORD_BYTES = 64 * KIB  # the batch size a card takes (worker/render/batchsize.py)
+MAX_THUMB_META_BYTES = 1 * MIB  # a thumbnail's record: the image's prompt, seed and size (dispatcher/views/thumbs.py)
 MAX_IMAGE_BYTES = 256 * MIB  # an image, a thumbnail, a stage's level (image or latents): a 4096-pixel side at most
-MAX_COMPILE_CACHE_BYTES = 2048 * MIB  # a signed --compile cache (worker/compiled.py)
+MAX_COMPILE_CACHE_BYTES = 2048 * MIB  # a signed --compile cache (worker/render/compiled.py)
 
 
 def bench_seconds(model: str) -> float | None:

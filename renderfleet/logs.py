@@ -51,7 +51,7 @@ NOISE = (
     "running the worker with superuser privileges",  # Celery: said once by ours instead (worker.main)
     # diffusers, at a LoRA's load: the adapter has no text-encoder layers (most train the UNet alone)
     "No LoRA keys associated to CLIPTextModel found",
-    # PEFT, at a second LoRA's load: several adapters on one model is what worker/loras.py keeps warm
+    # PEFT, at a second LoRA's load: several adapters on one model is what worker/render/loras.py keeps warm
     "Already found a `peft_config` attribute in the model",
     # torchao, imported by diffusers wherever it is installed (--quantize): kernels this node never runs
     "_C_mxfp8",

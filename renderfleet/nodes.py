@@ -1,7 +1,7 @@
 """A node of several GPUs, as its supervisor records it for ``status``, the page and ``/metrics``.
 
 ``renderfleet worker --gpus`` runs one worker process per GPU under one node
-supervisor (``worker/supervisor.py``), which writes this record to Redis
+supervisor (``worker/node/supervisor.py``), which writes this record to Redis
 (``keys.node``) at every change: which GPUs are up, which wait to restart after
 a crash, which are retired after a device error (and why), which stopped.  The
 dispatcher reads it (``read_nodes``); neither side imports the other for it.

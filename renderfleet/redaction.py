@@ -8,7 +8,7 @@ Below both the settings (which check the Redis URL) and the Redis connection
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_plus, urlsplit
 
 # Query parameters that may carry a credential (redis-py reads ?password= and ?username=).
 _SECRET_PARAM = re.compile(r"pass|secret|token|auth|user|cred|key", re.IGNORECASE)
@@ -49,3 +49,11 @@ def _redact_param(param: str) -> str:
     if not equals:  # "password%3Dsecret": no name and value to a parser, but a secret to a reader
         return "***" if _SECRET_PARAM.search(unquote_plus(param)) else param
     return f"{name}=***" if _SECRET_PARAM.search(unquote_plus(name)) else param
+
+
+def shown_target(url: str | None) -> str:
+    """A receiver as ``status`` shows it: scheme, host and port, no path or query (they may hold a token)."""
+    if not url:
+        return "-"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"

@@ -4,7 +4,7 @@ Here, below both sides and without diffusers, so that ``submit`` refuses an
 unknown name before anything is written and the worker's message check refuses
 the same names (``spec.FIELDS``, row ``scheduler``).  The worker turns a name into
 a scheduler built from its loaded pipeline's own scheduler config
-(``worker.render.SchedulerCache``): the model's betas and timestep settings stay
+(``worker.render.pipeline.SchedulerCache``): the model's betas and timestep settings stay
 the model's, only the solver and the options its name implies change.
 
 A name is one users know from A1111 and ComfyUI (``dpmpp_2m_karras``) or a
@@ -55,7 +55,7 @@ COMMON: dict[str, tuple[str, dict[str, Any]]] = {
 # The flow-matching samplers (SD 3.x, FLUX.1: the model predicts a velocity, not noise), by the same
 # names users know: "euler" on FLUX is flow-matching Euler.  Each is deterministic (none draws noise
 # while stepping: those pipelines never hand the seeded generator to their scheduler).  The multistep
-# solvers read the model's shift as their flow_shift (worker.render.SchedulerCache).
+# solvers read the model's shift as their flow_shift (worker.render.pipeline.SchedulerCache).
 FLOW_SAMPLERS: dict[str, tuple[str, dict[str, Any]]] = {
     "euler": ("FlowMatchEulerDiscreteScheduler", {}),
     "heun": ("FlowMatchHeunDiscreteScheduler", {}),

@@ -17,14 +17,14 @@ The records and what a malformed one costs (docs/security.md, "What a record in 
 * a batch's checkpoint (:class:`Checkpoint`): absent, its batch rendered again;
 * a job's budget record (:class:`Budget`, ``renderfleet/budget.py``): absent, the job taken back
   without its cap;
-* a job's cancel marker (:class:`CancelMark`, ``dispatcher/cancelmarks.py``): still a cancel;
+* a job's cancel marker (:class:`CancelMark`, ``dispatcher/jobs/cancelmarks.py``): still a cancel;
 * a job's spec (``renderfleet.spec.JobSpec``, a dataclass read by :meth:`JobSpec.read` through the
   field table): :class:`~renderfleet.errors.BadRecord`; the monitor fails a job Redis holds with the
   reason in ``status`` and skips one it does not;
-* a stage's level (an image or latents: bytes, not JSON; ``worker/stagerun.py``, ``decode_level``):
+* a stage's level (an image or latents: bytes, not JSON; ``worker/render/stagerun.py``, ``decode_level``):
   absent, the stage run again;
 * a speed record (``renderfleet/speeds.py``, ``SpeedRecord.from_json``), a batch-size record
-  (``worker/batchsize.py``), an event record (``dispatcher/events.py``, ``EventRecord.from_json``):
+  (``worker/render/batchsize.py``), an event record (``dispatcher/events/events.py``, ``EventRecord.from_json``):
   absent, measured or minted anew; a job's wire file and index (``renderfleet/shardfile.py``): the
   job's shards rejected, the reason in ``status``.
 """
@@ -51,10 +51,10 @@ class Record(BaseModel):
 
 
 class Checkpoint(Record):
-    """A batch's checkpoint as one attempt wrote it (``spec.checkpoint_key``; worker/runner.py writes it).
+    """A batch's checkpoint as one attempt wrote it (``spec.checkpoint_key``; worker/render/runner.py writes it).
 
     ``done`` and ``quarantined`` decide what a later delivery skips (checked against the store's
-    listing there); the rest is what ``dispatcher/records.py`` reports of each prompt.
+    listing there); the rest is what ``dispatcher/jobs/records.py`` reports of each prompt.
     """
 
     job: str = ""
@@ -88,7 +88,7 @@ class Budget(Record):
 
 
 class CancelMark(Record):
-    """A job's cancel marker (``spec.cancelled_key``; ``dispatcher/lifecycle.py`` writes it): when."""
+    """A job's cancel marker (``spec.cancelled_key``; ``dispatcher/jobs/lifecycle.py`` writes it): when."""
 
     job: str = ""
     cancelled: Finite

@@ -238,11 +238,11 @@ class Settings(BaseSettings):
     aws_metadata_url: str = "http://169.254.169.254"
     gcp_metadata_url: str = "http://metadata.google.internal"
     # The EC2 Auto Scaling group this worker's instance belongs to: the worker protects
-    # its instance from scale-in while it holds a shard (worker/protection.py).  None: off.
+    # its instance from scale-in while it holds a shard (worker/node/protection.py).  None: off.
     aws_autoscaling_group: str | None = None
     # This worker's pod and namespace, from the downward API (infra/k8s): the worker
     # marks its pod with a pod-deletion-cost, busy high, idle low, so a scale-in of
-    # its Deployment picks idle pods (worker/protection.py).  None: not in a pod, off.
+    # its Deployment picks idle pods (worker/node/protection.py).  None: not in a pod, off.
     pod_name: str | None = None
     pod_namespace: str | None = None
     # A file the worker touches at every reaper tick once its model is loaded and it is
@@ -266,32 +266,32 @@ class Settings(BaseSettings):
     # A worker whose last this-many shards all failed stops taking work.
     breaker_shards: int = 2
     # One pipeline call per prompt instead of per batch: identical bytes across
-    # batch sizes, at a large cost in throughput (see worker/render.py).
+    # batch sizes, at a large cost in throughput (see worker/render/pipeline.py).
     batch_invariant: bool = False
     # Rendered batches whose upload, checkpoint and count may still run while the next
-    # batch renders (worker/commits.py); 0: store each batch before rendering the next.
+    # batch renders (worker/render/commits.py); 0: store each batch before rendering the next.
     pipeline_depth: int = Field(default=2, ge=0, le=8)
     # Prompts a worker renders per pipeline call: "auto" (the most that fit on a GPU, the
     # fastest on a CPU, found once per card, model and resolution and remembered in the
-    # store) or a number; never more than the job's batch (worker/batchsize.py).
+    # store) or a number; never more than the job's batch (worker/render/batchsize.py).
     render_batch: str = "auto"
     # Under auto on an accelerator: the smallest probed size whose images per second is within this
     # fraction of the fastest size's (the knee of the curve; 0: the fastest); a smaller call costs
-    # less memory and time, and a larger one past the knee buys a few percent (worker/batchsize.py).
+    # less memory and time, and a larger one past the knee buys a few percent (worker/render/batchsize.py).
     batch_knee: float = Field(default=0.05, ge=0, lt=1)
     # Compile the denoiser's repeated blocks (the UNet's or transformer's; CUDA only).
     compile: bool = False
     # Where a CUDA worker's weights wait between calls: "none" (all on the card) or "model" (each
     # component in host memory until it runs: diffusers' enable_model_cpu_offload, needs accelerate),
-    # for a model bigger than the card (worker/models/memory.py).  The images' bytes are the same.
+    # for a model bigger than the card (worker/render/models/memory.py).  The images' bytes are the same.
     offload: str = "none"
     # The denoiser's and T5 encoder's weights in 8 bits (torchao, weight-only): "none", "int8" (anywhere)
     # or "fp8" (a card with fp8: Ada, Hopper); for a model bigger than the card.  The images differ from
-    # unquantized ones and record it (worker/models/quantize.py).
+    # unquantized ones and record it (worker/render/models/quantize.py).
     quantize: str = "none"
     # A file holding the fleet's key (32 bytes or more) for the compile cache: with it, compiled
     # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
-    # None: not shared, each node compiles for itself (worker/compiled.py).
+    # None: not shared, each node compiles for itself (worker/render/compiled.py).
     compile_cache_key_file: Path | None = None
     # The models a worker may load, comma-separated: ids (``tiny``, ``org/name``: a hub id at
     # main or any commit, never refs/pr/*), ``org/name@COMMIT`` (that commit only), folders (the
@@ -304,12 +304,12 @@ class Settings(BaseSettings):
     # fails with the reason, as for any model that will not load.  For benchmarks and tests only.
     allow_bench_models: bool = False
     # `renderfleet worker --gpus`: one worker process per GPU under a node supervisor
-    # (worker/supervisor.py): "all" (every CUDA device of the node), N (the first N) or indexes
+    # (worker/node/supervisor.py): "all" (every CUDA device of the node), N (the first N) or indexes
     # (0,2,3).  None: one worker, in this process.
     gpus: str | None = None
     # Set by a node supervisor in each worker it starts: the node's id and the GPU the worker was
     # given (its index on the node).  Such a worker leaves the reclaim notices and the scale-in marks
-    # to the node and tells it whether it is busy instead (worker/node.py).  None: a worker on its own.
+    # to the node and tells it whether it is busy instead (worker/node/board.py).  None: a worker on its own.
     node: str | None = None
     node_gpu: str | None = None
     # For tests only: the node supervisor's GPUs are this many stand-ins, no CUDA (each worker on the

@@ -139,7 +139,7 @@ class ShardReader:
     """Reads shards' prompts from a store, keeping the indexes of the last few jobs.
 
     Safe to call from two threads (the worker reads the next shard's prompts ahead:
-    ``worker/prefetch.py``).  An index is kept per job *and* ``version`` (the job's
+    ``worker/lease/prefetch.py``).  An index is kept per job *and* ``version`` (the job's
     registration as the caller read it from Redis): a job deleted and submitted again
     under its name, with other prompts, is a new version, whose index is read afresh.
     Each is checked once, when it is read (:meth:`index`).

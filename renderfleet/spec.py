@@ -14,14 +14,15 @@ The store layout of a job lives here too, so a reader finds every key in one pla
         jobs/<job>/images/<name>.<ext>          one image per prompt (.png, .webp or .jpg: the job's image_format)
     jobs/<job>/checkpoints/<shard>/<batch>-a<attempt>.json   what a batch committed and rendered (where, how fast)
     jobs/<job>/quarantine/<name>.json       a prompt that failed 3 times, with its error
-    jobs/<job>/thumbs/<name>.webp|.json     the web page's thumbnails and captions (dispatcher/web.py)
+    jobs/<job>/thumbs/<name>.webp|.json     the web page's thumbnails and captions (dispatcher/views/web.py)
     jobs/<job>/cancelled.json               the job is cancelled (``renderfleet cancel``) until resumed
 
 Beside the jobs, what workers learn once for the whole fleet (keys built by
 the worker modules named)::
 
-    fleet/batch-sizes/<digest>.json         render size per (card, model, resolution) (worker/batchsize.py)
-    fleet/compile-cache/<digest>.bin        compile cache per (model, card, size, torch, denoiser) (worker/compiled.py)
+    fleet/batch-sizes/<digest>.json         render size per (card, model, resolution) (worker/render/batchsize.py)
+    fleet/compile-cache/<digest>.bin        compile cache per (model, card, size, torch, denoiser)
+                                            (worker/render/compiled.py)
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def job_id_problem(job: str) -> str | None:
 
 
 # A job's name (``submit --name``, else its prompt file's): what a person reads in ``status`` and on the
-# page, and may type back where it is unique among the store's jobs (``dispatcher/jobids.py``).  Never
+# page, and may type back where it is unique among the store's jobs (``dispatcher/views/jobids.py``).  Never
 # part of the job's identity (its id: content, settings and store), so a name is free text within limits.
 MAX_JOB_NAME_LEN = 64
 _DERIVED_ID = re.compile(r"j-[0-9a-f]+")  # the form of a derived job id: a name of that form would read as one
@@ -113,10 +114,10 @@ def default_job_name(source: str) -> str:
 # ---- the fields of a prompt and the limits of every setting: one table ---------
 #
 # A prompt file's columns (``renderfleet.prompts.checks``), submit's flags
-# (``dispatcher.submit.check_options``), the wire form of a shard message
+# (``dispatcher.jobs.submit.check_options``), the wire form of a shard message
 # (:func:`prompt_json`, :meth:`Prompt.from_wire`), the worker's check of every
 # message it takes (:func:`message_problems`) and the renderer's
-# (``worker.render.check_inputs``) all read this table, so a field added here
+# (``worker.render.pipeline.check_inputs``) all read this table, so a field added here
 # is parsed, checked and carried everywhere, and a message written straight
 # into Redis can ask for nothing submit would refuse.
 
@@ -874,7 +875,7 @@ _PARAM_FIELDS = {
     f.name: f for f in FIELDS if f.kind in ("int", "number", "word", "loras", "stages")
 }  # the job's checked settings
 # The built-in random-weight models, one per model family (renderfleet/families.py names them,
-# worker/models/tiny*.py builds them): every worker has them without a download, and they render noise.
+# worker/render/models/tiny*.py builds them): every worker has them without a download, and they render noise.
 TINY_MODELS = tuple(families.TINY_MODELS)
 
 
@@ -1054,7 +1055,7 @@ def checkpoint_key(job: str, shard: int, batch: int, attempt: int = 0) -> str:
 
 
 def stage_prefix(job: str, shard: int, life: str = "") -> str:
-    """Where a shard's images between stages wait (worker/stagerun.py): removed as its finals land.
+    """Where a shard's images between stages wait (worker/render/stagerun.py): removed as its finals land.
     Under the job's ``life``: a stale worker of the name's last life can never leave an image there
     that this life's next delivery would take up as its own."""
     return f"jobs/{job}/stages/{life or '-'}/{shard:06d}/"
@@ -1091,18 +1092,18 @@ def quarantine_key(job: str, name: str) -> str:
 
 def cancelled_key(job: str) -> str:
     """The cancel marker: a Redis that lost its memory, and the monitor's adopt and
-    resume, read it and leave the job cancelled (dispatcher/lifecycle.py)."""
+    resume, read it and leave the job cancelled (dispatcher/jobs/lifecycle.py)."""
     return f"jobs/{job}/cancelled.json"
 
 
 def budget_key(job: str) -> str:
     """The job's budget and its spend last known (``renderfleet/budget.py``): a Redis that lost its
-    memory takes the job back with its cap (``dispatcher/resume.py``)."""
+    memory takes the job back with its cap (``dispatcher/jobs/resume.py``)."""
     return f"jobs/{job}/budget.json"
 
 
 def events_prefix(job: str) -> str:
-    """Where the job's events wait until they are delivered (dispatcher/events.py): one object each."""
+    """Where the job's events wait until they are delivered (dispatcher/events/events.py): one object each."""
     return f"jobs/{job}/events/"
 
 

@@ -5,11 +5,11 @@ size) says how many seconds one final image took there (generate and every
 stage, the PNG encode aside) as an exponentially weighted mean, and how many
 images it rests on.  Two kinds of writer keep it:
 
-* **workers**, from production batches (``worker/speeds.py``): a batch's render
+* **workers**, from production batches (``worker/accounting/speeds.py``): a batch's render
   time, the one ``render_ms`` counts, added up in memory and merged into the
   record from the shard's commit lane, at most once per :data:`WRITE_SECONDS`
   per key and worker, never on the accelerator's path;
-* **``renderfleet bench``** (``worker/bench.py``): each batch size it timed, and a
+* **``renderfleet bench``** (``worker/bench/run.py``): each batch size it timed, and a
   final image's seconds over its stages.
 
 Records live under ``fleet/speeds/<model digest>/`` so an estimate lists one
@@ -72,7 +72,7 @@ class SpeedKey:
     height: int
     steps: int
     stages: tuple[Stage, ...]
-    card: str  # as a worker names it (worker/speeds.py, card_for): "NVIDIA H100 80GB HBM3"; '' unknown
+    card: str  # as a worker names it (worker/accounting/speeds.py, card_for): "NVIDIA H100 80GB HBM3"; '' unknown
     batch: int  # the job's batch size (the most prompts one pipeline call renders)
 
     def parts(self) -> list[Any]:

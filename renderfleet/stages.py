@@ -28,7 +28,7 @@ seed with the stage's position mixed into its top bits, never the seed the image
 was generated from, so a re-run gives the same bytes.
 
 Pure data and pure checks: no torch, nothing at import.  The worker's side is
-``worker/stages.py``.
+``worker/render/stages.py``.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ DEFAULT_STRENGTH = 0.3
 DEFAULT_STEPS = 20
 SELF = "self"  # the CLI's spelling of "the job's own model" in --refine ('' in a Stage)
 
-# The built-in random-weight models of the stages (worker/models/tiny_upscaler.py, tiny_refiner.py):
+# The built-in random-weight models of the stages (worker/render/models/tiny_upscaler.py, tiny_refiner.py):
 # they render no image from text, so they are not among the job models (renderfleet/families.py).
 TINY_X4_UPSCALER = "tiny-x4-upscaler"
 TINY_SDXL_REFINER = "tiny-sdxl-refiner"
-TINY_ESRGAN = "tiny-esrgan"  # worker/models/esrgan.py: a random-weight x4 RRDBNet, saved as safetensors
+TINY_ESRGAN = "tiny-esrgan"  # worker/render/models/esrgan.py: a random-weight x4 RRDBNet, saved as safetensors
 STAGE_TINY_MODELS = (TINY_X4_UPSCALER, TINY_SDXL_REFINER, TINY_ESRGAN)
 TINY_ESRGAN_FACTOR = 4
 # A GAN upscaler's weights are read from safetensors only; these are pickles (loading one may run code).

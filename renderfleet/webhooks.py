@@ -3,8 +3,8 @@
 A job may name a receiver (``submit --webhook URL``; the config's ``[events]
 webhook`` for every job that names none).  The monitor tells it when the job
 started, finished a stage, had prompts quarantined, was cancelled, reached its
-budget or finished (``dispatcher/events.py`` sees the transitions,
-``dispatcher/courier.py`` delivers them), each event signed by the Standard
+budget or finished (``dispatcher/events/events.py`` sees the transitions,
+``dispatcher/events/courier.py`` delivers them), each event signed by the Standard
 Webhooks scheme (``standardwebhooks``: an id, a timestamp and an HMAC-SHA256
 signature in headers), at least once: a receiver dedupes by the id.
 
@@ -61,7 +61,7 @@ RECORD_KEY_LABEL = b"renderfleet event record v1"
 
 
 def record_key(secret: bytes) -> bytes:
-    """The key of the MAC that each stored copy of an event carries (``dispatcher/events.py``):
+    """The key of the MAC that each stored copy of an event carries (``dispatcher/events/events.py``):
     HMAC-SHA256 of :data:`RECORD_KEY_LABEL` under the fleet's signing secret.  The store is writable
     by tenants; a copy without a MAC under this key was not minted by this fleet's monitor."""
     return hmac.new(secret, RECORD_KEY_LABEL, hashlib.sha256).digest()

@@ -168,7 +168,7 @@ def status_now(env: dict[str, str], job: str) -> dict[str, Any]:
     once the wait is over.  The store's S3 credentials are this process's (the ``s3_bucket`` fixture
     sets them).
     """
-    from dispatcher.status import fleet_status
+    from dispatcher.status.status import fleet_status
     from renderfleet.store import open_store
 
     client = redisconn.client(env["RENDERFLEET_REDIS_URL"])

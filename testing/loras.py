@@ -24,7 +24,7 @@ def make_tiny_lora(
     from diffusers import StableDiffusionPipeline
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
-    from worker.models import build_tiny_pipeline
+    from worker.render.models import build_tiny_pipeline
 
     pipe = build_tiny_pipeline()
     layers: dict[str, dict[str, torch.Tensor]] = {}
@@ -65,7 +65,7 @@ def make_transformer_lora(path: Path, model: str, *, seed: int = 0, rank: int = 
     import torch
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from worker.models import build_tiny
+    from worker.render.models import build_tiny
 
     pipe = build_tiny(model)
     with torch.random.fork_rng(devices=[]):

@@ -1,6 +1,6 @@
 """A fleet that has run many jobs, registered in seconds: the status benchmark's and tests' fleet.
 
-Each job is registered as ``submit`` registers one (``dispatcher.enqueue.register_job``, its spec
+Each job is registered as ``submit`` registers one (``dispatcher.jobs.enqueue.register_job``, its spec
 written to the store) and counted as a worker's commits would count it (its done bits, its
 shards' states), without a prompt file or a render: ``status`` reads what it would read of a
 fleet that really ran them.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import redis
 
-from dispatcher.enqueue import register_job
+from dispatcher.jobs.enqueue import register_job
 from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.spec import JobSpec, RenderParams, spec_key, store_identity

@@ -25,17 +25,17 @@ from renderfleet.reaper import ReaperThread
 from renderfleet.registry import TOUCH_SECONDS, touch_seconds_for
 from renderfleet.settings import Settings, redact
 from renderfleet.spec import BENCH_PREFIX, bench_seconds
-from worker import queueguard, tasks
-from worker.compiled import compile_seconds
-from worker.deviceerrors import is_device_error
-from worker.gputime import Use, WorkerTime, process_started
-from worker.loading import LoadingRegistration
-from worker.metrics import BadImages, WorkerMetrics, serve_metrics
-from worker.models import model_label, model_refusal
-from worker.node import NodeBusyMark, report_device_error
-from worker.protection import InstanceProtection, PodDeletionCost, ScaleInMark, update_protection
-from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, instance_region
-from worker.service import WorkerService, new_worker_id, node_fields
+from worker.accounting.gputime import Use, WorkerTime, process_started
+from worker.accounting.metrics import BadImages, WorkerMetrics, serve_metrics
+from worker.lease import queueguard, tasks
+from worker.lease.loading import LoadingRegistration
+from worker.lease.service import WorkerService, new_worker_id, node_fields
+from worker.node.board import NodeBusyMark, report_device_error
+from worker.node.protection import ScaleInMark, scale_in_marks, update_protection
+from worker.node.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, use_instance_region
+from worker.render.compiled import compile_seconds
+from worker.render.deviceerrors import is_device_error
+from worker.render.models import model_label, model_refusal
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -60,22 +60,22 @@ def load_renderer(
     """(renderer, loaded model) for ``model`` (at ``revision`` and ``variant``), on the best device;
     with ``compile``, a renderer that shares its compile cache through the store.  A ``bench:`` model
     is the fixed-time renderer, only where ``allow_bench_models`` is set (else :class:`ModelLoadError`).
-    The renderer switches each job's LoRAs on the loaded pipeline (``worker.loras``), fetching an
+    The renderer switches each job's LoRAs on the loaded pipeline (``worker.render.loras``), fetching an
     ``s3://`` one into the worker's cache under the model size cap.  ``refresh``: an ``s3://`` model
     fetched again, not read from the cache.  ``on_bad_images`` hears of images that were not images
-    (the renderer's, ``worker.outputs``)."""
+    (the renderer's, ``worker.render.outputs``)."""
     if model.startswith(BENCH_PREFIX):
         if why := model_refusal(model, None, bench=settings.allow_bench_models):
             raise ModelLoadError(why)
-        from worker.benchrender import FixedLoad, FixedTimeRenderer
+        from worker.render.benchrender import FixedLoad, FixedTimeRenderer
 
         log.warning("model %s: the fixed-time bench renderer: no model, flat-colour images marked as fake", model)
         return FixedTimeRenderer(bench_seconds(model) or 0.0, model), FixedLoad(model)
-    from worker.batchsize import card_name
-    from worker.compiled import open_compile_cache
-    from worker.loras import LoraCache, fetch_s3_lora
-    from worker.models import denoiser, fetch_s3_model, load_pipeline
-    from worker.render import Renderer
+    from worker.accounting.speeds import card_name
+    from worker.render.compiled import open_compile_cache
+    from worker.render.loras import LoraCache, fetch_s3_lora
+    from worker.render.models import denoiser, fetch_s3_model, load_pipeline
+    from worker.render.pipeline import Renderer
 
     def fetch(uri: str, dest: Path) -> None:
         fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
@@ -117,24 +117,24 @@ def run_worker(
     settings: Settings, *, model: str | None = None, queues: list[str] | None = None, loglevel: str = "INFO"
 ) -> int:
     """Run a worker in this process until shutdown; returns the exit status."""
-    # Where its time goes, from the process's start (worker/gputime.py): written to Redis as it goes.
+    # Where its time goes, from the process's start (worker/accounting/gputime.py): written to Redis as it goes.
     account = WorkerTime(started=process_started(), compile_clock=compile_seconds)
     if settings.compile:  # refused off CUDA before anything starts (ConfigError, exit 2)
-        from worker.models import check_compile, default_device
+        from worker.render.models import check_compile, default_device
 
         check_compile(True, settings.device or default_device())
         if settings.compile_cache_key_file is not None:
-            from worker.compiled import read_fleet_key
+            from worker.render.compiled import read_fleet_key
 
             read_fleet_key(settings.compile_cache_key_file)  # a key that will not do: refused before the load
     if settings.offload != "none":  # refused off CUDA or without accelerate before anything starts (exit 2)
-        from worker.models import default_device
-        from worker.models.memory import check_offload
+        from worker.render.models import default_device
+        from worker.render.models.memory import check_offload
 
         check_offload(settings.offload, settings.device or default_device())
     if settings.quantize != "none":  # refused without torchao, or fp8 on a card without it (exit 2)
-        from worker.models import default_device
-        from worker.models.quantize import check_quantize
+        from worker.render.models import default_device
+        from worker.render.models.quantize import check_quantize
 
         check_quantize(settings.quantize, settings.device or default_device())
     model = model or settings.model or "tiny"  # a start: each job's own model is loaded when its shards come
@@ -330,43 +330,9 @@ def _stopped_while_starting(signum: int, frame: Any) -> None:
     raise StoppedWhileStarting(signal.Signals(signum).name)
 
 
-def use_instance_region(settings: Settings) -> str | None:
-    """Where this worker calls AWS (an s3:// store, or its Auto Scaling group) and no region is
-    configured (AWS_DEFAULT_REGION, AWS_REGION, ~/.aws/config), the EC2 instance's own region
-    from IMDSv2 becomes AWS_DEFAULT_REGION; boto3 would otherwise have none, and the store's
-    fallback, us-east-1, is wrong for a bucket or a group elsewhere.  Set in the environment,
-    before any client is made, so that every boto3 session of the process sees it.  None: left as is.
-    """
-    if not ((settings.store or "").startswith("s3://") or settings.aws_autoscaling_group):
-        return None
-    import boto3
-
-    if boto3.session.Session().region_name:
-        return None
-    region = instance_region(settings.aws_metadata_url)
-    if region is None:
-        log.warning("no AWS region configured and no EC2 metadata service answers: set AWS_DEFAULT_REGION")
-        return None
-    os.environ["AWS_DEFAULT_REGION"] = region
-    log.info("AWS region %s, from the instance's metadata", region)
-    return region
-
-
-def scale_in_marks(settings: Settings) -> list[ScaleInMark]:
-    """How this worker tells a scale-in to spare it while busy: its EC2 instance's
-    protection, its pod's deletion cost, both or neither (worker/protection.py)."""
-    marks: list[ScaleInMark] = []
-    if settings.aws_autoscaling_group:
-        marks.append(InstanceProtection(settings.aws_autoscaling_group, metadata_url=settings.aws_metadata_url))
-    pod = PodDeletionCost.in_cluster(settings.pod_name, settings.pod_namespace)
-    if pod is not None:
-        marks.append(pod)
-    return marks
-
-
 def node_marks(settings: Settings, service: WorkerService) -> list[ScaleInMark]:
     """A node supervisor's worker marks itself busy for its node, which holds the platform's
-    protection for all its GPUs (worker/node.py)."""
+    protection for all its GPUs (worker/node/board.py)."""
     assert settings.node is not None
     return [NodeBusyMark(service.client, settings.node, settings.node_gpu or "")]
 
@@ -388,8 +354,8 @@ def worker_tick(
     The registry's liveness (``service.touch``) is written every ``touch_seconds``,
     not at every tick: a round trip a second per worker was a third of what a
     fleet asked of Redis (bench/redis_scale.py), and its readers allow twice the
-    lease (dispatcher/serving.py); a busy worker's heartbeats carry it, and its
-    touch writes nothing (``worker.ledger.Liveness``).
+    lease (dispatcher/jobs/serving.py); a busy worker's heartbeats carry it, and its
+    touch writes nothing (``worker.lease.ledger.Liveness``).
     ``parent``: the node supervisor's pid; once this process has another parent (the
     supervisor was killed), it stops as on SIGTERM, as gunicorn's workers do: no orphan
     keeps a GPU the next supervisor gives to another worker.
@@ -446,7 +412,7 @@ def _register_when_reachable(service: WorkerService, url: str, **info: Any) -> N
 
 
 def _loading(settings: Settings, url: str, worker_id: str, model: str, pools: list[str]) -> LoadingRegistration:
-    """The registration that says this worker is loading its model (worker/loading.py): the fields
+    """The registration that says this worker is loading its model (worker/lease/loading.py): the fields
     ``WorkerService.register`` writes that are known before the load."""
     from renderfleet import redisconn
     from renderfleet.spec import store_identity

@@ -1,5 +1,5 @@
 -- A worker's liveness: what its tick writes every few seconds while no
--- heartbeat carries it (WorkerService.touch, worker/loading.py), and its
+-- heartbeat carries it (WorkerService.touch, worker/lease/loading.py), and its
 -- registration (WorkerService.register).  The deadline is set by Redis's
 -- clock, which every reader ages it by (live_workers.lua): the fleet's
 -- machines' clocks disagree.  heartbeat.lua writes the same three things.

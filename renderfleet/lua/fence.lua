@@ -1,4 +1,4 @@
--- The fence check before a batch's store writes (worker/ledger.py, RedisLedger.check), with the
+-- The fence check before a batch's store writes (worker/lease/ledger.py, RedisLedger.check), with the
 -- job's own counters of the batches before it: written only when the check passes, here, so that
 -- a fenced attempt (a newer claim, a delete, another life of the job's name) adds nothing to a job
 -- that is not its own (docs/design.md, "A job's lives").  The worker's and the pool's counters are

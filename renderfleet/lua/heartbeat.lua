@@ -8,7 +8,7 @@
 -- ARGV[10..14] as well, the payload that re-creates it (kombu's envelope and
 -- the message: a kilobyte or more that every beat carried before issue 27).
 -- A beat may carry the worker's liveness (ARGV[6], its registration): a busy
--- worker then writes nothing else to stay listed (worker/ledger.py, Liveness): its last_seen, its
+-- worker then writes nothing else to stay listed (worker/lease/ledger.py, Liveness): its last_seen, its
 -- registration should Redis have lost it, and its deadline (ARGV[9] ms from now), as alive.lua does.
 -- A beat may carry what the shard's worker has rendered and not yet kept (ARGV[8], ms; '' when
 -- unchanged since its last beat): the lease's `held`, which reap.lua counts lost if the lease expires,

@@ -1,5 +1,5 @@
 -- Count a pool's spend this month: its workers' up-time since the last count, at its price per hour
--- (dispatcher/autoscale.py, at each tick; keys.pool_month).  Atomic, by Redis's clock, so two
+-- (dispatcher/fleet/autoscale.py, at each tick; keys.pool_month).  Atomic, by Redis's clock, so two
 -- autoscalers of one store (one restarted while the other still ticks) never count a second twice;
 -- a gap longer than `gap` (the autoscaler was down) is counted as `gap` at the size seen now, not
 -- as hours at a size nobody saw.

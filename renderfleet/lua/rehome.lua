@@ -2,7 +2,7 @@
 -- of a job that is not parked and not done is pending (its number in its segment's pending list, the
 -- job's member in that queue's rotation or its card wait), queued (its enqueue record naming the push)
 -- or leased.  The monitor finds the candidates from a read of the job's hashes, confirms them on its
--- next audit (dispatcher/strays.py) and hands them here, where each is checked again, atomically, and
+-- next audit (dispatcher/jobs/strays.py) and hands them here, where each is checked again, atomically, and
 -- made pending in the segment it is in (keys.segment), as the feeder would find it.
 --
 -- A 'q' shard with no enqueue record and no lease is lost, not queued: every push records itself in

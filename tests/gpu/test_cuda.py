@@ -17,11 +17,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_tiny_on_cuda_is_half_precision_and_deterministic(tmp_path: Path) -> None:
     from renderfleet.spec import Prompt, derive_seed
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path)
-    # native bf16 only, as the worker asks (worker.models.dtype_for): a T4 or V100 emulates it, slowly, and gets fp16
+    # native bf16 only, as the worker asks (worker.render.models.dtype_for): a T4 or V100 emulates it, slowly, and gets fp16
     native = torch.cuda.is_bf16_supported(including_emulation=False)
     assert loaded.dtype == (torch.bfloat16 if native else torch.float16)
     assert loaded.pipe.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
@@ -34,8 +34,8 @@ def test_tiny_on_cuda_is_half_precision_and_deterministic(tmp_path: Path) -> Non
 def test_out_of_memory_is_reported_as_such(tmp_path: Path) -> None:
     from renderfleet.errors import OutOfMemory
     from renderfleet.spec import Prompt
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     renderer = Renderer(load_pipeline("tiny", device="cuda", cache_dir=tmp_path))
     # 64 MB left: with VAE tiling and slicing on at this size, a share of the card might still fit 8
@@ -52,7 +52,7 @@ def test_a_worker_on_cuda_exports_its_gpu_memory_peak() -> None:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from worker.metrics import GPU_PEAK, WorkerMetrics
+    from worker.accounting.metrics import GPU_PEAK, WorkerMetrics
 
     metrics = WorkerMetrics("gpu")
     metrics.watch_gpu_memory("cuda")
@@ -68,9 +68,9 @@ def test_a_worker_on_cuda_exports_its_gpu_memory_peak() -> None:
 def test_auto_batch_size_finds_a_fit_under_a_memory_hog_and_it_renders(tmp_path: Path) -> None:
     from renderfleet.spec import Prompt
     from renderfleet.store import LocalStore
-    from worker.batchsize import BatchSizes
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.batchsize import BatchSizes
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     renderer = Renderer(load_pipeline("tiny", device="cuda", cache_dir=tmp_path))
     like = Prompt(0, "000000", "x", "", 0, 2, 7.5, 512, 512)
@@ -91,11 +91,11 @@ def test_a_stage_probes_its_own_batch_size_on_the_card_and_refines_sdxls_latents
     from renderfleet.spec import Prompt
     from renderfleet.stages import parse_refine
     from renderfleet.store import LocalStore
-    from worker.batchsize import KEY_PREFIX, BatchSizes
-    from worker.models import load_pipeline
-    from worker.render import Renderer
-    from worker.stagerun import decode_intermediate, encode_intermediate
-    from worker.stages import StageRenderer
+    from worker.render.batchsize import KEY_PREFIX, BatchSizes
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
+    from worker.render.stagerun import decode_intermediate, encode_intermediate
+    from worker.render.stages import StageRenderer
 
     base = load_pipeline("tiny-sdxl", device="cuda", cache_dir=tmp_path)
     like = Prompt(0, "000000", "x", "", 0, 2, 7.5, 512, 512)
@@ -124,9 +124,9 @@ def test_compile_renders_and_leaves_a_signed_cache_the_next_worker_loads(
 ) -> None:
     from renderfleet.spec import Prompt
     from renderfleet.store import LocalStore
-    from worker.compiled import CompileCache, verify
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.compiled import CompileCache, verify
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     # A node-local cache of an earlier run would turn the compile into hits, which are not saved again.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -154,10 +154,10 @@ def test_the_memory_peak_gauge_reads_the_batch_not_the_probe_that_ran_the_card_o
 
     from renderfleet.spec import Prompt
     from renderfleet.store import LocalStore
-    from worker.batchsize import BatchSizes
-    from worker.metrics import GPU_PEAK, WorkerMetrics
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.accounting.metrics import GPU_PEAK, WorkerMetrics
+    from worker.render.batchsize import BatchSizes
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     metrics = WorkerMetrics("gpu")
     metrics.watch_gpu_memory("cuda")
@@ -185,7 +185,7 @@ def test_the_memory_peak_gauge_reads_the_batch_not_the_probe_that_ran_the_card_o
 def test_an_fp16_card_decodes_sdxls_vae_in_float32_and_sd15s_in_fp16(tmp_path: Path) -> None:
     from diffusers import AutoencoderKL
 
-    from worker.models import build_tiny_pipeline, prepare_for_cuda
+    from worker.render.models import build_tiny_pipeline, prepare_for_cuda
 
     sd15 = build_tiny_pipeline().to(dtype=torch.float16)  # its VAE config has no force_upcast, as SD 1.5's
     assert "vae:float32" not in prepare_for_cuda(sd15, torch.float16)
@@ -202,8 +202,8 @@ def test_an_fp16_card_decodes_sdxls_vae_in_float32_and_sd15s_in_fp16(tmp_path: P
 def test_a_cublas_failure_to_allocate_is_taken_for_out_of_memory_on_a_real_card(tmp_path: Path) -> None:
     from renderfleet.errors import OutOfMemory
     from renderfleet.spec import Prompt
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     renderer = Renderer(load_pipeline("tiny", device="cuda", cache_dir=tmp_path))
 
@@ -221,9 +221,9 @@ def test_a_cublas_failure_to_allocate_is_taken_for_out_of_memory_on_a_real_card(
 
 def test_a_half_precision_decode_that_overflows_is_rendered_again_with_the_vae_in_float32(tmp_path: Path) -> None:
     from renderfleet.spec import Prompt
-    from worker.models import load_pipeline
-    from worker.outputs import is_black
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.outputs import is_black
+    from worker.render.pipeline import Renderer
 
     loaded = load_pipeline("tiny", device="cuda", cache_dir=tmp_path)
     pipe, half = loaded.pipe, loaded.dtype
@@ -266,7 +266,7 @@ FAMILIES = [("tiny-sd3", 7.0), ("tiny-flux", 3.5)]  # (built-in model, the famil
 
 def load_family(name: str, tmp_path: Path, **kwargs: object) -> object:
     """The built-in tiny model ``name`` on the card (bf16 where native)."""
-    from worker.models import load_pipeline
+    from worker.render.models import load_pipeline
 
     return load_pipeline(name, device="cuda", cache_dir=tmp_path, **kwargs)
 
@@ -279,7 +279,7 @@ def family_prompts(guidance: float) -> list[object]:
 
 def print_fit(loaded: object) -> None:
     """The fit check's figures for this model on this card, and what it would say on a card too small."""
-    from worker.models.memory import GB, fit_problem, free_bytes, weight_bytes
+    from worker.render.models.memory import GB, fit_problem, free_bytes, weight_bytes
 
     parts = weight_bytes(loaded.pipe)  # type: ignore[attr-defined]
     free = free_bytes("cuda")
@@ -296,8 +296,8 @@ def print_fit(loaded: object) -> None:
 def test_sd3_and_flux_render_on_cuda_in_half_precision_finite_and_the_same_twice(
     name: str, guidance: float, tmp_path: Path
 ) -> None:
-    from worker.models import denoiser
-    from worker.render import Renderer
+    from worker.render.models import denoiser
+    from worker.render.pipeline import Renderer
 
     loaded = load_family(name, tmp_path)
     native = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -319,8 +319,8 @@ def test_sd3_and_flux_compile_their_transformer_blocks_and_the_second_render_reu
 ) -> None:
     from torch._dynamo.utils import counters
 
-    from worker.models import denoiser
-    from worker.render import Renderer
+    from worker.render.models import denoiser
+    from worker.render.pipeline import Renderer
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile, timed
     torch._dynamo.reset()
@@ -349,7 +349,7 @@ def test_sd3_and_flux_compile_their_transformer_blocks_and_the_second_render_reu
 
 def test_flux_on_a_card_without_room_is_refused_with_the_numbers_before_any_copy(tmp_path: Path) -> None:
     from renderfleet.errors import CardTooSmall
-    from worker.models.memory import GB, free_bytes
+    from worker.render.models.memory import GB, free_bytes
 
     load_family("tiny-flux", tmp_path)  # skips where there is none; warms the CUDA context
     gc.collect()
@@ -371,7 +371,7 @@ def test_flux_on_a_card_without_room_is_refused_with_the_numbers_before_any_copy
 
 @pytest.mark.parametrize(("name", "guidance"), FAMILIES)
 def test_sd3_and_flux_with_model_offload_render_the_same_bytes(name: str, guidance: float, tmp_path: Path) -> None:
-    from worker.render import Renderer
+    from worker.render.pipeline import Renderer
 
     prompts = family_prompts(guidance)
     plain = Renderer(load_family(name, tmp_path)).render(prompts)  # type: ignore[arg-type]
@@ -389,7 +389,7 @@ QUANTIZED = {"int8": ("Int8Tensor", "int8"), "fp8": ("Float8Tensor", "float8_e4m
 def on_card(load: Callable[[], Any], prompts: list[object]) -> tuple[Any, list[bytes], int, int]:
     """(the model ``load`` puts on the card, its images of ``prompts``, the bytes its load left allocated,
     the peak bytes of the load and a render), both counted from what was allocated before it."""
-    from worker.render import Renderer
+    from worker.render.pipeline import Renderer
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -403,8 +403,8 @@ def on_card(load: Callable[[], Any], prompts: list[object]) -> tuple[Any, list[b
 
 @pytest.mark.parametrize("quantize", ["int8", "fp8"])
 def test_flux_with_8_bit_weights_renders_on_the_card_deterministically_and_smaller(tmp_path: Path, quantize: str) -> None:
-    from worker.models.quantize import check_quantize
-    from worker.render import Renderer
+    from worker.render.models.quantize import check_quantize
+    from worker.render.pipeline import Renderer
 
     # Only torchao's absence is a skip: installed, a quantizer that fails (or does nothing) fails here.
     pytest.importorskip("torchao")

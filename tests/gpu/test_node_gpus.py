@@ -44,7 +44,7 @@ def node_workers(env: dict[str, str]) -> list[dict[str, Any]]:
 def test_a_node_runs_a_worker_on_each_real_card_each_seeing_its_own_device_and_drains_on_sigterm(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list
 ) -> None:
-    from worker.supervisor import cuda_devices
+    from worker.node.supervisor import cuda_devices
 
     count = torch.cuda.device_count()
     devices = cuda_devices()  # what each worker's CUDA_VISIBLE_DEVICES must be, by GPU label (its index)

@@ -233,6 +233,6 @@ def test_wait_says_at_once_that_no_live_worker_serves_the_jobs_queue_and_the_tim
 
 
 def _store_workers(client: Client) -> dict[str, object]:
-    from dispatcher.status import store_workers
+    from dispatcher.status.status import store_workers
 
     return store_workers(client.redis, client.store)

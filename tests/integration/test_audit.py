@@ -20,10 +20,10 @@ from typing import Any, cast
 import pytest
 import redis
 
-from dispatcher import status
-from dispatcher.enqueue import WireShard, publish_shards, register_job
-from dispatcher.resume import load_spec, resume, stored_prompts
-from dispatcher.submit import SubmitOptions, submit
+from dispatcher.jobs.enqueue import WireShard, publish_shards, register_job
+from dispatcher.jobs.resume import load_spec, resume, stored_prompts
+from dispatcher.jobs.submit import SubmitOptions, submit
+from dispatcher.status import status
 from renderfleet import keys
 from renderfleet.celery_app import UNACKED_KEY, make_app, queue_name
 from renderfleet.embedded import RedisServerProcess
@@ -241,7 +241,7 @@ SECONDS_PER_IMAGE = 0.02
 
 
 # Recovered by the monitor's audit in every run; by the user's resume, which the audit itself calls
-# (dispatcher/monitor.py), in the long tier.
+# (dispatcher/fleet/monitor.py), in the long tier.
 @pytest.mark.parametrize("recover", ["monitor", pytest.param("resume", marks=pytest.mark.slow)])
 def test_a_message_taken_by_a_worker_that_dies_before_kombu_records_it_is_recovered(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[subprocess.Popen[bytes] | WorkerProc], recover: str
@@ -323,7 +323,7 @@ def test_a_worker_stopped_between_unacked_and_its_claim_loses_nothing_and_render
 def test_the_monitor_requeues_a_lost_shard_at_the_front_once_the_queue_moved_past_it(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
-    from dispatcher.monitor import Monitor
+    from dispatcher.fleet.monitor import Monitor
     from renderfleet.settings import load_settings
     from renderfleet.store import open_store
 

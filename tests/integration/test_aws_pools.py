@@ -10,12 +10,12 @@ from pathlib import Path
 import boto3
 import pytest
 
-from dispatcher.autoscale import AwsBackend
+from dispatcher.fleet.autoscale import AwsBackend
 from renderfleet.settings import PoolConfig, Settings
 from testing.metadata import FakeMetadata
 from testing.servers import MotoServer
-from worker.main import use_instance_region
-from worker.protection import InstanceProtection
+from worker.node.protection import InstanceProtection
+from worker.node.reclaim import use_instance_region
 
 pytestmark = pytest.mark.integration
 

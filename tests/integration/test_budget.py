@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.autoscale import Autoscaler, PublishedBackend, Tick
-from dispatcher.monitor import Monitor
+from dispatcher.fleet.autoscale import Autoscaler, PublishedBackend, Tick
+from dispatcher.fleet.monitor import Monitor
 from renderfleet import budget, keys, redisconn
 from renderfleet.budget import raise_budget
 from renderfleet.celery_app import make_app

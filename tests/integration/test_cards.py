@@ -20,7 +20,7 @@ SECONDS = 0.02  # per image: the job is over in a fraction of a second once a wo
 
 def _fleet(env: dict[str, str], job: str) -> dict[str, Any]:
     """``status JOB --json``'s document, read in this process (a CLI start is a CPU-second the workers need)."""
-    from dispatcher.status import fleet_status
+    from dispatcher.status.status import fleet_status
     from renderfleet.store import open_store
 
     client = redis.Redis.from_url(env["RENDERFLEET_REDIS_URL"])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dispatcher.status import results
+from dispatcher.status.status import results
 from renderfleet import failpoints, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.store import LocalStore

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import redis
 
-from dispatcher.fleetmetrics import FleetCollector
-from dispatcher.status import fleet_status
+from dispatcher.fleet.fleetmetrics import FleetCollector
+from dispatcher.status.status import fleet_status
 from renderfleet import keys, registry
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.nodes import GpuState
@@ -103,7 +103,7 @@ class Views:
         }
 
     def autoscaler(self, pool: str) -> list[str]:
-        from dispatcher.autoscale import registered_workers
+        from dispatcher.fleet.autoscale import registered_workers
 
         return [str(w.get("worker")) for w in registered_workers(self.client, pool, self.store.url)]
 

@@ -18,9 +18,9 @@ import pytest
 import redis
 import yaml
 
-from dispatcher.autoscale import PublishedBackend
-from dispatcher.http import serve
-from dispatcher.status import fleet_status, publish_gpus_per_node
+from dispatcher.fleet.autoscale import PublishedBackend
+from dispatcher.status.status import fleet_status, publish_gpus_per_node
+from dispatcher.views.http import serve
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.settings import load_settings
 from renderfleet.store import open_store

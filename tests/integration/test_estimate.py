@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.estimate import text
+from dispatcher.views.estimate import text
 from renderfleet import keys, redisconn, speeds
 from renderfleet.api import Client
 from renderfleet.embedded import RedisServerProcess

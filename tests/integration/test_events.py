@@ -27,7 +27,7 @@ import pytest
 import redis
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from dispatcher.status import fleet_status
+from dispatcher.status.status import fleet_status
 from renderfleet import spec
 from renderfleet.api import Client
 from renderfleet.embedded import RedisServerProcess
@@ -230,8 +230,8 @@ def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_the
 ) -> None:
     from dataclasses import replace
 
-    from dispatcher.events import DELIVERED, PENDING, EventLog
-    from dispatcher.status import JobStatus
+    from dispatcher.events.events import DELIVERED, PENDING, EventLog
+    from dispatcher.status.status import JobStatus
     from renderfleet import keys
 
     client = redis.Redis.from_url(redis_server.url)
@@ -300,7 +300,7 @@ def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_the
 def test_the_page_stream_replays_the_latest_then_follows_and_refuses_a_bad_last_id(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
-    from dispatcher.web import BadQuery, event_stream, last_event_id
+    from dispatcher.views.web import BadQuery, event_stream, last_event_id
     from renderfleet import keys
     from renderfleet.spec import store_tag
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from dispatcher import lifecycle
-from dispatcher.enqueue import WireShard, publish_shards, register_job, start_feeding
+from dispatcher.jobs import lifecycle
+from dispatcher.jobs.enqueue import WireShard, publish_shards, register_job, start_feeding
 from renderfleet import keys
 from renderfleet.celery_app import envelope_factory, make_app, queue_name
 from renderfleet.embedded import RedisServerProcess
@@ -23,7 +23,7 @@ from renderfleet.feeder import Feeder
 from renderfleet.leases import Leases
 from renderfleet.spec import JobSpec, RenderParams, message_encoder, message_problems
 from renderfleet.states import Release
-from worker.queueguard import check_item
+from worker.lease.queueguard import check_item
 
 pytestmark = pytest.mark.integration
 
@@ -219,7 +219,7 @@ def test_a_malformed_feed_template_parks_its_job_with_one_warning_its_shards_kep
 def test_the_monitors_loop_survives_a_malformed_template_and_a_queue_its_script_fails_on(
     redis_server: RedisServerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dispatcher.monitor import Monitor
+    from dispatcher.fleet.monitor import Monitor
     from renderfleet.settings import load_settings
     from renderfleet.store import open_store
 
@@ -273,7 +273,7 @@ def test_the_shared_worker_counts_age_by_redis_clock_not_by_the_counters(
 
 
 def _register(client: redis.Redis, worker: str, vram: float, seen_ago: float) -> None:
-    """A worker's registration and liveness as a worker writes them (worker/service.py), its card ``vram`` GiB."""
+    """A worker's registration and liveness as a worker writes them (worker/lease/service.py), its card ``vram`` GiB."""
     info = {"pool": "default", "store": STORE, "queues": ["default"], "vram_gib": vram}
     client.hset(keys.WORKERS, worker, json.dumps(info))
     client.hset(keys.worker_stats(worker), "last_seen", f"{time.time() - seen_ago:.3f}")

@@ -212,9 +212,9 @@ def test_a_sparse_gigabyte_event_record_or_checkpoint_is_skipped_unread(
     import os
     import resource
 
-    from dispatcher.events import EventLog
-    from dispatcher.records import shard_checkpoints
-    from dispatcher.status import JobStatus
+    from dispatcher.events.events import EventLog
+    from dispatcher.jobs.records import shard_checkpoints
+    from dispatcher.status.status import JobStatus
     from renderfleet import keys
 
     client = redis.Redis.from_url(redis_server.url)

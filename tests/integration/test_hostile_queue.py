@@ -46,7 +46,7 @@ from testing.fleet import (
     worker_ready,
     write_prompts,
 )
-from worker.queueguard import MAX_ITEM_CHARS, NotAMessage, check_item
+from worker.lease.queueguard import MAX_ITEM_CHARS, NotAMessage, check_item
 
 pytestmark = pytest.mark.integration
 

@@ -16,10 +16,10 @@ import pytest
 import redis
 import yaml
 
-from dispatcher.autoscale import PublishedBackend
-from dispatcher.backends import KubernetesBackend
-from dispatcher.http import serve
-from dispatcher.status import fleet_status
+from dispatcher.fleet.autoscale import PublishedBackend
+from dispatcher.fleet.backends import KubernetesBackend
+from dispatcher.status.status import fleet_status
+from dispatcher.views.http import serve
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import ConfigError, TransientError
 from renderfleet.settings import PoolConfig, load_settings
@@ -122,7 +122,7 @@ def test_autoscale_refuses_two_pools_on_one_group_naming_both_and_the_key(
 
 
 def test_two_pools_on_groups_of_the_same_name_in_two_regions_are_two_groups(tmp_path: Path) -> None:
-    from dispatcher.backends import check_pools
+    from dispatcher.fleet.backends import check_pools
 
     east = PoolConfig(backend="aws", autoscaling_group="rf", region="us-east-1")
     # In one region the name is one group: the two pools would size it in turn, and are refused...

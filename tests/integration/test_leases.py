@@ -305,7 +305,7 @@ def test_a_commit_counts_each_prompt_once_done_winning_and_release_proves_the_sp
 
 def test_the_reaper_counts_what_a_dead_holder_held_unkept_as_killed(client: redis.Redis) -> None:
     # A SIGKILLed worker counts nothing of its own loss: its beats said how much render time it held not
-    # yet kept, and the reaper counts that, the job's by pool and the pool's (worker/gputime.py).
+    # yet kept, and the reaper counts that, the job's by pool and the pool's (worker/accounting/gputime.py).
     leases = Leases(client, lease_seconds=5)
     register(client, "j", 2)
     client.hset(keys.job("j"), "store", "/tmp/rf-leases-store")

@@ -16,8 +16,8 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import Reclaimed
 from renderfleet.leases import Lease, Leases
 from testing.fleet import wait_for
-from worker.ledger import LeaseClock, LeaseKeeper, Liveness, RedisLedger, lease_now
-from worker.stop import StopSignal
+from worker.lease.ledger import LeaseClock, LeaseKeeper, Liveness, RedisLedger, lease_now
+from worker.node.stop import StopSignal
 
 pytestmark = pytest.mark.integration
 
@@ -215,7 +215,7 @@ def test_a_busy_workers_heartbeats_carry_its_liveness_and_re_register_it(client:
 def test_a_workers_touch_writes_nothing_while_its_heartbeats_carry_its_liveness(client: redis.Redis, tmp_path: Path) -> None:
     from renderfleet.settings import Settings
     from renderfleet.store import LocalStore
-    from worker.service import WorkerService
+    from worker.lease.service import WorkerService
 
     service = WorkerService(
         settings=Settings(home=tmp_path),

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import redis
 
-from dispatcher import lifecycle
-from dispatcher.http import FleetCollector
-from dispatcher.status import fleet_status, job_status
+from dispatcher.jobs import lifecycle
+from dispatcher.status.status import fleet_status, job_status
+from dispatcher.views.http import FleetCollector
 from renderfleet import Client, failpoints, keys, spec
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, publisher, queue_name
 from renderfleet.embedded import RedisServerProcess
@@ -308,7 +308,7 @@ def test_delete_while_a_worker_holds_a_lease_leaves_nothing_but_a_tombstone(
     tmp_path: Path, redis_server: RedisServerProcess, procs: list[Any]
 ) -> None:
     QUEUE = queue_name("default", str(tmp_path / "store"))  # noqa: N806  (one queue per pool and store)
-    from dispatcher.thumbs import Thumbnails
+    from dispatcher.views.thumbs import Thumbnails
 
     env = base_env(tmp_path, redis_server.url, str(tmp_path / "store"))
     r = redis.Redis.from_url(redis_server.url)

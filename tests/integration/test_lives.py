@@ -21,7 +21,7 @@ import pytest
 import redis
 from PIL import Image
 
-from dispatcher import lifecycle
+from dispatcher.jobs import lifecycle
 from renderfleet import keys, spec
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess

@@ -47,7 +47,7 @@ from hypothesis.errors import HypothesisException
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 from PIL import Image
 
-from dispatcher import lifecycle
+from dispatcher.jobs import lifecycle
 from renderfleet import keys, spec
 from renderfleet.api import Client
 from renderfleet.embedded import RedisServerProcess

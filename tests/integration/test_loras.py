@@ -143,7 +143,7 @@ def test_loras_switch_per_job_on_one_model_load_and_a_redelivered_batch_renders_
 def test_a_folder_models_digest_is_recorded_and_a_worker_holding_other_files_refuses_the_job(
     tmp_path: Path, fleet: tuple[dict[str, str], WorkerProc]
 ) -> None:
-    from worker.models import build_tiny_pipeline, save_pipeline
+    from worker.render.models import build_tiny_pipeline, save_pipeline
 
     env, worker = fleet
     folder = save_pipeline(build_tiny_pipeline(), tmp_path / "model")

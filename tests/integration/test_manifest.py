@@ -13,7 +13,7 @@ import pytest
 import redis
 from PIL import Image
 
-from dispatcher.manifest import manifest_rows, write_manifest
+from dispatcher.views.manifest import manifest_rows, write_manifest
 from renderfleet import keys, spec
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import JobSpec, RenderParams
@@ -110,7 +110,7 @@ def test_shard_attempts_come_from_the_embedded_server_and_are_empty_when_redis_f
         # each prompt's record: the attempt that rendered it, the card, the batch's seconds per image (the
         # bench model's 0.02 and a little), its cost at the pool's $3.60 an hour (a thousandth of its seconds)
         assert [r["attempt"] for r in rows] == [r["shard_attempts"] for r in rows]
-        # the bench model renders on no device: its card says so (worker.speeds.card_for), as its speed records do
+        # the bench model renders on no device: its card says so (worker.accounting.speeds.card_for), as its speed records do
         assert all(r["card"] == "none (bench model)" and 0.02 <= r["seconds"] < 1 for r in rows), rows
         assert all(r["cost"] == pytest.approx(r["seconds"] / 1000, rel=1e-3) for r in rows), rows
         (tmp_path / "store" / "jobs" / job / "images" / "000003.png").unlink()

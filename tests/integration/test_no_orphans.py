@@ -262,8 +262,8 @@ def step_seconds(tmp_path_factory: pytest.TempPathFactory) -> float:
 import time, torch
 from pathlib import Path
 from renderfleet.spec import Prompt
-from worker.models import load_pipeline
-from worker.render import Renderer
+from worker.render.models import load_pipeline
+from worker.render.pipeline import Renderer
 torch.set_num_threads(1)
 r = Renderer(load_pipeline("tiny", device="cpu", cache_dir=Path({str(tmp_path_factory.mktemp("m"))!r})))
 def batch(steps):

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import redis
 
-from dispatcher.autoscale import LocalBackend
+from dispatcher.fleet.autoscale import LocalBackend
 from renderfleet import failpoints, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.nodes import GpuState, NodeRecord
@@ -33,8 +33,8 @@ from testing.fleet import REPO, WorkerProc, base_env, bench, bench_worker, cli, 
 from testing.metadata import FakeMetadata
 from testing.servers import MotoServer
 from tests.integration.test_aws_pools import make_group
-from worker.nodepolicy import Backoff, NodePolicy
-from worker.supervisor import NodeSupervisor
+from worker.node.policy import Backoff, NodePolicy
+from worker.node.supervisor import NodeSupervisor
 
 pytestmark = pytest.mark.integration
 

@@ -52,8 +52,8 @@ def test_the_wheel_installs_the_three_packages_as_they_are_named_today(wheel: Pa
     assert {f"{p}/__init__.py" for p in PACKAGES} <= set(names)
     # The package data the code reads at run time.
     assert any(re.fullmatch(r"renderfleet/lua/\w+\.lua", n) for n in names)
-    assert any(re.fullmatch(r"dispatcher/templates/\w+\.html", n) for n in names)
-    assert any(n.startswith("dispatcher/static/") for n in names)
+    assert any(re.fullmatch(r"dispatcher/views/templates/\w+\.html", n) for n in names)
+    assert any(n.startswith("dispatcher/views/static/") for n in names)
     entry = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert "renderfleet = renderfleet.cli:main" in entry
 
@@ -70,9 +70,9 @@ def test_the_wheel_carries_the_licence_its_metadata_names(wheel: Path) -> None:
 def test_the_import_names_resolve_to_the_wheels_files(wheel: Path, tmp_path: Path) -> None:
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import renderfleet.cli, dispatcher.autoscale, "
-        "dispatcher.backends, worker.protection; print(json.dumps([m.__file__ for m in (renderfleet.cli, "
-        "dispatcher.autoscale, dispatcher.backends, worker.protection)]))"
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import renderfleet.cli, dispatcher.fleet.autoscale, "
+        "dispatcher.fleet.backends, worker.node.protection; print(json.dumps([m.__file__ for m in (renderfleet.cli, "
+        "dispatcher.fleet.autoscale, dispatcher.fleet.backends, worker.node.protection)]))"
     )
     # -I: not this checkout's folders (the working directory, PYTHONPATH); the venv's dependencies only.
     out = subprocess.run(

@@ -8,7 +8,7 @@ import pytest
 
 from testing.kubeapi import FakeKubeApi
 from worker.main import worker_tick
-from worker.protection import BUSY_COST, IDLE_COST, POD_DELETION_COST, PodDeletionCost
+from worker.node.protection import BUSY_COST, IDLE_COST, POD_DELETION_COST, PodDeletionCost
 
 pytestmark = pytest.mark.integration
 

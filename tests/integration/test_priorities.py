@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dispatcher.status import job_status
+from dispatcher.status.status import job_status
 from renderfleet.embedded import RedisServerProcess
 from testing.fleet import WorkerProc, base_env, bench, bench_worker, cli, wait_for, worker_ready, write_prompts
 

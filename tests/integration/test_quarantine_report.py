@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from dispatcher.enqueue import register_job
-from dispatcher.status import job_status, results
+from dispatcher.jobs.enqueue import register_job
+from dispatcher.status.status import job_status, results
 from renderfleet import spec
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess

@@ -11,9 +11,9 @@ import pytest
 import redis
 from rich.console import Console
 
-from dispatcher.redisload import MIN_WINDOW, main_thread_cpu, redis_load
-from dispatcher.show import render_status
-from dispatcher.status import fleet_status
+from dispatcher.status.redisload import MIN_WINDOW, main_thread_cpu, redis_load
+from dispatcher.status.status import fleet_status
+from dispatcher.views.show import render_status
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.store import open_store

@@ -16,7 +16,7 @@ import redis
 
 from bench import redis_scale, resp, simloop
 from bench.redis_scale import JOB, QUEUE, SHARD_SIZE, STORE, Config, MonitorThread, Sim, SimWorker, Stats
-from dispatcher.enqueue import WireShard, publish_shards, register_job
+from dispatcher.jobs.enqueue import WireShard, publish_shards, register_job
 from renderfleet import keys
 from renderfleet.celery_app import make_app
 from renderfleet.embedded import RedisServerProcess

@@ -87,8 +87,8 @@ def test_model_and_images_on_s3_are_byte_identical_to_an_in_process_render(
     # The same batches rendered here from the in-memory tiny: the same bytes.
     import torch
 
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     # The workers run with OMP_NUM_THREADS=1; CPU kernels split work by thread count too.
     threads = torch.get_num_threads()

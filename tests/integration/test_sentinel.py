@@ -150,8 +150,8 @@ def test_a_job_finishes_through_a_sentinel_failover_that_loses_writes_and_a_kill
     # Byte-identical to the same batches rendered here, one thread as the workers run.
     import torch
 
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -191,9 +191,9 @@ def test_the_monitor_resumes_a_job_whose_feed_template_the_failover_lost(
     """A failover between submit's publish (replicated) and its feed template (acknowledged, then
     lost) leaves a job with pending shards that no feeder takes and no stall check sees (pending
     work is not a stall): the monitor sees the new primary and resumes it from the store."""
-    from dispatcher import enqueue
-    from dispatcher.monitor import Monitor
-    from dispatcher.submit import SubmitOptions, submit
+    from dispatcher.fleet.monitor import Monitor
+    from dispatcher.jobs import enqueue
+    from dispatcher.jobs.submit import SubmitOptions, submit
     from renderfleet import keys
     from renderfleet.celery_app import make_app, queue_name
     from renderfleet.settings import load_settings

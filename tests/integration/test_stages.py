@@ -180,7 +180,7 @@ def test_stages_are_refused_at_submit_with_the_flag_named_and_count_in_the_job_i
 def test_status_json_gives_each_stages_images_and_seconds_and_the_manifest_the_jobs_stages(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
-    from dispatcher.lifecycle import forget
+    from dispatcher.jobs.lifecycle import forget
     from renderfleet import keys
     from renderfleet.spec import store_identity
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from dispatcher.http import serve
-from dispatcher.status import fleet_status
+from dispatcher.status.status import fleet_status
+from dispatcher.views.http import serve
 from renderfleet import Client, keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.errors import InputError

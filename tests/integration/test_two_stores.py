@@ -19,7 +19,7 @@ import boto3
 import pytest
 import redis
 
-from dispatcher.enqueue import WireShard, publish_shards, register_job
+from dispatcher.jobs.enqueue import WireShard, publish_shards, register_job
 from renderfleet.celery_app import make_app, queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import Leases

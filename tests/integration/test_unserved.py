@@ -1,6 +1,6 @@
 """What ``status`` and ``Job.wait()`` say of a job no loaded worker takes: a worker of its queue is
 loading its model, or no live worker serves the queue at all.  Real Redis; the registrations are
-written as a worker writes them (worker/loading.py), or by a real LoadingRegistration."""
+written as a worker writes them (worker/lease/loading.py), or by a real LoadingRegistration."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import store_identity
 from renderfleet.store import open_store
 from testing.fleet import TINY, base_env, cli, write_prompts
-from worker.loading import LoadingRegistration
+from worker.lease.loading import LoadingRegistration
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,7 @@ def _loading_info(tmp_path: Path) -> dict[str, object]:
 
 
 def _register_loading(client: redis.Redis, tmp_path: Path) -> None:
-    """A registration as worker/loading.py writes it while the worker loads its model."""
+    """A registration as worker/lease/loading.py writes it while the worker loads its model."""
     info = {**_loading_info(tmp_path), "worker": "w-loading", "state": "loading", "started": time.time()}
     client.hset(keys.WORKERS, "w-loading", json.dumps(info))
     client.hset(keys.worker_stats("w-loading"), "last_seen", f"{time.time():.3f}")

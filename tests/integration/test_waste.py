@@ -27,7 +27,7 @@ PRICE = 3.6  # per hour: a GPU-second costs 0.001
 
 def process_start(pid: int) -> float:
     """When process ``pid`` started, in unix time: /proc's start (clock ticks after boot) on this moment's
-    boot clock, the clock a worker's time account reads (worker/gputime.py)."""
+    boot clock, the clock a worker's time account reads (worker/accounting/gputime.py)."""
     ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / TICK_HZ)
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from dispatcher.status import FleetStatus
-from dispatcher.web import charts, read_history, record
+from dispatcher.status.status import FleetStatus
+from dispatcher.views.web import charts, read_history, record
 from renderfleet import keys
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess

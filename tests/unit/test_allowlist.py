@@ -14,7 +14,7 @@ from renderfleet.allowlist import entry_problem, model_allowed, refusal
 from renderfleet.api import Client
 from renderfleet.errors import ConfigError, InputError, ModelLoadError
 from renderfleet.settings import Settings, load_settings
-from worker.models import model_refusal
+from worker.render.models import model_refusal
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
@@ -63,7 +63,7 @@ def test_the_worker_refuses_a_job_at_a_pull_request_as_the_jobs_error(tmp_path: 
     assert "'main'" in (model_refusal("pinned/model", allowed, revision="main") or "")
     assert model_refusal("pinned/model", allowed, revision=COMMIT) is None
     # the worker's switch: ModelLoadError (the job's error, the worker goes on), before any load
-    from worker.service import WorkerService
+    from worker.lease.service import WorkerService
 
     service = object.__new__(WorkerService)
     service.settings = Settings(allowed_models="org/model", home=tmp_path)

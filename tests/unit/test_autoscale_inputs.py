@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from dispatcher.autoscale import PROCESS_START_SECONDS
+from dispatcher.fleet.autoscale import PROCESS_START_SECONDS
 from renderfleet import keys
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.leases import Lease, Leases
@@ -23,9 +23,9 @@ from renderfleet.settings import Settings
 from renderfleet.spec import store_tag
 from renderfleet.store import LocalStore
 from testing.fleet import base_env, cli
-from worker.ledger import RedisLedger
-from worker.service import WorkerService
-from worker.stop import StopSignal
+from worker.lease.ledger import RedisLedger
+from worker.lease.service import WorkerService
+from worker.node.stop import StopSignal
 
 FLEET = """
 [pools.baseline]
@@ -140,9 +140,9 @@ def test_the_policy_sees_each_jobs_min_vram_work_and_each_pools_card_memory(
 ) -> None:
     """Policy rule 11's inputs: the backlog by the card memory its jobs need (keys.job's min_vram, as
     submit writes it) and a pool's memory (its config's vram_gib, else its live workers' smallest)."""
-    from dispatcher.autoscale import Autoscaler
-    from dispatcher.policy import PoolState
-    from dispatcher.status import FleetStatus, JobStatus
+    from dispatcher.fleet.autoscale import Autoscaler
+    from dispatcher.fleet.policy import PoolState
+    from dispatcher.status.status import FleetStatus, JobStatus
     from renderfleet.settings import PoolConfig
 
     client = redis.Redis.from_url(redis_server.url)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from cfnlint.api import ManualArgs, lint
 
-from dispatcher.backends import check_pools
+from dispatcher.fleet.backends import check_pools
 from renderfleet.settings import PoolConfig, Settings
 
 REPO = Path(__file__).resolve().parents[2]

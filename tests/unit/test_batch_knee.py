@@ -18,9 +18,9 @@ from renderfleet.settings import load_settings
 from renderfleet.spec import Prompt
 from renderfleet.store import LocalStore
 from tests.unit.test_batchsize import Ledger, Loaded, card, make_msg, prompt
-from worker.batchsize import KEY_PREFIX, BatchSizes, Search, choose, knee
-from worker.runner import ShardRunner
-from worker.stop import StopSignal
+from worker.node.stop import StopSignal
+from worker.render.batchsize import KEY_PREFIX, BatchSizes, Search, choose, knee
+from worker.render.runner import ShardRunner
 
 # images/s by call size on a fake card: +3 % from 8 to 32 (SD1.5 on an H200: 16 -> 64 gave +3 %)
 RATES = {1: 10.0, 2: 18.0, 4: 27.0, 8: 30.8, 16: 31.3, 32: 31.7}
@@ -181,7 +181,7 @@ def test_the_knee_is_one_setting_five_percent_by_default_and_a_bad_value_names_i
 
 def test_bench_names_the_knee_under_its_curve_and_in_its_json(tmp_path: Path) -> None:
     from tests.unit.test_bench_auto import tiny_bench
-    from worker import bench
+    from worker.bench import run as bench
 
     result = tiny_bench(tmp_path / "models", batch_sizes=[1, 2], knee=0.05)
     rates = {p.batch_size: p.images_per_minute for p in result.points}
@@ -195,7 +195,7 @@ def test_bench_names_the_knee_under_its_curve_and_in_its_json(tmp_path: Path) ->
 
 
 def test_bench_s_knee_line_reads_the_curve_it_is_given() -> None:
-    from worker.bench import BenchRun, Point, winners
+    from worker.bench.run import BenchRun, Point, winners
 
     points = [Point(n, 60 * rate, 1 / rate, None) for n, rate in RATES.items()]
     run = BenchRun("m", 64, 64, 2, 7.5, "cuda", "H200", 1, 0.0, {}, points, knee=0.05, knee_batch_size=8)

@@ -15,9 +15,9 @@ from renderfleet import spec
 from renderfleet.errors import DeviceError, JobError, MixedFleet, OutOfMemory
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.store import LocalStore
-from worker.batchsize import KEY_PREFIX, BatchSizes, Search, choose, doubling, search, sweep
-from worker.runner import ShardRunner
-from worker.stop import StopSignal
+from worker.node.stop import StopSignal
+from worker.render.batchsize import KEY_PREFIX, BatchSizes, Search, choose, doubling, search, sweep
+from worker.render.runner import ShardRunner
 
 
 @dataclass

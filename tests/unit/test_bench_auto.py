@@ -1,4 +1,4 @@
-"""``renderfleet bench``'s auto sweep (``worker.bench.run_bench`` with no batch sizes) stops at the
+"""``renderfleet bench``'s auto sweep (``worker.bench.run.run_bench`` with no batch sizes) stops at the
 first batch that does not fit.
 
 In this process, on the tiny model on the CPU, with the renderer's call capped at 4 images by a
@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from renderfleet.errors import OutOfMemory
-from worker import bench, render
+from worker.bench import run as bench
+from worker.render import pipeline as render
 
 
 def tiny_bench(cache_dir: Path, **changes: Any) -> bench.BenchRun:
@@ -39,7 +40,7 @@ def test_auto_stops_at_the_first_batch_that_does_not_fit(tmp_path: Path, monkeyp
 
 
 def test_a_budgeted_search_does_not_start_a_size_that_would_end_past_its_budget() -> None:
-    from worker.batchsize import search
+    from worker.render.batchsize import search
 
     now, calls = [0.0], []
 

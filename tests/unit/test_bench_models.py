@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from dispatcher.submit import SubmitOptions, check_options
+from dispatcher.jobs.submit import SubmitOptions, check_options
 from renderfleet.celery_app import queue_name
 from renderfleet.errors import InputError, ModelLoadError
 from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, Prompt, RenderParams, bench_model, bench_seconds, message_problems
 from testing.messages import message_json
 from worker.main import load_renderer
-from worker.models import load_pipeline, model_refusal
+from worker.render.models import load_pipeline, model_refusal
 
 BENCH = "bench:fixed?seconds=0.025"
 MALFORMED = [
@@ -104,7 +104,7 @@ def test_only_a_worker_allowed_bench_models_loads_one_and_the_pipeline_loader_ne
 
 
 def test_a_bench_models_images_say_what_they_are() -> None:
-    from worker.benchrender import FixedTimeRenderer
+    from worker.render.benchrender import FixedTimeRenderer
 
     renderer = FixedTimeRenderer(0.001, BENCH)
     prompt = Prompt(0, "000000", "a red fox", "", 123456, 2, 7.5, 32, 24)

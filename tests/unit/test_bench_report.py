@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from worker import bench
-from worker.bench import BenchRun, Point
+from worker.bench import run as bench
+from worker.bench.run import BenchRun, Point
 
 
 def a_run(rates: dict[int, float], **extra: Any) -> BenchRun:

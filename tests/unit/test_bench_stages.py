@@ -14,9 +14,10 @@ import pytest
 from renderfleet.errors import InputError, OutOfMemory
 from renderfleet.spec import Prompt
 from renderfleet.stages import parse_refine, parse_upscale
-from worker import bench, benchstages
-from worker.bench import BenchRun, Point
-from worker.benchstages import StagePoint
+from worker.bench import run as bench
+from worker.bench import stages as benchstages
+from worker.bench.run import BenchRun, Point
+from worker.bench.stages import StagePoint
 
 
 def a_point(stage: str, seconds: float) -> StagePoint:

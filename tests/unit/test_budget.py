@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dispatcher.policy import PoolState, decide
-from dispatcher.show import render_status
-from dispatcher.status import FleetStatus, JobStatus, price
+from dispatcher.fleet.policy import PoolState, decide
+from dispatcher.status.status import FleetStatus, JobStatus, price
+from dispatcher.views.show import render_status
 from renderfleet import spec
 from renderfleet.budget import (
     Record,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.status import FleetStatus
-from dispatcher.submit import SubmitOptions, check_options, job_id
+from dispatcher.jobs.submit import SubmitOptions, check_options, job_id
+from dispatcher.status.status import FleetStatus
 from renderfleet import cards
 from renderfleet.errors import InputError
 from renderfleet.spec import JobSpec, RenderParams
@@ -81,8 +81,8 @@ def test_card_rows_give_images_per_minute_per_worker_and_cost_per_image_cheapest
 def test_the_autoscaler_takes_a_pools_speed_from_its_cards_record_for_the_backlogs_kind_of_image(tmp_path: Path) -> None:
     """Policy rule 9's inputs: the pool's card (its config's, else its workers'), and the speed measured there
     for the backlog's model and size, read from the store (a folder store here) once a minute at most."""
-    from dispatcher.autoscale import Autoscaler, BacklogKind, pool_card
-    from dispatcher.policy import CARD, PoolState
+    from dispatcher.fleet.autoscale import Autoscaler, BacklogKind, pool_card
+    from dispatcher.fleet.policy import CARD, PoolState
     from renderfleet import speeds
     from renderfleet.settings import PoolConfig, Settings
     from renderfleet.store import LocalStore
@@ -122,8 +122,7 @@ def test_the_autoscaler_takes_a_pools_speed_from_its_cards_record_for_the_backlo
 
 
 def test_a_worker_names_its_cards_memory_and_only_a_bench_model_takes_a_stand_in_card() -> None:
-    from worker.benchrender import BENCH_DEVICE
-    from worker.speeds import bench_card_name, vram_for
+    from worker.accounting.speeds import BENCH_DEVICE, bench_card_name, vram_for
 
     assert vram_for("cpu") is None and vram_for(BENCH_DEVICE) is None  # no card: no memory to name
     assert vram_for(BENCH_DEVICE, "big:80") == 80 and bench_card_name(BENCH_DEVICE, "big:80") == "big (bench model)"

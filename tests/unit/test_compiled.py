@@ -23,7 +23,7 @@ from PIL import Image  # noqa: E402
 from renderfleet.errors import ConfigError  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
 from renderfleet.store import LocalStore  # noqa: E402
-from worker.compiled import (  # noqa: E402
+from worker.render.compiled import (  # noqa: E402
     MAX_SAVES,
     CompileCache,
     cache_key,
@@ -33,8 +33,8 @@ from worker.compiled import (  # noqa: E402
     sign,
     verify,
 )
-from worker.models import LoadedModel, build_tiny_pipeline  # noqa: E402
-from worker.render import Renderer  # noqa: E402
+from worker.render.models import LoadedModel, build_tiny_pipeline  # noqa: E402
+from worker.render.pipeline import Renderer  # noqa: E402
 
 
 def loaded(pipe: object) -> LoadedModel:
@@ -260,7 +260,7 @@ def test_the_fleet_key_comes_from_a_file_and_a_short_or_missing_one_is_refused(t
 
 def test_without_a_fleet_key_nothing_is_shared_through_the_store(tmp_path: Path) -> None:
     from renderfleet.settings import Settings
-    from worker.compiled import open_compile_cache
+    from worker.render.compiled import open_compile_cache
 
     settings = Settings(store=str(tmp_path / "store"), home=tmp_path / "home")
     assert open_compile_cache(settings, model="tiny", card="H200") is None
@@ -353,7 +353,7 @@ def test_fluxs_double_and_single_stream_blocks_are_compiled_regionally() -> None
 
 
 def test_the_compile_cache_key_names_the_denoisers_class_so_sd3s_never_loads_for_flux(tmp_path: Path) -> None:
-    from worker.compiled import open_compile_cache
+    from worker.render.compiled import open_compile_cache
 
     sd3 = cache_key("my-model", "H200", 1024, 1024, "2.13.0", CONFIG, "SD3Transformer2DModel")
     flux = cache_key("my-model", "H200", 1024, 1024, "2.13.0", CONFIG, "FluxTransformer2DModel")

@@ -6,7 +6,7 @@ import io
 
 from PIL import Image
 
-from dispatcher.manifest import fit_cell
+from dispatcher.views.manifest import fit_cell
 
 
 def _png(width: int, height: int, colour: tuple[int, int, int] = (10, 200, 30)) -> bytes:

@@ -1,5 +1,5 @@
 """renderfleet_cost_total: its unit (the pools file's currency) in its help, its value GPU-seconds x price / 3600,
-and ``/api/autoscale``'s answer for pools not decided yet (dispatcher/backends.py), without a server."""
+and ``/api/autoscale``'s answer for pools not decided yet (dispatcher/fleet/backends.py), without a server."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher.backends import autoscale_answer
-from dispatcher.http import FleetCollector
-from dispatcher.status import FleetStatus
+from dispatcher.fleet.backends import autoscale_answer
+from dispatcher.status.status import FleetStatus
+from dispatcher.views.http import FleetCollector
 from renderfleet.settings import PoolConfig
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from standardwebhooks import Webhook
 
-import dispatcher.courier as courier_module
-from dispatcher.courier import Courier, DeliveryFailed
-from dispatcher.events import EventRecord, event_body
+import dispatcher.events.courier as courier_module
+from dispatcher.events.courier import Courier, DeliveryFailed
+from dispatcher.events.events import EventRecord, event_body
 from renderfleet.settings import EventsConfig
 from renderfleet.webhooks import EventType
 
@@ -143,7 +143,7 @@ def test_a_receivers_events_arrive_in_order_and_a_failing_head_is_retried_with_i
 
 
 def test_the_wait_between_attempts_doubles_up_to_the_cap() -> None:
-    from dispatcher.courier import RETRY_CAP_SECONDS, backoff
+    from dispatcher.events.courier import RETRY_CAP_SECONDS, backoff
 
     assert [backoff(1.0, n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
     assert backoff(1.0, 10_000) == RETRY_CAP_SECONDS

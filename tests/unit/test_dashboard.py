@@ -9,9 +9,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher.http import FleetCollector
-from dispatcher.status import FleetStatus, JobStatus
-from worker.metrics import GPU_PEAK, WorkerMetrics
+from dispatcher.status.status import FleetStatus, JobStatus
+from dispatcher.views.http import FleetCollector
+from worker.accounting.metrics import GPU_PEAK, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import typer
 
-from dispatcher.submit import SubmitOptions
+from dispatcher.jobs.submit import SubmitOptions
 from renderfleet.settings import AutoscaleConfig, EventsConfig, PoolConfig, Settings
 from renderfleet.spec import DEFAULT
 from testing.docs import DocCommand, doc_commands

@@ -1,4 +1,4 @@
-"""A GAN upscale stage (issue 39): ESRGAN's RRDBNet read from safetensors (worker/models/esrgan.py), its
+"""A GAN upscale stage (issue 39): ESRGAN's RRDBNet read from safetensors (worker/render/models/esrgan.py), its
 shape taken from the weights, a pickle never loaded, the built-in tiny-esrgan through StageRenderer and
 through a shard's stages, and the contract's forms and checks (renderfleet/stages.py)."""
 
@@ -33,9 +33,9 @@ from renderfleet.stages import (
 )
 from renderfleet.store import LocalStore
 from tests.unit.test_stage_batches import Ledger
-from worker.models.esrgan import LIMITS, RRDBConfig, build_rrdbnet, load_esrgan, rrdb_config, tiny_esrgan_file
-from worker.stagerun import ShardStages
-from worker.stages import StageRenderer
+from worker.render.models.esrgan import LIMITS, RRDBConfig, build_rrdbnet, load_esrgan, rrdb_config, tiny_esrgan_file
+from worker.render.stagerun import ShardStages
+from worker.render.stages import StageRenderer
 
 
 @pytest.fixture
@@ -140,10 +140,10 @@ def test_a_gan_model_s_scale_must_be_the_stage_s_factor_and_the_allow_list_appli
 def test_a_shard_through_generate_and_a_gan_upscale_stores_the_same_finals_on_a_retry(
     tmp_path: Path, one_thread: None
 ) -> None:
-    from worker.models import load_pipeline
-    from worker.render import Renderer
-    from worker.runner import ShardRunner
-    from worker.stop import StopSignal
+    from worker.node.stop import StopSignal
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
+    from worker.render.runner import ShardRunner
 
     cache = tmp_path / "models"
     base = load_pipeline("tiny", device="cpu", cache_dir=cache)
@@ -341,14 +341,14 @@ def test_a_stage_whose_upscaler_will_not_load_raises_the_job_s_error_never_a_bar
     def out_of_memory(path: Any, device: str = "cpu") -> Any:
         raise MemoryError("cannot allocate 1342177280 bytes")
 
-    monkeypatch.setattr("worker.models.esrgan.load_esrgan", out_of_memory)
+    monkeypatch.setattr("worker.render.models.esrgan.load_esrgan", out_of_memory)
     with pytest.raises(ModelLoadError, match=rf"stage 1 \(upscale\): model '{good}' could not be loaded: MemoryError"):
         renderer(f"4:{good}", tmp_path)
 
     def device_lost(path: Any, device: str = "cpu") -> Any:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr("worker.models.esrgan.load_esrgan", device_lost)
+    monkeypatch.setattr("worker.render.models.esrgan.load_esrgan", device_lost)
     with pytest.raises(DeviceError, match="illegal memory access"):  # the node's, as any load's
         renderer(f"4:{good}", tmp_path)
 

@@ -1,4 +1,4 @@
-"""``submit --estimate``'s arithmetic (dispatcher/estimate.py): the job split between pools by their
+"""``submit --estimate``'s arithmetic (dispatcher/views/estimate.py): the job split between pools by their
 images per second, wall time at current and maximum sizes, costs, the pools that would serve it, the
 prompts counted by kind of image, and nothing written."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.estimate import (
+from dispatcher.jobs.submit import SubmitOptions
+from dispatcher.views.estimate import (
     BudgetCase,
     Group,
     PoolView,
@@ -21,7 +22,6 @@ from dispatcher.estimate import (
     read_prompts,
     text,
 )
-from dispatcher.submit import SubmitOptions
 from renderfleet import families, spec, speeds
 from renderfleet.settings import PoolConfig, Settings
 from renderfleet.spec import RenderParams

@@ -18,11 +18,12 @@ from typing import Any, ClassVar
 import pytest
 from standardwebhooks import Webhook
 
-from dispatcher.courier import DeliveryFailed, post, resolve, signed_headers
-from dispatcher.events import EventRecord, event_body, transitions
-from dispatcher.stagestatus import StageStatus
-from dispatcher.status import JobStatus, shown_target
+from dispatcher.events.courier import DeliveryFailed, post, resolve, signed_headers
+from dispatcher.events.events import EventRecord, event_body, transitions
+from dispatcher.status.stagestatus import StageStatus
+from dispatcher.status.status import JobStatus
 from renderfleet.errors import ConfigError, InputError
+from renderfleet.redaction import shown_target
 from renderfleet.settings import load_settings
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.webhooks import EventType, address_problem, event_id, read_secret, receiver_id, record_key, url_problem
@@ -315,8 +316,8 @@ def test_a_redirect_an_error_and_a_private_address_are_failures(receiver: str) -
 
 
 def test_status_prints_a_line_per_job_with_undelivered_events() -> None:
-    from dispatcher.show import events_line
-    from dispatcher.status import Undelivered
+    from dispatcher.status.status import Undelivered
+    from dispatcher.views.show import events_line
 
     line = events_line(
         Undelivered("j-241cef6891e251f3", 2, "https://hooks.example.com", 7, "HTTP 503"), {"j-241cef6891e251f3": "j-24"}

@@ -112,7 +112,7 @@ def test_a_negative_prompt_on_flux_is_applied_through_true_cfg_and_its_cost_stat
 
 
 def test_every_family_in_the_table_is_served_by_a_worker_module() -> None:
-    from worker.models.families import FAMILIES
+    from worker.render.models.families import FAMILIES
 
     served = {cls.facts.name for cls in FAMILIES} | {"flux-schnell"}  # FLUX's module serves both variants
     assert served == {f.name for f in families.FAMILIES}
@@ -125,8 +125,8 @@ def test_every_family_in_the_table_is_served_by_a_worker_module() -> None:
 def renderers() -> dict[str, object]:
     import torch
 
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     torch.set_num_threads(1)  # bytes compared below
     return {

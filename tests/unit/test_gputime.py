@@ -1,10 +1,10 @@
-"""The worker's time account (worker/gputime.py): every second in one use, a batch kept or lost once."""
+"""The worker's time account (worker/accounting/gputime.py): every second in one use, a batch kept or lost once."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.gputime import KEPT_IMAGES, Use, WorkerTime, process_started
+from worker.accounting.gputime import KEPT_IMAGES, Use, WorkerTime, process_started
 
 
 class Clock:
@@ -127,6 +127,6 @@ def test_stopping_ends_the_idle_time_even_inside_a_message() -> None:
 
 def test_the_process_started_before_its_account() -> None:
     started = process_started()
-    from worker.gputime import boot_clock
+    from worker.accounting.gputime import boot_clock
 
     assert 0.0 <= boot_clock() - started < 3600  # this test's interpreter: not in the future, not years ago

@@ -3,7 +3,9 @@
 The layout (docs/design.md, "The house"): ``renderfleet/`` is the contract and
 imports neither side; ``dispatcher/`` runs near the user and never imports
 torch or the worker; ``worker/`` runs on the GPU node and never imports the
-dispatcher.  The CLI and the Python API sit on top and import each side
+dispatcher.  Inside each side, every module lives in a sub-package whose
+docstring says what it may import (a ``May import:`` line), and it imports
+nothing else of its side.  The CLI and the Python API sit on top and import each side
 lazily: the one exception.  No two modules import each other, by any path
 and at any depth (a function's own import included): a circle is a piece both
 need, to be moved into a module below them.
@@ -25,7 +27,9 @@ import worker
 
 
 def modules(package: object) -> list[str]:
-    return sorted(f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__))  # type: ignore[attr-defined]
+    """Every module of ``package``, at any depth (its sub-packages' included)."""
+    name = package.__name__  # type: ignore[attr-defined]
+    return sorted(m.name for m in pkgutil.walk_packages(package.__path__, f"{name}."))  # type: ignore[attr-defined]
 
 
 CONTRACT = [m for m in modules(renderfleet) if m not in ("renderfleet.__main__",)]
@@ -57,7 +61,7 @@ def test_the_check_fails_on_an_import_it_forbids() -> None:
     # The checks below pass because nothing is wrong, not because they cannot fail: the worker
     # imports the contract (an arrow down), which this check is told to forbid.
     with pytest.raises(AssertionError, match=r"imported \['renderfleet"):
-        check(["worker.runner"], ["renderfleet"])
+        check(["worker.render.runner"], ["renderfleet"])
 
 
 def test_the_contract_imports_neither_side_nor_torch() -> None:
@@ -186,3 +190,68 @@ def test_the_cycle_check_finds_a_circle_at_any_depth_and_names_it(tmp_path: Path
 def test_no_two_modules_import_each_other() -> None:
     circles = import_cycles(import_graph())
     assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
+
+
+SIDES = ("worker", "dispatcher")
+TOP_MODULES = {"worker.main"}  # the worker process: wires the sub-packages, so above them all
+
+
+def allowed_imports(root: Path = ROOT, sides: tuple[str, ...] = SIDES) -> dict[str, set[str]]:
+    """Each sub-package of each side and the sub-packages of its side it may import, read from the
+    ``May import:`` line of its ``__init__.py``'s docstring ("nothing else of SIDE": none)."""
+    allowed: dict[str, set[str]] = {}
+    for side in sides:
+        for init in sorted((root / side).glob("*/__init__.py")):
+            name = f"{side}.{init.parent.name}"
+            doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+            line = next((ln for ln in doc.splitlines() if ln.startswith("May import:")), None)
+            assert line is not None, f"{init}: its docstring says nothing of what it may import ('May import: ...')"
+            said = line.removeprefix("May import:").strip().rstrip(".")
+            allowed[name] = set() if said.startswith("nothing") else {p.strip() for p in said.split(",")}
+    return allowed
+
+
+def layer_breaches(graph: dict[str, set[str]], allowed: dict[str, set[str]], top: set[str]) -> list[str]:
+    """Every arrow from a module of a sub-package into another sub-package of its side that its
+    docstring does not allow, and every module of a side in no sub-package (bar ``top``)."""
+
+    def sub(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or ".".join(parts[:2]) in allowed else None
+
+    breaches = []
+    for module, arrows in sorted(graph.items()):
+        side = module.split(".")[0]
+        if side not in {s.split(".")[0] for s in allowed} or module == side:
+            continue
+        here = sub(module)
+        if here is None or here not in allowed:
+            if module not in top:
+                breaches.append(f"{module} is in no sub-package")
+            continue
+        for arrow in sorted(arrows):
+            there = sub(arrow)
+            if arrow.split(".")[0] == side and there != here and (there is None or there not in allowed[here]):
+                breaches.append(f"{module} -> {arrow}")
+    return breaches
+
+
+def test_the_layer_check_finds_an_arrow_up_and_a_module_outside_the_sub_packages(tmp_path: Path) -> None:
+    side = tmp_path / "side"
+    for sub, may in (("high", "side.low"), ("low", "nothing else of side")):
+        (side / sub).mkdir(parents=True)
+        (side / sub / "__init__.py").write_text(f'"""{sub}.\n\nMay import: {may}.\n"""\n')
+    (side / "__init__.py").write_text("")
+    (side / "high" / "a.py").write_text("from side.low import b\n")  # down: allowed
+    (side / "low" / "b.py").write_text("def later():\n    from side.high import a\n")  # up, in a function
+    (side / "loose.py").write_text("")
+    graph = import_graph(tmp_path, ("side",))
+    found = layer_breaches(graph, allowed_imports(tmp_path, ("side",)), set())
+    assert found == ["side.loose is in no sub-package", "side.low.b -> side.high.a"]
+
+
+def test_each_sub_package_imports_only_what_its_docstring_allows() -> None:
+    allowed = allowed_imports()
+    assert {"worker.lease", "worker.render", "dispatcher.jobs", "dispatcher.views"} <= set(allowed)
+    breaches = layer_breaches(import_graph(), allowed, TOP_MODULES)
+    assert not breaches, "arrows a sub-package's docstring does not allow: " + "; ".join(breaches)

@@ -11,12 +11,12 @@ import pytest
 import redis
 from rich.console import Console
 
-from dispatcher.enqueue import register_job
-from dispatcher.jobids import resolve
-from dispatcher.lifecycle import delete
-from dispatcher.show import print_status
-from dispatcher.status import FleetStatus, JobStatus, _named, fleet_status
-from dispatcher.submit import SubmitOptions, check_options, job_id
+from dispatcher.jobs.enqueue import register_job
+from dispatcher.jobs.lifecycle import delete
+from dispatcher.jobs.submit import SubmitOptions, check_options, job_id
+from dispatcher.status.status import FleetStatus, JobStatus, _named, fleet_status
+from dispatcher.views.jobids import resolve
+from dispatcher.views.show import print_status
 from renderfleet import spec
 from renderfleet.celery_app import queue_name
 from renderfleet.embedded import RedisServerProcess

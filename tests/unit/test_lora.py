@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.submit import SubmitOptions, check_options, job_id
+from dispatcher.jobs.submit import SubmitOptions, check_options, job_id
 from renderfleet.errors import InputError, JobError, ModelLoadError
 from renderfleet.spec import (
     Prompt,
@@ -230,8 +230,8 @@ def s3_client() -> Any:
 def test_an_s3_lora_replaced_after_submit_is_refused_and_its_cache_is_keyed_by_the_pin(
     s3_bucket: str, tmp_path: Path
 ) -> None:
-    from dispatcher.submit import lora_pin
-    from worker.loras import fetch_s3_lora
+    from dispatcher.jobs.submit import lora_pin
+    from worker.render.loras import fetch_s3_lora
 
     bucket = s3_bucket[len("s3://") :].split("/")[0]
     client, uri = s3_client(), f"s3://{bucket}/loras/style.safetensors"
@@ -260,8 +260,8 @@ def test_an_s3_lora_replaced_after_submit_is_refused_and_its_cache_is_keyed_by_t
 
 
 def test_an_s3_lora_in_a_versioned_bucket_is_fetched_at_the_version_submit_saw(s3_bucket: str, tmp_path: Path) -> None:
-    from dispatcher.submit import lora_pin
-    from worker.loras import fetch_s3_lora
+    from dispatcher.jobs.submit import lora_pin
+    from worker.render.loras import fetch_s3_lora
 
     bucket = s3_bucket[len("s3://") :].split("/")[0]
     client, uri = s3_client(), f"s3://{bucket}/loras/v.safetensors"
@@ -279,9 +279,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from testing.loras import make_tiny_lora  # noqa: E402
-from worker.loras import LoraCache  # noqa: E402
-from worker.models import LoadedModel, check_digest, load_pipeline, save_pipeline  # noqa: E402
-from worker.render import Renderer  # noqa: E402
+from worker.render.loras import LoraCache  # noqa: E402
+from worker.render.models import LoadedModel, check_digest, load_pipeline, save_pipeline  # noqa: E402
+from worker.render.pipeline import Renderer  # noqa: E402
 
 
 def prompt(**changes: object) -> Prompt:
@@ -363,7 +363,7 @@ def test_a_lora_with_text_encoder_weights_loads_changes_the_image_and_leaves_no_
 
 
 def test_the_pinned_weights_are_written_into_the_image_only_when_set() -> None:
-    from worker.render import image_metadata
+    from worker.render.pipeline import image_metadata
 
     digest = "files-sha256:" + "a" * 64
     pinned = image_metadata(

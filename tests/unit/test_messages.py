@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.submit import SubmitOptions, check_options
+from dispatcher.jobs.submit import SubmitOptions, check_options
 from renderfleet import spec
 from renderfleet.celery_app import queue_name
 from renderfleet.errors import InputError
@@ -23,8 +23,8 @@ from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, RenderParams, message_problems
 from renderfleet.store import LocalStore
 from testing.messages import message_json, store_wire
-from worker.service import SPEC_CHECK_SECONDS, WorkerService
-from worker.stop import StopSignal
+from worker.lease.service import SPEC_CHECK_SECONDS, WorkerService
+from worker.node.stop import StopSignal
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 JOB = JobSpec(job="j-0123456789abcdef", params=PARAMS, total=10, shard_size=4, batch_size=2)
@@ -232,7 +232,7 @@ def watched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerServ
 
     monkeypatch.setattr(svc.store, "exists", counted)
     clock = [1000.0]
-    monkeypatch.setattr("worker.service.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("worker.lease.service.time.monotonic", lambda: clock[0])
     return svc, asked, clock, json.dumps(good(svc.store.url))
 
 

@@ -11,7 +11,7 @@ from renderfleet.digests import listing_digest
 from renderfleet.errors import ModelLoadError
 from renderfleet.settings import Settings
 from renderfleet.store import S3Store
-from worker.models import (
+from worker.render.models import (
     DIGEST_MARKER,
     check_model_keys,
     fetch_cached,

@@ -1,4 +1,4 @@
-"""The fit check and ``--offload`` (worker/models/memory.py): pure logic and the refusals off CUDA."""
+"""The fit check and ``--offload`` (worker/render/models/memory.py): pure logic and the refusals off CUDA."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from renderfleet.errors import CardTooSmall, ConfigError, DeviceError
-from worker.models.memory import GB, check_offload, fit_problem, margin_bytes
+from worker.render.models.memory import GB, check_offload, fit_problem, margin_bytes
 
 # FLUX.1-dev in bf16, as its published files weigh.
 FLUX = {
@@ -69,7 +69,7 @@ def test_the_margin_has_a_floor_and_grows_with_the_model() -> None:
 
 
 def test_card_too_small_is_the_nodes_setting_at_start_and_the_nodes_device_after() -> None:
-    # A ConfigError at start-up (exit 2); a DeviceError for worker/service.py, which then hands the
+    # A ConfigError at start-up (exit 2); a DeviceError for worker/lease/service.py, which then hands the
     # shard back to the front and stops this worker instead of failing the job (a ModelLoadError).
     error = CardTooSmall("does not fit")
     assert isinstance(error, ConfigError) and isinstance(error, DeviceError)
@@ -97,7 +97,7 @@ def test_accelerate_is_installed_here_so_model_offload_is_offered() -> None:
 
 def test_load_pipeline_refuses_offload_on_the_cpu_before_building_anything() -> None:
     pytest.importorskip("torch")
-    from worker.models import load_pipeline
+    from worker.render.models import load_pipeline
 
     with pytest.raises(ConfigError, match="RENDERFLEET_OFFLOAD"):
         load_pipeline("tiny", device="cpu", cache_dir=Path("/nonexistent"), offload="model")

@@ -19,7 +19,7 @@ pytest.importorskip("diffusers")
 
 from renderfleet.errors import ConfigError, PermanentError  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
-from worker.models import (  # noqa: E402
+from worker.render.models import (  # noqa: E402
     TINY_WARNING,
     LoadedModel,
     build_tiny_pipeline,
@@ -32,7 +32,7 @@ from worker.models import (  # noqa: E402
     vae_memory_modes,
     vae_needs_float32,
 )
-from worker.render import Renderer  # noqa: E402
+from worker.render.pipeline import Renderer  # noqa: E402
 
 
 def checksum(pipe: Any) -> str:
@@ -78,7 +78,7 @@ def test_tiny_is_a_cpu_float32_smoke_test_model(tiny: LoadedModel) -> None:
 
 
 def test_tiny_builds_bit_identical_twice_and_warns(tiny: LoadedModel, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="worker.models"):
+    with caplog.at_level(logging.WARNING, logger="worker.render.models"):
         again = build_tiny_pipeline()
     assert checksum(again) == checksum(tiny.pipe)
     assert TINY_WARNING in caplog.text
@@ -220,9 +220,9 @@ def test_a_vae_config_without_force_upcast_decodes_in_fp16_unless_the_pipeline_u
 
     from diffusers import AutoencoderKL
 
-    import worker.models.cuda
+    import worker.render.models.cuda
 
-    monkeypatch.setattr(worker.models.cuda, "enable_tf32", lambda: None)  # process-wide: not here
+    monkeypatch.setattr(worker.render.models.cuda, "enable_tf32", lambda: None)  # process-wide: not here
 
     # SD 1.5's VAE config has no force_upcast: AutoencoderKL's default (True) fills it, marked as a default
     AutoencoderKL(
@@ -243,7 +243,7 @@ def test_a_vae_config_without_force_upcast_decodes_in_fp16_unless_the_pipeline_u
 
 
 def test_the_empty_float32_list_warning_of_every_cast_is_silenced_and_a_real_one_kept(tiny: LoadedModel) -> None:
-    from worker.models import quiet_empty_float32_warning
+    from worker.render.models import quiet_empty_float32_warning
 
     records: list[logging.LogRecord] = []
 
@@ -288,10 +288,10 @@ def test_preparing_for_cuda_sets_sdpa_channels_last_and_a_float32_vae_for_fp16(m
     from diffusers import AutoencoderKL
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    import worker.models.cuda
+    import worker.render.models.cuda
 
     tf32: list[bool] = []
-    monkeypatch.setattr(worker.models.cuda, "enable_tf32", lambda: tf32.append(True))  # process-wide: not here
+    monkeypatch.setattr(worker.render.models.cuda, "enable_tf32", lambda: tf32.append(True))  # process-wide: not here
     pipe = build_tiny_pipeline()
     # a VAE whose config says fp16 overflows (as SDXL's does), every key given
     config = {k: v for k, v in pipe.vae.config.items() if k != "_use_default_values"}
@@ -320,7 +320,7 @@ def test_the_cpu_path_is_left_as_it_was(tiny: LoadedModel) -> None:
 
 def test_importing_the_worker_modules_builds_nothing() -> None:
     code = (
-        "import sys, worker.models, worker.render;"
+        "import sys, worker.render.models, worker.render.pipeline;"
         "heavy = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules];"
         "print(heavy); sys.exit(1 if heavy else 0)"
     )
@@ -337,7 +337,7 @@ def test_importing_the_worker_modules_builds_nothing() -> None:
 def test_a_unet_on_the_plain_attention_processor_is_moved_to_sdpa(tiny: LoadedModel) -> None:
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    from worker.models import _use_sdpa
+    from worker.render.models import _use_sdpa
 
     unet = tiny.pipe.unet
     unet.set_attn_processor(AttnProcessor())
@@ -373,7 +373,7 @@ SD3_TINY = {
 
 
 def test_the_denoiser_is_the_unet_or_else_the_transformer(tiny: LoadedModel) -> None:
-    from worker.models import denoiser
+    from worker.render.models import denoiser
 
     assert denoiser(tiny.pipe) == ("unet", tiny.pipe.unet)
     transformer = object()
@@ -387,9 +387,9 @@ def test_preparing_an_sd3_pipeline_leaves_its_transformer_alone_and_decodes_its_
 ) -> None:
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    import worker.models.cuda
+    import worker.render.models.cuda
 
-    monkeypatch.setattr(worker.models.cuda, "enable_tf32", lambda: None)  # process-wide: not here
+    monkeypatch.setattr(worker.render.models.cuda, "enable_tf32", lambda: None)  # process-wide: not here
     pipe = SimpleNamespace(
         transformer=SD3Transformer2DModel(**SD3_TINY).to(torch.float16), vae=AutoencoderKL(**VAE16).to(torch.float16)
     )
@@ -407,7 +407,7 @@ def test_preparing_an_sd3_pipeline_leaves_its_transformer_alone_and_decodes_its_
 def test_vae_slicing_and_tiling_work_on_a_16_channel_vae() -> None:
     from diffusers import AutoencoderKL
 
-    from worker.models import set_vae_memory_modes
+    from worker.render.models import set_vae_memory_modes
 
     torch.manual_seed(0)
     pipe = SimpleNamespace(vae=AutoencoderKL(**VAE16).eval())

@@ -1,4 +1,4 @@
-"""A node supervisor's policy (worker/nodepolicy.py): which GPUs, and what each worker's exit means.
+"""A node supervisor's policy (worker/node/policy.py): which GPUs, and what each worker's exit means.
 Pure logic, a clock given as numbers; the processes themselves are in tests/integration/test_node.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from renderfleet.errors import ConfigError
 from renderfleet.nodes import GpuRecord, GpuState, NodeRecord, NodeState
 from renderfleet.settings import Settings, load_settings
-from worker.nodepolicy import EXIT_CONFIG, EXIT_DEVICE, Backoff, NodePolicy, exit_text, pick_gpus
+from worker.node.policy import EXIT_CONFIG, EXIT_DEVICE, Backoff, NodePolicy, exit_text, pick_gpus
 
 KILLED = -signal.SIGKILL
 BACKOFF = Backoff(first_seconds=1, cap_seconds=16, healthy_seconds=100)
@@ -141,7 +141,7 @@ def test_a_gpus_setting_that_will_not_do_is_refused_by_name(value: str, says: st
 
 
 def test_stand_in_gpus_are_refused_without_their_allowance_as_a_bench_model_is() -> None:
-    from worker.supervisor import node_gpus
+    from worker.node.supervisor import node_gpus
 
     with pytest.raises(ConfigError, match="RENDERFLEET_ALLOW_STAND_IN_GPUS is off"):
         node_gpus(Settings(gpus="all", stand_in_gpus=4))
@@ -181,10 +181,10 @@ def test_the_nodes_record_says_in_one_line_which_gpus_are_not_up_and_why() -> No
 def test_status_the_page_and_the_monitors_metrics_say_a_nodes_gpu_is_retired() -> None:
     from rich.console import Console
 
-    from dispatcher.fleetmetrics import FleetCollector
-    from dispatcher.show import render_status
-    from dispatcher.status import FleetStatus
-    from dispatcher.web import make_app
+    from dispatcher.fleet.fleetmetrics import FleetCollector
+    from dispatcher.status.status import FleetStatus
+    from dispatcher.views.show import render_status
+    from dispatcher.views.web import make_app
     from tests.unit.test_web import _call
 
     node = NodeRecord(

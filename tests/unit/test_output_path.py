@@ -24,11 +24,11 @@ from renderfleet.families import TINY_MODELS  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
 from renderfleet.store import LocalStore  # noqa: E402
 from tests.unit.test_tiny_families import one_thread  # noqa: E402, F401  (autouse: bytes compared at one thread)
-from worker import outputs  # noqa: E402
-from worker.models import LoadedModel, load_pipeline  # noqa: E402
-from worker.render import Renderer  # noqa: E402
-from worker.runner import ShardRunner  # noqa: E402
-from worker.stop import StopSignal  # noqa: E402
+from worker.node.stop import StopSignal  # noqa: E402
+from worker.render import outputs  # noqa: E402
+from worker.render.models import LoadedModel, load_pipeline  # noqa: E402
+from worker.render.pipeline import Renderer  # noqa: E402
+from worker.render.runner import ShardRunner  # noqa: E402
 
 FAMILIES = ["tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-schnell"]
 

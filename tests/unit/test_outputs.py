@@ -21,12 +21,12 @@ from PIL import Image  # noqa: E402
 from renderfleet.errors import BadOutput, DeviceError  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
 from renderfleet.store import LocalStore  # noqa: E402
-from worker import outputs  # noqa: E402
-from worker.metrics import BadImages  # noqa: E402
-from worker.models import LoadedModel, build_tiny_pipeline, load_pipeline  # noqa: E402
-from worker.render import Renderer, encode_image  # noqa: E402
-from worker.runner import ShardRunner  # noqa: E402
-from worker.stop import StopSignal  # noqa: E402
+from worker.accounting.metrics import BadImages  # noqa: E402
+from worker.node.stop import StopSignal  # noqa: E402
+from worker.render import outputs  # noqa: E402
+from worker.render.models import LoadedModel, build_tiny_pipeline, load_pipeline  # noqa: E402
+from worker.render.pipeline import Renderer, encode_image  # noqa: E402
+from worker.render.runner import ShardRunner  # noqa: E402
 
 
 def make_prompt(index: int, **changes: Any) -> Prompt:
@@ -154,7 +154,7 @@ def test_a_once_bad_image_is_rendered_again_alone_and_the_good_one_returned(
     alone = Renderer(tiny).render([prompts[1]])[0]  # what a call of prompt 1 alone renders
     seen = poison_decode(tiny.pipe, monkeypatch, lambda call, z: [1] if call == 1 else [])
     heard = Heard()
-    with caplog.at_level(logging.WARNING, logger="worker.render"):
+    with caplog.at_level(logging.WARNING, logger="worker.render.pipeline"):
         again = Renderer(tiny, on_bad_images=heard).render(prompts)
     assert len(seen) == 2  # the batch, then prompt 1 alone
     assert again == [clean[0], alone, clean[2]]
@@ -173,7 +173,7 @@ def test_a_bad_decode_in_fp16_is_rendered_again_with_the_vae_upcast_to_float32_a
     seen = poison_decode(pipe, monkeypatch, lambda call, z: [0] if pipe.vae.dtype != torch.float32 else [])
     ours = pipe.vae.decode
     heard = Heard()
-    with caplog.at_level(logging.WARNING, logger="worker.render"):
+    with caplog.at_level(logging.WARNING, logger="worker.render.pipeline"):
         [image] = Renderer(loaded, on_bad_images=heard).render_images([make_prompt(0)])
     assert seen == [torch.bfloat16, torch.float32]  # the call as loaded, then the one upcast
     assert not outputs.is_black(image) and heard.calls == [(BadImages.RERENDERED, 1)]

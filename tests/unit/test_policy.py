@@ -1,11 +1,11 @@
-"""The pool-sizing policy, rule by rule (see dispatcher/policy.py)."""
+"""The pool-sizing policy, rule by rule (see dispatcher/fleet/policy.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from dispatcher.policy import (
+from dispatcher.fleet.policy import (
     CARD,
     POOL,
     Decision,
@@ -236,7 +236,7 @@ def test_rule_9_gpus_become_nodes_rounded_up_and_never_below_nodes_with_work_in_
 
 
 def test_the_local_backend_starts_one_node_supervisor_of_n_gpus_per_node_and_one_worker_elsewhere() -> None:
-    from dispatcher.autoscale import LocalBackend
+    from dispatcher.fleet.autoscale import LocalBackend
 
     pools = {"spot-4x": QUAD.config, "spot": SPOT.config}
     local = LocalBackend(None, store="/s", env={}, log_dir=Path("/nowhere"), model="tiny", pools=pools)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The next shard's prompts read ahead (worker/prefetch.py): read while the shard before renders its
+"""The next shard's prompts read ahead (worker/lease/prefetch.py): read while the shard before renders its
 last batch, used only for the very shard and registration they were read for.
 
 The service runs in this process, called as the Celery task calls it, the test taking each message
@@ -26,9 +26,9 @@ from renderfleet.settings import Settings
 from renderfleet.spec import JobSpec, Prompt
 from renderfleet.states import TaskOutcome
 from renderfleet.store import LocalStore
-from worker.queueguard import item_message
-from worker.service import WorkerService
-from worker.stop import StopSignal
+from worker.lease.queueguard import item_message
+from worker.lease.service import WorkerService
+from worker.node.stop import StopSignal
 
 
 class RangeRecorder(LocalStore):

@@ -8,8 +8,8 @@ import threading
 from typing import Any
 
 from renderfleet.settings import Settings
-from worker.main import scale_in_marks, worker_tick
-from worker.protection import BUSY_COST, IDLE_COST, POD_DELETION_COST, PodDeletionCost
+from worker.main import worker_tick
+from worker.node.protection import BUSY_COST, IDLE_COST, POD_DELETION_COST, PodDeletionCost, scale_in_marks
 
 
 class FakeService:
@@ -172,5 +172,5 @@ def test_a_worker_writes_its_liveness_well_within_what_its_readers_allow_at_any_
     from renderfleet.registry import TOUCH_SECONDS, touch_seconds_for
 
     assert touch_seconds_for(6.0) == TOUCH_SECONDS  # the default lease: every 3 s, readers allow 12 s
-    for lease in (1.0, 2.0, 3.0, 30.0):  # readers allow twice the lease (dispatcher/serving.py)
+    for lease in (1.0, 2.0, 3.0, 30.0):  # readers allow twice the lease (dispatcher/jobs/serving.py)
         assert touch_seconds_for(lease) <= lease / 2

@@ -1,4 +1,4 @@
-"""``--quantize``: the denoiser's and T5's weights in 8 bits through torchao (worker/models/quantize.py,
+"""``--quantize``: the denoiser's and T5's weights in 8 bits through torchao (worker/render/models/quantize.py,
 issue 38): int8 on the CPU here, deterministic, recorded in each image and in the batch-size record
 (a fleet must not mix quantized and plain workers); refused where it cannot run, saying why."""
 
@@ -19,8 +19,8 @@ def test_int8_quantizes_the_denoiser_and_t5_renders_deterministically_and_says_s
 
     from renderfleet.images import read_metadata
     from renderfleet.spec import Prompt
-    from worker.models import load_pipeline
-    from worker.render import Renderer
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
 
     torch.set_num_threads(1)
     prompt = Prompt(0, "000000", "a red fox", "", 0, 2, 3.5, 32, 32)
@@ -39,7 +39,7 @@ def test_int8_quantizes_the_denoiser_and_t5_renders_deterministically_and_says_s
 
 
 def test_a_quantization_that_cannot_run_is_refused_saying_why() -> None:
-    from worker.models.quantize import check_quantize
+    from worker.render.models.quantize import check_quantize
 
     with pytest.raises(ConfigError, match="fp8 needs a CUDA card with fp8"):
         check_quantize("fp8", "cpu")
@@ -49,7 +49,7 @@ def test_a_quantization_that_cannot_run_is_refused_saying_why() -> None:
 
 
 def test_a_fleet_must_not_mix_quantized_and_plain_workers_on_one_card_model_and_size() -> None:
-    from worker.batchsize import Remembered, check_same_kind
+    from worker.render.batchsize import Remembered, check_same_kind
 
     known = Remembered(4, limit=4, oom=False, how="probe", card="cpu", model="tiny-flux", width=32, height=32)
     check_same_kind(known, compiled=False, where="k")  # the record's kind: rendered

@@ -13,7 +13,7 @@ import pytest
 
 from renderfleet.celery_app import envelope_factory, make_app
 from renderfleet.leases import requeue_payload
-from worker.queueguard import MAX_BODY_TAIL, NotAMessage, check_item, item_message
+from worker.lease.queueguard import MAX_BODY_TAIL, NotAMessage, check_item, item_message
 
 QUEUE = "renderfleet.default.0123456789ab"
 MESSAGE = json.dumps({"job": "j-1", "shard": 0, "prompts": ["a cat"]})
@@ -92,7 +92,7 @@ def test_the_shard_message_is_not_judged_here(envelope: dict[str, Any]) -> None:
 
 
 def test_the_shard_message_an_item_carries_is_read_out_whole(envelope: dict[str, Any]) -> None:
-    # what a worker reads ahead from the head of its queue (worker/prefetch.py)
+    # what a worker reads ahead from the head of its queue (worker/lease/prefetch.py)
     assert item_message(json.dumps(envelope)) == MESSAGE
     assert item_message(json.dumps(with_body(envelope, f" [ [ {json.dumps(MESSAGE)} ] , { {} } , {{ }} ] "))) == MESSAGE
     with pytest.raises(NotAMessage):

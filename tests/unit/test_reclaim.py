@@ -9,8 +9,8 @@ import pytest
 
 from testing.fleet import wait_for
 from testing.metadata import FakeMetadata
-from worker.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
-from worker.stop import StopSignal
+from worker.node.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+from worker.node.stop import StopSignal
 
 
 def watch(stop: StopSignal, base: str, notices: list[str], heard: list[tuple[str, str]] | None = None) -> ReclaimWatcher:

@@ -1,4 +1,4 @@
-"""Each prompt's record (dispatcher/records.py): from the checkpoints the runner writes, old ones included."""
+"""Each prompt's record (dispatcher/jobs/records.py): from the checkpoints the runner writes, old ones included."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.manifest import COLUMNS, manifest_rows
-from dispatcher.records import Rendered, record, rendered_by, shard_checkpoints
-from dispatcher.status import results
+from dispatcher.jobs.records import Rendered, record, rendered_by, shard_checkpoints
+from dispatcher.status.status import results
+from dispatcher.views.manifest import COLUMNS, manifest_rows
 from renderfleet import spec
 from renderfleet.spec import JobSpec, RenderParams
 from renderfleet.store import LocalStore
 from tests.unit.test_runner import FakeRenderer, MemLedger, make_msg
-from worker.runner import ShardRunner
-from worker.stop import StopSignal
+from worker.node.stop import StopSignal
+from worker.render.runner import ShardRunner
 
 
 @pytest.fixture

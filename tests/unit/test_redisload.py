@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher.redisload import BUSY, MAX_WINDOW, RedisLoad, main_thread_cpu, share, worker_room
+from dispatcher.status.redisload import BUSY, MAX_WINDOW, RedisLoad, main_thread_cpu, share, worker_room
 
 
 def load(**kw: object) -> RedisLoad:

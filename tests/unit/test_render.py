@@ -21,8 +21,8 @@ from PIL import Image  # noqa: E402
 from renderfleet import __version__, failpoints  # noqa: E402
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed  # noqa: E402
 from renderfleet.spec import Prompt  # noqa: E402
-from worker.models import LoadedModel, load_pipeline  # noqa: E402
-from worker.render import Renderer  # noqa: E402
+from worker.render.models import LoadedModel, load_pipeline  # noqa: E402
+from worker.render.pipeline import Renderer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["a red fox", "a lighthouse at dusk, oil painting", "x", "héllo 世界, a long prompt"]
@@ -131,8 +131,8 @@ def test_the_same_bytes_come_out_of_another_process(renderer: Renderer) -> None:
         "import logging, sys, tempfile; from pathlib import Path;"
         "logging.disable(logging.WARNING);"
         "from renderfleet.spec import Prompt;"
-        "from worker.models import load_pipeline;"
-        "from worker.render import Renderer;"
+        "from worker.render.models import load_pipeline;"
+        "from worker.render.pipeline import Renderer;"
         f"p = Prompt(**{dataclasses.asdict(p)!r});"
         "m = load_pipeline('tiny', device='cpu', cache_dir=Path(tempfile.mkdtemp()));"
         "sys.stdout.write(Renderer(m).render([p])[0].hex())"
@@ -253,7 +253,7 @@ def test_settings_the_pipeline_rejects_are_the_jobs_fault(
 def test_a_prompt_whose_image_cannot_be_encoded_is_that_prompts_fault(
     renderer: Renderer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker import render
+    from worker.render import pipeline as render
 
     real = render.images.encode
 
@@ -271,7 +271,7 @@ def test_a_prompt_whose_image_cannot_be_encoded_is_that_prompts_fault(
 def test_the_vae_memory_modes_are_set_per_call_on_cuda_and_never_on_the_cpu(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker import render
+    from worker.render import pipeline as render
 
     calls: list[tuple[bool, bool]] = []
     monkeypatch.setattr(render, "set_vae_memory_modes", lambda pipe, slicing, tiling: calls.append((slicing, tiling)))
@@ -291,7 +291,7 @@ def test_the_vae_memory_modes_are_set_per_call_on_cuda_and_never_on_the_cpu(
 class StableDiffusionPipeline:
     """A pipeline stand-in for a card the CPU does not have: returns flat images (dark grey, not
     black: a black one is refused), or raises ``fail``.  Named as SD's pipeline: the renderer
-    serves it as that family (worker/models/families)."""
+    serves it as that family (worker/render/models/families)."""
 
     def __init__(self, fail: Callable[[], BaseException] | None = None) -> None:
         self.fail = fail
@@ -352,7 +352,7 @@ def mocked_card(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_a_library_that_could_not_allocate_is_out_of_memory_so_the_batch_is_halved(
     text: str, renderer: Renderer, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.deviceerrors import is_device_error, is_out_of_memory
+    from worker.render.deviceerrors import is_device_error, is_out_of_memory
 
     def fails(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(text)
@@ -364,7 +364,7 @@ def test_a_library_that_could_not_allocate_is_out_of_memory_so_the_batch_is_halv
 
 
 def test_other_cublas_and_cuda_failures_stay_device_errors() -> None:
-    from worker.deviceerrors import is_device_error, is_out_of_memory
+    from worker.render.deviceerrors import is_device_error, is_out_of_memory
 
     for text in (
         "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`",
@@ -380,7 +380,7 @@ def test_a_device_error_raised_while_compiling_is_the_devices_not_the_prompts(
     from torch._dynamo.exc import BackendCompilerFailed
 
     from renderfleet.errors import DeviceError
-    from worker.deviceerrors import is_device_error, is_out_of_memory
+    from worker.render.deviceerrors import is_device_error, is_out_of_memory
 
     def compile_failed(inner: Exception) -> BackendCompilerFailed:
         try:  # as dynamo raises it: the backend's error inside, and chained
@@ -405,7 +405,7 @@ def test_a_device_error_raised_while_compiling_is_the_devices_not_the_prompts(
 
 
 def test_a_cause_chain_that_loops_is_followed_once() -> None:
-    from worker.deviceerrors import is_device_error
+    from worker.render.deviceerrors import is_device_error
 
     a, b = RuntimeError("a"), RuntimeError("b")
     a.__cause__, b.__cause__ = b, a

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.submit import SubmitOptions, check_options, job_id
+from dispatcher.jobs.submit import SubmitOptions, check_options, job_id
 from renderfleet import families, images, samplers, spec
 from renderfleet.errors import InputError, JobError
 from renderfleet.prompts.checks import check_json_object, parse_csv_cells
@@ -27,8 +27,8 @@ from testing.messages import message_dict
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from worker.models import LoadedModel, load_pipeline  # noqa: E402
-from worker.render import Renderer, SchedulerCache  # noqa: E402
+from worker.render.models import LoadedModel, load_pipeline  # noqa: E402
+from worker.render.pipeline import Renderer, SchedulerCache  # noqa: E402
 
 # The samplers the issue lists, and the rest of the common names: every one renders.
 LISTED = ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_sde", "ddim", "unipc", "lcm")

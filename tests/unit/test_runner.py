@@ -16,8 +16,8 @@ from renderfleet import spec
 from renderfleet.errors import OutOfMemory, PermanentError, Reclaimed, StoreError
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.store import LocalStore
-from worker.runner import ShardRunner
-from worker.stop import StopSignal
+from worker.node.stop import StopSignal
+from worker.render.runner import ShardRunner
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 

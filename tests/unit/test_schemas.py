@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from dispatcher import cancelmarks
-from dispatcher.events import EventRecord
+from dispatcher.events.events import EventRecord
+from dispatcher.jobs import cancelmarks
 from renderfleet import budget, schemas, spec, speeds
 from renderfleet.errors import BadRecord
 from renderfleet.store import LocalStore
 from testing.forged import ANOTHER, adversarial
-from worker.batchsize import Remembered
-from worker.stagerun import decode_level, encode_intermediate, level_problem
+from worker.render.batchsize import Remembered
+from worker.render.stagerun import decode_level, encode_intermediate, level_problem
 
 
 def test_each_schema_reads_back_what_its_writer_wrote() -> None:

@@ -2,7 +2,7 @@
 the next one renders, and the order of its writes holds; a new job's first claims read no
 checkpoints, a second delivery reads the first's.
 
-Not a fleet test: the service (``worker/service.py``) runs in the test process, called as the
+Not a fleet test: the service (``worker/lease/service.py``) runs in the test process, called as the
 Celery task calls it (with ``detach``), with a fake renderer that returns bytes and records
 each batch it begins, and a folder store whose last checkpoint write of shard 0 waits until
 shard 1's first batch has begun, so the overlap is proven, not timed.  Redis is a real server.
@@ -31,8 +31,8 @@ from renderfleet.settings import Settings
 from renderfleet.spec import Prompt
 from renderfleet.states import TaskOutcome
 from renderfleet.store import LocalStore
-from worker.service import WorkerService
-from worker.stop import StopSignal
+from worker.lease.service import WorkerService
+from worker.node.stop import StopSignal
 
 
 class GatedCheckpoints(LocalStore):
@@ -178,7 +178,7 @@ def test_a_shard_handed_back_reads_what_its_first_delivery_checkpointed_and_rend
 
 
 class BadImages(Recorder):
-    """A card whose every batch comes out NaN or black, again with the VAE in float32 (worker/outputs.py)."""
+    """A card whose every batch comes out NaN or black, again with the VAE in float32 (worker/render/outputs.py)."""
 
     def render_images(self, prompts: Sequence[Prompt], *, should_stop: Callable[[], bool] = lambda: False) -> list[Any]:
         self.began.append(prompts[0].name)
@@ -188,7 +188,7 @@ class BadImages(Recorder):
 def test_bad_images_hand_the_shard_back_unblamed_and_stop_the_worker_only_after_a_few(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
-    from worker.service import BAD_OUTPUTS_TO_STOP
+    from worker.lease.service import BAD_OUTPUTS_TO_STOP
 
     job, raw, store, messages = submitted(tmp_path, redis_server.url)
     published: list[str] = []

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.resume import stored_prompts
-from dispatcher.submit import SubmitOptions, check_options, job_id
+from dispatcher.jobs.resume import stored_prompts
+from dispatcher.jobs.submit import SubmitOptions, check_options, job_id
 from renderfleet import shardfile, spec
 from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError

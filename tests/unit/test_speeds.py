@@ -1,4 +1,4 @@
-"""Measured speeds (renderfleet/speeds.py, worker/speeds.py): the weighted mean, the record in the store,
+"""Measured speeds (renderfleet/speeds.py, worker/accounting/speeds.py): the weighted mean, the record in the store,
 which record an estimate takes (measured, derived, assumed) and when a worker writes one."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from renderfleet import families, spec, speeds
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.stages import Stage
 from renderfleet.store import LocalStore
-from worker.bench import BenchRun, Point, record_speeds
-from worker.benchstages import StagePipeline, StagePoint
-from worker.runner import ShardRunner
-from worker.speeds import SpeedKeeper
-from worker.stop import StopSignal
+from worker.accounting.speeds import SpeedKeeper
+from worker.bench.run import BenchRun, Point, record_speeds
+from worker.bench.stages import StagePipeline, StagePoint
+from worker.node.stop import StopSignal
+from worker.render.runner import ShardRunner
 
 CARD = "NVIDIA L40S"
 

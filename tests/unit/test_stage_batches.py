@@ -20,8 +20,8 @@ from renderfleet.errors import OutOfMemory
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.stages import Stage, hands_latents, next_stage, parse_refine, parse_upscale
 from renderfleet.store import LocalStore
-from worker.batchsize import KEY_PREFIX, BatchSizes
-from worker.stagerun import ShardStages
+from worker.render.batchsize import KEY_PREFIX, BatchSizes
+from worker.render.stagerun import ShardStages
 
 # ---- fakes: a card that runs out of memory over a size ------------------------------------------------
 
@@ -208,11 +208,11 @@ class Ledger:
 def test_sdxls_base_hands_its_refiner_latents_byte_identical_across_retries_and_resumed_from(
     tmp_path: Path, one_thread: None
 ) -> None:
-    from worker.models import load_pipeline
-    from worker.render import Renderer
-    from worker.runner import ShardRunner
-    from worker.stages import StageRenderer
-    from worker.stop import StopSignal
+    from worker.node.stop import StopSignal
+    from worker.render.models import load_pipeline
+    from worker.render.pipeline import Renderer
+    from worker.render.runner import ShardRunner
+    from worker.render.stages import StageRenderer
 
     cache = tmp_path / "models"
     base = load_pipeline("tiny-sdxl", device="cpu", cache_dir=cache)

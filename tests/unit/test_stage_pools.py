@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.stagepools import segment_seconds
+from dispatcher.fleet.stagepools import segment_seconds
 from renderfleet import spec
 from renderfleet import stages as stagelib
 from renderfleet.errors import InputError
@@ -102,8 +102,8 @@ def test_a_segment_s_seconds_per_image_are_measured_where_its_stages_ran_else_es
 
 
 def test_a_stage_pool_that_is_also_a_job_s_own_pool_is_sized_with_the_rest_not_by_its_stage_alone() -> None:
-    from dispatcher.stagepools import StageBacklog, stage_only
-    from dispatcher.status import JobStatus
+    from dispatcher.fleet.stagepools import StageBacklog, stage_only
+    from dispatcher.status.status import JobStatus
     from renderfleet.celery_app import queue_name
 
     staged = StageBacklog(seconds={"big": 40.0, "default": 12.0}, taken={"big": 30.0, "default": 9.0})

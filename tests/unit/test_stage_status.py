@@ -13,18 +13,18 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from dispatcher.manifest import COLUMNS, manifest_rows
-from dispatcher.show import print_status
-from dispatcher.stagestatus import add_figures, planned, stage_labels
-from dispatcher.status import FleetStatus, JobStatus
-from dispatcher.web import page_templates
+from dispatcher.status.stagestatus import add_figures, planned, stage_labels
+from dispatcher.status.status import FleetStatus, JobStatus
+from dispatcher.views.manifest import COLUMNS, manifest_rows
+from dispatcher.views.show import print_status
+from dispatcher.views.web import page_templates
 from renderfleet import spec
 from renderfleet import stages as stagelib
 from renderfleet.spec import JobSpec, Prompt, RenderParams, ShardMessage
 from renderfleet.store import LocalStore
-from worker.runner import ShardRunner
-from worker.stagerun import ShardStages, stage_label
-from worker.stop import StopSignal
+from worker.node.stop import StopSignal
+from worker.render.runner import ShardRunner
+from worker.render.stagerun import ShardStages, stage_label
 
 STAGES = (stagelib.parse_upscale("2"), stagelib.parse_refine("self:0.5:2"))
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32, stages=STAGES)
@@ -246,7 +246,7 @@ def test_a_jobs_stage_images_are_its_lifes_alone(tmp_path: Path) -> None:
     from renderfleet import spec
     from renderfleet.stages import parse_stages
     from renderfleet.store import LocalStore
-    from worker.stagerun import ShardStages, encode_intermediate
+    from worker.render.stagerun import ShardStages, encode_intermediate
 
     store = LocalStore(tmp_path / "store")
     params = spec.RenderParams(model="tiny", stages=parse_stages(["upscale:2"]))

@@ -1,5 +1,5 @@
 """A render's later stages: the contract (renderfleet/stages.py: forms, checks, wire) and the
-worker's StageRenderer (worker/stages.py) on the built-in tiny models."""
+worker's StageRenderer (worker/render/stages.py) on the built-in tiny models."""
 
 from __future__ import annotations
 
@@ -253,9 +253,9 @@ pytest.importorskip("diffusers")
 
 from PIL import Image  # noqa: E402
 
-from worker.models import LoadedModel, build_tiny, load_pipeline, save_pipeline  # noqa: E402
-from worker.render import Renderer  # noqa: E402
-from worker.stages import StageRenderer  # noqa: E402
+from worker.render.models import LoadedModel, build_tiny, load_pipeline, save_pipeline  # noqa: E402
+from worker.render.pipeline import Renderer  # noqa: E402
+from worker.render.stages import StageRenderer  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

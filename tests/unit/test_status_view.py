@@ -8,10 +8,10 @@ from jinja2 import Environment, FileSystemLoader
 from rich.console import Console
 from rich.progress import Progress
 
-from dispatcher.jobids import short_ids
-from dispatcher.show import JobBar, bar, money, print_status, render_status
-from dispatcher.status import FleetStatus, JobStatus, price
-from dispatcher.web import HERE, _ago, _duration, _money, _utc
+from dispatcher.status.status import FleetStatus, JobStatus, price
+from dispatcher.views.jobids import short_ids
+from dispatcher.views.show import JobBar, bar, money, print_status, render_status
+from dispatcher.views.web import HERE, _ago, _duration, _money, _utc
 
 
 def test_short_ids_are_the_shortest_unique_prefixes_seven_hex_digits_at_least() -> None:

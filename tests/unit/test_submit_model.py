@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.submit import model_problem_here
+from dispatcher.jobs.submit import model_problem_here
 from renderfleet.api import Client
 from renderfleet.errors import InputError
 from renderfleet.hubrev import hub_pipeline_problem

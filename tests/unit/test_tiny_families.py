@@ -16,8 +16,8 @@ from renderfleet import spec  # noqa: E402
 from renderfleet.allowlist import model_allowed  # noqa: E402
 from renderfleet.errors import ModelLoadError  # noqa: E402
 from renderfleet.stages import STAGE_TINY_MODELS  # noqa: E402
-from worker.models import TINY_MODELS, build_tiny, load_pipeline, save_pipeline  # noqa: E402
-from worker.models.tiny import tiny_t5_tokenizer, tiny_warning  # noqa: E402
+from worker.render.models import TINY_MODELS, build_tiny, load_pipeline, save_pipeline  # noqa: E402
+from worker.render.models.tiny import tiny_t5_tokenizer, tiny_warning  # noqa: E402
 
 FAMILIES = {
     "tiny-sdxl": "StableDiffusionXLPipeline",
@@ -77,9 +77,9 @@ def realigned(pipe: Any) -> Any:
 
 def test_the_contract_and_the_worker_name_the_same_tiny_models() -> None:
     # The job models, then the later stages' (renderfleet/stages.py), which render nothing from text; the
-    # GAN upscaler's is no pipeline (worker/models/esrgan.py builds and saves its weights instead).
+    # GAN upscaler's is no pipeline (worker/render/models/esrgan.py builds and saves its weights instead).
     from renderfleet.stages import TINY_ESRGAN
-    from worker.models.esrgan import tiny_esrgan_file
+    from worker.render.models.esrgan import tiny_esrgan_file
 
     assert tuple(TINY_MODELS) == spec.TINY_MODELS + tuple(m for m in STAGE_TINY_MODELS if m != TINY_ESRGAN)
     assert TINY_ESRGAN in STAGE_TINY_MODELS and callable(tiny_esrgan_file)
@@ -107,7 +107,7 @@ def test_each_family_builds_its_own_pipeline_identically_twice_and_warns(
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    with caplog.at_level(logging.WARNING, logger="worker.models"):
+    with caplog.at_level(logging.WARNING, logger="worker.render.models"):
         again = build_tiny(name)
     assert torch.equal(torch.rand(3), expected)  # the global RNG left as it was
     assert tiny_warning(name) in caplog.text

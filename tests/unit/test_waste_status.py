@@ -7,9 +7,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from dispatcher.http import FleetCollector
-from dispatcher.show import render_status
-from dispatcher.status import FleetStatus, gpu_time, pool_costs
+from dispatcher.status.status import FleetStatus, gpu_time, pool_costs
+from dispatcher.views.http import FleetCollector
+from dispatcher.views.show import render_status
 
 # One pool's counters: an hour kept, 10 min lost, 5 min killed (the reaper's), 5 loading, 30 idle, 10 other.
 SPOT = {

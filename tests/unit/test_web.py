@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from dispatcher.redisload import RedisLoad
-from dispatcher.status import FleetStatus, JobStatus
-from dispatcher.thumbs import THUMB_MAX_PIXELS, THUMBS_AT_ONCE, Thumbnails, make_thumbnail, placeholder, thumb_key
-from dispatcher.web import (
+from dispatcher.status.redisload import RedisLoad
+from dispatcher.status.status import FleetStatus, JobStatus
+from dispatcher.views.thumbs import THUMB_MAX_PIXELS, THUMBS_AT_ONCE, Thumbnails, make_thumbnail, placeholder, thumb_key
+from dispatcher.views.web import (
     MAX_PAGE,
     PAGE_SIZE,
     BadQuery,
@@ -244,7 +244,7 @@ def _many_jobs() -> list[JobStatus]:
 
 
 def test_the_page_lists_50_jobs_at_a_time_active_first_and_filters_by_state_and_id() -> None:
-    from dispatcher.web import JOBS_PER_PAGE, JobsShown, jobs_shown
+    from dispatcher.views.web import JOBS_PER_PAGE, JobsShown, jobs_shown
 
     jobs = _many_jobs()
     first, matching = jobs_shown(jobs, JobsShown())
@@ -304,7 +304,7 @@ def _call(
 
 
 def test_the_pages_refresh_sends_its_pages_jobs_and_nothing_when_nothing_changed() -> None:
-    from dispatcher.web import make_app
+    from dispatcher.views.web import make_app
 
     fleet = FleetStatus(queues={}, jobs=_many_jobs(), store="/x")
     app = make_app(lambda: fleet, {}, None)
@@ -325,7 +325,7 @@ def test_the_pages_refresh_sends_its_pages_jobs_and_nothing_when_nothing_changed
 
 
 def test_the_page_says_when_no_worker_serves_a_jobs_work_as_status_does() -> None:
-    from dispatcher.web import make_app
+    from dispatcher.views.web import make_app
 
     stuck = JobStatus("j-stuck", 4, 0, 0, 4, 0, 1, 0, 0, True)
     stuck.unserved, stuck.unserved_note = "none", "job j-stuck: no live worker serves its queue q: start one with X"
@@ -334,7 +334,7 @@ def test_the_page_says_when_no_worker_serves_a_jobs_work_as_status_does() -> Non
 
 
 def test_the_page_shows_a_mixed_fleets_cards_with_images_per_minute_and_cost_per_image() -> None:
-    from dispatcher.web import make_app
+    from dispatcher.views.web import make_app
     from renderfleet.cards import card_rows
 
     workers = [
@@ -354,7 +354,7 @@ def test_event_streams_beyond_the_cap_are_told_to_come_back_not_given_a_thread(
     # gets 503 with Retry-After before anything is read (the client below is never connected).
     import redis
 
-    import dispatcher.web as web
+    import dispatcher.views.web as web
     from renderfleet.store import LocalStore
 
     monkeypatch.setattr(web, "EVENTS_STREAMS_MAX", 0)
@@ -370,7 +370,7 @@ def test_a_last_event_id_past_what_redis_takes_is_a_400_not_an_error_in_the_stre
 ) -> None:
     import redis
 
-    import dispatcher.web as web
+    import dispatcher.views.web as web
 
     assert web.last_event_id("18446744073709551615-18446744073709551615") == "18446744073709551615-18446744073709551615"
     for bad in ("99999999999999999999-0", "18446744073709551616-0", "0-18446744073709551616", "1" * 21 + "-0", "7"):
@@ -391,7 +391,7 @@ def test_one_client_holds_at_most_its_share_of_the_event_streams_whatever_form_i
 ) -> None:
     import redis
 
-    import dispatcher.web as web
+    import dispatcher.views.web as web
 
     entered, let_go = threading.Semaphore(0), threading.Event()
 

@@ -20,9 +20,9 @@ from renderfleet.errors import JobError, ModelLoadError, PermanentError, PromptE
 from renderfleet.settings import Settings
 from renderfleet.spec import Prompt, RenderParams, ShardMessage
 from renderfleet.store import LocalStore
-from worker.runner import ShardRunner
-from worker.service import WorkerService
-from worker.stop import StopSignal
+from worker.lease.service import WorkerService
+from worker.node.stop import StopSignal
+from worker.render.runner import ShardRunner
 
 PARAMS = RenderParams(model="tiny", steps=2, width=32, height=32)
 
@@ -136,7 +136,7 @@ def test_a_job_error_fails_the_whole_batch_at_once_and_is_not_the_workers_fault(
 
 
 def test_the_same_failure_of_every_prompt_is_the_nodes_fault() -> None:
-    from worker.runner import ShardResult
+    from worker.render.runner import ShardResult
 
     assert ShardResult(failed=[0, 1], attempted=2).all_failed
     assert not ShardResult(failed=[0, 1], attempted=2, excused=2).all_failed
@@ -365,7 +365,7 @@ def test_a_worker_that_cannot_load_its_own_model_again_stops(tmp_path: Path) -> 
     ],
 )
 def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
-    from worker.deviceerrors import is_device_error
+    from worker.render.deviceerrors import is_device_error
 
     assert is_device_error(exc)
 
@@ -373,7 +373,7 @@ def test_a_cuda_failure_is_a_device_error(exc: Exception) -> None:
 def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
     import torch
 
-    from worker.deviceerrors import is_device_error
+    from worker.render.deviceerrors import is_device_error
 
     assert is_device_error(torch.AcceleratorError("unspecified launch failure"))
 
@@ -389,7 +389,7 @@ def test_torchs_accelerator_error_is_a_device_error_whatever_it_says() -> None:
     ],
 )
 def test_out_of_memory_an_input_or_a_cpu_side_error_is_not_a_device_error(exc: Exception) -> None:
-    from worker.deviceerrors import is_device_error
+    from worker.render.deviceerrors import is_device_error
 
     assert not is_device_error(exc)
 
@@ -412,7 +412,7 @@ def test_the_renderer_turns_a_cuda_error_into_a_device_error_and_an_input_error_
 ) -> None:
     from renderfleet import failpoints
     from renderfleet.errors import DeviceError
-    from worker.render import Renderer as PipelineRenderer
+    from worker.render.pipeline import Renderer as PipelineRenderer
 
     class Loaded:
         model = "tiny"

@@ -22,10 +22,10 @@ from renderfleet.settings import Settings
 from renderfleet.spec import Prompt, RenderParams, ShardMessage, store_tag
 from renderfleet.store import LocalStore
 from testing.servers import free_port, http_get
-from worker.ledger import RedisLedger
-from worker.metrics import BadImages, ImageOutcome, LostReason, WorkerMetrics, serve_metrics
-from worker.runner import ShardRunner
-from worker.stop import StopSignal
+from worker.accounting.metrics import BadImages, ImageOutcome, LostReason, WorkerMetrics, serve_metrics
+from worker.lease.ledger import RedisLedger
+from worker.node.stop import StopSignal
+from worker.render.runner import ShardRunner
 
 # "stage": generate, or a stage's kind and position (upscale-1, refine-2): at most 1 + 2 x MAX_STAGES values
 BOUNDED_LABELS = {"pool", "outcome", "cloud", "kind", "reason", "what", "error", "le", "stage"}
@@ -116,7 +116,7 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
         "renderfleet_worker_bad_images",
         "renderfleet_worker_stage_images",
     }
-    from worker.gputime import WorkerTime
+    from worker.accounting.gputime import WorkerTime
 
     metrics.watch_time(WorkerTime())
     families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
@@ -139,7 +139,7 @@ def test_every_metric_follows_prometheus_naming_with_bounded_labels_only() -> No
 def test_a_signal_first_is_a_notice_but_the_sigterm_a_cloud_notice_sends_is_not_counted_again() -> None:
     from celery import signals
 
-    from worker import tasks
+    from worker.lease import tasks
 
     for first_came in ("signal", "cloud"):
         stop, heard = StopSignal(), []
@@ -322,7 +322,7 @@ class CountingLeases(PlainLeases):
 def test_a_committed_batchs_time_is_kept_and_a_fenced_ones_lost_in_the_account_the_job_and_metrics(
     tmp_path: Path,
 ) -> None:
-    from worker.gputime import Use, WorkerTime
+    from worker.accounting.gputime import Use, WorkerTime
 
     now = [50.0]
     account = WorkerTime(lambda: now[0], started=now[0])
