@@ -47,6 +47,7 @@ from renderfleet.webhooks import url_problem
 if TYPE_CHECKING:
     import redis
     from celery import Celery
+    from rich.progress import Progress, TaskID
 
     from dispatcher.jobs.lifecycle import Cancelled, DeleteReport
     from dispatcher.jobs.resume import ResumeReport
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from dispatcher.views.estimate import Estimate
     from renderfleet.hubrev import ModelCheck, PipelineReader, RevisionResolver
     from renderfleet.prompts import FileSummary
+    from renderfleet.spec import RenderParams
     from renderfleet.store import Store
 
 __all__ = ["Client", "Job", "PromptRequest"]
@@ -171,34 +173,14 @@ class Client:
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
 
-        ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz), a binary
-        stream of such a file (``format`` names it: txt, jsonl or csv; for a path, it must be the
-        name's, and txt reads a .txt of JSON-looking lines as text), or an
-        iterable of prompts, streamed (a generator of millions is fine).
-        ``model`` is required unless ``RENDERFLEET_MODEL`` names one (``"tiny"``,
-        the built-in random-weight model, renders noise: a smoke test only).
-        Raises :class:`~renderfleet.errors.InputError` listing every
-        problem (``FILE:LINE: reason``, ``<stdin>:LINE: reason``, or
-        ``prompts[i]: reason`` for an iterable) with nothing enqueued.
-        Submitting the same prompts and settings to the same store again is
-        the same job: only what is missing is enqueued (at the ``priority`` and
-        ``share`` given now).  ``priority``: 0 (lowest) to 9; a higher job's shards
-        are taken before any lower one's.  ``share``: 1 to 100, the job's weight
-        among the jobs of its priority, which take turns.  ``name``: what ``status`` and the page
-        call the job, and what :meth:`job` and the CLI take back where it is unique (default: the
-        prompt file's name; none for an iterable or a stream); not part of the job's identity.
-        ``budget``: the most the job may spend (GPU time by pool times its price per hour; its pool
-        must have a price): it stops there, state ``budget``, until :meth:`Job.resume` raises it
-        (docs/pools.md, "Budgets").  ``webhook``: an http(s) URL the monitor posts the job's events
-        to, signed (docs/monitoring.md, "Events"); a job submitted again keeps the one it was first
-        submitted with.  ``min_vram``: the least card memory in GB (as cards are sold: 24, 40, 80) a
-        worker must have to render it; while no live worker's card qualifies, its shards wait pending and
-        other jobs render (docs/pools.md, "Mixed cards"); a job submitted again takes the new value; where,
-        not what: not part of the job's identity.
-        ``settings`` are the job's other render settings by their names in the one table
-        (``scheduler``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``,
-        and ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md,
-        "Render settings").  A folder or ``s3://`` model's content digest is recorded in the job.
+        ``prompts`` is a path (.txt, .jsonl, .csv, optionally .gz), a binary stream of such a file (``format``
+        names it: txt, jsonl or csv; for a path, it must be the name's, and txt reads a .txt of JSON-looking lines
+        as text), or an iterable of prompts, streamed (a generator of millions is fine).  The other arguments are
+        the job's options, each described at :meth:`options` (``model`` is required unless ``RENDERFLEET_MODEL``
+        names one).  Raises :class:`~renderfleet.errors.InputError` listing every problem (``FILE:LINE: reason``,
+        ``<stdin>:LINE: reason``, or ``prompts[i]: reason`` for an iterable) with nothing enqueued.
+        Submitting the same prompts and settings to the same store again is the same job: only what is missing
+        is enqueued (at the ``priority`` and ``share`` given now).
         """
         opts = self.options(
             model=model,
@@ -221,11 +203,15 @@ class Client:
         )
         opts = replace(opts, format=format or "")  # said, so a .txt of JSON lines is text
         with _prompt_file(prompts, format, "rf-submit-") as (path, kind):
-            if kind == "file":
-                return self.submit_file(path, opts)
-            if kind == "stream":
-                return self.submit_file(path, opts, source="<stdin>", label="<stdin>")
-            return self.submit_file(path, opts, source="<python>", label="prompts", by_item=True)
+            return self._submit_kind(path, kind, opts)
+
+    def _submit_kind(self, path: str, kind: str, opts: SubmitOptions) -> Job:
+        """Submit the prompt file :func:`_prompt_file` made of ``prompts``, its problems named as its kind says."""
+        if kind == "file":
+            return self.submit_file(path, opts)
+        if kind == "stream":
+            return self.submit_file(path, opts, source="<stdin>", label="<stdin>")
+        return self.submit_file(path, opts, source="<python>", label="prompts", by_item=True)
 
     def options(
         self,
@@ -248,10 +234,56 @@ class Client:
         min_vram: float | None = None,
         **settings: Any,
     ) -> SubmitOptions:
-        """The render options of a submit, checked (InputError naming each bad one); ``settings``:
-        the other render settings of the one table by name (``scheduler="dpmpp_2m"``, ...)."""
-        from dispatcher.jobs.submit import JOB_SETTINGS, SubmitOptions, check_options, model_problem_here, pin_loras
-        from renderfleet.hubrev import hub_commit, hub_pipeline_problem
+        """The render options of a submit (:meth:`submit`'s, :meth:`estimate`'s), checked (InputError naming each bad one).
+
+        ``model`` is required unless ``RENDERFLEET_MODEL`` names one (``"tiny"``, the built-in random-weight model,
+        renders noise: a smoke test only); a folder or ``s3://`` model's content digest is recorded in the job.
+        ``priority``: 0 (lowest) to 9; a higher job's shards are taken before any lower one's.  ``share``: 1 to 100,
+        the job's weight among the jobs of its priority, which take turns.  ``name``: what ``status`` and the page
+        call the job, and what :meth:`job` and the CLI take back where it is unique (default: the prompt file's name;
+        none for an iterable or a stream); not part of the job's identity.  ``budget``: the most the job may spend
+        (GPU time by pool times its price per hour; its pool must have a price): it stops there, state ``budget``,
+        until :meth:`Job.resume` raises it (docs/pools.md, "Budgets").  ``webhook``: an http(s) URL the monitor posts
+        the job's events to, signed (docs/monitoring.md, "Events"); a job submitted again keeps the one it was first
+        submitted with.  ``min_vram``: the least card memory in GB (as cards are sold: 24, 40, 80) a worker must have
+        to render it; while no live worker's card qualifies, its shards wait pending and other jobs render
+        (docs/pools.md, "Mixed cards"); a job submitted again takes the new value; where, not what: not part of the
+        job's identity.  ``settings`` are the job's other render settings by their names in the one table
+        (``scheduler="dpmpp_2m"``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``, and
+        ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md, "Render settings").
+        """
+        from dispatcher.jobs.submit import SubmitOptions, check_options
+
+        params, family = self._render_params(model, size, steps, guidance, negative, seed, settings)
+        opts = SubmitOptions(
+            params=params,
+            shard_size=shard_size,
+            batch_size=batch_size,
+            pool=pool,
+            job=job,
+            priority=priority,
+            share=share,
+            name=name,
+            budget=budget,
+            min_vram=0 if min_vram is None else min_vram,
+        )
+        check_options(opts)
+        opts = self._with_webhook(opts, webhook)
+        return self._pinned(opts, family, guidance_set=guidance is not None)
+
+    def _render_params(
+        self,
+        model: str | None,
+        size: str | tuple[int, int],
+        steps: int | None,
+        guidance: float | None,
+        negative: str,
+        seed: int,
+        settings: dict[str, Any],
+    ) -> tuple[RenderParams, families.Family | None]:
+        """Step 1 of :meth:`options`: the render settings (the one table's, by name, each known), the size,
+        the model (a home folder written out) and its family (None where this machine cannot tell it)."""
+        from dispatcher.jobs.submit import JOB_SETTINGS
         from renderfleet.spec import RenderParams
 
         if unknown := sorted(set(settings) - set(JOB_SETTINGS)):
@@ -279,29 +311,29 @@ class Client:
             seed=seed,
             **settings,
         )
-        opts = SubmitOptions(
-            params=params,
-            shard_size=shard_size,
-            batch_size=batch_size,
-            pool=pool,
-            job=job,
-            priority=priority,
-            share=share,
-            name=name,
-            budget=budget,
-            min_vram=0 if min_vram is None else min_vram,
-        )
-        check_options(opts)
+        return params, family
+
+    def _with_webhook(self, opts: SubmitOptions, webhook: str | None) -> SubmitOptions:
+        """Step 2 of :meth:`options`: ``opts`` with the job's webhook, its URL checked."""
         if webhook is not None:  # checked here: whether a private address will do is this fleet's setting
             if why := url_problem(webhook, allow_private=self.settings.events.allow_private):
                 raise InputError([f"--webhook: {why}"])
             opts = replace(opts, webhook=webhook)
+        return opts
+
+    def _pinned(self, opts: SubmitOptions, family: families.Family | None, *, guidance_set: bool) -> SubmitOptions:
+        """Step 3 of :meth:`options`: the model checked (one a worker can load, settings its family honours)
+        and pinned (its revision, content digest and LoRAs), with the notes a job of it shows."""
+        from dispatcher.jobs.submit import model_problem_here, pin_loras
+        from renderfleet.hubrev import hub_commit, hub_pipeline_problem
+
+        params = opts.params
         # A model no worker could load (a typo: `tinyy`) is refused here, not by every worker in turn.
         if why := model_problem_here(params.model, params.revision, hub=self.check_hub_model or hub_pipeline_problem):
             raise InputError([why])
         family_notes: tuple[str, ...] = ()
         if family is not None:
-            family_notes = self._check_family(family, params, guidance_set=guidance is not None)
+            family_notes = self._check_family(family, params, guidance_set=guidance_set)
         revision, notes = self._pin_revision(params.model, params.revision)
         # A folder's or bucket's content, as it is now, and each LoRA's: a worker holding other
         # files refuses the job.
@@ -644,40 +676,19 @@ class Job:
         logging set up).  The :class:`TimeoutError` says so too.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        bar = task = None
-        if progress:
-            from rich.progress import Progress, TextColumn, TimeElapsedColumn
-
-            from dispatcher.views.show import JobBar, JobCounts
-
-            bar = Progress(TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn())
-            task = bar.add_task(f"job {self.id}", total=self.total, done=0, quarantined=0)
-            bar.start()
-
-        def tell(message: str) -> None:
-            if on_no_worker is not None:
-                on_no_worker(message)
-            elif bar is not None:
-                bar.console.print(f"[yellow]{message}[/]")
-            else:
-                log.warning("%s", message)
-
+        shown = _Waiting(self, progress, on_no_worker)
         unserved: str | None = None  # the message while no loaded worker serves the queue
         told: str | None = None  # the last one told: "loading", then "none" if the load failed, each once
         try:
             while True:
                 now = self.status()
-                if bar is not None and task is not None:
-                    bar.update(task, completed=now.done + now.quarantined, done=now.done, quarantined=now.quarantined)
+                shown.update(now)
                 if now.finished or now.state == "failed":
-                    if bar is not None and (why := now.why_failed) is not None:
-                        from rich.markup import escape
-
-                        bar.console.print(f"[red]job {self.id} failed: {escape(why)}[/]", highlight=False)
+                    shown.ended(now)
                     return now
                 unserved = self._unserved()
                 if unserved and unserved != told:
-                    tell(unserved)
+                    shown.tell(unserved)
                     told = unserved
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(
@@ -686,8 +697,7 @@ class Job:
                     )
                 time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
         finally:
-            if bar is not None:
-                bar.stop()
+            shown.stop()
 
     def _unserved(self) -> str | None:
         """Why no worker takes the job's shards now, if none does: its workers are loading their
@@ -762,6 +772,47 @@ class Job:
             lease_seconds=self.client.settings.lease_seconds,
             on_wait=on_wait,
         )
+
+
+class _Waiting:
+    """What :meth:`Job.wait` shows as it polls: with ``progress`` a rich progress bar on stderr (its
+    failure above it), and each note on the job's workers: to ``on_no_worker`` when given, above the
+    bar, or as a WARNING of this module's logger."""
+
+    def __init__(self, job: Job, progress: bool, on_no_worker: Callable[[str], None] | None):
+        self.job, self.on_no_worker = job.id, on_no_worker
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+        if progress:
+            from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+            from dispatcher.views.show import JobBar, JobCounts
+
+            self.bar = Progress(TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn())
+            self.task = self.bar.add_task(f"job {job.id}", total=job.total, done=0, quarantined=0)
+            self.bar.start()
+
+    def update(self, now: JobStatus) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=now.done + now.quarantined, done=now.done, quarantined=now.quarantined)
+
+    def ended(self, now: JobStatus) -> None:
+        if self.bar is not None and (why := now.why_failed) is not None:
+            from rich.markup import escape
+
+            self.bar.console.print(f"[red]job {self.job} failed: {escape(why)}[/]", highlight=False)
+
+    def tell(self, message: str) -> None:
+        if self.on_no_worker is not None:
+            self.on_no_worker(message)
+        elif self.bar is not None:
+            self.bar.console.print(f"[yellow]{message}[/]")
+        else:
+            log.warning("%s", message)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 # ---- iterables as a jsonl file --------------------------------------------------------

@@ -22,22 +22,26 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from dispatcher.fleet.monitor import Monitor
-from dispatcher.status.status import job_status
+from dispatcher.status.status import JobStatus, job_status
 from dispatcher.views.show import JobBar, JobCounts
 from renderfleet import spec
 from renderfleet.embedded import broker_url
 from renderfleet.settings import Settings
-from renderfleet.store import open_store
+from renderfleet.store import Store, open_store
 from renderfleet.words import counted
+
+if TYPE_CHECKING:
+    import redis
 
 # A worker's time to leave after SIGTERM beyond its grace: the step in progress, the hand-back, Celery's exit.
 LEAVE_SECONDS = 10.0
@@ -200,6 +204,30 @@ def _run_local(
             workers, env=env, pool=opts.pool, model=opts.params.model, log_dir=log_dir, procs=procs, signals=signals
         )
         result = submit(file, opts, settings, summary)
+        run = _Watched.open(url, settings, result.id)
+        outcome = _watch(run, console, result.total, procs=procs, log_dir=log_dir, started=started, timeout=timeout)
+        if isinstance(outcome, int):
+            return outcome
+    except KeyboardInterrupt as exc:
+        return _interrupted(console, signals, exc, procs, grace)
+    finally:
+        signals.quiet()  # a signal now does not cut the workers' stop short: it is bounded by their grace
+        stop_workers(procs, grace)  # nothing left to stop after an interrupt
+    return _summary(console, run, outcome, elapsed=time.monotonic() - started, workers=workers)
+
+
+@dataclass
+class _Watched:
+    """The job a run waits on, and what it is read with: Redis, the store, and the monitor's tick."""
+
+    job: str
+    client: redis.Redis
+    store: Store
+    monitor: Monitor
+    done_before: int  # the job's images before this run (a resubmitted job): not this run's speed
+
+    @classmethod
+    def open(cls, url: str, settings: Settings, job: str) -> _Watched:
         from renderfleet.celery_app import make_app
         from renderfleet.redisconn import client as redis_client
 
@@ -207,57 +235,77 @@ def _run_local(
         store = open_store(settings.store_url, settings.s3_options)
         monitor = Monitor(settings, make_app(url), client, store)
         # What was done before this run (a resubmitted job) is not this run's speed.
-        done_before = job_status(client, result.id, store=store).done
-        with Progress(
-            TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn(), console=console
-        ) as bar:
-            task = bar.add_task(f"job {result.id}", total=result.total, done=0, quarantined=0)
-            while True:
-                job_state = job_status(client, result.id, store=store)
-                bar.update(
-                    task,
-                    completed=job_state.done + job_state.quarantined,
-                    done=job_state.done,
-                    quarantined=job_state.quarantined,
+        done_before = job_status(client, job, store=store).done
+        return cls(job, client, store, monitor, done_before)
+
+
+def _watch(
+    run: _Watched,
+    console: Console,
+    total: int,
+    *,
+    procs: list[subprocess.Popen[bytes]],
+    log_dir: Path,
+    started: float,
+    timeout: float,
+) -> JobStatus | int:
+    """A progress bar until the job is finished (its last status), or the exit status of a run that ends
+    early: the job failed, every worker exited, or ``timeout`` passed."""
+    with Progress(
+        TextColumn("[bold]{task.description}"), JobBar(), JobCounts(), TimeElapsedColumn(), console=console
+    ) as bar:
+        task = bar.add_task(f"job {run.job}", total=total, done=0, quarantined=0)
+        while True:
+            job_state = job_status(run.client, run.job, store=run.store)
+            bar.update(
+                task,
+                completed=job_state.done + job_state.quarantined,
+                done=job_state.done,
+                quarantined=job_state.quarantined,
+            )
+            if job_state.failure is not None:  # its model would not load: nothing more will render
+                console.print(f"[red]job {run.job} failed: {escape(job_state.failure)}[/]", highlight=False)
+                return 1
+            if job_state.finished:
+                return job_state
+            if all(p.poll() is not None for p in procs):
+                console.print(f"[red]all workers exited; see {log_dir}[/]", soft_wrap=True)
+                return 1
+            if timeout and time.monotonic() - started > timeout:
+                console.print(
+                    f"[red]timed out after {timeout:.0f} s; `renderfleet resume {run.job}` goes on[/]", soft_wrap=True
                 )
-                if job_state.failure is not None:  # its model would not load: nothing more will render
-                    console.print(f"[red]job {result.id} failed: {escape(job_state.failure)}[/]", highlight=False)
-                    return 1
-                if job_state.finished:
-                    break
-                if all(p.poll() is not None for p in procs):
-                    console.print(f"[red]all workers exited; see {log_dir}[/]", soft_wrap=True)
-                    return 1
-                if timeout and time.monotonic() - started > timeout:
-                    console.print(
-                        f"[red]timed out after {timeout:.0f} s; `renderfleet resume {result.id}` goes on[/]", soft_wrap=True
-                    )
-                    return 1
-                monitor.tick()
-                time.sleep(0.3)
-    except KeyboardInterrupt as exc:
-        signals.quiet()
-        signo = exc.signo if isinstance(exc, Interrupted) else signal.SIGINT
-        killed = stop_workers(procs, grace)
-        what = f"{len(procs)} worker(s) stopped, their shards handed back"
-        if killed:
-            what += f" ({len(killed)} killed after {grace:.0f} s: their shards come back when their leases expire)"
-        console.print(
-            f"[yellow]interrupted by {signal.Signals(signo).name}: {what}; "
-            "run the same command again: only the missing images render[/]",
-            soft_wrap=True,
-        )  # one line
-        return 128 + signo
-    finally:
-        signals.quiet()  # a signal now does not cut the workers' stop short: it is bounded by their grace
-        stop_workers(procs, grace)  # nothing left to stop after an interrupt
-    elapsed = time.monotonic() - started
-    where = store.locate(f"{spec.job_prefix(result.id)}images")
-    rendered = max(0, job_state.done - done_before)
+                return 1
+            run.monitor.tick()
+            time.sleep(0.3)
+
+
+def _interrupted(
+    console: Console, signals: StopSignals, exc: KeyboardInterrupt, procs: list[subprocess.Popen[bytes]], grace: float
+) -> int:
+    """Stop the workers after a signal (each hands its shard back), say so in one line; 128 + the signal's number."""
+    signals.quiet()
+    signo = exc.signo if isinstance(exc, Interrupted) else signal.SIGINT
+    killed = stop_workers(procs, grace)
+    what = f"{len(procs)} worker(s) stopped, their shards handed back"
+    if killed:
+        what += f" ({len(killed)} killed after {grace:.0f} s: their shards come back when their leases expire)"
+    console.print(
+        f"[yellow]interrupted by {signal.Signals(signo).name}: {what}; "
+        "run the same command again: only the missing images render[/]",
+        soft_wrap=True,
+    )  # one line
+    return 128 + signo
+
+
+def _summary(console: Console, run: _Watched, job_state: JobStatus, *, elapsed: float, workers: int) -> int:
+    """The finished run's summary and where its images are; 0, or 1 when any prompt was quarantined."""
+    where = run.store.locate(f"{spec.job_prefix(run.job)}images")
+    rendered = max(0, job_state.done - run.done_before)
     # One line each, never wrapped at the terminal's width (a log or CI reads it piped, where rich
     # would break it at 80 columns, mid-number): soft_wrap leaves long lines to the reader.
     console.print(
-        f"job {result.id}: {counted(job_state.done, 'image')} ({rendered} rendered by this run), "
+        f"job {run.job}: {counted(job_state.done, 'image')} ({rendered} rendered by this run), "
         f"{job_state.quarantined} quarantined, "
         f"{elapsed:.1f} s ({rendered / elapsed:.2f} images/s with {counted(workers, 'worker')}, model loads included)",
         soft_wrap=True,

@@ -25,7 +25,7 @@ from renderfleet import spec
 from renderfleet import stages as stagelib
 from renderfleet.errors import InputError
 from renderfleet.limits import MAX_IMAGE_BYTES, MAX_QUARANTINE_RECORD_BYTES
-from renderfleet.spec import Prompt
+from renderfleet.spec import Prompt, RenderParams
 from renderfleet.store import Store, read_record
 
 COLUMNS = (
@@ -85,29 +85,13 @@ def manifest_rows(
     listed = stored_image_listing(store, job)  # one listing: where each image is and its size
     images = {name: key for name, (key, _) in listed.items()}
     sizes = {name: size for name, (_, size) in listed.items()}
-    params = job_spec.params
-    # The job's weights, as its images' metadata records them: LoRAs as JSON [[source, scale], ...].
-    weights = {
-        "loras": json.dumps([list(lora) for lora in params.loras], ensure_ascii=False) if params.loras else "",
-        "revision": params.revision,
-        "variant": params.variant,
-        "model_digest": params.model_digest,
-    }
-    # As each final image's metadata says them (worker/render/runner.py): renderfleet.stages.to_json.
-    stages = json.dumps(stagelib.to_json(params.stages)) if params.stages else ""
+    weights, stages = _job_weights(job_spec.params)
     quarantined = stored_names(store, job, "quarantine") - set(images)
     records = Records(store, job_spec, prices or {})
     for index, (name, line) in enumerate(stored_prompts(store, job_spec)):
         p = Prompt.from_wire(index, json.loads(line), job_spec.params)
-        final_width, final_height = stagelib.final_size(params.stages, p.width, p.height)
-        error = ""
-        if name in images:
-            status, image = "done", store.locate(images[name])
-        elif name in quarantined:
-            record = read_record(store, spec.quarantine_key(job, name), MAX_QUARANTINE_RECORD_BYTES)
-            status, image, error = "quarantined", "", json.loads(record)["error"] if record else "quarantined"
-        else:
-            status, image = "missing", ""
+        final_width, final_height = stagelib.final_size(job_spec.params.stages, p.width, p.height)
+        status, image, error = _outcome(store, job, name, images, quarantined)
         rendered = records.record(index, name, images, {}) if status == "done" else {}
         yield {
             "index": p.index,
@@ -137,6 +121,30 @@ def manifest_rows(
             "seconds": rendered.get("seconds"),
             "cost": rendered.get("cost"),
         }
+
+
+def _job_weights(params: RenderParams) -> tuple[dict[str, str], str]:
+    """The job's weights as its images' metadata records them (LoRAs as JSON [[source, scale], ...]),
+    and its stages as each final image's metadata says them (worker/render/runner.py:
+    ``renderfleet.stages.to_json``; '' without)."""
+    weights = {
+        "loras": json.dumps([list(lora) for lora in params.loras], ensure_ascii=False) if params.loras else "",
+        "revision": params.revision,
+        "variant": params.variant,
+        "model_digest": params.model_digest,
+    }
+    stages = json.dumps(stagelib.to_json(params.stages)) if params.stages else ""
+    return weights, stages
+
+
+def _outcome(store: Store, job: str, name: str, images: dict[str, str], quarantined: set[str]) -> tuple[str, str, str]:
+    """A prompt's (status, image, error): done where its image is, quarantined with its record's error, or missing."""
+    if name in images:
+        return "done", store.locate(images[name]), ""
+    if name in quarantined:
+        record = read_record(store, spec.quarantine_key(job, name), MAX_QUARANTINE_RECORD_BYTES)
+        return "quarantined", "", json.loads(record)["error"] if record else "quarantined"
+    return "missing", "", ""
 
 
 def write_manifest(rows: Iterator[dict[str, Any]], path: Path) -> int:

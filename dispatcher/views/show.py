@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.console import Console, Group, RenderableType
 from rich.progress import ProgressColumn, Task
@@ -398,55 +398,122 @@ def _folded_line(active: int, finished: int) -> Text:
     return Text(f"{', '.join(counts)}: renderfleet status --all", style="dim")
 
 
+@dataclass
+class _Sheet:
+    """The status as it is drawn: its parts in order, and the columns its tables dropped to fit
+    ``console``'s width (each named once, in the line that ends it)."""
+
+    console: Console
+    wide: bool
+    parts: list[RenderableType] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+    def fit(self, title: str, columns: Sequence[Column], items: Sequence[object]) -> tuple[Table, list[str]]:
+        return fitted(self.console, title, columns, items, wide=self.wide)
+
+    def drop(self, gone: list[str], *, but: tuple[str, ...] = ()) -> None:
+        """Note the columns ``gone`` from a table (not those ``but``), each once."""
+        self.dropped += [g for g in gone if g not in self.dropped and g not in but]
+
+    def add_table(self, title: str, columns: Sequence[Column], items: Sequence[object]) -> None:
+        """A blank line, then ``items`` as a table fitted to the width."""
+        table, gone = self.fit(title, columns, items)
+        self.parts += [Text(""), table]
+        self.drop(gone)
+
+
 def _render(
     fleet: FleetStatus, console: Console, jobs: list[JobStatus], rows: int, *, wide: bool, ids: dict[str, str] | None
 ) -> RenderableType:
     """:func:`render_status` with the first ``rows`` of ``jobs`` listed."""
     plain = console.no_color or not console.is_terminal
     ids = ids if ids is not None else short_ids(j.job for j in fleet.jobs)
-    parts: list[RenderableType] = []
-    dropped: list[str] = []
-    listed, hidden = jobs[:rows], jobs[rows:]
+    sheet = _Sheet(console, wide)
+    # 1. The jobs, and under them what holds each back.
+    _add_jobs(sheet, fleet, jobs[:rows], jobs[rows:], ids, plain)
+    # 2. The fleet's lines: other stores, backlog, pools, GPU time by pool, Redis, prices.
+    _add_fleet_lines(sheet, fleet)
+    # 3. The queues, the workers, and the cards of a fleet of mixed cards.
+    sheet.parts += [Text(""), _queues_table(fleet)]
+    if fleet.workers:
+        sheet.add_table("workers", worker_columns(ids), fleet.workers)
+    if len(fleet.cards) > 1:  # a fleet of mixed cards: what each renders for its price (docs/pools.md, "Mixed cards")
+        sheet.add_table("cards", card_columns(), fleet.cards)
+    # 4. What is in trouble.
+    # A node of several GPUs with one retired, restarting or stopping: a line each (renderfleet/nodes.py).
+    sheet.parts += [Text(n.summary(), style="yellow", overflow="fold") for n in fleet.nodes if n.troubled()]
+    # A job whose events its receiver has not taken yet: a line each (dispatcher/events/events.py).
+    sheet.parts += [Text(events_line(u, ids), style="yellow", overflow="fold") for u in fleet.undelivered]
+    if sheet.dropped:
+        sheet.parts.append(
+            Text(f"(not shown at {console.width} columns: {', '.join(sheet.dropped)}; --wide shows them)", style="dim")
+        )
+    return Group(*sheet.parts)
+
+
+def _add_jobs(
+    sheet: _Sheet, fleet: FleetStatus, listed: list[JobStatus], hidden: list[JobStatus], ids: dict[str, str], plain: bool
+) -> None:
+    """The ``listed`` jobs as a table, a line counting the ``hidden`` and folded ones, then each listed
+    job's notes (and, for jobs named, their stages); ``no jobs`` when there are none."""
     if listed:
-        table, gone = fitted(console, "jobs", _sized_columns(job_columns(ids, plain), listed), listed, wide=wide)
-        parts.append(table)
-        dropped += gone
+        table, gone = sheet.fit("jobs", _sized_columns(job_columns(ids, plain), listed), listed)
+        sheet.parts.append(table)
+        sheet.dropped += gone
     if hidden or fleet.folded:
         finished = sum(j.finished for j in hidden)
-        parts.append(_folded_line(len(hidden) - finished, finished + fleet.folded))
-    if listed or hidden or fleet.folded:
-        parts.append(Text(""))
-        if fleet.known is None:  # jobs named (status JOB): what each renders
-            parts += [settings_line(j, ids.get(j.job, j.job)) for j in listed if j.model]
-        # Why a job does not move: its workers load their model, or none serves its queue; or it failed.
-        parts += [Text(j.unserved_note, style="yellow") for j in listed if j.unserved_note]
-        # ...and what it waits for, when that is a card no live worker has (its shards held back meanwhile).
-        parts += [Text(f"job {ids.get(j.job, j.job)} waiting: {j.waiting}", style="yellow") for j in listed if j.waiting]
-        parts += [
-            Text(f"job {ids.get(j.job, j.job)} failed: {why}", style="bold red")
-            for j in listed
-            if (why := j.why_failed) is not None
-        ]
-        parts += [budget_line(j, ids.get(j.job, j.job)) for j in listed if j.budget is not None]
-        if fleet.known is None:  # jobs named (status JOB): a job with stages shows them
-            for j in (j for j in listed if j.stages):
-                title = f"stages of job {ids.get(j.job, j.job)}"
-                table, gone = fitted(console, title, stage_columns(j.bound_by), j.stages or [], wide=wide)
-                if not (isinstance(parts[-1], Text) and not parts[-1].plain):
-                    parts.append(Text(""))
-                parts.append(table)
-                if WHAT in gone:  # what each stage does matters more than a column: a line each instead
-                    parts += [Text(f"  {s.stage}: {s.description}") for s in j.stages or []]
-                parts.append(Text(stages_line(j)))
-                dropped += [g for g in gone if g not in dropped and g != WHAT]
-    else:
-        parts.append(Text("no jobs"))
+        sheet.parts.append(_folded_line(len(hidden) - finished, finished + fleet.folded))
+    if not (listed or hidden or fleet.folded):
+        sheet.parts.append(Text("no jobs"))
+        return
+    sheet.parts.append(Text(""))
+    sheet.parts += _job_notes(fleet, listed, ids)
+    if fleet.known is None:  # jobs named (status JOB): a job with stages shows them
+        for j in (j for j in listed if j.stages):
+            _add_stages(sheet, j, ids)
+
+
+def _job_notes(fleet: FleetStatus, listed: list[JobStatus], ids: dict[str, str]) -> list[RenderableType]:
+    """Under the jobs table: what each job renders (jobs named), why it does not move, why it failed,
+    and its budget."""
+    notes: list[RenderableType] = []
+    if fleet.known is None:  # jobs named (status JOB): what each renders
+        notes += [settings_line(j, ids.get(j.job, j.job)) for j in listed if j.model]
+    # Why a job does not move: its workers load their model, or none serves its queue; or it failed.
+    notes += [Text(j.unserved_note, style="yellow") for j in listed if j.unserved_note]
+    # ...and what it waits for, when that is a card no live worker has (its shards held back meanwhile).
+    notes += [Text(f"job {ids.get(j.job, j.job)} waiting: {j.waiting}", style="yellow") for j in listed if j.waiting]
+    notes += [
+        Text(f"job {ids.get(j.job, j.job)} failed: {why}", style="bold red")
+        for j in listed
+        if (why := j.why_failed) is not None
+    ]
+    notes += [budget_line(j, ids.get(j.job, j.job)) for j in listed if j.budget is not None]
+    return notes
+
+
+def _add_stages(sheet: _Sheet, j: JobStatus, ids: dict[str, str]) -> None:
+    """A job's stages as a table (after a blank line), then the line that says which bounds its rate."""
+    title = f"stages of job {ids.get(j.job, j.job)}"
+    table, gone = sheet.fit(title, stage_columns(j.bound_by), j.stages or [])
+    if not (isinstance(sheet.parts[-1], Text) and not sheet.parts[-1].plain):
+        sheet.parts.append(Text(""))
+    sheet.parts.append(table)
+    if WHAT in gone:  # what each stage does matters more than a column: a line each instead
+        sheet.parts += [Text(f"  {s.stage}: {s.description}") for s in j.stages or []]
+    sheet.parts.append(Text(stages_line(j)))
+    sheet.drop(gone, but=(WHAT,))
+
+
+def _add_fleet_lines(sheet: _Sheet, fleet: FleetStatus) -> None:
+    """Below the jobs: other stores' jobs, the backlog, the pools' sizes and GPU time, Redis, and
+    whether costs can be priced."""
     if fleet.other_stores:
-        parts.append(
+        sheet.parts.append(
             Text(f"({fleet.other_stores} job(s) of other stores on this Redis not shown: set RENDERFLEET_STORE to see them)")
         )
     if fleet.backlog_seconds or fleet.desired:
-        parts.append(
+        sheet.parts.append(
             Text(
                 f"backlog: {fleet.backlog_seconds:,.0f} s of work (pending, queued and in flight), "
                 f"at {fleet.seconds_per_mpstep:.3g} s per megapixel-step"
@@ -459,17 +526,21 @@ def _render(
         if p in fleet.desired or f["gpus_per_node"] != 1 or f["nodes"] != f["gpus"]
     }
     if shown:
-        parts.append(Text("pools: " + ", ".join(pool_line(p, f) for p, f in shown.items())))
+        sheet.parts.append(Text("pools: " + ", ".join(pool_line(p, f) for p, f in shown.items())))
     if fleet.pool_gpu_time:
         pools = [PoolTime(p, s, fleet.pool_costs.get(p, {})) for p, s in fleet.pool_gpu_time.items()]
-        table, gone = fitted(console, "GPU time by pool", pool_time_columns(), pools, wide=wide)
-        parts += [Text(""), table]
-        dropped += [g for g in gone if g not in dropped]
+        sheet.add_table("GPU time by pool", pool_time_columns(), pools)
     if fleet.redis is not None:
-        parts.append(Text(fleet.redis.summary(), style="dim"))
-        parts += [Text(f"warning: {line}", style="bold red") for line in fleet.redis.warnings()]
+        sheet.parts.append(Text(fleet.redis.summary(), style="dim"))
+        sheet.parts += [Text(f"warning: {line}", style="bold red") for line in fleet.redis.warnings()]
     if fleet.jobs and not any(p > 0 for p in fleet.prices.values()):
-        parts.append(Text('cost: no pool prices known yet (docs/pools.md, "Prices"), or give --config FILE', style="dim"))
+        sheet.parts.append(
+            Text('cost: no pool prices known yet (docs/pools.md, "Prices"), or give --config FILE', style="dim")
+        )
+
+
+def _queues_table(fleet: FleetStatus) -> Table:
+    """Each queue of the store: its shards queued and pending."""
     queues = Table(
         title=f"queues of store {fleet.store}" if fleet.store else "queues",
         box=None,
@@ -482,22 +553,7 @@ def _render(
     queues.add_column("pending", justify="right", no_wrap=True)
     for name, depth in fleet.queues.items():
         queues.add_row(name, str(depth), str(fleet.pending.get(name, 0)))
-    parts += [Text(""), queues]
-    if fleet.workers:
-        workers, gone = fitted(console, "workers", worker_columns(ids), fleet.workers, wide=wide)
-        parts += [Text(""), workers]
-        dropped += [g for g in gone if g not in dropped]
-    if len(fleet.cards) > 1:  # a fleet of mixed cards: what each renders for its price (docs/pools.md, "Mixed cards")
-        table, gone = fitted(console, "cards", card_columns(), fleet.cards, wide=wide)
-        parts += [Text(""), table]
-        dropped += [g for g in gone if g not in dropped]
-    # A node of several GPUs with one retired, restarting or stopping: a line each (renderfleet/nodes.py).
-    parts += [Text(n.summary(), style="yellow", overflow="fold") for n in fleet.nodes if n.troubled()]
-    # A job whose events its receiver has not taken yet: a line each (dispatcher/events/events.py).
-    parts += [Text(events_line(u, ids), style="yellow", overflow="fold") for u in fleet.undelivered]
-    if dropped:
-        parts.append(Text(f"(not shown at {console.width} columns: {', '.join(dropped)}; --wide shows them)", style="dim"))
-    return Group(*parts)
+    return queues
 
 
 def wide_console(console: Console, renderable: RenderableType) -> Console:

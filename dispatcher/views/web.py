@@ -562,63 +562,62 @@ def page_templates() -> Jinja2Templates:
     return templates
 
 
-def make_app(
-    source: StatusSource,
-    prices: dict[str, float],
-    token: str | None,
-    *,
-    client: redis.Redis | None = None,
-    store: Store | None = None,
-    registry: CollectorRegistry | None = None,
-    hosts: tuple[str, ...] = (),
-    tls_proxy: bool = False,
-    pools: Mapping[str, PoolConfig] | None = None,
-) -> ASGIApp:
-    """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when
-    given, else answering only a loopback Host or one of ``hosts`` (:func:`renderfleet.endpoint.guard`)."""
-    if registry is None:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(FleetCollector(source, prices))  # type: ignore[arg-type]
-    templates = page_templates()
+class _Monitor:
+    """The monitor's request handlers over one fleet (its status, Redis, store, prices), one method
+    per route; :meth:`routes` is the table :func:`make_app` serves, grouped as the page, its API,
+    the images and the events."""
 
-    thumbs = Thumbnails(store) if store is not None else None
+    def __init__(
+        self,
+        source: StatusSource,
+        prices: dict[str, float],
+        registry: CollectorRegistry,
+        *,
+        client: redis.Redis | None,
+        store: Store | None,
+        pools: Mapping[str, PoolConfig] | None,
+    ):
+        self.source, self.prices, self.registry = source, prices, registry
+        self.client, self.store, self.pools = client, store, pools
+        self.templates = page_templates()
+        self.thumbs = Thumbnails(store) if store is not None else None
+        self.slots = StreamSlots()
 
-    def need_store() -> Store:
-        if store is None:
+    def routes(self) -> list[Route | Mount]:
+        """Every path the monitor answers, and its handler."""
+        return [
+            Route("/", self.index),
+            Route("/metrics", self.metrics),
+            Route("/api/status", self.api_status),
+            Route("/api/page", self.api_page),
+            Route("/api/autoscale", self.api_autoscale),
+            Route("/api/jobs/{job}", self.api_job),
+            Route("/api/jobs/{job}/images/{name}", self.api_image),
+            Route("/jobs/{job}", self.job_page),
+            Route("/events", self.events),
+            Route("/jobs/{job}/events", self.events),
+            Route("/jobs/{job}/thumbs/{name}", self.thumb),
+            Route("/jobs/{job}/images/{name}", self.image),
+            Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+        ]
+
+    def need_store(self) -> Store:
+        if self.store is None:
             raise NotHere("this endpoint serves no store")
-        return store
+        return self.store
 
-    def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def need_thumbs(self) -> Thumbnails:
+        if self.thumbs is None:
+            raise NotHere("this endpoint serves no store")
+        return self.thumbs
 
-    def api_status(request: Request) -> Response:
-        return JSONResponse(source().to_dict())
+    # ---- the page and a job's page ----
 
-    def api_page(request: Request) -> Response:
-        """The page's live refresh: the fleet's figures and the jobs of the page it shows (its query), with
-        an ETag: nothing changed since the page's last poll (If-None-Match) is a 304 with no body."""
-        fleet = source()
+    def index(self, request: Request) -> Response:
+        fleet = self.source()
         view = JobsShown.from_query(request.query_params)
         shown, matching = jobs_shown(fleet.jobs, view)
-        data = fleet.to_dict()
-        data["jobs"], data["matching"] = [j.to_dict() for j in shown], matching
-        data["backlog_images"] = sum(j.to_render for j in fleet.jobs)  # every job's, not the page's
-        body = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
-        tag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-        if request.headers.get("if-none-match") == tag:
-            return Response(status_code=304, headers={"ETag": tag})
-        return Response(body, media_type="application/json", headers={"ETag": tag})
-
-    def api_autoscale(request: Request) -> Response:
-        from dispatcher.fleet.backends import autoscale_answer
-
-        return JSONResponse(autoscale_answer(source(), pools))
-
-    def index(request: Request) -> Response:
-        fleet = source()
-        view = JobsShown.from_query(request.query_params)
-        shown, matching = jobs_shown(fleet.jobs, view)
-        return templates.TemplateResponse(
+        return self.templates.TemplateResponse(
             request,
             "index.html",
             {
@@ -630,19 +629,20 @@ def make_app(
                 "last_page": max(1, -(-matching // JOBS_PER_PAGE)),
                 "backlog_images": sum(j.to_render for j in fleet.jobs),
                 "pool_sizes": fleet.pool_sizes(),
-                "charts": charts(client, fleet.store) if client is not None else [],
+                "charts": charts(self.client, fleet.store) if self.client is not None else [],
                 "priced": any(p > 0 for p in fleet.prices.values()),
             },
         )
 
-    def job_data(request: Request) -> dict[str, Any]:
-        store = need_store()
-        job = checked_job(store, request.path_params["job"], client)
+    def job_data(self, request: Request) -> dict[str, Any]:
+        """A job's page as data: its status, one page of its gallery, its quarantined prompts."""
+        store = self.need_store()
+        job = checked_job(store, request.path_params["job"], self.client)
         page = page_number(request.query_params.get("page"))
-        if client is None:
+        if self.client is None:
             raise NotHere("this endpoint serves no job pages")
         try:
-            fleet = fleet_status(client, [job], store=store, prices=prices)
+            fleet = fleet_status(self.client, [job], store=store, prices=self.prices)
         except JobNotFound as exc:
             raise NotHere(str(exc)) from exc
         status = fleet.jobs[0]
@@ -659,31 +659,60 @@ def make_app(
             "priced": any(p > 0 for p in fleet.prices.values()),
         }
 
-    def job_page(request: Request) -> Response:
-        data = job_data(request)
-        return templates.TemplateResponse(request, "job.html", data)
+    def job_page(self, request: Request) -> Response:
+        data = self.job_data(request)
+        return self.templates.TemplateResponse(request, "job.html", data)
 
-    def api_job(request: Request) -> Response:
-        data = job_data(request)
+    # ---- the API: /metrics, /api/ ----
+
+    def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def api_status(self, request: Request) -> Response:
+        return JSONResponse(self.source().to_dict())
+
+    def api_page(self, request: Request) -> Response:
+        """The page's live refresh: the fleet's figures and the jobs of the page it shows (its query), with
+        an ETag: nothing changed since the page's last poll (If-None-Match) is a 304 with no body."""
+        fleet = self.source()
+        view = JobsShown.from_query(request.query_params)
+        shown, matching = jobs_shown(fleet.jobs, view)
+        data = fleet.to_dict()
+        data["jobs"], data["matching"] = [j.to_dict() for j in shown], matching
+        data["backlog_images"] = sum(j.to_render for j in fleet.jobs)  # every job's, not the page's
+        body = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+        tag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+        if request.headers.get("if-none-match") == tag:
+            return Response(status_code=304, headers={"ETag": tag})
+        return Response(body, media_type="application/json", headers={"ETag": tag})
+
+    def api_autoscale(self, request: Request) -> Response:
+        from dispatcher.fleet.backends import autoscale_answer
+
+        return JSONResponse(autoscale_answer(self.source(), self.pools))
+
+    def api_job(self, request: Request) -> Response:
+        data = self.job_data(request)
         del data["priced"]
         return JSONResponse(data)
 
-    def image_parts(request: Request) -> tuple[Store, str, str]:
-        store = need_store()
+    def api_image(self, request: Request) -> Response:
+        _, job, name = self.image_parts(request)
+        return JSONResponse(self.need_thumbs().meta(job, name))
+
+    # ---- a job's images and thumbnails ----
+
+    def image_parts(self, request: Request) -> tuple[Store, str, str]:
+        store = self.need_store()
         job = checked_job(store, request.path_params["job"])
         return store, job, checked_image(store, job, request.path_params["name"])
 
-    def need_thumbs() -> Thumbnails:
-        if thumbs is None:
-            raise NotHere("this endpoint serves no store")
-        return thumbs
+    def thumb(self, request: Request) -> Response:
+        _, job, name = self.image_parts(request)
+        return Response(self.need_thumbs().thumbnail(job, name), media_type="image/webp", headers=IMAGE_HEADERS)
 
-    def thumb(request: Request) -> Response:
-        _, job, name = image_parts(request)
-        return Response(need_thumbs().thumbnail(job, name), media_type="image/webp", headers=IMAGE_HEADERS)
-
-    def image(request: Request) -> Response:
-        store = need_store()
+    def image(self, request: Request) -> Response:
+        store = self.need_store()
         job = checked_job(store, request.path_params["job"])
         name = request.path_params["name"]
         key = None if name_problem(name) else image_key_of(store, job, name)
@@ -693,15 +722,12 @@ def make_app(
         media = layout.CONTENT_TYPES.get(key.rpartition(".")[2], "application/octet-stream")
         return Response(data, media_type=media, headers=IMAGE_HEADERS)
 
-    def api_image(request: Request) -> Response:
-        _, job, name = image_parts(request)
-        return JSONResponse(need_thumbs().meta(job, name))
+    # ---- live events ----
 
-    slots = StreamSlots()
-
-    def events(request: Request) -> Response:
+    def events(self, request: Request) -> Response:
         """Server-sent events of the store's jobs (``/events``) or one job's (``/jobs/JOB/events``)."""
-        store = need_store()
+        store = self.need_store()
+        client = self.client
         if client is None:
             raise NotHere("this endpoint serves no events")
         job = request.path_params.get("job")
@@ -709,12 +735,12 @@ def make_app(
             job = checked_job(store, job, client)
         last = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last"))
         who = client_key(request.client.host if request.client is not None else "")
-        if (refused := slots.take(who)) is not None:
+        if (refused := self.slots.take(who)) is not None:
             status, why = refused
             return PlainTextResponse(
                 f"{why}; try again shortly\n", status_code=status, headers={"Retry-After": EVENTS_RETRY_AFTER}
             )
-        release = slots.releaser(who)
+        release = self.slots.releaser(who)
 
         def held() -> Iterator[str]:
             try:
@@ -732,34 +758,42 @@ def make_app(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def not_here(request: Request, exc: Exception) -> Response:
-        return PlainTextResponse(f"not found: {exc}\n", status_code=404)
 
-    async def bad_query(request: Request, exc: Exception) -> Response:
-        return PlainTextResponse(f"bad request: {exc}\n", status_code=400)
+async def _not_here(request: Request, exc: Exception) -> Response:
+    return PlainTextResponse(f"not found: {exc}\n", status_code=404)
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return PlainTextResponse(
-            "not found: /, /jobs/JOB, /events, /jobs/JOB/events, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n",
-            status_code=404,
-        )
 
-    routes = [
-        Route("/", index),
-        Route("/metrics", metrics),
-        Route("/api/status", api_status),
-        Route("/api/page", api_page),
-        Route("/api/autoscale", api_autoscale),
-        Route("/api/jobs/{job}", api_job),
-        Route("/api/jobs/{job}/images/{name}", api_image),
-        Route("/jobs/{job}", job_page),
-        Route("/events", events),
-        Route("/jobs/{job}/events", events),
-        Route("/jobs/{job}/thumbs/{name}", thumb),
-        Route("/jobs/{job}/images/{name}", image),
-        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
-    ]
+async def _bad_query(request: Request, exc: Exception) -> Response:
+    return PlainTextResponse(f"bad request: {exc}\n", status_code=400)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return PlainTextResponse(
+        "not found: /, /jobs/JOB, /events, /jobs/JOB/events, /metrics, /api/status, /api/autoscale, /api/jobs/JOB\n",
+        status_code=404,
+    )
+
+
+def make_app(
+    source: StatusSource,
+    prices: dict[str, float],
+    token: str | None,
+    *,
+    client: redis.Redis | None = None,
+    store: Store | None = None,
+    registry: CollectorRegistry | None = None,
+    hosts: tuple[str, ...] = (),
+    tls_proxy: bool = False,
+    pools: Mapping[str, PoolConfig] | None = None,
+) -> ASGIApp:
+    """The ASGI application: the page, the job pages and gallery, /api/, /metrics; behind the token when
+    given, else answering only a loopback Host or one of ``hosts`` (:func:`renderfleet.endpoint.guard`)."""
+    if registry is None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(FleetCollector(source, prices))  # type: ignore[arg-type]
+    monitor = _Monitor(source, prices, registry, client=client, store=store, pools=pools)
     app: ASGIApp = Starlette(
-        routes=routes, exception_handlers={NotHere: not_here, NoImage: not_here, BadQuery: bad_query, 404: not_found}
+        routes=monitor.routes(),
+        exception_handlers={NotHere: _not_here, NoImage: _not_here, BadQuery: _bad_query, 404: _not_found},
     )
     return guard(app, token, hosts=hosts, tls_proxy=tls_proxy)

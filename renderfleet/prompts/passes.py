@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from renderfleet.errors import InputError
 from renderfleet.prompts import csvfile, jsonl, txt
@@ -66,52 +66,68 @@ def validate_file(path: str, *, max_problems: int = 50, sink: WireSink | None = 
     fmt, gzipped = detect_format(path)
     if format and format != fmt:
         raise InputError([f"{path}: --format {format}, but the file's name says {fmt}: rename it, the name decides"])
-    problems: list[str] = []
-
-    def report(lineno: int, reason: str) -> None:
-        if len(problems) >= max_problems:
-            raise _ProblemLimitError
-        problems.append(f"{path}:{lineno}: {reason}")
-
-    notes: list[str] = []
-
-    def warn(lineno: int, note: str) -> None:
-        notes.append(f"{path}:{lineno}: {note}")
-
-    long_lines: list[int] = []
-
-    def long(lineno: int) -> None:
-        long_lines.append(lineno)
-
+    found = _Findings(path, max_problems)
     digest = hashlib.sha256()
-    total = 0
-    has_ids = False
-    try:
-        with open_lines(path, gzipped, digest) as stream:
-            lines = read_lines(stream, report)
-            if fmt == "txt":
-                total = txt.count(lines, report, long, sink, as_written=format == "txt")
-            else:
-                rows = jsonl.rows(lines, report) if fmt == "jsonl" else csvfile.rows(lines, report, warn)
-                total, has_ids = check_names(rows if sink is None else _writing(sink, rows), report, long)
-    except _ProblemLimitError:
-        problems.append(f"{path}: ... and more problems not shown")
-    except (OSError, EOFError, zlib.error) as exc:
-        problems.append(f"{path}: cannot read: {os_reason(exc)}")
-    if total == 0 and not problems:
-        problems.append(f"{path}: no prompts")
-    if problems:
-        raise InputError(problems)
+    total, has_ids = _check_lines(found, fmt, gzipped, digest, sink, as_written=format == "txt")
+    if total == 0 and not found.problems:
+        found.problems.append(f"{path}: no prompts")
+    if found.problems:
+        raise InputError(found.problems)
     return FileSummary(
         path=path,
         format=fmt,
         total=total,
         digest=digest.hexdigest(),
         has_ids=has_ids,
-        warnings=tuple(notes),
-        long=len(long_lines),
-        long_lines=tuple(long_lines[:LONG_SHOWN]),
+        warnings=tuple(found.notes),
+        long=len(found.long_lines),
+        long_lines=tuple(found.long_lines[:LONG_SHOWN]),
     )
+
+
+@dataclass
+class _Findings:
+    """What pass 1 finds in ``path`` as it reads: its problems (up to ``max_problems``, then reading
+    stops), the notes worth a warning, and the lines whose prompts are long."""
+
+    path: str
+    max_problems: int
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    long_lines: list[int] = field(default_factory=list)
+
+    def report(self, lineno: int, reason: str) -> None:
+        if len(self.problems) >= self.max_problems:
+            raise _ProblemLimitError
+        self.problems.append(f"{self.path}:{lineno}: {reason}")
+
+    def warn(self, lineno: int, note: str) -> None:
+        self.notes.append(f"{self.path}:{lineno}: {note}")
+
+    def long(self, lineno: int) -> None:
+        self.long_lines.append(lineno)
+
+
+def _check_lines(
+    found: _Findings, fmt: str, gzipped: bool, digest: Any, sink: WireSink | None, *, as_written: bool
+) -> tuple[int, bool]:
+    """Read ``found.path`` once (into ``digest``), checking each line as its format says (and writing
+    each prompt to ``sink``); (the prompts counted, whether any has an explicit id).  A problem past
+    the limit, or a file that cannot be read, ends the reading with a problem saying so."""
+    total, has_ids = 0, False
+    try:
+        with open_lines(found.path, gzipped, digest) as stream:
+            lines = read_lines(stream, found.report)
+            if fmt == "txt":
+                total = txt.count(lines, found.report, found.long, sink, as_written=as_written)
+            else:
+                rows = jsonl.rows(lines, found.report) if fmt == "jsonl" else csvfile.rows(lines, found.report, found.warn)
+                total, has_ids = check_names(rows if sink is None else _writing(sink, rows), found.report, found.long)
+    except _ProblemLimitError:
+        found.problems.append(f"{found.path}: ... and more problems not shown")
+    except (OSError, EOFError, zlib.error) as exc:
+        found.problems.append(f"{found.path}: cannot read: {os_reason(exc)}")
+    return total, has_ids
 
 
 LONG_SHOWN = 3  # lines named in submit's one warning about long prompts
