@@ -358,16 +358,22 @@ class Courier:
                 taken = True
                 log.info("job %s: %s event %s delivered", record.job, record.type, record.id)
         finally:
-            with self.lock:
-                lane.busy = False
-                if retried:
-                    self.retrying -= 1
-                if taken:
-                    lane.queue.popleft()
-                    self.queued.discard(record.id)
-                    lane.failures, wait = 0, 0.0
-                lane.due = time.monotonic() + wait
-                if lane.queue:
-                    self._schedule(lane)
-                else:
-                    self.lanes.pop(lane.target, None)
+            self._put_back(lane, record, taken=taken, wait=wait, retried=retried)
+
+    def _put_back(self, lane: _Lane, record: EventRecord, *, taken: bool, wait: float, retried: bool) -> None:
+        """After an attempt at ``record``: the lane free again, the event off it when ``taken`` (delivered or
+        dropped), and the lane put back in line ``wait`` seconds on (at once after a delivery), or let go
+        when it holds no more."""
+        with self.lock:
+            lane.busy = False
+            if retried:
+                self.retrying -= 1
+            if taken:
+                lane.queue.popleft()
+                self.queued.discard(record.id)
+                lane.failures, wait = 0, 0.0
+            lane.due = time.monotonic() + wait
+            if lane.queue:
+                self._schedule(lane)
+            else:
+                self.lanes.pop(lane.target, None)

@@ -162,21 +162,19 @@ class Monitor:
 
     def tick(self) -> list[str]:
         """One pass; returns the jobs it resumed."""
+        # 1. What the fleet needs every pass: prices published, leases reaped, queues fed.
         # a monitor given the pools' config tells status their prices (so does the autoscaler)
         publish_prices(self.client, self.store.url, self.settings.gpu_prices)
         publish_gpus_per_node(self.client, self.store.url, {n: p.gpus_per_node for n, p in self.settings.pools.items()})
         reap_once(self.leases, self.publish, owner=self.owner, election=self.election)
-        for queue in self.feeder.queues():  # as every worker does: the feeding needs neither
-            if is_store_queue(queue, self.store.url):
-                try:
-                    self.feeder.feed(queue)
-                except redis.ResponseError as exc:  # a script error on a malformed value: the other queues fed
-                    log.warning("monitor: feeding %s failed: %s", queue, exc)
+        self.feed_queues()
+        # 2. The audit, when due.
         audit_due = time.monotonic() - self.audited_at >= self.settings.audit_seconds
         if audit_due:
             self.audited_at = time.monotonic()
             self.audit()
             self.retire()
+        # 3. Jobs the store holds that Redis does not know, adopted (every pass after Redis lost its memory).
         resumed = []
         failed_over = self.new_primary()  # asked every pass: it records the primary seen
         lost = failed_over or not self.client.exists(keys.EPOCH)
@@ -186,52 +184,75 @@ class Monitor:
         if lost:
             self.events.forget_all()  # each job's record is read again (from the store where Redis lost it)
         self.prices = published_prices(self.client, self.store.url)
+        # 4. Each job watched, and resumed where it stalled or Redis lost it.
         finished: list[tuple[str, int]] = []
         for job in sorted(self.known_jobs - set(resumed)):
-            try:
-                job_state = job_status(self.client, job, store=self.store)
-            except JobDeleted:
-                self.known_jobs.discard(job)  # deleted or retired: nothing to watch
-                continue
-            except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
-                log.warning("job %s: %s", job, exc)
-                continue
-            except BadRecord as exc:
-                self.unreadable_spec(job, exc)
-                continue
-            if job_state.finished and job_state.known_to_redis:
-                finished.append((job, job_state.done))
-            self.observe_events(job_state)
-            self.keep_budget(job_state)
-            # A cancelled job has nothing queued or running on purpose: never resumed for that.
-            stalled = (
-                not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 and job_state.cancelled is None
-            )
-            confirmed = stalled and job in self.stalled
-            if stalled and not confirmed:
-                self.stalled.add(job)
-            else:
-                self.stalled.discard(job)
-            # A job Redis forgot is re-registered even when finished: otherwise every
-            # status read of it would list the store.
-            if not job_state.known_to_redis or ((lost or confirmed) and not job_state.finished):
-                try:
-                    report = resume(job, store=self.store, app=self.app, client=self.client)
-                except JobNotFound:
-                    continue  # registered by a submit that has not written its spec (yet)
-                except BadRecord as exc:
-                    self.unreadable_spec(job, exc)
-                    continue
-                except (StoreError, OSError) as exc:
-                    log.warning("job %s: cannot resume now: %s", job, exc)
-                    continue
-                log.warning("job %s resumed from the store: %s enqueued", job, counted(report.shards_enqueued, "shard"))
+            if self.watch(job, lost, finished):
                 resumed.append(job)
         if audit_due and finished:
             resumed += self.audit_finished(finished)
         if lost:
             self.client.setnx(keys.EPOCH, "1")
         return resumed
+
+    def feed_queues(self) -> None:
+        """Feed every queue of the store, as every worker does: the feeding needs neither."""
+        for queue in self.feeder.queues():
+            if is_store_queue(queue, self.store.url):
+                try:
+                    self.feeder.feed(queue)
+                except redis.ResponseError as exc:  # a script error on a malformed value: the other queues fed
+                    log.warning("monitor: feeding %s failed: %s", queue, exc)
+
+    def watch(self, job: str, lost: bool, finished: list[tuple[str, int]]) -> bool:
+        """One pass's look at ``job``: its events and budget observed, ``finished`` added to when it is; a job
+        stalled twice running, or whose state Redis lost (``lost``, or the job forgotten), resumed from the
+        store.  Returns whether it was resumed."""
+        try:
+            job_state = job_status(self.client, job, store=self.store)
+        except JobDeleted:
+            self.known_jobs.discard(job)  # deleted or retired: nothing to watch
+            return False
+        except (JobNotFound, StoreError) as exc:  # not (or not yet) in the store
+            log.warning("job %s: %s", job, exc)
+            return False
+        except BadRecord as exc:
+            self.unreadable_spec(job, exc)
+            return False
+        if job_state.finished and job_state.known_to_redis:
+            finished.append((job, job_state.done))
+        self.observe_events(job_state)
+        self.keep_budget(job_state)
+        # A cancelled job has nothing queued or running on purpose: never resumed for that.
+        stalled = (
+            not job_state.finished and job_state.queued == 0 and job_state.in_flight == 0 and job_state.cancelled is None
+        )
+        confirmed = stalled and job in self.stalled
+        if stalled and not confirmed:
+            self.stalled.add(job)
+        else:
+            self.stalled.discard(job)
+        # A job Redis forgot is re-registered even when finished: otherwise every
+        # status read of it would list the store.
+        if not job_state.known_to_redis or ((lost or confirmed) and not job_state.finished):
+            return self.resume_job(job)
+        return False
+
+    def resume_job(self, job: str) -> bool:
+        """Resume ``job`` from the store; whether it was (not when its spec is missing, unreadable, or the
+        store cannot be read now: the next pass tries again)."""
+        try:
+            report = resume(job, store=self.store, app=self.app, client=self.client)
+        except JobNotFound:
+            return False  # registered by a submit that has not written its spec (yet)
+        except BadRecord as exc:
+            self.unreadable_spec(job, exc)
+            return False
+        except (StoreError, OSError) as exc:
+            log.warning("job %s: cannot resume now: %s", job, exc)
+            return False
+        log.warning("job %s resumed from the store: %s enqueued", job, counted(report.shards_enqueued, "shard"))
+        return True
 
     def new_primary(self) -> bool:
         """Whether Redis is another primary than the one last seen (by any monitor): a Sentinel

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from renderfleet.cards import qualifies
 from renderfleet.settings import AutoscaleConfig, PoolConfig
@@ -289,28 +289,14 @@ def _targets(
     backlog = classes[-1][1]
     targets = {p.name: p.config.min for p in pools}
     why = {p.name: f"the floor: min {p.config.min}" for p in pools}
-    base = [p for p in pools if not p.is_spot]
     spot = fill_order([p for p in pools if p.is_spot])
-    spot_measured = any(p.measured for p in spot)
     if backlog <= 0:
         for p in pools:
             why[p.name] = f"no backlog: back toward min {p.config.min}"
         return targets, why
-
-    # Rule 3: what is warm now clears it soon enough: wake nothing new (rule 11: each share needing a big
-    # card by the warm workers whose card takes it).
-    def warm_for(gb: float) -> float:
-        return sum(p.ready * p.rate for p in pools if qualifies(p.vram_gib, gb))
-
-    warm = warm_for(0.0)
-    cold = max((_cold_start(p, cfg) for p in spot), default=cfg.cold_start_seconds)
-    if all(warm_for(gb) > 0 and work / warm_for(gb) <= COLD_STARTS_NOT_WORTH_WAKING * cold for gb, work in classes):
+    if (warm := _warm_enough(classes, pools, spot, cfg)) is not None:
         for p in pools:
-            why[p.name] = (
-                f"the {warm:.1f} workers' worth warm in the fleet clear {backlog:.0f} s of work in "
-                f"{backlog / warm:.0f} s, under {COLD_STARTS_NOT_WORTH_WAKING:.0f} cold starts "
-                f"({cold:.0f} s each): nothing new woken"
-            )
+            why[p.name] = warm
         return targets, why
 
     # Rules 1-2: the floor's rate, then the overflow to spot, cheapest per image first; rule 11: share by
@@ -318,10 +304,9 @@ def _targets(
     # Each share is the work of its band alone (80 GB jobs in 80's, 40 GB jobs in 40's, the rest in 0's);
     # the capacity a more demanding share left over (``spare``) serves the next, a shortfall does not pass
     # on: work no pool here takes never grows a pool that cannot take it.
-    grown: set[str] = set()
+    sizing = _Sizing(pools, cfg, now, targets, why, banded=len(classes) > 1)
     seen: set[str] = set()
     spare = 0.0
-    base_measured = any(p.measured for p in base)
     above = 0.0
     for gb, upto in classes:
         work, above = upto - above, upto
@@ -331,27 +316,74 @@ def _targets(
             (targets[p.name] - (p.config.min if p.is_spot else 0)) * p.rate for p in pools if p.name in takers - seen
         )
         seen |= takers
-        missing = needed - spare - floor
+        missing = sizing.grow_spot(spot, takers, needed - spare - floor, gb=gb, work=work, needed=needed)
+        missing = sizing.grow_base(takers, missing, gb=gb)
+        spare = max(0.0, -missing)
+    for p in pools:
+        why[p.name] += _left_out(p, classes)
+    return targets, why
+
+
+def _warm_enough(
+    classes: Sequence[tuple[float, float]], pools: Sequence[PoolState], spot: Sequence[PoolState], cfg: AutoscaleConfig
+) -> str | None:
+    """Rule 3: what is warm now clears the backlog soon enough: wake nothing new (rule 11: each share needing
+    a big card by the warm workers whose card takes it).  Returns why, for every pool; None when it does not."""
+    backlog = classes[-1][1]
+
+    def warm_for(gb: float) -> float:
+        return sum(p.ready * p.rate for p in pools if qualifies(p.vram_gib, gb))
+
+    warm = warm_for(0.0)
+    cold = max((_cold_start(p, cfg) for p in spot), default=cfg.cold_start_seconds)
+    if all(warm_for(gb) > 0 and work / warm_for(gb) <= COLD_STARTS_NOT_WORTH_WAKING * cold for gb, work in classes):
+        return (
+            f"the {warm:.1f} workers' worth warm in the fleet clear {backlog:.0f} s of work in "
+            f"{backlog / warm:.0f} s, under {COLD_STARTS_NOT_WORTH_WAKING:.0f} cold starts "
+            f"({cold:.0f} s each): nothing new woken"
+        )
+    return None
+
+
+@dataclass
+class _Sizing:
+    """The sizes :func:`_targets` grows share by share (``targets``), why each pool has its size (``why``),
+    and the pools grown so far (``grown``); ``banded``: the backlog has shares needing big cards."""
+
+    pools: Sequence[PoolState]
+    cfg: AutoscaleConfig
+    now: float
+    targets: dict[str, int]
+    why: dict[str, str]
+    banded: bool
+    grown: set[str] = field(default_factory=set)
+
+    def grow_spot(
+        self, spot: list[PoolState], takers: set[str], missing: float, *, gb: float, work: float, needed: float
+    ) -> float:
+        """Rules 1-2: the overflow to the spot pools that take the share, cheapest per image first, each
+        up to its max (rule 5: to what came up, for one that got no capacity); returns what is still missing."""
+        spot_measured = any(p.measured for p in spot)
         for p in spot:
             if missing <= 0:
                 break
             if p.name not in takers:
                 continue
             cap = p.config.max
-            if _starved(p, cfg, now):
+            if _starved(p, self.cfg, self.now):
                 cap = max(p.config.min, min(p.ready, cap))  # policy rule 5: no more from here
-            before = targets[p.name]
+            before = self.targets[p.name]
             start = before if before > p.config.min else 0
             want = _whole_nodes(start + math.ceil(missing / p.rate - 1e-9), p)
             n = max(before, min(_whole_nodes(cap, p), want))
-            targets[p.name] = n
+            self.targets[p.name] = n
             missing -= (n - before) * p.rate
-            if n == before and (gb or p.name in grown):
+            if n == before and (gb or p.name in self.grown):
                 continue
-            grown.add(p.name)
-            why[p.name] = (
-                f"backlog {work:.0f} s of work{_share(gb, p, len(classes) > 1)}, "
-                f"to clear in {cfg.drain_seconds:.0f} s needs "
+            self.grown.add(p.name)
+            self.why[p.name] = (
+                f"backlog {work:.0f} s of work{_share(gb, p, self.banded)}, "
+                f"to clear in {self.cfg.drain_seconds:.0f} s needs "
                 f"{needed:.2f} workers' worth; {n} here at {p.config.gpu_price_per_hour:g}/h"
                 + (
                     f" (each counted at {p.rate / max(p.speed, 1e-6):.0%}: recent reclaims threw away "
@@ -362,25 +394,28 @@ def _targets(
                 + (" (no capacity: capped at what came up)" if cap < p.config.max else "")
                 + p.routing_note(spot_measured)
             )
-        # Rule 5: what spot cannot give, the baseline does, up to its max.
+        return missing
+
+    def grow_base(self, takers: set[str], missing: float, *, gb: float) -> float:
+        """Rule 5: what spot cannot give, the baseline pools that take the share do, each up to its max;
+        returns what is still missing (below zero: capacity to spare for the next share)."""
+        base = [p for p in self.pools if not p.is_spot]
+        base_measured = any(p.measured for p in base)
         for p in fill_order([b for b in base if b.name in takers]):
             if missing <= 0:
                 break
-            before = targets[p.name]
+            before = self.targets[p.name]
             n = max(before, min(p.config.max, _whole_nodes(before + math.ceil(missing / p.rate - 1e-9), p)))
             missing -= (n - before) * p.rate
-            targets[p.name] = n
-            if n == before and (gb or p.name in grown):
+            self.targets[p.name] = n
+            if n == before and (gb or p.name in self.grown):
                 continue
-            grown.add(p.name)
-            why[p.name] = (
-                f"spot cannot take the overflow{_share(gb, p, len(classes) > 1)}: baseline grows to {n} (max {p.config.max})"
+            self.grown.add(p.name)
+            self.why[p.name] = (
+                f"spot cannot take the overflow{_share(gb, p, self.banded)}: baseline grows to {n} (max {p.config.max})"
                 + (p.routing_note(base_measured) if len(base) > 1 else "")
             )
-        spare = max(0.0, -missing)
-    for p in pools:
-        why[p.name] += _left_out(p, classes)
-    return targets, why
+        return missing
 
 
 def _share(gb: float, p: PoolState, banded: bool) -> str:

@@ -15,7 +15,7 @@ a prompt (``spec.message_encoder``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -208,11 +208,39 @@ def publish_shards(
     """
     envelope = celery_app.envelope_factory(app)
     message = message_encoder(spec, queue, store)
-    script = client.register_script(lua_script("publish"))
     job = spec.job
     priority = spec.priority if priority is None else priority
     share = spec.share if share is None else share
-    script_keys = [
+    side = _publish_side(push=push, park=park, front=front, pending=pending, force=force)
+    batches = _PublishBatches(
+        client.register_script(lua_script("publish")),
+        _publish_keys(job, queue),
+        [job, keys.QUEUED_PREFIX, keys.LEASE_PREFIX, side, "1" if force else "", feeder.feed_band(priority), keys.FEED_BAND],
+        flush_empty,
+    )
+    if side == "p" and feed:
+        _feed_fields(app, client, spec, queue, store, priority, share)
+    count = 0
+    for shard in shards:
+        # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
+        pushed = side in ("b", "f") and (shard.count or not shard.marks)
+        env = envelope(message(shard.shard), queue, f"{job}:{shard.shard}") if pushed else ""
+        batches.args.extend((shard.shard, shard.count, shard.start, shard.marks, env, envelope_tag(env)))
+        if len(batches.args) >= BATCH * 6:
+            count += batches.flush()
+    count += batches.flush()
+    return count
+
+
+def _publish_side(*, push: bool, park: bool, front: bool, pending: bool, force: bool) -> str:
+    """publish.lua's side (:func:`publish_shards`): 'n' counts only, 'c' parked (a cancelled job), 'f' pushed
+    at the front, 'p' made pending for the feeder, 'b' pushed at the back."""
+    return "n" if not push else "c" if park else "f" if front else "p" if pending and not force else "b"
+
+
+def _publish_keys(job: str, queue: str) -> list[str]:
+    """publish.lua's KEYS for ``job``'s shards on ``queue``."""
+    return [
         queue,
         keys.shards(job),
         keys.left(job),
@@ -230,39 +258,23 @@ def publish_shards(
         keys.job(job),
         keys.segment(job),
     ]
-    side = "n" if not push else "c" if park else "f" if front else "p" if pending and not force else "b"
-    if side == "p" and feed:
-        _feed_fields(app, client, spec, queue, store, priority, share)
-    count = 0
-    args: list[str | int] = []
 
-    def flush() -> int:
-        if not args and not flush_empty:
+
+@dataclass
+class _PublishBatches:
+    """publish.lua run on one batch of shards at a time: ``args`` (six a shard) gathered, then
+    :meth:`flush` runs the script on them after ``head`` (its ARGV before the shards)."""
+
+    script: Any
+    script_keys: list[str]
+    head: list[str | int]
+    flush_empty: bool  # run the script even with no shard gathered (:func:`start_feeding`)
+    args: list[str | int] = field(default_factory=list)
+
+    def flush(self) -> int:
+        """Run the script on the shards gathered; returns how many it made pending (or pushed)."""
+        if not self.args and not self.flush_empty:
             return 0
-        sent = int(
-            script(
-                keys=script_keys,
-                args=[
-                    job,
-                    keys.QUEUED_PREFIX,
-                    keys.LEASE_PREFIX,
-                    side,
-                    "1" if force else "",
-                    feeder.feed_band(priority),
-                    keys.FEED_BAND,
-                    *args,
-                ],
-            )
-        )
-        args.clear()
+        sent = int(self.script(keys=self.script_keys, args=[*self.head, *self.args]))
+        self.args.clear()
         return sent
-
-    for shard in shards:
-        # A resumed shard with nothing left is only rebuilt, never pushed: no message needed.
-        pushed = side in ("b", "f") and (shard.count or not shard.marks)
-        env = envelope(message(shard.shard), queue, f"{job}:{shard.shard}") if pushed else ""
-        args.extend((shard.shard, shard.count, shard.start, shard.marks, env, envelope_tag(env)))
-        if len(args) >= BATCH * 6:
-            count += flush()
-    count += flush()
-    return count

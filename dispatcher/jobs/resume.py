@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import redis
 from celery import Celery
@@ -190,31 +191,64 @@ def resume(
     how the feeder ranks the job from now on (default: as it was, else as submitted);
     ``names``: a list to fill with every prompt's image name, in order, from this same
     read (``results`` lists them without reading the file a second time).
-    ``budget`` (the user's ``resume --budget``): the job's new cap, which continues a job stopped
-    at its budget (its spend counted at ``prices``: the caller's, the config's over those the fleet
-    published); a job so stopped is not continued without one (``renderfleet/budget.py``).  A job
-    this Redis lost gets its cap back from the store's record, with the spend it records carried
-    (``budgets.restore``): one whose record shows the cap spent comes back stopped at its budget.
-
-    Shards go back as pending references for the feeder (a shard pending already is
-    left as it is, so a resume never adds a second copy); ``front`` and ``lost`` push
-    messages onto the queue itself.  A job stored without its wire file (an older
-    version's) gets one, written from the stored prompt file in the same read.
-
-    One read of the stored prompt file.  Commits racing this are safe: the bits
-    are read *before* the store is listed, so a count the listing does not
-    explain (an image gone since) is cleared, and one set after the listing
-    began (its image stored first) is kept.  Both hold whoever holds a shard:
-    a leased shard's counts are corrected too, and its runner's release, which
-    checks every prompt's bit, hands it back if one lacks its image
-    (``renderfleet/lua/publish.lua``, ``release.lua``).
+    ``budget``, ``prices``: the user's ``resume --budget`` (:func:`_settle_budget`).
     """
+    # 1. The job's spec, its owner and its queue.
     job_spec = load_spec(store, job)
     owner = store_identity(store.url)
     enqueue.check_owner(client, job, owner)
-    recorded = keys.text(client.hget(keys.job(job), "queue"))  # not one of this store's: an older version's name
-    queue = queue or (recorded if is_store_queue(recorded, owner) else queue_name(job_spec.pool, owner))
+    queue = _queue_for(client, job, job_spec, owner, queue)
     known = bool(client.exists(keys.job(job)))
+    # 2. Its budget: a Redis that lost the job lost its cap and its spend, which the store's record has.
+    record = _settle_budget(client, store, job_spec, known, budget=budget, prices=prices, uncancel=uncancel)
+    # 3. After `known`: a job that stays cancelled gets its field now, before anything is pushed.
+    held = cancelmarks.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
+    # 4. The counts before the listing.
+    marks = _read_marks(client, store, job)
+    # 5. The job registered, ranked as it was unless told otherwise.
+    priority, share = _ranking(client, job, priority, share)
+    enqueue.register_job(client, job_spec, queue, owner, stored=True)
+    held = _take_back(client, job, record, known, marks.images, held, restore=budget is None)
+    # 6. Its shards rebuilt from the store and published.
+    walk = _ShardWalk(store, job_spec, marks, only, names)
+    sent = _publish(
+        app, client, walk, queue, owner, push, front=front, lost=lost, park=held is not None, rank=(priority, share)
+    )
+    # 7. Fed, or cancelled again: its field, and anything pushed meanwhile out.
+    if push and held is None:
+        _feed_segments(client, job, queue, sent)
+    if held is not None:
+        cancelmarks.hold(client, job, held)
+    return ResumeReport(job, job_spec.total, len(marks.images), len(marks.set_aside), sent, not known, walk.missing)
+
+
+def _queue_for(client: redis.Redis, job: str, job_spec: JobSpec, owner: str, queue: str | None) -> str:
+    """The queue to feed the job's shards to: ``queue`` when given, else the one Redis recorded,
+    else the spec's pool's (one recorded that is not one of this store's is an older version's name)."""
+    recorded = keys.text(client.hget(keys.job(job), "queue"))
+    return queue or (recorded if is_store_queue(recorded, owner) else queue_name(job_spec.pool, owner))
+
+
+def _settle_budget(
+    client: redis.Redis,
+    store: Store,
+    job_spec: JobSpec,
+    known: bool,
+    *,
+    budget: float | None,
+    prices: dict[str, float] | None,
+    uncancel: bool,
+) -> budgets.Record | None:
+    """Step 2 of :func:`resume`: the job's cap; returns the store's record of it where this Redis
+    does not know the job (``known``), None otherwise.
+
+    ``budget`` (the user's ``resume --budget``): the job's new cap, which continues a job stopped
+    at its budget (its spend counted at ``prices``: the caller's, the config's over those the fleet
+    published); a job so stopped is not continued without one (``renderfleet/budget.py``).  A job
+    this Redis lost gets its cap back from the store's record (``record``), with the spend it records
+    carried (``budgets.restore``, :func:`_take_back`): one whose record shows the cap spent comes back
+    stopped at its budget, and the user's ``resume`` of it without a new budget is refused here."""
+    job = job_spec.job
     # A Redis that lost the job lost its cap and its spend: the store's record has both (renderfleet/budget.py).
     record = None if known else budgets.load(store, job)
     pools = [segment.pool for segment in stages.segments(job_spec.params.stages, job_spec.pool)]
@@ -237,93 +271,186 @@ def resume(
         budgets.save(store, job, budgets.Record(budget=budget, spent=spent, prices=budgets.job_prices(client, job)))
     elif uncancel:
         budgets.check_resumable(client, job, lambda: serving(client, store, pools))
-    # After `known`: a job that stays cancelled gets its field now, before anything is pushed.
-    held = cancelmarks.check_cancelled(store, client, job, uncancel=uncancel)  # the cancel time to keep, or None
-    # The counts before the listing: one it does not explain (an image gone since) is
-    # cleared, one set after it is kept (publish.lua's marks '-' and '?').
+    return record
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """What :func:`resume` read of the job's prompts before walking them: Redis's bits, then the store's names."""
+
+    done_bits: bytes
+    failed_bits: bytes
+    images: set[str]
+    quarantined: set[str]
+
+    @property
+    def set_aside(self) -> set[str]:
+        """The prompts quarantined and not rendered (an image wins over a stale worker's quarantine record)."""
+        return self.quarantined - self.images
+
+    def mark(self, i: int, name: str) -> str:
+        """Prompt ``i``'s mark for publish.lua: 'd' its image stored, 'f' its quarantine record, '-' a
+        count the listing does not explain (cleared), '?' none (one set since is kept)."""
+        if name in self.images or name in self.quarantined:
+            return "d" if name in self.images else "f"
+        return "-" if _bit(self.done_bits, i) or _bit(self.failed_bits, i) else "?"
+
+
+def _read_marks(client: redis.Redis, store: Store, job: str) -> _Marks:
+    """Step 4 of :func:`resume`: the counts, then the store's listing of images and quarantine records.
+
+    Commits racing this are safe: the bits are read *before* the store is listed, so a count the
+    listing does not explain (an image gone since) is cleared, and one set after the listing began
+    (its image stored first) is kept (publish.lua's marks '-' and '?').  Both hold whoever holds a
+    shard: a leased shard's counts are corrected too, and its runner's release, which checks every
+    prompt's bit, hands it back if one lacks its image (``renderfleet/lua/publish.lua``, ``release.lua``)."""
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.done_bits(job))
     pipe.get(keys.failed_bits(job))
     done_bits, failed_bits = (bytes(b or b"") for b in pipe.execute())
     images = stored_names(store, job, "images")
     quarantined = stored_names(store, job, "quarantine")
+    return _Marks(done_bits, failed_bits, images, quarantined)
+
+
+def _ranking(client: redis.Redis, job: str, priority: int | None, share: int | None) -> tuple[int | None, int | None]:
+    """How the feeder ranks the job from now on: ``priority`` and ``share`` when given, else as it was."""
     was_priority, was_share = client.hmget(keys.job(job), "priority", "share")
     priority = int(was_priority) if priority is None and was_priority else priority
     share = int(was_share) if share is None and was_share else share
-    enqueue.register_job(client, job_spec, queue, owner, stored=True)
-    if record is not None and budget is None and budgets.restore(client, job, record, str(int(time.time()))):
+    return priority, share
+
+
+def _take_back(
+    client: redis.Redis,
+    job: str,
+    record: budgets.Record | None,
+    known: bool,
+    images: set[str],
+    held: str | None,
+    *,
+    restore: bool,
+) -> str | None:
+    """Step 5 of :func:`resume`, once the job is registered: what a Redis that lost it lacks.  Its cap
+    and spend from the store's ``record`` (unless a new budget was given: not ``restore``), a job spent
+    already coming back stopped there; the images stored so far counted as unaccounted.  Returns the
+    cancel time to keep (``held``, or the budget's stop), None when none."""
+    if record is not None and restore and budgets.restore(client, job, record, str(int(time.time()))):
         held = held or keys.text(client.hget(keys.job(job), "cancelled"))  # spent already: back as stopped there
     if not known and images:
         # Redis lost the job's account (its GPU time by pool) with its memory: the render time of the
         # images stored so far is unknown, and status shows no cost rather than one that counts them free.
         client.hset(keys.job(job), "unaccounted", len(images))
-    missing = 0
-    wire_missing = push and not store.exists(spec.wire_index_key(job))
-    tmp = tempfile.TemporaryDirectory(prefix="rf-wire-") if wire_missing else None
-    wire_out = open(Path(tmp.name) / "wire.jsonl", "wb") if tmp else None  # noqa: SIM115  # closed below
-    writer = shardfile.WireWriter(wire_out, job_spec.shard_size) if wire_out else None
+    return held
 
-    def shards() -> Iterator[WireShard]:
-        nonlocal missing
+
+@dataclass
+class _ShardWalk:
+    """One read of the stored prompt file, shard by shard, each with its marks (:class:`_Marks`):
+    ``only`` the shards given (None: all), ``names`` filled with every prompt's image name, ``writer``
+    fed each shard's lines (a job stored without its wire file), ``missing`` the prompts counted
+    that the store does not explain, once walked."""
+
+    store: Store
+    job_spec: JobSpec
+    marks: _Marks
+    only: set[int] | None
+    names: list[str] | None
+    writer: shardfile.WireWriter | None = None
+    missing: int = 0
+
+    def shards(self) -> Iterator[WireShard]:
+        size, total = self.job_spec.shard_size, self.job_spec.total
         current: list[str] = []
         marks: list[str] = []
         shard = 0
-        for i, (name, line) in enumerate(stored_prompts(store, job_spec)):
+        for i, (name, line) in enumerate(stored_prompts(self.store, self.job_spec)):
             current.append(line)
-            if names is not None:
-                names.append(name)
-            if writer is not None and (len(current) == job_spec.shard_size or i == job_spec.total - 1):
-                list(writer.shards(current))  # one shard's lines, its offset kept
-            if name in images or name in quarantined:
-                marks.append("d" if name in images else "f")
-            else:
-                marks.append("-" if _bit(done_bits, i) or _bit(failed_bits, i) else "?")
-            if len(current) == job_spec.shard_size or i == job_spec.total - 1:
-                if only is None or shard in only:
+            if self.names is not None:
+                self.names.append(name)
+            if self.writer is not None and (len(current) == size or i == total - 1):
+                list(self.writer.shards(current))  # one shard's lines, its offset kept
+            marks.append(self.marks.mark(i, name))
+            if len(current) == size or i == total - 1:
+                if self.only is None or shard in self.only:
                     text = "".join(marks)
-                    missing += text.count("-")
-                    yield WireShard(shard, text.count("-") + text.count("?"), marks=text, start=shard * job_spec.shard_size)
+                    self.missing += text.count("-")
+                    yield WireShard(shard, text.count("-") + text.count("?"), marks=text, start=shard * size)
                 shard += 1
                 current, marks = [], []
 
+
+def _publish(
+    app: Celery,
+    client: redis.Redis,
+    walk: _ShardWalk,
+    queue: str,
+    owner: str,
+    push: bool,
+    *,
+    front: bool,
+    lost: bool,
+    park: bool,
+    rank: tuple[int | None, int | None],
+) -> int:
+    """Step 6 of :func:`resume`: walk the job's shards and publish them; returns how many were sent.
+
+    Shards go back as pending references for the feeder (a shard pending already is
+    left as it is, so a resume never adds a second copy); ``front`` and ``lost`` push
+    messages onto the queue itself; ``park`` (a job that stays cancelled) parks them.
+    A job stored without its wire file (an older version's) gets one, written from the
+    stored prompt file in the same read."""
+    job = walk.job_spec.job
+    wire_missing = push and not walk.store.exists(spec.wire_index_key(job))
+    tmp = tempfile.TemporaryDirectory(prefix="rf-wire-") if wire_missing else None
+    wire_out = open(Path(tmp.name) / "wire.jsonl", "wb") if tmp else None  # noqa: SIM115  # closed below
+    walk.writer = shardfile.WireWriter(wire_out, walk.job_spec.shard_size) if wire_out else None
     try:
-        if writer is not None and wire_out is not None and tmp is not None:
-            cut = list(shards())  # the whole file read before any shard is fed: it reads the wire file
-            wire_out.close()
-            store.put_file(spec.wire_key(job), Path(tmp.name) / "wire.jsonl")
-            store.put(spec.wire_index_key(job), writer.index())
-            listed: Iterable[WireShard] = cut
+        if walk.writer is not None and wire_out is not None and tmp is not None:
+            listed: Iterable[WireShard] = _store_wire(walk, walk.writer, wire_out, Path(tmp.name) / "wire.jsonl")
         else:
-            listed = shards()
-        sent = enqueue.publish_shards(
+            listed = walk.shards()
+        return enqueue.publish_shards(
             app,
             client,
-            job_spec,
+            walk.job_spec,
             queue,
             listed,
             store=owner,
             front=front,
             force=lost,
             push=push,
-            park=held is not None,
+            park=park,
             pending=not (front or lost),
-            priority=priority,
-            share=share,
+            priority=rank[0],
+            share=rank[1],
         )
     finally:
         if wire_out is not None:
             wire_out.close()
         if tmp is not None:
             tmp.cleanup()
-    if push and held is None:
-        # A shard its worker handed on to a later segment while Redis had lost the job (a restart between the
-        # segment's end and this registration) is in that segment's pending list, but its release found no
-        # template then and put the job in no rotation: every segment with pending shards is fed from here,
-        # not from the audit's second look a minute on (issue 45: no pending shard of a live job left unfed).
-        _, rotated = strays.rehome(client, job, [])
-        later = keys.text(client.hget(keys.job(job), "segments") or b"")
-        for each in [queue, *(q for q in later.split(",") if q)] if sent or rotated else []:
-            Feeder(client).feed(each)
-    if held is not None:
-        cancelmarks.hold(client, job, held)  # cancelled again: its field, and anything pushed meanwhile out
-    return ResumeReport(job, job_spec.total, len(images), len(quarantined - images), sent, not known, missing)
+
+
+def _store_wire(walk: _ShardWalk, writer: shardfile.WireWriter, wire_out: IO[bytes], path: Path) -> list[WireShard]:
+    """The whole prompt file walked before any shard is fed (the feeder reads the wire file), the wire
+    file and its index stored; returns the shards walked."""
+    job = walk.job_spec.job
+    cut = list(walk.shards())
+    wire_out.close()
+    walk.store.put_file(spec.wire_key(job), path)
+    walk.store.put(spec.wire_index_key(job), writer.index())
+    return cut
+
+
+def _feed_segments(client: redis.Redis, job: str, queue: str, sent: int) -> None:
+    """Step 7 of :func:`resume`: feed the job's queue and every later segment's, when anything was sent or rotated.
+
+    A shard its worker handed on to a later segment while Redis had lost the job (a restart between the
+    segment's end and this registration) is in that segment's pending list, but its release found no
+    template then and put the job in no rotation: every segment with pending shards is fed from here,
+    not from the audit's second look a minute on (issue 45: no pending shard of a live job left unfed)."""
+    _, rotated = strays.rehome(client, job, [])
+    later = keys.text(client.hget(keys.job(job), "segments") or b"")
+    for each in [queue, *(q for q in later.split(",") if q)] if sent or rotated else []:
+        Feeder(client).feed(each)

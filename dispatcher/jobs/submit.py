@@ -346,16 +346,13 @@ def submit(
     ``wire``: the wire file pass 1 wrote as it validated (``validate_file``'s
     ``sink``), and its writer: the file is then not read a second time.
     """
+    # 1. Check the options, the prices a budget needs and the file (pass 1, unless the caller ran it).
     started = time.perf_counter()
     check_options(opts)
-    prices_.publish_prices(client, store.url, prices or {})
-    if opts.budget is not None:
-        prices = {**prices_.published_prices(client, store.url), **(prices or {})}
-        pools = [segment.pool for segment in stages.segments(opts.params.stages, opts.pool)]
-        if why := budget.unpriced_problem(opts.budget, pools, prices):
-            raise InputError([why])
+    prices = _priced(client, store, opts, prices)
     if summary is None:
         summary = prompts.validate_file(path, format=opts.format)
+    # 2. The job's id, and a message of it that fits the broker.
     owner = store_identity(store.url)
     job = opts.job or job_id(summary.digest, opts.params, owner)
     check_message_size(
@@ -364,44 +361,96 @@ def submit(
         queue,
         owner,
     )
-
+    # 3. A job the store holds already is resumed, not submitted again.
     existing = store.get(spec.spec_key(job), max_bytes=MAX_SPEC_BYTES)
     if existing is not None:
-        from dispatcher.jobs.resume import resume
-
-        known = JobSpec.from_json(existing)
-        if known.total != summary.total or known.params != opts.params or (known.digest and known.digest != summary.digest):
-            raise InputError(
-                [f"{path}: job {job} exists with other prompts or settings; choose another --job or leave it out"]
-            )
-        if why := kept_setting_problem(known, opts):
-            raise InputError([why])
-        if opts.min_vram and opts.min_vram != known.min_vram:
-            # Applied, not kept: a job that asks for a card no worker has is fixed by a resubmit.  The stored
-            # spec first, as resume registers the job from it (the field workers read at accept; the feeder
-            # holds the job against it at its next feed: renderfleet/lua/feed.lua).
-            known = replace(known, min_vram=opts.min_vram)
-            store.put(spec.spec_key(job), known.to_json().encode(), content_type="application/json")
-        report = resume(
-            job,
-            store=store,
-            app=app,
-            client=client,
-            queue=queue,
-            uncancel=True,
-            priority=opts.priority,
-            share=opts.share,
-            budget=opts.budget,
-            prices=prices,
-        )
-        return SubmitResult(job, summary.total, report.shards_enqueued, False, time.perf_counter() - started)
-
-    enqueue.check_owner(client, job, owner)
-    # A new life of the job's name: whatever an earlier one left in Redis or the store is ended and
+        sent = _resubmit(path, opts, job, summary, existing, store=store, app=app, client=client, queue=queue, prices=prices)
+        return SubmitResult(job, summary.total, sent, False, time.perf_counter() - started)
+    # 4. A new life of the job's name: whatever an earlier one left in Redis or the store is ended and
     # gone first, and every lease of it fenced (docs/design.md, "A job's lives").
+    enqueue.check_owner(client, job, owner)
     lifecycle.end_life(job, store=store, client=client)
+    job_spec = _new_spec(path, opts, job, summary, source)
+    enqueue.register_job(client, job_spec, queue, owner, fresh=True)
+    _set_budget(client, store, job, opts.budget, prices)
+    # 5. Its files stored and its shards published; then fed, and its spec stored last.
+    sent = _store_and_publish(path, job_spec, wire, store=store, app=app, client=client, queue=queue, owner=owner)
+    enqueue.start_feeding(app, client, job_spec, queue, store=owner)
+    store.put(spec.spec_key(job), job_spec.to_json().encode(), content_type="application/json")
+    enqueue.mark_stored(client, job)
+    return SubmitResult(job, job_spec.total, sent, True, time.perf_counter() - started)
+
+
+def _priced(
+    client: redis.Redis, store: Store, opts: SubmitOptions, prices: dict[str, float] | None
+) -> dict[str, float] | None:
+    """Publish the submitter's ``prices`` for the fleet; returns the prices the job is counted at: for a job
+    with a budget, the fleet's published ones overridden by ``prices`` (InputError unless its pool and stage
+    pools each have one), else ``prices`` as given."""
+    prices_.publish_prices(client, store.url, prices or {})
+    if opts.budget is not None:
+        prices = {**prices_.published_prices(client, store.url), **(prices or {})}
+        pools = [segment.pool for segment in stages.segments(opts.params.stages, opts.pool)]
+        if why := budget.unpriced_problem(opts.budget, pools, prices):
+            raise InputError([why])
+    return prices
+
+
+def _set_budget(client: redis.Redis, store: Store, job: str, cap: float | None, prices: dict[str, float] | None) -> None:
+    """A new job's budget (``cap``; none: nothing): set before any shard is fed (its first batch is checked),
+    with the prices its spend is counted at; and kept where a Redis that loses its memory finds them."""
+    if cap is not None:
+        budget.set_budget(client, job, cap, prices or {})
+        budget.save(store, job, budget.Record(budget=cap, prices=budget.pinned(prices or {})))
+
+
+def _resubmit(
+    path: str,
+    opts: SubmitOptions,
+    job: str,
+    summary: prompts.FileSummary,
+    existing: bytes,
+    *,
+    store: Store,
+    app: Celery,
+    client: redis.Redis,
+    queue: str,
+    prices: dict[str, float] | None,
+) -> int:
+    """Submit of a job the store holds (``existing``: its spec): the same prompts and kept settings, or
+    InputError; then resumed, continuing it if cancelled.  Returns the shards enqueued."""
+    from dispatcher.jobs.resume import resume
+
+    known = JobSpec.from_json(existing)
+    if known.total != summary.total or known.params != opts.params or (known.digest and known.digest != summary.digest):
+        raise InputError([f"{path}: job {job} exists with other prompts or settings; choose another --job or leave it out"])
+    if why := kept_setting_problem(known, opts):
+        raise InputError([why])
+    if opts.min_vram and opts.min_vram != known.min_vram:
+        # Applied, not kept: a job that asks for a card no worker has is fixed by a resubmit.  The stored
+        # spec first, as resume registers the job from it (the field workers read at accept; the feeder
+        # holds the job against it at its next feed: renderfleet/lua/feed.lua).
+        known = replace(known, min_vram=opts.min_vram)
+        store.put(spec.spec_key(job), known.to_json().encode(), content_type="application/json")
+    report = resume(
+        job,
+        store=store,
+        app=app,
+        client=client,
+        queue=queue,
+        uncancel=True,
+        priority=opts.priority,
+        share=opts.share,
+        budget=opts.budget,
+        prices=prices,
+    )
+    return report.shards_enqueued
+
+
+def _new_spec(path: str, opts: SubmitOptions, job: str, summary: prompts.FileSummary, source: str | None) -> JobSpec:
+    """The spec of a new life of ``job``: its settings, its prompt file's key and digest, a new life id."""
     fmt, gzipped = prompts.detect_format(path)
-    job_spec = JobSpec(
+    return JobSpec(
         job=job,
         params=opts.params,
         total=summary.total,
@@ -419,14 +468,23 @@ def submit(
         webhook=opts.webhook,
         min_vram=opts.min_vram,
     )
-    enqueue.register_job(client, job_spec, queue, owner, fresh=True)
-    if opts.budget is not None:
-        # Before any shard is fed (its first batch is checked), with the prices its spend is counted at; and
-        # kept where a Redis that loses its memory finds them.
-        budget.set_budget(client, job, opts.budget, prices or {})
-        budget.save(store, job, budget.Record(budget=opts.budget, prices=budget.pinned(prices or {})))
-    # The uploads (network or disk, the GIL released) overlap pass 2 and the publishing; the
-    # feeder takes the job only once its wire file is stored (a worker reads its shards there).
+
+
+def _store_and_publish(
+    path: str,
+    job_spec: JobSpec,
+    wire: tuple[Path, shardfile.WireWriter] | None,
+    *,
+    store: Store,
+    app: Celery,
+    client: redis.Redis,
+    queue: str,
+    owner: str,
+) -> int:
+    """Upload the prompt file, the wire file and its index while the shards are published (not fed);
+    returns how many were.  The uploads (network or disk, the GIL released) overlap pass 2 and the
+    publishing; the feeder takes the job only once its wire file is stored (a worker reads its shards there)."""
+    job = job_spec.job
     with (
         tempfile.TemporaryDirectory(prefix="rf-wire-") as tmp,
         ThreadPoolExecutor(max_workers=2, thread_name_prefix="rf-upload") as pool,
@@ -446,10 +504,7 @@ def submit(
         sent = enqueue.publish_shards(app, client, job_spec, queue, wire_shards(job_spec, cut), store=owner, feed=False)
         for done in uploads:
             done.result()
-    enqueue.start_feeding(app, client, job_spec, queue, store=owner)
-    store.put(spec.spec_key(job), job_spec.to_json().encode(), content_type="application/json")
-    enqueue.mark_stored(client, job)
-    return SubmitResult(job, job_spec.total, sent, True, time.perf_counter() - started)
+    return sent
 
 
 def wire_shards(job_spec: JobSpec, cut: Iterable[tuple[int, int]]) -> Iterator[WireShard]:

@@ -504,57 +504,133 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
     (spec_json, unaccounted, failure, name, carried, pinned, *capped), states, left, stats, progress, attempts = body
-    if (
-        (total is not None or deleted is not None)
-        and store is not None
-        and owner
-        and keys.text(owner) != store_identity(store.url)
-    ):
-        raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store {keys.text(owner)})")
+    # 1. A job of another store, deleted, or only in the store.
+    if (total is not None or deleted is not None) and store is not None and owner:
+        _check_store(job, owner, store)
     if total is None:
         if deleted is not None:
             raise JobDeleted(job, float(deleted), keys.text(reason))
         if store is None:
             raise JobNotFound(f"no job {job} in Redis")
-        job_spec = load_spec(store, job)
-        images = stored_names(store, job, "images")
-        # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
-        quarantined = stored_names(store, job, "quarantine") - images
-        return JobStatus(
-            job,
-            job_spec.total,
-            len(images),
-            len(quarantined),
-            0,
-            0,
-            job_spec.shards,
-            0,
-            0,
-            False,
-            _megapixel_steps(job_spec.params.to_dict()),
-            cancelled=lifecycle.cancelled_at(client, store, job),
-            stages=planned(job_spec.params.to_dict()),
-            priority=job_spec.priority,
-            share=job_spec.share,
-            unaccounted=len(images),  # no account at all: Redis does not know the job
-            name=job_spec.name,
-            submitted=job_spec.created or None,
-            **_rendered(job_spec.params.to_dict()),
-        )
-    queued = running = shards_queued = shards_running = pending = shards_pending = 0
-    for shard, state in states.items():
-        if keys.text(state) == ShardState.CANCELLED:
-            continue  # parked: in no queue and not leased, until the job is resumed
-        n = _int(left.get(shard), keys.left(job))
-        if keys.text(state) in (ShardState.QUEUED, ShardState.PENDING):
-            queued += n  # waiting for a worker: in a queue, or pending for the feeder
-            shards_queued += 1
-            if keys.text(state) == ShardState.PENDING:
-                pending += n
-                shards_pending += 1
-        else:
-            running += n
-            shards_running += 1
+        return _store_only_state(client, job, store)
+    # 2. Its shards' states, then its spec as registered.
+    shards = _ShardCounts.of(job, states, left)
+    registered, figures = _registered(job, spec_json)
+    # 3. Its counters.
+    result = JobStatus(
+        job,
+        _int(total, f"{keys.job(job)} total"),
+        _int(done),
+        _int(failed),
+        shards.queued,
+        shards.running,
+        figures.shards,
+        shards.shards_queued,
+        shards.shards_running,
+        True,
+        figures.mpsteps,
+        pending=shards.pending,
+        shards_pending=shards.shards_pending,
+        priority=_ranked(priority, "priority", registered, keys.job(job)),
+        share=_ranked(share, "share", registered, keys.job(job)),
+        queue=keys.text(queue),
+        unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
+        stages=figures.staged,
+        **_named(name, registered, keys.job(job)),
+        **figures.rendered,
+    )
+    # 4. Its progress, then its cancel, failure and budget.
+    where = keys.attempts(job)
+    numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
+    _add_progress(result, counter_hash(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
+    if cancelled is not None:
+        result.cancelled, result.eta_seconds = float(cancelled), None
+    if failure is not None:
+        result.failure = keys.text(failure)
+    _add_budget(result, capped, carried, pinned)
+    if result.state == "failed":
+        result.eta_seconds = None  # no rate will finish it
+    return result
+
+
+def _check_store(job: str, owner: Any, store: Store) -> None:
+    """JobNotFound when this Redis counts the job for another store than ``store`` (``owner``: the one it names)."""
+    if keys.text(owner) != store_identity(store.url):
+        raise JobNotFound(f"job {job} is not in store {store.url} (this Redis counts it for store {keys.text(owner)})")
+
+
+def _store_only_state(client: redis.Redis, job: str, store: Store) -> JobStatus:
+    """The figures of a job Redis does not know, counted from the store (its spec and listings)."""
+    job_spec = load_spec(store, job)
+    images = stored_names(store, job, "images")
+    # An image wins over a quarantine record (a stale worker's): never count a prompt twice.
+    quarantined = stored_names(store, job, "quarantine") - images
+    return JobStatus(
+        job,
+        job_spec.total,
+        len(images),
+        len(quarantined),
+        0,
+        0,
+        job_spec.shards,
+        0,
+        0,
+        False,
+        _megapixel_steps(job_spec.params.to_dict()),
+        cancelled=lifecycle.cancelled_at(client, store, job),
+        stages=planned(job_spec.params.to_dict()),
+        priority=job_spec.priority,
+        share=job_spec.share,
+        unaccounted=len(images),  # no account at all: Redis does not know the job
+        name=job_spec.name,
+        submitted=job_spec.created or None,
+        **_rendered(job_spec.params.to_dict()),
+    )
+
+
+@dataclass
+class _ShardCounts:
+    """A job's prompts and shards by state, from its shards' states and prompts left (``keys.shards``, ``keys.left``)."""
+
+    queued: int = 0  # waiting for a worker: in a queue, or pending for the feeder
+    running: int = 0
+    shards_queued: int = 0
+    shards_running: int = 0
+    pending: int = 0
+    shards_pending: int = 0
+
+    @classmethod
+    def of(cls, job: str, states: dict[Any, Any], left: dict[Any, Any]) -> _ShardCounts:
+        counts = cls()
+        for shard, state in states.items():
+            if keys.text(state) == ShardState.CANCELLED:
+                continue  # parked: in no queue and not leased, until the job is resumed
+            n = _int(left.get(shard), keys.left(job))
+            if keys.text(state) in (ShardState.QUEUED, ShardState.PENDING):
+                counts.queued += n
+                counts.shards_queued += 1
+                if keys.text(state) == ShardState.PENDING:
+                    counts.pending += n
+                    counts.shards_pending += 1
+            else:
+                counts.running += n
+                counts.shards_running += 1
+        return counts
+
+
+@dataclass(frozen=True)
+class _SpecFigures:
+    """What a job's spec as registered gives its status: shards, work per image, stages and settings."""
+
+    shards: int
+    mpsteps: float
+    staged: list[StageStatus] | None
+    rendered: dict[str, Any]
+
+
+def _registered(job: str, spec_json: Any) -> tuple[dict[str, Any], _SpecFigures]:
+    """The job's spec as registered (its hash's ``spec``; {} when absent or malformed) and its figures,
+    each part that is malformed skipped (logged once) and left at its default."""
     registered = (json_object(spec_json, f"{keys.job(job)} spec") if spec_json else None) or {}
     try:
         shards = -(-int(registered.get("total", 0)) // int(registered.get("shard_size", 1)))
@@ -574,43 +650,18 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     except (ValueError, TypeError, AttributeError):
         malformed(f"{keys.job(job)} spec", spec_json, "not a job's settings")
         rendered = {}
-    result = JobStatus(
-        job,
-        _int(total, f"{keys.job(job)} total"),
-        _int(done),
-        _int(failed),
-        queued,
-        running,
-        shards,
-        shards_queued,
-        shards_running,
-        True,
-        mpsteps,
-        pending=pending,
-        shards_pending=shards_pending,
-        priority=_ranked(priority, "priority", registered, keys.job(job)),
-        share=_ranked(share, "share", registered, keys.job(job)),
-        queue=keys.text(queue),
-        unaccounted=_int(unaccounted, f"{keys.job(job)} unaccounted"),
-        stages=staged,
-        **_named(name, registered, keys.job(job)),
-        **rendered,
-    )
-    where = keys.attempts(job)
-    numbers = [n for n in (_count(a, where) for a in attempts) if n is not None]
-    _add_progress(result, counter_hash(stats, keys.job_stats(job)), progress, numbers, where=keys.progress(job))
-    if cancelled is not None:
-        result.cancelled, result.eta_seconds = float(cancelled), None
-    if failure is not None:
-        result.failure = keys.text(failure)
+    return registered, _SpecFigures(shards, mpsteps, staged, rendered)
+
+
+def _add_budget(result: JobStatus, capped: list[Any], carried: Any, pinned: Any) -> None:
+    """The job's budget fields (``renderfleet/budget.py``): its cap, when it was reached and its spend then,
+    its spend carried from before this Redis took it back, and the prices pinned for it."""
+    job = result.job
     result.budget, result.budget_reached, result.budget_spent = (
         _money_field(raw, f"{keys.job(job)} {field}") for raw, field in zip(capped, budget.FIELDS, strict=True)
     )
     result.budget_carried = _money_field(carried, f"{keys.job(job)} {budget.CARRIED}") or 0.0
     result.budget_prices = budget.read_prices(pinned)
-    if result.state == "failed":
-        result.eta_seconds = None  # no rate will finish it
-    return result
 
 
 def _named(raw: Any, registered: dict[str, Any], where: str) -> dict[str, Any]:
@@ -857,6 +908,38 @@ def fleet_status(
     tag = store_tag(store.url)
     workers = store_workers(client, store)
     status = FleetStatus(store=store_identity(store.url))
+    # 1. Its live workers and its pools' counters.
+    _add_workers(client, status, workers)
+    _add_pools(client, status, tag)
+    # 2. Its jobs and their queues: every job's first reads at once (its store, its queue and whether it is
+    # finished) when none are named.
+    heads, mine = _every_job(client, store, fold_finished) if jobs is None else ({}, _jobs_and_queues(client, store))
+    status.queues = queue_depths(client, store, mine[0], workers, job_queues=mine[2])
+    named = jobs is not None
+    jobs = _jobs_shown(client, store, status, jobs, mine, with_store_only=with_store_only)
+    # 3. The fleet's speed and prices, and what its pools' time cost.
+    status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
+    status.prices = {**published_prices(client, store.url), **(prices or {})}
+    status.pool_gpu_time = {pool: gpu_time(s) for pool, s in sorted(status.pools.items()) if any(gpu_time(s).values())}
+    status.pool_costs = pool_costs(status.pools, status.prices)
+    status.cards = card_rows(status.workers, status.prices)  # from what is read already: no more reads
+    # 4. Each job's figures, and its share of the fleet's backlog.
+    states, status.folded = job_statuses(client, jobs, store=store, fold_finished=fold_finished, heads=heads)
+    for job_state in states:
+        read_more = reasons if reasons is not None else named
+        _add_job(client, store, workers, status, job_state, read_more=read_more, served=served)
+    # 5. What the fleet holds beside its jobs.
+    status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
+    status.gpus_per_node = published_gpus_per_node(client, store.url)
+    status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
+    status.redis = redis_load(client)
+    status.nodes = with_live_workers(read_nodes(client, status.store), status.workers)
+    status.undelivered = undelivered(client, set(jobs))
+    return status
+
+
+def _add_workers(client: redis.Redis, status: FleetStatus, workers: dict[str, dict[str, Any]]) -> None:
+    """Each live worker, with its counters (one whose counters are not in UTF-8 is skipped, logged once)."""
     for worker_id, info in sorted(workers.items()):
         try:
             stats = {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.worker_stats(worker_id)).items()}
@@ -864,21 +947,40 @@ def fleet_status(
             malformed(f"{keys.worker_stats(worker_id)}", worker_id, "its counters not in UTF-8")
             continue
         status.workers.append({**info, **stats})
+
+
+def _add_pools(client: redis.Redis, status: FleetStatus, tag: str) -> None:
+    """The counters of each pool of the store (``tag``: its tag in the keys)."""
     prefix = keys.pool_stats_prefix(tag)
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         name = key.decode(errors="replace") if isinstance(key, bytes) else key  # a pool's name is shown as it is
         status.pools[name[len(prefix) :]] = counter_hash(client.hgetall(key), name)
-    heads: dict[str, list[Any]] = {}
-    if jobs is None:  # every job's first reads at once: its store, its queue and whether it is finished
-        every = sorted(keys.text(j) for j in client.smembers(keys.JOBS))
-        heads = _read_heads(client, every, fold=fold_finished)
-        ours = store_identity(store.url)
-        owned = [job for job in every if keys.text(heads[job][0][1]) in ("", ours)]
-        mine = (owned, len(every) - len(owned), {keys.text(heads[job][0][7]) for job in owned})
-    else:
-        mine = _jobs_and_queues(client, store)
-    status.queues = queue_depths(client, store, mine[0], workers, job_queues=mine[2])
-    named = jobs is not None
+
+
+def _every_job(
+    client: redis.Redis, store: Store, fold_finished: bool
+) -> tuple[dict[str, list[Any]], tuple[list[str], int, set[str]]]:
+    """Every job's first reads (:func:`_read_heads`), and :func:`_jobs_and_queues` from them: the jobs of
+    ``store``, how many are another store's, and the queues of ``store``'s."""
+    every = sorted(keys.text(j) for j in client.smembers(keys.JOBS))
+    heads = _read_heads(client, every, fold=fold_finished)
+    ours = store_identity(store.url)
+    owned = [job for job in every if keys.text(heads[job][0][1]) in ("", ours)]
+    return heads, (owned, len(every) - len(owned), {keys.text(heads[job][0][7]) for job in owned})
+
+
+def _jobs_shown(
+    client: redis.Redis,
+    store: Store,
+    status: FleetStatus,
+    jobs: list[str] | None,
+    mine: tuple[list[str], int, set[str]],
+    *,
+    with_store_only: bool,
+) -> list[str]:
+    """The jobs to show: the named ``jobs``, each checked (deleted: :class:`JobDeleted`; not in the store:
+    :class:`JobNotFound`), or ``mine``'s (every job of the store Redis knows), with those only the store's
+    listing shows when ``with_store_only``; those then recorded in ``status.known``."""
     if jobs is None:
         jobs, status.other_stores = list(mine[0]), mine[1]
         # ...and those the store holds that this Redis forgot (counted from the store).
@@ -889,32 +991,33 @@ def fleet_status(
             if (gone := lifecycle.deleted(client, job)) is not None:
                 raise gone
             check_in_store(store, job)
-    status.seconds_per_mpstep = seconds_per_mpstep(status.pools)
-    status.prices = {**published_prices(client, store.url), **(prices or {})}
-    status.pool_gpu_time = {pool: gpu_time(s) for pool, s in sorted(status.pools.items()) if any(gpu_time(s).values())}
-    status.pool_costs = pool_costs(status.pools, status.prices)
-    status.cards = card_rows(status.workers, status.prices)  # from what is read already: no more reads
-    states, status.folded = job_statuses(client, jobs, store=store, fold_finished=fold_finished, heads=heads)
-    for job_state in states:
-        job = job_state.job
-        job_state.backlog_seconds = job_state.to_render * job_state.megapixel_steps * status.seconds_per_mpstep
-        price(job_state, status.prices)
-        if reasons if reasons is not None else named:
-            job_state.failure_reasons = failure_reasons(client, job)
-            job_state.bytes_per_image = mean_bytes(stored_image_sizes(store, job, SIZE_SAMPLE))
-        if served and job_state.to_render and (why := unserved(client, store, workers, job)):
-            job_state.unserved, job_state.unserved_note, job_state.waiting = why
-        status.backlog_seconds += job_state.backlog_seconds
-        if job_state.shards_pending and job_state.cancelled is None:
-            status.pending[job_state.queue] = status.pending.get(job_state.queue, 0) + job_state.shards_pending
-        status.jobs.append(job_state)
-    status.desired = {k: v for k, v in counter_hash(client.hgetall(keys.desired(tag)), keys.desired(tag)).items() if k}
-    status.gpus_per_node = published_gpus_per_node(client, store.url)
-    status.reaped = _count(client.hget(keys.FLEET_STATS, "reaped") or 0, f"{keys.FLEET_STATS} reaped") or 0
-    status.redis = redis_load(client)
-    status.nodes = with_live_workers(read_nodes(client, status.store), status.workers)
-    status.undelivered = undelivered(client, set(jobs))
-    return status
+    return jobs
+
+
+def _add_job(
+    client: redis.Redis,
+    store: Store,
+    workers: dict[str, dict[str, Any]],
+    status: FleetStatus,
+    job_state: JobStatus,
+    *,
+    read_more: bool,
+    served: bool,
+) -> None:
+    """One job's figures added to the fleet's: its backlog and cost; with ``read_more`` its failure
+    reasons and bytes per image; with ``served`` whether a worker serves it; its pending shards."""
+    job = job_state.job
+    job_state.backlog_seconds = job_state.to_render * job_state.megapixel_steps * status.seconds_per_mpstep
+    price(job_state, status.prices)
+    if read_more:
+        job_state.failure_reasons = failure_reasons(client, job)
+        job_state.bytes_per_image = mean_bytes(stored_image_sizes(store, job, SIZE_SAMPLE))
+    if served and job_state.to_render and (why := unserved(client, store, workers, job)):
+        job_state.unserved, job_state.unserved_note, job_state.waiting = why
+    status.backlog_seconds += job_state.backlog_seconds
+    if job_state.shards_pending and job_state.cancelled is None:
+        status.pending[job_state.queue] = status.pending.get(job_state.queue, 0) + job_state.shards_pending
+    status.jobs.append(job_state)
 
 
 # ---- events not delivered (dispatcher/events/events.py keeps them) ------------------
