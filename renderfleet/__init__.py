@@ -12,7 +12,6 @@ model load, no thread, no torch (see tests/unit/test_imports.py).
 """
 
 from renderfleet.api import Client, Job, PromptRequest
+from renderfleet.version import __version__
 
 __all__ = ["Client", "Job", "PromptRequest", "__version__"]
-
-__version__ = "0.1.0"

@@ -38,6 +38,23 @@ app = typer.Typer(
 EXIT_INPUT = 2
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from renderfleet import __version__
+
+        print(f"renderfleet {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print renderfleet's version and exit.", is_eager=True, callback=_print_version
+    ),
+) -> None:
+    """Render one image per prompt on a fleet of GPU workers, each exactly once."""
+
+
 def _err(text: str) -> None:
     print(text, file=sys.stderr)
 

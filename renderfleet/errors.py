@@ -38,6 +38,9 @@ Three classes of trouble, each with its own budget:
   the shard goes back to pending, which the feeder feeds only while a live worker's card
   qualifies (``renderfleet/lua/feed.lua``).  A message that is not the shard's own (a copy)
   goes back to its queue instead (:class:`NotThisCard`).
+* **a message of a newer format** (:class:`NewerFormat`): a dispatcher upgraded before its workers
+  queued a shard message this worker cannot read (``renderfleet/formats.py``).  Nothing claimed or
+  counted: back to its queue, with one line saying to upgrade the workers first.
 * **a job's stored prompts** (:class:`WireError`): its wire file or index in
   the store is not what submit wrote (forged or damaged bytes: offsets past
   the file, out of order, a line that is not JSON).  The shard is rejected with
@@ -96,6 +99,12 @@ class NotThisCard(TransientError):
     is not its shard's own (whose shard goes back to pending instead): it goes back to the queue, unclaimed,
     for a worker whose card qualifies (renderfleet/cards.py).  Never a failure of the job, its prompts or
     the worker."""
+
+
+class NewerFormat(TransientError):
+    """A shard message of a format newer than this worker reads (``renderfleet/formats.py``): written by a
+    dispatcher upgraded before its workers.  Not claimed, not counted, not a failure: it goes back to its
+    queue for a worker that reads it, and the worker's one log line says to upgrade the workers first."""
 
 
 class StoreError(TransientError):

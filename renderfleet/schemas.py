@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, ClassVar, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from renderfleet import formats
 
 log = logging.getLogger("renderfleet.schemas")
 
@@ -45,9 +47,16 @@ Positive = Annotated[int, Field(ge=1, le=2**31)]  # a size, a batch: at least on
 
 
 class Record(BaseModel):
-    """A record read back from the store: strict types, unknown fields kept out of the way."""
+    """A record read back from the store: strict types, unknown fields kept out of the way.
+
+    Each names its format (``renderfleet/formats.py``): ``format`` as written, :data:`formats.FIRST`
+    when absent (a record of a release before the numbers); :attr:`FORMAT` is what this release
+    writes and reads up to, and :func:`read` refuses a newer one as absent, in one line."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    FORMAT: ClassVar[int] = formats.FIRST
+    format: Annotated[int, Field(ge=1, le=2**31)] = formats.FIRST
 
 
 class Checkpoint(Record):
@@ -56,6 +65,8 @@ class Checkpoint(Record):
     ``done`` and ``quarantined`` decide what a later delivery skips (checked against the store's
     listing there); the rest is what ``dispatcher/jobs/records.py`` reports of each prompt.
     """
+
+    FORMAT: ClassVar[int] = formats.CHECKPOINT
 
     job: str = ""
     shard: Count = 0
@@ -80,6 +91,8 @@ class Budget(Record):
     """A job's budget as the store keeps it (``spec.budget_key``; ``renderfleet/budget.py`` writes it:
     at submit, by ``resume --budget`` and by the monitor).  Read back when a Redis lost the job."""
 
+    FORMAT: ClassVar[int] = formats.BUDGET
+
     job: str = ""
     budget: Annotated[float, Field(gt=0, allow_inf_nan=False)]
     spent: Money = 0.0  # its spend last known, over all its Redis lives
@@ -89,6 +102,8 @@ class Budget(Record):
 
 class CancelMark(Record):
     """A job's cancel marker (``spec.cancelled_key``; ``dispatcher/jobs/lifecycle.py`` writes it): when."""
+
+    FORMAT: ClassVar[int] = formats.CANCEL
 
     job: str = ""
     cancelled: Finite
@@ -104,14 +119,16 @@ def _adapter(kind: type[Any]) -> TypeAdapter[Any]:
 
 def read(model: type[T], data: bytes | str | None, where: str) -> T | None:
     """``data`` as a ``model`` record (a :class:`Record`, or a dataclass that is already the record's one
-    definition, read strictly by its annotations), or None: absent (no bytes), or malformed, said in one
-    WARNING line naming ``where`` (its key) and the first thing wrong, never raised."""
+    definition, read strictly by its annotations), or None: absent (no bytes), malformed, or of a format
+    newer than the model's ``FORMAT`` (``renderfleet/formats.py``), said in one WARNING line naming
+    ``where`` (its key) and the first thing wrong, never raised."""
     if not data:
         return None
     try:
         if issubclass(model, BaseModel):
-            return model.model_validate_json(data)  # type: ignore[return-value]
-        return cast(T, _adapter(cast(Any, model)).validate_json(data, strict=True))
+            record: T = model.model_validate_json(data)  # type: ignore[assignment]
+        else:
+            record = cast(T, _adapter(cast(Any, model)).validate_json(data, strict=True))
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         at = ".".join(map(str, first.get("loc", ()))) or "the record"
@@ -123,3 +140,8 @@ def read(model: type[T], data: bytes | str | None, where: str) -> T | None:
             str(first.get("msg", ""))[:200],
         )
         return None
+    number, known = getattr(record, formats.KEY, formats.FIRST), getattr(model, "FORMAT", formats.FIRST)
+    if why := formats.newer(where[:300], number, known, "this worker or monitor"):
+        log.warning("skipping %s", why)  # as absent: each record's reader has that fallback
+        return None
+    return record

@@ -39,7 +39,7 @@ from typing import Any
 
 import pydantic_core
 
-from renderfleet import families, stages
+from renderfleet import families, formats, stages
 from renderfleet.errors import BadRecord, WireError
 from renderfleet.limits import (  # those unused here re-exported: the names every reader knows spec by
     BENCH_FORM,  # noqa: F401
@@ -55,7 +55,7 @@ from renderfleet.limits import (  # those unused here re-exported: the names eve
 from renderfleet.limits import text_problem as _text_problem
 from renderfleet.samplers import scheduler_problem
 
-SPEC_VERSION = 1
+SPEC_VERSION = formats.SPEC  # spec.json's and the registration's ``version``
 
 # A name is a prompt's key segment under images/: its id, or its index.
 MAX_NAME_LEN = 200
@@ -846,6 +846,8 @@ def message_head(job: JobSpec, queue: str, store: str = "", segment: int = 0) ->
     }
     if segment:
         data["segment"] = segment
+    if formats.MESSAGE != formats.FIRST:  # format 1 names itself by saying nothing: the bytes release 0.4.0 reads
+        data[formats.KEY] = formats.MESSAGE
     return json.dumps(data, separators=(",", ":"))[:-1]
 
 
@@ -869,7 +871,8 @@ def message_encoder(job: JobSpec, queue: str, store: str = "") -> Callable[[int]
 # ``renderfleet.<pool>.<store_tag>``).  A queue named by an older version (no store tag) is refused.
 _QUEUE_RE = re.compile(r"renderfleet\.[a-z0-9][a-z0-9_-]{0,39}\.[0-9a-f]{12}")
 MAX_SEGMENT = 4  # a job's segments past the first: at most one per stage (renderfleet.stages.MAX_STAGES)
-_MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "count")  # and "store", optional
+_MESSAGE_KEYS = ("job", "shard", "params", "batch_size", "queue", "first", "count")
+_MESSAGE_OPTIONAL = ("store", "segment", formats.KEY)  # the format: absent while 1 (renderfleet/formats.py)
 _WIRE_FIELDS = {f.wire: f for f in PROMPT_FIELDS}  # the keys of a prompt with fields on the wire
 _PARAM_FIELDS = {
     f.name: f for f in FIELDS if f.kind in ("int", "number", "word", "loras", "stages")
@@ -903,6 +906,13 @@ def _field_problems(where: str, values: dict[str, Any], fields: dict[str, Field]
     return [f"{where}: {why}" for key, f in fields.items() if key in values and (why := _value_problem(f, values[key]))]
 
 
+def newer_message(data: Any) -> str | None:
+    """The one line refusing a decoded shard message of a format newer than this release reads
+    (``renderfleet/formats.py``), or None: the worker raises it as ``NewerFormat`` (back to its queue),
+    before :func:`message_problems`, which would reject it for good."""
+    return formats.newer("this shard message", formats.found(data), formats.MESSAGE, "the workers")
+
+
 def message_problems(data: Any) -> list[str]:
     """Why a decoded shard message cannot be rendered, by the rules submit applies
     (:data:`FIELDS`, :data:`INT_LIMITS`, :func:`job_id_problem`); empty when it can.
@@ -912,7 +922,7 @@ def message_problems(data: Any) -> list[str]:
     """
     if not isinstance(data, dict):
         return [f"a shard message is a JSON object, not {type(data).__name__}"]
-    problems = [f"unknown field {key!r}" for key in sorted(set(data) - {*_MESSAGE_KEYS, "store", "segment"})]
+    problems = [f"unknown field {key!r}" for key in sorted(set(data) - {*_MESSAGE_KEYS, *_MESSAGE_OPTIONAL})]
     missing = [key for key in _MESSAGE_KEYS if key not in data]
     if missing:
         return [*problems, f"missing field(s) {', '.join(missing)}"]
@@ -930,6 +940,8 @@ def message_problems(data: Any) -> list[str]:
         problems.append("store: must be a string")
     if not _is_int(data.get("segment", 0)) or not 0 <= data.get("segment", 0) <= MAX_SEGMENT:
         problems.append(f"segment: must be a whole number from 0 to {MAX_SEGMENT}")
+    if not _is_int(number := formats.found(data)) or not formats.FIRST <= number <= formats.MESSAGE:
+        problems.append(f"format: must be a whole number from {formats.FIRST} to {formats.MESSAGE}")
     if bad := params_problems(data["params"]):
         return [*problems, *bad]
     high = INT_LIMITS["shard_size"][1]

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from renderfleet import families, limits, stages
+from renderfleet import families, formats, limits, stages
 from renderfleet.limits import bench_seconds
 from renderfleet.spec import fleet_key
 from renderfleet.stages import Stage
@@ -138,6 +138,7 @@ class SpeedRecord:
                 "updated": self.updated,
                 "production": self.production,
                 "bench": self.bench,
+                formats.KEY: formats.SPEED,  # read back as absent when newer (renderfleet/formats.py)
             }
         ).encode()
 
@@ -148,6 +149,8 @@ class SpeedRecord:
             raw = json.loads(data)
         except RecursionError:  # a forged record nested past the recursion limit: not one either
             raise ValueError("not a speed: nested too deeply to read") from None
+        if why := formats.newer("the speed record", formats.found(raw), formats.SPEED, "this worker or monitor"):
+            raise ValueError(why)  # as a record that is not one: measured anew
         key = SpeedKey(
             model=_typed(raw["model"], str),
             revision=_typed(raw["revision"], str),

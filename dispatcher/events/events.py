@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import keys, spec
+from renderfleet import formats, keys, spec
 from renderfleet.errors import StoreError
 from renderfleet.limits import MAX_EVENT_RECORD_BYTES
 from renderfleet.spec import store_tag
@@ -146,6 +146,10 @@ def event_body(kind: EventType, at: float, data: dict[str, Any], *, job: str, ta
     return json.dumps(payload, separators=(",", ":"), sort_keys=True)
 
 
+def _is_int(*values: Any) -> bool:
+    return all(type(v) is int for v in values)
+
+
 @dataclass
 class EventRecord:
     """One event of a job and how its delivery stands (``keys.job_events``' value, and the store's copy)."""
@@ -162,6 +166,7 @@ class EventRecord:
     attempts: int = 0
     error: str = ""  # the last failed attempt's reason
     tried_at: float | None = None  # when the last attempt was made
+    format: int = formats.EVENT  # renderfleet/formats.py: absent (a record from before the numbers) is 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -178,13 +183,16 @@ class EventRecord:
         if record is None or not record._well_formed():
             log.warning("events: skipping a malformed event record: %.80r", raw)
             return None
+        if why := formats.newer(f"event {record.id}", record.format, formats.EVENT, "the monitor"):
+            log.warning("events: skipping %s", why)
+            return None
         return record
 
     def _well_formed(self) -> bool:
         texts = (self.id, self.job, self.life, self.key, self.type, self.body, self.state, self.error)
         if not all(type(t) is str for t in texts) or self.type not in _TYPES:
             return False
-        if not (self.target is None or type(self.target) is str) or type(self.attempts) is not int:
+        if not (self.target is None or type(self.target) is str) or not _is_int(self.attempts, self.format):
             return False
         times = (self.at,) if self.tried_at is None else (self.at, self.tried_at)
         if not all(type(t) in (int, float) and abs(t) < 2**53 for t in times):  # finite, and 10**400 no time

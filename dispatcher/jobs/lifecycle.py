@@ -41,7 +41,7 @@ from celery import Celery
 from dispatcher.jobs import enqueue
 from dispatcher.jobs.cancelmarks import Cancelled, cancelled_at, check_cancelled, hold  # noqa: F401 - their names here too
 from dispatcher.jobs.cancelmarks import cancel_pass as _cancel
-from renderfleet import keys, spec
+from renderfleet import formats, keys, spec
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
 from renderfleet.errors import InputError, JobDeleted, JobNotFound, StoreError
 from renderfleet.leases import lua_script
@@ -143,7 +143,9 @@ def cancel(job: str, *, store: Store, client: redis.Redis, app: Celery) -> Cance
         raise JobNotFound(f"no job {job} in store {store.url}")
     at = _now_text()
     store.put(
-        spec.cancelled_key(job), json.dumps({"job": job, "cancelled": int(at)}).encode(), content_type="application/json"
+        spec.cancelled_key(job),
+        json.dumps({"job": job, "cancelled": int(at), formats.KEY: formats.CANCEL}).encode(),
+        content_type="application/json",
     )
     if not client.exists(keys.job(job)):
         # Redis forgot it: registered again, its counts rebuilt from the store, nothing queued.
@@ -180,7 +182,7 @@ def delete(
         # Should the delete stop half-way, what is left stays cancelled.
         store.put(
             spec.cancelled_key(job),
-            json.dumps({"job": job, "cancelled": int(time.time())}).encode(),
+            json.dumps({"job": job, "cancelled": int(time.time()), formats.KEY: formats.CANCEL}).encode(),
             content_type="application/json",
         )
     # 1. Cancel, every leased shard fenced: its holder writes nothing more once it knows.

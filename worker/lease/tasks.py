@@ -10,6 +10,7 @@ queue, so a reclaim never burns a retry budget.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,7 +24,8 @@ from celery.exceptions import Reject
 from celery.worker.request import Request
 
 from renderfleet.celery_app import TASK_NAME
-from renderfleet.errors import NotThisCard, TransientError
+from renderfleet.errors import NewerFormat, NotThisCard, TransientError
+from renderfleet.spec import newer_message
 from worker.accounting.gputime import WorkerTime
 from worker.lease.service import WorkerService
 from worker.node.stop import StopSignal
@@ -79,6 +81,7 @@ def register(app: Celery, service: WorkerService) -> Task:
     def render_shard(self: ShardTask, message: str | dict[str, Any]) -> str:
         tag = str(getattr(self.request, "rf_delivery_tag", "") or "")
         try:
+            refuse_newer(message)
             return service.handle(message, tag, detach=True).status
         except TransientError as exc:
             # Not claimed: give the message back to the broker rather than ack it away.
@@ -87,6 +90,18 @@ def register(app: Celery, service: WorkerService) -> Task:
             raise Reject(str(exc), requeue=True) from exc
 
     return render_shard  # type: ignore[no-any-return]
+
+
+def refuse_newer(message: str | dict[str, Any]) -> None:
+    """Raise :class:`NewerFormat` for a shard message of a format this worker does not read (a dispatcher
+    upgraded before its workers: ``renderfleet/formats.py``), so that it goes back to its queue unclaimed
+    rather than be rejected for good by the service's checks; anything else is the service's to judge."""
+    try:
+        data = json.loads(message) if isinstance(message, str) else message
+    except (ValueError, RecursionError):
+        return  # not JSON: the service's accept says so
+    if why := newer_message(data):
+        raise NewerFormat(why)
 
 
 def install_shutdown_hooks(stop: StopSignal, grace_seconds: float, on_signal: Callable[[str], None] | None = None) -> None:

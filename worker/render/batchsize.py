@@ -65,9 +65,9 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from renderfleet import schemas, spec
+from renderfleet import formats, schemas, spec
 from renderfleet.errors import MixedFleet, OutOfMemory, PermanentError
 from renderfleet.limits import MAX_BATCH_SIZE_RECORD_BYTES
 from renderfleet.schemas import Positive
@@ -258,6 +258,9 @@ class Remembered:
     # empty and None: a sweep's, a halving's, or a record from before the fields.
     curve: dict[int, float] = field(default_factory=dict)
     knee: float | None = None
+    # Its format (renderfleet/formats.py): absent in a record from before the numbers, which is format 1.
+    FORMAT: ClassVar[int] = formats.BATCH_SIZE
+    format: int = formats.FIRST
 
     def __post_init__(self) -> None:
         self.curve = {int(n): float(rate) for n, rate in self.curve.items()}  # JSON's keys are text

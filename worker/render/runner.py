@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from renderfleet import failpoints, schemas, spec
+from renderfleet import failpoints, formats, schemas, spec
 from renderfleet import stages as stagelib
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, RecordTooLarge, StoreError
 from renderfleet.limits import MAX_CHECKPOINT_BYTES
@@ -865,6 +865,7 @@ class ShardRunner:
             "error": error,
             "failures": count,
             "worker": self.worker_id,
+            formats.KEY: formats.QUARANTINE,
         }
         try:
             self.store.put(
