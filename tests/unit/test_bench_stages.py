@@ -179,7 +179,7 @@ def test_a_refine_names_its_model_strength_and_the_steps_it_runs() -> None:
 
 
 def test_bench_reads_its_stage_flags_in_the_order_given_as_submit_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    from renderfleet.cli import _stages_of
+    from renderfleet.cli.submitting import _stages_of
 
     monkeypatch.setattr("sys.argv", ["renderfleet", "bench", "--refine", "self:0.4", "--upscale=2", "--refine", ""])
     assert _stages_of(["2"], ["self:0.4", ""], None) == [parse_refine("self:0.4"), parse_upscale("2"), parse_refine("")]

@@ -94,7 +94,7 @@ def parse_command(args: tuple[str, ...]) -> None:
 
     group = typer.main.get_command(app)
     # Parsing runs the options' callbacks: --config FILE sets RENDERFLEET_CONFIG for the command's process
-    # and its children (renderfleet/cli.py): kept to this parse, not left to every later test of the process.
+    # and its children (renderfleet/cli/options.py): kept to this parse, not left to every later test of the process.
     with mock.patch.dict(os.environ), group.make_context("renderfleet", list(args)) as ctx:
         # typer's bundled click keeps the subcommand's words apart, as click before 8.2 did
         name, command, rest = group.resolve_command(ctx, list(ctx._protected_args) + ctx.args)  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from renderfleet.errors import ConfigError
 from renderfleet.nodes import GpuRecord, GpuState
 
-EXIT_CONFIG = 2  # the CLI's status for a configuration refused (renderfleet/cli.py, EXIT_INPUT)
+EXIT_CONFIG = 2  # the CLI's status for a configuration refused (renderfleet/cli/common.py, EXIT_INPUT)
 EXIT_DEVICE = 4  # worker/main.py: the accelerator failed
 _CLOSED = (GpuState.RETIRED, GpuState.STOPPED, GpuState.REFUSED)
 
