@@ -13,13 +13,15 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from renderfleet import celery_app, failpoints, logs
 from renderfleet.embedded import broker_url
+from renderfleet.endpoint import Endpoint
 from renderfleet.errors import ConfigError, ModelLoadError
 from renderfleet.reaper import ReaperThread
 from renderfleet.registry import TOUCH_SECONDS, touch_seconds_for
@@ -36,6 +38,9 @@ from worker.node.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, use_instance
 from worker.render.compiled import compile_seconds
 from worker.render.deviceerrors import is_device_error
 from worker.render.models import model_label, model_refusal
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger("renderfleet.worker")
 
@@ -65,31 +70,16 @@ def load_renderer(
     fetched again, not read from the cache.  ``on_bad_images`` hears of images that were not images
     (the renderer's, ``worker.render.outputs``)."""
     if model.startswith(BENCH_PREFIX):
-        if why := model_refusal(model, None, bench=settings.allow_bench_models):
-            raise ModelLoadError(why)
-        from worker.render.benchrender import FixedLoad, FixedTimeRenderer
-
-        log.warning("model %s: the fixed-time bench renderer: no model, flat-colour images marked as fake", model)
-        return FixedTimeRenderer(bench_seconds(model) or 0.0, model), FixedLoad(model)
-    from worker.accounting.speeds import card_name
-    from worker.render.compiled import open_compile_cache
-    from worker.render.loras import LoraCache, fetch_s3_lora
-    from worker.render.models import denoiser, fetch_s3_model, load_pipeline
+        return _bench_renderer(model, settings)
+    from worker.render.loras import LoraCache
+    from worker.render.models import load_pipeline
     from worker.render.pipeline import Renderer
-
-    def fetch(uri: str, dest: Path) -> None:
-        fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
-
-    def fetch_lora(uri: str, digest: str) -> Path:  # cached per pinned content (its digest), not per URL
-        return fetch_s3_lora(
-            uri, digest, cache_dir=settings.home / "loras", max_bytes=settings.model_max_bytes, s3=settings.s3_options
-        )
 
     loaded = load_pipeline(
         model,
         device=settings.device,
         cache_dir=settings.home / "models",
-        fetch=fetch,
+        fetch=_model_fetcher(settings),
         compile=settings.compile,
         revision=revision,
         variant=variant,
@@ -97,12 +87,8 @@ def load_renderer(
         offload=settings.offload,
         quantize=settings.quantize,
     )
-    cache = None
-    if loaded.compiled:
-        cache = open_compile_cache(
-            settings, model=model, card=card_name(str(loaded.device)), denoiser=type(denoiser(loaded.pipe)[1]).__name__
-        )
-    loras = LoraCache(loaded.pipe, fetch=fetch_lora, allowed=settings.allowed_model_list)
+    cache = _compile_cache(model, settings, loaded) if loaded.compiled else None
+    loras = LoraCache(loaded.pipe, fetch=_lora_fetcher(settings), allowed=settings.allowed_model_list)
     renderer = Renderer(
         loaded,
         batch_invariant=settings.batch_invariant,
@@ -113,12 +99,99 @@ def load_renderer(
     return renderer, loaded
 
 
+def _bench_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
+    """The fixed-time renderer of a ``bench:`` model, where ``allow_bench_models`` is set (else :class:`ModelLoadError`)."""
+    if why := model_refusal(model, None, bench=settings.allow_bench_models):
+        raise ModelLoadError(why)
+    from worker.render.benchrender import FixedLoad, FixedTimeRenderer
+
+    log.warning("model %s: the fixed-time bench renderer: no model, flat-colour images marked as fake", model)
+    return FixedTimeRenderer(bench_seconds(model) or 0.0, model), FixedLoad(model)
+
+
+def _model_fetcher(settings: Settings) -> Callable[[str, Path], None]:
+    """How an ``s3://`` model is fetched into the worker's cache, under the model size cap."""
+    from worker.render.models import fetch_s3_model
+
+    def fetch(uri: str, dest: Path) -> None:
+        fetch_s3_model(uri, dest, max_bytes=settings.model_max_bytes, s3=settings.s3_options)
+
+    return fetch
+
+
+def _lora_fetcher(settings: Settings) -> Callable[[str, str], Path]:
+    """How an ``s3://`` LoRA is fetched into the worker's cache, under the model size cap."""
+    from worker.render.loras import fetch_s3_lora
+
+    def fetch_lora(uri: str, digest: str) -> Path:  # cached per pinned content (its digest), not per URL
+        return fetch_s3_lora(
+            uri, digest, cache_dir=settings.home / "loras", max_bytes=settings.model_max_bytes, s3=settings.s3_options
+        )
+
+    return fetch_lora
+
+
+def _compile_cache(model: str, settings: Settings, loaded: Any) -> Any:
+    """The compile cache a compiled model shares through the store, per card and denoiser."""
+    from worker.accounting.speeds import card_name
+    from worker.render.compiled import open_compile_cache
+    from worker.render.models import denoiser
+
+    return open_compile_cache(
+        settings, model=model, card=card_name(str(loaded.device)), denoiser=type(denoiser(loaded.pipe)[1]).__name__
+    )
+
+
+@dataclass
+class _Start:
+    """What the worker's start has set up, that its later phases use (:func:`run_worker`)."""
+
+    settings: Settings
+    account: WorkerTime  # where its time goes (worker/accounting/gputime.py)
+    model: str  # the model it starts with
+    url: str  # its Redis
+    worker_id: str
+    pools: list[str]  # the pools whose queues it serves
+    metrics: WorkerMetrics
+    endpoint: Endpoint | None  # where it serves its metrics, if it does
+    parent: int | None  # a node supervisor's worker ends with its node (worker_tick)
+
+
 def run_worker(
     settings: Settings, *, model: str | None = None, queues: list[str] | None = None, loglevel: str = "INFO"
 ) -> int:
-    """Run a worker in this process until shutdown; returns the exit status."""
+    """Run a worker in this process until shutdown; returns the exit status.
+
+    Its start in named phases, as gunicorn's arbiter names each turn of its loop: the settings that
+    cannot run here refused (:func:`_refuse_settings`), test switches said, the process set up
+    (:func:`_set_up`: its id, log, metrics), its model loaded while it is registered as loading
+    (:func:`_load_first_model`), its service made (:func:`_make_service`), then served by Celery's
+    worker until shutdown, its reaper ticking and its reclaim watcher listening (:func:`_serve`).
+    """
     # Where its time goes, from the process's start (worker/accounting/gputime.py): written to Redis as it goes.
     account = WorkerTime(started=process_started(), compile_clock=compile_seconds)
+    _refuse_settings(settings)
+    model = model or settings.model or "tiny"  # a start: each job's own model is loaded when its shards come
+    if why := model_refusal(model, settings.allowed_model_list, bench=settings.allow_bench_models):
+        raise ConfigError(f"RENDERFLEET_MODEL (--model): {why}")
+    _warn_test_switches(settings)
+    use_instance_region(settings)  # before any boto3 client: the store's, the model fetch's, the group's
+    start = _set_up(settings, account, model, queues)
+    # From its first registration (the loading one) a SIGTERM must not kill the process with that
+    # registration left behind (a worker stopped as it loads or comes up, by an autoscaler going down,
+    # say): until Celery's own handlers take over in worker.start(), a signal ends the start-up cleanly.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stopped_while_starting)
+    first = _load_first_model(start)
+    if isinstance(first, int):  # stopped while loading, or its device failed
+        return first
+    renderer, loaded = first
+    app, service = _make_service(start, renderer)
+    return _serve(start, app, service, loaded, loglevel)
+
+
+def _refuse_settings(settings: Settings) -> None:
+    """Settings this machine cannot run, refused before anything starts (:class:`ConfigError`, exit 2)."""
     if settings.compile:  # refused off CUDA before anything starts (ConfigError, exit 2)
         from worker.render.models import check_compile, default_device
 
@@ -137,10 +210,10 @@ def run_worker(
         from worker.render.models.quantize import check_quantize
 
         check_quantize(settings.quantize, settings.device or default_device())
-    model = model or settings.model or "tiny"  # a start: each job's own model is loaded when its shards come
-    if why := model_refusal(model, settings.allowed_model_list, bench=settings.allow_bench_models):
-        raise ConfigError(f"RENDERFLEET_MODEL (--model): {why}")
-    # Test switches left on in a deployment must show: one line each, at start.
+
+
+def _warn_test_switches(settings: Settings) -> None:
+    """Test switches left on in a deployment must show: one line each, at start."""
     if failpoints.active():  # a value that will not parse: ConfigError, here
         log.warning("failpoints active (%s): %s", failpoints.VARIABLE, failpoints.describe())
     if settings.allow_bench_models:
@@ -148,7 +221,10 @@ def run_worker(
             "RENDERFLEET_ALLOW_BENCH_MODELS is on: a job naming a bench: model gets flat-colour "
             "images from the fixed-time renderer"
         )
-    use_instance_region(settings)  # before any boto3 client: the store's, the model fetch's, the group's
+
+
+def _set_up(settings: Settings, account: WorkerTime, model: str, queues: list[str] | None) -> _Start:
+    """The process before its model loads: its Redis, id and log, its metrics served (and said), its pools."""
     url = broker_url(settings.redis_url, settings.home)
     worker_id = new_worker_id(settings.pool, settings.node_gpu if settings.node else None)
     parent = os.getppid() if settings.node else None  # a node supervisor's worker ends with its node
@@ -160,22 +236,25 @@ def run_worker(
         log.info("worker %s: metrics on http://%s:%d/metrics", worker_id, settings.metrics_host, endpoint.server_port)
     log.info("worker %s: pool %s, loading model %s", worker_id, settings.pool, model)
     pools = queues or _default_queues(settings.pool)
-    # From its first registration (the loading one) a SIGTERM must not kill the process with that
-    # registration left behind (a worker stopped as it loads or comes up, by an autoscaler going down,
-    # say): until Celery's own handlers take over in worker.start(), a signal ends the start-up cleanly.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stopped_while_starting)
-    loading = _loading(settings, url, worker_id, model, pools)
+    return _Start(settings, account, model, url, worker_id, pools, metrics, endpoint, parent)
+
+
+def _load_first_model(start: _Start) -> tuple[Any, Any] | int:
+    """(renderer, loaded model) of the worker's first model, loaded while it is registered as loading;
+    or the exit status where the start ends: 0 when a signal stopped it (its registration gone),
+    :data:`EXIT_DEVICE` when its device failed (its node told why)."""
+    settings, model = start.settings, start.model
+    loading = _loading(settings, start.url, start.worker_id, model, start.pools)
     try:
         # status: "loading", not "no worker"
-        with loading, account.doing(Use.LOADING):
-            renderer, loaded = load_renderer(model, settings, on_bad_images=metrics.bad_images)
+        with loading, start.account.doing(Use.LOADING):
+            renderer, loaded = load_renderer(model, settings, on_bad_images=start.metrics.bad_images)
     except StoppedWhileStarting:
         # Its registration goes, wherever the signal landed (in the load, or in the context's own enter or exit).
         loading.forget()
-        log.warning("worker %s: stopped while loading its model", worker_id)
-        if endpoint is not None:
-            endpoint.shutdown()
+        log.warning("worker %s: stopped while loading its model", start.worker_id)
+        if start.endpoint is not None:
+            start.endpoint.shutdown()
         return 0
     except Exception as exc:
         if is_device_error(exc):
@@ -183,14 +262,20 @@ def run_worker(
             if settings.node:  # the reason its node retires this GPU for
                 from renderfleet import redisconn
 
-                client = redisconn.client(url, socket_timeout=5)
+                client = redisconn.client(start.url, socket_timeout=5)
                 report_device_error(client, settings.node, settings.node_gpu or "", f"loading model {model}: {exc}")
                 client.close()
             return EXIT_DEVICE
         raise
     log.info("model %s loaded on %s in %.1f s", model, loaded.device, loaded.load_seconds)
-    metrics.model_loaded(loaded.load_seconds)
-    metrics.watch_gpu_memory(loaded.device)
+    start.metrics.model_loaded(loaded.load_seconds)
+    start.metrics.watch_gpu_memory(loaded.device)
+    return renderer, loaded
+
+
+def _make_service(start: _Start, renderer: Any) -> tuple[Celery, WorkerService]:
+    """The worker's Celery app and its service (worker/lease/service.py) on the loaded ``renderer``."""
+    settings, metrics = start.settings, start.metrics
 
     def load_model(name: str, revision: str = "", variant: str = "", refresh: bool = False) -> Any:
         """Another job's model (at its revision and variant) in place of ours (a model switch), its load timed."""
@@ -206,75 +291,46 @@ def run_worker(
         metrics.model_loaded(again.load_seconds)
         return switched
 
-    app = celery_app.make_app(url, task_events=settings.task_events)
+    app = celery_app.make_app(start.url, task_events=settings.task_events)
     service = WorkerService.from_settings(
         settings,
         app=app,
-        url=url,
-        worker_id=worker_id,
-        model=model,
+        url=start.url,
+        worker_id=start.worker_id,
+        model=start.model,
         renderer=renderer,
         load_model=load_model,
         metrics=metrics,
-        time_account=account,
+        time_account=start.account,
     )
-    stop = service.stop
+    return app, service
+
+
+def _serve(start: _Start, app: Celery, service: WorkerService, loaded: Any, loglevel: str) -> int:
+    """Register, install the task and its hooks, start the reaper (and the reclaim watcher), then run
+    Celery's worker until shutdown; everything closed after, whatever ended it; the exit status."""
+    settings = start.settings
     reaper: ReaperThread | None = None
     watcher: ReclaimWatcher | None = None
     try:
-        _register_when_reachable(service, url, device=loaded.device, load_seconds=loaded.load_seconds, queues=pools)
+        _register_when_reachable(
+            service, start.url, device=loaded.device, load_seconds=loaded.load_seconds, queues=start.pools
+        )
         tasks.register(app, service)
-        tasks.install_time_hooks(account)
+        tasks.install_time_hooks(start.account)
         queueguard.install()
         tasks.install_shutdown_hooks(
-            stop, settings.sigterm_grace_seconds, on_signal=lambda kind: metrics.notice("none", kind)
+            service.stop, settings.sigterm_grace_seconds, on_signal=lambda kind: start.metrics.notice("none", kind)
         )
-
-        reaper = ReaperThread(
-            service.leases,
-            service.publish,
-            settings.reap_seconds,
-            on_tick=worker_tick(
-                service,
-                *(node_marks(settings, service) if settings.node else scale_in_marks(settings)),
-                health_file=settings.health_file,
-                touch_seconds=touch_seconds_for(settings.lease_seconds),
-                parent=parent,
-            ),
-        )
+        reaper = _reaper(start, service)
         reaper.start()
         if settings.watch_reclaim:
-            watcher = ReclaimWatcher(
-                stop,
-                [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
-                settings.reclaim_poll_seconds,
-                on_notice=tasks.request_warm_shutdown,
-                on_heard=metrics.notice,
-            )
+            watcher = _reclaim_watcher(start, service)
             watcher.start()
-
-        # Its pools' queues of its own store only (named by the store as opened, as submit names it):
-        # another store's shard never reaches it.
-        queue_names = [celery_app.queue_name(q, service.store.url) for q in pools]
-        log.info("worker %s: serving %s", worker_id, ", ".join(queue_names))
-        service.queues = queue_names  # the queues it feeds at each reaper tick
-        worker = app.Worker(
-            hostname=f"{worker_id}@{socket.gethostname()}",
-            queues=queue_names,
-            pool_cls="solo",
-            concurrency=1,
-            loglevel=loglevel,
-            without_heartbeat=True,
-            without_mingle=True,
-            without_gossip=True,
-            optimization="fair",
-            # Our handler writes to stderr; redirected, every line would be logged twice.
-            redirect_stdouts=False,
-            quiet=True,  # no banner: the lines above said which queues, which model
-        )
+        worker = _celery_worker(app, start, service, loglevel)
         worker.start()  # Celery installs its own SIGTERM and SIGINT handlers as it starts
     except StoppedWhileStarting:
-        log.warning("worker %s: stopped before it took any work", worker_id)
+        log.warning("worker %s: stopped before it took any work", start.worker_id)
         return 0
     finally:
         if reaper is not None:
@@ -282,13 +338,65 @@ def run_worker(
         if watcher is not None:
             watcher.close()
         service.close()
-        if endpoint is not None:
-            endpoint.shutdown()
+        if start.endpoint is not None:
+            start.endpoint.shutdown()
     if service.device_failed:
         return EXIT_DEVICE
     if service.tripped:
         return EXIT_BREAKER
     return int(worker.exitcode or 0)
+
+
+def _reaper(start: _Start, service: WorkerService) -> ReaperThread:
+    """The reaper thread (not started), its ticks the worker's own (:func:`worker_tick`)."""
+    settings = start.settings
+    return ReaperThread(
+        service.leases,
+        service.publish,
+        settings.reap_seconds,
+        on_tick=worker_tick(
+            service,
+            *(node_marks(settings, service) if settings.node else scale_in_marks(settings)),
+            health_file=settings.health_file,
+            touch_seconds=touch_seconds_for(settings.lease_seconds),
+            parent=start.parent,
+        ),
+    )
+
+
+def _reclaim_watcher(start: _Start, service: WorkerService) -> ReclaimWatcher:
+    """The watcher (not started) whose reclaim notice stops the worker warmly, each notice counted."""
+    settings = start.settings
+    return ReclaimWatcher(
+        service.stop,
+        [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
+        settings.reclaim_poll_seconds,
+        on_notice=tasks.request_warm_shutdown,
+        on_heard=start.metrics.notice,
+    )
+
+
+def _celery_worker(app: Celery, start: _Start, service: WorkerService, loglevel: str) -> Any:
+    """Celery's worker (not started) on the solo pool, serving its pools' queues of its own store (said in one line)."""
+    # Its pools' queues of its own store only (named by the store as opened, as submit names it):
+    # another store's shard never reaches it.
+    queue_names = [celery_app.queue_name(q, service.store.url) for q in start.pools]
+    log.info("worker %s: serving %s", start.worker_id, ", ".join(queue_names))
+    service.queues = queue_names  # the queues it feeds at each reaper tick
+    return app.Worker(
+        hostname=f"{start.worker_id}@{socket.gethostname()}",
+        queues=queue_names,
+        pool_cls="solo",
+        concurrency=1,
+        loglevel=loglevel,
+        without_heartbeat=True,
+        without_mingle=True,
+        without_gossip=True,
+        optimization="fair",
+        # Our handler writes to stderr; redirected, every line would be logged twice.
+        redirect_stdouts=False,
+        quiet=True,  # no banner: the lines above said which queues, which model
+    )
 
 
 def quiet_logs(worker_id: str) -> None:

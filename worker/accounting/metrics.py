@@ -28,6 +28,7 @@ retry hook, the reclaim watcher, the shutdown hook and the renderer's
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -72,66 +73,101 @@ class BadImages(StrEnum):
     REFUSED = "refused"  # still bad: none stored, the shard handed back (BadOutput, a device error)
 
 
+@dataclass(frozen=True)
+class MetricRow:
+    """One row of :data:`METRICS`: the :class:`WorkerMetrics` attribute that holds the metric, its kind,
+    name and help, its labels after ``pool``, and a histogram's buckets."""
+
+    attr: str
+    kind: type[Counter] | type[Histogram]
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    def make(self, registry: CollectorRegistry) -> Counter | Histogram:
+        """The metric, registered in ``registry``."""
+        labels = ["pool", *self.labels]
+        if self.kind is Histogram:
+            return Histogram(self.name, self.help, labels, buckets=self.buckets, registry=registry)
+        return self.kind(self.name, self.help, labels, registry=registry)
+
+
+# Every metric a worker makes at its start, in the order it registers them (GPU_PEAK only on a CUDA device).
+METRICS = (
+    MetricRow(
+        "_images",
+        Counter,
+        "renderfleet_worker_images",
+        "Prompts handled by this worker, by outcome: rendered "
+        "(stored and counted), failed (an attempt), quarantined, skipped (already stored)",
+        ("outcome",),
+    ),
+    MetricRow("_batch", Histogram, "renderfleet_worker_batch_seconds", "Time to render one batch", buckets=BATCH_BUCKETS),
+    MetricRow("_render", Counter, "renderfleet_worker_render_seconds", "GPU time spent rendering (GPU-seconds)"),
+    MetricRow(
+        "_load",
+        Histogram,
+        "renderfleet_worker_model_load_seconds",
+        "Time to load a model (at start and on a switch)",
+        buckets=LOAD_BUCKETS,
+    ),
+    MetricRow(
+        "_notices",
+        Counter,
+        "renderfleet_worker_reclaim_notices",
+        "Reclaim notices heard, by cloud and kind (aws instance-action or rebalance, gcp preemption, none sigterm)",
+        ("cloud", "kind"),
+    ),
+    MetricRow(
+        "_lost", Counter, "renderfleet_worker_lost_batches", "Batches whose renders were thrown away, by reason", ("reason",)
+    ),
+    MetricRow(
+        "_retries",
+        Counter,
+        "renderfleet_worker_retries",
+        "Calls or deliveries retried after a transient error, by what was retried and the error's class",
+        ("what", "error"),
+    ),
+    MetricRow(
+        "_bad_images",
+        Counter,
+        "renderfleet_worker_bad_images",
+        "Images that were not images (NaN, inf, all black), by outcome: rerendered "
+        "(good with the VAE in float32), refused (still bad, none stored, the shard handed back)",
+        ("outcome",),
+    ),
+    MetricRow(
+        "_stage_images",
+        Counter,
+        "renderfleet_worker_stage_images",
+        "Images each stage of a job made (generate, upscale-1, refine-2, ...: a kind and its position): "
+        "a stage taken up from the store after a reclaim makes none again",
+        ("stage",),
+    ),
+)
+
+
 class WorkerMetrics:
     """Every metric of one worker process, in a registry of its own."""
+
+    # Made from the rows of METRICS, by their ``attr``.
+    _images: Counter
+    _batch: Histogram
+    _render: Counter
+    _load: Histogram
+    _notices: Counter
+    _lost: Counter
+    _retries: Counter
+    _bad_images: Counter
+    _stage_images: Counter
 
     def __init__(self, pool: str, registry: CollectorRegistry | None = None):
         self.pool = pool
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
-        self._images = Counter(
-            "renderfleet_worker_images",
-            "Prompts handled by this worker, by outcome: rendered "
-            "(stored and counted), failed (an attempt), quarantined, skipped (already stored)",
-            ["pool", "outcome"],
-            registry=r,
-        )
-        self._batch = Histogram(
-            "renderfleet_worker_batch_seconds", "Time to render one batch", ["pool"], buckets=BATCH_BUCKETS, registry=r
-        )
-        self._render = Counter(
-            "renderfleet_worker_render_seconds", "GPU time spent rendering (GPU-seconds)", ["pool"], registry=r
-        )
-        self._load = Histogram(
-            "renderfleet_worker_model_load_seconds",
-            "Time to load a model (at start and on a switch)",
-            ["pool"],
-            buckets=LOAD_BUCKETS,
-            registry=r,
-        )
-        self._notices = Counter(
-            "renderfleet_worker_reclaim_notices",
-            "Reclaim notices heard, by cloud and kind (aws instance-action or rebalance, gcp preemption, none sigterm)",
-            ["pool", "cloud", "kind"],
-            registry=r,
-        )
-        self._lost = Counter(
-            "renderfleet_worker_lost_batches",
-            "Batches whose renders were thrown away, by reason",
-            ["pool", "reason"],
-            registry=r,
-        )
-        self._retries = Counter(
-            "renderfleet_worker_retries",
-            "Calls or deliveries retried after a transient error, by what was retried and the error's class",
-            ["pool", "what", "error"],
-            registry=r,
-        )
-        self._bad_images = Counter(
-            "renderfleet_worker_bad_images",
-            "Images that were not images (NaN, inf, all black), by outcome: rerendered "
-            "(good with the VAE in float32), refused (still bad, none stored, the shard handed back)",
-            ["pool", "outcome"],
-            registry=r,
-        )
-        self._stage_images = Counter(
-            "renderfleet_worker_stage_images",
-            "Images each stage of a job made (generate, upscale-1, refine-2, ...: a kind and its position): "
-            "a stage taken up from the store after a reclaim makes none again",
-            ["pool", "stage"],
-            registry=r,
-        )
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        for row in METRICS:
+            setattr(self, row.attr, row.make(self.registry))
         self._gpu_peak: Gauge | None = None
         # Every outcome and reason from the start, at 0: a rate() needs the series before its first event.
         for outcome in ImageOutcome:

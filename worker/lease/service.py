@@ -53,7 +53,7 @@ from worker.node.stop import StopSignal
 from worker.render.batchsize import BatchSizes
 from worker.render.deviceerrors import is_device_error
 from worker.render.models import check_digest, model_label, model_refusal
-from worker.render.runner import PendingShard, ShardRunner
+from worker.render.runner import PendingShard, ShardResult, ShardRunner
 from worker.render.stagerun import ShardStages
 
 if TYPE_CHECKING:
@@ -129,22 +129,7 @@ class WorkerService:
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name
-        # One record of sizes for generate and each stage (worker/render/batchsize.py): the store's, per card.
-        batch_sizes = BatchSizes(store, fixed=settings.fixed_render_batch, knee=settings.batch_knee)
-        log.info("batch size per pipeline call: %s", batch_sizes.rule())
-        self.runner = ShardRunner(
-            store=store,
-            renderer=renderer,
-            stop=stop,
-            max_failures=settings.max_prompt_failures,
-            pipeline_depth=settings.pipeline_depth,
-            worker_id=worker_id,
-            batch_sizes=batch_sizes,
-            stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None, batch_sizes),
-            pool=settings.pool,
-            speeds=SpeedKeeper(store, lambda: self.card),
-            time_account=time_account,
-        )
+        self.runner = self._new_runner(renderer)
         self.failed_streak = 0
         self.tripped = False
         self.device_failed = False  # a device error: the worker exits with EXIT_DEVICE
@@ -170,6 +155,28 @@ class WorkerService:
         # (dispatcher.jobs.enqueue.register_job's "fresh"): its shards' first claims skip the checkpoint read.
         self.fresh = False
         self.budgeted = False  # and whether its job has a budget (renderfleet/budget.py)
+
+    def _new_runner(self, renderer: Any) -> ShardRunner:
+        """The shard runner on ``renderer``, its batch sizes the store's record per card (its rule said in
+        one line) and its stages on this worker's model (:meth:`_stage_renderer`)."""
+        settings, store = self.settings, self.store
+        # One record of sizes for generate and each stage (worker/render/batchsize.py): the store's, per card.
+        batch_sizes = BatchSizes(store, fixed=settings.fixed_render_batch, knee=settings.batch_knee)
+        log.info("batch size per pipeline call: %s", batch_sizes.rule())
+        metrics = self.metrics
+        return ShardRunner(
+            store=store,
+            renderer=renderer,
+            stop=self.stop,
+            max_failures=settings.max_prompt_failures,
+            pipeline_depth=settings.pipeline_depth,
+            worker_id=self.worker_id,
+            batch_sizes=batch_sizes,
+            stages=ShardStages(store, self._stage_renderer, metrics.stage_images if metrics else None, batch_sizes),
+            pool=settings.pool,
+            speeds=SpeedKeeper(store, lambda: self.card),
+            time_account=self.time_account,
+        )
 
     @classmethod
     def from_settings(
@@ -382,7 +389,26 @@ class WorkerService:
     def _handle_claimed(self, msg: ShardMessage, lease: Lease, *, detach: bool) -> Outcome:
         """Render a claimed shard while a keeper renews its lease, then end it (:meth:`_end`)."""
         cancel = threading.Event()  # this shard's job was cancelled (the keeper hears it, the runner stops)
-        keeper = LeaseKeeper(
+        keeper = self._keeper(lease, cancel)
+        keeper.start()
+        ledger = self._ledger(lease, keeper, cancel)
+        pending = self._render(msg, lease, ledger)
+        if detach and isinstance(pending, PendingShard):
+            # Ended in its commit lane, its lines still naming the shard (logs.shard_context).
+            here = contextvars.copy_context()
+
+            def end_there(ended: PendingShard) -> Outcome:
+                return here.run(self._end, msg, lease, keeper, ledger, ended)
+
+            self._ending = [*(f for f in self._ending if not f.done()), pending.then(end_there)]
+            return Outcome(TaskOutcome.ENDING)
+        return self._end(msg, lease, keeper, ledger, pending)
+
+    def _keeper(self, lease: Lease, cancel: threading.Event) -> LeaseKeeper:
+        """The keeper that renews ``lease`` (not started), hears a fence or a cancel, and carries this worker's
+        liveness and the time its batches hold."""
+        account = self.time_account
+        return LeaseKeeper(
             self.leases,
             lease,
             self.stop,
@@ -391,10 +417,12 @@ class WorkerService:
             on_retry=self.metrics.retry if self.metrics else None,
             cancel=cancel,
             liveness=self.liveness,
-            held=(lambda: account.held(lease.member)) if (account := self.time_account) is not None else None,
+            held=(lambda: account.held(lease.member)) if account is not None else None,
         )
-        keeper.start()
-        ledger = RedisLedger(
+
+    def _ledger(self, lease: Lease, keeper: LeaseKeeper, cancel: threading.Event) -> RedisLedger:
+        """Where the shard's commits and counters go under ``lease``, on the keeper's clock."""
+        return RedisLedger(
             self.leases,
             lease,
             self.stop,
@@ -407,7 +435,10 @@ class WorkerService:
             budgeted=self.budgeted,
             time_account=self.time_account,
         )
-        pending: PendingShard | BaseException
+
+    def _render(self, msg: ShardMessage, lease: Lease, ledger: RedisLedger) -> PendingShard | BaseException:
+        """The job's model held, then the shard rendered up to its last commits (a :class:`PendingShard`);
+        or what ended it early, returned, not raised: :meth:`_end` ends either, once the keeper is closed."""
         try:
             loading = self._loading_seconds()
             try:
@@ -416,7 +447,7 @@ class WorkerService:
                 first = self.fresh and lease.attempt == 1
                 ledger.record_gpu_time(loading=self._loading_seconds() - loading)  # a model loaded for this job
                 # The next shard's prompts are read while this one's last batch renders (worker/lease/prefetch.py).
-                pending = self.runner.render(
+                return self.runner.render(
                     msg,
                     ledger,
                     attempt=lease.attempt,
@@ -428,19 +459,9 @@ class WorkerService:
                 # The job's fault (its model's, or a stage's: worker/render/stagerun.py), the same on every worker:
                 # the job fails once, this worker goes on.  A stage's is raised mid-shard, its batches before
                 # committed (the runner drains its commits first).
-                pending = self._fail_job(msg, exc)
-        except BaseException as exc:  # ended below, with the keeper closed first
-            pending = exc
-        if detach and isinstance(pending, PendingShard):
-            # Ended in its commit lane, its lines still naming the shard (logs.shard_context).
-            here = contextvars.copy_context()
-
-            def end_there(ended: PendingShard) -> Outcome:
-                return here.run(self._end, msg, lease, keeper, ledger, ended)
-
-            self._ending = [*(f for f in self._ending if not f.done()), pending.then(end_there)]
-            return Outcome(TaskOutcome.ENDING)
-        return self._end(msg, lease, keeper, ledger, pending)
+                return self._fail_job(msg, exc)
+        except BaseException as exc:  # ended by the caller, with the keeper closed first
+            return exc
 
     def _fail_job(self, msg: ShardMessage, error: ModelLoadError) -> BaseException:
         """Fail the shard's job as a whole (``renderfleet/jobfailure.py``): one log line with the reason,
@@ -474,60 +495,15 @@ class WorkerService:
         of the shard look like a duplicate.  Counters no call carried are sent then too.
         """
         try:
-            try:
-                if isinstance(pending, BaseException):
-                    raise pending
-                result = pending.wait()
-            finally:
-                keeper.close()
-                if self.time_account is not None:  # every commit has run or been skipped: what is not kept is lost
-                    ledger.record_gpu_time(lost=self.time_account.settle(lease.member))
-                with contextlib.suppress(redis.RedisError):  # counters: never worth failing a shard for
-                    ledger.flush()
+            result = self._settle(lease, keeper, ledger, pending)
         except Reclaimed as exc:
-            if (exc.fenced or self.stop.fenced) and not self._still_ours(lease):
-                self.stop.clear_fence()
-                self._pool_bump(fenced=1)
-                log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
-                return Outcome(TaskOutcome.FENCED)
-            if exc.cancelled:
-                # Not a reclaim: its committed batches stay, the shard waits for a resume.
-                self._hand_back(lease, Release.CANCEL)
-                log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
-                return Outcome(TaskOutcome.CANCELLED)
-            # A notice, or a fence that was another shard's (one ending beside this one): hand it back.
-            self._hand_back(lease, Release.FRONT)
-            noticed = self.stop.noticed_at or time.monotonic()
-            self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
-            log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
-            return Outcome(TaskOutcome.HANDED_BACK)
+            return self._end_reclaimed(msg, lease, exc)
         except BadOutput as exc:
-            # NaN or black images twice: the node's, not the prompts', but one such batch may be a fluke
-            # (an fp16 overflow on one seed): the shard to the front for another node, and this worker
-            # stops once it has refused a few (BAD_OUTPUTS_TO_STOP) as a device fault.
-            self.bad_outputs += 1
-            if self.bad_outputs >= BAD_OUTPUTS_TO_STOP:
-                return self._device_failed(msg, lease, DeviceError(f"{self.bad_outputs} batches of bad images: {exc}"))
-            log.error(
-                "shard %s:%d handed back: %s (%d of %d before this worker stops)",
-                msg.job,
-                msg.shard,
-                exc,
-                self.bad_outputs,
-                BAD_OUTPUTS_TO_STOP,
-            )
-            self._safe_hand_back(lease, Release.FRONT)
-            return Outcome(TaskOutcome.HANDED_BACK)
+            return self._end_bad_output(msg, lease, exc)
         except DeviceError as exc:
             return self._device_failed(msg, lease, exc)
         except (TransientError, redis.RedisError) as exc:
-            log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
-            if self.metrics:
-                kind = "redis" if isinstance(exc, redis.RedisError) else "store" if isinstance(exc, StoreError) else "other"
-                self.metrics.retry("shard", kind)  # handed back: another delivery retries it
-            self._safe_hand_back(lease, Release.BACK)
-            time.sleep(1.0)  # do not spin on a store outage
-            return Outcome(TaskOutcome.ERROR)
+            return self._end_transient(msg, lease, exc)
         except Exception:
             # A bug: this worker's fault until proven otherwise (a model that will not load is a ModelLoadError,
             # a stage's too: worker/render/stages.py).
@@ -537,51 +513,127 @@ class WorkerService:
             return Outcome(TaskOutcome.ERROR)
         self._count_failure(result.all_failed)
         if result.complete and msg.until >= 0:
-            # A segment before the job's last: every prompt not done is stored at its level; the shard is
-            # pending in the next segment, on the next stage's pool (release.lua, 'next'); nothing counted done.
-            if not self.leases.hand_on(lease, msg.segment + 1, msg.next_queue):
-                return Outcome(TaskOutcome.FENCED, result.rendered)
-            self._aside.submit(self.feed, msg.next_queue)  # its message out now, not at the next pool's next feed
-            log.info(
-                "shard %s:%d segment %d done (%d at level %d, %d already there): on to %s",
-                msg.job,
-                msg.shard,
-                msg.segment,
-                result.rendered,
-                msg.until,
-                result.skipped,
-                msg.next_queue,
-            )
-            return Outcome(TaskOutcome.DONE, result.rendered)
+            return self._hand_on(msg, lease, result)
         if result.complete:
-            first = msg.prompts[0].index if msg.prompts else 0
-            finished = self.leases.finish(lease, first, len(msg.prompts))
-            if finished.done:
-                log.info(
-                    "shard %s:%d done: %d rendered, %d already stored, %d quarantined",
-                    msg.job,
-                    msg.shard,
-                    result.rendered,
-                    result.skipped,
-                    result.quarantined,
-                )
-                return Outcome(TaskOutcome.DONE, result.rendered)
-            if finished.missing:
-                # Counted, then taken back while it ran (its images deleted, `resume` saw it):
-                # the store does not prove it done, so it goes round again (release.lua).
-                if finished.message is not None:
-                    self.publish(finished.message)
-                log.warning(
-                    "shard %s:%d: %d prompts have no image in the store: handed back to render them",
-                    msg.job,
-                    msg.shard,
-                    finished.missing,
-                )
-                return Outcome(TaskOutcome.PARTIAL, result.rendered)
-            return Outcome(TaskOutcome.FENCED, result.rendered)
+            return self._finish(msg, lease, result)
         # Some prompts failed but are not yet quarantined: back of the queue, try again later.
         self._hand_back(lease, Release.BACK)
         return Outcome(TaskOutcome.PARTIAL, result.rendered)
+
+    def _settle(
+        self, lease: Lease, keeper: LeaseKeeper, ledger: RedisLedger, pending: PendingShard | BaseException
+    ) -> ShardResult:
+        """The shard's result once its commits have run (what ended it early raised); whatever it was,
+        the keeper closed first, the time its batches held settled and the ledger's counters sent."""
+        try:
+            if isinstance(pending, BaseException):
+                raise pending
+            return pending.wait()
+        finally:
+            keeper.close()
+            if self.time_account is not None:  # every commit has run or been skipped: what is not kept is lost
+                ledger.record_gpu_time(lost=self.time_account.settle(lease.member))
+            with contextlib.suppress(redis.RedisError):  # counters: never worth failing a shard for
+                ledger.flush()
+
+    def _end_reclaimed(self, msg: ShardMessage, lease: Lease, exc: Reclaimed) -> Outcome:
+        """A shard reclaimed: fenced (another attempt holds it: nothing to hand back), cancelled (parked
+        for a resume), or handed back to the front of its queue (a notice, or another shard's fence)."""
+        if (exc.fenced or self.stop.fenced) and not self._still_ours(lease):
+            self.stop.clear_fence()
+            self._pool_bump(fenced=1)
+            log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
+            return Outcome(TaskOutcome.FENCED)
+        if exc.cancelled:
+            # Not a reclaim: its committed batches stay, the shard waits for a resume.
+            self._hand_back(lease, Release.CANCEL)
+            log.warning("shard %s:%d: %s", msg.job, msg.shard, exc.reason)
+            return Outcome(TaskOutcome.CANCELLED)
+        # A notice, or a fence that was another shard's (one ending beside this one): hand it back.
+        self._hand_back(lease, Release.FRONT)
+        noticed = self.stop.noticed_at or time.monotonic()
+        self._pool_bump(reclaims=1, handback_ms=int((time.monotonic() - noticed) * 1000))
+        log.warning("shard %s:%d handed back: %s", msg.job, msg.shard, exc.reason)
+        return Outcome(TaskOutcome.HANDED_BACK)
+
+    def _end_bad_output(self, msg: ShardMessage, lease: Lease, exc: BadOutput) -> Outcome:
+        """Images that were not images, twice: the shard handed back, and this worker stopped as for a
+        device error once it has refused :data:`BAD_OUTPUTS_TO_STOP` such batches."""
+        # NaN or black images twice: the node's, not the prompts', but one such batch may be a fluke
+        # (an fp16 overflow on one seed): the shard to the front for another node, and this worker
+        # stops once it has refused a few (BAD_OUTPUTS_TO_STOP) as a device fault.
+        self.bad_outputs += 1
+        if self.bad_outputs >= BAD_OUTPUTS_TO_STOP:
+            return self._device_failed(msg, lease, DeviceError(f"{self.bad_outputs} batches of bad images: {exc}"))
+        log.error(
+            "shard %s:%d handed back: %s (%d of %d before this worker stops)",
+            msg.job,
+            msg.shard,
+            exc,
+            self.bad_outputs,
+            BAD_OUTPUTS_TO_STOP,
+        )
+        self._safe_hand_back(lease, Release.FRONT)
+        return Outcome(TaskOutcome.HANDED_BACK)
+
+    def _end_transient(self, msg: ShardMessage, lease: Lease, exc: TransientError | redis.RedisError) -> Outcome:
+        """Redis or the store could not answer: the shard to the back of its queue, after a pause."""
+        log.warning("shard %s:%d: transient failure, handing back: %s", msg.job, msg.shard, exc)
+        if self.metrics:
+            kind = "redis" if isinstance(exc, redis.RedisError) else "store" if isinstance(exc, StoreError) else "other"
+            self.metrics.retry("shard", kind)  # handed back: another delivery retries it
+        self._safe_hand_back(lease, Release.BACK)
+        time.sleep(1.0)  # do not spin on a store outage
+        return Outcome(TaskOutcome.ERROR)
+
+    def _hand_on(self, msg: ShardMessage, lease: Lease, result: ShardResult) -> Outcome:
+        """A segment before the job's last, complete: the shard on to the next stage's pool (fenced if
+        another attempt holds it)."""
+        # A segment before the job's last: every prompt not done is stored at its level; the shard is
+        # pending in the next segment, on the next stage's pool (release.lua, 'next'); nothing counted done.
+        if not self.leases.hand_on(lease, msg.segment + 1, msg.next_queue):
+            return Outcome(TaskOutcome.FENCED, result.rendered)
+        self._aside.submit(self.feed, msg.next_queue)  # its message out now, not at the next pool's next feed
+        log.info(
+            "shard %s:%d segment %d done (%d at level %d, %d already there): on to %s",
+            msg.job,
+            msg.shard,
+            msg.segment,
+            result.rendered,
+            msg.until,
+            result.skipped,
+            msg.next_queue,
+        )
+        return Outcome(TaskOutcome.DONE, result.rendered)
+
+    def _finish(self, msg: ShardMessage, lease: Lease, result: ShardResult) -> Outcome:
+        """A shard's last segment, complete: counted done, or handed back for the prompts the store does
+        not hold (fenced if another attempt holds it)."""
+        first = msg.prompts[0].index if msg.prompts else 0
+        finished = self.leases.finish(lease, first, len(msg.prompts))
+        if finished.done:
+            log.info(
+                "shard %s:%d done: %d rendered, %d already stored, %d quarantined",
+                msg.job,
+                msg.shard,
+                result.rendered,
+                result.skipped,
+                result.quarantined,
+            )
+            return Outcome(TaskOutcome.DONE, result.rendered)
+        if finished.missing:
+            # Counted, then taken back while it ran (its images deleted, `resume` saw it):
+            # the store does not prove it done, so it goes round again (release.lua).
+            if finished.message is not None:
+                self.publish(finished.message)
+            log.warning(
+                "shard %s:%d: %d prompts have no image in the store: handed back to render them",
+                msg.job,
+                msg.shard,
+                finished.missing,
+            )
+            return Outcome(TaskOutcome.PARTIAL, result.rendered)
+        return Outcome(TaskOutcome.FENCED, result.rendered)
 
     def _still_ours(self, lease: Lease) -> bool:
         """Whether Redis says ``lease`` is still the shard's current attempt (False if it cannot say)."""
@@ -604,6 +656,34 @@ class WorkerService:
         carries the job's life as read here.  Raises :class:`TransientError` when
         Redis or the store cannot answer now.
         """
+        msg = self._parse(raw)
+        if msg is None:
+            return None
+        where = f"rejecting shard {msg.job}:{msg.shard}"
+        if not self._of_this_store(msg, where):
+            return None
+        try:
+            registered, stored, fresh, life, failed, capped, min_vram = self.client.hmget(
+                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED, budget.BUDGET, cards.FIELD
+            )
+        except redis.RedisError as exc:
+            raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
+        job = self._as_registered(msg, tag, where, registered, failed)
+        if job is None or not self._for_this_card(msg, tag, min_vram):
+            return None
+        self.fresh = bool(fresh)
+        self.budgeted = capped is not None  # its ledger asks before each batch whether it reached its budget
+        if stored and not self._job_in_store(msg.job):  # StoreError: transient
+            log.error("%s: the job was deleted from the store %s", where, self.store.url)
+            return None
+        segment = self._in_segment(msg, job, where)
+        if segment is None:
+            return None
+        return self._with_prompts(replace(segment, life=keys.text(life)), where, job, keys.text(registered))
+
+    @staticmethod
+    def _parse(raw: str) -> ShardMessage | None:
+        """The shard message in ``raw`` if it is JSON that passes submit's rules; None (one log line) if not."""
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; nesting 1,000 deep
@@ -613,8 +693,10 @@ class WorkerService:
         if problems:
             log.error("rejecting a shard message: %s", "; ".join(problems[:5]))
             return None
-        msg = ShardMessage.from_dict(data)
-        where = f"rejecting shard {msg.job}:{msg.shard}"
+        return ShardMessage.from_dict(data)
+
+    def _of_this_store(self, msg: ShardMessage, where: str) -> bool:
+        """Whether the message is of this worker's store, by the store it names and its queue (one log line if not)."""
         if (msg.store and msg.store != store_identity(self.store.url)) or not is_store_queue(msg.queue, self.store.url):
             # Another store's job: rendered here, it would be counted done with its images in
             # the wrong store.  Each store has its own queues, so no true message of another
@@ -626,13 +708,12 @@ class WorkerService:
                 msg.queue,
                 self.store.url,
             )
-            return None
-        try:
-            registered, stored, fresh, life, failed, capped, min_vram = self.client.hmget(
-                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED, budget.BUDGET, cards.FIELD
-            )
-        except redis.RedisError as exc:
-            raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
+            return False
+        return True
+
+    def _as_registered(self, msg: ShardMessage, tag: str, where: str, registered: Any, failed: Any) -> JobSpec | None:
+        """The job as this Redis registers it (``registered``), if the message matches it and it has not
+        failed; None (one log line) if not, a mismatched message's shard made pending again (:meth:`_repend`)."""
         if registered is None:
             log.error("%s: no such job in this Redis (never submitted, or Redis lost it)", where)
             return None
@@ -654,6 +735,11 @@ class WorkerService:
             log.error("%s: it does not match the job as submitted (settings, batch size or prompt range)", where)
             self._repend(msg, tag)
             return None
+        return job
+
+    def _for_this_card(self, msg: ShardMessage, tag: str, min_vram: Any) -> bool:
+        """Whether this worker's card has the memory the job asks for; if not, the shard made pending again
+        (one log line), or :class:`NotThisCard` raised for a message that is not the shard's own."""
         if not cards.qualifies(self.vram, need := cards.read_min_vram(min_vram)):
             # Not this card's work, nor a failure; nothing claimed or counted.  Its shard goes back to
             # pending rather than its message to the queue: a message no live worker can take would hold
@@ -662,13 +748,14 @@ class WorkerService:
             why = f"shard {msg.job}:{msg.shard}: {cards.refusal(self.card, self.vram, need)}"
             if self._repend_for_card(msg, tag):
                 log.info("%s: made pending again, for a worker whose card qualifies", why)
-                return None
+                return False
             raise NotThisCard(why)  # not the shard's own message (a copy): back to its queue, as before
-        self.fresh = bool(fresh)
-        self.budgeted = capped is not None  # its ledger asks before each batch whether it reached its budget
-        if stored and not self._job_in_store(msg.job):  # StoreError: transient
-            log.error("%s: the job was deleted from the store %s", where, self.store.url)
-            return None
+        return True
+
+    @staticmethod
+    def _in_segment(msg: ShardMessage, job: JobSpec, where: str) -> ShardMessage | None:
+        """The message with where its segment of the job's stages ends, when a later segment runs on a
+        pool of its own; None (one log line) for a segment the job's stages do not make."""
         segments = stagelib.segments(job.params.stages, job.pool)
         if msg.segment >= len(segments):
             log.error("%s: segment %d, but its job's stages make %d", where, msg.segment, len(segments))
@@ -676,7 +763,7 @@ class WorkerService:
         if msg.segment < len(segments) - 1:  # its next stage runs on a pool of its own: this segment hands it on
             after = segments[msg.segment + 1]
             msg = replace(msg, until=after.start, next_queue=queue_name(after.pool, msg.store))
-        return self._with_prompts(replace(msg, life=keys.text(life)), where, job, keys.text(registered))
+        return msg
 
     def _with_prompts(self, msg: ShardMessage, where: str, job: JobSpec, registration: str) -> ShardMessage | None:
         """The shard with its prompts, read from the job's wire file in the store (one ranged read,

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from renderfleet import failpoints, redisconn
 from renderfleet.errors import ConfigError
@@ -52,6 +52,9 @@ from renderfleet.settings import Settings
 from worker.node.board import NodeBoard
 from worker.node.policy import EXIT_DEVICE, NodePolicy, exit_text, pick_gpus
 from worker.node.protection import ScaleInMark, update_protection
+
+if TYPE_CHECKING:
+    from worker.node.reclaim import ReclaimWatcher
 
 log = logging.getLogger("renderfleet.node")
 
@@ -286,18 +289,10 @@ def run_node(settings: Settings, worker_args: list[str]) -> int:
     from renderfleet.spec import store_identity
     from renderfleet.store import open_store
     from worker.node.protection import scale_in_marks
-    from worker.node.reclaim import AwsProbe, GcpProbe, ReclaimWatcher, use_instance_region
-    from worker.node.stop import StopSignal
+    from worker.node.reclaim import use_instance_region
 
     gpus = node_gpus(settings)
-    # Test switches left on in a deployment must show: one line each, at start (as a worker's).
-    if settings.stand_in_gpus:
-        log.warning(
-            "RENDERFLEET_STAND_IN_GPUS is on: %d stand-in GPU(s), no CUDA: the workers run on the CPU",
-            settings.stand_in_gpus,
-        )
-    if fps := failpoints.named(os.environ.get(failpoints.VARIABLE, "")):  # one that will not parse: exit 2, here
-        log.warning("failpoints set for the node's workers (%s): %s", failpoints.VARIABLE, "; ".join(map(str, fps)))
+    _warn_test_switches(settings)
     use_instance_region(settings)  # once for the node: its workers inherit AWS_DEFAULT_REGION
     url = broker_url(settings.redis_url, settings.home)
     host = socket.gethostname()
@@ -315,22 +310,8 @@ def run_node(settings: Settings, worker_args: list[str]) -> int:
         marks=scale_in_marks(settings),
     )
     log.info("node %s: %d GPU(s) (%s), a worker each", node, len(gpus), ", ".join(f"{label}: {dev}" for label, dev in gpus))
-
-    def on_signal(signum: int, frame: Any) -> None:
-        supervisor.request_drain(signal.Signals(signum).name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    watcher: ReclaimWatcher | None = None
-    if settings.watch_reclaim:  # one watcher for the node: its workers' own is off (Settings.watch_reclaim)
-        stop = StopSignal()
-        watcher = ReclaimWatcher(
-            stop,
-            [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
-            settings.reclaim_poll_seconds,
-            on_notice=lambda: supervisor.request_drain(f"reclaim notice ({stop.reason})"),
-        )
-        watcher.start()
+    _drain_on_signals(supervisor)
+    watcher = _watch_reclaim(settings, supervisor)
     try:
         return supervisor.run()
     except BaseException:
@@ -341,3 +322,43 @@ def run_node(settings: Settings, worker_args: list[str]) -> int:
         if watcher is not None:
             watcher.close()
         client.close()
+
+
+def _warn_test_switches(settings: Settings) -> None:
+    """Test switches left on in a deployment must show: one line each, at start (as a worker's)."""
+    if settings.stand_in_gpus:
+        log.warning(
+            "RENDERFLEET_STAND_IN_GPUS is on: %d stand-in GPU(s), no CUDA: the workers run on the CPU",
+            settings.stand_in_gpus,
+        )
+    if fps := failpoints.named(os.environ.get(failpoints.VARIABLE, "")):  # one that will not parse: exit 2, here
+        log.warning("failpoints set for the node's workers (%s): %s", failpoints.VARIABLE, "; ".join(map(str, fps)))
+
+
+def _drain_on_signals(supervisor: NodeSupervisor) -> None:
+    """SIGTERM and SIGINT drain the node: every worker told, as gunicorn's arbiter forwards them."""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        supervisor.request_drain(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+
+def _watch_reclaim(settings: Settings, supervisor: NodeSupervisor) -> ReclaimWatcher | None:
+    """The node's one reclaim watcher, started (its workers' own is off: ``Settings.watch_reclaim``): a
+    notice drains the node; None when ``settings.watch_reclaim`` is off."""
+    from worker.node.reclaim import AwsProbe, GcpProbe, ReclaimWatcher
+    from worker.node.stop import StopSignal
+
+    if not settings.watch_reclaim:
+        return None
+    stop = StopSignal()
+    watcher = ReclaimWatcher(
+        stop,
+        [AwsProbe(settings.aws_metadata_url), GcpProbe(settings.gcp_metadata_url)],
+        settings.reclaim_poll_seconds,
+        on_notice=lambda: supervisor.request_drain(f"reclaim notice ({stop.reason})"),
+    )
+    watcher.start()
+    return watcher
