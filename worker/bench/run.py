@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,36 +126,68 @@ def run_bench(
     """Measure; ``batch_sizes`` None means auto (:func:`worker.render.batchsize.search` up to ``AUTO_LIMIT``);
     with ``stages``, then generate and each of them at the fastest batch size (:func:`run_stages`).
     ``knee``: the curve's knee is named, the smallest batch within that fraction of the fastest."""
-    import torch
-
-    from worker.accounting.speeds import card_name
     from worker.render.models import load_pipeline
     from worker.render.pipeline import Renderer
 
+    # 1. Load the model once: its cold start is the run's load time.
     loaded = load_pipeline(model, device=device, cache_dir=cache_dir, compile=compile)
     renderer = Renderer(loaded)
-    cuda = str(loaded.device).startswith("cuda")
+    result = _new_run(
+        loaded,
+        model,
+        width=width,
+        height=height,
+        steps=steps,
+        guidance=guidance,
+        prices=prices,
+        compiled=compile,
+        scheduler=scheduler,
+        image_format=image_format,
+        quality=quality,
+        runs=runs,
+        asked=batch_sizes,
+    )
+    prompts_of = partial(_bench_prompts, result)
+    # 2. The first batch, cold; then each batch size timed (auto: the sizes the worker's search finds).
+    _first_batch(renderer, prompts_of, result)
+    _sweep(renderer, prompts_of, batch_sizes, result, runs, cuda=str(loaded.device).startswith("cuda"))
+    # 3. The knee of the curve, where asked; with stages, generate and each stage at the fastest batch size.
+    if knee is not None:
+        from worker.render.batchsize import knee as knee_of
 
-    def prompts_of(size: int) -> list[Prompt]:
-        return [
-            Prompt(
-                i,
-                f"{i:06d}",
-                f"benchmark prompt {i}",
-                "",
-                derive_seed(0, i),
-                steps,
-                guidance,
-                width,
-                height,
-                scheduler=scheduler,
-                image_format=image_format,
-                quality=quality,
-            )
-            for i in range(size)
-        ]
+        result.knee = knee
+        result.knee_batch_size = knee_of({p.batch_size: p.images_per_minute for p in result.points}, knee)
+    if stages:
+        best = result.best().batch_size
+        result.stages, result.pipeline = run_stages(
+            renderer, stages, prompts_of, best, runs=runs, cache_dir=cache_dir, prices=prices, card=result.card
+        )
+    return result
 
-    result = BenchRun(
+
+def _new_run(
+    loaded: Any,
+    model: str,
+    *,
+    width: int,
+    height: int,
+    steps: int,
+    guidance: float,
+    prices: dict[str, float],
+    compiled: bool,
+    scheduler: str,
+    image_format: str,
+    quality: int,
+    runs: int,
+    asked: list[int] | None,
+) -> BenchRun:
+    """The run's record before any figure: its settings, and the model as loaded (device, card, threads,
+    load seconds)."""
+    import torch
+
+    from worker.accounting.speeds import card_name
+
+    return BenchRun(
         model,
         width,
         height,
@@ -167,69 +200,98 @@ def run_bench(
         prices,
         [],
         when=time.strftime("%Y-%m-%d %H:%M:%S"),
-        compiled=compile,
+        compiled=compiled,
         scheduler=scheduler,
         image_format=image_format,
         quality=quality,
         runs=runs,
-        asked=batch_sizes,
+        asked=asked,
     )
+
+
+def _bench_prompts(run: BenchRun, size: int) -> list[Prompt]:
+    """A batch of ``size`` prompts at the run's settings: the same prompts and seeds on every run."""
+    return [
+        Prompt(
+            i,
+            f"{i:06d}",
+            f"benchmark prompt {i}",
+            "",
+            derive_seed(0, i),
+            run.steps,
+            run.guidance,
+            run.width,
+            run.height,
+            scheduler=run.scheduler,
+            image_format=run.image_format,
+            quality=run.quality,
+        )
+        for i in range(size)
+    ]
+
+
+def _first_batch(renderer: Any, prompts_of: Callable[[int], list[Prompt]], result: BenchRun) -> None:
+    """Render one prompt, cold (with --compile, the compile too): its seconds are the run's first batch;
+    :class:`InputError` if even that does not fit."""
     started = time.perf_counter()
     try:
         renderer.render(prompts_of(1))
     except OutOfMemory:
         raise InputError([f"bench: batch size 1 does not fit on {result.card}"]) from None
     result.first_batch_seconds = time.perf_counter() - started
+
+
+def _sweep(
+    renderer: Any,
+    prompts_of: Callable[[int], list[Prompt]],
+    batch_sizes: list[int] | None,
+    result: BenchRun,
+    runs: int,
+    *,
+    cuda: bool,
+) -> None:
+    """Time each batch size in turn (None: auto, :func:`_auto_sizes`) into ``result.points``, until one runs
+    out of memory (``result.oom_at``); :class:`InputError` if the first does not fit."""
     sizes = batch_sizes or _auto_sizes(renderer, prompts_of, cuda, result, runs)
     probed = batch_sizes is None and not cuda  # auto on a CPU: each size's probe was its warm-up
     for size in sizes:
-        prompts = prompts_of(size)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
         try:
-            if not probed:
-                renderer.render(prompts)  # warm-up
-            times = []
-            for _ in range(runs):
-                started = time.perf_counter()
-                files = renderer.render(prompts)
-                times.append(time.perf_counter() - started)
-            result.bytes_per_image = sum(map(len, files)) / len(files)
+            point = _time_size(renderer, prompts_of(size), result, runs, warm_up=not probed, cuda=cuda)
         except OutOfMemory:
             result.oom_at = size
             break
-        median = statistics.median(times)
-        per_image = median / size
-        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
-        result.points.append(
-            Point(
-                size,
-                60 / per_image,
-                per_image,
-                peak,
-                {label: price / 3600 * per_image for label, price in prices.items()},
-                (max(times) - min(times)) / median if len(times) > 1 and median > 0 else None,
-            )
-        )
+        result.points.append(point)
     if not result.points:
         raise InputError([f"bench: batch size {sizes[0]} does not fit on {result.card}"])
-    if knee is not None:
-        from worker.render.batchsize import knee as knee_of
 
-        result.knee = knee
-        result.knee_batch_size = knee_of({p.batch_size: p.images_per_minute for p in result.points}, knee)
-    if stages:
-        result.stages, result.pipeline = run_stages(
-            renderer,
-            stages,
-            prompts_of,
-            result.best().batch_size,
-            runs=runs,
-            cache_dir=cache_dir,
-            prices=prices,
-            card=result.card,
-        )
-    return result
+
+def _time_size(renderer: Any, prompts: list[Prompt], result: BenchRun, runs: int, *, warm_up: bool, cuda: bool) -> Point:
+    """One batch size's point: a warm-up batch (unless its probe was one), then ``runs`` timed batches, their
+    median; the files' mean size kept in ``result``.  Raises :class:`OutOfMemory` where it does not fit."""
+    import torch
+
+    size = len(prompts)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    if warm_up:
+        renderer.render(prompts)
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        files = renderer.render(prompts)
+        times.append(time.perf_counter() - started)
+    result.bytes_per_image = sum(map(len, files)) / len(files)
+    median = statistics.median(times)
+    per_image = median / size
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    return Point(
+        size,
+        60 / per_image,
+        per_image,
+        peak,
+        {label: price / 3600 * per_image for label, price in result.prices.items()},
+        (max(times) - min(times)) / median if len(times) > 1 and median > 0 else None,
+    )
 
 
 def _auto_sizes(renderer: Any, prompts_of: Any, cuda: bool, result: BenchRun, runs: int) -> list[int]:
@@ -435,27 +497,20 @@ def _plot(run: BenchRun, path: Path) -> Path | None:
     return path
 
 
+# A run in --compare's table: its path, card, best batch size, images per minute and cost per image (None: unpriced).
+_Row = tuple[str, Any, Any, Any, Any]
+
+
 def compare(paths: list[Path]) -> str:
     """Runs from different cards side by side: the cheapest per image and the fastest, named."""
-    rows = []
+    rows: list[_Row] = []
     notes: list[str] = []
     first: dict[str, Any] | None = None  # the first run's settings
     # Runs with stages: each stage's figures by run (issue 39: the cheapest card for each stage, which is
     # where a stage on a pool of its own should run): stage -> (run, card, cost per image or None, s/image).
     by_stage: dict[str, list[tuple[str, str, float | None, float]]] = {}
     for path in paths:
-        try:
-            data: dict[str, Any] = json.loads(path.read_text())
-            points = [
-                (
-                    int(p["batch_size"]),
-                    float(p["images_per_minute"]),
-                    None if p.get("spread") is None else float(p["spread"]),
-                )
-                for p in data["points"]
-            ]
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise InputError([f"{path}: not a bench.json: {exc}"]) from None
+        data, points = _read_bench(path)
         mine = _settings_of(data)
         if first is None:
             first = mine
@@ -467,23 +522,58 @@ def compare(paths: list[Path]) -> str:
             )
         notes += [f"{path}: {line}" for line in doubts(points, int(data.get("runs") or 0))]
         if pipeline := data.get("pipeline"):  # with stages: what a final image takes, over every stage
-            costs = pipeline.get("cost_per_final_image") or {}
-            cost = min(costs.values()) if costs else None
-            rows.append((str(path), data["card"], pipeline["batch_size"], pipeline["images_per_minute"], cost))
+            rows.append(_pipeline_row(path, data, pipeline, by_stage))
             notes.append(f"{path}: with stages ({pipeline['flags']}): a final image's images/min and cost.")
-            for point in data.get("stages") or []:
-                try:
-                    label, spi, share = str(point["stage"]), float(point["seconds_per_image"]), float(point["share"])
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise InputError([f"{path}: not a bench.json: a stage {exc}"]) from None
-                if label != "encode":  # the encode runs beside the next render on a worker
-                    by_stage.setdefault(label, []).append(
-                        (str(path), data["card"], None if cost is None else cost * share, spi)
-                    )
             continue
         best = max(data["points"], key=lambda p: p["images_per_minute"])
         cost = min(best["cost_per_image"].values()) if best["cost_per_image"] else None
         rows.append((str(path), data["card"], best["batch_size"], best["images_per_minute"], cost))
+    lines = [*_compare_table(rows), *_cheapest_per_stage(by_stage)]
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def _read_bench(path: Path) -> tuple[dict[str, Any], list[tuple[int, float, float | None]]]:
+    """A bench.json and its points as :func:`doubts` takes them; :class:`InputError` if it is none."""
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+        points = [
+            (
+                int(p["batch_size"]),
+                float(p["images_per_minute"]),
+                None if p.get("spread") is None else float(p["spread"]),
+            )
+            for p in data["points"]
+        ]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise InputError([f"{path}: not a bench.json: {exc}"]) from None
+    return data, points
+
+
+def _pipeline_row(
+    path: Path,
+    data: dict[str, Any],
+    pipeline: dict[str, Any],
+    by_stage: dict[str, list[tuple[str, str, float | None, float]]],
+) -> _Row:
+    """A run with stages: its row is a final image's figures over every stage; each stage's figures (but the
+    encode's) are added to ``by_stage``."""
+    costs = pipeline.get("cost_per_final_image") or {}
+    cost = min(costs.values()) if costs else None
+    row = (str(path), data["card"], pipeline["batch_size"], pipeline["images_per_minute"], cost)
+    for point in data.get("stages") or []:
+        try:
+            label, spi, share = str(point["stage"]), float(point["seconds_per_image"]), float(point["share"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError([f"{path}: not a bench.json: a stage {exc}"]) from None
+        if label != "encode":  # the encode runs beside the next render on a worker
+            by_stage.setdefault(label, []).append((str(path), data["card"], None if cost is None else cost * share, spi))
+    return row
+
+
+def _compare_table(rows: list[_Row]) -> list[str]:
+    """--compare's table of runs, then the fastest and the cheapest per image (where any is priced)."""
     lines = ["| run | card | best batch | images/min | cost/image | images per unit |", "|---|---|---|---|---|---|"]
     for name, card, batch, ipm, cost in rows:
         lines.append(
@@ -499,10 +589,7 @@ def compare(paths: list[Path]) -> str:
             f"Cheapest per image: {cheapest[0]} ({cheapest[1]}), {cheapest[4]:.6f} per image, "
             f"{1 / (cheapest[4] or 1):,.0f} images per unit of money."
         )
-    lines += _cheapest_per_stage(by_stage)
-    if notes:
-        lines += ["", *notes]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _cheapest_per_stage(by_stage: dict[str, list[tuple[str, str, float | None, float]]]) -> list[str]:

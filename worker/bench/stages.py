@@ -81,7 +81,18 @@ def run_stages(
 
     ``renderer``: the job's :class:`~worker.render.pipeline.Renderer`; a stage with its own model loads it
     from ``cache_dir`` (its load timed apart)."""
-    from worker.render.stagerun import stage_label
+    built, loads = _build_stages(renderer, stages, cache_dir)
+    passes, prompts, size, note = _timed_passes(renderer, built, stages, prompts_of, batch_size, runs=runs, card=card)
+    steps, finals = _steps(stages, prompts[0], renderer.loaded.model, loads)
+    points = [_point(step, [p[i] for p in passes], size) for i, step in enumerate(steps)]
+    for point, share in zip(points, shares([p.seconds_per_image for p in points]), strict=True):
+        point.share = share
+    flags = " ".join(cli_form(stage) for stage in stages)
+    return points, summarise(points, prices, flags=flags, batch_size=size, final_size=finals, note=note)
+
+
+def _build_stages(renderer: Any, stages: Sequence[Stage], cache_dir: Path) -> tuple[list[Any], list[float]]:
+    """Each stage's renderer, as a worker builds it, and the seconds its own model took to load (0 without one)."""
     from worker.render.stages import StageRenderer
 
     loaded = renderer.loaded
@@ -102,55 +113,73 @@ def run_stages(
             )
         )
         loads.append(time.perf_counter() - started if stage.model else 0.0)
+    return built, loads
+
+
+def _timed_passes(
+    renderer: Any,
+    built: list[Any],
+    stages: Sequence[Stage],
+    prompts_of: Callable[[int], list[Prompt]],
+    batch_size: int,
+    *,
+    runs: int,
+    card: str,
+) -> tuple[list[list[tuple[float, float | None]]], list[Prompt], int, str]:
+    """A warm-up pass, then ``runs`` timed passes (:func:`_stage_pass`), on the prompts of the largest batch
+    from ``batch_size`` down (halved on out of memory) that fits, that size, and the note saying it was halved."""
     note = ""
     size = batch_size
     while True:
         prompts = prompts_of(size)
         try:
             _stage_pass(renderer, built, stages, prompts)  # warm-up
-            passes = [_stage_pass(renderer, built, stages, prompts) for _ in range(runs)]
-            break
+            return [_stage_pass(renderer, built, stages, prompts) for _ in range(runs)], prompts, size, note
         except OutOfMemory as exc:
             if size == 1:
                 raise InputError([f"bench: the stages do not fit at batch size 1 on {card}: {exc}"]) from None
             note = f"batch {batch_size} ran out of memory: measured at {size // 2} ({str(exc).splitlines()[0][:160]})"
             size //= 2
 
-    first = prompts[0]
+
+def _steps(
+    stages: Sequence[Stage], first: Prompt, job_model: str, loads: list[float]
+) -> tuple[list[tuple[str, str, str, str, float]], str]:
+    """Each step's (label, what runs it, size in, size out, load seconds), generate first and the encode last;
+    and the final images' size."""
+    from worker.render.stagerun import stage_label
+
     width, height = first.width, first.height
     fmt = first.image_format + (f" q{first.quality}" if first.image_format in ("webp", "jpeg") else "")
-    steps: list[tuple[str, str, str, str, float]] = [("generate", loaded.model, "text", f"{width}x{height}", 0.0)]
+    steps: list[tuple[str, str, str, str, float]] = [("generate", job_model, "text", f"{width}x{height}", 0.0)]
     for index, stage in enumerate(stages):
         before = "{}x{}".format(*final_size(stages[:index], width, height))
         after = "{}x{}".format(*final_size(stages[: index + 1], width, height))
-        steps.append((stage_label(stages, index + 1), _stage_model(stage, loaded.model), before, after, loads[index]))
+        steps.append((stage_label(stages, index + 1), _stage_model(stage, job_model), before, after, loads[index]))
     finals = "{}x{}".format(*final_size(stages, width, height))
     between = f", and {len(stages)} level{'s' if len(stages) > 1 else ''} between stages as lossless PNG"
     steps.append(("encode", f"{fmt}{between}", finals, "file", 0.0))
+    return steps, finals
 
-    points = []
-    for i, (label, model, size_in, size_out, load) in enumerate(steps):
-        times = [p[i][0] for p in passes]
-        peaks = [peak for p in passes if (peak := p[i][1]) is not None]
-        median = statistics.median(times)
-        per_image = median / size
-        points.append(
-            StagePoint(
-                label,
-                model,
-                size_in,
-                size_out,
-                per_image,
-                60 / per_image if per_image > 0 else 0.0,
-                peak_memory_mb=max(peaks) if peaks else None,
-                load_seconds=load,
-                spread=(max(times) - min(times)) / median if len(times) > 1 and median > 0 else None,
-            )
-        )
-    for point, share in zip(points, shares([p.seconds_per_image for p in points]), strict=True):
-        point.share = share
-    flags = " ".join(cli_form(stage) for stage in stages)
-    return points, summarise(points, prices, flags=flags, batch_size=size, final_size=finals, note=note)
+
+def _point(step: tuple[str, str, str, str, float], timed: list[tuple[float, float | None]], size: int) -> StagePoint:
+    """A step's figures from its (seconds, peak MB) in each timed pass, at batch ``size``: the median's."""
+    label, model, size_in, size_out, load = step
+    times = [seconds for seconds, _ in timed]
+    peaks = [peak for _, peak in timed if peak is not None]
+    median = statistics.median(times)
+    per_image = median / size
+    return StagePoint(
+        label,
+        model,
+        size_in,
+        size_out,
+        per_image,
+        60 / per_image if per_image > 0 else 0.0,
+        peak_memory_mb=max(peaks) if peaks else None,
+        load_seconds=load,
+        spread=(max(times) - min(times)) / median if len(times) > 1 and median > 0 else None,
+    )
 
 
 def _stage_pass(

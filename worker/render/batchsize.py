@@ -518,17 +518,11 @@ class BatchSizes:
         should_stop: Callable[[], bool],
         key: Key,
     ) -> Remembered | None:
-        device = str(renderer.loaded.device)
-        accelerator = not device.startswith("cpu")
-        generate = getattr(renderer, "generate", None)
-
-        def render(n: int) -> None:
-            prompts = probe_prompts(prompt, n, accelerator=accelerator)
-            if accelerator and generate is not None:
-                generate(prompts, output_type="pt", should_stop=should_stop)  # no PNG: memory is the question
-            else:
-                renderer.render_images(prompts, should_stop=should_stop)  # the render, not the PNGs
-
+        """Search this card's batch size for ``prompt``'s model and size, up to ``batch`` (an accelerator: a probe
+        from the size ``known`` says, keeping its curve; a CPU: a sweep); None when the search fails (whole
+        batches then)."""
+        accelerator = not str(renderer.loaded.device).startswith("cpu")
+        render = _probe_render(renderer, prompt, should_stop, accelerator=accelerator)
         started = self.clock()
         # Said before it starts: on a CPU at a large size the search takes minutes.
         log.info(
@@ -540,20 +534,7 @@ class BatchSizes:
             "probe" if accelerator else "sweep",
         )
         try:
-            if accelerator:
-                found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)
-                curve = {**(known.curve if known else {}), **found.curve}
-                size, how, oom = choose(found, self.knee), "probe", found.oom_at is not None
-                measured = probed(found, curve, self.knee)
-            else:
-                curve = {}
-                render(1)  # warm-up: the first call pays one-time costs
-                size, table = sweep(render, batch=batch, budget_seconds=self.sweep_seconds, clock=self.clock)
-                how, oom, measured = (
-                    "sweep",
-                    False,
-                    "; ".join(", ".join(f"{n}: {s:.3f}" for n, s in row.items()) for row in table) + " s/image",
-                )
+            found = self._probe(render, batch, known) if accelerator else self._sweep(render, batch)
         except PermanentError as exc:
             log.warning("batch size search at %dx%d failed (%s): rendering whole batches", prompt.width, prompt.height, exc)
             return None
@@ -563,25 +544,39 @@ class BatchSizes:
             key[2],
             key[3],
             key[0],
-            size,
-            how,
+            found.size,
+            found.how,
             self.clock() - started,
-            measured,
+            found.measured,
         )
         return Remembered(
-            size,
+            found.size,
             limit=batch,
-            oom=oom,
-            how=how,
+            oom=found.oom,
+            how=found.how,
             card=key[0],
             model=key[1],
             width=key[2],
             height=key[3],
             compiled=_compiled(renderer),
             quantize=_quantize(renderer),
-            curve=curve,
-            knee=self.knee if curve else None,
+            curve=found.curve,
+            knee=self.knee if found.curve else None,
         )
+
+    def _probe(self, render: Callable[[int], None], batch: int, known: Remembered | None) -> _Found:
+        """An accelerator's search: doubling from the size ``known`` (else 1), then bisecting below the first that
+        does not fit; the curve ``known`` had, with what this probe measured."""
+        found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)
+        curve = {**(known.curve if known else {}), **found.curve}
+        return _Found(choose(found, self.knee), "probe", found.oom_at is not None, probed(found, curve, self.knee), curve)
+
+    def _sweep(self, render: Callable[[int], None], batch: int) -> _Found:
+        """A CPU's sweep, after a warm-up (the first call pays one-time costs): the fastest size per image."""
+        render(1)
+        size, table = sweep(render, batch=batch, budget_seconds=self.sweep_seconds, clock=self.clock)
+        measured = "; ".join(", ".join(f"{n}: {s:.3f}" for n, s in row.items()) for row in table) + " s/image"
+        return _Found(size, "sweep", False, measured, {})
 
     # ---- the store -------------------------------------------------------------------
 
@@ -640,6 +635,35 @@ class BatchSizes:
             )
         except Exception as exc:  # a lost memory costs the next worker a search, nothing more
             log.warning("batch size for %s not written to the store: %s: %s", key, type(exc).__name__, exc)
+
+
+@dataclass
+class _Found:
+    """What a batch size search found: the size, how (``probe`` or ``sweep``), whether an out-of-memory bounded
+    it, its figures for the log line, and the curve kept with the size (images/min by size; none from a sweep)."""
+
+    size: int
+    how: str
+    oom: bool
+    measured: str
+    curve: dict[int, float]
+
+
+def _probe_render(
+    renderer: Any, prompt: Prompt, should_stop: Callable[[], bool], *, accelerator: bool
+) -> Callable[[int], None]:
+    """A search's render of ``n`` probe prompts like ``prompt``: on an accelerator one pipeline call's tensors (no
+    PNG: memory is the question) where the renderer can give them, else the render (not the PNGs)."""
+    generate = getattr(renderer, "generate", None)
+
+    def render(n: int) -> None:
+        prompts = probe_prompts(prompt, n, accelerator=accelerator)
+        if accelerator and generate is not None:
+            generate(prompts, output_type="pt", should_stop=should_stop)  # no PNG: memory is the question
+        else:
+            renderer.render_images(prompts, should_stop=should_stop)  # the render, not the PNGs
+
+    return render
 
 
 def probed(found: Search, curve: Mapping[int, float], within: float | None) -> str:

@@ -227,8 +227,6 @@ def fetch_s3_lora(uri: str, digest: str, *, cache_dir: Path, max_bytes: int, s3:
     folder keyed by that digest, not by the URL: a file replaced mid-job is another entry, never a
     mixture.  :class:`JobError` when the pinned version is gone or the object was written again;
     refused above ``max_bytes`` before anything is written."""
-    import botocore.exceptions
-
     from renderfleet.store import S3Store
 
     bucket, _, key = uri[len("s3://") :].partition("/")
@@ -236,24 +234,8 @@ def fetch_s3_lora(uri: str, digest: str, *, cache_dir: Path, max_bytes: int, s3:
     if not bucket or not key or not name:
         raise JobError(f"lora {uri[:200]!r}: an s3:// LoRA is s3://bucket/key.safetensors")
     client = S3Store(bucket, options=s3).client
-
-    def s3_call(what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except botocore.exceptions.ClientError as exc:
-            code = str(exc.response.get("Error", {}).get("Code", ""))
-            if code in ("412", "PreconditionFailed"):
-                raise changed(uri, digest, "the object written again since (another ETag)") from None
-            if code in ("404", "NoSuchKey", "NotFound", "NoSuchVersion"):
-                raise JobError(f"lora {uri[:200]!r}: no such object" + (f" at {digest}" if digest else "")) from None
-            if code in ("400", "InvalidArgument") and digest.startswith(digests.S3_VERSION):
-                raise JobError(f"lora {uri[:200]!r}: no such version ({digest})") from None
-            raise StoreError(f"S3 {what} {uri[:200]}: {exc}") from exc
-        except botocore.exceptions.BotoCoreError as exc:
-            raise StoreError(f"S3 {what} {uri[:200]}: {exc}") from exc
-
     if not digest:  # a job from before LoRAs were pinned: this fetch, at least, is one version
-        digest = digests.s3_object_digest(s3_call("head", lambda: client.head_object(Bucket=bucket, Key=key)))
+        digest = digests.s3_object_digest(_s3_call(uri, digest, "head", lambda: client.head_object(Bucket=bucket, Key=key)))
     folder = Path(cache_dir) / hashlib.sha256(f"{uri}\0{digest}".encode()).hexdigest()[:32]
     if (folder / name).is_file():
         return folder / name
@@ -262,12 +244,42 @@ def fetch_s3_lora(uri: str, digest: str, *, cache_dir: Path, max_bytes: int, s3:
         if digest.startswith(digests.S3_VERSION)
         else {"IfMatch": '"' + digest[len(digests.S3_ETAG) :] + '"'}
     )
-    answer = s3_call("get", lambda: client.get_object(Bucket=bucket, Key=key, **pin))
+    answer = _s3_call(uri, digest, "get", lambda: client.get_object(Bucket=bucket, Key=key, **pin))
     body = answer["Body"]
     size = int(answer.get("ContentLength", 0))
     if size > max_bytes:
         body.close()
         raise JobError(f"lora {uri[:200]!r}: more than {max_bytes} bytes (RENDERFLEET_MODEL_MAX_BYTES); not fetched")
+    _keep(uri, body, folder, name)
+    return folder / name
+
+
+def _s3_call(uri: str, digest: str, what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, an S3 request about the LoRA at ``uri`` pinned by ``digest``: the job's error
+    (:class:`JobError`) when the object or its pinned version is gone or was written again, a
+    :class:`StoreError` (retried) for any other failure."""
+    import botocore.exceptions
+
+    try:
+        return fn()
+    except botocore.exceptions.ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("412", "PreconditionFailed"):
+            raise changed(uri, digest, "the object written again since (another ETag)") from None
+        if code in ("404", "NoSuchKey", "NotFound", "NoSuchVersion"):
+            raise JobError(f"lora {uri[:200]!r}: no such object" + (f" at {digest}" if digest else "")) from None
+        if code in ("400", "InvalidArgument") and digest.startswith(digests.S3_VERSION):
+            raise JobError(f"lora {uri[:200]!r}: no such version ({digest})") from None
+        raise StoreError(f"S3 {what} {uri[:200]}: {exc}") from exc
+    except botocore.exceptions.BotoCoreError as exc:
+        raise StoreError(f"S3 {what} {uri[:200]}: {exc}") from exc
+
+
+def _keep(uri: str, body: Any, folder: Path, name: str) -> None:
+    """Write ``body`` (closed after) to ``folder / name`` whole or not at all: into a partial folder beside it,
+    renamed into place (another process on this node may have put the same bytes there first)."""
+    import botocore.exceptions
+
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = folder.parent / f".{folder.name}.{uuid.uuid4().hex}.partial"
     partial.mkdir()
@@ -284,7 +296,6 @@ def fetch_s3_lora(uri: str, digest: str, *, cache_dir: Path, max_bytes: int, s3:
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return folder / name
 
 
 def _loaded_adapters(pipe: Any) -> set[str]:

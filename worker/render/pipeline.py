@@ -195,34 +195,50 @@ class Renderer:
 
         # 5. Denoise and decode: per prompt, or a call per group of prompts whose text
         #    has the same length in chunks (the batch in one call, unless long prompts split it).
-        if self.batch_invariant:
-            groups = [[i] for i in range(len(prompts))]
-        else:
-            # A call per chunk count, and per the family's own split (FLUX: true CFG for the prompts with a
-            # negative one only, so a prompt's image never depends on its neighbours' settings).
-            by_kind: dict[tuple[int, Any], list[int]] = {}
-            for i in range(len(prompts)):
-                embedded = embeds[i]
-                key = (embedded.chunks if embedded else 0, self.family.call_group(prompts[i]))
-                by_kind.setdefault(key, []).append(i)
-            groups = list(by_kind.values())
+        groups = self._call_groups(prompts, embeds)
         reset_peak_memory(str(getattr(self.loaded, "device", "cpu")))
         started = time.perf_counter()
-        out: list[Any] = [None] * len(prompts)
         try:
-            for n, group in enumerate(groups):
-                if n > 0 and should_stop():
-                    raise Reclaimed("stopped mid-batch")
-                chunked = [e for i in group if (e := embeds[i]) is not None]
-                rendered = self._call_checked([prompts[i] for i in group], should_stop, chunked or None, output_type)
-                if len(rendered) != len(group):
-                    raise PermanentError(f"pipeline returned {len(rendered)} images for {len(group)} prompts")
-                for i, image in zip(group, rendered, strict=True):
-                    out[i] = image
+            out = self._render_groups(prompts, groups, embeds, should_stop, output_type)
         finally:
             self.last_batch_seconds = time.perf_counter() - started
 
         # 6. One image per prompt.
+        return out
+
+    def _call_groups(self, prompts: Sequence[Prompt], embeds: Sequence[Any]) -> list[list[int]]:
+        """The prompts' positions a pipeline call each renders: one a call where batches must not change
+        an image (``batch_invariant``), else one per chunk count and per the family's own split."""
+        if self.batch_invariant:
+            return [[i] for i in range(len(prompts))]
+        # A call per chunk count, and per the family's own split (FLUX: true CFG for the prompts with a
+        # negative one only, so a prompt's image never depends on its neighbours' settings).
+        by_kind: dict[tuple[int, Any], list[int]] = {}
+        for i in range(len(prompts)):
+            embedded = embeds[i]
+            key = (embedded.chunks if embedded else 0, self.family.call_group(prompts[i]))
+            by_kind.setdefault(key, []).append(i)
+        return list(by_kind.values())
+
+    def _render_groups(
+        self,
+        prompts: Sequence[Prompt],
+        groups: list[list[int]],
+        embeds: Sequence[Any],
+        should_stop: Callable[[], bool],
+        output_type: str,
+    ) -> list[Any]:
+        """A call per group, in order (the stop asked between them): each prompt's image at its position."""
+        out: list[Any] = [None] * len(prompts)
+        for n, group in enumerate(groups):
+            if n > 0 and should_stop():
+                raise Reclaimed("stopped mid-batch")
+            chunked = [e for i in group if (e := embeds[i]) is not None]
+            rendered = self._call_checked([prompts[i] for i in group], should_stop, chunked or None, output_type)
+            if len(rendered) != len(group):
+                raise PermanentError(f"pipeline returned {len(rendered)} images for {len(group)} prompts")
+            for i, image in zip(group, rendered, strict=True):
+                out[i] = image
         return out
 
     def encode(self, image: Any, prompt: Prompt, *, extra: dict[str, str] | None = None) -> bytes:
@@ -290,9 +306,23 @@ class Renderer:
         prompts' chunked embeddings (``worker.render.prompts.Embedded``), in place of their text.
         Images asked as PIL come checked, as 8-bit pixels (``worker.render.outputs.Checked``: ``bad`` names any
         that is not one)."""
-        import torch
-
         steps, _guidance, width, height, scheduler = prompts[0].render_key  # guidance: the family's call_kwargs
+        device = str(getattr(self.loaded, "device", "cpu"))
+        text = self._prepare_call(prompts, embeds, scheduler, device, width, height)
+        # For PIL images the pipeline's pixel tensor, checked and made 8-bit on its device (worker.render.outputs).
+        wanted, output_type = output_type, outputs.ask_for(self.loaded.pipe, output_type)
+        output = self._pipe_call(prompts, text, should_stop, output_type, device, steps, width, height)
+        if self.compile_cache is not None:
+            self.compile_cache.after(width, height, len(prompts))
+        if wanted == "pil":
+            return outputs.check(self.loaded.pipe, output)
+        return list(output.images)
+
+    def _prepare_call(
+        self, prompts: list[Prompt], embeds: list[Any] | None, scheduler: str, device: str, width: int, height: int
+    ) -> dict[str, Any]:
+        """Set the pipeline up for one call (its scheduler, the job's LoRAs, the VAE's memory modes on CUDA, the
+        compile cache at this size); the call's text arguments: the prompts' text, or their chunked embeddings."""
         self.schedulers.use(scheduler, [p.seed for p in prompts])
         # The job's adapters, set before every call from its settings: a call never inherits the last job's
         # (a no-op after render_images set them, as it must before embedding long prompts).
@@ -302,25 +332,28 @@ class Renderer:
             if embeds is None or self.long_prompts is None
             else self.long_prompts.call_kwargs(embeds)
         )
-        device = str(getattr(self.loaded, "device", "cpu"))
         if device.startswith("cuda"):  # the CPU path stays as it was
             set_vae_memory_modes(self.loaded.pipe, *vae_memory_modes(device, width, height, len(prompts)))
         if self.compile_cache is not None:
             self.compile_cache.before(width, height)
+        return text
 
-        def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-            # Before the stop is asked: a step a test slows here (sleep) still ends at the stop told during it.
-            failpoints.reach("step")
-            if should_stop():
-                # Raised, not diffusers' interrupt flag: with the flag the loop skips its remaining
-                # steps but still decodes the half-denoised latents we would throw away, and at a
-                # large size on a CPU a decode costs more than a step: a worker told to stop overran
-                # its grace.  Reclaimed is a BaseException: the except below lets it through.
-                raise Reclaimed("stopped mid-batch")
-            return callback_kwargs
+    def _pipe_call(
+        self,
+        prompts: list[Prompt],
+        text: dict[str, Any],
+        should_stop: Callable[[], bool],
+        output_type: str,
+        device: str,
+        steps: int,
+        width: int,
+        height: int,
+    ) -> Any:
+        """The pipeline called once, as it gives its output; :class:`OutOfMemory` (the card's cached memory handed
+        back first) or the failure :func:`call_failure` names when it fails."""
+        import torch
 
-        # For PIL images the pipeline's pixel tensor, checked and made 8-bit on its device (worker.render.outputs).
-        wanted, output_type = output_type, outputs.ask_for(self.loaded.pipe, output_type)
+        on_step_end = _stop_between_steps(should_stop)
         out_of_memory = ""
         try:
             failpoints.reach("render")
@@ -350,12 +383,25 @@ class Renderer:
             # The exception and its frames are gone now, so what they held is free to hand back.
             release_cached_memory(device)
             raise OutOfMemory(f"out of memory rendering {len(prompts)} prompts at {width}x{height}: {out_of_memory}")
+        return output
 
-        if self.compile_cache is not None:
-            self.compile_cache.after(width, height, len(prompts))
-        if wanted == "pil":
-            return outputs.check(self.loaded.pipe, output)
-        return list(output.images)
+
+def _stop_between_steps(should_stop: Callable[[], bool]) -> Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]]:
+    """A pipeline's ``callback_on_step_end`` that raises :class:`Reclaimed` once ``should_stop`` says so."""
+
+    def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+        # Before the stop is asked: a step a test slows here (sleep) still ends at the stop told during it.
+        failpoints.reach("step")
+        if should_stop():
+            # Raised, not diffusers' interrupt flag: with the flag the loop skips its remaining
+            # steps but still decodes the half-denoised latents we would throw away, and at a
+            # large size on a CPU a decode costs more than a step: a worker told to stop overran
+            # its grace.  Reclaimed is a BaseException: the except around the call (Renderer._pipe_call) lets
+            # it through.
+            raise Reclaimed("stopped mid-batch")
+        return callback_kwargs
+
+    return on_step_end
 
 
 def check_inputs(prompts: Sequence[Prompt]) -> None:

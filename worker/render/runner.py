@@ -192,6 +192,41 @@ class _Checkpoint:
     quarantined: set[str] = field(default_factory=set)
 
 
+@dataclass
+class _StoredCounts:
+    """What earlier deliveries left, counted again at a shard's start (step 1): prompts whose checkpointed image
+    the store holds (done), those a checkpoint quarantined (failed), and those checkpointed done whose image the
+    store lost since (undone), by index."""
+
+    done: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    undone: list[int] = field(default_factory=list)
+
+    def verify(self, batch: Sequence[Prompt], cp: _Checkpoint, stored: set[str]) -> _Checkpoint:
+        """The batch's checkpoint as the store proves it (a name done only if its image is listed); its
+        prompts counted."""
+        named = cp.done | cp.quarantined
+        verified = _Checkpoint({n for n in named if n in stored}, cp.quarantined - stored - cp.done)
+        for p in batch:
+            if p.name in verified.done:
+                self.done.append(p.index)
+            elif p.name in verified.quarantined:
+                self.failed.append(p.index)
+            elif p.name in cp.done:
+                self.undone.append(p.index)
+        return verified
+
+
+@dataclass
+class _ShardPlan:
+    """A delivery's work (step 1): the batches left to render (number, prompts, verified checkpoint), each
+    batch's checkpoint as this delivery leaves it, and the stage levels earlier deliveries stored."""
+
+    todo: list[tuple[int, list[Prompt], _Checkpoint]] = field(default_factory=list)
+    kept: dict[int, _Checkpoint] = field(default_factory=dict)
+    levels: dict[str, int] = field(default_factory=dict)
+
+
 class ShardRunner:
     """Renders shards; one per worker process, reused across shards."""
 
@@ -286,88 +321,16 @@ class ShardRunner:
         """
         result = ShardResult()
         lane, self._lane = self._lanes[self._lane], 1 - self._lane
-        checkpoints = {} if first_delivery else self._read_checkpoints(msg)
-        stored = self._stored_images(msg, checkpoints)
-        # A job with stages: the images an earlier delivery left between them, by prompt (one listing).
-        levels = self.stages.levels(msg) if msg.params.stages and self.stages and not first_delivery else {}
-        # What earlier deliveries checkpointed is counted again: a worker killed
-        # between its checkpoint and its count left those prompts stored but
-        # uncounted; and what they checkpointed but the store lost is uncounted.
-        # Counting is idempotent: one Redis call per delivery.
-        stored_done: list[int] = []
-        stored_failed: list[int] = []
-        undone: list[int] = []
-        todo: list[tuple[int, list[Prompt], _Checkpoint]] = []
-        kept: dict[int, _Checkpoint] = {}  # each batch's checkpoint as this delivery leaves it
-        for number, batch in msg.batches():
-            cp = checkpoints.get(number, _Checkpoint())
-            named = cp.done | cp.quarantined
-            verified = kept[number] = _Checkpoint({n for n in named if n in stored}, cp.quarantined - stored - cp.done)
-            for p in batch:
-                if p.name in verified.done:
-                    stored_done.append(p.index)
-                elif p.name in verified.quarantined:
-                    stored_failed.append(p.index)
-                elif p.name in cp.done:
-                    undone.append(p.index)
-            pending = [p for p in batch if p.name not in verified.done and p.name not in verified.quarantined]
-            if msg.until >= 0:  # a segment before the last: what is stored at its level is done here
-                pending = [p for p in pending if levels.get(p.name, -1) < msg.until]
-            result.skipped += len(batch) - len(pending)
-            if pending:
-                todo.append((number, pending, verified))
-        if stored_done or stored_failed or undone:
-            ledger.commit(stored_done, stored_failed, undone)
-        killers: dict[str, int] = {}
-        if deaths >= self.max_failures:
-            counts = ledger.prompt_deaths(msg.prompts)
-            killers = {p.name: n for p in msg.prompts if (n := counts.get(p.index, 0)) >= self.max_failures}
-            log.warning(
-                "shard %s:%d: its holders died %d times: its prompts are rendered one at a time%s",
-                msg.job,
-                msg.shard,
-                deaths,
-                f"; {len(killers)} killed their workers {self.max_failures} times" if killers else "",
-            )
-            self._alone = ledger.alone
+        plan = self._plan(msg, ledger, result, first_delivery)
+        killers = self._killers(msg, ledger, deaths)
         commits = CommitQueue(lane, self.pipeline_depth, on_skip=ledger.record_waste)
         try:
-            for number, pending, cp in todo:
-                if self.stop.requested:
-                    # A notice means no new work: commit what is rendered, hand the rest back now.
-                    commits.drain()
-                    raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
-                if ledger.cancelled():
-                    # The job's, not the worker's: what is rendered is committed, the shard parked.
-                    commits.drain()
-                    raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
-                if on_last_batch is not None and number == todo[-1][0]:
+            for number, pending, cp in plan.todo:
+                self._check_go_on(number, commits, ledger)
+                if on_last_batch is not None and number == plan.todo[-1][0]:
                     on_last_batch()
-                killed = [(p, killers[p.name]) for p in pending if p.name in killers]
-                rendering = [p for p in pending if p.name not in killers]
-                images, failures, spent = (
-                    self._render_batch(rendering, ledger, result, commits, msg, levels) if rendering else ({}, [], None)
-                )
-                per_image = self._batch_seconds / len(images) if images and self._batch_seconds else None
-                commits.put(
-                    partial(
-                        self._commit_batch if msg.until < 0 else self._commit_segment,
-                        msg,
-                        number,
-                        pending,
-                        cp,
-                        images,
-                        failures,
-                        ledger,
-                        result,
-                        attempt,
-                        per_image=per_image,
-                        batch=spent,
-                        killed=killed,
-                    ),
-                    len(images),
-                )
-            commits.put(partial(self._count_stored, msg, kept, ledger))
+                self._render_and_queue(msg, ledger, result, commits, plan.levels, attempt, number, pending, cp, killers)
+            commits.put(partial(self._count_stored, msg, plan.kept, ledger))
         except BaseException:
             # Whatever ends the shard early, a commit queued before it is finished first (nothing
             # rendered is lost, nothing is written after the hand-back), and its error, which the
@@ -377,6 +340,103 @@ class ShardRunner:
         finally:
             self._alone = None
         return PendingShard(lane, commits, result)
+
+    def _plan(self, msg: ShardMessage, ledger: Ledger, result: ShardResult, first_delivery: bool) -> _ShardPlan:
+        """Step 1: what this delivery has left to render, batch by batch, as the checkpoints and the store say.
+
+        What earlier deliveries checkpointed is counted again: a worker killed
+        between its checkpoint and its count left those prompts stored but
+        uncounted; and what they checkpointed but the store lost is uncounted.
+        Counting is idempotent: one Redis call per delivery.
+        """
+        checkpoints = {} if first_delivery else self._read_checkpoints(msg)
+        stored = self._stored_images(msg, checkpoints)
+        # A job with stages: the images an earlier delivery left between them, by prompt (one listing).
+        levels = self.stages.levels(msg) if msg.params.stages and self.stages and not first_delivery else {}
+        plan = _ShardPlan(levels=levels)
+        counts = _StoredCounts()
+        for number, batch in msg.batches():
+            cp = checkpoints.get(number, _Checkpoint())
+            verified = plan.kept[number] = counts.verify(batch, cp, stored)
+            pending = [p for p in batch if p.name not in verified.done and p.name not in verified.quarantined]
+            if msg.until >= 0:  # a segment before the last: what is stored at its level is done here
+                pending = [p for p in pending if levels.get(p.name, -1) < msg.until]
+            result.skipped += len(batch) - len(pending)
+            if pending:
+                plan.todo.append((number, pending, verified))
+        if counts.done or counts.failed or counts.undone:
+            ledger.commit(counts.done, counts.failed, counts.undone)
+        return plan
+
+    def _killers(self, msg: ShardMessage, ledger: Ledger, deaths: int) -> dict[str, int]:
+        """A shard whose holders died ``max_failures`` times or more: its prompts rendered one at a time from
+        here on, named in the lease; the prompts whose workers died that often rendering them alone, by name,
+        with their deaths (quarantined, not rendered again).  Otherwise none."""
+        if deaths < self.max_failures:
+            return {}
+        counts = ledger.prompt_deaths(msg.prompts)
+        killers = {p.name: n for p in msg.prompts if (n := counts.get(p.index, 0)) >= self.max_failures}
+        log.warning(
+            "shard %s:%d: its holders died %d times: its prompts are rendered one at a time%s",
+            msg.job,
+            msg.shard,
+            deaths,
+            f"; {len(killers)} killed their workers {self.max_failures} times" if killers else "",
+        )
+        self._alone = ledger.alone
+        return killers
+
+    def _check_go_on(self, number: int, commits: CommitQueue, ledger: Ledger) -> None:
+        """Step 2: before batch ``number``, raise :class:`Reclaimed` if the worker is told to stop or the
+        job was cancelled, once what is rendered is committed."""
+        if self.stop.requested:
+            # A notice means no new work: commit what is rendered, hand the rest back now.
+            commits.drain()
+            raise Reclaimed(f"stop before batch {number}: {self.stop.reason}")
+        if ledger.cancelled():
+            # The job's, not the worker's: what is rendered is committed, the shard parked.
+            commits.drain()
+            raise Reclaimed(f"job cancelled: stopped before batch {number}", cancelled=True)
+
+    def _render_and_queue(
+        self,
+        msg: ShardMessage,
+        ledger: Ledger,
+        result: ShardResult,
+        commits: CommitQueue,
+        levels: dict[str, int],
+        attempt: int,
+        number: int,
+        pending: list[Prompt],
+        cp: _Checkpoint,
+        killers: dict[str, int],
+    ) -> None:
+        """Steps 3 and 4: render batch ``number`` (all but its prompts that killed their workers) and hand its
+        commit to the shard's queue (a segment before the job's last: :meth:`_commit_segment`)."""
+        killed = [(p, killers[p.name]) for p in pending if p.name in killers]
+        rendering = [p for p in pending if p.name not in killers]
+        images, failures, spent = (
+            self._render_batch(rendering, ledger, result, commits, msg, levels) if rendering else ({}, [], None)
+        )
+        per_image = self._batch_seconds / len(images) if images and self._batch_seconds else None
+        commits.put(
+            partial(
+                self._commit_batch if msg.until < 0 else self._commit_segment,
+                msg,
+                number,
+                pending,
+                cp,
+                images,
+                failures,
+                ledger,
+                result,
+                attempt,
+                per_image=per_image,
+                batch=spent,
+                killed=killed,
+            ),
+            len(images),
+        )
 
     def _render_batch(
         self,
@@ -412,28 +472,13 @@ class ShardRunner:
         msg: ShardMessage | None,
         levels: dict[str, int] | None,
     ) -> tuple[dict[str, Any], list[tuple[Prompt, str, bool]]]:
+        """The batch's images and failures: resumed from stored levels, generated a call per group, then through
+        the job's stages; counted in the ledger (started, rendered, thrown away when reclaimed)."""
         started = time.monotonic()
-        images: dict[str, Any] = {}
         failures: list[tuple[Prompt, str, bool]] = []
         staged = msg is not None and bool(msg.params.stages)
-        resumed: dict[str, int] = {}
-        if staged:
-            if self.stages is None:
-                raise JobError("this worker cannot run a job's stages (upscale, refine)")
-            assert msg is not None
-            for p in pending:
-                if p.name in (levels or {}) and (image := self.stages.load(msg, p.name, (levels or {})[p.name])) is not None:
-                    images[p.name] = image
-                    resumed[p.name] = (levels or {})[p.name]
-        # A call per render key, and per hand-off: a prompt whose next stage takes latents is generated as latents.
-        groups: dict[tuple[tuple[int, float, int, int, str], bool], list[Prompt]] = defaultdict(list)
-        for p in pending:
-            if p.name in resumed:
-                continue
-            latents = False
-            if staged and self.stages is not None and msg is not None:
-                latents = self.stages.hands_latents(msg, self.renderer, p, -1)
-            groups[(p.render_key, latents)].append(p)
+        images, resumed = self._resume_levels(pending, msg, levels) if staged else ({}, {})
+        groups = self._call_groups(pending, resumed, msg if staged else None)
 
         def should_stop() -> bool:
             if commits.failed.is_set():
@@ -447,34 +492,94 @@ class ShardRunner:
             for (_, latents), group in groups.items():
                 self._render_group(group, images, failures, should_stop, latents)
             if staged and self.stages is not None and msg is not None:
-                generated = len(images) - len(resumed)
-                self.stages.on_images("generate", generated)
-                if generated:
-                    ledger.record_stage("generate", generated, time.monotonic() - generating)
-                images = self.stages.run(
-                    msg,
-                    self.renderer,
-                    pending,
-                    images,
-                    resumed,
-                    failures,
-                    should_stop,
-                    on_stage=ledger.record_stage,
-                    uploads=self._uploads,
-                    life_ended=ledger.life_ended,
-                )
+                images = self._through_stages(msg, pending, images, resumed, failures, should_stop, ledger, generating)
         except Reclaimed:
             ledger.record_waste(len(images))
             raise
-        elapsed = time.monotonic() - started
-        if images:
-            self._batch_seconds = elapsed
-            work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
-            ledger.record_batch(len(images), elapsed, work, final=msg is None or msg.until < 0)
-            # A speed is a whole batch rendered afresh: none taken from a stored level, none failed.
-            if msg is not None and not resumed and len(images) == len(pending) and msg.until < 0 and not msg.segment:
-                self._keep_speed(msg, pending, elapsed)
+        self._record_rendered(msg, pending, images, resumed, ledger, time.monotonic() - started)
         return images, failures
+
+    def _resume_levels(
+        self, pending: list[Prompt], msg: ShardMessage | None, levels: dict[str, int] | None
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """A job with stages: the images an earlier delivery stored between them (``levels``), by name, and the
+        level each was taken from; :class:`JobError` on a worker that cannot run stages."""
+        images: dict[str, Any] = {}
+        resumed: dict[str, int] = {}
+        if self.stages is None:
+            raise JobError("this worker cannot run a job's stages (upscale, refine)")
+        assert msg is not None
+        for p in pending:
+            if p.name in (levels or {}) and (image := self.stages.load(msg, p.name, (levels or {})[p.name])) is not None:
+                images[p.name] = image
+                resumed[p.name] = (levels or {})[p.name]
+        return images, resumed
+
+    def _call_groups(
+        self, pending: list[Prompt], resumed: dict[str, int], staged: ShardMessage | None
+    ) -> dict[tuple[tuple[int, float, int, int, str], bool], list[Prompt]]:
+        """The prompts to generate (not resumed), a call per render key, and per hand-off: a prompt whose next
+        stage takes latents is generated as latents (``staged``: the message of a job with stages)."""
+        groups: dict[tuple[tuple[int, float, int, int, str], bool], list[Prompt]] = defaultdict(list)
+        for p in pending:
+            if p.name in resumed:
+                continue
+            latents = False
+            if staged is not None and self.stages is not None:
+                latents = self.stages.hands_latents(staged, self.renderer, p, -1)
+            groups[(p.render_key, latents)].append(p)
+        return groups
+
+    def _through_stages(
+        self,
+        msg: ShardMessage,
+        pending: list[Prompt],
+        images: dict[str, Any],
+        resumed: dict[str, int],
+        failures: list[tuple[Prompt, str, bool]],
+        should_stop: Callable[[], bool],
+        ledger: Ledger,
+        generating: float,
+    ) -> dict[str, Any]:
+        """Generate's figures counted (since ``generating``), then the batch through the job's stages
+        (worker/render/stagerun.py): the final images by name."""
+        assert self.stages is not None
+        generated = len(images) - len(resumed)
+        self.stages.on_images("generate", generated)
+        if generated:
+            ledger.record_stage("generate", generated, time.monotonic() - generating)
+        return self.stages.run(
+            msg,
+            self.renderer,
+            pending,
+            images,
+            resumed,
+            failures,
+            should_stop,
+            on_stage=ledger.record_stage,
+            uploads=self._uploads,
+            life_ended=ledger.life_ended,
+        )
+
+    def _record_rendered(
+        self,
+        msg: ShardMessage | None,
+        pending: list[Prompt],
+        images: dict[str, Any],
+        resumed: dict[str, int],
+        ledger: Ledger,
+        elapsed: float,
+    ) -> None:
+        """A batch that made images: its time remembered (the next one's stop check), counted in the ledger, and
+        kept as a speed where the whole batch was rendered afresh."""
+        if not images:
+            return
+        self._batch_seconds = elapsed
+        work = sum(p.width * p.height * p.steps for p in pending if p.name in images) / 1e6
+        ledger.record_batch(len(images), elapsed, work, final=msg is None or msg.until < 0)
+        # A speed is a whole batch rendered afresh: none taken from a stored level, none failed.
+        if msg is not None and not resumed and len(images) == len(pending) and msg.until < 0 and not msg.segment:
+            self._keep_speed(msg, pending, elapsed)
 
     def _keep_speed(self, msg: ShardMessage, batch: list[Prompt], seconds: float) -> None:
         """Tell the speed keeper (worker/accounting/speeds.py) a batch's render time, for estimates."""

@@ -169,6 +169,16 @@ def level_may_be_latents(stages: Sequence[Stage], level: int) -> bool:
     return level < len(stages) and stages[level].kind == REFINE
 
 
+def _level_members(prompts: Sequence[Prompt], current: dict[str, Any], at: dict[str, int], level: int) -> list[Prompt]:
+    """The prompts at ``level`` that its stage takes; a prompt that skips this stage (its skip_stages) goes to the
+    next level as it is (``at``)."""
+    members = [p for p in prompts if p.name in current and at.get(p.name, 0) == level]
+    skipping = [p for p in members if str(level + 1) in p.skip_stages.split(",")]
+    for p in skipping:
+        at[p.name] = level + 1
+    return [p for p in members if p not in skipping]
+
+
 class ShardStages:
     """The stages of the shards a runner renders: their renderers, built once per (model, stage), and
     their intermediates in the store.  ``on_images(label, n)``: images a stage (or generate) made (the
@@ -295,45 +305,57 @@ class ShardStages:
         current = {name: outputs.to_pil(image) for name, image in images.items()}
         at = {name: resumed.get(name, 0) for name in current}
         for level in range(last):
-            members = [p for p in prompts if p.name in current and at.get(p.name, 0) == level]
-            # A prompt that skips this stage (its skip_stages) goes to the next level as it is.
-            skipping = [p for p in members if str(level + 1) in p.skip_stages.split(",")]
-            for p in skipping:
-                at[p.name] = level + 1
-            members = [p for p in members if p not in skipping]
+            members = _level_members(prompts, current, at, level)
             if not members:
                 continue
             self._store(msg, level, [p for p in members if resumed.get(p.name) != level], current, uploads, life_ended)
             failpoints.reach("stage")
-            try:
-                renderer = self.renderer(base, level, stages[level])
-            except ModelLoadError:
-                # The stage's model will not load: the same on every worker, so the job fails once, as a
-                # whole, as for its own model (renderfleet/jobfailure.py), not each prompt three times.
-                raise
-            except JobError as exc:  # the stage cannot refine these settings: its prompts', not the worker's
-                failures.extend((p, str(exc), False) for p in members)
-                for p in members:
-                    current.pop(p.name)
-                continue
-            latents = {p.name for p in members if self.hands_latents(msg, base, p, level)}
-            began = time.monotonic()
-            made = self._run_stage(renderer, members, current, latents, failures, should_stop)
-            seconds = time.monotonic() - began
-            for p in members:
-                if p.name in made:
-                    current[p.name] = made[p.name]
-                    at[p.name] = level + 1
-                else:
-                    current.pop(p.name, None)
-            self.on_images(stage_label(stages, level + 1), len(made))
-            if on_stage is not None and made:
-                on_stage(stage_label(stages, level + 1), len(made), seconds)
+            self._run_level(msg, base, level, members, current, at, failures, should_stop, on_stage)
         done = {p.name: current[p.name] for p in prompts if p.name in current and at.get(p.name, 0) == last}
         if msg.until >= 0:
             stored = [p for p in prompts if p.name in done and resumed.get(p.name) != last]
             self._store(msg, last, stored, current, uploads, life_ended)
         return done
+
+    def _run_level(
+        self,
+        msg: ShardMessage,
+        base: object,
+        level: int,
+        members: list[Prompt],
+        current: dict[str, Any],
+        at: dict[str, int],
+        failures: list[Failure],
+        should_stop: Callable[[], bool],
+        on_stage: StageHook | None,
+    ) -> None:
+        """Stage ``level`` over ``members``: what it makes of each goes on to the next level in ``current`` (``at``:
+        each prompt's level); a prompt it fails drops out (its failure in ``failures``)."""
+        stages = msg.params.stages
+        try:
+            renderer = self.renderer(base, level, stages[level])
+        except ModelLoadError:
+            # The stage's model will not load: the same on every worker, so the job fails once, as a
+            # whole, as for its own model (renderfleet/jobfailure.py), not each prompt three times.
+            raise
+        except JobError as exc:  # the stage cannot refine these settings: its prompts', not the worker's
+            failures.extend((p, str(exc), False) for p in members)
+            for p in members:
+                current.pop(p.name)
+            return
+        latents = {p.name for p in members if self.hands_latents(msg, base, p, level)}
+        began = time.monotonic()
+        made = self._run_stage(renderer, members, current, latents, failures, should_stop)
+        seconds = time.monotonic() - began
+        for p in members:
+            if p.name in made:
+                current[p.name] = made[p.name]
+                at[p.name] = level + 1
+            else:
+                current.pop(p.name, None)
+        self.on_images(stage_label(stages, level + 1), len(made))
+        if on_stage is not None and made:
+            on_stage(stage_label(stages, level + 1), len(made), seconds)
 
     def _store(
         self,

@@ -152,29 +152,45 @@ class StageRenderer:
             return
         # 3. A refine with the job's own model shares its components.
         if stage.kind == REFINE and not stage.model:
-            if base is None:
-                raise ValueError("a refine with the job's own model needs the job's loaded model (base)")
-            self.device, self._shared = str(base.device), base.model
-            default = schedulers.default if schedulers is not None else base.pipe.scheduler
-            self.pipe = self._image_to_image(base.pipe, base.model, scheduler=default)
-            self.family = image_family(self.pipe)
-            self._schedulers = SchedulerCache(self.pipe, self.family)
-            self._loras = loras
-            self.compiled, self.quantize = bool(base.compiled), str(base.quantize)
+            self._share(base, schedulers, loras)
         # 4. Any other stage loads its own model.
         else:
-            if why := model_refusal(stage.model, allowed):
-                raise ModelLoadError(why)
-            task = "any" if stage.kind == UPSCALE else "image-to-image"
-            with self._loading():
-                self._own = load_pipeline(stage.model, device=device, cache_dir=cache_dir, fetch=fetch, task=task)
-            self.compiled, self.quantize = bool(self._own.compiled), str(self._own.quantize)
-            if stage.kind == UPSCALE:
-                self.pipe = self._own.pipe
-                self._check_upscaler()
-            else:
-                self.pipe = self._image_to_image(self._own.pipe, stage.model)
-                self.family = image_family(self.pipe)
+            self._load_own(device, cache_dir, fetch, allowed)
+        # 5. Either served quiet.
+        self._quiet()
+
+    def _share(self, base: LoadedModel | None, schedulers: SchedulerCache | None, loras: LoraCache | None) -> None:
+        """A refine with the job's own model: an image-to-image pipeline of the job's components, with the job's
+        scheduler as loaded, its LoRAs, and the kind of its weights."""
+        if base is None:
+            raise ValueError("a refine with the job's own model needs the job's loaded model (base)")
+        self.device, self._shared = str(base.device), base.model
+        default = schedulers.default if schedulers is not None else base.pipe.scheduler
+        self.pipe = self._image_to_image(base.pipe, base.model, scheduler=default)
+        self.family = image_family(self.pipe)
+        self._schedulers = SchedulerCache(self.pipe, self.family)
+        self._loras = loras
+        self.compiled, self.quantize = bool(base.compiled), str(base.quantize)
+
+    def _load_own(self, device: str, cache_dir: Path, fetch: Fetch | None, allowed: Sequence[str] | None) -> None:
+        """Any other stage: its own model, if the allow-list lets it (:class:`ModelLoadError` if not), loaded as
+        an upscaler (checked to be one) or as image to image."""
+        stage = self.stage
+        if why := model_refusal(stage.model, allowed):
+            raise ModelLoadError(why)
+        task = "any" if stage.kind == UPSCALE else "image-to-image"
+        with self._loading():
+            self._own = load_pipeline(stage.model, device=device, cache_dir=cache_dir, fetch=fetch, task=task)
+        self.compiled, self.quantize = bool(self._own.compiled), str(self._own.quantize)
+        if stage.kind == UPSCALE:
+            self.pipe = self._own.pipe
+            self._check_upscaler()
+        else:
+            self.pipe = self._image_to_image(self._own.pipe, stage.model)
+            self.family = image_family(self.pipe)
+
+    def _quiet(self) -> None:
+        """No progress bar, and the text encoders' truncation warnings said once, on one line (as generate's)."""
         self.pipe.set_progress_bar_config(disable=True)
         quiet_truncation(self.pipe, self.family.family.t5_tokens if self.family else 0)
 

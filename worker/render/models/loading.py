@@ -133,22 +133,69 @@ def load_pipeline(
     ``task`` (a key of :data:`TASKS`): what a folder or hub id is loaded as; a built-in model
     is built as it is, and a stage's (``renderfleet.stages.STAGE_TINY_MODELS``) never as a job's.
     """
+    _check_request(model, task)
+    started = time.perf_counter()
+    device = device or default_device()
+    dtype = _ready_for(device, compile=compile, offload=offload, quantize=quantize)
+
+    # 1. Build or read the pipeline, on the CPU.
+    pipe, digest = _read_pipeline(
+        model, dtype, cache_dir=cache_dir, fetch=fetch, revision=revision, variant=variant, refresh=refresh, task=task
+    )
+    # 2. Quantized where asked, on the CPU: the fit check below counts the 8-bit bytes.
+    quantize_pipeline(pipe, quantize)
+    # 3. Prepared for serving, on the device.
+    pipe = _serve(pipe, model, device, dtype, compile=compile, offload=offload)
+    return LoadedModel(
+        pipe=pipe,
+        model=model,
+        device=device,
+        dtype=dtype,
+        load_seconds=time.perf_counter() - started,
+        compiled=compile,
+        revision=revision,
+        variant=variant,
+        digest=digest,
+        offload=offload,
+        quantize=quantize,
+    )
+
+
+def _check_request(model: str, task: str) -> None:
+    """Refuse what is no pipeline to load: a bench model, an unknown task, a stage's built-in model as a job's."""
     if model.startswith(BENCH_PREFIX):  # not a pipeline: worker.main.load_renderer serves these, when allowed
         raise ModelLoadError(f"model {model!r} is a bench model (the fixed-time renderer), not a pipeline")
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if task == "text-to-image" and model in STAGE_TINY_MODELS:
         raise ModelLoadError(f"model {model!r} is a built-in stage model; it renders no image from text")
-    started = time.perf_counter()
-    device = device or default_device()
+
+
+def _ready_for(device: str, *, compile: bool, offload: str, quantize: str) -> torch.dtype:
+    """Check that ``device`` can do what is asked of it (compile, offload, quantize), and quiet the libraries;
+    the dtype the weights are loaded in there."""
     check_compile(compile, device)
     check_offload(offload, device)
     check_quantize(quantize, device)
     dtype = dtype_for(device)
     quiet_empty_float32_warning()
     logs.route_library_logs()  # their lines through our handler (renderfleet/logs.py): noise dropped
+    return dtype
 
-    # 1. Build or read the pipeline, on the CPU.
+
+def _read_pipeline(
+    model: str,
+    dtype: torch.dtype,
+    *,
+    cache_dir: Path,
+    fetch: Fetch | None,
+    revision: str,
+    variant: str,
+    refresh: bool,
+    task: str,
+) -> tuple[Any, str]:
+    """The pipeline, on the CPU, built (a built-in model) or read (an ``s3://`` model, a folder, a hub id),
+    and its content digest ('' for built-in models and hub ids)."""
     digest = ""
     folder = Path(model).expanduser()  # a folder given as ~/models/sd is this worker's home's
     if revision and (model in TINY_MODELS or model.startswith("s3://") or folder.is_dir()):
@@ -167,42 +214,27 @@ def load_pipeline(
         pipe = _from_pretrained(str(folder), model, dtype, variant=variant, task=task)
     else:
         pipe = _from_hub(model, dtype, revision=revision, variant=variant, task=task)
+    return pipe, digest
 
-    # 2. Quantized where asked, on the CPU: the fit check below counts the 8-bit bytes.
-    quantize_pipeline(pipe, quantize)
 
-    # 3. Prepare it for serving: quiet, on the device; on CUDA made fast, and refused before any
-    #    copy if the card cannot hold it (the CPU path as it was).
+def _serve(pipe: Any, model: str, device: str, dtype: torch.dtype, *, compile: bool, offload: str) -> Any:
+    """Prepare the pipeline for serving: quiet, on the device; on CUDA made fast, and refused before any
+    copy if the card cannot hold it (the CPU path as it was)."""
     pipe.set_progress_bar_config(disable=True)
-    if device.startswith("cuda"):
-        prepare_for_cuda(pipe, dtype, compile=compile)
-        fit = check_fit(pipe, device, dtype, offload=offload, model=model)
-        log.info(
-            "model %s: %.1f GB of weights in %s, %.1f GB free on %s%s",
-            model,
-            fit["total"] / 1e9,
-            fit["dtype"],
-            fit["free"] / 1e9,
-            device,
-            ", each component on the card only while it runs (offload model)" if offload == "model" else "",
-        )
-        pipe = place(pipe, device, offload)
-    else:
-        pipe = pipe.to(device)
-
-    return LoadedModel(
-        pipe=pipe,
-        model=model,
-        device=device,
-        dtype=dtype,
-        load_seconds=time.perf_counter() - started,
-        compiled=compile,
-        revision=revision,
-        variant=variant,
-        digest=digest,
-        offload=offload,
-        quantize=quantize,
+    if not device.startswith("cuda"):
+        return pipe.to(device)
+    prepare_for_cuda(pipe, dtype, compile=compile)
+    fit = check_fit(pipe, device, dtype, offload=offload, model=model)
+    log.info(
+        "model %s: %.1f GB of weights in %s, %.1f GB free on %s%s",
+        model,
+        fit["total"] / 1e9,
+        fit["dtype"],
+        fit["free"] / 1e9,
+        device,
+        ", each component on the card only while it runs (offload model)" if offload == "model" else "",
     )
+    return place(pipe, device, offload)
 
 
 def save_pipeline(loaded_or_pipe: LoadedModel | Any, dest: Path) -> Path:
