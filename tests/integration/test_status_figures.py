@@ -7,6 +7,7 @@ the figures are the fleet's, whatever renders the images.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,13 @@ def test_counts_cost_and_eta_survive_a_kill_and_a_quarantine(tmp_path: Path, red
     second: WorkerProc | None = None
     try:
         wait_for(lambda: stopped(first.pid), 120, interval=0.05, what="the first worker to stop mid-shard")
+        paused = time.monotonic()
         early = job_status(env, job)
-        assert early["done"] == 8 and early["in_flight"] and any(w.get("doing") for w in early["workers"])
+        assert early["done"] == 8 and early["in_flight"]
+        # The paused worker is live for its lease (6 s) after its last write, then dead in the views (it is:
+        # SIGSTOPped). A status that took longer than that on a loaded machine cannot see it doing anything.
+        if time.monotonic() - paused < 6.0:
+            assert any(w.get("doing") for w in early["workers"]), early["workers"]
         first.kill()  # SIGKILL mid-shard: its lease expires and the shard is handed on
         second = WorkerProc(env, tmp_path / "w2.log")
         wait_for(lambda: (s := status_now(env, job))["done"] >= 32 and s, 120, interval=0.25, what="progress")

@@ -107,7 +107,8 @@ def test_the_policy_sees_recent_reclaim_loss_the_measured_cold_start_and_nodes_o
     # never below the nodes with work in flight (a node goes whole).
     for node, gpu in (("quad-h-1", "0"), ("quad-h-1", "1"), ("quad-h-1", "2"), ("quad-h-1", "3"), ("quad-h-2", "0")):
         service = WorkerService(
-            settings=Settings(home=tmp_path, pool="quad", node=node, node_gpu=gpu),
+            # A lease of ten minutes: their registrations outlive three CLI runs on a loaded machine.
+            settings=Settings(home=tmp_path, pool="quad", node=node, node_gpu=gpu, lease_seconds=600.0),
             client=client,
             store=LocalStore(tmp_path / "store"),
             renderer=None,
