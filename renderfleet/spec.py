@@ -706,6 +706,10 @@ class JobSpec:
             raise BadRecord(f"{where}: not a spec (not JSON: {str(exc)[:200]})") from None
         if why := spec_problems(raw):
             raise BadRecord(f"{where}: not a spec ({why[0][:200]})")
+        if isinstance(raw, dict) and (
+            newer := formats.newer(where, raw.get("version"), SPEC_VERSION, "the monitor and the CLI")
+        ):
+            raise BadRecord(newer)  # a newer submit's spec: one line that says what to upgrade, never misread
         known = {key: value for key, value in raw.items() if key in cls.__dataclass_fields__}
         try:
             return cls(**{**known, "params": RenderParams.from_dict(raw["params"])})

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from renderfleet import formats, schemas, spec
-from renderfleet.errors import NewerFormat, TransientError
+from renderfleet.errors import BadRecord, NewerFormat, TransientError
 from renderfleet.spec import JobSpec, RenderParams, message_head, message_problems, newer_message
 from worker.lease.tasks import refuse_newer
 
@@ -58,6 +58,13 @@ def test_a_record_of_a_newer_format_is_read_as_absent_in_one_line(caplog: pytest
     assert "jobs/j/cp.json is format 2" in line and "upgrade this worker or monitor first" in line
 
 
-def test_the_spec_names_its_version() -> None:
+def test_the_spec_names_its_version_and_a_newer_one_is_refused_in_one_line() -> None:
     job = JobSpec(job="j-1", params=RenderParams(model="tiny"), total=8, shard_size=4, batch_size=2)
     assert json.loads(job.to_json())["version"] == json.loads(job.registration())["version"] == spec.SPEC_VERSION
+    assert JobSpec.read(job.to_json().encode(), "jobs/j-1/spec.json") == job
+    newer = {**json.loads(job.to_json()), "version": spec.SPEC_VERSION + 1}
+    with pytest.raises(
+        BadRecord, match=r"^jobs/j-1/spec.json is format 2, .*: upgrade the monitor and the CLI first"
+    ) as caught:
+        JobSpec.read(json.dumps(newer).encode(), "jobs/j-1/spec.json")
+    assert "\n" not in str(caught.value)
