@@ -8,9 +8,10 @@ BIN    := $(VENV)/bin
 # on a machine that has none. On a GPU node, PyPI's 2.13.0 build carries CUDA.
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
-# Two test processes (pytest-xdist), a file each at a time: most integration tests wait on leases,
-# restarts and workers starting, so two keep the 2 cores busy (the tests' own time falls by about a third).
-PYTEST_WORKERS ?= 2
+# Three test processes (pytest-xdist), a file each at a time: most integration tests wait on leases,
+# restarts and workers starting, and with two the 2 cores sat 25 % idle through the integration tests
+# (sampled from /proc/stat); a third fills them. The tests hold under a CPU hog on one core beside them.
+PYTEST_WORKERS ?= 3
 # Python's own default: each module compiled once, into __pycache__ (ignored by git). A machine whose
 # environment sets PYTHONDONTWRITEBYTECODE (this project's do) compiles our modules again in every
 # process: about 0.3 s of CPU for each of the suite's ~450 CLI, worker and monitor starts.
