@@ -134,7 +134,12 @@ def test_replace_and_delete_act_only_on_the_object_they_name(store: Store) -> No
     assert store.replace(key, b"x", tag=second) is None and not store.exists(key)
 
 
-def test_of_many_racing_put_news_exactly_one_lands(store: Store) -> None:
+def test_of_many_racing_put_news_exactly_one_lands(tmp_path: Path) -> None:
+    # The folder store's own guarantee (a hard link fails on any name). On S3 it is S3's: of racing
+    # If-None-Match: * writes one succeeds and the rest get 412. moto cannot stand in for that race: its
+    # server checks for the key and then puts, unlocked (moto/s3/responses.py), so two racers may both
+    # land there (seen once in a loaded run). S3's side is tested one write after another, above.
+    store = open_store(str(tmp_path / "store"))
     key = "jobs/j/images/000002.png"
     with ThreadPoolExecutor(8) as pool:
         tags = list(pool.map(lambda i: store.put_new(key, f"writer {i}".encode()), range(8)))
