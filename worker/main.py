@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
+from celery import signals as celery_signals
 
 from renderfleet import celery_app, failpoints, logs
 from renderfleet.embedded import broker_url
@@ -180,14 +181,15 @@ def run_worker(
     # From its first registration (the loading one) a SIGTERM must not kill the process with that
     # registration left behind (a worker stopped as it loads or comes up, by an autoscaler going down,
     # say): until Celery's own handlers take over in worker.start(), a signal ends the start-up cleanly.
+    told = StartupStop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stopped_while_starting)
-    first = _load_first_model(start)
+        signal.signal(sig, told.handle)
+    first = _load_first_model(start, told)
     if isinstance(first, int):  # stopped while loading, or its device failed
         return first
     renderer, loaded = first
     app, service = _make_service(start, renderer)
-    return _serve(start, app, service, loaded, loglevel)
+    return _serve(start, app, service, loaded, loglevel, told)
 
 
 def _refuse_settings(settings: Settings) -> None:
@@ -239,7 +241,7 @@ def _set_up(settings: Settings, account: WorkerTime, model: str, queues: list[st
     return _Start(settings, account, model, url, worker_id, pools, metrics, endpoint, parent)
 
 
-def _load_first_model(start: _Start) -> tuple[Any, Any] | int:
+def _load_first_model(start: _Start, told: StartupStop) -> tuple[Any, Any] | int:
     """(renderer, loaded model) of the worker's first model, loaded while it is registered as loading;
     or the exit status where the start ends: 0 when a signal stopped it (its registration gone),
     :data:`EXIT_DEVICE` when its device failed (its node told why)."""
@@ -249,6 +251,7 @@ def _load_first_model(start: _Start) -> tuple[Any, Any] | int:
         # status: "loading", not "no worker"
         with loading, start.account.doing(Use.LOADING):
             renderer, loaded = load_renderer(model, settings, on_bad_images=start.metrics.bad_images)
+            told.check()  # a signal whose exception the load swallowed stops it here
     except StoppedWhileStarting:
         # Its registration goes, wherever the signal landed (in the load, or in the context's own enter or exit).
         loading.forget()
@@ -306,9 +309,11 @@ def _make_service(start: _Start, renderer: Any) -> tuple[Celery, WorkerService]:
     return app, service
 
 
-def _serve(start: _Start, app: Celery, service: WorkerService, loaded: Any, loglevel: str) -> int:
+def _serve(start: _Start, app: Celery, service: WorkerService, loaded: Any, loglevel: str, told: StartupStop) -> int:
     """Register, install the task and its hooks, start the reaper (and the reclaim watcher), then run
-    Celery's worker until shutdown; everything closed after, whatever ended it; the exit status."""
+    Celery's worker until shutdown; everything closed after, whatever ended it; the exit status.
+    A signal before Celery's own handlers are in is ``told``'s: raised until Celery starts, then kept
+    and handed to Celery's handlers once its consumer is ready."""
     settings = start.settings
     reaper: ReaperThread | None = None
     watcher: ReclaimWatcher | None = None
@@ -328,6 +333,10 @@ def _serve(start: _Start, app: Celery, service: WorkerService, loaded: Any, logl
             watcher = _reclaim_watcher(start, service)
             watcher.start()
         worker = _celery_worker(app, start, service, loglevel)
+        # Nothing is raised into Celery's start: a signal before its handlers are in is kept, and
+        # sent again to them once its consumer is ready (a warm shutdown: nothing taken is lost).
+        told.keep_until(celery_signals.worker_ready)
+        told.check()  # one that came before, its exception swallowed on the way
         worker.start()  # Celery installs its own SIGTERM and SIGINT handlers as it starts
     except StoppedWhileStarting:
         log.warning("worker %s: stopped before it took any work", start.worker_id)
@@ -434,8 +443,42 @@ class StoppedWhileStarting(BaseException):
     """
 
 
-def _stopped_while_starting(signum: int, frame: Any) -> None:
-    raise StoppedWhileStarting(signal.Signals(signum).name)
+class StartupStop:
+    """The SIGTERM or SIGINT handler of a worker's start, before Celery's own: the signal raised
+    (:class:`StoppedWhileStarting`) and kept.
+
+    A handler's exception lands wherever the main thread is.  Python drops one raised in a ``__del__``
+    or a weakref callback ("Exception ignored in ..."), as does a library's ``except BaseException``:
+    raised only, such a signal was lost and the start went on (loaded, Celery up, the waiting shard
+    taken) as if never told.  Kept, it is asked again after the load and before Celery starts
+    (:meth:`check`); from Celery's start on it is only kept, and sent again to Celery's handlers once
+    its consumer is ready (:meth:`keep_until`).
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None  # the first signal's name
+        self._raise = True
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+        if self._raise:
+            raise StoppedWhileStarting(self.signal)
+
+    def check(self) -> None:
+        """Raise :class:`StoppedWhileStarting` where a signal came."""
+        if self.signal is not None:
+            raise StoppedWhileStarting(self.signal)
+
+    def keep_until(self, ready: Any) -> None:
+        """From now on a signal is kept, not raised; once ``ready`` (a Celery signal, sent after Celery's
+        handlers are in) is sent, a kept one is sent again to this process: Celery's warm shutdown."""
+        self._raise = False
+        ready.connect(self._hand_over, weak=False)
+
+    def _hand_over(self, **_: Any) -> None:
+        if self.signal is not None:
+            log.warning("worker: %s came as it started: stopping now", self.signal)
+            os.kill(os.getpid(), getattr(signal, self.signal))
 
 
 def node_marks(settings: Settings, service: WorkerService) -> list[ScaleInMark]:
