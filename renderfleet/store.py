@@ -25,7 +25,7 @@ import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator, MutableSequence, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -129,6 +129,20 @@ class Store(Protocol):
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under the folder ``prefix`` (ending in ``/``); returns how many."""
+
+
+def withdraw(store: Store, written: Mapping[str, str], job: str) -> int:
+    """Remove each object of ``written`` (key: the tag this writer wrote there) only if it is still that
+    write (``delete_tagged``): what a writer takes back when its job's life ended as it wrote (docs/design.md,
+    "Writes of an ended life").  How many it removed; one that cannot be removed now is logged and left,
+    for the job's next delete to sweep."""
+    removed = 0
+    for key, tag in written.items():
+        try:
+            removed += store.delete_tagged(key, tag)
+        except (StoreError, OSError) as exc:
+            log.warning("job %s: cannot withdraw %s, written after its life ended: %s", job, key, exc)
+    return removed
 
 
 def _check_folder(prefix: str) -> str:

@@ -51,7 +51,7 @@ from renderfleet import stages as stagelib
 from renderfleet.errors import JobError, OutOfMemory, PermanentError, PromptError, Reclaimed, RecordTooLarge, StoreError
 from renderfleet.limits import MAX_CHECKPOINT_BYTES
 from renderfleet.spec import Prompt, ShardMessage
-from renderfleet.store import Store, read_record
+from renderfleet.store import Store, read_record, withdraw
 from worker.accounting.gputime import Batch, WorkerTime
 from worker.accounting.speeds import SpeedKeeper
 from worker.node.stop import StopSignal
@@ -918,12 +918,7 @@ class ShardRunner:
         images are that life's, byte-identical to the next attempt's)."""
         if not written or not ledger.life_ended():
             return
-        removed = 0
-        for key, tag in written.items():
-            try:
-                removed += self.store.delete_tagged(key, tag)
-            except (StoreError, OSError) as exc:
-                log.warning("job %s: cannot withdraw %s, written after its life ended: %s", job, key, exc)
+        removed = withdraw(self.store, written, job)
         log.warning(
             "job %s: its life ended while this batch was written: withdrew %d of its %d objects", job, removed, len(written)
         )

@@ -44,11 +44,11 @@ from typing import Any
 import pydantic_core
 
 from renderfleet import failpoints, spec
-from renderfleet.errors import JobError, ModelLoadError, OutOfMemory, PermanentError, PromptError, Reclaimed, StoreError
+from renderfleet.errors import JobError, ModelLoadError, OutOfMemory, PermanentError, PromptError, Reclaimed
 from renderfleet.limits import MAX_IMAGE_BYTES, MAX_SIDE
 from renderfleet.spec import Prompt, ShardMessage
 from renderfleet.stages import REFINE, Stage, final_size, hands_latents, kinds_hand_latents, next_stage
-from renderfleet.store import Store, read_record
+from renderfleet.store import Store, read_record, withdraw
 from worker.render import outputs
 from worker.render.batchsize import WHOLE_BATCH, BatchSizes
 
@@ -404,12 +404,7 @@ class ShardStages:
 
     def _withdraw(self, msg: ShardMessage, level: int, written: dict[str, str]) -> None:
         """Remove the objects of a level written after its job's life ended (each only if still ours)."""
-        removed = 0
-        for key, tag in written.items():
-            try:
-                removed += self.store.delete_tagged(key, tag)
-            except (StoreError, OSError) as exc:
-                log.warning("job %s: cannot withdraw %s, written after its life ended: %s", msg.job, key, exc)
+        removed = withdraw(self.store, written, msg.job)
         log.warning(
             "job %s: its life ended while level %d of its stages was written: withdrew %d of its %d objects",
             msg.job,
