@@ -61,6 +61,10 @@ class Fence(IntEnum):
     # current, and the counters this check carried took the job to its budget: the check marked it
     # (budget_reached, cancelled), and the caller takes its queued work out as a cancel does
     BUDGET_REACHED = 3
+    # Redis holds no job of this name (lost in a restart, or a delete's tombstone aged out): current as far
+    # as Redis knows; the worker asks the store, the truth, whether its spec still names the lease's life
+    # (a job deleted before Redis lost its tombstone has none: issue 50)
+    UNREGISTERED = 4
 
 
 class TaskOutcome(StrEnum):

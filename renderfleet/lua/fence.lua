@@ -24,7 +24,8 @@
 -- then those pairs, then field, value pairs for its stage figures
 -- Returns 0: fenced (nothing written), 1: current (the counters written), 2: current, and the job has
 -- reached its budget: begin no new batch; 3: current, and these counters took the job to its budget:
--- this call marked it (renderfleet.states.Fence).
+-- this call marked it; 4: Redis holds no job of this name: the worker asks the store whether its spec
+-- still names the lease's life (renderfleet.states.Fence).
 local job, attempts, stats, progress, stages = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local prices = KEYS[6]
 local shard, attempt, life, entry, keep = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
@@ -34,7 +35,9 @@ if not same_life(job, life) or tonumber(redis.call('HGET', attempts, shard) or '
   return 0
 end
 if redis.call('EXISTS', job) == 0 then
-  return 1  -- Redis lost the job: current as far as anyone knows, but no counter of a job it does not hold
+  -- Redis holds no job of this name (it lost it in a restart, or the tombstone of a delete aged out):
+  -- current as far as Redis knows, no counter of a job it does not hold, and the store is to be asked.
+  return 4
 end
 for i = 7, stage_from - 1, 2 do
   redis.call('HINCRBY', stats, ARGV[i], ARGV[i + 1])

@@ -336,6 +336,25 @@ def test_a_late_upload_into_a_deleted_name_is_withdrawn_by_its_writer(
     assert list(open_store(store_url).list(f"jobs/{job}/")) == []
 
 
+def test_a_late_upload_into_a_deleted_name_is_withdrawn_after_redis_lost_the_tombstone(
+    tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]
+) -> None:
+    """Issue 50, the history a CI run's lives machine broke on: a worker paused before its images, the job deleted
+    whole, then Redis restarted empty (its tombstone gone with the rest), then the worker woke and wrote.  Redis
+    could no longer say the life had ended, and the images of a deleted name stayed.  A job Redis holds nothing of
+    is asked of the store: no spec there (or one naming another life) is a life that ended, and the writer
+    withdraws what it wrote."""
+    env, _r, stale, job = _stale_worker_paused_before_its_images(tmp_path, redis_server, store_url, procs)
+    cli(env, "delete", job, "--yes")
+    redis_server.kill()
+    redis_server.start()
+    os.kill(stale.pid, signal.SIGCONT)
+    wait_for(lambda: "withdrew 2 of its 2 objects" in stale.output(), 60, what="the woken worker to withdraw its images")
+    assert _images(store_url, job) == {}
+    assert [k for k in open_store(store_url).list(f"jobs/{job}/") if "/images/" in k] == []
+    assert stale.proc.poll() is None, "a fenced shard is no failure of the worker"
+
+
 @ON_S3
 def test_a_stage_level_written_across_a_delete_is_withdrawn_by_its_writer(
     tmp_path: Path, redis_server: RedisServerProcess, store_url: str, procs: list[Any]

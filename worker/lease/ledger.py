@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from renderfleet import budget, keys, registry
-from renderfleet.errors import Reclaimed
+from renderfleet.errors import BadRecord, Reclaimed, StoreError
 from renderfleet.leases import Lease, Leases
 from renderfleet.registry import TOUCH_SECONDS
 from renderfleet.spec import Prompt
@@ -144,8 +144,12 @@ class RedisLedger:
         clock: LeaseClock | None = None,
         budgeted: bool = False,
         time_account: WorkerTime | None = None,
+        stored_life: Callable[[], str | None] | None = None,
     ):
         self.leases = leases
+        # The life the store's spec of the job names (None: it holds none), asked only when Redis holds no
+        # job of this name (:meth:`_life_in_store`); None: never asked (Redis's answer stands).
+        self.stored_life = stored_life
         # The job has a budget (keys.job 'budget', read at accept): Redis is asked before each batch
         # whether the job has reached it (cancelled), so no batch of it begins past its budget.
         self.budgeted = budgeted
@@ -199,8 +203,8 @@ class RedisLedger:
 
     def life_ended(self) -> bool:
         """Whether the job's life this lease was claimed in is over, as Redis says now: the job deleted (its
-        tombstone) or another life registered.  A hash Redis lost is not an ended life (the monitor registers
-        it again, with the life its stored spec names), nor is a Redis that cannot be asked."""
+        tombstone) or another life registered; where Redis holds no job of this name, the store's spec says
+        (:meth:`_life_in_store`).  A Redis that cannot be asked is no ended life."""
         if not self.lease.life:
             return False
         try:
@@ -208,7 +212,34 @@ class RedisLedger:
         except redis.RedisError as exc:
             log.warning("cannot read job %s's life: %s", self.lease.job, exc)
             return False
-        return deleted is not None or (life is not None and keys.text(life) != self.lease.life)
+        if deleted is not None:
+            return True
+        if life is not None:
+            return keys.text(life) != self.lease.life
+        return not self._life_in_store()
+
+    def _life_in_store(self) -> bool:
+        """Whether the store's spec of the job names this lease's life: asked when Redis holds no job of this
+        name.  Redis loses a job in a restart (the monitor registers it again from its spec: the same life),
+        but it loses a deleted job's tombstone too, and a worker paused across the delete and the restart
+        must not take the empty Redis for a live job (issue 50): a store with no spec of the job, or one
+        naming another life, says the life ended.  A store that cannot say is taken for the same life, as a
+        Redis that cannot be asked is."""
+        if self.stored_life is None or not self.lease.life:
+            return True
+        try:
+            stored = self.stored_life()
+        except (StoreError, BadRecord, OSError) as exc:
+            log.warning("job %s: Redis holds none, and the store cannot say which life it lives: %s", self.lease.job, exc)
+            return True
+        if stored != self.lease.life:
+            log.warning(
+                "job %s: Redis holds none, and the store %s: the life this lease was claimed in ended",
+                self.lease.job,
+                "holds no spec of it" if stored is None else "names another life of it",
+            )
+            return False
+        return True
 
     def cancelled(self) -> bool:
         """Whether the shard's job was cancelled (its heartbeat said so), or reached its budget (a fence
@@ -292,6 +323,8 @@ class RedisLedger:
                 budget.stop(self.client, self.lease.job)
             except redis.RedisError as exc:  # its messages are dropped at their claims all the same
                 log.warning("job %s reached its budget; its queued shards not taken out: %s", self.lease.job, exc)
+        if answer is Fence.UNREGISTERED:
+            return self._life_in_store()
         return bool(answer)
 
     def _stats_written(self) -> None:
