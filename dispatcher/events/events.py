@@ -413,13 +413,17 @@ class EventLog:
         self._rewrite(record)
 
     def delivered(self, record: EventRecord, attempts: int) -> None:
-        """Delivered: so recorded, and the store's copy deleted (an event is kept until delivered)."""
+        """Delivered: the store's copy deleted, then so recorded (an event is kept until delivered).
+
+        In this order: a monitor killed between the two leaves the record undelivered in Redis, and the
+        next one posts the event again from it (at least once).  Recorded first, a monitor killed before
+        the delete left a copy that no later monitor deletes: one that finds the record reads no store."""
+        try:
+            self.store.delete(spec.event_key(record.job, record.id))
+        except (StoreError, OSError) as exc:  # a copy left behind is read back only if Redis loses the record
+            log.warning("job %s: cannot delete its delivered event %s from the store: %s", record.job, record.id, exc)
         record.state, record.attempts, record.error, record.tried_at = DELIVERED, attempts, "", self.clock()
-        if self._rewrite(record):
-            try:
-                self.store.delete(spec.event_key(record.job, record.id))
-            except (StoreError, OSError) as exc:  # a copy left behind is read back only if Redis loses the record
-                log.warning("job %s: cannot delete its delivered event %s from the store: %s", record.job, record.id, exc)
+        self._rewrite(record)
         remaining = [r for r in self._records(record.job) if r.state == PENDING]
         if not remaining:
             self.client.srem(keys.EVENTS_UNDELIVERED, record.job)

@@ -16,7 +16,7 @@ from renderfleet.api import Client
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import store_identity
 from renderfleet.store import open_store
-from testing.fleet import TINY, base_env, cli, write_prompts
+from testing.fleet import TINY, base_env, cli, wait_for, write_prompts
 from worker.lease.loading import LoadingRegistration
 
 pytestmark = pytest.mark.integration
@@ -81,6 +81,8 @@ def test_wait_says_a_worker_is_loading_its_model_then_that_none_is_live_once_it_
     client = Client(redis_url=redis_server.url, store=str(tmp_path / "store"))
     told: list[str] = []
     with LoadingRegistration(redis.Redis.from_url(redis_server.url), "w-real", _loading_info(tmp_path), 0.2):
+        # written by its thread, best effort: a loaded machine's first write can come after wait()'s first look
+        wait_for(lambda: redis.Redis.from_url(redis_server.url).hexists(keys.WORKERS, "w-real"), 10, what="registration")
         with pytest.raises(TimeoutError, match="loading its model"):
             client.job(job_id).wait(timeout=1.0, poll=0.2, on_no_worker=told.append)
         failing = LoadingRegistration(redis.Redis.from_url(redis_server.url), "w-failed", _loading_info(tmp_path), 0.2)
