@@ -27,10 +27,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # constraints.txt holds every dependency at the version the suite last passed with (`make constraints`):
 # a fresh install resolves to those, not to whatever was released since. torch is not in it: $(TORCH) is.
+# --no-compile: pip byte-compiles every module of every package it installs (torch, transformers, moto, scipy:
+# 36 of a fresh install's 96 s here), where a run compiles only what it imports, once (into __pycache__).
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -c constraints.txt $(TORCH)
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[worker,dev,bench]'
+	$(BIN)/pip install --quiet --no-compile -c constraints.txt $(TORCH)
+	$(BIN)/pip install --quiet --no-compile -c constraints.txt -e '.[worker,dev,bench]'
 	touch $@
 
 # Writes constraints.txt from this checkout's .venv, as it is now (after a `pip install -U` that the
