@@ -33,6 +33,7 @@ Each figure is the median over ``--runs`` runs.  Writes its section of
 
     python -m bench.fleet_bench [--runs 3] [--only overhead|tiny|scale] [--no-before] [--no-write]
     python -m bench.fleet_bench --no-before --runs 2   # a shorter run (about two thirds of the time)
+    python -m bench.fleet_bench --only tiny --tiny-threads 2 --store folder   # the worker without moto's CPU beside it
 
 About 13 minutes on 2 busy cores (7 without the runs before the queue).
 """
@@ -79,6 +80,8 @@ class Fleet:
 
     def __init__(self, root: Path, redis_url: str, store: str, s3: dict[str, str]):
         self.root = root
+        # what the figures' rows name as the store: moto's S3 server shares the cores with the worker
+        self.store_label = "S3 on moto" if store.startswith("s3://") else "a folder store"
         self.env = base_env(root, redis_url, store, **s3, **PRODUCT_LEASES)
         self.client = Client(redis_url=redis_url, store=store)
         self.workers: list[WorkerProc] = []
@@ -134,7 +137,9 @@ class Fleet:
 
 
 @contextmanager
-def fleet(root: Path) -> Iterator[Fleet]:
+def fleet(root: Path, store: str = "s3") -> Iterator[Fleet]:
+    """The fleet's parts; ``store``: ``s3`` (a bucket on moto's server, whose CPU shares the cores with the
+    workers: a real S3's does not) or ``folder`` (as ``renderfleet run``'s embedded default)."""
     server = start_redis(root / "redis")
     try:
         with MotoServer() as moto:
@@ -144,7 +149,7 @@ def fleet(root: Path) -> Iterator[Fleet]:
             boto3.session.Session().client("s3", endpoint_url=moto.endpoint_url, region_name="us-east-1").create_bucket(
                 Bucket=bucket
             )
-            f = Fleet(root, server.url, f"s3://{bucket}/bench", s3)
+            f = Fleet(root, server.url, f"s3://{bucket}/bench" if store == "s3" else str(root / "store"), s3)
             try:
                 yield f
             finally:
@@ -199,7 +204,7 @@ def overhead(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     f.stop()
     settings = (
         f"{args.prompts} prompts, {spi * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
-        f"shard {args.shard_size}, {args.size}, 1 worker, S3 on moto"
+        f"shard {args.shard_size}, {args.size}, 1 worker, {f.store_label}"
     )
     rows = [
         [
@@ -239,7 +244,7 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
     handed to a commit thread (``--tiny-depth`` batches in flight, the worker's
     ``RENDERFLEET_PIPELINE_DEPTH``; 0: encoded in line before the next renders)
     that encodes its images over as many threads as a worker's uploads.  What
-    the fleet adds is the store (S3 on moto), Redis and the queue.
+    the fleet adds is the store (S3 on moto, or a folder with ``--store folder``), Redis and the queue.
     """
     import torch
 
@@ -333,7 +338,7 @@ def tiny(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
             command,
         ],
         [
-            "  fleet (1 worker, S3 on moto) / in-process (render + PNG encode, no store), images/s",
+            f"  fleet (1 worker, {f.store_label}) / in-process (render + PNG encode, no store), images/s",
             f"{med(fleet_rate):.2f} / {med(local_rate):.2f}",
             "",
             command,
@@ -382,7 +387,7 @@ def scale(f: Fleet, args: argparse.Namespace) -> list[list[str]]:
             [
                 f"scale-out: {n} workers' images/s over {n} x 1 worker's ({args.scale_prompts} prompts per worker, "
                 f"{args.seconds_per_image * args.batch_size * 1000:.0f} ms per batch of {args.batch_size}, "
-                f"shard {args.shard_size}, S3 on moto)",
+                f"shard {args.shard_size}, {f.store_label})",
                 spread(eff, ".3f"),
                 "at least 0.9",
                 f"{COMMAND} --only scale",
@@ -439,12 +444,18 @@ def main() -> int:
         action="store_false",
         help="overhead: skip the runs without the commit queue (halves the part's time)",
     )
+    ap.add_argument(
+        "--store",
+        choices=["s3", "folder"],
+        default="s3",
+        help="the fleet's store: a bucket on moto's S3 server (whose CPU shares the cores) or a folder",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = ap.parse_args()
     started = start()
     rows: list[list[str]] = []
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp, fleet(Path(tmp)) as f:
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp, fleet(Path(tmp), args.store) as f:
         for name in args.only or list(PARTS):
             print(f"{name}:", flush=True)
             t = time.monotonic()

@@ -234,24 +234,37 @@ def test_a_receiver_gets_every_event_signed_at_least_once_through_monitor_restar
     assert {e["id"] for e in streamed} == set().union(*(ids[k] for k in expected if k[0] == staged))
 
 
+class OneJob:
+    """Job ``j-1`` with a receiver, registered in a real Redis as submit leaves it; each :meth:`log` a
+    monitor's event log of it (a monitor started afresh), what they post in :attr:`sent`."""
+
+    def __init__(self, tmp_path: Path, redis_server: RedisServerProcess):
+        from dispatcher.status.status import JobStatus
+        from renderfleet import keys
+
+        self.client = redis.Redis.from_url(redis_server.url)
+        self.store = open_store(str(tmp_path / "store"))
+        spec_json = json.dumps({"webhook": "https://hooks.example.com/x"})
+        self.client.hset(keys.job("j-1"), mapping={"life": "L1", "spec": spec_json})
+        self.sent: list[str] = []
+        self.running = JobStatus("j-1", 4, 1, 0, 3, 0, 1, 1, 0, True)
+
+    def log(self) -> Any:
+        from dispatcher.events.events import EventLog
+
+        return EventLog(self.client, self.store, send=lambda record: self.sent.append(record.key), record_key=b"k" * 32)
+
+
 def test_a_redis_that_lost_the_record_gets_the_undelivered_events_back_under_their_ids(
     tmp_path: Path, redis_server: RedisServerProcess
 ) -> None:
     from dataclasses import replace
 
-    from dispatcher.events.events import DELIVERED, PENDING, EventLog
-    from dispatcher.status.status import JobStatus
+    from dispatcher.events.events import DELIVERED, PENDING
     from renderfleet import keys
 
-    client = redis.Redis.from_url(redis_server.url)
-    store = open_store(str(tmp_path / "store"))
-    client.hset(keys.job("j-1"), mapping={"life": "L1", "spec": json.dumps({"webhook": "https://hooks.example.com/x"})})
-    sent: list[str] = []
-
-    def log() -> EventLog:
-        return EventLog(client, store, send=lambda record: sent.append(record.key), record_key=b"k" * 32)
-
-    running = JobStatus("j-1", 4, 1, 0, 3, 0, 1, 1, 0, True)
+    job = OneJob(tmp_path, redis_server)
+    client, store, sent, log, running = job.client, job.store, job.sent, job.log, job.running
     first = log()
     [started] = first.observe(running)
     assert started.target == "https://hooks.example.com/x" and sent == ["started"]
@@ -312,18 +325,10 @@ def test_a_monitor_killed_as_it_records_a_delivery_leaves_no_copy_behind_and_the
     """A CI run's monitor, SIGKILLed right after a delivery, left the event's store copy for ever: the
     record said delivered, and a monitor that finds the record reads no store.  Now the copy goes first."""
     from dispatcher.events.events import DELIVERED, EventLog
-    from dispatcher.status.status import JobStatus
     from renderfleet import keys
 
-    client = redis.Redis.from_url(redis_server.url)
-    store = open_store(str(tmp_path / "store"))
-    client.hset(keys.job("j-1"), mapping={"life": "L1", "spec": json.dumps({"webhook": "https://hooks.example.com/x"})})
-    sent: list[str] = []
-
-    def log() -> EventLog:
-        return EventLog(client, store, send=lambda record: sent.append(record.key), record_key=b"k" * 32)
-
-    running = JobStatus("j-1", 4, 1, 0, 3, 0, 1, 1, 0, True)
+    job = OneJob(tmp_path, redis_server)
+    client, store, sent, log, running = job.client, job.store, job.sent, job.log, job.running
     first = log()
     [started] = first.observe(running)
 
