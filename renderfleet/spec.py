@@ -35,18 +35,19 @@ import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic_core
 
 from renderfleet import families, formats, stages
-from renderfleet.errors import BadRecord, WireError
+from renderfleet.errors import BadRecord, RecordTooLarge, WireError
 from renderfleet.limits import (  # those unused here re-exported: the names every reader knows spec by
     BENCH_FORM,  # noqa: F401
     BENCH_PREFIX,
     MAX_BENCH_SECONDS,  # noqa: F401
     MAX_MODEL_LEN,
     MAX_SIDE,
+    MAX_SPEC_BYTES,
     MAX_STEPS,
     bench_model,  # noqa: F401
     bench_seconds,  # noqa: F401
@@ -54,6 +55,9 @@ from renderfleet.limits import (  # those unused here re-exported: the names eve
 )
 from renderfleet.limits import text_problem as _text_problem
 from renderfleet.samplers import scheduler_problem
+
+if TYPE_CHECKING:
+    from renderfleet.store import Store
 
 SPEC_VERSION = formats.SPEC  # spec.json's and the registration's ``version``
 
@@ -1039,6 +1043,19 @@ def job_prefix(job: str) -> str:
 
 def spec_key(job: str) -> str:
     return f"jobs/{job}/spec.json"
+
+
+def stored_spec(store: Store, job: str) -> JobSpec | None:
+    """The job's spec as the store holds it now, None where it holds none: BadRecord (naming its key and what is
+    wrong) where what it holds is no spec, one over ``MAX_SPEC_BYTES`` included (nothing read); StoreError where
+    the store cannot be read.  The one reading of a stored spec: resume's, and a worker's where Redis holds no job
+    of the name (``worker.lease.ledger``)."""
+    where = spec_key(job)
+    try:
+        data = store.get(where, max_bytes=MAX_SPEC_BYTES)
+    except RecordTooLarge as exc:
+        raise BadRecord(str(exc)) from None
+    return None if data is None else JobSpec.read(data, where)
 
 
 def source_key(job: str, fmt: str, gzipped: bool) -> str:

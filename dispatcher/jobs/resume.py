@@ -32,9 +32,8 @@ from dispatcher.jobs.serving import live_servers, store_workers
 from renderfleet import budget as budgets
 from renderfleet import keys, prompts, shardfile, spec, stages
 from renderfleet.celery_app import is_store_queue, queue_name
-from renderfleet.errors import BadRecord, InputError, JobNotFound, RecordTooLarge, StoreError
+from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.feeder import Feeder
-from renderfleet.limits import MAX_SPEC_BYTES
 from renderfleet.spec import JobSpec, job_id_problem, store_identity, wire_name
 from renderfleet.store import Store
 
@@ -57,14 +56,9 @@ def load_spec(store: Store, job: str) -> JobSpec:
     (naming its key and what is wrong) when what it holds is not a spec."""
     if why := job_id_problem(job):
         raise InputError([f"JOB: {why}"])
-    where = spec.spec_key(job)
-    try:
-        data = store.get(where, max_bytes=MAX_SPEC_BYTES)
-    except RecordTooLarge as exc:  # nothing read: a bad spec as any other
-        raise BadRecord(str(exc)) from None
-    if data is None:
+    if (found := spec.stored_spec(store, job)) is None:
         raise JobNotFound(f"no job {job} in store {store.url}")
-    return JobSpec.read(data, where)
+    return found
 
 
 def store_jobs(store: Store) -> list[str]:

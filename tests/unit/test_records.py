@@ -113,3 +113,24 @@ def test_results_and_the_manifest_give_each_prompts_record_in_order(store: Local
         ("done", 2, None),
         ("missing", None, None),
     ]
+
+
+def test_a_stored_spec_is_read_once_the_same_way_for_resume_and_for_a_worker(store: LocalStore) -> None:
+    """``spec.stored_spec``: None where the store holds no spec; the spec where it holds one; BadRecord naming
+    the key for bytes that are no spec, and for one over its cap (read by no one: a worker whose Redis lost the
+    job used to let that RecordTooLarge out of its fence check)."""
+    from renderfleet.errors import BadRecord
+    from renderfleet.limits import MAX_SPEC_BYTES
+
+    assert spec.stored_spec(store, "j-1") is None
+    params = RenderParams(model="tiny", steps=2, guidance=7.5, width=32, height=32, seed=1)
+    store.put(
+        spec.spec_key("j-1"),
+        JobSpec(job="j-1", params=params, total=1, shard_size=1, batch_size=1, life="L1").to_json().encode(),
+    )
+    found = spec.stored_spec(store, "j-1")
+    assert found is not None and found.life == "L1"
+    for planted in (b"not json", b" " * (MAX_SPEC_BYTES + 1)):
+        store.put(spec.spec_key("j-2"), planted)
+        with pytest.raises(BadRecord, match=r"jobs/j-2/spec\.json"):
+            spec.stored_spec(store, "j-2")

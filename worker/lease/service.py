@@ -38,7 +38,6 @@ from renderfleet.errors import (
 )
 from renderfleet.feeder import Feeder
 from renderfleet.leases import Lease, Leases
-from renderfleet.limits import MAX_SPEC_BYTES
 from renderfleet.settings import Settings
 from renderfleet.shardfile import ShardReader
 from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_problems, store_identity, store_tag, wire_problems
@@ -435,15 +434,8 @@ class WorkerService:
             clock=keeper.clock,
             budgeted=self.budgeted,
             time_account=self.time_account,
-            stored_life=lambda: self._stored_life(lease.job),
+            stored_life=lambda: None if (found := spec.stored_spec(self.store, lease.job)) is None else found.life,
         )
-
-    def _stored_life(self, job: str) -> str | None:
-        """The life the store's spec of ``job`` names, None when it holds none (the ledger asks, where Redis
-        holds no job of that name).  StoreError, or BadRecord for bytes that are no spec."""
-        where = spec.spec_key(job)
-        data = self.store.get(where, max_bytes=MAX_SPEC_BYTES)
-        return None if data is None else JobSpec.read(data, where).life
 
     def _render(self, msg: ShardMessage, lease: Lease, ledger: RedisLedger) -> PendingShard | BaseException:
         """The job's model held, then the shard rendered up to its last commits (a :class:`PendingShard`);
