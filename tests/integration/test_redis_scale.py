@@ -157,8 +157,10 @@ def test_the_bench_writes_its_section_with_a_row_for_each_size(tmp_path: Path) -
             [
                 "--sizes",
                 "20",
+                # each simulated worker commits a batch every 2 to 10 s: 20 of them in 4 s commit at least once
+                # whatever the load (in 2 s, a loaded run's window once held heartbeats only)
                 "--seconds",
-                "2",
+                "4",
                 "--procs",
                 "1",
                 "--warm",
@@ -175,7 +177,7 @@ def test_the_bench_writes_its_section_with_a_row_for_each_size(tmp_path: Path) -
     )
     text = results.read_text()
     assert "<!-- bench:redis-scale -->" in text and "<!-- /bench:redis-scale -->" in text
-    assert "Command: `python -m bench.redis_scale --sizes 20 --seconds 2" in text
+    assert "Command: `python -m bench.redis_scale --sizes 20 --seconds 4" in text
     row = next(line for line in text.splitlines() if line.startswith("| 20 workers (now, lease 2 s, heartbeat 0.5 s)"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[2].replace(",", "")) > 0, row  # ops/s: the fleet sent commands in the window
