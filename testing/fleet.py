@@ -22,6 +22,7 @@ import redis
 from renderfleet import failpoints, redisconn
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.spec import bench_model
+from testing import cliforks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,10 +82,8 @@ def base_env(tmp: Path, redis_url: str, store: str, **extra: str) -> dict[str, s
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``renderfleet ARGS`` as a user would."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "renderfleet", *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO
-    )
+    """Run ``renderfleet ARGS`` as a user would, in a process of its own (forked: testing/cliforks)."""
+    proc = cliforks.run(env, list(args), REPO, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"renderfleet {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc

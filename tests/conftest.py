@@ -15,9 +15,18 @@ import boto3
 import pytest
 
 from renderfleet.embedded import RedisServerProcess
-from testing import netguard
+from testing import cliforks, netguard
 from testing.fleet import WorkerProc, start_redis
 from testing.servers import MotoServer, s3_env
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--spawn-cli",
+        action="store_true",
+        help="run each test's renderfleet command in a new interpreter, not forked from one that imported "
+        "the CLI once (testing/cliforks.py)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,6 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[netguard.LOG_VARIABLE] = str(log)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (netguard.SITE, os.environ.get("PYTHONPATH")) if p)
     netguard.install()
+    cliforks.spawn = config.getoption("--spawn-cli")
 
 
 @pytest.fixture(autouse=True)
