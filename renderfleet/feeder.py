@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from renderfleet import cards, keys, registry
+from renderfleet import cards, keys, registry, renderconfig
 from renderfleet.celery_app import queue_name
 from renderfleet.leases import ScriptCall, lua_script
 
@@ -87,6 +87,25 @@ def best_cards(registrations: Mapping[bytes | str, bytes | str]) -> dict[str, fl
     return best
 
 
+def live_configs(registrations: Mapping[bytes | str, bytes | str]) -> dict[str, set[str]]:
+    """The render configurations (digests, ``renderfleet/renderconfig.py``) of the live workers serving each
+    queue, from the live registrations as :func:`best_cards` reads them; a worker that names none (an older
+    version) adds none: it takes a pinned job's shards only where another worker's configuration lets them in."""
+    found: dict[str, set[str]] = {}
+    for raw in registrations.values():
+        try:
+            info = json.loads(raw)
+            store = str(info["store"])
+            digest = info.get(renderconfig.REGISTRATION)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if not isinstance(digest, str) or not digest.isalnum():
+            continue
+        for pool in served_pools(info):
+            found.setdefault(queue_name(pool, store), set()).add(digest)
+    return found
+
+
 def count_registrations(values: Iterable[bytes | str]) -> dict[str, int]:
     """Workers per queue, from the JSON registrations of keys.WORKERS (one unreadable feeds nothing)."""
     counts: dict[str, int] = {}
@@ -108,7 +127,7 @@ def read_counts(raw: Mapping[bytes | str, bytes | str]) -> tuple[dict[str, int],
         try:
             if keys.text(name) == keys.COUNTED_AT:
                 at = float(value)
-            elif not keys.text(name).startswith(keys.CARD_MARK):
+            elif not keys.text(name).startswith((keys.CARD_MARK, keys.CONFIG_MARK)):
                 counts[keys.text(name)] = int(value)
         except ValueError:
             continue
@@ -127,6 +146,16 @@ def read_cards(raw: Mapping[bytes | str, bytes | str]) -> dict[str, float]:
     return found
 
 
+def read_configs(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
+    """The published live render configurations per queue (keys.WORKER_COUNTS' ``config@<queue>`` fields:
+    their digests, comma-separated and between commas, as feed.lua looks one up)."""
+    return {
+        keys.text(name)[len(keys.CONFIG_MARK) :]: keys.text(value)
+        for name, value in raw.items()
+        if keys.text(name).startswith(keys.CONFIG_MARK)
+    }
+
+
 def counts_stale(at: float, now: float) -> bool:
     """Whether counts made at ``at`` (unix time, Redis's clock) are due to be made again at ``now``;
     a stamp from the future (a process that stamped by its own clock, fast) is stale too."""
@@ -143,13 +172,22 @@ def stride(share: int) -> int:
     return max(1, keys.FEED_STRIDE // max(1, share))
 
 
-def feed_call(queue: str, target: int, card: float = 0.0) -> ScriptCall:
+def feed_call(queue: str, target: int, card: float = 0.0, configs: str = ",") -> ScriptCall:
     """feed.lua's KEYS and ARGV: top ``queue`` up to ``target`` messages (also run by bench/redis_scale.py),
     feeding only jobs whose ``--min-vram`` a card of ``card`` GiB (the largest live one serving the
-    queue; 0: none known) qualifies for (``renderfleet/cards.py``)."""
+    queue; 0: none known) qualifies for (``renderfleet/cards.py``), and only jobs pinned to a render
+    configuration among ``configs`` (the live ones' digests, between commas: :func:`read_configs`)."""
     return ScriptCall(
         "feed",
-        [queue, keys.active(queue), keys.ENQUEUED, keys.SEQ, keys.QUEUES, keys.card_wait(queue)],
+        [
+            queue,
+            keys.active(queue),
+            keys.ENQUEUED,
+            keys.SEQ,
+            keys.QUEUES,
+            keys.card_wait(queue),
+            keys.config_wait(queue),
+        ],
         [
             target,
             target + FEED_STEPS,
@@ -159,6 +197,8 @@ def feed_call(queue: str, target: int, card: float = 0.0) -> ScriptCall:
             repr(cards.NOMINAL_SHARE),
             keys.FEED_BAND,
             cards.FIELD,
+            configs,
+            renderconfig.PIN,
         ],
     )
 
@@ -179,6 +219,7 @@ class Feeder:
         self._feed = client.register_script(lua_script("feed"))
         self._workers: dict[str, int] = {}
         self._cards: dict[str, float] = {}  # queue -> its largest live card (GiB), as last read
+        self._configs: dict[str, str] = {}  # queue -> its live render configurations, as last read
         self._workers_at = float("-inf")
         self.owner = uuid.uuid4().hex
         self._scanned: set[str] = set()  # queues with a rotation found by the last scan
@@ -194,6 +235,11 @@ class Feeder:
         """The largest card memory (GiB) of the live workers serving ``queue``; 0 when none names one."""
         self._refresh()
         return self._cards.get(queue, 0.0)
+
+    def configs(self, queue: str) -> str:
+        """The render configurations of the live workers serving ``queue`` (digests between commas)."""
+        self._refresh()
+        return self._configs.get(queue, ",")
 
     def _refresh(self) -> None:
         """The fleet's counts and cards as published, read again once :data:`WORKERS_CACHE_SECONDS` old."""
@@ -215,17 +261,20 @@ class Feeder:
         now = seconds + micros / 1e6
         counts, at = read_counts(raw)
         self._cards = read_cards(raw)
+        self._configs = read_configs(raw)
         if counts_stale(at, now) and self.client.set(
             keys.WORKER_COUNTS_LOCK, self.owner, nx=True, px=int(COUNTS_SECONDS * 1000)
         ):
             registrations = registry.live_registrations(self.client)
             counts = count_registrations(registrations.values())
             self._cards = best_cards(registrations)
+            self._configs = {q: f",{','.join(sorted(found))}," for q, found in live_configs(registrations).items()}
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(keys.WORKER_COUNTS)
             fields: dict[Any, Any] = {
                 **counts,
                 **{f"{keys.CARD_MARK}{q}": f"{gib:g}" for q, gib in self._cards.items()},
+                **{f"{keys.CONFIG_MARK}{q}": found for q, found in self._configs.items()},
                 keys.COUNTED_AT: f"{now:.3f}",
             }
             pipe.hset(keys.WORKER_COUNTS, mapping=fields)
@@ -238,7 +287,7 @@ class Feeder:
         A job whose feed template in Redis is malformed is parked by the script (out of the
         rotation, its shards still pending): one warning here, the rest of the queue fed."""
         want = self.target(queue) if target is None else target
-        call = feed_call(queue, want, self.card(queue))
+        call = feed_call(queue, want, self.card(queue), self.configs(queue))
         pushed, *parked = self._feed(keys=call.keys, args=call.args)
         for member, why in zip(parked[::2], parked[1::2], strict=True):
             job = keys.text(member).partition(keys.SEGMENT_MARK)[0]  # a later segment's: '<job>@<n>'

@@ -43,6 +43,7 @@ CANCEL = 1  # jobs/<job>/cancelled.json
 EVENT = 1  # jobs/<job>/events/<id>.json, and keys.job_events' values
 SPEED = 1  # fleet/speeds/<model>/<key>.json
 BATCH_SIZE = 1  # fleet/batch-sizes/<key>.json
+RENDER_CONFIG = 1  # jobs/<job>/render_config.json (renderfleet/renderconfig.py), and keys.job's render_config
 
 
 def found(data: Any) -> Any:

@@ -31,6 +31,9 @@ WORKER_COUNTS = "rf:workercounts"
 # ...and, under CARD_MARK + queue, the largest card memory (GiB) of the live workers serving the queue
 # (0: none live, or none naming its memory): what feed.lua holds a job's --min-vram against.
 CARD_MARK = "card@"
+# ...and, under CONFIG_MARK + queue, the render configurations (digests, between commas) of the live workers
+# serving the queue: what feed.lua holds a job pinned to one against (renderfleet/renderconfig.py).
+CONFIG_MARK = "config@"
 WORKER_COUNTS_LOCK = "rf:workercounts:lock"  # the process that counts next (SET NX, expiring)
 COUNTED_AT = "@at"
 FLEET_STATS = "rf:fleet"  # hash of counters of the whole Redis, every store's: reaped (expired leases re-queued)
@@ -152,6 +155,7 @@ def active(queue: str) -> str:
 
 
 CARD_WAIT_PREFIX = "rf:cardwait:"  # + queue: see card_wait()
+CONFIG_WAIT_PREFIX = "rf:configwait:"  # + queue: see config_wait()
 
 
 def card_wait(queue: str) -> str:
@@ -162,6 +166,14 @@ def card_wait(queue: str) -> str:
     feeder").  A member whose job was cancelled or deleted meanwhile is harmless: back in the rotation,
     the feeder drops it as any job with nothing to feed."""
     return f"{CARD_WAIT_PREFIX}{queue}"
+
+
+def config_wait(queue: str) -> str:
+    """zset job (a rotation member, as in :func:`active`) -> 0: jobs of ``queue`` with pending shards, pinned to
+    a render configuration (renderfleet/renderconfig.py) that no live worker serving ``queue`` renders under.
+    ``renderfleet/lua/feed.lua`` moves a job here out of the rotation and back once :data:`WORKER_COUNTS`
+    names a live worker of its configuration, as it does for :func:`card_wait`."""
+    return f"{CONFIG_WAIT_PREFIX}{queue}"
 
 
 def left(job_id: str) -> str:

@@ -59,9 +59,10 @@ from typing import Any
 
 import redis
 
-from renderfleet import failpoints, keys
+from renderfleet import failpoints, keys, renderconfig
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY, Envelope, is_store_queue
 from renderfleet.errors import Reclaimed
+from renderfleet.renderconfig import RenderConfig
 from renderfleet.states import Beat, ClaimAnswer, Fence, Release
 
 # The scripts live in renderfleet/lua/, each with a header naming its KEYS and ARGV;
@@ -465,6 +466,7 @@ class Leases:
                 "fence",
                 "repend",
                 "alone",
+                "pin",
             )
         }
         self._record_failure = self._scripts["record_failure"]
@@ -605,6 +607,15 @@ class Leases:
         except ValueError:
             raise ValueError(f"outcome must be one of {', '.join(Release)}, got {outcome!r}") from None
         return finished_from(self.run(release_call(lease, outcome, first, count)), outcome)
+
+    def pin(
+        self, job: str, config: RenderConfig, fields: tuple[str, str] = (renderconfig.PIN, renderconfig.FIELD)
+    ) -> str | None:
+        """Pin ``job`` (a segment of it: ``fields``, ``renderconfig.pin_fields``) to ``config`` where it is not
+        pinned yet (``renderfleet/lua/pin.lua``): the digest it is pinned to, or None when Redis holds no such job."""
+        pin, field = fields
+        pinned = self._scripts["pin"](keys=[keys.job(job)], args=[pin, config.digest, field, config.to_json()])
+        return keys.text(pinned) if pinned else None
 
     def repend(self, job: str, shard: int, tag: str, queue: str) -> bool:
         """A rejected message that was its shard's (its enqueue record names ``tag``): the shard back to

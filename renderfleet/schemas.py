@@ -80,6 +80,7 @@ class Checkpoint(Record):
     card: str = ""
     pool: str = ""
     seconds_per_image: float | None = None
+    render_config: str = ""  # the digest of the configuration it rendered under (renderfleet/renderconfig.py)
 
 
 # A number a record may hold: finite (JSON's 1e999 is inf, and no figure).

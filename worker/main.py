@@ -107,7 +107,10 @@ def _bench_renderer(model: str, settings: Settings) -> tuple[Any, Any]:
     from worker.render.benchrender import FixedLoad, FixedTimeRenderer
 
     log.warning("model %s: the fixed-time bench renderer: no model, flat-colour images marked as fake", model)
-    return FixedTimeRenderer(bench_seconds(model) or 0.0, model), FixedLoad(model)
+    return (
+        FixedTimeRenderer(bench_seconds(model) or 0.0, model, batch_invariant=settings.batch_invariant),
+        FixedLoad(model),
+    )
 
 
 def _model_fetcher(settings: Settings) -> Callable[[str, Path], None]:

@@ -30,7 +30,7 @@ from dispatcher.jobs import cancelmarks, enqueue, strays
 from dispatcher.jobs.enqueue import WireShard
 from dispatcher.jobs.serving import live_servers, store_workers
 from renderfleet import budget as budgets
-from renderfleet import keys, prompts, shardfile, spec, stages
+from renderfleet import keys, prompts, renderconfig, shardfile, spec, stages
 from renderfleet.celery_app import is_store_queue, queue_name
 from renderfleet.errors import InputError, JobNotFound, StoreError
 from renderfleet.feeder import Feeder
@@ -203,6 +203,7 @@ def resume(
     priority, share = _ranking(client, job, priority, share)
     enqueue.register_job(client, job_spec, queue, owner, stored=True)
     held = _take_back(client, job, record, known, marks.images, held, restore=budget is None)
+    _unpin_unstored(client, store, job_spec)
     # 6. Its shards rebuilt from the store and published.
     walk = _ShardWalk(store, job_spec, marks, only, names)
     sent = _publish(
@@ -214,6 +215,15 @@ def resume(
     if held is not None:
         cancelmarks.hold(client, job, held)
     return ResumeReport(job, job_spec.total, len(marks.images), len(marks.set_aside), sent, not known, walk.missing)
+
+
+def _unpin_unstored(client: redis.Redis, store: Store, job_spec: JobSpec) -> None:
+    """Each segment's render configuration as the store says (renderfleet/renderconfig.py): a pin Redis holds
+    whose record the store has not (deleted, to move the job to another configuration) goes, and the next worker
+    to store a batch there pins its own."""
+    for n in range(len(stages.segments(job_spec.params.stages, job_spec.pool))):
+        if not store.exists(renderconfig.store_key(job_spec.job, n)):
+            client.hdel(keys.job(job_spec.job), *renderconfig.pin_fields(n))
 
 
 def _queue_for(client: redis.Redis, job: str, job_spec: JobSpec, owner: str, queue: str | None) -> str:

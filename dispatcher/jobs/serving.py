@@ -22,9 +22,10 @@ from typing import Any, NamedTuple
 import redis
 
 from dispatcher.jobs.redisvalues import json_object, malformed
-from renderfleet import cards, keys, registry
+from renderfleet import cards, keys, registry, renderconfig
 from renderfleet.celery_app import queue_name
 from renderfleet.feeder import served_pools
+from renderfleet.renderconfig import RenderConfig
 from renderfleet.spec import store_identity
 from renderfleet.store import Store
 
@@ -64,6 +65,15 @@ def card_reason(min_vram: float, largest: float | None) -> str:
     return f"no live worker has >= {min_vram:g} GB (needs a card of {min_vram:g} GB; of its queue's live workers, {have})"
 
 
+def config_reason(pin: str, raw: Any) -> str:
+    """Why a job pinned to the render configuration of digest ``pin`` (``raw``: its JSON) waits."""
+    try:
+        pinned = RenderConfig.from_json(raw).summary() if raw is not None else pin
+    except ValueError:
+        pinned = pin
+    return f"no live worker renders under its configuration {pinned}: its images so far were rendered under it"
+
+
 def small_cards_message(job: str, queue: str, min_vram: float, live: int) -> str:
     """What a waiter is told when the job's queue has live workers, none with a card big enough."""
     pool = queue.split(".")[1] if queue.count(".") >= 2 else queue
@@ -84,8 +94,8 @@ def loading_message(job: str, queue: str, workers: int) -> str:
 
 class Unserved(NamedTuple):
     """Why no loaded worker takes a job's shards now: ``kind`` ("loading" or "none"), the line that says
-    so, and ``waiting``, the reason when it is the card (the job waits, pending, for a worker whose card
-    qualifies: ``status`` shows it ``waiting``); None otherwise."""
+    so, and ``waiting``, the reason when it is the card or the render configuration (the job waits, pending,
+    for a worker whose card qualifies, or of its configuration: ``status`` shows it ``waiting``); None otherwise."""
 
     kind: str
     note: str
@@ -95,22 +105,27 @@ class Unserved(NamedTuple):
 def unserved(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any]], job: str) -> Unserved | None:
     """Why no loaded worker takes the job's shards now, if none does: "loading" while workers of its
     queue load their model, "none" when no live worker serves it, or none of those that do (loaded or
-    loading) has a card of the job's ``min_vram`` (renderfleet/cards.py; then with the reason it waits,
-    as the feeder holds it back: renderfleet/lua/feed.lua).  None when one does, or when Redis does not
+    loading) has a card of the job's ``min_vram`` (renderfleet/cards.py) or renders under the configuration
+    the job is pinned to (renderfleet/renderconfig.py): then with the reason it waits, as the feeder holds it
+    back (renderfleet/lua/feed.lua).  None when one does, or when Redis does not
     know the job (lost, or a store-only job): nothing to say."""
-    queue, raw_min = client.hmget(keys.job(job), "queue", cards.FIELD)
+    queue, raw_min, pin, config = client.hmget(keys.job(job), "queue", cards.FIELD, renderconfig.PIN, renderconfig.FIELD)
     queue = keys.text(queue) or None
     if queue is None:
         return None
     live = live_servers(store, workers, queue)
     need = cards.read_min_vram(raw_min)
+    # A loading worker's card and configuration count: the feeder feeds it the job (renderfleet/feeder.py).
+    serving = live + live_servers(store, workers, queue, loading=True) if live else []
     if need and live:
-        # A loading worker's card counts: the feeder feeds it the job (renderfleet/feeder.py, best_cards).
-        serving = live + live_servers(store, workers, queue, loading=True)
         memory = [m for m in (cards.vram_of(workers[wid]) for wid in serving) if m is not None]
         largest = max(memory) if memory else None
         if not cards.qualifies(largest, need):
             return Unserved("none", small_cards_message(job, queue, need, len(live)), card_reason(need, largest))
+    if pin is not None and live and all(workers[wid].get(renderconfig.REGISTRATION) != keys.text(pin) for wid in serving):
+        why = config_reason(keys.text(pin), config)
+        note = f"job {job}: {why} (its queue {queue}; docs/design.md, 'A job renders under one configuration')"
+        return Unserved("none", note, why)
     if live:
         return None
     if loading := live_servers(store, workers, queue, loading=True):

@@ -4,7 +4,7 @@ The enqueue records find a message lost between a queue and a claim (:meth:`rend
 they cannot find a shard that has no record at all: a 'q' shard whose last copy a claim dropped ('moved', a
 segment Redis forgot: issue 45), an 'r' shard whose lease and index entry are both gone, a 'c' shard of a job
 no longer cancelled, a 'p' shard missing from its segment's pending list, or a segment's pending shards whose
-job is in neither that queue's rotation nor its card wait.  Nothing else would ever move them: the monitor's
+job is in none of that queue's rotation, its card wait and its config wait.  Nothing else would ever move them: the monitor's
 stall check sees a job with queued shards as busy.
 
 Each audit reads every registered job's shard states and segments (a few commands per job, pipelined; a reply
@@ -65,6 +65,7 @@ def candidates(client: redis.Redis, jobs: list[str]) -> set[Candidate]:
             pipe.lrange(keys.segment_pending(job, seg), 0, -1)
             pipe.zscore(keys.active(q), keys.feed_member(job, seg))
             pipe.zscore(keys.card_wait(q), keys.feed_member(job, seg))
+            pipe.zscore(keys.config_wait(q), keys.feed_member(job, seg))
             pipe.hexists(keys.job(job), "feed" if seg == 0 else f"feed:{seg}")
     second = iter(pipe.execute())
     out: set[Candidate] = set()
@@ -72,9 +73,9 @@ def candidates(client: redis.Redis, jobs: list[str]) -> set[Candidate]:
         records, expiries = next(second), next(second)
         pending: list[set[str]] = []
         for seg in range(len(queues)):
-            listed, rotated, waiting, fed = next(second), next(second), next(second), next(second)
+            listed, rotated, waiting, configured, fed = (next(second) for _ in range(5))
             pending.append({keys.text(s) for s in listed})
-            if listed and fed and rotated is None and waiting is None:
+            if listed and fed and rotated is None and waiting is None and configured is None:
                 out.add((job, f"@{seg}"))
         for k, (shard, state) in enumerate(states.items()):
             seg = segments.get(shard, 0)

@@ -34,7 +34,7 @@ from dispatcher.jobs.resume import (
 from dispatcher.jobs.serving import store_workers, unserved
 from dispatcher.status.redisload import RedisLoad, redis_load
 from dispatcher.status.stagestatus import StageStatus, add_figures, planned
-from renderfleet import budget, keys, spec
+from renderfleet import budget, keys, renderconfig, spec
 from renderfleet.cards import CardRow, card_rows
 from renderfleet.celery_app import is_store_queue, queue_name, store_queues_pattern
 from renderfleet.errors import InputError, JobDeleted, JobNotFound
@@ -42,6 +42,7 @@ from renderfleet.jobfailure import FAILED
 from renderfleet.limits import MAX_QUARANTINE_RECORD_BYTES
 from renderfleet.nodes import NodeRecord, read_nodes, with_live_workers
 from renderfleet.redaction import shown_target
+from renderfleet.renderconfig import RenderConfig
 from renderfleet.spec import job_id_problem, store_identity, store_tag
 from renderfleet.states import ShardState
 from renderfleet.store import Store, read_record
@@ -94,9 +95,13 @@ class JobStatus:
     unserved: str | None = None
     unserved_note: str | None = None
     # Why it waits, its shards pending, while work is left: no live worker of its queue has the card its
-    # --min-vram asks for (dispatcher/jobs/serving.py, card_reason; the feeder feeds it no shard meanwhile); its
-    # state is then ``waiting``.  None otherwise, or when not checked.
+    # --min-vram asks for (dispatcher/jobs/serving.py, card_reason; the feeder feeds it no shard meanwhile), or
+    # none renders under the configuration it is pinned to (config_reason); its state is then ``waiting``.
+    # None otherwise, or when not checked.
     waiting: str | None = None
+    # The render configuration its images are pinned to (renderfleet/renderconfig.py: digest and summary),
+    # from its first worker on; None before.
+    render_config: str | None = None
     # Images the store held when this Redis took the job back without its account (a Redis that lost
     # its memory; ``keys.job``'s ``unaccounted``), or every stored image of a job Redis does not know:
     # their render time is unknown, so gpu_seconds counts only what came after and the cost is None.
@@ -427,7 +432,17 @@ def _read_heads(client: redis.Redis, jobs: list[str], *, fold: bool = False) -> 
 
 
 def _read_body(pipe: Any, job: str) -> None:
-    pipe.hmget(keys.job(job), "spec", "unaccounted", FAILED, "name", budget.CARRIED, budget.PRICES, *budget.FIELDS)
+    pipe.hmget(
+        keys.job(job),
+        "spec",
+        "unaccounted",
+        FAILED,
+        "name",
+        budget.CARRIED,
+        budget.PRICES,
+        renderconfig.FIELD,
+        *budget.FIELDS,
+    )
     pipe.hgetall(keys.shards(job))
     pipe.hgetall(keys.left(job))
     pipe.hgetall(keys.job_stats(job))
@@ -503,7 +518,7 @@ def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted, failure, name, carried, pinned, *capped), states, left, stats, progress, attempts = body
+    (spec_json, unaccounted, failure, name, carried, pinned, config, *capped), states, left, stats, progress, attempts = body
     # 1. A job of another store, deleted, or only in the store.
     if (total is not None or deleted is not None) and store is not None and owner:
         _check_store(job, owner, store)
@@ -548,6 +563,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
     if failure is not None:
         result.failure = keys.text(failure)
     _add_budget(result, capped, carried, pinned)
+    result.render_config = _render_config(config, keys.job(job))
     if result.state == "failed":
         result.eta_seconds = None  # no rate will finish it
     return result
@@ -651,6 +667,18 @@ def _registered(job: str, spec_json: Any) -> tuple[dict[str, Any], _SpecFigures]
         malformed(f"{keys.job(job)} spec", spec_json, "not a job's settings")
         rendered = {}
     return registered, _SpecFigures(shards, mpsteps, staged, rendered)
+
+
+def _render_config(raw: Any, where: str) -> str | None:
+    """The render configuration a job is pinned to, as one line (renderfleet/renderconfig.py); None before its
+    first worker pinned it, or where the hash holds no configuration (one warning)."""
+    if raw is None:
+        return None
+    try:
+        return RenderConfig.from_json(raw).summary()
+    except ValueError as exc:
+        log.warning("%s %s: not a render configuration: %s", where, renderconfig.FIELD, exc)
+        return None
 
 
 def _add_budget(result: JobStatus, capped: list[Any], carried: Any, pinned: Any) -> None:

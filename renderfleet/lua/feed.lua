@@ -31,29 +31,58 @@
 -- renderfleet/cards.py qualifies a card), its shards kept pending, and comes back, at the least pass of
 -- its priority's band (as a newcomer: publish.lua), at the first call that sees a card that large.
 --
+-- A job pinned to a render configuration (keys.job render_pin, render_pin:<n> for a later segment's rotation
+-- member: its first worker's there, renderfleet/renderconfig.py)
+-- that no live worker serving the queue renders under (ARGV[9], the live ones' digests between commas) is
+-- held the same way, in the queue's config wait (keys.config_wait), and comes back at the first call that
+-- names a live worker of its configuration: every other worker would only hand its shards back.
+--
 -- KEYS[1] queue, KEYS[2] active (zset job -> feed score, keys.active),
--- KEYS[3] enqueued, KEYS[4] seq, KEYS[5] queues, KEYS[6] card wait (zset job -> GiB, keys.card_wait)
+-- KEYS[3] enqueued, KEYS[4] seq, KEYS[5] queues, KEYS[6] card wait (zset job -> GiB, keys.card_wait),
+-- KEYS[7] config wait (zset job -> 0, keys.config_wait)
 -- ARGV[1] target (messages the queue should hold), ARGV[2] most steps this call,
 -- ARGV[3] job key prefix, ARGV[4] queued prefix, ARGV[5] the largest live card serving the queue (GiB;
 -- 0: none known), ARGV[6] cards.NOMINAL_SHARE, ARGV[7] keys.FEED_BAND (a priority band's width),
--- ARGV[8] the job hash's field of its card memory (cards.FIELD)
+-- ARGV[8] the job hash's field of its card memory (cards.FIELD), ARGV[9] the live workers' render
+-- configurations (',d1,d2,'; ',': none known), ARGV[10] the job hash's field of its pin (renderconfig.PIN)
 -- Returns {messages pushed, then each job parked and why: job, reason, job, reason, ...}.
 local queue, active, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local card_wait = KEYS[6]
 local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local card, share, band_width, vram_field = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local config_wait, configs, pin_field = KEYS[7], ARGV[9], ARGV[10]
 
--- 0. Jobs waiting for a card that a live worker now has: back in the rotation, before the queue is
--- looked at (a full queue is no reason to keep them out; they are fed in their turn).
+-- Whether a live worker of the queue renders under the configuration of digest `pin`.
+local function configured(pin)
+  return string.find(configs, ',' .. pin .. ',', 1, true) ~= nil
+end
+
+-- A waiting job back in the rotation, at the least pass of its priority's band (as a newcomer: publish.lua).
+local function rejoin(member)
+  local job = string.match(member, '^([^@]*)@%d+$') or member
+  local priority = tonumber(redis.call('HGET', job_prefix .. job, 'priority') or '5') or 5
+  local band = band_width * (9 - priority)
+  if not redis.call('ZSCORE', active, member) then
+    local low = redis.call('ZRANGEBYSCORE', active, band, '(' .. (band + band_width), 'WITHSCORES', 'LIMIT', 0, 1)
+    redis.call('ZADD', active, #low > 0 and tonumber(low[2]) or band, member)
+  end
+end
+
+-- 0. Jobs waiting for a card, or a configuration, that a live worker now has: back in the rotation, before
+-- the queue is looked at (a full queue is no reason to keep them out; they are fed in their turn).
 if card > 0 then
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', card_wait, '-inf', card)) do
     redis.call('ZREM', card_wait, member)
-    local job = string.match(member, '^([^@]*)@%d+$') or member
-    local priority = tonumber(redis.call('HGET', job_prefix .. job, 'priority') or '5') or 5
-    local band = band_width * (9 - priority)
-    if not redis.call('ZSCORE', active, member) then
-      local low = redis.call('ZRANGEBYSCORE', active, band, '(' .. (band + band_width), 'WITHSCORES', 'LIMIT', 0, 1)
-      redis.call('ZADD', active, #low > 0 and tonumber(low[2]) or band, member)
+    rejoin(member)
+  end
+end
+if configs ~= ',' then
+  for _, member in ipairs(redis.call('ZRANGE', config_wait, 0, -1)) do
+    local job, seg = string.match(member, '^([^@]*)@(%d+)$')
+    local pin = redis.call('HGET', job_prefix .. (job or member), seg and (pin_field .. ':' .. seg) or pin_field)
+    if not pin or configured(pin) then  -- no pin any more (a job deleted, or taken back by resume): fed as any
+      redis.call('ZREM', config_wait, member)
+      rejoin(member)
     end
   end
 end
@@ -141,7 +170,7 @@ while length < target and steps > 0 do
   local job_key = job_prefix .. job
   local pending = job_key .. ':pending' .. (seg and (':' .. seg) or '')
   local f = redis.call('HMGET', job_key, 'cancelled', seg and ('feed:' .. seg) or 'feed', 'shard_size', 'total', 'stride',
-                      vram_field)
+                      vram_field, seg and (pin_field .. ':' .. seg) or pin_field)
   local size, total = tonumber(f[3]), tonumber(f[4])
   local need = (tonumber(f[6] or '0') or 0) * share
   if need ~= need or need == math.huge then
@@ -151,6 +180,11 @@ while length < target and steps > 0 do
   if not f[1] and f[2] and need > 0 and card < need then
     -- No live worker of the queue has its card: out of the rotation until one does (step 0), every shard kept.
     redis.call('ZADD', card_wait, need, member)
+    f[2] = false
+  end
+  if not f[1] and f[2] and f[7] and not configured(f[7]) then
+    -- No live worker of the queue renders under the job's configuration: out of the rotation until one does.
+    redis.call('ZADD', config_wait, 0, member)
     f[2] = false
   end
   if not f[1] and f[2] then

@@ -16,7 +16,7 @@ import redis
 
 from dispatcher.jobs import lifecycle
 from dispatcher.jobs.enqueue import WireShard, publish_shards, register_job, start_feeding
-from renderfleet import keys
+from renderfleet import keys, renderconfig
 from renderfleet.celery_app import envelope_factory, make_app, queue_name
 from renderfleet.embedded import RedisServerProcess
 from renderfleet.feeder import Feeder
@@ -272,9 +272,12 @@ def test_the_shared_worker_counts_age_by_redis_clock_not_by_the_counters(
     assert Feeder(client).counts() == {QUEUE: 3}
 
 
-def _register(client: redis.Redis, worker: str, vram: float, seen_ago: float) -> None:
-    """A worker's registration and liveness as a worker writes them (worker/lease/service.py), its card ``vram`` GiB."""
-    info = {"pool": "default", "store": STORE, "queues": ["default"], "vram_gib": vram}
+def _register(client: redis.Redis, worker: str, vram: float, seen_ago: float, config: str = "") -> None:
+    """A worker's registration and liveness as a worker writes them (worker/lease/service.py), its card ``vram``
+    GiB (0: none named) and its render configuration's digest ``config`` ('': an older worker's, none)."""
+    info: dict[str, Any] = {"pool": "default", "store": STORE, "queues": ["default"]}
+    info.update({"vram_gib": vram} if vram else {})
+    info.update({renderconfig.REGISTRATION: config} if config else {})
     client.hset(keys.WORKERS, worker, json.dumps(info))
     client.hset(keys.worker_stats(worker), "last_seen", f"{time.time() - seen_ago:.3f}")
     client.delete(keys.WORKER_COUNTS, keys.WORKER_COUNTS_LOCK)  # counted again at the next feeder's first look
@@ -300,3 +303,24 @@ def test_a_job_no_live_card_qualifies_for_is_not_fed_and_comes_back_when_one_is_
     _register(client, "w-big", 80, seen_ago=-2)
     assert order(client, Feeder(client), 5) == ["j-needs-40:0", "j-needs-40:1", "j-needs-40:2"]
     assert client.zcard(keys.card_wait(QUEUE)) == 0
+
+
+def test_a_job_pinned_to_a_configuration_no_live_worker_has_is_held_and_comes_back_with_one(
+    redis_server: RedisServerProcess,
+) -> None:
+    """A job's render configuration (renderfleet/renderconfig.py) is held as a card is: every other worker
+    would only hand its shards back."""
+    client = redis.Redis.from_url(redis_server.url)
+    _register(client, "w-other", 0, seen_ago=0, config="aaaa1111")
+    pend(client, redis_server.url, job_spec("j-pinned", 3, priority=9))
+    pend(client, redis_server.url, job_spec("j-free", 2))
+    client.hset(keys.job("j-pinned"), renderconfig.PIN, "bbbb2222")
+
+    # 1. Only the job no configuration binds is fed; the pinned one waits out of the rotation, every shard pending.
+    assert order(client, Feeder(client), 5) == ["j-free:0", "j-free:1"]
+    assert client.zscore(keys.config_wait(QUEUE), "j-pinned") == 0 and client.llen(keys.pending("j-pinned")) == 3
+
+    # 2. A live worker of its configuration: back in the rotation and fed; an unpinned job is never held.
+    _register(client, "w-same", 0, seen_ago=0, config="bbbb2222")
+    assert order(client, Feeder(client), 5) == ["j-pinned:0", "j-pinned:1", "j-pinned:2"]
+    assert client.zcard(keys.config_wait(QUEUE)) == 0

@@ -331,7 +331,8 @@ def test_a_late_upload_into_a_deleted_name_is_withdrawn_by_its_writer(
     env, _r, stale, job = _stale_worker_paused_before_its_images(tmp_path, redis_server, store_url, procs)
     cli(env, "delete", job, "--yes")
     os.kill(stale.pid, signal.SIGCONT)
-    wait_for(lambda: "withdrew 2 of its 2 objects" in stale.output(), 30, what="the woken worker to withdraw its images")
+    # Its two images, and the job's render configuration it pinned as it stored its first batch (renderconfig.py).
+    wait_for(lambda: "withdrew 3 of its 3 objects" in stale.output(), 30, what="the woken worker to withdraw its images")
     assert _images(store_url, job) == {}
     assert list(open_store(store_url).list(f"jobs/{job}/")) == []
 
@@ -349,7 +350,8 @@ def test_a_late_upload_into_a_deleted_name_is_withdrawn_after_redis_lost_the_tom
     redis_server.kill()
     redis_server.start()
     os.kill(stale.pid, signal.SIGCONT)
-    wait_for(lambda: "withdrew 2 of its 2 objects" in stale.output(), 60, what="the woken worker to withdraw its images")
+    # Its two images, and the job's render configuration it pinned as it stored its first batch (renderconfig.py).
+    wait_for(lambda: "withdrew 3 of its 3 objects" in stale.output(), 60, what="the woken worker to withdraw its images")
     assert _images(store_url, job) == {}
     assert [k for k in open_store(store_url).list(f"jobs/{job}/") if "/images/" in k] == []
     assert stale.proc.poll() is None, "a fenced shard is no failure of the worker"

@@ -82,7 +82,9 @@ def test_png_is_32x32_with_the_prompt_settings_as_text(renderer: Renderer) -> No
         "height": "32",
         "model": "tiny",
         "renderfleet": __version__,
+        "render_config": renderer.config.digest,  # renderfleet/renderconfig.py: this process's, as rendered
     }
+    assert renderer.config.device == "cpu" and renderer.config.threads == torch.get_num_threads()
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(renderer: Renderer) -> None:
@@ -135,7 +137,7 @@ def test_the_same_bytes_come_out_of_another_process(renderer: Renderer) -> None:
         "from worker.render.pipeline import Renderer;"
         f"p = Prompt(**{dataclasses.asdict(p)!r});"
         "m = load_pipeline('tiny', device='cpu', cache_dir=Path(tempfile.mkdtemp()));"
-        "sys.stdout.write(Renderer(m).render([p])[0].hex())"
+        "sys.stdout.write(Renderer(m, batch_invariant=True).render([p])[0].hex())"  # as the fixture's
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]

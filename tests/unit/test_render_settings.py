@@ -291,4 +291,5 @@ def test_a_png_of_default_settings_keeps_the_chunks_it_always_had(renderer: Rend
         "height",
         "model",
         "renderfleet",
+        "render_config",  # the configuration's digest (renderfleet/renderconfig.py): in every image (CHANGELOG)
     ]

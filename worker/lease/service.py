@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from renderfleet import budget, cards, jobfailure, keys, logs, registry, spec
+from renderfleet import budget, cards, jobfailure, keys, logs, registry, renderconfig, spec
 from renderfleet import stages as stagelib
 from renderfleet.celery_app import Envelope, is_store_queue, queue_name
 from renderfleet.errors import (
@@ -38,6 +38,7 @@ from renderfleet.errors import (
 )
 from renderfleet.feeder import Feeder
 from renderfleet.leases import Lease, Leases
+from renderfleet.renderconfig import RenderConfig
 from renderfleet.settings import Settings
 from renderfleet.shardfile import ShardReader
 from renderfleet.spec import JobSpec, RenderParams, ShardMessage, message_problems, store_identity, store_tag, wire_problems
@@ -47,6 +48,7 @@ from renderfleet.store import Store
 from worker.accounting.gputime import Use, WorkerTime
 from worker.accounting.speeds import SpeedKeeper, bench_card_name, vram_for
 from worker.lease.ledger import LeaseKeeper, Liveness, RedisLedger
+from worker.lease.pins import JobPins
 from worker.lease.prefetch import Prefetch
 from worker.node.board import report_device_error
 from worker.node.stop import StopSignal
@@ -126,6 +128,8 @@ class WorkerService:
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.feeder = Feeder(client)
+        self.pins = JobPins(store, self.leases)  # a job's render configuration, pinned by its first worker
+        self._pinned: dict[tuple[str, str, int], str] = {}  # (job, life, segment) -> the digest this worker pinned
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name
@@ -176,6 +180,7 @@ class WorkerService:
             pool=settings.pool,
             speeds=SpeedKeeper(store, lambda: self.card),
             time_account=self.time_account,
+            pin=self._pin_job,
         )
 
     @classmethod
@@ -224,6 +229,7 @@ class WorkerService:
         # Its card: an estimate reads the speeds measured on its pool's card (dispatcher/views/estimate.py).
         self.card = bench_card_name(str(device), self.settings.bench_card)
         self.vram = vram_for(str(device), self.settings.bench_card)  # what a job's --min-vram is held against
+        config: RenderConfig | None = getattr(self.runner.renderer, "config", None)
         info = {
             "worker": self.worker_id,
             "pool": self.settings.pool,
@@ -232,6 +238,8 @@ class WorkerService:
             "device": device,
             "card": self.card,
             **({cards.VRAM: self.vram} if self.vram is not None else {}),
+            # its render configuration's digest: the feeder feeds a pinned job while a live worker has it
+            **({renderconfig.REGISTRATION: config.digest} if config is not None else {}),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
@@ -664,13 +672,21 @@ class WorkerService:
         if not self._of_this_store(msg, where):
             return None
         try:
-            registered, stored, fresh, life, failed, capped, min_vram = self.client.hmget(
-                keys.job(msg.job), "spec", "stored", "fresh", "life", jobfailure.FAILED, budget.BUDGET, cards.FIELD
+            registered, stored, fresh, life, failed, capped, min_vram, pin, config = self.client.hmget(
+                keys.job(msg.job),
+                "spec",
+                "stored",
+                "fresh",
+                "life",
+                jobfailure.FAILED,
+                budget.BUDGET,
+                cards.FIELD,
+                *renderconfig.pin_fields(msg.segment),
             )
         except redis.RedisError as exc:
             raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
         job = self._as_registered(msg, tag, where, registered, failed)
-        if job is None or not self._for_this_card(msg, tag, min_vram):
+        if job is None or not self._for_this_card(msg, tag, min_vram) or not self._for_this_config(msg, tag, pin, config):
             return None
         self.fresh = bool(fresh)
         self.budgeted = capped is not None  # its ledger asks before each batch whether it reached its budget
@@ -752,6 +768,46 @@ class WorkerService:
                 return False
             raise NotThisCard(why)  # not the shard's own message (a copy): back to its queue, as before
         return True
+
+    def _for_this_config(self, msg: ShardMessage, tag: str, pin: Any, config: Any) -> bool:
+        """Whether this worker renders under the configuration the job's segment is pinned to, if it is
+        (``pin``: Redis's digest of it, ``config`` its JSON; pinned by the first worker that stored a batch of
+        it: :meth:`_pin_job`); if not, the shard made pending again as for a card too small
+        (:meth:`_for_this_card`), and the feeder holds the job until a worker of its configuration is live
+        (renderfleet/lua/feed.lua)."""
+        mine: RenderConfig | None = getattr(self.runner.renderer, "config", None)
+        if mine is None or (pin is not None and keys.text(pin) == mine.digest):
+            return True
+        # Not pinned in this Redis: the store's record says (a Redis that lost its memory lost the pin's repetition).
+        pinned = renderconfig.pinned(keys.text(pin), config) if pin is not None else self.pins.stored(msg.job, msg.segment)
+        digest = pinned if pinned is None or isinstance(pinned, str) else pinned.digest
+        if digest is None or digest == mine.digest:
+            return True
+        why = f"shard {msg.job}:{msg.shard}: its job renders under configuration {digest}, this worker under "
+        why += mine.summary()
+        if isinstance(pinned, RenderConfig):
+            why += f": {'; '.join(pinned.differences(mine))}"
+        if self._repend_for_card(msg, tag):
+            log.info("%s: made pending again, for a worker of its configuration", why)
+            return False
+        raise NotThisCard(why)  # not the shard's own message (a copy): back to its queue
+
+    def _pin_job(self, msg: ShardMessage, written: dict[str, str]) -> None:
+        """Before a batch of the job's segment is stored: pin the segment to this worker's configuration where it
+        is not pinned yet (worker/lease/pins.py; once per segment's life here; the record written added to
+        ``written``), or :class:`Reclaimed` where another configuration pinned it meanwhile (two workers raced to
+        its first batch): the batch is not stored and the shard goes back to the front, for a worker of the
+        pinned configuration."""
+        mine: RenderConfig | None = getattr(self.runner.renderer, "config", None)
+        if mine is None or self._pinned.get((msg.job, msg.life, msg.segment)) == mine.digest:
+            return
+        pinned = self.pins.pin(msg.job, msg.segment, mine, written)
+        if pinned is not None and pinned.digest != mine.digest:
+            raise Reclaimed(
+                f"job {msg.job} was pinned to render configuration {pinned.digest} by another worker meanwhile "
+                f"({'; '.join(pinned.differences(mine))}): this batch is not stored"
+            )
+        self._pinned[(msg.job, msg.life, msg.segment)] = mine.digest
 
     @staticmethod
     def _in_segment(msg: ShardMessage, job: JobSpec, where: str) -> ShardMessage | None:

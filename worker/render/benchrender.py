@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from renderfleet import failpoints
+from renderfleet import failpoints, renderconfig
 from renderfleet.errors import DeviceError, JobError, PermanentError, Reclaimed
+from renderfleet.renderconfig import RenderConfig
 from renderfleet.spec import Prompt
 from worker.accounting.speeds import BENCH_DEVICE
 
@@ -44,9 +45,10 @@ class FixedLoad:
 class FixedTimeRenderer:
     """Sleeps ``seconds_per_image`` times the batch's size per call; images are flat colours from the seed."""
 
-    def __init__(self, seconds_per_image: float, model: str) -> None:
+    def __init__(self, seconds_per_image: float, model: str, *, batch_invariant: bool = False) -> None:
         self.seconds_per_image = seconds_per_image
         self.model = model
+        self.batch_invariant = batch_invariant  # the worker's setting, in its configuration (a sleep is invariant)
         self.last_batch_seconds: float | None = None
 
     def render_images(
@@ -84,8 +86,16 @@ class FixedTimeRenderer:
     def encode(self, image: Any, prompt: Prompt, *, extra: dict[str, str] | None = None) -> bytes:
         from worker.render.pipeline import encode_image
 
-        # a bench model's id: marked as fake (png_metadata); ``extra``: the job's stages, said as for a render
-        return encode_image(image, prompt, self.model, dict(extra or {}))
+        # a bench model's id: marked as fake (png_metadata); ``extra``: the job's stages, said as for a render;
+        # the configuration as a real renderer says it (renderfleet/renderconfig.py)
+        return encode_image(image, prompt, self.model, {**(extra or {}), renderconfig.FIELD: self.config.digest})
+
+    @property
+    def config(self) -> RenderConfig:
+        """A bench model's render configuration (worker/render/pinning.py): ``device`` "bench"."""
+        from worker.render.pinning import config_of
+
+        return config_of(self)
 
 
 def _colour(seed: int) -> tuple[int, int, int]:

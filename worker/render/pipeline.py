@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from renderfleet import __version__, failpoints, images, samplers
+from renderfleet import __version__, failpoints, images, renderconfig, samplers
 from renderfleet.errors import BadOutput, JobError, OutOfMemory, PermanentError, PromptError, Reclaimed
+from renderfleet.renderconfig import RenderConfig
 from renderfleet.spec import BENCH_PREFIX, FIELD, INT_LIMITS, Prompt, field_problem
 from worker.accounting.metrics import BadImages
 from worker.render import outputs
@@ -32,6 +33,7 @@ from worker.render.deviceerrors import call_failure, first_line
 from worker.render.loras import LoraCache
 from worker.render.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
 from worker.render.models.families import PipelineFamily, family_of
+from worker.render.pinning import config_of
 from worker.render.prompts import LongPrompts, quiet_truncation
 
 if TYPE_CHECKING:
@@ -248,7 +250,15 @@ class Renderer:
         quantize = getattr(self.loaded, "quantize", "none")
         if quantize != "none":  # 8-bit weights render other bytes: said in every image
             used = {**used, "quantize": quantize}
+        # The configuration it was rendered under (renderfleet/renderconfig.py): a job's images never mix two.
+        used[renderconfig.FIELD] = self.config.digest
         return encode_image(image, prompt, self.loaded.model, used)
+
+    @property
+    def config(self) -> RenderConfig:
+        """The render configuration of this renderer (worker/render/pinning.py), as it is now (torch's threads
+        are this process's setting of the moment)."""
+        return config_of(self)
 
     def generate(
         self, prompts: Sequence[Prompt], *, output_type: str = "pil", should_stop: Callable[[], bool] = lambda: False

@@ -245,8 +245,13 @@ class ShardRunner:
         pool: str = "",
         speeds: SpeedKeeper | None = None,
         time_account: WorkerTime | None = None,
+        pin: Callable[[ShardMessage, dict[str, str]], None] | None = None,
     ):
         self.store = store
+        # Called before each batch's images are stored: pins the job to this worker's render configuration (what
+        # it wrote added to the batch's writes), or raises Reclaimed where another pinned it (worker/lease/service.py,
+        # _pin_job); None: nothing pinned.
+        self.pin = pin
         # Production batches' render times, kept in the store for estimates (worker/accounting/speeds.py); None: not kept.
         self.speeds = speeds
         # Where the worker's time goes (worker/accounting/gputime.py): each batch's render time, kept at its commit.
@@ -613,6 +618,8 @@ class ShardRunner:
         written: dict[str, str] = {}  # the objects this batch put in place: {key: tag}
         failpoints.reach("before-images")  # a pause here outlives the check above: the late upload's window
         try:
+            if images and self.pin is not None:
+                self.pin(msg, written)  # the job's render configuration: this worker's, or nothing is stored
             for name, error in self._put_images(msg.job, images, by_name, extra, ledger, written).items():
                 del images[name]
                 failures.append((by_name[name], error, False))
@@ -949,6 +956,7 @@ class ShardRunner:
             card=self.card,
             pool=self.pool,
             seconds_per_image=None if per_image is None else round(per_image, 4),
+            render_config=config.digest if (config := getattr(self.renderer, "config", None)) else "",
         )
         self.store.put(
             spec.checkpoint_key(msg.job, msg.shard, number, attempt),
