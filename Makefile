@@ -71,7 +71,7 @@ kubectl:
 		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y kubectl; } \
 		|| echo "make: no kubectl package here: test_the_renderer_agrees_with_kubectl_kustomize will skip"
 
-# Every tier but the long one (tests marked slow: `make test-slow`): about 11 to 14 minutes on 2 cores,
+# Every tier but the long one (tests marked slow: `make test-slow`): about 10 to 12 minutes on 2 cores,
 # lint included. Each slow test plays a whole scenario whose parts have tests of their own in this tier.
 # The lint runs beside the tests, its output kept and shown after theirs: mypy from a fresh clone (no cache)
 # is about a minute of one core, which the tests' waits on leases and worker starts leave idle anyway;
