@@ -201,9 +201,8 @@ def resume(
     marks = _read_marks(client, store, job)
     # 5. The job registered, ranked as it was unless told otherwise.
     priority, share = _ranking(client, job, priority, share)
-    enqueue.register_job(client, job_spec, queue, owner, stored=True)
+    _register(client, store, job_spec, queue, owner, unpin=push)
     held = _take_back(client, job, record, known, marks.images, held, restore=budget is None)
-    _unpin_unstored(client, store, job_spec)
     # 6. Its shards rebuilt from the store and published.
     walk = _ShardWalk(store, job_spec, marks, only, names)
     sent = _publish(
@@ -217,10 +216,14 @@ def resume(
     return ResumeReport(job, job_spec.total, len(marks.images), len(marks.set_aside), sent, not known, walk.missing)
 
 
-def _unpin_unstored(client: redis.Redis, store: Store, job_spec: JobSpec) -> None:
-    """Each segment's render configuration as the store says (renderfleet/renderconfig.py): a pin Redis holds
-    whose record the store has not (deleted, to move the job to another configuration) goes, and the next worker
-    to store a batch there pins its own."""
+def _register(client: redis.Redis, store: Store, job_spec: JobSpec, queue: str, owner: str, *, unpin: bool) -> None:
+    """The job registered in Redis; with ``unpin`` (a resume that pushes: not ``results``), each segment's render
+    configuration as the store says (renderfleet/renderconfig.py): a pin Redis holds whose record the store has
+    not (deleted, to move the job to another configuration) goes, and the next worker to store a batch there pins
+    its own."""
+    enqueue.register_job(client, job_spec, queue, owner, stored=True)
+    if not unpin:
+        return
     for n in range(len(stages.segments(job_spec.params.stages, job_spec.pool))):
         if not store.exists(renderconfig.store_key(job_spec.job, n)):
             client.hdel(keys.job(job_spec.job), *renderconfig.pin_fields(n))

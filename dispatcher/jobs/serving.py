@@ -25,7 +25,6 @@ from dispatcher.jobs.redisvalues import json_object, malformed
 from renderfleet import cards, keys, registry, renderconfig
 from renderfleet.celery_app import queue_name
 from renderfleet.feeder import served_pools
-from renderfleet.renderconfig import RenderConfig
 from renderfleet.spec import store_identity
 from renderfleet.store import Store
 
@@ -67,11 +66,9 @@ def card_reason(min_vram: float, largest: float | None) -> str:
 
 def config_reason(pin: str, raw: Any) -> str:
     """Why a job pinned to the render configuration of digest ``pin`` (``raw``: its JSON) waits."""
-    try:
-        pinned = RenderConfig.from_json(raw).summary() if raw is not None else pin
-    except ValueError:
-        pinned = pin
-    return f"no live worker renders under its configuration {pinned}: its images so far were rendered under it"
+    pinned = renderconfig.pinned(pin, raw)
+    said = pinned if isinstance(pinned, str) else pinned.summary()
+    return f"no live worker renders under its configuration {said}: its images so far were rendered under it"
 
 
 def small_cards_message(job: str, queue: str, min_vram: float, live: int) -> str:

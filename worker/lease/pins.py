@@ -10,24 +10,45 @@ A Redis that lost its memory loses the repetition only: the next worker reads th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import redis
 
 from renderfleet import renderconfig
-from renderfleet.errors import StoreError, TransientError
+from renderfleet.errors import Reclaimed, StoreError, TransientError
 from renderfleet.leases import Leases
 from renderfleet.renderconfig import RenderConfig
+from renderfleet.spec import ShardMessage
 from renderfleet.store import Store
 
 log = logging.getLogger(__name__)
 
 
 class JobPins:
-    """Pins jobs through one store and one Redis (the worker's)."""
+    """Pins jobs through one store and one Redis (the worker's), to the configuration ``mine()`` says the
+    worker renders under now (None: a renderer that has none, which pins nothing)."""
 
-    def __init__(self, store: Store, leases: Leases) -> None:
+    def __init__(self, store: Store, leases: Leases, mine: Callable[[], RenderConfig | None]) -> None:
         self.store = store
         self.leases = leases
+        self.mine = mine
+        self._pinned: dict[tuple[str, str, int], str] = {}  # (job, life, segment) -> the digest this worker pinned
+
+    def before_batch(self, msg: ShardMessage, written: dict[str, str]) -> None:
+        """Before a batch of the job's segment is stored: pin the segment to this worker's configuration where it
+        is not pinned yet (once per segment's life here; the record written added to ``written``), or
+        :class:`Reclaimed` where another configuration pinned it meanwhile (two workers raced to its first
+        batch): the batch is not stored and the shard goes back to the front, for a worker of that one."""
+        mine = self.mine()
+        if mine is None or self._pinned.get((msg.job, msg.life, msg.segment)) == mine.digest:
+            return
+        pinned = self.pin(msg.job, msg.segment, mine, written)
+        if pinned is not None and pinned.digest != mine.digest:
+            raise Reclaimed(
+                f"job {msg.job} was pinned to render configuration {pinned.digest} by another worker meanwhile "
+                f"({'; '.join(pinned.differences(mine))}): this batch is not stored"
+            )
+        self._pinned[(msg.job, msg.life, msg.segment)] = mine.digest
 
     def pin(self, job: str, segment: int, mine: RenderConfig, written: dict[str, str]) -> RenderConfig | None:
         """The configuration ``job``'s ``segment`` renders under, pinned to ``mine`` where the store holds none

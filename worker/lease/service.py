@@ -128,8 +128,7 @@ class WorkerService:
         self.metrics = metrics
         self.leases = Leases(client, settings.lease_seconds, envelope=envelope)
         self.feeder = Feeder(client)
-        self.pins = JobPins(store, self.leases)  # a job's render configuration, pinned by its first worker
-        self._pinned: dict[tuple[str, str, int], str] = {}  # (job, life, segment) -> the digest this worker pinned
+        self.pins = JobPins(store, self.leases, self._render_config)  # a job's render configuration, pinned
         self.queues = [queue_name(settings.pool, store.url)]  # what it serves (worker.main sets them)
         self.card = ""  # what its speeds and registration name the card: known once its model is loaded
         self.vram: float | None = None  # its card's memory in GiB (renderfleet/cards.py); None: none it can name
@@ -180,7 +179,7 @@ class WorkerService:
             pool=settings.pool,
             speeds=SpeedKeeper(store, lambda: self.card),
             time_account=self.time_account,
-            pin=self._pin_job,
+            pin=self.pins.before_batch,
         )
 
     @classmethod
@@ -229,7 +228,7 @@ class WorkerService:
         # Its card: an estimate reads the speeds measured on its pool's card (dispatcher/views/estimate.py).
         self.card = bench_card_name(str(device), self.settings.bench_card)
         self.vram = vram_for(str(device), self.settings.bench_card)  # what a job's --min-vram is held against
-        config: RenderConfig | None = getattr(self.runner.renderer, "config", None)
+        config = self._render_config()
         info = {
             "worker": self.worker_id,
             "pool": self.settings.pool,
@@ -772,10 +771,10 @@ class WorkerService:
     def _for_this_config(self, msg: ShardMessage, tag: str, pin: Any, config: Any) -> bool:
         """Whether this worker renders under the configuration the job's segment is pinned to, if it is
         (``pin``: Redis's digest of it, ``config`` its JSON; pinned by the first worker that stored a batch of
-        it: :meth:`_pin_job`); if not, the shard made pending again as for a card too small
+        it: ``JobPins.before_batch``); if not, the shard made pending again as for a card too small
         (:meth:`_for_this_card`), and the feeder holds the job until a worker of its configuration is live
         (renderfleet/lua/feed.lua)."""
-        mine: RenderConfig | None = getattr(self.runner.renderer, "config", None)
+        mine = self._render_config()
         if mine is None or (pin is not None and keys.text(pin) == mine.digest):
             return True
         # Not pinned in this Redis: the store's record says (a Redis that lost its memory lost the pin's repetition).
@@ -792,22 +791,9 @@ class WorkerService:
             return False
         raise NotThisCard(why)  # not the shard's own message (a copy): back to its queue
 
-    def _pin_job(self, msg: ShardMessage, written: dict[str, str]) -> None:
-        """Before a batch of the job's segment is stored: pin the segment to this worker's configuration where it
-        is not pinned yet (worker/lease/pins.py; once per segment's life here; the record written added to
-        ``written``), or :class:`Reclaimed` where another configuration pinned it meanwhile (two workers raced to
-        its first batch): the batch is not stored and the shard goes back to the front, for a worker of the
-        pinned configuration."""
-        mine: RenderConfig | None = getattr(self.runner.renderer, "config", None)
-        if mine is None or self._pinned.get((msg.job, msg.life, msg.segment)) == mine.digest:
-            return
-        pinned = self.pins.pin(msg.job, msg.segment, mine, written)
-        if pinned is not None and pinned.digest != mine.digest:
-            raise Reclaimed(
-                f"job {msg.job} was pinned to render configuration {pinned.digest} by another worker meanwhile "
-                f"({'; '.join(pinned.differences(mine))}): this batch is not stored"
-            )
-        self._pinned[(msg.job, msg.life, msg.segment)] = mine.digest
+    def _render_config(self) -> RenderConfig | None:
+        """The configuration this worker renders under now (worker/render/pinning.py; None: a renderer without one)."""
+        return getattr(self.runner.renderer, "config", None)
 
     @staticmethod
     def _in_segment(msg: ShardMessage, job: JobSpec, where: str) -> ShardMessage | None:

@@ -249,8 +249,8 @@ class ShardRunner:
     ):
         self.store = store
         # Called before each batch's images are stored: pins the job to this worker's render configuration (what
-        # it wrote added to the batch's writes), or raises Reclaimed where another pinned it (worker/lease/service.py,
-        # _pin_job); None: nothing pinned.
+        # it wrote added to the batch's writes), or raises Reclaimed where another pinned it (worker/lease/pins.py,
+        # JobPins.before_batch); None: nothing pinned.
         self.pin = pin
         # Production batches' render times, kept in the store for estimates (worker/accounting/speeds.py); None: not kept.
         self.speeds = speeds
