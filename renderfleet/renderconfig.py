@@ -37,6 +37,24 @@ FIELD = "render_config"  # keys.job's field (the configuration, JSON), an image'
 REGISTRATION = "render_config"  # a worker registration's field: its configuration's digest
 MAX_BYTES = 4096  # a stored configuration larger than this is no configuration of ours
 
+# How a worker's denoiser (and T5 encoder) is quantized (``--quantize``, torchao: worker/render/models/quantize.py),
+# and what a job may ask for (``submit --quantize``: only workers of that recipe render it).  Name -> what it is.
+QUANTIZE = {
+    "none": "the weights and activations in the load dtype (bf16 on a card)",
+    "int8": "weights in int8, weight-only: less memory, no speed (anywhere)",
+    "fp8": "weights in fp8, weight-only: less memory, no speed (a card with fp8)",
+    "int8-dynamic": "weights and activations in int8 (dynamic, per row): int8 matmuls in the linear layers",
+    "fp8-dynamic": "weights and activations in fp8 (dynamic, per row): fp8 matmuls, the fast one (a card with fp8)",
+}
+NEEDS_FP8 = ("fp8", "fp8-dynamic")  # recipes only a card with fp8 arithmetic runs (compute capability 8.9+)
+
+
+def quantize_problem(value: str) -> str | None:
+    """Why ``value`` is no quantization recipe (:data:`QUANTIZE`), or None."""
+    if value in QUANTIZE:
+        return None
+    return f"must be one of {', '.join(QUANTIZE)}, got {value!r}"
+
 
 @dataclass(frozen=True)
 class RenderConfig:
@@ -45,7 +63,7 @@ class RenderConfig:
     device: str  # "cpu", "cuda", "mps"; "bench" for a bench model (no render at all)
     arch: str  # the card's architecture ("sm_90") or the CPU's ("x86_64")
     dtype: str  # the weights' and activations' precision ("float32", "bfloat16", "float16")
-    quantize: str  # the weights' recipe ("none", "int8", "fp8")
+    quantize: str  # the denoiser's recipe (a key of QUANTIZE)
     compile: str  # "none" or "regional" (the denoiser's repeated blocks)
     attention: str  # the attention backend ("sdpa")
     threads: int  # torch's CPU threads (0 on an accelerator: its kernels do not depend on them)

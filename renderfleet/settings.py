@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from renderfleet import renderconfig
 from renderfleet.allowlist import entry_problem
 from renderfleet.errors import ConfigError
 from renderfleet.keys import RECENT_BUCKET_SECONDS, RECENT_KEEP_SECONDS
@@ -285,9 +286,11 @@ class Settings(BaseSettings):
     # component in host memory until it runs: diffusers' enable_model_cpu_offload, needs accelerate),
     # for a model bigger than the card (worker/render/models/memory.py).  The images' bytes are the same.
     offload: str = "none"
-    # The denoiser's and T5 encoder's weights in 8 bits (torchao, weight-only): "none", "int8" (anywhere)
-    # or "fp8" (a card with fp8: Ada, Hopper); for a model bigger than the card.  The images differ from
-    # unquantized ones and record it (worker/render/models/quantize.py).
+    # The denoiser's and T5 encoder's linear layers in 8 bits (torchao): "none"; weight-only, for a model
+    # bigger than the card, "int8" (anywhere) or "fp8" (a card with fp8: Ada, Hopper); weights and
+    # activations, for speed, "fp8-dynamic" (a card with fp8) or "int8-dynamic".  The images differ from
+    # unquantized ones and record it; a job asking for a recipe renders only on its workers
+    # (renderfleet.renderconfig.QUANTIZE, worker/render/models/quantize.py).
     quantize: str = "none"
     # A file holding the fleet's key (32 bytes or more) for the compile cache: with it, compiled
     # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
@@ -468,11 +471,8 @@ class Settings(BaseSettings):
     @classmethod
     def _check_quantize(cls, value: str) -> str:
         value = value.strip().lower()
-        if value not in ("none", "int8", "fp8"):
-            raise ValueError(
-                f"must be none, int8 or fp8, got {value!r} (the denoiser's and T5's weights in 8 bits, for a model "
-                "bigger than the card)"
-            )
+        if why := renderconfig.quantize_problem(value):
+            raise ValueError(f"{why} (the denoiser's and T5's linear layers in 8 bits)")
         return value
 
     @field_validator("s3_addressing")

@@ -136,14 +136,16 @@ def _lora_fetcher(settings: Settings) -> Callable[[str, str], Path]:
 
 
 def _compile_cache(model: str, settings: Settings, loaded: Any) -> Any:
-    """The compile cache a compiled model shares through the store, per card and denoiser."""
+    """The compile cache a compiled model shares through the store, per card and denoiser (its class, and its
+    quantization recipe where it has one: a recipe's kernels are its own)."""
     from worker.accounting.speeds import card_name
     from worker.render.compiled import open_compile_cache
     from worker.render.models import denoiser
 
-    return open_compile_cache(
-        settings, model=model, card=card_name(str(loaded.device)), denoiser=type(denoiser(loaded.pipe)[1]).__name__
-    )
+    kind = type(denoiser(loaded.pipe)[1]).__name__
+    if loaded.quantize != "none":
+        kind += f"+{loaded.quantize}"
+    return open_compile_cache(settings, model=model, card=card_name(str(loaded.device)), denoiser=kind)
 
 
 @dataclass

@@ -79,8 +79,9 @@ Quantize = Annotated[
     str | None,
     typer.Option(
         "--quantize",
-        metavar="none|int8|fp8",
-        help="the denoiser's and T5's weights in 8 bits (torchao), for a model bigger than the card "
+        metavar="none|int8|fp8|int8-dynamic|fp8-dynamic",
+        help="the denoiser's and T5's linear layers in 8 bits (torchao): int8 or fp8 weights alone, for a model "
+        "bigger than the card; fp8-dynamic (a card with fp8) or int8-dynamic, activations too, for speed "
         "(default: RENDERFLEET_QUANTIZE, else none)",
     ),
 ]

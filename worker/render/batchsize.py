@@ -65,7 +65,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from renderfleet import formats, schemas, spec
 from renderfleet.errors import MixedFleet, OutOfMemory, PermanentError
@@ -87,8 +87,28 @@ SMALLER_MUST_WIN_BY = 0.25  # per image, in every round, for a smaller call to b
 SWEEP_ROUNDS = 3
 WHOLE_BATCH = INT_LIMITS["batch_size"][1]  # as a fixed size: every batch whole, as the job cut it
 
-# A record's key: (card, model, width, height) for generate, (card, model, width, height, stage) for a later stage.
-Key = tuple[Any, ...]
+
+class Key(NamedTuple):
+    """A record's key: the card, the model, the size, the stage ('' generate's) and the denoiser's quantization
+    recipe (``renderfleet.renderconfig.QUANTIZE``): each recipe's memory and speed are its own."""
+
+    card: str
+    model: str
+    width: int
+    height: int
+    stage: str = ""
+    quantize: str = "none"
+
+    def parts(self) -> tuple[Any, ...]:
+        """What the store's key is made of: (card, model, width, height) for generate, the stage fifth for a later
+        stage's, and the recipe sixth where it is not "none", so every record from before stages or recipes is read."""
+        if self.quantize != "none":
+            return tuple(self)
+        return tuple(self)[:5] if self.stage else tuple(self)[:4]
+
+    def fields(self) -> dict[str, Any]:
+        """A :class:`Remembered`'s fields that say what it is for."""
+        return {"card": self.card, "model": self.model, "width": self.width, "height": self.height, "stage": self.stage}
 
 
 @dataclass
@@ -393,13 +413,9 @@ class BatchSizes:
             limit=max(size, old.limit if old else size),
             oom=True,
             how="halved",
-            card=key[0],
-            model=key[1],
-            width=key[2],
-            height=key[3],
+            **key.fields(),
             compiled=kind[0],
             quantize=kind[1],
-            stage=key[4] if len(key) > 4 else "",
             curve=old.curve if old else {},  # the probe's curve stays: the halving moved the size alone
             knee=old.knee if old else None,
         )
@@ -450,7 +466,7 @@ class BatchSizes:
         if what is None or device.startswith("cpu"):
             return None
         model, stage = what
-        return self.card(device), str(model), width, height, str(stage)
+        return Key(self.card(device), str(model), width, height, str(stage), _stage_kind(renderer)[1])
 
     def _stage_search(
         self,
@@ -473,7 +489,7 @@ class BatchSizes:
             renderer.run([sample] * n, prompts, should_stop=should_stop, steps=steps, **extra)
 
         started = self.clock()
-        log.info("batch size for %s at %dx%d on %s: searching (probe)", _what(key), key[2], key[3], key[0])
+        log.info("batch size for %s at %dx%d on %s: searching (probe)", _what(key), key.width, key.height, key.card)
         try:
             found = search(render, limit=batch, start=known.size if known else 1, bisect=True, clock=self.clock)
         except PermanentError as exc:
@@ -484,9 +500,9 @@ class BatchSizes:
         log.info(
             "batch size for %s at %dx%d on %s: %d (probe in %.1f s: %s)",
             _what(key),
-            key[2],
-            key[3],
-            key[0],
+            key.width,
+            key.height,
+            key.card,
             size,
             self.clock() - started,
             probed(found, curve, self.knee),
@@ -496,13 +512,9 @@ class BatchSizes:
             limit=batch,
             oom=found.oom_at is not None,
             how="probe",
-            card=key[0],
-            model=key[1],
-            width=key[2],
-            height=key[3],
+            **key.fields(),
             compiled=_stage_kind(renderer)[0],
             quantize=_stage_kind(renderer)[1],
-            stage=key[4],
             curve=curve,
             knee=self.knee,
         )
@@ -527,10 +539,10 @@ class BatchSizes:
         # Said before it starts: on a CPU at a large size the search takes minutes.
         log.info(
             "batch size for %s at %dx%d on %s: searching (%s)",
-            key[1],
-            key[2],
-            key[3],
-            key[0],
+            _what(key),
+            key.width,
+            key.height,
+            key.card,
             "probe" if accelerator else "sweep",
         )
         try:
@@ -540,10 +552,10 @@ class BatchSizes:
             return None
         log.info(
             "batch size for %s at %dx%d on %s: %d (%s in %.1f s: %s)",
-            key[1],
-            key[2],
-            key[3],
-            key[0],
+            _what(key),
+            key.width,
+            key.height,
+            key.card,
             found.size,
             found.how,
             self.clock() - started,
@@ -554,10 +566,7 @@ class BatchSizes:
             limit=batch,
             oom=found.oom,
             how=found.how,
-            card=key[0],
-            model=key[1],
-            width=key[2],
-            height=key[3],
+            **key.fields(),
             compiled=_compiled(renderer),
             quantize=_quantize(renderer),
             curve=found.curve,
@@ -590,13 +599,12 @@ class BatchSizes:
             import torch
 
             card += f" x{torch.get_num_threads()} threads"  # a CPU's speed is its threads'
-        return card, str(loaded.model), prompt.width, prompt.height
+        return Key(card, str(loaded.model), prompt.width, prompt.height, quantize=_quantize(renderer))
 
     @staticmethod
-    def store_key(key: Key) -> str:
-        """Where the store keeps the size for (card, model, width, height), and a stage's for (card, model,
-        width, height, stage): generate's key has no fifth part, so its records from before stages are read."""
-        return spec.fleet_key(KIND, key, "json")
+    def store_key(key: Key | tuple[Any, ...]) -> str:
+        """Where the store keeps the size for ``key`` (made of :meth:`Key.parts`; a tuple is read as a Key's fields)."""
+        return spec.fleet_key(KIND, Key(*key).parts(), "json")
 
     def _read(self, key: Key) -> Remembered | None:
         if self.store is None:
@@ -613,9 +621,9 @@ class BatchSizes:
         log.info(
             "batch size for %s at %dx%d on %s: %d, as the store remembers it (%s%s)",
             _what(key),
-            key[2],
-            key[3],
-            key[0],
+            key.width,
+            key.height,
+            key.card,
             known.size,
             known.how,
             f": {curve_text(known.curve)}, chosen within {known.knee:.0%} of the fastest"
@@ -679,8 +687,9 @@ def probed(found: Search, curve: Mapping[int, float], within: float | None) -> s
 
 
 def _what(key: Key) -> str:
-    """A record's model, and its stage where it is a stage's: ``m``, ``x4 (upscale-x4)``."""
-    return f"{key[1]} ({key[4]})" if len(key) > 4 else str(key[1])
+    """A record's model, with its stage and recipe where they are not generate's and "none": ``m``,
+    ``x4 (upscale-x4)``, ``m (fp8-dynamic)``."""
+    return key.model + "".join(f" ({part})" for part in (key.stage, key.quantize) if part not in ("", "none"))
 
 
 def _pixel_size(renderer: Any, sample: Any) -> tuple[int, int]:
