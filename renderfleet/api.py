@@ -169,6 +169,7 @@ class Client:
         budget: float | None = None,
         webhook: str | None = None,
         min_vram: float | None = None,
+        quantize: str | None = None,
         **settings: Any,
     ) -> Job:
         """Validate, store and enqueue prompts; returns the job.
@@ -199,6 +200,7 @@ class Client:
             budget=budget,
             webhook=webhook,
             min_vram=min_vram,
+            quantize=quantize,
             **settings,
         )
         opts = replace(opts, format=format or "")  # said, so a .txt of JSON lines is text
@@ -232,6 +234,7 @@ class Client:
         budget: float | None = None,
         webhook: str | None = None,
         min_vram: float | None = None,
+        quantize: str | None = None,
         **settings: Any,
     ) -> SubmitOptions:
         """The render options of a submit (:meth:`submit`'s, :meth:`estimate`'s), checked (InputError naming each bad one).
@@ -248,7 +251,11 @@ class Client:
         submitted with.  ``min_vram``: the least card memory in GB (as cards are sold: 24, 40, 80) a worker must have
         to render it; while no live worker's card qualifies, its shards wait pending and other jobs render
         (docs/pools.md, "Mixed cards"); a job submitted again takes the new value; where, not what: not part of the
-        job's identity.  ``settings`` are the job's other render settings by their names in the one table
+        job's identity.  ``quantize``: the quantization recipe its images are rendered with
+        (``fp8-dynamic``, the fast one on a card with fp8; ``int8-dynamic``; weight-only ``int8``, ``fp8``; or
+        ``none``: plain), rendered only by workers started with that ``--quantize``; while none is live its shards
+        wait pending (docs/guide.md, "Quantization per job"); other bytes, so part of the job's identity; None: any
+        worker's.  ``settings`` are the job's other render settings by their names in the one table
         (``scheduler="dpmpp_2m"``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``, and
         ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md, "Render settings").
         """
@@ -266,6 +273,7 @@ class Client:
             name=name,
             budget=budget,
             min_vram=0 if min_vram is None else min_vram,
+            quantize=(quantize or "").strip().lower(),
         )
         check_options(opts)
         opts = self._with_webhook(opts, webhook)

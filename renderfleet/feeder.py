@@ -88,21 +88,26 @@ def best_cards(registrations: Mapping[bytes | str, bytes | str]) -> dict[str, fl
 
 
 def live_configs(registrations: Mapping[bytes | str, bytes | str]) -> dict[str, set[str]]:
-    """The render configurations (digests, ``renderfleet/renderconfig.py``) of the live workers serving each
-    queue, from the live registrations as :func:`best_cards` reads them; a worker that names none (an older
-    version) adds none: it takes a pinned job's shards only where another worker's configuration lets them in."""
+    """The render configurations (digests, ``renderfleet/renderconfig.py``) and quantization recipes
+    (``renderconfig.recipe_mark``) of the live workers serving each queue, from the live registrations as
+    :func:`best_cards` reads them; a worker that names none (an older version) adds none: it takes a pinned
+    job's shards, or those of a job that asks for a recipe, only where another worker lets them in."""
     found: dict[str, set[str]] = {}
     for raw in registrations.values():
         try:
             info = json.loads(raw)
             store = str(info["store"])
             digest = info.get(renderconfig.REGISTRATION)
+            recipe = info.get(renderconfig.RECIPE)
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
         if not isinstance(digest, str) or not digest.isalnum():
             continue
+        marks = {digest}
+        if isinstance(recipe, str) and renderconfig.quantize_problem(recipe) is None:
+            marks.add(renderconfig.recipe_mark(recipe))
         for pool in served_pools(info):
-            found.setdefault(queue_name(pool, store), set()).add(digest)
+            found.setdefault(queue_name(pool, store), set()).update(marks)
     return found
 
 
@@ -176,7 +181,8 @@ def feed_call(queue: str, target: int, card: float = 0.0, configs: str = ",") ->
     """feed.lua's KEYS and ARGV: top ``queue`` up to ``target`` messages (also run by bench/redis_scale.py),
     feeding only jobs whose ``--min-vram`` a card of ``card`` GiB (the largest live one serving the
     queue; 0: none known) qualifies for (``renderfleet/cards.py``), and only jobs pinned to a render
-    configuration among ``configs`` (the live ones' digests, between commas: :func:`read_configs`)."""
+    configuration among ``configs`` (the live ones' digests and recipes, between commas: :func:`read_configs`),
+    or, not pinned, asking for a recipe among them."""
     return ScriptCall(
         "feed",
         [
@@ -199,6 +205,8 @@ def feed_call(queue: str, target: int, card: float = 0.0, configs: str = ",") ->
             cards.FIELD,
             configs,
             renderconfig.PIN,
+            renderconfig.ASKED,
+            renderconfig.recipe_mark(""),
         ],
     )
 

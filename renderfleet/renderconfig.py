@@ -47,6 +47,14 @@ QUANTIZE = {
     "fp8-dynamic": "weights and activations in fp8 (dynamic, per row): fp8 matmuls, the fast one (a card with fp8)",
 }
 NEEDS_FP8 = ("fp8", "fp8-dynamic")  # recipes only a card with fp8 arithmetic runs (compute capability 8.9+)
+# A job may ask for a recipe (``submit --quantize``): ``keys.job``'s field ASKED holds it (absent: any worker's).
+# Only a worker of that recipe renders its first segment (its generate stage and what runs with it): any other
+# makes the shard pending again, and the feeder holds the job while no live worker of the recipe serves its
+# queue, as for a pinned configuration.  Workers register their recipe (RECIPE), and the feeder lists the live
+# ones beside the live digests (:func:`recipe_mark`).  A job's later segments, on pools of their own (an upscaler,
+# say), take any recipe: their pins keep their images apart.  Once pinned, the pin (which names the recipe) rules.
+ASKED = "quantize"
+RECIPE = "quantize"  # a worker registration's field: its recipe
 
 
 def quantize_problem(value: str) -> str | None:
@@ -127,6 +135,18 @@ def pinned(digest: str, raw: Any) -> RenderConfig | str:
     except ValueError:
         config = None
     return config if config is not None and config.digest == digest else digest
+
+
+def recipe_mark(recipe: str) -> str:
+    """A live worker's recipe as the feeder lists it beside the live digests (``q:<recipe>``: no digest has a colon)."""
+    return f"q:{recipe}"
+
+
+def asked_refusal(asked: str, mine: str) -> str | None:
+    """Why a worker of recipe ``mine`` may not render a job that asks for ``asked`` ('' : any), or None."""
+    if not asked or asked == mine:
+        return None
+    return f"its job asks for --quantize {asked}, this worker renders with --quantize {mine}"
 
 
 def pin_fields(segment: int = 0) -> tuple[str, str]:

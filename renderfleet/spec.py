@@ -54,6 +54,7 @@ from renderfleet.limits import (  # those unused here re-exported: the names eve
     model_problem,
 )
 from renderfleet.limits import text_problem as _text_problem
+from renderfleet.renderconfig import quantize_problem
 from renderfleet.samplers import scheduler_problem
 
 if TYPE_CHECKING:
@@ -666,6 +667,10 @@ class JobSpec:
     # 0: any card.  Where it renders, not what: never in its id.  Left out of the JSON when 0, and out of
     # the registration workers read (keys.job's min_vram holds it: a worker before cards reads that spec still).
     min_vram: float = 0
+    # The quantization recipe it asks for (submit --quantize: renderfleet.renderconfig.QUANTIZE); '': any worker's.
+    # What it renders (its images' bytes): part of its id when given.  Left out of the JSON when '', and out of
+    # the registration workers read (keys.job's quantize holds it), as min_vram is.
+    quantize: str = ""
 
     @property
     def shards(self) -> int:
@@ -682,6 +687,8 @@ class JobSpec:
             del data["webhook"]
         if not self.min_vram:
             del data["min_vram"]
+        if not self.quantize:
+            del data["quantize"]
         return json.dumps(data, sort_keys=True)
 
     def registration(self) -> str:
@@ -691,6 +698,7 @@ class JobSpec:
         data = json.loads(self.to_json())
         del data["name"]
         data.pop("min_vram", None)
+        data.pop("quantize", None)
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -988,8 +996,10 @@ def spec_problems(data: Any) -> list[str]:
     for key, (low, high) in _SPEC_INTS.items():
         if not _is_int(data[key]) or not low <= data[key] <= high:
             problems.append(f"{key}: must be a whole number from {low} to {high}")
-    texts = ("pool", "source", "prompts_key", "life", "digest", "name", "webhook")
+    texts = ("pool", "source", "prompts_key", "life", "digest", "name", "webhook", "quantize")
     problems += [f"{key}: must be a string" for key in texts if key in data and type(data[key]) is not str]
+    if isinstance(data.get("quantize"), str) and data["quantize"] and (why := quantize_problem(data["quantize"])):
+        problems.append(f"quantize: {why}")
     numbers = ("created", "min_vram", "version", "priority", "share")
     problems += [
         f"{key}: must be a finite number"

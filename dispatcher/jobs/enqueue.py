@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from renderfleet import celery_app, feeder, keys
+from renderfleet import celery_app, feeder, keys, renderconfig
 from renderfleet import stages as stagelib
 from renderfleet.celery_app import UNACKED_INDEX_KEY, UNACKED_KEY
 from renderfleet.errors import InputError
@@ -95,6 +95,7 @@ def register_job(
             "life": spec.life,
             "name": spec.name,  # apart: looked up among every job (dispatcher/views/jobids.py), read by no worker
             "min_vram": f"{spec.min_vram:g}",  # read by a worker at accept (renderfleet/cards.py)
+            renderconfig.ASKED: spec.quantize,  # read by a worker at accept and by the feeder ('': any recipe)
         },
     )
     if stored:

@@ -12,7 +12,9 @@ A worker still loading its model is registered with ``"state": "loading"``
 loading, not as a live worker, nor as none.  A job that asks for a minimum card
 memory (``submit --min-vram``) is served only by live workers whose card qualifies
 (``renderfleet/cards.py``): with none such, it is reported as unserved, saying so, and
-``status`` shows it ``waiting`` (its shards pending: the feeder holds them back).
+``status`` shows it ``waiting`` (its shards pending: the feeder holds them back), as is a job
+pinned to a render configuration no live worker has, or one that asks for a quantization recipe
+(``submit --quantize``) no live worker renders with (``renderfleet/renderconfig.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ def config_reason(pin: str, raw: Any) -> str:
     return f"no live worker renders under its configuration {said}: its images so far were rendered under it"
 
 
+def recipe_reason(asked: str, have: list[str]) -> str:
+    """Why a job that asks for the recipe ``asked`` waits, ``have`` the recipes of its queue's live workers."""
+    named = ", ".join(sorted(set(have))) or "none named"
+    return (
+        f"no live worker renders with --quantize {asked} (its queue's live workers: {named}); "
+        f"start one with `renderfleet worker --quantize {asked}`"
+    )
+
+
 def small_cards_message(job: str, queue: str, min_vram: float, live: int) -> str:
     """What a waiter is told when the job's queue has live workers, none with a card big enough."""
     pool = queue.split(".")[1] if queue.count(".") >= 2 else queue
@@ -106,7 +117,9 @@ def unserved(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any
     the job is pinned to (renderfleet/renderconfig.py): then with the reason it waits, as the feeder holds it
     back (renderfleet/lua/feed.lua).  None when one does, or when Redis does not
     know the job (lost, or a store-only job): nothing to say."""
-    queue, raw_min, pin, config = client.hmget(keys.job(job), "queue", cards.FIELD, renderconfig.PIN, renderconfig.FIELD)
+    queue, raw_min, pin, config, asked = client.hmget(
+        keys.job(job), "queue", cards.FIELD, renderconfig.PIN, renderconfig.FIELD, renderconfig.ASKED
+    )
     queue = keys.text(queue) or None
     if queue is None:
         return None
@@ -123,6 +136,10 @@ def unserved(client: redis.Redis, store: Store, workers: dict[str, dict[str, Any
         why = config_reason(keys.text(pin), config)
         note = f"job {job}: {why} (its queue {queue}; docs/design.md, 'A job renders under one configuration')"
         return Unserved("none", note, why)
+    recipe = keys.text(asked or "")
+    if pin is None and recipe and live and all(workers[wid].get(renderconfig.RECIPE) != recipe for wid in serving):
+        why = recipe_reason(recipe, [str(workers[wid].get(renderconfig.RECIPE, "unknown")) for wid in serving])
+        return Unserved("none", f"job {job}: {why} (its queue {queue})", why)
     if live:
         return None
     if loading := live_servers(store, workers, queue, loading=True):

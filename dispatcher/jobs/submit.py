@@ -39,7 +39,7 @@ from celery import Celery
 from dispatcher.jobs import enqueue, lifecycle
 from dispatcher.jobs import prices as prices_
 from dispatcher.jobs.enqueue import WireShard
-from renderfleet import budget, cards, celery_app, digests, prompts, shardfile, spec, stages
+from renderfleet import budget, cards, celery_app, digests, prompts, renderconfig, shardfile, spec, stages
 from renderfleet.errors import InputError
 from renderfleet.hubrev import PIPELINE_FILE, ModelCheck, RevisionResolver, hub_commit, hub_pipeline_problem
 from renderfleet.limits import MAX_SPEC_BYTES
@@ -62,6 +62,7 @@ class SubmitOptions:
     name: str | None = None  # what a person calls the job (--name); None: its prompt file's name
     budget: float | None = None  # the most the job may spend (renderfleet/budget.py); None: no cap
     min_vram: float = 0  # the least card memory (GB) its workers must have (renderfleet/cards.py); 0: any
+    quantize: str = ""  # the quantization recipe its workers must render with (renderconfig.QUANTIZE); '': any
     webhook: str = ""  # where the monitor posts the job's events (renderfleet/webhooks.py); '': the fleet's default
     format: str = ""  # the prompt file's format as the caller named it (--format), not the job's identity; '': none
 
@@ -125,6 +126,8 @@ def check_options(opts: SubmitOptions) -> None:
             problems.append(f"{flag}: {why}")
     if opts.min_vram != 0 and (why := cards.min_vram_problem(opts.min_vram)):
         problems.append(why)
+    if opts.quantize and (why := renderconfig.quantize_problem(opts.quantize)):
+        problems.append(f"--quantize: {why}")
     if why := spec.loras_problem(p.loras):
         problems.append(f"--lora: {why}")
     # The stages after generate (their problems name --upscale or --refine), the final size within the limit.
@@ -310,15 +313,20 @@ def kept_setting_problem(known: JobSpec, opts: SubmitOptions) -> str | None:
     return None
 
 
-def job_id(digest: str, params: RenderParams, store: str) -> str:
+def job_id(digest: str, params: RenderParams, store: str, quantize: str = "") -> str:
     """What the images are and where they go: the prompt file's content, the
-    render settings and the store (``spec.store_identity``).
+    render settings, the quantization recipe asked for (``--quantize``: other
+    bytes; absent from the identity when not asked, as before recipes) and the
+    store (``spec.store_identity``).
 
     Not the shard or batch size: they are how the work is cut, not what it
     is, so a resubmit with another ``--batch-size`` is the same job (it keeps
     the cut it was submitted with).
     """
-    ident = json.dumps({"content": digest, "params": params.identity(), "store": store_identity(store)}, sort_keys=True)
+    asked = {"quantize": quantize} if quantize else {}
+    ident = json.dumps(
+        {"content": digest, "params": params.identity(), "store": store_identity(store), **asked}, sort_keys=True
+    )
     return "j-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -354,7 +362,7 @@ def submit(
         summary = prompts.validate_file(path, format=opts.format)
     # 2. The job's id, and a message of it that fits the broker.
     owner = store_identity(store.url)
-    job = opts.job or job_id(summary.digest, opts.params, owner)
+    job = opts.job or job_id(summary.digest, opts.params, owner, opts.quantize)
     check_message_size(
         JobSpec(job=job, params=opts.params, total=summary.total, shard_size=opts.shard_size, batch_size=opts.batch_size),
         app,
@@ -467,6 +475,7 @@ def _new_spec(path: str, opts: SubmitOptions, job: str, summary: prompts.FileSum
         digest=summary.digest,
         webhook=opts.webhook,
         min_vram=opts.min_vram,
+        quantize=opts.quantize,
     )
 
 

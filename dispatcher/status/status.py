@@ -102,6 +102,8 @@ class JobStatus:
     # The render configuration its images are pinned to (renderfleet/renderconfig.py: digest and summary),
     # from its first worker on; None before.
     render_config: str | None = None
+    # The quantization recipe it asks for (submit --quantize: only its workers render it); '': any worker's.
+    quantize: str = ""
     # Images the store held when this Redis took the job back without its account (a Redis that lost
     # its memory; ``keys.job``'s ``unaccounted``), or every stored image of a job Redis does not know:
     # their render time is unknown, so gpu_seconds counts only what came after and the cost is None.
@@ -441,6 +443,7 @@ def _read_body(pipe: Any, job: str) -> None:
         budget.CARRIED,
         budget.PRICES,
         renderconfig.FIELD,
+        renderconfig.ASKED,
         *budget.FIELDS,
     )
     pipe.hgetall(keys.shards(job))
@@ -518,7 +521,14 @@ def _add_stage_figures(client: redis.Redis, states: list[JobStatus]) -> None:
 def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], store: Store | None) -> JobStatus:
     """One job's figures from its reads (:func:`_read_heads`, :func:`_read_body`)."""
     (total, owner, cancelled, deleted, reason, priority, share, queue), done, failed = head
-    (spec_json, unaccounted, failure, name, carried, pinned, config, *capped), states, left, stats, progress, attempts = body
+    (
+        (spec_json, unaccounted, failure, name, carried, pinned, config, asked, *capped),
+        states,
+        left,
+        stats,
+        progress,
+        attempts,
+    ) = body
     # 1. A job of another store, deleted, or only in the store.
     if (total is not None or deleted is not None) and store is not None and owner:
         _check_store(job, owner, store)
@@ -564,6 +574,7 @@ def _job_state(client: redis.Redis, job: str, head: list[Any], body: list[Any], 
         result.failure = keys.text(failure)
     _add_budget(result, capped, carried, pinned)
     result.render_config = _render_config(config, keys.job(job))
+    result.quantize = keys.text(asked or "")
     if result.state == "failed":
         result.eta_seconds = None  # no rate will finish it
     return result

@@ -393,7 +393,7 @@ def estimate_file(
     notes = list(fleet.notes)
     shards = math.ceil(summary.total / opts.shard_size)
     rows, now, at_max = project(summary.total, shards, groups, fleet.pools, fleet.speed)
-    job = opts.job or job_id(summary.digest, params, store_identity(store.url))
+    job = opts.job or job_id(summary.digest, params, store_identity(store.url), opts.quantize)
     if store.exists(spec_key(job)):
         notes.append(f"job {job} is in the store already: a submit renders only what it lacks, counted here in full")
     notes.append("wall time counts neither workers' start nor the work queued ahead of the job")

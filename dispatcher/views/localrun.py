@@ -193,6 +193,8 @@ def _run_local(
         url = broker_url(settings.redis_url, settings.home)
     settings = settings.model_copy(update={"redis_url": url, "store": settings.store_url})
     env = {**os.environ, "RENDERFLEET_REDIS_URL": url, "RENDERFLEET_STORE": settings.store_url}
+    if opts.quantize:
+        env["RENDERFLEET_QUANTIZE"] = opts.quantize  # its workers render with the recipe the job asks for
     if opts.params.model in spec.TINY_MODELS:
         console.print(f"[yellow]model {opts.params.model!r} is a random-weight smoke-test model: its images are noise[/]")
     started = time.monotonic()

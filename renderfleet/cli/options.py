@@ -80,6 +80,15 @@ MinVram = Annotated[
         help="render only on cards of at least this much memory (as the card is sold: 24, 40, 80)",
     ),
 ]
+QuantizeAsked = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize",
+        metavar="RECIPE",
+        help="render only on workers of this quantization recipe: fp8-dynamic (fp8 matmuls, the fast one, a card "
+        "with fp8), int8-dynamic, int8 or fp8 (weights alone), none (plain); default: any worker's",
+    ),
+]
 JobOpt = Annotated[
     str | None, typer.Option("--job", metavar="ID", help="job id (default: derived from content and settings)")
 ]
@@ -221,6 +230,7 @@ class SubmitFlags:
     name: str | None = None
     budget: float | None = None
     min_vram: float | None = None
+    quantize: str | None = None
 
 
 # Each setting's option (its Annotated type) and default, defined once for every command that
@@ -252,6 +262,7 @@ SUBMIT_FLAGS: dict[str, tuple[Any, Any]] = {
     "name": (NameOpt, None),
     "budget": (Budget, None),
     "min_vram": (MinVram, None),
+    "quantize": (QuantizeAsked, None),
 }
 
 

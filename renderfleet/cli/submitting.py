@@ -56,6 +56,7 @@ def _submit_options(flags: SubmitFlags, settings: Settings, model: str | None = 
         name=flags.name,
         budget=flags.budget,
         min_vram=flags.min_vram,
+        quantize=flags.quantize,
         webhook=webhook,
         **render,
     )
@@ -118,6 +119,7 @@ def _do_submit(
             name=opts.name,
             budget=opts.budget,
             min_vram=opts.min_vram or None,
+            quantize=opts.quantize or None,
             **_render(opts.params.scheduler, opts.params.long_prompts, opts.params.image_format, opts.params.quality),
             loras=opts.params.loras,
             revision=opts.params.revision,

@@ -35,7 +35,10 @@
 -- member: its first worker's there, renderfleet/renderconfig.py)
 -- that no live worker serving the queue renders under (ARGV[9], the live ones' digests between commas) is
 -- held the same way, in the queue's config wait (keys.config_wait), and comes back at the first call that
--- names a live worker of its configuration: every other worker would only hand its shards back.
+-- names a live worker of its configuration: every other worker would only hand its shards back.  A job not
+-- pinned yet that asks for a quantization recipe (keys.job quantize: submit --quantize, renderconfig.ASKED) is
+-- held so while no live worker of the recipe serves the queue (ARGV[9] lists the live recipes too, each as
+-- ARGV[12] .. recipe); only its first segment asks: a later one, on a pool of its own, takes any.
 --
 -- KEYS[1] queue, KEYS[2] active (zset job -> feed score, keys.active),
 -- KEYS[3] enqueued, KEYS[4] seq, KEYS[5] queues, KEYS[6] card wait (zset job -> GiB, keys.card_wait),
@@ -44,17 +47,27 @@
 -- ARGV[3] job key prefix, ARGV[4] queued prefix, ARGV[5] the largest live card serving the queue (GiB;
 -- 0: none known), ARGV[6] cards.NOMINAL_SHARE, ARGV[7] keys.FEED_BAND (a priority band's width),
 -- ARGV[8] the job hash's field of its card memory (cards.FIELD), ARGV[9] the live workers' render
--- configurations (',d1,d2,'; ',': none known), ARGV[10] the job hash's field of its pin (renderconfig.PIN)
+-- configurations and recipes (',d1,d2,q:r1,'; ',': none known), ARGV[10] the job hash's field of its pin
+-- (renderconfig.PIN), ARGV[11] the job hash's field of the recipe it asks for (renderconfig.ASKED), ARGV[12]
+-- a recipe's mark before its name in ARGV[9] (renderconfig.recipe_mark)
 -- Returns {messages pushed, then each job parked and why: job, reason, job, reason, ...}.
 local queue, active, enqueued, seq_key, queues = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local card_wait = KEYS[6]
 local target, steps, job_prefix, queued_prefix = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local card, share, band_width, vram_field = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
-local config_wait, configs, pin_field = KEYS[7], ARGV[9], ARGV[10]
+local config_wait, configs, pin_field, asked_field, recipe_mark = KEYS[7], ARGV[9], ARGV[10], ARGV[11], ARGV[12]
 
--- Whether a live worker of the queue renders under the configuration of digest `pin`.
-local function configured(pin)
-  return string.find(configs, ',' .. pin .. ',', 1, true) ~= nil
+-- Whether a live worker of the queue renders under the configuration of digest `pin`, or else (no pin) with the
+-- recipe `asked` (nil or '': any).
+local function configured(pin, asked)
+  local mark = pin or (asked and asked ~= '' and (recipe_mark .. asked)) or nil
+  return mark == nil or string.find(configs, ',' .. mark .. ',', 1, true) ~= nil
+end
+
+-- A member's pin and the recipe it asks for (its first segment's alone), as configured() takes them, from the
+-- two fields of `pin_field .. ':' .. seg` (or `pin_field`) and `asked_field` read from its job's hash.
+local function wants(pin, asked, seg)
+  return pin or nil, (not seg) and asked or nil
 end
 
 -- A waiting job back in the rotation, at the least pass of its priority's band (as a newcomer: publish.lua).
@@ -79,8 +92,8 @@ end
 if configs ~= ',' then
   for _, member in ipairs(redis.call('ZRANGE', config_wait, 0, -1)) do
     local job, seg = string.match(member, '^([^@]*)@(%d+)$')
-    local pin = redis.call('HGET', job_prefix .. (job or member), seg and (pin_field .. ':' .. seg) or pin_field)
-    if not pin or configured(pin) then  -- no pin any more (a job deleted, or taken back by resume): fed as any
+    local f = redis.call('HMGET', job_prefix .. (job or member), seg and (pin_field .. ':' .. seg) or pin_field, asked_field)
+    if configured(wants(f[1], f[2], seg)) then  -- no pin nor recipe any more (deleted, resumed): fed as any
       redis.call('ZREM', config_wait, member)
       rejoin(member)
     end
@@ -170,7 +183,8 @@ while length < target and steps > 0 do
   local job_key = job_prefix .. job
   local pending = job_key .. ':pending' .. (seg and (':' .. seg) or '')
   local f = redis.call('HMGET', job_key, 'cancelled', seg and ('feed:' .. seg) or 'feed', 'shard_size', 'total', 'stride',
-                      vram_field, seg and (pin_field .. ':' .. seg) or pin_field)
+                      vram_field, seg and (pin_field .. ':' .. seg) or pin_field, asked_field)
+  local pin, asked = wants(f[7], f[8], seg)
   local size, total = tonumber(f[3]), tonumber(f[4])
   local need = (tonumber(f[6] or '0') or 0) * share
   if need ~= need or need == math.huge then
@@ -182,8 +196,8 @@ while length < target and steps > 0 do
     redis.call('ZADD', card_wait, need, member)
     f[2] = false
   end
-  if not f[1] and f[2] and f[7] and not configured(f[7]) then
-    -- No live worker of the queue renders under the job's configuration: out of the rotation until one does.
+  if not f[1] and f[2] and not configured(pin, asked) then
+    -- No live worker of the queue renders under the job's configuration (or recipe): out of the rotation until one does.
     redis.call('ZADD', config_wait, 0, member)
     f[2] = false
   end

@@ -1,6 +1,7 @@
 """A job is pinned to the render configuration of its first worker (renderfleet/renderconfig.py): real Redis,
 real ``renderfleet worker`` processes on the bench model, two configurations (``RENDERFLEET_BATCH_INVARIANT``
-is part of one)."""
+is part of one); and a job that asks for a quantization recipe (``submit --quantize``) renders only on its
+workers (real ``tiny`` pipelines, plain and int8-dynamic)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,61 @@ def test_a_job_resumed_after_redis_lost_it_is_never_rendered_under_another_confi
     checkpoints = [json.loads(p.read_bytes()) for p in (store / job / "checkpoints").rglob("*.json")]
     assert checkpoints and {c["render_config"] for c in checkpoints} == {pinned.digest}
     assert client.zcard(keys.config_wait(found["queue"])) == 0 and "rendered" not in other.output()
+
+
+def test_a_job_that_asks_for_a_recipe_renders_only_on_its_workers_and_waits_saying_so_while_none_is_live(
+    tmp_path: Path, redis_server: RedisServerProcess, procs: list[WorkerProc]
+) -> None:
+    """``submit --quantize int8-dynamic`` (issue 48, item 3; int8-dynamic the CPU's stand-in for fp8-dynamic):
+    a plain worker (on the bench model: it hands back at accept, before any model is loaded) and, later, a real
+    ``tiny`` one of the recipe.  A worker of that recipe counted live that
+    is gone (a registration left behind, as in test_cards) has the feeder feed the job: the plain worker hands
+    each shard back, rendering nothing; then the job waits, saying for what, until a worker of the recipe
+    renders every image with it."""
+    import time
+
+    from renderfleet.images import read_metadata
+
+    env = {**base_env(tmp_path, redis_server.url, str(tmp_path / "store")), "RENDERFLEET_MODEL": "tiny"}
+    client = redis.Redis.from_url(redis_server.url)
+    plain = WorkerProc({**env, **bench_worker(SECONDS)}, tmp_path / "plain.log")
+    procs.append(plain)
+    registered = lambda: [json.loads(raw) for raw in client.hvals(keys.WORKERS)]  # noqa: E731
+    wait_for(lambda: any(renderconfig.RECIPE in r for r in registered()), 30, what="the plain worker loaded")
+    [registration] = registered()
+    assert registration[renderconfig.RECIPE] == "none"
+    gone = {**registration, renderconfig.RECIPE: "int8-dynamic", renderconfig.REGISTRATION: "0123456789abcdef"}
+    client.hset(keys.WORKERS, "w-gone-int8", json.dumps(gone))
+    client.hset(keys.worker_stats("w-gone-int8"), "last_seen", f"{time.time():.3f}")
+    client.delete(keys.WORKER_COUNTS, keys.WORKER_COUNTS_LOCK)
+
+    # 1. A recipe that is none is refused at submit, naming the flag; nothing is registered.
+    tiny = ["--model", "tiny", "--steps", "2", "--size", "32x32", "--shard-size", "2"]
+    bad = cli(env, "submit", str(write_prompts(tmp_path / "p.txt", 4)), *tiny, "--quantize", "int4", check=False)
+    assert bad.returncode == 2 and "--quantize: must be one of none, int8, fp8, int8-dynamic, fp8-dynamic" in bad.stderr
+    assert "Traceback" not in bad.stderr and client.scard(keys.JOBS) == 0
+    job = cli(env, "submit", str(tmp_path / "p.txt"), *tiny, "--quantize", "int8-dynamic").stdout.split()[-1]
+
+    # 2. Fed while the gone worker counts, handed back by the plain one; then held, and status says why.
+    asks = "its job asks for --quantize int8-dynamic, this worker renders with --quantize none"
+    wait_for(lambda: asks in plain.output(), 30, what="the plain worker to hand a shard back")
+    client.hdel(keys.WORKERS, "w-gone-int8")  # gone for good (its liveness would lapse: test_cards waits for that)
+    client.delete(keys.WORKER_COUNTS, keys.WORKER_COUNTS_LOCK)
+    wait_for(lambda: served(env, job)["state"] == "waiting", 40, what="the job to wait for its recipe")
+    found = served(env, job)
+    assert found["done"] == 0 and found["quantize"] == "int8-dynamic" and found["render_config"] is None
+    assert found["waiting"].startswith("no live worker renders with --quantize int8-dynamic"), found["waiting"]
+    assert "its queue's live workers: none)" in found["waiting"]
+    wait_for(lambda: client.zscore(keys.config_wait(found["queue"]), job) == 0, 15, what="the feeder to hold the job")
+    assert not (tmp_path / "store" / "jobs" / job / "images").exists()
+
+    # 3. A worker of the recipe renders it all: every image says int8-dynamic (none is the plain worker's, which
+    #    would say no recipe), the pin names the recipe.
+    procs.append(WorkerProc({**env, "RENDERFLEET_QUANTIZE": "int8-dynamic"}, tmp_path / "int8.log"))
+    assert job_finished(env, job, timeout=120)["done"] == 4
+    images = tmp_path / "store" / "jobs" / job / "images"
+    pinned = RenderConfig.from_json((tmp_path / "store" / "jobs" / job / "render_config.json").read_bytes())
+    assert pinned.quantize == "int8-dynamic"
+    for path in images.iterdir():
+        meta = read_metadata(path.read_bytes())
+        assert meta["quantize"] == "int8-dynamic" and meta[renderconfig.FIELD] == pinned.digest, meta

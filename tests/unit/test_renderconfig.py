@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from renderfleet import formats
+from renderfleet import formats, renderconfig
 from renderfleet.renderconfig import MAX_BYTES, RenderConfig
 
 CPU = RenderConfig(
@@ -59,3 +59,41 @@ def test_what_a_refusal_and_status_say() -> None:
     assert CPU.summary() == f"{CPU.digest} (cpu, float32, 1 threads)"
     card = dataclasses.replace(CPU, device="cuda", arch="sm_90", dtype="bfloat16", threads=0, compile="regional")
     assert card.summary() == f"{card.digest} (cuda sm_90, bfloat16, compile regional)"
+
+
+def test_a_job_that_asks_for_a_recipe_is_another_job_and_keeps_its_ask_out_of_what_older_workers_read() -> None:
+    """``submit --quantize``: other bytes, so another id (an ask of none leaves the id as before recipes);
+    the spec's JSON names it, the registration an older worker parses does not (keys.job's field holds it)."""
+    from dispatcher.jobs.submit import job_id
+    from renderfleet.spec import JobSpec, RenderParams, spec_problems
+
+    params = RenderParams(model="tiny")
+    plain = job_id("d" * 64, params, "file:///s")
+    assert job_id("d" * 64, params, "file:///s", "") == plain
+    assert (
+        len({plain, job_id("d" * 64, params, "file:///s", "fp8-dynamic"), job_id("d" * 64, params, "file:///s", "int8")})
+        == 3
+    )
+    asked = JobSpec(job="j-1", params=params, total=1, shard_size=1, batch_size=1, quantize="fp8-dynamic")
+    assert json.loads(asked.to_json())["quantize"] == "fp8-dynamic" and "quantize" not in json.loads(asked.registration())
+    assert "quantize" not in json.loads(dataclasses.replace(asked, quantize="").to_json())
+    assert JobSpec.from_json(asked.to_json()) == asked
+    data = json.loads(asked.to_json())
+    assert spec_problems(data) == []
+    assert spec_problems({**data, "quantize": "int4"}) == [
+        "quantize: must be one of none, int8, fp8, int8-dynamic, fp8-dynamic, got 'int4'"
+    ]
+
+
+def test_the_feeder_lists_each_live_workers_recipe_beside_its_digest_and_a_refusal_names_both() -> None:
+    from renderfleet.feeder import live_configs, queue_name
+
+    def registration(digest: str, recipe: object) -> str:
+        return json.dumps({"pool": "p", "store": "file:///s", "render_config": digest, "quantize": recipe})
+
+    found = live_configs({"a": registration("aa11", "fp8-dynamic"), "b": registration("bb22", "int4"), "c": "{"})
+    assert found[queue_name("p", "file:///s")] == {"aa11", "q:fp8-dynamic", "bb22"}  # no recipe of ours: no mark
+    assert renderconfig.asked_refusal("", "none") is None and renderconfig.asked_refusal("int8", "int8") is None
+    assert renderconfig.asked_refusal("fp8-dynamic", "none") == (
+        "its job asks for --quantize fp8-dynamic, this worker renders with --quantize none"
+    )

@@ -238,7 +238,8 @@ class WorkerService:
             "card": self.card,
             **({cards.VRAM: self.vram} if self.vram is not None else {}),
             # its render configuration's digest: the feeder feeds a pinned job while a live worker has it
-            **({renderconfig.REGISTRATION: config.digest} if config is not None else {}),
+            # and its quantization recipe: the feeder feeds a job that asks for one while a live worker has it
+            **({renderconfig.REGISTRATION: config.digest, renderconfig.RECIPE: config.quantize} if config else {}),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": time.time(),
@@ -671,7 +672,7 @@ class WorkerService:
         if not self._of_this_store(msg, where):
             return None
         try:
-            registered, stored, fresh, life, failed, capped, min_vram, pin, config = self.client.hmget(
+            registered, stored, fresh, life, failed, capped, min_vram, asked, pin, config = self.client.hmget(
                 keys.job(msg.job),
                 "spec",
                 "stored",
@@ -680,12 +681,17 @@ class WorkerService:
                 jobfailure.FAILED,
                 budget.BUDGET,
                 cards.FIELD,
+                renderconfig.ASKED,
                 *renderconfig.pin_fields(msg.segment),
             )
         except redis.RedisError as exc:
             raise TransientError(f"cannot check shard {msg.job}:{msg.shard}: {exc}") from exc
         job = self._as_registered(msg, tag, where, registered, failed)
-        if job is None or not self._for_this_card(msg, tag, min_vram) or not self._for_this_config(msg, tag, pin, config):
+        if (
+            job is None
+            or not self._for_this_card(msg, tag, min_vram)
+            or not self._for_this_config(msg, tag, pin, config, "" if msg.segment else keys.text(asked or ""))
+        ):
             return None
         self.fresh = bool(fresh)
         self.budgeted = capped is not None  # its ledger asks before each batch whether it reached its budget
@@ -768,24 +774,30 @@ class WorkerService:
             raise NotThisCard(why)  # not the shard's own message (a copy): back to its queue, as before
         return True
 
-    def _for_this_config(self, msg: ShardMessage, tag: str, pin: Any, config: Any) -> bool:
+    def _for_this_config(self, msg: ShardMessage, tag: str, pin: Any, config: Any, asked: str) -> bool:
         """Whether this worker renders under the configuration the job's segment is pinned to, if it is
         (``pin``: Redis's digest of it, ``config`` its JSON; pinned by the first worker that stored a batch of
-        it: ``JobPins.before_batch``); if not, the shard made pending again as for a card too small
-        (:meth:`_for_this_card`), and the feeder holds the job until a worker of its configuration is live
-        (renderfleet/lua/feed.lua)."""
+        it: ``JobPins.before_batch``), else with the quantization recipe the job asks for (``asked``; '': any);
+        if not, the shard made pending again as for a card too small (:meth:`_for_this_card`), and the feeder
+        holds the job until a worker of its configuration or recipe is live (renderfleet/lua/feed.lua)."""
         mine = self._render_config()
         if mine is None or (pin is not None and keys.text(pin) == mine.digest):
             return True
         # Not pinned in this Redis: the store's record says (a Redis that lost its memory lost the pin's repetition).
         pinned = renderconfig.pinned(keys.text(pin), config) if pin is not None else self.pins.stored(msg.job, msg.segment)
         digest = pinned if pinned is None or isinstance(pinned, str) else pinned.digest
-        if digest is None or digest == mine.digest:
+        if digest is None:
+            why = renderconfig.asked_refusal(asked, mine.quantize)  # not pinned yet: the recipe it asks for
+            if why is None:
+                return True
+            why = f"shard {msg.job}:{msg.shard}: {why}"
+        elif digest == mine.digest:
             return True
-        why = f"shard {msg.job}:{msg.shard}: its job renders under configuration {digest}, this worker under "
-        why += mine.summary()
-        if isinstance(pinned, RenderConfig):
-            why += f": {'; '.join(pinned.differences(mine))}"
+        else:
+            why = f"shard {msg.job}:{msg.shard}: its job renders under configuration {digest}, this worker under "
+            why += mine.summary()
+            if isinstance(pinned, RenderConfig):
+                why += f": {'; '.join(pinned.differences(mine))}"
         if self._repend_for_card(msg, tag):
             log.info("%s: made pending again, for a worker of its configuration", why)
             return False
