@@ -450,3 +450,27 @@ def test_flux_with_8_bit_weights_renders_on_the_card_deterministically_and_small
     renderer = Renderer(loaded)
     assert renderer.render(prompts) == first  # type: ignore[arg-type]
     assert len(first) == 2
+
+
+def test_flux_with_fp8_dynamic_quantizes_activations_too_and_renders_deterministically(tmp_path: Path) -> None:
+    """``--quantize fp8-dynamic`` (issue 48, item 3): each Linear of the denoiser and T5 holds fp8 weights and
+    quantizes its activations at each call (torchao's dynamic float8, per row), so its matmul runs in fp8; the
+    same bytes twice, other bytes than the plain model's."""
+    from worker.render.models.quantize import check_quantize
+    from worker.render.pipeline import Renderer
+
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"fp8: {torch.cuda.get_device_name()} has no fp8 arithmetic (compute capability 8.9+)")
+    check_quantize("fp8-dynamic", "cuda")
+    prompts = family_prompts(3.5)
+    _, plain, _, _ = on_card(lambda: load_family("tiny-flux", tmp_path), prompts)
+    loaded, first, _, _ = on_card(lambda: load_family("tiny-flux", tmp_path, quantize="fp8-dynamic"), prompts)
+    for name in ("transformer", "text_encoder_2"):
+        linears = [m for m in getattr(loaded.pipe, name).modules() if isinstance(m, torch.nn.Linear)]
+        assert linears, name
+        for m in linears:
+            assert type(m.weight).__name__ == "Float8Tensor", (name, type(m.weight))
+            assert m.weight.qdata.dtype == torch.float8_e4m3fn and m.weight.act_quant_kwargs is not None, (name, m)
+    assert Renderer(loaded).render(prompts) == first  # type: ignore[arg-type]
+    assert first != plain and len(first) == 2
