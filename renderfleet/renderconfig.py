@@ -57,6 +57,21 @@ ASKED = "quantize"
 RECIPE = "quantize"  # a worker registration's field: its recipe
 
 
+# Which of torch's scaled-dot-product attention kernels a CUDA worker tries first (``--attention``:
+# worker/render/models/cuda.py, attention_kernels), name -> what it is.  Every family's attention calls SDPA.
+ATTENTION = {
+    "auto": "torch's own order (FlashAttention-2 first where it applies)",
+    "flash": "FlashAttention-2 first",
+    "cudnn": "cuDNN's fused attention first (Hopper: its fastest, where the shapes allow)",
+    "efficient": "the memory-efficient kernel first",
+}
+
+
+def attention_problem(value: str) -> str | None:
+    """Why ``value`` is no attention preference (:data:`ATTENTION`), or None."""
+    return None if value in ATTENTION else f"must be one of {', '.join(ATTENTION)}, got {value!r}"
+
+
 def quantize_problem(value: str) -> str | None:
     """Why ``value`` is no quantization recipe (:data:`QUANTIZE`), or None."""
     if value in QUANTIZE:

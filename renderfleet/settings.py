@@ -292,6 +292,11 @@ class Settings(BaseSettings):
     # unquantized ones and record it; a job asking for a recipe renders only on its workers
     # (renderfleet.renderconfig.QUANTIZE, worker/render/models/quantize.py).
     quantize: str = "none"
+    # Which of torch's attention kernels a CUDA worker tries first: "auto" (torch's order), "flash", "cudnn"
+    # (cuDNN's fused attention: Hopper's fastest where it applies) or "efficient"; the others stay behind it,
+    # so a shape the first cannot take still renders.  Other kernels, other bytes: part of the render
+    # configuration (renderfleet.renderconfig.ATTENTION, worker/render/models/cuda.py).
+    attention: str = "auto"
     # A file holding the fleet's key (32 bytes or more) for the compile cache: with it, compiled
     # kernels are shared through the store signed (HMAC-SHA256), and only signed ones are loaded;
     # None: not shared, each node compiles for itself (worker/render/compiled.py).
@@ -473,6 +478,14 @@ class Settings(BaseSettings):
         value = value.strip().lower()
         if why := renderconfig.quantize_problem(value):
             raise ValueError(f"{why} (the denoiser's and T5's linear layers in 8 bits)")
+        return value
+
+    @field_validator("attention")
+    @classmethod
+    def _check_attention(cls, value: str) -> str:
+        value = value.strip().lower()
+        if why := renderconfig.attention_problem(value):
+            raise ValueError(f"{why} (which of torch's attention kernels a CUDA worker tries first)")
         return value
 
     @field_validator("s3_addressing")

@@ -87,6 +87,7 @@ def load_renderer(
         refresh=refresh,
         offload=settings.offload,
         quantize=settings.quantize,
+        attention=settings.attention,
     )
     cache = _compile_cache(model, settings, loaded) if loaded.compiled else None
     loras = LoraCache(loaded.pipe, fetch=_lora_fetcher(settings), allowed=settings.allowed_model_list)

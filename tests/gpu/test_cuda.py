@@ -474,3 +474,19 @@ def test_flux_with_fp8_dynamic_quantizes_activations_too_and_renders_determinist
             assert m.weight.qdata.dtype == torch.float8_e4m3fn and m.weight.act_quant_kwargs is not None, (name, m)
     assert Renderer(loaded).render(prompts) == first  # type: ignore[arg-type]
     assert first != plain and len(first) == 2
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "efficient"])
+def test_an_attention_preference_renders_deterministically_and_is_in_the_render_configuration(
+    tmp_path: Path, attention: str
+) -> None:
+    """``RENDERFLEET_ATTENTION`` (issue 48, item 2): each call tries the kernel asked for first; the same bytes
+    twice, and the configuration (so each job's pin) names the order."""
+    from worker.render.pipeline import Renderer
+
+    prompts = family_prompts(3.5)
+    loaded = load_family("tiny-flux", tmp_path, attention=attention)
+    renderer = Renderer(loaded)
+    first = renderer.render(prompts)  # type: ignore[arg-type]
+    assert renderer.render(prompts) == first  # type: ignore[arg-type]
+    assert renderer.config is not None and renderer.config.attention.startswith(f"sdpa:{attention}>")

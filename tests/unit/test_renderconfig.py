@@ -97,3 +97,29 @@ def test_the_feeder_lists_each_live_workers_recipe_beside_its_digest_and_a_refus
     assert renderconfig.asked_refusal("fp8-dynamic", "none") == (
         "its job asks for --quantize fp8-dynamic, this worker renders with --quantize none"
     )
+
+
+def test_an_attention_preference_is_cudas_and_orders_the_kernels_it_names_first() -> None:
+    """``RENDERFLEET_ATTENTION`` (issue 48, item 2): refused off CUDA and where it is no preference, named in
+    the render configuration; on a card each call runs inside torch's ``sdpa_kernel`` in that order."""
+    from renderfleet.errors import ConfigError
+    from renderfleet.settings import Settings
+    from worker.render.models.cuda import attention_kernels, attention_order, check_attention
+
+    assert Settings(attention=" CUDNN ").attention == "cudnn"
+    with pytest.raises(ValueError, match="must be one of auto, flash, cudnn, efficient, got 'fa3'"):
+        Settings(attention="fa3")
+    check_attention("auto", "cpu")
+    check_attention("cudnn", "cuda:0")
+    with pytest.raises(ConfigError, match=r"RENDERFLEET_ATTENTION=cudnn .* this worker renders on 'cpu': leave it auto"):
+        check_attention("cudnn", "cpu")
+    assert attention_order("cudnn") == "cudnn>flash>efficient>math"
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    before = torch._C._get_sdp_priority_order()
+    with attention_kernels("cudnn"):
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+    assert torch._C._get_sdp_priority_order() == before  # undone: nothing process-wide
+    with attention_kernels("auto"):
+        assert torch._C._get_sdp_priority_order() == before

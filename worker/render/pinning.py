@@ -48,7 +48,7 @@ def config_of(renderer: Any) -> RenderConfig:
         dtype=str(loaded.dtype).removeprefix("torch."),
         quantize=loaded.quantize,
         compile="regional" if loaded.compiled else "none",
-        attention=_attention(device),
+        attention=_attention(device, getattr(loaded, "attention", "auto")),
         threads=torch.get_num_threads() if device.type == "cpu" else 0,
         batch_invariant=bool(renderer.batch_invariant),
         **versions,
@@ -68,13 +68,18 @@ def _arch(device: Any) -> str:
     return platform.machine()
 
 
-def _attention(device: Any) -> str:
+def _attention(device: Any, preference: str) -> str:
     """The attention backend: torch's scaled-dot-product attention (every family's processors call it), on
-    CUDA with the kernels it may choose from (``sdpa:flash+mem_efficient+math``), as this process set them."""
+    CUDA with the kernels it may choose from (``sdpa:flash+mem_efficient+math``), as this process set them,
+    and the order a preference (``--attention``) puts them in (``sdpa:cudnn>flash>efficient>math``)."""
     import torch
 
     if device.type != "cuda" or not torch.cuda.is_available():
         return "sdpa"
+    if preference != "auto":
+        from worker.render.models.cuda import attention_order
+
+        return f"sdpa:{attention_order(preference)}"
 
     kernels = {
         "flash": torch.backends.cuda.flash_sdp_enabled(),

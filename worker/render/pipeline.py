@@ -32,6 +32,7 @@ from worker.render import outputs
 from worker.render.deviceerrors import call_failure, first_line
 from worker.render.loras import LoraCache
 from worker.render.models import LoadedModel, set_vae_memory_modes, vae_memory_modes
+from worker.render.models.cuda import attention_kernels
 from worker.render.models.families import PipelineFamily, family_of
 from worker.render.pinning import config_of
 from worker.render.prompts import LongPrompts, quiet_truncation
@@ -367,7 +368,7 @@ class Renderer:
         out_of_memory = ""
         try:
             failpoints.reach("render")
-            with torch.inference_mode():
+            with torch.inference_mode(), attention_kernels(getattr(self.loaded, "attention", "auto")):
                 output = self.loaded.pipe(
                     **self.family.prune(
                         {

@@ -79,6 +79,7 @@ from renderfleet.stages import (
 from worker.render import outputs
 from worker.render.deviceerrors import call_failure, first_line, is_device_error
 from worker.render.models import LoadedModel, load_pipeline, model_refusal, set_vae_memory_modes, vae_memory_modes
+from worker.render.models.cuda import attention_kernels
 from worker.render.models.families import FAMILIES, PipelineFamily
 from worker.render.models.families.generic import Generic
 from worker.render.pipeline import SchedulerCache, release_cached_memory
@@ -141,6 +142,7 @@ class StageRenderer:
         # How its batch size is remembered (worker/render/batchsize.py): the weights' kind, as generate's record says it.
         self.compiled = False
         self.quantize = "none"
+        self.attention = "auto"  # which attention kernel its calls try first: generate's, for a refine sharing its model
 
         # 1. A Lanczos resize needs nothing.
         if stage.kind == UPSCALE and not stage.model:
@@ -170,7 +172,7 @@ class StageRenderer:
         self.family = image_family(self.pipe)
         self._schedulers = SchedulerCache(self.pipe, self.family)
         self._loras = loras
-        self.compiled, self.quantize = bool(base.compiled), str(base.quantize)
+        self.compiled, self.quantize, self.attention = bool(base.compiled), str(base.quantize), str(base.attention)
 
     def _load_own(self, device: str, cache_dir: Path, fetch: Fetch | None, allowed: Sequence[str] | None) -> None:
         """Any other stage: its own model, if the allow-list lets it (:class:`ModelLoadError` if not), loaded as
@@ -465,7 +467,7 @@ class StageRenderer:
 
         out_of_memory = ""
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), attention_kernels(self.attention):
                 made = self.pipe(**kwargs)
         except Exception as exc:
             if (failure := call_failure(exc, f"{self}: ")) is not None:

@@ -36,6 +36,40 @@ def check_compile(compile: bool, device: str) -> None:
         )
 
 
+def check_attention(attention: str, device: str) -> None:
+    """Refuse an attention preference off CUDA (its kernels are CUDA's), saying why."""
+    if attention != "auto" and not device.startswith("cuda"):
+        raise ConfigError(
+            f"RENDERFLEET_ATTENTION={attention} (--attention) picks among CUDA's attention kernels; "
+            f"this worker renders on {device!r}: leave it auto"
+        )
+
+
+# Each preference's kernels, first to last: the one asked for first, then torch's own order of the rest.
+_ORDER = {
+    "flash": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"),
+    "cudnn": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+    "efficient": ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH"),
+}
+
+
+def attention_kernels(attention: str) -> Any:
+    """A context in which SDPA tries the kernels of the preference ``attention`` in its order (torch's
+    ``sdpa_kernel`` with ``set_priority``: public, and undone at exit); a null context for "auto"."""
+    import contextlib
+
+    if attention == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in _ORDER[attention]], set_priority=True)
+
+
+def attention_order(attention: str) -> str:
+    """The kernels of a preference as the render configuration names them: ``cudnn>flash>efficient>math``."""
+    return ">".join(name.removesuffix("_ATTENTION").lower() for name in _ORDER[attention])
+
+
 def denoiser(pipe: Any) -> tuple[str, Any]:
     """The pipeline's denoiser as (component name, module): its ``unet`` (SD 1.x/2.x,
     SDXL: a convolutional UNet), or else its ``transformer`` (SD3.x's SD3Transformer2DModel,

@@ -17,7 +17,7 @@ from renderfleet.digests import folder_digest
 from renderfleet.errors import ModelLoadError
 from renderfleet.spec import BENCH_PREFIX
 from renderfleet.stages import STAGE_TINY_MODELS
-from worker.render.models.cuda import check_compile, prepare_for_cuda, quiet_empty_float32_warning
+from worker.render.models.cuda import check_attention, check_compile, prepare_for_cuda, quiet_empty_float32_warning
 from worker.render.models.fetch import Fetch, fetch_cached, read_marker
 from worker.render.models.memory import check_fit, check_offload, place
 from worker.render.models.quantize import check_quantize, quantize_pipeline
@@ -49,6 +49,7 @@ class LoadedModel:
     digest: str = ""  # a folder's or s3:// model's content (renderfleet/digests.py); '' for tiny and hub ids
     offload: str = "none"  # where its weights wait between calls (worker/render/models/memory.py)
     quantize: str = "none"  # its denoiser's and T5's weights in 8 bits (worker/render/models/quantize.py)
+    attention: str = "auto"  # which attention kernel its calls try first (worker/render/models/cuda.py)
 
 
 def model_label(model: str, revision: str = "", variant: str = "") -> str:
@@ -114,6 +115,7 @@ def load_pipeline(
     offload: str = "none",
     quantize: str = "none",
     task: str = "text-to-image",
+    attention: str = "auto",
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
@@ -123,7 +125,8 @@ def load_pipeline(
     is copied (:class:`CardTooSmall`, with the numbers); ``offload`` ``model``
     (CUDA only) keeps each component in host memory until it runs
     (``worker/render/models/memory.py``); ``quantize`` ``int8`` or ``fp8`` stores the denoiser's and T5's
-    weights in 8 bits (``worker/render/models/quantize.py``).
+    weights in 8 bits (``worker/render/models/quantize.py``); ``attention`` (CUDA only, but "auto") is which
+    attention kernel its calls try first (``worker/render/models/cuda.py``: :func:`attention_kernels`).
     Raises :class:`ModelLoadError` when the model cannot be found: an unknown
     hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
     Each call loads afresh; the caller keeps the result and counts loads.
@@ -137,6 +140,7 @@ def load_pipeline(
     started = time.perf_counter()
     device = device or default_device()
     dtype = _ready_for(device, compile=compile, offload=offload, quantize=quantize)
+    check_attention(attention, device)
 
     # 1. Build or read the pipeline, on the CPU.
     pipe, digest = _read_pipeline(
@@ -158,6 +162,7 @@ def load_pipeline(
         digest=digest,
         offload=offload,
         quantize=quantize,
+        attention=attention,
     )
 
 
