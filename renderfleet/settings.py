@@ -472,20 +472,17 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("quantize")
+    @field_validator("quantize", "attention")
     @classmethod
-    def _check_quantize(cls, value: str) -> str:
+    def _check_render_lever(cls, value: str, info: ValidationInfo) -> str:
+        """A lever of the render configuration (renderfleet/renderconfig.py), one of its table's names."""
         value = value.strip().lower()
-        if why := renderconfig.quantize_problem(value):
-            raise ValueError(f"{why} (the denoiser's and T5's linear layers in 8 bits)")
-        return value
-
-    @field_validator("attention")
-    @classmethod
-    def _check_attention(cls, value: str) -> str:
-        value = value.strip().lower()
-        if why := renderconfig.attention_problem(value):
-            raise ValueError(f"{why} (which of torch's attention kernels a CUDA worker tries first)")
+        problem, what = {
+            "quantize": (renderconfig.quantize_problem, "the denoiser's and T5's linear layers in 8 bits"),
+            "attention": (renderconfig.attention_problem, "which of torch's attention kernels a CUDA worker tries first"),
+        }[str(info.field_name)]
+        if why := problem(value):
+            raise ValueError(f"{why} ({what})")
         return value
 
     @field_validator("s3_addressing")
