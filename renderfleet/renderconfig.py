@@ -87,7 +87,7 @@ class RenderConfig:
     arch: str  # the card's architecture ("sm_90") or the CPU's ("x86_64")
     dtype: str  # the weights' and activations' precision ("float32", "bfloat16", "float16")
     quantize: str  # the denoiser's recipe (a key of QUANTIZE)
-    compile: str  # "none" or "regional" (the denoiser's repeated blocks)
+    compile: str  # "none", "regional" (the denoiser's repeated blocks) or "whole" (all of it and the VAE's decoder)
     attention: str  # the attention backend ("sdpa")
     threads: int  # torch's CPU threads (0 on an accelerator: its kernels do not depend on them)
     batch_invariant: bool  # one pipeline call per prompt: bytes independent of the batch

@@ -282,6 +282,9 @@ class Settings(BaseSettings):
     batch_knee: float = Field(default=0.05, ge=0, lt=1)
     # Compile the denoiser's repeated blocks (the UNet's or transformer's; CUDA only).
     compile: bool = False
+    # What --compile compiles: "regional" (the denoiser's repeated blocks: seconds cold) or "whole" (the
+    # whole denoiser, convolutions too, and the VAE's decoder: minutes cold, shared through the compile cache).
+    compile_mode: Literal["regional", "whole"] = "regional"
     # Where a CUDA worker's weights wait between calls: "none" (all on the card) or "model" (each
     # component in host memory until it runs: diffusers' enable_model_cpu_offload, needs accelerate),
     # for a model bigger than the card (worker/render/models/memory.py).  The images' bytes are the same.

@@ -88,6 +88,7 @@ def load_renderer(
         offload=settings.offload,
         quantize=settings.quantize,
         attention=settings.attention,
+        compile_mode=settings.compile_mode,
     )
     cache = _compile_cache(model, settings, loaded) if loaded.compiled else None
     loras = LoraCache(loaded.pipe, fetch=_lora_fetcher(settings), allowed=settings.allowed_model_list)
@@ -146,6 +147,8 @@ def _compile_cache(model: str, settings: Settings, loaded: Any) -> Any:
     kind = type(denoiser(loaded.pipe)[1]).__name__
     if loaded.quantize != "none":
         kind += f"+{loaded.quantize}"
+    if loaded.compile_mode != "regional":
+        kind += f"+{loaded.compile_mode}"  # a whole model's kernels are not its blocks
     return open_compile_cache(settings, model=model, card=card_name(str(loaded.device)), denoiser=kind)
 
 

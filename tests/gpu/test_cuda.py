@@ -490,3 +490,17 @@ def test_an_attention_preference_renders_deterministically_and_is_in_the_render_
     first = renderer.render(prompts)  # type: ignore[arg-type]
     assert renderer.render(prompts) == first  # type: ignore[arg-type]
     assert renderer.config is not None and renderer.config.attention.startswith(f"sdpa:{attention}>")
+
+
+def test_the_whole_denoiser_and_decoder_compiled_render_deterministically_and_say_so(tmp_path: Path) -> None:
+    """``RENDERFLEET_COMPILE_MODE=whole`` (issue 48, item 2) on the card with inductor: the same bytes twice,
+    and the render configuration names the mode (its images are not the regional compile's)."""
+    from worker.render.pipeline import Renderer
+
+    prompts = family_prompts(7.5)
+    loaded = load_family("tiny", tmp_path, compile=True, compile_mode="whole")
+    renderer = Renderer(loaded)
+    first = renderer.render(prompts)  # type: ignore[arg-type]
+    assert renderer.render(prompts) == first  # type: ignore[arg-type]
+    assert renderer.config is not None and renderer.config.compile == "whole"
+    assert loaded.pipe.unet._compiled_call_impl is not None and loaded.pipe.vae.decoder._compiled_call_impl is not None  # type: ignore[attr-defined]

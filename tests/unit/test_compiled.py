@@ -28,6 +28,7 @@ from worker.render.compiled import (  # noqa: E402
     CompileCache,
     cache_key,
     compile_config,
+    compile_decoder,
     compile_denoiser,
     read_fleet_key,
     sign,
@@ -51,12 +52,8 @@ def compiled_blocks(pipe: object) -> list[str]:
     )
 
 
-def test_the_unets_repeated_blocks_are_compiled_and_render_what_eager_renders() -> None:
-    prompts = [Prompt(i, f"{i:06d}", f"p{i}", "", 100 + i, 2, 7.5, 32, 32) for i in range(2)]
-    plain = Renderer(loaded(build_tiny_pipeline())).render(prompts)
-    pipe = build_tiny_pipeline()
-    assert compile_denoiser(pipe.unet, backend="eager") == "regional"  # diffusers' compile_repeated_blocks
-    assert compiled_blocks(pipe) == ["BasicTransformerBlock"]
+def assert_renders_as(plain: list[bytes], pipe: object, prompts: list[Prompt]) -> None:
+    """``pipe``, traced, renders ``prompts`` as ``plain`` (eager's images) within 2 levels a pixel."""
     torch._dynamo.reset()
     try:
         traced = Renderer(loaded(pipe)).render(prompts)
@@ -65,6 +62,28 @@ def test_the_unets_repeated_blocks_are_compiled_and_render_what_eager_renders() 
     for a, b in zip(plain, traced, strict=True):
         pa, pb = (np.asarray(Image.open(io.BytesIO(x)), dtype=np.int16) for x in (a, b))
         assert np.abs(pa - pb).max() <= 2
+
+
+def test_the_unets_repeated_blocks_are_compiled_and_render_what_eager_renders() -> None:
+    prompts = [Prompt(i, f"{i:06d}", f"p{i}", "", 100 + i, 2, 7.5, 32, 32) for i in range(2)]
+    plain = Renderer(loaded(build_tiny_pipeline())).render(prompts)
+    pipe = build_tiny_pipeline()
+    assert compile_denoiser(pipe.unet, backend="eager") == "regional"  # diffusers' compile_repeated_blocks
+    assert compiled_blocks(pipe) == ["BasicTransformerBlock"]
+    assert_renders_as(plain, pipe, prompts)
+
+
+def test_the_whole_denoiser_and_the_vaes_decoder_compile_and_render_what_eager_renders() -> None:
+    """``RENDERFLEET_COMPILE_MODE=whole`` (issue 48, item 2): one graph for the UNet (its convolutions too) and
+    one for the VAE's decoder, traced here with the eager backend (inductor is a card's: tests/gpu)."""
+    prompts = [Prompt(i, f"{i:06d}", f"p{i}", "", 100 + i, 2, 7.5, 32, 32) for i in range(2)]
+    plain = Renderer(loaded(build_tiny_pipeline())).render(prompts)
+    pipe = build_tiny_pipeline()
+    assert compile_denoiser(pipe.unet, whole=True, backend="eager") == "whole"
+    assert compile_decoder(pipe.vae, backend="eager") == "vae-decoder"
+    assert pipe.unet._compiled_call_impl is not None and pipe.vae.decoder._compiled_call_impl is not None
+    assert compiled_blocks(pipe) == ["UNet2DConditionModel"]  # the model, not its blocks one by one
+    assert_renders_as(plain, pipe, prompts)
 
 
 def test_without_compile_repeated_blocks_the_same_blocks_are_compiled_one_by_one() -> None:

@@ -34,6 +34,12 @@ Saves stay off the render path: the render thread only takes the bytes (after
 a call that compiled something: cheap, and safe from a compile racing it), and
 one short-lived background thread signs and uploads them.
 
+``RENDERFLEET_COMPILE_MODE=whole`` compiles the whole denoiser instead (a UNet's convolutions and
+resnets too, the whole DiT: one graph, no break between blocks) and the VAE's decoder: a cold compile
+of minutes, paid once per fleet through the cache above, for what the blocks alone leave (to be
+measured on a card: ``make gpu-check``).  Its kernels are its own: the mode is in the render
+configuration and in the cache's key.
+
 CUDA only (``worker.render.models.check_compile``).  Nothing here runs at import.
 """
 
@@ -82,9 +88,13 @@ KEY_SETTING = "RENDERFLEET_COMPILE_CACHE_KEY_FILE"
 INDUCTOR_OPTIONS = {"deterministic": True}
 
 
-def compile_denoiser(model: Any, **options: Any) -> str:
+COMPILE_MODES = ("regional", "whole")  # RENDERFLEET_COMPILE_MODE: the repeated blocks, or the whole denoiser and decoder
+
+
+def compile_denoiser(model: Any, *, whole: bool = False, **options: Any) -> str:
     """Compile the repeated blocks of ``model``, a pipeline's denoiser (``worker.render.models.denoiser``:
-    its UNet or transformer), in place; returns how ("regional" or "blocks").
+    its UNet or transformer), in place, or with ``whole`` the whole of it; returns how ("regional",
+    "blocks" or "whole").
 
     ``options`` go to ``torch.compile`` (``backend="eager"`` in tests on a CPU).
     Lazy: the compile happens at the first call, per input shape.  Inductor's
@@ -105,9 +115,10 @@ def compile_denoiser(model: Any, **options: Any) -> str:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
     if hasattr(torch._inductor.config, "deterministic"):
         torch._inductor.config.deterministic = True
-    options = {"fullgraph": True, **options}
-    if options.get("backend", "inductor") == "inductor":  # other backends take no inductor options
-        options["options"] = {**INDUCTOR_OPTIONS, **options.get("options", {})}
+    options = compile_options(**options)
+    if whole:
+        model.compile(**options)
+        return "whole"
     if hasattr(model, "compile_repeated_blocks") and getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(**options)
         return "regional"
@@ -117,6 +128,21 @@ def compile_denoiser(model: Any, **options: Any) -> str:
     for block in blocks:
         block.compile(**options)
     return "blocks"
+
+
+def compile_options(**options: Any) -> dict[str, Any]:
+    """``torch.compile``'s options for every compile of ours: one graph (``fullgraph``), and inductor's
+    deterministic mode (:data:`INDUCTOR_OPTIONS`) where inductor is the backend; ``options`` over them."""
+    options = {"fullgraph": True, **options}
+    if options.get("backend", "inductor") == "inductor":  # other backends take no inductor options
+        options["options"] = {**INDUCTOR_OPTIONS, **options.get("options", {})}
+    return options
+
+
+def compile_decoder(vae: Any, **options: Any) -> str:
+    """Compile a VAE's decoder network in place (``RENDERFLEET_COMPILE_MODE=whole``), as the denoiser is."""
+    vae.decoder.compile(**compile_options(**options))
+    return "vae-decoder"
 
 
 def compile_config() -> str:

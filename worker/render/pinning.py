@@ -47,7 +47,7 @@ def config_of(renderer: Any) -> RenderConfig:
         arch=_arch(device),
         dtype=str(loaded.dtype).removeprefix("torch."),
         quantize=loaded.quantize,
-        compile="regional" if loaded.compiled else "none",
+        compile=str(getattr(loaded, "compile_mode", "regional")) if loaded.compiled else "none",
         attention=_attention(device, getattr(loaded, "attention", "auto")),
         threads=torch.get_num_threads() if device.type == "cpu" else 0,
         batch_invariant=bool(renderer.batch_invariant),

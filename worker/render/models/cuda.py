@@ -111,15 +111,16 @@ def _config_value(config: Any, name: str) -> Any:
     return getattr(config, name, None)
 
 
-def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) -> list[str]:
+def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False, compile_mode: str = "regional") -> list[str]:
     """Make a pipeline fast on CUDA; returns what was done (for logs and tests).
 
     TF32 for the float32 matmuls left (the text encoders' projections, a
     float32 VAE), SDPA attention, channels_last for a UNet's and the VAE's
     convolutions (a transformer's linear layers have no use for it), a float32
     VAE where fp16 would overflow, and the denoiser's repeated blocks compiled
-    when asked.  Process-wide switches (TF32) are set here, when a CUDA model
-    is loaded, never at import.
+    when asked (with ``compile_mode`` "whole", the whole denoiser and the VAE's
+    decoder).  Process-wide switches (TF32) are set here, when a CUDA model is
+    loaded, never at import.
     """
     import torch
 
@@ -141,9 +142,12 @@ def prepare_for_cuda(pipe: Any, dtype: torch.dtype, *, compile: bool = False) ->
         _decode_in_float32(vae)
         done.append("vae:float32")
     if compile:
-        from worker.render.compiled import compile_denoiser
+        from worker.render.compiled import compile_decoder, compile_denoiser
 
-        done.append(f"compile:{compile_denoiser(module)}")
+        whole = compile_mode == "whole"
+        done.append(f"compile:{compile_denoiser(module, whole=whole)}")
+        if whole and vae is not None and hasattr(vae, "decoder"):
+            done.append(f"compile:{compile_decoder(vae)}")
     return done
 
 

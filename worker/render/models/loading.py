@@ -44,6 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     compiled: bool = False  # the denoiser's repeated blocks go through torch.compile
+    compile_mode: str = "regional"  # when compiled: its repeated blocks, or "whole" (and the VAE's decoder)
     revision: str = ""  # the hub revision it was loaded at ('': the default branch)
     variant: str = ""  # the weights variant ('': the plain files)
     digest: str = ""  # a folder's or s3:// model's content (renderfleet/digests.py); '' for tiny and hub ids
@@ -116,11 +117,13 @@ def load_pipeline(
     quantize: str = "none",
     task: str = "text-to-image",
     attention: str = "auto",
+    compile_mode: str = "regional",
 ) -> LoadedModel:
     """Load ``model`` onto ``device`` (default: :func:`default_device`).
 
     ``compile`` (CUDA only: :class:`ConfigError` elsewhere) compiles the
-    denoiser's repeated blocks; the compile itself happens at the first render.
+    denoiser's repeated blocks (``compile_mode`` "whole": all of it, and the VAE's decoder); the compile
+    itself happens at the first render.
     On CUDA the weights are checked against the card's free memory before any
     is copied (:class:`CardTooSmall`, with the numbers); ``offload`` ``model``
     (CUDA only) keeps each component in host memory until it runs
@@ -149,7 +152,7 @@ def load_pipeline(
     # 2. Quantized where asked, on the CPU: the fit check below counts the 8-bit bytes.
     quantize_pipeline(pipe, quantize)
     # 3. Prepared for serving, on the device.
-    pipe = _serve(pipe, model, device, dtype, compile=compile, offload=offload)
+    pipe = _serve(pipe, model, device, dtype, compile=(compile_mode if compile else ""), offload=offload)
     return LoadedModel(
         pipe=pipe,
         model=model,
@@ -157,6 +160,7 @@ def load_pipeline(
         dtype=dtype,
         load_seconds=time.perf_counter() - started,
         compiled=compile,
+        compile_mode=compile_mode,
         revision=revision,
         variant=variant,
         digest=digest,
@@ -222,13 +226,13 @@ def _read_pipeline(
     return pipe, digest
 
 
-def _serve(pipe: Any, model: str, device: str, dtype: torch.dtype, *, compile: bool, offload: str) -> Any:
-    """Prepare the pipeline for serving: quiet, on the device; on CUDA made fast, and refused before any
-    copy if the card cannot hold it (the CPU path as it was)."""
+def _serve(pipe: Any, model: str, device: str, dtype: torch.dtype, *, compile: str, offload: str) -> Any:
+    """Prepare the pipeline for serving: quiet, on the device; on CUDA made fast (``compile``: its mode, '' for
+    none), and refused before any copy if the card cannot hold it (the CPU path as it was)."""
     pipe.set_progress_bar_config(disable=True)
     if not device.startswith("cuda"):
         return pipe.to(device)
-    prepare_for_cuda(pipe, dtype, compile=compile)
+    prepare_for_cuda(pipe, dtype, compile=bool(compile), compile_mode=compile or "regional")
     fit = check_fit(pipe, device, dtype, offload=offload, model=model)
     log.info(
         "model %s: %.1f GB of weights in %s, %.1f GB free on %s%s",
