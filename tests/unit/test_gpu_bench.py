@@ -67,7 +67,7 @@ def test_the_peak_is_the_cards_bf16_dense_figure_by_name() -> None:
 # ---- the dry run: every step a CPU can take, and the rest named ------------------------------------------------------
 
 BENCH_GPU_ONLY = {"native dtype", "triton kernels", "synchronised timing", "peak memory", "mfu"}
-CHECK_GPU_ONLY = {"card", "gpu tests", "results"}
+CHECK_GPU_ONLY = {"card", "flux fp8", "cuda events", "gpu tests", "results"}
 
 
 def test_the_dry_runs_step_list_names_every_gpu_only_step() -> None:
@@ -166,6 +166,30 @@ def fake_bench(cuda: bool) -> dict[str, Any]:
     }
 
 
+def fake_flux() -> dict[str, Any]:
+    row = {"config": "flux1-dev bf16", "mode": "compile", "batch": 1, "steps": 28, "images_per_second": 0.26}
+    row.update(denoise_seconds=3.6, decode_seconds=0.25, encode_seconds=0.12, first_call_seconds=40.0, timed_calls=1)
+    row.update(peak_memory_gb=27.0, mfu=0.55, note="19 + 38 double- + single-stream blocks (full depth)")
+    failed = {"config": "flux1-dev fp8-dynamic", "mode": "compile", "batch": 1, "steps": 28, "note": "failed: X"}
+    return {"size": "1024x1024", "depth": "19 + 38", "tflop_per_step_image": 74.4, "rows": [row, failed]}
+
+
+def fake_worker() -> dict[str, Any]:
+    return {
+        "model": "sd15-worker",
+        "size": "512x512",
+        "steps": 25,
+        "batch": 16,
+        "prompts": 64,
+        "runs": 2,
+        "mode": "eager",
+        "dtype": "bfloat16",
+        "worker_images_per_second": 5.0,
+        "pipeline_images_per_second": 5.2,
+        "ratio": 5.0 / 5.2,
+    }
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_gpu_check_writes_results_from_a_card_only_mocked_device(
     cuda: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -198,10 +222,23 @@ def test_gpu_check_writes_results_from_a_card_only_mocked_device(
         "run_bench",
         lambda out, env, **kw: asked.append(kw["tiny"]) or extras.append(kw["extra"]) or fake_bench(cuda),
     )
+    children: list[tuple[str, list[str]]] = []
+
+    def run_child(module: str, report_file: Path, args: list[str], env: dict[str, str], timeout: float) -> Any:
+        children.append((module, args))
+        return fake_flux() if module == "bench.gpu_flux" else fake_worker()
+
+    monkeypatch.setattr(gpu_check, "run_child", run_child)
     assert gpu_check.main(["--out", str(tmp_path / "out"), "--results", str(results)]) == 0
     printed = capsys.readouterr().out
     assert asked == [not cuda]  # --tiny without a card
-    assert extras == [[] if cuda else ["--stages"]]  # the dry run takes the stage case too (toy sizes: seconds)
+    # on a card SDXL first; the dry run takes the stage case too (toy sizes: seconds)
+    assert extras == [["--models", "sdxl,sd15"] if cuda else ["--stages", "--batches", "1"]]
+    # FLUX.1 at full depth first, then the worker path, each at toy sizes without a card
+    assert [(module, "--tiny" in args) for module, args in children] == [
+        ("bench.gpu_flux", not cuda),
+        ("bench.gpu_worker", not cuda),
+    ]
     if not cuda:
         assert "the last card's figures" in results.read_text()  # a dry run writes nothing
         for name in BENCH_GPU_ONLY | CHECK_GPU_ONLY:
@@ -212,6 +249,15 @@ def test_gpu_check_writes_results_from_a_card_only_mocked_device(
         assert "| GPU test tier (tests/gpu) | 8 passed, 0 failures, 0 errors, 0 skipped in 61 s (exit 0) |" in text
         assert "20.50 (compile, batch 32, MFU 88%; peak 30.2 GB)" in text and "| out of memory |" in text
         assert "On NVIDIA H200" in text and "skipped on CPU" not in printed
+        assert "| flux1-dev bf16 1024x1024, 28 steps, full depth, batch 1: images/s | 0.260 images/s (compile; an " in text
+        assert "denoise 3.600 s, decode 0.250 s, encode 0.120 s apart" in text and "| >= 0.25 |" in text
+        assert "| - (compile: failed: X) | >= 0.37 |" in text  # a failure is a row too
+        assert (
+            "| 0.962 (worker 5.000 / pipeline 5.200 images/s, bfloat16, median of 2 turn(s) of 64 prompts;" in text
+            and "| >= 0.95 (within 5 %) |" in text
+        )
+        assert "| flux1-dev bf16 | compile | 1 | 28 | 0.260 | 3.600 | 0.250 | 0.120 | 40.0 | 27.0 | 55% |" in text
+        assert "ran: flux full depth" in printed and "ran: cuda events" in printed and "ran: worker path" in printed
 
 
 # ---- SD3.5-medium- and FLUX.1-shaped: published widths, fewer blocks, honest about it -----------------------------
@@ -356,3 +402,53 @@ def test_a_cards_section_holds_the_stage_case_step_by_step() -> None:
     assert "A final image: 3.200 s, bounded by refine-2, 4.00x the time of generate alone." in text
     assert "| sd15-stages | refine-2 | m | 2048x2048 -> 2048x2048 | 2.100 | 66% | 21.5 |  |" in text
     assert "Stages" not in results_body(fake_bench(True), {"exit": 0}, "NVIDIA H200", 200.0)
+
+
+# ---- FLUX.1 at full depth, and the worker path (make gpu-check's first steps) -----------------------------------------
+
+
+def test_flux_at_full_depth_is_19_plus_38_blocks_dev_28_steps_and_schnell_4_without_guidance_embeds() -> None:
+    import torch
+
+    from bench.gpu_archs import _denoiser_on_meta
+    from bench.gpu_flux import CONFIGS, flux_arch
+
+    dev, schnell = flux_arch("dev", tiny_sizes=False), flux_arch("schnell", tiny_sizes=False)
+    for arch in (dev, schnell):
+        t = arch.transformer
+        assert (t["num_layers"], t["num_single_layers"], arch.width, arch.height) == (19, 38, 1024, 1024)
+        assert not arch.full_depth  # built as published: no FLOPs scaling
+    assert (dev.steps, dev.transformer["guidance_embeds"]) == (28, True)
+    assert (schnell.steps, schnell.transformer["guidance_embeds"]) == (4, False)
+    with torch.device("meta"):
+        model, _ = _denoiser_on_meta(dev, 128, 128)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(11.9e9, rel=0.01)  # about 24 GB in bf16
+    # most important first: dev's bf16 and fp8 (the goals), then schnell's
+    assert [c.name for c in CONFIGS] == [
+        "flux1-dev bf16",
+        "flux1-dev fp8-dynamic",
+        "flux1-schnell bf16",
+        "flux1-schnell fp8-dynamic",
+    ]
+    small = flux_arch("schnell", tiny_sizes=True)
+    assert (small.transformer["num_layers"], small.width, small.transformer["guidance_embeds"]) == (2, 64, False)
+
+
+def test_on_a_card_a_flux_configuration_that_would_end_past_the_budget_is_skipped_and_says_so() -> None:
+    from bench.gpu_flux import run_flux
+
+    said: list[str] = []
+    rows, info = run_flux(
+        tiny_sizes=True, device="cuda:0", budget=5.0, runs=None, peak=None, compile_backend="inductor", log=said.append
+    )
+    assert [r.note.split(" (")[0] for r in rows] == ["skipped: time budget"] * 4
+    assert all(r.images_per_second is None for r in rows) and info["tflop_per_step_image"] > 0
+
+
+def test_the_worker_path_is_sd15_at_512_batch_16_against_the_pipeline_and_tiny_off_a_card() -> None:
+    from bench.gpu_worker import case
+
+    arch, batch, prompts = case(tiny_sizes=False)
+    assert (arch.width, arch.steps, arch.guidance, batch, prompts) == (512, 25, 7.5, 16, 64)
+    small, batch, prompts = case(tiny_sizes=True)
+    assert small.width == 64 and prompts % batch == 0
