@@ -16,6 +16,9 @@ see ``worker.render.pipeline.Renderer``), so a redelivered batch renders the sam
 only if it is cut into the same calls.  That is why the size is *remembered in
 the store*, per (card, model, resolution), and read by every worker of that
 kind before it renders: the same hardware cuts the same batch the same way.
+Each quantization recipe (``--quantize``) has records of its own (:class:`Key`: its memory and speed
+are its own, and a fleet may run plain and quantized workers of one card side by side, each job
+pinned to one: ``renderfleet/renderconfig.py``); a plain record's key is as it always was.
 The record also says whether the denoiser was compiled (``--compile``): compiled
 kernels round differently from eager ones, so a worker of the other kind
 refuses to render there (:class:`~renderfleet.errors.MixedFleet`) rather than
