@@ -121,11 +121,13 @@ bench: install
 	# issue 27: 1,000 to 50,000 simulated workers on one Redis (the old protocol beside, up to 5,000)
 	$(BIN)/python -m bench.redis_scale --sizes 1000,5000,20000,50000 --leases 6,12 --seconds 60 --before
 
-# The one short run a lent GPU allows, under 9 minutes on one H200 (estimated: not yet run whole on a card), most
-# important first: FLUX.1-dev and -schnell at full depth in bf16 and fp8-dynamic, each phase timed apart
-# (bench/gpu_flux.py), one real worker against the pipeline figure (bench/gpu_worker.py), the GPU test tier, then
-# bench/gpu.sh (SDXL, SD 1.5) in the time left; the figures into bench/RESULTS.md (section gpu). Without CUDA, a
-# dry run at toy sizes (about 4-5 minutes on 2 busy cores) that writes nothing and names each step only a card can run. No `install` here: a GPU node has no PyPI; it uses .venv where there
+# The one short run a lent GPU allows, under 9 minutes on one H200 (estimated: not yet run whole on a card), in
+# issue 48's order of importance, each step in what the limit leaves: SDXL 1024x1024 compiled (bench/gpu.sh),
+# FLUX.1-dev and -schnell at full depth in bf16 and fp8-dynamic, each phase timed apart (bench/gpu_flux.py),
+# SD 1.5 compiled, one real worker against the pipeline figure (bench/gpu_worker.py), the GPU test tier; a step
+# that does not fit is skipped, saying so; the figures into bench/RESULTS.md (section gpu). Without CUDA, a dry
+# run at toy sizes in the same order (about 4 minutes on 2 busy cores) that writes nothing and names each step
+# only a card can run. No `install` here: a GPU node has no PyPI; it uses .venv where there
 # is one, else python3 (bench/gpu_check.sh says in one line which packages are missing).
 gpu-check:
 	bench/gpu_check.sh

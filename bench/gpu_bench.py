@@ -20,7 +20,11 @@ the worker's own :class:`~worker.render.pipeline.Renderer`:
   device), and each row an estimate of the full depth's images per second
   scaled by FLOPs;
 * eager, then with ``--compile`` (the denoiser's repeated blocks; the first
-  call at a batch size pays its compile, reported apart);
+  call at a batch size pays its compile, reported apart); with
+  ``--compile-first`` the compiled pass first, then eager on the same model
+  (``torch.compiler.set_stance("force_eager")``: its compiled code bypassed,
+  no second build) where the budget leaves time: ``make gpu-check``'s order,
+  the compiled figure the one owed and the eager one its ratio;
 * images per second of the pipeline (denoise and decode, the images left as
   tensors on the card: PNG encoding and upload run beside the renders in the
   fleet), peak memory, and model FLOPs utilisation against the card's bf16
@@ -59,6 +63,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -112,6 +117,8 @@ PEAK_BF16 = {
 DEFAULT_BUDGET_SECONDS = 420.0
 # Time kept back for a compile mode to start on a card: regional compilation of SDXL's blocks takes a minute or two.
 COMPILE_RESERVE_SECONDS = 150.0
+# SD 1.5's: its first compiled call at batch 1, compile included, took 11.9 s on the last H200 run (bench/RESULTS.md).
+SD15_COMPILE_RESERVE_SECONDS = 40.0
 # The same for the transformer families at the benchmark's depth: two or three kinds of block, each compiled
 # at batch 1 and again (dynamic) at batch 4.
 FAMILY_COMPILE_RESERVE_SECONDS = 45.0
@@ -369,13 +376,19 @@ def run_arch(
     rows: list[Row] = []
     last_per_image: float | None = None
     for mode in modes:
+        # Eager after the compiled pass (--compile-first): the same model with its compiled code bypassed, so the
+        # ratio costs no second build; each batch still only where its estimate fits the deadline.
+        stance = torch.compiler.set_stance("force_eager") if mode == "eager" and "compile" in info else nullcontext()
         if mode == "compile":
-            reserve = COMPILE_RESERVE_SECONDS if arch.family == "sd" else FAMILY_COMPILE_RESERVE_SECONDS
+            reserve = FAMILY_COMPILE_RESERVE_SECONDS
+            if arch.family == "sd":
+                reserve = COMPILE_RESERVE_SECONDS if arch.xl else SD15_COMPILE_RESERVE_SECONDS
             if cuda and time.monotonic() + reserve > deadline:
                 rows.append(Row(arch.name, mode, 0, note="skipped: time budget (no time left to compile)"))
                 continue
             model = denoiser(loaded.pipe)[1]
-            info["compile"] = compile_denoiser(model, **({} if cuda else {"backend": compile_backend}))
+            options: dict[str, Any] = {} if cuda else {"backend": compile_backend}  # torch.compile's, not ours
+            info["compile"] = compile_denoiser(model, **options)
             steps.done("compile")
         for batch in arch.batches:
             estimate = (last_per_image or 0.0) * batch * (runs + 1)
@@ -383,7 +396,8 @@ def run_arch(
                 rows.append(Row(arch.name, mode, batch, note="skipped: time budget"))
                 continue
             try:
-                first, times, peak_gb = measure(renderer, arch, batch, runs, cuda, steps)
+                with stance:
+                    first, times, peak_gb = measure(renderer, arch, batch, runs, cuda, steps)
             except OutOfMemory:
                 rows.append(Row(arch.name, mode, batch, note="out of memory"))
                 break
@@ -391,6 +405,8 @@ def run_arch(
             last_per_image = seconds / batch
             ips = batch / seconds
             note = f"depth {depth(arch)}: full depth ~{ips / full_ratio:.2f} img/s by FLOPs" if arch.full_depth else ""
+            if mode == "eager" and "compile" in info:
+                note = ", ".join(filter(None, [note, "after the compiled pass, its compiled code bypassed (force_eager)"]))
             row = Row(arch.name, mode, batch, ips, seconds, first, peak_gb, ips * per_image / peak if peak else None, note)
             rows.append(row)
             steps.done("compiled renders" if mode == "compile" else "eager renders")
@@ -447,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
         "(bench/gpu_stages.py), in the time the models leave",
     )
     parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument(
+        "--compile-first",
+        action="store_true",
+        help="the compiled pass first, then eager on the same model in what the budget leaves (make gpu-check: "
+        "the compiled figure is the one owed, the eager one gives the ratio)",
+    )
     parser.add_argument("--runs", type=int, default=2, help="timed calls per batch size (median)")
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
     parser.add_argument("--peak-tflops", type=float, default=None, help="the card's bf16 peak, if not known by name")
@@ -480,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [tiny(a) for a in chosen]
     if args.batches:
         chosen = [replace(a, batches=tuple(int(b) for b in args.batches.split(","))) for a in chosen]
-    modes = ["eager"] if args.no_compile else ["eager", "compile"]
+    modes = ["eager"] if args.no_compile else ["compile", "eager"] if args.compile_first else ["eager", "compile"]
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -187,7 +187,8 @@ def prepare(config: FluxConfig, arch: Arch, device: str, mode: str, compile_back
     loaded = build(arch, device)
     quantize_pipeline(loaded.pipe, recipe)
     if mode == "compile":
-        compile_denoiser(loaded.pipe.transformer, **({} if cuda else {"backend": compile_backend}))
+        options: dict[str, Any] = {} if cuda else {"backend": compile_backend}  # torch.compile's, not ours
+        compile_denoiser(loaded.pipe.transformer, **options)
     return loaded, recipe
 
 

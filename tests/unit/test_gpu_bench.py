@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -107,12 +108,13 @@ def process_wide_switches() -> Any:
 
 def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path, process_wide_switches: None) -> None:
     out = tmp_path / "gpu.json"
-    # SDXL's family: fp16 on the CPU, so its VAE (force_upcast) decodes in float32; dynamo's trace for the compile
+    # SDXL's family: fp16 on the CPU, so its VAE (force_upcast) decodes in float32; dynamo's trace for the compile;
+    # compiled first, then eager on the same model, as make gpu-check asks (--compile-first)
     assert (
         main(
             [
                 *("--tiny", "--models", "sdxl", "--runs", "1", "--batches", "1", "--compile-backend", "eager"),
-                *("--stages", "--out", str(out)),
+                *("--compile-first", "--stages", "--out", str(out)),
             ]
         )
         == 0
@@ -131,9 +133,10 @@ def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path, 
     assert (model["dtype"], model["vae_dtype"]) == ("float16", "float32") and model["compile"] == "regional"
     assert set(model["vae_modes_seconds"]) == {"tiling", "slicing"}
     assert [(r["mode"], r["batch"], r["images_per_second"] is not None) for r in result["rows"]] == [
-        ("eager", 1, True),
         ("compile", 1, True),
+        ("eager", 1, True),
     ]
+    assert "its compiled code bypassed" in result["rows"][1]["note"] and not result["rows"][0]["note"]
     steps = result["steps"]
     assert {line.split(": ")[1].split(" (")[0] for line in steps if line.startswith("skipped on CPU: ")} == BENCH_GPU_ONLY
     # every other step ran, but the compile cache: the eager backend makes no inductor artifacts to share
@@ -142,11 +145,20 @@ def test_a_tiny_dry_run_on_the_cpu_reaches_every_step_a_cpu_can(tmp_path: Path, 
     } - {"compile cache"}
 
 
-def fake_bench(cuda: bool) -> dict[str, Any]:
+def fake_bench(cuda: bool, model: str = "sd15") -> dict[str, Any]:
     steps = Steps()
     for step in STEPS:
         if cuda or not step.gpu_only:
             steps.done(step.name)
+    if model == "sdxl":  # compiled first, then eager at the same batch (--compile-first)
+        row = {"model": "sdxl", "mode": "compile", "batch": 16, "images_per_second": 1.0, "seconds_per_batch": 16.0}
+        row.update(first_call_seconds=110.0, peak_memory_gb=12.0, mfu=0.42, note="")
+        return {
+            "card": "NVIDIA H200",
+            "models": [{"model": "sdxl", "size": "1024x1024", "steps": 30, "guidance": 7.5, "dtype": "bfloat16"}],
+            "rows": [row, {**row, "mode": "eager", "images_per_second": 0.8, "seconds_per_batch": 20.0, "mfu": 0.335}],
+            "steps": steps.report(cuda),
+        }
     row = {
         "model": "sd15",
         "mode": "compile",
@@ -190,6 +202,41 @@ def fake_worker() -> dict[str, Any]:
     }
 
 
+def mock_children(
+    gpu_check: Any, cuda: bool, monkeypatch: pytest.MonkeyPatch, clock: list[float] | None = None
+) -> list[tuple[str, ...]]:
+    """Every child of gpu-check mocked, each call logged in order; with ``clock``, each takes its whole slot (its
+    kill) on that fake clock, as the slowest card would."""
+    calls: list[tuple[str, ...]] = []
+
+    def spend(seconds: float) -> None:
+        if clock is not None:
+            clock[0] += seconds
+
+    def run_tests(out: Path, env: dict[str, str], timeout: float, select: str = "") -> dict[str, Any]:
+        calls.append(("tests", select))
+        spend(timeout)
+        counts = {"tests": 8, "failures": 0, "errors": 0, "skipped": 0 if cuda else 8, "passed": 8 if cuda else 0}
+        return {"exit": 0, "seconds": 61.0, **counts, **({"select": select} if select else {})}
+
+    def run_bench(out: Path, env: dict[str, str], **kw: Any) -> dict[str, Any]:
+        calls.append(("bench", kw["name"], str(kw["tiny"]), " ".join(kw["extra"])))
+        spend(kw["timeout"])
+        return fake_bench(cuda, kw["name"])
+
+    def run_child(module: str, report_file: Path, args: list[str], env: dict[str, str], timeout: float) -> Any:
+        calls.append((module, str("--tiny" in args), " ".join(args)))
+        spend(timeout)
+        return fake_flux() if module == "bench.gpu_flux" else fake_worker()
+
+    monkeypatch.setattr(gpu_check, "run_tests", run_tests)
+    monkeypatch.setattr(gpu_check, "run_bench", run_bench)
+    monkeypatch.setattr(gpu_check, "run_child", run_child)
+    if clock is not None:  # gpu_check's own clock only: the time module itself stays real
+        monkeypatch.setattr(gpu_check, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    return calls
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_gpu_check_writes_results_from_a_card_only_mocked_device(
     cuda: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -200,54 +247,39 @@ def test_gpu_check_writes_results_from_a_card_only_mocked_device(
 
     results = tmp_path / "RESULTS.md"
     results.write_text("# Benchmark results\n\n<!-- bench:gpu -->\nthe last card's figures\n<!-- /bench:gpu -->\n")
-    asked: list[bool] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(
-        gpu_check,
-        "run_tests",
-        lambda out, env, timeout: {
-            "exit": 0,
-            "seconds": 61.0,
-            "tests": 8,
-            "failures": 0,
-            "errors": 0,
-            "skipped": 0 if cuda else 8,
-            "passed": 8 if cuda else 0,
-        },
-    )
-    extras: list[list[str]] = []
-    monkeypatch.setattr(
-        gpu_check,
-        "run_bench",
-        lambda out, env, **kw: asked.append(kw["tiny"]) or extras.append(kw["extra"]) or fake_bench(cuda),
-    )
-    children: list[tuple[str, list[str]]] = []
-
-    def run_child(module: str, report_file: Path, args: list[str], env: dict[str, str], timeout: float) -> Any:
-        children.append((module, args))
-        return fake_flux() if module == "bench.gpu_flux" else fake_worker()
-
-    monkeypatch.setattr(gpu_check, "run_child", run_child)
+    calls = mock_children(gpu_check, cuda, monkeypatch)
     assert gpu_check.main(["--out", str(tmp_path / "out"), "--results", str(results)]) == 0
     printed = capsys.readouterr().out
-    assert asked == [not cuda]  # --tiny without a card
-    # on a card SDXL first; the dry run takes the stage case too (toy sizes: seconds)
-    assert extras == [["--models", "sdxl,sd15"] if cuda else ["--stages", "--batches", "1"]]
-    # FLUX.1 at full depth first, then the worker path, each at toy sizes without a card
-    assert [(module, "--tiny" in args) for module, args in children] == [
-        ("bench.gpu_flux", not cuda),
-        ("bench.gpu_worker", not cuda),
+    # issue 48's order: SDXL compiled, FLUX.1 at full depth, SD 1.5, the worker path, the tier; each benchmark
+    # model compiled first, at one batch on a card (batch 1 at toy sizes), the stage case after SD 1.5 off a card
+    tiny = str(not cuda)
+    sdxl_batch, sd15_batch = ("16", "64") if cuda else ("1", "1")
+    assert [call[:2] for call in calls] == [
+        ("bench", "sdxl"),
+        ("bench.gpu_flux", tiny),
+        ("bench", "sd15"),
+        ("bench.gpu_worker", tiny),
+        ("tests", ""),
     ]
+    assert calls[0][2:] == (tiny, f"--models sdxl --batches {sdxl_batch} --runs 1 --compile-first")
+    stages = "" if cuda else " --stages"
+    assert calls[2][2:] == (tiny, f"--models sd15 --batches {sd15_batch} --runs 1 --compile-first{stages}")
     if not cuda:
         assert "the last card's figures" in results.read_text()  # a dry run writes nothing
         for name in BENCH_GPU_ONLY | CHECK_GPU_ONLY:
             assert f"skipped on CPU: {name} (" in printed
+        assert "skipped: " not in printed.replace("skipped on CPU: ", "")  # a dry run has no time limit
     else:
         text = results.read_text()
         assert "the last card's figures" not in text and "<!-- bench:gpu -->" in text
         assert "| GPU test tier (tests/gpu) | 8 passed, 0 failures, 0 errors, 0 skipped in 61 s (exit 0) |" in text
+        # SDXL's and SD 1.5's reports merged: both models, SDXL first, with the compiled over eager ratio
+        assert text.index("| sdxl 1024x1024") < text.index("| sd15 512x512")
+        assert "1.00 (compile, batch 16, MFU 42%; peak 12.0 GB; compiled / eager at batch 16: 1.25x)" in text
         assert "20.50 (compile, batch 32, MFU 88%; peak 30.2 GB)" in text and "| out of memory |" in text
+        assert "| sdxl | eager | 16 | 0.80 |" in text and "| sd15 | compile | 32 | 20.50 |" in text
         assert "On NVIDIA H200" in text and "skipped on CPU" not in printed
         assert "| flux1-dev bf16 1024x1024, 28 steps, full depth, batch 1: images/s | 0.260 images/s (compile; an " in text
         assert "denoise 3.600 s, decode 0.250 s, encode 0.120 s apart" in text and "| >= 0.25 |" in text
@@ -257,7 +289,43 @@ def test_gpu_check_writes_results_from_a_card_only_mocked_device(
             and "| >= 0.95 (within 5 %) |" in text
         )
         assert "| flux1-dev bf16 | compile | 1 | 28 | 0.260 | 3.600 | 0.250 | 0.120 | 40.0 | 27.0 | 55% |" in text
-        assert "ran: flux full depth" in printed and "ran: cuda events" in printed and "ran: worker path" in printed
+        for step in ("sdxl compiled", "flux full depth", "cuda events", "sd15 compiled", "worker path", "gpu tests"):
+            assert f"ran: {step}\n" in printed
+        assert "Skipped" not in text  # everything fitted
+
+
+def test_on_a_card_the_steps_go_most_important_first_and_what_does_not_fit_is_skipped_saying_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from bench import gpu_check
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    # every child takes its whole slot: SDXL 220 s, FLUX.1 220 s of a 500 s limit leave 60 s
+    calls = mock_children(gpu_check, True, monkeypatch, clock=[1000.0])
+    argv = ["--out", str(tmp_path / "out"), "--results", str(results), "--limit-seconds", "500"]
+    assert gpu_check.main(argv) == 0  # a step skipped for time is said, not failed
+    printed = capsys.readouterr().out
+    # SD 1.5 and the worker path did not fit, and the tier's 45 s (under 60) ran only the newest levers' tests
+    assert [call[:2] for call in calls] == [
+        ("bench", "sdxl"),
+        ("bench.gpu_flux", "False"),
+        ("tests", "fp8_dynamic or attention_preference or whole_denoiser"),
+    ]
+    assert calls[0][3].startswith("--models sdxl") and "--budget-seconds 200" in calls[1][2]
+    why = "time budget: 60 s of the run's 500 s left, 60 s of it kept for what follows; it needs at least"
+    for step, least in (("sd15 compiled", 80), ("worker path", 90)):
+        assert f"gpu-check: skipped: {step} ({why} {least} s)" in printed  # said when decided
+        assert f"\nskipped: {step} ({why} {least} s)\n" in printed  # and among the steps
+    assert "gpu tests: 45 s left, under 60 s: only -k 'fp8_dynamic or" in printed
+    text = results.read_text()
+    assert f"Skipped, not failed: sd15 compiled ({why} 80 s); worker path ({why} 90 s)." in text
+    assert "(exit 0; only -k 'fp8_dynamic or attention_preference or whole_denoiser')" in text
+    assert "| sdxl 1024x1024" in text and "sd15 512x512" not in text and "ran: sdxl compiled" in printed
 
 
 # ---- SD3.5-medium- and FLUX.1-shaped: published widths, fewer blocks, honest about it -----------------------------
