@@ -251,11 +251,9 @@ class Client:
         submitted with.  ``min_vram``: the least card memory in GB (as cards are sold: 24, 40, 80) a worker must have
         to render it; while no live worker's card qualifies, its shards wait pending and other jobs render
         (docs/pools.md, "Mixed cards"); a job submitted again takes the new value; where, not what: not part of the
-        job's identity.  ``quantize``: the quantization recipe its images are rendered with
-        (``fp8-dynamic``, the fast one on a card with fp8; ``int8-dynamic``; weight-only ``int8``, ``fp8``; or
-        ``none``: plain), rendered only by workers started with that ``--quantize``; while none is live its shards
-        wait pending (docs/guide.md, "Quantization per job"); other bytes, so part of the job's identity; None: any
-        worker's.  ``settings`` are the job's other render settings by their names in the one table
+        job's identity.  ``quantize``: a recipe of ``renderconfig.QUANTIZE`` (``fp8-dynamic``...), rendered only by
+        workers of it (docs/guide.md, "Quantization per job"); part of the job's identity; None: any worker's.
+        ``settings`` are the job's other render settings by their names in the one table
         (``scheduler="dpmpp_2m"``, ``long_prompts``, ``image_format``, ``quality``, ``revision``, ``variant``, and
         ``loras``: ``"SOURCE[:SCALE]"`` strings or (source, scale) pairs; docs/configuration.md, "Render settings").
         """

@@ -263,3 +263,14 @@ def test_sdxls_base_hands_its_refiner_latents_byte_identical_across_retries_and_
         assert stored() == first and Counted.generated == 4
     finally:
         runner.close()
+
+
+def test_a_plain_workers_record_written_over_an_older_quantized_one_at_its_key_is_searched_anew(tmp_path: Path) -> None:
+    """Before each recipe had keys of its own, an int8 worker wrote its record at the plain key; a plain
+    worker now searches its own size there instead of refusing to render (a job's pin keeps recipes apart)."""
+    store = LocalStore(tmp_path / "store")
+    old = {"size": 2, "limit": 8, "oom": True, "how": "probe", "card": "Fake H200", "model": "m", "width": 16, "height": 16}
+    store.put(BatchSizes.store_key(("Fake H200", "m", 16, 16)), json.dumps({**old, "quantize": "int8"}).encode())
+    gpu = Generate(fits=99)
+    assert BatchSizes(store, card=card).size_for(gpu, prompts(1)[0], 8) == 8 and gpu.calls  # probed, not refused
+    assert record(store, ("Fake H200", "m", 16, 16))["quantize"] == "none"

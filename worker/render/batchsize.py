@@ -621,6 +621,11 @@ class BatchSizes:
         known = schemas.read(Remembered, data, where)  # malformed: one line, searched again and written anew
         if known is None:
             return None
+        if known.quantize != key.quantize:
+            # Written at a plain key by a worker of another recipe before each recipe had keys of its own: not
+            # this recipe's size, and no reason to refuse (a job's pin keeps recipes apart): searched anew.
+            log.info("batch size for %s: the store's record is of quantize=%s: searching anew", _what(key), known.quantize)
+            return None
         log.info(
             "batch size for %s at %dx%d on %s: %d, as the store remembers it (%s%s)",
             _what(key),

@@ -119,31 +119,23 @@ def load_pipeline(
     attention: str = "auto",
     compile_mode: str = "regional",
 ) -> LoadedModel:
-    """Load ``model`` onto ``device`` (default: :func:`default_device`).
+    """Load ``model`` onto ``device`` (default: :func:`default_device`); each call loads afresh.
 
-    ``compile`` (CUDA only: :class:`ConfigError` elsewhere) compiles the
-    denoiser's repeated blocks (``compile_mode`` "whole": all of it, and the VAE's decoder); the compile
-    itself happens at the first render.
-    On CUDA the weights are checked against the card's free memory before any
-    is copied (:class:`CardTooSmall`, with the numbers); ``offload`` ``model``
-    (CUDA only) keeps each component in host memory until it runs
-    (``worker/render/models/memory.py``); ``quantize`` ``int8`` or ``fp8`` stores the denoiser's and T5's
-    weights in 8 bits (``worker/render/models/quantize.py``); ``attention`` (CUDA only, but "auto") is which
-    attention kernel its calls try first (``worker/render/models/cuda.py``: :func:`attention_kernels`).
-    Raises :class:`ModelLoadError` when the model cannot be found: an unknown
-    hub id, a hub that cannot be reached, an ``s3://`` URI with no ``fetch``.
-    Each call loads afresh; the caller keeps the result and counts loads.
-    ``revision`` (hub ids only) and ``variant`` (hub ids, folders, ``s3://``) pin the weights
-    read; a folder's or bucket's content digest is recorded (``LoadedModel.digest``).
-    ``refresh``: an ``s3://`` model is fetched again in place of the cached copy.
-    ``task`` (a key of :data:`TASKS`): what a folder or hub id is loaded as; a built-in model
-    is built as it is, and a stage's (``renderfleet.stages.STAGE_TINY_MODELS``) never as a job's.
+    CUDA only: ``compile`` (the denoiser's repeated blocks, or with ``compile_mode`` "whole" all of it and
+    the VAE's decoder, at the first render), ``offload`` ``model`` (each component in host memory until it
+    runs: worker/render/models/memory.py) and ``attention`` (the kernel tried first: cuda.attention_kernels);
+    :class:`ConfigError` elsewhere.  On CUDA the weights are checked against the card's free memory before
+    any is copied (:class:`CardTooSmall`).  ``quantize``: the denoiser's and T5's linear layers in 8 bits
+    (worker/render/models/quantize.py).  :class:`ModelLoadError` when the model cannot be found (an unknown
+    hub id, a hub out of reach, an ``s3://`` URI with no ``fetch``).  ``revision`` (hub ids) and ``variant``
+    pin the weights read; a folder's or bucket's content digest is recorded (``LoadedModel.digest``).
+    ``refresh``: an ``s3://`` model fetched again.  ``task`` (a key of :data:`TASKS`): what a folder or hub
+    id is loaded as; a stage's built-in model (``renderfleet.stages.STAGE_TINY_MODELS``) never as a job's.
     """
     _check_request(model, task)
     started = time.perf_counter()
     device = device or default_device()
-    dtype = _ready_for(device, compile=compile, offload=offload, quantize=quantize)
-    check_attention(attention, device)
+    dtype = _ready_for(device, compile=compile, offload=offload, quantize=quantize, attention=attention)
 
     # 1. Build or read the pipeline, on the CPU.
     pipe, digest = _read_pipeline(
@@ -152,7 +144,7 @@ def load_pipeline(
     # 2. Quantized where asked, on the CPU: the fit check below counts the 8-bit bytes.
     quantize_pipeline(pipe, quantize)
     # 3. Prepared for serving, on the device.
-    pipe = _serve(pipe, model, device, dtype, compile=(compile_mode if compile else ""), offload=offload)
+    pipe = _serve(pipe, model, device, dtype, compile=compile, compile_mode=compile_mode, offload=offload)
     return LoadedModel(
         pipe=pipe,
         model=model,
@@ -180,10 +172,11 @@ def _check_request(model: str, task: str) -> None:
         raise ModelLoadError(f"model {model!r} is a built-in stage model; it renders no image from text")
 
 
-def _ready_for(device: str, *, compile: bool, offload: str, quantize: str) -> torch.dtype:
-    """Check that ``device`` can do what is asked of it (compile, offload, quantize), and quiet the libraries;
+def _ready_for(device: str, *, compile: bool, offload: str, quantize: str, attention: str) -> torch.dtype:
+    """Check that ``device`` can do what is asked of it (compile, offload, quantize, attention), and quiet the libraries;
     the dtype the weights are loaded in there."""
     check_compile(compile, device)
+    check_attention(attention, device)
     check_offload(offload, device)
     check_quantize(quantize, device)
     dtype = dtype_for(device)
@@ -226,13 +219,13 @@ def _read_pipeline(
     return pipe, digest
 
 
-def _serve(pipe: Any, model: str, device: str, dtype: torch.dtype, *, compile: str, offload: str) -> Any:
-    """Prepare the pipeline for serving: quiet, on the device; on CUDA made fast (``compile``: its mode, '' for
-    none), and refused before any copy if the card cannot hold it (the CPU path as it was)."""
+def _serve(pipe: Any, model: str, device: str, dtype: torch.dtype, *, compile: bool, compile_mode: str, offload: str) -> Any:
+    """Prepare the pipeline for serving: quiet, on the device; on CUDA made fast, and refused before any
+    copy if the card cannot hold it (the CPU path as it was)."""
     pipe.set_progress_bar_config(disable=True)
     if not device.startswith("cuda"):
         return pipe.to(device)
-    prepare_for_cuda(pipe, dtype, compile=bool(compile), compile_mode=compile or "regional")
+    prepare_for_cuda(pipe, dtype, compile=compile, compile_mode=compile_mode)
     fit = check_fit(pipe, device, dtype, offload=offload, model=model)
     log.info(
         "model %s: %.1f GB of weights in %s, %.1f GB free on %s%s",
