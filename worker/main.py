@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,6 +192,7 @@ def run_worker(
     # registration left behind (a worker stopped as it loads or comes up, by an autoscaler going down,
     # say): until Celery's own handlers take over in worker.start(), a signal ends the start-up cleanly.
     told = StartupStop()
+    told.quiet_drops()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, told.handle)
     first = _load_first_model(start, told)
@@ -467,11 +469,22 @@ class StartupStop:
     def __init__(self) -> None:
         self.signal: str | None = None  # the first signal's name
         self._raise = True
+        self._hook: Callable[[Any], Any] = sys.unraisablehook  # Python's, until a signal is raised
 
     def handle(self, signum: int, frame: Any) -> None:
         self.signal = self.signal or signal.Signals(signum).name
         if self._raise:
             raise StoppedWhileStarting(self.signal)
+
+    def quiet_drops(self) -> None:
+        """From now on, an exception of ours that Python drops (raised in a ``__del__``: "Exception ignored")
+        is not printed as a traceback on the worker's log: it is kept and asked again (:meth:`check`).
+        Any other dropped exception goes to the hook there was (:meth:`_unraisable`)."""
+        self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, StoppedWhileStarting):
+            self._hook(unraisable)
 
     def check(self) -> None:
         """Raise :class:`StoppedWhileStarting` where a signal came."""

@@ -73,3 +73,36 @@ def test_with_no_signal_celery_s_ready_sends_nothing() -> None:
         assert heard == []
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_signal_python_drops_in_a_del_is_kept_and_not_printed_and_other_drops_still_are() -> None:
+    """A SIGTERM raised while a ``__del__`` ran (a redis pipeline's, in a loaded CI) was dropped with an
+    "Exception ignored" traceback on the worker's log; it is kept (asked again by ``check``), so it is not
+    printed once the worker's start asks for that (``quiet_drops``), and any other exception Python drops
+    still reaches the hook there was."""
+    import signal as signals
+    import sys
+
+    seen: list[Any] = []
+    before = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        told = StartupStop()
+        told.quiet_drops()
+
+        class Told:
+            def __del__(self) -> None:
+                told.handle(signals.SIGTERM, None)
+
+        class Fails:
+            def __del__(self) -> None:
+                raise ValueError("another drop")
+
+        Told()  # deleted at once: the handler's exception raised in __del__, dropped by Python
+        assert told.signal == "SIGTERM" and seen == []
+        Fails()
+        assert [type(u.exc_value) for u in seen] == [ValueError]
+        with pytest.raises(StoppedWhileStarting):
+            told.check()
+    finally:
+        sys.unraisablehook = before
